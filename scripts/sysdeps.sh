@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs (as root) or reports the system packages KVFleet needs:
+# libibverbs1 (Mooncake transfer engine), redis-server, chromium (browser tests).
+set -euo pipefail
+missing=()
+ldconfig -p | grep -q 'libibverbs.so.1' || missing+=(libibverbs1)
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v chromium >/dev/null || missing+=(chromium)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "Installing system packages: ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null \
+    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >/dev/null; }
+else
+  echo "KVFleet needs these Debian packages: ${missing[*]}"
+  echo "Install them with: sudo apt-get install -y ${missing[*]}"
+  exit 1
+fi
