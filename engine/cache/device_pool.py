@@ -1,0 +1,57 @@
+"""L1: the device KV pool, one K and one V buffer per layer, addressed by token slot.
+
+Follows SGLang's ``MHATokenToKVPool``: slot ``s`` of layer ``l`` holds the key/value of one token,
+``k_buffer[l][s]`` with shape ``(num_kv_heads, head_dim)``. Slots ``[0, page_size)`` are a padding page
+that is never handed out, so a slot index of 0 can be used for padded positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DeviceKVPool:
+    """Per-layer K/V buffers of shape ``(size + page_size, num_kv_heads, head_dim)``.
+
+    ``size`` (tokens) must be a positive multiple of ``page_size``. ``device`` is ``cpu`` here and
+    ``cuda`` on a GPU. Raises ``ValueError`` on a size or page size that does not fit.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if size < page_size or size % page_size:
+            raise ValueError(f"device pool size {size} must be a positive multiple of page_size {page_size}")
+        self.size = size
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (size + page_size, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``/``v`` of shape ``(T, num_kv_heads, head_dim)`` into int64 ``slots`` of shape ``(T,)``."""
+        self.k_buffer[layer][slots] = k.to(self.dtype)
+        self.v_buffer[layer][slots] = v.to(self.dtype)
+
+    def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole K and V buffers of ``layer``."""
+        return self.k_buffer[layer], self.v_buffer[layer]
