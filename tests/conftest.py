@@ -1,0 +1,1 @@
+"""Suite-wide pytest configuration (area fixtures live in tests/<area>/conftest.py)."""
