@@ -1,0 +1,77 @@
+"""Backend registry and factory (SGLang ``storage/backend_factory.py``, hicache-spec §6.3).
+
+Names map to ``(module_path, class_name)`` and are imported lazily, so a backend's dependencies (e.g.
+Mooncake) load only when it is used. ``dynamic`` loads a user class named in ``extra_config``
+(:mod:`engine.cache.storage.dynamic`). Every backend is built as ``cls(storage_config)`` and then given
+the host pool with ``register_mem_pool_host``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
+from engine.cache.storage.dynamic import DYNAMIC_BACKEND, load_dynamic_backend
+
+logger = logging.getLogger(__name__)
+
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "file": ("engine.cache.storage.file", "HiCacheFile"),
+    "mooncake": ("engine.cache.storage.mooncake", "MooncakeStore"),
+}
+
+
+def register_backend(name: str, module_path: str, class_name: str) -> None:
+    """Register (or, with a warning, replace) backend ``name`` as ``module_path.class_name``."""
+    if name == DYNAMIC_BACKEND:
+        raise ValueError(f"{DYNAMIC_BACKEND!r} is reserved for the dynamic loader")
+    if name in _BACKENDS:
+        logger.warning("storage backend %r re-registered as %s.%s", name, module_path, class_name)
+    _BACKENDS[name] = (module_path, class_name)
+
+
+def registered_backends() -> list[str]:
+    """All names ``create_storage_backend`` accepts, sorted."""
+    return sorted([*_BACKENDS, DYNAMIC_BACKEND])
+
+
+def load_backend_class(module_path: str, class_name: str) -> type[HiCacheStorage]:
+    """Import ``module_path.class_name`` and check it subclasses :class:`HiCacheStorage`.
+
+    Raises ``ImportError`` (module cannot be imported or has no such class) or ``TypeError`` (not a
+    HiCacheStorage subclass), each naming the module and class.
+    """
+    try:
+        module = importlib.import_module(module_path)
+    except Exception as exc:
+        raise ImportError(f"cannot import storage backend module {module_path!r}: {exc}") from exc
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ImportError(f"storage backend module {module_path!r} has no class {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, HiCacheStorage)):
+        raise TypeError(f"{module_path}.{class_name} is not a subclass of HiCacheStorage")
+    return cls
+
+
+def create_storage_backend(name: str, config: HiCacheStorageConfig, host_pool) -> HiCacheStorage:
+    """Build backend ``name`` for ``config`` and register ``host_pool`` (may be None) with it.
+
+    Raises ``ValueError`` listing the registered names for an unknown ``name``; construction errors
+    (e.g. :class:`StorageConfigError`) propagate.
+    """
+    if name == DYNAMIC_BACKEND:
+        backend = load_dynamic_backend(config, load_backend_class)
+    elif name in _BACKENDS:
+        backend = load_backend_class(*_BACKENDS[name])(config)
+    else:
+        raise ValueError(
+            f"unknown storage backend {name!r}; registered backends: {', '.join(registered_backends())}"
+        )
+    if host_pool is not None:
+        try:
+            backend.register_mem_pool_host(host_pool)
+        except Exception:
+            backend.close()
+            raise
+    return backend
