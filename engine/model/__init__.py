@@ -1,0 +1,1 @@
+"""Llama-family model layer: config, loaders, tokenizer, attention backends and the ModelRunner."""

@@ -1,0 +1,120 @@
+"""Reference attention in plain torch: gather K/V by slot, mask by absolute position, SDPA.
+
+A query at absolute position p of a sequence sees every key of that sequence with position <= p (keys are
+``req_slots[i]`` in position order, so key j has position j). Grouped-query attention maps KV head j to query
+heads ``j*g .. j*g+g-1`` (HF ``repeat_kv``). Decodes of a batch share one padded SDPA call; each prefill chunk
+gets its own call (no padding waste).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.model.attention.base import AttentionBackend
+from engine.model.forward_batch import ForwardBatch
+
+
+@dataclass
+class _Extend:
+    start: int  # first token of this sequence in the flat batch
+    end: int
+    slots: torch.Tensor  # (S,) slots of all tokens of the sequence
+    mask: torch.Tensor | None  # (E, S) bool, None when the chunk has no cached prefix (plain causal)
+
+
+@dataclass
+class _Decode:
+    token_index: torch.Tensor  # (Bd,) positions of the decode tokens in the flat batch
+    slots: torch.Tensor  # (Bd, Smax) slots, padded with slot 0
+    mask: torch.Tensor | None  # (Bd, 1, 1, Smax) bool, None when all sequences have the same length
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Works for any mix of prefill chunks (with or without cached prefix) and decodes, on CPU or CUDA."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self._extends: list[_Extend] = []
+        self._decode: _Decode | None = None
+        self._single = False
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._extends, decode_rows, start = [], [], 0
+        positions = batch.positions
+        for slots, seq_len, ext in zip(batch.req_slots, batch.seq_lens, batch.extend_lens, strict=True):
+            if ext == 1 and seq_len > 1:
+                decode_rows.append((start, slots))
+            else:
+                mask = None
+                if ext != seq_len:
+                    key_pos = torch.arange(seq_len, device=positions.device)
+                    mask = key_pos[None, :] <= positions[start : start + ext, None]
+                self._extends.append(_Extend(start, start + ext, slots, mask))
+            start += ext
+        self._decode = self._build_decode(decode_rows, positions.device) if decode_rows else None
+        self._single = len(self._extends) == 1 and self._decode is None
+
+    @staticmethod
+    def _build_decode(rows: list[tuple[int, torch.Tensor]], device: torch.device) -> _Decode:
+        lens = [int(s.shape[0]) for _, s in rows]
+        max_len = max(lens)
+        token_index = torch.tensor([r[0] for r in rows], dtype=torch.long, device=device)
+        if min(lens) == max_len:
+            return _Decode(token_index, torch.stack([s for _, s in rows]), None)
+        slots = torch.zeros((len(rows), max_len), dtype=torch.long, device=device)
+        for i, (_, s) in enumerate(rows):
+            slots[i, : s.shape[0]] = s
+        lens_t = torch.tensor(lens, device=device)
+        mask = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]
+        return _Decode(token_index, slots, mask[:, None, None, :])
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        kv_pool: DeviceKVPool,
+    ) -> torch.Tensor:
+        kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = kv_pool.get_kv(layer_id)
+        if self._single:
+            return self._extend(q, k_buf, v_buf, self._extends[0])
+        out = torch.empty_like(q)
+        for ext in self._extends:
+            out[ext.start : ext.end] = self._extend(q[ext.start : ext.end], k_buf, v_buf, ext)
+        if self._decode is not None:
+            out[self._decode.token_index] = self._decode_attend(q, k_buf, v_buf, self._decode)
+        return out
+
+    def _extend(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, ext: _Extend
+    ) -> torch.Tensor:
+        keys = k_buf[ext.slots].to(q.dtype).transpose(0, 1)  # (Hkv, S, D)
+        values = v_buf[ext.slots].to(q.dtype).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # (H, E, D)
+            keys,
+            values,
+            attn_mask=ext.mask,
+            is_causal=ext.mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+    def _decode_attend(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, dec: _Decode
+    ) -> torch.Tensor:
+        keys = k_buf[dec.slots].to(q.dtype).transpose(1, 2)  # (Bd, Hkv, Smax, D)
+        values = v_buf[dec.slots].to(q.dtype).transpose(1, 2)
+        queries = q[dec.token_index].unsqueeze(2)  # (Bd, H, 1, D)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=dec.mask, scale=self.scale, enable_gqa=True
+        )
+        return out.squeeze(2)

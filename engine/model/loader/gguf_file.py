@@ -1,0 +1,165 @@
+"""Load a GGUF file (llama.cpp format): metadata -> config, dequantized tensors, BPE tokenizer, chat template.
+
+Tensors are read and dequantized (F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...) with the ``gguf``
+package and renamed to HF names. llama.cpp's converter permutes the rows of Q and K of ``llama`` models for
+its interleaved RoPE; this loader undoes that (rows viewed as ``(heads, head_dim/2, 2)``, inner axes
+swapped) so the rotate-half RoPE of engine/model/rotary.py applies. The tokenizer is rebuilt from
+``tokenizer.ggml.*``: byte-level BPE (``tokenizer.ggml.model == "gpt2"``) with the pre-tokenizer named by
+``tokenizer.ggml.pre``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+from engine.model.config import ModelConfig
+from engine.model.errors import ModelLoadError
+from engine.model.loader.checkpoint import Checkpoint
+from engine.model.tokenizer import Tokenizer
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# Pre-tokenizer split patterns by tokenizer.ggml.pre (as in the models' own tokenizer.json files).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+
+
+def _pre_tokenizer(pre: str, source: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt2"):
+        return byte_level
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    patterns = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+    if pre in patterns:
+        split = pre_tokenizers.Split(tokenizers.Regex(patterns[pre]), behavior="isolated")
+        return pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    raise ModelLoadError(source, f"unsupported tokenizer.ggml.pre {pre!r}")
+
+
+def _metadata(reader: GGUFReader) -> dict[str, Any]:
+    meta = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        meta[name] = field.contents()
+    return meta
+
+
+def _build_tokenizer(meta: dict[str, Any], config: ModelConfig, source: str) -> Tokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(
+            source, f"unsupported tokenizer.ggml.model {kind!r} (only byte-level BPE 'gpt2')"
+        )
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+    )
+    backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), source)
+    backend.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type", [])
+    backend.add_special_tokens(
+        [
+            tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+            for i, t in enumerate(types)
+            if t == _TOKEN_TYPE_CONTROL
+        ]
+    )
+    backend.add_tokens(
+        [
+            tokenizers.AddedToken(tokens[i], normalized=False)
+            for i, t in enumerate(types)
+            if t == _TOKEN_TYPE_USER_DEFINED
+        ]
+    )
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    bos = tokens[bos_id] if bos_id is not None else None
+    if bos is not None and meta.get("tokenizer.ggml.add_bos_token", False):
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    else:
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    eos = tokens[config.eos_token_ids[0]] if config.eos_token_ids else None
+    eos_ids = set(config.eos_token_ids)
+    if "tokenizer.ggml.eot_token_id" in meta:
+        eos_ids.add(int(meta["tokenizer.ggml.eot_token_id"]))
+    return Tokenizer(backend, meta.get("tokenizer.chat_template"), bos, eos, eos_ids)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation for a ``(heads * head_dim, ...)`` array."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.fullmatch(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def load_gguf_file(path: Path) -> Checkpoint:
+    """Read config, tensors and tokenizer of a GGUF file; raises ``ModelLoadError`` naming ``path``."""
+    source = str(path)
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(path, f"not a readable GGUF file: {exc}") from exc
+    meta = _metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf(meta, source, tie_word_embeddings="output.weight" not in names)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
+        if hf is None:
+            raise ModelLoadError(path, f"unsupported tensor {t.name!r}")
+        try:
+            data = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+        except NotImplementedError as exc:
+            raise ModelLoadError(
+                path, f"tensor {t.name!r}: quantization {t.tensor_type.name} unsupported"
+            ) from exc
+        if config.architecture == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
+            data = _unpermute(data, config.num_attention_heads)
+        elif config.architecture == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
+            data = _unpermute(data, config.num_key_value_heads)
+        tensors[hf] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+    return Checkpoint(source, config, tensors, _build_tokenizer(meta, config, source))

@@ -1,0 +1,95 @@
+"""Load an HF model folder: ``config.json``, ``*.safetensors``, ``tokenizer.json`` and the chat template.
+
+The chat template comes from ``chat_template.jinja`` (transformers>=4.49) or the ``chat_template`` field
+of ``tokenizer_config.json`` (a string, or a list of ``{name, template}`` where ``default`` is used). Stop
+ids are the union of ``eos_token_id`` in ``config.json`` and ``generation_config.json`` and the tokenizer's
+eos token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from engine.model.config import ModelConfig
+from engine.model.errors import ModelLoadError
+from engine.model.loader.checkpoint import Checkpoint
+from engine.model.tokenizer import Tokenizer
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(path.parent, f"{path.name} not found")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(path, f"not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(path, "expected a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or as ``{"content": ...}``."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _chat_template(folder: Path, tok_cfg: dict[str, Any]) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _eos_ids(*configs: dict[str, Any]) -> set[int]:
+    ids: set[int] = set()
+    for cfg in configs:
+        eos = cfg.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+    return ids
+
+
+def load_hf_folder(folder: Path) -> Checkpoint:
+    """Read config, weights and tokenizer of ``folder``.
+
+    Raises ``ModelLoadError`` naming the file and the reason.
+    """
+    raw_cfg = _read_json(folder / "config.json", required=True)
+    config = ModelConfig.from_hf(raw_cfg, source=str(folder / "config.json"))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(folder, "no *.safetensors weight files")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(load_file(f))
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f, f"cannot read safetensors: {exc}") from exc
+    tok_file = folder / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ModelLoadError(folder, "tokenizer.json not found")
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(tok_file))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise ModelLoadError(tok_file, f"cannot parse tokenizer: {exc}") from exc
+    tok_cfg = _read_json(folder / "tokenizer_config.json", required=False)
+    gen_cfg = _read_json(folder / "generation_config.json", required=False)
+    tokenizer = Tokenizer(
+        backend,
+        chat_template=_chat_template(folder, tok_cfg),
+        bos_token=_token_text(tok_cfg.get("bos_token")),
+        eos_token=_token_text(tok_cfg.get("eos_token")),
+        eos_token_ids=set(config.eos_token_ids) | _eos_ids(gen_cfg),
+    )
+    return Checkpoint(str(folder), config, tensors, tokenizer)

@@ -1,0 +1,81 @@
+"""ModelRunner: loads a model and its tokenizer and runs forward passes over the L1 KV pool.
+
+The scheduler builds a ``ForwardBatch`` per step, a ``DeviceKVPool`` from ``kv_pool_spec()`` once, and calls
+``forward``; sampling is the scheduler's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.model.attention import get_attention_backend
+from engine.model.config import ModelConfig
+from engine.model.forward_batch import ForwardBatch
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import load_checkpoint
+from engine.model.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVPoolSpec:
+    """Arguments of ``DeviceKVPool`` fixed by the model: ``DeviceKVPool(size, page_size, **vars(spec))``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class ModelRunner:
+    """Loaded model + tokenizer on one device.
+
+    ``dtype``: "float32" | "bfloat16" | "float16" or a ``torch.dtype``; ``device``: "cpu" | "cuda[:n]";
+    ``attention_backend``: a name registered in engine/model/attention. Raises ``ModelLoadError`` for a bad
+    model path and ``ValueError`` for an unknown dtype or backend.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        attention_backend: str = "torch",
+    ) -> None:
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
+        backend_cls = get_attention_backend(attention_backend)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        checkpoint = load_checkpoint(model_path)
+        self.model_path = checkpoint.path
+        self.config: ModelConfig = checkpoint.config
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        cfg = self.config
+        attn = backend_cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.model = LlamaForCausalLM(
+            cfg, checkpoint.tensors, dtype, self.device, attn, source=checkpoint.path
+        )
+
+    def kv_pool_spec(self) -> KVPoolSpec:
+        """Layer count, KV heads, head dim, dtype and device of the KV pool this model writes."""
+        cfg = self.config
+        return KVPoolSpec(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device
+        )
+
+    def forward(
+        self, batch: ForwardBatch, kv_pool: DeviceKVPool, return_all_logits: bool = False
+    ) -> torch.Tensor:
+        """Float32 logits ``(num_seqs, vocab)`` for each sequence's last new token (``(T, vocab)`` if
+        ``return_all_logits``); writes the K/V of every new token to ``batch.out_cache_loc``."""
+        with torch.inference_mode():
+            return self.model.forward(batch, kv_pool, return_all_logits)

