@@ -1,0 +1,52 @@
+"""Reads for accounts: a user's role, token lookup by presented value."""
+
+import hashlib
+import hmac
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.db.models import QuerySet
+
+from controlplane.accounts.models import ApiToken, Role
+
+_ROLE_ORDER = (Role.ADMIN, Role.OPERATOR, Role.VIEWER, Role.AGENT)
+TOKEN_PREFIX = "cp_"
+
+
+def user_role(user) -> str | None:
+    """The user's role: superusers are admin; otherwise the strongest role group they belong to."""
+    if not user or not user.is_authenticated:
+        return None
+    if user.is_superuser:
+        return Role.ADMIN
+    cached = getattr(user, "_kvfleet_role", False)
+    if cached is not False:
+        return cached
+    names = set(user.groups.values_list("name", flat=True))
+    role = next((r.value for r in _ROLE_ORDER if r.value in names), None)
+    user._kvfleet_role = role
+    return role
+
+
+def token_digest(secret: str) -> str:
+    pepper = settings.TOKEN_PEPPER or f"kvfleet-token-pepper:{settings.SECRET_KEY}"
+    return hmac.new(pepper.encode(), secret.encode(), hashlib.sha256).hexdigest()
+
+
+def token_get_by_plaintext(value: str) -> ApiToken | None:
+    """Resolve `cp_<prefix>.<secret>` to an active token, comparing digests in constant time."""
+    if not value.startswith(TOKEN_PREFIX) or "." not in value:
+        return None
+    prefix, secret = value[len(TOKEN_PREFIX) :].split(".", 1)
+    token = ApiToken.objects.select_related("user").filter(prefix=prefix).first()
+    if token is None or not hmac.compare_digest(token.secret_hash, token_digest(secret)):
+        return None
+    return token if token.is_active and token.user.is_active else None
+
+
+def user_list() -> QuerySet:
+    return get_user_model().objects.prefetch_related("groups").order_by("username")
+
+
+def token_list() -> QuerySet:
+    return ApiToken.objects.select_related("user")

@@ -1,0 +1,26 @@
+"""ASGI entry point: HTTP goes to Django, websockets to the telemetry consumer behind origin and auth checks.
+
+Serve with `daphne controlplane.asgi:application`.
+"""
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+django_asgi_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+
+from controlplane.accounts.ws_auth import TokenOrSessionAuthMiddlewareStack  # noqa: E402
+from controlplane.telemetry.routing import websocket_urlpatterns  # noqa: E402
+
+application = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": AllowedHostsOriginValidator(
+            TokenOrSessionAuthMiddlewareStack(URLRouter(websocket_urlpatterns))
+        ),
+    }
+)

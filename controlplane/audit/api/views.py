@@ -1,0 +1,32 @@
+"""Audit log: read-only list/detail (cursor-paginated, filterable) and "revert to this revision"."""
+
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework import status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from controlplane.audit import selectors
+from controlplane.audit.api.serializers import AuditEventSerializer, RevertSerializer
+from controlplane.audit.selectors import AuditEventFilter
+from controlplane.core.pagination import CursorPagination
+
+
+class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):
+    queryset = selectors.audit_event_list()
+    serializer_class = AuditEventSerializer
+    filterset_class = AuditEventFilter
+    pagination_class = CursorPagination
+    ordering_fields = ["occurred_at"]
+    ordering = ["-occurred_at", "-id"]
+
+    @extend_schema(request=RevertSerializer, responses={201: OpenApiResponse(description="the new operation")})
+    @action(detail=True, methods=["post"])
+    def revert(self, request, pk=None):
+        from controlplane.operations.api.serializers import OperationSerializer
+        from controlplane.operations.services import operation_create_from_audit
+
+        body = RevertSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        op = operation_create_from_audit(event=self.get_object(), actor=request.user, **body.validated_data)
+        return Response(OperationSerializer(op).data, status=status.HTTP_201_CREATED,
+                        headers={"Location": f"/api/v1/operations/{op.pk}/"})

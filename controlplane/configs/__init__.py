@@ -1,0 +1,1 @@
+"""Configs: HiCache config profiles with immutable numbered revisions and If-Match/ETag commits."""

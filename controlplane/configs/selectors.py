@@ -1,0 +1,17 @@
+"""Reads for configs."""
+
+from django.db.models import QuerySet
+
+from controlplane.configs.models import ConfigProfile, ConfigRevision
+
+
+def profile_list() -> QuerySet:
+    return ConfigProfile.objects.all()
+
+
+def revision_list(*, profile: ConfigProfile) -> QuerySet:
+    return ConfigRevision.objects.filter(profile=profile).select_related("created_by").order_by("-number")
+
+
+def revision_get(*, profile: ConfigProfile, number: int) -> ConfigRevision:
+    return ConfigRevision.objects.select_related("profile").get(profile=profile, number=number)

@@ -1,0 +1,1 @@
+"""Shared kernel: request context, errors, pagination, field encryption (no models)."""

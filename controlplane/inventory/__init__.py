@@ -1,0 +1,1 @@
+"""Inventory: hosts and their GPUs, engine workers, routers, L3 storage profiles."""

@@ -1,0 +1,125 @@
+"""Inventory API shapes. The worker admin key is write-only; reads only say whether one is set."""
+
+from rest_framework import serializers
+
+from controlplane.inventory.models import EngineWorker, Gpu, Host, Router, StorageProfile
+
+
+class GpuSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Gpu
+        fields = ["id", "host", "index", "model", "memory_mib"]
+
+
+class HostSerializer(serializers.ModelSerializer):
+    gpus = GpuSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Host
+        fields = ["id", "name", "address", "agent_version", "last_seen", "gpus", "created_at", "updated_at"]
+        read_only_fields = ["last_seen", "created_at", "updated_at"]
+
+
+class RouterSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Router
+        fields = ["id", "name", "url", "mode", "policy", "created_at", "updated_at"]
+        read_only_fields = ["created_at", "updated_at"]
+
+
+class StorageProfileSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = StorageProfile
+        fields = ["id", "name", "backend", "extra_config", "description", "created_at", "updated_at"]
+        read_only_fields = ["created_at", "updated_at"]
+
+    def validate_extra_config(self, value):
+        if not isinstance(value, dict):
+            raise serializers.ValidationError("extra_config must be a JSON object")
+        return value
+
+
+class EngineWorkerSerializer(serializers.ModelSerializer):
+    admin_key = serializers.CharField(write_only=True, required=False, allow_blank=True, max_length=500)
+    has_admin_key = serializers.SerializerMethodField()
+
+    class Meta:
+        model = EngineWorker
+        fields = [
+            "id",
+            "name",
+            "url",
+            "host",
+            "router",
+            "role",
+            "model_name",
+            "tp_size",
+            "dp_size",
+            "page_size",
+            "hicache_config",
+            "storage_backend",
+            "storage_profile",
+            "config_revision",
+            "state",
+            "last_seen",
+            "admin_key",
+            "has_admin_key",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = [
+            "hicache_config",
+            "storage_backend",
+            "storage_profile",
+            "config_revision",
+            "state",
+            "last_seen",
+            "created_at",
+            "updated_at",
+        ]
+
+    def get_has_admin_key(self, obj) -> bool:
+        return bool(obj.admin_key_encrypted)
+
+
+class AgentGpuSerializer(serializers.Serializer):
+    index = serializers.IntegerField(min_value=0)
+    model = serializers.CharField(max_length=100)
+    memory_mib = serializers.IntegerField(min_value=0)
+
+
+class AgentHostSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=100)
+    address = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    agent_version = serializers.CharField(max_length=50, required=False, allow_blank=True)
+    gpus = AgentGpuSerializer(many=True, required=False)
+
+
+class AgentWorkerSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=100)
+    url = serializers.URLField()
+    role = serializers.ChoiceField(choices=EngineWorker._meta.get_field("role").choices, required=False)
+    model_name = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    tp_size = serializers.IntegerField(min_value=1, required=False)
+    dp_size = serializers.IntegerField(min_value=1, required=False)
+    page_size = serializers.IntegerField(min_value=1, required=False)
+    admin_key = serializers.CharField(max_length=500, required=False, allow_blank=True)
+
+
+class AgentRegisterSerializer(serializers.Serializer):
+    host = AgentHostSerializer()
+    workers = AgentWorkerSerializer(many=True, required=False, default=list)
+
+
+class AgentRegisterResponseSerializer(serializers.Serializer):
+    host = HostSerializer()
+    workers = EngineWorkerSerializer(many=True)
+
+
+class AgentHeartbeatSerializer(serializers.Serializer):
+    host = serializers.CharField(max_length=100)
+    workers = serializers.ListField(child=serializers.URLField(), required=False, default=list)
+
+
+class AgentHeartbeatResponseSerializer(serializers.Serializer):
+    workers_seen = serializers.IntegerField()

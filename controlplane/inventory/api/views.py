@@ -1,0 +1,93 @@
+"""Inventory endpoints: CRUD viewsets plus the agent's register and heartbeat."""
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.accounts.permissions import AGENT_ROLES, READ_ROLES
+from controlplane.core.api import ServiceModelViewSet
+from controlplane.inventory import selectors, services
+from controlplane.inventory.api import serializers as s
+from controlplane.inventory.selectors import WorkerFilter
+
+
+class HostViewSet(ServiceModelViewSet):
+    queryset = selectors.host_list()
+    serializer_class = s.HostSerializer
+    filterset_fields = ["name"]
+    ordering_fields = ["name", "last_seen", "created_at"]
+    ordering = ["name"]
+
+
+class GpuViewSet(ServiceModelViewSet):
+    queryset = selectors.gpu_list()
+    serializer_class = s.GpuSerializer
+    filterset_fields = ["host", "model"]
+    ordering_fields = ["index", "memory_mib"]
+    ordering = ["host__name", "index"]
+
+
+class RouterViewSet(ServiceModelViewSet):
+    queryset = selectors.router_list()
+    serializer_class = s.RouterSerializer
+    filterset_fields = ["mode", "policy"]
+    ordering_fields = ["name", "created_at"]
+    ordering = ["name"]
+
+
+class StorageProfileViewSet(ServiceModelViewSet):
+    queryset = selectors.storage_profile_list()
+    serializer_class = s.StorageProfileSerializer
+    filterset_fields = ["backend"]
+    ordering_fields = ["name", "created_at"]
+    ordering = ["name"]
+
+
+class EngineWorkerViewSet(ServiceModelViewSet):
+    queryset = selectors.worker_list()
+    serializer_class = s.EngineWorkerSerializer
+    filterset_class = WorkerFilter
+    ordering_fields = ["name", "role", "state", "last_seen", "created_at"]
+    ordering = ["name"]
+
+    def create_service(self, *, data, actor):
+        return services.worker_create(data=data, actor=actor)
+
+    def update_service(self, *, instance, data, actor):
+        return services.worker_update(instance=instance, data=data, actor=actor)
+
+
+class AgentRegisterApi(APIView):
+    """Agent: create or update this host, its GPUs and the workers it runs (idempotent upsert by name/url)."""
+
+    read_roles = READ_ROLES
+    write_roles = AGENT_ROLES
+
+    @extend_schema(request=s.AgentRegisterSerializer, responses={200: s.AgentRegisterResponseSerializer}, tags=["agent"])
+    def post(self, request):
+        body = s.AgentRegisterSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        host, workers = services.agent_register(
+            host=body.validated_data["host"], workers=body.validated_data["workers"], actor=request.user
+        )
+        out = s.AgentRegisterResponseSerializer({"host": host, "workers": workers})
+        return Response(out.data, status=status.HTTP_200_OK)
+
+
+class AgentHeartbeatApi(APIView):
+    """Agent: the host and the listed workers are alive now."""
+
+    read_roles = READ_ROLES
+    write_roles = AGENT_ROLES
+
+    @extend_schema(
+        request=s.AgentHeartbeatSerializer, responses={200: s.AgentHeartbeatResponseSerializer}, tags=["agent"]
+    )
+    def post(self, request):
+        body = s.AgentHeartbeatSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        seen = services.agent_heartbeat(
+            host_name=body.validated_data["host"], worker_urls=body.validated_data["workers"]
+        )
+        return Response({"workers_seen": seen})

@@ -1,0 +1,139 @@
+"""Fleet inventory tables. Worker admin keys are Fernet-encrypted at rest (controlplane.core.crypto)."""
+
+from django.core.validators import MinValueValidator
+from django.db import models
+
+from controlplane.core.crypto import decrypt_text, encrypt_text
+
+
+class Host(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    address = models.CharField(max_length=200, blank=True)
+    agent_version = models.CharField(max_length=50, blank=True)
+    last_seen = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Gpu(models.Model):
+    host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    model = models.CharField(max_length=100)
+    memory_mib = models.PositiveIntegerField(help_text="Device memory in MiB")
+
+    class Meta:
+        ordering = ["host__name", "index"]
+        constraints = [models.UniqueConstraint(fields=["host", "index"], name="gpu_unique_index_per_host")]
+
+    def __str__(self) -> str:
+        return f"{self.host.name}/gpu{self.index}"
+
+
+class StorageBackend(models.TextChoices):
+    FILE = "file"
+    MOONCAKE = "mooncake"
+    DYNAMIC = "dynamic"
+
+
+class StorageProfile(models.Model):
+    """An L3 store a worker can attach: e.g. a file path or a Mooncake cluster (`extra_config` as the engine
+    takes it in `hicache_storage_backend_extra_config_json`)."""
+
+    name = models.CharField(max_length=100, unique=True)
+    backend = models.CharField(max_length=20, choices=StorageBackend.choices)
+    extra_config = models.JSONField(default=dict, blank=True)
+    description = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class RouterMode(models.TextChoices):
+    REGULAR = "regular"
+    PD = "pd"
+
+
+class RouterPolicy(models.TextChoices):
+    CACHE_AWARE = "cache_aware"
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    POWER_OF_TWO = "power_of_two"
+
+
+class Router(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    url = models.URLField(unique=True)
+    mode = models.CharField(max_length=10, choices=RouterMode.choices, default=RouterMode.REGULAR)
+    policy = models.CharField(max_length=20, choices=RouterPolicy.choices, default=RouterPolicy.CACHE_AWARE)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class WorkerRole(models.TextChoices):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+class WorkerState(models.TextChoices):
+    UNKNOWN = "unknown"
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+class EngineWorker(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    url = models.URLField(unique=True)
+    host = models.ForeignKey(Host, null=True, blank=True, on_delete=models.SET_NULL, related_name="workers")
+    router = models.ForeignKey(Router, null=True, blank=True, on_delete=models.SET_NULL, related_name="workers")
+    role = models.CharField(max_length=10, choices=WorkerRole.choices, default=WorkerRole.MIXED)
+    model_name = models.CharField(max_length=200, blank=True)
+    tp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    dp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    page_size = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)])
+    hicache_config = models.JSONField(default=dict, blank=True, help_text="Last storage_status() read back")
+    storage_backend = models.CharField(max_length=20, blank=True, help_text="Attached L3 backend name, if any")
+    storage_profile = models.ForeignKey(
+        StorageProfile, null=True, blank=True, on_delete=models.PROTECT, related_name="workers"
+    )
+    config_revision = models.ForeignKey(
+        "configs.ConfigRevision", null=True, blank=True, on_delete=models.PROTECT, related_name="workers"
+    )
+    state = models.CharField(max_length=10, choices=WorkerState.choices, default=WorkerState.UNKNOWN)
+    last_seen = models.DateTimeField(null=True, blank=True)
+    admin_key_encrypted = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    audit_masked_fields = ("admin_key_encrypted",)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def admin_key(self) -> str:
+        return decrypt_text(self.admin_key_encrypted)
+
+    @admin_key.setter
+    def admin_key(self, value: str) -> None:
+        self.admin_key_encrypted = encrypt_text(value)

@@ -1,0 +1,90 @@
+"""Writes for inventory beyond generic CRUD: workers (admin key encryption) and the agent register/heartbeat."""
+
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.audit.services import audit_record
+from controlplane.core.crypto import encrypt_text
+from controlplane.core.exceptions import ApplicationError
+from controlplane.core.services import model_create, model_snapshot, model_update
+from controlplane.inventory.models import EngineWorker, Gpu, Host, WorkerState
+
+_WORKER_FIELDS = ("name", "url", "role", "model_name", "tp_size", "dp_size", "page_size")
+
+
+def worker_create(*, data: dict, actor) -> EngineWorker:
+    data = dict(data)
+    data["admin_key_encrypted"] = encrypt_text(data.pop("admin_key", ""))
+    return model_create(model=EngineWorker, data=data, actor=actor)
+
+
+def worker_update(*, instance: EngineWorker, data: dict, actor) -> EngineWorker:
+    data = dict(data)
+    if "admin_key" in data:
+        data["admin_key_encrypted"] = encrypt_text(data.pop("admin_key"))
+    return model_update(instance=instance, data=data, actor=actor)
+
+
+def worker_record_server_info(*, worker: EngineWorker, info: dict) -> None:
+    """Store what a worker reported about itself (server_info) without an audit row: observed, not changed."""
+    hicache = info.get("hicache") or {}
+    fields = {
+        "state": WorkerState.ONLINE,
+        "last_seen": timezone.now(),
+        "hicache_config": hicache,
+        "storage_backend": hicache.get("backend_name") or info.get("hicache_storage_backend") or "",
+    }
+    if info.get("page_size"):
+        fields["page_size"] = info["page_size"]
+    EngineWorker.objects.filter(pk=worker.pk).update(**fields)
+    for key, value in fields.items():
+        setattr(worker, key, value)
+
+
+@transaction.atomic
+def agent_register(*, host: dict, workers: list[dict], actor) -> tuple[Host, list[EngineWorker]]:
+    """Upsert a host, its GPUs and its workers as the agent reports them; one audit record for the whole call."""
+    host_obj = Host.objects.select_for_update().filter(name=host["name"]).first()
+    before = {"host": model_snapshot(host_obj), "workers": []} if host_obj else None
+    if host_obj is None:
+        host_obj = Host(name=host["name"])
+    host_obj.address = host.get("address", host_obj.address)
+    host_obj.agent_version = host.get("agent_version", host_obj.agent_version)
+    host_obj.last_seen = timezone.now()
+    host_obj.full_clean()
+    host_obj.save()
+    if "gpus" in host:
+        host_obj.gpus.all().delete()
+        Gpu.objects.bulk_create(
+            [Gpu(host=host_obj, index=g["index"], model=g["model"], memory_mib=g["memory_mib"]) for g in host["gpus"]]
+        )
+    saved = []
+    for item in workers:
+        worker = EngineWorker.objects.filter(url=item["url"]).first() or EngineWorker(url=item["url"])
+        if before is not None and worker.pk:
+            before["workers"].append(model_snapshot(worker))
+        for field in _WORKER_FIELDS:
+            if field in item:
+                setattr(worker, field, item[field])
+        if "admin_key" in item:
+            worker.admin_key = item["admin_key"]
+        worker.host = host_obj
+        worker.state = WorkerState.ONLINE
+        worker.last_seen = timezone.now()
+        worker.full_clean()
+        worker.save()
+        saved.append(worker)
+    after = {"host": model_snapshot(host_obj), "workers": [model_snapshot(w) for w in saved]}
+    audit_record(action="register", obj=host_obj, before=before, after=after, actor=actor)
+    return host_obj, saved
+
+
+def agent_heartbeat(*, host_name: str, worker_urls: list[str]) -> int:
+    """Mark a host and the listed workers as seen now; returns how many workers matched.
+
+    Heartbeats are liveness observations, not changes, so they write no audit row.
+    """
+    now = timezone.now()
+    if not Host.objects.filter(name=host_name).update(last_seen=now):
+        raise ApplicationError(f"unknown host {host_name!r}: register first", code="unknown_host", status_code=404)
+    return EngineWorker.objects.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)

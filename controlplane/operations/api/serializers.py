@@ -1,0 +1,58 @@
+from rest_framework import serializers
+
+from controlplane.configs.models import ConfigRevision
+from controlplane.inventory.models import EngineWorker, StorageProfile
+from controlplane.operations.models import Operation, OperationKind, OperationTarget, Policy
+
+
+class OperationTargetSerializer(serializers.ModelSerializer):
+    worker_name = serializers.CharField(source="worker.name", read_only=True)
+
+    class Meta:
+        model = OperationTarget
+        fields = ["id", "worker", "worker_name", "state", "explanation", "polls", "drained", "revert_requested",
+                  "before", "after", "idle_deadline_at", "deadline_at", "updated_at", "finished_at"]
+        read_only_fields = fields
+
+
+class OperationSerializer(serializers.ModelSerializer):
+    targets = OperationTargetSerializer(many=True, read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = Operation
+        fields = ["id", "kind", "policy", "drain", "storage_profile", "revision", "state", "reason",
+                  "idle_timeout_s", "cancel_requested", "abort_requested", "summary", "explanation", "created_by",
+                  "request_id", "created_at", "finished_at", "targets"]
+        read_only_fields = fields
+
+
+class OperationCreateSerializer(serializers.Serializer):
+    kind = serializers.ChoiceField(choices=OperationKind.choices)
+    workers = serializers.PrimaryKeyRelatedField(queryset=EngineWorker.objects.all(), many=True)
+    policy = serializers.ChoiceField(choices=Policy.choices, default=Policy.BEST_EFFORT)
+    drain = serializers.BooleanField(default=False)
+    storage_profile = serializers.PrimaryKeyRelatedField(
+        queryset=StorageProfile.objects.all(), required=False, allow_null=True
+    )
+    revision = serializers.PrimaryKeyRelatedField(
+        queryset=ConfigRevision.objects.all(), required=False, allow_null=True
+    )
+    idle_timeout_s = serializers.FloatField(required=False, min_value=0.1, max_value=3600)
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class CancelSerializer(serializers.Serializer):
+    reason = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class PreviewRowSerializer(serializers.Serializer):
+    worker_id = serializers.IntegerField()
+    name = serializers.CharField()
+    url = serializers.CharField()
+    reachable = serializers.BooleanField()
+    is_idle = serializers.BooleanField(allow_null=True)
+    num_running_reqs = serializers.IntegerField(allow_null=True)
+    num_waiting_reqs = serializers.IntegerField(allow_null=True)
+    storage_backend = serializers.CharField(allow_null=True)
+    error = serializers.CharField()

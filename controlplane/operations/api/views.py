@@ -1,0 +1,75 @@
+"""Operation endpoints: list/detail, launch (Idempotency-Key), cancel, and the live launch preview."""
+
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from controlplane.core.exceptions import ApplicationError
+from controlplane.inventory.models import EngineWorker
+from controlplane.operations import selectors, services
+from controlplane.operations.api import serializers as s
+from controlplane.operations.selectors import OperationFilter
+
+IDEMPOTENCY_KEY = OpenApiParameter(
+    "Idempotency-Key", str, OpenApiParameter.HEADER, required=False,
+    description="Repeat-safe launch: the same key and body replay the first response (24 h)",
+)
+
+
+class OperationViewSet(viewsets.ReadOnlyModelViewSet, mixins.CreateModelMixin):
+    queryset = selectors.operation_list()
+    serializer_class = s.OperationSerializer
+    filterset_class = OperationFilter
+    ordering_fields = ["created_at", "finished_at", "state"]
+    ordering = ["-created_at"]
+
+    @extend_schema(
+        request=s.OperationCreateSerializer,
+        parameters=[IDEMPOTENCY_KEY],
+        responses={201: s.OperationSerializer, 409: OpenApiResponse(description="worker busy or key in flight"),
+                   422: OpenApiResponse(description="Idempotency-Key reused with another body")},
+    )
+    def create(self, request):
+        body = s.OperationCreateSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = dict(body.validated_data)
+
+        def create():
+            op = services.operation_create(actor=request.user, **data)
+            return s.OperationSerializer(selectors.operation_list().get(pk=op.pk)).data
+
+        payload = {**request.data} if isinstance(request.data, dict) else {"body": request.data}
+        code, out, replayed = services.operation_create_idempotent(
+            key=request.headers.get("Idempotency-Key"), user=request.user, payload=payload, create=create
+        )
+        response = Response(out, status=code)
+        response["Location"] = f"/api/v1/operations/{out['id']}/"
+        if replayed:
+            response["Idempotent-Replayed"] = "true"
+        return response
+
+    @extend_schema(request=s.CancelSerializer, responses={202: s.OperationSerializer, 409: OpenApiResponse()})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        body = s.CancelSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        op = services.operation_cancel(op=self.get_object(), actor=request.user, **body.validated_data)
+        return Response(s.OperationSerializer(selectors.operation_list().get(pk=op.pk)).data,
+                        status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        parameters=[OpenApiParameter("worker", int, many=True, required=True, description="Worker ids")],
+        responses=s.PreviewRowSerializer(many=True),
+    )
+    @action(detail=False, methods=["get"])
+    def preview(self, request):
+        try:
+            ids = [int(v) for v in request.query_params.getlist("worker")]
+        except ValueError as exc:
+            raise ApplicationError("worker must be integer ids", code="bad_worker") from exc
+        workers = list(EngineWorker.objects.filter(pk__in=ids).order_by("name"))
+        missing = sorted(set(ids) - {w.pk for w in workers})
+        if not ids or missing:
+            raise ApplicationError(f"unknown or missing worker ids: {missing}", code="bad_worker")
+        return Response(s.PreviewRowSerializer(selectors.operation_preview(workers=workers), many=True).data)

@@ -1,0 +1,127 @@
+"""Operation, its per-target state machine rows, and stored Idempotency-Key responses.
+
+Target states: pending -> waiting_for_idle -> applying -> verifying -> succeeded | failed | reverted | cancelled.
+`TRANSITIONS` is the whole table; `services.target_transition` is the only writer of `OperationTarget.state`.
+"""
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class OperationKind(models.TextChoices):
+    ATTACH = "attach"
+    DETACH = "detach"
+    APPLY_CONFIG = "apply_config"
+
+
+class Policy(models.TextChoices):
+    BEST_EFFORT = "best_effort"
+    ALL_OR_NOTHING = "all_or_nothing"
+
+
+class OperationState(models.TextChoices):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    PARTIALLY_FAILED = "partially_failed"
+    FAILED = "failed"
+    REVERTED = "reverted"
+    CANCELLED = "cancelled"
+
+
+class TargetState(models.TextChoices):
+    PENDING = "pending"
+    WAITING_FOR_IDLE = "waiting_for_idle"
+    APPLYING = "applying"
+    VERIFYING = "verifying"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    REVERTED = "reverted"
+    CANCELLED = "cancelled"
+
+
+T = TargetState
+TRANSITIONS: dict[str, frozenset[str]] = {
+    T.PENDING: frozenset({T.WAITING_FOR_IDLE, T.FAILED, T.CANCELLED}),
+    T.WAITING_FOR_IDLE: frozenset({T.APPLYING, T.FAILED, T.CANCELLED}),
+    # A 400 "not idle" from the worker sends the target back to waiting: waited on, never forced.
+    T.APPLYING: frozenset({T.VERIFYING, T.WAITING_FOR_IDLE, T.FAILED}),
+    T.VERIFYING: frozenset({T.SUCCEEDED, T.FAILED}),
+    # all_or_nothing: a succeeded target is reverted when another fails (failed if the revert itself fails).
+    T.SUCCEEDED: frozenset({T.REVERTED, T.FAILED}),
+}
+ACTIVE_STATES = frozenset({T.PENDING, T.WAITING_FOR_IDLE, T.APPLYING, T.VERIFYING})
+FINAL_STATES = frozenset({T.FAILED, T.REVERTED, T.CANCELLED})
+
+
+class Operation(models.Model):
+    kind = models.CharField(max_length=20, choices=OperationKind.choices)
+    policy = models.CharField(max_length=20, choices=Policy.choices, default=Policy.BEST_EFFORT)
+    drain = models.BooleanField(default=False, help_text="Remove each worker from its router while applying")
+    storage_profile = models.ForeignKey(
+        "inventory.StorageProfile", null=True, blank=True, on_delete=models.PROTECT, related_name="operations"
+    )
+    revision = models.ForeignKey(
+        "configs.ConfigRevision", null=True, blank=True, on_delete=models.PROTECT, related_name="operations"
+    )
+    state = models.CharField(max_length=20, choices=OperationState.choices, default=OperationState.RUNNING)
+    reason = models.TextField(blank=True)
+    idle_timeout_s = models.FloatField()
+    cancel_requested = models.BooleanField(default=False)
+    abort_requested = models.BooleanField(default=False, help_text="all_or_nothing: a target failed")
+    summary = models.JSONField(default=dict, blank=True)
+    explanation = models.TextField(blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    request_id = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"operation {self.pk} ({self.kind})"
+
+
+class OperationTarget(models.Model):
+    operation = models.ForeignKey(Operation, on_delete=models.CASCADE, related_name="targets")
+    worker = models.ForeignKey("inventory.EngineWorker", on_delete=models.PROTECT, related_name="operation_targets")
+    state = models.CharField(max_length=20, choices=TargetState.choices, default=TargetState.PENDING)
+    version = models.PositiveIntegerField(default=0)
+    before = models.JSONField(null=True, blank=True, help_text="Worker state read before applying")
+    after = models.JSONField(null=True, blank=True, help_text="Worker state read back after applying")
+    explanation = models.TextField(blank=True)
+    polls = models.PositiveIntegerField(default=0)
+    drained = models.BooleanField(default=False, help_text="Removed from its router by this target")
+    revert_requested = models.BooleanField(default=False)
+    idle_deadline_at = models.DateTimeField(null=True, blank=True)
+    deadline_at = models.DateTimeField(null=True, blank=True, help_text="Reaper fails the target after this")
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["operation_id", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["worker"],
+                condition=Q(state__in=["pending", "waiting_for_idle", "applying", "verifying"]),
+                name="one_active_target_per_worker",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.operation_id}/{self.worker.name}"
+
+
+class IdempotencyRecord(models.Model):
+    """The stored response of a POST sent with `Idempotency-Key` (replayed for 24 h)."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    key = models.CharField(max_length=200)
+    request_sha256 = models.CharField(max_length=64)
+    status_code = models.PositiveSmallIntegerField()
+    response_body = models.JSONField()
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "key"], name="idempotency_unique_key")]

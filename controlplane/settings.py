@@ -1,0 +1,203 @@
+"""Control-plane settings, all read from the environment.
+
+Variables: SECRET_KEY, DEBUG (0/1, default 0), ALLOWED_HOSTS (comma list), CSRF_TRUSTED_ORIGINS (comma list),
+DATABASE_URL (default SQLite under var/), REDIS_URL (default redis://127.0.0.1:6379/0), HTTPS (0/1; default
+the inverse of DEBUG: SSL redirect, secure cookies and HSTS), FIELD_ENCRYPTION_KEY (Fernet key for worker admin
+keys; default derived from SECRET_KEY), TOKEN_PEPPER (HMAC key for API token digests; default derived from
+SECRET_KEY), CELERY_QUEUE, REDIS_KEY_PREFIX, TELEMETRY_SCRAPE_INTERVAL_S.
+"""
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    return default if raw is None or raw == "" else raw.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_list(name: str, default: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = BASE_DIR / "var"
+VAR_DIR.mkdir(exist_ok=True)
+
+DEBUG = _env_bool("DEBUG", False)
+SECRET_KEY = os.environ.get("SECRET_KEY") or "dev-only-insecure-key-set-SECRET_KEY-in-production"
+ALLOWED_HOSTS = _env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
+CSRF_TRUSTED_ORIGINS = _env_list("CSRF_TRUSTED_ORIGINS", "")
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "channels",
+    "controlplane.accounts",
+    "controlplane.inventory",
+    "controlplane.configs",
+    "controlplane.audit",
+    "controlplane.operations",
+    "controlplane.telemetry",
+    "frontend",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "controlplane.core.middleware.RequestContextMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+WSGI_APPLICATION = "controlplane.wsgi.application"
+ASGI_APPLICATION = "controlplane.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'db.sqlite3'}")}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # WAL + IMMEDIATE transactions let the web process and Celery workers write the same file without
+    # "database is locked"; test databases are files too, so worker subprocesses see them.
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test_controlplane_{os.getpid()}.sqlite3")}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "console:login"
+LOGIN_REDIRECT_URL = "console:fleet"
+LOGOUT_REDIRECT_URL = "console:login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+# Transport security: on by default whenever DEBUG is off (behind a TLS-terminating proxy set HTTPS=1 and
+# SECURE_PROXY_SSL_HEADER is honoured).
+HTTPS = _env_bool("HTTPS", not DEBUG)
+SECURE_SSL_REDIRECT = HTTPS
+SESSION_COOKIE_SECURE = HTTPS
+CSRF_COOKIE_SECURE = HTTPS
+SECURE_HSTS_SECONDS = 31536000 if HTTPS else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = HTTPS
+SECURE_HSTS_PRELOAD = HTTPS
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+
+FIELD_ENCRYPTION_KEY = os.environ.get("FIELD_ENCRYPTION_KEY", "")
+TOKEN_PEPPER = os.environ.get("TOKEN_PEPPER", "")
+
+# Redis: Celery broker/results, channel layer and telemetry keys share one server, separated by DB and prefix.
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_KEY_PREFIX = os.environ.get("REDIS_KEY_PREFIX", "kvfleet")
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_QUEUE", "controlplane")
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_SOFT_TIME_LIMIT = 60
+CELERY_TASK_TIME_LIMIT = 90
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+TELEMETRY_SCRAPE_INTERVAL_S = float(os.environ.get("TELEMETRY_SCRAPE_INTERVAL_S", "5"))
+CELERY_BEAT_SCHEDULE = {
+    "telemetry-scrape": {"task": "telemetry.scrape_all", "schedule": TELEMETRY_SCRAPE_INTERVAL_S},
+    "operations-reap": {"task": "operations.reap_stuck_targets", "schedule": 10.0},
+    "operations-purge-idempotency": {"task": "operations.purge_idempotency_records", "schedule": 3600.0},
+}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "capacity": 10000, "prefix": f"{REDIS_KEY_PREFIX}:asgi"},
+    }
+}
+
+# Operations: how long a target may wait for its worker to become idle, and the poll interval.
+OPERATION_IDLE_TIMEOUT_S = float(os.environ.get("OPERATION_IDLE_TIMEOUT_S", "120"))
+OPERATION_POLL_INTERVAL_S = float(os.environ.get("OPERATION_POLL_INTERVAL_S", "0.5"))
+OPERATION_APPLY_TIMEOUT_S = float(os.environ.get("OPERATION_APPLY_TIMEOUT_S", "60"))
+WORKER_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_HTTP_TIMEOUT_S", "5"))
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "controlplane.accounts.authentication.ApiTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["controlplane.accounts.permissions.RolePermission"],
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_PAGINATION_CLASS": "controlplane.core.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "EXCEPTION_HANDLER": "controlplane.core.exceptions.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "KVFleet control plane API",
+    "DESCRIPTION": "Inventory, config revisions, operations, audit and telemetry of a HiCache engine fleet.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SCHEMA_PATH_PREFIX": r"/api/v1",
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "ENUM_NAME_OVERRIDES": {
+        "RouterPolicyEnum": "controlplane.inventory.models.RouterPolicy",
+        "OperationPolicyEnum": "controlplane.operations.models.Policy",
+        "UserRoleEnum": "controlplane.accounts.models.Role",
+        "WorkerRoleEnum": "controlplane.inventory.models.WorkerRole",
+    },
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "WARNING")},
+}

@@ -1,0 +1,1 @@
+"""Telemetry: metric ingest and scrape into Redis, throttled websocket broadcast per fleet and per worker."""

@@ -1,0 +1,1 @@
+"""Telemetry has no admin: it has no tables."""

@@ -1,0 +1,43 @@
+"""Websocket message envelope and group names (the only shapes the consumer forwards).
+
+Envelope: {"v": 1, "type": "<domain>.<event>", "id": uuid hex, "ts": ISO-8601 UTC, "seq": int, "data": {...}}.
+Types: worker.metrics, fleet.metrics, operation.state_changed, operation.target_changed, control.subscribed,
+control.error. Groups: "fleet", "operations", "worker.<id>", "operation.<id>".
+"""
+
+import re
+import uuid
+from datetime import UTC, datetime
+
+EVENT_TYPES = frozenset(
+    {
+        "worker.metrics",
+        "fleet.metrics",
+        "operation.state_changed",
+        "operation.target_changed",
+        "control.subscribed",
+        "control.error",
+    }
+)
+GROUP_PATTERN = re.compile(r"^(fleet|operations|worker\.\d+|operation\.\d+)$")
+
+
+def envelope(event_type: str, data: dict, seq: int = 0) -> dict:
+    if event_type not in EVENT_TYPES:
+        raise ValueError(f"unknown event type {event_type!r}")
+    return {
+        "v": 1,
+        "type": event_type,
+        "id": uuid.uuid4().hex,
+        "ts": datetime.now(UTC).isoformat(),
+        "seq": seq,
+        "data": data,
+    }
+
+
+def worker_group(worker_id: int) -> str:
+    return f"worker.{worker_id}"
+
+
+def operation_group(operation_id: int) -> str:
+    return f"operation.{operation_id}"

@@ -1,0 +1,104 @@
+"""Turn SGLang Prometheus text into the flat snapshot the console charts (prometheus_client's parser).
+
+Snapshot keys (all floats): cached_tokens_{device,host,storage} (counters), cache_hit_rate, num_running_reqs,
+num_queue_reqs, hicache_host_used_tokens, hicache_host_total_tokens, host_pool_use (0..1),
+{prefetched,backuped,load_back,evicted}_tokens_total, prefetch_{started,completed,timeout,revoked}_total,
+ttft_p50_s, ttft_p99_s (histogram quantiles, linear within the bucket as Prometheus histogram_quantile does),
+and, given the previous snapshot, per-second rates: load_back_tokens_per_s, backup_tokens_per_s,
+prefetch_tokens_per_s and hit shares per tier over the interval: hit_share_{device,host,storage}.
+"""
+
+import math
+
+from prometheus_client.parser import text_string_to_metric_families
+
+_PLAIN = {
+    "sglang:cache_hit_rate": "cache_hit_rate",
+    "sglang:num_running_reqs": "num_running_reqs",
+    "sglang:num_queue_reqs": "num_queue_reqs",
+    "sglang:hicache_host_used_tokens": "hicache_host_used_tokens",
+    "sglang:hicache_host_total_tokens": "hicache_host_total_tokens",
+    "sglang:prefetched_tokens_total": "prefetched_tokens_total",
+    "sglang:backuped_tokens_total": "backuped_tokens_total",
+    "sglang:load_back_tokens_total": "load_back_tokens_total",
+    "sglang:evicted_tokens_total": "evicted_tokens_total",
+    "sglang:prefetch_started_total": "prefetch_started_total",
+    "sglang:prefetch_completed_total": "prefetch_completed_total",
+    "sglang:prefetch_timeout_total": "prefetch_timeout_total",
+    "sglang:prefetch_revoked_total": "prefetch_revoked_total",
+}
+TIERS = ("device", "host", "storage")
+SNAPSHOT_KEYS = frozenset(
+    {*_PLAIN.values(), *(f"cached_tokens_{t}" for t in TIERS), "host_pool_use", "ttft_p50_s", "ttft_p99_s"}
+)
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Quantile from cumulative (upper_bound, count) buckets; None when there are no observations."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_bound, prev_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return prev_bound
+            width = count - prev_count
+            return prev_bound + (bound - prev_bound) * ((rank - prev_count) / width if width else 1.0)
+        prev_bound, prev_count = bound, count
+    return prev_bound
+
+
+def parse_prometheus(text: str) -> dict:
+    """Raises ValueError on text that is not Prometheus exposition format."""
+    snap: dict[str, float] = {}
+    ttft: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, float(sample.value)
+            if name == "sglang:cached_tokens_total" and labels.get("cache_source") in TIERS:
+                key = f"cached_tokens_{labels['cache_source']}"
+                snap[key] = snap.get(key, 0.0) + value
+            elif name in _PLAIN:
+                snap[_PLAIN[name]] = snap.get(_PLAIN[name], 0.0) + value
+            elif name == "sglang:time_to_first_token_seconds_bucket":
+                bound = float(labels["le"])
+                ttft[bound] = ttft.get(bound, 0.0) + value
+    if ttft:
+        for q, key in ((0.5, "ttft_p50_s"), (0.99, "ttft_p99_s")):
+            value = histogram_quantile(q, list(ttft.items()))
+            if value is not None:
+                snap[key] = value
+    return finish_snapshot(snap)
+
+
+def finish_snapshot(snap: dict) -> dict:
+    if "prefetch_started_total" not in snap and "prefetch_completed_total" in snap:
+        snap["prefetch_started_total"] = sum(
+            snap.get(k, 0.0) for k in ("prefetch_completed_total", "prefetch_timeout_total", "prefetch_revoked_total")
+        )
+    total = snap.get("hicache_host_total_tokens")
+    if total:
+        snap["host_pool_use"] = snap.get("hicache_host_used_tokens", 0.0) / total
+    return snap
+
+
+def with_rates(snap: dict, prev: dict | None, dt_s: float) -> dict:
+    """Add per-second rates and per-tier hit shares over the interval since `prev` (counters may reset)."""
+    if not prev or dt_s <= 0:
+        return snap
+    out = dict(snap)
+
+    def delta(key: str) -> float:
+        d = snap.get(key, 0.0) - prev.get(key, 0.0)
+        return d if d >= 0 else snap.get(key, 0.0)
+
+    out["load_back_tokens_per_s"] = delta("load_back_tokens_total") / dt_s
+    out["backup_tokens_per_s"] = delta("backuped_tokens_total") / dt_s
+    out["prefetch_tokens_per_s"] = delta("prefetched_tokens_total") / dt_s
+    hits = {t: delta(f"cached_tokens_{t}") for t in TIERS}
+    total = sum(hits.values())
+    for tier, value in hits.items():
+        out[f"hit_share_{tier}"] = value / total if total else 0.0
+    return out

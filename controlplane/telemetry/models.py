@@ -1,0 +1,1 @@
+"""Telemetry keeps no tables: samples live in Redis (see store.py)."""

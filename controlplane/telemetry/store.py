@@ -1,0 +1,74 @@
+"""Telemetry state in Redis: latest snapshot and bounded history per worker, broadcast throttle keys.
+
+Keys (prefix settings.REDIS_KEY_PREFIX): `<p>:tm:w:<id>:latest` (JSON), `<p>:tm:w:<id>:hist` (list, newest
+first, at most HISTORY_LEN), `<p>:tm:w:<id>:seq` (counter), `<p>:tm:gate:<group>` (1 s send window),
+`<p>:tm:pend:<group>` (a trailing flush is scheduled).
+"""
+
+import json
+from functools import lru_cache
+
+import redis
+from django.conf import settings
+
+HISTORY_LEN = 300
+WINDOW_MS = 1000
+
+
+@lru_cache(maxsize=4)
+def _client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+def client() -> redis.Redis:
+    return _client(settings.REDIS_URL)
+
+
+def _key(*parts) -> str:
+    return ":".join([settings.REDIS_KEY_PREFIX, "tm", *map(str, parts)])
+
+
+def save_sample(worker_id: int, sample: dict) -> int:
+    """Store `sample` as latest and in history; returns its sequence number."""
+    body = json.dumps(sample)
+    pipe = client().pipeline()
+    pipe.incr(_key("w", worker_id, "seq"))
+    pipe.set(_key("w", worker_id, "latest"), body)
+    pipe.lpush(_key("w", worker_id, "hist"), body)
+    pipe.ltrim(_key("w", worker_id, "hist"), 0, HISTORY_LEN - 1)
+    return int(pipe.execute()[0])
+
+
+def latest(worker_id: int) -> dict | None:
+    raw = client().get(_key("w", worker_id, "latest"))
+    return json.loads(raw) if raw else None
+
+
+def latest_many(worker_ids: list[int]) -> dict[int, dict]:
+    if not worker_ids:
+        return {}
+    raws = client().mget([_key("w", w, "latest") for w in worker_ids])
+    return {w: json.loads(r) for w, r in zip(worker_ids, raws, strict=True) if r}
+
+
+def history(worker_id: int, limit: int = HISTORY_LEN) -> list[dict]:
+    """Oldest first."""
+    raws = client().lrange(_key("w", worker_id, "hist"), 0, max(0, min(limit, HISTORY_LEN) - 1))
+    return [json.loads(r) for r in reversed(raws)]
+
+
+def open_window(group: str) -> bool:
+    """True (and the window closes for 1 s) when `group` may be sent to now."""
+    return bool(client().set(_key("gate", group), "1", nx=True, px=WINDOW_MS))
+
+
+def claim_trailing_flush(group: str) -> float | None:
+    """When the window is closed: seconds until it reopens if this caller should schedule the flush, else None."""
+    ttl_ms = client().pttl(_key("gate", group))
+    if not client().set(_key("pend", group), "1", nx=True, px=max(ttl_ms, 1) + 50):
+        return None
+    return max(ttl_ms, 0) / 1000.0
+
+
+def release_trailing_flush(group: str) -> None:
+    client().delete(_key("pend", group))

@@ -1,0 +1,34 @@
+"""URL map: /api/v1/ (REST), /api/schema/ (OpenAPI) + /api/docs/ (Swagger UI), /admin/, /healthz, console."""
+
+from django.contrib import admin
+from django.http import JsonResponse
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
+
+from controlplane.inventory.api.urls import agent_urlpatterns as inventory_agent
+from controlplane.telemetry.api.urls import agent_urlpatterns as telemetry_agent
+
+
+def healthz(request):
+    return JsonResponse({"status": "ok"})
+
+
+api_v1 = [
+    path("accounts/", include("controlplane.accounts.api.urls")),
+    path("inventory/", include("controlplane.inventory.api.urls")),
+    path("configs/", include("controlplane.configs.api.urls")),
+    path("operations/", include("controlplane.operations.api.urls")),
+    path("audit/", include("controlplane.audit.api.urls")),
+    path("telemetry/", include("controlplane.telemetry.api.urls")),
+    path("agent/", include(inventory_agent + telemetry_agent)),
+]
+
+urlpatterns = [
+    path("api/v1/", include(api_v1)),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
+    path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="redoc"),
+    path("admin/", admin.site.urls),
+    path("healthz", healthz),
+    path("", include("frontend.urls")),
+]

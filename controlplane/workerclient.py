@@ -1,0 +1,136 @@
+"""The only code that talks to engine workers and sglang-routers (httpx, synchronous).
+
+Worker endpoints follow CONTRACTS.md "Engine worker HTTP" (upstream SGLang hicache admin API, hicache-spec §7):
+GET /server_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config, GET /metrics.
+Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url"} (202),
+DELETE /workers/{id}.
+
+Errors: WorkerUnreachable (connect/timeout), WorkerNotIdle (400 whose message says "not idle": wait and retry,
+never force), WorkerRejected (any other non-2xx, with status and message).
+"""
+
+from urllib.parse import quote
+
+import httpx
+from django.conf import settings
+
+
+class WorkerError(Exception):
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class WorkerUnreachable(WorkerError):
+    pass
+
+
+class WorkerNotIdle(WorkerError):
+    pass
+
+
+class WorkerRejected(WorkerError):
+    pass
+
+
+def _timeout() -> float:
+    return settings.WORKER_HTTP_TIMEOUT_S
+
+
+def _request(method: str, url: str, *, headers: dict | None = None, json=None, timeout: float | None = None):
+    try:
+        response = httpx.request(method, url, headers=headers, json=json, timeout=timeout or _timeout())
+    except httpx.HTTPError as exc:
+        raise WorkerUnreachable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+    if response.is_success:
+        return response
+    text = response.text.strip()[:500]
+    if response.status_code == 400 and "not idle" in text.lower():
+        raise WorkerNotIdle(text, status=400)
+    raise WorkerRejected(f"{method} {url} -> {response.status_code}: {text}", status=response.status_code)
+
+
+class WorkerClient:
+    """One engine worker. `admin_key` is sent as `Authorization: Bearer` on admin routes."""
+
+    def __init__(self, base_url: str, admin_key: str = "", timeout: float | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.admin_key = admin_key
+        self.timeout = timeout
+
+    def _admin_headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+    def _call(self, method: str, path: str, json=None, admin: bool = False):
+        headers = self._admin_headers() if admin else None
+        return _request(method, self.base_url + path, headers=headers, json=json, timeout=self.timeout)
+
+    def server_info(self) -> dict:
+        """Launch args, `is_idle`, `num_running_reqs`, `num_waiting_reqs`, `inflight_cache_io`, `hicache`."""
+        return self._call("GET", "/server_info").json()
+
+    def storage_backend(self) -> dict:
+        """{hicache_storage_backend, hicache_storage_backend_extra_config, prefetch and write policy}."""
+        return self._call("GET", "/hicache/storage-backend", admin=True).json()
+
+    def attach_storage(
+        self,
+        backend: str,
+        extra_config_json: str | None = None,
+        prefetch_policy: str | None = None,
+        write_policy: str | None = None,
+    ) -> str:
+        body = {"hicache_storage_backend": backend}
+        if extra_config_json is not None:
+            body["hicache_storage_backend_extra_config_json"] = extra_config_json
+        if prefetch_policy is not None:
+            body["hicache_storage_prefetch_policy"] = prefetch_policy
+        if write_policy is not None:
+            body["hicache_write_policy"] = write_policy
+        return self._call("PUT", "/hicache/storage-backend", json=body, admin=True).text
+
+    def detach_storage(self) -> str:
+        """Idempotent upstream: detaching with nothing attached succeeds. Never deletes L3 data."""
+        return self._call("DELETE", "/hicache/storage-backend", admin=True).text
+
+    def hicache_config(self) -> dict:
+        return self._call("GET", "/hicache/config", admin=True).json()
+
+    def update_hicache_config(self, fields: dict) -> dict:
+        return self._call("PUT", "/hicache/config", json=fields, admin=True).json()
+
+    def metrics_text(self) -> str:
+        return self._call("GET", "/metrics").text
+
+
+class RouterClient:
+    """One sglang-router. Workers are matched by URL (trailing slash ignored)."""
+
+    def __init__(self, base_url: str, timeout: float | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+
+    def list_workers(self) -> list[dict]:
+        data = _request("GET", f"{self.base_url}/workers", timeout=self.timeout).json()
+        return data.get("workers", []) if isinstance(data, dict) else data
+
+    def find_worker_id(self, url: str) -> str | None:
+        want = url.rstrip("/")
+        for item in self.list_workers():
+            if str(item.get("url", "")).rstrip("/") == want:
+                return str(item.get("id", item.get("url")))
+        return None
+
+    def add_worker(self, url: str) -> None:
+        """POST /workers; a worker already registered is left as it is (safe to repeat)."""
+        if self.find_worker_id(url) is None:
+            _request("POST", f"{self.base_url}/workers", json={"url": url}, timeout=self.timeout)
+
+    def remove_worker(self, url: str) -> bool:
+        """DELETE /workers/{id}; returns False when the router did not list the worker (safe to repeat)."""
+        worker_id = self.find_worker_id(url)
+        if worker_id is None:
+            return False
+        _request("DELETE", f"{self.base_url}/workers/{quote(worker_id, safe='')}", timeout=self.timeout)
+        return True
