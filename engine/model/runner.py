@@ -12,14 +12,22 @@ from pathlib import Path
 import torch
 
 from engine.cache.device_pool import DeviceKVPool
-from engine.model.attention import get_attention_backend
+from engine.model.attention import AttentionBackend, get_attention_backend
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.llama import LlamaForCausalLM
-from engine.model.loader import load_checkpoint
+from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -48,22 +56,33 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         attention_backend: str = "torch",
     ) -> None:
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-            dtype = DTYPES[dtype]
-        backend_cls = get_attention_backend(attention_backend)
+        backend_cls = get_attention_backend(attention_backend)  # bad names fail before the slow load
+        self.dtype = _parse_dtype(dtype)
         self.device = torch.device(device)
-        self.dtype = dtype
-        checkpoint = load_checkpoint(model_path)
+        self._build(load_checkpoint(model_path), backend_cls)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        checkpoint: Checkpoint,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        attention_backend: str = "torch",
+    ) -> ModelRunner:
+        """A runner over an already loaded ``Checkpoint`` (e.g. one load, several dtypes)."""
+        runner = cls.__new__(cls)
+        runner.dtype = _parse_dtype(dtype)
+        runner.device = torch.device(device)
+        runner._build(checkpoint, get_attention_backend(attention_backend))
+        return runner
+
+    def _build(self, checkpoint: Checkpoint, backend_cls: type[AttentionBackend]) -> None:
         self.model_path = checkpoint.path
         self.config: ModelConfig = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         cfg = self.config
         attn = backend_cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim**-0.5)
-        self.model = LlamaForCausalLM(
-            cfg, checkpoint.tensors, dtype, self.device, attn, source=checkpoint.path
-        )
+        self.model = LlamaForCausalLM(cfg, checkpoint.tensors, self.dtype, self.device, attn, checkpoint.path)
 
     def kv_pool_spec(self) -> KVPoolSpec:
         """Layer count, KV heads, head dim, dtype and device of the KV pool this model writes."""

@@ -2,8 +2,9 @@
 
 A query at absolute position p of a sequence sees every key of that sequence with position <= p (keys are
 ``req_slots[i]`` in position order, so key j has position j). Grouped-query attention maps KV head j to query
-heads ``j*g .. j*g+g-1`` (HF ``repeat_kv``). Decodes of a batch share one padded SDPA call; each prefill chunk
-gets its own call (no padding waste).
+heads ``j*g .. j*g+g-1`` (HF ``repeat_kv``; K/V heads are repeated before SDPA, which keeps torch on its fused
+CPU kernel). Decodes of a batch share one padded SDPA call; each prefill chunk gets its own call (no padding
+waste).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class TorchAttentionBackend(AttentionBackend):
         self._extends: list[_Extend] = []
         self._decode: _Decode | None = None
         self._single = False
+
+    def _gathered(self, buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``buf[slots]`` with KV heads repeated to query heads: ``(*slots.shape, num_heads, head_dim)``."""
+        kv = buf[slots].to(dtype)
+        group = self.num_heads // self.num_kv_heads
+        return kv if group == 1 else kv.repeat_interleave(group, dim=-2)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._extends, decode_rows, start = [], [], 0
@@ -95,26 +102,24 @@ class TorchAttentionBackend(AttentionBackend):
     def _extend(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, ext: _Extend
     ) -> torch.Tensor:
-        keys = k_buf[ext.slots].to(q.dtype).transpose(0, 1)  # (Hkv, S, D)
-        values = v_buf[ext.slots].to(q.dtype).transpose(0, 1)
+        # 4-D (1, H, len, D) inputs: torch's fused CPU kernel takes only 4-D, 3-D falls back to the math path
+        keys = self._gathered(k_buf, ext.slots, q.dtype).unsqueeze(0).transpose(1, 2)  # (1, H, S, D)
+        values = self._gathered(v_buf, ext.slots, q.dtype).unsqueeze(0).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # (H, E, D)
+            q.unsqueeze(0).transpose(1, 2),  # (1, H, E, D)
             keys,
             values,
             attn_mask=ext.mask,
             is_causal=ext.mask is None,
             scale=self.scale,
-            enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     def _decode_attend(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, dec: _Decode
     ) -> torch.Tensor:
-        keys = k_buf[dec.slots].to(q.dtype).transpose(1, 2)  # (Bd, Hkv, Smax, D)
-        values = v_buf[dec.slots].to(q.dtype).transpose(1, 2)
+        keys = self._gathered(k_buf, dec.slots, q.dtype).transpose(1, 2)  # (Bd, H, Smax, D)
+        values = self._gathered(v_buf, dec.slots, q.dtype).transpose(1, 2)
         queries = q[dec.token_index].unsqueeze(2)  # (Bd, H, 1, D)
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=dec.mask, scale=self.scale, enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=dec.mask, scale=self.scale)
         return out.squeeze(2)
