@@ -48,7 +48,7 @@ class DeviceKVPool:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k``/``v`` of shape ``(T, num_kv_heads, head_dim)`` into int64 ``slots`` of shape ``(T,)``."""
+        """Write ``k``/``v`` ``(T, num_kv_heads, head_dim)`` into int64 ``slots`` of shape ``(T,)``."""
         self.k_buffer[layer][slots] = k.to(self.dtype)
         self.v_buffer[layer][slots] = v.to(self.dtype)
 

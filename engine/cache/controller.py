@@ -1,0 +1,368 @@
+"""HiCacheController: the cache's I/O queues and threads (SGLang ``cache_controller.py``, hicache-spec §2-3).
+
+Four background threads, each fed by a queue and answering through an ack deque that the scheduler
+thread drains in FIFO order:
+
+* write (L1 -> L2 backup copies), acked per op;
+* load (L2 -> L1), one merged op per forward pass with a ``threading.Event`` per layer so attention on
+  layer ``i`` can start while later layers are still copying;
+* backup (L2 -> L3, started by ``attach_storage``), 128-page batches, stops at the first failed batch;
+* prefetch (L3 -> L2): hit query (``batch_exists``, MIN over ranks), then reads into reserved host slots.
+
+Background threads never touch the tree or free pool slots: frees go through the release queue. The
+numbers of acks popped per iteration are reduced (MIN) over ranks so every rank applies the same
+mutations in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.cache.host_pool import HostKVPool
+from engine.cache.keys import page_hashes
+from engine.cache.prefetch import PrefetchOperation
+from engine.cache.ranks import Reduce
+from engine.cache.stats import CacheStats
+from engine.cache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo
+from engine.cache.transfer import DirectIO
+
+logger = logging.getLogger(__name__)
+
+STORAGE_BATCH_SIZE = 128  # pages per backend call, as upstream
+_JOIN_TIMEOUT = 10.0
+
+
+@dataclass
+class CopyOperation:
+    """An L1 <-> L2 copy; ``payload`` is what the scheduler side gets back with the ack."""
+
+    device_indices: torch.Tensor
+    host_indices: torch.Tensor
+    payload: list
+    num_layers: int
+    done: threading.Event = field(default_factory=threading.Event)
+    layer_done: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.layer_done = [threading.Event() for _ in range(self.num_layers)]
+
+
+@dataclass
+class BackupOperation:
+    """An L2 -> L3 write of one node's pages."""
+
+    host_indices: torch.Tensor
+    hash_value: list[str]
+    payload: object
+    prefix_keys: list[str] | None = None
+    completed_tokens: int = 0
+
+
+class _Worker:
+    """A daemon thread running ``handle(item)`` for each queued item until a None sentinel."""
+
+    def __init__(self, name: str, handle) -> None:
+        self.queue: queue.Queue = queue.Queue()
+        self._handle = handle
+        self.busy = 0  # items queued or being handled
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, item) -> None:
+        with self._lock:
+            self.busy += 1
+        self.queue.put(item)
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            try:
+                self._handle(item)
+            except Exception:
+                logger.exception("cache I/O thread %s failed on an operation", self._thread.name)
+            finally:
+                with self._lock:
+                    self.busy -= 1
+
+    def stop(self) -> bool:
+        """Ask the thread to finish its queue and exit; True when it did within the timeout."""
+        self.queue.put(None)
+        self._thread.join(_JOIN_TIMEOUT)
+        return not self._thread.is_alive()
+
+
+class HiCacheController:
+    """Runs copies and storage I/O for one rank. ``reduce`` serves the scheduler thread, ``reduce_io``
+    (a separate group) the prefetch thread's hit query."""
+
+    def __init__(
+        self, io: DirectIO, host_pool: HostKVPool, stats: CacheStats, reduce: Reduce, reduce_io: Reduce
+    ):
+        self.io = io
+        self.host_pool = host_pool
+        self.page_size = host_pool.page_size
+        self.num_layers = host_pool.num_layers
+        self.stats = stats
+        self.reduce = reduce
+        self.reduce_io = reduce_io
+        self._write_acks: deque[CopyOperation] = deque()
+        self._load_acks: deque[CopyOperation] = deque()
+        self._load_queue: list[CopyOperation] = []
+        self._current_load: CopyOperation | None = None
+        self._writer = _Worker("hicache-write", self._run_write)
+        self._loader = _Worker("hicache-load", self._run_load)
+        # storage side (attach_storage / detach_storage)
+        self.backend: HiCacheStorage | None = None
+        self.namespace: bytes | None = None
+        self.backup_skip = False
+        self.prefetch_threshold = 256
+        self._backuper: _Worker | None = None
+        self._prefetcher: _Worker | None = None
+        self.backup_acks: deque[BackupOperation] = deque()
+        self.revoke_queue: deque[PrefetchOperation] = deque()
+        self.release_queue: deque[torch.Tensor] = deque()
+
+    # -- L1 -> L2 --------------------------------------------------------------------------------------------
+    def write(self, device_indices: torch.Tensor, host_indices: torch.Tensor, payload: list) -> None:
+        """Queue an L1 -> L2 copy; its ack carries ``payload``."""
+        op = CopyOperation(device_indices, host_indices, payload, self.num_layers)
+        self._write_acks.append(op)
+        self._writer.put(op)
+
+    def _run_write(self, op: CopyOperation) -> None:
+        self.io.backup(op.device_indices, op.host_indices)
+        self.stats.add(bytes_d2h=len(op.device_indices) * self.io.bytes_per_token)
+        op.done.set()
+
+    def writing_check(self, block: bool = False) -> list[list]:
+        """Payloads of acknowledged writes, FIFO, as many as every rank has finished (MIN)."""
+        return self._pop_acks(self._write_acks, block)
+
+    def _pop_acks(self, acks: deque[CopyOperation], block: bool) -> list[list]:
+        if block:
+            for op in list(acks):
+                op.done.wait()
+        ready = 0
+        for op in acks:
+            if not op.done.is_set():
+                break
+            ready += 1
+        ready = self.reduce("min", [ready])[0]
+        return [acks.popleft().payload for _ in range(ready)]
+
+    # -- L2 -> L1 --------------------------------------------------------------------------------------------
+    def load(self, device_indices: torch.Tensor, host_indices: torch.Tensor, payload: list) -> None:
+        """Queue an L2 -> L1 copy; it starts at ``start_loading``."""
+        self._load_queue.append(CopyOperation(device_indices, host_indices, payload, self.num_layers))
+
+    def start_loading(self) -> None:
+        """Merge the queued loads into one op and start it on the load thread."""
+        if not self._load_queue:
+            return
+        ops, self._load_queue = self._load_queue, []
+        merged = CopyOperation(
+            torch.cat([o.device_indices for o in ops]),
+            torch.cat([o.host_indices for o in ops]),
+            [p for o in ops for p in o.payload],
+            self.num_layers,
+        )
+        self._current_load = merged
+        self._load_acks.append(merged)
+        self._loader.put(merged)
+
+    def _run_load(self, op: CopyOperation) -> None:
+        start = time.perf_counter()
+        plan = self.io.plan(op.device_indices, op.host_indices)
+        for layer in range(self.num_layers):
+            self.io.load_layer(layer, plan)
+            op.layer_done[layer].set()
+        self.stats.add(
+            bytes_h2d=len(op.device_indices) * self.io.bytes_per_token,
+            load_back_seconds=time.perf_counter() - start,
+        )
+        op.done.set()
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until the latest started load has copied ``layer`` (earlier loads finish first)."""
+        op = self._current_load
+        if op is not None:
+            op.layer_done[layer].wait()
+
+    def loading_check(self, block: bool = False) -> list[list]:
+        """Payloads of finished loads, FIFO, MIN over ranks."""
+        payloads = self._pop_acks(self._load_acks, block)
+        if not self._load_acks:
+            self._current_load = None
+        return payloads
+
+    # -- storage attach --------------------------------------------------------------------------------------
+    def attach_storage(
+        self, backend: HiCacheStorage, namespace: bytes, threshold: int, backup_skip: bool
+    ) -> None:
+        """Start the backup and prefetch threads for ``backend``."""
+        self.backend = backend
+        self.namespace = namespace
+        self.backup_skip = backup_skip
+        self.set_prefetch_threshold(threshold)
+        self._backuper = _Worker("hicache-backup", self._run_backup)
+        self._prefetcher = _Worker("hicache-prefetch", self._run_prefetch)
+
+    def set_prefetch_threshold(self, threshold: int) -> None:
+        self.prefetch_threshold = max(threshold, self.page_size)
+
+    def detach_storage(self) -> HiCacheStorage | None:
+        """Stop the storage threads; returns the detached backend (not closed). Raises ``RuntimeError``
+        when a thread does not stop (state kept, so a retry is safe)."""
+        for worker in (self._backuper, self._prefetcher):
+            if worker is not None and not worker.stop():
+                raise RuntimeError("detach aborted: a storage I/O thread did not stop")
+        backend, self.backend = self.backend, None
+        self._backuper = self._prefetcher = None
+        self.namespace = None
+        return backend
+
+    # -- L2 -> L3 --------------------------------------------------------------------------------------------
+    def backup_storage(self, op: BackupOperation) -> None:
+        """Queue an L2 -> L3 write; acked through ``backup_acks``."""
+        self._backuper.put(op)
+
+    def _run_backup(self, op: BackupOperation) -> None:
+        try:
+            if not self.backup_skip:
+                self._write_pages(op)
+        finally:
+            self.backup_acks.append(op)
+
+    def _write_pages(self, op: BackupOperation) -> None:
+        P = self.page_size
+        info = HiCacheStorageExtraInfo(prefix_keys=op.prefix_keys) if op.prefix_keys is not None else None
+        for start in range(0, len(op.hash_value), STORAGE_BATCH_SIZE):
+            keys = op.hash_value[start : start + STORAGE_BATCH_SIZE]
+            slots = op.host_indices[start * P : (start + len(keys)) * P]
+            try:
+                if self.backend.supports_v1:
+                    results = self.backend.batch_set_v1(keys, slots, info)
+                else:
+                    pages = [self.host_pool.get_flat_data_page(int(s)) for s in slots[::P].tolist()]
+                    results = [self.backend.batch_set(keys, pages)] * len(keys)
+            except Exception:
+                logger.exception("L3 backup batch failed")
+                self.stats.add(storage_errors=1)
+                return
+            ok = _leading_true(results)
+            op.completed_tokens += ok * P
+            self.stats.add(bytes_l3_write=ok * self.host_pool.page_bytes)
+            if ok < len(keys):
+                self.stats.add(storage_errors=1)
+                return
+
+    # -- L3 -> L2 --------------------------------------------------------------------------------------------
+    def prefetch(self, op: PrefetchOperation) -> None:
+        """Queue a prefetch (its host slots are already reserved)."""
+        self._prefetcher.put(op)
+
+    def _run_prefetch(self, op: PrefetchOperation) -> None:
+        P = self.page_size
+        hashes = [] if op.terminated else page_hashes(op.token_ids, P, op.last_hash, self.namespace)
+        hit_pages = self._query_hits(op, hashes)
+        hit_tokens = self.reduce_io("min", [hit_pages * P])[0]
+        if hit_tokens < self.prefetch_threshold or op.terminated:
+            with op.lock:
+                op.terminated = True
+                op.hit_done = True
+            self.revoke_queue.append(op)
+            self.release_queue.append(op.host_indices)
+            return
+        with op.lock:
+            op.hash_value = hashes[: hit_tokens // P]
+            op.hit_done = True
+        if hit_tokens < len(op.host_indices):
+            self.release_queue.append(op.host_indices[hit_tokens:])
+        self._read_pages(op, op.hash_value, op.host_indices[:hit_tokens])
+        completed = op.terminate() if op.failed or op.terminated else op.completed_tokens
+        if completed < hit_tokens:
+            self.release_queue.append(op.host_indices[completed:hit_tokens])
+
+    def _query_hits(self, op: PrefetchOperation, hashes: list[str]) -> int:
+        info = HiCacheStorageExtraInfo(prefix_keys=op.prefix_keys) if op.prefix_keys is not None else None
+        hit = 0
+        try:
+            for start in range(0, len(hashes), STORAGE_BATCH_SIZE):
+                batch = hashes[start : start + STORAGE_BATCH_SIZE]
+                found = self.backend.batch_exists(batch, info)
+                hit += found
+                if found < len(batch):
+                    break
+        except Exception:
+            logger.exception("L3 hit query failed")
+            self.stats.add(storage_errors=1)
+        return hit
+
+    def _read_pages(self, op: PrefetchOperation, keys: list[str], slots: torch.Tensor) -> None:
+        P = self.page_size
+        info = HiCacheStorageExtraInfo(prefix_keys=op.prefix_keys) if op.prefix_keys is not None else None
+        for start in range(0, len(keys), STORAGE_BATCH_SIZE):
+            batch = keys[start : start + STORAGE_BATCH_SIZE]
+            batch_slots = slots[start * P : (start + len(batch)) * P]
+            try:
+                if self.backend.supports_v1:
+                    results = self.backend.batch_get_v1(batch, batch_slots, info)
+                else:
+                    results = self._read_generic(batch, batch_slots)
+            except Exception:
+                logger.exception("L3 read batch failed")
+                self.stats.add(storage_errors=1)
+                results = []
+            ok = _leading_true(results)
+            self.stats.add(bytes_l3_read=ok * self.host_pool.page_bytes)
+            if not op.increment(ok * P) or ok < len(batch):
+                op.failed = ok < len(batch)
+                return
+
+    def _read_generic(self, keys: list[str], slots: torch.Tensor) -> list[bool]:
+        firsts = slots[:: self.page_size].tolist()
+        scratch = [self.host_pool.get_flat_data_page(int(s)) for s in firsts]
+        pages = self.backend.batch_get(keys, scratch)
+        results = []
+        for first, page in zip(firsts, pages, strict=True):
+            if page is None:
+                results.append(False)
+                continue
+            self.host_pool.set_from_flat_data_page(int(first), page)
+            results.append(True)
+        return results
+
+    # -- bookkeeping -----------------------------------------------------------------------------------------
+    def inflight(self) -> dict[str, int]:
+        """Copies not yet acknowledged and storage operations queued or running."""
+        return {
+            "writes": len(self._write_acks),
+            "loads": len(self._load_acks) + len(self._load_queue),
+            "backups": self._backuper.busy if self._backuper else 0,
+            "prefetch_io": self._prefetcher.busy if self._prefetcher else 0,
+        }
+
+    def close(self) -> None:
+        """Stop every thread (storage ones too)."""
+        self.detach_storage()
+        self._writer.stop()
+        self._loader.stop()
+
+
+def _leading_true(results) -> int:
+    count = 0
+    for ok in results:
+        if not ok:
+            break
+        count += 1
+    return count

@@ -1,0 +1,764 @@
+"""HiRadixCache: the hierarchical prefix KV cache the scheduler uses (SGLang ``hiradix_cache.py``).
+
+L1 device pool <-> L2 host pool <-> L3 storage backend around one :class:`HiRadixTree`. All tree and
+pool mutations happen on the caller's (scheduler) thread; the :class:`HiCacheController` threads only
+copy data and report back through ack queues drained by ``check_hicache_events``. With
+``enable_hierarchical=False`` this is a plain L1 radix cache (no host pool, no storage): eviction deletes
+nodes and nothing is ever loaded back. Behaviour follows hicache-spec §1-3 and §7; where this code
+deliberately differs it says so next to the code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from engine.cache.allocator import PageAllocator
+from engine.cache.config import (
+    PREFETCH_POLICIES,
+    WRITE_POLICIES,
+    HiCacheConfig,
+    parse_extra_config,
+    split_extra_config,
+)
+from engine.cache.controller import BackupOperation, HiCacheController
+from engine.cache.device_pool import DeviceKVPool
+from engine.cache.host_pool import HostKVPool, host_pool_tokens, resolve_layout
+from engine.cache.keys import page_hashes
+from engine.cache.prefetch import PrefetchOperation, can_terminate
+from engine.cache.radix_tree import HiRadixTree, TreeNode
+from engine.cache.ranks import Reduce, make_reduce
+from engine.cache.stats import CacheStats
+from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
+from engine.cache.storage.registry import create_storage_backend
+from engine.cache.transfer import DirectIO
+
+logger = logging.getLogger(__name__)
+
+LOAD_BACK_THRESHOLD = 10  # tokens; smaller L2 hits are recomputed
+_EMPTY = torch.empty(0, dtype=torch.int64)
+_POLICY_FIELDS = (
+    "prefetch_policy",
+    "write_policy",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "prefetch_timeout_max",
+)
+
+
+class CacheAdminError(ValueError):
+    """A refused admin operation (attach/detach/clear/update); nothing was changed."""
+
+
+class MatchResult(NamedTuple):
+    """``device_indices``: L1 hit slots (int64, page-aligned length); ``host_hit_length``: tokens right
+    after it that are only in L2; ``last_host_node``: anchor for load-back and prefetch."""
+
+    device_indices: torch.Tensor
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    host_hit_length: int
+
+
+@dataclass
+class _Prefetch:
+    anchor: TreeNode
+    op: PrefetchOperation
+
+
+class HiRadixCache:
+    """Hierarchical radix cache over ``device_pool`` (see CONTRACTS.md for the method list).
+
+    ``replicated_kv``: MLA-style KV identical on every rank (L3 keys carry no rank; only rank 0 writes).
+    ``reduce``: cross-rank agreement for scheduler-thread decisions (default: identity for one rank,
+    gloo all-reduce for several). Raises ``ValueError`` for a bad config, layout or host pool size.
+    """
+
+    def __init__(
+        self,
+        device_pool: DeviceKVPool,
+        config: HiCacheConfig | None = None,
+        *,
+        model_name: str,
+        enable_hierarchical: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        reduce: Reduce | None = None,
+        replicated_kv: bool = False,
+    ) -> None:
+        config = config or HiCacheConfig()
+        config.validate()
+        self.device_pool = device_pool
+        self.page_size = device_pool.page_size
+        self.model_name = model_name
+        self.enable_hierarchical = enable_hierarchical
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.replicated_kv = replicated_kv
+        self.device_allocator = PageAllocator(
+            device_pool.size // self.page_size, self.page_size, first_page=1
+        )
+        self.tree = HiRadixTree(self.page_size, config.eviction_policy)
+        self._stats = CacheStats()
+        self.host_pool: HostKVPool | None = None
+        self.controller: HiCacheController | None = None
+        self.backend_name: str | None = None
+        self.backend: HiCacheStorage | None = None
+        self._ids = itertools.count()
+        self._ongoing_write: dict[int, TreeNode] = {}
+        self._ongoing_load: dict[int, TreeNode] = {}
+        self._ongoing_prefetch: dict[str, _Prefetch] = {}
+        self._prefetch_loaded: dict[str, int] = {}
+        self._backups_inflight = 0
+        self.prefetch_tokens_occupied = 0
+        if not enable_hierarchical:
+            self.config = config
+            return
+        layout, io_backend = resolve_layout(config.mem_layout, config.io_backend, config.storage_backend)
+        self.config = config.updated(mem_layout=layout, io_backend=io_backend, storage_backend=None)
+        p = device_pool
+        host_tokens = host_pool_tokens(p.size, p.page_size, p.bytes_per_token, config.ratio, config.size)
+        self.host_pool = HostKVPool(
+            host_tokens, p.page_size, p.num_layers, p.num_kv_heads, p.head_dim, p.dtype, layout
+        )
+        self.reduce = reduce or make_reduce(tp_size)
+        reduce_io = make_reduce(tp_size) if tp_size > 1 else self.reduce
+        self.controller = HiCacheController(
+            DirectIO(device_pool, self.host_pool), self.host_pool, self._stats, self.reduce, reduce_io
+        )
+        self._stats.host_total_tokens = self.host_pool.size
+        if config.storage_backend:
+            try:
+                self._attach(config.storage_backend, config.extra_config, self.config)
+            except CacheAdminError as exc:
+                self.close()
+                raise ValueError(f"hicache_storage_backend {config.storage_backend!r}: {exc}") from exc
+
+    # -- accounting ----------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> CacheStats:
+        """Counters (host-pool gauges refreshed on read)."""
+        if self.host_pool is not None:
+            self._stats.host_used_tokens = self.host_pool.used_size()
+        return self._stats
+
+    @property
+    def write_through_threshold(self) -> int:
+        return 1 if self.config.write_policy == "write_through" else 2
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size
+
+    def protected_size(self) -> int:
+        return self.tree.protected_size
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        return self.tree.inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        return self.tree.dec_lock_ref(node)
+
+    def _key(self, token_ids) -> list[int]:
+        key = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        return key[: len(key) // self.page_size * self.page_size]
+
+    # -- match / insert --------------------------------------------------------------------------------------
+    def match_prefix(self, token_ids) -> MatchResult:
+        """Longest cached prefix of ``token_ids`` (page-granular; may split a node; moves no data)."""
+        key = self._key(token_ids)
+        root = self.tree.root
+        if not key:
+            return MatchResult(_EMPTY, root, root, 0)
+        path, _ = self.tree.walk(key)
+        values = [n.value for n in path if n.value is not None]
+        device_indices = torch.cat(values) if values else _EMPTY
+        node = deepest = path[-1] if path else root
+        host_hit = 0
+        while node.value is None:
+            host_hit += len(node.host_value)
+            node = node.parent
+        last_device = node
+        node = deepest
+        while node.host_value is None:
+            node = node.parent
+        return MatchResult(device_indices, last_device, node, host_hit)
+
+    def insert(self, token_ids, device_indices: torch.Tensor, chunked: bool = False) -> int:
+        """Cache ``token_ids`` at ``device_indices`` (one slot per token, whole device pages).
+
+        Returns the number of leading tokens already on device (the caller frees its duplicate slots
+        for them). Evicted nodes on the path are revived with the new slots (not counted as present).
+        ``chunked=True`` (a partial chunk) bumps no hit counts. Raises ``ValueError`` when
+        ``device_indices`` is shorter than the page-aligned key or not page-aligned.
+        """
+        key = self._key(token_ids)
+        n = len(key)
+        if n == 0:
+            return 0
+        if len(device_indices) < n:
+            raise ValueError(f"insert: {len(device_indices)} device slots for {n} tokens")
+        value = device_indices[:n].to(torch.int64)
+        if self.page_size > 1 and bool((value[:: self.page_size] % self.page_size).any()):
+            raise ValueError("insert: device_indices are not whole device pages")
+        path, _ = self.tree.walk(key)
+        pos = prefix = 0
+        for node in path:
+            length = len(node.key)
+            if node.value is None:
+                self.tree.set_device(node, value[pos : pos + length].clone())
+            else:
+                prefix += length
+                self._inc_hit_count(node, chunked)
+            pos += length
+        if pos < n:
+            parent = path[-1] if path else self.tree.root
+            leaf = self.tree.add_leaf(parent, key[pos:], value[pos:].clone())
+            if self.backend is not None:
+                self._ensure_hashes(leaf)
+            self._inc_hit_count(leaf, chunked)
+        return prefix
+
+    def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
+        # Hits are counted under write_back too (upstream does not), so LFU works with every policy.
+        if chunked:
+            return
+        node.hit_count += 1
+        if self.controller is None or self.config.write_policy == "write_back":
+            return
+        if node.host_value is None and node.hit_count >= self.write_through_threshold:
+            self._write_backup(node)
+
+    # -- L1 -> L2 --------------------------------------------------------------------------------------------
+    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        slots = self.host_pool.alloc(num_tokens)
+        if slots is None:
+            self.evict_host(num_tokens)
+            slots = self.host_pool.alloc(num_tokens)
+        return slots
+
+    def _write_backup(self, node: TreeNode, write_back: bool = False) -> bool:
+        """Give ``node`` a host copy: queued (write-through, node locked until the ack) or synchronous
+        (write-back eviction). Skipped under write-through while the parent has no host copy (newer
+        upstream) and when the host pool stays full after one host eviction."""
+        parent = node.parent
+        if not write_back and parent is not self.tree.root and parent.host_value is None:
+            return False
+        host = self._alloc_host(len(node.key))
+        if host is None:
+            return False
+        node.host_value = host
+        if write_back:
+            self.controller.io.backup(node.value, host)
+            self._stats.add(bytes_d2h=len(host) * self.device_pool.bytes_per_token)
+            if self.backend is not None:
+                self._backup_to_storage(node)
+            return True
+        wid = next(self._ids)
+        node.pending_write = wid
+        self.tree.inc_lock_ref(node)
+        self._ongoing_write[wid] = node
+        self.controller.write(node.value, host, [wid])
+        return True
+
+    def _on_write_ack(self, wid: int) -> None:
+        node = self._ongoing_write.pop(wid)
+        covered = []  # the node plus upper halves split off it while the copy ran
+        walk = node
+        while walk is not self.tree.root and walk.pending_write == wid:
+            walk.pending_write = None
+            covered.append(walk)
+            walk = walk.parent
+        self.tree.dec_lock_ref(node)
+        if self.backend is not None:
+            for part in reversed(covered):
+                self._backup_to_storage(part)
+
+    # -- eviction --------------------------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots if possible, least valuable leaves first; returns freed.
+
+        Backed-up nodes become host-only; others are deleted (write-through kinds, plain cache) or
+        written back synchronously first (write_back, or a node whose children are host-only).
+        """
+        start = time.perf_counter()
+        freed = 0
+        victims = self.tree.pop_victims(host=False)
+        try:
+            for node in victims:
+                length = len(node.key)
+                if node.host_value is not None:
+                    self.device_allocator.free(node.value)
+                    self.tree.set_device(node, None)
+                elif self.controller is None or (
+                    self.config.write_policy != "write_back" and not node.children
+                ):
+                    self.device_allocator.free(node.value)
+                    self.tree.remove_leaf(node)
+                elif self._write_backup(node, write_back=True):
+                    self.device_allocator.free(node.value)
+                    self.tree.set_device(node, None)
+                else:
+                    continue
+                freed += length
+                if freed >= num_tokens:
+                    break
+        finally:
+            victims.close()
+        self._stats.add(evicted_tokens=freed)
+        logger.debug("evicted %d device tokens in %.3f ms", freed, 1e3 * (time.perf_counter() - start))
+        return freed
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host slots by removing host-only leaves (L3 copies stay)."""
+        freed = 0
+        if self.host_pool is None:
+            return 0
+        victims = self.tree.pop_victims(host=True)
+        try:
+            for node in victims:
+                self.host_pool.free(node.host_value)
+                freed += len(node.key)
+                self.tree.remove_leaf(node)
+                if freed >= num_tokens:
+                    break
+        finally:
+            victims.close()
+        self._stats.add(evicted_host_tokens=freed)
+        return freed
+
+    # -- L2 -> L1 --------------------------------------------------------------------------------------------
+    def init_load_back(
+        self, last_host_node: TreeNode, host_hit_length: int = 0
+    ) -> tuple[torch.Tensor, TreeNode]:
+        """Queue an L2 -> L1 load of the evicted chain ending at ``last_host_node``, all or nothing.
+
+        Returns (new device slots, deepest loaded node), or (empty, deepest resident ancestor) when
+        skipped: chain under 10 tokens, or no device room after one eviction. The loaded nodes are
+        device-resident at once; their data is valid after ``wait_layer`` (the deepest stays locked
+        until the load is acknowledged).
+        """
+        chain = []
+        node = last_host_node
+        while node.value is None:
+            if node.host_value is None:
+                raise ValueError(f"{node} is neither on device nor on host")
+            chain.append(node)
+            node = node.parent
+        ancestor = node
+        chain.reverse()
+        total = sum(len(n.host_value) for n in chain)
+        if self.controller is None or total < LOAD_BACK_THRESHOLD:
+            return _EMPTY, ancestor
+        self.tree.inc_lock_ref(ancestor)
+        device = self.device_allocator.alloc(total)
+        if device is None:
+            self.evict(total)
+            device = self.device_allocator.alloc(total)
+        self.tree.dec_lock_ref(ancestor)
+        if device is None:
+            return _EMPTY, ancestor
+        offset = 0
+        for part in chain:
+            length = len(part.host_value)
+            self.tree.set_device(part, device[offset : offset + length])
+            offset += length
+        deepest = chain[-1]
+        self.tree.inc_lock_ref(deepest)
+        lid = next(self._ids)
+        self._ongoing_load[lid] = deepest
+        self.controller.load(device, torch.cat([n.host_value for n in chain]), [lid])
+        self._stats.add(load_back_tokens=total)
+        return device, deepest
+
+    def ready_to_load_host_cache(self) -> None:
+        """Start the queued loads (call right before the forward pass)."""
+        if self.controller is not None:
+            self.controller.start_loading()
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer`` of every started load is in L1."""
+        if self.controller is not None:
+            self.controller.wait_layer(layer)
+
+    # -- per-iteration events --------------------------------------------------------------------------------
+    def check_hicache_events(self) -> None:
+        """Process acknowledged writes/loads and the storage control queues (once per iteration)."""
+        if self.controller is None:
+            return
+        for (wid,) in self.controller.writing_check():
+            self._on_write_ack(wid)
+        for (lid,) in self.controller.loading_check():
+            self.tree.dec_lock_ref(self._ongoing_load.pop(lid))
+        self._drain_storage_queues(self.reduce)
+
+    def _drain_storage_queues(self, reduce: Reduce) -> None:
+        c = self.controller
+        queues = (c.revoke_queue, c.backup_acks, c.release_queue)
+        counts = reduce("min", [len(q) for q in queues])
+        for _ in range(counts[0]):
+            op = c.revoke_queue.popleft()
+            entry = self._ongoing_prefetch.get(op.rid)
+            if entry is not None and entry.op is op:
+                self._finish_prefetch(op.rid, entry)
+                self._stats.add(prefetch_revoked=1)
+        for _ in range(counts[1]):
+            backup = c.backup_acks.popleft()
+            self.tree.release_host(backup.payload)
+            self._backups_inflight -= 1
+            self._stats.add(backuped_tokens=backup.completed_tokens)
+        for _ in range(counts[2]):
+            self.host_pool.free(c.release_queue.popleft())
+
+    def inflight_io(self) -> dict[str, int]:
+        """Cache I/O not yet acknowledged: writes (L1->L2), loads (L2->L1), prefetches, backups (L2->L3)."""
+        if self.controller is None:
+            return {"writes": 0, "loads": 0, "prefetches": 0, "backups": 0}
+        c = self.controller.inflight()
+        c_queues = len(self.controller.revoke_queue) + len(self.controller.release_queue)
+        return {
+            "writes": c["writes"],
+            "loads": c["loads"],
+            "prefetches": len(self._ongoing_prefetch) + c["prefetch_io"] + c_queues,
+            "backups": self._backups_inflight,
+        }
+
+    def is_io_idle(self) -> bool:
+        return not any(self.inflight_io().values())
+
+    def drain_io(self, timeout: float = 30.0) -> None:
+        """Start queued loads and process events until no copy or storage I/O is left (prefetches still
+        waiting for ``check_prefetch_progress`` are not committed). Raises ``TimeoutError``."""
+        if self.controller is None:
+            return
+        self.ready_to_load_host_cache()
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_hicache_events()
+            io = self.inflight_io()
+            io["prefetches"] -= len(self._ongoing_prefetch)
+            if not any(io.values()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cache I/O still in flight after {timeout}s: {io}")
+            time.sleep(0.0005)
+
+    # -- L2 -> L3 --------------------------------------------------------------------------------------------
+    def _ensure_hashes(self, node: TreeNode) -> None:
+        """Fill in missing page keys of ``node`` and its ancestors (chained from the root)."""
+        missing = []
+        while node.hash_value is None:
+            missing.append(node)
+            node = node.parent
+        for part in reversed(missing):
+            prior = part.parent.get_last_hash_value()
+            part.hash_value = page_hashes(part.key, self.page_size, prior, self.controller.namespace)
+
+    def _prefix_keys(self, node: TreeNode) -> list[str] | None:
+        if not self.config.pass_prefix_keys:
+            return None
+        keys: list[str] = []
+        for part in reversed(self.tree.path_to_root(node)):
+            keys.extend(part.hash_value or [])
+        return keys
+
+    def _backup_to_storage(self, node: TreeNode) -> None:
+        self._ensure_hashes(node)
+        self.tree.protect_host(node)
+        self._backups_inflight += 1
+        prefix = self._prefix_keys(node.parent)
+        self.controller.backup_storage(BackupOperation(node.host_value, list(node.hash_value), node, prefix))
+
+    # -- L3 -> L2 --------------------------------------------------------------------------------------------
+    def prefetch_from_storage(self, rid: str, last_host_node: TreeNode, new_token_ids) -> None:
+        """Start fetching the page-aligned ``new_token_ids`` (following ``last_host_node``) from L3.
+
+        Skipped without storage, below ``prefetch_threshold``, when prefetches already occupy half the
+        host pool, when ``rid`` already prefetches, or when the host pool has no room.
+        """
+        if self.backend is None or rid in self._ongoing_prefetch or last_host_node.host_value is None:
+            return
+        tokens = self._key(new_token_ids)
+        if len(tokens) < self.controller.prefetch_threshold:
+            return
+        if self.prefetch_tokens_occupied >= self.host_pool.size // 2:
+            return
+        self.tree.protect_host(last_host_node)
+        host = self._alloc_host(len(tokens))
+        if host is None:
+            self.tree.release_host(last_host_node)
+            return
+        if last_host_node is not self.tree.root:
+            self._ensure_hashes(last_host_node)
+        op = PrefetchOperation(
+            rid, tokens, host, last_host_node.get_last_hash_value(), self._prefix_keys(last_host_node)
+        )
+        self._ongoing_prefetch[rid] = _Prefetch(last_host_node, op)
+        self.prefetch_tokens_occupied += len(tokens)
+        self._stats.add(prefetch_started=1)
+        self.controller.prefetch(op)
+
+    def check_prefetch_progress(self, rid: str) -> bool:
+        """True when ``rid`` may be scheduled; then whatever arrived is committed to the tree as
+        host-only nodes (the page-aligned prefix every rank completed)."""
+        entry = self._ongoing_prefetch.get(rid)
+        if entry is None:
+            return True
+        op, cfg = entry.op, self.config
+        ok = can_terminate(
+            cfg.prefetch_policy,
+            op,
+            self.page_size,
+            time.monotonic(),
+            cfg.prefetch_timeout_base,
+            cfg.prefetch_timeout_per_ki_token,
+            cfg.prefetch_timeout_max,
+        )
+        waiting, terminated = self.reduce("max", [int(not ok), int(op.terminated)])
+        if waiting and not terminated:
+            return False
+        complete = op.is_complete(self.page_size)
+        completed = op.terminate()
+        committed = self.reduce("min", [completed])[0]
+        matched = self._insert_host(entry.anchor, op, committed)
+        if completed > committed:
+            self.host_pool.free(op.host_indices[committed:completed])
+        loaded = committed - matched
+        self._prefetch_loaded[rid] = loaded
+        self._finish_prefetch(rid, entry)
+        if op.hit_done and not op.hash_value:
+            self._stats.add(prefetch_revoked=1)
+        elif complete:
+            self._stats.add(prefetch_completed=1)
+        elif cfg.prefetch_policy == "timeout":
+            self._stats.add(prefetch_timed_out=1)
+        self._stats.add(prefetched_tokens=loaded)
+        return True
+
+    def _finish_prefetch(self, rid: str, entry: _Prefetch) -> None:
+        del self._ongoing_prefetch[rid]
+        self.tree.release_host(entry.anchor)
+        self.prefetch_tokens_occupied = max(0, self.prefetch_tokens_occupied - len(entry.op.token_ids))
+
+    def _insert_host(self, anchor: TreeNode, op: PrefetchOperation, length: int) -> int:
+        """Insert ``op``'s first ``length`` tokens under ``anchor`` as host-only nodes; returns the tokens
+        that were already in the tree (their fetched slots are freed, except that a device-only node on
+        the path adopts them as its host copy, keeping host copies prefix-closed)."""
+        tokens, slots, hashes, P = (
+            op.token_ids[:length],
+            op.host_indices[:length],
+            op.hash_value,
+            self.page_size,
+        )
+        node, pos, matched = anchor, 0, 0
+        now = self.tree.tick()
+        while pos < length:
+            child = node.children.get(self.tree.child_key(tokens, pos))
+            if child is None:
+                break
+            m = self.tree._match_len(child.key, tokens, pos)
+            if m < len(child.key):
+                child = self.tree.split(child, m)
+            child.last_access_time = now
+            if child.host_value is None:
+                child.host_value = slots[pos : pos + m]
+                if child.hash_value is None:
+                    child.hash_value = hashes[pos // P : (pos + m) // P]
+            else:
+                self.host_pool.free(slots[pos : pos + m])
+            matched += m
+            pos += m
+            node = child
+        if pos < length:
+            self.tree.add_leaf(node, tokens[pos:], None, slots[pos:length], hashes[pos // P : length // P])
+        return matched
+
+    def pop_prefetch_loaded_tokens(self, rid: str) -> int:
+        """Tokens ``rid``'s committed prefetch brought in from L3 (0 if none); forgets them."""
+        return self._prefetch_loaded.pop(rid, 0)
+
+    def release_aborted_request(self, rid: str) -> None:
+        """Stop ``rid``'s prefetch and free its anchor and arrived host slots (exactly once)."""
+        entry = self._ongoing_prefetch.get(rid)
+        if entry is None:
+            return
+        completed = entry.op.terminate()
+        if completed:
+            self.host_pool.free(entry.op.host_indices[:completed])
+        self._finish_prefetch(rid, entry)
+
+    # -- storage admin ---------------------------------------------------------------------------------------
+    def _check_admin(self, action: str) -> None:
+        if self.controller is None:
+            raise CacheAdminError(f"Reject {action}: hierarchical cache is not enabled")
+        io = self.inflight_io()
+        if any(io.values()):
+            raise CacheAdminError(f"Reject {action}: cache I/O in flight {io}")
+
+    def attach_storage_backend(
+        self,
+        backend: str | HiCacheStorage,
+        extra_config_json: str | None = None,
+        prefetch_policy: str | None = None,
+        write_policy: str | None = None,
+    ) -> str:
+        """Attach an L3 backend by registry name (or a ready instance) at runtime; returns a message.
+
+        Same backend already attached: only the given policies change. Raises ``CacheAdminError`` (and
+        changes nothing) for a bad policy or extra config, another backend attached ("Detach first"),
+        cache I/O in flight, or a backend that fails to start.
+        """
+        self._check_policies(prefetch_policy, write_policy)
+        name = backend if isinstance(backend, str) else type(backend).__name__
+        policies = {
+            k: v for k, v in (("prefetch_policy", prefetch_policy), ("write_policy", write_policy)) if v
+        }
+        if self.backend_name is not None:
+            if name != self.backend_name:
+                raise CacheAdminError(f"storage backend {self.backend_name!r} is attached; Detach first.")
+            self._check_admin("attach")
+            self.config = self.config.updated(**policies)
+            return f"storage backend {name!r} already enabled; policies updated"
+        self._check_admin("attach")
+        try:
+            extra = parse_extra_config(extra_config_json)
+        except ValueError as exc:
+            raise CacheAdminError(str(exc)) from exc
+        self._attach(backend, extra, self.config.updated(**policies))
+        return f"Attached storage backend {name!r}"
+
+    def _check_policies(self, prefetch_policy: str | None, write_policy: str | None) -> None:
+        if prefetch_policy is not None and prefetch_policy not in PREFETCH_POLICIES:
+            raise CacheAdminError(
+                f"hicache_storage_prefetch_policy: {prefetch_policy!r} is not one of {PREFETCH_POLICIES}"
+            )
+        if write_policy is not None and write_policy not in WRITE_POLICIES:
+            raise CacheAdminError(f"hicache_write_policy: {write_policy!r} is not one of {WRITE_POLICIES}")
+
+    def _attach(self, backend: str | HiCacheStorage, extra: dict, config: HiCacheConfig) -> None:
+        name = backend if isinstance(backend, str) else type(backend).__name__
+        try:
+            config, backend_extra = split_extra_config(config, extra)
+        except ValueError as exc:
+            raise CacheAdminError(str(exc)) from exc
+        layout = self.host_pool.layout
+        if name == "mooncake" and layout == "layer_first":
+            raise CacheAdminError("mooncake storage needs hicache_mem_layout page_first or page_first_direct")
+        storage_config = HiCacheStorageConfig(
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            is_mla_model=self.replicated_kv,
+            model_name=self.model_name,
+            page_size=self.page_size,
+            kv_dtype=str(self.device_pool.dtype),
+            layout=layout,
+            extra_config=backend_extra,
+        )
+        try:
+            if isinstance(backend, str):
+                instance = create_storage_backend(backend, storage_config, self.host_pool)
+            else:
+                instance = backend
+                instance.register_mem_pool_host(self.host_pool)
+        except Exception as exc:
+            raise CacheAdminError(f"storage backend {name!r} failed to start: {exc}") from exc
+        self.config = config.updated(storage_backend=name)
+        self.backend, self.backend_name = instance, name
+        backup_skip = self.replicated_kv and self.tp_rank != 0
+        self.controller.attach_storage(
+            instance, storage_config.namespace, config.prefetch_threshold, backup_skip
+        )
+        for node in self.tree.nodes():
+            if node.hash_value is None:
+                self._ensure_hashes(node)
+
+    def detach_storage_backend(self) -> str:
+        """Stop using L3 (idempotent). L3 data, L1/L2 contents and page keys stay. Raises
+        ``CacheAdminError`` while cache I/O is in flight."""
+        if self.backend is None:
+            return "no storage backend attached"
+        self._check_admin("detach")
+        try:
+            backend = self.controller.detach_storage()
+        except RuntimeError as exc:
+            raise CacheAdminError(str(exc)) from exc
+        self._drain_storage_queues(lambda op, values: values)
+        backend.close()
+        name, self.backend, self.backend_name = self.backend_name, None, None
+        self.config = self.config.updated(storage_backend=None)
+        return f"Detached storage backend {name!r}"
+
+    def clear_storage_backend(self) -> str:
+        """Delete every page in the attached L3 backend. Raises ``CacheAdminError``."""
+        if self.backend is None:
+            raise CacheAdminError("no storage backend attached")
+        self._check_admin("clear")
+        try:
+            self.backend.clear()
+        except Exception as exc:
+            raise CacheAdminError(f"clear failed: {exc}") from exc
+        return f"Cleared storage backend {self.backend_name!r}"
+
+    def update_policies(self, **fields) -> dict:
+        """Change prefetch/write policies, threshold or timeouts at runtime; returns ``storage_status()``.
+
+        Raises ``CacheAdminError`` naming a bad field or value, or while cache I/O is in flight.
+        """
+        unknown = [k for k in fields if k not in _POLICY_FIELDS]
+        if unknown:
+            raise CacheAdminError(
+                f"{unknown[0]}: not a runtime HiCache setting (use {', '.join(_POLICY_FIELDS)})"
+            )
+        try:
+            config = self.config.updated(**fields)
+        except ValueError as exc:
+            raise CacheAdminError(str(exc)) from exc
+        self._check_admin("update")
+        self.config = config
+        self.controller.set_prefetch_threshold(config.prefetch_threshold)
+        return self.storage_status()
+
+    def storage_status(self) -> dict:
+        """Live HiCache storage settings under SGLang's names."""
+        cfg = self.config
+        return {
+            "hicache_storage_backend": self.backend_name,
+            "hicache_storage_backend_extra_config": dict(cfg.extra_config) if self.backend_name else None,
+            "hicache_storage_prefetch_policy": cfg.prefetch_policy,
+            "hicache_write_policy": cfg.write_policy,
+            "hicache_mem_layout": cfg.mem_layout,
+            "hicache_io_backend": cfg.io_backend,
+            "prefetch_threshold": cfg.prefetch_threshold,
+            "prefetch_timeout_base": cfg.prefetch_timeout_base,
+            "prefetch_timeout_per_ki_token": cfg.prefetch_timeout_per_ki_token,
+            "prefetch_timeout_max": cfg.prefetch_timeout_max,
+        }
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Clear L1 and L2 (tree and pools) after finishing in-flight I/O; L3 is never touched."""
+        if self.controller is not None:
+            for rid in list(self._ongoing_prefetch):
+                self.release_aborted_request(rid)
+            self.drain_io()
+            self.host_pool.reset()
+        self._ongoing_write.clear()
+        self._ongoing_load.clear()
+        self._prefetch_loaded.clear()
+        self.prefetch_tokens_occupied = 0
+        self.tree.reset()
+        self.device_allocator.reset()
+
+    def close(self) -> None:
+        """Stop the I/O threads and close the storage backend."""
+        if self.controller is None:
+            return
+        backend = self.backend
+        self.controller.close()
+        if backend is not None:
+            backend.close()
+        self.backend = self.backend_name = None
