@@ -2,8 +2,8 @@
 
 Variables: SECRET_KEY, DEBUG (0/1, default 0), ALLOWED_HOSTS (comma list), CSRF_TRUSTED_ORIGINS (comma list),
 DATABASE_URL (default SQLite under var/), REDIS_URL (default redis://127.0.0.1:6379/0), HTTPS (0/1; default
-the inverse of DEBUG: SSL redirect, secure cookies and HSTS), FIELD_ENCRYPTION_KEY (Fernet key for worker admin
-keys; default derived from SECRET_KEY), TOKEN_PEPPER (HMAC key for API token digests; default derived from
+the inverse of DEBUG: SSL redirect, secure cookies and HSTS), FIELD_ENCRYPTION_KEY (Fernet key for worker
+admin keys; default derived from SECRET_KEY), TOKEN_PEPPER (HMAC key of API token digests; default from
 SECRET_KEY), CELERY_QUEUE, REDIS_KEY_PREFIX, TELEMETRY_SCRAPE_INTERVAL_S.
 """
 
@@ -83,7 +83,9 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'db.sqlite3'}")}
+DATABASES = {
+    "default": dj_database_url.parse(os.environ.get("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'db.sqlite3'}")
+}
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # WAL + IMMEDIATE transactions let the web process and Celery workers write the same file without
     # "database is locked"; test databases are files too, so worker subprocesses see them.

@@ -1,6 +1,6 @@
 """The only code that talks to engine workers and sglang-routers (httpx, synchronous).
 
-Worker endpoints follow CONTRACTS.md "Engine worker HTTP" (upstream SGLang hicache admin API, hicache-spec §7):
+Worker endpoints follow CONTRACTS.md "Engine worker HTTP" (upstream SGLang hicache admin API, spec §7):
 GET /server_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config, GET /metrics.
 Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url"} (202),
 DELETE /workers/{id}.

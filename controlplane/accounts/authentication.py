@@ -16,7 +16,9 @@ class ApiTokenAuthentication(authentication.BaseAuthentication):
         if not header or header[0] != self.keyword:
             return None
         if len(header) != 2:
-            raise exceptions.AuthenticationFailed("Authorization header must be 'Bearer cp_<prefix>.<secret>'.")
+            raise exceptions.AuthenticationFailed(
+                "Authorization header must be 'Bearer cp_<prefix>.<secret>'."
+            )
         token = token_get_by_plaintext(header[1])
         if token is None:
             raise exceptions.AuthenticationFailed("Invalid, expired or revoked API token.")

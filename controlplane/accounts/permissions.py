@@ -1,6 +1,6 @@
 """Role enforcement for every API view.
 
-Views declare `read_roles` and `write_roles` (sets of Role values); the defaults let viewer/operator/admin read
+Views declare `read_roles` and `write_roles` (sets of Role values); defaults: viewer/operator/admin read
 and operator/admin write. A token created without `write_enabled` can never use an unsafe method.
 """
 

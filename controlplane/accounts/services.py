@@ -15,13 +15,20 @@ from controlplane.core.exceptions import ApplicationError
 
 
 def _user_snapshot(user) -> dict:
-    return {"username": user.get_username(), "email": user.email, "role": user_role(user), "active": user.is_active}
+    return {
+        "username": user.get_username(),
+        "email": user.email,
+        "role": user_role(user),
+        "active": user.is_active,
+    }
 
 
 def _set_role(user, role: str) -> None:
     if role not in Role.values:
-        raise ApplicationError(f"unknown role {role!r}; choose one of {', '.join(Role.values)}", code="bad_role")
-    user.groups.set([Group.objects.get(name=role)])
+        raise ApplicationError(
+            f"unknown role {role!r}; choose one of {', '.join(Role.values)}", code="bad_role"
+        )
+    user.groups.set([Group.objects.get_or_create(name=role)[0]])
     user._kvfleet_role = False
 
 
@@ -40,7 +47,9 @@ def user_create(*, username: str, password: str, role: str, email: str = "", act
 
 
 @transaction.atomic
-def user_update(*, user, actor, role: str | None = None, is_active: bool | None = None, email: str | None = None):
+def user_update(
+    *, user, actor, role: str | None = None, is_active: bool | None = None, email: str | None = None
+):
     before = _user_snapshot(user)
     if role is not None:
         _set_role(user, role)

@@ -9,7 +9,11 @@ from controlplane.core.context import current_request_id, source_ip_var, token_p
 def diff(before: dict | None, after: dict | None) -> dict:
     """{field: [old, new]} for every top-level key whose value differs (missing keys count as None)."""
     before, after = before or {}, after or {}
-    return {k: [before.get(k), after.get(k)] for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)}
+    return {
+        k: [before.get(k), after.get(k)]
+        for k in sorted(set(before) | set(after))
+        if before.get(k) != after.get(k)
+    }
 
 
 def audit_record(

@@ -7,7 +7,12 @@ from django.db import models
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 NUMERIC_FIELDS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max")
-CONFIG_FIELDS = ("hicache_storage_prefetch_policy", "hicache_write_policy", "prefetch_threshold", *NUMERIC_FIELDS)
+CONFIG_FIELDS = (
+    "hicache_storage_prefetch_policy",
+    "hicache_write_policy",
+    "prefetch_threshold",
+    *NUMERIC_FIELDS,
+)
 
 
 class ConfigProfile(models.Model):

@@ -14,7 +14,12 @@ from controlplane.configs.models import (
     ConfigProfile,
     ConfigRevision,
 )
-from controlplane.core.exceptions import ApplicationError, ConflictError, PreconditionFailed, PreconditionRequired
+from controlplane.core.exceptions import (
+    ApplicationError,
+    ConflictError,
+    PreconditionFailed,
+    PreconditionRequired,
+)
 from controlplane.core.services import model_snapshot
 
 
@@ -25,17 +30,23 @@ def config_content_validate(content) -> dict:
     unknown = sorted(set(content) - set(CONFIG_FIELDS))
     if unknown:
         raise ApplicationError(
-            f"unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(CONFIG_FIELDS)}", code="bad_content"
+            f"unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(CONFIG_FIELDS)}",
+            code="bad_content",
         )
     checks = {
         "hicache_storage_prefetch_policy": lambda v: v in PREFETCH_POLICIES,
         "hicache_write_policy": lambda v: v in WRITE_POLICIES,
         "prefetch_threshold": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-        **{f: (lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v >= 0) for f in NUMERIC_FIELDS},
+        **{
+            f: (lambda v: isinstance(v, int | float) and not isinstance(v, bool) and v >= 0)
+            for f in NUMERIC_FIELDS
+        },
     }
     for field, value in content.items():
         if not checks[field](value):
-            raise ApplicationError(f"invalid value {value!r} for {field}", code="bad_content", detail={"field": field})
+            raise ApplicationError(
+                f"invalid value {value!r} for {field}", code="bad_content", detail={"field": field}
+            )
     return content
 
 
@@ -57,7 +68,9 @@ def profile_create(*, name: str, description: str = "", content: dict | None = N
         )
         profile.head_number = 1
         profile.save(update_fields=["head_number"])
-    audit_record(action="create", obj=profile, after={**model_snapshot(profile), "content": content}, actor=actor)
+    audit_record(
+        action="create", obj=profile, after={**model_snapshot(profile), "content": content}, actor=actor
+    )
     return profile
 
 
@@ -69,11 +82,13 @@ def _user(actor):
 def revision_commit(*, profile: ConfigProfile, if_match: str | None, content, message: str = "", actor):
     """Append revision head+1 if `if_match` equals the profile's current ETag (checked under a row lock).
 
-    Raises PreconditionRequired (428) without If-Match, PreconditionFailed (412) when stale, ConflictError (409)
+    Raises PreconditionRequired (428) without If-Match, PreconditionFailed (412) if stale, ConflictError (409)
     when the content equals the head revision, ApplicationError (400) for a bad field.
     """
     if not if_match:
-        raise PreconditionRequired("If-Match header with the profile's ETag is required", detail={"etag": profile.etag})
+        raise PreconditionRequired(
+            "If-Match header with the profile's ETag is required", detail={"etag": profile.etag}
+        )
     locked = ConfigProfile.objects.select_for_update().get(pk=profile.pk)
     if if_match.removeprefix("W/") != locked.etag:
         raise PreconditionFailed(

@@ -30,4 +30,6 @@ def decrypt_text(token: str) -> str:
     try:
         return _fernet().decrypt(token.encode()).decode()
     except InvalidToken as exc:
-        raise ValueError("stored secret cannot be decrypted with the configured FIELD_ENCRYPTION_KEY") from exc
+        raise ValueError(
+            "stored secret cannot be decrypted with the configured FIELD_ENCRYPTION_KEY"
+        ) from exc

@@ -44,7 +44,14 @@ class PreconditionRequired(ApplicationError):
 
 
 def error_body(code: str, message: str, detail=None) -> dict:
-    return {"error": {"code": code, "message": message, "detail": detail or {}, "request_id": current_request_id()}}
+    return {
+        "error": {
+            "code": code,
+            "message": message,
+            "detail": detail or {},
+            "request_id": current_request_id(),
+        }
+    }
 
 
 def exception_handler(exc, context):

@@ -37,7 +37,9 @@ def model_create(*, model: type[models.Model], data: dict, actor, message: str =
             instance.save()
         except IntegrityError as exc:
             raise ConflictError(f"{model._meta.verbose_name} conflicts with an existing one: {exc}") from exc
-        audit_record(action="create", obj=instance, after=model_snapshot(instance), actor=actor, message=message)
+        audit_record(
+            action="create", obj=instance, after=model_snapshot(instance), actor=actor, message=message
+        )
     return instance
 
 
@@ -49,7 +51,12 @@ def model_update(*, instance: models.Model, data: dict, actor, message: str = ""
         instance.full_clean()
         instance.save()
         audit_record(
-            action="update", obj=instance, before=before, after=model_snapshot(instance), actor=actor, message=message
+            action="update",
+            obj=instance,
+            before=before,
+            after=model_snapshot(instance),
+            actor=actor,
+            message=message,
         )
     return instance
 
@@ -57,7 +64,11 @@ def model_update(*, instance: models.Model, data: dict, actor, message: str = ""
 def model_delete(*, instance: models.Model, actor, message: str = "") -> None:
     with transaction.atomic():
         before = model_snapshot(instance)
-        record = {"object_type": instance._meta.label_lower, "object_id": str(instance.pk), "object_repr": str(instance)}
+        record = {
+            "object_type": instance._meta.label_lower,
+            "object_id": str(instance.pk),
+            "object_repr": str(instance),
+        }
         try:
             instance.delete()
         except ProtectedError as exc:

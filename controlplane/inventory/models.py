@@ -102,14 +102,18 @@ class EngineWorker(models.Model):
     name = models.CharField(max_length=100, unique=True)
     url = models.URLField(unique=True)
     host = models.ForeignKey(Host, null=True, blank=True, on_delete=models.SET_NULL, related_name="workers")
-    router = models.ForeignKey(Router, null=True, blank=True, on_delete=models.SET_NULL, related_name="workers")
+    router = models.ForeignKey(
+        Router, null=True, blank=True, on_delete=models.SET_NULL, related_name="workers"
+    )
     role = models.CharField(max_length=10, choices=WorkerRole.choices, default=WorkerRole.MIXED)
     model_name = models.CharField(max_length=200, blank=True)
     tp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     dp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     page_size = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)])
     hicache_config = models.JSONField(default=dict, blank=True, help_text="Last storage_status() read back")
-    storage_backend = models.CharField(max_length=20, blank=True, help_text="Attached L3 backend name, if any")
+    storage_backend = models.CharField(
+        max_length=20, blank=True, help_text="Attached L3 backend name, if any"
+    )
     storage_profile = models.ForeignKey(
         StorageProfile, null=True, blank=True, on_delete=models.PROTECT, related_name="workers"
     )

@@ -1,4 +1,4 @@
-"""Writes for inventory beyond generic CRUD: workers (admin key encryption) and the agent register/heartbeat."""
+"""Writes for inventory beyond generic CRUD: workers (admin key encryption), agent register/heartbeat."""
 
 from django.db import transaction
 from django.utils import timezone
@@ -43,7 +43,7 @@ def worker_record_server_info(*, worker: EngineWorker, info: dict) -> None:
 
 @transaction.atomic
 def agent_register(*, host: dict, workers: list[dict], actor) -> tuple[Host, list[EngineWorker]]:
-    """Upsert a host, its GPUs and its workers as the agent reports them; one audit record for the whole call."""
+    """Upsert a host, its GPUs and its workers as the agent reports them; one audit record per call."""
     host_obj = Host.objects.select_for_update().filter(name=host["name"]).first()
     before = {"host": model_snapshot(host_obj), "workers": []} if host_obj else None
     if host_obj is None:
@@ -56,7 +56,10 @@ def agent_register(*, host: dict, workers: list[dict], actor) -> tuple[Host, lis
     if "gpus" in host:
         host_obj.gpus.all().delete()
         Gpu.objects.bulk_create(
-            [Gpu(host=host_obj, index=g["index"], model=g["model"], memory_mib=g["memory_mib"]) for g in host["gpus"]]
+            [
+                Gpu(host=host_obj, index=g["index"], model=g["model"], memory_mib=g["memory_mib"])
+                for g in host["gpus"]
+            ]
         )
     saved = []
     for item in workers:
@@ -86,5 +89,7 @@ def agent_heartbeat(*, host_name: str, worker_urls: list[str]) -> int:
     """
     now = timezone.now()
     if not Host.objects.filter(name=host_name).update(last_seen=now):
-        raise ApplicationError(f"unknown host {host_name!r}: register first", code="unknown_host", status_code=404)
+        raise ApplicationError(
+            f"unknown host {host_name!r}: register first", code="unknown_host", status_code=404
+        )
     return EngineWorker.objects.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)

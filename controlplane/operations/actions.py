@@ -24,7 +24,9 @@ def read_state(op: Operation, client: WorkerClient) -> dict:
 def apply(op: Operation, client: WorkerClient) -> None:
     if op.kind == OperationKind.ATTACH:
         profile = op.storage_profile
-        client.attach_storage(profile.backend, json.dumps(profile.extra_config) if profile.extra_config else None)
+        client.attach_storage(
+            profile.backend, json.dumps(profile.extra_config) if profile.extra_config else None
+        )
     elif op.kind == OperationKind.DETACH:
         client.detach_storage()
     else:
@@ -41,11 +43,19 @@ def mismatch(op: Operation, state: dict) -> str:
     """'' when the read-back `state` is what the operation asked for, else a sentence saying what differs."""
     if op.kind == OperationKind.ATTACH:
         got = state.get("hicache_storage_backend")
-        return "" if got == op.storage_profile.backend else f"backend is {got!r}, expected {op.storage_profile.backend!r}"
+        return (
+            ""
+            if got == op.storage_profile.backend
+            else f"backend is {got!r}, expected {op.storage_profile.backend!r}"
+        )
     if op.kind == OperationKind.DETACH:
         got = state.get("hicache_storage_backend")
         return "" if not got else f"backend {got!r} still attached"
-    wrong = [f"{k}={state.get(k)!r} (expected {v!r})" for k, v in op.revision.content.items() if not _same(state.get(k), v)]
+    wrong = [
+        f"{k}={state.get(k)!r} (expected {v!r})"
+        for k, v in op.revision.content.items()
+        if not _same(state.get(k), v)
+    ]
     return "; ".join(wrong)
 
 

@@ -1,6 +1,7 @@
 """Operation, its per-target state machine rows, and stored Idempotency-Key responses.
 
-Target states: pending -> waiting_for_idle -> applying -> verifying -> succeeded | failed | reverted | cancelled.
+Target states: pending -> waiting_for_idle -> applying -> verifying -> succeeded | failed | reverted |
+cancelled.
 `TRANSITIONS` is the whole table; `services.target_transition` is the only writer of `OperationTarget.state`.
 """
 
@@ -85,7 +86,9 @@ class Operation(models.Model):
 
 class OperationTarget(models.Model):
     operation = models.ForeignKey(Operation, on_delete=models.CASCADE, related_name="targets")
-    worker = models.ForeignKey("inventory.EngineWorker", on_delete=models.PROTECT, related_name="operation_targets")
+    worker = models.ForeignKey(
+        "inventory.EngineWorker", on_delete=models.PROTECT, related_name="operation_targets"
+    )
     state = models.CharField(max_length=20, choices=TargetState.choices, default=TargetState.PENDING)
     version = models.PositiveIntegerField(default=0)
     before = models.JSONField(null=True, blank=True, help_text="Worker state read before applying")
@@ -125,3 +128,6 @@ class IdempotencyRecord(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["user", "key"], name="idempotency_unique_key")]
+
+    def __str__(self) -> str:
+        return f"{self.key} ({self.status_code})"

@@ -72,7 +72,9 @@ def target_transition(target: OperationTarget, *, to: str, explanation: str | No
     if to in FINAL_STATES or to == T.SUCCEEDED:
         changes["finished_at"] = now
     with transaction.atomic():
-        moved = OperationTarget.objects.filter(pk=target.pk, state=expected).update(version=F("version") + 1, **changes)
+        moved = OperationTarget.objects.filter(pk=target.pk, state=expected).update(
+            version=F("version") + 1, **changes
+        )
         if not moved:
             return False
         for key, value in changes.items():
@@ -84,8 +86,14 @@ def target_transition(target: OperationTarget, *, to: str, explanation: str | No
         emit_on_commit(
             operation_group(op_id),
             "operation.target_changed",
-            {"operation_id": op_id, "target_id": target.pk, "worker": target.worker.name, "from": expected,
-             "state": to, "explanation": target.explanation},
+            {
+                "operation_id": op_id,
+                "target_id": target.pk,
+                "worker": target.worker.name,
+                "from": expected,
+                "state": to,
+                "explanation": target.explanation,
+            },
             seq=target.version,
         )
     return True
@@ -111,8 +119,12 @@ def _audit_target(target: OperationTarget, previous: str) -> None:
         operation_id=op.pk,
         actor=op.created_by,
         request_id=op.request_id,
-        extra={"target_id": target.pk, "from_state": previous, "state": target.state,
-               "restore": None if reverting or target.state == T.FAILED else restore},
+        extra={
+            "target_id": target.pk,
+            "from_state": previous,
+            "state": target.state,
+            "restore": None if reverting or target.state == T.FAILED else restore,
+        },
     )
 
 
@@ -151,30 +163,49 @@ def operation_create(
     timeout = settings.OPERATION_IDLE_TIMEOUT_S if idle_timeout_s is None else idle_timeout_s
     if timeout <= 0:
         raise ApplicationError("idle_timeout_s must be positive", code="bad_timeout")
-    busy = OperationTarget.objects.filter(worker__in=workers, state__in=ACTIVE_STATES).select_related("worker")
+    busy = OperationTarget.objects.filter(worker__in=workers, state__in=ACTIVE_STATES).select_related(
+        "worker"
+    )
     if busy.exists():
         names = sorted({t.worker.name for t in busy})
-        raise ConflictError(f"workers already in a running operation: {', '.join(names)}", code="worker_busy",
-                            detail={"workers": names})
+        raise ConflictError(
+            f"workers already in a running operation: {', '.join(names)}",
+            code="worker_busy",
+            detail={"workers": names},
+        )
     user = actor if getattr(actor, "is_authenticated", False) else None
     try:
         with transaction.atomic():
             op = Operation.objects.create(
-                kind=kind, policy=policy, drain=drain, storage_profile=storage_profile, revision=revision,
-                idle_timeout_s=timeout, reason=reason, created_by=user, request_id=current_request_id(),
+                kind=kind,
+                policy=policy,
+                drain=drain,
+                storage_profile=storage_profile,
+                revision=revision,
+                idle_timeout_s=timeout,
+                reason=reason,
+                created_by=user,
+                request_id=current_request_id(),
             )
             deadline = timezone.now() + timedelta(seconds=timeout + settings.OPERATION_APPLY_TIMEOUT_S)
             targets = OperationTarget.objects.bulk_create(
                 [OperationTarget(operation=op, worker=w, deadline_at=deadline) for w in workers]
             )
             audit_record(
-                action=kind, obj=op, after=operation_snapshot(op, workers), message=reason,
-                outcome=Outcome.PENDING, operation_id=op.pk, actor=actor,
+                action=kind,
+                obj=op,
+                after=operation_snapshot(op, workers),
+                message=reason,
+                outcome=Outcome.PENDING,
+                operation_id=op.pk,
+                actor=actor,
                 extra={"worker_ids": [w.pk for w in workers]},
             )
             _enqueue_steps([t.pk for t in targets])
     except IntegrityError as exc:
-        raise ConflictError("a chosen worker was claimed by another operation; retry", code="worker_busy") from exc
+        raise ConflictError(
+            "a chosen worker was claimed by another operation; retry", code="worker_busy"
+        ) from exc
     return op
 
 
@@ -203,21 +234,27 @@ def operation_create_idempotent(*, key: str | None, user, payload: dict, create)
     record = IdempotencyRecord.objects.filter(user=user, key=key).first()
     if record is not None:
         if record.request_sha256 != digest:
-            raise ApplicationError("Idempotency-Key reused with a different request body",
-                                   code="idempotency_key_mismatch", status_code=422)
+            raise ApplicationError(
+                "Idempotency-Key reused with a different request body",
+                code="idempotency_key_mismatch",
+                status_code=422,
+            )
         return record.status_code, record.response_body, True
     try:
         with transaction.atomic():
             body = create()
-            IdempotencyRecord.objects.create(user=user, key=key, request_sha256=digest, status_code=201,
-                                             response_body=body)
+            IdempotencyRecord.objects.create(
+                user=user, key=key, request_sha256=digest, status_code=201, response_body=body
+            )
     except IntegrityError as exc:
-        raise ConflictError("a request with this Idempotency-Key is in flight; retry", code="idempotency_in_flight") from exc
+        raise ConflictError(
+            "a request with this Idempotency-Key is in flight; retry", code="idempotency_in_flight"
+        ) from exc
     return 201, body, False
 
 
 def operation_create_from_audit(*, event: AuditEvent, actor, reason: str = "") -> Operation:
-    """"Revert to this revision": a new operation that restores the state recorded by `event`."""
+    """ "Revert to this revision": a new operation that restores the state recorded by `event`."""
     restore = (event.extra or {}).get("restore")
     if not restore:
         raise ApplicationError("this audit record has no revision to revert to", code="not_revertible")
@@ -245,8 +282,15 @@ def operation_cancel(*, op: Operation, actor, reason: str = "") -> Operation:
             raise ConflictError(f"operation {op.pk} is already being cancelled", code="already_cancelling")
         locked.cancel_requested = True
         locked.save(update_fields=["cancel_requested"])
-        audit_record(action="cancel", obj=locked, message=reason, operation_id=locked.pk, actor=actor,
-                     before={"cancel_requested": False}, after={"cancel_requested": True})
+        audit_record(
+            action="cancel",
+            obj=locked,
+            message=reason,
+            operation_id=locked.pk,
+            actor=actor,
+            before={"cancel_requested": False},
+            after={"cancel_requested": True},
+        )
         _enqueue_steps(list(locked.targets.filter(state__in=ACTIVE_STATES).values_list("pk", flat=True)))
     return locked
 
@@ -295,12 +339,21 @@ def target_step(*, target_id: int) -> float | None:
         if target.state not in ACTIVE_STATES:
             return None
         if (op.cancel_requested or op.abort_requested) and target.state in (T.PENDING, T.WAITING_FOR_IDLE):
-            why = "cancelled by operator" if op.cancel_requested else "cancelled: another target failed (all_or_nothing)"
+            why = (
+                "cancelled by operator"
+                if op.cancel_requested
+                else "cancelled: another target failed (all_or_nothing)"
+            )
             why += _restore_router(target)
             if target_transition(target, to=T.CANCELLED, explanation=why):
                 operation_refresh(op_id=op.pk)
             return None
-        step = {T.PENDING: _start, T.WAITING_FOR_IDLE: _wait_for_idle, T.APPLYING: _apply, T.VERIFYING: _verify}
+        step = {
+            T.PENDING: _start,
+            T.WAITING_FOR_IDLE: _wait_for_idle,
+            T.APPLYING: _apply,
+            T.VERIFYING: _verify,
+        }
         return step[target.state](target)
 
 
@@ -321,7 +374,11 @@ def _start(target: OperationTarget) -> float | None:
             return None
     idle_deadline = _now() + timedelta(seconds=op.idle_timeout_s)
     moved = target_transition(
-        target, to=T.WAITING_FOR_IDLE, before=before, drained=drained, idle_deadline_at=idle_deadline,
+        target,
+        to=T.WAITING_FOR_IDLE,
+        before=before,
+        drained=drained,
+        idle_deadline_at=idle_deadline,
         deadline_at=idle_deadline + timedelta(seconds=settings.OPERATION_APPLY_TIMEOUT_S),
         explanation="removed from router; waiting for idle" if drained else "waiting for idle",
     )
@@ -337,8 +394,12 @@ def _wait_for_idle(target: OperationTarget) -> float | None:
     except WorkerError as exc:
         idle, status = False, f"unreachable ({exc.message})"
     if idle:
-        moved = target_transition(target, to=T.APPLYING, explanation="idle; applying",
-                                  deadline_at=_now() + timedelta(seconds=settings.OPERATION_APPLY_TIMEOUT_S))
+        moved = target_transition(
+            target,
+            to=T.APPLYING,
+            explanation="idle; applying",
+            deadline_at=_now() + timedelta(seconds=settings.OPERATION_APPLY_TIMEOUT_S),
+        )
         return _apply(target) if moved else None
     if target.idle_deadline_at and _now() >= target.idle_deadline_at:
         _fail(target, f"not idle within {op.idle_timeout_s:g}s (last seen {status})")
@@ -357,7 +418,9 @@ def _apply(target: OperationTarget) -> float | None:
         if actions.mismatch(op, actions.read_state(op, client)):
             actions.apply(op, client)
     except WorkerNotIdle as exc:
-        moved = target_transition(target, to=T.WAITING_FOR_IDLE, explanation=f"worker answered not idle: {exc.message}")
+        moved = target_transition(
+            target, to=T.WAITING_FOR_IDLE, explanation=f"worker answered not idle: {exc.message}"
+        )
         return settings.OPERATION_POLL_INTERVAL_S if moved else None
     except WorkerError as exc:
         _fail(target, f"apply failed: {exc.message}")
@@ -423,8 +486,12 @@ def _revert_step(target: OperationTarget) -> float | None:
         _fail_revert(target, f"revert failed verification: {wrong}")
         return None
     _record_worker_state(op, target.worker, state, reverted=True)
-    failed = ", ".join(op.targets.filter(state=T.FAILED, revert_requested=False).values_list("worker__name", flat=True))
-    if target_transition(target, to=T.REVERTED, explanation=f"reverted: {failed or 'another target'} failed (all_or_nothing)"):
+    failed = ", ".join(
+        op.targets.filter(state=T.FAILED, revert_requested=False).values_list("worker__name", flat=True)
+    )
+    if target_transition(
+        target, to=T.REVERTED, explanation=f"reverted: {failed or 'another target'} failed (all_or_nothing)"
+    ):
         operation_refresh(op_id=op.pk)
     return None
 
@@ -454,12 +521,15 @@ def operation_refresh(*, op_id: int) -> Operation:
             if to_revert:
                 deadline = _now() + timedelta(seconds=op.idle_timeout_s)
                 OperationTarget.objects.filter(pk__in=[t.pk for t in to_revert]).update(
-                    revert_requested=True, idle_deadline_at=deadline,
+                    revert_requested=True,
+                    idle_deadline_at=deadline,
                     deadline_at=deadline + timedelta(seconds=settings.OPERATION_APPLY_TIMEOUT_S),
                 )
                 _enqueue_steps([t.pk for t in to_revert])
                 return op
-        pending = [t for t in targets if t.state in ACTIVE_STATES or (t.state == T.SUCCEEDED and t.revert_requested)]
+        pending = [
+            t for t in targets if t.state in ACTIVE_STATES or (t.state == T.SUCCEEDED and t.revert_requested)
+        ]
         if pending:
             return op
         _finish(op, targets)
@@ -475,7 +545,11 @@ def _finish(op: Operation, targets: list[OperationTarget]) -> None:
         state = OperationState.SUCCEEDED
     elif op.policy == Policy.ALL_OR_NOTHING and failed:
         revert_failed = any(t.revert_requested for t in targets if t.state == T.FAILED)
-        state = OperationState.FAILED if revert_failed or not by_state.get(T.REVERTED) else OperationState.REVERTED
+        state = (
+            OperationState.FAILED
+            if revert_failed or not by_state.get(T.REVERTED)
+            else OperationState.REVERTED
+        )
     elif op.cancel_requested and by_state.get(T.CANCELLED):
         state = OperationState.CANCELLED
     elif failed:
@@ -492,9 +566,14 @@ def _finish(op: Operation, targets: list[OperationTarget]) -> None:
     op.finished_at = _now()
     op.save(update_fields=["state", "summary", "explanation", "finished_at"])
     audit_record(
-        action="operation_finished", obj=op, after={"state": state, **op.summary}, message=op.explanation,
+        action="operation_finished",
+        obj=op,
+        after={"state": state, **op.summary},
+        message=op.explanation,
         outcome=Outcome.SUCCESS if state == OperationState.SUCCEEDED else Outcome.FAILURE,
-        operation_id=op.pk, actor=op.created_by, request_id=op.request_id,
+        operation_id=op.pk,
+        actor=op.created_by,
+        request_id=op.request_id,
     )
     data = {"operation_id": op.pk, "state": state, "explanation": op.explanation, "summary": op.summary}
     emit_on_commit(operation_group(op.pk), "operation.state_changed", data)
@@ -504,9 +583,13 @@ def _finish(op: Operation, targets: list[OperationTarget]) -> None:
 def reap_stuck_targets(*, grace_s: float = 30.0) -> int:
     """Fail targets still active (or waiting to be reverted) past deadline + grace (e.g. a lost task)."""
     cutoff = _now() - timedelta(seconds=grace_s)
-    stuck = OperationTarget.objects.select_related("operation", "worker__router").filter(deadline_at__lt=cutoff)
+    stuck = OperationTarget.objects.select_related("operation", "worker__router").filter(
+        deadline_at__lt=cutoff
+    )
     reaped = 0
-    for target in stuck.filter(state__in=ACTIVE_STATES) | stuck.filter(state=T.SUCCEEDED, revert_requested=True):
+    for target in stuck.filter(state__in=ACTIVE_STATES) | stuck.filter(
+        state=T.SUCCEEDED, revert_requested=True
+    ):
         with bound_request_id(target.operation.request_id):
             why = f"reaped: stuck in {target.state} past its deadline {target.deadline_at.isoformat()}"
             if target.state == T.SUCCEEDED:
@@ -518,4 +601,6 @@ def reap_stuck_targets(*, grace_s: float = 30.0) -> int:
 
 
 def idempotency_purge(*, older_than_s: float = 86400.0) -> int:
-    return IdempotencyRecord.objects.filter(created_at__lt=_now() - timedelta(seconds=older_than_s)).delete()[0]
+    return IdempotencyRecord.objects.filter(created_at__lt=_now() - timedelta(seconds=older_than_s)).delete()[
+        0
+    ]

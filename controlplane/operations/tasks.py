@@ -1,7 +1,7 @@
 """Thin Celery tasks: ids in, a service call, re-enqueue while the service asks for another step.
 
 acks_late + reject_on_worker_lost: a message is acknowledged only after the step ran, and redelivered if the
-worker died; `target_step` re-reads the target and no-ops when the state already moved, so a second run is safe.
+worker died; `target_step` re-reads the target and no-ops when the state already moved, so a rerun is safe.
 """
 
 from celery import shared_task

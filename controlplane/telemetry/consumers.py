@@ -29,11 +29,15 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
     async def receive_json(self, content, **kwargs):
         groups = content.get("groups") if isinstance(content, dict) else None
         if content.get("action") != "subscribe" or not isinstance(groups, list):
-            await self.send_json(envelope("control.error", {"message": 'send {"action": "subscribe", "groups": [...]}'}))
+            await self.send_json(
+                envelope("control.error", {"message": 'send {"action": "subscribe", "groups": [...]}'})
+            )
             return
         bad = [g for g in groups if not isinstance(g, str) or not GROUP_PATTERN.match(g)]
         if bad or len(groups) > MAX_GROUPS:
-            await self.send_json(envelope("control.error", {"message": f"unknown or too many groups: {bad[:5]}"}))
+            await self.send_json(
+                envelope("control.error", {"message": f"unknown or too many groups: {bad[:5]}"})
+            )
             return
         wanted = set(groups)
         joined, left = wanted - self.groups_joined, self.groups_joined - wanted
@@ -43,7 +47,10 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_add(group, self.channel_name)
         self.groups_joined = wanted
         await self.send_json(
-            envelope("control.subscribed", {"groups": sorted(wanted), "joined": sorted(joined), "left": sorted(left)})
+            envelope(
+                "control.subscribed",
+                {"groups": sorted(wanted), "joined": sorted(joined), "left": sorted(left)},
+            )
         )
 
     async def broadcast_event(self, message):

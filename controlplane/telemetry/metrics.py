@@ -76,7 +76,8 @@ def parse_prometheus(text: str) -> dict:
 def finish_snapshot(snap: dict) -> dict:
     if "prefetch_started_total" not in snap and "prefetch_completed_total" in snap:
         snap["prefetch_started_total"] = sum(
-            snap.get(k, 0.0) for k in ("prefetch_completed_total", "prefetch_timeout_total", "prefetch_revoked_total")
+            snap.get(k, 0.0)
+            for k in ("prefetch_completed_total", "prefetch_timeout_total", "prefetch_revoked_total")
         )
     total = snap.get("hicache_host_total_tokens")
     if total:

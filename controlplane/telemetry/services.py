@@ -32,7 +32,9 @@ def metrics_ingest(*, worker: EngineWorker, text: str | None = None, metrics: di
         try:
             snap = parse_prometheus(text)
         except ValueError as exc:
-            raise ApplicationError(f"metrics text is not Prometheus exposition format: {exc}", code="bad_metrics") from exc
+            raise ApplicationError(
+                f"metrics text is not Prometheus exposition format: {exc}", code="bad_metrics"
+            ) from exc
     elif metrics is not None:
         unknown = sorted(set(metrics) - SNAPSHOT_KEYS)
         if unknown:
@@ -58,7 +60,7 @@ def _message_for(group: str) -> tuple[str, dict, int] | None:
 
 
 def publish(group: str) -> bool:
-    """Send the group's newest state now if its window is open; else make sure a trailing flush is scheduled."""
+    """Send the group's newest state now if its window is open; else schedule one trailing flush."""
     if store.open_window(group):
         message = _message_for(group)
         if message:

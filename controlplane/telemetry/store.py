@@ -63,7 +63,7 @@ def open_window(group: str) -> bool:
 
 
 def claim_trailing_flush(group: str) -> float | None:
-    """When the window is closed: seconds until it reopens if this caller should schedule the flush, else None."""
+    """When the window is closed: seconds until it reopens if this caller must schedule the flush."""
     ttl_ms = client().pttl(_key("gate", group))
     if not client().set(_key("pend", group), "1", nx=True, px=max(ttl_ms, 1) + 50):
         return None

@@ -35,8 +35,17 @@ class ApiTokenSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = ApiToken
-        fields = ["id", "user", "name", "prefix", "write_enabled", "created_at", "expires_at", "last_used_at",
-                  "revoked_at"]
+        fields = [
+            "id",
+            "user",
+            "name",
+            "prefix",
+            "write_enabled",
+            "created_at",
+            "expires_at",
+            "last_used_at",
+            "revoked_at",
+        ]
         read_only_fields = ["prefix", "created_at", "last_used_at", "revoked_at"]
 
 

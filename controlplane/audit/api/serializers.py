@@ -8,9 +8,27 @@ class AuditEventSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = AuditEvent
-        fields = ["id", "occurred_at", "actor_display", "actor_type", "token_prefix", "request_id", "source_ip",
-                  "action", "object_type", "object_id", "object_repr", "operation_id", "before", "after",
-                  "changes", "message", "outcome", "extra", "revertible"]
+        fields = [
+            "id",
+            "occurred_at",
+            "actor_display",
+            "actor_type",
+            "token_prefix",
+            "request_id",
+            "source_ip",
+            "action",
+            "object_type",
+            "object_id",
+            "object_repr",
+            "operation_id",
+            "before",
+            "after",
+            "changes",
+            "message",
+            "outcome",
+            "extra",
+            "revertible",
+        ]
         read_only_fields = fields
 
     def get_revertible(self, obj) -> bool:

@@ -19,7 +19,9 @@ class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):
     ordering_fields = ["occurred_at"]
     ordering = ["-occurred_at", "-id"]
 
-    @extend_schema(request=RevertSerializer, responses={201: OpenApiResponse(description="the new operation")})
+    @extend_schema(
+        request=RevertSerializer, responses={201: OpenApiResponse(description="the new operation")}
+    )
     @action(detail=True, methods=["post"])
     def revert(self, request, pk=None):
         from controlplane.operations.api.serializers import OperationSerializer
@@ -28,5 +30,8 @@ class AuditEventViewSet(viewsets.ReadOnlyModelViewSet):
         body = RevertSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         op = operation_create_from_audit(event=self.get_object(), actor=request.user, **body.validated_data)
-        return Response(OperationSerializer(op).data, status=status.HTTP_201_CREATED,
-                        headers={"Location": f"/api/v1/operations/{op.pk}/"})
+        return Response(
+            OperationSerializer(op).data,
+            status=status.HTTP_201_CREATED,
+            headers={"Location": f"/api/v1/operations/{op.pk}/"},
+        )

@@ -6,7 +6,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -15,31 +14,56 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='AuditEvent',
+            name="AuditEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('occurred_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('actor_display', models.CharField(blank=True, max_length=150)),
-                ('actor_type', models.CharField(default='user', max_length=10)),
-                ('token_prefix', models.CharField(blank=True, max_length=16)),
-                ('request_id', models.CharField(blank=True, db_index=True, max_length=64)),
-                ('source_ip', models.GenericIPAddressField(blank=True, null=True)),
-                ('action', models.CharField(db_index=True, max_length=32)),
-                ('object_type', models.CharField(max_length=64)),
-                ('object_id', models.CharField(max_length=64)),
-                ('object_repr', models.CharField(blank=True, max_length=200)),
-                ('operation_id', models.BigIntegerField(blank=True, db_index=True, null=True)),
-                ('before', models.JSONField(blank=True, null=True)),
-                ('after', models.JSONField(blank=True, null=True)),
-                ('changes', models.JSONField(blank=True, default=dict)),
-                ('message', models.TextField(blank=True)),
-                ('outcome', models.CharField(choices=[('success', 'Success'), ('failure', 'Failure'), ('pending', 'Pending')], default='success', max_length=10)),
-                ('extra', models.JSONField(blank=True, default=dict)),
-                ('actor', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("occurred_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                ("actor_display", models.CharField(blank=True, max_length=150)),
+                ("actor_type", models.CharField(default="user", max_length=10)),
+                ("token_prefix", models.CharField(blank=True, max_length=16)),
+                ("request_id", models.CharField(blank=True, db_index=True, max_length=64)),
+                ("source_ip", models.GenericIPAddressField(blank=True, null=True)),
+                ("action", models.CharField(db_index=True, max_length=32)),
+                ("object_type", models.CharField(max_length=64)),
+                ("object_id", models.CharField(max_length=64)),
+                ("object_repr", models.CharField(blank=True, max_length=200)),
+                ("operation_id", models.BigIntegerField(blank=True, db_index=True, null=True)),
+                ("before", models.JSONField(blank=True, null=True)),
+                ("after", models.JSONField(blank=True, null=True)),
+                ("changes", models.JSONField(blank=True, default=dict)),
+                ("message", models.TextField(blank=True)),
+                (
+                    "outcome",
+                    models.CharField(
+                        choices=[("success", "Success"), ("failure", "Failure"), ("pending", "Pending")],
+                        default="success",
+                        max_length=10,
+                    ),
+                ),
+                ("extra", models.JSONField(blank=True, default=dict)),
+                (
+                    "actor",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-occurred_at', '-id'],
-                'indexes': [models.Index(fields=['object_type', 'object_id', 'occurred_at'], name='audit_audit_object__3a368e_idx')],
+                "ordering": ["-occurred_at", "-id"],
+                "indexes": [
+                    models.Index(
+                        fields=["object_type", "object_id", "occurred_at"],
+                        name="audit_audit_object__3a368e_idx",
+                    )
+                ],
             },
         ),
     ]

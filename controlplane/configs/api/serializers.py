@@ -8,8 +8,17 @@ class ConfigRevisionSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = ConfigRevision
-        fields = ["id", "profile", "number", "parent_number", "content", "content_sha256", "created_by", "message",
-                  "created_at"]
+        fields = [
+            "id",
+            "profile",
+            "number",
+            "parent_number",
+            "content",
+            "content_sha256",
+            "created_by",
+            "message",
+            "created_at",
+        ]
         read_only_fields = fields
 
 

@@ -12,7 +12,9 @@ from controlplane.configs.models import ConfigRevision
 from controlplane.core.api import ServiceModelViewSet
 from controlplane.core.services import model_update
 
-IF_MATCH = OpenApiParameter("If-Match", str, OpenApiParameter.HEADER, required=True, description="Profile ETag")
+IF_MATCH = OpenApiParameter(
+    "If-Match", str, OpenApiParameter.HEADER, required=True, description="Profile ETag"
+)
 
 
 class ConfigProfileViewSet(ServiceModelViewSet):

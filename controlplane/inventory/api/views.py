@@ -64,7 +64,9 @@ class AgentRegisterApi(APIView):
     read_roles = READ_ROLES
     write_roles = AGENT_ROLES
 
-    @extend_schema(request=s.AgentRegisterSerializer, responses={200: s.AgentRegisterResponseSerializer}, tags=["agent"])
+    @extend_schema(
+        request=s.AgentRegisterSerializer, responses={200: s.AgentRegisterResponseSerializer}, tags=["agent"]
+    )
     def post(self, request):
         body = s.AgentRegisterSerializer(data=request.data)
         body.is_valid(raise_exception=True)
@@ -82,7 +84,9 @@ class AgentHeartbeatApi(APIView):
     write_roles = AGENT_ROLES
 
     @extend_schema(
-        request=s.AgentHeartbeatSerializer, responses={200: s.AgentHeartbeatResponseSerializer}, tags=["agent"]
+        request=s.AgentHeartbeatSerializer,
+        responses={200: s.AgentHeartbeatResponseSerializer},
+        tags=["agent"],
     )
     def post(self, request):
         body = s.AgentHeartbeatSerializer(data=request.data)

@@ -6,98 +6,223 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('configs', '0001_initial'),
+        ("configs", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Host',
+            name="Host",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('address', models.CharField(blank=True, max_length=200)),
-                ('agent_version', models.CharField(blank=True, max_length=50)),
-                ('last_seen', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100, unique=True)),
+                ("address", models.CharField(blank=True, max_length=200)),
+                ("agent_version", models.CharField(blank=True, max_length=50)),
+                ("last_seen", models.DateTimeField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Router',
+            name="Router",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('url', models.URLField(unique=True)),
-                ('mode', models.CharField(choices=[('regular', 'Regular'), ('pd', 'Pd')], default='regular', max_length=10)),
-                ('policy', models.CharField(choices=[('cache_aware', 'Cache Aware'), ('round_robin', 'Round Robin'), ('random', 'Random'), ('power_of_two', 'Power Of Two')], default='cache_aware', max_length=20)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100, unique=True)),
+                ("url", models.URLField(unique=True)),
+                (
+                    "mode",
+                    models.CharField(
+                        choices=[("regular", "Regular"), ("pd", "Pd")], default="regular", max_length=10
+                    ),
+                ),
+                (
+                    "policy",
+                    models.CharField(
+                        choices=[
+                            ("cache_aware", "Cache Aware"),
+                            ("round_robin", "Round Robin"),
+                            ("random", "Random"),
+                            ("power_of_two", "Power Of Two"),
+                        ],
+                        default="cache_aware",
+                        max_length=20,
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='StorageProfile',
+            name="StorageProfile",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('backend', models.CharField(choices=[('file', 'File'), ('mooncake', 'Mooncake'), ('dynamic', 'Dynamic')], max_length=20)),
-                ('extra_config', models.JSONField(blank=True, default=dict)),
-                ('description', models.TextField(blank=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100, unique=True)),
+                (
+                    "backend",
+                    models.CharField(
+                        choices=[("file", "File"), ("mooncake", "Mooncake"), ("dynamic", "Dynamic")],
+                        max_length=20,
+                    ),
+                ),
+                ("extra_config", models.JSONField(blank=True, default=dict)),
+                ("description", models.TextField(blank=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='EngineWorker',
+            name="EngineWorker",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('url', models.URLField(unique=True)),
-                ('role', models.CharField(choices=[('prefill', 'Prefill'), ('decode', 'Decode'), ('mixed', 'Mixed')], default='mixed', max_length=10)),
-                ('model_name', models.CharField(blank=True, max_length=200)),
-                ('tp_size', models.PositiveSmallIntegerField(default=1, validators=[django.core.validators.MinValueValidator(1)])),
-                ('dp_size', models.PositiveSmallIntegerField(default=1, validators=[django.core.validators.MinValueValidator(1)])),
-                ('page_size', models.PositiveIntegerField(default=1, validators=[django.core.validators.MinValueValidator(1)])),
-                ('hicache_config', models.JSONField(blank=True, default=dict, help_text='Last storage_status() read back')),
-                ('storage_backend', models.CharField(blank=True, help_text='Attached L3 backend name, if any', max_length=20)),
-                ('state', models.CharField(choices=[('unknown', 'Unknown'), ('online', 'Online'), ('offline', 'Offline')], default='unknown', max_length=10)),
-                ('last_seen', models.DateTimeField(blank=True, null=True)),
-                ('admin_key_encrypted', models.TextField(blank=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('config_revision', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='workers', to='configs.configrevision')),
-                ('host', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='workers', to='inventory.host')),
-                ('router', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='workers', to='inventory.router')),
-                ('storage_profile', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='workers', to='inventory.storageprofile')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100, unique=True)),
+                ("url", models.URLField(unique=True)),
+                (
+                    "role",
+                    models.CharField(
+                        choices=[("prefill", "Prefill"), ("decode", "Decode"), ("mixed", "Mixed")],
+                        default="mixed",
+                        max_length=10,
+                    ),
+                ),
+                ("model_name", models.CharField(blank=True, max_length=200)),
+                (
+                    "tp_size",
+                    models.PositiveSmallIntegerField(
+                        default=1, validators=[django.core.validators.MinValueValidator(1)]
+                    ),
+                ),
+                (
+                    "dp_size",
+                    models.PositiveSmallIntegerField(
+                        default=1, validators=[django.core.validators.MinValueValidator(1)]
+                    ),
+                ),
+                (
+                    "page_size",
+                    models.PositiveIntegerField(
+                        default=1, validators=[django.core.validators.MinValueValidator(1)]
+                    ),
+                ),
+                (
+                    "hicache_config",
+                    models.JSONField(blank=True, default=dict, help_text="Last storage_status() read back"),
+                ),
+                (
+                    "storage_backend",
+                    models.CharField(blank=True, help_text="Attached L3 backend name, if any", max_length=20),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[("unknown", "Unknown"), ("online", "Online"), ("offline", "Offline")],
+                        default="unknown",
+                        max_length=10,
+                    ),
+                ),
+                ("last_seen", models.DateTimeField(blank=True, null=True)),
+                ("admin_key_encrypted", models.TextField(blank=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "config_revision",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="workers",
+                        to="configs.configrevision",
+                    ),
+                ),
+                (
+                    "host",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="workers",
+                        to="inventory.host",
+                    ),
+                ),
+                (
+                    "router",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="workers",
+                        to="inventory.router",
+                    ),
+                ),
+                (
+                    "storage_profile",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="workers",
+                        to="inventory.storageprofile",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Gpu',
+            name="Gpu",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('index', models.PositiveSmallIntegerField()),
-                ('model', models.CharField(max_length=100)),
-                ('memory_mib', models.PositiveIntegerField(help_text='Device memory in MiB')),
-                ('host', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='gpus', to='inventory.host')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("index", models.PositiveSmallIntegerField()),
+                ("model", models.CharField(max_length=100)),
+                ("memory_mib", models.PositiveIntegerField(help_text="Device memory in MiB")),
+                (
+                    "host",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="gpus", to="inventory.host"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['host__name', 'index'],
-                'constraints': [models.UniqueConstraint(fields=('host', 'index'), name='gpu_unique_index_per_host')],
+                "ordering": ["host__name", "index"],
+                "constraints": [
+                    models.UniqueConstraint(fields=("host", "index"), name="gpu_unique_index_per_host")
+                ],
             },
         ),
     ]

@@ -10,8 +10,22 @@ class OperationTargetSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = OperationTarget
-        fields = ["id", "worker", "worker_name", "state", "explanation", "polls", "drained", "revert_requested",
-                  "before", "after", "idle_deadline_at", "deadline_at", "updated_at", "finished_at"]
+        fields = [
+            "id",
+            "worker",
+            "worker_name",
+            "state",
+            "explanation",
+            "polls",
+            "drained",
+            "revert_requested",
+            "before",
+            "after",
+            "idle_deadline_at",
+            "deadline_at",
+            "updated_at",
+            "finished_at",
+        ]
         read_only_fields = fields
 
 
@@ -21,9 +35,26 @@ class OperationSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Operation
-        fields = ["id", "kind", "policy", "drain", "storage_profile", "revision", "state", "reason",
-                  "idle_timeout_s", "cancel_requested", "abort_requested", "summary", "explanation", "created_by",
-                  "request_id", "created_at", "finished_at", "targets"]
+        fields = [
+            "id",
+            "kind",
+            "policy",
+            "drain",
+            "storage_profile",
+            "revision",
+            "state",
+            "reason",
+            "idle_timeout_s",
+            "cancel_requested",
+            "abort_requested",
+            "summary",
+            "explanation",
+            "created_by",
+            "request_id",
+            "created_at",
+            "finished_at",
+            "targets",
+        ]
         read_only_fields = fields
 
 

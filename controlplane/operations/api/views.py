@@ -12,7 +12,10 @@ from controlplane.operations.api import serializers as s
 from controlplane.operations.selectors import OperationFilter
 
 IDEMPOTENCY_KEY = OpenApiParameter(
-    "Idempotency-Key", str, OpenApiParameter.HEADER, required=False,
+    "Idempotency-Key",
+    str,
+    OpenApiParameter.HEADER,
+    required=False,
     description="Repeat-safe launch: the same key and body replay the first response (24 h)",
 )
 
@@ -27,8 +30,11 @@ class OperationViewSet(viewsets.ReadOnlyModelViewSet, mixins.CreateModelMixin):
     @extend_schema(
         request=s.OperationCreateSerializer,
         parameters=[IDEMPOTENCY_KEY],
-        responses={201: s.OperationSerializer, 409: OpenApiResponse(description="worker busy or key in flight"),
-                   422: OpenApiResponse(description="Idempotency-Key reused with another body")},
+        responses={
+            201: s.OperationSerializer,
+            409: OpenApiResponse(description="worker busy or key in flight"),
+            422: OpenApiResponse(description="Idempotency-Key reused with another body"),
+        },
     )
     def create(self, request):
         body = s.OperationCreateSerializer(data=request.data)
@@ -55,8 +61,10 @@ class OperationViewSet(viewsets.ReadOnlyModelViewSet, mixins.CreateModelMixin):
         body = s.CancelSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         op = services.operation_cancel(op=self.get_object(), actor=request.user, **body.validated_data)
-        return Response(s.OperationSerializer(selectors.operation_list().get(pk=op.pk)).data,
-                        status=status.HTTP_202_ACCEPTED)
+        return Response(
+            s.OperationSerializer(selectors.operation_list().get(pk=op.pk)).data,
+            status=status.HTTP_202_ACCEPTED,
+        )
 
     @extend_schema(
         parameters=[OpenApiParameter("worker", int, many=True, required=True, description="Worker ids")],

@@ -6,78 +6,218 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('configs', '0001_initial'),
-        ('inventory', '0001_initial'),
+        ("configs", "0001_initial"),
+        ("inventory", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Operation',
+            name="Operation",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(choices=[('attach', 'Attach'), ('detach', 'Detach'), ('apply_config', 'Apply Config')], max_length=20)),
-                ('policy', models.CharField(choices=[('best_effort', 'Best Effort'), ('all_or_nothing', 'All Or Nothing')], default='best_effort', max_length=20)),
-                ('drain', models.BooleanField(default=False, help_text='Remove each worker from its router while applying')),
-                ('state', models.CharField(choices=[('running', 'Running'), ('succeeded', 'Succeeded'), ('partially_failed', 'Partially Failed'), ('failed', 'Failed'), ('reverted', 'Reverted'), ('cancelled', 'Cancelled')], default='running', max_length=20)),
-                ('reason', models.TextField(blank=True)),
-                ('idle_timeout_s', models.FloatField()),
-                ('cancel_requested', models.BooleanField(default=False)),
-                ('abort_requested', models.BooleanField(default=False, help_text='all_or_nothing: a target failed')),
-                ('summary', models.JSONField(blank=True, default=dict)),
-                ('explanation', models.TextField(blank=True)),
-                ('request_id', models.CharField(blank=True, max_length=64)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to=settings.AUTH_USER_MODEL)),
-                ('revision', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='operations', to='configs.configrevision')),
-                ('storage_profile', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='operations', to='inventory.storageprofile')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("attach", "Attach"),
+                            ("detach", "Detach"),
+                            ("apply_config", "Apply Config"),
+                        ],
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "policy",
+                    models.CharField(
+                        choices=[("best_effort", "Best Effort"), ("all_or_nothing", "All Or Nothing")],
+                        default="best_effort",
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "drain",
+                    models.BooleanField(
+                        default=False, help_text="Remove each worker from its router while applying"
+                    ),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("running", "Running"),
+                            ("succeeded", "Succeeded"),
+                            ("partially_failed", "Partially Failed"),
+                            ("failed", "Failed"),
+                            ("reverted", "Reverted"),
+                            ("cancelled", "Cancelled"),
+                        ],
+                        default="running",
+                        max_length=20,
+                    ),
+                ),
+                ("reason", models.TextField(blank=True)),
+                ("idle_timeout_s", models.FloatField()),
+                ("cancel_requested", models.BooleanField(default=False)),
+                (
+                    "abort_requested",
+                    models.BooleanField(default=False, help_text="all_or_nothing: a target failed"),
+                ),
+                ("summary", models.JSONField(blank=True, default=dict)),
+                ("explanation", models.TextField(blank=True)),
+                ("request_id", models.CharField(blank=True, max_length=64)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "created_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "revision",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="operations",
+                        to="configs.configrevision",
+                    ),
+                ),
+                (
+                    "storage_profile",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="operations",
+                        to="inventory.storageprofile",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at', '-id'],
+                "ordering": ["-created_at", "-id"],
             },
         ),
         migrations.CreateModel(
-            name='IdempotencyRecord',
+            name="IdempotencyRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('key', models.CharField(max_length=200)),
-                ('request_sha256', models.CharField(max_length=64)),
-                ('status_code', models.PositiveSmallIntegerField()),
-                ('response_body', models.JSONField()),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("key", models.CharField(max_length=200)),
+                ("request_sha256", models.CharField(max_length=64)),
+                ("status_code", models.PositiveSmallIntegerField()),
+                ("response_body", models.JSONField()),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                (
+                    "user",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, to=settings.AUTH_USER_MODEL
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('user', 'key'), name='idempotency_unique_key')],
+                "constraints": [
+                    models.UniqueConstraint(fields=("user", "key"), name="idempotency_unique_key")
+                ],
             },
         ),
         migrations.CreateModel(
-            name='OperationTarget',
+            name="OperationTarget",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('state', models.CharField(choices=[('pending', 'Pending'), ('waiting_for_idle', 'Waiting For Idle'), ('applying', 'Applying'), ('verifying', 'Verifying'), ('succeeded', 'Succeeded'), ('failed', 'Failed'), ('reverted', 'Reverted'), ('cancelled', 'Cancelled')], default='pending', max_length=20)),
-                ('version', models.PositiveIntegerField(default=0)),
-                ('before', models.JSONField(blank=True, help_text='Worker state read before applying', null=True)),
-                ('after', models.JSONField(blank=True, help_text='Worker state read back after applying', null=True)),
-                ('explanation', models.TextField(blank=True)),
-                ('polls', models.PositiveIntegerField(default=0)),
-                ('drained', models.BooleanField(default=False, help_text='Removed from its router by this target')),
-                ('revert_requested', models.BooleanField(default=False)),
-                ('idle_deadline_at', models.DateTimeField(blank=True, null=True)),
-                ('deadline_at', models.DateTimeField(blank=True, help_text='Reaper fails the target after this', null=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('operation', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='targets', to='operations.operation')),
-                ('worker', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='operation_targets', to='inventory.engineworker')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("waiting_for_idle", "Waiting For Idle"),
+                            ("applying", "Applying"),
+                            ("verifying", "Verifying"),
+                            ("succeeded", "Succeeded"),
+                            ("failed", "Failed"),
+                            ("reverted", "Reverted"),
+                            ("cancelled", "Cancelled"),
+                        ],
+                        default="pending",
+                        max_length=20,
+                    ),
+                ),
+                ("version", models.PositiveIntegerField(default=0)),
+                (
+                    "before",
+                    models.JSONField(blank=True, help_text="Worker state read before applying", null=True),
+                ),
+                (
+                    "after",
+                    models.JSONField(
+                        blank=True, help_text="Worker state read back after applying", null=True
+                    ),
+                ),
+                ("explanation", models.TextField(blank=True)),
+                ("polls", models.PositiveIntegerField(default=0)),
+                (
+                    "drained",
+                    models.BooleanField(default=False, help_text="Removed from its router by this target"),
+                ),
+                ("revert_requested", models.BooleanField(default=False)),
+                ("idle_deadline_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "deadline_at",
+                    models.DateTimeField(
+                        blank=True, help_text="Reaper fails the target after this", null=True
+                    ),
+                ),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "operation",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="targets",
+                        to="operations.operation",
+                    ),
+                ),
+                (
+                    "worker",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="operation_targets",
+                        to="inventory.engineworker",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['operation_id', 'id'],
-                'constraints': [models.UniqueConstraint(condition=models.Q(('state__in', ['pending', 'waiting_for_idle', 'applying', 'verifying'])), fields=('worker',), name='one_active_target_per_worker')],
+                "ordering": ["operation_id", "id"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        condition=models.Q(
+                            ("state__in", ["pending", "waiting_for_idle", "applying", "verifying"])
+                        ),
+                        fields=("worker",),
+                        name="one_active_target_per_worker",
+                    )
+                ],
             },
         ),
     ]

@@ -22,7 +22,9 @@ class MetricsIngestApi(APIView):
         body = MetricsIngestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        sample = services.metrics_ingest(worker=data["worker"], text=data.get("text"), metrics=data.get("metrics"))
+        sample = services.metrics_ingest(
+            worker=data["worker"], text=data.get("text"), metrics=data.get("metrics")
+        )
         return Response(sample, status=status.HTTP_202_ACCEPTED)
 
 

@@ -1,0 +1,17 @@
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from frontend import views
+
+app_name = "console"
+urlpatterns = [
+    path("login/", auth_views.LoginView.as_view(template_name="frontend/login.html"), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", views.page, {"name": "fleet"}, name="fleet"),
+    path("workers/<int:pk>/", views.page, {"name": "worker"}, name="worker"),
+    path("storage/", views.page, {"name": "storage"}, name="storage"),
+    path("operations/", views.page, {"name": "operations"}, name="operations"),
+    path("operations/new/", views.page, {"name": "launch"}, name="launch"),
+    path("operations/<int:pk>/", views.page, {"name": "operation"}, name="operation"),
+    path("audit/", views.page, {"name": "audit"}, name="audit"),
+]

@@ -1,0 +1,168 @@
+"""Control-plane fixtures: isolated Redis DB/prefix/queue, personas with real API tokens, fake workers and
+routers (real HTTP servers), and a real Celery worker subprocess against the local Redis."""
+
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from controlplane.celery import app as celery_app
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def _load(name: str, filename: str):
+    """Load a helper module of this directory under a unique name (tests/ has no packages)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / filename)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+cp_fakes = _load("cp_fakes", "fakes.py")
+FakeRouter, FakeWorker = cp_fakes.FakeRouter, cp_fakes.FakeWorker
+cp_factories = _load("cp_factories", "factories.py")  # Django is set up before sub-directory conftests load
+# Redis DB 13 is reserved for control-plane tests; the per-run prefix and queue keep runs apart.
+TEST_REDIS_URL = os.environ.get("CONTROLPLANE_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
+RUN_ID = uuid.uuid4().hex[:8]
+TEST_PREFIX = f"kvfleet-test-{RUN_ID}"
+TEST_QUEUE = f"cp-test-{RUN_ID}"
+
+settings.REDIS_URL = TEST_REDIS_URL
+settings.REDIS_KEY_PREFIX = TEST_PREFIX
+settings.CELERY_BROKER_URL = TEST_REDIS_URL
+settings.CELERY_TASK_DEFAULT_QUEUE = TEST_QUEUE
+settings.CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [TEST_REDIS_URL], "prefix": f"{TEST_PREFIX}:asgi", "capacity": 10000},
+    }
+}
+settings.SECURE_SSL_REDIRECT = False
+settings.SESSION_COOKIE_SECURE = False
+settings.CSRF_COOKIE_SECURE = False
+settings.OPERATION_POLL_INTERVAL_S = 0.1
+settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+celery_app.conf.update(broker_url=TEST_REDIS_URL, task_default_queue=TEST_QUEUE)
+
+
+def subprocess_env(**extra) -> dict:
+    """Environment for control-plane subprocesses (Celery worker, daphne) sharing this run's test DB."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        db_url = f"sqlite:///{db['NAME']}"
+    else:
+        db_url = f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=db_url,
+        REDIS_URL=TEST_REDIS_URL,
+        REDIS_KEY_PREFIX=TEST_PREFIX,
+        CELERY_QUEUE=TEST_QUEUE,
+        OPERATION_POLL_INTERVAL_S="0.1",
+        HTTPS="0",
+        DEBUG="0",
+        PYTHONPATH=str(REPO),
+        **extra,
+    )
+    return env
+
+
+@pytest.fixture
+def fake_worker():
+    started = []
+
+    def make(**kwargs) -> FakeWorker:
+        worker = FakeWorker(**kwargs)
+        started.append(worker)
+        return worker
+
+    yield make
+    for worker in started:
+        with contextlib.suppress(OSError):
+            worker.stop()
+
+
+@pytest.fixture
+def fake_router():
+    router = FakeRouter()
+    yield router
+    router.stop()
+
+
+@pytest.fixture(scope="session")
+def celery_worker_process(django_db_setup, django_db_blocker):
+    """A real `celery worker` (threads pool) consuming this run's queue on the local Redis."""
+    with django_db_blocker.unblock():
+        env = subprocess_env()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "controlplane",
+            "worker",
+            "-P",
+            "threads",
+            "-c",
+            "8",
+            "-Q",
+            TEST_QUEUE,
+            "--without-heartbeat",
+            "--without-mingle",
+            "--without-gossip",
+            "-l",
+            "warning",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    time.sleep(0.5)
+    if proc.poll() is not None:
+        raise RuntimeError(proc.stdout.read().decode())
+    yield proc
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture
+def personas(db):
+    """viewer, operator, admin, agent users, each with a real API token: {role: (user, "cp_...")}."""
+    from controlplane.accounts.services import token_create
+
+    out = {}
+    for role in ("viewer", "operator", "admin", "agent"):
+        user = cp_factories.UserFactory(username=f"{role}-user", role=role)
+        _, plaintext = token_create(user=user, name=f"{role} token", actor=None)
+        out[role] = (user, plaintext)
+    return out
+
+
+@pytest.fixture
+def api_as(personas):
+    """api_as(role) -> an APIClient authenticating with that persona's real Bearer token."""
+    from rest_framework.test import APIClient
+
+    def make(role: str) -> APIClient:
+        client = APIClient()
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {personas[role][1]}")
+        return client
+
+    return make

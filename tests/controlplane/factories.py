@@ -1,0 +1,93 @@
+"""factory_boy factories for the control-plane models (minimal; relations are explicit)."""
+
+import factory
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
+
+from controlplane.configs.models import ConfigProfile, ConfigRevision
+from controlplane.inventory.models import EngineWorker, Gpu, Host, Router, StorageProfile
+
+
+class UserFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = get_user_model()
+        skip_postgeneration_save = True
+
+    username = factory.Sequence(lambda n: f"user{n}")
+    password = factory.PostGenerationMethodCall("set_password", "pw-for-tests-1")
+
+    @factory.post_generation
+    def role(self, create, extracted, **kwargs):
+        if extracted:
+            self.groups.add(Group.objects.get_or_create(name=extracted)[0])
+        self.save()
+
+
+class HostFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Host
+
+    name = factory.Sequence(lambda n: f"host-{n}")
+    address = "10.0.0.1"
+
+
+class GpuFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Gpu
+
+    host = factory.SubFactory(HostFactory)
+    index = factory.Sequence(lambda n: n)
+    model = "H200"
+    memory_mib = 143771
+
+
+class RouterFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Router
+
+    name = factory.Sequence(lambda n: f"router-{n}")
+    url = factory.Sequence(lambda n: f"http://router-{n}.local:30000")
+
+
+class StorageProfileFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = StorageProfile
+
+    name = factory.Sequence(lambda n: f"l3-{n}")
+    backend = "file"
+    extra_config = factory.LazyFunction(lambda: {"file_path": "/var/kvfleet/l3"})
+
+
+class EngineWorkerFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = EngineWorker
+        skip_postgeneration_save = True
+
+    name = factory.Sequence(lambda n: f"worker-{n}")
+    url = factory.Sequence(lambda n: f"http://worker-{n}.local:30000")
+    role = "mixed"
+    model_name = "SmolLM2"
+    admin_key_encrypted = ""
+
+    @factory.post_generation
+    def admin_key(self, create, extracted, **kwargs):
+        if extracted:
+            self.admin_key = extracted
+            self.save(update_fields=["admin_key_encrypted"])
+
+
+class ConfigProfileFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = ConfigProfile
+
+    name = factory.Sequence(lambda n: f"profile-{n}")
+
+
+class ConfigRevisionFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = ConfigRevision
+
+    profile = factory.SubFactory(ConfigProfileFactory)
+    number = 1
+    content = factory.LazyFunction(lambda: {"hicache_write_policy": "write_back", "prefetch_threshold": 128})
+    content_sha256 = "0" * 64

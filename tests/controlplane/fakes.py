@@ -1,0 +1,226 @@
+"""Fake engine workers and a fake sglang-router: REAL HTTP servers on 127.0.0.1 free ports (fakes only because
+no GPU engine runs in this test environment). They serve the CONTRACTS.md worker API the control plane uses.
+
+FakeWorker modes: idle; busy for N server_info polls (`busy_polls`); busy forever (`busy_polls=-1`);
+failing (`fail_admin=True`: PUT/DELETE answer 500); unreachable (`stop()` closes the socket). While busy, the
+admin PUT/DELETE answer 400 "... not idle ..." exactly like the engine's idle gate, and change nothing.
+"""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
+
+DEFAULT_CONFIG = {
+    "hicache_storage_prefetch_policy": "best_effort",
+    "hicache_write_policy": "write_through",
+    "prefetch_threshold": 256,
+    "prefetch_timeout_base": 2.0,
+    "prefetch_timeout_per_ki_token": 0.1,
+    "prefetch_timeout_max": 30.0,
+}
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _FakeHTTP:
+    def __init__(self):
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _body(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                return json.loads(self.rfile.read(length) or b"null") if length else None
+
+            def _dispatch(self, method):
+                with owner.lock:
+                    owner.calls.append((method, self.path))
+                    status, body, ctype = owner.handle(method, self.path, self.headers, self._body())
+                data = (
+                    body
+                    if isinstance(body, bytes)
+                    else (json.dumps(body).encode() if ctype == "application/json" else str(body).encode())
+                )
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802
+                self._dispatch("GET")
+
+            def do_PUT(self):  # noqa: N802
+                self._dispatch("PUT")
+
+            def do_POST(self):  # noqa: N802
+                self._dispatch("POST")
+
+            def do_DELETE(self):  # noqa: N802
+                self._dispatch("DELETE")
+
+        self.lock = threading.Lock()
+        self.calls: list[tuple[str, str]] = []
+        self.server = _Server(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close the listening socket: the worker becomes unreachable (connection refused)."""
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FakeWorker(_FakeHTTP):
+    def __init__(
+        self, *, admin_key: str = "secret-admin-key", busy_polls: int = 0, model_name: str = "SmolLM2"
+    ):
+        self.admin_key = admin_key
+        self.busy_polls = busy_polls
+        self.fail_admin = False
+        self.not_idle_puts = (
+            0  # answer the next N admin writes 400 "not idle" even though server_info says idle
+        )
+        self.backend: str | None = None
+        self.backend_extra: str | None = None
+        self.config = dict(DEFAULT_CONFIG)
+        self.model_name = model_name
+        self.counters = {"device": 0.0, "host": 0.0, "storage": 0.0}
+        super().__init__()
+
+    @property
+    def busy(self) -> bool:
+        return self.busy_polls != 0
+
+    def server_info(self) -> dict:
+        if self.busy_polls > 0:
+            self.busy_polls -= 1
+        busy = self.busy_polls != 0
+        return {
+            "model_path": self.model_name,
+            "page_size": 16,
+            "enable_hierarchical_cache": True,
+            "hicache_storage_backend": self.backend,
+            "disaggregation_mode": "null",
+            "is_idle": not busy,
+            "num_running_reqs": 2 if busy else 0,
+            "num_waiting_reqs": 1 if busy else 0,
+            "inflight_cache_io": {"writes": 0, "loads": 0, "prefetches": 0, "backups": 0},
+            "hicache": {"backend_name": self.backend, **self.config},
+        }
+
+    def metrics_text(self) -> str:
+        lines = ["# TYPE sglang:cached_tokens counter"]
+        for tier, value in self.counters.items():
+            lines.append(
+                f'sglang:cached_tokens_total{{cache_source="{tier}",model_name="{self.model_name}"}} {value}'
+            )
+        lines += [
+            "# TYPE sglang:num_running_reqs gauge",
+            f'sglang:num_running_reqs{{model_name="{self.model_name}"}} {2 if self.busy else 0}',
+            "# TYPE sglang:hicache_host_used_tokens gauge",
+            f'sglang:hicache_host_used_tokens{{model_name="{self.model_name}"}} 1024',
+            "# TYPE sglang:hicache_host_total_tokens gauge",
+            f'sglang:hicache_host_total_tokens{{model_name="{self.model_name}"}} 4096',
+            "# TYPE sglang:time_to_first_token_seconds histogram",
+            f'sglang:time_to_first_token_seconds_bucket{{le="0.1",model_name="{self.model_name}"}} 5',
+            f'sglang:time_to_first_token_seconds_bucket{{le="0.5",model_name="{self.model_name}"}} 9',
+            f'sglang:time_to_first_token_seconds_bucket{{le="+Inf",model_name="{self.model_name}"}} 10',
+            f'sglang:time_to_first_token_seconds_count{{model_name="{self.model_name}"}} 10',
+            f'sglang:time_to_first_token_seconds_sum{{model_name="{self.model_name}"}} 1.5',
+        ]
+        return "\n".join(lines) + "\n"
+
+    def _admin_error(self, headers):
+        if not self.admin_key:
+            return 400, "No admin API key configured"
+        if headers.get("Authorization") != f"Bearer {self.admin_key}":
+            return 401, "Unauthorized"
+        return None
+
+    def handle(self, method, path, headers, body):
+        json_t, text_t = "application/json", "text/plain"
+        if method == "GET" and path in ("/server_info", "/get_server_info"):
+            return 200, self.server_info(), json_t
+        if method == "GET" and path == "/metrics":
+            return 200, self.metrics_text(), "text/plain; version=0.0.4"
+        if path in ("/hicache/storage-backend", "/hicache/config"):
+            error = self._admin_error(headers)
+            if error:
+                return error[0], error[1], text_t
+            if method == "GET" and path == "/hicache/storage-backend":
+                return (
+                    200,
+                    {
+                        "hicache_storage_backend": self.backend,
+                        "hicache_storage_backend_extra_config": self.backend_extra,
+                        "hicache_storage_prefetch_policy": self.config["hicache_storage_prefetch_policy"],
+                        "hicache_write_policy": self.config["hicache_write_policy"],
+                    },
+                    json_t,
+                )
+            if method == "GET":
+                return 200, dict(self.config), json_t
+            if self.busy or self.not_idle_puts > 0:
+                self.not_idle_puts = max(0, self.not_idle_puts - 1)
+                return 400, "Reject: scheduler is not idle. #queue-req=1 #running-req=2", text_t
+            if self.fail_admin:
+                return 500, "internal error (fake failure)", text_t
+            if path == "/hicache/config" and method == "PUT":
+                bad = sorted(set(body or {}) - set(DEFAULT_CONFIG))
+                if bad:
+                    return 400, f"unknown field {bad[0]}", text_t
+                self.config.update(body)
+                return 200, dict(self.config), json_t
+            if method == "PUT":
+                wanted = body.get("hicache_storage_backend")
+                if self.backend and self.backend != wanted:
+                    return 400, f"Failed to attach: backend {self.backend} attached. Detach first.", text_t
+                self.backend = wanted
+                self.backend_extra = body.get("hicache_storage_backend_extra_config_json")
+                return 200, "HiCache storage backend attached.\n", text_t
+            if method == "DELETE":
+                self.backend, self.backend_extra = None, None
+                return 200, "HiCache storage backend detached.\n", text_t
+        return 404, "not found", text_t
+
+
+class FakeRouter(_FakeHTTP):
+    """sglang-router worker API: GET /workers, POST /workers {"url"} (202), DELETE /workers/{id}."""
+
+    def __init__(self):
+        self.workers: dict[str, str] = {}
+        self._next = 1
+        super().__init__()
+
+    def urls(self) -> set[str]:
+        with self.lock:
+            return set(self.workers.values())
+
+    def add(self, url: str) -> None:
+        with self.lock:
+            self.workers[f"w{self._next}"] = url
+            self._next += 1
+
+    def handle(self, method, path, headers, body):
+        if path == "/workers" and method == "GET":
+            items = [{"id": wid, "url": url, "is_healthy": True} for wid, url in self.workers.items()]
+            return 200, {"workers": items, "total": len(items)}, "application/json"
+        if path == "/workers" and method == "POST":
+            self.workers[f"w{self._next}"] = body["url"]
+            self._next += 1
+            return 202, {"status": "accepted"}, "application/json"
+        if path.startswith("/workers/") and method == "DELETE":
+            wid = unquote(path[len("/workers/") :])
+            if self.workers.pop(wid, None) is None:
+                return 404, {"error": "no such worker"}, "application/json"
+            return 200, {"status": "removed"}, "application/json"
+        return 404, {"error": "not found"}, "application/json"

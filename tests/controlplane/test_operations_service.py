@@ -1,0 +1,175 @@
+"""Operation state machine driven step by step in-process (no Celery) against fake workers over real HTTP."""
+
+import time
+from datetime import timedelta
+
+import pytest
+from cp_factories import ConfigRevisionFactory, EngineWorkerFactory, RouterFactory, StorageProfileFactory
+from django.utils import timezone
+
+from controlplane.audit.models import AuditEvent
+from controlplane.operations.models import Operation, OperationTarget
+from controlplane.operations.services import (
+    InvalidTransition,
+    operation_create,
+    reap_stuck_targets,
+    target_step,
+    target_transition,
+)
+
+pytestmark = pytest.mark.django_db
+
+
+def registered(fake, **kwargs):
+    return EngineWorkerFactory(url=fake.url, admin_key=fake.admin_key, **kwargs)
+
+
+def run_to_end(target: OperationTarget, limit_s: float = 10.0) -> OperationTarget:
+    deadline = time.monotonic() + limit_s
+    while (delay := target_step(target_id=target.pk)) is not None:
+        assert time.monotonic() < deadline, "target did not finish"
+        time.sleep(delay)
+    target.refresh_from_db()
+    return target
+
+
+def test_attach_waits_for_idle_then_applies_and_verifies(fake_worker):
+    fake = fake_worker(busy_polls=3)
+    worker = registered(fake)
+    profile = StorageProfileFactory(backend="file", extra_config={"file_path": "/tmp/l3"})
+    op = operation_create(kind="attach", workers=[worker], storage_profile=profile, actor=None)
+    target = run_to_end(op.targets.get())
+    assert target.state == "succeeded" and target.polls >= 2
+    assert fake.backend == "file" and fake.backend_extra == '{"file_path": "/tmp/l3"}'
+    assert (
+        target.before["hicache_storage_backend"] is None and target.after["hicache_storage_backend"] == "file"
+    )
+    worker.refresh_from_db()
+    assert (worker.storage_backend, worker.storage_profile_id) == ("file", profile.pk)
+    assert Operation.objects.get(pk=op.pk).state == "succeeded"
+    event = AuditEvent.objects.get(action="attach", object_type="inventory.engineworker")
+    assert event.changes["hicache_storage_backend"] == [None, "file"] and event.outcome == "success"
+
+
+def test_not_idle_answer_is_waited_on_never_forced(fake_worker):
+    fake = fake_worker()
+    fake.not_idle_puts = 2
+    op = operation_create(kind="detach", workers=[registered(fake)], actor=None)
+    fake.backend = "file"
+    target = run_to_end(op.targets.get())
+    assert target.state == "succeeded" and fake.backend is None
+    puts = [c for c in fake.calls if c[0] == "DELETE"]
+    assert len(puts) == 3  # two refused while "not idle", then the one that applied
+
+
+def test_running_a_step_twice_is_safe(fake_worker):
+    fake = fake_worker()
+    revision = ConfigRevisionFactory(content={"hicache_write_policy": "write_back", "prefetch_threshold": 64})
+    op = operation_create(kind="apply_config", workers=[registered(fake)], revision=revision, actor=None)
+    target = run_to_end(op.targets.get())
+    assert target.state == "succeeded" and fake.config["prefetch_threshold"] == 64
+    writes = len([c for c in fake.calls if c[0] == "PUT"])
+    assert target_step(target_id=target.pk) is None  # duplicate delivery: no-op
+    assert len([c for c in fake.calls if c[0] == "PUT"]) == writes
+    stale = OperationTarget.objects.get(pk=target.pk)
+    stale.state = "verifying"
+    assert target_transition(stale, to="succeeded") is False  # compare-and-set lost: nothing written
+
+
+def test_transition_table_is_enforced(fake_worker):
+    op = operation_create(kind="detach", workers=[registered(fake_worker())], actor=None)
+    with pytest.raises(InvalidTransition):
+        target_transition(op.targets.get(), to="succeeded")
+
+
+def test_drain_removes_from_router_and_readds(fake_worker, fake_router):
+    fake = fake_worker(busy_polls=2)
+    router = RouterFactory(url=fake_router.url)
+    fake_router.add(fake.url)
+    op = operation_create(kind="detach", workers=[registered(fake, router=router)], drain=True, actor=None)
+    target = op.targets.get()
+    target_step(target_id=target.pk)
+    assert fake.url not in fake_router.urls()  # drained while waiting for idle
+    target = run_to_end(target)
+    assert target.state == "succeeded" and fake.url in fake_router.urls()
+    methods = [c[0] for c in fake_router.calls]
+    assert "DELETE" in methods and "POST" in methods
+
+
+def test_unreachable_worker_fails_with_reason(fake_worker):
+    fake = fake_worker()
+    worker = registered(fake)
+    fake.stop()
+    op = operation_create(kind="detach", workers=[worker], actor=None)
+    target = run_to_end(op.targets.get())
+    assert target.state == "failed" and "cannot read worker state" in target.explanation
+    assert Operation.objects.get(pk=op.pk).state == "failed"
+
+
+def test_failing_worker_apply_is_reported(fake_worker):
+    fake = fake_worker()
+    fake.fail_admin = True
+    op = operation_create(
+        kind="attach", workers=[registered(fake)], storage_profile=StorageProfileFactory(), actor=None
+    )
+    target = run_to_end(op.targets.get())
+    assert target.state == "failed" and "500" in target.explanation
+
+
+def test_reaper_fails_targets_stuck_past_deadline(fake_worker):
+    op = operation_create(kind="detach", workers=[registered(fake_worker())], actor=None)
+    OperationTarget.objects.filter(operation=op).update(deadline_at=timezone.now() - timedelta(minutes=5))
+    assert reap_stuck_targets(grace_s=30) == 1
+    target = op.targets.get()
+    assert target.state == "failed" and target.explanation.startswith("reaped: stuck in pending")
+    assert Operation.objects.get(pk=op.pk).state == "failed"
+
+
+def test_worker_in_a_running_operation_is_refused(api_as):
+    worker = EngineWorkerFactory()
+    first = api_as("operator").post(
+        "/api/v1/operations/", {"kind": "detach", "workers": [worker.pk]}, format="json"
+    )
+    assert first.status_code == 201
+    second = api_as("operator").post(
+        "/api/v1/operations/", {"kind": "detach", "workers": [worker.pk]}, format="json"
+    )
+    assert second.status_code == 409 and second.json()["error"]["code"] == "worker_busy"
+
+
+def test_idempotency_key_replays_and_rejects_a_different_body(api_as):
+    worker, other = EngineWorkerFactory(), EngineWorkerFactory()
+    client = api_as("operator")
+    body = {"kind": "detach", "workers": [worker.pk]}
+    first = client.post("/api/v1/operations/", body, format="json", HTTP_IDEMPOTENCY_KEY="launch-1")
+    again = client.post("/api/v1/operations/", body, format="json", HTTP_IDEMPOTENCY_KEY="launch-1")
+    assert first.status_code == again.status_code == 201
+    assert first.json()["id"] == again.json()["id"] and again["Idempotent-Replayed"] == "true"
+    assert Operation.objects.count() == 1
+    changed = client.post(
+        "/api/v1/operations/",
+        {"kind": "detach", "workers": [other.pk]},
+        format="json",
+        HTTP_IDEMPOTENCY_KEY="launch-1",
+    )
+    assert changed.status_code == 422 and Operation.objects.count() == 1
+
+
+def test_bad_operation_input_changes_nothing(api_as):
+    client = api_as("operator")
+    worker = EngineWorkerFactory()
+    audit_before = AuditEvent.objects.count()
+    missing = client.post("/api/v1/operations/", {"kind": "attach", "workers": [worker.pk]}, format="json")
+    assert missing.status_code == 400 and missing.json()["error"]["code"] == "missing_storage_profile"
+    unknown = client.post("/api/v1/operations/", {"kind": "detach", "workers": [99999]}, format="json")
+    assert unknown.status_code == 400 and "workers" in unknown.json()["error"]["detail"]
+    assert Operation.objects.count() == 0 and AuditEvent.objects.count() == audit_before
+
+
+def test_preview_reports_idle_state(api_as, fake_worker):
+    idle, busy = fake_worker(), fake_worker(busy_polls=-1)
+    w1, w2 = registered(idle, name="a-idle"), registered(busy, name="b-busy")
+    response = api_as("viewer").get(f"/api/v1/operations/preview/?worker={w1.pk}&worker={w2.pk}")
+    rows = {r["name"]: r for r in response.json()}
+    assert rows["a-idle"]["is_idle"] is True and rows["b-busy"]["is_idle"] is False
+    assert rows["b-busy"]["num_running_reqs"] == 2
