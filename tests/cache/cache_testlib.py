@@ -1,0 +1,112 @@
+"""Helpers for the cache tests: a KV oracle, the scheduler's prefill step and the tree invariant checks."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.cache.hiradix_cache import HiRadixCache
+
+LAYERS, HEADS, HEAD_DIM = 2, 2, 4
+
+
+def token_kv(token_ids: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic K/V for each token as a function of its whole prefix (so a page read back for the
+    wrong prefix is detected). Shapes ``(T, HEADS, HEAD_DIM)``."""
+    seeds, running = [], 0
+    for pos, tok in enumerate(token_ids):
+        running = (running * 1000003 + tok * 7919 + pos + 1) % 1_000_003
+        seeds.append(running)
+    base = torch.tensor(seeds, dtype=torch.float64)[:, None] * 1e-3
+    freq = torch.arange(1, HEADS * HEAD_DIM + 1, dtype=torch.float64)
+    k = torch.sin(base * freq + layer).float().view(-1, HEADS, HEAD_DIM)
+    v = torch.cos(base * freq - layer).float().view(-1, HEADS, HEAD_DIM)
+    return k, v
+
+
+def write_kv(pool: DeviceKVPool, token_ids: list[int], slots: torch.Tensor, start: int = 0) -> None:
+    """Compute ("prefill") the KV of ``token_ids[start:]`` into ``slots`` (one per token from start)."""
+    for layer in range(pool.num_layers):
+        k, v = token_kv(token_ids, layer)
+        pool.set_kv(layer, slots, k[start:], v[start:])
+
+
+def assert_kv(pool: DeviceKVPool, token_ids: list[int], slots: torch.Tensor) -> None:
+    """The device KV at ``slots`` equals the KV computed for ``token_ids[:len(slots)]``."""
+    n = len(slots)
+    for layer in range(pool.num_layers):
+        k, v = token_kv(token_ids[:n], layer)
+        assert torch.equal(pool.k_buffer[layer][slots], k), f"layer {layer} K differs"
+        assert torch.equal(pool.v_buffer[layer][slots], v), f"layer {layer} V differs"
+
+
+def scribble_free_device_slots(cache: HiRadixCache) -> None:
+    """Overwrite every device slot no tree node owns with NaN, so stale data cannot pass a check."""
+    pool = cache.device_pool
+    owned = torch.zeros(pool.size + pool.page_size, dtype=torch.bool)
+    for node in cache.tree.nodes():
+        if node.value is not None:
+            owned[node.value] = True
+    free = torch.nonzero(~owned).flatten()
+    for layer in range(pool.num_layers):
+        pool.k_buffer[layer][free] = float("nan")
+        pool.v_buffer[layer][free] = float("nan")
+
+
+def check_invariants(cache: HiRadixCache) -> None:
+    """hicache-spec §1.2 invariants 1, 2, 4, 5 plus size accounting and slot ownership."""
+    tree, P = cache.tree, cache.page_size
+    evictable = protected = 0
+    device_seen: set[int] = set()
+    host_seen: set[int] = set()
+    for node in tree.nodes():
+        assert node.key and len(node.key) % P == 0
+        parent = node.parent
+        assert parent.children[tree.child_key(node.key)] is node
+        if node.value is not None:
+            assert parent.value is not None, "device residency not prefix-closed"
+            assert len(node.value) == len(node.key)
+            slots = node.value.tolist()
+            assert not device_seen.intersection(slots), "device slot owned twice"
+            device_seen.update(slots)
+            if node.lock_ref > 0:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+        else:
+            assert node.host_value is not None, "evicted node without host copy"
+        if node.host_value is not None:
+            assert len(node.host_value) == len(node.key)
+            hv = node.host_value.view(-1, P)
+            assert bool((hv[:, 0] % P == 0).all()) and bool((hv - hv[:, :1] == torch.arange(P)).all())
+            slots = node.host_value.tolist()
+            assert not host_seen.intersection(slots), "host slot owned twice"
+            host_seen.update(slots)
+        if node.hash_value is not None:
+            assert len(node.hash_value) == len(node.key) // P
+        assert node.lock_ref >= max((c.lock_ref for c in node.children.values()), default=0)
+    assert tree.evictable_size == evictable
+    assert tree.protected_size == protected
+    assert cache.device_allocator.used_size() == len(device_seen)
+    if cache.host_pool is not None and cache.is_io_idle():
+        assert cache.host_pool.used_size() == len(host_seen)
+
+
+def prefill(cache: HiRadixCache, token_ids: list[int], chunked: bool = False) -> int:
+    """What the scheduler does for one request: match, allocate the rest, compute its KV, insert,
+    free duplicate slots. Returns the device-hit length. Raises when the device pool is full."""
+    match = cache.match_prefix(token_ids)
+    hit = len(match.device_indices)
+    n = len(token_ids) // cache.page_size * cache.page_size
+    new = cache.device_allocator.alloc(n - hit)
+    if new is None:
+        cache.evict(n - hit)
+        new = cache.device_allocator.alloc(n - hit)
+    assert new is not None, "device pool full"
+    slots = torch.cat([match.device_indices, new])
+    write_kv(cache.device_pool, token_ids[:n], new, start=hit)
+    present = cache.insert(token_ids, slots, chunked=chunked)
+    assert present >= hit
+    if present > hit:
+        cache.device_allocator.free(new[: present - hit])
+    return hit
