@@ -1,0 +1,77 @@
+"""Start ``python -m engine.launch_server`` as a child process on a free port and wait until it is healthy."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Context manager around one engine worker process; ``url`` is its base URL.
+
+    ``args`` are launch flags without ``--host``/``--port``. Raises ``RuntimeError`` with the tail of the
+    server's log when it exits or is not healthy within ``timeout`` seconds.
+    """
+
+    def __init__(self, args: list[str], timeout: float = 180.0, env: dict | None = None):
+        self.args = list(args)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.timeout = timeout
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="engine-", suffix=".log", delete=False)  # noqa: SIM115
+
+    def __enter__(self) -> ServerProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "engine.launch_server",
+            *self.args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"server not healthy after {self.timeout}s:\n{self.log_tail()}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The last ``n`` characters of the server's combined stdout/stderr."""
+        self._log.flush()
+        with open(self._log.name) as f:
+            return f.read()[-n:]

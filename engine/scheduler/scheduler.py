@@ -1,0 +1,485 @@
+"""The scheduler thread: continuous batching with chunked prefill over the hierarchical prefix cache.
+
+One thread owns the model runner and the cache. Other threads talk to it only through ``submit`` (a new
+request), ``abort`` and ``call`` (run a function on this thread and get a ``concurrent.futures.Future``),
+and read the ``state`` snapshot it publishes after every iteration.
+
+Policy (after SGLang / mini-sglang): prefill first; a prefill batch takes waiting requests in arrival order
+under a token budget (``max_prefill_tokens``, and ``chunked_prefill_size`` per batch when chunking is on); the
+one request that does not fit is split and continued in the next batch. Otherwise every running request
+decodes one token. Admission reserves L1 slots for the whole prompt plus ``max_new_tokens`` (evicting
+unlocked cache nodes when short), so no request runs out of KV mid-way and nothing is ever retracted.
+Prefix reuse: ``match_prefix`` gives the L1 hit; an L2 hit is loaded back with ``init_load_back`` before the
+forward pass (which waits per layer through ``cache.wait_layer``); an L3 prefetch is started when the request
+is queued and ``check_prefetch_progress`` decides when it may be scheduled (per the prefetch policy).
+The last prompt token is never matched, so at least one token is always computed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.forward_batch import ForwardBatch
+from engine.scheduler.req import Req, ReqOutput
+from engine.scheduler.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+
+class NotIdleError(RuntimeError):
+    """An operation that needs an idle scheduler was refused; the message carries the queue counts."""
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits (tokens). ``chunked_prefill_size`` <= 0 turns chunking off."""
+
+    context_length: int
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 256
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class _Command:
+    fn: Callable
+    future: concurrent.futures.Future
+
+
+class Scheduler:
+    """Runs ``runner`` over the KV in ``cache`` for submitted requests, on its own thread.
+
+    ``detokenize(ids) -> str`` is used only to check stop strings. ``metrics`` (optional) receives
+    ``on_admit(req)``, ``on_prefill(hit_tokens, new_tokens)``, ``on_first_token(seconds)`` and
+    ``on_finish(req)`` on this thread.
+    """
+
+    def __init__(self, runner, cache, device_pool, config: SchedulerConfig, detokenize, metrics=None):
+        self.runner = runner
+        self.cache = cache
+        self.pool = device_pool
+        self.config = config
+        self.detokenize = detokenize
+        self.metrics = metrics
+        self.page_size = cache.page_size
+        self.hierarchical = cache.enable_hierarchical
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.reqs: dict[str, Req] = {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.busy_since: float | None = None
+        self.heartbeat = time.monotonic()
+        self.state: dict = {}
+        self.error: BaseException | None = None
+        self._publish()
+
+    # ----------------------------------------------------------------- API for other threads
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop, wait for it (pending requests are aborted), then close the cache's I/O threads."""
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self.cache.close()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stuck_for(self) -> float:
+        """Seconds the current iteration has been running (0 when the loop is waiting for work)."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def submit(self, req: Req) -> None:
+        """Queue ``req``; its events arrive through ``req.on_event`` (thread-safe)."""
+        self._inbox.put(req)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request by id (client went away); unknown ids are ignored."""
+        self._inbox.put(_Command(lambda s: s._abort(rid), concurrent.futures.Future()))
+
+    def call(self, fn: Callable[[Scheduler], object]) -> concurrent.futures.Future:
+        """Run ``fn(scheduler)`` on the scheduler thread between iterations; the future gets its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.is_alive() and self._thread.ident is not None:
+            fut.set_exception(RuntimeError("scheduler thread is not running"))
+            return fut
+        self._inbox.put(_Command(fn, fut))
+        return fut
+
+    # ----------------------------------------------------------------- for commands (scheduler thread)
+    def is_idle(self) -> bool:
+        """Nothing running, nothing waiting, no chunked prefill, and no cache I/O in flight."""
+        return not self.running and not self.waiting and self.chunked is None and self.cache.is_io_idle()
+
+    def require_idle(self, action: str) -> None:
+        """Raise ``NotIdleError`` (upstream wording) unless idle."""
+        if self.running or self.waiting or self.chunked is not None:
+            running = len(self.running) + (self.chunked is not None)
+            raise NotIdleError(
+                f"Reject {action}: scheduler is not idle. "
+                f"#queue-req={len(self.waiting)} #running-req={running}"
+            )
+        if not self.cache.is_io_idle():
+            raise NotIdleError(f"Reject {action}: cache I/O in flight {self.cache.inflight_io()}")
+
+    # ----------------------------------------------------------------- loop
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.heartbeat = time.monotonic()
+                self._drain_inbox(block=not self._has_work())
+                if self._stop.is_set():
+                    break
+                self.busy_since = time.monotonic()
+                self.cache.check_hicache_events()
+                self._step()
+                self.busy_since = None
+                self._publish()
+        except BaseException as exc:  # the thread dies; /health reports it
+            logger.exception("scheduler loop crashed")
+            self.error = exc
+            raise
+        finally:
+            self._fail_all("server shutting down" if self._stop.is_set() else "scheduler crashed")
+
+    def _has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.chunked)
+
+    def _drain_inbox(self, block: bool) -> None:
+        timeout = None
+        if block:
+            timeout = 0.5 if self.cache.is_io_idle() else 0.005
+        while True:
+            try:
+                item = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            timeout = None
+            if item is None:
+                return
+            if isinstance(item, _Command):
+                self._run_command(item)
+                self._publish()
+            else:
+                self._enqueue(item)
+
+    def _run_command(self, cmd: _Command) -> None:
+        if not cmd.future.set_running_or_notify_cancel():
+            return
+        try:
+            cmd.future.set_result(cmd.fn(self))
+        except Exception as exc:
+            cmd.future.set_exception(exc)
+
+    def _enqueue(self, req: Req) -> None:
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        if self.hierarchical:
+            key = req.input_ids[:-1]
+            m = self.cache.match_prefix(key)
+            new_tokens = key[len(m.device_indices) + m.host_hit_length :]
+            if new_tokens:
+                self.cache.prefetch_from_storage(req.rid, m.last_host_node, new_tokens)
+
+    def _step(self) -> None:
+        items = self._schedule_prefill()
+        if items:
+            self._run_prefill(items)
+        elif self.running:
+            self._run_decode()
+
+    # ----------------------------------------------------------------- prefill
+    def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
+        """Pick (req, start, end) extend ranges for the next prefill batch."""
+        chunk = self.config.chunked_prefill_size
+        budget = self.config.max_prefill_tokens
+        if chunk > 0:
+            budget = min(budget, chunk)
+        items: list[tuple[Req, int, int]] = []
+        if self.chunked is not None:
+            req = self.chunked
+            end = min(len(req.input_ids), req.num_computed + budget)
+            items.append((req, req.num_computed, end))
+            budget -= end - req.num_computed
+            self.chunked = None if end == len(req.input_ids) else req
+            if self.chunked is not None:
+                return items
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) + len(items) >= self.config.max_running_requests:
+                break
+            if chunk <= 0 and items and len(req.input_ids) > budget:
+                break  # no chunking: a long prompt waits for a batch of its own
+            if self.hierarchical and not self.cache.check_prefetch_progress(req.rid):
+                continue
+            if not self._admit(req):
+                break
+            self.waiting.remove(req)
+            end = len(req.input_ids)
+            if end - req.num_computed > budget and chunk > 0:
+                end = req.num_computed + budget
+                self.chunked = req
+            items.append((req, req.num_computed, end))
+            budget -= end - req.num_computed
+            if self.chunked is not None:
+                break
+        return items
+
+    def _admit(self, req: Req) -> bool:
+        """Match the prefix, load back its L2 part, lock it, reserve slots for the rest; False if no room."""
+        cache = self.cache
+        key = req.input_ids[:-1]
+        m = cache.match_prefix(key)
+        prefix, last = m.device_indices, m.last_device_node
+        host = 0
+        if self.hierarchical and m.host_hit_length > 0:
+            loaded, node = cache.init_load_back(m.last_host_node, m.host_hit_length)
+            if loaded.numel() > 0:
+                prefix, last, host = torch.cat([prefix, loaded]), node, int(loaded.numel())
+        cache.inc_lock_ref(last)
+        total = len(req.input_ids) + req.params.max_new_tokens
+        need = -(-(total - prefix.numel()) // self.page_size) * self.page_size
+        slots = self._alloc(need)
+        if slots is None:
+            cache.dec_lock_ref(last)
+            return False
+        storage = min(cache.pop_prefetch_loaded_tokens(req.rid), host) if self.hierarchical else 0
+        req.cached = {"device": int(m.device_indices.numel()), "host": host - storage, "storage": storage}
+        cache.stats.record_cached_tokens(**req.cached)
+        req.kv_indices = torch.cat([prefix.to(torch.int64), slots.to(torch.int64)])
+        req.prefix_len = req.num_computed = int(prefix.numel())
+        req.last_node = last
+        req.admitted_at = time.perf_counter()
+        if self.metrics:
+            self.metrics.on_admit(req)
+        return True
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        alloc = self.cache.device_allocator
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        slots = alloc.alloc(n)
+        if slots is None:
+            self.cache.evict(n - alloc.available_size())
+            slots = alloc.alloc(n)
+        return slots
+
+    def _run_prefill(self, items: list[tuple[Req, int, int]]) -> None:
+        batch_reqs = [r for r, _, _ in items]
+        try:
+            logits = self._forward([(r, r.fill_ids[s:e], s, e) for r, s, e in items])
+        except Exception as exc:
+            logger.exception("prefill forward failed")
+            self.chunked = None
+            for req in batch_reqs:
+                self._finish(req, {"type": "abort", "message": f"forward failed: {exc}"}, insert=False)
+            return
+        if self.metrics:
+            hit = sum(r.cached_tokens for r, s, _ in items if s == r.cached_tokens)
+            self.metrics.on_prefill(hit, sum(e - s for _, s, e in items))
+        done: list[tuple[int, Req]] = []
+        for i, (req, _, end) in enumerate(items):
+            req.num_computed = end
+            if end < len(req.input_ids):
+                self._cache_unfinished(req, chunked=True)
+            else:
+                done.append((i, req))
+        if not done:
+            return
+        tokens = sample(
+            logits[[i for i, _ in done]], [r.params for _, r in done], [r.generator for _, r in done]
+        )
+        for (_, req), tok in zip(done, tokens, strict=True):
+            if req.aborted:
+                self._finish(req, {"type": "abort", "message": req.aborted})
+                continue
+            self._cache_unfinished(req, chunked=False)
+            if req.params.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+                continue
+            self.running.append(req)
+            self._append_token(req, tok)
+
+    def _cache_unfinished(self, req: Req, chunked: bool) -> None:
+        """Insert the computed prefix into the tree and move the request's lock to its new last node."""
+        n = req.num_computed
+        ids = req.fill_ids[:n]
+        present = self.cache.insert(ids, req.kv_indices[:n], chunked=chunked)
+        if present > req.prefix_len:
+            self.cache.device_allocator.free(req.kv_indices[req.prefix_len : present])
+        m = self.cache.match_prefix(ids)
+        new_prefix = m.device_indices.to(torch.int64)
+        req.kv_indices[: new_prefix.numel()] = new_prefix
+        self.cache.inc_lock_ref(m.last_device_node)
+        self.cache.dec_lock_ref(req.last_node)
+        req.last_node = m.last_device_node
+        req.prefix_len = int(new_prefix.numel())
+
+    # ----------------------------------------------------------------- decode
+    def _run_decode(self) -> None:
+        reqs = list(self.running)
+        try:
+            logits = self._forward(
+                [(r, [r.output_ids[-1]], r.num_computed, r.num_computed + 1) for r in reqs]
+            )
+        except Exception as exc:
+            logger.exception("decode forward failed")
+            for req in reqs:
+                self._finish(req, {"type": "abort", "message": f"forward failed: {exc}"}, insert=False)
+            return
+        for req in reqs:
+            req.num_computed += 1
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for req, tok in zip(reqs, tokens, strict=True):
+            if req.aborted:
+                self._finish(req, {"type": "abort", "message": req.aborted})
+            else:
+                self._append_token(req, tok)
+
+    def _forward(self, rows: list[tuple[Req, list[int], int, int]]) -> torch.Tensor:
+        """One forward pass over (req, token ids, start, end) rows; last-position logits ``(B, V)``."""
+        if self.hierarchical:
+            self.cache.ready_to_load_host_cache()
+        batch = ForwardBatch.from_sequences(
+            [ids for _, ids, _, _ in rows],
+            [req.kv_indices[:end] for req, _, _, end in rows],
+            self.cache.wait_layer if self.hierarchical else None,
+            self.pool.device,
+        )
+        return self.runner.forward(batch, self.pool)
+
+    def _append_token(self, req: Req, tok: int) -> None:
+        now = time.perf_counter()
+        if req.first_token_at is None:
+            req.first_token_at = now
+            if self.metrics:
+                self.metrics.on_first_token(now - req.arrival)
+        req.output_ids.append(tok)
+        reason = self._finish_reason(req, tok)
+        if reason is None:
+            req.on_event(ReqOutput(req.rid, [tok], meta=self._meta(req, final=False)))
+        else:
+            self._finish(req, reason, last_ids=[tok])
+
+    def _finish_reason(self, req: Req, tok: int) -> dict | None:
+        p = req.params
+        if not p.ignore_eos and tok in self.config.eos_token_ids:
+            return {"type": "stop", "matched": tok}
+        if tok in p.stop_token_ids:
+            return {"type": "stop", "matched": tok}
+        if p.stop:
+            tail = self.detokenize(req.output_ids[-(max(len(s) for s in p.stop) + 8) :])
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    # ----------------------------------------------------------------- finish / abort
+    def _finish(self, req: Req, reason: dict, last_ids: list[int] | None = None, insert: bool = True) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self._release(req, insert=insert)
+        req.finished = True
+        self.reqs.pop(req.rid, None)
+        if self.metrics:
+            self.metrics.on_finish(req)
+        req.on_event(ReqOutput(req.rid, last_ids or [], True, reason, self._meta(req, final=True)))
+
+    def _release(self, req: Req, insert: bool = True) -> None:
+        """Give the request's KV back: computed pages go into the tree, the rest of its slots are freed."""
+        if req.kv_indices is None:
+            return
+        free = self.cache.device_allocator.free
+        keep = req.prefix_len
+        if insert and req.num_computed > req.prefix_len:
+            n = req.num_computed
+            present = self.cache.insert(req.fill_ids[:n], req.kv_indices[:n])
+            if present > req.prefix_len:
+                free(req.kv_indices[req.prefix_len : present])
+            keep = max(present, n // self.page_size * self.page_size)
+        if req.kv_indices.numel() > keep:
+            free(req.kv_indices[keep:])
+        self.cache.dec_lock_ref(req.last_node)
+        req.kv_indices = None
+        req.last_node = None
+
+    def _abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+            if self.hierarchical:
+                self.cache.release_aborted_request(rid)
+            self.reqs.pop(rid, None)
+            req.finished = True
+            req.on_event(
+                ReqOutput(rid, [], True, {"type": "abort", "message": "aborted"}, self._meta(req, True))
+            )
+        elif req is self.chunked:
+            self._finish(req, {"type": "abort", "message": "aborted"}, insert=False)
+        else:
+            req.aborted = "aborted"
+
+    def _fail_all(self, message: str) -> None:
+        for req in list(self.reqs.values()):
+            if not req.finished:
+                req.finished = True
+                req.on_event(ReqOutput(req.rid, [], True, {"type": "abort", "message": message}, {}))
+        self.reqs.clear()
+
+    # ----------------------------------------------------------------- reporting
+    def _meta(self, req: Req, final: bool) -> dict:
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "cached_tokens_details": dict(req.cached),
+        }
+        if final:
+            now = time.perf_counter()
+            meta["e2e_latency"] = now - req.arrival
+            if req.admitted_at is not None:
+                meta["queue_time"] = req.admitted_at - req.arrival
+            if req.first_token_at is not None:
+                meta["ttft"] = req.first_token_at - req.arrival
+        return meta
+
+    def _publish(self) -> None:
+        """Replace the snapshot other threads read (one assignment: readers never see a partial one)."""
+        cache = self.cache
+        status = cache.storage_status() if self.hierarchical else None
+        self.state = {
+            "num_running_reqs": len(self.running) + (self.chunked is not None),
+            "num_waiting_reqs": len(self.waiting),
+            "inflight_cache_io": dict(cache.inflight_io()),
+            "is_idle": self.is_idle(),
+            "hicache": status,
+            "cache_stats": cache.stats.snapshot(),
+            "num_used_tokens": self.pool.size
+            - cache.device_allocator.available_size()
+            - cache.evictable_size(),
+            "evictable_tokens": cache.evictable_size(),
+            "max_total_num_tokens": self.pool.size,
+        }

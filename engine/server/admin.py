@@ -1,0 +1,175 @@
+"""HiCache admin routes, SGLang-compatible (hicache-spec §7), plus KVFleet's ``/hicache/config``.
+
+Auth (upstream): without ``--admin-api-key`` every route answers 400 saying a key is required; with one, a
+missing or wrong ``Authorization: Bearer`` is 401. Attach, detach, clear and config changes run on the
+scheduler thread and only when it is idle (nothing running or waiting, no cache I/O in flight); otherwise 400
+with the queue counts and nothing changes. Bodies and texts:
+
+- ``PUT /hicache/storage-backend`` ``{hicache_storage_backend, hicache_storage_backend_extra_config_json?,
+  hicache_storage_prefetch_policy?, hicache_write_policy?}`` -> 200 ``"HiCache storage backend attached.\\n"``
+  or 400 ``"Failed to attach HiCache storage backend.\\n<reason>"`` (e.g. a different backend is attached:
+  detach first; a bad policy or extra config names the field).
+- ``DELETE /hicache/storage-backend`` -> 200 ``"HiCache storage backend detached.\\n"`` (idempotent; L3 data
+  stays).
+- ``GET /hicache/storage-backend`` -> 200 JSON with the four fields above (extra config as a string).
+- ``POST /hicache/storage-backend/clear`` (alias ``/clear_hicache_storage_backend``) -> wipes L3.
+- ``GET/PUT /hicache/config``: prefetch policy, write policy, prefetch threshold and timeouts; PUT returns the
+  full new config, 400 names an unknown or bad field.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from engine.cache.hiradix_cache import CacheAdminError
+from engine.scheduler import NotIdleError
+from engine.server.engine import Engine
+from engine.server.http_utils import HTTPError, bearer_matches, json_body
+
+router = APIRouter()
+
+ATTACH_FIELDS = (
+    "hicache_storage_backend",
+    "hicache_storage_backend_extra_config_json",
+    "hicache_storage_prefetch_policy",
+    "hicache_write_policy",
+)
+CONFIG_FIELDS = (
+    "hicache_storage_prefetch_policy",
+    "hicache_write_policy",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "prefetch_timeout_max",
+)
+_CACHE_NAMES = {"hicache_storage_prefetch_policy": "prefetch_policy", "hicache_write_policy": "write_policy"}
+
+
+def _auth(request: Request) -> Engine:
+    engine: Engine = request.app.state.engine
+    key = engine.args.admin_api_key
+    if not key:
+        raise HTTPError(
+            400,
+            "This endpoint requires admin API key, but the server was started without one. "
+            "Restart with --admin-api-key to use it.",
+        )
+    if not bearer_matches(request, key):
+        raise HTTPError(401, "Unauthorized: missing or wrong admin API key")
+    if not engine.args.enable_hierarchical_cache:
+        raise HTTPError(400, "hierarchical cache is not enabled (start with --enable-hierarchical-cache)")
+    return engine
+
+
+async def _run(engine: Engine, fn, failure: str):
+    try:
+        return await engine.call(fn)
+    except (NotIdleError, CacheAdminError, ValueError) as exc:
+        raise HTTPError(400, f"{failure}\n{exc}") from None
+
+
+def _backend_view(engine: Engine) -> dict:
+    a = engine.args
+    return {
+        "hicache_storage_backend": a.hicache_storage_backend,
+        "hicache_storage_backend_extra_config": a.hicache_storage_backend_extra_config,
+        "hicache_storage_prefetch_policy": a.hicache_storage_prefetch_policy,
+        "hicache_write_policy": a.hicache_write_policy,
+    }
+
+
+@router.get("/hicache/storage-backend")
+async def get_backend(request: Request):
+    return JSONResponse(_backend_view(_auth(request)))
+
+
+@router.put("/hicache/storage-backend")
+async def attach_backend(request: Request):
+    engine = _auth(request)
+    body = await json_body(request)
+    unknown = sorted(set(body) - set(ATTACH_FIELDS))
+    if unknown:
+        raise HTTPError(
+            400, f"Failed to attach HiCache storage backend.\nunknown field(s): {', '.join(unknown)}"
+        )
+    name = body.get("hicache_storage_backend")
+    if not isinstance(name, str) or not name:
+        raise HTTPError(400, "Failed to attach HiCache storage backend.\nhicache_storage_backend is required")
+    for f in ATTACH_FIELDS[1:]:
+        if body.get(f) is not None and not isinstance(body[f], str):
+            raise HTTPError(400, f"Failed to attach HiCache storage backend.\n{f} must be a string")
+    extra = body.get("hicache_storage_backend_extra_config_json")
+    prefetch = body.get("hicache_storage_prefetch_policy")
+    write = body.get("hicache_write_policy")
+
+    def attach(sched):
+        sched.require_idle("attach")
+        return sched.cache.attach_storage_backend(name, extra, prefetch_policy=prefetch, write_policy=write)
+
+    message = await _run(engine, attach, "Failed to attach HiCache storage backend.")
+    a = engine.args
+    a.hicache_storage_backend = name
+    if extra is not None:
+        a.hicache_storage_backend_extra_config = extra
+    a.hicache_storage_prefetch_policy = prefetch or a.hicache_storage_prefetch_policy
+    a.hicache_write_policy = write or a.hicache_write_policy
+    return PlainTextResponse(f"HiCache storage backend attached.\n{message or ''}")
+
+
+@router.delete("/hicache/storage-backend")
+async def detach_backend(request: Request):
+    engine = _auth(request)
+
+    def detach(sched):
+        sched.require_idle("detach")
+        sched.cache.detach_storage_backend()
+
+    await _run(engine, detach, "Failed to detach HiCache storage backend.")
+    engine.args.hicache_storage_backend = None
+    engine.args.hicache_storage_backend_extra_config = None
+    return PlainTextResponse("HiCache storage backend detached.\n")
+
+
+@router.post("/hicache/storage-backend/clear")
+@router.post("/clear_hicache_storage_backend")
+@router.get("/clear_hicache_storage_backend")
+async def clear_backend(request: Request):
+    engine = _auth(request)
+
+    def clear(sched):
+        sched.require_idle("clear")
+        sched.cache.clear_storage_backend()
+
+    await _run(engine, clear, "Failed to clear HiCache storage backend.")
+    return PlainTextResponse("HiCache storage backend cleared.\n")
+
+
+@router.get("/hicache/config")
+async def get_config(request: Request):
+    engine = _auth(request)
+    return JSONResponse(await engine.call(lambda s: s.cache.storage_status()))
+
+
+@router.put("/hicache/config")
+async def put_config(request: Request):
+    engine = _auth(request)
+    body = await json_body(request)
+    unknown = sorted(set(body) - set(CONFIG_FIELDS))
+    if unknown:
+        raise HTTPError(400, f"unknown field(s): {', '.join(unknown)}; allowed: {', '.join(CONFIG_FIELDS)}")
+    if not body:
+        raise HTTPError(400, f"give at least one of: {', '.join(CONFIG_FIELDS)}")
+    fields = {_CACHE_NAMES.get(k, k): v for k, v in body.items()}
+
+    def update(sched):
+        sched.require_idle("config update")
+        return sched.cache.update_policies(**fields)
+
+    status = await _run(engine, update, "Failed to update HiCache config.")
+    a = engine.args
+    a.hicache_storage_prefetch_policy = body.get(
+        "hicache_storage_prefetch_policy", a.hicache_storage_prefetch_policy
+    )
+    a.hicache_write_policy = body.get("hicache_write_policy", a.hicache_write_policy)
+    return JSONResponse(status)

@@ -1,0 +1,209 @@
+"""Launch arguments of ``python -m engine.launch_server``, with SGLang's flag names and defaults.
+
+Follows ``sglang.srt.server_args.ServerArgs``: every flag keeps its upstream spelling and its ``dest`` is the
+upstream attribute name, so ``/server_info`` reports the same keys as an SGLang worker. Only the flags this
+engine implements exist; any other flag is a start-up error that names it. KVFleet adds ``--device cpu|cuda``
+(upstream also has ``--device``; here it picks the torch device the model and the L1 pool live on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from engine.cache.config import (
+    EVICTION_POLICIES,
+    IO_BACKENDS,
+    MEM_LAYOUTS,
+    PREFETCH_POLICIES,
+    WRITE_POLICIES,
+    parse_extra_config,
+)
+from engine.cache.storage.registry import registered_backends
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Default L1 size on CPU when neither --max-total-tokens nor a GPU memory budget applies (tokens).
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+class ArgumentError(ValueError):
+    """A launch argument is unknown or has a bad value; the message names the flag."""
+
+
+@dataclass
+class ServerArgs:
+    """Parsed launch arguments; attribute names are SGLang's ``ServerArgs`` field names."""
+
+    model_path: str
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "cpu"
+    dtype: str = "auto"
+    served_model_name: str | None = None
+    context_length: int | None = None
+    random_seed: int | None = None
+    log_level: str = "info"
+    page_size: int = 1
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = None
+    watchdog_timeout: float = 300.0
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    enable_metrics: bool = False
+    enable_cache_report: bool = False
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_write_policy: str = "write_through"
+    hicache_io_backend: str = "direct"
+    hicache_mem_layout: str = "layer_first"
+    hicache_storage_backend: str | None = None
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_backend_extra_config: str | None = None
+    radix_eviction_policy: str = "lru"
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict:
+        """Every launch arg by its SGLang dest name (for ``/server_info``)."""
+        out = dataclasses.asdict(self)
+        out.pop("extra")
+        return out
+
+    @property
+    def model_name(self) -> str:
+        """Name served to clients: ``--served-model-name`` or the model path."""
+        return self.served_model_name or self.model_path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse calls this for unknown flags and bad values
+        raise ArgumentError(message)
+
+
+def _positive_int(flag: str):
+    def conv(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be > 0, got {value}")
+        return value
+
+    return conv
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mem-fraction-static must be a number, got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"--mem-fraction-static must be in (0, 1), got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser with every implemented SGLang flag (``allow_abbrev`` off, as upstream)."""
+    p = _Parser(prog="python -m engine.launch_server", allow_abbrev=False)
+    a = p.add_argument
+    a("--model-path", "--model", dest="model_path", required=True, help="HF folder, .gguf file or 'smollm2'")
+    a("--tokenizer-path", default=None)
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=30000)
+    a("--device", choices=("cpu", "cuda"), default="cpu")
+    a("--dtype", choices=DTYPES, default="auto", help="auto: float32 on cpu, the checkpoint dtype on cuda")
+    a("--served-model-name", default=None)
+    a("--context-length", type=_positive_int("--context-length"), default=None)
+    a("--random-seed", type=int, default=None)
+    a("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    a("--page-size", type=_positive_int("--page-size"), default=1)
+    a("--mem-fraction-static", type=_fraction, default=None, help="share of free GPU memory for KV (cuda)")
+    a(
+        "--max-total-tokens",
+        type=_positive_int("--max-total-tokens"),
+        default=None,
+        help=f"L1 KV pool size in tokens (cpu default {CPU_DEFAULT_MAX_TOTAL_TOKENS})",
+    )
+    a("--max-running-requests", type=_positive_int("--max-running-requests"), default=None)
+    a("--max-prefill-tokens", type=_positive_int("--max-prefill-tokens"), default=16384)
+    a("--chunked-prefill-size", type=int, default=None, help="tokens per prefill chunk; -1 disables chunking")
+    a("--watchdog-timeout", type=float, default=300.0, help="seconds a forward may take before unhealthy")
+    a("--api-key", default=None)
+    a("--admin-api-key", default=None)
+    a("--enable-metrics", action="store_true")
+    a("--enable-cache-report", action="store_true")
+    a("--enable-hierarchical-cache", action="store_true")
+    a("--hicache-ratio", type=float, default=2.0)
+    a("--hicache-size", type=int, default=0, help="host pool size in GB; overrides --hicache-ratio when > 0")
+    a("--hicache-write-policy", choices=WRITE_POLICIES, default="write_through")
+    a("--hicache-io-backend", choices=IO_BACKENDS, default="direct", help="kernel needs the GPU kernels")
+    a("--hicache-mem-layout", choices=MEM_LAYOUTS, default="layer_first")
+    a("--hicache-storage-backend", choices=registered_backends(), default=None)
+    a("--hicache-storage-prefetch-policy", choices=PREFETCH_POLICIES, default="best_effort")
+    a("--hicache-storage-backend-extra-config", default=None, help="JSON object or @file (.json/.toml/.yaml)")
+    a("--radix-eviction-policy", choices=EVICTION_POLICIES, default="lru")
+    a("--disaggregation-mode", choices=("null",), default="null", help="only 'null' (no PD) in this build")
+    a("--disaggregation-bootstrap-port", type=int, default=8998)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> ServerArgs:
+    """Parse and validate ``argv``; raises ``ArgumentError`` naming the flag on any problem."""
+    ns = build_parser().parse_args(argv)
+    args = ServerArgs(**vars(ns))
+    _validate(args)
+    return args
+
+
+def _validate(args: ServerArgs) -> None:
+    if args.hicache_ratio <= 1.0 and args.enable_hierarchical_cache and args.hicache_size <= 0:
+        raise ArgumentError(
+            f"--hicache-ratio must be > 1 (host pool larger than L1), got {args.hicache_ratio}"
+        )
+    if args.hicache_size < 0:
+        raise ArgumentError(f"--hicache-size must be >= 0, got {args.hicache_size}")
+    if args.chunked_prefill_size is not None and (
+        args.chunked_prefill_size == 0 or args.chunked_prefill_size < -1
+    ):
+        raise ArgumentError(f"--chunked-prefill-size must be > 0 or -1, got {args.chunked_prefill_size}")
+    if (
+        args.chunked_prefill_size
+        and args.chunked_prefill_size > 0
+        and args.chunked_prefill_size % args.page_size
+    ):
+        raise ArgumentError(
+            f"--chunked-prefill-size {args.chunked_prefill_size} must be a multiple of "
+            f"--page-size {args.page_size}"
+        )
+    if not 0 < args.port < 65536:
+        raise ArgumentError(f"--port must be in 1..65535, got {args.port}")
+    if args.watchdog_timeout <= 0:
+        raise ArgumentError(f"--watchdog-timeout must be > 0, got {args.watchdog_timeout}")
+    if args.hicache_storage_backend and not args.enable_hierarchical_cache:
+        raise ArgumentError("--hicache-storage-backend needs --enable-hierarchical-cache")
+    if args.hicache_storage_backend_extra_config is not None:
+        try:
+            parse_extra_config(args.hicache_storage_backend_extra_config)
+        except (ValueError, OSError) as exc:
+            raise ArgumentError(f"--hicache-storage-backend-extra-config: {exc}") from None
+    if args.max_total_tokens is not None and args.max_total_tokens % args.page_size:
+        raise ArgumentError(
+            f"--max-total-tokens {args.max_total_tokens} must be a multiple of --page-size {args.page_size}"
+        )
+
+
+def extra_config_json(args: ServerArgs) -> str | None:
+    """The extra config as a JSON string (an ``@file`` is read), or None."""
+    if args.hicache_storage_backend_extra_config is None:
+        return None
+    return json.dumps(parse_extra_config(args.hicache_storage_backend_extra_config))

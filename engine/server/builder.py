@@ -1,0 +1,110 @@
+"""Build a running engine from launch arguments: model runner, L1 pool, radix/HiCache, scheduler, metrics.
+
+Sizing (SGLang semantics where they apply): the L1 pool holds ``--max-total-tokens`` tokens; without it, on
+cuda ``--mem-fraction-static`` (default 0.88) of the free GPU memory after loading weights, on cpu
+``CPU_DEFAULT_MAX_TOTAL_TOKENS``. ``--dtype auto`` is float32 on cpu and bfloat16 on cuda. Chunked prefill
+defaults to 2048 tokens on cpu and 8192 on cuda; -1 turns it off. The context length is
+``--context-length`` or the model's ``max_position_embeddings``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.cache.config import HiCacheConfig, parse_extra_config, split_extra_config
+from engine.cache.device_pool import DeviceKVPool
+from engine.cache.hiradix_cache import HiRadixCache
+from engine.model.runner import ModelRunner
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.server.args import CPU_DEFAULT_MAX_TOTAL_TOKENS, ArgumentError, ServerArgs
+from engine.server.engine import Engine
+from engine.server.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def hicache_config(args: ServerArgs) -> HiCacheConfig:
+    """The cache's config from the ``--hicache-*`` flags; ``ArgumentError`` names a bad value."""
+    try:
+        config = HiCacheConfig(
+            ratio=args.hicache_ratio,
+            size=args.hicache_size,
+            write_policy=args.hicache_write_policy,
+            io_backend=args.hicache_io_backend,
+            mem_layout=args.hicache_mem_layout,
+            storage_backend=args.hicache_storage_backend,
+            prefetch_policy=args.hicache_storage_prefetch_policy,
+            eviction_policy=args.radix_eviction_policy,
+        )
+        config, _ = split_extra_config(config, parse_extra_config(args.hicache_storage_backend_extra_config))
+    except ValueError as exc:
+        raise ArgumentError(f"--hicache-*: {exc}") from None
+    return config
+
+
+def _pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
+    if args.max_total_tokens is not None:
+        tokens = args.max_total_tokens
+    elif args.device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        tokens = int(free * (args.mem_fraction_static or 0.88)) // bytes_per_token
+    else:
+        tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
+    return max(args.page_size, tokens // args.page_size * args.page_size)
+
+
+def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
+    """Load the model (unless ``runner`` is given), build cache and scheduler, start the scheduler thread."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ArgumentError("--device cuda: no CUDA device is available")
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
+    if runner is None:
+        runner = ModelRunner(args.model_path, dtype=dtype, device=args.device)
+    spec = runner.kv_pool_spec()
+    bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+    pool = DeviceKVPool(_pool_tokens(args, bytes_per_token), args.page_size, **vars(spec))
+    cfg = runner.config
+    context = args.context_length or cfg.max_position_embeddings
+    name = args.served_model_name or str(runner.model_path)
+    try:
+        cache = HiRadixCache(
+            pool, hicache_config(args), model_name=name, enable_hierarchical=args.enable_hierarchical_cache
+        )
+    except ValueError as exc:  # bad layout / io backend / storage backend settings
+        raise ArgumentError(f"--hicache-*: {exc}") from None
+    chunk = args.chunked_prefill_size
+    if chunk is None:
+        chunk = 2048 if args.device == "cpu" else 8192
+    sched_cfg = SchedulerConfig(
+        context_length=context,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=max(chunk, 0),
+        max_running_requests=args.max_running_requests or 256,
+        eos_token_ids=tuple(sorted(runner.tokenizer.eos_token_ids)),
+    )
+    tokenizer = runner.tokenizer
+    scheduler = Scheduler(runner, cache, pool, sched_cfg, tokenizer.decode)
+    metrics = EngineMetrics(args.model_name, lambda: scheduler.state) if args.enable_metrics else None
+    scheduler.metrics = metrics
+    if args.random_seed is not None:
+        torch.manual_seed(args.random_seed)
+    engine = Engine(
+        args,
+        tokenizer,
+        scheduler,
+        context_length=context,
+        vocab_size=tokenizer.vocab_size,
+        metrics=metrics,
+        model_info={"architecture": cfg.architecture, "kv_bytes_per_token": bytes_per_token},
+    )
+    scheduler.start()
+    logger.info(
+        "engine ready: %s, L1 %d tokens (page %d), hierarchical=%s",
+        name,
+        pool.size,
+        args.page_size,
+        args.enable_hierarchical_cache,
+    )
+    return engine

@@ -1,0 +1,151 @@
+"""The HTTP side's handle on a running engine: submit requests to the scheduler thread and await events.
+
+Nothing here touches the model or the cache. Requests go to ``Scheduler.submit``; the scheduler hands each
+event to ``loop.call_soon_threadsafe`` so it lands in the request's ``asyncio.Queue``. Admin work runs on the
+scheduler thread through ``Scheduler.call`` and is awaited as a future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.scheduler import Req, ReqOutput, SamplingParams, Scheduler
+from engine.server.args import ServerArgs
+
+
+class RequestError(ValueError):
+    """Bad request input (HTTP 400); the message says what is wrong."""
+
+
+@dataclass
+class Engine:
+    """Launch args, tokenizer, scheduler and metrics of one worker."""
+
+    args: ServerArgs
+    tokenizer: object
+    scheduler: Scheduler
+    context_length: int
+    vocab_size: int
+    metrics: object = None
+    model_info: dict = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def model_name(self) -> str:
+        return self.args.model_name
+
+    # ------------------------------------------------------------------ tokens and text
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def chat_prompt(
+        self, messages: list[dict], continue_final_message: bool = False, **template_kwargs
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template.
+
+        With ``continue_final_message`` the last (assistant) message is left open, as transformers does: the
+        rendering is cut right after its content. Raises ``ValueError`` (``ChatTemplateError``) on failure.
+        """
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=not continue_final_message, **template_kwargs
+        )
+        if continue_final_message:
+            content = str(messages[-1].get("content") or "")
+            end = text.rfind(content)
+            if end < 0:
+                raise ValueError("continue_final_message: the final message is not in the rendered prompt")
+            text = text[: end + len(content)]
+        return self.encode(text, add_special_tokens=False)
+
+    def output_text(self, ids: list[int], params: SamplingParams, finish_reason: dict | None) -> str:
+        """Decoded output; a matched stop string and what follows it are cut unless ``no_stop_trim``."""
+        text = self.decode(ids, params.skip_special_tokens)
+        matched = (finish_reason or {}).get("matched")
+        if isinstance(matched, str) and not params.no_stop_trim:
+            pos = text.find(matched)
+            if pos >= 0:
+                text = text[:pos]
+        return text
+
+    # ------------------------------------------------------------------ requests
+    def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Check ids and length against the context and the KV pool; raises RequestError."""
+        if not input_ids:
+            raise RequestError("the prompt is empty")
+        if any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in input_ids
+        ):
+            raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
+        n = len(input_ids)
+        if n >= self.context_length:
+            raise RequestError(
+                f"The input ({n} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens)."
+            )
+        if n + params.max_new_tokens > self.context_length:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                f"tokens. You requested a total of {n + params.max_new_tokens} tokens: {n} tokens from the "
+                f"input messages and {params.max_new_tokens} tokens for the completion."
+            )
+        capacity = self.scheduler.pool.size
+        if n + params.max_new_tokens > capacity:
+            raise RequestError(
+                f"prompt ({n}) + max_new_tokens ({params.max_new_tokens}) exceeds the KV pool "
+                f"({capacity} tokens)"
+            )
+
+    def default_max_new_tokens(self, input_ids: list[int]) -> int:
+        """OpenAI requests without ``max_tokens`` may use the rest of the context (upstream behaviour)."""
+        return max(0, min(self.context_length, self.scheduler.pool.size) - len(input_ids))
+
+    async def stream(
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
+    ) -> AsyncIterator[ReqOutput]:
+        """Submit one request, yield its events up to the finished one; abort it if the caller stops early."""
+        self.check_request(input_ids, params)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[ReqOutput] = asyncio.Queue()
+        put: Callable[[ReqOutput], None] = events.put_nowait
+        rid = rid or uuid.uuid4().hex
+        req = Req(rid, list(input_ids), params, lambda ev: loop.call_soon_threadsafe(put, ev))
+        if params.sampling_seed is not None:
+            req.generator = torch.Generator().manual_seed(params.sampling_seed)
+        if not self.scheduler.is_alive():
+            raise RuntimeError("scheduler thread is not running")
+        self.scheduler.submit(req)
+        finished = False
+        try:
+            while True:
+                ev = await events.get()
+                finished = ev.finished
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.scheduler.abort(rid)
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> dict:
+        """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta"}``."""
+        ids: list[int] = []
+        meta: dict = {}
+        reason = None
+        async for ev in self.stream(input_ids, params, rid):
+            ids.extend(ev.new_ids)
+            meta.update(ev.meta)
+            reason = ev.finish_reason
+        return {"output_ids": ids, "finish_reason": reason, "meta": meta}
+
+    async def call(self, fn, timeout: float | None = None):
+        """Run ``fn(scheduler)`` on the scheduler thread and await its result."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.scheduler.call(fn)), timeout)

@@ -1,0 +1,102 @@
+"""SGLang's native ``POST /generate``.
+
+Body (``GenerateReqInput``): exactly one of ``text`` (str or list of str) or ``input_ids`` (list of ints or
+list of lists), ``sampling_params``, ``stream``, ``rid``. Other upstream fields that routers forward
+(``log_metrics``, ``return_hidden_states``, ``bootstrap_room``, ...) are accepted and have no effect; fields
+asking for output this engine cannot produce (``return_logprob``, ``input_embeds``) are a 400.
+Response: ``{"text", "output_ids", "meta_info"}`` (a list for batched input). With ``stream`` the events are
+SSE frames carrying the cumulative text and ids (upstream default) and the stream ends with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.scheduler import SamplingParams
+from engine.server.engine import Engine, RequestError
+from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse
+
+router = APIRouter()
+
+_UNSUPPORTED_TRUE = ("return_logprob", "return_hidden_states", "return_routed_experts")
+
+
+def parse_generate(engine: Engine, body: dict) -> tuple[list[list[int]], list[SamplingParams], bool]:
+    """Prompts as token ids, one SamplingParams each, and whether the input was batched."""
+    if body.get("input_embeds") is not None:
+        raise HTTPError(400, "input_embeds is not supported")
+    for name in _UNSUPPORTED_TRUE:
+        if body.get(name):
+            raise HTTPError(400, f"{name} is not supported")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise HTTPError(400, "give exactly one of 'text' or 'input_ids'")
+    if text is not None:
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise HTTPError(400, "'text' must be a string or a non-empty list of strings")
+        prompts = [engine.encode(t) for t in texts]
+    else:
+        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batched else [ids]
+        if not isinstance(ids, list) or not all(isinstance(p, list) for p in prompts):
+            raise HTTPError(400, "'input_ids' must be a list of token ids or a list of such lists")
+    raw = body.get("sampling_params")
+    raws = raw if isinstance(raw, list) else [raw] * len(prompts)
+    if len(raws) != len(prompts):
+        raise HTTPError(400, "sampling_params list length must match the number of prompts")
+    try:
+        params = [SamplingParams.from_dict(r) for r in raws]
+    except (TypeError, ValueError) as exc:
+        raise HTTPError(400, str(exc)) from None
+    try:
+        for p, sp in zip(prompts, params, strict=True):
+            engine.check_request(p, sp)
+    except RequestError as exc:
+        raise HTTPError(400, str(exc)) from None
+    return prompts, params, batched
+
+
+def _response(engine: Engine, ids: list[int], params: SamplingParams, reason, meta: dict) -> dict:
+    meta = dict(meta, finish_reason=reason)
+    return {"text": engine.output_text(ids, params, reason), "output_ids": list(ids), "meta_info": meta}
+
+
+@router.post("/generate")
+async def generate(request: Request):
+    require_api_key(request)
+    engine: Engine = request.app.state.engine
+    body = await json_body(request)
+    prompts, params, batched = parse_generate(engine, body)
+    rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+    if body.get("stream"):
+        if batched:
+            raise HTTPError(400, "stream is not supported with batched input")
+        return StreamingResponse(_stream(engine, prompts[0], params[0], rid), media_type="text/event-stream")
+    results = await asyncio.gather(
+        *(engine.generate(p, sp, rid) for p, sp in zip(prompts, params, strict=True))
+    )
+    out = []
+    for res, sp in zip(results, params, strict=True):
+        reason = res["finish_reason"]
+        if reason and reason.get("type") == "abort":
+            raise HTTPError(500, reason.get("message", "request aborted"))
+        out.append(_response(engine, res["output_ids"], sp, reason, res["meta"]))
+    return JSONResponse(out if batched else out[0])
+
+
+async def _stream(engine: Engine, prompt: list[int], params: SamplingParams, rid: str | None):
+    ids: list[int] = []
+    meta: dict = {}
+    async for ev in engine.stream(prompt, params, rid):
+        ids.extend(ev.new_ids)
+        meta.update(ev.meta)
+        if ev.finish_reason and ev.finish_reason.get("type") == "abort":
+            yield sse({"error": {"message": ev.finish_reason.get("message", "aborted"), "code": 500}})
+            break
+        yield sse(_response(engine, ids, params, ev.finish_reason, meta))
+    yield SSE_DONE

@@ -1,0 +1,131 @@
+"""Health, server/model info, cache flush and metrics routes (SGLang's paths and bodies).
+
+- ``GET /health``: 200 while the scheduler thread is alive and its current iteration has not run longer than
+  ``--watchdog-timeout``; otherwise 503.
+- ``GET /health_generate``: additionally runs a one-token generation through the scheduler (503 on failure or
+  when it does not finish within the watchdog timeout).
+- ``GET /server_info`` (alias ``/get_server_info``): every launch arg by SGLang dest name, plus the
+  scheduler's live state (``is_idle``, ``num_running_reqs``, ``num_waiting_reqs``, ``inflight_cache_io``),
+  ``hicache`` (the
+  live storage status, null without hierarchical cache) and ``disaggregation_mode``.
+- ``GET /model_info`` (alias ``/get_model_info``): ``model_path``, ``tokenizer_path``, ``is_generation``.
+- ``POST|GET /flush_cache``: clears L1 and L2 (never L3) when idle: 200, else 400 (upstream).
+- ``GET /metrics``: Prometheus text (only with ``--enable-metrics``; 404 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from engine.scheduler import NotIdleError, SamplingParams
+from engine.server.engine import Engine
+
+router = APIRouter()
+VERSION = "kvfleet-0.1.0"
+
+
+def _health_problem(engine: Engine) -> str | None:
+    sched = engine.scheduler
+    if not sched.is_alive():
+        return f"scheduler thread is dead: {sched.error!r}"
+    stuck = sched.stuck_for()
+    if stuck > engine.args.watchdog_timeout:
+        return f"scheduler iteration running for {stuck:.1f}s (watchdog {engine.args.watchdog_timeout}s)"
+    return None
+
+
+@router.get("/health")
+async def health(request: Request):
+    problem = _health_problem(request.app.state.engine)
+    return PlainTextResponse(problem or "", status_code=503 if problem else 200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request):
+    engine: Engine = request.app.state.engine
+    problem = _health_problem(engine)
+    if problem is None:
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        try:
+            res = await asyncio.wait_for(engine.generate([0], params), engine.args.watchdog_timeout)
+            if (res["finish_reason"] or {}).get("type") == "abort":
+                problem = f"health generation aborted: {res['finish_reason'].get('message')}"
+        except TimeoutError:
+            problem = f"health generation did not finish within {engine.args.watchdog_timeout}s"
+        except Exception as exc:
+            problem = f"health generation failed: {exc}"
+    return PlainTextResponse(problem or "", status_code=503 if problem else 200)
+
+
+def server_info(engine: Engine) -> dict:
+    """Launch args plus live scheduler and cache state (the Engine worker HTTP contract)."""
+    state = engine.scheduler.state
+    info = engine.args.to_dict()
+    info.update(
+        {
+            "version": VERSION,
+            "served_model_name": engine.model_name,
+            "context_length": engine.context_length,
+            "max_total_num_tokens": state.get("max_total_num_tokens"),
+            "disaggregation_mode": engine.args.disaggregation_mode,
+            "disaggregation_bootstrap_port": engine.args.disaggregation_bootstrap_port,
+            "is_idle": state.get("is_idle", False),
+            "num_running_reqs": state.get("num_running_reqs", 0),
+            "num_waiting_reqs": state.get("num_waiting_reqs", 0),
+            "inflight_cache_io": state.get("inflight_cache_io", {}),
+            "hicache": state.get("hicache"),
+        }
+    )
+    return info
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def get_server_info(request: Request):
+    return JSONResponse(server_info(request.app.state.engine))
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def get_model_info(request: Request):
+    engine: Engine = request.app.state.engine
+    return JSONResponse(
+        {
+            "model_path": engine.args.model_path,
+            "tokenizer_path": engine.args.tokenizer_path or engine.args.model_path,
+            "served_model_name": engine.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            **engine.model_info,
+        }
+    )
+
+
+def _flush(sched) -> None:
+    sched.require_idle("flush cache")
+    sched.cache.reset()
+
+
+@router.post("/flush_cache")
+@router.get("/flush_cache")
+async def flush_cache(request: Request):
+    engine: Engine = request.app.state.engine
+    try:
+        await engine.call(_flush)
+    except NotIdleError as exc:
+        return PlainTextResponse(f"Cache not flushed: {exc}\n", status_code=400)
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    engine: Engine = request.app.state.engine
+    if engine.metrics is None:
+        return PlainTextResponse("metrics are off; start with --enable-metrics\n", status_code=404)
+    return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

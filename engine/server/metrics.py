@@ -1,0 +1,164 @@
+"""Prometheus metrics with SGLang's names (``sglang:`` prefix, ``model_name`` label), served on ``/metrics``.
+
+Per-request counters and histograms are updated by the scheduler thread through the hook methods below
+(prometheus-client is thread-safe). Queue gauges and the HiCache counters are read at scrape time from the
+snapshot the scheduler publishes (``Scheduler.state``), so a scrape never touches the cache. Histogram buckets
+follow SGLang's collector (TTFT 0.1…400 s, ITL 0.002…8 s, e2e 0.1…2400 s), with a few finer TTFT buckets.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+ITL_BUCKETS = (
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.035,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2,
+    4,
+    8,
+)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2400)
+QUEUE_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 1000, 3000)
+
+# HiCache counters taken from the cache's CacheStats snapshot: metric suffix -> stats key.
+CACHE_COUNTERS = {
+    "load_back_tokens": "load_back_tokens",
+    "evicted_tokens": "evicted_tokens",
+    "prefetched_tokens": "prefetched_tokens",
+    "backuped_tokens": "backuped_tokens",
+    "prefetch_completed": "prefetch_completed",
+    "prefetch_timeout": "prefetch_timed_out",
+    "prefetch_revoked": "prefetch_revoked",
+}
+
+
+class EngineMetrics:
+    """The worker's metric registry; ``state()`` returns the scheduler's latest snapshot dict."""
+
+    def __init__(self, model_name: str, state):
+        self.registry = CollectorRegistry()
+        self._state = state
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Prefill tokens", labels, registry=r)
+        self.generation_tokens = Counter("sglang:generation_tokens", "Generated tokens", labels, registry=r)
+        self.num_requests = Counter("sglang:num_requests", "Finished requests", labels, registry=r)
+        self.num_aborted = Counter("sglang:num_aborted_requests", "Aborted requests", labels, registry=r)
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "sglang:inter_token_latency_seconds",
+            "Inter-token latency",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "End-to-end latency",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "sglang:queue_time_seconds", "Waiting-queue time", labels, buckets=QUEUE_BUCKETS, registry=r
+        )
+        self.cache_hit_rate = Gauge(
+            "sglang:cache_hit_rate", "Prefix hit rate of the last prefill batch", labels, registry=r
+        )
+        self.registry.register(_StateCollector(self))
+
+    # hooks called by the scheduler thread
+    def on_admit(self, req) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(len(req.input_ids))
+        self.queue_time.labels(m).observe(time.perf_counter() - req.arrival)
+
+    def on_prefill(self, hit_tokens: int, new_tokens: int) -> None:
+        total = hit_tokens + new_tokens
+        self.cache_hit_rate.labels(self.model_name).set(hit_tokens / total if total else 0.0)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def on_finish(self, req) -> None:
+        m = self.model_name
+        n = len(req.output_ids)
+        self.num_requests.labels(m).inc()
+        self.generation_tokens.labels(m).inc(n)
+        now = time.perf_counter()
+        self.e2e.labels(m).observe(now - req.arrival)
+        if req.aborted:
+            self.num_aborted.labels(m).inc()
+        if req.first_token_at is not None and n > 1:
+            interval = (now - req.first_token_at) / (n - 1)
+            for _ in range(n - 1):
+                self.itl.labels(m).observe(interval)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class _StateCollector:
+    """Gauges and HiCache counters read from the scheduler snapshot at scrape time."""
+
+    def __init__(self, metrics: EngineMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        state = m._state()
+        name = [m.model_name]
+
+        def gauge(metric, doc, value):
+            g = GaugeMetricFamily(f"sglang:{metric}", doc, labels=["model_name"])
+            g.add_metric(name, value)
+            return g
+
+        used = state.get("num_used_tokens", 0)
+        total = state.get("max_total_num_tokens", 0)
+        yield gauge("num_running_reqs", "Requests in the running batch", state.get("num_running_reqs", 0))
+        yield gauge("num_queue_reqs", "Requests in the waiting queue", state.get("num_waiting_reqs", 0))
+        yield gauge("num_used_tokens", "KV slots held by requests", used)
+        yield gauge("max_total_num_tokens", "L1 KV pool capacity (tokens)", total)
+        yield gauge("token_usage", "Used / capacity", round(used / total, 2) if total else 0.0)
+        stats = state.get("cache_stats") or {}
+        if state.get("hicache") is not None:
+            yield gauge("hicache_host_used_tokens", "L2 tokens in use", stats.get("host_used_tokens", 0))
+            yield gauge(
+                "hicache_host_total_tokens", "L2 capacity (tokens)", stats.get("host_total_tokens", 0)
+            )
+        cached = CounterMetricFamily(
+            "sglang:cached_tokens", "Prompt tokens served from cache", labels=["model_name", "cache_source"]
+        )
+        for source in ("device", "host", "storage"):
+            cached.add_metric([m.model_name, source], stats.get(f"{source}_hit_tokens", 0))
+        yield cached
+        for metric, key in CACHE_COUNTERS.items():
+            c = CounterMetricFamily(f"sglang:{metric}", f"HiCache {key}", labels=["model_name"])
+            c.add_metric(name, stats.get(key, 0))
+            yield c

@@ -1,0 +1,290 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``.
+
+Mirrors SGLang's adapter: OpenAI fields map to SamplingParams (``max_tokens``/``max_completion_tokens`` ->
+``max_new_tokens``, ``seed`` -> ``sampling_seed``, ``min_tokens`` -> ``min_new_tokens``) and SGLang extras
+(``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ...) pass through. The chat route applies the
+model's
+chat template with ``add_generation_prompt``. ``usage.prompt_tokens_details.cached_tokens`` is filled only
+with ``--enable-cache-report`` (upstream). Streams send ``text_completion`` / ``chat.completion.chunk``
+objects with text deltas, an optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.scheduler import SamplingParams
+from engine.server.engine import Engine
+from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse
+
+router = APIRouter()
+
+# OpenAI / SGLang request field -> SamplingParams field.
+_PARAM_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "no_stop_trim",
+    "seed": "sampling_seed",
+    "n": "n",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
+    "regex": "regex",
+    "json_schema": "json_schema",
+    "ebnf": "ebnf",
+    "logit_bias": "logit_bias",
+}
+
+
+def _sampling_params(engine: Engine, body: dict, prompt: list[int], max_tokens) -> SamplingParams:
+    raw = {dst: body[src] for src, dst in _PARAM_FIELDS.items() if body.get(src) is not None}
+    if body.get("logprobs") not in (None, False):
+        raise HTTPError(400, "logprobs is not supported")
+    if max_tokens is None:
+        max_tokens = engine.default_max_new_tokens(prompt)
+    raw["max_new_tokens"] = max_tokens
+    try:
+        params = SamplingParams.from_dict(raw)
+        engine.check_request(prompt, params)
+    except (TypeError, ValueError) as exc:
+        raise HTTPError(400, str(exc)) from None
+    return params
+
+
+def _finish(reason: dict | None) -> tuple[str | None, object]:
+    if reason is None:
+        return None, None
+    kind = reason.get("type")
+    return ("stop" if kind == "stop" else "length" if kind == "length" else "abort"), reason.get("matched")
+
+
+def _usage(engine: Engine, prompt: list[int], n_out: int, meta: dict) -> dict:
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": n_out, "total_tokens": len(prompt) + n_out}
+    if engine.args.enable_cache_report:
+        usage["prompt_tokens_details"] = {"cached_tokens": meta.get("cached_tokens", 0)}
+    return usage
+
+
+class _DeltaText:
+    """Turns cumulative token ids into text deltas, holding back an unfinished UTF-8 sequence and any tail
+    that could still become a stop string."""
+
+    def __init__(self, engine: Engine, params: SamplingParams):
+        self.engine, self.params = engine, params
+        self.ids: list[int] = []
+        self.sent = ""
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+
+    def push(self, new_ids: list[int], reason: dict | None) -> str:
+        self.ids.extend(new_ids)
+        text = self.engine.output_text(self.ids, self.params, reason)
+        if reason is None:
+            text = text.rstrip("\ufffd")
+            text = text[: max(len(self.sent), len(text) - self.hold)]
+        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
+        self.sent += delta
+        return delta
+
+
+def _check_model(engine: Engine, body: dict) -> None:
+    model = body.get("model")
+    if model not in (None, "", engine.model_name, engine.args.model_path, "default"):
+        raise HTTPError(404, f"The model `{model}` does not exist.")
+
+
+# ---------------------------------------------------------------------------------------------- completions
+@router.post("/v1/completions")
+async def completions(request: Request):
+    require_api_key(request)
+    engine: Engine = request.app.state.engine
+    body = await json_body(request)
+    _check_model(engine, body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = engine.encode(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise HTTPError(400, "'prompt' must be a string or a list of token ids (one prompt per request)")
+    if body.get("suffix"):
+        raise HTTPError(400, "suffix is not supported")
+    params = _sampling_params(engine, body, ids, body.get("max_tokens"))
+    echo = isinstance(prompt, str) and bool(body.get("echo"))
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(
+            _stream_completion(engine, ids, params, base, prompt if echo else "", include_usage),
+            media_type="text/event-stream",
+        )
+    res = await engine.generate(ids, params)
+    finish, matched = _check_abort(res["finish_reason"])
+    text = engine.output_text(res["output_ids"], params, res["finish_reason"])
+    choice = {
+        "index": 0,
+        "text": (prompt if echo else "") + text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "matched_stop": matched,
+    }
+    usage = _usage(engine, ids, len(res["output_ids"]), res["meta"])
+    return JSONResponse({**base, "choices": [choice], "usage": usage})
+
+
+def _check_abort(reason: dict | None) -> tuple[str | None, object]:
+    finish, matched = _finish(reason)
+    if finish == "abort":
+        raise HTTPError(500, (reason or {}).get("message", "request aborted"))
+    return finish, matched
+
+
+async def _stream_completion(engine, ids, params, base, echo_text: str, include_usage: bool):
+    delta = _DeltaText(engine, params)
+    n_out, meta = 0, {}
+    if echo_text:
+        yield sse(
+            {**base, "choices": [{"index": 0, "text": echo_text, "logprobs": None, "finish_reason": None}]}
+        )
+    async for ev in engine.stream(ids, params):
+        n_out += len(ev.new_ids)
+        meta.update(ev.meta)
+        finish, matched = _finish(ev.finish_reason)
+        if finish == "abort":
+            yield sse({"error": {"message": ev.finish_reason.get("message", "aborted"), "code": 500}})
+            break
+        text = delta.push(ev.new_ids, ev.finish_reason)
+        if text or finish:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "matched_stop": matched,
+            }
+            yield sse({**base, "choices": [choice]})
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": _usage(engine, ids, n_out, meta)})
+    yield SSE_DONE
+
+
+# ---------------------------------------------------------------------------------------------- chat
+def _chat_prompt(engine: Engine, body: dict) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "'messages' must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m:
+            raise HTTPError(400, "each message must be an object with a 'role'")
+        if isinstance(m.get("content"), list):  # content parts: keep the text ones
+            parts = m["content"]
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in parts):
+                raise HTTPError(400, "only text content parts are supported")
+            m["content"] = "".join(p.get("text", "") for p in parts)
+    if body.get("tools"):
+        raise HTTPError(400, "tools are not supported")
+    fmt = body.get("response_format")
+    if fmt and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise HTTPError(400, "response_format other than 'text' is not supported")
+    cont = bool(body.get("continue_final_message")) and messages[-1].get("role") == "assistant"
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise HTTPError(400, "chat_template_kwargs must be an object")
+    try:
+        return engine.chat_prompt(messages, continue_final_message=cont, **kwargs)
+    except ValueError as exc:  # template errors (bad roles, missing fields) are the client's
+        raise HTTPError(400, str(exc)) from None
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    require_api_key(request)
+    engine: Engine = request.app.state.engine
+    body = await json_body(request)
+    _check_model(engine, body)
+    ids = _chat_prompt(engine, body)
+    max_tokens = body.get("max_completion_tokens")
+    max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+    params = _sampling_params(engine, body, ids, max_tokens)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    base = {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name}
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        base["object"] = "chat.completion.chunk"
+        return StreamingResponse(
+            _stream_chat(engine, ids, params, base, include_usage), media_type="text/event-stream"
+        )
+    res = await engine.generate(ids, params)
+    finish, matched = _check_abort(res["finish_reason"])
+    text = engine.output_text(res["output_ids"], params, res["finish_reason"])
+    message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": finish,
+        "matched_stop": matched,
+    }
+    usage = _usage(engine, ids, len(res["output_ids"]), res["meta"])
+    return JSONResponse({**base, "choices": [choice], "usage": usage})
+
+
+async def _stream_chat(engine, ids, params, base, include_usage: bool):
+    delta = _DeltaText(engine, params)
+    n_out, meta = 0, {}
+    first = {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    yield sse({**base, "choices": [first]})
+    async for ev in engine.stream(ids, params):
+        n_out += len(ev.new_ids)
+        meta.update(ev.meta)
+        finish, matched = _finish(ev.finish_reason)
+        if finish == "abort":
+            yield sse({"error": {"message": ev.finish_reason.get("message", "aborted"), "code": 500}})
+            break
+        text = delta.push(ev.new_ids, ev.finish_reason)
+        if text or finish:
+            choice = {
+                "index": 0,
+                "delta": {"content": text} if text else {},
+                "logprobs": None,
+                "finish_reason": finish,
+                "matched_stop": matched,
+            }
+            yield sse({**base, "choices": [choice]})
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": _usage(engine, ids, n_out, meta)})
+    yield SSE_DONE
+
+
+# ---------------------------------------------------------------------------------------------- models
+@router.get("/v1/models")
+async def models(request: Request):
+    require_api_key(request)
+    engine: Engine = request.app.state.engine
+    card = {
+        "id": engine.model_name,
+        "object": "model",
+        "created": int(engine.started_at),
+        "owned_by": "sglang",
+        "root": engine.args.model_path,
+        "max_model_len": engine.context_length,
+    }
+    return JSONResponse({"object": "list", "data": [card]})

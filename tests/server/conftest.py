@@ -1,0 +1,65 @@
+"""Fixtures for engine server tests: a tiny random Llama on disk, in-process engines, HTTP servers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from server_testlib import ThreadedServer, model_testlib
+
+from engine.model.runner import ModelRunner
+from engine.server.args import parse_args
+from engine.server.builder import build_engine
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama (vocab 320, 512 positions) with a BPE tokenizer and chat template."""
+    folder = tmp_path_factory.mktemp("tiny-llama-server")
+    model_testlib().save_tiny_model(folder, "llama", seed=7)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tiny_model_dir) -> ModelRunner:
+    return ModelRunner(tiny_model_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir, tiny_runner):
+    """``make_engine(*flags)`` -> a started Engine on the tiny model (stopped at teardown)."""
+    engines = []
+
+    def make(*flags: str):
+        args = parse_args(["--model-path", str(tiny_model_dir), *flags])
+        engine = build_engine(args, runner=tiny_runner)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.scheduler.stop()
+
+
+@pytest.fixture
+def serve(make_engine):
+    """``serve(*flags)`` -> (ThreadedServer, httpx.Client) on a fresh tiny-model engine."""
+    stack = []
+
+    def start(*flags: str):
+        server = ThreadedServer(make_engine(*flags)).__enter__()
+        client = httpx.Client(base_url=server.url, timeout=60)
+        stack.append((server, client))
+        return server, client
+
+    yield start
+    for server, client in stack:
+        client.close()
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,157 @@
+"""HiCache admin API status codes and bodies (hicache-spec §7) and the idle-gated /hicache/config."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+KEY = "admin-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _admin_server(serve, *extra):
+    return serve("--enable-hierarchical-cache", "--admin-api-key", KEY, "--page-size", "16", *extra)
+
+
+def test_without_admin_key_every_route_is_400(serve):
+    _, client = serve("--enable-hierarchical-cache")
+    for method, path in (
+        ("GET", "/hicache/storage-backend"),
+        ("PUT", "/hicache/storage-backend"),
+        ("DELETE", "/hicache/storage-backend"),
+        ("POST", "/hicache/storage-backend/clear"),
+        ("GET", "/hicache/config"),
+    ):
+        resp = client.request(
+            method, path, json={"hicache_storage_backend": "file"} if method == "PUT" else None
+        )
+        assert resp.status_code == 400, path
+        assert "admin API key" in resp.json()["error"]["message"]
+
+
+def test_missing_or_wrong_bearer_is_401(serve):
+    _, client = _admin_server(serve)
+    assert client.get("/hicache/storage-backend").status_code == 401
+    assert client.get("/hicache/storage-backend", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert client.delete("/hicache/storage-backend", headers={"Authorization": KEY}).status_code == 401
+    assert client.get("/hicache/storage-backend", headers=AUTH).status_code == 200
+
+
+def test_attach_detach_clear_roundtrip(serve, tmp_path):
+    _, client = _admin_server(serve)
+    before = client.get("/hicache/storage-backend", headers=AUTH).json()
+    assert before["hicache_storage_backend"] is None
+    extra = json.dumps({"file_path": str(tmp_path / "l3")})
+    body = {
+        "hicache_storage_backend": "file",
+        "hicache_storage_backend_extra_config_json": extra,
+        "hicache_storage_prefetch_policy": "wait_complete",
+        "hicache_write_policy": "write_back",
+    }
+    resp = client.put("/hicache/storage-backend", json=body, headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    assert resp.text.startswith("HiCache storage backend attached.")
+    view = client.get("/hicache/storage-backend", headers=AUTH).json()
+    assert view == {
+        "hicache_storage_backend": "file",
+        "hicache_storage_backend_extra_config": extra,
+        "hicache_storage_prefetch_policy": "wait_complete",
+        "hicache_write_policy": "write_back",
+    }
+    info = client.get("/server_info").json()
+    assert info["hicache_storage_backend"] == "file" and info["hicache"]["hicache_storage_backend"] == "file"
+
+    other = client.put("/hicache/storage-backend", json={"hicache_storage_backend": "mooncake"}, headers=AUTH)
+    assert other.status_code == 400 and "etach" in other.json()["error"]["message"]
+    assert client.get("/hicache/storage-backend", headers=AUTH).json() == view
+
+    assert client.post("/hicache/storage-backend/clear", headers=AUTH).status_code == 200
+    resp = client.delete("/hicache/storage-backend", headers=AUTH)
+    assert resp.status_code == 200 and resp.text.startswith("HiCache storage backend detached.")
+    assert client.delete("/hicache/storage-backend", headers=AUTH).status_code == 200  # idempotent
+    after = client.get("/hicache/storage-backend", headers=AUTH).json()
+    assert after["hicache_storage_backend"] is None
+    assert after["hicache_storage_prefetch_policy"] == "wait_complete"  # detach keeps the policies
+
+
+def test_bad_attach_bodies_name_the_field_and_change_nothing(serve, tmp_path):
+    _, client = _admin_server(serve)
+    cases = [
+        ({"hicache_storage_backend": "file", "hicache_storage_prefetch_policy": "sometimes"}, "prefetch"),
+        ({"hicache_storage_backend": "file", "hicache_write_policy": "write_never"}, "write"),
+        ({"hicache_storage_backend": "file", "hicache_storage_backend_extra_config_json": "{oops"}, "extra"),
+        ({"hicache_storage_backend": "nosuch"}, "nosuch"),
+        ({"hicache_storage_prefetch_policy": "timeout"}, "hicache_storage_backend"),
+        ({"hicache_storage_backend": "file", "colour": "red"}, "colour"),
+    ]
+    for body, needle in cases:
+        resp = client.put("/hicache/storage-backend", json=body, headers=AUTH)
+        assert resp.status_code == 400, body
+        assert needle in resp.json()["error"]["message"].lower(), (body, resp.text)
+        view = client.get("/hicache/storage-backend", headers=AUTH).json()
+        assert view["hicache_storage_backend"] is None
+        assert view["hicache_storage_prefetch_policy"] == "best_effort"
+
+
+def test_attach_while_a_long_request_runs_is_400_and_changes_nothing(serve, tmp_path):
+    server, client = _admin_server(serve)
+    long_body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True},
+    }
+    result = {}
+
+    def run_long():
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            result["resp"] = c.post("/generate", json=long_body)
+
+    t = threading.Thread(target=run_long)
+    t.start()
+    deadline = time.monotonic() + 30
+    while client.get("/server_info").json()["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, "the long request never started"
+        time.sleep(0.01)
+    extra = json.dumps({"file_path": str(tmp_path / "l3")})
+    resp = client.put(
+        "/hicache/storage-backend",
+        headers=AUTH,
+        json={"hicache_storage_backend": "file", "hicache_storage_backend_extra_config_json": extra},
+    )
+    cfg = client.put("/hicache/config", json={"prefetch_threshold": 32}, headers=AUTH)
+    t.join()
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert "not idle" in message and "#running-req=1" in message and "#queue-req=0" in message
+    assert cfg.status_code == 400 and "not idle" in cfg.json()["error"]["message"]
+    assert result["resp"].status_code == 200 and len(result["resp"].json()["output_ids"]) == 500
+    assert client.get("/hicache/storage-backend", headers=AUTH).json()["hicache_storage_backend"] is None
+    assert client.get("/hicache/config", headers=AUTH).json()["prefetch_threshold"] == 256
+
+
+def test_hicache_config_get_put(serve):
+    _, client = _admin_server(serve)
+    cfg = client.get("/hicache/config", headers=AUTH).json()
+    assert cfg["prefetch_threshold"] == 256 and cfg["hicache_storage_prefetch_policy"] == "best_effort"
+    body = {
+        "prefetch_threshold": 64,
+        "hicache_storage_prefetch_policy": "timeout",
+        "prefetch_timeout_base": 1.5,
+        "hicache_write_policy": "write_back",
+    }
+    resp = client.put("/hicache/config", json=body, headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    new = resp.json()
+    assert new["prefetch_threshold"] == 64 and new["hicache_storage_prefetch_policy"] == "timeout"
+    assert new["prefetch_timeout_base"] == 1.5 and new["hicache_write_policy"] == "write_back"
+    info = client.get("/server_info").json()
+    assert (
+        info["hicache_storage_prefetch_policy"] == "timeout" and info["hicache"]["prefetch_threshold"] == 64
+    )
+    bad = client.put("/hicache/config", json={"prefetch_threshold": "lots"}, headers=AUTH)
+    assert bad.status_code == 400 and "prefetch_threshold" in bad.json()["error"]["message"]
+    unknown = client.put("/hicache/config", json={"speed": 11}, headers=AUTH)
+    assert unknown.status_code == 400 and "speed" in unknown.json()["error"]["message"]
+    assert client.get("/hicache/config", headers=AUTH).json()["prefetch_threshold"] == 64
