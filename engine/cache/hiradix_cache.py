@@ -126,8 +126,9 @@ class HiRadixCache:
         self.host_pool = HostKVPool(
             host_tokens, p.page_size, p.num_layers, p.num_kv_heads, p.head_dim, p.dtype, layout
         )
+        # The prefetch thread reduces on its own group so it never interleaves with the scheduler's.
         self.reduce = reduce or make_reduce(tp_size)
-        reduce_io = make_reduce(tp_size) if tp_size > 1 else self.reduce
+        reduce_io = make_reduce(tp_size) if reduce is None and tp_size > 1 else self.reduce
         self.controller = HiCacheController(
             DirectIO(device_pool, self.host_pool), self.host_pool, self._stats, self.reduce, reduce_io
         )

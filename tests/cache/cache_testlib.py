@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
+from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 
@@ -110,3 +113,44 @@ def prefill(cache: HiRadixCache, token_ids: list[int], chunked: bool = False) ->
     if present > hit:
         cache.device_allocator.free(new[: present - hit])
     return hit
+
+
+class MemoryBackend(HiCacheStorage):
+    """A tiny in-test L3 backend (generic, non-v1 path) over a dict. ``gate``: when set to an Event,
+    every read waits for it; ``missing``: keys reported absent."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig | None = None) -> None:
+        super().__init__(storage_config)
+        self.pages: dict[str, torch.Tensor] = {}
+        self.gate: threading.Event | None = None
+        self.missing: set[str] = set()
+        self.reads = 0
+
+    def get(self, key, target_location=None, target_sizes=None):
+        if self.gate is not None:
+            self.gate.wait(10)
+        page = None if key in self.missing else self.pages.get(key)
+        if page is None:
+            return None
+        self.reads += 1
+        if target_location is not None:
+            target_location.copy_(page)
+            return target_location
+        return page.clone()
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        targets = target_locations or [None] * len(keys)
+        return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
+
+    def set(self, key, value=None, target_location=None, target_sizes=None):
+        self.pages.setdefault(key, value.clone())
+        return True
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+        return all(self.set(k, v) for k, v in zip(keys, values, strict=True))
+
+    def exists(self, key):
+        return key in self.pages and key not in self.missing
+
+    def clear(self):
+        self.pages.clear()
