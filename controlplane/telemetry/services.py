@@ -79,24 +79,31 @@ def flush_group(*, group: str) -> None:
     publish(group)
 
 
-def _scrape_one(worker: EngineWorker) -> bool:
+def _fetch(worker: EngineWorker) -> tuple[EngineWorker, str | None]:
     try:
-        text = WorkerClient(worker.url, timeout=2.0).metrics_text()
+        return worker, WorkerClient(worker.url, timeout=2.0).metrics_text()
     except WorkerError as exc:
         log.info("scrape %s failed: %s", worker.name, exc.message)
-        EngineWorker.objects.filter(pk=worker.pk).update(state=WorkerState.OFFLINE)
-        return False
-    try:
-        metrics_ingest(worker=worker, text=text)
-    except ApplicationError as exc:
-        log.warning("scrape %s: %s", worker.name, exc.message)
-        return False
-    EngineWorker.objects.filter(pk=worker.pk).update(state=WorkerState.ONLINE, last_seen=timezone.now())
-    return True
+        return worker, None
 
 
 def scrape_all() -> int:
-    """GET /metrics from every worker (8 at a time) and ingest; returns how many succeeded."""
-    workers = list(EngineWorker.objects.all())
+    """GET /metrics from every worker (8 requests at a time), then ingest each; returns how many succeeded.
+
+    Unreachable workers are marked offline, answering ones online. Database writes stay on this thread.
+    """
     with ThreadPoolExecutor(max_workers=8) as pool:
-        return sum(pool.map(_scrape_one, workers))
+        fetched = list(pool.map(_fetch, EngineWorker.objects.all()))
+    ok = 0
+    for worker, text in fetched:
+        if text is None:
+            EngineWorker.objects.filter(pk=worker.pk).update(state=WorkerState.OFFLINE)
+            continue
+        try:
+            metrics_ingest(worker=worker, text=text)
+        except ApplicationError as exc:
+            log.warning("scrape %s: %s", worker.name, exc.message)
+            continue
+        EngineWorker.objects.filter(pk=worker.pk).update(state=WorkerState.ONLINE, last_seen=timezone.now())
+        ok += 1
+    return ok

@@ -166,3 +166,14 @@ def api_as(personas):
         return client
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _fresh_telemetry_keys():
+    """Worker ids repeat across transactional tests: start each test with no telemetry keys of this run."""
+    import redis
+
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    for key in client.scan_iter(f"{TEST_PREFIX}:tm:*", count=1000):
+        client.delete(key)
+    yield

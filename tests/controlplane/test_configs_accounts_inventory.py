@@ -1,0 +1,166 @@
+"""Config revisions with If-Match/ETag, hashed API tokens, encrypted worker admin keys, agent registration,
+list filtering/ordering/pagination, and audit revert."""
+
+from datetime import timedelta
+
+import pytest
+from cp_factories import ConfigProfileFactory, EngineWorkerFactory, HostFactory
+from django.db import connection
+from django.utils import timezone
+
+from controlplane.accounts.models import ApiToken
+from controlplane.accounts.services import token_create
+from controlplane.audit.models import AuditEvent
+from controlplane.configs.models import ConfigRevision
+from controlplane.inventory.models import EngineWorker, Gpu
+
+pytestmark = pytest.mark.django_db
+
+
+def test_revision_commit_needs_a_fresh_if_match(api_as):
+    client = api_as("operator")
+    profile = client.post(
+        "/api/v1/configs/profiles/", {"name": "prod", "content": {"prefetch_threshold": 128}}, format="json"
+    ).json()
+    url = f"/api/v1/configs/profiles/{profile['id']}/"
+    etag = client.get(url)["ETag"]
+    assert etag == f'"cfg-{profile["id"]}-1"'
+    body = {"content": {"prefetch_threshold": 64, "hicache_write_policy": "write_back"}, "message": "smaller"}
+    missing = client.post(url + "revisions/", body, format="json")
+    assert missing.status_code == 428
+    ok = client.post(url + "revisions/", body, format="json", HTTP_IF_MATCH=etag)
+    assert ok.status_code == 201 and ok.json()["number"] == 2 and ok.json()["parent_number"] == 1
+    stale = client.post(
+        url + "revisions/", {"content": {"prefetch_threshold": 1}}, format="json", HTTP_IF_MATCH=etag
+    )
+    assert stale.status_code == 412 and stale.json()["error"]["detail"]["etag"] == f'"cfg-{profile["id"]}-2"'
+    same = client.post(url + "revisions/", body, format="json", HTTP_IF_MATCH=ok["ETag"])
+    assert same.status_code == 409 and same.json()["error"]["code"] == "no_change"
+    bad = client.post(
+        url + "revisions/",
+        {"content": {"hicache_write_policy": "sometimes"}},
+        format="json",
+        HTTP_IF_MATCH=ok["ETag"],
+    )
+    assert bad.status_code == 400 and "hicache_write_policy" in bad.json()["error"]["message"]
+    assert [r["number"] for r in client.get(url + "revisions/").json()["results"]] == [2, 1]
+    assert client.get(url + "revisions/1/").json()["content"] == {"prefetch_threshold": 128}
+    commit = AuditEvent.objects.get(action="commit")
+    assert commit.changes["prefetch_threshold"] == [128, 64] and commit.message == "smaller"
+
+
+def test_revisions_are_immutable():
+    revision = ConfigRevision.objects.create(
+        profile=ConfigProfileFactory(),
+        number=1,
+        content={},
+        content_sha256="0" * 64,
+    )
+    revision.content = {"prefetch_threshold": 1}
+    with pytest.raises(ValueError, match="immutable"):
+        revision.save()
+
+
+def test_tokens_are_stored_hashed_and_enforced(api_as, personas):
+    user = personas["operator"][0]
+    token, plaintext = token_create(user=user, name="ro", write_enabled=False, actor=None)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT secret_hash FROM accounts_apitoken WHERE id = %s", [token.pk])
+        (stored,) = cursor.fetchone()
+    secret = plaintext.split(".", 1)[1]
+    assert secret not in stored and len(stored) == 64
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {plaintext}")
+    assert client.get("/api/v1/inventory/hosts/").status_code == 200
+    refused = client.post("/api/v1/inventory/hosts/", {"name": "x"}, format="json")
+    assert refused.status_code == 403 and "read-only" in refused.json()["error"]["message"]
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {plaintext[:-1]}x")
+    assert client.get("/api/v1/inventory/hosts/").status_code == 401
+    ApiToken.objects.filter(pk=token.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {plaintext}")
+    assert client.get("/api/v1/inventory/hosts/").status_code == 401
+
+
+def test_token_create_returns_plaintext_once_and_revoke_keeps_the_row(api_as):
+    created = api_as("admin").post(
+        "/api/v1/accounts/tokens/", {"user": "viewer-user", "name": "ci"}, format="json"
+    )
+    assert created.status_code == 201 and created.json()["token"].startswith("cp_")
+    listed = api_as("admin").get("/api/v1/accounts/tokens/").json()["results"]
+    assert all("token" not in row and "secret_hash" not in row for row in listed)
+    assert api_as("admin").delete(f"/api/v1/accounts/tokens/{created.json()['id']}/").status_code == 204
+    assert ApiToken.objects.get(pk=created.json()["id"]).revoked_at is not None
+
+
+def test_worker_admin_key_is_encrypted_at_rest(api_as):
+    response = api_as("operator").post(
+        "/api/v1/inventory/workers/",
+        {"name": "w1", "url": "http://w1.local:30000", "admin_key": "s3cr3t-key"},
+        format="json",
+    )
+    assert response.status_code == 201 and response.json()["has_admin_key"] is True
+    assert "admin_key" not in response.json()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT admin_key_encrypted FROM inventory_engineworker WHERE name = 'w1'")
+        (stored,) = cursor.fetchone()
+    assert "s3cr3t-key" not in stored and stored.startswith("gAAAA")
+    assert EngineWorker.objects.get(name="w1").admin_key == "s3cr3t-key"
+    event = AuditEvent.objects.get(object_type="inventory.engineworker", action="create")
+    assert event.after["admin_key_encrypted"] == "***"
+
+
+def test_agent_register_is_an_upsert(api_as):
+    body = {
+        "host": {
+            "name": "gpu-1",
+            "address": "10.0.0.5",
+            "gpus": [{"index": 0, "model": "H200", "memory_mib": 143771}],
+        },
+        "workers": [
+            {"name": "gpu-1-w0", "url": "http://10.0.0.5:30000", "role": "prefill", "admin_key": "k"}
+        ],
+    }
+    client = api_as("agent")
+    assert client.post("/api/v1/agent/register/", body, format="json").status_code == 200
+    body["workers"][0]["role"] = "decode"
+    again = client.post("/api/v1/agent/register/", body, format="json")
+    assert again.status_code == 200 and again.json()["workers"][0]["role"] == "decode"
+    assert EngineWorker.objects.count() == 1 and Gpu.objects.count() == 1
+    beat = client.post(
+        "/api/v1/agent/heartbeat/", {"host": "gpu-1", "workers": ["http://10.0.0.5:30000"]}, format="json"
+    )
+    assert beat.json() == {"workers_seen": 1}
+    unknown = client.post("/api/v1/agent/heartbeat/", {"host": "nope"}, format="json")
+    assert unknown.status_code == 404 and "register first" in unknown.json()["error"]["message"]
+
+
+def test_worker_list_filters_orders_and_paginates(api_as):
+    for i, role in enumerate(["prefill", "decode", "decode", "mixed"]):
+        EngineWorkerFactory(name=f"n{i}", role=role)
+    client = api_as("viewer")
+    decode = client.get("/api/v1/inventory/workers/?role=decode&ordering=-name").json()
+    assert [w["name"] for w in decode["results"]] == ["n2", "n1"] and decode["count"] == 2
+    page = client.get("/api/v1/inventory/workers/?limit=2&offset=2&ordering=name").json()
+    assert [w["name"] for w in page["results"]] == ["n2", "n3"] and page["count"] == 4
+
+
+def test_audit_log_filters_and_revert_creates_an_operation(api_as):
+    from controlplane.audit.services import audit_record
+
+    worker = EngineWorkerFactory(name="wx")
+    event = audit_record(
+        action="detach", obj=worker, extra={"restore": {"kind": "detach", "worker_ids": [worker.pk]}}
+    )
+    audit_record(action="create", obj=HostFactory())
+    client = api_as("operator")
+    rows = client.get("/api/v1/audit/events/?action=detach").json()["results"]
+    assert [r["id"] for r in rows] == [event.pk] and rows[0]["revertible"] is True
+    reverted = client.post(f"/api/v1/audit/events/{event.pk}/revert/", {"reason": "roll back"}, format="json")
+    assert reverted.status_code == 201 and reverted.json()["kind"] == "detach"
+    plain = AuditEvent.objects.get(action="create", object_type="inventory.host")
+    refused = client.post(f"/api/v1/audit/events/{plain.pk}/revert/", {}, format="json")
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "not_revertible"
+    with pytest.raises(ValueError, match="append-only"):
+        plain.delete()

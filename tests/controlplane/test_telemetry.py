@@ -1,0 +1,157 @@
+"""Telemetry: Prometheus parsing, ingest into Redis, scrape, and the websocket path through the ASGI app."""
+
+import asyncio
+import time
+
+import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
+from cp_factories import EngineWorkerFactory
+from cp_fakes import FakeWorker
+
+from controlplane.asgi import application
+from controlplane.inventory.models import EngineWorker
+from controlplane.telemetry import store
+from controlplane.telemetry.events import EVENT_TYPES
+from controlplane.telemetry.metrics import histogram_quantile, parse_prometheus, with_rates
+from controlplane.telemetry.services import metrics_ingest, scrape_all
+
+
+def test_parse_sglang_metrics_text():
+    fake = FakeWorker()
+    try:
+        fake.counters.update(device=100.0, host=50.0, storage=25.0)
+        snap = parse_prometheus(fake.metrics_text())
+    finally:
+        fake.stop()
+    assert (snap["cached_tokens_device"], snap["cached_tokens_host"], snap["cached_tokens_storage"]) == (
+        100,
+        50,
+        25,
+    )
+    assert snap["host_pool_use"] == 0.25
+    assert snap["ttft_p50_s"] == pytest.approx(0.1) and snap["ttft_p99_s"] == 0.5
+
+
+def test_histogram_quantile_interpolates_within_a_bucket():
+    assert histogram_quantile(0.5, [(1.0, 0.0), (2.0, 10.0), (float("inf"), 10.0)]) == pytest.approx(1.5)
+    assert histogram_quantile(0.5, []) is None
+
+
+def test_rates_and_hit_shares_over_the_interval():
+    prev = {
+        "cached_tokens_device": 10.0,
+        "cached_tokens_host": 0.0,
+        "cached_tokens_storage": 0.0,
+        "load_back_tokens_total": 100.0,
+    }
+    now = {
+        "cached_tokens_device": 40.0,
+        "cached_tokens_host": 10.0,
+        "cached_tokens_storage": 0.0,
+        "load_back_tokens_total": 300.0,
+    }
+    out = with_rates(now, prev, 2.0)
+    assert out["load_back_tokens_per_s"] == 100.0
+    assert (out["hit_share_device"], out["hit_share_host"]) == (0.75, 0.25)
+
+
+@pytest.mark.django_db
+def test_ingest_api_stores_latest_and_bounded_history(api_as):
+    worker = EngineWorkerFactory()
+    for running in range(3):
+        response = api_as("agent").post(
+            "/api/v1/agent/metrics/",
+            {"worker_url": worker.url, "metrics": {"num_running_reqs": running}},
+            format="json",
+        )
+        assert response.status_code == 202, response.content
+    live = api_as("viewer").get(f"/api/v1/telemetry/workers/{worker.pk}/").json()
+    assert live["latest"]["num_running_reqs"] == 2
+    assert [s["num_running_reqs"] for s in live["history"]] == [0, 1, 2]
+    bad = api_as("agent").post(
+        "/api/v1/agent/metrics/", {"worker": worker.pk, "metrics": {"bogus": 1}}, format="json"
+    )
+    assert bad.status_code == 400 and "bogus" in bad.json()["error"]["message"]
+    assert len(store.history(worker.pk)) == 3
+    assert store.HISTORY_LEN == 300
+
+
+@pytest.mark.django_db
+def test_scrape_reads_every_worker_and_marks_unreachable_offline(fake_worker):
+    up, down = fake_worker(), fake_worker()
+    up.counters["storage"] = 42.0
+    w_up = EngineWorkerFactory(url=up.url)
+    w_down = EngineWorkerFactory(url=down.url)
+    down.stop()
+    assert scrape_all() == 1
+    assert store.latest(w_up.pk)["cached_tokens_storage"] == 42.0
+    assert EngineWorker.objects.get(pk=w_down.pk).state == "offline"
+    assert EngineWorker.objects.get(pk=w_up.pk).state == "online"
+
+
+async def _connect(path: str, origin: bytes | None = b"http://127.0.0.1"):
+    headers = [(b"origin", origin)] if origin else []
+    communicator = WebsocketCommunicator(application, path, headers=headers)
+    connected, code = await communicator.connect()
+    return communicator, connected, code
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_websocket_rejects_anonymous():
+    communicator, connected, code = await _connect("/ws/v1/events/")
+    assert (connected, code) == (False, 4401)
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_websocket_rejects_foreign_origin(personas):
+    token = personas["viewer"][1]
+    _, connected, _ = await _connect(f"/ws/v1/events/?token={token}", origin=b"http://evil.example")
+    assert connected is False
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_ingest_reaches_a_subscribed_websocket(personas):
+    worker = await database_sync_to_async(EngineWorkerFactory)()
+    token = personas["viewer"][1]
+    communicator, connected, _ = await _connect(f"/ws/v1/events/?token={token}")
+    assert connected
+    await communicator.send_json_to({"action": "subscribe", "groups": [f"worker.{worker.pk}", "fleet"]})
+    reply = await communicator.receive_json_from(timeout=2)
+    assert reply["type"] == "control.subscribed" and reply["data"]["joined"] == sorted(
+        [f"worker.{worker.pk}", "fleet"]
+    )
+    await database_sync_to_async(metrics_ingest)(worker=worker, metrics={"num_queue_reqs": 7})
+    got = {}
+    for _ in range(2):
+        message = await communicator.receive_json_from(timeout=2)
+        assert message["type"] in EVENT_TYPES and message["v"] == 1
+        got[message["type"]] = message
+    assert got["worker.metrics"]["data"]["num_queue_reqs"] == 7
+    assert got["fleet.metrics"]["data"]["totals"]["num_queue_reqs"] == 7
+    await communicator.send_json_to({"action": "subscribe", "groups": ["bad group!"]})
+    assert (await communicator.receive_json_from(timeout=2))["type"] == "control.error"
+    await communicator.disconnect()
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_broadcast_is_throttled_to_one_per_second_and_coalesced(personas, celery_worker_process):
+    worker = await database_sync_to_async(EngineWorkerFactory)()
+    communicator, connected, _ = await _connect(f"/ws/v1/events/?token={personas['viewer'][1]}")
+    await communicator.send_json_to({"action": "subscribe", "groups": [f"worker.{worker.pk}"]})
+    await communicator.receive_json_from(timeout=2)
+    started = time.monotonic()
+    for value in range(10):
+        await database_sync_to_async(metrics_ingest)(worker=worker, metrics={"num_running_reqs": value})
+    first = await communicator.receive_json_from(timeout=2)
+    assert first["data"]["num_running_reqs"] == 0
+    trailing = await communicator.receive_json_from(timeout=3)  # the flush sends the newest sample
+    assert trailing["data"]["num_running_reqs"] == 9 and time.monotonic() - started >= 0.9
+    assert await communicator.receive_nothing(timeout=1.2)
+    await communicator.disconnect()
+    await asyncio.sleep(0)
