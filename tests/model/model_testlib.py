@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import tokenizers
 import torch
 import transformers
+from gguf import GGMLQuantizationType
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.cache.device_pool import DeviceKVPool
@@ -165,3 +168,85 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new_to
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter order for Q/K rows of llama models (HF rotate-half -> interleaved pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(
+    path: Path,
+    hf_model: transformers.PreTrainedModel,
+    tok: tokenizers.Tokenizer,
+    qtype: GGMLQuantizationType | None = None,
+) -> None:
+    """Write ``hf_model`` and ``tok`` as a GGUF file the way llama.cpp's converter lays them out.
+
+    2-D weights are quantized to ``qtype`` when given (norms stay F32); Q/K rows of llama are permuted.
+    """
+    cfg = hf_model.config
+    arch = cfg.model_type
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    types = [3 if t in specials else 1 for t in tokens]
+    tokens += [f"<unused_{i}>" for i in range(cfg.vocab_size - len(tokens))]
+    types += [5] * (cfg.vocab_size - len(types))
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    writer.add_bos_token_id(vocab["<|endoftext|>"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    names = {v: k for k, v in _GGUF_NAMES.items()}
+    for hf_name, t in hf_model.state_dict().items():
+        name = hf_name
+        for hf_part, gguf_part in names.items():
+            name = name.replace(hf_part, gguf_part)
+        w = t.detach().float().numpy()
+        if arch == "llama" and "q_proj" in hf_name:
+            w = _llama_cpp_permute(w, cfg.num_attention_heads)
+        elif arch == "llama" and "k_proj" in hf_name:
+            w = _llama_cpp_permute(w, cfg.num_key_value_heads)
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+_GGUF_NAMES = {  # gguf name part -> HF name part (most specific first)
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output.": "lm_head.",
+    "blk.": "model.layers.",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q.": "self_attn.q_proj.",
+    "attn_k.": "self_attn.k_proj.",
+    "attn_v.": "self_attn.v_proj.",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}

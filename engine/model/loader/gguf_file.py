@@ -161,5 +161,6 @@ def load_gguf_file(path: Path) -> Checkpoint:
             data = _unpermute(data, config.num_attention_heads)
         elif config.architecture == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
             data = _unpermute(data, config.num_key_value_heads)
-        tensors[hf] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        tensors[hf] = torch.from_numpy(data if data.flags.writeable else data.copy())  # F32: a view of the file
     return Checkpoint(source, config, tensors, _build_tokenizer(meta, config, source))

@@ -1,0 +1,91 @@
+"""GGUF loading: tiny HF models written the way llama.cpp's converter writes them load back equal to HF.
+
+Covers the llama Q/K row permutation (undone by the loader), Qwen2 biases (not permuted), Q8_0 dequantization,
+config from metadata, and the byte-level BPE tokenizer rebuilt from ``tokenizer.ggml.*``.
+"""
+
+from __future__ import annotations
+
+import tokenizers
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from model_testlib import PageAllocator, greedy_generate, hf_greedy, save_tiny_model, write_gguf
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.model.loader import load_checkpoint
+from engine.model.runner import ModelRunner
+
+PROMPT = [5, 17, 200, 31, 4, 99, 123, 250, 8, 64, 77, 1, 2, 3, 300, 42, 11, 19, 23]
+
+
+def _assert_runner_matches_hf(runner: ModelRunner, hf_model) -> None:
+    pool = DeviceKVPool(512, 16, **vars(runner.kv_pool_spec()))
+    logits, outputs = greedy_generate(runner, pool, PageAllocator(pool), [PROMPT], 16, chunk_size=8)
+    assert outputs[0] == hf_greedy(hf_model, PROMPT, 16)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([PROMPT + outputs[0][:-1]])).logits[0]
+    assert (logits[0] - ref).abs().max().item() < 1e-4
+
+
+def test_llama_gguf_with_permuted_qk_matches_hf(tmp_path):
+    hf_model = save_tiny_model(tmp_path, "llama", seed=11)
+    write_gguf(
+        tmp_path / "tiny.gguf", hf_model, tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    )
+    runner = ModelRunner(tmp_path / "tiny.gguf", dtype="float32")
+    cfg = runner.config
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        "llama",
+        2,
+        4,
+        2,
+    )
+    assert cfg.rope_theta == 5000.0 and cfg.vocab_size == 320 and not cfg.tie_word_embeddings
+    _assert_runner_matches_hf(runner, hf_model)
+
+
+def test_qwen2_gguf_with_biases_matches_hf(tmp_path):
+    hf_model = save_tiny_model(tmp_path, "qwen2", seed=12)
+    write_gguf(
+        tmp_path / "tiny.gguf", hf_model, tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    )
+    runner = ModelRunner(tmp_path / "tiny.gguf", dtype="float32")
+    assert runner.config.architecture == "qwen2" and runner.config.attention_bias
+    _assert_runner_matches_hf(runner, hf_model)
+
+
+def test_q8_0_tensors_dequantize_to_the_quantized_hf_weights(tmp_path):
+    hf_model = save_tiny_model(tmp_path, "llama", seed=13)
+    write_gguf(
+        tmp_path / "q8.gguf",
+        hf_model,
+        tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json")),
+        qtype=GGMLQuantizationType.Q8_0,
+    )
+    loaded = load_checkpoint(tmp_path / "q8.gguf").tensors
+    for name, weight in hf_model.state_dict().items():
+        w = weight.float().numpy()
+        expected = (
+            dequantize(quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+            if w.ndim == 2
+            else w
+        )
+        assert torch.equal(loaded[name], torch.from_numpy(expected.reshape(w.shape))), name
+    q = loaded["model.layers.0.self_attn.q_proj.weight"]
+    assert 0 < (q - hf_model.state_dict()["model.layers.0.self_attn.q_proj.weight"]).abs().max() < 0.05
+
+
+def test_gguf_tokenizer_and_chat_template_match_the_hf_folder(tmp_path):
+    hf_model = save_tiny_model(tmp_path, "llama", seed=14)
+    write_gguf(
+        tmp_path / "tiny.gguf", hf_model, tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    )
+    from_gguf = load_checkpoint(tmp_path / "tiny.gguf").tokenizer
+    from_folder = load_checkpoint(tmp_path).tokenizer
+    messages = [{"role": "user", "content": "the lazy dog \u2713"}]
+    for text in ["the quick brown fox", "caf\u00e9 \u4f60\u597d \u2713", "<|im_start|>user\nhi<|im_end|>"]:
+        assert from_gguf.encode(text) == from_folder.encode(text)
+    assert from_gguf.encode_chat(messages) == from_folder.encode_chat(messages)
+    assert from_gguf.decode(from_gguf.encode("caf\u00e9 \u2713")) == "caf\u00e9 \u2713"
+    assert from_gguf.eos_token_ids == {from_folder.token_to_id("<|im_end|>")}
