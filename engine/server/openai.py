@@ -3,10 +3,10 @@
 Mirrors SGLang's adapter: OpenAI fields map to SamplingParams (``max_tokens``/``max_completion_tokens`` ->
 ``max_new_tokens``, ``seed`` -> ``sampling_seed``, ``min_tokens`` -> ``min_new_tokens``) and SGLang extras
 (``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ...) pass through. The chat route applies the
-model's
-chat template with ``add_generation_prompt``. ``usage.prompt_tokens_details.cached_tokens`` is filled only
-with ``--enable-cache-report`` (upstream). Streams send ``text_completion`` / ``chat.completion.chunk``
-objects with text deltas, an optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+model's chat template with ``add_generation_prompt``. As upstream, ``model`` is not checked (one model is
+served). ``usage.prompt_tokens_details.cached_tokens`` is filled only with ``--enable-cache-report``
+(upstream). Streams send ``text_completion`` / ``chat.completion.chunk`` objects with text deltas, an
+optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -97,19 +97,12 @@ class _DeltaText:
         return delta
 
 
-def _check_model(engine: Engine, body: dict) -> None:
-    model = body.get("model")
-    if model not in (None, "", engine.model_name, engine.args.model_path, "default"):
-        raise HTTPError(404, f"The model `{model}` does not exist.")
-
-
 # ---------------------------------------------------------------------------------------------- completions
 @router.post("/v1/completions")
 async def completions(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
     body = await json_body(request)
-    _check_model(engine, body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -214,7 +207,6 @@ async def chat_completions(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
     body = await json_body(request)
-    _check_model(engine, body)
     ids = _chat_prompt(engine, body)
     max_tokens = body.get("max_completion_tokens")
     max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
