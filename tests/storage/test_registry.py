@@ -131,8 +131,7 @@ class MinimalStore(HiCacheStorage):
 
 def test_base_defaults_generic_v1_and_clear(storage_config_factory, page_pool_factory):
     store = MinimalStore(storage_config_factory(layout="layer_first"))
-    src, dst = page_pool_factory(layout="layer_first"), page_pool_factory(layout="layer_first")
-    src.fill_random(seed=5)
+    src, dst = page_pool_factory(layout="layer_first", seed=5), page_pool_factory(layout="layer_first")
     store.register_mem_pool_host(src)
     assert store.batch_set_v1(["a", "b"], torch.arange(8, 16)) == [True, True]
     assert store.batch_exists(["a", "x", "b"]) == 1

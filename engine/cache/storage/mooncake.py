@@ -1,0 +1,381 @@
+"""The ``mooncake`` L3 backend on a real Mooncake distributed store.
+
+Follows SGLang's ``MooncakeStore`` (hicache-spec §6.5) with these choices:
+
+* one store object per page, key ``[<extra_backend_tag>_]<page key>`` (the page key already names model,
+  dtype, layout, page size and shard, :mod:`engine.cache.keys`); the object holds the page's K plane then
+  its V plane, written and read zero-copy from the registered host-pool buffer with the store's
+  multi-buffer batch calls (v1 interface);
+* ``page_first`` / ``page_first_direct`` host layouts only (a page's K and V are each one contiguous
+  block); any other layout is a :class:`StorageConfigError`;
+* start-up checks that the master (and an HTTP metadata server) accept TCP connections and fails naming
+  the address; after ``setup`` a small put/get/remove round trip proves the transfer path;
+* at run time a failed store call (e.g. the master went away) is a miss or a failed write, counted in
+  ``errors``; the backend then stops calling the store for a back-off window (1 s doubling to 30 s) and
+  only resumes once the master accepts a TCP connection again, so no caller waits on a dead store more
+  than once per window.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from engine.cache.storage.base import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    StorageConfigError,
+    StorageError,
+)
+from engine.cache.storage.mooncake_config import P2P_HANDSHAKE, MooncakeConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
+OBJECT_NOT_FOUND = -704
+RPC_FAIL = -900  # the master did not answer: pause L3 calls (other negative codes fail one page)
+_PROBE_TIMEOUT_S = 1.0
+_CLOSE_TIMEOUT_S = 5.0  # a healthy client closes in about 2 s
+_CLOSE_TIMEOUT_DOWN_S = 0.5  # master gone: the close retries for ~12 s; do not wait for it
+
+
+def _reachable(host: str, port: int, timeout: float = _PROBE_TIMEOUT_S) -> str | None:
+    """None when ``host:port`` accepts a TCP connection, else the reason."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        return str(exc) or type(exc).__name__
+
+
+class _Backoff:
+    """Circuit breaker: after a failure, refuse calls until a deadline and a successful probe."""
+
+    def __init__(self, probe, first_s: float = 1.0, max_s: float = 30.0) -> None:
+        self._probe, self._first, self._max = probe, first_s, max_s
+        self._lock = threading.Lock()
+        self._delay = 0.0
+        self._retry_at = 0.0
+
+    def allow(self) -> bool:
+        with self._lock:
+            if self._delay == 0.0:
+                return True
+            if time.monotonic() < self._retry_at:
+                return False
+        if self._probe():
+            return True
+        self.failed()
+        return False
+
+    def failed(self) -> None:
+        with self._lock:
+            self._delay = min(self._max, max(self._first, self._delay * 2))
+            self._retry_at = time.monotonic() + self._delay
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self._delay = 0.0
+
+    @property
+    def paused(self) -> bool:
+        return self._delay > 0.0
+
+
+class MooncakeStore(HiCacheStorage):
+    """L3 pages in a Mooncake store shared by every instance attached to the same master.
+
+    Raises :class:`StorageConfigError` (bad config, unsupported layout) or :class:`StorageError`
+    (master/metadata server unreachable, ``setup`` failed, Mooncake not importable) at construction.
+    """
+
+    supports_v1 = True
+
+    def __init__(self, storage_config: HiCacheStorageConfig) -> None:
+        super().__init__(storage_config)
+        if storage_config.layout not in SUPPORTED_LAYOUTS:
+            raise StorageConfigError(
+                f"layout: the mooncake backend needs host layout page_first or page_first_direct, "
+                f"got {storage_config.layout!r}"
+            )
+        self.config = MooncakeConfig.from_storage_config(storage_config)
+        self._check_servers()
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise StorageError(
+                f"cannot load the Mooncake store ({exc}); install mooncake-transfer-engine-non-cuda "
+                "(and the libibverbs1 system package)"
+            ) from exc
+        cfg = self.config
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(
+            cfg.local_hostname,
+            cfg.metadata_server,
+            cfg.global_segment_size,
+            cfg.local_buffer_size,
+            cfg.protocol,
+            cfg.device_name,
+            cfg.master_server_address,
+        )
+        if rc != 0:
+            raise StorageError(
+                f"Mooncake setup failed (rc={rc}) with master {cfg.master_server_address} "
+                f"and metadata server {cfg.metadata_server}"
+            )
+        self._prefix = f"{cfg.extra_backend_tag}_" if cfg.extra_backend_tag else ""
+        self._registered_ptr: int | None = None
+        self._closed = False
+        self._backoff = _Backoff(lambda: _reachable(*cfg.master_host_port) is None)
+        self._warm_up()
+
+    def _check_servers(self) -> None:
+        cfg = self.config
+        reason = _reachable(*cfg.master_host_port)
+        if reason is not None:
+            raise StorageError(f"Mooncake master {cfg.master_server_address} is unreachable: {reason}")
+        match = re.match(r"https?://([^/:]+):(\d+)", cfg.metadata_server)
+        if cfg.metadata_server != P2P_HANDSHAKE and match:
+            reason = _reachable(match.group(1), int(match.group(2)))
+            if reason is not None:
+                raise StorageError(f"Mooncake metadata server {cfg.metadata_server} is unreachable: {reason}")
+
+    def _warm_up(self) -> None:
+        key = f"{self._prefix}kvfleet-warmup-{uuid.uuid4().hex}"
+        payload = b"kvfleet-warmup"
+        rc = self._store.put(key, payload)
+        ok = rc == 0 and self._store.get(key) == payload
+        self._store.remove(key, True)
+        if not ok:
+            self._store.close()
+            raise StorageError(
+                f"Mooncake warm-up put/get failed (rc={rc}) "
+                f"against master {self.config.master_server_address}"
+            )
+
+    # -- host pool -------------------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Register the host pool's ``kv_buffer`` with the transfer engine for zero-copy transfers."""
+        if mem_pool_host.layout not in SUPPORTED_LAYOUTS:
+            raise StorageConfigError(
+                f"layout: the mooncake backend needs host layout page_first or page_first_direct, "
+                f"got {mem_pool_host.layout!r}"
+            )
+        self._unregister()
+        buffer = mem_pool_host.kv_buffer
+        ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        rc = self._store.register_buffer(ptr, nbytes)
+        if rc != 0:
+            raise StorageError(f"Mooncake register_buffer failed (rc={rc}) for {nbytes} bytes of host pool")
+        self._registered_ptr = ptr
+        super().register_mem_pool_host(mem_pool_host)
+
+    def _unregister(self) -> None:
+        if self._registered_ptr is not None:
+            self._store.unregister_buffer(self._registered_ptr)
+            self._registered_ptr = None
+
+    def _buffers(self, slots: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        ptrs, sizes = [], []
+        for slot in slots:
+            views = self.mem_pool_host.get_page_buffer_views(slot)
+            ptrs.append([v.data_ptr() for v in views])
+            sizes.append([v.numel() * v.element_size() for v in views])
+        return ptrs, sizes
+
+    # -- failure accounting ----------------------------------------------------------------------------
+    def _failed(self, what: str, code: int) -> None:
+        """Log a failed store call; an RPC failure (master gone) starts the back-off window."""
+        if code == RPC_FAIL:
+            self._backoff.failed()
+        else:
+            self._backoff.succeeded()
+        logger.warning(
+            "Mooncake %s failed (rc=%s, master %s)%s",
+            what,
+            code,
+            self.config.master_server_address,
+            "; L3 calls paused" if code == RPC_FAIL else "",
+        )
+
+    def _available(self, pages: int) -> bool:
+        if self._closed:
+            raise StorageError("Mooncake backend is closed")
+        if self._backoff.allow():
+            return True
+        self._count(errors=max(1, pages))
+        return False
+
+    # -- v1 zero-copy path -----------------------------------------------------------------------------
+    def batch_exists(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Leading count of keys present in the store; 0 (and a counted error) when the store is down."""
+        if not keys or not self._available(1):
+            return 0
+        results = self._store.batch_is_exist([self._prefix + k for k in keys])
+        count = 0
+        while count < len(results) and results[count] == 1:
+            count += 1
+        if count < len(results) and results[count] < 0:
+            self._count(errors=1)
+            self._failed("exists", results[count])
+        else:
+            self._backoff.succeeded()
+        return count
+
+    def batch_get_v1(
+        self,
+        keys: Sequence[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read each page straight into its host slots; a missing or wrong-sized object is a miss."""
+        slots = self._first_slots(keys, host_indices)
+        if not keys:
+            return []
+        if not self._available(len(keys)):
+            self._count(pages_missed=len(keys))
+            return [False] * len(keys)
+        ptrs, sizes = self._buffers(slots)
+        codes = self._store.batch_get_into_multi_buffers([self._prefix + k for k in keys], ptrs, sizes)
+        page_bytes = [sum(s) for s in sizes]
+        results = [code == want for code, want in zip(codes, page_bytes, strict=True)]
+        failed = [c for c in codes if c < 0 and c != OBJECT_NOT_FOUND]
+        wrong_size = sum(1 for c, want in zip(codes, page_bytes, strict=True) if 0 <= c != want)
+        hits = sum(results)
+        self._count(
+            pages_read=hits,
+            bytes_read=sum(w for ok, w in zip(results, page_bytes, strict=True) if ok),
+            pages_missed=len(keys) - hits,
+            corrupt_pages=wrong_size,
+            errors=len(failed),
+        )
+        if failed:
+            self._failed("get", failed[0])
+        else:
+            self._backoff.succeeded()
+        return results
+
+    def batch_set_v1(
+        self,
+        keys: Sequence[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Write each page straight from its host slots; pages already stored are skipped (True)."""
+        slots = self._first_slots(keys, host_indices)
+        if not keys:
+            return []
+        if not self._available(len(keys)):
+            return [False] * len(keys)
+        names = [self._prefix + k for k in keys]
+        present = self._store.batch_is_exist(names)
+        if any(code < 0 for code in present):
+            self._count(errors=len(keys))
+            self._failed("exists", min(present))
+            return [False] * len(keys)
+        todo = [i for i, code in enumerate(present) if code != 1]
+        results = [True] * len(keys)
+        if todo:
+            ptrs, sizes = self._buffers([slots[i] for i in todo])
+            codes = self._store.batch_put_from_multi_buffers([names[i] for i in todo], ptrs, sizes)
+            for i, code, size in zip(todo, codes, sizes, strict=True):
+                results[i] = code == 0
+                if code == 0:
+                    self._count(pages_written=1, bytes_written=sum(size))
+            failed = [c for c in codes if c != 0]
+            if failed:
+                self._count(errors=len(failed))
+                self._failed("put", failed[0])
+        self._count(pages_skipped=len(keys) - len(todo))
+        if all(results):
+            self._backoff.succeeded()
+        return results
+
+    # -- generic path (flat page copies through the store's local buffer) -----------------------------
+    def get(
+        self, key: str, target_location: torch.Tensor | None = None, target_sizes=None
+    ) -> torch.Tensor | None:
+        """The page under ``key`` as a flat ``kv_dtype`` tensor (copied into ``target_location`` if given)."""
+        if not self._available(1):
+            self._count(pages_missed=1)
+            return None
+        data = self._store.get(self._prefix + key)
+        dtype = getattr(torch, self.storage_config.kv_dtype)
+        want = None if target_location is None else target_location.numel() * target_location.element_size()
+        if not data or (want is not None and len(data) != want) or len(data) % dtype.itemsize:
+            self._count(pages_missed=1)
+            return None
+        page = torch.frombuffer(bytearray(data), dtype=dtype)
+        self._count(pages_read=1, bytes_read=len(data))
+        if target_location is None:
+            return page
+        target_location.view(-1).copy_(page)
+        return target_location
+
+    def batch_get(self, keys: Sequence[str], target_locations=None, target_sizes=None) -> list:
+        targets = target_locations if target_locations is not None else [None] * len(keys)
+        return [self.get(key, target) for key, target in zip(keys, targets, strict=True)]
+
+    def set(
+        self, key: str, value: torch.Tensor | None = None, target_location=None, target_sizes=None
+    ) -> bool:
+        """Store the flat page tensor ``value``; True if stored or already present."""
+        if value is None:
+            raise ValueError("set() needs the page tensor in value")
+        if self.exists(key):
+            self._count(pages_skipped=1)
+            return True
+        if not self._available(1):
+            return False
+        data = value.contiguous().view(-1).view(torch.uint8).numpy()
+        rc = self._store.put(self._prefix + key, memoryview(data))
+        if rc != 0:
+            self._count(errors=1)
+            self._failed("put", rc)
+            return False
+        self._count(pages_written=1, bytes_written=data.nbytes)
+        return True
+
+    def batch_set(self, keys: Sequence[str], values=None, target_locations=None, target_sizes=None) -> bool:
+        if values is None or len(values) != len(keys):
+            raise ValueError("batch_set() needs one page tensor per key in values")
+        return all(self.set(key, value) for key, value in zip(keys, values, strict=True))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- housekeeping ----------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Remove stored pages: those under ``extra_backend_tag`` if set, else every object in the store.
+
+        Forced (Mooncake otherwise keeps objects under a read lease), so call it only while no instance
+        reads from the store, as the idle-gated admin endpoint does. Raises :class:`StorageError` when
+        the store refuses.
+        """
+        if self._prefix:
+            rc = self._store.remove_by_regex(f"^{re.escape(self._prefix)}", True)
+        else:
+            rc = self._store.remove_all(True)
+        if rc < 0:
+            raise StorageError(
+                f"Mooncake clear failed (rc={rc}) on master {self.config.master_server_address}"
+            )
+
+    def close(self) -> None:
+        """Unregister the host pool and close the client (bounded wait if the master is gone); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unregister()
+        closer = threading.Thread(target=self._store.close, name="mooncake-close", daemon=True)
+        closer.start()
+        closer.join(_CLOSE_TIMEOUT_DOWN_S if self._backoff.paused else _CLOSE_TIMEOUT_S)
+        super().close()

@@ -1,0 +1,143 @@
+"""Configuration of the ``mooncake`` backend, resolved and validated at start-up.
+
+Follows SGLang's ``MooncakeStoreConfig`` (hicache-spec §6.5) precedence: ``extra_config`` when it has
+``master_server_address``; else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``; else the
+environment (``MOONCAKE_MASTER`` required, ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
+``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, ``MOONCAKE_LOCAL_BUFFER_SIZE``,
+``LOCAL_HOSTNAME``). Sizes are byte counts or strings such as ``"4gb"``/``"512MB"`` (1024-based) and are
+divided by ``tp_size`` (each rank mounts its share). Upstream's ``master_metrics_port`` and
+``check_server`` are accepted so seed configs load, and not used. Any other key, a wrong type or an
+unparsable value is a :class:`StorageConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from engine.cache.storage.base import HiCacheStorageConfig, StorageConfigError
+
+CONFIG_PATH_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
+DEFAULT_GLOBAL_SEGMENT_SIZE = 4 << 30
+DEFAULT_LOCAL_BUFFER_SIZE = 16 << 20
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+_STRING_KEYS = ("master_server_address", "local_hostname", "metadata_server", "protocol", "device_name")
+_KNOWN_KEYS = frozenset(
+    (*_STRING_KEYS, "global_segment_size", "local_buffer_size", "extra_backend_tag", "master_metrics_port",
+     "check_server")
+)  # fmt: skip
+_ENV = {
+    "master_server_address": "MOONCAKE_MASTER",
+    "local_hostname": "LOCAL_HOSTNAME",
+    "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
+    "protocol": "MOONCAKE_PROTOCOL",
+    "device_name": "MOONCAKE_DEVICE",
+    "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+    "local_buffer_size": "MOONCAKE_LOCAL_BUFFER_SIZE",
+}
+
+
+def parse_size(key: str, value: int | str) -> int:
+    """Bytes from an int or a size string (``"4gb"``, ``"512 MiB"``, ``"1024"``); positive only."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise StorageConfigError(f"{key}: expected an integer or a size string like '4gb', got {value!r}")
+    if isinstance(value, str):
+        match = _SIZE_RE.fullmatch(value)
+        if match is None:
+            raise StorageConfigError(f"{key}: cannot parse size {value!r} (use bytes or e.g. '4gb', '512mb')")
+        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise StorageConfigError(f"{key}: size must be positive, got {value!r}")
+    return value
+
+
+def _split_address(key: str, address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise StorageConfigError(f"{key}: expected 'host:port', got {address!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """Resolved per-rank settings for ``MooncakeDistributedStore.setup``."""
+
+    master_server_address: str
+    metadata_server: str = P2P_HANDSHAKE
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = DEFAULT_GLOBAL_SEGMENT_SIZE
+    local_buffer_size: int = DEFAULT_LOCAL_BUFFER_SIZE
+    extra_backend_tag: str = ""
+    source: str = "extra_config"
+
+    @property
+    def master_host_port(self) -> tuple[str, int]:
+        return _split_address("master_server_address", self.master_server_address)
+
+    @classmethod
+    def from_storage_config(cls, storage_config: HiCacheStorageConfig) -> MooncakeConfig:
+        """Resolve extra_config / config file / environment, validate, and divide sizes by tp_size."""
+        extra = storage_config.extra_config
+        if extra.get("master_server_address"):
+            raw, source = dict(extra), "extra_config"
+        elif os.environ.get(CONFIG_PATH_ENV):
+            raw, source = _load_file(os.environ[CONFIG_PATH_ENV]), CONFIG_PATH_ENV
+        else:
+            raw = {key: os.environ[env] for key, env in _ENV.items() if os.environ.get(env)}
+            source = "environment"
+            if "master_server_address" not in raw:
+                raise StorageConfigError(
+                    "master_server_address: no Mooncake master configured; set extra_config "
+                    "master_server_address, SGLANG_HICACHE_MOONCAKE_CONFIG_PATH or MOONCAKE_MASTER"
+                )
+        return cls._validated(raw, source, storage_config.tp_size)
+
+    @classmethod
+    def _validated(cls, raw: dict, source: str, tp_size: int) -> MooncakeConfig:
+        unknown = sorted(set(raw) - _KNOWN_KEYS)
+        if unknown:
+            raise StorageConfigError(
+                f"{unknown[0]}: unknown Mooncake config key (from {source}); "
+                f"known: {', '.join(sorted(_KNOWN_KEYS))}"
+            )
+        fields: dict = {"source": source}
+        for key in (*_STRING_KEYS, "extra_backend_tag"):
+            if key in raw:
+                if not isinstance(raw[key], str):
+                    raise StorageConfigError(f"{key}: expected a string, got {type(raw[key]).__name__}")
+                fields[key] = raw[key]
+        if not fields.get("master_server_address"):
+            raise StorageConfigError(f"master_server_address: required (from {source})")
+        _split_address("master_server_address", fields["master_server_address"])
+        if fields.get("protocol", "tcp") not in ("tcp", "rdma"):
+            raise StorageConfigError(f"protocol: expected 'tcp' or 'rdma', got {fields['protocol']!r}")
+        metadata = fields.get("metadata_server", P2P_HANDSHAKE)
+        if metadata != P2P_HANDSHAKE and not re.match(r"(https?|etcd|redis)://", metadata):
+            raise StorageConfigError(
+                f"metadata_server: expected {P2P_HANDSHAKE} or an http://, etcd:// or redis:// URL, "
+                f"got {metadata!r}"
+            )
+        sizes = {
+            "global_segment_size": DEFAULT_GLOBAL_SEGMENT_SIZE,
+            "local_buffer_size": DEFAULT_LOCAL_BUFFER_SIZE,
+        }
+        for key, default in sizes.items():
+            fields[key] = max(1, parse_size(key, raw.get(key, default)) // tp_size)
+        return cls(**fields)
+
+
+def _load_file(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise StorageConfigError(f"{CONFIG_PATH_ENV}: cannot read Mooncake config {path!r}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise StorageConfigError(f"{CONFIG_PATH_ENV}: {path!r} must hold a JSON object")
+    return data

@@ -1,0 +1,167 @@
+"""Start and stop a real ``mooncake_master`` (the binary ships in the Mooncake wheel).
+
+The master runs with its built-in HTTP metadata server; RPC, metadata and metrics ports are free
+loopback ports picked at start. Used by the tests, the storage benchmark and ``make demo``::
+
+    with MooncakeMaster() as master:
+        extra = {"master_server_address": master.master_address, "metadata_server": master.metadata_url}
+
+``python -m engine.cache.storage.mooncake_master`` runs one in the foreground and prints its addresses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+class MooncakeMasterError(RuntimeError):
+    """The master binary is missing or the master did not come up."""
+
+
+def find_master_binary() -> str:
+    """Path of ``mooncake_master``: next to the installed ``mooncake`` package, else on PATH."""
+    try:
+        import mooncake
+
+        candidate = Path(mooncake.__file__).parent / "mooncake_master"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("mooncake_master")
+    if found is None:
+        raise MooncakeMasterError(
+            "mooncake_master not found: install mooncake-transfer-engine-non-cuda (requirements.txt)"
+        )
+    return found
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    """Whether a TCP connect to ``host:port`` succeeds within ``timeout`` seconds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class MooncakeMaster:
+    """One ``mooncake_master`` process with its HTTP metadata server on free loopback ports.
+
+    ``extra_args`` are passed to the binary (e.g. ``["-default_kv_lease_ttl=1000"]``). The log goes to
+    ``log_path`` (a temp file by default). ``start()`` raises :class:`MooncakeMasterError` with the log
+    tail when the master does not accept connections within ``timeout`` seconds.
+    """
+
+    def __init__(self, extra_args: list[str] | None = None, log_path: str | None = None) -> None:
+        self.extra_args = list(extra_args or [])
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="mooncake-master-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self.rpc_port = self.http_port = self.metrics_port = 0
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def master_address(self) -> str:
+        """``host:port`` of the master RPC service (the ``master_server_address`` extra-config key)."""
+        return f"{HOST}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        """URL of the HTTP metadata server (the ``metadata_server`` extra-config key)."""
+        return f"http://{HOST}:{self.http_port}/metadata"
+
+    def start(self, timeout: float = 20.0, attempts: int = 3) -> MooncakeMaster:
+        for _ in range(attempts):
+            self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+            cmd = [
+                find_master_binary(),
+                f"-rpc_port={self.rpc_port}",
+                f"-rpc_address={HOST}",
+                "-enable_http_metadata_server=true",
+                f"-http_metadata_server_host={HOST}",
+                f"-http_metadata_server_port={self.http_port}",
+                f"-metrics_host={HOST}",
+                f"-metrics_port={self.metrics_port}",
+                "-enable_metric_reporting=false",
+                *self.extra_args,
+            ]
+            with open(self.log_path, "ab") as log:
+                self.process = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.process.poll() is None:
+                if port_open(HOST, self.rpc_port) and port_open(HOST, self.http_port):
+                    return self
+                time.sleep(0.05)
+            self.stop()
+        raise MooncakeMasterError(f"mooncake_master did not start; log {self.log_path}:\n{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL the master (simulates a crash); no-op when not running."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds; idempotent."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run a mooncake_master with its HTTP metadata server.")
+    parser.add_argument("--log-path", default=None, help="master log file (default: a temp file)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    master = MooncakeMaster(log_path=args.log_path).start()
+    print(f"master_server_address={master.master_address}")
+    print(f"metadata_server={master.metadata_url}", flush=True)
+    try:
+        master.process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:  # also on SIGTERM (SystemExit)
+        master.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
