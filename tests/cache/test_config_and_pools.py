@@ -1,0 +1,171 @@
+"""Config parsing, host pool layouts and sizing, allocators, direct io copies (spec §4, §8, §11 37-38, 47)."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from engine.cache.allocator import PageAllocator
+from engine.cache.config import HiCacheConfig, parse_extra_config, split_extra_config
+from engine.cache.device_pool import DeviceKVPool
+from engine.cache.host_pool import GIB, HostKVPool, host_pool_tokens, resolve_layout
+from engine.cache.transfer import DirectIO
+
+# -- config -------------------------------------------------------------------------------------------------
+
+
+def test_defaults_follow_upstream():
+    cfg = HiCacheConfig()
+    assert (cfg.ratio, cfg.size, cfg.write_policy, cfg.io_backend) == (2.0, 0, "write_through", "direct")
+    assert (cfg.prefetch_threshold, cfg.prefetch_timeout_base) == (256, 2.0)
+    assert (cfg.prefetch_timeout_per_ki_token, cfg.prefetch_timeout_max) == (0.1, 30.0)
+    assert cfg.eviction_policy == "lru" and cfg.storage_backend is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("write_policy", "write_around", "write_policy"),
+        ("prefetch_policy", "eager", "prefetch_policy"),
+        ("eviction_policy", "mru", "eviction_policy"),
+        ("ratio", 1.0, "ratio"),
+        ("prefetch_threshold", "256", "prefetch_threshold"),
+        ("prefetch_timeout_base", "2", "prefetch_timeout_base"),
+    ],
+)
+def test_bad_config_values_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        HiCacheConfig(**{field: value})
+
+
+def test_extra_config_from_json_toml_yaml_files(tmp_path):
+    data = {"prefetch_threshold": 64, "file_path": "/x"}
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    (tmp_path / "c.toml").write_text('prefetch_threshold = 64\nfile_path = "/x"\n')
+    (tmp_path / "c.yaml").write_text("prefetch_threshold: 64\nfile_path: /x\n")
+    (tmp_path / "c.yml").write_text("prefetch_threshold: 64\nfile_path: /x\n")
+    for name in ("c.json", "c.toml", "c.yaml", "c.yml"):
+        assert parse_extra_config(f"@{tmp_path / name}") == data
+    assert parse_extra_config(json.dumps(data)) == data
+    assert parse_extra_config(None) == {}
+
+
+def test_extra_config_errors_name_the_file_or_key(tmp_path):
+    (tmp_path / "c.ini").write_text("[x]")
+    with pytest.raises(ValueError, match=r"Unsupported config file .*c\.ini"):
+        parse_extra_config(f"@{tmp_path / 'c.ini'}")
+    with pytest.raises(ValueError, match="missing.json"):
+        parse_extra_config(f"@{tmp_path / 'missing.json'}")
+    (tmp_path / "bad.yaml").write_text("a: [1,\n")
+    with pytest.raises(ValueError, match="bad.yaml"):
+        parse_extra_config(f"@{tmp_path / 'bad.yaml'}")
+    with pytest.raises(ValueError, match="invalid JSON"):
+        parse_extra_config("{not json")
+    with pytest.raises(ValueError, match="prefetch_threshold"):
+        split_extra_config(HiCacheConfig(), {"prefetch_threshold": "256"})
+    with pytest.raises(ValueError, match="hicache_storage_pass_prefix_keys"):
+        split_extra_config(HiCacheConfig(), {"hicache_storage_pass_prefix_keys": "yes"})
+
+
+def test_split_extra_config_pops_hicache_keys():
+    extra = {"prefetch_threshold": 64, "prefetch_timeout_max": 5, "file_path": "/x"}
+    cfg, rest = split_extra_config(HiCacheConfig(), extra)
+    assert (cfg.prefetch_threshold, cfg.prefetch_timeout_max) == (64, 5)
+    assert rest == {"file_path": "/x"} and cfg.extra_config == rest
+    assert "prefetch_threshold" in extra  # input untouched
+
+
+# -- allocator ----------------------------------------------------------------------------------------------
+
+
+def test_allocator_whole_pages_never_twice_and_double_free_raises():
+    alloc = PageAllocator(4, 4, first_page=1)
+    a = alloc.alloc(8)
+    assert a.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    b = alloc.alloc(8)
+    assert alloc.alloc(4) is None
+    assert not set(a.tolist()) & set(b.tolist())
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        alloc.alloc(6)
+    alloc.free(a)
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free(a)
+    assert alloc.alloc(16) is None and alloc.available_size() == 8
+    assert sorted(alloc.alloc(8).tolist()) == a.tolist()  # lowest free pages again
+
+
+# -- host pool --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape"),
+    [
+        ("layer_first", (2, 3, 16, 2, 5)),
+        ("page_first", (2, 16, 3, 2, 5)),
+        ("page_first_direct", (2, 4, 3, 4, 2, 5)),
+    ],
+)
+def test_host_layout_shapes_flat_pages_and_views(layout, shape):
+    pool = HostKVPool(16, 4, 3, 2, 5, torch.float32, layout)
+    assert tuple(pool.kv_buffer.shape) == shape
+    pool.kv_buffer.copy_(torch.randn(shape))
+    flat = pool.get_flat_data_page(8)
+    assert flat.numel() * 4 == pool.page_bytes
+    views = pool.get_page_buffer_views(8)
+    assert all(v.is_contiguous() for v in views)
+    assert len(views) == (6 if layout == "layer_first" else 2)
+    assert torch.equal(torch.cat([v.flatten() for v in views]), flat)
+    views[0].fill_(7.0)  # views alias the buffer
+    assert torch.equal(pool.get_flat_data_page(8)[:10], torch.full((10,), 7.0))
+    pool.set_from_flat_data_page(0, flat)
+    assert torch.equal(pool.get_flat_data_page(0), flat)
+
+
+def test_host_size_from_ratio_or_gb_and_checks():
+    assert host_pool_tokens(100, 4, 1000, 2.0, 0) == 204
+    assert host_pool_tokens(100, 4, 1000, 2.0, 0.001) == 1004  # 1e6 bytes / 1000 per token, page up
+    with pytest.raises(ValueError, match=r"must be larger than the device pool"):
+        host_pool_tokens(100, 4, 1000, 0.5, 0)
+    with pytest.raises(
+        ValueError, match=r"needs 18\.63 GiB but only .* GiB is usable \(16\.00 GiB available"
+    ):
+        host_pool_tokens(10**6, 4, 10_000, 2.0, 0, available_bytes=16 * GIB)
+
+
+def test_layout_corrections_warn_and_refusals(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert resolve_layout("page_first", "direct", None) == ("page_first_direct", "direct")
+        assert resolve_layout("page_first_direct", "kernel", None) == ("page_first_direct", "direct")
+        assert resolve_layout("layer_first", "direct", "mooncake") == ("page_first_direct", "direct")
+    assert len(caplog.records) == 3
+    assert resolve_layout("layer_first", "direct", "file") == ("layer_first", "direct")
+    with pytest.raises(ValueError, match="page_head"):
+        resolve_layout("page_head", "direct", None)
+    with pytest.raises(ValueError, match="kernel"):
+        resolve_layout("layer_first", "kernel", None)
+
+
+# -- direct io ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_direct_io_round_trip_any_page_order(layout, page_size):
+    dev = DeviceKVPool(32, page_size, 2, 2, 3, torch.bfloat16)
+    host = HostKVPool(64, page_size, 2, 2, 3, torch.bfloat16, layout)
+    io = DirectIO(dev, host)
+    for layer in range(2):
+        dev.k_buffer[layer].copy_(torch.randn_like(dev.k_buffer[layer], dtype=torch.float32))
+        dev.v_buffer[layer].copy_(torch.randn_like(dev.v_buffer[layer], dtype=torch.float32))
+    src = PageAllocator(32 // page_size, page_size, first_page=1).alloc(16)
+    src = src.view(-1, page_size)[torch.randperm(16 // page_size)].flatten()  # scattered device pages
+    slots = host.alloc(16)
+    io.backup(src, slots)
+    expect = [(dev.k_buffer[i][src].clone(), dev.v_buffer[i][src].clone()) for i in range(2)]
+    dst = torch.arange(page_size, page_size + 16)
+    plan = io.plan(dst, slots)
+    for layer in range(2):
+        io.load_layer(layer, plan)
+        assert torch.equal(dev.k_buffer[layer][dst], expect[layer][0])
+        assert torch.equal(dev.v_buffer[layer][dst], expect[layer][1])
