@@ -85,7 +85,9 @@ def _build_tokenizer(meta: dict[str, Any], config: ModelConfig, source: str) -> 
         raise ModelLoadError(
             source, f"unsupported tokenizer.ggml.model {kind!r} (only byte-level BPE 'gpt2')"
         )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise ModelLoadError(source, "missing GGUF metadata key 'tokenizer.ggml.tokens'")
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     backend = tokenizers.Tokenizer(
         models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
@@ -162,5 +164,7 @@ def load_gguf_file(path: Path) -> Checkpoint:
         elif config.architecture == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
             data = _unpermute(data, config.num_key_value_heads)
         data = np.ascontiguousarray(data, dtype=np.float32)
-        tensors[hf] = torch.from_numpy(data if data.flags.writeable else data.copy())  # F32: a view of the file
+        tensors[hf] = torch.from_numpy(
+            data if data.flags.writeable else data.copy()
+        )  # F32: a view of the file
     return Checkpoint(source, config, tensors, _build_tokenizer(meta, config, source))
