@@ -51,7 +51,11 @@ settings.SECURE_SSL_REDIRECT = False
 settings.SESSION_COOKIE_SECURE = False
 settings.CSRF_COOKIE_SECURE = False
 settings.OPERATION_POLL_INTERVAL_S = 0.1
-settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+# Fast hashing in-process; PBKDF2 stays available for users that subprocess servers must authenticate.
+settings.PASSWORD_HASHERS = [
+    "django.contrib.auth.hashers.MD5PasswordHasher",
+    "django.contrib.auth.hashers.PBKDF2PasswordHasher",
+]
 celery_app.conf.update(broker_url=TEST_REDIS_URL, task_default_queue=TEST_QUEUE)
 
 
@@ -177,3 +181,43 @@ def _fresh_telemetry_keys():
     for key in client.scan_iter(f"{TEST_PREFIX}:tm:*", count=1000):
         client.delete(key)
     yield
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def asgi_server(transactional_db):
+    """The real ASGI app under daphne (HTTP + websockets) on a free loopback port, on this run's test DB."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        raise RuntimeError(proc.stderr.read().decode())
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
