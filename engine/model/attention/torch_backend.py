@@ -2,9 +2,9 @@
 
 A query at absolute position p of a sequence sees every key of that sequence with position <= p (keys are
 ``req_slots[i]`` in position order, so key j has position j). Grouped-query attention maps KV head j to query
-heads ``j*g .. j*g+g-1`` (HF ``repeat_kv``; K/V heads are repeated before SDPA, which keeps torch on its fused
-CPU kernel). Decodes of a batch share one padded SDPA call; each prefill chunk gets its own call (no padding
-waste).
+heads ``j*g .. j*g+g-1`` (HF ``repeat_kv``). Prefill chunks repeat K/V heads (keeps torch on its fused CPU
+kernel) and get one SDPA call each (no padding waste); the decodes of a batch share one padded SDPA call in
+which the g query heads of a KV head attend as g queries, so K/V are never repeated.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._single = False
 
     def _gathered(self, buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``buf[slots]`` with KV heads repeated to query heads: ``(*slots.shape, num_heads, head_dim)``."""
+        """``buf[slots]`` with KV heads repeated to query heads: ``(S, num_heads, head_dim)``."""
         kv = buf[slots].to(dtype)
         group = self.num_heads // self.num_kv_heads
         return kv if group == 1 else kv.repeat_interleave(group, dim=-2)
@@ -118,8 +118,10 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_attend(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, dec: _Decode
     ) -> torch.Tensor:
-        keys = self._gathered(k_buf, dec.slots, q.dtype).transpose(1, 2)  # (Bd, H, Smax, D)
-        values = self._gathered(v_buf, dec.slots, q.dtype).transpose(1, 2)
-        queries = q[dec.token_index].unsqueeze(2)  # (Bd, H, 1, D)
+        # GQA without repeating K/V: the g query heads of KV head j act as g queries against that head's keys
+        bd, group = dec.slots.shape[0], self.num_heads // self.num_kv_heads
+        keys = k_buf[dec.slots].to(q.dtype).transpose(1, 2)  # (Bd, Hkv, Smax, D)
+        values = v_buf[dec.slots].to(q.dtype).transpose(1, 2)
+        queries = q[dec.token_index].view(bd, self.num_kv_heads, group, self.head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=dec.mask, scale=self.scale)
-        return out.squeeze(2)
+        return out.reshape(bd, self.num_heads, self.head_dim)
