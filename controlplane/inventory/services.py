@@ -5,9 +5,10 @@ from django.utils import timezone
 
 from controlplane.audit.services import audit_record
 from controlplane.core.crypto import encrypt_text
-from controlplane.core.exceptions import ApplicationError
+from controlplane.core.exceptions import ApplicationError, ConflictError
 from controlplane.core.services import model_create, model_snapshot, model_update
 from controlplane.inventory.models import EngineWorker, Gpu, Host, WorkerState
+from controlplane.workerclient import RouterClient, WorkerError
 
 _WORKER_FIELDS = ("name", "url", "role", "model_name", "tp_size", "dp_size", "page_size")
 
@@ -23,6 +24,26 @@ def worker_update(*, instance: EngineWorker, data: dict, actor) -> EngineWorker:
     if "admin_key" in data:
         data["admin_key_encrypted"] = encrypt_text(data.pop("admin_key"))
     return model_update(instance=instance, data=data, actor=actor)
+
+
+def worker_drain(*, worker: EngineWorker, actor) -> dict:
+    """Take `worker` out of its sglang-router (DELETE /workers/{id}) so it gets no new requests.
+
+    Safe to repeat. Raises ConflictError (409) when the worker has no router, ApplicationError (502) when
+    the router cannot be reached. Returns {worker, router, removed}; removed is False when it was not listed.
+    """
+    if worker.router is None:
+        raise ConflictError(f"worker {worker.name!r} has no router to drain it from", code="no_router")
+    try:
+        removed = RouterClient(worker.router.url).remove_worker(worker.url)
+    except WorkerError as exc:
+        raise ApplicationError(
+            f"router {worker.router.name}: {exc.message}", code="router_error", status_code=502
+        ) from exc
+    audit_record(
+        action="drain", obj=worker, before={"in_router": removed}, after={"in_router": False}, actor=actor
+    )
+    return {"worker": worker.pk, "router": worker.router.url, "removed": removed}
 
 
 def worker_record_server_info(*, worker: EngineWorker, info: dict) -> None:

@@ -1,7 +1,8 @@
 """Inventory endpoints: CRUD viewsets plus the agent's register and heartbeat."""
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiTypes, extend_schema
 from rest_framework import status
+from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -56,6 +57,12 @@ class EngineWorkerViewSet(ServiceModelViewSet):
 
     def update_service(self, *, instance, data, actor):
         return services.worker_update(instance=instance, data=data, actor=actor)
+
+    @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
+    @action(detail=True, methods=["post"])
+    def drain(self, request, pk=None):
+        """Remove the worker from its router (the agent's `drain`); waiting for idle is the caller's part."""
+        return Response(services.worker_drain(worker=self.get_object(), actor=request.user))
 
 
 class AgentRegisterApi(APIView):
