@@ -44,12 +44,33 @@ DEFAULT_DIR = "/tmp/hicache"
 DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 MAGIC = b"KVFLPG01"
 HEADER_SIZE = 512
-_CHUNK = 1 << 20
+_PIECE = 256 << 10  # read pieces small enough to hash while still in CPU cache
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 
 class PageFileError(Exception):
     """A page file that must not be served: truncated, mismatched header or bad checksum."""
+
+
+def _read_full(fd: int, buf) -> int:
+    """Read into ``buf`` until full or end of file; returns the bytes read."""
+    view, got = memoryview(buf), 0
+    while got < view.nbytes:
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _write_all(fd: int, buf: memoryview, offset: int | None = None) -> None:
+    """Write every byte of ``buf`` at the file position (or at ``offset``), retrying short writes."""
+    done = 0
+    while done < buf.nbytes:
+        if offset is None:
+            done += os.write(fd, buf[done:])
+        else:
+            done += os.pwrite(fd, buf[done:], offset + done)
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -109,7 +130,7 @@ class HiCacheFile(HiCacheStorage):
         body = MAGIC + json.dumps(meta, sort_keys=True).encode()
         return body.ljust(HEADER_SIZE, b" ")
 
-    def _check_header(self, key: str, raw: bytes, file_size: int, expected_nbytes: int | None) -> dict:
+    def _check_header(self, key: str, raw: bytes, expected_nbytes: int | None) -> dict:
         if len(raw) < HEADER_SIZE or not raw.startswith(MAGIC):
             raise PageFileError("bad or truncated header")
         try:
@@ -124,8 +145,6 @@ class HiCacheFile(HiCacheStorage):
         nbytes = meta.get("nbytes")
         if not isinstance(nbytes, int) or (expected_nbytes is not None and nbytes != expected_nbytes):
             raise PageFileError(f"header nbytes {nbytes!r} != expected {expected_nbytes}")
-        if file_size != HEADER_SIZE + nbytes:
-            raise PageFileError(f"file has {file_size - HEADER_SIZE} payload bytes, header says {nbytes}")
         return meta
 
     def _reject(self, key: str, path: str, reason: str) -> None:
@@ -141,10 +160,15 @@ class HiCacheFile(HiCacheStorage):
 
     # -- core read / write -----------------------------------------------------------------------------
     def _read_page(self, key: str, buffers: Sequence[memoryview], expected_nbytes: int | None) -> bool:
-        """Fill ``buffers`` (in order) with the page's payload; False on a miss or a rejected file."""
+        """Fill ``buffers`` (in order) with the page's payload; False on a miss or a rejected file.
+
+        Reads header, payload (in cache-sized pieces, each hashed while still in cache) and a 1-byte
+        sentinel that only a too-long file fills.
+        """
         path = self._path(key)
+        header, sentinel = bytearray(HEADER_SIZE), bytearray(1)
         try:
-            f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in finally
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             self._count(pages_missed=1)
             return False
@@ -153,34 +177,35 @@ class HiCacheFile(HiCacheStorage):
             logger.warning("L3 file page %s unreadable: %s", path, exc)
             return False
         try:
-            meta = self._check_header(key, f.read(HEADER_SIZE), os.fstat(f.fileno()).st_size, expected_nbytes)
+            got = _read_full(fd, header)
+            meta = self._check_header(key, bytes(header[:got]), expected_nbytes)
             if sum(b.nbytes for b in buffers) != meta["nbytes"]:
                 raise PageFileError(f"header nbytes {meta['nbytes']} does not fit the target buffer")
             hasher = xxhash.xxh3_64()
+            payload = 0
             for buf in buffers:
-                for start in range(0, buf.nbytes, _CHUNK):
-                    chunk = buf[start : start + _CHUNK]
-                    got = f.readinto(chunk)
-                    while got is not None and got < chunk.nbytes:
-                        more = f.readinto(chunk[got:])
-                        if not more:
-                            raise PageFileError("truncated payload")
-                        got += more
-                    hasher.update(chunk)
+                for start in range(0, buf.nbytes, _PIECE):
+                    piece = buf[start : start + _PIECE]
+                    n = _read_full(fd, piece)
+                    payload += n
+                    if n < piece.nbytes:
+                        raise PageFileError(f"file has {payload} payload bytes, header says {meta['nbytes']}")
+                    hasher.update(piece)
+            if _read_full(fd, sentinel):
+                raise PageFileError(f"file has over {payload} payload bytes, header says {meta['nbytes']}")
             if hasher.hexdigest() != meta.get("xxh3_64"):
                 raise PageFileError("checksum mismatch")
         except PageFileError as exc:
-            f.close()
             for buf in buffers:  # no half-read or corrupt bytes are left behind in the target
                 np.asarray(buf)[:] = 0
             self._reject(key, path, str(exc))
             return False
         except OSError as exc:
-            f.close()
             self._count(errors=1, pages_missed=1)
             logger.warning("L3 file page %s unreadable: %s", path, exc)
             return False
-        f.close()
+        finally:
+            os.close(fd)
         self._count(pages_read=1, bytes_read=meta["nbytes"])
         return True
 
@@ -189,16 +214,21 @@ class HiCacheFile(HiCacheStorage):
         if os.path.exists(path):
             self._count(pages_skipped=1)
             return True
-        hasher = xxhash.xxh3_64()
-        for buf in buffers:
-            hasher.update(buf)
         nbytes = sum(b.nbytes for b in buffers)
         tmp = os.path.join(self.file_path, f".{key}.tmp-{uuid.uuid4().hex}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(self._header(key, nbytes, hasher.intdigest()))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:  # payload first, each piece hashed then written while in CPU cache; header last
+                os.lseek(fd, HEADER_SIZE, os.SEEK_SET)
+                hasher = xxhash.xxh3_64()
                 for buf in buffers:
-                    f.write(buf)
+                    for start in range(0, buf.nbytes, _PIECE):
+                        piece = buf[start : start + _PIECE]
+                        hasher.update(piece)
+                        _write_all(fd, piece)
+                _write_all(fd, memoryview(self._header(key, nbytes, hasher.intdigest())), offset=0)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except OSError as exc:
             self._count(errors=1)
