@@ -1,7 +1,7 @@
 """The ``mooncake`` backend against a real ``mooncake_master`` (HTTP metadata server, tcp transfers).
 
 Each test uses its own token range, so pages never collide; backends of the default shape are shared
-per module (opening/closing a Mooncake client costs about a second each).
+per module (a new Mooncake client costs about a second to set up).
 """
 
 import time
@@ -192,6 +192,23 @@ def test_register_pool_with_layer_first_is_refused(pair, page_pool_factory):
     (backend, _), _ = pair()
     with pytest.raises(StorageConfigError, match="^layout: "):
         backend.register_mem_pool_host(page_pool_factory(layout="layer_first"))
+
+
+def test_detach_keeps_pages_and_reattach_finds_them(master, storage_config_factory, page_pool_factory):
+    """close() (what detach calls) keeps the client's segment mounted; a new attach reads the pages back."""
+    config = storage_config_factory(extra=extra_for(master))
+    first = create_storage_backend("mooncake", config, page_pool_factory(seed=21))
+    keys = keys_for(first, 3, start=9500)
+    assert first.batch_set_v1(keys, slots(first.mem_pool_host, [0, 1, 2])) == [True] * 3
+    written = first.mem_pool_host
+    first.close()
+    again = create_storage_backend("mooncake", config, page_pool_factory())
+    try:
+        assert again.batch_exists(keys) == 3
+        assert again.batch_get_v1(keys, slots(again.mem_pool_host, [5, 6, 7])) == [True] * 3
+        assert all(same_page(written, s, again.mem_pool_host, d) for s, d in [(0, 5), (1, 6), (2, 7)])
+    finally:
+        again.close()
 
 
 def test_closed_backend_refuses_calls(open_store):

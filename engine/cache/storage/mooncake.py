@@ -10,6 +10,8 @@ Follows SGLang's ``MooncakeStore`` (hicache-spec §6.5) with these choices:
   block); any other layout is a :class:`StorageConfigError`;
 * start-up checks that the master (and an HTTP metadata server) accept TCP connections and fails naming
   the address; after ``setup`` a small put/get/remove round trip proves the transfer path;
+* ``close`` (detach) keeps the client mounted for the next attach in this process
+  (:mod:`engine.cache.storage.mooncake_clients`), so pages in its segment are not lost;
 * at run time a failed store call (e.g. the master went away) is a miss or a failed write, counted in
   ``errors``; the backend then stops calling the store for a back-off window (1 s doubling to 30 s) and
   only resumes once the master accepts a TCP connection again, so no caller waits on a dead store more
@@ -23,11 +25,11 @@ import re
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 
 import torch
 
+from engine.cache.storage import mooncake_clients
 from engine.cache.storage.base import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -43,8 +45,6 @@ SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900  # the master did not answer: pause L3 calls (other negative codes fail one page)
 _PROBE_TIMEOUT_S = 1.0
-_CLOSE_TIMEOUT_S = 5.0  # a healthy client closes in about 2 s
-_CLOSE_TIMEOUT_DOWN_S = 0.5  # master gone: the close retries for ~12 s; do not wait for it
 
 
 def _reachable(host: str, port: int, timeout: float = _PROBE_TIMEOUT_S) -> str | None:
@@ -108,34 +108,12 @@ class MooncakeStore(HiCacheStorage):
             )
         self.config = MooncakeConfig.from_storage_config(storage_config)
         self._check_servers()
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as exc:
-            raise StorageError(
-                f"cannot load the Mooncake store ({exc}); install mooncake-transfer-engine-non-cuda "
-                "(and the libibverbs1 system package)"
-            ) from exc
-        cfg = self.config
-        self._store = MooncakeDistributedStore()
-        rc = self._store.setup(
-            cfg.local_hostname,
-            cfg.metadata_server,
-            cfg.global_segment_size,
-            cfg.local_buffer_size,
-            cfg.protocol,
-            cfg.device_name,
-            cfg.master_server_address,
-        )
-        if rc != 0:
-            raise StorageError(
-                f"Mooncake setup failed (rc={rc}) with master {cfg.master_server_address} "
-                f"and metadata server {cfg.metadata_server}"
-            )
-        self._prefix = f"{cfg.extra_backend_tag}_" if cfg.extra_backend_tag else ""
+        self._store = mooncake_clients.acquire(self.config)
+        tag = self.config.extra_backend_tag
+        self._prefix = f"{tag}_" if tag else ""
         self._registered_ptr: int | None = None
         self._closed = False
-        self._backoff = _Backoff(lambda: _reachable(*cfg.master_host_port) is None)
-        self._warm_up()
+        self._backoff = _Backoff(lambda: _reachable(*self.config.master_host_port) is None)
 
     def _check_servers(self) -> None:
         cfg = self.config
@@ -147,19 +125,6 @@ class MooncakeStore(HiCacheStorage):
             reason = _reachable(match.group(1), int(match.group(2)))
             if reason is not None:
                 raise StorageError(f"Mooncake metadata server {cfg.metadata_server} is unreachable: {reason}")
-
-    def _warm_up(self) -> None:
-        key = f"{self._prefix}kvfleet-warmup-{uuid.uuid4().hex}"
-        payload = b"kvfleet-warmup"
-        rc = self._store.put(key, payload)
-        ok = rc == 0 and self._store.get(key) == payload
-        self._store.remove(key, True)
-        if not ok:
-            self._store.close()
-            raise StorageError(
-                f"Mooncake warm-up put/get failed (rc={rc}) "
-                f"against master {self.config.master_server_address}"
-            )
 
     # -- host pool -------------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -370,12 +335,14 @@ class MooncakeStore(HiCacheStorage):
             )
 
     def close(self) -> None:
-        """Unregister the host pool and close the client (bounded wait if the master is gone); idempotent."""
+        """Unregister the host pool and hand the client back for reuse, so the pages in its segment
+        stay (detach keeps L3 data); a client whose master is gone is closed instead. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._unregister()
-        closer = threading.Thread(target=self._store.close, name="mooncake-close", daemon=True)
-        closer.start()
-        closer.join(_CLOSE_TIMEOUT_DOWN_S if self._backoff.paused else _CLOSE_TIMEOUT_S)
+        if self._backoff.paused:
+            mooncake_clients.close_client(self._store, timeout=0.5)
+        else:
+            mooncake_clients.release(self.config, self._store)
         super().close()

@@ -12,6 +12,7 @@ loopback ports picked at start. Used by the tests, the storage benchmark and ``m
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -22,7 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.cache.storage import mooncake_clients
+
 HOST = "127.0.0.1"
+PR_SET_PDEATHSIG = 1
 
 
 class MooncakeMasterError(RuntimeError):
@@ -63,8 +67,16 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the starting thread's process dies (Linux prctl)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class MooncakeMaster:
     """One ``mooncake_master`` process with its HTTP metadata server on free loopback ports.
+
+    The master is stopped by :meth:`stop` and also dies with the process (thread) that started it,
+    so a crashed test run leaves no master behind.
 
     ``extra_args`` are passed to the binary (e.g. ``["-default_kv_lease_ttl=1000"]``). The log goes to
     ``log_path`` (a temp file by default). ``start()`` raises :class:`MooncakeMasterError` with the log
@@ -107,7 +119,11 @@ class MooncakeMaster:
             ]
             with open(self.log_path, "ab") as log:
                 self.process = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.process.poll() is None:
@@ -130,9 +146,11 @@ class MooncakeMaster:
             self.process.wait()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout`` seconds; idempotent."""
+        """Close this process's idle clients of this master, then SIGTERM (SIGKILL after ``timeout``
+        seconds); idempotent."""
         if self.process is None or self.process.poll() is not None:
             return
+        mooncake_clients.close_idle(self.master_address)
         self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(timeout)
