@@ -14,7 +14,6 @@ from engine.model.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
@@ -66,19 +65,19 @@ class ModelConfig:
 
         Raises ``ModelLoadError`` naming ``source`` and the missing or bad field.
         """
-        if "text_config" in cfg and "hidden_size" not in cfg:
-            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
         archs = cfg.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             model_type = cfg.get("model_type")
-            arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
+            arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
         if arch is None:
             raise ModelLoadError(
                 source,
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
                 f"{sorted(SUPPORTED_ARCHITECTURES)}",
             )
+        if cfg.get("use_sliding_window"):
+            raise ModelLoadError(source, "sliding-window attention (use_sliding_window) is not supported")
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])

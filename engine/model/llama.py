@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style, Qwen2/2.5, Qwen3) over the paged L1 KV pool.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3) over the paged L1 KV pool.
 
 Follows transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` numerics: RMSNorm in
 float32 then cast and scale, rotate-half RoPE from absolute positions, Qwen2 q/k/v biases, Qwen3 per-head q/k

@@ -140,11 +140,11 @@ def greedy_generate(
             slots[i] = alloc.extend(slots[i], slots[i].shape[0] + len(new))
             new_ids.append(new)
             rows.append(i)
-        batch = ForwardBatch.from_sequences(new_ids, [slots[i] for i in rows])
+        batch = ForwardBatch.from_sequences(new_ids, [slots[i] for i in rows], device=runner.device)
         logits = runner.forward(batch, pool, return_all_logits=True)
         offsets = torch.tensor([0] + batch.extend_lens).cumsum(0).tolist()
         for j, i in enumerate(rows):
-            seq_logits = logits[offsets[j] : offsets[j + 1]]
+            seq_logits = logits[offsets[j] : offsets[j + 1]].cpu()
             all_logits[i].append(seq_logits)
             if done[i] < len(prompts[i]):
                 done[i] += len(new_ids[j])

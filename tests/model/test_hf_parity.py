@@ -90,3 +90,21 @@ def test_multi_query_heads_and_explicit_head_dim_match_hf(tmp_path):
     _check_against_hf(
         runner, hf_model, [_prompt(20, seed=4, vocab=runner.config.vocab_size)], 1, chunk_size=8
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_matches_hf(tiny_models, dtype):
+    """fp32 on CUDA: same checks as on CPU (TF32 off). bf16: each greedy token is in HF's fp32 top-5."""
+    folder, hf_model = tiny_models["qwen2"]
+    runner = ModelRunner(folder, dtype=dtype, device="cuda")
+    assert runner.kv_pool_spec().device.type == "cuda"
+    prompt = _prompt(45, seed=1, vocab=runner.config.vocab_size)
+    if dtype == "float32":
+        _check_against_hf(runner, hf_model, [prompt], 16, chunk_size=16)
+        return
+    pool = DeviceKVPool(2048, 16, **vars(runner.kv_pool_spec()))
+    _, outputs = greedy_generate(runner, pool, PageAllocator(pool), [prompt], NEW_TOKENS, 16)
+    ref = _hf_logits(hf_model, prompt + outputs[0][:-1])[len(prompt) - 1 :]
+    top5 = ref.topk(5, dim=-1).indices
+    assert all(tok in top5[i].tolist() for i, tok in enumerate(outputs[0]))
