@@ -155,10 +155,13 @@ CELERY_BEAT_SCHEDULE = {
     "operations-purge-idempotency": {"task": "operations.purge_idempotency_records", "schedule": 3600.0},
 }
 
+# redis-py >= 8 defaults socket_timeout to 5 s, the same as channels_redis's blocking-pop timeout, so an idle
+# consumer's BZPOPMIN races the socket timeout and the socket dies with 1011; give reads more room.
+CHANNEL_REDIS_HOST = {"address": REDIS_URL, "socket_timeout": 30}
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "capacity": 10000, "prefix": f"{REDIS_KEY_PREFIX}:asgi"},
+        "CONFIG": {"hosts": [CHANNEL_REDIS_HOST], "capacity": 10000, "prefix": f"{REDIS_KEY_PREFIX}:asgi"},
     }
 }
 

@@ -9,6 +9,7 @@ Errors: WorkerUnreachable (connect/timeout), WorkerNotIdle (400 whose message sa
 never force), WorkerRejected (any other non-2xx, with status and message).
 """
 
+import threading
 from urllib.parse import quote
 
 import httpx
@@ -38,9 +39,23 @@ def _timeout() -> float:
     return settings.WORKER_HTTP_TIMEOUT_S
 
 
+_shared: httpx.Client | None = None
+_shared_lock = threading.Lock()
+
+
+def _http() -> httpx.Client:
+    """One pooled, thread-safe client per process (building a client per call costs a TLS context each)."""
+    global _shared
+    if _shared is None:
+        with _shared_lock:
+            if _shared is None:
+                _shared = httpx.Client(limits=httpx.Limits(max_connections=200, max_keepalive_connections=50))
+    return _shared
+
+
 def _request(method: str, url: str, *, headers: dict | None = None, json=None, timeout: float | None = None):
     try:
-        response = httpx.request(method, url, headers=headers, json=json, timeout=timeout or _timeout())
+        response = _http().request(method, url, headers=headers, json=json, timeout=timeout or _timeout())
     except httpx.HTTPError as exc:
         raise WorkerUnreachable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
     if response.is_success:

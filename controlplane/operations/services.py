@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import Count, F
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent, Outcome
@@ -146,8 +146,11 @@ def operation_create(
     revision=None,
     idle_timeout_s: float | None = None,
     reason: str = "",
+    dispatch: bool = True,
 ) -> Operation:
     """Create an operation with one pending target per worker and enqueue their steps after commit.
+
+    dispatch=False leaves the steps to the caller (the serial baseline of the benchmark drives them itself).
 
     Raises ApplicationError (400) for a missing profile/revision or an empty/duplicate worker list,
     ConflictError (409) naming the workers that already have an active operation.
@@ -201,7 +204,8 @@ def operation_create(
                 actor=actor,
                 extra={"worker_ids": [w.pk for w in workers]},
             )
-            _enqueue_steps([t.pk for t in targets])
+            if dispatch:
+                _enqueue_steps([t.pk for t in targets])
     except IntegrityError as exc:
         raise ConflictError(
             "a chosen worker was claimed by another operation; retry", code="worker_busy"
@@ -382,7 +386,7 @@ def _start(target: OperationTarget) -> float | None:
         deadline_at=idle_deadline + timedelta(seconds=settings.OPERATION_APPLY_TIMEOUT_S),
         explanation="removed from router; waiting for idle" if drained else "waiting for idle",
     )
-    return 0.0 if moved else None
+    return _wait_for_idle(target) if moved else None
 
 
 def _wait_for_idle(target: OperationTarget) -> float | None:
@@ -510,9 +514,13 @@ def operation_refresh(*, op_id: int) -> Operation:
         op = Operation.objects.select_for_update().get(pk=op_id)
         if op.state != OperationState.RUNNING:
             return op
+        counts = dict(op.targets.values_list("state").annotate(n=Count("id")).order_by())
+        failing = op.policy == Policy.ALL_OR_NOTHING and counts.get(T.FAILED)
+        waiting_revert = op.targets.filter(state=T.SUCCEEDED, revert_requested=True).exists()
+        if not failing and (waiting_revert or any(counts.get(s) for s in ACTIVE_STATES)):
+            return op  # the common case while targets are still running: no full scan
         targets = list(op.targets.select_related("worker"))
-        failed = [t for t in targets if t.state == T.FAILED]
-        if op.policy == Policy.ALL_OR_NOTHING and failed:
+        if failing:
             if not op.abort_requested:
                 op.abort_requested = True
                 op.save(update_fields=["abort_requested"])

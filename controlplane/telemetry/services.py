@@ -45,7 +45,7 @@ def metrics_ingest(*, worker: EngineWorker, text: str | None = None, metrics: di
     now = time.time()
     prev = store.latest(worker.pk)
     sample = {"ts": now, "worker_id": worker.pk, **with_rates(snap, prev, now - prev["ts"] if prev else 0.0)}
-    sample["seq"] = store.save_sample(worker.pk, sample)
+    store.save_sample(worker.pk, sample)
     publish(worker_group(worker.pk))
     publish(FLEET_GROUP)
     return sample

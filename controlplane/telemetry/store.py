@@ -29,14 +29,15 @@ def _key(*parts) -> str:
 
 
 def save_sample(worker_id: int, sample: dict) -> int:
-    """Store `sample` as latest and in history; returns its sequence number."""
+    """Number `sample` (sets sample["seq"]), store it as latest and in history; returns that number."""
+    sample["seq"] = int(client().incr(_key("w", worker_id, "seq")))
     body = json.dumps(sample)
     pipe = client().pipeline()
-    pipe.incr(_key("w", worker_id, "seq"))
     pipe.set(_key("w", worker_id, "latest"), body)
     pipe.lpush(_key("w", worker_id, "hist"), body)
     pipe.ltrim(_key("w", worker_id, "hist"), 0, HISTORY_LEN - 1)
-    return int(pipe.execute()[0])
+    pipe.execute()
+    return sample["seq"]
 
 
 def latest(worker_id: int) -> dict | None:

@@ -31,6 +31,8 @@ class _FakeHTTP:
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
+            disable_nagle_algorithm = True
+
             def log_message(self, *args):
                 pass
 

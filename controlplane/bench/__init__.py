@@ -1,0 +1,1 @@
+"""Engine-free control-plane benchmarks (scripts, not tests)."""

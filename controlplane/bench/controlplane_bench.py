@@ -1,0 +1,297 @@
+"""Control-plane benchmark: operation fan-out and metric-to-websocket latency, each with a same-run baseline.
+
+    python -m controlplane.bench.controlplane_bench [--workers 200] [--messages 500] [--database-url URL]
+
+Fan-out: an attach over N idle fake workers (one loopback FakeFleet server), launched through the REST API of
+a real daphne server and run by a real Celery worker (threads pool), timed from the POST to the operation
+being `succeeded`. Baseline: the same attach stepped serially in this process (no Celery), ratio = baseline /
+Celery. Latency: M metric ingests POSTed to the agent API, each timed until its `worker.metrics` message
+arrives on a websocket subscribed to all worker groups (ingests spread so no group exceeds 1 msg/s).
+Baseline: the channel layer alone (group_send from this process to the same socket). Uses a fresh SQLite
+file (or --database-url), Redis DB 14 and a random key prefix/queue, so it touches no real data.
+"""
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _configure(args) -> dict:
+    run = uuid.uuid4().hex[:8]
+    db_url = args.database_url or f"sqlite:///{tempfile.mkdtemp(prefix='cp-bench-')}/bench.sqlite3"
+    env = {
+        "DATABASE_URL": db_url,
+        "REDIS_URL": args.redis_url,
+        "REDIS_KEY_PREFIX": f"kvfleet-bench-{run}",
+        "CELERY_QUEUE": f"cp-bench-{run}",
+        "OPERATION_POLL_INTERVAL_S": "0.1",
+        "HTTPS": "0",
+        "DEBUG": "0",
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+        "PYTHONPATH": str(REPO),
+        "LOG_LEVEL": "ERROR",
+    }
+    os.environ.update(env)
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    return {**os.environ, **env}
+
+
+def _wait_http(url: str, proc: subprocess.Popen, limit_s: float = 30.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _seed(n: int, fleet):
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Group
+
+    from controlplane.accounts.services import token_create
+    from controlplane.inventory.models import EngineWorker, StorageProfile
+    from controlplane.inventory.services import worker_create
+
+    user = get_user_model().objects.create_user("bench-operator")
+    user.groups.add(Group.objects.get_or_create(name="operator")[0])
+    _, token = token_create(user=user, name="bench", actor=None)
+    for i in range(n):
+        worker_create(data={"name": f"bench-{i:04d}", "url": fleet.url(i), "admin_key": "k"}, actor=None)
+    profile = StorageProfile.objects.create(name=f"bench-file-{uuid.uuid4().hex[:6]}", backend="file")
+    return user, token, list(EngineWorker.objects.order_by("name")), profile
+
+
+def fanout_serial_baseline(workers, profile) -> float:
+    """Same attach, each target stepped to completion in turn in this process (no Celery)."""
+    from controlplane.operations.services import operation_create, target_step
+
+    started = time.perf_counter()
+    op = operation_create(kind="attach", workers=workers, storage_profile=profile, actor=None, dispatch=False)
+    for target_id in op.targets.values_list("pk", flat=True):
+        while (delay := target_step(target_id=target_id)) is not None:
+            time.sleep(delay)
+    op.refresh_from_db()
+    assert op.state == "succeeded", op.explanation
+    return time.perf_counter() - started
+
+
+def fanout_celery(base: str, token: str, workers, profile, limit_s: float = 120.0) -> tuple[float, str]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"}
+    started = time.perf_counter()
+    response = httpx.post(
+        f"{base}/api/v1/operations/",
+        headers=headers,
+        timeout=30,
+        json={"kind": "attach", "workers": [w.pk for w in workers], "storage_profile": profile.pk},
+    )
+    response.raise_for_status()
+    op_id = response.json()["id"]
+    while time.perf_counter() - started < limit_s:
+        state = httpx.get(f"{base}/api/v1/operations/{op_id}/", headers=headers, timeout=30).json()["state"]
+        if state != "running":
+            return time.perf_counter() - started, state
+        time.sleep(0.05)
+    return time.perf_counter() - started, "timeout"
+
+
+async def latency(base: str, token: str, worker_ids: list[int], messages: int, spacing_s: float) -> dict:
+    import aiohttp
+    import httpx
+    from asgiref.sync import sync_to_async
+
+    from controlplane.telemetry.broadcast import emit
+
+    ws_url = base.replace("http://", "ws://") + f"/ws/v1/events/?token={token}"
+    sent: dict[tuple[int, int], float] = {}
+    got: dict[tuple[int, int], float] = {}
+    raw_sent: dict[str, float] = {}
+    raw_got: dict[str, float] = {}
+    async with aiohttp.ClientSession() as session, session.ws_connect(ws_url, headers={"Origin": base}) as ws:
+        await ws.send_json({"action": "subscribe", "groups": [f"worker.{w}" for w in worker_ids]})
+        assert (await ws.receive_json())["type"] == "control.subscribed"
+
+        async def reader(stop_after: int, into: dict, key) -> None:
+            while len(into) < stop_after:
+                msg = await ws.receive_json()
+                k = key(msg)
+                if k is not None:
+                    into[k] = time.perf_counter()
+
+        # Baseline: the channel layer alone, same socket.
+        task = asyncio.create_task(reader(messages, raw_got, lambda m: m["data"].get("probe")))
+        for i in range(messages):
+            probe = f"p{i}"
+            raw_sent[probe] = time.perf_counter()
+            await sync_to_async(emit)(
+                f"worker.{worker_ids[i % len(worker_ids)]}", "worker.metrics", {"probe": probe}
+            )
+            await asyncio.sleep(spacing_s)
+        await asyncio.wait_for(task, 30)
+
+        await asyncio.sleep(1.1)  # let every 1 s window close before the real ingests
+        task = asyncio.create_task(
+            reader(messages, got, lambda m: (m["data"].get("worker_id"), m["data"].get("seq")))
+        )
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+            seqs: dict[int, int] = {}
+            for i in range(messages):
+                worker_id = worker_ids[i % len(worker_ids)]
+                t0 = time.perf_counter()
+                response = await client.post(
+                    f"{base}/api/v1/agent/metrics/",
+                    json={"worker": worker_id, "metrics": {"num_running_reqs": i}},
+                )
+                response.raise_for_status()
+                seqs[worker_id] = response.json()["seq"]
+                sent[(worker_id, seqs[worker_id])] = t0
+                await asyncio.sleep(spacing_s)
+        await asyncio.wait_for(task, 30)
+
+    def pct(values: list[float], q: float) -> float:
+        return (
+            statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+        )
+
+    ingest = [got[k] - sent[k] for k in sent if k in got]
+    raw = [raw_got[k] - raw_sent[k] for k in raw_sent if k in raw_got]
+    return {
+        "ingest_p50": pct(ingest, 50),
+        "ingest_p95": pct(ingest, 95),
+        "raw_p50": pct(raw, 50),
+        "raw_p95": pct(raw, 95),
+        "delivered": len(ingest),
+        "sent": len(sent),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=200, help="fake idle workers to attach (default 200)")
+    parser.add_argument("--messages", type=int, default=500, help="metric ingests to time (default 500)")
+    parser.add_argument("--celery-pool", choices=["threads", "prefork"], default="prefork")
+    parser.add_argument("--celery-concurrency", type=int, default=4)
+    parser.add_argument("--database-url", default="", help="default: a fresh SQLite file in a temp dir")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    args = parser.parse_args(argv)
+    if args.workers < 1 or args.messages < 2:
+        parser.error("--workers must be >= 1 and --messages >= 2")
+    env = _configure(args)
+
+    from controlplane.bench.fake_fleet import FakeFleet
+
+    fleet = FakeFleet(args.workers)
+    _user, token, workers, profile = _seed(args.workers, fleet)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "daphne",
+                "-b",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "controlplane.asgi:application",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=None,
+        ),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "worker",
+                "-P",
+                args.celery_pool,
+                "-c",
+                str(args.celery_concurrency),
+                "-Q",
+                env["CELERY_QUEUE"],
+                "--without-heartbeat",
+                "--without-mingle",
+                "--without-gossip",
+                "-l",
+                "error",
+            ],
+            cwd=REPO,
+            env=env,
+        ),
+    ]
+    try:
+        _wait_http(base + "/healthz", procs[0])
+        serial_s = fanout_serial_baseline(workers, profile)
+        fleet.backends = [None] * args.workers
+        from controlplane.inventory.models import StorageProfile
+
+        profile2 = StorageProfile.objects.create(
+            name=f"bench-mooncake-{uuid.uuid4().hex[:6]}", backend="mooncake"
+        )
+        celery_s, state = fanout_celery(base, token, workers, profile2)
+        attached = sum(1 for b in fleet.backends if b == "mooncake")
+        spacing = max(0.0, 1.2 / min(len(workers), 100))
+        lat = asyncio.run(latency(base, token, [w.pk for w in workers[:100]], args.messages, spacing))
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        fleet.stop()
+    print(f"fan-out attach, {args.workers} idle workers")
+    print(f"  baseline serial in-process : {serial_s:7.2f} s")
+    print(
+        f"  REST + Celery ({args.celery_pool} x{args.celery_concurrency}): {celery_s:7.2f} s  state={state}  "
+        f"attached={attached}/{args.workers}  target < 10 s  speed-up x{serial_s / celery_s:.1f}"
+    )
+    ms = {k: v * 1000 for k, v in lat.items() if k.endswith(("p50", "p95"))}
+    print(f"metric ingest -> websocket, {lat['sent']} messages ({lat['delivered']} delivered)")
+    print(f"  baseline channel layer only: p50 {ms['raw_p50']:7.1f} ms  p95 {ms['raw_p95']:7.1f} ms")
+    print(
+        f"  HTTP ingest -> websocket   : p50 {ms['ingest_p50']:7.1f} ms  p95 {ms['ingest_p95']:7.1f} ms"
+        f"  target p95 < 1500 ms  ratio p95 x{ms['ingest_p95'] / ms['raw_p95']:.1f}"
+    )
+    return 0 if state == "succeeded" and attached == args.workers else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
