@@ -1,0 +1,149 @@
+"""``kvfleet-agent run``: supervise this host's engine workers and keep the control plane informed.
+
+The main thread supervises (starts, health-checks, restarts) and writes the state file that ``status``
+reads; a reporter thread registers the host and its running workers, heartbeats, and pushes each running
+worker's ``/metrics`` every ``metrics_interval_s`` seconds. SIGINT/SIGTERM stop every worker and exit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from engine.agent.host import host_facts
+from engine.agent.probe import metrics_text
+from engine.agent.reporter import ControlPlaneClient, Reporter
+from engine.agent.spec import FleetSpec, WorkerSpec
+from engine.agent.supervisor import Managed, Supervisor
+
+log = logging.getLogger("kvfleet.agent")
+TICK_S = 0.5
+
+
+def local_url(w: WorkerSpec) -> str:
+    """Where this host reaches the worker (its bind address; loopback for a wildcard bind)."""
+    host = "127.0.0.1" if w.host in ("0.0.0.0", "::", "") else w.host
+    return f"http://{host}:{w.port}"
+
+
+def managed(spec: FleetSpec) -> list[Managed]:
+    return [
+        Managed(
+            name=w.name,
+            command=[sys.executable, "-m", "engine.launch_server", *w.flags],
+            health_url=f"{local_url(w)}/health",
+            log_path=os.path.join(spec.log_dir, f"worker-{w.name}.log"),
+            env=w.env,
+        )
+        for w in spec.workers
+    ]
+
+
+def worker_record(w: WorkerSpec) -> dict:
+    """The worker object of the register call (the admin key lets the control plane run operations)."""
+    record = {
+        "name": w.name,
+        "url": w.url,
+        "role": w.role,
+        "model_name": w.model_name,
+        "page_size": w.page_size,
+    }
+    if w.admin_api_key:
+        record["admin_key"] = w.admin_api_key
+    return record
+
+
+class Agent:
+    def __init__(self, spec: FleetSpec, client: ControlPlaneClient, supervisor: Supervisor | None = None):
+        self.spec = spec
+        self.supervisor = supervisor or Supervisor(managed(spec))
+        self.host = host_facts(spec.host_name, spec.address)
+        self.reporter = Reporter(
+            client,
+            self._registration,
+            self._live_urls,
+            heartbeat_interval_s=spec.heartbeat_interval_s,
+            buffer_size=spec.buffer_size,
+        )
+        self.stopping = threading.Event()
+
+    def _running(self) -> list[WorkerSpec]:
+        running = set(self.supervisor.running())
+        return [w for w in self.spec.workers if w.name in running]
+
+    def _registration(self) -> tuple[dict, list[dict]]:
+        return self.host, [worker_record(w) for w in self._running()]
+
+    def _live_urls(self) -> list[str]:
+        return [w.url for w in self._running()]
+
+    def _report_loop(self) -> None:
+        next_scrape = 0.0
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            if now >= next_scrape:
+                next_scrape = now + self.spec.metrics_interval_s
+                for w in self._running():
+                    text = metrics_text(local_url(w))
+                    if text is not None:
+                        self.reporter.add_sample(w.url, text)
+            self.reporter.tick()
+            self.stopping.wait(TICK_S)
+
+    def write_state(self) -> None:
+        state = {
+            "agent_pid": os.getpid(),
+            "updated_at": time.time(),
+            "host": self.host,
+            "control_plane": self.reporter.status(),
+            "workers": [
+                {**snap, "url": w.url, "local_url": local_url(w)}
+                for w, snap in zip(self.spec.workers, self.supervisor.snapshot(), strict=True)
+            ],
+        }
+        tmp = f"{self.spec.state_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f, indent=1)
+        os.replace(tmp, self.spec.state_file)
+
+    def run(self) -> int:
+        os.makedirs(self.spec.log_dir, exist_ok=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        log.info(
+            "host %s: %d CPUs, %d MiB, %d GPUs; starting %d workers",
+            self.host["name"],
+            self.host["cpu_count"],
+            self.host["memory_mib"],
+            len(self.host["gpus"]),
+            len(self.spec.workers),
+        )
+        self._log(self.supervisor.start_all())
+        reporter = threading.Thread(target=self._report_loop, name="reporter", daemon=True)
+        reporter.start()
+        try:
+            while not self.stopping.is_set():
+                self._log(self.supervisor.poll())
+                self.write_state()
+                self.stopping.wait(TICK_S)
+        finally:
+            self.stopping.set()
+            log.info("stopping workers")
+            self._log(self.supervisor.stop())
+            reporter.join(timeout=10)
+            self.write_state()
+        return 0
+
+    def _log(self, events) -> None:
+        for e in events:
+            if e.kind == "crashed":
+                log.error("worker %s crashed: %s", e.name, e.detail)
+            else:
+                log.info("worker %s %s %s", e.name, e.kind, e.detail)
+            if e.kind == "healthy":
+                self.reporter.reregister()

@@ -1,0 +1,175 @@
+"""``kvfleet-agent`` (``python -m engine.agent``): run | status | drain.
+
+- ``run --control-plane URL --token TOKEN --spec fleet.toml``: supervise the spec's workers and report them.
+- ``status --spec fleet.toml``: one row per worker: supervisor state, restarts, idle, running/waiting requests
+  and cached tokens per tier (device/host/storage) read live from the worker.
+- ``drain WORKER --control-plane URL --token TOKEN``: the control plane takes the worker out of its router
+  (``POST /api/v1/inventory/workers/{id}/drain/``, operator token), then wait until the worker is idle.
+
+``--control-plane`` and ``--token`` default to ``$KVFLEET_CONTROL_PLANE`` and ``$KVFLEET_AGENT_TOKEN``.
+Errors (bad spec, missing flag, control plane refusal) print one line and exit 2 (usage) or 1; a bad spec
+starts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from engine.agent.probe import cached_tokens, metrics_text, server_info
+from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected
+from engine.agent.spec import SpecError, load_spec
+
+
+class CliError(Exception):
+    """A user-facing failure; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfleet-agent", description="KVFleet engine agent for one host")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def control_plane_flags(sp):
+        sp.add_argument("--control-plane", default=os.environ.get("KVFLEET_CONTROL_PLANE"), help="base URL")
+        sp.add_argument("--token", default=os.environ.get("KVFLEET_AGENT_TOKEN"), help="API token cp_...")
+
+    run = sub.add_parser("run", help="launch, supervise and report this host's workers")
+    control_plane_flags(run)
+    run.add_argument("--spec", required=True, help="fleet spec (TOML)")
+    run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    status = sub.add_parser("status", help="table of workers: state, idle, cached tokens per tier")
+    status.add_argument("--spec", required=True)
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    drain = sub.add_parser("drain", help="take a worker out of its router and wait until it is idle")
+    drain.add_argument("worker", help="worker name as registered")
+    control_plane_flags(drain)
+    drain.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for idle")
+    return p
+
+
+def _require_control_plane(args) -> ControlPlaneClient:
+    if not args.control_plane:
+        raise CliError("--control-plane is required (or set KVFLEET_CONTROL_PLANE)", 2)
+    if not args.token:
+        raise CliError("--token is required (or set KVFLEET_AGENT_TOKEN)", 2)
+    return ControlPlaneClient(args.control_plane, args.token)
+
+
+def _spec(path: str):
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        raise CliError(str(exc), 2) from None
+    except OSError as exc:
+        raise CliError(f"--spec {path}: {exc.strerror}", 2) from None
+
+
+def cmd_run(args) -> int:
+    spec = _spec(args.spec)
+    client = _require_control_plane(args)
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    from engine.agent.agent import Agent
+
+    return Agent(spec, client).run()
+
+
+def status_rows(spec) -> list[dict]:
+    """Supervisor state from the state file of a running agent, merged with each worker's live state."""
+    try:
+        with open(spec.state_file) as f:
+            supervised = {w["name"]: w for w in json.load(f)["workers"]}
+    except (OSError, ValueError, KeyError):
+        supervised = {}
+    rows = []
+    for w in spec.workers:
+        sup = supervised.get(w.name, {})
+        local = sup.get("local_url") or f"http://127.0.0.1:{w.port}"
+        info = server_info(local)
+        text = metrics_text(local) if info else None
+        tiers = cached_tokens(text) if text else {}
+        hicache = (info or {}).get("hicache") or {}
+        rows.append(
+            {
+                "worker": w.name,
+                "url": w.url,
+                "state": sup.get("state", "unsupervised") if info or sup else "down",
+                "pid": sup.get("pid"),
+                "restarts": sup.get("restarts", 0),
+                "idle": info.get("is_idle") if info else None,
+                "running": info.get("num_running_reqs") if info else None,
+                "waiting": info.get("num_waiting_reqs") if info else None,
+                "l3": hicache.get("hicache_storage_backend") if info else None,
+                **{t: int(tiers[t]) if tiers else None for t in ("device", "host", "storage")},
+            }
+        )
+    return rows
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = ["worker", "url", "state", "pid", "restarts", "idle", "running", "waiting", "l3", "device",
+            "host", "storage"]  # fmt: skip
+    cells = [[_cell(r[c]) for c in cols] for r in rows]
+    heads = [c.upper() if c not in ("device", "host", "storage") else f"HIT_{c.upper()}" for c in cols]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(heads)]
+    lines = ["  ".join(h.ljust(wd) for h, wd in zip(heads, widths, strict=True))]
+    lines += ["  ".join(v.ljust(wd) for v, wd in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def cmd_status(args) -> int:
+    rows = status_rows(_spec(args.spec))
+    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    return 0
+
+
+def cmd_drain(args) -> int:
+    client = _require_control_plane(args)
+    try:
+        page = client.call("GET", "/api/v1/inventory/workers/", params={"q": args.worker, "page_size": 1000})
+        matches = [w for w in page.get("results", page) if w["name"] == args.worker]
+        if not matches:
+            raise CliError(f"no worker named {args.worker!r} at {client.base_url}")
+        worker = matches[0]
+        out = client.call("POST", f"/api/v1/inventory/workers/{worker['id']}/drain/")
+    except ControlPlaneRejected as exc:
+        raise CliError(f"control plane refused: {exc}") from None
+    except ControlPlaneDown as exc:
+        raise CliError(f"control plane unreachable at {client.base_url}: {exc}") from None
+    print(f"{args.worker}: {'removed from' if out['removed'] else 'was not in'} router {out['router']}")
+    start = time.monotonic()
+    while True:
+        info = server_info(worker["url"])
+        if info is not None and info.get("is_idle"):
+            print(f"{args.worker}: idle after {time.monotonic() - start:.1f}s")
+            return 0
+        if time.monotonic() - start > args.timeout:
+            detail = "unreachable"
+            if info is not None:
+                detail = f"{info.get('num_running_reqs')} running, {info.get('num_waiting_reqs')} waiting"
+            raise CliError(f"{args.worker} not idle after {args.timeout:.0f}s ({detail})")
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"run": cmd_run, "status": cmd_status, "drain": cmd_drain}[args.command]
+    try:
+        return handler(args)
+    except CliError as exc:
+        print(f"kvfleet-agent {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code

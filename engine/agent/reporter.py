@@ -1,0 +1,195 @@
+"""Talk to the control plane's agent API: register, heartbeat, metrics ingest; survive it being down.
+
+Endpoints (token auth, ``Authorization: Bearer cp_...``): ``POST /api/v1/agent/register/`` (host + workers,
+idempotent upsert), ``POST /api/v1/agent/heartbeat/`` (404 = unknown host: register again),
+``POST /api/v1/agent/metrics/`` (``{"worker_url", "text"}`` with the worker's Prometheus text).
+
+Metrics samples wait in a bounded FIFO (oldest dropped when full). While the control plane is unreachable
+(connect error, timeout or 5xx) nothing is lost beyond that bound: each attempt backs off exponentially
+(``retry_base_s`` doubling up to ``retry_max_s``), the outage is logged once when it starts and once when it
+ends (with how many samples were sent and dropped). A sample the control plane rejects (4xx) is dropped
+with a warning so it never blocks the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import httpx
+
+log = logging.getLogger("kvfleet.agent")
+
+
+class ControlPlaneDown(Exception):
+    """Connect error, timeout or 5xx from the control plane."""
+
+
+class ControlPlaneRejected(Exception):
+    """A 4xx answer; ``status`` and the control plane's message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+class ControlPlaneClient:
+    """Synchronous client of the control plane REST API v1 (httpx)."""
+
+    def __init__(self, base_url: str, token: str, timeout: float = 5.0):
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.Client(
+            base_url=self.base_url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout
+        )
+
+    def call(self, method: str, path: str, json=None, params=None) -> dict:
+        try:
+            resp = self.http.request(method, path, json=json, params=params)
+        except httpx.HTTPError as exc:
+            raise ControlPlaneDown(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 500:
+            raise ControlPlaneDown(f"{method} {path} -> {resp.status_code}")
+        if resp.status_code >= 400:
+            try:
+                message = resp.json().get("error", {}).get("message") or resp.text
+            except ValueError:
+                message = resp.text
+            raise ControlPlaneRejected(resp.status_code, str(message)[:500])
+        return resp.json() if resp.content else {}
+
+    def register(self, host: dict, workers: list[dict]) -> dict:
+        return self.call("POST", "/api/v1/agent/register/", json={"host": host, "workers": workers})
+
+    def heartbeat(self, host_name: str, worker_urls: list[str]) -> dict:
+        return self.call("POST", "/api/v1/agent/heartbeat/", json={"host": host_name, "workers": worker_urls})
+
+    def push_metrics(self, worker_url: str, text: str) -> dict:
+        return self.call("POST", "/api/v1/agent/metrics/", json={"worker_url": worker_url, "text": text})
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class Reporter:
+    """Keeps the control plane informed; call :meth:`tick` periodically from one thread.
+
+    ``registration()`` returns the current ``(host, workers)`` register body (re-sent after a restart of a
+    worker or when a heartbeat says the host is unknown); ``live_urls()`` the URLs of running workers.
+    """
+
+    def __init__(
+        self,
+        client: ControlPlaneClient,
+        registration: Callable[[], tuple[dict, list[dict]]],
+        live_urls: Callable[[], list[str]],
+        *,
+        heartbeat_interval_s: float = 5.0,
+        buffer_size: int = 500,
+        retry_base_s: float = 1.0,
+        retry_max_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.client = client
+        self.registration, self.live_urls = registration, live_urls
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.outbox: deque[tuple[str, str]] = deque(maxlen=buffer_size)
+        self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
+        self.clock = clock
+        self.registered = False
+        self.down_since: float | None = None
+        self.retry_delay = 0.0
+        self.next_attempt = 0.0
+        self.next_heartbeat = 0.0
+        self.sent = self.dropped = self.rejected = 0
+        self._sent_at_outage = 0
+
+    def add_sample(self, worker_url: str, text: str) -> None:
+        if len(self.outbox) == self.outbox.maxlen:
+            self.dropped += 1
+        self.outbox.append((worker_url, text))
+
+    def reregister(self) -> None:
+        """Send the registration again at the next tick (a worker restarted or changed)."""
+        self.registered = False
+
+    def status(self) -> dict:
+        return {
+            "url": self.client.base_url,
+            "reachable": self.down_since is None,
+            "registered": self.registered,
+            "buffered": len(self.outbox),
+            "sent": self.sent,
+            "dropped": self.dropped,
+            "rejected": self.rejected,
+        }
+
+    def tick(self) -> None:
+        now = self.clock()
+        if now < self.next_attempt:
+            return
+        try:
+            self._exchange(now)
+        except ControlPlaneDown as exc:
+            self._went_down(now, str(exc))
+            return
+        if self.down_since is not None:
+            log.warning(
+                "control plane reachable again after %.0fs; sent %d buffered samples, dropped %d",
+                now - self.down_since,
+                self.sent - self._sent_at_outage,
+                self.dropped,
+            )
+            self.down_since = None
+        self.retry_delay = 0.0
+
+    def _exchange(self, now: float) -> None:
+        if not self.registered:
+            host, workers = self.registration()
+            try:
+                self.client.register(host, workers)
+            except ControlPlaneRejected as exc:
+                log.error("control plane refused registration: %s", exc)
+                self._back_off(now)
+                return
+            self.registered = True
+            self.next_heartbeat = now
+            log.info(
+                "registered host %s with %d workers at %s", host["name"], len(workers), self.client.base_url
+            )
+        if now >= self.next_heartbeat:
+            host, _ = self.registration()
+            try:
+                self.client.heartbeat(host["name"], self.live_urls())
+            except ControlPlaneRejected as exc:
+                if exc.status == 404:
+                    self.registered = False
+                    return
+                log.error("heartbeat refused: %s", exc)
+            self.next_heartbeat = now + self.heartbeat_interval_s
+        while self.outbox:
+            url, text = self.outbox[0]
+            try:
+                self.client.push_metrics(url, text)
+                self.sent += 1
+            except ControlPlaneRejected as exc:
+                self.rejected += 1
+                log.warning("metrics for %s rejected (dropped): %s", url, exc)
+            self.outbox.popleft()
+
+    def _back_off(self, now: float) -> None:
+        self.retry_delay = min(max(self.retry_base_s, self.retry_delay * 2), self.retry_max_s)
+        self.next_attempt = now + self.retry_delay
+
+    def _went_down(self, now: float, why: str) -> None:
+        if self.down_since is None:
+            self.down_since = now
+            self._sent_at_outage = self.sent
+            log.warning(
+                "control plane unreachable at %s (%s); buffering up to %d samples, retrying with backoff",
+                self.client.base_url,
+                why,
+                self.outbox.maxlen,
+            )
+        self._back_off(now)

@@ -1,0 +1,318 @@
+"""The agent's fleet spec: a TOML file listing the engine workers one host runs.
+
+Layout (every worker key other than ``name``, ``model``, ``role``, ``url`` and ``env`` is an SGLang launch
+arg by its ``ServerArgs`` name, e.g. ``page_size``, ``max_total_tokens``, ``enable_hierarchical_cache``,
+``hicache_ratio``, ``hicache_storage_backend``; a table value becomes JSON, so
+``hicache_storage_backend_extra_config`` may be an inline table)::
+
+    [agent]                      # optional
+    host_name = "gpu-node-1"     # default: this machine's hostname
+    address = "10.0.0.5"         # address the workers are reached at (default 127.0.0.1)
+    log_dir = "logs/agent"       # worker logs and the state file
+    heartbeat_interval_s = 5
+    metrics_interval_s = 3
+    buffer_size = 500            # samples kept while the control plane is down
+
+    [[workers]]
+    name = "w0"
+    model = "smollm2"
+    role = "mixed"               # mixed | prefill | decode
+    port = 30001
+    enable_hierarchical_cache = true
+    hicache_storage_backend = "mooncake"
+    hicache_storage_backend_extra_config = { master_server_address = "${MOONCAKE_MASTER}" }
+
+Strings may reference the environment as ``${VAR}`` or ``${VAR:-default}``. Every value is checked with the
+engine's own argument parser before anything starts; any problem raises :class:`SpecError` naming the file,
+the line and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.server.args import ArgumentError, build_parser, parse_args
+
+ROLES = {"mixed": "null", "prefill": "prefill", "decode": "decode"}
+AGENT_KEYS = {
+    "host_name": str,
+    "address": str,
+    "log_dir": str,
+    "heartbeat_interval_s": (int, float),
+    "metrics_interval_s": (int, float),
+    "buffer_size": int,
+}
+WORKER_META_KEYS = {"name", "model", "role", "url", "env"}
+# Launch args the agent sets itself from other fields (model, role, port are fields of their own).
+_RESERVED_ARGS = {"model_path", "disaggregation_mode"}
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_HEADER = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\"-]+)\s*\]\]?")
+_KEY = re.compile(r"^\s*\"?([A-Za-z0-9_-]+)\"?\s*=")
+
+
+class SpecError(ValueError):
+    """A bad spec file; ``str()`` is ``"<file>:<line>: <field>: <problem>"``."""
+
+    def __init__(self, path: str, line: int | None, field_name: str, problem: str):
+        self.path, self.line, self.field, self.problem = path, line, field_name, problem
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {field_name}: {problem}")
+
+
+@dataclass
+class WorkerSpec:
+    """One engine worker: its identity and the exact ``python -m engine.launch_server`` flags."""
+
+    name: str
+    model: str
+    role: str
+    host: str
+    port: int
+    url: str
+    flags: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    admin_api_key: str | None = None
+    page_size: int = 1
+    model_name: str = ""
+
+
+@dataclass
+class FleetSpec:
+    path: str
+    host_name: str
+    address: str
+    log_dir: str
+    heartbeat_interval_s: float
+    metrics_interval_s: float
+    buffer_size: int
+    workers: list[WorkerSpec]
+
+    def worker(self, name: str) -> WorkerSpec:
+        for w in self.workers:
+            if w.name == name:
+                return w
+        raise KeyError(
+            f"no worker {name!r} in {self.path} (workers: {', '.join(w.name for w in self.workers)})"
+        )
+
+    @property
+    def state_file(self) -> str:
+        return os.path.join(self.log_dir, "agent-state.json")
+
+
+class _Locator:
+    """Finds the line of ``[table] key`` or ``[[table]] #index key`` in the TOML text (1-based)."""
+
+    def __init__(self, text: str):
+        self.lines = text.splitlines()
+
+    def line_of(self, table: str, index: int | None, key: str | None, sub: str | None = None) -> int | None:
+        seen, start, end = -1, None, len(self.lines)
+        for i, line in enumerate(self.lines):
+            m = _HEADER.match(line)
+            if not m:
+                continue
+            name = m.group(2).replace('"', "")
+            if start is not None and not name.startswith(table + "."):
+                end = i
+                break
+            if name == table:
+                seen += 1
+                if index is None or seen == index:
+                    start = i
+        if start is None:
+            return None
+        if key is None:
+            return start + 1
+        found = None
+        for i in range(start + 1, end):
+            m = _KEY.match(self.lines[i])
+            header = _HEADER.match(self.lines[i])
+            is_subtable = header and header.group(2).replace('"', "") == f"{table}.{key}"
+            if (m and m.group(1) == key) or is_subtable:
+                found = i
+                break
+        if found is None:
+            return start + 1
+        if sub is not None:
+            for i in range(found, end):
+                if re.search(rf"(^|[\s{{,]){re.escape(sub)}\s*=", self.lines[i]):
+                    return i + 1
+        return found + 1
+
+
+def _expand(value, where: str, err, environ=None):
+    """Replace ``${VAR}`` / ``${VAR:-default}`` in every string inside ``value`` (from ``environ``)."""
+    environ = os.environ if environ is None else environ
+    if isinstance(value, str):
+
+        def sub(m: re.Match) -> str:
+            var, default = m.group(1), m.group(2)
+            if var in environ:
+                return environ[var]
+            if default is not None:
+                return default
+            raise err(f"environment variable {var} is not set (referenced as ${{{var}}})")
+
+        return _ENV_REF.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: _expand(v, f"{where}.{k}", err, environ) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v, where, err, environ) for v in value]
+    return value
+
+
+def _flag_actions() -> dict[str, object]:
+    """SGLang dest name -> argparse action of ``engine.launch_server``."""
+    return {a.dest: a for a in build_parser()._actions if a.option_strings and a.dest != "help"}
+
+
+def _to_flags(name: str, value, action, err) -> list[str]:
+    flag = action.option_strings[0]
+    if action.nargs == 0:  # store_true
+        if not isinstance(value, bool):
+            raise err(f"must be true or false, got {value!r}")
+        return [flag] if value else []
+    if isinstance(value, bool | list):
+        raise err(f"must be a string, number or table, got {value!r}")
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
+
+
+def load_spec(path: str | os.PathLike, environ: dict | None = None) -> FleetSpec:
+    """Read and validate a fleet spec; raises :class:`SpecError` (file, line, field) or ``OSError``.
+
+    ``${VAR}`` references are filled from ``environ`` (default ``os.environ``).
+    """
+    path = str(path)
+
+    def expand(value, where, err):
+        return _expand(value, where, err, environ)
+
+    text = Path(path).read_text()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        m = re.search(r"at line (\d+)", str(exc))
+        raise SpecError(path, int(m.group(1)) if m else None, "toml", str(exc)) from None
+    loc = _Locator(text)
+
+    def error_at(table: str, index: int | None, key: str | None, sub: str | None = None):
+        label = f"{table}[{index}]" if index is not None else table
+        label = f"{label}.{key}" if key else label
+        label = f"{label}.{sub}" if sub else label
+        return lambda problem: SpecError(path, loc.line_of(table, index, key, sub), label, problem)
+
+    unknown = sorted(set(data) - {"agent", "workers"})
+    if unknown:
+        raise SpecError(
+            path,
+            loc.line_of(unknown[0], None, None) or 1,
+            unknown[0],
+            "unknown table (use [agent], [[workers]])",
+        )
+    agent = data.get("agent", {})
+    if not isinstance(agent, dict):
+        raise error_at("agent", None, None)("must be a table")
+    for key, value in agent.items():
+        err = error_at("agent", None, key)
+        if key not in AGENT_KEYS:
+            raise err(f"unknown field (known: {', '.join(sorted(AGENT_KEYS))})")
+        if isinstance(value, bool) or not isinstance(value, AGENT_KEYS[key]):
+            raise err(f"has the wrong type: {value!r}")
+    agent = {k: expand(v, k, error_at("agent", None, k)) for k, v in agent.items()}
+    for key in ("heartbeat_interval_s", "metrics_interval_s", "buffer_size"):
+        if key in agent and agent[key] <= 0:
+            raise error_at("agent", None, key)(f"must be > 0, got {agent[key]}")
+    address = agent.get("address", "127.0.0.1")
+
+    raw_workers = data.get("workers")
+    if not isinstance(raw_workers, list) or not raw_workers:
+        raise SpecError(path, None, "workers", "the spec lists no [[workers]]")
+    actions = _flag_actions()
+    workers, names, ports = [], set(), set()
+    for i, raw in enumerate(raw_workers):
+        workers.append(_worker(raw, i, address, actions, error_at, expand))
+        w = workers[-1]
+        if w.name in names:
+            raise error_at("workers", i, "name")(f"duplicate worker name {w.name!r}")
+        if (w.host, w.port) in ports:
+            raise error_at("workers", i, "port")(f"port {w.port} is used by another worker")
+        names.add(w.name)
+        ports.add((w.host, w.port))
+    return FleetSpec(
+        path=path,
+        host_name=agent.get("host_name") or socket.gethostname(),
+        address=address,
+        log_dir=agent.get("log_dir", "logs/agent"),
+        heartbeat_interval_s=float(agent.get("heartbeat_interval_s", 5)),
+        metrics_interval_s=float(agent.get("metrics_interval_s", 3)),
+        buffer_size=int(agent.get("buffer_size", 500)),
+        workers=workers,
+    )
+
+
+def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> WorkerSpec:
+    if not isinstance(raw, dict):
+        raise error_at("workers", i, None)("must be a table")
+    for key in ("name", "model", "port"):
+        if key not in raw:
+            raise error_at("workers", i, None)(f"missing required field {key!r}")
+    flags: list[str] = []
+    flag_field: dict[str, str] = {}
+    for key, value in raw.items():
+        err = error_at("workers", i, key)
+        if key in WORKER_META_KEYS:
+            continue
+        if key in _RESERVED_ARGS or key not in actions:
+            known = ", ".join(sorted(k for k in actions if k not in _RESERVED_ARGS))
+            raise err(f"unknown field (worker keys: name, model, role, url, env and the launch args {known})")
+        if isinstance(value, dict):
+            value = {sub: expand(v, sub, error_at("workers", i, key, sub)) for sub, v in value.items()}
+        else:
+            value = expand(value, key, err)
+        before = len(flags)
+        flags += _to_flags(key, value, actions[key], err)
+        for flag in flags[before : before + 1]:
+            flag_field[flag] = key
+    meta = {k: expand(raw[k], k, error_at("workers", i, k)) for k in WORKER_META_KEYS if k in raw}
+    for key in ("name", "model"):
+        if not isinstance(meta[key], str) or not meta[key]:
+            raise error_at("workers", i, key)("must be a non-empty string")
+    role = meta.get("role", "mixed")
+    if role not in ROLES:
+        raise error_at("workers", i, "role")(f"must be one of {', '.join(ROLES)}, got {role!r}")
+    env = meta.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        raise error_at("workers", i, "env")("must be a table of strings")
+    flags = ["--model-path", meta["model"], *flags]
+    if role != "mixed":
+        flags += ["--disaggregation-mode", ROLES[role]]
+    try:
+        args = parse_args(flags)
+    except ArgumentError as exc:
+        key = next((k for f, k in flag_field.items() if f in str(exc)), None)
+        if key is None and "--disaggregation-mode" in str(exc):
+            key = "role"
+        raise error_at("workers", i, key)(str(exc)) from None
+    url = meta.get("url") or f"http://{address}:{args.port}"
+    return WorkerSpec(
+        name=meta["name"],
+        model=meta["model"],
+        role=role,
+        host=args.host,
+        port=args.port,
+        url=url.rstrip("/"),
+        flags=flags,
+        env=env,
+        admin_api_key=args.admin_api_key,
+        page_size=args.page_size,
+        model_name=args.model_name,
+    )

@@ -1,0 +1,115 @@
+"""Fleet spec: a good spec becomes the exact launch flags; every bad spec names file, line and field, and the
+``run`` command then starts nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.agent.spec import SpecError, load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+GOOD = """\
+[agent]
+host_name = "node-a"
+address = "10.1.2.3"
+log_dir = "{log_dir}"
+
+[[workers]]
+name = "w0"
+model = "smollm2"
+port = 31001
+page_size = 16
+enable_hierarchical_cache = true
+hicache_ratio = 2.0
+hicache_mem_layout = "page_first"
+hicache_storage_backend = "mooncake"
+hicache_storage_backend_extra_config = {{ master_server_address = "${{MC_ADDR}}", protocol = "tcp" }}
+admin_api_key = "${{ADMIN_KEY:-dflt}}"
+
+[[workers]]
+name = "w1"
+model = "smollm2"
+role = "mixed"
+port = 31002
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "fleet.toml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_good_spec_gives_launch_flags_and_urls(tmp_path):
+    spec = load_spec(write(tmp_path, GOOD.format(log_dir=tmp_path / "logs")), {"MC_ADDR": "127.0.0.1:5555"})
+    assert spec.host_name == "node-a"
+    assert [w.url for w in spec.workers] == ["http://10.1.2.3:31001", "http://10.1.2.3:31002"]
+    w0 = spec.workers[0]
+    assert w0.flags[:2] == ["--model-path", "smollm2"]
+    assert w0.flags[w0.flags.index("--hicache-mem-layout") + 1] == "page_first"
+    extra = json.loads(w0.flags[w0.flags.index("--hicache-storage-backend-extra-config") + 1])
+    assert extra == {"master_server_address": "127.0.0.1:5555", "protocol": "tcp"}
+    assert w0.admin_api_key == "dflt" and w0.page_size == 16
+    assert "--enable-hierarchical-cache" in w0.flags
+    assert spec.workers[1].flags == ["--model-path", "smollm2", "--port", "31002"]
+    assert spec.state_file == str(tmp_path / "logs" / "agent-state.json")
+
+
+BAD = [
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\nhicache_ratio = \n", 5, "toml", "Invalid value"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\nbogus_flag = 3\n", 5, "workers[0].bogus_flag",
+     "unknown field"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\n\n[[workers]]\nname = \"w1\"\nmodel = \"m\"\n"
+     "port = 2\nhicache_ratio = \"lots\"\n", 10, "workers[1].hicache_ratio", "invalid float value: 'lots'"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nrole = \"leader\"\nport = 1\n", 4, "workers[0].role",
+     "must be one of mixed, prefill, decode"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\nhicache_write_policy = \"sometimes\"\n", 5,
+     "workers[0].hicache_write_policy", "invalid choice: 'sometimes'"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\nenable_metrics = \"yes\"\n", 5,
+     "workers[0].enable_metrics", "must be true or false"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\n"
+     "hicache_storage_backend_extra_config = { master_server_address = \"${NOPE_UNSET_VAR}\" }\n", 5,
+     "workers[0].hicache_storage_backend_extra_config.master_server_address", "NOPE_UNSET_VAR is not set"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 7\n\n[[workers]]\nname = \"w1\"\nmodel = \"m\"\n"
+     "port = 7\n", 9, "workers[1].port", "port 7 is used by another worker"),
+    ("[agent]\nheartbeat_interval_s = -1\n\n[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\n", 2,
+     "agent.heartbeat_interval_s", "must be > 0"),
+    ("[agent]\nlog_dir = \"x\"\n", None, "workers", "lists no [[workers]]"),
+    ("[[workers]]\nname = \"w0\"\nport = 1\n", 1, "workers[0]", "missing required field 'model'"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\n"
+     "hicache_storage_backend = \"mooncake\"\n", 5, "workers[0].hicache_storage_backend",
+     "--hicache-storage-backend needs --enable-hierarchical-cache"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "line", "field", "problem"), BAD)
+def test_bad_spec_names_file_line_and_field(tmp_path, text, line, field, problem):
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as info:
+        load_spec(path, {})
+    err = info.value
+    assert (err.path, err.line, err.field) == (str(path), line, field)
+    assert problem in err.problem
+    assert str(err).startswith(f"{path}:{line}: {field}: " if line else f"{path}: {field}: ")
+
+
+def test_run_with_bad_spec_exits_2_and_starts_nothing(tmp_path):
+    log_dir = tmp_path / "agent-logs"
+    path = write(tmp_path, f'[agent]\nlog_dir = "{log_dir}"\n\n[[workers]]\nname = "w0"\nmodel = "smollm2"\n'
+                           'port = 31001\n\n[[workers]]\nname = "w1"\nmodel = "smollm2"\nport = 31002\n'
+                           'page_size = 0\n')  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.agent", "run", "--control-plane", "http://127.0.0.1:9",
+         "--token", "cp_x.y", "--spec", str(path)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert f"{path}:13: workers[1].page_size: argument --page-size: --page-size must be > 0" in done.stderr
+    assert not log_dir.exists()  # no worker was launched, no state file written
