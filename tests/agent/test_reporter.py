@@ -1,0 +1,124 @@
+"""Reporter against a real HTTP server standing in for the control plane's agent API: buffering while it is
+down (bounded, oldest dropped, logged once), delivery in order after it comes back, re-register on 404."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from engine.agent.reporter import ControlPlaneClient, Reporter
+
+
+class RecordingControlPlane:
+    """A real HTTP server on a fixed loopback port that records agent API calls (start/stop at will)."""
+
+    def __init__(self, port: int):
+        self.port, self.calls, self.server = port, [], None
+        self.known_hosts: set[str] = set()
+
+    def start(self) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.calls.append((self.path, body, self.headers["Authorization"]))
+                status, out = 200, {}
+                if self.path.endswith("/register/"):
+                    outer.known_hosts.add(body["host"]["name"])
+                elif self.path.endswith("/heartbeat/") and body["host"] not in outer.known_hosts:
+                    status, out = 404, {"error": {"message": "unknown host: register first"}}
+                elif self.path.endswith("/metrics/"):
+                    status = 422 if body["text"] == "garbage" else 202
+                data = json.dumps(out).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def paths(self, suffix: str) -> list:
+        return [body for path, body, _ in self.calls if path.endswith(suffix)]
+
+
+@pytest.fixture
+def port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reporter(port: int, buffer_size: int = 5) -> Reporter:
+    host = {"name": "node-a", "address": "127.0.0.1", "gpus": []}
+    workers = [{"name": "w0", "url": "http://127.0.0.1:1"}]
+    client = ControlPlaneClient(f"http://127.0.0.1:{port}", "cp_abc.secret", timeout=2)
+    return Reporter(client, lambda: (host, workers), lambda: ["http://127.0.0.1:1"], heartbeat_interval_s=0.0,
+                    buffer_size=buffer_size, retry_base_s=0.05, retry_max_s=0.2)  # fmt: skip
+
+
+def _tick_until(rep: Reporter, cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        rep.tick()
+        time.sleep(0.02)
+    assert cond()
+
+
+def test_buffers_while_down_then_delivers_in_order(port, caplog):
+    caplog.set_level(logging.WARNING, logger="kvfleet.agent")
+    rep = _reporter(port, buffer_size=5)
+    for i in range(8):  # control plane not listening yet
+        rep.add_sample("http://127.0.0.1:1", f"sample {i}")
+        rep.tick()
+        time.sleep(0.06)
+    status = rep.status()
+    assert status["reachable"] is False and status["buffered"] == 5 and status["dropped"] == 3
+    assert rep.retry_delay == 0.2  # backed off up to retry_max_s
+    down_logs = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(down_logs) == 1  # logged once, not once per attempt
+
+    cp = RecordingControlPlane(port)
+    cp.start()
+    try:
+        _tick_until(rep, lambda: len(cp.paths("/metrics/")) == 5)
+        assert [b["text"] for b in cp.paths("/metrics/")] == [f"sample {i}" for i in range(3, 8)]
+        assert cp.calls[0][0] == "/api/v1/agent/register/" and cp.calls[0][2] == "Bearer cp_abc.secret"
+        assert cp.paths("/register/")[0]["workers"] == [{"name": "w0", "url": "http://127.0.0.1:1"}]
+        assert cp.paths("/heartbeat/") == [{"host": "node-a", "workers": ["http://127.0.0.1:1"]}]
+        want = {"reachable": True, "registered": True, "buffered": 0, "sent": 5, "dropped": 3, "rejected": 0}
+        assert {k: v for k, v in rep.status().items() if k != "url"} == want
+        assert any("reachable again" in r.getMessage() and "sent 5" in r.getMessage() for r in caplog.records)
+    finally:
+        cp.stop()
+
+
+def test_rejected_sample_is_dropped_and_unknown_host_registers_again(port):
+    cp = RecordingControlPlane(port)
+    cp.start()
+    try:
+        rep = _reporter(port)
+        rep.add_sample("http://127.0.0.1:1", "garbage")
+        rep.add_sample("http://127.0.0.1:1", "good")
+        _tick_until(rep, lambda: rep.status()["buffered"] == 0)
+        assert rep.status()["rejected"] == 1 and rep.status()["sent"] == 1
+        cp.known_hosts.clear()  # e.g. the control plane's database was reset
+        _tick_until(rep, lambda: len(cp.paths("/register/")) == 2)
+        assert rep.registered
+    finally:
+        cp.stop()
