@@ -1,5 +1,11 @@
 #!/usr/bin/env bash
-# The main job. Until the full fleet demo lands, runs the hierarchical-cache demo on the CPU.
+# The main job: a complete local KVFleet (control plane, Celery, Mooncake master, the agent with two SmolLM2
+# workers, the sglang-router) with multi-turn traffic; prints the console and router URLs. Ctrl-C stops it.
+#   scripts/demo.sh                   run until Ctrl-C
+#   scripts/demo.sh --duration 180    bounded: exit 0 once every worker shows device/host/storage hits
+# `make demo DEMO_SECONDS=180` passes --duration. Logs: logs/demo-<time>/ (printed at start).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/python -m engine.cache.demo "$@"
+args=("$@")
+if [ -n "${DEMO_SECONDS:-}" ]; then args+=(--duration "$DEMO_SECONDS"); fi
+exec .venv/bin/python deploy/localfleet.py "${args[@]}"

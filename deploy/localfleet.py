@@ -1,0 +1,488 @@
+"""A complete KVFleet on one machine: what ``make demo`` runs and what the end-to-end test starts.
+
+``LocalFleet`` starts, in order, each as a child process logging to one folder: Redis (only when none answers
+at ``$REDIS_URL``), a ``mooncake_master`` with its HTTP metadata server, the control plane (migrations, a demo
+admin, an agent token, collectstatic; daphne serving HTTP + websockets; a Celery worker and beat on a queue
+and Redis key prefix of their own), the engine agent with the spec's workers (SmolLM2, HiCache, Mooncake
+L3), and the real sglang-router in front of them; then it records the router, the Mooncake storage profile
+and each worker's router in the control plane. ``stop()`` (also on Ctrl-C) ends every process it started,
+newest first: SIGTERM to its process group, SIGKILL after a grace period.
+
+``python deploy/localfleet.py [--duration S]`` is the demo: the above plus the traffic generator; it prints
+the console and router URLs and the admin credentials. With ``--duration`` it exits after checking that the
+control plane's live metrics show device, host and storage cached tokens for every worker (exit 0), or
+says which are missing (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from engine.cache.storage.mooncake_master import MooncakeMaster  # noqa: E402
+
+PY = sys.executable
+TIERS = ("device", "host", "storage")
+
+BOOTSTRAP = """
+import json, os, secrets
+from django.contrib.auth import get_user_model
+from controlplane.accounts.services import token_create, user_create
+args = json.loads(os.environ["KVFLEET_BOOTSTRAP"])
+User = get_user_model()
+out = {}
+for username, role, password in (
+    (args["admin"], "admin", args["password"]), (args["agent_user"], "agent", None)):
+    user = User.objects.filter(username=username).first()
+    if user is None:
+        user = user_create(username=username, password=password or secrets.token_urlsafe(24),
+                           role=role, actor=None)
+    elif password:
+        user.set_password(password)
+        user.save()
+    out[role] = token_create(user=user, name=f"{role} token ({args['label']})", actor=None)[1]
+print("BOOTSTRAP " + json.dumps(out))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_answers(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def wait_for(what: str, check, timeout: float, proc: subprocess.Popen | None = None, log: str = "") -> None:
+    """Poll ``check()`` until true; raises RuntimeError naming ``what`` (and the log) on timeout or exit."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}; see {log}")
+        with contextlib.suppress(httpx.HTTPError, OSError, ValueError, KeyError):
+            if check():
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} not ready after {timeout:.0f}s; see {log}")
+
+
+@dataclass
+class LocalFleet:
+    """Everything of one local fleet. ``spec`` is the agent's fleet spec (``${...}`` filled from ``env``)."""
+
+    log_dir: Path
+    spec: Path = REPO / "deploy" / "fleet.demo.toml"
+    num_workers: int = 2
+    label: str = "demo"
+    admin_user: str = "admin"
+    admin_password: str = field(default_factory=lambda: secrets.token_urlsafe(12))
+    procs: list[tuple[str, subprocess.Popen, str]] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    master: MooncakeMaster | None = None
+    console_url: str = ""
+    router_url: str = ""
+    worker_urls: list[str] = field(default_factory=list)
+    worker_ids: list[int] = field(default_factory=list)
+    tokens: dict = field(default_factory=dict)
+    storage_profile_id: int | None = None
+
+    # ------------------------------------------------------------------------------------------- processes
+    def spawn(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
+        log = str(self.log_dir / f"{name}.log")
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env={**self.env, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.procs.append((name, proc, log))
+        return proc
+
+    def log_of(self, name: str) -> str:
+        return str(self.log_dir / f"{name}.log")
+
+    def stop(self, grace: float = 20.0) -> None:
+        """End every started process, newest first (the agent stops its workers on SIGTERM)."""
+        for _name, proc, _log in reversed(self.procs):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        self.procs.clear()
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
+
+    def __enter__(self) -> LocalFleet:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------------------- start-up
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        tag = f"{self.label}-{os.getpid()}"
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "DATABASE_URL": f"sqlite:///{self.log_dir / 'controlplane.sqlite3'}",
+            "REDIS_KEY_PREFIX": f"kvfleet-{tag}",
+            "CELERY_QUEUE": f"kvfleet-{tag}",
+            "SECRET_KEY": secrets.token_urlsafe(40),
+            "DEBUG": "0",
+            "HTTPS": "0",
+            "LOG_LEVEL": "INFO",
+            "TELEMETRY_SCRAPE_INTERVAL_S": "5",
+            "OPERATION_POLL_INTERVAL_S": "0.5",
+            "KVFLEET_WORKER_ADMIN_KEY": secrets.token_urlsafe(16),
+            "DEMO_LOG_DIR": str(self.log_dir),
+            "DEMO_HOST_NAME": f"{socket.gethostname()}-{self.label}",
+            "DEMO_WORKER_PREFIX": f"{self.label}-{os.getpid()}",
+        }
+        self._redis()
+        self._mooncake()
+        self._control_plane()
+        self._agent()
+        self._router()
+        self._register_fleet()
+
+    def _redis(self) -> None:
+        url = self.env.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+        if not redis_answers(url):
+            exe = shutil.which("redis-server")
+            if exe is None:
+                raise RuntimeError(
+                    f"no Redis answers at {url} and redis-server is not installed: "
+                    "sudo apt-get install -y redis-server (or set REDIS_URL)"
+                )
+            port = free_port()
+            url = f"redis://127.0.0.1:{port}/0"
+            self.spawn(
+                "redis", [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+            )
+            wait_for("redis-server", lambda: redis_answers(url), 20, self.procs[-1][1], self.log_of("redis"))
+        self.env["REDIS_URL"] = url
+
+    def _mooncake(self) -> None:
+        self.master = MooncakeMaster(log_path=str(self.log_dir / "mooncake-master.log")).start()
+        self.env["MOONCAKE_MASTER"] = self.master.master_address
+        self.env["MOONCAKE_TE_META_DATA_SERVER"] = self.master.metadata_url
+
+    def _manage(self, *args: str, timeout: float = 300, **env) -> str:
+        done = subprocess.run(
+            [PY, "manage.py", *args],
+            cwd=REPO,
+            env={**self.env, **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        with open(self.log_of("manage"), "a") as f:
+            f.write(f"$ manage.py {' '.join(args[:1])}\n{done.stdout}{done.stderr}\n")
+        if done.returncode != 0:
+            raise RuntimeError(f"manage.py {args[0]} failed:\n{done.stderr[-2000:]}")
+        return done.stdout
+
+    def _control_plane(self) -> None:
+        self._manage("migrate", "--noinput")
+        self._manage("collectstatic", "--noinput")
+        payload = {
+            "admin": self.admin_user,
+            "password": self.admin_password,
+            "agent_user": "agent",
+            "label": self.label,
+        }
+        out = self._manage("shell", "-c", BOOTSTRAP, KVFLEET_BOOTSTRAP=json.dumps(payload))
+        line = next(line for line in out.splitlines() if line.startswith("BOOTSTRAP "))
+        self.tokens = json.loads(line.split(" ", 1)[1])
+        port = free_port()
+        self.console_url = f"http://127.0.0.1:{port}"
+        web = self.spawn(
+            "web", [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"]
+        )
+        self.spawn(
+            "celery-worker",
+            [
+                PY,
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "worker",
+                "-Q",
+                self.env["CELERY_QUEUE"],
+                "--concurrency",
+                "2",
+                "--pool",
+                "threads",
+                "--loglevel",
+                "INFO",
+            ],
+        )
+        self.spawn(
+            "celery-beat",
+            [
+                PY,
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                str(self.log_dir / "celerybeat-schedule"),
+            ],
+        )
+        wait_for(
+            "control plane (daphne)",
+            lambda: httpx.get(f"{self.console_url}/healthz", timeout=2).is_success,
+            60,
+            web,
+            self.log_of("web"),
+        )
+
+    def api(self, method: str, path: str, token: str | None = None, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token or self.tokens['admin']}"}
+        return httpx.request(method, f"{self.console_url}{path}", headers=headers, timeout=30, **kw)
+
+    def _agent(self) -> None:
+        from engine.agent.spec import load_spec
+
+        ports = {f"DEMO_WORKER{i}_PORT": str(free_port()) for i in range(self.num_workers)}
+        self.env.update(ports)
+        spec = load_spec(self.spec, self.env)
+        self.worker_urls = [w.url for w in spec.workers]
+        agent = self.spawn(
+            "agent",
+            [
+                PY,
+                "-m",
+                "engine.agent",
+                "run",
+                "--control-plane",
+                self.console_url,
+                "--token",
+                self.tokens["agent"],
+                "--spec",
+                str(self.spec),
+            ],
+        )
+
+        def all_registered() -> bool:
+            rows = self.api("GET", "/api/v1/inventory/workers/", params={"limit": 500}).json()["results"]
+            known = {r["url"].rstrip("/"): r["id"] for r in rows}
+            self.worker_ids = [known[u] for u in self.worker_urls]
+            return all(httpx.get(f"{u}/health", timeout=2).is_success for u in self.worker_urls)
+
+        wait_for("engine workers (agent)", all_registered, 600, agent, self.log_of("agent"))
+
+    def _router(self) -> None:
+        port = free_port()
+        self.router_url = f"http://127.0.0.1:{port}"
+        router = self.spawn(
+            "router",
+            [
+                PY,
+                "-m",
+                "sglang_router.launch_router",
+                "--worker-urls",
+                *self.worker_urls,
+                "--policy",
+                "cache_aware",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--prometheus-port",
+                str(free_port()),
+                "--log-level",
+                "warn",
+            ],
+        )
+
+        def ready() -> bool:
+            listed = httpx.get(f"{self.router_url}/workers", timeout=2).json().get("workers", [])
+            return httpx.get(f"{self.router_url}/readiness", timeout=2).is_success and len(listed) >= len(
+                self.worker_urls
+            )
+
+        wait_for("sglang-router", ready, 120, router, self.log_of("router"))
+
+    def _register_fleet(self) -> None:
+        """Router and Mooncake profile in the inventory; each worker linked to the router (drain needs it)."""
+        router = self.api(
+            "POST",
+            "/api/v1/inventory/routers/",
+            json={"name": f"{self.label}-router", "url": self.router_url, "policy": "cache_aware"},
+        )
+        router.raise_for_status()
+        extra = {
+            "master_server_address": self.env["MOONCAKE_MASTER"],
+            "metadata_server": self.env["MOONCAKE_TE_META_DATA_SERVER"],
+            "protocol": "tcp",
+            "global_segment_size": "512mb",
+            "local_buffer_size": "64mb",
+            "prefetch_threshold": 32,
+        }
+        profile = self.api(
+            "POST",
+            "/api/v1/inventory/storage-profiles/",
+            json={
+                "name": f"{self.label}-mooncake",
+                "backend": "mooncake",
+                "extra_config": extra,
+                "description": "Mooncake master started by the local fleet",
+            },
+        )
+        profile.raise_for_status()
+        self.storage_profile_id = profile.json()["id"]
+        for worker_id in self.worker_ids:
+            self.api(
+                "PATCH", f"/api/v1/inventory/workers/{worker_id}/", json={"router": router.json()["id"]}
+            ).raise_for_status()
+
+    # ------------------------------------------------------------------------------------------- checks
+    def worker_tiers(self) -> dict[int, dict[str, float]]:
+        """Cached tokens per tier of every worker, as the control plane's live metrics hold them."""
+        out = {}
+        for worker_id in self.worker_ids:
+            latest = self.api("GET", f"/api/v1/telemetry/workers/{worker_id}/").json().get("latest") or {}
+            out[worker_id] = {t: float(latest.get(f"cached_tokens_{t}") or 0) for t in TIERS}
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="make demo", description="Start a complete local KVFleet with traffic.")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=0,
+        help="seconds of traffic, then check every worker shows device/host/storage hits and exit",
+    )
+    p.add_argument("--log-dir", default=None, help="default logs/demo-<time>")
+    p.add_argument("--trace", default=None, help="also replay this Mooncake trace (scaled down 16x)")
+    a = p.parse_args(argv)
+    log_dir = Path(a.log_dir or REPO / "logs" / time.strftime("demo-%Y%m%d-%H%M%S"))
+    fleet = LocalFleet(log_dir=log_dir)
+    stop = {"now": False}
+
+    def on_signal(*_):
+        stop["now"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    print(f"KVFleet demo: logs in {log_dir}", flush=True)
+    try:
+        with fleet:
+            traffic_args = [
+                "--url",
+                fleet.router_url,
+                "--concurrency",
+                "2",
+                "--conversations",
+                "8",
+                "--turns",
+                "4",
+                "--documents",
+                "12",
+                "--doc-words",
+                "220",
+                "--max-new-tokens",
+                "8",
+                "--record",
+                str(log_dir / "traffic.jsonl"),
+            ]
+            if a.trace:
+                traffic_args += ["--trace", a.trace, "--trace-scale", "16"]
+            fleet.spawn("traffic", [PY, "-m", "engine.bench.traffic", *traffic_args])
+            print(_banner(fleet), flush=True)
+            return _watch(fleet, a.duration)
+    except KeyboardInterrupt:
+        print("\nstopping every process the demo started ...", flush=True)
+        return 0
+    except RuntimeError as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("demo stopped", flush=True)
+
+
+def _banner(fleet: LocalFleet) -> str:
+    return "\n".join(
+        [
+            "",
+            f"  Console      {fleet.console_url}/",
+            f"  Login        user {fleet.admin_user}, password {fleet.admin_password}",
+            f"  Router       {fleet.router_url}   (sglang-router, cache_aware; try POST /generate)",
+            f"  API          {fleet.console_url}/api/docs/   (token: {fleet.tokens['admin']})",
+            f"  Workers      {', '.join(fleet.worker_urls)}",
+            f"  Mooncake     master {fleet.env['MOONCAKE_MASTER']}",
+            f"  Logs         {fleet.log_dir}",
+            "  Traffic      multi-turn conversations through the router (traffic.log, traffic.jsonl)",
+            "  Ctrl-C stops everything.",
+            "",
+        ]
+    )
+
+
+def _watch(fleet: LocalFleet, duration: float) -> int:
+    """Print per-worker hit tiers every 10 s; with ``duration`` return 0 once every tier shows hits."""
+    start = time.monotonic()
+    while True:
+        time.sleep(10)
+        tiers = fleet.worker_tiers()
+        elapsed = time.monotonic() - start
+        rows = "; ".join(
+            f"worker {wid}: " + " ".join(f"{t}={int(v[t])}" for t in TIERS) for wid, v in tiers.items()
+        )
+        print(f"[{elapsed:5.0f}s] cached tokens (control plane) {rows}", flush=True)
+        missing = [f"worker {wid} {t}" for wid, v in tiers.items() for t in TIERS if v[t] <= 0]
+        if duration and not missing:
+            print(f"OK: every worker shows device, host and storage cached tokens after {elapsed:.0f}s")
+            return 0
+        if duration and elapsed >= duration:
+            print(f"FAILED after {elapsed:.0f}s: no hits yet for {', '.join(missing)}", file=sys.stderr)
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
