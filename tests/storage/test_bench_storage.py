@@ -1,0 +1,46 @@
+"""The storage benchmark runs end to end on tiny sizes and prints one row per operation."""
+
+import re
+
+import pytest
+
+from engine.bench.storage import main
+
+ROW = re.compile(r"^\| (file|mooncake) \| batch_(set|get) \| \d+ MB \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$")
+
+
+def run(capsys, backend, *extra):
+    args = [
+        "--backend",
+        backend,
+        "--pages",
+        "4",
+        "--page-size",
+        "4",
+        "--layers",
+        "2",
+        "--rounds",
+        "2",
+        *extra,
+    ]
+    assert main(args) == 0
+    return [line for line in capsys.readouterr().out.splitlines() if ROW.match(line)]
+
+
+def test_file_benchmark_prints_set_and_get_rows(capsys, tmp_path):
+    rows = run(capsys, "file", "--dir", str(tmp_path))
+    assert [r.split("|")[2].strip() for r in rows] == ["batch_set", "batch_get"]
+    assert list(tmp_path.iterdir()) == [], "the benchmark removes its directory"
+
+
+@pytest.mark.slow
+def test_mooncake_benchmark_prints_set_and_get_rows(capsys):
+    rows = run(capsys, "mooncake")
+    assert [r.split("|")[2].strip() for r in rows] == ["batch_set", "batch_get"]
+
+
+def test_bad_flag_is_a_cli_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--backend", "file", "--pages", "0"])
+    assert exc.value.code == 2
+    assert "--pages must be >= 1" in capsys.readouterr().err
