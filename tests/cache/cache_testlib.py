@@ -101,6 +101,7 @@ def prefill(cache: HiRadixCache, token_ids: list[int], chunked: bool = False) ->
     match = cache.match_prefix(token_ids)
     hit = len(match.device_indices)
     n = len(token_ids) // cache.page_size * cache.page_size
+    cache.inc_lock_ref(match.last_device_node)
     new = cache.device_allocator.alloc(n - hit)
     if new is None:
         cache.evict(n - hit)
@@ -109,6 +110,7 @@ def prefill(cache: HiRadixCache, token_ids: list[int], chunked: bool = False) ->
     slots = torch.cat([match.device_indices, new])
     write_kv(cache.device_pool, token_ids[:n], new, start=hit)
     present = cache.insert(token_ids, slots, chunked=chunked)
+    cache.dec_lock_ref(match.last_device_node)
     assert present >= hit
     if present > hit:
         cache.device_allocator.free(new[: present - hit])
