@@ -5,15 +5,17 @@ from django.db import models
 from controlplane.audit.models import AuditEvent, Outcome
 from controlplane.core.context import current_request_id, source_ip_var, token_prefix_var
 
+TIMESTAMP_NOISE = frozenset({"created_at", "updated_at", "last_used_at", "last_seen"})
+
 
 def diff(before: dict | None, after: dict | None) -> dict:
-    """{field: [old, new]} for every top-level key whose value differs (missing keys count as None)."""
+    """{field: [old, new]} for every top-level key whose value differs (missing keys count as None).
+
+    Bookkeeping timestamps are left out (they change on every save); before/after still hold them.
+    """
     before, after = before or {}, after or {}
-    return {
-        k: [before.get(k), after.get(k)]
-        for k in sorted(set(before) | set(after))
-        if before.get(k) != after.get(k)
-    }
+    keys = sorted((set(before) | set(after)) - TIMESTAMP_NOISE)
+    return {k: [before.get(k), after.get(k)] for k in keys if before.get(k) != after.get(k)}
 
 
 def audit_record(

@@ -312,4 +312,5 @@
   };
 
   if (pages[page]) pages[page]();
+  if (!socket) $("#live").hidden = true; // this page shows no live data
 })();
