@@ -55,6 +55,22 @@ _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
 
 
+class _PlainArrayReader(GGUFReader):
+    """``GGUFReader`` that slices a plain ndarray view of its memory map instead of the ``np.memmap`` itself.
+
+    Same parse (gguf==0.19.0 reads every field through ``_get``), about 4x faster on a 49k-token vocabulary:
+    ``np.memmap`` slicing runs Python-level ``__getitem__``/``__array_finalize__`` for each of ~250k reads.
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def _pre_tokenizer(pre: str, source: str) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("default", "gpt2"):
@@ -142,7 +158,7 @@ def load_gguf_file(path: Path) -> Checkpoint:
     """Read config, tensors and tokenizer of a GGUF file; raises ``ModelLoadError`` naming ``path``."""
     source = str(path)
     try:
-        reader = GGUFReader(path)
+        reader = _PlainArrayReader(path)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(path, f"not a readable GGUF file: {exc}") from exc
     meta = _metadata(reader)
