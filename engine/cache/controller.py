@@ -272,26 +272,28 @@ class HiCacheController:
         self._prefetcher.put(op)
 
     def _run_prefetch(self, op: PrefetchOperation) -> None:
+        """Hit query (MIN over ranks), then reads. Pushes exactly one release item per op (the slots it
+        did not fill) and a revoke only for a hit below the threshold, so queue lengths match on every
+        rank whenever the ranks have finished the same ops."""
         P = self.page_size
         hashes = [] if op.terminated else page_hashes(op.token_ids, P, op.last_hash, self.namespace)
         hit_pages = self._query_hits(op, hashes)
         hit_tokens = self.reduce_io("min", [hit_pages * P])[0]
-        if hit_tokens < self.prefetch_threshold or op.terminated:
-            with op.lock:
+        revoke = hit_tokens < self.prefetch_threshold
+        with op.lock:
+            op.hit_done = True
+            if revoke or op.terminated:
                 op.terminated = True
-                op.hit_done = True
-            self.revoke_queue.append(op)
+            else:
+                op.hash_value = hashes[: hit_tokens // P]
+        if op.terminated:
+            if revoke:
+                self.revoke_queue.append(op)
             self.release_queue.append(op.host_indices)
             return
-        with op.lock:
-            op.hash_value = hashes[: hit_tokens // P]
-            op.hit_done = True
-        if hit_tokens < len(op.host_indices):
-            self.release_queue.append(op.host_indices[hit_tokens:])
         self._read_pages(op, op.hash_value, op.host_indices[:hit_tokens])
         completed = op.terminate() if op.failed or op.terminated else op.completed_tokens
-        if completed < hit_tokens:
-            self.release_queue.append(op.host_indices[completed:hit_tokens])
+        self.release_queue.append(op.host_indices[completed:])
 
     def _query_hits(self, op: PrefetchOperation, hashes: list[str]) -> int:
         info = HiCacheStorageExtraInfo(prefix_keys=op.prefix_keys) if op.prefix_keys is not None else None

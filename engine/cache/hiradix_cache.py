@@ -442,7 +442,7 @@ class HiRadixCache:
             self.check_hicache_events()
             io = self.inflight_io()
             io["prefetches"] -= len(self._ongoing_prefetch)
-            if not any(io.values()):
+            if not self.reduce("max", [int(any(io.values()))])[0]:  # every rank loops equally often
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cache I/O still in flight after {timeout}s: {io}")
