@@ -99,23 +99,39 @@ def build_conversations(a: argparse.Namespace) -> list[Conversation]:
     return [Conversation(c, systems, docs, n, a.turns, a.seed * 1000 + c) for c in range(n)]
 
 
+UNAVAILABLE_RETRY_S = 60.0  # how long a request waits out "no available workers" (every worker drained)
+
+
 async def generate(client: httpx.AsyncClient, body: dict) -> dict:
-    """POST /generate; returns ``{text, output_ids, cached, prompt_tokens}`` or ``{error}``."""
-    try:
-        resp = await client.post("/generate", json=body)
-    except httpx.HTTPError as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
+    """POST /generate; returns ``{text, output_ids, cached, prompt_tokens, retries}`` or ``{error}``.
+
+    A router answering 503 ``no_available_workers`` (every worker drained for a moment) is retried every
+    0.5 s for up to ``UNAVAILABLE_RETRY_S`` seconds, as a client behind a load balancer does; ``retries``
+    counts those attempts. Any other failure is returned as ``error``.
+    """
+    retries, deadline = 0, time.monotonic() + UNAVAILABLE_RETRY_S
+    while True:
+        try:
+            resp = await client.post("/generate", json=body)
+        except httpx.HTTPError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "retries": retries}
+        if resp.status_code == 503 and "no_available_workers" in resp.text and time.monotonic() < deadline:
+            retries += 1
+            await asyncio.sleep(0.5)
+            continue
+        break
     if resp.status_code != 200:
-        return {"error": f"HTTP {resp.status_code}: {resp.text[:300]}"}
+        return {"error": f"HTTP {resp.status_code}: {resp.text[:300]}", "retries": retries}
     out = resp.json()
     meta = out.get("meta_info", {})
     if (meta.get("finish_reason") or {}).get("type") == "abort":
-        return {"error": f"aborted: {meta['finish_reason'].get('message')}"}
+        return {"error": f"aborted: {meta['finish_reason'].get('message')}", "retries": retries}
     return {
         "text": out.get("text", ""),
         "output_ids": out.get("output_ids"),
         "cached": meta.get("cached_tokens_details") or {},
         "prompt_tokens": meta.get("prompt_tokens"),
+        "retries": retries,
     }
 
 

@@ -189,6 +189,11 @@ class Scheduler:
             cmd.future.set_exception(exc)
 
     def _enqueue(self, req: Req) -> None:
+        if req.rid in self.reqs:
+            req.finished = True
+            reason = {"type": "abort", "message": f"request id {req.rid!r} is already in use"}
+            req.on_event(ReqOutput(req.rid, [], True, reason, {}))
+            return
         self.reqs[req.rid] = req
         self.waiting.append(req)
         if self.hierarchical:

@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 
 from engine.server import admin, generate, info, openai
-from engine.server.engine import Engine
+from engine.server.engine import Engine, EngineDeadError
 from engine.server.http_utils import HTTPError, error_response
 
 
@@ -20,6 +20,10 @@ def create_app(engine: Engine) -> FastAPI:
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError):
         return error_response(exc.status, exc.message)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError):
+        return error_response(503, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

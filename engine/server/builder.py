@@ -97,7 +97,11 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         context_length=context,
         vocab_size=tokenizer.vocab_size,
         metrics=metrics,
-        model_info={"architecture": cfg.architecture, "kv_bytes_per_token": bytes_per_token},
+        model_info={
+            "architecture": cfg.architecture,
+            "kv_bytes_per_token": bytes_per_token,
+            "vocab_size": tokenizer.vocab_size,
+        },
     )
     scheduler.start()
     logger.info(

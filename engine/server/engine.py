@@ -23,6 +23,10 @@ class RequestError(ValueError):
     """Bad request input (HTTP 400); the message says what is wrong."""
 
 
+class EngineDeadError(RuntimeError):
+    """The scheduler thread is not running (HTTP 503)."""
+
+
 @dataclass
 class Engine:
     """Launch args, tokenizer, scheduler and metrics of one worker."""
@@ -78,7 +82,9 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
-        """Check ids and length against the context and the KV pool; raises RequestError."""
+        """Check ids and length vs context and KV pool (RequestError); EngineDeadError without scheduler."""
+        if not self.scheduler.is_alive():
+            raise EngineDeadError(f"scheduler thread is not running: {self.scheduler.error!r}")
         if not input_ids:
             raise RequestError("the prompt is empty")
         if any(
@@ -112,7 +118,7 @@ class Engine:
         self, input_ids: list[int], params: SamplingParams, rid: str | None = None
     ) -> AsyncIterator[ReqOutput]:
         """Submit one request, yield its events up to the finished one; abort it if the caller stops early."""
-        self.check_request(input_ids, params)
+        self.check_request(input_ids, params)  # also raises EngineDeadError
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ReqOutput] = asyncio.Queue()
         put: Callable[[ReqOutput], None] = events.put_nowait
@@ -120,8 +126,6 @@ class Engine:
         req = Req(rid, list(input_ids), params, lambda ev: loop.call_soon_threadsafe(put, ev))
         if params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(params.sampling_seed)
-        if not self.scheduler.is_alive():
-            raise RuntimeError("scheduler thread is not running")
         self.scheduler.submit(req)
         finished = False
         try:

@@ -61,6 +61,17 @@ def parse_generate(engine: Engine, body: dict) -> tuple[list[list[int]], list[Sa
     return prompts, params, batched
 
 
+def _rids(rid, n: int, batched: bool) -> list[str | None]:
+    """Request ids: a string for one prompt, a list of n strings for a batch (upstream); else generated."""
+    if rid is None:
+        return [None] * n
+    if not batched and isinstance(rid, str):
+        return [rid]
+    if batched and isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) for r in rid):
+        return list(rid)
+    raise HTTPError(400, "rid must be a string (one prompt) or a list of strings, one per prompt")
+
+
 def _response(engine: Engine, ids: list[int], params: SamplingParams, reason, meta: dict) -> dict:
     meta = dict(meta, finish_reason=reason)
     return {"text": engine.output_text(ids, params, reason), "output_ids": list(ids), "meta_info": meta}
@@ -72,13 +83,15 @@ async def generate(request: Request):
     engine: Engine = request.app.state.engine
     body = await json_body(request)
     prompts, params, batched = parse_generate(engine, body)
-    rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+    rids = _rids(body.get("rid"), len(prompts), batched)
     if body.get("stream"):
         if batched:
             raise HTTPError(400, "stream is not supported with batched input")
-        return StreamingResponse(_stream(engine, prompts[0], params[0], rid), media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(engine, prompts[0], params[0], rids[0]), media_type="text/event-stream"
+        )
     results = await asyncio.gather(
-        *(engine.generate(p, sp, rid) for p, sp in zip(prompts, params, strict=True))
+        *(engine.generate(p, sp, rid) for p, sp, rid in zip(prompts, params, rids, strict=True))
     )
     out = []
     for res, sp in zip(results, params, strict=True):

@@ -56,12 +56,13 @@ def test_batched_generate_and_router_extra_fields(serve):
         "sampling_params": {"max_new_tokens": 4, "temperature": 0},
         "log_metrics": True, "return_hidden_states": False, "no_logs": False, "return_bytes": False,
         "return_entropy": False, "background": False, "return_text_in_logprobs": False, "model": None,
-        "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
+        "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "rid": ["r-a", "r-b"],
     }  # fmt: skip
     resp = client.post("/generate", json=body)
     assert resp.status_code == 200, resp.text
     out = resp.json()
     assert isinstance(out, list) and [len(o["output_ids"]) for o in out] == [4, 4]
+    assert [o["meta_info"]["id"] for o in out] == ["r-a", "r-b"]
     single = client.post(
         "/generate", json={"input_ids": [9, 10, 11, 12], "sampling_params": body["sampling_params"]}
     )
@@ -189,3 +190,5 @@ def test_health_fails_when_scheduler_thread_is_dead(serve):
     assert client.get("/health").status_code == 503
     resp = client.get("/health_generate")
     assert resp.status_code == 503 and "dead" in resp.text
+    gen = client.post("/generate", json={"text": "a", "stream": True})
+    assert gen.status_code == 503 and "not running" in gen.json()["error"]["message"]
