@@ -40,26 +40,6 @@ from engine.cache.storage.mooncake_master import MooncakeMaster  # noqa: E402
 PY = sys.executable
 TIERS = ("device", "host", "storage")
 
-BOOTSTRAP = """
-import json, os, secrets
-from django.contrib.auth import get_user_model
-from controlplane.accounts.services import token_create, user_create
-args = json.loads(os.environ["KVFLEET_BOOTSTRAP"])
-User = get_user_model()
-out = {}
-for username, role, password in (
-    (args["admin"], "admin", args["password"]), (args["agent_user"], "agent", None)):
-    user = User.objects.filter(username=username).first()
-    if user is None:
-        user = user_create(username=username, password=password or secrets.token_urlsafe(24),
-                           role=role, actor=None)
-    elif password:
-        user.set_password(password)
-        user.save()
-    out[role] = token_create(user=user, name=f"{role} token ({args['label']})", actor=None)[1]
-print("BOOTSTRAP " + json.dumps(out))
-"""
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -206,33 +186,22 @@ class LocalFleet:
         self.env["MOONCAKE_MASTER"] = self.master.master_address
         self.env["MOONCAKE_TE_META_DATA_SERVER"] = self.master.metadata_url
 
-    def _manage(self, *args: str, timeout: float = 300, **env) -> str:
+    def _run(self, *args: str, timeout: float = 300) -> str:
         done = subprocess.run(
-            [PY, "manage.py", *args],
-            cwd=REPO,
-            env={**self.env, **env},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+            [PY, *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout
         )
         with open(self.log_of("manage"), "a") as f:
-            f.write(f"$ manage.py {' '.join(args[:1])}\n{done.stdout}{done.stderr}\n")
+            f.write(f"$ {' '.join(args[:2])}\n{done.stdout}{done.stderr}\n")
         if done.returncode != 0:
-            raise RuntimeError(f"manage.py {args[0]} failed:\n{done.stderr[-2000:]}")
+            raise RuntimeError(f"{' '.join(args[:2])} failed:\n{done.stderr[-2000:]}")
         return done.stdout
 
     def _control_plane(self) -> None:
-        self._manage("migrate", "--noinput")
-        self._manage("collectstatic", "--noinput")
-        payload = {
-            "admin": self.admin_user,
-            "password": self.admin_password,
-            "agent_user": "agent",
-            "label": self.label,
-        }
-        out = self._manage("shell", "-c", BOOTSTRAP, KVFLEET_BOOTSTRAP=json.dumps(payload))
-        line = next(line for line in out.splitlines() if line.startswith("BOOTSTRAP "))
-        self.tokens = json.loads(line.split(" ", 1)[1])
+        self._run("manage.py", "migrate", "--noinput")
+        self._run("manage.py", "collectstatic", "--noinput")
+        out = self._run("deploy/bootstrap.py", "--admin-user", self.admin_user, "--admin-password",
+                        self.admin_password, "--label", self.label, "--print-tokens")  # fmt: skip
+        self.tokens = json.loads(out.strip().splitlines()[-1])
         port = free_port()
         self.console_url = f"http://127.0.0.1:{port}"
         web = self.spawn(

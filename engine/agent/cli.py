@@ -6,7 +6,8 @@
 - ``drain WORKER --control-plane URL --token TOKEN``: the control plane takes the worker out of its router
   (``POST /api/v1/inventory/workers/{id}/drain/``, operator token), then wait until the worker is idle.
 
-``--control-plane`` and ``--token`` default to ``$KVFLEET_CONTROL_PLANE`` and ``$KVFLEET_AGENT_TOKEN``.
+``--control-plane``, ``--token`` and ``--token-file`` default to ``$KVFLEET_CONTROL_PLANE``,
+``$KVFLEET_AGENT_TOKEN`` and ``$KVFLEET_AGENT_TOKEN_FILE``.
 Errors (bad spec, missing flag, control plane refusal) print one line and exit 2 (usage) or 1; a bad spec
 starts nothing.
 """
@@ -19,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from engine.agent.probe import cached_tokens, metrics_text, server_info
 from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected
@@ -40,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     def control_plane_flags(sp):
         sp.add_argument("--control-plane", default=os.environ.get("KVFLEET_CONTROL_PLANE"), help="base URL")
         sp.add_argument("--token", default=os.environ.get("KVFLEET_AGENT_TOKEN"), help="API token cp_...")
+        sp.add_argument("--token-file", default=os.environ.get("KVFLEET_AGENT_TOKEN_FILE"),
+                        help="read the token from this file (e.g. a container secret)")  # fmt: skip
 
     run = sub.add_parser("run", help="launch, supervise and report this host's workers")
     control_plane_flags(run)
@@ -58,8 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _require_control_plane(args) -> ControlPlaneClient:
     if not args.control_plane:
         raise CliError("--control-plane is required (or set KVFLEET_CONTROL_PLANE)", 2)
+    if not args.token and args.token_file:
+        try:
+            args.token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise CliError(f"--token-file {args.token_file}: {exc.strerror}", 2) from None
     if not args.token:
-        raise CliError("--token is required (or set KVFLEET_AGENT_TOKEN)", 2)
+        raise CliError("--token or --token-file is required (or set KVFLEET_AGENT_TOKEN)", 2)
     return ControlPlaneClient(args.control_plane, args.token)
 
 

@@ -1,0 +1,81 @@
+"""Create the first admin and an agent API token in the control plane (run after ``manage.py migrate``).
+
+``python deploy/bootstrap.py --admin-user admin --admin-password PW [--agent-token-file PATH]`` creates (or
+resets the password of) the admin user and an ``agent`` user and issues one API token for each;
+``--print-tokens`` prints them as JSON (``{"admin": "cp_...", "agent": "cp_..."}``). With
+``--agent-token-file`` the agent token is also written there (mode 0600) for the engine host to read, and
+no new agent token is issued when the file already exists. Uses the control plane's own services, so
+every write is audited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def bootstrap(admin_user: str, admin_password: str, label: str, agent_token_file: str | None) -> dict:
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    django.setup()
+    from django.contrib.auth import get_user_model
+
+    from controlplane.accounts.services import token_create, user_create
+
+    users = get_user_model().objects
+    out = {}
+    for username, role, password in ((admin_user, "admin", admin_password), ("agent", "agent", None)):
+        user = users.filter(username=username).first()
+        if user is None:
+            user = user_create(username=username, password=password or secrets.token_urlsafe(24), role=role,
+                               actor=None)  # fmt: skip
+        elif password:
+            user.set_password(password)
+            user.save()
+        if role == "agent" and agent_token_file and Path(agent_token_file).exists():
+            out[role] = Path(agent_token_file).read_text().strip()
+            continue
+        out[role] = token_create(user=user, name=f"{role} token ({label})", actor=None)[1]
+    if agent_token_file and not Path(agent_token_file).exists():
+        Path(agent_token_file).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(agent_token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(out["agent"] + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deploy/bootstrap.py", description=__doc__.split("\n")[0])
+    p.add_argument("--admin-user", default=os.environ.get("KVFLEET_ADMIN_USER", "admin"))
+    p.add_argument("--admin-password", default=os.environ.get("KVFLEET_ADMIN_PASSWORD"))
+    p.add_argument("--label", default="bootstrap", help="suffix of the token names")
+    p.add_argument("--agent-token-file", default=os.environ.get("KVFLEET_AGENT_TOKEN_FILE"))
+    p.add_argument(
+        "--print-tokens", action="store_true", help="print the new tokens as JSON (else only names)"
+    )
+    a = p.parse_args(argv)
+    if not a.admin_password:
+        print(
+            "deploy/bootstrap.py: error: --admin-password (or KVFLEET_ADMIN_PASSWORD) is required",
+            file=sys.stderr,
+        )
+        return 2
+    sys.path.insert(0, str(REPO))
+    tokens = bootstrap(a.admin_user, a.admin_password, a.label, a.agent_token_file)
+    if a.print_tokens:
+        print(json.dumps(tokens))
+    else:
+        where = f"; agent token in {a.agent_token_file}" if a.agent_token_file else ""
+        print(f"admin user {a.admin_user!r} ready, API tokens issued for admin and agent{where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
