@@ -8,7 +8,7 @@ being `succeeded`. Baseline: the same attach stepped serially in this process (n
 Celery. Latency: M metric ingests POSTed to the agent API, each timed until its `worker.metrics` message
 arrives on a websocket subscribed to all worker groups (ingests spread so no group exceeds 1 msg/s).
 Baseline: the channel layer alone (group_send from this process to the same socket). Uses a fresh SQLite
-file (or --database-url), Redis DB 14 and a random key prefix/queue, so it touches no real data.
+file (or a throwaway PostgreSQL database), Redis DB 14 and a random key prefix/queue: no real data is touched.
 """
 
 import argparse
@@ -25,9 +25,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _throwaway_postgres(server_url: str, name: str, drop: bool = False) -> str:
+    """Create (or drop) database `name` on the PostgreSQL server of `server_url`; returns its URL."""
+    import psycopg
+
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        sql = f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)' if drop else f'CREATE DATABASE "{name}"'
+        conn.execute(sql)
+    return server_url.rsplit("/", 1)[0] + f"/{name}"
+
+
 def _configure(args) -> dict:
     run = uuid.uuid4().hex[:8]
-    db_url = args.database_url or f"sqlite:///{tempfile.mkdtemp(prefix='cp-bench-')}/bench.sqlite3"
+    if args.postgres_server:
+        args.bench_db = f"cp_bench_{run}"
+        db_url = _throwaway_postgres(args.postgres_server, args.bench_db)
+    else:
+        db_url = f"sqlite:///{tempfile.mkdtemp(prefix='cp-bench-')}/bench.sqlite3"
     env = {
         "DATABASE_URL": db_url,
         "REDIS_URL": args.redis_url,
@@ -201,7 +215,12 @@ def main(argv=None) -> int:
     parser.add_argument("--messages", type=int, default=500, help="metric ingests to time (default 500)")
     parser.add_argument("--celery-pool", choices=["threads", "prefork"], default="prefork")
     parser.add_argument("--celery-concurrency", type=int, default=4)
-    parser.add_argument("--database-url", default="", help="default: a fresh SQLite file in a temp dir")
+    parser.add_argument(
+        "--postgres-server",
+        default="",
+        help="PostgreSQL URL; a throwaway database is created on that server and dropped after "
+        "(default: a fresh SQLite file in a temp dir)",
+    )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     args = parser.parse_args(argv)
     if args.workers < 1 or args.messages < 2:
@@ -277,6 +296,11 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         fleet.stop()
+        if args.postgres_server:
+            from django.db import connections
+
+            connections.close_all()
+            _throwaway_postgres(args.postgres_server, args.bench_db, drop=True)
     print(f"fan-out attach, {args.workers} idle workers")
     print(f"  baseline serial in-process : {serial_s:7.2f} s")
     print(

@@ -404,7 +404,7 @@ def _wait_for_idle(target: OperationTarget) -> float | None:
             explanation="idle; applying",
             deadline_at=_now() + timedelta(seconds=settings.OPERATION_APPLY_TIMEOUT_S),
         )
-        return _apply(target) if moved else None
+        return _apply(target, known_state=target.before) if moved else None
     if target.idle_deadline_at and _now() >= target.idle_deadline_at:
         _fail(target, f"not idle within {op.idle_timeout_s:g}s (last seen {status})")
         return None
@@ -414,12 +414,14 @@ def _wait_for_idle(target: OperationTarget) -> float | None:
     return settings.OPERATION_POLL_INTERVAL_S
 
 
-def _apply(target: OperationTarget) -> float | None:
+def _apply(target: OperationTarget, known_state: dict | None = None) -> float | None:
+    """Apply unless the worker already shows the wanted state. `known_state` is the state read moments ago in
+    this same step run; a task entering here in `applying` (a redelivery) reads the worker again instead."""
     op = target.operation
     client = actions.client_for(target.worker)
     try:
-        # Guard for redelivery: if an earlier run already applied, go straight to verification.
-        if actions.mismatch(op, actions.read_state(op, client)):
+        state = known_state if known_state is not None else actions.read_state(op, client)
+        if actions.mismatch(op, state):
             actions.apply(op, client)
     except WorkerNotIdle as exc:
         moved = target_transition(
@@ -508,17 +510,29 @@ def _fail_revert(target: OperationTarget, why: str) -> None:
 # ------------------------------------------------------------------------------------------- aggregation
 
 
+def _needs_attention(op: Operation) -> bool:
+    """True when an all_or_nothing target failed, or nothing is running or waiting to be reverted any more."""
+    counts = dict(op.targets.values_list("state").annotate(n=Count("id")).order_by())
+    if op.policy == Policy.ALL_OR_NOTHING and counts.get(T.FAILED):
+        return True
+    busy = any(counts.get(s) for s in ACTIVE_STATES)
+    return not busy and not op.targets.filter(state=T.SUCCEEDED, revert_requested=True).exists()
+
+
 def operation_refresh(*, op_id: int) -> Operation:
-    """Recompute the operation from its targets: start reverts (all_or_nothing), finish when all are done."""
+    """Recompute the operation from its targets: start reverts (all_or_nothing), finish when all are done.
+
+    Callers run it after their own transition committed, so the last target to finish always sees every other
+    target's final state; the quick check takes no lock, the finishing path locks the operation row.
+    """
+    op = Operation.objects.get(pk=op_id)
+    if op.state != OperationState.RUNNING or not _needs_attention(op):
+        return op
     with transaction.atomic():
         op = Operation.objects.select_for_update().get(pk=op_id)
-        if op.state != OperationState.RUNNING:
+        if op.state != OperationState.RUNNING or not _needs_attention(op):
             return op
-        counts = dict(op.targets.values_list("state").annotate(n=Count("id")).order_by())
-        failing = op.policy == Policy.ALL_OR_NOTHING and counts.get(T.FAILED)
-        waiting_revert = op.targets.filter(state=T.SUCCEEDED, revert_requested=True).exists()
-        if not failing and (waiting_revert or any(counts.get(s) for s in ACTIVE_STATES)):
-            return op  # the common case while targets are still running: no full scan
+        failing = op.policy == Policy.ALL_OR_NOTHING and op.targets.filter(state=T.FAILED).exists()
         targets = list(op.targets.select_related("worker"))
         if failing:
             if not op.abort_requested:
