@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.cache.config import (
     EVICTION_POLICIES,
@@ -38,7 +37,6 @@ class ServerArgs:
     """Parsed launch arguments; attribute names are SGLang's ``ServerArgs`` field names."""
 
     model_path: str
-    tokenizer_path: str | None = None
     host: str = "127.0.0.1"
     port: int = 30000
     device: str = "cpu"
@@ -70,13 +68,10 @@ class ServerArgs:
     radix_eviction_policy: str = "lru"
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
-    extra: dict = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
         """Every launch arg by its SGLang dest name (for ``/server_info``)."""
-        out = dataclasses.asdict(self)
-        out.pop("extra")
-        return out
+        return dataclasses.asdict(self)
 
     @property
     def model_name(self) -> str:
@@ -117,7 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m engine.launch_server", allow_abbrev=False)
     a = p.add_argument
     a("--model-path", "--model", dest="model_path", required=True, help="HF folder, .gguf file or 'smollm2'")
-    a("--tokenizer-path", default=None)
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=30000)
     a("--device", choices=("cpu", "cuda"), default="cpu")
@@ -200,10 +194,3 @@ def _validate(args: ServerArgs) -> None:
         raise ArgumentError(
             f"--max-total-tokens {args.max_total_tokens} must be a multiple of --page-size {args.page_size}"
         )
-
-
-def extra_config_json(args: ServerArgs) -> str | None:
-    """The extra config as a JSON string (an ``@file`` is read), or None."""
-    if args.hicache_storage_backend_extra_config is None:
-        return None
-    return json.dumps(parse_extra_config(args.hicache_storage_backend_extra_config))

@@ -95,7 +95,7 @@ async def get_model_info(request: Request):
     return JSONResponse(
         {
             "model_path": engine.args.model_path,
-            "tokenizer_path": engine.args.tokenizer_path or engine.args.model_path,
+            "tokenizer_path": engine.args.model_path,
             "served_model_name": engine.model_name,
             "is_generation": True,
             "preferred_sampling_params": None,

@@ -1,0 +1,62 @@
+"""Launch arguments: SGLang names and defaults, unknown flags and bad values rejected with the flag named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.server.args import ArgumentError, parse_args
+
+
+def test_defaults_follow_sglang():
+    args = parse_args(["--model-path", "smollm2"])
+    info = args.to_dict()
+    assert info["model_path"] == "smollm2" and info["port"] == 30000 and info["page_size"] == 1
+    assert info["enable_hierarchical_cache"] is False and info["hicache_ratio"] == 2.0
+    assert info["hicache_size"] == 0 and info["hicache_write_policy"] == "write_through"
+    assert info["hicache_mem_layout"] == "layer_first" and info["hicache_storage_backend"] is None
+    assert info["radix_eviction_policy"] == "lru" and info["max_prefill_tokens"] == 16384
+    assert info["disaggregation_mode"] == "null" and info["device"] == "cpu"
+
+
+def test_a_typical_sglang_hicache_command_parses():
+    extra = json.dumps({"prefetch_threshold": 128, "file_path": "/tmp/x"})
+    args = parse_args(
+        ["--model-path", "m", "--host", "0.0.0.0", "--port", "30001", "--page-size", "64",
+         "--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-write-policy", "write_back",
+         "--hicache-mem-layout", "page_first", "--hicache-storage-backend", "file",
+         "--hicache-storage-prefetch-policy", "timeout", "--hicache-storage-backend-extra-config", extra,
+         "--enable-metrics", "--enable-cache-report", "--admin-api-key", "k", "--max-total-tokens", "8192"]
+    )  # fmt: skip
+    assert args.page_size == 64 and args.hicache_write_policy == "write_back"
+    assert args.hicache_storage_backend_extra_config == extra and args.enable_metrics
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--model-path", "m", "--enable-turbo"], "--enable-turbo"),
+        (["--model-path", "m", "--hicache-write-policy", "sometimes"], "--hicache-write-policy"),
+        (["--model-path", "m", "--page-size", "0"], "--page-size"),
+        (["--model-path", "m", "--port", "http"], "--port"),
+        (["--model-path", "m", "--mem-fraction-static", "1.5"], "--mem-fraction-static"),
+        (["--model-path", "m", "--chunked-prefill-size", "0"], "--chunked-prefill-size"),
+        (
+            ["--model-path", "m", "--page-size", "16", "--chunked-prefill-size", "100"],
+            "--chunked-prefill-size",
+        ),
+        (["--model-path", "m", "--hicache-storage-backend", "file"], "--hicache-storage-backend"),
+        (["--model-path", "m", "--enable-hierarchical-cache", "--hicache-ratio", "1"], "--hicache-ratio"),
+        (
+            ["--model-path", "m", "--hicache-storage-backend-extra-config", "{bad"],
+            "--hicache-storage-backend",
+        ),
+        (["--model-path", "m", "--disaggregation-mode", "prefill"], "--disaggregation-mode"),
+        (["--model-path", "m", "--hicache-storage-backend", "s3"], "--hicache-storage-backend"),
+        (["--port", "1"], "--model-path"),
+    ],
+)
+def test_bad_flags_name_the_flag(argv, flag):
+    with pytest.raises(ArgumentError, match=flag):
+        parse_args(argv)
