@@ -1,6 +1,5 @@
 """The ``file`` backend: round trips (generic and v1 zero-copy), dedup, leading-hit counts, faults."""
 
-import json
 import logging
 import os
 import threading
@@ -10,7 +9,8 @@ import torch
 
 from engine.cache.keys import page_hashes
 from engine.cache.storage.base import StorageConfigError
-from engine.cache.storage.file import HEADER_SIZE, HiCacheFile
+from engine.cache.storage.file import HiCacheFile
+from engine.cache.storage.page_file import HEADER_SIZE, PageIdentity, pack_header, unpack_header
 from engine.cache.storage.registry import create_storage_backend
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
@@ -163,15 +163,20 @@ def _stored(backend, pool, seed=4):
 def _rewrite_header(path, **changes):
     with open(path, "rb") as f:
         data = f.read()
-    meta = json.loads(data[8:HEADER_SIZE].decode())
-    meta.update(changes)
-    header = (data[:8] + json.dumps(meta).encode()).ljust(HEADER_SIZE, b" ")
+    page, nbytes, checksum = unpack_header(data[:HEADER_SIZE])
+    fields = {**vars(page), "nbytes": nbytes, "checksum": checksum, **changes}
+    nbytes, checksum = fields.pop("nbytes"), fields.pop("checksum")
     with open(path, "wb") as f:
-        f.write(header + data[HEADER_SIZE:])
+        f.write(pack_header(PageIdentity(**fields), nbytes, checksum) + data[HEADER_SIZE:])
 
 
 def truncate(path):
     os.truncate(path, os.path.getsize(path) - 10)
+
+
+def append_byte(path):
+    with open(path, "ab") as f:
+        f.write(b"x")
 
 
 def flip_payload_byte(path):
@@ -195,10 +200,12 @@ def header_only(path):
     "damage, reason",
     [
         (truncate, "payload bytes"),
+        (append_byte, "file has over"),
         (flip_payload_byte, "checksum mismatch"),
         (bad_magic, "bad or truncated header"),
         (header_only, "bad or truncated header"),
         (lambda p: _rewrite_header(p, key="0" * 64), "header key"),
+        (lambda p: _rewrite_header(p, checksum=12345), "checksum mismatch"),
         (lambda p: _rewrite_header(p, dtype="float32"), "header dtype"),
         (lambda p: _rewrite_header(p, layout="layer_first"), "header layout"),
         (lambda p: _rewrite_header(p, page_size=8), "header page_size"),

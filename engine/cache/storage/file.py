@@ -4,10 +4,10 @@ Follows SGLang's ``HiCacheFile`` (hicache-spec §6.4) with three deliberate diff
 
 * the file name is just ``<key>.bin``: keys (:mod:`engine.cache.keys`) already carry model, dtype,
   layout, page size and TP shard;
-* each file starts with a fixed 512-byte header (magic ``KVFLPG01`` + JSON: key, dtype, layout,
-  page_size, nbytes, xxh3_64 checksum of the payload); a truncated, mismatched or corrupt page is a miss,
-  logged once per key, its file is removed so a later write can replace it, and the target buffer is
-  zeroed (no corrupt bytes are left in host-pool slots);
+* each file starts with a small header (:mod:`engine.cache.storage.page_file`: key, dtype, layout,
+  page size, byte count, xxh3_64 checksum); a truncated, mismatched or corrupt page is a miss, logged
+  once per key, its file is removed so a later write can replace it, and the target buffer is zeroed
+  (no corrupt bytes are left in host-pool slots);
 * writes are atomic (temp file in the same directory + ``os.replace``), so readers never see half a page.
 
 Directory: ``extra_config["file_path"]``, else env ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, else
@@ -19,7 +19,6 @@ host-pool memory through ``host_pool.get_page_buffer_views``.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -29,48 +28,21 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import xxhash
 
+from engine.cache.storage import page_file
 from engine.cache.storage.base import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
     StorageConfigError,
 )
+from engine.cache.storage.page_file import PageFileError, PageIdentity
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = "/tmp/hicache"
 DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
-MAGIC = b"KVFLPG01"
-HEADER_SIZE = 512
-_PIECE = 256 << 10  # read pieces small enough to hash while still in CPU cache
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
-
-
-class PageFileError(Exception):
-    """A page file that must not be served: truncated, mismatched header or bad checksum."""
-
-
-def _read_full(fd: int, buf) -> int:
-    """Read into ``buf`` until full or end of file; returns the bytes read."""
-    view, got = memoryview(buf), 0
-    while got < view.nbytes:
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-def _write_all(fd: int, buf: memoryview, offset: int | None = None) -> None:
-    """Write every byte of ``buf`` at the file position (or at ``offset``), retrying short writes."""
-    done = 0
-    while done < buf.nbytes:
-        if offset is None:
-            done += os.write(fd, buf[done:])
-        else:
-            done += os.pwrite(fd, buf[done:], offset + done)
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -117,35 +89,9 @@ class HiCacheFile(HiCacheStorage):
             raise ValueError(f"storage key must be 64 lowercase hex characters, got {key!r}")
         return os.path.join(self.file_path, f"{key}.bin")
 
-    def _header(self, key: str, nbytes: int, checksum: int) -> bytes:
+    def _identity(self, key: str) -> PageIdentity:
         cfg = self.storage_config
-        meta = {
-            "key": key,
-            "dtype": cfg.kv_dtype,
-            "layout": cfg.layout,
-            "page_size": cfg.page_size,
-            "nbytes": nbytes,
-            "xxh3_64": f"{checksum:016x}",
-        }
-        body = MAGIC + json.dumps(meta, sort_keys=True).encode()
-        return body.ljust(HEADER_SIZE, b" ")
-
-    def _check_header(self, key: str, raw: bytes, expected_nbytes: int | None) -> dict:
-        if len(raw) < HEADER_SIZE or not raw.startswith(MAGIC):
-            raise PageFileError("bad or truncated header")
-        try:
-            meta = json.loads(raw[len(MAGIC) :].decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PageFileError(f"unreadable header ({exc})") from exc
-        cfg = self.storage_config
-        expected = {"key": key, "dtype": cfg.kv_dtype, "layout": cfg.layout, "page_size": cfg.page_size}
-        for name, want in expected.items():
-            if meta.get(name) != want:
-                raise PageFileError(f"header {name} {meta.get(name)!r} != expected {want!r}")
-        nbytes = meta.get("nbytes")
-        if not isinstance(nbytes, int) or (expected_nbytes is not None and nbytes != expected_nbytes):
-            raise PageFileError(f"header nbytes {nbytes!r} != expected {expected_nbytes}")
-        return meta
+        return PageIdentity(key, cfg.kv_dtype, cfg.layout, cfg.page_size)
 
     def _reject(self, key: str, path: str, reason: str) -> None:
         """Count a page that must not be served, log it once per key, remove its file."""
@@ -159,14 +105,9 @@ class HiCacheFile(HiCacheStorage):
             os.remove(path)
 
     # -- core read / write -----------------------------------------------------------------------------
-    def _read_page(self, key: str, buffers: Sequence[memoryview], expected_nbytes: int | None) -> bool:
-        """Fill ``buffers`` (in order) with the page's payload; False on a miss or a rejected file.
-
-        Reads header, payload (in cache-sized pieces, each hashed while still in cache) and a 1-byte
-        sentinel that only a too-long file fills.
-        """
+    def _read_page(self, key: str, buffers: Sequence[memoryview]) -> bool:
+        """Fill ``buffers`` (in order) with the page's payload; False on a miss or a rejected file."""
         path = self._path(key)
-        header, sentinel = bytearray(HEADER_SIZE), bytearray(1)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -177,24 +118,7 @@ class HiCacheFile(HiCacheStorage):
             logger.warning("L3 file page %s unreadable: %s", path, exc)
             return False
         try:
-            got = _read_full(fd, header)
-            meta = self._check_header(key, bytes(header[:got]), expected_nbytes)
-            if sum(b.nbytes for b in buffers) != meta["nbytes"]:
-                raise PageFileError(f"header nbytes {meta['nbytes']} does not fit the target buffer")
-            hasher = xxhash.xxh3_64()
-            payload = 0
-            for buf in buffers:
-                for start in range(0, buf.nbytes, _PIECE):
-                    piece = buf[start : start + _PIECE]
-                    n = _read_full(fd, piece)
-                    payload += n
-                    if n < piece.nbytes:
-                        raise PageFileError(f"file has {payload} payload bytes, header says {meta['nbytes']}")
-                    hasher.update(piece)
-            if _read_full(fd, sentinel):
-                raise PageFileError(f"file has over {payload} payload bytes, header says {meta['nbytes']}")
-            if hasher.hexdigest() != meta.get("xxh3_64"):
-                raise PageFileError("checksum mismatch")
+            nbytes = page_file.read_page(fd, self._identity(key), buffers)
         except PageFileError as exc:
             for buf in buffers:  # no half-read or corrupt bytes are left behind in the target
                 np.asarray(buf)[:] = 0
@@ -206,27 +130,20 @@ class HiCacheFile(HiCacheStorage):
             return False
         finally:
             os.close(fd)
-        self._count(pages_read=1, bytes_read=meta["nbytes"])
+        self._count(pages_read=1, bytes_read=nbytes)
         return True
 
     def _write_page(self, key: str, buffers: Sequence[memoryview]) -> bool:
+        """Write a page atomically (temp file + rename); an existing page is kept (True)."""
         path = self._path(key)
         if os.path.exists(path):
             self._count(pages_skipped=1)
             return True
-        nbytes = sum(b.nbytes for b in buffers)
         tmp = os.path.join(self.file_path, f".{key}.tmp-{uuid.uuid4().hex}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:  # payload first, each piece hashed then written while in CPU cache; header last
-                os.lseek(fd, HEADER_SIZE, os.SEEK_SET)
-                hasher = xxhash.xxh3_64()
-                for buf in buffers:
-                    for start in range(0, buf.nbytes, _PIECE):
-                        piece = buf[start : start + _PIECE]
-                        hasher.update(piece)
-                        _write_all(fd, piece)
-                _write_all(fd, memoryview(self._header(key, nbytes, hasher.intdigest())), offset=0)
+            try:
+                nbytes = page_file.write_page(fd, self._identity(key), buffers)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -249,11 +166,12 @@ class HiCacheFile(HiCacheStorage):
         header when no pool is registered). Returns None on a miss or a rejected file.
         """
         if target_location is None:
-            nbytes = self._expected_nbytes()
-            if nbytes is None:
-                nbytes = self._header_nbytes(key)
+            if self.mem_pool_host is not None:
+                nbytes = self.mem_pool_host.page_bytes
+            else:
+                nbytes = page_file.read_payload_size(self._path(key))
             target_location = torch.empty(nbytes // self._dtype.itemsize, dtype=self._dtype)
-        ok = self._read_page(key, [_as_bytes(target_location)], self._expected_nbytes())
+        ok = self._read_page(key, [_as_bytes(target_location)])
         return target_location if ok else None
 
     def batch_get(self, keys: Sequence[str], target_locations=None, target_sizes=None) -> list:
@@ -288,8 +206,7 @@ class HiCacheFile(HiCacheStorage):
     ) -> list[bool]:
         """Read each page straight into its host-pool slots (no intermediate copy)."""
         slots = self._first_slots(keys, host_indices)
-        nbytes = self.mem_pool_host.page_bytes
-        return [self._read_page(k, self._views(s), nbytes) for k, s in zip(keys, slots, strict=True)]
+        return [self._read_page(k, self._views(s)) for k, s in zip(keys, slots, strict=True)]
 
     def batch_set_v1(
         self,
@@ -302,18 +219,6 @@ class HiCacheFile(HiCacheStorage):
         return [self._write_page(k, self._views(s)) for k, s in zip(keys, slots, strict=True)]
 
     # -- housekeeping ----------------------------------------------------------------------------------
-    def _expected_nbytes(self) -> int | None:
-        return None if self.mem_pool_host is None else int(self.mem_pool_host.page_bytes)
-
-    def _header_nbytes(self, key: str) -> int:
-        """Payload size a page file's header claims; 0 if missing or unreadable (the read then rejects it)."""
-        try:
-            with open(self._path(key), "rb") as f:
-                raw = f.read(HEADER_SIZE)
-            return max(0, int(json.loads(raw[len(MAGIC) :].decode())["nbytes"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0
-
     def clear(self) -> None:
         """Delete every page file (and leftover temp files) in the directory; other files are kept."""
         for name in os.listdir(self.file_path):

@@ -1,0 +1,155 @@
+"""On-disk format of one L3 page file (the ``file`` backend): a fixed header, then the page's bytes.
+
+Header (little-endian): magic ``KVFLPG02``, the 32-byte page key digest, KV dtype (16 bytes,
+NUL-padded ASCII), host layout (24 bytes), page size in tokens (u32), payload bytes (u64), xxh3_64 of
+the payload (u64), zero padding to ``HEADER_SIZE`` = 4096 so the payload is page-aligned in the file
+(aligned copies from the OS page cache). The payload is the page's flat bytes in the writer's layout
+order (``host_pool.get_page_buffer_views`` concatenated).
+
+Payload bytes go through the CPU in 256 KiB pieces, each hashed while still in cache, so the checksum
+costs little next to the copy itself. Any mismatch raises :class:`PageFileError` with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = b"KVFLPG02"
+HEADER = struct.Struct("<8s32s16s24sIQQ")
+HEADER_SIZE = 4096
+PIECE = 256 << 10
+
+
+class PageFileError(Exception):
+    """A page file that must not be served: truncated, mismatched header or bad checksum."""
+
+
+@dataclass(frozen=True)
+class PageIdentity:
+    """What a page file must say about itself: its key (64 hex) and the writer's KV geometry."""
+
+    key: str
+    dtype: str
+    layout: str
+    page_size: int
+
+
+def pack_header(page: PageIdentity, nbytes: int, checksum: int) -> bytes:
+    fields = (MAGIC, bytes.fromhex(page.key), page.dtype.encode(), page.layout.encode(), page.page_size)
+    return HEADER.pack(*fields, nbytes, checksum).ljust(HEADER_SIZE, b"\0")
+
+
+def unpack_header(raw: bytes | bytearray) -> tuple[PageIdentity, int, int]:
+    """(identity, payload bytes, checksum) from a header; ``PageFileError`` if it is not one."""
+    if len(raw) < HEADER.size or raw[: len(MAGIC)] != MAGIC:
+        raise PageFileError("bad or truncated header")
+    _, key, dtype, layout, page_size, nbytes, checksum = HEADER.unpack_from(raw)
+    try:
+        page = PageIdentity(key.hex(), dtype.rstrip(b"\0").decode(), layout.rstrip(b"\0").decode(), page_size)
+    except UnicodeDecodeError as exc:
+        raise PageFileError("bad or truncated header") from exc
+    return page, nbytes, checksum
+
+
+def _pieces(buffers: Sequence[memoryview]) -> list[memoryview]:
+    return [buf[start : start + PIECE] for buf in buffers for start in range(0, buf.nbytes, PIECE)]
+
+
+def _readv_full(fd: int, bufs: list, total: int) -> int:
+    """``readv`` into ``bufs`` (``total`` bytes) until full or the file ends; returns the bytes read."""
+    n = os.readv(fd, bufs)
+    if n == total or n == 0:
+        return n
+    views, done = [memoryview(b) for b in bufs], n
+    while True:  # a short read before the end of the file: go on from where it stopped
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if not views:
+            return done
+        views[0] = views[0][n:]
+        n = os.readv(fd, views)
+        if n == 0:
+            return done
+        done += n
+
+
+def _write_all(fd: int, buf, offset: int | None = None) -> None:
+    """Write every byte of ``buf`` at the file position (or at ``offset``), retrying short writes."""
+    view, done = memoryview(buf), 0
+    while done < view.nbytes:
+        if offset is None:
+            done += os.write(fd, view[done:])
+        else:
+            done += os.pwrite(fd, view[done:], offset + done)
+
+
+def write_page(fd: int, page: PageIdentity, buffers: Sequence[memoryview]) -> int:
+    """Write header + payload of ``buffers`` to the new, empty file ``fd``; returns payload bytes."""
+    os.lseek(fd, HEADER_SIZE, os.SEEK_SET)
+    hasher = xxhash.xxh3_64()
+    for piece in _pieces(buffers):
+        hasher.update(piece)
+        _write_all(fd, piece)
+    nbytes = sum(b.nbytes for b in buffers)
+    _write_all(fd, pack_header(page, nbytes, hasher.intdigest()), offset=0)
+    return nbytes
+
+
+def read_page(fd: int, expected: PageIdentity, buffers: Sequence[memoryview]) -> int:
+    """Fill ``buffers`` from the page file ``fd`` and verify it; returns payload bytes.
+
+    Raises :class:`PageFileError` naming the first problem: bad header, a header field other than
+    ``expected``, a payload size other than ``sum(buffers)``, a short or too-long file, a bad checksum.
+    The buffers may hold partial data afterwards; the caller decides what to do with them. One
+    ``readv`` per piece: the header comes with the first, a 1-byte sentinel (filled only by a too-long
+    file) with the last.
+    """
+    header, sentinel = bytearray(HEADER_SIZE), bytearray(1)
+    pieces = _pieces(buffers)
+    want = sum(b.nbytes for b in buffers)
+    hasher, got, last = xxhash.xxh3_64(), 0, len(pieces) - 1
+    for index, piece in enumerate(pieces or [memoryview(b"")]):
+        bufs, size = [piece], piece.nbytes
+        if index == 0:
+            bufs, size = [header, piece], size + HEADER_SIZE
+        if index >= last:
+            bufs, size = [*bufs, sentinel], size + 1
+        n = _readv_full(fd, bufs, size)
+        if index == 0:
+            _check_header(header if n >= HEADER_SIZE else b"", expected, want)
+            n -= HEADER_SIZE
+        got += min(n, piece.nbytes)
+        if n < piece.nbytes:
+            raise PageFileError(f"file has {got} payload bytes, header says {want}")
+        if n > piece.nbytes:
+            raise PageFileError(f"file has over {got} payload bytes, header says {want}")
+        hasher.update(piece)
+    if hasher.intdigest() != unpack_header(header)[2]:
+        raise PageFileError("checksum mismatch")
+    return want
+
+
+def _check_header(raw, expected: PageIdentity, want: int) -> None:
+    page, nbytes, _ = unpack_header(raw)
+    for name in ("key", "dtype", "layout", "page_size"):
+        if getattr(page, name) != getattr(expected, name):
+            raise PageFileError(
+                f"header {name} {getattr(page, name)!r} != expected {getattr(expected, name)!r}"
+            )
+    if nbytes != want:
+        raise PageFileError(f"header nbytes {nbytes} != expected {want}")
+
+
+def read_payload_size(path: str) -> int:
+    """Payload bytes a page file's header claims; 0 when missing or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return unpack_header(f.read(HEADER_SIZE))[1]
+    except (OSError, PageFileError):
+        return 0
