@@ -144,14 +144,11 @@ class HiCacheController:
         self.stats.add(bytes_d2h=len(op.device_indices) * self.io.bytes_per_token)
         op.done.set()
 
-    def writing_check(self, block: bool = False) -> list[list]:
+    def writing_check(self) -> list[list]:
         """Payloads of acknowledged writes, FIFO, as many as every rank has finished (MIN)."""
-        return self._pop_acks(self._write_acks, block)
+        return self._pop_acks(self._write_acks)
 
-    def _pop_acks(self, acks: deque[CopyOperation], block: bool) -> list[list]:
-        if block:
-            for op in list(acks):
-                op.done.wait()
+    def _pop_acks(self, acks: deque[CopyOperation]) -> list[list]:
         ready = 0
         for op in acks:
             if not op.done.is_set():
@@ -198,9 +195,9 @@ class HiCacheController:
         if op is not None:
             op.layer_done[layer].wait()
 
-    def loading_check(self, block: bool = False) -> list[list]:
+    def loading_check(self) -> list[list]:
         """Payloads of finished loads, FIFO, MIN over ranks."""
-        payloads = self._pop_acks(self._load_acks, block)
+        payloads = self._pop_acks(self._load_acks)
         if not self._load_acks:
             self._current_load = None
         return payloads

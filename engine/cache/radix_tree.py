@@ -130,9 +130,7 @@ class HiRadixTree:
             child = node.children.get(self.child_key(key, pos))
             if child is None:
                 break
-            m = self._match_len(child.key, key, pos)
-            if m == 0:
-                break
+            m = self._match_len(child.key, key, pos)  # >= one page: the child key is the first page
             if m < len(child.key):
                 child = self.split(child, m)
             child.last_access_time = now

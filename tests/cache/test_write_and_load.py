@@ -1,9 +1,10 @@
 """Write policies, L1/L2 eviction and load-back (hicache-spec §11 items 8-20)."""
 
+import json
 import threading
 
 import torch
-from cache_testlib import assert_kv, check_invariants, prefill, scribble_free_device_slots
+from cache_testlib import MemoryBackend, assert_kv, check_invariants, prefill, scribble_free_device_slots
 
 T = list(range(1, 17))
 
@@ -211,3 +212,36 @@ def test_reset_clears_l1_l2_but_not_l3(make_cache, tmp_path):
     assert cache.host_pool.used_size() == 0 and cache.device_allocator.used_size() == 0
     assert len(list(tmp_path.glob("*.bin"))) == 4
     assert torch.equal(cache.match_prefix(T).device_indices, torch.empty(0, dtype=torch.int64))
+
+
+def test_write_back_eviction_also_backs_up_to_l3(make_cache, tmp_path):
+    cache = make_cache(
+        write_policy="write_back", storage_backend="file", extra_config={"file_path": str(tmp_path)}
+    )
+    prefill(cache, T)
+    cache.drain_io()
+    assert not list(tmp_path.glob("*.bin"))
+    cache.evict(16)
+    cache.drain_io()
+    assert len(list(tmp_path.glob("*.bin"))) == 4 and cache.stats.backuped_tokens == 16
+
+
+def test_storage_calls_get_prefix_keys_when_asked(make_cache):
+    seen = []
+
+    class Recording(MemoryBackend):
+        def batch_exists(self, keys, extra_info=None):
+            seen.append(extra_info.prefix_keys if extra_info else None)
+            return super().batch_exists(keys, extra_info)
+
+    cache = make_cache(prefetch_threshold=4)
+    backend = Recording()
+    cache.attach_storage_backend(backend, json.dumps({"hicache_storage_pass_prefix_keys": True}))
+    prefill(cache, T[:8])
+    cache.drain_io()
+    anchor = cache.match_prefix(T).last_host_node
+    cache.prefetch_from_storage("r", anchor, T[8:])
+    cache.drain_io()
+    assert seen == [anchor.hash_value]
+    cache.release_aborted_request("r")
+    cache.drain_io()
