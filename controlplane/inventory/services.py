@@ -114,3 +114,26 @@ def agent_heartbeat(*, host_name: str, worker_urls: list[str]) -> int:
             f"unknown host {host_name!r}: register first", code="unknown_host", status_code=404
         )
     return EngineWorker.objects.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)
+
+
+@transaction.atomic
+def worker_undrain(*, worker: EngineWorker, actor) -> dict:
+    """Put `worker` back into its sglang-router (POST /workers); the reverse of worker_drain, same errors.
+
+    Returns {worker, router, added}; added is False when the router already listed it.
+    """
+    if worker.router is None:
+        raise ConflictError(f"worker {worker.name!r} has no router to add it to", code="no_router")
+    try:
+        router = RouterClient(worker.router.url)
+        listed = router.find_worker_id(worker.url) is not None
+        if not listed:
+            router.add_worker(worker.url)
+    except WorkerError as exc:
+        raise ApplicationError(
+            f"router {worker.router.name}: {exc.message}", code="router_error", status_code=502
+        ) from exc
+    audit_record(
+        action="undrain", obj=worker, before={"in_router": listed}, after={"in_router": True}, actor=actor
+    )
+    return {"worker": worker.pk, "router": worker.router.url, "added": not listed}

@@ -173,3 +173,27 @@ def test_preview_reports_idle_state(api_as, fake_worker):
     rows = {r["name"]: r for r in response.json()}
     assert rows["a-idle"]["is_idle"] is True and rows["b-busy"]["is_idle"] is False
     assert rows["b-busy"]["num_running_reqs"] == 2
+
+
+def test_drain_and_undrain_endpoints_talk_to_the_router(api_as, fake_router):
+    worker = EngineWorkerFactory(url="http://10.1.1.1:30000", router=RouterFactory(url=fake_router.url))
+    fake_router.add(worker.url)
+    client = api_as("operator")
+    assert client.post(f"/api/v1/inventory/workers/{worker.pk}/drain/").json() == {
+        "worker": worker.pk,
+        "router": fake_router.url,
+        "removed": True,
+    }
+    assert worker.url not in fake_router.urls()
+    assert client.post(f"/api/v1/inventory/workers/{worker.pk}/drain/").json()["removed"] is False
+    assert client.post(f"/api/v1/inventory/workers/{worker.pk}/undrain/").json()["added"] is True
+    assert worker.url in fake_router.urls()
+    lone = EngineWorkerFactory()
+    refused = client.post(f"/api/v1/inventory/workers/{lone.pk}/drain/")
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_router"
+
+
+def test_celery_task_options_stay_declared():
+    from controlplane.operations.tasks import target_step_task
+
+    assert target_step_task.acks_late is True and target_step_task.reject_on_worker_lost is True

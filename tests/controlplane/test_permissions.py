@@ -118,6 +118,16 @@ ENDPOINTS = {
         True,
         lambda p: ("delete", f"/api/v1/inventory/workers/{EngineWorkerFactory().pk}/", None, {}),
     ),
+    "worker.drain": (
+        OPS,
+        True,
+        lambda p: ("post", f"/api/v1/inventory/workers/{_routed_worker(p).pk}/drain/", {}, {}),
+    ),
+    "worker.undrain": (
+        OPS,
+        True,
+        lambda p: ("post", f"/api/v1/inventory/workers/{_routed_worker(p).pk}/undrain/", {}, {}),
+    ),
     "config.create": (
         OPS,
         True,
@@ -212,6 +222,12 @@ ENDPOINTS = {
 }
 
 
+def _routed_worker(personas):
+    router = personas["fake_router"]
+    router.add("http://routed.local:1")
+    return EngineWorkerFactory(url="http://routed.local:1", router=RouterFactory(url=router.url))
+
+
 def _commit():
     revision = ConfigRevisionFactory()
     profile = revision.profile
@@ -227,9 +243,9 @@ def _commit():
 
 @pytest.mark.parametrize("role", ["viewer", "operator", "admin", "agent"])
 @pytest.mark.parametrize("endpoint", sorted(ENDPOINTS))
-def test_role_matrix(role, endpoint, api_as, personas):
+def test_role_matrix(role, endpoint, api_as, personas, fake_router):
     allowed, audited, build = ENDPOINTS[endpoint]
-    method, url, body, headers = build(personas)
+    method, url, body, headers = build({**personas, "fake_router": fake_router})
     audit_before = AuditEvent.objects.count()
     ops_before = Operation.objects.count()
     response = getattr(api_as(role), method)(url, body, format="json", **headers)

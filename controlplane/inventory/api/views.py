@@ -60,6 +60,12 @@ class EngineWorkerViewSet(ServiceModelViewSet):
 
     @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
     @action(detail=True, methods=["post"])
+    def undrain(self, request, pk=None):
+        """Put the worker back into its router (the reverse of drain)."""
+        return Response(services.worker_undrain(worker=self.get_object(), actor=request.user))
+
+    @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
+    @action(detail=True, methods=["post"])
     def drain(self, request, pk=None):
         """Remove the worker from its router (the agent's `drain`); waiting for idle is the caller's part."""
         return Response(services.worker_drain(worker=self.get_object(), actor=request.user))
