@@ -213,8 +213,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=200, help="fake idle workers to attach (default 200)")
     parser.add_argument("--messages", type=int, default=500, help="metric ingests to time (default 500)")
-    parser.add_argument("--celery-pool", choices=["threads", "prefork"], default="prefork")
-    parser.add_argument("--celery-concurrency", type=int, default=4)
+    parser.add_argument("--celery-pool", choices=["threads", "prefork"], default="threads")
+    parser.add_argument("--celery-concurrency", type=int, default=8)
     parser.add_argument(
         "--postgres-server",
         default="",
