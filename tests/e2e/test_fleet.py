@@ -1,0 +1,169 @@
+"""The whole fleet end to end: control plane + Celery + Mooncake master + the agent with two SmolLM2 workers
++ the real sglang-router, with multi-turn traffic flowing through the router the whole time.
+
+While traffic flows, an operator detaches Mooncake from both workers and attaches it again, each through
+one REST operation with drain (removed from the router, wait for idle, apply, verify, re-added). Both
+operations succeed; the audit log holds each worker's change with before/after; the websocket stream shows
+storage hits after the re-attach; and every response of the run is correct: no error, and the same greedy
+output as the same request sent straight to a worker. While both workers are drained at once the router
+answers 503 "no available workers"; the traffic client waits that out (counted as retries), as a client
+behind a load balancer does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import httpx
+import pytest
+
+from engine.bench.traffic import verify
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+FINAL = {"succeeded", "partially_failed", "failed", "reverted", "cancelled"}
+
+
+def _records(path) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _wait_records(path, n: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_records(path)) < n:
+        assert time.monotonic() < deadline, f"traffic produced fewer than {n} responses in {timeout}s"
+        time.sleep(1)
+
+
+def _run_operation(fleet, body: dict, timeout: float = 240) -> dict:
+    resp = fleet.api("POST", "/api/v1/operations/", json=body, token=fleet.tokens["operator"])
+    assert resp.status_code == 201, resp.text
+    op_id = resp.json()["id"]
+    deadline = time.monotonic() + timeout
+    while True:
+        op = fleet.api("GET", f"/api/v1/operations/{op_id}/").json()
+        if op["state"] in FINAL:
+            return op
+        assert time.monotonic() < deadline, f"operation {op_id} still {op['state']}: {op['targets']}"
+        time.sleep(1)
+
+
+async def _storage_hits_pushed(fleet, baseline: dict[int, float], timeout: float) -> dict:
+    """First worker.metrics message on the websocket whose storage hits exceed that worker's baseline."""
+    ws_url = fleet.console_url.replace("http", "ws") + f"/ws/v1/events/?token={fleet.tokens['operator']}"
+    async with aiohttp.ClientSession() as session, session.ws_connect(ws_url, origin=fleet.console_url) as ws:
+        await ws.send_json({"action": "subscribe", "groups": [f"worker.{w}" for w in fleet.worker_ids]})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = await ws.receive_json(timeout=max(1.0, deadline - time.monotonic()))
+            data = msg.get("data") or {}
+            if (
+                msg["type"] == "worker.metrics"
+                and data.get("cached_tokens_storage", 0) > baseline[data["worker_id"]]
+            ):
+                return data
+    raise AssertionError(f"no storage hits pushed over the websocket within {timeout}s")
+
+
+def _backend(state: dict | None):
+    return (state or {}).get("hicache_storage_backend") or None
+
+
+def test_detach_attach_with_drain_under_traffic(fleet):
+    # an operator account, as a person running operations would have
+    person = {"username": "oper", "password": "Opera-tor-pw-42", "role": "operator"}
+    user = fleet.api("POST", "/api/v1/accounts/users/", json=person)
+    assert user.status_code == 201, user.text
+    token = fleet.api("POST", "/api/v1/accounts/tokens/", json={"name": "e2e", "user": "oper"})
+    assert token.status_code == 201, token.text
+    fleet.tokens["operator"] = token.json()["token"]
+
+    record = fleet.log_dir / "traffic.jsonl"
+    traffic = subprocess.Popen(
+        [sys.executable, "-m", "engine.bench.traffic", "--url", fleet.router_url, "--concurrency", "2",
+         "--conversations", "8", "--turns", "4", "--documents", "12", "--doc-words", "220",
+         "--max-new-tokens", "6", "--record", str(record)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        _wait_records(record, 6)
+        detach = _run_operation(fleet, {"kind": "detach", "workers": fleet.worker_ids, "drain": True,
+                                        "reason": "e2e: detach L3 under traffic"})  # fmt: skip
+        assert detach["state"] == "succeeded", detach
+        for target in detach["targets"]:
+            assert target["state"] == "succeeded" and not target["drained"]  # re-added to the router
+            assert _backend(target["before"]) == "mooncake" and _backend(target["after"]) is None
+
+        served = len(_records(record))
+        _wait_records(record, served + 4)  # served from L1/L2 and recompute while detached
+        baseline = {w: fleet.worker_tiers()[w]["storage"] for w in fleet.worker_ids}
+        attach = _run_operation(fleet, {"kind": "attach", "workers": fleet.worker_ids, "drain": True,
+                                        "storage_profile": fleet.storage_profile_id,
+                                        "reason": "e2e: re-attach Mooncake"})  # fmt: skip
+        assert attach["state"] == "succeeded", attach
+        for target in attach["targets"]:
+            assert target["state"] == "succeeded" and not target["drained"]
+            assert _backend(target["before"]) is None and _backend(target["after"]) == "mooncake"
+
+        pushed = asyncio.run(_storage_hits_pushed(fleet, baseline, timeout=240))
+        assert pushed["worker_id"] in fleet.worker_ids
+    finally:
+        traffic.send_signal(signal.SIGINT)
+        out, _ = traffic.communicate(timeout=120)
+    print(out)
+
+    # the audit log: one entry per worker and operation, with the backend before and after
+    for op, before, after in ((detach, "mooncake", None), (attach, None, "mooncake")):
+        query = {"operation_id": op["id"], "object_type": "inventory.engineworker"}
+        rows = fleet.api("GET", "/api/v1/audit/events/", params=query).json()["results"]
+        assert sorted(int(r["object_id"]) for r in rows) == sorted(fleet.worker_ids)
+        for row in rows:
+            assert row["action"] == op["kind"] and row["outcome"] == "success"
+            assert _backend(row["before"]) == before and _backend(row["after"]) == after
+
+    # every response of the run: no error, and the same greedy output as a direct request to a worker
+    results = _records(record)
+    assert results and not [r for r in results if "error" in r]
+    assert verify(str(record), fleet.worker_urls[0]) == 0
+    tiers = {t: sum(r["cached"].get(t, 0) for r in results) for t in ("device", "host", "storage")}
+    retries, wid = sum(r["retries"] for r in results), pushed["worker_id"]
+    print(
+        f"e2e: {len(results)} responses, all verified; {retries} retries while "
+        f"both workers were drained; cached tokens {tiers}; storage hits pushed after re-attach: "
+        f"worker {wid} {pushed['cached_tokens_storage']:.0f} (was {baseline[wid]})"
+    )
+
+
+def test_agent_status_and_drain(fleet):
+    """`kvfleet-agent status` shows both supervised workers with L3 attached; `drain` takes one out of the
+    router through the control plane (audited) and returns once it is idle."""
+    agent = [sys.executable, "-m", "engine.agent"]
+    done = subprocess.run([*agent, "status", "--spec", str(fleet.spec), "--json"], env=fleet.env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert [r["url"] for r in rows] == fleet.worker_urls
+    assert all(r["state"] == "running" and r["l3"] == "mooncake" and r["restarts"] == 0 for r in rows)
+    assert all(r["device"] > 0 for r in rows)  # the traffic of the other test hit L1 on every worker
+
+    name = fleet.api("GET", f"/api/v1/inventory/workers/{fleet.worker_ids[0]}/").json()["name"]
+    done = subprocess.run([*agent, "drain", name, "--control-plane", fleet.console_url, "--token",
+                           fleet.tokens["admin"], "--timeout", "120"], env=fleet.env, capture_output=True,
+                          text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"{name}: removed from router {fleet.router_url}" in done.stdout and "idle after" in done.stdout
+    listed = [w["url"].rstrip("/") for w in httpx.get(f"{fleet.router_url}/workers").json()["workers"]]
+    assert fleet.worker_urls[0] not in listed and fleet.worker_urls[1] in listed
+    events = fleet.api("GET", "/api/v1/audit/events/", params={"action": "drain"}).json()["results"]
+    assert [(e["object_id"], e["after"]) for e in events] == [
+        (str(fleet.worker_ids[0]), {"in_router": False})
+    ]
