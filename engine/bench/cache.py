@@ -136,6 +136,17 @@ def bench_load_back(page_size: int, tokens: int, trials: int, seed: int = 0) -> 
     }
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not the figures)")
@@ -144,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens, trials = (1024, 3) if args.quick else (8192, 15)
     print(f"# KVFleet cache-core benchmark, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC")
     print(
-        f"# {platform.machine()} {platform.processor() or ''} cpus={torch.get_num_threads()} "
-        f"torch={torch.__version__} python={platform.python_version()}"
+        f"# {_cpu_model()} ({platform.machine()}), torch threads={torch.get_num_threads()}, "
+        f"torch={torch.__version__}, python={platform.python_version()}"
     )
     print("\n| nodes | insert ops/s | match ops/s | evict ops/s |")
     print("|---:|---:|---:|---:|")
