@@ -143,9 +143,11 @@ class HiRadixCache:
     # -- accounting ----------------------------------------------------------------------------------------
     @property
     def stats(self) -> CacheStats:
-        """Counters (host-pool gauges refreshed on read)."""
+        """Counters (host-pool and queue-length gauges refreshed on read)."""
         if self.host_pool is not None:
             self._stats.host_used_tokens = self.host_pool.used_size()
+        for name, value in self.inflight_io().items():
+            setattr(self._stats, f"inflight_{name}", value)
         return self._stats
 
     @property

@@ -1,8 +1,8 @@
 """Cache counters the metrics endpoint reads (SGLang names in the comments; hicache-spec §9).
 
-All counters only grow except the host-pool gauges. Tokens are token counts, seconds wall time, bytes
-bytes. Updated on the scheduler thread, except ``storage_errors`` and the L3 byte counters, which the
-cache I/O threads also bump (guarded by a lock).
+All counters only grow except the host-pool and queue-length gauges (refreshed when read). Tokens are
+token counts, seconds wall time, bytes bytes. Updated on the scheduler thread, except the byte counters,
+``load_back_seconds`` and ``storage_errors``, which the cache I/O threads bump (guarded by a lock).
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class CacheStats:
     storage_errors: int = 0
     host_used_tokens: int = 0  # sglang:hicache_host_used_tokens
     host_total_tokens: int = 0  # sglang:hicache_host_total_tokens
+    inflight_writes: int = 0  # queue lengths (gauges): L1->L2 copies not yet acknowledged
+    inflight_loads: int = 0  # L2->L1 loads queued or running
+    inflight_prefetches: int = 0  # L3->L2 prefetches not yet committed, aborted or freed
+    inflight_backups: int = 0  # L2->L3 backups not yet acknowledged
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:

@@ -18,7 +18,7 @@ def test_write_through_writes_once_locks_until_ack_then_backs_up_to_l3(make_cach
     prefill(cache, T)
     node = _node(cache, T)
     assert node.host_value is not None and node.lock_ref == 1
-    assert cache.inflight_io()["writes"] == 1
+    assert cache.inflight_io()["writes"] == 1 and cache.stats.inflight_writes == 1
     cache.drain_io()
     assert node.lock_ref == 0
     assert cache.stats.backuped_tokens == 16
