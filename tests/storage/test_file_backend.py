@@ -247,6 +247,8 @@ def test_reader_with_other_page_geometry_rejects_page(make_backend, page_pool_fa
     backend.register_mem_pool_host(wider)
     assert backend.batch_get_v1([key], slots(wider, [0])) == [False]
     assert not wider.kv_buffer.any()
+    backend.register_mem_pool_host(pool)
+    assert backend.batch_get_v1([key], slots(pool, [1])) == [True], "the intact page was kept"
 
 
 def test_unusable_directory_is_a_startup_error_naming_it(tmp_path, storage_config_factory):

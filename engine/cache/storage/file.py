@@ -6,8 +6,9 @@ Follows SGLang's ``HiCacheFile`` (hicache-spec §6.4) with three deliberate diff
   layout, page size and TP shard;
 * each file starts with a small header (:mod:`engine.cache.storage.page_file`: key, dtype, layout,
   page size, byte count, xxh3_64 checksum); a truncated, mismatched or corrupt page is a miss, logged
-  once per key, its file is removed so a later write can replace it, and the target buffer is zeroed
-  (no corrupt bytes are left in host-pool slots);
+  once per key, a damaged file is removed so a later write can replace it (a page of another size
+  under the same key is only skipped), and the target buffer is zeroed (no corrupt bytes are left in
+  host-pool slots);
 * writes are atomic (temp file in the same directory + ``os.replace``), so readers never see half a page.
 
 Directory: ``extra_config["file_path"]``, else env ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, else
@@ -93,16 +94,17 @@ class HiCacheFile(HiCacheStorage):
         cfg = self.storage_config
         return PageIdentity(key, cfg.kv_dtype, cfg.layout, cfg.page_size)
 
-    def _reject(self, key: str, path: str, reason: str) -> None:
-        """Count a page that must not be served, log it once per key, remove its file."""
+    def _reject(self, key: str, path: str, reason: str, remove: bool) -> None:
+        """Count a page that must not be served, log it once per key, remove its file if damaged."""
         self._count(corrupt_pages=1, pages_missed=1)
         with self._reported_lock:
             first = key not in self._reported
             self._reported.add(key)
         if first:
             logger.warning("L3 file page %s treated as a miss: %s", path, reason)
-        with contextlib.suppress(OSError):
-            os.remove(path)
+        if remove:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
     # -- core read / write -----------------------------------------------------------------------------
     def _read_page(self, key: str, buffers: Sequence[memoryview]) -> bool:
@@ -122,7 +124,7 @@ class HiCacheFile(HiCacheStorage):
         except PageFileError as exc:
             for buf in buffers:  # no half-read or corrupt bytes are left behind in the target
                 np.asarray(buf)[:] = 0
-            self._reject(key, path, str(exc))
+            self._reject(key, path, str(exc), remove=exc.damaged)
             return False
         except OSError as exc:
             self._count(errors=1, pages_missed=1)

@@ -26,7 +26,15 @@ PIECE = 256 << 10
 
 
 class PageFileError(Exception):
-    """A page file that must not be served: truncated, mismatched header or bad checksum."""
+    """A page file that must not be served: truncated, mismatched header or bad checksum.
+
+    ``damaged`` is False when the file itself is intact but holds a page of another size than the
+    reader's buffers (same key, other KV geometry), so it must not be deleted.
+    """
+
+    def __init__(self, reason: str, damaged: bool = True) -> None:
+        super().__init__(reason)
+        self.damaged = damaged
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,7 @@ def read_page(fd: int, expected: PageIdentity, buffers: Sequence[memoryview]) ->
             bufs, size = [*bufs, sentinel], size + 1
         n = _readv_full(fd, bufs, size)
         if index == 0:
-            _check_header(header if n >= HEADER_SIZE else b"", expected, want)
+            _check_header(fd, header if n >= HEADER_SIZE else b"", expected, want)
             n -= HEADER_SIZE
         got += min(n, piece.nbytes)
         if n < piece.nbytes:
@@ -135,7 +143,7 @@ def read_page(fd: int, expected: PageIdentity, buffers: Sequence[memoryview]) ->
     return want
 
 
-def _check_header(raw, expected: PageIdentity, want: int) -> None:
+def _check_header(fd: int, raw, expected: PageIdentity, want: int) -> None:
     page, nbytes, _ = unpack_header(raw)
     for name in ("key", "dtype", "layout", "page_size"):
         if getattr(page, name) != getattr(expected, name):
@@ -143,7 +151,8 @@ def _check_header(raw, expected: PageIdentity, want: int) -> None:
                 f"header {name} {getattr(page, name)!r} != expected {getattr(expected, name)!r}"
             )
     if nbytes != want:
-        raise PageFileError(f"header nbytes {nbytes} != expected {want}")
+        intact = os.fstat(fd).st_size == HEADER_SIZE + nbytes  # a whole page of another KV geometry
+        raise PageFileError(f"header nbytes {nbytes} != expected {want}", damaged=not intact)
 
 
 def read_payload_size(path: str) -> int:
