@@ -141,15 +141,16 @@ class Scheduler:
 
     # ----------------------------------------------------------------- loop
     def _loop(self) -> None:
+        progressed = True
         try:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
-                self._drain_inbox(block=not self._has_work())
+                self._drain_inbox(self._wait_time(progressed))
                 if self._stop.is_set():
                     break
                 self.busy_since = time.monotonic()
                 self.cache.check_hicache_events()
-                self._step()
+                progressed = self._step()
                 self.busy_since = None
                 self._publish()
         except BaseException as exc:  # the thread dies; /health reports it
@@ -159,13 +160,16 @@ class Scheduler:
         finally:
             self._fail_all("server shutting down" if self._stop.is_set() else "scheduler crashed")
 
-    def _has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.chunked)
+    def _wait_time(self, progressed: bool) -> float | None:
+        """How long to wait for new input: not at all after a forward pass, briefly while requests wait for
+        cache I/O (polling without starving the I/O threads of the GIL), long when there is nothing to do."""
+        if progressed:
+            return None
+        if self.running or self.waiting or self.chunked or not self.cache.is_io_idle():
+            return 0.002
+        return 0.5
 
-    def _drain_inbox(self, block: bool) -> None:
-        timeout = None
-        if block:
-            timeout = 0.5 if self.cache.is_io_idle() else 0.005
+    def _drain_inbox(self, timeout: float | None) -> None:
         while True:
             try:
                 item = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
@@ -203,12 +207,18 @@ class Scheduler:
             if new_tokens:
                 self.cache.prefetch_from_storage(req.rid, m.last_host_node, new_tokens)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One scheduling decision; True when a forward pass ran."""
         items = self._schedule_prefill()
         if items:
             self._run_prefill(items)
-        elif self.running:
+            return True
+        if self.running:
             self._run_decode()
+            return True
+        if self.hierarchical:  # no forward pass this time: start loads queued by a failed admission
+            self.cache.ready_to_load_host_cache()
+        return False
 
     # ----------------------------------------------------------------- prefill
     def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
