@@ -127,3 +127,28 @@ def test_unreachable_master_fails_at_start_naming_the_address(storage_config_fac
     address = f"127.0.0.1:{free_port()}"
     with pytest.raises(StorageError, match=f"Mooncake master {address} is unreachable"):
         MooncakeStore(storage_config_factory(extra={"master_server_address": address}))
+
+
+def test_backoff_pauses_then_resumes_only_after_a_successful_probe(monkeypatch):
+    from engine.cache.storage import mooncake
+
+    clock = [100.0]
+    monkeypatch.setattr(mooncake.time, "monotonic", lambda: clock[0])
+    master_up = [False]
+    backoff = mooncake._Backoff(lambda: master_up[0], first_s=1.0, max_s=4.0)
+    assert backoff.allow() and not backoff.paused
+    backoff.failed()
+    assert backoff.paused and not backoff.allow(), "inside the window: refused without probing"
+    clock[0] += 1.5
+    assert not backoff.allow(), "window over, probe fails: the window doubles to 2 s"
+    clock[0] += 1.5
+    assert not backoff.allow(), "still inside the doubled window"
+    clock[0] += 1.0
+    master_up[0] = True
+    assert backoff.allow(), "probe succeeds: calls go through again"
+    backoff.succeeded()
+    assert not backoff.paused
+    for _ in range(5):
+        backoff.failed()
+    clock[0] += 4.1
+    assert backoff.allow(), "the window never exceeds max_s"
