@@ -368,7 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds of traffic, then check every worker shows device/host/storage hits and exit",
     )
     p.add_argument("--log-dir", default=None, help="default logs/demo-<time>")
-    p.add_argument("--trace", default=None, help="also replay this Mooncake trace (scaled down 16x)")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="replay this Mooncake trace (scaled down 16x) instead of the conversations",
+    )
     a = p.parse_args(argv)
     log_dir = Path(a.log_dir or REPO / "logs" / time.strftime("demo-%Y%m%d-%H%M%S"))
     fleet = LocalFleet(log_dir=log_dir)
