@@ -149,7 +149,7 @@ def cmd_status(args) -> int:
 def cmd_drain(args) -> int:
     client = _require_control_plane(args)
     try:
-        page = client.call("GET", "/api/v1/inventory/workers/", params={"q": args.worker, "page_size": 1000})
+        page = client.call("GET", "/api/v1/inventory/workers/", params={"q": args.worker, "limit": 500})
         matches = [w for w in page.get("results", page) if w["name"] == args.worker]
         if not matches:
             raise CliError(f"no worker named {args.worker!r} at {client.base_url}")
