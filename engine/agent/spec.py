@@ -93,14 +93,6 @@ class FleetSpec:
     buffer_size: int
     workers: list[WorkerSpec]
 
-    def worker(self, name: str) -> WorkerSpec:
-        for w in self.workers:
-            if w.name == name:
-                return w
-        raise KeyError(
-            f"no worker {name!r} in {self.path} (workers: {', '.join(w.name for w in self.workers)})"
-        )
-
     @property
     def state_file(self) -> str:
         return os.path.join(self.log_dir, "agent-state.json")
