@@ -56,8 +56,9 @@ def scribble_free_device_slots(cache: HiRadixCache) -> None:
         pool.v_buffer[layer][free] = float("nan")
 
 
-def check_invariants(cache: HiRadixCache) -> None:
-    """hicache-spec §1.2 invariants 1, 2, 4, 5 plus size accounting and slot ownership."""
+def check_invariants(cache: HiRadixCache, held_host_tokens: int = 0) -> None:
+    """hicache-spec §1.2 invariants 1, 2, 4, 5 plus size accounting and slot ownership (no slot owned
+    twice, no slot leaked once I/O is idle; ``held_host_tokens``: host slots the test holds itself)."""
     tree, P = cache.tree, cache.page_size
     evictable = protected = 0
     device_seen: set[int] = set()
@@ -92,7 +93,7 @@ def check_invariants(cache: HiRadixCache) -> None:
     assert tree.protected_size == protected
     assert cache.device_allocator.used_size() == len(device_seen)
     if cache.host_pool is not None and cache.is_io_idle():
-        assert cache.host_pool.used_size() == len(host_seen)
+        assert cache.host_pool.used_size() == len(host_seen) + held_host_tokens
 
 
 def prefill(cache: HiRadixCache, token_ids: list[int], chunked: bool = False) -> int:

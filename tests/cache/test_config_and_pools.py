@@ -149,9 +149,10 @@ def test_layout_corrections_warn_and_refusals(caplog):
 # -- direct io ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("host_order", ["runs", "scattered"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_direct_io_round_trip_any_page_order(layout, page_size):
+def test_direct_io_round_trip_any_page_order(layout, page_size, host_order):
     dev = DeviceKVPool(32, page_size, 2, 2, 3, torch.bfloat16)
     host = HostKVPool(64, page_size, 2, 2, 3, torch.bfloat16, layout)
     io = DirectIO(dev, host)
@@ -160,7 +161,12 @@ def test_direct_io_round_trip_any_page_order(layout, page_size):
         dev.v_buffer[layer].copy_(torch.randn_like(dev.v_buffer[layer], dtype=torch.float32))
     src = PageAllocator(32 // page_size, page_size, first_page=1).alloc(16)
     src = src.view(-1, page_size)[torch.randperm(16 // page_size)].flatten()  # scattered device pages
-    slots = host.alloc(16)
+    if host_order == "runs":  # two runs of consecutive host pages
+        slots = torch.cat([torch.arange(8), torch.arange(32, 40)])
+    else:  # random pages: many runs, or the gather+scatter fallback
+        pages = torch.randperm(64 // page_size)[: 16 // page_size]
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+    assert (io.plan(src, slots)[2] is None) == (host_order == "scattered" and page_size == 1)
     io.backup(src, slots)
     expect = [(dev.k_buffer[i][src].clone(), dev.v_buffer[i][src].clone()) for i in range(2)]
     dst = torch.arange(page_size, page_size + 16)

@@ -64,6 +64,7 @@ SETUP = st.fixed_dictionaries(
         "prefetch_policy": st.sampled_from(["best_effort", "wait_complete", "timeout"]),
         "eviction_policy": st.sampled_from(["lru", "lfu"]),
         "mem_layout": st.sampled_from(["layer_first", "page_first_direct"]),
+        "holes_seed": st.integers(0, 2**16),
     }
 )
 
@@ -80,6 +81,16 @@ def _scribble_free_host_slots(cache: HiRadixCache) -> None:
     else:
         pages = torch.unique(free // cache.page_size)
         buf[:, pages] = float("nan")
+
+
+def _hold_random_host_pages(cache: HiRadixCache, seed: int) -> int:
+    """Keep a random third of the host pages allocated; returns the tokens held."""
+    P = cache.page_size
+    slots = cache.host_pool.alloc(cache.host_pool.size)
+    pages = slots.view(-1, P)
+    order = torch.randperm(len(pages), generator=torch.Generator().manual_seed(seed))
+    cache.host_pool.free(pages[torch.sort(order[len(pages) // 3 :]).values].flatten())
+    return len(pages) // 3 * P
 
 
 def _insert(cache: HiRadixCache, tokens: list[int], chunked: bool) -> None:
@@ -122,10 +133,13 @@ def _match_and_load(cache: HiRadixCache, tokens: list[int]) -> None:
 @given(setup=SETUP, steps=st.lists(STEP, min_size=10, max_size=24))
 def test_random_operation_sequences_keep_invariants_and_kv(setup, steps):
     setup = dict(setup)
+    seed = setup.pop("holes_seed")
     pool = DeviceKVPool(32, setup.pop("page_size"), LAYERS, HEADS, HEAD_DIM)
-    config = HiCacheConfig(ratio=2.0, prefetch_threshold=2, prefetch_timeout_base=0.001, **setup)
+    config = HiCacheConfig(ratio=3.0, prefetch_threshold=2, prefetch_timeout_base=0.001, **setup)
     cache = HiRadixCache(pool, config, model_name="prop")
     cache.attach_storage_backend(MemoryBackend())
+    # Pin a random third of the host pages so host allocations come in several runs (fragmented L2).
+    held = _hold_random_host_pages(cache, seed)
     rids: list[str] = []
     try:
         for i, step in enumerate(steps):
@@ -170,13 +184,14 @@ def test_random_operation_sequences_keep_invariants_and_kv(setup, steps):
                 for rid in rids:
                     cache.release_aborted_request(rid)
                 rids = []
-                cache.reset()
+                cache.reset()  # frees the held host pages too: hold a new random set
+                held = _hold_random_host_pages(cache, seed + i)
                 scribble_free_device_slots(cache)
-            check_invariants(cache)
+            check_invariants(cache, held)
         for rid in rids:
             cache.release_aborted_request(rid)
         cache.drain_io()
-        check_invariants(cache)
+        check_invariants(cache, held)
         for node in cache.tree.nodes():
             assert node.lock_ref == 0 and node.host_ref_counter == 0
     finally:
