@@ -123,6 +123,7 @@ class HiCacheController:
         self._loader = _Worker("hicache-load", self._run_load)
         # storage side (attach_storage / detach_storage)
         self.backend: HiCacheStorage | None = None
+        self._detached_backend_errors = 0
         self.namespace: bytes | None = None
         self.backup_skip = False
         self.prefetch_threshold = 256
@@ -224,6 +225,8 @@ class HiCacheController:
             if worker is not None and not worker.stop():
                 raise RuntimeError("detach aborted: a storage I/O thread did not stop")
         backend, self.backend = self.backend, None
+        if backend is not None:
+            self._detached_backend_errors += backend.get_stats().get("errors", 0)
         self._backuper = self._prefetcher = None
         self.namespace = None
         return backend
@@ -350,6 +353,12 @@ class HiCacheController:
             "backups": self._backuper.busy if self._backuper else 0,
             "prefetch_io": self._prefetcher.busy if self._prefetcher else 0,
         }
+
+    def backend_errors(self) -> int:
+        """Errors the backends counted themselves (``get_stats()["errors"]``): the attached one's plus
+        those of backends detached earlier, so the total never goes down."""
+        attached = self.backend.get_stats().get("errors", 0) if self.backend is not None else 0
+        return self._detached_backend_errors + attached
 
     def close(self) -> None:
         """Stop every thread (storage ones too)."""

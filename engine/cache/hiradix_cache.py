@@ -146,6 +146,7 @@ class HiRadixCache:
         """Counters (host-pool and queue-length gauges refreshed on read)."""
         if self.host_pool is not None:
             self._stats.host_used_tokens = self.host_pool.used_size()
+            self._stats.backend_errors = self.controller.backend_errors()
         for name, value in self.inflight_io().items():
             setattr(self._stats, f"inflight_{name}", value)
         return self._stats

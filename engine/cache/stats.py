@@ -3,6 +3,9 @@
 All counters only grow except the host-pool and queue-length gauges (refreshed when read). Tokens are
 token counts, seconds wall time, bytes bytes. Updated on the scheduler thread, except the byte counters,
 ``load_back_seconds`` and ``storage_errors``, which the cache I/O threads bump (guarded by a lock).
+``storage_errors`` counts what the cache saw fail (a backend call that raised, a short batch write);
+``backend_errors`` is what the L3 backends counted themselves (``get_stats()["errors"]``, e.g. a hit query
+answered 0 because the store is down), refreshed when read. The storage-error metric is their sum.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ class CacheStats:
     bytes_h2d: int = 0
     bytes_l3_read: int = 0
     bytes_l3_write: int = 0
-    storage_errors: int = 0
+    storage_errors: int = 0  # sglang:hicache_storage_errors_total (with backend_errors)
+    backend_errors: int = 0
     host_used_tokens: int = 0  # sglang:hicache_host_used_tokens
     host_total_tokens: int = 0  # sglang:hicache_host_total_tokens
     inflight_writes: int = 0  # queue lengths (gauges): L1->L2 copies not yet acknowledged

@@ -162,3 +162,10 @@ class _StateCollector:
             c = CounterMetricFamily(f"sglang:{metric}", f"HiCache {key}", labels=["model_name"])
             c.add_metric(name, stats.get(key, 0))
             yield c
+        errors = CounterMetricFamily(
+            "sglang:hicache_storage_errors",
+            "Failed L3 storage operations (seen by the cache or counted by the backend)",
+            labels=["model_name"],
+        )
+        errors.add_metric(name, stats.get("storage_errors", 0) + stats.get("backend_errors", 0))
+        yield errors
