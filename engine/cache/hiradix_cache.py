@@ -13,47 +13,30 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from engine.cache.admin import CacheAdminError, StorageAdminMixin
 from engine.cache.allocator import PageAllocator
 from engine.cache.config import (
-    PREFETCH_POLICIES,
-    WRITE_POLICIES,
     HiCacheConfig,
-    parse_extra_config,
-    split_extra_config,
 )
 from engine.cache.controller import BackupOperation, HiCacheController
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool, host_pool_tokens, resolve_layout
 from engine.cache.keys import page_hashes
-from engine.cache.prefetch import PrefetchOperation, can_terminate
+from engine.cache.prefetching import PrefetchMixin, _Prefetch
 from engine.cache.radix_tree import HiRadixTree, TreeNode
 from engine.cache.ranks import Reduce, make_reduce
 from engine.cache.stats import CacheStats
-from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
-from engine.cache.storage.registry import create_storage_backend
+from engine.cache.storage.base import HiCacheStorage
 from engine.cache.transfer import DirectIO
 
 logger = logging.getLogger(__name__)
 
 LOAD_BACK_THRESHOLD = 10  # tokens; smaller L2 hits are recomputed
 _EMPTY = torch.empty(0, dtype=torch.int64)
-_POLICY_FIELDS = (
-    "prefetch_policy",
-    "write_policy",
-    "prefetch_threshold",
-    "prefetch_timeout_base",
-    "prefetch_timeout_per_ki_token",
-    "prefetch_timeout_max",
-)
-
-
-class CacheAdminError(ValueError):
-    """A refused admin operation (attach/detach/clear/update); nothing was changed."""
 
 
 class MatchResult(NamedTuple):
@@ -66,13 +49,7 @@ class MatchResult(NamedTuple):
     host_hit_length: int
 
 
-@dataclass
-class _Prefetch:
-    anchor: TreeNode
-    op: PrefetchOperation
-
-
-class HiRadixCache:
+class HiRadixCache(PrefetchMixin, StorageAdminMixin):
     """Hierarchical radix cache over ``device_pool`` (see CONTRACTS.md for the method list).
 
     ``replicated_kv``: MLA-style KV identical on every rank (L3 keys carry no rank; only rank 0 writes).
@@ -476,271 +453,6 @@ class HiRadixCache:
         self._backups_inflight += 1
         prefix = self._prefix_keys(node.parent)
         self.controller.backup_storage(BackupOperation(node.host_value, list(node.hash_value), node, prefix))
-
-    # -- L3 -> L2 --------------------------------------------------------------------------------------------
-    def prefetch_from_storage(self, rid: str, last_host_node: TreeNode, new_token_ids) -> None:
-        """Start fetching the page-aligned ``new_token_ids`` (following ``last_host_node``) from L3.
-
-        Skipped without storage, below ``prefetch_threshold``, when prefetches already occupy half the
-        host pool, when ``rid`` already prefetches, or when the host pool has no room.
-        """
-        if self.backend is None or rid in self._ongoing_prefetch or last_host_node.host_value is None:
-            return
-        tokens = self._key(new_token_ids)
-        if len(tokens) < self.controller.prefetch_threshold:
-            return
-        if self.prefetch_tokens_occupied >= self.host_pool.size // 2:
-            return
-        self.tree.protect_host(last_host_node)
-        host = self._alloc_host(len(tokens))
-        if host is None:
-            self.tree.release_host(last_host_node)
-            return
-        if last_host_node is not self.tree.root:
-            self._ensure_hashes(last_host_node)
-        op = PrefetchOperation(
-            rid, tokens, host, last_host_node.get_last_hash_value(), self._prefix_keys(last_host_node)
-        )
-        self._ongoing_prefetch[rid] = _Prefetch(last_host_node, op)
-        self.prefetch_tokens_occupied += len(tokens)
-        self._stats.add(prefetch_started=1)
-        self.controller.prefetch(op)
-
-    def check_prefetch_progress(self, rid: str) -> bool:
-        """True when ``rid`` may be scheduled; then whatever arrived is committed to the tree as
-        host-only nodes (the page-aligned prefix every rank completed)."""
-        entry = self._ongoing_prefetch.get(rid)
-        if entry is None:
-            return True
-        op, cfg = entry.op, self.config
-        ok = can_terminate(
-            cfg.prefetch_policy,
-            op,
-            self.page_size,
-            time.monotonic(),
-            cfg.prefetch_timeout_base,
-            cfg.prefetch_timeout_per_ki_token,
-            cfg.prefetch_timeout_max,
-        )
-        waiting, terminated = self.reduce("max", [int(not ok), int(op.terminated)])
-        if waiting and not terminated:
-            return False
-        complete = op.is_complete(self.page_size)
-        completed = op.terminate()
-        committed = self.reduce("min", [completed])[0]
-        matched = self._insert_host(entry.anchor, op, committed)
-        if completed > committed:
-            self.host_pool.free(op.host_indices[committed:completed])
-        loaded = committed - matched
-        self._prefetch_loaded[rid] = loaded
-        self._finish_prefetch(rid, entry)
-        if op.hit_done and not op.hash_value:
-            self._stats.add(prefetch_revoked=1)
-        elif complete:
-            self._stats.add(prefetch_completed=1)
-        elif cfg.prefetch_policy == "timeout":
-            self._stats.add(prefetch_timed_out=1)
-        self._stats.add(prefetched_tokens=loaded)
-        return True
-
-    def _finish_prefetch(self, rid: str, entry: _Prefetch) -> None:
-        del self._ongoing_prefetch[rid]
-        self.tree.release_host(entry.anchor)
-        self.prefetch_tokens_occupied = max(0, self.prefetch_tokens_occupied - len(entry.op.token_ids))
-
-    def _insert_host(self, anchor: TreeNode, op: PrefetchOperation, length: int) -> int:
-        """Insert ``op``'s first ``length`` tokens under ``anchor`` as host-only nodes; returns the tokens
-        that were already in the tree (their fetched slots are freed, except that a device-only node on
-        the path adopts them as its host copy, keeping host copies prefix-closed)."""
-        tokens, slots, hashes, P = (
-            op.token_ids[:length],
-            op.host_indices[:length],
-            op.hash_value,
-            self.page_size,
-        )
-        node, pos, matched = anchor, 0, 0
-        now = self.tree.tick()
-        while pos < length:
-            child = node.children.get(self.tree.child_key(tokens, pos))
-            if child is None:
-                break
-            m = self.tree._match_len(child.key, tokens, pos)
-            if m < len(child.key):
-                child = self.tree.split(child, m)
-            child.last_access_time = now
-            if child.host_value is None:
-                child.host_value = slots[pos : pos + m]
-                if child.hash_value is None:
-                    child.hash_value = hashes[pos // P : (pos + m) // P]
-            else:
-                self.host_pool.free(slots[pos : pos + m])
-            matched += m
-            pos += m
-            node = child
-        if pos < length:
-            self.tree.add_leaf(node, tokens[pos:], None, slots[pos:length], hashes[pos // P : length // P])
-        return matched
-
-    def pop_prefetch_loaded_tokens(self, rid: str) -> int:
-        """Tokens ``rid``'s committed prefetch brought in from L3 (0 if none); forgets them."""
-        return self._prefetch_loaded.pop(rid, 0)
-
-    def release_aborted_request(self, rid: str) -> None:
-        """Stop ``rid``'s prefetch and free its anchor and arrived host slots (exactly once)."""
-        entry = self._ongoing_prefetch.get(rid)
-        if entry is None:
-            return
-        completed = entry.op.terminate()
-        if completed:
-            self.host_pool.free(entry.op.host_indices[:completed])
-        self._finish_prefetch(rid, entry)
-
-    # -- storage admin ---------------------------------------------------------------------------------------
-    def _check_admin(self, action: str) -> None:
-        if self.controller is None:
-            raise CacheAdminError(f"Reject {action}: hierarchical cache is not enabled")
-        io = self.inflight_io()
-        if any(io.values()):
-            raise CacheAdminError(f"Reject {action}: cache I/O in flight {io}")
-
-    def attach_storage_backend(
-        self,
-        backend: str | HiCacheStorage,
-        extra_config_json: str | None = None,
-        prefetch_policy: str | None = None,
-        write_policy: str | None = None,
-    ) -> str:
-        """Attach an L3 backend by registry name (or a ready instance) at runtime; returns a message.
-
-        Same backend already attached: only the given policies change. Raises ``CacheAdminError`` (and
-        changes nothing) for a bad policy or extra config, another backend attached ("Detach first"),
-        cache I/O in flight, or a backend that fails to start.
-        """
-        self._check_policies(prefetch_policy, write_policy)
-        name = backend if isinstance(backend, str) else type(backend).__name__
-        policies = {
-            k: v for k, v in (("prefetch_policy", prefetch_policy), ("write_policy", write_policy)) if v
-        }
-        if self.backend_name is not None:
-            if name != self.backend_name:
-                raise CacheAdminError(f"storage backend {self.backend_name!r} is attached; Detach first.")
-            self._check_admin("attach")
-            self.config = self.config.updated(**policies)
-            return f"storage backend {name!r} already enabled; policies updated"
-        self._check_admin("attach")
-        try:
-            extra = parse_extra_config(extra_config_json)
-        except ValueError as exc:
-            raise CacheAdminError(str(exc)) from exc
-        self._attach(backend, extra, self.config.updated(**policies))
-        return f"Attached storage backend {name!r}"
-
-    def _check_policies(self, prefetch_policy: str | None, write_policy: str | None) -> None:
-        if prefetch_policy is not None and prefetch_policy not in PREFETCH_POLICIES:
-            raise CacheAdminError(
-                f"hicache_storage_prefetch_policy: {prefetch_policy!r} is not one of {PREFETCH_POLICIES}"
-            )
-        if write_policy is not None and write_policy not in WRITE_POLICIES:
-            raise CacheAdminError(f"hicache_write_policy: {write_policy!r} is not one of {WRITE_POLICIES}")
-
-    def _attach(self, backend: str | HiCacheStorage, extra: dict, config: HiCacheConfig) -> None:
-        name = backend if isinstance(backend, str) else type(backend).__name__
-        try:
-            config, backend_extra = split_extra_config(config, extra)
-        except ValueError as exc:
-            raise CacheAdminError(str(exc)) from exc
-        layout = self.host_pool.layout
-        if name == "mooncake" and layout == "layer_first":
-            raise CacheAdminError("mooncake storage needs hicache_mem_layout page_first or page_first_direct")
-        storage_config = HiCacheStorageConfig(
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            is_mla_model=self.replicated_kv,
-            model_name=self.model_name,
-            page_size=self.page_size,
-            kv_dtype=str(self.device_pool.dtype),
-            layout=layout,
-            extra_config=backend_extra,
-        )
-        try:
-            if isinstance(backend, str):
-                instance = create_storage_backend(backend, storage_config, self.host_pool)
-            else:
-                instance = backend
-                instance.register_mem_pool_host(self.host_pool)
-        except Exception as exc:
-            raise CacheAdminError(f"storage backend {name!r} failed to start: {exc}") from exc
-        self.config = config.updated(storage_backend=name)
-        self.backend, self.backend_name = instance, name
-        backup_skip = self.replicated_kv and self.tp_rank != 0
-        self.controller.attach_storage(
-            instance, storage_config.namespace, config.prefetch_threshold, backup_skip
-        )
-        for node in self.tree.nodes():
-            if node.hash_value is None:
-                self._ensure_hashes(node)
-
-    def detach_storage_backend(self) -> str:
-        """Stop using L3 (idempotent). L3 data, L1/L2 contents and page keys stay. Raises
-        ``CacheAdminError`` while cache I/O is in flight."""
-        if self.backend is None:
-            return "no storage backend attached"
-        self._check_admin("detach")
-        try:
-            backend = self.controller.detach_storage()
-        except RuntimeError as exc:
-            raise CacheAdminError(str(exc)) from exc
-        self._drain_storage_queues(lambda op, values: values)
-        backend.close()
-        name, self.backend, self.backend_name = self.backend_name, None, None
-        self.config = self.config.updated(storage_backend=None)
-        return f"Detached storage backend {name!r}"
-
-    def clear_storage_backend(self) -> str:
-        """Delete every page in the attached L3 backend. Raises ``CacheAdminError``."""
-        if self.backend is None:
-            raise CacheAdminError("no storage backend attached")
-        self._check_admin("clear")
-        try:
-            self.backend.clear()
-        except Exception as exc:
-            raise CacheAdminError(f"clear failed: {exc}") from exc
-        return f"Cleared storage backend {self.backend_name!r}"
-
-    def update_policies(self, **fields) -> dict:
-        """Change prefetch/write policies, threshold or timeouts at runtime; returns ``storage_status()``.
-
-        Raises ``CacheAdminError`` naming a bad field or value, or while cache I/O is in flight.
-        """
-        unknown = [k for k in fields if k not in _POLICY_FIELDS]
-        if unknown:
-            raise CacheAdminError(
-                f"{unknown[0]}: not a runtime HiCache setting (use {', '.join(_POLICY_FIELDS)})"
-            )
-        try:
-            config = self.config.updated(**fields)
-        except ValueError as exc:
-            raise CacheAdminError(str(exc)) from exc
-        self._check_admin("update")
-        self.config = config
-        self.controller.set_prefetch_threshold(config.prefetch_threshold)
-        return self.storage_status()
-
-    def storage_status(self) -> dict:
-        """Live HiCache storage settings under SGLang's names."""
-        cfg = self.config
-        return {
-            "hicache_storage_backend": self.backend_name,
-            "hicache_storage_backend_extra_config": dict(cfg.extra_config) if self.backend_name else None,
-            "hicache_storage_prefetch_policy": cfg.prefetch_policy,
-            "hicache_write_policy": cfg.write_policy,
-            "hicache_mem_layout": cfg.mem_layout,
-            "hicache_io_backend": cfg.io_backend,
-            "prefetch_threshold": cfg.prefetch_threshold,
-            "prefetch_timeout_base": cfg.prefetch_timeout_base,
-            "prefetch_timeout_per_ki_token": cfg.prefetch_timeout_per_ki_token,
-            "prefetch_timeout_max": cfg.prefetch_timeout_max,
-        }
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def reset(self) -> None:

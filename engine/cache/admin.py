@@ -1,0 +1,182 @@
+"""Runtime L3 administration (hicache-spec §7), mixed into :class:`HiRadixCache`.
+
+Attach, detach (idempotent), clear, policy updates and the status the server reports. Every refusal is a
+:class:`CacheAdminError` and changes nothing; the cache refuses while its own I/O is in flight (the
+scheduler checks request idleness before calling).
+"""
+
+from __future__ import annotations
+
+from engine.cache.config import (
+    PREFETCH_POLICIES,
+    WRITE_POLICIES,
+    HiCacheConfig,
+    parse_extra_config,
+    split_extra_config,
+)
+from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
+from engine.cache.storage.registry import create_storage_backend
+
+_POLICY_FIELDS = (
+    "prefetch_policy",
+    "write_policy",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "prefetch_timeout_max",
+)
+
+
+class CacheAdminError(ValueError):
+    """A refused admin operation (attach/detach/clear/update); nothing was changed."""
+
+
+class StorageAdminMixin:
+    """Storage admin methods of :class:`~engine.cache.hiradix_cache.HiRadixCache` (uses its controller,
+    host pool, tree, config and rank identity)."""
+
+    def _check_admin(self, action: str) -> None:
+        if self.controller is None:
+            raise CacheAdminError(f"Reject {action}: hierarchical cache is not enabled")
+        io = self.inflight_io()
+        if any(io.values()):
+            raise CacheAdminError(f"Reject {action}: cache I/O in flight {io}")
+
+    def attach_storage_backend(
+        self,
+        backend: str | HiCacheStorage,
+        extra_config_json: str | None = None,
+        prefetch_policy: str | None = None,
+        write_policy: str | None = None,
+    ) -> str:
+        """Attach an L3 backend by registry name (or a ready instance) at runtime; returns a message.
+
+        Same backend already attached: only the given policies change. Raises ``CacheAdminError`` (and
+        changes nothing) for a bad policy or extra config, another backend attached ("Detach first"),
+        cache I/O in flight, or a backend that fails to start.
+        """
+        self._check_policies(prefetch_policy, write_policy)
+        name = backend if isinstance(backend, str) else type(backend).__name__
+        policies = {
+            k: v for k, v in (("prefetch_policy", prefetch_policy), ("write_policy", write_policy)) if v
+        }
+        if self.backend_name is not None:
+            if name != self.backend_name:
+                raise CacheAdminError(f"storage backend {self.backend_name!r} is attached; Detach first.")
+            self._check_admin("attach")
+            self.config = self.config.updated(**policies)
+            return f"storage backend {name!r} already enabled; policies updated"
+        self._check_admin("attach")
+        try:
+            extra = parse_extra_config(extra_config_json)
+        except ValueError as exc:
+            raise CacheAdminError(str(exc)) from exc
+        self._attach(backend, extra, self.config.updated(**policies))
+        return f"Attached storage backend {name!r}"
+
+    def _check_policies(self, prefetch_policy: str | None, write_policy: str | None) -> None:
+        if prefetch_policy is not None and prefetch_policy not in PREFETCH_POLICIES:
+            raise CacheAdminError(
+                f"hicache_storage_prefetch_policy: {prefetch_policy!r} is not one of {PREFETCH_POLICIES}"
+            )
+        if write_policy is not None and write_policy not in WRITE_POLICIES:
+            raise CacheAdminError(f"hicache_write_policy: {write_policy!r} is not one of {WRITE_POLICIES}")
+
+    def _attach(self, backend: str | HiCacheStorage, extra: dict, config: HiCacheConfig) -> None:
+        name = backend if isinstance(backend, str) else type(backend).__name__
+        try:
+            config, backend_extra = split_extra_config(config, extra)
+        except ValueError as exc:
+            raise CacheAdminError(str(exc)) from exc
+        layout = self.host_pool.layout
+        if name == "mooncake" and layout == "layer_first":
+            raise CacheAdminError("mooncake storage needs hicache_mem_layout page_first or page_first_direct")
+        storage_config = HiCacheStorageConfig(
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            is_mla_model=self.replicated_kv,
+            model_name=self.model_name,
+            page_size=self.page_size,
+            kv_dtype=str(self.device_pool.dtype),
+            layout=layout,
+            extra_config=backend_extra,
+        )
+        try:
+            if isinstance(backend, str):
+                instance = create_storage_backend(backend, storage_config, self.host_pool)
+            else:
+                instance = backend
+                instance.register_mem_pool_host(self.host_pool)
+        except Exception as exc:
+            raise CacheAdminError(f"storage backend {name!r} failed to start: {exc}") from exc
+        self.config = config.updated(storage_backend=name)
+        self.backend, self.backend_name = instance, name
+        backup_skip = self.replicated_kv and self.tp_rank != 0
+        self.controller.attach_storage(
+            instance, storage_config.namespace, config.prefetch_threshold, backup_skip
+        )
+        for node in self.tree.nodes():
+            if node.hash_value is None:
+                self._ensure_hashes(node)
+
+    def detach_storage_backend(self) -> str:
+        """Stop using L3 (idempotent). L3 data, L1/L2 contents and page keys stay. Raises
+        ``CacheAdminError`` while cache I/O is in flight."""
+        if self.backend is None:
+            return "no storage backend attached"
+        self._check_admin("detach")
+        try:
+            backend = self.controller.detach_storage()
+        except RuntimeError as exc:
+            raise CacheAdminError(str(exc)) from exc
+        self._drain_storage_queues(lambda op, values: values)
+        backend.close()
+        name, self.backend, self.backend_name = self.backend_name, None, None
+        self.config = self.config.updated(storage_backend=None)
+        return f"Detached storage backend {name!r}"
+
+    def clear_storage_backend(self) -> str:
+        """Delete every page in the attached L3 backend. Raises ``CacheAdminError``."""
+        if self.backend is None:
+            raise CacheAdminError("no storage backend attached")
+        self._check_admin("clear")
+        try:
+            self.backend.clear()
+        except Exception as exc:
+            raise CacheAdminError(f"clear failed: {exc}") from exc
+        return f"Cleared storage backend {self.backend_name!r}"
+
+    def update_policies(self, **fields) -> dict:
+        """Change prefetch/write policies, threshold or timeouts at runtime; returns ``storage_status()``.
+
+        Raises ``CacheAdminError`` naming a bad field or value, or while cache I/O is in flight.
+        """
+        unknown = [k for k in fields if k not in _POLICY_FIELDS]
+        if unknown:
+            raise CacheAdminError(
+                f"{unknown[0]}: not a runtime HiCache setting (use {', '.join(_POLICY_FIELDS)})"
+            )
+        try:
+            config = self.config.updated(**fields)
+        except ValueError as exc:
+            raise CacheAdminError(str(exc)) from exc
+        self._check_admin("update")
+        self.config = config
+        self.controller.set_prefetch_threshold(config.prefetch_threshold)
+        return self.storage_status()
+
+    def storage_status(self) -> dict:
+        """Live HiCache storage settings under SGLang's names."""
+        cfg = self.config
+        return {
+            "hicache_storage_backend": self.backend_name,
+            "hicache_storage_backend_extra_config": dict(cfg.extra_config) if self.backend_name else None,
+            "hicache_storage_prefetch_policy": cfg.prefetch_policy,
+            "hicache_write_policy": cfg.write_policy,
+            "hicache_mem_layout": cfg.mem_layout,
+            "hicache_io_backend": cfg.io_backend,
+            "prefetch_threshold": cfg.prefetch_threshold,
+            "prefetch_timeout_base": cfg.prefetch_timeout_base,
+            "prefetch_timeout_per_ki_token": cfg.prefetch_timeout_per_ki_token,
+            "prefetch_timeout_max": cfg.prefetch_timeout_max,
+        }
