@@ -55,6 +55,9 @@ settings.SECURE_SSL_REDIRECT = False
 settings.SESSION_COOKIE_SECURE = False
 settings.CSRF_COOKIE_SECURE = False
 settings.OPERATION_POLL_INTERVAL_S = 0.1
+# No persistent connections in the test process: asgiref's executor threads would otherwise keep sessions
+# open and PostgreSQL refuses to drop the test database at the end.
+settings.DATABASES["default"]["CONN_MAX_AGE"] = 0
 # Fast hashing in-process; PBKDF2 stays available for users that subprocess servers must authenticate.
 settings.PASSWORD_HASHERS = [
     "django.contrib.auth.hashers.MD5PasswordHasher",
@@ -110,10 +113,12 @@ def fake_router():
 
 
 @pytest.fixture(scope="session")
-def celery_worker_process(django_db_setup, django_db_blocker):
+def celery_worker_process(django_db_setup, django_db_blocker, tmp_path_factory):
     """A real `celery worker` (threads pool) consuming this run's queue on the local Redis."""
     with django_db_blocker.unblock():
         env = subprocess_env()
+    log_path = tmp_path_factory.mktemp("celery") / "worker.log"
+    log = log_path.open("wb")  # a file, not a pipe: a pipe nobody reads would block the worker when full
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -136,18 +141,19 @@ def celery_worker_process(django_db_setup, django_db_blocker):
         ],
         cwd=REPO,
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
     )
     time.sleep(0.5)
     if proc.poll() is not None:
-        raise RuntimeError(proc.stdout.read().decode())
+        raise RuntimeError(log_path.read_text())
     yield proc
     proc.terminate()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
+    log.close()
 
 
 @pytest.fixture
@@ -196,17 +202,19 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def asgi_server(transactional_db):
+def asgi_server(transactional_db, tmp_path):
     """The real ASGI app under daphne (HTTP + websockets) on a free loopback port, on this run's test DB."""
     import httpx
 
     port = free_port()
+    log_path = tmp_path / "daphne.log"
+    log = log_path.open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"],
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90  # generous: the shared 2-core machine can be heavily loaded
@@ -218,10 +226,11 @@ def asgi_server(transactional_db):
             time.sleep(0.2)
     else:
         proc.kill()
-        raise RuntimeError(proc.stderr.read().decode())
+        raise RuntimeError(log_path.read_text())
     yield base
     proc.terminate()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
+    log.close()
