@@ -9,6 +9,7 @@ already moved and does nothing.
 import hashlib
 import json
 import logging
+from contextlib import nullcontext
 from datetime import timedelta
 
 from django.conf import settings
@@ -71,7 +72,10 @@ def target_transition(target: OperationTarget, *, to: str, explanation: str | No
         changes["explanation"] = explanation
     if to in FINAL_STATES or to == T.SUCCEEDED:
         changes["finished_at"] = now
-    with transaction.atomic():
+    audited = to in (T.SUCCEEDED, T.FAILED, T.REVERTED)
+    # A progress-only move is one UPDATE (its own transaction in autocommit); an outcome also appends its
+    # audit record, in the same transaction.
+    with transaction.atomic() if audited else nullcontext():
         moved = OperationTarget.objects.filter(pk=target.pk, state=expected).update(
             version=F("version") + 1, **changes
         )
@@ -80,7 +84,7 @@ def target_transition(target: OperationTarget, *, to: str, explanation: str | No
         for key, value in changes.items():
             setattr(target, key, value)
         target.version += 1
-        if to in (T.SUCCEEDED, T.FAILED, T.REVERTED):
+        if audited:
             _audit_target(target, expected)
         op_id = target.operation_id
         emit_on_commit(
