@@ -183,6 +183,7 @@ class HiCacheController:
         plan = self.io.plan(op.device_indices, op.host_indices)
         for layer in range(self.num_layers):
             self.io.load_layer(layer, plan)
+            self.io.fence()
             op.layer_done[layer].set()
         self.stats.add(
             bytes_h2d=len(op.device_indices) * self.io.bytes_per_token,

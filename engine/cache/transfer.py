@@ -7,7 +7,9 @@ The host side is split into runs of consecutive pages (the host allocator hands 
 pages, so a node's pages are usually one run), so each run is a single pass:
 L2 -> L1 ``device.index_copy_(0, device_pages, host[run])``; L1 -> L2
 ``torch.index_select(device, 0, device_pages, out=host[run])``. Heavily fragmented host pages fall back
-to gather + scatter. Supports ``layer_first`` and ``page_first_direct``.
+to gather + scatter. Supports ``layer_first`` and ``page_first_direct``. With a CUDA device pool the
+host runs go up with ``non_blocking`` copies from the pinned host buffer and ``fence`` waits for the
+stream before a layer is reported done.
 """
 
 from __future__ import annotations
@@ -64,12 +66,18 @@ class DirectIO:
         else:
             self._host = [(_page_rows(buf[0, :, i], hp), _page_rows(buf[1, :, i], hp)) for i in range(L)]
         self.bytes_per_token = device_pool.bytes_per_token
+        self.device = device_pool.device
+
+    def fence(self) -> None:
+        """Wait until the copies issued so far are complete (a no-op on CPU, where they are synchronous)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def plan(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> tuple:
         """Page numbers and host runs for a copy; reuse it for every layer of one transfer."""
         if len(device_indices) != len(host_indices):
             raise ValueError(f"copy of {len(device_indices)} device slots to {len(host_indices)} host slots")
-        dev = slots_to_pages(device_indices, self.page_size)
+        dev = slots_to_pages(device_indices, self.page_size).to(self.device)
         host = slots_to_pages(host_indices, self.page_size)
         if len(host) == 0:
             return dev, host, []
@@ -86,21 +94,23 @@ class DirectIO:
         dev, host, runs = plan
         for dev_rows, host_rows in zip(self._device[layer], self._host[layer], strict=True):
             if runs is None:
-                dev_rows.index_copy_(0, dev, host_rows.index_select(0, host))
+                dev_rows.index_copy_(0, dev, host_rows.index_select(0, host).to(self.device))
                 continue
             for first, a, b in runs:
-                dev_rows.index_copy_(0, dev[a:b], host_rows[first : first + b - a])
+                dev_rows.index_copy_(
+                    0, dev[a:b], host_rows[first : first + b - a].to(self.device, non_blocking=True)
+                )
 
     def backup_layer(self, layer: int, plan: tuple) -> None:
         """L1 -> L2 copy of one layer's K and V for a ``plan``."""
         dev, host, runs = plan
         for dev_rows, host_rows in zip(self._device[layer], self._host[layer], strict=True):
             if runs is None:
-                host_rows.index_copy_(0, host, dev_rows.index_select(0, dev))
+                host_rows.index_copy_(0, host, dev_rows.index_select(0, dev).cpu())
                 continue
             for first, a, b in runs:
                 out = host_rows[first : first + b - a]
-                if out.is_contiguous():
+                if out.is_contiguous() and self.device.type == "cpu":
                     torch.index_select(dev_rows, 0, dev[a:b], out=out)
                 else:
                     out.copy_(dev_rows.index_select(0, dev[a:b]))
@@ -110,3 +120,4 @@ class DirectIO:
         plan = self.plan(device_indices, host_indices)
         for layer in range(self.num_layers):
             self.backup_layer(layer, plan)
+        self.fence()
