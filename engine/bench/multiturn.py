@@ -155,8 +155,12 @@ def trace_requests(
 
 
 async def run_trace(url: str, a: argparse.Namespace, vocab: int) -> list[Result]:
-    """Replay a scaled trace: requests start at their (sped-up) timestamps, ``max_parallel`` at most."""
-    reqs = trace_requests(a.trace, a.trace_scale, a.max_requests, vocab)
+    """Replay a scaled trace: requests start at their (sped-up) timestamps, ``max_parallel`` at most.
+
+    A prompt longer than the server's context allows (with its output) keeps only its head."""
+    context = httpx.get(f"{url}/server_info", timeout=10).json()["context_length"]
+    reqs = [(at, ids[: context - n_out - 1], n_out)
+            for at, ids, n_out in trace_requests(a.trace, a.trace_scale, a.max_requests, vocab)]  # fmt: skip
     sem = asyncio.Semaphore(a.max_parallel)
     results: list[Result] = []
     start = time.perf_counter()
