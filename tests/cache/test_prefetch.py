@@ -4,9 +4,11 @@ import threading
 import time
 
 import pytest
+import torch
 from cache_testlib import MemoryBackend, assert_kv, check_invariants, prefill, scribble_free_device_slots
 
 from engine.cache.keys import page_hashes
+from engine.cache.prefetch import PrefetchOperation, can_terminate, prefetch_timeout
 
 T = list(range(1, 65))  # 16 pages of 4
 
@@ -128,12 +130,12 @@ def test_wait_complete_waits_for_every_page(l3_cache):
 
 
 def test_timeout_policy_gives_up_after_timeout(l3_cache):
-    cache, backend = l3_cache(prefetch_policy="timeout", prefetch_timeout_base=0.05)
+    cache, backend = l3_cache(prefetch_policy="timeout", prefetch_timeout_base=0.3)
     cache.update_policies(prefetch_timeout_per_ki_token=0.0)
     backend.gate = threading.Event()
     _prefetch(cache)
     assert not cache.check_prefetch_progress("r")
-    time.sleep(0.08)
+    time.sleep(0.35)
     assert cache.check_prefetch_progress("r")
     assert cache.stats.prefetch_timed_out == 1
     op_tokens = cache.pop_prefetch_loaded_tokens("r")
@@ -222,3 +224,17 @@ def test_file_backend_prefetch_after_reset_restores_kv(make_cache, tmp_path):
     _wait_worker(cache)
     assert cache.check_prefetch_progress("r")
     assert_kv(cache.device_pool, T, _load_all(cache, T))
+
+
+def test_timeout_formula_and_policy_before_hit_query():
+    assert prefetch_timeout(2048, base=2.0, per_ki_token=0.1, maximum=30.0) == pytest.approx(2.2)
+    assert prefetch_timeout(10**6, base=2.0, per_ki_token=0.1, maximum=30.0) == 30.0
+    op = PrefetchOperation("r", list(range(64)), torch.arange(64), None)
+    start = op.start_time
+    assert can_terminate("best_effort", op, 4, start, 2.0, 0.1, 30.0)
+    assert not can_terminate("wait_complete", op, 4, start + 100, 2.0, 0.1, 30.0)
+    assert not can_terminate("timeout", op, 4, start + 1.9, 2.0, 0.1, 30.0)  # before the hit: just base
+    assert can_terminate("timeout", op, 4, start + 2.1, 2.0, 0.1, 30.0)
+    op.hash_value = ["k"] * 16
+    op.completed_tokens = 64
+    assert can_terminate("wait_complete", op, 4, start, 2.0, 0.1, 30.0)
