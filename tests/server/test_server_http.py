@@ -4,6 +4,7 @@ flush, bad input answered with 4xx while the server keeps serving."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -192,3 +193,20 @@ def test_health_fails_when_scheduler_thread_is_dead(serve):
     assert resp.status_code == 503 and "dead" in resp.text
     gen = client.post("/generate", json={"text": "a", "stream": True})
     assert gen.status_code == 503 and "not running" in gen.json()["error"]["message"]
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_kv(serve):
+    server, client = serve("--enable-hierarchical-cache")
+    body = {"input_ids": [5, 6, 7], "stream": True,
+            "sampling_params": {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    with client.stream("POST", "/generate", json=body) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                break  # one token arrived; drop the connection
+    deadline = time.monotonic() + 20
+    while (info := client.get("/server_info").json())["num_running_reqs"]:
+        assert time.monotonic() < deadline, "aborted request still running"
+        time.sleep(0.05)
+    assert info["is_idle"] is True
+    used = server.engine.scheduler.state["num_used_tokens"]
+    assert used == 0  # everything the request held went back to the pool or the evictable tree
