@@ -137,7 +137,8 @@ class Scheduler:
                 f"#queue-req={len(self.waiting)} #running-req={running}"
             )
         if not self.cache.is_io_idle():
-            raise NotIdleError(f"Reject {action}: cache I/O in flight {self.cache.inflight_io()}")
+            io = self.cache.inflight_io()
+            raise NotIdleError(f"Reject {action}: scheduler is not idle. cache I/O in flight {io}")
 
     # ----------------------------------------------------------------- loop
     def _loop(self) -> None:
