@@ -5,7 +5,8 @@ pool mutations happen on the caller's (scheduler) thread; the :class:`HiCacheCon
 copy data and report back through ack queues drained by ``check_hicache_events``. With
 ``enable_hierarchical=False`` this is a plain L1 radix cache (no host pool, no storage): eviction deletes
 nodes and nothing is ever loaded back. Behaviour follows hicache-spec §1-3 and §7; where this code
-deliberately differs it says so next to the code.
+deliberately differs it says so next to the code. The prefetch methods live in
+:mod:`engine.cache.prefetching` and the storage admin methods in :mod:`engine.cache.admin` (mixins).
 """
 
 from __future__ import annotations
