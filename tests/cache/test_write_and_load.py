@@ -245,3 +245,17 @@ def test_storage_calls_get_prefix_keys_when_asked(make_cache):
     assert seen == [anchor.hash_value]
     cache.release_aborted_request("r")
     cache.drain_io()
+
+
+def test_split_while_write_in_flight_backs_up_both_halves(make_cache, tmp_path):
+    cache = make_cache(storage_backend="file", extra_config={"file_path": str(tmp_path)})
+    prefill(cache, T)  # one 16-token node, its L1->L2 copy not yet acknowledged
+    node = _node(cache, T)
+    assert node.lock_ref == 1
+    cache.match_prefix([*T[:8], 99, 99, 99, 99])  # splits the node at 8 while the copy runs
+    upper = node.parent
+    assert upper.key == T[:8] and upper.lock_ref == 1 and upper.pending_write == node.pending_write
+    cache.drain_io()
+    assert upper.lock_ref == node.lock_ref == 0 and upper.pending_write is node.pending_write is None
+    assert cache.stats.backuped_tokens == 16 and len(list(tmp_path.glob("*.bin"))) == 4
+    check_invariants(cache)
