@@ -188,10 +188,13 @@ class Scheduler:
     def _run_command(self, cmd: _Command) -> None:
         if not cmd.future.set_running_or_notify_cancel():
             return
+        self.busy_since = time.monotonic()
         try:
             cmd.future.set_result(cmd.fn(self))
         except Exception as exc:
             cmd.future.set_exception(exc)
+        finally:
+            self.busy_since = None
 
     def _enqueue(self, req: Req) -> None:
         if req.rid in self.reqs:

@@ -210,3 +210,15 @@ def test_client_disconnect_aborts_the_request_and_frees_its_kv(serve):
     assert info["is_idle"] is True
     used = server.engine.scheduler.state["num_used_tokens"]
     assert used == 0  # everything the request held went back to the pool or the evictable tree
+
+
+def test_health_fails_while_the_scheduler_is_stuck(serve):
+    server, client = serve("--watchdog-timeout", "0.3")
+    stuck = server.engine.scheduler.call(lambda s: time.sleep(2.0))  # blocks the scheduler thread
+    time.sleep(0.6)
+    resp = client.get("/health")
+    assert resp.status_code == 503 and "watchdog" in resp.text
+    assert client.get("/health_generate").status_code == 503
+    stuck.result(10)
+    assert client.get("/health").status_code == 200
+    assert client.get("/health_generate").status_code == 200
