@@ -33,5 +33,10 @@ def smollm2_runner(smollm2_checkpoint):
 
 
 @pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
+def _one_torch_thread():
+    """Model tests run torch on one thread (restored after): the many small ops of the tiny models stall on
+    OpenMP barriers when the 2 shared cores are busy with other tests."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
