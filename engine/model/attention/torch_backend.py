@@ -43,9 +43,18 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode: _Decode | None = None
         self._single = False
 
+    @staticmethod
+    def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``buf[slots]`` as ``(*slots.shape, num_kv_heads, head_dim)``.
+
+        ``index_select`` copies rows at memcpy speed; advanced indexing is about 5x slower on CPU.
+        """
+        rows = torch.index_select(buf, 0, slots.reshape(-1))
+        return rows.view(*slots.shape, *buf.shape[1:]).to(dtype)
+
     def _gathered(self, buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``buf[slots]`` with KV heads repeated to query heads: ``(S, num_heads, head_dim)``."""
-        kv = buf[slots].to(dtype)
+        """K/V of ``slots`` ``(S,)`` with KV heads repeated to query heads: ``(S, num_heads, head_dim)``."""
+        kv = self._gather(buf, slots, dtype)
         group = self.num_heads // self.num_kv_heads
         return kv if group == 1 else kv.repeat_interleave(group, dim=-2)
 
@@ -120,8 +129,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         # GQA without repeating K/V: the g query heads of KV head j act as g queries against that head's keys
         bd, group = dec.slots.shape[0], self.num_heads // self.num_kv_heads
-        keys = k_buf[dec.slots].to(q.dtype).transpose(1, 2)  # (Bd, Hkv, Smax, D)
-        values = v_buf[dec.slots].to(q.dtype).transpose(1, 2)
+        keys = self._gather(k_buf, dec.slots, q.dtype).transpose(1, 2)  # (Bd, Hkv, Smax, D)
+        values = self._gather(v_buf, dec.slots, q.dtype).transpose(1, 2)
         queries = q[dec.token_index].view(bd, self.num_kv_heads, group, self.head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=dec.mask, scale=self.scale)
         return out.reshape(bd, self.num_heads, self.head_dim)
