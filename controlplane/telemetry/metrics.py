@@ -3,7 +3,8 @@
 Snapshot keys (all floats): cached_tokens_{device,host,storage} (counters), cache_hit_rate, num_running_reqs,
 num_queue_reqs, hicache_host_used_tokens, hicache_host_total_tokens, host_pool_use (0..1),
 {prefetched,backuped,load_back,evicted}_tokens_total, prefetch_{started,completed,timeout,revoked}_total,
-ttft_p50_s, ttft_p99_s (histogram quantiles, linear within the bucket as Prometheus histogram_quantile does),
+ttft_p50_s, ttft_p99_s (histogram quantiles, linear within the bucket as Prometheus histogram_quantile does);
+prefetch_started_total is completed + timeout + revoked when the worker exports no started counter;
 and, given the previous snapshot, per-second rates: load_back_tokens_per_s, backup_tokens_per_s,
 prefetch_tokens_per_s and hit shares per tier over the interval: hit_share_{device,host,storage}.
 """

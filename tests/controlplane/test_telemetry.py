@@ -155,3 +155,34 @@ async def test_broadcast_is_throttled_to_one_per_second_and_coalesced(personas, 
     assert await communicator.receive_nothing(timeout=1.2)
     await communicator.disconnect()
     await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_operation_progress_is_pushed_to_its_group(personas, fake_worker):
+    from controlplane.operations.services import operation_create, target_step
+
+    fake = fake_worker()
+
+    def launch():
+        worker = EngineWorkerFactory(url=fake.url, admin_key=fake.admin_key)
+        return operation_create(kind="detach", workers=[worker], actor=None, dispatch=False)
+
+    op = await database_sync_to_async(launch)()
+    communicator, connected, _ = await _connect(f"/ws/v1/events/?token={personas['viewer'][1]}")
+    await communicator.send_json_to({"action": "subscribe", "groups": [f"operation.{op.pk}"]})
+    await communicator.receive_json_from(timeout=2)
+    target_id = await database_sync_to_async(lambda: op.targets.get().pk)()
+    assert await database_sync_to_async(target_step)(target_id=target_id) is None
+    seen = []
+    while not seen or seen[-1]["type"] != "operation.state_changed":
+        seen.append(await communicator.receive_json_from(timeout=3))
+    moves = [(m["data"]["from"], m["data"]["state"]) for m in seen if m["type"] == "operation.target_changed"]
+    assert moves == [
+        ("pending", "waiting_for_idle"),
+        ("waiting_for_idle", "applying"),
+        ("applying", "verifying"),
+        ("verifying", "succeeded"),
+    ]
+    assert seen[-1]["data"]["state"] == "succeeded"
+    await communicator.disconnect()
