@@ -74,8 +74,9 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         )
     except ValueError as exc:  # bad layout / io backend / storage backend settings
         raise ArgumentError(f"--hicache-*: {exc}") from None
-    if args.hicache_storage_backend == "mooncake" and args.hicache_mem_layout == "layer_first":
-        args.hicache_mem_layout = cache.config.mem_layout  # the arg is corrected too, as upstream does
+    if args.enable_hierarchical_cache:  # layout / io corrections (e.g. mooncake + layer_first) show in the
+        args.hicache_mem_layout = cache.config.mem_layout  # args too, as upstream's server_args does
+        args.hicache_io_backend = cache.config.io_backend
     chunk = args.chunked_prefill_size
     if chunk is None:
         chunk = 2048 if args.device == "cpu" else 8192
