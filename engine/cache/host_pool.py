@@ -180,9 +180,11 @@ def resolve_layout(layout: str, io_backend: str, storage_backend: str | None) ->
     * ``page_first_direct`` + ``kernel`` -> io backend ``direct`` (warning; server_args).
     * ``mooncake`` + ``layer_first`` -> ``page_first`` (kernel io) / ``page_first_direct`` (direct io)
       (warning; server_args).
-    * ``page_first`` + ``direct`` -> ``page_first_direct`` (warning; HiRadixCache init).
-    Refused (``ValueError``): an unknown layout or io backend, and ``kernel`` io, whose GPU kernels are
-    not part of this build (use ``direct``).
+    * ``kernel`` -> ``direct`` (warning): this build has no GPU gather/scatter io kernels, so an
+      upstream launch command (whose default is ``kernel``) runs on the ``direct`` backend instead.
+    * ``page_first`` + ``direct`` -> ``page_first_direct`` (warning; HiRadixCache init), also after the
+      correction above, so ``page_first`` + ``kernel`` ends as ``page_first_direct`` + ``direct``.
+    Refused (``ValueError``): an unknown layout or io backend.
     """
     if layout not in ("layer_first", "page_first", "page_first_direct"):
         raise ValueError(f"hicache_mem_layout: unsupported layout {layout!r}")
@@ -196,11 +198,10 @@ def resolve_layout(layout: str, io_backend: str, storage_backend: str | None) ->
         logger.warning(
             "mooncake storage needs a page-first layout; switching hicache_mem_layout to %s", layout
         )
+    if io_backend == "kernel":
+        logger.warning("kernel io backend is not available (no GPU io kernels in this build); using direct")
+        io_backend = "direct"
     if layout == "page_first" and io_backend == "direct":
         logger.warning("page_first layout is not supported by the direct io backend; using page_first_direct")
         layout = "page_first_direct"
-    if io_backend == "kernel":
-        raise ValueError(
-            "hicache_io_backend: 'kernel' needs the GPU kernels, not in this build; use 'direct'"
-        )
     return layout, io_backend

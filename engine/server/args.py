@@ -60,7 +60,7 @@ class ServerArgs:
     hicache_ratio: float = 2.0
     hicache_size: int = 0
     hicache_write_policy: str = "write_through"
-    hicache_io_backend: str = "direct"
+    hicache_io_backend: str = "kernel"
     hicache_mem_layout: str = "layer_first"
     hicache_storage_backend: str | None = None
     hicache_storage_prefetch_policy: str = "best_effort"
@@ -140,7 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hicache-ratio", type=float, default=2.0)
     a("--hicache-size", type=int, default=0, help="host pool size in GB; overrides --hicache-ratio when > 0")
     a("--hicache-write-policy", choices=WRITE_POLICIES, default="write_through")
-    a("--hicache-io-backend", choices=IO_BACKENDS, default="direct", help="kernel needs the GPU kernels")
+    a(
+        "--hicache-io-backend",
+        choices=IO_BACKENDS,
+        default="kernel",
+        help="upstream default kernel; without GPU io kernels (this build) the cache corrects it to direct",
+    )
     a("--hicache-mem-layout", choices=MEM_LAYOUTS, default="layer_first")
     a("--hicache-storage-backend", choices=registered_backends(), default=None)
     a("--hicache-storage-prefetch-policy", choices=PREFETCH_POLICIES, default="best_effort")

@@ -136,14 +136,14 @@ def test_host_size_from_ratio_or_gb_and_checks():
 def test_layout_corrections_warn_and_refusals(caplog):
     with caplog.at_level(logging.WARNING):
         assert resolve_layout("page_first", "direct", None) == ("page_first_direct", "direct")
-        assert resolve_layout("page_first_direct", "kernel", None) == ("page_first_direct", "direct")
+        assert resolve_layout("page_first_direct", "direct", None) == ("page_first_direct", "direct")
         assert resolve_layout("layer_first", "direct", "mooncake") == ("page_first_direct", "direct")
-    assert len(caplog.records) == 3
+    assert len(caplog.records) == 2
     assert resolve_layout("layer_first", "direct", "file") == ("layer_first", "direct")
     with pytest.raises(ValueError, match="page_head"):
         resolve_layout("page_head", "direct", None)
-    with pytest.raises(ValueError, match="kernel"):
-        resolve_layout("layer_first", "kernel", None)
+    with pytest.raises(ValueError, match="hicache_io_backend"):
+        resolve_layout("layer_first", "kernel_ascend", None)
 
 
 # -- direct io ----------------------------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""``--hicache-io-backend kernel`` (upstream's default) without GPU io kernels: corrected to ``direct`` with a
+logged warning, upstream's layout rules applied after the correction, and the cache works on the result."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from cache_testlib import assert_kv, check_invariants, prefill, scribble_free_device_slots
+
+from engine.cache.host_pool import resolve_layout
+
+T = list(range(1, 41))  # 10 pages of 4
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize(
+    ("layout", "storage", "expected"),
+    [
+        ("layer_first", None, "layer_first"),
+        ("page_first", None, "page_first_direct"),  # kernel -> direct, then page_first + direct rule
+        ("page_first_direct", None, "page_first_direct"),
+        ("layer_first", "mooncake", "page_first_direct"),  # mooncake rule, kernel -> direct, page_first rule
+        ("layer_first", "file", "layer_first"),
+    ],
+)
+def test_kernel_is_corrected_to_direct_with_a_warning(caplog, layout, storage, expected):
+    with caplog.at_level(logging.WARNING, logger="engine.cache.host_pool"):
+        assert resolve_layout(layout, "kernel", storage) == (expected, "direct")
+    messages = _warnings(caplog)
+    assert any("io backend" in m and "direct" in m for m in messages), messages  # io correction logged
+    if expected != layout:
+        assert any(expected in m for m in messages), messages
+
+
+def test_direct_is_never_corrected(caplog):
+    with caplog.at_level(logging.WARNING, logger="engine.cache.host_pool"):
+        assert resolve_layout("layer_first", "direct", None) == ("layer_first", "direct")
+    assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"), [("layer_first", "layer_first"), ("page_first", "page_first_direct")]
+)
+def test_cache_built_with_kernel_runs_direct_and_round_trips_kv(make_cache, caplog, layout, expected):
+    with caplog.at_level(logging.WARNING, logger="engine.cache.host_pool"):
+        cache = make_cache(device_tokens=64, io_backend="kernel", mem_layout=layout)
+    assert (cache.config.io_backend, cache.config.mem_layout) == ("direct", expected)
+    assert cache.host_pool.layout == expected
+    status = cache.storage_status()
+    assert status["hicache_io_backend"] == "direct"
+    assert any("kernel io backend is not available" in m for m in _warnings(caplog))
+
+    prefill(cache, T)
+    cache.drain_io()  # write-through copy L1 -> L2
+    assert cache.evict(len(T)) == len(T)
+    scribble_free_device_slots(cache)
+    m = cache.match_prefix(T)
+    assert m.host_hit_length == len(T)
+    device, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    cache.drain_io()
+    assert_kv(cache.device_pool, T, device)
+    check_invariants(cache)
