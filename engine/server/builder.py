@@ -74,8 +74,8 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         )
     except ValueError as exc:  # bad layout / io backend / storage backend settings
         raise ArgumentError(f"--hicache-*: {exc}") from None
-    if args.enable_hierarchical_cache:  # layout / io corrections (e.g. mooncake + layer_first) show in the
-        args.hicache_mem_layout = cache.config.mem_layout  # args too, as upstream's server_args does
+    if args.enable_hierarchical_cache:  # layout / io corrections (kernel -> direct, mooncake + layer_first)
+        args.hicache_mem_layout = cache.config.mem_layout  # show in the args too, as upstream's server_args
         args.hicache_io_backend = cache.config.io_backend
     chunk = args.chunked_prefill_size
     if chunk is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -16,6 +17,7 @@ def test_defaults_follow_sglang():
     assert info["enable_hierarchical_cache"] is False and info["hicache_ratio"] == 2.0
     assert info["hicache_size"] == 0 and info["hicache_write_policy"] == "write_through"
     assert info["hicache_mem_layout"] == "layer_first" and info["hicache_storage_backend"] is None
+    assert info["hicache_io_backend"] == "kernel"  # upstream's default; the cache corrects it to direct
     assert info["radix_eviction_policy"] == "lru" and info["max_prefill_tokens"] == 16384
     assert info["disaggregation_mode"] == "null" and info["device"] == "cpu"
 
@@ -60,3 +62,27 @@ def test_a_typical_sglang_hicache_command_parses():
 def test_bad_flags_name_the_flag(argv, flag):
     with pytest.raises(ArgumentError, match=flag):
         parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("flags", "layout"),
+    [
+        ([], "layer_first"),  # default io backend: kernel
+        (["--hicache-io-backend", "kernel", "--hicache-mem-layout", "page_first"], "page_first_direct"),
+        (["--hicache-io-backend", "direct"], "layer_first"),
+    ],
+)
+def test_upstream_kernel_io_starts_and_server_info_shows_direct(serve, caplog, flags, layout):
+    with caplog.at_level(logging.WARNING, logger="engine.cache.host_pool"):
+        _, client = serve("--enable-hierarchical-cache", *flags)
+    corrected = "direct" not in flags
+    assert any("kernel io backend is not available" in r.getMessage() for r in caplog.records) is corrected
+    info = client.get("/server_info").json()
+    assert (info["hicache_io_backend"], info["hicache_mem_layout"]) == ("direct", layout)
+    assert (info["hicache"]["hicache_io_backend"], info["hicache"]["hicache_mem_layout"]) == (
+        "direct",
+        layout,
+    )
+    body = {"input_ids": list(range(3, 40)), "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    resp = client.post("/generate", json=body)
+    assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 2
