@@ -113,7 +113,7 @@ class StorageAdminMixin:
         self.backend, self.backend_name = instance, name
         backup_skip = self.replicated_kv and self.tp_rank != 0
         self.controller.attach_storage(
-            instance, storage_config.namespace, config.prefetch_threshold, backup_skip
+            instance, storage_config.namespace, config.prefetch_threshold, backup_skip, name
         )
         for node in self.tree.nodes():
             if node.hash_value is None:

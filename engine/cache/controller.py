@@ -123,6 +123,7 @@ class HiCacheController:
         self._loader = _Worker("hicache-load", self._run_load)
         # storage side (attach_storage / detach_storage)
         self.backend: HiCacheStorage | None = None
+        self.backend_name: str | None = None
         self._detached_backend_errors = 0
         self.namespace: bytes | None = None
         self.backup_skip = False
@@ -185,10 +186,9 @@ class HiCacheController:
             self.io.load_layer(layer, plan)
             self.io.fence()
             op.layer_done[layer].set()
-        self.stats.add(
-            bytes_h2d=len(op.device_indices) * self.io.bytes_per_token,
-            load_back_seconds=time.perf_counter() - start,
-        )
+        seconds = time.perf_counter() - start
+        self.stats.add(bytes_h2d=len(op.device_indices) * self.io.bytes_per_token, load_back_seconds=seconds)
+        self.stats.observe("load_back_duration_seconds", seconds)
         op.done.set()
 
     def wait_layer(self, layer: int) -> None:
@@ -206,10 +206,11 @@ class HiCacheController:
 
     # -- storage attach --------------------------------------------------------------------------------------
     def attach_storage(
-        self, backend: HiCacheStorage, namespace: bytes, threshold: int, backup_skip: bool
+        self, backend: HiCacheStorage, namespace: bytes, threshold: int, backup_skip: bool, name: str
     ) -> None:
-        """Start the backup and prefetch threads for ``backend``."""
+        """Start the backup and prefetch threads for ``backend`` (``name`` labels its I/O histograms)."""
         self.backend = backend
+        self.backend_name = name
         self.namespace = namespace
         self.backup_skip = backup_skip
         self.set_prefetch_threshold(threshold)
@@ -229,7 +230,7 @@ class HiCacheController:
         if backend is not None:
             self._detached_backend_errors += backend.get_stats().get("errors", 0)
         self._backuper = self._prefetcher = None
-        self.namespace = None
+        self.namespace = self.backend_name = None
         return backend
 
     # -- L2 -> L3 --------------------------------------------------------------------------------------------
@@ -250,6 +251,7 @@ class HiCacheController:
         for start in range(0, len(op.hash_value), STORAGE_BATCH_SIZE):
             keys = op.hash_value[start : start + STORAGE_BATCH_SIZE]
             slots = op.host_indices[start * P : (start + len(keys)) * P]
+            began = time.perf_counter()
             try:
                 if self.backend.supports_v1:
                     results = self.backend.batch_set_v1(keys, slots, info)
@@ -263,6 +265,7 @@ class HiCacheController:
             ok = _leading_true(results)
             op.completed_tokens += ok * P
             self.stats.add(bytes_l3_write=ok * self.host_pool.page_bytes)
+            self._observe_batch("backup", len(keys), ok, time.perf_counter() - began)
             if ok < len(keys):
                 self.stats.add(storage_errors=1)
                 return
@@ -317,6 +320,7 @@ class HiCacheController:
         for start in range(0, len(keys), STORAGE_BATCH_SIZE):
             batch = keys[start : start + STORAGE_BATCH_SIZE]
             batch_slots = slots[start * P : (start + len(batch)) * P]
+            began = time.perf_counter()
             try:
                 if self.backend.supports_v1:
                     results = self.backend.batch_get_v1(batch, batch_slots, info)
@@ -328,9 +332,18 @@ class HiCacheController:
                 results = []
             ok = _leading_true(results)
             self.stats.add(bytes_l3_read=ok * self.host_pool.page_bytes)
+            self._observe_batch("prefetch", len(batch), ok, time.perf_counter() - began)
             if not op.increment(ok * P) or ok < len(batch):
                 op.failed = ok < len(batch)
                 return
+
+    def _observe_batch(self, kind: str, pages: int, ok: int, seconds: float) -> None:
+        """``{kind}_pgs`` (pages in the batch) and ``{kind}_bandwidth`` (GB/s of the pages that made it;
+        only when some did), as upstream's storage collector."""
+        self.stats.observe(f"{kind}_pgs", pages, self.backend_name)
+        if ok and seconds > 0:
+            gbps = ok * self.host_pool.page_bytes / seconds / 1e9
+            self.stats.observe(f"{kind}_bandwidth", gbps, self.backend_name)
 
     def _read_generic(self, keys: list[str], slots: torch.Tensor) -> list[bool]:
         firsts = slots[:: self.page_size].tolist()

@@ -291,8 +291,11 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
                     break
         finally:
             victims.close()
+        seconds = time.perf_counter() - start
         self._stats.add(evicted_tokens=freed)
-        logger.debug("evicted %d device tokens in %.3f ms", freed, 1e3 * (time.perf_counter() - start))
+        if freed:
+            self._stats.observe("eviction_duration_seconds", seconds)
+        logger.debug("evicted %d device tokens in %.3f ms", freed, 1e3 * seconds)
         return freed
 
     def evict_host(self, num_tokens: int) -> int:

@@ -6,12 +6,51 @@ token counts, seconds wall time, bytes bytes. Updated on the scheduler thread, e
 ``storage_errors`` counts what the cache saw fail (a backend call that raised, a short batch write);
 ``backend_errors`` is what the L3 backends counted themselves (``get_stats()["errors"]``, e.g. a hit query
 answered 0 because the store is down), refreshed when read. The storage-error metric is their sum.
+
+Per-operation observations (``observe``) go into fixed-bucket histograms with SGLang's buckets, so memory
+stays bounded however many operations run and nothing is lost between scrapes; any thread may observe.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass, field, fields
+
+# SGLang's buckets per histogram (metric name without the ``sglang:`` prefix; hicache-spec §9).
+_DURATION_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.02, 0.03, 0.04)
+_DURATION_BUCKETS += (0.05, 0.1, 0.2, 0.5, 1.0)
+_BANDWIDTH_BUCKETS = (0.1, 0.5, 1, 5, 10, 50, 100)
+_PAGES_BUCKETS = (1, 5, 10, 50, 100)
+HISTOGRAM_BUCKETS = {
+    "load_back_duration_seconds": _DURATION_BUCKETS,  # seconds per L2 -> L1 load (all layers)
+    "eviction_duration_seconds": _DURATION_BUCKETS,  # seconds per evict() call that freed slots
+    "prefetch_bandwidth": _BANDWIDTH_BUCKETS,  # GB/s per L3 read batch
+    "backup_bandwidth": _BANDWIDTH_BUCKETS,  # GB/s per L3 write batch
+    "prefetch_pgs": _PAGES_BUCKETS,  # pages per L3 read batch
+    "backup_pgs": _PAGES_BUCKETS,  # pages per L3 write batch
+}
+
+
+class _Histogram:
+    """Observation counts per bucket (``le`` semantics: a value lands in the first bucket >= it)."""
+
+    def __init__(self, buckets: tuple) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def snapshot(self) -> dict:
+        """``{"buckets": [(upper bound, cumulative count), ..., ("+Inf", count)], "sum", "count"}``."""
+        cumulative, total = [], 0
+        for bound, count in zip((*self.buckets, "+Inf"), self.counts, strict=True):
+            total += count
+            cumulative.append((bound, total))
+        return {"buckets": cumulative, "sum": self.sum, "count": total}
 
 
 @dataclass
@@ -43,6 +82,8 @@ class CacheStats:
     inflight_loads: int = 0  # L2->L1 loads queued or running
     inflight_prefetches: int = 0  # L3->L2 prefetches not yet committed, aborted or freed
     inflight_backups: int = 0  # L2->L3 backups not yet acknowledged
+    # (metric, storage backend name or None) -> _Histogram; see HISTOGRAM_BUCKETS
+    histograms: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:
@@ -51,11 +92,28 @@ class CacheStats:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
 
+    def observe(self, metric: str, value: float, storage_backend: str | None = None) -> None:
+        """Thread-safe: count one operation's ``value`` in histogram ``metric`` (a ``HISTOGRAM_BUCKETS``
+        key; ``KeyError`` otherwise), per ``storage_backend`` for the L3 ones."""
+        buckets = HISTOGRAM_BUCKETS[metric]
+        with self._lock:
+            key = (metric, storage_backend)
+            if key not in self.histograms:
+                self.histograms[key] = _Histogram(buckets)
+            self.histograms[key].observe(value)
+
     def record_cached_tokens(self, device: int, host: int, storage: int) -> None:
         """Count one admitted request's cached prefix per tier (``cached_tokens_details``)."""
         self.add(device_hit_tokens=device, host_hit_tokens=host, storage_hit_tokens=storage)
 
     def snapshot(self) -> dict:
-        """All counters as a plain dict."""
+        """All counters as a plain dict; ``histograms`` as a list of ``{"metric", "storage_backend",
+        "buckets", "sum", "count"}`` (see ``_Histogram.snapshot``)."""
         with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+            skip = ("_lock", "histograms")
+            out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+            out["histograms"] = [
+                {"metric": metric, "storage_backend": backend, **hist.snapshot()}
+                for (metric, backend), hist in self.histograms.items()
+            ]
+            return out

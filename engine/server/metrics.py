@@ -4,6 +4,8 @@ Per-request counters and histograms are updated by the scheduler thread through 
 (prometheus-client is thread-safe). Queue gauges and the HiCache counters are read at scrape time from the
 snapshot the scheduler publishes (``Scheduler.state``), so a scrape never touches the cache. Histogram buckets
 follow SGLang's collector (TTFT 0.1…400 s, ITL 0.002…8 s, e2e 0.1…2400 s), with a few finer TTFT buckets.
+The HiCache per-operation histograms (load-back and eviction seconds, L3 batch pages and GB/s) are bucketed by
+the cache itself (``engine.cache.stats.HISTOGRAM_BUCKETS``, SGLang's buckets) and exported from the snapshot.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
 ITL_BUCKETS = (
@@ -47,6 +49,16 @@ CACHE_COUNTERS = {
     "prefetch_timeout": "prefetch_timed_out",
     "prefetch_revoked": "prefetch_revoked",
 }
+# HiCache per-operation histograms (CacheStats.histograms); the L3 ones carry a storage_backend label.
+CACHE_HISTOGRAMS = {
+    "load_back_duration_seconds": "Seconds per L2 -> L1 load-back (all layers)",
+    "eviction_duration_seconds": "Seconds per L1 eviction call that freed slots",
+    "prefetch_bandwidth": "GB/s per L3 -> L2 read batch",
+    "backup_bandwidth": "GB/s per L2 -> L3 write batch",
+    "prefetch_pgs": "Pages per L3 -> L2 read batch",
+    "backup_pgs": "Pages per L2 -> L3 write batch",
+}
+_STORAGE_HISTOGRAMS = ("prefetch_bandwidth", "backup_bandwidth", "prefetch_pgs", "backup_pgs")
 
 
 class EngineMetrics:
@@ -169,3 +181,23 @@ class _StateCollector:
         )
         errors.add_metric(name, stats.get("storage_errors", 0) + stats.get("backend_errors", 0))
         yield errors
+        yield from _histograms(m.model_name, stats.get("histograms", []))
+
+
+def _histograms(model_name: str, observed: list[dict]):
+    """One family per ``CACHE_HISTOGRAMS`` entry with a series per observed (metric, storage backend)."""
+    for metric, doc in CACHE_HISTOGRAMS.items():
+        storage = metric in _STORAGE_HISTOGRAMS
+        labels = ["model_name", "storage_backend"] if storage else ["model_name"]
+        family = HistogramMetricFamily(f"sglang:{metric}", doc, labels=labels)
+        for h in observed:
+            if h["metric"] != metric:
+                continue
+            values = [model_name, h["storage_backend"] or ""] if storage else [model_name]
+            buckets = [(_bound(le), count) for le, count in h["buckets"]]
+            family.add_metric(values, buckets, sum_value=h["sum"])
+        yield family
+
+
+def _bound(le) -> str:
+    return le if le == "+Inf" else repr(float(le))
