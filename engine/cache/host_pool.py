@@ -177,30 +177,28 @@ def _available_memory() -> int:
 def resolve_layout(layout: str, io_backend: str, storage_backend: str | None) -> tuple[str, str]:
     """Apply upstream's layout / io-backend corrections; returns ``(layout, io_backend)``.
 
-    * ``page_first_direct`` + ``kernel`` -> io backend ``direct`` (warning; server_args).
-    * ``mooncake`` + ``layer_first`` -> ``page_first`` (kernel io) / ``page_first_direct`` (direct io)
-      (warning; server_args).
-    * ``kernel`` -> ``direct`` (warning): this build has no GPU gather/scatter io kernels, so an
-      upstream launch command (whose default is ``kernel``) runs on the ``direct`` backend instead.
-    * ``page_first`` + ``direct`` -> ``page_first_direct`` (warning; HiRadixCache init), also after the
-      correction above, so ``page_first`` + ``kernel`` ends as ``page_first_direct`` + ``direct``.
+    First the io backend this build can run: ``kernel`` -> ``direct`` (warning), since there are no GPU
+    gather/scatter io kernels here, so an upstream launch command (whose default is ``kernel``) runs on
+    ``direct``. Upstream's ``page_first_direct`` + ``kernel`` -> ``direct`` rule is part of this. Then
+    upstream's layout rules for the ``direct`` backend:
+
+    * ``mooncake`` + ``layer_first`` -> ``page_first_direct`` (warning; server_args, direct io case).
+    * ``page_first`` + ``direct`` -> ``page_first_direct`` (warning; HiRadixCache init).
+
     Refused (``ValueError``): an unknown layout or io backend.
     """
     if layout not in ("layer_first", "page_first", "page_first_direct"):
         raise ValueError(f"hicache_mem_layout: unsupported layout {layout!r}")
     if io_backend not in ("direct", "kernel"):
         raise ValueError(f"hicache_io_backend: unsupported io backend {io_backend!r}")
-    if layout == "page_first_direct" and io_backend == "kernel":
-        logger.warning("page_first_direct layout needs the direct io backend; switching io backend to direct")
-        io_backend = "direct"
-    if storage_backend == "mooncake" and layout == "layer_first":
-        layout = "page_first" if io_backend == "kernel" else "page_first_direct"
-        logger.warning(
-            "mooncake storage needs a page-first layout; switching hicache_mem_layout to %s", layout
-        )
     if io_backend == "kernel":
         logger.warning("kernel io backend is not available (no GPU io kernels in this build); using direct")
         io_backend = "direct"
+    if storage_backend == "mooncake" and layout == "layer_first":
+        layout = "page_first_direct"
+        logger.warning(
+            "mooncake storage needs a page-first layout; switching hicache_mem_layout to %s", layout
+        )
     if layout == "page_first" and io_backend == "direct":
         logger.warning("page_first layout is not supported by the direct io backend; using page_first_direct")
         layout = "page_first_direct"
