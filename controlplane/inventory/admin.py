@@ -10,7 +10,7 @@ class GpuInline(admin.TabularInline):
 
 @admin.register(Host)
 class HostAdmin(admin.ModelAdmin):
-    list_display = ("name", "address", "last_seen")
+    list_display = ("name", "address", "cpu_count", "memory_bytes", "last_seen")
     inlines = [GpuInline]
 
 

@@ -10,6 +10,18 @@ class Host(models.Model):
     name = models.CharField(max_length=100, unique=True)
     address = models.CharField(max_length=200, blank=True)
     agent_version = models.CharField(max_length=50, blank=True)
+    cpu_count = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Logical CPUs (os.cpu_count()) as the agent reports them; empty for hosts added by hand",
+    )
+    memory_bytes = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Physical memory in bytes as the agent reports it; empty for hosts added by hand",
+    )
     last_seen = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

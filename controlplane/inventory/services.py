@@ -10,6 +10,7 @@ from controlplane.core.services import model_create, model_snapshot, model_updat
 from controlplane.inventory.models import EngineWorker, Gpu, Host, WorkerState
 from controlplane.workerclient import RouterClient, WorkerError
 
+_HOST_FIELDS = ("address", "agent_version", "cpu_count", "memory_bytes")
 _WORKER_FIELDS = ("name", "url", "role", "model_name", "tp_size", "dp_size", "page_size")
 
 
@@ -64,13 +65,18 @@ def worker_record_server_info(*, worker: EngineWorker, info: dict) -> None:
 
 @transaction.atomic
 def agent_register(*, host: dict, workers: list[dict], actor) -> tuple[Host, list[EngineWorker]]:
-    """Upsert a host, its GPUs and its workers as the agent reports them; one audit record per call."""
+    """Upsert a host, its GPUs and its workers as the agent reports them; one audit record per call.
+
+    Host fields the call leaves out (address, agent_version, cpu_count, memory_bytes, gpus) keep their stored
+    values; a new host gets blanks (cpu_count and memory_bytes NULL).
+    """
     host_obj = Host.objects.select_for_update().filter(name=host["name"]).first()
     before = {"host": model_snapshot(host_obj), "workers": []} if host_obj else None
     if host_obj is None:
         host_obj = Host(name=host["name"])
-    host_obj.address = host.get("address", host_obj.address)
-    host_obj.agent_version = host.get("agent_version", host_obj.agent_version)
+    for field in _HOST_FIELDS:
+        if field in host:
+            setattr(host_obj, field, host[field])
     host_obj.last_seen = timezone.now()
     host_obj.full_clean()
     host_obj.save()

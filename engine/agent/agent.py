@@ -116,10 +116,10 @@ class Agent:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stopping.set())
         log.info(
-            "host %s: %d CPUs, %d MiB, %d GPUs; starting %d workers",
+            "host %s: %d CPUs, %.1f GiB, %d GPUs; starting %d workers",
             self.host["name"],
             self.host["cpu_count"],
-            self.host["memory_mib"],
+            self.host["memory_bytes"] / 2**30,
             len(self.host["gpus"]),
             len(self.spec.workers),
         )

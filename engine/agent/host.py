@@ -48,18 +48,20 @@ def _nvidia_smi_gpus() -> list[dict]:
     return found
 
 
-def memory_mib() -> int:
-    """Physical memory of this host in MiB."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+def memory_bytes() -> int:
+    """Physical memory of this host in bytes (page size x physical pages, i.e. ``MemTotal`` of
+    ``/proc/meminfo`` on Linux)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def host_facts(name: str, address: str) -> dict:
-    """The ``host`` object of the control plane's agent register call, plus CPU count and memory."""
+    """The ``host`` object of the control plane's agent register call: name, address, agent version,
+    ``cpu_count`` (logical CPUs, ``os.cpu_count()``), ``memory_bytes`` and ``gpus``."""
     return {
         "name": name,
         "address": address,
         "agent_version": AGENT_VERSION,
         "cpu_count": os.cpu_count() or 1,
-        "memory_mib": memory_mib(),
+        "memory_bytes": memory_bytes(),
         "gpus": gpus(),
     }

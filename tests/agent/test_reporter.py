@@ -1,10 +1,12 @@
 """Reporter against a real HTTP server standing in for the control plane's agent API: buffering while it is
-down (bounded, oldest dropped, logged once), delivery in order after it comes back, re-register on 404."""
+down (bounded, oldest dropped, logged once), delivery in order after it comes back, re-register on 404; the
+agent's register body carries the host's CPU count and memory."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -12,7 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from engine.agent.agent import Agent
 from engine.agent.reporter import ControlPlaneClient, Reporter
+from engine.agent.spec import FleetSpec
 
 
 class RecordingControlPlane:
@@ -120,5 +124,30 @@ def test_rejected_sample_is_dropped_and_unknown_host_registers_again(port):
         cp.known_hosts.clear()  # e.g. the control plane's database was reset
         _tick_until(rep, lambda: len(cp.paths("/register/")) == 2)
         assert rep.registered
+    finally:
+        cp.stop()
+
+
+def _meminfo_total_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    raise AssertionError("no MemTotal in /proc/meminfo")
+
+
+def test_agent_registers_cpu_count_and_memory_bytes(port, tmp_path):
+    spec = FleetSpec(path=str(tmp_path / "fleet.toml"), host_name="node-a", address="10.1.2.3",
+                     log_dir=str(tmp_path), heartbeat_interval_s=60.0, metrics_interval_s=60.0, buffer_size=5,
+                     workers=[])  # fmt: skip
+    cp = RecordingControlPlane(port)
+    cp.start()
+    try:
+        agent = Agent(spec, ControlPlaneClient(f"http://127.0.0.1:{port}", "cp_abc.secret", timeout=2))
+        _tick_until(agent.reporter, lambda: len(cp.paths("/register/")) == 1)
+        host = cp.paths("/register/")[0]["host"]
+        assert host["name"] == "node-a" and host["address"] == "10.1.2.3"
+        assert host["cpu_count"] == os.cpu_count()
+        assert host["memory_bytes"] == _meminfo_total_bytes()
     finally:
         cp.stop()

@@ -12,7 +12,7 @@ from controlplane.accounts.models import ApiToken
 from controlplane.accounts.services import token_create
 from controlplane.audit.models import AuditEvent
 from controlplane.configs.models import ConfigRevision
-from controlplane.inventory.models import EngineWorker, Gpu
+from controlplane.inventory.models import EngineWorker, Gpu, Host
 
 pytestmark = pytest.mark.django_db
 
@@ -134,6 +134,71 @@ def test_agent_register_is_an_upsert(api_as):
     assert beat.json() == {"workers_seen": 1}
     unknown = client.post("/api/v1/agent/heartbeat/", {"host": "nope"}, format="json")
     assert unknown.status_code == 404 and "register first" in unknown.json()["error"]["message"]
+
+
+def test_agent_register_stores_cpu_count_and_memory_bytes(api_as):
+    agent, viewer = api_as("agent"), api_as("viewer")
+    body = {"host": {"name": "gpu-2", "cpu_count": 96, "memory_bytes": 2_164_372_918_272}}
+    first = agent.post("/api/v1/agent/register/", body, format="json")
+    assert first.status_code == 200, first.content
+    assert (first.json()["host"]["cpu_count"], first.json()["host"]["memory_bytes"]) == (
+        96,
+        2_164_372_918_272,
+    )
+    event = AuditEvent.objects.get(action="register", object_type="inventory.host")
+    assert event.after["host"]["cpu_count"] == 96 and event.after["host"]["memory_bytes"] == 2_164_372_918_272
+
+    # Without the fields (an older agent) the upsert keeps what was reported before, with one more record.
+    again = agent.post(
+        "/api/v1/agent/register/", {"host": {"name": "gpu-2", "address": "10.0.0.9"}}, format="json"
+    )
+    assert again.status_code == 200 and again.json()["host"]["cpu_count"] == 96
+    assert Host.objects.get(name="gpu-2").memory_bytes == 2_164_372_918_272
+    assert AuditEvent.objects.filter(action="register", object_type="inventory.host").count() == 2
+
+    # A host added by hand has neither; the fields are read-only there (the agent measures them).
+    by_hand = api_as("operator").post(
+        "/api/v1/inventory/hosts/", {"name": "gpu-3", "cpu_count": 8, "memory_bytes": 1}, format="json"
+    )
+    assert by_hand.status_code == 201
+    assert (by_hand.json()["cpu_count"], by_hand.json()["memory_bytes"]) == (None, None)
+    agent.post("/api/v1/agent/register/", {"host": {"name": "gpu-4", "cpu_count": 8}}, format="json")
+    listed = viewer.get("/api/v1/inventory/hosts/?ordering=-cpu_count&cpu_count__gte=8").json()["results"]
+    assert [(h["name"], h["cpu_count"], h["memory_bytes"]) for h in listed] == [
+        ("gpu-2", 96, 2_164_372_918_272),
+        ("gpu-4", 8, None),
+    ]
+    big = viewer.get("/api/v1/inventory/hosts/?memory_bytes__gte=1000000000000").json()["results"]
+    assert [h["name"] for h in big] == ["gpu-2"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("cpu_count", -4),
+        ("cpu_count", 0),
+        ("cpu_count", 2.5),
+        ("cpu_count", "8"),
+        ("memory_bytes", -1),
+        ("memory_bytes", 1.5e12),
+        ("memory_bytes", True),
+        ("memory_bytes", 2**63),
+    ],
+)
+def test_agent_register_refuses_a_bad_cpu_count_or_memory_bytes(api_as, field, value):
+    client = api_as("agent")
+    good = {"name": "gpu-5", "cpu_count": 16, "memory_bytes": 68_719_476_736}
+    assert client.post("/api/v1/agent/register/", {"host": good}, format="json").status_code == 200
+    stored = Host.objects.get(name="gpu-5")
+    events = AuditEvent.objects.count()
+    bad = {"host": {**good, field: value}, "workers": [{"name": "w5", "url": "http://10.0.0.5:30000"}]}
+    response = client.post("/api/v1/agent/register/", bad, format="json")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "validation_error" and list(error["detail"]["host"]) == [field]
+    after = Host.objects.get(name="gpu-5")
+    assert (after.cpu_count, after.memory_bytes, after.last_seen) == (16, 68_719_476_736, stored.last_seen)
+    assert AuditEvent.objects.count() == events and not EngineWorker.objects.exists()
 
 
 def test_worker_list_filters_orders_and_paginates(api_as):

@@ -197,7 +197,12 @@ ENDPOINTS = {
             "post",
             "/api/v1/agent/register/",
             {
-                "host": {"name": "gpu-a", "gpus": [{"index": 0, "model": "H200", "memory_mib": 1}]},
+                "host": {
+                    "name": "gpu-a",
+                    "cpu_count": 2,
+                    "memory_bytes": 2**30,
+                    "gpus": [{"index": 0, "model": "H200", "memory_mib": 1}],
+                },
                 "workers": [{"name": "a0", "url": "http://a0.local:1"}],
             },
             {},

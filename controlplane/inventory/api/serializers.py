@@ -16,8 +16,20 @@ class HostSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Host
-        fields = ["id", "name", "address", "agent_version", "last_seen", "gpus", "created_at", "updated_at"]
-        read_only_fields = ["last_seen", "created_at", "updated_at"]
+        fields = [
+            "id",
+            "name",
+            "address",
+            "agent_version",
+            "cpu_count",
+            "memory_bytes",
+            "last_seen",
+            "gpus",
+            "created_at",
+            "updated_at",
+        ]
+        # CPU count and memory are what the agent measured (agent/register), not something to type in.
+        read_only_fields = ["cpu_count", "memory_bytes", "last_seen", "created_at", "updated_at"]
 
 
 class RouterSerializer(serializers.ModelSerializer):
@@ -82,6 +94,16 @@ class EngineWorkerSerializer(serializers.ModelSerializer):
         return bool(obj.admin_key_encrypted)
 
 
+class JsonIntegerField(serializers.IntegerField):
+    """An integer that must arrive as a JSON integer: strings ("8"), floats (8.0) and booleans are refused,
+    where DRF's IntegerField would coerce them."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class AgentGpuSerializer(serializers.Serializer):
     index = serializers.IntegerField(min_value=0)
     model = serializers.CharField(max_length=100)
@@ -92,6 +114,8 @@ class AgentHostSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=100)
     address = serializers.CharField(max_length=200, required=False, allow_blank=True)
     agent_version = serializers.CharField(max_length=50, required=False, allow_blank=True)
+    cpu_count = JsonIntegerField(min_value=1, max_value=2**31 - 1, required=False)
+    memory_bytes = JsonIntegerField(min_value=1, max_value=2**63 - 1, required=False)
     gpus = AgentGpuSerializer(many=True, required=False)
 
 

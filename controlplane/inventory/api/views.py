@@ -16,8 +16,12 @@ from controlplane.inventory.selectors import WorkerFilter
 class HostViewSet(ServiceModelViewSet):
     queryset = selectors.host_list()
     serializer_class = s.HostSerializer
-    filterset_fields = ["name"]
-    ordering_fields = ["name", "last_seen", "created_at"]
+    filterset_fields = {
+        "name": ["exact"],
+        "cpu_count": ["exact", "gte", "lte"],
+        "memory_bytes": ["gte", "lte"],
+    }
+    ordering_fields = ["name", "cpu_count", "memory_bytes", "last_seen", "created_at"]
     ordering = ["name"]
 
 
