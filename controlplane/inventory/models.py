@@ -14,13 +14,13 @@ class Host(models.Model):
         null=True,
         blank=True,
         validators=[MinValueValidator(1)],
-        help_text="Logical CPUs (os.cpu_count()) as the agent reports them; empty for hosts added by hand",
+        help_text="Logical CPUs (os.cpu_count()) the agent reported; empty for hosts added by hand",
     )
     memory_bytes = models.PositiveBigIntegerField(
         null=True,
         blank=True,
         validators=[MinValueValidator(1)],
-        help_text="Physical memory in bytes as the agent reports it; empty for hosts added by hand",
+        help_text="Physical memory in bytes the agent reported; empty for hosts added by hand",
     )
     last_seen = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -15,7 +15,7 @@ class Migration(migrations.Migration):
             name="cpu_count",
             field=models.PositiveIntegerField(
                 blank=True,
-                help_text="Logical CPUs (os.cpu_count()) as the agent reports them; empty for hosts added by hand",
+                help_text="Logical CPUs (os.cpu_count()) the agent reported; empty for hosts added by hand",
                 null=True,
                 validators=[django.core.validators.MinValueValidator(1)],
             ),
@@ -25,7 +25,7 @@ class Migration(migrations.Migration):
             name="memory_bytes",
             field=models.PositiveBigIntegerField(
                 blank=True,
-                help_text="Physical memory in bytes as the agent reports it; empty for hosts added by hand",
+                help_text="Physical memory in bytes the agent reported; empty for hosts added by hand",
                 null=True,
                 validators=[django.core.validators.MinValueValidator(1)],
             ),
