@@ -14,7 +14,8 @@ Follows SGLang's ``HiCacheFile`` (hicache-spec §6.4) with three deliberate diff
 Directory: ``extra_config["file_path"]``, else env ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, else
 ``/tmp/hicache``. It is created if missing; a directory that cannot be created, read or written is a
 :class:`StorageConfigError` at construction naming it. The v1 methods read and write straight from/into
-host-pool memory through ``host_pool.get_page_buffer_views``.
+host-pool memory: the byte ranges of each page inside ``kv_buffer`` are worked out once at
+``register_mem_pool_host`` (:class:`PageRanges`), so a page costs no torch call.
 """
 
 from __future__ import annotations
@@ -53,6 +54,47 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
+class PageRanges:
+    """Where each host page lies in the pool's ``kv_buffer``, as byte views (no torch call per page).
+
+    Like upstream's ``get_page_buffer_meta`` (pointers by arithmetic): the ranges of page ``p`` are those
+    of page 0 (from ``get_page_buffer_views``) shifted by ``p`` times the page stride, which holds for
+    every host layout; checked against the pool's own views of the second and last page. Raises
+    :class:`StorageConfigError` for a pool whose page views are not contiguous or not evenly spaced.
+    """
+
+    def __init__(self, pool) -> None:
+        self.page_size, self.page_num = pool.page_size, pool.page_num
+        self.memory = _as_bytes(pool.kv_buffer)
+        base = pool.kv_buffer.data_ptr()
+
+        def ranges(page: int) -> list[tuple[int, int]]:
+            views = pool.get_page_buffer_views(page * self.page_size)
+            if not all(v.is_contiguous() for v in views):
+                raise StorageConfigError("host pool page views must be contiguous for the file backend")
+            return [(v.data_ptr() - base, v.numel() * v.element_size()) for v in views]
+
+        self.first = ranges(0)
+        self.stride = ranges(1)[0][0] - self.first[0][0] if self.page_num > 1 else 0
+        for page in {1, self.page_num - 1} - {0}:
+            if ranges(page) != self._ranges(page):
+                raise StorageConfigError("host pool pages are not evenly spaced in kv_buffer")
+
+    def _ranges(self, page: int) -> list[tuple[int, int]]:
+        shift = page * self.stride
+        return [(offset + shift, nbytes) for offset, nbytes in self.first]
+
+    def views(self, first_slot: int) -> list[memoryview]:
+        """Writable byte views (no copy) of the page starting at host slot ``first_slot``, in page order.
+
+        Raises ``ValueError`` for a slot that is not the first slot of a page of this pool.
+        """
+        page, rest = divmod(first_slot, self.page_size)
+        if rest or not 0 <= page < self.page_num:
+            raise ValueError(f"slot {first_slot} is not the first slot of a host pool page")
+        return [self.memory[offset : offset + nbytes] for offset, nbytes in self._ranges(page)]
+
+
 class HiCacheFile(HiCacheStorage):
     """Page files under one directory; thread-safe; ``supports_v1`` (zero-copy via page buffer views)."""
 
@@ -68,6 +110,16 @@ class HiCacheFile(HiCacheStorage):
         self._check_directory()
         self._reported: set[str] = set()
         self._reported_lock = threading.Lock()
+        self._pages: PageRanges | None = None
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Remember the host pool and map its pages to byte views once (see :class:`PageRanges`)."""
+        self._pages = PageRanges(mem_pool_host)
+        super().register_mem_pool_host(mem_pool_host)
+
+    def close(self) -> None:
+        self._pages = None
+        super().close()
 
     def _check_directory(self) -> None:
         probe = os.path.join(self.file_path, f".probe-{uuid.uuid4().hex}")
@@ -198,7 +250,7 @@ class HiCacheFile(HiCacheStorage):
 
     # -- v1 zero-copy path -----------------------------------------------------------------------------
     def _views(self, first_slot: int) -> list[memoryview]:
-        return [_as_bytes(v) for v in self.mem_pool_host.get_page_buffer_views(first_slot)]
+        return self._pages.views(first_slot)
 
     def batch_get_v1(
         self,

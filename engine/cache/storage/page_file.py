@@ -6,8 +6,10 @@ the payload (u64), zero padding to ``HEADER_SIZE`` = 4096 so the payload is page
 (aligned copies from the OS page cache). The payload is the page's flat bytes in the writer's layout
 order (``host_pool.get_page_buffer_views`` concatenated).
 
-Payload bytes go through the CPU in 256 KiB pieces, each hashed while still in cache, so the checksum
-costs little next to the copy itself. Any mismatch raises :class:`PageFileError` with the reason.
+Payload bytes go through the CPU in 256 KiB pieces, each hashed right after the kernel copied it (into
+the page cache on write, into the caller's buffers on read), while it is still in the CPU cache: the
+hash never reads memory a second time, so it costs about 5 ms per 189 MB next to a 40-80 ms copy. Any
+mismatch raises :class:`PageFileError` with the reason.
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ def write_page(fd: int, page: PageIdentity, buffers: Sequence[memoryview]) -> in
     os.lseek(fd, HEADER_SIZE, os.SEEK_SET)
     hasher = xxhash.xxh3_64()
     for piece in _pieces(buffers):
-        hasher.update(piece)
         _write_all(fd, piece)
+        hasher.update(piece)
     nbytes = sum(b.nbytes for b in buffers)
     _write_all(fd, pack_header(page, nbytes, hasher.intdigest()), offset=0)
     return nbytes
