@@ -6,7 +6,8 @@
 * ours: ``batch_set_v1`` / ``batch_get_v1`` of the backend (keys, existence check, header + checksum for
   ``file``, stats), in batches of ``--batch`` pages as the cache controller issues them;
 * raw: the store's own calls on the same page buffers: plain ``open/write/close`` and ``readinto`` of one
-  file per page (no header, checksum or rename) for ``file``; the same Mooncake client's
+  file per page (no header, checksum or rename; page buffers from the backend's own ``PageRanges`` map)
+  for ``file``; the same Mooncake client's
   ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` for ``mooncake``.
 
 Every round writes fresh keys and removes them afterwards; ours and raw run back to back in each
@@ -32,6 +33,7 @@ import torch
 from engine.cache.host_pool import HostKVPool
 from engine.cache.keys import page_hashes
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
+from engine.cache.storage.file import PageRanges
 from engine.cache.storage.mooncake_master import MooncakeMaster
 from engine.cache.storage.registry import create_storage_backend
 
@@ -83,14 +85,18 @@ def batches(keys: list[str], pool: HostKVPool, batch: int):
 
 
 class FileRaw:
-    """Plain one-file-per-page write/read of the same page buffers (no header, checksum or rename)."""
+    """Plain one-file-per-page write/read of the same page buffers (no header, checksum or rename).
+
+    Page buffers come from the same :class:`PageRanges` map the backend uses, so neither side pays a
+    per-page torch view lookup that the other does not: the ratio is the cost of the file format alone.
+    """
 
     def __init__(self, pool: HostKVPool, directory: str) -> None:
         self.pool, self.directory = pool, directory
+        self.pages = PageRanges(pool)
 
     def _views(self, page: int) -> list[memoryview]:
-        views = self.pool.get_page_buffer_views(page * self.pool.page_size)
-        return [memoryview(v.reshape(-1).view(torch.uint8).numpy()) for v in views]
+        return self.pages.views(page * self.pool.page_size)
 
     def write(self, keys: list[str]) -> None:
         for page, key in enumerate(keys):

@@ -123,7 +123,7 @@ def read_page(fd: int, expected: PageIdentity, buffers: Sequence[memoryview]) ->
     header, sentinel = bytearray(HEADER_SIZE), bytearray(1)
     pieces = _pieces(buffers)
     want = sum(b.nbytes for b in buffers)
-    hasher, got, last = xxhash.xxh3_64(), 0, len(pieces) - 1
+    hasher, got, last, checksum = xxhash.xxh3_64(), 0, len(pieces) - 1, 0
     for index, piece in enumerate(pieces or [memoryview(b"")]):
         bufs, size = [piece], piece.nbytes
         if index == 0:
@@ -132,7 +132,7 @@ def read_page(fd: int, expected: PageIdentity, buffers: Sequence[memoryview]) ->
             bufs, size = [*bufs, sentinel], size + 1
         n = _readv_full(fd, bufs, size)
         if index == 0:
-            _check_header(fd, header if n >= HEADER_SIZE else b"", expected, want)
+            checksum = _check_header(fd, header if n >= HEADER_SIZE else b"", expected, want)
             n -= HEADER_SIZE
         got += min(n, piece.nbytes)
         if n < piece.nbytes:
@@ -140,13 +140,14 @@ def read_page(fd: int, expected: PageIdentity, buffers: Sequence[memoryview]) ->
         if n > piece.nbytes:
             raise PageFileError(f"file has over {got} payload bytes, header says {want}")
         hasher.update(piece)
-    if hasher.intdigest() != unpack_header(header)[2]:
+    if hasher.intdigest() != checksum:
         raise PageFileError("checksum mismatch")
     return want
 
 
-def _check_header(fd: int, raw, expected: PageIdentity, want: int) -> None:
-    page, nbytes, _ = unpack_header(raw)
+def _check_header(fd: int, raw, expected: PageIdentity, want: int) -> int:
+    """The header's checksum once its fields match ``expected`` and ``want``; else ``PageFileError``."""
+    page, nbytes, checksum = unpack_header(raw)
     for name in ("key", "dtype", "layout", "page_size"):
         if getattr(page, name) != getattr(expected, name):
             raise PageFileError(
@@ -155,6 +156,7 @@ def _check_header(fd: int, raw, expected: PageIdentity, want: int) -> None:
     if nbytes != want:
         intact = os.fstat(fd).st_size == HEADER_SIZE + nbytes  # a whole page of another KV geometry
         raise PageFileError(f"header nbytes {nbytes} != expected {want}", damaged=not intact)
+    return checksum
 
 
 def read_payload_size(path: str) -> int:
