@@ -9,7 +9,7 @@ import torch
 
 from engine.cache.keys import page_hashes
 from engine.cache.storage.base import StorageConfigError
-from engine.cache.storage.file import HiCacheFile
+from engine.cache.storage.file import HiCacheFile, PageRanges
 from engine.cache.storage.page_file import HEADER_SIZE, PageIdentity, pack_header, unpack_header
 from engine.cache.storage.registry import create_storage_backend
 
@@ -280,3 +280,17 @@ def test_directory_vanishing_at_run_time_is_a_counted_failure(make_backend, tmp_
     key = keys_for(backend, 1)[0]
     assert backend.batch_set_v1([key], slots(pool, [0])) == [False]
     assert backend.get_stats()["errors"] == 1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_page_ranges_are_the_pools_own_page_bytes(page_pool_factory, layout):
+    pool = page_pool_factory(layout=layout, pages=5, seed=7)
+    pages = PageRanges(pool)
+    for page in range(pool.page_num):
+        got = b"".join(bytes(v) for v in pages.views(page * pool.page_size))
+        assert got == pool.get_flat_data_page(page * pool.page_size).view(torch.uint8).numpy().tobytes()
+    pages.views(2 * pool.page_size)[0][:4] = b"\x01\x02\x03\x04"  # views write through to the pool
+    assert pool.get_flat_data_page(2 * pool.page_size).view(torch.uint8)[:4].tolist() == [1, 2, 3, 4]
+    for bad in (1, -pool.page_size, pool.page_num * pool.page_size):
+        with pytest.raises(ValueError, match="first slot"):
+            pages.views(bad)
