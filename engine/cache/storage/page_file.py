@@ -89,25 +89,24 @@ def _readv_full(fd: int, bufs: list, total: int) -> int:
         done += n
 
 
-def _write_all(fd: int, buf, offset: int | None = None) -> None:
-    """Write every byte of ``buf`` at the file position (or at ``offset``), retrying short writes."""
-    view, done = memoryview(buf), 0
-    while done < view.nbytes:
-        if offset is None:
-            done += os.write(fd, view[done:])
-        else:
+def _write_all(fd: int, buf, offset: int) -> None:
+    """Write every byte of ``buf`` at ``offset``, retrying short writes."""
+    done = os.pwrite(fd, buf, offset)
+    if done < len(buf):
+        view = memoryview(buf)
+        while done < view.nbytes:
             done += os.pwrite(fd, view[done:], offset + done)
 
 
 def write_page(fd: int, page: PageIdentity, buffers: Sequence[memoryview]) -> int:
     """Write header + payload of ``buffers`` to the new, empty file ``fd``; returns payload bytes."""
-    os.lseek(fd, HEADER_SIZE, os.SEEK_SET)
-    hasher = xxhash.xxh3_64()
+    hasher, offset = xxhash.xxh3_64(), HEADER_SIZE
     for piece in _pieces(buffers):
-        _write_all(fd, piece)
-        hasher.update(piece)
-    nbytes = sum(b.nbytes for b in buffers)
-    _write_all(fd, pack_header(page, nbytes, hasher.intdigest()), offset=0)
+        _write_all(fd, piece, offset)
+        hasher.update(piece)  # right after the copy, while the piece is still in the CPU cache
+        offset += piece.nbytes
+    nbytes = offset - HEADER_SIZE
+    _write_all(fd, pack_header(page, nbytes, hasher.intdigest()), 0)
     return nbytes
 
 
