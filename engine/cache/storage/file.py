@@ -76,7 +76,7 @@ class PageRanges:
 
         self.first = ranges(0)
         self.stride = ranges(1)[0][0] - self.first[0][0] if self.page_num > 1 else 0
-        for page in {1, self.page_num - 1} - {0}:
+        for page in {1, self.page_num - 1} if self.page_num > 1 else ():
             if ranges(page) != self._ranges(page):
                 raise StorageConfigError("host pool pages are not evenly spaced in kv_buffer")
 
