@@ -98,7 +98,7 @@ class StorageStats:
 
 
 class HiCacheStorage(ABC):
-    """Abstract L3 backend. Subclasses implement get/set/exists/batch_get/batch_set.
+    """Abstract L3 backend. Subclasses implement get/set/exists; the batch methods default to per-key loops.
 
     ``batch_exists`` returns the number of consecutive existing keys from the start (a hole ends the run).
     The v1 methods take ``host_indices`` of ``len(keys) * page_size`` host slots, page ``i`` starting at
@@ -119,18 +119,23 @@ class HiCacheStorage(ABC):
         """The page stored under ``key`` (written into ``target_location`` when given) or None."""
 
     @abstractmethod
-    def batch_get(
-        self, keys: Sequence[str], target_locations: Sequence[torch.Tensor] | None = None, target_sizes=None
-    ) -> list:
-        """``get`` for each key; one tensor or None per key."""
-
-    @abstractmethod
     def set(
         self, key: str, value: torch.Tensor | None = None, target_location=None, target_sizes=None
     ) -> bool:
         """Store the flat page ``value`` under ``key``; True when stored or already present."""
 
     @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether a page is stored under ``key``."""
+
+    # -- defaults --------------------------------------------------------------------------------------
+    def batch_get(
+        self, keys: Sequence[str], target_locations: Sequence[torch.Tensor] | None = None, target_sizes=None
+    ) -> list:
+        """``get`` for each key; one tensor or None per key."""
+        targets = target_locations if target_locations is not None else [None] * len(keys)
+        return [self.get(key, target) for key, target in zip(keys, targets, strict=True)]
+
     def batch_set(
         self,
         keys: Sequence[str],
@@ -138,13 +143,14 @@ class HiCacheStorage(ABC):
         target_locations=None,
         target_sizes=None,
     ) -> bool:
-        """``set`` for each key; True only when all succeeded."""
+        """``set`` for each key; True only when all succeeded.
 
-    @abstractmethod
-    def exists(self, key: str) -> bool:
-        """Whether a page is stored under ``key``."""
+        Raises ``ValueError`` unless ``values`` holds one page tensor per key.
+        """
+        if values is None or len(values) != len(keys):
+            raise ValueError("batch_set() needs one page tensor per key in values")
+        return all(self.set(key, value) for key, value in zip(keys, values, strict=True))
 
-    # -- defaults --------------------------------------------------------------------------------------
     def batch_exists(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Number of leading keys that exist (stops at the first miss)."""
         count = 0

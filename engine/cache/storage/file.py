@@ -228,10 +228,6 @@ class HiCacheFile(HiCacheStorage):
         ok = self._read_page(key, [_as_bytes(target_location)])
         return target_location if ok else None
 
-    def batch_get(self, keys: Sequence[str], target_locations=None, target_sizes=None) -> list:
-        targets = target_locations if target_locations is not None else [None] * len(keys)
-        return [self.get(key, target) for key, target in zip(keys, targets, strict=True)]
-
     def set(
         self, key: str, value: torch.Tensor | None = None, target_location=None, target_sizes=None
     ) -> bool:
@@ -239,11 +235,6 @@ class HiCacheFile(HiCacheStorage):
         if value is None:
             raise ValueError("set() needs the page tensor in value")
         return self._write_page(key, [_as_bytes(value.contiguous())])
-
-    def batch_set(self, keys: Sequence[str], values=None, target_locations=None, target_sizes=None) -> bool:
-        if values is None or len(values) != len(keys):
-            raise ValueError("batch_set() needs one page tensor per key in values")
-        return all(self.set(key, value) for key, value in zip(keys, values, strict=True))
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))

@@ -285,10 +285,6 @@ class MooncakeStore(HiCacheStorage):
         target_location.view(-1).copy_(page)
         return target_location
 
-    def batch_get(self, keys: Sequence[str], target_locations=None, target_sizes=None) -> list:
-        targets = target_locations if target_locations is not None else [None] * len(keys)
-        return [self.get(key, target) for key, target in zip(keys, targets, strict=True)]
-
     def set(
         self, key: str, value: torch.Tensor | None = None, target_location=None, target_sizes=None
     ) -> bool:
@@ -308,11 +304,6 @@ class MooncakeStore(HiCacheStorage):
             return False
         self._count(pages_written=1, bytes_written=data.nbytes)
         return True
-
-    def batch_set(self, keys: Sequence[str], values=None, target_locations=None, target_sizes=None) -> bool:
-        if values is None or len(values) != len(keys):
-            raise ValueError("batch_set() needs one page tensor per key in values")
-        return all(self.set(key, value) for key, value in zip(keys, values, strict=True))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
