@@ -145,13 +145,14 @@ def _check_abort(reason: dict | None) -> tuple[str | None, object]:
     return finish, matched
 
 
-async def _stream_completion(engine, ids, params, base, echo_text: str, include_usage: bool):
+async def _stream_choices(engine, ids, params, base, first: dict | None, content, include_usage: bool):
+    """The SSE chunks of one streamed request: the opening choice ``first`` (when given), a choice per text
+    delta carrying ``content(text)`` (``text`` or ``delta``), an error chunk on abort, the optional usage
+    chunk, then ``[DONE]``."""
     delta = _DeltaText(engine, params)
     n_out, meta = 0, {}
-    if echo_text:
-        yield sse(
-            {**base, "choices": [{"index": 0, "text": echo_text, "logprobs": None, "finish_reason": None}]}
-        )
+    if first is not None:
+        yield sse({**base, "choices": [first]})
     async for ev in engine.stream(ids, params):
         n_out += len(ev.new_ids)
         meta.update(ev.meta)
@@ -163,7 +164,7 @@ async def _stream_completion(engine, ids, params, base, echo_text: str, include_
         if text or finish:
             choice = {
                 "index": 0,
-                "text": text,
+                **content(text),
                 "logprobs": None,
                 "finish_reason": finish,
                 "matched_stop": matched,
@@ -172,6 +173,11 @@ async def _stream_completion(engine, ids, params, base, echo_text: str, include_
     if include_usage:
         yield sse({**base, "choices": [], "usage": _usage(engine, ids, n_out, meta)})
     yield SSE_DONE
+
+
+def _stream_completion(engine, ids, params, base, echo_text: str, include_usage: bool):
+    first = {"index": 0, "text": echo_text, "logprobs": None, "finish_reason": None} if echo_text else None
+    return _stream_choices(engine, ids, params, base, first, lambda text: {"text": text}, include_usage)
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -234,36 +240,18 @@ async def chat_completions(request: Request):
     return JSONResponse({**base, "choices": [choice], "usage": usage})
 
 
-async def _stream_chat(engine, ids, params, base, include_usage: bool):
-    delta = _DeltaText(engine, params)
-    n_out, meta = 0, {}
+def _stream_chat(engine, ids, params, base, include_usage: bool):
     first = {
         "index": 0,
         "delta": {"role": "assistant", "content": ""},
         "logprobs": None,
         "finish_reason": None,
     }
-    yield sse({**base, "choices": [first]})
-    async for ev in engine.stream(ids, params):
-        n_out += len(ev.new_ids)
-        meta.update(ev.meta)
-        finish, matched = _finish(ev.finish_reason)
-        if finish == "abort":
-            yield sse({"error": {"message": ev.finish_reason.get("message", "aborted"), "code": 500}})
-            break
-        text = delta.push(ev.new_ids, ev.finish_reason)
-        if text or finish:
-            choice = {
-                "index": 0,
-                "delta": {"content": text} if text else {},
-                "logprobs": None,
-                "finish_reason": finish,
-                "matched_stop": matched,
-            }
-            yield sse({**base, "choices": [choice]})
-    if include_usage:
-        yield sse({**base, "choices": [], "usage": _usage(engine, ids, n_out, meta)})
-    yield SSE_DONE
+    return _stream_choices(engine, ids, params, base, first, _chat_delta, include_usage)
+
+
+def _chat_delta(text: str) -> dict:
+    return {"delta": {"content": text} if text else {}}
 
 
 # ---------------------------------------------------------------------------------------------- models
