@@ -62,9 +62,19 @@ def _auth(request: Request) -> Engine:
     return engine
 
 
-async def _run(engine: Engine, fn, failure: str):
+async def _run_idle(engine: Engine, action: str, fn, failure: str):
+    """``fn(cache)`` on the scheduler thread once it is idle for ``action``; its result.
+
+    Raises a 400 :class:`HTTPError` reading ``failure`` then the reason when the scheduler is busy or the
+    cache refuses (nothing changes then).
+    """
+
+    def run(sched):
+        sched.require_idle(action)
+        return fn(sched.cache)
+
     try:
-        return await engine.call(fn)
+        return await engine.call(run)
     except (NotIdleError, CacheAdminError, ValueError) as exc:
         raise HTTPError(400, f"{failure}\n{exc}") from None
 
@@ -103,11 +113,10 @@ async def attach_backend(request: Request):
     prefetch = body.get("hicache_storage_prefetch_policy")
     write = body.get("hicache_write_policy")
 
-    def attach(sched):
-        sched.require_idle("attach")
-        return sched.cache.attach_storage_backend(name, extra, prefetch_policy=prefetch, write_policy=write)
+    def attach(cache):
+        return cache.attach_storage_backend(name, extra, prefetch_policy=prefetch, write_policy=write)
 
-    message = await _run(engine, attach, "Failed to attach HiCache storage backend.")
+    message = await _run_idle(engine, "attach", attach, "Failed to attach HiCache storage backend.")
     a = engine.args
     a.hicache_storage_backend = name
     if extra is not None:
@@ -120,12 +129,8 @@ async def attach_backend(request: Request):
 @router.delete("/hicache/storage-backend")
 async def detach_backend(request: Request):
     engine = _auth(request)
-
-    def detach(sched):
-        sched.require_idle("detach")
-        sched.cache.detach_storage_backend()
-
-    await _run(engine, detach, "Failed to detach HiCache storage backend.")
+    failure = "Failed to detach HiCache storage backend."
+    await _run_idle(engine, "detach", lambda cache: cache.detach_storage_backend(), failure)
     engine.args.hicache_storage_backend = None
     engine.args.hicache_storage_backend_extra_config = None
     return PlainTextResponse("HiCache storage backend detached.\n")
@@ -136,12 +141,8 @@ async def detach_backend(request: Request):
 @router.get("/clear_hicache_storage_backend")
 async def clear_backend(request: Request):
     engine = _auth(request)
-
-    def clear(sched):
-        sched.require_idle("clear")
-        sched.cache.clear_storage_backend()
-
-    await _run(engine, clear, "Failed to clear HiCache storage backend.")
+    failure = "Failed to clear HiCache storage backend."
+    await _run_idle(engine, "clear", lambda cache: cache.clear_storage_backend(), failure)
     return PlainTextResponse("HiCache storage backend cleared.\n")
 
 
@@ -161,12 +162,8 @@ async def put_config(request: Request):
     if not body:
         raise HTTPError(400, f"give at least one of: {', '.join(CONFIG_FIELDS)}")
     fields = {_CACHE_NAMES.get(k, k): v for k, v in body.items()}
-
-    def update(sched):
-        sched.require_idle("config update")
-        return sched.cache.update_policies(**fields)
-
-    status = await _run(engine, update, "Failed to update HiCache config.")
+    failure = "Failed to update HiCache config."
+    status = await _run_idle(engine, "config update", lambda cache: cache.update_policies(**fields), failure)
     a = engine.args
     a.hicache_storage_prefetch_policy = body.get(
         "hicache_storage_prefetch_policy", a.hicache_storage_prefetch_policy
