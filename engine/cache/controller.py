@@ -41,7 +41,7 @@ _JOIN_TIMEOUT = 10.0
 
 @dataclass
 class CopyOperation:
-    """An L1 <-> L2 copy; ``payload`` is what the scheduler side gets back with the ack."""
+    """An L1 <-> L2 copy; ``payload`` (the ids of every op merged into it) comes back with the ack."""
 
     device_indices: torch.Tensor
     host_indices: torch.Tensor

@@ -375,10 +375,13 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         """Process acknowledged writes/loads and the storage control queues (once per iteration)."""
         if self.controller is None:
             return
-        for (wid,) in self.controller.writing_check():
-            self._on_write_ack(wid)
-        for (lid,) in self.controller.loading_check():
-            self.tree.dec_lock_ref(self._ongoing_load.pop(lid))
+        # An ack's payload lists the ids of every op merged into it (loads are merged per forward pass).
+        for wids in self.controller.writing_check():
+            for wid in wids:
+                self._on_write_ack(wid)
+        for lids in self.controller.loading_check():
+            for lid in lids:
+                self.tree.dec_lock_ref(self._ongoing_load.pop(lid))
         self._drain_storage_queues(self.reduce)
 
     def _drain_storage_queues(self, reduce: Reduce) -> None:

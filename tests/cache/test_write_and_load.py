@@ -259,3 +259,27 @@ def test_split_while_write_in_flight_backs_up_both_halves(make_cache, tmp_path):
     assert upper.lock_ref == node.lock_ref == 0 and upper.pending_write is node.pending_write is None
     assert cache.stats.backuped_tokens == 16 and len(list(tmp_path.glob("*.bin"))) == 4
     check_invariants(cache)
+
+
+def test_two_loads_merged_into_one_op_unlock_both_nodes(make_cache):
+    cache = make_cache(device_tokens=64)
+    a, b = T, list(range(100, 116))
+    prefill(cache, a)
+    prefill(cache, b)
+    cache.drain_io()
+    cache.evict(32)
+    scribble_free_device_slots(cache)
+    ma, mb = cache.match_prefix(a), cache.match_prefix(b)
+    dev_a, last_a = cache.init_load_back(ma.last_host_node, ma.host_hit_length)
+    dev_b, last_b = cache.init_load_back(mb.last_host_node, mb.host_hit_length)
+    assert dev_a.numel() == 16 and dev_b.numel() == 16
+    assert last_a.lock_ref == 1 and last_b.lock_ref == 1
+    cache.ready_to_load_host_cache()  # both queued loads start as one merged op
+    for layer in range(cache.device_pool.num_layers):
+        cache.wait_layer(layer)
+    cache.drain_io()  # runs check_hicache_events until the merged ack is processed
+    assert last_a.lock_ref == 0 and last_b.lock_ref == 0
+    assert cache.inflight_io()["loads"] == 0
+    assert_kv(cache.device_pool, a, dev_a)
+    assert_kv(cache.device_pool, b, dev_b)
+    check_invariants(cache)
