@@ -109,8 +109,11 @@ def agent_register(*, host: dict, workers: list[dict], actor) -> tuple[Host, lis
     return host_obj, saved
 
 
-def agent_heartbeat(*, host_name: str, worker_urls: list[str]) -> int:
+def agent_heartbeat(*, host_name: str, worker_urls: list[str], offline_urls: list[str] = ()) -> int:
     """Mark a host and the listed workers as seen now; returns how many workers matched.
+
+    ``offline_urls`` are workers the agent runs that are not serving (crashed, failing /health,
+    restarting): they become ``offline`` until a later heartbeat lists them as live again.
 
     Heartbeats are liveness observations, not changes, so they write no audit row.
     """
@@ -119,6 +122,9 @@ def agent_heartbeat(*, host_name: str, worker_urls: list[str]) -> int:
         raise ApplicationError(
             f"unknown host {host_name!r}: register first", code="unknown_host", status_code=404
         )
+    EngineWorker.objects.filter(url__in=offline_urls).exclude(url__in=worker_urls).update(
+        state=WorkerState.OFFLINE
+    )
     return EngineWorker.objects.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)
 
 

@@ -61,12 +61,15 @@ def worker_record(w: WorkerSpec) -> dict:
 class Agent:
     def __init__(self, spec: FleetSpec, client: ControlPlaneClient, supervisor: Supervisor | None = None):
         self.spec = spec
-        self.supervisor = supervisor or Supervisor(managed(spec))
+        self.supervisor = supervisor or Supervisor(
+            managed(spec), health_interval_s=spec.health_interval_s, unhealthy_after=spec.unhealthy_after
+        )
         self.host = host_facts(spec.host_name, spec.address)
         self.reporter = Reporter(
             client,
             self._registration,
             self._live_urls,
+            down_urls=self._down_urls,
             heartbeat_interval_s=spec.heartbeat_interval_s,
             buffer_size=spec.buffer_size,
         )
@@ -81,6 +84,11 @@ class Agent:
 
     def _live_urls(self) -> list[str]:
         return [w.url for w in self._running()]
+
+    def _down_urls(self) -> list[str]:
+        """Workers this agent runs that are not serving (crashed, unhealthy, restarting)."""
+        running = set(self.supervisor.running())
+        return [w.url for w in self.spec.workers if w.name not in running]
 
     def _report_loop(self) -> None:
         next_scrape = 0.0
@@ -147,3 +155,5 @@ class Agent:
                 log.info("worker %s %s %s", e.name, e.kind, e.detail)
             if e.kind == "healthy":
                 self.reporter.reregister()
+            elif e.kind == "crashed":
+                self.reporter.heartbeat_now()

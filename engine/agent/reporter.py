@@ -1,7 +1,8 @@
 """Talk to the control plane's agent API: register, heartbeat, metrics ingest; survive it being down.
 
 Endpoints (token auth, ``Authorization: Bearer cp_...``): ``POST /api/v1/agent/register/`` (host + workers,
-idempotent upsert), ``POST /api/v1/agent/heartbeat/`` (404 = unknown host: register again),
+idempotent upsert), ``POST /api/v1/agent/heartbeat/`` (live worker URLs, and ``offline``: the ones not
+serving; 404 = unknown host: register again),
 ``POST /api/v1/agent/metrics/`` (``{"worker_url", "text"}`` with the worker's Prometheus text).
 
 Metrics samples wait in a bounded FIFO (oldest dropped when full). While the control plane is unreachable
@@ -62,8 +63,9 @@ class ControlPlaneClient:
     def register(self, host: dict, workers: list[dict]) -> dict:
         return self.call("POST", "/api/v1/agent/register/", json={"host": host, "workers": workers})
 
-    def heartbeat(self, host_name: str, worker_urls: list[str]) -> dict:
-        return self.call("POST", "/api/v1/agent/heartbeat/", json={"host": host_name, "workers": worker_urls})
+    def heartbeat(self, host_name: str, worker_urls: list[str], offline_urls: list[str] = ()) -> dict:
+        body = {"host": host_name, "workers": worker_urls, "offline": list(offline_urls)}
+        return self.call("POST", "/api/v1/agent/heartbeat/", json=body)
 
     def push_metrics(self, worker_url: str, text: str) -> dict:
         return self.call("POST", "/api/v1/agent/metrics/", json={"worker_url": worker_url, "text": text})
@@ -76,7 +78,8 @@ class Reporter:
     """Keeps the control plane informed; call :meth:`tick` periodically from one thread.
 
     ``registration()`` returns the current ``(host, workers)`` register body (re-sent after a restart of a
-    worker or when a heartbeat says the host is unknown); ``live_urls()`` the URLs of running workers.
+    worker or when a heartbeat says the host is unknown); ``live_urls()`` the URLs of running workers;
+    ``down_urls()`` those of its workers that are not serving (reported offline).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Reporter:
         registration: Callable[[], tuple[dict, list[dict]]],
         live_urls: Callable[[], list[str]],
         *,
+        down_urls: Callable[[], list[str]] = list,
         heartbeat_interval_s: float = 5.0,
         buffer_size: int = 500,
         retry_base_s: float = 1.0,
@@ -92,7 +96,7 @@ class Reporter:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.client = client
-        self.registration, self.live_urls = registration, live_urls
+        self.registration, self.live_urls, self.down_urls = registration, live_urls, down_urls
         self.heartbeat_interval_s = heartbeat_interval_s
         self.outbox: deque[tuple[str, str]] = deque(maxlen=buffer_size)
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
@@ -113,6 +117,10 @@ class Reporter:
     def reregister(self) -> None:
         """Send the registration again at the next tick (a worker restarted or changed)."""
         self.registered = False
+
+    def heartbeat_now(self) -> None:
+        """Send the heartbeat at the next tick (a worker stopped serving)."""
+        self.next_heartbeat = 0.0
 
     def status(self) -> dict:
         return {
@@ -161,7 +169,7 @@ class Reporter:
         if now >= self.next_heartbeat:
             host, _ = self.registration()
             try:
-                self.client.heartbeat(host["name"], self.live_urls())
+                self.client.heartbeat(host["name"], self.live_urls(), self.down_urls())
             except ControlPlaneRejected as exc:
                 if exc.status == 404:
                     self.registered = False

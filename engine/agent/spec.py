@@ -12,6 +12,8 @@ arg by its ``ServerArgs`` name, e.g. ``page_size``, ``max_total_tokens``, ``enab
     heartbeat_interval_s = 5
     metrics_interval_s = 3
     buffer_size = 500            # samples kept while the control plane is down
+    health_interval_s = 5        # how often a running worker's /health is probed
+    unhealthy_after = 3          # consecutive failed probes before the worker is restarted
 
     [[workers]]
     name = "w0"
@@ -47,6 +49,8 @@ AGENT_KEYS = {
     "heartbeat_interval_s": (int, float),
     "metrics_interval_s": (int, float),
     "buffer_size": int,
+    "health_interval_s": (int, float),
+    "unhealthy_after": int,
 }
 WORKER_META_KEYS = {"name", "model", "role", "url", "env"}
 # Launch args the agent sets itself from other fields (model, role, port are fields of their own).
@@ -92,6 +96,8 @@ class FleetSpec:
     metrics_interval_s: float
     buffer_size: int
     workers: list[WorkerSpec]
+    health_interval_s: float = 5.0
+    unhealthy_after: int = 3
 
     @property
     def state_file(self) -> str:
@@ -220,7 +226,13 @@ def load_spec(path: str | os.PathLike, environ: dict | None = None) -> FleetSpec
         if isinstance(value, bool) or not isinstance(value, AGENT_KEYS[key]):
             raise err(f"has the wrong type: {value!r}")
     agent = {k: expand(v, k, error_at("agent", None, k)) for k, v in agent.items()}
-    for key in ("heartbeat_interval_s", "metrics_interval_s", "buffer_size"):
+    for key in (
+        "heartbeat_interval_s",
+        "metrics_interval_s",
+        "buffer_size",
+        "health_interval_s",
+        "unhealthy_after",
+    ):
         if key in agent and agent[key] <= 0:
             raise error_at("agent", None, key)(f"must be > 0, got {agent[key]}")
     address = agent.get("address", "127.0.0.1")
@@ -248,6 +260,8 @@ def load_spec(path: str | os.PathLike, environ: dict | None = None) -> FleetSpec
         metrics_interval_s=float(agent.get("metrics_interval_s", 3)),
         buffer_size=int(agent.get("buffer_size", 500)),
         workers=workers,
+        health_interval_s=float(agent.get("health_interval_s", 5)),
+        unhealthy_after=int(agent.get("unhealthy_after", 3)),
     )
 
 

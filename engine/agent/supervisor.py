@@ -6,6 +6,10 @@ The delay after the n-th consecutive crash is ``min(backoff_base_s * 2**(n-1), b
 stays running for ``stable_after_s`` seconds has its crash count reset. A worker not healthy within
 ``startup_timeout_s`` is killed and counted as a crash. Like supervisord/systemd ``Restart=on-failure`` with
 ``RestartSec`` doubling, restarts never stop; the state shows the failures.
+
+A running worker's health URL is probed every ``health_interval_s`` seconds; after ``unhealthy_after``
+consecutive failed probes (not 200, e.g. 503 once its scheduler died, or no answer) the process is killed and
+restarted like a crash (like a Kubernetes liveness probe's ``failureThreshold``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class Managed:
     restarts: int = 0
     last_exit_code: int | None = None
     next_start_at: float = 0.0
+    next_probe_at: float = 0.0
+    failed_probes: int = 0
 
     def snapshot(self, now: float) -> dict:
         return {
@@ -80,12 +86,15 @@ class Supervisor:
         backoff_max_s: float = 60.0,
         stable_after_s: float = 60.0,
         startup_timeout_s: float = 600.0,
+        health_interval_s: float = 5.0,
+        unhealthy_after: int = 3,
         probe: Callable[[str], bool] = _probe,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.processes = {p.name: p for p in processes}
         self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
         self.stable_after_s, self.startup_timeout_s = stable_after_s, startup_timeout_s
+        self.health_interval_s, self.unhealthy_after = health_interval_s, unhealthy_after
         self.probe, self.clock = probe, clock
 
     def backoff(self, crashes: int) -> float:
@@ -119,16 +128,29 @@ class Supervisor:
             elif p.state == "starting":
                 if p.health_url is None or self.probe(p.health_url):
                     p.state, p.healthy_at = "running", now
+                    p.next_probe_at, p.failed_probes = now + self.health_interval_s, 0
                     events.append(Event("healthy", p.name, f"after {now - p.started_at:.1f}s"))
                 elif now - p.started_at > self.startup_timeout_s:
                     _terminate(p.proc, 5.0)
                     events.append(self._crashed(p, f"not healthy within {self.startup_timeout_s:.0f}s", None))
-            elif p.state == "running" and p.crashes and now - (p.healthy_at or now) >= self.stable_after_s:
-                p.crashes = 0
+            elif p.state == "running":
+                events += self._check_running(p, now)
             elif p.state == "backoff" and now >= p.next_start_at:
                 p.restarts += 1
                 events.append(self._start(p))
         return events
+
+    def _check_running(self, p: Managed, now: float) -> list[Event]:
+        if p.health_url is not None and now >= p.next_probe_at:
+            p.next_probe_at = now + self.health_interval_s
+            p.failed_probes = 0 if self.probe(p.health_url) else p.failed_probes + 1
+            if p.failed_probes >= self.unhealthy_after:
+                _terminate(p.proc, 5.0)
+                why = f"health check failed {p.failed_probes} times in a row"
+                return [self._crashed(p, why, p.proc.returncode)]
+        if p.crashes and p.failed_probes == 0 and now - (p.healthy_at or now) >= self.stable_after_s:
+            p.crashes = 0
+        return []
 
     def _crashed(self, p: Managed, why: str, code: int | None) -> Event:
         p.crashes += 1

@@ -16,7 +16,8 @@ import pytest
 
 from engine.agent.agent import Agent
 from engine.agent.reporter import ControlPlaneClient, Reporter
-from engine.agent.spec import FleetSpec
+from engine.agent.spec import FleetSpec, WorkerSpec
+from engine.agent.supervisor import Managed, Supervisor
 
 
 class RecordingControlPlane:
@@ -104,7 +105,9 @@ def test_buffers_while_down_then_delivers_in_order(port, caplog):
         assert [b["text"] for b in cp.paths("/metrics/")] == [f"sample {i}" for i in range(3, 8)]
         assert cp.calls[0][0] == "/api/v1/agent/register/" and cp.calls[0][2] == "Bearer cp_abc.secret"
         assert cp.paths("/register/")[0]["workers"] == [{"name": "w0", "url": "http://127.0.0.1:1"}]
-        assert cp.paths("/heartbeat/") == [{"host": "node-a", "workers": ["http://127.0.0.1:1"]}]
+        assert cp.paths("/heartbeat/") == [
+            {"host": "node-a", "workers": ["http://127.0.0.1:1"], "offline": []}
+        ]
         want = {"reachable": True, "registered": True, "buffered": 0, "sent": 5, "dropped": 3, "rejected": 0}
         assert {k: v for k, v in rep.status().items() if k != "url"} == want
         assert any("reachable again" in r.getMessage() and "sent 5" in r.getMessage() for r in caplog.records)
@@ -151,3 +154,43 @@ def test_agent_registers_cpu_count_and_memory_bytes(port, tmp_path):
         assert host["memory_bytes"] == _meminfo_total_bytes()
     finally:
         cp.stop()
+
+
+def test_agent_reports_a_worker_failing_health_as_offline(port, tmp_path, health_server):
+    worker_port, sick = _free_port(), tmp_path / "sick"
+    url = f"http://127.0.0.1:{worker_port}"
+    w = WorkerSpec(name="w0", model="m", role="mixed", host="127.0.0.1", port=worker_port, url=url, flags=[])
+    spec = FleetSpec(path=str(tmp_path / "fleet.toml"), host_name="node-a", address="127.0.0.1",
+                     log_dir=str(tmp_path), heartbeat_interval_s=60.0, metrics_interval_s=60.0, buffer_size=5,
+                     workers=[w])  # fmt: skip
+    managed = Managed("w0", health_server(worker_port, sick), f"{url}/health", str(tmp_path / "w0.log"))
+    sup = Supervisor([managed], backoff_base_s=30.0, health_interval_s=0.1, unhealthy_after=3)
+    cp = RecordingControlPlane(port)
+    cp.start()
+    agent = Agent(spec, ControlPlaneClient(f"http://127.0.0.1:{port}", "cp_abc.secret", timeout=2), sup)
+    try:
+        agent._log(sup.start_all())
+
+        def step(cond):
+            deadline = time.monotonic() + 30
+            while not cond() and time.monotonic() < deadline:
+                agent._log(sup.poll())
+                agent.reporter.tick()
+                time.sleep(0.02)
+            assert cond()
+
+        step(lambda: {"host": "node-a", "workers": [url], "offline": []} in cp.paths("/heartbeat/"))
+        beats = len(cp.paths("/heartbeat/"))
+        sick.touch()  # alive, /health answers 503: restarted, and the heartbeat right after says offline
+        step(lambda: len(cp.paths("/heartbeat/")) == beats + 1)
+        assert managed.state == "backoff"
+        assert cp.paths("/heartbeat/")[-1] == {"host": "node-a", "workers": [], "offline": [url]}
+    finally:
+        sup.stop()
+        cp.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,5 +1,6 @@
 """Supervisor against real processes: a crashing process is restarted with doubling delays; a process is
-only 'running' once its health URL answers 200; stop() ends the whole process group."""
+only 'running' once its health URL answers 200; a running process whose /health keeps answering 503 is
+restarted; stop() ends the whole process group."""
 
 from __future__ import annotations
 
@@ -94,4 +95,29 @@ def test_stable_worker_has_its_crash_count_reset(tmp_path):
     sleeper.crashes = 2  # as if it had crashed twice before this start
     _run(sup, lambda ev: sleeper.state == "running" and sleeper.crashes == 0, timeout=10)
     assert sleeper.crashes == 0
+    sup.stop()
+
+
+def test_running_worker_answering_503_is_restarted_after_consecutive_failures(tmp_path, health_server):
+    port, sick = _free_port(), tmp_path / "sick"
+    worker = Managed(
+        "w", health_server(port, sick), f"http://127.0.0.1:{port}/health", str(tmp_path / "w.log")
+    )
+    sup = Supervisor([worker], backoff_base_s=0.2, health_interval_s=0.1, unhealthy_after=3)
+    sup.start_all()
+    _run(sup, lambda ev: worker.state == "running", timeout=30)
+    first_pid = worker.proc.pid
+    assert _run(sup, lambda ev: False, timeout=0.5) == []  # healthy: probed, nothing happens
+
+    sick.touch()  # the process stays alive but /health now answers 503
+    events = _run(sup, lambda ev: any(e.kind == "crashed" for _, e in ev), timeout=30)
+    crashed = [e for _, e in events if e.kind == "crashed"]
+    assert len(crashed) == 1 and "health check failed 3 times in a row" in crashed[0].detail
+    assert worker.state == "backoff" and worker.crashes == 1 and worker.failed_probes == 3
+    assert _gone(first_pid, timeout=10)  # the unhealthy process was killed
+
+    sick.unlink()
+    events = _run(sup, lambda ev: any(e.kind == "healthy" for _, e in ev), timeout=30)
+    assert [e.kind for _, e in events] == ["started", "healthy"]
+    assert worker.restarts == 1 and worker.proc.pid != first_pid and sup.running() == ["w"]
     sup.stop()

@@ -136,6 +136,23 @@ def test_agent_register_is_an_upsert(api_as):
     assert unknown.status_code == 404 and "register first" in unknown.json()["error"]["message"]
 
 
+def test_heartbeat_marks_workers_the_agent_reports_offline_then_online_again(api_as):
+    url = "http://10.0.0.6:30000"
+    client = api_as("agent")
+    body = {"host": {"name": "gpu-9"}, "workers": [{"name": "gpu-9-w0", "url": url}]}
+    assert client.post("/api/v1/agent/register/", body, format="json").status_code == 200
+
+    def state() -> str:
+        return api_as("viewer").get("/api/v1/inventory/workers/").json()["results"][0]["state"]
+
+    assert state() == "online"
+    beat = client.post("/api/v1/agent/heartbeat/", {"host": "gpu-9", "offline": [url]}, format="json")
+    assert beat.status_code == 200 and beat.json() == {"workers_seen": 0}
+    assert state() == "offline"  # its /health failed: the agent restarts it
+    client.post("/api/v1/agent/heartbeat/", {"host": "gpu-9", "workers": [url]}, format="json")
+    assert state() == "online"
+
+
 def test_agent_register_stores_cpu_count_and_memory_bytes(api_as):
     agent, viewer = api_as("agent"), api_as("viewer")
     body = {"host": {"name": "gpu-2", "cpu_count": 96, "memory_bytes": 2_164_372_918_272}}

@@ -143,6 +143,7 @@ class AgentRegisterResponseSerializer(serializers.Serializer):
 class AgentHeartbeatSerializer(serializers.Serializer):
     host = serializers.CharField(max_length=100)
     workers = serializers.ListField(child=serializers.URLField(), required=False, default=list)
+    offline = serializers.ListField(child=serializers.URLField(), required=False, default=list)
 
 
 class AgentHeartbeatResponseSerializer(serializers.Serializer):

@@ -95,7 +95,7 @@ class AgentRegisterApi(APIView):
 
 
 class AgentHeartbeatApi(APIView):
-    """Agent: the host and the listed workers are alive now."""
+    """Agent: the host and the listed workers are alive now; the `offline` ones are not serving."""
 
     read_roles = READ_ROLES
     write_roles = AGENT_ROLES
@@ -109,6 +109,8 @@ class AgentHeartbeatApi(APIView):
         body = s.AgentHeartbeatSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         seen = services.agent_heartbeat(
-            host_name=body.validated_data["host"], worker_urls=body.validated_data["workers"]
+            host_name=body.validated_data["host"],
+            worker_urls=body.validated_data["workers"],
+            offline_urls=body.validated_data["offline"],
         )
         return Response({"workers_seen": seen})
