@@ -32,6 +32,10 @@ class ArgumentError(ValueError):
     """A launch argument is unknown or has a bad value; the message names the flag."""
 
 
+SECRET_ARGS = ("api_key", "admin_api_key")
+"""Args never echoed: ``to_dict`` masks them and ``repr`` leaves them out."""
+
+
 @dataclass
 class ServerArgs:
     """Parsed launch arguments; attribute names are SGLang's ``ServerArgs`` field names."""
@@ -52,8 +56,8 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None
     watchdog_timeout: float = 300.0
-    api_key: str | None = None
-    admin_api_key: str | None = None
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    admin_api_key: str | None = dataclasses.field(default=None, repr=False)
     enable_metrics: bool = False
     enable_cache_report: bool = False
     enable_hierarchical_cache: bool = False
@@ -70,8 +74,11 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998
 
     def to_dict(self) -> dict:
-        """Every launch arg by its SGLang dest name (for ``/server_info``)."""
-        return dataclasses.asdict(self)
+        """Every launch arg by its SGLang dest name (for ``/server_info``); keys read ``"***"`` when set."""
+        out = dataclasses.asdict(self)
+        for name in SECRET_ARGS:
+            out[name] = "***" if out[name] else None
+        return out
 
     @property
     def model_name(self) -> str:

@@ -4,13 +4,17 @@
   ``--watchdog-timeout``; otherwise 503.
 - ``GET /health_generate``: additionally runs a one-token generation through the scheduler (503 on failure or
   when it does not finish within the watchdog timeout).
-- ``GET /server_info`` (alias ``/get_server_info``): every launch arg by SGLang dest name, plus the
-  scheduler's live state (``is_idle``, ``num_running_reqs``, ``num_waiting_reqs``, ``inflight_cache_io``),
-  ``hicache`` (the
-  live storage status, null without hierarchical cache) and ``disaggregation_mode``.
+- ``GET /server_info`` (alias ``/get_server_info``): every launch arg by SGLang dest name (``api_key`` and
+  ``admin_api_key`` read ``"***"`` when set, else null), plus the scheduler's live state (``is_idle``,
+  ``num_running_reqs``, ``num_waiting_reqs``, ``inflight_cache_io``), ``hicache`` (the live storage status,
+  null without hierarchical cache) and ``disaggregation_mode``.
 - ``GET /model_info`` (alias ``/get_model_info``): ``model_path``, ``tokenizer_path``, ``is_generation``.
-- ``POST|GET /flush_cache``: clears L1 and L2 (never L3) when idle: 200, else 400 (upstream).
+- ``POST|GET /flush_cache``: clears L1 and L2 (never L3) when idle: 200, else 400 (upstream); 401 without
+  the ``--api-key`` bearer when one is set.
 - ``GET /metrics``: Prometheus text (only with ``--enable-metrics``; 404 otherwise).
+
+Only ``/flush_cache`` checks ``--api-key`` (upstream guards every route but health); health, info and metrics
+stay keyless because the sglang-router reads them without a key (design.md §3).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.scheduler import NotIdleError, SamplingParams
 from engine.server.engine import Engine
+from engine.server.http_utils import require_api_key
 
 router = APIRouter()
 VERSION = "kvfleet-0.1.0"
@@ -115,6 +120,7 @@ def _flush(sched) -> None:
 @router.post("/flush_cache")
 @router.get("/flush_cache")
 async def flush_cache(request: Request):
+    require_api_key(request)
     engine: Engine = request.app.state.engine
     try:
         await engine.call(_flush)
