@@ -8,7 +8,8 @@ with the queue counts and nothing changes. Bodies and texts:
 - ``PUT /hicache/storage-backend`` ``{hicache_storage_backend, hicache_storage_backend_extra_config_json?,
   hicache_storage_prefetch_policy?, hicache_write_policy?}`` -> 200 ``"HiCache storage backend attached.\\n"``
   or 400 ``"Failed to attach HiCache storage backend.\\n<reason>"`` (e.g. a different backend is attached:
-  detach first; a bad policy or extra config names the field).
+  detach first; a bad policy or extra config names the field). Re-attaching the attached backend changes
+  only the policies (upstream); its extra config stays, and the 200 text says so when the body's differs.
 - ``DELETE /hicache/storage-backend`` -> 200 ``"HiCache storage backend detached.\\n"`` (idempotent; L3 data
   stays).
 - ``GET /hicache/storage-backend`` -> 200 JSON with the four fields above (extra config as a string).
@@ -114,13 +115,20 @@ async def attach_backend(request: Request):
     write = body.get("hicache_write_policy")
 
     def attach(cache):
-        return cache.attach_storage_backend(name, extra, prefetch_policy=prefetch, write_policy=write)
+        reattach = cache.backend_name == name
+        message = cache.attach_storage_backend(name, extra, prefetch_policy=prefetch, write_policy=write)
+        return reattach, message
 
-    message = await _run_idle(engine, "attach", attach, "Failed to attach HiCache storage backend.")
+    failure = "Failed to attach HiCache storage backend."
+    reattach, message = await _run_idle(engine, "attach", attach, failure)
     a = engine.args
-    a.hicache_storage_backend = name
-    if extra is not None:
-        a.hicache_storage_backend_extra_config = extra
+    if reattach:  # only the policies changed: the live backend keeps the extra config it started with
+        if extra is not None and extra != a.hicache_storage_backend_extra_config:
+            message += "; the extra config was not changed (detach first to change it)"
+    else:
+        a.hicache_storage_backend = name
+        if extra is not None:
+            a.hicache_storage_backend_extra_config = extra
     a.hicache_storage_prefetch_policy = prefetch or a.hicache_storage_prefetch_policy
     a.hicache_write_policy = write or a.hicache_write_policy
     return PlainTextResponse(f"HiCache storage backend attached.\n{message or ''}")

@@ -4,6 +4,8 @@ monotonic with stop strings, and a busy --port fails before the model loads."""
 
 from __future__ import annotations
 
+import json
+
 from engine.server.args import parse_args
 
 KEY = "user-secret-key"
@@ -45,3 +47,27 @@ def test_flush_cache_requires_the_api_key_router_routes_do_not(serve):
         assert ok.status_code == 200 and ok.text == "Cache flushed.\n"
     for path in ("/health", "/server_info", "/model_info"):  # design.md §3: the router calls these keyless
         assert client.get(path).status_code == 200, path
+
+
+# ------------------------------------------------------------------------------------------- 2. re-attach
+def test_same_backend_reattach_keeps_the_extra_config_in_use(serve, tmp_path):
+    server, client = serve("--enable-hierarchical-cache", "--admin-api-key", ADMIN, "--page-size", "16")
+    first = json.dumps({"file_path": str(tmp_path / "a")})
+    body = {"hicache_storage_backend": "file", "hicache_storage_backend_extra_config_json": first}
+    assert client.put("/hicache/storage-backend", json=body, headers=AUTH).status_code == 200
+    second = json.dumps({"file_path": str(tmp_path / "b")})
+    again = {
+        "hicache_storage_backend": "file",
+        "hicache_storage_backend_extra_config_json": second,
+        "hicache_write_policy": "write_back",
+    }
+    resp = client.put("/hicache/storage-backend", json=again, headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    assert "extra config was not changed" in resp.text and "etach" in resp.text
+    view = client.get("/hicache/storage-backend", headers=AUTH).json()
+    assert view["hicache_storage_backend_extra_config"] == first
+    assert view["hicache_write_policy"] == "write_back"  # the policies do change (upstream)
+    assert client.get("/server_info").json()["hicache_storage_backend_extra_config"] == first
+
+    same = client.put("/hicache/storage-backend", json=body, headers=AUTH)
+    assert same.status_code == 200 and "not changed" not in same.text
