@@ -152,7 +152,7 @@ class LocalFleet:
             "LOG_LEVEL": "INFO",
             "TELEMETRY_SCRAPE_INTERVAL_S": "5",
             "OPERATION_POLL_INTERVAL_S": "0.5",
-            "KVFLEET_WORKER_ADMIN_KEY": secrets.token_urlsafe(16),
+            "KVFLEET_WORKER_ADMIN_KEY": secrets.token_hex(16),
             "DEMO_LOG_DIR": str(self.log_dir),
             "DEMO_HOST_NAME": f"{socket.gethostname()}-{self.label}",
             "DEMO_WORKER_PREFIX": f"{self.label}-{os.getpid()}",
@@ -199,8 +199,9 @@ class LocalFleet:
     def _control_plane(self) -> None:
         self._run("manage.py", "migrate", "--noinput")
         self._run("manage.py", "collectstatic", "--noinput")
-        out = self._run("deploy/bootstrap.py", "--admin-user", self.admin_user, "--admin-password",
-                        self.admin_password, "--label", self.label, "--print-tokens")  # fmt: skip
+        out = self._run("deploy/bootstrap.py", f"--admin-user={self.admin_user}",
+                        f"--admin-password={self.admin_password}", "--label", self.label,
+                        "--print-tokens")  # fmt: skip
         self.tokens = json.loads(out.strip().splitlines()[-1])
         port = free_port()
         self.console_url = f"http://127.0.0.1:{port}"

@@ -172,6 +172,7 @@ def _flag_actions() -> dict[str, object]:
 
 
 def _to_flags(name: str, value, action, err) -> list[str]:
+    """``--flag=value`` (one argv item, so a value starting with ``-`` is not read as a flag)."""
     flag = action.option_strings[0]
     if action.nargs == 0:  # store_true
         if not isinstance(value, bool):
@@ -180,8 +181,8 @@ def _to_flags(name: str, value, action, err) -> list[str]:
     if isinstance(value, bool | list):
         raise err(f"must be a string, number or table, got {value!r}")
     if isinstance(value, dict):
-        return [flag, json.dumps(value)]
-    return [flag, str(value)]
+        return [f"{flag}={json.dumps(value)}"]
+    return [f"{flag}={value}"]
 
 
 def load_spec(path: str | os.PathLike, environ: dict | None = None) -> FleetSpec:
@@ -287,7 +288,7 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
         before = len(flags)
         flags += _to_flags(key, value, actions[key], err)
         for flag in flags[before : before + 1]:
-            flag_field[flag] = key
+            flag_field[flag.split("=", 1)[0]] = key
     meta = {k: expand(raw[k], k, error_at("workers", i, k)) for k in WORKER_META_KEYS if k in raw}
     for key in ("name", "model"):
         if not isinstance(meta[key], str) or not meta[key]:
@@ -298,9 +299,9 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
     env = meta.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise error_at("workers", i, "env")("must be a table of strings")
-    flags = ["--model-path", meta["model"], *flags]
+    flags = [f"--model-path={meta['model']}", *flags]
     if role != "mixed":
-        flags += ["--disaggregation-mode", ROLES[role]]
+        flags.append(f"--disaggregation-mode={ROLES[role]}")
     try:
         args = parse_args(flags)
     except ArgumentError as exc:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.agent.spec import SpecError, load_spec
+from engine.server.args import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,14 +53,29 @@ def test_good_spec_gives_launch_flags_and_urls(tmp_path):
     assert spec.host_name == "node-a"
     assert [w.url for w in spec.workers] == ["http://10.1.2.3:31001", "http://10.1.2.3:31002"]
     w0 = spec.workers[0]
-    assert w0.flags[:2] == ["--model-path", "smollm2"]
-    assert w0.flags[w0.flags.index("--hicache-mem-layout") + 1] == "page_first"
-    extra = json.loads(w0.flags[w0.flags.index("--hicache-storage-backend-extra-config") + 1])
+    assert w0.flags[0] == "--model-path=smollm2"
+    assert "--hicache-mem-layout=page_first" in w0.flags
+    (extra,) = [
+        f.split("=", 1)[1] for f in w0.flags if f.startswith("--hicache-storage-backend-extra-config=")
+    ]
+    extra = json.loads(extra)
     assert extra == {"master_server_address": "127.0.0.1:5555", "protocol": "tcp"}
     assert w0.admin_api_key == "dflt" and w0.page_size == 16
     assert "--enable-hierarchical-cache" in w0.flags
-    assert spec.workers[1].flags == ["--model-path", "smollm2", "--port", "31002"]
+    assert spec.workers[1].flags == ["--model-path=smollm2", "--port=31002"]
     assert spec.state_file == str(tmp_path / "logs" / "agent-state.json")
+
+
+def test_values_starting_with_a_dash_reach_the_engine_unchanged(tmp_path):
+    text = (
+        '[[workers]]\nname = "w0"\nmodel = "-odd-model"\nport = 31001\n'
+        'admin_api_key = "${KVFLEET_WORKER_ADMIN_KEY}"\nserved_model_name = "--served"\n'
+    )
+    spec = load_spec(write(tmp_path, text), {"KVFLEET_WORKER_ADMIN_KEY": "-Zx3abc"})
+    (w0,) = spec.workers
+    assert w0.admin_api_key == "-Zx3abc" and w0.model_name == "--served"
+    args = parse_args(w0.flags)  # what `python -m engine.launch_server <flags>` reads back
+    assert (args.admin_api_key, args.model_path, args.model_name) == ("-Zx3abc", "-odd-model", "--served")
 
 
 BAD = [

@@ -56,7 +56,7 @@ def test_engine_host_spec_loads_and_router_targets_its_worker():
     router_cmd = SERVICES["router"]["command"]
     assert router_cmd[router_cmd.index("--worker-urls") + 1] == worker.url == "http://engine-host:30000"
     assert SERVICES["engine-host"]["ports"] == [f"${{WORKER_PORT:-30000}}:{worker.port}"]
-    extra = worker.flags[worker.flags.index("--hicache-storage-backend-extra-config") + 1]
+    (extra,) = [f for f in worker.flags if f.startswith("--hicache-storage-backend-extra-config=")]
     assert '"master_server_address": "mooncake-master:50051"' in extra
     assert "-rpc_port=50051" in SERVICES["mooncake-master"]["command"][-1]
     assert "-http_metadata_server_port=8080" in SERVICES["mooncake-master"]["command"][-1]
