@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 
 from engine.server import admin, generate, info, openai
 from engine.server.engine import Engine, EngineDeadError
 from engine.server.http_utils import HTTPError, error_response
+
+logger = logging.getLogger(__name__)
+
+
+class JSONServerErrors:
+    """ASGI middleware: an exception no handler maps becomes a JSON 500 in the usual error shape (traceback
+    logged), and the connection stays usable; once a response has started (a stream) it propagates."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            response = error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+            await response(scope, receive, send)
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -28,5 +59,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         return error_response(400, str(exc))
+
+    app.add_middleware(JSONServerErrors)
 
     return app

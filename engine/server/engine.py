@@ -52,15 +52,23 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def chat_prompt(
-        self, messages: list[dict], continue_final_message: bool = False, **template_kwargs
+        self,
+        messages: list[dict],
+        continue_final_message: bool = False,
+        add_generation_prompt: bool = True,
+        **template_kwargs,
     ) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template.
 
-        With ``continue_final_message`` the last (assistant) message is left open, as transformers does: the
-        rendering is cut right after its content. Raises ``ValueError`` (``ChatTemplateError``) on failure.
+        ``add_generation_prompt`` opens the assistant turn (default, upstream). With
+        ``continue_final_message`` the last (assistant) message is left open instead, as transformers does:
+        the rendering is cut right after its content. Raises ``ValueError`` (``ChatTemplateError``) on
+        failure.
         """
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=not continue_final_message, **template_kwargs
+            messages,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            **template_kwargs,
         )
         if continue_final_message:
             content = str(messages[-1].get("content") or "")
@@ -82,7 +90,8 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
-        """Check ids and length vs context and KV pool (RequestError); EngineDeadError without scheduler."""
+        """Check ids, seed range (torch's) and length vs context and KV pool (RequestError); EngineDeadError
+        without scheduler."""
         if not self.scheduler.is_alive():
             raise EngineDeadError(f"scheduler thread is not running: {self.scheduler.error!r}")
         if not input_ids:
@@ -91,6 +100,9 @@ class Engine:
             not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in input_ids
         ):
             raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
+        seed = params.sampling_seed
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            raise RequestError("sampling_params.sampling_seed must be in [-2**63, 2**64)")
         n = len(input_ids)
         if n >= self.context_length:
             raise RequestError(

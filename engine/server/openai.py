@@ -3,10 +3,10 @@
 Mirrors SGLang's adapter: OpenAI fields map to SamplingParams (``max_tokens``/``max_completion_tokens`` ->
 ``max_new_tokens``, ``seed`` -> ``sampling_seed``, ``min_tokens`` -> ``min_new_tokens``) and SGLang extras
 (``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ...) pass through. The chat route applies the
-model's chat template with ``add_generation_prompt``. As upstream, ``model`` is not checked (one model is
-served). ``usage.prompt_tokens_details.cached_tokens`` is filled only with ``--enable-cache-report``
-(upstream). Streams send ``text_completion`` / ``chat.completion.chunk`` objects with text deltas, an
-optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+model's chat template with ``add_generation_prompt`` (``chat_template_kwargs`` may turn it off). As upstream,
+``model`` is not checked (one model is served). ``usage.prompt_tokens_details.cached_tokens`` is filled only
+with ``--enable-cache-report`` (upstream). Streams send ``text_completion`` / ``chat.completion.chunk``
+objects with text deltas, an optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,19 @@ def _sampling_params(engine: Engine, body: dict, prompt: list[int], max_tokens) 
     except (TypeError, ValueError) as exc:
         raise HTTPError(400, str(exc)) from None
     return params
+
+
+def _include_usage(body: dict) -> bool:
+    """``stream_options.include_usage`` (default false); ``HTTPError(400)`` for a malformed value."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise HTTPError(400, "stream_options must be an object")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool | None):
+        raise HTTPError(400, "stream_options.include_usage must be a boolean")
+    return bool(include)
 
 
 def _finish(reason: dict | None) -> tuple[str | None, object]:
@@ -119,7 +132,7 @@ async def completions(request: Request):
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
     if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = _include_usage(body)
         return StreamingResponse(
             _stream_completion(engine, ids, params, base, prompt if echo else "", include_usage),
             media_type="text/event-stream",
@@ -181,6 +194,10 @@ def _stream_completion(engine, ids, params, base, echo_text: str, include_usage:
 
 
 # ---------------------------------------------------------------------------------------------- chat
+# Template variables the server fills in itself (``chat_template_kwargs`` may not set them).
+_RESERVED_TEMPLATE_VARS = {"messages", "bos_token", "eos_token"}
+
+
 def _chat_prompt(engine: Engine, body: dict) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -192,6 +209,8 @@ def _chat_prompt(engine: Engine, body: dict) -> list[int]:
             parts = m["content"]
             if any(not isinstance(p, dict) or p.get("type") != "text" for p in parts):
                 raise HTTPError(400, "only text content parts are supported")
+            if any(not isinstance(p.get("text", ""), str) for p in parts):
+                raise HTTPError(400, "a text content part's 'text' must be a string")
             m["content"] = "".join(p.get("text", "") for p in parts)
     if body.get("tools"):
         raise HTTPError(400, "tools are not supported")
@@ -202,8 +221,17 @@ def _chat_prompt(engine: Engine, body: dict) -> list[int]:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise HTTPError(400, "chat_template_kwargs must be an object")
+    kwargs = dict(kwargs)
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_VARS)
+    if reserved:
+        raise HTTPError(400, f"chat_template_kwargs: {', '.join(reserved)} is set by the server")
+    add_generation_prompt = kwargs.pop("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise HTTPError(400, "chat_template_kwargs.add_generation_prompt must be a boolean")
     try:
-        return engine.chat_prompt(messages, continue_final_message=cont, **kwargs)
+        return engine.chat_prompt(
+            messages, continue_final_message=cont, add_generation_prompt=add_generation_prompt, **kwargs
+        )
     except ValueError as exc:  # template errors (bad roles, missing fields) are the client's
         raise HTTPError(400, str(exc)) from None
 
@@ -220,7 +248,7 @@ async def chat_completions(request: Request):
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name}
     if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = _include_usage(body)
         base["object"] = "chat.completion.chunk"
         return StreamingResponse(
             _stream_chat(engine, ids, params, base, include_usage), media_type="text/event-stream"

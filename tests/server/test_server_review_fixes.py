@@ -71,3 +71,67 @@ def test_same_backend_reattach_keeps_the_extra_config_in_use(serve, tmp_path):
 
     same = client.put("/hicache/storage-backend", json=body, headers=AUTH)
     assert same.status_code == 200 and "not changed" not in same.text
+
+
+# ------------------------------------------------------------------------------------------- 3. bad fields
+def _chat(client, **extra):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, **extra}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_chat_template_kwargs_add_generation_prompt_is_honoured(serve):
+    _, client = serve()
+    with_prompt = _chat(client)
+    without = _chat(client, chat_template_kwargs={"add_generation_prompt": False})
+    assert with_prompt.status_code == 200 and without.status_code == 200, without.text
+    p_with = with_prompt.json()["usage"]["prompt_tokens"]
+    assert without.json()["usage"]["prompt_tokens"] < p_with
+    bad = _chat(client, chat_template_kwargs={"add_generation_prompt": "yes"})
+    assert bad.status_code == 400 and "add_generation_prompt" in bad.json()["error"]["message"]
+    reserved = _chat(client, chat_template_kwargs={"messages": []})
+    assert reserved.status_code == 400 and "chat_template_kwargs" in reserved.json()["error"]["message"]
+
+
+def test_bad_fields_are_400_naming_the_field_and_the_server_keeps_serving(serve):
+    _, client = serve()
+    cases = [
+        ("/v1/chat/completions", {"stream": True, "stream_options": "x"}, "stream_options"),
+        ("/v1/completions", {"stream": True, "stream_options": "x"}, "stream_options"),
+        ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "y"}}, "include_usage"),
+        ("/v1/completions", {"seed": 10**24}, "sampling_seed"),
+        ("/v1/completions", {"seed": -(2**63) - 1}, "sampling_seed"),
+    ]
+    for path, extra, field in cases:
+        body = {"max_tokens": 2, **extra}
+        if path == "/v1/completions":
+            body["prompt"] = "hi"
+        else:
+            body["messages"] = [{"role": "user", "content": "hi"}]
+        resp = client.post(path, json=body)
+        assert resp.status_code == 400, (path, extra, resp.text)
+        assert field in resp.json()["error"]["message"], (path, extra)
+    gen = client.post("/generate", json={"text": "hi", "sampling_params": {"sampling_seed": 10**24}})
+    assert gen.status_code == 400 and "sampling_seed" in gen.json()["error"]["message"]
+    part = {"role": "user", "content": [{"type": "text", "text": 5}]}
+    resp = client.post("/v1/chat/completions", json={"messages": [part], "max_tokens": 2})
+    assert resp.status_code == 400 and "text" in resp.json()["error"]["message"]
+    assert _chat(client).status_code == 200
+    seeded = client.post("/generate", json={"text": "hi", "sampling_params": {"sampling_seed": 2**64 - 1}})
+    assert seeded.status_code == 200
+
+
+def test_unexpected_error_in_a_route_is_a_json_500(serve, monkeypatch):
+    server, client = serve()
+
+    def broken(text, add_special_tokens=True):  # fault injection: a bug deep in a route
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(server.engine, "encode", broken)
+    resp = client.post("/generate", json={"text": "hi"})
+    assert resp.status_code == 500
+    assert resp.json()["error"]["code"] == 500 and "tokenizer exploded" in resp.json()["error"]["message"]
+    monkeypatch.undo()
+    assert (
+        client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}).status_code
+        == 200
+    )
