@@ -5,7 +5,8 @@ list of lists), ``sampling_params``, ``stream``, ``rid``. Other upstream fields 
 (``log_metrics``, ``return_hidden_states``, ``bootstrap_room``, ...) are accepted and have no effect; fields
 asking for output this engine cannot produce (``return_logprob``, ``input_embeds``) are a 400.
 Response: ``{"text", "output_ids", "meta_info"}`` (a list for batched input). With ``stream`` the events are
-SSE frames carrying the cumulative text and ids (upstream default) and the stream ends with ``data: [DONE]``.
+SSE frames carrying the cumulative text and ids (upstream default); the text only grows (a tail that could
+become a stop string waits for the next frame) and the stream ends with ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.scheduler import SamplingParams
 from engine.server.engine import Engine, RequestError
 from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse
+from engine.server.stream_text import StreamText
 
 router = APIRouter()
 
@@ -103,13 +105,21 @@ async def generate(request: Request):
 
 
 async def _stream(engine: Engine, prompt: list[int], params: SamplingParams, rid: str | None):
+    """One frame per scheduler event: all ids so far and the monotonic text (``StreamText``)."""
     ids: list[int] = []
     meta: dict = {}
+    text = StreamText(engine, params)
     async for ev in engine.stream(prompt, params, rid):
         ids.extend(ev.new_ids)
         meta.update(ev.meta)
         if ev.finish_reason and ev.finish_reason.get("type") == "abort":
             yield sse({"error": {"message": ev.finish_reason.get("message", "aborted"), "code": 500}})
             break
-        yield sse(_response(engine, ids, params, ev.finish_reason, meta))
+        text.push(ev.new_ids, ev.finish_reason)
+        frame = {
+            "text": text.text,
+            "output_ids": list(ids),
+            "meta_info": dict(meta, finish_reason=ev.finish_reason),
+        }
+        yield sse(frame)
     yield SSE_DONE

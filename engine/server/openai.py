@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.scheduler import SamplingParams
 from engine.server.engine import Engine
 from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse
+from engine.server.stream_text import StreamText
 
 router = APIRouter()
 
@@ -89,27 +90,6 @@ def _usage(engine: Engine, prompt: list[int], n_out: int, meta: dict) -> dict:
     return usage
 
 
-class _DeltaText:
-    """Turns cumulative token ids into text deltas, holding back an unfinished UTF-8 sequence and any tail
-    that could still become a stop string."""
-
-    def __init__(self, engine: Engine, params: SamplingParams):
-        self.engine, self.params = engine, params
-        self.ids: list[int] = []
-        self.sent = ""
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-
-    def push(self, new_ids: list[int], reason: dict | None) -> str:
-        self.ids.extend(new_ids)
-        text = self.engine.output_text(self.ids, self.params, reason)
-        if reason is None:
-            text = text.rstrip("\ufffd")
-            text = text[: max(len(self.sent), len(text) - self.hold)]
-        delta = text[len(self.sent) :] if text.startswith(self.sent) else ""
-        self.sent += delta
-        return delta
-
-
 # ---------------------------------------------------------------------------------------------- completions
 @router.post("/v1/completions")
 async def completions(request: Request):
@@ -162,7 +142,7 @@ async def _stream_choices(engine, ids, params, base, first: dict | None, content
     """The SSE chunks of one streamed request: the opening choice ``first`` (when given), a choice per text
     delta carrying ``content(text)`` (``text`` or ``delta``), an error chunk on abort, the optional usage
     chunk, then ``[DONE]``."""
-    delta = _DeltaText(engine, params)
+    delta = StreamText(engine, params)
     n_out, meta = 0, {}
     if first is not None:
         yield sse({**base, "choices": [first]})

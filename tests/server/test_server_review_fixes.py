@@ -135,3 +135,37 @@ def test_unexpected_error_in_a_route_is_a_json_500(serve, monkeypatch):
         client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}).status_code
         == 200
     )
+
+
+# ------------------------------------------------------------------------------------------- 4. monotonic
+def _stop_across_tokens(engine, ids: list[int]) -> tuple[str, int] | None:
+    """A 2-char stop string spanning the boundary of tokens k and k+1 that first occurs there."""
+    full = engine.decode(ids)
+    for k in range(1, len(ids) - 1):
+        head, nxt = engine.decode(ids[:k]), engine.decode(ids[: k + 1])
+        if not head or len(nxt) <= len(head) or not nxt.startswith(head):
+            continue
+        stop = head[-1] + nxt[len(head)]
+        if full.find(stop) == len(head) - 1 and stop.isprintable() and "\ufffd" not in stop:
+            return stop, k
+    return None
+
+
+def test_generate_stream_with_stop_string_never_goes_backwards(serve):
+    server, client = serve()
+    prompt = [5, 6, 7, 8, 9]
+    sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = client.post("/generate", json={"input_ids": prompt, "sampling_params": sp}).json()
+    found = _stop_across_tokens(server.engine, plain["output_ids"])
+    assert found is not None, plain["text"]
+    stop, _ = found
+    sp = {**sp, "stop": [stop]}
+    expected = client.post("/generate", json={"input_ids": prompt, "sampling_params": sp}).json()
+    assert expected["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    resp = client.post("/generate", json={"input_ids": prompt, "sampling_params": sp, "stream": True})
+    frames = [json.loads(e) for e in _sse_events(resp.text)[:-1]]
+    texts = [f["text"] for f in frames]
+    for before, after in zip(texts, texts[1:], strict=False):
+        assert after.startswith(before), texts
+    assert texts[-1] == expected["text"] and stop not in texts[-1]
+    assert frames[-1]["output_ids"] == expected["output_ids"]
