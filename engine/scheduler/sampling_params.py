@@ -8,6 +8,7 @@ true. Fields this engine does not act on but routers and SDKs send with their ne
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Upstream fields accepted only with their neutral value (field -> neutral value).
@@ -76,20 +77,25 @@ class SamplingParams:
         return params
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field out of its upstream range."""
+        """Raise ``ValueError`` naming the first field out of its upstream range (float fields must also be
+        finite: NaN or infinity is rejected)."""
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
             raise ValueError(
                 f"sampling_params.max_new_tokens must be an integer, got {self.max_new_tokens!r}"
             )
         if self.max_new_tokens < 0:
             raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"sampling_params.{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
             raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
             raise ValueError(f"sampling_params.top_k must be -1 or >= 1, got {self.top_k!r}")
-        if not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
+        if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"sampling_params.min_p must be in [0, 1], got {self.min_p!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("sampling_params.stop must be a non-empty string or a list of them")

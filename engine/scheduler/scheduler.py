@@ -316,24 +316,28 @@ class Scheduler:
         for i, (req, _, end) in enumerate(items):
             req.num_computed = end
             if end < len(req.input_ids):
-                self._cache_unfinished(req, chunked=True)
+                self._per_request(req, "prefill", self._cache_unfinished, req, chunked=True)
             else:
                 done.append((i, req))
         if not done:
             return
-        tokens = sample(
-            logits[[i for i, _ in done]], [r.params for _, r in done], [r.generator for _, r in done]
-        )
-        for (_, req), tok in zip(done, tokens, strict=True):
-            if req.aborted:
-                self._finish(req, {"type": "abort", "message": req.aborted})
-                continue
-            self._cache_unfinished(req, chunked=False)
-            if req.params.max_new_tokens == 0:
-                self._finish(req, {"type": "length", "length": 0})
-                continue
-            self.running.append(req)
-            self._append_token(req, tok)
+        reqs = [r for _, r in done]
+        tokens = self._sample(logits[[i for i, _ in done]], reqs)
+        for req, tok in zip(reqs, tokens, strict=True):
+            if tok is not None:
+                self._per_request(req, "prefill", self._start_decoding, req, tok)
+
+    def _start_decoding(self, req: Req, tok: int) -> None:
+        """After the prompt's last chunk: cache its prefix, then finish it or hand it to decode."""
+        if req.aborted:
+            self._finish(req, {"type": "abort", "message": req.aborted})
+            return
+        self._cache_unfinished(req, chunked=False)
+        if req.params.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        self.running.append(req)
+        self._append_token(req, tok)
 
     def _cache_unfinished(self, req: Req, chunked: bool) -> None:
         """Insert the computed prefix into the tree and move the request's lock to its new last node."""
@@ -364,12 +368,38 @@ class Scheduler:
             return
         for req in reqs:
             req.num_computed += 1
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens = self._sample(logits, reqs)
         for req, tok in zip(reqs, tokens, strict=True):
+            if tok is None:
+                continue
             if req.aborted:
-                self._finish(req, {"type": "abort", "message": req.aborted})
+                self._per_request(req, "decode", self._finish, req, {"type": "abort", "message": req.aborted})
             else:
-                self._append_token(req, tok)
+                self._per_request(req, "decode", self._append_token, req, tok)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | None]:
+        """One token per request from ``logits`` ``(B, vocab)``. When the batch raises, rows are sampled one
+        by one and a request whose row raises is aborted alone (``None`` in its place)."""
+        try:
+            return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        except Exception:
+            logger.exception("batched sampling failed; sampling rows one by one")
+        tokens: list[int | None] = []
+        for i, req in enumerate(reqs):
+            tok = self._per_request(req, "sampling", sample, logits[i : i + 1], [req.params], [req.generator])
+            tokens.append(None if tok is None else tok[0])
+        return tokens
+
+    def _per_request(self, req: Req, stage: str, fn: Callable, *args, **kwargs):
+        """Run ``fn`` for one request; if it raises, abort only that request (its KV freed, its tree lock
+        dropped, nothing inserted) and return None, so one bad request never stops the scheduler."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            logger.exception("request %s failed in %s", req.rid, stage)
+            if not req.finished:
+                self._finish(req, {"type": "abort", "message": f"{stage} failed: {exc}"}, insert=False)
+            return None
 
     def _forward(self, rows: list[tuple[Req, list[int], int, int]]) -> torch.Tensor:
         """One forward pass over (req, token ids, start, end) rows; last-position logits ``(B, V)``."""

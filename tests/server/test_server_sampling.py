@@ -91,6 +91,9 @@ def test_sampler_filters():
         ({"stop": [""]}, "stop"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
     ],
 )
 def test_sampling_params_validation_names_the_field(raw, needle):
