@@ -1,12 +1,17 @@
 """``python -m engine.launch_server``: an SGLang-compatible engine worker (same flags, same HTTP API).
 
-Start-up errors (unknown flag, bad value, unusable model path) print one line naming the flag or path and
-exit with status 2 (arguments) or 1 (model); nothing is served then.
+Start-up errors print one line naming the flag or path and exit before anything is served:
+
+- 2: arguments (unknown flag, bad value) or ``--host``/``--port`` that cannot be bound (e.g. the port is in
+  use); the address is bound before the model loads, so this fails fast.
+- 1: the model (``--model-path`` unusable).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 
 import uvicorn
@@ -17,31 +22,45 @@ from engine.server.args import ArgumentError, parse_args
 from engine.server.builder import build_engine
 
 
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv6 when ``host`` contains ':'); ``ArgumentError`` naming
+    ``--port`` when it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ArgumentError(f"--port {port}: cannot listen on {host}:{port}: {reason}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        sock = bind_listen_socket(args.host, args.port)
     except ArgumentError as exc:
         print(f"engine.launch_server: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    try:
-        engine = build_engine(args)
-    except ArgumentError as exc:
-        print(f"engine.launch_server: error: {exc}", file=sys.stderr)
-        return 2
-    except ModelLoadError as exc:
-        print(f"engine.launch_server: error: --model-path {exc}", file=sys.stderr)
-        return 1
-    try:
-        uvicorn.run(
+    with sock:
+        logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+        try:
+            engine = build_engine(args)
+        except ArgumentError as exc:
+            print(f"engine.launch_server: error: {exc}", file=sys.stderr)
+            return 2
+        except ModelLoadError as exc:
+            print(f"engine.launch_server: error: --model-path {exc}", file=sys.stderr)
+            return 1
+        config = uvicorn.Config(
             create_app(engine),
             host=args.host,
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
         )
-    finally:
-        engine.scheduler.stop()
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            engine.scheduler.stop()
     return 0
 
 

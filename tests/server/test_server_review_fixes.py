@@ -5,7 +5,9 @@ monotonic with stop strings, and a busy --port fails before the model loads."""
 from __future__ import annotations
 
 import json
+import socket
 
+from engine import launch_server
 from engine.server.args import parse_args
 
 KEY = "user-secret-key"
@@ -169,3 +171,16 @@ def test_generate_stream_with_stop_string_never_goes_backwards(serve):
         assert after.startswith(before), texts
     assert texts[-1] == expected["text"] and stop not in texts[-1]
     assert frames[-1]["output_ids"] == expected["output_ids"]
+
+
+# ------------------------------------------------------------------------------------------- 5. port
+def test_busy_port_exits_2_before_the_model_is_loaded(tmp_path, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # The model path does not exist: reaching the model load would exit 1 instead.
+        argv = ["--model-path", str(tmp_path / "missing"), "--host", "127.0.0.1", "--port", str(port)]
+        assert launch_server.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--port" in err and str(port) in err
