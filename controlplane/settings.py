@@ -1,16 +1,18 @@
 """Control-plane settings, all read from the environment.
 
-Variables: SECRET_KEY, DEBUG (0/1, default 0), ALLOWED_HOSTS (comma list), CSRF_TRUSTED_ORIGINS (comma list),
-DATABASE_URL (default SQLite under var/), REDIS_URL (default redis://127.0.0.1:6379/0), HTTPS (0/1; default
-the inverse of DEBUG: SSL redirect, secure cookies and HSTS), FIELD_ENCRYPTION_KEY (Fernet key for worker
-admin keys; default derived from SECRET_KEY), TOKEN_PEPPER (HMAC key of API token digests; default from
-SECRET_KEY), CELERY_QUEUE, REDIS_KEY_PREFIX, TELEMETRY_SCRAPE_INTERVAL_S.
+Variables: SECRET_KEY (required unless DEBUG=1), DEBUG (0/1, default 0), ALLOWED_HOSTS (comma list),
+CSRF_TRUSTED_ORIGINS (comma list), DATABASE_URL (default SQLite under var/), REDIS_URL (default
+redis://127.0.0.1:6379/0), HTTPS (0/1; default the inverse of DEBUG: SSL redirect, secure cookies and HSTS),
+FIELD_ENCRYPTION_KEY (Fernet key for worker admin keys; default derived from SECRET_KEY), TOKEN_PEPPER (HMAC
+key of API token digests; default from SECRET_KEY), CELERY_QUEUE, REDIS_KEY_PREFIX,
+TELEMETRY_SCRAPE_INTERVAL_S.
 """
 
 import os
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -27,7 +29,13 @@ VAR_DIR = BASE_DIR / "var"
 VAR_DIR.mkdir(exist_ok=True)
 
 DEBUG = _env_bool("DEBUG", False)
-SECRET_KEY = os.environ.get("SECRET_KEY") or "dev-only-insecure-key-set-SECRET_KEY-in-production"
+SECRET_KEY = os.environ.get("SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured(
+            "SECRET_KEY is not set: export SECRET_KEY (50+ random characters), or DEBUG=1 for development"
+        )
+    SECRET_KEY = "dev-only-insecure-key-set-SECRET_KEY-in-production"
 ALLOWED_HOSTS = _env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
 CSRF_TRUSTED_ORIGINS = _env_list("CSRF_TRUSTED_ORIGINS", "")
 
