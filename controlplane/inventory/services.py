@@ -7,7 +7,7 @@ from controlplane.audit.services import audit_record
 from controlplane.core.crypto import encrypt_text
 from controlplane.core.exceptions import ApplicationError, ConflictError
 from controlplane.core.services import model_create, model_snapshot, model_update
-from controlplane.inventory.models import EngineWorker, Gpu, Host, WorkerState
+from controlplane.inventory.models import EngineWorker, Gpu, Host, StorageProfile, WorkerState
 from controlplane.workerclient import RouterClient, WorkerError
 
 _HOST_FIELDS = ("address", "agent_version", "cpu_count", "memory_bytes")
@@ -63,12 +63,23 @@ def worker_record_server_info(*, worker: EngineWorker, info: dict) -> None:
         setattr(worker, key, value)
 
 
+def storage_profile_matching(*, backend: str, extra_config: dict | None) -> StorageProfile | None:
+    """The one storage profile with this backend and exactly this extra config (None counts as ``{}``); None
+    when no profile or several match (the backend alone does not say which cluster or path is attached)."""
+    if not backend:
+        return None
+    want = extra_config or {}
+    found = [p for p in StorageProfile.objects.filter(backend=backend) if p.extra_config == want]
+    return found[0] if len(found) == 1 else None
+
+
 @transaction.atomic
 def agent_register(*, host: dict, workers: list[dict], actor) -> tuple[Host, list[EngineWorker]]:
     """Upsert a host, its GPUs and its workers as the agent reports them; one audit record per call.
 
     Host fields the call leaves out (address, agent_version, cpu_count, memory_bytes, gpus) keep their stored
-    values; a new host gets blanks (cpu_count and memory_bytes NULL).
+    values; a new host gets blanks (cpu_count and memory_bytes NULL). A worker's ``storage_backend`` (with
+    ``storage_extra_config``) sets its attached L3 backend and the storage profile it identifies, if any.
     """
     host_obj = Host.objects.select_for_update().filter(name=host["name"]).first()
     before = {"host": model_snapshot(host_obj), "workers": []} if host_obj else None
@@ -98,6 +109,11 @@ def agent_register(*, host: dict, workers: list[dict], actor) -> tuple[Host, lis
                 setattr(worker, field, item[field])
         if "admin_key" in item:
             worker.admin_key = item["admin_key"]
+        if "storage_backend" in item:
+            worker.storage_backend = item["storage_backend"]
+            worker.storage_profile = storage_profile_matching(
+                backend=item["storage_backend"], extra_config=item.get("storage_extra_config")
+            )
         worker.host = host_obj
         worker.state = WorkerState.ONLINE
         worker.last_seen = timezone.now()

@@ -16,7 +16,7 @@ import threading
 import time
 
 from engine.agent.host import host_facts
-from engine.agent.probe import metrics_text
+from engine.agent.probe import metrics_text, server_info
 from engine.agent.reporter import ControlPlaneClient, Reporter
 from engine.agent.spec import FleetSpec, WorkerSpec
 from engine.agent.supervisor import Managed, Supervisor
@@ -44,14 +44,32 @@ def managed(spec: FleetSpec) -> list[Managed]:
     ]
 
 
-def worker_record(w: WorkerSpec) -> dict:
-    """The worker object of the register call (the admin key lets the control plane run operations)."""
+def storage_fields(info: dict | None) -> dict:
+    """The L3 backend a worker reports in ``/server_info`` as register fields: ``storage_backend`` ("" when
+    none is attached) and ``storage_extra_config`` (its ``hicache_storage_backend_extra_config`` as a table,
+    None when unset or not JSON). Empty when the worker did not answer (the stored values are kept)."""
+    if info is None:
+        return {}
+    try:
+        extra = json.loads(info.get("hicache_storage_backend_extra_config") or "null")
+    except ValueError:
+        extra = None
+    return {
+        "storage_backend": info.get("hicache_storage_backend") or "",
+        "storage_extra_config": extra if isinstance(extra, dict) else None,
+    }
+
+
+def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
+    """The worker object of the register call (the admin key lets the control plane run operations);
+    ``info`` is the worker's ``/server_info`` (its attached L3 backend goes along)."""
     record = {
         "name": w.name,
         "url": w.url,
         "role": w.role,
         "model_name": w.model_name,
         "page_size": w.page_size,
+        **storage_fields(info),
     }
     if w.admin_api_key:
         record["admin_key"] = w.admin_api_key
@@ -80,7 +98,7 @@ class Agent:
         return [w for w in self.spec.workers if w.name in running]
 
     def _registration(self) -> tuple[dict, list[dict]]:
-        return self.host, [worker_record(w) for w in self._running()]
+        return self.host, [worker_record(w, server_info(local_url(w))) for w in self._running()]
 
     def _live_urls(self) -> list[str]:
         return [w.url for w in self._running()]

@@ -102,6 +102,7 @@ class Reporter:
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
         self.clock = clock
         self.registered = False
+        self.host_name = ""
         self.down_since: float | None = None
         self.retry_delay = 0.0
         self.next_attempt = 0.0
@@ -161,15 +162,14 @@ class Reporter:
                 log.error("control plane refused registration: %s", exc)
                 self._back_off(now)
                 return
-            self.registered = True
+            self.registered, self.host_name = True, host["name"]
             self.next_heartbeat = now
             log.info(
                 "registered host %s with %d workers at %s", host["name"], len(workers), self.client.base_url
             )
         if now >= self.next_heartbeat:
-            host, _ = self.registration()
             try:
-                self.client.heartbeat(host["name"], self.live_urls(), self.down_urls())
+                self.client.heartbeat(self.host_name, self.live_urls(), self.down_urls())
             except ControlPlaneRejected as exc:
                 if exc.status == 404:
                     self.registered = False

@@ -190,6 +190,40 @@ def test_agent_reports_a_worker_failing_health_as_offline(port, tmp_path, health
         cp.stop()
 
 
+def test_agent_registers_each_workers_attached_l3_backend(port, tmp_path, health_server):
+    extra = {"master_server_address": "127.0.0.1:50051", "protocol": "tcp"}
+    info = {"hicache_storage_backend": "mooncake", "hicache_storage_backend_extra_config": json.dumps(extra)}
+    specs, procs = [], []
+    for name, served in (("w0", info), ("w1", {"hicache_storage_backend": None})):
+        wport = _free_port()
+        url = f"http://127.0.0.1:{wport}"
+        specs.append(WorkerSpec(name=name, model="m", role="mixed", host="127.0.0.1", port=wport, url=url,
+                                flags=[]))  # fmt: skip
+        argv = health_server(wport, tmp_path / "never", served)
+        procs.append(Managed(name, argv, f"{url}/health", str(tmp_path / f"{name}.log")))
+    spec = FleetSpec(path=str(tmp_path / "fleet.toml"), host_name="node-a", address="127.0.0.1",
+                     log_dir=str(tmp_path), heartbeat_interval_s=60.0, metrics_interval_s=60.0, buffer_size=5,
+                     workers=specs)  # fmt: skip
+    sup = Supervisor(procs)
+    cp = RecordingControlPlane(port)
+    cp.start()
+    agent = Agent(spec, ControlPlaneClient(f"http://127.0.0.1:{port}", "cp_abc.secret", timeout=2), sup)
+    try:
+        sup.start_all()
+        deadline = time.monotonic() + 30
+        while len(sup.running()) < 2 and time.monotonic() < deadline:
+            agent._log(sup.poll())
+            time.sleep(0.05)
+        _tick_until(agent.reporter, lambda: cp.paths("/register/"))
+        registered = {w["name"]: w for w in cp.paths("/register/")[-1]["workers"]}
+        assert registered["w0"]["storage_backend"] == "mooncake"
+        assert registered["w0"]["storage_extra_config"] == extra
+        assert (registered["w1"]["storage_backend"], registered["w1"]["storage_extra_config"]) == ("", None)
+    finally:
+        sup.stop()
+        cp.stop()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,7 +4,7 @@ list filtering/ordering/pagination, and audit revert."""
 from datetime import timedelta
 
 import pytest
-from cp_factories import ConfigProfileFactory, EngineWorkerFactory, HostFactory
+from cp_factories import ConfigProfileFactory, EngineWorkerFactory, HostFactory, StorageProfileFactory
 from django.db import connection
 from django.utils import timezone
 
@@ -151,6 +151,44 @@ def test_heartbeat_marks_workers_the_agent_reports_offline_then_online_again(api
     assert state() == "offline"  # its /health failed: the agent restarts it
     client.post("/api/v1/agent/heartbeat/", {"host": "gpu-9", "workers": [url]}, format="json")
     assert state() == "online"
+
+
+def test_agent_register_stores_the_attached_l3_backend_and_its_profile(api_as):
+    mooncake = {"master_server_address": "10.0.0.1:50051", "protocol": "tcp"}
+    profile = StorageProfileFactory(name="mc-a", backend="mooncake", extra_config=mooncake)
+    StorageProfileFactory(
+        name="mc-b", backend="mooncake", extra_config={"master_server_address": "10.0.0.2:50051"}
+    )
+    StorageProfileFactory(name="files-1", backend="file", extra_config={})
+    StorageProfileFactory(name="files-2", backend="file", extra_config={})
+    workers = [
+        {"name": "g-w0", "url": "http://10.0.0.7:30000", "storage_backend": "mooncake",
+         "storage_extra_config": {"protocol": "tcp", "master_server_address": "10.0.0.1:50051"}},
+        {"name": "g-w1", "url": "http://10.0.0.7:30001", "storage_backend": "mooncake",
+         "storage_extra_config": {"master_server_address": "10.9.9.9:50051"}},
+        {"name": "g-w2", "url": "http://10.0.0.7:30002", "storage_backend": "file",
+         "storage_extra_config": None},
+        {"name": "g-w3", "url": "http://10.0.0.7:30003", "storage_backend": ""},
+    ]  # fmt: skip
+    agent = api_as("agent")
+    done = agent.post("/api/v1/agent/register/", {"host": {"name": "g"}, "workers": workers}, format="json")
+    assert done.status_code == 200, done.content
+    listed = api_as("viewer").get("/api/v1/inventory/workers/").json()["results"]
+    seen = {w["name"]: (w["storage_backend"], w["storage_profile"]) for w in listed}
+    assert seen == {
+        "g-w0": ("mooncake", profile.pk),  # backend + extra config identify one profile
+        "g-w1": ("mooncake", None),  # no profile for that master
+        "g-w2": ("file", None),  # two profiles fit: not identified
+        "g-w3": ("", None),
+    }
+    workers[0]["storage_backend"] = ""  # detached since: the next registration clears both
+    agent.post("/api/v1/agent/register/", {"host": {"name": "g"}, "workers": workers[:1]}, format="json")
+    assert EngineWorker.objects.filter(name="g-w0").values_list(
+        "storage_backend", "storage_profile"
+    ).get() == (
+        "",
+        None,
+    )
 
 
 def test_agent_register_stores_cpu_count_and_memory_bytes(api_as):

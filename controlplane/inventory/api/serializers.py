@@ -128,6 +128,12 @@ class AgentWorkerSerializer(serializers.Serializer):
     dp_size = serializers.IntegerField(min_value=1, required=False)
     page_size = serializers.IntegerField(min_value=1, required=False)
     admin_key = serializers.CharField(max_length=500, required=False, allow_blank=True)
+    storage_backend = serializers.CharField(
+        max_length=20, required=False, allow_blank=True, help_text="attached L3 backend ('' for none)"
+    )
+    storage_extra_config = serializers.DictField(
+        required=False, allow_null=True, help_text="its hicache_storage_backend_extra_config"
+    )
 
 
 class AgentRegisterSerializer(serializers.Serializer):
