@@ -5,6 +5,9 @@ Start-up errors print one line naming the flag or path and exit before anything 
 - 2: arguments (unknown flag, bad value) or ``--host``/``--port`` that cannot be bound (e.g. the port is in
   use); the address is bound before the model loads, so this fails fast.
 - 1: the model (``--model-path`` unusable).
+
+Once serving, a scheduler thread that dies (a crash) stops the server and the process exits with 3 (the cause
+is logged), so a supervisor restarts the worker instead of keeping a process that can only answer 503.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import logging
 import os
 import socket
 import sys
+import threading
+import time
 
 import uvicorn
 
@@ -20,6 +25,10 @@ from engine.model.errors import ModelLoadError
 from engine.server.app import create_app
 from engine.server.args import ArgumentError, parse_args
 from engine.server.builder import build_engine
+
+logger = logging.getLogger("engine.launch_server")
+EXIT_SCHEDULER_DIED = 3
+HARD_EXIT_AFTER_S = 15.0  # uvicorn's graceful shutdown is 5 s; past this the process is ended outright
 
 
 def bind_listen_socket(host: str, port: int) -> socket.socket:
@@ -31,6 +40,30 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno else str(exc)
         raise ArgumentError(f"--port {port}: cannot listen on {host}:{port}: {reason}") from None
+
+
+def exit_when_scheduler_dies(scheduler, server: uvicorn.Server) -> threading.Thread:
+    """Watch ``scheduler``: when its thread ends with a crash, log the cause and ask ``server`` to stop
+    (pending requests were already failed with 503 by the scheduler); if the process is still up
+    ``HARD_EXIT_AFTER_S`` later, exit it with ``EXIT_SCHEDULER_DIED``. A deliberate ``stop`` exits quietly."""
+
+    def watch() -> None:
+        scheduler.join()
+        if scheduler.error is None:
+            return
+        logger.error(
+            "scheduler thread died (%r); stopping the server, exit code %d",
+            scheduler.error,
+            EXIT_SCHEDULER_DIED,
+        )
+        server.should_exit = True
+        time.sleep(HARD_EXIT_AFTER_S)
+        logger.error("server did not stop within %.0fs of the scheduler's death; exiting", HARD_EXIT_AFTER_S)
+        os._exit(EXIT_SCHEDULER_DIED)
+
+    thread = threading.Thread(target=watch, name="scheduler-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
         )
+        server = uvicorn.Server(config)
+        exit_when_scheduler_dies(engine.scheduler, server)
         try:
-            uvicorn.Server(config).run(sockets=[sock])
+            server.run(sockets=[sock])
         finally:
             engine.scheduler.stop()
-    return 0
+    return EXIT_SCHEDULER_DIED if engine.scheduler.error is not None else 0
 
 
 if __name__ == "__main__":

@@ -78,6 +78,9 @@ class Scheduler:
         self.chunked: Req | None = None
         self.reqs: dict[str, Req] = {}
         self._inbox: queue.Queue = queue.Queue()
+        self._inbox_lock = threading.Lock()  # orders "put into the inbox" against "the loop has ended"
+        self._closed: str | None = None  # why the loop ended; set once, before the inbox is failed
+        self._in_hand: Req | _Command | None = None  # taken from the inbox, not yet fully handled
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.busy_since: float | None = None
@@ -99,7 +102,12 @@ class Scheduler:
         self.cache.close()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        """True while the loop runs and accepts work (False from the moment it starts to shut down)."""
+        return self._thread.is_alive() and self._closed is None
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the scheduler thread to end (crash or ``stop``); ``error`` then holds a crash's cause."""
+        self._thread.join(timeout)
 
     def stuck_for(self) -> float:
         """Seconds the current iteration has been running (0 when the loop is waiting for work)."""
@@ -107,21 +115,36 @@ class Scheduler:
         return 0.0 if since is None else time.monotonic() - since
 
     def submit(self, req: Req) -> None:
-        """Queue ``req``; its events arrive through ``req.on_event`` (thread-safe)."""
-        self._inbox.put(req)
+        """Queue ``req``; its events arrive through ``req.on_event`` (thread-safe). Once the loop has ended
+        the request is finished at once with an abort whose ``status_code`` is 503."""
+        if not self._put(req):
+            self._reject(req)
 
     def abort(self, rid: str) -> None:
         """Abort a request by id (client went away); unknown ids are ignored."""
-        self._inbox.put(_Command(lambda s: s._abort(rid), concurrent.futures.Future()))
+        self._put(_Command(lambda s: s._abort(rid), concurrent.futures.Future()))
 
     def call(self, fn: Callable[[Scheduler], object]) -> concurrent.futures.Future:
-        """Run ``fn(scheduler)`` on the scheduler thread between iterations; the future gets its result."""
+        """Run ``fn(scheduler)`` on the scheduler thread between iterations; the future gets its result
+        (``RuntimeError`` once the loop has ended)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.is_alive() and self._thread.ident is not None:
-            fut.set_exception(RuntimeError("scheduler thread is not running"))
-            return fut
-        self._inbox.put(_Command(fn, fut))
+        if not self._put(_Command(fn, fut)):
+            fut.set_exception(RuntimeError(f"scheduler thread is not running: {self._closed}"))
         return fut
+
+    def _put(self, item) -> bool:
+        """Put ``item`` into the inbox unless the loop has ended (then False): nothing put is ever stranded,
+        because the loop fails whatever is left in the inbox after marking itself closed."""
+        with self._inbox_lock:
+            if self._closed is not None:
+                return False
+            self._inbox.put(item)
+            return True
+
+    def _reject(self, req: Req) -> None:
+        req.finished = True
+        reason = {"type": "abort", "message": self._closed, "status_code": 503}
+        req.on_event(ReqOutput(req.rid, [], True, reason, {}))
 
     # ----------------------------------------------------------------- for commands (scheduler thread)
     def is_idle(self) -> bool:
@@ -154,12 +177,14 @@ class Scheduler:
                 progressed = self._step()
                 self.busy_since = None
                 self._publish()
-        except BaseException as exc:  # the thread dies; /health reports it
+        except BaseException as exc:  # the thread dies; /health reports it, launch_server exits
             logger.exception("scheduler loop crashed")
             self.error = exc
             raise
         finally:
-            self._fail_all("server shutting down" if self._stop.is_set() else "scheduler crashed")
+            self._close(
+                "server shutting down" if self.error is None else f"scheduler crashed: {self.error!r}"
+            )
 
     def _wait_time(self, progressed: bool) -> float | None:
         """How long to wait for new input: not at all after a forward pass, briefly while requests wait for
@@ -179,11 +204,13 @@ class Scheduler:
             timeout = None
             if item is None:
                 return
+            self._in_hand = item
             if isinstance(item, _Command):
                 self._run_command(item)
                 self._publish()
             else:
                 self._enqueue(item)
+            self._in_hand = None
 
     def _run_command(self, cmd: _Command) -> None:
         if not cmd.future.set_running_or_notify_cancel():
@@ -490,12 +517,23 @@ class Scheduler:
         else:
             req.aborted = "aborted"
 
-    def _fail_all(self, message: str) -> None:
-        for req in list(self.reqs.values()):
-            if not req.finished:
-                req.finished = True
-                req.on_event(ReqOutput(req.rid, [], True, {"type": "abort", "message": message}, {}))
+    def _close(self, message: str) -> None:
+        """The loop is ending: refuse new work, then fail every known request, queued request and command
+        (aborts carry ``status_code`` 503, the worker is unavailable)."""
+        with self._inbox_lock:
+            self._closed = message
+        items = [*self.reqs.values(), self._in_hand]
         self.reqs.clear()
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if isinstance(item, Req) and not item.finished:
+                self._reject(item)
+            elif isinstance(item, _Command) and not item.future.done():
+                item.future.set_exception(RuntimeError(f"scheduler thread is not running: {message}"))
 
     # ----------------------------------------------------------------- reporting
     def _meta(self, req: Req, final: bool) -> dict:

@@ -152,7 +152,8 @@ class Engine:
                 self.scheduler.abort(rid)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> dict:
-        """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta"}``."""
+        """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta"}``. Raises
+        ``EngineDeadError`` when the scheduler ended before finishing it."""
         ids: list[int] = []
         meta: dict = {}
         reason = None
@@ -160,6 +161,8 @@ class Engine:
             ids.extend(ev.new_ids)
             meta.update(ev.meta)
             reason = ev.finish_reason
+        if reason and reason.get("status_code") == 503:  # the scheduler ended before finishing it
+            raise EngineDeadError(reason.get("message", "scheduler thread is not running"))
         return {"output_ids": ids, "finish_reason": reason, "meta": meta}
 
     async def call(self, fn, timeout: float | None = None):
