@@ -191,7 +191,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["controlplane.accounts.permissions.RolePermission"],
     "DEFAULT_FILTER_BACKENDS": [
         "django_filters.rest_framework.DjangoFilterBackend",
-        "rest_framework.filters.OrderingFilter",
+        "controlplane.core.filters.OrderingFilter",
     ],
     "DEFAULT_PAGINATION_CLASS": "controlplane.core.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 50,

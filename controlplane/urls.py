@@ -32,3 +32,5 @@ urlpatterns = [
     path("healthz", healthz),
     path("", include("frontend.urls")),
 ]
+
+handler404 = "controlplane.core.exceptions.not_found"

@@ -6,7 +6,8 @@ same envelope by `exception_handler`.
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.http import Http404
+from django.http import Http404, JsonResponse
+from django.views.defaults import page_not_found
 from rest_framework import exceptions as drf_exceptions
 from rest_framework import status
 from rest_framework.response import Response
@@ -78,3 +79,10 @@ def exception_handler(exc, context):
         detail = {}
     response.data = error_body(code, message, detail)
     return response
+
+
+def not_found(request, exception=None):
+    """The 404 page (``handler404``): the JSON envelope under ``/api/``, Django's HTML page elsewhere."""
+    if request.path.startswith("/api/"):
+        return JsonResponse(error_body("not_found", "Not found.", {"path": request.path}), status=404)
+    return page_not_found(request, exception)

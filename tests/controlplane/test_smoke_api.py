@@ -19,3 +19,47 @@ def test_schema_and_docs_are_served(api_as):
     text = schema.content.decode()
     assert "/api/v1/operations/" in text and "Idempotency-Key" in text and "If-Match" in text
     assert api_as("viewer").get("/api/docs/").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/api/v1/", "/api/v1/nosuch/", "/api/nosuch"])
+def test_unknown_api_paths_answer_a_json_404_in_the_error_envelope(api_as, path):
+    response = api_as("viewer").get(path)
+    assert response.status_code == 404 and response["Content-Type"] == "application/json"
+    error = response.json()["error"]
+    assert (error["code"], error["message"], error["detail"]) == ("not_found", "Not found.", {"path": path})
+    assert error["request_id"] == response["X-Request-ID"]
+
+
+def test_unknown_paths_outside_the_api_keep_the_html_404(client):
+    response = client.get("/admin-nosuch/page/")
+    assert response.status_code == 404 and response["Content-Type"].startswith("text/html")
+
+
+@pytest.mark.parametrize(
+    ("url", "param", "message"),
+    [
+        ("/api/v1/inventory/hosts/?limit=abc", "limit", "must be an integer >= 1, got 'abc'"),
+        ("/api/v1/inventory/hosts/?limit=-1", "limit", "must be an integer >= 1, got '-1'"),
+        ("/api/v1/inventory/hosts/?offset=x", "offset", "must be an integer >= 0, got 'x'"),
+        ("/api/v1/audit/events/?limit=abc", "limit", "must be an integer >= 1, got 'abc'"),
+        ("/api/v1/inventory/hosts/?ordering=bogus", "ordering", "unknown field 'bogus'; use one of"),
+        ("/api/v1/inventory/hosts/?ordering=name,-bogus", "ordering", "unknown field '-bogus'"),
+    ],
+)
+def test_bad_list_parameters_are_400_naming_the_parameter(api_as, url, param, message):
+    response = api_as("viewer").get(url)
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["code"] == "validation_error" and list(error["detail"]) == [param]
+    assert message in error["detail"][param][0]
+
+
+def test_good_list_parameters_still_page_and_order(api_as):
+    from cp_factories import HostFactory
+
+    for name in ("h-b", "h-a", "h-c"):
+        HostFactory(name=name)
+    response = api_as("viewer").get("/api/v1/inventory/hosts/?limit=2&offset=1&ordering=-name")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["count"] == 3 and [h["name"] for h in body["results"]] == ["h-b", "h-a"]
