@@ -11,7 +11,3 @@ def profile_list() -> QuerySet:
 
 def revision_list(*, profile: ConfigProfile) -> QuerySet:
     return ConfigRevision.objects.filter(profile=profile).select_related("created_by").order_by("-number")
-
-
-def revision_get(*, profile: ConfigProfile, number: int) -> ConfigRevision:
-    return ConfigRevision.objects.select_related("profile").get(profile=profile, number=number)

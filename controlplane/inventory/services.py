@@ -47,22 +47,6 @@ def worker_drain(*, worker: EngineWorker, actor) -> dict:
     return {"worker": worker.pk, "router": worker.router.url, "removed": removed}
 
 
-def worker_record_server_info(*, worker: EngineWorker, info: dict) -> None:
-    """Store what a worker reported about itself (server_info) without an audit row: observed, not changed."""
-    hicache = info.get("hicache") or {}
-    fields = {
-        "state": WorkerState.ONLINE,
-        "last_seen": timezone.now(),
-        "hicache_config": hicache,
-        "storage_backend": hicache.get("backend_name") or info.get("hicache_storage_backend") or "",
-    }
-    if info.get("page_size"):
-        fields["page_size"] = info["page_size"]
-    EngineWorker.objects.filter(pk=worker.pk).update(**fields)
-    for key, value in fields.items():
-        setattr(worker, key, value)
-
-
 def storage_profile_matching(*, backend: str, extra_config: dict | None) -> StorageProfile | None:
     """The one storage profile with this backend and exactly this extra config (None counts as ``{}``); None
     when no profile or several match (the backend alone does not say which cluster or path is attached)."""

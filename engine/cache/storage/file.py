@@ -240,9 +240,6 @@ class HiCacheFile(HiCacheStorage):
         return os.path.exists(self._path(key))
 
     # -- v1 zero-copy path -----------------------------------------------------------------------------
-    def _views(self, first_slot: int) -> list[memoryview]:
-        return self._pages.views(first_slot)
-
     def batch_get_v1(
         self,
         keys: Sequence[str],
@@ -251,7 +248,7 @@ class HiCacheFile(HiCacheStorage):
     ) -> list[bool]:
         """Read each page straight into its host-pool slots (no intermediate copy)."""
         slots = self._first_slots(keys, host_indices)
-        return [self._read_page(k, self._views(s)) for k, s in zip(keys, slots, strict=True)]
+        return [self._read_page(k, self._pages.views(s)) for k, s in zip(keys, slots, strict=True)]
 
     def batch_set_v1(
         self,
@@ -261,7 +258,7 @@ class HiCacheFile(HiCacheStorage):
     ) -> list[bool]:
         """Write each page straight from its host-pool slots; existing pages are skipped (True)."""
         slots = self._first_slots(keys, host_indices)
-        return [self._write_page(k, self._views(s)) for k, s in zip(keys, slots, strict=True)]
+        return [self._write_page(k, self._pages.views(s)) for k, s in zip(keys, slots, strict=True)]
 
     # -- housekeeping ----------------------------------------------------------------------------------
     def clear(self) -> None:
