@@ -1,0 +1,65 @@
+"""Prefill/decode disaggregation: move a prompt's KV pages from a prefill worker's L1 pool into the pages
+a decode worker reserved (SGLang's ``disaggregation/`` package shape; interface in PD-INTERFACE.md).
+
+``create_kv_manager`` builds the per-process manager for a role; P opens a ``KVSender`` per request,
+D a ``KVReceiver`` per request; the scheduler polls them (``KVPoll``) and never blocks on the network.
+"""
+
+from __future__ import annotations
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.disaggregation.base import (
+    DisaggregationMode,
+    KVPoll,
+    KVTransferError,
+    TransferBackendError,
+    TransferTimeouts,
+)
+from engine.disaggregation.decode import DecodeKVManager, KVReceiver
+from engine.disaggregation.prefill import KVSender, PrefillKVManager
+from engine.disaggregation.transport import transport_class
+
+KVManager = PrefillKVManager | DecodeKVManager
+
+__all__ = [
+    "DecodeKVManager",
+    "DisaggregationMode",
+    "KVManager",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "PrefillKVManager",
+    "TransferBackendError",
+    "TransferTimeouts",
+    "create_kv_manager",
+]
+
+
+def create_kv_manager(
+    backend: str,
+    mode: DisaggregationMode | str,
+    pool: DeviceKVPool,
+    host: str = "127.0.0.1",
+    bootstrap_port: int | None = None,
+    prefill_http_port: int | None = None,
+    ib_device: str | None = None,
+    **timeouts,
+) -> KVManager:
+    """The KV manager of this worker's role, with ``pool``'s buffers registered with ``backend``.
+
+    ``mode``: ``prefill`` (starts the bootstrap server on ``bootstrap_port``, 0 = a free port) or
+    ``decode``. ``timeouts``: ``TransferTimeouts`` fields overriding upstream's env values.
+    Raises ``TransferBackendError`` (backend unknown or unusable), ``ValueError`` (bad mode or port),
+    ``OSError`` (bootstrap port taken).
+    """
+    transport_class(backend)  # fail on a bad backend before binding anything
+    mode = DisaggregationMode(mode)
+    settings = TransferTimeouts.from_env(**timeouts)
+    if mode == DisaggregationMode.PREFILL:
+        if bootstrap_port is None or not 0 <= bootstrap_port <= 65535:
+            raise ValueError(f"--disaggregation-bootstrap-port must be in [0, 65535], got {bootstrap_port!r}")
+        return PrefillKVManager(backend, pool, host, bootstrap_port, settings, prefill_http_port, ib_device)
+    if mode == DisaggregationMode.DECODE:
+        return DecodeKVManager(backend, pool, host, settings, ib_device)
+    raise ValueError("--disaggregation-mode null has no KV manager")

@@ -1,0 +1,88 @@
+"""What the prefill and decode KV managers share: the pool's layout, the transport, the side channel."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.disaggregation.base import KVLayout, KVTransferError, TransferTimeouts
+from engine.disaggregation.channel import Channel
+from engine.disaggregation.transport import transport_class
+
+logger = logging.getLogger(__name__)
+
+MAX_ROOM = 2**63 - 1
+
+
+def advertised_host(host: str) -> str:
+    """The address peers use: upstream rewrites a wildcard bind address to loopback."""
+    return "127.0.0.1" if host in ("", "0.0.0.0") else host
+
+
+def check_room(bootstrap_room) -> int:
+    if (
+        isinstance(bootstrap_room, bool)
+        or not isinstance(bootstrap_room, int)
+        or not 0 <= bootstrap_room <= MAX_ROOM
+    ):
+        raise ValueError(f"bootstrap_room must be an integer in [0, 2^63-1], got {bootstrap_room!r}")
+    return bootstrap_room
+
+
+class KVManagerBase:
+    """Registers ``pool``'s buffers with the ``backend`` transport and opens the side channel.
+
+    Subclasses implement ``_on_message(header, payloads)`` and ``_on_tick()`` (receive thread).
+    Raises ``TransferBackendError`` when the backend cannot run here.
+    """
+
+    role = "?"
+
+    def __init__(
+        self, backend: str, pool: DeviceKVPool, host: str, timeouts: TransferTimeouts, ib_device=None
+    ):
+        self.backend = backend
+        self.pool = pool
+        self.layout = KVLayout.from_pool(pool)
+        self.host = advertised_host(host)
+        self.timeouts = timeouts
+        self._lock = threading.Lock()
+        self._closed = False
+        self.transport = transport_class(backend)(self.host, pool, self.layout, ib_device)
+        self.channel = Channel(self.host, self._on_message, self._on_tick, name=f"pd-{self.role}")
+        if backend == "fake":
+            self.transport.channel = self.channel
+
+    def _on_message(self, header: dict, payloads: list) -> None:
+        raise NotImplementedError
+
+    def _on_tick(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop threads, close sockets, unregister memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.channel.close()
+        self.transport.close()
+
+
+class RoomState:
+    """State of one room; every field is guarded by ``lock`` (held only for in-memory updates)."""
+
+    def __init__(self, bootstrap_room: int, initial) -> None:
+        self.bootstrap_room = bootstrap_room
+        self.lock = threading.Lock()
+        self.state = initial
+        self.reason: str | None = None
+
+    def failure_exception(self) -> KVTransferError:
+        """The ``KVTransferError`` of a Failed room; raises ``RuntimeError`` if the room has not failed."""
+        with self.lock:
+            if self.reason is None:
+                raise RuntimeError(
+                    f"bootstrap room {self.bootstrap_room} has not failed (state {self.state.name})"
+                )
+            return KVTransferError(self.bootstrap_room, self.reason)

@@ -1,0 +1,389 @@
+"""Prefill side: the KV manager that runs the bootstrap server, and one ``KVSender`` per request.
+
+Follows SGLang's prefill flow (pd-and-router-spec §1.5): a sender is created when the request arrives
+(Bootstrapping); D's transfer info for the room (destination pages) moves it to WaitingForInput; pages
+handed to ``send`` are written into D's pages by the transfer thread (Transferring); after the last
+page, the first output token and metadata go to D with the Success status. A room still Bootstrapping
+after ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` fails (checked in ``poll``, as upstream).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+
+import httpx
+import torch
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.disaggregation.base import KVLayout, KVPoll, TransferTimeouts
+from engine.disaggregation.bootstrap import BootstrapServer
+from engine.disaggregation.common import KVManagerBase, RoomState, check_room
+from engine.disaggregation.transport import TransferFailed
+
+logger = logging.getLogger(__name__)
+
+REGISTER_TRIES = 5  # upstream: 5 tries, exponential backoff from 1 s, up to 30 s, with jitter
+FAILED_ROOM_MEMORY_S = 60.0  # how long a room that failed on P answers a late transfer info with Failed
+
+
+class KVSender(RoomState):
+    """One request's KV on P. Created by ``PrefillKVManager.create_sender``; see PD-INTERFACE.md."""
+
+    def __init__(self, mgr: PrefillKVManager, bootstrap_room: int) -> None:
+        super().__init__(bootstrap_room, KVPoll.Bootstrapping)
+        self._mgr = mgr
+        self.created_at = time.monotonic()
+        self.num_pages: int | None = None
+        self.handed = 0  # pages given to send()
+        self.jobs: list[tuple[torch.Tensor, int]] = []  # (P pages, offset into D's pages) not yet written
+        self.written = 0  # pages written (transfer thread)
+        self.dst: torch.Tensor | None = None
+        self.endpoint: str | None = None  # D's side-channel endpoint
+        self.first_token_id: int | None = None
+        self.meta: dict | None = None
+        self.write_lock = (
+            threading.Lock()
+        )  # held by the transfer thread during a write, and by abort handling
+        self.queued = False  # in the transfer queue
+        self.writing = False  # a write is in flight: a Failed status to D waits until it ends
+        self.notify_pending = False
+
+    def init(self, num_pages: int) -> None:
+        """Pages P will send (``ceil(len(prompt) / page_size)``, 0 allowed). Raises ``ValueError``."""
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise ValueError(f"num_pages must be a non-negative integer, got {num_pages!r}")
+        with self.lock:
+            if self.num_pages is not None:
+                raise ValueError(f"bootstrap room {self.bootstrap_room}: init() called twice")
+            self.num_pages = num_pages
+            reason = self._count_mismatch()
+        if reason:
+            self._mgr._fail(self, reason, notify=True)
+
+    def send(
+        self, page_indices: torch.Tensor, first_token_id: int | None = None, meta: dict | None = None
+    ) -> None:
+        """Queue P's L1 pages ``page_indices`` (int64 ``(n,)``, prompt order) for writing into D's pages.
+
+        Successive calls concatenate; the call that completes ``num_pages`` must carry ``first_token_id``
+        (and optional JSON-serialisable ``meta``), earlier calls must not. Raises ``ValueError`` on a call
+        before ``init``, pages outside the pool, too many pages, or a misplaced ``first_token_id``.
+        A room that already failed ignores the call (``poll`` says Failed).
+        """
+        self._mgr.layout.check_pages(page_indices, "page_indices")
+        with self.lock:
+            if self.num_pages is None:
+                raise ValueError(f"bootstrap room {self.bootstrap_room}: send() before init()")
+            total = self.handed + len(page_indices)
+            if total > self.num_pages:
+                raise ValueError(
+                    f"bootstrap room {self.bootstrap_room}: {total} pages sent, init() said {self.num_pages}"
+                )
+            last = total == self.num_pages
+            if last != (first_token_id is not None):
+                raise ValueError(
+                    f"bootstrap room {self.bootstrap_room}: first_token_id goes with the call that completes "
+                    f"the {self.num_pages} pages (this call brings {total})"
+                )
+            if self.state == KVPoll.Failed:
+                return
+            self.jobs.append((page_indices.clone(), self.handed))
+            self.handed = total
+            if last:
+                self.first_token_id, self.meta = int(first_token_id), dict(meta or {})
+        self._mgr._schedule(self)
+
+    def poll(self) -> KVPoll:
+        """Current state; fails a room still Bootstrapping after the bootstrap timeout."""
+        with self.lock:
+            state = self.state
+            expired = (
+                state == KVPoll.Bootstrapping
+                and time.monotonic() - self.created_at > self._mgr.timeouts.bootstrap_timeout_s
+            )
+        if expired:
+            t = self._mgr.timeouts.bootstrap_timeout_s
+            self._mgr._fail(
+                self, f"bootstrap timeout after {t:g} s (no transfer info from decode)", notify=False
+            )
+            return KVPoll.Failed
+        return state
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        """Fail the room now and tell D (if known) with ``reason``."""
+        self._mgr._fail(self, reason, notify=True)
+
+    def close(self) -> None:
+        """Forget the room (after Success/Failed and after P's pages are released)."""
+        self._mgr._close(self)
+
+    def _count_mismatch(self) -> str | None:
+        if self.num_pages is not None and self.dst is not None and len(self.dst) != self.num_pages:
+            return (
+                f"page count mismatch: prefill sends {self.num_pages} pages, decode reserved {len(self.dst)}"
+            )
+        return None
+
+
+class PrefillKVManager(KVManagerBase):
+    """P's manager: bootstrap server on ``bootstrap_port`` (0 = any free port), rank registered there,
+    side channel, one transfer thread. Raises ``OSError`` when the port is taken."""
+
+    role = "prefill"
+
+    def __init__(
+        self,
+        backend: str,
+        pool: DeviceKVPool,
+        host: str,
+        bootstrap_port: int,
+        timeouts: TransferTimeouts,
+        prefill_http_port: int | None = None,
+        ib_device: str | None = None,
+    ) -> None:
+        self._senders: dict[int, KVSender] = {}
+        self._pending: dict[int, tuple[dict, float]] = {}  # transfer infos for rooms not opened yet
+        self._failed: dict[int, tuple[str, float]] = {}  # closed/failed rooms D may still ask about
+        self._peers: dict[str, dict] = {}  # D endpoint -> {"layout", "transport", "mismatch"}
+        self._queue: queue.Queue = queue.Queue()
+        self.bootstrap = BootstrapServer(host or "0.0.0.0", bootstrap_port)
+        try:
+            super().__init__(backend, pool, host, timeouts, ib_device)
+        except BaseException:
+            self.bootstrap.close()
+            raise
+        self.bootstrap_port = self.bootstrap.port
+        self.bootstrap_address = f"{self.host}:{self.bootstrap_port}"
+        self._worker = threading.Thread(target=self._transfer_loop, name="pd-prefill-transfer", daemon=True)
+        self._worker.start()
+        try:
+            self._register(prefill_http_port)
+        except BaseException:
+            self.close()
+            raise
+
+    def _register(self, prefill_http_port: int | None) -> None:
+        ep_host, ep_port = self.channel.endpoint.rsplit(":", 1)
+        body = {
+            "rank_ip": ep_host,
+            "rank_port": int(ep_port),
+            "attn_tp_size": 1,
+            "attn_tp_rank": 0,
+            "attn_cp_size": 1,
+            "attn_cp_rank": 0,
+            "attn_dp_size": 1,
+            "attn_dp_rank": 0,
+            "pp_size": 1,
+            "pp_rank": 0,
+            "system_dp_size": 1,
+            "system_dp_rank": 0,
+            "page_size": self.layout.page_size,
+            "kv_cache_dtype": self.layout.kv_cache_dtype,
+            "load_balance_method": "follow_bootstrap_room",
+            "prefill_http_port": prefill_http_port,
+        }
+        url = f"http://{self.bootstrap_address}/route"
+        for attempt in range(REGISTER_TRIES):
+            try:
+                httpx.put(url, json=body, timeout=5.0).raise_for_status()
+                return
+            except httpx.HTTPError as exc:
+                if attempt == REGISTER_TRIES - 1:
+                    raise OSError(f"cannot register with the bootstrap server {url}: {exc}") from exc
+                time.sleep(min(30.0, 2**attempt) * random.uniform(0.8, 1.2))  # backoff between retries
+
+    # ---- scheduler-thread API
+    def create_sender(self, bootstrap_room: int) -> KVSender:
+        """Open room ``bootstrap_room`` (Bootstrapping). Raises ``ValueError`` if it is active already."""
+        check_room(bootstrap_room)
+        sender = KVSender(self, bootstrap_room)
+        with self._lock:
+            if bootstrap_room in self._senders:
+                raise ValueError(f"bootstrap room {bootstrap_room} is already active on this prefill")
+            self._senders[bootstrap_room] = sender
+            self._failed.pop(bootstrap_room, None)
+            pending = self._pending.pop(bootstrap_room, None)
+        if pending is not None:
+            self._attach(sender, pending[0])
+        return sender
+
+    def num_rooms(self) -> int:
+        with self._lock:
+            return len(self._senders) + len(self._pending)
+
+    # ---- room transitions (any thread)
+    def _fail(self, sender: KVSender, reason: str, notify: bool) -> None:
+        with sender.lock:
+            if sender.state in (KVPoll.Failed, KVPoll.Success):
+                return
+            sender.state, sender.reason = KVPoll.Failed, reason
+            sender.jobs = []
+            endpoint = sender.endpoint
+            if notify and sender.writing:  # D must not free its pages while our write may still land
+                sender.notify_pending, notify = True, False
+        logger.warning("bootstrap room %d failed: %s", sender.bootstrap_room, reason)
+        if notify and endpoint:
+            self._status(endpoint, sender.bootstrap_room, KVPoll.Failed, reason)
+
+    def _close(self, sender: KVSender) -> None:
+        if sender.state not in (KVPoll.Failed, KVPoll.Success):
+            self._fail(sender, "closed by prefill before the transfer ended", notify=True)
+        with self._lock:
+            if self._senders.get(sender.bootstrap_room) is sender:
+                del self._senders[sender.bootstrap_room]
+            if sender.state == KVPoll.Failed and sender.endpoint is None:
+                self._failed[sender.bootstrap_room] = (sender.reason, time.monotonic())
+
+    def _schedule(self, sender: KVSender) -> None:
+        with sender.lock:
+            if sender.dst is None or not sender.jobs or sender.queued or sender.state == KVPoll.Failed:
+                return
+            sender.state = KVPoll.Transferring
+            sender.queued = True
+        self._queue.put(sender)
+
+    def _attach(self, sender: KVSender, info: dict) -> None:
+        """D's transfer info arrived for an open room."""
+        endpoint = info["endpoint"]
+        peer = self._peers.get(endpoint)
+        with sender.lock:
+            if sender.dst is not None:
+                logger.warning("bootstrap room %d: duplicate transfer info ignored", sender.bootstrap_room)
+                return
+            sender.endpoint = endpoint
+            if sender.state == KVPoll.Failed:
+                reason = sender.reason
+            else:
+                sender.dst = torch.tensor(info["pages"], dtype=torch.int64)
+                if sender.state == KVPoll.Bootstrapping:
+                    sender.state = KVPoll.WaitingForInput
+                reason = None
+        if reason is not None:
+            self._status(endpoint, sender.bootstrap_room, KVPoll.Failed, reason)
+            return
+        if peer is None:
+            reason = f"decode {endpoint} sent transfer info before registering its KV buffers"
+        elif peer["mismatch"]:
+            reason = peer["mismatch"]
+        else:
+            reason = sender._count_mismatch()
+            try:
+                peer["layout"].check_pages(sender.dst, "decode page indices")
+            except ValueError as exc:
+                reason = reason or str(exc)
+        if reason:
+            self._fail(sender, reason, notify=True)
+        else:
+            self._schedule(sender)
+
+    # ---- side channel (receive thread)
+    def _status(self, endpoint: str, room: int, status: KVPoll, reason=None, **aux) -> None:
+        self.channel.send(
+            endpoint, {"type": "status", "room": room, "status": int(status), "reason": reason, **aux}
+        )
+
+    def _on_message(self, header: dict, payloads: list) -> None:
+        kind = header.get("type")
+        if kind == "register":
+            layout = KVLayout.from_wire(header["layout"])
+            self._peers[header["endpoint"]] = {
+                "layout": layout,
+                "transport": {**header["transport"], "endpoint": header["endpoint"]},
+                "mismatch": self.layout.mismatch(layout),
+            }
+        elif kind == "transfer":
+            room = header["room"]
+            with self._lock:
+                sender = self._senders.get(room)
+                failed = self._failed.get(room)
+                if sender is None and failed is None:
+                    self._pending[room] = (header, time.monotonic())
+            if sender is not None:
+                self._attach(sender, header)
+            elif failed is not None:
+                self._status(header["endpoint"], room, KVPoll.Failed, failed[0])
+        elif kind == "abort":
+            self._on_abort(header["room"], header["endpoint"], header.get("reason") or "aborted")
+        else:
+            logger.warning("prefill side channel: unknown message type %r", kind)
+
+    def _on_abort(self, room: int, endpoint: str, reason: str) -> None:
+        with self._lock:
+            sender = self._senders.get(room)
+            self._pending.pop(room, None)
+        if sender is not None:
+            with sender.write_lock:  # waits for a write in flight, so the ack means "no more writes"
+                self._fail(sender, f"decode {endpoint} aborted the room: {reason}", notify=False)
+        self.channel.send(endpoint, {"type": "abort_ack", "room": room})
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [
+                (r, h)
+                for r, (h, t) in self._pending.items()
+                if now - t > self.timeouts.unknown_room_timeout_s
+            ]
+            for room, _ in stale:
+                del self._pending[room]
+            for room in [r for r, (_, t) in self._failed.items() if now - t > FAILED_ROOM_MEMORY_S]:
+                del self._failed[room]
+        for room, header in stale:
+            reason = f"bootstrap room {room} is unknown here"
+            self._status(header["endpoint"], room, KVPoll.Failed, reason)
+
+    # ---- transfer thread
+    def _transfer_loop(self) -> None:
+        while True:
+            sender = self._queue.get()
+            if sender is None:
+                return
+            with sender.write_lock:
+                self._run_jobs(sender)
+
+    def _run_jobs(self, sender: KVSender) -> None:
+        with sender.lock:
+            sender.queued = False
+            if sender.state == KVPoll.Failed:
+                return
+            jobs, sender.jobs = sender.jobs, []
+            dst, endpoint = sender.dst, sender.endpoint
+            sender.writing = True
+        peer = self._peers[endpoint]
+        error = None
+        try:
+            for src, offset in jobs:
+                chunk_dst = dst[offset : offset + len(src)]
+                self.transport.write(peer["transport"], peer["layout"], src, chunk_dst, sender.bootstrap_room)
+        except TransferFailed as exc:
+            error = str(exc)
+        status, aux = None, {}
+        with sender.lock:
+            sender.writing = False
+            if sender.state == KVPoll.Failed:
+                if sender.notify_pending:
+                    status = KVPoll.Failed
+            elif error is not None:
+                sender.state, sender.reason, status = KVPoll.Failed, error, KVPoll.Failed
+            else:
+                sender.written += sum(len(src) for src, _ in jobs)
+                if sender.written == sender.num_pages and sender.first_token_id is not None:
+                    sender.state = status = KVPoll.Success
+                    aux = {"first_token_id": sender.first_token_id, "meta": sender.meta}
+            reason = sender.reason
+        if error is not None:
+            logger.warning("bootstrap room %d failed: %s", sender.bootstrap_room, error)
+        if status is not None:
+            self._status(endpoint, sender.bootstrap_room, status, reason, **aux)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._queue.put(None)
+        self._worker.join(timeout=10)
+        super().close()
+        self.bootstrap.close()

@@ -1,0 +1,160 @@
+"""Backends that move KV pages from a prefill pool into a decode pool (``--disaggregation-transfer-backend``).
+
+* ``mooncake``: Mooncake's real ``TransferEngine`` (P2P handshake, no etcd; TCP here, RDMA with NICs).
+  Both sides register every layer's K and V buffer once; P writes its pages straight into the pages D
+  reserved with ``batch_transfer_sync_write``, one write per run of consecutive pages per buffer (push
+  model, as SGLang's mooncake/conn.py).
+* ``fake``: the same contract with the KV bytes carried over the ZMQ side channel instead of RDMA
+  (upstream's ``fake`` backend moves nothing; this one moves the bytes so the contract tests check it).
+* ``nixl``: refused with a ``TransferBackendError`` that says why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.disaggregation.base import KVLayout, TransferBackendError, contiguous_runs
+
+logger = logging.getLogger(__name__)
+
+
+class TransferFailed(RuntimeError):
+    """One write towards a decode peer failed; the message is the room's failure reason."""
+
+
+class MooncakeTransport:
+    """A ``TransferEngine`` on ``host`` with the pool's 2 x num_layers buffers registered.
+
+    ``descriptor()`` is ``{"session_id": "host:rpc_port"}``, which the peer passes to ``write``.
+    Raises ``TransferBackendError`` when the engine cannot load or initialise.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, host: str, pool: DeviceKVPool, layout: KVLayout, ib_device: str | None = None) -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise TransferBackendError(
+                f"--disaggregation-transfer-backend mooncake: cannot load Mooncake's TransferEngine ({exc}); "
+                "install mooncake-transfer-engine-non-cuda (requirements.txt) and libibverbs1"
+            ) from exc
+        protocol = os.environ.get("MOONCAKE_PROTOCOL", "tcp")
+        if protocol == "tcp" and ib_device:
+            logger.info("--disaggregation-ib-device %s is unused: Mooncake runs over TCP here", ib_device)
+        device = "" if protocol == "tcp" else (ib_device or "")
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise TransferBackendError(
+                f"Mooncake TransferEngine.initialize({host!r}, {protocol!r}) returned {rc}"
+            )
+        self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        self._layout = layout
+        self._ptrs = [*layout.k_ptrs, *layout.v_ptrs]
+        rc = self._engine.batch_register_memory(self._ptrs, [layout.buffer_bytes] * len(self._ptrs))
+        if rc != 0:
+            raise TransferBackendError(f"Mooncake could not register the KV pool buffers (rc {rc})")
+
+    def descriptor(self) -> dict:
+        return {"session_id": self.session_id}
+
+    def write(
+        self, peer: dict, peer_layout: KVLayout, src: torch.Tensor, dst: torch.Tensor, room: int
+    ) -> None:
+        """Write pages ``src`` into the peer pages ``dst`` (int64 ``(n,)``); raises ``TransferFailed``."""
+        srcs, dsts, lens = mooncake_write_list(self._layout, peer_layout, src, dst)
+        if not srcs:
+            return
+        rc = self._engine.batch_transfer_sync_write(peer["session_id"], srcs, dsts, lens)
+        if rc < 0:
+            raise TransferFailed(f"Mooncake write to decode session {peer['session_id']} failed (rc {rc})")
+
+    def on_data(self, header: dict, payloads: list) -> None:
+        raise RuntimeError(
+            "the mooncake backend receives KV through the transfer engine, not the side channel"
+        )
+
+    def close(self) -> None:
+        self._engine.batch_unregister_memory(self._ptrs)
+
+
+def mooncake_write_list(
+    local: KVLayout, remote: KVLayout, src: torch.Tensor, dst: torch.Tensor
+) -> tuple[list[int], list[int], list[int]]:
+    """(source addresses, destination addresses, byte lengths): one entry per run of pages per buffer."""
+    s_pages, d_pages, runs = contiguous_runs(src, dst)
+    pb = local.page_bytes
+    srcs, dsts, lens = [], [], []
+    for src_base, dst_base in zip(
+        (*local.k_ptrs, *local.v_ptrs), (*remote.k_ptrs, *remote.v_ptrs), strict=True
+    ):
+        for s, d, n in zip(s_pages, d_pages, runs, strict=True):
+            srcs.append(src_base + s * pb)
+            dsts.append(dst_base + d * pb)
+            lens.append(n * pb)
+    return srcs, dsts, lens
+
+
+class FakeTransport:
+    """Carries the KV bytes over the side channel: ``write`` sends one frame per buffer, ``on_data`` (on D,
+    called by the receive thread, in order before the room's status) copies them into the given pages."""
+
+    name = "fake"
+
+    def __init__(self, host: str, pool: DeviceKVPool, layout: KVLayout, ib_device: str | None = None) -> None:
+        self._pool = pool
+        self._layout = layout
+        self.channel = None  # set by the manager: the Channel the frames travel on
+
+    def descriptor(self) -> dict:
+        return {}
+
+    def _paged(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf.view(self._layout.num_pages, -1)
+
+    def write(
+        self, peer: dict, peer_layout: KVLayout, src: torch.Tensor, dst: torch.Tensor, room: int
+    ) -> None:
+        if not len(src):
+            return
+        frames = [
+            self._paged(b).index_select(0, src).numpy() for b in (*self._pool.k_buffer, *self._pool.v_buffer)
+        ]
+        self.channel.send(peer["endpoint"], {"type": "kv", "room": room, "dst_pages": dst.tolist()}, frames)
+
+    def on_data(self, header: dict, payloads: list) -> None:
+        dst = torch.tensor(header["dst_pages"], dtype=torch.int64)
+        self._layout.check_pages(dst, "dst_pages")
+        for buf, data in zip((*self._pool.k_buffer, *self._pool.v_buffer), payloads, strict=True):
+            paged = self._paged(buf)
+            rows = torch.frombuffer(bytearray(data), dtype=buf.dtype).view(len(dst), paged.shape[1])
+            paged.index_copy_(0, dst, rows)
+
+    def close(self) -> None:
+        pass
+
+
+def transport_class(backend: str):
+    """The transport class for ``--disaggregation-transfer-backend``; raises ``TransferBackendError``."""
+    if backend == "mooncake":
+        return MooncakeTransport
+    if backend == "fake":
+        return FakeTransport
+    if backend == "nixl":
+        if importlib.util.find_spec("nixl") is None:
+            raise TransferBackendError(
+                "--disaggregation-transfer-backend nixl: the nixl package is not installed on this host "
+                "(it needs CUDA/UCX); use mooncake"
+            )
+        raise TransferBackendError(
+            "--disaggregation-transfer-backend nixl: KVFleet has no NIXL transport yet; use mooncake"
+        )
+    raise TransferBackendError(
+        f"--disaggregation-transfer-backend {backend!r} is not one of: mooncake, fake, nixl"
+    )
