@@ -84,8 +84,12 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` applies the tokenizer's post-processor (e.g. BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; ``add_special_tokens`` applies the tokenizer's post-processor (e.g. BOS).
+
+        Goes through ``encode_batch``, which releases the GIL while the Rust tokenizer runs (``encode`` holds
+        it), so a long text encoded on a worker thread does not stall the server's other threads.
+        """
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""

@@ -6,10 +6,11 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 
-from engine.server import admin, generate, info, openai
+from engine.server import admin, generate, info, openai, schemas
 from engine.server.engine import Engine, EngineDeadError
-from engine.server.http_utils import HTTPError, error_response
+from engine.server.http_utils import BodyLimit, HTTPError, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class JSONServerErrors:
 
 
 def create_app(engine: Engine) -> FastAPI:
-    """Build the app around a started ``Engine``; every route reads it from ``app.state.engine``."""
+    """Build the app around a started ``Engine``; every route reads it from ``app.state.engine``. Bodies over
+    ``http_utils.MAX_BODY_BYTES`` are a 413; ``/openapi.json`` declares the request bodies (``schemas``)."""
     app = FastAPI(title="KVFleet engine worker", docs_url=None, redoc_url=None)
     app.state.engine = engine
     for module in (generate, openai, info, admin):
@@ -60,6 +62,14 @@ def create_app(engine: Engine) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError):
         return error_response(400, str(exc))
 
-    app.add_middleware(JSONServerErrors)
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas.component_schemas())
+            app.openapi_schema = doc
+        return app.openapi_schema
 
+    app.openapi = openapi
+    app.add_middleware(JSONServerErrors)
+    app.add_middleware(BodyLimit)
     return app

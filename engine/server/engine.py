@@ -122,6 +122,16 @@ class Engine:
                 f"({capacity} tokens)"
             )
 
+    def check_bootstrap(self, bootstrap_room) -> None:
+        """A request carrying ``bootstrap_room`` (a PD router's prefill/decode pairing) is a RequestError on a
+        worker not in PD mode (``--disaggregation-mode null``): running it here would do the whole request on
+        each of the pair, twice the work, silently."""
+        if bootstrap_room is not None and self.args.disaggregation_mode == "null":
+            raise RequestError(
+                "bootstrap_room: this worker is not a PD worker (--disaggregation-mode null); "
+                "send PD requests to workers started with --disaggregation-mode prefill or decode"
+            )
+
     def default_max_new_tokens(self, input_ids: list[int]) -> int:
         """OpenAI requests without ``max_tokens`` may use the rest of the context (upstream behaviour)."""
         return max(0, min(self.context_length, self.scheduler.pool.size) - len(input_ids))

@@ -1,9 +1,11 @@
 """SGLang's native ``POST /generate``.
 
-Body (``GenerateReqInput``): exactly one of ``text`` (str or list of str) or ``input_ids`` (list of ints or
-list of lists), ``sampling_params``, ``stream``, ``rid``. Other upstream fields that routers forward
-(``log_metrics``, ``return_hidden_states``, ``bootstrap_room``, ...) are accepted and have no effect; fields
-asking for output this engine cannot produce (``return_logprob``, ``input_embeds``) are a 400.
+Body (``schemas.GenerateReqInput``): exactly one of ``text`` (str or list of str) or ``input_ids`` (list of
+ints or list of lists), ``sampling_params``, ``stream``, ``rid``. Other upstream fields that routers forward
+(``log_metrics``, ``return_hidden_states``, ...) are accepted and have no effect; fields asking for output
+this engine cannot produce (``return_logprob``, ``input_embeds``) are a 400, and so is ``bootstrap_room`` on a
+worker that is not in PD mode (``Engine.check_bootstrap``). Text is tokenized on a worker thread, and a
+non-streaming request whose client disconnects is aborted.
 Response: ``{"text", "output_ids", "meta_info"}`` (a list for batched input). With ``stream`` the events are
 SSE frames carrying the cumulative text and ids (upstream default); the text only grows (a tail that could
 become a stop string waits for the next frame) and the stream ends with ``data: [DONE]``.
@@ -18,7 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.scheduler import SamplingParams
 from engine.server.engine import Engine, RequestError
-from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse
+from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse, until_disconnect
+from engine.server.schemas import GenerateReqInput, request_body, validated
 from engine.server.stream_text import StreamText
 
 router = APIRouter()
@@ -27,26 +30,29 @@ _UNSUPPORTED_TRUE = ("return_logprob", "return_hidden_states", "return_routed_ex
 
 
 def parse_generate(engine: Engine, body: dict) -> tuple[list[list[int]], list[SamplingParams], bool]:
-    """Prompts as token ids, one SamplingParams each, and whether the input was batched."""
+    """Prompts as token ids, one SamplingParams each, and whether the input was batched. ``body`` was checked
+    against ``GenerateReqInput``; text is tokenized here (run it off the event loop)."""
     if body.get("input_embeds") is not None:
         raise HTTPError(400, "input_embeds is not supported")
     for name in _UNSUPPORTED_TRUE:
         if body.get(name):
             raise HTTPError(400, f"{name} is not supported")
+    try:
+        engine.check_bootstrap(body.get("bootstrap_room"))
+    except RequestError as exc:
+        raise HTTPError(400, str(exc)) from None
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise HTTPError(400, "give exactly one of 'text' or 'input_ids'")
     if text is not None:
         batched = isinstance(text, list)
         texts = text if batched else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
+        if not texts:
             raise HTTPError(400, "'text' must be a string or a non-empty list of strings")
         prompts = [engine.encode(t) for t in texts]
     else:
-        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        batched = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batched else [ids]
-        if not isinstance(ids, list) or not all(isinstance(p, list) for p in prompts):
-            raise HTTPError(400, "'input_ids' must be a list of token ids or a list of such lists")
     raw = body.get("sampling_params")
     raws = raw if isinstance(raw, list) else [raw] * len(prompts)
     if len(raws) != len(prompts):
@@ -79,12 +85,12 @@ def _response(engine: Engine, ids: list[int], params: SamplingParams, reason, me
     return {"text": engine.output_text(ids, params, reason), "output_ids": list(ids), "meta_info": meta}
 
 
-@router.post("/generate")
+@router.post("/generate", openapi_extra=request_body(GenerateReqInput))
 async def generate(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
-    body = await json_body(request)
-    prompts, params, batched = parse_generate(engine, body)
+    body = validated(GenerateReqInput, await json_body(request))
+    prompts, params, batched = await asyncio.to_thread(parse_generate, engine, body)
     rids = _rids(body.get("rid"), len(prompts), batched)
     if body.get("stream"):
         if batched:
@@ -92,9 +98,8 @@ async def generate(request: Request):
         return StreamingResponse(
             _stream(engine, prompts[0], params[0], rids[0]), media_type="text/event-stream"
         )
-    results = await asyncio.gather(
-        *(engine.generate(p, sp, rid) for p, sp, rid in zip(prompts, params, rids, strict=True))
-    )
+    runs = (engine.generate(p, sp, rid) for p, sp, rid in zip(prompts, params, rids, strict=True))
+    results = await until_disconnect(request, asyncio.gather(*runs))
     out = []
     for res, sp in zip(results, params, strict=True):
         reason = res["finish_reason"]

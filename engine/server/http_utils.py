@@ -1,7 +1,9 @@
-"""Shared HTTP helpers: JSON body parsing, OpenAI-style error bodies, SSE framing and bearer-key checks."""
+"""Shared HTTP helpers: bounded JSON body parsing, OpenAI-style error bodies, SSE framing, bearer-key checks,
+and running a request's work until its client disconnects."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -20,22 +22,103 @@ class HTTPError(Exception):
 
 def error_response(status: int, message: str) -> JSONResponse:
     """OpenAI-shaped error body (the ``openai`` SDK surfaces ``error.message``)."""
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
-        status, "ServerError"
-    )
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        413: "RequestTooLargeError",
+    }.get(status, "ServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a full-context prompt is ~40 KB of text; SGLang has no limit
+MAX_JSON_DEPTH = 32
+
+
 async def json_body(request: Request) -> dict:
-    """The request body as a JSON object; ``HTTPError(400)`` for invalid JSON or a non-object."""
+    """The request body as a JSON object, parsed off the event loop.
+
+    ``HTTPError(400)`` for invalid JSON, a non-object, nesting deeper than ``MAX_JSON_DEPTH`` or a string that
+    is not valid Unicode (a lone surrogate escape), naming where; bodies over ``MAX_BODY_BYTES`` are refused
+    with 413 by ``BodyLimit`` before they are read.
+    """
     raw = await request.body()
+    return await asyncio.to_thread(parse_json_object, raw)
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """See ``json_body``."""
     try:
         data = json.loads(raw or b"null")
+    except RecursionError:
+        raise HTTPError(400, f"invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise HTTPError(400, f"invalid JSON body: {exc}") from None
     if not isinstance(data, dict):
         raise HTTPError(400, "the JSON body must be an object")
+    _check_values(data)
     return data
+
+
+def _check_values(data: dict) -> None:
+    """Walk the parsed body (iteratively): bounded depth, every key and string encodable as UTF-8."""
+    stack: list[tuple[object, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path or "body")
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise HTTPError(400, f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else key
+                _check_text(key, child)
+                stack.append((item, child, depth + 1))
+        else:
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise HTTPError(400, f"{path}: not valid Unicode ({exc.reason} at position {exc.start})") from None
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is a 413 naming the limit, checked against
+    ``Content-Length`` before anything is read and against the bytes received for chunked bodies."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large()(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPError(413, self._message())
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"request body is larger than the limit of {self.max_bytes} bytes"
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(413, self._message())
 
 
 def sse(data: dict | str) -> bytes:
@@ -59,3 +142,25 @@ def require_api_key(request: Request) -> None:
     key = request.app.state.engine.args.api_key
     if key and not bearer_matches(request, key):
         raise HTTPError(401, "Unauthorized: missing or wrong API key")
+
+
+async def until_disconnect(request: Request, work):
+    """The result of the coroutine ``work``, unless the client disconnects first: then ``work`` is cancelled
+    (its ``finally`` blocks abort what it submitted) and ``HTTPError(499)`` is raised. For non-streaming
+    routes, once their body has been read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # a no-op once it is done; otherwise the client is gone or this route was cancelled
+    if task not in done:
+        await asyncio.gather(task, return_exceptions=True)
+        raise HTTPError(499, "client disconnected; request aborted")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

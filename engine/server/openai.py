@@ -7,10 +7,14 @@ model's chat template with ``add_generation_prompt`` (``chat_template_kwargs`` m
 ``model`` is not checked (one model is served). ``usage.prompt_tokens_details.cached_tokens`` is filled only
 with ``--enable-cache-report`` (upstream). Streams send ``text_completion`` / ``chat.completion.chunk``
 objects with text deltas, an optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+Bodies are checked against ``schemas.CompletionRequest`` / ``ChatCompletionRequest`` (a wrong type is a 400
+naming the field), prompts are tokenized and chat templates rendered on a worker thread, ``bootstrap_room``
+is refused on a worker not in PD mode, and a non-streaming request whose client disconnects is aborted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -19,7 +23,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.scheduler import SamplingParams
 from engine.server.engine import Engine
-from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse
+from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse, until_disconnect
+from engine.server.schemas import ChatCompletionRequest, CompletionRequest, request_body, validated
 from engine.server.stream_text import StreamText
 
 router = APIRouter()
@@ -91,16 +96,24 @@ def _usage(engine: Engine, prompt: list[int], n_out: int, meta: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- completions
-@router.post("/v1/completions")
+def _check_bootstrap(engine: Engine, body: dict) -> None:
+    try:
+        engine.check_bootstrap(body.get("bootstrap_room"))
+    except ValueError as exc:
+        raise HTTPError(400, str(exc)) from None
+
+
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
-    body = await json_body(request)
-    prompt = body.get("prompt")
+    body = validated(CompletionRequest, await json_body(request))
+    _check_bootstrap(engine, body)
+    prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = engine.encode(prompt)
+        ids = await asyncio.to_thread(engine.encode, prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = list(prompt)
     else:
@@ -117,7 +130,7 @@ async def completions(request: Request):
             _stream_completion(engine, ids, params, base, prompt if echo else "", include_usage),
             media_type="text/event-stream",
         )
-    res = await engine.generate(ids, params)
+    res = await until_disconnect(request, engine.generate(ids, params))
     finish, matched = _check_abort(res["finish_reason"])
     text = engine.output_text(res["output_ids"], params, res["finish_reason"])
     choice = {
@@ -179,19 +192,12 @@ _RESERVED_TEMPLATE_VARS = {"messages", "bos_token", "eos_token"}
 
 
 def _chat_prompt(engine: Engine, body: dict) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise HTTPError(400, "'messages' must be a non-empty list")
+    """Token ids of the rendered chat; ``body`` was checked against ``ChatCompletionRequest`` (run it off the
+    event loop: the template renders and the text is tokenized here)."""
+    messages = body["messages"]
     for m in messages:
-        if not isinstance(m, dict) or "role" not in m:
-            raise HTTPError(400, "each message must be an object with a 'role'")
-        if isinstance(m.get("content"), list):  # content parts: keep the text ones
-            parts = m["content"]
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in parts):
-                raise HTTPError(400, "only text content parts are supported")
-            if any(not isinstance(p.get("text", ""), str) for p in parts):
-                raise HTTPError(400, "a text content part's 'text' must be a string")
-            m["content"] = "".join(p.get("text", "") for p in parts)
+        if isinstance(m["content"], list):  # text content parts
+            m["content"] = "".join(p.get("text", "") for p in m["content"])
     if body.get("tools"):
         raise HTTPError(400, "tools are not supported")
     fmt = body.get("response_format")
@@ -216,12 +222,13 @@ def _chat_prompt(engine: Engine, body: dict) -> list[int]:
         raise HTTPError(400, str(exc)) from None
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
-    body = await json_body(request)
-    ids = _chat_prompt(engine, body)
+    body = validated(ChatCompletionRequest, await json_body(request))
+    _check_bootstrap(engine, body)
+    ids = await asyncio.to_thread(_chat_prompt, engine, body)
     max_tokens = body.get("max_completion_tokens")
     max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
     params = _sampling_params(engine, body, ids, max_tokens)
@@ -233,7 +240,7 @@ async def chat_completions(request: Request):
         return StreamingResponse(
             _stream_chat(engine, ids, params, base, include_usage), media_type="text/event-stream"
         )
-    res = await engine.generate(ids, params)
+    res = await until_disconnect(request, engine.generate(ids, params))
     finish, matched = _check_abort(res["finish_reason"])
     text = engine.output_text(res["output_ids"], params, res["finish_reason"])
     message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}

@@ -1,0 +1,111 @@
+"""Request bodies of the inference routes as pydantic models: the OpenAPI schema (``/openapi.json``) declares
+them, and each route validates its body against its model, so a wrong type is a 400 naming the field.
+
+The models type the fields the engine reads and allow every other field (routers and SDKs forward upstream
+fields this engine ignores). Checks that need the engine (token ids against the vocabulary, lengths against
+the context, sampling values) stay in the routes and in ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from engine.server.http_utils import HTTPError
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class GenerateReqInput(_Body):
+    """SGLang's ``POST /generate`` body (one prompt or a batch)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+
+
+class _OpenAIRequest(_Body):
+    """Fields shared by the completion and chat bodies."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+
+class CompletionRequest(_OpenAIRequest):
+    """``POST /v1/completions``: one prompt, as text or token ids (a one-element list of either)."""
+
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: bool = False
+
+
+class TextContentPart(_Body):
+    type: Literal["text"]
+    text: str = ""
+
+
+class ChatMessage(_Body):
+    """A chat message; ``content`` is a string or a list of text parts (no tools: never null)."""
+
+    role: str
+    content: str | list[TextContentPart]
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+MODELS = (GenerateReqInput, CompletionRequest, ChatCompletionRequest)
+_REF = "#/components/schemas/{model}"
+
+
+def validated(model: type[_Body], body: dict) -> dict:
+    """``body`` checked against ``model``, as a dict of the fields it set (coerced per the model).
+
+    Raises ``HTTPError(400)`` whose message names each bad field (``messages.0.content: ...``).
+    """
+    try:
+        return model.model_validate(body).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()[:5]
+        )
+        raise HTTPError(400, problems) from None
+
+
+def request_body(model: type[_Body]) -> dict:
+    """``openapi_extra`` for a route whose body is ``model`` (the route reads the body itself)."""
+    ref = {"$ref": _REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def component_schemas() -> dict:
+    """JSON schemas of every request model and the models they nest, for ``components.schemas``."""
+    out: dict = {}
+    for model in MODELS:
+        schema = model.model_json_schema(ref_template=_REF)
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out
