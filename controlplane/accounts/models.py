@@ -28,6 +28,12 @@ class ApiToken(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    host_name = models.CharField(
+        max_length=100,
+        blank=True,
+        help_text="Agent tokens: the one host (inventory host name) whose register, heartbeat and metrics "
+        "calls this token may make; set at issue",
+    )
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -46,6 +52,7 @@ class ApiToken(models.Model):
             "prefix": self.prefix,
             "user": self.user.get_username(),
             "write_enabled": self.write_enabled,
+            "host": self.host_name,
             "expires_at": self.expires_at.isoformat() if self.expires_at else None,
             "revoked_at": self.revoked_at.isoformat() if self.revoked_at else None,
         }

@@ -6,6 +6,7 @@ import hmac
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
+from rest_framework.exceptions import PermissionDenied
 
 from controlplane.accounts.models import ApiToken, Role
 
@@ -42,6 +43,19 @@ def token_get_by_plaintext(value: str) -> ApiToken | None:
     if token is None or not hmac.compare_digest(token.secret_hash, token_digest(secret)):
         return None
     return token if token.is_active and token.user.is_active else None
+
+
+def agent_host_scope(user, auth) -> str | None:
+    """The host an agent-API caller may touch: the bound host name of an agent token; None (any host) for
+    operators and admins. Raises PermissionDenied (403) for an agent without a host-bound token."""
+    if user_role(user) != Role.AGENT:
+        return None
+    host = auth.host_name if isinstance(auth, ApiToken) else ""
+    if not host:
+        raise PermissionDenied(
+            "this agent token is bound to no host; issue a new agent token with 'host' set"
+        )
+    return host
 
 
 def user_list() -> QuerySet:

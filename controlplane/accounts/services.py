@@ -64,11 +64,35 @@ def user_update(
 
 @transaction.atomic
 def token_create(
-    *, user, name: str, actor, write_enabled: bool = True, expires_at: datetime | None = None
+    *,
+    user,
+    name: str,
+    actor,
+    write_enabled: bool = True,
+    expires_at: datetime | None = None,
+    host: str = "",
 ) -> tuple[ApiToken, str]:
-    """Issue a token; returns (token, plaintext). The plaintext is never stored and shown only once."""
+    """Issue a token; returns (token, plaintext). The plaintext is never stored and shown only once.
+
+    A token of an ``agent`` user must name its ``host`` (an inventory host name, which need not exist yet):
+    its register, heartbeat and metrics calls may touch only that host and its workers. Other roles take no
+    host. Raises ApplicationError (400) naming ``host`` or ``expires_at``.
+    """
     if expires_at is not None and expires_at <= timezone.now():
         raise ApplicationError("expires_at must be in the future", code="bad_expiry")
+    is_agent = user_role(user) == Role.AGENT
+    if is_agent and not host:
+        raise ApplicationError(
+            "an agent token must name the host it serves",
+            code="host_required",
+            detail={"host": ["required for agent tokens"]},
+        )
+    if host and not is_agent:
+        raise ApplicationError(
+            f"only agent tokens are bound to a host; {user.get_username()!r} is not an agent",
+            code="bad_host",
+            detail={"host": ["only for agent tokens"]},
+        )
     prefix = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
     token = ApiToken.objects.create(
@@ -78,6 +102,7 @@ def token_create(
         secret_hash=token_digest(secret),
         write_enabled=write_enabled,
         expires_at=expires_at,
+        host_name=host,
     )
     audit_record(action="token_create", obj=token, after=token.audit_snapshot(), actor=actor)
     return token, f"{TOKEN_PREFIX}{prefix}.{secret}"

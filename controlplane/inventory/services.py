@@ -57,14 +57,31 @@ def storage_profile_matching(*, backend: str, extra_config: dict | None) -> Stor
     return found[0] if len(found) == 1 else None
 
 
+def _check_scope(host_name: str, bound_host: str | None) -> None:
+    if bound_host is not None and host_name != bound_host:
+        raise ApplicationError(
+            f"this agent token is bound to host {bound_host!r}, not {host_name!r}",
+            code="wrong_host",
+            status_code=403,
+            detail={"host": [f"must be {bound_host!r}"]},
+        )
+
+
 @transaction.atomic
-def agent_register(*, host: dict, workers: list[dict], actor) -> tuple[Host, list[EngineWorker]]:
+def agent_register(
+    *, host: dict, workers: list[dict], actor, bound_host: str | None = None
+) -> tuple[Host, list[EngineWorker]]:
     """Upsert a host, its GPUs and its workers as the agent reports them; one audit record per call.
 
     Host fields the call leaves out (address, agent_version, cpu_count, memory_bytes, gpus) keep their stored
     values; a new host gets blanks (cpu_count and memory_bytes NULL). A worker's ``storage_backend`` (with
     ``storage_extra_config``) sets its attached L3 backend and the storage profile it identifies, if any.
+
+    ``bound_host`` (an agent token's host) must equal the host's name, else ApplicationError 403
+    ``wrong_host``. A worker URL that belongs to another host is a ConflictError (409 ``worker_owned``)
+    naming that host; nothing is written then.
     """
+    _check_scope(host["name"], bound_host)
     host_obj = Host.objects.select_for_update().filter(name=host["name"]).first()
     before = {"host": model_snapshot(host_obj), "workers": []} if host_obj else None
     if host_obj is None:
@@ -86,6 +103,13 @@ def agent_register(*, host: dict, workers: list[dict], actor) -> tuple[Host, lis
     saved = []
     for item in workers:
         worker = EngineWorker.objects.filter(url=item["url"]).first() or EngineWorker(url=item["url"])
+        if worker.host_id is not None and worker.host_id != host_obj.pk:
+            raise ConflictError(
+                f"worker {item['url']} belongs to host {worker.host.name!r} (as {worker.name!r}); "
+                f"host {host_obj.name!r} cannot register it",
+                code="worker_owned",
+                detail={"workers": [{"url": item["url"], "owner": worker.host.name}]},
+            )
         if before is not None and worker.pk:
             before["workers"].append(model_snapshot(worker))
         for field in _WORKER_FIELDS:
@@ -109,23 +133,26 @@ def agent_register(*, host: dict, workers: list[dict], actor) -> tuple[Host, lis
     return host_obj, saved
 
 
-def agent_heartbeat(*, host_name: str, worker_urls: list[str], offline_urls: list[str] = ()) -> int:
-    """Mark a host and the listed workers as seen now; returns how many workers matched.
+def agent_heartbeat(
+    *, host_name: str, worker_urls: list[str], offline_urls: list[str] = (), bound_host: str | None = None
+) -> int:
+    """Mark a host and the listed workers of that host as seen now; returns how many workers matched.
 
     ``offline_urls`` are workers the agent runs that are not serving (crashed, failing /health,
-    restarting): they become ``offline`` until a later heartbeat lists them as live again.
+    restarting): they become ``offline`` until a later heartbeat lists them as live again. Workers of other
+    hosts are never touched. ``bound_host``: as in :func:`agent_register` (403 ``wrong_host``).
 
     Heartbeats are liveness observations, not changes, so they write no audit row.
     """
+    _check_scope(host_name, bound_host)
     now = timezone.now()
     if not Host.objects.filter(name=host_name).update(last_seen=now):
         raise ApplicationError(
             f"unknown host {host_name!r}: register first", code="unknown_host", status_code=404
         )
-    EngineWorker.objects.filter(url__in=offline_urls).exclude(url__in=worker_urls).update(
-        state=WorkerState.OFFLINE
-    )
-    return EngineWorker.objects.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)
+    mine = EngineWorker.objects.filter(host__name=host_name)
+    mine.filter(url__in=offline_urls).exclude(url__in=worker_urls).update(state=WorkerState.OFFLINE)
+    return mine.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)
 
 
 @transaction.atomic

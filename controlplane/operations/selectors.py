@@ -24,6 +24,7 @@ def operation_list(*, filters: dict | None = None) -> QuerySet:
 
 
 def _probe(worker: EngineWorker) -> dict:
+    """The parsed idle state of one worker; ``error`` says only how the probe failed."""
     row = {
         "worker_id": worker.pk,
         "name": worker.name,
@@ -38,17 +39,28 @@ def _probe(worker: EngineWorker) -> dict:
     try:
         info = WorkerClient(worker.url, timeout=2.0).server_info()
     except WorkerError as exc:
-        row["error"] = exc.message
+        # Only the kind of failure: the body at a URL an operator typed is never echoed back.
+        row["error"] = f"/server_info answered HTTP {exc.status}" if exc.status else "unreachable"
         return row
-    hicache = info.get("hicache") or {}
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        row["error"] = "/server_info is not a worker's JSON object"
+        return row
+    hicache = info.get("hicache") if isinstance(info.get("hicache"), dict) else {}
+    backend = hicache.get("backend_name") or info.get("hicache_storage_backend")
     row.update(
         reachable=True,
-        is_idle=bool(info.get("is_idle")),
-        num_running_reqs=info.get("num_running_reqs"),
-        num_waiting_reqs=info.get("num_waiting_reqs"),
-        storage_backend=hicache.get("backend_name") or info.get("hicache_storage_backend"),
+        is_idle=info.get("is_idle") is True,
+        num_running_reqs=_count(info.get("num_running_reqs")),
+        num_waiting_reqs=_count(info.get("num_waiting_reqs")),
+        storage_backend=backend if isinstance(backend, str) and len(backend) <= 20 else None,
     )
     return row
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31 else None
 
 
 def operation_preview(*, workers: list[EngineWorker]) -> list[dict]:

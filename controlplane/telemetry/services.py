@@ -21,12 +21,61 @@ from controlplane.workerclient import WorkerClient, WorkerError
 
 log = logging.getLogger(__name__)
 FLEET_GROUP = "fleet"
+MAX_SAMPLE_AGE_S = 86400.0  # an agent's buffer holds far less than a day
+MAX_CLOCK_SKEW_S = 60.0
 
 
-def metrics_ingest(*, worker: EngineWorker, text: str | None = None, metrics: dict | None = None) -> dict:
+def ingest_worker(
+    *, worker_id: int | None = None, worker_url: str | None = None, bound_host: str | None = None
+) -> EngineWorker:
+    """The worker an agent pushes metrics for, by id or URL (trailing slash ignored).
+
+    Raises ApplicationError 400 ``unknown_worker`` naming it when it is not registered, 403 ``wrong_host``
+    when ``bound_host`` (an agent token's host) is not the worker's host.
+    """
+    qs = EngineWorker.objects.select_related("host")
+    if worker_id is not None:
+        worker, named = qs.filter(pk=worker_id).first(), f"id {worker_id}"
+    else:
+        worker = qs.filter(url=worker_url.rstrip("/")).first() or qs.filter(url=worker_url).first()
+        named = worker_url
+    if worker is None:
+        raise ApplicationError(
+            f"unknown worker {named}: register it first (POST /api/v1/agent/register/)",
+            code="unknown_worker",
+            detail={"worker": [f"no registered worker with {named}"]},
+        )
+    owner = worker.host.name if worker.host else None
+    if bound_host is not None and owner != bound_host:
+        raise ApplicationError(
+            f"worker {worker.name!r} is not on host {bound_host!r}, the host this agent token is bound to",
+            code="wrong_host",
+            status_code=403,
+        )
+    return worker
+
+
+def _sample_time(ts: float | None, now: float) -> float:
+    if ts is None:
+        return now
+    if not now - MAX_SAMPLE_AGE_S <= ts <= now + MAX_CLOCK_SKEW_S:
+        raise ApplicationError(
+            f"ts {ts} is not a sample time within the last {MAX_SAMPLE_AGE_S:.0f} s",
+            code="bad_ts",
+            detail={"ts": ["must be Unix seconds, not in the future and at most a day old"]},
+        )
+    return ts
+
+
+def metrics_ingest(
+    *, worker: EngineWorker, text: str | None = None, metrics: dict | None = None, ts: float | None = None
+) -> dict:
     """Store one sample for `worker` from Prometheus `text` or a flat `metrics` dict; broadcast it.
 
-    Raises ApplicationError naming a bad metric name or unparsable text. Returns the stored sample.
+    ``ts`` is when the sample was taken (Unix seconds, default now): samples an agent buffered through an
+    outage keep their own time, and rates use the interval between sample times.
+    Raises ApplicationError naming a bad metric name, unparsable text or a ``ts`` out of range (older than
+    a day, or in the future). Returns the stored sample.
     """
     if text is not None:
         try:
@@ -42,9 +91,10 @@ def metrics_ingest(*, worker: EngineWorker, text: str | None = None, metrics: di
         snap = finish_snapshot({k: float(v) for k, v in metrics.items()})
     else:
         raise ApplicationError("send either text or metrics", code="bad_metrics")
-    now = time.time()
+    now = _sample_time(ts, time.time())
     prev = store.latest(worker.pk)
-    sample = {"ts": now, "worker_id": worker.pk, **with_rates(snap, prev, now - prev["ts"] if prev else 0.0)}
+    interval = now - prev["ts"] if prev and now > prev["ts"] else 0.0
+    sample = {"ts": now, "worker_id": worker.pk, **with_rates(snap, prev, interval)}
     store.save_sample(worker.pk, sample)
     publish(worker_group(worker.pk))
     publish(FLEET_GROUP)

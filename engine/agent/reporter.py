@@ -3,18 +3,24 @@
 Endpoints (token auth, ``Authorization: Bearer cp_...``): ``POST /api/v1/agent/register/`` (host + workers,
 idempotent upsert), ``POST /api/v1/agent/heartbeat/`` (live worker URLs, and ``offline``: the ones not
 serving; 404 = unknown host: register again),
-``POST /api/v1/agent/metrics/`` (``{"worker_url", "text"}`` with the worker's Prometheus text).
+``POST /api/v1/agent/metrics/`` (``{"worker_url", "text", "ts"}``: the worker's Prometheus text and when it
+was scraped, Unix seconds; 400 ``unknown_worker`` = not registered: register again, then resend).
 
-Metrics samples wait in a bounded FIFO (oldest dropped when full). While the control plane is unreachable
-(connect error, timeout or 5xx) nothing is lost beyond that bound: each attempt backs off exponentially
-(``retry_base_s`` doubling up to ``retry_max_s``), the outage is logged once when it starts and once when it
-ends (with how many samples were sent and dropped). A sample the control plane rejects (4xx) is dropped
-with a warning so it never blocks the queue.
+A re-register asked for while a register call is in flight is never lost: each request bumps a generation
+and the host counts as registered only once a register that started after the newest request succeeded.
+
+Metrics samples wait in a bounded FIFO (oldest dropped when full) and keep their scrape time. While the
+control plane is unreachable (connect error, timeout or 5xx) nothing is lost beyond that bound: each attempt
+backs off exponentially (``retry_base_s`` doubling up to ``retry_max_s``), the outage is logged once when it
+starts and once when it ends (with how many samples were sent and dropped). A sample the control plane
+rejects (4xx) is dropped with a warning so it never blocks the queue; one for a worker it does not know is
+resent once after registering again.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,9 +37,10 @@ class ControlPlaneDown(Exception):
 class ControlPlaneRejected(Exception):
     """A 4xx answer; ``status`` and the control plane's message."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str = ""):
         super().__init__(f"{status}: {message}")
         self.status = status
+        self.code = code
 
 
 class ControlPlaneClient:
@@ -54,10 +61,12 @@ class ControlPlaneClient:
             raise ControlPlaneDown(f"{method} {path} -> {resp.status_code}")
         if resp.status_code >= 400:
             try:
-                message = resp.json().get("error", {}).get("message") or resp.text
-            except ValueError:
-                message = resp.text
-            raise ControlPlaneRejected(resp.status_code, str(message)[:500])
+                error = resp.json().get("error", {})
+            except (ValueError, AttributeError):
+                error = {}
+            error = error if isinstance(error, dict) else {}
+            message = error.get("message") or resp.text
+            raise ControlPlaneRejected(resp.status_code, str(message)[:500], str(error.get("code") or ""))
         return resp.json() if resp.content else {}
 
     def register(self, host: dict, workers: list[dict]) -> dict:
@@ -67,8 +76,12 @@ class ControlPlaneClient:
         body = {"host": host_name, "workers": worker_urls, "offline": list(offline_urls)}
         return self.call("POST", "/api/v1/agent/heartbeat/", json=body)
 
-    def push_metrics(self, worker_url: str, text: str) -> dict:
-        return self.call("POST", "/api/v1/agent/metrics/", json={"worker_url": worker_url, "text": text})
+    def push_metrics(self, worker_url: str, text: str, ts: float | None = None) -> dict:
+        """``ts``: when the sample was scraped (Unix seconds), kept by the control plane as its time."""
+        body = {"worker_url": worker_url, "text": text}
+        if ts is not None:
+            body["ts"] = ts
+        return self.call("POST", "/api/v1/agent/metrics/", json=body)
 
     def close(self) -> None:
         self.http.close()
@@ -94,14 +107,18 @@ class Reporter:
         retry_base_s: float = 1.0,
         retry_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ):
         self.client = client
         self.registration, self.live_urls, self.down_urls = registration, live_urls, down_urls
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.outbox: deque[tuple[str, str]] = deque(maxlen=buffer_size)
+        self.outbox: deque[tuple[str, str, float]] = deque(maxlen=buffer_size)
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
-        self.clock = clock
-        self.registered = False
+        self.clock, self.wall_clock = clock, wall_clock
+        self._lock = threading.Lock()
+        self._wanted = 1  # register generations asked for; _done = the newest one that succeeded
+        self._done = 0
+        self._resent_for: tuple[str, float] | None = None  # sample already resent after an unknown_worker
         self.host_name = ""
         self.down_since: float | None = None
         self.retry_delay = 0.0
@@ -113,11 +130,18 @@ class Reporter:
     def add_sample(self, worker_url: str, text: str) -> None:
         if len(self.outbox) == self.outbox.maxlen:
             self.dropped += 1
-        self.outbox.append((worker_url, text))
+        self.outbox.append((worker_url, text, self.wall_clock()))
+
+    @property
+    def registered(self) -> bool:
+        with self._lock:
+            return self._done >= self._wanted
 
     def reregister(self) -> None:
-        """Send the registration again at the next tick (a worker restarted or changed)."""
-        self.registered = False
+        """Send the registration again at the next tick (a worker restarted or changed); thread-safe, and
+        never lost to a register call already in flight."""
+        with self._lock:
+            self._wanted += 1
 
     def heartbeat_now(self) -> None:
         """Send the heartbeat at the next tick (a worker stopped serving)."""
@@ -155,6 +179,8 @@ class Reporter:
 
     def _exchange(self, now: float) -> None:
         if not self.registered:
+            with self._lock:
+                generation = self._wanted  # read before the body: a later request needs a later call
             host, workers = self.registration()
             try:
                 self.client.register(host, workers)
@@ -162,7 +188,9 @@ class Reporter:
                 log.error("control plane refused registration: %s", exc)
                 self._back_off(now)
                 return
-            self.registered, self.host_name = True, host["name"]
+            with self._lock:
+                self._done = max(self._done, generation)
+            self.host_name = host["name"]
             self.next_heartbeat = now
             log.info(
                 "registered host %s with %d workers at %s", host["name"], len(workers), self.client.base_url
@@ -172,16 +200,22 @@ class Reporter:
                 self.client.heartbeat(self.host_name, self.live_urls(), self.down_urls())
             except ControlPlaneRejected as exc:
                 if exc.status == 404:
-                    self.registered = False
+                    self.reregister()
                     return
                 log.error("heartbeat refused: %s", exc)
             self.next_heartbeat = now + self.heartbeat_interval_s
-        while self.outbox:
-            url, text = self.outbox[0]
+        while self.outbox and self.registered:
+            url, text, ts = self.outbox[0]
             try:
-                self.client.push_metrics(url, text)
+                self.client.push_metrics(url, text, ts)
                 self.sent += 1
             except ControlPlaneRejected as exc:
+                if exc.code == "unknown_worker" and self._resent_for != (url, ts):
+                    # The control plane does not know this worker (yet): register again, then resend once.
+                    log.warning("metrics for %s: %s; registering again", url, exc)
+                    self._resent_for = (url, ts)
+                    self.reregister()
+                    return
                 self.rejected += 1
                 log.warning("metrics for %s rejected (dropped): %s", url, exc)
             self.outbox.popleft()

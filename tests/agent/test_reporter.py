@@ -26,6 +26,9 @@ class RecordingControlPlane:
     def __init__(self, port: int):
         self.port, self.calls, self.server = port, [], None
         self.known_hosts: set[str] = set()
+        self.known_workers: set[str] = set()
+        self.register_gate: threading.Event | None = None  # set: register calls wait for it
+        self.register_arrived = threading.Event()
 
     def start(self) -> None:
         outer = self
@@ -36,9 +39,16 @@ class RecordingControlPlane:
                 outer.calls.append((self.path, body, self.headers["Authorization"]))
                 status, out = 200, {}
                 if self.path.endswith("/register/"):
+                    outer.register_arrived.set()
+                    if outer.register_gate is not None:
+                        outer.register_gate.wait(10)
                     outer.known_hosts.add(body["host"]["name"])
+                    outer.known_workers = {w["url"] for w in body["workers"]}
                 elif self.path.endswith("/heartbeat/") and body["host"] not in outer.known_hosts:
                     status, out = 404, {"error": {"message": "unknown host: register first"}}
+                elif self.path.endswith("/metrics/") and body["worker_url"] not in outer.known_workers:
+                    msg = f"unknown worker {body['worker_url']}: register it first"
+                    status, out = 400, {"error": {"code": "unknown_worker", "message": msg}}
                 elif self.path.endswith("/metrics/"):
                     status = 422 if body["text"] == "garbage" else 202
                 data = json.dumps(out).encode()
@@ -103,6 +113,9 @@ def test_buffers_while_down_then_delivers_in_order(port, caplog):
     try:
         _tick_until(rep, lambda: len(cp.paths("/metrics/")) == 5)
         assert [b["text"] for b in cp.paths("/metrics/")] == [f"sample {i}" for i in range(3, 8)]
+        # Replayed samples carry their scrape time (scraped >= 60 ms apart, before the outage ended).
+        stamps = [b["ts"] for b in cp.paths("/metrics/")]
+        assert stamps == sorted(stamps) and stamps[-1] - stamps[0] >= 0.2
         assert cp.calls[0][0] == "/api/v1/agent/register/" and cp.calls[0][2] == "Bearer cp_abc.secret"
         assert cp.paths("/register/")[0]["workers"] == [{"name": "w0", "url": "http://127.0.0.1:1"}]
         assert cp.paths("/heartbeat/") == [
@@ -228,3 +241,56 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_reregister_asked_while_register_is_in_flight_is_not_lost(port):
+    """A worker turns healthy (reregister) while the register call is in flight: it is registered anyway."""
+    cp = RecordingControlPlane(port)
+    cp.register_gate = threading.Event()
+    cp.start()
+    host = {"name": "node-a"}
+    workers = [{"name": "w0", "url": "http://127.0.0.1:1"}]
+    client = ControlPlaneClient(f"http://127.0.0.1:{port}", "cp_abc.secret", timeout=5)
+    rep = Reporter(client, lambda: (host, list(workers)), lambda: [w["url"] for w in workers],
+                   heartbeat_interval_s=0.0, retry_base_s=0.05)  # fmt: skip
+    try:
+        first = threading.Thread(target=rep.tick)
+        first.start()
+        assert cp.register_arrived.wait(10)  # the register with w0 only is in flight
+        workers.append({"name": "w1", "url": "http://127.0.0.1:2"})
+        rep.reregister()  # what the agent does when w1 reports healthy
+        cp.register_gate.set()
+        first.join(10)
+        _tick_until(rep, lambda: len(cp.paths("/register/")) >= 2)
+        assert [w["name"] for w in cp.paths("/register/")[-1]["workers"]] == ["w0", "w1"]
+        assert rep.registered
+    finally:
+        cp.stop()
+
+
+def test_metrics_for_a_worker_the_control_plane_does_not_know_trigger_a_reregister(port):
+    """The control plane answers 400 unknown_worker: the agent registers again and the sample is delivered."""
+    cp = RecordingControlPlane(port)
+    cp.start()
+    host = {"name": "node-a"}
+    workers = [{"name": "w0", "url": "http://127.0.0.1:1"}]
+    client = ControlPlaneClient(f"http://127.0.0.1:{port}", "cp_abc.secret", timeout=2)
+    rep = Reporter(client, lambda: (host, list(workers)), lambda: [w["url"] for w in workers],
+                   heartbeat_interval_s=0.0, retry_base_s=0.05, wall_clock=lambda: 1.7e9)  # fmt: skip
+    try:
+        _tick_until(rep, lambda: rep.registered)
+        workers.append({"name": "w1", "url": "http://127.0.0.1:2"})  # running, but its re-register was missed
+        rep.add_sample("http://127.0.0.1:2", "sample w1")
+        _tick_until(rep, lambda: rep.status()["sent"] == 1)
+        assert len(cp.paths("/register/")) == 2 and rep.status()["rejected"] == 0
+        assert cp.paths("/metrics/")[-1] == {
+            "worker_url": "http://127.0.0.1:2",
+            "text": "sample w1",
+            "ts": 1.7e9,
+        }
+        # A sample of a worker the agent no longer runs is resent once after the re-register, then dropped.
+        rep.add_sample("http://127.0.0.1:9", "gone")
+        _tick_until(rep, lambda: rep.status()["buffered"] == 0)
+        assert rep.status()["rejected"] == 1 and len(cp.paths("/register/")) == 3
+    finally:
+        cp.stop()

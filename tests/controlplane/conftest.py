@@ -158,26 +158,42 @@ def celery_worker_process(django_db_setup, django_db_blocker, tmp_path_factory):
 
 @pytest.fixture
 def personas(db):
-    """viewer, operator, admin, agent users, each with a real API token: {role: (user, "cp_...")}."""
+    """viewer, operator, admin, agent users, each with a real API token: {role: (user, "cp_...")}; the agent
+    token is bound to host AGENT_HOST."""
     from controlplane.accounts.services import token_create
 
     out = {}
     for role in ("viewer", "operator", "admin", "agent"):
         user = cp_factories.UserFactory(username=f"{role}-user", role=role)
-        _, plaintext = token_create(user=user, name=f"{role} token", actor=None)
+        host = cp_factories.AGENT_HOST if role == "agent" else ""
+        _, plaintext = token_create(user=user, name=f"{role} token", actor=None, host=host)
         out[role] = (user, plaintext)
     return out
+
+
+def _client(plaintext: str):
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {plaintext}")
+    return client
 
 
 @pytest.fixture
 def api_as(personas):
     """api_as(role) -> an APIClient authenticating with that persona's real Bearer token."""
-    from rest_framework.test import APIClient
+    return lambda role: _client(personas[role][1])
 
-    def make(role: str) -> APIClient:
-        client = APIClient()
-        client.credentials(HTTP_AUTHORIZATION=f"Bearer {personas[role][1]}")
-        return client
+
+@pytest.fixture
+def agent_for(personas):
+    """agent_for(host_name) -> an APIClient with a new agent token bound to that host."""
+    from controlplane.accounts.services import token_create
+
+    def make(host: str):
+        return _client(
+            token_create(user=personas["agent"][0], name=f"agent {host}", actor=None, host=host)[1]
+        )
 
     return make
 

@@ -7,6 +7,8 @@ from django.contrib.auth.models import Group
 from controlplane.configs.models import ConfigProfile, ConfigRevision
 from controlplane.inventory.models import EngineWorker, Gpu, Host, Router, StorageProfile
 
+AGENT_HOST = "agent-host"  # the host the agent persona's token (conftest ``personas``) is bound to
+
 
 class UserFactory(factory.django.DjangoModelFactory):
     class Meta:

@@ -4,7 +4,7 @@ over the websocket."""
 
 import httpx
 import pytest
-from cp_factories import EngineWorkerFactory, StorageProfileFactory, UserFactory
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, StorageProfileFactory, UserFactory
 from django.contrib.auth.hashers import make_password
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -28,8 +28,10 @@ def test_operator_attaches_two_workers_and_sees_live_chart(
         "DJANGO_ALLOW_ASYNC_UNSAFE", "true"
     )  # Playwright's sync API keeps a loop in this thread
     fakes = [fake_worker(), fake_worker()]
+    host = HostFactory(name=AGENT_HOST)  # the agent persona's token pushes metrics for this host's workers
     workers = [
-        EngineWorkerFactory(name=f"gpu-{i}", url=f.url, admin_key=f.admin_key) for i, f in enumerate(fakes)
+        EngineWorkerFactory(name=f"gpu-{i}", url=f.url, admin_key=f.admin_key, host=host)
+        for i, f in enumerate(fakes)
     ]
     StorageProfileFactory(
         name="mooncake-prod", backend="mooncake", extra_config={"master": "127.0.0.1:50051"}

@@ -111,7 +111,7 @@ def test_worker_admin_key_is_encrypted_at_rest(api_as):
     assert event.after["admin_key_encrypted"] == "***"
 
 
-def test_agent_register_is_an_upsert(api_as):
+def test_agent_register_is_an_upsert(agent_for):
     body = {
         "host": {
             "name": "gpu-1",
@@ -122,7 +122,7 @@ def test_agent_register_is_an_upsert(api_as):
             {"name": "gpu-1-w0", "url": "http://10.0.0.5:30000", "role": "prefill", "admin_key": "k"}
         ],
     }
-    client = api_as("agent")
+    client = agent_for("gpu-1")
     assert client.post("/api/v1/agent/register/", body, format="json").status_code == 200
     body["workers"][0]["role"] = "decode"
     again = client.post("/api/v1/agent/register/", body, format="json")
@@ -132,13 +132,13 @@ def test_agent_register_is_an_upsert(api_as):
         "/api/v1/agent/heartbeat/", {"host": "gpu-1", "workers": ["http://10.0.0.5:30000"]}, format="json"
     )
     assert beat.json() == {"workers_seen": 1}
-    unknown = client.post("/api/v1/agent/heartbeat/", {"host": "nope"}, format="json")
+    unknown = agent_for("nope").post("/api/v1/agent/heartbeat/", {"host": "nope"}, format="json")
     assert unknown.status_code == 404 and "register first" in unknown.json()["error"]["message"]
 
 
-def test_heartbeat_marks_workers_the_agent_reports_offline_then_online_again(api_as):
+def test_heartbeat_marks_workers_the_agent_reports_offline_then_online_again(api_as, agent_for):
     url = "http://10.0.0.6:30000"
-    client = api_as("agent")
+    client = agent_for("gpu-9")
     body = {"host": {"name": "gpu-9"}, "workers": [{"name": "gpu-9-w0", "url": url}]}
     assert client.post("/api/v1/agent/register/", body, format="json").status_code == 200
 
@@ -153,7 +153,7 @@ def test_heartbeat_marks_workers_the_agent_reports_offline_then_online_again(api
     assert state() == "online"
 
 
-def test_agent_register_stores_the_attached_l3_backend_and_its_profile(api_as):
+def test_agent_register_stores_the_attached_l3_backend_and_its_profile(api_as, agent_for):
     mooncake = {"master_server_address": "10.0.0.1:50051", "protocol": "tcp"}
     profile = StorageProfileFactory(name="mc-a", backend="mooncake", extra_config=mooncake)
     StorageProfileFactory(
@@ -170,7 +170,7 @@ def test_agent_register_stores_the_attached_l3_backend_and_its_profile(api_as):
          "storage_extra_config": None},
         {"name": "g-w3", "url": "http://10.0.0.7:30003", "storage_backend": ""},
     ]  # fmt: skip
-    agent = api_as("agent")
+    agent = agent_for("g")
     done = agent.post("/api/v1/agent/register/", {"host": {"name": "g"}, "workers": workers}, format="json")
     assert done.status_code == 200, done.content
     listed = api_as("viewer").get("/api/v1/inventory/workers/").json()["results"]
@@ -191,8 +191,8 @@ def test_agent_register_stores_the_attached_l3_backend_and_its_profile(api_as):
     )
 
 
-def test_agent_register_stores_cpu_count_and_memory_bytes(api_as):
-    agent, viewer = api_as("agent"), api_as("viewer")
+def test_agent_register_stores_cpu_count_and_memory_bytes(api_as, agent_for):
+    agent, viewer = agent_for("gpu-2"), api_as("viewer")
     body = {"host": {"name": "gpu-2", "cpu_count": 96, "memory_bytes": 2_164_372_918_272}}
     first = agent.post("/api/v1/agent/register/", body, format="json")
     assert first.status_code == 200, first.content
@@ -217,7 +217,9 @@ def test_agent_register_stores_cpu_count_and_memory_bytes(api_as):
     )
     assert by_hand.status_code == 201
     assert (by_hand.json()["cpu_count"], by_hand.json()["memory_bytes"]) == (None, None)
-    agent.post("/api/v1/agent/register/", {"host": {"name": "gpu-4", "cpu_count": 8}}, format="json")
+    agent_for("gpu-4").post(
+        "/api/v1/agent/register/", {"host": {"name": "gpu-4", "cpu_count": 8}}, format="json"
+    )
     listed = viewer.get("/api/v1/inventory/hosts/?ordering=-cpu_count&cpu_count__gte=8").json()["results"]
     assert [(h["name"], h["cpu_count"], h["memory_bytes"]) for h in listed] == [
         ("gpu-2", 96, 2_164_372_918_272),
@@ -240,8 +242,8 @@ def test_agent_register_stores_cpu_count_and_memory_bytes(api_as):
         ("memory_bytes", 2**63),
     ],
 )
-def test_agent_register_refuses_a_bad_cpu_count_or_memory_bytes(api_as, field, value):
-    client = api_as("agent")
+def test_agent_register_refuses_a_bad_cpu_count_or_memory_bytes(agent_for, field, value):
+    client = agent_for("gpu-5")
     good = {"name": "gpu-5", "cpu_count": 16, "memory_bytes": 68_719_476_736}
     assert client.post("/api/v1/agent/register/", {"host": good}, format="json").status_code == 200
     stored = Host.objects.get(name="gpu-5")

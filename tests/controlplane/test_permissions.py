@@ -3,6 +3,7 @@ each refused one leaves none and changes nothing."""
 
 import pytest
 from cp_factories import (
+    AGENT_HOST,
     ConfigProfileFactory,
     ConfigRevisionFactory,
     EngineWorkerFactory,
@@ -198,7 +199,7 @@ ENDPOINTS = {
             "/api/v1/agent/register/",
             {
                 "host": {
-                    "name": "gpu-a",
+                    "name": AGENT_HOST,
                     "cpu_count": 2,
                     "memory_bytes": 2**30,
                     "gpus": [{"index": 0, "model": "H200", "memory_mib": 1}],
@@ -212,7 +213,12 @@ ENDPOINTS = {
     "agent.heartbeat": (
         AGENT,
         False,
-        lambda p: ("post", "/api/v1/agent/heartbeat/", {"host": HostFactory().name, "workers": []}, {}),
+        lambda p: (
+            "post",
+            "/api/v1/agent/heartbeat/",
+            {"host": HostFactory(name=AGENT_HOST).name, "workers": []},
+            {},
+        ),
     ),
     "agent.metrics": (
         AGENT,
@@ -220,7 +226,10 @@ ENDPOINTS = {
         lambda p: (
             "post",
             "/api/v1/agent/metrics/",
-            {"worker": EngineWorkerFactory().pk, "metrics": {"num_running_reqs": 1}},
+            {
+                "worker": EngineWorkerFactory(host=HostFactory(name=AGENT_HOST)).pk,
+                "metrics": {"num_running_reqs": 1},
+            },
             {},
         ),
     ),

@@ -6,7 +6,7 @@ import time
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
-from cp_factories import EngineWorkerFactory
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
 from cp_fakes import FakeWorker
 
 from controlplane.asgi import application
@@ -58,7 +58,7 @@ def test_rates_and_hit_shares_over_the_interval():
 
 @pytest.mark.django_db
 def test_ingest_api_stores_latest_and_bounded_history(api_as):
-    worker = EngineWorkerFactory()
+    worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST))
     for running in range(3):
         response = api_as("agent").post(
             "/api/v1/agent/metrics/",

@@ -7,6 +7,8 @@ from controlplane.accounts.selectors import user_role
 
 class UserSerializer(serializers.ModelSerializer):
     role = serializers.SerializerMethodField()
+    # Empty when none was given: a plain string, so the schema's "format: email" does not reject "".
+    email = serializers.CharField(read_only=True, help_text="e-mail address; empty when none is set")
 
     class Meta:
         model = get_user_model()
@@ -45,8 +47,17 @@ class ApiTokenSerializer(serializers.ModelSerializer):
             "expires_at",
             "last_used_at",
             "revoked_at",
+            "host",
         ]
         read_only_fields = ["prefix", "created_at", "last_used_at", "revoked_at"]
+
+    host = serializers.CharField(
+        source="host_name",
+        max_length=100,
+        required=False,
+        allow_blank=True,
+        help_text="Agent tokens only (required for them): the host whose agent calls this token may make",
+    )
 
 
 class ApiTokenCreatedSerializer(ApiTokenSerializer):

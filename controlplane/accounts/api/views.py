@@ -56,6 +56,7 @@ class ApiTokenViewSet(viewsets.ReadOnlyModelViewSet, mixins.CreateModelMixin, mi
             name=data["name"],
             write_enabled=data.get("write_enabled", True),
             expires_at=data.get("expires_at"),
+            host=data.get("host_name", ""),
             actor=request.user,
         )
         out = s.ApiTokenCreatedSerializer(token).data

@@ -104,17 +104,22 @@ class JsonIntegerField(serializers.IntegerField):
         return super().to_internal_value(data)
 
 
+# Column ranges (PositiveSmallIntegerField / PositiveIntegerField): larger values are a 400 naming the
+# field, never a database overflow.
+SMALL_MAX, INT_MAX = 2**15 - 1, 2**31 - 1
+
+
 class AgentGpuSerializer(serializers.Serializer):
-    index = serializers.IntegerField(min_value=0)
+    index = serializers.IntegerField(min_value=0, max_value=SMALL_MAX)
     model = serializers.CharField(max_length=100)
-    memory_mib = serializers.IntegerField(min_value=0)
+    memory_mib = serializers.IntegerField(min_value=0, max_value=INT_MAX)
 
 
 class AgentHostSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=100)
     address = serializers.CharField(max_length=200, required=False, allow_blank=True)
     agent_version = serializers.CharField(max_length=50, required=False, allow_blank=True)
-    cpu_count = JsonIntegerField(min_value=1, max_value=2**31 - 1, required=False)
+    cpu_count = JsonIntegerField(min_value=1, max_value=INT_MAX, required=False)
     memory_bytes = JsonIntegerField(min_value=1, max_value=2**63 - 1, required=False)
     gpus = AgentGpuSerializer(many=True, required=False)
 
@@ -124,9 +129,9 @@ class AgentWorkerSerializer(serializers.Serializer):
     url = serializers.URLField()
     role = serializers.ChoiceField(choices=EngineWorker._meta.get_field("role").choices, required=False)
     model_name = serializers.CharField(max_length=200, required=False, allow_blank=True)
-    tp_size = serializers.IntegerField(min_value=1, required=False)
-    dp_size = serializers.IntegerField(min_value=1, required=False)
-    page_size = serializers.IntegerField(min_value=1, required=False)
+    tp_size = serializers.IntegerField(min_value=1, max_value=SMALL_MAX, required=False)
+    dp_size = serializers.IntegerField(min_value=1, max_value=SMALL_MAX, required=False)
+    page_size = serializers.IntegerField(min_value=1, max_value=INT_MAX, required=False)
     admin_key = serializers.CharField(max_length=500, required=False, allow_blank=True)
     storage_backend = serializers.CharField(
         max_length=20, required=False, allow_blank=True, help_text="attached L3 backend ('' for none)"

@@ -7,6 +7,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.accounts.permissions import AGENT_ROLES, READ_ROLES
+from controlplane.accounts.selectors import agent_host_scope
 from controlplane.core.api import ServiceModelViewSet
 from controlplane.inventory import selectors, services
 from controlplane.inventory.api import serializers as s
@@ -76,7 +77,10 @@ class EngineWorkerViewSet(ServiceModelViewSet):
 
 
 class AgentRegisterApi(APIView):
-    """Agent: create or update this host, its GPUs and the workers it runs (idempotent upsert by name/url)."""
+    """Agent: create or update this host, its GPUs and the workers it runs (idempotent upsert by name/url).
+
+    An agent token may register only its own host (403 otherwise); a worker URL another host owns is a 409
+    naming the owner."""
 
     read_roles = READ_ROLES
     write_roles = AGENT_ROLES
@@ -88,7 +92,10 @@ class AgentRegisterApi(APIView):
         body = s.AgentRegisterSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         host, workers = services.agent_register(
-            host=body.validated_data["host"], workers=body.validated_data["workers"], actor=request.user
+            host=body.validated_data["host"],
+            workers=body.validated_data["workers"],
+            actor=request.user,
+            bound_host=agent_host_scope(request.user, request.auth),
         )
         out = s.AgentRegisterResponseSerializer({"host": host, "workers": workers})
         return Response(out.data, status=status.HTTP_200_OK)
@@ -112,5 +119,6 @@ class AgentHeartbeatApi(APIView):
             host_name=body.validated_data["host"],
             worker_urls=body.validated_data["workers"],
             offline_urls=body.validated_data["offline"],
+            bound_host=agent_host_scope(request.user, request.auth),
         )
         return Response({"workers_seen": seen})

@@ -70,12 +70,16 @@ class OperationViewSet(viewsets.ReadOnlyModelViewSet, mixins.CreateModelMixin):
         parameters=[OpenApiParameter("worker", int, many=True, required=True, description="Worker ids")],
         responses=s.PreviewRowSerializer(many=True),
     )
-    @action(detail=False, methods=["get"])
+    @action(detail=False, methods=["get"], pagination_class=None)
     def preview(self, request):
         try:
             ids = [int(v) for v in request.query_params.getlist("worker")]
+            if not all(0 < i < 2**63 for i in ids):
+                raise ValueError("out of range")
         except ValueError as exc:
-            raise ApplicationError("worker must be integer ids", code="bad_worker") from exc
+            raise ApplicationError(
+                "worker must be integer ids", code="bad_worker", detail={"worker": ["integer ids"]}
+            ) from exc
         workers = list(EngineWorker.objects.filter(pk__in=ids).order_by("name"))
         missing = sorted(set(ids) - {w.pk for w in workers})
         if not ids or missing:

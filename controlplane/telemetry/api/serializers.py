@@ -1,28 +1,23 @@
 from rest_framework import serializers
 
-from controlplane.inventory.models import EngineWorker
+INT_MAX = 2**63 - 1  # BigAutoField
 
 
 class MetricsIngestSerializer(serializers.Serializer):
-    worker = serializers.PrimaryKeyRelatedField(queryset=EngineWorker.objects.all(), required=False)
+    worker = serializers.IntegerField(min_value=1, max_value=INT_MAX, required=False, help_text="worker id")
     worker_url = serializers.URLField(required=False)
     text = serializers.CharField(
         required=False, help_text="Prometheus exposition text from the worker's /metrics"
     )
     metrics = serializers.DictField(child=serializers.FloatField(), required=False)
+    ts = serializers.FloatField(
+        required=False,
+        help_text="When the sample was taken (Unix seconds; default: arrival). Replayed samples keep it.",
+    )
 
     def validate(self, attrs):
-        if "worker" not in attrs:
-            url = attrs.get("worker_url", "")
-            worker = (
-                EngineWorker.objects.filter(url=url.rstrip("/")).first()
-                or EngineWorker.objects.filter(url=url).first()
-            )
-            if worker is None:
-                raise serializers.ValidationError(
-                    {"worker": "give worker (id) or the worker_url of a known worker"}
-                )
-            attrs["worker"] = worker
+        if "worker" not in attrs and "worker_url" not in attrs:
+            raise serializers.ValidationError({"worker": "give worker (id) or worker_url"})
         if ("text" in attrs) == ("metrics" in attrs):
             raise serializers.ValidationError({"text": "send exactly one of text or metrics"})
         return attrs

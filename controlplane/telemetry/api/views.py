@@ -7,13 +7,17 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.accounts.permissions import AGENT_ROLES
+from controlplane.accounts.selectors import agent_host_scope
 from controlplane.inventory.models import EngineWorker
 from controlplane.telemetry import selectors, services
 from controlplane.telemetry.api.serializers import MetricsIngestSerializer
 
 
 class MetricsIngestApi(APIView):
-    """Agent: push one metrics sample for a worker (Prometheus text or a flat dict of snapshot keys)."""
+    """Agent: push one metrics sample for a worker (Prometheus text or a flat dict of snapshot keys).
+
+    400 ``unknown_worker`` when no such worker is registered (the agent registers again); an agent token may
+    push only for its own host's workers (403)."""
 
     write_roles = AGENT_ROLES
 
@@ -22,8 +26,13 @@ class MetricsIngestApi(APIView):
         body = MetricsIngestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
+        worker = services.ingest_worker(
+            worker_id=data.get("worker"),
+            worker_url=data.get("worker_url"),
+            bound_host=agent_host_scope(request.user, request.auth),
+        )
         sample = services.metrics_ingest(
-            worker=data["worker"], text=data.get("text"), metrics=data.get("metrics")
+            worker=worker, text=data.get("text"), metrics=data.get("metrics"), ts=data.get("ts")
         )
         return Response(sample, status=status.HTTP_202_ACCEPTED)
 

@@ -1,0 +1,168 @@
+"""Agent tokens are bound to one host: register, heartbeat and metrics touch only that host's workers; a
+worker URL another host owns is a 409 naming the owner; metrics for an unknown worker are a 400 saying so;
+replayed samples keep their sample time; out-of-range integers are 400s in the JSON envelope."""
+
+import importlib
+import time
+
+import pytest
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
+from django.apps import apps
+
+from controlplane.accounts.models import ApiToken
+from controlplane.audit.models import AuditEvent
+from controlplane.inventory.models import EngineWorker, Gpu
+from controlplane.telemetry import store
+
+pytestmark = pytest.mark.django_db
+
+
+def _register(client, host: str, workers: list[dict]):
+    return client.post("/api/v1/agent/register/", {"host": {"name": host}, "workers": workers}, format="json")
+
+
+def test_agent_tokens_name_their_host_at_issue(api_as):
+    admin = api_as("admin")
+    missing = admin.post("/api/v1/accounts/tokens/", {"user": "agent-user", "name": "a"}, format="json")
+    assert missing.status_code == 400 and missing.json()["error"]["detail"] == {
+        "host": ["required for agent tokens"]
+    }
+    made = admin.post(
+        "/api/v1/accounts/tokens/", {"user": "agent-user", "name": "a", "host": "gpu-7"}, format="json"
+    )
+    assert made.status_code == 201 and made.json()["host"] == "gpu-7"
+    viewer = admin.post(
+        "/api/v1/accounts/tokens/", {"user": "viewer-user", "name": "v", "host": "gpu-7"}, format="json"
+    )
+    assert viewer.status_code == 400 and "host" in viewer.json()["error"]["detail"]
+
+
+def test_an_agent_token_cannot_take_another_hosts_worker(api_as, agent_for):
+    owner = agent_for("gpu-a")
+    url = "http://10.0.0.1:30000"
+    assert _register(owner, "gpu-a", [{"name": "a0", "url": url, "admin_key": "key-a"}]).status_code == 200
+    events = AuditEvent.objects.count()
+
+    thief = api_as("agent")  # bound to AGENT_HOST
+    moved = _register(thief, AGENT_HOST, [{"name": "stolen", "url": url, "admin_key": "key-x"}])
+    assert moved.status_code == 409
+    error = moved.json()["error"]
+    assert error["code"] == "worker_owned" and "'gpu-a'" in error["message"]
+    assert error["detail"] == {"workers": [{"url": url, "owner": "gpu-a"}]}
+    other = _register(thief, "gpu-a", [])
+    assert other.status_code == 403 and other.json()["error"]["code"] == "wrong_host"
+
+    worker = EngineWorker.objects.get(url=url)
+    assert (worker.name, worker.host.name, worker.admin_key) == ("a0", "gpu-a", "key-a")
+    assert AuditEvent.objects.count() == events
+
+    # Heartbeat: another host's worker is never marked offline; naming that host is refused.
+    _register(thief, AGENT_HOST, [])
+    beat = thief.post("/api/v1/agent/heartbeat/", {"host": AGENT_HOST, "offline": [url]}, format="json")
+    assert beat.status_code == 200 and EngineWorker.objects.get(url=url).state == "online"
+    beat = thief.post("/api/v1/agent/heartbeat/", {"host": "gpu-a", "offline": [url]}, format="json")
+    assert beat.status_code == 403 and EngineWorker.objects.get(url=url).state == "online"
+
+    # Metrics: only for the token's own host's workers.
+    pushed = thief.post(
+        "/api/v1/agent/metrics/", {"worker": worker.pk, "metrics": {"num_running_reqs": 1}}, format="json"
+    )
+    assert pushed.status_code == 403 and store.latest(worker.pk) is None
+    pushed = owner.post(
+        "/api/v1/agent/metrics/", {"worker_url": url, "metrics": {"num_running_reqs": 1}}, format="json"
+    )
+    assert pushed.status_code == 202 and store.latest(worker.pk)["num_running_reqs"] == 1
+
+
+def test_an_operator_may_register_but_not_move_an_owned_worker(api_as, agent_for):
+    url = "http://10.0.0.2:30000"
+    _register(agent_for("gpu-b"), "gpu-b", [{"name": "b0", "url": url}])
+    moved = _register(api_as("operator"), "gpu-c", [{"name": "b0", "url": url}])
+    assert moved.status_code == 409 and EngineWorker.objects.get(url=url).host.name == "gpu-b"
+
+
+def test_metrics_for_an_unknown_worker_say_it_is_unknown(api_as):
+    url = "http://10.0.0.3:30000"
+    response = api_as("agent").post(
+        "/api/v1/agent/metrics/", {"worker_url": url, "text": "x 1\n"}, format="json"
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "unknown_worker" and url in error["message"] and "register" in error["message"]
+
+
+def test_a_replayed_sample_keeps_its_sample_time(api_as):
+    worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST))
+    agent = api_as("agent")
+    taken = time.time() - 120  # buffered through a two-minute outage
+    for i, ts in enumerate((taken, taken + 5)):
+        body = {"worker": worker.pk, "metrics": {"num_running_reqs": i}, "ts": ts}
+        assert agent.post("/api/v1/agent/metrics/", body, format="json").status_code == 202
+    assert [s["ts"] for s in store.history(worker.pk)] == [taken, taken + 5]
+    future = {"worker": worker.pk, "metrics": {"num_running_reqs": 1}, "ts": time.time() + 3600}
+    refused = agent.post("/api/v1/agent/metrics/", future, format="json")
+    assert refused.status_code == 400 and list(refused.json()["error"]["detail"]) == ["ts"]
+    assert len(store.history(worker.pk)) == 2
+
+
+def test_an_unbound_agent_token_is_refused_and_the_migration_binds_registered_ones(personas):
+    from rest_framework.test import APIClient
+
+    from controlplane.accounts.services import token_create
+
+    agent_user = personas["agent"][0]
+    used, plaintext = token_create(user=agent_user, name="old", actor=None, host="gpu-old")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {plaintext}")
+    assert _register(client, "gpu-old", []).status_code == 200
+    never = token_create(user=agent_user, name="never used", actor=None, host="x")[0]
+    # Tokens as they were before binding existed: no host.
+    ApiToken.objects.filter(pk__in=[used.pk, never.pk]).update(host_name="")
+    refused = _register(client, "gpu-old", [])
+    assert refused.status_code == 403 and "bound to no host" in refused.json()["error"]["message"]
+
+    migration = importlib.import_module("controlplane.accounts.migrations.0003_apitoken_host_name")
+    migration.bind_existing_agent_tokens(apps, None)
+    assert ApiToken.objects.get(pk=used.pk).host_name == "gpu-old"  # the host it registered
+    assert ApiToken.objects.get(pk=never.pk).host_name == ""  # never registered: stays refused
+    assert _register(client, "gpu-old", []).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/api/v1/inventory/workers/?host_id=10000000000000000000",
+        "/api/v1/inventory/workers/?router_id=-10000000000000000000",
+        "/api/v1/inventory/gpus/?host=10000000000000000000",
+        "/api/v1/operations/?created_by=10000000000000000000",
+        "/api/v1/operations/preview/?worker=10000000000000000000",
+        "/api/v1/inventory/workers/10000000000000000000/",
+    ],
+)
+def test_integer_overflow_in_query_parameters_is_a_json_400(api_as, url):
+    response = api_as("viewer").get(url)
+    assert response.status_code in (400, 404) and response["Content-Type"] == "application/json"
+    assert "error" in response.json()
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("gpus", "memory_mib"), 2**63),
+        (("gpus", "index"), 2**40),
+        (("workers", "page_size"), 2**63),
+        (("workers", "tp_size"), 2**20),
+    ],
+)
+def test_integer_overflow_in_agent_fields_is_a_400_naming_the_field(api_as, path, value):
+    where, field = path
+    gpu = {"index": 0, "model": "H200", "memory_mib": 1}
+    worker = {"name": "o0", "url": "http://10.0.0.9:30000"}
+    body = {"host": {"name": AGENT_HOST, "gpus": [gpu]}, "workers": [worker]}
+    (gpu if where == "gpus" else worker)[field] = value
+    response = api_as("agent").post("/api/v1/agent/register/", body, format="json")
+    assert response.status_code == 400, response.content
+    detail = response.json()["error"]["detail"]
+    inner = detail["host"]["gpus"]["0"] if where == "gpus" else detail["workers"]["0"]
+    assert list(inner) == [field]
+    assert not Gpu.objects.exists() and not EngineWorker.objects.exists()
