@@ -1,7 +1,8 @@
 """Create the first admin and an agent API token in the control plane (run after ``manage.py migrate``).
 
-``python deploy/bootstrap.py --admin-user admin --admin-password PW [--agent-token-file PATH]`` creates (or
-resets the password of) the admin user and an ``agent`` user and issues one API token for each;
+``python deploy/bootstrap.py --admin-user admin --admin-password PW --agent-host NAME [--agent-token-file
+PATH]`` creates (or resets the password of) the admin user and an ``agent`` user and issues one API token for
+each (the agent's bound to host NAME, the spec's ``host_name``: it may register only that host);
 ``--print-tokens`` prints them as JSON (``{"admin": "cp_...", "agent": "cp_..."}``). With
 ``--agent-token-file`` the agent token is also written there (mode 0600) for the engine host to read, and
 no new agent token is issued when the file already exists. Uses the control plane's own services, so
@@ -20,7 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def bootstrap(admin_user: str, admin_password: str, label: str, agent_token_file: str | None) -> dict:
+def bootstrap(
+    admin_user: str, admin_password: str, label: str, agent_token_file: str | None, agent_host: str
+) -> dict:
     import django
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
@@ -42,7 +45,8 @@ def bootstrap(admin_user: str, admin_password: str, label: str, agent_token_file
         if role == "agent" and agent_token_file and Path(agent_token_file).exists():
             out[role] = Path(agent_token_file).read_text().strip()
             continue
-        out[role] = token_create(user=user, name=f"{role} token ({label})", actor=None)[1]
+        host = agent_host if role == "agent" else ""
+        out[role] = token_create(user=user, name=f"{role} token ({label})", actor=None, host=host)[1]
     if agent_token_file and not Path(agent_token_file).exists():
         Path(agent_token_file).parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(agent_token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -58,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default="bootstrap", help="suffix of the token names")
     p.add_argument("--agent-token-file", default=os.environ.get("KVFLEET_AGENT_TOKEN_FILE"))
     p.add_argument(
+        "--agent-host",
+        default=os.environ.get("KVFLEET_HOST_NAME"),
+        help="the host the agent token may register (its spec's host_name; env KVFLEET_HOST_NAME)",
+    )
+    p.add_argument(
         "--print-tokens", action="store_true", help="print the new tokens as JSON (else only names)"
     )
     a = p.parse_args(argv)
@@ -67,8 +76,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if not a.agent_host:
+        print("deploy/bootstrap.py: error: --agent-host (or KVFLEET_HOST_NAME) is required", file=sys.stderr)
+        return 2
     sys.path.insert(0, str(REPO))
-    tokens = bootstrap(a.admin_user, a.admin_password, a.label, a.agent_token_file)
+    tokens = bootstrap(a.admin_user, a.admin_password, a.label, a.agent_token_file, a.agent_host)
     if a.print_tokens:
         print(json.dumps(tokens))
     else:

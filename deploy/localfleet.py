@@ -201,7 +201,7 @@ class LocalFleet:
         self._run("manage.py", "collectstatic", "--noinput")
         out = self._run("deploy/bootstrap.py", f"--admin-user={self.admin_user}",
                         f"--admin-password={self.admin_password}", "--label", self.label,
-                        "--print-tokens")  # fmt: skip
+                        f"--agent-host={self.env['DEMO_HOST_NAME']}", "--print-tokens")  # fmt: skip
         self.tokens = json.loads(out.strip().splitlines()[-1])
         port = free_port()
         self.console_url = f"http://127.0.0.1:{port}"
