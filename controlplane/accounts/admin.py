@@ -1,13 +1,12 @@
 from django.contrib import admin
 
 from controlplane.accounts.models import ApiToken
+from controlplane.core.admin import ReadOnlyAdmin
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
-    list_display = ("name", "user", "prefix", "write_enabled", "expires_at", "revoked_at", "last_used_at")
-    exclude = ("secret_hash",)
-    readonly_fields = ("prefix",)
+class ApiTokenAdmin(ReadOnlyAdmin):
+    """Issue and revoke tokens through the API (audited); here they are only listed."""
 
-    def has_add_permission(self, request):
-        return False
+    list_display = ("name", "user", "prefix", "host_name", "write_enabled", "expires_at", "revoked_at")
+    exclude = ("secret_hash",)

@@ -12,6 +12,8 @@ from controlplane.accounts.models import ApiToken, Role
 from controlplane.accounts.selectors import TOKEN_PREFIX, token_digest, user_role
 from controlplane.audit.services import audit_record
 from controlplane.core.exceptions import ApplicationError
+from controlplane.telemetry.broadcast import emit_on_commit
+from controlplane.telemetry.events import token_group
 
 
 def _user_snapshot(user) -> dict:
@@ -116,6 +118,8 @@ def token_revoke(*, token: ApiToken, actor) -> ApiToken:
     token.revoked_at = timezone.now()
     token.save(update_fields=["revoked_at"])
     audit_record(action="token_revoke", obj=token, before=before, after=token.audit_snapshot(), actor=actor)
+    # Open websockets of this token close once the revoke is committed.
+    emit_on_commit(token_group(token.prefix), "control.revoked", {"prefix": token.prefix})
     return token
 
 

@@ -1,16 +1,14 @@
 from django.contrib import admin
 
 from controlplane.configs.models import ConfigProfile, ConfigRevision
+from controlplane.core.admin import ReadOnlyAdmin
 
 
 @admin.register(ConfigProfile)
-class ConfigProfileAdmin(admin.ModelAdmin):
+class ConfigProfileAdmin(ReadOnlyAdmin):
     list_display = ("name", "head_number", "updated_at")
 
 
 @admin.register(ConfigRevision)
-class ConfigRevisionAdmin(admin.ModelAdmin):
+class ConfigRevisionAdmin(ReadOnlyAdmin):
     list_display = ("profile", "number", "created_by", "created_at")
-
-    def has_change_permission(self, request, obj=None):
-        return False

@@ -1,5 +1,6 @@
 from django.contrib import admin
 
+from controlplane.core.admin import ReadOnlyAdmin
 from controlplane.operations.models import Operation, OperationTarget
 
 
@@ -12,10 +13,7 @@ class TargetInline(admin.TabularInline):
 
 
 @admin.register(Operation)
-class OperationAdmin(admin.ModelAdmin):
+class OperationAdmin(ReadOnlyAdmin):
     list_display = ("id", "kind", "policy", "state", "created_by", "created_at", "finished_at")
     list_filter = ("kind", "state", "policy")
     inlines = [TargetInline]
-
-    def has_change_permission(self, request, obj=None):
-        return False

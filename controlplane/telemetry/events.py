@@ -2,7 +2,8 @@
 
 Envelope: {"v": 1, "type": "<domain>.<event>", "id": uuid hex, "ts": ISO-8601 UTC, "seq": int, "data": {...}}.
 Types: worker.metrics, fleet.metrics, operation.state_changed, operation.target_changed, control.subscribed,
-control.error. Groups: "fleet", "operations", "worker.<id>", "operation.<id>".
+control.error, control.revoked (server-internal: closes the sockets of a revoked token). Groups clients may
+subscribe: "fleet", "operations", "worker.<id>", "operation.<id>"; "token.<prefix>" holds a token's sockets.
 """
 
 import re
@@ -17,6 +18,7 @@ EVENT_TYPES = frozenset(
         "operation.target_changed",
         "control.subscribed",
         "control.error",
+        "control.revoked",
     }
 )
 GROUP_PATTERN = re.compile(r"^(fleet|operations|worker\.\d+|operation\.\d+)$")
@@ -41,3 +43,8 @@ def worker_group(worker_id: int) -> str:
 
 def operation_group(operation_id: int) -> str:
     return f"operation.{operation_id}"
+
+
+def token_group(prefix: str) -> str:
+    """The sockets opened with one API token (joined on connect, never subscribable)."""
+    return f"token.{prefix}"
