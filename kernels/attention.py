@@ -1,0 +1,305 @@
+"""Paged attention over the L1 KV pool: decode (one new token per sequence) and extend (prefill chunks).
+
+Follows upstream's Triton attention backend (SGLang ``decode_attention.py`` / ``extend_attention.py``) in
+what it computes: keys and values are read through a token page table ``req_to_token`` (row ``b`` lists the
+pool slot of every token of sequence ``b`` in position order), grouped-query attention maps KV head ``j`` to
+query heads ``j*G .. j*G+G-1`` (HF ``repeat_kv``), softmax is computed online in fp32 (flash attention), and
+the new tokens' K/V are already in the pool when the kernel runs, so an extend reads its cached prefix and
+itself the same way. Unlike upstream, there is no split-KV decode stage (one program per sequence and KV
+head walks the whole sequence).
+
+Shapes: ``Hq`` query heads, ``Hkv`` KV heads (``Hq % Hkv == 0``), ``D`` head dim (any; padded to a power of
+two >= 16 inside the kernel), pool buffers ``(S, Hkv, D)`` with a contiguous last dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import interpreting, jit
+
+BLOCK_N = 32  # keys per step
+BLOCK_M = 16  # extend queries per program
+BLOCK_H = 16  # decode: query heads of one KV head, padded (tl.dot needs >= 16 rows)
+# Row reductions through ``tl.reduce`` with the standard library's combine functions rather than ``tl.max`` /
+# ``tl.sum``: those are jit functions themselves, which an interpreted launch cannot call when Triton was
+# imported without TRITON_INTERPRET (see kernels.launch); the interpreter maps these two to numpy.
+_MAX = tl.standard._elementwise_max
+_SUM = tl.standard._sum_combine
+
+
+@jit
+def _decode_kernel(
+    q,
+    k_buf,
+    v_buf,
+    out,
+    req_to_token,
+    seq_lens,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_req,
+    scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + b)
+    h = tl.arange(0, BLOCK_H)
+    h_mask = h < GROUP
+    heads = kv_head * GROUP + h
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_tile = tl.load(
+        q + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(COMPUTE)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)
+    row = req_to_token + b.to(tl.int64) * stride_req
+    for start in range(0, seq_len, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < seq_len
+        slots = tl.load(row + n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
+        ).to(COMPUTE)
+        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        v = tl.load(
+            v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
+        ).to(COMPUTE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(
+        out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        o.to(out.dtype.element_ty),
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
+
+
+@jit
+def _extend_kernel(
+    q,
+    k_buf,
+    v_buf,
+    out,
+    req_to_token,
+    seq_lens,
+    cu_seqlens,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_req,
+    scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+    q_start = tl.load(cu_seqlens + b)
+    extend = tl.load(cu_seqlens + b + 1) - q_start
+    seq_len = tl.load(seq_lens + b)
+    prefix = seq_len - extend
+    kv_head = head // GROUP
+    m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < extend
+    q_pos = prefix + m
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    tokens = (q_start + m).to(tl.int64)
+    q_tile = tl.load(
+        q + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(COMPUTE)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    # keys up to the last query of this block (causal); none when the block lies past this sequence
+    end = tl.minimum(seq_len, prefix + (block + 1) * BLOCK_M)
+    end = tl.where(block * BLOCK_M < extend, end, 0)
+    row = req_to_token + b.to(tl.int64) * stride_req
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        slots = tl.load(row + n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
+        ).to(COMPUTE)
+        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        v = tl.load(
+            v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
+        ).to(COMPUTE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
+        o.to(out.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def _check(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+    """(group, padded head dim); raises ``ValueError`` for shapes that do not fit."""
+    if q.shape[1] % k_buf.shape[1] or k_buf.shape != v_buf.shape or out.shape != q.shape:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k/v {tuple(k_buf.shape)}/{tuple(v_buf.shape)}, out {tuple(out.shape)}"
+        )
+    if q.shape[2] != k_buf.shape[2] or any(t.stride(-1) != 1 for t in (q, k_buf, v_buf, out)):
+        raise ValueError("q, k/v buffers and out need one head dim and a contiguous last dim")
+    if q.dtype != k_buf.dtype:
+        raise ValueError(f"q is {q.dtype} but the KV pool is {k_buf.dtype}")
+    return q.shape[1] // k_buf.shape[1], max(16, triton.next_power_of_2(q.shape[2]))
+
+
+def _compute_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The dtype ``tl.dot`` runs in: the pool's, except fp32 for 16-bit pools under the interpreter, whose
+    ``dot`` mishandles bf16 (numpy has no bf16; an exact widening, so results agree within rounding)."""
+    if interpreting() and dtype != torch.float32:
+        return tl.float32
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 in full precision; ignored for 16-bit inputs
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """Decode attention, written to ``out``.
+
+    ``q``/``out``: ``(B, Hq, D)``, the one new token of each sequence (position ``seq_lens[b] - 1``);
+    ``k_buf``/``v_buf``: ``(S, Hkv, D)`` one layer of the pool, same dtype as ``q``; ``req_to_token``:
+    integer ``(B, W)``, ``W >= max(seq_lens)``; ``seq_lens``: integer ``(B,)``, each >= 1. Every key of the
+    sequence is attended. Raises ``ValueError`` for mismatched shapes or dtypes.
+    """
+    group, block_d = _check(q, k_buf, v_buf, out)
+    if group > BLOCK_H:
+        raise ValueError(f"decode kernel handles at most {BLOCK_H} query heads per KV head, got {group}")
+    batch, kv_heads = q.shape[0], k_buf.shape[1]
+    if batch == 0:
+        return
+    _decode_kernel[(batch, kv_heads)](
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        seq_lens,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        scale,
+        GROUP=group,
+        HEAD_DIM=q.shape[2],
+        BLOCK_D=block_d,
+        BLOCK_H=BLOCK_H,
+        BLOCK_N=BLOCK_N,
+        PRECISION=_precision(q.dtype),
+        COMPUTE=_compute_dtype(q.dtype),
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_extend: int,
+    scale: float,
+) -> None:
+    """Causal extend attention, written to ``out``.
+
+    ``q``/``out``: ``(T, Hq, D)``, the new tokens of all sequences concatenated; sequence ``b`` owns rows
+    ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` (integer ``(B+1,)``, ``cu_seqlens[0] == 0``), which are its last
+    ``E_b`` positions; ``seq_lens`` integer ``(B,)`` (cached prefix + new); ``max_extend`` >= every ``E_b``
+    (a host int: it sizes the grid). The query at position p attends the keys at positions 0..p. Other
+    arguments as :func:`decode_attention`. Raises ``ValueError`` for mismatched shapes or dtypes.
+    """
+    group, block_d = _check(q, k_buf, v_buf, out)
+    batch = seq_lens.shape[0]
+    if batch == 0 or max_extend == 0:
+        return
+    _extend_kernel[(batch, q.shape[1], triton.cdiv(max_extend, BLOCK_M))](
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        seq_lens,
+        cu_seqlens,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        scale,
+        GROUP=group,
+        HEAD_DIM=q.shape[2],
+        BLOCK_D=block_d,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        PRECISION=_precision(q.dtype),
+        COMPUTE=_compute_dtype(q.dtype),
+    )
