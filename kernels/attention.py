@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import interpreting, jit
+from kernels import interpreting
+from kernels.launch import jit
 
 BLOCK_N = 32  # keys per step
 BLOCK_M = 16  # extend queries per program

@@ -1,4 +1,4 @@
-"""Where the kernels can run, and how they launch: compiled for CUDA or through Triton's interpreter.
+"""How the kernels launch: compiled for CUDA or through Triton's interpreter.
 
 With ``TRITON_INTERPRET=1`` Triton runs a kernel's programs one after another in numpy on the CPU (slow, for
 tests). ``triton.jit`` makes that choice once, when the module is imported; :func:`jit` makes it at each
@@ -11,28 +11,15 @@ launches need none.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 
-import torch
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from kernels import interpreting
+
 _INTERPRETER_LOCK = threading.Lock()
-
-
-def interpreting() -> bool:
-    """True when ``TRITON_INTERPRET=1`` in the environment now."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why the kernels cannot run on ``device`` (None when they can): CUDA, or any device under the
-    interpreter."""
-    if device.type == "cuda" or interpreting():
-        return None
-    return f"Triton kernels need a CUDA device or TRITON_INTERPRET=1 (the KV pool is on {device.type})"
 
 
 class Kernel:

@@ -5,7 +5,8 @@ thread drains in FIFO order:
 
 * write (L1 -> L2 backup copies), acked per op;
 * load (L2 -> L1), one merged op per forward pass with a ``threading.Event`` per layer so attention on
-  layer ``i`` can start while later layers are still copying;
+  layer ``i`` can start while later layers are still copying (on CUDA the copies run on the io backend's
+  load stream and the compute stream waits on layer ``i``'s CUDA event only);
 * backup (L2 -> L3, started by ``attach_storage``), 128-page batches, stops at the first failed batch;
 * prefetch (L3 -> L2): hit query (``batch_exists``, MIN over ranks), then reads into reserved host slots.
 
@@ -26,12 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.cache.host_pool import HostKVPool
+from engine.cache.io_backends import IOBackend
 from engine.cache.keys import page_hashes
 from engine.cache.prefetch import PrefetchOperation
 from engine.cache.ranks import Reduce
 from engine.cache.stats import CacheStats
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo
-from engine.cache.transfer import DirectIO
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,14 @@ class CopyOperation:
     host_indices: torch.Tensor
     payload: list
     num_layers: int
+    after: object = None  # loads: the compute-stream mark the copies wait for (IOBackend.compute_mark)
     done: threading.Event = field(default_factory=threading.Event)
     layer_done: list = field(default_factory=list)
+    layer_ready: list = field(default_factory=list)  # loads: IOBackend.load_layer result per layer
 
     def __post_init__(self) -> None:
         self.layer_done = [threading.Event() for _ in range(self.num_layers)]
+        self.layer_ready = [None] * self.num_layers
 
 
 @dataclass
@@ -106,7 +110,7 @@ class HiCacheController:
     (a separate group) the prefetch thread's hit query."""
 
     def __init__(
-        self, io: DirectIO, host_pool: HostKVPool, stats: CacheStats, reduce: Reduce, reduce_io: Reduce
+        self, io: IOBackend, host_pool: HostKVPool, stats: CacheStats, reduce: Reduce, reduce_io: Reduce
     ):
         self.io = io
         self.host_pool = host_pool
@@ -174,6 +178,7 @@ class HiCacheController:
             torch.cat([o.host_indices for o in ops]),
             [p for o in ops for p in o.payload],
             self.num_layers,
+            after=self.io.compute_mark(),
         )
         self._current_load = merged
         self._load_acks.append(merged)
@@ -181,21 +186,23 @@ class HiCacheController:
 
     def _run_load(self, op: CopyOperation) -> None:
         start = time.perf_counter()
-        plan = self.io.plan(op.device_indices, op.host_indices)
+        plan = self.io.prepare_load(op.device_indices, op.host_indices, op.after)
         for layer in range(self.num_layers):
-            self.io.load_layer(layer, plan)
-            self.io.fence()
+            op.layer_ready[layer] = self.io.load_layer(layer, plan)
             op.layer_done[layer].set()
+        self.io.synchronize(op.layer_ready[-1])  # the ack means the bytes are in L1
         seconds = time.perf_counter() - start
         self.stats.add(bytes_h2d=len(op.device_indices) * self.io.bytes_per_token, load_back_seconds=seconds)
         self.stats.observe("load_back_duration_seconds", seconds)
         op.done.set()
 
     def wait_layer(self, layer: int) -> None:
-        """Block until the latest started load has copied ``layer`` (earlier loads finish first)."""
+        """Until the latest started load has copied ``layer`` (earlier loads finish first): on CPU block,
+        on CUDA block only until the copy is issued, then make the compute stream wait for its event."""
         op = self._current_load
         if op is not None:
             op.layer_done[layer].wait()
+            self.io.wait_loaded(op.layer_ready[layer])
 
     def loading_check(self) -> list[list]:
         """Payloads of finished loads, FIFO, MIN over ranks."""

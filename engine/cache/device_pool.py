@@ -13,6 +13,9 @@ import torch
 class DeviceKVPool:
     """Per-layer K/V buffers of shape ``(size + page_size, num_kv_heads, head_dim)``.
 
+    All of them are views of one ``kv_buffer`` ``(2, num_layers, size + page_size, num_kv_heads, head_dim)``
+    (K then V; the host pool's ``layer_first`` layout), so one kernel launch can move pages of every layer.
+
     ``size`` (tokens) must be a positive multiple of ``page_size``. ``device`` is ``cpu`` here and
     ``cuda`` on a GPU. Raises ``ValueError`` on a size or page size that does not fit.
     """
@@ -38,9 +41,10 @@ class DeviceKVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (size + page_size, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        shape = (2, num_layers, size + page_size, num_kv_heads, head_dim)
+        self.kv_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_buffer = list(self.kv_buffer[0])
+        self.v_buffer = list(self.kv_buffer[1])
 
     @property
     def bytes_per_token(self) -> int:

@@ -25,14 +25,14 @@ from engine.cache.config import (
 )
 from engine.cache.controller import BackupOperation, HiCacheController
 from engine.cache.device_pool import DeviceKVPool
-from engine.cache.host_pool import HostKVPool, host_pool_tokens, resolve_layout
+from engine.cache.host_pool import HostKVPool, host_pool_tokens
+from engine.cache.io_backends import get_io_backend, resolve_layout
 from engine.cache.keys import page_hashes
 from engine.cache.prefetching import PrefetchMixin, _Prefetch
 from engine.cache.radix_tree import HiRadixTree, TreeNode
 from engine.cache.ranks import Reduce, make_reduce
 from engine.cache.stats import CacheStats
 from engine.cache.storage.base import HiCacheStorage
-from engine.cache.transfer import DirectIO
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,9 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         if not enable_hierarchical:
             self.config = config
             return
-        layout, io_backend = resolve_layout(config.mem_layout, config.io_backend, config.storage_backend)
+        layout, io_backend = resolve_layout(
+            config.mem_layout, config.io_backend, config.storage_backend, device_pool.device
+        )
         self.config = config.updated(mem_layout=layout, io_backend=io_backend, storage_backend=None)
         p = device_pool
         host_tokens = host_pool_tokens(p.size, p.page_size, p.bytes_per_token, config.ratio, config.size)
@@ -107,9 +109,8 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         # The prefetch thread reduces on its own group so it never interleaves with the scheduler's.
         self.reduce = reduce or make_reduce(tp_size)
         reduce_io = make_reduce(tp_size) if reduce is None and tp_size > 1 else self.reduce
-        self.controller = HiCacheController(
-            DirectIO(device_pool, self.host_pool), self.host_pool, self._stats, self.reduce, reduce_io
-        )
+        io = get_io_backend(io_backend)(device_pool, self.host_pool)
+        self.controller = HiCacheController(io, self.host_pool, self._stats, self.reduce, reduce_io)
         self._stats.host_total_tokens = self.host_pool.size
         if config.storage_backend:
             try:

@@ -1,4 +1,4 @@
-"""L2: the host KV pool (SGLang ``MHATokenToKVPoolHost``, hicache-spec §4), its sizing and layout rules.
+"""L2: the host KV pool (SGLang ``MHATokenToKVPoolHost``, hicache-spec §4) and its sizing.
 
 Buffer shapes (``L`` layers, ``N`` tokens, ``NP`` pages of ``P`` tokens, ``H`` KV heads, ``D`` head dim;
 the leading 2 is K/V):
@@ -12,14 +12,11 @@ The flat byte order of a page (what L3 stores) is the buffer's own order for tha
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from engine.cache.allocator import PageAllocator
-
-logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 HOST_MEMORY_RESERVE = 10 * GIB
@@ -172,34 +169,3 @@ def _available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def resolve_layout(layout: str, io_backend: str, storage_backend: str | None) -> tuple[str, str]:
-    """Apply upstream's layout / io-backend corrections; returns ``(layout, io_backend)``.
-
-    First the io backend this build can run: ``kernel`` -> ``direct`` (warning), since there are no GPU
-    gather/scatter io kernels here, so an upstream launch command (whose default is ``kernel``) runs on
-    ``direct``. Upstream's ``page_first_direct`` + ``kernel`` -> ``direct`` rule is part of this. Then
-    upstream's layout rules for the ``direct`` backend:
-
-    * ``mooncake`` + ``layer_first`` -> ``page_first_direct`` (warning; server_args, direct io case).
-    * ``page_first`` + ``direct`` -> ``page_first_direct`` (warning; HiRadixCache init).
-
-    Refused (``ValueError``): an unknown layout or io backend.
-    """
-    if layout not in ("layer_first", "page_first", "page_first_direct"):
-        raise ValueError(f"hicache_mem_layout: unsupported layout {layout!r}")
-    if io_backend not in ("direct", "kernel"):
-        raise ValueError(f"hicache_io_backend: unsupported io backend {io_backend!r}")
-    if io_backend == "kernel":
-        logger.warning("kernel io backend is not available (no GPU io kernels in this build); using direct")
-        io_backend = "direct"
-    if storage_backend == "mooncake" and layout == "layer_first":
-        layout = "page_first_direct"
-        logger.warning(
-            "mooncake storage needs a page-first layout; switching hicache_mem_layout to %s", layout
-        )
-    if layout == "page_first" and io_backend == "direct":
-        logger.warning("page_first layout is not supported by the direct io backend; using page_first_direct")
-        layout = "page_first_direct"
-    return layout, io_backend

@@ -1,7 +1,9 @@
 """ForwardBatch: one forward pass over a mixed batch of sequences (prefill chunks and decodes).
 
-Follows SGLang's ``ForwardBatch`` in spirit (flat tokens, absolute positions, ``out_cache_loc``) with a
-per-sequence list of token slots instead of a request-to-token table.
+Follows SGLang's ``ForwardBatch``: flat tokens, absolute positions, ``out_cache_loc``, and device tensors for
+the attention kernels (a token page table, ``seq_lens``, and cumulative extend lengths), with host mirrors of
+the lengths so no backend has to read them back from the device. Here the page table has one row per
+sequence of the batch (upstream indexes a request pool through ``req_pool_indices``).
 """
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ import torch
 class ForwardBatch:
     """Tokens to run through the model and where their K/V live.
 
-    B = number of sequences, T = ``sum(extend_lens)`` new tokens in this pass.
+    B = number of sequences, T = ``sum(extend_lens_cpu)`` new tokens in this pass, W = ``max(seq_lens)``.
 
     - ``input_ids``: int64 ``(T,)``, the new tokens of every sequence, concatenated in sequence order.
     - ``positions``: int64 ``(T,)``, absolute position of each new token in its sequence
       (``seq_lens[i] - extend_lens[i] + j`` for the j-th new token of sequence i).
     - ``out_cache_loc``: int64 ``(T,)``, the KV-pool slot each new token's K/V is written to.
-    - ``seq_lens``: B ints, total tokens of each sequence after this pass (cached prefix + new).
-    - ``extend_lens``: B ints, new tokens of each sequence in this pass (1 for a decode).
-    - ``req_slots``: B int64 tensors; ``req_slots[i]`` has shape ``(seq_lens[i],)`` and lists the slots of ALL
-      tokens of sequence i (prefix and new) in position order, so its last ``extend_lens[i]`` entries equal
-      that sequence's part of ``out_cache_loc``.
+    - ``req_to_token``: int64 ``(B, W)``; row i lists the slots of ALL tokens of sequence i (prefix and new)
+      in position order, padded with slot 0 (the pool's padding page) after ``seq_lens[i]``; its entries
+      ``seq_lens[i] - extend_lens[i] .. seq_lens[i] - 1`` equal that sequence's part of ``out_cache_loc``.
+    - ``seq_lens``: int64 ``(B,)``, total tokens of each sequence after this pass (cached prefix + new).
+    - ``cu_seqlens``: int64 ``(B+1,)``, offsets of each sequence's new tokens in the flat batch
+      (``cu_seqlens[0] == 0``, ``cu_seqlens[B] == T``).
+    - ``seq_lens_cpu``, ``extend_lens_cpu``: the same lengths as B host ints (extend length 1 for a decode).
     - ``layer_hook``: optional ``hook(layer_id)`` called before the attention of each layer (the scheduler
       passes the cache's ``wait_layer`` so KV load-back overlaps with compute).
 
@@ -36,9 +40,11 @@ class ForwardBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     out_cache_loc: torch.Tensor
-    seq_lens: list[int]
-    extend_lens: list[int]
-    req_slots: list[torch.Tensor]
+    req_to_token: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
     layer_hook: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
@@ -48,30 +54,43 @@ class ForwardBatch:
                 f"input_ids ({num_tokens}), positions ({self.positions.shape[0]}) and out_cache_loc "
                 f"({self.out_cache_loc.shape[0]}) must have the same length"
             )
-        if not (len(self.seq_lens) == len(self.extend_lens) == len(self.req_slots)) or not self.seq_lens:
-            raise ValueError("seq_lens, extend_lens and req_slots must be non-empty and of equal length")
-        if sum(self.extend_lens) != num_tokens:
-            raise ValueError(
-                f"sum(extend_lens) = {sum(self.extend_lens)} but the batch has {num_tokens} tokens"
-            )
-        for i, (seq_len, ext, slots) in enumerate(
-            zip(self.seq_lens, self.extend_lens, self.req_slots, strict=True)
+        b = len(self.seq_lens_cpu)
+        if not b or len(self.extend_lens_cpu) != b:
+            raise ValueError("seq_lens_cpu and extend_lens_cpu must be non-empty and of equal length")
+        if (
+            self.seq_lens.shape != (b,)
+            or self.cu_seqlens.shape != (b + 1,)
+            or self.req_to_token.shape[0] != b
         ):
-            if not 0 < ext <= seq_len or slots.shape[0] != seq_len:
+            raise ValueError(
+                f"seq_lens {tuple(self.seq_lens.shape)}, cu_seqlens {tuple(self.cu_seqlens.shape)} and "
+                f"req_to_token {tuple(self.req_to_token.shape)} do not fit {b} sequences"
+            )
+        if sum(self.extend_lens_cpu) != num_tokens:
+            raise ValueError(
+                f"sum(extend_lens) = {sum(self.extend_lens_cpu)} but the batch has {num_tokens} tokens"
+            )
+        width = self.req_to_token.shape[1]
+        for i, (seq_len, ext) in enumerate(zip(self.seq_lens_cpu, self.extend_lens_cpu, strict=True)):
+            if not 0 < ext <= seq_len <= width:
                 raise ValueError(
-                    f"sequence {i}: need 0 < extend_len ({ext}) <= seq_len ({seq_len}) == len(req_slots) "
-                    f"({slots.shape[0]})"
+                    f"sequence {i}: need 0 < extend_len ({ext}) <= seq_len ({seq_len}) <= req_to_token "
+                    f"width ({width})"
                 )
 
     @property
     def batch_size(self) -> int:
         """Number of sequences B."""
-        return len(self.seq_lens)
+        return len(self.seq_lens_cpu)
 
     @property
     def is_decode(self) -> bool:
         """True when every sequence adds exactly one token."""
-        return all(e == 1 for e in self.extend_lens)
+        return all(e == 1 for e in self.extend_lens_cpu)
+
+    def req_slots(self, i: int) -> torch.Tensor:
+        """Slots ``(seq_lens[i],)`` of every token of sequence ``i`` (a view of ``req_to_token``)."""
+        return self.req_to_token[i, : self.seq_lens_cpu[i]]
 
     @classmethod
     def from_sequences(
@@ -84,15 +103,33 @@ class ForwardBatch:
         """Build a batch from each sequence's new tokens and the slots of all its tokens.
 
         ``new_token_ids[i]`` (length E_i >= 1) are the last E_i tokens of sequence i, whose slots are
-        ``req_slots[i]`` (length S_i >= E_i, prefix first). Positions and ``out_cache_loc`` follow from these.
+        ``req_slots[i]`` (length S_i >= E_i, prefix first). Positions, ``out_cache_loc`` and the page table
+        follow from these; the host data goes to ``device`` in one copy per tensor.
         """
         device = torch.device(device)
-        slots = [s.to(device=device, dtype=torch.long) for s in req_slots]
         extend_lens = [len(t) for t in new_token_ids]
-        seq_lens = [int(s.shape[0]) for s in slots]
+        seq_lens = [int(s.shape[0]) for s in req_slots]
+        if len(extend_lens) != len(seq_lens):
+            raise ValueError(f"{len(extend_lens)} token lists for {len(seq_lens)} slot lists")
+        table = torch.zeros((len(seq_lens), max(seq_lens, default=0)), dtype=torch.long)
+        for i, s in enumerate(req_slots):
+            table[i, : s.shape[0]] = s
         positions = torch.cat(
             [torch.arange(s - e, s, dtype=torch.long) for s, e in zip(seq_lens, extend_lens, strict=True)]
-        ).to(device)
-        out_cache_loc = torch.cat([s[s.shape[0] - e :] for s, e in zip(slots, extend_lens, strict=True)])
-        input_ids = torch.tensor([t for ids in new_token_ids for t in ids], dtype=torch.long, device=device)
-        return cls(input_ids, positions, out_cache_loc, seq_lens, extend_lens, slots, layer_hook)
+        )
+        out_cache_loc = torch.cat(
+            [table[i, s - e : s] for i, (s, e) in enumerate(zip(seq_lens, extend_lens, strict=True))]
+        )
+        input_ids = torch.tensor([t for ids in new_token_ids for t in ids], dtype=torch.long)
+        cu_seqlens = torch.tensor([0, *extend_lens], dtype=torch.long).cumsum(0)
+        return cls(
+            input_ids.to(device),
+            positions.to(device),
+            out_cache_loc.to(device),
+            table.to(device),
+            torch.tensor(seq_lens, dtype=torch.long, device=device),
+            cu_seqlens.to(device),
+            seq_lens,
+            extend_lens,
+            layer_hook,
+        )

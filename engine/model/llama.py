@@ -115,8 +115,7 @@ class LlamaForCausalLM:
         for layer in self.layers:
             x = layer.forward(x, cos, sin, self.attn, batch, kv_pool)
         if not return_all_logits:
-            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
-            x = x[last]
+            x = x[batch.cu_seqlens[1:] - 1]
         return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
 
 

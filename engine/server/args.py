@@ -21,8 +21,10 @@ from engine.cache.config import (
     parse_extra_config,
 )
 from engine.cache.storage.registry import registered_backends
+from kernels import unavailable_reason
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "triton")  # registered in engine/model/attention
 
 # Default L1 size on CPU when neither --max-total-tokens nor a GPU memory budget applies (tokens).
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
@@ -50,6 +52,7 @@ class ServerArgs:
     random_seed: int | None = None
     log_level: str = "info"
     page_size: int = 1
+    attention_backend: str = "torch"
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
@@ -128,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--random-seed", type=int, default=None)
     a("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     a("--page-size", type=_positive_int("--page-size"), default=1)
+    a(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="torch",
+        help="torch (reference) or triton (Triton kernels: --device cuda, or TRITON_INTERPRET=1 on cpu)",
+    )
     a("--mem-fraction-static", type=_fraction, default=None, help="share of free GPU memory for KV (cuda)")
     a(
         "--max-total-tokens",
@@ -151,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hicache-io-backend",
         choices=IO_BACKENDS,
         default="kernel",
-        help="upstream default kernel; without GPU io kernels (this build) the cache corrects it to direct",
+        help="kernel: Triton copies (cuda, or cpu with TRITON_INTERPRET=1); elsewhere corrected to direct",
     )
     a("--hicache-mem-layout", choices=MEM_LAYOUTS, default="layer_first")
     a("--hicache-storage-backend", choices=registered_backends(), default=None)
@@ -191,6 +200,8 @@ def _validate(args: ServerArgs) -> None:
             f"--chunked-prefill-size {args.chunked_prefill_size} must be a multiple of "
             f"--page-size {args.page_size}"
         )
+    if args.attention_backend == "triton" and (reason := unavailable_reason(args.device)):
+        raise ArgumentError(f"--attention-backend triton: {reason}")
     if not 0 < args.port < 65536:
         raise ArgumentError(f"--port must be in 1..65535, got {args.port}")
     if args.watchdog_timeout <= 0:

@@ -61,7 +61,9 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         raise ArgumentError("--device cuda: no CUDA device is available")
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     if runner is None:
-        runner = ModelRunner(args.model_path, dtype=dtype, device=args.device)
+        runner = ModelRunner(
+            args.model_path, dtype=dtype, device=args.device, attention_backend=args.attention_backend
+        )
     spec = runner.kv_pool_spec()
     bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
     pool = DeviceKVPool(_pool_tokens(args, bytes_per_token), args.page_size, **vars(spec))

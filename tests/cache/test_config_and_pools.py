@@ -9,8 +9,8 @@ import torch
 from engine.cache.allocator import PageAllocator
 from engine.cache.config import HiCacheConfig, parse_extra_config, split_extra_config
 from engine.cache.device_pool import DeviceKVPool
-from engine.cache.host_pool import GIB, HostKVPool, host_pool_tokens, resolve_layout
-from engine.cache.transfer import DirectIO
+from engine.cache.host_pool import GIB, HostKVPool, host_pool_tokens
+from engine.cache.io_backends import DirectIO, resolve_layout
 
 # -- config -------------------------------------------------------------------------------------------------
 

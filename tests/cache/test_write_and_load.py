@@ -189,7 +189,7 @@ def test_per_layer_events_let_layer_zero_start_first(make_cache):
     def slow_load(layer, plan):
         if layer == 1:
             gate.wait(5)
-        original(layer, plan)
+        return original(layer, plan)
 
     io.load_layer = slow_load
     device, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)

@@ -142,7 +142,7 @@ def greedy_generate(
             rows.append(i)
         batch = ForwardBatch.from_sequences(new_ids, [slots[i] for i in rows], device=runner.device)
         logits = runner.forward(batch, pool, return_all_logits=True)
-        offsets = torch.tensor([0] + batch.extend_lens).cumsum(0).tolist()
+        offsets = batch.cu_seqlens.tolist()
         for j, i in enumerate(rows):
             seq_logits = logits[offsets[j] : offsets[j + 1]].cpu()
             all_logits[i].append(seq_logits)

@@ -30,7 +30,9 @@ def test_from_sequences_derives_positions_and_out_cache_loc():
     assert batch.input_ids.tolist() == [7, 8, 9, 4]
     assert batch.positions.tolist() == [2, 3, 4, 1]
     assert batch.out_cache_loc.tolist() == [12, 13, 14, 9]
-    assert (batch.seq_lens, batch.extend_lens, batch.batch_size, batch.is_decode) == (
+    assert batch.req_to_token.tolist() == [[40, 41, 12, 13, 14], [3, 9, 0, 0, 0]]
+    assert (batch.seq_lens.tolist(), batch.cu_seqlens.tolist()) == ([5, 2], [0, 3, 4])
+    assert (batch.seq_lens_cpu, batch.extend_lens_cpu, batch.batch_size, batch.is_decode) == (
         [5, 2],
         [3, 1],
         2,
@@ -45,7 +47,9 @@ def test_from_sequences_derives_positions_and_out_cache_loc():
 def test_inconsistent_lengths_raise(seq_lens, extend_lens, message):
     ids = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match=message):
-        ForwardBatch(ids, ids, ids, seq_lens, extend_lens, [torch.arange(seq_lens[0])])
+        table = torch.arange(seq_lens[0]).view(1, -1)
+        cu = torch.tensor([0, extend_lens[0]])
+        ForwardBatch(ids, ids, ids, table, torch.tensor(seq_lens), cu, seq_lens, extend_lens)
 
 
 def test_layer_hook_runs_before_each_layer_in_order(llama_runner):

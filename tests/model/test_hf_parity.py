@@ -57,6 +57,15 @@ def test_mixed_batch_of_prefill_chunks_and_decodes_matches_hf(tiny_models, page_
     _check_against_hf(runner, hf_model, prompts, page_size, chunk_size=12)
 
 
+def test_triton_backend_under_the_interpreter_matches_hf(tiny_models, monkeypatch):
+    """The Triton kernels (decode and extend over the page table) on mixed batches, via TRITON_INTERPRET."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    folder, hf_model = tiny_models["llama"]
+    runner = ModelRunner(folder, dtype="float32", attention_backend="triton")
+    prompts = [_prompt(n, seed=n, vocab=runner.config.vocab_size) for n in (1, 7, 30)]
+    _check_against_hf(runner, hf_model, prompts, page_size=16, chunk_size=12)
+
+
 def test_llama3_rope_scaling_tied_embeddings_and_biases_match_hf(tmp_path):
     rope = {
         "rope_type": "llama3",

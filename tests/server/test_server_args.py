@@ -64,6 +64,15 @@ def test_bad_flags_name_the_flag(argv, flag):
         parse_args(argv)
 
 
+def test_triton_attention_needs_cuda_or_the_interpreter(monkeypatch):
+    argv = ["--model-path", "m", "--attention-backend", "triton"]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ArgumentError, match="--attention-backend triton: Triton kernels need a CUDA device"):
+        parse_args(argv)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert parse_args(argv).attention_backend == "triton"
+
+
 @pytest.mark.parametrize(
     ("flags", "layout"),
     [

@@ -1,9 +1,11 @@
-"""Attention backend registry: ``torch`` (reference, CPU and CUDA) is built in; others register by name."""
+"""Attention backend registry: ``torch`` (reference, CPU and CUDA) and ``triton`` (Triton kernels: CUDA, or
+the CPU under ``TRITON_INTERPRET=1``) are built in; others register by name."""
 
 from __future__ import annotations
 
 from engine.model.attention.base import AttentionBackend
 from engine.model.attention.torch_backend import TorchAttentionBackend
+from engine.model.attention.triton_backend import TritonAttentionBackend
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 
@@ -24,5 +26,12 @@ def get_attention_backend(name: str) -> type[AttentionBackend]:
 
 
 register_attention_backend("torch", TorchAttentionBackend)
+register_attention_backend("triton", TritonAttentionBackend)
 
-__all__ = ["AttentionBackend", "get_attention_backend", "register_attention_backend", "TorchAttentionBackend"]
+__all__ = [
+    "AttentionBackend",
+    "get_attention_backend",
+    "register_attention_backend",
+    "TorchAttentionBackend",
+    "TritonAttentionBackend",
+]

@@ -61,31 +61,32 @@ class TorchAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._extends, decode_rows, start = [], [], 0
         positions = batch.positions
-        for slots, seq_len, ext in zip(batch.req_slots, batch.seq_lens, batch.extend_lens, strict=True):
+        for i, (seq_len, ext) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True)):
             if ext == 1 and seq_len > 1:
-                decode_rows.append((start, slots))
+                decode_rows.append((i, start))
             else:
                 mask = None
                 if ext != seq_len:
                     key_pos = torch.arange(seq_len, device=positions.device)
                     mask = key_pos[None, :] <= positions[start : start + ext, None]
-                self._extends.append(_Extend(start, start + ext, slots, mask))
+                self._extends.append(_Extend(start, start + ext, batch.req_slots(i), mask))
             start += ext
-        self._decode = self._build_decode(decode_rows, positions.device) if decode_rows else None
+        self._decode = self._build_decode(batch, decode_rows) if decode_rows else None
         self._single = len(self._extends) == 1 and self._decode is None
 
     @staticmethod
-    def _build_decode(rows: list[tuple[int, torch.Tensor]], device: torch.device) -> _Decode:
-        lens = [int(s.shape[0]) for _, s in rows]
+    def _build_decode(batch: ForwardBatch, rows: list[tuple[int, int]]) -> _Decode:
+        """The decode rows of the page table (padded with slot 0), masked unless all span its width."""
+        device = batch.positions.device
+        seqs = [i for i, _ in rows]
+        lens = [batch.seq_lens_cpu[i] for i in seqs]
         max_len = max(lens)
-        token_index = torch.tensor([r[0] for r in rows], dtype=torch.long, device=device)
+        token_index = torch.tensor([start for _, start in rows], dtype=torch.long, device=device)
+        index = torch.tensor(seqs, dtype=torch.long, device=device)
+        slots = batch.req_to_token.index_select(0, index)[:, :max_len]
         if min(lens) == max_len:
-            return _Decode(token_index, torch.stack([s for _, s in rows]), None)
-        slots = torch.zeros((len(rows), max_len), dtype=torch.long, device=device)
-        for i, (_, s) in enumerate(rows):
-            slots[i, : s.shape[0]] = s
-        lens_t = torch.tensor(lens, device=device)
-        mask = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]
+            return _Decode(token_index, slots, None)
+        mask = torch.arange(max_len, device=device)[None, :] < batch.seq_lens.index_select(0, index)[:, None]
         return _Decode(token_index, slots, mask[:, None, None, :])
 
     def forward(

@@ -7,18 +7,18 @@ The host side is split into runs of consecutive pages (the host allocator hands 
 pages, so a node's pages are usually one run), so each run is a single pass:
 L2 -> L1 ``device.index_copy_(0, device_pages, host[run])``; L1 -> L2
 ``torch.index_select(device, 0, device_pages, out=host[run])``. Heavily fragmented host pages fall back
-to gather + scatter. Supports ``layer_first`` and ``page_first_direct``. With a CUDA device pool the
-host runs go up with ``non_blocking`` copies from the pinned host buffer and ``fence`` waits for the
-stream before a layer is reported done.
+to gather + scatter. Supports ``layer_first`` and ``page_first_direct`` (``page_first`` is switched to
+``page_first_direct``, as upstream). With a CUDA device pool the host runs go up with ``non_blocking``
+copies from the pinned host buffer on the backend's streams (see ``base``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.cache.allocator import slots_to_pages
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool
+from engine.cache.io_backends.base import IOBackend
 
 _WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -33,27 +33,14 @@ def _page_rows(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
     return rows
 
 
-class DirectIO:
-    """Copies whole pages between ``device_pool`` and ``host_pool`` (same page size, layers, heads, dtype).
+class DirectIO(IOBackend):
+    """Per-layer torch index copies. Raises ``ValueError`` as :class:`IOBackend`."""
 
-    Raises ``ValueError`` for mismatched pools or a host layout the direct backend does not support
-    (``page_first``; upstream switches it to ``page_first_direct``).
-    """
+    layouts = ("layer_first", "page_first_direct")
+    substitutes = {"page_first": "page_first_direct"}
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
-        if host_pool.layout not in ("layer_first", "page_first_direct"):
-            raise ValueError(f"direct io backend: unsupported layout {host_pool.layout!r}")
-        same = (
-            device_pool.page_size == host_pool.page_size
-            and device_pool.num_layers == host_pool.num_layers
-            and device_pool.num_kv_heads == host_pool.num_kv_heads
-            and device_pool.head_dim == host_pool.head_dim
-            and device_pool.dtype == host_pool.dtype
-        )
-        if not same:
-            raise ValueError("device and host pools differ in page size, layers, heads, head dim or dtype")
-        self.page_size = host_pool.page_size
-        self.num_layers = host_pool.num_layers
+        super().__init__(device_pool, host_pool)
         P, L = self.page_size, self.num_layers
         dev_pages = (device_pool.size + P) // P
         self._device = [
@@ -65,20 +52,12 @@ class DirectIO:
             self._host = [(_page_rows(buf[0, i], hp), _page_rows(buf[1, i], hp)) for i in range(L)]
         else:
             self._host = [(_page_rows(buf[0, :, i], hp), _page_rows(buf[1, :, i], hp)) for i in range(L)]
-        self.bytes_per_token = device_pool.bytes_per_token
-        self.device = device_pool.device
-
-    def fence(self) -> None:
-        """Wait until the copies issued so far are complete (a no-op on CPU, where they are synchronous)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
 
     def plan(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> tuple:
-        """Page numbers and host runs for a copy; reuse it for every layer of one transfer."""
-        if len(device_indices) != len(host_indices):
-            raise ValueError(f"copy of {len(device_indices)} device slots to {len(host_indices)} host slots")
-        dev = slots_to_pages(device_indices, self.page_size).to(self.device)
-        host = slots_to_pages(host_indices, self.page_size)
+        """Device pages (on the device), host pages and runs of consecutive host pages (None when
+        fragmented)."""
+        dev, host = self.pages(device_indices, host_indices)
+        dev = dev.to(self.device)
         if len(host) == 0:
             return dev, host, []
         cuts = (torch.nonzero(host[1:] - host[:-1] != 1).flatten() + 1).tolist()
@@ -89,8 +68,7 @@ class DirectIO:
         runs = [(starts[i], bounds[i], bounds[i + 1]) for i in range(len(starts))]
         return dev, host, runs
 
-    def load_layer(self, layer: int, plan: tuple) -> None:
-        """L2 -> L1 copy of one layer's K and V for a ``plan``."""
+    def _load_layer(self, layer: int, plan: tuple) -> None:
         dev, host, runs = plan
         for dev_rows, host_rows in zip(self._device[layer], self._host[layer], strict=True):
             if runs is None:
@@ -101,23 +79,16 @@ class DirectIO:
                     0, dev[a:b], host_rows[first : first + b - a].to(self.device, non_blocking=True)
                 )
 
-    def backup_layer(self, layer: int, plan: tuple) -> None:
-        """L1 -> L2 copy of one layer's K and V for a ``plan``."""
+    def _backup(self, plan: tuple) -> None:
         dev, host, runs = plan
-        for dev_rows, host_rows in zip(self._device[layer], self._host[layer], strict=True):
-            if runs is None:
-                host_rows.index_copy_(0, host, dev_rows.index_select(0, dev).cpu())
-                continue
-            for first, a, b in runs:
-                out = host_rows[first : first + b - a]
-                if out.is_contiguous() and self.device.type == "cpu":
-                    torch.index_select(dev_rows, 0, dev[a:b], out=out)
-                else:
-                    out.copy_(dev_rows.index_select(0, dev[a:b]))
-
-    def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
-        """L1 -> L2 copy of every layer."""
-        plan = self.plan(device_indices, host_indices)
         for layer in range(self.num_layers):
-            self.backup_layer(layer, plan)
-        self.fence()
+            for dev_rows, host_rows in zip(self._device[layer], self._host[layer], strict=True):
+                if runs is None:
+                    host_rows.index_copy_(0, host, dev_rows.index_select(0, dev).cpu())
+                    continue
+                for first, a, b in runs:
+                    out = host_rows[first : first + b - a]
+                    if out.is_contiguous() and self.device.type == "cpu":
+                        torch.index_select(dev_rows, 0, dev[a:b], out=out)
+                    else:
+                        out.copy_(dev_rows.index_select(0, dev[a:b]))
