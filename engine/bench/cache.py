@@ -26,6 +26,7 @@ import torch
 from engine.cache.config import HiCacheConfig
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
+from engine.scheduler.kv_manager import KVManager
 
 
 def _tree_trace(num_nodes: int, seed: int = 0) -> list[list[int]]:
@@ -88,13 +89,15 @@ def bench_load_back(page_size: int, tokens: int, trials: int, seed: int = 0) -> 
     rng = torch.Generator().manual_seed(seed)
     node_tokens = max(page_size, 512 // page_size * page_size)
     seq = torch.randint(0, 32000, (tokens,), generator=rng).tolist()
-    for end in range(node_tokens, tokens + 1, node_tokens):  # a chain of 512-token nodes
-        m = cache.match_prefix(seq[:end])
-        new = cache.device_allocator.alloc(end - len(m.device_indices))
+    kv = KVManager(cache)
+    for end in range(node_tokens, tokens + 1, node_tokens):  # a chain of 512-token nodes, one request each
+        lease = kv.admit("bench", seq[:end], end)
+        new = lease.indices[lease.prefix_len :]
         for layer in range(layers):
             pool.k_buffer[layer][new] = torch.randn(len(new), heads, head_dim, generator=rng).to(dtype)
             pool.v_buffer[layer][new] = torch.randn(len(new), heads, head_dim, generator=rng).to(dtype)
-        cache.insert(seq[:end], torch.cat([m.device_indices, new]))
+        lease.num_computed = end
+        kv.release(lease, seq[:end])
         cache.drain_io()
     nbytes = tokens * pool.bytes_per_token
     src = torch.empty(nbytes, dtype=torch.uint8)

@@ -1,14 +1,54 @@
-"""One generation request as the scheduler tracks it, and the events it sends back to the HTTP side."""
+"""One generation request as the scheduler tracks it, its state machine, and the events it sends back."""
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.scheduler.kv_manager import KVLease
 from engine.scheduler.sampling_params import SamplingParams
+
+
+class ReqState(enum.Enum):
+    """Where a request is in its life. Aggregated: queued [-> prefetching] -> loading|prefilling -> decoding
+    -> finished. Prefill server (P): queued -> bootstrapping -> queued|prefetching -> ... -> prefilling ->
+    transferring -> finished. Decode server (D): queued -> bootstrapping -> waiting_for_kv -> decoding ->
+    finished. Any state that is not final may end in aborted."""
+
+    QUEUED = "queued"  # in the waiting queue
+    PREFETCHING = "prefetching"  # in the waiting queue while an L3 -> L2 prefetch runs
+    LOADING = "loading"  # admitted; its L2 prefix is being loaded back into L1
+    PREFILLING = "prefilling"  # admitted; its prompt is being computed (possibly in chunks)
+    DECODING = "decoding"  # generating tokens
+    BOOTSTRAPPING = "bootstrapping"  # PD: P and D are pairing up for this request
+    TRANSFERRING = "transferring"  # PD, on P: the prompt's KV is on its way to D
+    WAITING_FOR_KV = "waiting_for_kv"  # PD, on D: slots reserved, KV pending
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+S = ReqState
+TRANSITIONS: dict[ReqState, frozenset[ReqState]] = {
+    S.QUEUED: frozenset({S.PREFETCHING, S.LOADING, S.PREFILLING, S.BOOTSTRAPPING, S.ABORTED}),
+    S.BOOTSTRAPPING: frozenset({S.QUEUED, S.PREFETCHING, S.WAITING_FOR_KV, S.ABORTED}),
+    S.PREFETCHING: frozenset({S.LOADING, S.PREFILLING, S.ABORTED}),
+    S.LOADING: frozenset({S.PREFILLING, S.ABORTED}),
+    S.PREFILLING: frozenset({S.DECODING, S.TRANSFERRING, S.FINISHED, S.ABORTED}),
+    S.DECODING: frozenset({S.FINISHED, S.ABORTED}),
+    S.TRANSFERRING: frozenset({S.FINISHED, S.ABORTED}),
+    S.WAITING_FOR_KV: frozenset({S.DECODING, S.FINISHED, S.ABORTED}),
+    S.FINISHED: frozenset(),
+    S.ABORTED: frozenset(),
+}
+del S
+
+
+class IllegalTransition(RuntimeError):
+    """A request was moved along an edge the transition table does not have (a scheduler bug)."""
 
 
 @dataclass
@@ -31,10 +71,10 @@ class ReqOutput:
 class Req:
     """Scheduler-side state of one request.
 
-    KV layout: ``kv_indices[i]`` is the L1 slot of position ``i`` (a 1-D int64 tensor reserved at admission
-    for prompt + ``max_new_tokens``). Positions ``[0, prefix_len)`` belong to the radix tree and are protected
-    by the lock on ``last_node``; the rest were allocated for this request. ``num_computed`` positions have
-    their KV written. ``on_event`` is called on the scheduler thread and must only hand the event over.
+    ``state`` changes only through ``move`` (checked against ``TRANSITIONS``). ``kv`` is the L1 KV the request
+    holds from admission to release (see ``KVLease``). ``aborted`` is set when the client goes away while the
+    request is in a batch (it is then finished at the next step). ``on_event`` is called on the scheduler
+    thread and must only hand the event over.
     """
 
     rid: str
@@ -42,17 +82,25 @@ class Req:
     params: SamplingParams
     on_event: Callable[[ReqOutput], None]
     output_ids: list[int] = field(default_factory=list)
-    kv_indices: torch.Tensor | None = None
-    prefix_len: int = 0
-    num_computed: int = 0
-    last_node: object = None
+    state: ReqState = ReqState.QUEUED
+    kv: KVLease | None = None
     cached: dict = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
-    finished: bool = False
     aborted: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     first_token_at: float | None = None
     generator: torch.Generator | None = None
+
+    def move(self, state: ReqState) -> None:
+        """Go to ``state``; raises ``IllegalTransition`` when the table has no such edge."""
+        if state not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"request {self.rid!r}: {self.state.value} -> {state.value}")
+        self.state = state
+
+    @property
+    def finished(self) -> bool:
+        """Finished or aborted (a final state)."""
+        return self.state in (ReqState.FINISHED, ReqState.ABORTED)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.forward_batch import ForwardBatch
-from engine.scheduler.req import Req, ReqOutput
+from engine.scheduler.kv_manager import KVManager
+from engine.scheduler.req import Req, ReqOutput, ReqState
 from engine.scheduler.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class Scheduler:
         self.metrics = metrics
         self.page_size = cache.page_size
         self.hierarchical = cache.enable_hierarchical
+        self.kv = KVManager(cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -142,7 +144,7 @@ class Scheduler:
             return True
 
     def _reject(self, req: Req) -> None:
-        req.finished = True
+        req.move(ReqState.ABORTED)
         reason = {"type": "abort", "message": self._closed, "status_code": 503}
         req.on_event(ReqOutput(req.rid, [], True, reason, {}))
 
@@ -225,18 +227,14 @@ class Scheduler:
 
     def _enqueue(self, req: Req) -> None:
         if req.rid in self.reqs:
-            req.finished = True
+            req.move(ReqState.ABORTED)
             reason = {"type": "abort", "message": f"request id {req.rid!r} is already in use"}
             req.on_event(ReqOutput(req.rid, [], True, reason, {}))
             return
         self.reqs[req.rid] = req
         self.waiting.append(req)
-        if self.hierarchical:
-            key = req.input_ids[:-1]
-            m = self.cache.match_prefix(key)
-            new_tokens = key[len(m.device_indices) + m.host_hit_length :]
-            if new_tokens:
-                self.cache.prefetch_from_storage(req.rid, m.last_host_node, new_tokens)
+        if self.kv.start_prefetch(req.rid, req.input_ids[:-1]):
+            req.move(ReqState.PREFETCHING)
 
     def _step(self) -> bool:
         """One scheduling decision; True when a forward pass ran."""
@@ -261,9 +259,10 @@ class Scheduler:
         items: list[tuple[Req, int, int]] = []
         if self.chunked is not None:
             req = self.chunked
-            end = min(len(req.input_ids), req.num_computed + budget)
-            items.append((req, req.num_computed, end))
-            budget -= end - req.num_computed
+            done = req.kv.num_computed
+            end = min(len(req.input_ids), done + budget)
+            items.append((req, done, end))
+            budget -= end - done
             self.chunked = None if end == len(req.input_ids) else req
             if self.chunked is not None:
                 return items
@@ -272,62 +271,42 @@ class Scheduler:
                 break
             if chunk <= 0 and items and len(req.input_ids) > budget:
                 break  # no chunking: a long prompt waits for a batch of its own
-            if self.hierarchical and not self.cache.check_prefetch_progress(req.rid):
+            if not self.kv.prefetch_ready(req.rid):
                 continue
             if not self._admit(req):
                 break
             self.waiting.remove(req)
+            done = req.kv.num_computed
             end = len(req.input_ids)
-            if end - req.num_computed > budget and chunk > 0:
-                end = req.num_computed + budget
+            if end - done > budget and chunk > 0:
+                end = done + budget
                 self.chunked = req
-            items.append((req, req.num_computed, end))
-            budget -= end - req.num_computed
+            items.append((req, done, end))
+            budget -= end - done
             if self.chunked is not None:
                 break
         return items
 
     def _admit(self, req: Req) -> bool:
-        """Match the prefix, load back its L2 part, lock it, reserve slots for the rest; False if no room."""
-        cache = self.cache
-        key = req.input_ids[:-1]
-        m = cache.match_prefix(key)
-        prefix, last = m.device_indices, m.last_device_node
-        host = 0
-        if self.hierarchical and m.host_hit_length > 0:
-            loaded, node = cache.init_load_back(m.last_host_node, m.host_hit_length)
-            if loaded.numel() > 0:
-                prefix, last, host = torch.cat([prefix, loaded]), node, int(loaded.numel())
-        cache.inc_lock_ref(last)
-        total = len(req.input_ids) + req.params.max_new_tokens
-        need = -(-(total - prefix.numel()) // self.page_size) * self.page_size
-        slots = self._alloc(need)
-        if slots is None:
-            cache.dec_lock_ref(last)
+        """Lease the request's cached prefix (L2 part loaded back) and slots for prompt + ``max_new_tokens``;
+        False if L1 has no room. The last prompt token is never matched."""
+        lease = self.kv.admit(req.rid, req.input_ids[:-1], len(req.input_ids) + req.params.max_new_tokens)
+        if lease is None:
             return False
-        storage = min(cache.pop_prefetch_loaded_tokens(req.rid), host) if self.hierarchical else 0
-        req.cached = {"device": int(m.device_indices.numel()), "host": host - storage, "storage": storage}
-        cache.stats.record_cached_tokens(**req.cached)
-        req.kv_indices = torch.cat([prefix.to(torch.int64), slots.to(torch.int64)])
-        req.prefix_len = req.num_computed = int(prefix.numel())
-        req.last_node = last
+        req.kv = lease
+        req.cached = dict(lease.cached)
+        self.cache.stats.record_cached_tokens(**req.cached)
+        req.move(ReqState.LOADING if lease.cached["host"] + lease.cached["storage"] else ReqState.PREFILLING)
         req.admitted_at = time.perf_counter()
         if self.metrics:
             self.metrics.on_admit(req)
         return True
 
-    def _alloc(self, n: int) -> torch.Tensor | None:
-        alloc = self.cache.device_allocator
-        if n == 0:
-            return torch.empty(0, dtype=torch.int64)
-        slots = alloc.alloc(n)
-        if slots is None:
-            self.cache.evict(n - alloc.available_size())
-            slots = alloc.alloc(n)
-        return slots
-
     def _run_prefill(self, items: list[tuple[Req, int, int]]) -> None:
         batch_reqs = [r for r, _, _ in items]
+        for req in batch_reqs:
+            if req.state is ReqState.LOADING:  # the forward pass waits for its load-back layer by layer
+                req.move(ReqState.PREFILLING)
         try:
             logits = self._forward([(r, r.fill_ids[s:e], s, e) for r, s, e in items])
         except Exception as exc:
@@ -341,9 +320,9 @@ class Scheduler:
             self.metrics.on_prefill(hit, sum(e - s for _, s, e in items))
         done: list[tuple[int, Req]] = []
         for i, (req, _, end) in enumerate(items):
-            req.num_computed = end
+            req.kv.num_computed = end
             if end < len(req.input_ids):
-                self._per_request(req, "prefill", self._cache_unfinished, req, chunked=True)
+                self._per_request(req, "prefill", self.kv.cache_prefix, req.kv, req.fill_ids, chunked=True)
             else:
                 done.append((i, req))
         if not done:
@@ -352,41 +331,28 @@ class Scheduler:
         tokens = self._sample(logits[[i for i, _ in done]], reqs)
         for req, tok in zip(reqs, tokens, strict=True):
             if tok is not None:
-                self._per_request(req, "prefill", self._start_decoding, req, tok)
+                self._per_request(req, "prefill", self._prompt_done, req, tok)
 
-    def _start_decoding(self, req: Req, tok: int) -> None:
-        """After the prompt's last chunk: cache its prefix, then finish it or hand it to decode."""
+    def _prompt_done(self, req: Req, tok: int) -> None:
+        """After the prompt's last chunk, the one decision point: cache the prompt's prefix, then finish the
+        request (``max_new_tokens`` 0) or decode it here with ``tok`` as its first token."""
         if req.aborted:
             self._finish(req, {"type": "abort", "message": req.aborted})
             return
-        self._cache_unfinished(req, chunked=False)
+        self.kv.cache_prefix(req.kv, req.fill_ids)
         if req.params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
+        req.move(ReqState.DECODING)
         self.running.append(req)
         self._append_token(req, tok)
-
-    def _cache_unfinished(self, req: Req, chunked: bool) -> None:
-        """Insert the computed prefix into the tree and move the request's lock to its new last node."""
-        n = req.num_computed
-        ids = req.fill_ids[:n]
-        present = self.cache.insert(ids, req.kv_indices[:n], chunked=chunked)
-        if present > req.prefix_len:
-            self.cache.device_allocator.free(req.kv_indices[req.prefix_len : present])
-        m = self.cache.match_prefix(ids)
-        new_prefix = m.device_indices.to(torch.int64)
-        req.kv_indices[: new_prefix.numel()] = new_prefix
-        self.cache.inc_lock_ref(m.last_device_node)
-        self.cache.dec_lock_ref(req.last_node)
-        req.last_node = m.last_device_node
-        req.prefix_len = int(new_prefix.numel())
 
     # ----------------------------------------------------------------- decode
     def _run_decode(self) -> None:
         reqs = list(self.running)
         try:
             logits = self._forward(
-                [(r, [r.output_ids[-1]], r.num_computed, r.num_computed + 1) for r in reqs]
+                [(r, [r.output_ids[-1]], r.kv.num_computed, r.kv.num_computed + 1) for r in reqs]
             )
         except Exception as exc:
             logger.exception("decode forward failed")
@@ -394,7 +360,7 @@ class Scheduler:
                 self._finish(req, {"type": "abort", "message": f"forward failed: {exc}"}, insert=False)
             return
         for req in reqs:
-            req.num_computed += 1
+            req.kv.num_computed += 1
         tokens = self._sample(logits, reqs)
         for req, tok in zip(reqs, tokens, strict=True):
             if tok is None:
@@ -434,7 +400,7 @@ class Scheduler:
             self.cache.ready_to_load_host_cache()
         batch = ForwardBatch.from_sequences(
             [ids for _, ids, _, _ in rows],
-            [req.kv_indices[:end] for req, _, _, end in rows],
+            [req.kv.indices[:end] for req, _, _, end in rows],
             self.cache.wait_layer if self.hierarchical else None,
             self.pool.device,
         )
@@ -474,30 +440,14 @@ class Scheduler:
             self.running.remove(req)
         if self.chunked is req:
             self.chunked = None
-        self._release(req, insert=insert)
-        req.finished = True
+        if req.kv is not None:
+            self.kv.release(req.kv, req.fill_ids, insert=insert)
+            req.kv = None
+        req.move(ReqState.ABORTED if reason["type"] == "abort" else ReqState.FINISHED)
         self.reqs.pop(req.rid, None)
         if self.metrics:
             self.metrics.on_finish(req)
         req.on_event(ReqOutput(req.rid, last_ids or [], True, reason, self._meta(req, final=True)))
-
-    def _release(self, req: Req, insert: bool = True) -> None:
-        """Give the request's KV back: computed pages go into the tree, the rest of its slots are freed."""
-        if req.kv_indices is None:
-            return
-        free = self.cache.device_allocator.free
-        keep = req.prefix_len
-        if insert and req.num_computed > req.prefix_len:
-            n = req.num_computed
-            present = self.cache.insert(req.fill_ids[:n], req.kv_indices[:n])
-            if present > req.prefix_len:
-                free(req.kv_indices[req.prefix_len : present])
-            keep = max(present, n // self.page_size * self.page_size)
-        if req.kv_indices.numel() > keep:
-            free(req.kv_indices[keep:])
-        self.cache.dec_lock_ref(req.last_node)
-        req.kv_indices = None
-        req.last_node = None
 
     def _abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -505,10 +455,9 @@ class Scheduler:
             return
         if req in self.waiting:
             self.waiting.remove(req)
-            if self.hierarchical:
-                self.cache.release_aborted_request(rid)
+            self.kv.drop_prefetch(rid)
             self.reqs.pop(rid, None)
-            req.finished = True
+            req.move(ReqState.ABORTED)
             req.on_event(
                 ReqOutput(rid, [], True, {"type": "abort", "message": "aborted"}, self._meta(req, True))
             )

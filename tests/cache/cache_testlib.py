@@ -9,6 +9,7 @@ import torch
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
+from engine.scheduler.kv_manager import KVManager
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 
@@ -92,29 +93,24 @@ def check_invariants(cache: HiRadixCache, held_host_tokens: int = 0) -> None:
     assert tree.evictable_size == evictable
     assert tree.protected_size == protected
     assert cache.device_allocator.used_size() == len(device_seen)
+    KVManager(cache).check_integrity()  # no lease is live between requests: the tree owns every slot
     if cache.host_pool is not None and cache.is_io_idle():
         assert cache.host_pool.used_size() == len(host_seen) + held_host_tokens
 
 
 def prefill(cache: HiRadixCache, token_ids: list[int], chunked: bool = False) -> int:
-    """What the scheduler does for one request: match, allocate the rest, compute its KV, insert,
-    free duplicate slots. Returns the device-hit length. Raises when the device pool is full."""
-    match = cache.match_prefix(token_ids)
-    hit = len(match.device_indices)
+    """What the scheduler does for one request, through its ``KVManager``: lease the device-hit prefix and
+    pages for the rest, compute their KV, cache the prefix (duplicate slots freed), release. Returns the
+    device-hit length. Raises when the device pool is full."""
+    kv = KVManager(cache)
     n = len(token_ids) // cache.page_size * cache.page_size
-    cache.inc_lock_ref(match.last_device_node)
-    new = cache.device_allocator.alloc(n - hit)
-    if new is None:
-        cache.evict(n - hit)
-        new = cache.device_allocator.alloc(n - hit)
-    assert new is not None, "device pool full"
-    slots = torch.cat([match.device_indices, new])
-    write_kv(cache.device_pool, token_ids[:n], new, start=hit)
-    present = cache.insert(token_ids, slots, chunked=chunked)
-    cache.dec_lock_ref(match.last_device_node)
-    assert present >= hit
-    if present > hit:
-        cache.device_allocator.free(new[: present - hit])
+    lease = kv.admit("prefill", token_ids, n, load_back=False)
+    assert lease is not None, "device pool full"
+    hit = lease.prefix_len
+    write_kv(cache.device_pool, token_ids[:n], lease.indices[hit:n], start=hit)
+    lease.num_computed = n
+    kv.cache_prefix(lease, token_ids, chunked=chunked)
+    kv.release(lease, token_ids, insert=False)
     return hit
 
 

@@ -49,10 +49,12 @@ def run_requests(engine, prompts: list[list[int]], timeout: float = 120.0, **par
 
 
 def wait_idle(engine, timeout: float = 30.0) -> None:
-    """Block until the scheduler reports idle (no requests, no cache I/O in flight)."""
+    """Block until the scheduler reports idle (no requests, no cache I/O in flight), then check that its KV
+    manager accounts for every L1 slot."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if engine.scheduler.call(lambda s: s.is_idle()).result(timeout):
+            engine.scheduler.call(lambda s: s.kv.check_integrity()).result(timeout)
             return
         time.sleep(0.05)
     raise TimeoutError("engine did not become idle")
