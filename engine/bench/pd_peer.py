@@ -5,7 +5,8 @@ Used by the PD transfer benchmark and tests to put P and D in two real processes
 generator (``fill_pool``), so the parent can compute the bytes any page must hold.
 Commands (one JSON object per line, one JSON reply per line; a failed command replies ``{"error": ...}``):
 ``sender``/``receiver`` (open a room), ``init``, ``send``, ``wait`` (poll until a state in ``states``),
-``poll``, ``abort``, ``close``, ``num_rooms``, ``pages`` (hex digest of given pages), ``exit``.
+``poll``, ``abort``, ``close``, ``num_rooms``, ``pages`` (hex digest of given pages), ``raw`` (time a raw
+Mooncake write of given pages into a peer's pool, the benchmark's baseline), ``exit``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation import KVPoll, create_kv_manager
+from engine.disaggregation.base import KVLayout
+from engine.disaggregation.transport import mooncake_write_list
 
 
 def make_pool(spec: dict) -> DeviceKVPool:
@@ -52,6 +55,20 @@ def page_bytes(pool: DeviceKVPool, pages: list[int]) -> bytes:
 
 def digest(pool: DeviceKVPool, pages: list[int]) -> str:
     return hashlib.sha256(page_bytes(pool, pages)).hexdigest()
+
+
+def _raw_write(mgr, cmd: dict) -> float:
+    """Seconds one raw ``batch_transfer_sync_write`` of the same write list takes (the benchmark baseline)."""
+    remote = KVLayout.from_wire(cmd["layout"])
+    src = torch.tensor(cmd["src"], dtype=torch.int64)
+    dst = torch.tensor(cmd["dst"], dtype=torch.int64)
+    srcs, dsts, lens = mooncake_write_list(mgr.layout, remote, src, dst)
+    start = time.monotonic()
+    rc = mgr.transport.engine.batch_transfer_sync_write(cmd["session_id"], srcs, dsts, lens)
+    seconds = time.monotonic() - start
+    if rc < 0:
+        raise RuntimeError(f"raw batch_transfer_sync_write returned {rc}")
+    return seconds
 
 
 def _serve() -> None:
@@ -96,8 +113,11 @@ def _serve() -> None:
                 reply = {}
             elif op == "send":
                 pages = torch.tensor(cmd["pages"], dtype=torch.int64)
+                sent_at = time.monotonic()
                 rooms[room].send(pages, cmd.get("first_token_id"), cmd.get("meta"))
-                reply = {}
+                reply = {"sent_at": sent_at}
+            elif op == "raw":
+                reply = {"seconds": _raw_write(mgr, cmd)}
             elif op == "poll":
                 reply = state_of(room)
             elif op == "wait":

@@ -2,16 +2,16 @@
 
 Each manager binds one PULL socket (its endpoint ``tcp://host:port`` is what the peer connects to) and owns
 PUSH sockets towards its peers. A message is a JSON header frame plus optional raw payload frames.
-Two daemon threads: the receive thread calls ``on_message(header, payloads)`` and, between messages
-(at least every ``tick_s``), ``on_tick()``; the send thread drains the outbox. Callers of ``send`` never
-block on the network.
+One daemon thread receives: it calls ``on_message(header, payloads)`` and, between messages (at least
+every ``tick_s``), ``on_tick()``. ``send`` only hands the frames to ZMQ's own I/O thread (a PUSH socket
+connects asynchronously and queues up to its high-water mark), so callers never wait on the network;
+a lock serialises the sockets, which are not thread-safe.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 
@@ -33,30 +33,42 @@ class Channel:
         self._on_message = on_message
         self._on_tick = on_tick
         self._tick_ms = int(tick_s * 1000)
-        self._outbox: queue.Queue = queue.Queue()
         self._push: dict[str, zmq.Socket] = {}
+        self._send_lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True),
-            threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._thread = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
+        self._thread.start()
 
     def send(self, endpoint: str, header: dict, payloads: list | None = None) -> None:
-        """Queue ``header`` (+ raw bytes-like ``payloads``) for the peer bound at ``endpoint`` (host:port)."""
-        self._outbox.put((endpoint, json.dumps(header).encode(), payloads or []))
+        """Send ``header`` (+ raw bytes-like ``payloads``) to the peer bound at ``endpoint`` (host:port).
+
+        Messages to one endpoint arrive in the order sent. A failed send is logged (the peer's timeouts
+        and the heartbeat turn a lost message into a failed room)."""
+        frames = [json.dumps(header).encode(), *(payloads or [])]
+        with self._send_lock:
+            if self._stop.is_set():
+                return
+            sock = self._push.get(endpoint)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+                sock.connect(f"tcp://{endpoint}")
+                self._push[endpoint] = sock
+            try:
+                sock.send_multipart(frames, copy=False)
+            except zmq.ZMQError as exc:
+                logger.warning("PD side channel: send to %s failed: %s", endpoint, exc)
 
     def close(self) -> None:
         if self._stop.is_set():
             return
-        self._stop.set()
-        self._outbox.put(None)
-        for t in self._threads:
-            t.join(timeout=10)
+        with self._send_lock:
+            self._stop.set()
+            for sock in self._push.values():
+                sock.close(0)
+        self._thread.join(timeout=10)
         self._pull.close(0)
-        for sock in self._push.values():
-            sock.close(0)
         self._ctx.term()
 
     def _recv_loop(self) -> None:
@@ -76,21 +88,3 @@ class Channel:
                     self._on_tick()
                 except Exception:  # noqa: BLE001
                     logger.exception("PD side channel: periodic check failed")
-
-    def _send_loop(self) -> None:
-        while True:
-            item = self._outbox.get()
-            if item is None:
-                return
-            endpoint, header, payloads = item
-            sock = self._push.get(endpoint)
-            if sock is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-                sock.connect(f"tcp://{endpoint}")
-                self._push[endpoint] = sock
-            try:
-                sock.send_multipart([header, *payloads], copy=False)
-            except zmq.ZMQError as exc:
-                logger.warning("PD side channel: send to %s failed: %s", endpoint, exc)

@@ -48,16 +48,16 @@ class MooncakeTransport:
         if protocol == "tcp" and ib_device:
             logger.info("--disaggregation-ib-device %s is unused: Mooncake runs over TCP here", ib_device)
         device = "" if protocol == "tcp" else (ib_device or "")
-        self._engine = TransferEngine()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
             raise TransferBackendError(
                 f"Mooncake TransferEngine.initialize({host!r}, {protocol!r}) returned {rc}"
             )
-        self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        self.session_id = f"{host}:{self.engine.get_rpc_port()}"
         self._layout = layout
         self._ptrs = [*layout.k_ptrs, *layout.v_ptrs]
-        rc = self._engine.batch_register_memory(self._ptrs, [layout.buffer_bytes] * len(self._ptrs))
+        rc = self.engine.batch_register_memory(self._ptrs, [layout.buffer_bytes] * len(self._ptrs))
         if rc != 0:
             raise TransferBackendError(f"Mooncake could not register the KV pool buffers (rc {rc})")
 
@@ -71,7 +71,7 @@ class MooncakeTransport:
         srcs, dsts, lens = mooncake_write_list(self._layout, peer_layout, src, dst)
         if not srcs:
             return
-        rc = self._engine.batch_transfer_sync_write(peer["session_id"], srcs, dsts, lens)
+        rc = self.engine.batch_transfer_sync_write(peer["session_id"], srcs, dsts, lens)
         if rc < 0:
             raise TransferFailed(f"Mooncake write to decode session {peer['session_id']} failed (rc {rc})")
 
@@ -81,7 +81,7 @@ class MooncakeTransport:
         )
 
     def close(self) -> None:
-        self._engine.batch_unregister_memory(self._ptrs)
+        self.engine.batch_unregister_memory(self._ptrs)
 
 
 def mooncake_write_list(
