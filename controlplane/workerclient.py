@@ -3,7 +3,7 @@
 Worker endpoints follow CONTRACTS.md "Engine worker HTTP" (upstream SGLang hicache admin API, spec §7):
 GET /server_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config, GET /metrics.
 Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url"} (202),
-DELETE /workers/{id}.
+DELETE /workers/{id}; circuit-breaker state from the router's Prometheus endpoint (``smg_worker_cb_*``).
 
 Errors: WorkerUnreachable (connect/timeout), WorkerNotIdle (400 whose message says "not idle": wait and retry,
 never force), WorkerRejected (any other non-2xx, with status and message).
@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import httpx
 from django.conf import settings
+from prometheus_client.parser import text_string_to_metric_families
 
 
 class WorkerError(Exception):
@@ -149,3 +150,36 @@ class RouterClient:
             return False
         _request("DELETE", f"{self.base_url}/workers/{quote(worker_id, safe='')}", timeout=self.timeout)
         return True
+
+
+# sglang-router 0.3.2 exports smg_worker_cb_state per worker: 0 closed, 1 open, 2 half-open.
+CB_STATES = {0: "closed", 1: "open", 2: "half_open"}
+
+
+def router_circuit_breakers(metrics_url: str, timeout: float = 1.0) -> list[dict]:
+    """Per-worker circuit-breaker state from a router's Prometheus text: [{url, state, consecutive_failures}].
+
+    Raises WorkerUnreachable / WorkerRejected as every call here, WorkerError when the text is not
+    Prometheus exposition format."""
+    text = _request("GET", metrics_url, timeout=timeout).text
+    rows: dict[str, dict] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                url = sample.labels.get("worker")
+                if url is None:
+                    continue
+                if sample.name == "smg_worker_cb_state":
+                    rows.setdefault(url, {"url": url})["state"] = CB_STATES.get(int(sample.value), "unknown")
+                elif sample.name == "smg_worker_cb_consecutive_failures":
+                    rows.setdefault(url, {"url": url})["consecutive_failures"] = int(sample.value)
+    except ValueError as exc:
+        raise WorkerError(f"{metrics_url}: not Prometheus text") from exc
+    return [
+        {
+            "url": r["url"],
+            "state": r.get("state", "unknown"),
+            "consecutive_failures": r.get("consecutive_failures"),
+        }
+        for _, r in sorted(rows.items())
+    ]

@@ -39,6 +39,26 @@ from engine.cache.storage.mooncake_master import MooncakeMaster  # noqa: E402
 
 PY = sys.executable
 TIERS = ("device", "host", "storage")
+# Every sglang-router KVFleet starts (this demo, docker-compose.yml's router; test_compose checks they agree).
+# sglang-router 0.3.2's circuit breaker counts a worker's 4xx answers as failures: ten over-long prompts
+# from one client opened it and every other client got 503 "all circuits open" for 60 s while the workers
+# were healthy. The breaker is off; the health checks stay on (every 10 s, 3 misses take a worker out).
+ROUTER_FLAGS = (
+    "--disable-circuit-breaker",
+    "--health-check-interval-secs",
+    "10",
+    "--health-failure-threshold",
+    "3",
+)
+
+
+def router_command(worker_urls: list[str], port: int, prometheus_port: int, host: str = "127.0.0.1") -> list:
+    """argv of a cache-aware sglang-router in front of ``worker_urls`` with KVFleet's ROUTER_FLAGS."""
+    return [
+        PY, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", "cache_aware",
+        "--host", host, "--port", str(port), "--prometheus-host", host, "--prometheus-port",
+        str(prometheus_port), "--log-level", "warn", *ROUTER_FLAGS,
+    ]  # fmt: skip
 
 
 def free_port() -> int:
@@ -84,6 +104,7 @@ class LocalFleet:
     master: MooncakeMaster | None = None
     console_url: str = ""
     router_url: str = ""
+    router_metrics_url: str = ""
     worker_urls: list[str] = field(default_factory=list)
     worker_ids: list[int] = field(default_factory=list)
     tokens: dict = field(default_factory=dict)
@@ -288,26 +309,9 @@ class LocalFleet:
     def _router(self) -> None:
         port = free_port()
         self.router_url = f"http://127.0.0.1:{port}"
-        router = self.spawn(
-            "router",
-            [
-                PY,
-                "-m",
-                "sglang_router.launch_router",
-                "--worker-urls",
-                *self.worker_urls,
-                "--policy",
-                "cache_aware",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--prometheus-port",
-                str(free_port()),
-                "--log-level",
-                "warn",
-            ],
-        )
+        prometheus_port = free_port()
+        self.router_metrics_url = f"http://127.0.0.1:{prometheus_port}/metrics"
+        router = self.spawn("router", router_command(self.worker_urls, port, prometheus_port))
 
         def ready() -> bool:
             listed = httpx.get(f"{self.router_url}/workers", timeout=2).json().get("workers", [])
@@ -322,7 +326,12 @@ class LocalFleet:
         router = self.api(
             "POST",
             "/api/v1/inventory/routers/",
-            json={"name": f"{self.label}-router", "url": self.router_url, "policy": "cache_aware"},
+            json={
+                "name": f"{self.label}-router",
+                "url": self.router_url,
+                "metrics_url": self.router_metrics_url,
+                "policy": "cache_aware",
+            },
         )
         router.raise_for_status()
         extra = {

@@ -88,6 +88,11 @@ class Router(models.Model):
     url = models.URLField(unique=True)
     mode = models.CharField(max_length=10, choices=RouterMode.choices, default=RouterMode.REGULAR)
     policy = models.CharField(max_length=20, choices=RouterPolicy.choices, default=RouterPolicy.CACHE_AWARE)
+    metrics_url = models.URLField(
+        blank=True,
+        help_text="The router's Prometheus endpoint (--prometheus-host/--prometheus-port, path /metrics); "
+        "its circuit-breaker state is read from there",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

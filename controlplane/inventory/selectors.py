@@ -4,6 +4,7 @@ import django_filters
 from django.db.models import QuerySet
 
 from controlplane.inventory.models import EngineWorker, Gpu, Host, Router, StorageProfile
+from controlplane.workerclient import WorkerError, router_circuit_breakers
 
 
 class WorkerFilter(django_filters.FilterSet):
@@ -32,6 +33,21 @@ def gpu_list() -> QuerySet:
 
 def router_list() -> QuerySet:
     return Router.objects.all()
+
+
+def router_breakers(router: Router) -> dict | None:
+    """The router's circuit breakers, read live from its ``metrics_url``: {reachable, error, open (how many
+    workers' breakers are open or half-open), workers: [{url, state, consecutive_failures}]}; None when the
+    record has no metrics_url. ``error`` never carries fetched text."""
+    if not router.metrics_url:
+        return None
+    try:
+        workers = router_circuit_breakers(router.metrics_url)
+    except WorkerError as exc:
+        why = f"HTTP {exc.status}" if exc.status else "unreachable or not Prometheus text"
+        return {"reachable": False, "error": why, "open": None, "workers": []}
+    shut = sum(1 for w in workers if w["state"] in ("open", "half_open"))
+    return {"reachable": True, "error": "", "open": shut, "workers": workers}
 
 
 def storage_profile_list() -> QuerySet:

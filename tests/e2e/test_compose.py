@@ -62,3 +62,13 @@ def test_engine_host_spec_loads_and_router_targets_its_worker():
     assert "-http_metadata_server_port=8080" in SERVICES["mooncake-master"]["command"][-1]
     assert _env("engine-host")["KVFLEET_CONTROL_PLANE"] == "http://web:8000"
     assert SERVICES["web"]["command"][-1] == "controlplane.asgi:application"
+
+
+def test_the_router_starts_with_kvfleets_resilience_flags():
+    """Same flags as the demo's router (deploy/localfleet.py ROUTER_FLAGS): no breaker, health checks on."""
+    from localfleet import ROUTER_FLAGS
+
+    cmd = [str(a) for a in SERVICES["router"]["command"]]
+    at = cmd.index(ROUTER_FLAGS[0])
+    assert tuple(cmd[at : at + len(ROUTER_FLAGS)]) == ROUTER_FLAGS
+    assert "--disable-health-check" not in cmd

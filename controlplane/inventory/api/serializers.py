@@ -1,8 +1,10 @@
 """Inventory API shapes. The worker admin key is write-only; reads only say whether one is set."""
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.inventory.models import EngineWorker, Gpu, Host, Router, StorageProfile
+from controlplane.inventory.selectors import router_breakers
 
 
 class GpuSerializer(serializers.ModelSerializer):
@@ -32,11 +34,42 @@ class HostSerializer(serializers.ModelSerializer):
         read_only_fields = ["cpu_count", "memory_bytes", "last_seen", "created_at", "updated_at"]
 
 
+class BreakerWorkerSerializer(serializers.Serializer):
+    url = serializers.CharField()
+    state = serializers.ChoiceField(choices=["closed", "open", "half_open", "unknown"])
+    consecutive_failures = serializers.IntegerField(allow_null=True)
+
+
+class BreakersSerializer(serializers.Serializer):
+    reachable = serializers.BooleanField()
+    error = serializers.CharField(allow_blank=True)
+    open = serializers.IntegerField(allow_null=True, help_text="workers whose breaker is open or half-open")
+    workers = BreakerWorkerSerializer(many=True)
+
+
 class RouterSerializer(serializers.ModelSerializer):
+    circuit_breakers = serializers.SerializerMethodField(
+        help_text="Live from metrics_url (null without one): each worker's sglang-router circuit breaker"
+    )
+
     class Meta:
         model = Router
-        fields = ["id", "name", "url", "mode", "policy", "created_at", "updated_at"]
+        fields = [
+            "id",
+            "name",
+            "url",
+            "mode",
+            "policy",
+            "metrics_url",
+            "circuit_breakers",
+            "created_at",
+            "updated_at",
+        ]
         read_only_fields = ["created_at", "updated_at"]
+
+    @extend_schema_field(BreakersSerializer(allow_null=True))
+    def get_circuit_breakers(self, obj) -> dict | None:
+        return router_breakers(obj)
 
 
 class StorageProfileSerializer(serializers.ModelSerializer):
