@@ -1,15 +1,20 @@
 from django.contrib.auth import views as auth_views
+from django.templatetags.static import static
 from django.urls import path
+from django.views.generic import RedirectView
 
 from frontend import views
 
 app_name = "console"
 urlpatterns = [
+    path("favicon.ico", RedirectView.as_view(url=static("frontend/favicon.svg"), permanent=True)),
     path("login/", auth_views.LoginView.as_view(template_name="frontend/login.html"), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", views.page, {"name": "fleet"}, name="fleet"),
-    path("workers/<int:pk>/", views.page, {"name": "worker"}, name="worker"),
-    path("storage/", views.page, {"name": "storage"}, name="storage"),
+    path("workers/<int:pk>/", views.worker, name="worker"),
+    path("hosts/<int:pk>/", views.host, name="host"),
+    path("routers/<int:pk>/", views.router, name="router"),
+    path("storage/", views.storage, name="storage"),
     path("operations/", views.page, {"name": "operations"}, name="operations"),
     path("operations/new/", views.page, {"name": "launch"}, name="launch"),
     path("operations/<int:pk>/", views.page, {"name": "operation"}, name="operation"),

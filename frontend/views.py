@@ -1,20 +1,70 @@
-"""Console pages: each is a template shell; data comes from /api/v1 and live updates from /ws/v1/events/."""
+"""Console pages. Facts that do not change while a page is open are rendered here (worker, host, router,
+storage); live data comes from /api/v1 and /ws/v1/events/ through the page's module in js/pages/."""
 
 from django.contrib.auth.decorators import login_required
-from django.shortcuts import render
+from django.shortcuts import get_object_or_404, render
 from django.views.decorators.csrf import ensure_csrf_cookie
 
 from controlplane.accounts.selectors import user_role
+from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
+from frontend import selectors
 
-PAGES = {"fleet", "worker", "storage", "operations", "launch", "operation", "audit"}
+
+def _render(request, name: str, pk: int | None = None, **context):
+    role = user_role(request.user)
+    return render(
+        request,
+        f"frontend/{name}.html",
+        {"page": name, "pk": pk, "role": role, "can_write": role in ("operator", "admin"), **context},
+    )
 
 
 @login_required
 @ensure_csrf_cookie
 def page(request, name: str, pk: int | None = None):
-    role = user_role(request.user)
-    return render(
-        request,
-        f"frontend/{name}.html",
-        {"page": name, "pk": pk, "role": role, "can_write": role in ("operator", "admin")},
+    """Pages whose content is all live: fleet, operations, launch, operation, audit."""
+    return _render(request, name, pk)
+
+
+@login_required
+@ensure_csrf_cookie
+def worker(request, pk: int):
+    worker = get_object_or_404(
+        EngineWorker.objects.select_related("host", "router", "storage_profile"), pk=pk
     )
+    live = selectors.worker_live(worker=worker)
+    by_backend = {}
+    for p in StorageProfile.objects.filter(backend=worker.storage_backend or "-"):
+        by_backend.setdefault(p.backend, []).append(p)
+    profile = selectors.profile_of(worker, by_backend)
+    hicache = live["hicache"]
+    return _render(
+        request,
+        "worker",
+        pk,
+        worker=worker,
+        live=live,
+        hicache_rows=selectors.hicache_rows(hicache),
+        profile=profile,
+        master=selectors.storage_master(
+            profile.extra_config if profile else hicache.get("hicache_storage_backend_extra_config")
+        ),
+    )
+
+
+@login_required
+@ensure_csrf_cookie
+def host(request, pk: int):
+    return _render(request, "host", pk, **selectors.host_detail(host=get_object_or_404(Host, pk=pk)))
+
+
+@login_required
+@ensure_csrf_cookie
+def router(request, pk: int):
+    return _render(request, "router", pk, **selectors.router_detail(router=get_object_or_404(Router, pk=pk)))
+
+
+@login_required
+@ensure_csrf_cookie
+def storage(request):
+    return _render(request, "storage", usage=selectors.storage_usage())

@@ -3,7 +3,9 @@
 Snapshot keys (all floats): cached_tokens_{device,host,storage} (counters), cache_hit_rate, num_running_reqs,
 num_queue_reqs, hicache_host_used_tokens, hicache_host_total_tokens, host_pool_use (0..1),
 {prefetched,backuped,load_back,evicted}_tokens_total, prefetch_{started,completed,timeout,revoked}_total,
-ttft_p50_s, ttft_p99_s (histogram quantiles, linear within the bucket as Prometheus histogram_quantile does);
+ttft_p50_s, ttft_p90_s, ttft_p99_s, itl_p50_s, itl_p90_s (seconds; quantiles of the cumulative
+sglang:time_to_first_token_seconds and sglang:inter_token_latency_seconds histograms, linear within the bucket
+as Prometheus histogram_quantile does);
 prefetch_started_total is completed + timeout + revoked when the worker exports no started counter;
 and, given the previous snapshot, per-second rates: load_back_tokens_per_s, backup_tokens_per_s,
 prefetch_tokens_per_s and hit shares per tier over the interval: hit_share_{device,host,storage}.
@@ -29,8 +31,22 @@ _PLAIN = {
     "sglang:prefetch_revoked_total": "prefetch_revoked_total",
 }
 TIERS = ("device", "host", "storage")
+# histogram family -> snapshot keys per quantile
+_QUANTILES = {
+    "sglang:time_to_first_token_seconds_bucket": (
+        (0.5, "ttft_p50_s"),
+        (0.9, "ttft_p90_s"),
+        (0.99, "ttft_p99_s"),
+    ),
+    "sglang:inter_token_latency_seconds_bucket": ((0.5, "itl_p50_s"), (0.9, "itl_p90_s")),
+}
 SNAPSHOT_KEYS = frozenset(
-    {*_PLAIN.values(), *(f"cached_tokens_{t}" for t in TIERS), "host_pool_use", "ttft_p50_s", "ttft_p99_s"}
+    {
+        *_PLAIN.values(),
+        *(f"cached_tokens_{t}" for t in TIERS),
+        "host_pool_use",
+        *(key for pairs in _QUANTILES.values() for _, key in pairs),
+    }
 )
 
 
@@ -54,7 +70,7 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 def parse_prometheus(text: str) -> dict:
     """Raises ValueError on text that is not Prometheus exposition format."""
     snap: dict[str, float] = {}
-    ttft: dict[float, float] = {}
+    buckets: dict[str, dict[float, float]] = {name: {} for name in _QUANTILES}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, float(sample.value)
@@ -63,12 +79,12 @@ def parse_prometheus(text: str) -> dict:
                 snap[key] = snap.get(key, 0.0) + value
             elif name in _PLAIN:
                 snap[_PLAIN[name]] = snap.get(_PLAIN[name], 0.0) + value
-            elif name == "sglang:time_to_first_token_seconds_bucket":
+            elif name in buckets:
                 bound = float(labels["le"])
-                ttft[bound] = ttft.get(bound, 0.0) + value
-    if ttft:
-        for q, key in ((0.5, "ttft_p50_s"), (0.99, "ttft_p99_s")):
-            value = histogram_quantile(q, list(ttft.items()))
+                buckets[name][bound] = buckets[name].get(bound, 0.0) + value
+    for name, counts in buckets.items():
+        for q, key in _QUANTILES[name] if counts else ():
+            value = histogram_quantile(q, list(counts.items()))
             if value is not None:
                 snap[key] = value
     return finish_snapshot(snap)

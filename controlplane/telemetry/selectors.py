@@ -28,28 +28,16 @@ def worker_metrics(*, worker_id: int, history_limit: int = 120) -> dict:
     }
 
 
-def fleet_summary() -> dict:
-    """Totals over every worker's latest sample plus one compact row per worker."""
-    workers = list(EngineWorker.objects.values_list("id", "name", "state"))
-    latest = store.latest_many([w[0] for w in workers])
+POOLS = {"mixed": "regular", "prefill": "prefill", "decode": "decode"}
+
+
+def _totals(samples: list[dict]) -> dict:
+    """Sums of `_SUMMED` over samples, plus hit_share_<tier> (share of cached tokens since start, 0..1) and
+    host_pool_use (used / capacity over the samples' host pools, 0..1)."""
     totals = {key: 0.0 for key in _SUMMED}
-    rows = []
-    for worker_id, name, state in workers:
-        sample = latest.get(worker_id)
-        if sample:
-            for key in _SUMMED:
-                totals[key] += float(sample.get(key) or 0.0)
-        rows.append(
-            {
-                "id": worker_id,
-                "name": name,
-                "state": state,
-                "cache_hit_rate": (sample or {}).get("cache_hit_rate"),
-                "num_running_reqs": (sample or {}).get("num_running_reqs"),
-                "num_queue_reqs": (sample or {}).get("num_queue_reqs"),
-                "ts": (sample or {}).get("ts"),
-            }
-        )
+    for sample in samples:
+        for key in _SUMMED:
+            totals[key] += float(sample.get(key) or 0.0)
     hits = sum(totals[f"cached_tokens_{t}"] for t in TIERS)
     for tier in TIERS:
         totals[f"hit_share_{tier}"] = totals[f"cached_tokens_{tier}"] / hits if hits else 0.0
@@ -58,4 +46,45 @@ def fleet_summary() -> dict:
         if totals["hicache_host_total_tokens"]
         else 0.0
     )
-    return {"workers": rows, "totals": totals, "reporting": len(latest)}
+    return totals
+
+
+def fleet_summary() -> dict:
+    """Totals over every worker's latest sample, the same per pool (regular = mixed workers, prefill,
+    decode; each with `workers` and `reporting` counts), and one compact row per worker."""
+    workers = list(EngineWorker.objects.values_list("id", "name", "state", "role"))
+    latest = store.latest_many([w[0] for w in workers])
+    rows = []
+    by_pool: dict[str, list[dict]] = {pool: [] for pool in POOLS.values()}
+    counts = dict.fromkeys(POOLS.values(), 0)
+    for worker_id, name, state, role in workers:
+        sample = latest.get(worker_id)
+        pool = POOLS.get(role, "regular")
+        counts[pool] += 1
+        if sample:
+            by_pool[pool].append(sample)
+        rows.append(
+            {
+                "id": worker_id,
+                "name": name,
+                "state": state,
+                "role": role,
+                "pool": pool,
+                "cache_hit_rate": (sample or {}).get("cache_hit_rate"),
+                "num_running_reqs": (sample or {}).get("num_running_reqs"),
+                "num_queue_reqs": (sample or {}).get("num_queue_reqs"),
+                "host_pool_use": (sample or {}).get("host_pool_use"),
+                "ttft_p50_s": (sample or {}).get("ttft_p50_s"),
+                "ts": (sample or {}).get("ts"),
+            }
+        )
+    pools = {
+        pool: {**_totals(samples), "workers": counts[pool], "reporting": len(samples)}
+        for pool, samples in by_pool.items()
+    }
+    return {
+        "workers": rows,
+        "totals": _totals(list(latest.values())),
+        "pools": pools,
+        "reporting": len(latest),
+    }

@@ -11,7 +11,7 @@ from functools import lru_cache
 import redis
 from django.conf import settings
 
-HISTORY_LEN = 300
+HISTORY_LEN = 1800  # one hour at the agent's 2 s push interval: the console's 1 h window
 WINDOW_MS = 1000
 
 

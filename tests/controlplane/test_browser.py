@@ -1,14 +1,25 @@
-"""Real headless Chromium (Debian package) via Playwright, against daphne, a real Celery worker, fake workers:
-log in, launch an attach on two workers, watch it finish, see the audit entries and a chart update pushed
-over the websocket."""
+"""Real headless Chromium (Debian package) via Playwright, against daphne, a real Celery worker, fake workers
+and a fake sglang-router (real HTTP servers): an operator launches an attach behind a confirmation dialog,
+watches it finish, reads the audit log (fits a 1280 px viewport), sees worker charts fill from websocket
+pushes without a reload; axe-core (vendored) finds no serious accessibility violation on any page."""
+
+from pathlib import Path
 
 import httpx
 import pytest
-from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, StorageProfileFactory, UserFactory
+from cp_factories import (
+    AGENT_HOST,
+    EngineWorkerFactory,
+    HostFactory,
+    RouterFactory,
+    StorageProfileFactory,
+    UserFactory,
+)
 from django.contrib.auth.hashers import make_password
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
+AXE = Path(__file__).resolve().parent / "vendor" / "axe-core" / "axe.min.js"
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -19,8 +30,26 @@ CHROMIUM_ARGS = [
 ]
 
 
-def test_operator_attaches_two_workers_and_sees_live_chart(
-    asgi_server, celery_worker_process, fake_worker, personas, monkeypatch
+def serious_violations(page) -> list[str]:
+    """axe-core's WCAG 2 A/AA rules on the current page: 'rule (impact): first target' per serious one."""
+    page.add_script_tag(path=str(AXE))
+    result = page.evaluate(
+        "axe.run(document, {runOnly: {type: 'tag', values: ['wcag2a', 'wcag2aa', 'wcag21aa']}})"
+    )
+    return [
+        f"{v['id']} ({v['impact']}): {v['nodes'][0]['target']}"
+        for v in result["violations"]
+        if v["impact"] in ("serious", "critical")
+    ]
+
+
+def operation_count(base: str, token: str) -> int:
+    response = httpx.get(base + "/api/v1/operations/", headers={"Authorization": f"Bearer {token}"})
+    return response.json()["count"]
+
+
+def test_operator_console_end_to_end(
+    asgi_server, celery_worker_process, fake_worker, fake_router, personas, monkeypatch
 ):
     from playwright.sync_api import expect, sync_playwright
 
@@ -28,56 +57,113 @@ def test_operator_attaches_two_workers_and_sees_live_chart(
         "DJANGO_ALLOW_ASYNC_UNSAFE", "true"
     )  # Playwright's sync API keeps a loop in this thread
     fakes = [fake_worker(), fake_worker()]
-    host = HostFactory(name=AGENT_HOST)  # the agent persona's token pushes metrics for this host's workers
+    host = HostFactory(name=AGENT_HOST, cpu_count=16, memory_bytes=64 * 2**30)  # the agent token's host
+    router = RouterFactory(name="edge", url=fake_router.url)
     workers = [
-        EngineWorkerFactory(name=f"gpu-{i}", url=f.url, admin_key=f.admin_key, host=host)
+        EngineWorkerFactory(
+            name=f"gpu-{i}", url=f.url, admin_key=f.admin_key, host=host, router=router, model_name="smollm2"
+        )
         for i, f in enumerate(fakes)
     ]
-    StorageProfileFactory(
-        name="mooncake-prod", backend="mooncake", extra_config={"master": "127.0.0.1:50051"}
+    for f in fakes:
+        fake_router.add(f.url)
+    profile = StorageProfileFactory(
+        name="mooncake-prod", backend="mooncake", extra_config={"master_server_address": "127.0.0.1:50051"}
     )
     alice = UserFactory(username="alice", role="operator")
     alice.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")  # the daphne process's hasher
     alice.save()
-    agent_token = personas["agent"][1]
+    agent_token, admin_token = personas["agent"][1], personas["admin"][1]
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page = browser.new_page()
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
         page.set_default_timeout(20000)
+        errors = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
         page.goto(asgi_server + "/login/")
         page.get_by_label("Username").fill("alice")
         page.get_by_label("Password").fill("pw-for-tests-1")
         page.get_by_role("button", name="Log in").click()
         expect(page.get_by_test_id("role")).to_have_text("operator")
         expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+        expect(page.locator("#pools [data-pool=regular]")).to_contain_text("0 of 2 workers reporting")
+        assert serious_violations(page) == []
 
+        # Launch form: only the chosen kind's fields; nothing is sent until the dialog is confirmed.
         page.keyboard.press("n")
         expect(page).to_have_url(asgi_server + "/operations/new/")
+        expect(page.get_by_label("Storage profile")).to_be_visible()
+        page.get_by_label("Kind").select_option("detach")
+        expect(page.get_by_label("Storage profile")).to_be_hidden()
+        page.get_by_label("Kind").select_option("attach")
         for worker in workers:
             page.get_by_label(f"target {worker.name}").check()
-        page.get_by_role("button", name="Preview targets").click()
-        expect(page.locator("#targets .idle", has_text="idle")).to_have_count(2)
-        page.get_by_label("Reason").fill("enable L3 on gpu-0/1")
-        page.get_by_role("button", name="Launch").click()
+        page.get_by_label("Reason (kept in the audit log and on the operation)").fill("enable L3 on gpu-0/1")
+        assert serious_violations(page) == []
+        page.get_by_role("button", name="Review and launch").click()
+        dialog = page.locator("#confirm")
+        expect(dialog).to_be_visible()
+        expect(dialog.locator("#confirm-rows tr")).to_have_count(2)
+        expect(dialog.locator("#confirm-rows tr").first).to_contain_text("none [idle]")
+        expect(dialog.locator("#confirm-rows tr").first).to_contain_text("mooncake (mooncake-prod)")
+        assert operation_count(asgi_server, admin_token) == 0  # the open dialog blocks the launch
+        dialog.get_by_role("button", name="Cancel").click()
+        expect(dialog).to_be_hidden()
+        assert operation_count(asgi_server, admin_token) == 0
+        page.get_by_role("button", name="Review and launch").click()
+        dialog.get_by_role("button", name="Launch").click()
+
+        # Operation page: reason kept, times and durations, per-worker before -> after.
         expect(page.get_by_test_id("op-state")).to_have_text("succeeded")
         expect(page.locator("#op-targets .s-succeeded")).to_have_count(2)
+        expect(page.get_by_test_id("op-reason")).to_have_text("enable L3 on gpu-0/1")
+        expect(page.get_by_test_id("op-duration")).not_to_contain_text("so far")
+        expect(page.locator("#op-targets tbody tr").first.locator(".diff")).to_contain_text("mooncake")
         assert [f.backend for f in fakes] == ["mooncake", "mooncake"]
+        assert serious_violations(page) == []
 
         page.get_by_role("link", name="Audit records").click()
         rows = page.locator("#audit tbody tr", has_text="inventory.engineworker")
         expect(rows).to_have_count(2)
         expect(rows.first).to_contain_text("alice")
-        expect(rows.first.locator(".diff")).to_contain_text('"mooncake"')
+        expect(rows.first.locator(".diff")).to_contain_text("mooncake")
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        assert serious_violations(page) == []
 
+        # Storage, host and router pages.
+        page.goto(asgi_server + "/storage/")
+        expect(page.locator(f"#profile-{profile.pk} [data-testid=attached]")).to_have_text("2")
+        assert serious_violations(page) == []
+        page.goto(f"{asgi_server}/hosts/{host.pk}/")
+        expect(page.locator("#host-workers tbody tr")).to_have_count(2)
+        assert serious_violations(page) == []
+        page.goto(f"{asgi_server}/routers/{router.pk}/")
+        expect(page.locator("#router-workers tbody tr", has_text="yes")).to_have_count(2)
+        assert serious_violations(page) == []
+
+        # Worker page: live HiCache config; charts fill from websocket pushes, no reload.
         page.goto(f"{asgi_server}/workers/{workers[0].pk}/")
         expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
-        response = httpx.post(
-            asgi_server + "/api/v1/agent/metrics/",
-            json={"worker": workers[0].pk, "text": fakes[0].metrics_text()},
-            headers={"Authorization": f"Bearer {agent_token}"},
-        )
-        assert response.status_code == 202
-        expect(page.get_by_test_id("samples")).to_have_text("1")
-        expect(page.locator("#chart-pool")).to_have_attribute("data-points", "1")
+        expect(page.locator("#hicache")).to_contain_text("hicache_write_policy")
+        expect(page.get_by_test_id("storage-profile")).to_contain_text("mooncake-prod")
+        page.evaluate("window.__sameDocument = true")
+        for step, counters in enumerate(({"device": 100, "host": 0}, {"device": 150, "host": 150}), 1):
+            fakes[0].counters.update(counters)
+            response = httpx.post(
+                asgi_server + "/api/v1/agent/metrics/",
+                json={"worker": workers[0].pk, "text": fakes[0].metrics_text()},
+                headers={"Authorization": f"Bearer {agent_token}"},
+            )
+            assert response.status_code == 202
+            expect(page.get_by_test_id("samples")).to_have_text(str(step))
+        expect(page.locator("#chart-pool")).to_have_attribute("data-points", "2")
+        pool_legend = page.locator("#chart-pool .u-legend .u-series").nth(1)
+        expect(pool_legend).to_contain_text("25 %")  # 1024 of 4096 host tokens
+        hits = page.locator("#chart-hits .u-legend")
+        expect(hits.locator(".u-series", has_text="L1 device")).to_contain_text("25 %")  # 50 of 200 new hits
+        expect(hits.locator(".u-series", has_text="L2 host")).to_contain_text("75 %")
+        assert page.evaluate("window.__sameDocument") is True
+        assert serious_violations(page) == []
+        assert errors == []
         browser.close()

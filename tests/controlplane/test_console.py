@@ -25,6 +25,58 @@ def test_pages_render_and_gate_write_controls(client, personas, role):
     assert 'data-testid="role">' + role in fleet
 
 
+def test_favicon_is_served(client):
+    response = client.get("/favicon.ico", follow=True)
+    assert response.status_code == 200 and response.redirect_chain[0][0].endswith("frontend/favicon.svg")
+
+
 def test_login_form_logs_in(client, personas):
     response = client.post("/login/", {"username": "operator-user", "password": "pw-for-tests-1"})
     assert response.status_code == 302 and response["Location"] == "/"
+
+
+def test_host_and_router_pages(client, personas, fake_router):
+    from cp_factories import GpuFactory, HostFactory, RouterFactory
+
+    client.force_login(personas["viewer"][0])
+    host = HostFactory(name="gpu-host-1", memory_bytes=64 * 2**30)
+    GpuFactory(host=host, index=0, model="H100", memory_mib=81559)
+    router = RouterFactory(name="edge", url=fake_router.url)
+    inside, drained = EngineWorkerFactory(host=host, router=router), EngineWorkerFactory(router=router)
+    fake_router.add(inside.url)
+    page = client.get(f"/hosts/{host.pk}/").content.decode()
+    assert "H100" in page and "81559 MiB" in page and "64.0\xa0GB" in page and inside.name in page
+    page = client.get(f"/routers/{router.pk}/").content.decode()
+    assert "lists 1 worker" in page and "no (drained or removed)" in page and drained.name in page
+    assert client.get("/hosts/999/").status_code == 404
+
+
+def test_storage_page_counts_workers_using_each_profile(client, personas):
+    from cp_factories import StorageProfileFactory
+
+    client.force_login(personas["viewer"][0])
+    mooncake = StorageProfileFactory(
+        name="mc", backend="mooncake", extra_config={"master_server_address": "m:1"}
+    )
+    StorageProfileFactory(name="files", backend="file", extra_config={"path": "/a"})
+    StorageProfileFactory(name="files-b", backend="file", extra_config={"path": "/b"})
+    EngineWorkerFactory(storage_backend="mooncake", storage_profile=mooncake)
+    EngineWorkerFactory(storage_backend="mooncake")  # registered before the profile existed
+    EngineWorkerFactory(storage_backend="file")  # two file profiles: which one is unknown
+    from frontend.selectors import storage_usage
+
+    counts = {row["profile"].name: len(row["workers"]) for row in storage_usage()}
+    assert counts == {"mc": 2, "files": 0, "files-b": 0}
+    assert "<code>m:1</code>" in client.get("/storage/").content.decode()
+
+
+def test_worker_page_shows_live_hicache_config(client, personas, fake_worker):
+    fake = fake_worker()
+    fake.config["hicache_write_policy"] = "write_back"
+    worker = EngineWorkerFactory(url=fake.url, hicache_config={})
+    client.force_login(personas["viewer"][0])
+    page = client.get(f"/workers/{worker.pk}/").content.decode()
+    assert "read from the worker now" in page and "write_back" in page
+    fake.stop()
+    page = client.get(f"/workers/{worker.pk}/").content.decode()
+    assert "worker unreachable" in page

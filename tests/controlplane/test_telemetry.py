@@ -33,6 +33,28 @@ def test_parse_sglang_metrics_text():
     assert snap["ttft_p50_s"] == pytest.approx(0.1) and snap["ttft_p99_s"] == 0.5
 
 
+def test_ttft_p90_and_inter_token_latency_quantiles():
+    text = "\n".join(
+        [
+            "# TYPE sglang:time_to_first_token_seconds histogram",
+            'sglang:time_to_first_token_seconds_bucket{le="0.1"} 5',
+            'sglang:time_to_first_token_seconds_bucket{le="0.5"} 10',
+            'sglang:time_to_first_token_seconds_bucket{le="+Inf"} 10',
+            "sglang:time_to_first_token_seconds_count 10",
+            "sglang:time_to_first_token_seconds_sum 1.5",
+            "# TYPE sglang:inter_token_latency_seconds histogram",
+            'sglang:inter_token_latency_seconds_bucket{le="0.01"} 50',
+            'sglang:inter_token_latency_seconds_bucket{le="0.02"} 100',
+            'sglang:inter_token_latency_seconds_bucket{le="+Inf"} 100',
+            "sglang:inter_token_latency_seconds_count 100",
+            "sglang:inter_token_latency_seconds_sum 1.2",
+        ]
+    )
+    snap = parse_prometheus(text + "\n")
+    assert snap["ttft_p90_s"] == pytest.approx(0.42)  # rank 9 of 10: 4/5 into the 0.1..0.5 bucket
+    assert snap["itl_p50_s"] == pytest.approx(0.01) and snap["itl_p90_s"] == pytest.approx(0.018)
+
+
 def test_histogram_quantile_interpolates_within_a_bucket():
     assert histogram_quantile(0.5, [(1.0, 0.0), (2.0, 10.0), (float("inf"), 10.0)]) == pytest.approx(1.5)
     assert histogram_quantile(0.5, []) is None
@@ -74,7 +96,11 @@ def test_ingest_api_stores_latest_and_bounded_history(api_as):
     )
     assert bad.status_code == 400 and "bogus" in bad.json()["error"]["message"]
     assert len(store.history(worker.pk)) == 3
-    assert store.HISTORY_LEN == 300
+    assert store.HISTORY_LEN == 1800  # one hour at a 2 s push: the console's 1 h chart window
+    last_two = api_as("viewer").get(f"/api/v1/telemetry/workers/{worker.pk}/?history=2").json()
+    assert [s["num_running_reqs"] for s in last_two["history"]] == [1, 2]
+    too_many = api_as("viewer").get(f"/api/v1/telemetry/workers/{worker.pk}/?history=1801")
+    assert too_many.status_code == 400 and "history" in too_many.json()["error"]["detail"]
 
 
 @pytest.mark.django_db

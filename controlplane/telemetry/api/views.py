@@ -1,15 +1,16 @@
 """Telemetry endpoints: agent ingest, one worker's live metrics, the fleet summary."""
 
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import OpenApiTypes, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiTypes, extend_schema
 from rest_framework import status
+from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from controlplane.accounts.permissions import AGENT_ROLES
 from controlplane.accounts.selectors import agent_host_scope
 from controlplane.inventory.models import EngineWorker
-from controlplane.telemetry import selectors, services
+from controlplane.telemetry import selectors, services, store
 from controlplane.telemetry.api.serializers import MetricsIngestSerializer
 
 
@@ -38,10 +39,18 @@ class MetricsIngestApi(APIView):
 
 
 class WorkerMetricsApi(APIView):
-    @extend_schema(responses=OpenApiTypes.OBJECT)
+    """Latest sample and history (oldest first); ?history=N samples (default 120, at most one hour's)."""
+
+    @extend_schema(
+        parameters=[OpenApiParameter("history", int, description="samples of history, 1..1800")],
+        responses=OpenApiTypes.OBJECT,
+    )
     def get(self, request, pk: int):
         worker = get_object_or_404(EngineWorker, pk=pk)
-        return Response(selectors.worker_metrics(worker_id=worker.pk))
+        raw = request.query_params.get("history", "120")
+        if not raw.isdigit() or not 1 <= int(raw) <= store.HISTORY_LEN:
+            raise ValidationError({"history": [f"an integer from 1 to {store.HISTORY_LEN}"]})
+        return Response(selectors.worker_metrics(worker_id=worker.pk, history_limit=int(raw)))
 
 
 class FleetMetricsApi(APIView):

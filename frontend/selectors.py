@@ -1,0 +1,121 @@
+"""Reads behind the console's server-rendered parts: live worker facts, hosts, routers, storage use."""
+
+import json
+from collections import defaultdict
+
+from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
+from controlplane.workerclient import RouterClient, WorkerClient, WorkerError
+
+# HiCache settings shown on the worker page, in this order (SGLang server-arg names).
+HICACHE_FIELDS = (
+    "hicache_write_policy",
+    "hicache_mem_layout",
+    "hicache_io_backend",
+    "hicache_storage_backend",
+    "hicache_storage_prefetch_policy",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "prefetch_timeout_max",
+)
+MASTER_KEYS = ("master_server_address", "master", "master_address")
+
+
+def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:
+    """The worker's ``/server_info`` read now: {reachable, error, hicache (live storage status + launch
+    HiCache args), hicache_ratio, hicache_size, disaggregation_mode, bootstrap_port, is_idle}. A worker that
+    does not answer gives reachable False and the stored ``hicache_config`` (what the last operation read)."""
+    try:
+        info = WorkerClient(worker.url, timeout=timeout_s).server_info()
+    except WorkerError as exc:
+        return {"reachable": False, "error": exc.message, "hicache": worker.hicache_config or {}}
+    live = dict(info.get("hicache") or {})
+    for key in HICACHE_FIELDS:
+        live.setdefault(key, info.get(key))
+    return {
+        "reachable": True,
+        "error": "",
+        "hicache": live,
+        "hicache_ratio": info.get("hicache_ratio"),
+        "hicache_size": info.get("hicache_size"),
+        "disaggregation_mode": info.get("disaggregation_mode"),
+        "bootstrap_port": info.get("disaggregation_bootstrap_port"),
+        "is_idle": info.get("is_idle"),
+    }
+
+
+def hicache_rows(hicache: dict) -> list[tuple[str, str, bool]]:
+    """(name, value, is_json) rows of the HiCache settings, known fields first; dicts and lists as JSON."""
+    known = [k for k in HICACHE_FIELDS if hicache.get(k) not in (None, "")]
+    rest = [k for k in sorted(hicache) if k not in HICACHE_FIELDS and hicache[k] not in (None, "", {})]
+    rows = []
+    for key in known + rest:
+        value = hicache[key]
+        is_json = isinstance(value, dict | list)
+        rows.append((key, json.dumps(value, indent=1) if is_json else str(value), is_json))
+    return rows
+
+
+def storage_master(extra_config: dict | None) -> str:
+    """The Mooncake master (or the file backend's path) a storage profile's extra config names, or ""."""
+    extra = extra_config or {}
+    for key in (*MASTER_KEYS, "path", "file_path"):
+        if extra.get(key):
+            return str(extra[key])
+    return ""
+
+
+def profile_of(worker: EngineWorker, by_backend: dict[str, list[StorageProfile]]) -> StorageProfile | None:
+    """The storage profile a worker uses: its linked profile, else the only profile of its attached backend
+    (the agent links a profile only when one existed at registration)."""
+    if worker.storage_profile_id:
+        return worker.storage_profile
+    candidates = by_backend.get(worker.storage_backend or "", [])
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def storage_usage() -> list[dict]:
+    """Every storage profile with the workers using it now: [{profile, master, extra_json, workers}]."""
+    profiles = list(StorageProfile.objects.all())
+    by_backend = defaultdict(list)
+    for p in profiles:
+        by_backend[p.backend].append(p)
+    users = defaultdict(list)
+    for w in EngineWorker.objects.select_related("storage_profile").exclude(storage_backend=""):
+        p = profile_of(w, by_backend)
+        if p is not None:
+            users[p.pk].append(w)
+    return [
+        {
+            "profile": p,
+            "master": storage_master(p.extra_config),
+            "extra_json": json.dumps(p.extra_config, indent=1),
+            "workers": users[p.pk],
+        }
+        for p in profiles
+    ]
+
+
+def host_detail(*, host: Host) -> dict:
+    return {
+        "host": host,
+        "gpus": list(host.gpus.all()),
+        "workers": list(host.workers.select_related("router")),
+    }
+
+
+def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
+    """A router with its registered workers and the worker URLs the live sglang-router lists (None when the
+    router does not answer, with the error)."""
+    registered = list(router.workers.select_related("host"))
+    try:
+        live = RouterClient(router.url, timeout=timeout_s).list_workers()
+        error = ""
+    except WorkerError as exc:
+        live, error = None, exc.message
+    live_urls = {str(w.get("url", "")).rstrip("/") for w in live or []}
+    rows = [
+        {"worker": w, "in_router": (w.url.rstrip("/") in live_urls) if live is not None else None}
+        for w in registered
+    ]
+    return {"router": router, "rows": rows, "live": live, "error": error}

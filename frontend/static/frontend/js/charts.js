@@ -1,0 +1,97 @@
+/* Time-series charts on uPlot (vendor/uplot): KV.chart(el, opts) -> {set(xs, ys)}.
+   opts: series [{label, color?}], unit (a KV.units key), stacked (bool: areas stacked bottom-up, legend shows
+   each series' own value), range01 (y fixed at 0..1), height, spark (no axes/legend: a sparkline).
+   xs are epoch seconds; ys one array per series (null = gap). The x range is the page's window selector
+   (#window, seconds: 5 min / 1 h); the legend shows the latest values unless the cursor is over the plot. */
+(function () {
+  "use strict";
+  var KV = window.KV;
+  var PALETTE = ["#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9"];
+  var charts = [];
+
+  KV.windowS = function () { var w = KV.$("#window"); return w ? Number(w.value) : 300; };
+
+  function tint(hex, alpha) {
+    var n = parseInt(hex.slice(1), 16);
+    return "rgba(" + (n >> 16) + "," + ((n >> 8) & 255) + "," + (n & 255) + "," + alpha + ")";
+  }
+
+  KV.chart = function (el, opts) {
+    var unit = opts.unit || "count", fmt = function (v) { return KV.fmt(v, unit); };
+    var axisFmt = unit === "%" || unit === "s" ? fmt : KV.compact;
+    var raw = [[]], hovering = false;
+    var series = [{ value: function (u, v) { return v == null ? "–" : KV.time.text(v); } }].concat(opts.series.map(function (s, i) {
+      var color = s.color || PALETTE[i % PALETTE.length];
+      return {
+        label: s.label, stroke: color, width: 1.5, spanGaps: false,
+        fill: opts.stacked ? tint(color, 0.85) : undefined,
+        points: { show: false },
+        value: function (u, v, si, idx) { return idx == null ? "–" : fmt(raw[si] ? raw[si][idx] : v); }
+      };
+    }));
+    if (opts.stacked) series = [series[0]].concat(series.slice(1).reverse());  // top of the stack drawn first
+    var axisFont = "12px system-ui, sans-serif";
+    var uopts = {
+      width: Math.max(200, el.clientWidth), height: opts.height || (opts.spark ? 40 : 200),
+      cursor: opts.spark ? { show: false } : { points: { size: 6 } },
+      legend: { show: !opts.spark, live: true },
+      scales: {
+        x: { time: true },
+        y: { incrs: unit === "reqs" || unit === "count" ? [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 1e5, 1e6] : undefined,
+          range: opts.range01 ? [0, 1] : function (u, min, max) { return [0, max > 0 ? max * 1.1 : 1]; } }
+      },
+      axes: opts.spark ? [{ show: false }, { show: false }] : [
+        { stroke: "#3d4550", font: axisFont, grid: { stroke: "#e3e6ea", width: 1 }, ticks: { stroke: "#c9ced4" } },
+        { stroke: "#3d4550", font: axisFont, size: 64, grid: { stroke: "#e3e6ea", width: 1 }, ticks: { stroke: "#c9ced4" },
+          label: unit === "%" || unit === "s" ? undefined : unit, labelSize: 18, labelFont: axisFont,
+          values: function (u, vals) { return vals.map(axisFmt); } }
+      ],
+      series: series,
+      hooks: {
+        setCursor: [function (u) { hovering = u.cursor.idx != null && u.cursor.left >= 0; }]
+      }
+    };
+    var u = new window.uPlot(uopts, [[]].concat(series.slice(1).map(function () { return []; })), el);
+    el.addEventListener("mouseleave", function () { hovering = false; showLatest(); });
+
+    function showLatest() {
+      var n = u.data[0].length;
+      if (!hovering && n && !opts.spark) u.setLegend({ idx: n - 1 });
+    }
+    var api = {
+      uplot: u,
+      set: function (xs, ys) {
+        var cols = ys;
+        if (opts.stacked) {
+          var acc = xs.map(function () { return 0; });
+          cols = ys.map(function (col) {
+            return col.map(function (v, i) { acc[i] += v || 0; return v == null ? null : acc[i]; });
+          });
+          raw = [xs].concat(ys.slice().reverse());
+          cols = cols.slice().reverse();
+        } else {
+          raw = [xs].concat(ys);
+        }
+        u.setData([xs].concat(cols), false);
+        var now = xs.length ? Math.max(xs[xs.length - 1], Date.now() / 1000) : Date.now() / 1000;
+        u.setScale("x", { min: now - KV.windowS(), max: now });
+        el.dataset.points = String(xs.length);
+        showLatest();
+      }
+    };
+    charts.push(api);
+    return api;
+  };
+
+  function resize() {
+    charts.forEach(function (c) {
+      var w = c.uplot.root.parentNode.clientWidth;
+      if (w && Math.abs(w - c.uplot.width) > 4) c.uplot.setSize({ width: w, height: c.uplot.height });
+    });
+  }
+  window.addEventListener("resize", resize);
+  document.addEventListener("DOMContentLoaded", function () {
+    var w = KV.$("#window");
+    if (w) w.addEventListener("change", function () { document.dispatchEvent(new CustomEvent("kv:window")); });
+  });
+})();

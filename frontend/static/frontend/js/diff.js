@@ -1,0 +1,37 @@
+/* Per-field diffs rendered from <template id="tpl-change">; long values (over FOLD chars) fold into a
+   <details> so tables keep their width. KV.diff(cell, changes) with changes {field: [before, after]}. */
+(function () {
+  "use strict";
+  var KV = window.KV, FOLD = 80;
+  function valueNode(tag, v) {
+    var text = KV.show(v), el = document.createElement(tag);
+    if (text.length <= FOLD) { el.textContent = text; return el; }
+    var d = document.createElement("details"), s = document.createElement("summary"), pre = document.createElement("pre");
+    s.textContent = text.slice(0, 40) + "… (" + text.length + " chars)";
+    pre.className = "json"; pre.textContent = typeof v === "object" ? JSON.stringify(v, null, 1) : text;
+    d.append(s, pre); el.appendChild(d);
+    return el;
+  }
+  KV.diff = function (cell, changes) {
+    var tpl = KV.$("#tpl-change"), frag = document.createDocumentFragment();
+    Object.keys(changes || {}).forEach(function (k) {
+      var row = KV.fill(tpl, { key: k, before: "", after: "" });
+      if (changes[k][0] == null) {  // a new field (create): only the value
+        KV.$("del", row).nextSibling.remove(); KV.$("del", row).remove();
+      } else KV.$("del", row).replaceWith(valueNode("del", changes[k][0]));
+      KV.$("ins", row).replaceWith(valueNode("ins", changes[k][1]));
+      frag.appendChild(row);
+    });
+    cell.replaceChildren(frag);
+    if (!Object.keys(changes || {}).length) cell.textContent = "–";
+  };
+  /* {field: [before, after]} for the fields that differ between two snapshots */
+  KV.changes = function (before, after) {
+    var out = {};
+    Object.keys(Object.assign({}, before || {}, after || {})).forEach(function (k) {
+      var b = (before || {})[k], a = (after || {})[k];
+      if (JSON.stringify(b) !== JSON.stringify(a)) out[k] = [b, a];
+    });
+    return out;
+  };
+})();

@@ -1,0 +1,45 @@
+/* Shared by the operation pages: labels and per-target summaries of an operation. */
+(function () {
+  "use strict";
+  var KV = window.KV;
+  KV.KIND_LABELS = { attach: "attach L3", detach: "detach L3", apply_config: "apply config revision" };
+  KV.opView = function (op) {
+    var counts = {};
+    op.targets.forEach(function (t) { counts[t.state] = (counts[t.state] || 0) + 1; });
+    var end = op.finished_at || (op.state === "running" ? new Date().toISOString() : null);
+    return Object.assign({}, op, {
+      kind_label: KV.KIND_LABELS[op.kind] || op.kind,
+      targets_text: op.targets.length + " worker" + (op.targets.length === 1 ? "" : "s") + ": " +
+        Object.keys(counts).sort().map(function (k) { return counts[k] + " " + k.replace(/_/g, " "); }).join(", "),
+      duration: KV.time.duration(KV.time.between(op.created_at, end)) + (op.finished_at ? "" : " so far")
+    });
+  };
+})();
+
+/* A worker's raw error text -> a readable sentence: "PUT http://w/x -> 400: {json}" becomes
+   "worker answered 400: <error.message>", and a cache-I/O refusal names the blocking I/O. */
+(function () {
+  "use strict";
+  var KV = window.KV;
+  function messageOf(obj) {
+    if (!obj || typeof obj !== "object") return null;
+    if (obj.error) return typeof obj.error === "string" ? obj.error : messageOf(obj.error) || JSON.stringify(obj.error);
+    return obj.message || obj.detail || null;
+  }
+  KV.readable = function (text) {
+    if (!text) return "";
+    var out = String(text).replace(/(?:GET|PUT|POST|DELETE|PATCH) \S+ -> (\d{3}): /g, "worker answered $1: ");
+    var start = out.indexOf("{");
+    if (start >= 0) {
+      try {
+        var msg = messageOf(JSON.parse(out.slice(start)));
+        if (msg) out = out.slice(0, start) + msg;
+      } catch (e) { /* not JSON: keep the text */ }
+    }
+    return out.replace(/cache I\/O in flight \{([^}]*)\}/, function (_, io) {
+      var busy = io.split(",").map(function (kv) { return kv.replace(/['"\s]/g, "").split(":"); })
+        .filter(function (kv) { return Number(kv[1]) > 0; }).map(function (kv) { return kv[0] + " " + kv[1]; });
+      return "blocked by cache I/O in flight (" + (busy.join(", ") || "none reported") + ")";
+    });
+  };
+})();

@@ -1,0 +1,95 @@
+/* Fleet page: pool cards with sparklines and the worker, host and router tables. Inventory is read once;
+   each fleet.metrics push updates the live cells and pool cards in place and extends the sparklines. */
+KV.ready(function () {
+  "use strict";
+  var POOL_TITLES = { regular: "Regular pool", prefill: "Prefill pool", decode: "Decode pool" };
+  var SPARK_S = 300;
+  var workers = [], hostNames = {}, rows = {}, cards = {}, spark = {}, prevTotals = {};
+  var tplWorker = KV.$("#tpl-worker"), tplPool = KV.$("#tpl-pool");
+
+  function matches(w, q) {
+    return !q || [w.name, w.host_name, w.model_name, w.role, w.storage_backend].join(" ").toLowerCase().indexOf(q) >= 0;
+  }
+  function applyFilter() {
+    var q = (KV.$("#filter").value || "").trim().toLowerCase();
+    workers.forEach(function (w) { rows[w.id].hidden = !matches(w, q); });
+  }
+  function renderWorkers() {
+    rows = {};
+    KV.replaceRows(KV.$("#workers tbody"), tplWorker, workers, function (row, w) { rows[w.id] = row; });
+    applyFilter();
+  }
+  function cachedTotal(t) { return (t.cached_tokens_device || 0) + (t.cached_tokens_host || 0) + (t.cached_tokens_storage || 0); }
+
+  function renderPools(summary, ts) {
+    var pools = summary.pools || {};
+    Object.keys(pools).forEach(function (pool) {
+      var p = pools[pool];
+      if (!p.workers) return;
+      var prev = prevTotals[pool], total = cachedTotal(p);
+      p.cached_rate = prev && ts > prev.ts ? Math.max(0, total - prev.total) / (ts - prev.ts) : null;
+      prevTotals[pool] = { ts: ts, total: total };
+      p.pool = pool; p.title = POOL_TITLES[pool] || pool;
+      if (!cards[pool]) {
+        cards[pool] = KV.fill(tplPool, p);
+        KV.$("#pools").appendChild(cards[pool]);
+        spark[pool] = {
+          xs: [], cached: [], running: [],
+          cachedChart: KV.chart(KV.$("[data-spark=cached]", cards[pool]), { series: [{ label: "cached tokens/s" }], unit: "tok/s", spark: true }),
+          runningChart: KV.chart(KV.$("[data-spark=running]", cards[pool]), { series: [{ label: "running" }], unit: "reqs", spark: true })
+        };
+      } else {
+        KV.fill(cards[pool], p);
+      }
+      var s = spark[pool];
+      if (p.cached_rate != null || !s.xs.length) {
+        s.xs.push(ts); s.cached.push(p.cached_rate); s.running.push(p.num_running_reqs);
+        while (s.xs.length && s.xs[0] < ts - SPARK_S) { s.xs.shift(); s.cached.shift(); s.running.shift(); }
+        s.cachedChart.set(s.xs, [s.cached]); s.runningChart.set(s.xs, [s.running]);
+      }
+    });
+  }
+  function applySummary(summary) {
+    var ts = Date.now() / 1000;
+    KV.$("#reporting").textContent = summary.reporting + " of " + summary.workers.length + " workers reporting";
+    summary.workers.forEach(function (live) {
+      var w = workers.filter(function (x) { return x.id === live.id; })[0];
+      if (!w) return;
+      ["cache_hit_rate", "num_running_reqs", "num_queue_reqs", "host_pool_use", "ttft_p50_s", "ts", "state"].forEach(function (k) { w[k] = live[k]; });
+      KV.fill(rows[w.id], w);
+    });
+    renderPools(summary, ts);
+  }
+  function load() {
+    return Promise.all([
+      KV.api("GET", "/api/v1/inventory/workers/?limit=500"), KV.api("GET", "/api/v1/inventory/hosts/?limit=500"),
+      KV.api("GET", "/api/v1/inventory/routers/?limit=500"), KV.api("GET", "/api/v1/telemetry/fleet/")
+    ]).then(function (r) {
+      var perHost = {}, perRouter = {};
+      r[1].results.forEach(function (h) { hostNames[h.id] = h.name; });
+      workers = r[0].results.map(function (w) {
+        perHost[w.host] = (perHost[w.host] || 0) + 1; perRouter[w.router] = (perRouter[w.router] || 0) + 1;
+        return Object.assign({}, w, { host_name: hostNames[w.host] || "", select_label: "select " + w.name });
+      });
+      renderWorkers();
+      KV.replaceRows(KV.$("#hosts tbody"), KV.$("#tpl-host"), r[1].results.map(function (h) {
+        return Object.assign({}, h, { gpu_count: h.gpus.length, worker_count: perHost[h.id] || 0 });
+      }));
+      KV.replaceRows(KV.$("#routers tbody"), KV.$("#tpl-router"), r[2].results.map(function (x) {
+        return Object.assign({}, x, { worker_count: perRouter[x.id] || 0 });
+      }));
+      applySummary(r[3]);
+    });
+  }
+  KV.$("#filter").addEventListener("input", applyFilter);
+  KV.$("#select-all").addEventListener("change", function (e) {
+    KV.$$(".pick").forEach(function (c) { if (!c.closest("tr").hidden) c.checked = e.target.checked; });
+  });
+  var btn = KV.$("#launch-selected");
+  if (btn) btn.addEventListener("click", function () {
+    var ids = KV.$$(".pick").filter(function (c) { return c.checked; }).map(function (c) { return "worker=" + c.value; });
+    location.href = "/operations/new/?" + ids.join("&");
+  });
+  KV.subscribe(["fleet"], function (msg) { if (msg.type === "fleet.metrics") applySummary(msg.data); }, load);
+  return load();
+});

@@ -1,0 +1,88 @@
+/* Launch form: only the fields of the chosen kind are shown; "Review and launch" probes the chosen workers
+   (idle now?), then a confirmation dialog lists each worker's change (now -> after) before anything is sent. */
+KV.ready(function () {
+  "use strict";
+  var form = KV.$("#launch-form"), key = (window.crypto && crypto.randomUUID) ? crypto.randomUUID() : String(Date.now());
+  var preselect = new URLSearchParams(location.search).getAll("worker");
+  var workers = {}, profiles = {}, revisions = {};
+
+  function kindChanged() {
+    var k = KV.$("#kind").value;
+    KV.$$("[data-kind]", form).forEach(function (el) {
+      el.hidden = el.dataset.kind !== k;
+      KV.$$("select, input", el).forEach(function (c) { c.disabled = el.hidden; });
+    });
+  }
+  function option(value, text) { var o = document.createElement("option"); o.value = value; o.textContent = text; return o; }
+  function picked() { return KV.$$(".pick").filter(function (c) { return c.checked; }).map(function (c) { return Number(c.value); }); }
+  function error(text) { KV.$("#launch-error").textContent = text; }
+
+  function after(w) {
+    var k = form.kind.value;
+    if (k === "attach") { var p = profiles[form.storage_profile.value]; return p ? p.backend + " (" + p.name + ")" : "?"; }
+    if (k === "detach") return "none";
+    var r = revisions[form.revision.value];
+    return r ? r.label + " " + JSON.stringify(r.content) : "?";
+  }
+  function before(w, probe) {
+    var k = form.kind.value, idle = !probe.reachable ? "unreachable" : probe.is_idle ? "idle" : "busy: waits for idle";
+    var now = k === "apply_config" ? (w.config_revision ? "revision #" + w.config_revision : "no revision applied") :
+      (probe.storage_backend || w.storage_backend || "none");
+    return now + " [" + idle + "]";
+  }
+
+  function load() {
+    return Promise.all([KV.api("GET", "/api/v1/inventory/workers/?limit=500"), KV.api("GET", "/api/v1/inventory/storage-profiles/?limit=500"),
+      KV.api("GET", "/api/v1/configs/profiles/?limit=500")]).then(function (r) {
+      KV.replaceRows(KV.$("#targets tbody"), KV.$("#tpl-target"), r[0].results.map(function (w) {
+        workers[w.id] = w;
+        return Object.assign({}, w, { pick_label: "target " + w.name, idle: "" });
+      }), function (row, w) { KV.$(".pick", row).checked = preselect.indexOf(String(w.id)) >= 0; });
+      KV.$("#storage-profile").replaceChildren.apply(KV.$("#storage-profile"), r[1].results.map(function (p) {
+        profiles[p.id] = p; return option(p.id, p.name + " (" + p.backend + ")");
+      }));
+      return Promise.all(r[2].results.filter(function (p) { return p.head_number > 0; }).map(function (p) {
+        return KV.api("GET", "/api/v1/configs/profiles/" + p.id + "/revisions/?limit=20").then(function (rv) {
+          return rv.results.map(function (x) { revisions[x.id] = { label: p.name + "@" + x.number, content: x.content }; return option(x.id, p.name + "@" + x.number); });
+        });
+      })).then(function (opts) {
+        var sel = KV.$("#revision");
+        sel.replaceChildren.apply(sel, [].concat.apply([], opts));
+      });
+    });
+  }
+
+  KV.$("#kind").addEventListener("change", kindChanged);
+  kindChanged();
+  KV.$("#select-all").addEventListener("change", function (e) { KV.$$(".pick").forEach(function (c) { c.checked = e.target.checked; }); });
+  form.addEventListener("submit", function (e) {
+    e.preventDefault();
+    var ids = picked();
+    if (!ids.length) { error("Choose at least one worker."); return; }
+    if (form.kind.value === "attach" && !form.storage_profile.value) { error("Choose a storage profile (create one on the Storage page)."); return; }
+    if (form.kind.value === "apply_config" && !form.revision.value) { error("Choose a config revision."); return; }
+    error("");
+    var btn = KV.$("#review"); btn.disabled = true;
+    KV.api("GET", "/api/v1/operations/preview/?" + ids.map(function (i) { return "worker=" + i; }).join("&")).then(function (probes) {
+      probes.forEach(function (p) {
+        var cell = KV.$('tr[data-worker="' + p.worker_id + '"] .idle');
+        cell.textContent = !p.reachable ? "unreachable" : p.is_idle ? "idle" : "busy (" + p.num_running_reqs + " running, " + p.num_waiting_reqs + " waiting)";
+      });
+      return KV.confirm({
+        title: "Launch " + KV.$("#kind").selectedOptions[0].textContent + " on " + ids.length + " worker" + (ids.length === 1 ? "" : "s") + "?",
+        text: "Policy " + form.policy.value.replace(/_/g, " ") + (form.drain.checked ? ", drained from the router while applying" : "") +
+          ". Busy workers are changed once idle (up to " + form.idle_timeout_s.value + " s). Reason: " + (form.reason.value || "none"),
+        confirmLabel: "Launch",
+        rows: probes.map(function (p) { var w = workers[p.worker_id]; return { worker: w.name, before: before(w, p), after: after(w) }; })
+      });
+    }).then(function (ok) {
+      if (!ok) { btn.disabled = false; return; }
+      var data = { kind: form.kind.value, workers: ids, policy: form.policy.value, drain: form.drain.checked,
+        idle_timeout_s: Number(form.idle_timeout_s.value), reason: form.reason.value };
+      if (data.kind === "attach") data.storage_profile = Number(form.storage_profile.value);
+      if (data.kind === "apply_config") data.revision = Number(form.revision.value);
+      return KV.api("POST", "/api/v1/operations/", data, { "Idempotency-Key": key }).then(function (op) { location.href = "/operations/" + op.id + "/"; });
+    }).catch(function (err) { btn.disabled = false; error(KV.errorText(err)); });
+  });
+  return load();
+});

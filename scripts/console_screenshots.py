@@ -1,0 +1,125 @@
+"""Screenshot every console page at 1280 px in headless Chromium (Playwright), for docs/console.md.
+
+    .venv/bin/python scripts/console_screenshots.py --url http://127.0.0.1:8000 --user admin --password ...
+    .venv/bin/python scripts/console_screenshots.py --demo     # starts deploy/localfleet.py itself
+
+With --demo it starts the local fleet (control plane, Mooncake master, two SmolLM2 workers, sglang-router,
+traffic), runs one detach + attach operation so the operation and audit pages have content, waits until
+the worker charts hold samples, then writes docs/console/<page>.png (full page) and stops the fleet.
+Exits 1 naming the page when one fails to render.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+
+def pages(api) -> list[tuple[str, str]]:
+    """(name, path) of every page, with ids of real objects read from the API."""
+    workers = api("GET", "/api/v1/inventory/workers/").json()["results"]
+    hosts = api("GET", "/api/v1/inventory/hosts/").json()["results"]
+    routers = api("GET", "/api/v1/inventory/routers/").json()["results"]
+    ops = api("GET", "/api/v1/operations/").json()["results"]
+    out = [("fleet", "/")]
+    if workers:
+        out.append(("worker", f"/workers/{workers[0]['id']}/"))
+    if hosts:
+        out.append(("host", f"/hosts/{hosts[0]['id']}/"))
+    if routers:
+        out.append(("router", f"/routers/{routers[0]['id']}/"))
+    out += [("storage", "/storage/"), ("operations", "/operations/"), ("launch", "/operations/new/")]
+    if ops:
+        out.append(("operation", f"/operations/{ops[0]['id']}/"))
+    out.append(("audit", "/audit/"))
+    return out
+
+
+def shoot(base: str, user: str, password: str, api, out_dir: Path, settle_s: float = 1.5) -> list[Path]:
+    from playwright.sync_api import sync_playwright
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.set_default_timeout(30000)
+        page.goto(base + "/login/")
+        page.screenshot(path=str(out_dir / "login.png"))
+        written.append(out_dir / "login.png")
+        page.get_by_label("Username").fill(user)
+        page.get_by_label("Password").fill(password)
+        page.get_by_role("button", name="Log in").click()
+        page.wait_for_url(base + "/")
+        for name, path in pages(api):
+            page.goto(base + path)
+            page.wait_for_load_state("networkidle")
+            page.wait_for_selector("body[data-loaded='1']")
+            time.sleep(
+                settle_s
+            )  # let a websocket push or two arrive so live values show, as a user sees them
+            target = out_dir / f"{name}.png"
+            page.screenshot(path=str(target), full_page=True)
+            width = page.evaluate("document.documentElement.scrollWidth")
+            print(f"{name:12s} {path:24s} scrollWidth={width}px -> {target.relative_to(REPO)}", flush=True)
+            written.append(target)
+        browser.close()
+    return written
+
+
+def demo_operations(fleet) -> None:
+    """Detach then re-attach worker 0's L3 so the operation and audit pages show real changes."""
+    workers = fleet.api("GET", "/api/v1/inventory/workers/").json()["results"]
+    profile = fleet.api("GET", "/api/v1/inventory/storage-profiles/").json()["results"][0]
+    for kind, extra in (("detach", {}), ("attach", {"storage_profile": profile["id"]})):
+        body = {"kind": kind, "workers": [workers[0]["id"]], "reason": f"docs screenshot: {kind} L3", **extra}
+        op = fleet.api("POST", "/api/v1/operations/", json=body).json()
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            state = fleet.api("GET", f"/api/v1/operations/{op['id']}/").json()["state"]
+            if state != "running":
+                break
+            time.sleep(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", help="console base URL of a running control plane")
+    p.add_argument("--user", default="admin")
+    p.add_argument("--password")
+    p.add_argument("--token", help="API token (admin) used to find object ids")
+    p.add_argument("--demo", action="store_true", help="start deploy/localfleet.py and shoot it")
+    p.add_argument("--warmup", type=float, default=60, help="--demo: seconds of traffic before shooting")
+    p.add_argument("--out", default=str(REPO / "docs" / "console"))
+    a = p.parse_args(argv)
+    import httpx
+
+    if a.demo:
+        from deploy.localfleet import PY, LocalFleet
+
+        with LocalFleet(log_dir=REPO / "logs" / time.strftime("screens-%Y%m%d-%H%M%S")) as fleet:
+            traffic = ["--url", fleet.router_url, "--concurrency", "2", "--conversations", "8"]
+            fleet.spawn("traffic", [PY, "-m", "engine.bench.traffic", *traffic])
+            demo_operations(fleet)
+            time.sleep(a.warmup)
+            shoot(fleet.console_url, fleet.admin_user, fleet.admin_password, fleet.api, Path(a.out))
+        return 0
+    if not (a.url and a.password and a.token):
+        p.error("--url, --password and --token are required without --demo")
+
+    def api(method: str, path: str, **kw):
+        return httpx.request(method, a.url + path, headers={"Authorization": f"Bearer {a.token}"}, **kw)
+
+    shoot(a.url, a.user, a.password, api, Path(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
