@@ -4,6 +4,7 @@ import json
 from collections import defaultdict
 
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
+from controlplane.inventory.selectors import router_breakers
 from controlplane.workerclient import RouterClient, WorkerClient, WorkerError
 
 # HiCache settings shown on the worker page, in this order (SGLang server-arg names).
@@ -105,8 +106,8 @@ def host_detail(*, host: Host) -> dict:
 
 
 def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
-    """A router with its registered workers and the worker URLs the live sglang-router lists (None when the
-    router does not answer, with the error)."""
+    """A router with its registered workers, whether the live sglang-router lists each (None when the router
+    does not answer, with the error) and each worker's circuit-breaker state (None without a metrics_url)."""
     registered = list(router.workers.select_related("host"))
     try:
         live = RouterClient(router.url, timeout=timeout_s).list_workers()
@@ -114,8 +115,14 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
     except WorkerError as exc:
         live, error = None, exc.message
     live_urls = {str(w.get("url", "")).rstrip("/") for w in live or []}
+    breakers = router_breakers(router)
+    states = {b["url"].rstrip("/"): b for b in (breakers or {}).get("workers", [])}
     rows = [
-        {"worker": w, "in_router": (w.url.rstrip("/") in live_urls) if live is not None else None}
+        {
+            "worker": w,
+            "in_router": (w.url.rstrip("/") in live_urls) if live is not None else None,
+            "breaker": states.get(w.url.rstrip("/")),
+        }
         for w in registered
     ]
-    return {"router": router, "rows": rows, "live": live, "error": error}
+    return {"router": router, "rows": rows, "live": live, "error": error, "breakers": breakers}

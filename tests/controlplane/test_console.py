@@ -1,5 +1,8 @@
 """Console pages are served by Django: login required, every page renders for each role."""
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 from cp_factories import EngineWorkerFactory
 
@@ -35,19 +38,50 @@ def test_login_form_logs_in(client, personas):
     assert response.status_code == 302 and response["Location"] == "/"
 
 
-def test_host_and_router_pages(client, personas, fake_router):
+@pytest.fixture
+def router_metrics():
+    """sglang-router's Prometheus text with one worker's circuit breaker open: (url, set_text)."""
+    state = {"text": ""}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = state["text"].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics", state
+    server.shutdown()
+    server.server_close()
+
+
+def test_host_and_router_pages(client, personas, fake_router, router_metrics):
     from cp_factories import GpuFactory, HostFactory, RouterFactory
 
     client.force_login(personas["viewer"][0])
     host = HostFactory(name="gpu-host-1", memory_bytes=64 * 2**30)
     GpuFactory(host=host, index=0, model="H100", memory_mib=81559)
-    router = RouterFactory(name="edge", url=fake_router.url)
+    url, metrics = router_metrics
+    router = RouterFactory(name="edge", url=fake_router.url, metrics_url=url)
     inside, drained = EngineWorkerFactory(host=host, router=router), EngineWorkerFactory(router=router)
     fake_router.add(inside.url)
+    metrics["text"] = (
+        "# TYPE smg_worker_cb_state gauge\n"
+        f'smg_worker_cb_state{{worker="{inside.url}"}} 1\n'
+        "# TYPE smg_worker_cb_consecutive_failures gauge\n"
+        f'smg_worker_cb_consecutive_failures{{worker="{inside.url}"}} 10\n'
+    )
     page = client.get(f"/hosts/{host.pk}/").content.decode()
     assert "H100" in page and "81559 MiB" in page and "64.0\xa0GB" in page and inside.name in page
     page = client.get(f"/routers/{router.pk}/").content.decode()
     assert "lists 1 worker" in page and "no (drained or removed)" in page and drained.name in page
+    assert '<span class="badge s-open">1 open</span>' in page and ">10</td>" in page
     assert client.get("/hosts/999/").status_code == 404
 
 
