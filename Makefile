@@ -1,4 +1,5 @@
-# KVFleet: `make demo` runs the main job, `make test` runs the whole suite.
+# KVFleet: `make demo` runs the main job (`make demo PD=1`: prefill + decode workers behind the router in PD
+# mode), `make test` runs the whole suite.
 # Both create .venv and install pinned dependencies on first use.
 SHELL := /bin/bash
 PYTHON ?= python3

@@ -8,10 +8,12 @@ L3), and the real sglang-router in front of them; then it records the router, th
 and each worker's router in the control plane. ``stop()`` (also on Ctrl-C) ends every process it started,
 newest first: SIGTERM to its process group, SIGKILL after a grace period.
 
-``python deploy/localfleet.py [--duration S]`` is the demo: the above plus the traffic generator; it prints
-the console and router URLs and the admin credentials. With ``--duration`` it exits after checking that the
-control plane's live metrics show device, host and storage cached tokens for every worker (exit 0), or
-says which are missing (exit 1).
+``python deploy/localfleet.py [--duration S] [--pd]`` is the demo: the above plus the traffic generator; it
+prints the console and router URLs and the admin credentials. With ``--duration`` it exits after checking that
+the control plane's live metrics show device, host and storage cached tokens for every worker (exit 0), or
+says which are missing (exit 1). ``--pd`` (``make demo PD=1``) runs one prefill and one decode worker
+(``deploy/fleet.pd.toml``) behind the router in PD mode; the check then applies to the prefill worker (the
+one that computes and caches prompts) and also needs answered requests in the traffic record (served by D).
 """
 
 from __future__ import annotations
@@ -52,10 +54,18 @@ ROUTER_FLAGS = (
 )
 
 
-def router_command(worker_urls: list[str], port: int, prometheus_port: int, host: str = "127.0.0.1") -> list:
-    """argv of a cache-aware sglang-router in front of ``worker_urls`` with KVFleet's ROUTER_FLAGS."""
+def router_command(
+    worker_urls: list[str],
+    port: int,
+    prometheus_port: int,
+    host: str = "127.0.0.1",
+    workers: list | None = None,
+) -> list:
+    """argv of a cache-aware sglang-router in front of ``worker_urls`` with KVFleet's ROUTER_FLAGS;
+    ``workers`` replaces the worker and policy arguments (PD mode)."""
+    workers = workers or ["--worker-urls", *worker_urls, "--policy", "cache_aware"]
     return [
-        PY, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", "cache_aware",
+        PY, "-m", "sglang_router.launch_router", *workers,
         "--host", host, "--port", str(port), "--prometheus-host", host, "--prometheus-port",
         str(prometheus_port), "--log-level", "warn", *ROUTER_FLAGS,
     ]  # fmt: skip
@@ -109,6 +119,8 @@ class LocalFleet:
     worker_ids: list[int] = field(default_factory=list)
     tokens: dict = field(default_factory=dict)
     storage_profile_id: int | None = None
+    pd: bool = False  # one prefill + one decode worker, router in PD mode (spec: deploy/fleet.pd.toml)
+    worker_roles: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------------------------------- processes
     def spawn(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
@@ -279,9 +291,12 @@ class LocalFleet:
         from engine.agent.spec import load_spec
 
         ports = {f"DEMO_WORKER{i}_PORT": str(free_port()) for i in range(self.num_workers)}
+        if self.pd:
+            ports["DEMO_BOOTSTRAP_PORT"] = str(free_port())
         self.env.update(ports)
         spec = load_spec(self.spec, self.env)
         self.worker_urls = [w.url for w in spec.workers]
+        self.worker_roles = [w.role for w in spec.workers]
         agent = self.spawn(
             "agent",
             [
@@ -306,12 +321,26 @@ class LocalFleet:
 
         wait_for("engine workers (agent)", all_registered, 600, agent, self.log_of("agent"))
 
+    def _pd_router_workers(self) -> list[str]:
+        """PD mode's router arguments: ``--prefill URL BOOTSTRAP_PORT`` per prefill worker, ``--decode URL``
+        per decode worker, and upstream's recommended PD policies."""
+        out = ["--pd-disaggregation"]
+        for url, role in zip(self.worker_urls, self.worker_roles, strict=True):
+            if role == "prefill":
+                out += ["--prefill", url, self.env["DEMO_BOOTSTRAP_PORT"]]
+            else:
+                out += ["--decode", url]
+        return [*out, "--prefill-policy", "cache_aware", "--decode-policy", "power_of_two"]
+
     def _router(self) -> None:
         port = free_port()
         self.router_url = f"http://127.0.0.1:{port}"
         prometheus_port = free_port()
         self.router_metrics_url = f"http://127.0.0.1:{prometheus_port}/metrics"
-        router = self.spawn("router", router_command(self.worker_urls, port, prometheus_port))
+        workers = self._pd_router_workers() if self.pd else None
+        router = self.spawn(
+            "router", router_command(self.worker_urls, port, prometheus_port, workers=workers)
+        )
 
         def ready() -> bool:
             listed = httpx.get(f"{self.router_url}/workers", timeout=2).json().get("workers", [])
@@ -378,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds of traffic, then check every worker shows device/host/storage hits and exit",
     )
     p.add_argument("--log-dir", default=None, help="default logs/demo-<time>")
+    p.add_argument("--pd", action="store_true", help="1 prefill + 1 decode worker, router in PD mode")
     p.add_argument(
         "--trace",
         default=None,
@@ -385,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     log_dir = Path(a.log_dir or REPO / "logs" / time.strftime("demo-%Y%m%d-%H%M%S"))
-    fleet = LocalFleet(log_dir=log_dir)
+    fleet = LocalFleet(log_dir=log_dir, pd=a.pd)
+    if a.pd:
+        fleet.spec = REPO / "deploy" / "fleet.pd.toml"
     stop = {"now": False}
 
     def on_signal(*_):
@@ -435,9 +467,12 @@ def _banner(fleet: LocalFleet) -> str:
             "",
             f"  Console      {fleet.console_url}/",
             f"  Login        user {fleet.admin_user}, password {fleet.admin_password}",
-            f"  Router       {fleet.router_url}   (sglang-router, cache_aware; try POST /generate)",
+            f"  Router       {fleet.router_url}   (sglang-router, "
+            + ("PD mode: prefill cache_aware, decode power_of_two" if fleet.pd else "cache_aware")
+            + "; try POST /generate)",
             f"  API          {fleet.console_url}/api/docs/   (token: {fleet.tokens['admin']})",
-            f"  Workers      {', '.join(fleet.worker_urls)}",
+            "  Workers      "
+            + ", ".join(f"{u} ({r})" for u, r in zip(fleet.worker_urls, fleet.worker_roles, strict=True)),
             f"  Mooncake     master {fleet.env['MOONCAKE_MASTER']}",
             f"  Logs         {fleet.log_dir}",
             "  Traffic      multi-turn conversations through the router (traffic.log, traffic.jsonl)",
@@ -445,6 +480,14 @@ def _banner(fleet: LocalFleet) -> str:
             "",
         ]
     )
+
+
+def _answered(record: Path) -> int:
+    """Requests in the traffic record that got an answer."""
+    if not record.exists():
+        return 0
+    with open(record) as f:
+        return sum(1 for line in f if line.strip() and "error" not in json.loads(line))
 
 
 def _watch(fleet: LocalFleet, duration: float) -> int:
@@ -458,9 +501,15 @@ def _watch(fleet: LocalFleet, duration: float) -> int:
             f"worker {wid}: " + " ".join(f"{t}={int(v[t])}" for t in TIERS) for wid, v in tiers.items()
         )
         print(f"[{elapsed:5.0f}s] cached tokens (control plane) {rows}", flush=True)
-        missing = [f"worker {wid} {t}" for wid, v in tiers.items() for t in TIERS if v[t] <= 0]
+        checked = [
+            w for w, role in zip(fleet.worker_ids, fleet.worker_roles, strict=True) if role != "decode"
+        ]
+        missing = [f"worker {wid} {t}" for wid in checked for t in TIERS if tiers[wid][t] <= 0]
+        if fleet.pd and _answered(fleet.log_dir / "traffic.jsonl") == 0:
+            missing.append("answered requests (decode)")
         if duration and not missing:
-            print(f"OK: every worker shows device, host and storage cached tokens after {elapsed:.0f}s")
+            what = "the prefill worker shows" if fleet.pd else "every worker shows"
+            print(f"OK: {what} device, host and storage cached tokens after {elapsed:.0f}s")
             return 0
         if duration and elapsed >= duration:
             print(f"FAILED after {elapsed:.0f}s: no hits yet for {', '.join(missing)}", file=sys.stderr)

@@ -24,7 +24,7 @@ import torch
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation import KVPoll, create_kv_manager
 from engine.disaggregation.base import KVLayout
-from engine.disaggregation.transport import mooncake_write_list
+from engine.disaggregation.transport import MAX_BATCH, mooncake_write_list
 
 
 def make_pool(spec: dict) -> DeviceKVPool:
@@ -64,7 +64,10 @@ def _raw_write(mgr, cmd: dict) -> float:
     dst = torch.tensor(cmd["dst"], dtype=torch.int64)
     srcs, dsts, lens = mooncake_write_list(mgr.layout, remote, src, dst)
     start = time.monotonic()
-    rc = mgr.transport.engine.batch_transfer_sync_write(cmd["session_id"], srcs, dsts, lens)
+    engine, rc = mgr.transport.engine, 0
+    for i in range(0, len(srcs), MAX_BATCH):  # the same batches the transport sends
+        j = i + MAX_BATCH
+        rc = min(rc, engine.batch_transfer_sync_write(cmd["session_id"], srcs[i:j], dsts[i:j], lens[i:j]))
     seconds = time.monotonic() - start
     if rc < 0:
         raise RuntimeError(f"raw batch_transfer_sync_write returned {rc}")

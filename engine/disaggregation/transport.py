@@ -21,6 +21,7 @@ from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVLayout, TransferBackendError, contiguous_runs
 
 logger = logging.getLogger(__name__)
+MAX_BATCH = 1024  # entries per batch_transfer_sync_write (0.3.13 returns -1 for 4096; 2048 works)
 
 
 class TransferFailed(RuntimeError):
@@ -71,7 +72,7 @@ class MooncakeTransport:
         srcs, dsts, lens = mooncake_write_list(self._layout, peer_layout, src, dst)
         if not srcs:
             return
-        rc = self.engine.batch_transfer_sync_write(peer["session_id"], srcs, dsts, lens)
+        rc = batched_write(self.engine, peer["session_id"], srcs, dsts, lens)
         if rc < 0:
             raise TransferFailed(f"Mooncake write to decode session {peer['session_id']} failed (rc {rc})")
 
@@ -82,6 +83,16 @@ class MooncakeTransport:
 
     def close(self) -> None:
         self.engine.batch_unregister_memory(self._ptrs)
+
+
+def batched_write(engine, session_id: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
+    """``batch_transfer_sync_write`` in batches of at most ``MAX_BATCH`` entries; first rc < 0, else 0."""
+    for i in range(0, len(srcs), MAX_BATCH):
+        j = i + MAX_BATCH
+        rc = engine.batch_transfer_sync_write(session_id, srcs[i:j], dsts[i:j], lens[i:j])
+        if rc < 0:
+            return rc
+    return 0
 
 
 def mooncake_write_list(

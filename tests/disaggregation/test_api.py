@@ -5,12 +5,13 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from conftest import POOL
+from pd_testlib import POOL
 
 from engine.bench.pd_peer import make_pool
 from engine.disaggregation import KVTransferError, TransferBackendError, create_kv_manager
 from engine.disaggregation.base import KVLayout, TransferTimeouts, contiguous_runs
 from engine.disaggregation.bootstrap import BootstrapServer
+from engine.disaggregation.transport import MAX_BATCH, batched_write
 
 
 def _registration(**overrides):
@@ -158,3 +159,16 @@ def test_contiguous_runs_and_layout():
     assert layout.page_bytes == 4 * 2 * 8 * 4 and layout.num_pages == 17
     other = KVLayout.from_pool(make_pool({**POOL, "heads": 1}))
     assert layout.mismatch(other) == "KV layout mismatch: page_bytes is 128 on the peer, 256 here"
+
+
+def test_mooncake_writes_go_in_batches_the_engine_accepts():
+    calls = []
+
+    class Engine:
+        def batch_transfer_sync_write(self, session, srcs, dsts, lens):
+            calls.append((session, len(srcs)))
+            return 0 if len(calls) < 3 else -1
+
+    n = 2 * MAX_BATCH + 5
+    assert batched_write(Engine(), "s", list(range(n)), list(range(n)), [1] * n) == -1
+    assert calls == [("s", MAX_BATCH), ("s", MAX_BATCH), ("s", 5)]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import D_TIMEOUTS, P_SEED, POOL, wait_terminal
+from pd_testlib import D_TIMEOUTS, P_SEED, POOL, wait_terminal
 
 from engine.bench.launcher import free_port
 from engine.bench.pd_peer import PeerProcess, make_pool, page_bytes
