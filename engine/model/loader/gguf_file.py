@@ -154,16 +154,29 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def load_gguf_file(path: Path) -> Checkpoint:
-    """Read config, tensors and tokenizer of a GGUF file; raises ``ModelLoadError`` naming ``path``."""
-    source = str(path)
+def _open(path: Path) -> tuple[_PlainArrayReader, dict[str, Any], ModelConfig]:
     try:
         reader = _PlainArrayReader(path)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(path, f"not a readable GGUF file: {exc}") from exc
     meta = _metadata(reader)
     names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf(meta, source, tie_word_embeddings="output.weight" not in names)
+    return (
+        reader,
+        meta,
+        ModelConfig.from_gguf(meta, str(path), tie_word_embeddings="output.weight" not in names),
+    )
+
+
+def load_gguf_config(path: Path) -> ModelConfig:
+    """Only the model config of a GGUF file (tensors stay unread); raises ``ModelLoadError``."""
+    return _open(path)[2]
+
+
+def load_gguf_file(path: Path) -> Checkpoint:
+    """Read config, tensors and tokenizer of a GGUF file; raises ``ModelLoadError`` naming ``path``."""
+    source = str(path)
+    reader, meta, config = _open(path)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         hf = _hf_name(t.name)

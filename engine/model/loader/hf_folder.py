@@ -60,13 +60,19 @@ def _eos_ids(*configs: dict[str, Any]) -> set[int]:
     return ids
 
 
+def load_hf_config(folder: Path) -> ModelConfig:
+    """Only the model config of ``folder`` (its ``config.json``); raises ``ModelLoadError``."""
+    return ModelConfig.from_hf(
+        _read_json(folder / "config.json", required=True), source=str(folder / "config.json")
+    )
+
+
 def load_hf_folder(folder: Path) -> Checkpoint:
     """Read config, weights and tokenizer of ``folder``.
 
     Raises ``ModelLoadError`` naming the file and the reason.
     """
-    raw_cfg = _read_json(folder / "config.json", required=True)
-    config = ModelConfig.from_hf(raw_cfg, source=str(folder / "config.json"))
+    config = load_hf_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(folder, "no *.safetensors weight files")

@@ -1,0 +1,168 @@
+"""``python -m engine.whatif TRACE``: how much of a trace's input each cache tier would serve.
+
+Replays a Mooncake-format trace through :class:`engine.whatif.replay.ReplayCache` once per capacity point
+(the cross product of the ``--l1-tokens`` / ``--l2-tokens`` / ``--l3-tokens`` lists) and prints per tier
+tokens served, share of input tokens, pages moved, bytes moved and an estimated TTFT saving; ``--json``
+prints one JSON object per point instead. Exit status 2 with a message naming the flag on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+
+from engine.cache.config import EVICTION_POLICIES, WRITE_POLICIES
+from engine.whatif.costs import Costs, measure_l2_bandwidth, measure_l3_bandwidth, measure_prefill
+from engine.whatif.replay import Capacities, replay_trace
+from engine.whatif.report import point_result, text_lines
+from engine.whatif.trace import TraceError, load_trace
+
+
+def capacity_list(text: str) -> list[float]:
+    """``"0,1e6,inf"`` -> ``[0, 1000000, inf]`` (tokens; ``inf`` = unbounded)."""
+    values = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        try:
+            value = math.inf if item == "inf" else float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a token count or inf") from None
+        if value < 0 or (not math.isinf(value) and value != int(value)):
+            raise argparse.ArgumentTypeError(f"{item!r} must be a whole number of tokens >= 0, or inf")
+        values.append(value if math.isinf(value) else int(value))
+    return values
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.whatif", description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("trace", help="Mooncake-format JSONL trace")
+    a("--block-tokens", type=positive_int, default=512, help="tokens per hash_ids block of the trace")
+    a("--page-size", type=positive_int, default=64, help="the worker's --page-size (tokens)")
+    a("--l1-tokens", type=capacity_list, default=[1_000_000], help="L1 tokens, or a comma list to sweep")
+    a("--l2-tokens", type=capacity_list, default=[0], help="L2 tokens (0 = no host tier, inf = unbounded)")
+    a("--l3-tokens", type=capacity_list, default=[0], help="L3 tokens (0 = no storage tier, inf = unbounded)")
+    a("--eviction", choices=EVICTION_POLICIES, default="lru", help="--radix-eviction-policy")
+    a("--write-policy", choices=WRITE_POLICIES, default="write_through", help="--hicache-write-policy")
+    a("--prefetch-threshold", type=int, default=256, help="L3 prefetch threshold (tokens)")
+    a(
+        "--kv-bytes-per-token",
+        type=positive_int,
+        default=None,
+        help="KV bytes per token (else from --model-path)",
+    )
+    a("--model-path", default="smollm2", help="model whose config gives the KV bytes per token")
+    a("--kv-cache-dtype", default="bfloat16", help="dtype of the KV cache for the bytes per token")
+    a("--prefill-us-per-token", type=positive_float, default=None, help="else measured with --model-path")
+    a("--l2-gbps", type=positive_float, default=None, help="L2 -> L1 GB/s (else measured on this host)")
+    a("--l3-gbps", type=positive_float, default=None, help="L3 -> L2 GB/s (else measured on this host)")
+    a("--no-ttft", action="store_true", help="skip the TTFT estimate (and its measurements)")
+    a("--json", action="store_true", help="one JSON object per capacity point per line")
+    return p
+
+
+def resolve_costs(args: argparse.Namespace, bytes_per_token: int) -> Costs | None:
+    if args.no_ttft:
+        return None
+    measured = []
+    if args.prefill_us_per_token is None:
+        prefill = measure_prefill(args.model_path)
+        measured.append("prefill")
+    else:
+        prefill = args.prefill_us_per_token / 1e6
+    if args.l2_gbps is None:
+        l2 = measure_l2_bandwidth()
+        measured.append("l2")
+    else:
+        l2 = args.l2_gbps * 1e9
+    if args.l3_gbps is None:
+        l3 = measure_l3_bandwidth(args.page_size * bytes_per_token)
+        measured.append("l3")
+    else:
+        l3 = args.l3_gbps * 1e9
+    return Costs(prefill, l2, l3, tuple(measured))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    b, p = args.block_tokens, args.page_size
+    if b % p and p % b:
+        parser.error(f"--page-size {p}: must divide --block-tokens {b} or be a multiple of it")
+    points, errors = [], []
+    for caps in (Capacities(*c) for c in itertools.product(args.l1_tokens, args.l2_tokens, args.l3_tokens)):
+        try:
+            caps.check()
+            points.append(caps)
+        except ValueError as exc:
+            errors.append(str(exc))
+    if not points:
+        parser.error(errors[0])
+    for message in sorted(set(errors)):  # a sweep skips the impossible combinations it crosses
+        print(f"skipped sweep points: {message}", file=sys.stderr)
+    try:
+        reqs = load_trace(args.trace, b)
+    except TraceError as exc:
+        parser.error(f"trace: {exc}")
+    bytes_per_token = args.kv_bytes_per_token
+    if bytes_per_token is None:
+        from engine.model.errors import ModelLoadError
+        from engine.sizing.kv import model_kv_shape
+
+        try:
+            bytes_per_token = model_kv_shape(args.model_path, args.kv_cache_dtype).bytes_per_token
+        except (ModelLoadError, ValueError) as exc:
+            parser.error(f"--model-path / --kv-cache-dtype: {exc}")
+    costs = resolve_costs(args, bytes_per_token)
+    for caps in points:
+        start = time.perf_counter()
+        counters = replay_trace(
+            reqs,
+            caps,
+            block_tokens=b,
+            page_size=p,
+            eviction_policy=args.eviction,
+            write_policy=args.write_policy,
+            prefetch_threshold=args.prefetch_threshold,
+        )
+        result = point_result(
+            caps,
+            counters,
+            page_size=p,
+            bytes_per_token=bytes_per_token,
+            costs=costs,
+            replay_s=time.perf_counter() - start,
+        )
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            print("\n".join(text_lines(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
