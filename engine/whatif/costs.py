@@ -91,12 +91,11 @@ def measure_prefill(model_path: str, tokens: int = 512, dtype: str = "float32") 
     runner = ModelRunner(model_path, dtype=dtype, device=device)
     spec = runner.kv_pool_spec()
     pool = DeviceKVPool(tokens, 1, **vars(spec))
-    ids = torch.randint(0, runner.config.vocab_size, (tokens,), device=device)
-    slots = torch.arange(1, tokens + 1, device=device)
-    pos = torch.arange(tokens, device=device)
+    ids = torch.randint(0, runner.config.vocab_size, (tokens,)).tolist()
+    batch = ForwardBatch.from_sequences([ids], [torch.arange(1, tokens + 1)], device=device)
 
     def forward() -> None:
-        runner.forward(ForwardBatch(ids, pos, slots, [tokens], [tokens], [slots]), pool)
+        runner.forward(batch, pool)
         if device == "cuda":
             torch.cuda.synchronize()
 
