@@ -1,10 +1,15 @@
 """Reads behind the console's server-rendered parts: live worker facts, hosts, routers, storage use."""
 
 import json
+import math
+import time
 from collections import defaultdict
 
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
 from controlplane.inventory.selectors import router_breakers
+from controlplane.telemetry import store
+from controlplane.telemetry.metrics import TIERS
+from controlplane.telemetry.selectors import POOLS
 from controlplane.workerclient import RouterClient, WorkerClient, WorkerError
 
 # HiCache settings shown on the worker page, in this order (SGLang server-arg names).
@@ -126,3 +131,37 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
         for w in registered
     ]
     return {"router": router, "rows": rows, "live": live, "error": error, "breakers": breakers}
+
+
+def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:
+    """Per pool (regular/prefill/decode) the last `window_s` of cached tokens served per second and running
+    requests, in `bucket_s` buckets, from each worker's stored samples: {pool: {ts: [epoch s], cached_rate:
+    [tokens/s], running: [requests]}}; seeds the fleet page's sparklines, which websocket pushes extend."""
+    now = time.time()
+    first = math.floor((now - window_s) / bucket_s)
+    out = {}
+    for worker_id, role in EngineWorker.objects.values_list("id", "role"):
+        pool = POOLS.get(role, "regular")
+        last = {}  # bucket -> the worker's newest sample in it
+        for sample in store.history(worker_id, int(window_s) + 60):
+            bucket = math.floor(float(sample.get("ts") or 0) / bucket_s)
+            if bucket >= first:
+                last[bucket] = sample
+        series = out.setdefault(pool, defaultdict(lambda: [0.0, 0.0]))
+        prev = None
+        for bucket in sorted(last):
+            sample = last[bucket]
+            series[bucket][1] += float(sample.get("num_running_reqs") or 0)
+            if prev is not None and sample["ts"] > prev["ts"]:
+                served = sum(float(sample.get(f"cached_tokens_{t}") or 0) for t in TIERS)
+                before = sum(float(prev.get(f"cached_tokens_{t}") or 0) for t in TIERS)
+                series[bucket][0] += max(0.0, served - before) / (sample["ts"] - prev["ts"])
+            prev = sample
+    return {
+        pool: {
+            "ts": [(b + 1) * bucket_s for b in sorted(series)],
+            "cached_rate": [series[b][0] for b in sorted(series)],
+            "running": [series[b][1] for b in sorted(series)],
+        }
+        for pool, series in out.items()
+    }

@@ -10,7 +10,7 @@ urlpatterns = [
     path("favicon.ico", RedirectView.as_view(url=static("frontend/favicon.svg"), permanent=True)),
     path("login/", auth_views.LoginView.as_view(template_name="frontend/login.html"), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("", views.page, {"name": "fleet"}, name="fleet"),
+    path("", views.fleet, name="fleet"),
     path("workers/<int:pk>/", views.worker, name="worker"),
     path("hosts/<int:pk>/", views.host, name="host"),
     path("routers/<int:pk>/", views.router, name="router"),

@@ -22,8 +22,14 @@ def _render(request, name: str, pk: int | None = None, **context):
 @login_required
 @ensure_csrf_cookie
 def page(request, name: str, pk: int | None = None):
-    """Pages whose content is all live: fleet, operations, launch, operation, audit."""
+    """Pages whose content is all live: operations, launch, operation, audit."""
     return _render(request, name, pk)
+
+
+@login_required
+@ensure_csrf_cookie
+def fleet(request):
+    return _render(request, "fleet", pool_history=selectors.pool_history())
 
 
 @login_required

@@ -5,7 +5,8 @@
 
 With --demo it starts the local fleet (control plane, Mooncake master, two SmolLM2 workers, sglang-router,
 traffic), runs one detach + attach operation so the operation and audit pages have content, waits until
-the worker charts hold samples, then writes docs/console/<page>.png (full page) and stops the fleet.
+the worker charts hold samples, then writes docs/console/<page>.png (full page; confirm.png is the launch
+confirmation, cancelled) and stops the fleet.
 Exits 1 naming the page when one fails to render.
 """
 
@@ -70,6 +71,16 @@ def shoot(base: str, user: str, password: str, api, out_dir: Path, settle_s: flo
             width = page.evaluate("document.documentElement.scrollWidth")
             print(f"{name:12s} {path:24s} scrollWidth={width}px -> {target.relative_to(REPO)}", flush=True)
             written.append(target)
+        if api("GET", "/api/v1/inventory/workers/").json()["count"]:  # the launch confirmation dialog
+            page.goto(base + "/operations/new/")
+            page.wait_for_selector("body[data-loaded='1']")
+            page.locator("#select-all").check()
+            page.get_by_label("Reason (kept in the audit log and on the operation)").fill("docs screenshot")
+            page.get_by_role("button", name="Review and launch").click()
+            page.wait_for_selector("#confirm[open]")
+            page.screenshot(path=str(out_dir / "confirm.png"))
+            written.append(out_dir / "confirm.png")
+            page.locator("#confirm-cancel").click()
         browser.close()
     return written
 

@@ -114,3 +114,23 @@ def test_worker_page_shows_live_hicache_config(client, personas, fake_worker):
     fake.stop()
     page = client.get(f"/workers/{worker.pk}/").content.decode()
     assert "worker unreachable" in page
+
+
+def test_pool_history_seeds_fleet_sparklines(client, personas):
+    import time
+
+    from controlplane.telemetry import store
+    from frontend.selectors import pool_history
+
+    mixed, prefill = EngineWorkerFactory(role="mixed"), EngineWorkerFactory(role="prefill")
+    now = time.time()
+    for worker, served in ((mixed, (0, 200)), (prefill, (100, 100))):
+        for ago, tokens in zip((25, 5), served, strict=True):
+            sample = {"ts": now - ago, "num_running_reqs": 2.0, "cached_tokens_device": tokens / 2}
+            store.save_sample(worker.pk, {**sample, "cached_tokens_host": tokens / 2})
+    history = pool_history(window_s=60, bucket_s=10)
+    assert history["regular"]["cached_rate"][-1] == pytest.approx(10.0)  # 200 tokens in 20 s
+    assert history["prefill"]["cached_rate"] == [0.0, 0.0]
+    assert history["regular"]["running"] == [2.0, 2.0]
+    client.force_login(personas["viewer"][0])
+    assert 'id="pool-history"' in client.get("/").content.decode()

@@ -23,7 +23,7 @@
     var series = [{ value: function (u, v) { return v == null ? "–" : KV.time.text(v); } }].concat(opts.series.map(function (s, i) {
       var color = s.color || PALETTE[i % PALETTE.length];
       return {
-        label: s.label, stroke: color, width: 1.5, spanGaps: false,
+        label: s.label, stroke: color, width: 1.5, spanGaps: true,
         fill: opts.stacked ? tint(color, 0.85) : undefined,
         points: { show: false },
         value: function (u, v, si, idx) { return idx == null ? "–" : fmt(raw[si] ? raw[si][idx] : v); }
@@ -54,9 +54,15 @@
     var u = new window.uPlot(uopts, [[]].concat(series.slice(1).map(function () { return []; })), el);
     el.addEventListener("mouseleave", function () { hovering = false; showLatest(); });
 
-    function showLatest() {
-      var n = u.data[0].length;
-      if (!hovering && n && !opts.spark) u.setLegend({ idx: n - 1 });
+    function showLatest() {  // the newest sample where every series has a value (else any value)
+      if (hovering || opts.spark) return;
+      var n = u.data[0].length, any = -1;
+      for (var i = n - 1; i >= 0; i--) {
+        var vals = u.data.slice(1).map(function (c) { return c[i]; });
+        if (vals.every(function (v) { return v != null; })) { u.setLegend({ idx: i }); return; }
+        if (any < 0 && vals.some(function (v) { return v != null; })) any = i;
+      }
+      if (any >= 0) u.setLegend({ idx: any });
     }
     var api = {
       uplot: u,

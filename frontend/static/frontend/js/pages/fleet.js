@@ -6,6 +6,7 @@ KV.ready(function () {
   var SPARK_S = 300;
   var workers = [], hostNames = {}, rows = {}, cards = {}, spark = {}, prevTotals = {};
   var tplWorker = KV.$("#tpl-worker"), tplPool = KV.$("#tpl-pool");
+  var seeds = JSON.parse(KV.$("#pool-history").textContent);  // server-side 5 min of history per pool
 
   function matches(w, q) {
     return !q || [w.name, w.host_name, w.model_name, w.role, w.storage_backend].join(" ").toLowerCase().indexOf(q) >= 0;
@@ -33,8 +34,9 @@ KV.ready(function () {
       if (!cards[pool]) {
         cards[pool] = KV.fill(tplPool, p);
         KV.$("#pools").appendChild(cards[pool]);
+        var seed = seeds[pool] || { ts: [], cached_rate: [], running: [] };
         spark[pool] = {
-          xs: [], cached: [], running: [],
+          xs: seed.ts.slice(), cached: seed.cached_rate.slice(), running: seed.running.slice(),
           cachedChart: KV.chart(KV.$("[data-spark=cached]", cards[pool]), { series: [{ label: "cached tokens/s" }], unit: "tok/s", spark: true }),
           runningChart: KV.chart(KV.$("[data-spark=running]", cards[pool]), { series: [{ label: "running" }], unit: "reqs", spark: true })
         };

@@ -1,9 +1,10 @@
 /* Worker page: one hour of samples from the API, then each worker.metrics push appended in place.
-   Derived series: per-tier cached tokens/s (counter deltas), hit share over a sliding 60 s window,
+   Derived series: per-tier cached tokens/s and cache I/O tokens/s (counter rates over 10 s), hit share over
+   a sliding 60 s window,
    prefetch in flight = started - completed - timed out - revoked. */
 KV.ready(function () {
   "use strict";
-  var HIT_WINDOW_S = 60, MAX_SAMPLES = 1800, TIERS = ["device", "host", "storage"];
+  var HIT_WINDOW_S = 60, RATE_WINDOW_S = 10, MAX_SAMPLES = 1800, TIERS = ["device", "host", "storage"];
   var TIER_LABELS = ["L1 device", "L2 host", "L3 storage"];
   var samples = [], lastSeq = 0, pushed = 0;
   var charts = {
@@ -22,24 +23,31 @@ KV.ready(function () {
   function col(key) { return samples.map(function (s) { return s[key] == null ? null : s[key]; }); }
   function delta(a, b, key) { var d = (b[key] || 0) - (a[key] || 0); return d >= 0 ? d : (b[key] || 0); }  // counter reset
 
+  /* per-second rate of counter `key` over the last RATE_WINDOW_S (as Prometheus rate()), one per sample */
+  function rate(key) {
+    var j = 0;
+    return samples.map(function (s, i) {
+      while (j < i - 1 && s.ts - samples[j + 1].ts >= RATE_WINDOW_S) j++;
+      var base = samples[j], dt = s.ts - base.ts;
+      return i > 0 && dt > 0 && s[key] != null && base[key] != null ? delta(base, s, key) / dt : null;
+    });
+  }
   function redraw() {
     var xs = col("ts");
-    var rates = TIERS.map(function () { return []; }), shares = TIERS.map(function () { return []; });
+    var shares = TIERS.map(function () { return []; });
     var j = 0;
     samples.forEach(function (s, i) {
-      var prev = samples[i - 1], dt = prev ? s.ts - prev.ts : 0;
-      TIERS.forEach(function (t, k) { rates[k].push(prev && dt > 0 ? delta(prev, s, "cached_tokens_" + t) / dt : null); });
       while (j < i && s.ts - samples[j].ts > HIT_WINDOW_S) j++;  // oldest sample inside the window
       var base = samples[j], hits = TIERS.map(function (t) { return j < i ? delta(base, s, "cached_tokens_" + t) : 0; });
       var total = hits[0] + hits[1] + hits[2];
       TIERS.forEach(function (t, k) { shares[k].push(total > 0 ? hits[k] / total : null); });
     });
-    charts.cached.set(xs, rates);
+    charts.cached.set(xs, TIERS.map(function (t) { return rate("cached_tokens_" + t); }));
     charts.hits.set(xs, shares);
     charts.ttft.set(xs, [col("ttft_p50_s"), col("ttft_p90_s")]);
     charts.itl.set(xs, [col("itl_p50_s"), col("itl_p90_s")]);
     charts.pool.set(xs, [col("host_pool_use")]);
-    charts.bw.set(xs, [col("load_back_tokens_per_s"), col("prefetch_tokens_per_s"), col("backup_tokens_per_s")]);
+    charts.bw.set(xs, [rate("load_back_tokens_total"), rate("prefetched_tokens_total"), rate("backuped_tokens_total")]);
     var done = ["prefetch_completed_total", "prefetch_timeout_total", "prefetch_revoked_total"];
     var inflight = samples.map(function (s) {
       return Math.max(0, (s.prefetch_started_total || 0) - done.reduce(function (a, k) { return a + (s[k] || 0); }, 0));
@@ -54,7 +62,9 @@ KV.ready(function () {
   function add(s) {
     if (!s || s.seq <= lastSeq) return false;
     lastSeq = s.seq;
-    samples.push(s);
+    var at = samples.length;
+    while (at > 0 && samples[at - 1].ts > s.ts) at--;  // keep time order (samples carry their scrape time)
+    samples.splice(at, 0, s);
     if (samples.length > MAX_SAMPLES) samples.shift();
     return true;
   }
