@@ -1,4 +1,6 @@
-"""AuditEvent: one append-only row per change. Rows are never updated or deleted through the ORM."""
+"""AuditEvent: one append-only row per change. The database refuses updates and deletes (triggers of
+migration 0002; see append_only.py); only a launch record's pending outcome is set once, by
+services.audit_outcome_resolve."""
 
 from django.conf import settings
 from django.db import models
@@ -12,7 +14,11 @@ class Outcome(models.TextChoices):
 
 class AuditEvent(models.Model):
     occurred_at = models.DateTimeField(auto_now_add=True, db_index=True)
-    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    # No database constraint and no on-delete action: deleting a user leaves its audit rows as written
+    # (id and `actor_display` kept); the append-only triggers would refuse a SET NULL anyway.
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.DO_NOTHING, db_constraint=False
+    )
     actor_display = models.CharField(max_length=150, blank=True)
     actor_type = models.CharField(max_length=10, default="user")  # user | token | system
     token_prefix = models.CharField(max_length=16, blank=True)

@@ -60,3 +60,14 @@ def audit_record(
         outcome=outcome,
         extra=extra or {},
     )
+
+
+def audit_outcome_resolve(*, operation_id: int, action: str, outcome: str) -> int:
+    """Set the outcome of an operation's launch record (written `pending`) once the operation has ended.
+
+    The one change an audit row allows: the database trigger accepts an UPDATE only of `outcome`, and only
+    from `pending`. Returns how many rows were resolved (0 when already resolved).
+    """
+    return AuditEvent.objects.filter(
+        operation_id=operation_id, action=action, outcome=Outcome.PENDING, object_type="operations.operation"
+    ).update(outcome=outcome)

@@ -71,7 +71,7 @@ class FakeFleet:
                 "is_idle": True,
                 "num_running_reqs": 0,
                 "num_waiting_reqs": 0,
-                "hicache": {"backend_name": backend},
+                "hicache": {"hicache_storage_backend": backend},
             }
         if route == "/hicache/storage-backend":
             if method == "PUT":

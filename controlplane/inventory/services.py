@@ -9,6 +9,7 @@ from controlplane.core.exceptions import ApplicationError, ConflictError
 from controlplane.core.services import model_create, model_snapshot, model_update
 from controlplane.inventory.models import EngineWorker, Gpu, Host, StorageProfile, WorkerState
 from controlplane.workerclient import RouterClient, WorkerError
+from engine.server.contract import HICACHE_EXTRA_KEYS, backend_extra_config
 
 _HOST_FIELDS = ("address", "agent_version", "cpu_count", "memory_bytes")
 _WORKER_FIELDS = ("name", "url", "role", "model_name", "tp_size", "dp_size", "page_size")
@@ -47,13 +48,19 @@ def worker_drain(*, worker: EngineWorker, actor) -> dict:
     return {"worker": worker.pk, "router": worker.router.url, "removed": removed}
 
 
+def profile_extra(profile: StorageProfile) -> dict:
+    """The profile's extra config as the backend takes it: without the HiCache tuning keys."""
+    return {k: v for k, v in (profile.extra_config or {}).items() if k not in HICACHE_EXTRA_KEYS}
+
+
 def storage_profile_matching(*, backend: str, extra_config: dict | None) -> StorageProfile | None:
-    """The one storage profile with this backend and exactly this extra config (None counts as ``{}``); None
-    when no profile or several match (the backend alone does not say which cluster or path is attached)."""
+    """The one storage profile with this backend and exactly this extra config (None counts as ``{}``; the
+    HiCache tuning keys are not part of it); None when no profile or several match (the backend alone does
+    not say which cluster or path is attached)."""
     if not backend:
         return None
-    want = extra_config or {}
-    found = [p for p in StorageProfile.objects.filter(backend=backend) if p.extra_config == want]
+    want = {k: v for k, v in (extra_config or {}).items() if k not in HICACHE_EXTRA_KEYS}
+    found = [p for p in StorageProfile.objects.filter(backend=backend) if profile_extra(p) == want]
     return found[0] if len(found) == 1 else None
 
 
@@ -176,3 +183,27 @@ def worker_undrain(*, worker: EngineWorker, actor) -> dict:
         action="undrain", obj=worker, before={"in_router": listed}, after={"in_router": True}, actor=actor
     )
     return {"worker": worker.pk, "router": worker.router.url, "added": not listed}
+
+
+def worker_storage_observed(
+    *, worker: EngineWorker, state: dict, profile: StorageProfile | None = None
+) -> None:
+    """Record the L3 backend a worker reported live (GET /hicache/storage-backend body) and the storage
+    profile it is running: `profile` when the live backend and extra config are that profile's, else the one
+    profile they identify (None when none or several match): never a profile the engine did not take."""
+    backend = state.get("hicache_storage_backend") or ""
+    extra = backend_extra_config(state)
+    taken = profile is not None and profile.backend == backend and profile_extra(profile) == extra
+    EngineWorker.objects.filter(pk=worker.pk).update(
+        storage_backend=backend,
+        storage_profile=profile if taken else storage_profile_matching(backend=backend, extra_config=extra),
+    )
+
+
+def worker_config_observed(*, worker: EngineWorker, state: dict, revision=None) -> None:
+    """Record the HiCache config a worker reported live (GET /hicache/config body); `revision` is stored as
+    the worker's config revision only when given (the change it asked for was read back)."""
+    fields = {"hicache_config": {**(worker.hicache_config or {}), **state}}
+    if revision is not None:
+        fields["config_revision"] = revision
+    EngineWorker.objects.filter(pk=worker.pk).update(**fields)

@@ -1,8 +1,10 @@
 """Operation, its per-target state machine rows, and stored Idempotency-Key responses.
 
-Target states: pending -> waiting_for_idle -> applying -> verifying -> succeeded | failed | reverted |
-cancelled.
-`TRANSITIONS` is the whole table; `services.target_transition` is the only writer of `OperationTarget.state`.
+Target states: pending -> waiting_for_idle -> applying -> verifying -> succeeded | failed | cancelled; under
+all_or_nothing, any target an apply was sent to (succeeded, or failed after the apply went out) then moves to
+reverting -> reverted | revert_failed.
+`TRANSITIONS` is the whole table; `services.transitions.target_transition` is the only writer of
+`OperationTarget.state`.
 """
 
 from django.conf import settings
@@ -21,6 +23,11 @@ class Policy(models.TextChoices):
     ALL_OR_NOTHING = "all_or_nothing"
 
 
+class NoRouter(models.TextChoices):
+    REFUSE = "refuse"
+    WARN = "warn"
+
+
 class OperationState(models.TextChoices):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -37,7 +44,9 @@ class TargetState(models.TextChoices):
     VERIFYING = "verifying"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    REVERTING = "reverting"
     REVERTED = "reverted"
+    REVERT_FAILED = "revert_failed"
     CANCELLED = "cancelled"
 
 
@@ -48,17 +57,28 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     # A 400 "not idle" from the worker sends the target back to waiting: waited on, never forced.
     T.APPLYING: frozenset({T.VERIFYING, T.WAITING_FOR_IDLE, T.FAILED}),
     T.VERIFYING: frozenset({T.SUCCEEDED, T.FAILED}),
-    # all_or_nothing: a succeeded target is reverted when another fails (failed if the revert itself fails).
-    T.SUCCEEDED: frozenset({T.REVERTED, T.FAILED}),
+    # all_or_nothing: once any target failed, every target an apply was sent to is possibly changed and is
+    # reverted (drained, idle-waited, restored and read back like an apply).
+    T.SUCCEEDED: frozenset({T.REVERTING}),
+    T.FAILED: frozenset({T.REVERTING}),
+    T.REVERTING: frozenset({T.REVERTED, T.REVERT_FAILED}),
 }
-ACTIVE_STATES = frozenset({T.PENDING, T.WAITING_FOR_IDLE, T.APPLYING, T.VERIFYING})
-FINAL_STATES = frozenset({T.FAILED, T.REVERTED, T.CANCELLED})
+ACTIVE_STATES = frozenset({T.PENDING, T.WAITING_FOR_IDLE, T.APPLYING, T.VERIFYING, T.REVERTING})
+# States with no way out (succeeded and failed can still be reverted under all_or_nothing).
+FINAL_STATES = frozenset({T.REVERTED, T.REVERT_FAILED, T.CANCELLED})
+OUTCOME_STATES = frozenset({T.SUCCEEDED, T.FAILED, T.REVERTED, T.REVERT_FAILED})
 
 
 class Operation(models.Model):
     kind = models.CharField(max_length=20, choices=OperationKind.choices)
     policy = models.CharField(max_length=20, choices=Policy.choices, default=Policy.BEST_EFFORT)
     drain = models.BooleanField(default=False, help_text="Remove each worker from its router while applying")
+    no_router = models.CharField(
+        max_length=10,
+        choices=NoRouter.choices,
+        default=NoRouter.REFUSE,
+        help_text="drain asked, worker has no router: refuse the launch, or warn and apply undrained",
+    )
     storage_profile = models.ForeignKey(
         "inventory.StorageProfile", null=True, blank=True, on_delete=models.PROTECT, related_name="operations"
     )
@@ -96,7 +116,13 @@ class OperationTarget(models.Model):
     explanation = models.TextField(blank=True)
     polls = models.PositiveIntegerField(default=0)
     drained = models.BooleanField(default=False, help_text="Removed from its router by this target")
-    revert_requested = models.BooleanField(default=False)
+    apply_sent = models.BooleanField(
+        default=False, help_text="An apply request went out: the worker may have changed (revert reads it)"
+    )
+    changed = models.BooleanField(
+        null=True, help_text="The worker's live state differed from `before` (null: unknown, unreadable)"
+    )
+    revert_cause = models.TextField(blank=True, help_text="Why this target is being reverted")
     idle_deadline_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True, help_text="Reaper fails the target after this")
     updated_at = models.DateTimeField(auto_now=True)
@@ -107,7 +133,7 @@ class OperationTarget(models.Model):
         constraints = [
             models.UniqueConstraint(
                 fields=["worker"],
-                condition=Q(state__in=["pending", "waiting_for_idle", "applying", "verifying"]),
+                condition=Q(state__in=["pending", "waiting_for_idle", "applying", "verifying", "reverting"]),
                 name="one_active_target_per_worker",
             )
         ]

@@ -23,8 +23,9 @@ def operation_list(*, filters: dict | None = None) -> QuerySet:
     return OperationFilter(filters or {}, queryset=qs).qs
 
 
-def _probe(worker: EngineWorker) -> dict:
+def _probe(worker: EngineWorker, drain: bool) -> dict:
     """The parsed idle state of one worker; ``error`` says only how the probe failed."""
+    router = worker.router.name if worker.router_id else None
     row = {
         "worker_id": worker.pk,
         "name": worker.name,
@@ -34,8 +35,16 @@ def _probe(worker: EngineWorker) -> dict:
         "num_running_reqs": None,
         "num_waiting_reqs": None,
         "storage_backend": None,
+        "inflight_cache_io": None,
+        "router": router,
+        "warnings": [],
         "error": "",
     }
+    if drain and router is None:
+        row["warnings"].append(
+            "drain asked but this worker has no router: the launch is refused, or (no_router=warn) "
+            "applied without draining"
+        )
     try:
         info = WorkerClient(worker.url, timeout=2.0).server_info()
     except WorkerError as exc:
@@ -48,13 +57,14 @@ def _probe(worker: EngineWorker) -> dict:
         row["error"] = "/server_info is not a worker's JSON object"
         return row
     hicache = info.get("hicache") if isinstance(info.get("hicache"), dict) else {}
-    backend = hicache.get("backend_name") or info.get("hicache_storage_backend")
+    backend = hicache.get("hicache_storage_backend")
     row.update(
         reachable=True,
         is_idle=info.get("is_idle") is True,
         num_running_reqs=_count(info.get("num_running_reqs")),
         num_waiting_reqs=_count(info.get("num_waiting_reqs")),
         storage_backend=backend if isinstance(backend, str) and len(backend) <= 20 else None,
+        inflight_cache_io=_io_counts(info.get("inflight_cache_io")),
     )
     return row
 
@@ -63,7 +73,14 @@ def _count(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31 else None
 
 
-def operation_preview(*, workers: list[EngineWorker]) -> list[dict]:
-    """One row per worker: reachable, is_idle, running/waiting counts, attached backend, 8 probes at once."""
+def _io_counts(value) -> dict | None:
+    if not isinstance(value, dict):
+        return None
+    return {str(k)[:20]: _count(v) or 0 for k, v in list(value.items())[:8]}
+
+
+def operation_preview(*, workers: list[EngineWorker], drain: bool = False) -> list[dict]:
+    """One row per worker, 8 probes at once: reachable, is_idle, running/waiting counts, cache I/O in flight,
+    the live attached backend (server_info's `hicache`), its router, and warnings (drain asked, no router)."""
     with ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(_probe, workers))
+        return list(pool.map(lambda w: _probe(w, drain), workers))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from controlplane.audit.append_only import set_purge_allowed
 from controlplane.celery import app as celery_app
 
 HERE = Path(__file__).resolve().parent
@@ -64,6 +65,8 @@ settings.PASSWORD_HASHERS = [
     "django.contrib.auth.hashers.PBKDF2PasswordHasher",
 ]
 celery_app.conf.update(broker_url=TEST_REDIS_URL, task_default_queue=TEST_QUEUE)
+# The flush between transactional tests deletes audit rows; test_audit_append_only turns this off again.
+set_purge_allowed(True)
 
 
 def subprocess_env(**extra) -> dict:

@@ -1,9 +1,15 @@
-"""Fake engine workers and a fake sglang-router: REAL HTTP servers on 127.0.0.1 free ports (fakes only because
-no GPU engine runs in this test environment). They serve the CONTRACTS.md worker API the control plane uses.
+"""Fake engine workers and a fake sglang-router: REAL HTTP servers on 127.0.0.1 free ports, for the many
+state-machine cases that would each need a fleet of engines. The worker side answers through the worker
+contract's models (engine/server/contract.py), so a drift from the engine's API fails here; the contract
+test (tests/server/test_worker_contract.py) runs the same calls against the real SmolLM2 engine.
 
-FakeWorker modes: idle; busy for N server_info polls (`busy_polls`); busy forever (`busy_polls=-1`);
-failing (`fail_admin=True`: PUT/DELETE answer 500); unreachable (`stop()` closes the socket). While busy, the
-admin PUT/DELETE answer 400 "... not idle ..." exactly like the engine's idle gate, and change nothing.
+FakeWorker modes: idle; busy for N server_info polls (`busy_polls`); busy forever (`busy_polls=-1`); only
+cache I/O in flight for N polls (`io_polls`); failing (`fail_admin=True`: PUT/DELETE answer 500); slow
+(`apply_delay_s`: the next write is made, then its answer waits, so a client timeout hides a change that
+took effect); ignoring writes (`ignore_writes=True`: 200 but nothing changes, a read-back mismatch);
+unreachable (`stop()` closes the socket). While busy, the admin PUT/DELETE answer 400 "... not idle ..."
+exactly like the engine's idle gate, and change nothing. Re-attaching the attached backend changes only the
+policies (its extra config stays), as on the engine.
 """
 
 import json
@@ -11,7 +17,13 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
+from pydantic import ValidationError
+
+from engine.server.contract import AttachRequest, ConfigUpdate, HiCacheConfigStatus, StorageBackendStatus
+
 DEFAULT_CONFIG = {
+    "hicache_mem_layout": "layer_first",
+    "hicache_io_backend": "direct",
     "hicache_storage_prefetch_policy": "best_effort",
     "hicache_write_policy": "write_through",
     "prefetch_threshold": 256,
@@ -44,6 +56,11 @@ class _FakeHTTP:
                 with owner.lock:
                     owner.calls.append((method, self.path))
                     status, body, ctype = owner.handle(method, self.path, self.headers, self._body())
+                    delay = getattr(owner, "apply_delay_s", 0.0) if method in ("PUT", "DELETE") else 0.0
+                    if delay:
+                        owner.apply_delay_s = 0.0  # one slow answer
+                if delay:
+                    threading.Event().wait(delay)
                 data = (
                     body
                     if isinstance(body, bytes)
@@ -87,6 +104,9 @@ class FakeWorker(_FakeHTTP):
     ):
         self.admin_key = admin_key
         self.busy_polls = busy_polls
+        self.io_polls = 0
+        self.apply_delay_s = 0.0
+        self.ignore_writes = False
         self.fail_admin = False
         self.not_idle_puts = (
             0  # answer the next N admin writes 400 "not idle" even though server_info says idle
@@ -102,21 +122,38 @@ class FakeWorker(_FakeHTTP):
     def busy(self) -> bool:
         return self.busy_polls != 0
 
+    def storage_status(self) -> dict:
+        return StorageBackendStatus(
+            hicache_storage_backend=self.backend,
+            hicache_storage_backend_extra_config=self.backend_extra if self.backend else None,
+            hicache_storage_prefetch_policy=self.config["hicache_storage_prefetch_policy"],
+            hicache_write_policy=self.config["hicache_write_policy"],
+        ).model_dump()
+
+    def config_status(self) -> dict:
+        extra = json.loads(self.backend_extra or "{}") if self.backend else None
+        return HiCacheConfigStatus(
+            hicache_storage_backend=self.backend, hicache_storage_backend_extra_config=extra, **self.config
+        ).model_dump()
+
     def server_info(self) -> dict:
         if self.busy_polls > 0:
             self.busy_polls -= 1
+        if self.io_polls > 0 and self.busy_polls == 0:
+            self.io_polls -= 1
         busy = self.busy_polls != 0
+        io = self.io_polls > 0
         return {
             "model_path": self.model_name,
             "page_size": 16,
             "enable_hierarchical_cache": True,
             "hicache_storage_backend": self.backend,
             "disaggregation_mode": "null",
-            "is_idle": not busy,
+            "is_idle": not busy and not io,
             "num_running_reqs": 2 if busy else 0,
             "num_waiting_reqs": 1 if busy else 0,
-            "inflight_cache_io": {"writes": 0, "loads": 0, "prefetches": 0, "backups": 0},
-            "hicache": {"backend_name": self.backend, **self.config},
+            "inflight_cache_io": {"writes": 0, "loads": 0, "prefetches": 0, "backups": 3 if io else 0},
+            "hicache": self.config_status(),
         }
 
     def metrics_text(self) -> str:
@@ -159,35 +196,39 @@ class FakeWorker(_FakeHTTP):
             if error:
                 return error[0], error[1], text_t
             if method == "GET" and path == "/hicache/storage-backend":
-                return (
-                    200,
-                    {
-                        "hicache_storage_backend": self.backend,
-                        "hicache_storage_backend_extra_config": self.backend_extra,
-                        "hicache_storage_prefetch_policy": self.config["hicache_storage_prefetch_policy"],
-                        "hicache_write_policy": self.config["hicache_write_policy"],
-                    },
-                    json_t,
-                )
+                return 200, self.storage_status(), json_t
             if method == "GET":
-                return 200, dict(self.config), json_t
-            if self.busy or self.not_idle_puts > 0:
+                return 200, self.config_status(), json_t
+            if self.busy or self.not_idle_puts > 0 or self.io_polls > 0:
                 self.not_idle_puts = max(0, self.not_idle_puts - 1)
+                if self.io_polls > 0:
+                    return 400, "Reject: not idle: only cache I/O in flight: 3 L3 backup(s)", text_t
                 return 400, "Reject: scheduler is not idle. #queue-req=1 #running-req=2", text_t
             if self.fail_admin:
                 return 500, "internal error (fake failure)", text_t
+            if self.ignore_writes:
+                return 200, "HiCache storage backend attached.\n", text_t
             if path == "/hicache/config" and method == "PUT":
-                bad = sorted(set(body or {}) - set(DEFAULT_CONFIG))
-                if bad:
-                    return 400, f"unknown field {bad[0]}", text_t
-                self.config.update(body)
-                return 200, dict(self.config), json_t
+                try:
+                    update = ConfigUpdate.model_validate(body or {}).model_dump(exclude_none=True)
+                except ValidationError as exc:
+                    return 400, f"Failed to update HiCache config.\n{exc}", text_t
+                self.config.update(update)
+                return 200, self.config_status(), json_t
             if method == "PUT":
-                wanted = body.get("hicache_storage_backend")
+                try:
+                    req = AttachRequest.model_validate(body or {})
+                    json.loads(req.hicache_storage_backend_extra_config_json or "{}")
+                except (ValidationError, ValueError) as exc:
+                    return 400, f"Failed to attach HiCache storage backend.\n{exc}", text_t
+                wanted = req.hicache_storage_backend
                 if self.backend and self.backend != wanted:
                     return 400, f"Failed to attach: backend {self.backend} attached. Detach first.", text_t
-                self.backend = wanted
-                self.backend_extra = body.get("hicache_storage_backend_extra_config_json")
+                if not self.backend:
+                    self.backend, self.backend_extra = wanted, req.hicache_storage_backend_extra_config_json
+                for field in ("hicache_storage_prefetch_policy", "hicache_write_policy"):
+                    if getattr(req, field):
+                        self.config[field] = getattr(req, field)
                 return 200, "HiCache storage backend attached.\n", text_t
             if method == "DELETE":
                 self.backend, self.backend_extra = None, None
@@ -201,6 +242,7 @@ class FakeRouter(_FakeHTTP):
     def __init__(self):
         self.workers: dict[str, str] = {}
         self._next = 1
+        self.fail_adds = 0  # the next N POST /workers answer 500 (a failed re-add)
         super().__init__()
 
     def urls(self) -> set[str]:
@@ -217,6 +259,9 @@ class FakeRouter(_FakeHTTP):
             items = [{"id": wid, "url": url, "is_healthy": True} for wid, url in self.workers.items()]
             return 200, {"workers": items, "total": len(items)}, "application/json"
         if path == "/workers" and method == "POST":
+            if self.fail_adds > 0:
+                self.fail_adds -= 1
+                return 500, {"error": "fake add failure"}, "application/json"
             self.workers[f"w{self._next}"] = body["url"]
             self._next += 1
             return 202, {"status": "accepted"}, "application/json"

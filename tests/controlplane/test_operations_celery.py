@@ -55,7 +55,7 @@ def test_all_or_nothing_reverts_the_two_that_succeeded(celery_worker_process, ap
     fakes, workers = three_workers(fake_worker)
     op = wait_finished(launch(api_as, workers, "all_or_nothing"))
     states = {t.worker.name: t for t in op.targets.select_related("worker")}
-    assert op.state == "reverted"
+    assert op.state == "reverted", (op.explanation, op.summary)
     assert states["w3"].state == "failed" and "not idle within 1.5s" in states["w3"].explanation
     assert states["w1"].state == states["w2"].state == "reverted"
     assert "w3 failed" in op.explanation and "reverted: w1, w2" in op.explanation

@@ -2,7 +2,7 @@ from rest_framework import serializers
 
 from controlplane.configs.models import ConfigRevision
 from controlplane.inventory.models import EngineWorker, StorageProfile
-from controlplane.operations.models import Operation, OperationKind, OperationTarget, Policy
+from controlplane.operations.models import NoRouter, Operation, OperationKind, OperationTarget, Policy
 
 
 class OperationTargetSerializer(serializers.ModelSerializer):
@@ -18,7 +18,9 @@ class OperationTargetSerializer(serializers.ModelSerializer):
             "explanation",
             "polls",
             "drained",
-            "revert_requested",
+            "apply_sent",
+            "changed",
+            "revert_cause",
             "before",
             "after",
             "idle_deadline_at",
@@ -40,6 +42,7 @@ class OperationSerializer(serializers.ModelSerializer):
             "kind",
             "policy",
             "drain",
+            "no_router",
             "storage_profile",
             "revision",
             "state",
@@ -63,6 +66,11 @@ class OperationCreateSerializer(serializers.Serializer):
     workers = serializers.PrimaryKeyRelatedField(queryset=EngineWorker.objects.all(), many=True)
     policy = serializers.ChoiceField(choices=Policy.choices, default=Policy.BEST_EFFORT)
     drain = serializers.BooleanField(default=False)
+    no_router = serializers.ChoiceField(
+        choices=NoRouter.choices,
+        default=NoRouter.REFUSE,
+        help_text="drain=true, a worker has no router: refuse the launch (400) or warn and apply undrained",
+    )
     storage_profile = serializers.PrimaryKeyRelatedField(
         queryset=StorageProfile.objects.all(), required=False, allow_null=True
     )
@@ -86,4 +94,7 @@ class PreviewRowSerializer(serializers.Serializer):
     num_running_reqs = serializers.IntegerField(allow_null=True)
     num_waiting_reqs = serializers.IntegerField(allow_null=True)
     storage_backend = serializers.CharField(allow_null=True)
+    inflight_cache_io = serializers.DictField(child=serializers.IntegerField(), allow_null=True)
+    router = serializers.CharField(allow_null=True)
+    warnings = serializers.ListField(child=serializers.CharField())
     error = serializers.CharField()

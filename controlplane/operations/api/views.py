@@ -67,7 +67,10 @@ class OperationViewSet(viewsets.ReadOnlyModelViewSet, mixins.CreateModelMixin):
         )
 
     @extend_schema(
-        parameters=[OpenApiParameter("worker", int, many=True, required=True, description="Worker ids")],
+        parameters=[
+            OpenApiParameter("worker", int, many=True, required=True, description="Worker ids"),
+            OpenApiParameter("drain", bool, required=False, description="Warn about workers with no router"),
+        ],
         responses=s.PreviewRowSerializer(many=True),
     )
     @action(detail=False, methods=["get"], pagination_class=None)
@@ -80,8 +83,10 @@ class OperationViewSet(viewsets.ReadOnlyModelViewSet, mixins.CreateModelMixin):
             raise ApplicationError(
                 "worker must be integer ids", code="bad_worker", detail={"worker": ["integer ids"]}
             ) from exc
-        workers = list(EngineWorker.objects.filter(pk__in=ids).order_by("name"))
+        workers = list(EngineWorker.objects.select_related("router").filter(pk__in=ids).order_by("name"))
         missing = sorted(set(ids) - {w.pk for w in workers})
         if not ids or missing:
             raise ApplicationError(f"unknown or missing worker ids: {missing}", code="bad_worker")
-        return Response(s.PreviewRowSerializer(selectors.operation_preview(workers=workers), many=True).data)
+        drain = request.query_params.get("drain", "").lower() in ("1", "true", "yes")
+        rows = selectors.operation_preview(workers=workers, drain=drain)
+        return Response(s.PreviewRowSerializer(rows, many=True).data)

@@ -1,0 +1,208 @@
+"""Launching operations: create (one pending target per worker), Idempotency-Key replay, revert-from-audit,
+cancel."""
+
+import hashlib
+import json
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from controlplane.audit.models import AuditEvent, Outcome
+from controlplane.audit.services import audit_record
+from controlplane.core.context import current_request_id
+from controlplane.core.exceptions import ApplicationError, ConflictError
+from controlplane.inventory.models import EngineWorker
+from controlplane.operations.models import (
+    ACTIVE_STATES,
+    IdempotencyRecord,
+    NoRouter,
+    Operation,
+    OperationKind,
+    OperationState,
+    OperationTarget,
+    Policy,
+)
+from controlplane.operations.services.transitions import enqueue_steps
+
+
+def _request_hash(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def operation_create(
+    *,
+    kind: str,
+    workers: list[EngineWorker],
+    actor,
+    policy: str = Policy.BEST_EFFORT,
+    drain: bool = False,
+    no_router: str = NoRouter.REFUSE,
+    storage_profile=None,
+    revision=None,
+    idle_timeout_s: float | None = None,
+    reason: str = "",
+    dispatch: bool = True,
+) -> Operation:
+    """Create an operation with one pending target per worker and enqueue their steps after commit.
+
+    dispatch=False leaves the steps to the caller (the serial baseline of the benchmark drives them itself).
+    drain=True with a worker that has no router: no_router="refuse" raises, "warn" applies it undrained and
+    says so in the launch record and the target's explanation.
+
+    Raises ApplicationError (400) for a missing profile/revision, an empty/duplicate worker list or (refuse)
+    drain asked for workers without a router, ConflictError (409) naming the workers that already have an
+    active operation.
+    """
+    if not workers:
+        raise ApplicationError("choose at least one worker", code="no_targets")
+    if len({w.pk for w in workers}) != len(workers):
+        raise ApplicationError("a worker is listed twice", code="duplicate_target")
+    if kind == OperationKind.ATTACH and storage_profile is None:
+        raise ApplicationError("attach needs storage_profile", code="missing_storage_profile")
+    if kind == OperationKind.APPLY_CONFIG and revision is None:
+        raise ApplicationError("apply_config needs revision", code="missing_revision")
+    routerless = sorted(w.name for w in workers if drain and w.router_id is None)
+    if routerless and no_router == NoRouter.REFUSE:
+        raise ApplicationError(
+            f"drain asked but these workers have no router: {', '.join(routerless)} "
+            '(set no_router="warn" to apply to them undrained)',
+            code="no_router",
+            detail={"workers": routerless},
+        )
+    timeout = settings.OPERATION_IDLE_TIMEOUT_S if idle_timeout_s is None else idle_timeout_s
+    if timeout <= 0:
+        raise ApplicationError("idle_timeout_s must be positive", code="bad_timeout")
+    busy = OperationTarget.objects.filter(worker__in=workers, state__in=ACTIVE_STATES).select_related(
+        "worker"
+    )
+    if busy.exists():
+        names = sorted({t.worker.name for t in busy})
+        raise ConflictError(
+            f"workers already in a running operation: {', '.join(names)}",
+            code="worker_busy",
+            detail={"workers": names},
+        )
+    user = actor if getattr(actor, "is_authenticated", False) else None
+    try:
+        with transaction.atomic():
+            op = Operation.objects.create(
+                kind=kind,
+                policy=policy,
+                drain=drain,
+                no_router=no_router,
+                storage_profile=storage_profile,
+                revision=revision,
+                idle_timeout_s=timeout,
+                reason=reason,
+                created_by=user,
+                request_id=current_request_id(),
+            )
+            deadline = timezone.now() + timedelta(seconds=timeout + settings.OPERATION_APPLY_TIMEOUT_S)
+            targets = OperationTarget.objects.bulk_create(
+                [OperationTarget(operation=op, worker=w, deadline_at=deadline) for w in workers]
+            )
+            audit_record(
+                action=kind,
+                obj=op,
+                after=operation_snapshot(op, workers),
+                message=reason,
+                outcome=Outcome.PENDING,
+                operation_id=op.pk,
+                actor=actor,
+                extra={"worker_ids": [w.pk for w in workers], "undrained_no_router": routerless},
+            )
+            if dispatch:
+                enqueue_steps([t.pk for t in targets])
+    except IntegrityError as exc:
+        raise ConflictError(
+            "a chosen worker was claimed by another operation; retry", code="worker_busy"
+        ) from exc
+    return op
+
+
+def operation_snapshot(op: Operation, workers=None) -> dict:
+    workers = workers if workers is not None else [t.worker for t in op.targets.select_related("worker")]
+    return {
+        "kind": op.kind,
+        "policy": op.policy,
+        "drain": op.drain,
+        "storage_profile": op.storage_profile.name if op.storage_profile else None,
+        "revision": str(op.revision) if op.revision else None,
+        "idle_timeout_s": op.idle_timeout_s,
+        "workers": [w.name for w in workers],
+    }
+
+
+def operation_create_idempotent(*, key: str | None, user, payload: dict, create) -> tuple[int, dict, bool]:
+    """Run `create()` (returning a JSON body) at most once per (user, Idempotency-Key).
+
+    Returns (status, body, replayed). The same key with a different payload raises 422; a concurrent request
+    holding the same key raises 409 (retry later).
+    """
+    if not key:
+        return 201, create(), False
+    digest = _request_hash(payload)
+    record = IdempotencyRecord.objects.filter(user=user, key=key).first()
+    if record is not None:
+        if record.request_sha256 != digest:
+            raise ApplicationError(
+                "Idempotency-Key reused with a different request body",
+                code="idempotency_key_mismatch",
+                status_code=422,
+            )
+        return record.status_code, record.response_body, True
+    try:
+        with transaction.atomic():
+            body = create()
+            IdempotencyRecord.objects.create(
+                user=user, key=key, request_sha256=digest, status_code=201, response_body=body
+            )
+    except IntegrityError as exc:
+        raise ConflictError(
+            "a request with this Idempotency-Key is in flight; retry", code="idempotency_in_flight"
+        ) from exc
+    return 201, body, False
+
+
+def operation_create_from_audit(*, event: AuditEvent, actor, reason: str = "") -> Operation:
+    """ "Revert to this revision": a new operation that restores the state recorded by `event`."""
+    restore = (event.extra or {}).get("restore")
+    if not restore:
+        raise ApplicationError("this audit record has no revision to revert to", code="not_revertible")
+    workers = list(EngineWorker.objects.filter(pk__in=restore.get("worker_ids", [])))
+    from controlplane.configs.models import ConfigRevision
+    from controlplane.inventory.models import StorageProfile
+
+    return operation_create(
+        kind=restore["kind"],
+        workers=workers,
+        revision=ConfigRevision.objects.filter(pk=restore.get("revision_id")).first(),
+        storage_profile=StorageProfile.objects.filter(pk=restore.get("storage_profile_id")).first(),
+        actor=actor,
+        reason=reason or f"revert to audit record {event.pk}",
+    )
+
+
+def operation_cancel(*, op: Operation, actor, reason: str = "") -> Operation:
+    """Ask targets that have not started applying to stop; applying targets finish (never left half-done)."""
+    with transaction.atomic():
+        locked = Operation.objects.select_for_update().get(pk=op.pk)
+        if locked.state != OperationState.RUNNING:
+            raise ConflictError(f"operation {op.pk} already {locked.state}", code="not_running")
+        if locked.cancel_requested:
+            raise ConflictError(f"operation {op.pk} is already being cancelled", code="already_cancelling")
+        locked.cancel_requested = True
+        locked.save(update_fields=["cancel_requested"])
+        audit_record(
+            action="cancel",
+            obj=locked,
+            message=reason,
+            operation_id=locked.pk,
+            actor=actor,
+            before={"cancel_requested": False},
+            after={"cancel_requested": True},
+        )
+        enqueue_steps(list(locked.targets.filter(state__in=ACTIVE_STATES).values_list("pk", flat=True)))
+    return locked
