@@ -2,15 +2,17 @@
 
 Attach, detach (idempotent), clear, policy updates and the status the server reports. Every refusal is a
 :class:`CacheAdminError` and changes nothing; the cache refuses while its own I/O is in flight (the
-scheduler checks request idleness before calling).
+scheduler checks request idleness before calling). A runtime attach builds the backend (which may talk to
+a remote store) with :meth:`prepare_storage_backend` off the scheduler thread, then installs it there.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.cache.config import (
     PREFETCH_POLICIES,
     WRITE_POLICIES,
-    HiCacheConfig,
     parse_extra_config,
     split_extra_config,
 )
@@ -31,6 +33,20 @@ class CacheAdminError(ValueError):
     """A refused admin operation (attach/detach/clear/update); nothing was changed."""
 
 
+@dataclass
+class PreparedBackend:
+    """A started L3 backend not yet in use: ``extra`` is the parsed extra config (cache-level keys are
+    applied when it is installed). ``close()`` it when it is not installed."""
+
+    name: str
+    instance: HiCacheStorage
+    extra: dict
+    namespace: str
+
+    def close(self) -> None:
+        self.instance.close()
+
+
 class StorageAdminMixin:
     """Storage admin methods of :class:`~engine.cache.hiradix_cache.HiRadixCache` (uses its controller,
     host pool, tree, config and rank identity)."""
@@ -44,19 +60,20 @@ class StorageAdminMixin:
 
     def attach_storage_backend(
         self,
-        backend: str | HiCacheStorage,
+        backend: str | HiCacheStorage | PreparedBackend,
         extra_config_json: str | None = None,
         prefetch_policy: str | None = None,
         write_policy: str | None = None,
     ) -> str:
-        """Attach an L3 backend by registry name (or a ready instance) at runtime; returns a message.
+        """Attach an L3 backend by registry name, a ready instance or a :class:`PreparedBackend` (built
+        with ``prepare_storage_backend``; its extra config is used) at runtime; returns a message.
 
         Same backend already attached: only the given policies change. Raises ``CacheAdminError`` (and
-        changes nothing) for a bad policy or extra config, another backend attached ("Detach first"),
-        cache I/O in flight, or a backend that fails to start.
+        changes nothing; a prepared backend is then the caller's to close) for a bad policy or extra config,
+        another backend attached ("Detach first"), cache I/O in flight, or a backend that fails to start.
         """
         self._check_policies(prefetch_policy, write_policy)
-        name = backend if isinstance(backend, str) else type(backend).__name__
+        name = self._backend_label(backend)
         policies = {
             k: v for k, v in (("prefetch_policy", prefetch_policy), ("write_policy", write_policy)) if v
         }
@@ -67,12 +84,16 @@ class StorageAdminMixin:
             self.config = self.config.updated(**policies)
             return f"storage backend {name!r} already enabled; policies updated"
         self._check_admin("attach")
-        try:
-            extra = parse_extra_config(extra_config_json)
-        except ValueError as exc:
-            raise CacheAdminError(str(exc)) from exc
-        self._attach(backend, extra, self.config.updated(**policies))
+        if not isinstance(backend, PreparedBackend):
+            backend = self.prepare_storage_backend(backend, extra_config_json)
+        self._install(backend, policies)
         return f"Attached storage backend {name!r}"
+
+    @staticmethod
+    def _backend_label(backend: str | HiCacheStorage | PreparedBackend) -> str:
+        if isinstance(backend, PreparedBackend):
+            return backend.name
+        return backend if isinstance(backend, str) else type(backend).__name__
 
     def _check_policies(self, prefetch_policy: str | None, write_policy: str | None) -> None:
         if prefetch_policy is not None and prefetch_policy not in PREFETCH_POLICIES:
@@ -82,10 +103,18 @@ class StorageAdminMixin:
         if write_policy is not None and write_policy not in WRITE_POLICIES:
             raise CacheAdminError(f"hicache_write_policy: {write_policy!r} is not one of {WRITE_POLICIES}")
 
-    def _attach(self, backend: str | HiCacheStorage, extra: dict, config: HiCacheConfig) -> None:
-        name = backend if isinstance(backend, str) else type(backend).__name__
+    def prepare_storage_backend(
+        self, backend: str | HiCacheStorage, extra: str | dict | None = None
+    ) -> PreparedBackend:
+        """Build and start backend ``backend`` (a registry name or an instance) with ``extra`` (JSON text or
+        a dict) and register the host pool with it, without attaching it. Safe on any thread (it reads only
+        the cache's fixed layout and identity). Raises ``CacheAdminError`` naming what failed."""
+        if self.controller is None:
+            raise CacheAdminError("Reject attach: hierarchical cache is not enabled")
+        name = self._backend_label(backend)
         try:
-            config, backend_extra = split_extra_config(config, extra)
+            extra = extra if isinstance(extra, dict) else parse_extra_config(extra)
+            _, backend_extra = split_extra_config(self.config, extra)
         except ValueError as exc:
             raise CacheAdminError(str(exc)) from exc
         layout = self.host_pool.layout
@@ -109,11 +138,16 @@ class StorageAdminMixin:
                 instance.register_mem_pool_host(self.host_pool)
         except Exception as exc:
             raise CacheAdminError(f"storage backend {name!r} failed to start: {exc}") from exc
-        self.config = config.updated(storage_backend=name)
-        self.backend, self.backend_name = instance, name
+        return PreparedBackend(name, instance, extra, storage_config.namespace)
+
+    def _install(self, prepared: PreparedBackend, policies: dict) -> None:
+        """Start using ``prepared`` (scheduler thread): config, controller, page keys for the whole tree."""
+        config, _ = split_extra_config(self.config.updated(**policies), prepared.extra)
+        self.config = config.updated(storage_backend=prepared.name)
+        self.backend, self.backend_name = prepared.instance, prepared.name
         backup_skip = self.replicated_kv and self.tp_rank != 0
         self.controller.attach_storage(
-            instance, storage_config.namespace, config.prefetch_threshold, backup_skip, name
+            prepared.instance, prepared.namespace, config.prefetch_threshold, backup_skip, prepared.name
         )
         for node in self.tree.nodes():
             if node.hash_value is None:

@@ -114,7 +114,7 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         self._stats.host_total_tokens = self.host_pool.size
         if config.storage_backend:
             try:
-                self._attach(config.storage_backend, config.extra_config, self.config)
+                self._install(self.prepare_storage_backend(config.storage_backend, config.extra_config), {})
             except CacheAdminError as exc:
                 self.close()
                 raise ValueError(f"hicache_storage_backend {config.storage_backend!r}: {exc}") from exc

@@ -3,7 +3,9 @@
 Auth (upstream): without ``--admin-api-key`` every route answers 400 saying a key is required; with one, a
 missing or wrong ``Authorization: Bearer`` is 401. Attach, detach, clear and config changes run on the
 scheduler thread and only when it is idle (nothing running or waiting, no cache I/O in flight); otherwise 400
-with the queue counts and nothing changes. Bodies and texts:
+with the queue counts and nothing changes. An attach starts the new backend (e.g. connects to a Mooncake
+master, bounded by its checks) on a worker thread first, so neither the scheduler nor this event loop waits
+on the store. Bodies and texts:
 
 - ``PUT /hicache/storage-backend`` ``{hicache_storage_backend, hicache_storage_backend_extra_config_json?,
   hicache_storage_prefetch_policy?, hicache_write_policy?}`` -> 200 ``"HiCache storage backend attached.\\n"``
@@ -19,6 +21,8 @@ with the queue counts and nothing changes. Bodies and texts:
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -114,13 +118,27 @@ async def attach_backend(request: Request):
     prefetch = body.get("hicache_storage_prefetch_policy")
     write = body.get("hicache_write_policy")
 
+    failure = "Failed to attach HiCache storage backend."
+    cache = engine.scheduler.cache
+    prepared = None
+    if cache.backend_name is None:  # start the backend here, off the scheduler thread (it may be slow)
+        try:
+            prepared = await asyncio.to_thread(cache.prepare_storage_backend, name, extra)
+        except CacheAdminError as exc:
+            raise HTTPError(400, f"{failure}\n{exc}") from None
+
     def attach(cache):
         reattach = cache.backend_name == name
-        message = cache.attach_storage_backend(name, extra, prefetch_policy=prefetch, write_policy=write)
+        backend = name if prepared is None else prepared
+        message = cache.attach_storage_backend(backend, extra, prefetch_policy=prefetch, write_policy=write)
         return reattach, message
 
-    failure = "Failed to attach HiCache storage backend."
-    reattach, message = await _run_idle(engine, "attach", attach, failure)
+    try:
+        reattach, message = await _run_idle(engine, "attach", attach, failure)
+    except BaseException:
+        if prepared is not None and cache.backend is not prepared.instance:
+            await asyncio.to_thread(prepared.close)
+        raise
     a = engine.args
     if reattach:  # only the policies changed: the live backend keeps the extra config it started with
         if extra is not None and extra != a.hicache_storage_backend_extra_config:

@@ -8,14 +8,17 @@ Follows SGLang's ``MooncakeStore`` (hicache-spec §6.5) with these choices:
   multi-buffer batch calls (v1 interface);
 * ``page_first`` / ``page_first_direct`` host layouts only (a page's K and V are each one contiguous
   block); any other layout is a :class:`StorageConfigError`;
-* start-up checks that the master (and an HTTP metadata server) accept TCP connections and fails naming
-  the address; after ``setup`` a small put/get/remove round trip proves the transfer path;
+* start-up (and a runtime attach) checks that the master accepts TCP connections *and answers* (its RPC
+  server closes a connection whose request header is invalid at once; a port that accepts but stays silent
+  would make ``setup`` hang for minutes holding the GIL), and that an HTTP metadata server answers a GET,
+  each within ``ANSWER_TIMEOUT_S``, failing with a :class:`StorageError` naming the address; after ``setup``
+  a small put/get/remove round trip proves the transfer path;
 * ``close`` (detach) keeps the client mounted for the next attach in this process
   (:mod:`engine.cache.storage.mooncake_clients`), so pages in its segment are not lost;
 * at run time a failed store call (e.g. the master went away) is a miss or a failed write, counted in
   ``errors``; the backend then stops calling the store for a back-off window (1 s doubling to 30 s) and
-  only resumes once the master accepts a TCP connection again, so no caller waits on a dead store more
-  than once per window.
+  only resumes once the master answers again, so no caller waits on a dead store more than once per
+  window (the store's own RPC timeout, ~30 s, bounds that wait; its calls release the GIL).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import re
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 
 import torch
@@ -45,15 +50,38 @@ SUPPORTED_LAYOUTS = ("page_first", "page_first_direct")
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900  # the master did not answer: pause L3 calls (other negative codes fail one page)
 _PROBE_TIMEOUT_S = 1.0
+ANSWER_TIMEOUT_S = 2.0
+_INVALID_HEADER = b"\x00" * 32  # not a coro_rpc request header: the master's RPC server hangs up on it
 
 
-def _reachable(host: str, port: int, timeout: float = _PROBE_TIMEOUT_S) -> str | None:
-    """None when ``host:port`` accepts a TCP connection, else the reason."""
+def _master_problem(host: str, port: int, timeout: float = ANSWER_TIMEOUT_S) -> str | None:
+    """None when ``host:port`` accepts a connection and reacts (data or hang-up) to an invalid request
+    header within ``timeout`` seconds, as a live Mooncake master does; else the reason."""
     try:
-        with socket.create_connection((host, port), timeout=timeout):
+        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(_INVALID_HEADER)
+            sock.recv(64)
             return None
+    except TimeoutError:
+        return f"it accepts TCP connections but does not answer (nothing within {timeout:g} s)"
+    except ConnectionResetError:
+        return None
     except OSError as exc:
         return str(exc) or type(exc).__name__
+
+
+def _http_problem(url: str, timeout: float = ANSWER_TIMEOUT_S) -> str | None:
+    """None when ``url`` answers a GET with any HTTP status within ``timeout`` seconds, else the reason."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except TimeoutError:
+        return f"no HTTP answer within {timeout:g} s"
+    except (urllib.error.URLError, OSError) as exc:
+        return str(getattr(exc, "reason", exc))
 
 
 class _Backoff:
@@ -113,16 +141,15 @@ class MooncakeStore(HiCacheStorage):
         self._prefix = f"{tag}_" if tag else ""
         self._registered_ptr: int | None = None
         self._closed = False
-        self._backoff = _Backoff(lambda: _reachable(*self.config.master_host_port) is None)
+        self._backoff = _Backoff(lambda: _master_problem(*self.config.master_host_port) is None)
 
     def _check_servers(self) -> None:
         cfg = self.config
-        reason = _reachable(*cfg.master_host_port)
+        reason = _master_problem(*cfg.master_host_port)
         if reason is not None:
             raise StorageError(f"Mooncake master {cfg.master_server_address} is unreachable: {reason}")
-        match = re.match(r"https?://([^/:]+):(\d+)", cfg.metadata_server)
-        if cfg.metadata_server != P2P_HANDSHAKE and match:
-            reason = _reachable(match.group(1), int(match.group(2)))
+        if cfg.metadata_server != P2P_HANDSHAKE and re.match(r"https?://", cfg.metadata_server):
+            reason = _http_problem(cfg.metadata_server)
             if reason is not None:
                 raise StorageError(f"Mooncake metadata server {cfg.metadata_server} is unreachable: {reason}")
 
