@@ -152,6 +152,18 @@ class StorageAdminMixin:
         for node in self.tree.nodes():
             if node.hash_value is None:
                 self._ensure_hashes(node)
+        self._backup_host_pages()
+
+    def _backup_host_pages(self) -> None:
+        """Back up to the new L3 every node already in L2, parents before children (prefix order), so the
+        L3 chain of a conversation cached before the attach starts at page 0. Attach runs with no cache I/O
+        in flight, so every host copy is complete; a chain stops at a node without one."""
+        stack = list(self.tree.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.host_value is not None:
+                self._backup_to_storage(node)
+                stack.extend(node.children.values())
 
     def detach_storage_backend(self) -> str:
         """Stop using L3 (idempotent). L3 data, L1/L2 contents and page keys stay. Raises

@@ -227,20 +227,42 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
     def _write_backup(self, node: TreeNode, write_back: bool = False) -> bool:
         """Give ``node`` a host copy: queued (write-through, node locked until the ack) or synchronous
         (write-back eviction). Skipped under write-through while the parent has no host copy (newer
-        upstream) and when the host pool stays full after one host eviction."""
+        upstream) and when the host pool stays full after one host eviction.
+
+        Write-back first copies every ancestor that has no host copy yet (they stay on device), top down,
+        so L2 and L3 receive pages in prefix order: a hot shared prefix is never evicted as a leaf, and
+        without this its pages (page 0 above all) would never reach L3 and no L3 chain could be matched.
+        """
         parent = node.parent
-        if not write_back and parent is not self.tree.root and parent.host_value is None:
-            return False
+        if parent is not self.tree.root and parent.host_value is None:
+            if not write_back:
+                return False
+            missing = []
+            while parent is not self.tree.root and parent.host_value is None:
+                missing.append(parent)
+                parent = parent.parent
+            for ancestor in reversed(missing):
+                if not self._copy_to_host(ancestor):
+                    return False
+        return self._copy_to_host(node) if write_back else self._queue_write(node)
+
+    def _copy_to_host(self, node: TreeNode) -> bool:
+        """Synchronous L1 -> L2 copy of ``node`` (write-back), then its L3 backup when a backend is on."""
         host = self._alloc_host(len(node.key))
         if host is None:
             return False
         node.host_value = host
-        if write_back:
-            self.controller.io.backup(node.value, host)
-            self._stats.add(bytes_d2h=len(host) * self.device_pool.bytes_per_token)
-            if self.backend is not None:
-                self._backup_to_storage(node)
-            return True
+        self.controller.io.backup(node.value, host)
+        self._stats.add(bytes_d2h=len(host) * self.device_pool.bytes_per_token)
+        if self.backend is not None:
+            self._backup_to_storage(node)
+        return True
+
+    def _queue_write(self, node: TreeNode) -> bool:
+        host = self._alloc_host(len(node.key))
+        if host is None:
+            return False
+        node.host_value = host
         wid = next(self._ids)
         node.pending_write = wid
         self.tree.inc_lock_ref(node)
