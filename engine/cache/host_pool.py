@@ -124,6 +124,20 @@ class HostKVPool:
         return [page[0], page[1]]
 
 
+def requested_host_tokens(
+    device_size: int, page_size: int, bytes_per_token: int, ratio: float, size_gb: float
+) -> int:
+    """The host pool ``--hicache-size`` (GB, when > 0) or ``--hicache-ratio`` asks for, in whole pages
+    (rounded up past the division, as newer upstream), before any check."""
+    tokens = int(size_gb * 1e9 / bytes_per_token) if size_gb > 0 else int(device_size * ratio)
+    return (tokens // page_size + 1) * page_size
+
+
+def host_memory_reserve(available_bytes: int) -> int:
+    """RAM the host pool must leave free: 10 GiB, or a quarter of what is available below 40 GiB."""
+    return min(HOST_MEMORY_RESERVE, available_bytes // 4)
+
+
 def host_pool_tokens(
     device_size: int,
     page_size: int,
@@ -140,15 +154,14 @@ def host_pool_tokens(
     10 GiB; with less than 40 GiB available we keep a quarter so small machines can run), giving both
     numbers.
     """
-    tokens = int(size_gb * 1e9 / bytes_per_token) if size_gb > 0 else int(device_size * ratio)
-    tokens = (tokens // page_size + 1) * page_size
+    tokens = requested_host_tokens(device_size, page_size, bytes_per_token, ratio, size_gb)
     if tokens <= device_size:
         raise ValueError(
             f"host pool ({tokens} tokens) must be larger than the device pool ({device_size} tokens); "
             "raise --hicache-ratio above 1 or --hicache-size"
         )
-    available = _available_memory() if available_bytes is None else available_bytes
-    reserve = min(HOST_MEMORY_RESERVE, available // 4)
+    available = available_memory() if available_bytes is None else available_bytes
+    reserve = host_memory_reserve(available)
     needed = tokens * bytes_per_token
     if needed > available - reserve:
         raise ValueError(
@@ -159,7 +172,7 @@ def host_pool_tokens(
     return tokens
 
 
-def _available_memory() -> int:
+def available_memory() -> int:
     """MemAvailable from /proc/meminfo in bytes (falls back to total physical pages)."""
     try:
         with open("/proc/meminfo") as f:

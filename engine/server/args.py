@@ -21,13 +21,13 @@ from engine.cache.config import (
     parse_extra_config,
 )
 from engine.cache.storage.registry import registered_backends
+from engine.sizing.tiers import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from kernels import unavailable_reason
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")  # registered in engine/model/attention
 
 # Default L1 size on CPU when neither --max-total-tokens nor a GPU memory budget applies (tokens).
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 
 
 class ArgumentError(ValueError):

@@ -1,8 +1,8 @@
 """Build a running engine from launch arguments: model runner, L1 pool, radix/HiCache, scheduler, metrics.
 
-Sizing (SGLang semantics where they apply): the L1 pool holds ``--max-total-tokens`` tokens; without it, on
-cuda ``--mem-fraction-static`` (default 0.88) of the free GPU memory after loading weights, on cpu
-``CPU_DEFAULT_MAX_TOTAL_TOKENS``. ``--dtype auto`` is float32 on cpu and bfloat16 on cuda. Chunked prefill
+L1 sizing (SGLang semantics): :func:`engine.sizing.tiers.l1_pool_tokens` (``--max-total-tokens``;
+else on cuda ``--mem-fraction-static``, default 0.88, of the free GPU memory after loading weights; on cpu
+``CPU_DEFAULT_MAX_TOTAL_TOKENS``). ``--dtype auto`` is float32 on cpu and bfloat16 on cuda. Chunked prefill
 defaults to 2048 tokens on cpu and 8192 on cuda; -1 turns it off. The context length is
 ``--context-length`` or the model's ``max_position_embeddings``.
 """
@@ -18,9 +18,10 @@ from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
 from engine.model.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.server.args import CPU_DEFAULT_MAX_TOTAL_TOKENS, ArgumentError, ServerArgs
+from engine.server.args import ArgumentError, ServerArgs
 from engine.server.engine import Engine
 from engine.server.metrics import EngineMetrics
+from engine.sizing.tiers import l1_pool_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +46,14 @@ def hicache_config(args: ServerArgs) -> HiCacheConfig:
 
 
 def _pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
-    if args.max_total_tokens is not None:
-        tokens = args.max_total_tokens
-    elif args.device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        tokens = int(free * (args.mem_fraction_static or 0.88)) // bytes_per_token
-    else:
-        tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
-    return max(args.page_size, tokens // args.page_size * args.page_size)
+    free = torch.cuda.mem_get_info()[0] if args.device == "cuda" and args.max_total_tokens is None else None
+    return l1_pool_tokens(
+        args.page_size,
+        bytes_per_token,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        free_gpu_bytes=free,
+    )
 
 
 def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:

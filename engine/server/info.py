@@ -6,8 +6,9 @@
   when it does not finish within the watchdog timeout).
 - ``GET /server_info`` (alias ``/get_server_info``): every launch arg by SGLang dest name (``api_key`` and
   ``admin_api_key`` read ``"***"`` when set, else null), plus the scheduler's live state (``is_idle``,
-  ``num_running_reqs``, ``num_waiting_reqs``, ``inflight_cache_io``), ``hicache`` (the live storage status,
-  null without hierarchical cache) and ``disaggregation_mode``.
+  ``num_running_reqs``, ``num_waiting_reqs``, ``inflight_cache_io``), the pools' sizes in tokens
+  (``max_total_num_tokens`` L1, KVFleet's ``host_total_num_tokens`` L2 or null), ``hicache`` (the live
+  storage status, null without hierarchical cache) and ``disaggregation_mode``.
 - ``GET /model_info`` (alias ``/get_model_info``): ``model_path``, ``tokenizer_path``, ``is_generation``.
 - ``POST|GET /flush_cache``: clears L1 and L2 (never L3) when idle: 200, else 400 (upstream); 401 without
   the ``--api-key`` bearer when one is set.
@@ -75,6 +76,9 @@ def server_info(engine: Engine) -> dict:
             "served_model_name": engine.model_name,
             "context_length": engine.context_length,
             "max_total_num_tokens": state.get("max_total_num_tokens"),
+            "host_total_num_tokens": (state.get("cache_stats") or {}).get("host_total_tokens")
+            if engine.args.enable_hierarchical_cache
+            else None,
             "disaggregation_mode": engine.args.disaggregation_mode,
             "disaggregation_bootstrap_port": engine.args.disaggregation_bootstrap_port,
             "is_idle": state.get("is_idle", False),

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
@@ -29,16 +27,13 @@ class KVShape:
 
 
 def dtype_bytes(name: str) -> int:
-    """Bytes of one element of KV dtype ``name`` (``--kv-cache-dtype`` / ``--dtype`` names, or torch's).
+    """Bytes of one element of KV dtype ``name`` (``--dtype`` / ``--kv-cache-dtype`` names).
 
     Raises ``ValueError`` naming the dtype.
     """
-    if name in KV_DTYPES:
-        return KV_DTYPES[name]
-    dtype = getattr(torch, name, None)
-    if isinstance(dtype, torch.dtype):
-        return dtype.itemsize
-    raise ValueError(f"unknown KV dtype {name!r} (one of {', '.join(KV_DTYPES)})")
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {name!r} (one of {', '.join(KV_DTYPES)})")
+    return KV_DTYPES[name]
 
 
 def model_kv_shape(model_path: str, dtype: str) -> KVShape:

@@ -1,0 +1,105 @@
+"""``python -m engine.sizing``: KV bytes per token and per-tier token capacity for a worker's launch flags.
+
+The model is ``--model-path`` (only its config is read) or ``--num-layers`` / ``--num-kv-heads`` /
+``--head-dim``; the KV dtype is ``--dtype`` as the engine resolves it (``auto``: float32 on cpu, bfloat16
+on cuda). L1 follows ``--max-total-tokens`` or ``--mem-fraction-static`` of ``--free-gpu-memory-gb`` (cuda),
+L2 ``--hicache-ratio`` / ``--hicache-size`` with ``--enable-hierarchical-cache`` against
+``--host-memory-gb`` (default: this host's MemAvailable), L3 ``--l3-gb``. ``--json`` prints one object.
+Exit status 2 with a message naming the flag on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine.cache.host_pool import available_memory
+from engine.model.errors import ModelLoadError
+from engine.sizing.kv import KVShape, dtype_bytes, model_kv_shape
+from engine.sizing.tiers import size_tiers
+
+GB = 1e9
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.sizing", description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--model-path", default="smollm2")
+    a("--num-layers", type=int, help="with --num-kv-heads and --head-dim instead of --model-path")
+    a("--num-kv-heads", type=int)
+    a("--head-dim", type=int)
+    a("--dtype", default="auto", help="KV dtype: auto, float32, bfloat16, float16, fp8_e4m3, ...")
+    a("--device", choices=("cpu", "cuda"), default="cpu")
+    a("--page-size", type=int, default=1)
+    a("--max-total-tokens", type=int, default=None)
+    a("--mem-fraction-static", type=float, default=None)
+    a("--free-gpu-memory-gb", type=float, default=None, help="free GPU memory after the weights (cuda)")
+    a("--enable-hierarchical-cache", action="store_true")
+    a("--hicache-ratio", type=float, default=2.0)
+    a("--hicache-size", type=int, default=0, help="host pool GB; overrides --hicache-ratio when > 0")
+    a("--host-memory-gb", type=float, default=None, help="available host RAM (default: this host's)")
+    a("--l3-gb", type=float, default=0.0)
+    a("--json", action="store_true")
+    return p
+
+
+def kv_shape(args: argparse.Namespace, parser: argparse.ArgumentParser) -> KVShape:
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
+    try:
+        size = dtype_bytes(dtype)
+    except ValueError as exc:
+        parser.error(f"--dtype: {exc}")
+    given = [args.num_layers, args.num_kv_heads, args.head_dim]
+    if any(v is not None for v in given):
+        if any(v is None or v < 1 for v in given):
+            parser.error("--num-layers, --num-kv-heads and --head-dim go together, each >= 1")
+        return KVShape(*given, size)
+    try:
+        return model_kv_shape(args.model_path, dtype)
+    except ModelLoadError as exc:
+        parser.error(f"--model-path: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and args.max_total_tokens is None and args.free_gpu_memory_gb is None:
+        parser.error("--free-gpu-memory-gb: needed on cuda without --max-total-tokens")
+    shape = kv_shape(args, parser)
+    host = available_memory() if args.host_memory_gb is None else int(args.host_memory_gb * GB)
+    free_gpu = int(args.free_gpu_memory_gb * GB) if args.free_gpu_memory_gb is not None else None
+    try:
+        sizing = size_tiers(
+            shape.bytes_per_token,
+            args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            free_gpu_bytes=free_gpu if args.device == "cuda" else None,
+            enable_hierarchical_cache=args.enable_hierarchical_cache,
+            hicache_ratio=args.hicache_ratio,
+            hicache_size=args.hicache_size,
+            host_available_bytes=host,
+            l3_bytes=int(args.l3_gb * GB),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps(sizing.as_dict()))
+        return 0
+    s = sizing
+    dims = f"2 x {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}"
+    dims += f" x {shape.dtype_bytes} B"
+    print(f"KV bytes per token: {s.bytes_per_token:,} ({dims}); page {s.page_size} tokens")
+    print(f"L1 {s.l1_tokens:>14,} tokens  {s.l1_bytes / GB:10.2f} GB")
+    print(f"L2 {s.l2_tokens:>14,} tokens  {s.l2_bytes / GB:10.2f} GB")
+    if s.host_ram_left_bytes is not None:
+        print(f"   host RAM left after L2: {s.host_ram_left_bytes / GB:.2f} GB")
+    print(f"L3 {s.l3_tokens:>14,} tokens  {s.l3_bytes / GB:10.2f} GB")
+    for warning in s.warnings:
+        print(f"warning: {warning}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
