@@ -5,8 +5,8 @@ what it computes: keys and values are read through a token page table ``req_to_t
 pool slot of every token of sequence ``b`` in position order), grouped-query attention maps KV head ``j`` to
 query heads ``j*G .. j*G+G-1`` (HF ``repeat_kv``), softmax is computed online in fp32 (flash attention), and
 the new tokens' K/V are already in the pool when the kernel runs, so an extend reads its cached prefix and
-itself the same way. Unlike upstream, there is no split-KV decode stage (one program per sequence and KV
-head walks the whole sequence).
+itself the same way. Decode runs one program per sequence, KV head and KV split; with more than one split a
+second launch merges the parts by their log-sum-exp (upstream's two-stage decode).
 
 Shapes: ``Hq`` query heads, ``Hkv`` KV heads (``Hq % Hkv == 0``), ``D`` head dim (any; padded to a power of
 two >= 16 inside the kernel), pool buffers ``(S, Hkv, D)`` with a contiguous last dim.
@@ -24,6 +24,9 @@ from kernels.launch import jit
 BLOCK_N = 32  # keys per step
 BLOCK_M = 16  # extend queries per program
 BLOCK_H = 16  # decode: query heads of one KV head, padded (tl.dot needs >= 16 rows)
+DECODE_PROGRAMS = 256  # split-KV decode aims at this many programs (about 2 per SM on an H100/H200)
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 16
 # Row reductions through ``tl.reduce`` with the standard library's combine functions rather than ``tl.max`` /
 # ``tl.sum``: those are jit functions themselves, which an interpreted launch cannot call when Triton was
 # imported without TRITON_INTERPRET (see kernels.launch); the interpreter maps these two to numpy.
@@ -37,6 +40,8 @@ def _decode_kernel(
     k_buf,
     v_buf,
     out,
+    mid_o,
+    mid_lse,
     req_to_token,
     seq_lens,
     stride_qt,
@@ -48,18 +53,24 @@ def _decode_kernel(
     stride_ot,
     stride_oh,
     stride_req,
+    num_heads,
     scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
+    split_len = (seq_len + SPLITS - 1) // SPLITS
+    first = split * split_len
+    end = tl.minimum(first + split_len, seq_len)
     h = tl.arange(0, BLOCK_H)
     h_mask = h < GROUP
     heads = kv_head * GROUP + h
@@ -74,9 +85,9 @@ def _decode_kernel(
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
     acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)
     row = req_to_token + b.to(tl.int64) * stride_req
-    for start in range(0, seq_len, BLOCK_N):
+    for start in range(first, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < seq_len
+        n_mask = n < end
         slots = tl.load(row + n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(
@@ -93,12 +104,48 @@ def _decode_kernel(
         ).to(COMPUTE)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
         m_i = m_new
-    o = acc / l_i[:, None]
-    tl.store(
-        out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
-        o.to(out.dtype.element_ty),
-        mask=h_mask[:, None] & d_mask[None, :],
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (past a short sequence) has l = 0
+    mask = h_mask[:, None] & d_mask[None, :]
+    if SPLITS == 1:
+        tl.store(
+            out + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            o.to(out.dtype.element_ty),
+            mask=mask,
+        )
+    else:
+        part = (b * num_heads + heads).to(tl.int64) * SPLITS + split
+        tl.store(mid_o + part[:, None] * HEAD_DIM + d[None, :], o, mask=mask)
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse + part, lse, mask=h_mask)
+
+
+@jit
+def _decode_combine_kernel(
+    out,
+    mid_o,
+    mid_lse,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    s_mask = sp < SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    part = (b * num_heads + head).to(tl.int64) * SPLITS + sp
+    lse = tl.load(mid_lse + part, mask=s_mask, other=float("-inf"))
+    weight = tl.exp(lse - tl.reduce(lse, 0, _MAX))  # split 0 always holds keys, so the max is finite
+    o = tl.load(
+        mid_o + part[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
     )
+    o = tl.reduce(o * weight[:, None], 0, _SUM) / tl.reduce(weight, 0, _SUM)
+    tl.store(out + b * stride_ot + head * stride_oh + d, o.to(out.dtype.element_ty), mask=d_mask)
 
 
 @jit
@@ -206,6 +253,14 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 in full precision; ignored for 16-bit inputs
 
 
+def num_decode_splits(batch: int, kv_heads: int, max_seq_len: int) -> int:
+    """KV splits per sequence for decode: enough programs to fill a GPU (``DECODE_PROGRAMS``) when the batch
+    is small, each split at least ``MIN_SPLIT_KEYS`` keys, at most ``MAX_SPLITS``."""
+    by_length = -(-max_seq_len // MIN_SPLIT_KEYS)
+    by_occupancy = -(-DECODE_PROGRAMS // max(1, batch * kv_heads))
+    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -214,25 +269,36 @@ def decode_attention(
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    num_splits: int = 1,
 ) -> None:
     """Decode attention, written to ``out``.
 
     ``q``/``out``: ``(B, Hq, D)``, the one new token of each sequence (position ``seq_lens[b] - 1``);
     ``k_buf``/``v_buf``: ``(S, Hkv, D)`` one layer of the pool, same dtype as ``q``; ``req_to_token``:
     integer ``(B, W)``, ``W >= max(seq_lens)``; ``seq_lens``: integer ``(B,)``, each >= 1. Every key of the
-    sequence is attended. Raises ``ValueError`` for mismatched shapes or dtypes.
+    sequence is attended. ``num_splits`` > 1 cuts each sequence's keys into that many parts run by separate
+    programs and merged by their log-sum-exp in a second launch (upstream's split-KV decode; see
+    :func:`num_decode_splits`). Raises ``ValueError`` for mismatched shapes or dtypes.
     """
     group, block_d = _check(q, k_buf, v_buf, out)
     if group > BLOCK_H:
         raise ValueError(f"decode kernel handles at most {BLOCK_H} query heads per KV head, got {group}")
-    batch, kv_heads = q.shape[0], k_buf.shape[1]
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    batch, heads, kv_heads = q.shape[0], q.shape[1], k_buf.shape[1]
     if batch == 0:
         return
-    _decode_kernel[(batch, kv_heads)](
+    mid_o = mid_lse = out  # unused with one split
+    if num_splits > 1:
+        mid_o = torch.empty((batch, heads, num_splits, q.shape[2]), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, kv_heads, num_splits)](
         q,
         k_buf,
         v_buf,
         out,
+        mid_o,
+        mid_lse,
         req_to_token,
         seq_lens,
         q.stride(0),
@@ -244,15 +310,30 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         req_to_token.stride(0),
+        heads,
         scale,
         GROUP=group,
         HEAD_DIM=q.shape[2],
         BLOCK_D=block_d,
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,
+        SPLITS=num_splits,
         PRECISION=_precision(q.dtype),
         COMPUTE=_compute_dtype(q.dtype),
     )
+    if num_splits > 1:
+        _decode_combine_kernel[(batch, heads)](
+            out,
+            mid_o,
+            mid_lse,
+            out.stride(0),
+            out.stride(1),
+            heads,
+            HEAD_DIM=q.shape[2],
+            BLOCK_D=block_d,
+            SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )
 
 
 def extend_attention(

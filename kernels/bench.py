@@ -6,13 +6,15 @@ meaningless and it says so.
 
 1. Checks: the page-transfer kernel against torch indexing (every host layout, both directions, page sizes
    1/16/64, fp16/bf16/fp32, destinations pre-filled with NaN), decode and extend attention against dense
-   masked SDPA (fp32 within 1e-5, bf16/fp16 within 2e-2, GQA 1/4). Any failure exits 1 before timing.
+   masked SDPA (fp32 within 1e-5, bf16/fp16 within 2e-2, GQA 1/4, decode split over the keys). Any failure
+   exits 1 before timing.
 2. Transfer table, a Llama-3-8B-like KV (32 layers, 8 KV heads, head_dim 128, bf16) moving ``--tokens``
    tokens between scattered pages of a device pool and a pinned host pool: GB/s of the ``kernel`` io backend
    (one launch per layer for H2D as the load-back issues it, one launch for all layers for D2H), of the
    ``direct`` backend on the same pages, and of one contiguous pinned copy of the same bytes (the ceiling).
-3. Attention table: Triton decode / extend over the page table vs torch SDPA on the same K/V already
-   gathered into dense tensors (the baseline) and vs the engine's torch backend (gather + SDPA).
+3. Attention table: Triton decode (batch 64, and batch 1 with split-KV) and extend over the page table vs
+   torch SDPA on the same K/V already gathered into dense tensors (the baseline) and vs the engine's torch
+   backend (gather + SDPA).
 4. Load-back overlap: per-layer compute (a bf16 matmul per layer) alone, the kernel load-back alone, one after
    the other, and overlapped the way the engine runs them (loads on the load stream, layer i's compute waiting
    on layer i's event).
@@ -34,7 +36,7 @@ from engine.cache.io_backends import DirectIO, KernelIO
 from engine.model.attention.torch_backend import TorchAttentionBackend
 from engine.model.forward_batch import ForwardBatch
 from kernels import interpreting, unavailable_reason
-from kernels.attention import decode_attention, extend_attention
+from kernels.attention import decode_attention, extend_attention, num_decode_splits
 from kernels.transfer import PagedKV, copy_pages, layout_strides
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -155,8 +157,8 @@ def check_attention(device: torch.device) -> list[str]:
                 out = torch.full_like(q, float("nan"))
                 lens = torch.tensor(seq_lens, device=device)
                 scale = dim**-0.5
-                if decode:
-                    decode_attention(q, k_buf, v_buf, out, table, lens, scale)
+                if decode:  # split-KV when the longest sequence allows it
+                    decode_attention(q, k_buf, v_buf, out, table, lens, scale, num_splits=1 + group)
                 else:
                     cu = torch.tensor([0, *ext], device=device).cumsum(0)
                     extend_attention(q, k_buf, v_buf, out, table, lens, cu, max(ext), scale)
@@ -234,11 +236,9 @@ def bench_attention(
     iters: int,
 ) -> list[dict]:
     """Milliseconds per call of Triton decode / extend vs dense SDPA and the engine's torch backend (bf16)."""
-    shape = {"batch": batch, "prefix": prefix, "heads": heads, "kv_heads": kv_heads, "dim": dim}
-    return [
-        _attention_row(device, mode, new, iters=iters, **shape)
-        for mode, new in (("decode", 1), ("extend", extend))
-    ]
+    shape = {"prefix": prefix, "heads": heads, "kv_heads": kv_heads, "dim": dim, "iters": iters}
+    cases = (("decode", 1, batch), ("decode", 1, 1), ("extend", extend, batch))  # batch 1: split-KV decode
+    return [_attention_row(device, mode, new, batch=b, **shape) for mode, new, b in cases]
 
 
 def _attention_row(
@@ -261,9 +261,11 @@ def _attention_row(
     k_buf, v_buf = pool.get_kv(0)
     out = torch.empty_like(q)
 
+    splits = num_decode_splits(batch, kv_heads, seq) if mode == "decode" else 1
+
     def triton_call():
         if mode == "decode":
-            decode_attention(q, k_buf, v_buf, out, fb.req_to_token, fb.seq_lens, scale)
+            decode_attention(q, k_buf, v_buf, out, fb.req_to_token, fb.seq_lens, scale, splits)
         else:
             extend_attention(q, k_buf, v_buf, out, fb.req_to_token, fb.seq_lens, fb.cu_seqlens, new, scale)
 
@@ -285,7 +287,7 @@ def _attention_row(
         torch_backend.init_forward_metadata(fb)
         torch_backend.forward(q, k_new, v_new, 0, fb, pool)
 
-    row = {"mode": mode, "batch": batch, "prefix": prefix, "new": new}
+    row = {"mode": mode, "batch": batch, "prefix": prefix, "new": new, "splits": splits}
     row["triton ms"] = timed(triton_call, device, iters) * 1e3
     row["sdpa ms"] = timed(sdpa_call, device, iters) * 1e3
     row["engine torch ms"] = timed(engine_torch_call, device, iters) * 1e3

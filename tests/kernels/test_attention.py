@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import decode_attention, extend_attention
+from kernels.attention import decode_attention, extend_attention, num_decode_splits
 
 PAGE, KV_HEADS, HEAD_DIM = 16, 2, 16
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -71,9 +71,11 @@ def test_extend_over_cached_prefixes(group, dtype):
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 4])
-def test_decode_over_the_page_table(group, dtype):
+def test_decode_over_the_page_table(group, dtype, splits):
+    """``splits`` 3: split-KV decode, including empty splits for the 1- and 2-token sequences."""
     gen = torch.Generator().manual_seed(10 + group)
     seq_lens = [p + 1 for p in PREFIXES]
     k_buf, v_buf, slots = _pool(sum(seq_lens), dtype, gen)
@@ -81,7 +83,7 @@ def test_decode_over_the_page_table(group, dtype):
     q = torch.randn(len(seq_lens), KV_HEADS * group, HEAD_DIM, generator=gen).to(dtype)
     out = torch.full_like(q, float("nan"))
     scale = HEAD_DIM**-0.5
-    decode_attention(q, k_buf, v_buf, out, table, torch.tensor(seq_lens), scale)
+    decode_attention(q, k_buf, v_buf, out, table, torch.tensor(seq_lens), scale, num_splits=splits)
     ref = _reference(q, k_buf, v_buf, table, seq_lens, [1] * len(seq_lens), scale)
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=0)
 
@@ -109,3 +111,10 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="q \\(1, 3, 16\\)"):
         q = torch.zeros(1, 3, 16)
         decode_attention(q, k_buf, k_buf, q.clone(), torch.zeros(1, 4, dtype=torch.long), torch.ones(1), 1.0)
+
+
+def test_decode_splits_only_when_the_batch_cannot_fill_the_gpu():
+    assert num_decode_splits(batch=64, kv_heads=8, max_seq_len=4096) == 1  # 512 programs already
+    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=4096) == 16  # 4096 keys / 256, capped at 16
+    assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=300) == 2  # at least 256 keys per split
+    assert num_decode_splits(batch=4, kv_heads=2, max_seq_len=100) == 1

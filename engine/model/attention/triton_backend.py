@@ -2,9 +2,10 @@
 
 Per layer: the new tokens' K/V go to ``out_cache_loc``, then one kernel launch reads every key through the
 batch's ``req_to_token`` page table (``kernels.attention``): the decode kernel when every sequence adds one
-token, else the causal extend kernel over all sequences (a decode in a mixed batch is an extend of one
-token). Runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (Triton's interpreter; slow). ``kernels``
-is imported when the backend is built, so the torch backend never imports Triton.
+token (split over the keys when the batch is too small to fill the GPU), else the causal extend kernel over
+all sequences (a decode in a mixed batch is an extend of one token). Runs on CUDA, or on the CPU under
+``TRITON_INTERPRET=1`` (Triton's interpreter; slow). ``kernels`` is imported when the backend is built, so
+the torch backend never imports Triton.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ class TritonAttentionBackend(AttentionBackend):
         self._kernels = attention
         self._decode = False
         self._max_extend = 0
+        self._splits = 1
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._decode = batch.is_decode
         self._max_extend = max(batch.extend_lens_cpu)
+        if self._decode:
+            longest = max(batch.seq_lens_cpu)
+            self._splits = self._kernels.num_decode_splits(batch.batch_size, self.num_kv_heads, longest)
 
     def forward(
         self,
@@ -48,7 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self._decode:
             self._kernels.decode_attention(
-                q, k_buf, v_buf, out, batch.req_to_token, batch.seq_lens, self.scale
+                q, k_buf, v_buf, out, batch.req_to_token, batch.seq_lens, self.scale, self._splits
             )
         else:
             self._kernels.extend_attention(
