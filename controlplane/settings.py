@@ -58,6 +58,7 @@ INSTALLED_APPS = [
     "controlplane.audit",
     "controlplane.operations",
     "controlplane.telemetry",
+    "controlplane.capacity",
     "frontend",
 ]
 

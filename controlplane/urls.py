@@ -20,6 +20,7 @@ api_v1 = [
     path("operations/", include("controlplane.operations.api.urls")),
     path("audit/", include("controlplane.audit.api.urls")),
     path("telemetry/", include("controlplane.telemetry.api.urls")),
+    path("capacity/", include("controlplane.capacity.api.urls")),
     path("agent/", include(inventory_agent + telemetry_agent)),
 ]
 

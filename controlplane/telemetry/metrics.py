@@ -1,7 +1,8 @@
 """Turn SGLang Prometheus text into the flat snapshot the console charts (prometheus_client's parser).
 
 Snapshot keys (all floats): cached_tokens_{device,host,storage} (counters), cache_hit_rate, num_running_reqs,
-num_queue_reqs, hicache_host_used_tokens, hicache_host_total_tokens, host_pool_use (0..1),
+num_queue_reqs, hicache_host_used_tokens, hicache_host_total_tokens, max_total_num_tokens (L1 tokens),
+host_pool_use (0..1),
 {prefetched,backuped,load_back,evicted}_tokens_total, prefetch_{started,completed,timeout,revoked}_total,
 ttft_p50_s, ttft_p90_s, ttft_p99_s, itl_p50_s, itl_p90_s (seconds; quantiles of the cumulative
 sglang:time_to_first_token_seconds and sglang:inter_token_latency_seconds histograms, linear within the bucket
@@ -21,6 +22,7 @@ _PLAIN = {
     "sglang:num_queue_reqs": "num_queue_reqs",
     "sglang:hicache_host_used_tokens": "hicache_host_used_tokens",
     "sglang:hicache_host_total_tokens": "hicache_host_total_tokens",
+    "sglang:max_total_num_tokens": "max_total_num_tokens",
     "sglang:prefetched_tokens_total": "prefetched_tokens_total",
     "sglang:backuped_tokens_total": "backuped_tokens_total",
     "sglang:load_back_tokens_total": "load_back_tokens_total",

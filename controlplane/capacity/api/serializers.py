@@ -1,0 +1,31 @@
+from rest_framework import serializers
+
+from controlplane.capacity.services import DTYPE_BYTES
+
+
+class SizingQuerySerializer(serializers.Serializer):
+    """Query parameters of the sizing calculator: ``bytes_per_token``, or the model's ``num_layers``,
+    ``num_kv_heads``, ``head_dim`` and ``dtype``; then the worker's launch flags and the machine."""
+
+    bytes_per_token = serializers.IntegerField(min_value=1, required=False)
+    num_layers = serializers.IntegerField(min_value=1, required=False)
+    num_kv_heads = serializers.IntegerField(min_value=1, required=False)
+    head_dim = serializers.IntegerField(min_value=1, required=False)
+    dtype = serializers.ChoiceField(choices=sorted(DTYPE_BYTES), default="bfloat16")
+    page_size = serializers.IntegerField(min_value=1, default=1)
+    max_total_tokens = serializers.IntegerField(min_value=1, required=False)
+    mem_fraction_static = serializers.FloatField(min_value=0.01, max_value=1.0, required=False)
+    free_gpu_memory_bytes = serializers.IntegerField(min_value=1, required=False)
+    enable_hierarchical_cache = serializers.BooleanField(default=False)
+    hicache_ratio = serializers.FloatField(min_value=0, default=2.0)
+    hicache_size = serializers.IntegerField(min_value=0, default=0)
+    host_memory_bytes = serializers.IntegerField(min_value=0, required=False)
+    l3_bytes = serializers.IntegerField(min_value=0, default=0)
+
+    def validate(self, attrs):
+        shape = ("num_layers", "num_kv_heads", "head_dim")
+        if "bytes_per_token" not in attrs:
+            missing = [f for f in shape if f not in attrs]
+            if missing:
+                raise serializers.ValidationError({f: ["required without bytes_per_token"] for f in missing})
+        return attrs

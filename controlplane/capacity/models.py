@@ -1,0 +1,1 @@
+"""Capacity keeps no tables yet: the sizing calculator is arithmetic over its inputs (services.py)."""

@@ -1,0 +1,90 @@
+"""KV sizing arithmetic (the control plane's copy of ``engine/sizing/tiers.py``; the control plane never
+imports the engine, and ``tests/controlplane/test_capacity.py`` checks both give the same answer).
+
+Bytes per token = 2 x layers x KV heads x head_dim x dtype bytes. L1 = ``max_total_tokens``, else
+``mem_fraction_static`` (default 0.88) x free GPU memory / bytes per token, else (a cpu worker) 16,384;
+whole pages, at least one. L2 (hierarchical only) = ``hicache_size`` GB / bytes per token when > 0, else
+``hicache_ratio`` x L1, rounded up past whole pages (newer upstream). L3 = its bytes in whole pages.
+"""
+
+from __future__ import annotations
+
+GIB = 1 << 30
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+DEFAULT_MEM_FRACTION_STATIC = 0.88
+HIGH_MEM_FRACTION = 0.92
+HOST_MEMORY_RESERVE = 10 * GIB
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_sizing(
+    *,
+    bytes_per_token: int,
+    page_size: int,
+    max_total_tokens: int | None = None,
+    mem_fraction_static: float | None = None,
+    free_gpu_memory_bytes: int | None = None,
+    enable_hierarchical_cache: bool = False,
+    hicache_ratio: float = 2.0,
+    hicache_size: float = 0,
+    host_memory_bytes: int | None = None,
+    l3_bytes: int = 0,
+) -> dict:
+    """Per-tier tokens and bytes, host RAM left after L2, and warnings (same rules as the engine's)."""
+    warnings = []
+    fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+    if max_total_tokens is not None:
+        l1 = max_total_tokens
+        if max_total_tokens % page_size:
+            warnings.append(
+                f"--max-total-tokens {max_total_tokens} is not a multiple of --page-size {page_size}"
+            )
+    elif free_gpu_memory_bytes is not None:
+        l1 = int(free_gpu_memory_bytes * fraction) // bytes_per_token
+        if fraction > HIGH_MEM_FRACTION:
+            warnings.append(
+                f"--mem-fraction-static {fraction} leaves {(1 - fraction):.0%} of free GPU memory for "
+                "activations and CUDA graphs: expect out-of-memory under load (0.85-0.9 is usual)"
+            )
+    else:
+        l1 = CPU_DEFAULT_MAX_TOTAL_TOKENS
+    l1 = max(page_size, l1 // page_size * page_size)
+    l2, ram_left = 0, None
+    if enable_hierarchical_cache:
+        l2 = int(hicache_size * 1e9 / bytes_per_token) if hicache_size > 0 else int(l1 * hicache_ratio)
+        l2 = (l2 // page_size + 1) * page_size
+        if l2 <= l1:
+            warnings.append(
+                f"host pool ({l2} tokens) is not larger than L1 ({l1} tokens): the engine refuses to start; "
+                "raise --hicache-ratio above 1 or --hicache-size"
+            )
+        if host_memory_bytes is not None:
+            ram_left = host_memory_bytes - l2 * bytes_per_token
+            reserve = min(HOST_MEMORY_RESERVE, host_memory_bytes // 4)
+            if ram_left < reserve:
+                warnings.append(
+                    f"host pool needs {l2 * bytes_per_token / GIB:.2f} GiB of {host_memory_bytes / GIB:.2f} "
+                    f"GiB available, leaving less than the {reserve / GIB:.2f} GiB reserve: it would swap "
+                    "(the engine refuses to start); lower --hicache-ratio or --hicache-size"
+                )
+    l3 = l3_bytes // (page_size * bytes_per_token) * page_size
+    if l3 and l2 and l3 < l2:
+        warnings.append(f"L3 ({l3} tokens) is smaller than L2 ({l2} tokens): it cannot hold what L2 evicts")
+    if l3 and not enable_hierarchical_cache:
+        warnings.append("an L3 tier needs --enable-hierarchical-cache (L2 stages every L3 read and write)")
+    return {
+        "bytes_per_token": bytes_per_token,
+        "page_size": page_size,
+        "l1_tokens": l1,
+        "l1_bytes": l1 * bytes_per_token,
+        "l2_tokens": l2,
+        "l2_bytes": l2 * bytes_per_token,
+        "host_ram_left_bytes": ram_left,
+        "l3_tokens": l3,
+        "l3_bytes": l3 * bytes_per_token,
+        "warnings": warnings,
+    }
