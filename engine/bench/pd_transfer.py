@@ -11,8 +11,9 @@ For each case (prompt tokens, page size, D pages contiguous or scattered) and tr
   destination addresses, same batches of at most ``MAX_BATCH`` entries, same TransferEngine instance),
   timed around the calls; before the engine transfer in odd trials, after it in even ones.
 
-Prints GB/s of both (best trial) and the ratio raw time / engine time (median of paired trials);
-target >= 0.8.
+Prints GB/s of both (best trial each), the ratio of the best times (raw / engine, the figure; target
+>= 0.8) and the median of the paired per-trial ratios. On a loaded machine single trials vary by 2-4x for
+both paths alike, so the best-of figure is the stable one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from engine.bench.pd_peer import PeerProcess, fill_pool, make_pool, page_bytes
 from engine.disaggregation import KVPoll, create_kv_manager
 
+POLL_S = 0.001  # D polls like a scheduler between steps; a hot spin would steal the CPU D's TE receives on
 SMOLLM2 = {"layers": 30, "heads": 3, "head_dim": 64, "dtype": "float32"}
 
 
@@ -84,16 +86,17 @@ def run_case(prefill: PeerProcess, decode, tokens: int, page_size: int, scattere
         "raw_gbs": nbytes / min(raw_s) / 1e9,
         "engine_ms": statistics.median(engine_s) * 1e3,
         "raw_ms": statistics.median(raw_s) * 1e3,
-        "ratio": statistics.median(r / e for r, e in zip(raw_s, engine_s, strict=True)),
+        "ratio": min(raw_s) / min(engine_s),
+        "paired": statistics.median(r / e for r, e in zip(raw_s, engine_s, strict=True)),
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not the figures)")
-    parser.add_argument("--trials", type=int, default=None, help="trials per case (default 9, quick 4)")
+    parser.add_argument("--trials", type=int, default=None, help="trials per case (default 15, quick 4)")
     args = parser.parse_args(argv)
-    trials = args.trials or (4 if args.quick else 9)
+    trials = args.trials or (4 if args.quick else 15)
     cases = (
         [(256, 16, False)]
         if args.quick
@@ -107,9 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "\n| tokens | page_size | D pages | MiB | writes | engine GB/s | raw TE GB/s | engine ms (p50) "
-        "| raw ms (p50) | ratio raw/engine (paired p50) |"
+        "| raw ms (p50) | ratio raw/engine (best) | paired ratio p50 |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for page_size in sorted({p for _, p, _ in cases}):
         spec = {**SMOLLM2, "size": pool_tokens - pool_tokens % page_size, "page_size": page_size}
         prefill = PeerProcess("mooncake", "prefill", spec, seed=1, bootstrap_port=0)
@@ -128,7 +131,10 @@ def main(argv: list[str] | None = None) -> None:
                     raise RuntimeError("D's pages do not hold P's bytes")
                 cells = [r["tokens"], r["page_size"], r["layout"], f"{r['MiB']:.1f}", r["writes"]]
                 cells += [f"{r[k]:.2f}" for k in ("engine_gbs", "raw_gbs")]
-                cells += [f"{r[k]:.1f}" for k in ("engine_ms", "raw_ms")] + [f"{r['ratio']:.2f}"]
+                cells += [f"{r[k]:.1f}" for k in ("engine_ms", "raw_ms")] + [
+                    f"{r['ratio']:.2f}",
+                    f"{r['paired']:.2f}",
+                ]
                 print("| " + " | ".join(map(str, cells)) + " |", flush=True)
         finally:
             decode.close()
