@@ -10,8 +10,9 @@ processes:
 Workers run SmolLM2-135M with ``OMP_NUM_THREADS=1`` (one core each; pinning is applied to every thread of
 the worker). Workload: ``--decoders`` streaming clients in a loop, each a short random prompt
 (``--short-prompt`` tokens) decoding ``--decode-tokens`` tokens, while one client sends a long random prompt
-(``--long-prompt`` tokens, ``--long-output`` tokens) every ``--long-interval`` seconds: long prefills
-arriving while others decode. Random token ids, so no request hits the prefix cache.
+(``--long-prompt`` tokens, ``--long-output`` tokens), waits for it, pauses ``--long-interval`` seconds
+and sends the next: long prefills arriving while others decode, never piling up. Random token ids, so no
+request hits the prefix cache.
 Reports, per setup: ITL p50/p99 of the decoding streams (gap between stream frames / tokens in the frame),
 TTFT p50/p99 of the short and of the long requests, output tokens/s, errors; then PD/aggregated ratios.
 """
@@ -142,13 +143,10 @@ async def run_load(url: str, a: argparse.Namespace) -> dict:
             short.append(await _stream(client, a.short_prompt, a.decode_tokens, rng))
 
     async def prefiller(client: httpx.AsyncClient) -> None:
-        pending = set()
         while not stop.is_set():
-            pending.add(asyncio.ensure_future(_stream(client, a.long_prompt, a.long_output, rng)))
+            long_.append(await _stream(client, a.long_prompt, a.long_output, rng))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), a.long_interval)
-        for result in await asyncio.gather(*pending):
-            long_.append(result)
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await _stream(client, 16, 2, rng)  # warm-up through the whole path
@@ -184,21 +182,21 @@ COLUMNS = [("itl_p50", "ITL p50 ms", 1e3), ("itl_p99", "ITL p99 ms", 1e3),
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=90.0, help="seconds of load per setup")
-    p.add_argument("--decoders", type=int, default=3)
+    p.add_argument("--decoders", type=int, default=2)
     p.add_argument("--short-prompt", type=int, default=64)
-    p.add_argument("--decode-tokens", type=int, default=48)
-    p.add_argument("--long-prompt", type=int, default=1024)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--long-prompt", type=int, default=512)
     p.add_argument("--long-output", type=int, default=4)
-    p.add_argument("--long-interval", type=float, default=4.0)
+    p.add_argument("--long-interval", type=float, default=2.0)
     p.add_argument("--setups", default="pd,aggregated")
-    p.add_argument("--quick", action="store_true", help="20 s per setup (a smoke run, not the figures)")
+    p.add_argument("--quick", action="store_true", help="30 s per setup (a smoke run, not the figures)")
     a = p.parse_args(argv)
     if a.quick:
-        a.duration = 20.0
+        a.duration = 30.0
     print(f"# KVFleet PD vs aggregated, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
           f"{a.duration:g} s per setup; {a.decoders} decoders "
           f"({a.short_prompt} -> {a.decode_tokens} tokens), "
-          f"a {a.long_prompt}-token prompt every {a.long_interval:g} s")  # fmt: skip
+          f"{a.long_prompt}-token prompts, {a.long_interval:g} s apart")  # fmt: skip
     results = {}
     for setup in a.setups.split(","):
         with ExitStack() as stack:
