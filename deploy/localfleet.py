@@ -323,14 +323,17 @@ class LocalFleet:
 
     def _pd_router_workers(self) -> list[str]:
         """PD mode's router arguments: ``--prefill URL BOOTSTRAP_PORT`` per prefill worker, ``--decode URL``
-        per decode worker, and upstream's recommended PD policies."""
+        per decode worker, and upstream's recommended PD policies (power_of_two needs 2 decode workers)."""
         out = ["--pd-disaggregation"]
         for url, role in zip(self.worker_urls, self.worker_roles, strict=True):
             if role == "prefill":
                 out += ["--prefill", url, self.env["DEMO_BOOTSTRAP_PORT"]]
             else:
                 out += ["--decode", url]
-        return [*out, "--prefill-policy", "cache_aware", "--decode-policy", "power_of_two"]
+        decode_policy = (
+            "power_of_two" if self.worker_roles.count("decode") > 1 else "round_robin"
+        )  # p2 needs 2
+        return [*out, "--prefill-policy", "cache_aware", "--decode-policy", decode_policy]
 
     def _router(self) -> None:
         port = free_port()
@@ -468,7 +471,7 @@ def _banner(fleet: LocalFleet) -> str:
             f"  Console      {fleet.console_url}/",
             f"  Login        user {fleet.admin_user}, password {fleet.admin_password}",
             f"  Router       {fleet.router_url}   (sglang-router, "
-            + ("PD mode: prefill cache_aware, decode power_of_two" if fleet.pd else "cache_aware")
+            + ("PD mode: prefill cache_aware" if fleet.pd else "cache_aware")
             + "; try POST /generate)",
             f"  API          {fleet.console_url}/api/docs/   (token: {fleet.tokens['admin']})",
             "  Workers      "

@@ -4,7 +4,7 @@
 processes:
 
 * ``pd``: 1 prefill worker pinned to core 0 + 1 decode worker pinned to core 1 (``--disaggregation-mode``,
-  Mooncake TransferEngine), router ``--pd-disaggregation`` (prefill cache_aware, decode power_of_two);
+  Mooncake TransferEngine), router ``--pd-disaggregation`` (prefill cache_aware, decode round_robin);
 * ``aggregated``: 2 workers, one pinned to each core, router round_robin.
 
 Workers run SmolLM2-135M with ``OMP_NUM_THREADS=1`` (one core each; pinning is applied to every thread of
@@ -95,7 +95,7 @@ def start_setup(stack: ExitStack, setup: str) -> str:
         _pin(prefill.proc.pid, 0)
         _pin(decode.proc.pid, 1)
         args = ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
-                "--prefill-policy", "cache_aware", "--decode-policy", "power_of_two"]  # fmt: skip
+                "--prefill-policy", "cache_aware", "--decode-policy", "round_robin"]  # fmt: skip
     else:
         workers = [stack.enter_context(ServerProcess(WORKER_FLAGS, env=env)) for _ in range(2)]
         for core, w in enumerate(workers):
