@@ -37,12 +37,12 @@
       legend: { show: !opts.spark, live: true },
       scales: {
         x: { time: true },
-        y: { incrs: unit === "reqs" || unit === "count" ? [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 1e5, 1e6] : undefined,
-          range: opts.range01 ? [0, 1] : function (u, min, max) { return [0, max > 0 ? max * 1.1 : 1]; } }
+        y: { range: opts.range01 ? [0, 1] : function (u, min, max) { return [0, max > 0 ? max * 1.1 : 1]; } }
       },
       axes: opts.spark ? [{ show: false }, { show: false }] : [
         { stroke: "#3d4550", font: axisFont, grid: { stroke: "#e3e6ea", width: 1 }, ticks: { stroke: "#c9ced4" } },
         { stroke: "#3d4550", font: axisFont, size: 64, grid: { stroke: "#e3e6ea", width: 1 }, ticks: { stroke: "#c9ced4" },
+          incrs: unit === "reqs" || unit === "count" ? [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 1e5, 1e6] : undefined,
           label: unit === "%" || unit === "s" ? undefined : unit, labelSize: 18, labelFont: axisFont,
           values: function (u, vals) { return vals.map(axisFmt); } }
       ],
