@@ -124,7 +124,7 @@ def test_operator_console_end_to_end(
         assert serious_violations(page) == []
 
         page.get_by_role("link", name="Audit records").click()
-        rows = page.locator("#audit tbody tr", has_text="inventory.engineworker")
+        rows = page.locator("#audit tbody tr", has_text="worker gpu-")
         expect(rows).to_have_count(2)
         expect(rows.first).to_contain_text("alice")
         expect(rows.first.locator(".diff")).to_contain_text("mooncake")

@@ -83,8 +83,7 @@
     "tok": function (v) { return v == null ? "–" : si(v) + "tok"; },
     "reqs": function (v) { return v == null ? "–" : String(Math.round(v)); },
     "count": function (v) { return v == null ? "–" : si(v).trim(); },
-    "bytes": function (v) { return v == null ? "–" : si(v).replace(/ $/, " ") + "B"; },
-    "MiB": function (v) { return v == null ? "–" : +(v / 1024).toFixed(1) + " GiB"; }
+    "bytes": function (v) { return v == null ? "–" : si(v) + "B"; }
   };
   /* axis ticks: 3 significant digits with k/M/G, no unit (the axis label carries it) */
   KV.compact = function (v) { return v == null ? "" : si(v).trim(); };
@@ -199,7 +198,6 @@
       body.dataset.loaded = "1";
     });
   };
-  KV.localizeTimes = localizeTimes;
   document.addEventListener("DOMContentLoaded", function () {  // server-rendered pages without a module
     if (!KV.hasModule) { localizeTimes(document); body.dataset.loaded = "1"; }
   });

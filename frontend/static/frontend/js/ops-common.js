@@ -8,7 +8,7 @@
     op.targets.forEach(function (t) { counts[t.state] = (counts[t.state] || 0) + 1; });
     var end = op.finished_at || (op.state === "running" ? new Date().toISOString() : null);
     return Object.assign({}, op, {
-      kind_label: KV.KIND_LABELS[op.kind] || op.kind,
+      kind_label: KV.KIND_LABELS[op.kind] || op.kind, policy_label: op.policy.replace(/_/g, " "),
       targets_text: op.targets.length + " worker" + (op.targets.length === 1 ? "" : "s") + ": " +
         Object.keys(counts).sort().map(function (k) { return counts[k] + " " + k.replace(/_/g, " "); }).join(", "),
       duration: KV.time.duration(KV.time.between(op.created_at, end)) + (op.finished_at ? "" : " so far")

@@ -9,8 +9,12 @@ KV.ready(function () {
     KV.$$("input, select", form).forEach(function (el) { if (el.value) p.set(el.name, el.value); });
     return p.toString();
   }
+  var TYPES = { "inventory.engineworker": "worker", "inventory.storageprofile": "storage profile", "inventory.router": "router",
+    "inventory.host": "host", "inventory.gpu": "GPU", "operations.operation": "operation", "accounts.apitoken": "API token",
+    "auth.user": "user", "configs.configprofile": "config profile", "configs.configrevision": "config revision" };
   function view(e) {
     return Object.assign({}, e, {
+      object_label: TYPES[e.object_type] || e.object_type, action_label: e.action.replace(/_/g, " "),
       actor_text: e.actor_display + (e.token_prefix ? " (API token)" : ""),
       request_short: (e.request_id || "").slice(0, 8) || "–",
       operation_text: e.operation_id ? "operation #" + e.operation_id : "",

@@ -20,8 +20,9 @@ KV.ready(function () {
     if (t.after == null) cell.textContent = t.before == null ? "–" : "not changed yet";
     else KV.diff(cell, KV.changes(t.before, t.after));
   }
+  var profileNames = {};
   function change() {
-    if (op.kind === "attach") return "attach L3 storage profile #" + op.storage_profile;
+    if (op.kind === "attach") return "attach L3 storage profile " + (profileNames[op.storage_profile] || "#" + op.storage_profile);
     if (op.kind === "apply_config") return "apply config revision #" + op.revision;
     return "detach L3 storage";
   }
@@ -43,7 +44,13 @@ KV.ready(function () {
     renderHead();
     op.targets.forEach(putTarget);
   }
-  function load() { return KV.api("GET", "/api/v1/operations/" + KV.pk + "/").then(render); }
+  function load() {
+    return Promise.all([KV.api("GET", "/api/v1/operations/" + KV.pk + "/"), KV.api("GET", "/api/v1/inventory/storage-profiles/?limit=500")])
+      .then(function (r) {
+        r[1].results.forEach(function (p) { profileNames[p.id] = p.name + " (" + p.backend + ")"; });
+        render(r[0]);
+      });
+  }
   setInterval(function () { if (op && op.state === "running") renderHead(); }, 1000);  // running duration
 
   var cancel = KV.$("#cancel");
