@@ -3,7 +3,7 @@
 KV.ready(function () {
   "use strict";
   var tpl = KV.$("#tpl-target"), rows = {}, op = null;
-  var ACTIVE = ["pending", "waiting_for_idle", "applying", "verifying"];
+  var ACTIVE = ["pending", "waiting_for_idle", "applying", "verifying", "reverting"];
 
   function targetView(t) {
     var end = t.finished_at || (ACTIVE.indexOf(t.state) >= 0 ? null : t.updated_at);
