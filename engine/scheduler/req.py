@@ -89,7 +89,9 @@ class Req:
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
     generator: torch.Generator | None = None
+    health_check: bool = False  # a /health_generate probe: queued ahead of user requests
 
     def move(self, state: ReqState) -> None:
         """Go to ``state``; raises ``IllegalTransition`` when the table has no such edge."""

@@ -61,7 +61,8 @@ class Scheduler:
     """Runs ``runner`` over the KV in ``cache`` for submitted requests, on its own thread.
 
     ``detokenize(ids) -> str`` is used only to check stop strings. ``metrics`` (optional) receives
-    ``on_admit(req)``, ``on_prefill(hit_tokens, new_tokens)``, ``on_first_token(seconds)`` and
+    ``on_admit(req)``, ``on_prefill(hit_tokens, new_tokens)``, ``on_first_token(seconds)``,
+    ``on_inter_token(seconds)`` (the gap before each later token) and
     ``on_finish(req)`` on this thread.
     """
 
@@ -87,6 +88,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.busy_since: float | None = None
         self.heartbeat = time.monotonic()
+        self.forward_passes = 0  # completed forward passes (read by /health_generate as progress)
         self.state: dict = {}
         self.error: BaseException | None = None
         self._publish()
@@ -177,6 +179,7 @@ class Scheduler:
                 self.busy_since = time.monotonic()
                 self.cache.check_hicache_events()
                 progressed = self._step()
+                self.forward_passes += progressed
                 self.busy_since = None
                 self._publish()
         except BaseException as exc:  # the thread dies; /health reports it, launch_server exits
@@ -232,7 +235,10 @@ class Scheduler:
             req.on_event(ReqOutput(req.rid, [], True, reason, {}))
             return
         self.reqs[req.rid] = req
-        self.waiting.append(req)
+        if req.health_check:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
         if self.kv.start_prefetch(req.rid, req.input_ids[:-1]):
             req.move(ReqState.PREFETCHING)
 
@@ -412,6 +418,9 @@ class Scheduler:
             req.first_token_at = now
             if self.metrics:
                 self.metrics.on_first_token(now - req.arrival)
+        elif self.metrics:
+            self.metrics.on_inter_token(now - req.last_token_at)
+        req.last_token_at = now
         req.output_ids.append(tok)
         reason = self._finish_reason(req, tok)
         if reason is None:

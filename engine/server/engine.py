@@ -137,15 +137,22 @@ class Engine:
         return max(0, min(self.context_length, self.scheduler.pool.size) - len(input_ids))
 
     async def stream(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, health_check: bool = False
     ) -> AsyncIterator[ReqOutput]:
-        """Submit one request, yield its events up to the finished one; abort it if the caller stops early."""
+        """Submit one request, yield its events up to the finished one; abort it if the caller stops early.
+        A ``health_check`` request is queued ahead of user requests."""
         self.check_request(input_ids, params)  # also raises EngineDeadError
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ReqOutput] = asyncio.Queue()
         put: Callable[[ReqOutput], None] = events.put_nowait
         rid = rid or uuid.uuid4().hex
-        req = Req(rid, list(input_ids), params, lambda ev: loop.call_soon_threadsafe(put, ev))
+        req = Req(
+            rid,
+            list(input_ids),
+            params,
+            lambda ev: loop.call_soon_threadsafe(put, ev),
+            health_check=health_check,
+        )
         if params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(params.sampling_seed)
         self.scheduler.submit(req)
@@ -161,13 +168,15 @@ class Engine:
             if not finished:
                 self.scheduler.abort(rid)
 
-    async def generate(self, input_ids: list[int], params: SamplingParams, rid: str | None = None) -> dict:
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, health_check: bool = False
+    ) -> dict:
         """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta"}``. Raises
         ``EngineDeadError`` when the scheduler ended before finishing it."""
         ids: list[int] = []
         meta: dict = {}
         reason = None
-        async for ev in self.stream(input_ids, params, rid):
+        async for ev in self.stream(input_ids, params, rid, health_check):
             ids.extend(ev.new_ids)
             meta.update(ev.meta)
             reason = ev.finish_reason

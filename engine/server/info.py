@@ -2,8 +2,10 @@
 
 - ``GET /health``: 200 while the scheduler thread is alive and its current iteration has not run longer than
   ``--watchdog-timeout``; otherwise 503.
-- ``GET /health_generate``: additionally runs a one-token generation through the scheduler (503 on failure or
-  when it does not finish within the watchdog timeout).
+- ``GET /health_generate``: additionally checks the scheduler makes progress: a one-token probe queued
+  ahead of user requests finishes, or a forward pass completes while it waits (503 on failure or when
+  neither happens within the watchdog timeout). The probe is dropped once answered or when the client
+  disconnects.
 - ``GET /server_info`` (alias ``/get_server_info``): every launch arg by SGLang dest name (``api_key`` and
   ``admin_api_key`` read ``"***"`` when set, else null), plus the scheduler's live state (``is_idle``,
   ``num_running_reqs``, ``num_waiting_reqs``, ``inflight_cache_io``), the pools' sizes in tokens
@@ -21,13 +23,14 @@ stay keyless because the sglang-router reads them without a key (design.md §3).
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.scheduler import NotIdleError, SamplingParams
 from engine.server.engine import Engine
-from engine.server.http_utils import require_api_key
+from engine.server.http_utils import require_api_key, until_disconnect
 
 router = APIRouter()
 VERSION = "kvfleet-0.1.0"
@@ -54,16 +57,35 @@ async def health_generate(request: Request):
     engine: Engine = request.app.state.engine
     problem = _health_problem(engine)
     if problem is None:
-        params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        try:
-            res = await asyncio.wait_for(engine.generate([0], params), engine.args.watchdog_timeout)
-            if (res["finish_reason"] or {}).get("type") == "abort":
-                problem = f"health generation aborted: {res['finish_reason'].get('message')}"
-        except TimeoutError:
-            problem = f"health generation did not finish within {engine.args.watchdog_timeout}s"
-        except Exception as exc:
-            problem = f"health generation failed: {exc}"
+        problem = await until_disconnect(request, _probe(engine))
     return PlainTextResponse(problem or "", status_code=503 if problem else 200)
+
+
+async def _probe(engine: Engine) -> str | None:
+    """None when the scheduler makes progress: its one-token probe (queued ahead of user requests) finished,
+    or a forward pass completed after the probe was queued (upstream counts any output since the probe
+    started, so a busy worker is healthy without the probe's turn). The probe is aborted once answered, and
+    when the watchdog timeout passes or the client goes away."""
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    sched = engine.scheduler
+    passes = sched.forward_passes
+    task = asyncio.ensure_future(engine.generate([0], params, health_check=True))
+    deadline = time.monotonic() + engine.args.watchdog_timeout
+    try:
+        while not task.done() and sched.forward_passes == passes:
+            if time.monotonic() > deadline:
+                return f"health generation did not finish within {engine.args.watchdog_timeout}s"
+            await asyncio.wait({task}, timeout=0.05)
+        if not task.done():
+            return None
+        res = task.result()
+    except Exception as exc:
+        return f"health generation failed: {exc}"
+    finally:
+        task.cancel()
+    if (res["finish_reason"] or {}).get("type") == "abort":
+        return f"health generation aborted: {res['finish_reason'].get('message')}"
+    return None
 
 
 def server_info(engine: Engine) -> dict:

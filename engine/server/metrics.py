@@ -116,6 +116,10 @@ class EngineMetrics:
     def on_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
 
+    def on_inter_token(self, seconds: float) -> None:
+        """The gap between two consecutive output tokens of one request (ITL, one sample per gap)."""
+        self.itl.labels(self.model_name).observe(seconds)
+
     def on_finish(self, req) -> None:
         m = self.model_name
         n = len(req.output_ids)
@@ -125,10 +129,6 @@ class EngineMetrics:
         self.e2e.labels(m).observe(now - req.arrival)
         if req.aborted:
             self.num_aborted.labels(m).inc()
-        if req.first_token_at is not None and n > 1:
-            interval = (now - req.first_token_at) / (n - 1)
-            for _ in range(n - 1):
-                self.itl.labels(m).observe(interval)
 
     def render(self) -> bytes:
         """Prometheus text exposition of every metric."""
