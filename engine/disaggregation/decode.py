@@ -13,9 +13,9 @@ known prefill's ``/health`` (heartbeat) and fails that prefill's unfinished room
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
@@ -30,6 +30,7 @@ _INFO_QUERY = "prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp
 _RANK_QUERY = "prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
 _HEARTBEAT_TIMEOUT = httpx.Timeout(3.0, connect=2.0)  # upstream: connect 2 s, read 3 s
 _TERMINAL = (KVPoll.Success, KVPoll.Failed)
+CONTACT_THREADS = 8  # first contacts with different prefills run in parallel
 
 
 def bootstrap_address(host: str, port: int) -> str:
@@ -107,7 +108,7 @@ class KVReceiver(RoomState):
 
 
 class DecodeKVManager(KVManagerBase):
-    """D's manager: side channel, a control thread for first contacts, and the heartbeat thread."""
+    """D's manager: side channel, a thread pool for first contacts, and the heartbeat thread."""
 
     role = "decode"
 
@@ -121,11 +122,11 @@ class DecodeKVManager(KVManagerBase):
     ) -> None:
         self._receivers: dict[int, KVReceiver] = {}
         self._prefills: dict[str, _Prefill] = {}
-        self._todo: queue.Queue = queue.Queue()
+        self._contacts = ThreadPoolExecutor(CONTACT_THREADS, thread_name_prefix="pd-decode-bootstrap")
+        self._client = httpx.Client(timeout=_HEARTBEAT_TIMEOUT)
         self._stop = threading.Event()
         super().__init__(backend, pool, host, timeouts, ib_device)
         self._threads = [
-            threading.Thread(target=self._control_loop, name="pd-decode-bootstrap", daemon=True),
             threading.Thread(target=self._heartbeat_loop, name="pd-decode-heartbeat", daemon=True),
         ]
         for t in self._threads:
@@ -135,7 +136,7 @@ class DecodeKVManager(KVManagerBase):
     def create_receiver(self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int) -> KVReceiver:
         """Open room ``bootstrap_room`` towards the prefill at ``bootstrap_host:bootstrap_port``.
 
-        Never blocks: first contact with that prefill runs on the control thread. Raises ``ValueError``
+        Never blocks: first contact with that prefill runs on a pool thread. Raises ``ValueError``
         on a bad host, port or room, or a room that is already active here.
         """
         address = bootstrap_address(bootstrap_host, bootstrap_port)
@@ -148,7 +149,7 @@ class DecodeKVManager(KVManagerBase):
             prefill = self._prefills.get(address)
             if prefill is None:
                 prefill = self._prefills[address] = _Prefill(address)
-                self._todo.put(address)
+                self._contacts.submit(self._contact, address)
             prefill.rooms.add(bootstrap_room)
         return receiver
 
@@ -251,35 +252,30 @@ class DecodeKVManager(KVManagerBase):
     def _on_tick(self) -> None:
         pass
 
-    # ---- control thread: first contact with a prefill
-    def _control_loop(self) -> None:
-        with httpx.Client(timeout=_HEARTBEAT_TIMEOUT) as client:
-            while True:
-                address = self._todo.get()
-                if address is None:
-                    return
-                try:
-                    endpoint = self._first_contact(client, address)
-                except _ContactError as exc:
-                    self._prefill_failed(address, str(exc))
-                    continue
-                self.channel.send(
-                    endpoint,
-                    {
-                        "type": "register",
-                        "endpoint": self.channel.endpoint,
-                        "layout": self.layout.to_wire(),
-                        "transport": self.transport.descriptor(),
-                    },
-                )
-                with self._lock:
-                    prefill = self._prefills.get(address)
-                    if prefill is None:
-                        continue
-                    prefill.endpoint, prefill.ready = endpoint, True
-                    receivers = [self._receivers[r] for r in prefill.rooms if r in self._receivers]
-                for receiver in receivers:
-                    self._maybe_send_info(receiver)
+    # ---- first contact with a prefill (one pool thread per prefill, so a dead one delays no other)
+    def _contact(self, address: str) -> None:
+        try:
+            endpoint = self._first_contact(self._client, address)
+        except _ContactError as exc:
+            self._prefill_failed(address, str(exc))
+            return
+        self.channel.send(
+            endpoint,
+            {
+                "type": "register",
+                "endpoint": self.channel.endpoint,
+                "layout": self.layout.to_wire(),
+                "transport": self.transport.descriptor(),
+            },
+        )
+        with self._lock:
+            prefill = self._prefills.get(address)
+            if prefill is None:
+                return
+            prefill.endpoint, prefill.ready = endpoint, True
+            receivers = [self._receivers[r] for r in prefill.rooms if r in self._receivers]
+        for receiver in receivers:
+            self._maybe_send_info(receiver)
 
     def _first_contact(self, client: httpx.Client, address: str) -> str:
         tries = self.timeouts.bootstrap_query_retries
@@ -342,7 +338,8 @@ class DecodeKVManager(KVManagerBase):
         if self._closed:
             return
         self._stop.set()
-        self._todo.put(None)
+        self._contacts.shutdown(wait=True, cancel_futures=True)
+        self._client.close()
         for t in self._threads:
             t.join(timeout=10)
         super().close()

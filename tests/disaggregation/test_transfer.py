@@ -188,3 +188,25 @@ def test_prefill_killed_after_pairing_fails_decode_within_the_heartbeat_bound(ba
         assert decode.num_rooms() == 0
     finally:
         victim.kill()
+
+
+def test_a_dead_prefill_does_not_delay_first_contact_with_a_live_one(backend, prefill, p_reference, room):
+    slow_retries = {**D_TIMEOUTS, "bootstrap_query_retries": 100, "bootstrap_query_interval_s": 0.2}  # 20 s
+    mgr = create_kv_manager(backend, "decode", make_pool(POOL), **slow_retries)
+    try:
+        dead = mgr.create_receiver("127.0.0.1", free_port(), room + 500_000)
+        dead.init(torch.tensor([5], dtype=torch.int64))
+        receiver = _pair(prefill, mgr, room, 1, [1])
+        prefill.call("send", room=room, pages=[2], first_token_id=3)
+        assert wait_terminal(receiver, timeout=10) == KVPoll.Success
+        assert page_bytes(mgr.pool, [1]) == page_bytes(p_reference, [2])
+        assert dead.poll() == KVPoll.Bootstrapping  # still retrying the dead one
+        dead.abort("test over")
+        assert dead.poll() == KVPoll.Failed
+        for r in (dead, receiver):
+            r.close()
+        prefill.call("wait", room=room, states=[SUCCESS, FAILED])
+        prefill.call("close", room=room)
+        assert mgr.num_rooms() == 0
+    finally:
+        mgr.close()
