@@ -4,7 +4,7 @@ from controlplane.configs.models import ConfigProfile, ConfigRevision
 
 
 class ConfigRevisionSerializer(serializers.ModelSerializer):
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
 
     class Meta:
         model = ConfigRevision

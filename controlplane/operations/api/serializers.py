@@ -33,7 +33,7 @@ class OperationTargetSerializer(serializers.ModelSerializer):
 
 class OperationSerializer(serializers.ModelSerializer):
     targets = OperationTargetSerializer(many=True, read_only=True)
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
 
     class Meta:
         model = Operation
