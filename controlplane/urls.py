@@ -5,6 +5,7 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
+from controlplane.capacity.api.urls import agent_urlpatterns as capacity_agent
 from controlplane.inventory.api.urls import agent_urlpatterns as inventory_agent
 from controlplane.telemetry.api.urls import agent_urlpatterns as telemetry_agent
 
@@ -21,7 +22,7 @@ api_v1 = [
     path("audit/", include("controlplane.audit.api.urls")),
     path("telemetry/", include("controlplane.telemetry.api.urls")),
     path("capacity/", include("controlplane.capacity.api.urls")),
-    path("agent/", include(inventory_agent + telemetry_agent)),
+    path("agent/", include(inventory_agent + telemetry_agent + capacity_agent)),
 ]
 
 urlpatterns = [

@@ -1,1 +1,25 @@
-"""Capacity keeps no tables yet: the sizing calculator is arithmetic over its inputs (services.py)."""
+"""Recorded traffic: each worker's request stream as Mooncake-format trace rows (no text, no token ids)."""
+
+from django.db import models
+
+from controlplane.inventory.models import EngineWorker
+
+
+class RecordedRequest(models.Model):
+    """One request a worker served: arrival (ms since the epoch), lengths in tokens, chained block ids
+    (one per 512-token block of the prompt; equal ids = equal prefixes across the fleet). ``pool`` is the
+    worker's pool when it was recorded (regular, prefill, decode)."""
+
+    worker = models.ForeignKey(EngineWorker, on_delete=models.CASCADE, related_name="recorded_requests")
+    pool = models.CharField(max_length=10, db_index=True)
+    timestamp_ms = models.BigIntegerField()
+    input_length = models.PositiveIntegerField()
+    output_length = models.PositiveIntegerField()
+    hash_ids = models.JSONField()
+
+    class Meta:
+        ordering = ["timestamp_ms", "id"]
+        indexes = [models.Index(fields=["pool", "timestamp_ms"])]
+
+    def __str__(self) -> str:
+        return f"{self.worker_id}@{self.timestamp_ms}: {self.input_length}+{self.output_length}"

@@ -1,4 +1,4 @@
-"""Reads for the capacity page: each worker's configured and reported pool sizes."""
+"""Reads for the capacity page: each worker's reported pool sizes, and the pools' recorded traffic."""
 
 from controlplane.inventory.models import EngineWorker
 from controlplane.telemetry import store
@@ -32,3 +32,36 @@ def worker_capacities() -> list[dict]:
 
 def _int(value) -> int | None:
     return None if value is None else int(float(value))
+
+
+def recorded_pools() -> list[dict]:
+    """Pools with recorded traffic: request count, workers, first and last arrival (ms since the epoch)."""
+    from django.db.models import Count, Max, Min
+
+    from controlplane.capacity.models import RecordedRequest
+
+    rows = (
+        RecordedRequest.objects.values("pool")
+        .annotate(
+            requests=Count("id"),
+            workers=Count("worker", distinct=True),
+            first_ms=Min("timestamp_ms"),
+            last_ms=Max("timestamp_ms"),
+        )
+        .order_by("pool")
+    )
+    return list(rows)
+
+
+def recorded_trace_lines(*, pool: str) -> list[dict]:
+    """The pool's trace in Mooncake's format, arrival order, ``timestamp`` in ms from its first request."""
+    from controlplane.capacity.models import RecordedRequest
+
+    rows = RecordedRequest.objects.filter(pool=pool).values_list(
+        "timestamp_ms", "input_length", "output_length", "hash_ids"
+    )
+    out, start = [], None
+    for ts, inp, outp, ids in rows.order_by("timestamp_ms", "id").iterator():
+        start = ts if start is None else start
+        out.append({"timestamp": ts - start, "input_length": inp, "output_length": outp, "hash_ids": ids})
+    return out

@@ -88,3 +88,23 @@ def kv_sizing(
         "l3_bytes": l3 * bytes_per_token,
         "warnings": warnings,
     }
+
+
+def recorded_requests_ingest(*, worker, requests: list[dict]) -> int:
+    """Store a batch of a worker's trace rows (already validated) under its pool; returns how many."""
+    from controlplane.capacity.models import RecordedRequest
+    from controlplane.telemetry.selectors import POOLS
+
+    pool = POOLS.get(worker.role, worker.role)
+    RecordedRequest.objects.bulk_create(
+        RecordedRequest(
+            worker=worker,
+            pool=pool,
+            timestamp_ms=r["timestamp"],
+            input_length=r["input_length"],
+            output_length=r["output_length"],
+            hash_ids=r["hash_ids"],
+        )
+        for r in requests
+    )
+    return len(requests)

@@ -2,7 +2,9 @@
 
 The main thread supervises (starts, health-checks, restarts) and writes the state file that ``status``
 reads; a reporter thread registers the host and its running workers, heartbeats, and pushes each running
-worker's ``/metrics`` every ``metrics_interval_s`` seconds. SIGINT/SIGTERM stop every worker and exit.
+worker's ``/metrics`` every ``metrics_interval_s`` seconds, and the new rows of each ``--record-trace``
+worker's ``/recorded_trace`` (a cursor per worker moves only once the control plane stored them; rows it
+rejects are logged and skipped). SIGINT/SIGTERM stop every worker and exit.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import threading
 import time
 
 from engine.agent.host import host_facts
-from engine.agent.probe import metrics_text, server_info
-from engine.agent.reporter import ControlPlaneClient, Reporter
+from engine.agent.probe import metrics_text, recorded_trace, server_info
+from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected, Reporter
 from engine.agent.spec import FleetSpec, WorkerSpec
 from engine.agent.supervisor import Managed, Supervisor
 
 log = logging.getLogger("kvfleet.agent")
 TICK_S = 0.5
+TRACE_BATCH = 5000  # rows per push (the control plane takes up to 10,000)
 
 
 def local_url(w: WorkerSpec) -> str:
@@ -92,6 +95,7 @@ class Agent:
             buffer_size=spec.buffer_size,
         )
         self.stopping = threading.Event()
+        self.trace_cursor: dict[str, int] = {}
 
     def _running(self) -> list[WorkerSpec]:
         running = set(self.supervisor.running())
@@ -118,8 +122,31 @@ class Agent:
                     text = metrics_text(local_url(w))
                     if text is not None:
                         self.reporter.add_sample(w.url, text)
+                    if "--record-trace" in w.flags and self.reporter.registered:
+                        self._ship_trace(w)
             self.reporter.tick()
             self.stopping.wait(TICK_S)
+
+    def _ship_trace(self, w: WorkerSpec) -> None:
+        cursor = self.trace_cursor.get(w.name, 0)
+        data = recorded_trace(local_url(w), cursor)
+        if data is None:
+            return
+        if data["next"] < cursor:  # the worker restarted: its sequence starts again
+            cursor = 0
+            data = recorded_trace(local_url(w), 0) or {"next": 0, "requests": []}
+        rows = data["requests"]
+        first_seq = data["next"] - len(rows)  # the rows are the contiguous sequence numbers up to next
+        for start in range(0, len(rows), TRACE_BATCH):
+            batch = rows[start : start + TRACE_BATCH]
+            try:
+                self.reporter.client.push_trace(w.url, batch)
+            except ControlPlaneDown:
+                return  # retried from the cursor next time
+            except ControlPlaneRejected as exc:
+                log.warning("recorded trace of %s rejected (skipped): %s", w.url, exc)
+            self.trace_cursor[w.name] = first_seq + start + len(batch)
+        self.trace_cursor[w.name] = data["next"]
 
     def write_state(self) -> None:
         state = {

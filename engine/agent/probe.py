@@ -1,4 +1,5 @@
-"""Read a worker's live state over its HTTP API: ``/metrics`` (Prometheus text) and ``/server_info``."""
+"""Read a worker's live state over its HTTP API: ``/metrics`` (Prometheus text), ``/server_info`` and, with
+``--record-trace``, ``/recorded_trace``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ def server_info(url: str, timeout: float = 3.0) -> dict | None:
     """The worker's ``/server_info`` JSON, or None when it does not answer 200."""
     try:
         resp = httpx.get(f"{url}/server_info", timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    return resp.json() if resp.status_code == 200 else None
+
+
+def recorded_trace(url: str, after: int, timeout: float = 5.0) -> dict | None:
+    """``{"next", "dropped", "requests"}`` from the worker's ``/recorded_trace?after=``, or None."""
+    try:
+        resp = httpx.get(f"{url}/recorded_trace", params={"after": after}, timeout=timeout)
     except httpx.HTTPError:
         return None
     return resp.json() if resp.status_code == 200 else None

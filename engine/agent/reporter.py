@@ -83,6 +83,12 @@ class ControlPlaneClient:
             body["ts"] = ts
         return self.call("POST", "/api/v1/agent/metrics/", json=body)
 
+    def push_trace(self, worker_url: str, requests: list[dict]) -> dict:
+        """Recorded trace rows of one worker (``--record-trace``) for its pool."""
+        return self.call(
+            "POST", "/api/v1/agent/traces/", json={"worker_url": worker_url, "requests": requests}
+        )
+
     def close(self) -> None:
         self.http.close()
 

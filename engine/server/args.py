@@ -63,6 +63,7 @@ class ServerArgs:
     admin_api_key: str | None = dataclasses.field(default=None, repr=False)
     enable_metrics: bool = False
     enable_cache_report: bool = False
+    record_trace: bool = False
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
     hicache_size: int = 0
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--admin-api-key", default=None)
     a("--enable-metrics", action="store_true")
     a("--enable-cache-report", action="store_true")
+    a("--record-trace", action="store_true", help="KVFleet: keep a Mooncake-format trace at /recorded_trace")
     a("--enable-hierarchical-cache", action="store_true")
     a("--hicache-ratio", type=float, default=2.0)
     a("--hicache-size", type=int, default=0, help="host pool size in GB; overrides --hicache-ratio when > 0")

@@ -21,6 +21,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.server.args import ArgumentError, ServerArgs
 from engine.server.engine import Engine
 from engine.server.metrics import EngineMetrics
+from engine.server.recording import TraceRecorder
 from engine.sizing.tiers import l1_pool_tokens
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         context_length=context,
         vocab_size=tokenizer.vocab_size,
         metrics=metrics,
+        recorder=TraceRecorder() if args.record_trace else None,
         model_info={
             "architecture": cfg.architecture,
             "kv_bytes_per_token": bytes_per_token,

@@ -17,6 +17,7 @@ import torch
 
 from engine.scheduler import Req, ReqOutput, SamplingParams, Scheduler
 from engine.server.args import ServerArgs
+from engine.server.recording import TraceRecorder
 
 
 class RequestError(ValueError):
@@ -38,6 +39,7 @@ class Engine:
     vocab_size: int
     metrics: object = None
     model_info: dict = field(default_factory=dict)
+    recorder: TraceRecorder | None = None  # --record-trace
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -155,12 +157,17 @@ class Engine:
         )
         if params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(params.sampling_seed)
+        arrival = time.time()
         self.scheduler.submit(req)
         finished = False
+        output_length = 0
         try:
             while True:
                 ev = await events.get()
                 finished = ev.finished
+                output_length += len(ev.new_ids)
+                if finished and self.recorder is not None:
+                    self.recorder.record(req.input_ids, output_length, arrival)
                 yield ev
                 if finished:
                     return

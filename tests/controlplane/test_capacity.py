@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
@@ -82,3 +83,60 @@ def test_workers_endpoint_reports_what_each_worker_pushed(api_as):
     assert (rows[worker.pk]["pool"], rows[worker.pk]["page_size"]) == ("regular", 16)
     assert (rows[worker.pk]["l1_tokens"], rows[worker.pk]["l2_tokens"]) == (2048, 5136)
     assert (rows[silent.pk]["pool"], rows[silent.pk]["l1_tokens"]) == ("decode", None)
+
+
+def _row(ts: int, length: int, ids: list[int]) -> dict:
+    return {"timestamp": ts, "input_length": length, "output_length": 4, "hash_ids": ids}
+
+
+@pytest.mark.django_db
+def test_recorded_traffic_is_stored_per_pool_and_served_as_a_trace(api_as, tmp_path):
+    from engine.whatif.trace import load_trace
+
+    host = HostFactory(name=AGENT_HOST)
+    a = EngineWorkerFactory(host=host, role="mixed")
+    b = EngineWorkerFactory(host=host, role="mixed")
+    d = EngineWorkerFactory(host=host, role="decode")
+    agent = api_as("agent")
+    for worker, rows in (
+        (a, [_row(1_000_500, 600, [11, 12]), _row(1_002_000, 100, [13])]),
+        (b, [_row(1_001_000, 700, [11, 14])]),
+        (d, [_row(5, 10, [1])]),
+    ):
+        pushed = agent.post(
+            "/api/v1/agent/traces/", {"worker_url": worker.url, "requests": rows}, format="json"
+        )
+        assert pushed.status_code == 202 and pushed.json() == {"stored": len(rows)}, pushed.content
+    viewer = api_as("viewer")
+    pools = {p["pool"]: p for p in viewer.get("/api/v1/capacity/traces/").json()["pools"]}
+    assert (pools["regular"]["requests"], pools["regular"]["workers"]) == (3, 2)
+    assert pools["decode"]["requests"] == 1
+    response = viewer.get("/api/v1/capacity/traces/regular.jsonl")
+    assert response.status_code == 200 and response["Content-Type"] == "application/x-ndjson"
+    path = tmp_path / "regular.jsonl"
+    path.write_bytes(response.content)
+    trace = load_trace(path)  # the what-if's own reader accepts it
+    assert [(r.timestamp, r.input_length, r.hash_ids) for r in trace] == [
+        (0, 600, (11, 12)),
+        (500, 700, (11, 14)),
+        (1500, 100, (13,)),
+    ]
+    assert viewer.get("/api/v1/capacity/traces/prefill.jsonl").status_code == 404
+
+
+@pytest.mark.django_db
+def test_trace_ingest_rejects_bad_rows_and_other_hosts(api_as, agent_for):
+    worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST))
+    bad = api_as("agent").post(
+        "/api/v1/agent/traces/", {"worker_url": worker.url, "requests": [_row(0, 600, [1])]}, format="json"
+    )
+    assert bad.status_code == 400 and "hash_ids" in json.dumps(bad.json()["error"]["detail"])
+    other = agent_for("other-host").post(
+        "/api/v1/agent/traces/", {"worker_url": worker.url, "requests": [_row(0, 6, [1])]}, format="json"
+    )
+    assert other.status_code == 403
+    viewer = api_as("viewer").post(
+        "/api/v1/agent/traces/", {"worker_url": worker.url, "requests": [_row(0, 6, [1])]}, format="json"
+    )
+    assert viewer.status_code == 403
+    assert api_as("viewer").get("/api/v1/capacity/traces/").json()["pools"] == []

@@ -2,6 +2,8 @@ from rest_framework import serializers
 
 from controlplane.capacity.services import DTYPE_BYTES
 
+BLOCK_TOKENS = 512  # the recorder's block size (engine/server/recording.py)
+
 
 class SizingQuerySerializer(serializers.Serializer):
     """Query parameters of the sizing calculator: ``bytes_per_token``, or the model's ``num_layers``,
@@ -29,3 +31,29 @@ class SizingQuerySerializer(serializers.Serializer):
             if missing:
                 raise serializers.ValidationError({f: ["required without bytes_per_token"] for f in missing})
         return attrs
+
+
+class TraceRowSerializer(serializers.Serializer):
+    """One Mooncake trace row; ``hash_ids`` must have one id per 512-token block of the input."""
+
+    timestamp = serializers.IntegerField(min_value=0)
+    input_length = serializers.IntegerField(min_value=0)
+    output_length = serializers.IntegerField(min_value=0)
+    hash_ids = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=2**63 - 1))
+
+    def validate(self, attrs):
+        blocks = -(-attrs["input_length"] // BLOCK_TOKENS)
+        if len(attrs["hash_ids"]) != blocks:
+            raise serializers.ValidationError(
+                {
+                    "hash_ids": [
+                        f"{len(attrs['hash_ids'])} ids for {attrs['input_length']} tokens: want {blocks}"
+                    ]
+                }
+            )
+        return attrs
+
+
+class TraceIngestSerializer(serializers.Serializer):
+    worker_url = serializers.URLField()
+    requests = TraceRowSerializer(many=True, allow_empty=False, max_length=10_000)

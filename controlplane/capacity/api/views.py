@@ -1,11 +1,19 @@
-"""Capacity endpoints: the KV sizing calculator and the workers' current pool sizes."""
+"""Capacity endpoints: the KV sizing calculator, the workers' pool sizes, and recorded traffic per pool."""
 
+import json
+
+from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiTypes, extend_schema
+from rest_framework import status
+from rest_framework.exceptions import NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.accounts.permissions import AGENT_ROLES
+from controlplane.accounts.selectors import agent_host_scope
 from controlplane.capacity import selectors, services
-from controlplane.capacity.api.serializers import SizingQuerySerializer
+from controlplane.capacity.api.serializers import SizingQuerySerializer, TraceIngestSerializer
+from controlplane.telemetry.services import ingest_worker
 
 
 class SizingApi(APIView):
@@ -30,3 +38,44 @@ class WorkerCapacitiesApi(APIView):
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request):
         return Response({"workers": selectors.worker_capacities()})
+
+
+class TraceIngestApi(APIView):
+    """Agent: store a batch of a worker's recorded trace rows (``--record-trace``) under its pool.
+
+    400 ``unknown_worker`` when the worker is not registered, 403 when it is not on the agent token's host."""
+
+    write_roles = AGENT_ROLES
+
+    @extend_schema(request=TraceIngestSerializer, responses={202: OpenApiTypes.OBJECT}, tags=["agent"])
+    def post(self, request):
+        body = TraceIngestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        worker = ingest_worker(
+            worker_url=body.validated_data["worker_url"],
+            bound_host=agent_host_scope(request.user, request.auth),
+        )
+        stored = services.recorded_requests_ingest(worker=worker, requests=body.validated_data["requests"])
+        return Response({"stored": stored}, status=status.HTTP_202_ACCEPTED)
+
+
+class RecordedPoolsApi(APIView):
+    """GET: pools with recorded traffic (requests, workers, first / last arrival in ms since the epoch)."""
+
+    @extend_schema(responses=OpenApiTypes.OBJECT)
+    def get(self, request):
+        return Response({"pools": selectors.recorded_pools()})
+
+
+class RecordedTraceApi(APIView):
+    """GET: a pool's recorded traffic as a Mooncake-format JSONL trace (``python -m engine.whatif`` input)."""
+
+    @extend_schema(responses={(200, "application/x-ndjson"): OpenApiTypes.STR})
+    def get(self, request, pool: str):
+        lines = selectors.recorded_trace_lines(pool=pool)
+        if not lines:
+            raise NotFound(f"no recorded traffic for pool {pool!r}")
+        body = "".join(json.dumps(line) + "\n" for line in lines)
+        response = HttpResponse(body, content_type="application/x-ndjson")
+        response["Content-Disposition"] = f'attachment; filename="{pool}-trace.jsonl"'
+        return response

@@ -1,0 +1,77 @@
+"""Traffic recording (``--record-trace``): the worker's request stream as a Mooncake-format trace.
+
+Each finished request becomes one trace row: ``timestamp`` (ms since the epoch at arrival), ``input_length``,
+``output_length`` and ``hash_ids``, one per ``BLOCK_TOKENS``-token block of the input (the last may be
+partial). A block's id is the first 63 bits of a SHA-256 chain over the prompt's token ids up to the end of
+that block (``digest_i = sha256(digest_{i-1} || block_i tokens)``), so equal ids mean equal prefixes on every
+worker of a fleet (pool traces merge), the trace stays prefix-closed, and neither text nor token ids are
+kept. Rows wait in a bounded ring (``RING_SIZE``; the oldest go first, counted in ``dropped``) until read.
+
+``GET /recorded_trace?after=N``: ``{"next": M, "dropped": D, "requests": [...]}``, the rows with sequence
+numbers above ``N`` (the agent passes back ``next``); 404 without ``--record-trace``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections import deque
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from engine.server.http_utils import error_response
+
+BLOCK_TOKENS = 512
+RING_SIZE = 100_000
+
+router = APIRouter()
+
+
+def block_hash_ids(input_ids: list[int], block_tokens: int = BLOCK_TOKENS) -> list[int]:
+    """Chained 63-bit block ids of ``input_ids`` (one per block, the last may be partial)."""
+    ids, digest = [], b""
+    for start in range(0, len(input_ids), block_tokens):
+        block = input_ids[start : start + block_tokens]
+        digest = hashlib.sha256(digest + struct.pack(f"<{len(block)}q", *block)).digest()
+        ids.append(int.from_bytes(digest[:8], "little") >> 1)
+    return ids
+
+
+class TraceRecorder:
+    """Thread-safe bounded ring of trace rows with sequence numbers starting at 1."""
+
+    def __init__(self, ring_size: int = RING_SIZE) -> None:
+        self._rows: deque[tuple[int, dict]] = deque(maxlen=ring_size)
+        self._seq = 0
+        self.dropped = 0
+        self._lock = threading.Lock()
+
+    def record(self, input_ids: list[int], output_length: int, arrival_s: float) -> None:
+        row = {
+            "timestamp": round(arrival_s * 1000),
+            "input_length": len(input_ids),
+            "output_length": output_length,
+            "hash_ids": block_hash_ids(input_ids),
+        }
+        with self._lock:
+            if len(self._rows) == self._rows.maxlen:
+                self.dropped += 1
+            self._seq += 1
+            self._rows.append((self._seq, row))
+
+    def since(self, after: int) -> dict:
+        with self._lock:
+            rows = [row for seq, row in self._rows if seq > after]
+            return {"next": self._seq, "dropped": self.dropped, "requests": rows}
+
+
+@router.get("/recorded_trace")
+async def recorded_trace(request: Request, after: str = "0"):
+    recorder = request.app.state.engine.recorder
+    if recorder is None:
+        return error_response(404, "trace recording is off; start the worker with --record-trace")
+    if not after.isdigit():
+        return error_response(400, f"after: must be an integer >= 0, got {after!r}")
+    return JSONResponse(recorder.since(int(after)))
