@@ -130,6 +130,14 @@ def test_operator_console_end_to_end(
         expect(rows.first.locator(".diff")).to_contain_text("mooncake")
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
         assert serious_violations(page) == []
+        rows.first.get_by_role("button", name="Revert to this").click()  # asks first, per worker
+        expect(dialog).to_be_visible()
+        expect(dialog.locator("#confirm-rows tr")).to_have_count(1)
+        expect(dialog.locator("#confirm-rows tr")).to_contain_text("mooncake (mooncake-prod)")
+        assert operation_count(asgi_server, admin_token) == 1
+        page.keyboard.press("Escape")
+        expect(dialog).to_be_hidden()
+        assert operation_count(asgi_server, admin_token) == 1
 
         # Storage, host and router pages.
         page.goto(asgi_server + "/storage/")
@@ -163,6 +171,9 @@ def test_operator_console_end_to_end(
         hits = page.locator("#chart-hits .u-legend")
         expect(hits.locator(".u-series", has_text="L1 device")).to_contain_text("25 %")  # 50 of 200 new hits
         expect(hits.locator(".u-series", has_text="L2 host")).to_contain_text("75 %")
+        expect(page.locator("#chart-ttft")).to_have_attribute("data-window-s", "300")
+        page.get_by_label("Chart time window").select_option("3600")  # every chart redraws over 1 h
+        expect(page.locator(".chart[data-window-s='3600']")).to_have_count(8)
         assert page.evaluate("window.__sameDocument") is True
         assert serious_violations(page) == []
         assert errors == []

@@ -48,7 +48,8 @@
       ],
       series: series,
       hooks: {
-        setCursor: [function (u) { hovering = u.cursor.idx != null && u.cursor.left >= 0; }]
+        setCursor: [function (u) { hovering = u.cursor.idx != null && u.cursor.left >= 0; }],
+        setScale: [function (u, key) { if (key === "x") el.dataset.windowS = String(Math.round(u.scales.x.max - u.scales.x.min)); }]
       }
     };
     var u = new window.uPlot(uopts, [[]].concat(series.slice(1).map(function () { return []; })), el);
@@ -96,8 +97,7 @@
     });
   }
   window.addEventListener("resize", resize);
-  document.addEventListener("DOMContentLoaded", function () {
-    var w = KV.$("#window");
-    if (w) w.addEventListener("change", function () { document.dispatchEvent(new CustomEvent("kv:window")); });
+  document.addEventListener("change", function (e) {  // the window selector: pages redraw on kv:window
+    if (e.target.id === "window") document.dispatchEvent(new CustomEvent("kv:window"));
   });
 })();
