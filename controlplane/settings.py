@@ -224,3 +224,7 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "WARNING")},
 }
+
+# Capacity what-if: the shared Mooncake traces, and how long one replay (a sweep) may run.
+KVFLEET_TRACE_DIR = os.environ.get("KVFLEET_TRACE_DIR", "/work/shared/data/mooncake-traces")
+WHATIF_TIMEOUT_S = float(os.environ.get("WHATIF_TIMEOUT_S", "240"))

@@ -15,6 +15,7 @@ urlpatterns = [
     path("hosts/<int:pk>/", views.host, name="host"),
     path("routers/<int:pk>/", views.router, name="router"),
     path("storage/", views.storage, name="storage"),
+    path("capacity/", views.capacity, name="capacity"),
     path("operations/", views.page, {"name": "operations"}, name="operations"),
     path("operations/new/", views.page, {"name": "launch"}, name="launch"),
     path("operations/<int:pk>/", views.page, {"name": "operation"}, name="operation"),

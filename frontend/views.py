@@ -74,3 +74,19 @@ def router(request, pk: int):
 @ensure_csrf_cookie
 def storage(request):
     return _render(request, "storage", usage=selectors.storage_usage())
+
+
+@login_required
+@ensure_csrf_cookie
+def capacity(request):
+    from controlplane.capacity import selectors as capacity
+    from controlplane.telemetry.selectors import POOLS
+
+    return _render(
+        request,
+        "capacity",
+        shared=capacity.shared_traces(),
+        pools=capacity.recorded_pools(),
+        pool_names=list(POOLS.values()),
+        workers=capacity.worker_capacities(),
+    )

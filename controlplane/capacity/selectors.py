@@ -65,3 +65,24 @@ def recorded_trace_lines(*, pool: str) -> list[dict]:
         start = ts if start is None else start
         out.append({"timestamp": ts - start, "input_length": inp, "output_length": outp, "hash_ids": ids})
     return out
+
+
+def shared_traces() -> list[str]:
+    """File names of the shared Mooncake traces (``settings.KVFLEET_TRACE_DIR``)."""
+    from pathlib import Path
+
+    from django.conf import settings
+
+    folder = Path(settings.KVFLEET_TRACE_DIR)
+    return sorted(p.name for p in folder.glob("*.jsonl")) if folder.is_dir() else []
+
+
+def shared_trace_text(*, name: str) -> str | None:
+    """The text of shared trace ``name`` (None when it is not one of ``shared_traces()``)."""
+    from pathlib import Path
+
+    from django.conf import settings
+
+    if name not in shared_traces():
+        return None
+    return (Path(settings.KVFLEET_TRACE_DIR) / name).read_text()

@@ -9,6 +9,8 @@ whole pages, at least one. L2 (hierarchical only) = ``hicache_size`` GB / bytes 
 
 from __future__ import annotations
 
+from controlplane.core.exceptions import ApplicationError
+
 GIB = 1 << 30
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 DEFAULT_MEM_FRACTION_STATIC = 0.88
@@ -108,3 +110,34 @@ def recorded_requests_ingest(*, worker, requests: list[dict]) -> int:
         for r in requests
     )
     return len(requests)
+
+
+def whatif_run(*, trace_text: str, options: list[str], timeout_s: float) -> list[dict]:
+    """Replay ``trace_text`` (Mooncake JSONL) with ``python -m engine.whatif`` ``options`` + ``--json``.
+
+    The engine's CLI runs as a child process (the control plane never imports the engine). Returns one dict
+    per capacity point. Raises ``ApplicationError`` ``whatif_failed``: 400 with the CLI's message for a bad
+    trace or option, 504 past ``timeout_s``.
+    """
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from django.conf import settings
+
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="kvfleet-whatif-") as f:
+        f.write(trace_text)
+        f.flush()
+        argv = [sys.executable, "-m", "engine.whatif", f.name, *options, "--json", "--no-ttft"]
+        try:
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=timeout_s, cwd=settings.BASE_DIR
+            )
+        except subprocess.TimeoutExpired:
+            message = f"the replay took longer than {timeout_s:.0f} s: sweep fewer points"
+            raise ApplicationError(message, code="whatif_failed", status_code=504) from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["the replay failed"])[-1]
+        raise ApplicationError(last.replace(f.name, "trace").split("error: ", 1)[-1], code="whatif_failed")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]

@@ -1,3 +1,5 @@
+import re
+
 from rest_framework import serializers
 
 from controlplane.capacity.services import DTYPE_BYTES
@@ -57,3 +59,41 @@ class TraceRowSerializer(serializers.Serializer):
 class TraceIngestSerializer(serializers.Serializer):
     worker_url = serializers.URLField()
     requests = TraceRowSerializer(many=True, allow_empty=False, max_length=10_000)
+
+
+_CAPACITIES = re.compile(r"^\s*(inf|\d+(\.\d+)?(e\d+)?)(\s*,\s*(inf|\d+(\.\d+)?(e\d+)?))*\s*$", re.IGNORECASE)
+MAX_POINTS = 16
+MAX_UPLOAD_CHARS = 32 * 1024 * 1024
+
+
+class WhatIfSerializer(serializers.Serializer):
+    """A what-if run: ``trace`` is ``shared:<file>`` or ``pool:<pool>``, or ``trace_text`` an uploaded
+    Mooncake JSONL; capacities are comma lists of tokens (``inf`` = unbounded, 0 = tier absent)."""
+
+    trace = serializers.CharField(required=False)
+    trace_text = serializers.CharField(required=False, max_length=MAX_UPLOAD_CHARS, trim_whitespace=False)
+    l1_tokens = serializers.CharField(default="1000000")
+    l2_tokens = serializers.CharField(default="0")
+    l3_tokens = serializers.CharField(default="0")
+    page_size = serializers.IntegerField(min_value=1, max_value=4096, default=64)
+    eviction = serializers.ChoiceField(choices=["lru", "lfu"], default="lru")
+    write_policy = serializers.ChoiceField(
+        choices=["write_through", "write_through_selective", "write_back"], default="write_through"
+    )
+    kv_bytes_per_token = serializers.IntegerField(min_value=1, default=23_040)
+
+    def validate(self, attrs):
+        if ("trace" in attrs) == ("trace_text" in attrs):
+            raise serializers.ValidationError({"trace": ["give exactly one of trace and trace_text"]})
+        if "trace" in attrs and not attrs["trace"].startswith(("shared:", "pool:")):
+            raise serializers.ValidationError({"trace": ["shared:<file> or pool:<pool>"]})
+        points = 1
+        for field in ("l1_tokens", "l2_tokens", "l3_tokens"):
+            if not _CAPACITIES.match(attrs[field]):
+                raise serializers.ValidationError({field: ["a comma list of token counts or inf"]})
+            points *= len(attrs[field].split(","))
+        if points > MAX_POINTS:
+            raise serializers.ValidationError(
+                {"l1_tokens": [f"{points} capacity points: at most {MAX_POINTS}"]}
+            )
+        return attrs

@@ -6,6 +6,7 @@ urlpatterns = [
     path("sizing/", views.SizingApi.as_view(), name="capacity-sizing"),
     path("workers/", views.WorkerCapacitiesApi.as_view(), name="capacity-workers"),
     path("traces/", views.RecordedPoolsApi.as_view(), name="capacity-traces"),
+    path("whatif/", views.WhatIfApi.as_view(), name="capacity-whatif"),
     path("traces/<str:pool>.jsonl", views.RecordedTraceApi.as_view(), name="capacity-trace"),
 ]
 agent_urlpatterns = [path("traces/", views.TraceIngestApi.as_view(), name="agent-traces")]

@@ -2,6 +2,7 @@
 
 import json
 
+from django.conf import settings
 from django.http import HttpResponse
 from drf_spectacular.utils import OpenApiTypes, extend_schema
 from rest_framework import status
@@ -9,10 +10,14 @@ from rest_framework.exceptions import NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.accounts.permissions import AGENT_ROLES
+from controlplane.accounts.permissions import AGENT_ROLES, READ_ROLES
 from controlplane.accounts.selectors import agent_host_scope
 from controlplane.capacity import selectors, services
-from controlplane.capacity.api.serializers import SizingQuerySerializer, TraceIngestSerializer
+from controlplane.capacity.api.serializers import (
+    SizingQuerySerializer,
+    TraceIngestSerializer,
+    WhatIfSerializer,
+)
 from controlplane.telemetry.services import ingest_worker
 
 
@@ -60,11 +65,12 @@ class TraceIngestApi(APIView):
 
 
 class RecordedPoolsApi(APIView):
-    """GET: pools with recorded traffic (requests, workers, first / last arrival in ms since the epoch)."""
+    """GET: the shared trace files, and the pools with recorded traffic (requests, workers, first / last
+    arrival in ms since the epoch)."""
 
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request):
-        return Response({"pools": selectors.recorded_pools()})
+        return Response({"shared": selectors.shared_traces(), "pools": selectors.recorded_pools()})
 
 
 class RecordedTraceApi(APIView):
@@ -79,3 +85,44 @@ class RecordedTraceApi(APIView):
         response = HttpResponse(body, content_type="application/x-ndjson")
         response["Content-Disposition"] = f'attachment; filename="{pool}-trace.jsonl"'
         return response
+
+
+class WhatIfApi(APIView):
+    """POST: replay a trace (shared, a pool's recorded traffic, or uploaded) at each capacity point; one
+    result per point as ``python -m engine.whatif --json`` prints it. A calculation: any role may run it.
+    400 names the bad field (or repeats the replay's error), 404 for an unknown trace, 504 past the
+    time limit."""
+
+    write_roles = READ_ROLES
+
+    @extend_schema(request=WhatIfSerializer, responses=OpenApiTypes.OBJECT)
+    def post(self, request):
+        body = WhatIfSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        text = data.get("trace_text")
+        if text is None:
+            kind, name = data["trace"].split(":", 1)
+            if kind == "shared":
+                text = selectors.shared_trace_text(name=name)
+            else:
+                lines = selectors.recorded_trace_lines(pool=name)
+                text = "".join(json.dumps(line) + "\n" for line in lines) if lines else None
+            if text is None:
+                raise NotFound(f"no trace {data['trace']!r}")
+        options = ["--page-size", str(data["page_size"]), "--eviction", data["eviction"]]
+        options += [
+            "--write-policy",
+            data["write_policy"],
+            "--kv-bytes-per-token",
+            str(data["kv_bytes_per_token"]),
+        ]
+        for tier in ("l1", "l2", "l3"):
+            options += [f"--{tier}-tokens", data[f"{tier}_tokens"].replace(" ", "")]
+        try:
+            points = services.whatif_run(
+                trace_text=text, options=options, timeout_s=settings.WHATIF_TIMEOUT_S
+            )
+        except services.WhatIfError as exc:
+            return Response({"error": {"code": "whatif_failed", "message": str(exc)}}, status=exc.status)
+        return Response({"points": points})

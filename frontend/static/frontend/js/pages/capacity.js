@@ -1,0 +1,122 @@
+/* Capacity page: run the what-if sweep through the API and plot the served share per tier against the swept
+   capacity (uPlot, numeric x axis), with the chosen pool's current configuration as a dashed line; the
+   sizing calculator starts from the selected worker's reported numbers. */
+KV.ready(function () {
+  "use strict";
+  var workers = JSON.parse(KV.$("#workers-data").textContent);
+  var form = KV.$("#whatif-form"), chartEl = KV.$("#whatif-chart"), plot = null;
+  var COLORS = ["#2563eb", "#16a34a", "#d97706"];
+
+  form.trace.addEventListener("change", function () { KV.$("#upload-row").hidden = form.trace.value !== "upload"; });
+
+  function pct(v) { return (100 * v).toFixed(2) + "%"; }
+  function sweptTier(points) {  // the tier whose capacity changes across the points (L1 when none does)
+    var tiers = ["l3", "l2", "l1"];
+    for (var i = 0; i < tiers.length; i++) {
+      var seen = {};
+      points.forEach(function (p) { seen[p[tiers[i] + "_tokens"]] = 1; });
+      if (Object.keys(seen).length > 1) return tiers[i];
+    }
+    return "l1";
+  }
+  function current(pool, tier) {  // the pool's current capacity of a tier: its first reporting worker's
+    var w = workers.filter(function (x) { return x.pool === pool && x[tier + "_tokens"] != null; })[0];
+    return w ? w[tier + "_tokens"] : null;
+  }
+  function draw(points) {
+    var tier = sweptTier(points);
+    var rows = points.filter(function (p) { return p[tier + "_tokens"] !== "inf"; });
+    rows.sort(function (a, b) { return a[tier + "_tokens"] - b[tier + "_tokens"]; });
+    var xs = rows.map(function (p) { return p[tier + "_tokens"]; });
+    var acc = rows.map(function () { return 0; });
+    var ys = ["l1", "l2", "l3"].map(function (t) {
+      return rows.map(function (p, i) { acc[i] += 100 * p[t].share; return acc[i]; });
+    });
+    var mark = current(form.pool.value, tier);
+    var opts = {
+      width: Math.max(320, chartEl.clientWidth || 900), height: 300,
+      scales: { x: { time: false }, y: { range: [0, 100] } },
+      axes: [{ label: tier.toUpperCase() + " capacity (tokens)", values: function (u, v) { return v.map(KV.compact); } },
+             { label: "share of input tokens (%)" }],
+      series: [{ label: tier.toUpperCase() + " tokens" }].concat(["L1", "L1 + L2", "L1 + L2 + L3"].map(function (label, i) {
+        return { label: label, stroke: COLORS[i], width: 2, points: { show: true }, value: function (u, v) { return v == null ? "–" : v.toFixed(2) + "%"; } };
+      })),
+      hooks: { draw: [function (u) {
+        if (mark == null) return;
+        var x = u.valToPos(mark, "x", true), ctx = u.ctx;
+        ctx.save(); ctx.setLineDash([6, 4]); ctx.strokeStyle = "#dc2626"; ctx.lineWidth = 2;
+        ctx.beginPath(); ctx.moveTo(x, u.bbox.top); ctx.lineTo(x, u.bbox.top + u.bbox.height); ctx.stroke();
+        ctx.fillStyle = "#dc2626"; ctx.textAlign = "left"; ctx.textBaseline = "top";
+        ctx.font = (12 * devicePixelRatio) + "px sans-serif";
+        ctx.fillText("current " + form.pool.value + ": " + KV.fmt(mark, "tok"), x + 6 * devicePixelRatio, u.bbox.top + 4 * devicePixelRatio);
+        ctx.restore();
+      }] }
+    };
+    if (plot) plot.destroy();
+    plot = new window.uPlot(opts, [xs].concat(ys), chartEl);
+    chartEl.dataset.marked = mark == null ? "" : String(mark);
+    KV.replaceRows(KV.$("#whatif-table tbody"), KV.$("#tpl-point"), points.map(function (p) {
+      return { l1_tokens: String(p.l1_tokens), l2_tokens: String(p.l2_tokens), l3_tokens: String(p.l3_tokens),
+        l1: pct(p.l1.share), l2: pct(p.l2.share), l3: pct(p.l3.share), share: pct(p.share) };
+    }));
+  }
+
+  form.addEventListener("submit", function (e) {
+    e.preventDefault();
+    KV.$("#whatif-error").textContent = "";
+    var body = { l1_tokens: form.l1_tokens.value, l2_tokens: form.l2_tokens.value, l3_tokens: form.l3_tokens.value,
+                 page_size: Number(form.page_size.value), eviction: form.eviction.value, write_policy: form.write_policy.value };
+    var ready = Promise.resolve();
+    if (form.trace.value === "upload") {
+      var file = form.file.files[0];
+      if (!file) { KV.$("#whatif-error").textContent = "Choose a trace file to upload."; return; }
+      ready = file.text().then(function (t) { body.trace_text = t; });
+    } else {
+      body.trace = form.trace.value;
+    }
+    KV.$("#whatif-status").textContent = "Replaying…";
+    ready.then(function () { return KV.api("POST", "/api/v1/capacity/whatif/", body); })
+      .then(function (res) { KV.$("#whatif-status").textContent = res.points.length + " points"; draw(res.points); })
+      .catch(function (err) { KV.$("#whatif-status").textContent = ""; KV.$("#whatif-error").textContent = KV.errorText(err); });
+  });
+
+  var sizing = KV.$("#sizing-form");
+  function fillFromWorker() {
+    var w = workers[Number(sizing.worker.value)];
+    if (!w) return;
+    sizing.page_size.value = w.page_size;
+    if (w.l1_tokens != null) sizing.max_total_tokens.value = w.l1_tokens;
+    sizing.enable_hierarchical_cache.checked = w.l2_tokens != null && w.l2_tokens > 0;
+    // the engine's host pool is ratio x L1 rounded up past whole pages: undo the extra page
+    if (w.l1_tokens && w.l2_tokens) sizing.hicache_ratio.value = +((w.l2_tokens - w.page_size) / w.l1_tokens).toFixed(4);
+  }
+  function calculate() {
+    KV.$("#sizing-error").textContent = "";
+    var q = new URLSearchParams();
+    ["bytes_per_token", "page_size", "max_total_tokens", "mem_fraction_static", "free_gpu_memory_bytes", "hicache_ratio",
+     "hicache_size", "host_memory_bytes", "l3_bytes"].forEach(function (k) { if (sizing[k].value !== "") q.set(k, sizing[k].value); });
+    q.set("enable_hierarchical_cache", sizing.enable_hierarchical_cache.checked ? "true" : "false");
+    var w = workers[Number(sizing.worker.value)] || {};
+    return KV.api("GET", "/api/v1/capacity/sizing/?" + q.toString()).then(function (r) {
+      var tbody = KV.$("#sizing-table tbody");
+      tbody.textContent = "";
+      [["L1", r.l1_tokens, r.l1_bytes, w.l1_tokens], ["L2", r.l2_tokens, r.l2_bytes, w.l2_tokens], ["L3", r.l3_tokens, r.l3_bytes, null]].forEach(function (row) {
+        var tr = document.createElement("tr");
+        row.forEach(function (v, i) {
+          var td = document.createElement("td");
+          if (i) td.className = "num";
+          td.textContent = i === 0 ? v : v == null ? "–" : i === 2 ? KV.fmt(v, "bytes") : v.toLocaleString();
+          tr.appendChild(td);
+        });
+        tbody.appendChild(tr);
+      });
+      var ul = KV.$("#sizing-warnings");
+      ul.textContent = "";
+      r.warnings.forEach(function (text) { var li = document.createElement("li"); li.textContent = text; ul.appendChild(li); });
+    }).catch(function (err) { KV.$("#sizing-error").textContent = KV.errorText(err); });
+  }
+  sizing.worker.addEventListener("change", function () { fillFromWorker(); calculate(); });
+  sizing.addEventListener("submit", function (e) { e.preventDefault(); calculate(); });
+  fillFromWorker();
+  calculate();
+});

@@ -1,0 +1,74 @@
+"""Capacity page in real headless Chromium against daphne: a what-if sweep over a pool's recorded traffic
+(replayed by the engine's CLI) is plotted with the pool's current L1 marked, and the sizing calculator starts
+from the worker's reported numbers. Screenshot at 1280 px: docs/console/capacity.png."""
+
+from pathlib import Path
+
+import httpx
+import pytest
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, UserFactory
+from django.contrib.auth.hashers import make_password
+from test_browser import CHROMIUM_ARGS, serious_violations
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+SHOT = Path(__file__).resolve().parents[2] / "docs" / "console" / "capacity.png"
+
+
+def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatch):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    worker = EngineWorkerFactory(name="gpu-0", host=HostFactory(name=AGENT_HOST), page_size=16, role="mixed")
+    bob = UserFactory(username="bob", role="viewer")
+    bob.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")
+    bob.save()
+    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
+    metrics = {"max_total_num_tokens": 2048, "hicache_host_total_tokens": 4112}
+    httpx.post(f"{asgi_server}/api/v1/agent/metrics/", json={"worker": worker.pk, "metrics": metrics},
+               headers=agent).raise_for_status()  # fmt: skip
+    # Four 1,030-token prompts (two whole blocks + 6 tokens), each asked twice in a row, then all four again:
+    # a hit is the 1,024 tokens of whole 16-token pages in input[:-1]. With 2,048 L1 tokens only the
+    # back-to-back repeats hit (4 hits); with 8,192 the second round hits too (8).
+    order = [1, 1, 2, 2, 3, 3, 4, 4, 1, 2, 3, 4]
+    ids = [[10 * p, 10 * p + 1, 10 * p + 2] for p in order]
+    rows = [
+        {"timestamp": i, "input_length": 1030, "output_length": 4, "hash_ids": h} for i, h in enumerate(ids)
+    ]
+    httpx.post(f"{asgi_server}/api/v1/agent/traces/", json={"worker_url": worker.url, "requests": rows},
+               headers=agent).raise_for_status()  # fmt: skip
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.set_default_timeout(60000)
+        errors = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(asgi_server + "/login/")
+        page.get_by_label("Username").fill("bob")
+        page.get_by_label("Password").fill("pw-for-tests-1")
+        page.get_by_role("button", name="Log in").click()
+        page.get_by_role("link", name="Capacity").click()
+        # The sizing calculator is filled from gpu-0's report: page 16, L1 2,048, L2 4,112 (ratio 2).
+        expect(page.locator("#sizing-table tbody tr").first).to_contain_text("2,048")
+        l2_row = page.locator("#sizing-table tbody tr").nth(1).locator("td")
+        assert [l2_row.nth(i).inner_text() for i in (1, 3)] == ["4,112", "4,112"]  # computed = reported
+        page.locator("#trace").select_option("pool:regular")
+        page.get_by_label("L1 tokens").fill("2048,8192")
+        page.get_by_label("Page size").first.fill("16")
+        page.get_by_role("button", name="Run").click()
+        expect(page.locator("#whatif-status")).to_have_text(
+            "2 points", timeout=180_000
+        )  # a child process replays
+        expect(page.locator("#whatif-table tbody tr")).to_have_count(2)
+        total = 12 * 1030
+        cells = [
+            page.locator("#whatif-table tbody tr").nth(i).locator("td").nth(6).inner_text() for i in (0, 1)
+        ]
+        assert cells == [f"{100 * 4 * 1024 / total:.2f}%", f"{100 * 8 * 1024 / total:.2f}%"]
+        assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
+        expect(page.locator("#whatif-chart canvas")).to_have_count(1)
+        SHOT.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOT), full_page=True)
+        assert serious_violations(page) == []
+        assert errors == []
+        browser.close()
