@@ -101,7 +101,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large()(scope, receive, send)
+            return await error_response(413, self._message())(scope, receive, send)
         seen = 0
 
         async def counted():
@@ -116,9 +116,6 @@ class BodyLimit:
 
     def _message(self) -> str:
         return f"request body is larger than the limit of {self.max_bytes} bytes"
-
-    def _too_large(self) -> JSONResponse:
-        return error_response(413, self._message())
 
 
 def sse(data: dict | str) -> bytes:
