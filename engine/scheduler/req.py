@@ -51,6 +51,20 @@ class IllegalTransition(RuntimeError):
     """A request was moved along an edge the transition table does not have (a scheduler bug)."""
 
 
+@dataclass(frozen=True)
+class Bootstrap:
+    """A PD request's pairing, as the router injects it: P's host and bootstrap port, and the room (a 63-bit
+    id both P and D use for this request)."""
+
+    host: str
+    port: int
+    room: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
 @dataclass
 class ReqOutput:
     """What the scheduler reports after a step: the new token ids, and at the end the finish reason.
@@ -72,9 +86,9 @@ class Req:
     """Scheduler-side state of one request.
 
     ``state`` changes only through ``move`` (checked against ``TRANSITIONS``). ``kv`` is the L1 KV the request
-    holds from admission to release (see ``KVLease``). ``aborted`` is set when the client goes away while the
-    request is in a batch (it is then finished at the next step). ``on_event`` is called on the scheduler
-    thread and must only hand the event over.
+    holds from admission to release (see ``KVLease``). ``bootstrap`` is set for a PD request. ``aborted`` is
+    set when the client goes away while the request is in a batch or a PD queue (it is then finished at the
+    next step). ``on_event`` is called on the scheduler thread and must only hand the event over.
     """
 
     rid: str
@@ -84,6 +98,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.QUEUED
     kv: KVLease | None = None
+    bootstrap: Bootstrap | None = None
     cached: dict = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     aborted: str | None = None
     arrival: float = field(default_factory=time.perf_counter)

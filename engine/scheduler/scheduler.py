@@ -30,6 +30,7 @@ import torch
 
 from engine.model.forward_batch import ForwardBatch
 from engine.scheduler.kv_manager import KVManager
+from engine.scheduler.pd import DecodeQueues, PrefillQueues
 from engine.scheduler.req import Req, ReqOutput, ReqState
 from engine.scheduler.sampler import sample
 
@@ -63,10 +64,22 @@ class Scheduler:
     ``detokenize(ids) -> str`` is used only to check stop strings. ``metrics`` (optional) receives
     ``on_admit(req)``, ``on_prefill(hit_tokens, new_tokens)``, ``on_first_token(seconds)``,
     ``on_inter_token(seconds)`` (the gap before each later token) and
-    ``on_finish(req)`` on this thread.
+    ``on_finish(req)`` on this thread. ``pd_mode`` ``prefill`` or ``decode`` with ``pd_transfer`` (the
+    ``engine.disaggregation`` KV manager of that role) runs requests that carry a ``bootstrap`` through the PD
+    queues (``engine/scheduler/pd.py``); requests without one run aggregated.
     """
 
-    def __init__(self, runner, cache, device_pool, config: SchedulerConfig, detokenize, metrics=None):
+    def __init__(
+        self,
+        runner,
+        cache,
+        device_pool,
+        config: SchedulerConfig,
+        detokenize,
+        metrics=None,
+        pd_mode: str = "null",
+        pd_transfer=None,
+    ):
         self.runner = runner
         self.cache = cache
         self.pool = device_pool
@@ -76,6 +89,11 @@ class Scheduler:
         self.page_size = cache.page_size
         self.hierarchical = cache.enable_hierarchical
         self.kv = KVManager(cache)
+        self.pd: PrefillQueues | DecodeQueues | None = None
+        if pd_mode == "prefill":
+            self.pd = PrefillQueues(self, pd_transfer)
+        elif pd_mode == "decode":
+            self.pd = DecodeQueues(self, pd_transfer)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -103,6 +121,8 @@ class Scheduler:
         self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        if self.pd is not None:
+            self.pd.close()
         self.cache.close()
 
     def is_alive(self) -> bool:
@@ -152,16 +172,22 @@ class Scheduler:
 
     # ----------------------------------------------------------------- for commands (scheduler thread)
     def is_idle(self) -> bool:
-        """Nothing running, nothing waiting, no chunked prefill, and no cache I/O in flight."""
-        return not self.running and not self.waiting and self.chunked is None and self.cache.is_io_idle()
+        """Nothing running, waiting, bootstrapping, transferring or waiting for KV, no chunked prefill, and
+        no cache I/O in flight."""
+        return not self._num_busy() and self.cache.is_io_idle()
+
+    def _num_busy(self) -> int:
+        pd = len(self.pd) if self.pd is not None else 0
+        return len(self.running) + len(self.waiting) + (self.chunked is not None) + pd
 
     def require_idle(self, action: str) -> None:
         """Raise ``NotIdleError`` (upstream wording) unless idle."""
-        if self.running or self.waiting or self.chunked is not None:
+        if self._num_busy():
             running = len(self.running) + (self.chunked is not None)
+            pd = f" #pd-transfer-req={len(self.pd)}" if self.pd is not None else ""
             raise NotIdleError(
                 f"Reject {action}: scheduler is not idle. "
-                f"#queue-req={len(self.waiting)} #running-req={running}"
+                f"#queue-req={len(self.waiting)} #running-req={running}{pd}"
             )
         if not self.cache.is_io_idle():
             io = self.cache.inflight_io()
@@ -196,7 +222,7 @@ class Scheduler:
         cache I/O (polling without starving the I/O threads of the GIL), long when there is nothing to do."""
         if progressed:
             return None
-        if self.running or self.waiting or self.chunked or not self.cache.is_io_idle():
+        if self._num_busy() or not self.cache.is_io_idle():
             return 0.002
         return 0.5
 
@@ -235,6 +261,20 @@ class Scheduler:
             req.on_event(ReqOutput(req.rid, [], True, reason, {}))
             return
         self.reqs[req.rid] = req
+        if req.bootstrap is None or self.pd is None:
+            self._queue(req)
+            return
+        try:
+            self.pd.add(req)
+        except ValueError as exc:  # bad bootstrap values (the HTTP side checks them first)
+            self.reqs.pop(req.rid, None)
+            req.move(ReqState.ABORTED)
+            reason = {"type": "abort", "message": str(exc), "status_code": 400}
+            req.on_event(ReqOutput(req.rid, [], True, reason, {}))
+
+    def _queue(self, req: Req) -> None:
+        """Into the waiting queue (prefilled here; a health probe goes first); an L3 prefetch of its prefix
+        starts now."""
         if req.health_check:
             self.waiting.appendleft(req)
         else:
@@ -243,7 +283,8 @@ class Scheduler:
             req.move(ReqState.PREFETCHING)
 
     def _step(self) -> bool:
-        """One scheduling decision; True when a forward pass ran."""
+        """One scheduling decision; True when a forward pass ran or a PD request moved."""
+        moved = self.pd.poll() if self.pd is not None else False
         items = self._schedule_prefill()
         if items:
             self._run_prefill(items)
@@ -253,7 +294,7 @@ class Scheduler:
             return True
         if self.hierarchical:  # no forward pass this time: start loads queued by a failed admission
             self.cache.ready_to_load_host_cache()
-        return False
+        return moved
 
     # ----------------------------------------------------------------- prefill
     def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
@@ -296,7 +337,8 @@ class Scheduler:
     def _admit(self, req: Req) -> bool:
         """Lease the request's cached prefix (L2 part loaded back) and slots for prompt + ``max_new_tokens``;
         False if L1 has no room. The last prompt token is never matched."""
-        lease = self.kv.admit(req.rid, req.input_ids[:-1], len(req.input_ids) + req.params.max_new_tokens)
+        decode_tokens = 0 if self._sends_kv(req) else req.params.max_new_tokens
+        lease = self.kv.admit(req.rid, req.input_ids[:-1], len(req.input_ids) + decode_tokens)
         if lease is None:
             return False
         req.kv = lease
@@ -339,13 +381,19 @@ class Scheduler:
             if tok is not None:
                 self._per_request(req, "prefill", self._prompt_done, req, tok)
 
+    def _sends_kv(self, req: Req) -> bool:
+        return req.bootstrap is not None and isinstance(self.pd, PrefillQueues)
+
     def _prompt_done(self, req: Req, tok: int) -> None:
-        """After the prompt's last chunk, the one decision point: cache the prompt's prefix, then finish the
-        request (``max_new_tokens`` 0) or decode it here with ``tok`` as its first token."""
+        """After the prompt's last chunk, the one decision point: cache the prompt's prefix, then hand its KV
+        and ``tok`` to D (a PD request on P), finish it (``max_new_tokens`` 0) or decode it here."""
         if req.aborted:
             self._finish(req, {"type": "abort", "message": req.aborted})
             return
         self.kv.cache_prefix(req.kv, req.fill_ids)
+        if self._sends_kv(req):
+            self.pd.send(req, tok)
+            return
         if req.params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
@@ -449,6 +497,9 @@ class Scheduler:
             self.running.remove(req)
         if self.chunked is req:
             self.chunked = None
+        if self.pd is not None:
+            self.pd.drop(req)
+            insert = insert and not (req.bootstrap and isinstance(self.pd, DecodeQueues))  # D caches nothing
         if req.kv is not None:
             self.kv.release(req.kv, req.fill_ids, insert=insert)
             req.kv = None
@@ -462,9 +513,13 @@ class Scheduler:
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return
-        if req in self.waiting:
+        if req.state in (ReqState.BOOTSTRAPPING, ReqState.TRANSFERRING, ReqState.WAITING_FOR_KV):
+            self.pd.abort(req)  # ends once the room is terminal
+        elif req in self.waiting:
             self.waiting.remove(req)
             self.kv.drop_prefetch(rid)
+            if self.pd is not None:
+                self.pd.drop(req)
             self.reqs.pop(rid, None)
             req.move(ReqState.ABORTED)
             req.on_event(
@@ -518,6 +573,7 @@ class Scheduler:
         self.state = {
             "num_running_reqs": len(self.running) + (self.chunked is not None),
             "num_waiting_reqs": len(self.waiting),
+            "num_pd_transfer_reqs": len(self.pd) if self.pd is not None else 0,
             "inflight_cache_io": dict(cache.inflight_io()),
             "is_idle": self.is_idle(),
             "hicache": status,

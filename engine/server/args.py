@@ -76,6 +76,12 @@ class ServerArgs:
     radix_eviction_policy: str = "lru"
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_ib_device: str | None = None
+    disaggregation_decode_enable_offload_kvcache: bool = False
+    num_reserved_decode_tokens: int = 512
+    enable_pd_role_switch: bool = False
+    base_gpu_id: int = 0
 
     def to_dict(self) -> dict:
         """Every launch arg by its SGLang dest name (for ``/server_info``); keys read ``"***"`` when set."""
@@ -169,8 +175,28 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hicache-storage-prefetch-policy", choices=PREFETCH_POLICIES, default="best_effort")
     a("--hicache-storage-backend-extra-config", default=None, help="JSON object or @file (.json/.toml/.yaml)")
     a("--radix-eviction-policy", choices=EVICTION_POLICIES, default="lru")
-    a("--disaggregation-mode", choices=("null",), default="null", help="only 'null' (no PD) in this build")
-    a("--disaggregation-bootstrap-port", type=int, default=8998)
+    a("--base-gpu-id", type=int, default=0, help="the GPU this worker uses (cuda)")
+    a("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null")
+    a(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=8998,
+        help="prefill: the bootstrap server's port (0: a free one, reported by /server_info)",
+    )
+    a("--disaggregation-transfer-backend", choices=("mooncake", "fake", "nixl"), default="mooncake")
+    a("--disaggregation-ib-device", default=None, help="RDMA device(s); unused on TCP (logged)")
+    a(
+        "--disaggregation-decode-enable-offload-kvcache",
+        action="store_true",
+        help="decode: write generated pages to L3 (not built yet: a start-up error)",
+    )
+    a(
+        "--num-reserved-decode-tokens",
+        type=int,
+        default=512,
+        help="upstream's decode headroom; D here reserves prompt + max_new_tokens, so no request runs out",
+    )
+    a("--enable-pd-role-switch", action="store_true", help="POST /pd_role_switch (not built yet)")
     return p
 
 
@@ -208,6 +234,7 @@ def _validate(args: ServerArgs) -> None:
         raise ArgumentError(f"--port must be in 1..65535, got {args.port}")
     if args.watchdog_timeout <= 0:
         raise ArgumentError(f"--watchdog-timeout must be > 0, got {args.watchdog_timeout}")
+    _validate_pd(args)
     if args.hicache_storage_backend and not args.enable_hierarchical_cache:
         raise ArgumentError("--hicache-storage-backend needs --enable-hierarchical-cache")
     if args.hicache_storage_backend_extra_config is not None:
@@ -219,3 +246,19 @@ def _validate(args: ServerArgs) -> None:
         raise ArgumentError(
             f"--max-total-tokens {args.max_total_tokens} must be a multiple of --page-size {args.page_size}"
         )
+
+
+def _validate_pd(args: ServerArgs) -> None:
+    if not 0 <= args.disaggregation_bootstrap_port < 65536:
+        raise ArgumentError(
+            f"--disaggregation-bootstrap-port must be in 0..65535, got {args.disaggregation_bootstrap_port}"
+        )
+    if args.num_reserved_decode_tokens < 0:
+        n = args.num_reserved_decode_tokens
+        raise ArgumentError(f"--num-reserved-decode-tokens must be >= 0, got {n}")
+    if args.base_gpu_id < 0:
+        raise ArgumentError(f"--base-gpu-id must be >= 0, got {args.base_gpu_id}")
+    if args.disaggregation_decode_enable_offload_kvcache:
+        raise ArgumentError("--disaggregation-decode-enable-offload-kvcache: not supported by this build yet")
+    if args.enable_pd_role_switch:
+        raise ArgumentError("--enable-pd-role-switch: not supported by this build yet")

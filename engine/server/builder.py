@@ -16,6 +16,7 @@ import torch
 from engine.cache.config import HiCacheConfig, parse_extra_config, split_extra_config
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
+from engine.disaggregation import TransferBackendError, create_kv_manager
 from engine.model.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.server.args import ArgumentError, ServerArgs
@@ -57,10 +58,45 @@ def _pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
     )
 
 
+def _pd_transfer(args: ServerArgs, pool: DeviceKVPool):
+    """The PD KV manager of this worker's role (None when not in PD mode); on P it starts the bootstrap
+    server, and ``args.disaggregation_bootstrap_port`` becomes the bound port. ``ArgumentError`` names the
+    flag when the backend is unusable or the port is taken."""
+    if args.disaggregation_mode == "null":
+        return None
+    try:
+        mgr = create_kv_manager(
+            args.disaggregation_transfer_backend,
+            args.disaggregation_mode,
+            pool,
+            host=args.host,
+            bootstrap_port=args.disaggregation_bootstrap_port,
+            prefill_http_port=args.port,
+            ib_device=args.disaggregation_ib_device,
+        )
+    except TransferBackendError as exc:
+        raise ArgumentError(f"--disaggregation-transfer-backend: {exc}") from None
+    except OSError as exc:
+        raise ArgumentError(f"--disaggregation-bootstrap-port: {exc}") from None
+    if args.disaggregation_mode == "prefill":
+        args.disaggregation_bootstrap_port = mgr.bootstrap_port
+    logger.info(
+        "PD %s worker, transfer backend %s%s",
+        args.disaggregation_mode,
+        args.disaggregation_transfer_backend,
+        f", bootstrap port {mgr.bootstrap_port}" if args.disaggregation_mode == "prefill" else "",
+    )
+    return mgr
+
+
 def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
     """Load the model (unless ``runner`` is given), build cache and scheduler, start the scheduler thread."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ArgumentError("--device cuda: no CUDA device is available")
+    if args.device == "cuda":
+        if args.base_gpu_id >= torch.cuda.device_count():
+            raise ArgumentError(f"--base-gpu-id {args.base_gpu_id}: {torch.cuda.device_count()} GPUs visible")
+        torch.cuda.set_device(args.base_gpu_id)
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     if runner is None:
         runner = ModelRunner(
@@ -92,7 +128,16 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         eos_token_ids=tuple(sorted(runner.tokenizer.eos_token_ids)),
     )
     tokenizer = runner.tokenizer
-    scheduler = Scheduler(runner, cache, pool, sched_cfg, tokenizer.decode)
+    pd_transfer = _pd_transfer(args, pool)
+    scheduler = Scheduler(
+        runner,
+        cache,
+        pool,
+        sched_cfg,
+        tokenizer.decode,
+        pd_mode=args.disaggregation_mode,
+        pd_transfer=pd_transfer,
+    )
     metrics = EngineMetrics(args.model_name, lambda: scheduler.state) if args.enable_metrics else None
     scheduler.metrics = metrics
     if args.random_seed is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.scheduler import Req, ReqOutput, SamplingParams, Scheduler
+from engine.scheduler.req import Bootstrap
 from engine.server.args import ServerArgs
 from engine.server.recording import TraceRecorder
 
@@ -124,25 +125,52 @@ class Engine:
                 f"({capacity} tokens)"
             )
 
-    def check_bootstrap(self, bootstrap_room) -> None:
-        """A request carrying ``bootstrap_room`` (a PD router's prefill/decode pairing) is a RequestError on a
-        worker not in PD mode (``--disaggregation-mode null``): running it here would do the whole request on
-        each of the pair, twice the work, silently."""
-        if bootstrap_room is not None and self.args.disaggregation_mode == "null":
+    def bootstrap(self, body: dict) -> Bootstrap | None:
+        """The PD pairing the router put into ``body`` (``bootstrap_host``, ``bootstrap_port``,
+        ``bootstrap_room``), checked; None for a request without one on a worker not in PD mode.
+
+        RequestError: ``bootstrap_room`` on a worker not in PD mode (``--disaggregation-mode null``: running
+        it here would do the whole request on each of the pair, twice the work, silently); on a PD worker a
+        missing or bad field (named), or a batch of rooms (one prompt per PD request here).
+        """
+        host, port, room = (body.get(f"bootstrap_{k}") for k in ("host", "port", "room"))
+        if self.args.disaggregation_mode == "null":
+            if room is not None:
+                raise RequestError(
+                    "bootstrap_room: this worker is not a PD worker (--disaggregation-mode null); "
+                    "send PD requests to workers started with --disaggregation-mode prefill or decode"
+                )
+            return None
+        mode = self.args.disaggregation_mode
+        if host is None and port is None and room is None:
             raise RequestError(
-                "bootstrap_room: this worker is not a PD worker (--disaggregation-mode null); "
-                "send PD requests to workers started with --disaggregation-mode prefill or decode"
+                f"bootstrap_room: this is a PD {mode} worker; requests come through a PD router, which adds "
+                "bootstrap_host, bootstrap_port and bootstrap_room"
             )
+        if isinstance(room, list) or isinstance(host, list) or isinstance(port, list):
+            raise RequestError("bootstrap_room: one prompt per PD request (batched rooms are not supported)")
+        if not isinstance(host, str) or not host:
+            raise RequestError("bootstrap_host must be the prefill server's host name or address")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise RequestError(f"bootstrap_port must be an integer in 1..65535, got {port!r}")
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
+            raise RequestError(f"bootstrap_room must be an integer in [0, 2**63), got {room!r}")
+        return Bootstrap(host, port, room)
 
     def default_max_new_tokens(self, input_ids: list[int]) -> int:
         """OpenAI requests without ``max_tokens`` may use the rest of the context (upstream behaviour)."""
         return max(0, min(self.context_length, self.scheduler.pool.size) - len(input_ids))
 
     async def stream(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, health_check: bool = False
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        health_check: bool = False,
+        bootstrap: Bootstrap | None = None,
     ) -> AsyncIterator[ReqOutput]:
-        """Submit one request, yield its events up to the finished one; abort it if the caller stops early.
-        A ``health_check`` request is queued ahead of user requests."""
+        """Submit one request (a PD one with ``bootstrap``), yield its events up to the finished one; abort it
+        if the caller stops early. A ``health_check`` request is queued ahead of user requests."""
         self.check_request(input_ids, params)  # also raises EngineDeadError
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ReqOutput] = asyncio.Queue()
@@ -154,6 +182,7 @@ class Engine:
             params,
             lambda ev: loop.call_soon_threadsafe(put, ev),
             health_check=health_check,
+            bootstrap=bootstrap,
         )
         if params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(params.sampling_seed)
@@ -176,14 +205,19 @@ class Engine:
                 self.scheduler.abort(rid)
 
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, health_check: bool = False
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        health_check: bool = False,
+        bootstrap: Bootstrap | None = None,
     ) -> dict:
         """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta"}``. Raises
         ``EngineDeadError`` when the scheduler ended before finishing it."""
         ids: list[int] = []
         meta: dict = {}
         reason = None
-        async for ev in self.stream(input_ids, params, rid, health_check):
+        async for ev in self.stream(input_ids, params, rid, health_check, bootstrap):
             ids.extend(ev.new_ids)
             meta.update(ev.meta)
             reason = ev.finish_reason

@@ -4,7 +4,8 @@ Body (``schemas.GenerateReqInput``): exactly one of ``text`` (str or list of str
 ints or list of lists), ``sampling_params``, ``stream``, ``rid``. Other upstream fields that routers forward
 (``log_metrics``, ``return_hidden_states``, ...) are accepted and have no effect; fields asking for output
 this engine cannot produce (``return_logprob``, ``input_embeds``) are a 400, and so is ``bootstrap_room`` on a
-worker that is not in PD mode (``Engine.check_bootstrap``). Text is tokenized on a worker thread, and a
+worker that is not in PD mode, or a PD worker's request without valid ``bootstrap_host`` /
+``bootstrap_port`` / ``bootstrap_room`` (``Engine.bootstrap``). Text is tokenized on a worker thread, and a
 non-streaming request whose client disconnects is aborted.
 Response: ``{"text", "output_ids", "meta_info"}`` (a list for batched input). With ``stream`` the events are
 SSE frames carrying the cumulative text and ids (upstream default); the text only grows (a tail that could
@@ -19,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.scheduler import SamplingParams
+from engine.scheduler.req import Bootstrap
 from engine.server.engine import Engine, RequestError
 from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse, until_disconnect
 from engine.server.schemas import GenerateReqInput, request_body, validated
@@ -29,16 +31,18 @@ router = APIRouter()
 _UNSUPPORTED_TRUE = ("return_logprob", "return_hidden_states", "return_routed_experts")
 
 
-def parse_generate(engine: Engine, body: dict) -> tuple[list[list[int]], list[SamplingParams], bool]:
-    """Prompts as token ids, one SamplingParams each, and whether the input was batched. ``body`` was checked
-    against ``GenerateReqInput``; text is tokenized here (run it off the event loop)."""
+def parse_generate(
+    engine: Engine, body: dict
+) -> tuple[list[list[int]], list[SamplingParams], bool, Bootstrap | None]:
+    """Prompts as token ids, one SamplingParams each, whether the input was batched, and the PD pairing.
+    ``body`` was checked against ``GenerateReqInput``; text is tokenized here (run it off the event loop)."""
     if body.get("input_embeds") is not None:
         raise HTTPError(400, "input_embeds is not supported")
     for name in _UNSUPPORTED_TRUE:
         if body.get(name):
             raise HTTPError(400, f"{name} is not supported")
     try:
-        engine.check_bootstrap(body.get("bootstrap_room"))
+        bootstrap = engine.bootstrap(body)
     except RequestError as exc:
         raise HTTPError(400, str(exc)) from None
     text, ids = body.get("text"), body.get("input_ids")
@@ -66,7 +70,9 @@ def parse_generate(engine: Engine, body: dict) -> tuple[list[list[int]], list[Sa
             engine.check_request(p, sp)
     except RequestError as exc:
         raise HTTPError(400, str(exc)) from None
-    return prompts, params, batched
+    if bootstrap is not None and batched:
+        raise HTTPError(400, "bootstrap_room: one prompt per PD request (batched input is not supported)")
+    return prompts, params, batched, bootstrap
 
 
 def _rids(rid, n: int, batched: bool) -> list[str | None]:
@@ -90,15 +96,18 @@ async def generate(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
     body = validated(GenerateReqInput, await json_body(request))
-    prompts, params, batched = await asyncio.to_thread(parse_generate, engine, body)
+    prompts, params, batched, bootstrap = await asyncio.to_thread(parse_generate, engine, body)
     rids = _rids(body.get("rid"), len(prompts), batched)
     if body.get("stream"):
         if batched:
             raise HTTPError(400, "stream is not supported with batched input")
         return StreamingResponse(
-            _stream(engine, prompts[0], params[0], rids[0]), media_type="text/event-stream"
+            _stream(engine, prompts[0], params[0], rids[0], bootstrap), media_type="text/event-stream"
         )
-    runs = (engine.generate(p, sp, rid) for p, sp, rid in zip(prompts, params, rids, strict=True))
+    runs = (
+        engine.generate(p, sp, rid, bootstrap=bootstrap)
+        for p, sp, rid in zip(prompts, params, rids, strict=True)
+    )
     results = await until_disconnect(request, asyncio.gather(*runs))
     out = []
     for res, sp in zip(results, params, strict=True):
@@ -109,12 +118,14 @@ async def generate(request: Request):
     return JSONResponse(out if batched else out[0])
 
 
-async def _stream(engine: Engine, prompt: list[int], params: SamplingParams, rid: str | None):
+async def _stream(
+    engine: Engine, prompt: list[int], params: SamplingParams, rid: str | None, bootstrap: Bootstrap | None
+):
     """One frame per scheduler event: all ids so far and the monotonic text (``StreamText``)."""
     ids: list[int] = []
     meta: dict = {}
     text = StreamText(engine, params)
-    async for ev in engine.stream(prompt, params, rid):
+    async for ev in engine.stream(prompt, params, rid, bootstrap=bootstrap):
         ids.extend(ev.new_ids)
         meta.update(ev.meta)
         if ev.finish_reason and ev.finish_reason.get("type") == "abort":

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.scheduler import SamplingParams
+from engine.scheduler.req import Bootstrap
 from engine.server.engine import Engine
 from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse, until_disconnect
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest, request_body, validated
@@ -96,9 +97,9 @@ def _usage(engine: Engine, prompt: list[int], n_out: int, meta: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- completions
-def _check_bootstrap(engine: Engine, body: dict) -> None:
+def _bootstrap(engine: Engine, body: dict) -> Bootstrap | None:
     try:
-        engine.check_bootstrap(body.get("bootstrap_room"))
+        return engine.bootstrap(body)
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from None
 
@@ -108,7 +109,7 @@ async def completions(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
     body = validated(CompletionRequest, await json_body(request))
-    _check_bootstrap(engine, body)
+    bootstrap = _bootstrap(engine, body)
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -127,10 +128,10 @@ async def completions(request: Request):
     if body.get("stream"):
         include_usage = _include_usage(body)
         return StreamingResponse(
-            _stream_completion(engine, ids, params, base, prompt if echo else "", include_usage),
+            _stream_completion(engine, ids, params, base, prompt if echo else "", include_usage, bootstrap),
             media_type="text/event-stream",
         )
-    res = await until_disconnect(request, engine.generate(ids, params))
+    res = await until_disconnect(request, engine.generate(ids, params, bootstrap=bootstrap))
     finish, matched = _check_abort(res["finish_reason"])
     text = engine.output_text(res["output_ids"], params, res["finish_reason"])
     choice = {
@@ -151,7 +152,9 @@ def _check_abort(reason: dict | None) -> tuple[str | None, object]:
     return finish, matched
 
 
-async def _stream_choices(engine, ids, params, base, first: dict | None, content, include_usage: bool):
+async def _stream_choices(
+    engine, ids, params, base, first: dict | None, content, include_usage: bool, bootstrap: Bootstrap | None
+):
     """The SSE chunks of one streamed request: the opening choice ``first`` (when given), a choice per text
     delta carrying ``content(text)`` (``text`` or ``delta``), an error chunk on abort, the optional usage
     chunk, then ``[DONE]``."""
@@ -159,7 +162,7 @@ async def _stream_choices(engine, ids, params, base, first: dict | None, content
     n_out, meta = 0, {}
     if first is not None:
         yield sse({**base, "choices": [first]})
-    async for ev in engine.stream(ids, params):
+    async for ev in engine.stream(ids, params, bootstrap=bootstrap):
         n_out += len(ev.new_ids)
         meta.update(ev.meta)
         finish, matched = _finish(ev.finish_reason)
@@ -181,9 +184,11 @@ async def _stream_choices(engine, ids, params, base, first: dict | None, content
     yield SSE_DONE
 
 
-def _stream_completion(engine, ids, params, base, echo_text: str, include_usage: bool):
+def _stream_completion(engine, ids, params, base, echo_text: str, include_usage: bool, bootstrap):
     first = {"index": 0, "text": echo_text, "logprobs": None, "finish_reason": None} if echo_text else None
-    return _stream_choices(engine, ids, params, base, first, lambda text: {"text": text}, include_usage)
+    return _stream_choices(
+        engine, ids, params, base, first, lambda text: {"text": text}, include_usage, bootstrap
+    )
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -227,7 +232,7 @@ async def chat_completions(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
     body = validated(ChatCompletionRequest, await json_body(request))
-    _check_bootstrap(engine, body)
+    bootstrap = _bootstrap(engine, body)
     ids = await asyncio.to_thread(_chat_prompt, engine, body)
     max_tokens = body.get("max_completion_tokens")
     max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
@@ -238,9 +243,9 @@ async def chat_completions(request: Request):
         include_usage = _include_usage(body)
         base["object"] = "chat.completion.chunk"
         return StreamingResponse(
-            _stream_chat(engine, ids, params, base, include_usage), media_type="text/event-stream"
+            _stream_chat(engine, ids, params, base, include_usage, bootstrap), media_type="text/event-stream"
         )
-    res = await until_disconnect(request, engine.generate(ids, params))
+    res = await until_disconnect(request, engine.generate(ids, params, bootstrap=bootstrap))
     finish, matched = _check_abort(res["finish_reason"])
     text = engine.output_text(res["output_ids"], params, res["finish_reason"])
     message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
@@ -255,14 +260,14 @@ async def chat_completions(request: Request):
     return JSONResponse({**base, "choices": [choice], "usage": usage})
 
 
-def _stream_chat(engine, ids, params, base, include_usage: bool):
+def _stream_chat(engine, ids, params, base, include_usage: bool, bootstrap):
     first = {
         "index": 0,
         "delta": {"role": "assistant", "content": ""},
         "logprobs": None,
         "finish_reason": None,
     }
-    return _stream_choices(engine, ids, params, base, first, _chat_delta, include_usage)
+    return _stream_choices(engine, ids, params, base, first, _chat_delta, include_usage, bootstrap)
 
 
 def _chat_delta(text: str) -> dict:

@@ -1,0 +1,210 @@
+"""Prefill/decode disaggregation in the scheduler: the queues a PD request passes through on P and on D.
+
+After SGLang's ``disaggregation/prefill.py`` and ``decode.py`` (one rank, no DP attention). Both run on the
+scheduler thread, poll the transport's rooms (``engine.disaggregation``: ``KVSender`` / ``KVReceiver``) once
+per iteration and never block.
+
+* P (``PrefillQueues``): a request opens a sender for its ``bootstrap_room`` and waits in ``bootstrapping``
+  until D has said where its KV goes (``WaitingForInput``); then it joins the waiting queue and is prefilled
+  as any request (full HiCache: L1/L2 hits, L3 prefetch). After its prompt, ``send`` hands its KV pages, the
+  first token and its per-tier cached tokens to the sender; it waits in ``transferring`` for ``Success``
+  (finished) or ``Failed`` (aborted). Its pages stay leased (and its prefix locked) until then.
+* D (``DecodeQueues``): a request opens a receiver (resolving P happens on the transport's threads) and
+  waits in ``prealloc`` until L1 has room for prompt + ``max_new_tokens``; those pages are reserved with no
+  prefix ("slots reserved, KV pending") and the prompt's pages go to the receiver; it waits in
+  ``waiting_kv`` until ``Success`` (then it decodes, starting from P's first token; it is never prefilled
+  here) or ``Failed`` (aborted, with the transport's reason naming P's bootstrap address).
+
+An abort (client gone) tells the peer and ends the request once the room is terminal, so no late write can
+land in pages that were already freed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.disaggregation import KVPoll
+from engine.scheduler.req import Req, ReqState
+
+logger = logging.getLogger(__name__)
+
+
+def _pages(n: int, page_size: int) -> int:
+    return -(-n // page_size)
+
+
+class PrefillQueues:
+    """P's bootstrap and transfer queues over ``mgr`` (a ``PrefillKVManager``) for ``sched``."""
+
+    def __init__(self, sched, mgr) -> None:
+        self.sched = sched
+        self.mgr = mgr
+        self.bootstrapping: list[Req] = []
+        self.transferring: list[Req] = []
+        self.rooms: dict[str, object] = {}  # rid -> KVSender
+
+    def __len__(self) -> int:
+        return len(self.bootstrapping) + len(self.transferring)
+
+    def add(self, req: Req) -> None:
+        """A new request from the router: open its room; it is prefilled once D is paired."""
+        sender = self.mgr.create_sender(req.bootstrap.room)
+        self.rooms[req.rid] = sender
+        sender.init(_pages(len(req.input_ids), self.sched.page_size))
+        req.move(ReqState.BOOTSTRAPPING)
+        self.bootstrapping.append(req)
+
+    def send(self, req: Req, tok: int) -> None:
+        """The prompt is computed and cached: hand its pages, first token and cached tokens to D."""
+        lease, page = req.kv, self.sched.page_size
+        n = _pages(len(req.input_ids), page)
+        meta = {
+            "prompt_tokens": len(req.input_ids),
+            "cached_tokens": req.cached_tokens,
+            "cached_tokens_details": dict(req.cached),
+        }
+        req.output_ids.append(tok)
+        req.move(ReqState.TRANSFERRING)
+        self.transferring.append(req)
+        self.rooms[req.rid].send(lease.indices[: n * page : page] // page, first_token_id=tok, meta=meta)
+
+    def abort(self, req: Req) -> None:
+        req.aborted = "aborted"
+        self.rooms[req.rid].abort("aborted by prefill")
+
+    def poll(self) -> bool:
+        """Move paired requests to the waiting queue and end finished transfers; True if anything moved."""
+        moved = False
+        for req in list(self.bootstrapping):
+            state = self.rooms[req.rid].poll()
+            if state == KVPoll.Failed or req.aborted:
+                self.bootstrapping.remove(req)
+                self._end(req)
+                moved = True
+            elif state >= KVPoll.WaitingForInput:
+                self.bootstrapping.remove(req)
+                req.move(ReqState.QUEUED)
+                self.sched._queue(req)
+                moved = True
+        for req in list(self.transferring):
+            state = self.rooms[req.rid].poll()
+            if state in (KVPoll.Success, KVPoll.Failed):
+                self.transferring.remove(req)
+                self._end(req)
+                moved = True
+        return moved
+
+    def _end(self, req: Req) -> None:
+        sender = self.rooms.pop(req.rid)
+        if sender.poll() == KVPoll.Success:
+            reason = {"type": "length", "length": len(req.output_ids)}
+            self.sched._finish(req, reason, last_ids=req.output_ids[-1:], insert=False)
+        else:
+            if sender.poll() != KVPoll.Failed:
+                sender.abort("aborted by prefill")
+            reason = req.aborted or str(sender.failure_exception())
+            self.sched._finish(req, {"type": "abort", "message": reason, "status_code": 500}, insert=False)
+        sender.close()
+
+    def drop(self, req: Req) -> None:
+        """The request ended outside these queues (aborted while queued, a failed forward pass): fail and
+        close its room so D is told at once."""
+        sender = self.rooms.pop(req.rid, None)
+        if sender is not None:
+            sender.abort(req.aborted or "prefill request aborted")
+            sender.close()
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+class DecodeQueues:
+    """D's prealloc and transfer queues over ``mgr`` (a ``DecodeKVManager``) for ``sched``."""
+
+    def __init__(self, sched, mgr) -> None:
+        self.sched = sched
+        self.mgr = mgr
+        self.prealloc: list[Req] = []
+        self.waiting_kv: list[Req] = []
+        self.rooms: dict[str, object] = {}  # rid -> KVReceiver
+
+    def __len__(self) -> int:
+        return len(self.prealloc) + len(self.waiting_kv)
+
+    def add(self, req: Req) -> None:
+        """A new request from the router: open its room toward P's bootstrap server."""
+        b = req.bootstrap
+        self.rooms[req.rid] = self.mgr.create_receiver(b.host, b.port, b.room)
+        req.move(ReqState.BOOTSTRAPPING)
+        self.prealloc.append(req)
+
+    def abort(self, req: Req) -> None:
+        req.aborted = "aborted"
+        self.rooms[req.rid].abort("aborted by decode")
+
+    def poll(self) -> bool:
+        """Reserve pages for requests in arrival order while L1 has room, and start decoding requests whose
+        KV has landed; True if anything moved."""
+        moved = False
+        sched = self.sched
+        for req in list(self.prealloc):
+            receiver = self.rooms[req.rid]
+            state = receiver.poll()
+            if state == KVPoll.Failed:
+                self.prealloc.remove(req)
+                self._fail(req)
+                moved = True
+                continue
+            if req.aborted:
+                continue  # its room turns Failed once P acknowledged the abort
+            lease = sched.kv.reserve(req.rid, len(req.input_ids) + req.params.max_new_tokens)
+            if lease is None:
+                break  # no room yet: later requests wait behind this one
+            req.kv = lease
+            page = sched.page_size
+            n = _pages(len(req.input_ids), page)
+            receiver.init(lease.indices[: n * page : page] // page)
+            req.move(ReqState.WAITING_FOR_KV)
+            self.prealloc.remove(req)
+            self.waiting_kv.append(req)
+            moved = True
+        for req in list(self.waiting_kv):
+            receiver = self.rooms[req.rid]
+            state = receiver.poll()
+            if state == KVPoll.Failed:
+                self.waiting_kv.remove(req)
+                self._fail(req)
+                moved = True
+            elif state == KVPoll.Success and req.aborted:
+                self.waiting_kv.remove(req)
+                self.rooms.pop(req.rid).close()
+                sched._finish(req, {"type": "abort", "message": req.aborted}, insert=False)
+                moved = True
+            elif state == KVPoll.Success:
+                self.waiting_kv.remove(req)
+                self.rooms.pop(req.rid).close()
+                self._start_decoding(req, receiver)
+                moved = True
+        return moved
+
+    def _start_decoding(self, req: Req, receiver) -> None:
+        """The prompt's KV is in the reserved pages: decode from P's first token."""
+        req.kv.num_computed = len(req.input_ids)
+        details = (receiver.meta or {}).get("cached_tokens_details") or {}
+        req.cached = {tier: int(details.get(tier, 0)) for tier in ("device", "host", "storage")}
+        req.admitted_at = req.admitted_at or req.arrival
+        req.move(ReqState.DECODING)
+        self.sched.running.append(req)
+        self.sched._append_token(req, int(receiver.first_token_id))
+
+    def _fail(self, req: Req) -> None:
+        receiver = self.rooms.pop(req.rid)
+        reason = req.aborted or str(receiver.failure_exception())
+        receiver.close()
+        self.sched._finish(req, {"type": "abort", "message": reason, "status_code": 500}, insert=False)
+
+    def drop(self, req: Req) -> None:
+        """Nothing to do: a D request leaves these queues only with its room closed."""
+
+    def close(self) -> None:
+        self.mgr.close()
