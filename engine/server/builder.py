@@ -75,7 +75,7 @@ def _pd_transfer(args: ServerArgs, pool: DeviceKVPool):
             ib_device=args.disaggregation_ib_device,
         )
     except TransferBackendError as exc:
-        raise ArgumentError(f"--disaggregation-transfer-backend: {exc}") from None
+        raise ArgumentError(str(exc)) from None  # names the flag
     except OSError as exc:
         raise ArgumentError(f"--disaggregation-bootstrap-port: {exc}") from None
     if args.disaggregation_mode == "prefill":

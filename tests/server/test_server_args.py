@@ -54,7 +54,17 @@ def test_a_typical_sglang_hicache_command_parses():
             ["--model-path", "m", "--hicache-storage-backend-extra-config", "{bad"],
             "--hicache-storage-backend",
         ),
-        (["--model-path", "m", "--disaggregation-mode", "prefill"], "--disaggregation-mode"),
+        (["--model-path", "m", "--disaggregation-mode", "sideways"], "--disaggregation-mode"),
+        (
+            ["--model-path", "m", "--disaggregation-bootstrap-port", "70000"],
+            "--disaggregation-bootstrap-port",
+        ),
+        (
+            ["--model-path", "m", "--disaggregation-transfer-backend", "rdma"],
+            "--disaggregation-transfer-backend",
+        ),
+        (["--model-path", "m", "--num-reserved-decode-tokens", "-1"], "--num-reserved-decode-tokens"),
+        (["--model-path", "m", "--base-gpu-id", "-1"], "--base-gpu-id"),
         (["--model-path", "m", "--hicache-storage-backend", "s3"], "--hicache-storage-backend"),
         (["--port", "1"], "--model-path"),
     ],

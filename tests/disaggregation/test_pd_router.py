@@ -1,0 +1,291 @@
+"""PD end to end: SmolLM2 prefill (P) and decode (D) workers behind the real sglang-router in PD mode, KV
+moved over Mooncake's TransferEngine (TCP), against an aggregated worker with the same flags.
+
+One module-scoped fleet (aggregated A, P1, D, router R1) serves every test; the 2P1D test adds P2 and a second
+router and kills P2 with SIGKILL, so it runs last.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.pd_peer import PeerProcess
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--model-path", "smollm2", "--page-size", "16", "--enable-metrics", "--random-seed", "0"]
+P_FLAGS = [*COMMON, "--max-total-tokens", "384", "--enable-hierarchical-cache", "--hicache-ratio", "4"]
+D_FLAGS = [*COMMON, "--max-total-tokens", "2048", "--disaggregation-mode", "decode"]
+D_ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
+FAIL_BOUND_S = 30.0  # a request whose P died ends within this (heartbeat 2 s x 2 misses, plus scheduling)
+SP = {"max_new_tokens": 10, "temperature": 0}
+
+
+def _prefill(bootstrap_port: int) -> ServerProcess:
+    return ServerProcess(
+        [*P_FLAGS, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port)]
+    )
+
+
+def _start(*procs):
+    """Enter each ServerProcess in turn (in parallel they only compete for the same cores)."""
+    for proc in procs:
+        proc.__enter__()
+    return procs
+
+
+def _router(prefills: list[tuple[str, int]], decode: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for url, bp in prefills:
+        cmd += ["--prefill", url, str(bp)]
+    cmd += ["--decode", decode, "--port", str(port), "--host", "127.0.0.1", "--policy", "cache_aware"]
+    cmd += ["--prometheus-port", str(free_port()), "--log-level", "warn", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readiness", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("router did not become ready")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    bp = free_port()
+    agg, p1, d = ServerProcess(P_FLAGS), _prefill(bp), ServerProcess(D_FLAGS, env=D_ENV)
+    try:
+        _start(agg, p1, d)
+        router, url = _router([(p1.url, bp)], d.url)
+        try:
+            yield {"agg": agg, "p1": p1, "bp1": bp, "d": d, "router": url}
+        finally:
+            _stop(router)
+    finally:
+        for proc in (agg, p1, d):
+            proc.__exit__(None, None, None)
+
+
+def _gen(url: str, text: str, **extra) -> httpx.Response:
+    return httpx.post(f"{url}/generate", json={"text": text, "sampling_params": SP, **extra}, timeout=120)
+
+
+def _used_tokens(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("sglang:num_used_tokens{"):
+            return float(line.split()[-1])
+    raise AssertionError("sglang:num_used_tokens missing")
+
+
+def _wait_clean(*urls: str, timeout: float = FAIL_BOUND_S) -> None:
+    """Each worker is idle and holds no KV slot for a request (pool usage back to baseline)."""
+    deadline = time.monotonic() + timeout
+    for url in urls:
+        while not (httpx.get(f"{url}/server_info", timeout=10).json()["is_idle"] and _used_tokens(url) == 0):
+            assert time.monotonic() < deadline, f"{url} still busy or holding KV after {timeout} s"
+            time.sleep(0.2)
+
+
+def _text(i: int, n: int = 90) -> str:
+    rng = random.Random(i)
+    words = ["alpha", "river", "stone", "cloud", "maple", "signal", "copper", "lantern", "harbor", "violet"]
+    return f"Story {i}: " + " ".join(rng.choice(words) for _ in range(n))
+
+
+def _sse(resp: httpx.Response) -> list[dict]:
+    frames = []
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            frames.append(json.loads(line[6:]))
+    return frames
+
+
+def test_server_info_types_the_workers(fleet):
+    p = httpx.get(f"{fleet['p1'].url}/server_info").json()
+    d = httpx.get(f"{fleet['d'].url}/server_info").json()
+    assert (p["disaggregation_mode"], p["disaggregation_bootstrap_port"]) == ("prefill", fleet["bp1"])
+    assert p["disaggregation_transfer_backend"] == "mooncake" and d["disaggregation_mode"] == "decode"
+
+
+def test_generate_through_router_equals_aggregated_with_p_side_l1_and_l2_hits(fleet):
+    router, agg = fleet["router"], fleet["agg"].url
+    x = _text(1)
+    others = [_text(i) for i in range(2, 6)]
+    # X computed, then hit in P's L1; then pushed out of L1 (into L2) by others; then hit in P's L2.
+    order = [x, x, *others, x]
+    details = []
+    for text in order:
+        want = _gen(agg, text).json()
+        got = _gen(router, text)
+        assert got.status_code == 200, got.text
+        assert got.json()["output_ids"] == want["output_ids"]
+        details.append(got.json()["meta_info"]["cached_tokens_details"])  # P's, reported by D
+    assert details[0] == {"device": 0, "host": 0, "storage": 0}
+    assert details[1]["device"] > 0
+    assert details[-1]["host"] > 0
+    _wait_clean(fleet["p1"].url, fleet["d"].url)
+
+
+def test_streaming_and_openai_routes_through_router_equal_aggregated(fleet):
+    router, agg = fleet["router"], fleet["agg"].url
+    text = _text(7, 40)
+    want = _gen(agg, text).json()["output_ids"]
+    with httpx.stream(
+        "POST", f"{router}/generate", json={"text": text, "sampling_params": SP, "stream": True}, timeout=120
+    ) as resp:
+        assert resp.status_code == 200
+        frames = _sse(resp)
+    assert frames[-1]["output_ids"] == want
+
+    comp = {"model": "smollm2", "prompt": text, "max_tokens": 10, "temperature": 0}
+    chat = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 10,
+        "temperature": 0,
+    }
+    for route, body, pick in (
+        ("/v1/completions", comp, lambda c: c.get("text", "")),
+        (
+            "/v1/chat/completions",
+            chat,
+            lambda c: (c.get("message") or c.get("delta") or {}).get("content") or "",
+        ),
+    ):
+        expected = pick(httpx.post(f"{agg}{route}", json=body, timeout=120).json()["choices"][0])
+        got = httpx.post(f"{router}{route}", json=body, timeout=120)
+        assert got.status_code == 200, got.text
+        assert pick(got.json()["choices"][0]) == expected and expected
+        with httpx.stream("POST", f"{router}{route}", json={**body, "stream": True}, timeout=120) as resp:
+            assert resp.status_code == 200
+            streamed = "".join(pick(f["choices"][0]) for f in _sse(resp) if f.get("choices"))
+        assert streamed == expected
+    _wait_clean(fleet["p1"].url, fleet["d"].url)
+
+
+def test_client_disconnect_on_d_releases_pages_on_both_sides(fleet):
+    body = {"text": _text(11), "sampling_params": {"max_new_tokens": 200, "temperature": 0}, "stream": True}
+    with httpx.stream("POST", f"{fleet['router']}/generate", json=body, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                break  # the first token arrived: D is decoding; hang up
+    _wait_clean(fleet["d"].url, fleet["p1"].url)
+
+
+def test_bad_bootstrap_values_unknown_room_dead_port_and_page_size_mismatch(fleet):
+    d, p1 = fleet["d"].url, fleet["p1"].url
+    text = _text(21, 20)
+    bad = _gen(d, text, bootstrap_host="127.0.0.1", bootstrap_port=70000, bootstrap_room=1)
+    assert bad.status_code == 400 and "bootstrap_port" in bad.text
+    missing = _gen(d, text)
+    assert missing.status_code == 400 and "bootstrap_room" in missing.text
+    peer = PeerProcess(
+        "mooncake",
+        "prefill",
+        {"size": 64, "page_size": 8, "layers": 2, "heads": 1, "head_dim": 8},
+        bootstrap_port=0,
+    )
+    dead = free_port()
+    cases = {  # what D is told (bootstrap port, room) -> what its error must name
+        "unknown room": (fleet["bp1"], 424242, "bootstrap room 424242 is unknown"),
+        "dead port": (dead, 1, f"127.0.0.1:{dead} unreachable"),
+        "page size": (peer.bootstrap_port, 2, "page_size mismatch"),
+    }
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            futures = {
+                name: pool.submit(
+                    _gen, d, text, bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=room
+                )
+                for name, (port, room, _) in cases.items()
+            }
+            for name, (_, _, message) in cases.items():
+                resp = futures[name].result()
+                assert resp.status_code == 500, (name, resp.text)
+                assert message in resp.json()["error"]["message"], (name, resp.text)
+    finally:
+        peer.close()
+    _wait_clean(d, p1)
+
+
+def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(fleet):
+    bp2 = free_port()
+    (p2,) = _start(_prefill(bp2))
+    router, url = _router(
+        [(fleet["p1"].url, fleet["bp1"]), (p2.url, bp2)],
+        fleet["d"].url,
+        "--health-check-interval-secs",
+        "1",
+        "--health-failure-threshold",
+        "1",
+    )
+    try:
+        texts = [_text(100 + i) for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            assert all(r.status_code == 200 for r in pool.map(lambda t: _gen(url, t), texts))
+        p2_info = httpx.get(f"{p2.url}/metrics").text
+        assert any(
+            line.startswith("sglang:num_requests_total{") and float(line.split()[-1]) > 0
+            for line in p2_info.splitlines()
+        ), "P2 took no request"
+
+        # Long requests in flight; SIGKILL P2 once it holds one of them.
+        long_sp = {"max_new_tokens": 60, "temperature": 0}
+        pool = concurrent.futures.ThreadPoolExecutor(6)
+        started = time.monotonic()
+        futures = [
+            pool.submit(
+                httpx.post,
+                f"{url}/generate",
+                json={"text": _text(200 + i), "sampling_params": long_sp},
+                timeout=120,
+            )
+            for i in range(6)
+        ]
+        while httpx.get(f"{p2.url}/server_info", timeout=10).json()["is_idle"]:
+            assert time.monotonic() - started < 60, "P2 never got a request"
+            time.sleep(0.05)
+        p2.proc.kill()
+        results = [f.result() for f in futures]
+        pool.shutdown()
+        failed = [r for r in results if r.status_code != 200]
+        assert failed, "no request was on the killed prefill"
+        assert time.monotonic() - started < 60 + FAIL_BOUND_S
+        _wait_clean(fleet["d"].url, fleet["p1"].url)
+
+        deadline = time.monotonic() + 30  # the router's health check drops P2; later requests go to P1
+        while True:
+            after = _gen(url, _text(300))
+            if after.status_code == 200:
+                break
+            assert time.monotonic() < deadline, after.text
+        for i in range(3):
+            resp = _gen(url, _text(301 + i))
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["output_ids"] == _gen(fleet["agg"].url, _text(301 + i)).json()["output_ids"]
+        _wait_clean(fleet["d"].url, fleet["p1"].url)
+    finally:
+        _stop(router)
+        p2.__exit__(None, None, None)

@@ -1,0 +1,158 @@
+"""PD in the scheduler, in one process: a prefill and a decode engine on the tiny model paired over the
+``fake`` transport (real ZMQ side channel and bootstrap server; the KV bytes travel over ZMQ), against an
+aggregated engine. Every test ends with both KV managers' integrity check (``wait_idle``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import random
+import time
+
+import pytest
+from server_testlib import run_requests, wait_idle
+
+from engine.bench.launcher import free_port
+from engine.model.runner import ModelRunner
+from engine.scheduler import Req, SamplingParams
+from engine.scheduler.req import Bootstrap
+from engine.server.args import ArgumentError, parse_args
+from engine.server.builder import build_engine
+
+FLAGS = ["--page-size", "16", "--max-total-tokens", "512", "--chunked-prefill-size", "32"]
+PD = ["--disaggregation-transfer-backend", "fake"]
+
+
+@pytest.fixture
+def pair(tiny_model_dir):
+    """P and D engines, each with its own model runner (a runner serves one scheduler thread at a time)."""
+    engines = []
+    for mode in (["prefill", "--disaggregation-bootstrap-port", "0"], ["decode"]):
+        args = parse_args(["--model-path", str(tiny_model_dir), *FLAGS, *PD, "--disaggregation-mode", *mode])
+        engines.append(build_engine(args, runner=ModelRunner(tiny_model_dir, dtype="float32", device="cpu")))
+    yield engines
+    for engine in engines:
+        engine.scheduler.stop()
+
+
+def _timeouts(engine, **values) -> None:
+    """Shorter transport timeouts than upstream's 10-300 s, so failure paths finish quickly."""
+    mgr = engine.scheduler.pd.mgr
+    mgr.timeouts = dataclasses.replace(mgr.timeouts, **values)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+def _submit(engine, rid, prompt, bootstrap, events, **params):
+    sp = SamplingParams(**{"max_new_tokens": 8, "temperature": 0.0, **params})
+    engine.scheduler.submit(Req(rid, list(prompt), sp, events.put, bootstrap=bootstrap))
+
+
+def _collect(events: queue.Queue, rids: set[str], timeout: float = 60) -> dict[str, dict]:
+    out = {rid: {"ids": [], "meta": {}, "reason": None} for rid in rids}
+    deadline = time.monotonic() + timeout
+    while rids:
+        ev = events.get(timeout=max(0.1, deadline - time.monotonic()))
+        res = out[ev.rid]
+        res["ids"].extend(ev.new_ids)
+        res["meta"].update(ev.meta)
+        if ev.finished:
+            res["reason"] = ev.finish_reason
+            rids.discard(ev.rid)
+    return out
+
+
+def _run_pd(p, d, prompts, **params) -> list[dict]:
+    """Each prompt submitted to P and D with one room, as the router does; D's results."""
+    port = p.args.disaggregation_bootstrap_port
+    p_events, d_events = queue.Queue(), queue.Queue()
+    rids = []
+    for i, prompt in enumerate(prompts):
+        b = Bootstrap("127.0.0.1", port, random.getrandbits(63))
+        rid = f"r{i}-{b.room}"
+        rids.append(rid)
+        _submit(p, rid, prompt, b, p_events, **params)
+        _submit(d, rid, prompt, b, d_events, **params)
+    on_p = _collect(p_events, set(rids))
+    assert all(r["reason"]["type"] == "length" for r in on_p.values()), on_p
+    on_d = _collect(d_events, set(rids))
+    return [on_d[r] for r in rids]
+
+
+def test_pd_decode_equals_aggregated_with_chunked_prefill_and_p_side_hits(make_engine, pair):
+    p, d = pair
+    agg = make_engine(*FLAGS)
+    shared = _prompt(1, 64)
+    prompts = [shared + _prompt(10 + i, 30) for i in range(3)] + [_prompt(2, 70)]
+    want = [r["ids"] for r in run_requests(agg, prompts)]
+    first = _run_pd(p, d, prompts[:1])  # computed on P (3 chunks of 32)
+    rest = _run_pd(p, d, prompts[1:])  # the shared 64 tokens now hit P's L1
+    got = first + rest
+    assert [g["ids"] for g in got] == want
+    assert got[0]["meta"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}
+    assert [g["meta"]["cached_tokens_details"]["device"] for g in got[1:3]] == [64, 64]
+    assert all(g["reason"]["type"] == "length" and len(g["ids"]) == 8 for g in got)
+    for engine in (p, d):
+        wait_idle(engine)  # and every L1 slot accounted for
+    assert d.scheduler.state["num_used_tokens"] == 0 and p.scheduler.state["num_used_tokens"] == 0
+
+
+def test_first_token_from_p_can_finish_the_request_on_d(pair):
+    p, d = pair
+    (res,) = _run_pd(p, d, [_prompt(3, 20)], max_new_tokens=1)
+    assert len(res["ids"]) == 1 and res["reason"] == {"type": "length", "length": 1}
+    wait_idle(d)
+    wait_idle(p)
+
+
+def test_abort_on_d_while_waiting_for_kv_frees_both_sides(pair):
+    p, d = pair
+    _timeouts(p, unknown_room_timeout_s=0.5)
+    _timeouts(d, abort_ack_timeout_s=2.0)
+    b = Bootstrap("127.0.0.1", p.args.disaggregation_bootstrap_port, 77)
+    events = queue.Queue()
+    prompt = _prompt(4, 40)
+    _submit(d, "only-d", prompt, b, events)  # P never gets it: D waits for KV
+    deadline = time.monotonic() + 10
+    while d.scheduler.call(lambda s: len(s.pd.waiting_kv)).result(10) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert d.scheduler.state["is_idle"] is False
+    d.scheduler.abort("only-d")
+    res = _collect(events, {"only-d"}, timeout=30)["only-d"]
+    assert res["reason"]["type"] == "abort"
+    wait_idle(d)
+    assert d.scheduler.state["num_used_tokens"] == 0
+    assert d.scheduler.pd.mgr.num_rooms() == 0
+
+
+def test_p_request_without_its_decode_fails_after_the_bootstrap_timeout_and_frees_p(pair):
+    p, _ = pair
+    events = queue.Queue()
+    b = Bootstrap("127.0.0.1", p.args.disaggregation_bootstrap_port, 78)
+    _timeouts(p, bootstrap_timeout_s=0.5)
+    _submit(p, "only-p", _prompt(5, 40), b, events)
+    res = _collect(events, {"only-p"}, timeout=30)["only-p"]
+    assert res["reason"]["type"] == "abort" and "bootstrap timeout" in res["reason"]["message"]
+    wait_idle(p)
+    assert p.scheduler.pd.mgr.num_rooms() == 0
+
+
+def test_dead_bootstrap_port_fails_the_request_naming_the_address(pair):
+    _, d = pair
+    dead = free_port()
+    _timeouts(d, bootstrap_query_retries=2, bootstrap_query_interval_s=0.1)
+    events = queue.Queue()
+    _submit(d, "dead", _prompt(6, 20), Bootstrap("127.0.0.1", dead, 79), events)
+    res = _collect(events, {"dead"}, timeout=30)["dead"]
+    assert res["reason"]["type"] == "abort" and f"127.0.0.1:{dead}" in res["reason"]["message"]
+    wait_idle(d)
+    assert d.scheduler.state["num_used_tokens"] == 0
+
+
+def test_nixl_without_the_package_is_a_start_up_error_saying_why(make_engine):
+    with pytest.raises(ArgumentError, match="--disaggregation-transfer-backend nixl: .*not installed"):
+        make_engine(*FLAGS, "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nixl")
