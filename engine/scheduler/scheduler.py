@@ -66,7 +66,10 @@ class Scheduler:
     ``on_inter_token(seconds)`` (the gap before each later token) and
     ``on_finish(req)`` on this thread. ``pd_mode`` ``prefill`` or ``decode`` with ``pd_transfer`` (the
     ``engine.disaggregation`` KV manager of that role) runs requests that carry a ``bootstrap`` through the PD
-    queues (``engine/scheduler/pd.py``); requests without one run aggregated.
+    queues (``engine/scheduler/pd.py``); requests without one run aggregated. ``pd_decode_offload`` (D):
+    a finished PD request is cached in D's tree (prompt + answer), so HiCache's write-through backs it up to
+    L3 under the same chained page keys a prefill computes for the next turn (upstream writes only the
+    generated pages; here the prompt's pages are backed up again too).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class Scheduler:
         metrics=None,
         pd_mode: str = "null",
         pd_transfer=None,
+        pd_decode_offload: bool = False,
     ):
         self.runner = runner
         self.cache = cache
@@ -90,6 +94,7 @@ class Scheduler:
         self.hierarchical = cache.enable_hierarchical
         self.kv = KVManager(cache)
         self.pd: PrefillQueues | DecodeQueues | None = None
+        self.pd_decode_offload = pd_decode_offload
         if pd_mode == "prefill":
             self.pd = PrefillQueues(self, pd_transfer)
         elif pd_mode == "decode":
@@ -499,7 +504,8 @@ class Scheduler:
             self.chunked = None
         if self.pd is not None:
             self.pd.drop(req)
-            insert = insert and not (req.bootstrap and isinstance(self.pd, DecodeQueues))  # D caches nothing
+            if req.bootstrap and isinstance(self.pd, DecodeQueues):
+                insert = insert and self.pd_decode_offload  # else D caches nothing
         if req.kv is not None:
             self.kv.release(req.kv, req.fill_ids, insert=insert)
             req.kv = None

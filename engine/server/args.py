@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--disaggregation-decode-enable-offload-kvcache",
         action="store_true",
-        help="decode: write generated pages to L3 (not built yet: a start-up error)",
+        help="decode: cache each finished PD request (prompt + answer) so HiCache backs it up to L3",
     )
     a(
         "--num-reserved-decode-tokens",
@@ -258,7 +258,12 @@ def _validate_pd(args: ServerArgs) -> None:
         raise ArgumentError(f"--num-reserved-decode-tokens must be >= 0, got {n}")
     if args.base_gpu_id < 0:
         raise ArgumentError(f"--base-gpu-id must be >= 0, got {args.base_gpu_id}")
-    if args.disaggregation_decode_enable_offload_kvcache:
-        raise ArgumentError("--disaggregation-decode-enable-offload-kvcache: not supported by this build yet")
+    if args.disaggregation_decode_enable_offload_kvcache and (
+        args.disaggregation_mode != "decode" or not args.hicache_storage_backend
+    ):
+        raise ArgumentError(
+            "--disaggregation-decode-enable-offload-kvcache needs --disaggregation-mode decode and "
+            "--hicache-storage-backend"
+        )
     if args.enable_pd_role_switch:
         raise ArgumentError("--enable-pd-role-switch: not supported by this build yet")

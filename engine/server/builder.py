@@ -137,6 +137,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         tokenizer.decode,
         pd_mode=args.disaggregation_mode,
         pd_transfer=pd_transfer,
+        pd_decode_offload=args.disaggregation_decode_enable_offload_kvcache,
     )
     metrics = EngineMetrics(args.model_name, lambda: scheduler.state) if args.enable_metrics else None
     scheduler.metrics = metrics

@@ -5,6 +5,7 @@ aggregated engine. Every test ends with both KV managers' integrity check (``wai
 from __future__ import annotations
 
 import dataclasses
+import json
 import queue
 import random
 import time
@@ -156,3 +157,38 @@ def test_dead_bootstrap_port_fails_the_request_naming_the_address(pair):
 def test_nixl_without_the_package_is_a_start_up_error_saying_why(make_engine):
     with pytest.raises(ArgumentError, match="--disaggregation-transfer-backend nixl: .*not installed"):
         make_engine(*FLAGS, "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nixl")
+
+
+def test_decode_offload_gives_the_next_turn_storage_hits_for_prompt_and_answer(tiny_model_dir, tmp_path):
+    """D caches turn 1 (prompt + answer) and HiCache backs it up to the shared L3; after P's L1 and L2 are
+    flushed, turn 2's prefill on P finds all of it in L3."""
+    l3 = ["--enable-hierarchical-cache", "--hicache-ratio", "4", "--hicache-storage-backend", "file"]
+    extra = json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 16})
+    l3 += ["--hicache-storage-backend-extra-config", extra]
+    l3 += ["--hicache-storage-prefetch-policy", "wait_complete"]
+    modes = (
+        ["prefill", "--disaggregation-bootstrap-port", "0"],
+        ["decode", "--disaggregation-decode-enable-offload-kvcache"],
+    )
+    engines = []
+    try:
+        for mode in modes:
+            argv = ["--model-path", str(tiny_model_dir), *FLAGS, *PD, *l3, "--disaggregation-mode", *mode]
+            runner = ModelRunner(tiny_model_dir, dtype="float32", device="cpu")
+            engines.append(build_engine(parse_args(argv), runner=runner))
+        p, d = engines
+        turn1 = _prompt(8, 60)
+        (first,) = _run_pd(p, d, [turn1], max_new_tokens=20)
+        wait_idle(d)  # D's write-through to L3 has finished
+        wait_idle(p)
+        p.scheduler.call(lambda s: s.cache.reset()).result(30)  # P keeps nothing in L1 / L2
+        turn2 = turn1 + first["ids"] + _prompt(9, 10)
+        (second,) = _run_pd(p, d, [turn2], max_new_tokens=4)
+        computed_by_d = len(turn1) + len(first["ids"]) - 1  # the last answer token's KV is never computed
+        assert second["meta"]["cached_tokens_details"]["storage"] == computed_by_d // 16 * 16
+        assert second["meta"]["cached_tokens_details"]["storage"] > len(turn1)
+        wait_idle(d)
+        wait_idle(p)
+    finally:
+        for engine in engines:
+            engine.scheduler.stop()
