@@ -240,6 +240,7 @@ def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(f
         "1",
         "--health-failure-threshold",
         "1",
+        "--disable-retries",  # a retry would re-pair the failed request with P1 and hide the failure
     )
     try:
         texts = [_text(100 + i) for i in range(6)]
@@ -273,7 +274,8 @@ def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(f
         failed = [r for r in results if r.status_code != 200]
         assert failed, "no request was on the killed prefill"
         assert time.monotonic() - started < 60 + FAIL_BOUND_S
-        _wait_clean(fleet["d"].url, fleet["p1"].url)
+        _wait_clean(fleet["d"].url, fleet["p1"].url)  # D freed the pages it had reserved for P2's requests
+        assert f"prefill bootstrap 127.0.0.1:{bp2} failed heartbeat" in fleet["d"].log_tail(200_000)
 
         deadline = time.monotonic() + 30  # the router's health check drops P2; later requests go to P1
         while True:
