@@ -208,3 +208,20 @@ class DecodeQueues:
 
     def close(self) -> None:
         self.mgr.close()
+
+
+def switch_role(sched, new_role: str, make_transfer) -> None:
+    """Flip an idle PD worker to ``new_role`` (``prefill`` / ``decode``), on the scheduler thread.
+
+    After upstream's ``--enable-pd-role-switch``: refuse unless fully idle (``NotIdleError``, nothing
+    changed); then tear down the transport (threads, sockets, registered memory; the KV pool and weights
+    stay), release the prefix cache (L1 and L2; L3 keeps its pages), and build the new role's transport with
+    ``make_transfer(new_role)``. An error from here on propagates with the worker left without a transport:
+    the caller marks it unhealthy (no rollback, as upstream).
+    """
+    sched.require_idle("PD role switch")
+    sched.pd.close()
+    sched.pd = None
+    sched.cache.reset()
+    mgr = make_transfer(new_role)
+    sched.pd = PrefillQueues(sched, mgr) if new_role == "prefill" else DecodeQueues(sched, mgr)

@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 
-from engine.server import admin, generate, info, openai, recording, schemas
+from engine.server import admin, generate, info, openai, pd_role_switch, recording, schemas
 from engine.server.engine import Engine, EngineDeadError
 from engine.server.http_utils import BodyLimit, HTTPError, error_response
 
@@ -47,7 +47,7 @@ def create_app(engine: Engine) -> FastAPI:
     ``http_utils.MAX_BODY_BYTES`` are a 413; ``/openapi.json`` declares the request bodies (``schemas``)."""
     app = FastAPI(title="KVFleet engine worker", docs_url=None, redoc_url=None)
     app.state.engine = engine
-    for module in (generate, openai, info, admin, recording):
+    for module in (generate, openai, info, admin, recording, pd_role_switch):
         app.include_router(module.router)
 
     @app.exception_handler(HTTPError)

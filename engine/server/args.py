@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="upstream's decode headroom; D here reserves prompt + max_new_tokens, so no request runs out",
     )
-    a("--enable-pd-role-switch", action="store_true", help="POST /pd_role_switch (not built yet)")
+    a("--enable-pd-role-switch", action="store_true", help="POST /pd_role_switch flips an idle P/D worker")
     return p
 
 
@@ -265,5 +265,5 @@ def _validate_pd(args: ServerArgs) -> None:
             "--disaggregation-decode-enable-offload-kvcache needs --disaggregation-mode decode and "
             "--hicache-storage-backend"
         )
-    if args.enable_pd_role_switch:
-        raise ArgumentError("--enable-pd-role-switch: not supported by this build yet")
+    if args.enable_pd_role_switch and args.disaggregation_mode == "null":
+        raise ArgumentError("--enable-pd-role-switch needs --disaggregation-mode prefill or decode")

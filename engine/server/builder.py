@@ -58,7 +58,7 @@ def _pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
     )
 
 
-def _pd_transfer(args: ServerArgs, pool: DeviceKVPool):
+def pd_transfer(args: ServerArgs, pool: DeviceKVPool):
     """The PD KV manager of this worker's role (None when not in PD mode); on P it starts the bootstrap
     server, and ``args.disaggregation_bootstrap_port`` becomes the bound port. ``ArgumentError`` names the
     flag when the backend is unusable or the port is taken."""
@@ -128,7 +128,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         eos_token_ids=tuple(sorted(runner.tokenizer.eos_token_ids)),
     )
     tokenizer = runner.tokenizer
-    pd_transfer = _pd_transfer(args, pool)
+    transfer = pd_transfer(args, pool)
     scheduler = Scheduler(
         runner,
         cache,
@@ -136,7 +136,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         sched_cfg,
         tokenizer.decode,
         pd_mode=args.disaggregation_mode,
-        pd_transfer=pd_transfer,
+        pd_transfer=transfer,
         pd_decode_offload=args.disaggregation_decode_enable_offload_kvcache,
     )
     metrics = EngineMetrics(args.model_name, lambda: scheduler.state) if args.enable_metrics else None

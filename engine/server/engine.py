@@ -41,6 +41,7 @@ class Engine:
     metrics: object = None
     model_info: dict = field(default_factory=dict)
     recorder: TraceRecorder | None = None  # --record-trace
+    unhealthy: str | None = None  # set by a failed PD role switch: /health answers 503 with it
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -97,6 +98,8 @@ class Engine:
         without scheduler."""
         if not self.scheduler.is_alive():
             raise EngineDeadError(f"scheduler thread is not running: {self.scheduler.error!r}")
+        if self.unhealthy:
+            raise EngineDeadError(self.unhealthy)
         if not input_ids:
             raise RequestError("the prompt is empty")
         if any(

@@ -38,6 +38,8 @@ VERSION = "kvfleet-0.1.0"
 
 def _health_problem(engine: Engine) -> str | None:
     sched = engine.scheduler
+    if engine.unhealthy:
+        return engine.unhealthy
     if not sched.is_alive():
         return f"scheduler thread is dead: {sched.error!r}"
     stuck = sched.stuck_for()

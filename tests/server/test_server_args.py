@@ -65,6 +65,7 @@ def test_a_typical_sglang_hicache_command_parses():
         ),
         (["--model-path", "m", "--num-reserved-decode-tokens", "-1"], "--num-reserved-decode-tokens"),
         (["--model-path", "m", "--base-gpu-id", "-1"], "--base-gpu-id"),
+        (["--model-path", "m", "--enable-pd-role-switch"], "--enable-pd-role-switch"),
         (
             ["--model-path", "m", "--disaggregation-decode-enable-offload-kvcache"],
             "--disaggregation-decode-enable-offload-kvcache",

@@ -10,8 +10,9 @@ import queue
 import random
 import time
 
+import httpx
 import pytest
-from server_testlib import run_requests, wait_idle
+from server_testlib import ThreadedServer, run_requests, wait_idle
 
 from engine.bench.launcher import free_port
 from engine.model.runner import ModelRunner
@@ -189,6 +190,55 @@ def test_decode_offload_gives_the_next_turn_storage_hits_for_prompt_and_answer(t
         assert second["meta"]["cached_tokens_details"]["storage"] > len(turn1)
         wait_idle(d)
         wait_idle(p)
+    finally:
+        for engine in engines:
+            engine.scheduler.stop()
+
+
+def test_pd_role_switch_flips_idle_workers_and_a_failed_flip_marks_unhealthy(tiny_model_dir):
+    """P and D swap roles through POST /pd_role_switch (checked in /server_info), a PD request then runs the
+    other way; a busy worker is refused with nothing changed; a flip that cannot bind the new bootstrap port
+    leaves the worker unhealthy."""
+    engines = []
+    try:
+        for mode in ("prefill", "decode"):
+            argv = ["--model-path", str(tiny_model_dir), *FLAGS, *PD, "--enable-pd-role-switch"]
+            argv += ["--disaggregation-mode", mode, "--disaggregation-bootstrap-port", "0"]
+            runner = ModelRunner(tiny_model_dir, dtype="float32", device="cpu")
+            engines.append(build_engine(parse_args(argv), runner=runner))
+        p, d = engines
+        with ThreadedServer(p) as ps, ThreadedServer(d) as ds:
+            # busy: a PD request waiting for its decode side
+            events = queue.Queue()
+            _submit(
+                p,
+                "waits",
+                _prompt(12, 20),
+                Bootstrap("127.0.0.1", p.args.disaggregation_bootstrap_port, 5),
+                events,
+            )
+            busy = httpx.post(f"{ps.url}/pd_role_switch", json={"new_role": "decode"}, timeout=30)
+            assert busy.status_code == 400 and "not idle" in busy.json()["message"]
+            assert busy.json()["safe_to_restore"] is True
+            p.scheduler.abort("waits")
+            _collect(events, {"waits"})
+            for server, new in ((ps, "decode"), (ds, "prefill")):
+                flip = httpx.post(f"{server.url}/pd_role_switch", json={"new_role": new}, timeout=60)
+                assert flip.status_code == 200 and flip.json()["success"], flip.text
+                assert httpx.get(f"{server.url}/server_info").json()["disaggregation_mode"] == new
+            (res,) = _run_pd(d, p, [_prompt(13, 40)])  # d is the prefill now
+            assert res["reason"]["type"] == "length" and len(res["ids"]) == 8
+            wait_idle(p)
+            wait_idle(d)
+
+            d.args.disaggregation_bootstrap_port = (
+                d.scheduler.pd.mgr.bootstrap_port
+            )  # taken: the flip must fail
+            p.args.disaggregation_bootstrap_port = d.args.disaggregation_bootstrap_port
+            failed = httpx.post(f"{ps.url}/pd_role_switch", json={"new_role": "prefill"}, timeout=60)
+            assert failed.status_code == 500 and failed.json()["safe_to_restore"] is False
+            health = httpx.get(f"{ps.url}/health")
+            assert health.status_code == 503 and "restart required" in health.text
     finally:
         for engine in engines:
             engine.scheduler.stop()
