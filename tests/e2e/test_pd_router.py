@@ -28,11 +28,19 @@ D_FLAGS = [*COMMON, "--max-total-tokens", "2048", "--disaggregation-mode", "deco
 D_ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
 FAIL_BOUND_S = 30.0  # a request whose P died ends within this (heartbeat 2 s x 2 misses, plus scheduling)
 SP = {"max_new_tokens": 10, "temperature": 0}
+START_S = 600.0  # a worker's start-up (model load) on a loaded 2-core machine
 
 
 def _prefill(bootstrap_port: int) -> ServerProcess:
     return ServerProcess(
-        [*P_FLAGS, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port)]
+        [
+            *P_FLAGS,
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(bootstrap_port),
+        ],
+        timeout=START_S,
     )
 
 
@@ -73,9 +81,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet():
+def pd_fleet():
     bp = free_port()
-    agg, p1, d = ServerProcess(P_FLAGS), _prefill(bp), ServerProcess(D_FLAGS, env=D_ENV)
+    agg, p1, d = ServerProcess(P_FLAGS, timeout=START_S), _prefill(bp), ServerProcess(D_FLAGS, START_S, D_ENV)
     try:
         _start(agg, p1, d)
         router, url = _router([(p1.url, bp)], d.url)
@@ -122,15 +130,15 @@ def _sse(resp: httpx.Response) -> list[dict]:
     return frames
 
 
-def test_server_info_types_the_workers(fleet):
-    p = httpx.get(f"{fleet['p1'].url}/server_info").json()
-    d = httpx.get(f"{fleet['d'].url}/server_info").json()
-    assert (p["disaggregation_mode"], p["disaggregation_bootstrap_port"]) == ("prefill", fleet["bp1"])
+def test_server_info_types_the_workers(pd_fleet):
+    p = httpx.get(f"{pd_fleet['p1'].url}/server_info").json()
+    d = httpx.get(f"{pd_fleet['d'].url}/server_info").json()
+    assert (p["disaggregation_mode"], p["disaggregation_bootstrap_port"]) == ("prefill", pd_fleet["bp1"])
     assert p["disaggregation_transfer_backend"] == "mooncake" and d["disaggregation_mode"] == "decode"
 
 
-def test_generate_through_router_equals_aggregated_with_p_side_l1_and_l2_hits(fleet):
-    router, agg = fleet["router"], fleet["agg"].url
+def test_generate_through_router_equals_aggregated_with_p_side_l1_and_l2_hits(pd_fleet):
+    router, agg = pd_fleet["router"], pd_fleet["agg"].url
     x = _text(1)
     others = [_text(i) for i in range(2, 6)]
     # X computed, then hit in P's L1; then pushed out of L1 (into L2) by others; then hit in P's L2.
@@ -145,11 +153,11 @@ def test_generate_through_router_equals_aggregated_with_p_side_l1_and_l2_hits(fl
     assert details[0] == {"device": 0, "host": 0, "storage": 0}
     assert details[1]["device"] > 0
     assert details[-1]["host"] > 0
-    _wait_clean(fleet["p1"].url, fleet["d"].url)
+    _wait_clean(pd_fleet["p1"].url, pd_fleet["d"].url)
 
 
-def test_streaming_and_openai_routes_through_router_equal_aggregated(fleet):
-    router, agg = fleet["router"], fleet["agg"].url
+def test_streaming_and_openai_routes_through_router_equal_aggregated(pd_fleet):
+    router, agg = pd_fleet["router"], pd_fleet["agg"].url
     text = _text(7, 40)
     want = _gen(agg, text).json()["output_ids"]
     with httpx.stream(
@@ -182,20 +190,20 @@ def test_streaming_and_openai_routes_through_router_equal_aggregated(fleet):
             assert resp.status_code == 200
             streamed = "".join(pick(f["choices"][0]) for f in _sse(resp) if f.get("choices"))
         assert streamed == expected
-    _wait_clean(fleet["p1"].url, fleet["d"].url)
+    _wait_clean(pd_fleet["p1"].url, pd_fleet["d"].url)
 
 
-def test_client_disconnect_on_d_releases_pages_on_both_sides(fleet):
+def test_client_disconnect_on_d_releases_pages_on_both_sides(pd_fleet):
     body = {"text": _text(11), "sampling_params": {"max_new_tokens": 200, "temperature": 0}, "stream": True}
-    with httpx.stream("POST", f"{fleet['router']}/generate", json=body, timeout=120) as resp:
+    with httpx.stream("POST", f"{pd_fleet['router']}/generate", json=body, timeout=120) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: "):
                 break  # the first token arrived: D is decoding; hang up
-    _wait_clean(fleet["d"].url, fleet["p1"].url)
+    _wait_clean(pd_fleet["d"].url, pd_fleet["p1"].url)
 
 
-def test_bad_bootstrap_values_unknown_room_dead_port_and_page_size_mismatch(fleet):
-    d, p1 = fleet["d"].url, fleet["p1"].url
+def test_bad_bootstrap_values_unknown_room_dead_port_and_page_size_mismatch(pd_fleet):
+    d, p1 = pd_fleet["d"].url, pd_fleet["p1"].url
     text = _text(21, 20)
     bad = _gen(d, text, bootstrap_host="127.0.0.1", bootstrap_port=70000, bootstrap_room=1)
     assert bad.status_code == 400 and "bootstrap_port" in bad.text
@@ -209,7 +217,7 @@ def test_bad_bootstrap_values_unknown_room_dead_port_and_page_size_mismatch(flee
     )
     dead = free_port()
     cases = {  # what D is told (bootstrap port, room) -> what its error must name
-        "unknown room": (fleet["bp1"], 424242, "bootstrap room 424242 is unknown"),
+        "unknown room": (pd_fleet["bp1"], 424242, "bootstrap room 424242 is unknown"),
         "dead port": (dead, 1, f"127.0.0.1:{dead} unreachable"),
         "page size": (peer.bootstrap_port, 2, "page_size mismatch"),
     }
@@ -230,12 +238,12 @@ def test_bad_bootstrap_values_unknown_room_dead_port_and_page_size_mismatch(flee
     _wait_clean(d, p1)
 
 
-def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(fleet):
+def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(pd_fleet):
     bp2 = free_port()
     (p2,) = _start(_prefill(bp2))
     router, url = _router(
-        [(fleet["p1"].url, fleet["bp1"]), (p2.url, bp2)],
-        fleet["d"].url,
+        [(pd_fleet["p1"].url, pd_fleet["bp1"]), (p2.url, bp2)],
+        pd_fleet["d"].url,
         "--health-check-interval-secs",
         "1",
         "--health-failure-threshold",
@@ -274,8 +282,10 @@ def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(f
         failed = [r for r in results if r.status_code != 200]
         assert failed, "no request was on the killed prefill"
         assert time.monotonic() - started < 60 + FAIL_BOUND_S
-        _wait_clean(fleet["d"].url, fleet["p1"].url)  # D freed the pages it had reserved for P2's requests
-        assert f"prefill bootstrap 127.0.0.1:{bp2} failed heartbeat" in fleet["d"].log_tail(200_000)
+        _wait_clean(
+            pd_fleet["d"].url, pd_fleet["p1"].url
+        )  # D freed the pages it had reserved for P2's requests
+        assert f"prefill bootstrap 127.0.0.1:{bp2} failed heartbeat" in pd_fleet["d"].log_tail(200_000)
 
         deadline = time.monotonic() + 30  # the router's health check drops P2; later requests go to P1
         while True:
@@ -286,8 +296,8 @@ def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(f
         for i in range(3):
             resp = _gen(url, _text(301 + i))
             assert resp.status_code == 200, resp.text
-            assert resp.json()["output_ids"] == _gen(fleet["agg"].url, _text(301 + i)).json()["output_ids"]
-        _wait_clean(fleet["d"].url, fleet["p1"].url)
+            assert resp.json()["output_ids"] == _gen(pd_fleet["agg"].url, _text(301 + i)).json()["output_ids"]
+        _wait_clean(pd_fleet["d"].url, pd_fleet["p1"].url)
     finally:
         _stop(router)
         p2.__exit__(None, None, None)
