@@ -1,0 +1,184 @@
+"""Where a decode step's time goes, and decode-step variants timed against each other in the same run.
+
+``python -m engine.bench.decode_profile [--batch 4] [--context 512] [--steps 12]``
+
+1. Breakdown: the real model (SmolLM2-135M GGUF) on the torch attention backend, ``--batch`` sequences of
+   ``--context`` tokens in a shuffled paged pool, decoded one token per step. Each part of a scheduler decode
+   step is timed on its own (building the ``ForwardBatch`` from Python lists, the forward pass, greedy
+   sampling, streaming detokenization), and torch.profiler splits the forward pass by operator into weight
+   matmuls (``aten::mm``/``addmm``/``linear``), K/V gathers (``index_select``), attention (SDPA), K/V writes
+   (``index_put_``) and the rest (norms, RoPE, activations, per-op dispatch).
+2. Variants (``--variants``): fp32 vs bf16 weights and torch thread counts, interleaved rounds, median ms per
+   decode step and the ratio to the fp32 baseline of the same round (min-max over rounds).
+
+All times are this process's CPU time (``time.process_time``, all threads), not wall time: on a shared
+machine other jobs stretch wall time but not the CPU a step consumes.
+
+HTTP/SSE cost is not here: py-spy over a loaded server shows it (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.model.forward_batch import ForwardBatch
+from engine.model.loader import load_checkpoint
+from engine.model.runner import ModelRunner
+from engine.scheduler.sampler import sample
+from engine.scheduler.sampling_params import SamplingParams
+
+CATEGORIES = {
+    "weight matmuls": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::linear",
+        "aten::matmul",
+        "aten::_weight_int8pack_mm",
+    ),
+    "K/V gathers": ("aten::index_select",),
+    "attention (SDPA)": (
+        "aten::_scaled_dot_product",
+        "aten::scaled_dot_product",
+        "aten::bmm",
+        "aten::baddbmm",
+    ),
+    "K/V writes": ("aten::index_put", "aten::_index_put"),
+}
+
+
+class DecodeSetup:
+    """``batch`` sequences of ``context`` random tokens prefilled into a pool with shuffled slots."""
+
+    def __init__(self, runner: ModelRunner, batch: int, context: int, steps: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.runner = runner
+        total = batch * (context + steps + 1)
+        self.pool = DeviceKVPool(-(-total // 16) * 16, 16, **vars(runner.kv_pool_spec()))
+        free = torch.randperm(total, generator=gen) + 16
+        self.slots = [free[i * (context + steps + 1) : (i + 1) * (context + steps + 1)] for i in range(batch)]
+        vocab = runner.config.vocab_size
+        self.ids = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
+        self.lens = [context] * batch
+        for i in range(batch):  # one prefill per sequence, as the scheduler chunks them
+            logits = runner.forward(
+                ForwardBatch.from_sequences([self.ids[i]], [self.slots[i][:context]]), self.pool
+            )
+            self.ids[i].append(int(logits.argmax(-1)))
+
+    def build(self) -> ForwardBatch:
+        return ForwardBatch.from_sequences(
+            [[ids[-1]] for ids in self.ids], [s[: n + 1] for s, n in zip(self.slots, self.lens, strict=True)]
+        )
+
+    def step(self) -> None:
+        logits = self.runner.forward(self.build(), self.pool)
+        for i, tok in enumerate(logits.argmax(-1).tolist()):
+            self.ids[i].append(tok)
+            self.lens[i] += 1
+
+
+def breakdown(runner: ModelRunner, batch: int, context: int, steps: int) -> None:
+    setup = DecodeSetup(runner, batch, context, steps + 4)
+    setup.step()  # warm-up
+    times: dict[str, list[float]] = defaultdict(list)
+    params = [SamplingParams()] * batch
+    detoks = [runner.tokenizer.detokenizer() for _ in range(batch)]
+    for _ in range(steps):
+        t0 = time.process_time()
+        fb = setup.build()
+        t1 = time.process_time()
+        logits = runner.forward(fb, setup.pool)
+        t2 = time.process_time()
+        toks = sample(logits, params, [None] * batch)
+        t3 = time.process_time()
+        for d, tok in zip(detoks, toks, strict=True):
+            d.step(tok)
+        t4 = time.process_time()
+        for i, tok in enumerate(toks):
+            setup.ids[i].append(tok)
+            setup.lens[i] += 1
+        for name, dt in (("build ForwardBatch", t1 - t0), ("forward", t2 - t1), ("sample", t3 - t2)):
+            times[name].append(dt)
+        times["detokenize"].append(t4 - t3)
+    total = sum(statistics.median(v) for v in times.values())
+    print(
+        f"\ndecode step, batch {batch}, context {context}, dtype {runner.dtype}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(f"{'part':<22}{'CPU ms':>10}{'share':>8}")
+    for name, v in times.items():
+        m = statistics.median(v)
+        print(f"{name:<22}{m * 1e3:>10.2f}{m / total:>8.1%}")
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            setup.step()
+    cats: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        cat = next((c for c, prefixes in CATEGORIES.items() if ev.key.startswith(prefixes)), None)
+        if cat is not None:
+            cats[cat] += ev.self_cpu_time_total
+    whole = sum(e.self_cpu_time_total for e in prof.key_averages())
+    cats["other ops + dispatch"] = whole - sum(cats.values())
+    print("\nforward by operator (torch.profiler self CPU time over 4 steps)")
+    for name, us in sorted(cats.items(), key=lambda kv: -kv[1]):
+        print(f"{name:<22}{us / 4e3:>10.2f} ms/step{us / whole:>8.1%}")
+
+
+def variants(ckpt, batch: int, context: int, steps: int, rounds: int) -> None:
+    configs = [("float32", 2), ("bfloat16", 2), ("float32", 1)]
+    runners = {dt: ModelRunner.from_checkpoint(ckpt, dtype=dt) for dt in {c[0] for c in configs}}
+    results: dict[tuple[str, int], list[float]] = defaultdict(list)
+    ratios: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for r in range(rounds):
+        order = configs if r % 2 == 0 else configs[::-1]
+        this_round = {}
+        for dt, threads in order:
+            torch.set_num_threads(threads)
+            setup = DecodeSetup(runners[dt], batch, context, steps + 2)
+            setup.step()
+            ts = []
+            for _ in range(steps):
+                t0 = time.process_time()
+                setup.step()
+                ts.append(time.process_time() - t0)
+            this_round[(dt, threads)] = statistics.median(ts)
+            results[(dt, threads)].append(this_round[(dt, threads)])
+        for key, v in this_round.items():
+            ratios[key].append(v / this_round[configs[0]])
+    torch.set_num_threads(2)
+    print(f"\nvariants, batch {batch}, context {context}, {rounds} interleaved rounds of {steps} steps")
+    print(f"{'dtype':<10}{'threads':>8}{'CPU ms/step':>16}{'vs fp32/2 (min-max)':>24}")
+    for key in configs:
+        rs = ratios[key]
+        print(
+            f"{key[0]:<10}{key[1]:>8}{statistics.median(results[key]) * 1e3:>16.1f}"
+            f"{statistics.median(rs):>14.2f} ({min(rs):.2f}-{max(rs):.2f})"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="smollm2")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", action="store_true", help="also time fp32/bf16 and thread counts")
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    ckpt = load_checkpoint(args.model_path)
+    breakdown(ModelRunner.from_checkpoint(ckpt, dtype=args.dtype), args.batch, args.context, args.steps)
+    if args.variants:
+        variants(ckpt, args.batch, args.context, args.steps, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
