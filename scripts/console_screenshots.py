@@ -30,8 +30,9 @@ def pages(api) -> list[tuple[str, str]]:
     routers = api("GET", "/api/v1/inventory/routers/").json()["results"]
     ops = api("GET", "/api/v1/operations/").json()["results"]
     out = [("fleet", "/")]
-    if workers:
-        out.append(("worker", f"/workers/{workers[0]['id']}/"))
+    if workers:  # a worker with L3 attached shows every chart
+        shown = next((w for w in workers if w["storage_backend"]), workers[0])
+        out.append(("worker", f"/workers/{shown['id']}/"))
     if hosts:
         out.append(("host", f"/hosts/{hosts[0]['id']}/"))
     if routers:
