@@ -39,7 +39,6 @@ CATEGORIES = {
         "aten::addmm",
         "aten::linear",
         "aten::matmul",
-        "aten::_weight_int8pack_mm",
     ),
     "K/V gathers": ("aten::index_select",),
     "attention (SDPA)": (
