@@ -14,7 +14,9 @@ from schemathesis.checks import content_type_conformance, not_a_server_error, re
 
 APP = get_wsgi_application()
 SPEC = json.loads(OpenApiJsonRenderer().render(SchemaGenerator().get_schema(request=None, public=True)))
-schema = schemathesis.openapi.from_dict(SPEC)
+# The what-if replay runs the engine's CLI in a child process (torch import, seconds per valid case); its
+# validation and results are checked in test_capacity.py, so the fuzz run leaves that one operation out.
+schema = schemathesis.openapi.from_dict(SPEC).exclude(path="/api/v1/capacity/whatif/", method="POST")
 schema.config.phases.coverage.enabled = False  # generated cases only, MAX_EXAMPLES per operation
 CHECKS = [not_a_server_error, response_schema_conformance, content_type_conformance]
 MAX_EXAMPLES = 6
