@@ -306,11 +306,10 @@ class LocalFleet:
                 "run",
                 "--control-plane",
                 self.console_url,
-                "--token",
-                self.tokens["agent"],
                 "--spec",
                 str(self.spec),
             ],
+            KVFLEET_AGENT_TOKEN=self.tokens["agent"],  # environment, not argv: ps shows argv to everyone
         )
 
         def all_registered() -> bool:

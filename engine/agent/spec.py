@@ -39,7 +39,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.server.args import ArgumentError, build_parser, parse_args
+from engine.server.args import SECRET_ENV, ArgumentError, build_parser, parse_args
 
 ROLES = {"mixed": "null", "prefill": "prefill", "decode": "decode"}
 AGENT_KEYS = {
@@ -309,6 +309,10 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
         if key is None and "--disaggregation-mode" in str(exc):
             key = "role"
         raise error_at("workers", i, key)(str(exc)) from None
+    # Secrets go to the worker through its environment, never its command line (ps shows that to everyone).
+    secret_flags = tuple("--" + name.replace("_", "-") + "=" for name in SECRET_ENV)
+    flags = [f for f in flags if not f.startswith(secret_flags)]
+    env = {**env, **{var: getattr(args, name) for name, var in SECRET_ENV.items() if getattr(args, name)}}
     url = meta.get("url") or f"http://{address}:{args.port}"
     return WorkerSpec(
         name=meta["name"],

@@ -8,6 +8,7 @@ a remote store) with :meth:`prepare_storage_backend` off the scheduler thread, t
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from engine.cache.config import (
@@ -54,9 +55,10 @@ class StorageAdminMixin:
     def _check_admin(self, action: str) -> None:
         if self.controller is None:
             raise CacheAdminError(f"Reject {action}: hierarchical cache is not enabled")
-        io = self.inflight_io()
-        if any(io.values()):
-            raise CacheAdminError(f"Reject {action}: cache I/O in flight {io}")
+        io = {k: v for k, v in self.inflight_io().items() if v}
+        if io:
+            named = ", ".join(f"{k}={v}" for k, v in io.items())
+            raise CacheAdminError(f"Reject {action}: cache I/O in flight ({named}): not idle")
 
     def attach_storage_backend(
         self,
@@ -68,12 +70,18 @@ class StorageAdminMixin:
         """Attach an L3 backend by registry name, a ready instance or a :class:`PreparedBackend` (built
         with ``prepare_storage_backend``; its extra config is used) at runtime; returns a message.
 
-        Same backend already attached: only the given policies change. Raises ``CacheAdminError`` (and
-        changes nothing; a prepared backend is then the caller's to close) for a bad policy or extra config,
-        another backend attached ("Detach first"), cache I/O in flight, or a backend that fails to start.
+        The extra config is always parsed and checked. Same backend already attached: only the given
+        policies change (upstream) and the message says when the extra config differs from the live one.
+        Raises ``CacheAdminError`` (and changes nothing; a prepared backend is then the caller's to close)
+        for a bad policy or extra config, another backend attached ("Detach first"), cache I/O in flight,
+        or a backend that fails to start.
         """
         self._check_policies(prefetch_policy, write_policy)
         name = self._backend_label(backend)
+        try:
+            _, backend_extra = split_extra_config(self.config, parse_extra_config(extra_config_json))
+        except ValueError as exc:
+            raise CacheAdminError(str(exc)) from exc
         policies = {
             k: v for k, v in (("prefetch_policy", prefetch_policy), ("write_policy", write_policy)) if v
         }
@@ -82,7 +90,10 @@ class StorageAdminMixin:
                 raise CacheAdminError(f"storage backend {self.backend_name!r} is attached; Detach first.")
             self._check_admin("attach")
             self.config = self.config.updated(**policies)
-            return f"storage backend {name!r} already enabled; policies updated"
+            message = f"storage backend {name!r} already enabled; policies updated"
+            if extra_config_json is not None and backend_extra != dict(self.config.extra_config):
+                message += "; the extra config was not changed (detach first to change it)"
+            return message
         self._check_admin("attach")
         if not isinstance(backend, PreparedBackend):
             backend = self.prepare_storage_backend(backend, extra_config_json)
@@ -210,6 +221,19 @@ class StorageAdminMixin:
         self.config = config
         self.controller.set_prefetch_threshold(config.prefetch_threshold)
         return self.storage_status()
+
+    def storage_backend_status(self) -> dict:
+        """The live attached backend under SGLang's ``GET /hicache/storage-backend`` names: the extra config
+        the backend took as JSON text (HiCache keys excluded), None when detached."""
+        cfg = self.config
+        return {
+            "hicache_storage_backend": self.backend_name,
+            "hicache_storage_backend_extra_config": (
+                json.dumps(dict(cfg.extra_config)) if self.backend_name else None
+            ),
+            "hicache_storage_prefetch_policy": cfg.prefetch_policy,
+            "hicache_write_policy": cfg.write_policy,
+        }
 
     def storage_status(self) -> dict:
         """Live HiCache storage settings under SGLang's names."""

@@ -10,14 +10,20 @@ on the store. Bodies and texts:
 - ``PUT /hicache/storage-backend`` ``{hicache_storage_backend, hicache_storage_backend_extra_config_json?,
   hicache_storage_prefetch_policy?, hicache_write_policy?}`` -> 200 ``"HiCache storage backend attached.\\n"``
   or 400 ``"Failed to attach HiCache storage backend.\\n<reason>"`` (e.g. a different backend is attached:
-  detach first; a bad policy or extra config names the field). Re-attaching the attached backend changes
-  only the policies (upstream); its extra config stays, and the 200 text says so when the body's differs.
+  detach first; a bad policy or extra config names the field). The body is always validated, also when
+  re-attaching the attached backend, which then changes only the policies (upstream); its extra config
+  stays, and the 200 text says so when the body's differs (detach + attach changes it).
 - ``DELETE /hicache/storage-backend`` -> 200 ``"HiCache storage backend detached.\\n"`` (idempotent; L3 data
   stays).
-- ``GET /hicache/storage-backend`` -> 200 JSON with the four fields above (extra config as a string).
+- ``GET /hicache/storage-backend`` -> 200 JSON with the four fields above, read from the live cache on the
+  scheduler thread (so it answers after an attach in flight): the extra config the backend took, as text.
 - ``POST /hicache/storage-backend/clear`` (alias ``/clear_hicache_storage_backend``) -> wipes L3.
 - ``GET/PUT /hicache/config``: prefetch policy, write policy, prefetch threshold and timeouts; PUT returns the
   full new config, 400 names an unknown or bad field.
+
+Bodies and answers are the models of :mod:`engine.server.contract` (the worker contract the control plane
+and its test fake share). A refusal while only cache I/O is in flight names it ("only cache I/O in flight:
+2 L2->L3 backup(s)"), so a caller can tell "idle in a moment" from "serving requests".
 """
 
 from __future__ import annotations
@@ -26,28 +32,28 @@ import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ValidationError
 
 from engine.cache.hiradix_cache import CacheAdminError
 from engine.scheduler import NotIdleError
+from engine.server.contract import (
+    CONFIG_FIELDS,
+    AttachRequest,
+    ConfigUpdate,
+    HiCacheConfigStatus,
+    StorageBackendStatus,
+)
 from engine.server.engine import Engine
 from engine.server.http_utils import HTTPError, bearer_matches, json_body
 
 router = APIRouter()
 
-ATTACH_FIELDS = (
-    "hicache_storage_backend",
-    "hicache_storage_backend_extra_config_json",
-    "hicache_storage_prefetch_policy",
-    "hicache_write_policy",
-)
-CONFIG_FIELDS = (
-    "hicache_storage_prefetch_policy",
-    "hicache_write_policy",
-    "prefetch_threshold",
-    "prefetch_timeout_base",
-    "prefetch_timeout_per_ki_token",
-    "prefetch_timeout_max",
-)
+_IO_NAMES = {
+    "writes": "L1->L2 write(s)",
+    "loads": "L2->L1 load(s)",
+    "prefetches": "L3 prefetch(es)",
+    "backups": "L2->L3 backup(s)",
+}
 _CACHE_NAMES = {"hicache_storage_prefetch_policy": "prefetch_policy", "hicache_write_policy": "write_policy"}
 
 
@@ -75,7 +81,17 @@ async def _run_idle(engine: Engine, action: str, fn, failure: str):
     """
 
     def run(sched):
-        sched.require_idle(action)
+        try:
+            sched.require_idle(action)
+        except NotIdleError:
+            io = {k: v for k, v in sched.cache.inflight_io().items() if v}
+            if sched.running or sched.waiting or sched.chunked is not None or not io:
+                raise
+            named = ", ".join(f"{n} {_IO_NAMES.get(k, k)}" for k, n in io.items())
+            raise NotIdleError(
+                f"Reject {action}: not idle: no request running or waiting, only cache I/O in flight: "
+                f"{named}; it finishes on its own, retry in a moment"
+            ) from None
         return fn(sched.cache)
 
     try:
@@ -84,41 +100,29 @@ async def _run_idle(engine: Engine, action: str, fn, failure: str):
         raise HTTPError(400, f"{failure}\n{exc}") from None
 
 
-def _backend_view(engine: Engine) -> dict:
-    a = engine.args
-    return {
-        "hicache_storage_backend": a.hicache_storage_backend,
-        "hicache_storage_backend_extra_config": a.hicache_storage_backend_extra_config,
-        "hicache_storage_prefetch_policy": a.hicache_storage_prefetch_policy,
-        "hicache_write_policy": a.hicache_write_policy,
-    }
+def _parse(model: type[BaseModel], body, failure: str) -> BaseModel:
+    """``body`` validated against a contract model; 400 ``failure`` + each bad field named otherwise."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        why = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise HTTPError(400, f"{failure}\n{why}") from None
 
 
 @router.get("/hicache/storage-backend")
 async def get_backend(request: Request):
-    return JSONResponse(_backend_view(_auth(request)))
+    engine = _auth(request)
+    status = await engine.call(lambda s: s.cache.storage_backend_status())
+    return JSONResponse(StorageBackendStatus.model_validate(status).model_dump())
 
 
 @router.put("/hicache/storage-backend")
 async def attach_backend(request: Request):
     engine = _auth(request)
-    body = await json_body(request)
-    unknown = sorted(set(body) - set(ATTACH_FIELDS))
-    if unknown:
-        raise HTTPError(
-            400, f"Failed to attach HiCache storage backend.\nunknown field(s): {', '.join(unknown)}"
-        )
-    name = body.get("hicache_storage_backend")
-    if not isinstance(name, str) or not name:
-        raise HTTPError(400, "Failed to attach HiCache storage backend.\nhicache_storage_backend is required")
-    for f in ATTACH_FIELDS[1:]:
-        if body.get(f) is not None and not isinstance(body[f], str):
-            raise HTTPError(400, f"Failed to attach HiCache storage backend.\n{f} must be a string")
-    extra = body.get("hicache_storage_backend_extra_config_json")
-    prefetch = body.get("hicache_storage_prefetch_policy")
-    write = body.get("hicache_write_policy")
-
     failure = "Failed to attach HiCache storage backend."
+    req = _parse(AttachRequest, await json_body(request), failure)
+    name, extra = req.hicache_storage_backend, req.hicache_storage_backend_extra_config_json
+    prefetch, write = req.hicache_storage_prefetch_policy, req.hicache_write_policy
     cache = engine.scheduler.cache
     prepared = None
     if cache.backend_name is None:  # start the backend here, off the scheduler thread (it may be slow)
@@ -128,27 +132,21 @@ async def attach_backend(request: Request):
             raise HTTPError(400, f"{failure}\n{exc}") from None
 
     def attach(cache):
-        reattach = cache.backend_name == name
         backend = name if prepared is None else prepared
         message = cache.attach_storage_backend(backend, extra, prefetch_policy=prefetch, write_policy=write)
-        return reattach, message
+        return message, cache.storage_backend_status()
 
     try:
-        reattach, message = await _run_idle(engine, "attach", attach, failure)
+        message, live = await _run_idle(engine, "attach", attach, failure)
     except BaseException:
         if prepared is not None and cache.backend is not prepared.instance:
             await asyncio.to_thread(prepared.close)
         raise
-    a = engine.args
-    if reattach:  # only the policies changed: the live backend keeps the extra config it started with
-        if extra is not None and extra != a.hicache_storage_backend_extra_config:
-            message += "; the extra config was not changed (detach first to change it)"
-    else:
-        a.hicache_storage_backend = name
-        if extra is not None:
-            a.hicache_storage_backend_extra_config = extra
-    a.hicache_storage_prefetch_policy = prefetch or a.hicache_storage_prefetch_policy
-    a.hicache_write_policy = write or a.hicache_write_policy
+    a = engine.args  # /server_info's launch-args view follows the live cache
+    a.hicache_storage_backend = live["hicache_storage_backend"]
+    a.hicache_storage_backend_extra_config = live["hicache_storage_backend_extra_config"]
+    a.hicache_storage_prefetch_policy = live["hicache_storage_prefetch_policy"]
+    a.hicache_write_policy = live["hicache_write_policy"]
     return PlainTextResponse(f"HiCache storage backend attached.\n{message or ''}")
 
 
@@ -175,24 +173,20 @@ async def clear_backend(request: Request):
 @router.get("/hicache/config")
 async def get_config(request: Request):
     engine = _auth(request)
-    return JSONResponse(await engine.call(lambda s: s.cache.storage_status()))
+    status = await engine.call(lambda s: s.cache.storage_status())
+    return JSONResponse(HiCacheConfigStatus.model_validate(status).model_dump())
 
 
 @router.put("/hicache/config")
 async def put_config(request: Request):
     engine = _auth(request)
-    body = await json_body(request)
-    unknown = sorted(set(body) - set(CONFIG_FIELDS))
-    if unknown:
-        raise HTTPError(400, f"unknown field(s): {', '.join(unknown)}; allowed: {', '.join(CONFIG_FIELDS)}")
-    if not body:
-        raise HTTPError(400, f"give at least one of: {', '.join(CONFIG_FIELDS)}")
-    fields = {_CACHE_NAMES.get(k, k): v for k, v in body.items()}
     failure = "Failed to update HiCache config."
+    update = _parse(ConfigUpdate, await json_body(request), failure).model_dump(exclude_none=True)
+    if not update:
+        raise HTTPError(400, f"{failure}\ngive at least one of: {', '.join(CONFIG_FIELDS)}")
+    fields = {_CACHE_NAMES.get(k, k): v for k, v in update.items()}
     status = await _run_idle(engine, "config update", lambda cache: cache.update_policies(**fields), failure)
     a = engine.args
-    a.hicache_storage_prefetch_policy = body.get(
-        "hicache_storage_prefetch_policy", a.hicache_storage_prefetch_policy
-    )
-    a.hicache_write_policy = body.get("hicache_write_policy", a.hicache_write_policy)
-    return JSONResponse(status)
+    a.hicache_storage_prefetch_policy = status["hicache_storage_prefetch_policy"]
+    a.hicache_write_policy = status["hicache_write_policy"]
+    return JSONResponse(HiCacheConfigStatus.model_validate(status).model_dump())

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.cache.config import (
     EVICTION_POLICIES,
@@ -36,6 +38,9 @@ class ArgumentError(ValueError):
 
 SECRET_ARGS = ("api_key", "admin_api_key")
 """Args never echoed: ``to_dict`` masks them and ``repr`` leaves them out."""
+SECRET_ENV = {"api_key": "KVFLEET_API_KEY", "admin_api_key": "KVFLEET_ADMIN_API_KEY"}
+"""Where a secret comes from when its flag is not given (kept off the command line, so out of ``ps``): the
+``--<name>-file`` flag, else this environment variable. The upstream flags still work."""
 
 
 @dataclass
@@ -155,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-prefill-tokens", type=_positive_int("--max-prefill-tokens"), default=16384)
     a("--chunked-prefill-size", type=int, default=None, help="tokens per prefill chunk; -1 disables chunking")
     a("--watchdog-timeout", type=float, default=300.0, help="seconds a forward may take before unhealthy")
-    a("--api-key", default=None)
-    a("--admin-api-key", default=None)
+    a("--api-key", default=None, help="prefer --api-key-file or $KVFLEET_API_KEY (kept out of ps)")
+    a("--api-key-file", default=None, help="read the API key from this file")
+    a("--admin-api-key", default=None, help="prefer --admin-api-key-file or $KVFLEET_ADMIN_API_KEY")
+    a("--admin-api-key-file", default=None, help="read the admin API key from this file")
     a("--enable-metrics", action="store_true")
     a("--enable-cache-report", action="store_true")
     a("--record-trace", action="store_true", help="KVFleet: keep a Mooncake-format trace at /recorded_trace")
@@ -202,8 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None) -> ServerArgs:
     """Parse and validate ``argv``; raises ``ArgumentError`` naming the flag on any problem."""
-    ns = build_parser().parse_args(argv)
-    args = ServerArgs(**vars(ns))
+    values = vars(build_parser().parse_args(argv))
+    for name, env_var in SECRET_ENV.items():
+        path = values.pop(f"{name}_file")
+        if values[name] is None and path:
+            try:
+                values[name] = Path(path).read_text().strip() or None
+            except OSError as exc:
+                flag = "--" + name.replace("_", "-") + "-file"
+                raise ArgumentError(f"{flag} {path}: {exc.strerror}") from None
+        if values[name] is None:
+            values[name] = os.environ.get(env_var) or None
+    args = ServerArgs(**values)
     _validate(args)
     return args
 

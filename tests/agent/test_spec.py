@@ -66,7 +66,7 @@ def test_good_spec_gives_launch_flags_and_urls(tmp_path):
     assert spec.state_file == str(tmp_path / "logs" / "agent-state.json")
 
 
-def test_values_starting_with_a_dash_reach_the_engine_unchanged(tmp_path):
+def test_values_starting_with_a_dash_reach_the_engine_unchanged(tmp_path, monkeypatch):
     text = (
         '[[workers]]\nname = "w0"\nmodel = "-odd-model"\nport = 31001\n'
         'admin_api_key = "${KVFLEET_WORKER_ADMIN_KEY}"\nserved_model_name = "--served"\n'
@@ -74,6 +74,8 @@ def test_values_starting_with_a_dash_reach_the_engine_unchanged(tmp_path):
     spec = load_spec(write(tmp_path, text), {"KVFLEET_WORKER_ADMIN_KEY": "-Zx3abc"})
     (w0,) = spec.workers
     assert w0.admin_api_key == "-Zx3abc" and w0.model_name == "--served"
+    for var, value in w0.env.items():  # the worker's environment, as the supervisor starts it
+        monkeypatch.setenv(var, value)
     args = parse_args(w0.flags)  # what `python -m engine.launch_server <flags>` reads back
     assert (args.admin_api_key, args.model_path, args.model_name) == ("-Zx3abc", "-odd-model", "--served")
 
@@ -129,3 +131,12 @@ def test_run_with_bad_spec_exits_2_and_starts_nothing(tmp_path):
     assert done.returncode == 2
     assert f"{path}:13: workers[1].page_size: argument --page-size: --page-size must be > 0" in done.stderr
     assert not log_dir.exists()  # no worker was launched, no state file written
+
+
+def test_secrets_reach_the_worker_through_its_environment_not_its_command_line(tmp_path):
+    """Bug: --admin-api-key=... was on every worker's command line, readable by anyone with ps."""
+    text = '[[workers]]\nname = "w0"\nmodel = "m"\nport = 31001\nadmin_api_key = "s3cret"\napi_key = "k3y"\n'
+    (w0,) = load_spec(write(tmp_path, text), {}).workers
+    assert not [f for f in w0.flags if "s3cret" in f or "k3y" in f]
+    assert w0.env == {"KVFLEET_ADMIN_API_KEY": "s3cret", "KVFLEET_API_KEY": "k3y"}
+    assert w0.admin_api_key == "s3cret"

@@ -155,3 +155,39 @@ def test_hicache_config_get_put(serve):
     unknown = client.put("/hicache/config", json={"speed": 11}, headers=AUTH)
     assert unknown.status_code == 400 and "speed" in unknown.json()["error"]["message"]
     assert client.get("/hicache/config", headers=AUTH).json()["prefetch_threshold"] == 64
+
+
+def test_reattach_validates_the_extra_config_always(serve, tmp_path):
+    """Bug: re-attaching the attached backend with extra config "{not json" answered 200."""
+    _, client = _admin_server(serve)
+    extra = json.dumps({"file_path": str(tmp_path / "l3")})
+    body = {"hicache_storage_backend": "file", "hicache_storage_backend_extra_config_json": extra}
+    assert client.put("/hicache/storage-backend", json=body, headers=AUTH).status_code == 200
+    bad = {**body, "hicache_storage_backend_extra_config_json": "{not json"}
+    resp = client.put("/hicache/storage-backend", json=bad, headers=AUTH)
+    assert resp.status_code == 400 and "invalid json" in resp.json()["error"]["message"].lower()
+    threshold = {**body, "hicache_storage_backend_extra_config_json": '{"prefetch_threshold": "256"}'}
+    resp = client.put("/hicache/storage-backend", json=threshold, headers=AUTH)
+    assert resp.status_code == 400 and "prefetch_threshold" in resp.json()["error"]["message"]
+    assert (
+        client.get("/hicache/storage-backend", headers=AUTH).json()["hicache_storage_backend_extra_config"]
+        == extra
+    )
+
+
+def test_get_storage_backend_reads_the_live_cache_not_the_launch_args(serve, tmp_path):
+    """Bug: GET answered from a copy of the launch args, so the control plane verified the copy."""
+    server, client = _admin_server(serve)
+    server.engine.args.hicache_storage_backend = "mooncake"  # a stale copy must not be what GET reports
+    server.engine.args.hicache_storage_backend_extra_config = '{"master_server_address": "x"}'
+    view = client.get("/hicache/storage-backend", headers=AUTH).json()
+    assert view["hicache_storage_backend"] is None and view["hicache_storage_backend_extra_config"] is None
+    extra = json.dumps({"file_path": str(tmp_path / "l3")})
+    body = {"hicache_storage_backend": "file", "hicache_storage_backend_extra_config_json": extra}
+    assert client.put("/hicache/storage-backend", json=body, headers=AUTH).status_code == 200
+    assert client.get("/hicache/storage-backend", headers=AUTH).json() == {
+        "hicache_storage_backend": "file",
+        "hicache_storage_backend_extra_config": extra,
+        "hicache_storage_prefetch_policy": "best_effort",
+        "hicache_write_policy": "write_through",
+    }

@@ -110,3 +110,17 @@ def test_upstream_kernel_io_starts_and_server_info_shows_direct(serve, caplog, f
     body = {"input_ids": list(range(3, 40)), "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     resp = client.post("/generate", json=body)
     assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 2
+
+
+def test_secrets_come_from_a_file_or_the_environment_off_the_command_line(tmp_path, monkeypatch):
+    key_file = tmp_path / "admin-key"
+    key_file.write_text("from-file\n")
+    model = ["--model-path", "smollm2"]
+    assert parse_args([*model, "--admin-api-key-file", str(key_file)]).admin_api_key == "from-file"
+    monkeypatch.setenv("KVFLEET_ADMIN_API_KEY", "from-env")
+    monkeypatch.setenv("KVFLEET_API_KEY", "api-from-env")
+    args = parse_args(model)
+    assert (args.admin_api_key, args.api_key) == ("from-env", "api-from-env")
+    assert parse_args([*model, "--admin-api-key", "flag"]).admin_api_key == "flag"  # upstream flag wins
+    with pytest.raises(ArgumentError, match="--admin-api-key-file"):
+        parse_args([*model, "--admin-api-key-file", str(tmp_path / "missing")])
