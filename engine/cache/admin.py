@@ -156,6 +156,7 @@ class StorageAdminMixin:
         config, _ = split_extra_config(self.config.updated(**policies), prepared.extra)
         self.config = config.updated(storage_backend=prepared.name)
         self.backend, self.backend_name = prepared.instance, prepared.name
+        self.backend_attached_extra = dict(prepared.extra)
         backup_skip = self.replicated_kv and self.tp_rank != 0
         self.controller.attach_storage(
             prepared.instance, prepared.namespace, config.prefetch_threshold, backup_skip, prepared.name
@@ -189,6 +190,7 @@ class StorageAdminMixin:
         self._drain_storage_queues(lambda op, values: values)
         backend.close()
         name, self.backend, self.backend_name = self.backend_name, None, None
+        self.backend_attached_extra = None
         self.config = self.config.updated(storage_backend=None)
         return f"Detached storage backend {name!r}"
 
@@ -224,12 +226,15 @@ class StorageAdminMixin:
 
     def storage_backend_status(self) -> dict:
         """The live attached backend under SGLang's ``GET /hicache/storage-backend`` names: the extra config
-        the backend took as JSON text (HiCache keys excluded), None when detached."""
+        it was attached with as JSON text (at start-up: the backend's part), None when detached."""
         cfg = self.config
+        extra = getattr(self, "backend_attached_extra", None)
         return {
             "hicache_storage_backend": self.backend_name,
             "hicache_storage_backend_extra_config": (
-                json.dumps(dict(cfg.extra_config)) if self.backend_name else None
+                json.dumps(extra if extra is not None else dict(cfg.extra_config))
+                if self.backend_name
+                else None
             ),
             "hicache_storage_prefetch_policy": cfg.prefetch_policy,
             "hicache_write_policy": cfg.write_policy,

@@ -1,0 +1,244 @@
+"""The worker contract and all-or-nothing under faults, against real SmolLM2 engines behind the real
+sglang-router (slow). Faults are injected at the control plane's HTTP client, the one seam the control plane
+has: the engine really takes the change, then the client sees a timeout (or a wrong read-back, or a router
+that refuses the re-add). Every time the worker must end in its "before" state, back in the router, with
+traffic through the router answered throughout and the audit log saying exactly what happened."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cp_factories import ConfigRevisionFactory, EngineWorkerFactory, RouterFactory, StorageProfileFactory
+
+from controlplane import workerclient
+from controlplane.audit.models import AuditEvent
+from controlplane.operations.models import ACTIVE_STATES
+from controlplane.operations.services import operation_create, target_step
+from engine.bench.launcher import ServerProcess, free_port
+from engine.server.contract import HiCacheConfigStatus, StorageBackendStatus
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db]
+KEY = "contract-admin-key-not-in-ps"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Two SmolLM2 workers (admin key from the environment) behind sglang-router: w1 is changed, w2 serves."""
+    flags = ["--model-path", "smollm2", "--enable-hierarchical-cache", "--max-total-tokens", "2048",
+             "--page-size", "16", "--hicache-ratio", "2"]  # fmt: skip
+    env = {"KVFLEET_ADMIN_API_KEY": KEY}
+    with ServerProcess(flags, env=env) as w1, ServerProcess(flags, env=env) as w2:
+        port = free_port()
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", w1.url, w2.url,
+               "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-port", str(free_port()), "--log-level", "warn",
+               "--disable-circuit-breaker"]  # fmt: skip
+        router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                try:
+                    if len(httpx.get(f"{url}/workers", timeout=2).json().get("workers", [])) == 2:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.3)
+            else:
+                raise RuntimeError("sglang-router did not list both workers")
+            yield {"w1": w1, "w2": w2, "router": url, "l3": tmp_path_factory.mktemp("l3")}
+        finally:
+            router.terminate()
+            router.wait(20)
+
+
+def drive(op, limit_s: float = 120.0):
+    deadline = time.monotonic() + limit_s
+    while True:
+        op.refresh_from_db()
+        active = list(op.targets.filter(state__in=ACTIVE_STATES))
+        if op.state != "running" and not active:
+            return op
+        assert time.monotonic() < deadline, list(op.targets.values("state", "explanation"))
+        delays = [target_step(target_id=t.pk) for t in active]
+        if delays and all(d is not None for d in delays):
+            time.sleep(min(delays))
+
+
+def live(url: str) -> dict:
+    return StorageBackendStatus.model_validate(
+        httpx.get(f"{url}/hicache/storage-backend", headers=AUTH).json()
+    ).model_dump()
+
+
+def router_urls(fleet) -> set[str]:
+    return {w["url"].rstrip("/") for w in httpx.get(f"{fleet['router']}/workers").json()["workers"]}
+
+
+def test_the_worker_contract_holds_on_the_real_engine(fleet, fake_worker):
+    w1 = fleet["w1"]
+    cmdline = Path(f"/proc/{w1.proc.pid}/cmdline").read_bytes()
+    assert KEY.encode() not in cmdline  # the admin key came through the environment
+    info = httpx.get(f"{w1.url}/server_info").json()
+    HiCacheConfigStatus.model_validate(info["hicache"])
+    config = HiCacheConfigStatus.model_validate(httpx.get(f"{w1.url}/hicache/config", headers=AUTH).json())
+    fake = fake_worker(admin_key=KEY)
+    fake_client = workerclient.WorkerClient(fake.url, KEY)
+    assert set(fake_client.storage_backend()) == set(live(w1.url))  # one contract for fake and engine
+    assert set(fake_client.hicache_config()) == set(config.model_dump())
+
+    worker = EngineWorkerFactory(name="w1", url=w1.url, admin_key=KEY)
+    path_a, path_b = str(fleet["l3"] / "a"), str(fleet["l3"] / "b")
+    a = StorageProfileFactory(backend="file", extra_config={"file_path": path_a})
+    b = StorageProfileFactory(backend="file", extra_config={"file_path": path_b, "prefetch_threshold": 128})
+    op = drive(operation_create(kind="attach", workers=[worker], storage_profile=a, actor=None))
+    assert op.state == "succeeded" and live(w1.url)["hicache_storage_backend"] == "file"
+    # Same backend, new config: detach + attach in one idle window, verified from the live cache.
+    op = drive(operation_create(kind="attach", workers=[worker], storage_profile=b, actor=None))
+    assert op.state == "succeeded", op.explanation
+    assert json.loads(live(w1.url)["hicache_storage_backend_extra_config"])["file_path"] == path_b
+    worker.refresh_from_db()
+    assert worker.storage_profile_id == b.pk
+    bad = {"hicache_storage_backend": "file", "hicache_storage_backend_extra_config_json": "{not json"}
+    assert httpx.put(f"{w1.url}/hicache/storage-backend", json=bad, headers=AUTH).status_code == 400
+    revision = ConfigRevisionFactory(content={"hicache_write_policy": "write_back", "prefetch_threshold": 64})
+    op = drive(operation_create(kind="apply_config", workers=[worker], revision=revision, actor=None))
+    assert op.state == "succeeded"
+    cfg = httpx.get(f"{w1.url}/hicache/config", headers=AUTH).json()
+    assert (cfg["hicache_write_policy"], cfg["prefetch_threshold"]) == ("write_back", 64)
+    op = drive(operation_create(kind="detach", workers=[worker], actor=None))
+    assert op.state == "succeeded" and live(w1.url)["hicache_storage_backend"] is None
+    restore = {"hicache_write_policy": "write_through", "prefetch_threshold": 256}
+    assert httpx.put(f"{w1.url}/hicache/config", json=restore, headers=AUTH).status_code == 200
+
+
+class Traffic:
+    """Requests through the router on a thread; every answer must be a 200."""
+
+    def __init__(self, url: str):
+        self.url, self.stop, self.codes = url, threading.Event(), []
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        body = {
+            "text": "The capital of France is",
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        }
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set():
+                self.codes.append(client.post(f"{self.url}/generate", json=body).status_code)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(60)
+
+
+def _once(monkeypatch, cls, name, fault):
+    """Patch `cls.name` so its first matching call runs `fault(original, *args)`; later calls are real."""
+    original, fired = getattr(cls, name), []
+
+    def patched(self, *args, **kwargs):
+        if not fired and (hit := fault(original, self, *args, **kwargs)) is not None:
+            fired.append(True)
+            return hit()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, patched)
+    return fired
+
+
+def test_faults_under_traffic_end_in_the_before_state(fleet, monkeypatch):
+    url = fleet["w1"].url
+    worker = EngineWorkerFactory(name="w1", url=url, admin_key=KEY, router=RouterFactory(url=fleet["router"]))
+    profile = StorageProfileFactory(backend="file", extra_config={"file_path": str(fleet["l3"] / "f")})
+    before_config = httpx.get(f"{url}/hicache/config", headers=AUTH).json()
+
+    def attach_then_time_out(original, client, *args, **kwargs):
+        if client.base_url != url:
+            return None
+        original(client, *args, **kwargs)  # the engine takes the attach ...
+
+        def timeout():
+            raise workerclient.WorkerUnreachable(f"PUT {url}/hicache/storage-backend: ReadTimeout")
+
+        return timeout  # ... and the client sees a timeout
+
+    reads = []
+
+    def wrong_read_back(original, client, *args, **kwargs):
+        if client.base_url != url:
+            return None
+        reads.append(1)
+        if len(reads) != 2:  # the read before applying is true; the read-back lies once
+            return None
+        return lambda: {**original(client), "hicache_storage_backend": "mooncake"}
+
+    def router_refuses(original, router, worker_url):
+        def refuse():
+            raise workerclient.WorkerRejected(
+                f"POST {router.base_url}/workers -> 503: overloaded", status=503
+            )
+
+        return refuse
+
+    def config_then_time_out(original, client, *args, **kwargs):
+        original(client, *args, **kwargs)
+
+        def timeout():
+            raise workerclient.WorkerUnreachable(f"PUT {url}/hicache/config: ReadTimeout")
+
+        return timeout
+
+    revision = ConfigRevisionFactory(content={"hicache_write_policy": "write_back", "prefetch_threshold": 32})
+    cases = [
+        ("attach", workerclient.WorkerClient, "attach_storage", attach_then_time_out, "apply failed"),
+        ("attach", workerclient.WorkerClient, "storage_backend", wrong_read_back, "verification failed"),
+        ("attach", workerclient.RouterClient, "add_worker", router_refuses, "re-adding to router"),
+        (
+            "apply_config",
+            workerclient.WorkerClient,
+            "update_hicache_config",
+            config_then_time_out,
+            "apply failed",
+        ),
+    ]
+    with Traffic(fleet["router"]) as traffic:
+        for kind, cls, name, fault, cause in cases:
+            with monkeypatch.context() as patch:
+                fired = _once(patch, cls, name, fault)
+                op = operation_create(
+                    kind=kind, workers=[worker], storage_profile=profile, revision=revision, actor=None,
+                    policy="all_or_nothing", drain=True, idle_timeout_s=30,
+                )  # fmt: skip
+                op = drive(op)
+            target = op.targets.get()
+            assert fired, name
+            assert op.state == "reverted" and target.state == "reverted", (name, target.explanation)
+            assert cause in target.revert_cause
+            assert live(url)["hicache_storage_backend"] is None  # the before state
+            assert httpx.get(f"{url}/hicache/config", headers=AUTH).json() == before_config
+            assert url in router_urls(fleet)  # back in the router
+            # Each time the engine took the change: the failure is recorded as a change that took effect,
+            # and the revert as restoring it.
+            assert target.changed is True and op.summary["left_changed"] == {}
+            assert op.summary["changed"] == op.summary["restored"] == ["w1"]
+            revert = AuditEvent.objects.get(operation_id=op.pk, action=f"revert_{kind}")
+            assert revert.outcome == "success" and revert.extra["changed"] is True
+            failure = AuditEvent.objects.get(
+                operation_id=op.pk, action=kind, object_type="inventory.engineworker"
+            )
+            assert failure.outcome == "failure" and failure.extra["changed"] is True
+        time.sleep(0.5)  # a few more requests after the last revert (traffic is measured, not waited on)
+    assert traffic.codes and set(traffic.codes) == {200}
