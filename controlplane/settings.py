@@ -183,6 +183,8 @@ OPERATION_IDLE_TIMEOUT_S = float(os.environ.get("OPERATION_IDLE_TIMEOUT_S", "120
 OPERATION_POLL_INTERVAL_S = float(os.environ.get("OPERATION_POLL_INTERVAL_S", "0.5"))
 OPERATION_APPLY_TIMEOUT_S = float(os.environ.get("OPERATION_APPLY_TIMEOUT_S", "60"))
 WORKER_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_HTTP_TIMEOUT_S", "5"))
+# A change request (attach builds a store client, detach drains its queues) may take longer than a read.
+WORKER_APPLY_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_APPLY_HTTP_TIMEOUT_S", "30"))
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

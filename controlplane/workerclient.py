@@ -36,8 +36,8 @@ class WorkerRejected(WorkerError):
     pass
 
 
-def _timeout() -> float:
-    return settings.WORKER_HTTP_TIMEOUT_S
+def _timeout(change: bool = False) -> float:
+    return settings.WORKER_APPLY_HTTP_TIMEOUT_S if change else settings.WORKER_HTTP_TIMEOUT_S
 
 
 _shared: httpx.Client | None = None
@@ -55,8 +55,10 @@ def _http() -> httpx.Client:
 
 
 def _request(method: str, url: str, *, headers: dict | None = None, json=None, timeout: float | None = None):
+    """`timeout` in seconds; default WORKER_HTTP_TIMEOUT_S, or WORKER_APPLY_HTTP_TIMEOUT_S for PUT/DELETE."""
+    timeout = timeout or _timeout(change=method in ("PUT", "DELETE"))
     try:
-        response = _http().request(method, url, headers=headers, json=json, timeout=timeout or _timeout())
+        response = _http().request(method, url, headers=headers, json=json, timeout=timeout)
     except httpx.HTTPError as exc:
         raise WorkerUnreachable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
     if response.is_success:

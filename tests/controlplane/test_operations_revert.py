@@ -49,7 +49,7 @@ def attach(workers, profile, **kwargs):
 
 def test_apply_timeout_while_the_engine_completes_is_reverted(fake_worker, settings):
     """Bug: a target whose apply timed out was failed without reading it; the engine had attached."""
-    settings.WORKER_HTTP_TIMEOUT_S = 0.5
+    settings.WORKER_APPLY_HTTP_TIMEOUT_S = 0.5
     slow, ok = fake_worker(), fake_worker()
     slow.apply_delay_s = 1.5
     op = drive(
