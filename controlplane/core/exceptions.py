@@ -34,6 +34,13 @@ class ConflictError(ApplicationError):
     code = "conflict"
 
 
+class ServiceUnavailable(ApplicationError):
+    """A backing service (the task broker, ...) is unreachable: 503, nothing was started."""
+
+    status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    code = "service_unavailable"
+
+
 class PreconditionFailed(ApplicationError):
     status_code = status.HTTP_412_PRECONDITION_FAILED
     code = "precondition_failed"

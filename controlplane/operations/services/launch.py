@@ -8,11 +8,12 @@ from datetime import timedelta
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
+from kombu.exceptions import OperationalError as BrokerError
 
 from controlplane.audit.models import AuditEvent, Outcome
 from controlplane.audit.services import audit_record
 from controlplane.core.context import current_request_id
-from controlplane.core.exceptions import ApplicationError, ConflictError
+from controlplane.core.exceptions import ApplicationError, ConflictError, ServiceUnavailable
 from controlplane.inventory.models import EngineWorker
 from controlplane.operations.models import (
     ACTIVE_STATES,
@@ -24,7 +25,9 @@ from controlplane.operations.models import (
     OperationTarget,
     Policy,
 )
-from controlplane.operations.services.transitions import enqueue_steps
+from controlplane.operations.models import TargetState as T
+from controlplane.operations.services.aggregation import operation_refresh
+from controlplane.operations.services.transitions import enqueue_steps, publish_steps, target_transition
 
 
 def _request_hash(payload: dict) -> str:
@@ -46,6 +49,9 @@ def operation_create(
     dispatch: bool = True,
 ) -> Operation:
     """Create an operation with one pending target per worker and enqueue their steps after commit.
+
+    If the task broker cannot be reached at commit, the targets are failed ("not started", audited) so nothing
+    stays pending, and ServiceUnavailable (503, code broker_unavailable) is raised from the commit.
 
     dispatch=False leaves the steps to the caller (the serial baseline of the benchmark drives them itself).
     drain=True with a worker that has no router: no_router="refuse" raises, "warn" applies it undrained and
@@ -114,12 +120,32 @@ def operation_create(
                 extra={"worker_ids": [w.pk for w in workers], "undrained_no_router": routerless},
             )
             if dispatch:
-                enqueue_steps([t.pk for t in targets])
+                ids = [t.pk for t in targets]
+                transaction.on_commit(lambda: _dispatch_or_fail(op.pk, ids))
     except IntegrityError as exc:
         raise ConflictError(
             "a chosen worker was claimed by another operation; retry", code="worker_busy"
         ) from exc
     return op
+
+
+def _dispatch_or_fail(op_id: int, target_ids: list[int]) -> None:
+    """Publish the first steps; if the broker is down, fail the targets not started and raise 503."""
+    from controlplane.celery import app
+
+    try:
+        publish_steps(target_ids)
+    except BrokerError as exc:
+        broker = app.connection_for_write().as_uri()  # as_uri() masks the password
+        why = f"not started: the task broker {broker} is unreachable ({exc})"
+        for target in OperationTarget.objects.filter(pk__in=target_ids, state=T.PENDING):
+            target_transition(target, to=T.FAILED, explanation=why)
+        operation_refresh(op_id=op_id)
+        raise ServiceUnavailable(
+            f"operation {op_id} not started: the task broker {broker} is unreachable; retry when it is back",
+            code="broker_unavailable",
+            detail={"broker": broker, "operation": op_id},
+        ) from exc
 
 
 def operation_snapshot(op: Operation, workers=None) -> dict:
@@ -159,6 +185,9 @@ def operation_create_idempotent(*, key: str | None, user, payload: dict, create)
             IdempotencyRecord.objects.create(
                 user=user, key=key, request_sha256=digest, status_code=201, response_body=body
             )
+    except ServiceUnavailable:  # nothing started: free the key for the retry
+        IdempotencyRecord.objects.filter(user=user, key=key).delete()
+        raise
     except IntegrityError as exc:
         raise ConflictError(
             "a request with this Idempotency-Key is in flight; retry", code="idempotency_in_flight"

@@ -25,12 +25,22 @@ class InvalidTransition(ApplicationError):
     code = "invalid_transition"
 
 
-def enqueue_steps(target_ids: list[int]) -> None:
-    """Run one step of each target in Celery once the current transaction commits."""
+def publish_steps(target_ids: list[int]) -> None:
+    """Publish one step of each target to the Celery broker now.
+
+    Raises kombu.exceptions.OperationalError when the broker cannot be reached (after Celery's publish
+    retries).
+    """
     from controlplane.operations.tasks import target_step_task
 
+    for tid in target_ids:
+        target_step_task.apply_async((tid,))
+
+
+def enqueue_steps(target_ids: list[int]) -> None:
+    """Run one step of each target in Celery once the current transaction commits."""
     ids = list(target_ids)
-    transaction.on_commit(lambda: [target_step_task.apply_async((tid,)) for tid in ids])
+    transaction.on_commit(lambda: publish_steps(ids))
 
 
 def target_transition(target: OperationTarget, *, to: str, explanation: str | None = None, **fields) -> bool:
