@@ -1,7 +1,8 @@
 """The only code that talks to engine workers and sglang-routers (httpx, synchronous).
 
 Worker endpoints follow CONTRACTS.md "Engine worker HTTP" (upstream SGLang hicache admin API, spec §7):
-GET /server_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config, GET /metrics.
+GET /server_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config, POST /pd_role_switch,
+GET /metrics; bodies are the models of engine/server/contract.py.
 Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url"} (202),
 DELETE /workers/{id}; circuit-breaker state from the router's Prometheus endpoint (``smg_worker_cb_*``).
 
@@ -16,12 +17,17 @@ import httpx
 from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.server.contract import PdRoleSwitchResponse
+
 
 class WorkerError(Exception):
-    def __init__(self, message: str, *, status: int | None = None):
+    """`status`: the HTTP status when the worker answered; `body`: its full answer text then."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: str | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
+        self.body = body
 
 
 class WorkerUnreachable(WorkerError):
@@ -65,23 +71,23 @@ def _request(method: str, url: str, *, headers: dict | None = None, json=None, t
         return response
     text = response.text.strip()[:500]
     if response.status_code == 400 and "not idle" in text.lower():
-        raise WorkerNotIdle(text, status=400)
-    raise WorkerRejected(f"{method} {url} -> {response.status_code}: {text}", status=response.status_code)
+        raise WorkerNotIdle(text, status=400, body=response.text)
+    message = f"{method} {url} -> {response.status_code}: {text}"
+    raise WorkerRejected(message, status=response.status_code, body=response.text)
 
 
 class WorkerClient:
-    """One engine worker. `admin_key` is sent as `Authorization: Bearer` on admin routes."""
+    """One engine worker. `admin_key` is sent as `Authorization: Bearer` on the HiCache admin routes,
+    `api_key` (the worker's --api-key, when it has one) on POST /pd_role_switch, which upstream guards so."""
 
-    def __init__(self, base_url: str, admin_key: str = "", timeout: float | None = None):
+    def __init__(self, base_url: str, admin_key: str = "", timeout: float | None = None, api_key: str = ""):
         self.base_url = base_url.rstrip("/")
         self.admin_key = admin_key
+        self.api_key = api_key
         self.timeout = timeout
 
-    def _admin_headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
-
-    def _call(self, method: str, path: str, json=None, admin: bool = False):
-        headers = self._admin_headers() if admin else None
+    def _call(self, method: str, path: str, json=None, key: str = ""):
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         return _request(method, self.base_url + path, headers=headers, json=json, timeout=self.timeout)
 
     def server_info(self) -> dict:
@@ -90,7 +96,7 @@ class WorkerClient:
 
     def storage_backend(self) -> dict:
         """{hicache_storage_backend, hicache_storage_backend_extra_config, prefetch and write policy}."""
-        return self._call("GET", "/hicache/storage-backend", admin=True).json()
+        return self._call("GET", "/hicache/storage-backend", key=self.admin_key).json()
 
     def attach_storage(
         self,
@@ -106,17 +112,35 @@ class WorkerClient:
             body["hicache_storage_prefetch_policy"] = prefetch_policy
         if write_policy is not None:
             body["hicache_write_policy"] = write_policy
-        return self._call("PUT", "/hicache/storage-backend", json=body, admin=True).text
+        return self._call("PUT", "/hicache/storage-backend", json=body, key=self.admin_key).text
 
     def detach_storage(self) -> str:
         """Idempotent upstream: detaching with nothing attached succeeds. Never deletes L3 data."""
-        return self._call("DELETE", "/hicache/storage-backend", admin=True).text
+        return self._call("DELETE", "/hicache/storage-backend", key=self.admin_key).text
 
     def hicache_config(self) -> dict:
-        return self._call("GET", "/hicache/config", admin=True).json()
+        return self._call("GET", "/hicache/config", key=self.admin_key).json()
 
     def update_hicache_config(self, fields: dict) -> dict:
-        return self._call("PUT", "/hicache/config", json=fields, admin=True).json()
+        return self._call("PUT", "/hicache/config", json=fields, key=self.admin_key).json()
+
+    def pd_role(self) -> str:
+        """The worker's PD role read back from /server_info: "prefill", "decode" or "null" (not PD)."""
+        return self.server_info()["disaggregation_mode"]
+
+    def pd_role_switch(self, new_role: str) -> PdRoleSwitchResponse:
+        """POST /pd_role_switch (worker started with --enable-pd-role-switch). A refusal the engine answers in
+        the contract (409 a switch running or an unhealthy worker, 400 not idle, 500 the flip failed and the
+        worker needs a restart) comes back as the :class:`PdRoleSwitchResponse` with ``success`` false; any
+        other error (bad role, flag off, 401, unreachable) raises as every call here."""
+        try:
+            response = self._call("POST", "/pd_role_switch", json={"new_role": new_role}, key=self.api_key)
+        except WorkerError as exc:
+            try:
+                return PdRoleSwitchResponse.model_validate_json(exc.body or "")
+            except ValueError:
+                raise exc from None
+        return PdRoleSwitchResponse.model_validate(response.json())
 
     def metrics_text(self) -> str:
         return self._call("GET", "/metrics").text

@@ -7,6 +7,8 @@ control plane (``controlplane/operations/actions.py`` reads worker state through
 - ``PUT /hicache/storage-backend``: :class:`AttachRequest` -> 200 text, or 400 ``"Failed to attach ..."``.
 - ``GET /hicache/storage-backend``: :class:`StorageBackendStatus`, read from the live cache.
 - ``GET /hicache/config``, ``PUT /hicache/config`` (:class:`ConfigUpdate`): :class:`HiCacheConfigStatus`.
+- ``POST /pd_role_switch`` (:class:`PdRoleSwitchRequest`): :class:`PdRoleSwitchResponse`; the role reads back
+  as ``/server_info``'s ``disaggregation_mode``.
 
 Imports only pydantic (no torch), so the control plane can use it.
 """
@@ -20,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+PdRole = Literal["prefill", "decode"]
 
 # Keys an extra config may carry that are HiCache settings (applied to the cache's config, reported by
 # GET /hicache/config) rather than part of the backend's own extra config (upstream pops them the same way).
@@ -79,6 +82,24 @@ class HiCacheConfigStatus(_Strict):
     prefetch_timeout_base: float
     prefetch_timeout_per_ki_token: float
     prefetch_timeout_max: float
+
+
+class PdRoleSwitchRequest(_Strict):
+    """Body of ``POST /pd_role_switch`` (``--enable-pd-role-switch``): the role to become."""
+
+    new_role: PdRole
+
+
+class PdRoleSwitchResponse(_Strict):
+    """``POST /pd_role_switch`` answer (upstream's ``PdRoleSwitchReqOutput``), on success and on refusal.
+
+    ``safe_to_restore`` is false only when the worker was left unhealthy (restart required)."""
+
+    success: bool
+    message: str
+    old_role: str
+    new_role: str
+    safe_to_restore: bool
 
 
 def backend_extra_config(status: dict) -> dict:

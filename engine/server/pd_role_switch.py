@@ -1,6 +1,7 @@
 """``POST /pd_role_switch``: flip an idle PD worker between prefill and decode (``--enable-pd-role-switch``).
 
-Body ``{"new_role": "prefill" | "decode"}``; answer (upstream's ``PdRoleSwitchReqOutput``)
+Body :class:`~engine.server.contract.PdRoleSwitchRequest` ``{"new_role": "prefill" | "decode"}``; answer
+:class:`~engine.server.contract.PdRoleSwitchResponse` (upstream's ``PdRoleSwitchReqOutput``)
 ``{"success", "message", "old_role", "new_role", "safe_to_restore"}``. Guards in upstream's order: the flag
 (400), a valid role (400), same role (a no-op success), a switch already running or an unhealthy worker
 (409), not idle (400, nothing changed, ``safe_to_restore`` true). Then the scheduler tears down the
@@ -18,21 +19,24 @@ import dataclasses
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from engine.scheduler import NotIdleError
 from engine.scheduler.pd import switch_role
 from engine.server.builder import pd_transfer
+from engine.server.contract import PdRoleSwitchRequest, PdRoleSwitchResponse
 from engine.server.engine import Engine
 from engine.server.http_utils import HTTPError, json_body, require_api_key
 
 router = APIRouter()
-ROLES = ("prefill", "decode")
 _lock = asyncio.Lock()
 
 
 def _answer(status: int, success: bool, message: str, old: str, new: str, safe: bool) -> JSONResponse:
-    body = {"success": success, "message": message, "old_role": old, "new_role": new, "safe_to_restore": safe}
-    return JSONResponse(body, status_code=status)
+    body = PdRoleSwitchResponse(
+        success=success, message=message, old_role=old, new_role=new, safe_to_restore=safe
+    )
+    return JSONResponse(body.model_dump(), status_code=status)
 
 
 @router.post("/pd_role_switch")
@@ -43,9 +47,11 @@ async def pd_role_switch(request: Request):
     if not args.enable_pd_role_switch:
         raise HTTPError(400, "PD role switch is disabled (start with --enable-pd-role-switch)")
     body = await json_body(request)
-    new = body.get("new_role") if isinstance(body, dict) else None
-    if new not in ROLES:
-        raise HTTPError(400, f"new_role must be one of {list(ROLES)}, got {new!r}")
+    try:
+        new = PdRoleSwitchRequest.model_validate(body).new_role
+    except ValidationError as exc:
+        why = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise HTTPError(400, f"Invalid PD role switch request: {why}") from None
     old = args.disaggregation_mode
     if new == old:
         return _answer(200, True, f"already {old}", old, new, True)

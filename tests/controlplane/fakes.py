@@ -8,7 +8,9 @@ cache I/O in flight for N polls (`io_polls`); failing (`fail_admin=True`: PUT/DE
 (`apply_delay_s`: the next write is made, then its answer waits, so a client timeout hides a change that
 took effect); ignoring writes (`ignore_writes=True`: 200 but nothing changes, a read-back mismatch);
 unreachable (`stop()` closes the socket). While busy, the admin PUT/DELETE answer 400 "... not idle ..."
-exactly like the engine's idle gate, and change nothing. Re-attaching the attached backend changes only the
+exactly like the engine's idle gate, and change nothing. A PD worker (`pd_role="prefill"` or `"decode"`, as
+with --enable-pd-role-switch) answers POST /pd_role_switch through the contract models, refusing while busy
+(400, success false, nothing changed) as the engine does. Re-attaching the attached backend changes only the
 policies (its extra config stays), as on the engine.
 """
 
@@ -19,7 +21,14 @@ from urllib.parse import unquote
 
 from pydantic import ValidationError
 
-from engine.server.contract import AttachRequest, ConfigUpdate, HiCacheConfigStatus, StorageBackendStatus
+from engine.server.contract import (
+    AttachRequest,
+    ConfigUpdate,
+    HiCacheConfigStatus,
+    PdRoleSwitchRequest,
+    PdRoleSwitchResponse,
+    StorageBackendStatus,
+)
 
 DEFAULT_CONFIG = {
     "hicache_mem_layout": "layer_first",
@@ -100,9 +109,15 @@ class _FakeHTTP:
 
 class FakeWorker(_FakeHTTP):
     def __init__(
-        self, *, admin_key: str = "secret-admin-key", busy_polls: int = 0, model_name: str = "SmolLM2"
+        self,
+        *,
+        admin_key: str = "secret-admin-key",
+        busy_polls: int = 0,
+        model_name: str = "SmolLM2",
+        pd_role: str = "null",
     ):
         self.admin_key = admin_key
+        self.pd_role = pd_role
         self.busy_polls = busy_polls
         self.io_polls = 0
         self.apply_delay_s = 0.0
@@ -148,7 +163,7 @@ class FakeWorker(_FakeHTTP):
             "page_size": 16,
             "enable_hierarchical_cache": True,
             "hicache_storage_backend": self.backend,
-            "disaggregation_mode": "null",
+            "disaggregation_mode": self.pd_role,
             "is_idle": not busy and not io,
             "num_running_reqs": 2 if busy else 0,
             "num_waiting_reqs": 1 if busy else 0,
@@ -185,8 +200,30 @@ class FakeWorker(_FakeHTTP):
             return 401, "Unauthorized"
         return None
 
+    def pd_role_switch(self, body) -> tuple[int, object, str]:
+        if self.pd_role == "null":
+            return 400, "PD role switch is disabled (start with --enable-pd-role-switch)", "text/plain"
+        try:
+            new = PdRoleSwitchRequest.model_validate(body).new_role
+        except ValidationError as exc:
+            return 400, f"Invalid PD role switch request: {exc}", "text/plain"
+        old = self.pd_role
+        if new == old:
+            status, ok, message = 200, True, f"already {old}"
+        elif self.busy or self.io_polls > 0:
+            status, ok, message = 400, False, "Reject PD role switch: scheduler is not idle. #running-req=2"
+        else:
+            self.pd_role = new
+            status, ok, message = 200, True, f"switched {old} -> {new}"
+        answer = PdRoleSwitchResponse(
+            success=ok, message=message, old_role=old, new_role=new, safe_to_restore=True
+        )
+        return status, answer.model_dump(), "application/json"
+
     def handle(self, method, path, headers, body):
         json_t, text_t = "application/json", "text/plain"
+        if method == "POST" and path == "/pd_role_switch":
+            return self.pd_role_switch(body)
         if method == "GET" and path in ("/server_info", "/get_server_info"):
             return 200, self.server_info(), json_t
         if method == "GET" and path == "/metrics":

@@ -7,6 +7,7 @@ traffic through the router answered throughout and the audit log saying exactly 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ from controlplane.audit.models import AuditEvent
 from controlplane.operations.models import ACTIVE_STATES
 from controlplane.operations.services import operation_create, target_step
 from engine.bench.launcher import ServerProcess, free_port
-from engine.server.contract import HiCacheConfigStatus, StorageBackendStatus
+from engine.server.contract import HiCacheConfigStatus, PdRoleSwitchResponse, StorageBackendStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]
 KEY = "contract-admin-key-not-in-ps"
@@ -118,6 +119,65 @@ def test_the_worker_contract_holds_on_the_real_engine(fleet, fake_worker):
     assert op.state == "succeeded" and live(w1.url)["hicache_storage_backend"] is None
     restore = {"hicache_write_policy": "write_through", "prefetch_threshold": 256}
     assert httpx.put(f"{w1.url}/hicache/config", json=restore, headers=AUTH).status_code == 200
+
+
+def wait_idle(client: workerclient.WorkerClient, idle: bool, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while client.server_info()["is_idle"] is not idle:
+        assert time.monotonic() < deadline, f"worker never became {'idle' if idle else 'busy'}"
+        time.sleep(0.05)
+
+
+def test_the_pd_role_switch_contract_holds_on_the_real_engine(fake_worker):
+    """A real SmolLM2 prefill worker (--enable-pd-role-switch, fake transfer backend: no RDMA here) is refused
+    a switch while a PD request waits for its decode side (nothing changed), then flips to decode, read back
+    from /server_info through workerclient; the fake answers the same fields."""
+    bootstrap = free_port()
+    flags = ["--model-path", "smollm2", "--max-total-tokens", "2048", "--page-size", "16",
+             "--disaggregation-mode", "prefill", "--enable-pd-role-switch",
+             "--disaggregation-transfer-backend", "fake",
+             "--disaggregation-bootstrap-port", str(bootstrap)]  # fmt: skip
+    fake = fake_worker(pd_role="prefill")
+    fake_client = workerclient.WorkerClient(fake.url)
+    with ServerProcess(flags) as p:
+        client = workerclient.WorkerClient(p.url)
+        assert client.pd_role() == "prefill"
+        same = client.pd_role_switch("prefill")  # the same role: a no-op success, per the contract
+        assert (same.success, same.old_role, same.new_role) == (True, "prefill", "prefill")
+        # Busy: a PD request whose decode side never connects waits in the prefill's transfer queue. It is
+        # sent on a raw socket so that closing the socket aborts it (the engine cancels on disconnect).
+        body = json.dumps({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4},
+                           "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap,
+                           "bootstrap_room": 7}).encode()  # fmt: skip
+        head = "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head += f"Content-Length: {len(body)}\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", p.port)) as waiting:
+            waiting.sendall(head.encode() + body)
+            wait_idle(client, idle=False)
+            refused = client.pd_role_switch("decode")
+            fake.busy_polls = -1
+            fake_refused = fake_client.pd_role_switch("decode")
+            fake.busy_polls = 0
+        assert (refused.success, refused.safe_to_restore) == (False, True)
+        assert "not idle" in refused.message and "#pd-transfer-req=1" in refused.message
+        assert (refused.old_role, refused.new_role) == ("prefill", "decode")
+        assert client.pd_role() == "prefill"  # nothing changed
+        assert fake_refused.model_dump().keys() == refused.model_dump().keys()
+        assert (fake_refused.success, fake_client.pd_role()) == (False, "prefill")
+        wait_idle(client, idle=True)  # the waiting request was aborted with its connection
+
+        raw = httpx.post(f"{p.url}/pd_role_switch", json={"new_role": "decode"}, timeout=60)
+        assert raw.status_code == 200, raw.text
+        flipped = PdRoleSwitchResponse.model_validate(raw.json())
+        assert (flipped.success, flipped.old_role, flipped.new_role) == (True, "prefill", "decode")
+        assert client.pd_role() == "decode"
+        fake_raw = httpx.post(f"{fake.url}/pd_role_switch", json={"new_role": "decode"})
+        assert fake_raw.status_code == 200 and set(fake_raw.json()) == set(raw.json())
+        assert fake_client.pd_role() == "decode"
+        bad = httpx.post(f"{p.url}/pd_role_switch", json={"new_role": "both"})
+        assert bad.status_code == 400 and "new_role" in bad.text
+        assert httpx.post(f"{fake.url}/pd_role_switch", json={"new_role": "both"}).status_code == 400
+        assert client.pd_role() == "decode"
 
 
 class Traffic:
