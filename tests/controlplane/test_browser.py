@@ -88,6 +88,7 @@ def test_operator_console_end_to_end(
         expect(page.get_by_test_id("role")).to_have_text("operator")
         expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
         expect(page.locator("#pools [data-pool=regular]")).to_contain_text("0 of 2 workers reporting")
+        expect(page.locator("#hosts tbody tr").first).to_contain_text("64 GiB")
         assert serious_violations(page) == []
 
         # Launch form: only the chosen kind's fields; nothing is sent until the dialog is confirmed.
@@ -120,6 +121,15 @@ def test_operator_console_end_to_end(
         expect(page.get_by_test_id("op-reason")).to_have_text("enable L3 on gpu-0/1")
         expect(page.get_by_test_id("op-duration")).not_to_contain_text("so far")
         expect(page.locator("#op-targets tbody tr").first.locator(".diff")).to_contain_text("mooncake")
+        expect(page.locator("#cancel")).to_be_hidden()  # finished: nothing left to cancel
+        expect(page.get_by_test_id("op-outcome")).to_have_text("changed: gpu-0, gpu-1")
+        op_api = httpx.get(
+            asgi_server + "/api/v1/operations/", headers={"Authorization": f"Bearer {admin_token}"}
+        ).json()["results"][0]
+        polls = {t["worker_name"]: str(t["polls"]) for t in op_api["targets"]}
+        for name, count in polls.items():
+            row = page.locator("#op-targets tbody tr", has_text=name)
+            expect(row.locator("td").nth(3)).to_have_text(count)
         assert [f.backend for f in fakes] == ["mooncake", "mooncake"]
         assert serious_violations(page) == []
 
@@ -128,6 +138,7 @@ def test_operator_console_end_to_end(
         expect(rows).to_have_count(2)
         expect(rows.first).to_contain_text("alice")
         expect(rows.first.locator(".diff")).to_contain_text("mooncake")
+        expect(page.locator("#audit tbody")).not_to_contain_text("operation operation")
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
         assert serious_violations(page) == []
         rows.first.get_by_role("button", name="Revert to this").click()  # asks first, per worker
@@ -145,6 +156,7 @@ def test_operator_console_end_to_end(
         assert serious_violations(page) == []
         page.goto(f"{asgi_server}/hosts/{host.pk}/")
         expect(page.locator("#host-workers tbody tr")).to_have_count(2)
+        expect(page.get_by_test_id("host-ram")).to_have_text("64 GiB")  # the fleet page's unit
         assert serious_violations(page) == []
         page.goto(f"{asgi_server}/routers/{router.pk}/")
         expect(page.locator("#router-workers tbody tr", has_text="yes")).to_have_count(2)

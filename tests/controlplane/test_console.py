@@ -26,6 +26,10 @@ def test_pages_render_and_gate_write_controls(client, personas, role):
     fleet = client.get("/").content.decode()
     assert ('id="launch-selected"' in fleet) is (role == "operator")
     assert 'data-testid="role">' + role in fleet
+    operation = client.get("/operations/1/").content.decode()
+    # the cancel button starts hidden; the page module shows it only while the operation runs
+    assert ('id="cancel" class="danger" hidden' in operation) is (role == "operator")
+    assert 'data-testid="op-outcome"' in operation
 
 
 def test_favicon_is_served(client):
@@ -78,7 +82,8 @@ def test_host_and_router_pages(client, personas, fake_router, router_metrics):
         f'smg_worker_cb_consecutive_failures{{worker="{inside.url}"}} 10\n'
     )
     page = client.get(f"/hosts/{host.pk}/").content.decode()
-    assert "H100" in page and "81559 MiB" in page and "64.0\xa0GB" in page and inside.name in page
+    assert "H100" in page and "81559 MiB" in page and inside.name in page
+    assert f'<data value="{64 * 2**30}" data-unit="bytes"' in page  # KV.fmt formats it (fleet page too)
     page = client.get(f"/routers/{router.pk}/").content.decode()
     assert "lists 1 worker" in page and "no (drained or removed)" in page and drained.name in page
     assert '<span class="badge s-open">1 open</span>' in page and ">10</td>" in page

@@ -76,6 +76,12 @@
     if (a >= 1e3) return +(v / 1e3).toFixed(2) + " k";
     return +v.toFixed(a >= 100 ? 0 : a >= 10 ? 1 : 2) + " ";
   }
+  /* bytes: binary units everywhere (KiB/MiB/GiB/TiB, 1024-based), one formatter for every page */
+  function binary(v) {
+    var units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"], i = 0;
+    while (Math.abs(v) >= 1024 && i < units.length - 1) { v /= 1024; i++; }
+    return +v.toFixed(i === 0 ? 0 : Math.abs(v) >= 100 ? 0 : Math.abs(v) >= 10 ? 1 : 2) + " " + units[i];
+  }
   KV.units = {
     "%": function (v) { return v == null ? "–" : +(v * 100).toFixed(1) + " %"; },
     "s": function (v) { return v == null ? "–" : v < 1 ? +(v * 1000).toFixed(v < 0.01 ? 2 : 0) + " ms" : +v.toFixed(2) + " s"; },
@@ -83,11 +89,15 @@
     "tok": function (v) { return v == null ? "–" : si(v) + "tok"; },
     "reqs": function (v) { return v == null ? "–" : String(Math.round(v)); },
     "count": function (v) { return v == null ? "–" : si(v).trim(); },
-    "bytes": function (v) { return v == null ? "–" : si(v) + "B"; }
+    "bytes": function (v) { return v == null ? "–" : binary(v); }
   };
   /* axis ticks: 3 significant digits with k/M/G, no unit (the axis label carries it) */
   KV.compact = function (v) { return v == null ? "" : si(v).trim(); };
   KV.fmt = function (v, unit) { return (KV.units[unit] || KV.units.count)(v == null ? null : Number(v)); };
+  /* server-rendered values: <data value="N" data-unit="bytes"> gets the same text as a KV.fill slot */
+  function formatValues(root) { KV.$$("data[data-unit]", root).forEach(function (el) { el.textContent = KV.fmt(el.value, el.dataset.unit); }); }
+  /* a state name in plain words: "revert_failed" -> "revert failed" (the raw name stays in the title) */
+  KV.stateText = function (v) { return v == null || v === "" ? "–" : String(v).replace(/_/g, " "); };
 
   /* ---- templates: clone <template id=...>, fill [data-f] slots by textContent, [data-href] links, <time> ---- */
   KV.fill = function (tplOrNode, data) {
@@ -98,7 +108,7 @@
       if (el.tagName === "TIME") KV.time.set(el, v);
       else if (el.dataset.unit) el.textContent = KV.fmt(v, el.dataset.unit);
       else el.textContent = v == null || v === "" ? ("empty" in el.dataset ? el.dataset.empty : "–") : String(v);
-      if (el.classList.contains("badge")) el.className = "badge s-" + (v || "none");
+      if (el.classList.contains("badge")) { el.className = "badge s-" + (v || "none"); el.textContent = KV.stateText(v); el.title = v || ""; }
     });
     withSelf("[data-href]").forEach(function (el) {
       var missing = false;
@@ -191,7 +201,7 @@
   /* Page modules register with KV.ready; body[data-loaded=1] marks the first render (tests and screenshots). */
   KV.ready = function (fn) {
     KV.hasModule = true;
-    localizeTimes(document);
+    localizeTimes(document); formatValues(document);
     Promise.resolve().then(fn).then(function () { body.dataset.loaded = "1"; }, function (err) {
       var box = KV.$("#page-error");
       box.textContent = "Could not load this page: " + KV.errorText(err); box.hidden = false;
@@ -199,6 +209,6 @@
     });
   };
   document.addEventListener("DOMContentLoaded", function () {  // server-rendered pages without a module
-    if (!KV.hasModule) { localizeTimes(document); body.dataset.loaded = "1"; }
+    if (!KV.hasModule) { localizeTimes(document); formatValues(document); body.dataset.loaded = "1"; }
   });
 })();

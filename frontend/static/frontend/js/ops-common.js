@@ -10,9 +10,20 @@
     return Object.assign({}, op, {
       kind_label: KV.KIND_LABELS[op.kind] || op.kind, policy_label: op.policy.replace(/_/g, " "),
       targets_text: op.targets.length + " worker" + (op.targets.length === 1 ? "" : "s") + ": " +
-        Object.keys(counts).sort().map(function (k) { return counts[k] + " " + k.replace(/_/g, " "); }).join(", "),
+        Object.keys(counts).sort().map(function (k) { return counts[k] + " " + KV.stateText(k); }).join(", "),
       duration: KV.time.duration(KV.time.between(op.created_at, end)) + (op.finished_at ? "" : " so far")
     });
+  };
+  /* A finished operation's fleet outcome (summary keys changed, restored, left_changed) in words. */
+  KV.outcomeText = function (op) {
+    var s = op.summary || {};
+    if (op.state === "running") return "not finished yet";
+    if (!s.changed) return "";
+    var parts = [s.changed.length ? "changed: " + s.changed.join(", ") : "no worker was changed"];
+    if (s.restored && s.restored.length) parts.push("restored to the before state: " + s.restored.join(", "));
+    var left = Object.keys(s.left_changed || {}).sort();
+    if (left.length) parts.push("left changed: " + left.map(function (n) { return n + " (" + KV.readable(s.left_changed[n]) + ")"; }).join(", "));
+    return parts.join("; ");
   };
 })();
 

@@ -12,12 +12,24 @@ KV.ready(function () {
   var TYPES = { "inventory.engineworker": "worker", "inventory.storageprofile": "storage profile", "inventory.router": "router",
     "inventory.host": "host", "inventory.gpu": "GPU", "operations.operation": "operation", "accounts.apitoken": "API token",
     "auth.user": "user", "configs.configprofile": "config profile", "configs.configrevision": "config revision" };
+  /* "worker gpu-0"; a repr that already names its type ("operation 2 (attach)") is not prefixed again, and
+     the operation's own record names it once, as the link to its page. */
+  function targetText(e) {
+    var label = TYPES[e.object_type] || e.object_type, repr = e.object_repr || "";
+    if (e.object_type === "operations.operation" && String(e.object_id) === String(e.operation_id)) return "";
+    return repr.toLowerCase().indexOf(label.toLowerCase() + " ") === 0 ? repr : (label + " " + repr).trim();
+  }
+  function operationText(e) {
+    if (!e.operation_id) return "";
+    var own = e.object_type === "operations.operation" && String(e.object_id) === String(e.operation_id);
+    return own ? (e.object_repr || "").replace(/^operation (\d+)/, "operation #$1") : "operation #" + e.operation_id;
+  }
   function view(e) {
     return Object.assign({}, e, {
-      object_label: TYPES[e.object_type] || e.object_type, action_label: e.action.replace(/_/g, " "),
+      target_text: targetText(e), action_label: e.action.replace(/_/g, " "),
       actor_text: e.actor_display + (e.token_prefix ? " (API token)" : ""),
       request_short: (e.request_id || "").slice(0, 8) || "–",
-      operation_text: e.operation_id ? "operation #" + e.operation_id : "",
+      operation_text: operationText(e),
       message_text: KV.readable(e.message)
     });
   }

@@ -1,9 +1,12 @@
 /* Operation page: read once; operation.target_changed / state_changed pushes update the target row and the
-   header in place. When the operation ends it is read once more for the workers' read-back "after" state. */
+   header in place at once, then the operation is re-read (one read in flight, coalesced) so each target's
+   before/after, idle polls and times match the API. Idle polls move without a push: while a target waits
+   for idle the operation is re-read every POLL_REFRESH_S. */
 KV.ready(function () {
   "use strict";
   var tpl = KV.$("#tpl-target"), rows = {}, op = null;
   var ACTIVE = ["pending", "waiting_for_idle", "applying", "verifying", "reverting"];
+  var POLL_REFRESH_S = 5;
 
   function targetView(t) {
     var end = t.finished_at || (ACTIVE.indexOf(t.state) >= 0 ? null : t.updated_at);
@@ -29,15 +32,15 @@ KV.ready(function () {
   function renderHead() {
     var view = KV.opView(op);
     KV.$("#op-kind").textContent = view.kind_label;
-    var st = KV.$("#op-state"); st.textContent = op.state; st.className = "badge s-" + op.state;
+    var st = KV.$("#op-state"); st.textContent = KV.stateText(op.state); st.className = "badge s-" + op.state;
     KV.fill(KV.$("#op-facts"), Object.assign(view, {
       policy_text: op.policy.replace(/_/g, " ") + (op.drain ? ", drained from router while applying" : ""),
       change: change(), idle_timeout: op.idle_timeout_s + " s",
       explanation_text: op.state === "running" ? (op.cancel_requested ? "Cancel requested." : "Running.") : KV.readable(op.explanation),
-      duration: view.duration
+      duration: view.duration, outcome_text: KV.outcomeText(op)
     }));
     var cancel = KV.$("#cancel");
-    if (cancel) cancel.disabled = op.state !== "running" || op.cancel_requested;
+    if (cancel) { cancel.hidden = op.state !== "running"; cancel.disabled = !!op.cancel_requested; }
   }
   function render(fresh) {
     op = fresh;
@@ -51,7 +54,20 @@ KV.ready(function () {
         render(r[0]);
       });
   }
-  setInterval(function () { if (op && op.state === "running") renderHead(); }, 1000);  // running duration
+  var reading = null, readAgain = false;
+  function refresh() {  // re-read the operation; a push during a read asks for one more read after it
+    if (reading) { readAgain = true; return reading; }
+    reading = KV.api("GET", "/api/v1/operations/" + KV.pk + "/").then(render).catch(function () { /* the next push or tick reads again */ })
+      .then(function () { reading = null; if (readAgain) { readAgain = false; refresh(); } });
+    return reading;
+  }
+  var ticks = 0;
+  setInterval(function () {  // running duration; idle polls, which change without a push
+    if (!op || op.state !== "running") return;
+    renderHead();
+    var waiting = op.targets.some(function (t) { return t.state === "waiting_for_idle"; });
+    if (waiting && ++ticks % POLL_REFRESH_S === 0) refresh();
+  }, 1000);
 
   var cancel = KV.$("#cancel");
   if (cancel) cancel.addEventListener("click", function () {
@@ -77,10 +93,11 @@ KV.ready(function () {
       t.state = d.state; t.explanation = d.explanation; t.updated_at = msg.ts;
       if (ACTIVE.indexOf(d.state) < 0 && !t.finished_at) t.finished_at = msg.ts;
       putTarget(t);
+      refresh();  // before/after, polls and exact times of this target
     } else if (msg.type === "operation.state_changed") {
       op.state = d.state; op.explanation = d.explanation; op.summary = d.summary;
       renderHead();
-      if (d.state !== "running") load();  // once, at the end: workers' read-back state and exact times
+      refresh();
     }
   }, load);
   return load();
