@@ -121,6 +121,37 @@ def test_the_worker_contract_holds_on_the_real_engine(fleet, fake_worker):
     assert httpx.put(f"{w1.url}/hicache/config", json=restore, headers=AUTH).status_code == 200
 
 
+def test_a_refusal_while_only_l3_backups_run_names_them(fleet):
+    """On the real engine, with L2->L3 backups held by a gated file backend and no request running or waiting,
+    detach is refused naming the backups (the control plane reads this as "idle soon"); once the backups
+    finish, it goes through."""
+    url, l3 = fleet["w1"].url, fleet["l3"]
+    gate = l3 / "gate"
+    extra = {"backend_name": "gated", "module_path": "tests.controlplane.gated_l3", "class_name": "GatedFile",
+             "file_path": str(l3 / "gated"), "gate_file": str(gate)}  # fmt: skip
+    client = workerclient.WorkerClient(url, KEY)
+    client.attach_storage("dynamic", json.dumps(extra))
+    try:
+        body = {"text": "Gated backups: " + "the quick brown fox jumps over the lazy dog " * 6,
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0}}  # fmt: skip
+        assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 200
+        deadline = time.monotonic() + 60
+        while not (info := client.server_info())["inflight_cache_io"]["backups"]:
+            assert time.monotonic() < deadline, info["inflight_cache_io"]
+            time.sleep(0.05)
+        assert info["num_running_reqs"] == info["num_waiting_reqs"] == 0
+        with pytest.raises(workerclient.WorkerNotIdle) as refused:
+            client.detach_storage()
+        assert "only cache I/O in flight" in refused.value.message
+        assert "L2->L3 backup(s)" in refused.value.message
+        assert live(url)["hicache_storage_backend"] == "dynamic"  # nothing changed
+    finally:
+        gate.touch()
+        wait_idle(client, idle=True)
+        client.detach_storage()
+    assert live(url)["hicache_storage_backend"] is None
+
+
 def wait_idle(client: workerclient.WorkerClient, idle: bool, limit_s: float = 60.0) -> None:
     deadline = time.monotonic() + limit_s
     while client.server_info()["is_idle"] is not idle:
