@@ -8,6 +8,7 @@ key of API token digests; default from SECRET_KEY), CELERY_QUEUE, REDIS_KEY_PREF
 TELEMETRY_SCRAPE_INTERVAL_S.
 """
 
+import math
 import os
 from pathlib import Path
 
@@ -156,10 +157,7 @@ CELERY_RESULT_BACKEND = None
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_QUEUE", "controlplane")
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_TASK_SOFT_TIME_LIMIT = 60
-CELERY_TASK_TIME_LIMIT = 90
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 TELEMETRY_SCRAPE_INTERVAL_S = float(os.environ.get("TELEMETRY_SCRAPE_INTERVAL_S", "5"))
 CELERY_BEAT_SCHEDULE = {
@@ -185,6 +183,23 @@ OPERATION_APPLY_TIMEOUT_S = float(os.environ.get("OPERATION_APPLY_TIMEOUT_S", "6
 WORKER_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_HTTP_TIMEOUT_S", "5"))
 # A change request (attach builds a store client, detach drains its queues) may take longer than a read.
 WORKER_APPLY_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_APPLY_HTTP_TIMEOUT_S", "30"))
+
+# Task delivery across a worker death. The longest operation step (idle read, state read, apply, read-back,
+# router re-add) is bounded by its HTTP timeouts; the soft limit is that bound, the hard limit kills a step
+# half as long again (prefork; the threads pool relies on the HTTP timeouts). Steps run acks_late, so a step
+# whose worker died stays unacked in Redis and is redelivered once the visibility timeout passes: it must
+# exceed the longest a message is held (its countdown, one poll interval, plus the hard limit), with a 2x
+# margin, and no more, since it is also how long a lost step waits. Workers sweep for expired messages every
+# tenth of it (kombu's default sweep, 10 s x a throttle of 10, would add up to 100 s).
+OPERATION_STEP_MAX_S = WORKER_APPLY_HTTP_TIMEOUT_S + 6 * WORKER_HTTP_TIMEOUT_S
+CELERY_TASK_SOFT_TIME_LIMIT = OPERATION_STEP_MAX_S
+CELERY_TASK_TIME_LIMIT = 1.5 * OPERATION_STEP_MAX_S
+_VISIBILITY_TIMEOUT_S = math.ceil(2 * (OPERATION_POLL_INTERVAL_S + CELERY_TASK_TIME_LIMIT))
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": _VISIBILITY_TIMEOUT_S,
+    "unacked_restore_interval": max(1, _VISIBILITY_TIMEOUT_S // 10),
+    "unacked_restore_throttle": 1,
+}
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

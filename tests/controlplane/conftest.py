@@ -253,3 +253,82 @@ def asgi_server(transactional_db, tmp_path):
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A private `redis-server` on a free port (no persistence) that a test may kill and restart: yields
+    {"url", "port", "start", "proc"}; start() (re)starts it on the same port and waits until it answers."""
+    import redis
+
+    port = free_port()
+    state = {"url": f"redis://127.0.0.1:{port}/0", "port": port, "proc": None}
+
+    def start():
+        state["proc"] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(redis.ConnectionError):
+                if client.ping():
+                    return state["proc"]
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {port} did not answer")
+
+    state["start"] = start
+    start()
+    yield state
+    if state["proc"].poll() is None:
+        state["proc"].kill()
+        state["proc"].wait(10)
+
+
+@pytest.fixture
+def spawn_celery_worker(transactional_db, tmp_path):
+    """spawn_celery_worker(name, broker_url, **env) -> a real `celery worker` (threads pool) on this run's
+    test DB and queue, logging to tmp_path/<name>.log; every worker still running is killed at teardown."""
+    procs = []
+
+    def spawn(name: str, broker_url: str, **env) -> subprocess.Popen:
+        log = (tmp_path / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "worker",
+                "-P",
+                "threads",
+                "-c",
+                "2",
+                "-Q",
+                TEST_QUEUE,
+                "-n",
+                f"{name}@%h",
+                "--without-heartbeat",
+                "--without-mingle",
+                "--without-gossip",
+                "-l",
+                "info",
+            ],  # fmt: skip
+            cwd=REPO,
+            env=subprocess_env(**env) | {"REDIS_URL": broker_url},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        procs.append((proc, log))
+        return proc
+
+    yield spawn
+    for proc, log in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()

@@ -1,12 +1,17 @@
 """The control plane under faults: a launch while the task broker is down, delivery across a worker death."""
 
+import contextlib
 import socket
+import time
 
 import pytest
 from cp_factories import EngineWorkerFactory, StorageProfileFactory
+from django.conf import settings
 
+from controlplane.audit.models import AuditEvent
 from controlplane.celery import app as celery_app
 from controlplane.operations.models import Operation, OperationTarget
+from controlplane.operations.tasks import target_step_task
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -17,26 +22,43 @@ def _reset_broker_pools():
     celery_app._pool = None
 
 
-@pytest.fixture
-def broker_down():
-    """Point the Celery app at a port nothing listens on; yields that broker's host:port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again when the block ends: connections are refused
+@contextlib.contextmanager
+def use_broker(url: str):
+    """Publish from this process to `url` inside the block."""
     original = celery_app.conf.broker_url
-
-    def restore():
+    _reset_broker_pools()
+    celery_app.conf.broker_url = url
+    try:
+        yield
+    finally:
         celery_app.conf.broker_url = original
         _reset_broker_pools()
 
-    _reset_broker_pools()
-    celery_app.conf.broker_url = f"redis://:s3cret@127.0.0.1:{port}/0"
-    yield f"127.0.0.1:{port}", restore
-    restore()
+
+@pytest.fixture
+def broker_down():
+    """Point the Celery app at a port nothing listens on; yields (that broker's host:port, restore())."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: connections are refused
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(use_broker(f"redis://:s3cret@127.0.0.1:{port}/0"))
+        yield f"127.0.0.1:{port}", stack.close
+
+
+def wait_for(predicate, what: str, limit_s: float = 60.0):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def launch(client, worker, profile, **headers):
     body = {"kind": "attach", "workers": [worker.pk], "storage_profile": profile.pk, "reason": "enable L3"}
+    body["idle_timeout_s"] = 30
     return client.post("/api/v1/operations/", body, format="json", **headers)
 
 
@@ -68,3 +90,50 @@ def test_launch_while_broker_down_is_a_json_503_and_leaves_nothing_pending(api_a
     assert retry.status_code == 201, retry.content
     assert "Idempotent-Replayed" not in retry
     assert OperationTarget.objects.get(operation_id=retry.json()["id"]).state == "pending"
+
+
+def test_step_tasks_are_acked_after_the_step_and_redelivered_within_a_bounded_time():
+    assert target_step_task.acks_late and target_step_task.reject_on_worker_lost
+    held_s = settings.OPERATION_POLL_INTERVAL_S + settings.CELERY_TASK_TIME_LIMIT
+    visibility = celery_app.conf.broker_transport_options["visibility_timeout"]
+    assert held_s < visibility <= 2 * held_s + 1  # a held step is never redelivered early; a lost one is soon
+    options = celery_app.conf.broker_transport_options
+    assert options["unacked_restore_interval"] * options["unacked_restore_throttle"] <= visibility / 10 + 1
+
+
+@pytest.mark.slow
+def test_a_step_whose_celery_worker_was_killed_is_redelivered_and_finishes(
+    api_as, fake_worker, own_redis, spawn_celery_worker
+):
+    # Short HTTP timeouts give a short step bound, so a visibility timeout of ceil(2 * (0.1 + 6)) = 13 s,
+    # swept every 1 s.
+    env = {"WORKER_HTTP_TIMEOUT_S": "0.5", "WORKER_APPLY_HTTP_TIMEOUT_S": "1"}
+    fake = fake_worker()
+    fake.apply_delay_s = 30  # the attach is made, its answer hangs: worker "a" dies mid-step
+    worker = EngineWorkerFactory(name="w1", url=fake.url, admin_key=fake.admin_key)
+    profile = StorageProfileFactory(
+        backend="mooncake", extra_config={"master_server_address": "127.0.0.1:50051"}
+    )
+    with use_broker(own_redis["url"]):
+        first = spawn_celery_worker("a", own_redis["url"], **env)
+        response = launch(api_as("operator"), worker, profile)
+        assert response.status_code == 201, response.content
+        target = OperationTarget.objects.get(operation_id=response.json()["id"])
+        wait_for(lambda: any(c[0] == "PUT" for c in fake.calls), "the attach request", limit_s=90)
+        first.kill()
+        first.wait(10)
+        target.refresh_from_db()
+        assert (target.state, target.apply_sent, fake.backend) == ("applying", True, "mooncake")
+
+        spawn_celery_worker("b", own_redis["url"], **env)
+        op = wait_for(
+            lambda: (o := Operation.objects.get(pk=target.operation_id)).state != "running" and o,
+            "the redelivered step to finish the operation",
+            limit_s=90,
+        )
+    target.refresh_from_db()
+    assert op.state == "succeeded", list(op.targets.values("state", "explanation"))
+    assert (target.state, target.changed, target.explanation) == ("succeeded", True, "applied and verified")
+    assert [c for c in fake.calls if c[0] == "PUT"] == [("PUT", "/hicache/storage-backend")]  # not re-sent
+    audit = AuditEvent.objects.get(operation_id=op.pk, object_type="inventory.engineworker")
+    assert audit.outcome == "success" and audit.after["hicache_storage_backend"] == "mooncake"
