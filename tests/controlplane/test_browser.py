@@ -3,6 +3,7 @@ and a fake sglang-router (real HTTP servers): an operator launches an attach beh
 watches it finish, reads the audit log (fits a 1280 px viewport), sees worker charts fill from websocket
 pushes without a reload; axe-core (vendored) finds no serious accessibility violation on any page."""
 
+import time
 from pathlib import Path
 
 import httpx
@@ -188,5 +189,42 @@ def test_operator_console_end_to_end(
         expect(page.locator(".chart[data-window-s='3600']")).to_have_count(8)
         assert page.evaluate("window.__sameDocument") is True
         assert serious_violations(page) == []
+
+        # A running operation's page follows the pushes: both workers busy, then gpu-0 frees up; its row
+        # shows the API's final polls and before -> after without a reload; Cancel shows only while running.
+        for f in fakes:
+            f.busy_polls = -1
+        auth = {"Authorization": f"Bearer {admin_token}"}
+        response = httpx.post(
+            asgi_server + "/api/v1/operations/",
+            json={"kind": "detach", "workers": [w.pk for w in workers], "reason": "live view"},
+            headers=auth,
+        )
+        assert response.status_code in (201, 202), response.text
+        op_url = f"{asgi_server}/api/v1/operations/{response.json()['id']}/"
+        page.goto(op_url.replace("/api/v1", ""))
+        expect(page.locator("body[data-ws-ready='1'][data-loaded='1']")).to_have_count(1)
+        expect(page.get_by_test_id("op-state")).to_have_text("running")
+        expect(page.locator("#cancel")).to_be_visible()
+        rows = [page.locator("#op-targets tbody tr", has_text=w.name) for w in workers]
+        shown = [row.locator("td").nth(3).inner_text() for row in rows]
+
+        def polls(name):
+            targets = httpx.get(op_url, headers=auth).json()["targets"]
+            return next(t["polls"] for t in targets if t["worker_name"] == name)
+
+        deadline = time.monotonic() + 20
+        while polls("gpu-0") <= int(shown[0]):  # polled until the page's first read is out of date
+            assert time.monotonic() < deadline, "gpu-0 is not polled for idle"
+        fakes[0].busy_polls = 0
+        expect(rows[0].locator(".badge")).to_have_text("succeeded")
+        expect(rows[0].locator(".diff")).to_contain_text("mooncake")
+        expect(rows[0].locator(".diff")).not_to_contain_text("not changed yet")
+        expect(rows[0].locator("td").nth(3)).to_have_text(str(polls("gpu-0")))
+        expect(rows[1].locator("td").nth(3)).not_to_have_text(shown[1])  # idle polls move without a push
+        page.locator("#cancel").click()
+        dialog.get_by_role("button", name="Cancel operation").click()
+        expect(page.get_by_test_id("op-state")).to_have_text("cancelled")
+        expect(page.locator("#cancel")).to_be_hidden()
         assert errors == []
         browser.close()
