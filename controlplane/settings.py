@@ -153,6 +153,7 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 REDIS_KEY_PREFIX = os.environ.get("REDIS_KEY_PREFIX", "kvfleet")
 
 CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_TRANSPORT = "controlplane.core.broker:Transport"  # kombu's Redis transport, restart-safe
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_QUEUE", "controlplane")
 CELERY_TASK_SERIALIZER = "json"

@@ -137,3 +137,35 @@ def test_a_step_whose_celery_worker_was_killed_is_redelivered_and_finishes(
     assert [c for c in fake.calls if c[0] == "PUT"] == [("PUT", "/hicache/storage-backend")]  # not re-sent
     audit = AuditEvent.objects.get(operation_id=op.pk, object_type="inventory.engineworker")
     assert audit.outcome == "success" and audit.after["hicache_storage_backend"] == "mooncake"
+
+
+@pytest.mark.slow
+def test_the_celery_worker_survives_a_redis_restart(api_as, fake_worker, own_redis, spawn_celery_worker):
+    busy = fake_worker(busy_polls=-1)  # busy: its target polls, so a step message is held when Redis dies
+    fresh = fake_worker()
+    w1 = EngineWorkerFactory(name="w1", url=busy.url, admin_key=busy.admin_key)
+    w2 = EngineWorkerFactory(name="w2", url=fresh.url, admin_key=fresh.admin_key)
+    profile = StorageProfileFactory(
+        backend="mooncake", extra_config={"master_server_address": "127.0.0.1:50051"}
+    )
+    with use_broker(own_redis["url"]):
+        celery = spawn_celery_worker("a", own_redis["url"])
+        response = launch(api_as("operator"), w1, profile)
+        assert response.status_code == 201, response.content
+        target = OperationTarget.objects.get(operation_id=response.json()["id"])
+        wait_for(
+            lambda: OperationTarget.objects.get(pk=target.pk).state == "waiting_for_idle", "idle polling"
+        )
+        own_redis["proc"].kill()
+        own_redis["proc"].wait(10)
+        own_redis["start"]()  # same port, empty
+
+        response = launch(api_as("operator"), w2, profile)
+        assert response.status_code == 201, response.content
+        op = wait_for(
+            lambda: (o := Operation.objects.get(pk=response.json()["id"])).state != "running" and o,
+            "an operation launched after the restart to finish",
+        )
+        assert celery.poll() is None, "the Celery worker exited"
+    assert op.state == "succeeded", list(op.targets.values("state", "explanation"))
+    assert fresh.backend == "mooncake"
