@@ -136,7 +136,8 @@ def _dispatch_or_fail(op_id: int, target_ids: list[int]) -> None:
     try:
         publish_steps(target_ids)
     except BrokerError as exc:
-        broker = app.connection_for_write().as_uri()  # as_uri() masks the password
+        conn = app.connection_for_write()
+        broker = f"redis://{conn.hostname}:{conn.port}/{conn.virtual_host}"  # never the password
         why = f"not started: the task broker {broker} is unreachable ({exc})"
         for target in OperationTarget.objects.filter(pk__in=target_ids, state=T.PENDING):
             target_transition(target, to=T.FAILED, explanation=why)
