@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVLayout, KVTransferError, TransferTimeouts
@@ -30,7 +31,7 @@ def check_room(bootstrap_room) -> int:
     return bootstrap_room
 
 
-class KVManagerBase:
+class KVManagerBase(ABC):
     """Registers ``pool``'s buffers with the ``backend`` transport and opens the side channel.
 
     Subclasses implement ``_on_message(header, payloads)`` and ``_on_tick()`` (receive thread).
@@ -54,11 +55,13 @@ class KVManagerBase:
         if backend == "fake":
             self.transport.channel = self.channel
 
+    @abstractmethod
     def _on_message(self, header: dict, payloads: list) -> None:
-        raise NotImplementedError
+        """Handle one side-channel message (runs on the channel thread)."""
 
+    @abstractmethod
     def _on_tick(self) -> None:
-        raise NotImplementedError
+        """Periodic work on the channel thread: timeouts, heartbeats."""
 
     def close(self) -> None:
         """Stop threads, close sockets, unregister memory. Idempotent."""
