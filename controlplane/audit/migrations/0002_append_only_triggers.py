@@ -7,6 +7,7 @@ keeps the actor's id and name (`actor_display`) as they were.
 import django.db.models.deletion
 from django.conf import settings
 from django.db import migrations, models
+from django.db.utils import NotSupportedError
 
 COLUMNS = (
     "id",
@@ -73,7 +74,9 @@ def install(apps, schema_editor):
     elif vendor == "sqlite":
         _run(schema_editor, SQLITE_UP)
     else:
-        raise NotImplementedError(f"audit append-only triggers: no SQL for {vendor}")
+        # KVFleet supports SQLite and PostgreSQL only; on another database the audit log could not be
+        # append-only, so the migration refuses to run rather than leave it writable.
+        raise NotSupportedError(f"audit append-only triggers exist for SQLite and PostgreSQL, not {vendor}")
 
 
 def uninstall(apps, schema_editor):
