@@ -60,6 +60,7 @@ INSTALLED_APPS = [
     "controlplane.operations",
     "controlplane.telemetry",
     "controlplane.capacity",
+    "controlplane.rebalance",
     "frontend",
 ]
 

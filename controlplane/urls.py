@@ -22,6 +22,7 @@ api_v1 = [
     path("audit/", include("controlplane.audit.api.urls")),
     path("telemetry/", include("controlplane.telemetry.api.urls")),
     path("capacity/", include("controlplane.capacity.api.urls")),
+    path("rebalances/", include("controlplane.rebalance.api.urls")),
     path("agent/", include(inventory_agent + telemetry_agent + capacity_agent)),
 ]
 

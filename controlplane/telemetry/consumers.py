@@ -20,12 +20,15 @@ from controlplane.accounts.selectors import user_role
 from controlplane.telemetry.events import GROUP_PATTERN, envelope, token_group
 
 MAX_GROUPS = 300
-# Group kind -> roles that may read it: the same as REST (/telemetry/*, /inventory/workers, /operations).
+# Group kind -> roles that may read it: the same as REST (/telemetry/*, /inventory/workers, /operations,
+# /rebalances).
 GROUP_READ_ROLES = {
     "fleet": READ_ROLES,
     "worker": READ_ROLES,
     "operations": READ_ROLES,
     "operation": READ_ROLES,
+    "rebalances": READ_ROLES,
+    "rebalance": READ_ROLES,
 }
 
 

@@ -1,9 +1,10 @@
 """Websocket message envelope and group names (the only shapes the consumer forwards).
 
 Envelope: {"v": 1, "type": "<domain>.<event>", "id": uuid hex, "ts": ISO-8601 UTC, "seq": int, "data": {...}}.
-Types: worker.metrics, fleet.metrics, operation.state_changed, operation.target_changed, control.subscribed,
-control.error, control.revoked (server-internal: closes the sockets of a revoked token). Groups clients may
-subscribe: "fleet", "operations", "worker.<id>", "operation.<id>"; "token.<prefix>" holds a token's sockets.
+Types: worker.metrics, fleet.metrics, operation.state_changed, operation.target_changed,
+rebalance.state_changed, rebalance.step_changed, control.subscribed, control.error, control.revoked
+(server-internal: closes the sockets of a revoked token). Groups clients may subscribe: "fleet", "operations",
+"worker.<id>", "operation.<id>", "rebalances", "rebalance.<id>"; "token.<prefix>" holds a token's sockets.
 """
 
 import re
@@ -16,12 +17,14 @@ EVENT_TYPES = frozenset(
         "fleet.metrics",
         "operation.state_changed",
         "operation.target_changed",
+        "rebalance.state_changed",
+        "rebalance.step_changed",
         "control.subscribed",
         "control.error",
         "control.revoked",
     }
 )
-GROUP_PATTERN = re.compile(r"^(fleet|operations|worker\.\d+|operation\.\d+)$")
+GROUP_PATTERN = re.compile(r"^(fleet|operations|worker\.\d+|operation\.\d+|rebalances|rebalance\.\d+)$")
 
 
 def envelope(event_type: str, data: dict, seq: int = 0) -> dict:
@@ -43,6 +46,10 @@ def worker_group(worker_id: int) -> str:
 
 def operation_group(operation_id: int) -> str:
     return f"operation.{operation_id}"
+
+
+def rebalance_group(rebalance_id: int) -> str:
+    return f"rebalance.{rebalance_id}"
 
 
 def token_group(prefix: str) -> str:

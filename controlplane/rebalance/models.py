@@ -1,0 +1,162 @@
+"""Rebalance (a P:D ratio change on one PD router) and its steps (one worker's role switch each).
+
+Each has ONE transition table: `TRANSITIONS` for the rebalance, `STEP_TRANSITIONS` for a step;
+`services.transitions` is the only writer of either `state` (compare-and-set on the expected state).
+
+Rebalance: planned -> running (auto) | awaiting_approval (per_step) -> running -> ... per step ... ->
+succeeded; pause/approval wait between steps; a failed step (or breached SLO) -> rolling_back ->
+rolled_back | failed; abort -> aborted once the current step reached a safe point.
+Step: pending -> draining -> switching -> gating -> soaking -> succeeded; a failure before the switch took
+effect -> failed (worker re-added in its old role); after it -> rolling_back -> rolled_back | rollback_failed;
+a succeeded step is rolled back the same way when the whole rebalance rolls back; never run -> cancelled.
+"""
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class Approval(models.TextChoices):
+    AUTO = "auto"
+    PER_STEP = "per_step"
+
+
+class PdRole(models.TextChoices):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class RebalanceState(models.TextChoices):
+    PLANNED = "planned"
+    AWAITING_APPROVAL = "awaiting_approval"
+    RUNNING = "running"
+    PAUSED = "paused"
+    SUCCEEDED = "succeeded"
+    ROLLING_BACK = "rolling_back"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+R = RebalanceState
+TRANSITIONS: dict[str, frozenset[str]] = {
+    R.PLANNED: frozenset({R.RUNNING, R.AWAITING_APPROVAL, R.ABORTED, R.FAILED}),
+    R.AWAITING_APPROVAL: frozenset({R.RUNNING, R.PAUSED, R.ABORTED}),
+    # Between steps a running rebalance may wait for approval (per_step), pause, or stop (abort).
+    R.RUNNING: frozenset({R.AWAITING_APPROVAL, R.PAUSED, R.SUCCEEDED, R.ROLLING_BACK, R.FAILED, R.ABORTED}),
+    R.PAUSED: frozenset({R.RUNNING, R.AWAITING_APPROVAL, R.ABORTED}),
+    R.ROLLING_BACK: frozenset({R.ROLLED_BACK, R.FAILED}),
+}
+ACTIVE_STATES = frozenset({R.PLANNED, R.AWAITING_APPROVAL, R.RUNNING, R.PAUSED, R.ROLLING_BACK})
+FINAL_STATES = frozenset({R.SUCCEEDED, R.ROLLED_BACK, R.FAILED, R.ABORTED})
+
+
+class StepState(models.TextChoices):
+    PENDING = "pending"
+    DRAINING = "draining"
+    SWITCHING = "switching"
+    GATING = "gating"
+    SOAKING = "soaking"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ROLLING_BACK = "rolling_back"
+    ROLLED_BACK = "rolled_back"
+    ROLLBACK_FAILED = "rollback_failed"
+    CANCELLED = "cancelled"
+
+
+S = StepState
+STEP_TRANSITIONS: dict[str, frozenset[str]] = {
+    S.PENDING: frozenset({S.DRAINING, S.CANCELLED}),
+    # Drained from the router, waiting for idle; abort or an idle timeout re-adds it in its old role.
+    S.DRAINING: frozenset({S.SWITCHING, S.FAILED, S.CANCELLED}),
+    # A "not idle" refusal goes back to waiting; any other refusal leaves the old role (failed).
+    S.SWITCHING: frozenset({S.GATING, S.DRAINING, S.FAILED, S.ROLLING_BACK}),
+    S.GATING: frozenset({S.SOAKING, S.ROLLING_BACK}),
+    S.SOAKING: frozenset({S.SUCCEEDED, S.ROLLING_BACK}),
+    S.SUCCEEDED: frozenset({S.ROLLING_BACK}),
+    S.ROLLING_BACK: frozenset({S.ROLLED_BACK, S.ROLLBACK_FAILED}),
+}
+STEP_ACTIVE_STATES = frozenset({S.DRAINING, S.SWITCHING, S.GATING, S.SOAKING, S.ROLLING_BACK})
+STEP_FINAL_STATES = frozenset({S.FAILED, S.ROLLED_BACK, S.ROLLBACK_FAILED, S.CANCELLED})
+STEP_OUTCOME_STATES = frozenset({S.SUCCEEDED, S.FAILED, S.ROLLED_BACK, S.ROLLBACK_FAILED, S.CANCELLED})
+
+
+class Rebalance(models.Model):
+    router = models.ForeignKey("inventory.Router", on_delete=models.PROTECT, related_name="rebalances")
+    before_prefill = models.PositiveSmallIntegerField(help_text="Prefill workers (live role) at creation")
+    before_decode = models.PositiveSmallIntegerField(help_text="Decode workers (live role) at creation")
+    target_prefill = models.PositiveSmallIntegerField()
+    target_decode = models.PositiveSmallIntegerField()
+    approval = models.CharField(max_length=10, choices=Approval.choices, default=Approval.AUTO)
+    rollback = models.BooleanField(default=True, help_text="Roll every finished step back when one fails")
+    soak_s = models.FloatField(help_text="Seconds each switched worker serves while SLOs are watched")
+    idle_timeout_s = models.FloatField(help_text="Seconds a drained worker may take to become idle")
+    slo = models.JSONField(default=dict, blank=True, help_text="{max_ttft_s, max_itl_s} watched during soak")
+    canary = models.JSONField(
+        default=dict, blank=True, help_text="{text, max_new_tokens, expected_text} recorded at creation"
+    )
+    reason = models.TextField(blank=True)
+    state = models.CharField(max_length=20, choices=RebalanceState.choices, default=RebalanceState.PLANNED)
+    version = models.PositiveIntegerField(default=0)
+    explanation = models.TextField(blank=True)
+    approved_steps = models.PositiveSmallIntegerField(
+        default=0, help_text="per_step: steps with index below this are approved"
+    )
+    pause_requested = models.BooleanField(default=False)
+    abort_requested = models.BooleanField(default=False)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    request_id = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["router"],
+                condition=Q(state__in=["planned", "awaiting_approval", "running", "paused", "rolling_back"]),
+                name="one_active_rebalance_per_router",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return (
+            f"rebalance {self.pk} ({self.before_prefill}P{self.before_decode}D -> "
+            f"{self.target_prefill}P{self.target_decode}D)"
+        )
+
+
+class RebalanceStep(models.Model):
+    rebalance = models.ForeignKey(Rebalance, on_delete=models.CASCADE, related_name="steps")
+    index = models.PositiveSmallIntegerField(help_text="Run order, from 0")
+    worker = models.ForeignKey(
+        "inventory.EngineWorker", on_delete=models.PROTECT, related_name="rebalance_steps"
+    )
+    from_role = models.CharField(max_length=10, choices=PdRole.choices)
+    to_role = models.CharField(max_length=10, choices=PdRole.choices)
+    state = models.CharField(max_length=20, choices=StepState.choices, default=StepState.PENDING)
+    version = models.PositiveIntegerField(default=0)
+    explanation = models.TextField(blank=True)
+    drained = models.BooleanField(default=False, help_text="Removed from the router by this step")
+    switch_sent = models.BooleanField(default=False, help_text="A /pd_role_switch went out for this step")
+    polls = models.PositiveIntegerField(default=0)
+    rollback_cause = models.TextField(blank=True)
+    before = models.JSONField(null=True, blank=True, help_text="Worker's live PD state before the step")
+    after = models.JSONField(null=True, blank=True, help_text="Worker's live PD state after the step")
+    idle_deadline_at = models.DateTimeField(null=True, blank=True)
+    soak_until = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["rebalance_id", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["rebalance", "index"], name="rebalance_step_index_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.rebalance_id}/{self.index} {self.worker.name} {self.from_role}->{self.to_role}"
