@@ -202,6 +202,15 @@ def agent_for(personas):
 
 
 @pytest.fixture(autouse=True)
+def _browser_expect_timeout(request):
+    """Playwright's expect() waits 5 s by default, less than a Celery step may take on a loaded 2-core box."""
+    if request.node.get_closest_marker("browser"):
+        from playwright.sync_api import expect
+
+        expect.set_options(timeout=30_000)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_telemetry_keys():
     """Worker ids repeat across transactional tests: start each test with no telemetry keys of this run."""
     import redis

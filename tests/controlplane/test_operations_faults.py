@@ -5,6 +5,7 @@ import socket
 import time
 
 import pytest
+import redis
 from cp_factories import EngineWorkerFactory, StorageProfileFactory
 from django.conf import settings
 
@@ -85,11 +86,22 @@ def test_launch_while_broker_down_is_a_json_503_and_leaves_nothing_pending(api_a
     assert f"task broker redis://{address}/0 is unreachable" in target.explanation
 
     # The broker is back: the same request (same Idempotency-Key too) launches; nothing blocks it with a 409.
+    # Its step goes to a queue no worker consumes (the suite's Celery worker would run it against a fake URL).
     broker_back()
-    retry = launch(client, worker, profile, **headers)
+    original_queue = celery_app.conf.task_default_queue
+    unconsumed = f"{original_queue}-unconsumed"
+    queue = redis.Redis.from_url(celery_app.conf.broker_url)
+    queue.delete(unconsumed)
+    celery_app.conf.task_default_queue = unconsumed
+    try:
+        retry = launch(client, worker, profile, **headers)
+    finally:
+        celery_app.conf.task_default_queue = original_queue
     assert retry.status_code == 201, retry.content
     assert "Idempotent-Replayed" not in retry
     assert OperationTarget.objects.get(operation_id=retry.json()["id"]).state == "pending"
+    assert queue.llen(unconsumed) == 1  # the step was published: one message waits on the broker
+    queue.delete(unconsumed)
 
 
 def test_step_tasks_are_acked_after_the_step_and_redelivered_within_a_bounded_time():
