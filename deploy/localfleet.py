@@ -42,15 +42,33 @@ from engine.cache.storage.mooncake_master import MooncakeMaster  # noqa: E402
 PY = sys.executable
 TIERS = ("device", "host", "storage")
 # Every sglang-router KVFleet starts (this demo, docker-compose.yml's router; test_compose checks they agree).
-# sglang-router 0.3.2's circuit breaker counts a worker's 4xx answers as failures: ten over-long prompts
-# from one client opened it and every other client got 503 "all circuits open" for 60 s while the workers
-# were healthy. The breaker is off; the health checks stay on (every 10 s, 3 misses take a worker out).
+# - sglang-router 0.3.2's circuit breaker counts a worker's 4xx answers as failures: ten over-long prompts
+#   from one client opened it and every other client got 503 "all circuits open" for 60 s while the workers
+#   were healthy. The breaker is off.
+# - So only the health checks take a dead worker out of selection: every second, two misses in a row (a
+#   killed worker refuses the connection at once; a live one answers /health within the 5 s timeout even
+#   under load, the engine never blocks its event loop).
+# - The router retries a retryable answer (408/429/500/502/503/504, e.g. "connection refused" from a killed
+#   worker, or a worker's 503 "The request queue is full.") and selects a worker again for each attempt.
+#   Its default backoff (50 ms x 1.5, 5 attempts: ~0.4 s) ends before the health checks have taken a killed
+#   worker out, so cache-aware routing sent every retry back to it; 6 attempts 200 ms x 2 apart (capped at
+#   3 s) wait ~6 s in all, past the ~2 s the health checks need, so the last attempts go to a live worker.
 ROUTER_FLAGS = (
     "--disable-circuit-breaker",
     "--health-check-interval-secs",
-    "10",
+    "1",
     "--health-failure-threshold",
-    "3",
+    "2",
+    "--health-check-timeout-secs",
+    "5",
+    "--retry-max-retries",
+    "6",
+    "--retry-initial-backoff-ms",
+    "200",
+    "--retry-backoff-multiplier",
+    "2",
+    "--retry-max-backoff-ms",
+    "3000",
 )
 
 

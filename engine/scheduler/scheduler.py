@@ -13,6 +13,9 @@ Prefix reuse: ``match_prefix`` gives the L1 hit; an L2 hit is loaded back with `
 forward pass (which waits per layer through ``cache.wait_layer``); an L3 prefetch is started when the request
 is queued and ``check_prefetch_progress`` decides when it may be scheduled (per the prefetch policy).
 The last prompt token is never matched, so at least one token is always computed.
+Overload (``max_queued_requests``, upstream's ``--max-queued-requests``): a request arriving while that many
+wait is finished at once with upstream's abort (503, "The request queue is full."), so a client or router
+learns at once instead of waiting out its timeout.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class NotIdleError(RuntimeError):
     """An operation that needs an idle scheduler was refused; the message carries the queue counts."""
 
 
+QUEUE_FULL = "The request queue is full."  # upstream's abort message (HTTP 503)
+
+
 @dataclass
 class SchedulerConfig:
     """Batching limits (tokens). ``chunked_prefill_size`` <= 0 turns chunking off."""
@@ -49,6 +55,7 @@ class SchedulerConfig:
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 8192
     max_running_requests: int = 256
+    max_queued_requests: int | None = None  # None: unbounded (upstream's default)
     eos_token_ids: tuple[int, ...] = ()
 
 
@@ -265,6 +272,11 @@ class Scheduler:
             reason = {"type": "abort", "message": f"request id {req.rid!r} is already in use"}
             req.on_event(ReqOutput(req.rid, [], True, reason, {}))
             return
+        if self._queue_full(req):
+            req.move(ReqState.ABORTED)
+            reason = {"type": "abort", "message": QUEUE_FULL, "status_code": 503}
+            req.on_event(ReqOutput(req.rid, [], True, reason, {}))
+            return
         self.reqs[req.rid] = req
         if req.bootstrap is None or self.pd is None:
             self._queue(req)
@@ -276,6 +288,13 @@ class Scheduler:
             req.move(ReqState.ABORTED)
             reason = {"type": "abort", "message": str(exc), "status_code": 400}
             req.on_event(ReqOutput(req.rid, [], True, reason, {}))
+
+    def _queue_full(self, req: Req) -> bool:
+        """``--max-queued-requests`` (upstream): a new request is refused while that many wait to be
+        prefilled. Not applied on a PD worker (upstream ignores the flag in disaggregation mode), nor to a
+        health probe (it goes ahead of the queue, so a full queue never makes a busy worker look dead)."""
+        limit = self.config.max_queued_requests
+        return limit is not None and self.pd is None and not req.health_check and len(self.waiting) >= limit
 
     def _queue(self, req: Req) -> None:
         """Into the waiting queue (prefilled here; a health probe goes first); an L3 prefetch of its prefix

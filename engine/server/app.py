@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 
 from engine.server import admin, generate, info, openai, pd_role_switch, recording, schemas
-from engine.server.engine import Engine, EngineDeadError
+from engine.server.engine import Engine, UnavailableError
 from engine.server.http_utils import BodyLimit, HTTPError, error_response
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,8 @@ def create_app(engine: Engine) -> FastAPI:
     async def _http_error(request: Request, exc: HTTPError):
         return error_response(exc.status, exc.message)
 
-    @app.exception_handler(EngineDeadError)
-    async def _dead(request: Request, exc: EngineDeadError):
+    @app.exception_handler(UnavailableError)
+    async def _unavailable(request: Request, exc: UnavailableError):
         return error_response(503, str(exc))
 
     @app.exception_handler(RequestValidationError)

@@ -61,6 +61,7 @@ class ServerArgs:
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
+    max_queued_requests: int | None = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None
     watchdog_timeout: float = 300.0
@@ -157,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"L1 KV pool size in tokens (cpu default {CPU_DEFAULT_MAX_TOTAL_TOKENS})",
     )
     a("--max-running-requests", type=_positive_int("--max-running-requests"), default=None)
+    a(
+        "--max-queued-requests",
+        type=_positive_int("--max-queued-requests"),
+        default=None,
+        help="refuse a request with 503 while this many wait (default unbounded; ignored on PD workers)",
+    )
     a("--max-prefill-tokens", type=_positive_int("--max-prefill-tokens"), default=16384)
     a("--chunked-prefill-size", type=int, default=None, help="tokens per prefill chunk; -1 disables chunking")
     a("--watchdog-timeout", type=float, default=300.0, help="seconds a forward may take before unhealthy")

@@ -125,6 +125,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=max(chunk, 0),
         max_running_requests=args.max_running_requests or 256,
+        max_queued_requests=args.max_queued_requests,
         eos_token_ids=tuple(sorted(runner.tokenizer.eos_token_ids)),
     )
     tokenizer = runner.tokenizer

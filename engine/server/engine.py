@@ -25,8 +25,9 @@ class RequestError(ValueError):
     """Bad request input (HTTP 400); the message says what is wrong."""
 
 
-class EngineDeadError(RuntimeError):
-    """The scheduler thread is not running (HTTP 503)."""
+class UnavailableError(RuntimeError):
+    """The worker cannot take the request now (HTTP 503): its scheduler thread is not running, it is marked
+    unhealthy, or its waiting queue is full (``--max-queued-requests``); the message says which."""
 
 
 @dataclass
@@ -94,12 +95,12 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
-        """Check ids, seed range (torch's) and length vs context and KV pool (RequestError); EngineDeadError
+        """Check ids, seed range (torch's) and length vs context and KV pool (RequestError); UnavailableError
         without scheduler."""
         if not self.scheduler.is_alive():
-            raise EngineDeadError(f"scheduler thread is not running: {self.scheduler.error!r}")
+            raise UnavailableError(f"scheduler thread is not running: {self.scheduler.error!r}")
         if self.unhealthy:
-            raise EngineDeadError(self.unhealthy)
+            raise UnavailableError(self.unhealthy)
         if not input_ids:
             raise RequestError("the prompt is empty")
         if any(
@@ -174,7 +175,7 @@ class Engine:
     ) -> AsyncIterator[ReqOutput]:
         """Submit one request (a PD one with ``bootstrap``), yield its events up to the finished one; abort it
         if the caller stops early. A ``health_check`` request is queued ahead of user requests."""
-        self.check_request(input_ids, params)  # also raises EngineDeadError
+        self.check_request(input_ids, params)  # also raises UnavailableError
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ReqOutput] = asyncio.Queue()
         put: Callable[[ReqOutput], None] = events.put_nowait
@@ -216,7 +217,7 @@ class Engine:
         bootstrap: Bootstrap | None = None,
     ) -> dict:
         """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta"}``. Raises
-        ``EngineDeadError`` when the scheduler ended before finishing it."""
+        ``UnavailableError`` when the scheduler refused it (queue full) or ended before finishing it."""
         ids: list[int] = []
         meta: dict = {}
         reason = None
@@ -224,8 +225,8 @@ class Engine:
             ids.extend(ev.new_ids)
             meta.update(ev.meta)
             reason = ev.finish_reason
-        if reason and reason.get("status_code") == 503:  # the scheduler ended before finishing it
-            raise EngineDeadError(reason.get("message", "scheduler thread is not running"))
+        if reason and reason.get("status_code") == 503:  # queue full, or the scheduler ended
+            raise UnavailableError(reason.get("message", "scheduler thread is not running"))
         return {"output_ids": ids, "finish_reason": reason, "meta": meta}
 
     async def call(self, fn, timeout: float | None = None):

@@ -129,7 +129,15 @@ async def _stream(
         ids.extend(ev.new_ids)
         meta.update(ev.meta)
         if ev.finish_reason and ev.finish_reason.get("type") == "abort":
-            yield sse({"error": {"message": ev.finish_reason.get("message", "aborted"), "code": 500}})
+            reason = ev.finish_reason
+            yield sse(
+                {
+                    "error": {
+                        "message": reason.get("message", "aborted"),
+                        "code": reason.get("status_code", 500),
+                    }
+                }
+            )
             break
         text.push(ev.new_ids, ev.finish_reason)
         frame = {

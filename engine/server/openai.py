@@ -167,7 +167,15 @@ async def _stream_choices(
         meta.update(ev.meta)
         finish, matched = _finish(ev.finish_reason)
         if finish == "abort":
-            yield sse({"error": {"message": ev.finish_reason.get("message", "aborted"), "code": 500}})
+            reason = ev.finish_reason
+            yield sse(
+                {
+                    "error": {
+                        "message": reason.get("message", "aborted"),
+                        "code": reason.get("status_code", 500),
+                    }
+                }
+            )
             break
         text = delta.push(ev.new_ids, ev.finish_reason)
         if text or finish:

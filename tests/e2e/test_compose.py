@@ -65,7 +65,8 @@ def test_engine_host_spec_loads_and_router_targets_its_worker():
 
 
 def test_the_router_starts_with_kvfleets_resilience_flags():
-    """Same flags as the demo's router (deploy/localfleet.py ROUTER_FLAGS): no breaker, health checks on."""
+    """Same flags as the demo's router (deploy/localfleet.py ROUTER_FLAGS): no breaker, fast health checks,
+    retries that outlast them."""
     from localfleet import ROUTER_FLAGS
 
     cmd = [str(a) for a in SERVICES["router"]["command"]]

@@ -34,7 +34,8 @@ def worker():
 def _router(worker_url: str, flags: tuple[str, ...]):
     port, prometheus_port = free_port(), free_port()
     argv = router_command([worker_url], port, prometheus_port)
-    argv = [a for a in argv if a not in ROUTER_FLAGS] + list(flags)  # this test picks the resilience flags
+    # argv ends in ROUTER_FLAGS; this test picks the resilience flags
+    argv = argv[: -len(ROUTER_FLAGS)] + list(flags)
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
