@@ -18,6 +18,7 @@ from controlplane.asgi import application
 
 pytestmark = pytest.mark.django_db
 SECRET = "internal-secret-3f9a"
+WS_WAIT_S = 15  # one websocket push, on a loaded 2-core CI machine
 
 
 class _Page(BaseHTTPRequestHandler):
@@ -82,10 +83,10 @@ async def test_websocket_applies_the_rest_roles(personas):
     communicator, connected, _ = await _connect(f"?token={personas['viewer'][1]}")
     assert connected
     await communicator.send_json_to({"action": "subscribe", "groups": ["fleet", "operations"]})
-    reply = await communicator.receive_json_from(timeout=2)
+    reply = await communicator.receive_json_from(timeout=WS_WAIT_S)
     assert reply["type"] == "control.subscribed" and reply["data"]["groups"] == ["fleet", "operations"]
     await communicator.send_json_to({"action": "subscribe", "groups": ["token.abc"]})
-    assert (await communicator.receive_json_from(timeout=2))["type"] == "control.error"
+    assert (await communicator.receive_json_from(timeout=WS_WAIT_S))["type"] == "control.error"
     await communicator.disconnect()
     # Without an Origin only a valid token gets in.
     _, connected, code = await _connect("?token=cp_000000000000.nope")
@@ -100,7 +101,7 @@ async def test_a_revoked_tokens_open_socket_is_closed(personas, api_as):
     communicator, connected, _ = await _connect(f"?token={personas['viewer'][1]}", b"http://127.0.0.1")
     assert connected
     await communicator.send_json_to({"action": "subscribe", "groups": ["fleet"]})
-    assert (await communicator.receive_json_from(timeout=2))["type"] == "control.subscribed"
+    assert (await communicator.receive_json_from(timeout=WS_WAIT_S))["type"] == "control.subscribed"
 
     def revoke():
         token = ApiToken.objects.get(user=personas["viewer"][0])

@@ -16,6 +16,8 @@ from controlplane.telemetry.events import EVENT_TYPES
 from controlplane.telemetry.metrics import histogram_quantile, parse_prometheus, with_rates
 from controlplane.telemetry.services import metrics_ingest, scrape_all
 
+WS_WAIT_S = 15  # one websocket push, on a loaded 2-core CI machine
+
 
 def test_parse_sglang_metrics_text():
     fake = FakeWorker()
@@ -146,20 +148,20 @@ async def test_ingest_reaches_a_subscribed_websocket(personas):
     communicator, connected, _ = await _connect(f"/ws/v1/events/?token={token}")
     assert connected
     await communicator.send_json_to({"action": "subscribe", "groups": [f"worker.{worker.pk}", "fleet"]})
-    reply = await communicator.receive_json_from(timeout=2)
+    reply = await communicator.receive_json_from(timeout=WS_WAIT_S)
     assert reply["type"] == "control.subscribed" and reply["data"]["joined"] == sorted(
         [f"worker.{worker.pk}", "fleet"]
     )
     await database_sync_to_async(metrics_ingest)(worker=worker, metrics={"num_queue_reqs": 7})
     got = {}
     for _ in range(2):
-        message = await communicator.receive_json_from(timeout=2)
+        message = await communicator.receive_json_from(timeout=WS_WAIT_S)
         assert message["type"] in EVENT_TYPES and message["v"] == 1
         got[message["type"]] = message
     assert got["worker.metrics"]["data"]["num_queue_reqs"] == 7
     assert got["fleet.metrics"]["data"]["totals"]["num_queue_reqs"] == 7
     await communicator.send_json_to({"action": "subscribe", "groups": ["bad group!"]})
-    assert (await communicator.receive_json_from(timeout=2))["type"] == "control.error"
+    assert (await communicator.receive_json_from(timeout=WS_WAIT_S))["type"] == "control.error"
     await communicator.disconnect()
 
 
@@ -170,13 +172,13 @@ async def test_broadcast_is_throttled_to_one_per_second_and_coalesced(personas, 
     worker = await database_sync_to_async(EngineWorkerFactory)()
     communicator, connected, _ = await _connect(f"/ws/v1/events/?token={personas['viewer'][1]}")
     await communicator.send_json_to({"action": "subscribe", "groups": [f"worker.{worker.pk}"]})
-    await communicator.receive_json_from(timeout=2)
+    await communicator.receive_json_from(timeout=WS_WAIT_S)
     started = time.monotonic()
     for value in range(10):
         await database_sync_to_async(metrics_ingest)(worker=worker, metrics={"num_running_reqs": value})
-    first = await communicator.receive_json_from(timeout=2)
+    first = await communicator.receive_json_from(timeout=WS_WAIT_S)
     assert first["data"]["num_running_reqs"] == 0
-    trailing = await communicator.receive_json_from(timeout=3)  # the flush sends the newest sample
+    trailing = await communicator.receive_json_from(timeout=WS_WAIT_S)  # the flush sends the newest sample
     assert trailing["data"]["num_running_reqs"] == 9 and time.monotonic() - started >= 0.9
     assert await communicator.receive_nothing(timeout=1.2)
     await communicator.disconnect()
@@ -197,12 +199,12 @@ async def test_operation_progress_is_pushed_to_its_group(personas, fake_worker):
     op = await database_sync_to_async(launch)()
     communicator, connected, _ = await _connect(f"/ws/v1/events/?token={personas['viewer'][1]}")
     await communicator.send_json_to({"action": "subscribe", "groups": [f"operation.{op.pk}"]})
-    await communicator.receive_json_from(timeout=2)
+    await communicator.receive_json_from(timeout=WS_WAIT_S)
     target_id = await database_sync_to_async(lambda: op.targets.get().pk)()
     assert await database_sync_to_async(target_step)(target_id=target_id) is None
     seen = []
     while not seen or seen[-1]["type"] != "operation.state_changed":
-        seen.append(await communicator.receive_json_from(timeout=3))
+        seen.append(await communicator.receive_json_from(timeout=WS_WAIT_S))
     moves = [(m["data"]["from"], m["data"]["state"]) for m in seen if m["type"] == "operation.target_changed"]
     assert moves == [
         ("pending", "waiting_for_idle"),
