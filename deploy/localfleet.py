@@ -1,7 +1,7 @@
 """A complete KVFleet on one machine: what ``make demo`` runs and what the end-to-end test starts.
 
 ``LocalFleet`` starts, in order, each as a child process logging to one folder: Redis (only when none answers
-at ``$REDIS_URL``), a ``mooncake_master`` with its HTTP metadata server, the control plane (migrations, a demo
+at ``$REDIS_URL``; persistent, ``REDIS_PERSISTENCE``), a ``mooncake_master`` with its HTTP metadata server, the control plane (migrations, a demo
 admin, an agent token, collectstatic; daphne serving HTTP + websockets; a Celery worker and beat on a queue
 and Redis key prefix of their own), the engine agent with the spec's workers (SmolLM2, HiCache, Mooncake
 L3), and the real sglang-router in front of them; then it records the router, the Mooncake storage profile
@@ -70,6 +70,12 @@ ROUTER_FLAGS = (
     "--retry-max-backoff-ms",
     "3000",
 )
+
+# Every Redis KVFleet starts (this demo, scripts/services.sh, docker-compose.yml; test_compose checks they agree)
+# keeps an append-only file, written before each reply and fsynced every second, so a restart (even a
+# SIGKILL; only a host crash loses up to 1 s) keeps the queued and unacknowledged Celery messages: without it
+# a step queued or held when Redis restarted was lost, and its operation was reaped minutes later.
+REDIS_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "everysec")
 
 
 def router_command(
@@ -226,9 +232,10 @@ class LocalFleet:
                 )
             port = free_port()
             url = f"redis://127.0.0.1:{port}/0"
-            self.spawn(
-                "redis", [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
-            )
+            data = self.log_dir / "redis"  # its append-only file: a restart with the same argv keeps the queue
+            data.mkdir(exist_ok=True)
+            argv = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", *REDIS_PERSISTENCE]
+            self.spawn("redis", [*argv, "--dir", str(data)])
             wait_for("redis-server", lambda: redis_answers(url), 20, self.procs[-1][1], self.log_of("redis"))
         self.env["REDIS_URL"] = url
 

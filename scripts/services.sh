@@ -7,8 +7,11 @@ ensure_redis() {
     return 0
   fi
   if command -v redis-server >/dev/null; then
-    echo "Starting redis-server on 127.0.0.1:6379 (none answered at $REDIS_URL)"
-    redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
+    echo "Starting redis-server on 127.0.0.1:6379 (none answered at $REDIS_URL), data in var/redis"
+    # deploy/localfleet.py REDIS_PERSISTENCE: an append-only file, so a restart keeps queued Celery tasks
+    mkdir -p var/redis
+    redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" \
+      --appendonly yes --appendfsync everysec --dir "$PWD/var/redis" >/dev/null
     sleep 0.5
   else
     echo "No Redis answers at $REDIS_URL and redis-server is not installed (apt-get install redis-server)" >&2

@@ -265,17 +265,25 @@ def asgi_server(transactional_db, tmp_path):
 
 
 @pytest.fixture
-def own_redis(tmp_path):
-    """A private `redis-server` on a free port (no persistence) that a test may kill and restart: yields
-    {"url", "port", "start", "proc"}; start() (re)starts it on the same port and waits until it answers."""
+def own_redis(request, tmp_path):
+    """A private `redis-server` on a free port that a test may kill and restart: yields {"url", "port",
+    "start", "proc"}; start() (re)starts it on the same port and data folder and waits until it answers.
+    No persistence, unless parametrized indirectly with "persistent": then the append-only settings every
+    Redis KVFleet starts uses (deploy/localfleet.py REDIS_PERSISTENCE)."""
     import redis
 
+    sys.path.insert(0, str(REPO / "deploy"))
+    from localfleet import REDIS_PERSISTENCE
+
+    persistence = (
+        REDIS_PERSISTENCE if getattr(request, "param", None) == "persistent" else ("--appendonly", "no")
+    )
     port = free_port()
     state = {"url": f"redis://127.0.0.1:{port}/0", "port": port, "proc": None}
 
     def start():
         state["proc"] = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence],
             cwd=tmp_path,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -1,4 +1,5 @@
-"""The control plane under faults: a launch while the task broker is down, delivery across a worker death."""
+"""The control plane under faults: a launch while the task broker is down, delivery across a worker death and
+across Redis restarts."""
 
 import contextlib
 import socket
@@ -181,3 +182,37 @@ def test_the_celery_worker_survives_a_redis_restart(api_as, fake_worker, own_red
         assert celery.poll() is None, "the Celery worker exited"
     assert op.state == "succeeded", list(op.targets.values("state", "explanation"))
     assert fresh.backend == "mooncake"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("own_redis", ["persistent"], indirect=True)
+def test_a_queued_step_survives_a_redis_restart_and_finishes(
+    api_as, fake_worker, own_redis, spawn_celery_worker
+):
+    """Redis as KVFleet starts it (append-only file): a step queued while no Celery worker runs is still there
+    after a SIGKILL and restart, and a worker started afterwards finishes the operation. With the earlier
+    settings (no persistence) the restarted Redis was empty and the operation waited for the reaper."""
+    fake = fake_worker()
+    worker = EngineWorkerFactory(name="w1", url=fake.url, admin_key=fake.admin_key)
+    profile = StorageProfileFactory(
+        backend="mooncake", extra_config={"master_server_address": "127.0.0.1:50051"}
+    )
+    with use_broker(own_redis["url"]):
+        response = launch(api_as("operator"), worker, profile)
+        assert response.status_code == 201, response.content
+        queue = redis.Redis.from_url(own_redis["url"])
+        assert (
+            queue.llen(celery_app.conf.task_default_queue) == 1
+        )  # the first step waits on the broker: no worker consumes yet
+        own_redis["proc"].kill()
+        own_redis["proc"].wait(10)
+        own_redis["start"]()  # same port and data folder
+        assert queue.llen(celery_app.conf.task_default_queue) == 1  # still queued after the restart
+        celery = spawn_celery_worker("a", own_redis["url"])
+        op = wait_for(
+            lambda: (o := Operation.objects.get(pk=response.json()["id"])).state != "running" and o,
+            "the queued operation to finish after the restart",
+        )
+        assert celery.poll() is None, "the Celery worker exited"
+    assert op.state == "succeeded", list(op.targets.values("state", "explanation"))
+    assert fake.backend == "mooncake"

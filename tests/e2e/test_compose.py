@@ -30,7 +30,7 @@ def test_every_long_running_service_has_a_health_check_and_ordered_start():
     assert unchecked == {"celery-beat"}  # beat has no probe of its own; its tasks show in the worker's log
     assert SERVICES["engine-host"]["depends_on"]["web"]["condition"] == "service_healthy"
     assert SERVICES["router"]["depends_on"]["engine-host"]["condition"] == "service_healthy"
-    assert set(COMPOSE["volumes"]) >= {"pgdata", "l3-files"}
+    assert set(COMPOSE["volumes"]) >= {"pgdata", "l3-files", "redisdata"}
 
 
 def test_commands_name_real_modules_and_files():
@@ -73,3 +73,15 @@ def test_the_router_starts_with_kvfleets_resilience_flags():
     at = cmd.index(ROUTER_FLAGS[0])
     assert tuple(cmd[at : at + len(ROUTER_FLAGS)]) == ROUTER_FLAGS
     assert "--disable-health-check" not in cmd
+
+
+def test_every_redis_kvfleet_starts_persists_its_queue():
+    """Same append-only settings in compose (on a volume), the demo and scripts/services.sh (CI, make)."""
+    from localfleet import REDIS_PERSISTENCE
+
+    cmd = SERVICES["redis"]["command"]
+    at = cmd.index(REDIS_PERSISTENCE[0])
+    assert tuple(cmd[at : at + len(REDIS_PERSISTENCE)]) == REDIS_PERSISTENCE
+    assert "redisdata:/data" in SERVICES["redis"]["volumes"]  # the image's working directory
+    services = (REPO / "scripts" / "services.sh").read_text()
+    assert " ".join(REDIS_PERSISTENCE) in services and "--appendonly no" not in services
