@@ -1,12 +1,12 @@
 """A complete KVFleet on one machine: what ``make demo`` runs and what the end-to-end test starts.
 
 ``LocalFleet`` starts, in order, each as a child process logging to one folder: Redis (only when none answers
-at ``$REDIS_URL``; persistent, ``REDIS_PERSISTENCE``), a ``mooncake_master`` with its HTTP metadata server, the control plane (migrations, a demo
-admin, an agent token, collectstatic; daphne serving HTTP + websockets; a Celery worker and beat on a queue
-and Redis key prefix of their own), the engine agent with the spec's workers (SmolLM2, HiCache, Mooncake
-L3), and the real sglang-router in front of them; then it records the router, the Mooncake storage profile
-and each worker's router in the control plane. ``stop()`` (also on Ctrl-C) ends every process it started,
-newest first: SIGTERM to its process group, SIGKILL after a grace period.
+at ``$REDIS_URL``; with ``REDIS_PERSISTENCE``), a ``mooncake_master`` with its HTTP metadata server, the
+control plane (migrations, a demo admin, an agent token, collectstatic; daphne serving HTTP + websockets; a
+Celery worker and beat on a queue and Redis key prefix of their own), the engine agent with the spec's workers
+(SmolLM2, HiCache, Mooncake L3), and the real sglang-router in front of them; then it records the router, the
+Mooncake storage profile and each worker's router in the control plane. ``stop()`` (also on Ctrl-C) ends every
+process it started, newest first: SIGTERM to its process group, SIGKILL after a grace period.
 
 ``python deploy/localfleet.py [--duration S] [--pd]`` is the demo: the above plus the traffic generator; it
 prints the console and router URLs and the admin credentials. With ``--duration`` it exits after checking that
@@ -71,10 +71,10 @@ ROUTER_FLAGS = (
     "3000",
 )
 
-# Every Redis KVFleet starts (this demo, scripts/services.sh, docker-compose.yml; test_compose checks they agree)
-# keeps an append-only file, written before each reply and fsynced every second, so a restart (even a
-# SIGKILL; only a host crash loses up to 1 s) keeps the queued and unacknowledged Celery messages: without it
-# a step queued or held when Redis restarted was lost, and its operation was reaped minutes later.
+# Every Redis KVFleet starts (this demo, scripts/services.sh, docker-compose.yml; test_compose checks that
+# they agree) keeps an append-only file, written before each reply and fsynced every second, so a restart
+# (even a SIGKILL; only a host crash loses up to 1 s) keeps the queued and unacknowledged Celery messages:
+# without it a step queued or held when Redis restarted was lost, and its operation was reaped minutes later.
 REDIS_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "everysec")
 
 
@@ -232,7 +232,7 @@ class LocalFleet:
                 )
             port = free_port()
             url = f"redis://127.0.0.1:{port}/0"
-            data = self.log_dir / "redis"  # its append-only file: a restart with the same argv keeps the queue
+            data = self.log_dir / "redis"  # its append-only file (a restart with the same argv reloads it)
             data.mkdir(exist_ok=True)
             argv = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", *REDIS_PERSISTENCE]
             self.spawn("redis", [*argv, "--dir", str(data)])
