@@ -162,11 +162,14 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 TELEMETRY_SCRAPE_INTERVAL_S = float(os.environ.get("TELEMETRY_SCRAPE_INTERVAL_S", "5"))
+PLANNER_INTERVAL_S = float(os.environ.get("PLANNER_INTERVAL_S", "15"))  # P:D planner evaluations
 CELERY_BEAT_SCHEDULE = {
     "telemetry-scrape": {"task": "telemetry.scrape_all", "schedule": TELEMETRY_SCRAPE_INTERVAL_S},
     "operations-reap": {"task": "operations.reap_stuck_targets", "schedule": 10.0},
     "operations-purge-idempotency": {"task": "operations.purge_idempotency_records", "schedule": 3600.0},
+    "rebalance-plan": {"task": "rebalance.plan_all", "schedule": PLANNER_INTERVAL_S},
 }
+CELERY_IMPORTS = ["controlplane.rebalance.planner.tasks"]
 
 # redis-py >= 8 defaults socket_timeout to 5 s, the same as channels_redis's blocking-pop timeout, so an idle
 # consumer's BZPOPMIN races the socket timeout and the socket dies with 1011; give reads more room.

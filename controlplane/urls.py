@@ -7,6 +7,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, Spec
 
 from controlplane.capacity.api.urls import agent_urlpatterns as capacity_agent
 from controlplane.inventory.api.urls import agent_urlpatterns as inventory_agent
+from controlplane.rebalance.api.recommendation import RecommendationApi
 from controlplane.telemetry.api.urls import agent_urlpatterns as telemetry_agent
 
 
@@ -16,6 +17,11 @@ def healthz(request):
 
 api_v1 = [
     path("accounts/", include("controlplane.accounts.api.urls")),
+    path(
+        "inventory/routers/<int:pk>/recommendation/",
+        RecommendationApi.as_view(),
+        name="router-recommendation",
+    ),
     path("inventory/", include("controlplane.inventory.api.urls")),
     path("configs/", include("controlplane.configs.api.urls")),
     path("operations/", include("controlplane.operations.api.urls")),

@@ -93,6 +93,24 @@ class Router(models.Model):
         help_text="The router's Prometheus endpoint (--prometheus-host/--prometheus-port, path /metrics); "
         "its circuit-breaker state is read from there",
     )
+    slo_ttft_p90_s = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.001)],
+        help_text="PD: the prefill pool's SLO, TTFT p90 in seconds (the P:D planner plans for it)",
+    )
+    slo_itl_p90_s = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.0001)],
+        help_text="PD: the decode pool's SLO, inter-token latency p90 in seconds",
+    )
+    worker_budget = models.PositiveSmallIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(2)],
+        help_text="PD: how many workers the planner splits into prefill and decode (default: those it has)",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -123,6 +141,9 @@ class EngineWorker(models.Model):
         Router, null=True, blank=True, on_delete=models.SET_NULL, related_name="workers"
     )
     role = models.CharField(max_length=10, choices=WorkerRole.choices, default=WorkerRole.MIXED)
+    role_changed_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the control plane last saw the worker's role change"
+    )
     model_name = models.CharField(max_length=200, blank=True)
     tp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     dp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])

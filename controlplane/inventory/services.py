@@ -84,6 +84,9 @@ def agent_register(
     values; a new host gets blanks (cpu_count and memory_bytes NULL). A worker's ``storage_backend`` (with
     ``storage_extra_config``) sets its attached L3 backend and the storage profile it identifies, if any.
 
+    A worker's ``role`` is the role it runs (the agent reads it from ``/server_info``); a change sets
+    ``role_changed_at`` (the P:D planner leaves its samples out while it warms up).
+
     ``bound_host`` (an agent token's host) must equal the host's name, else ApplicationError 403
     ``wrong_host``. A worker URL that belongs to another host is a ConflictError (409 ``worker_owned``)
     naming that host; nothing is written then.
@@ -119,6 +122,8 @@ def agent_register(
             )
         if before is not None and worker.pk:
             before["workers"].append(model_snapshot(worker))
+        if worker.pk and item.get("role", worker.role) != worker.role:
+            worker.role_changed_at = timezone.now()
         for field in _WORKER_FIELDS:
             if field in item:
                 setattr(worker, field, item[field])
@@ -138,6 +143,15 @@ def agent_register(
     after = {"host": model_snapshot(host_obj), "workers": [model_snapshot(w) for w in saved]}
     audit_record(action="register", obj=host_obj, before=before, after=after, actor=actor)
     return host_obj, saved
+
+
+def worker_role_observed(*, worker: EngineWorker, role: str, actor=None) -> bool:
+    """Record the role `worker` was seen running (e.g. read back from ``/server_info`` after a role switch);
+    audited, and ``role_changed_at`` set, when it differs from the stored one. Returns whether it changed."""
+    if role == worker.role:
+        return False
+    model_update(instance=worker, data={"role": role, "role_changed_at": timezone.now()}, actor=actor)
+    return True
 
 
 def agent_heartbeat(

@@ -2,7 +2,10 @@
 
 Snapshot keys (all floats): cached_tokens_{device,host,storage} (counters), cache_hit_rate, num_running_reqs,
 num_queue_reqs, hicache_host_used_tokens, hicache_host_total_tokens, max_total_num_tokens (L1 tokens),
-host_pool_use (0..1),
+host_pool_use (0..1), prompt_tokens_total, generation_tokens_total, num_requests_total (counters),
+num_used_tokens and kv_usage (L1 KV slots held by requests, and that over max_total_num_tokens, 0..1),
+ttft_buckets and itl_buckets (the cumulative histogram buckets [[upper bound s, count], ...], +Inf as 1e308,
+so a reader can take quantiles over any window from two samples' difference),
 {prefetched,backuped,load_back,evicted}_tokens_total, prefetch_{started,completed,timeout,revoked}_total,
 ttft_p50_s, ttft_p90_s, ttft_p99_s, itl_p50_s, itl_p90_s (seconds; quantiles of the cumulative
 sglang:time_to_first_token_seconds and sglang:inter_token_latency_seconds histograms, linear within the bucket
@@ -31,6 +34,10 @@ _PLAIN = {
     "sglang:prefetch_completed_total": "prefetch_completed_total",
     "sglang:prefetch_timeout_total": "prefetch_timeout_total",
     "sglang:prefetch_revoked_total": "prefetch_revoked_total",
+    "sglang:prompt_tokens_total": "prompt_tokens_total",
+    "sglang:generation_tokens_total": "generation_tokens_total",
+    "sglang:num_requests_total": "num_requests_total",
+    "sglang:num_used_tokens": "num_used_tokens",
 }
 TIERS = ("device", "host", "storage")
 # histogram family -> snapshot keys per quantile
@@ -42,11 +49,17 @@ _QUANTILES = {
     ),
     "sglang:inter_token_latency_seconds_bucket": ((0.5, "itl_p50_s"), (0.9, "itl_p90_s")),
 }
+# histogram family -> snapshot key holding its cumulative buckets [[upper bound, count], ...] (+Inf as 1e308)
+BUCKET_KEYS = {
+    "sglang:time_to_first_token_seconds_bucket": "ttft_buckets",
+    "sglang:inter_token_latency_seconds_bucket": "itl_buckets",
+}
 SNAPSHOT_KEYS = frozenset(
     {
         *_PLAIN.values(),
         *(f"cached_tokens_{t}" for t in TIERS),
         "host_pool_use",
+        "kv_usage",
         *(key for pairs in _QUANTILES.values() for _, key in pairs),
     }
 )
@@ -85,6 +98,8 @@ def parse_prometheus(text: str) -> dict:
                 bound = float(labels["le"])
                 buckets[name][bound] = buckets[name].get(bound, 0.0) + value
     for name, counts in buckets.items():
+        if counts:
+            snap[BUCKET_KEYS[name]] = [[min(b, 1e308), c] for b, c in sorted(counts.items())]
         for q, key in _QUANTILES[name] if counts else ():
             value = histogram_quantile(q, list(counts.items()))
             if value is not None:
@@ -101,6 +116,8 @@ def finish_snapshot(snap: dict) -> dict:
     total = snap.get("hicache_host_total_tokens")
     if total:
         snap["host_pool_use"] = snap.get("hicache_host_used_tokens", 0.0) / total
+    if snap.get("max_total_num_tokens") and "num_used_tokens" in snap:
+        snap["kv_usage"] = snap["num_used_tokens"] / snap["max_total_num_tokens"]
     return snap
 
 

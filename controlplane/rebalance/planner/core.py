@@ -1,0 +1,380 @@
+"""The P:D planner's decision: pure functions over one window of pool figures (no Django, no I/O).
+
+Advisory, like Dynamo's planner in ADVISORY mode: it says which (prefill, decode) split of a PD router's
+workers fits the traffic and why; a person or a policy starts the rebalance.
+
+Math (per pool, over the window the inputs module aggregates):
+- demand: prefill = prompt tokens/s that had to be computed, i.e. input tokens/s minus the tokens served from
+  cache on any tier (device, host, storage; the hit-rate discount of Dynamo v2's ``effective_isl``); decode =
+  output tokens/s. Measured on the warm workers and scaled to the pool's size (the router spreads load).
+- per-worker capacity at SLO: the per-worker load times ``gain = SLO / measured p90`` (TTFT for prefill, ITL
+  for decode), the latency-ratio correction of Dynamo v1's SLA planner applied to live figures; capped at
+  ``max_gain`` (never extrapolate further than that from what was measured) and, for decode, at
+  ``kv_limit / kv_usage`` (a decode worker cannot hold more than its KV pool).
+- utilisation of a pool with k workers = demand / (k * capacity); needed = ceil(demand / (capacity * (1 -
+  headroom))).
+- the split: every (P, D) with P + D = budget, P, D >= min_workers, scored by the larger of the two pools'
+  utilisations (the pool closest to its SLO decides); the lowest score wins, ties keep the current split.
+
+Anti-flap (Dynamo's "persist for M evaluations + cooldown", Dynamo #9294's consolidation margin):
+- each pool's load (workers needed at 100 %: demand / per-worker capacity) is smoothed across evaluations
+  (EWMA, time constant ``smoothing_s``), so one noisy p90 does not decide;
+- a change is proposed only when the current split breaches ``1 - headroom`` utilisation in some pool and
+  the best split lowers the worst utilisation by at least ``margin`` (relative); a shown change is replaced
+  only by a split beating it by the same margin, and withdrawn only when the current split fits with the
+  margin to spare (hysteresis);
+- a proposal becomes a recommendation ("change") only after it has been the proposal for ``persist_s``;
+  going back to "hold" needs the same persistence;
+- no proposal for ``cooldown_s`` after the router's counts last changed, none while ``frozen`` (a rollout
+  runs, or actual != expected), and none without data from both pools.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+TIERS = ("device", "host", "storage")
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Per-router targets, seconds: TTFT p90 (prefill pool) and ITL p90 (decode pool)."""
+
+    ttft_p90_s: float
+    itl_p90_s: float
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    headroom: float = 0.2  # keep this share of capacity spare: target utilisation 1 - headroom
+    margin: float = 0.15  # a new split must lower the worst utilisation by this share (relative)
+    smoothing_s: float = 60.0  # time constant of the EWMA over evaluations of each pool's load
+    persist_s: float = 60.0  # a proposal must hold this long before it is recommended (and to go back)
+    cooldown_s: float = 300.0  # no proposal this long after the router's P/D counts changed
+    max_gain: float = 4.0  # capacity <= 4x the measured per-worker load
+    kv_limit: float = 0.9  # a decode worker is full at 90 % KV usage
+    min_workers: int = 1  # per pool
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """One pool's figures over the window, from its warm workers (rates per second, latencies seconds).
+
+    ``workers`` is how many warm workers the figures come from; ``cached_tokens_per_s`` maps each tier
+    (device, host, storage) to prompt tokens/s served from it; ``kv_usage`` is the mean KV pool use, 0..1.
+    """
+
+    workers: int
+    request_rate: float = 0.0
+    input_tokens_per_s: float = 0.0
+    cached_tokens_per_s: dict = field(default_factory=dict)
+    output_tokens_per_s: float = 0.0
+    ttft_p90_s: float | None = None
+    itl_p90_s: float | None = None
+    queue_reqs: float = 0.0
+    kv_usage: float | None = None
+
+    @property
+    def cached_total(self) -> float:
+        return sum(self.cached_tokens_per_s.get(t, 0.0) for t in TIERS)
+
+    @property
+    def computed_tokens_per_s(self) -> float:
+        return max(0.0, self.input_tokens_per_s - self.cached_total)
+
+    @property
+    def hit_rate(self) -> float:
+        return min(1.0, self.cached_total / self.input_tokens_per_s) if self.input_tokens_per_s else 0.0
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What the planner sees of one router now: its live counts, each pool's load (None: no warm worker
+    reported), the budget (workers to split), when the counts last changed (Unix s), and why it must not
+    propose anything now (None: free)."""
+
+    current: tuple[int, int]
+    prefill: PoolLoad | None
+    decode: PoolLoad | None
+    budget: int
+    slo: Slo
+    last_change_at: float | None = None
+    frozen: str | None = None
+
+
+@dataclass(frozen=True)
+class PlannerState:
+    """Carried from one evaluation to the next (JSON-able): the split shown as the recommendation, the
+    proposal waiting to persist and since when."""
+
+    shown: tuple[int, int] | None = None
+    proposal: tuple[int, int] | None = None
+    proposal_since: float | None = None
+    smoothed: tuple[float, float] | None = None  # workers each pool needs at 100 % utilisation (EWMA)
+    smoothed_at: float | None = None
+    smoothed_for: tuple[int, int] | None = None  # the counts it was measured at (reset when they change)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> PlannerState:
+        data = data or {}
+        tup = lambda v: tuple(v) if v is not None else None  # noqa: E731
+        return cls(
+            tup(data.get("shown")),
+            tup(data.get("proposal")),
+            data.get("proposal_since"),
+            tup(data.get("smoothed")),
+            data.get("smoothed_at"),
+            tup(data.get("smoothed_for")),
+        )
+
+
+@dataclass(frozen=True)
+class PoolFigures:
+    """The numbers behind one pool's part of a recommendation (see the module docstring for the math)."""
+
+    workers: int
+    warm_workers: int
+    demand: float
+    demand_unit: str
+    input_tokens_per_s: float
+    cached_tokens_per_s: dict
+    hit_rate: float
+    output_tokens_per_s: float
+    request_rate: float
+    latency_p90_s: float | None
+    slo_p90_s: float
+    gain: float
+    gain_limit: str
+    per_worker_load: float
+    per_worker_capacity: float
+    utilisation: float
+    needed: int
+    queue_reqs: float
+    kv_usage: float | None
+
+
+def pool_figures(
+    role: str, load: PoolLoad, workers: int, slo_s: float, cfg: PlannerConfig
+) -> PoolFigures | None:
+    """Demand, capacity at SLO and utilisation of a pool of ``workers``; None without traffic or latency."""
+    prefill = role == PREFILL
+    measured = load.computed_tokens_per_s if prefill else load.output_tokens_per_s
+    latency = load.ttft_p90_s if prefill else load.itl_p90_s
+    if load.workers <= 0 or measured <= 0 or not latency or latency <= 0:
+        return None
+    per_worker = measured / load.workers
+    gain, limit = slo_s / latency, "slo"
+    if gain > cfg.max_gain:
+        gain, limit = cfg.max_gain, "max_gain"
+    if not prefill and load.kv_usage and cfg.kv_limit / load.kv_usage < gain:
+        gain, limit = cfg.kv_limit / load.kv_usage, "kv"
+    capacity = per_worker * gain
+    demand = per_worker * workers
+    return PoolFigures(
+        workers=workers,
+        warm_workers=load.workers,
+        demand=demand,
+        demand_unit="computed prompt tokens/s" if prefill else "output tokens/s",
+        input_tokens_per_s=load.input_tokens_per_s,
+        cached_tokens_per_s={t: load.cached_tokens_per_s.get(t, 0.0) for t in TIERS},
+        hit_rate=load.hit_rate,
+        output_tokens_per_s=load.output_tokens_per_s,
+        request_rate=load.request_rate,
+        latency_p90_s=latency,
+        slo_p90_s=slo_s,
+        gain=gain,
+        gain_limit=limit,
+        per_worker_load=per_worker,
+        per_worker_capacity=capacity,
+        utilisation=demand / (workers * capacity),
+        needed=max(cfg.min_workers, math.ceil(demand / (capacity * (1 - cfg.headroom)) - 1e-9)),
+        queue_reqs=load.queue_reqs,
+        kv_usage=load.kv_usage,
+    )
+
+
+Split = tuple[int, int]
+
+
+def _split_name(t: Split) -> str:
+    return f"{t[0]}P:{t[1]}D"
+
+
+def _worst(load: tuple[float, float], split: Split) -> float:
+    """The higher of the two pools' utilisations with ``split`` workers."""
+    return max(load[0] / split[0], load[1] / split[1])
+
+
+def best_split(
+    load: tuple[float, float], budget: int, prefer: list[Split], cfg: PlannerConfig
+) -> Split | None:
+    """(P, D) with P + D = budget minimising the worse pool utilisation; ties go to ``prefer`` in order."""
+    splits = [(p, budget - p) for p in range(cfg.min_workers, budget - cfg.min_workers + 1)]
+    if not splits:
+        return None
+    rank = {s: i for i, s in enumerate(prefer)}
+    return min(splits, key=lambda s: (_worst(load, s), rank.get(s, len(rank)), abs(s[0] - prefer[0][0])))
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    status: str  # hold | pending | change | cooldown | frozen | insufficient_data
+    current: Split
+    recommended: Split
+    summary: str
+    reasons: list[str]
+    pools: dict  # role -> PoolFigures | None
+    budget: int
+    slo: Slo
+    evaluated_at: float
+
+    def to_dict(self) -> dict:
+        pair = lambda t: {PREFILL: t[0], DECODE: t[1]}  # noqa: E731
+        return {
+            "evaluated_at": self.evaluated_at,
+            "status": self.status,
+            "current": pair(self.current),
+            "recommended": pair(self.recommended),
+            "change": self.recommended != self.current,
+            "summary": self.summary,
+            "reasons": self.reasons,
+            "pools": {role: asdict(f) if f else None for role, f in self.pools.items()},
+            "budget": self.budget,
+            "slo": asdict(self.slo),
+        }
+
+
+def _explain(role: str, f: PoolFigures, cfg: PlannerConfig) -> str:
+    lat = "TTFT" if role == PREFILL else "ITL"
+    if role == PREFILL:
+        source = f"input {f.input_tokens_per_s:,.0f} tokens/s on {f.warm_workers} warm worker(s)"
+        cache = f"{f.hit_rate:.0%} served from cache, scaled to {f.workers}"
+        demand = f"prefill demand {f.demand:,.0f} computed prompt tokens/s ({source}, {cache})"
+    else:
+        demand = f"decode demand {f.demand:,.0f} output tokens/s ({f.workers} worker(s))"
+    limit = f"{lat} p90 {f.latency_p90_s:.3f} s against an SLO of {f.slo_p90_s:.3f} s"
+    if f.gain_limit == "max_gain":
+        limit += f" (far below it: capped at {cfg.max_gain:g}x the measured load)"
+    elif f.gain_limit == "kv":
+        limit += f" (KV usage {f.kv_usage:.0%} caps it at {cfg.kv_limit:.0%} KV)"
+    capacity = f"so {f.per_worker_capacity:,.0f} at the SLO; utilisation {f.utilisation:.0%}"
+    need = f"with {cfg.headroom:.0%} headroom it needs {f.needed}"
+    return f"{demand}; each worker serves {f.per_worker_load:,.0f} at {limit}, {capacity}; {need}."
+
+
+def _smooth(state: PlannerState, raw: tuple[float, float], current: Split, now: float, cfg: PlannerConfig):
+    if state.smoothed is None or state.smoothed_for != current or state.smoothed_at is None:
+        return raw
+    alpha = 1 - math.exp(-max(0.0, now - state.smoothed_at) / cfg.smoothing_s)
+    return tuple(a + alpha * (r - a) for a, r in zip(state.smoothed, raw, strict=True))
+
+
+def evaluate(
+    view: FleetView, state: PlannerState, now: float, cfg: PlannerConfig = PlannerConfig()
+) -> tuple[Recommendation, PlannerState]:
+    """One planner tick: the recommendation to show and the state to keep for the next tick."""
+    current = view.current
+    if view.frozen:
+        rec = _rec(
+            "frozen", current, current, f"No recommendation: {view.frozen}.", [view.frozen], {}, view, now
+        )
+        return rec, PlannerState(shown=current)
+    pools = {
+        PREFILL: view.prefill and pool_figures(PREFILL, view.prefill, current[0], view.slo.ttft_p90_s, cfg),
+        DECODE: view.decode and pool_figures(DECODE, view.decode, current[1], view.slo.itl_p90_s, cfg),
+    }
+    reasons = [_explain(role, f, cfg) for role, f in pools.items() if f]
+    missing = [role for role, f in pools.items() if not f]
+    if missing:
+        why = f"no traffic or latency figures yet from warm {' and '.join(missing)} workers"
+        summary = f"Keep {_split_name(current)}: {why}."
+        return _rec(
+            "insufficient_data", current, current, summary, [*reasons, why], pools, view, now
+        ), PlannerState()
+    if view.last_change_at is not None and now - view.last_change_at < cfg.cooldown_s:
+        ago = now - view.last_change_at
+        left = cfg.cooldown_s - ago
+        why = f"the P/D counts changed {ago:.0f} s ago; cooldown {cfg.cooldown_s:.0f} s ({left:.0f} s left)"
+        summary = f"Keep {_split_name(current)}: {why}."
+        return _rec("cooldown", current, current, summary, [*reasons, why], pools, view, now), PlannerState()
+    pre, dec = pools[PREFILL], pools[DECODE]
+    load = _smooth(
+        state, (pre.demand / pre.per_worker_capacity, dec.demand / dec.per_worker_capacity), current, now, cfg
+    )
+    shown = state.shown if state.shown is not None and sum(state.shown) == view.budget else current
+    proposal, why = _propose(load, current, shown, view.budget, cfg)
+    reasons.append(why)
+    kept = dict(smoothed=load, smoothed_at=now, smoothed_for=current)
+    new_state = PlannerState(shown=shown, **kept)
+    if proposal != shown:
+        same = state.proposal == proposal and state.proposal_since is not None
+        since = state.proposal_since if same else now
+        if now - since >= cfg.persist_s:
+            new_state, shown = PlannerState(shown=proposal, **kept), proposal
+        else:
+            new_state = PlannerState(shown=shown, proposal=proposal, proposal_since=since, **kept)
+            reasons.append(
+                f"{_split_name(proposal)} has been the proposal for {now - since:.0f} s "
+                f"of the {cfg.persist_s:.0f} s it must hold before it replaces {_split_name(shown)}"
+            )
+    if shown == current:
+        status = "pending" if new_state.proposal is not None else "hold"
+        summary = f"Keep {_split_name(current)}."
+    else:
+        status, summary = "change", _move_sentence(current, shown)
+    return _rec(status, current, shown, summary, reasons, pools, view, now), new_state
+
+
+def _propose(load, current: Split, shown: Split, budget: int, cfg: PlannerConfig) -> tuple[Split, str]:
+    """The split to propose now, and why (utilisations from the smoothed loads)."""
+    target = 1 - cfg.headroom
+    best = best_split(load, budget, [current, shown], cfg)
+    if best is None:
+        return current, f"a budget of {budget} worker(s) cannot hold {cfg.min_workers} of each role"
+    util = lambda s: f"{_split_name(s)}: prefill {load[0] / s[0]:.0%}, decode {load[1] / s[1]:.0%}"  # noqa: E731
+    now_worst, best_worst = _worst(load, current), _worst(load, best)
+    if sum(current) != budget:
+        return (
+            best,
+            f"the budget is {budget} worker(s) and the router has {sum(current)}; best split {util(best)}",
+        )
+    if shown != current:
+        if now_worst <= target * (1 - cfg.margin):
+            return current, f"{util(current)} fits again, with the margin to spare"
+        if best != shown and best_worst <= _worst(load, shown) * (1 - cfg.margin):
+            return best, f"{util(best)} beats the recommended {util(shown)}"
+        return shown, f"{util(shown)} against {util(current)} now (smoothed utilisation)"
+    if now_worst <= target:
+        return (
+            current,
+            f"{_split_name(current)} fits: no pool above {target:.0%} utilisation ({util(current)})",
+        )
+    if best == current or best_worst > now_worst * (1 - cfg.margin):
+        return current, (
+            f"{util(current)} runs a pool over {target:.0%}, but no split of {budget} worker(s) "
+            f"lowers the worse pool by {cfg.margin:.0%} or more (best {util(best)})"
+        )
+    return (
+        best,
+        f"{util(current)} runs a pool over {target:.0%}; "
+        f"{util(best)} brings the worse pool to {best_worst:.0%}",
+    )
+
+
+def _move_sentence(current: Split, target: Split) -> str:
+    dp = target[0] - current[0]
+    if sum(current) == sum(target) and dp:
+        src, dst = (DECODE, PREFILL) if dp > 0 else (PREFILL, DECODE)
+        return (
+            f"Move {abs(dp)} worker(s) from {src} to {dst}: {_split_name(current)} -> {_split_name(target)}."
+        )
+    return f"Change {_split_name(current)} -> {_split_name(target)}."
+
+
+def _rec(status, current, recommended, summary, reasons, pools, view: FleetView, now) -> Recommendation:
+    return Recommendation(status, current, recommended, summary, reasons, pools, view.budget, view.slo, now)

@@ -1,0 +1,95 @@
+"""What the planner sees of one PD router, read from inventory, telemetry (Redis) and rebalances.
+
+Pools are the router's workers by role (prefill, decode). A worker's samples count from ``warmup_s`` after
+its role last changed (Dynamo #12430: cold samples of a worker that just joined a pool skew its capacity).
+The planner is frozen (no new recommendation) while a rebalance of the router is active, and while actual !=
+expected: a worker of the router is offline or has not reported for ``stale_s``, or the router's counts are
+not the target of its newest succeeded rebalance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.apps import apps
+from django.utils import timezone
+
+from controlplane.inventory.models import EngineWorker, Router, WorkerRole, WorkerState
+from controlplane.rebalance.planner.core import DECODE, PREFILL, FleetView, Slo
+from controlplane.rebalance.planner.window import pool_load
+from controlplane.telemetry import store
+
+DEFAULT_SLO = Slo(ttft_p90_s=0.5, itl_p90_s=0.05)  # Dynamo's SLA planner defaults
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    window_s: float = 120.0  # figures are taken over the last two minutes
+    warmup_s: float = 120.0  # samples of a worker in its new role count after this long
+    stale_s: float = 30.0  # a worker that has not reported for this long is not "actual"
+
+
+def _rebalance_freeze(router: Router, current: tuple[int, int]) -> tuple[str | None, float | None]:
+    """(why frozen, when the newest rebalance finished) from the rebalance app's records."""
+    if not apps.is_installed("controlplane.rebalance"):
+        return None, None
+    from controlplane.rebalance.models import ACTIVE_STATES, Rebalance, RebalanceState
+
+    active = Rebalance.objects.filter(router=router, state__in=ACTIVE_STATES).first()
+    if active is not None:
+        return f"rebalance {active.pk} of this router is {active.state.replace('_', ' ')}", None
+    done = Rebalance.objects.filter(router=router, finished_at__isnull=False).order_by("-finished_at").first()
+    finished = done.finished_at.timestamp() if done else None
+    if done is not None and done.state == RebalanceState.SUCCEEDED:
+        target = (done.target_prefill, done.target_decode)
+        if target != current:
+            return (
+                f"actual {current[0]}P:{current[1]}D differs from the expected {target[0]}P:{target[1]}D "
+                f"of rebalance {done.pk}"
+            ), finished
+    return None, finished
+
+
+def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -> tuple[FleetView, dict]:
+    """The router's FleetView at ``now`` (Unix s), and notes for the operator (where the SLO came from)."""
+    workers = list(
+        EngineWorker.objects.filter(router=router, role__in=[WorkerRole.PREFILL, WorkerRole.DECODE])
+    )
+    current = (
+        sum(w.role == WorkerRole.PREFILL for w in workers),
+        sum(w.role == WorkerRole.DECODE for w in workers),
+    )
+    slo = Slo(router.slo_ttft_p90_s or DEFAULT_SLO.ttft_p90_s, router.slo_itl_p90_s or DEFAULT_SLO.itl_p90_s)
+    notes = {"slo_source": "router" if router.slo_ttft_p90_s and router.slo_itl_p90_s else "default"}
+    latest = store.latest_many([w.pk for w in workers])
+    frozen = None
+    for w in workers:
+        seen = (latest.get(w.pk) or {}).get("ts")
+        if w.state == WorkerState.OFFLINE or seen is None or now - seen > cfg.stale_s:
+            frozen = f"actual != expected: {w.name} ({w.role}) is not reporting"
+            break
+    why, finished = _rebalance_freeze(router, current)
+    frozen = why or frozen
+    changed = [w.role_changed_at.timestamp() for w in workers if w.role_changed_at]
+    last_change = max([*changed, *([finished] if finished else [])], default=None)
+    samples: dict[str, list[list[dict]]] = {PREFILL: [], DECODE: []}
+    for w in workers:
+        start = now - cfg.window_s
+        if w.role_changed_at:
+            start = max(start, w.role_changed_at.timestamp() + cfg.warmup_s)
+        hist = store.history(w.pk, limit=400)
+        samples[w.role].append([s for s in hist if start <= s["ts"] <= now])
+    view = FleetView(
+        current=current,
+        prefill=pool_load(samples[PREFILL]),
+        decode=pool_load(samples[DECODE]),
+        budget=router.worker_budget or sum(current),
+        slo=slo,
+        last_change_at=last_change,
+        frozen=frozen,
+    )
+    return view, notes
+
+
+def now_s() -> float:
+    return timezone.now().timestamp()

@@ -1,0 +1,47 @@
+"""Run the planner for a PD router: read the fleet, decide, keep the state, return the recommendation.
+
+Called every ``PLANNER_INTERVAL_S`` by Celery beat (``rebalance.plan_all``) and by the recommendation
+endpoint when the stored one is older than twice that (so it works without beat, e.g. in a shell).
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+from controlplane.inventory.models import Router, RouterMode
+from controlplane.rebalance.planner import store
+from controlplane.rebalance.planner.core import PlannerConfig, evaluate
+from controlplane.rebalance.planner.inputs import WindowConfig, fleet_view, now_s
+
+
+def plan(router: Router, now: float | None = None) -> dict:
+    """Evaluate the planner for ``router`` now; stores and returns the recommendation dict (see
+    ``core.Recommendation.to_dict``, plus ``router``, ``slo_source`` and ``config``)."""
+    now = now_s() if now is None else now
+    cfg, window = PlannerConfig(), WindowConfig()
+    view, notes = fleet_view(router, now, window)
+    rec, state = evaluate(view, store.load_state(router.pk), now, cfg)
+    out = {
+        "router": router.pk,
+        **rec.to_dict(),
+        **notes,
+        "config": {**cfg.__dict__, **window.__dict__},
+    }
+    store.save(router.pk, state, out)
+    return out
+
+
+def recommendation(router: Router) -> dict:
+    """The stored recommendation if fresh, else a new evaluation."""
+    rec = store.latest(router.pk)
+    if rec is None or now_s() - rec["evaluated_at"] > 2 * settings.PLANNER_INTERVAL_S:
+        rec = plan(router)
+    return rec
+
+
+def plan_all() -> int:
+    """One evaluation for every PD router; returns how many."""
+    routers = list(Router.objects.filter(mode=RouterMode.PD))
+    for router in routers:
+        plan(router)
+    return len(routers)

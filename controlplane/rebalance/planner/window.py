@@ -1,0 +1,76 @@
+"""One pool's figures over a time window from its workers' telemetry samples (pure; no Django).
+
+Samples are the telemetry store's (``controlplane.telemetry.metrics``): cumulative counters
+(``prompt_tokens_total``, ``generation_tokens_total``, ``num_requests_total``, ``cached_tokens_<tier>``),
+cumulative ``ttft_buckets`` / ``itl_buckets``, and gauges (``num_queue_reqs``, ``kv_usage``). Rates are the
+counters' increase between a worker's first and last sample in the window over the time between them;
+p90s come from the summed bucket increases of every worker (Prometheus' ``histogram_quantile`` over
+``rate(...[window])``), so a window sees only its own requests, not everything since the worker started.
+"""
+
+from __future__ import annotations
+
+import math
+
+from controlplane.rebalance.planner.core import TIERS, PoolLoad
+from controlplane.telemetry.metrics import histogram_quantile
+
+_COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "num_requests_total") + tuple(
+    f"cached_tokens_{t}" for t in TIERS
+)
+
+
+def _bucket_delta(first: dict, last: dict, key: str) -> dict[float, float] | None:
+    before = {b: c for b, c in first.get(key) or []}
+    after = last.get(key) or []
+    delta = {}
+    for bound, count in after:
+        d = count - before.get(bound, 0.0)
+        if d < 0:
+            return None  # the worker restarted inside the window
+        delta[math.inf if bound >= 1e308 else bound] = d
+    return delta
+
+
+def _p90(buckets: dict[float, float]) -> float | None:
+    return histogram_quantile(0.9, list(buckets.items())) if buckets else None
+
+
+def pool_load(worker_samples: list[list[dict]]) -> PoolLoad | None:
+    """``worker_samples``: per warm worker, its samples inside the window, oldest first. A worker with
+    fewer than two samples, or whose counters went down (restart), is left out. None when none is left."""
+    sums = dict.fromkeys(_COUNTERS, 0.0)
+    ttft: dict[float, float] = {}
+    itl: dict[float, float] = {}
+    queue, kv, used = [], [], 0
+    for samples in worker_samples:
+        if len(samples) < 2:
+            continue
+        first, last = samples[0], samples[-1]
+        dt = last["ts"] - first["ts"]
+        deltas = {k: float(last.get(k) or 0.0) - float(first.get(k) or 0.0) for k in _COUNTERS}
+        b_ttft = _bucket_delta(first, last, "ttft_buckets")
+        b_itl = _bucket_delta(first, last, "itl_buckets")
+        if dt <= 0 or min(deltas.values()) < 0 or b_ttft is None or b_itl is None:
+            continue
+        used += 1
+        for k, d in deltas.items():
+            sums[k] += d / dt
+        for acc, add in ((ttft, b_ttft), (itl, b_itl)):
+            for bound, d in add.items():
+                acc[bound] = acc.get(bound, 0.0) + d
+        queue += [float(s.get("num_queue_reqs") or 0.0) for s in samples]
+        kv += [float(s["kv_usage"]) for s in samples if s.get("kv_usage") is not None]
+    if not used:
+        return None
+    return PoolLoad(
+        workers=used,
+        request_rate=sums["num_requests_total"],
+        input_tokens_per_s=sums["prompt_tokens_total"],
+        cached_tokens_per_s={t: sums[f"cached_tokens_{t}"] for t in TIERS},
+        output_tokens_per_s=sums["generation_tokens_total"],
+        ttft_p90_s=_p90(ttft),
+        itl_p90_s=_p90(itl),
+        queue_reqs=sum(queue) / len(queue) if queue else 0.0,
+        kv_usage=sum(kv) / len(kv) if kv else None,
+    )

@@ -1,0 +1,137 @@
+"""The P:D planner through the API: router SLOs (audited PATCH), and the recommendation computed from
+metrics the engine's own exporter renders (engine.server.metrics.EngineMetrics), pushed through the agent's
+metrics endpoint with their sample times."""
+
+import time
+from datetime import timedelta
+
+import pytest
+import redis
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory
+from django.conf import settings
+from django.utils import timezone
+
+from controlplane.audit.models import AuditEvent
+from controlplane.rebalance.planner.service import plan
+from engine.server.metrics import EngineMetrics
+
+MODEL = "smollm2"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_planner_keys():
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    for key in client.scan_iter(f"{settings.REDIS_KEY_PREFIX}:plan:*", count=1000):
+        client.delete(key)
+
+
+class Exporter:
+    """One worker's real metric registry, driven as its scheduler would drive it."""
+
+    def __init__(self):
+        self.metrics = EngineMetrics(MODEL, lambda: self.state)
+        self.state = {
+            "num_running_reqs": 2,
+            "num_waiting_reqs": 1,
+            "num_used_tokens": 300,
+            "max_total_num_tokens": 1000,
+            "hicache": None,
+            "cache_stats": {"device_hit_tokens": 0},
+        }
+
+    def serve(self, requests: int, prompt: int, cached: int, output: int, ttft_s: float, itl_s: float):
+        m = self.metrics
+        m.prompt_tokens.labels(MODEL).inc(requests * prompt)
+        m.generation_tokens.labels(MODEL).inc(requests * output)
+        m.num_requests.labels(MODEL).inc(requests)
+        self.state["cache_stats"]["device_hit_tokens"] += requests * cached
+        for _ in range(requests):
+            m.on_first_token(ttft_s)
+            for _ in range(output):
+                m.on_inter_token(itl_s)
+
+    def text(self) -> str:
+        return self.metrics.render().decode()
+
+
+@pytest.fixture
+def pd_fleet(db, personas):
+    host = HostFactory(name=AGENT_HOST)
+    router = RouterFactory(mode="pd", slo_ttft_p90_s=0.5, slo_itl_p90_s=0.05)
+    workers = {
+        name: EngineWorkerFactory(
+            name=name, url=f"http://{name}.local:30000", host=host, router=router, role=role
+        )
+        for name, role in (("p1", "prefill"), ("d1", "decode"), ("d2", "decode"))
+    }
+    return router, workers, {name: Exporter() for name in workers}
+
+
+def _push(agent, workers, exporters, t0: float, seconds: int, prefill_ttft: float):
+    for step in range(0, seconds + 1, 10):
+        for name, worker in workers.items():
+            if step:
+                if worker.role == "prefill":  # 2 req/s of 1000-token prompts, 400 tokens of each cached
+                    exporters[name].serve(20, 1000, 400, 1, prefill_ttft, 0.01)
+                else:  # 1 req/s of 50 output tokens per decode worker
+                    exporters[name].serve(10, 1000, 0, 50, 2 * prefill_ttft, 0.01)
+            body = {"worker_url": worker.url, "text": exporters[name].text(), "ts": t0 + step}
+            assert agent.post("/api/v1/agent/metrics/", body, format="json").status_code == 202
+
+
+def test_router_slo_is_set_by_an_operator_audited_and_checked(api_as, db):
+    router = RouterFactory(mode="pd")
+    url = f"/api/v1/inventory/routers/{router.pk}/"
+    assert api_as("viewer").patch(url, {"slo_ttft_p90_s": 0.4}, format="json").status_code == 403
+    bad = api_as("operator").patch(url, {"slo_itl_p90_s": -1}, format="json")
+    assert bad.status_code == 400 and "slo_itl_p90_s" in bad.json()["error"]["detail"]
+    ok = api_as("operator").patch(url, {"slo_ttft_p90_s": 0.4, "slo_itl_p90_s": 0.04}, format="json")
+    assert ok.status_code == 200 and (ok.json()["slo_ttft_p90_s"], ok.json()["slo_itl_p90_s"]) == (0.4, 0.04)
+    record = AuditEvent.objects.filter(object_type="inventory.router", object_id=str(router.pk)).latest("id")
+    assert record.before["slo_ttft_p90_s"] is None and record.after["slo_ttft_p90_s"] == 0.4
+
+
+def test_an_overloaded_prefill_pool_gets_a_decode_worker_after_the_proposal_persists(
+    pd_fleet, api_as, agent_for
+):
+    router, workers, exporters = pd_fleet
+    agent = agent_for(AGENT_HOST)
+    t0 = time.time() - 100
+    _push(agent, workers, exporters, t0, 100, prefill_ttft=1.5)
+    url = f"/api/v1/inventory/routers/{router.pk}/recommendation/"
+    first = api_as("viewer").get(url)
+    assert first.status_code == 200, first.content
+    rec = first.json()
+    assert rec["status"] == "pending" and rec["current"] == {"prefill": 1, "decode": 2}, rec["reasons"]
+    pre, dec = rec["pools"]["prefill"], rec["pools"]["decode"]
+    assert pre["input_tokens_per_s"] == pytest.approx(2000) and pre["hit_rate"] == pytest.approx(0.4)
+    assert pre["demand"] == pytest.approx(1200)  # 2000 prompt tokens/s - 800 served from cache
+    assert pre["latency_p90_s"] > 1.0 and pre["slo_p90_s"] == 0.5
+    assert pre["per_worker_capacity"] == pytest.approx(1200 * 0.5 / pre["latency_p90_s"])
+    assert dec["demand"] == pytest.approx(100) and dec["workers"] == 2 and dec["warm_workers"] == 2
+    assert rec["slo_source"] == "router"
+    assert any("prefill demand 1,200 computed prompt tokens/s" in r and "40% served from cache" in r
+               for r in rec["reasons"])  # fmt: skip
+
+    _push(agent, workers, exporters, t0 + 110, 50, prefill_ttft=1.5)
+    later = plan(router, now=t0 + 161)
+    assert later["status"] == "change" and later["recommended"] == {"prefill": 2, "decode": 1}
+    assert later["summary"] == "Move 1 worker(s) from decode to prefill: 1P:2D -> 2P:1D."
+    assert api_as("viewer").get(url).json()["evaluated_at"] == later["evaluated_at"]
+
+
+def test_cold_stale_and_non_pd(pd_fleet, api_as, agent_for):
+    router, workers, exporters = pd_fleet
+    t0 = time.time() - 100
+    workers["d2"].role_changed_at = timezone.now() - timedelta(seconds=30)
+    workers["d2"].save()
+    _push(agent_for(AGENT_HOST), workers, exporters, t0, 100, prefill_ttft=0.2)
+    rec = plan(router, now=t0 + 100)
+    dec = rec["pools"]["decode"]
+    assert (dec["workers"], dec["warm_workers"]) == (2, 1)  # d2 is still warming up in its new role
+    assert rec["status"] == "cooldown"
+    stale = plan(router, now=t0 + 200)
+    assert stale["status"] == "frozen" and "is not reporting" in stale["summary"]
+    regular = RouterFactory(mode="regular")
+    got = api_as("viewer").get(f"/api/v1/inventory/routers/{regular.pk}/recommendation/")
+    assert got.status_code == 409 and got.json()["error"]["code"] == "not_pd"
