@@ -200,11 +200,17 @@ OPERATION_STEP_MAX_S = WORKER_APPLY_HTTP_TIMEOUT_S + 6 * WORKER_HTTP_TIMEOUT_S
 CELERY_TASK_SOFT_TIME_LIMIT = OPERATION_STEP_MAX_S
 CELERY_TASK_TIME_LIMIT = 1.5 * OPERATION_STEP_MAX_S
 _VISIBILITY_TIMEOUT_S = math.ceil(2 * (OPERATION_POLL_INTERVAL_S + CELERY_TASK_TIME_LIMIT))
+_RESTORE_INTERVAL_S = max(1, _VISIBILITY_TIMEOUT_S // 10)
 CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": _VISIBILITY_TIMEOUT_S,
-    "unacked_restore_interval": max(1, _VISIBILITY_TIMEOUT_S // 10),
+    "unacked_restore_interval": _RESTORE_INTERVAL_S,
     "unacked_restore_throttle": 1,
 }
+# The reaper settles a target only once no step of it can come back: a step taken before the target's
+# deadline by a worker that then died is redelivered at most a visibility timeout plus one sweep interval
+# later and runs for at most the hard limit; past the deadline by that much, nothing of it is left in flight.
+# (A fixed 30 s grace let the reaper act at 90 s on an applying target whose step came back at 181 s.)
+OPERATION_REAPER_GRACE_S = _VISIBILITY_TIMEOUT_S + _RESTORE_INTERVAL_S + CELERY_TASK_TIME_LIMIT
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

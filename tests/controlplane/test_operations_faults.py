@@ -114,6 +114,16 @@ def test_step_tasks_are_acked_after_the_step_and_redelivered_within_a_bounded_ti
     assert options["unacked_restore_interval"] * options["unacked_restore_throttle"] <= visibility / 10 + 1
 
 
+def test_the_reaper_acts_only_once_no_step_can_be_redelivered():
+    """A step taken before its target's deadline whose worker died comes back within a visibility timeout
+    plus one sweep and runs within the hard limit: the reaper's grace covers exactly that (no less, or it
+    settles a target its redelivered step is about to finish; no more, since a lost one waits for it)."""
+    options = celery_app.conf.broker_transport_options
+    sweep = options["unacked_restore_interval"] * options["unacked_restore_throttle"]
+    redelivered_and_run = options["visibility_timeout"] + sweep + settings.CELERY_TASK_TIME_LIMIT
+    assert redelivered_and_run <= settings.OPERATION_REAPER_GRACE_S <= redelivered_and_run + 1
+
+
 @pytest.mark.slow
 def test_a_step_whose_celery_worker_was_killed_is_redelivered_and_finishes(
     api_as, fake_worker, own_redis, spawn_celery_worker

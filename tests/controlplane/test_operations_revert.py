@@ -7,9 +7,11 @@ from datetime import timedelta
 
 import pytest
 from cp_factories import EngineWorkerFactory, RouterFactory, StorageProfileFactory
+from django.conf import settings
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
+from controlplane.celery import app as celery_app
 from controlplane.operations.models import ACTIVE_STATES, Operation, OperationTarget
 from controlplane.operations.services import operation_create, reap_stuck_targets, target_step
 
@@ -186,6 +188,36 @@ def test_launch_record_outcome_is_updated_when_the_operation_ends(fake_worker):
     assert op.state == "succeeded" and launch.outcome == "success"
 
 
+def test_the_reaper_leaves_an_apply_whose_step_is_being_redelivered(fake_worker):
+    """Issue 15: the Celery worker holding an applying target's step died; Redis hands the step out again once
+    the visibility timeout passes. The reaper leaves the target alone until then (a fixed 30 s grace reaped it
+    at 90 s, the step came back at 181 s) and the redelivered step finishes it from the live state."""
+    fake = fake_worker()
+    profile = StorageProfileFactory(backend="file", extra_config=FILE_A)
+    op = operation_create(kind="attach", workers=[registered(fake, "w")], storage_profile=profile, actor=None)
+    fake.backend, fake.backend_extra = "file", '{"file_path": "/tmp/kvfleet-l3-a"}'  # the engine took it
+    options = celery_app.conf.broker_transport_options
+    # The step moved the target to applying and sent the attach, then its worker died; now, a visibility
+    # timeout and a sweep later, the step is being redelivered.
+    taken = timezone.now() - timedelta(
+        seconds=options["visibility_timeout"] + options["unacked_restore_interval"]
+    )
+    OperationTarget.objects.filter(operation=op).update(
+        state="applying",
+        apply_sent=True,
+        before={"hicache_storage_backend": None},
+        deadline_at=taken + timedelta(seconds=settings.OPERATION_APPLY_TIMEOUT_S),
+    )
+    assert reap_stuck_targets() == 0
+    assert op.targets.get().state == "applying"
+    assert target_step(target_id=op.targets.get().pk) is None  # the redelivered step
+    op.refresh_from_db()
+    target = op.targets.get()
+    assert (target.state, target.explanation) == ("succeeded", "applied and verified")
+    assert [c for c in fake.calls if c[0] == "PUT"] == []  # it read the live state, sent nothing again
+    assert op.state == "succeeded"
+
+
 def test_reaper_reads_the_live_state_of_a_lost_apply(fake_worker):
     """Issue 15: the task died after the attach went out; the reaper reads the worker and finishes it."""
     fake = fake_worker()
@@ -196,8 +228,9 @@ def test_reaper_reads_the_live_state_of_a_lost_apply(fake_worker):
     OperationTarget.objects.filter(operation=op).update(
         state="applying", apply_sent=True, before={"hicache_storage_backend": None}
     )
-    OperationTarget.objects.filter(operation=op).update(deadline_at=timezone.now() - timedelta(minutes=5))
-    assert reap_stuck_targets(grace_s=30) == 1
+    past = timezone.now() - timedelta(seconds=settings.OPERATION_REAPER_GRACE_S + 1)  # no step can come back
+    OperationTarget.objects.filter(operation=op).update(deadline_at=past)
+    assert reap_stuck_targets() == 1
     op.refresh_from_db()
     target = op.targets.get()
     assert target.state == "succeeded" and target.after["hicache_storage_backend"] == "file"

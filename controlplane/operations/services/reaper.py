@@ -2,6 +2,7 @@
 
 from datetime import timedelta
 
+from django.conf import settings
 from django.utils import timezone
 
 from controlplane.core.context import bound_request_id
@@ -11,13 +12,17 @@ from controlplane.operations.services import steps
 from controlplane.operations.services.transitions import target_transition
 
 
-def reap_stuck_targets(*, grace_s: float = 30.0) -> int:
+def reap_stuck_targets(*, grace_s: float | None = None) -> int:
     """Settle targets still active past deadline + grace (their task was lost) from the worker's live state.
+
+    The grace (seconds) defaults to ``OPERATION_REAPER_GRACE_S``: the visibility timeout, one sweep interval
+    and the step hard limit, so a step redelivered after its worker died always runs (and ends) first.
 
     An apply that went out is read back: the target succeeds if the worker shows the wanted state, else
     fails with the live state recorded (and all_or_nothing reverts it). A revert reads the worker and records
     what it was left in. A target that never sent anything fails. Returns how many were settled.
     """
+    grace_s = settings.OPERATION_REAPER_GRACE_S if grace_s is None else grace_s
     cutoff = timezone.now() - timedelta(seconds=grace_s)
     stuck = OperationTarget.objects.select_related(
         "operation__storage_profile", "operation__revision", "operation__created_by", "worker__router"
