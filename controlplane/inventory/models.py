@@ -144,6 +144,12 @@ class EngineWorker(models.Model):
     role_changed_at = models.DateTimeField(
         null=True, blank=True, help_text="When the control plane last saw the worker's role change"
     )
+    desired_role = models.CharField(
+        max_length=10,
+        choices=WorkerRole.choices,
+        blank=True,
+        help_text="A role the worker's agent is asked to restart it in; cleared once it reports that role",
+    )
     model_name = models.CharField(max_length=200, blank=True)
     tp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     dp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])

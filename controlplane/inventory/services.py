@@ -124,6 +124,8 @@ def agent_register(
             before["workers"].append(model_snapshot(worker))
         if worker.pk and item.get("role", worker.role) != worker.role:
             worker.role_changed_at = timezone.now()
+        if item.get("role") and item["role"] == worker.desired_role:
+            worker.desired_role = ""
         for field in _WORKER_FIELDS:
             if field in item:
                 setattr(worker, field, item[field])
@@ -147,23 +149,50 @@ def agent_register(
 
 def worker_role_observed(*, worker: EngineWorker, role: str, actor=None) -> bool:
     """Record the role `worker` was seen running (e.g. read back from ``/server_info`` after a role switch);
-    audited, and ``role_changed_at`` set, when it differs from the stored one. Returns whether it changed."""
-    if role == worker.role:
-        return False
-    model_update(instance=worker, data={"role": role, "role_changed_at": timezone.now()}, actor=actor)
-    return True
+    audited, and ``role_changed_at`` set, when it differs from the stored one; a ``desired_role`` it now
+    runs is cleared. Returns whether the role changed."""
+    data = {"desired_role": ""} if worker.desired_role == role else {}
+    if role != worker.role:
+        data.update(role=role, role_changed_at=timezone.now())
+    if data:
+        model_update(instance=worker, data=data, actor=actor)
+    return "role" in data
+
+
+def worker_role_request(*, worker: EngineWorker, role: str, actor, reason: str = "") -> dict:
+    """Ask the worker's agent to restart it in ``role`` (the way to change the role of an engine that cannot
+    switch in place: no ``--enable-pd-role-switch``). The agent gets it in its next heartbeat answer, restarts
+    the worker with ``--disaggregation-mode=<role>`` and registers the role the worker then reports, which
+    clears the request. Audited. Raises ConflictError 409 ``no_agent`` for a worker no agent registered.
+    Returns {worker, role, desired_role}."""
+    if worker.host_id is None:
+        raise ConflictError(
+            f"worker {worker.name!r} has no host: no agent runs it to restart it", code="no_agent"
+        )
+    desired = "" if role == worker.role else role
+    if desired != worker.desired_role:
+        model_update(instance=worker, data={"desired_role": desired}, actor=actor, message=reason)
+    return {"worker": worker.pk, "role": worker.role, "desired_role": desired}
 
 
 def agent_heartbeat(
-    *, host_name: str, worker_urls: list[str], offline_urls: list[str] = (), bound_host: str | None = None
-) -> int:
-    """Mark a host and the listed workers of that host as seen now; returns how many workers matched.
+    *,
+    host_name: str,
+    worker_urls: list[str],
+    offline_urls: list[str] = (),
+    roles: dict | None = None,
+    bound_host: str | None = None,
+    actor=None,
+) -> dict:
+    """Mark a host and the listed workers of that host as seen now.
 
     ``offline_urls`` are workers the agent runs that are not serving (crashed, failing /health,
-    restarting): they become ``offline`` until a later heartbeat lists them as live again. Workers of other
+    restarting): they become ``offline`` until a later heartbeat lists them as live again. ``roles`` maps
+    worker URLs to the role each runs (:func:`worker_role_observed`: a change is audited). Workers of other
     hosts are never touched. ``bound_host``: as in :func:`agent_register` (403 ``wrong_host``).
 
-    Heartbeats are liveness observations, not changes, so they write no audit row.
+    Liveness itself writes no audit row. Returns {workers_seen, restart}: ``restart`` lists the host's
+    workers with a ``desired_role`` they do not run yet ({worker_url, role}), for the agent to restart.
     """
     _check_scope(host_name, bound_host)
     now = timezone.now()
@@ -173,7 +202,15 @@ def agent_heartbeat(
         )
     mine = EngineWorker.objects.filter(host__name=host_name)
     mine.filter(url__in=offline_urls).exclude(url__in=worker_urls).update(state=WorkerState.OFFLINE)
-    return mine.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)
+    seen = mine.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)
+    for worker in mine.filter(url__in=list(roles or {})):
+        worker_role_observed(worker=worker, role=roles[worker.url], actor=actor)
+    restart = [
+        {"worker_url": w.url, "role": w.desired_role}
+        for w in mine.exclude(desired_role="")
+        if w.desired_role != w.role
+    ]
+    return {"workers_seen": seen, "restart": restart}
 
 
 @transaction.atomic

@@ -5,6 +5,13 @@ reads; a reporter thread registers the host and its running workers, heartbeats,
 worker's ``/metrics`` every ``metrics_interval_s`` seconds, and the new rows of each ``--record-trace``
 worker's ``/recorded_trace`` (a cursor per worker moves only once the control plane stored them; rows it
 rejects are logged and skipped). SIGINT/SIGTERM stop every worker and exit.
+
+Roles: each worker is registered, and listed in every heartbeat, with the role it reports running
+(``/server_info`` ``disaggregation_mode``; the spec's role while it does not answer). A heartbeat answer's
+``restart`` entries ({worker_url, role}: the control plane's ``desired_role``, for engines that cannot switch
+in place) make the main thread restart that worker with its flags rebuilt for the role
+(:func:`engine.agent.spec.with_role`); the new role holds for later crash restarts until the agent itself
+restarts (then the spec file's role applies again).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -20,7 +28,7 @@ import time
 from engine.agent.host import host_facts
 from engine.agent.probe import metrics_text, recorded_trace, server_info
 from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected, Reporter
-from engine.agent.spec import FleetSpec, WorkerSpec
+from engine.agent.spec import ROLE_OF_MODE, FleetSpec, WorkerSpec, with_role
 from engine.agent.supervisor import Managed, Supervisor
 
 log = logging.getLogger("kvfleet.agent")
@@ -34,11 +42,15 @@ def local_url(w: WorkerSpec) -> str:
     return f"http://{host}:{w.port}"
 
 
+def command(w: WorkerSpec) -> list[str]:
+    return [sys.executable, "-m", "engine.launch_server", *w.flags]
+
+
 def managed(spec: FleetSpec) -> list[Managed]:
     return [
         Managed(
             name=w.name,
-            command=[sys.executable, "-m", "engine.launch_server", *w.flags],
+            command=command(w),
             health_url=f"{local_url(w)}/health",
             log_path=os.path.join(spec.log_dir, f"worker-{w.name}.log"),
             env=w.env,
@@ -63,13 +75,18 @@ def storage_fields(info: dict | None) -> dict:
     }
 
 
+def role_of(w: WorkerSpec, info: dict | None) -> str:
+    """The role the worker reports (``disaggregation_mode`` in its /server_info), else the spec's."""
+    return ROLE_OF_MODE.get(str((info or {}).get("disaggregation_mode")), w.role)
+
+
 def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
     """The worker object of the register call (the admin key lets the control plane run operations);
     ``info`` is the worker's ``/server_info`` (its attached L3 backend goes along)."""
     record = {
         "name": w.name,
         "url": w.url,
-        "role": w.role,
+        "role": role_of(w, info),
         "model_name": w.model_name,
         "page_size": w.page_size,
         **storage_fields(info),
@@ -86,11 +103,14 @@ class Agent:
             managed(spec), health_interval_s=spec.health_interval_s, unhealthy_after=spec.unhealthy_after
         )
         self.host = host_facts(spec.host_name, spec.address)
+        self.restarts: queue.Queue[list[dict]] = queue.Queue()  # from heartbeat answers, for the main thread
         self.reporter = Reporter(
             client,
             self._registration,
             self._live_urls,
             down_urls=self._down_urls,
+            roles=self._roles,
+            on_restart=self.restarts.put,
             heartbeat_interval_s=spec.heartbeat_interval_s,
             buffer_size=spec.buffer_size,
         )
@@ -106,6 +126,32 @@ class Agent:
 
     def _live_urls(self) -> list[str]:
         return [w.url for w in self._running()]
+
+    def _roles(self) -> dict[str, str]:
+        """URL -> role of each running worker that answers /server_info."""
+        infos = {w.url: server_info(local_url(w)) for w in self._running()}
+        return {w.url: role_of(w, infos[w.url]) for w in self._running() if infos.get(w.url)}
+
+    def restart_in_roles(self) -> None:
+        """Main thread: restart every worker a heartbeat answer asked to run in another role."""
+        while True:
+            try:
+                requests = self.restarts.get_nowait()
+            except queue.Empty:
+                return
+            for req in requests:
+                i = next((i for i, w in enumerate(self.spec.workers) if w.url == req.get("worker_url")), None)
+                if i is None or self.spec.workers[i].role == req.get("role"):
+                    continue  # not ours, or already restarted in that role
+                old = self.spec.workers[i]
+                try:
+                    new = with_role(old, req["role"])
+                except ValueError as exc:
+                    log.error("cannot restart %s as %s: %s", old.name, req["role"], exc)
+                    continue
+                self.spec.workers[i] = new
+                self._log([self.supervisor.replace(old.name, command(new), f"role {old.role} -> {new.role}")])
+                self.reporter.heartbeat_now()
 
     def _down_urls(self) -> list[str]:
         """Workers this agent runs that are not serving (crashed, unhealthy, restarting)."""
@@ -181,6 +227,7 @@ class Agent:
         reporter.start()
         try:
             while not self.stopping.is_set():
+                self.restart_in_roles()
                 self._log(self.supervisor.poll())
                 self.write_state()
                 self.stopping.wait(TICK_S)

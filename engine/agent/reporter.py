@@ -1,8 +1,9 @@
 """Talk to the control plane's agent API: register, heartbeat, metrics ingest; survive it being down.
 
 Endpoints (token auth, ``Authorization: Bearer cp_...``): ``POST /api/v1/agent/register/`` (host + workers,
-idempotent upsert), ``POST /api/v1/agent/heartbeat/`` (live worker URLs, and ``offline``: the ones not
-serving; 404 = unknown host: register again),
+idempotent upsert), ``POST /api/v1/agent/heartbeat/`` (live worker URLs, ``offline``: the ones not
+serving, ``roles``: the role each live worker reports; 404 = unknown host: register again; the answer's
+``restart`` lists workers to restart in a new role, handed to ``on_restart``),
 ``POST /api/v1/agent/metrics/`` (``{"worker_url", "text", "ts"}``: the worker's Prometheus text and when it
 was scraped, Unix seconds; 400 ``unknown_worker`` = not registered: register again, then resend).
 
@@ -72,8 +73,12 @@ class ControlPlaneClient:
     def register(self, host: dict, workers: list[dict]) -> dict:
         return self.call("POST", "/api/v1/agent/register/", json={"host": host, "workers": workers})
 
-    def heartbeat(self, host_name: str, worker_urls: list[str], offline_urls: list[str] = ()) -> dict:
+    def heartbeat(
+        self, host_name: str, worker_urls: list[str], offline_urls: list[str] = (), roles: dict | None = None
+    ) -> dict:
         body = {"host": host_name, "workers": worker_urls, "offline": list(offline_urls)}
+        if roles:
+            body["roles"] = roles
         return self.call("POST", "/api/v1/agent/heartbeat/", json=body)
 
     def push_metrics(self, worker_url: str, text: str, ts: float | None = None) -> dict:
@@ -98,7 +103,9 @@ class Reporter:
 
     ``registration()`` returns the current ``(host, workers)`` register body (re-sent after a restart of a
     worker or when a heartbeat says the host is unknown); ``live_urls()`` the URLs of running workers;
-    ``down_urls()`` those of its workers that are not serving (reported offline).
+    ``down_urls()`` those of its workers that are not serving (reported offline); ``roles()`` the role each
+    live worker runs (URL -> mixed | prefill | decode); ``on_restart(requests)`` gets the heartbeat answer's
+    ``restart`` list ([{worker_url, role}], called on the reporter thread).
     """
 
     def __init__(
@@ -108,6 +115,8 @@ class Reporter:
         live_urls: Callable[[], list[str]],
         *,
         down_urls: Callable[[], list[str]] = list,
+        roles: Callable[[], dict] = dict,
+        on_restart: Callable[[list[dict]], None] = lambda requests: None,
         heartbeat_interval_s: float = 5.0,
         buffer_size: int = 500,
         retry_base_s: float = 1.0,
@@ -117,6 +126,7 @@ class Reporter:
     ):
         self.client = client
         self.registration, self.live_urls, self.down_urls = registration, live_urls, down_urls
+        self.roles, self.on_restart = roles, on_restart
         self.heartbeat_interval_s = heartbeat_interval_s
         self.outbox: deque[tuple[str, str, float]] = deque(maxlen=buffer_size)
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
@@ -203,7 +213,11 @@ class Reporter:
             )
         if now >= self.next_heartbeat:
             try:
-                self.client.heartbeat(self.host_name, self.live_urls(), self.down_urls())
+                answer = self.client.heartbeat(
+                    self.host_name, self.live_urls(), self.down_urls(), self.roles()
+                )
+                if answer.get("restart"):
+                    self.on_restart(answer["restart"])
             except ControlPlaneRejected as exc:
                 if exc.status == 404:
                     self.reregister()

@@ -18,11 +18,17 @@ arg by its ``ServerArgs`` name, e.g. ``page_size``, ``max_total_tokens``, ``enab
     [[workers]]
     name = "w0"
     model = "smollm2"
-    role = "mixed"               # mixed | prefill | decode
+    role = "mixed"               # mixed | prefill | decode (or SGLang's disaggregation_mode = "prefill")
     port = 30001
     enable_hierarchical_cache = true
     hicache_storage_backend = "mooncake"
     hicache_storage_backend_extra_config = { master_server_address = "${MOONCAKE_MASTER}" }
+
+PD workers take SGLang's PD flags as keys (``disaggregation_bootstrap_port``,
+``disaggregation_transfer_backend``, ``disaggregation_ib_device``, ``enable_pd_role_switch``, ...);
+``disaggregation_mode`` may stand for ``role`` (``"null"`` = mixed; giving both with different roles is an
+error). :func:`with_role` rebuilds a worker's flags for another role (the agent restarts it with them when
+the control plane asks).
 
 Strings may reference the environment as ``${VAR}`` or ``${VAR:-default}``. Every value is checked with the
 engine's own argument parser before anything starts; any problem raises :class:`SpecError` naming the file,
@@ -36,12 +42,13 @@ import os
 import re
 import socket
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.server.args import SECRET_ENV, ArgumentError, build_parser, parse_args
 
 ROLES = {"mixed": "null", "prefill": "prefill", "decode": "decode"}
+ROLE_OF_MODE = {mode: role for role, mode in ROLES.items()}
 AGENT_KEYS = {
     "host_name": str,
     "address": str,
@@ -54,7 +61,8 @@ AGENT_KEYS = {
 }
 WORKER_META_KEYS = {"name", "model", "role", "url", "env"}
 # Launch args the agent sets itself from other fields (model, role, port are fields of their own).
-_RESERVED_ARGS = {"model_path", "disaggregation_mode"}
+_RESERVED_ARGS = {"model_path"}
+_MODE_FLAG = "--disaggregation-mode="
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _HEADER = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\"-]+)\s*\]\]?")
 _KEY = re.compile(r"^\s*\"?([A-Za-z0-9_-]+)\"?\s*=")
@@ -276,7 +284,7 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
     flag_field: dict[str, str] = {}
     for key, value in raw.items():
         err = error_at("workers", i, key)
-        if key in WORKER_META_KEYS:
+        if key in WORKER_META_KEYS or key == "disaggregation_mode":
             continue
         if key in _RESERVED_ARGS or key not in actions:
             known = ", ".join(sorted(k for k in actions if k not in _RESERVED_ARGS))
@@ -296,12 +304,21 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
     role = meta.get("role", "mixed")
     if role not in ROLES:
         raise error_at("workers", i, "role")(f"must be one of {', '.join(ROLES)}, got {role!r}")
+    if "disaggregation_mode" in raw:
+        mode = expand(
+            raw["disaggregation_mode"], "disaggregation_mode", error_at("workers", i, "disaggregation_mode")
+        )
+        if mode not in ROLE_OF_MODE:
+            raise error_at("workers", i, "disaggregation_mode")(
+                f"must be null, prefill or decode, got {mode!r}"
+            )
+        if "role" in raw and ROLE_OF_MODE[mode] != role:
+            raise error_at("workers", i, "disaggregation_mode")(f"{mode!r} contradicts role = {role!r}")
+        role = ROLE_OF_MODE[mode]
     env = meta.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise error_at("workers", i, "env")("must be a table of strings")
-    flags = [f"--model-path={meta['model']}", *flags]
-    if role != "mixed":
-        flags.append(f"--disaggregation-mode={ROLES[role]}")
+    flags = [f"--model-path={meta['model']}", *_role_flags(flags, role)]
     try:
         args = parse_args(flags)
     except ArgumentError as exc:
@@ -327,3 +344,23 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
         page_size=args.page_size,
         model_name=args.model_name,
     )
+
+
+def _role_flags(flags: list[str], role: str) -> list[str]:
+    kept = [f for f in flags if not f.startswith(_MODE_FLAG)]
+    return kept if role == "mixed" else [*kept, f"{_MODE_FLAG}{ROLES[role]}"]
+
+
+def with_role(w: WorkerSpec, role: str) -> WorkerSpec:
+    """``w`` launched in ``role`` (mixed | prefill | decode) instead: its flags with ``--disaggregation-mode``
+    replaced, everything else (bootstrap port, transfer backend, role switch, cache) unchanged. Raises
+    ``ValueError`` for an unknown role or flags the engine's parser refuses in that role (e.g.
+    ``--enable-pd-role-switch`` on a mixed worker)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    flags = _role_flags(w.flags, role)
+    try:
+        parse_args(flags)
+    except ArgumentError as exc:
+        raise ValueError(f"worker {w.name} cannot run as {role}: {exc}") from None
+    return replace(w, role=role, flags=flags)

@@ -63,7 +63,7 @@ class Managed:
 
 @dataclass
 class Event:
-    """Something the agent reports: ``kind`` is started | healthy | crashed | stopped."""
+    """Something the agent reports: ``kind`` is started | healthy | crashed | replaced | stopped."""
 
     kind: str
     name: str
@@ -158,6 +158,17 @@ class Supervisor:
         delay = self.backoff(p.crashes)
         p.state, p.next_start_at = "backoff", self.clock() + delay
         return Event("crashed", p.name, f"{why}; restart #{p.restarts + 1} in {delay:.1f}s")
+
+    def replace(self, name: str, command: list[str], why: str) -> Event:
+        """Stop ``name`` (SIGTERM to its group, SIGKILL after 20 s) and start it again with ``command`` now;
+        its crash count starts over. Later restarts use the new command."""
+        p = self.processes[name]
+        if p.proc is not None and p.proc.poll() is None:
+            _terminate(p.proc, 20.0)
+        p.command, p.crashes, p.failed_probes = command, 0, 0
+        p.restarts += 1
+        started = self._start(p)
+        return Event("replaced", name, f"{why}; {started.detail}")
 
     def running(self) -> list[str]:
         return [p.name for p in self.processes.values() if p.state == "running"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.agent.spec import SpecError, load_spec
+from engine.agent.spec import SpecError, load_spec, with_role
 from engine.server.args import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,6 +104,11 @@ BAD = [
     ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\n"
      "hicache_storage_backend = \"mooncake\"\n", 5, "workers[0].hicache_storage_backend",
      "--hicache-storage-backend needs --enable-hierarchical-cache"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\nrole = \"decode\"\n"
+     "disaggregation_mode = \"prefill\"\n", 6, "workers[0].disaggregation_mode",
+     "contradicts role = 'decode'"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\ndisaggregation_mode = \"encode\"\n", 5,
+     "workers[0].disaggregation_mode", "must be null, prefill or decode"),
 ]  # fmt: skip
 
 
@@ -140,3 +145,24 @@ def test_secrets_reach_the_worker_through_its_environment_not_its_command_line(t
     assert not [f for f in w0.flags if "s3cret" in f or "k3y" in f]
     assert w0.env == {"KVFLEET_ADMIN_API_KEY": "s3cret", "KVFLEET_API_KEY": "k3y"}
     assert w0.admin_api_key == "s3cret"
+
+
+def test_sglang_pd_flags_and_a_new_role(tmp_path):
+    text = (
+        '[[workers]]\nname = "p0"\nmodel = "smollm2"\nport = 31001\ndisaggregation_mode = "prefill"\n'
+        'disaggregation_bootstrap_port = 9001\ndisaggregation_transfer_backend = "fake"\n'
+        "enable_pd_role_switch = true\n"
+    )
+    (w,) = load_spec(write(tmp_path, text), {}).workers
+    assert w.role == "prefill" and "--disaggregation-mode=prefill" in w.flags
+    assert {"--disaggregation-bootstrap-port=9001", "--enable-pd-role-switch"} <= set(w.flags)
+    d = with_role(w, "decode")
+    args = parse_args(d.flags)
+    assert (d.role, args.disaggregation_mode, args.disaggregation_bootstrap_port) == (
+        "decode",
+        "decode",
+        9001,
+    )
+    assert args.enable_pd_role_switch and args.disaggregation_transfer_backend == "fake"
+    with pytest.raises(ValueError, match="cannot run as mixed: --enable-pd-role-switch needs"):
+        with_role(w, "mixed")

@@ -3,7 +3,7 @@
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from controlplane.inventory.models import EngineWorker, Gpu, Host, Router, StorageProfile
+from controlplane.inventory.models import EngineWorker, Gpu, Host, Router, StorageProfile, WorkerRole
 from controlplane.inventory.selectors import router_breakers
 
 
@@ -101,6 +101,7 @@ class EngineWorkerSerializer(serializers.ModelSerializer):
             "router",
             "role",
             "role_changed_at",
+            "desired_role",
             "model_name",
             "tp_size",
             "dp_size",
@@ -122,6 +123,7 @@ class EngineWorkerSerializer(serializers.ModelSerializer):
             "storage_profile",
             "config_revision",
             "role_changed_at",
+            "desired_role",
             "state",
             "last_seen",
             "created_at",
@@ -193,7 +195,26 @@ class AgentHeartbeatSerializer(serializers.Serializer):
     host = serializers.CharField(max_length=100)
     workers = serializers.ListField(child=serializers.URLField(), required=False, default=list)
     offline = serializers.ListField(child=serializers.URLField(), required=False, default=list)
+    roles = serializers.DictField(
+        child=serializers.ChoiceField(choices=WorkerRole.choices),
+        required=False,
+        default=dict,
+        help_text="worker URL -> the role it runs (its /server_info disaggregation_mode; null = mixed)",
+    )
+
+
+class RoleRestartSerializer(serializers.Serializer):
+    worker_url = serializers.URLField()
+    role = serializers.ChoiceField(choices=WorkerRole.choices)
 
 
 class AgentHeartbeatResponseSerializer(serializers.Serializer):
     workers_seen = serializers.IntegerField()
+    restart = RoleRestartSerializer(
+        many=True, help_text="Workers to restart in a new role (their desired_role), with that role"
+    )
+
+
+class WorkerRoleSerializer(serializers.Serializer):
+    role = serializers.ChoiceField(choices=[WorkerRole.PREFILL, WorkerRole.DECODE])
+    reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)

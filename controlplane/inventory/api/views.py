@@ -69,6 +69,20 @@ class EngineWorkerViewSet(ServiceModelViewSet):
         """Put the worker back into its router (the reverse of drain)."""
         return Response(services.worker_undrain(worker=self.get_object(), actor=request.user))
 
+    @extend_schema(request=s.WorkerRoleSerializer, responses={202: OpenApiTypes.OBJECT})
+    @action(detail=True, methods=["post"])
+    def role(self, request, pk=None):
+        """Ask the worker's agent to restart it in another PD role (``desired_role`` until it reports it)."""
+        body = s.WorkerRoleSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        answer = services.worker_role_request(
+            worker=self.get_object(),
+            role=body.validated_data["role"],
+            actor=request.user,
+            reason=body.validated_data["reason"],
+        )
+        return Response(answer, status=status.HTTP_202_ACCEPTED)
+
     @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
     @action(detail=True, methods=["post"])
     def drain(self, request, pk=None):
@@ -115,10 +129,12 @@ class AgentHeartbeatApi(APIView):
     def post(self, request):
         body = s.AgentHeartbeatSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        seen = services.agent_heartbeat(
+        answer = services.agent_heartbeat(
             host_name=body.validated_data["host"],
             worker_urls=body.validated_data["workers"],
             offline_urls=body.validated_data["offline"],
+            roles=body.validated_data["roles"],
             bound_host=agent_host_scope(request.user, request.auth),
+            actor=request.user,
         )
-        return Response({"workers_seen": seen})
+        return Response(answer)
