@@ -89,6 +89,9 @@ class StorageProfileSerializer(serializers.ModelSerializer):
 
 class EngineWorkerSerializer(serializers.ModelSerializer):
     admin_key = serializers.CharField(write_only=True, required=False, allow_blank=True, max_length=500)
+    desired_role = serializers.CharField(
+        read_only=True, help_text="prefill | decode: its agent is asked to restart it in that role; '' = none"
+    )
     has_admin_key = serializers.SerializerMethodField()
 
     class Meta:
