@@ -2,8 +2,12 @@
 
 Attach, detach (idempotent), clear, policy updates and the status the server reports. Every refusal is a
 :class:`CacheAdminError` and changes nothing; the cache refuses while its own I/O is in flight (the
-scheduler checks request idleness before calling). A runtime attach builds the backend (which may talk to
-a remote store) with :meth:`prepare_storage_backend` off the scheduler thread, then installs it there.
+scheduler checks request idleness before calling). No store call runs on the scheduler thread when the
+server drives these: a runtime attach builds the backend (which may talk to a remote store) with
+:meth:`prepare_storage_backend` off that thread, then installs it there; a detach takes the backend out
+there (:meth:`take_storage_backend`) and closes it off it; a clear pauses L3 I/O there
+(:meth:`pause_storage_backend`), wipes the store off it and resumes there. An unresponsive store then stalls
+only the admin request, never serving (SGLang runs these store calls on its scheduler).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ class CacheAdminError(ValueError):
 
 @dataclass
 class PreparedBackend:
-    """A started L3 backend not yet in use: ``extra`` is the parsed extra config (cache-level keys are
-    applied when it is installed). ``close()`` it when it is not installed."""
+    """A started L3 backend the cache is not using: prepared for an attach, taken out by a detach or paused
+    for a clear. ``extra`` is the parsed extra config (cache-level keys are applied when it is installed).
+    ``close()`` it when it is not installed again."""
 
     name: str
     instance: HiCacheStorage
@@ -47,6 +52,15 @@ class PreparedBackend:
     def close(self) -> None:
         self.instance.close()
 
+    def clear(self) -> str:
+        """Delete every page in the store (any thread; it may wait on a remote store); raises
+        ``CacheAdminError`` when the store refuses."""
+        try:
+            self.instance.clear()
+        except Exception as exc:
+            raise CacheAdminError(f"clear failed: {exc}") from exc
+        return f"Cleared storage backend {self.name!r}"
+
 
 class StorageAdminMixin:
     """Storage admin methods of :class:`~engine.cache.hiradix_cache.HiRadixCache` (uses its controller,
@@ -55,6 +69,10 @@ class StorageAdminMixin:
     def _check_admin(self, action: str) -> None:
         if self.controller is None:
             raise CacheAdminError(f"Reject {action}: hierarchical cache is not enabled")
+        if self.storage_paused is not None:
+            raise CacheAdminError(
+                f"Reject {action}: a clear of storage backend {self.backend_name!r} is running"
+            )
         io = {k: v for k, v in self.inflight_io().items() if v}
         if io:
             named = ", ".join(f"{k}={v}" for k, v in io.items())
@@ -157,10 +175,7 @@ class StorageAdminMixin:
         self.config = config.updated(storage_backend=prepared.name)
         self.backend, self.backend_name = prepared.instance, prepared.name
         self.backend_attached_extra = dict(prepared.extra)
-        backup_skip = self.replicated_kv and self.tp_rank != 0
-        self.controller.attach_storage(
-            prepared.instance, prepared.namespace, config.prefetch_threshold, backup_skip, prepared.name
-        )
+        self._start_storage_io(prepared)
         for node in self.tree.nodes():
             if node.hash_value is None:
                 self._ensure_hashes(node)
@@ -177,33 +192,72 @@ class StorageAdminMixin:
                 self._backup_to_storage(node)
                 stack.extend(node.children.values())
 
-    def detach_storage_backend(self) -> str:
-        """Stop using L3 (idempotent). L3 data, L1/L2 contents and page keys stay. Raises
-        ``CacheAdminError`` while cache I/O is in flight."""
-        if self.backend is None:
-            return "no storage backend attached"
-        self._check_admin("detach")
+    def _start_storage_io(self, backend: PreparedBackend) -> None:
+        backup_skip = self.replicated_kv and self.tp_rank != 0
+        self.controller.attach_storage(
+            backend.instance, backend.namespace, self.config.prefetch_threshold, backup_skip, backend.name
+        )
+
+    def _stop_storage_io(self, action: str) -> PreparedBackend:
+        """Stop the L3 threads (no store call) and unset ``backend``; the attached backend, as a
+        :class:`PreparedBackend`. Raises ``CacheAdminError`` while cache I/O is in flight."""
+        self._check_admin(action)
+        namespace = self.controller.namespace
         try:
-            backend = self.controller.detach_storage()
+            instance = self.controller.detach_storage()
         except RuntimeError as exc:
             raise CacheAdminError(str(exc)) from exc
         self._drain_storage_queues(lambda op, values: values)
-        backend.close()
-        name, self.backend, self.backend_name = self.backend_name, None, None
-        self.backend_attached_extra = None
+        self.backend = None
+        return PreparedBackend(
+            self.backend_name, instance, dict(self.backend_attached_extra or {}), namespace
+        )
+
+    def take_storage_backend(self) -> PreparedBackend | None:
+        """Stop using L3 without closing the backend (no store call, so fit for the scheduler thread): the
+        detached backend, for the caller to ``close()`` (which may wait on its store), or None when none is
+        attached. L3 data, L1/L2 contents and page keys stay. Raises ``CacheAdminError`` while cache I/O is
+        in flight or a clear runs."""
+        if self.backend is None and self.storage_paused is None:
+            return None
+        taken = self._stop_storage_io("detach")
+        self.backend_name = self.backend_attached_extra = None
         self.config = self.config.updated(storage_backend=None)
-        return f"Detached storage backend {name!r}"
+        return taken
+
+    def detach_storage_backend(self) -> str:
+        """``take_storage_backend`` and close it on this thread (idempotent); returns a message."""
+        taken = self.take_storage_backend()
+        if taken is None:
+            return "no storage backend attached"
+        taken.close()
+        return f"Detached storage backend {taken.name!r}"
+
+    def pause_storage_backend(self) -> PreparedBackend:
+        """Stop L3 I/O for a clear (no store call, so fit for the scheduler thread): the backend stays
+        attached (name, config and reported status unchanged), nothing prefetches from or backs up to it,
+        and other admin operations are refused until :meth:`resume_storage_backend`. Returns it, for the
+        caller to ``clear()``. Raises ``CacheAdminError`` without a backend or while cache I/O is in
+        flight."""
+        if self.backend is None and self.storage_paused is None:
+            raise CacheAdminError("no storage backend attached")
+        self.storage_paused = self._stop_storage_io("clear")
+        return self.storage_paused
+
+    def resume_storage_backend(self, paused: PreparedBackend) -> None:
+        """Use ``paused`` again after its clear (pages backed up before the clear are not sent again)."""
+        self.storage_paused = None
+        self.backend = paused.instance
+        self._start_storage_io(paused)
 
     def clear_storage_backend(self) -> str:
-        """Delete every page in the attached L3 backend. Raises ``CacheAdminError``."""
-        if self.backend is None:
-            raise CacheAdminError("no storage backend attached")
-        self._check_admin("clear")
+        """Delete every page in the attached L3 backend (pause, clear, resume on this thread). Raises
+        ``CacheAdminError``."""
+        paused = self.pause_storage_backend()
         try:
-            self.backend.clear()
-        except Exception as exc:
-            raise CacheAdminError(f"clear failed: {exc}") from exc
-        return f"Cleared storage backend {self.backend_name!r}"
+            return paused.clear()
+        finally:
+            self.resume_storage_backend(paused)
 
     def update_policies(self, **fields) -> dict:
         """Change prefetch/write policies, threshold or timeouts at runtime; returns ``storage_status()``.

@@ -87,6 +87,7 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         self.controller: HiCacheController | None = None
         self.backend_name: str | None = None
         self.backend: HiCacheStorage | None = None
+        self.storage_paused = None  # the backend while a clear runs (StorageAdminMixin)
         self._ids = itertools.count()
         self._ongoing_write: dict[int, TreeNode] = {}
         self._ongoing_load: dict[int, TreeNode] = {}

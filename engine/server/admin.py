@@ -3,9 +3,12 @@
 Auth (upstream): without ``--admin-api-key`` every route answers 400 saying a key is required; with one, a
 missing or wrong ``Authorization: Bearer`` is 401. Attach, detach, clear and config changes run on the
 scheduler thread and only when it is idle (nothing running or waiting, no cache I/O in flight); otherwise 400
-with the queue counts and nothing changes. An attach starts the new backend (e.g. connects to a Mooncake
-master, bounded by its checks) on a worker thread first, so neither the scheduler nor this event loop waits
-on the store. Bodies and texts:
+with the queue counts and nothing changes. No store call runs on the scheduler thread or this event loop, so
+a slow or unresponsive store (a Mooncake master that stopped answering) stalls only the admin request: an
+attach starts the new backend (e.g. connects to a Mooncake master, bounded by its checks) on a worker thread
+first; a detach takes the backend out on the scheduler thread and closes it on a worker thread; a clear
+pauses L3 I/O (requests are served from L1/L2 meanwhile; other admin calls are refused), wipes the store on
+a worker thread, then resumes. Bodies and texts:
 
 - ``PUT /hicache/storage-backend`` ``{hicache_storage_backend, hicache_storage_backend_extra_config_json?,
   hicache_storage_prefetch_policy?, hicache_write_policy?}`` -> 200 ``"HiCache storage backend attached.\\n"``
@@ -154,7 +157,9 @@ async def attach_backend(request: Request):
 async def detach_backend(request: Request):
     engine = _auth(request)
     failure = "Failed to detach HiCache storage backend."
-    await _run_idle(engine, "detach", lambda cache: cache.detach_storage_backend(), failure)
+    taken = await _run_idle(engine, "detach", lambda cache: cache.take_storage_backend(), failure)
+    if taken is not None:
+        await asyncio.to_thread(taken.close)
     engine.args.hicache_storage_backend = None
     engine.args.hicache_storage_backend_extra_config = None
     return PlainTextResponse("HiCache storage backend detached.\n")
@@ -166,7 +171,13 @@ async def detach_backend(request: Request):
 async def clear_backend(request: Request):
     engine = _auth(request)
     failure = "Failed to clear HiCache storage backend."
-    await _run_idle(engine, "clear", lambda cache: cache.clear_storage_backend(), failure)
+    paused = await _run_idle(engine, "clear", lambda cache: cache.pause_storage_backend(), failure)
+    try:
+        await asyncio.to_thread(paused.clear)
+    except CacheAdminError as exc:
+        raise HTTPError(400, f"{failure}\n{exc}") from None
+    finally:
+        await engine.call(lambda s: s.cache.resume_storage_backend(paused))
     return PlainTextResponse("HiCache storage backend cleared.\n")
 
 

@@ -119,6 +119,36 @@ def test_clear_and_update_policies(make_cache, tmp_path):
     assert cache.storage_status()["prefetch_timeout_base"] == 2.0
 
 
+def test_clear_pauses_l3_io_while_the_store_is_wiped_elsewhere(make_cache, tmp_path):
+    """The server wipes the store off the scheduler thread: meanwhile the backend stays attached as far as
+    anyone can tell, no request reads or writes L3, other admin calls are refused; then it resumes."""
+    cache = make_cache()
+    cache.attach_storage_backend("file", _file_json(tmp_path))
+    prefill(cache, T)
+    cache.drain_io()
+    status = cache.storage_backend_status()
+    paused = cache.pause_storage_backend()
+    assert cache.storage_backend_status() == status  # still attached
+    for admin in (
+        cache.detach_storage_backend,
+        cache.clear_storage_backend,
+        lambda: cache.attach_storage_backend("file"),
+    ):
+        with pytest.raises(CacheAdminError, match="a clear of storage backend 'file' is running"):
+            admin()
+    assert paused.clear() == "Cleared storage backend 'file'" and not list(tmp_path.glob("*.bin"))
+    prefill(cache, list(range(40, 48)))  # served meanwhile, without L3
+    cache.drain_io()
+    assert not list(tmp_path.glob("*.bin"))
+    cache.resume_storage_backend(paused)
+    assert cache.storage_backend_status() == status
+    prefill(cache, list(range(60, 68)))
+    cache.drain_io()
+    assert len(list(tmp_path.glob("*.bin"))) == 2  # backups flow again
+    assert "Detached" in cache.detach_storage_backend()
+    check_invariants(cache)
+
+
 def test_plain_cache_refuses_storage_admin(make_cache):
     cache = make_cache(hierarchical=False)
     with pytest.raises(CacheAdminError, match="not enabled"):
