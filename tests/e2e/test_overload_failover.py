@@ -25,7 +25,7 @@ from engine.bench.launcher import ServerProcess
 pytestmark = pytest.mark.slow
 FLAGS = ["--model-path", "smollm2", "--max-total-tokens", "1024", "--max-running-requests", "1",
          "--max-queued-requests", "1"]  # fmt: skip
-LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}  # keeps the one running slot busy
+LONG = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}  # holds the running slot until aborted
 SYSTEM = "".join(f"Rule {i}: answer questions about harbour {i} briefly and politely. " for i in range(12))
 
 

@@ -63,6 +63,7 @@ def test_clear_and_detach_against_a_stopped_master_leave_the_worker_serving(work
         deadline = time.monotonic() + 60
         while not clear_running():
             assert time.monotonic() < deadline, "the clear was not seen running"
+            time.sleep(0.05)
         assert client.get("/health").status_code == 200
         gen = client.post("/generate", json={**GEN, "text": "Another question about ships."})
         assert gen.status_code == 200 and gen.json()["meta_info"]["completion_tokens"] == 2
