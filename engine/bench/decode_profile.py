@@ -1,6 +1,6 @@
 """Where a decode step's time goes, and decode-step variants timed against each other in the same run.
 
-``python -m engine.bench.decode_profile [--batch 4] [--context 512] [--steps 12]``
+``python -m engine.bench.decode_profile [--batch 4] [--context 512] [--steps 12] [--variants ...]``
 
 1. Breakdown: the real model (SmolLM2-135M GGUF) on the torch attention backend, ``--batch`` sequences of
    ``--context`` tokens in a shuffled paged pool, decoded one token per step. Each part of a scheduler decode
@@ -8,11 +8,13 @@
    sampling, streaming detokenization), and torch.profiler splits the forward pass by operator into weight
    matmuls (``aten::mm``/``addmm``/``linear``), K/V gathers (``index_select``), attention (SDPA), K/V writes
    (``index_put_``) and the rest (norms, RoPE, activations, per-op dispatch).
-2. Variants (``--variants``): fp32 vs bf16 weights and torch thread counts, interleaved rounds, median ms per
-   decode step and the ratio to the fp32 baseline of the same round (min-max over rounds).
+2. Variants (``--variants float32@2 bfloat16@2 float32+int8wo@2 float32@1``): dtype, ``--torchao-config``
+   quantization and torch thread count per variant, interleaved rounds, wall ms per decode step (the median
+   of a round) and the ratio to the first variant of the same round (median and min-max over rounds), with
+   this process's CPU ms next to it.
 
-All times are this process's CPU time (``time.process_time``, all threads), not wall time: on a shared
-machine other jobs stretch wall time but not the CPU a step consumes.
+The breakdown's times are this process's CPU time (``time.process_time``, all threads): on a shared machine
+other jobs stretch wall time but not the CPU a step consumes.
 
 HTTP/SSE cost is not here: py-spy over a loaded server shows it (see docs/benchmarks.md).
 """
@@ -130,36 +132,47 @@ def breakdown(runner: ModelRunner, batch: int, context: int, steps: int) -> None
         print(f"{name:<22}{us / 4e3:>10.2f} ms/step{us / whole:>8.1%}")
 
 
-def variants(ckpt, batch: int, context: int, steps: int, rounds: int) -> None:
-    configs = [("float32", 2), ("bfloat16", 2), ("float32", 1)]
-    runners = {dt: ModelRunner.from_checkpoint(ckpt, dtype=dt) for dt in {c[0] for c in configs}}
-    results: dict[tuple[str, int], list[float]] = defaultdict(list)
-    ratios: dict[tuple[str, int], list[float]] = defaultdict(list)
+def _parse_variant(spec: str) -> tuple[str, str | None, int]:
+    """``dtype[+quantization][@threads]``, e.g. ``float32``, ``bfloat16@1``, ``float32+int8wo@2``."""
+    rest, _, threads = spec.partition("@")
+    dtype, _, quant = rest.partition("+")
+    return dtype, quant or None, int(threads or torch.get_num_threads())
+
+
+def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: list[str]) -> None:
+    """Each variant decodes ``steps`` steps per round; rounds alternate the order. Wall ms per step (the
+    median of a round) and its ratio to the first variant of the same round, median (min-max) over rounds."""
+    configs = [_parse_variant(s) for s in specs]
+    runners = {(dt, q): ModelRunner.from_checkpoint(ckpt, dtype=dt, quantization=q) for dt, q, _ in configs}
+    wall: dict[str, list[float]] = defaultdict(list)
+    cpu: dict[str, list[float]] = defaultdict(list)
+    ratios: dict[str, list[float]] = defaultdict(list)
+    threads_before = torch.get_num_threads()
     for r in range(rounds):
-        order = configs if r % 2 == 0 else configs[::-1]
+        order = list(zip(specs, configs, strict=True))
         this_round = {}
-        for dt, threads in order:
+        for spec, (dt, q, threads) in order if r % 2 == 0 else order[::-1]:
             torch.set_num_threads(threads)
-            setup = DecodeSetup(runners[dt], batch, context, steps + 2)
+            setup = DecodeSetup(runners[(dt, q)], batch, context, steps + 2)
             setup.step()
-            ts = []
+            ts, cs = [], []
             for _ in range(steps):
-                t0 = time.process_time()
+                t0, c0 = time.perf_counter(), time.process_time()
                 setup.step()
-                ts.append(time.process_time() - t0)
-            this_round[(dt, threads)] = statistics.median(ts)
-            results[(dt, threads)].append(this_round[(dt, threads)])
-        for key, v in this_round.items():
-            ratios[key].append(v / this_round[configs[0]])
-    torch.set_num_threads(2)
+                ts.append(time.perf_counter() - t0)
+                cs.append(time.process_time() - c0)
+            this_round[spec] = statistics.median(ts)
+            wall[spec].append(this_round[spec])
+            cpu[spec].append(statistics.median(cs))
+        for spec, v in this_round.items():
+            ratios[spec].append(v / this_round[specs[0]])
+    torch.set_num_threads(threads_before)
     print(f"\nvariants, batch {batch}, context {context}, {rounds} interleaved rounds of {steps} steps")
-    print(f"{'dtype':<10}{'threads':>8}{'CPU ms/step':>16}{'vs fp32/2 (min-max)':>24}")
-    for key in configs:
-        rs = ratios[key]
-        print(
-            f"{key[0]:<10}{key[1]:>8}{statistics.median(results[key]) * 1e3:>16.1f}"
-            f"{statistics.median(rs):>14.2f} ({min(rs):.2f}-{max(rs):.2f})"
-        )
+    print(f"{'variant':<22}{'wall ms/step':>14}{'CPU ms/step':>13}   vs {specs[0]} (median, min-max)")
+    for spec in specs:
+        rs, w, c = ratios[spec], statistics.median(wall[spec]), statistics.median(cpu[spec])
+        spread = f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})"
+        print(f"{spec:<22}{w * 1e3:>14.1f}{c * 1e3:>13.1f}   {spread}")
 
 
 def main() -> None:
@@ -169,14 +182,22 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", action="store_true", help="also time fp32/bf16 and thread counts")
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        metavar="DTYPE[+QUANT][@THREADS]",
+        help="also time these against the first (e.g. float32@2 bfloat16@2 float32+int8wo@2 float32@1)",
+    )
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--no-breakdown", action="store_true", help="only the variants")
     args = ap.parse_args()
     torch.set_num_threads(2)
     ckpt = load_checkpoint(args.model_path)
-    breakdown(ModelRunner.from_checkpoint(ckpt, dtype=args.dtype), args.batch, args.context, args.steps)
+    if not args.no_breakdown:
+        runner = ModelRunner.from_checkpoint(ckpt, dtype=args.dtype)
+        breakdown(runner, args.batch, args.context, args.steps)
     if args.variants:
-        variants(ckpt, args.batch, args.context, args.steps, args.rounds)
+        variants(ckpt, args.batch, args.context, args.steps, args.rounds, args.variants)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Follows transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` numerics: RMSNorm in
 float32 then cast and scale, rotate-half RoPE from absolute positions, Qwen2 q/k/v biases, Qwen3 per-head q/k
 RMSNorm before RoPE, SiLU-gated MLP, tied embeddings. Weights are plain contiguous tensors; q/k/v and
-gate/up projections are fused into one matmul each.
+gate/up projections are fused into one matmul each. ``quantization="int8wo"`` makes every linear layer (q/k/v,
+o, gate/up, down and the LM head; not the embedding) int8 weight-only (``engine/model/linear.py``), quantized
+from the checkpoint's float32 weights.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from engine.model.attention import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.forward_batch import ForwardBatch
+from engine.model.linear import check_quantization, make_linear
 from engine.model.rotary import apply_rotary, cos_sin, inv_freq
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -31,16 +34,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DecoderLayer:
     """One pre-norm block: attention (fused qkv, optional biases and q/k norm) and a SiLU-gated MLP."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, w: dict[str, torch.Tensor | None]) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, w: dict[str, torch.Tensor | None], quantization: str | None
+    ) -> None:
         self.cfg = cfg
         self.layer_id = layer_id
         self.input_norm = w["input_layernorm"]
         self.post_norm = w["post_attention_layernorm"]
-        self.qkv_w, self.qkv_b = w["qkv_w"], w["qkv_b"]
-        self.o_w, self.o_b = w["o_w"], w["o_b"]
+        self.qkv = make_linear(w["qkv_w"], w["qkv_b"], quantization)
+        self.o_proj = make_linear(w["o_w"], w["o_b"], quantization)
         self.q_norm, self.k_norm = w["q_norm"], w["k_norm"]
-        self.gate_up_w, self.gate_up_b = w["gate_up_w"], w["gate_up_b"]
-        self.down_w, self.down_b = w["down_w"], w["down_b"]
+        self.gate_up = make_linear(w["gate_up_w"], w["gate_up_b"], quantization)
+        self.down = make_linear(w["down_w"], w["down_b"], quantization)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
 
@@ -55,7 +60,7 @@ class DecoderLayer:
     ) -> torch.Tensor:
         """Hidden states ``(T, hidden)`` in and out; writes this layer's K/V of the new tokens."""
         cfg, tokens = self.cfg, x.shape[0]
-        qkv = F.linear(rms_norm(x, self.input_norm, cfg.rms_norm_eps), self.qkv_w, self.qkv_b)
+        qkv = self.qkv(rms_norm(x, self.input_norm, cfg.rms_norm_eps))
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(tokens, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(tokens, cfg.num_key_value_heads, cfg.head_dim)
@@ -67,10 +72,10 @@ class DecoderLayer:
         if batch.layer_hook is not None:
             batch.layer_hook(self.layer_id)
         out = attn.forward(q, k, v, self.layer_id, batch, kv_pool)
-        x = x + F.linear(out.reshape(tokens, self.q_size), self.o_w, self.o_b)
-        gate_up = F.linear(rms_norm(x, self.post_norm, cfg.rms_norm_eps), self.gate_up_w, self.gate_up_b)
+        x = x + self.o_proj(out.reshape(tokens, self.q_size))
+        gate_up = self.gate_up(rms_norm(x, self.post_norm, cfg.rms_norm_eps))
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_w, self.down_b)
+        return x + self.down(F.silu(gate) * up)
 
 
 class LlamaForCausalLM:
@@ -84,25 +89,34 @@ class LlamaForCausalLM:
         device: torch.device,
         attn: AttentionBackend,
         source: str = "model",
+        quantization: str | None = None,
     ) -> None:
         """``tensors`` uses HF checkpoint names (``model.layers.0.self_attn.q_proj.weight``, ...).
 
-        Raises ``ModelLoadError`` naming ``source`` on a missing, unexpected or mis-shaped tensor.
+        Raises ``ModelLoadError`` naming ``source`` on a missing, unexpected or mis-shaped tensor, and
+        ``ValueError`` for a ``quantization`` other than None or ``"int8wo"``.
         """
         self.cfg = cfg
         self.attn = attn
         self.dtype = dtype
         self.device = device
         self._inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-        weights = _Weights(cfg, tensors, dtype, device, source)
-        self.embed = weights.take("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
-        self.layers = [DecoderLayer(cfg, i, weights.layer(i)) for i in range(cfg.num_hidden_layers)]
+        check_quantization(quantization)
+        # quantized layers are quantized from float32, dense ones use the model dtype
+        weights = _Weights(cfg, tensors, dtype, device, source, torch.float32 if quantization else dtype)
+        vocab_shape = (cfg.vocab_size, cfg.hidden_size)
+        embed = weights.take("model.embed_tokens.weight", vocab_shape, weights.linear_dtype)
+        self.embed = embed.to(dtype)
+        self.layers = [
+            DecoderLayer(cfg, i, weights.layer(i), quantization) for i in range(cfg.num_hidden_layers)
+        ]
         self.norm = weights.take("model.norm.weight", (cfg.hidden_size,))
         if cfg.tie_word_embeddings:
             weights.discard("lm_head.weight")
-            self.lm_head = self.embed
+            head = embed
         else:
-            self.lm_head = weights.take("lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+            head = weights.take("lm_head.weight", vocab_shape, weights.linear_dtype)
+        self.lm_head = make_linear(head, None, quantization)
         weights.check_all_used()
 
     def forward(
@@ -116,7 +130,7 @@ class LlamaForCausalLM:
             x = layer.forward(x, cos, sin, self.attn, batch, kv_pool)
         if not return_all_logits:
             x = x[batch.cu_seqlens[1:] - 1]
-        return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
 
 
 class _Weights:
@@ -129,17 +143,19 @@ class _Weights:
         dtype: torch.dtype,
         device: torch.device,
         source: str,
+        linear_dtype: torch.dtype,
     ) -> None:
         self.cfg, self.dtype, self.device, self.source = cfg, dtype, device, source
+        self.linear_dtype = linear_dtype  # dtype of the weights of linear layers (not biases or norms)
         self.remaining = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         if name not in self.remaining:
             raise ModelLoadError(self.source, f"missing tensor {name!r}")
         t = self.remaining.pop(name)
         if tuple(t.shape) != shape:
             raise ModelLoadError(self.source, f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-        return t.to(device=self.device, dtype=self.dtype).contiguous()
+        return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
     def discard(self, name: str) -> None:
         self.remaining.pop(name, None)
@@ -157,7 +173,7 @@ class _Weights:
         q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         attn = p + "self_attn."
         qkv_w = [
-            self.take(f"{attn}{n}_proj.weight", (o, hidden))
+            self.take(f"{attn}{n}_proj.weight", (o, hidden), self.linear_dtype)
             for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))
         ]
         qkv_b = None
@@ -169,13 +185,15 @@ class _Weights:
                 ]
             )
         mlp = p + "mlp."
-        gate_up = [self.take(f"{mlp}{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")]
+        gate_up = [
+            self.take(f"{mlp}{n}_proj.weight", (inter, hidden), self.linear_dtype) for n in ("gate", "up")
+        ]
         return {
             "input_layernorm": self.take(p + "input_layernorm.weight", (hidden,)),
             "post_attention_layernorm": self.take(p + "post_attention_layernorm.weight", (hidden,)),
             "qkv_w": torch.cat(qkv_w).contiguous(),
             "qkv_b": qkv_b,
-            "o_w": self.take(attn + "o_proj.weight", (hidden, q_out)),
+            "o_w": self.take(attn + "o_proj.weight", (hidden, q_out), self.linear_dtype),
             "o_b": self.take(attn + "o_proj.bias", (hidden,)) if cfg.o_proj_bias else None,
             "q_norm": self.take(attn + "q_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
             "k_norm": self.take(attn + "k_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
@@ -183,6 +201,6 @@ class _Weights:
             "gate_up_b": torch.cat([self.take(f"{mlp}{n}_proj.bias", (inter,)) for n in ("gate", "up")])
             if cfg.mlp_bias
             else None,
-            "down_w": self.take(mlp + "down_proj.weight", (hidden, inter)),
+            "down_w": self.take(mlp + "down_proj.weight", (hidden, inter), self.linear_dtype),
             "down_b": self.take(mlp + "down_proj.bias", (hidden,)) if cfg.mlp_bias else None,
         }

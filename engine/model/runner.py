@@ -15,6 +15,7 @@ from engine.cache.device_pool import DeviceKVPool
 from engine.model.attention import AttentionBackend, get_attention_backend
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
+from engine.model.linear import check_quantization
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.tokenizer import Tokenizer
@@ -45,8 +46,9 @@ class ModelRunner:
     """Loaded model + tokenizer on one device.
 
     ``dtype``: "float32" | "bfloat16" | "float16" or a ``torch.dtype``; ``device``: "cpu" | "cuda[:n]";
-    ``attention_backend``: a name registered in engine/model/attention. Raises ``ModelLoadError`` for a bad
-    model path and ``ValueError`` for an unknown dtype or backend.
+    ``attention_backend``: a name registered in engine/model/attention; ``quantization``: None or ``"int8wo"``
+    (int8 weight-only linear layers, ``engine/model/linear.py``). Raises ``ModelLoadError`` for a bad model
+    path and ``ValueError`` for an unknown dtype, backend or quantization.
     """
 
     def __init__(
@@ -55,10 +57,13 @@ class ModelRunner:
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
         attention_backend: str = "torch",
+        quantization: str | None = None,
     ) -> None:
         backend_cls = get_attention_backend(attention_backend)  # bad names fail before the slow load
+        check_quantization(quantization)
         self.dtype = _parse_dtype(dtype)
         self.device = torch.device(device)
+        self.quantization = quantization
         self._build(load_checkpoint(model_path), backend_cls)
 
     @classmethod
@@ -68,11 +73,14 @@ class ModelRunner:
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
         attention_backend: str = "torch",
+        quantization: str | None = None,
     ) -> ModelRunner:
         """A runner over an already loaded ``Checkpoint`` (e.g. one load, several dtypes)."""
+        check_quantization(quantization)
         runner = cls.__new__(cls)
         runner.dtype = _parse_dtype(dtype)
         runner.device = torch.device(device)
+        runner.quantization = quantization
         runner._build(checkpoint, get_attention_backend(attention_backend))
         return runner
 
@@ -82,7 +90,9 @@ class ModelRunner:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         cfg = self.config
         attn = backend_cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim**-0.5)
-        self.model = LlamaForCausalLM(cfg, checkpoint.tensors, self.dtype, self.device, attn, checkpoint.path)
+        self.model = LlamaForCausalLM(
+            cfg, checkpoint.tensors, self.dtype, self.device, attn, checkpoint.path, self.quantization
+        )
 
     def kv_pool_spec(self) -> KVPoolSpec:
         """Layer count, KV heads, head dim, dtype and device of the KV pool this model writes."""

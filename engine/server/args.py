@@ -23,6 +23,7 @@ from engine.cache.config import (
     parse_extra_config,
 )
 from engine.cache.storage.registry import registered_backends
+from engine.model.linear import QUANTIZATIONS
 from engine.sizing.tiers import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from kernels import unavailable_reason
 
@@ -52,6 +53,7 @@ class ServerArgs:
     port: int = 30000
     device: str = "cpu"
     dtype: str = "auto"
+    torchao_config: str = ""
     served_model_name: str | None = None
     context_length: int | None = None
     random_seed: int | None = None
@@ -139,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=30000)
     a("--device", choices=("cpu", "cuda"), default="cpu")
     a("--dtype", choices=DTYPES, default="auto", help="auto: float32 on cpu, the checkpoint dtype on cuda")
+    a(
+        "--torchao-config",
+        choices=("", *QUANTIZATIONS),
+        default="",
+        help="int8wo: int8 weight-only linear layers (torch built-in kernel, no torchao needed)",
+    )
     a("--served-model-name", default=None)
     a("--context-length", type=_positive_int("--context-length"), default=None)
     a("--random-seed", type=int, default=None)

@@ -100,7 +100,11 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     if runner is None:
         runner = ModelRunner(
-            args.model_path, dtype=dtype, device=args.device, attention_backend=args.attention_backend
+            args.model_path,
+            dtype=dtype,
+            device=args.device,
+            attention_backend=args.attention_backend,
+            quantization=args.torchao_config or None,
         )
     spec = runner.kv_pool_spec()
     bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize

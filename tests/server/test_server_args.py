@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
+import httpx
 import pytest
 
 from engine.server.args import ArgumentError, parse_args
@@ -20,6 +21,7 @@ def test_defaults_follow_sglang():
     assert info["hicache_io_backend"] == "kernel"  # upstream's default; the cache corrects it to direct
     assert info["radix_eviction_policy"] == "lru" and info["max_prefill_tokens"] == 16384
     assert info["disaggregation_mode"] == "null" and info["device"] == "cpu"
+    assert info["torchao_config"] == "" and info["dtype"] == "auto"
 
 
 def test_a_typical_sglang_hicache_command_parses():
@@ -71,6 +73,7 @@ def test_a_typical_sglang_hicache_command_parses():
             "--disaggregation-decode-enable-offload-kvcache",
         ),
         (["--model-path", "m", "--hicache-storage-backend", "s3"], "--hicache-storage-backend"),
+        (["--model-path", "m", "--torchao-config", "int4wo-128"], "--torchao-config"),
         (["--port", "1"], "--model-path"),
     ],
 )
@@ -124,3 +127,22 @@ def test_secrets_come_from_a_file_or_the_environment_off_the_command_line(tmp_pa
     assert parse_args([*model, "--admin-api-key", "flag"]).admin_api_key == "flag"  # upstream flag wins
     with pytest.raises(ArgumentError, match="--admin-api-key-file"):
         parse_args([*model, "--admin-api-key-file", str(tmp_path / "missing")])
+
+
+def test_torchao_int8wo_builds_int8_layers_and_serves(tiny_model_dir):
+    """``--torchao-config int8wo`` reaches the model (int8 LM head), shows in /server_info and generates."""
+    from server_testlib import ThreadedServer
+
+    from engine.model.linear import Int8WeightOnlyLinear
+    from engine.server.builder import build_engine
+
+    engine = build_engine(parse_args(["--model-path", str(tiny_model_dir), "--torchao-config", "int8wo"]))
+    try:
+        assert isinstance(engine.scheduler.runner.model.lm_head, Int8WeightOnlyLinear)
+        with ThreadedServer(engine) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+            assert client.get("/server_info").json()["torchao_config"] == "int8wo"
+            params = {"max_new_tokens": 3, "temperature": 0}
+            resp = client.post("/generate", json={"input_ids": list(range(3, 20)), "sampling_params": params})
+            assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 3
+    finally:
+        engine.scheduler.stop()

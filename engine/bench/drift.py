@@ -1,0 +1,90 @@
+"""Drift of lower-precision modes against float32: top-1 agreement over a fixed prompt set.
+
+``python -m engine.bench.drift [--variants bfloat16 float32+int8wo bfloat16+int8wo] [--new-tokens 32]``
+
+For each of the fixed chat prompts below, float32 greedily answers ``--new-tokens`` tokens (the reference).
+Each variant (``dtype[+quantization]``) then runs once over prompt + reference answer (teacher forcing) and
+we count the positions (the last prompt token and every answer token but the last) where its top-1 equals
+float32's, plus where it is in float32's top-5. Also: how many of the prompts the variant answers with the
+identical greedy tokens when it decodes on its own (once two runs differ, they follow different contexts).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.model.forward_batch import ForwardBatch
+from engine.model.loader import load_checkpoint
+from engine.model.runner import ModelRunner
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish and German.",
+    "Give me a short recipe for pancakes.",
+    "What is the difference between TCP and UDP?",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+    "What does a CPU cache do?",
+    "Suggest a name for a small grey cat.",
+)
+
+
+def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """Float32 logits at every position of ``ids`` (one prefill into a fresh pool)."""
+    pool = DeviceKVPool(-(-(len(ids) + 1) // 16) * 16, 16, **vars(runner.kv_pool_spec()))
+    batch = ForwardBatch.from_sequences([ids], [torch.arange(16, 16 + len(ids))])
+    return runner.forward(batch, pool, return_all_logits=True)
+
+
+def greedy(runner: ModelRunner, prompt: list[int], new_tokens: int) -> list[int]:
+    """``new_tokens`` greedy tokens after ``prompt`` (prefill once, then one decode step per token)."""
+    size = -(-(len(prompt) + new_tokens) // 16) * 16
+    pool = DeviceKVPool(size, 16, **vars(runner.kv_pool_spec()))
+    slots = torch.arange(16, 16 + len(prompt) + new_tokens)
+    logits = runner.forward(ForwardBatch.from_sequences([prompt], [slots[: len(prompt)]]), pool)
+    out = [int(logits.argmax(-1))]
+    while len(out) < new_tokens:
+        n = len(prompt) + len(out)
+        logits = runner.forward(ForwardBatch.from_sequences([[out[-1]]], [slots[:n]]), pool)
+        out.append(int(logits.argmax(-1)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="smollm2")
+    ap.add_argument("--variants", nargs="+", default=["bfloat16", "float32+int8wo", "bfloat16+int8wo"])
+    ap.add_argument("--new-tokens", type=int, default=32)
+    args = ap.parse_args()
+    ckpt = load_checkpoint(args.model_path)
+    ref_runner = ModelRunner.from_checkpoint(ckpt, dtype="float32")
+    tok = ref_runner.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    refs = [greedy(ref_runner, p, args.new_tokens) for p in prompts]
+    ref_logits = [_logits(ref_runner, p + r[:-1])[len(p) - 1 :] for p, r in zip(prompts, refs, strict=True)]
+    positions = sum(len(r) for r in refs)
+    print(f"{len(prompts)} prompts x {args.new_tokens} answer tokens = {positions} positions vs float32")
+    print(f"{'variant':<20}{'top-1 agreement':>17}{'in fp32 top-5':>15}{'identical answers':>19}")
+    for spec in args.variants:
+        dtype, _, quant = spec.partition("+")
+        runner = ModelRunner.from_checkpoint(ckpt, dtype=dtype, quantization=quant or None)
+        same = top5 = identical = 0
+        for p, r, ref in zip(prompts, refs, ref_logits, strict=True):
+            got = _logits(runner, p + r[:-1])[len(p) - 1 :].argmax(-1)
+            same += int((got == ref.argmax(-1)).sum())
+            top5 += int((ref.topk(5, dim=-1).indices == got[:, None]).any(-1).sum())
+            identical += greedy(runner, p, args.new_tokens) == r
+        print(
+            f"{spec:<20}{same / positions:>17.1%}{top5 / positions:>15.1%}{f'{identical}/{len(prompts)}':>19}"
+        )
+
+
+if __name__ == "__main__":
+    main()
