@@ -121,6 +121,8 @@ async def client(router: str, stop_at: float, log: list, seed: int) -> None:
             try:
                 resp = await http.post(f"{router}/generate", json=body)
                 kind = None if resp.status_code == 200 else f"HTTP {resp.status_code}"
+                if resp.status_code == 503 and "queue is full" in resp.text:
+                    kind += " queue full"  # --max-queued-requests refused it (after the router's retries)
             except httpx.HTTPError as exc:
                 kind = type(exc).__name__
             log.append((start, time.monotonic() - start, kind))
