@@ -185,6 +185,19 @@ CHANNEL_LAYERS = {
 OPERATION_IDLE_TIMEOUT_S = float(os.environ.get("OPERATION_IDLE_TIMEOUT_S", "120"))
 OPERATION_POLL_INTERVAL_S = float(os.environ.get("OPERATION_POLL_INTERVAL_S", "0.5"))
 OPERATION_APPLY_TIMEOUT_S = float(os.environ.get("OPERATION_APPLY_TIMEOUT_S", "60"))
+# Rebalances (P:D role switches): defaults for a POST that leaves them out, the canary's HTTP timeout, and
+# how long past the soak a re-added worker may take to show healthy in the router's list.
+REBALANCE_SOAK_S = float(os.environ.get("REBALANCE_SOAK_S", "30"))
+REBALANCE_IDLE_TIMEOUT_S = float(os.environ.get("REBALANCE_IDLE_TIMEOUT_S", "120"))
+REBALANCE_CANARY_TIMEOUT_S = float(os.environ.get("REBALANCE_CANARY_TIMEOUT_S", "30"))
+REBALANCE_ROUTER_JOIN_TIMEOUT_S = float(os.environ.get("REBALANCE_ROUTER_JOIN_TIMEOUT_S", "60"))
+# A worker rolled back to prefill switches back only this long after it left the prefill role: decodes keep
+# a prefill's bootstrap entry (rank endpoints, transfer session) until their heartbeat misses it twice
+# (upstream SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL 5 s x HEARTBEAT_MAX_FAILURE 2), and a prefill back on
+# the same bootstrap port within that window would be paired through the stale entry (requests hang).
+REBALANCE_PREFILL_REJOIN_GRACE_S = float(os.environ.get("REBALANCE_PREFILL_REJOIN_GRACE_S", "15"))
+REBALANCE_CANARY_TEXT = "The capital of France is"
+REBALANCE_CANARY_MAX_NEW_TOKENS = 8
 WORKER_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_HTTP_TIMEOUT_S", "5"))
 # A change request (attach builds a store client, detach drains its queues) may take longer than a read.
 WORKER_APPLY_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_APPLY_HTTP_TIMEOUT_S", "30"))

@@ -2,16 +2,21 @@
 
 Worker endpoints follow CONTRACTS.md "Engine worker HTTP" (upstream SGLang hicache admin API, spec §7):
 GET /server_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config, POST /pd_role_switch,
-GET /metrics; bodies are the models of engine/server/contract.py.
-Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url"} (202),
-DELETE /workers/{id}; circuit-breaker state from the router's Prometheus endpoint (``smg_worker_cb_*``).
+GET /metrics, GET /health, POST /generate; bodies are the models of engine/server/contract.py. A PD prefill's
+bootstrap server: GET /route (pd-and-router-spec §1.4). A PD canary pair: the same /generate body, with the
+router's bootstrap fields, to one prefill and one decode at once (what sglang-router does per request, §1.2).
+Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url", "worker_type",
+"bootstrap_port"} (202), DELETE /workers/{id}, POST /generate; circuit-breaker state from the router's
+Prometheus endpoint (``smg_worker_cb_*``).
 
 Errors: WorkerUnreachable (connect/timeout), WorkerNotIdle (400 whose message says "not idle": wait and retry,
 never force), WorkerRejected (any other non-2xx, with status and message).
 """
 
+import random
 import threading
-from urllib.parse import quote
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import quote, urlsplit
 
 import httpx
 from django.conf import settings
@@ -145,6 +150,49 @@ class WorkerClient:
     def metrics_text(self) -> str:
         return self._call("GET", "/metrics").text
 
+    def health(self) -> None:
+        """GET /health; raises WorkerRejected (503: unhealthy, e.g. after a failed role switch) or
+        WorkerUnreachable."""
+        self._call("GET", "/health")
+
+    def generate(self, body: dict) -> dict:
+        """POST /generate (SGLang's native body); the answer's ``text``, ``output_ids`` and ``meta_info``."""
+        return self._call("POST", "/generate", json=body).json()
+
+
+# GET /route with every rank -1: the prefill's parallel layout, 200 once all its ranks registered (spec §1.4).
+_ROUTE_ALL = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+
+
+def bootstrap_info(host: str, port: int, timeout: float | None = None) -> dict:
+    """A PD prefill's bootstrap server layout (page_size, kv_cache_dtype, ...). Raises WorkerRejected (503:
+    ranks not all registered yet) or WorkerUnreachable (no bootstrap server on that port)."""
+    return _request("GET", f"http://{host}:{port}{_ROUTE_ALL}", timeout=timeout).json()
+
+
+def bootstrap_host(url: str) -> str:
+    """The host a decode reaches a prefill's bootstrap server on: the host of the prefill's URL (as the
+    router injects it)."""
+    return urlsplit(url).hostname or ""
+
+
+def pd_pair_generate(prefill: WorkerClient, decode: WorkerClient, bootstrap_port: int, body: dict) -> dict:
+    """Serve `body` through one chosen prefill/decode pair, as sglang-router does (spec §1.2): the same body
+    plus ``bootstrap_host`` (the prefill's host), ``bootstrap_port`` and a random 63-bit ``bootstrap_room``
+    goes to both at once; the decode's answer is the result. Raises as every call here (the prefill's error
+    first)."""
+    paired = {
+        **body,
+        "bootstrap_host": bootstrap_host(prefill.base_url),
+        "bootstrap_port": bootstrap_port,
+        "bootstrap_room": random.getrandbits(63),
+    }
+    with ThreadPoolExecutor(2) as pool:
+        p_answer = pool.submit(prefill.generate, paired)
+        d_answer = pool.submit(decode.generate, paired)
+        p_answer.result()
+        return d_answer.result()
+
 
 class RouterClient:
     """One sglang-router. Workers are matched by URL (trailing slash ignored)."""
@@ -157,17 +205,35 @@ class RouterClient:
         data = _request("GET", f"{self.base_url}/workers", timeout=self.timeout).json()
         return data.get("workers", []) if isinstance(data, dict) else data
 
-    def find_worker_id(self, url: str) -> str | None:
+    def find_worker(self, url: str) -> dict | None:
+        """The router's entry for `url` (id, worker_type, is_healthy, bootstrap_port, ...), or None."""
         want = url.rstrip("/")
         for item in self.list_workers():
             if str(item.get("url", "")).rstrip("/") == want:
-                return str(item.get("id", item.get("url")))
+                return item
         return None
 
-    def add_worker(self, url: str) -> None:
-        """POST /workers; a worker already registered is left as it is (safe to repeat)."""
-        if self.find_worker_id(url) is None:
-            _request("POST", f"{self.base_url}/workers", json={"url": url}, timeout=self.timeout)
+    def find_worker_id(self, url: str) -> str | None:
+        item = self.find_worker(url)
+        return None if item is None else str(item.get("id", item.get("url")))
+
+    def add_worker(self, url: str, worker_type: str | None = None, bootstrap_port: int | None = None) -> None:
+        """POST /workers; a worker already registered is left as it is (safe to repeat). A PD router needs
+        `worker_type` ("prefill" | "decode") and, for a prefill, its `bootstrap_port`: sglang-router 0.3.2
+        registers a worker posted with only its URL as "regular", which a PD router never selects."""
+        if self.find_worker_id(url) is not None:
+            return
+        body: dict = {"url": url}
+        if worker_type is not None:
+            body["worker_type"] = worker_type
+        if bootstrap_port is not None:
+            body["bootstrap_port"] = bootstrap_port
+        _request("POST", f"{self.base_url}/workers", json=body, timeout=self.timeout)
+
+    def generate(self, body: dict, timeout: float | None = None) -> dict:
+        """POST /generate through the router (it picks the worker, or the P/D pair)."""
+        url = f"{self.base_url}/generate"
+        return _request("POST", url, json=body, timeout=timeout or self.timeout).json()
 
     def remove_worker(self, url: str) -> bool:
         """DELETE /workers/{id}; returns False when the router did not list the worker (safe to repeat)."""

@@ -67,7 +67,8 @@ class StepState(models.TextChoices):
 
 S = StepState
 STEP_TRANSITIONS: dict[str, frozenset[str]] = {
-    S.PENDING: frozenset({S.DRAINING, S.CANCELLED}),
+    # A worker whose live role is not the planned one, or that cannot be drained, fails unchanged.
+    S.PENDING: frozenset({S.DRAINING, S.FAILED, S.CANCELLED}),
     # Drained from the router, waiting for idle; abort or an idle timeout re-adds it in its old role.
     S.DRAINING: frozenset({S.SWITCHING, S.FAILED, S.CANCELLED}),
     # A "not idle" refusal goes back to waiting; any other refusal leaves the old role (failed).
@@ -142,10 +143,14 @@ class RebalanceStep(models.Model):
     explanation = models.TextField(blank=True)
     drained = models.BooleanField(default=False, help_text="Removed from the router by this step")
     switch_sent = models.BooleanField(default=False, help_text="A /pd_role_switch went out for this step")
+    switched_at = models.DateTimeField(null=True, blank=True, help_text="When the switch was read back")
     polls = models.PositiveIntegerField(default=0)
     rollback_cause = models.TextField(blank=True)
     before = models.JSONField(null=True, blank=True, help_text="Worker's live PD state before the step")
     after = models.JSONField(null=True, blank=True, help_text="Worker's live PD state after the step")
+    soak = models.JSONField(
+        default=dict, blank=True, help_text="SLO histogram baseline taken when the soak began"
+    )
     idle_deadline_at = models.DateTimeField(null=True, blank=True)
     soak_until = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)

@@ -1,6 +1,7 @@
 from rest_framework import serializers
 
-from controlplane.rebalance.models import Rebalance, RebalanceStep
+from controlplane.inventory.models import Router
+from controlplane.rebalance.models import Approval, Rebalance, RebalanceStep
 
 
 class RebalanceStepSerializer(serializers.ModelSerializer):
@@ -74,3 +75,32 @@ class RebalanceSerializer(serializers.ModelSerializer):
 
     def get_target(self, obj: Rebalance) -> dict:
         return {"prefill": obj.target_prefill, "decode": obj.target_decode}
+
+
+class TargetSerializer(serializers.Serializer):
+    prefill = serializers.IntegerField(min_value=1, max_value=10000)
+    decode = serializers.IntegerField(min_value=1, max_value=10000)
+
+
+class SloSerializer(serializers.Serializer):
+    max_ttft_s = serializers.FloatField(
+        required=False, allow_null=True, min_value=0.0, max_value=3600, help_text="p90 TTFT limit (s) in soak"
+    )
+    max_itl_s = serializers.FloatField(
+        required=False, allow_null=True, min_value=0.0, max_value=3600, help_text="p90 ITL limit (s) in soak"
+    )
+
+
+class RebalanceCreateSerializer(serializers.Serializer):
+    router = serializers.PrimaryKeyRelatedField(queryset=Router.objects.all())
+    target = TargetSerializer()
+    approval = serializers.ChoiceField(choices=Approval.choices, default=Approval.AUTO)
+    reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)
+    rollback = serializers.BooleanField(default=True, help_text="Roll finished steps back when one fails")
+    soak_s = serializers.FloatField(required=False, min_value=0.0, max_value=3600)
+    idle_timeout_s = serializers.FloatField(required=False, min_value=0.1, max_value=3600)
+    slo = SloSerializer(required=False)
+
+
+class ActionSerializer(serializers.Serializer):
+    reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)

@@ -1,0 +1,138 @@
+"""What a step reads from and does to one PD worker and its router, all through controlplane.workerclient:
+live PD state, idle, router membership with type and bootstrap port, gates (health, bootstrap server,
+canary through a chosen prefill/decode pair)."""
+
+import time
+
+from django.conf import settings
+
+from controlplane.inventory.models import EngineWorker
+from controlplane.rebalance.models import Rebalance
+from controlplane.workerclient import (
+    RouterClient,
+    WorkerClient,
+    WorkerError,
+    bootstrap_host,
+    bootstrap_info,
+    pd_pair_generate,
+)
+
+
+def client_for(worker: EngineWorker, timeout: float | None = None) -> WorkerClient:
+    return WorkerClient(worker.url, worker.admin_key, timeout=timeout)
+
+
+def router_for(rb: Rebalance) -> RouterClient:
+    return RouterClient(rb.router.url)
+
+
+def live_state(worker: EngineWorker) -> dict:
+    """The worker's PD state from /server_info: role (`disaggregation_mode`), bootstrap port (a prefill's),
+    idle flag and the queue counts behind it (running, waiting, PD transfers in flight).
+    Raises WorkerError when the worker does not answer."""
+    info = client_for(worker).server_info()
+    role = info.get("disaggregation_mode")
+    return {
+        "role": role,
+        "bootstrap_port": info.get("disaggregation_bootstrap_port") if role == "prefill" else None,
+        "is_idle": info.get("is_idle") is True,
+        "num_running_reqs": info.get("num_running_reqs"),
+        "num_waiting_reqs": info.get("num_waiting_reqs"),
+        "num_pd_transfer_reqs": info.get("num_pd_transfer_reqs"),
+    }
+
+
+def busy_summary(state: dict) -> str:
+    return (
+        f"running={state.get('num_running_reqs')} waiting={state.get('num_waiting_reqs')} "
+        f"pd_transfers={state.get('num_pd_transfer_reqs')}"
+    )
+
+
+def router_entry(rb: Rebalance, worker: EngineWorker) -> dict | None:
+    return router_for(rb).find_worker(worker.url)
+
+
+def router_add(rb: Rebalance, worker: EngineWorker, state: dict) -> None:
+    """Register the worker with its live role and (prefill) bootstrap port, and return once the router lists
+    it with that type (sglang-router queues the add: POST /workers answers 202 first), polled every 0.1 s
+    for at most REBALANCE_ROUTER_JOIN_TIMEOUT_S. Raises WorkerError (also when it is not listed in time)."""
+    router = router_for(rb)
+    router.add_worker(worker.url, worker_type=state["role"], bootstrap_port=state["bootstrap_port"])
+    deadline = time.monotonic() + settings.REBALANCE_ROUTER_JOIN_TIMEOUT_S
+    while (entry := router.find_worker(worker.url)) is None or entry.get("worker_type") != state["role"]:
+        if time.monotonic() >= deadline:
+            raise WorkerError(f"router {rb.router.name} does not list it as {state['role']}: {entry}")
+        time.sleep(0.1)
+
+
+def router_remove(rb: Rebalance, worker: EngineWorker) -> None:
+    router_for(rb).remove_worker(worker.url)
+
+
+def gate(rb: Rebalance, worker: EngineWorker, state: dict, *, canary: bool) -> str:
+    """'' when the worker may serve in its live role, else why not: /health answers, a prefill's bootstrap
+    server answers GET /route (every rank registered), and with `canary` one greedy request through the new
+    pairing (this worker with a peer of the other role the router serves) gives the text recorded before the
+    rebalance started."""
+    try:
+        client_for(worker).health()
+    except WorkerError as exc:
+        return f"health check failed: {exc.message}"
+    if state["role"] == "prefill":
+        if not state["bootstrap_port"]:
+            return "prefill reports no bootstrap port"
+        try:
+            bootstrap_info(bootstrap_host(worker.url), state["bootstrap_port"])
+        except WorkerError as exc:
+            return f"bootstrap server on port {state['bootstrap_port']} does not answer: {exc.message}"
+    if not canary:
+        return ""
+    return _canary(rb, worker, state)
+
+
+def _peer(rb: Rebalance, role: str) -> tuple[EngineWorker, dict] | None:
+    """A worker of `role` the router serves now (healthy in its list), with its router entry."""
+    listed = {str(e.get("url", "")).rstrip("/"): e for e in router_for(rb).list_workers()}
+    for worker in rb.router.workers.order_by("name"):
+        entry = listed.get(worker.url.rstrip("/"))
+        if entry and entry.get("worker_type") == role and entry.get("is_healthy", True):
+            return worker, entry
+    return None
+
+
+def _canary(rb: Rebalance, worker: EngineWorker, state: dict) -> str:
+    canary = rb.canary or {}
+    other = "decode" if state["role"] == "prefill" else "prefill"
+    try:
+        peer = _peer(rb, other)
+    except WorkerError as exc:
+        return f"canary: cannot list the router's workers: {exc.message}"
+    if peer is None:
+        return f"canary: the router serves no healthy {other} to pair with"
+    peer_worker, entry = peer
+    body = {
+        "text": canary["text"],
+        "sampling_params": {"max_new_tokens": canary["max_new_tokens"], "temperature": 0},
+    }
+    timeout = settings.REBALANCE_CANARY_TIMEOUT_S
+    if state["role"] == "prefill":
+        prefill, decode, port = (
+            client_for(worker, timeout),
+            client_for(peer_worker, timeout),
+            state["bootstrap_port"],
+        )
+    else:
+        prefill, decode, port = (
+            client_for(peer_worker, timeout),
+            client_for(worker, timeout),
+            entry.get("bootstrap_port"),
+        )
+    pair = f"{prefill.base_url} -> {decode.base_url}"
+    try:
+        text = pd_pair_generate(prefill, decode, port, body).get("text")
+    except WorkerError as exc:
+        return f"canary through {pair} failed: {exc.message}"
+    if text != canary["expected_text"]:
+        return f"canary through {pair} answered {text!r}, expected {canary['expected_text']!r}"
+    return ""

@@ -1,0 +1,18 @@
+"""Thin Celery task: a rebalance id in, one advance, re-enqueued with the delay the service asks for.
+
+acks_late + reject_on_worker_lost as operations' steps: a step whose worker died is redelivered; every
+state move is a compare-and-set, so a rerun that finds the state moved does nothing.
+"""
+
+from celery import shared_task
+
+from controlplane.operations.tasks import STEP_OPTIONS
+
+
+@shared_task(name="rebalance.advance", **STEP_OPTIONS)
+def advance_task(rebalance_id: int) -> None:
+    from controlplane.rebalance.services import rebalance_advance
+
+    delay = rebalance_advance(rebalance_id=rebalance_id)
+    if delay is not None:
+        advance_task.apply_async((rebalance_id,), countdown=delay)

@@ -1,0 +1,116 @@
+"""Fast rebalance checks: the plan of steps, both transition tables, and the API's refusals (no workers
+contacted: each refusal comes before any HTTP call)."""
+
+import pytest
+from cp_factories import EngineWorkerFactory, RouterFactory
+
+from controlplane.core.exceptions import ApplicationError
+from controlplane.rebalance.models import (
+    ACTIVE_STATES,
+    FINAL_STATES,
+    STEP_ACTIVE_STATES,
+    STEP_FINAL_STATES,
+    STEP_TRANSITIONS,
+    TRANSITIONS,
+    Rebalance,
+    RebalanceState,
+    StepState,
+)
+from controlplane.rebalance.services.plan import plan_steps
+
+
+def _moves(live, target):
+    return [(s.worker, s.from_role, s.to_role) for s in plan_steps(live, target)]
+
+
+def test_donors_are_the_least_loaded_then_by_name_and_move_to_the_receiver_role():
+    live = [("p-b", "prefill", 0), ("p-a", "prefill", 3), ("p-c", "prefill", 0), ("d-a", "decode", 0)]
+    assert _moves(live, {"prefill": 2, "decode": 2}) == [("p-b", "prefill", "decode")]
+    assert _moves(live, {"prefill": 1, "decode": 3}) == [
+        ("p-b", "prefill", "decode"),
+        ("p-c", "prefill", "decode"),
+    ]
+    live = [("d1", "decode", 1), ("d0", "decode", 1), ("p0", "prefill", 9)]
+    assert _moves(live, {"prefill": 2, "decode": 1}) == [("d0", "decode", "prefill")]
+
+
+def test_capacity_never_drops_below_the_smaller_of_before_and_after():
+    live = [(f"p{i}", "prefill", 0) for i in range(4)] + [("d0", "decode", 0)]
+    target = {"prefill": 1, "decode": 4}
+    counts = {"prefill": 4, "decode": 1}
+    for step in plan_steps(live, target):
+        counts[step.from_role] -= 1  # out of both pools while it drains, switches and passes its gates
+        assert counts["prefill"] >= min(4, 1) and counts["decode"] >= min(1, 4)
+        assert counts["prefill"] >= 1 and counts["decode"] >= 1
+        counts[step.to_role] += 1
+    assert counts == target
+
+
+@pytest.mark.parametrize(
+    ("target", "field", "words"),
+    [
+        ({"prefill": 0, "decode": 3}, "target", "at least 1"),
+        ({"prefill": 2, "decode": 2}, "target", "has 4 workers, the router has 3"),
+        ({"prefill": 2, "decode": 1}, "target", "already runs 2P1D"),
+    ],
+)
+def test_bad_targets_are_refused_naming_the_field(target, field, words):
+    live = [("p0", "prefill", 0), ("p1", "prefill", 0), ("d0", "decode", 0)]
+    with pytest.raises(ApplicationError) as err:
+        plan_steps(live, target)
+    assert field in err.value.detail and words in err.value.message
+
+
+def test_a_worker_not_in_pd_mode_is_refused():
+    with pytest.raises(ApplicationError) as err:
+        plan_steps([("w0", "null", 0), ("d0", "decode", 0)], {"prefill": 1, "decode": 1})
+    assert "router" in err.value.detail and "w0" in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("table", "states", "active", "final", "start"),
+    [
+        (TRANSITIONS, RebalanceState, ACTIVE_STATES, FINAL_STATES, RebalanceState.PLANNED),
+        (STEP_TRANSITIONS, StepState, STEP_ACTIVE_STATES, STEP_FINAL_STATES, StepState.PENDING),
+    ],
+)
+def test_transition_tables_are_closed_and_every_state_is_reachable(table, states, active, final, start):
+    assert set(table) | {t for targets in table.values() for t in targets} <= set(states)
+    assert not any(table.get(s) for s in final)  # nothing leaves a final state
+    assert not active & final
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in table.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    assert seen == set(states)
+
+
+@pytest.mark.django_db
+def test_api_refusals_name_the_field_and_a_second_rebalance_is_409(api_as):
+    pd_router = RouterFactory(name="pd", mode="pd")
+    regular = RouterFactory(name="plain")
+    EngineWorkerFactory(router=pd_router, role="prefill")
+    op = api_as("operator")
+
+    def post(body):
+        return op.post("/api/v1/rebalances/", body, format="json")
+
+    bad = post({"router": pd_router.pk, "target": {"prefill": 0, "decode": 2}})
+    assert bad.status_code == 400 and "target" in bad.json()["error"]["detail"]
+    bad = post({"router": pd_router.pk, "target": {"prefill": 1, "decode": 2}, "approval": "sometimes"})
+    assert bad.status_code == 400 and "approval" in bad.json()["error"]["detail"]
+    bad = post({"router": regular.pk, "target": {"prefill": 1, "decode": 1}})
+    assert bad.status_code == 400 and "router" in bad.json()["error"]["detail"]
+    active = Rebalance.objects.create(
+        router=pd_router, before_prefill=2, before_decode=1, target_prefill=1, target_decode=2, soak_s=1,
+        idle_timeout_s=1, state="running",
+    )  # fmt: skip
+    busy = post({"router": pd_router.pk, "target": {"prefill": 1, "decode": 2}})
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "rebalance_active"
+    assert busy.json()["error"]["detail"]["rebalance"] == active.pk
+    assert api_as("viewer").post(f"/api/v1/rebalances/{active.pk}/abort/").status_code == 403
+    assert api_as("agent").post(f"/api/v1/rebalances/{active.pk}/abort/").status_code == 403
+    assert op.post(f"/api/v1/rebalances/{active.pk}/approve/").status_code == 409  # not awaiting approval
+    assert Rebalance.objects.count() == 1

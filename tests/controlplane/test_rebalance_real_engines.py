@@ -1,0 +1,325 @@
+"""Guided P:D rebalance against three real SmolLM2 engines (--enable-pd-role-switch, Mooncake over TCP)
+behind the real sglang-router in PD mode, driven through the REST API and a real Celery worker on Redis.
+
+One module-scoped fleet (P0, P1, D0 at the start: 2P1D) serves every scenario, in order; each scenario
+leaves it at 2P1D or says where it leaves it. Client traffic through the router runs during the role
+switches: no client request may fail and every answer must be the greedy text recorded before.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+from cp_factories import EngineWorkerFactory, RouterFactory
+
+from controlplane.audit.models import AuditEvent
+from controlplane.rebalance.models import Rebalance
+from deploy.localfleet import router_command
+from engine.bench.launcher import ServerProcess, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--random-seed", "0", "--enable-metrics",
+         "--max-total-tokens", "2048", "--enable-pd-role-switch"]  # fmt: skip
+ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
+DEADLINE_S = 240.0  # a rebalance on a loaded 2-core machine (drain, switch, gates, soak per step)
+SP = {"max_new_tokens": 8, "temperature": 0}
+PROMPTS = [
+    f"Question {i}: what is the colour of the sky over the sea at dawn in story {i}?" for i in range(6)
+]
+
+
+def _worker(role: str) -> ServerProcess:
+    # Every worker has its own bootstrap port, kept when it becomes a decode and reused if it becomes a P.
+    return ServerProcess([*FLAGS, "--disaggregation-mode", role, "--disaggregation-bootstrap-port",
+                          str(free_port())], timeout=600, env=ENV)  # fmt: skip
+
+
+def _router_workers(url: str) -> dict[str, str]:
+    return {w["url"].rstrip("/"): w["worker_type"] for w in httpx.get(f"{url}/workers").json()["workers"]}
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    procs = {"p0": _worker("prefill"), "p1": _worker("prefill"), "d0": _worker("decode")}
+    for proc in procs.values():
+        proc.__enter__()
+    try:
+        infos = {n: httpx.get(f"{p.url}/server_info").json() for n, p in procs.items()}
+        args = ["--pd-disaggregation", "--policy", "round_robin"]
+        for name in ("p0", "p1"):
+            args += ["--prefill", procs[name].url, str(infos[name]["disaggregation_bootstrap_port"])]
+        args += ["--decode", procs["d0"].url]
+        port = free_port()
+        router = subprocess.Popen(router_command([], port, free_port(), workers=args),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _poll(lambda: len(_try(lambda: _router_workers(url)) or {}) == 3, "router lists 3 workers")
+            expected = {t: _generate(url, t).json()["text"] for t in PROMPTS}
+            yield {"procs": procs, "router": url, "expected": expected}
+        finally:
+            router.terminate()
+            router.wait(20)
+    finally:
+        for proc in procs.values():
+            proc.__exit__(None, None, None)
+
+
+def _try(fn):
+    try:
+        return fn()
+    except httpx.HTTPError:
+        return None
+
+
+def _poll(check, what: str, limit_s: float = 90.0):
+    deadline = time.monotonic() + limit_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.2)
+    return value
+
+
+def _generate(url: str, text: str) -> httpx.Response:
+    return httpx.post(f"{url}/generate", json={"text": text, "sampling_params": SP}, timeout=120)
+
+
+class Traffic:
+    """Two clients sending the prompts through the router in turn until stopped; records every answer."""
+
+    def __init__(self, fleet):
+        self.fleet, self.stop_event, self.results = fleet, threading.Event(), []
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(2)]
+
+    def _run(self, offset: int) -> None:
+        i = offset
+        with httpx.Client(timeout=120) as client:
+            while not self.stop_event.is_set():
+                text = PROMPTS[i % len(PROMPTS)]
+                try:
+                    r = client.post(
+                        f"{self.fleet['router']}/generate", json={"text": text, "sampling_params": SP}
+                    )
+                    ok = r.status_code == 200 and r.json()["text"] == self.fleet["expected"][text]
+                    self.results.append((ok, r.status_code, r.text[:200]))
+                except httpx.HTTPError as exc:
+                    self.results.append((False, None, repr(exc)))
+                i += 2
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(150)
+
+    def check(self, at_least: int = 4) -> None:
+        bad = [r for r in self.results if not r[0]]
+        assert not bad, (
+            f"{len(bad)} of {len(self.results)} client requests failed or answered wrong: {bad[:3]}"
+        )
+        assert len(self.results) >= at_least, self.results
+
+
+@pytest.fixture
+def inventory(fleet, celery_worker_process):
+    router = RouterFactory(name="pd", url=fleet["router"], mode="pd")
+    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
+    workers = {
+        n: EngineWorkerFactory(name=n, url=p.url, router=router, role=roles[n])
+        for n, p in fleet["procs"].items()
+    }
+    return router, workers
+
+
+def _roles(fleet) -> dict[str, str]:
+    """name -> live role in /server_info; the router lists each worker with that same type."""
+    listed = _router_workers(fleet["router"])
+    live = {
+        n: httpx.get(f"{p.url}/server_info").json()["disaggregation_mode"] for n, p in fleet["procs"].items()
+    }
+    assert {n: listed.get(p.url) for n, p in fleet["procs"].items()} == live
+    return live
+
+
+def _split(roles: dict[str, str]) -> tuple[int, int]:
+    return sum(r == "prefill" for r in roles.values()), sum(r == "decode" for r in roles.values())
+
+
+START = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
+
+
+def _create(api, router, target, **extra) -> httpx.Response:
+    body = {"router": router.pk, "target": target, "soak_s": 3, "idle_timeout_s": 60, **extra}
+    return api.post("/api/v1/rebalances/", body, format="json")
+
+
+def _wait_state(rb_id: int, states: set[str], limit_s: float = DEADLINE_S) -> Rebalance:
+    def reached():
+        rb = Rebalance.objects.get(pk=rb_id)
+        return rb if rb.state in states else None
+
+    try:
+        return _poll(reached, f"rebalance {rb_id} in {states}", limit_s)
+    except AssertionError:
+        rb = Rebalance.objects.get(pk=rb_id)
+        raise AssertionError(
+            (rb.state, rb.explanation, list(rb.steps.values("state", "explanation")))
+        ) from None
+
+
+def _audit(rb_id: int) -> list[AuditEvent]:
+    return list(AuditEvent.objects.filter(extra__rebalance_id=rb_id).order_by("id"))
+
+
+def _hold_pd_request(proc: ServerProcess) -> socket.socket:
+    """A PD request on a prefill whose decode side never connects: it waits in the prefill's bootstrap
+    queue (the worker is not idle) until the socket closes (the engine aborts it on disconnect)."""
+    info = httpx.get(f"{proc.url}/server_info").json()
+    body = {"text": "held", "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": info["disaggregation_bootstrap_port"], "bootstrap_room": 99}  # fmt: skip
+    body = json.dumps(body).encode()
+    head = "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    sock = socket.create_connection(("127.0.0.1", proc.port))
+    sock.sendall(head.encode() + body)
+    _poll(lambda: not httpx.get(f"{proc.url}/server_info").json()["is_idle"], "held request queued")
+    return sock
+
+
+def test_2p1d_to_1p2d_under_traffic(fleet, inventory, api_as):
+    router, workers = inventory
+    assert _roles(fleet) == START
+    with Traffic(fleet) as traffic:
+        r = _create(api_as("operator"), router, {"prefill": 1, "decode": 2}, reason="decode-heavy load")
+        assert r.status_code == 201, r.content
+        plan = r.json()
+        assert plan["before"] == {"prefill": 2, "decode": 1} and plan["state"] == "running"
+        assert [(s["worker_name"], s["from_role"], s["to_role"]) for s in plan["steps"]] == [
+            ("p0", "prefill", "decode")
+        ]
+        assert plan["canary"]["expected_text"]
+        second = _create(api_as("operator"), router, {"prefill": 1, "decode": 2})
+        assert second.status_code == 409 and second.json()["error"]["code"] == "rebalance_active"
+        rb = _wait_state(plan["id"], {"succeeded", "rolled_back", "failed", "aborted"})
+    traffic.check()
+    assert rb.state == "succeeded", rb.explanation
+    assert _roles(fleet) == {**START, "p0": "decode"}
+    workers["p0"].refresh_from_db()
+    assert workers["p0"].role == "decode"
+    records = _audit(rb.pk)
+    assert [e.action for e in records] == ["rebalance_create", "role_switch", "rebalance_finished"]
+    switch = records[1]
+    assert switch.outcome == "success" and switch.object_repr == "p0"
+    assert (switch.before["role"], switch.after["role"]) == ("prefill", "decode")
+    assert "gates passed" in rb.steps.get().explanation or "verified" in rb.steps.get().explanation
+
+
+def test_per_step_approval_pause_and_resume_back_to_2p1d(fleet, inventory, api_as):
+    router, workers = inventory
+    before = _roles(fleet)
+    assert before == {**START, "p0": "decode"}
+    op, viewer = api_as("operator"), api_as("viewer")
+    r = _create(op, router, {"prefill": 2, "decode": 1}, approval="per_step")
+    assert r.status_code == 201, r.content
+    rb_id, (step,) = r.json()["id"], r.json()["steps"]
+    assert (step["from_role"], step["to_role"]) == ("decode", "prefill")
+    assert r.json()["state"] == "awaiting_approval"
+    assert viewer.post(f"/api/v1/rebalances/{rb_id}/approve/").status_code == 403
+    assert api_as("agent").get(f"/api/v1/rebalances/{rb_id}/").status_code == 403
+    assert op.post(f"/api/v1/rebalances/{rb_id}/pause/", {"reason": "hold"}).json()["state"] == "paused"
+    refused = op.post(f"/api/v1/rebalances/{rb_id}/approve/")
+    assert refused.status_code == 409 and "paused" in refused.json()["error"]["message"]
+    op.post(f"/api/v1/rebalances/{rb_id}/resume/")
+    _wait_state(rb_id, {"awaiting_approval"})  # resumed: the step still waits for its approval
+    assert _roles(fleet) == before  # nothing ran yet
+    with Traffic(fleet) as traffic:
+        assert op.post(f"/api/v1/rebalances/{rb_id}/approve/").status_code == 202
+        rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
+    traffic.check()
+    assert rb.state == "succeeded", rb.explanation
+    assert _roles(fleet) == {**before, step["worker_name"]: "prefill"}
+    actions = [e.action for e in _audit(rb_id)]
+    assert actions[:4] == ["rebalance_create", "rebalance_pause", "rebalance_resume", "rebalance_approve"]
+    assert actions[4:] == ["role_switch", "rebalance_finished"]
+
+
+def test_wrong_canary_rolls_the_switch_back_under_traffic(fleet, inventory, api_as):
+    router, _ = inventory
+    before = _roles(fleet)
+    assert _split(before) == (2, 1)
+    op = api_as("operator")
+    r = _create(op, router, {"prefill": 1, "decode": 2}, approval="per_step")
+    rb_id = r.json()["id"]
+    rb = Rebalance.objects.get(pk=rb_id)
+    real = rb.canary["expected_text"]
+    Rebalance.objects.filter(pk=rb_id).update(canary={**rb.canary, "expected_text": "not what SmolLM2 says"})
+    with Traffic(fleet) as traffic:
+        op.post(f"/api/v1/rebalances/{rb_id}/approve/")
+        rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
+    traffic.check()
+    assert rb.state == "rolled_back", rb.explanation
+    assert _roles(fleet) == before
+    step = rb.steps.get()
+    assert step.state == "rolled_back" and step.switch_sent
+    assert f"answered {real!r}, expected 'not what SmolLM2 says'" in step.rollback_cause
+    records = _audit(rb_id)
+    assert [e.action for e in records] == [
+        "rebalance_create", "rebalance_approve", "role_switch_rollback", "rebalance_finished",
+    ]  # fmt: skip
+    rollback = records[2]
+    assert rollback.outcome == "success" and "canary" in rollback.message
+    assert (rollback.before["role"], rollback.after["role"]) == ("prefill", "prefill")
+    assert records[3].outcome == "failure" and "rolled back: fleet at 2P1D" in records[3].message
+
+
+def test_abort_while_draining_and_a_busy_worker_times_out(fleet, inventory, api_as):
+    router, _ = inventory
+    before = _roles(fleet)
+    assert _split(before) == (2, 1)
+    op = api_as("operator")
+    # Abort: the planned donor holds a PD request, so it stays draining; abort re-adds it as a prefill.
+    r = _create(op, router, {"prefill": 1, "decode": 2}, approval="per_step")
+    rb_id, donor = r.json()["id"], r.json()["steps"][0]["worker_name"]
+    held = _hold_pd_request(fleet["procs"][donor])
+    try:
+        op.post(f"/api/v1/rebalances/{rb_id}/approve/")
+        _poll(lambda: Rebalance.objects.get(pk=rb_id).steps.get().state == "draining", "step draining")
+        _poll(
+            lambda: "pd_transfers=1" in Rebalance.objects.get(pk=rb_id).steps.get().explanation, "busy seen"
+        )
+        assert op.post(f"/api/v1/rebalances/{rb_id}/abort/", {"reason": "stop"}).status_code == 202
+        rb = _wait_state(rb_id, {"aborted", "failed", "succeeded", "rolled_back"})
+        assert rb.state == "aborted", rb.explanation
+        step = rb.steps.get()
+        assert (
+            step.state == "cancelled" and not step.switch_sent and "re-added as prefill" in step.explanation
+        )
+        assert _roles(fleet) == before
+        # Refused switch: the same held request keeps the donor busy past a short idle timeout.
+        r = _create(op, router, {"prefill": 1, "decode": 2}, approval="per_step", idle_timeout_s=4)
+        rb_id = r.json()["id"]
+        assert r.json()["steps"][0]["worker_name"] != donor  # the least loaded prefill is planned first
+        held2 = _hold_pd_request(fleet["procs"][r.json()["steps"][0]["worker_name"]])
+        try:
+            op.post(f"/api/v1/rebalances/{rb_id}/approve/")
+            rb = _wait_state(rb_id, {"aborted", "failed", "succeeded", "rolled_back"})
+        finally:
+            held2.close()
+    finally:
+        held.close()
+    assert rb.state == "rolled_back", rb.explanation
+    step = rb.steps.get()
+    assert step.state == "failed" and not step.switch_sent
+    assert "not idle within 4s" in step.explanation and "pd_transfers=1" in step.explanation
+    assert _roles(fleet) == before
+    assert [e.action for e in _audit(rb_id)][-2:] == ["role_switch", "rebalance_finished"]
