@@ -258,9 +258,3 @@ def worker_config_observed(*, worker: EngineWorker, state: dict, revision=None) 
     if revision is not None:
         fields["config_revision"] = revision
     EngineWorker.objects.filter(pk=worker.pk).update(**fields)
-
-
-def worker_role_observed(*, worker: EngineWorker, role: str) -> None:
-    """Record the PD role a worker reported live (/server_info `disaggregation_mode`) after a role switch;
-    the switch's own audit record (rebalance step) holds the before/after."""
-    EngineWorker.objects.filter(pk=worker.pk).update(role=role)

@@ -85,6 +85,12 @@ def _record_canary(router: Router) -> dict:
             "expected_text": answer.get("text")}  # fmt: skip
 
 
+def router_slo(router: Router) -> dict:
+    """The soak's SLO when the POST leaves `slo` out: the router pools' SLOs (TTFT p90 of the prefill pool,
+    ITL p90 of the decode pool), the same ones the planner plans for; null thresholds are not watched."""
+    return {"max_ttft_s": router.slo_ttft_p90_s, "max_itl_s": router.slo_itl_p90_s}
+
+
 def rebalance_create(
     *,
     router: Router,
@@ -131,7 +137,7 @@ def rebalance_create(
                 idle_timeout_s=settings.REBALANCE_IDLE_TIMEOUT_S
                 if idle_timeout_s is None
                 else idle_timeout_s,
-                slo=slo or {},
+                slo=slo if slo is not None else router_slo(router),
                 canary=canary,
                 reason=reason,
                 created_by=user,
