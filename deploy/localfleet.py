@@ -72,9 +72,10 @@ ROUTER_FLAGS = (
 )
 
 # Every Redis KVFleet starts (this demo, scripts/services.sh, docker-compose.yml; test_compose checks that
-# they agree) keeps an append-only file, written before each reply and fsynced every second, so a restart
-# (even a SIGKILL; only a host crash loses up to 1 s) keeps the queued and unacknowledged Celery messages:
-# without it a step queued or held when Redis restarted was lost, and its operation was reaped minutes later.
+# they agree) keeps an append-only file, fsynced every second, so a restart keeps the queued and
+# unacknowledged Celery messages (a SIGKILL or a host crash can lose the last 1-2 s of writes: Redis postpones
+# a write while the previous fsync runs); without it a step queued or held when Redis restarted was lost, and
+# its operation was reaped minutes later.
 REDIS_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "everysec")
 
 

@@ -199,9 +199,10 @@ def test_the_celery_worker_survives_a_redis_restart(api_as, fake_worker, own_red
 def test_a_queued_step_survives_a_redis_restart_and_finishes(
     api_as, fake_worker, own_redis, spawn_celery_worker
 ):
-    """Redis as KVFleet starts it (append-only file): a step queued while no Celery worker runs is still there
-    after a SIGKILL and restart, and a worker started afterwards finishes the operation. With the earlier
-    settings (no persistence) the restarted Redis was empty and the operation waited for the reaper."""
+    """Redis as KVFleet starts it (append-only file): a step queued while no Celery worker runs, once written
+    to the file, is still there after a SIGKILL and restart, and a worker started afterwards finishes the
+    operation. With the earlier settings (no persistence) the restarted Redis was empty and the operation
+    waited for the reaper."""
     fake = fake_worker()
     worker = EngineWorkerFactory(name="w1", url=fake.url, admin_key=fake.admin_key)
     profile = StorageProfileFactory(
@@ -211,9 +212,9 @@ def test_a_queued_step_survives_a_redis_restart_and_finishes(
         response = launch(api_as("operator"), worker, profile)
         assert response.status_code == 201, response.content
         queue = redis.Redis.from_url(own_redis["url"])
-        assert (
-            queue.llen(celery_app.conf.task_default_queue) == 1
-        )  # the first step waits on the broker: no worker consumes yet
+        assert queue.llen(celery_app.conf.task_default_queue) == 1  # the first step waits: no worker yet
+        # everysec may hold a write back while the previous fsync runs: SIGKILL once the file has it
+        wait_for(lambda: queue.info("persistence")["aof_buffer_length"] == 0, "the append-only file written")
         own_redis["proc"].kill()
         own_redis["proc"].wait(10)
         own_redis["start"]()  # same port and data folder
