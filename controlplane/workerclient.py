@@ -218,17 +218,31 @@ class RouterClient:
         return None if item is None else str(item.get("id", item.get("url")))
 
     def add_worker(self, url: str, worker_type: str | None = None, bootstrap_port: int | None = None) -> None:
-        """POST /workers; a worker already registered is left as it is (safe to repeat). A PD router needs
+        """POST /workers; a worker already registered is left as it is (safe to repeat). A PD worker needs
         `worker_type` ("prefill" | "decode") and, for a prefill, its `bootstrap_port`: sglang-router 0.3.2
-        registers a worker posted with only its URL as "regular", which a PD router never selects."""
+        registers a worker posted with only its URL as "regular", which a PD router never selects. Without
+        `worker_type` they are read from the worker's /server_info (`disaggregation_mode`,
+        `disaggregation_bootstrap_port`); a worker that does not answer is posted with its URL only."""
         if self.find_worker_id(url) is not None:
             return
+        if worker_type is None:
+            worker_type, bootstrap_port = self._pd_registration(url)
         body: dict = {"url": url}
         if worker_type is not None:
             body["worker_type"] = worker_type
         if bootstrap_port is not None:
             body["bootstrap_port"] = bootstrap_port
         _request("POST", f"{self.base_url}/workers", json=body, timeout=self.timeout)
+
+    def _pd_registration(self, url: str) -> tuple[str | None, int | None]:
+        try:
+            info = WorkerClient(url, timeout=self.timeout).server_info()
+        except (WorkerError, ValueError):
+            return None, None
+        role = info.get("disaggregation_mode") if isinstance(info, dict) else None
+        if role not in ("prefill", "decode"):
+            return None, None
+        return role, info.get("disaggregation_bootstrap_port") if role == "prefill" else None
 
     def generate(self, body: dict, timeout: float | None = None) -> dict:
         """POST /generate through the router (it picks the worker, or the P/D pair)."""

@@ -164,6 +164,7 @@ class FakeWorker(_FakeHTTP):
             "enable_hierarchical_cache": True,
             "hicache_storage_backend": self.backend,
             "disaggregation_mode": self.pd_role,
+            "disaggregation_bootstrap_port": 8998,
             "is_idle": not busy and not io,
             "num_running_reqs": 2 if busy else 0,
             "num_waiting_reqs": 1 if busy else 0,
@@ -280,6 +281,7 @@ class FakeRouter(_FakeHTTP):
         self.workers: dict[str, str] = {}
         self._next = 1
         self.fail_adds = 0  # the next N POST /workers answer 500 (a failed re-add)
+        self.registered: list[dict] = []  # every POST /workers body
         super().__init__()
 
     def urls(self) -> set[str]:
@@ -300,6 +302,7 @@ class FakeRouter(_FakeHTTP):
                 self.fail_adds -= 1
                 return 500, {"error": "fake add failure"}, "application/json"
             self.workers[f"w{self._next}"] = body["url"]
+            self.registered.append(body)
             self._next += 1
             return 202, {"status": "accepted"}, "application/json"
         if path.startswith("/workers/") and method == "DELETE":

@@ -1,11 +1,18 @@
-"""Rebalance API: reads (viewer/operator/admin; agents and anonymous refused)."""
+"""Rebalance API reads (viewer/operator/admin; agents and anonymous refused), websocket pushes, and the
+router client's PD registration."""
 
 import pytest
+from channels.db import database_sync_to_async
+from channels.testing import WebsocketCommunicator
 from cp_factories import EngineWorkerFactory, RouterFactory
 
+from controlplane.asgi import application
 from controlplane.rebalance.models import Rebalance, RebalanceStep
+from controlplane.rebalance.services import rebalance_abort
+from controlplane.workerclient import RouterClient
 
 pytestmark = pytest.mark.django_db
+WS_WAIT_S = 15  # one websocket push, on a loaded 2-core CI machine
 
 
 def _rebalance() -> Rebalance:
@@ -40,3 +47,43 @@ def test_agents_and_anonymous_cannot_read(api_as, client):
     rb = _rebalance()
     assert api_as("agent").get(f"/api/v1/rebalances/{rb.pk}/").status_code == 403
     assert client.get("/api/v1/rebalances/").status_code in (401, 403)
+
+
+def test_router_re_add_of_a_pd_worker_keeps_its_type_and_bootstrap_port(fake_worker, fake_router):
+    """sglang-router 0.3.2 registers a worker posted with only its URL as "regular" (a PD router never
+    picks it): add_worker reads the role from the worker's /server_info (operations' drain re-add too)."""
+    prefill, decode, plain = fake_worker(pd_role="prefill"), fake_worker(pd_role="decode"), fake_worker()
+    client = RouterClient(fake_router.url)
+    for worker in (prefill, decode, plain):
+        client.add_worker(worker.url)
+    assert fake_router.registered == [
+        {"url": prefill.url, "worker_type": "prefill", "bootstrap_port": 8998},
+        {"url": decode.url, "worker_type": "decode"},
+        {"url": plain.url},
+    ]
+
+
+@pytest.mark.asyncio
+@pytest.mark.django_db(transaction=True)
+async def test_progress_is_pushed_to_the_rebalance_groups(personas):
+    rb = await database_sync_to_async(_rebalance)()
+    await database_sync_to_async(Rebalance.objects.filter(pk=rb.pk).update)(state="awaiting_approval")
+    rb.state = "awaiting_approval"
+    communicator = WebsocketCommunicator(
+        application,
+        f"/ws/v1/events/?token={personas['viewer'][1]}",
+        headers=[(b"origin", b"http://127.0.0.1")],
+    )
+    assert (await communicator.connect())[0]
+    await communicator.send_json_to({"action": "subscribe", "groups": [f"rebalance.{rb.pk}", "rebalances"]})
+    assert (await communicator.receive_json_from(timeout=WS_WAIT_S))["type"] == "control.subscribed"
+    await database_sync_to_async(rebalance_abort)(rb=rb, actor=personas["operator"][0], reason="stop")
+    seen = [await communicator.receive_json_from(timeout=WS_WAIT_S) for _ in range(3)]
+    await communicator.disconnect()
+    step = next(m for m in seen if m["type"] == "rebalance.step_changed")["data"]
+    assert (step["worker"], step["from"], step["state"]) == ("p0", "pending", "cancelled")
+    states = [m["data"] for m in seen if m["type"] == "rebalance.state_changed"]
+    assert len(states) == 2  # once to rebalance.<id>, once to rebalances
+    assert all(
+        (s["rebalance_id"], s["from"], s["state"]) == (rb.pk, "awaiting_approval", "aborted") for s in states
+    )
