@@ -2,8 +2,9 @@
 behind the real sglang-router in PD mode, driven through the REST API and a real Celery worker on Redis.
 
 One module-scoped fleet (P0, P1, D0 at the start: 2P1D) serves every scenario, in order; each scenario
-leaves it at 2P1D or says where it leaves it. Client traffic through the router runs during the role
-switches: no client request may fail and every answer must be the greedy text recorded before.
+leaves it at 2P1D or says where it leaves it; the last one adds a fourth worker. Client traffic through
+the router runs during the role switches: no client request may fail and every answer must be the greedy
+text recorded before.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cp_factories import EngineWorkerFactory, RouterFactory
 
 from controlplane.audit.models import AuditEvent
 from controlplane.rebalance.models import Rebalance
+from controlplane.workerclient import RouterClient
 from deploy.localfleet import router_command
 from engine.bench.launcher import ServerProcess, free_port
 
@@ -323,3 +325,46 @@ def test_abort_while_draining_and_a_busy_worker_times_out(fleet, inventory, api_
     assert "not idle within 4s" in step.explanation and "pd_transfers=1" in step.explanation
     assert _roles(fleet) == before
     assert [e.action for e in _audit(rb_id)][-2:] == ["role_switch", "rebalance_finished"]
+
+
+def test_two_steps_pause_between_them_and_approve_each(fleet, inventory, api_as):
+    """A fourth worker joins as a prefill (3P1D); 3P1D -> 1P3D takes two steps: a pause asked during step 0
+    takes effect after it, resume waits for step 1's approval, then step 1 runs. Runs last (adds a worker)."""
+    router, _ = inventory
+    extra = _worker("prefill")
+    extra.__enter__()
+    fleet["procs"]["p2"] = extra  # the fixture's teardown stops it
+    RouterClient(fleet["router"]).add_worker(extra.url)
+    _poll(lambda: _router_workers(fleet["router"]).get(extra.url) == "prefill", "router lists p2 as prefill")
+    EngineWorkerFactory(name="p2", url=extra.url, router=router, role="prefill")
+    before = _roles(fleet)
+    assert _split(before) == (3, 1)
+    op = api_as("operator")
+    r = _create(op, router, {"prefill": 1, "decode": 3}, approval="per_step", soak_s=5)
+    assert r.status_code == 201, r.content
+    rb_id, steps = r.json()["id"], r.json()["steps"]
+    assert [(s["index"], s["from_role"], s["to_role"]) for s in steps] == [
+        (0, "prefill", "decode"),
+        (1, "prefill", "decode"),
+    ]
+    with Traffic(fleet) as traffic:
+        op.post(f"/api/v1/rebalances/{rb_id}/approve/")
+        running = {"draining", "switching", "gating", "soaking"}
+        _poll(lambda: Rebalance.objects.get(pk=rb_id).steps.get(index=0).state in running, "step 0 running")
+        assert op.post(f"/api/v1/rebalances/{rb_id}/pause/").json()["pause_requested"] is True
+        rb = _wait_state(rb_id, {"paused", "succeeded", "rolled_back", "failed", "aborted"})
+        assert rb.state == "paused", rb.explanation
+        assert [s.state for s in rb.steps.order_by("index")] == ["succeeded", "pending"]
+        op.post(f"/api/v1/rebalances/{rb_id}/resume/")
+        rb = _wait_state(rb_id, {"awaiting_approval", "succeeded", "rolled_back", "failed", "aborted"})
+        assert rb.state == "awaiting_approval" and "step 1" in rb.explanation
+        op.post(f"/api/v1/rebalances/{rb_id}/approve/")
+        rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
+    traffic.check()
+    assert rb.state == "succeeded", rb.explanation
+    assert _roles(fleet) == {**before, **{s["worker_name"]: "decode" for s in steps}}
+    actions = [e.action for e in _audit(rb_id)]
+    assert actions == [
+        "rebalance_create", "rebalance_approve", "rebalance_pause", "role_switch",
+        "rebalance_resume", "rebalance_approve", "role_switch", "rebalance_finished",
+    ]  # fmt: skip
