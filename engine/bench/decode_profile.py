@@ -4,7 +4,7 @@
 
 1. Breakdown: the real model (SmolLM2-135M GGUF) on the torch attention backend, ``--batch`` sequences of
    ``--context`` tokens in a shuffled paged pool, decoded one token per step. Each part of a scheduler decode
-   step is timed on its own (building the ``ForwardBatch`` from Python lists, the forward pass, greedy
+   step is timed on its own (building the ``ForwardBatch`` with ``for_decode``, the forward pass, greedy
    sampling, streaming detokenization), and torch.profiler splits the forward pass by operator into weight
    matmuls (``aten::mm``/``addmm``/``linear``), K/V gathers (``index_select``), attention (SDPA), K/V writes
    (``index_put_``) and the rest (norms, RoPE, activations, per-op dispatch).
@@ -73,8 +73,8 @@ class DecodeSetup:
             self.ids[i].append(int(logits.argmax(-1)))
 
     def build(self) -> ForwardBatch:
-        return ForwardBatch.from_sequences(
-            [[ids[-1]] for ids in self.ids], [s[: n + 1] for s, n in zip(self.slots, self.lens, strict=True)]
+        return ForwardBatch.for_decode(
+            [ids[-1] for ids in self.ids], [s[: n + 1] for s, n in zip(self.slots, self.lens, strict=True)]
         )
 
     def step(self) -> None:

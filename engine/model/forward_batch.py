@@ -93,6 +93,38 @@ class ForwardBatch:
         return self.req_to_token[i, : self.seq_lens_cpu[i]]
 
     @classmethod
+    def for_decode(
+        cls,
+        last_token_ids: Sequence[int],
+        req_slots: Sequence[torch.Tensor],
+        layer_hook: Callable[[int], None] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> ForwardBatch:
+        """A decode step: one new token per sequence (``last_token_ids[i]``, whose slot is the last of
+        ``req_slots[i]``). Same batch as ``from_sequences([[t] for t in last_token_ids], req_slots)``, built
+        with a fixed number of tensor ops whatever the batch size (one padded copy of the slot lists; the
+        positions, ``out_cache_loc`` and offsets are derived from the lengths as tensors)."""
+        device = torch.device(device)
+        seq_lens = [int(s.shape[0]) for s in req_slots]
+        if len(last_token_ids) != len(seq_lens) or not seq_lens:
+            raise ValueError(f"{len(last_token_ids)} tokens for {len(seq_lens)} slot lists")
+        table = torch.nn.utils.rnn.pad_sequence(list(req_slots), batch_first=True).to(device)
+        lens = torch.tensor(seq_lens, dtype=torch.long).to(device)
+        positions = lens - 1
+        rows = torch.arange(len(seq_lens), dtype=torch.long, device=device)
+        return cls(
+            torch.tensor(list(last_token_ids), dtype=torch.long).to(device),
+            positions,
+            table[rows, positions],
+            table,
+            lens,
+            torch.arange(len(seq_lens) + 1, dtype=torch.long, device=device),
+            seq_lens,
+            [1] * len(seq_lens),
+            layer_hook,
+        )
+
+    @classmethod
     def from_sequences(
         cls,
         new_token_ids: Sequence[Sequence[int]],

@@ -380,7 +380,13 @@ class Scheduler:
             if req.state is ReqState.LOADING:  # the forward pass waits for its load-back layer by layer
                 req.move(ReqState.PREFILLING)
         try:
-            logits = self._forward([(r, r.fill_ids[s:e], s, e) for r, s, e in items])
+            batch = ForwardBatch.from_sequences(
+                [r.fill_ids[s:e] for r, s, e in items],
+                [r.kv.indices[:e] for r, _, e in items],
+                self.cache.wait_layer if self.hierarchical else None,
+                self.pool.device,
+            )
+            logits = self._forward(batch)
         except Exception as exc:
             logger.exception("prefill forward failed")
             self.chunked = None
@@ -429,9 +435,13 @@ class Scheduler:
     def _run_decode(self) -> None:
         reqs = list(self.running)
         try:
-            logits = self._forward(
-                [(r, [r.output_ids[-1]], r.kv.num_computed, r.kv.num_computed + 1) for r in reqs]
+            batch = ForwardBatch.for_decode(
+                [r.output_ids[-1] for r in reqs],
+                [r.kv.indices[: r.kv.num_computed + 1] for r in reqs],
+                self.cache.wait_layer if self.hierarchical else None,
+                self.pool.device,
             )
+            logits = self._forward(batch)
         except Exception as exc:
             logger.exception("decode forward failed")
             for req in reqs:
@@ -472,16 +482,10 @@ class Scheduler:
                 self._finish(req, {"type": "abort", "message": f"{stage} failed: {exc}"}, insert=False)
             return None
 
-    def _forward(self, rows: list[tuple[Req, list[int], int, int]]) -> torch.Tensor:
-        """One forward pass over (req, token ids, start, end) rows; last-position logits ``(B, V)``."""
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """One forward pass (queued L2 load-backs started first); last-position logits ``(B, V)``."""
         if self.hierarchical:
             self.cache.ready_to_load_host_cache()
-        batch = ForwardBatch.from_sequences(
-            [ids for _, ids, _, _ in rows],
-            [req.kv.indices[:end] for req, _, _, end in rows],
-            self.cache.wait_layer if self.hierarchical else None,
-            self.pool.device,
-        )
         return self.runner.forward(batch, self.pool)
 
     def _append_token(self, req: Req, tok: int) -> None:

@@ -40,6 +40,18 @@ def test_from_sequences_derives_positions_and_out_cache_loc():
     )
 
 
+def test_for_decode_builds_the_same_batch_as_from_sequences():
+    slots = [torch.tensor(s) for s in ([16, 17, 40, 41, 42], [64, 65], [80, 81, 82, 83, 90, 91])]
+    got = ForwardBatch.for_decode([7, 8, 9], slots)
+    ref = ForwardBatch.from_sequences([[7], [8], [9]], slots)
+    for name in ("input_ids", "positions", "out_cache_loc", "req_to_token", "seq_lens", "cu_seqlens"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert (got.seq_lens_cpu, got.extend_lens_cpu) == ([5, 2, 6], [1, 1, 1]) and got.is_decode
+    assert got.out_cache_loc.tolist() == [42, 65, 91] and got.positions.tolist() == [4, 1, 5]
+    with pytest.raises(ValueError, match="2 tokens for 3 slot lists"):
+        ForwardBatch.for_decode([7, 8], slots)
+
+
 @pytest.mark.parametrize(
     ("seq_lens", "extend_lens", "message"),
     [([3], [2], "sum\\(extend_lens\\) = 2 but the batch has 3 tokens"), ([2], [3], "need 0 < extend_len")],

@@ -29,9 +29,12 @@ class _Extend:
 
 @dataclass
 class _Decode:
-    token_index: torch.Tensor  # (Bd,) positions of the decode tokens in the flat batch
-    slots: torch.Tensor  # (Bd, Smax) slots, padded with slot 0
+    token_index: torch.Tensor | None  # (Bd,) positions of the decode tokens in the flat batch; None: all
+    slots: torch.Tensor  # (Bd * Smax,) slots, row-major, padded with slot 0
     mask: torch.Tensor | None  # (Bd, 1, 1, Smax) bool, None when all sequences have the same length
+    shape: tuple[int, int]  # (Bd, Smax)
+    keys: torch.Tensor | None = None  # (Bd * Smax, num_kv_heads, head_dim): one layer's gathered K, and V;
+    values: torch.Tensor | None = None  # allocated by the first layer, refilled by every later one
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -59,6 +62,10 @@ class TorchAttentionBackend(AttentionBackend):
         return kv if group == 1 else kv.repeat_interleave(group, dim=-2)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.is_decode and min(batch.seq_lens_cpu) > 1:  # all decode: tensors as they are, no loop
+            self._extends, self._single = [], False
+            self._decode = self._build_decode(batch.req_to_token, batch.seq_lens, batch.seq_lens_cpu, None)
+            return
         self._extends, decode_rows, start = [], [], 0
         positions = batch.positions
         for i, (seq_len, ext) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True)):
@@ -71,23 +78,31 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = key_pos[None, :] <= positions[start : start + ext, None]
                 self._extends.append(_Extend(start, start + ext, batch.req_slots(i), mask))
             start += ext
-        self._decode = self._build_decode(batch, decode_rows) if decode_rows else None
+        self._decode = None
+        if decode_rows:
+            device = positions.device
+            index = torch.tensor([i for i, _ in decode_rows], dtype=torch.long, device=device)
+            token_index = torch.tensor([s for _, s in decode_rows], dtype=torch.long, device=device)
+            self._decode = self._build_decode(
+                batch.req_to_token.index_select(0, index),
+                batch.seq_lens.index_select(0, index),
+                [batch.seq_lens_cpu[i] for i, _ in decode_rows],
+                token_index,
+            )
         self._single = len(self._extends) == 1 and self._decode is None
 
     @staticmethod
-    def _build_decode(batch: ForwardBatch, rows: list[tuple[int, int]]) -> _Decode:
-        """The decode rows of the page table (padded with slot 0), masked unless all span its width."""
-        device = batch.positions.device
-        seqs = [i for i, _ in rows]
-        lens = [batch.seq_lens_cpu[i] for i in seqs]
-        max_len = max(lens)
-        token_index = torch.tensor([start for _, start in rows], dtype=torch.long, device=device)
-        index = torch.tensor(seqs, dtype=torch.long, device=device)
-        slots = batch.req_to_token.index_select(0, index)[:, :max_len]
-        if min(lens) == max_len:
-            return _Decode(token_index, slots, None)
-        mask = torch.arange(max_len, device=device)[None, :] < batch.seq_lens.index_select(0, index)[:, None]
-        return _Decode(token_index, slots, mask[:, None, None, :])
+    def _build_decode(
+        table: torch.Tensor, lens: torch.Tensor, lens_cpu: list[int], token_index: torch.Tensor | None
+    ) -> _Decode:
+        """Decode rows ``table`` ``(Bd, W)`` of the page table (padded with slot 0) cut to the longest of
+        ``lens``, masked unless all have that length."""
+        max_len = max(lens_cpu)
+        slots = table[:, :max_len].reshape(-1)
+        if min(lens_cpu) == max_len:
+            return _Decode(token_index, slots, None, (table.shape[0], max_len))
+        mask = torch.arange(max_len, device=table.device)[None, :] < lens[:, None]
+        return _Decode(token_index, slots, mask[:, None, None, :], (table.shape[0], max_len))
 
     def forward(
         self,
@@ -105,8 +120,11 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for ext in self._extends:
             out[ext.start : ext.end] = self._extend(q[ext.start : ext.end], k_buf, v_buf, ext)
-        if self._decode is not None:
-            out[self._decode.token_index] = self._decode_attend(q, k_buf, v_buf, self._decode)
+        dec = self._decode
+        if dec is not None and dec.token_index is None:
+            return self._decode_attend(q, k_buf, v_buf, dec)
+        if dec is not None:
+            out[dec.token_index] = self._decode_attend(q[dec.token_index], k_buf, v_buf, dec)
         return out
 
     def _extend(
@@ -128,10 +146,21 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_attend(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, dec: _Decode
     ) -> torch.Tensor:
-        # GQA without repeating K/V: the g query heads of KV head j act as g queries against that head's keys
-        bd, group = dec.slots.shape[0], self.num_heads // self.num_kv_heads
-        keys = self._gather(k_buf, dec.slots, q.dtype).transpose(1, 2)  # (Bd, Hkv, Smax, D)
-        values = self._gather(v_buf, dec.slots, q.dtype).transpose(1, 2)
-        queries = q[dec.token_index].view(bd, self.num_kv_heads, group, self.head_dim)
+        """Attention of the decode queries ``q`` ``(Bd, num_heads, head_dim)`` over their sequences' K/V.
+
+        K/V rows are gathered into two buffers allocated by the first layer of the batch and refilled by every
+        later one (``index_select(out=)``), so a step allocates them once instead of once per layer. GQA
+        without repeating K/V: the g query heads of KV head j act as g queries against that head's keys.
+        """
+        if dec.keys is None or dec.keys.dtype != k_buf.dtype:
+            dec.keys = torch.empty((dec.slots.shape[0], *k_buf.shape[1:]), dtype=k_buf.dtype, device=q.device)
+            dec.values = torch.empty_like(dec.keys)
+        torch.index_select(k_buf, 0, dec.slots, out=dec.keys)
+        torch.index_select(v_buf, 0, dec.slots, out=dec.values)
+        bd, smax = dec.shape
+        group = self.num_heads // self.num_kv_heads
+        keys = dec.keys.view(bd, smax, self.num_kv_heads, self.head_dim).to(q.dtype).transpose(1, 2)
+        values = dec.values.view(bd, smax, self.num_kv_heads, self.head_dim).to(q.dtype).transpose(1, 2)
+        queries = q.reshape(bd, self.num_kv_heads, group, self.head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=dec.mask, scale=self.scale)
         return out.reshape(bd, self.num_heads, self.head_dim)
