@@ -134,12 +134,12 @@ class Traffic:
 
 @pytest.fixture
 def inventory(fleet, celery_worker_process):
+    """The router and its workers as inventory rows (each with the role it runs now)."""
     router = RouterFactory(name="pd", url=fleet["router"], mode="pd")
-    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
-    workers = {
-        n: EngineWorkerFactory(name=n, url=p.url, router=router, role=roles[n])
-        for n, p in fleet["procs"].items()
-    }
+    workers = {}
+    for name, proc in fleet["procs"].items():
+        role = httpx.get(f"{proc.url}/server_info").json()["disaggregation_mode"]
+        workers[name] = EngineWorkerFactory(name=name, url=proc.url, router=router, role=role)
     return router, workers
 
 
@@ -367,4 +367,35 @@ def test_two_steps_pause_between_them_and_approve_each(fleet, inventory, api_as)
     assert actions == [
         "rebalance_create", "rebalance_approve", "rebalance_pause", "role_switch",
         "rebalance_resume", "rebalance_approve", "role_switch", "rebalance_finished",
+    ]  # fmt: skip
+
+
+def test_a_failed_second_step_rolls_back_the_first(fleet, inventory, api_as):
+    """1P3D -> 3P1D, per step: step 0 succeeds; before step 1 the recorded canary text is altered in the
+    database, so step 1's gate fails: it rolls itself back, then the rebalance rolls step 0 back (drained,
+    switched back, re-added): 1P3D again, no client request failed."""
+    router, _ = inventory
+    before = _roles(fleet)
+    assert _split(before) == (1, 3)
+    op = api_as("operator")
+    r = _create(op, router, {"prefill": 3, "decode": 1}, approval="per_step")
+    rb_id = r.json()["id"]
+    with Traffic(fleet) as traffic:
+        op.post(f"/api/v1/rebalances/{rb_id}/approve/")
+        rb = _wait_state(rb_id, {"awaiting_approval", "succeeded", "rolled_back", "failed", "aborted"})
+        assert rb.state == "awaiting_approval" and rb.steps.get(index=0).state == "succeeded", rb.explanation
+        Rebalance.objects.filter(pk=rb_id).update(canary={**rb.canary, "expected_text": "altered"})
+        op.post(f"/api/v1/rebalances/{rb_id}/approve/")
+        rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
+    traffic.check()
+    assert rb.state == "rolled_back", rb.explanation
+    assert _roles(fleet) == before
+    first, second = rb.steps.order_by("index")
+    assert (first.state, second.state) == ("rolled_back", "rolled_back")
+    assert "canary" in second.rollback_cause and "the rebalance rolls back" in first.rollback_cause
+    records = [(e.action, e.object_repr) for e in _audit(rb_id)]
+    assert records == [
+        ("rebalance_create", str(rb)), ("rebalance_approve", str(rb)), ("role_switch", first.worker.name),
+        ("rebalance_approve", str(rb)), ("role_switch_rollback", second.worker.name),
+        ("role_switch_rollback", first.worker.name), ("rebalance_finished", str(rb)),
     ]  # fmt: skip
