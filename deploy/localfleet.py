@@ -388,6 +388,7 @@ class LocalFleet:
                 "url": self.router_url,
                 "metrics_url": self.router_metrics_url,
                 "policy": "cache_aware",
+                "mode": "pd" if self.pd else "regular",
             },
         )
         router.raise_for_status()

@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
 from controlplane.inventory.selectors import router_breakers
+from controlplane.rebalance.planner.inputs import DEFAULT_SLO
 from controlplane.telemetry import store
 from controlplane.telemetry.metrics import TIERS
 from controlplane.telemetry.selectors import POOLS
@@ -131,6 +132,18 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
         for w in registered
     ]
     return {"router": router, "rows": rows, "live": live, "error": error, "breakers": breakers}
+
+
+def rebalance_page(*, router: Router) -> dict:
+    """The facts the rebalance page renders: the router, its prefill / decode counts, and (as page data for
+    the page's module) its PD workers {id, name, role} and the SLOs the planner uses."""
+    workers = list(router.workers.filter(role__in=["prefill", "decode"]).values("id", "name", "role"))
+    counts = {role: sum(w["role"] == role for w in workers) for role in ("prefill", "decode")}
+    slo = {
+        "ttft_p90_s": router.slo_ttft_p90_s or DEFAULT_SLO.ttft_p90_s,
+        "itl_p90_s": router.slo_itl_p90_s or DEFAULT_SLO.itl_p90_s,
+    }
+    return {"router": router, "counts": counts, "page_data": {"workers": workers, "slo": slo}}
 
 
 def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:

@@ -14,6 +14,7 @@ urlpatterns = [
     path("workers/<int:pk>/", views.worker, name="worker"),
     path("hosts/<int:pk>/", views.host, name="host"),
     path("routers/<int:pk>/", views.router, name="router"),
+    path("routers/<int:pk>/rebalance/", views.rebalance, name="rebalance"),
     path("storage/", views.storage, name="storage"),
     path("capacity/", views.capacity, name="capacity"),
     path("operations/", views.page, {"name": "operations"}, name="operations"),

@@ -72,6 +72,14 @@ def router(request, pk: int):
 
 @login_required
 @ensure_csrf_cookie
+def rebalance(request, pk: int):
+    """A PD router's rebalance page; live parts (recommendation, rebalances, samples) come from the API."""
+    router = get_object_or_404(Router, pk=pk)
+    return _render(request, "rebalance", pk, **selectors.rebalance_page(router=router))
+
+
+@login_required
+@ensure_csrf_cookie
 def storage(request):
     return _render(request, "storage", usage=selectors.storage_usage())
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/console_screenshots.py --url http://127.0.0.1:8000 --user admin --password ...
     .venv/bin/python scripts/console_screenshots.py --demo     # starts deploy/localfleet.py itself
+    .venv/bin/python scripts/console_screenshots.py --demo --pd --only rebalance   # the PD fleet's page
 
 With --demo it starts the local fleet (control plane, Mooncake master, two SmolLM2 workers, sglang-router,
 traffic), runs one detach + attach operation so the operation and audit pages have content, waits until
@@ -37,6 +38,9 @@ def pages(api) -> list[tuple[str, str]]:
         out.append(("host", f"/hosts/{hosts[0]['id']}/"))
     if routers:
         out.append(("router", f"/routers/{routers[0]['id']}/"))
+    pd = [r for r in routers if r["mode"] == "pd"]
+    if pd:
+        out.append(("rebalance", f"/routers/{pd[0]['id']}/rebalance/"))
     out += [("storage", "/storage/"), ("operations", "/operations/"), ("launch", "/operations/new/")]
     if ops:
         out.append(("operation", f"/operations/{ops[0]['id']}/"))
@@ -44,7 +48,9 @@ def pages(api) -> list[tuple[str, str]]:
     return out
 
 
-def shoot(base: str, user: str, password: str, api, out_dir: Path, settle_s: float = 1.5) -> list[Path]:
+def shoot(
+    base: str, user: str, password: str, api, out_dir: Path, settle_s: float = 1.5, only: str | None = None
+) -> list[Path]:
     from playwright.sync_api import sync_playwright
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -53,6 +59,11 @@ def shoot(base: str, user: str, password: str, api, out_dir: Path, settle_s: flo
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 800})
         page.set_default_timeout(30000)
+        page.on("pageerror", lambda exc: print(f"page error: {exc}", file=sys.stderr, flush=True))
+        page.on(
+            "console",
+            lambda m: m.type == "error" and print(f"console: {m.text}", file=sys.stderr, flush=True),
+        )
         page.goto(base + "/login/")
         page.screenshot(path=str(out_dir / "login.png"))
         written.append(out_dir / "login.png")
@@ -61,6 +72,8 @@ def shoot(base: str, user: str, password: str, api, out_dir: Path, settle_s: flo
         page.get_by_role("button", name="Log in").click()
         page.wait_for_url(base + "/")
         for name, path in pages(api):
+            if only and name != only:
+                continue
             page.goto(base + path)
             page.wait_for_load_state("networkidle")
             page.wait_for_selector("body[data-loaded='1']")
@@ -70,9 +83,9 @@ def shoot(base: str, user: str, password: str, api, out_dir: Path, settle_s: flo
             target = out_dir / f"{name}.png"
             page.screenshot(path=str(target), full_page=True)
             width = page.evaluate("document.documentElement.scrollWidth")
-            print(f"{name:12s} {path:24s} scrollWidth={width}px -> {target.relative_to(REPO)}", flush=True)
+            print(f"{name:12s} {path:24s} scrollWidth={width}px -> {target}", flush=True)
             written.append(target)
-        if api("GET", "/api/v1/inventory/workers/").json()["count"]:  # the launch confirmation dialog
+        if not only and api("GET", "/api/v1/inventory/workers/").json()["count"]:  # the launch confirmation
             page.goto(base + "/operations/new/")
             page.wait_for_selector("body[data-loaded='1']")
             page.locator("#select-all").check()
@@ -108,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--password")
     p.add_argument("--token", help="API token (admin) used to find object ids")
     p.add_argument("--demo", action="store_true", help="start deploy/localfleet.py and shoot it")
+    p.add_argument("--pd", action="store_true", help="--demo: the PD fleet (deploy/fleet.pd.toml)")
+    p.add_argument("--only", help="shoot only this page (e.g. rebalance)")
     p.add_argument("--warmup", type=float, default=60, help="--demo: seconds of traffic before shooting")
     p.add_argument("--out", default=str(REPO / "docs" / "console"))
     a = p.parse_args(argv)
@@ -116,12 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.demo:
         from deploy.localfleet import PY, LocalFleet
 
-        with LocalFleet(log_dir=REPO / "logs" / time.strftime("screens-%Y%m%d-%H%M%S")) as fleet:
+        fleet = LocalFleet(log_dir=REPO / "logs" / time.strftime("screens-%Y%m%d-%H%M%S"), pd=a.pd)
+        if a.pd:
+            fleet.spec = REPO / "deploy" / "fleet.pd.toml"
+        with fleet:
             traffic = ["--url", fleet.router_url, "--concurrency", "2", "--conversations", "8"]
             fleet.spawn("traffic", [PY, "-m", "engine.bench.traffic", *traffic])
-            demo_operations(fleet)
+            if not a.pd:
+                demo_operations(fleet)
             time.sleep(a.warmup)
-            shoot(fleet.console_url, fleet.admin_user, fleet.admin_password, fleet.api, Path(a.out))
+            shoot(
+                fleet.console_url, fleet.admin_user, fleet.admin_password, fleet.api, Path(a.out), only=a.only
+            )
         return 0
     if not (a.url and a.password and a.token):
         p.error("--url, --password and --token are required without --demo")
@@ -129,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     def api(method: str, path: str, **kw):
         return httpx.request(method, a.url + path, headers={"Authorization": f"Bearer {a.token}"}, **kw)
 
-    shoot(a.url, a.user, a.password, api, Path(a.out))
+    shoot(a.url, a.user, a.password, api, Path(a.out), only=a.only)
     return 0
 
 

@@ -212,12 +212,14 @@ def _browser_expect_timeout(request):
 
 @pytest.fixture(autouse=True)
 def _fresh_telemetry_keys():
-    """Worker ids repeat across transactional tests: start each test with no telemetry keys of this run."""
+    """Worker and router ids repeat across transactional tests: start each test with no telemetry or P:D
+    planner keys of this run."""
     import redis
 
     client = redis.Redis.from_url(TEST_REDIS_URL)
-    for key in client.scan_iter(f"{TEST_PREFIX}:tm:*", count=1000):
-        client.delete(key)
+    for pattern in (f"{TEST_PREFIX}:tm:*", f"{TEST_PREFIX}:plan:*"):
+        for key in client.scan_iter(pattern, count=1000):
+            client.delete(key)
     yield
 
 

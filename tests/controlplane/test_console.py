@@ -139,3 +139,23 @@ def test_pool_history_seeds_fleet_sparklines(client, personas):
     assert history["regular"]["running"] == [2.0, 2.0]
     client.force_login(personas["viewer"][0])
     assert 'id="pool-history"' in client.get("/").content.decode()
+
+
+@pytest.mark.parametrize("role", ["viewer", "operator"])
+def test_rebalance_page_renders_the_split_and_gates_write_controls(client, personas, role):
+    from cp_factories import RouterFactory
+
+    client.force_login(personas[role][0])
+    router = RouterFactory(mode="pd", slo_ttft_p90_s=0.4)
+    for name, worker_role in (("p1", "prefill"), ("d1", "decode"), ("d2", "decode")):
+        EngineWorkerFactory(name=name, router=router, role=worker_role)
+    page = client.get(f"/routers/{router.pk}/rebalance/").content.decode()
+    assert (
+        'data-testid="split">1P:2D' in page and "SLO p90: TTFT 0.4 s · ITL 0.05 s (planner defaults" in page
+    )
+    assert ('id="start"' in page) is (role == "operator")
+    assert ('data-action="abort"' in page) is (role == "operator")
+    assert f'href="/routers/{router.pk}/rebalance/"' in client.get(f"/routers/{router.pk}/").content.decode()
+    regular = RouterFactory(mode="regular")
+    assert "not in PD mode" in client.get(f"/routers/{regular.pk}/rebalance/").content.decode()
+    assert client.get("/routers/999999/rebalance/").status_code == 404

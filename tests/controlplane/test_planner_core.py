@@ -141,10 +141,11 @@ def _view(p_latency: float, d_latency: float, counts=(2, 2), budget=4, **kw) -> 
     )
 
 
+INSTANT = PlannerConfig(persist_s=0.0, smoothing_s=0.0)  # decide on each evaluation alone
 latencies = st.tuples(st.floats(0.02, 5.0), st.floats(0.002, 0.5))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(latencies, st.integers(2, 8), st.integers(1, 7))
 def test_a_recommendation_splits_the_budget_with_one_of_each(lat, budget, p):
     counts = (min(p, budget - 1), budget - min(p, budget - 1))
@@ -152,7 +153,7 @@ def test_a_recommendation_splits_the_budget_with_one_of_each(lat, budget, p):
     assert sum(rec.recommended) == budget and min(rec.recommended) >= 1
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(latencies, st.floats(0.0, 0.25), st.integers(0, 2**32 - 1))
 def test_a_steady_noisy_load_changes_the_recommendation_at_most_once(lat, noise, seed):
     rng = random.Random(seed)
@@ -162,13 +163,13 @@ def test_a_steady_noisy_load_changes_the_recommendation_at_most_once(lat, noise,
         rec, state = evaluate(_view(lat[0] * jitter, lat[1] / jitter), state, 1000.0 + 15 * tick)
         shown.append(rec.recommended)
     flips = sum(a != b for a, b in zip(shown, shown[1:], strict=False))
-    assert flips <= 1, shown
+    assert flips <= 1, (lat, noise, seed, shown)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(st.floats(0.02, 5.0), st.floats(0.02, 5.0), st.floats(0.002, 0.5))
 def test_slower_prefill_never_gets_fewer_prefill_workers(lat_a, lat_b, d_lat):
-    cfg = PlannerConfig(persist_s=0.0)
+    cfg = INSTANT
     fast, slow = sorted((lat_a, lat_b))
     rec_fast, _ = evaluate(_view(fast, d_lat), PlannerState(), 1000.0, cfg)
     rec_slow, _ = evaluate(_view(slow, d_lat), PlannerState(), 1000.0, cfg)
@@ -176,7 +177,7 @@ def test_slower_prefill_never_gets_fewer_prefill_workers(lat_a, lat_b, d_lat):
 
 
 def test_figures_an_operator_can_check():
-    rec, _ = evaluate(_view(1.0, 0.01), PlannerState(), 1000.0, PlannerConfig(persist_s=0.0))
+    rec, _ = evaluate(_view(1.0, 0.01), PlannerState(), 1000.0, INSTANT)
     pre = rec.to_dict()["pools"][PREFILL]
     assert pre["demand"] == pytest.approx(6000)  # 8000 input - 2000 cached
     assert pre["hit_rate"] == pytest.approx(0.25)
@@ -187,7 +188,7 @@ def test_figures_an_operator_can_check():
 
 def test_frozen_and_cooldown_and_missing_data_hold_the_current_split():
     slow = dict(p_latency=2.0, d_latency=0.005)
-    cfg = PlannerConfig(persist_s=0.0)
+    cfg = INSTANT
     rec, _ = evaluate(_view(**slow, frozen="rebalance 4 is running"), PlannerState(), 1000.0, cfg)
     assert (rec.status, rec.recommended) == ("frozen", (2, 2))
     assert "rebalance 4 is running" in rec.summary
@@ -207,4 +208,8 @@ def test_a_proposal_must_persist_before_it_is_recommended():
     rec, state = evaluate(view, state, 1030.0)
     assert rec.status == "pending"
     rec, state = evaluate(view, state, 1060.0)
+    assert rec.status == "pending"  # held 60 s, but the smoothing has only now run its 60 s
+    rec, state = evaluate(view, state, 1119.0)
+    assert rec.status == "pending" and "it must hold 60 s" in rec.reasons[-1]
+    rec, state = evaluate(view, state, 1120.0)
     assert (rec.status, rec.recommended) == ("change", (3, 1))

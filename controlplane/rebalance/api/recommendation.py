@@ -11,7 +11,7 @@ from controlplane.rebalance.planner.service import recommendation
 
 
 class RecommendationApi(APIView):
-    """The newest recommendation (re-evaluated when older than two planner intervals): status, current and
+    """The newest recommendation (re-evaluated when older than 5 s): status, current and
     recommended (prefill, decode), a summary and the reasons with each pool's demand, per-worker capacity at
     the SLO, hit-rate discount and headroom. 409 ``not_pd`` for a router that is not in PD mode."""
 

@@ -23,7 +23,8 @@ Anti-flap (Dynamo's "persist for M evaluations + cooldown", Dynamo #9294's conso
   the best split lowers the worst utilisation by at least ``margin`` (relative); a shown change is replaced
   only by a split beating it by the same margin, and withdrawn only when the current split fits with the
   margin to spare (hysteresis);
-- a proposal becomes a recommendation ("change") only after it has been the proposal for ``persist_s``;
+- a proposal becomes a recommendation ("change") only after it has been the proposal for ``persist_s``,
+  counted from when the smoothing has run for ``smoothing_s`` (its first figures are the least smoothed);
   going back to "hold" needs the same persistence;
 - no proposal for ``cooldown_s`` after the router's counts last changed, none while ``frozen`` (a rollout
   runs, or actual != expected), and none without data from both pools.
@@ -115,6 +116,7 @@ class PlannerState:
     smoothed: tuple[float, float] | None = None  # workers each pool needs at 100 % utilisation (EWMA)
     smoothed_at: float | None = None
     smoothed_for: tuple[int, int] | None = None  # the counts it was measured at (reset when they change)
+    smoothed_since: float | None = None  # when the smoothing started (its warm-up counts from here)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,6 +132,7 @@ class PlannerState:
             tup(data.get("smoothed")),
             data.get("smoothed_at"),
             tup(data.get("smoothed_for")),
+            data.get("smoothed_since"),
         )
 
 
@@ -268,10 +271,14 @@ def _explain(role: str, f: PoolFigures, cfg: PlannerConfig) -> str:
 
 
 def _smooth(state: PlannerState, raw: tuple[float, float], current: Split, now: float, cfg: PlannerConfig):
+    """(EWMA of each pool's load, when the smoothing started); restarts when the counts change."""
+    if cfg.smoothing_s <= 0:  # no smoothing
+        return raw, now
     if state.smoothed is None or state.smoothed_for != current or state.smoothed_at is None:
-        return raw
+        return raw, now
     alpha = 1 - math.exp(-max(0.0, now - state.smoothed_at) / cfg.smoothing_s)
-    return tuple(a + alpha * (r - a) for a, r in zip(state.smoothed, raw, strict=True))
+    smoothed = tuple(a + alpha * (r - a) for a, r in zip(state.smoothed, raw, strict=True))
+    return smoothed, state.smoothed_since if state.smoothed_since is not None else now
 
 
 def evaluate(
@@ -279,16 +286,16 @@ def evaluate(
 ) -> tuple[Recommendation, PlannerState]:
     """One planner tick: the recommendation to show and the state to keep for the next tick."""
     current = view.current
-    if view.frozen:
-        rec = _rec(
-            "frozen", current, current, f"No recommendation: {view.frozen}.", [view.frozen], {}, view, now
-        )
-        return rec, PlannerState(shown=current)
     pools = {
         PREFILL: view.prefill and pool_figures(PREFILL, view.prefill, current[0], view.slo.ttft_p90_s, cfg),
         DECODE: view.decode and pool_figures(DECODE, view.decode, current[1], view.slo.itl_p90_s, cfg),
     }
     reasons = [_explain(role, f, cfg) for role, f in pools.items() if f]
+    if view.frozen:
+        summary = f"No recommendation: {view.frozen}."
+        return _rec(
+            "frozen", current, current, summary, [view.frozen, *reasons], pools, view, now
+        ), PlannerState()
     missing = [role for role, f in pools.items() if not f]
     if missing:
         why = f"no traffic or latency figures yet from warm {' and '.join(missing)} workers"
@@ -303,28 +310,35 @@ def evaluate(
         summary = f"Keep {_split_name(current)}: {why}."
         return _rec("cooldown", current, current, summary, [*reasons, why], pools, view, now), PlannerState()
     pre, dec = pools[PREFILL], pools[DECODE]
-    load = _smooth(
+    load, smoothed_since = _smooth(
         state, (pre.demand / pre.per_worker_capacity, dec.demand / dec.per_worker_capacity), current, now, cfg
     )
     shown = state.shown if state.shown is not None and sum(state.shown) == view.budget else current
     proposal, why = _propose(load, current, shown, view.budget, cfg)
     reasons.append(why)
-    kept = dict(smoothed=load, smoothed_at=now, smoothed_for=current)
+    kept = dict(smoothed=load, smoothed_at=now, smoothed_for=current, smoothed_since=smoothed_since)
     new_state = PlannerState(shown=shown, **kept)
     if proposal != shown:
         same = state.proposal == proposal and state.proposal_since is not None
         since = state.proposal_since if same else now
-        if now - since >= cfg.persist_s:
+        # held long enough, counted once the smoothing has warmed up (early figures are its least smoothed)
+        if now - max(since, smoothed_since + cfg.smoothing_s) >= cfg.persist_s:
             new_state, shown = PlannerState(shown=proposal, **kept), proposal
         else:
             new_state = PlannerState(shown=shown, proposal=proposal, proposal_since=since, **kept)
+            warm = smoothed_since + cfg.smoothing_s - now
             reasons.append(
-                f"{_split_name(proposal)} has been the proposal for {now - since:.0f} s "
-                f"of the {cfg.persist_s:.0f} s it must hold before it replaces {_split_name(shown)}"
+                f"{_split_name(proposal)} has been the proposal for {now - since:.0f} s; it must hold "
+                f"{cfg.persist_s:.0f} s"
+                + (f" after the smoothing warms up (in {warm:.0f} s)" if warm > 0 else "")
+                + f" before it replaces {_split_name(shown)}"
             )
-    if shown == current:
-        status = "pending" if new_state.proposal is not None else "hold"
-        summary = f"Keep {_split_name(current)}."
+    if shown == current and new_state.proposal is not None:
+        status = "pending"
+        held = f"it must hold {cfg.persist_s:.0f} s"
+        summary = f"Keep {_split_name(current)} for now: {_split_name(proposal)} is proposed ({held})."
+    elif shown == current:
+        status, summary = "hold", f"Keep {_split_name(current)}."
     else:
         status, summary = "change", _move_sentence(current, shown)
     return _rec(status, current, shown, summary, reasons, pools, view, now), new_state
@@ -336,7 +350,7 @@ def _propose(load, current: Split, shown: Split, budget: int, cfg: PlannerConfig
     best = best_split(load, budget, [current, shown], cfg)
     if best is None:
         return current, f"a budget of {budget} worker(s) cannot hold {cfg.min_workers} of each role"
-    util = lambda s: f"{_split_name(s)}: prefill {load[0] / s[0]:.0%}, decode {load[1] / s[1]:.0%}"  # noqa: E731
+    util = lambda s: f"{_split_name(s)} (prefill {load[0] / s[0]:.0%}, decode {load[1] / s[1]:.0%})"  # noqa: E731
     now_worst, best_worst = _worst(load, current), _worst(load, best)
     if sum(current) != budget:
         return (
@@ -357,7 +371,8 @@ def _propose(load, current: Split, shown: Split, budget: int, cfg: PlannerConfig
     if best == current or best_worst > now_worst * (1 - cfg.margin):
         return current, (
             f"{util(current)} runs a pool over {target:.0%}, but no split of {budget} worker(s) "
-            f"lowers the worse pool by {cfg.margin:.0%} or more (best {util(best)})"
+            f"lowers the worse pool by {cfg.margin:.0%} or more"
+            + ("" if best == current else f" (best {util(best)})")
         )
     return (
         best,

@@ -2,6 +2,10 @@
 
 Pools are the router's workers by role (prefill, decode). A worker's samples count from ``warmup_s`` after
 its role last changed (Dynamo #12430: cold samples of a worker that just joined a pool skew its capacity).
+The prefill pool's TTFT is the one the client sees, measured where its first token is sent: on the decode
+workers in PD (a decode worker observes TTFT from a request's arrival to the first token it streams, which
+covers the prefill on P and the KV transfer); the prefill workers' own TTFT is used only when no decode
+worker reports one (KVFleet's prefill workers record none; upstream's record the prefill leg).
 The planner is frozen (no new recommendation) while a rebalance of the router is active, and while actual !=
 expected: a worker of the router is offline or has not reported for ``stale_s``, or the router's counts are
 not the target of its newest succeeded rebalance.
@@ -9,12 +13,12 @@ not the target of its newest succeeded rebalance.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from django.apps import apps
 from django.utils import timezone
 
 from controlplane.inventory.models import EngineWorker, Router, WorkerRole, WorkerState
+from controlplane.rebalance.models import ACTIVE_STATES, Rebalance, RebalanceState
 from controlplane.rebalance.planner.core import DECODE, PREFILL, FleetView, Slo
 from controlplane.rebalance.planner.window import pool_load
 from controlplane.telemetry import store
@@ -31,10 +35,6 @@ class WindowConfig:
 
 def _rebalance_freeze(router: Router, current: tuple[int, int]) -> tuple[str | None, float | None]:
     """(why frozen, when the newest rebalance finished) from the rebalance app's records."""
-    if not apps.is_installed("controlplane.rebalance"):
-        return None, None
-    from controlplane.rebalance.models import ACTIVE_STATES, Rebalance, RebalanceState
-
     active = Rebalance.objects.filter(router=router, state__in=ACTIVE_STATES).first()
     if active is not None:
         return f"rebalance {active.pk} of this router is {active.state.replace('_', ' ')}", None
@@ -79,10 +79,13 @@ def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -
             start = max(start, w.role_changed_at.timestamp() + cfg.warmup_s)
         hist = store.history(w.pk, limit=400)
         samples[w.role].append([s for s in hist if start <= s["ts"] <= now])
+    prefill, decode = pool_load(samples[PREFILL]), pool_load(samples[DECODE])
+    if prefill and decode and decode.ttft_p90_s is not None:
+        prefill = replace(prefill, ttft_p90_s=decode.ttft_p90_s)  # the client's TTFT: see the module doc
     view = FleetView(
         current=current,
-        prefill=pool_load(samples[PREFILL]),
-        decode=pool_load(samples[DECODE]),
+        prefill=prefill,
+        decode=decode,
         budget=router.worker_budget or sum(current),
         slo=slo,
         last_change_at=last_change,

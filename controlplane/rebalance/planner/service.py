@@ -1,17 +1,18 @@
 """Run the planner for a PD router: read the fleet, decide, keep the state, return the recommendation.
 
 Called every ``PLANNER_INTERVAL_S`` by Celery beat (``rebalance.plan_all``) and by the recommendation
-endpoint when the stored one is older than twice that (so it works without beat, e.g. in a shell).
+endpoint when the stored one is older than ``FRESH_S`` (so a freeze shows at once, and it works without
+beat). Extra evaluations do not weaken the anti-flap rules: persistence and smoothing are measured in time.
 """
 
 from __future__ import annotations
-
-from django.conf import settings
 
 from controlplane.inventory.models import Router, RouterMode
 from controlplane.rebalance.planner import store
 from controlplane.rebalance.planner.core import PlannerConfig, evaluate
 from controlplane.rebalance.planner.inputs import WindowConfig, fleet_view, now_s
+
+FRESH_S = 5.0
 
 
 def plan(router: Router, now: float | None = None) -> dict:
@@ -34,7 +35,7 @@ def plan(router: Router, now: float | None = None) -> dict:
 def recommendation(router: Router) -> dict:
     """The stored recommendation if fresh, else a new evaluation."""
     rec = store.latest(router.pk)
-    if rec is None or now_s() - rec["evaluated_at"] > 2 * settings.PLANNER_INTERVAL_S:
+    if rec is None or not 0 <= now_s() - rec["evaluated_at"] <= FRESH_S:
         rec = plan(router)
     return rec
 

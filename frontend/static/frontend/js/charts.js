@@ -1,6 +1,7 @@
 /* Time-series charts on uPlot (vendor/uplot): KV.chart(el, opts) -> {set(xs, ys)}.
-   opts: series [{label, color?}], unit (a KV.units key), stacked (bool: areas stacked bottom-up, legend shows
-   each series' own value), range01 (y fixed at 0..1), height, spark (no axes/legend: a sparkline).
+   opts: series [{label, color?, dash?}], unit (a KV.units key), stacked (bool: areas stacked bottom-up, legend
+   shows each series' own value), range01 (y fixed at 0..1), height, spark (no axes/legend: a sparkline),
+   markers (a function returning [{ts, label}]: dashed vertical lines, e.g. the steps of a rebalance).
    xs are epoch seconds; ys one array per series (null = gap). The x range is the page's window selector
    (#window, seconds: 5 min / 1 h); the legend shows the latest values unless the cursor is over the plot. */
 (function () {
@@ -23,7 +24,7 @@
     var series = [{ value: function (u, v) { return v == null ? "–" : KV.time.text(v); } }].concat(opts.series.map(function (s, i) {
       var color = s.color || PALETTE[i % PALETTE.length];
       return {
-        label: s.label, stroke: color, width: 1.5, spanGaps: true,
+        label: s.label, stroke: color, width: 1.5, spanGaps: true, dash: s.dash,
         fill: opts.stacked ? tint(color, 0.85) : undefined,
         points: { show: false },
         value: function (u, v, si, idx) { return idx == null ? "–" : fmt(raw[si] ? raw[si][idx] : v); }
@@ -49,7 +50,8 @@
       series: series,
       hooks: {
         setCursor: [function (u) { hovering = u.cursor.idx != null && u.cursor.left >= 0; }],
-        setScale: [function (u, key) { if (key === "x") el.dataset.windowS = String(Math.round(u.scales.x.max - u.scales.x.min)); }]
+        setScale: [function (u, key) { if (key === "x") el.dataset.windowS = String(Math.round(u.scales.x.max - u.scales.x.min)); }],
+        draw: opts.markers ? [function (u) { drawMarkers(u, opts.markers()); }] : []
       }
     };
     var u = new window.uPlot(uopts, [[]].concat(series.slice(1).map(function () { return []; })), el);
@@ -89,6 +91,22 @@
     charts.push(api);
     return api;
   };
+
+  function drawMarkers(u, marks) {
+    var ctx = u.ctx, top = u.bbox.top, bottom = u.bbox.top + u.bbox.height;
+    ctx.save();
+    ctx.strokeStyle = "#545d68"; ctx.fillStyle = "#3d4550"; ctx.lineWidth = 1; ctx.setLineDash([4, 4]);
+    ctx.font = Math.round(11 * window.devicePixelRatio) + "px system-ui, sans-serif";
+    marks.forEach(function (m, i) {
+      var x = u.valToPos(m.ts, "x", true);
+      if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) return;
+      ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, bottom); ctx.stroke();
+      var right = x > u.bbox.left + u.bbox.width * 0.85;  // near the right edge: label on the left
+      ctx.textAlign = right ? "right" : "left";
+      ctx.fillText(m.label, x + (right ? -3 : 3), top + 12 * window.devicePixelRatio * (1 + (i % 2)));
+    });
+    ctx.restore();
+  }
 
   function resize() {
     charts.forEach(function (c) {

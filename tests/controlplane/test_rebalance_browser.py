@@ -1,0 +1,192 @@
+"""The rebalance page in real headless Chromium (Playwright) against daphne: a PD router 1P:2D whose
+prefill pool misses its TTFT SLO (samples rendered by the engine's own exporter, pushed through the agent
+API), the planner's recommendation with its numbers, a per-step rebalance the operator approves behind a
+confirmation, its steps moving live over the websocket (no reload), and before/after figures."""
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory, UserFactory
+from django.contrib.auth.hashers import make_password
+from test_browser import CHROMIUM_ARGS, serious_violations
+
+from controlplane.inventory.services import worker_role_observed
+from controlplane.rebalance.models import Rebalance, RebalanceStep
+from controlplane.rebalance.services.transitions import rebalance_transition, step_transition
+from engine.server.metrics import EngineMetrics
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+MODEL = "smollm2"
+
+
+class Exporter:
+    """One worker's real metric registry (engine.server.metrics), driven as its scheduler would."""
+
+    def __init__(self):
+        self.state = {
+            "num_running_reqs": 1,
+            "num_waiting_reqs": 0,
+            "num_used_tokens": 200,
+            "max_total_num_tokens": 1000,
+            "hicache": None,
+            "cache_stats": {"device_hit_tokens": 0},
+        }
+        self.metrics = EngineMetrics(MODEL, lambda: self.state)
+
+    def serve(
+        self, requests: int, prompt: int, cached: int, output: int, ttft_s: float | None, itl_s: float
+    ) -> str:
+        m = self.metrics
+        m.prompt_tokens.labels(MODEL).inc(requests * prompt)
+        m.generation_tokens.labels(MODEL).inc(requests * output)
+        m.num_requests.labels(MODEL).inc(requests)
+        self.state["cache_stats"]["device_hit_tokens"] += requests * cached
+        for _ in range(requests):
+            if (
+                ttft_s is not None
+            ):  # as in the engine: a PD prefill worker records no TTFT, its decode peer does
+                m.on_first_token(ttft_s)
+            for _ in range(output):
+                m.on_inter_token(itl_s)
+        return m.render().decode()
+
+
+def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
+    host = HostFactory(name=AGENT_HOST)
+    router = RouterFactory(
+        name="pd-edge", url=fake_router.url, mode="pd", slo_ttft_p90_s=0.5, slo_itl_p90_s=0.05
+    )
+    workers = [
+        EngineWorkerFactory(name=name, url=f"http://{name}.local:30000", host=host, router=router, role=role)
+        for name, role in (("p1", "prefill"), ("d1", "decode"), ("d2", "decode"))
+    ]
+    exporters = {w.pk: Exporter() for w in workers}
+    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
+
+    def push(ts: float):
+        for w in workers:
+            text = (
+                exporters[w.pk].serve(20, 1000, 400, 1, None, 0.01)
+                if w.role == "prefill"
+                else exporters[w.pk].serve(10, 1000, 0, 50, 1.5, 0.01)
+            )
+            body = {"worker_url": w.url, "text": text, "ts": ts}
+            assert agent.post("/api/v1/agent/metrics/", json=body).status_code == 202
+
+    t0 = time.time() - 100
+    for step in range(0, 101, 10):
+        push(t0 + step)
+    stop = threading.Event()
+
+    def report():  # the agent keeps pushing every 2 s, as it does for live workers
+        while not stop.wait(2.0):
+            push(time.time())
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    alice = UserFactory(username="alice", role="operator")
+    alice.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")  # the daphne process's hasher
+    alice.save()
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        errors = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(asgi_server + "/login/")
+        page.get_by_label("Username").fill("alice")
+        page.get_by_label("Password").fill("pw-for-tests-1")
+        page.get_by_role("button", name="Log in").click()
+        expect(page.get_by_test_id("role")).to_have_text("operator")
+        page.goto(f"{asgi_server}/routers/{router.pk}/")
+        page.get_by_test_id("rebalance-link").click()
+        expect(page.locator("body[data-loaded='1']")).to_have_count(1)
+        expect(page.get_by_test_id("split")).to_have_text("1P:2D")
+        expect(page.get_by_test_id("rec-status")).to_have_text("pending")
+        reasons = page.get_by_test_id("rec-reasons")  # the exact figures: test_planner_api.py
+        expect(reasons).to_contain_text(re.compile(r"prefill demand [\d,]+ computed prompt tokens/s"))
+        expect(reasons).to_contain_text("40% served from cache")
+        expect(page.locator("#rec-pools [data-pool=prefill]")).to_contain_text("40 %")
+        expect(page.get_by_test_id("now-ttft")).not_to_have_text("–")
+        expect(page.locator("#chart-ttft")).not_to_have_attribute("data-points", "0")
+
+        # Start: the dialog lists each pool now -> after; nothing is sent while it is open or when cancelled.
+        expect(page.get_by_test_id("target-prefill")).to_have_value("1")
+        page.get_by_test_id("target-prefill").fill("2")
+        page.get_by_test_id("target-decode").fill("1")
+        page.get_by_role("button", name="Review and start").click()
+        dialog = page.locator("#confirm")
+        expect(dialog).to_contain_text("Start rebalance 1P:2D → 2P:1D?")
+        expect(dialog.locator("#confirm-rows tr", has_text="prefill pool")).to_contain_text("2 workers")
+        dialog.get_by_role("button", name="Cancel").click()
+        expect(dialog).to_be_hidden()
+        assert not Rebalance.objects.exists()
+
+        # A running rebalance (its steps moved by rollout's own transition writer, as the executor moves
+        # them; no Celery worker is involved): the page follows it without a reload.
+        rb0 = Rebalance.objects.create(router=router, before_prefill=1, before_decode=2, target_prefill=2,
+                                       target_decode=1, approval="auto", soak_s=5, idle_timeout_s=60,
+                                       reason="prefill misses its TTFT SLO", created_by=alice)  # fmt: skip
+        step = RebalanceStep.objects.create(rebalance=rb0, index=0, worker=workers[1], from_role="decode",
+                                            to_role="prefill")  # fmt: skip
+        page.evaluate("window.__sameDocument = true")
+        rebalance_transition(rb0, to="running", explanation="running")
+        expect(page.get_by_test_id("rb-state")).to_have_text("running")
+        expect(page.get_by_test_id("rec-status")).to_have_text("frozen")  # no advice while one runs
+        row = page.locator("#rb-steps tbody tr")
+        expect(row).to_have_count(1)
+        for to in ("draining", "switching", "gating", "soaking", "succeeded"):
+            step_transition(step, to=to, explanation=f"{to} (test)")
+            expect(row.locator(".badge")).to_have_text(to)
+        expect(row).to_contain_text("succeeded (test)")
+        worker_role_observed(worker=workers[1], role="prefill")  # what the executor records after the switch
+        rebalance_transition(rb0, to="succeeded", explanation="2P:1D reached")
+        expect(page.get_by_test_id("rb-state")).to_have_text("succeeded")
+        expect(page.get_by_test_id("split")).to_have_text("2P:1D")
+        compare = page.locator("#rb-compare tbody")
+        expect(compare.locator("tr", has_text="TTFT p90 (client)").locator("td").first).not_to_have_text("–")
+        assert page.evaluate("window.__sameDocument") is True
+
+        # A per-step rebalance: approve asks first (cancelled: nothing sent); pause and abort are sent on
+        # confirmation and arrive back over the websocket.
+        rb1 = Rebalance.objects.create(
+            router=router, before_prefill=2, before_decode=1, target_prefill=1, target_decode=2,
+            approval="per_step", soak_s=5, idle_timeout_s=60,
+        )  # fmt: skip
+        RebalanceStep.objects.create(
+            rebalance=rb1, index=0, worker=workers[1], from_role="prefill", to_role="decode"
+        )
+        rebalance_transition(rb1, to="awaiting_approval", explanation="step 0 waits for approval")
+        expect(page.get_by_test_id("rb-title")).to_have_text(f"#{rb1.pk}")
+        expect(page.get_by_test_id("rb-state")).to_have_text("awaiting approval")
+        page.get_by_role("button", name="Approve next step").click()
+        expect(dialog.locator("#confirm-rows tr")).to_contain_text("d1 (prefill → decode)")
+        expect(dialog.locator("#confirm-rows tr")).to_contain_text("runs now")
+        dialog.get_by_role("button", name="Cancel").click()
+        rb1.refresh_from_db()
+        assert rb1.state == "awaiting_approval"
+        page.get_by_role("button", name="Pause").click()
+        dialog.get_by_role("button", name="Pause").click()
+        expect(page.get_by_test_id("rb-state")).to_have_text("paused")
+        expect(page.get_by_role("button", name="Resume")).to_be_visible()
+        page.get_by_role("button", name="Abort").click()
+        expect(dialog.locator("#confirm-rows tr")).to_contain_text("cancelled")
+        dialog.get_by_role("button", name="Abort rebalance").click()
+        expect(page.get_by_test_id("rb-state")).to_have_text("aborted")
+        expect(page.locator("#rb-steps tbody tr .badge")).to_have_text("cancelled")
+        expect(page.locator("#rb-history tbody tr")).to_have_count(2)
+        expect(page.locator("#rb-history tbody tr").first.locator(".badge")).to_have_text("aborted")
+        expect(page.get_by_test_id("split")).to_have_text("2P:1D")  # d1 runs prefill since rebalance 1
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        page.screenshot(path="/tmp/rebalance-1.png", full_page=True)
+        assert serious_violations(page) == []
+        assert errors == []
+        browser.close()
+    stop.set()
+    reporter.join(10)
