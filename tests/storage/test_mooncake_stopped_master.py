@@ -48,11 +48,24 @@ def _in_background(fn) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
+def _wait_quiet(client: httpx.Client) -> None:
+    """Until nothing runs and no cache I/O is in flight: a backup still going to the master as it stops would
+    hold the worker busy, and the idle-gated clear/detach would be refused rather than wait on the store."""
+    deadline = time.monotonic() + 120
+    while True:
+        info = client.get("/server_info").json()
+        if info["is_idle"] and not any(info["inflight_cache_io"].values()):
+            return
+        assert time.monotonic() < deadline, f"worker never quiet: {info['inflight_cache_io']}"
+        time.sleep(0.05)
+
+
 def test_clear_and_detach_against_a_stopped_master_leave_the_worker_serving(worker_and_master):
     server, master = worker_and_master
     with httpx.Client(base_url=server.url, timeout=120) as client:
         assert client.post("/generate", json=GEN).status_code == 200
         threshold = client.get("/hicache/config", headers=ADMIN).json()["prefetch_threshold"]
+        _wait_quiet(client)
         os.kill(master.process.pid, signal.SIGSTOP)
         clear, cleared = _in_background(lambda: client.post("/hicache/storage-backend/clear", headers=ADMIN))
 
@@ -78,6 +91,7 @@ def test_clear_and_detach_against_a_stopped_master_leave_the_worker_serving(work
         )
         assert client.post("/hicache/storage-backend/clear", headers=ADMIN).status_code == 200
 
+        _wait_quiet(client)
         os.kill(master.process.pid, signal.SIGSTOP)
         detach, detached = _in_background(lambda: client.delete("/hicache/storage-backend", headers=ADMIN))
         assert client.get("/health").status_code == 200
