@@ -131,3 +131,16 @@ def test_cold_stale_and_non_pd(pd_fleet, api_as, agent_for):
     regular = RouterFactory(mode="regular")
     got = api_as("viewer").get(f"/api/v1/inventory/routers/{regular.pk}/recommendation/")
     assert got.status_code == 409 and got.json()["error"]["code"] == "not_pd"
+
+
+def test_the_beat_task_plans_every_pd_router(pd_fleet, api_as):
+    from django.conf import settings
+
+    from controlplane.rebalance.planner.tasks import plan_all_task
+
+    router, _, _ = pd_fleet
+    RouterFactory(mode="regular")
+    assert settings.CELERY_BEAT_SCHEDULE["rebalance-plan"]["task"] == plan_all_task.name
+    assert plan_all_task.apply().get() == 1  # the PD router only
+    stored = api_as("viewer").get(f"/api/v1/inventory/routers/{router.pk}/recommendation/").json()
+    assert stored["router"] == router.pk and stored["status"] == "frozen"  # no worker has reported yet
