@@ -260,22 +260,17 @@ def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(p
             for line in p2_info.splitlines()
         ), "P2 took no request"
 
-        # Long requests in flight; SIGKILL P2 once it holds one of them.
+        # Long requests in flight, one more each round until P2 holds one (the router picks the prefill, so
+        # any fixed number may all land on P1); then SIGKILL P2.
         long_sp = {"max_new_tokens": 60, "temperature": 0}
-        pool = concurrent.futures.ThreadPoolExecutor(6)
+        pool = concurrent.futures.ThreadPoolExecutor(24)
         started = time.monotonic()
-        futures = [
-            pool.submit(
-                httpx.post,
-                f"{url}/generate",
-                json={"text": _text(200 + i), "sampling_params": long_sp},
-                timeout=120,
-            )
-            for i in range(6)
-        ]
+        futures = []
         while httpx.get(f"{p2.url}/server_info", timeout=10).json()["is_idle"]:
-            assert time.monotonic() - started < 60, "P2 never got a request"
-            time.sleep(0.05)
+            assert len(futures) < 24 and time.monotonic() - started < 60, "P2 never got a request"
+            body = {"text": _text(200 + len(futures)), "sampling_params": long_sp}
+            futures.append(pool.submit(httpx.post, f"{url}/generate", json=body, timeout=120))
+            time.sleep(0.2)  # pacing between submissions, not a wait for a state
         p2.proc.kill()
         results = [f.result() for f in futures]
         pool.shutdown()
