@@ -168,6 +168,7 @@ CELERY_BEAT_SCHEDULE = {
     "operations-reap": {"task": "operations.reap_stuck_targets", "schedule": 10.0},
     "operations-purge-idempotency": {"task": "operations.purge_idempotency_records", "schedule": 3600.0},
     "rebalance-plan": {"task": "rebalance.plan_all", "schedule": PLANNER_INTERVAL_S},
+    "rebalance-resume-stalled": {"task": "rebalance.resume_stalled", "schedule": 30.0},
 }
 CELERY_IMPORTS = ["controlplane.rebalance.planner.tasks"]
 
@@ -212,6 +213,9 @@ WORKER_APPLY_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_APPLY_HTTP_TIMEOUT_S"
 OPERATION_STEP_MAX_S = WORKER_APPLY_HTTP_TIMEOUT_S + 6 * WORKER_HTTP_TIMEOUT_S
 CELERY_TASK_SOFT_TIME_LIMIT = OPERATION_STEP_MAX_S
 CELERY_TASK_TIME_LIMIT = 1.5 * OPERATION_STEP_MAX_S
+# A rebalance with no advance for this long lost its task chain (one advance is bounded by the worker HTTP
+# timeouts, the canary and the router join wait: below twice the hard limit); beat starts a new chain.
+REBALANCE_STALL_S = float(os.environ.get("REBALANCE_STALL_S", str(2 * CELERY_TASK_TIME_LIMIT)))
 _VISIBILITY_TIMEOUT_S = math.ceil(2 * (OPERATION_POLL_INTERVAL_S + CELERY_TASK_TIME_LIMIT))
 _RESTORE_INTERVAL_S = max(1, _VISIBILITY_TIMEOUT_S // 10)
 CELERY_BROKER_TRANSPORT_OPTIONS = {

@@ -104,6 +104,8 @@ class Rebalance(models.Model):
     approved_steps = models.PositiveSmallIntegerField(
         default=0, help_text="per_step: steps with index below this are approved"
     )
+    chain = models.CharField(max_length=32, blank=True, help_text="Id of the Celery task chain driving it")
+    advanced_at = models.DateTimeField(null=True, blank=True, help_text="Last run of its advance task")
     pause_requested = models.BooleanField(default=False)
     abort_requested = models.BooleanField(default=False)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)

@@ -1,9 +1,14 @@
-"""Fast rebalance checks: the plan of steps, both transition tables, and the API's refusals (no workers
-contacted: each refusal comes before any HTTP call)."""
+"""Fast rebalance checks: the plan of steps, both transition tables, the API's refusals (no workers
+contacted: each refusal comes before any HTTP call), and the restart of a lost task chain."""
+
+from datetime import timedelta
 
 import pytest
 from cp_factories import EngineWorkerFactory, RouterFactory
+from django.conf import settings
+from django.utils import timezone
 
+from controlplane.audit.models import AuditEvent
 from controlplane.core.exceptions import ApplicationError
 from controlplane.rebalance.models import (
     ACTIVE_STATES,
@@ -14,8 +19,10 @@ from controlplane.rebalance.models import (
     TRANSITIONS,
     Rebalance,
     RebalanceState,
+    RebalanceStep,
     StepState,
 )
+from controlplane.rebalance.services import rebalance_advance, rebalance_resume_stalled
 from controlplane.rebalance.services.plan import plan_steps
 
 
@@ -114,3 +121,32 @@ def test_api_refusals_name_the_field_and_a_second_rebalance_is_409(api_as):
     assert api_as("agent").post(f"/api/v1/rebalances/{active.pk}/abort/").status_code == 403
     assert op.post(f"/api/v1/rebalances/{active.pk}/approve/").status_code == 409  # not awaiting approval
     assert Rebalance.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_a_lost_task_chain_is_restarted_and_an_old_chain_stops():
+    """A running rebalance whose last advance is older than REBALANCE_STALL_S gets a new chain (audited); a
+    task of the old chain does nothing, the new one drives it (here: every step done, so it succeeds)."""
+    router = RouterFactory(name="pd", mode="pd")
+    worker = EngineWorkerFactory(router=router, role="decode")
+    old = timezone.now() - timedelta(seconds=settings.REBALANCE_STALL_S + 5)
+    rb = Rebalance.objects.create(
+        router=router, before_prefill=2, before_decode=1, target_prefill=1, target_decode=2, soak_s=1,
+        idle_timeout_s=1, state="running", chain="lost", advanced_at=old,
+    )  # fmt: skip
+    RebalanceStep.objects.create(
+        rebalance=rb, index=0, worker=worker, from_role="prefill", to_role="decode", state="succeeded"
+    )
+    fresh = Rebalance.objects.create(
+        router=RouterFactory(mode="pd"), before_prefill=2, before_decode=1, target_prefill=1, target_decode=2,
+        soak_s=1, idle_timeout_s=1, state="running", chain="live", advanced_at=timezone.now(),
+    )  # fmt: skip
+    assert rebalance_resume_stalled() == 1
+    rb.refresh_from_db()
+    assert rb.chain not in ("", "lost") and Rebalance.objects.get(pk=fresh.pk).chain == "live"
+    assert AuditEvent.objects.filter(action="rebalance_task_restarted", extra__rebalance_id=rb.pk).exists()
+    assert rebalance_advance(rebalance_id=rb.pk, chain="lost") is None
+    assert Rebalance.objects.get(pk=rb.pk).state == "running"
+    assert rebalance_advance(rebalance_id=rb.pk, chain=rb.chain) is None
+    rb.refresh_from_db()
+    assert rb.state == "succeeded" and rb.explanation == "all 1 steps succeeded: now 1P2D"

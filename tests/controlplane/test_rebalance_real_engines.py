@@ -206,30 +206,30 @@ def test_2p1d_to_1p2d_under_traffic(fleet, inventory, api_as):
         assert r.status_code == 201, r.content
         plan = r.json()
         assert plan["before"] == {"prefill": 2, "decode": 1} and plan["state"] == "running"
-        assert [(s["worker_name"], s["from_role"], s["to_role"]) for s in plan["steps"]] == [
-            ("p0", "prefill", "decode")
-        ]
+        (step,) = plan["steps"]  # the less loaded prefill at that moment (traffic runs)
+        assert (step["from_role"], step["to_role"]) == ("prefill", "decode") and step["worker_name"] in START
+        moved = step["worker_name"]
         assert plan["canary"]["expected_text"]
         second = _create(api_as("operator"), router, {"prefill": 1, "decode": 2})
         assert second.status_code == 409 and second.json()["error"]["code"] == "rebalance_active"
         rb = _wait_state(plan["id"], {"succeeded", "rolled_back", "failed", "aborted"})
     traffic.check()
     assert rb.state == "succeeded", rb.explanation
-    assert _roles(fleet) == {**START, "p0": "decode"}
-    workers["p0"].refresh_from_db()
-    assert workers["p0"].role == "decode"
+    assert _roles(fleet) == {**START, moved: "decode"}
+    workers[moved].refresh_from_db()
+    assert workers[moved].role == "decode"
     records = _audit(rb.pk)
     assert [e.action for e in records] == ["rebalance_create", "role_switch", "rebalance_finished"]
     switch = records[1]
-    assert switch.outcome == "success" and switch.object_repr == "p0"
+    assert switch.outcome == "success" and switch.object_repr == moved
     assert (switch.before["role"], switch.after["role"]) == ("prefill", "decode")
-    assert "gates passed" in rb.steps.get().explanation or "verified" in rb.steps.get().explanation
+    assert "role verified in /server_info, gates passed, served 3s within SLO" in rb.steps.get().explanation
 
 
 def test_per_step_approval_pause_and_resume_back_to_2p1d(fleet, inventory, api_as):
     router, workers = inventory
     before = _roles(fleet)
-    assert before == {**START, "p0": "decode"}
+    assert _split(before) == (1, 2)
     op, viewer = api_as("operator"), api_as("viewer")
     r = _create(op, router, {"prefill": 2, "decode": 1}, approval="per_step")
     assert r.status_code == 201, r.content

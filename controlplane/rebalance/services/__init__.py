@@ -5,7 +5,8 @@
 - slo: p90 TTFT/ITL over a soak window from the workers' histograms;
 - transitions: the one writer of both state machines, their audit records and websocket pushes;
 - launch: create, approve, pause, resume, abort;
-- steps: the step runner the Celery task calls.
+- steps: the step runner the Celery task calls;
+- reaper: restarts the task chain of a rebalance whose chain was lost.
 """
 
 from controlplane.rebalance.services.launch import (
@@ -15,6 +16,7 @@ from controlplane.rebalance.services.launch import (
     rebalance_pause,
     rebalance_resume,
 )
+from controlplane.rebalance.services.reaper import rebalance_resume_stalled
 from controlplane.rebalance.services.steps import rebalance_advance
 from controlplane.rebalance.services.transitions import InvalidTransition
 
@@ -26,4 +28,5 @@ __all__ = [
     "rebalance_create",
     "rebalance_pause",
     "rebalance_resume",
+    "rebalance_resume_stalled",
 ]

@@ -46,12 +46,13 @@ def _steps(rb: Rebalance) -> list[RebalanceStep]:
     return steps
 
 
-def rebalance_advance(*, rebalance_id: int) -> float | None:
+def rebalance_advance(*, rebalance_id: int, chain: str | None = None) -> float | None:
     """Advance the rebalance by one step action; the delay (s) before the next call, or None when it now
-    waits for the API (approval, pause) or has ended."""
+    waits for the API (approval, pause), has ended, or `chain` is not the task chain that drives it."""
     rb = Rebalance.objects.select_related("router", "created_by").filter(pk=rebalance_id).first()
-    if rb is None or rb.state in FINAL_STATES:
+    if rb is None or rb.state in FINAL_STATES or (chain is not None and rb.chain != chain):
         return None
+    Rebalance.objects.filter(pk=rb.pk).update(advanced_at=_now())
     if rb.state == R.RUNNING:
         return _run(rb)
     if rb.state == R.ROLLING_BACK:

@@ -1,6 +1,8 @@
 """The one writer of Rebalance.state and RebalanceStep.state (compare-and-set on the expected state), their
 audit records and websocket pushes, and the publish of the next advance task."""
 
+import uuid
+
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
@@ -27,11 +29,14 @@ class InvalidTransition(ApplicationError):
     code = "invalid_transition"
 
 
-def enqueue_advance(rebalance_id: int, countdown: float | None = None) -> None:
-    """Publish one advance of the rebalance to Celery once the current transaction commits."""
+def enqueue_advance(rebalance_id: int) -> None:
+    """Start a new task chain driving the rebalance once the current transaction commits. Its id is stored:
+    a task of an older chain stops when it runs, so one chain drives a rebalance at a time."""
     from controlplane.rebalance.tasks import advance_task
 
-    transaction.on_commit(lambda: advance_task.apply_async((rebalance_id,), countdown=countdown))
+    chain = uuid.uuid4().hex
+    Rebalance.objects.filter(pk=rebalance_id).update(chain=chain, advanced_at=timezone.now())
+    transaction.on_commit(lambda: advance_task.apply_async((rebalance_id, chain)))
 
 
 def _finish_fields(final: bool) -> dict:
