@@ -183,6 +183,9 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
         expect(page.locator("#rb-history tbody tr")).to_have_count(2)
         expect(page.locator("#rb-history tbody tr").first.locator(".badge")).to_have_text("aborted")
         expect(page.get_by_test_id("split")).to_have_text("2P:1D")  # d1 runs prefill since rebalance 1
+        expect(page.get_by_test_id("rec-status")).to_have_text("cooldown")  # the counts just changed
+        page.get_by_label("Chart time window").select_option("3600")  # re-read over 1 h, every chart redrawn
+        expect(page.locator(".chart[data-window-s='3600']")).to_have_count(4)
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
         page.screenshot(path="/tmp/rebalance-1.png", full_page=True)
         assert serious_violations(page) == []

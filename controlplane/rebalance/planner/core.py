@@ -53,7 +53,7 @@ class PlannerConfig:
     margin: float = 0.15  # a new split must lower the worst utilisation by this share (relative)
     smoothing_s: float = 60.0  # time constant of the EWMA over evaluations of each pool's load
     persist_s: float = 60.0  # a proposal must hold this long before it is recommended (and to go back)
-    cooldown_s: float = 300.0  # no proposal this long after the router's P/D counts changed
+    cooldown_s: float = 300.0  # no proposal this long after a role change / a rebalance ended
     max_gain: float = 4.0  # capacity <= 4x the measured per-worker load
     kv_limit: float = 0.9  # a decode worker is full at 90 % KV usage
     min_workers: int = 1  # per pool
@@ -306,7 +306,8 @@ def evaluate(
     if view.last_change_at is not None and now - view.last_change_at < cfg.cooldown_s:
         ago = now - view.last_change_at
         left = cfg.cooldown_s - ago
-        why = f"the P/D counts changed {ago:.0f} s ago; cooldown {cfg.cooldown_s:.0f} s ({left:.0f} s left)"
+        what = "a worker's role changed or a rebalance ended"
+        why = f"{what} {ago:.0f} s ago; cooldown {cfg.cooldown_s:.0f} s ({left:.0f} s left)"
         summary = f"Keep {_split_name(current)}: {why}."
         return _rec("cooldown", current, current, summary, [*reasons, why], pools, view, now), PlannerState()
     pre, dec = pools[PREFILL], pools[DECODE]

@@ -1,13 +1,17 @@
 """Run the planner for a PD router: read the fleet, decide, keep the state, return the recommendation.
 
 Called every ``PLANNER_INTERVAL_S`` by Celery beat (``rebalance.plan_all``) and by the recommendation
-endpoint when the stored one is older than ``FRESH_S`` (so a freeze shows at once, and it works without
-beat). Extra evaluations do not weaken the anti-flap rules: persistence and smoothing are measured in time.
+endpoint when the stored one is older than ``FRESH_S`` or a rebalance of the router changed since (so a
+freeze shows at once, and it works without beat). Extra evaluations do not weaken the anti-flap rules:
+persistence and smoothing are measured in time.
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from controlplane.inventory.models import Router, RouterMode
+from controlplane.rebalance.models import Rebalance
 from controlplane.rebalance.planner import store
 from controlplane.rebalance.planner.core import PlannerConfig, evaluate
 from controlplane.rebalance.planner.inputs import WindowConfig, fleet_view, now_s
@@ -33,11 +37,17 @@ def plan(router: Router, now: float | None = None) -> dict:
 
 
 def recommendation(router: Router) -> dict:
-    """The stored recommendation if fresh, else a new evaluation."""
+    """The stored recommendation if fresh (evaluated in the last ``FRESH_S`` and no rebalance of the router
+    changed since), else a new evaluation."""
     rec = store.latest(router.pk)
-    if rec is None or not 0 <= now_s() - rec["evaluated_at"] <= FRESH_S:
+    if rec is None or not 0 <= now_s() - rec["evaluated_at"] <= FRESH_S or _rebalanced_since(router, rec):
         rec = plan(router)
     return rec
+
+
+def _rebalanced_since(router: Router, rec: dict) -> bool:
+    since = datetime.fromtimestamp(rec["evaluated_at"], tz=UTC)
+    return Rebalance.objects.filter(router=router, updated_at__gte=since).exists()
 
 
 def plan_all() -> int:

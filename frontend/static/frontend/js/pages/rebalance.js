@@ -6,7 +6,9 @@
 KV.ready(function () {
   "use strict";
   var data = JSON.parse(KV.$("#page-data").textContent);
-  var WINDOW_S = 60, STEP_S = 5, REC_REFRESH_S = 15, COMPARE_S = 120, HISTORY = 1800;
+  var WINDOW_S = 60, STEP_S = 5, REC_REFRESH_S = 15, COMPARE_S = 120, HISTORY = 1800, SAMPLE_S = 2;
+  /* samples to read per worker: the chart window plus the before/after windows, at the agent's 2 s push */
+  function historyLen() { return Math.min(HISTORY, Math.ceil((KV.windowS() + 2 * COMPARE_S) / SAMPLE_S)); }
   var ACTIVE = ["planned", "awaiting_approval", "running", "paused", "rolling_back"];
   var SWITCHED = ["gating", "soaking", "succeeded"];  // the worker already runs its new role
   var members = data.workers.map(function (w) { return Object.assign({ samples: [], lastSeq: 0 }, w); });
@@ -226,7 +228,7 @@ KV.ready(function () {
   }
   function loadSamples() {
     return Promise.all(members.map(function (m) {
-      return KV.api("GET", "/api/v1/telemetry/workers/" + m.id + "/?history=" + HISTORY).then(function (r) {
+      return KV.api("GET", "/api/v1/telemetry/workers/" + m.id + "/?history=" + historyLen()).then(function (r) {
         m.samples = []; m.lastSeq = 0; r.history.forEach(function (s) { addSample(m, s); });
       });
     }));
@@ -259,7 +261,7 @@ KV.ready(function () {
   }
   setInterval(function () { if (dirty) { dirty = false; renderNow(); renderCharts(); } }, 1000);
   setInterval(function () { loadRec().catch(function () { /* shown on the next read */ }); }, REC_REFRESH_S * 1000);
-  document.addEventListener("kv:window", renderCharts);
+  document.addEventListener("kv:window", function () { loadSamples().then(renderCharts).catch(showError); });
 
   function loadAll() {
     return Promise.all([loadSamples(), loadRec(), loadList()]).then(function () { renderNow(); renderCharts(); if (rb) renderRb(); });
