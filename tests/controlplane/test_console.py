@@ -159,3 +159,12 @@ def test_rebalance_page_renders_the_split_and_gates_write_controls(client, perso
     regular = RouterFactory(mode="regular")
     assert "not in PD mode" in client.get(f"/routers/{regular.pk}/rebalance/").content.decode()
     assert client.get("/routers/999999/rebalance/").status_code == 404
+
+
+def test_worker_page_shows_a_requested_role_restart(client, personas):
+    from django.utils import timezone
+
+    client.force_login(personas["viewer"][0])
+    worker = EngineWorkerFactory(role="prefill", desired_role="decode", role_changed_at=timezone.now())
+    page = client.get(f"/workers/{worker.pk}/").content.decode()
+    assert "agent restarting it as decode" in page and "since <time" in page

@@ -187,8 +187,10 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
         page.get_by_label("Chart time window").select_option("3600")  # re-read over 1 h, every chart redrawn
         expect(page.locator(".chart[data-window-s='3600']")).to_have_count(4)
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        page.screenshot(path="/tmp/rebalance-1.png", full_page=True)
         assert serious_violations(page) == []
+        page.get_by_role("link", name="d1").first.click()  # the worker page shows the role it now runs
+        expect(page.get_by_test_id("worker-role")).to_contain_text("prefill")
+        expect(page.get_by_test_id("worker-role")).to_contain_text("since")
         assert errors == []
         browser.close()
     stop.set()
