@@ -37,63 +37,17 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from deploy.router import router_command, worker_args  # noqa: E402
 from engine.cache.storage.mooncake_master import MooncakeMaster  # noqa: E402
 
 PY = sys.executable
 TIERS = ("device", "host", "storage")
-# Every sglang-router KVFleet starts (this demo, docker-compose.yml's router; test_compose checks they agree).
-# - sglang-router 0.3.2's circuit breaker counts a worker's 4xx answers as failures: ten over-long prompts
-#   from one client opened it and every other client got 503 "all circuits open" for 60 s while the workers
-#   were healthy. The breaker is off.
-# - So only the health checks take a dead worker out of selection: every second, two misses in a row (a
-#   killed worker refuses the connection at once; a live one answers /health within the 5 s timeout even
-#   under load, the engine never blocks its event loop).
-# - The router retries a retryable answer (408/429/500/502/503/504, e.g. "connection refused" from a killed
-#   worker, or a worker's 503 "The request queue is full.") and selects a worker again for each attempt.
-#   Its default backoff (50 ms x 1.5, 5 attempts: ~0.4 s) ends before the health checks have taken a killed
-#   worker out, so cache-aware routing sent every retry back to it; 6 attempts 200 ms x 2 apart (capped at
-#   3 s) wait ~6 s in all, past the ~2 s the health checks need, so the last attempts go to a live worker.
-ROUTER_FLAGS = (
-    "--disable-circuit-breaker",
-    "--health-check-interval-secs",
-    "1",
-    "--health-failure-threshold",
-    "2",
-    "--health-check-timeout-secs",
-    "5",
-    "--retry-max-retries",
-    "6",
-    "--retry-initial-backoff-ms",
-    "200",
-    "--retry-backoff-multiplier",
-    "2",
-    "--retry-max-backoff-ms",
-    "3000",
-)
-
 # Every Redis KVFleet starts (this demo, scripts/services.sh, docker-compose.yml; test_compose checks that
 # they agree) keeps an append-only file, fsynced every second, so a restart keeps the queued and
 # unacknowledged Celery messages (a SIGKILL or a host crash can lose the last 1-2 s of writes: Redis postpones
 # a write while the previous fsync runs); without it a step queued or held when Redis restarted was lost, and
 # its operation was reaped minutes later.
 REDIS_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "everysec")
-
-
-def router_command(
-    worker_urls: list[str],
-    port: int,
-    prometheus_port: int,
-    host: str = "127.0.0.1",
-    workers: list | None = None,
-) -> list:
-    """argv of a cache-aware sglang-router in front of ``worker_urls`` with KVFleet's ROUTER_FLAGS;
-    ``workers`` replaces the worker and policy arguments (PD mode)."""
-    workers = workers or ["--worker-urls", *worker_urls, "--policy", "cache_aware"]
-    return [
-        PY, "-m", "sglang_router.launch_router", *workers,
-        "--host", host, "--port", str(port), "--prometheus-host", host, "--prometheus-port",
-        str(prometheus_port), "--log-level", "warn", *ROUTER_FLAGS,
-    ]  # fmt: skip
 
 
 def free_port() -> int:
@@ -365,10 +319,8 @@ class LocalFleet:
         self.router_url = f"http://127.0.0.1:{port}"
         prometheus_port = free_port()
         self.router_metrics_url = f"http://127.0.0.1:{prometheus_port}/metrics"
-        workers = self._pd_router_workers() if self.pd else None
-        router = self.spawn(
-            "router", router_command(self.worker_urls, port, prometheus_port, workers=workers)
-        )
+        workers = self._pd_router_workers() if self.pd else worker_args(self.worker_urls)
+        router = self.spawn("router", router_command(workers, port, prometheus_port))
 
         def ready() -> bool:
             listed = httpx.get(f"{self.router_url}/workers", timeout=2).json().get("workers", [])

@@ -4,7 +4,7 @@ traffic with no rebalance, in the same run.
     python -m controlplane.bench.rebalance [--clients 2] [--baseline-s 20] [--soak-s 5] [--redis-url URL]
 
 Three real SmolLM2 engines (--enable-pd-role-switch, Mooncake over TCP) behind the real sglang-router in PD
-mode (deploy/localfleet ROUTER_FLAGS), a real Celery worker on Redis, a fresh SQLite database and a random
+mode (deploy/router.py ROUTER_FLAGS), a real Celery worker on Redis, a fresh SQLite database and a random
 key prefix/queue. Phases, interleaved so machine noise hits both sides: baseline, rebalance to 1P2D,
 baseline, rebalance back to 2P1D. In each phase `--clients` clients stream /generate through the router
 back to back (greedy, 16 tokens); client-visible TTFT is the time to the first streamed chunk, ITL the gaps
@@ -136,7 +136,7 @@ def _summary(load: Load) -> dict:
 
 
 def _start_fleet(engines: list) -> tuple[dict, subprocess.Popen, str]:
-    from deploy.localfleet import router_command
+    from deploy.router import router_command
     from engine.bench.launcher import ServerProcess, free_port
 
     procs = {}
@@ -151,7 +151,7 @@ def _start_fleet(engines: list) -> tuple[dict, subprocess.Popen, str]:
         args += ["--prefill", procs[name].url, str(bp)]
     args += ["--decode", procs["d0"].url]
     port = free_port()
-    router = subprocess.Popen(router_command([], port, free_port(), workers=args),
+    router = subprocess.Popen(router_command(args, port, free_port()),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -26,13 +26,13 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
 from contextlib import ExitStack
 from datetime import UTC, datetime
 
 import httpx
 
+from deploy.router import router_command, worker_args
 from engine.bench.launcher import ServerProcess, free_port
 
 VOCAB = 49152  # SmolLM2
@@ -56,12 +56,10 @@ def _percentile(values: list[float], q: float) -> float:
 class Router:
     """The real sglang-router in a child process; ``url`` once it is ready."""
 
-    def __init__(self, worker_args: list[str]) -> None:
+    def __init__(self, workers: list[str]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", *worker_args, "--host", "127.0.0.1",
-               "--port", str(self.port), "--prometheus-port", str(free_port()), "--log-level", "warn",
-               "--disable-circuit-breaker"]  # fmt: skip
+        cmd = router_command(workers, self.port, free_port())
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -100,7 +98,7 @@ def start_setup(stack: ExitStack, setup: str) -> str:
         workers = [stack.enter_context(ServerProcess(WORKER_FLAGS, env=env)) for _ in range(2)]
         for core, w in enumerate(workers):
             _pin(w.proc.pid, core)
-        args = ["--worker-urls", *(w.url for w in workers), "--policy", "round_robin"]
+        args = worker_args([w.url for w in workers], policy="round_robin")
     router = Router(args)
     stack.callback(router.close)
     return router.url

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from controlplane import workerclient
 from controlplane.audit.models import AuditEvent
 from controlplane.operations.models import ACTIVE_STATES
 from controlplane.operations.services import operation_create, target_step
+from deploy.router import router_command, worker_args
 from engine.bench.launcher import ServerProcess, free_port
 from engine.server.contract import HiCacheConfigStatus, PdRoleSwitchResponse, StorageBackendStatus
 
@@ -38,10 +38,7 @@ def fleet(tmp_path_factory):
     env = {"KVFLEET_ADMIN_API_KEY": KEY}
     with ServerProcess(flags, env=env) as w1, ServerProcess(flags, env=env) as w2:
         port = free_port()
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", w1.url, w2.url,
-               "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
-               "--prometheus-port", str(free_port()), "--log-level", "warn",
-               "--disable-circuit-breaker"]  # fmt: skip
+        cmd = router_command(worker_args([w1.url, w2.url], policy="round_robin"), port, free_port())
         router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -22,7 +22,7 @@ from cp_factories import EngineWorkerFactory, RouterFactory
 from controlplane.audit.models import AuditEvent
 from controlplane.rebalance.models import Rebalance
 from controlplane.workerclient import RouterClient
-from deploy.localfleet import router_command
+from deploy.router import router_command
 from engine.bench.launcher import ServerProcess, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -58,7 +58,7 @@ def fleet():
             args += ["--prefill", procs[name].url, str(infos[name]["disaggregation_bootstrap_port"])]
         args += ["--decode", procs["d0"].url]
         port = free_port()
-        router = subprocess.Popen(router_command([], port, free_port(), workers=args),
+        router = subprocess.Popen(router_command(args, port, free_port()),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:

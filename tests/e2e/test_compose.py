@@ -65,9 +65,9 @@ def test_engine_host_spec_loads_and_router_targets_its_worker():
 
 
 def test_the_router_starts_with_kvfleets_resilience_flags():
-    """Same flags as the demo's router (deploy/localfleet.py ROUTER_FLAGS): no breaker, fast health checks,
+    """Same flags as the demo's router (deploy/router.py ROUTER_FLAGS): no breaker, fast health checks,
     retries that outlast them."""
-    from localfleet import ROUTER_FLAGS
+    from deploy.router import ROUTER_FLAGS
 
     cmd = [str(a) for a in SERVICES["router"]["command"]]
     at = cmd.index(ROUTER_FLAGS[0])
@@ -85,3 +85,15 @@ def test_every_redis_kvfleet_starts_persists_its_queue():
     assert "redisdata:/data" in SERVICES["redis"]["volumes"]  # the image's working directory
     services = (REPO / "scripts" / "services.sh").read_text()
     assert " ".join(REDIS_PERSISTENCE) in services and "--appendonly no" not in services
+
+
+def test_every_router_kvfleet_starts_is_built_by_router_command():
+    """No module spells its own sglang-router command line (compose's is checked above)."""
+    builder, this = REPO / "deploy" / "router.py", Path(__file__).resolve()
+    own = [
+        str(path.relative_to(REPO))
+        for top in ("controlplane", "deploy", "engine", "tests")
+        for path in (REPO / top).rglob("*.py")
+        if path not in (builder, this) and "sglang_router.launch_router" in path.read_text()
+    ]
+    assert own == []

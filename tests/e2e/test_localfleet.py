@@ -35,7 +35,7 @@ def test_uses_the_redis_that_answers(tmp_path):
 
 
 def test_pd_mode_router_pairs_the_prefill_with_its_bootstrap_port(tmp_path):
-    from localfleet import router_command
+    from deploy.router import router_command
 
     fleet = LocalFleet(log_dir=tmp_path, pd=True)
     fleet.worker_urls, fleet.worker_roles = (
@@ -43,7 +43,7 @@ def test_pd_mode_router_pairs_the_prefill_with_its_bootstrap_port(tmp_path):
         ["prefill", "decode"],
     )
     fleet.env = {"DEMO_BOOTSTRAP_PORT": "8190"}
-    argv = router_command(fleet.worker_urls, 3, 4, workers=fleet._pd_router_workers())
+    argv = router_command(fleet._pd_router_workers(), 3, 4)
     joined = " ".join(argv)
     assert "--pd-disaggregation --prefill http://127.0.0.1:1 8190 --decode http://127.0.0.1:2" in joined
     assert "--worker-urls" not in argv

@@ -18,9 +18,9 @@ import time
 
 import httpx
 import pytest
-from localfleet import free_port, router_command
 
-from engine.bench.launcher import ServerProcess
+from deploy.router import router_command, worker_args
+from engine.bench.launcher import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--model-path", "smollm2", "--max-total-tokens", "1024", "--max-running-requests", "1",
@@ -88,7 +88,7 @@ def _cached_tokens(url: str, text: str) -> int:
 def test_a_request_routed_to_a_killed_worker_is_answered_by_the_live_one(workers):
     port, prometheus_port = free_port(), free_port()
     router = subprocess.Popen(
-        router_command([w.url for w in workers], port, prometheus_port),
+        router_command(worker_args([w.url for w in workers]), port, prometheus_port),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

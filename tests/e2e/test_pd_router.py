@@ -11,12 +11,12 @@ import concurrent.futures
 import json
 import random
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
+from deploy.router import router_command
 from engine.bench.launcher import ServerProcess, free_port
 from engine.bench.pd_peer import PeerProcess
 
@@ -53,11 +53,11 @@ def _start(*procs):
 
 def _router(prefills: list[tuple[str, int]], decode: str, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    workers = ["--pd-disaggregation", "--policy", "cache_aware"]
     for url, bp in prefills:
-        cmd += ["--prefill", url, str(bp)]
-    cmd += ["--decode", decode, "--port", str(port), "--host", "127.0.0.1", "--policy", "cache_aware"]
-    cmd += ["--prometheus-port", str(free_port()), "--log-level", "warn", *extra]
+        workers += ["--prefill", url, str(bp)]
+    workers += ["--decode", decode]
+    cmd = router_command(workers, port, free_port(), extra=extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90

@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from localfleet import ROUTER_FLAGS, free_port, router_command
 
 from controlplane.inventory.models import Router
 from controlplane.inventory.selectors import router_breakers
-from engine.bench.launcher import ServerProcess
+from deploy.router import ROUTER_FLAGS, router_command, worker_args
+from engine.bench.launcher import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 CONTEXT = 128
@@ -33,9 +33,7 @@ def worker():
 
 def _router(worker_url: str, flags: tuple[str, ...]):
     port, prometheus_port = free_port(), free_port()
-    argv = router_command([worker_url], port, prometheus_port)
-    # argv ends in ROUTER_FLAGS; this test picks the resilience flags
-    argv = argv[: -len(ROUTER_FLAGS)] + list(flags)
+    argv = router_command(worker_args([worker_url]), port, prometheus_port, flags=flags)
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

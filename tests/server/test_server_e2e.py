@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from deploy.router import router_command, worker_args
 from engine.bench.launcher import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -110,9 +111,7 @@ def test_sglang_router_cache_aware_routes_to_two_workers(tiny_model_dir):
         before = _requests_served(w1.url) + _requests_served(w2.url)
         port = free_port()
         router_url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", w1.url, w2.url,
-               "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
-               "--prometheus-port", str(free_port()), "--log-level", "warn"]  # fmt: skip
+        cmd = router_command(worker_args([w1.url, w2.url]), port, free_port())
         router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             _wait_router(router_url, 2)
