@@ -176,10 +176,12 @@ async def test_broadcast_is_throttled_to_one_per_second_and_coalesced(personas, 
     started = time.monotonic()
     for value in range(10):
         await database_sync_to_async(metrics_ingest)(worker=worker, metrics={"num_running_reqs": value})
-    first = await communicator.receive_json_from(timeout=WS_WAIT_S)
-    assert first["data"]["num_running_reqs"] == 0
-    trailing = await communicator.receive_json_from(timeout=WS_WAIT_S)  # the flush sends the newest sample
-    assert trailing["data"]["num_running_reqs"] == 9 and time.monotonic() - started >= 0.9
+    ingest_s = time.monotonic() - started  # ~ms; seconds on a loaded box, where a window reopens in between
+    values = [(await communicator.receive_json_from(timeout=WS_WAIT_S))["data"]["num_running_reqs"]]
+    while values[-1] != 9:  # the trailing flush sends the newest sample
+        values.append((await communicator.receive_json_from(timeout=WS_WAIT_S))["data"]["num_running_reqs"])
+    assert values[0] == 0 and time.monotonic() - started >= 0.9
+    assert len(values) <= 2 + int(ingest_s), (values, ingest_s)  # one per second opened, plus the flush
     assert await communicator.receive_nothing(timeout=1.2)
     await communicator.disconnect()
     await asyncio.sleep(0)
