@@ -192,7 +192,7 @@ REBALANCE_SOAK_S = float(os.environ.get("REBALANCE_SOAK_S", "30"))
 REBALANCE_IDLE_TIMEOUT_S = float(os.environ.get("REBALANCE_IDLE_TIMEOUT_S", "120"))
 REBALANCE_CANARY_TIMEOUT_S = float(os.environ.get("REBALANCE_CANARY_TIMEOUT_S", "30"))
 REBALANCE_ROUTER_JOIN_TIMEOUT_S = float(os.environ.get("REBALANCE_ROUTER_JOIN_TIMEOUT_S", "60"))
-# A worker rolled back to prefill switches back only this long after it left the prefill role: decodes keep
+# A worker becomes a prefill (a step or a rollback) only this long after it last left that role: decodes keep
 # a prefill's bootstrap entry (rank endpoints, transfer session) until their heartbeat misses it twice
 # (upstream SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL 5 s x HEARTBEAT_MAX_FAILURE 2), and a prefill back on
 # the same bootstrap port within that window would be paired through the stale entry (requests hang).

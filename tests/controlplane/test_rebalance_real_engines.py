@@ -399,3 +399,53 @@ def test_a_failed_second_step_rolls_back_the_first(fleet, inventory, api_as):
         ("rebalance_approve", str(rb)), ("role_switch_rollback", second.worker.name),
         ("role_switch_rollback", first.worker.name), ("rebalance_finished", str(rb)),
     ]  # fmt: skip
+
+
+def test_a_breached_slo_rolls_back_and_an_abort_after_the_switch_finishes_the_step(fleet, inventory, api_as):
+    """1P3D -> 2P2D with an ITL p90 limit no decode can meet: the switched worker passes its gates, joins
+    the router, and the client traffic's inter-token gaps during the soak breach the limit: the step rolls
+    back and the rebalance ends rolled_back at 1P3D. Then the same move again (the same worker: it waits
+    until the decodes forgot it as a prefill) is aborted while it soaks: past its safe point, the step
+    finishes and the rebalance ends aborted with it kept: 2P2D, every worker in the router in its role."""
+    router, _ = inventory
+    before = _roles(fleet)
+    assert _split(before) == (1, 3)
+    with Traffic(fleet) as traffic:
+        r = _create(
+            api_as("operator"), router, {"prefill": 2, "decode": 2}, soak_s=30, slo={"max_itl_s": 1e-4}
+        )
+        assert r.status_code == 201, r.content
+        rb = _wait_state(r.json()["id"], {"succeeded", "rolled_back", "failed", "aborted"})
+    traffic.check()
+    assert rb.state == "rolled_back", rb.explanation
+    step = rb.steps.get()
+    assert step.state == "rolled_back"
+    assert (
+        "SLO breached during soak: ITL p90" in step.rollback_cause
+        and "max_itl_s=0.0001s" in step.rollback_cause
+    )
+    assert _roles(fleet) == before
+    op = api_as("operator")
+    r = _create(op, router, {"prefill": 2, "decode": 2}, soak_s=5)
+    rb_id = r.json()["id"]
+    assert r.json()["steps"][0]["worker"] == step.worker_id  # idle decodes: by name, the same one again
+
+    def soaking_or_done():
+        rb = Rebalance.objects.get(pk=rb_id)
+        step = rb.steps.get()
+        return (
+            (rb.state, step.state, step.explanation)
+            if step.state == "soaking" or rb.state != "running"
+            else None
+        )
+
+    seen = _poll(soaking_or_done, "step soaking", DEADLINE_S)
+    assert seen[:2] == ("running", "soaking"), seen
+    assert op.post(f"/api/v1/rebalances/{rb_id}/abort/").json()["abort_requested"] is True
+    rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
+    assert (
+        rb.state == "aborted" and "1 of 1 steps done" in rb.explanation and "fleet at 2P2D" in rb.explanation
+    )
+    step = rb.steps.get()
+    assert step.state == "succeeded"
+    assert _roles(fleet) == {**before, step.worker.name: "prefill"}

@@ -14,6 +14,7 @@ step, newest first, unless `rollback` is false.
 from datetime import timedelta
 
 from django.conf import settings
+from django.db.models import Max
 from django.utils import timezone
 
 from controlplane.inventory.services import worker_role_observed
@@ -230,11 +231,12 @@ def _idle(rb: Rebalance, step: RebalanceStep) -> tuple[bool, str]:
 def _drain(rb: Rebalance, step: RebalanceStep) -> float | None:
     if Rebalance.objects.filter(pk=rb.pk, abort_requested=True).exists():
         return _abort_step(rb, step)
-    idle, seen = _idle(rb, step)
+    rejoin = _prefill_rejoin_at(step, step.to_role)
+    idle, seen = _hold_for_rejoin(*_idle(rb, step), rejoin)
     if idle:
         step_transition(step, to=S.SWITCHING, explanation=f"idle; switching to {step.to_role}")
         return _switch(rb, step)
-    if _now() >= step.idle_deadline_at:
+    if _now() >= _wait_limit(rb, step, rejoin):
         return _fail(rb, step, f"not idle within {rb.idle_timeout_s:g}s (last seen {seen}); not switched")
     RebalanceStep.objects.filter(pk=step.pk, state=S.DRAINING).update(
         polls=step.polls + 1, explanation=f"removed from router; waiting for idle: {seen}"
@@ -396,12 +398,34 @@ def _rollback_fail(rb: Rebalance, step: RebalanceStep, why: str, *, readd: bool 
     return 0
 
 
-def _prefill_rejoin_at(step: RebalanceStep):
-    """When a worker switched away from prefill may become a prefill again (settings'
-    REBALANCE_PREFILL_REJOIN_GRACE_S after its switch); None when no wait applies."""
-    if step.from_role != "prefill" or step.switched_at is None:
+def _prefill_rejoin_at(step: RebalanceStep, role: str):
+    """When the step's worker may become a prefill (`role`) again: REBALANCE_PREFILL_REJOIN_GRACE_S after
+    it last stopped being one (a switch away from prefill, or a switch to prefill that was rolled back), as
+    its rebalance steps record; None when no wait applies."""
+    if role != "prefill":
         return None
-    return step.switched_at + timedelta(seconds=settings.REBALANCE_PREFILL_REJOIN_GRACE_S)
+    mine = RebalanceStep.objects.filter(worker_id=step.worker_id)
+    left = [
+        mine.filter(from_role="prefill", switched_at__isnull=False).aggregate(t=Max("switched_at"))["t"],
+        mine.filter(
+            to_role="prefill", switch_sent=True, state__in=(S.ROLLED_BACK, S.ROLLBACK_FAILED)
+        ).aggregate(t=Max("finished_at"))["t"],
+    ]
+    left = [t for t in left if t is not None]
+    return max(left) + timedelta(seconds=settings.REBALANCE_PREFILL_REJOIN_GRACE_S) if left else None
+
+
+def _hold_for_rejoin(idle: bool, seen: str, rejoin) -> tuple[bool, str]:
+    if idle and rejoin is not None and _now() < rejoin:
+        return False, f"idle; becomes a prefill at {rejoin:%H:%M:%S} (decodes' heartbeat forgets it first)"
+    return idle, seen
+
+
+def _wait_limit(rb: Rebalance, step: RebalanceStep, rejoin):
+    """The idle deadline, moved past the rejoin time by idle_timeout_s when the worker waits for it."""
+    if rejoin is None:
+        return step.idle_deadline_at
+    return max(step.idle_deadline_at, rejoin + timedelta(seconds=rb.idle_timeout_s))
 
 
 def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
@@ -415,14 +439,9 @@ def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
         state = pd.live_state(worker)
     except WorkerError as exc:
         state, seen = None, f"unreachable ({exc.message})"
-    rejoin = _prefill_rejoin_at(step)
+    rejoin = _prefill_rejoin_at(step, step.from_role)
     if state is not None and state["role"] != step.from_role:
-        idle, seen = _idle(rb, step)
-        if idle and rejoin is not None and _now() < rejoin:
-            idle, seen = (
-                False,
-                f"idle; back to prefill at {rejoin:%H:%M:%S} (decodes' heartbeat forgets it first)",
-            )
+        idle, seen = _hold_for_rejoin(*_idle(rb, step), rejoin)
         if idle:
             try:
                 client = pd.client_for(worker, settings.WORKER_APPLY_HTTP_TIMEOUT_S)
@@ -434,10 +453,7 @@ def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
             except WorkerError as exc:
                 seen = f"switch back got no answer ({exc.message})"
     if state is None or state["role"] != step.from_role:
-        limit = step.idle_deadline_at
-        if rejoin is not None:
-            limit = max(limit, rejoin + timedelta(seconds=rb.idle_timeout_s))
-        if _now() >= limit:
+        if _now() >= _wait_limit(rb, step, rejoin):
             return _rollback_fail(
                 rb, step, f"rollback: not idle within {rb.idle_timeout_s:g}s (last seen {seen})"
             )
