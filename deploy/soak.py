@@ -4,7 +4,10 @@ clients sending shared-system-prompt ``/generate`` requests through the router f
 and a fault every ``--fault-every`` seconds, in turn: SIGKILL a worker (the agent restarts it), SIGKILL the
 Mooncake master (restarted on the same ports), SIGKILL Redis (restarted on the same port).
 
-Prints a markdown report: per fault window the requests, errors by kind and latency p50/p99; and each
+Prints a markdown report: per fault window the requests that ended in it (a request fails when its last
+attempt does, so an error counts against the fault that was active then, not the one active when it was
+sent), errors by kind (an error answer's ``code`` included, e.g. the router's
+``call_upstream_request_error``: the worker it was sent to died) and latency p50/p99; and each
 worker's pool usage (``sglang:num_used_tokens`` held by requests, L1 capacity, L2 used) before the load and
 after it, once idle, so a leaked page shows as ``num_used_tokens`` > 0.
 
@@ -83,10 +86,13 @@ class Faults:
             )
         return f"SIGKILL Mooncake master {master.master_address}; restarted on the same ports"
 
-    def restart_redis(self) -> str:
+    def restart_redis(self, while_down=lambda: None) -> str:
+        """SIGKILL the fleet's Redis, call ``while_down()``, start it again with the same argv (its
+        append-only file is reloaded) and return once it answers."""
         name, proc, _ = next(p for p in self.fleet.procs if p[0] == "redis")
         proc.kill()
         proc.wait()
+        while_down()
         self.fleet.procs.remove((name, proc, _))
         self.fleet.spawn("redis", list(proc.args))
         url = self.fleet.env["REDIS_URL"]
@@ -111,6 +117,19 @@ def pool_usage(urls: list[str]) -> dict[str, dict[str, float]]:
     return out
 
 
+def error_kind(resp: httpx.Response) -> str:
+    """``HTTP <status>`` and what answered it: ``queue full`` (an engine's --max-queued-requests refusal,
+    after the router's retries) or the error's ``code`` when it is a name (the router's own errors)."""
+    kind = f"HTTP {resp.status_code}"
+    if resp.status_code == 503 and "queue is full" in resp.text:
+        return f"{kind} queue full"
+    try:
+        code = resp.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return kind
+    return f"{kind} {code}" if isinstance(code, str) else kind
+
+
 async def client(router: str, stop_at: float, log: list, seed: int) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=180) as http:
@@ -120,9 +139,7 @@ async def client(router: str, stop_at: float, log: list, seed: int) -> None:
             start = time.monotonic()
             try:
                 resp = await http.post(f"{router}/generate", json=body)
-                kind = None if resp.status_code == 200 else f"HTTP {resp.status_code}"
-                if resp.status_code == 503 and "queue is full" in resp.text:
-                    kind += " queue full"  # --max-queued-requests refused it (after the router's retries)
+                kind = None if resp.status_code == 200 else error_kind(resp)
             except httpx.HTTPError as exc:
                 kind = type(exc).__name__
             log.append((start, time.monotonic() - start, kind))
@@ -157,21 +174,22 @@ def report(a, log, faults, before, after) -> str:
         "",
     ]
     lines += [
-        "| window (s) | fault at start | requests | errors | p50 (s) | p99 (s) |",
+        "| window (s) | fault at start | requests ended | errors | p50 (s) | p99 (s) |",
         "|---|---|---|---|---|---|",
     ]
     edges = [0.0, *[t for t, _ in faults], float(a.duration) + 600]
     names = ["(none)", *[w for _, w in faults]]
     for lo, hi, name in zip(edges, edges[1:], names, strict=False):
-        window = [(lat, kind) for t, lat, kind in log if lo <= t < hi]
+        window = [(lat, kind) for t, lat, kind in log if lo <= t + lat < hi]  # by the time it ended
         ok = [lat for lat, kind in window if kind is None]
         errors: dict[str, int] = {}
         for _, kind in window:
             if kind is not None:
                 errors[kind] = errors.get(kind, 0) + 1
         errs = ", ".join(f"{k}: {v}" for k, v in sorted(errors.items())) or "0"
+        until = f"{hi:.0f}" if hi <= a.duration else "end"  # the last: until the last request ended
         lines.append(
-            f"| {lo:.0f}-{min(hi, a.duration):.0f} | {name} | {len(window)} | {errs} "
+            f"| {lo:.0f}-{until} | {name} | {len(window)} | {errs} "
             f"| {percentile(ok, 0.5):.2f} | {percentile(ok, 0.99):.2f} |"
         )
     total_err = sum(1 for _, _, k in log if k is not None)

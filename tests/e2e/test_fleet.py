@@ -7,7 +7,8 @@ operations succeed; the audit log holds each worker's change with before/after; 
 storage hits after the re-attach; and every response of the run is correct: no error, and the same greedy
 output as the same request sent straight to a worker. While both workers are drained at once the router
 answers 503 "no available workers"; the traffic client waits that out (counted as retries), as a client
-behind a load balancer does.
+behind a load balancer does. The fleet has a Redis of its own: a SIGKILL of it under traffic fails no
+client request (only the control plane uses Redis).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import aiohttp
@@ -27,6 +29,7 @@ from engine.bench.traffic import verify
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 FINAL = {"succeeded", "partially_failed", "failed", "reverted", "cancelled"}
+SP = {"max_new_tokens": 4, "temperature": 0}
 
 
 def _records(path) -> list[dict]:
@@ -35,6 +38,13 @@ def _records(path) -> list[dict]:
             return [json.loads(line) for line in f if line.strip()]
     except FileNotFoundError:
         return []
+
+
+def _poll(what: str, check, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.5)
 
 
 def _wait_records(path, n: int, timeout: float = 300) -> None:
@@ -167,3 +177,65 @@ def test_agent_status_and_drain(fleet):
     assert [(e["object_id"], e["after"]) for e in events] == [
         (str(fleet.worker_ids[0]), {"in_router": False})
     ]
+
+
+def _latest_ts(fleet, worker_id: int) -> float:
+    latest = fleet.api("GET", f"/api/v1/telemetry/workers/{worker_id}/").json().get("latest") or {}
+    return float(latest.get("ts") or 0)
+
+
+def _unreachable(fleet) -> int:
+    """How often the agent has logged that the control plane stopped answering (once per outage)."""
+    with open(fleet.log_of("agent")) as log:
+        return log.read().count("control plane unreachable")
+
+
+def test_a_redis_sigkill_fails_no_client_request(fleet):
+    """Only the control plane needs Redis: while three clients send /generate through the router, the
+    fleet's Redis is SIGKILLed (deploy/soak.py's fault) and stays down until the agent has found the control
+    plane failing and the clients have had more answers, then it is restarted. Every request is answered, no
+    worker is restarted, the Celery worker lives on, and the control plane stores the agent's metrics
+    again."""
+    from soak import Faults, worker_pid
+
+    pids = [worker_pid(u) for u in fleet.worker_urls]
+    answers: list[tuple[float, int, str]] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        with httpx.Client(base_url=fleet.router_url, timeout=120) as http:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                body = {"text": f"Client {i}, question {n}: name a harbour.", "sampling_params": SP}
+                try:
+                    resp = http.post("/generate", json=body)
+                    answers.append((time.monotonic(), resp.status_code, resp.text[:200]))
+                except httpx.HTTPError as exc:
+                    answers.append((time.monotonic(), 0, repr(exc)))
+
+    def outage() -> None:
+        killed, before = time.monotonic(), _unreachable(fleet)
+        _poll("the agent finding the control plane failing", lambda: _unreachable(fleet) > before)
+        _poll("6 answers while Redis is down", lambda: sum(t > killed for t, _, _ in answers) >= 6)
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for thread in clients:
+        thread.start()
+    try:
+        _poll("6 answers before the fault", lambda: len(answers) >= 6)
+        Faults(fleet).restart_redis(while_down=outage)  # returns once the new redis-server answers
+        restarted, restarted_wall = time.monotonic(), time.time()
+        _poll(
+            "the agent's metrics stored again",
+            lambda: all(_latest_ts(fleet, w) > restarted_wall for w in fleet.worker_ids),
+        )
+        _poll("6 answers after the restart", lambda: sum(t > restarted for t, _, _ in answers) >= 6)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=150)
+    assert [a for a in answers if a[1] != 200] == []
+    assert [worker_pid(u) for u in fleet.worker_urls] == pids
+    (celery,) = [proc for name, proc, _ in fleet.procs if name == "celery-worker"]
+    assert celery.poll() is None
