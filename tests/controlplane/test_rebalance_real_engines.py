@@ -268,11 +268,11 @@ def test_wrong_canary_rolls_the_switch_back_under_traffic(fleet, inventory, api_
     with Traffic(fleet) as traffic:
         op.post(f"/api/v1/rebalances/{rb_id}/approve/")
         rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
-    traffic.check()
-    assert rb.state == "rolled_back", rb.explanation
-    assert _roles(fleet) == before
     step = rb.steps.get()
-    assert step.state == "rolled_back" and step.switch_sent
+    assert (rb.state, step.state) == ("rolled_back", "rolled_back"), (rb.explanation, step.explanation)
+    traffic.check()
+    assert _roles(fleet) == before
+    assert step.switch_sent
     assert f"answered {real!r}, expected 'not what SmolLM2 says'" in step.rollback_cause
     records = _audit(rb_id)
     assert [e.action for e in records] == [
