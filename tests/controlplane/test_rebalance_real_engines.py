@@ -124,12 +124,14 @@ class Traffic:
         for t in self.threads:
             t.join(150)
 
-    def check(self, at_least: int = 4) -> None:
+    def check(self) -> None:
+        """No request failed or answered wrong, and traffic ran (at least one answer per client: on a
+        loaded machine a request can take seconds, so no higher count is assumed)."""
         bad = [r for r in self.results if not r[0]]
         assert not bad, (
             f"{len(bad)} of {len(self.results)} client requests failed or answered wrong: {bad[:3]}"
         )
-        assert len(self.results) >= at_least, self.results
+        assert len(self.results) >= len(self.threads), self.results
 
 
 @pytest.fixture
