@@ -12,7 +12,8 @@ sglang:time_to_first_token_seconds and sglang:inter_token_latency_seconds histog
 as Prometheus histogram_quantile does);
 prefetch_started_total is completed + timeout + revoked when the worker exports no started counter;
 and, given the previous snapshot, per-second rates: load_back_tokens_per_s, backup_tokens_per_s,
-prefetch_tokens_per_s and hit shares per tier over the interval: hit_share_{device,host,storage}.
+prefetch_tokens_per_s, cached_tokens_per_s (all tiers) and hit shares per tier over the interval:
+hit_share_{device,host,storage}.
 """
 
 import math
@@ -136,6 +137,7 @@ def with_rates(snap: dict, prev: dict | None, dt_s: float) -> dict:
     out["prefetch_tokens_per_s"] = delta("prefetched_tokens_total") / dt_s
     hits = {t: delta(f"cached_tokens_{t}") for t in TIERS}
     total = sum(hits.values())
+    out["cached_tokens_per_s"] = total / dt_s
     for tier, value in hits.items():
         out[f"hit_share_{tier}"] = value / total if total else 0.0
     return out

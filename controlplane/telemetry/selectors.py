@@ -12,6 +12,7 @@ _SUMMED = (
     "load_back_tokens_per_s",
     "backup_tokens_per_s",
     "prefetch_tokens_per_s",
+    "cached_tokens_per_s",
     "prefetch_started_total",
     "prefetch_completed_total",
     "prefetch_timeout_total",

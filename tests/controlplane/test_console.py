@@ -155,7 +155,9 @@ def test_rebalance_page_renders_the_split_and_gates_write_controls(client, perso
     )
     assert ('id="start"' in page) is (role == "operator")
     assert ('data-action="abort"' in page) is (role == "operator")
-    assert f'href="/routers/{router.pk}/rebalance/"' in client.get(f"/routers/{router.pk}/").content.decode()
+    router_page = client.get(f"/routers/{router.pk}/").content.decode()
+    assert f'href="/routers/{router.pk}/rebalance/"' in router_page
+    assert "<dt>Mode</dt><dd>pd</dd>" in router_page  # the API's and the fleet table's spelling, not "Pd"
     regular = RouterFactory(mode="regular")
     assert "not in PD mode" in client.get(f"/routers/{regular.pk}/rebalance/").content.decode()
     assert client.get("/routers/999999/rebalance/").status_code == 404

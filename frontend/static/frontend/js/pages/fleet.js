@@ -4,7 +4,7 @@ KV.ready(function () {
   "use strict";
   var POOL_TITLES = { regular: "Regular pool", prefill: "Prefill pool", decode: "Decode pool" };
   var SPARK_S = 300;
-  var workers = [], hostNames = {}, rows = {}, cards = {}, spark = {}, prevTotals = {};
+  var workers = [], hostNames = {}, rows = {}, cards = {}, spark = {};
   var tplWorker = KV.$("#tpl-worker"), tplPool = KV.$("#tpl-pool");
   var seeds = JSON.parse(KV.$("#pool-history").textContent);  // server-side 5 min of history per pool
 
@@ -20,16 +20,14 @@ KV.ready(function () {
     KV.replaceRows(KV.$("#workers tbody"), tplWorker, workers, function (row, w) { rows[w.id] = row; });
     applyFilter();
   }
-  function cachedTotal(t) { return (t.cached_tokens_device || 0) + (t.cached_tokens_host || 0) + (t.cached_tokens_storage || 0); }
-
+  // cached_rate: the pool's workers' cached tokens/s, each over its own last two samples (summed server-side),
+  // so a push for another pool's sample does not change it.
   function renderPools(summary, ts) {
     var pools = summary.pools || {};
     Object.keys(pools).forEach(function (pool) {
       var p = pools[pool];
       if (!p.workers) return;
-      var prev = prevTotals[pool], total = cachedTotal(p);
-      p.cached_rate = prev && ts > prev.ts ? Math.max(0, total - prev.total) / (ts - prev.ts) : null;
-      prevTotals[pool] = { ts: ts, total: total };
+      p.cached_rate = p.reporting ? p.cached_tokens_per_s : null;
       p.pool = pool; p.title = POOL_TITLES[pool] || pool;
       if (!cards[pool]) {
         cards[pool] = KV.fill(tplPool, p);

@@ -1,0 +1,60 @@
+"""Real headless Chromium against daphne and a real Celery worker (its trailing broadcast flush): the fleet
+page's "Cached tokens served" of a pool sums its workers' cached tokens/s (each over its own last two
+samples), so a push caused by another pool's sample leaves it as it was instead of showing 0 tok/s."""
+
+import re
+
+import httpx
+import pytest
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, UserFactory
+from django.contrib.auth.hashers import make_password
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+
+def test_pool_cached_rate_ignores_other_pools_samples(
+    asgi_server, celery_worker_process, fake_worker, personas, monkeypatch
+):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
+    mixed, decode = fake_worker(), fake_worker()
+    host = HostFactory(name=AGENT_HOST)
+    workers = [
+        EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed"),
+        EngineWorkerFactory(name="decode-0", url=decode.url, host=host, role="decode"),
+    ]
+    bob = UserFactory(username="bob", role="viewer")
+    bob.password = make_password("pw-for-tests-2", hasher="pbkdf2_sha256")  # the daphne process's hasher
+    bob.save()
+    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
+
+    def push(worker, fake):
+        body = {"worker": worker.pk, "text": fake.metrics_text()}
+        response = httpx.post(asgi_server + "/api/v1/agent/metrics/", json=body, headers=agent)
+        assert response.status_code == 202, response.text
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.goto(asgi_server + "/login/")
+        page.get_by_label("Username").fill("bob")
+        page.get_by_label("Password").fill("pw-for-tests-2")
+        page.get_by_role("button", name="Log in").click()
+        expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+        regular = page.locator("#pools [data-pool=regular]")
+        rate = regular.locator("[data-f=cached_rate]")
+
+        mixed.counters.update({"device": 100, "host": 0})
+        push(workers[0], mixed)
+        expect(regular).to_contain_text("1 of 1 workers reporting")
+        mixed.counters.update({"device": 400, "host": 200})
+        push(workers[0], mixed)
+        expect(rate).to_have_text(re.compile(r"^[1-9][\d,.]* k?tok/s$"))  # 500 tokens between samples
+        shown = rate.inner_text()
+
+        decode.counters.update({"device": 0, "host": 0})
+        push(workers[1], decode)  # a push for the decode pool; the regular pool has no new sample
+        expect(page.locator("#pools [data-pool=decode]")).to_contain_text("1 of 1 workers reporting")
+        assert rate.inner_text() == shown
+        browser.close()
