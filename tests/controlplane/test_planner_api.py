@@ -79,6 +79,8 @@ def test_router_slo_is_set_by_an_operator_audited_and_checked(api_as, db):
     assert api_as("viewer").patch(url, {"slo_ttft_p90_s": 0.4}, format="json").status_code == 403
     bad = api_as("operator").patch(url, {"slo_itl_p90_s": -1}, format="json")
     assert bad.status_code == 400 and "slo_itl_p90_s" in bad.json()["error"]["detail"]
+    huge = api_as("operator").patch(url, {"slo_ttft_p90_s": 1e308}, format="json")
+    assert huge.status_code == 400 and "slo_ttft_p90_s" in huge.json()["error"]["detail"]
     ok = api_as("operator").patch(url, {"slo_ttft_p90_s": 0.4, "slo_itl_p90_s": 0.04}, format="json")
     assert ok.status_code == 200 and (ok.json()["slo_ttft_p90_s"], ok.json()["slo_itl_p90_s"]) == (0.4, 0.04)
     record = AuditEvent.objects.filter(object_type="inventory.router", object_id=str(router.pk)).latest("id")

@@ -69,6 +69,8 @@ class RouterSerializer(serializers.ModelSerializer):
             "updated_at",
         ]
         read_only_fields = ["created_at", "updated_at"]
+        # the same ceiling as a rebalance's soak SLO (seconds); past it the planner's sentences are nonsense
+        extra_kwargs = {"slo_ttft_p90_s": {"max_value": 3600.0}, "slo_itl_p90_s": {"max_value": 3600.0}}
 
     @extend_schema_field(BreakersSerializer(allow_null=True))
     def get_circuit_breakers(self, obj) -> dict | None:
