@@ -106,6 +106,10 @@ def test_api_refusals_name_the_field_and_a_second_rebalance_is_409(api_as):
 
     bad = post({"router": pd_router.pk, "target": {"prefill": 0, "decode": 2}})
     assert bad.status_code == 400 and "target" in bad.json()["error"]["detail"]
+    bad = post({"router": pd_router.pk, "target": {"prefill": 1, "decode": 2, "extra": 3}})
+    assert bad.status_code == 400 and bad.json()["error"]["detail"] == {
+        "target": {"extra": ["unknown field (prefill, decode)"]}
+    }
     bad = post({"router": pd_router.pk, "target": {"prefill": 1, "decode": 2}, "approval": "sometimes"})
     assert bad.status_code == 400 and "approval" in bad.json()["error"]["detail"]
     bad = post({"router": regular.pk, "target": {"prefill": 1, "decode": 1}})

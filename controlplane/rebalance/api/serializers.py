@@ -81,6 +81,13 @@ class TargetSerializer(serializers.Serializer):
     prefill = serializers.IntegerField(min_value=1, max_value=10000)
     decode = serializers.IntegerField(min_value=1, max_value=10000)
 
+    def to_internal_value(self, data):
+        """Refuses keys other than prefill/decode (a typo would otherwise be ignored silently)."""
+        unknown = sorted(set(data) - set(self.fields)) if isinstance(data, dict) else []
+        if unknown:
+            raise serializers.ValidationError({k: ["unknown field (prefill, decode)"] for k in unknown})
+        return super().to_internal_value(data)
+
 
 class SloSerializer(serializers.Serializer):
     max_ttft_s = serializers.FloatField(
