@@ -103,6 +103,7 @@ def test_an_overloaded_prefill_pool_gets_a_decode_worker_after_the_proposal_pers
     assert pre["per_worker_capacity"] == pytest.approx(1200 * 0.5 / pre["latency_p90_s"])
     assert dec["demand"] == pytest.approx(100) and dec["workers"] == 2 and dec["warm_workers"] == 2
     assert rec["slo_source"] == "router"
+    assert rec["slo_sources"] == {"ttft_p90_s": "router", "itl_p90_s": "router"}
     assert any("prefill demand 1,200 computed prompt tokens/s" in r and "40% served from cache" in r
                for r in rec["reasons"])  # fmt: skip
     held = plan(router, now=t0 + 200)  # 100 s, but only 40 s since the smoothing warmed up
@@ -130,6 +131,11 @@ def test_cold_stale_and_non_pd(pd_fleet, api_as, agent_for):
     assert rec["status"] == "cooldown"
     stale = plan(router, now=t0 + 200)
     assert stale["status"] == "frozen" and "is not reporting" in stale["summary"]
+    router.slo_ttft_p90_s = None  # only the ITL SLO set: TTFT is the default, and the notes say so
+    router.save()
+    one = plan(router, now=t0 + 100)
+    assert one["slo_source"] == "router" and one["pools"]["prefill"]["slo_p90_s"] == 0.5
+    assert one["slo_sources"] == {"ttft_p90_s": "default", "itl_p90_s": "router"}
     regular = RouterFactory(mode="regular")
     got = api_as("viewer").get(f"/api/v1/inventory/routers/{regular.pk}/recommendation/")
     assert got.status_code == 409 and got.json()["error"]["code"] == "not_pd"

@@ -51,7 +51,8 @@ def _rebalance_freeze(router: Router, current: tuple[int, int]) -> tuple[str | N
 
 
 def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -> tuple[FleetView, dict]:
-    """The router's FleetView at ``now`` (Unix s), and notes for the operator (where the SLO came from)."""
+    """The router's FleetView at ``now`` (Unix s), and notes for the operator: where the SLOs came from,
+    ``slo_source`` ("router" when the router sets either SLO, else "default"), ``slo_sources`` (each one)."""
     workers = list(
         EngineWorker.objects.filter(router=router, role__in=[WorkerRole.PREFILL, WorkerRole.DECODE])
     )
@@ -60,7 +61,11 @@ def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -
         sum(w.role == WorkerRole.DECODE for w in workers),
     )
     slo = Slo(router.slo_ttft_p90_s or DEFAULT_SLO.ttft_p90_s, router.slo_itl_p90_s or DEFAULT_SLO.itl_p90_s)
-    notes = {"slo_source": "router" if router.slo_ttft_p90_s and router.slo_itl_p90_s else "default"}
+    sources = {
+        "ttft_p90_s": "router" if router.slo_ttft_p90_s else "default",
+        "itl_p90_s": "router" if router.slo_itl_p90_s else "default",
+    }
+    notes = {"slo_source": "router" if "router" in sources.values() else "default", "slo_sources": sources}
     latest = store.latest_many([w.pk for w in workers])
     frozen = None
     for w in workers:

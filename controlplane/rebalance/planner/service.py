@@ -21,7 +21,7 @@ FRESH_S = 5.0
 
 def plan(router: Router, now: float | None = None) -> dict:
     """Evaluate the planner for ``router`` now; stores and returns the recommendation dict (see
-    ``core.Recommendation.to_dict``, plus ``router``, ``slo_source`` and ``config``)."""
+    ``core.Recommendation.to_dict``, plus ``router``, ``slo_source``, ``slo_sources`` and ``config``)."""
     now = now_s() if now is None else now
     cfg, window = PlannerConfig(), WindowConfig()
     view, notes = fleet_view(router, now, window)
