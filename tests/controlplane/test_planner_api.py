@@ -136,6 +136,16 @@ def test_cold_stale_and_non_pd(pd_fleet, api_as, agent_for):
     one = plan(router, now=t0 + 100)
     assert one["slo_source"] == "router" and one["pools"]["prefill"]["slo_p90_s"] == 0.5
     assert one["slo_sources"] == {"ttft_p90_s": "default", "itl_p90_s": "router"}
+    op = api_as("operator")
+    url = f"/api/v1/inventory/routers/{router.pk}/"
+    huge = op.patch(url, {"worker_budget": 100000}, format="json")
+    assert huge.status_code == 400 and "worker_budget" in huge.json()["error"]["detail"]
+    assert op.patch(url, {"worker_budget": 10000}, format="json").status_code == 200
+    router.refresh_from_db()
+    assert plan(router, now=t0 + 100)["budget"] == 3  # a cap: never more than the router's 3 workers
+    assert op.patch(url, {"worker_budget": 2}, format="json").status_code == 200
+    router.refresh_from_db()
+    assert plan(router, now=t0 + 100)["budget"] == 2
     regular = RouterFactory(mode="regular")
     got = api_as("viewer").get(f"/api/v1/inventory/routers/{regular.pk}/recommendation/")
     assert got.status_code == 409 and got.json()["error"]["code"] == "not_pd"

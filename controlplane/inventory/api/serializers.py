@@ -70,7 +70,12 @@ class RouterSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = ["created_at", "updated_at"]
         # the same ceiling as a rebalance's soak SLO (seconds); past it the planner's sentences are nonsense
-        extra_kwargs = {"slo_ttft_p90_s": {"max_value": 3600.0}, "slo_itl_p90_s": {"max_value": 3600.0}}
+        # worker_budget: the same ceiling as a rebalance's target counts (SQLite stores any integer)
+        extra_kwargs = {
+            "slo_ttft_p90_s": {"max_value": 3600.0},
+            "slo_itl_p90_s": {"max_value": 3600.0},
+            "worker_budget": {"max_value": 10000},
+        }
 
     @extend_schema_field(BreakersSerializer(allow_null=True))
     def get_circuit_breakers(self, obj) -> dict | None:
