@@ -159,7 +159,9 @@ def test_rebalance_page_renders_the_split_and_gates_write_controls(client, perso
     assert f'href="/routers/{router.pk}/rebalance/"' in router_page
     assert "<dt>Mode</dt><dd>pd</dd>" in router_page  # the API's and the fleet table's spelling, not "Pd"
     regular = RouterFactory(mode="regular")
-    assert "not in PD mode" in client.get(f"/routers/{regular.pk}/rebalance/").content.decode()
+    plain = client.get(f"/routers/{regular.pk}/rebalance/").content.decode()
+    assert 'data-testid="not-pd"' in plain and "not in PD mode" in plain  # only that: no split, SLO, window
+    assert 'data-testid="split"' not in plain and "SLO p90" not in plain and "Chart time window" not in plain
     assert client.get("/routers/999999/rebalance/").status_code == 404
 
 
