@@ -123,9 +123,40 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
         page.get_by_role("button", name="Review and start").click()
         dialog = page.locator("#confirm")
         expect(dialog).to_contain_text("Start rebalance 1P:2D → 2P:1D?")
-        expect(dialog.locator("#confirm-rows tr", has_text="prefill pool")).to_contain_text("2 workers")
+        expect(dialog.locator("#confirm-rows tr", has_text="prefill")).to_contain_text("1 worker2 workers")
+        expect(dialog.locator("thead th").first).to_have_text("Pool")
+        expect(dialog.locator("#confirm-rows tr", has_text="decode")).to_have_text("decode2 workers1 worker")
         dialog.get_by_role("button", name="Cancel").click()
         expect(dialog).to_be_hidden()
+        assert not Rebalance.objects.exists()
+
+        # Targets the server refuses open no dialog; the page says which field is wrong and why.
+        banner = page.locator("#page-error")
+        for prefill, decode, words in (
+            ("0", "3", "Target prefill: enter a whole number of workers, at least 1."),
+            ("2", "", "Target decode: enter a whole number of workers, at least 1."),
+            ("5", "5", "Target: 5P:5D has 10 workers; prefill + decode must equal the router's 3 workers."),
+            ("1", "2", "Target: the router already runs 1P:2D."),
+        ):
+            page.get_by_test_id("target-prefill").fill(prefill)
+            page.get_by_test_id("target-decode").fill(decode)
+            page.get_by_role("button", name="Review and start").click()
+            expect(banner).to_have_text(words)
+            expect(dialog).to_be_hidden()
+        # A refusal the page cannot foresee (the router's live checks) comes back in words, and the next
+        # dialog opens without the old banner.
+        page.get_by_test_id("target-prefill").fill("2")
+        page.get_by_test_id("target-decode").fill("1")
+        page.get_by_role("button", name="Review and start").click()
+        expect(banner).to_be_hidden()
+        dialog.get_by_role("button", name="Start rebalance").click()
+        expect(banner).to_be_visible()
+        expect(banner).not_to_contain_text("{")
+        print("server refusal shown:", banner.text_content())
+        page.get_by_role("button", name="Review and start").click()
+        expect(dialog).to_be_visible()
+        expect(banner).to_be_hidden()
+        dialog.get_by_role("button", name="Cancel").click()
         assert not Rebalance.objects.exists()
 
         # A running rebalance (its steps moved by rollout's own transition writer, as the executor moves

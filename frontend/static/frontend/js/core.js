@@ -13,14 +13,23 @@
     return m ? decodeURIComponent(m[1]) : "";
   }
 
-  /* Error envelope {error: {code, message, detail}} -> one readable sentence naming the fields. */
+  /* Error envelope {error: {code, message, detail}} -> one readable sentence naming the fields; nested
+     details name their path ({"target": {"extra": [..]}} -> "target.extra: .."), never raw JSON. */
+  function detailParts(v, path) {
+    if (v == null) return [];
+    if (Array.isArray(v)) {
+      if (v.every(function (x) { return typeof x !== "object" || x === null; })) return [(path ? path + ": " : "") + v.join(" ")];
+      return [].concat.apply([], v.map(function (x, i) { return detailParts(x, path + "[" + i + "]"); }));
+    }
+    if (typeof v !== "object") return [(path ? path + ": " : "") + v];
+    return [].concat.apply([], Object.keys(v).map(function (k) {
+      return detailParts(v[k], k === "non_field_errors" ? path : path ? path + "." + k : k);
+    }));
+  }
   KV.errorText = function (err) {
     var e = err && err.body && err.body.error;
     if (!e) return err.message || String(err);
-    var detail = e.detail && typeof e.detail === "object" ? Object.keys(e.detail).map(function (k) {
-      var v = e.detail[k];
-      return k + ": " + (Array.isArray(v) ? v.join(" ") : typeof v === "object" ? JSON.stringify(v) : v);
-    }).join("; ") : "";
+    var detail = e.detail && typeof e.detail === "object" ? detailParts(e.detail, "").join("; ") : "";
     return e.message + (detail ? " (" + detail + ")" : "");
   };
 
@@ -126,12 +135,14 @@
     tbody.replaceChildren(frag);
   };
 
-  /* ---- confirmation: modal <dialog> with a per-worker before -> after table; resolves true/false ---- */
+  /* ---- confirmation: modal <dialog> with a before -> after table (first column opts.column, default
+     "Worker"); resolves true/false ---- */
   KV.confirm = function (opts) {
     var dlg = KV.$("#confirm"), tbody = KV.$("#confirm-rows");
     KV.$("#confirm-title").textContent = opts.title;
     KV.$("#confirm-text").textContent = opts.text || "";
     KV.$("#confirm-ok").textContent = opts.confirmLabel || "Confirm";
+    KV.$("#confirm-column").textContent = opts.column || "Worker";
     KV.replaceRows(tbody, KV.$("#tpl-confirm-row"), opts.rows || []);
     KV.$("#confirm-table").hidden = !(opts.rows && opts.rows.length);
     return new Promise(function (resolve) {

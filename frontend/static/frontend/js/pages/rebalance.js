@@ -26,6 +26,8 @@ KV.ready(function () {
   function ts(v) { return v ? new Date(v).getTime() / 1000 : null; }
   function split(c) { return c.prefill + "P:" + c.decode + "D"; }
   function showError(err) { var box = KV.$("#page-error"); box.textContent = KV.errorText(err); box.hidden = false; }
+  function clearError() { KV.$("#page-error").hidden = true; }
+  function workersText(n) { return n + (n === 1 ? " worker" : " workers"); }
 
   /* ---- pools: a worker counts in the pool of the role it ran at time t (the shown rebalance's switched
      steps decide around their start; otherwise the role it had when the page loaded) ---- */
@@ -189,6 +191,7 @@ KV.ready(function () {
   KV.$$("#rb-actions [data-action]").forEach(function (button) {
     button.addEventListener("click", function () {
       var a = ACTIONS[button.dataset.action];
+      clearError();
       KV.confirm({ title: a.title + " (#" + rb.id + ")", text: a.text, confirmLabel: a.label, rows: stepRowsFor(button.dataset.action) }).then(function (ok) {
         if (!ok) return;
         KV.api("POST", "/api/v1/rebalances/" + rb.id + "/" + button.dataset.action + "/", { reason: "from the console" })
@@ -199,15 +202,32 @@ KV.ready(function () {
   var start = KV.$("#start");
   if (start) {
     ["#target-prefill", "#target-decode"].forEach(function (sel) { KV.$(sel).addEventListener("input", function (e) { e.target.dataset.touched = "1"; }); });
+    /* the server's refusals (docs/rebalance.md), checked here so no dialog opens for a target it refuses */
+    function targetProblem(target, now) {
+      var bad = ["prefill", "decode"].filter(function (k) { return !(Number.isInteger(target[k]) && target[k] >= 1); })[0];
+      if (bad) return "Target " + bad + ": enter a whole number of workers, at least 1.";
+      var total = now.prefill + now.decode;
+      if (target.prefill + target.decode !== total) {
+        return "Target: " + split(target) + " has " + workersText(target.prefill + target.decode) + "; prefill + decode must equal the router's " +
+          workersText(total) + ".";
+      }
+      if (target.prefill === now.prefill) return "Target: the router already runs " + split(now) + ".";
+      return "";
+    }
     start.addEventListener("click", function () {
-      var target = { prefill: Number(KV.$("#target-prefill").value), decode: Number(KV.$("#target-decode").value) };
-      var now = rec ? rec.current : { prefill: 0, decode: 0 };
+      var value = function (sel) { var v = KV.$(sel).value.trim(); return v === "" ? NaN : Number(v); };
+      var target = { prefill: value("#target-prefill"), decode: value("#target-decode") };
+      var now = rec ? rec.current : { prefill: pool("prefill")(Date.now() / 1000).length, decode: pool("decode")(Date.now() / 1000).length };
+      var problem = targetProblem(target, now);
+      if (problem) { showError(new Error(problem)); return; }
+      clearError();
       KV.confirm({
+        column: "Pool",
         title: "Start rebalance " + split(now) + " → " + split(target) + "?",
         text: "Workers move one at a time from donor to receiver role, " + (KV.$("#approval").value === "per_step" ? "each step after your approval" : "without further approval") +
           "; a failed gate or a breached SLO rolls back.",
         confirmLabel: "Start rebalance",
-        rows: ["prefill", "decode"].map(function (k) { return { worker: k + " pool", before: now[k] + " workers", after: target[k] + " workers" }; })
+        rows: ["prefill", "decode"].map(function (k) { return { worker: k, before: workersText(now[k]), after: workersText(target[k]) }; })
       }).then(function (ok) {
         if (!ok) return;
         KV.api("POST", "/api/v1/rebalances/", { router: Number(KV.pk), target: target, approval: KV.$("#approval").value, reason: KV.$("#reason").value })
