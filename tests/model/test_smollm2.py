@@ -9,6 +9,7 @@ import torch
 import transformers
 from model_testlib import PageAllocator, greedy_generate
 
+from engine.bench.hf_generate import hf_model as hf_llama
 from engine.cache.device_pool import DeviceKVPool
 from engine.model.forward_batch import ForwardBatch
 from engine.model.loader import resolve_model_path
@@ -94,25 +95,7 @@ def test_matches_transformers_llama_on_the_same_weights(smollm2_checkpoint, smol
     HF runs once over prompt + our tokens: its argmax at every step equal to our token means HF's own greedy
     loop would produce the same 32 tokens.
     """
-    c = smollm2_checkpoint.config
-    hf_cfg = transformers.LlamaConfig(
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        vocab_size=c.vocab_size,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        tie_word_embeddings=True,
-        max_position_embeddings=c.max_position_embeddings,
-    )
-    with torch.device("meta"):
-        hf_model = transformers.LlamaForCausalLM(hf_cfg)
-    hf_model.load_state_dict(smollm2_checkpoint.tensors, assign=True, strict=False)
-    hf_model.model.rotary_emb = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_cfg)
-    hf_model.tie_weights()
-    hf_model.eval()
+    hf_model = hf_llama(smollm2_checkpoint)
     prompt = smollm2_runner.tokenizer.encode_chat(QUESTION)
     pool = DeviceKVPool(1024, 16, **vars(smollm2_runner.kv_pool_spec()))
     logits, outputs = greedy_generate(smollm2_runner, pool, PageAllocator(pool), [prompt], 32, chunk_size=16)
