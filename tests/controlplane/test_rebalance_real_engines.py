@@ -405,7 +405,7 @@ def test_a_failed_second_step_rolls_back_the_first(fleet, inventory, api_as):
 
 @pytest.mark.xfail(
     strict=False,
-    reason="known open bug (issue 10): in 1 of 3 full runs one client request hung 120 s (ReadTimeout) "
+    reason="known open bug (issue 10): in 2 of the last 4 runs a client request hung 120 s (ReadTimeout) "
     "while a switched worker was rolled back prefill -> decode; cause not found yet",
 )
 def test_a_breached_slo_rolls_back_and_an_abort_after_the_switch_finishes_the_step(fleet, inventory, api_as):
