@@ -90,11 +90,14 @@ def capacity(request):
     from controlplane.capacity import selectors as capacity
     from controlplane.telemetry.selectors import POOLS
 
+    workers = capacity.worker_capacities()
+    # pools with workers first (the first is the one marked as current), each with its page size
+    names = sorted(POOLS.values(), key=lambda name: all(w["pool"] != name for w in workers))
     return _render(
         request,
         "capacity",
         shared=capacity.shared_traces(),
         pools=capacity.recorded_pools(),
-        pool_names=list(POOLS.values()),
-        workers=capacity.worker_capacities(),
+        pool_page_sizes=[(name, capacity.pool_page_size(pool=name)) for name in names],
+        workers=workers,
     )

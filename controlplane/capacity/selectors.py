@@ -1,8 +1,14 @@
 """Reads for the capacity page: each worker's reported pool sizes, and the pools' recorded traffic."""
 
+from collections import Counter
+
 from controlplane.inventory.models import EngineWorker
 from controlplane.telemetry import store
 from controlplane.telemetry.selectors import POOLS
+
+# The what-if's page size (tokens) when no worker is registered: the demo fleet's --page-size
+# (deploy/fleet.demo.toml, fleet.pd.toml, fleet.compose.toml).
+DEFAULT_PAGE_SIZE = 16
 
 
 def worker_capacities() -> list[dict]:
@@ -28,6 +34,19 @@ def worker_capacities() -> list[dict]:
             }
         )
     return rows
+
+
+def pool_page_size(*, pool: str | None = None) -> int:
+    """The ``--page-size`` (tokens) the workers of ``pool`` (regular / prefill / decode; None: every pool)
+    registered with, the most common one when they differ (ties: the smaller); a pool without workers
+    takes the whole fleet's, a fleet without workers ``DEFAULT_PAGE_SIZE``."""
+    roles = [role for role, name in POOLS.items() if name == pool]
+    sizes = Counter(EngineWorker.objects.filter(role__in=roles).values_list("page_size", flat=True))
+    if not sizes:
+        sizes = Counter(EngineWorker.objects.values_list("page_size", flat=True))
+    if not sizes:
+        return DEFAULT_PAGE_SIZE
+    return min(sizes, key=lambda size: (-sizes[size], size))
 
 
 def _int(value) -> int | None:

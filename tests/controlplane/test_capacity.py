@@ -140,3 +140,39 @@ def test_trace_ingest_rejects_bad_rows_and_other_hosts(api_as, agent_for):
     )
     assert viewer.status_code == 403
     assert api_as("viewer").get("/api/v1/capacity/traces/").json()["pools"] == []
+
+
+@pytest.mark.django_db
+def test_pool_page_size_is_what_the_pools_workers_registered_with():
+    from controlplane.capacity.selectors import DEFAULT_PAGE_SIZE, pool_page_size
+
+    assert pool_page_size(pool="regular") == pool_page_size() == DEFAULT_PAGE_SIZE == 16  # no workers
+    EngineWorkerFactory(role="decode", page_size=64)
+    assert pool_page_size(pool="regular") == 64  # a pool without workers: the fleet's
+    for size in (32, 1, 32):
+        EngineWorkerFactory(role="mixed", page_size=size)
+    assert (pool_page_size(pool="regular"), pool_page_size(pool="decode")) == (32, 64)
+    assert pool_page_size() == 32  # the most common over the fleet
+    EngineWorkerFactory(role="prefill", page_size=8)
+    EngineWorkerFactory(role="prefill", page_size=4)
+    assert pool_page_size(pool="prefill") == 4  # a tie: the smaller
+
+
+@pytest.mark.django_db
+def test_whatif_replays_at_the_traces_pools_page_size_unless_given(api_as):
+    """Two identical 1,010-token prompts: the second hits the whole pages of its first 1,009 tokens, so the
+    L1 tokens served tell the page size replayed (32: 992; 64, the CLI's default: 960; 16: 1,008)."""
+    worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST), role="mixed", page_size=32)
+    EngineWorkerFactory(role="decode", page_size=16)
+    rows = [_row(0, 1010, [1, 2]), _row(1, 1010, [1, 2])]
+    stored = api_as("agent").post(
+        "/api/v1/agent/traces/", {"worker_url": worker.url, "requests": rows}, format="json"
+    )
+    assert stored.status_code == 202, stored.content
+    viewer = api_as("viewer")
+    for body, page_size, served in (({}, 32, 992), ({"page_size": 64}, 64, 960)):
+        body = {"trace": "pool:regular", "l1_tokens": "100000", **body}
+        response = viewer.post("/api/v1/capacity/whatif/", body, format="json")
+        assert response.status_code == 200, response.content
+        (point,) = response.json()["points"]
+        assert (response.json()["page_size"], point["l1"]["tokens_served"]) == (page_size, served)

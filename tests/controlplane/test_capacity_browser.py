@@ -1,8 +1,7 @@
 """Capacity page in real headless Chromium against daphne: a what-if sweep over a pool's recorded traffic
-(replayed by the engine's CLI) is plotted with the pool's current L1 marked, and the sizing calculator starts
-from the worker's reported numbers. Screenshot at 1280 px: docs/console/capacity.png."""
-
-from pathlib import Path
+(replayed by the engine's CLI, at the page size of the pool it is asked about) is plotted with the pool's
+current L1 marked, and the sizing calculator starts from the worker's reported numbers. The docs'
+screenshot (docs/console/capacity.png) is the demo's: scripts/console_screenshots.py."""
 
 import httpx
 import pytest
@@ -11,7 +10,6 @@ from django.contrib.auth.hashers import make_password
 from test_browser import CHROMIUM_ARGS, serious_violations
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-SHOT = Path(__file__).resolve().parents[2] / "docs" / "console" / "capacity.png"
 
 
 def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatch):
@@ -19,6 +17,7 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
 
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     worker = EngineWorkerFactory(name="gpu-0", host=HostFactory(name=AGENT_HOST), page_size=16, role="mixed")
+    EngineWorkerFactory(name="gpu-1", page_size=64, role="decode")
     bob = UserFactory(username="bob", role="viewer")
     bob.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")
     bob.save()
@@ -52,9 +51,16 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         expect(page.locator("#sizing-table tbody tr").first).to_contain_text("2,048")
         l2_row = page.locator("#sizing-table tbody tr").nth(1).locator("td")
         assert [l2_row.nth(i).inner_text() for i in (1, 3)] == ["4,112", "4,112"]  # computed = reported
+        # The replay's page size is the marked pool's workers': regular 16, decode 64; choosing a pool's
+        # traffic marks that pool.
+        page_size = page.locator("#whatif-form").get_by_label("Page size")
+        expect(page_size).to_have_value("16")
+        page.locator("#whatif-form").get_by_label("Pool marked as current").select_option("decode")
+        expect(page_size).to_have_value("64")
         page.locator("#trace").select_option("pool:regular")
+        expect(page.locator("#whatif-form select[name=pool]")).to_have_value("regular")
+        expect(page_size).to_have_value("16")
         page.get_by_label("L1 tokens").fill("2048,8192")
-        page.get_by_label("Page size").first.fill("16")
         page.get_by_role("button", name="Run").click()
         expect(page.locator("#whatif-status")).to_have_text(
             "2 points", timeout=180_000
@@ -67,8 +73,6 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         assert cells == [f"{100 * 4 * 1024 / total:.2f}%", f"{100 * 8 * 1024 / total:.2f}%"]
         assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
         expect(page.locator("#whatif-chart canvas")).to_have_count(1)
-        SHOT.parent.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOT), full_page=True)
         assert serious_violations(page) == []
         assert errors == []
         browser.close()

@@ -172,3 +172,16 @@ def test_worker_page_shows_a_requested_role_restart(client, personas):
     worker = EngineWorkerFactory(role="prefill", desired_role="decode", role_changed_at=timezone.now())
     page = client.get(f"/workers/{worker.pk}/").content.decode()
     assert "agent restarting it as decode" in page and "since <time" in page
+
+
+def test_capacity_page_replays_at_the_marked_pools_page_size(client, personas):
+    client.force_login(personas["viewer"][0])
+    page = client.get("/capacity/").content.decode()
+    assert 'name="page_size" type="number" min="1" value="16"' in page  # no workers: the demo's
+    EngineWorkerFactory(role="decode", page_size=64)
+    EngineWorkerFactory(role="prefill", page_size=32)
+    page = client.get("/capacity/").content.decode()
+    # pools with workers first (the first is marked), each with its page size (regular: the fleet's)
+    options = '<option data-page-size="32">prefill</option><option data-page-size="64">decode</option>'
+    assert options + '<option data-page-size="32">regular</option>' in page
+    assert 'name="page_size" type="number" min="1" value="32"' in page

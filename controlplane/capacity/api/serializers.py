@@ -68,14 +68,15 @@ MAX_UPLOAD_CHARS = 32 * 1024 * 1024
 
 class WhatIfSerializer(serializers.Serializer):
     """A what-if run: ``trace`` is ``shared:<file>`` or ``pool:<pool>``, or ``trace_text`` an uploaded
-    Mooncake JSONL; capacities are comma lists of tokens (``inf`` = unbounded, 0 = tier absent)."""
+    Mooncake JSONL; capacities are comma lists of tokens (``inf`` = unbounded, 0 = tier absent).
+    ``page_size`` left out: the fleet's (``selectors.pool_page_size``, the trace's pool for ``pool:``)."""
 
     trace = serializers.CharField(required=False)
     trace_text = serializers.CharField(required=False, max_length=MAX_UPLOAD_CHARS, trim_whitespace=False)
     l1_tokens = serializers.CharField(default="1000000")
     l2_tokens = serializers.CharField(default="0")
     l3_tokens = serializers.CharField(default="0")
-    page_size = serializers.IntegerField(min_value=1, max_value=4096, default=64)
+    page_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
     eviction = serializers.ChoiceField(choices=["lru", "lfu"], default="lru")
     write_policy = serializers.ChoiceField(
         choices=["write_through", "write_through_selective", "write_back"], default="write_through"

@@ -89,9 +89,10 @@ class RecordedTraceApi(APIView):
 
 class WhatIfApi(APIView):
     """POST: replay a trace (shared, a pool's recorded traffic, or uploaded) at each capacity point; one
-    result per point as ``python -m engine.whatif --json`` prints it. A calculation: any role may run it.
-    400 names the bad field (or repeats the replay's error), 404 for an unknown trace, 504 past the
-    time limit."""
+    result per point as ``python -m engine.whatif --json`` prints it, and the ``page_size`` replayed (the
+    request's, else the page size of the trace's pool's workers, else the fleet's, else the demo's 16).
+    A calculation: any role may run it. 400 names the bad field (or repeats the replay's error), 404 for
+    an unknown trace, 504 past the time limit."""
 
     write_roles = READ_ROLES
 
@@ -100,17 +101,18 @@ class WhatIfApi(APIView):
         body = WhatIfSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        text = data.get("trace_text")
+        text, pool = data.get("trace_text"), None
         if text is None:
             kind, name = data["trace"].split(":", 1)
             if kind == "shared":
                 text = selectors.shared_trace_text(name=name)
             else:
-                lines = selectors.recorded_trace_lines(pool=name)
+                pool, lines = name, selectors.recorded_trace_lines(pool=name)
                 text = "".join(json.dumps(line) + "\n" for line in lines) if lines else None
             if text is None:
                 raise NotFound(f"no trace {data['trace']!r}")
-        options = ["--page-size", str(data["page_size"]), "--eviction", data["eviction"]]
+        page_size = data.get("page_size") or selectors.pool_page_size(pool=pool)
+        options = ["--page-size", str(page_size), "--eviction", data["eviction"]]
         options += [
             "--write-policy",
             data["write_policy"],
@@ -125,4 +127,4 @@ class WhatIfApi(APIView):
             )
         except services.WhatIfError as exc:
             return Response({"error": {"code": "whatif_failed", "message": str(exc)}}, status=exc.status)
-        return Response({"points": points})
+        return Response({"page_size": page_size, "points": points})

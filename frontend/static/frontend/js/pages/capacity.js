@@ -1,13 +1,22 @@
 /* Capacity page: run the what-if sweep through the API and plot the served share per tier against the swept
-   capacity (uPlot, numeric x axis), with the chosen pool's current configuration as a dashed line; the
-   sizing calculator starts from the selected worker's reported numbers. */
+   capacity (uPlot, numeric x axis), with the chosen pool's current configuration as a dashed line and its
+   workers' page size as the replay's; the sizing calculator starts from the selected worker's reported
+   numbers. */
 KV.ready(function () {
   "use strict";
   var workers = JSON.parse(KV.$("#workers-data").textContent);
   var form = KV.$("#whatif-form"), chartEl = KV.$("#whatif-chart"), plot = null;
   var COLORS = ["#2563eb", "#16a34a", "#d97706"];
 
-  form.trace.addEventListener("change", function () { KV.$("#upload-row").hidden = form.trace.value !== "upload"; });
+  function poolChosen() {  // the replay's page size follows the pool asked about
+    form.page_size.value = form.pool.selectedOptions[0].dataset.pageSize;
+  }
+  form.pool.addEventListener("change", poolChosen);
+  form.trace.addEventListener("change", function () {
+    KV.$("#upload-row").hidden = form.trace.value !== "upload";
+    var pool = form.trace.value.indexOf("pool:") === 0 ? form.trace.value.slice(5) : null;
+    if (pool && pool !== form.pool.value) { form.pool.value = pool; poolChosen(); }  // a pool's own traffic
+  });
 
   function pct(v) { return (100 * v).toFixed(2) + "%"; }
   function sweptTier(points) {  // the tier whose capacity changes across the points (L1 when none does)
