@@ -197,6 +197,10 @@ REBALANCE_ROUTER_JOIN_TIMEOUT_S = float(os.environ.get("REBALANCE_ROUTER_JOIN_TI
 # (upstream SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL 5 s x HEARTBEAT_MAX_FAILURE 2), and a prefill back on
 # the same bootstrap port within that window would be paired through the stale entry (requests hang).
 REBALANCE_PREFILL_REJOIN_GRACE_S = float(os.environ.get("REBALANCE_PREFILL_REJOIN_GRACE_S", "15"))
+# A step whose engine cannot switch in place asks the worker's agent to restart it in the new role (the
+# agent reads it from its next heartbeat answer, stops the engine, starts it again and waits for /health):
+# how long the step waits for /server_info to report that role with /health answering.
+REBALANCE_RESTART_TIMEOUT_S = float(os.environ.get("REBALANCE_RESTART_TIMEOUT_S", "300"))
 REBALANCE_CANARY_TEXT = "The capital of France is"
 REBALANCE_CANARY_MAX_NEW_TOKENS = 8
 WORKER_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_HTTP_TIMEOUT_S", "5"))

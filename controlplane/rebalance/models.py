@@ -6,6 +6,8 @@ Each has ONE transition table: `TRANSITIONS` for the rebalance, `STEP_TRANSITION
 Rebalance: planned -> running (auto) | awaiting_approval (per_step) -> running -> ... per step ... ->
 succeeded; pause/approval wait between steps; a failed step (or breached SLO) -> rolling_back ->
 rolled_back | failed; abort -> aborted once the current step reached a safe point.
+A step changes the role in place (/pd_role_switch) or, for an engine that cannot, through its agent (a
+restart in the new role): `RebalanceStep.method`.
 Step: pending -> draining -> switching -> gating -> soaking -> succeeded; a failure before the switch took
 effect -> failed (worker re-added in its old role); after it -> rolling_back -> rolled_back | rollback_failed;
 a succeeded step is rolled back the same way when the whole rebalance rolls back; never run -> cancelled.
@@ -24,6 +26,15 @@ class Approval(models.TextChoices):
 class PdRole(models.TextChoices):
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+class SwitchMethod(models.TextChoices):
+    """How a step changes its worker's role: in place (``POST /pd_role_switch``, the engine started with
+    ``--enable-pd-role-switch``) or by its agent restarting it with ``--disaggregation-mode`` rebuilt (the
+    worker's ``desired_role``)."""
+
+    SWITCH = "switch"
+    RESTART = "restart"
 
 
 class RebalanceState(models.TextChoices):
@@ -140,11 +151,25 @@ class RebalanceStep(models.Model):
     )
     from_role = models.CharField(max_length=10, choices=PdRole.choices)
     to_role = models.CharField(max_length=10, choices=PdRole.choices)
+    method = models.CharField(
+        max_length=10,
+        choices=SwitchMethod.choices,
+        default=SwitchMethod.SWITCH,
+        help_text="switch: POST /pd_role_switch in place; restart: by its agent in the new role",
+    )
     state = models.CharField(max_length=20, choices=StepState.choices, default=StepState.PENDING)
     version = models.PositiveIntegerField(default=0)
     explanation = models.TextField(blank=True)
     drained = models.BooleanField(default=False, help_text="Removed from the router by this step")
-    switch_sent = models.BooleanField(default=False, help_text="A /pd_role_switch went out for this step")
+    switch_sent = models.BooleanField(
+        default=False,
+        help_text="A role change went out for this step (a /pd_role_switch or an agent restart)",
+    )
+    restart_requested_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="restart method: when its agent was last asked to restart it (step or rollback)",
+    )
     switched_at = models.DateTimeField(null=True, blank=True, help_text="When the switch was read back")
     polls = models.PositiveIntegerField(default=0)
     rollback_cause = models.TextField(blank=True)

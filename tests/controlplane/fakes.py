@@ -165,6 +165,7 @@ class FakeWorker(_FakeHTTP):
             "hicache_storage_backend": self.backend,
             "disaggregation_mode": self.pd_role,
             "disaggregation_bootstrap_port": 8998,
+            "enable_pd_role_switch": self.pd_role != "null",
             "is_idle": not busy and not io,
             "num_running_reqs": 2 if busy else 0,
             "num_waiting_reqs": 1 if busy else 0,

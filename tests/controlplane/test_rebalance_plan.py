@@ -74,6 +74,21 @@ def test_a_worker_not_in_pd_mode_is_refused():
     assert "router" in err.value.detail and "w0" in err.value.message
 
 
+def test_donors_that_can_change_role_go_first_and_one_that_cannot_is_refused_by_name():
+    """switch: --enable-pd-role-switch; restart: an agent runs it; None: neither (it cannot move)."""
+    live = [("d0", "decode", 0), ("d1", "decode", 0), ("d2", "decode", 5), ("p0", "prefill", 0)]
+    methods = {"d0": None, "d1": "restart", "d2": "switch", "p0": "switch"}
+    steps = plan_steps(live, {"prefill": 3, "decode": 1}, methods)
+    assert [(s.worker, s.method) for s in steps] == [("d1", "restart"), ("d2", "switch")]
+    with pytest.raises(ApplicationError) as err:
+        plan_steps(live, {"prefill": 3, "decode": 1}, {**methods, "d2": None}, lambda w: f"{w} cannot move")
+    assert err.value.code == "cannot_switch" and err.value.detail["workers"] == ["d0"]
+    assert err.value.status_code == 400 and "router" in err.value.detail
+    assert "2 decode worker(s) must change role, and 1 of those it has cannot: d0 cannot move" in (
+        err.value.message
+    )
+
+
 @pytest.mark.parametrize(
     ("table", "states", "active", "final", "start"),
     [

@@ -29,8 +29,9 @@ def _conflict(active: Rebalance) -> ConflictError:
     )
 
 
-def _live_fleet(router: Router) -> list[tuple[object, str, int]]:
-    """(worker, live role, requests running, waiting or in PD transfer) per worker of the router; the
+def _live_fleet(router: Router) -> tuple[list[tuple[object, str, int]], dict]:
+    """(worker, live role, requests running, waiting or in PD transfer) per worker of the router, and how
+    each one's role can change (worker -> "switch" | "restart" | None, :func:`pd.switch_method`); the
     router must list each one with that role as its worker_type (actual = expected before anything moves)."""
     workers = list(router.workers.order_by("name"))
     if not workers:
@@ -45,7 +46,7 @@ def _live_fleet(router: Router) -> list[tuple[object, str, int]]:
         raise ServiceUnavailable(
             f"router {router.name} unreachable: {exc.message}", code="router_unreachable"
         ) from exc
-    live, mismatched = [], []
+    live, mismatched, methods = [], [], {}
     for worker in workers:
         try:
             state = pd.live_state(worker)
@@ -61,13 +62,14 @@ def _live_fleet(router: Router) -> list[tuple[object, str, int]]:
             mismatched.append(f"{worker.name} runs {state['role']}, router: {seen}")
         load = sum(state[k] or 0 for k in ("num_running_reqs", "num_waiting_reqs", "num_pd_transfer_reqs"))
         live.append((worker, state["role"], load))
+        methods[worker] = pd.switch_method(worker, state)
     if mismatched:
         raise ConflictError(
             f"router {router.name} and its workers disagree: {'; '.join(mismatched)}",
             code="fleet_inconsistent",
             detail={"router": mismatched},
         )
-    return live
+    return live, methods
 
 
 def _record_canary(router: Router) -> dict:
@@ -106,7 +108,11 @@ def rebalance_create(
     """Plan a rebalance of `router` to `target` {"prefill", "decode"} from its workers' live roles, record
     the canary's greedy text through the router, and start it (auto) or wait for approval (per_step).
 
-    Raises ApplicationError (400, naming the field) for a non-PD router or a bad target, ConflictError (409)
+    Each step changes its worker's role in place (/pd_role_switch) when the worker runs with
+    --enable-pd-role-switch, else through its agent (a restart in the new role).
+
+    Raises ApplicationError (400, naming the field) for a non-PD router, a bad target, or a worker that must
+    move but can do neither (`cannot_switch`, naming it), ConflictError (409)
     when the router has an active rebalance (`rebalance_active`) or the router's worker list disagrees with
     the workers' live roles (`fleet_inconsistent`), ServiceUnavailable (503) when the router or a worker
     does not answer."""
@@ -118,8 +124,8 @@ def rebalance_create(
         )
     if (active := _active(router)) is not None:
         raise _conflict(active)
-    live = _live_fleet(router)
-    planned = plan_steps(live, target)
+    live, methods = _live_fleet(router)
+    planned = plan_steps(live, target, methods, pd.cannot_switch_reason)
     canary = _record_canary(router)
     before = {role: sum(1 for _, r, _ in live if r == role) for role in ("prefill", "decode")}
     user = actor if getattr(actor, "is_authenticated", False) else None
@@ -146,7 +152,12 @@ def rebalance_create(
             RebalanceStep.objects.bulk_create(
                 [
                     RebalanceStep(
-                        rebalance=rb, index=i, worker=s.worker, from_role=s.from_role, to_role=s.to_role
+                        rebalance=rb,
+                        index=i,
+                        worker=s.worker,
+                        from_role=s.from_role,
+                        to_role=s.to_role,
+                        method=s.method,
                     )
                     for i, s in enumerate(planned)
                 ]
@@ -155,7 +166,10 @@ def rebalance_create(
                 action="rebalance_create",
                 obj=rb,
                 before={**before, "roles": {str(w): role for w, role, _ in live}},
-                after={**target, "steps": [f"{s.worker}: {s.from_role} -> {s.to_role}" for s in planned]},
+                after={
+                    **target,
+                    "steps": [f"{s.worker}: {s.from_role} -> {s.to_role} ({s.method})" for s in planned],
+                },
                 message=reason,
                 actor=actor,
                 extra={"rebalance_id": rb.pk, "approval": approval, "canary": canary},

@@ -1,13 +1,15 @@
-"""What a step reads from and does to one PD worker and its router, all through controlplane.workerclient:
-live PD state, idle, router membership with type and bootstrap port, gates (health, bootstrap server,
-canary through a chosen prefill/decode pair)."""
+"""What a step reads from and does to one PD worker and its router, all through controlplane.workerclient
+(and, for a restart in a new role, the inventory's agent-role request): live PD state, idle, how its role
+can change, router membership with type and bootstrap port, gates (health, bootstrap server, canary through
+a chosen prefill/decode pair)."""
 
 import time
 
 from django.conf import settings
 
 from controlplane.inventory.models import EngineWorker
-from controlplane.rebalance.models import Rebalance
+from controlplane.inventory.services import worker_role_observed, worker_role_request
+from controlplane.rebalance.models import Rebalance, SwitchMethod
 from controlplane.workerclient import (
     RouterClient,
     WorkerClient,
@@ -39,7 +41,54 @@ def live_state(worker: EngineWorker) -> dict:
         "num_running_reqs": info.get("num_running_reqs"),
         "num_waiting_reqs": info.get("num_waiting_reqs"),
         "num_pd_transfer_reqs": info.get("num_pd_transfer_reqs"),
+        "role_switch": info.get("enable_pd_role_switch") is True,
     }
+
+
+def agent_managed(worker: EngineWorker) -> bool:
+    """An agent runs the worker: it belongs to a host that an agent registered or heartbeat from
+    (``Host.last_seen``; hosts typed in by hand have none), so the agent can restart it in another role."""
+    return worker.host_id is not None and worker.host.last_seen is not None
+
+
+def switch_method(worker: EngineWorker, state: dict) -> str | None:
+    """How the worker's role can change: ``switch`` in place when it runs with ``--enable-pd-role-switch``
+    (its live /server_info says so), else ``restart`` by its agent, else None (it cannot change role)."""
+    if state.get("role_switch"):
+        return SwitchMethod.SWITCH
+    return SwitchMethod.RESTART if agent_managed(worker) else None
+
+
+def cannot_switch_reason(worker: EngineWorker) -> str:
+    return (
+        f"{worker.name} cannot change role: not started with --enable-pd-role-switch, and no agent runs it "
+        "to restart it in the new role (its host was never registered by an agent)"
+    )
+
+
+def request_restart(rb: Rebalance, worker: EngineWorker, role: str, live_role: str) -> None:
+    """Ask the worker's agent to restart it in `role` (its ``desired_role``, audited; the agent reads it
+    from its next heartbeat answer). The role the worker was just seen running, `live_role`, is recorded
+    first, so a stale inventory role never turns the request into a no-op; `role` == `live_role` withdraws
+    a request not yet carried out."""
+    worker_role_observed(worker=worker, role=live_role)
+    worker.refresh_from_db()
+    worker_role_request(
+        worker=worker, role=role, actor=rb.created_by, reason=f"rebalance {rb.pk}: run as {role}"
+    )
+
+
+def restarted(worker: EngineWorker, role: str) -> tuple[dict | None, str]:
+    """(live state, what was seen): the state once the worker's /server_info reports `role` and /health
+    answers, else None with what it shows (unreachable while the agent restarts it, the old role, ...)."""
+    try:
+        state = live_state(worker)
+        if state["role"] != role:
+            return None, f"still runs {state['role']}"
+        client_for(worker).health()
+    except WorkerError as exc:
+        return None, f"not answering ({exc.message})"
+    return state, f"runs {role}, healthy"
 
 
 def busy_summary(state: dict) -> str:

@@ -1,12 +1,14 @@
 """The plan of steps from live roles to a target (pure: no database, no HTTP).
 
 Each step moves one worker from the donor role (the one that shrinks) to the receiver role, switched in
-place (`/pd_role_switch`), so the worker is out of both pools only while it drains, flips and passes its
-gates. While step i runs, the donor pool has before - i workers (never below the target, so never below
-min(before, after)) and the receiver pool still has its before count (the smaller one); the receiver's new
-member joins before the next donor leaves. Every step keeps at least one prefill and one decode routable.
+place (`/pd_role_switch`) or restarted in it by its agent, so the worker is out of both pools only while
+it drains, flips and passes its gates. While step i runs, the donor pool has before - i workers (never
+below the target, so never below min(before, after)) and the receiver pool still has its before count (the
+smaller one); the receiver's new member joins before the next donor leaves. Every step keeps at least one
+prefill and one decode routable.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from controlplane.core.exceptions import ApplicationError
@@ -19,16 +21,25 @@ class PlannedStep:
     worker: object
     from_role: str
     to_role: str
+    method: str = "switch"
 
 
-def plan_steps(live: list[tuple[object, str, int]], target: dict[str, int]) -> list[PlannedStep]:
+def plan_steps(
+    live: list[tuple[object, str, int]],
+    target: dict[str, int],
+    methods: dict | None = None,
+    cannot: Callable[[object], str] = str,
+) -> list[PlannedStep]:
     """`live`: (worker, live role, load) per worker of the router; load orders the donors (the least loaded,
     i.e. fewest requests running, waiting or in PD transfer, is drained first; ties by name).
-    `target`: {"prefill", "decode"}.
+    `target`: {"prefill", "decode"}. `methods`: worker -> how its role can change ("switch" | "restart"),
+    None when it cannot (default: every worker switches); donors that can move go first.
+    `cannot(worker)`: the words for a donor that cannot move.
 
     Raises ApplicationError (400) naming the field: `target` with a count below 1, a total that differs from
     the router's PD workers (workers are moved, never added or removed), or the current split itself;
-    `router` when a worker's live role is not prefill or decode.
+    `router` when a worker's live role is not prefill or decode, or when fewer donors than the moves can
+    change role (`cannot_switch`, naming them).
     """
     odd = sorted(str(w) for w, role, _ in live if role not in ROLES)
     if odd:
@@ -62,5 +73,16 @@ def plan_steps(live: list[tuple[object, str, int]], target: dict[str, int]) -> l
     donor = "prefill" if target["prefill"] < counts["prefill"] else "decode"
     receiver = "decode" if donor == "prefill" else "prefill"
     moves = counts[donor] - target[donor]
-    donors = sorted(((load, str(w), w) for w, role, load in live if role == donor), key=lambda x: x[:2])
-    return [PlannedStep(worker=w, from_role=donor, to_role=receiver) for _, _, w in donors[:moves]]
+    method = (lambda w: "switch") if methods is None else methods.get
+    donors = sorted(
+        ((method(w) is None, load, str(w), w) for w, role, load in live if role == donor), key=lambda x: x[:3]
+    )[:moves]
+    stuck = [w for *_, w in donors if method(w) is None]
+    if stuck:
+        raise ApplicationError(
+            f"router: {moves} {donor} worker(s) must change role, and {len(stuck)} of those it has cannot: "
+            + "; ".join(cannot(w) for w in stuck),
+            code="cannot_switch",
+            detail={"router": [cannot(w) for w in stuck], "workers": [str(w) for w in stuck]},
+        )
+    return [PlannedStep(worker=w, from_role=donor, to_role=receiver, method=method(w)) for *_, w in donors]

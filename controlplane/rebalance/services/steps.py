@@ -3,12 +3,13 @@ delay it returns until the rebalance waits (approval, pause) or ends.
 
 A step (one worker, donor role -> receiver role): remove it from the router, wait until it is idle (the
 router's DELETE is queued: first until the router no longer lists it, then until /server_info is_idle,
-PD transfers included), switch it (`/pd_role_switch`), read the role back from /server_info, gate it
+PD transfers included), switch it (`/pd_role_switch`; for an engine without --enable-pd-role-switch its
+agent restarts it in the new role, `RebalanceStep.method`), read the role back from /server_info, gate it
 (health, a new prefill's bootstrap server, a canary through the new pairing), re-add it to the router with
 its type and bootstrap port, then soak (`soak_s`, health and SLOs watched). Failing before the switch took
 effect leaves the old role (re-added: step failed); failing after it rolls the step back the same way
-(drain, switch back, verify, gates without the canary, re-add). Then the rebalance rolls back every finished
-step, newest first, unless `rollback` is false.
+(drain, switch back or restart back by the same method, verify, gates without the canary, re-add). Then the
+rebalance rolls back every finished step, newest first, unless `rollback` is false.
 """
 
 from datetime import timedelta
@@ -18,14 +19,15 @@ from django.db.models import Max
 from django.utils import timezone
 
 from controlplane.inventory.services import worker_role_observed
-from controlplane.rebalance.models import FINAL_STATES, Approval, Rebalance, RebalanceStep
+from controlplane.rebalance.models import FINAL_STATES, Approval, Rebalance, RebalanceStep, SwitchMethod
 from controlplane.rebalance.models import RebalanceState as R
 from controlplane.rebalance.models import StepState as S
 from controlplane.rebalance.services import pd, slo
 from controlplane.rebalance.services.transitions import live_counts, rebalance_transition, step_transition
-from controlplane.workerclient import WorkerError
+from controlplane.workerclient import WorkerError, WorkerRejected
 
 SOAK_POLL_S = 1.0
+RESTART_POLL_S = 1.0  # how often a step looks whether the agent restarted its worker in the new role
 
 
 def _poll() -> float:
@@ -140,6 +142,7 @@ def _roll_back(rb: Rebalance) -> float | None:
                 to=S.ROLLING_BACK,
                 rollback_cause=why,
                 explanation=f"rolling back: {why}",
+                restart_requested_at=None,
                 **_deadline(rb),
             ):
                 return _rollback_step(rb, step)
@@ -267,18 +270,31 @@ def _to_rollback(rb: Rebalance, step: RebalanceStep, why: str, **fields) -> floa
         to=S.ROLLING_BACK,
         rollback_cause=why,
         explanation=f"{why}; rolling back",
+        restart_requested_at=None,
         **fields,
         **_deadline(rb),
     )
     return 0
 
 
+def _how(step: RebalanceStep) -> str:
+    return "restarted by its agent" if step.method == SwitchMethod.RESTART else "switched in place"
+
+
 def _switch(rb: Rebalance, step: RebalanceStep) -> float | None:
     worker = step.worker
+    if step.method == SwitchMethod.RESTART:
+        return _restart(rb, step)
     RebalanceStep.objects.filter(pk=step.pk).update(switch_sent=True)
     step.switch_sent = True
     try:
         answer = pd.client_for(worker, settings.WORKER_APPLY_HTTP_TIMEOUT_S).pd_role_switch(step.to_role)
+    except WorkerRejected as exc:
+        if exc.status == 400 and "disabled" in exc.message and pd.agent_managed(worker):
+            RebalanceStep.objects.filter(pk=step.pk).update(method=SwitchMethod.RESTART)
+            step.method = SwitchMethod.RESTART
+            return _restart(rb, step, note=f"the engine cannot switch in place ({exc.message}); ")
+        return _switch_unknown(rb, step, f"role switch request failed: {exc.message}")
     except WorkerError as exc:
         return _switch_unknown(rb, step, f"role switch request failed: {exc.message}")
     if not answer.success:
@@ -309,6 +325,47 @@ def _switch(rb: Rebalance, step: RebalanceStep) -> float | None:
         explanation=f"switched to {step.to_role} (read back from /server_info); gating",
     )
     return _gate(rb, step)
+
+
+def _restart(rb: Rebalance, step: RebalanceStep, note: str = "") -> float | None:
+    """The switch by the worker's agent: ask it (the worker's desired_role) to restart the worker in the new
+    role, then poll every RESTART_POLL_S until /server_info reports that role and /health answers, for at
+    most REBALANCE_RESTART_TIMEOUT_S (past it the step rolls back); then gate as after a switch in place."""
+    worker = step.worker
+    if step.restart_requested_at is None:
+        try:
+            state = pd.live_state(worker)
+        except WorkerError as exc:
+            return _fail(
+                rb, step, f"{note}worker unreadable before its restart: {exc.message}; not restarted"
+            )
+        pd.request_restart(rb, worker, step.to_role, state["role"])
+        now = _now()
+        why = f"{note}asked its agent (host {worker.host.name}) to restart it as {step.to_role}; waiting"
+        RebalanceStep.objects.filter(pk=step.pk, state=S.SWITCHING).update(
+            switch_sent=True, restart_requested_at=now, explanation=why
+        )
+        step.switch_sent, step.restart_requested_at = True, now
+        return RESTART_POLL_S
+    state, seen = pd.restarted(worker, step.to_role)
+    if state is not None:
+        step_transition(
+            step,
+            to=S.GATING,
+            after=state,
+            switched_at=_now(),
+            explanation=f"restarted by its agent as {step.to_role} (read back from /server_info, /health "
+            "answers); gating",
+        )
+        return _gate(rb, step)
+    limit = settings.REBALANCE_RESTART_TIMEOUT_S
+    if _now() >= step.restart_requested_at + timedelta(seconds=limit):
+        why = f"its agent did not restart it as {step.to_role} within {limit:g}s (last seen: {seen})"
+        return _to_rollback(rb, step, why, switched_at=_now())
+    RebalanceStep.objects.filter(pk=step.pk, state=S.SWITCHING).update(
+        polls=step.polls + 1, explanation=f"waiting for its agent to restart it as {step.to_role}: {seen}"
+    )
+    return RESTART_POLL_S
 
 
 def _switch_unknown(rb: Rebalance, step: RebalanceStep, why: str) -> float:
@@ -376,8 +433,8 @@ def _soak(rb: Rebalance, step: RebalanceStep) -> float:
         step,
         to=S.SUCCEEDED,
         after=state,
-        explanation=f"{step.from_role} -> {step.to_role}: role verified in /server_info, gates passed, "
-        f"served {rb.soak_s:g}s within SLO",
+        explanation=f"{step.from_role} -> {step.to_role} ({_how(step)}): role verified in /server_info, "
+        f"gates passed, served {rb.soak_s:g}s within SLO",
     )
     return 0
 
@@ -428,9 +485,18 @@ def _wait_limit(rb: Rebalance, step: RebalanceStep, rejoin):
     return max(step.idle_deadline_at, rejoin + timedelta(seconds=rb.idle_timeout_s))
 
 
+def _rollback_limit(rb: Rebalance, step: RebalanceStep, rejoin):
+    """How long a rollback may wait: the idle deadline (moved for a prefill rejoin), plus, for the restart
+    method, REBALANCE_RESTART_TIMEOUT_S for the agent's restart."""
+    limit = _wait_limit(rb, step, rejoin)
+    if step.method == SwitchMethod.RESTART:
+        limit += timedelta(seconds=settings.REBALANCE_RESTART_TIMEOUT_S)
+    return limit
+
+
 def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
-    """Drain (out of the router, idle), switch back, verify, gate (health, bootstrap), re-add in the old
-    role."""
+    """Drain (out of the router, idle), switch back (or ask its agent to restart it back and wait until it
+    runs the old role, healthy), verify, gate (health, bootstrap), re-add in the old role."""
     worker = step.worker
     try:
         if pd.router_entry(rb, worker) is not None:
@@ -440,8 +506,20 @@ def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
     except WorkerError as exc:
         state, seen = None, f"unreachable ({exc.message})"
     rejoin = _prefill_rejoin_at(step, step.from_role)
-    if state is not None and state["role"] != step.from_role:
+    if step.restart_requested_at is not None:  # this rollback asked the agent: wait for the old role
+        state, seen = pd.restarted(worker, step.from_role)
+        if state is None:
+            seen = f"waiting for its agent to restart it as {step.from_role}: {seen}"
+    elif state is not None and state["role"] != step.from_role:
         idle, seen = _hold_for_rejoin(*_idle(rb, step), rejoin)
+        if idle and step.method == SwitchMethod.RESTART:
+            pd.request_restart(rb, worker, step.from_role, state["role"])
+            RebalanceStep.objects.filter(pk=step.pk, state=S.ROLLING_BACK).update(
+                restart_requested_at=_now(),
+                explanation=f"rolling back ({step.rollback_cause}): asked its agent to restart it as "
+                f"{step.from_role}",
+            )
+            return RESTART_POLL_S
         if idle:
             try:
                 client = pd.client_for(worker, settings.WORKER_APPLY_HTTP_TIMEOUT_S)
@@ -453,14 +531,19 @@ def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
             except WorkerError as exc:
                 seen = f"switch back got no answer ({exc.message})"
     if state is None or state["role"] != step.from_role:
-        if _now() >= _wait_limit(rb, step, rejoin):
-            return _rollback_fail(
-                rb, step, f"rollback: not idle within {rb.idle_timeout_s:g}s (last seen {seen})"
-            )
+        if _now() >= _rollback_limit(rb, step, rejoin):
+            waited = f"{rb.idle_timeout_s:g}s"
+            if step.method == SwitchMethod.RESTART:
+                waited += f" + {settings.REBALANCE_RESTART_TIMEOUT_S:g}s for its agent's restart"
+            return _rollback_fail(rb, step, f"rollback: not back as {step.from_role} within {waited} "
+                                  f"(last seen {seen})")  # fmt: skip
+        what = seen if step.restart_requested_at is not None else f"waiting for idle: {seen}"
         RebalanceStep.objects.filter(pk=step.pk, state=S.ROLLING_BACK).update(
-            explanation=f"rolling back ({step.rollback_cause}): waiting for idle: {seen}"
+            explanation=f"rolling back ({step.rollback_cause}): {what}"
         )
-        return _poll()
+        return RESTART_POLL_S if step.restart_requested_at is not None else _poll()
+    if step.method == SwitchMethod.RESTART:  # withdraw a restart the agent has not carried out yet
+        pd.request_restart(rb, worker, step.from_role, state["role"])
     why = pd.gate(rb, worker, state, canary=False)
     if why:
         return _rollback_fail(rb, step, f"switched back, gate failed: {why}", readd=False)
@@ -474,8 +557,8 @@ def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
         to=S.ROLLED_BACK,
         after=state,
         drained=False,
-        explanation=f"rolled back to {step.from_role} (cause: {step.rollback_cause}); verified in "
-        "/server_info, health and bootstrap gates passed, re-added",
+        explanation=f"rolled back to {step.from_role} ({_how(step)}; cause: {step.rollback_cause}); "
+        "verified in /server_info, health and bootstrap gates passed, re-added",
     )
     return 0
 

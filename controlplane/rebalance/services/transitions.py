@@ -157,6 +157,7 @@ def _audit_step(step: RebalanceStep, previous: str) -> None:
             "step_index": step.index,
             "from_role": step.from_role,
             "to_role": step.to_role,
+            "method": step.method,
             "from_state": previous,
             "state": step.state,
             "switch_sent": step.switch_sent,
