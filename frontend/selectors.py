@@ -51,6 +51,17 @@ def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:
     }
 
 
+def latency_peers(*, worker: EngineWorker) -> list[EngineWorker]:
+    """For a PD prefill worker, the decode workers that measure its requests' TTFT and ITL (the client's
+    tokens stream from decode): its router's, else every registered one; [] for any other role."""
+    if worker.role != "prefill":
+        return []
+    decode = EngineWorker.objects.filter(role="decode").order_by("name")
+    if worker.router_id and decode.filter(router_id=worker.router_id).exists():
+        decode = decode.filter(router_id=worker.router_id)
+    return list(decode)
+
+
 def hicache_rows(hicache: dict) -> list[tuple[str, str, bool]]:
     """(name, value, is_json) rows of the HiCache settings, known fields first; dicts and lists as JSON."""
     known = [k for k in HICACHE_FIELDS if hicache.get(k) not in (None, "")]

@@ -51,6 +51,7 @@ def worker(request, pk: int):
         worker=worker,
         live=live,
         hicache_rows=selectors.hicache_rows(hicache),
+        latency_peers=selectors.latency_peers(worker=worker),
         profile=profile,
         master=selectors.storage_master(
             profile.extra_config if profile else hicache.get("hicache_storage_backend_extra_config")

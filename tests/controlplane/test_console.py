@@ -185,3 +185,24 @@ def test_capacity_page_replays_at_the_marked_pools_page_size(client, personas):
     options = '<option data-page-size="32">prefill</option><option data-page-size="64">decode</option>'
     assert options + '<option data-page-size="32">regular</option>' in page
     assert 'name="page_size" type="number" min="1" value="32"' in page
+
+
+def test_prefill_worker_page_names_where_its_latency_is_measured(client, personas):
+    from cp_factories import RouterFactory
+
+    client.force_login(personas["viewer"][0])
+    router = RouterFactory(mode="pd")
+    prefill = EngineWorkerFactory(role="prefill", router=router)
+    peers = [EngineWorkerFactory(name=n, role="decode", router=router) for n in ("d2", "d1")]
+    EngineWorkerFactory(name="d-elsewhere", role="decode", router=RouterFactory(mode="pd"))
+    page = client.get(f"/workers/{prefill.pk}/").content.decode()
+    assert 'data-testid="latency-note"' in page and "Measured on the decode side in PD mode" in page
+    links = [f'<a href="/workers/{w.pk}/">{w.name}</a>' for w in sorted(peers, key=lambda w: w.name)]
+    assert "See " + ", ".join(links) + " or the router's" in page and "d-elsewhere" not in page
+    assert 'id="chart-ttft"' not in page and 'id="chart-itl"' not in page
+    alone = client.get(f"/workers/{EngineWorkerFactory(role='prefill').pk}/").content.decode()
+    assert "d1" in alone and "d-elsewhere" in alone and "rebalance page" not in alone  # no router: all D
+    for role in ("mixed", "decode"):
+        page = client.get(f"/workers/{EngineWorkerFactory(role=role).pk}/").content.decode()
+        assert 'id="chart-ttft"' in page and "5 min before each point" in page
+        assert 'data-testid="latency-note"' not in page

@@ -2,8 +2,10 @@
    planner/window.py): rates are counter increases between a worker's first and last sample in the window
    over the time between them, summed over the pool; p90s come from the summed histogram bucket increases
    (ttft_buckets / itl_buckets, cumulative [[upper bound s, count], ...]). KV.pools.at(members, t, windowS)
-   -> {input_tps, output_tps, requests_ps, ttft_p90_s, itl_p90_s} or null; KV.pools.series(members, from, to,
-   step, windowS) -> {ts: [...], <key>: [...]}. members: [{samples}] (oldest first). */
+   -> {input_tps, output_tps, requests_ps, ttft_p50_s, ttft_p90_s, itl_p50_s, itl_p90_s, workers} or null (a
+   p50 / p90 is null when no request finished in the window); KV.pools.series(members, from, to, step,
+   windowS) -> {ts: [...], <key>: [...]}. members: [{samples}] (oldest first). The worker page uses at() with
+   its one worker. */
 (function () {
   "use strict";
   var KV = window.KV;
@@ -17,9 +19,13 @@
     }
     return found;
   }
-  function firstAfter(samples, t) {
-    for (var i = 0; i < samples.length; i++) if (samples[i].ts > t) return samples[i];
-    return null;
+  function firstAfter(samples, t) {  // binary search: oldest sample with ts > t
+    var lo = 0, hi = samples.length - 1, found = null;
+    while (lo <= hi) {
+      var mid = (lo + hi) >> 1;
+      if (samples[mid].ts > t) { found = samples[mid]; hi = mid - 1; } else lo = mid + 1;
+    }
+    return found;
   }
   function quantile(q, buckets) {  // as Prometheus histogram_quantile, linear inside a bucket
     var bounds = Object.keys(buckets).map(Number).sort(function (a, b) { return a - b; });
@@ -73,7 +79,10 @@
       Object.keys(i1).forEach(function (b) { itl[b] = (itl[b] || 0) + i1[b]; });
     });
     if (!used) return null;
-    return Object.assign(sums, { ttft_p90_s: quantile(0.9, ttft), itl_p90_s: quantile(0.9, itl), workers: used });
+    return Object.assign(sums, {
+      ttft_p50_s: quantile(0.5, ttft), ttft_p90_s: quantile(0.9, ttft),
+      itl_p50_s: quantile(0.5, itl), itl_p90_s: quantile(0.9, itl), workers: used
+    });
   }
 
   function series(members, from, to, step, windowS) {

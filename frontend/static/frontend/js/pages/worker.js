@@ -1,17 +1,19 @@
 /* Worker page: one hour of samples from the API, then each worker.metrics push appended in place.
    Derived series: per-tier cached tokens/s and cache I/O tokens/s (counter rates over 10 s), hit share over
-   a sliding 60 s window,
-   prefetch in flight = started - completed - timed out - revoked. */
+   a sliding 60 s window, TTFT / ITL p50 and p90 over the 5 min before each sample (the increase of the
+   worker's cumulative histogram buckets, KV.pools; none on a PD prefill worker, whose page has a note
+   instead), prefetch in flight = started - completed - timed out - revoked. */
 KV.ready(function () {
   "use strict";
-  var HIT_WINDOW_S = 60, RATE_WINDOW_S = 10, MAX_SAMPLES = 1800, TIERS = ["device", "host", "storage"];
+  var HIT_WINDOW_S = 60, RATE_WINDOW_S = 10, LATENCY_WINDOW_S = 300, MAX_SAMPLES = 1800;
+  var TIERS = ["device", "host", "storage"];
   var TIER_LABELS = ["L1 device", "L2 host", "L3 storage"];
   var samples = [], lastSeq = 0, pushed = 0;
   var charts = {
     cached: KV.chart(KV.$("#chart-cached"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "tok/s", stacked: true }),
     hits: KV.chart(KV.$("#chart-hits"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "%", range01: true }),
-    ttft: KV.chart(KV.$("#chart-ttft"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s" }),
-    itl: KV.chart(KV.$("#chart-itl"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s" }),
+    ttft: KV.$("#chart-ttft") && KV.chart(KV.$("#chart-ttft"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s" }),
+    itl: KV.$("#chart-itl") && KV.chart(KV.$("#chart-itl"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s" }),
     pool: KV.chart(KV.$("#chart-pool"), { series: [{ label: "host pool use" }], unit: "%", range01: true }),
     bw: KV.chart(KV.$("#chart-bw"), { series: [{ label: "load-back" }, { label: "prefetch" }, { label: "backup" }], unit: "tok/s" }),
     prefetch: KV.chart(KV.$("#chart-prefetch"), {
@@ -44,8 +46,13 @@ KV.ready(function () {
     });
     charts.cached.set(xs, TIERS.map(function (t) { return rate("cached_tokens_" + t); }));
     charts.hits.set(xs, shares);
-    charts.ttft.set(xs, [col("ttft_p50_s"), col("ttft_p90_s")]);
-    charts.itl.set(xs, [col("itl_p50_s"), col("itl_p90_s")]);
+    if (charts.ttft) {
+      var member = [{ samples: samples }];
+      var lat = samples.map(function (s) { return KV.pools.at(member, s.ts, LATENCY_WINDOW_S) || {}; });
+      var pick = function (key) { return lat.map(function (v) { return v[key] == null ? null : v[key]; }); };
+      charts.ttft.set(xs, [pick("ttft_p50_s"), pick("ttft_p90_s")]);
+      charts.itl.set(xs, [pick("itl_p50_s"), pick("itl_p90_s")]);
+    }
     charts.pool.set(xs, [col("host_pool_use")]);
     charts.bw.set(xs, [rate("load_back_tokens_total"), rate("prefetched_tokens_total"), rate("backuped_tokens_total")]);
     var done = ["prefetch_completed_total", "prefetch_timeout_total", "prefetch_revoked_total"];

@@ -1,0 +1,112 @@
+"""The worker page's latency charts in real headless Chromium against daphne. A regular worker's TTFT / ITL
+p50 and p90 cover the 5 min before each point (the increase of its cumulative histograms between stored
+samples, rendered by the engine's own exporter and pushed through the agent API), not everything since
+start; a PD prefill worker's page says where its latency is measured instead of showing empty charts."""
+
+import time
+
+import httpx
+import pytest
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory, UserFactory
+from django.contrib.auth.hashers import make_password
+from test_browser import CHROMIUM_ARGS, serious_violations
+
+from controlplane.telemetry.metrics import histogram_quantile, parse_prometheus
+from engine.server.metrics import EngineMetrics
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+MODEL = "smollm2"
+STATE = {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0, "max_total_num_tokens": 1000}
+
+
+def serve(metrics: EngineMetrics, requests: int, ttft_s: float, itl_s: float, output: int = 4) -> str:
+    """``requests`` finished requests as the scheduler records them; the worker's /metrics text after."""
+    for _ in range(requests):
+        metrics.num_requests.labels(MODEL).inc()
+        metrics.on_first_token(ttft_s)
+        for _ in range(output - 1):
+            metrics.on_inter_token(itl_s)
+    return metrics.render().decode()
+
+
+def quantiles(before: str, after: str, key: str) -> tuple[float, float]:
+    """(p50, p90) of the observations between two /metrics texts, and (p50, p90) of all of them."""
+    first, last = dict(parse_prometheus(before)[key]), parse_prometheus(after)[key]
+    window = [(b, c - first.get(b, 0.0)) for b, c in last]
+    return tuple(histogram_quantile(q, window) for q in (0.5, 0.9)), tuple(
+        histogram_quantile(q, last) for q in (0.5, 0.9)
+    )
+
+
+def test_latency_over_the_last_5_minutes_and_the_prefill_note(asgi_server, personas, monkeypatch):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
+    host = HostFactory(name=AGENT_HOST)
+    router = RouterFactory(name="pd-edge", mode="pd")
+    mixed = EngineWorkerFactory(name="gpu-0", url="http://gpu-0.local:30000", host=host, role="mixed")
+    prefill = EngineWorkerFactory(
+        name="p1", url="http://p1.local:30000", host=host, role="prefill", router=router
+    )
+    decode = EngineWorkerFactory(
+        name="d1", url="http://d1.local:30000", host=host, role="decode", router=router
+    )
+    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
+    metrics = EngineMetrics(MODEL, lambda: STATE)
+    now = time.time()
+    # 100 slow requests 10 min ago, nothing new 3 min ago, then 10 fast ones: the 5 min before the newest
+    # sample hold only the fast ones (from the sample 3 min ago on).
+    texts = [serve(metrics, 100, 3.0, 0.2)]
+    texts.append(metrics.render().decode())
+    texts.append(serve(metrics, 10, 0.05, 0.01))
+    for ts, text in zip((now - 600, now - 180, now - 20), texts, strict=True):
+        response = agent.post(
+            "/api/v1/agent/metrics/", json={"worker_url": mixed.url, "text": text, "ts": ts}
+        )
+        assert response.status_code == 202, response.text
+    ttft, ttft_all = quantiles(texts[1], texts[2], "ttft_buckets")
+    itl, itl_all = quantiles(texts[1], texts[2], "itl_buckets")
+    assert (
+        ttft[1] < 0.1 < 1 < ttft_all[0] and itl[1] < 0.05 < itl_all[0]
+    )  # the window differs from "since start"
+    viewer = UserFactory(username="vera", role="viewer")
+    viewer.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")  # the daphne process's hasher
+    viewer.save()
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        errors = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(asgi_server + "/login/")
+        page.get_by_label("Username").fill("vera")
+        page.get_by_label("Password").fill("pw-for-tests-1")
+        page.get_by_role("button", name="Log in").click()
+        expect(page.get_by_test_id("role")).to_have_text("viewer")
+
+        page.goto(f"{asgi_server}/workers/{mixed.pk}/")
+        expect(page.locator("#chart-ttft")).to_have_attribute("data-points", "3")
+        expect(page.locator("figure", has=page.locator("#chart-ttft"))).to_contain_text(
+            "5 min before each point"
+        )
+        for chart, (p50, p90) in (("#chart-ttft", ttft), ("#chart-itl", itl)):
+            legend = page.locator(f"{chart} .u-legend .u-series")
+            shown = page.evaluate("([a, b]) => [KV.fmt(a, 's'), KV.fmt(b, 's')]", [p50, p90])
+            expect(legend.filter(has_text="p50")).to_contain_text(shown[0])
+            expect(legend.filter(has_text="p90")).to_contain_text(shown[1])
+        assert page.get_by_test_id("latency-note").count() == 0
+        assert serious_violations(page) == []
+
+        page.goto(f"{asgi_server}/workers/{prefill.pk}/")
+        expect(page.locator("body[data-loaded='1']")).to_have_count(1)
+        note = page.get_by_test_id("latency-note")
+        expect(note).to_contain_text("Measured on the decode side in PD mode")
+        expect(note.get_by_role("link", name="d1")).to_have_attribute("href", f"/workers/{decode.pk}/")
+        expect(note.get_by_role("link", name="rebalance page")).to_have_attribute(
+            "href", f"/routers/{router.pk}/rebalance/"
+        )
+        expect(page.locator("#chart-ttft, #chart-itl")).to_have_count(0)
+        expect(page.locator(".chart .uplot")).to_have_count(6)  # every other chart still draws
+        assert serious_violations(page) == []
+        assert errors == []
+        browser.close()
