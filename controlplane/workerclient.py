@@ -156,8 +156,9 @@ class WorkerClient:
         self._call("GET", "/health")
 
     def generate(self, body: dict) -> dict:
-        """POST /generate (SGLang's native body); the answer's ``text``, ``output_ids`` and ``meta_info``."""
-        return self._call("POST", "/generate", json=body).json()
+        """POST /generate (SGLang's native body; with ``api_key`` as bearer, as upstream's --api-key guard
+        asks); the answer's ``text``, ``output_ids`` and ``meta_info``."""
+        return self._call("POST", "/generate", json=body, key=self.api_key).json()
 
 
 # GET /route with every rank -1: the prefill's parallel layout, 200 once all its ranks registered (spec §1.4).
@@ -244,10 +245,13 @@ class RouterClient:
             return None, None
         return role, info.get("disaggregation_bootstrap_port") if role == "prefill" else None
 
-    def generate(self, body: dict, timeout: float | None = None) -> dict:
-        """POST /generate through the router (it picks the worker, or the P/D pair)."""
+    def generate(self, body: dict, timeout: float | None = None, api_key: str = "") -> dict:
+        """POST /generate through the router (it picks the worker, or the P/D pair). ``api_key``: the
+        workers' --api-key, sent as bearer; sglang-router 0.3.2 passes the client's Authorization header on
+        to both workers of a PD pair (a key given with POST /workers is not used for that)."""
         url = f"{self.base_url}/generate"
-        return _request("POST", url, json=body, timeout=timeout or self.timeout).json()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        return _request("POST", url, headers=headers, json=body, timeout=timeout or self.timeout).json()
 
     def remove_worker(self, url: str) -> bool:
         """DELETE /workers/{id}; returns False when the router did not list the worker (safe to repeat)."""

@@ -18,7 +18,7 @@ class HostAdmin(ReadOnlyAdmin):
 class EngineWorkerAdmin(ReadOnlyAdmin):
     list_display = ("name", "url", "role", "state", "storage_backend", "last_seen")
     list_filter = ("role", "state")
-    exclude = ("admin_key_encrypted",)
+    exclude = ("admin_key_encrypted", "api_key_encrypted")
 
 
 @admin.register(Router)

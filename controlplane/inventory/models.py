@@ -1,4 +1,5 @@
-"""Fleet inventory tables. Worker admin keys are Fernet-encrypted at rest (controlplane.core.crypto)."""
+"""Fleet inventory tables. Worker admin keys and API keys are Fernet-encrypted at rest
+(controlplane.core.crypto), write-only in the API and masked in audit records."""
 
 from django.core.validators import MinValueValidator
 from django.db import models
@@ -167,10 +168,14 @@ class EngineWorker(models.Model):
     state = models.CharField(max_length=10, choices=WorkerState.choices, default=WorkerState.UNKNOWN)
     last_seen = models.DateTimeField(null=True, blank=True)
     admin_key_encrypted = models.TextField(blank=True)
+    api_key_encrypted = models.TextField(
+        blank=True,
+        help_text="The worker's --api-key, encrypted: bearer of its /generate, /pd_role_switch",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
-    audit_masked_fields = ("admin_key_encrypted",)
+    audit_masked_fields = ("admin_key_encrypted", "api_key_encrypted")
 
     class Meta:
         ordering = ["name"]
@@ -185,3 +190,13 @@ class EngineWorker(models.Model):
     @admin_key.setter
     def admin_key(self, value: str) -> None:
         self.admin_key_encrypted = encrypt_text(value)
+
+    @property
+    def api_key(self) -> str:
+        """The worker's ``--api-key`` ('' when it has none): upstream guards its inference routes and
+        ``POST /pd_role_switch`` with it."""
+        return decrypt_text(self.api_key_encrypted)
+
+    @api_key.setter
+    def api_key(self, value: str) -> None:
+        self.api_key_encrypted = encrypt_text(value)

@@ -1,4 +1,5 @@
-"""Writes for inventory beyond generic CRUD: workers (admin key encryption), agent register/heartbeat."""
+"""Writes for inventory beyond generic CRUD: workers (admin and API keys encrypted), agent register and
+heartbeat."""
 
 from django.db import transaction
 from django.utils import timezone
@@ -18,13 +19,15 @@ _WORKER_FIELDS = ("name", "url", "role", "model_name", "tp_size", "dp_size", "pa
 def worker_create(*, data: dict, actor) -> EngineWorker:
     data = dict(data)
     data["admin_key_encrypted"] = encrypt_text(data.pop("admin_key", ""))
+    data["api_key_encrypted"] = encrypt_text(data.pop("api_key", ""))
     return model_create(model=EngineWorker, data=data, actor=actor)
 
 
 def worker_update(*, instance: EngineWorker, data: dict, actor) -> EngineWorker:
     data = dict(data)
-    if "admin_key" in data:
-        data["admin_key_encrypted"] = encrypt_text(data.pop("admin_key"))
+    for key in ("admin_key", "api_key"):
+        if key in data:
+            data[f"{key}_encrypted"] = encrypt_text(data.pop(key))
     return model_update(instance=instance, data=data, actor=actor)
 
 
@@ -131,6 +134,8 @@ def agent_register(
                 setattr(worker, field, item[field])
         if "admin_key" in item:
             worker.admin_key = item["admin_key"]
+        if "api_key" in item:
+            worker.api_key = item["api_key"]
         if "storage_backend" in item:
             worker.storage_backend = item["storage_backend"]
             worker.storage_profile = storage_profile_matching(

@@ -81,7 +81,8 @@ def role_of(w: WorkerSpec, info: dict | None) -> str:
 
 
 def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
-    """The worker object of the register call (the admin key lets the control plane run operations);
+    """The worker object of the register call (the admin key lets the control plane run operations, the
+    API key lets a rebalance switch the worker's role and send it its canary);
     ``info`` is the worker's ``/server_info`` (its attached L3 backend goes along)."""
     record = {
         "name": w.name,
@@ -93,6 +94,8 @@ def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
     }
     if w.admin_api_key:
         record["admin_key"] = w.admin_api_key
+    if w.api_key:
+        record["api_key"] = w.api_key
     return record
 
 

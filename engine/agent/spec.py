@@ -90,6 +90,7 @@ class WorkerSpec:
     flags: list[str]
     env: dict[str, str] = field(default_factory=dict)
     admin_api_key: str | None = None
+    api_key: str | None = None
     page_size: int = 1
     model_name: str = ""
 
@@ -341,6 +342,7 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
         flags=flags,
         env=env,
         admin_api_key=args.admin_api_key,
+        api_key=args.api_key,
         page_size=args.page_size,
         model_name=args.model_name,
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.agent.agent import worker_record
 from engine.agent.spec import SpecError, load_spec, with_role
 from engine.server.args import parse_args
 
@@ -64,6 +65,16 @@ def test_good_spec_gives_launch_flags_and_urls(tmp_path):
     assert "--enable-hierarchical-cache" in w0.flags
     assert spec.workers[1].flags == ["--model-path=smollm2", "--port=31002"]
     assert spec.state_file == str(tmp_path / "logs" / "agent-state.json")
+
+
+def test_the_api_key_reaches_the_engine_by_environment_and_the_control_plane_by_register(tmp_path):
+    text = '[[workers]]\nname = "w0"\nmodel = "smollm2"\nport = 31001\napi_key = "${KEY}"\n'
+    (w0,) = load_spec(write(tmp_path, text), {"KEY": "k-123"}).workers
+    assert not any("k-123" in flag for flag in w0.flags) and w0.env == {"KVFLEET_API_KEY": "k-123"}
+    assert w0.api_key == "k-123" and worker_record(w0)["api_key"] == "k-123"
+    assert "api_key" not in worker_record(
+        load_spec(write(tmp_path, text.replace('api_key = "${KEY}"\n', ""))).workers[0]
+    )
 
 
 def test_values_starting_with_a_dash_reach_the_engine_unchanged(tmp_path, monkeypatch):

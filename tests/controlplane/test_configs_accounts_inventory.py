@@ -1,10 +1,17 @@
 """Config revisions with If-Match/ETag, hashed API tokens, encrypted worker admin keys, agent registration,
 list filtering/ordering/pagination, and audit revert."""
 
+import json
 from datetime import timedelta
 
 import pytest
-from cp_factories import ConfigProfileFactory, EngineWorkerFactory, HostFactory, StorageProfileFactory
+from cp_factories import (
+    AGENT_HOST,
+    ConfigProfileFactory,
+    EngineWorkerFactory,
+    HostFactory,
+    StorageProfileFactory,
+)
 from django.db import connection
 from django.utils import timezone
 
@@ -109,6 +116,37 @@ def test_worker_admin_key_is_encrypted_at_rest(api_as):
     assert EngineWorker.objects.get(name="w1").admin_key == "s3cr3t-key"
     event = AuditEvent.objects.get(object_type="inventory.engineworker", action="create")
     assert event.after["admin_key_encrypted"] == "***"
+
+
+def test_worker_api_key_is_write_only_encrypted_and_masked(api_as, agent_for):
+    op = api_as("operator")
+    created = op.post(
+        "/api/v1/inventory/workers/",
+        {"name": "w1", "url": "http://w1.local:30000", "api_key": "api-s3cr3t"},
+        format="json",
+    )
+    assert created.status_code == 201 and created.json()["has_api_key"] is True
+    pk = created.json()["id"]
+    op.patch(f"/api/v1/inventory/workers/{pk}/", {"api_key": "api-s3cr3t-2"}, format="json")
+    reads = [created, op.get(f"/api/v1/inventory/workers/{pk}/"), op.get("/api/v1/inventory/workers/")]
+    assert reads[1].json()["has_api_key"] is True and "api_key" not in reads[1].json()
+    assert not any("api-s3cr3t" in r.content.decode() for r in reads)
+    worker = EngineWorker.objects.get(pk=pk)
+    assert worker.api_key == "api-s3cr3t-2" and worker.api_key_encrypted.startswith("gAAAA")
+    events = AuditEvent.objects.filter(object_type="inventory.engineworker", object_id=str(pk))
+    assert {e.action for e in events} == {"create", "update"}
+    assert all(e.after["api_key_encrypted"] == "***" for e in events)
+    assert all("api-s3cr3t" not in json.dumps([e.before, e.after, e.changes]) for e in events)
+    registered = agent_for(AGENT_HOST).post(
+        "/api/v1/agent/register/",
+        {
+            "host": {"name": AGENT_HOST},
+            "workers": [{"name": "a0", "url": "http://a0.local:1", "api_key": "ag-k"}],
+        },
+        format="json",
+    )
+    assert registered.status_code == 200 and "ag-k" not in registered.content.decode()
+    assert EngineWorker.objects.get(name="a0").api_key == "ag-k"
 
 
 def test_agent_register_is_an_upsert(agent_for):

@@ -1,4 +1,5 @@
-"""Inventory API shapes. The worker admin key is write-only; reads only say whether one is set."""
+"""Inventory API shapes. The worker admin key and API key are write-only; reads only say whether one is
+set."""
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
@@ -96,10 +97,19 @@ class StorageProfileSerializer(serializers.ModelSerializer):
 
 class EngineWorkerSerializer(serializers.ModelSerializer):
     admin_key = serializers.CharField(write_only=True, required=False, allow_blank=True, max_length=500)
+    api_key = serializers.CharField(
+        write_only=True,
+        required=False,
+        allow_blank=True,
+        max_length=500,
+        help_text="The worker's --api-key (write-only; stored encrypted): a rebalance sends it to switch the "
+        "worker's role and for its canary",
+    )
     desired_role = serializers.CharField(
         read_only=True, help_text="prefill | decode: its agent is asked to restart it in that role; '' = none"
     )
     has_admin_key = serializers.SerializerMethodField()
+    has_api_key = serializers.SerializerMethodField()
 
     class Meta:
         model = EngineWorker
@@ -124,6 +134,8 @@ class EngineWorkerSerializer(serializers.ModelSerializer):
             "last_seen",
             "admin_key",
             "has_admin_key",
+            "api_key",
+            "has_api_key",
             "created_at",
             "updated_at",
         ]
@@ -142,6 +154,9 @@ class EngineWorkerSerializer(serializers.ModelSerializer):
 
     def get_has_admin_key(self, obj) -> bool:
         return bool(obj.admin_key_encrypted)
+
+    def get_has_api_key(self, obj) -> bool:
+        return bool(obj.api_key_encrypted)
 
 
 class JsonIntegerField(serializers.IntegerField):
@@ -183,6 +198,9 @@ class AgentWorkerSerializer(serializers.Serializer):
     dp_size = serializers.IntegerField(min_value=1, max_value=SMALL_MAX, required=False)
     page_size = serializers.IntegerField(min_value=1, max_value=INT_MAX, required=False)
     admin_key = serializers.CharField(max_length=500, required=False, allow_blank=True)
+    api_key = serializers.CharField(
+        max_length=500, required=False, allow_blank=True, help_text="the worker's --api-key, if it has one"
+    )
     storage_backend = serializers.CharField(
         max_length=20, required=False, allow_blank=True, help_text="attached L3 backend ('' for none)"
     )

@@ -73,12 +73,17 @@ def _live_fleet(router: Router) -> tuple[list[tuple[object, str, int]], dict]:
 
 
 def _record_canary(router: Router) -> dict:
+    """The canary's greedy text through the router, with its workers' API key when they have one (the
+    router passes the client's key on to the pair it picks: a PD fleet behind one router shares one)."""
+    api_key = next((w.api_key for w in router.workers.exclude(api_key_encrypted="")), "")
     body = {
         "text": settings.REBALANCE_CANARY_TEXT,
         "sampling_params": {"max_new_tokens": settings.REBALANCE_CANARY_MAX_NEW_TOKENS, "temperature": 0},
     }
     try:
-        answer = RouterClient(router.url).generate(body, timeout=settings.REBALANCE_CANARY_TIMEOUT_S)
+        answer = RouterClient(router.url).generate(
+            body, timeout=settings.REBALANCE_CANARY_TIMEOUT_S, api_key=api_key
+        )
     except WorkerError as exc:
         raise ServiceUnavailable(
             f"canary through router {router.name} failed: {exc.message}", code="canary_failed"

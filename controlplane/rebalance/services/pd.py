@@ -21,7 +21,7 @@ from controlplane.workerclient import (
 
 
 def client_for(worker: EngineWorker, timeout: float | None = None) -> WorkerClient:
-    return WorkerClient(worker.url, worker.admin_key, timeout=timeout)
+    return WorkerClient(worker.url, worker.admin_key, timeout=timeout, api_key=worker.api_key)
 
 
 def router_for(rb: Rebalance) -> RouterClient:
