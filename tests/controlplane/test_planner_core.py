@@ -2,7 +2,8 @@
 random steady loads.
 
 The replay feeds a simulated 3-worker PD fleet (a named fake: each pool is a queue whose p90 latency is
-base / (1 - utilisation), with seeded noise; no GPU here to run the real thing at these rates) with ten
+base / (1 - utilisation), with seeded noise; a saturated pool serves its capacity and its waiting queue
+grows by the rest; no GPU here to run the real thing at these rates) with ten
 minutes of the conversation trace (prompts cut to a quarter: decode-heavy) followed by ten minutes of the
 synthetic trace (long prompts, short answers: prefill-heavy). Prefix hits come from the trace's block ids.
 Every 15 s the planner sees the last 60 s; a "change" recommendation is applied at once (the counts move,
@@ -11,6 +12,7 @@ the moved worker is cold for 120 s), as an operator approving it would.
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -26,6 +28,7 @@ from controlplane.rebalance.planner.core import (
     Slo,
     evaluate,
 )
+from controlplane.rebalance.planner.window import pool_load
 from engine.whatif.trace import SHARED_TRACE_DIR, load_trace
 
 TICK_S, WINDOW_S, WARMUP_S, PHASE_S = 15.0, 60.0, 120.0, 600.0
@@ -86,14 +89,20 @@ def _pool_loads(rows, now, counts, cold_until, rng):
         util = demand / (n * cap)
         share = warm / n
         latency = _latency(base, util, rng.lognormvariate(0, 0.1))
+        served = min(1.0, 1 / util) if util > 0 else 1.0  # the share of what arrives that is served
+        share_served = share * served
         loads[role] = PoolLoad(
             workers=warm,
-            request_rate=reqs / span * share,
-            input_tokens_per_s=inp / span * share if role == PREFILL else 0.0,
-            cached_tokens_per_s={"device": hit / span * share * 0.5, "host": hit / span * share * 0.5}
+            request_rate=reqs / span * share_served,
+            input_tokens_per_s=inp / span * share_served if role == PREFILL else 0.0,
+            cached_tokens_per_s={
+                "device": hit / span * share_served * 0.5,
+                "host": hit / span * share_served * 0.5,
+            }
             if role == PREFILL
             else {},
-            output_tokens_per_s=out / span * share if role == DECODE else 0.0,
+            output_tokens_per_s=out / span * share_served if role == DECODE else 0.0,
+            queue_growth_per_s=reqs / span * share * (1 - served),
             ttft_p90_s=latency if role == PREFILL else None,
             itl_p90_s=latency if role == DECODE else None,
             kv_usage=min(1.0, 0.6 * util) if role == DECODE else None,
@@ -121,6 +130,7 @@ def test_shift_from_decode_heavy_to_prefill_heavy_gives_one_change_towards_prefi
     assert PHASE_S < when <= PHASE_S + 180, f"the change came at {when} s"
     assert summary == "Move 1 worker(s) from decode to prefill: 1P:2D -> 2P:1D."
     assert any("prefill demand" in r and "served from cache" in r for r in reasons)
+    assert any("more arrives than it serves" in r and "the prefill pool is short" in r for r in reasons)
     # the decode-heavy phase held 1P:2D throughout (no proposal persisted)
     assert {s for t, s in statuses if t < PHASE_S} <= {"hold", "pending"}
 
@@ -184,6 +194,43 @@ def test_figures_an_operator_can_check():
     assert pre["per_worker_capacity"] == pytest.approx(3000 * 0.5 / 1.0)
     assert pre["needed"] == math.ceil(6000 / (1500 * 0.8))
     assert rec.status == "change" and rec.recommended == (3, 1)
+
+
+def test_a_growing_prefill_queue_at_a_steady_rate_means_prefill_is_short():
+    """Same latencies (each pool at 50 %, which fits); a prefill queue growing by 4 requests/s while 4 are
+    served means twice the measured demand arrives: prefill runs at 100 % and gets a decode's worker."""
+    base = _view(0.25, 0.0125)
+    rec, _ = evaluate(base, PlannerState(), 1000.0, INSTANT)
+    assert (rec.status, rec.recommended) == ("hold", (2, 2))
+    for growth, status, split in ((4.0, "change", (3, 1)), (-4.0, "hold", (2, 2))):
+        prefill = replace(base.prefill, request_rate=4.0, queue_growth_per_s=growth, queue_reqs=12.0)
+        rec, _ = evaluate(replace(base, prefill=prefill), PlannerState(), 1000.0, INSTANT)
+        assert (rec.status, rec.recommended) == (status, split), rec.reasons
+    pre = rec.to_dict()["pools"][PREFILL]  # a draining queue (a backlog clearing) is not subtracted
+    assert pre["unserved_per_s"] == 0 and pre["demand"] == pytest.approx(6000)
+    assert "12.0 requests wait on average (shrinking: a backlog draining: no demand added)" in rec.reasons[0]
+    prefill = replace(base.prefill, request_rate=4.0, queue_growth_per_s=4.0)
+    rec, _ = evaluate(replace(base, prefill=prefill), PlannerState(), 1000.0, INSTANT)
+    pre = rec.to_dict()["pools"][PREFILL]
+    assert pre["unserved_per_s"] == pytest.approx(6000) and pre["demand"] == pytest.approx(12000)
+    assert pre["utilisation"] == pytest.approx(1.0)
+    assert (
+        "its queue grew by 4.00 requests/s while it served 4.00 requests/s: more arrives than it serves, so "
+        "6,000 unserved computed prompt tokens/s are counted in (the prefill pool is short)"
+    ) in rec.reasons[0]
+
+
+def test_the_window_takes_the_queue_growth_from_the_gauge_slope():
+    def samples(queue):
+        return [
+            {"ts": 10.0 * i, "num_requests_total": 4.0 * i, "prompt_tokens_total": 100.0 * i,
+             "num_queue_reqs": q, "ttft_buckets": [[1.0, float(i)], [math.inf, float(i)]]}
+            for i, q in enumerate(queue)
+        ]  # fmt: skip
+
+    load = pool_load([samples([0, 1, 2, 3, 4]), samples([5, 5, 5, 5, 5])])
+    assert load.queue_growth_per_s == pytest.approx(0.1) and load.queue_reqs == pytest.approx(7.0)
+    assert load.request_rate == pytest.approx(0.8)
 
 
 def test_frozen_and_cooldown_and_missing_data_hold_the_current_split():

@@ -7,6 +7,9 @@ Math (per pool, over the window the inputs module aggregates):
 - demand: prefill = prompt tokens/s that had to be computed, i.e. input tokens/s minus the tokens served from
   cache on any tier (device, host, storage; the hit-rate discount of Dynamo v2's ``effective_isl``); decode =
   output tokens/s. Measured on the warm workers and scaled to the pool's size (the router spreads load).
+  A pool whose waiting queue grows is served less than what arrives (a saturated pool's throughput is its
+  capacity, not the demand): the queue's growth, requests/s, times the tokens per served request is added
+  to the demand as unserved tokens/s. A shrinking queue (a backlog draining) is not subtracted.
 - per-worker capacity at SLO: the per-worker load times ``gain = SLO / measured p90`` (TTFT for prefill, ITL
   for decode), the latency-ratio correction of Dynamo v1's SLA planner applied to live figures; capped at
   ``max_gain`` (never extrapolate further than that from what was measured) and, for decode, at
@@ -64,7 +67,9 @@ class PoolLoad:
     """One pool's figures over the window, from its warm workers (rates per second, latencies seconds).
 
     ``workers`` is how many warm workers the figures come from; ``cached_tokens_per_s`` maps each tier
-    (device, host, storage) to prompt tokens/s served from it; ``kv_usage`` is the mean KV pool use, 0..1.
+    (device, host, storage) to prompt tokens/s served from it; ``kv_usage`` is the mean KV pool use, 0..1;
+    ``queue_reqs`` the mean number of requests waiting (per worker, summed over the pool's warm workers) and
+    ``queue_growth_per_s`` how fast that number grew over the window, requests/s (negative: it shrank).
     """
 
     workers: int
@@ -75,6 +80,7 @@ class PoolLoad:
     ttft_p90_s: float | None = None
     itl_p90_s: float | None = None
     queue_reqs: float = 0.0
+    queue_growth_per_s: float = 0.0
     kv_usage: float | None = None
 
     @property
@@ -158,18 +164,24 @@ class PoolFigures:
     utilisation: float
     needed: int
     queue_reqs: float
+    queue_growth_per_s: float
+    unserved_per_s: float
     kv_usage: float | None
 
 
 def pool_figures(
     role: str, load: PoolLoad, workers: int, slo_s: float, cfg: PlannerConfig
 ) -> PoolFigures | None:
-    """Demand, capacity at SLO and utilisation of a pool of ``workers``; None without traffic or latency."""
+    """Demand, capacity at SLO and utilisation of a pool of ``workers``; None without traffic or latency.
+    Capacity comes from what the warm workers served; demand adds what a growing queue left unserved."""
     prefill = role == PREFILL
     measured = load.computed_tokens_per_s if prefill else load.output_tokens_per_s
     latency = load.ttft_p90_s if prefill else load.itl_p90_s
     if load.workers <= 0 or measured <= 0 or not latency or latency <= 0:
         return None
+    unserved = 0.0
+    if load.queue_growth_per_s > 0 and load.request_rate > 0:
+        unserved = load.queue_growth_per_s * measured / load.request_rate
     per_worker = measured / load.workers
     gain, limit = slo_s / latency, "slo"
     if gain > cfg.max_gain:
@@ -177,7 +189,7 @@ def pool_figures(
     if not prefill and load.kv_usage and cfg.kv_limit / load.kv_usage < gain:
         gain, limit = cfg.kv_limit / load.kv_usage, "kv"
     capacity = per_worker * gain
-    demand = per_worker * workers
+    demand = (measured + unserved) / load.workers * workers
     return PoolFigures(
         workers=workers,
         warm_workers=load.workers,
@@ -197,6 +209,8 @@ def pool_figures(
         utilisation=demand / (workers * capacity),
         needed=max(cfg.min_workers, math.ceil(demand / (capacity * (1 - cfg.headroom)) - 1e-9)),
         queue_reqs=load.queue_reqs,
+        queue_growth_per_s=load.queue_growth_per_s,
+        unserved_per_s=unserved / load.workers * workers,
         kv_usage=load.kv_usage,
     )
 
@@ -260,6 +274,16 @@ def _explain(role: str, f: PoolFigures, cfg: PlannerConfig) -> str:
         demand = f"prefill demand {f.demand:,.0f} computed prompt tokens/s ({source}, {cache})"
     else:
         demand = f"decode demand {f.demand:,.0f} output tokens/s ({f.workers} worker(s))"
+    if f.unserved_per_s > 0:
+        waiting = f" ({f.queue_reqs:.1f} waiting on average)" if f.queue_reqs > 0 else ""
+        demand += (
+            f"; its queue grew by {f.queue_growth_per_s:.2f} requests/s{waiting} while it served "
+            f"{f.request_rate:.2f} requests/s: more arrives than it serves, so {f.unserved_per_s:,.0f} "
+            f"unserved {f.demand_unit} are counted in (the {role} pool is short)"
+        )
+    elif f.queue_reqs >= 1:
+        trend = "shrinking: a backlog draining" if f.queue_growth_per_s < 0 else "not growing"
+        demand += f"; {f.queue_reqs:.1f} requests wait on average ({trend}: no demand added)"
     limit = f"{lat} p90 {f.latency_p90_s:.3f} s against an SLO of {f.slo_p90_s:.3f} s"
     if f.gain_limit == "max_gain":
         limit += f" (far below it: capped at {cfg.max_gain:g}x the measured load)"

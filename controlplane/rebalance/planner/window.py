@@ -3,7 +3,8 @@
 Samples are the telemetry store's (``controlplane.telemetry.metrics``): cumulative counters
 (``prompt_tokens_total``, ``generation_tokens_total``, ``num_requests_total``, ``cached_tokens_<tier>``),
 cumulative ``ttft_buckets`` / ``itl_buckets``, and gauges (``num_queue_reqs``, ``kv_usage``). Rates are the
-counters' increase between a worker's first and last sample in the window over the time between them;
+counters' increase between a worker's first and last sample in the window over the time between them; a
+queue's growth is the least-squares slope of ``num_queue_reqs`` over the window's samples (requests/s);
 p90s come from the summed bucket increases of every worker (Prometheus' ``histogram_quantile`` over
 ``rate(...[window])``), so a window sees only its own requests, not everything since the worker started.
 """
@@ -32,6 +33,15 @@ def _bucket_delta(first: dict, last: dict, key: str) -> dict[float, float] | Non
     return delta
 
 
+def _slope(samples: list[dict], key: str) -> float:
+    """Least-squares slope of the gauge ``key`` over the samples' ``ts`` (units per second); 0 when flat."""
+    points = [(s["ts"], float(s.get(key) or 0.0)) for s in samples]
+    mt = sum(t for t, _ in points) / len(points)
+    mv = sum(v for _, v in points) / len(points)
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return sum((t - mt) * (v - mv) for t, v in points) / var if var > 0 else 0.0
+
+
 def _p90(buckets: dict[float, float]) -> float | None:
     return histogram_quantile(0.9, list(buckets.items())) if buckets else None
 
@@ -42,7 +52,7 @@ def pool_load(worker_samples: list[list[dict]]) -> PoolLoad | None:
     sums = dict.fromkeys(_COUNTERS, 0.0)
     ttft: dict[float, float] = {}
     itl: dict[float, float] = {}
-    queue, kv, used = [], [], 0
+    queue, kv, used, growth = [], [], 0, 0.0
     for samples in worker_samples:
         if len(samples) < 2:
             continue
@@ -60,6 +70,7 @@ def pool_load(worker_samples: list[list[dict]]) -> PoolLoad | None:
             for bound, d in add.items():
                 acc[bound] = acc.get(bound, 0.0) + d
         queue += [float(s.get("num_queue_reqs") or 0.0) for s in samples]
+        growth += _slope(samples, "num_queue_reqs")
         kv += [float(s["kv_usage"]) for s in samples if s.get("kv_usage") is not None]
     if not used:
         return None
@@ -71,6 +82,7 @@ def pool_load(worker_samples: list[list[dict]]) -> PoolLoad | None:
         output_tokens_per_s=sums["generation_tokens_total"],
         ttft_p90_s=_p90(ttft),
         itl_p90_s=_p90(itl),
-        queue_reqs=sum(queue) / len(queue) if queue else 0.0,
+        queue_reqs=sum(queue) / len(queue) * used if queue else 0.0,
+        queue_growth_per_s=growth,
         kv_usage=sum(kv) / len(kv) if kv else None,
     )
