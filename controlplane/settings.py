@@ -201,8 +201,9 @@ REBALANCE_PREFILL_REJOIN_GRACE_S = float(os.environ.get("REBALANCE_PREFILL_REJOI
 # agent reads it from its next heartbeat answer, stops the engine, starts it again and waits for /health):
 # how long the step waits for /server_info to report that role with /health answering.
 REBALANCE_RESTART_TIMEOUT_S = float(os.environ.get("REBALANCE_RESTART_TIMEOUT_S", "300"))
-REBALANCE_CANARY_TEXT = "The capital of France is"
-REBALANCE_CANARY_MAX_NEW_TOKENS = 8
+REBALANCE_CANARY_MAX_NEW_TOKENS = (
+    8  # greedy tokens per canary prompt (controlplane/rebalance/services/canary.py)
+)
 WORKER_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_HTTP_TIMEOUT_S", "5"))
 # A change request (attach builds a store client, detach drains its queues) may take longer than a read.
 WORKER_APPLY_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_APPLY_HTTP_TIMEOUT_S", "30"))

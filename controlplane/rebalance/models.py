@@ -106,7 +106,9 @@ class Rebalance(models.Model):
     idle_timeout_s = models.FloatField(help_text="Seconds a drained worker may take to become idle")
     slo = models.JSONField(default=dict, blank=True, help_text="{max_ttft_s, max_itl_s} watched during soak")
     canary = models.JSONField(
-        default=dict, blank=True, help_text="{text, max_new_tokens, expected_text} recorded at creation"
+        default=dict,
+        blank=True,
+        help_text="Canary prompts and their greedy texts, recorded at creation (services/canary.py)",
     )
     reason = models.TextField(blank=True)
     state = models.CharField(max_length=20, choices=RebalanceState.choices, default=RebalanceState.PLANNED)

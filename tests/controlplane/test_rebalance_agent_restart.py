@@ -227,7 +227,8 @@ def test_a_worker_that_cannot_switch_is_restarted_by_its_agent_and_rolled_back_t
                 rb_id = r.json()["id"]
                 assert [(s["worker_name"], s["method"]) for s in r.json()["steps"]] == [("pd-a", "restart")]
                 rb = Rebalance.objects.get(pk=rb_id)
-                Rebalance.objects.filter(pk=rb_id).update(canary={**rb.canary, "expected_text": "wrong"})
+                prompts = [{**p, "expected_text": "wrong"} for p in rb.canary["prompts"]]
+                Rebalance.objects.filter(pk=rb_id).update(canary={**rb.canary, "prompts": prompts})
                 op.post(f"/api/v1/rebalances/{rb_id}/approve/")
                 rb = _wait(rb_id)
             traffic.check()

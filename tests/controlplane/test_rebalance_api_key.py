@@ -127,7 +127,8 @@ def test_workers_with_an_api_key_are_switched_and_the_key_is_never_shown(api_as,
             r = op.post("/api/v1/rebalances/", body, format="json")
             assert r.status_code == 201, r.content
             (step,) = r.json()["steps"]
-            assert step["method"] == "switch" and r.json()["canary"]["expected_text"]
+            assert step["method"] == "switch"
+            assert [bool(p["expected_text"]) for p in r.json()["canary"]["prompts"]] == [True] * 3
 
             def ended():
                 rb = Rebalance.objects.get(pk=r.json()["id"])

@@ -22,7 +22,7 @@ from controlplane.rebalance.models import (
     RebalanceStep,
     StepState,
 )
-from controlplane.rebalance.services import rebalance_advance, rebalance_resume_stalled
+from controlplane.rebalance.services import canary, rebalance_advance, rebalance_resume_stalled
 from controlplane.rebalance.services.plan import plan_steps
 
 
@@ -87,6 +87,16 @@ def test_donors_that_can_change_role_go_first_and_one_that_cannot_is_refused_by_
     assert "2 decode worker(s) must change role, and 1 of those it has cannot: d0 cannot move" in (
         err.value.message
     )
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+def test_the_canary_set_has_three_lengths_and_one_spans_more_than_two_pages(page_size):
+    short, sentence, long = canary.prompts(page_size)
+    assert len(short["text"]) < len(sentence["text"]) < len(long["text"])
+    assert len(long["text"].split()) > 2 * page_size  # a word is at least one token
+    assert {p["max_new_tokens"] for p in (short, sentence, long)} == {
+        settings.REBALANCE_CANARY_MAX_NEW_TOKENS
+    }
 
 
 @pytest.mark.parametrize(

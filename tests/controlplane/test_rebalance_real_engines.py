@@ -185,6 +185,12 @@ def _audit(rb_id: int) -> list[AuditEvent]:
     return list(AuditEvent.objects.filter(extra__rebalance_id=rb_id).order_by("id"))
 
 
+def _altered(canary: dict, text: str) -> dict:
+    """The recorded canary set with the expected text of its last (longest) prompt replaced."""
+    prompts = [*canary["prompts"][:-1], {**canary["prompts"][-1], "expected_text": text}]
+    return {**canary, "prompts": prompts}
+
+
 def _hold_pd_request(proc: ServerProcess) -> socket.socket:
     """A PD request on a prefill whose decode side never connects: it waits in the prefill's bootstrap
     queue (the worker is not idle) until the socket closes (the engine aborts it on disconnect)."""
@@ -211,7 +217,10 @@ def test_2p1d_to_1p2d_under_traffic(fleet, inventory, api_as):
         (step,) = plan["steps"]  # the less loaded prefill at that moment (traffic runs)
         assert (step["from_role"], step["to_role"]) == ("prefill", "decode") and step["worker_name"] in START
         moved = step["worker_name"]
-        assert plan["canary"]["expected_text"]
+        prompts = plan["canary"]["prompts"]  # short, a sentence, one spanning KV pages (16 tokens each)
+        assert len(prompts) == 3 and all(p["expected_text"] for p in prompts)
+        tokens = [p["prompt_tokens"] for p in prompts]
+        assert tokens == sorted(tokens) and tokens[0] < 16 and tokens[2] > 2 * 16, tokens
         second = _create(api_as("operator"), router, {"prefill": 1, "decode": 2})
         assert second.status_code == 409 and second.json()["error"]["code"] == "rebalance_active"
         rb = _wait_state(plan["id"], {"succeeded", "rolled_back", "failed", "aborted"})
@@ -265,8 +274,8 @@ def test_wrong_canary_rolls_the_switch_back_under_traffic(fleet, inventory, api_
     r = _create(op, router, {"prefill": 1, "decode": 2}, approval="per_step")
     rb_id = r.json()["id"]
     rb = Rebalance.objects.get(pk=rb_id)
-    real = rb.canary["expected_text"]
-    Rebalance.objects.filter(pk=rb_id).update(canary={**rb.canary, "expected_text": "not what SmolLM2 says"})
+    real = rb.canary["prompts"][2]["expected_text"]  # the long one: every prompt of the set is checked
+    Rebalance.objects.filter(pk=rb_id).update(canary=_altered(rb.canary, "not what SmolLM2 says"))
     with Traffic(fleet) as traffic:
         op.post(f"/api/v1/rebalances/{rb_id}/approve/")
         rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
@@ -386,7 +395,7 @@ def test_a_failed_second_step_rolls_back_the_first(fleet, inventory, api_as):
         op.post(f"/api/v1/rebalances/{rb_id}/approve/")
         rb = _wait_state(rb_id, {"awaiting_approval", "succeeded", "rolled_back", "failed", "aborted"})
         assert rb.state == "awaiting_approval" and rb.steps.get(index=0).state == "succeeded", rb.explanation
-        Rebalance.objects.filter(pk=rb_id).update(canary={**rb.canary, "expected_text": "altered"})
+        Rebalance.objects.filter(pk=rb_id).update(canary=_altered(rb.canary, "altered"))
         op.post(f"/api/v1/rebalances/{rb_id}/approve/")
         rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
     traffic.check()

@@ -11,7 +11,7 @@ from controlplane.inventory.models import Router, RouterMode
 from controlplane.rebalance.models import ACTIVE_STATES, Approval, Rebalance, RebalanceStep
 from controlplane.rebalance.models import RebalanceState as R
 from controlplane.rebalance.models import StepState as S
-from controlplane.rebalance.services import pd
+from controlplane.rebalance.services import canary, pd
 from controlplane.rebalance.services.plan import plan_steps
 from controlplane.rebalance.services.transitions import enqueue_advance, rebalance_transition, step_transition
 from controlplane.workerclient import RouterClient, WorkerError
@@ -29,10 +29,11 @@ def _conflict(active: Rebalance) -> ConflictError:
     )
 
 
-def _live_fleet(router: Router) -> tuple[list[tuple[object, str, int]], dict]:
-    """(worker, live role, requests running, waiting or in PD transfer) per worker of the router, and how
-    each one's role can change (worker -> "switch" | "restart" | None, :func:`pd.switch_method`); the
-    router must list each one with that role as its worker_type (actual = expected before anything moves)."""
+def _live_fleet(router: Router) -> tuple[list[tuple[object, str, int]], dict, int]:
+    """(worker, live role, requests running, waiting or in PD transfer) per worker of the router, how each
+    one's role can change (worker -> "switch" | "restart" | None, :func:`pd.switch_method`), and the largest
+    KV page size (tokens) they report; the router must list each one with that role as its worker_type
+    (actual = expected before anything moves)."""
     workers = list(router.workers.order_by("name"))
     if not workers:
         raise ApplicationError(
@@ -46,7 +47,7 @@ def _live_fleet(router: Router) -> tuple[list[tuple[object, str, int]], dict]:
         raise ServiceUnavailable(
             f"router {router.name} unreachable: {exc.message}", code="router_unreachable"
         ) from exc
-    live, mismatched, methods = [], [], {}
+    live, mismatched, methods, page_size = [], [], {}, 1
     for worker in workers:
         try:
             state = pd.live_state(worker)
@@ -63,33 +64,14 @@ def _live_fleet(router: Router) -> tuple[list[tuple[object, str, int]], dict]:
         load = sum(state[k] or 0 for k in ("num_running_reqs", "num_waiting_reqs", "num_pd_transfer_reqs"))
         live.append((worker, state["role"], load))
         methods[worker] = pd.switch_method(worker, state)
+        page_size = max(page_size, state["page_size"] or 1)
     if mismatched:
         raise ConflictError(
             f"router {router.name} and its workers disagree: {'; '.join(mismatched)}",
             code="fleet_inconsistent",
             detail={"router": mismatched},
         )
-    return live, methods
-
-
-def _record_canary(router: Router) -> dict:
-    """The canary's greedy text through the router, with its workers' API key when they have one (the
-    router passes the client's key on to the pair it picks: a PD fleet behind one router shares one)."""
-    api_key = next((w.api_key for w in router.workers.exclude(api_key_encrypted="")), "")
-    body = {
-        "text": settings.REBALANCE_CANARY_TEXT,
-        "sampling_params": {"max_new_tokens": settings.REBALANCE_CANARY_MAX_NEW_TOKENS, "temperature": 0},
-    }
-    try:
-        answer = RouterClient(router.url).generate(
-            body, timeout=settings.REBALANCE_CANARY_TIMEOUT_S, api_key=api_key
-        )
-    except WorkerError as exc:
-        raise ServiceUnavailable(
-            f"canary through router {router.name} failed: {exc.message}", code="canary_failed"
-        ) from exc
-    return {"text": body["text"], "max_new_tokens": body["sampling_params"]["max_new_tokens"],
-            "expected_text": answer.get("text")}  # fmt: skip
+    return live, methods, page_size
 
 
 def router_slo(router: Router) -> dict:
@@ -111,7 +93,8 @@ def rebalance_create(
     slo: dict | None = None,
 ) -> Rebalance:
     """Plan a rebalance of `router` to `target` {"prefill", "decode"} from its workers' live roles, record
-    the canary's greedy text through the router, and start it (auto) or wait for approval (per_step).
+    the canaries' greedy texts through the router (:mod:`canary`), and start it (auto) or wait for
+    approval (per_step).
 
     Each step changes its worker's role in place (/pd_role_switch) when the worker runs with
     --enable-pd-role-switch, else through its agent (a restart in the new role).
@@ -129,9 +112,9 @@ def rebalance_create(
         )
     if (active := _active(router)) is not None:
         raise _conflict(active)
-    live, methods = _live_fleet(router)
+    live, methods, page_size = _live_fleet(router)
     planned = plan_steps(live, target, methods, pd.cannot_switch_reason)
-    canary = _record_canary(router)
+    recorded = canary.record(router, page_size)
     before = {role: sum(1 for _, r, _ in live if r == role) for role in ("prefill", "decode")}
     user = actor if getattr(actor, "is_authenticated", False) else None
     try:
@@ -149,7 +132,7 @@ def rebalance_create(
                 if idle_timeout_s is None
                 else idle_timeout_s,
                 slo=slo if slo is not None else router_slo(router),
-                canary=canary,
+                canary=recorded,
                 reason=reason,
                 created_by=user,
                 request_id=current_request_id(),
@@ -177,7 +160,7 @@ def rebalance_create(
                 },
                 message=reason,
                 actor=actor,
-                extra={"rebalance_id": rb.pk, "approval": approval, "canary": canary},
+                extra={"rebalance_id": rb.pk, "approval": approval, "canary": recorded},
             )
             if approval == Approval.PER_STEP:
                 rebalance_transition(rb, to=R.AWAITING_APPROVAL, explanation="step 0 waits for approval")

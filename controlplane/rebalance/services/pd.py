@@ -10,14 +10,8 @@ from django.conf import settings
 from controlplane.inventory.models import EngineWorker
 from controlplane.inventory.services import worker_role_observed, worker_role_request
 from controlplane.rebalance.models import Rebalance, SwitchMethod
-from controlplane.workerclient import (
-    RouterClient,
-    WorkerClient,
-    WorkerError,
-    bootstrap_host,
-    bootstrap_info,
-    pd_pair_generate,
-)
+from controlplane.rebalance.services import canary
+from controlplane.workerclient import RouterClient, WorkerClient, WorkerError, bootstrap_host, bootstrap_info
 
 
 def client_for(worker: EngineWorker, timeout: float | None = None) -> WorkerClient:
@@ -42,6 +36,7 @@ def live_state(worker: EngineWorker) -> dict:
         "num_waiting_reqs": info.get("num_waiting_reqs"),
         "num_pd_transfer_reqs": info.get("num_pd_transfer_reqs"),
         "role_switch": info.get("enable_pd_role_switch") is True,
+        "page_size": info.get("page_size"),
     }
 
 
@@ -121,9 +116,9 @@ def router_remove(rb: Rebalance, worker: EngineWorker) -> None:
 
 def gate(rb: Rebalance, worker: EngineWorker, state: dict, *, canary: bool) -> str:
     """'' when the worker may serve in its live role, else why not: /health answers, a prefill's bootstrap
-    server answers GET /route (every rank registered), and with `canary` one greedy request through the new
-    pairing (this worker with a peer of the other role the router serves) gives the text recorded before the
-    rebalance started."""
+    server answers GET /route (every rank registered), and with `canary` every canary prompt sent through the
+    new pairing (this worker with a peer of the other role the router serves) gives the greedy text recorded
+    before the rebalance started."""
     try:
         client_for(worker).health()
     except WorkerError as exc:
@@ -151,7 +146,6 @@ def _peer(rb: Rebalance, role: str) -> tuple[EngineWorker, dict] | None:
 
 
 def _canary(rb: Rebalance, worker: EngineWorker, state: dict) -> str:
-    canary = rb.canary or {}
     other = "decode" if state["role"] == "prefill" else "prefill"
     try:
         peer = _peer(rb, other)
@@ -160,28 +154,8 @@ def _canary(rb: Rebalance, worker: EngineWorker, state: dict) -> str:
     if peer is None:
         return f"canary: the router serves no healthy {other} to pair with"
     peer_worker, entry = peer
-    body = {
-        "text": canary["text"],
-        "sampling_params": {"max_new_tokens": canary["max_new_tokens"], "temperature": 0},
-    }
     timeout = settings.REBALANCE_CANARY_TIMEOUT_S
+    mine, theirs = client_for(worker, timeout), client_for(peer_worker, timeout)
     if state["role"] == "prefill":
-        prefill, decode, port = (
-            client_for(worker, timeout),
-            client_for(peer_worker, timeout),
-            state["bootstrap_port"],
-        )
-    else:
-        prefill, decode, port = (
-            client_for(peer_worker, timeout),
-            client_for(worker, timeout),
-            entry.get("bootstrap_port"),
-        )
-    pair = f"{prefill.base_url} -> {decode.base_url}"
-    try:
-        text = pd_pair_generate(prefill, decode, port, body).get("text")
-    except WorkerError as exc:
-        return f"canary through {pair} failed: {exc.message}"
-    if text != canary["expected_text"]:
-        return f"canary through {pair} answered {text!r}, expected {canary['expected_text']!r}"
-    return ""
+        return canary.check(rb.canary, mine, theirs, state["bootstrap_port"])
+    return canary.check(rb.canary, theirs, mine, entry.get("bootstrap_port"))

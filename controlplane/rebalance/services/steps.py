@@ -401,7 +401,8 @@ def _gate(rb: Rebalance, step: RebalanceStep) -> float:
         drained=False,
         soak={"baseline": baseline},
         soak_until=_now() + timedelta(seconds=rb.soak_s),
-        explanation=f"gates passed (health, {'bootstrap, ' if state['role'] == 'prefill' else ''}canary); "
+        explanation=f"gates passed (health, {'bootstrap, ' if state['role'] == 'prefill' else ''}"
+        f"{len(rb.canary['prompts'])} canaries); "
         f"re-added as {state['role']}; soaking {rb.soak_s:g}s",
     )
     return SOAK_POLL_S
