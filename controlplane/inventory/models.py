@@ -98,19 +98,23 @@ class Router(models.Model):
         null=True,
         blank=True,
         validators=[MinValueValidator(0.001)],
-        help_text="PD: the prefill pool's SLO, TTFT p90 in seconds (the P:D planner plans for it)",
+        help_text="PD: TTFT p90 SLO in seconds, the client's (measured on the decode workers): the P:D "
+        "planner sizes the prefill pool for it; a rebalance's soak watches it unless the POST "
+        "sets slo",
     )
     slo_itl_p90_s = models.FloatField(
         null=True,
         blank=True,
         validators=[MinValueValidator(0.0001)],
-        help_text="PD: the decode pool's SLO, inter-token latency p90 in seconds",
+        help_text="PD: inter-token latency p90 SLO in seconds: the P:D planner sizes the decode pool for "
+        "it; a rebalance's soak watches it unless the POST sets slo",
     )
     worker_budget = models.PositiveSmallIntegerField(
         null=True,
         blank=True,
         validators=[MinValueValidator(2)],
-        help_text="PD: how many workers the planner splits into prefill and decode (default: those it has)",
+        help_text="PD: a cap on the workers the P:D planner splits into prefill and decode (it plans for "
+        "the smaller of this and the router's prefill + decode workers; empty: all of them)",
     )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -141,7 +145,13 @@ class EngineWorker(models.Model):
     router = models.ForeignKey(
         Router, null=True, blank=True, on_delete=models.SET_NULL, related_name="workers"
     )
-    role = models.CharField(max_length=10, choices=WorkerRole.choices, default=WorkerRole.MIXED)
+    role = models.CharField(
+        max_length=10,
+        choices=WorkerRole.choices,
+        default=WorkerRole.MIXED,
+        help_text="The role it runs as last seen (its /server_info disaggregation_mode, reported by its "
+        "agent or read back by a rebalance); mixed = not PD",
+    )
     role_changed_at = models.DateTimeField(
         null=True, blank=True, help_text="When the control plane last saw the worker's role change"
     )
@@ -149,13 +159,19 @@ class EngineWorker(models.Model):
         max_length=10,
         choices=WorkerRole.choices,
         blank=True,
-        help_text="A role the worker's agent is asked to restart it in; cleared once it reports that role",
+        help_text="A role its agent is asked to restart it in (POST .../role/, or a rebalance step of "
+        "method restart); cleared once it reports that role",
     )
     model_name = models.CharField(max_length=200, blank=True)
     tp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     dp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     page_size = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)])
-    hicache_config = models.JSONField(default=dict, blank=True, help_text="Last storage_status() read back")
+    hicache_config = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="The HiCache runtime config last read back from the worker (GET /hicache/config), merged "
+        "over earlier reads",
+    )
     storage_backend = models.CharField(
         max_length=20, blank=True, help_text="Attached L3 backend name, if any"
     )

@@ -102,7 +102,7 @@ class Rebalance(models.Model):
     target_decode = models.PositiveSmallIntegerField()
     approval = models.CharField(max_length=10, choices=Approval.choices, default=Approval.AUTO)
     rollback = models.BooleanField(default=True, help_text="Roll every finished step back when one fails")
-    soak_s = models.FloatField(help_text="Seconds each switched worker serves while SLOs are watched")
+    soak_s = models.FloatField(help_text="Seconds each moved worker serves while SLOs are watched")
     idle_timeout_s = models.FloatField(help_text="Seconds a drained worker may take to become idle")
     slo = models.JSONField(default=dict, blank=True, help_text="{max_ttft_s, max_itl_s} watched during soak")
     canary = models.JSONField(
@@ -172,7 +172,11 @@ class RebalanceStep(models.Model):
         blank=True,
         help_text="restart method: when its agent was last asked to restart it (step or rollback)",
     )
-    switched_at = models.DateTimeField(null=True, blank=True, help_text="When the switch was read back")
+    switched_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When the new role was read back (switched or restarted), or given up on",
+    )
     polls = models.PositiveIntegerField(default=0)
     rollback_cause = models.TextField(blank=True)
     before = models.JSONField(null=True, blank=True, help_text="Worker's live PD state before the step")
