@@ -41,9 +41,10 @@ def live_state(worker: EngineWorker) -> dict:
 
 
 def agent_managed(worker: EngineWorker) -> bool:
-    """An agent runs the worker: it belongs to a host that an agent registered or heartbeat from
-    (``Host.last_seen``; hosts typed in by hand have none), so the agent can restart it in another role."""
-    return worker.host_id is not None and worker.host.last_seen is not None
+    """An agent runs the worker: an agent registered it on its host (``EngineWorker.last_seen`` is set only
+    by agent register and heartbeat; a worker typed in by hand has none, even on an agent's host), so that
+    agent can restart it in another role."""
+    return worker.host_id is not None and worker.last_seen is not None
 
 
 def switch_method(worker: EngineWorker, state: dict) -> str | None:
@@ -57,7 +58,7 @@ def switch_method(worker: EngineWorker, state: dict) -> str | None:
 def cannot_switch_reason(worker: EngineWorker) -> str:
     return (
         f"{worker.name} cannot change role: not started with --enable-pd-role-switch, and no agent runs it "
-        "to restart it in the new role (its host was never registered by an agent)"
+        "to restart it in the new role (no agent registered it)"
     )
 
 
