@@ -6,7 +6,9 @@ generator (``fill_pool``), so the parent can compute the bytes any page must hol
 Commands (one JSON object per line, one JSON reply per line; a failed command replies ``{"error": ...}``):
 ``sender``/``receiver`` (open a room), ``init``, ``send``, ``wait`` (poll until a state in ``states``),
 ``poll``, ``abort``, ``close``, ``num_rooms``, ``pages`` (hex digest of given pages), ``raw`` (time a raw
-Mooncake write of given pages into a peer's pool, the benchmark's baseline), ``exit``.
+Mooncake write of given pages into a peer's pool, the benchmark's baseline), ``switch`` (close the manager
+and build one of ``mode`` on the same pool and bootstrap port, forgetting its rooms: what a PD role switch
+does to the transport), ``exit``.
 """
 
 from __future__ import annotations
@@ -79,13 +81,14 @@ def _serve() -> None:
     pool = make_pool(spec["pool"])
     if spec.get("seed") is not None:
         fill_pool(pool, spec["seed"])
-    mgr = create_kv_manager(
-        spec["backend"],
-        spec["mode"],
-        pool,
-        bootstrap_port=spec.get("bootstrap_port"),
-        **spec.get("timeouts", {}),
-    )
+
+    def manager(mode: str, bootstrap_port: int | None):
+        return create_kv_manager(
+            spec["backend"], mode, pool, bootstrap_port=bootstrap_port, **spec.get("timeouts", {})
+        )
+
+    mgr = manager(spec["mode"], spec.get("bootstrap_port"))
+    port = getattr(mgr, "bootstrap_port", None)
     rooms: dict[int, object] = {}
     print(json.dumps({"ready": True, "bootstrap_port": getattr(mgr, "bootstrap_port", None)}), flush=True)
 
@@ -119,6 +122,11 @@ def _serve() -> None:
                 sent_at = time.monotonic()
                 rooms[room].send(pages, cmd.get("first_token_id"), cmd.get("meta"))
                 reply = {"sent_at": sent_at}
+            elif op == "switch":
+                mgr.close()
+                rooms.clear()
+                mgr = manager(cmd["mode"], port)
+                reply = {}
             elif op == "raw":
                 reply = {"seconds": _raw_write(mgr, cmd)}
             elif op == "poll":

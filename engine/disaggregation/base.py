@@ -69,6 +69,7 @@ class TransferTimeouts:
     bootstrap_query_interval_s: float = 1.0  # D: pause between those tries
     unknown_room_timeout_s: float = 10.0  # P: D's info for a room P never opened -> Failed to D
     abort_ack_timeout_s: float = 15.0  # D: an ABORT not acknowledged this long -> Failed anyway
+    info_ack_timeout_s: float = 2.0  # D: transfer info not acknowledged this long -> re-read P's bootstrap
 
     @classmethod
     def from_env(cls, **overrides) -> TransferTimeouts:

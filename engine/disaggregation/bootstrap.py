@@ -13,12 +13,17 @@ Follows SGLang's ``CommonKVBootstrapServer`` (aiohttp, in a daemon thread; pd-an
   ``{bootstrap_rooms: [...]}`` -> ``{room: dp_rank}``; entries expire after 120 s.
 * ``GET /health``: ``OK`` (decode's heartbeat target).
 
-Bad input answers 400 naming the field. Nothing is persisted: a restarted prefill starts empty.
+Bad input answers 400 naming the field. Nothing is persisted: a restarted prefill starts empty. Unlike
+upstream, each server has a random ``start_id`` (the ``start_id`` field of both ``GET /route`` answers and
+the ``X-Bootstrap-Start-Id`` header of ``/health``), so a decode tells a prefill that restarted on the same
+port (a crash and restart, a role switch away and back) from the one it paired with; upstream's decode keeps
+its stale entry until two heartbeats fail, and a prefill back within that window is paired through it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 import time
 
@@ -38,6 +43,7 @@ _REQUIRED = (
     *_RANK_FIELDS,
 )
 _QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+START_ID_HEADER = "X-Bootstrap-Start-Id"
 
 
 def _bad(message: str) -> web.Response:
@@ -48,11 +54,13 @@ class BootstrapServer:
     """Serve the routes above on ``host:port`` from a daemon thread; ``port=0`` picks a free port.
 
     The constructor returns once the socket listens (``self.port`` is the bound port) and raises
-    ``OSError`` naming the port when it cannot bind. ``close()`` stops it; idempotent.
+    ``OSError`` naming the port when it cannot bind. ``close()`` stops it; idempotent. ``start_id``: 16 hex
+    digits, new for every server.
     """
 
     def __init__(self, host: str = "0.0.0.0", port: int = 8998) -> None:
         self.host = host
+        self.start_id = secrets.token_hex(8)
         self._info: dict | None = None
         self._ranks: dict[tuple[int, int, int, int], dict] = {}
         self._dp_rooms: dict[int, tuple[int, float]] = {}
@@ -170,6 +178,7 @@ class BootstrapServer:
                         "kv_cache_dtype": info["kv_cache_dtype"],
                         "follow_bootstrap_room": info["load_balance_method"] == "follow_bootstrap_room",
                         "prefill_http_port": info["prefill_http_port"],
+                        "start_id": self.start_id,
                     }
                 )
             entry = self._ranks.get(tuple(ranks))
@@ -178,7 +187,7 @@ class BootstrapServer:
                 {"error": f"no prefill rank registered at {dict(zip(_QUERY, ranks, strict=True))}"},
                 status=404,
             )
-        return web.json_response(entry)
+        return web.json_response({**entry, "start_id": self.start_id})
 
     async def _register_dp_rank(self, request: web.Request) -> web.Response:
         try:
@@ -203,7 +212,7 @@ class BootstrapServer:
         return web.json_response(found)
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="OK")
+        return web.Response(text="OK", headers={START_ID_HEADER: self.start_id})
 
     def _expire_dp_rooms(self) -> None:
         cutoff = time.monotonic() - ENTRY_CLEANUP_INTERVAL_S

@@ -60,6 +60,14 @@ class Channel:
             except zmq.ZMQError as exc:
                 logger.warning("PD side channel: send to %s failed: %s", endpoint, exc)
 
+    def forget(self, endpoint: str) -> None:
+        """Close the PUSH socket towards ``endpoint`` (a peer that went away): messages still queued for it
+        are dropped, and a later ``send`` there connects afresh."""
+        with self._send_lock:
+            sock = self._push.pop(endpoint, None)
+            if sock is not None:
+                sock.close(0)
+
     def close(self) -> None:
         if self._stop.is_set():
             return

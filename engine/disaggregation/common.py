@@ -6,6 +6,8 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 
+import httpx
+
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVLayout, KVTransferError, TransferTimeouts
 from engine.disaggregation.channel import Channel
@@ -14,11 +16,33 @@ from engine.disaggregation.transport import transport_class
 logger = logging.getLogger(__name__)
 
 MAX_ROOM = 2**63 - 1
+INFO_QUERY = "prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+RANK_QUERY = "prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+BOOTSTRAP_HTTP_TIMEOUT = httpx.Timeout(3.0, connect=2.0)  # upstream's heartbeat: connect 2 s, read 3 s
 
 
 def advertised_host(host: str) -> str:
     """The address peers use: upstream rewrites a wildcard bind address to loopback."""
     return "127.0.0.1" if host in ("", "0.0.0.0") else host
+
+
+def bootstrap_address(host: str, port: int) -> str:
+    """``host:port`` with IPv6 hosts in brackets. Raises ``ValueError`` on a bad host or port."""
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"bootstrap_host must be a non-empty string, got {host!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"bootstrap_port must be an integer in [1, 65535], got {port!r}")
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def rank_endpoint(client: httpx.Client, address: str) -> tuple[str, str | None]:
+    """(side-channel endpoint ``ip:port``, bootstrap ``start_id``) of rank 0 of the prefill whose bootstrap
+    server is at ``address``. Raises ``httpx.HTTPError`` or ``ValueError`` (a bad answer)."""
+    response = client.get(f"http://{address}/route?{RANK_QUERY}")
+    response.raise_for_status()
+    rank = response.json()
+    return f"{rank['rank_ip']}:{rank['rank_port']}", rank.get("start_id")
 
 
 def check_room(bootstrap_room) -> int:

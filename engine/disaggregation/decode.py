@@ -8,6 +8,17 @@ destination pages (``init``) and waits for the Success status that follows the w
 known prefill's ``/health`` (heartbeat) and fails that prefill's unfinished rooms after
 ``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses. A room WaitingForInput longer than
 ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` is aborted.
+
+Beyond upstream, D notices a prefill that restarted on the same address (a crash and restart, or a role
+switch to decode and back), whose side-channel endpoint, KV-buffer registrations and rooms are new or gone:
+its bootstrap server's ``start_id`` differs from the one first contact read. D compares it on every
+heartbeat, and P acknowledges each transfer info (``transfer_ack``); an info not acknowledged within
+``info_ack_timeout_s`` makes D re-read P's bootstrap info at once. On a new ``start_id`` D drops the old
+entry (and its socket), fails the rooms the old instance had accepted (its state is gone; the reason names
+the address) and pairs the others afresh with the new instance (re-register, resend the transfer info); a
+bootstrap port that refuses the connection by then fails the prefill's rooms. Upstream's D keeps the stale
+entry until two heartbeats fail, so a prefill back within that window got transfer infos at its old endpoint
+and the room waited for KV up to the 300 s waiting timeout.
 """
 
 from __future__ import annotations
@@ -22,36 +33,36 @@ import torch
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVPoll, TransferTimeouts
-from engine.disaggregation.common import KVManagerBase, RoomState, check_room
+from engine.disaggregation.bootstrap import START_ID_HEADER
+from engine.disaggregation.common import (
+    BOOTSTRAP_HTTP_TIMEOUT,
+    INFO_QUERY,
+    KVManagerBase,
+    RoomState,
+    bootstrap_address,
+    check_room,
+    rank_endpoint,
+)
 
 logger = logging.getLogger(__name__)
 
-_INFO_QUERY = "prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
-_RANK_QUERY = "prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
-_HEARTBEAT_TIMEOUT = httpx.Timeout(3.0, connect=2.0)  # upstream: connect 2 s, read 3 s
 _TERMINAL = (KVPoll.Success, KVPoll.Failed)
 CONTACT_THREADS = 8  # first contacts with different prefills run in parallel
 
 
-def bootstrap_address(host: str, port: int) -> str:
-    """``host:port`` with IPv6 hosts in brackets. Raises ``ValueError`` on a bad host or port."""
-    if not isinstance(host, str) or not host:
-        raise ValueError(f"bootstrap_host must be a non-empty string, got {host!r}")
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ValueError(f"bootstrap_port must be an integer in [1, 65535], got {port!r}")
-    host = host.strip("[]")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 class _Prefill:
-    """One prefill D has rooms with: ``resolving`` until first contact succeeds, then ``ready``."""
+    """One instance of a prefill's bootstrap server D has rooms with: resolving until first contact
+    succeeds, then ``ready`` with the rank's side-channel ``endpoint`` and the server's ``start_id``."""
 
     def __init__(self, address: str) -> None:
         self.address = address
         self.ready = False
         self.endpoint: str | None = None
+        self.start_id: str | None = None
         self.rooms: set[int] = set()
         self.misses = 0
+        self.checking = False  # a re-read of its bootstrap info is queued or running
+        self.checked_at = 0.0
 
 
 class KVReceiver(RoomState):
@@ -62,7 +73,10 @@ class KVReceiver(RoomState):
         self._mgr = mgr
         self.bootstrap_address = address
         self.pages: torch.Tensor | None = None
-        self.sent_at: float | None = None  # transfer info sent to P (starts the waiting clock)
+        self.sent_at: float | None = None  # transfer info first sent to P (starts the waiting clock)
+        self.sent_to: str | None = None  # start_id of the P instance holding our info (None: not sent)
+        self.info_at = 0.0  # when it was last sent
+        self.acked = False  # that instance acknowledged it
         self.abort_reason: str | None = None  # ABORT sent, waiting for P's ack
         self.abort_at = 0.0
         self.first_token_id: int | None = None
@@ -102,6 +116,13 @@ class KVReceiver(RoomState):
         """Tell P to stop; Failed once P acknowledged (or is dead), so D's pages are then safe to free."""
         self._mgr._abort(self, reason)
 
+    def unacked_for(self, now: float) -> float:
+        """Seconds its transfer info has waited for P's acknowledgement (0 when not sent or acked)."""
+        with self.lock:
+            if self.sent_to is None or self.acked or self.state in _TERMINAL:
+                return 0.0
+            return now - self.info_at
+
     def close(self) -> None:
         """Forget the room (after Success/Failed and after D's pages are handled)."""
         self._mgr._close(self)
@@ -123,7 +144,7 @@ class DecodeKVManager(KVManagerBase):
         self._receivers: dict[int, KVReceiver] = {}
         self._prefills: dict[str, _Prefill] = {}
         self._contacts = ThreadPoolExecutor(CONTACT_THREADS, thread_name_prefix="pd-decode-bootstrap")
-        self._client = httpx.Client(timeout=_HEARTBEAT_TIMEOUT)
+        self._client = httpx.Client(timeout=BOOTSTRAP_HTTP_TIMEOUT)
         self._stop = threading.Event()
         super().__init__(backend, pool, host, timeouts, ib_device)
         self._threads = [
@@ -149,7 +170,7 @@ class DecodeKVManager(KVManagerBase):
             prefill = self._prefills.get(address)
             if prefill is None:
                 prefill = self._prefills[address] = _Prefill(address)
-                self._contacts.submit(self._contact, address)
+                self._contacts.submit(self._contact, prefill)
             prefill.rooms.add(bootstrap_room)
         return receiver
 
@@ -159,21 +180,23 @@ class DecodeKVManager(KVManagerBase):
 
     # ---- room transitions
     def _maybe_send_info(self, receiver: KVReceiver) -> None:
-        with self._lock:
+        with self._lock:  # held so that a restart of P cannot slip between the check and the update
             prefill = self._prefills.get(receiver.bootstrap_address)
-            endpoint = prefill.endpoint if prefill is not None and prefill.ready else None
-        if endpoint is None:
-            return
-        with receiver.lock:
-            if (
-                receiver.pages is None
-                or receiver.sent_at is not None
-                or receiver.state != KVPoll.Bootstrapping
-            ):
+            if prefill is None or not prefill.ready:
                 return
-            receiver.sent_at = time.monotonic()
-            receiver.state = KVPoll.WaitingForInput
-            pages = receiver.pages.tolist()
+            with receiver.lock:
+                if (
+                    receiver.pages is None
+                    or receiver.sent_to is not None
+                    or receiver.state != KVPoll.Bootstrapping
+                ):
+                    return
+                now = time.monotonic()
+                receiver.sent_at = receiver.sent_at or now
+                receiver.info_at, receiver.sent_to = now, prefill.start_id
+                receiver.state = KVPoll.WaitingForInput
+                pages = receiver.pages.tolist()
+            endpoint = prefill.endpoint
         header = {"type": "transfer", "room": receiver.bootstrap_room, "endpoint": self.channel.endpoint}
         self.channel.send(endpoint, {**header, "pages": pages})
 
@@ -194,7 +217,7 @@ class DecodeKVManager(KVManagerBase):
         with receiver.lock:
             if receiver.state in _TERMINAL or receiver.abort_reason is not None:
                 return
-            in_flight = receiver.sent_at is not None  # P knows our pages: wait for its ack
+            in_flight = receiver.sent_to is not None  # P may know our pages: wait for its ack
             if in_flight:
                 receiver.abort_reason, receiver.abort_at = reason, time.monotonic()
         if endpoint is not None:
@@ -213,14 +236,50 @@ class DecodeKVManager(KVManagerBase):
             if prefill is not None:
                 prefill.rooms.discard(receiver.bootstrap_room)
 
-    def _prefill_failed(self, address: str, reason: str) -> None:
-        """First contact failed or the heartbeat lost P: fail every unfinished room of that P, forget P."""
+    def _prefill_failed(self, prefill: _Prefill, reason: str) -> None:
+        """First contact failed or P is gone: fail every unfinished room of that P instance, forget it."""
         with self._lock:
-            prefill = self._prefills.pop(address, None)
-            receivers = [
-                self._receivers[r] for r in (prefill.rooms if prefill else ()) if r in self._receivers
-            ]
+            if self._prefills.get(prefill.address) is not prefill:
+                return  # forgotten already
+            del self._prefills[prefill.address]
+            receivers = [self._receivers[r] for r in prefill.rooms if r in self._receivers]
+        if prefill.endpoint is not None:
+            self.channel.forget(prefill.endpoint)
         for receiver in receivers:
+            self._finish(receiver, KVPoll.Failed, receiver.abort_reason or reason)
+
+    def _prefill_restarted(self, old: _Prefill, start_id: str) -> None:
+        """P's bootstrap server at the same address has a new ``start_id``: forget the old instance; its
+        rooms that it had acknowledged (or that D is aborting) fail, the others pair with the new one."""
+        address = old.address
+        reason = (
+            f"prefill bootstrap {address} restarted (start id {old.start_id} -> {start_id}): the room it "
+            "had accepted is gone with the old instance"
+        )
+        lost: list[KVReceiver] = []
+        with self._lock:
+            if self._prefills.get(address) is not old:
+                return
+            del self._prefills[address]
+            fresh = _Prefill(address)
+            for room in old.rooms:
+                receiver = self._receivers.get(room)
+                if receiver is None:
+                    continue
+                with receiver.lock:
+                    if receiver.state in _TERMINAL:
+                        continue
+                    if receiver.acked or receiver.abort_reason is not None:
+                        lost.append(receiver)
+                        continue
+                    receiver.sent_to, receiver.state = None, KVPoll.Bootstrapping
+                fresh.rooms.add(room)
+            if fresh.rooms:
+                self._prefills[address] = fresh
+                self._contacts.submit(self._contact, fresh)
+        logger.warning("%s; %d rooms fail, %d pair anew", reason, len(lost), len(fresh.rooms))
+        self.channel.forget(old.endpoint)
+        for receiver in lost:
             self._finish(receiver, KVPoll.Failed, receiver.abort_reason or reason)
 
     # ---- side channel (receive thread)
@@ -233,7 +292,11 @@ class DecodeKVManager(KVManagerBase):
             receiver = self._receivers.get(header.get("room"))
         if receiver is None:
             return  # a room closed here already (stale status or ack)
-        if kind == "status":
+        if kind == "transfer_ack":
+            with receiver.lock:
+                if receiver.sent_to is not None and receiver.sent_to == header.get("start_id"):
+                    receiver.acked = True
+        elif kind == "status":
             if receiver.abort_reason is not None:
                 self._finish(receiver, KVPoll.Failed, receiver.abort_reason)
             elif header["status"] == KVPoll.Success:
@@ -250,14 +313,49 @@ class DecodeKVManager(KVManagerBase):
             logger.warning("decode side channel: unknown message type %r", kind)
 
     def _on_tick(self) -> None:
-        pass
+        """Queue a re-read of the bootstrap info of each prefill with a transfer info not acknowledged
+        within ``info_ack_timeout_s`` (at most one per prefill per that interval)."""
+        if self._stop.is_set():
+            return
+        now, limit = time.monotonic(), self.timeouts.info_ack_timeout_s
+        due = []
+        with self._lock:
+            for prefill in self._prefills.values():
+                if not prefill.ready or prefill.checking or now - prefill.checked_at < limit:
+                    continue
+                receivers = (self._receivers.get(r) for r in prefill.rooms)
+                if any(r is not None and r.unacked_for(now) > limit for r in receivers):
+                    prefill.checking = True
+                    due.append(prefill)
+        for prefill in due:
+            self._contacts.submit(self._check, prefill)
+
+    def _check(self, prefill: _Prefill) -> None:
+        """Is the prefill at that address still the instance D paired with? (pool thread)"""
+        address = prefill.address
+        try:
+            response = self._client.get(f"http://{address}/route?{INFO_QUERY}")
+            start_id = response.json().get("start_id") if response.status_code == 200 else None
+        except httpx.ConnectError as exc:
+            self._prefill_failed(
+                prefill,
+                f"prefill bootstrap {address} is gone ({exc or 'connection refused'}) and did not "
+                "acknowledge the transfer info",
+            )
+            return
+        except (httpx.HTTPError, ValueError):
+            start_id = None  # no verdict (a slow or starting P); the heartbeat watches it
+        prefill.checking, prefill.checked_at = False, time.monotonic()
+        if start_id is not None and start_id != prefill.start_id:
+            self._prefill_restarted(prefill, start_id)
 
     # ---- first contact with a prefill (one pool thread per prefill, so a dead one delays no other)
-    def _contact(self, address: str) -> None:
+    def _contact(self, prefill: _Prefill) -> None:
+        address = prefill.address
         try:
-            endpoint = self._first_contact(self._client, address)
+            endpoint, start_id = self._first_contact(self._client, address)
         except _ContactError as exc:
-            self._prefill_failed(address, str(exc))
+            self._prefill_failed(prefill, str(exc))
             return
         self.channel.send(
             endpoint,
@@ -269,22 +367,22 @@ class DecodeKVManager(KVManagerBase):
             },
         )
         with self._lock:
-            prefill = self._prefills.get(address)
-            if prefill is None:
-                return
-            prefill.endpoint, prefill.ready = endpoint, True
+            if self._prefills.get(address) is not prefill:
+                return  # forgotten meanwhile
+            prefill.endpoint, prefill.start_id, prefill.ready = endpoint, start_id, True
             receivers = [self._receivers[r] for r in prefill.rooms if r in self._receivers]
         for receiver in receivers:
             self._maybe_send_info(receiver)
 
-    def _first_contact(self, client: httpx.Client, address: str) -> str:
+    def _first_contact(self, client: httpx.Client, address: str) -> tuple[str, str | None]:
+        """(rank 0's side-channel endpoint, bootstrap ``start_id``) after the checks; ``_ContactError``."""
         tries = self.timeouts.bootstrap_query_retries
         last = "no answer"
         for attempt in range(tries):
             if attempt and self._stop.wait(self.timeouts.bootstrap_query_interval_s):
                 raise _ContactError("decode is shutting down")
             try:
-                response = client.get(f"http://{address}/route?{_INFO_QUERY}")
+                response = client.get(f"http://{address}/route?{INFO_QUERY}")
             except httpx.HTTPError as exc:
                 last = str(exc) or type(exc).__name__
                 continue
@@ -308,28 +406,33 @@ class DecodeKVManager(KVManagerBase):
                     f"{field} mismatch: prefill {address} has {info.get(field)}, decode has {mine}"
                 )
         try:
-            response = client.get(f"http://{address}/route?{_RANK_QUERY}")
-            response.raise_for_status()
-            rank = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            endpoint, start_id = rank_endpoint(client, address)
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
             raise _ContactError(f"prefill bootstrap {address}: rank lookup failed: {exc}") from exc
-        return f"{rank['rank_ip']}:{rank['rank_port']}"
+        if start_id != info.get("start_id"):
+            raise _ContactError(f"prefill bootstrap {address} restarted during first contact")
+        return endpoint, start_id
 
     # ---- heartbeat thread
     def _heartbeat_loop(self) -> None:
-        with httpx.Client(timeout=_HEARTBEAT_TIMEOUT) as client:
+        with httpx.Client(timeout=BOOTSTRAP_HTTP_TIMEOUT) as client:
             while not self._stop.wait(self.timeouts.heartbeat_interval_s):
                 with self._lock:
                     prefills = [p for p in self._prefills.values() if p.ready]
                 for prefill in prefills:
+                    start_id = None
                     try:
-                        ok = client.get(f"http://{prefill.address}/health").status_code == 200
+                        response = client.get(f"http://{prefill.address}/health")
+                        ok, start_id = response.status_code == 200, response.headers.get(START_ID_HEADER)
                     except httpx.HTTPError:
                         ok = False
+                    if ok and start_id is not None and start_id != prefill.start_id:
+                        self._prefill_restarted(prefill, start_id)
+                        continue
                     prefill.misses = 0 if ok else prefill.misses + 1
                     if prefill.misses >= self.timeouts.heartbeat_max_failure:
                         self._prefill_failed(
-                            prefill.address,
+                            prefill,
                             f"prefill bootstrap {prefill.address} failed heartbeat "
                             f"({prefill.misses} misses of /health)",
                         )

@@ -5,6 +5,13 @@ Follows SGLang's prefill flow (pd-and-router-spec §1.5): a sender is created wh
 handed to ``send`` are written into D's pages by the transfer thread (Transferring); after the last
 page, the first output token and metadata go to D with the Success status. A room still Bootstrapping
 after ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` fails (checked in ``poll``, as upstream).
+
+Beyond upstream: P acknowledges each transfer info (``transfer_ack`` with its bootstrap ``start_id``, so D
+notices a restarted P at once, see ``decode.py``). A request whose ``bootstrap_host:bootstrap_port`` names
+another prefill was sent here as its *decode* (this worker was one when the router picked it, then switched
+roles): it fails at once, and the prefill it names is told to abort the room, so neither side waits for a
+partner that never comes (upstream: both wait for the 300 s bootstrap timeout, and so does the router).
+An ABORT for a room P has not opened yet is remembered, so the request fails when it arrives.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import queue
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
@@ -21,13 +29,21 @@ import torch
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVLayout, KVPoll, TransferTimeouts
 from engine.disaggregation.bootstrap import BootstrapServer
-from engine.disaggregation.common import KVManagerBase, RoomState, check_room
+from engine.disaggregation.common import (
+    BOOTSTRAP_HTTP_TIMEOUT,
+    INFO_QUERY,
+    KVManagerBase,
+    RoomState,
+    check_room,
+    rank_endpoint,
+)
 from engine.disaggregation.transport import TransferFailed
 
 logger = logging.getLogger(__name__)
 
 REGISTER_TRIES = 5  # upstream: 5 tries, exponential backoff from 1 s, up to 30 s, with jitter
 FAILED_ROOM_MEMORY_S = 60.0  # how long a room that failed on P answers a late transfer info with Failed
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 
 class KVSender(RoomState):
@@ -148,6 +164,9 @@ class PrefillKVManager(KVManagerBase):
         self._senders: dict[int, KVSender] = {}
         self._pending: dict[int, tuple[dict, float]] = {}  # transfer infos for rooms not opened yet
         self._failed: dict[int, tuple[str, float]] = {}  # closed/failed rooms D may still ask about
+        self._aborted: dict[int, tuple[str, float]] = {}  # ABORTs for rooms not opened yet
+        self._checks = ThreadPoolExecutor(1, thread_name_prefix="pd-prefill-owner")
+        self._aliases: set[str] = set()  # other addresses found to name this bootstrap server
         self._peers: dict[str, dict] = {}  # D endpoint -> {"layout", "transport", "mismatch"}
         self._queue: queue.Queue = queue.Queue()
         self.bootstrap = BootstrapServer(host or "0.0.0.0", bootstrap_port)
@@ -197,8 +216,13 @@ class PrefillKVManager(KVManagerBase):
                 time.sleep(min(30.0, 2**attempt) * random.uniform(0.8, 1.2))  # backoff between retries
 
     # ---- scheduler-thread API
-    def create_sender(self, bootstrap_room: int) -> KVSender:
-        """Open room ``bootstrap_room`` (Bootstrapping). Raises ``ValueError`` if it is active already."""
+    def create_sender(self, bootstrap_room: int, bootstrap_address: str | None = None) -> KVSender:
+        """Open room ``bootstrap_room`` (Bootstrapping). Raises ``ValueError`` if it is active already.
+
+        ``bootstrap_address``: the request's ``bootstrap_host:bootstrap_port``; when it does not name
+        this server, a pool thread asks the server there for its ``start_id`` and, if it is another
+        prefill's (or nothing listens there), fails the room (see the module docstring).
+        """
         check_room(bootstrap_room)
         sender = KVSender(self, bootstrap_room)
         with self._lock:
@@ -207,9 +231,57 @@ class PrefillKVManager(KVManagerBase):
             self._senders[bootstrap_room] = sender
             self._failed.pop(bootstrap_room, None)
             pending = self._pending.pop(bootstrap_room, None)
-        if pending is not None:
+            aborted = self._aborted.pop(bootstrap_room, None)
+        if aborted is not None:
+            self._fail(sender, aborted[0], notify=False)
+        elif pending is not None:
             self._attach(sender, pending[0])
+        if bootstrap_address is not None and not self._names_me(bootstrap_address):
+            self._checks.submit(self._check_owner, sender, bootstrap_address)
         return sender
+
+    def _names_me(self, address: str) -> bool:
+        host, _, port = address.rpartition(":")
+        if address in self._aliases:
+            return True
+        return port == str(self.bootstrap_port) and host.strip("[]") in (self.host, *_LOOPBACK)
+
+    def _check_owner(self, sender: KVSender, address: str) -> None:
+        """The request names the bootstrap server at ``address``, not this one by name: unless that server
+        is this one, fail the room, and abort it at the prefill there (pool thread)."""
+        reason, endpoint = self._foreign(address)
+        if reason is None:
+            return
+        self._fail(sender, reason, notify=True)
+        if endpoint is not None:
+            header = {"type": "abort", "room": sender.bootstrap_room, "endpoint": self.channel.endpoint}
+            self.channel.send(endpoint, {**header, "by": "prefill", "reason": reason})
+
+    def _foreign(self, address: str) -> tuple[str | None, str | None]:
+        """(why a request naming ``address`` cannot pair here, the side-channel endpoint of the prefill
+        there or None); (None, None) when ``address`` is this server (same ``start_id``, e.g. behind a
+        port mapping) or when its server gives no verdict (then the bootstrap timeout applies)."""
+        try:
+            with httpx.Client(timeout=BOOTSTRAP_HTTP_TIMEOUT) as client:
+                response = client.get(f"http://{address}/route?{INFO_QUERY}")
+                if response.status_code != 200:
+                    return None, None
+                if response.json().get("start_id") == self.bootstrap.start_id:
+                    self._aliases.add(address)
+                    return None, None
+                reason = (
+                    f"bootstrap {address} is another prefill, not this one ({self.bootstrap_address}): "
+                    "the request was sent here as its decode, and this worker is a prefill now"
+                )
+                try:
+                    return reason, rank_endpoint(client, address)[0]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    return reason, None
+        except httpx.ConnectError:
+            why = f"no prefill bootstrap server at {address} (connection refused)"
+            return f"{why}; this worker's is {self.bootstrap_address}", None
+        except (httpx.HTTPError, ValueError):
+            return None, None
 
     def num_rooms(self) -> int:
         with self._lock:
@@ -297,6 +369,8 @@ class PrefillKVManager(KVManagerBase):
             }
         elif kind == "transfer":
             room = header["room"]
+            ack = {"type": "transfer_ack", "room": room, "start_id": self.bootstrap.start_id}
+            self.channel.send(header["endpoint"], ack)
             with self._lock:
                 sender = self._senders.get(room)
                 failed = self._failed.get(room)
@@ -307,7 +381,10 @@ class PrefillKVManager(KVManagerBase):
             elif failed is not None:
                 self._status(header["endpoint"], room, KVPoll.Failed, failed[0])
         elif kind == "abort":
-            self._on_abort(header["room"], header["endpoint"], header.get("reason") or "aborted")
+            peer, why = f"{header.get('by') or 'decode'} {header['endpoint']}", header.get("reason")
+            self._on_abort(header["room"], header["endpoint"], f"{peer} aborted the room: {why or 'aborted'}")
+        elif kind == "abort_ack":
+            pass  # the answer to an ABORT this prefill sent to another (``_check_owner``)
         else:
             logger.warning("prefill side channel: unknown message type %r", kind)
 
@@ -315,9 +392,11 @@ class PrefillKVManager(KVManagerBase):
         with self._lock:
             sender = self._senders.get(room)
             self._pending.pop(room, None)
+            if sender is None:
+                self._aborted[room] = (reason, time.monotonic())
         if sender is not None:
             with sender.write_lock:  # waits for a write in flight, so the ack means "no more writes"
-                self._fail(sender, f"decode {endpoint} aborted the room: {reason}", notify=False)
+                self._fail(sender, reason, notify=False)
         self.channel.send(endpoint, {"type": "abort_ack", "room": room})
 
     def _on_tick(self) -> None:
@@ -330,8 +409,9 @@ class PrefillKVManager(KVManagerBase):
             ]
             for room, _ in stale:
                 del self._pending[room]
-            for room in [r for r, (_, t) in self._failed.items() if now - t > FAILED_ROOM_MEMORY_S]:
-                del self._failed[room]
+            for memory in (self._failed, self._aborted):
+                for room in [r for r, (_, t) in memory.items() if now - t > FAILED_ROOM_MEMORY_S]:
+                    del memory[room]
         for room, header in stale:
             reason = f"bootstrap room {room} is unknown here"
             self._status(header["endpoint"], room, KVPoll.Failed, reason)
@@ -385,5 +465,6 @@ class PrefillKVManager(KVManagerBase):
             return
         self._queue.put(None)
         self._worker.join(timeout=10)
+        self._checks.shutdown(wait=True, cancel_futures=True)
         super().close()
         self.bootstrap.close()

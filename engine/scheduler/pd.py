@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 
 from engine.disaggregation import KVPoll
+from engine.disaggregation.common import bootstrap_address
 from engine.scheduler.req import Req, ReqState
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,10 @@ class PrefillQueues:
         return len(self.bootstrapping) + len(self.transferring)
 
     def add(self, req: Req) -> None:
-        """A new request from the router: open its room; it is prefilled once D is paired."""
-        sender = self.mgr.create_sender(req.bootstrap.room)
+        """A new request from the router: open its room; it is prefilled once D is paired (it fails at once
+        when its bootstrap address names another prefill: it was sent here as its decode)."""
+        b = req.bootstrap
+        sender = self.mgr.create_sender(b.room, bootstrap_address(b.host, b.port))
         self.rooms[req.rid] = sender
         sender.init(_pages(len(req.input_ids), self.sched.page_size))
         req.move(ReqState.BOOTSTRAPPING)

@@ -10,7 +10,7 @@ from pd_testlib import POOL
 from engine.bench.pd_peer import make_pool
 from engine.disaggregation import KVTransferError, TransferBackendError, create_kv_manager
 from engine.disaggregation.base import KVLayout, TransferTimeouts, contiguous_runs
-from engine.disaggregation.bootstrap import BootstrapServer
+from engine.disaggregation.bootstrap import START_ID_HEADER, BootstrapServer
 from engine.disaggregation.transport import MAX_BATCH, batched_write
 
 
@@ -56,9 +56,24 @@ def test_bootstrap_route_is_503_until_every_rank_registered(bootstrap):
     info = httpx.get(bootstrap + INFO).json()
     assert info["page_size"] == 4 and info["kv_cache_dtype"] == "float32" and info["attn_tp_size"] == 2
     assert info["prefill_http_port"] == 8100 and info["follow_bootstrap_room"] is True
-    assert httpx.get(bootstrap + RANK).json() == {"rank_ip": "127.0.0.1", "rank_port": 5555}
+    start_id = info["start_id"]
+    rank = {"rank_ip": "127.0.0.1", "rank_port": 5555, "start_id": start_id}
+    assert httpx.get(bootstrap + RANK).json() == rank
     assert httpx.get(bootstrap + RANK.replace("pp_rank=0", "pp_rank=3")).status_code == 404
-    assert httpx.get(bootstrap + "/health").text == "OK"
+    health = httpx.get(bootstrap + "/health")
+    assert health.text == "OK" and health.headers[START_ID_HEADER] == start_id
+
+
+def test_a_bootstrap_server_restarted_on_the_same_port_has_a_new_start_id():
+    first = BootstrapServer("127.0.0.1", 0)
+    port, old = first.port, first.start_id
+    first.close()
+    second = BootstrapServer("127.0.0.1", port)
+    try:
+        new = httpx.get(f"http://127.0.0.1:{port}/health").headers[START_ID_HEADER]
+        assert new == second.start_id != old and len(new) == len(old) == 16
+    finally:
+        second.close()
 
 
 def test_bootstrap_bad_input_is_400_naming_the_field(bootstrap):

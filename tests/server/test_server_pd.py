@@ -242,3 +242,70 @@ def test_pd_role_switch_flips_idle_workers_and_a_failed_flip_marks_unhealthy(tin
     finally:
         for engine in engines:
             engine.scheduler.stop()
+
+
+def test_a_prefill_switched_to_decode_and_back_serves_its_decode_at_once(tiny_model_dir):
+    """P -> D -> P through POST /pd_role_switch, well inside D's 5 s heartbeat: D's entry for P's bootstrap
+    address (side-channel endpoint, buffer registration) belongs to the old instance. The next PD request
+    still gets the same tokens, within seconds (D re-reads P's bootstrap when its transfer info is not
+    acknowledged), and both sides end clean."""
+    engines = []
+    try:
+        for mode in ("prefill", "decode"):
+            argv = ["--model-path", str(tiny_model_dir), *FLAGS, *PD, "--enable-pd-role-switch"]
+            argv += ["--disaggregation-mode", mode, "--disaggregation-bootstrap-port", "0"]
+            runner = ModelRunner(tiny_model_dir, dtype="float32", device="cpu")
+            engines.append(build_engine(parse_args(argv), runner=runner))
+        p, d = engines
+        prompt = _prompt(14, 40)
+        (before,) = _run_pd(p, d, [prompt])  # D knows P now
+        port = p.args.disaggregation_bootstrap_port
+        with ThreadedServer(p) as ps:
+            for new in ("decode", "prefill"):
+                flip = httpx.post(f"{ps.url}/pd_role_switch", json={"new_role": new}, timeout=60)
+                assert flip.status_code == 200 and flip.json()["success"], flip.text
+        assert p.args.disaggregation_bootstrap_port == port  # back on the same bootstrap port
+        start = time.monotonic()
+        (after,) = _run_pd(p, d, [prompt])
+        assert time.monotonic() - start < 30  # not D's 300 s waiting timeout
+        assert after["ids"] == before["ids"] and after["reason"]["type"] == "length"
+        for engine in (p, d):
+            wait_idle(engine)
+            assert engine.scheduler.state["num_used_tokens"] == 0
+            assert engine.scheduler.pd.mgr.num_rooms() == 0
+    finally:
+        for engine in engines:
+            engine.scheduler.stop()
+
+
+def test_a_decode_request_reaching_a_worker_that_is_a_prefill_now_fails_both_prefills_fast(tiny_model_dir):
+    """The router picked W as the decode of a pair with P0, and W switched to prefill before the request
+    arrived: W's copy names P0's bootstrap. W answers 500 naming P0's bootstrap address at once and aborts
+    the room on P0, whose copy ends too, instead of both waiting for the 300 s bootstrap timeout."""
+    engines = []
+    try:
+        for _ in range(2):
+            argv = ["--model-path", str(tiny_model_dir), *FLAGS, *PD, "--disaggregation-mode", "prefill"]
+            argv += ["--disaggregation-bootstrap-port", "0"]
+            runner = ModelRunner(tiny_model_dir, dtype="float32", device="cpu")
+            engines.append(build_engine(parse_args(argv), runner=runner))
+        p0, w = engines
+        address = f"127.0.0.1:{p0.args.disaggregation_bootstrap_port}"
+        b = Bootstrap("127.0.0.1", p0.args.disaggregation_bootstrap_port, 80)
+        events = {name: queue.Queue() for name in ("p0", "w")}
+        start = time.monotonic()
+        _submit(p0, "misrouted", _prompt(15, 30), b, events["p0"])
+        _submit(w, "misrouted", _prompt(15, 30), b, events["w"])
+        on_w = _collect(events["w"], {"misrouted"}, timeout=30)["misrouted"]["reason"]
+        on_p0 = _collect(events["p0"], {"misrouted"}, timeout=30)["misrouted"]["reason"]
+        assert time.monotonic() - start < 30
+        assert on_w["type"] == "abort" and on_w["status_code"] == 500
+        assert f"bootstrap {address} is another prefill, not this one" in on_w["message"]
+        assert on_p0["type"] == "abort" and "aborted the room" in on_p0["message"]
+        for engine in engines:
+            wait_idle(engine)
+            assert engine.scheduler.state["num_used_tokens"] == 0
+            assert engine.scheduler.pd.mgr.num_rooms() == 0
+    finally:
+        for engine in engines:
+            engine.scheduler.stop()
