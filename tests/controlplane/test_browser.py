@@ -92,6 +92,9 @@ def test_operator_console_end_to_end(
         expect(page.locator("#hosts tbody tr").first).to_contain_text("64 GiB")
         assert serious_violations(page) == []
 
+        page.goto(asgi_server + "/operations/")  # none yet: the page says so and where to start one
+        expect(page.get_by_test_id("no-operations")).to_have_text("No operations yet. Launch one (key n).")
+
         # Launch form: only the chosen kind's fields; nothing is sent until the dialog is confirmed.
         page.keyboard.press("n")
         expect(page).to_have_url(asgi_server + "/operations/new/")
@@ -189,6 +192,10 @@ def test_operator_console_end_to_end(
         expect(page.locator(".chart[data-window-s='3600']")).to_have_count(8)
         assert page.evaluate("window.__sameDocument") is True
         assert serious_violations(page) == []
+
+        page.goto(asgi_server + "/operations/")
+        expect(page.locator("#operations tbody tr")).not_to_have_count(0)
+        expect(page.get_by_test_id("no-operations")).to_be_hidden()
 
         # A running operation's page follows the pushes: both workers busy, then gpu-0 frees up; its row
         # shows the API's final polls and before -> after without a reload; Cancel shows only while running.

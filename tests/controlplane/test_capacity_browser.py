@@ -72,6 +72,9 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         ]
         assert cells == [f"{100 * 4 * 1024 / total:.2f}%", f"{100 * 8 * 1024 / total:.2f}%"]
         assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
+        # the legend shows the largest capacity's shares (not dashes) while the cursor is off the plot
+        legend = page.locator("#whatif-chart .u-legend .u-series", has_text="L1 + L2 + L3")
+        expect(legend).to_contain_text(cells[1])
         expect(page.locator("#whatif-chart canvas")).to_have_count(1)
         assert serious_violations(page) == []
         assert errors == []

@@ -109,6 +109,7 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
         expect(page.locator("body[data-loaded='1']")).to_have_count(1)
         expect(page.get_by_test_id("split")).to_have_text("1P:2D")
         expect(page.get_by_test_id("rec-status")).to_have_text("pending")
+        expect(page.get_by_test_id("rb-history-empty")).to_have_text("No rebalance of this router yet.")
         reasons = page.get_by_test_id("rec-reasons")  # the exact figures: test_planner_api.py
         expect(reasons).to_contain_text(re.compile(r"prefill demand [\d,]+ computed prompt tokens/s"))
         expect(reasons).to_contain_text("40% served from cache")
@@ -170,6 +171,7 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
         rebalance_transition(rb0, to="running", explanation="running")
         expect(page.get_by_test_id("rb-state")).to_have_text("running")
         expect(page.get_by_test_id("rec-status")).to_have_text("frozen")  # no advice while one runs
+        expect(page.get_by_test_id("rb-history-empty")).to_be_hidden()
         row = page.locator("#rb-steps tbody tr")
         expect(row).to_have_count(1)
         for to in ("draining", "switching", "gating", "soaking", "succeeded"):

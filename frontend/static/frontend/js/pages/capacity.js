@@ -53,6 +53,7 @@ KV.ready(function () {
       hooks: { draw: [function (u) {
         if (mark == null) return;
         var x = u.valToPos(mark, "x", true), ctx = u.ctx;
+        if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) return;  // outside the swept range
         ctx.save(); ctx.setLineDash([6, 4]); ctx.strokeStyle = "#dc2626"; ctx.lineWidth = 2;
         ctx.beginPath(); ctx.moveTo(x, u.bbox.top); ctx.lineTo(x, u.bbox.top + u.bbox.height); ctx.stroke();
         ctx.fillStyle = "#dc2626"; ctx.textAlign = "left"; ctx.textBaseline = "top";
@@ -63,12 +64,18 @@ KV.ready(function () {
     };
     if (plot) plot.destroy();
     plot = new window.uPlot(opts, [xs].concat(ys), chartEl);
+    setTimeout(showLargest);  // after uPlot's first commit, which clears the legend
     chartEl.dataset.marked = mark == null ? "" : String(mark);
     KV.replaceRows(KV.$("#whatif-table tbody"), KV.$("#tpl-point"), points.map(function (p) {
       return { l1_tokens: String(p.l1_tokens), l2_tokens: String(p.l2_tokens), l3_tokens: String(p.l3_tokens),
         l1: pct(p.l1.share), l2: pct(p.l2.share), l3: pct(p.l3.share), share: pct(p.share) };
     }));
   }
+
+  function showLargest() {  // the legend shows the largest capacity's shares unless the cursor is on the plot
+    if (plot && plot.data[0].length) plot.setLegend({ idx: plot.data[0].length - 1 });
+  }
+  chartEl.addEventListener("mouseleave", showLargest);
 
   form.addEventListener("submit", function (e) {
     e.preventDefault();

@@ -1,5 +1,5 @@
 /* Operations list: read once; operation.state_changed pushes update that row in place (a new operation,
-   not yet listed, is read alone). */
+   not yet listed, is read alone); a line says when there is none. */
 KV.ready(function () {
   "use strict";
   var tpl = KV.$("#tpl-op"), rows = {}, ops = {};
@@ -9,11 +9,13 @@ KV.ready(function () {
     if (rows[op.id]) { KV.fill(rows[op.id], view); return; }
     rows[op.id] = KV.fill(tpl, view);
     KV.$("#operations tbody").prepend(rows[op.id]);
+    KV.$("#no-operations").hidden = true;
   }
   function load() {
     return KV.api("GET", "/api/v1/operations/?limit=100").then(function (r) {
       rows = {}; KV.$("#operations tbody").replaceChildren();
       r.results.slice().reverse().forEach(put);
+      KV.$("#no-operations").hidden = r.results.length > 0;  // an empty table says so
     });
   }
   KV.subscribe(["operations"], function (msg) {

@@ -169,6 +169,7 @@ KV.ready(function () {
       KV.replaceRows(KV.$("#rb-history tbody"), KV.$("#tpl-history"), list.map(function (x) {
         return Object.assign({}, x, { title: "#" + x.id, change: split(x.before) + " → " + split(x.target) });
       }));
+      KV.$("#rb-history-empty").hidden = list.length > 0;  // an empty history says so
       return select(wanted || (list[0] && list[0].id)).then(renderNow);
     });
   }
