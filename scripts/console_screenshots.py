@@ -2,12 +2,13 @@
 
     .venv/bin/python scripts/console_screenshots.py --url http://127.0.0.1:8000 --user admin --password ...
     .venv/bin/python scripts/console_screenshots.py --demo     # starts deploy/localfleet.py itself
-    .venv/bin/python scripts/console_screenshots.py --demo --pd --only rebalance   # the PD fleet's page
+    .venv/bin/python scripts/console_screenshots.py --demo --pd --only rebalance,prefill-worker   # PD pages
 
 With --demo it starts the local fleet (control plane, Mooncake master, two SmolLM2 workers, sglang-router,
 traffic), runs one detach + attach operation so the operation and audit pages have content, waits until
 the worker charts hold samples, then writes docs/console/<page>.png (full page; confirm.png is the launch
-confirmation, cancelled) and stops the fleet.
+confirmation, cancelled; capacity.png after a what-if run over a shared trace, swept from the worker's L1
+up) and stops the fleet.
 Exits 1 naming the page when one fails to render.
 """
 
@@ -31,9 +32,12 @@ def pages(api) -> list[tuple[str, str]]:
     routers = api("GET", "/api/v1/inventory/routers/").json()["results"]
     ops = api("GET", "/api/v1/operations/").json()["results"]
     out = [("fleet", "/")]
-    if workers:  # a worker with L3 attached shows every chart
-        shown = next((w for w in workers if w["storage_backend"]), workers[0])
+    if workers:  # a worker with L3 attached shows every chart (a PD prefill worker has no latency charts)
+        shown = next((w for w in workers if w["storage_backend"] and w["role"] != "prefill"), workers[0])
         out.append(("worker", f"/workers/{shown['id']}/"))
+    prefill = [w for w in workers if w["role"] == "prefill"]
+    if prefill:
+        out.append(("prefill-worker", f"/workers/{prefill[0]['id']}/"))
     if hosts:
         out.append(("host", f"/hosts/{hosts[0]['id']}/"))
     if routers:
@@ -41,16 +45,44 @@ def pages(api) -> list[tuple[str, str]]:
     pd = [r for r in routers if r["mode"] == "pd"]
     if pd:
         out.append(("rebalance", f"/routers/{pd[0]['id']}/rebalance/"))
-    out += [("storage", "/storage/"), ("operations", "/operations/"), ("launch", "/operations/new/")]
+    out += [("storage", "/storage/"), ("capacity", "/capacity/"), ("operations", "/operations/")]
+    out.append(("launch", "/operations/new/"))
     if ops:
         out.append(("operation", f"/operations/{ops[0]['id']}/"))
     out.append(("audit", "/audit/"))
     return out
 
 
+def run_whatif(page) -> None:
+    """On the capacity page: sweep L1 from the marked pool's current L1 up (L2, L3 fixed) over a shared trace,
+    so the chart has every line and the current-capacity marker; waits for the replay (up to 240 s)."""
+    shared = page.locator("#trace option[value^='shared:synthetic']")
+    if shared.count():
+        page.locator("#trace").select_option(shared.first.get_attribute("value"))
+    current = page.evaluate(
+        "(() => { const f = document.querySelector('#whatif-form');"
+        " const ws = JSON.parse(document.querySelector('#workers-data').textContent);"
+        " const w = ws.find(x => x.pool === f.pool.value && x.l1_tokens); return w ? w.l1_tokens : 0; })()"
+    )
+    sweep = (current or 1024, 500_000, 1_000_000, 2_000_000)  # up to L2: L1 <= L2, as HiCache is sized
+    page.get_by_label("L1 tokens").fill(",".join(map(str, sweep)))
+    page.get_by_label("L2 tokens").fill("2000000")
+    page.get_by_label("L3 tokens").fill("16000000")  # three tiers, three lines apart
+    page.get_by_role("button", name="Run").click()
+    page.wait_for_function(
+        "/points$/.test(document.querySelector('#whatif-status').textContent)"
+        " || document.querySelector('#whatif-error').textContent",
+        timeout=240_000,
+    )
+    error = page.locator("#whatif-error").inner_text()
+    if error:
+        raise SystemExit(f"capacity: the what-if failed: {error}")
+
+
 def shoot(
     base: str, user: str, password: str, api, out_dir: Path, settle_s: float = 1.5, only: str | None = None
 ) -> list[Path]:
+    """Log in and write ``out_dir/<page>.png`` for every page (``only``: a comma list of page names)."""
     from playwright.sync_api import sync_playwright
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -59,7 +91,10 @@ def shoot(
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 800})
         page.set_default_timeout(30000)
-        page.on("pageerror", lambda exc: print(f"page error: {exc}", file=sys.stderr, flush=True))
+        page.on(
+            "pageerror",
+            lambda exc: print(f"page error on {page.url}: {exc}\n{exc.stack}", file=sys.stderr, flush=True),
+        )
         page.on(
             "console",
             lambda m: m.type == "error" and print(f"console: {m.text}", file=sys.stderr, flush=True),
@@ -71,12 +106,15 @@ def shoot(
         page.get_by_label("Password").fill(password)
         page.get_by_role("button", name="Log in").click()
         page.wait_for_url(base + "/")
+        wanted = set(only.split(",")) if only else None
         for name, path in pages(api):
-            if only and name != only:
+            if wanted and name not in wanted:
                 continue
             page.goto(base + path)
             page.wait_for_load_state("networkidle")
             page.wait_for_selector("body[data-loaded='1']")
+            if name == "capacity":
+                run_whatif(page)
             time.sleep(
                 settle_s
             )  # let a websocket push or two arrive so live values show, as a user sees them
@@ -85,7 +123,8 @@ def shoot(
             width = page.evaluate("document.documentElement.scrollWidth")
             print(f"{name:12s} {path:24s} scrollWidth={width}px -> {target}", flush=True)
             written.append(target)
-        if not only and api("GET", "/api/v1/inventory/workers/").json()["count"]:  # the launch confirmation
+        workers = api("GET", "/api/v1/inventory/workers/").json()["count"]
+        if workers and (not wanted or "confirm" in wanted):  # the launch confirmation, cancelled
             page.goto(base + "/operations/new/")
             page.wait_for_selector("body[data-loaded='1']")
             page.locator("#select-all").check()
@@ -122,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token", help="API token (admin) used to find object ids")
     p.add_argument("--demo", action="store_true", help="start deploy/localfleet.py and shoot it")
     p.add_argument("--pd", action="store_true", help="--demo: the PD fleet (deploy/fleet.pd.toml)")
-    p.add_argument("--only", help="shoot only this page (e.g. rebalance)")
+    p.add_argument("--only", help="shoot only these pages, a comma list (e.g. rebalance,prefill-worker)")
     p.add_argument("--warmup", type=float, default=60, help="--demo: seconds of traffic before shooting")
     p.add_argument("--out", default=str(REPO / "docs" / "console"))
     a = p.parse_args(argv)
