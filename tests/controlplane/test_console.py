@@ -26,6 +26,7 @@ def test_pages_render_and_gate_write_controls(client, personas, role):
     fleet = client.get("/").content.decode()
     assert ('id="launch-selected"' in fleet) is (role == "operator")
     assert 'data-testid="role">' + role in fleet
+    assert "TTFT p50*</th>" in fleet and "* TTFT p50 since the worker started" in fleet  # the column's window
     operation = client.get("/operations/1/").content.decode()
     # the cancel button starts hidden; the page module shows it only while the operation runs
     assert ('id="cancel" class="danger" hidden' in operation) is (role == "operator")
