@@ -64,7 +64,7 @@ def run_whatif(page) -> None:
         " const ws = JSON.parse(document.querySelector('#workers-data').textContent);"
         " const w = ws.find(x => x.pool === f.pool.value && x.l1_tokens); return w ? w.l1_tokens : 0; })()"
     )
-    sweep = (current or 1024, 500_000, 1_000_000, 2_000_000)  # up to L2: L1 <= L2, as HiCache is sized
+    sweep = (current or 1024, 250_000, 500_000, 1_000_000)  # below L2: the engine needs L2 > L1
     page.get_by_label("L1 tokens").fill(",".join(map(str, sweep)))
     page.get_by_label("L2 tokens").fill("2000000")
     page.get_by_label("L3 tokens").fill("16000000")  # three tiers, three lines apart

@@ -112,11 +112,15 @@ def recorded_requests_ingest(*, worker, requests: list[dict]) -> int:
     return len(requests)
 
 
-def whatif_run(*, trace_text: str, options: list[str], timeout_s: float) -> list[dict]:
+SKIPPED = "skipped sweep points: "  # the CLI's stderr line for sweep points it cannot replay
+
+
+def whatif_run(*, trace_text: str, options: list[str], timeout_s: float) -> tuple[list[dict], list[str]]:
     """Replay ``trace_text`` (Mooncake JSONL) with ``python -m engine.whatif`` ``options`` + ``--json``.
 
     The engine's CLI runs as a child process (the control plane never imports the engine). Returns one dict
-    per capacity point. Raises ``ApplicationError`` ``whatif_failed``: 400 with the CLI's message for a bad
+    per capacity point, and why the sweep points the CLI skipped cannot be replayed (e.g. L2 not larger
+    than L1). Raises ``ApplicationError`` ``whatif_failed``: 400 with the CLI's message for a bad
     trace or option, 504 past ``timeout_s``.
     """
     import json
@@ -140,4 +144,6 @@ def whatif_run(*, trace_text: str, options: list[str], timeout_s: float) -> list
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["the replay failed"])[-1]
         raise ApplicationError(last.replace(f.name, "trace").split("error: ", 1)[-1], code="whatif_failed")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    points = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    skipped = [line[len(SKIPPED) :] for line in done.stderr.splitlines() if line.startswith(SKIPPED)]
+    return points, skipped

@@ -46,6 +46,11 @@ class Capacities:
             raise ValueError("--l1-tokens: L1 (the device pool) must be > 0")
         if self.l3 and not self.l2:
             raise ValueError("--l3-tokens: an L3 tier needs an L2 tier (--l2-tokens > 0), as in the engine")
+        if self.l2 and not self.l2 > self.l1:
+            raise ValueError(
+                "--l2-tokens: L2 (the host pool) must be larger than L1, as in the engine (upstream: "
+                f"'ratio must be > 1'); got L2 {self.l2} <= L1 {self.l1}"
+            )
 
 
 @dataclass

@@ -176,3 +176,23 @@ def test_whatif_replays_at_the_traces_pools_page_size_unless_given(api_as):
         assert response.status_code == 200, response.content
         (point,) = response.json()["points"]
         assert (response.json()["page_size"], point["l1"]["tokens_served"]) == (page_size, served)
+
+
+@pytest.mark.django_db
+def test_whatif_skips_or_refuses_an_l2_not_larger_than_l1(api_as):
+    """The engine refuses a host pool not larger than the device pool; so does its what-if: a sweep point
+    with 0 < L2 <= L1 is skipped and named, a run of only such points is a 400 naming --l2-tokens."""
+    worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST), role="mixed", page_size=16)
+    rows = [_row(0, 1010, [1, 2]), _row(1, 1010, [1, 2])]
+    api_as("agent").post("/api/v1/agent/traces/", {"worker_url": worker.url, "requests": rows}, format="json")
+    viewer = api_as("viewer")
+    body = {"trace": "pool:regular", "l1_tokens": "1024,4096", "l2_tokens": "4096"}
+    response = viewer.post("/api/v1/capacity/whatif/", body, format="json")
+    assert response.status_code == 200, response.content
+    assert [p["l1_tokens"] for p in response.json()["points"]] == [1024]
+    (skipped,) = response.json()["skipped"]
+    assert skipped.startswith("--l2-tokens: L2 (the host pool) must be larger than L1") and "4096" in skipped
+    refused = viewer.post("/api/v1/capacity/whatif/", {**body, "l1_tokens": "4096"}, format="json")
+    assert refused.status_code == 400, refused.content
+    assert refused.json()["error"]["code"] == "whatif_failed"
+    assert "--l2-tokens: L2 (the host pool) must be larger than L1" in refused.json()["error"]["message"]

@@ -75,6 +75,13 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         # the legend shows the largest capacity's shares (not dashes) while the cursor is off the plot
         legend = page.locator("#whatif-chart .u-legend .u-series", has_text="L1 + L2 + L3")
         expect(legend).to_contain_text(cells[1])
+        # a sweep point the engine could not run (L2 not larger than L1) is left out and named
+        page.get_by_label("L2 tokens").fill("4096")
+        page.get_by_role("button", name="Run").click()
+        expect(page.locator("#whatif-status")).to_contain_text(
+            "1 point; skipped points: --l2-tokens: L2 (the host pool) must be larger than L1", timeout=180_000
+        )
+        expect(page.locator("#whatif-table tbody tr")).to_have_count(1)
         expect(page.locator("#whatif-chart canvas")).to_have_count(1)
         assert serious_violations(page) == []
         assert errors == []

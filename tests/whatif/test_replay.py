@@ -111,6 +111,8 @@ def test_request_longer_than_l1_is_rejected():
         (Capacities(0), "--l1-tokens"),
         (Capacities(16, 0, 8), "--l3-tokens"),
         (Capacities(16, -1), "--l2-tokens"),
+        (Capacities(16, 16), "--l2-tokens"),  # the host pool must be larger than the device pool
+        (Capacities(float("inf"), 64), "--l2-tokens"),
     ],
 )
 def test_bad_capacities_name_the_flag(caps, flag):

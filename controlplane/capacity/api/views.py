@@ -89,8 +89,9 @@ class RecordedTraceApi(APIView):
 
 class WhatIfApi(APIView):
     """POST: replay a trace (shared, a pool's recorded traffic, or uploaded) at each capacity point; one
-    result per point as ``python -m engine.whatif --json`` prints it, and the ``page_size`` replayed (the
-    request's, else the page size of the trace's pool's workers, else the fleet's, else the demo's 16).
+    result per point as ``python -m engine.whatif --json`` prints it, the ``page_size`` replayed (the
+    request's, else the page size of the trace's pool's workers, else the fleet's, else the demo's 16) and
+    ``skipped``: why the sweep points left out cannot be replayed (e.g. L2 not larger than L1).
     A calculation: any role may run it. 400 names the bad field (or repeats the replay's error), 404 for
     an unknown trace, 504 past the time limit."""
 
@@ -121,10 +122,7 @@ class WhatIfApi(APIView):
         ]
         for tier in ("l1", "l2", "l3"):
             options += [f"--{tier}-tokens", data[f"{tier}_tokens"].replace(" ", "")]
-        try:
-            points = services.whatif_run(
-                trace_text=text, options=options, timeout_s=settings.WHATIF_TIMEOUT_S
-            )
-        except services.WhatIfError as exc:
-            return Response({"error": {"code": "whatif_failed", "message": str(exc)}}, status=exc.status)
-        return Response({"page_size": page_size, "points": points})
+        points, skipped = services.whatif_run(  # ApplicationError whatif_failed: 400 / 504, as documented
+            trace_text=text, options=options, timeout_s=settings.WHATIF_TIMEOUT_S
+        )
+        return Response({"page_size": page_size, "points": points, "skipped": skipped})

@@ -92,7 +92,11 @@ KV.ready(function () {
     }
     KV.$("#whatif-status").textContent = "Replaying…";
     ready.then(function () { return KV.api("POST", "/api/v1/capacity/whatif/", body); })
-      .then(function (res) { KV.$("#whatif-status").textContent = res.points.length + " points"; draw(res.points); })
+      .then(function (res) {
+        var skipped = (res.skipped || []).length ? "; skipped points: " + res.skipped.join("; ") : "";
+        KV.$("#whatif-status").textContent = res.points.length + (res.points.length === 1 ? " point" : " points") + skipped;
+        draw(res.points);
+      })
       .catch(function (err) { KV.$("#whatif-status").textContent = ""; KV.$("#whatif-error").textContent = KV.errorText(err); });
   });
 
