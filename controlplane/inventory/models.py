@@ -138,6 +138,11 @@ class WorkerState(models.TextChoices):
     OFFLINE = "offline"
 
 
+# What the control plane asks a worker's agent (desired_role and its generation) and what the agent last
+# acknowledged: written only by queryset updates (controlplane.inventory.services).
+ROLE_REQUEST_FIELDS = ("desired_role", "role_request_seq", "role_seen_seq", "role_applied_seq")
+
+
 class EngineWorker(models.Model):
     name = models.CharField(max_length=100, unique=True)
     url = models.URLField(unique=True)
@@ -161,6 +166,21 @@ class EngineWorker(models.Model):
         blank=True,
         help_text="A role its agent is asked to restart it in (POST .../role/, or a rebalance step of "
         "method restart); cleared once it reports that role",
+    )
+    role_request_seq = models.PositiveIntegerField(
+        default=0,
+        help_text="Generation of desired_role: bumped each time it is set or withdrawn (heartbeat answers "
+        "carry it; a fulfilled request clears desired_role without a bump)",
+    )
+    role_seen_seq = models.PositiveIntegerField(
+        default=0,
+        help_text="The newest role_request_seq its agent has acted on or decided against, as it last "
+        "reported (heartbeat role_acks.seen)",
+    )
+    role_applied_seq = models.PositiveIntegerField(
+        default=0,
+        help_text="The newest role request its agent carried out (restarted it in that role, or found it "
+        "running it), as it last reported (heartbeat role_acks.applied)",
     )
     model_name = models.CharField(max_length=200, blank=True)
     tp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
@@ -198,6 +218,18 @@ class EngineWorker(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args, **kwargs):
+        """A full save of an existing row leaves the role-request columns (ROLE_REQUEST_FIELDS) alone: only
+        the inventory services' queryset updates write them, so a stale instance saved by another path never
+        moves a request or its agent's acknowledgement back."""
+        if not self._state.adding and kwargs.get("update_fields") is None:
+            kwargs["update_fields"] = [
+                f.name
+                for f in self._meta.concrete_fields
+                if not f.primary_key and f.name not in ROLE_REQUEST_FIELDS
+            ]
+        super().save(*args, **kwargs)
 
     @property
     def admin_key(self) -> str:

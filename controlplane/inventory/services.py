@@ -2,6 +2,7 @@
 heartbeat."""
 
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from controlplane.audit.services import audit_record
@@ -127,8 +128,6 @@ def agent_register(
             before["workers"].append(model_snapshot(worker))
         if worker.pk and item.get("role", worker.role) != worker.role:
             worker.role_changed_at = timezone.now()
-        if item.get("role") and item["role"] == worker.desired_role:
-            worker.desired_role = ""
         for field in _WORKER_FIELDS:
             if field in item:
                 setattr(worker, field, item[field])
@@ -146,6 +145,9 @@ def agent_register(
         worker.last_seen = timezone.now()
         worker.full_clean()
         worker.save()
+        if item.get("role"):
+            EngineWorker.objects.filter(pk=worker.pk, desired_role=item["role"]).update(desired_role="")
+            worker.refresh_from_db(fields=["desired_role"])
         saved.append(worker)
     after = {"host": model_snapshot(host_obj), "workers": [model_snapshot(w) for w in saved]}
     audit_record(action="register", obj=host_obj, before=before, after=after, actor=actor)
@@ -155,29 +157,61 @@ def agent_register(
 def worker_role_observed(*, worker: EngineWorker, role: str, actor=None) -> bool:
     """Record the role `worker` was seen running (e.g. read back from ``/server_info`` after a role switch);
     audited, and ``role_changed_at`` set, when it differs from the stored one; a ``desired_role`` it now
-    runs is cleared. Returns whether the role changed."""
-    data = {"desired_role": ""} if worker.desired_role == role else {}
-    if role != worker.role:
-        data.update(role=role, role_changed_at=timezone.now())
-    if data:
-        model_update(instance=worker, data=data, actor=actor)
-    return "role" in data
+    runs is cleared (fulfilled: no ``role_request_seq`` bump). Returns whether the role changed."""
+    changed = role != worker.role
+    if changed:
+        model_update(instance=worker, data={"role": role, "role_changed_at": timezone.now()}, actor=actor)
+    if EngineWorker.objects.filter(pk=worker.pk, desired_role=role).update(desired_role=""):
+        worker.refresh_from_db(fields=["desired_role"])
+    return changed
+
+
+def _set_desired_role(worker: EngineWorker, desired: str, *, actor, reason: str) -> EngineWorker:
+    """Set ``desired_role`` to `desired` and bump ``role_request_seq`` when it changes (audited), with the row
+    locked; returns the fresh row (`worker` is refreshed too)."""
+    with transaction.atomic():
+        locked = EngineWorker.objects.select_for_update().get(pk=worker.pk)
+        if desired != locked.desired_role:
+            before = model_snapshot(locked)
+            EngineWorker.objects.filter(pk=worker.pk).update(
+                desired_role=desired, role_request_seq=F("role_request_seq") + 1, updated_at=timezone.now()
+            )
+            locked.refresh_from_db()
+            audit_record(
+                action="update", obj=locked, before=before, after=model_snapshot(locked), actor=actor,
+                message=reason,
+            )  # fmt: skip
+    worker.refresh_from_db()
+    return locked
 
 
 def worker_role_request(*, worker: EngineWorker, role: str, actor, reason: str = "") -> dict:
     """Ask the worker's agent to restart it in ``role`` (the way to change the role of an engine that cannot
     switch in place: no ``--enable-pd-role-switch``). The agent gets it in its next heartbeat answer, restarts
     the worker with ``--disaggregation-mode=<role>`` and registers the role the worker then reports, which
-    clears the request. Audited. Raises ConflictError 409 ``no_agent`` for a worker no agent registered.
-    Returns {worker, role, desired_role}."""
+    clears the request. ``role`` equal to the stored role withdraws a request not carried out. A change of
+    ``desired_role`` (set or withdrawn) bumps ``role_request_seq``, the generation its agent acknowledges.
+    Audited. Raises ConflictError 409 ``no_agent`` for a worker no agent registered.
+    Returns {worker, role, desired_role, request_seq}."""
     if worker.host_id is None:
         raise ConflictError(
             f"worker {worker.name!r} has no host: no agent runs it to restart it", code="no_agent"
         )
-    desired = "" if role == worker.role else role
-    if desired != worker.desired_role:
-        model_update(instance=worker, data={"desired_role": desired}, actor=actor, message=reason)
-    return {"worker": worker.pk, "role": worker.role, "desired_role": desired}
+    worker.refresh_from_db(fields=["role"])
+    row = _set_desired_role(worker, "" if role == worker.role else role, actor=actor, reason=reason)
+    return {
+        "worker": row.pk,
+        "role": row.role,
+        "desired_role": row.desired_role,
+        "request_seq": row.role_request_seq,
+    }
+
+
+def worker_role_withdraw(*, worker: EngineWorker, actor, reason: str = "") -> int:
+    """Withdraw the worker's ``desired_role``, if one is set (audited, ``role_request_seq`` bumped); returns
+    its ``role_request_seq`` after that. Once its agent reports having seen that generation
+    (``role_seen_seq``), it carries out no older request (see :func:`agent_heartbeat`)."""
+    return _set_desired_role(worker, "", actor=actor, reason=reason).role_request_seq
 
 
 def agent_heartbeat(
@@ -186,6 +220,7 @@ def agent_heartbeat(
     worker_urls: list[str],
     offline_urls: list[str] = (),
     roles: dict | None = None,
+    role_acks: dict | None = None,
     bound_host: str | None = None,
     actor=None,
 ) -> dict:
@@ -193,11 +228,17 @@ def agent_heartbeat(
 
     ``offline_urls`` are workers the agent runs that are not serving (crashed, failing /health,
     restarting): they become ``offline`` until a later heartbeat lists them as live again. ``roles`` maps
-    worker URLs to the role each runs (:func:`worker_role_observed`: a change is audited). Workers of other
-    hosts are never touched. ``bound_host``: as in :func:`agent_register` (403 ``wrong_host``).
+    worker URLs to the role each runs (:func:`worker_role_observed`: a change is audited). ``role_acks``
+    maps worker URLs to ``{seen, applied}``: the newest ``role_request_seq`` the agent has processed (acted
+    on or decided against) and the newest request it carried out, stored as ``role_seen_seq`` /
+    ``role_applied_seq``. The agent processes answers in order and sends one heartbeat at a time, so a
+    ``seen`` at or past a withdrawal's generation means no older request will still be carried out. Workers
+    of other hosts are never touched. ``bound_host``: as in :func:`agent_register` (403 ``wrong_host``).
 
-    Liveness itself writes no audit row. Returns {workers_seen, restart}: ``restart`` lists the host's
-    workers with a ``desired_role`` they do not run yet ({worker_url, role}), for the agent to restart.
+    Liveness itself writes no audit row. Returns {workers_seen, restart, request_seq}: ``restart`` lists the
+    host's workers with a ``desired_role`` they do not run yet ({worker_url, role, seq}), for the agent to
+    restart; ``request_seq`` maps each of its workers that ever had a request to its ``role_request_seq``
+    (the generation the agent acknowledges as seen once it has processed this answer).
     """
     _check_scope(host_name, bound_host)
     now = timezone.now()
@@ -208,14 +249,16 @@ def agent_heartbeat(
     mine = EngineWorker.objects.filter(host__name=host_name)
     mine.filter(url__in=offline_urls).exclude(url__in=worker_urls).update(state=WorkerState.OFFLINE)
     seen = mine.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)
+    for url, ack in (role_acks or {}).items():
+        mine.filter(url=url).update(role_seen_seq=ack["seen"], role_applied_seq=ack["applied"])
     for worker in mine.filter(url__in=list(roles or {})):
         worker_role_observed(worker=worker, role=roles[worker.url], actor=actor)
-    restart = [
-        {"worker_url": w.url, "role": w.desired_role}
-        for w in mine.exclude(desired_role="")
-        if w.desired_role != w.role
-    ]
-    return {"workers_seen": seen, "restart": restart}
+    restart, request_seq = [], {}
+    for w in mine.filter(role_request_seq__gt=0):
+        request_seq[w.url] = w.role_request_seq
+        if w.desired_role and w.desired_role != w.role:
+            restart.append({"worker_url": w.url, "role": w.desired_role, "seq": w.role_request_seq})
+    return {"workers_seen": seen, "restart": restart, "request_seq": request_seq}
 
 
 @transaction.atomic

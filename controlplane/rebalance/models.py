@@ -172,6 +172,17 @@ class RebalanceStep(models.Model):
         blank=True,
         help_text="restart method: when its agent was last asked to restart it (step or rollback)",
     )
+    restart_seq = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="restart method: the worker's role_request_seq of the step's request to its agent",
+    )
+    withdrawn_seq = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="restart method: the role_request_seq of the rollback's withdrawal of that request; the "
+        "rollback trusts the live process only once its agent reports having seen it",
+    )
     switched_at = models.DateTimeField(
         null=True,
         blank=True,

@@ -8,10 +8,16 @@ rejects are logged and skipped). SIGINT/SIGTERM stop every worker and exit.
 
 Roles: each worker is registered, and listed in every heartbeat, with the role it reports running
 (``/server_info`` ``disaggregation_mode``; the spec's role while it does not answer). A heartbeat answer's
-``restart`` entries ({worker_url, role}: the control plane's ``desired_role``, for engines that cannot switch
-in place) make the main thread restart that worker with its flags rebuilt for the role
+``restart`` entries ({worker_url, role, seq}: the control plane's ``desired_role``, for engines that cannot
+switch in place) make the main thread restart that worker with its flags rebuilt for the role
 (:func:`engine.agent.spec.with_role`); the new role holds for later crash restarts until the agent itself
 restarts (then the spec file's role applies again).
+
+Acknowledgements (``role_acks`` in every heartbeat, per worker): ``applied`` is the newest request ``seq``
+carried out (restarted in that role, or found running it), ``seen`` the newest ``request_seq`` of an answer
+the main thread has fully processed. Answers are processed in the order they came, a restart before the
+``seen`` of its answer moves, so once ``seen`` reaches the generation of a withdrawal the agent will not
+restart the worker for any older request: the control plane knows which process it talks to.
 """
 
 from __future__ import annotations
@@ -106,14 +112,19 @@ class Agent:
             managed(spec), health_interval_s=spec.health_interval_s, unhealthy_after=spec.unhealthy_after
         )
         self.host = host_facts(spec.host_name, spec.address)
-        self.restarts: queue.Queue[list[dict]] = queue.Queue()  # from heartbeat answers, for the main thread
+        # (restart, request_seq) of each heartbeat answer, in order, for the main thread
+        self.restarts: queue.Queue[tuple[list[dict], dict]] = queue.Queue()
+        self.acks_lock = threading.Lock()
+        self.seen: dict[str, int] = {}  # worker URL -> newest request_seq fully processed
+        self.applied: dict[str, int] = {}  # worker URL -> newest restart request seq carried out
         self.reporter = Reporter(
             client,
             self._registration,
             self._live_urls,
             down_urls=self._down_urls,
             roles=self._roles,
-            on_restart=self.restarts.put,
+            role_acks=self._role_acks,
+            on_role_requests=lambda restart, request_seq: self.restarts.put((restart, request_seq)),
             heartbeat_interval_s=spec.heartbeat_interval_s,
             buffer_size=spec.buffer_size,
         )
@@ -135,26 +146,43 @@ class Agent:
         infos = {w.url: server_info(local_url(w)) for w in self._running()}
         return {w.url: role_of(w, infos[w.url]) for w in self._running() if infos.get(w.url)}
 
+    def _role_acks(self) -> dict[str, dict]:
+        """URL -> {seen, applied} of each worker a heartbeat answer named (reporter thread)."""
+        with self.acks_lock:
+            return {url: {"seen": seq, "applied": self.applied.get(url, 0)} for url, seq in self.seen.items()}
+
     def restart_in_roles(self) -> None:
-        """Main thread: restart every worker a heartbeat answer asked to run in another role."""
+        """Main thread: process the heartbeat answers in order: restart every worker asked to run in another
+        role, then acknowledge the answer's request generations as seen."""
         while True:
             try:
-                requests = self.restarts.get_nowait()
+                restart, request_seq = self.restarts.get_nowait()
             except queue.Empty:
                 return
-            for req in requests:
+            for req in restart:
                 i = next((i for i, w in enumerate(self.spec.workers) if w.url == req.get("worker_url")), None)
-                if i is None or self.spec.workers[i].role == req.get("role"):
-                    continue  # not ours, or already restarted in that role
-                old = self.spec.workers[i]
-                try:
-                    new = with_role(old, req["role"])
-                except ValueError as exc:
-                    log.error("cannot restart %s as %s: %s", old.name, req["role"], exc)
+                if i is None:
+                    continue  # not ours
+                if self.spec.workers[i].role != req.get("role") and not self._restart(i, req["role"]):
                     continue
-                self.spec.workers[i] = new
-                self._log([self.supervisor.replace(old.name, command(new), f"role {old.role} -> {new.role}")])
-                self.reporter.heartbeat_now()
+                with self.acks_lock:
+                    self.applied[req["worker_url"]] = max(self.applied.get(req["worker_url"], 0), req["seq"])
+            with self.acks_lock:
+                for url, seq in request_seq.items():
+                    self.seen[url] = max(self.seen.get(url, 0), seq)
+
+    def _restart(self, i: int, role: str) -> bool:
+        """Restart spec worker `i` as `role` (stop, then start with flags rebuilt); False if it cannot."""
+        old = self.spec.workers[i]
+        try:
+            new = with_role(old, role)
+        except ValueError as exc:
+            log.error("cannot restart %s as %s: %s", old.name, role, exc)
+            return False
+        self.spec.workers[i] = new
+        self._log([self.supervisor.replace(old.name, command(new), f"role {old.role} -> {new.role}")])
+        self.reporter.heartbeat_now()
+        return True
 
     def _down_urls(self) -> list[str]:
         """Workers this agent runs that are not serving (crashed, unhealthy, restarting)."""

@@ -2,8 +2,10 @@
 
 Endpoints (token auth, ``Authorization: Bearer cp_...``): ``POST /api/v1/agent/register/`` (host + workers,
 idempotent upsert), ``POST /api/v1/agent/heartbeat/`` (live worker URLs, ``offline``: the ones not
-serving, ``roles``: the role each live worker reports; 404 = unknown host: register again; the answer's
-``restart`` lists workers to restart in a new role, handed to ``on_restart``),
+serving, ``roles``: the role each live worker reports, ``role_acks``: per worker the newest role-request
+generation the agent processed and the newest it carried out; 404 = unknown host: register again; the
+answer's ``restart`` lists workers to restart in a new role and ``request_seq`` each worker's current
+request generation, both handed to ``on_role_requests``),
 ``POST /api/v1/agent/metrics/`` (``{"worker_url", "text", "ts"}``: the worker's Prometheus text and when it
 was scraped, Unix seconds; 400 ``unknown_worker`` = not registered: register again, then resend).
 
@@ -74,11 +76,18 @@ class ControlPlaneClient:
         return self.call("POST", "/api/v1/agent/register/", json={"host": host, "workers": workers})
 
     def heartbeat(
-        self, host_name: str, worker_urls: list[str], offline_urls: list[str] = (), roles: dict | None = None
+        self,
+        host_name: str,
+        worker_urls: list[str],
+        offline_urls: list[str] = (),
+        roles: dict | None = None,
+        role_acks: dict | None = None,
     ) -> dict:
         body = {"host": host_name, "workers": worker_urls, "offline": list(offline_urls)}
         if roles:
             body["roles"] = roles
+        if role_acks:
+            body["role_acks"] = role_acks
         return self.call("POST", "/api/v1/agent/heartbeat/", json=body)
 
     def push_metrics(self, worker_url: str, text: str, ts: float | None = None) -> dict:
@@ -104,8 +113,10 @@ class Reporter:
     ``registration()`` returns the current ``(host, workers)`` register body (re-sent after a restart of a
     worker or when a heartbeat says the host is unknown); ``live_urls()`` the URLs of running workers;
     ``down_urls()`` those of its workers that are not serving (reported offline); ``roles()`` the role each
-    live worker runs (URL -> mixed | prefill | decode); ``on_restart(requests)`` gets the heartbeat answer's
-    ``restart`` list ([{worker_url, role}], called on the reporter thread).
+    live worker runs (URL -> mixed | prefill | decode); ``role_acks()`` URL -> {seen, applied} (sent with
+    every heartbeat); ``on_role_requests(restart, request_seq)`` gets the heartbeat answer's ``restart``
+    list ([{worker_url, role, seq}]) and ``request_seq`` map (URL -> generation), on the reporter thread,
+    once per answer that has either, in the order the answers came.
     """
 
     def __init__(
@@ -116,7 +127,8 @@ class Reporter:
         *,
         down_urls: Callable[[], list[str]] = list,
         roles: Callable[[], dict] = dict,
-        on_restart: Callable[[list[dict]], None] = lambda requests: None,
+        role_acks: Callable[[], dict] = dict,
+        on_role_requests: Callable[[list[dict], dict], None] = lambda restart, request_seq: None,
         heartbeat_interval_s: float = 5.0,
         buffer_size: int = 500,
         retry_base_s: float = 1.0,
@@ -126,7 +138,7 @@ class Reporter:
     ):
         self.client = client
         self.registration, self.live_urls, self.down_urls = registration, live_urls, down_urls
-        self.roles, self.on_restart = roles, on_restart
+        self.roles, self.role_acks, self.on_role_requests = roles, role_acks, on_role_requests
         self.heartbeat_interval_s = heartbeat_interval_s
         self.outbox: deque[tuple[str, str, float]] = deque(maxlen=buffer_size)
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
@@ -214,10 +226,10 @@ class Reporter:
         if now >= self.next_heartbeat:
             try:
                 answer = self.client.heartbeat(
-                    self.host_name, self.live_urls(), self.down_urls(), self.roles()
+                    self.host_name, self.live_urls(), self.down_urls(), self.roles(), self.role_acks()
                 )
-                if answer.get("restart"):
-                    self.on_restart(answer["restart"])
+                if answer.get("restart") or answer.get("request_seq"):
+                    self.on_role_requests(answer.get("restart") or [], answer.get("request_seq") or {})
             except ControlPlaneRejected as exc:
                 if exc.status == 404:
                     self.reregister()

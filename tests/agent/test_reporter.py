@@ -16,7 +16,7 @@ import pytest
 
 from engine.agent.agent import Agent
 from engine.agent.reporter import ControlPlaneClient, Reporter
-from engine.agent.spec import FleetSpec, WorkerSpec
+from engine.agent.spec import FleetSpec, WorkerSpec, load_spec
 from engine.agent.supervisor import Managed, Supervisor
 
 
@@ -29,6 +29,7 @@ class RecordingControlPlane:
         self.known_workers: set[str] = set()
         self.register_gate: threading.Event | None = None  # set: register calls wait for it
         self.register_arrived = threading.Event()
+        self.heartbeat_answers: list[dict] = []  # answered in order to the next heartbeats, then {}
 
     def start(self) -> None:
         outer = self
@@ -46,6 +47,8 @@ class RecordingControlPlane:
                     outer.known_workers = {w["url"] for w in body["workers"]}
                 elif self.path.endswith("/heartbeat/") and body["host"] not in outer.known_hosts:
                     status, out = 404, {"error": {"message": "unknown host: register first"}}
+                elif self.path.endswith("/heartbeat/") and outer.heartbeat_answers:
+                    out = outer.heartbeat_answers.pop(0)
                 elif self.path.endswith("/metrics/") and body["worker_url"] not in outer.known_workers:
                     msg = f"unknown worker {body['worker_url']}: register it first"
                     status, out = 400, {"error": {"code": "unknown_worker", "message": msg}}
@@ -292,5 +295,38 @@ def test_metrics_for_a_worker_the_control_plane_does_not_know_trigger_a_reregist
         rep.add_sample("http://127.0.0.1:9", "gone")
         _tick_until(rep, lambda: rep.status()["buffered"] == 0)
         assert rep.status()["rejected"] == 1 and len(cp.paths("/register/")) == 3
+    finally:
+        cp.stop()
+
+
+def test_agent_acknowledges_role_requests_in_the_order_its_answers_came(port, tmp_path):
+    """``role_acks``: ``applied`` = the newest request carried out (here: the role it already runs),
+    ``seen`` = the newest request generation of an answer fully processed; one it cannot carry out (a PD
+    role-switch worker cannot run mixed) and a withdrawal are seen, not applied."""
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        f'[agent]\nhost_name = "node-a"\nlog_dir = "{tmp_path}"\nheartbeat_interval_s = 0.01\n'
+        '[[workers]]\nname = "p0"\nmodel = "smollm2"\nport = 31001\ndisaggregation_mode = "prefill"\n'
+        'disaggregation_bootstrap_port = 9001\ndisaggregation_transfer_backend = "fake"\n'
+        "enable_pd_role_switch = true\n"
+    )
+    spec = load_spec(str(path), {})
+    url = spec.workers[0].url
+    cp = RecordingControlPlane(port)
+    cp.start()
+    try:
+        agent = Agent(spec, ControlPlaneClient(f"http://127.0.0.1:{port}", "cp_abc.secret", timeout=2))
+        cp.heartbeat_answers = [
+            {"restart": [{"worker_url": url, "role": "prefill", "seq": 1}], "request_seq": {url: 1}},
+            {"restart": [{"worker_url": url, "role": "mixed", "seq": 2}], "request_seq": {url: 2}},
+            {"restart": [], "request_seq": {url: 3}},  # #2 withdrawn
+        ]
+        _tick_until(agent.reporter, lambda: len(cp.paths("/heartbeat/")) == 3)
+        assert "role_acks" not in cp.paths("/heartbeat/")[0]  # nothing asked yet
+        assert agent.restarts.qsize() == 3
+        agent.restart_in_roles()  # the main thread, after the three answers
+        _tick_until(agent.reporter, lambda: len(cp.paths("/heartbeat/")) == 4)
+        assert cp.paths("/heartbeat/")[-1]["role_acks"] == {url: {"seen": 3, "applied": 1}}
+        assert spec.workers[0].role == "prefill"
     finally:
         cp.stop()

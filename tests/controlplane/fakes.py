@@ -228,6 +228,8 @@ class FakeWorker(_FakeHTTP):
             return self.pd_role_switch(body)
         if method == "GET" and path in ("/server_info", "/get_server_info"):
             return 200, self.server_info(), json_t
+        if method == "GET" and path == "/health":
+            return 200, "", text_t
         if method == "GET" and path == "/metrics":
             return 200, self.metrics_text(), "text/plain; version=0.0.4"
         if path in ("/hicache/storage-backend", "/hicache/config"):
@@ -276,13 +278,15 @@ class FakeWorker(_FakeHTTP):
 
 
 class FakeRouter(_FakeHTTP):
-    """sglang-router worker API: GET /workers, POST /workers {"url"} (202), DELETE /workers/{id}."""
+    """sglang-router worker API: GET /workers (with each worker_type), POST /workers {"url", "worker_type"}
+    (202), DELETE /workers/{id}."""
 
     def __init__(self):
         self.workers: dict[str, str] = {}
         self._next = 1
         self.fail_adds = 0  # the next N POST /workers answer 500 (a failed re-add)
         self.registered: list[dict] = []  # every POST /workers body
+        self.types: dict[str, str] = {}  # id -> worker_type as posted ("regular" without one, as 0.3.2)
         super().__init__()
 
     def urls(self) -> set[str]:
@@ -296,13 +300,17 @@ class FakeRouter(_FakeHTTP):
 
     def handle(self, method, path, headers, body):
         if path == "/workers" and method == "GET":
-            items = [{"id": wid, "url": url, "is_healthy": True} for wid, url in self.workers.items()]
+            items = [
+                {"id": wid, "url": url, "is_healthy": True, "worker_type": self.types.get(wid, "regular")}
+                for wid, url in self.workers.items()
+            ]
             return 200, {"workers": items, "total": len(items)}, "application/json"
         if path == "/workers" and method == "POST":
             if self.fail_adds > 0:
                 self.fail_adds -= 1
                 return 500, {"error": "fake add failure"}, "application/json"
             self.workers[f"w{self._next}"] = body["url"]
+            self.types[f"w{self._next}"] = body.get("worker_type", "regular")
             self.registered.append(body)
             self._next += 1
             return 202, {"status": "accepted"}, "application/json"

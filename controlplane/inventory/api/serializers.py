@@ -122,6 +122,9 @@ class EngineWorkerSerializer(serializers.ModelSerializer):
             "role",
             "role_changed_at",
             "desired_role",
+            "role_request_seq",
+            "role_seen_seq",
+            "role_applied_seq",
             "model_name",
             "tp_size",
             "dp_size",
@@ -146,6 +149,9 @@ class EngineWorkerSerializer(serializers.ModelSerializer):
             "config_revision",
             "role_changed_at",
             "desired_role",
+            "role_request_seq",
+            "role_seen_seq",
+            "role_applied_seq",
             "state",
             "last_seen",
             "created_at",
@@ -219,6 +225,11 @@ class AgentRegisterResponseSerializer(serializers.Serializer):
     workers = EngineWorkerSerializer(many=True)
 
 
+class RoleAckSerializer(serializers.Serializer):
+    seen = serializers.IntegerField(min_value=0)
+    applied = serializers.IntegerField(min_value=0)
+
+
 class AgentHeartbeatSerializer(serializers.Serializer):
     host = serializers.CharField(max_length=100)
     workers = serializers.ListField(child=serializers.URLField(), required=False, default=list)
@@ -229,17 +240,29 @@ class AgentHeartbeatSerializer(serializers.Serializer):
         default=dict,
         help_text="worker URL -> the role it runs (its /server_info disaggregation_mode; null = mixed)",
     )
+    role_acks = serializers.DictField(
+        child=RoleAckSerializer(),
+        required=False,
+        default=dict,
+        help_text="worker URL -> {seen, applied}: the newest request_seq the agent has processed, and the "
+        "newest restart request it carried out",
+    )
 
 
 class RoleRestartSerializer(serializers.Serializer):
     worker_url = serializers.URLField()
     role = serializers.ChoiceField(choices=WorkerRole.choices)
+    seq = serializers.IntegerField(help_text="the request's generation (role_request_seq)")
 
 
 class AgentHeartbeatResponseSerializer(serializers.Serializer):
     workers_seen = serializers.IntegerField()
     restart = RoleRestartSerializer(
         many=True, help_text="Workers to restart in a new role (their desired_role), with that role"
+    )
+    request_seq = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text="worker URL -> its role_request_seq (the agent reports it as seen once it processed this)",
     )
 
 

@@ -134,6 +134,7 @@ class AgentHeartbeatApi(APIView):
             worker_urls=body.validated_data["workers"],
             offline_urls=body.validated_data["offline"],
             roles=body.validated_data["roles"],
+            role_acks=body.validated_data["role_acks"],
             bound_host=agent_host_scope(request.user, request.auth),
             actor=request.user,
         )

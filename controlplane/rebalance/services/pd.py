@@ -8,7 +8,7 @@ import time
 from django.conf import settings
 
 from controlplane.inventory.models import EngineWorker
-from controlplane.inventory.services import worker_role_observed, worker_role_request
+from controlplane.inventory.services import worker_role_observed, worker_role_request, worker_role_withdraw
 from controlplane.rebalance.models import Rebalance, SwitchMethod
 from controlplane.rebalance.services import canary
 from controlplane.workerclient import RouterClient, WorkerClient, WorkerError, bootstrap_host, bootstrap_info
@@ -62,16 +62,31 @@ def cannot_switch_reason(worker: EngineWorker) -> str:
     )
 
 
-def request_restart(rb: Rebalance, worker: EngineWorker, role: str, live_role: str) -> None:
+def request_restart(rb: Rebalance, worker: EngineWorker, role: str, live_role: str) -> int:
     """Ask the worker's agent to restart it in `role` (its ``desired_role``, audited; the agent reads it
-    from its next heartbeat answer). The role the worker was just seen running, `live_role`, is recorded
-    first, so a stale inventory role never turns the request into a no-op; `role` == `live_role` withdraws
-    a request not yet carried out."""
+    from its next heartbeat answer); returns the request's generation (``role_request_seq``). The role the
+    worker was just seen running, `live_role`, is recorded first, so a stale inventory role never turns the
+    request into a no-op."""
     worker_role_observed(worker=worker, role=live_role)
-    worker.refresh_from_db()
-    worker_role_request(
+    answer = worker_role_request(
         worker=worker, role=role, actor=rb.created_by, reason=f"rebalance {rb.pk}: run as {role}"
     )
+    return answer["request_seq"]
+
+
+def withdraw_restart(rb: Rebalance, worker: EngineWorker) -> int:
+    """Withdraw the worker's pending agent restart, if any (audited); returns the generation its agent must
+    report as seen before the live process can be trusted (no older request will be carried out then)."""
+    return worker_role_withdraw(
+        worker=worker, actor=rb.created_by, reason=f"rebalance {rb.pk}: restart withdrawn (rollback)"
+    )
+
+
+def agent_ack(worker: EngineWorker) -> tuple[int, int]:
+    """(seen, applied) as the worker's agent last reported them: the newest role-request generation it has
+    processed, and the newest request it carried out (restarted the worker in that role)."""
+    row = EngineWorker.objects.values("role_seen_seq", "role_applied_seq").get(pk=worker.pk)
+    return row["role_seen_seq"], row["role_applied_seq"]
 
 
 def restarted(worker: EngineWorker, role: str) -> tuple[dict | None, str]:

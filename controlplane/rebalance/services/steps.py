@@ -143,6 +143,7 @@ def _roll_back(rb: Rebalance) -> float | None:
                 rollback_cause=why,
                 explanation=f"rolling back: {why}",
                 restart_requested_at=None,
+                withdrawn_seq=None,
                 **_deadline(rb),
             ):
                 return _rollback_step(rb, step)
@@ -271,6 +272,7 @@ def _to_rollback(rb: Rebalance, step: RebalanceStep, why: str, **fields) -> floa
         rollback_cause=why,
         explanation=f"{why}; rolling back",
         restart_requested_at=None,
+        withdrawn_seq=None,
         **fields,
         **_deadline(rb),
     )
@@ -339,13 +341,13 @@ def _restart(rb: Rebalance, step: RebalanceStep, note: str = "") -> float | None
             return _fail(
                 rb, step, f"{note}worker unreadable before its restart: {exc.message}; not restarted"
             )
-        pd.request_restart(rb, worker, step.to_role, state["role"])
+        seq = pd.request_restart(rb, worker, step.to_role, state["role"])
         now = _now()
         why = f"{note}asked its agent (host {worker.host.name}) to restart it as {step.to_role}; waiting"
         RebalanceStep.objects.filter(pk=step.pk, state=S.SWITCHING).update(
-            switch_sent=True, restart_requested_at=now, explanation=why
+            switch_sent=True, restart_requested_at=now, restart_seq=seq, explanation=why
         )
-        step.switch_sent, step.restart_requested_at = True, now
+        step.switch_sent, step.restart_requested_at, step.restart_seq = True, now, seq
         return RESTART_POLL_S
     state, seen = pd.restarted(worker, step.to_role)
     if state is not None:
@@ -495,18 +497,56 @@ def _rollback_limit(rb: Rebalance, step: RebalanceStep, rejoin):
     return limit
 
 
+def _settle_restart(rb: Rebalance, step: RebalanceStep, rejoin) -> float | None:
+    """Restart method, before a rollback trusts the process /server_info answers from: withdraw the step's
+    request to the agent (a no-op once carried out) and wait, polled every RESTART_POLL_S, until the agent
+    reports having seen the withdrawal's generation (``role_seen_seq``): it has then restarted the worker
+    or never will, so the process seen next is the one that stays. None once settled; past the rollback's
+    deadline the step is rollback_failed and left out of the router (an agent that never answers might still
+    act); else the delay before the next look."""
+    if step.withdrawn_seq is None:
+        seq = pd.withdraw_restart(rb, step.worker)
+        RebalanceStep.objects.filter(pk=step.pk, state=S.ROLLING_BACK).update(withdrawn_seq=seq)
+        step.withdrawn_seq = seq
+    seen, _ = pd.agent_ack(step.worker)
+    if seen >= step.withdrawn_seq:
+        return None
+    what = (
+        f"withdrew its restart as {step.to_role} (request #{step.withdrawn_seq}); its agent has confirmed "
+        f"#{seen}"
+    )
+    if _now() >= _rollback_limit(rb, step, rejoin):
+        why = f"rollback: {what}, not #{step.withdrawn_seq} in time (it may still restart it); left out"
+        return _rollback_fail(rb, step, why, readd=False)
+    RebalanceStep.objects.filter(pk=step.pk, state=S.ROLLING_BACK).update(
+        explanation=f"rolling back ({step.rollback_cause}): {what}; waiting for it to confirm the withdrawal"
+    )
+    return RESTART_POLL_S
+
+
+def _how_back(step: RebalanceStep) -> str:
+    if step.method == SwitchMethod.RESTART and step.restart_requested_at is None:
+        return "not restarted: its agent confirmed it never carried out the withdrawn restart"
+    return _how(step)
+
+
 def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
-    """Drain (out of the router, idle), switch back (or ask its agent to restart it back and wait until it
-    runs the old role, healthy), verify, gate (health, bootstrap), re-add in the old role."""
+    """Drain (out of the router, idle; restart method: first settle the step's request with its agent, see
+    _settle_restart), switch back (or ask its agent to restart it back and wait until it runs the old role,
+    healthy), verify, gate (health, bootstrap), re-add in the old role."""
     worker = step.worker
+    rejoin = _prefill_rejoin_at(step, step.from_role)
     try:
         if pd.router_entry(rb, worker) is not None:
             pd.router_remove(rb, worker)
             RebalanceStep.objects.filter(pk=step.pk).update(drained=True)
+        if step.method == SwitchMethod.RESTART and step.restart_requested_at is None:
+            wait = _settle_restart(rb, step, rejoin)  # then the process read next is the one that stays
+            if wait is not None:
+                return wait
         state = pd.live_state(worker)
     except WorkerError as exc:
         state, seen = None, f"unreachable ({exc.message})"
-    rejoin = _prefill_rejoin_at(step, step.from_role)
     if step.restart_requested_at is not None:  # this rollback asked the agent: wait for the old role
         state, seen = pd.restarted(worker, step.from_role)
         if state is None:
@@ -536,15 +576,17 @@ def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
             waited = f"{rb.idle_timeout_s:g}s"
             if step.method == SwitchMethod.RESTART:
                 waited += f" + {settings.REBALANCE_RESTART_TIMEOUT_S:g}s for its agent's restart"
-            return _rollback_fail(rb, step, f"rollback: not back as {step.from_role} within {waited} "
-                                  f"(last seen {seen})")  # fmt: skip
+            why = f"rollback: not back as {step.from_role} within {waited} (last seen {seen})"
+            if step.restart_requested_at is not None:  # its agent may still act on it: not re-added
+                pd.withdraw_restart(rb, worker)
+                return _rollback_fail(rb, step, f"{why}; its restart withdrawn, left out of the router",
+                                      readd=False)  # fmt: skip
+            return _rollback_fail(rb, step, why)
         what = seen if step.restart_requested_at is not None else f"waiting for idle: {seen}"
         RebalanceStep.objects.filter(pk=step.pk, state=S.ROLLING_BACK).update(
             explanation=f"rolling back ({step.rollback_cause}): {what}"
         )
         return RESTART_POLL_S if step.restart_requested_at is not None else _poll()
-    if step.method == SwitchMethod.RESTART:  # withdraw a restart the agent has not carried out yet
-        pd.request_restart(rb, worker, step.from_role, state["role"])
     why = pd.gate(rb, worker, state, canary=False)
     if why:
         return _rollback_fail(rb, step, f"switched back, gate failed: {why}", readd=False)
@@ -558,7 +600,7 @@ def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
         to=S.ROLLED_BACK,
         after=state,
         drained=False,
-        explanation=f"rolled back to {step.from_role} ({_how(step)}; cause: {step.rollback_cause}); "
+        explanation=f"rolled back to {step.from_role} ({_how_back(step)}; cause: {step.rollback_cause}); "
         "verified in /server_info, health and bootstrap gates passed, re-added",
     )
     return 0
