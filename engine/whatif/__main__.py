@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("trace", help="Mooncake-format JSONL trace")
     a("--block-tokens", type=positive_int, default=512, help="tokens per hash_ids block of the trace")
-    a("--page-size", type=positive_int, default=64, help="the worker's --page-size (tokens)")
+    a("--page-size", type=positive_int, default=16, help="the worker's --page-size (tokens; the demo's 16)")
     a("--l1-tokens", type=capacity_list, default=[1_000_000], help="L1 tokens, or a comma list to sweep")
     a("--l2-tokens", type=capacity_list, default=[0], help="L2 tokens (0 = no host tier, inf = unbounded)")
     a("--l3-tokens", type=capacity_list, default=[0], help="L3 tokens (0 = no storage tier, inf = unbounded)")

@@ -79,3 +79,15 @@ def test_bad_flags_exit_2_naming_the_flag(trace, extra, message, capsys):
         main([str(trace), "--block-tokens", "8", "--no-ttft", "--kv-bytes-per-token", "2", *extra])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_page_size_defaults_to_the_demo_fleets(tmp_path, capsys):
+    """Two identical 1,010-token prompts: the second hits the whole pages of its first 1,009 tokens, 1,008
+    at the demo's page size 16 (960 at 64, the old default)."""
+    path = tmp_path / "repeat.jsonl"
+    row = {"input_length": 1010, "output_length": 4, "hash_ids": [1, 2]}
+    path.write_text("".join(json.dumps({"timestamp": i, **row}) + "\n" for i in range(2)))
+    argv = [str(path), "--l1-tokens", "100000", "--kv-bytes-per-token", "1000", "--no-ttft", "--json"]
+    assert main(argv) == 0
+    (point,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert point["l1"]["tokens_served"] == 1008
