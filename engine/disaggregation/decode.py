@@ -277,7 +277,15 @@ class DecodeKVManager(KVManagerBase):
             if fresh.rooms:
                 self._prefills[address] = fresh
                 self._contacts.submit(self._contact, fresh)
-        logger.warning("%s; %d rooms fail, %d pair anew", reason, len(lost), len(fresh.rooms))
+        logger.warning(
+            "prefill bootstrap %s restarted (start id %s -> %s): %d rooms it had accepted fail, %d pair with "
+            "the new instance",
+            address,
+            old.start_id,
+            start_id,
+            len(lost),
+            len(fresh.rooms),
+        )
         self.channel.forget(old.endpoint)
         for receiver in lost:
             self._finish(receiver, KVPoll.Failed, receiver.abort_reason or reason)

@@ -412,17 +412,13 @@ def test_a_failed_second_step_rolls_back_the_first(fleet, inventory, api_as):
     ]  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known open bug (issue 10): in 2 of the last 4 runs a client request hung 120 s (ReadTimeout) "
-    "while a switched worker was rolled back prefill -> decode; cause not found yet",
-)
 def test_a_breached_slo_rolls_back_and_an_abort_after_the_switch_finishes_the_step(fleet, inventory, api_as):
     """1P3D -> 2P2D with an ITL p90 limit no decode can meet: the switched worker passes its gates, joins
     the router, and the client traffic's inter-token gaps during the soak breach the limit: the step rolls
-    back and the rebalance ends rolled_back at 1P3D. Then the same move again (the same worker: it waits
-    until the decodes forgot it as a prefill) is aborted while it soaks: past its safe point, the step
-    finishes and the rebalance ends aborted with it kept: 2P2D, every worker in the router in its role."""
+    back and the rebalance ends rolled_back at 1P3D. Then the same move again (the same worker, a prefill
+    again seconds after it stopped being one: the decodes re-pair with its new bootstrap instance) is
+    aborted while it soaks: past its safe point, the step finishes and the rebalance ends aborted with it
+    kept: 2P2D, every worker in the router in its role."""
     router, _ = inventory
     before = _roles(fleet)
     assert _split(before) == (1, 3)

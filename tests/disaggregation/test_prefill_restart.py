@@ -81,6 +81,10 @@ def test_a_room_the_old_instance_had_accepted_fails_naming_p(backend, victim, ro
     try:
         receiver = _pair(victim, decode, room, [1], [1])
         assert victim.call("wait", room=room, states=[int(KVPoll.WaitingForInput)])["state"] == 2
+        deadline = time.monotonic() + 10
+        while not receiver.acked:  # P's transfer_ack reached D (a close drops an ack still queued)
+            assert time.monotonic() < deadline, "P never acknowledged the transfer info"
+            time.sleep(0.005)
         _restart(victim)  # the room was accepted by the instance that is gone: its KV never comes
         assert wait_terminal(receiver, timeout=10) == KVPoll.Failed
         reason = receiver.failure_exception().reason
