@@ -4,7 +4,9 @@ A query at absolute position p of a sequence sees every key of that sequence wit
 ``req_slots[i]`` in position order, so key j has position j). Grouped-query attention maps KV head j to query
 heads ``j*g .. j*g+g-1`` (HF ``repeat_kv``). Prefill chunks repeat K/V heads (keeps torch on its fused CPU
 kernel) and get one SDPA call each (no padding waste); the decodes of a batch share one padded SDPA call in
-which the g query heads of a KV head attend as g queries, so K/V are never repeated.
+which the g query heads of a KV head attend as g queries, so K/V are never repeated. A batch of decodes only
+reads its K/V from buffers staged across steps (``staged_decode.py``: copied from the pool once, then one
+token appended per step), unless they would be too large; then they are gathered per layer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.model.attention.base import AttentionBackend
+from engine.model.attention.staged_decode import DecodeStage
 from engine.model.forward_batch import ForwardBatch
 
 
@@ -45,6 +48,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._extends: list[_Extend] = []
         self._decode: _Decode | None = None
         self._single = False
+        self._stage = DecodeStage()
 
     @staticmethod
     def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -65,7 +69,10 @@ class TorchAttentionBackend(AttentionBackend):
         if batch.is_decode and min(batch.seq_lens_cpu) > 1:  # all decode: tensors as they are, no loop
             self._extends, self._single = [], False
             self._decode = self._build_decode(batch.req_to_token, batch.seq_lens, batch.seq_lens_cpu, None)
+            smax = self._decode.shape[1]
+            self._stage.plan(batch.req_to_token[:, :smax], batch.seq_lens, self._decode.mask)
             return
+        self._stage.reset()
         self._extends, decode_rows, start = [], [], 0
         positions = batch.positions
         for i, (seq_len, ext) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu, strict=True)):
@@ -122,6 +129,10 @@ class TorchAttentionBackend(AttentionBackend):
             out[ext.start : ext.end] = self._extend(q[ext.start : ext.end], k_buf, v_buf, ext)
         dec = self._decode
         if dec is not None and dec.token_index is None:
+            self._stage.begin(kv_pool)  # decides at the first layer of the batch, no-op for the others
+            if self._stage.active:
+                keys, values = self._stage.layer_kv(layer_id, k, v, k_buf, v_buf)
+                return self._attend(q, keys, values, dec)
             return self._decode_attend(q, k_buf, v_buf, dec)
         if dec is not None:
             out[dec.token_index] = self._decode_attend(q[dec.token_index], k_buf, v_buf, dec)
@@ -158,9 +169,18 @@ class TorchAttentionBackend(AttentionBackend):
         torch.index_select(k_buf, 0, dec.slots, out=dec.keys)
         torch.index_select(v_buf, 0, dec.slots, out=dec.values)
         bd, smax = dec.shape
+        keys = dec.keys.view(bd, smax, self.num_kv_heads, self.head_dim)
+        return self._attend(q, keys, dec.values.view(keys.shape), dec)
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dec: _Decode
+    ) -> torch.Tensor:
+        """Decode queries ``q`` ``(Bd, num_heads, head_dim)`` over ``keys``/``values``
+        ``(Bd, Smax, num_kv_heads, head_dim)``, masked by ``dec.mask``."""
+        bd = dec.shape[0]
         group = self.num_heads // self.num_kv_heads
-        keys = dec.keys.view(bd, smax, self.num_kv_heads, self.head_dim).to(q.dtype).transpose(1, 2)
-        values = dec.values.view(bd, smax, self.num_kv_heads, self.head_dim).to(q.dtype).transpose(1, 2)
+        keys = keys.to(q.dtype).transpose(1, 2)
+        values = values.to(q.dtype).transpose(1, 2)
         queries = q.reshape(bd, self.num_kv_heads, group, self.head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=dec.mask, scale=self.scale)
         return out.reshape(bd, self.num_heads, self.head_dim)
