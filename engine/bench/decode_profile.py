@@ -16,7 +16,7 @@
 The breakdown's times are this process's CPU time (``time.process_time``, all threads): on a shared machine
 other jobs stretch wall time but not the CPU a step consumes.
 
-HTTP/SSE cost is not here: py-spy over a loaded server shows it (see docs/benchmarks.md).
+HTTP/SSE cost is not here: ``engine.bench.serve_profile`` samples a loaded server's threads for it.
 """
 
 from __future__ import annotations
