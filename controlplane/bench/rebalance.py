@@ -2,14 +2,18 @@
 traffic with no rebalance, in the same run.
 
     python -m controlplane.bench.rebalance [--clients 2] [--baseline-s 20] [--soak-s 5] [--redis-url URL]
+                                           [--method switch|restart]
 
-Three real SmolLM2 engines (--enable-pd-role-switch, Mooncake over TCP) behind the real sglang-router in PD
-mode (deploy/router.py ROUTER_FLAGS), a real Celery worker on Redis, a fresh SQLite database and a random
-key prefix/queue. Phases, interleaved so machine noise hits both sides: baseline, rebalance to 1P2D,
-baseline, rebalance back to 2P1D. In each phase `--clients` clients stream /generate through the router
-back to back (greedy, 16 tokens); client-visible TTFT is the time to the first streamed chunk, ITL the gaps
-between later chunks; a request fails on a non-200, a broken stream or a text other than the greedy text
-recorded before. Reported: time per step (started -> finished: drain, switch, gates, soak) and for the whole
+Three real SmolLM2 engines (Mooncake over TCP) behind the real sglang-router in PD mode (deploy/router.py
+ROUTER_FLAGS), a real Celery worker on Redis, a fresh SQLite database and a random key prefix/queue. Method
+`switch` (default): the engines run with --enable-pd-role-switch and each step switches in place; `restart`:
+they run without it, launched by a real `kvfleet-agent run` talking to the control plane's API under daphne
+(controlplane/bench/agent_fleet.py), and each step's agent restarts its worker in the new role. Phases,
+interleaved so machine noise hits both sides: baseline, rebalance to 1P2D, baseline, rebalance back to
+2P1D. In each phase `--clients` clients stream /generate through the router back to back (greedy, 16
+tokens); client-visible TTFT is the time to the first streamed chunk, ITL the gaps between later chunks; a
+request fails on a non-200, a broken stream or a text other than the greedy text recorded before.
+Reported: time per step (started -> finished: drain, switch or restart, gates, soak) and for the whole
 rebalance (created -> finished), TTFT/ITL p50/p90 during each rebalance and during the baselines, their
 ratios, and failed requests (target 0).
 """
@@ -28,9 +32,12 @@ from pathlib import Path
 
 import httpx
 
+from controlplane.bench import agent_fleet
+
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--random-seed", "0", "--enable-metrics",
-         "--max-total-tokens", "2048", "--enable-pd-role-switch"]  # fmt: skip
+         "--max-total-tokens", "2048"]  # fmt: skip
+ROLES = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
 PROMPTS = [
     f"Story {i}: the lighthouse keeper counted the ships that passed in the night, and" for i in range(8)
 ]
@@ -135,21 +142,31 @@ def _summary(load: Load) -> dict:
     }
 
 
-def _start_fleet(engines: list) -> tuple[dict, subprocess.Popen, str]:
-    from deploy.router import router_command
+def _start_engines(engines: list) -> dict[str, str]:
+    """Switch method: the three engines with --enable-pd-role-switch (appended to `engines`); name -> URL."""
     from engine.bench.launcher import ServerProcess, free_port
 
-    procs = {}
-    for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+    urls = {}
+    for name, role in ROLES.items():
         port_flag = ["--disaggregation-bootstrap-port", str(free_port())]
-        procs[name] = ServerProcess([*FLAGS, "--disaggregation-mode", role, *port_flag], timeout=600)
-        procs[name].__enter__()
-        engines.append(procs[name])
+        proc = ServerProcess([*FLAGS, "--enable-pd-role-switch", "--disaggregation-mode", role, *port_flag],
+                             timeout=600)  # fmt: skip
+        proc.__enter__()
+        engines.append(proc)
+        urls[name] = proc.url
+    return urls
+
+
+def _start_router(urls: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    from deploy.router import router_command
+    from engine.bench.launcher import free_port
+
     args = ["--pd-disaggregation", "--policy", "round_robin"]
-    for name in ("p0", "p1"):
-        bp = httpx.get(f"{procs[name].url}/server_info").json()["disaggregation_bootstrap_port"]
-        args += ["--prefill", procs[name].url, str(bp)]
-    args += ["--decode", procs["d0"].url]
+    for name, role in ROLES.items():
+        if role == "prefill":
+            bp = httpx.get(f"{urls[name]}/server_info").json()["disaggregation_bootstrap_port"]
+            args += ["--prefill", urls[name], str(bp)]
+    args += [arg for name, role in ROLES.items() if role == "decode" for arg in ("--decode", urls[name])]
     port = free_port()
     router = subprocess.Popen(router_command(args, port, free_port()),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -157,12 +174,24 @@ def _start_fleet(engines: list) -> tuple[dict, subprocess.Popen, str]:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            if len(httpx.get(f"{url}/workers", timeout=2).json()["workers"]) == 3:
-                return procs, router, url
+            if len(httpx.get(f"{url}/workers", timeout=2).json()["workers"]) == len(urls):
+                return router, url
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    raise RuntimeError("router did not list the three workers")
+    raise RuntimeError(f"router did not list the {len(urls)} workers")
+
+
+def _phases(step, soak_s: float) -> str:
+    """Where a succeeded step's time went (s): drain + switch (started -> the new role read back), gates +
+    router re-add (-> the soak began: soak_until - soak_s), soak (-> finished)."""
+    if step.switched_at is None or step.soak_until is None:
+        return ""
+    soak_start = step.soak_until.timestamp() - soak_s
+    drain = step.switched_at.timestamp() - step.started_at.timestamp()
+    gates = soak_start - step.switched_at.timestamp()
+    soak = step.finished_at.timestamp() - soak_start
+    return f"drain+switch {drain:.1f}, gates+re-add {gates:.1f}, soak {soak:.1f}"
 
 
 def _rebalance(router_row, target: dict, soak_s: float, limit_s: float = 600) -> dict:
@@ -177,7 +206,7 @@ def _rebalance(router_row, target: dict, soak_s: float, limit_s: float = 600) ->
         time.sleep(0.2)
     steps = [
         {"worker": s.worker.name, "move": f"{s.from_role}->{s.to_role}", "state": s.state,
-         "seconds": (s.finished_at - s.started_at).total_seconds()}
+         "seconds": (s.finished_at - s.started_at).total_seconds(), "phases": _phases(s, rb.soak_s)}
         for s in rb.steps.select_related("worker").order_by("index")
     ]  # fmt: skip
     return {"state": rb.state, "seconds": (rb.finished_at - rb.created_at).total_seconds(), "steps": steps,
@@ -190,6 +219,13 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline-s", type=float, default=20.0, help="length of each baseline phase (s)")
     parser.add_argument("--soak-s", type=float, default=5.0, help="soak per step (s)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    parser.add_argument(
+        "--method",
+        choices=("switch", "restart"),
+        default="switch",
+        help="switch: engines with --enable-pd-role-switch, switched in place; restart: engines without it, "
+        "run by a real kvfleet-agent (the control plane's API under daphne), restarted in the new role",
+    )
     args = parser.parse_args(argv)
     if args.clients < 1 or args.baseline_s <= 0 or args.soak_s < 0:
         parser.error("--clients must be >= 1, --baseline-s > 0, --soak-s >= 0")
@@ -200,15 +236,22 @@ def main(argv=None) -> int:
         cwd=REPO, env=env, stdout=subprocess.DEVNULL,
     )  # fmt: skip
     engines: list = []
+    agent_procs: list = []
     router = None
     try:
-        procs, router, url = _start_fleet(engines)
         from controlplane.inventory.models import EngineWorker, Router
 
+        if args.method == "restart":
+            base = agent_fleet.start_control_plane(env, agent_procs)
+            urls = agent_fleet.start_agent(base, env, ROLES, agent_procs)
+        else:
+            urls = _start_engines(engines)
+        router, url = _start_router(urls)
         row = Router.objects.create(name="bench-pd", url=url, mode="pd")
-        for name, proc in procs.items():
-            role = "decode" if name == "d0" else "prefill"
-            EngineWorker.objects.create(name=name, url=proc.url, router=row, role=role)
+        for name, worker_url in urls.items():
+            EngineWorker.objects.update_or_create(
+                url=worker_url, defaults={"name": name, "router": row, "role": ROLES[name]}
+            )
         expected = {}
         for text in PROMPTS:
             answer = httpx.post(f"{url}/generate", json={"text": text, "sampling_params": SP}, timeout=120)
@@ -228,18 +271,23 @@ def main(argv=None) -> int:
             router.terminate()
         for proc in engines:
             proc.__exit__(None, None, None)
+        agent_fleet.stop(agent_procs)
         celery.terminate()
         celery.wait(20)
     base = [p for p in phases if p["kind"] == "baseline"]
     ref = {k: statistics.mean(p[k] for p in base) for k in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")}
-    print(f"baseline (mean of {len(base)}): " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in ref.items()))
+    print(
+        f"method {args.method}; baseline (mean of {len(base)}): "
+        + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in ref.items())
+    )
     for p in phases:
         line = f"{p['kind']:9s} requests {p['requests']:4d} failed {p['failed']}"
         line += "".join(f", {k} {p[k] * 1000:.0f} ms (x{p[k] / ref[k]:.2f})" for k in ref)
         print(line)
         if p["kind"] == "rebalance":
             steps = "; ".join(
-                f"{s['worker']} {s['move']} {s['state']} {s['seconds']:.1f} s" for s in p["steps"]
+                f"{s['worker']} {s['move']} {s['state']} {s['seconds']:.1f} s [{s['phases']}]"
+                for s in p["steps"]
             )
             print(f"  -> {p['target']}: {p['state']} in {p['seconds']:.1f} s (steps: {steps})")
         if p["failures"]:
