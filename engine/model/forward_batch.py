@@ -33,6 +33,11 @@ class ForwardBatch:
     - ``seq_lens_cpu``, ``extend_lens_cpu``: the same lengths as B host ints (extend length 1 for a decode).
     - ``layer_hook``: optional ``hook(layer_id)`` called before the attention of each layer (the scheduler
       passes the cache's ``wait_layer`` so KV load-back overlaps with compute).
+    - ``seq_keys``: optional, one object per sequence that stands for the KV it owns (the scheduler passes
+      each request's ``KVLease``), compared by identity across decode steps: a backend that keeps K/V
+      between steps (the torch backend's staged decode) reuses them only for the same objects, so a new
+      sequence on slots freed by another (a PD decode worker receives KV without a forward pass) is never
+      mistaken for it. None: only the slots and lengths are compared.
 
     Tensors live on the model's device. Raises ``ValueError`` when the lengths disagree.
     """
@@ -46,6 +51,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     layer_hook: Callable[[int], None] | None = None
+    seq_keys: tuple | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.shape[0]
@@ -66,6 +72,8 @@ class ForwardBatch:
                 f"seq_lens {tuple(self.seq_lens.shape)}, cu_seqlens {tuple(self.cu_seqlens.shape)} and "
                 f"req_to_token {tuple(self.req_to_token.shape)} do not fit {b} sequences"
             )
+        if self.seq_keys is not None and len(self.seq_keys) != b:
+            raise ValueError(f"{len(self.seq_keys)} seq_keys for {b} sequences")
         if sum(self.extend_lens_cpu) != num_tokens:
             raise ValueError(
                 f"sum(extend_lens) = {sum(self.extend_lens_cpu)} but the batch has {num_tokens} tokens"
@@ -99,11 +107,13 @@ class ForwardBatch:
         req_slots: Sequence[torch.Tensor],
         layer_hook: Callable[[int], None] | None = None,
         device: str | torch.device = "cpu",
+        seq_keys: Sequence | None = None,
     ) -> ForwardBatch:
         """A decode step: one new token per sequence (``last_token_ids[i]``, whose slot is the last of
-        ``req_slots[i]``). Same batch as ``from_sequences([[t] for t in last_token_ids], req_slots)``, built
-        with a fixed number of tensor ops whatever the batch size (one padded copy of the slot lists; the
-        positions, ``out_cache_loc`` and offsets are derived from the lengths as tensors)."""
+        ``req_slots[i]``; ``seq_keys`` as in the class docstring). Same batch as
+        ``from_sequences([[t] for t in last_token_ids], req_slots)``, built with a fixed number of tensor ops
+        whatever the batch size (one padded copy of the slot lists; the positions, ``out_cache_loc`` and
+        offsets are derived from the lengths as tensors)."""
         device = torch.device(device)
         seq_lens = [int(s.shape[0]) for s in req_slots]
         if len(last_token_ids) != len(seq_lens) or not seq_lens:
@@ -122,6 +132,7 @@ class ForwardBatch:
             seq_lens,
             [1] * len(seq_lens),
             layer_hook,
+            None if seq_keys is None else tuple(seq_keys),
         )
 
     @classmethod

@@ -440,6 +440,7 @@ class Scheduler:
                 [r.kv.indices[: r.kv.num_computed + 1] for r in reqs],
                 self.cache.wait_layer if self.hierarchical else None,
                 self.pool.device,
+                seq_keys=[r.kv for r in reqs],  # a request's lease: the KV it owns, new per admission
             )
             logits = self._forward(batch)
         except Exception as exc:

@@ -1,7 +1,8 @@
 """Decode K/V staged across steps (``engine/model/attention/staged_decode.py``) give exactly the logits of
 gathering from the pool every step, whatever the next batch is: the same sequences one longer, one leaving,
 one joining after a prefill, rows reordered, other sequences with the lengths the staged ones would have next,
-another pool with the same slots, a row outgrowing the staged capacity."""
+another pool with the same slots, a row outgrowing the staged capacity, a new sequence (another
+``seq_keys`` object) whose K/V were written onto the slots of the one it replaces."""
 
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ class Pair:
             runner.forward(ForwardBatch.from_sequences([ids], [slots]), pool)
         self.seqs[name] = (ids, slots)
 
-    def decode(self, names: list[str], staged_pool: DeviceKVPool | None = None) -> None:
-        """One decode step of ``names`` (in that order) on both; their logits must be equal."""
+    def decode(
+        self, names: list[str], staged_pool: DeviceKVPool | None = None, keys: list | None = None
+    ) -> None:
+        """One decode step of ``names`` (in that order, ``keys`` as their ``seq_keys``) on both; their logits
+        must be equal."""
         last, slots = [], []
         for name in names:
             ids, s = self.seqs[name]
@@ -47,7 +51,8 @@ class Pair:
             self.seqs[name] = (ids, s)
             last.append(ids[-1])
             slots.append(s)
-        got = self.staged.forward(ForwardBatch.for_decode(last, slots), staged_pool or self.pools["staged"])
+        batch = ForwardBatch.for_decode(last, slots, seq_keys=keys)
+        got = self.staged.forward(batch, staged_pool or self.pools["staged"])
         want = self.gathered.forward(ForwardBatch.for_decode(last, slots), self.pools["gathered"])
         assert torch.equal(got, want), (names, (got - want).abs().max().item())
         for name, tok in zip(names, want.argmax(-1).tolist(), strict=True):
@@ -88,3 +93,21 @@ def test_staged_decode_refills_for_another_pool(tiny_models):
     pair.decode(["a", "b"], staged_pool=other)
     pair.pools["staged"] = other
     pair.decode(["a", "b"])
+
+
+def test_a_new_sequence_on_freed_slots_is_refilled(tiny_models):
+    """As on a PD decode worker: b's K/V land on the slots a held (no prefill batch in between) and b's first
+    decode step looks like a's next one; b's own ``seq_keys`` object makes it a refill."""
+    pair = Pair(tiny_models["llama"][0])
+    pair.prefill("a", 10, seed=6)
+    lease_a, lease_b = object(), object()
+    pair.decode(["a"], keys=[lease_a])
+    pair.decode(["a"], keys=[lease_a])
+    ids, slots = pair.seqs["a"]
+    for pool in pair.pools.values():  # other K/V on a's slots, as a transfer writes them
+        pool.kv_buffer[:, :, slots] = torch.randn(
+            pool.kv_buffer[:, :, slots].shape, generator=torch.Generator()
+        )
+    pair.seqs["b"] = (list(ids), slots)
+    pair.decode(["b"], keys=[lease_b])
+    pair.decode(["b"], keys=[lease_b])

@@ -5,15 +5,18 @@ from the pool through the page table copies all of them in every layer of every 
 tokens that is 2.8 MB per layer, about a fifth of an fp32 decode step here). ``DecodeStage`` keeps, per
 layer, a buffer ``(Bd, capacity, num_kv_heads, head_dim)`` of the decode batch's K/V. While each step is the
 previous step's sequences one token longer (same page-table rows up to the old lengths, every length + 1,
-the same pool, room left), a layer only appends the new token's K/V there and reads the buffer; any other
-batch (a sequence joins or leaves, a prefill or mixed batch in between, a row outgrowing ``capacity``)
-refills the buffers from the pool, with ``STAGE_HEADROOM`` tokens of room per row. Rows past a sequence's
-length hold finite values (the padding slot's, or zero) that the attention mask hides.
+the same pool, the same ``ForwardBatch.seq_keys`` when given, room left), a layer only appends the new
+token's K/V there and reads the buffer; any other batch (a sequence joins or leaves, a prefill or mixed batch
+in between, a row outgrowing ``capacity``) refills the buffers from the pool, with ``STAGE_HEADROOM`` tokens
+of room per row. Rows past a sequence's length hold finite values (the padding slot's, or zero) that the
+attention mask hides. The scheduler passes each request's ``KVLease`` as its ``seq_key``, so a new request
+whose KV arrived on slots another one just freed (a PD decode worker receives KV without a forward pass, so
+no prefill batch comes in between) is refilled even when its slots and length look like the old one's.
 
 The buffers are exact copies of the pool's rows, so attention over them equals attention over a fresh gather.
 They cost ``Bd x capacity x pool.bytes_per_token`` bytes; above ``STAGE_MAX_BYTES`` (or the ``max_bytes`` of
 a ``DecodeStage``) a batch is not staged and the backend gathers per step as before. Pool rows of a decoding
-sequence change only through its own new tokens (its slots are leased to it), which is what keeps the copies
+sequence change only through its own new tokens while it holds its slots, which is what keeps the copies
 valid between steps.
 """
 
@@ -39,6 +42,7 @@ class DecodeStage:
         self._values: list[torch.Tensor] = []
         self._table: torch.Tensor | None = None  # (Bd, Smax) rows held, zero past each length
         self._lens: torch.Tensor | None = None  # (Bd,)
+        self._seq_keys: tuple | None = None  # the batch's ``seq_keys`` (kept alive, compared with ``is``)
         self._next: tuple[torch.Tensor, torch.Tensor, bool] | None = None  # this batch: table, lens, extends
         self._refill = False  # this batch: copy whole rows in every layer (else append one token)
         self._layers_done = 0  # layers of the current batch whose buffers are up to date
@@ -48,17 +52,32 @@ class DecodeStage:
 
     def reset(self) -> None:
         """A batch that is not all decodes ran: the next decode batch refills (buffers are kept for reuse)."""
-        self._table = self._lens = self._next = None
+        self._table = self._lens = self._next = self._seq_keys = None
         self._active = False
 
-    def plan(self, table: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor | None) -> None:
+    def plan(
+        self,
+        table: torch.Tensor,
+        lens: torch.Tensor,
+        mask: torch.Tensor | None,
+        seq_keys: tuple | None = None,
+    ) -> None:
         """A decode batch: page-table rows ``table`` ``(Bd, Smax)`` (cut to the longest sequence), lengths
-        ``lens`` ``(Bd,)`` and the padding mask ``(Bd, 1, 1, Smax)`` (None when all have length Smax)."""
+        ``lens`` ``(Bd,)``, the padding mask ``(Bd, 1, 1, Smax)`` (None when all have length Smax) and the
+        ``ForwardBatch.seq_keys`` (None: slots and lengths alone decide)."""
         if mask is not None:
             table = table.masked_fill(~mask[:, 0, 0, :], 0)
-        old = self._table
+        old, old_keys = self._table, self._seq_keys
+        same_keys = (seq_keys is None and old_keys is None) or (
+            seq_keys is not None
+            and old_keys is not None
+            and len(seq_keys) == len(old_keys)
+            and all(a is b for a, b in zip(seq_keys, old_keys, strict=True))
+        )
+        self._seq_keys = seq_keys
         extends = (
-            old is not None
+            same_keys
+            and old is not None
             and self._layers_done == len(self._keys)  # the previous batch ran through every layer
             and old.shape == (table.shape[0], table.shape[1] - 1)
             and torch.equal(self._lens + 1, lens)

@@ -70,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._extends, self._single = [], False
             self._decode = self._build_decode(batch.req_to_token, batch.seq_lens, batch.seq_lens_cpu, None)
             smax = self._decode.shape[1]
-            self._stage.plan(batch.req_to_token[:, :smax], batch.seq_lens, self._decode.mask)
+            self._stage.plan(batch.req_to_token[:, :smax], batch.seq_lens, self._decode.mask, batch.seq_keys)
             return
         self._stage.reset()
         self._extends, decode_rows, start = [], [], 0
