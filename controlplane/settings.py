@@ -192,11 +192,6 @@ REBALANCE_SOAK_S = float(os.environ.get("REBALANCE_SOAK_S", "30"))
 REBALANCE_IDLE_TIMEOUT_S = float(os.environ.get("REBALANCE_IDLE_TIMEOUT_S", "120"))
 REBALANCE_CANARY_TIMEOUT_S = float(os.environ.get("REBALANCE_CANARY_TIMEOUT_S", "30"))
 REBALANCE_ROUTER_JOIN_TIMEOUT_S = float(os.environ.get("REBALANCE_ROUTER_JOIN_TIMEOUT_S", "60"))
-# A worker becomes a prefill (a step or a rollback) only this long after it last left that role: decodes keep
-# a prefill's bootstrap entry (rank endpoints, transfer session) until their heartbeat misses it twice
-# (upstream SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL 5 s x HEARTBEAT_MAX_FAILURE 2), and a prefill back on
-# the same bootstrap port within that window would be paired through the stale entry (requests hang).
-REBALANCE_PREFILL_REJOIN_GRACE_S = float(os.environ.get("REBALANCE_PREFILL_REJOIN_GRACE_S", "15"))
 # A step whose engine cannot switch in place asks the worker's agent to restart it in the new role (the
 # agent reads it from its next heartbeat answer, stops the engine, starts it again and waits for /health):
 # how long the step waits for /server_info to report that role with /health answering.

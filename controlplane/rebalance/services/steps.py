@@ -15,7 +15,6 @@ rebalance rolls back every finished step, newest first, unless `rollback` is fal
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import Max
 from django.utils import timezone
 
 from controlplane.inventory.services import worker_role_observed
@@ -235,12 +234,11 @@ def _idle(rb: Rebalance, step: RebalanceStep) -> tuple[bool, str]:
 def _drain(rb: Rebalance, step: RebalanceStep) -> float | None:
     if Rebalance.objects.filter(pk=rb.pk, abort_requested=True).exists():
         return _abort_step(rb, step)
-    rejoin = _prefill_rejoin_at(step, step.to_role)
-    idle, seen = _hold_for_rejoin(*_idle(rb, step), rejoin)
+    idle, seen = _idle(rb, step)
     if idle:
         step_transition(step, to=S.SWITCHING, explanation=f"idle; switching to {step.to_role}")
         return _switch(rb, step)
-    if _now() >= _wait_limit(rb, step, rejoin):
+    if _now() >= step.idle_deadline_at:
         return _fail(rb, step, f"not idle within {rb.idle_timeout_s:g}s (last seen {seen}); not switched")
     RebalanceStep.objects.filter(pk=step.pk, state=S.DRAINING).update(
         polls=step.polls + 1, explanation=f"removed from router; waiting for idle: {seen}"
@@ -458,46 +456,16 @@ def _rollback_fail(rb: Rebalance, step: RebalanceStep, why: str, *, readd: bool 
     return 0
 
 
-def _prefill_rejoin_at(step: RebalanceStep, role: str):
-    """When the step's worker may become a prefill (`role`) again: REBALANCE_PREFILL_REJOIN_GRACE_S after
-    it last stopped being one (a switch away from prefill, or a switch to prefill that was rolled back), as
-    its rebalance steps record; None when no wait applies."""
-    if role != "prefill":
-        return None
-    mine = RebalanceStep.objects.filter(worker_id=step.worker_id)
-    left = [
-        mine.filter(from_role="prefill", switched_at__isnull=False).aggregate(t=Max("switched_at"))["t"],
-        mine.filter(
-            to_role="prefill", switch_sent=True, state__in=(S.ROLLED_BACK, S.ROLLBACK_FAILED)
-        ).aggregate(t=Max("finished_at"))["t"],
-    ]
-    left = [t for t in left if t is not None]
-    return max(left) + timedelta(seconds=settings.REBALANCE_PREFILL_REJOIN_GRACE_S) if left else None
-
-
-def _hold_for_rejoin(idle: bool, seen: str, rejoin) -> tuple[bool, str]:
-    if idle and rejoin is not None and _now() < rejoin:
-        return False, f"idle; becomes a prefill at {rejoin:%H:%M:%S} (decodes' heartbeat forgets it first)"
-    return idle, seen
-
-
-def _wait_limit(rb: Rebalance, step: RebalanceStep, rejoin):
-    """The idle deadline, moved past the rejoin time by idle_timeout_s when the worker waits for it."""
-    if rejoin is None:
-        return step.idle_deadline_at
-    return max(step.idle_deadline_at, rejoin + timedelta(seconds=rb.idle_timeout_s))
-
-
-def _rollback_limit(rb: Rebalance, step: RebalanceStep, rejoin):
-    """How long a rollback may wait: the idle deadline (moved for a prefill rejoin), plus, for the restart
-    method, REBALANCE_RESTART_TIMEOUT_S for the agent's restart."""
-    limit = _wait_limit(rb, step, rejoin)
+def _rollback_limit(step: RebalanceStep):
+    """How long a rollback may wait: the idle deadline, plus, for the restart method,
+    REBALANCE_RESTART_TIMEOUT_S for the agent's restart."""
+    limit = step.idle_deadline_at
     if step.method == SwitchMethod.RESTART:
         limit += timedelta(seconds=settings.REBALANCE_RESTART_TIMEOUT_S)
     return limit
 
 
-def _settle_restart(rb: Rebalance, step: RebalanceStep, rejoin) -> float | None:
+def _settle_restart(rb: Rebalance, step: RebalanceStep) -> float | None:
     """Restart method, before a rollback trusts the process /server_info answers from: withdraw the step's
     request to the agent (a no-op once carried out) and wait, polled every RESTART_POLL_S, until the agent
     reports having seen the withdrawal's generation (``role_seen_seq``): it has then restarted the worker
@@ -515,7 +483,7 @@ def _settle_restart(rb: Rebalance, step: RebalanceStep, rejoin) -> float | None:
         f"withdrew its restart as {step.to_role} (request #{step.withdrawn_seq}); its agent has confirmed "
         f"#{seen}"
     )
-    if _now() >= _rollback_limit(rb, step, rejoin):
+    if _now() >= _rollback_limit(step):
         why = f"rollback: {what}, not #{step.withdrawn_seq} in time (it may still restart it); left out"
         return _rollback_fail(rb, step, why, readd=False)
     RebalanceStep.objects.filter(pk=step.pk, state=S.ROLLING_BACK).update(
@@ -535,13 +503,12 @@ def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
     _settle_restart), switch back (or ask its agent to restart it back and wait until it runs the old role,
     healthy), verify, gate (health, bootstrap), re-add in the old role."""
     worker = step.worker
-    rejoin = _prefill_rejoin_at(step, step.from_role)
     try:
         if pd.router_entry(rb, worker) is not None:
             pd.router_remove(rb, worker)
             RebalanceStep.objects.filter(pk=step.pk).update(drained=True)
         if step.method == SwitchMethod.RESTART and step.restart_requested_at is None:
-            wait = _settle_restart(rb, step, rejoin)  # then the process read next is the one that stays
+            wait = _settle_restart(rb, step)  # then the process read next is the one that stays
             if wait is not None:
                 return wait
         state = pd.live_state(worker)
@@ -552,7 +519,7 @@ def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
         if state is None:
             seen = f"waiting for its agent to restart it as {step.from_role}: {seen}"
     elif state is not None and state["role"] != step.from_role:
-        idle, seen = _hold_for_rejoin(*_idle(rb, step), rejoin)
+        idle, seen = _idle(rb, step)
         if idle and step.method == SwitchMethod.RESTART:
             pd.request_restart(rb, worker, step.from_role, state["role"])
             RebalanceStep.objects.filter(pk=step.pk, state=S.ROLLING_BACK).update(
@@ -572,7 +539,7 @@ def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
             except WorkerError as exc:
                 seen = f"switch back got no answer ({exc.message})"
     if state is None or state["role"] != step.from_role:
-        if _now() >= _rollback_limit(rb, step, rejoin):
+        if _now() >= _rollback_limit(step):
             waited = f"{rb.idle_timeout_s:g}s"
             if step.method == SwitchMethod.RESTART:
                 waited += f" + {settings.REBALANCE_RESTART_TIMEOUT_S:g}s for its agent's restart"
