@@ -37,6 +37,7 @@ from engine.disaggregation.bootstrap import START_ID_HEADER
 from engine.disaggregation.common import (
     BOOTSTRAP_HTTP_TIMEOUT,
     INFO_QUERY,
+    LOOPBACK_HOSTS,
     KVManagerBase,
     RoomState,
     bootstrap_address,
@@ -143,6 +144,8 @@ class DecodeKVManager(KVManagerBase):
     ) -> None:
         self._receivers: dict[int, KVReceiver] = {}
         self._prefills: dict[str, _Prefill] = {}
+        # the bootstrap port this process served as a prefill before a role switch (set by the switch)
+        self.former_bootstrap_port: int | None = None
         self._contacts = ThreadPoolExecutor(CONTACT_THREADS, thread_name_prefix="pd-decode-bootstrap")
         self._client = httpx.Client(timeout=BOOTSTRAP_HTTP_TIMEOUT)
         self._stop = threading.Event()
@@ -158,15 +161,26 @@ class DecodeKVManager(KVManagerBase):
         """Open room ``bootstrap_room`` towards the prefill at ``bootstrap_host:bootstrap_port``.
 
         Never blocks: first contact with that prefill runs on a pool thread. Raises ``ValueError``
-        on a bad host, port or room, or a room that is already active here.
+        on a bad host, port or room, or a room that is already active here. A room naming the bootstrap
+        port this worker served before it switched to decode (on a local host name) is Failed at once:
+        the router picked this worker as the prefill, and no bootstrap server runs there now.
         """
         address = bootstrap_address(bootstrap_host, bootstrap_port)
         check_room(bootstrap_room)
         receiver = KVReceiver(self, address, bootstrap_room)
+        local = bootstrap_host.strip("[]") in (self.host, *LOOPBACK_HOSTS)
+        mine = local and bootstrap_port == self.former_bootstrap_port
         with self._lock:
             if bootstrap_room in self._receivers:
                 raise ValueError(f"bootstrap room {bootstrap_room} is already active on this decode")
             self._receivers[bootstrap_room] = receiver
+            if mine:
+                receiver.state = KVPoll.Failed
+                receiver.reason = (
+                    f"bootstrap {address} is this worker's own, which is a decode now: the request was "
+                    "sent here as its prefill (the worker switched roles after the router picked it)"
+                )
+                return receiver
             prefill = self._prefills.get(address)
             if prefill is None:
                 prefill = self._prefills[address] = _Prefill(address)

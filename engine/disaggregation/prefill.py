@@ -32,6 +32,7 @@ from engine.disaggregation.bootstrap import BootstrapServer
 from engine.disaggregation.common import (
     BOOTSTRAP_HTTP_TIMEOUT,
     INFO_QUERY,
+    LOOPBACK_HOSTS,
     KVManagerBase,
     RoomState,
     check_room,
@@ -43,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 REGISTER_TRIES = 5  # upstream: 5 tries, exponential backoff from 1 s, up to 30 s, with jitter
 FAILED_ROOM_MEMORY_S = 60.0  # how long a room that failed on P answers a late transfer info with Failed
-_LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
 
 class KVSender(RoomState):
@@ -244,7 +244,7 @@ class PrefillKVManager(KVManagerBase):
         host, _, port = address.rpartition(":")
         if address in self._aliases:
             return True
-        return port == str(self.bootstrap_port) and host.strip("[]") in (self.host, *_LOOPBACK)
+        return port == str(self.bootstrap_port) and host.strip("[]") in (self.host, *LOOPBACK_HOSTS)
 
     def _check_owner(self, sender: KVSender, address: str) -> None:
         """The request names the bootstrap server at ``address``, not this one by name: unless that server

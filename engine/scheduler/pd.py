@@ -220,11 +220,15 @@ def switch_role(sched, new_role: str, make_transfer) -> None:
     changed); then tear down the transport (threads, sockets, registered memory; the KV pool and weights
     stay), release the prefix cache (L1 and L2; L3 keeps its pages), and build the new role's transport with
     ``make_transfer(new_role)``. An error from here on propagates with the worker left without a transport:
-    the caller marks it unhealthy (no rollback, as upstream).
+    the caller marks it unhealthy (no rollback, as upstream). A new decode is told the bootstrap port it
+    served as a prefill, so a request the router sent here as its prefill fails at once.
     """
     sched.require_idle("PD role switch")
+    old = sched.pd.mgr.bootstrap_port if isinstance(sched.pd, PrefillQueues) else None
     sched.pd.close()
     sched.pd = None
     sched.cache.reset()
     mgr = make_transfer(new_role)
+    if new_role == "decode" and old is not None:
+        mgr.former_bootstrap_port = old
     sched.pd = PrefillQueues(sched, mgr) if new_role == "prefill" else DecodeQueues(sched, mgr)

@@ -309,3 +309,28 @@ def test_a_decode_request_reaching_a_worker_that_is_a_prefill_now_fails_both_pre
     finally:
         for engine in engines:
             engine.scheduler.stop()
+
+
+def test_a_prefill_request_reaching_a_worker_that_is_a_decode_now_fails_at_once(tiny_model_dir):
+    """The router picked W as the prefill, and W switched to decode before the request arrived: W's copy
+    names W's own former bootstrap port, where no server runs any more. It fails at once naming that address
+    (not after D's 15 first-contact tries), with W's pages back."""
+    argv = ["--model-path", str(tiny_model_dir), *FLAGS, *PD, "--enable-pd-role-switch"]
+    argv += ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "0"]
+    w = build_engine(parse_args(argv), runner=ModelRunner(tiny_model_dir, dtype="float32", device="cpu"))
+    try:
+        port = w.args.disaggregation_bootstrap_port
+        with ThreadedServer(w) as server:
+            flip = httpx.post(f"{server.url}/pd_role_switch", json={"new_role": "decode"}, timeout=60)
+            assert flip.status_code == 200 and flip.json()["success"], flip.text
+        events = queue.Queue()
+        start = time.monotonic()
+        _submit(w, "misrouted", _prompt(16, 30), Bootstrap("127.0.0.1", port, 81), events)
+        reason = _collect(events, {"misrouted"}, timeout=30)["misrouted"]["reason"]
+        assert time.monotonic() - start < 5
+        assert reason["type"] == "abort" and reason["status_code"] == 500
+        assert f"bootstrap 127.0.0.1:{port} is this worker's own, which is a decode now" in reason["message"]
+        wait_idle(w)
+        assert w.scheduler.state["num_used_tokens"] == 0 and w.scheduler.pd.mgr.num_rooms() == 0
+    finally:
+        w.scheduler.stop()
