@@ -52,7 +52,8 @@ def _totals(samples: list[dict]) -> dict:
 
 def fleet_summary() -> dict:
     """Totals over every worker's latest sample, the same per pool (regular = mixed workers, prefill,
-    decode; each with `workers` and `reporting` counts), and one compact row per worker."""
+    decode; each with `workers` and `reporting` counts and `ts`, its newest sample's time in epoch s or None),
+    and one compact row per worker."""
     workers = list(EngineWorker.objects.values_list("id", "name", "state", "role"))
     latest = store.latest_many([w[0] for w in workers])
     rows = []
@@ -80,7 +81,12 @@ def fleet_summary() -> dict:
             }
         )
     pools = {
-        pool: {**_totals(samples), "workers": counts[pool], "reporting": len(samples)}
+        pool: {
+            **_totals(samples),
+            "workers": counts[pool],
+            "reporting": len(samples),
+            "ts": max((float(s["ts"]) for s in samples if s.get("ts")), default=None),
+        }
         for pool, samples in by_pool.items()
     }
     return {

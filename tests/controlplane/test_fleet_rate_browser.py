@@ -58,3 +58,49 @@ def test_pool_cached_rate_ignores_other_pools_samples(
         expect(page.locator("#pools [data-pool=decode]")).to_contain_text("1 of 1 workers reporting")
         assert rate.inner_text() == shown
         browser.close()
+
+
+def test_pool_sparkline_x_values_stay_sorted_after_live_pushes(
+    asgi_server, celery_worker_process, fake_worker, personas, monkeypatch
+):
+    """The server-side history seed ends at its bucket's end (up to 10 s ahead of the newest sample); live
+    points are placed at the pool's sample time, so they never land before the seed's last point."""
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    mixed = fake_worker()
+    host = HostFactory(name=AGENT_HOST)
+    worker = EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed")
+    bob = UserFactory(username="bob", role="viewer")
+    bob.password = make_password("pw-for-tests-2", hasher="pbkdf2_sha256")
+    bob.save()
+    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
+
+    def push(device):
+        mixed.counters.update({"device": device, "host": 0})
+        body = {"worker": worker.pk, "text": mixed.metrics_text()}
+        response = httpx.post(asgi_server + "/api/v1/agent/metrics/", json=body, headers=agent)
+        assert response.status_code == 202, response.text
+
+    push(100)
+    push(200)  # two stored samples: the page's history seed has a point
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.goto(asgi_server + "/login/")
+        page.get_by_label("Username").fill("bob")
+        page.get_by_label("Password").fill("pw-for-tests-2")
+        page.get_by_role("button", name="Log in").click()
+        expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+        spark = page.locator("#pools [data-pool=regular] [data-spark=cached]")
+        expect(spark).to_have_attribute("data-points", re.compile(r"^[1-9]"))
+        seed_xs = spark.evaluate("el => el.kvChart.uplot.data[0].slice()")
+        rate = page.locator("#pools [data-pool=regular] [data-f=cached_rate]")
+        for device in (400, 800, 1600):
+            before = rate.inner_text()
+            push(device)
+            expect(rate).not_to_have_text(before)
+            xs = spark.evaluate("el => el.kvChart.uplot.data[0].slice()")
+            assert xs == sorted(xs) and len(set(xs)) == len(xs), xs
+            assert xs[: len(seed_xs)] == seed_xs, (seed_xs, xs)
+        browser.close()

@@ -89,6 +89,7 @@
       }
     };
     charts.push(api);
+    el.kvChart = api;  // the element's chart, for browser tests and devtools (el.kvChart.uplot.data)
     return api;
   };
 

@@ -21,8 +21,9 @@ KV.ready(function () {
     applyFilter();
   }
   // cached_rate: the pool's workers' cached tokens/s, each over its own last two samples (summed server-side),
-  // so a push for another pool's sample does not change it.
-  function renderPools(summary, ts) {
+  // so a push for another pool's sample does not change it. Sparkline points are placed at the pool's newest
+  // sample time (server clock, p.ts), never the browser's, so the series stays sorted by time.
+  function renderPools(summary) {
     var pools = summary.pools || {};
     Object.keys(pools).forEach(function (pool) {
       var p = pools[pool];
@@ -41,16 +42,18 @@ KV.ready(function () {
       } else {
         KV.fill(cards[pool], p);
       }
-      var s = spark[pool];
-      if (p.cached_rate != null || !s.xs.length) {
+      var s = spark[pool], ts = p.ts, n = s.xs.length;
+      if (ts == null || (p.cached_rate == null && n)) return;
+      if (n && ts <= s.xs[n - 1]) {  // not newer than the last point (a seed bucket's end, or a repeat): update it
+        s.cached[n - 1] = p.cached_rate; s.running[n - 1] = p.num_running_reqs;
+      } else {
         s.xs.push(ts); s.cached.push(p.cached_rate); s.running.push(p.num_running_reqs);
-        while (s.xs.length && s.xs[0] < ts - SPARK_S) { s.xs.shift(); s.cached.shift(); s.running.shift(); }
-        s.cachedChart.set(s.xs, [s.cached]); s.runningChart.set(s.xs, [s.running]);
       }
+      while (s.xs.length && s.xs[0] < ts - SPARK_S) { s.xs.shift(); s.cached.shift(); s.running.shift(); }
+      s.cachedChart.set(s.xs, [s.cached]); s.runningChart.set(s.xs, [s.running]);
     });
   }
   function applySummary(summary) {
-    var ts = Date.now() / 1000;
     KV.$("#reporting").textContent = summary.reporting + " of " + summary.workers.length + " workers reporting";
     summary.workers.forEach(function (live) {
       var w = workers.filter(function (x) { return x.id === live.id; })[0];
@@ -58,7 +61,7 @@ KV.ready(function () {
       ["cache_hit_rate", "num_running_reqs", "num_queue_reqs", "host_pool_use", "ttft_p50_s", "ts", "state"].forEach(function (k) { w[k] = live[k]; });
       KV.fill(rows[w.id], w);
     });
-    renderPools(summary, ts);
+    renderPools(summary);
   }
   function load() {
     return Promise.all([
