@@ -8,8 +8,8 @@
 
 ``--control-plane``, ``--token`` and ``--token-file`` default to ``$KVFLEET_CONTROL_PLANE``,
 ``$KVFLEET_AGENT_TOKEN`` and ``$KVFLEET_AGENT_TOKEN_FILE``.
-Errors (bad spec, missing flag, control plane refusal) print one line and exit 2 (usage) or 1; a bad spec
-starts nothing.
+Errors (an unknown flag, named before any missing required one; bad spec, missing flag, control plane
+refusal) print one line and exit 2 (usage) or 1; a bad spec starts nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 from engine.agent.probe import cached_tokens, metrics_text, server_info
 from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected
 from engine.agent.spec import SpecError, load_spec
+from engine.unknown_flags import parse_args
 
 
 class CliError(Exception):
@@ -175,7 +176,7 @@ def cmd_drain(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     handler = {"run": cmd_run, "status": cmd_status, "drain": cmd_drain}[args.command]
     try:
         return handler(args)

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import unknown_flags
 from engine.cache.config import (
     EVICTION_POLICIES,
     IO_BACKENDS,
@@ -224,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None) -> ServerArgs:
     """Parse and validate ``argv``; raises ``ArgumentError`` naming the flag on any problem."""
-    values = vars(build_parser().parse_args(argv))
+    values = vars(unknown_flags.parse_args(build_parser(), argv))
     for name, env_var in SECRET_ENV.items():
         path = values.pop(f"{name}_file")
         if values[name] is None and path:

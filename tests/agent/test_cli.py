@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.agent.cli import format_table, status_rows
+import pytest
+
+from engine.agent.cli import format_table, main, status_rows
 from engine.agent.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,3 +90,27 @@ def test_run_without_token_names_the_flag(tmp_path):
     )
     assert done.returncode == 2
     assert "--token or --token-file is required" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [(["--bogus"], "--bogus"), (["run", "--bogus-flag"], "--bogus-flag"), (["drain", "--nope"], "--nope")],
+)
+def test_an_unknown_flag_is_named_before_missing_required_ones(argv, flag):
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.agent", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"kvfleet-agent: error: unrecognized arguments: {flag}"
+
+
+def test_a_missing_required_flag_is_still_reported(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run"])
+    assert exc.value.code == 2
+    assert "the following arguments are required: --spec" in capsys.readouterr().err

@@ -146,3 +146,9 @@ def test_torchao_int8wo_builds_int8_layers_and_serves(tiny_model_dir):
             assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 3
     finally:
         engine.scheduler.stop()
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["--model-path", "m", "--bogus"], ["--port", "1", "--bogus"]])
+def test_an_unknown_flag_is_named_before_a_missing_model_path(argv):
+    with pytest.raises(ArgumentError, match="^unrecognized arguments: --bogus$"):
+        parse_args(argv)
