@@ -12,7 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from engine.scheduler.sampling_params import SamplingParams
 from engine.server.http_utils import HTTPError
+
+_BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 class _Body(BaseModel):
@@ -81,11 +84,34 @@ MODELS = (GenerateReqInput, CompletionRequest, ChatCompletionRequest)
 _REF = "#/components/schemas/{model}"
 
 
+def _requested_n(body: dict) -> list:
+    """The ``n`` values a body asks for: OpenAI's top-level ``n``, ``/generate``'s ``sampling_params.n``."""
+    raw = body.get("sampling_params")
+    params = raw if isinstance(raw, list) else [raw]
+    return [body.get("n"), *(p.get("n") for p in params if isinstance(p, dict))]
+
+
+def _unsupported_n_first(body: dict) -> None:
+    """sglang-router in PD mode turns a request's ``n > 1`` into lists of ``n`` bootstrap hosts/ports/rooms;
+    the schema would then report those lists, so an unsupported ``n`` is reported first, in the words a
+    non-PD worker uses (``sampling_params.n=2 is not supported (only 1)``). Raises ``HTTPError(400)``."""
+    if not any(isinstance(body.get(field), list) for field in _BOOTSTRAP_FIELDS):
+        return
+    for n in _requested_n(body):
+        if n is not None:
+            try:
+                SamplingParams.from_dict({"n": n})
+            except ValueError as exc:
+                raise HTTPError(400, str(exc)) from None
+
+
 def validated(model: type[_Body], body: dict) -> dict:
     """``body`` checked against ``model``, as a dict of the fields it set (coerced per the model).
 
-    Raises ``HTTPError(400)`` whose message names each bad field (``messages.0.content: ...``).
+    Raises ``HTTPError(400)`` whose message names each bad field (``messages.0.content: ...``); an
+    unsupported ``n`` that came with the bootstrap lists sglang-router's PD mode makes of it is named first.
     """
+    _unsupported_n_first(body)
     try:
         return model.model_validate(body).model_dump(exclude_unset=True)
     except ValidationError as exc:
