@@ -50,6 +50,26 @@ TIERS = ("device", "host", "storage")
 REDIS_PERSISTENCE = ("--appendonly", "yes", "--appendfsync", "everysec")
 
 
+def mooncake_profile(env: dict, label: str) -> dict:
+    """The POST body of the demo's Mooncake storage profile: its extra config is exactly the specs' workers'
+    ``hicache_storage_backend_extra_config`` (deploy/fleet.demo.toml, fleet.pd.toml), filled from `env`
+    (MOONCAKE_MASTER, MOONCAKE_TE_META_DATA_SERVER), so their registration identifies it."""
+    extra = {
+        "master_server_address": env["MOONCAKE_MASTER"],
+        "metadata_server": env["MOONCAKE_TE_META_DATA_SERVER"],
+        "protocol": "tcp",
+        "global_segment_size": "512mb",
+        "local_buffer_size": "64mb",
+        "prefetch_threshold": 32,
+    }
+    return {
+        "name": f"{label}-mooncake",
+        "backend": "mooncake",
+        "extra_config": extra,
+        "description": "Mooncake master started by the local fleet",
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -172,6 +192,7 @@ class LocalFleet:
         self._redis()
         self._mooncake()
         self._control_plane()
+        self._storage_profile()  # before the agent: its workers' registration links it (audited there)
         self._agent()
         self._router()
         self._register_fleet()
@@ -330,8 +351,18 @@ class LocalFleet:
 
         wait_for("sglang-router", ready, 120, router, self.log_of("router"))
 
+    def _storage_profile(self) -> None:
+        """The Mooncake storage profile in the inventory, created before the agent starts: registering a
+        worker links the one profile its backend and extra config identify (``agent_register``), so each
+        worker's ``storage_profile`` is set, and audited, by the registration itself."""
+        profile = self.api(
+            "POST", "/api/v1/inventory/storage-profiles/", json=mooncake_profile(self.env, self.label)
+        )
+        profile.raise_for_status()
+        self.storage_profile_id = profile.json()["id"]
+
     def _register_fleet(self) -> None:
-        """Router and Mooncake profile in the inventory; each worker linked to the router (drain needs it)."""
+        """The router in the inventory; each worker linked to it (drain needs it)."""
         router = self.api(
             "POST",
             "/api/v1/inventory/routers/",
@@ -344,26 +375,6 @@ class LocalFleet:
             },
         )
         router.raise_for_status()
-        extra = {
-            "master_server_address": self.env["MOONCAKE_MASTER"],
-            "metadata_server": self.env["MOONCAKE_TE_META_DATA_SERVER"],
-            "protocol": "tcp",
-            "global_segment_size": "512mb",
-            "local_buffer_size": "64mb",
-            "prefetch_threshold": 32,
-        }
-        profile = self.api(
-            "POST",
-            "/api/v1/inventory/storage-profiles/",
-            json={
-                "name": f"{self.label}-mooncake",
-                "backend": "mooncake",
-                "extra_config": extra,
-                "description": "Mooncake master started by the local fleet",
-            },
-        )
-        profile.raise_for_status()
-        self.storage_profile_id = profile.json()["id"]
         for worker_id in self.worker_ids:
             self.api(
                 "PATCH", f"/api/v1/inventory/workers/{worker_id}/", json={"router": router.json()["id"]}
