@@ -1,10 +1,21 @@
-"""Linear layers of the decoder: dense (``F.linear``) or int8 weight-only (``--torchao-config int8wo``).
+"""Linear layers of the decoder: dense (``F.linear``), int8 or int4 weight-only (``--torchao-config``).
 
 ``int8wo`` follows torchao's ``int8_weight_only``: each output row of a weight is quantized symmetrically to
 int8 with one scale per row (about ``max|w_row| / 127``, rounded up to a bfloat16); activations stay in
 floating point. The matmul is torch's built-in ``torch._weight_int8pack_mm`` (CPU/CUDA), fast only with
 bfloat16 activations (float32 ones take a dequantizing path there, measured 5-20x slower), so activations are
 cast to bfloat16 for the matmul and the result back to the model dtype. No torchao dependency.
+
+``int4wo-<group_size>`` (upstream SGLang's values: 32, 64, 128, 256) follows torchao's ``int4_weight_only``
+with its CPU layout (``Int4CPULayout``): asymmetric groupwise quantization along the input dim, one bfloat16
+scale and zero per ``group_size`` input columns of an output row, ``w ~ (q - 8) * scale + zero``, ``q`` in
+0..15 (a group's min and max map to 0 and 15). Torch's maintained CPU kernels pack
+(``aten._convert_weight_to_int4pack_for_cpu``) and multiply (``aten._weight_int4pack_mm_for_cpu``). They need
+``out_features % 16 == 0`` and ``in_features % group_size == 0`` (SmolLM2's 576 takes 32 and 64, not 128 or
+256), and are fast only with bfloat16 activations (their float32 path measured 50-100x slower here), so
+int4wo needs ``--dtype bfloat16``. A GGUF Q4_1 block (32 weights, ``d * q + m``, its min at q=0 and max at
+q=15 by construction) lands on the same 16-level grid under ``int4wo-32``; only the bfloat16 rounding of
+scale and zero (fp16 in the GGUF) moves the weights (docs/model.md).
 """
 
 from __future__ import annotations
@@ -12,7 +23,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-QUANTIZATIONS = ("int8wo",)
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+QUANTIZATIONS = ("int8wo", *(f"int4wo-{g}" for g in INT4_GROUP_SIZES))
+
+
+class QuantizationError(ValueError):
+    """A ``--torchao-config`` value this model or dtype cannot use (the message names the flag)."""
 
 
 class DenseLinear:
@@ -51,17 +67,76 @@ class Int8WeightOnlyLinear:
         return out if self.bias is None else out + self.bias
 
 
-def check_quantization(quantization: str | None) -> None:
-    """Raise ``ValueError`` naming the accepted values unless ``quantization`` is None or one of them."""
+class Int4WeightOnlyLinear:
+    """Groupwise asymmetric int4 weight (torchao ``Int4CPULayout``); bfloat16 activations; bias in the model
+    dtype. ``QuantizationError`` when the kernel cannot take the weight's shape."""
+
+    act_dtype = torch.bfloat16
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> None:
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % group_size or self.out_features % 16:
+            raise QuantizationError(
+                f"--torchao-config int4wo-{group_size}: a {self.out_features}x{self.in_features} weight "
+                f"needs in_features divisible by {group_size} and out_features by 16"
+            )
+        self.group_size = group_size
+        groups = weight.float().reshape(self.out_features, -1, group_size)
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+        # scale and zero as the kernel reads them (bfloat16), then each weight to its nearest level of that
+        # grid
+        scale = ((hi - lo) / 15).clamp(min=1e-30).to(self.act_dtype)
+        zero = (lo + 8 * scale.float()).to(self.act_dtype)
+        q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
+        self.qweight = q.to(torch.int32).reshape(self.out_features, self.in_features)  # (N, K), 0..15
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.qweight, 1)  # (N, K / 2) uint8
+        # (K / group_size, N, 2): scale and zero per group, the kernel's layout
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+        self.bias = bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this layer computes with (``(q - 8) * scale + zero`` per group)."""
+        sz = self.scales_and_zeros.float().transpose(0, 1)  # (N, groups, 2)
+        q = self.qweight.float().reshape(self.out_features, -1, self.group_size)
+        return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.act_dtype)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        out = mm(flat, self.packed, self.group_size, self.scales_and_zeros)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def check_quantization(quantization: str | None, dtype: torch.dtype | None = None) -> None:
+    """``QuantizationError`` (a ``ValueError`` naming ``--torchao-config``) unless ``quantization`` is None or
+    one of ``QUANTIZATIONS``, or for ``int4wo-*`` with a ``dtype`` other than bfloat16 (when given)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATIONS)}")
+        raise QuantizationError(
+            f"--torchao-config: unknown quantization {quantization!r}; choose one of {list(QUANTIZATIONS)}"
+        )
+    if quantization and quantization.startswith("int4wo") and dtype not in (None, torch.bfloat16):
+        raise QuantizationError(
+            f"--torchao-config {quantization} needs --dtype bfloat16 (torch's int4 CPU kernel is fast only "
+            f"with bfloat16 activations), got {dtype}"
+        )
+
+
+def lm_head_quantization(quantization: str | None) -> str | None:
+    """The LM head's quantization under ``quantization``: int8 for ``int4wo-*`` (a GGUF keeps its token
+    embedding, which SmolLM2 ties to the head, in Q8_0: re-quantizing it to int4 cost 9 points of top-1
+    agreement, docs/model.md), else ``quantization`` itself."""
+    return "int8wo" if quantization and quantization.startswith("int4wo") else quantization
 
 
 def make_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None
-) -> DenseLinear | Int8WeightOnlyLinear:
-    """A dense layer, or an int8 weight-only one for ``"int8wo"`` (``ValueError`` for anything else)."""
+) -> DenseLinear | Int8WeightOnlyLinear | Int4WeightOnlyLinear:
+    """A dense layer, an int8 weight-only one for ``"int8wo"``, an int4 one for ``"int4wo-<group_size>"``
+    (``QuantizationError`` for anything else or a shape the int4 kernel cannot take)."""
     check_quantization(quantization)
     if quantization == "int8wo":
         return Int8WeightOnlyLinear(weight, bias)
+    if quantization:
+        return Int4WeightOnlyLinear(weight, bias, int(quantization.removeprefix("int4wo-")))
     return DenseLinear(weight, bias)

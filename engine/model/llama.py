@@ -3,9 +3,9 @@
 Follows transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` numerics: RMSNorm in
 float32 then cast and scale, rotate-half RoPE from absolute positions, Qwen2 q/k/v biases, Qwen3 per-head q/k
 RMSNorm before RoPE, SiLU-gated MLP, tied embeddings. Weights are plain contiguous tensors; q/k/v and
-gate/up projections are fused into one matmul each. ``quantization="int8wo"`` makes every linear layer (q/k/v,
-o, gate/up, down and the LM head; not the embedding) int8 weight-only (``engine/model/linear.py``), quantized
-from the checkpoint's float32 weights.
+gate/up projections are fused into one matmul each. ``quantization="int8wo"`` / ``"int4wo-<group_size>"``
+makes every linear layer (q/k/v, o, gate/up, down and the LM head; not the embedding) int8 / int4 weight-only
+(``engine/model/linear.py``), quantized from the checkpoint's float32 weights.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from engine.model.attention import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.forward_batch import ForwardBatch
-from engine.model.linear import check_quantization, make_linear
+from engine.model.linear import check_quantization, lm_head_quantization, make_linear
 from engine.model.rotary import apply_rotary, cos_sin, inv_freq
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -94,14 +94,15 @@ class LlamaForCausalLM:
         """``tensors`` uses HF checkpoint names (``model.layers.0.self_attn.q_proj.weight``, ...).
 
         Raises ``ModelLoadError`` naming ``source`` on a missing, unexpected or mis-shaped tensor, and
-        ``ValueError`` for a ``quantization`` other than None or ``"int8wo"``.
+        ``QuantizationError`` (a ``ValueError``) for a ``quantization`` not in ``linear.QUANTIZATIONS``, int4
+        with a dtype other than bfloat16, or a weight shape the int4 kernel cannot take.
         """
         self.cfg = cfg
         self.attn = attn
         self.dtype = dtype
         self.device = device
         self._inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-        check_quantization(quantization)
+        check_quantization(quantization, dtype)
         # quantized layers are quantized from float32, dense ones use the model dtype
         weights = _Weights(cfg, tensors, dtype, device, source, torch.float32 if quantization else dtype)
         vocab_shape = (cfg.vocab_size, cfg.hidden_size)
@@ -116,7 +117,7 @@ class LlamaForCausalLM:
             head = embed
         else:
             head = weights.take("lm_head.weight", vocab_shape, weights.linear_dtype)
-        self.lm_head = make_linear(head, None, quantization)
+        self.lm_head = make_linear(head, None, lm_head_quantization(quantization))
         weights.check_all_used()
 
     def forward(

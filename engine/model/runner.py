@@ -46,9 +46,11 @@ class ModelRunner:
     """Loaded model + tokenizer on one device.
 
     ``dtype``: "float32" | "bfloat16" | "float16" or a ``torch.dtype``; ``device``: "cpu" | "cuda[:n]";
-    ``attention_backend``: a name registered in engine/model/attention; ``quantization``: None or ``"int8wo"``
-    (int8 weight-only linear layers, ``engine/model/linear.py``). Raises ``ModelLoadError`` for a bad model
-    path and ``ValueError`` for an unknown dtype, backend or quantization.
+    ``attention_backend``: a name registered in engine/model/attention; ``quantization``: None,
+    ``"int8wo"`` or ``"int4wo-<group_size>"`` (weight-only linear layers, ``engine/model/linear.py``; int4
+    needs bfloat16).
+    Raises ``ModelLoadError`` for a bad model path and ``ValueError`` for an unknown dtype, backend or
+    quantization (``QuantizationError`` for a quantization this dtype or model cannot use).
     """
 
     def __init__(
@@ -60,8 +62,8 @@ class ModelRunner:
         quantization: str | None = None,
     ) -> None:
         backend_cls = get_attention_backend(attention_backend)  # bad names fail before the slow load
-        check_quantization(quantization)
         self.dtype = _parse_dtype(dtype)
+        check_quantization(quantization, self.dtype)
         self.device = torch.device(device)
         self.quantization = quantization
         self._build(load_checkpoint(model_path), backend_cls)
@@ -76,9 +78,9 @@ class ModelRunner:
         quantization: str | None = None,
     ) -> ModelRunner:
         """A runner over an already loaded ``Checkpoint`` (e.g. one load, several dtypes)."""
-        check_quantization(quantization)
         runner = cls.__new__(cls)
         runner.dtype = _parse_dtype(dtype)
+        check_quantization(quantization, runner.dtype)
         runner.device = torch.device(device)
         runner.quantization = quantization
         runner._build(checkpoint, get_attention_backend(attention_backend))

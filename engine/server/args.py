@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--torchao-config",
         choices=("", *QUANTIZATIONS),
         default="",
-        help="int8wo: int8 weight-only linear layers (torch built-in kernel, no torchao needed)",
+        help="int8wo: int8 weight-only linear layers; int4wo-<group>: int4 groupwise (cpu, --dtype bfloat16; "
+        "the group must divide the model's in_features); torch built-in kernels, no torchao needed",
     )
     a("--served-model-name", default=None)
     a("--context-length", type=_positive_int("--context-length"), default=None)
@@ -263,6 +264,12 @@ def _validate(args: ServerArgs) -> None:
         )
     if args.attention_backend == "triton" and (reason := unavailable_reason(args.device)):
         raise ArgumentError(f"--attention-backend triton: {reason}")
+    if args.torchao_config.startswith("int4wo") and (args.device != "cpu" or args.dtype != "bfloat16"):
+        raise ArgumentError(
+            f"--torchao-config {args.torchao_config} needs --device cpu and --dtype bfloat16 (torch's "
+            f"int4 CPU kernel; its float32 path is 50-100x slower), got --device {args.device} "
+            f"--dtype {args.dtype}"
+        )
     if not 0 < args.port < 65536:
         raise ArgumentError(f"--port must be in 1..65535, got {args.port}")
     if args.watchdog_timeout <= 0:

@@ -17,6 +17,7 @@ from engine.cache.config import HiCacheConfig, parse_extra_config, split_extra_c
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
 from engine.disaggregation import TransferBackendError, create_kv_manager
+from engine.model.linear import QuantizationError
 from engine.model.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.server.args import ArgumentError, ServerArgs
@@ -99,13 +100,16 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         torch.cuda.set_device(args.base_gpu_id)
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     if runner is None:
-        runner = ModelRunner(
-            args.model_path,
-            dtype=dtype,
-            device=args.device,
-            attention_backend=args.attention_backend,
-            quantization=args.torchao_config or None,
-        )
+        try:
+            runner = ModelRunner(
+                args.model_path,
+                dtype=dtype,
+                device=args.device,
+                attention_backend=args.attention_backend,
+                quantization=args.torchao_config or None,
+            )
+        except QuantizationError as exc:  # e.g. an int4 group size the model's in_features do not take
+            raise ArgumentError(str(exc)) from None  # names --torchao-config
     spec = runner.kv_pool_spec()
     bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
     pool = DeviceKVPool(_pool_tokens(args, bytes_per_token), args.page_size, **vars(spec))

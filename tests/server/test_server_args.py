@@ -73,7 +73,12 @@ def test_a_typical_sglang_hicache_command_parses():
             "--disaggregation-decode-enable-offload-kvcache",
         ),
         (["--model-path", "m", "--hicache-storage-backend", "s3"], "--hicache-storage-backend"),
-        (["--model-path", "m", "--torchao-config", "int4wo-128"], "--torchao-config"),
+        (["--model-path", "m", "--torchao-config", "int4wo-16"], "--torchao-config"),
+        (["--model-path", "m", "--torchao-config", "int4wo-32"], "--torchao-config int4wo-32 needs"),
+        (
+            ["--model-path", "m", "--torchao-config", "int4wo-32", "--dtype", "float32"],
+            "--torchao-config int4wo-32 needs --device cpu and --dtype bfloat16",
+        ),
         (["--port", "1"], "--model-path"),
     ],
 )
@@ -152,3 +157,25 @@ def test_torchao_int8wo_builds_int8_layers_and_serves(tiny_model_dir):
 def test_an_unknown_flag_is_named_before_a_missing_model_path(argv):
     with pytest.raises(ArgumentError, match="^unrecognized arguments: --bogus$"):
         parse_args(argv)
+
+
+def test_torchao_int4wo_builds_int4_layers_and_refuses_a_group_the_model_cannot_take(tiny_model_dir):
+    """``--dtype bfloat16 --torchao-config int4wo-32`` builds int4 layers and generates; int4wo-128 on the
+    tiny model (64 input columns) fails at load with a CLI error naming the flag."""
+    from server_testlib import ThreadedServer
+
+    from engine.model.linear import Int4WeightOnlyLinear
+    from engine.server.builder import build_engine
+
+    flags = ["--model-path", str(tiny_model_dir), "--dtype", "bfloat16", "--torchao-config"]
+    with pytest.raises(ArgumentError, match="--torchao-config int4wo-128: a .* weight needs in_features"):
+        build_engine(parse_args([*flags, "int4wo-128"]))
+    engine = build_engine(parse_args([*flags, "int4wo-32"]))
+    try:
+        assert isinstance(engine.scheduler.runner.model.layers[0].gate_up, Int4WeightOnlyLinear)
+        params = {"max_new_tokens": 3, "temperature": 0}
+        with ThreadedServer(engine) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+            resp = client.post("/generate", json={"input_ids": list(range(3, 20)), "sampling_params": params})
+            assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 3
+    finally:
+        engine.scheduler.stop()
