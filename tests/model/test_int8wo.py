@@ -33,7 +33,7 @@ def test_int8_layer_rounds_each_weight_to_its_row_scale_and_matches_the_dequanti
 def test_unknown_quantization_is_refused_before_loading(tiny_models):
     folder, _ = tiny_models["llama"]
     with pytest.raises(ValueError, match="int8wo"):
-        ModelRunner(folder, quantization="int4wo-128")
+        ModelRunner(folder, quantization="int2wo")
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
