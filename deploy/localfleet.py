@@ -37,6 +37,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from deploy.demo_keys import delete_fleet_keys  # noqa: E402
 from deploy.router import router_command, worker_args  # noqa: E402
 from engine.cache.storage.mooncake_master import MooncakeMaster  # noqa: E402
 
@@ -141,7 +142,9 @@ class LocalFleet:
         return str(self.log_dir / f"{name}.log")
 
     def stop(self, grace: float = 20.0) -> None:
-        """End every started process, newest first (the agent stops its workers on SIGTERM)."""
+        """End every started process, newest first (the agent stops its workers on SIGTERM), then delete
+        the fleet's keys from a Redis it did not start (``deploy.demo_keys``; one it started is gone).
+        """
         for _name, proc, _log in reversed(self.procs):
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -156,6 +159,9 @@ class LocalFleet:
         if self.master is not None:
             self.master.stop()
             self.master = None
+        url = self.env.get("REDIS_URL")
+        if url and redis_answers(url):
+            delete_fleet_keys(url, self.env["REDIS_KEY_PREFIX"], self.env["CELERY_QUEUE"])
 
     def __enter__(self) -> LocalFleet:
         try:
