@@ -57,18 +57,35 @@ def operation_create(
     drain=True with a worker that has no router: no_router="refuse" raises, "warn" applies it undrained and
     says so in the launch record and the target's explanation.
 
-    Raises ApplicationError (400) for a missing profile/revision, an empty/duplicate worker list or (refuse)
+    Raises ApplicationError (400, `detail` naming the field: storage_profile, revision, workers) for a
+    missing profile/revision, an empty/duplicate worker list or (refuse)
     drain asked for workers without a router, ConflictError (409) naming the workers that already have an
     active operation.
     """
     if not workers:
-        raise ApplicationError("choose at least one worker", code="no_targets")
+        raise ApplicationError(
+            "choose at least one worker",
+            code="no_targets",
+            detail={"workers": ["choose at least one worker"]},
+        )
     if len({w.pk for w in workers}) != len(workers):
-        raise ApplicationError("a worker is listed twice", code="duplicate_target")
+        raise ApplicationError(
+            "a worker is listed twice",
+            code="duplicate_target",
+            detail={"workers": ["a worker is listed twice"]},
+        )
     if kind == OperationKind.ATTACH and storage_profile is None:
-        raise ApplicationError("attach needs storage_profile", code="missing_storage_profile")
+        raise ApplicationError(
+            "attach needs storage_profile",
+            code="missing_storage_profile",
+            detail={"storage_profile": ["required for attach"]},
+        )
     if kind == OperationKind.APPLY_CONFIG and revision is None:
-        raise ApplicationError("apply_config needs revision", code="missing_revision")
+        raise ApplicationError(
+            "apply_config needs revision",
+            code="missing_revision",
+            detail={"revision": ["required for apply_config"]},
+        )
     routerless = sorted(w.name for w in workers if drain and w.router_id is None)
     if routerless and no_router == NoRouter.REFUSE:
         raise ApplicationError(

@@ -91,12 +91,27 @@ class TargetSerializer(serializers.Serializer):
         return super().to_internal_value(data)
 
 
+def _positive(value: float) -> None:
+    if value is not None and value <= 0:
+        raise serializers.ValidationError("must be greater than 0 (seconds)")
+
+
 class SloSerializer(serializers.Serializer):
+    """The soak's p90 latency limits, seconds, each > 0 and at most 3600 (null: the router's SLO)."""
+
     max_ttft_s = serializers.FloatField(
-        required=False, allow_null=True, min_value=0.0, max_value=3600, help_text="p90 TTFT limit (s) in soak"
+        required=False,
+        allow_null=True,
+        max_value=3600,
+        validators=[_positive],
+        help_text="p90 TTFT limit (s) in soak",
     )
     max_itl_s = serializers.FloatField(
-        required=False, allow_null=True, min_value=0.0, max_value=3600, help_text="p90 ITL limit (s) in soak"
+        required=False,
+        allow_null=True,
+        max_value=3600,
+        validators=[_positive],
+        help_text="p90 ITL limit (s) in soak",
     )
 
 

@@ -99,16 +99,17 @@ def rebalance_create(
     Each step changes its worker's role in place (/pd_role_switch) when the worker runs with
     --enable-pd-role-switch, else through its agent (a restart in the new role).
 
-    Raises ApplicationError (400, naming the field) for a non-PD router, a bad target, or a worker that must
-    move but can do neither (`cannot_switch`, naming it), ConflictError (409)
+    Raises ApplicationError (400, naming the field: ``validation_error`` with ``detail.router`` for a
+    non-PD router; 409 ``not_pd`` is only a GET of a PD-only resource of such a router) for a bad target,
+    or a worker that must move but can do neither (`cannot_switch`, naming it), ConflictError (409)
     when the router has an active rebalance (`rebalance_active`) or the router's worker list disagrees with
     the workers' live roles (`fleet_inconsistent`), ServiceUnavailable (503) when the router or a worker
     does not answer."""
     if router.mode != RouterMode.PD:
         raise ApplicationError(
             f"router: {router.name} is not a PD router (mode {router.mode})",
-            code="not_pd",
-            detail={"router": ["mode must be pd"]},
+            code="validation_error",
+            detail={"router": [f"not a PD router (mode {router.mode})"]},
         )
     if (active := _active(router)) is not None:
         raise _conflict(active)

@@ -45,7 +45,7 @@ def plan_steps(
     if odd:
         raise ApplicationError(
             f"router: workers not in PD mode (live role not prefill/decode): {', '.join(odd)}",
-            code="not_pd",
+            code="validation_error",
             detail={"router": [f"not a PD worker: {name}" for name in odd]},
         )
     counts = {role: sum(1 for _, r, _ in live if r == role) for role in ROLES}
