@@ -3,7 +3,8 @@
 ``python deploy/bootstrap.py --admin-user admin --admin-password PW --agent-host NAME [--agent-token-file
 PATH]`` creates (or resets the password of) the admin user and an ``agent`` user and issues one API token for
 each (the agent's bound to host NAME, the spec's ``host_name``: it may register only that host);
-``--print-tokens`` prints them as JSON (``{"admin": "cp_...", "agent": "cp_..."}``). With
+``--tokens-file PATH`` writes them there as JSON (``{"admin": "cp_...", "agent": "cp_..."}``, mode 0600, in a
+folder made 0700 when new); tokens are never printed (stdout is often captured into a log). With
 ``--agent-token-file`` the agent token is also written there (mode 0600) for the engine host to read, and
 no new agent token is issued when the file already exists. Uses the control plane's own services, so
 every write is audited.
@@ -55,6 +56,15 @@ def bootstrap(
     return out
 
 
+def write_secret_file(path: str, text: str) -> None:
+    """Write ``text`` to ``path``, owner-only (0600 also when it existed; a new parent folder 0700)."""
+    Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="deploy/bootstrap.py", description=__doc__.split("\n")[0])
     p.add_argument("--admin-user", default=os.environ.get("KVFLEET_ADMIN_USER", "admin"))
@@ -66,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("KVFLEET_HOST_NAME"),
         help="the host the agent token may register (its spec's host_name; env KVFLEET_HOST_NAME)",
     )
-    p.add_argument(
-        "--print-tokens", action="store_true", help="print the new tokens as JSON (else only names)"
-    )
+    p.add_argument("--tokens-file", default=None, help="write the new tokens there as JSON (mode 0600)")
     a = p.parse_args(argv)
     if not a.admin_password:
         print(
@@ -81,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.path.insert(0, str(REPO))
     tokens = bootstrap(a.admin_user, a.admin_password, a.label, a.agent_token_file, a.agent_host)
-    if a.print_tokens:
-        print(json.dumps(tokens))
-    else:
-        where = f"; agent token in {a.agent_token_file}" if a.agent_token_file else ""
-        print(f"admin user {a.admin_user!r} ready, API tokens issued for admin and agent{where}")
+    if a.tokens_file:
+        write_secret_file(a.tokens_file, json.dumps(tokens))
+    where = [f"; agent token in {a.agent_token_file}"] if a.agent_token_file else []
+    where += [f"; tokens in {a.tokens_file}"] if a.tokens_file else []
+    print(f"admin user {a.admin_user!r} ready, API tokens issued for admin and agent{''.join(where)}")
     return 0
 
 

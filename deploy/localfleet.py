@@ -86,6 +86,11 @@ def redis_answers(url: str) -> bool:
         return False
 
 
+def _private_append(path: str, mode: str = "a"):
+    """``open(path, mode)`` for appending, creating the file 0600 (owner only) when it is new."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), mode)
+
+
 def wait_for(what: str, check, timeout: float, proc: subprocess.Popen | None = None, log: str = "") -> None:
     """Poll ``check()`` until true; raises RuntimeError naming ``what`` (and the log) on timeout or exit."""
     deadline = time.monotonic() + timeout
@@ -125,7 +130,7 @@ class LocalFleet:
     # ------------------------------------------------------------------------------------------- processes
     def spawn(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
         log = str(self.log_dir / f"{name}.log")
-        with open(log, "ab") as out:
+        with _private_append(log, "ab") as out:
             proc = subprocess.Popen(
                 cmd,
                 cwd=REPO,
@@ -175,8 +180,19 @@ class LocalFleet:
         self.stop()
 
     # ------------------------------------------------------------------------------------------- start-up
+    @property
+    def secrets_dir(self) -> Path:
+        """``var/<log folder name>/`` (0700): where bootstrap hands the demo its tokens."""
+        return REPO / "var" / self.log_dir.name
+
+    def make_log_dir(self) -> None:
+        """The log folder, owner only (0700, also when it existed; ``spawn`` and ``_run`` make files 0600):
+        logs may hold worker admin URLs and request text."""
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.log_dir.chmod(0o700)
+
     def start(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.make_log_dir()
         tag = f"{self.label}-{os.getpid()}"
         self.env = {
             **os.environ,
@@ -226,23 +242,33 @@ class LocalFleet:
         self.env["MOONCAKE_MASTER"] = self.master.master_address
         self.env["MOONCAKE_TE_META_DATA_SERVER"] = self.master.metadata_url
 
-    def _run(self, *args: str, timeout: float = 300) -> str:
+    def _run(self, *args: str, timeout: float = 300, **env: str) -> str:
         done = subprocess.run(
-            [PY, *args], cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout
+            [PY, *args], cwd=REPO, env={**self.env, **env}, capture_output=True, text=True, timeout=timeout
         )
-        with open(self.log_of("manage"), "a") as f:
+        with _private_append(self.log_of("manage")) as f:
             f.write(f"$ {' '.join(args[:2])}\n{done.stdout}{done.stderr}\n")
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(args[:2])} failed:\n{done.stderr[-2000:]}")
         return done.stdout
 
+    def _bootstrap(self) -> None:
+        """The demo admin (``admin_password``) and an admin and an agent API token, into ``tokens``."""
+        # The secrets travel by environment (password) and a 0600 file (tokens), never argv or stdout: stdout
+        # lands in manage.log, and ps shows argv to everyone.
+        tokens_file = self.secrets_dir / "tokens.json"
+        self._run("deploy/bootstrap.py", f"--admin-user={self.admin_user}", "--label", self.label,
+                  f"--agent-host={self.env['DEMO_HOST_NAME']}", f"--tokens-file={tokens_file}",
+                  KVFLEET_ADMIN_PASSWORD=self.admin_password)  # fmt: skip
+        self.tokens = json.loads(tokens_file.read_text())
+        tokens_file.unlink()
+        with contextlib.suppress(OSError):
+            tokens_file.parent.rmdir()
+
     def _control_plane(self) -> None:
         self._run("manage.py", "migrate", "--noinput")
         self._run("manage.py", "collectstatic", "--noinput")
-        out = self._run("deploy/bootstrap.py", f"--admin-user={self.admin_user}",
-                        f"--admin-password={self.admin_password}", "--label", self.label,
-                        f"--agent-host={self.env['DEMO_HOST_NAME']}", "--print-tokens")  # fmt: skip
-        self.tokens = json.loads(out.strip().splitlines()[-1])
+        self._bootstrap()
         port = free_port()
         self.console_url = f"http://127.0.0.1:{port}"
         web = self.spawn(
