@@ -130,6 +130,7 @@ class FakeWorker(_FakeHTTP):
         self.backend_extra: str | None = None
         self.config = dict(DEFAULT_CONFIG)
         self.model_name = model_name
+        self.decode_offload = False  # --disaggregation-decode-enable-offload-kvcache
         self.counters = {"device": 0.0, "host": 0.0, "storage": 0.0}
         super().__init__()
 
@@ -165,6 +166,7 @@ class FakeWorker(_FakeHTTP):
             "hicache_storage_backend": self.backend,
             "disaggregation_mode": self.pd_role,
             "disaggregation_bootstrap_port": 8998,
+            "disaggregation_decode_enable_offload_kvcache": self.decode_offload,
             "enable_pd_role_switch": self.pd_role != "null",
             "is_idle": not busy and not io,
             "num_running_reqs": 2 if busy else 0,

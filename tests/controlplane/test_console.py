@@ -207,3 +207,23 @@ def test_prefill_worker_page_names_where_its_latency_is_measured(client, persona
         page = client.get(f"/workers/{EngineWorkerFactory(role=role).pk}/").content.decode()
         assert 'id="chart-ttft"' in page and "5 min before each point" in page
         assert 'data-testid="latency-note"' not in page
+
+
+def test_decode_worker_page_marks_its_bootstrap_port_unused_and_explains_empty_cache_charts(
+    client, personas, fake_worker
+):
+    fake = fake_worker(pd_role="decode")
+    decode = EngineWorkerFactory(url=fake.url, role="decode")
+    client.force_login(personas["viewer"][0])
+    page = client.get(f"/workers/{decode.pk}/").content.decode()
+    assert '<dd data-testid="bootstrap-port">8998 <span class="muted">(unused: decode)</span></dd>' in page
+    assert 'data-testid="cache-note"' in page and "--disaggregation-decode-enable-offload-kvcache" in page
+    assert 'id="chart-cached"' in page and 'id="chart-ttft"' in page
+    fake.decode_offload = True  # a decode that offloads its KV does fill the cache charts
+    assert 'data-testid="cache-note"' not in client.get(f"/workers/{decode.pk}/").content.decode()
+    fake.decode_offload = False
+    for role in ("prefill", "mixed"):
+        decode.role = role
+        decode.save()
+        other = client.get(f"/workers/{decode.pk}/").content.decode()
+        assert 'data-testid="cache-note"' not in other and "(unused: decode)" not in other
