@@ -31,6 +31,19 @@ CHROMIUM_ARGS = [
 ]
 
 
+def log_in(browser, base_url: str, username: str, password: str):
+    """A 1280 x 800 page of `browser` logged in to the console at `base_url` as `username`; returns the page
+    and the list its uncaught page errors are appended to."""
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(base_url + "/login/")
+    page.get_by_label("Username").fill(username)
+    page.get_by_label("Password").fill(password)
+    page.get_by_role("button", name="Log in").click()
+    return page, errors
+
+
 def serious_violations(page) -> list[str]:
     """axe-core's WCAG 2 A/AA rules on the current page: 'rule (impact): first target' per serious one."""
     page.add_script_tag(path=str(AXE))
@@ -78,14 +91,8 @@ def test_operator_console_end_to_end(
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page, errors = log_in(browser, asgi_server, "alice", "pw-for-tests-1")
         page.set_default_timeout(20000)
-        errors = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(asgi_server + "/login/")
-        page.get_by_label("Username").fill("alice")
-        page.get_by_label("Password").fill("pw-for-tests-1")
-        page.get_by_role("button", name="Log in").click()
         expect(page.get_by_test_id("role")).to_have_text("operator")
         expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
         expect(page.locator("#pools [data-pool=regular]")).to_contain_text("0 of 2 workers reporting")

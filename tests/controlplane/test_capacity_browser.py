@@ -7,7 +7,7 @@ import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, UserFactory
 from django.contrib.auth.hashers import make_password
-from test_browser import CHROMIUM_ARGS, serious_violations
+from test_browser import CHROMIUM_ARGS, log_in, serious_violations
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -38,14 +38,8 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page, errors = log_in(browser, asgi_server, "bob", "pw-for-tests-1")
         page.set_default_timeout(60000)
-        errors = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(asgi_server + "/login/")
-        page.get_by_label("Username").fill("bob")
-        page.get_by_label("Password").fill("pw-for-tests-1")
-        page.get_by_role("button", name="Log in").click()
         page.get_by_role("link", name="Capacity").click()
         # The sizing calculator is filled from gpu-0's report: page 16, L1 2,048, L2 4,112 (ratio 2).
         expect(page.locator("#sizing-table tbody tr").first).to_contain_text("2,048")

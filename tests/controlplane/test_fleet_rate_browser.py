@@ -8,6 +8,7 @@ import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, UserFactory
 from django.contrib.auth.hashers import make_password
+from test_browser import log_in
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -36,11 +37,7 @@ def test_pool_cached_rate_ignores_other_pools_samples(
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
-        page.goto(asgi_server + "/login/")
-        page.get_by_label("Username").fill("bob")
-        page.get_by_label("Password").fill("pw-for-tests-2")
-        page.get_by_role("button", name="Log in").click()
+        page, _ = log_in(browser, asgi_server, "bob", "pw-for-tests-2")
         expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
         regular = page.locator("#pools [data-pool=regular]")
         rate = regular.locator("[data-f=cached_rate]")
@@ -86,11 +83,7 @@ def test_pool_sparkline_x_values_stay_sorted_after_live_pushes(
     push(200)  # two stored samples: the page's history seed has a point
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
-        page.goto(asgi_server + "/login/")
-        page.get_by_label("Username").fill("bob")
-        page.get_by_label("Password").fill("pw-for-tests-2")
-        page.get_by_role("button", name="Log in").click()
+        page, _ = log_in(browser, asgi_server, "bob", "pw-for-tests-2")
         expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
         spark = page.locator("#pools [data-pool=regular] [data-spark=cached]")
         expect(spark).to_have_attribute("data-points", re.compile(r"^[1-9]"))

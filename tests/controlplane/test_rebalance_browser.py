@@ -11,7 +11,7 @@ import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory, UserFactory
 from django.contrib.auth.hashers import make_password
-from test_browser import CHROMIUM_ARGS, serious_violations
+from test_browser import CHROMIUM_ARGS, log_in, serious_violations
 
 from controlplane.inventory.services import worker_role_observed
 from controlplane.rebalance.models import Rebalance, RebalanceStep
@@ -96,13 +96,7 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
-        errors = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(asgi_server + "/login/")
-        page.get_by_label("Username").fill("alice")
-        page.get_by_label("Password").fill("pw-for-tests-1")
-        page.get_by_role("button", name="Log in").click()
+        page, errors = log_in(browser, asgi_server, "alice", "pw-for-tests-1")
         expect(page.get_by_test_id("role")).to_have_text("operator")
         page.goto(f"{asgi_server}/routers/{router.pk}/")
         page.get_by_test_id("rebalance-link").click()

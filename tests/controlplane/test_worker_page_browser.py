@@ -9,7 +9,7 @@ import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory, UserFactory
 from django.contrib.auth.hashers import make_password
-from test_browser import CHROMIUM_ARGS, serious_violations
+from test_browser import CHROMIUM_ARGS, log_in, serious_violations
 
 from controlplane.telemetry.metrics import histogram_quantile, parse_prometheus
 from engine.server.metrics import EngineMetrics
@@ -75,13 +75,7 @@ def test_latency_over_the_last_5_minutes_and_the_prefill_note(asgi_server, perso
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
-        errors = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(asgi_server + "/login/")
-        page.get_by_label("Username").fill("vera")
-        page.get_by_label("Password").fill("pw-for-tests-1")
-        page.get_by_role("button", name="Log in").click()
+        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
         expect(page.get_by_test_id("role")).to_have_text("viewer")
 
         page.goto(f"{asgi_server}/workers/{mixed.pk}/")
