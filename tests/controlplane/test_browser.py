@@ -242,3 +242,33 @@ def test_operator_console_end_to_end(
         expect(page.locator("#cancel")).to_be_hidden()
         assert errors == []
         browser.close()
+
+
+def test_operation_page_catches_up_without_a_push(asgi_server, monkeypatch):
+    """An operation that ends while no push reaches the page (sent before the page joined its group, or lost
+    while reconnecting) still shows its final state: a running operation's page re-reads it on each join and
+    every few seconds."""
+    from django.utils import timezone
+    from playwright.sync_api import expect, sync_playwright
+
+    from controlplane.operations.models import Operation, OperationTarget
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    worker = EngineWorkerFactory(name="gpu-quiet")
+    op = Operation.objects.create(kind="detach", idle_timeout_s=60, reason="quiet")
+    OperationTarget.objects.create(operation=op, worker=worker)
+    bob = UserFactory(username="bob", role="viewer")
+    bob.password = make_password("pw-for-tests-2", hasher="pbkdf2_sha256")
+    bob.save()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "bob", "pw-for-tests-2")
+        page.goto(f"{asgi_server}/operations/{op.pk}/")
+        expect(page.locator("body[data-ws-ready='1'][data-loaded='1']")).to_have_count(1)
+        expect(page.get_by_test_id("op-state")).to_have_text("running")
+        op.targets.update(state="succeeded", finished_at=timezone.now())  # in the database only: no push
+        Operation.objects.filter(pk=op.pk).update(state="succeeded", finished_at=timezone.now())
+        expect(page.get_by_test_id("op-state")).to_have_text("succeeded", timeout=15000)
+        expect(page.locator("#op-targets tbody tr").first.locator(".badge")).to_have_text("succeeded")
+        assert errors == []
+        browser.close()

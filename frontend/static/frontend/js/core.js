@@ -159,10 +159,14 @@
     return typeof v === "object" ? JSON.stringify(v) : String(v);
   };
 
-  /* ---- websocket: one socket; subscribe replaces the group set; reconnect with backoff; resync on (re)join ---- */
-  var ws = { groups: [], onMessage: null, onResync: null, socket: null, backoff: 500, joined: 0 };
+  /* ---- websocket: one socket; subscribe replaces the group set; reconnect with backoff; resync on every join
+     (events sent between the page's first read and the join, or while reconnecting, were never received) ---- */
+  var ws = { groups: [], onMessage: null, onResync: null, socket: null, backoff: 500 };
   KV.subscribe = function (groups, onMessage, onResync) {
-    ws.groups = groups; ws.onMessage = onMessage; ws.onResync = onResync; connect();
+    ws.groups = groups; ws.onMessage = onMessage; ws.onResync = onResync;
+    if (!ws.socket) connect();
+    else if (ws.socket.readyState === WebSocket.OPEN) ws.socket.send(JSON.stringify({ action: "subscribe", groups: groups }));
+    // still connecting: onopen sends the groups set here
   };
   function connect() {
     var live = KV.$("#live");
@@ -178,7 +182,7 @@
       if (msg.type === "control.subscribed") {
         live.classList.add("on"); live.title = "live: connected"; KV.$("#live-text").textContent = "live";
         body.dataset.wsReady = "1";
-        if (ws.joined++ && ws.onResync) ws.onResync();  // a reconnect may have missed events
+        if (ws.onResync) ws.onResync();
         return;
       }
       if (ws.onMessage) ws.onMessage(msg);

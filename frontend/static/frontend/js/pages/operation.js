@@ -1,7 +1,8 @@
-/* Operation page: read once; operation.target_changed / state_changed pushes update the target row and the
-   header in place at once, then the operation is re-read (one read in flight, coalesced) so each target's
-   before/after, idle polls and times match the API. Idle polls move without a push: while a target waits
-   for idle the operation is re-read every POLL_REFRESH_S. */
+/* Operation page: operation.target_changed / state_changed pushes update the target row and the header in
+   place at once, then the operation is re-read (one read in flight, coalesced, so an older answer never
+   overwrites a newer one) so each target's before/after, idle polls and times match the API. It is also
+   re-read on each websocket join (a push sent before it was missed) and, while running, every POLL_REFRESH_S
+   (idle polls move without a push). */
 KV.ready(function () {
   "use strict";
   var tpl = KV.$("#tpl-target"), rows = {}, op = null;
@@ -47,26 +48,19 @@ KV.ready(function () {
     renderHead();
     op.targets.forEach(putTarget);
   }
-  function load() {
-    return Promise.all([KV.api("GET", "/api/v1/operations/" + KV.pk + "/"), KV.api("GET", "/api/v1/inventory/storage-profiles/?limit=500")])
-      .then(function (r) {
-        r[1].results.forEach(function (p) { profileNames[p.id] = p.name + " (" + p.backend + ")"; });
-        render(r[0]);
-      });
-  }
   var reading = null, readAgain = false;
   function refresh() {  // re-read the operation; a push during a read asks for one more read after it
     if (reading) { readAgain = true; return reading; }
-    reading = KV.api("GET", "/api/v1/operations/" + KV.pk + "/").then(render).catch(function () { /* the next push or tick reads again */ })
-      .then(function () { reading = null; if (readAgain) { readAgain = false; refresh(); } });
+    function done() { reading = null; if (readAgain) { readAgain = false; refresh(); } }
+    reading = KV.api("GET", "/api/v1/operations/" + KV.pk + "/").then(render)
+      .then(done, function (err) { done(); if (!op) throw err; });  // later failures: the next push or tick reads again
     return reading;
   }
   var ticks = 0;
   setInterval(function () {  // running duration; idle polls, which change without a push
     if (!op || op.state !== "running") return;
     renderHead();
-    var waiting = op.targets.some(function (t) { return t.state === "waiting_for_idle"; });
-    if (waiting && ++ticks % POLL_REFRESH_S === 0) refresh();
+    if (++ticks % POLL_REFRESH_S === 0) refresh();
   }, 1000);
 
   var cancel = KV.$("#cancel");
@@ -84,8 +78,8 @@ KV.ready(function () {
         .catch(function (err) { KV.$("#page-error").textContent = KV.errorText(err); KV.$("#page-error").hidden = false; });
     });
   });
-  KV.subscribe(["operation." + KV.pk], function (msg) {
-    if (!op) return;
+  function onMessage(msg) {
+    if (!op) { refresh(); return; }  // the first read is still out: read once more after it
     var d = msg.data;
     if (msg.type === "operation.target_changed") {
       var t = op.targets.filter(function (x) { return x.id === d.target_id; })[0];
@@ -99,6 +93,10 @@ KV.ready(function () {
       renderHead();
       refresh();
     }
-  }, load);
-  return load();
+  }
+  return KV.api("GET", "/api/v1/inventory/storage-profiles/?limit=500").then(function (r) {
+    r.results.forEach(function (p) { profileNames[p.id] = p.name + " (" + p.backend + ")"; });
+    KV.subscribe(["operation." + KV.pk], onMessage, refresh);  // each join re-reads
+    return refresh();
+  });
 });
