@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Installs (as root) or reports the system packages KVFleet needs:
-# libibverbs1 (Mooncake transfer engine), redis-server, chromium (browser tests).
+# libibverbs1 (Mooncake transfer engine), redis-server, chromium (browser tests), g++ and ninja-build
+# (the fused decode step's C++ extension, engine/model/fused_decode.py).
 set -euo pipefail
 missing=()
 ldconfig -p | grep -q 'libibverbs.so.1' || missing+=(libibverbs1)
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v chromium >/dev/null || missing+=(chromium)
+command -v g++ >/dev/null || missing+=(g++)
+command -v ninja >/dev/null || missing+=(ninja-build)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "Installing system packages: ${missing[*]}"

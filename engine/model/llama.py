@@ -10,7 +10,7 @@ makes every linear layer (q/k/v, o, gate/up, down and the LM head; not the embed
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -119,12 +119,18 @@ class LlamaForCausalLM:
             head = weights.take("lm_head.weight", vocab_shape, weights.linear_dtype)
         self.lm_head = make_linear(head, None, lm_head_quantization(quantization))
         weights.check_all_used()
+        # set by ModelRunner: a decode-only batch's forward in one C++ call (engine/model/fused_decode.py)
+        self.fused_step: Callable[[ForwardBatch, DeviceKVPool], torch.Tensor | None] | None = None
 
     def forward(
         self, batch: ForwardBatch, kv_pool: DeviceKVPool, return_all_logits: bool = False
     ) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` at each sequence's last new token, or ``(T, vocab)`` for all."""
         self.attn.init_forward_metadata(batch)
+        if self.fused_step is not None and not return_all_logits:
+            logits = self.fused_step(batch, kv_pool)
+            if logits is not None:
+                return logits
         x = F.embedding(batch.input_ids, self.embed)
         cos, sin = cos_sin(batch.positions, self._inv_freq, self.dtype)
         for layer in self.layers:

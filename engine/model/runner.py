@@ -6,19 +6,23 @@ The scheduler builds a ``ForwardBatch`` per step, a ``DeviceKVPool`` from ``kv_p
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.cache.device_pool import DeviceKVPool
-from engine.model.attention import AttentionBackend, get_attention_backend
+from engine.model.attention import AttentionBackend, TorchAttentionBackend, get_attention_backend
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
+from engine.model.fused_decode import FusedDecodeStep, FusedDecodeUnavailable
 from engine.model.linear import check_quantization
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,7 +52,9 @@ class ModelRunner:
     ``dtype``: "float32" | "bfloat16" | "float16" or a ``torch.dtype``; ``device``: "cpu" | "cuda[:n]";
     ``attention_backend``: a name registered in engine/model/attention; ``quantization``: None,
     ``"int8wo"`` or ``"int4wo-<group_size>"`` (weight-only linear layers, ``engine/model/linear.py``; int4
-    needs bfloat16).
+    needs bfloat16); ``fused_decode``: run decode-only batches through the C++ decode step
+    (``engine/model/fused_decode.py``, bitwise the Python path's logits) where it applies (torch backend on
+    the CPU) and builds; where it cannot be built a warning says why and the Python path decodes.
     Raises ``ModelLoadError`` for a bad model path and ``ValueError`` for an unknown dtype, backend or
     quantization (``QuantizationError`` for a quantization this dtype or model cannot use).
     """
@@ -60,13 +66,14 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         attention_backend: str = "torch",
         quantization: str | None = None,
+        fused_decode: bool = True,
     ) -> None:
         backend_cls = get_attention_backend(attention_backend)  # bad names fail before the slow load
         self.dtype = _parse_dtype(dtype)
         check_quantization(quantization, self.dtype)
         self.device = torch.device(device)
         self.quantization = quantization
-        self._build(load_checkpoint(model_path), backend_cls)
+        self._build(load_checkpoint(model_path), backend_cls, fused_decode)
 
     @classmethod
     def from_checkpoint(
@@ -76,6 +83,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         attention_backend: str = "torch",
         quantization: str | None = None,
+        fused_decode: bool = True,
     ) -> ModelRunner:
         """A runner over an already loaded ``Checkpoint`` (e.g. one load, several dtypes)."""
         runner = cls.__new__(cls)
@@ -83,10 +91,10 @@ class ModelRunner:
         check_quantization(quantization, runner.dtype)
         runner.device = torch.device(device)
         runner.quantization = quantization
-        runner._build(checkpoint, get_attention_backend(attention_backend))
+        runner._build(checkpoint, get_attention_backend(attention_backend), fused_decode)
         return runner
 
-    def _build(self, checkpoint: Checkpoint, backend_cls: type[AttentionBackend]) -> None:
+    def _build(self, checkpoint: Checkpoint, backend_cls: type[AttentionBackend], fused_decode: bool) -> None:
         self.model_path = checkpoint.path
         self.config: ModelConfig = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
@@ -95,6 +103,16 @@ class ModelRunner:
         self.model = LlamaForCausalLM(
             cfg, checkpoint.tensors, self.dtype, self.device, attn, checkpoint.path, self.quantization
         )
+        if fused_decode and self.device.type == "cpu" and isinstance(attn, TorchAttentionBackend):
+            try:
+                self.model.fused_step = FusedDecodeStep(self.model)
+            except FusedDecodeUnavailable as exc:
+                logger.warning("%s; decoding on the Python path (--disable-fused-decode: no attempt)", exc)
+
+    @property
+    def fused_decode(self) -> bool:
+        """Decode-only batches run through the C++ decode step."""
+        return self.model.fused_step is not None
 
     def kv_pool_spec(self) -> KVPoolSpec:
         """Layer count, KV heads, head dim, dtype and device of the KV pool this model writes."""

@@ -61,6 +61,7 @@ class ServerArgs:
     log_level: str = "info"
     page_size: int = 1
     attention_backend: str = "torch"
+    disable_fused_decode: bool = False
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
@@ -159,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ATTENTION_BACKENDS,
         default="torch",
         help="torch (reference) or triton (Triton kernels: --device cuda, or TRITON_INTERPRET=1 on cpu)",
+    )
+    a(
+        "--disable-fused-decode",
+        action="store_true",
+        help="decode on the Python path: by default a decode-only batch (torch backend, cpu) runs every "
+        "layer in one C++ call (same ops, same logits; built once per venv, skipped with a warning where "
+        "it cannot be built)",
     )
     a("--mem-fraction-static", type=_fraction, default=None, help="share of free GPU memory for KV (cuda)")
     a(

@@ -17,11 +17,15 @@ from engine.model.runner import ModelRunner
 
 class Pair:
     """The same model twice: ``staged`` stages decode K/V, ``gathered`` never does (``max_bytes`` 0); both
-    write to their own pool, filled identically."""
+    write to their own pool, filled identically. Both decode on the Python path unless ``staged`` /
+    ``gathered`` (ModelRunner keyword arguments) say otherwise (``test_fused_decode.py``)."""
 
-    def __init__(self, folder, pool_size: int = 1024) -> None:
-        self.staged = ModelRunner(folder, dtype="float32")
-        self.gathered = ModelRunner(folder, dtype="float32")
+    def __init__(
+        self, folder, pool_size: int = 1024, staged: dict | None = None, gathered: dict | None = None
+    ) -> None:
+        python_path = {"dtype": "float32", "fused_decode": False}
+        self.staged = ModelRunner(folder, **{**python_path, **(staged or {})})
+        self.gathered = ModelRunner(folder, **{**python_path, **(gathered or {})})
         self.gathered.model.attn._stage = DecodeStage(max_bytes=0)
         spec = vars(self.staged.kv_pool_spec())
         self.pools = {

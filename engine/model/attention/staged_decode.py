@@ -119,6 +119,25 @@ class DecodeStage:
         self._active = True
         return True
 
+    def all_layers(self) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
+        """For a caller that runs every layer of the current (active) batch itself, as ``layer_kv`` would:
+        the refill slots ``(Bd * capacity,)`` (None: append one token at ``rows``/``pos``) and the per-layer
+        key and value buffers; marks every layer up to date."""
+        capacity, smax = self._keys[0].shape[1], self._table.shape[1]
+        slots = F.pad(self._table, (0, capacity - smax)).reshape(-1) if self._refill else None
+        self._layers_done = len(self._keys)
+        return slots, self._keys, self._values
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """Row ``i`` of every sequence of the current batch ``(Bd,)``, where its new token is appended."""
+        return self._rows
+
+    @property
+    def pos(self) -> torch.Tensor:
+        """Where each sequence's new token goes in its row ``(Bd,)`` (its length - 1)."""
+        return self._pos
+
     @property
     def active(self) -> bool:
         """The current batch reads the staged buffers (``begin`` returned True)."""

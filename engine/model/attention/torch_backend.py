@@ -138,6 +138,23 @@ class TorchAttentionBackend(AttentionBackend):
             out[dec.token_index] = self._decode_attend(q[dec.token_index], k_buf, v_buf, dec)
         return out
 
+    def decode_step_plan(self, kv_pool: DeviceKVPool) -> tuple | None:
+        """After ``init_forward_metadata`` of a batch of decodes only, for a caller that runs all its layers
+        itself (``engine/model/fused_decode.py``): ``(mode, slots, smax, mask, keys, values, rows, pos)``.
+        mode 0: gather each layer's K/V through ``slots`` ``(Bd * smax,)``; 1: refill the staged per-layer
+        buffers ``keys``/``values`` through ``slots`` ``(Bd * capacity,)``; 2: append each new token at
+        ``rows``/``pos`` of them. None (nothing changed) for any other batch."""
+        dec = self._decode
+        if dec is None or dec.token_index is not None or self._extends:
+            return None
+        smax = dec.shape[1]
+        if not self._stage.begin(kv_pool):
+            return 0, dec.slots, smax, dec.mask, [], [], None, None
+        slots, keys, values = self._stage.all_layers()
+        if slots is not None:
+            return 1, slots, smax, dec.mask, keys, values, None, None
+        return 2, dec.slots, smax, dec.mask, keys, values, self._stage.rows, self._stage.pos
+
     def _extend(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, ext: _Extend
     ) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""The fused decode step: a batch of decodes through every layer in one C++ call (``fused/decode_step.cpp``).
+
+A batch-1 decode step of SmolLM2 runs about 2,000 small eager torch ops (60-75 per layer x 30 layers), each
+paying Python and argument parsing on top of its kernel. ``FusedDecodeStep`` runs the same ATen ops in the
+same order with the same dtypes from C++ (the weight-only matmul kernels of ``linear.py``, RMSNorm, RoPE, the
+K/V write into the pool, the torch backend's decode attention over staged or gathered K/V, SiLU x up, residual
+adds, the LM head), so the logits are bitwise the Python path's (``tests/model/test_fused_decode.py``). It
+takes only what the torch attention backend runs as a decode-only batch (``for_decode``: every sequence one
+new token, a prefix already cached); prefill and mixed batches stay on the Python path.
+
+The extension is compiled with ``torch.utils.cpp_extension`` (g++ and ninja) into ``<venv>/kvfleet-ext/``
+once per venv and source version (``make venv`` builds it; a first use builds it otherwise, about a minute),
+later processes only load it. ``load_extension`` raises ``FusedDecodeUnavailable`` when it cannot be built;
+``ModelRunner`` then decodes on the Python path and logs why (``--disable-fused-decode`` turns it off).
+
+A fused step calls the batch's ``layer_hook`` for every layer before its first layer (a decode batch's K/V
+is already in L1; this only waits for a load-back of another request still in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.model.attention.torch_backend import TorchAttentionBackend
+from engine.model.forward_batch import ForwardBatch
+from engine.model.linear import DenseLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("fused") / "decode_step.cpp"
+EXTENSION_NAME = "kvfleet_fused_decode"
+_KINDS = {DenseLinear: 0, Int8WeightOnlyLinear: 1, Int4WeightOnlyLinear: 2}
+_loaded: ModuleType | None = None
+
+
+class FusedDecodeUnavailable(RuntimeError):
+    """The C++ extension could not be built or loaded here (the message says why)."""
+
+
+def build_directory() -> Path:
+    """``$KVFLEET_EXTENSIONS_DIR`` or ``<sys.prefix>/kvfleet-ext/torch-<version>`` (the venv's)."""
+    root = os.environ.get("KVFLEET_EXTENSIONS_DIR") or Path(sys.prefix) / "kvfleet-ext"
+    return Path(root) / f"torch-{torch.__version__}"
+
+
+def load_extension() -> ModuleType:
+    """The compiled extension, built on first use (``FusedDecodeUnavailable`` when it cannot be)."""
+    global _loaded
+    if _loaded is None:
+        from torch.utils import cpp_extension
+
+        directory = build_directory()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            _loaded = cpp_extension.load(
+                EXTENSION_NAME, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(directory)
+            )
+        except Exception as exc:  # no compiler / ninja, read-only venv, compile error
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise FusedDecodeUnavailable(f"cannot build {SOURCE.name} in {directory}: {first}") from exc
+    return _loaded
+
+
+def _linear(layer: DenseLinear | Int8WeightOnlyLinear | Int4WeightOnlyLinear) -> list:
+    kind = _KINDS[type(layer)]
+    if kind == 0:
+        out_features, in_features = layer.weight.shape
+        return [kind, layer.weight, None, layer.bias, 0, out_features, in_features]
+    weight, scales = (layer.qweight, layer.scales) if kind == 1 else (layer.packed, layer.scales_and_zeros)
+    group = getattr(layer, "group_size", 0)
+    return [kind, weight, scales, layer.bias, group, layer.out_features, layer.in_features]
+
+
+class FusedDecodeStep:
+    """The decode-only forward of a ``LlamaForCausalLM`` (its weights shared, not copied) as one C++ call.
+
+    ``FusedDecodeUnavailable`` when the extension cannot be built; ``ValueError`` for a model this cannot
+    run (an attention backend other than ``torch``, a device other than the CPU)."""
+
+    def __init__(self, model) -> None:
+        if not isinstance(model.attn, TorchAttentionBackend) or model.device.type != "cpu":
+            raise ValueError("the fused decode step needs the torch attention backend on the CPU")
+        ext = load_extension()
+        cfg, attn = model.cfg, model.attn
+        self.model = model
+        self.decoder = ext.FusedDecoder(
+            model.embed,
+            model.norm,
+            model._inv_freq,
+            cfg.rms_norm_eps,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            attn.scale,
+        )
+        for layer in model.layers:
+            linears = [_linear(x) for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            self.decoder.add_layer(layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, linears)
+        self.decoder.set_lm_head(_linear(model.lm_head))
+        self._empty = torch.empty(0, dtype=torch.long)
+
+    def __call__(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor | None:
+        """Float32 logits ``(B, vocab)`` of a decode-only batch whose ``init_forward_metadata`` just ran;
+        None (nothing done) for any other batch."""
+        plan = self.model.attn.decode_step_plan(kv_pool)
+        if plan is None:
+            return None
+        if batch.layer_hook is not None:
+            for layer in range(len(self.model.layers)):
+                batch.layer_hook(layer)
+        mode, slots, smax, mask, keys, values, rows, pos = plan
+        return self.decoder.step(
+            batch.input_ids,
+            batch.positions,
+            batch.out_cache_loc,
+            kv_pool.kv_buffer,
+            mode,
+            slots,
+            smax,
+            mask,
+            keys,
+            values,
+            self._empty if rows is None else rows,
+            self._empty if pos is None else pos,
+        )
+
+
+def main() -> None:
+    """``python -m engine.model.fused_decode``: build (or load) the extension now, print where it lives."""
+    logging.basicConfig(level=logging.INFO)
+    try:
+        load_extension()
+    except FusedDecodeUnavailable as exc:
+        print(f"fused decode step not built: {exc}", file=sys.stderr)
+        sys.exit(1)
+    print(f"fused decode step built in {build_directory()}")
+
+
+if __name__ == "__main__":
+    main()

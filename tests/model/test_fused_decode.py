@@ -1,0 +1,92 @@
+"""The fused decode step (``engine/model/fused_decode.py``, one C++ call per decode-only batch) gives bitwise
+the logits of the Python path: fp32, bf16, int8wo and int4wo-32, Llama / Qwen2 (biases) / Qwen3 (q/k norm),
+over staged K/V (refilled and appended), per-step gathers, batch changes and rows of different lengths; it
+calls the layer hook of every layer; a runner where it cannot be built warns and decodes on the Python
+path."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_staged_decode import Pair
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.model import fused_decode
+from engine.model.attention.staged_decode import STAGE_HEADROOM, DecodeStage
+from engine.model.forward_batch import ForwardBatch
+from engine.model.runner import ModelRunner
+from engine.server.args import parse_args
+
+MODES = [
+    ("llama", "float32", None),
+    ("qwen2", "float32", None),
+    ("qwen3", "float32", None),
+    ("llama", "bfloat16", None),
+    ("qwen2", "bfloat16", "int8wo"),
+    ("qwen3", "bfloat16", "int4wo-32"),
+]
+
+
+def _run(pair: Pair) -> None:
+    for name, length in (("a", 9), ("b", 23), ("c", 5)):
+        pair.prefill(name, length, seed=length)
+    for _ in range(3):  # appended to the staged K/V
+        pair.decode(["a", "b", "c"])
+    pair.decode(["a", "c"])  # b left: refilled
+    pair.prefill("d", 14, seed=14)
+    pair.decode(["c", "a", "d"])
+    for _ in range(STAGE_HEADROOM + 2):  # past the staged capacity
+        pair.decode(["c", "a", "d"])
+
+
+@pytest.mark.parametrize(("kind", "dtype", "quant"), MODES)
+def test_fused_decode_step_equals_the_python_path(tiny_models, kind, dtype, quant):
+    """Staged (fused) against per-step gathers (Python), the comparison of test_staged_decode."""
+    side = {"dtype": dtype, "quantization": quant}
+    pair = Pair(tiny_models[kind][0], staged={**side, "fused_decode": True}, gathered=side)
+    assert pair.staged.fused_decode and not pair.gathered.fused_decode
+    _run(pair)
+
+
+def test_fused_decode_step_gathering_per_step_equals_the_python_path(tiny_models):
+    """A batch too large to stage (``max_bytes`` 0) gathers per layer in the fused step too."""
+    pair = Pair(tiny_models["qwen2"][0], staged={"fused_decode": True})
+    pair.staged.model.attn._stage = DecodeStage(max_bytes=0)
+    _run(pair)
+
+
+def test_fused_decode_step_calls_the_layer_hook_of_every_layer_and_leaves_prefill_to_python(tiny_models):
+    runner = ModelRunner(tiny_models["llama"][0])
+    assert runner.fused_decode
+    pool = DeviceKVPool(64, 1, **vars(runner.kv_pool_spec()))
+    calls: list[int] = []
+    slots = torch.arange(1, 8)
+    runner.forward(ForwardBatch.from_sequences([[5, 6, 7, 8, 9, 10]], [slots[:6]]), pool)
+    fused = runner.model.fused_step
+    seen: list[bool] = []
+    runner.model.fused_step = lambda b, p: seen.append(True) or fused(b, p)
+    runner.forward(ForwardBatch.for_decode([11], [slots], layer_hook=calls.append), pool)
+    assert calls == list(range(runner.config.num_hidden_layers))
+    assert seen == [True]
+    prefill = ForwardBatch.from_sequences([[1, 2]], [torch.tensor([20, 21])])
+    runner.model.attn.init_forward_metadata(prefill)
+    assert fused(prefill, pool) is None  # a prefill chunk is left to the Python path
+
+
+def test_a_runner_that_cannot_build_it_warns_and_decodes_on_the_python_path(tiny_models, monkeypatch, caplog):
+    def unavailable():
+        raise fused_decode.FusedDecodeUnavailable("cannot build decode_step.cpp in /x: no compiler")
+
+    monkeypatch.setattr(fused_decode, "load_extension", unavailable)
+    with caplog.at_level(logging.WARNING):
+        runner = ModelRunner(tiny_models["llama"][0])
+    assert not runner.fused_decode
+    assert "no compiler" in caplog.text and "--disable-fused-decode" in caplog.text
+    assert not ModelRunner(tiny_models["llama"][0], fused_decode=False).fused_decode
+
+
+def test_disable_fused_decode_flag():
+    assert parse_args(["--model-path", "smollm2", "--disable-fused-decode"]).disable_fused_decode
+    assert not parse_args(["--model-path", "smollm2"]).disable_fused_decode
