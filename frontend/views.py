@@ -29,7 +29,11 @@ def page(request, name: str, pk: int | None = None):
 @login_required
 @ensure_csrf_cookie
 def fleet(request):
-    return _render(request, "fleet", pool_history=selectors.pool_history())
+    from controlplane.telemetry.recent import WINDOW_S
+
+    return _render(
+        request, "fleet", pool_history=selectors.pool_history(), recent_window_min=round(WINDOW_S / 60)
+    )
 
 
 @login_required

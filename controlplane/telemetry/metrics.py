@@ -83,6 +83,20 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
     return prev_bound
 
 
+def bucket_increase(first: dict, last: dict, key: str) -> dict[float, float] | None:
+    """Per upper bound (s; +Inf as math.inf), how many observations the cumulative histogram ``key``
+    (``ttft_buckets`` / ``itl_buckets``) of sample ``last`` holds beyond sample ``first``'s; a key missing
+    from a sample counts as no buckets. None when a bucket went down (the worker restarted in between)."""
+    before = {b: c for b, c in first.get(key) or []}
+    delta = {}
+    for bound, count in last.get(key) or []:
+        d = count - before.get(bound, 0.0)
+        if d < 0:
+            return None
+        delta[math.inf if bound >= 1e308 else bound] = d
+    return delta
+
+
 def parse_prometheus(text: str) -> dict:
     """Raises ValueError on text that is not Prometheus exposition format."""
     snap: dict[str, float] = {}

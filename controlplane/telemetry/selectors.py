@@ -1,7 +1,9 @@
 """Reads of live telemetry (Redis): one worker's latest/history, and the fleet summary."""
 
+import time
+
 from controlplane.inventory.models import EngineWorker
-from controlplane.telemetry import store
+from controlplane.telemetry import recent, store
 from controlplane.telemetry.metrics import TIERS
 
 _SUMMED = (
@@ -53,9 +55,13 @@ def _totals(samples: list[dict]) -> dict:
 def fleet_summary() -> dict:
     """Totals over every worker's latest sample, the same per pool (regular = mixed workers, prefill,
     decode; each with `workers` and `reporting` counts and `ts`, its newest sample's time in epoch s or None),
-    and one compact row per worker."""
+    and one compact row per worker: its latest sample's gauges and, over the last `recent_window_s`
+    (300 s, the worker page's latency window; `recent.latency`), `recent_ttft_p50_s` / `recent_itl_p50_s`
+    (s; None without an observation) and `recent_requests` (first tokens in the window; None when the
+    window holds fewer than two of its samples or it restarted in it)."""
     workers = list(EngineWorker.objects.values_list("id", "name", "state", "role"))
     latest = store.latest_many([w[0] for w in workers])
+    windows = store.recent_bounds([w[0] for w in workers], since=time.time() - recent.WINDOW_S)
     rows = []
     by_pool: dict[str, list[dict]] = {pool: [] for pool in POOLS.values()}
     counts = dict.fromkeys(POOLS.values(), 0)
@@ -65,6 +71,7 @@ def fleet_summary() -> dict:
         counts[pool] += 1
         if sample:
             by_pool[pool].append(sample)
+        window = recent.latency(*windows.get(worker_id, (None, None)))
         rows.append(
             {
                 "id": worker_id,
@@ -76,7 +83,9 @@ def fleet_summary() -> dict:
                 "num_running_reqs": (sample or {}).get("num_running_reqs"),
                 "num_queue_reqs": (sample or {}).get("num_queue_reqs"),
                 "host_pool_use": (sample or {}).get("host_pool_use"),
-                "ttft_p50_s": (sample or {}).get("ttft_p50_s"),
+                "recent_ttft_p50_s": window["ttft_p50_s"],
+                "recent_itl_p50_s": window["itl_p50_s"],
+                "recent_requests": window["requests"],
                 "ts": (sample or {}).get("ts"),
             }
         )
@@ -94,4 +103,5 @@ def fleet_summary() -> dict:
         "totals": _totals(list(latest.values())),
         "pools": pools,
         "reporting": len(latest),
+        "recent_window_s": recent.WINDOW_S,
     }

@@ -1,15 +1,20 @@
 """Telemetry state in Redis: latest snapshot and bounded history per worker, broadcast throttle keys.
 
 Keys (prefix settings.REDIS_KEY_PREFIX): `<p>:tm:w:<id>:latest` (JSON), `<p>:tm:w:<id>:hist` (list, newest
-first, at most HISTORY_LEN), `<p>:tm:w:<id>:seq` (counter), `<p>:tm:gate:<group>` (1 s send window),
-`<p>:tm:pend:<group>` (a trailing flush is scheduled).
+first, at most HISTORY_LEN), `<p>:tm:w:<id>:recent` (sorted set of each sample's `recent.entry` JSON, score
+its `ts`; only samples of the last `recent.WINDOW_S` by the server's clock, at most HISTORY_LEN; the key
+expires when the worker stops reporting), `<p>:tm:w:<id>:seq` (counter), `<p>:tm:gate:<group>` (1 s send
+window), `<p>:tm:pend:<group>` (a trailing flush is scheduled).
 """
 
 import json
+import time
 from functools import lru_cache
 
 import redis
 from django.conf import settings
+
+from controlplane.telemetry import recent
 
 HISTORY_LEN = 1800  # one hour at the agent's 2 s push interval: the console's 1 h window
 WINDOW_MS = 1000
@@ -36,6 +41,11 @@ def save_sample(worker_id: int, sample: dict) -> int:
     pipe.set(_key("w", worker_id, "latest"), body)
     pipe.lpush(_key("w", worker_id, "hist"), body)
     pipe.ltrim(_key("w", worker_id, "hist"), 0, HISTORY_LEN - 1)
+    window = _key("w", worker_id, "recent")
+    pipe.zadd(window, {json.dumps(recent.entry(sample)): float(sample["ts"])})
+    pipe.zremrangebyscore(window, "-inf", time.time() - recent.WINDOW_S)
+    pipe.zremrangebyrank(window, 0, -HISTORY_LEN - 1)
+    pipe.expire(window, int(recent.WINDOW_S) + 60)
     pipe.execute()
     return sample["seq"]
 
@@ -50,6 +60,25 @@ def latest_many(worker_ids: list[int]) -> dict[int, dict]:
         return {}
     raws = client().mget([_key("w", w, "latest") for w in worker_ids])
     return {w: json.loads(r) for w, r in zip(worker_ids, raws, strict=True) if r}
+
+
+def recent_bounds(worker_ids: list[int], since: float) -> dict[int, tuple[dict, dict]]:
+    """Per worker with a sample newer than ``since`` (epoch s): its (oldest, newest) such `recent.entry`
+    (the same entry twice when it has one). One round trip for all workers."""
+    if not worker_ids:
+        return {}
+    pipe = client().pipeline()
+    for worker_id in worker_ids:
+        key = _key("w", worker_id, "recent")
+        pipe.zrangebyscore(key, f"({since}", "+inf", start=0, num=1)
+        pipe.zrevrangebyscore(key, "+inf", f"({since}", start=0, num=1)
+    raws = pipe.execute()
+    out = {}
+    for i, worker_id in enumerate(worker_ids):
+        first, last = raws[2 * i], raws[2 * i + 1]
+        if first and last:
+            out[worker_id] = (json.loads(first[0]), json.loads(last[0]))
+    return out
 
 
 def history(worker_id: int, limit: int = HISTORY_LEN) -> list[dict]:

@@ -216,3 +216,50 @@ async def test_operation_progress_is_pushed_to_its_group(personas, fake_worker):
     ]
     assert seen[-1]["data"]["state"] == "succeeded"
     await communicator.disconnect()
+
+
+@pytest.mark.django_db
+def test_fleet_summary_latency_covers_only_the_last_5_minutes(api_as):
+    """The fleet rows' TTFT / ITL p50 are those of the requests of the last 5 min (histogram increase between
+    the oldest and newest sample in the window, as the worker page charts them), not since start."""
+    from django.conf import settings
+
+    from engine.server.metrics import EngineMetrics
+
+    host = HostFactory(name=AGENT_HOST)
+    busy, idle, lone, restarted = (EngineWorkerFactory(host=host, role="mixed") for _ in range(4))
+    state = {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0, "max_total_num_tokens": 64}
+
+    def serve(metrics, requests, ttft_s, itl_s):
+        for _ in range(requests):
+            metrics.num_requests.labels("smollm2").inc()
+            metrics.on_first_token(ttft_s)
+            metrics.on_inter_token(itl_s)
+        return metrics.render().decode()
+
+    def push(worker, text, age_s):
+        body = {"worker": worker.pk, "text": text, "ts": time.time() - age_s}
+        assert api_as("agent").post("/api/v1/agent/metrics/", body, format="json").status_code == 202
+
+    m_busy, m_idle, m_lone = (EngineMetrics("smollm2", lambda: state) for _ in range(3))
+    push(busy, serve(m_busy, 100, 3.0, 0.2), 600)  # slow, before the window
+    push(busy, serve(m_busy, 0, 0, 0), 200)
+    push(busy, serve(m_busy, 10, 0.05, 0.01), 10)  # fast, inside it
+    for age in (600, 200, 10):
+        push(idle, serve(m_idle, 100 if age == 600 else 0, 3.0, 0.2), age)  # nothing new in the window
+    push(lone, serve(m_lone, 100, 3.0, 0.2), 10)  # one sample in the window: no increase to take
+    push(restarted, serve(EngineMetrics("smollm2", lambda: state), 100, 3.0, 0.2), 200)
+    push(restarted, serve(EngineMetrics("smollm2", lambda: state), 1, 0.05, 0.01), 10)  # counters reset
+
+    summary = api_as("viewer").get("/api/v1/telemetry/fleet/").json()
+    rows = {row["id"]: row for row in summary["workers"]}
+    assert summary["recent_window_s"] == 300
+    assert store.latest(busy.pk)["ttft_p50_s"] > 1  # since start: the 100 slow requests dominate
+    assert rows[busy.pk]["recent_requests"] == 10
+    assert rows[busy.pk]["recent_ttft_p50_s"] < 0.1 and rows[busy.pk]["recent_itl_p50_s"] < 0.05
+    assert (rows[idle.pk]["recent_requests"], rows[idle.pk]["recent_ttft_p50_s"]) == (0, None)
+    for worker in (lone, restarted):
+        assert (rows[worker.pk]["recent_requests"], rows[worker.pk]["recent_ttft_p50_s"]) == (None, None)
+    # the store keeps only the window's samples for this: the one 600 s old was dropped on arrival
+    window_key = f"{settings.REDIS_KEY_PREFIX}:tm:w:{busy.pk}:recent"
+    assert store.client().zcard(window_key) == 2

@@ -3,6 +3,7 @@ p50 and p90 cover the 5 min before each point (the increase of its cumulative hi
 samples, rendered by the engine's own exporter and pushed through the agent API), not everything since
 start; a PD prefill worker's page says where its latency is measured instead of showing empty charts."""
 
+import re
 import time
 
 import httpx
@@ -101,6 +102,81 @@ def test_latency_over_the_last_5_minutes_and_the_prefill_note(asgi_server, perso
         )
         expect(page.locator("#chart-ttft, #chart-itl")).to_have_count(0)
         expect(page.locator(".chart .uplot")).to_have_count(6)  # every other chart still draws
+        assert serious_violations(page) == []
+        assert errors == []
+        browser.close()
+
+
+def test_fleet_table_shows_the_worker_pages_recent_latency(asgi_server, personas, monkeypatch):
+    """The fleet table's TTFT / ITL p50 are the worker page's newest 5 min figures (server-side, from the same
+    stored samples), labelled with the window; a worker with no request in it says "no requests", one with no
+    window (fewer than two samples) or a PD prefill worker "–"; a live push updates the cells."""
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    host = HostFactory(name=AGENT_HOST)
+    busy = EngineWorkerFactory(name="gpu-0", url="http://gpu-0.local:30000", host=host, role="mixed")
+    idle = EngineWorkerFactory(name="gpu-1", url="http://gpu-1.local:30000", host=host, role="mixed")
+    prefill = EngineWorkerFactory(name="p1", url="http://p1.local:30000", host=host, role="prefill")
+    silent = EngineWorkerFactory(name="gpu-2", url="http://gpu-2.local:30000", host=host, role="mixed")
+    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
+
+    def push(worker, text, ts):
+        response = agent.post("/api/v1/agent/metrics/", json={"worker": worker.pk, "text": text, "ts": ts})
+        assert response.status_code == 202, response.text
+
+    now = time.time()
+    busy_m, idle_m = EngineMetrics(MODEL, lambda: STATE), EngineMetrics(MODEL, lambda: STATE)
+    # both served 100 slow requests 10 min ago; since then gpu-0 served 10 fast ones, gpu-1 none
+    for ts, busy_text, idle_text in (
+        (now - 600, serve(busy_m, 100, 3.0, 0.2), serve(idle_m, 100, 3.0, 0.2)),
+        (now - 180, busy_m.render().decode(), idle_m.render().decode()),
+        (now - 20, serve(busy_m, 10, 0.05, 0.01), idle_m.render().decode()),
+    ):
+        push(busy, busy_text, ts)
+        push(idle, idle_text, ts)
+        push(prefill, idle_text, ts)
+    viewer = UserFactory(username="vera", role="viewer")
+    viewer.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")  # the daphne process's hasher
+    viewer.save()
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
+        page.goto(f"{asgi_server}/workers/{busy.pk}/")
+        expect(page.locator("#chart-ttft")).to_have_attribute("data-points", "3")
+        legends = [page.locator(f"{chart} .u-legend .u-series") for chart in ("#chart-ttft", "#chart-itl")]
+        on_worker_page = [s.filter(has_text="p50").locator(".u-value").inner_text() for s in legends]
+        assert all(text.endswith(" ms") for text in on_worker_page), on_worker_page  # fast: not since start
+
+        page.goto(asgi_server + "/")
+        expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+        head = page.locator("#workers thead tr")
+        expect(head.first.locator("th[colspan='2']")).to_have_text("p50, last 5 min")  # over TTFT and ITL
+        expect(head.nth(1).locator("th")).to_have_text(["TTFT", "ITL"])
+        expect(page.get_by_test_id("latency-window")).to_contain_text("the requests of the last 5 minutes")
+
+        def cells(worker):
+            row = page.locator(f"#workers tr[data-worker='{worker.pk}'] td")
+            return [row.nth(10), row.nth(11)]
+
+        for cell, text in zip(cells(busy), on_worker_page, strict=True):
+            expect(cell).to_have_text(text)
+        expect(cells(busy)[0]).to_have_attribute("title", "p50 of 10 requests in the last 5 min")
+        expect(cells(idle)[0]).to_have_text("no requests")  # one cell across TTFT and ITL
+        expect(cells(idle)[0]).to_have_attribute("colspan", "2")
+        expect(cells(idle)[1]).to_be_hidden()
+        for worker in (prefill, silent):
+            for cell in cells(worker):
+                expect(cell).to_have_text("–")
+        expect(cells(prefill)[0]).to_have_attribute("title", re.compile("prefill worker records no TTFT"))
+        expect(cells(silent)[0]).to_have_attribute("title", "fewer than two samples in the last 5 min")
+
+        push(idle, serve(idle_m, 4, 0.02, 0.005), time.time())  # live: gpu-1 serves again
+        expect(cells(idle)[0]).to_have_text(re.compile(r"^\d+(\.\d+)? ms$"))
+        expect(cells(idle)[0]).to_have_attribute("title", "p50 of 4 requests in the last 5 min")
+        expect(cells(idle)[1]).to_have_text(re.compile(r"^\d+(\.\d+)? ms$"))
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
         assert serious_violations(page) == []
         assert errors == []
         browser.close()

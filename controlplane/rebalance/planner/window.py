@@ -11,26 +11,12 @@ p90s come from the summed bucket increases of every worker (Prometheus' ``histog
 
 from __future__ import annotations
 
-import math
-
 from controlplane.rebalance.planner.core import TIERS, PoolLoad
-from controlplane.telemetry.metrics import histogram_quantile
+from controlplane.telemetry.metrics import bucket_increase, histogram_quantile
 
 _COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "num_requests_total") + tuple(
     f"cached_tokens_{t}" for t in TIERS
 )
-
-
-def _bucket_delta(first: dict, last: dict, key: str) -> dict[float, float] | None:
-    before = {b: c for b, c in first.get(key) or []}
-    after = last.get(key) or []
-    delta = {}
-    for bound, count in after:
-        d = count - before.get(bound, 0.0)
-        if d < 0:
-            return None  # the worker restarted inside the window
-        delta[math.inf if bound >= 1e308 else bound] = d
-    return delta
 
 
 def _slope(samples: list[dict], key: str) -> float:
@@ -59,8 +45,8 @@ def pool_load(worker_samples: list[list[dict]]) -> PoolLoad | None:
         first, last = samples[0], samples[-1]
         dt = last["ts"] - first["ts"]
         deltas = {k: float(last.get(k) or 0.0) - float(first.get(k) or 0.0) for k in _COUNTERS}
-        b_ttft = _bucket_delta(first, last, "ttft_buckets")
-        b_itl = _bucket_delta(first, last, "itl_buckets")
+        b_ttft = bucket_increase(first, last, "ttft_buckets")
+        b_itl = bucket_increase(first, last, "itl_buckets")
         if dt <= 0 or min(deltas.values()) < 0 or b_ttft is None or b_itl is None:
             continue
         used += 1

@@ -53,13 +53,32 @@ KV.ready(function () {
       s.cachedChart.set(s.xs, [s.cached]); s.runningChart.set(s.xs, [s.running]);
     });
   }
+  /* TTFT / ITL p50 over the server's recent window (recent_window_s, the worker page's 5 min): values; "no
+     requests" across both cells when none came in it; "–" without a window (fewer than two samples in it) or
+     on a PD prefill worker, which records no latency; the cells' title says which. */
+  function latencyCells(w, live, windowS) {
+    var span = "the last " + Math.round(windowS / 60) + " min";
+    if (w.role === "prefill") return { ttft_text: "–", itl_text: "–", latency_title: "a PD prefill worker records no TTFT / ITL: see its decode workers" };
+    if (live.recent_requests == null) return { ttft_text: "–", itl_text: "–", latency_title: "fewer than two samples in " + span };
+    if (!live.recent_requests) return { ttft_text: "no requests", itl_text: "", latency_title: "no request in " + span, no_requests: true };
+    return { ttft_text: KV.fmt(live.recent_ttft_p50_s, "s"), itl_text: KV.fmt(live.recent_itl_p50_s, "s"),
+             latency_title: "p50 of " + live.recent_requests + (live.recent_requests === 1 ? " request" : " requests") + " in " + span };
+  }
+  function showLatency(row, cells) {
+    var ttft = KV.$("[data-f=ttft_text]", row), itl = KV.$("[data-f=itl_text]", row);
+    ttft.colSpan = cells.no_requests ? 2 : 1;
+    itl.hidden = !!cells.no_requests;
+  }
   function applySummary(summary) {
     KV.$("#reporting").textContent = summary.reporting + " of " + summary.workers.length + " workers reporting";
     summary.workers.forEach(function (live) {
       var w = workers.filter(function (x) { return x.id === live.id; })[0];
       if (!w) return;
-      ["cache_hit_rate", "num_running_reqs", "num_queue_reqs", "host_pool_use", "ttft_p50_s", "ts", "state"].forEach(function (k) { w[k] = live[k]; });
+      ["cache_hit_rate", "num_running_reqs", "num_queue_reqs", "host_pool_use", "ts", "state", "role"].forEach(function (k) { w[k] = live[k]; });
+      var cells = latencyCells(w, live, summary.recent_window_s);
+      Object.assign(w, cells);
       KV.fill(rows[w.id], w);
+      showLatency(rows[w.id], cells);
     });
     renderPools(summary);
   }
@@ -72,7 +91,7 @@ KV.ready(function () {
       r[1].results.forEach(function (h) { hostNames[h.id] = h.name; });
       workers = r[0].results.map(function (w) {
         perHost[w.host] = (perHost[w.host] || 0) + 1; perRouter[w.router] = (perRouter[w.router] || 0) + 1;
-        return Object.assign({}, w, { host_name: hostNames[w.host] || "", select_label: "select " + w.name });
+        return Object.assign({}, w, { host_name: hostNames[w.host] || "", select_label: "select " + w.name, latency_title: "" });
       });
       renderWorkers();
       KV.replaceRows(KV.$("#hosts tbody"), KV.$("#tpl-host"), r[1].results.map(function (h) {
