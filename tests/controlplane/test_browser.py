@@ -1,7 +1,8 @@
 """Real headless Chromium (Debian package) via Playwright, against daphne, a real Celery worker, fake workers
 and a fake sglang-router (real HTTP servers): an operator launches an attach behind a confirmation dialog,
 watches it finish, reads the audit log (fits a 1280 px viewport), sees worker charts fill from websocket
-pushes without a reload; axe-core (vendored) finds no serious accessibility violation on any page."""
+pushes without a reload; at 1280 px no page's table header or heading wraps; axe-core (vendored) finds no
+serious accessibility violation on any page."""
 
 import time
 from pathlib import Path
@@ -57,6 +58,25 @@ def serious_violations(page) -> list[str]:
     ]
 
 
+def wrapped_headers(page) -> list[str]:
+    """Table headers, page headings and buttons in table cells that take more than one line or stick out of
+    their cell, as 'tag: text' (what an operator sees as a wrapped or clipped header)."""
+    return page.evaluate(
+        """() => [...document.querySelectorAll('th, h1, td button')].filter(el => {
+          const hidden = el.querySelector('.sr-only');  // a header only screen readers read
+          if (!el.getClientRects().length || (hidden && hidden.textContent === el.textContent)) return false;
+          const range = document.createRange();
+          range.selectNodeContents(el);
+          const rects = [...range.getClientRects()].filter(r => r.width > 0);
+          const bottoms = rects.map(r => r.bottom).sort((a, b) => a - b);
+          const lines = bottoms.filter((b, i) => i === 0 || b - bottoms[i - 1] > 8).length;
+          const box = el.tagName === 'BUTTON' ? el.getBoundingClientRect() : rects[rects.length - 1];
+          const cell = el.tagName === 'BUTTON' ? el.closest('td') : el;
+          return lines > 1 || (box && box.right > cell.getBoundingClientRect().right + 0.5);
+        }).map(el => el.tagName.toLowerCase() + ': ' + el.textContent.trim())"""
+    )
+
+
 def operation_count(base: str, token: str) -> int:
     response = httpx.get(base + "/api/v1/operations/", headers={"Authorization": f"Bearer {token}"})
     return response.json()["count"]
@@ -98,6 +118,7 @@ def test_operator_console_end_to_end(
         expect(page.locator("#pools [data-pool=regular]")).to_contain_text("0 of 2 workers reporting")
         expect(page.locator("#hosts tbody tr").first).to_contain_text("64 GiB")
         assert serious_violations(page) == []
+        assert wrapped_headers(page) == []
 
         page.goto(asgi_server + "/operations/")  # none yet: the page says so and where to start one
         expect(page.get_by_test_id("no-operations")).to_have_text("No operations yet. Launch one (key n).")
@@ -113,6 +134,7 @@ def test_operator_console_end_to_end(
             page.get_by_label(f"target {worker.name}").check()
         page.get_by_label("Reason (kept in the audit log and on the operation)").fill("enable L3 on gpu-0/1")
         assert serious_violations(page) == []
+        assert wrapped_headers(page) == []
         page.get_by_role("button", name="Review and launch").click()
         dialog = page.locator("#confirm")
         expect(dialog).to_be_visible()
@@ -143,6 +165,7 @@ def test_operator_console_end_to_end(
             expect(row.locator("td").nth(3)).to_have_text(count)
         assert [f.backend for f in fakes] == ["mooncake", "mooncake"]
         assert serious_violations(page) == []
+        assert wrapped_headers(page) == []
 
         page.get_by_role("link", name="Audit records").click()
         rows = page.locator("#audit tbody tr", has_text="worker gpu-")
@@ -152,6 +175,11 @@ def test_operator_console_end_to_end(
         expect(page.locator("#audit tbody")).not_to_contain_text("operation operation")
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
         assert serious_violations(page) == []
+        assert wrapped_headers(page) == []  # incl. "Reason / message" and the revert buttons
+        bottoms = (
+            "[...document.querySelectorAll('#audit-filter > *')].map(e => e.getBoundingClientRect().bottom)"
+        )
+        assert len(set(page.evaluate(bottoms))) == 1  # every filter and its buttons on one line
         rows.first.get_by_role("button", name="Revert to this").click()  # asks first, per worker
         expect(dialog).to_be_visible()
         expect(dialog.locator("#confirm-rows tr")).to_have_count(1)
@@ -165,13 +193,16 @@ def test_operator_console_end_to_end(
         page.goto(asgi_server + "/storage/")
         expect(page.locator(f"#profile-{profile.pk} [data-testid=attached]")).to_have_text("2")
         assert serious_violations(page) == []
+        assert wrapped_headers(page) == []
         page.goto(f"{asgi_server}/hosts/{host.pk}/")
         expect(page.locator("#host-workers tbody tr")).to_have_count(2)
         expect(page.get_by_test_id("host-ram")).to_have_text("64 GiB")  # the fleet page's unit
         assert serious_violations(page) == []
+        assert wrapped_headers(page) == []
         page.goto(f"{asgi_server}/routers/{router.pk}/")
         expect(page.locator("#router-workers tbody tr", has_text="yes")).to_have_count(2)
         assert serious_violations(page) == []
+        assert wrapped_headers(page) == []
 
         # Worker page: live HiCache config; charts fill from websocket pushes, no reload.
         page.goto(f"{asgi_server}/workers/{workers[0].pk}/")
@@ -199,6 +230,7 @@ def test_operator_console_end_to_end(
         expect(page.locator(".chart[data-window-s='3600']")).to_have_count(8)
         assert page.evaluate("window.__sameDocument") is True
         assert serious_violations(page) == []
+        assert wrapped_headers(page) == []
 
         page.goto(asgi_server + "/operations/")
         expect(page.locator("#operations tbody tr")).not_to_have_count(0)
