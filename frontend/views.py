@@ -96,13 +96,26 @@ def capacity(request):
     from controlplane.telemetry.selectors import POOLS
 
     workers = capacity.worker_capacities()
-    # pools with workers first (the first is the one marked as current), each with its page size
+    # pools with workers first (the first is the one marked as current), each with its page size and the
+    # default L1 sweep around its current L1
     names = sorted(POOLS.values(), key=lambda name: all(w["pool"] != name for w in workers))
+    pool_options = []
+    for name in names:
+        page_size = capacity.pool_page_size(pool=name)
+        sweep = capacity.l1_sweep(pool=name, workers=workers, page_size=page_size)
+        pool_options.append(
+            {
+                "name": name,
+                "page_size": page_size,
+                "l1_sweep": ",".join(map(str, sweep["l1_tokens"])),
+                **sweep,
+            }
+        )
     return _render(
         request,
         "capacity",
         shared=capacity.shared_traces(),
         pools=capacity.recorded_pools(),
-        pool_page_sizes=[(name, capacity.pool_page_size(pool=name)) for name in names],
+        pool_options=pool_options,
         workers=workers,
     )

@@ -49,6 +49,42 @@ def pool_page_size(*, pool: str | None = None) -> int:
     return min(sizes, key=lambda size: (-sizes[size], size))
 
 
+# The what-if's default L1 sweep: the marked pool's current L1 pool times these factors (a sweep around the
+# size the fleet runs, so the chart's current-capacity line falls inside it); GPU-sized pools (tokens) when no
+# worker has reported one.
+L1_SWEEP_FACTORS = (0.25, 0.5, 1, 2, 4, 8, 16)
+FALLBACK_L1_SWEEP = (512_000, 2_048_000, 8_192_000, 32_768_000)
+
+
+def l1_sweep(*, pool: str, workers: list[dict], page_size: int) -> dict:
+    """The default L1 sweep for ``pool`` and where it came from: ``{"l1_tokens": [tokens, ...], "source":
+    sentence}``. Around the L1 pool (``l1_tokens``, tokens) of the pool's first reporting worker in
+    ``workers`` (``worker_capacities()``: the worker whose L1 the chart marks as current), else of the
+    fleet's first reporting worker, else ``FALLBACK_L1_SWEEP``; that L1 itself and the other multiples
+    rounded to whole ``page_size`` pages (at least one)."""
+    reporting = [w for w in workers if w["l1_tokens"]]
+    own = [w for w in reporting if w["pool"] == pool]
+    chosen = (own or reporting or [None])[0]
+    if chosen is None:
+        return {
+            "l1_tokens": list(FALLBACK_L1_SWEEP),
+            "source": "no worker has reported its L1 pool size yet: GPU-sized defaults",
+        }
+    current = chosen["l1_tokens"]
+    values = sorted(
+        {
+            current if f == 1 else max(page_size, int(current * f / page_size + 0.5) * page_size)
+            for f in L1_SWEEP_FACTORS
+        }
+    )
+    span = f"{min(L1_SWEEP_FACTORS):g}× to {max(L1_SWEEP_FACTORS):g}×"
+    where = "" if own else f" (no {pool} worker has reported one)"
+    return {
+        "l1_tokens": values,
+        "source": f"{span} the L1 pool of {chosen['name']}{where}: {current:,} tokens, from its metrics",
+    }
+
+
 def _int(value) -> int | None:
     return None if value is None else int(float(value))
 

@@ -159,6 +159,34 @@ def test_pool_page_size_is_what_the_pools_workers_registered_with():
 
 
 @pytest.mark.django_db
+def test_default_l1_sweep_is_around_the_pools_reported_l1(api_as):
+    """The what-if's L1 sweep starts around the L1 pool the marked pool's first reporting worker runs (the
+    chart's current-capacity line), in whole pages; another pool's when the pool has none reporting; GPU-sized
+    values when no worker has reported."""
+    from controlplane.capacity.selectors import FALLBACK_L1_SWEEP, l1_sweep, worker_capacities
+
+    assert l1_sweep(pool="regular", workers=worker_capacities(), page_size=16) == {
+        "l1_tokens": list(FALLBACK_L1_SWEEP),
+        "source": "no worker has reported its L1 pool size yet: GPU-sized defaults",
+    }
+    host = HostFactory(name=AGENT_HOST)
+    for name, l1 in (("demo-w0", 1000), ("demo-w1", 4096)):
+        worker = EngineWorkerFactory(name=name, host=host, role="mixed", page_size=16)
+        body = {"worker": worker.pk, "metrics": {"max_total_num_tokens": l1}}
+        assert api_as("agent").post("/api/v1/agent/metrics/", body, format="json").status_code == 202
+    EngineWorkerFactory(name="d0", host=host, role="decode", page_size=64)  # not reporting
+    workers = worker_capacities()
+    regular = l1_sweep(pool="regular", workers=workers, page_size=16)
+    assert regular["l1_tokens"] == [256, 496, 1000, 2000, 4000, 8000, 16000]  # 1,000 x 1/4..16, in pages
+    assert regular["source"] == "0.25× to 16× the L1 pool of demo-w0: 1,000 tokens, from its metrics"
+    decode = l1_sweep(pool="decode", workers=workers, page_size=64)
+    assert decode["l1_tokens"] == [256, 512, 1000, 1984, 4032, 8000, 16000]  # 64-token pages
+    assert decode["source"].startswith(
+        "0.25× to 16× the L1 pool of demo-w0 (no decode worker has reported one)"
+    )
+
+
+@pytest.mark.django_db
 def test_whatif_replays_at_the_traces_pools_page_size_unless_given(api_as):
     """Two identical 1,010-token prompts: the second hits the whole pages of its first 1,009 tokens, so the
     L1 tokens served tell the page size replayed (32: 992; 64, the CLI's default: 960; 16: 1,008)."""

@@ -1,7 +1,8 @@
 """Capacity page in real headless Chromium against daphne: a what-if sweep over a pool's recorded traffic
 (replayed by the engine's CLI, at the page size of the pool it is asked about) is plotted with the pool's
-current L1 marked, and the sizing calculator starts from the worker's reported numbers. The docs'
-screenshot (docs/console/capacity.png) is the demo's: scripts/console_screenshots.py."""
+current L1 marked (the default L1 sweep is around it), and the sizing calculator starts from the worker's
+reported numbers. The docs' screenshot (docs/console/capacity.png) is the demo's:
+scripts/console_screenshots.py."""
 
 import httpx
 import pytest
@@ -49,11 +50,24 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         # traffic marks that pool.
         page_size = page.locator("#whatif-form").get_by_label("Page size")
         expect(page_size).to_have_value("16")
+        # The L1 sweep starts around the marked pool's L1 (gpu-0's 2,048 tokens) and says so; the decode pool
+        # has no reporting worker, so its sweep is gpu-0's too, in its 64-token pages, and says that.
+        l1 = page.get_by_label("L1 tokens")
+        expect(l1).to_have_value("512,1024,2048,4096,8192,16384,32768")
+        expect(page.get_by_test_id("l1-source")).to_have_text(
+            "Default: 0.25× to 16× the L1 pool of gpu-0: 2,048 tokens, from its metrics"
+        )
         page.locator("#whatif-form").get_by_label("Pool marked as current").select_option("decode")
         expect(page_size).to_have_value("64")
+        expect(page.get_by_test_id("l1-source")).to_contain_text("gpu-0 (no decode worker has reported one)")
         page.locator("#trace").select_option("pool:regular")
         expect(page.locator("#whatif-form select[name=pool]")).to_have_value("regular")
         expect(page_size).to_have_value("16")
+        expect(l1).to_have_value("512,1024,2048,4096,8192,16384,32768")
+        page.get_by_role("button", name="Run").click()  # the defaults as they are: the marker is on the chart
+        expect(page.locator("#whatif-status")).to_have_text("7 points", timeout=180_000)
+        assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
+        expect(page.locator("#whatif-chart canvas")).to_have_count(1)
         page.get_by_label("L1 tokens").fill("2048,8192")
         page.get_by_role("button", name="Run").click()
         expect(page.locator("#whatif-status")).to_have_text(

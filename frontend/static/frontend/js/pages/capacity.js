@@ -1,6 +1,7 @@
 /* Capacity page: run the what-if sweep through the API and plot the served share per tier against the swept
    capacity (uPlot, numeric x axis), with the chosen pool's current configuration as a dashed line and its
-   workers' page size as the replay's; the sizing calculator starts from the selected worker's reported
+   workers' page size as the replay's and a default L1 sweep around its current L1 (server-rendered, with where
+   it came from); the sizing calculator starts from the selected worker's reported
    numbers. */
 KV.ready(function () {
   "use strict";
@@ -8,8 +9,11 @@ KV.ready(function () {
   var form = KV.$("#whatif-form"), chartEl = KV.$("#whatif-chart"), plot = null;
   var COLORS = ["#2563eb", "#16a34a", "#d97706"];
 
-  function poolChosen() {  // the replay's page size follows the pool asked about
-    form.page_size.value = form.pool.selectedOptions[0].dataset.pageSize;
+  function poolChosen() {  // the replay's page size and default L1 sweep follow the pool asked about
+    var chosen = form.pool.selectedOptions[0].dataset;
+    form.page_size.value = chosen.pageSize;
+    form.l1_tokens.value = chosen.l1Sweep;
+    KV.$("#l1-source").textContent = "Default: " + chosen.l1Source;
   }
   form.pool.addEventListener("change", poolChosen);
   form.trace.addEventListener("change", function () {
