@@ -117,7 +117,14 @@ def fake_router():
 
 @pytest.fixture(scope="session")
 def celery_worker_process(django_db_setup, django_db_blocker, tmp_path_factory):
-    """A real `celery worker` (threads pool) consuming this run's queue on the local Redis."""
+    """A real `celery worker` (threads pool) consuming this run's queue on the local Redis. Tasks queued by
+    tests that ran before it started (e.g. the trailing broadcast flush of an ingest) are dropped first: they
+    would otherwise run inside the first test that uses the worker and disturb what it counts."""
+    import redis
+
+    broker = redis.Redis.from_url(TEST_REDIS_URL)
+    for key in broker.scan_iter(f"{TEST_QUEUE}*"):  # the queue and its priority lists
+        broker.delete(key)
     with django_db_blocker.unblock():
         env = subprocess_env()
     log_path = tmp_path_factory.mktemp("celery") / "worker.log"

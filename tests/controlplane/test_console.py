@@ -1,5 +1,6 @@
 """Console pages are served by Django: login required, every page renders for each role."""
 
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -26,7 +27,7 @@ def test_pages_render_and_gate_write_controls(client, personas, role):
     fleet = client.get("/").content.decode()
     assert ('id="launch-selected"' in fleet) is (role == "operator")
     assert 'data-testid="role">' + role in fleet
-    assert "TTFT p50*</th>" in fleet and "* TTFT p50 since the worker started" in fleet  # the column's window
+    assert ">p50, last 5 min</th>" in fleet and "the requests of the last 5 minutes" in fleet  # their window
     operation = client.get("/operations/1/").content.decode()
     # the cancel button starts hidden; the page module shows it only while the operation runs
     assert ('id="cancel" class="danger" hidden' in operation) is (role == "operator")
@@ -183,9 +184,11 @@ def test_capacity_page_replays_at_the_marked_pools_page_size(client, personas):
     EngineWorkerFactory(role="prefill", page_size=32)
     page = client.get("/capacity/").content.decode()
     # pools with workers first (the first is marked), each with its page size (regular: the fleet's)
-    options = '<option data-page-size="32">prefill</option><option data-page-size="64">decode</option>'
-    assert options + '<option data-page-size="32">regular</option>' in page
+    pools = re.findall(r'<option data-page-size="(\d+)"[^>]*>(\w+)</option>', page)
+    assert pools == [("32", "prefill"), ("64", "decode"), ("32", "regular")]
     assert 'name="page_size" type="number" min="1" value="32"' in page
+    assert 'value="512000,2048000,8192000,32768000"' in page  # no worker has reported an L1: GPU-sized
+    assert "Default: no worker has reported its L1 pool size yet: GPU-sized defaults" in page
 
 
 def test_prefill_worker_page_names_where_its_latency_is_measured(client, personas):
