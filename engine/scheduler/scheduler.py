@@ -21,6 +21,7 @@ learns at once instead of waiting out its timeout.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -70,8 +71,9 @@ class Scheduler:
 
     ``detokenize(ids) -> str`` is used only to check stop strings. ``metrics`` (optional) receives
     ``on_admit(req)``, ``on_prefill(hit_tokens, new_tokens)``, ``on_first_token(seconds)``,
-    ``on_inter_token(seconds)`` (the gap before each later token) and
-    ``on_finish(req)`` on this thread. ``pd_mode`` ``prefill`` or ``decode`` with ``pd_transfer`` (the
+    ``on_inter_token(seconds)`` (the gap before each later token), ``on_pd_failure(stage)`` (a PD request
+    failed while pairing, ``bootstrap``, or after, ``transfer``) and ``on_finish(req)`` on this thread.
+    ``pd_mode`` ``prefill`` or ``decode`` with ``pd_transfer`` (the
     ``engine.disaggregation`` KV manager of that role) runs requests that carry a ``bootstrap`` through the PD
     queues (``engine/scheduler/pd.py``); requests without one run aggregated. ``pd_decode_offload`` (D):
     a finished PD request is cached in D's tree (prompt + answer), so HiCache's write-through backs it up to
@@ -114,6 +116,8 @@ class Scheduler:
         self._inbox_lock = threading.Lock()  # orders "put into the inbox" against "the loop has ended"
         self._closed: str | None = None  # why the loop ended; set once, before the inbox is failed
         self._in_hand: Req | _Command | None = None  # taken from the inbox, not yet fully handled
+        self._accepted = 0  # requests the HTTP side holds (``accepted``); any thread, under the lock
+        self._accepted_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.busy_since: float | None = None
@@ -156,6 +160,25 @@ class Scheduler:
         if not self._put(req):
             self._reject(req)
 
+    @contextlib.contextmanager
+    def accepted(self):
+        """Count one request the HTTP server has accepted, for as long as the ``with`` block runs (from
+        acceptance to its last byte: body read, parsing, tokenization, bootstrap checks, submit, streaming).
+        ``is_idle`` / ``require_idle`` count it, so a drain never switches roles or detaches under a
+        request that has not reached the scheduler yet. Any thread."""
+        with self._accepted_lock:
+            self._accepted += 1
+        try:
+            yield
+        finally:
+            with self._accepted_lock:
+                self._accepted -= 1
+
+    @property
+    def num_accepted(self) -> int:
+        """Requests inside ``accepted`` now (HTTP requests not yet answered; they may be queued too)."""
+        return self._accepted
+
     def abort(self, rid: str) -> None:
         """Abort a request by id (client went away); unknown ids are ignored."""
         self._put(_Command(lambda s: s._abort(rid), concurrent.futures.Future()))
@@ -184,22 +207,24 @@ class Scheduler:
 
     # ----------------------------------------------------------------- for commands (scheduler thread)
     def is_idle(self) -> bool:
-        """Nothing running, waiting, bootstrapping, transferring or waiting for KV, no chunked prefill, and
-        no cache I/O in flight."""
-        return not self._num_busy() and self.cache.is_io_idle()
+        """Nothing running, waiting, bootstrapping, transferring or waiting for KV, no chunked prefill, no
+        request accepted by the HTTP server and not answered yet (``accepted``), no cache I/O in flight."""
+        return not self._num_busy() and not self._accepted and self.cache.is_io_idle()
 
     def _num_busy(self) -> int:
         pd = len(self.pd) if self.pd is not None else 0
         return len(self.running) + len(self.waiting) + (self.chunked is not None) + pd
 
     def require_idle(self, action: str) -> None:
-        """Raise ``NotIdleError`` (upstream wording) unless idle."""
-        if self._num_busy():
+        """Raise ``NotIdleError`` (upstream wording, then the counts; ``#http-req``: requests the HTTP server
+        accepted and has not answered, ``accepted``) unless idle."""
+        accepted = self._accepted
+        if self._num_busy() or accepted:
             running = len(self.running) + (self.chunked is not None)
             pd = f" #pd-transfer-req={len(self.pd)}" if self.pd is not None else ""
             raise NotIdleError(
                 f"Reject {action}: scheduler is not idle. "
-                f"#queue-req={len(self.waiting)} #running-req={running}{pd}"
+                f"#queue-req={len(self.waiting)} #running-req={running}{pd} #http-req={accepted}"
             )
         if not self.cache.is_io_idle():
             io = self.cache.inflight_io()
@@ -604,6 +629,7 @@ class Scheduler:
             "num_running_reqs": len(self.running) + (self.chunked is not None),
             "num_waiting_reqs": len(self.waiting),
             "num_pd_transfer_reqs": len(self.pd) if self.pd is not None else 0,
+            "num_http_reqs": self._accepted,
             "inflight_cache_io": dict(cache.inflight_io()),
             "is_idle": self.is_idle(),
             "hicache": status,

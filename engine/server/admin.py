@@ -88,7 +88,8 @@ async def _run_idle(engine: Engine, action: str, fn, failure: str):
             sched.require_idle(action)
         except NotIdleError:
             io = {k: v for k, v in sched.cache.inflight_io().items() if v}
-            if sched.running or sched.waiting or sched.chunked is not None or not io:
+            requests = sched.running or sched.waiting or sched.chunked is not None or sched.pd
+            if requests or sched.num_accepted or not io:
                 raise
             named = ", ".join(f"{n} {_IO_NAMES.get(k, k)}" for k, n in io.items())
             raise NotIdleError(

@@ -42,6 +42,25 @@ class JSONServerErrors:
             await response(scope, receive, send)
 
 
+class CountAccepted:
+    """ASGI middleware: a request to a route that runs inference (``INFERENCE_PATHS``) is held in
+    ``Scheduler.accepted`` from the moment it arrives until its response has ended (a stream: its last
+    frame), so the worker is not idle while one is read, parsed, tokenized, checked or submitted."""
+
+    def __init__(self, app, engine: Engine):
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in INFERENCE_PATHS:
+            return await self.app(scope, receive, send)
+        with self.engine.scheduler.accepted():
+            await self.app(scope, receive, send)
+
+
+INFERENCE_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+
+
 def create_app(engine: Engine) -> FastAPI:
     """Build the app around a started ``Engine``; every route reads it from ``app.state.engine``. Bodies over
     ``http_utils.MAX_BODY_BYTES`` are a 413; ``/openapi.json`` declares the request bodies (``schemas``)."""
@@ -72,4 +91,5 @@ def create_app(engine: Engine) -> FastAPI:
     app.openapi = openapi
     app.add_middleware(JSONServerErrors)
     app.add_middleware(BodyLimit)
+    app.add_middleware(CountAccepted, engine=engine)
     return app

@@ -9,7 +9,9 @@
 - ``GET /server_info`` (alias ``/get_server_info``): every launch arg by SGLang dest name (``api_key`` and
   ``admin_api_key`` read ``"***"`` when set, else null), plus the scheduler's live state (``is_idle``,
   ``num_running_reqs``, ``num_waiting_reqs``, ``num_pd_transfer_reqs`` (PD: bootstrapping, transferring or
-  waiting for KV), ``inflight_cache_io``), the pools' sizes in tokens
+  waiting for KV), ``num_http_reqs`` (KVFleet: inference requests the HTTP server accepted and has not
+  answered yet, from arrival to the last byte; ``is_idle`` is false while there is one),
+  ``inflight_cache_io``), the pools' sizes in tokens
   (``max_total_num_tokens`` L1, KVFleet's ``host_total_num_tokens`` L2 or null), ``hicache`` (the live
   storage status, null without hierarchical cache) and ``disaggregation_mode``.
 - ``GET /model_info`` (alias ``/get_model_info``): ``model_path``, ``tokenizer_path``, ``is_generation``.
@@ -106,10 +108,11 @@ def server_info(engine: Engine) -> dict:
             else None,
             "disaggregation_mode": engine.args.disaggregation_mode,
             "disaggregation_bootstrap_port": engine.args.disaggregation_bootstrap_port,
-            "is_idle": state.get("is_idle", False),
+            "is_idle": state.get("is_idle", False) and not engine.scheduler.num_accepted,
             "num_running_reqs": state.get("num_running_reqs", 0),
             "num_waiting_reqs": state.get("num_waiting_reqs", 0),
             "num_pd_transfer_reqs": state.get("num_pd_transfer_reqs", 0),
+            "num_http_reqs": engine.scheduler.num_accepted,
             "inflight_cache_io": state.get("inflight_cache_io", {}),
             "hicache": state.get("hicache"),
         }

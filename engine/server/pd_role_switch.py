@@ -4,7 +4,8 @@ Body :class:`~engine.server.contract.PdRoleSwitchRequest` ``{"new_role": "prefil
 :class:`~engine.server.contract.PdRoleSwitchResponse` (upstream's ``PdRoleSwitchReqOutput``)
 ``{"success", "message", "old_role", "new_role", "safe_to_restore"}``. Guards in upstream's order: the flag
 (400), a valid role (400), same role (a no-op success), a switch already running or an unhealthy worker
-(409), not idle (400, nothing changed, ``safe_to_restore`` true). Then the scheduler tears down the
+(409), not idle (400, nothing changed, ``safe_to_restore`` true; an inference request the HTTP server has
+accepted and not answered yet counts, ``Scheduler.accepted``). Then the scheduler tears down the
 transport, releases the prefix cache and builds the new role's transport (``scheduler.pd.switch_role``); a
 failure there (e.g. the bootstrap port is taken when becoming a prefill) marks the worker unhealthy
 (``/health`` 503, new requests 503, restart required; no rollback, ``safe_to_restore`` false, 500). On success

@@ -21,6 +21,7 @@ from controlplane import workerclient
 from controlplane.audit.models import AuditEvent
 from controlplane.operations.models import ACTIVE_STATES
 from controlplane.operations.services import operation_create, target_step
+from controlplane.rebalance.services import pd
 from deploy.router import router_command, worker_args
 from engine.bench.launcher import ServerProcess, free_port
 from engine.server.contract import HiCacheConfigStatus, PdRoleSwitchResponse, StorageBackendStatus
@@ -158,8 +159,9 @@ def wait_idle(client: workerclient.WorkerClient, idle: bool, limit_s: float = 60
 
 def test_the_pd_role_switch_contract_holds_on_the_real_engine(fake_worker):
     """A real SmolLM2 prefill worker (--enable-pd-role-switch, fake transfer backend: no RDMA here) is refused
-    a switch while a PD request waits for its decode side (nothing changed), then flips to decode, read back
-    from /server_info through workerclient; the fake answers the same fields."""
+    a switch while its HTTP server still reads a request (the control plane's idle poll sees it busy) and
+    while a PD request waits for its decode side (nothing changed), then flips to decode, read back from
+    /server_info through workerclient; the fake answers the same fields."""
     bootstrap = free_port()
     flags = ["--model-path", "smollm2", "--max-total-tokens", "2048", "--page-size", "16",
              "--disaggregation-mode", "prefill", "--enable-pd-role-switch",
@@ -179,6 +181,16 @@ def test_the_pd_role_switch_contract_holds_on_the_real_engine(fake_worker):
                            "bootstrap_room": 7}).encode()  # fmt: skip
         head = "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         head += f"Content-Length: {len(body)}\r\n\r\n"
+        # Busy before the scheduler has it: half its body sent (as while it is parsed, tokenized, checked).
+        with socket.create_connection(("127.0.0.1", p.port)) as reading:
+            reading.sendall(head.encode() + body[: len(body) // 2])
+            wait_idle(client, idle=False)
+            state = pd.live_state(EngineWorkerFactory(url=p.url))
+            assert state["num_http_reqs"] == 1 and "http=1" in pd.busy_summary(state)
+            early = client.pd_role_switch("decode")
+        assert (early.success, early.safe_to_restore) == (False, True) and "#http-req=1" in early.message
+        assert client.pd_role() == "prefill"
+        wait_idle(client, idle=True)  # it ended with its connection
         with socket.create_connection(("127.0.0.1", p.port)) as waiting:
             waiting.sendall(head.encode() + body)
             wait_idle(client, idle=False)

@@ -116,10 +116,12 @@ def _idle_state(target: OperationTarget) -> tuple[str, str]:
     if info.get("is_idle"):
         return "idle", "idle"
     running, waiting = info.get("num_running_reqs"), info.get("num_waiting_reqs")
+    http = info.get("num_http_reqs")  # accepted by the worker's HTTP server, not answered yet
     io = ", ".join(f"{k}={v}" for k, v in sorted((info.get("inflight_cache_io") or {}).items()) if v)
-    if not running and not waiting and io:
+    if not running and not waiting and not http and io:
         return "soon", f"idle soon: only cache I/O in flight ({io})"
-    return "busy", f"running={running} waiting={waiting}" + (f" cache I/O {io}" if io else "")
+    busy = f"running={running} waiting={waiting}" + (f" http={http}" if http else "")
+    return "busy", busy + (f" cache I/O {io}" if io else "")
 
 
 def _idle_wait(target: OperationTarget, state: str) -> float | None | bool:

@@ -24,7 +24,8 @@ def router_for(rb: Rebalance) -> RouterClient:
 
 def live_state(worker: EngineWorker) -> dict:
     """The worker's PD state from /server_info: role (`disaggregation_mode`), bootstrap port (a prefill's),
-    idle flag and the queue counts behind it (running, waiting, PD transfers in flight).
+    idle flag and the counts behind it (running, waiting, PD transfers in flight, HTTP requests accepted and
+    not answered yet: `is_idle` is false while any of them is not 0).
     Raises WorkerError when the worker does not answer."""
     info = client_for(worker).server_info()
     role = info.get("disaggregation_mode")
@@ -35,6 +36,7 @@ def live_state(worker: EngineWorker) -> dict:
         "num_running_reqs": info.get("num_running_reqs"),
         "num_waiting_reqs": info.get("num_waiting_reqs"),
         "num_pd_transfer_reqs": info.get("num_pd_transfer_reqs"),
+        "num_http_reqs": info.get("num_http_reqs"),
         "role_switch": info.get("enable_pd_role_switch") is True,
         "page_size": info.get("page_size"),
     }
@@ -105,7 +107,7 @@ def restarted(worker: EngineWorker, role: str) -> tuple[dict | None, str]:
 def busy_summary(state: dict) -> str:
     return (
         f"running={state.get('num_running_reqs')} waiting={state.get('num_waiting_reqs')} "
-        f"pd_transfers={state.get('num_pd_transfer_reqs')}"
+        f"pd_transfers={state.get('num_pd_transfer_reqs')} http={state.get('num_http_reqs')}"
     )
 
 
