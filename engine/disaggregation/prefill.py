@@ -6,6 +6,12 @@ handed to ``send`` are written into D's pages by the transfer thread (Transferri
 page, the first output token and metadata go to D with the Success status. A room still Bootstrapping
 after ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` fails (checked in ``poll``, as upstream).
 
+Beyond upstream (whose P keeps a room D registered until its own transfer ends): a room whose transfer info
+came from D but which has not ended ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` later fails too (``poll``;
+D is told, in case it still listens). That is the bound D itself waits for the room, so a live D has
+aborted it by then; what is left belongs to a decode that went away (died, restarted or switched roles
+before the transfer ended), and the P request fails naming it instead of holding its pages.
+
 Beyond upstream: P acknowledges each transfer info (``transfer_ack`` with its bootstrap ``start_id``, so D
 notices a restarted P at once, see ``decode.py``). A request whose ``bootstrap_host:bootstrap_port`` names
 another prefill was sent here as its *decode* (this worker was one when the router picked it, then switched
@@ -53,6 +59,7 @@ class KVSender(RoomState):
         super().__init__(bootstrap_room, KVPoll.Bootstrapping)
         self._mgr = mgr
         self.created_at = time.monotonic()
+        self.attached_at: float | None = None  # D's transfer info arrived (starts P's waiting clock)
         self.num_pages: int | None = None
         self.handed = 0  # pages given to send()
         self.jobs: list[tuple[torch.Tensor, int]] = []  # (P pages, offset into D's pages) not yet written
@@ -114,18 +121,25 @@ class KVSender(RoomState):
         self._mgr._schedule(self)
 
     def poll(self) -> KVPoll:
-        """Current state; fails a room still Bootstrapping after the bootstrap timeout."""
+        """Current state; fails a room still Bootstrapping after the bootstrap timeout, and one D registered
+        whose transfer has not ended within the waiting timeout of its transfer info (module docstring)."""
+        timeouts, now = self._mgr.timeouts, time.monotonic()
         with self.lock:
-            state = self.state
-            expired = (
-                state == KVPoll.Bootstrapping
-                and time.monotonic() - self.created_at > self._mgr.timeouts.bootstrap_timeout_s
-            )
-        if expired:
-            t = self._mgr.timeouts.bootstrap_timeout_s
+            state, endpoint, attached = self.state, self.endpoint, self.attached_at
+        if state == KVPoll.Bootstrapping and now - self.created_at > timeouts.bootstrap_timeout_s:
+            t = timeouts.bootstrap_timeout_s
             self._mgr._fail(
                 self, f"bootstrap timeout after {t:g} s (no transfer info from decode)", notify=False
             )
+            return KVPoll.Failed
+        waiting = state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+        if waiting and attached is not None and now - attached > timeouts.waiting_timeout_s:
+            t = timeouts.waiting_timeout_s
+            reason = (
+                f"waiting timeout after {t:g} s: decode {endpoint} registered the room and the transfer "
+                "did not end (the decode went away, or gave the room up at its own waiting timeout)"
+            )
+            self._mgr._fail(self, reason, notify=True)
             return KVPoll.Failed
         return state
 
@@ -331,6 +345,7 @@ class PrefillKVManager(KVManagerBase):
                 reason = sender.reason
             else:
                 sender.dst = torch.tensor(info["pages"], dtype=torch.int64)
+                sender.attached_at = time.monotonic()
                 if sender.state == KVPoll.Bootstrapping:
                     sender.state = KVPoll.WaitingForInput
                 reason = None

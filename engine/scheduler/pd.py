@@ -16,7 +16,11 @@ per iteration and never block.
   here) or ``Failed`` (aborted, with the transport's reason naming P's bootstrap address).
 
 An abort (client gone) tells the peer and ends the request once the room is terminal, so no late write can
-land in pages that were already freed.
+land in pages that were already freed. On P a paired request whose room fails before its prompt is done (D
+aborted it, or it passed the waiting timeout: D went away) ends at once, queued or part-way through a
+chunked prefill, with its pages and prefix lock released. Each PD request that fails (not a client abort)
+is counted in upstream's ``num_bootstrap_failed_reqs`` / ``num_transfer_failed_reqs`` and its reason is
+logged.
 """
 
 from __future__ import annotations
@@ -32,6 +36,17 @@ logger = logging.getLogger(__name__)
 
 def _pages(n: int, page_size: int) -> int:
     return -(-n // page_size)
+
+
+def _failed(sched, req: Req, reason: str) -> dict:
+    """The abort finish reason of a PD request whose room failed; counted and logged unless the client
+    aborted it (the metric's stage: ``bootstrap`` while still pairing, else ``transfer``)."""
+    if not req.aborted:
+        stage = "bootstrap" if req.state is ReqState.BOOTSTRAPPING else "transfer"
+        logger.warning("PD request %s failed (%s): %s", req.rid, stage, reason)
+        if sched.metrics is not None:
+            sched.metrics.on_pd_failure(stage)
+    return {"type": "abort", "message": reason, "status_code": 500}
 
 
 class PrefillQueues:
@@ -95,6 +110,24 @@ class PrefillQueues:
                 self.transferring.remove(req)
                 self._end(req)
                 moved = True
+        return self._end_unpaired() or moved
+
+    def _end_unpaired(self) -> bool:
+        """End the paired requests still on P (queued, or part-way through a chunked prefill) whose room
+        failed meanwhile: nothing will take their KV, so they give back their pages and prefix lock now."""
+        sched, moved = self.sched, False
+        for rid, sender in list(self.rooms.items()):
+            req = sched.reqs.get(rid)
+            if req is None or req.state in (ReqState.BOOTSTRAPPING, ReqState.TRANSFERRING):
+                continue
+            if sender.poll() != KVPoll.Failed:
+                continue
+            if req in sched.waiting:
+                sched.waiting.remove(req)
+                sched.kv.drop_prefetch(rid)
+            reason = req.aborted or str(sender.failure_exception())
+            sched._finish(req, _failed(sched, req, reason), insert=False)  # closes the room (``drop``)
+            moved = True
         return moved
 
     def _end(self, req: Req) -> None:
@@ -106,7 +139,7 @@ class PrefillQueues:
             if sender.poll() != KVPoll.Failed:
                 sender.abort("aborted by prefill")
             reason = req.aborted or str(sender.failure_exception())
-            self.sched._finish(req, {"type": "abort", "message": reason, "status_code": 500}, insert=False)
+            self.sched._finish(req, _failed(self.sched, req, reason), insert=False)
         sender.close()
 
     def drop(self, req: Req) -> None:
@@ -204,7 +237,7 @@ class DecodeQueues:
         receiver = self.rooms.pop(req.rid)
         reason = req.aborted or str(receiver.failure_exception())
         receiver.close()
-        self.sched._finish(req, {"type": "abort", "message": reason, "status_code": 500}, insert=False)
+        self.sched._finish(req, _failed(self.sched, req, reason), insert=False)
 
     def drop(self, req: Req) -> None:
         """Nothing to do: a D request leaves these queues only with its room closed."""

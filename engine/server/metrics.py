@@ -98,6 +98,17 @@ class EngineMetrics:
         self.queue_time = Histogram(
             "sglang:queue_time_seconds", "Waiting-queue time", labels, buckets=QUEUE_BUCKETS, registry=r
         )
+        self.bootstrap_failed = Counter(
+            "sglang:num_bootstrap_failed_reqs", "PD requests failed while pairing", labels, registry=r
+        )
+        self.transfer_failed = Counter(
+            "sglang:num_transfer_failed_reqs",
+            "PD requests failed after pairing (KV transfer failed, aborted by the peer or timed out)",
+            labels,
+            registry=r,
+        )
+        for counter in (self.bootstrap_failed, self.transfer_failed):
+            counter.labels(model_name)  # exported from 0, before the first failure
         self.cache_hit_rate = Gauge(
             "sglang:cache_hit_rate", "Prefix hit rate of the last prefill batch", labels, registry=r
         )
@@ -119,6 +130,11 @@ class EngineMetrics:
     def on_inter_token(self, seconds: float) -> None:
         """The gap between two consecutive output tokens of one request (ITL, one sample per gap)."""
         self.itl.labels(self.model_name).observe(seconds)
+
+    def on_pd_failure(self, stage: str) -> None:
+        """A PD request failed (not a client abort): ``stage`` ``bootstrap`` (pairing) or ``transfer``."""
+        counter = self.bootstrap_failed if stage == "bootstrap" else self.transfer_failed
+        counter.labels(self.model_name).inc()
 
     def on_finish(self, req) -> None:
         m = self.model_name

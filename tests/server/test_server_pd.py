@@ -334,3 +334,83 @@ def test_a_prefill_request_reaching_a_worker_that_is_a_decode_now_fails_at_once(
         assert w.scheduler.state["num_used_tokens"] == 0 and w.scheduler.pd.mgr.num_rooms() == 0
     finally:
         w.scheduler.stop()
+
+
+def _engine(tiny_model_dir, *mode: str):
+    argv = ["--model-path", str(tiny_model_dir), *FLAGS, *PD, "--enable-metrics"]
+    argv += ["--disaggregation-mode", *mode]
+    return build_engine(parse_args(argv), runner=ModelRunner(tiny_model_dir, dtype="float32", device="cpu"))
+
+
+def _paired_and_queued_on_p(p, d, rid: str, room: int) -> tuple[queue.Queue, object]:
+    """P's L1 held by a lease (a long request's worth), then one PD request on both: D registers the room
+    (its transfer info reaches P), and P queues the request, which cannot be admitted. Returns P's event
+    queue and the lease (release it with ``_release``)."""
+    lease = p.scheduler.call(lambda s: s.kv.reserve("l1-holder", s.pool.size - 2 * s.page_size)).result(10)
+    assert lease is not None
+    events = queue.Queue()
+    b = Bootstrap("127.0.0.1", p.args.disaggregation_bootstrap_port, room)
+    prompt = _prompt(room, 40)  # 3 pages; P has fewer free
+    _submit(p, rid, prompt, b, events)
+    _submit(d, rid, prompt, b, queue.Queue())
+    deadline = time.monotonic() + 30
+    while not p.scheduler.call(lambda s: s.reqs[rid] in s.waiting).result(10):  # paired: D's info is in
+        assert time.monotonic() < deadline, "D's transfer info did not reach P"
+        time.sleep(0.01)
+    return events, lease
+
+
+def _release(engine, lease) -> None:
+    engine.scheduler.call(lambda s: s.kv.release(lease, [], insert=False)).result(10)
+
+
+def _metric(engine, name: str) -> float:
+    """The value of ``name`` on ``/metrics`` (0 for a labelled series never incremented, hence absent)."""
+    lines = [x for x in engine.metrics.render().decode().splitlines() if x.startswith(name + "{")]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
+def test_a_decode_gone_after_registering_the_room_fails_p_at_the_waiting_timeout(tiny_model_dir, monkeypatch):
+    """D registered the room and went away (stopped: no abort reaches P) while P's request waited to be
+    prefilled. With upstream's SGLANG_DISAGGREGATION_WAITING_TIMEOUT (short here) P fails the request
+    naming D instead of keeping it (and, once prefilled, its pages and prefix lock) for a decode that is
+    gone; the failure is counted; P ends with no room, no used slot and every slot accounted for."""
+    d = _engine(tiny_model_dir, "decode")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "1")
+    p = _engine(tiny_model_dir, "prefill", "--disaggregation-bootstrap-port", "0")
+    try:
+        events, lease = _paired_and_queued_on_p(p, d, "gone-d", 91)
+        endpoint = d.scheduler.pd.mgr.channel.endpoint
+        d.scheduler.stop()
+        reason = _collect(events, {"gone-d"}, timeout=30)["gone-d"]["reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 500
+        assert f"waiting timeout after 1 s: decode {endpoint} registered the room" in reason["message"]
+        _release(p, lease)
+        wait_idle(p)
+        assert p.scheduler.state["num_used_tokens"] == 0 and p.scheduler.pd.mgr.num_rooms() == 0
+        assert _metric(p, "sglang:num_transfer_failed_reqs_total") == 1
+        assert _metric(p, "sglang:num_bootstrap_failed_reqs_total") == 0
+    finally:
+        for engine in (p, d):
+            engine.scheduler.stop()
+
+
+def test_a_room_d_gives_up_ends_the_request_queued_on_p_at_once(tiny_model_dir):
+    """D aborts the room at its own waiting timeout while P's copy is still queued (P overloaded): P ends
+    it then, not after computing a prompt nobody will take; both sides end clean."""
+    p = _engine(tiny_model_dir, "prefill", "--disaggregation-bootstrap-port", "0")
+    d = _engine(tiny_model_dir, "decode")
+    try:
+        events, lease = _paired_and_queued_on_p(p, d, "given-up", 92)
+        _timeouts(d, waiting_timeout_s=0.2)
+        reason = _collect(events, {"given-up"}, timeout=30)["given-up"]["reason"]
+        assert reason["type"] == "abort" and "aborted the room: waiting timeout" in reason["message"]
+        assert _metric(p, "sglang:prompt_tokens_total") == 0  # never admitted, never prefilled
+        _release(p, lease)
+        for engine in (p, d):
+            wait_idle(engine)
+            assert engine.scheduler.state["num_used_tokens"] == 0 and engine.scheduler.pd.mgr.num_rooms() == 0
+        assert _metric(p, "sglang:num_transfer_failed_reqs_total") == 1
+    finally:
+        for engine in (p, d):
+            engine.scheduler.stop()
