@@ -34,6 +34,7 @@ import os
 import random
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import time
@@ -130,7 +131,10 @@ class LlamaServer:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+                hint = ""
+                if self.proc.returncode == -signal.SIGILL:  # e.g. AMX in /proc/cpuinfo but not usable (a VM)
+                    hint = " (illegal instruction: LLAMA_ARG_REPACK=0 turns off its AMX/repacked kernels)"
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}{hint}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return

@@ -19,6 +19,8 @@ is already in L1; this only waits for a load-back of another request still in fl
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
 import sys
@@ -45,9 +47,12 @@ class FusedDecodeUnavailable(RuntimeError):
 
 
 def build_directory() -> Path:
-    """``$KVFLEET_EXTENSIONS_DIR`` or ``<sys.prefix>/kvfleet-ext/torch-<version>`` (the venv's)."""
+    """``$KVFLEET_EXTENSIONS_DIR`` or ``<sys.prefix>/kvfleet-ext`` (the venv's), then
+    ``torch-<version>-<source hash>``: worktrees with different sources sharing a venv never rebuild over
+    each other."""
     root = os.environ.get("KVFLEET_EXTENSIONS_DIR") or Path(sys.prefix) / "kvfleet-ext"
-    return Path(root) / f"torch-{torch.__version__}"
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return Path(root) / f"torch-{torch.__version__}-{digest}"
 
 
 def load_extension() -> ModuleType:
@@ -59,9 +64,14 @@ def load_extension() -> ModuleType:
         directory = build_directory()
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            _loaded = cpp_extension.load(
-                EXTENSION_NAME, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(directory)
-            )
+            # cpp_extension's own lock file outlives a build that is killed and then blocks every later
+            # load for ever; an flock dies with its process, so whoever holds it may drop a stale one
+            with open(directory / "build.flock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                (directory / "lock").unlink(missing_ok=True)
+                _loaded = cpp_extension.load(
+                    EXTENSION_NAME, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(directory)
+                )
         except Exception as exc:  # no compiler / ninja, read-only venv, compile error
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise FusedDecodeUnavailable(f"cannot build {SOURCE.name} in {directory}: {first}") from exc

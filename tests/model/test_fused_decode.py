@@ -90,3 +90,13 @@ def test_a_runner_that_cannot_build_it_warns_and_decodes_on_the_python_path(tiny
 def test_disable_fused_decode_flag():
     assert parse_args(["--model-path", "smollm2", "--disable-fused-decode"]).disable_fused_decode
     assert not parse_args(["--model-path", "smollm2"]).disable_fused_decode
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(monkeypatch):
+    """cpp_extension waits for ever on its ``lock`` file; a build killed mid-way leaves it behind."""
+    fused_decode.load_extension()  # built (by make venv or an earlier test)
+    stale = fused_decode.build_directory() / "lock"
+    stale.touch()
+    monkeypatch.setattr(fused_decode, "_loaded", None)
+    assert fused_decode.load_extension().FusedDecoder is not None
+    assert not stale.exists()
