@@ -68,6 +68,11 @@ class Channel:
             if sock is not None:
                 sock.close(0)
 
+    def has_socket(self, endpoint: str) -> bool:
+        """Whether a PUSH socket towards ``endpoint`` is open (until ``forget`` or ``close``)."""
+        with self._send_lock:
+            return endpoint in self._push
+
     def close(self) -> None:
         if self._stop.is_set():
             return

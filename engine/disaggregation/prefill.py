@@ -10,7 +10,9 @@ Beyond upstream (whose P keeps a room D registered until its own transfer ends):
 came from D but which has not ended ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` later fails too (``poll``;
 D is told, in case it still listens). That is the bound D itself waits for the room, so a live D has
 aborted it by then; what is left belongs to a decode that went away (died, restarted or switched roles
-before the transfer ended), and the P request fails naming it instead of holding its pages.
+before the transfer ended), and the P request fails naming it instead of holding its pages. Once no open
+room names that decode's endpoint, P closes its socket there (the messages queued for it, and ZMQ's
+reconnecting, end with it; a later message connects afresh).
 
 Beyond upstream: P acknowledges each transfer info (``transfer_ack`` with its bootstrap ``start_id``, so D
 notices a restarted P at once, see ``decode.py``). A request whose ``bootstrap_host:bootstrap_port`` names
@@ -60,6 +62,7 @@ class KVSender(RoomState):
         self._mgr = mgr
         self.created_at = time.monotonic()
         self.attached_at: float | None = None  # D's transfer info arrived (starts P's waiting clock)
+        self.timed_out = False  # failed at the waiting timeout: its decode is gone or gave it up
         self.num_pages: int | None = None
         self.handed = 0  # pages given to send()
         self.jobs: list[tuple[torch.Tensor, int]] = []  # (P pages, offset into D's pages) not yet written
@@ -139,6 +142,7 @@ class KVSender(RoomState):
                 f"waiting timeout after {t:g} s: decode {endpoint} registered the room and the transfer "
                 "did not end (the decode went away, or gave the room up at its own waiting timeout)"
             )
+            self.timed_out = True
             self._mgr._fail(self, reason, notify=True)
             return KVPoll.Failed
         return state
@@ -318,11 +322,17 @@ class PrefillKVManager(KVManagerBase):
     def _close(self, sender: KVSender) -> None:
         if sender.state not in (KVPoll.Failed, KVPoll.Success):
             self._fail(sender, "closed by prefill before the transfer ended", notify=True)
+        gone = sender.endpoint if sender.timed_out else None
         with self._lock:
             if self._senders.get(sender.bootstrap_room) is sender:
                 del self._senders[sender.bootstrap_room]
             if sender.state == KVPoll.Failed and sender.endpoint is None:
                 self._failed[sender.bootstrap_room] = (sender.reason, time.monotonic())
+            if gone is not None and any(s.endpoint == gone for s in self._senders.values()):
+                gone = None  # still paired with rooms here
+        if gone is not None:
+            self.channel.forget(gone)
+            logger.info("forgot decode %s: its room timed out and no other room here names it", gone)
 
     def _schedule(self, sender: KVSender) -> None:
         with sender.lock:

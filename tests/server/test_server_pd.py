@@ -374,7 +374,8 @@ def test_a_decode_gone_after_registering_the_room_fails_p_at_the_waiting_timeout
     """D registered the room and went away (stopped: no abort reaches P) while P's request waited to be
     prefilled. With upstream's SGLANG_DISAGGREGATION_WAITING_TIMEOUT (short here) P fails the request
     naming D instead of keeping it (and, once prefilled, its pages and prefix lock) for a decode that is
-    gone; the failure is counted; P ends with no room, no used slot and every slot accounted for."""
+    gone; the failure is counted; P ends with no room, no used slot and every slot accounted for, and no
+    socket towards the gone decode."""
     d = _engine(tiny_model_dir, "decode")
     monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "1")
     p = _engine(tiny_model_dir, "prefill", "--disaggregation-bootstrap-port", "0")
@@ -390,6 +391,7 @@ def test_a_decode_gone_after_registering_the_room_fails_p_at_the_waiting_timeout
         assert p.scheduler.state["num_used_tokens"] == 0 and p.scheduler.pd.mgr.num_rooms() == 0
         assert _metric(p, "sglang:num_transfer_failed_reqs_total") == 1
         assert _metric(p, "sglang:num_bootstrap_failed_reqs_total") == 0
+        assert not p.scheduler.pd.mgr.channel.has_socket(endpoint)
     finally:
         for engine in (p, d):
             engine.scheduler.stop()
