@@ -7,8 +7,8 @@
 With --demo it starts the local fleet (control plane, Mooncake master, two SmolLM2 workers, sglang-router,
 traffic), runs one detach + attach operation so the operation and audit pages have content, waits until
 the worker charts hold samples, then writes docs/console/<page>.png (full page; confirm.png is the launch
-confirmation, cancelled; capacity.png after a what-if run over a shared trace, swept from the worker's L1
-up) and stops the fleet.
+confirmation, cancelled; capacity.png after a what-if run on the page's defaults over the demo's recorded
+traffic, or, without any, over a shared trace swept from the worker's L1 up) and stops the fleet.
 Exits 1 naming the page when one fails to render.
 """
 
@@ -54,20 +54,24 @@ def pages(api) -> list[tuple[str, str]]:
 
 
 def run_whatif(page) -> None:
-    """On the capacity page: sweep L1 from the marked pool's current L1 up (L2, L3 fixed) over a shared trace,
-    so the chart has every line and the current-capacity marker; waits for the replay (up to 240 s)."""
-    shared = page.locator("#trace option[value^='shared:synthetic']")
-    if shared.count():
-        page.locator("#trace").select_option(shared.first.get_attribute("value"))
-    current = page.evaluate(
-        "(() => { const f = document.querySelector('#whatif-form');"
-        " const ws = JSON.parse(document.querySelector('#workers-data').textContent);"
-        " const w = ws.find(x => x.pool === f.pool.value && x.l1_tokens); return w ? w.l1_tokens : 0; })()"
-    )
-    sweep = (current or 1024, 250_000, 500_000, 1_000_000)  # below L2: the engine needs L2 > L1
-    page.get_by_label("L1 tokens").fill(",".join(map(str, sweep)))
-    page.get_by_label("L2 tokens").fill("2000000")
-    page.get_by_label("L3 tokens").fill("16000000")  # three tiers, three lines apart
+    """On the capacity page: run the what-if on the page's defaults when they replay a pool's recorded traffic
+    (the demo records its own: an L1 sweep around the marked pool's L1, L1 alone); without recorded traffic,
+    sweep L1 from the marked pool's current L1 up (L2, L3 fixed) over a shared trace, so the chart has every
+    line and the current-capacity marker. Waits for the replay (up to 240 s)."""
+    if not page.locator("#trace").input_value().startswith("pool:"):
+        shared = page.locator("#trace option[value^='shared:synthetic']")
+        if shared.count():
+            page.locator("#trace").select_option(shared.first.get_attribute("value"))
+        current = page.evaluate(
+            "(() => { const f = document.querySelector('#whatif-form');"
+            " const ws = JSON.parse(document.querySelector('#workers-data').textContent);"
+            " const w = ws.find(x => x.pool === f.pool.value && x.l1_tokens);"
+            " return w ? w.l1_tokens : 0; })()"
+        )
+        sweep = (current or 1024, 250_000, 500_000, 1_000_000)  # below L2: the engine needs L2 > L1
+        page.get_by_label("L1 tokens").fill(",".join(map(str, sweep)))
+        page.get_by_label("L2 tokens").fill("2000000")
+        page.get_by_label("L3 tokens").fill("16000000")  # three tiers, three lines apart
     page.get_by_role("button", name="Run").click()
     page.wait_for_function(
         "/points$/.test(document.querySelector('#whatif-status').textContent)"

@@ -50,6 +50,7 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         # traffic marks that pool.
         page_size = page.locator("#whatif-form").get_by_label("Page size")
         expect(page_size).to_have_value("16")
+        expect(page.locator("#trace")).to_have_value("pool:regular")  # the marked pool's own traffic
         # The L1 sweep starts around the marked pool's L1 (gpu-0's 2,048 tokens) and says so; the decode pool
         # has no reporting worker, so its sweep is gpu-0's too, in its 64-token pages, and says that.
         l1 = page.get_by_label("L1 tokens")
