@@ -11,7 +11,7 @@ import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory, UserFactory
 from django.contrib.auth.hashers import make_password
-from test_browser import CHROMIUM_ARGS, log_in, serious_violations
+from test_browser import CHROMIUM_ARGS, log_in, serious_violations, wrapped_headers
 
 from controlplane.inventory.services import worker_role_observed
 from controlplane.rebalance.models import Rebalance, RebalanceStep
@@ -214,6 +214,7 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
         page.get_by_label("Chart time window").select_option("3600")  # re-read over 1 h, every chart redrawn
         expect(page.locator(".chart[data-window-s='3600']")).to_have_count(4)
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        assert wrapped_headers(page) == []
         assert serious_violations(page) == []
         page.get_by_role("link", name="d1").first.click()  # the worker page shows the role it now runs
         expect(page.get_by_test_id("worker-role")).to_contain_text("prefill")
