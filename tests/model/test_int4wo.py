@@ -71,10 +71,13 @@ def test_shapes_dtypes_and_names_the_int4_kernel_cannot_take_are_refused(tiny_mo
         ModelRunner(folder, dtype="bfloat16", quantization="int4wo-16")
 
 
-def test_smollm2_int4wo_answers_paris_and_prefill_agrees_with_float32(smollm2_checkpoint, smollm2_runner):
-    """The real model, int4 projections (the LM head, Q8_0 in the GGUF, int8), bf16: the greedy answer names
-    Paris; top-1 inside fp32's top-5 at >= 95% of the prompt positions (measured agreement over a prompt set:
-    docs/model.md)."""
+def test_smollm2_int4wo_prefill_and_decode_agree_with_float32(smollm2_checkpoint, smollm2_runner):
+    """The real model, int4 projections (the LM head, Q8_0 in the GGUF, int8), bf16, against float32 on
+    "What is the capital of France?": top-1 inside fp32's top-5 at >= 95% of the prompt positions, and
+    decoding on its own K/V along fp32's greedy answer ("... Paris."), its top-1 is fp32's next token at
+    >= 11 of the 13 answer positions (docs/model.md: 97% over a prompt set). Not the int4 answer's own text:
+    its first token is a near tie with fp32's, which the CPU's kernel path decides ("The" on AVX-512 alone,
+    "L'" with AMX), and every later token follows from it."""
     runner = ModelRunner.from_checkpoint(smollm2_checkpoint, dtype="bfloat16", quantization="int4wo-32")
     layer = runner.model.layers[0]
     projections = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
@@ -89,11 +92,15 @@ def test_smollm2_int4wo_answers_paris_and_prefill_agrees_with_float32(smollm2_ch
     top5 = logits["fp32"].topk(5, dim=-1).indices
     in_top5 = (top5 == logits["int4"].argmax(-1, keepdim=True)).any(-1).float().mean().item()
     assert in_top5 >= 0.95
-    seq, out = list(prompt), []  # decode on after the int4 prefill's K/V
-    token = int(logits["int4"][-1].argmax())
-    for _ in range(12):
-        out.append(token)
+    picks = {name: [int(lg[-1].argmax())] for name, lg in logits.items()}
+    seq = list(prompt)
+    for _ in range(12):  # both decode fp32's greedy answer, each on its own K/V
+        token = picks["fp32"][-1]
         seq.append(token)
-        step = runner.forward(ForwardBatch.from_sequences([[token]], [slots[: len(seq)]]), pools["int4"])
-        token = int(step[0].argmax())
-    assert "Paris" in runner.tokenizer.decode(out), runner.tokenizer.decode(out)
+        for name, r in (("int4", runner), ("fp32", smollm2_runner)):
+            step = r.forward(ForwardBatch.from_sequences([[token]], [slots[: len(seq)]]), pools[name])
+            picks[name].append(int(step[0].argmax()))
+    answer = runner.tokenizer.decode(picks["fp32"])
+    assert "Paris" in answer, answer
+    agree = sum(a == b for a, b in zip(picks["int4"], picks["fp32"], strict=True))
+    assert agree >= 11, (agree, runner.tokenizer.decode(picks["int4"]), answer)
