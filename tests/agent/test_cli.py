@@ -114,3 +114,14 @@ def test_a_missing_required_flag_is_still_reported(capsys):
         main(["run"])
     assert exc.value.code == 2
     assert "the following arguments are required: --spec" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["run", "status"])
+def test_help_shows_the_required_spec_as_required(command, capsys):
+    """The first, lenient parse (unknown flags before missing ones) must not turn ``--spec`` optional in
+    ``--help``'s usage line."""
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
+    assert " --spec SPEC " in f"{usage} " and "[--spec SPEC]" not in usage

@@ -179,3 +179,12 @@ def test_torchao_int4wo_builds_int4_layers_and_refuses_a_group_the_model_cannot_
             assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 3
     finally:
         engine.scheduler.stop()
+
+
+def test_help_shows_model_path_as_required(capsys):
+    """``--help`` after the lenient first parse still marks ``--model-path`` required in its usage line."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--help"])
+    assert exc.value.code == 0
+    usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
+    assert usage.startswith("usage: python -m engine.launch_server [-h] --model-path MODEL_PATH [--host")
