@@ -8,10 +8,11 @@
    sampling, streaming detokenization), and torch.profiler splits the forward pass by operator into weight
    matmuls (``aten::mm``/``addmm``/``linear``), K/V gathers (``index_select``), attention (SDPA), K/V writes
    (``index_put_``) and the rest (norms, RoPE, activations, per-op dispatch).
-2. Variants (``--variants float32@2 bfloat16@2 float32+int8wo@2 float32@1``): dtype, ``--torchao-config``
-   quantization and torch thread count per variant, interleaved rounds, wall ms per decode step (the median
-   of a round) and the ratio to the first variant of the same round (median and min-max over rounds), with
-   this process's CPU ms next to it.
+2. Variants (``--variants float32@2 bfloat16@2 float32+int8wo@2 float32@1 float32@1:python``): dtype,
+   ``--torchao-config`` quantization, torch thread count and decode path (``:python``: without the fused C++
+   decode step, ``engine/model/fused_decode.py``) per variant, interleaved rounds, wall ms per decode step
+   (the median of a round) and the ratio to the first variant of the same round (median and min-max over
+   rounds), with this process's CPU ms next to it.
 
 The breakdown's times are this process's CPU time (``time.process_time``, all threads): on a shared machine
 other jobs stretch wall time but not the CPU a step consumes.
@@ -132,18 +133,25 @@ def breakdown(runner: ModelRunner, batch: int, context: int, steps: int) -> None
         print(f"{name:<22}{us / 4e3:>10.2f} ms/step{us / whole:>8.1%}")
 
 
-def _parse_variant(spec: str) -> tuple[str, str | None, int]:
-    """``dtype[+quantization][@threads]``, e.g. ``float32``, ``bfloat16@1``, ``float32+int8wo@2``."""
+def _parse_variant(spec: str) -> tuple[str, str | None, int, bool]:
+    """``dtype[+quantization][@threads][:python]``, e.g. ``float32``, ``bfloat16@1``, ``float32+int8wo@2``,
+    ``bfloat16+int4wo-32@1:python`` (``:python``: the Python decode path, no fused C++ step)."""
+    spec, _, path = spec.partition(":")
+    if path not in ("", "python"):
+        raise SystemExit(f"--variants: unknown decode path {path!r} (only ':python')")
     rest, _, threads = spec.partition("@")
     dtype, _, quant = rest.partition("+")
-    return dtype, quant or None, int(threads or torch.get_num_threads())
+    return dtype, quant or None, int(threads or torch.get_num_threads()), path != "python"
 
 
 def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: list[str]) -> None:
     """Each variant decodes ``steps`` steps per round; rounds alternate the order. Wall ms per step (the
     median of a round) and its ratio to the first variant of the same round, median (min-max) over rounds."""
     configs = [_parse_variant(s) for s in specs]
-    runners = {(dt, q): ModelRunner.from_checkpoint(ckpt, dtype=dt, quantization=q) for dt, q, _ in configs}
+    runners = {
+        (dt, q, fused): ModelRunner.from_checkpoint(ckpt, dtype=dt, quantization=q, fused_decode=fused)
+        for dt, q, _, fused in configs
+    }
     wall: dict[str, list[float]] = defaultdict(list)
     cpu: dict[str, list[float]] = defaultdict(list)
     ratios: dict[str, list[float]] = defaultdict(list)
@@ -151,9 +159,9 @@ def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: lis
     for r in range(rounds):
         order = list(zip(specs, configs, strict=True))
         this_round = {}
-        for spec, (dt, q, threads) in order if r % 2 == 0 else order[::-1]:
+        for spec, (dt, q, threads, fused) in order if r % 2 == 0 else order[::-1]:
             torch.set_num_threads(threads)
-            setup = DecodeSetup(runners[(dt, q)], batch, context, steps + 2)
+            setup = DecodeSetup(runners[(dt, q, fused)], batch, context, steps + 2)
             setup.step()
             ts, cs = [], []
             for _ in range(steps):
@@ -185,8 +193,9 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="*",
-        metavar="DTYPE[+QUANT][@THREADS]",
-        help="also time these against the first (e.g. float32@2 bfloat16@2 float32+int8wo@2 float32@1)",
+        metavar="DTYPE[+QUANT][@THREADS][:python]",
+        help="also time these against the first (e.g. float32@2 bfloat16@2 float32+int8wo@2 float32@1; "
+        "':python' decodes without the fused C++ step)",
     )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-breakdown", action="store_true", help="only the variants")

@@ -48,10 +48,12 @@ class FusedDecodeUnavailable(RuntimeError):
 
 def build_directory() -> Path:
     """``$KVFLEET_EXTENSIONS_DIR`` or ``<sys.prefix>/kvfleet-ext`` (the venv's), then
-    ``torch-<version>-<source hash>``: worktrees with different sources sharing a venv never rebuild over
-    each other."""
+    ``torch-<version>-<hash>`` of the source and of the path torch is imported from (its headers' path is
+    in the build file, so checkouts that reach one venv through different paths, or hold different
+    sources, each build once instead of rebuilding over each other)."""
     root = os.environ.get("KVFLEET_EXTENSIONS_DIR") or Path(sys.prefix) / "kvfleet-ext"
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    key = SOURCE.read_bytes() + str(Path(torch.__file__).parent).encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     return Path(root) / f"torch-{torch.__version__}-{digest}"
 
 
