@@ -251,7 +251,7 @@ def parse_args(argv: list[str] | None) -> ServerArgs:
 
 
 def _validate(args: ServerArgs) -> None:
-    if args.hicache_ratio <= 1.0 and args.enable_hierarchical_cache and args.hicache_size <= 0:
+    if args.hicache_ratio <= 1.0 and args.hicache_size <= 0:  # the cache's config refuses it, hicache or not
         raise ArgumentError(
             f"--hicache-ratio must be > 1 (host pool larger than L1), got {args.hicache_ratio}"
         )

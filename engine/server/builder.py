@@ -29,8 +29,23 @@ from engine.sizing.tiers import l1_pool_tokens
 logger = logging.getLogger(__name__)
 
 
+# HiCacheConfig field -> the flag that sets it; any other field comes from the extra config.
+_FLAGS = {
+    "ratio": "--hicache-ratio",
+    "size": "--hicache-size",
+    "write_policy": "--hicache-write-policy",
+    "io_backend": "--hicache-io-backend",
+    "mem_layout": "--hicache-mem-layout",
+    "storage_backend": "--hicache-storage-backend",
+    "prefetch_policy": "--hicache-storage-prefetch-policy",
+    "eviction_policy": "--radix-eviction-policy",
+}
+
+
 def hicache_config(args: ServerArgs) -> HiCacheConfig:
-    """The cache's config from the ``--hicache-*`` flags; ``ArgumentError`` names a bad value."""
+    """The cache's config from the ``--hicache-*`` flags; ``ArgumentError`` names the flag of a bad value
+    (``--hicache-write-policy: 'x' is not one of ...``, ``--hicache-storage-backend-extra-config:
+    prefetch_threshold: must be >= 0, got -1``)."""
     try:
         config = HiCacheConfig(
             ratio=args.hicache_ratio,
@@ -44,7 +59,10 @@ def hicache_config(args: ServerArgs) -> HiCacheConfig:
         )
         config, _ = split_extra_config(config, parse_extra_config(args.hicache_storage_backend_extra_config))
     except ValueError as exc:
-        raise ArgumentError(f"--hicache-*: {exc}") from None
+        field, _, problem = str(exc).partition(": ")
+        flag = _FLAGS.get(field)
+        message = f"{flag}: {problem}" if flag else f"--hicache-storage-backend-extra-config: {exc}"
+        raise ArgumentError(message) from None
     return config
 
 
@@ -117,9 +135,10 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
     cfg = runner.config
     context = args.context_length or cfg.max_position_embeddings
     name = args.served_model_name or str(runner.model_path)
+    config = hicache_config(args)  # its ArgumentError names the flag; not re-wrapped below
     try:
         cache = HiRadixCache(
-            pool, hicache_config(args), model_name=name, enable_hierarchical=args.enable_hierarchical_cache
+            pool, config, model_name=name, enable_hierarchical=args.enable_hierarchical_cache
         )
     except ValueError as exc:  # bad layout / io backend / storage backend settings
         raise ArgumentError(f"--hicache-*: {exc}") from None

@@ -188,3 +188,37 @@ def test_help_shows_model_path_as_required(capsys):
     assert exc.value.code == 0
     usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
     assert usage.startswith("usage: python -m engine.launch_server [-h] --model-path MODEL_PATH [--host")
+
+
+def test_a_hicache_ratio_of_1_or_less_is_refused_when_parsing_even_without_hicache():
+    """The cache's config refuses it either way; parsing says so before the model loads."""
+    with pytest.raises(ArgumentError, match=r"^--hicache-ratio must be > 1 .*got 0\.0$"):
+        parse_args(["--model-path", "m", "--hicache-ratio", "0"])
+
+
+def test_a_bad_cache_setting_names_its_flag_once(tiny_model_dir):
+    from engine.server.builder import build_engine, hicache_config
+
+    extra = parse_args(
+        ["--model-path", "m", "--hicache-storage-backend-extra-config", '{"prefetch_threshold": -1}']
+    )
+    with pytest.raises(ArgumentError) as exc:
+        hicache_config(extra)
+    assert (
+        str(exc.value) == "--hicache-storage-backend-extra-config: prefetch_threshold: must be >= 0, got -1"
+    )
+    args = parse_args(["--model-path", "m"])
+    args.hicache_write_policy = "write_never"  # as a caller building ServerArgs by hand may
+    with pytest.raises(ArgumentError, match=r"^--hicache-write-policy: 'write_never' is not one of "):
+        hicache_config(args)
+    bad = [
+        "--model-path",
+        str(tiny_model_dir),
+        "--hicache-storage-backend-extra-config",
+        '{"prefetch_threshold": -1}',
+    ]
+    with pytest.raises(ArgumentError) as exc:
+        build_engine(parse_args(bad))
+    assert (
+        str(exc.value) == "--hicache-storage-backend-extra-config: prefetch_threshold: must be >= 0, got -1"
+    )
