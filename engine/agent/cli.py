@@ -42,7 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     def control_plane_flags(sp):
         sp.add_argument("--control-plane", default=os.environ.get("KVFLEET_CONTROL_PLANE"), help="base URL")
-        sp.add_argument("--token", default=os.environ.get("KVFLEET_AGENT_TOKEN"), help="API token cp_...")
+        sp.add_argument(
+            "--token",
+            default=os.environ.get("KVFLEET_AGENT_TOKEN"),
+            help="API token cp_... (other users see it in `ps`: prefer $KVFLEET_AGENT_TOKEN or --token-file)",
+        )
         sp.add_argument("--token-file", default=os.environ.get("KVFLEET_AGENT_TOKEN_FILE"),
                         help="read the token from this file (e.g. a container secret)")  # fmt: skip
 
@@ -51,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--spec", required=True, help="fleet spec (TOML)")
     run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     status = sub.add_parser("status", help="table of workers: state, idle, cached tokens per tier")
-    status.add_argument("--spec", required=True)
+    status.add_argument("--spec", required=True, help="fleet spec (TOML) whose workers to show")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     drain = sub.add_parser("drain", help="take a worker out of its router and wait until it is idle")
     drain.add_argument("worker", help="worker name as registered")
