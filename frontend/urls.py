@@ -8,7 +8,11 @@ from frontend import views
 app_name = "console"
 urlpatterns = [
     path("favicon.ico", RedirectView.as_view(url=static("frontend/favicon.svg"), permanent=True)),
-    path("login/", auth_views.LoginView.as_view(template_name="frontend/login.html"), name="login"),
+    path(
+        "login/",
+        auth_views.LoginView.as_view(template_name="frontend/login.html", redirect_authenticated_user=True),
+        name="login",
+    ),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", views.fleet, name="fleet"),
     path("workers/<int:pk>/", views.worker, name="worker"),

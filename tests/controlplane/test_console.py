@@ -44,6 +44,13 @@ def test_login_form_logs_in(client, personas):
     assert response.status_code == 302 and response["Location"] == "/"
 
 
+def test_login_page_when_logged_in_goes_to_the_fleet(client, personas):
+    assert client.get("/login/").status_code == 200  # logged out: the form
+    client.force_login(personas["viewer"][0])
+    response = client.get("/login/")
+    assert response.status_code == 302 and response["Location"] == "/"
+
+
 @pytest.fixture
 def router_metrics():
     """sglang-router's Prometheus text with one worker's circuit breaker open: (url, set_text)."""
