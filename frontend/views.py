@@ -109,6 +109,7 @@ def capacity(request):
                 "page_size": page_size,
                 "l1_sweep": ",".join(map(str, sweep["l1_tokens"])),
                 **sweep,
+                "upper": capacity.upper_tier_defaults(pool=name, workers=workers),
             }
         )
     return _render(

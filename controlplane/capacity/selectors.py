@@ -13,10 +13,12 @@ DEFAULT_PAGE_SIZE = 16
 
 def worker_capacities() -> list[dict]:
     """Per worker: name, pool (regular / prefill / decode), page size, and from its latest metrics sample
-    the L1 capacity (``max_total_num_tokens``) and L2 capacity (``hicache_host_total_tokens``); None when
-    it has not reported."""
+    the L1 capacity (``max_total_num_tokens``) and L2 capacity (``hicache_host_total_tokens``), None when
+    it has not reported, and its attached L3 ``storage_backend`` ("" for none)."""
     workers = list(
-        EngineWorker.objects.order_by("name").values("id", "name", "role", "page_size", "model_name")
+        EngineWorker.objects.order_by("name").values(
+            "id", "name", "role", "page_size", "model_name", "storage_backend"
+        )
     )
     latest = store.latest_many([w["id"] for w in workers])
     rows = []
@@ -31,6 +33,7 @@ def worker_capacities() -> list[dict]:
                 "page_size": w["page_size"],
                 "l1_tokens": _int(sample.get("max_total_num_tokens")),
                 "l2_tokens": _int(sample.get("hicache_host_total_tokens")),
+                "storage_backend": w["storage_backend"],
             }
         )
     return rows
@@ -82,6 +85,30 @@ def l1_sweep(*, pool: str, workers: list[dict], page_size: int) -> dict:
     return {
         "l1_tokens": values,
         "source": f"{span} the L1 pool of {chosen['name']}{where}: {current:,} tokens, from its metrics",
+    }
+
+
+def upper_tier_defaults(*, pool: str, workers: list[dict]) -> dict:
+    """The what-if's default L2 and L3 capacities for ``pool``: ``{"l2_tokens": str, "l3_tokens": str,
+    "source": sentence}`` from the pool's first worker in ``workers`` (``worker_capacities()``) that has
+    reported its L1 (the worker ``l1_sweep`` starts from): its L2 host pool (tokens; 0 without one) and, when
+    it has an L3 backend attached, ``inf`` (no backend reports a capacity; the what-if takes ``inf`` as
+    unbounded), else 0. Both 0 when no worker of the pool has reported, and the sentence says so."""
+    chosen = next((w for w in workers if w["pool"] == pool and w["l1_tokens"]), None)
+    if chosen is None:
+        return {
+            "l2_tokens": "0",
+            "l3_tokens": "0",
+            "source": f"no {pool} worker has reported yet: 0 (no tier)",
+        }
+    l2 = chosen["l2_tokens"] or 0
+    backend = chosen["storage_backend"]
+    l2_text = f"{l2:,} L2 tokens" if l2 else "no L2 host pool"
+    l3_text = f"a {backend} L3 (capacity not reported: inf)" if backend else "no L3 backend"
+    return {
+        "l2_tokens": str(l2),
+        "l3_tokens": "inf" if backend else "0",
+        "source": f"{chosen['name']} reports {l2_text} and {l3_text}",
     }
 
 

@@ -187,6 +187,31 @@ def test_default_l1_sweep_is_around_the_pools_reported_l1(api_as):
 
 
 @pytest.mark.django_db
+def test_default_l2_l3_are_the_pools_first_reporting_workers(api_as):
+    """The what-if's L2 / L3 defaults come from the worker the L1 sweep starts from: its reported host pool,
+    and inf for an attached L3 backend (no capacity reported); 0 with the reason when the pool has none."""
+    from controlplane.capacity.selectors import upper_tier_defaults, worker_capacities
+
+    assert upper_tier_defaults(pool="regular", workers=worker_capacities()) == {
+        "l2_tokens": "0",
+        "l3_tokens": "0",
+        "source": "no regular worker has reported yet: 0 (no tier)",
+    }
+    host = HostFactory(name=AGENT_HOST)
+    EngineWorkerFactory(name="demo-a", host=host, role="mixed", page_size=16)  # not reporting: passed over
+    worker = EngineWorkerFactory(
+        name="demo-w0", host=host, role="mixed", page_size=16, storage_backend="mooncake"
+    )
+    body = {"worker": worker.pk, "metrics": {"max_total_num_tokens": 1000, "hicache_host_total_tokens": 2064}}
+    assert api_as("agent").post("/api/v1/agent/metrics/", body, format="json").status_code == 202
+    assert upper_tier_defaults(pool="regular", workers=worker_capacities()) == {
+        "l2_tokens": "2064",
+        "l3_tokens": "inf",
+        "source": "demo-w0 reports 2,064 L2 tokens and a mooncake L3 (capacity not reported: inf)",
+    }
+
+
+@pytest.mark.django_db
 def test_whatif_replays_at_the_traces_pools_page_size_unless_given(api_as):
     """Two identical 1,010-token prompts: the second hits the whole pages of its first 1,009 tokens, so the
     L1 tokens served tell the page size replayed (32: 992; 64, the CLI's default: 960; 16: 1,008)."""

@@ -4,6 +4,8 @@ current L1 marked (the default L1 sweep is around it), and the sizing calculator
 reported numbers. The docs' screenshot (docs/console/capacity.png) is the demo's:
 scripts/console_screenshots.py."""
 
+import re
+
 import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, UserFactory
@@ -13,7 +15,7 @@ from test_browser import CHROMIUM_ARGS, log_in, serious_violations
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatch):
+def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatch, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -58,18 +60,42 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         expect(page.get_by_test_id("l1-source")).to_have_text(
             "Default: 0.25× to 16× the L1 pool of gpu-0: 2,048 tokens, from its metrics"
         )
+        # L2 / L3 start from the same worker's report: its 4,112-token host pool, no L3 backend attached.
+        expect(page.get_by_label("L2 tokens")).to_have_value("4112")
+        expect(page.get_by_label("L3 tokens")).to_have_value("0")
+        expect(page.get_by_test_id("upper-source")).to_have_text(
+            "Default: gpu-0 reports 4,112 L2 tokens and no L3 backend"
+        )
+        # Before the first Run the chart card says what to do, and the results table is hidden.
+        expect(page.get_by_test_id("whatif-empty")).to_contain_text("Press Run to replay the trace")
+        expect(page.locator("#whatif-table")).to_be_hidden()
+        page.screenshot(path=str(tmp_path / "capacity-before-run.png"), full_page=True)
         page.locator("#whatif-form").get_by_label("Pool marked as current").select_option("decode")
         expect(page_size).to_have_value("64")
         expect(page.get_by_test_id("l1-source")).to_contain_text("gpu-0 (no decode worker has reported one)")
+        expect(page.get_by_label("L2 tokens")).to_have_value("0")
+        expect(page.get_by_test_id("upper-source")).to_have_text(
+            "Default: no decode worker has reported yet: 0 (no tier)"
+        )
         page.locator("#trace").select_option("pool:regular")
         expect(page.locator("#whatif-form select[name=pool]")).to_have_value("regular")
         expect(page_size).to_have_value("16")
         expect(l1).to_have_value("512,1024,2048,4096,8192,16384,32768")
         page.get_by_role("button", name="Run").click()  # the defaults as they are: the marker is on the chart
-        expect(page.locator("#whatif-status")).to_have_text("7 points", timeout=180_000)
+        # while the replays run the status counts the seconds so far
+        expect(page.locator("#whatif-status")).to_have_text(re.compile(r"^Replaying… \d+ s$"))
+        # L1 8,192 and up is not below the default L2 (4,112): those points are skipped and named
+        expect(page.locator("#whatif-status")).to_contain_text(
+            "4 points; skipped points: --l2-tokens: L2 (the host pool) must be larger than L1",
+            timeout=180_000,
+        )
+        expect(page.get_by_test_id("whatif-empty")).to_be_hidden()
+        expect(page.locator("#whatif-table tbody tr")).to_have_count(4)
+        page.screenshot(path=str(tmp_path / "capacity-after-run.png"), full_page=True)
         assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
         expect(page.locator("#whatif-chart canvas")).to_have_count(1)
         page.get_by_label("L1 tokens").fill("2048,8192")
+        page.get_by_label("L2 tokens").fill("0")  # L1 only
         page.get_by_role("button", name="Run").click()
         expect(page.locator("#whatif-status")).to_have_text(
             "2 points", timeout=180_000

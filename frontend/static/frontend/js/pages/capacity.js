@@ -14,6 +14,9 @@ KV.ready(function () {
     form.page_size.value = chosen.pageSize;
     form.l1_tokens.value = chosen.l1Sweep;
     KV.$("#l1-source").textContent = "Default: " + chosen.l1Source;
+    form.l2_tokens.value = chosen.l2;
+    form.l3_tokens.value = chosen.l3;
+    KV.$("#upper-source").textContent = "Default: " + chosen.upperSource;
   }
   form.pool.addEventListener("change", poolChosen);
   form.trace.addEventListener("change", function () {
@@ -70,6 +73,8 @@ KV.ready(function () {
     plot = new window.uPlot(opts, [xs].concat(ys), chartEl);
     setTimeout(showLargest);  // after uPlot's first commit, which clears the legend
     chartEl.dataset.marked = mark == null ? "" : String(mark);
+    KV.$("#whatif-empty").hidden = true;
+    KV.$("#whatif-table").hidden = false;
     KV.replaceRows(KV.$("#whatif-table tbody"), KV.$("#tpl-point"), points.map(function (p) {
       return { l1_tokens: String(p.l1_tokens), l2_tokens: String(p.l2_tokens), l3_tokens: String(p.l3_tokens),
         l1: pct(p.l1.share), l2: pct(p.l2.share), l3: pct(p.l3.share), share: pct(p.share) };
@@ -94,8 +99,13 @@ KV.ready(function () {
     } else {
       body.trace = form.trace.value;
     }
-    KV.$("#whatif-status").textContent = "Replaying…";
+    // one engine replay per point (a child process each): show the time so far, so slow is not taken for stuck
+    var started = Date.now(), status = KV.$("#whatif-status");
+    function tick() { status.textContent = "Replaying… " + Math.round((Date.now() - started) / 1000) + " s"; }
+    tick();
+    var ticker = setInterval(tick, 1000);
     ready.then(function () { return KV.api("POST", "/api/v1/capacity/whatif/", body); })
+      .finally(function () { clearInterval(ticker); })
       .then(function (res) {
         var skipped = (res.skipped || []).length ? "; skipped points: " + res.skipped.join("; ") : "";
         KV.$("#whatif-status").textContent = res.points.length + (res.points.length === 1 ? " point" : " points") + skipped;
