@@ -126,6 +126,9 @@ def test_operator_console_end_to_end(
         # Launch form: only the chosen kind's fields; nothing is sent until the dialog is confirmed.
         page.keyboard.press("n")
         expect(page).to_have_url(asgi_server + "/operations/new/")
+        # each worker's "Idle now?" is polled on load (the same poll the review makes), not left as a dash
+        for i in range(len(workers)):
+            expect(page.locator("#targets tbody tr").nth(i).locator(".idle")).to_have_text("idle")
         expect(page.get_by_label("Storage profile")).to_be_visible()
         page.get_by_label("Kind").select_option("detach")
         expect(page.get_by_label("Storage profile")).to_be_hidden()

@@ -1,5 +1,5 @@
-/* Launch form: only the fields of the chosen kind are shown; "Review and launch" probes the chosen workers
-   (idle now?), then a confirmation dialog lists each worker's change (now -> after) before anything is sent. */
+/* Launch form: only the fields of the chosen kind are shown; every worker's "Idle now?" is polled on load and again
+   by "Review and launch", then a confirmation dialog lists each worker's change (now -> after) before anything is sent. */
 KV.ready(function () {
   "use strict";
   var form = KV.$("#launch-form"), key = (window.crypto && crypto.randomUUID) ? crypto.randomUUID() : String(Date.now());
@@ -31,13 +31,25 @@ KV.ready(function () {
     return now + " [" + idle + "]";
   }
 
+  function probe(ids) {  // the review's idle poll of these workers, shown in the "Idle now?" column
+    return KV.api("GET", "/api/v1/operations/preview/?" + ids.map(function (i) { return "worker=" + i; }).join("&")).then(function (probes) {
+      probes.forEach(function (p) {
+        var cell = KV.$('tr[data-worker="' + p.worker_id + '"] .idle');
+        if (cell) cell.textContent = !p.reachable ? "unreachable" : p.is_idle ? "idle" : "busy (" + p.num_running_reqs + " running, " + p.num_waiting_reqs + " waiting)";
+      });
+      return probes;
+    });
+  }
+
   function load() {
     return Promise.all([KV.api("GET", "/api/v1/inventory/workers/?limit=500"), KV.api("GET", "/api/v1/inventory/storage-profiles/?limit=500"),
       KV.api("GET", "/api/v1/configs/profiles/?limit=500")]).then(function (r) {
       KV.replaceRows(KV.$("#targets tbody"), KV.$("#tpl-target"), r[0].results.map(function (w) {
         workers[w.id] = w;
-        return Object.assign({}, w, { pick_label: "target " + w.name, idle: "" });
+        return Object.assign({}, w, { pick_label: "target " + w.name, idle: "checking…" });
       }), function (row, w) { KV.$(".pick", row).checked = preselect.indexOf(String(w.id)) >= 0; });
+      var ids = r[0].results.map(function (w) { return w.id; });
+      if (ids.length) probe(ids).catch(function () { KV.$$("#targets .idle").forEach(function (c) { c.textContent = "not checked: press Review"; }); });
       KV.$("#storage-profile").replaceChildren.apply(KV.$("#storage-profile"), r[1].results.map(function (p) {
         profiles[p.id] = p; return option(p.id, p.name + " (" + p.backend + ")");
       }));
@@ -63,11 +75,7 @@ KV.ready(function () {
     if (form.kind.value === "apply_config" && !form.revision.value) { error("Choose a config revision."); return; }
     error("");
     var btn = KV.$("#review"); btn.disabled = true;
-    KV.api("GET", "/api/v1/operations/preview/?" + ids.map(function (i) { return "worker=" + i; }).join("&")).then(function (probes) {
-      probes.forEach(function (p) {
-        var cell = KV.$('tr[data-worker="' + p.worker_id + '"] .idle');
-        cell.textContent = !p.reachable ? "unreachable" : p.is_idle ? "idle" : "busy (" + p.num_running_reqs + " running, " + p.num_waiting_reqs + " waiting)";
-      });
+    probe(ids).then(function (probes) {
       return KV.confirm({
         title: "Launch " + KV.$("#kind").selectedOptions[0].textContent + " on " + ids.length + " worker" + (ids.length === 1 ? "" : "s") + "?",
         text: "Policy " + form.policy.value.replace(/_/g, " ") + (form.drain.checked ? ", drained from the router while applying" : "") +
