@@ -11,9 +11,10 @@ process it started, newest first: SIGTERM to its process group, SIGKILL after a 
 ``python deploy/localfleet.py [--duration S] [--pd]`` is the demo: the above plus the traffic generator; it
 prints the console and router URLs and the admin credentials. With ``--duration`` it exits after checking that
 the control plane's live metrics show device, host and storage cached tokens for every worker (exit 0), or
-says which are missing (exit 1). ``--pd`` (``make demo PD=1``) runs one prefill and one decode worker
-(``deploy/fleet.pd.toml``) behind the router in PD mode; the check then applies to the prefill worker (the
-one that computes and caches prompts) and also needs answered requests in the traffic record (served by D).
+says which are missing (exit 1). ``--pd`` (``make demo PD=1``) runs two prefill workers and one decode
+worker (``deploy/fleet.pd.toml``, 2P1D, all with in-place PD role switch, so the console can rebalance it
+to 1P2D and back) behind the router in PD mode; the check then applies to the prefill workers (those that
+compute and cache prompts) and also needs answered requests in the traffic record (served by D).
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bootstrap_port(flags: list[str]) -> int | None:
+    """The ``--disaggregation-bootstrap-port=N`` of launch flags (``WorkerSpec.flags``), or None."""
+    flag = "--disaggregation-bootstrap-port="
+    return next((int(f[len(flag) :]) for f in flags if f.startswith(flag)), None)
+
+
 def redis_answers(url: str) -> bool:
     import redis
 
@@ -124,8 +131,13 @@ class LocalFleet:
     worker_ids: list[int] = field(default_factory=list)
     tokens: dict = field(default_factory=dict)
     storage_profile_id: int | None = None
-    pd: bool = False  # one prefill + one decode worker, router in PD mode (spec: deploy/fleet.pd.toml)
+    pd: bool = False  # 2 prefill + 1 decode workers, router in PD mode (spec: deploy/fleet.pd.toml)
     worker_roles: list[str] = field(default_factory=list)
+    bootstrap_ports: list[int | None] = field(default_factory=list)  # per worker, from its spec flags
+
+    def __post_init__(self) -> None:
+        if self.pd:
+            self.spec, self.num_workers = REPO / "deploy" / "fleet.pd.toml", 3
 
     # ------------------------------------------------------------------------------------------- processes
     def spawn(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
@@ -324,12 +336,13 @@ class LocalFleet:
         from engine.agent.spec import load_spec
 
         ports = {f"DEMO_WORKER{i}_PORT": str(free_port()) for i in range(self.num_workers)}
-        if self.pd:
-            ports["DEMO_BOOTSTRAP_PORT"] = str(free_port())
+        if self.pd:  # one per worker: a decode may become a prefill (rebalance)
+            ports |= {f"DEMO_BOOTSTRAP_PORT{i}": str(free_port()) for i in range(self.num_workers)}
         self.env.update(ports)
         spec = load_spec(self.spec, self.env)
         self.worker_urls = [w.url for w in spec.workers]
         self.worker_roles = [w.role for w in spec.workers]
+        self.bootstrap_ports = [bootstrap_port(w.flags) for w in spec.workers]
         agent = self.spawn(
             "agent",
             [
@@ -354,12 +367,13 @@ class LocalFleet:
         wait_for("engine workers (agent)", all_registered, 600, agent, self.log_of("agent"))
 
     def _pd_router_workers(self) -> list[str]:
-        """PD mode's router arguments: ``--prefill URL BOOTSTRAP_PORT`` per prefill worker, ``--decode URL``
-        per decode worker, and upstream's recommended PD policies (power_of_two needs 2 decode workers)."""
+        """PD mode's router arguments: ``--prefill URL BOOTSTRAP_PORT`` per prefill worker (its own port),
+        ``--decode URL`` per decode worker, and upstream's recommended PD policies (power_of_two needs 2
+        decode workers)."""
         out = ["--pd-disaggregation"]
-        for url, role in zip(self.worker_urls, self.worker_roles, strict=True):
+        for url, role, port in zip(self.worker_urls, self.worker_roles, self.bootstrap_ports, strict=True):
             if role == "prefill":
-                out += ["--prefill", url, self.env["DEMO_BOOTSTRAP_PORT"]]
+                out += ["--prefill", url, str(port)]
             else:
                 out += ["--decode", url]
         decode_policy = (
@@ -431,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds of traffic, then check every worker shows device/host/storage hits and exit",
     )
     p.add_argument("--log-dir", default=None, help="default logs/demo-<time>")
-    p.add_argument("--pd", action="store_true", help="1 prefill + 1 decode worker, router in PD mode")
+    p.add_argument("--pd", action="store_true", help="2 prefill + 1 decode workers (2P1D), router in PD mode")
     p.add_argument(
         "--trace",
         default=None,
@@ -440,8 +454,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     log_dir = Path(a.log_dir or REPO / "logs" / time.strftime("demo-%Y%m%d-%H%M%S"))
     fleet = LocalFleet(log_dir=log_dir, pd=a.pd)
-    if a.pd:
-        fleet.spec = REPO / "deploy" / "fleet.pd.toml"
     stop = {"now": False}
 
     def on_signal(*_):
@@ -500,7 +512,12 @@ def _banner(fleet: LocalFleet) -> str:
             f"  Mooncake     master {fleet.env['MOONCAKE_MASTER']}",
             f"  Logs         {fleet.log_dir}",
             "  Traffic      multi-turn conversations through the router (traffic.log, traffic.jsonl)",
-            "  Ctrl-C stops everything.",
+            *(
+                ["  Rebalance    console > router > Rebalance: 2P1D -> 1P2D and back (docs/rebalance.md)"]
+                if fleet.pd
+                else []
+            ),
+            "  Ctrl-C (or SIGTERM to this process) stops everything.",
             "",
         ]
     )
@@ -532,7 +549,7 @@ def _watch(fleet: LocalFleet, duration: float) -> int:
         if fleet.pd and _answered(fleet.log_dir / "traffic.jsonl") == 0:
             missing.append("answered requests (decode)")
         if duration and not missing:
-            what = "the prefill worker shows" if fleet.pd else "every worker shows"
+            what = "every prefill worker shows" if fleet.pd else "every worker shows"
             print(f"OK: {what} device, host and storage cached tokens after {elapsed:.0f}s")
             return 0
         if duration and elapsed >= duration:

@@ -15,6 +15,7 @@ Exits 1 naming the page when one fails to render.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -157,6 +158,11 @@ def demo_operations(fleet) -> None:
             time.sleep(1)
 
 
+def _interrupt(*_) -> None:
+    """SIGTERM as Ctrl-C: the fleet's processes (each in a session of its own) are stopped too."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="console base URL of a running control plane")
@@ -175,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         from deploy.localfleet import PY, LocalFleet
 
         fleet = LocalFleet(log_dir=REPO / "logs" / time.strftime("screens-%Y%m%d-%H%M%S"), pd=a.pd)
-        if a.pd:
-            fleet.spec = REPO / "deploy" / "fleet.pd.toml"
+        signal.signal(signal.SIGTERM, _interrupt)
         with fleet:
             traffic = ["--url", fleet.router_url, "--concurrency", "2", "--conversations", "8"]
             fleet.spawn("traffic", [PY, "-m", "engine.bench.traffic", *traffic])

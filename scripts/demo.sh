@@ -3,7 +3,7 @@
 # workers, the sglang-router) with multi-turn traffic; prints the console and router URLs. Ctrl-C stops it.
 #   scripts/demo.sh                   run until Ctrl-C
 #   scripts/demo.sh --duration 180    bounded: exit 0 once every worker shows device/host/storage hits
-#   scripts/demo.sh --pd              1 prefill + 1 decode worker, sglang-router in PD mode
+#   scripts/demo.sh --pd              2 prefill + 1 decode workers (2P1D, rebalance-able), router in PD mode
 # `make demo DEMO_SECONDS=180` passes --duration, `make demo PD=1` passes --pd. Logs: logs/demo-<time>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
