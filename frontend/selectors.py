@@ -26,6 +26,15 @@ HICACHE_FIELDS = (
     "prefetch_timeout_max",
 )
 MASTER_KEYS = ("master_server_address", "master", "master_address")
+# Extra-config keys HiCache itself consumes: the engine pops them before the dict reaches the L3 backend
+# (engine/cache/config.py split_extra_config, as upstream SGLang), so a worker reports the rest.
+HICACHE_EXTRA_KEYS = (
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "prefetch_timeout_max",
+    "hicache_storage_pass_prefix_keys",
+)
 
 
 def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:
@@ -94,8 +103,21 @@ def profile_of(worker: EngineWorker, by_backend: dict[str, list[StorageProfile]]
     return candidates[0] if len(candidates) == 1 else None
 
 
+def extra_config_summary(extra_config: dict | None) -> str:
+    """How many settings a storage profile's extra config holds, split as a worker sees them: "6 settings:
+    5 for the backend, 1 HiCache (prefetch_threshold)" when it has ``HICACHE_EXTRA_KEYS`` (the worker page
+    lists only the backend's), else "5 settings"; "" when empty."""
+    extra = extra_config or {}
+    total = f"{len(extra)} setting{'s' if len(extra) != 1 else ''}"
+    own = [k for k in HICACHE_EXTRA_KEYS if k in extra]
+    if not extra or not own:
+        return total if extra else ""
+    return f"{total}: {len(extra) - len(own)} for the backend, {len(own)} HiCache ({', '.join(own)})"
+
+
 def storage_usage() -> list[dict]:
-    """Every storage profile with the workers using it now: [{profile, master, extra_json, workers}]."""
+    """Every storage profile with the workers using it now: [{profile, master, extra_json, extra_summary,
+    workers}]."""
     profiles = list(StorageProfile.objects.all())
     by_backend = defaultdict(list)
     for p in profiles:
@@ -110,6 +132,7 @@ def storage_usage() -> list[dict]:
             "profile": p,
             "master": storage_master(p.extra_config),
             "extra_json": json.dumps(p.extra_config, indent=1),
+            "extra_summary": extra_config_summary(p.extra_config),
             "workers": users[p.pk],
         }
         for p in profiles

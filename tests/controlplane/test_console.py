@@ -1,5 +1,6 @@
 """Console pages are served by Django: login required, every page renders for each role."""
 
+import html
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -118,6 +119,27 @@ def test_storage_page_counts_workers_using_each_profile(client, personas):
     assert "<code>m:1</code>" in client.get("/storage/").content.decode()
 
 
+def test_storage_page_counts_backend_and_hicache_settings_apart(client, personas):
+    """A profile's extra config of 6 keys, one HiCache's own (the engine pops prefetch_threshold, so the
+    worker page lists 5): the storage page says both counts."""
+    from cp_factories import StorageProfileFactory
+
+    client.force_login(personas["viewer"][0])
+    extra = {
+        "master_server_address": "m:1",
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "global_segment_size": "512mb",
+        "local_buffer_size": "64mb",
+        "prefetch_threshold": 32,
+    }
+    StorageProfileFactory(name="mc", backend="mooncake", extra_config=extra)
+    StorageProfileFactory(name="files", backend="file", extra_config={"path": "/a"})
+    page = client.get("/storage/").content.decode()
+    assert "<summary>6 settings: 5 for the backend, 1 HiCache (prefetch_threshold)</summary>" in page
+    assert "<summary>1 setting</summary>" in page
+
+
 def test_worker_page_shows_live_hicache_config(client, personas, fake_worker):
     fake = fake_worker()
     fake.config["hicache_write_policy"] = "write_back"
@@ -128,6 +150,16 @@ def test_worker_page_shows_live_hicache_config(client, personas, fake_worker):
     fake.stop()
     page = client.get(f"/workers/{worker.pk}/").content.decode()
     assert "worker unreachable" in page
+
+
+def test_worker_page_says_its_extra_config_is_the_backends_keys(client, personas, fake_worker):
+    fake = fake_worker()
+    fake.backend, fake.backend_extra = "mooncake", '{"protocol": "tcp"}'  # prefetch_threshold popped
+    worker = EngineWorkerFactory(url=fake.url, hicache_config={})
+    client.force_login(personas["viewer"][0])
+    page = html.unescape(client.get(f"/workers/{worker.pk}/").content.decode())
+    assert '"protocol": "tcp"' in page
+    assert "the keys the L3 backend gets; HiCache's own keys of the storage profile" in page
 
 
 def test_pool_history_seeds_fleet_sparklines(client, personas):
