@@ -51,8 +51,10 @@ class SamplingParams:
         return self.temperature < 1e-6 or self.top_k == 1
 
     @classmethod
-    def from_dict(cls, data: dict | None) -> SamplingParams:
-        """Build from a request's ``sampling_params`` dict; ``ValueError`` names the bad field."""
+    def from_dict(cls, data: dict | None, names: dict[str, str] | None = None) -> SamplingParams:
+        """Build from a request's ``sampling_params`` dict; ``ValueError`` names the bad field as
+        ``sampling_params.<field>``, or as ``names[field]`` where given (the OpenAI routes name the client's
+        field: ``max_tokens``, ``n``, ``seed``)."""
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -61,7 +63,7 @@ class SamplingParams:
         for name, neutral in _NEUTRAL_ONLY.items():
             value = data.pop(name, neutral)
             if value != neutral and value is not None:
-                raise ValueError(f"sampling_params.{name}={value!r} is not supported (only {neutral!r})")
+                raise ValueError(f"{label(name, names)}={value!r} is not supported (only {neutral!r})")
         for name in _IGNORED:
             data.pop(name, None)
         known = {f for f in cls.__dataclass_fields__}
@@ -73,33 +75,40 @@ class SamplingParams:
         stop = data.pop("stop", None)
         params = cls(**{k: v for k, v in data.items() if v is not None})
         params.stop = [stop] if isinstance(stop, str) else list(stop or [])
-        params.validate()
+        params.validate(names)
         return params
 
-    def validate(self) -> None:
+    def validate(self, names: dict[str, str] | None = None) -> None:
         """Raise ``ValueError`` naming the first field out of its upstream range (float fields must also be
-        finite: NaN or infinity is rejected)."""
+        finite: NaN or infinity is rejected); ``names`` as in ``from_dict``."""
+
+        def lbl(field: str) -> str:
+            return label(field, names)
+
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
-            raise ValueError(
-                f"sampling_params.max_new_tokens must be an integer, got {self.max_new_tokens!r}"
-            )
+            raise ValueError(f"{lbl('max_new_tokens')} must be an integer, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 0:
-            raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise ValueError(f"{lbl('max_new_tokens')} must be >= 0, got {self.max_new_tokens}")
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"sampling_params.{name} must be a finite number, got {value!r}")
+                raise ValueError(f"{lbl(name)} must be a finite number, got {value!r}")
         if self.temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature!r}")
+            raise ValueError(f"{lbl('temperature')} must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"{lbl('top_p')} must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"sampling_params.top_k must be -1 or >= 1, got {self.top_k!r}")
+            raise ValueError(f"{lbl('top_k')} must be -1 or >= 1, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"sampling_params.min_p must be in [0, 1], got {self.min_p!r}")
+            raise ValueError(f"{lbl('min_p')} must be in [0, 1], got {self.min_p!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("sampling_params.stop must be a non-empty string or a list of them")
+            raise ValueError(f"{lbl('stop')} must be a non-empty string or a list of them")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("sampling_params.stop_token_ids must be a list of token ids")
+            raise ValueError(f"{lbl('stop_token_ids')} must be a list of token ids")
         if self.sampling_seed is not None and not isinstance(self.sampling_seed, int):
-            raise ValueError(f"sampling_params.sampling_seed must be an integer, got {self.sampling_seed!r}")
+            raise ValueError(f"{lbl('sampling_seed')} must be an integer, got {self.sampling_seed!r}")
+
+
+def label(field: str, names: dict[str, str] | None = None) -> str:
+    """How an error names SamplingParams ``field``: ``names[field]`` or ``sampling_params.<field>``."""
+    return (names or {}).get(field, f"sampling_params.{field}")

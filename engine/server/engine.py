@@ -17,6 +17,7 @@ import torch
 
 from engine.scheduler import Req, ReqOutput, SamplingParams, Scheduler
 from engine.scheduler.req import Bootstrap
+from engine.scheduler.sampling_params import label
 from engine.server.args import ServerArgs
 from engine.server.recording import TraceRecorder
 
@@ -94,9 +95,17 @@ class Engine:
         return text
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, input_ids: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        names: dict[str, str] | None = None,
+        source: str = "the input messages",
+    ) -> None:
         """Check ids, seed range (torch's) and length vs context and KV pool (RequestError); UnavailableError
-        without scheduler."""
+        without scheduler. ``names`` maps SamplingParams fields to the client's (as in
+        ``SamplingParams.from_dict``); ``source`` is what the context-length error calls the prompt (upstream:
+        ``... 9 tokens from the input messages and 5000 tokens for the completion ...``)."""
         if not self.scheduler.is_alive():
             raise UnavailableError(f"scheduler thread is not running: {self.scheduler.error!r}")
         if self.unhealthy:
@@ -109,23 +118,23 @@ class Engine:
             raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
         seed = params.sampling_seed
         if seed is not None and not -(2**63) <= seed < 2**64:
-            raise RequestError("sampling_params.sampling_seed must be in [-2**63, 2**64)")
-        n = len(input_ids)
+            raise RequestError(f"{label('sampling_seed', names)} must be in [-2**63, 2**64)")
+        n, max_new = len(input_ids), params.max_new_tokens
         if n >= self.context_length:
             raise RequestError(
                 f"The input ({n} tokens) is longer than the model's context length "
                 f"({self.context_length} tokens)."
             )
-        if n + params.max_new_tokens > self.context_length:
+        if n + max_new > self.context_length:
             raise RequestError(
                 f"Requested token count exceeds the model's maximum context length of {self.context_length} "
-                f"tokens. You requested a total of {n + params.max_new_tokens} tokens: {n} tokens from the "
-                f"input messages and {params.max_new_tokens} tokens for the completion."
+                f"tokens. You requested a total of {_tokens(n + max_new)}: {_tokens(n)} from {source} and "
+                f"{_tokens(max_new)} for the completion."
             )
         capacity = self.scheduler.pool.size
-        if n + params.max_new_tokens > capacity:
+        if n + max_new > capacity:
             raise RequestError(
-                f"prompt ({n}) + max_new_tokens ({params.max_new_tokens}) exceeds the KV pool "
+                f"prompt ({n}) + {label('max_new_tokens', names)} ({max_new}) exceeds the KV pool "
                 f"({capacity} tokens)"
             )
 
@@ -232,3 +241,8 @@ class Engine:
     async def call(self, fn, timeout: float | None = None):
         """Run ``fn(scheduler)`` on the scheduler thread and await its result."""
         return await asyncio.wait_for(asyncio.wrap_future(self.scheduler.call(fn)), timeout)
+
+
+def _tokens(count: int) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{count} token" if count == 1 else f"{count} tokens"

@@ -8,8 +8,12 @@ model's chat template with ``add_generation_prompt`` (``chat_template_kwargs`` m
 with ``--enable-cache-report`` (upstream). Streams send ``text_completion`` / ``chat.completion.chunk``
 objects with text deltas, an optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
 Bodies are checked against ``schemas.CompletionRequest`` / ``ChatCompletionRequest`` (a wrong type is a 400
-naming the field), prompts are tokenized and chat templates rendered on a worker thread, ``bootstrap_room``
-is refused on a worker not in PD mode, and a non-streaming request whose client disconnects is aborted.
+naming the field; a chat role outside upstream's is a 400 naming ``messages.<i>.role``); a bad sampling value
+is a 400 naming the client's field (``max_tokens`` or ``max_completion_tokens``, ``n``, ``seed``, ...), not
+the SamplingParams one, and ``/v1/completions``' context-length error speaks of the prompt where the chat
+route's keeps upstream's "input messages". Prompts are tokenized and chat templates rendered on a worker
+thread, ``bootstrap_room`` is refused on a worker not in PD mode, and a non-streaming request whose client
+disconnects is aborted.
 """
 
 from __future__ import annotations
@@ -54,16 +58,21 @@ _PARAM_FIELDS = {
 }
 
 
-def _sampling_params(engine: Engine, body: dict, prompt: list[int], max_tokens) -> SamplingParams:
+def _sampling_params(
+    engine: Engine, body: dict, prompt: list[int], max_tokens_field: str, source: str
+) -> SamplingParams:
+    """SamplingParams of an OpenAI body; a bad value is ``HTTPError(400)`` naming the client's field
+    (``max_tokens``, or ``max_completion_tokens`` on chat when that was sent; ``n``, ``seed``, ...), and the
+    context-length error calls the prompt ``source``."""
     raw = {dst: body[src] for src, dst in _PARAM_FIELDS.items() if body.get(src) is not None}
     if body.get("logprobs") not in (None, False):
         raise HTTPError(400, "logprobs is not supported")
-    if max_tokens is None:
-        max_tokens = engine.default_max_new_tokens(prompt)
-    raw["max_new_tokens"] = max_tokens
+    max_tokens = body.get(max_tokens_field)
+    raw["max_new_tokens"] = engine.default_max_new_tokens(prompt) if max_tokens is None else max_tokens
+    names = {dst: src for src, dst in _PARAM_FIELDS.items()} | {"max_new_tokens": max_tokens_field}
     try:
-        params = SamplingParams.from_dict(raw)
-        engine.check_request(prompt, params)
+        params = SamplingParams.from_dict(raw, names)
+        engine.check_request(prompt, params, names, source)
     except (TypeError, ValueError) as exc:
         raise HTTPError(400, str(exc)) from None
     return params
@@ -121,7 +130,7 @@ async def completions(request: Request):
         raise HTTPError(400, "'prompt' must be a string or a list of token ids (one prompt per request)")
     if body.get("suffix"):
         raise HTTPError(400, "suffix is not supported")
-    params = _sampling_params(engine, body, ids, body.get("max_tokens"))
+    params = _sampling_params(engine, body, ids, "max_tokens", "the prompt")
     echo = isinstance(prompt, str) and bool(body.get("echo"))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
@@ -242,9 +251,8 @@ async def chat_completions(request: Request):
     body = validated(ChatCompletionRequest, await json_body(request))
     bootstrap = _bootstrap(engine, body)
     ids = await asyncio.to_thread(_chat_prompt, engine, body)
-    max_tokens = body.get("max_completion_tokens")
-    max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
-    params = _sampling_params(engine, body, ids, max_tokens)
+    sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    params = _sampling_params(engine, body, ids, sent, "the input messages")
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name}
     if body.get("stream"):

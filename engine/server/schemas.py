@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from engine.scheduler.sampling_params import SamplingParams
 from engine.server.http_utils import HTTPError
@@ -65,11 +66,31 @@ class TextContentPart(_Body):
     text: str = ""
 
 
+# Upstream's ChatCompletionMessageGenericParam roles (matched case-insensitively, lowercased); "user"
+# (ChatCompletionMessageUserParam) is matched exactly.
+_GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder")
+
+
 class ChatMessage(_Body):
-    """A chat message; ``content`` is a string or a list of text parts (no tools: never null)."""
+    """A chat message; ``content`` is a string or a list of text parts (no tools: never null). ``role`` is
+    upstream's: ``user``, or one of ``_GENERIC_ROLES`` in any case (lowercased); others are refused."""
 
     role: str
     content: str | list[TextContentPart]
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _known_role(cls, role: object) -> object:
+        if role == "user":
+            return role
+        if isinstance(role, str) and role.lower() in _GENERIC_ROLES:
+            return role.lower()
+        allowed = ", ".join(repr(r) for r in ("user", *_GENERIC_ROLES))
+        raise PydanticCustomError(
+            "role",
+            "must be one of {allowed} (all but 'user' case-insensitive), got {role}",
+            {"allowed": allowed, "role": repr(role)},
+        )
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -84,23 +105,25 @@ MODELS = (GenerateReqInput, CompletionRequest, ChatCompletionRequest)
 _REF = "#/components/schemas/{model}"
 
 
-def _requested_n(body: dict) -> list:
-    """The ``n`` values a body asks for: OpenAI's top-level ``n``, ``/generate``'s ``sampling_params.n``."""
+def _requested_n(body: dict) -> list[tuple[dict, object]]:
+    """The ``n`` values a body asks for, each with the names its errors use: OpenAI's top-level ``n``,
+    ``/generate``'s ``sampling_params.n``."""
     raw = body.get("sampling_params")
     params = raw if isinstance(raw, list) else [raw]
-    return [body.get("n"), *(p.get("n") for p in params if isinstance(p, dict))]
+    return [({"n": "n"}, body.get("n")), *(({}, p.get("n")) for p in params if isinstance(p, dict))]
 
 
 def _unsupported_n_first(body: dict) -> None:
     """sglang-router in PD mode turns a request's ``n > 1`` into lists of ``n`` bootstrap hosts/ports/rooms;
     the schema would then report those lists, so an unsupported ``n`` is reported first, in the words a
-    non-PD worker uses (``sampling_params.n=2 is not supported (only 1)``). Raises ``HTTPError(400)``."""
+    non-PD worker uses (``n=2 is not supported (only 1)`` for the OpenAI field, ``sampling_params.n=2 ...``
+    for /generate's). Raises ``HTTPError(400)``."""
     if not any(isinstance(body.get(field), list) for field in _BOOTSTRAP_FIELDS):
         return
-    for n in _requested_n(body):
+    for names, n in _requested_n(body):
         if n is not None:
             try:
-                SamplingParams.from_dict({"n": n})
+                SamplingParams.from_dict({"n": n}, names)
             except ValueError as exc:
                 raise HTTPError(400, str(exc)) from None
 

@@ -23,7 +23,8 @@ def test_n_2_with_the_routers_bootstrap_lists_names_n(serve, mode):
         resp = client.post(path, json={**body, **LISTS})
         assert resp.status_code == 400, (path, resp.text)
         message = resp.json()["error"]["message"]
-        assert message == "sampling_params.n=2 is not supported (only 1)", (path, message)
+        expected = "sampling_params.n=2" if path == "/generate" else "n=2"
+        assert message == f"{expected} is not supported (only 1)", (path, message)
 
 
 def test_bootstrap_lists_with_n_1_still_name_the_lists(serve):
