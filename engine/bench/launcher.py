@@ -57,8 +57,9 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
+        tail = self.log_tail()  # before __exit__ closes the log
         self.__exit__(None, None, None)
-        raise RuntimeError(f"server not healthy after {self.timeout}s:\n{self.log_tail()}")
+        raise RuntimeError(f"server not healthy after {self.timeout}s:\n{tail}")
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -72,6 +73,7 @@ class ServerProcess:
 
     def log_tail(self, n: int = 4000) -> str:
         """The last ``n`` characters of the server's combined stdout/stderr."""
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self._log.name) as f:
             return f.read()[-n:]
