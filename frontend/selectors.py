@@ -12,6 +12,7 @@ from controlplane.telemetry import store
 from controlplane.telemetry.metrics import TIERS
 from controlplane.telemetry.selectors import POOLS
 from controlplane.workerclient import RouterClient, WorkerClient, WorkerError
+from engine.server.contract import HICACHE_EXTRA_KEYS
 
 # HiCache settings shown on the worker page, in this order (SGLang server-arg names).
 HICACHE_FIELDS = (
@@ -26,15 +27,6 @@ HICACHE_FIELDS = (
     "prefetch_timeout_max",
 )
 MASTER_KEYS = ("master_server_address", "master", "master_address")
-# Extra-config keys HiCache itself consumes: the engine pops them before the dict reaches the L3 backend
-# (engine/cache/config.py split_extra_config, as upstream SGLang), so a worker reports the rest.
-HICACHE_EXTRA_KEYS = (
-    "prefetch_threshold",
-    "prefetch_timeout_base",
-    "prefetch_timeout_per_ki_token",
-    "prefetch_timeout_max",
-    "hicache_storage_pass_prefix_keys",
-)
 
 
 def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:

@@ -32,6 +32,15 @@ CHROMIUM_ARGS = [
 ]
 
 
+def console_user(username: str, role: str, password: str):
+    """A console user with `role` who logs in with `password` (hashed with pbkdf2, the daphne process's
+    hasher: the test settings' fast hasher is not the server's)."""
+    user = UserFactory(username=username, role=role)
+    user.password = make_password(password, hasher="pbkdf2_sha256")
+    user.save()
+    return user
+
+
 def log_in(browser, base_url: str, username: str, password: str):
     """A 1280 x 800 page of `browser` logged in to the console at `base_url` as `username`; returns the page
     and the list its uncaught page errors are appended to."""
@@ -104,9 +113,7 @@ def test_operator_console_end_to_end(
     profile = StorageProfileFactory(
         name="mooncake-prod", backend="mooncake", extra_config={"master_server_address": "127.0.0.1:50051"}
     )
-    alice = UserFactory(username="alice", role="operator")
-    alice.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")  # the daphne process's hasher
-    alice.save()
+    console_user("alice", "operator", "pw-for-tests-1")
     agent_token, admin_token = personas["agent"][1], personas["admin"][1]
 
     with sync_playwright() as pw:
@@ -292,9 +299,7 @@ def test_operation_page_catches_up_without_a_push(asgi_server, monkeypatch):
     worker = EngineWorkerFactory(name="gpu-quiet")
     op = Operation.objects.create(kind="detach", idle_timeout_s=60, reason="quiet")
     OperationTarget.objects.create(operation=op, worker=worker)
-    bob = UserFactory(username="bob", role="viewer")
-    bob.password = make_password("pw-for-tests-2", hasher="pbkdf2_sha256")
-    bob.save()
+    console_user("bob", "viewer", "pw-for-tests-2")
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
         page, errors = log_in(browser, asgi_server, "bob", "pw-for-tests-2")

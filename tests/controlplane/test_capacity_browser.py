@@ -8,9 +8,8 @@ import re
 
 import httpx
 import pytest
-from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, UserFactory
-from django.contrib.auth.hashers import make_password
-from test_browser import CHROMIUM_ARGS, log_in, serious_violations
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
+from test_browser import CHROMIUM_ARGS, console_user, log_in, serious_violations
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -21,9 +20,7 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     worker = EngineWorkerFactory(name="gpu-0", host=HostFactory(name=AGENT_HOST), page_size=16, role="mixed")
     EngineWorkerFactory(name="gpu-1", page_size=64, role="decode")
-    bob = UserFactory(username="bob", role="viewer")
-    bob.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")
-    bob.save()
+    console_user("bob", "viewer", "pw-for-tests-1")
     agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
     metrics = {"max_total_num_tokens": 2048, "hicache_host_total_tokens": 4112}
     httpx.post(f"{asgi_server}/api/v1/agent/metrics/", json={"worker": worker.pk, "metrics": metrics},

@@ -6,9 +6,8 @@ import re
 
 import httpx
 import pytest
-from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, UserFactory
-from django.contrib.auth.hashers import make_password
-from test_browser import log_in
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
+from test_browser import console_user, log_in
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -25,9 +24,7 @@ def test_pool_cached_rate_ignores_other_pools_samples(
         EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed"),
         EngineWorkerFactory(name="decode-0", url=decode.url, host=host, role="decode"),
     ]
-    bob = UserFactory(username="bob", role="viewer")
-    bob.password = make_password("pw-for-tests-2", hasher="pbkdf2_sha256")  # the daphne process's hasher
-    bob.save()
+    console_user("bob", "viewer", "pw-for-tests-2")
     agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
 
     def push(worker, fake):
@@ -68,9 +65,7 @@ def test_pool_sparkline_x_values_stay_sorted_after_live_pushes(
     mixed = fake_worker()
     host = HostFactory(name=AGENT_HOST)
     worker = EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed")
-    bob = UserFactory(username="bob", role="viewer")
-    bob.password = make_password("pw-for-tests-2", hasher="pbkdf2_sha256")
-    bob.save()
+    console_user("bob", "viewer", "pw-for-tests-2")
     agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
 
     def push(device):

@@ -9,9 +9,8 @@ import time
 
 import httpx
 import pytest
-from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory, UserFactory
-from django.contrib.auth.hashers import make_password
-from test_browser import CHROMIUM_ARGS, log_in, serious_violations, wrapped_headers
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory
+from test_browser import CHROMIUM_ARGS, console_user, log_in, serious_violations, wrapped_headers
 
 from controlplane.inventory.services import worker_role_observed
 from controlplane.rebalance.models import Rebalance, RebalanceStep
@@ -90,9 +89,7 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
 
     reporter = threading.Thread(target=report, daemon=True)
     reporter.start()
-    alice = UserFactory(username="alice", role="operator")
-    alice.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")  # the daphne process's hasher
-    alice.save()
+    alice = console_user("alice", "operator", "pw-for-tests-1")
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)

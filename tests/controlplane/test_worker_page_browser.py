@@ -8,9 +8,8 @@ import time
 
 import httpx
 import pytest
-from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory, UserFactory
-from django.contrib.auth.hashers import make_password
-from test_browser import CHROMIUM_ARGS, log_in, serious_violations
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory
+from test_browser import CHROMIUM_ARGS, console_user, log_in, serious_violations
 
 from controlplane.telemetry.metrics import histogram_quantile, parse_prometheus
 from engine.server.metrics import EngineMetrics
@@ -70,9 +69,7 @@ def test_latency_over_the_last_5_minutes_and_the_prefill_note(asgi_server, perso
     assert (
         ttft[1] < 0.1 < 1 < ttft_all[0] and itl[1] < 0.05 < itl_all[0]
     )  # the window differs from "since start"
-    viewer = UserFactory(username="vera", role="viewer")
-    viewer.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")  # the daphne process's hasher
-    viewer.save()
+    console_user("vera", "viewer", "pw-for-tests-1")
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
@@ -136,9 +133,7 @@ def test_fleet_table_shows_the_worker_pages_recent_latency(asgi_server, personas
         push(busy, busy_text, ts)
         push(idle, idle_text, ts)
         push(prefill, idle_text, ts)
-    viewer = UserFactory(username="vera", role="viewer")
-    viewer.password = make_password("pw-for-tests-1", hasher="pbkdf2_sha256")  # the daphne process's hasher
-    viewer.save()
+    console_user("vera", "viewer", "pw-for-tests-1")
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
