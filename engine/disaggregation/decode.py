@@ -259,6 +259,9 @@ class DecodeKVManager(KVManagerBase):
             receivers = [self._receivers[r] for r in prefill.rooms if r in self._receivers]
         if prefill.endpoint is not None:
             self.channel.forget(prefill.endpoint)
+        # one line per lost P, whatever its rooms say (a room the client aborted first keeps that reason)
+        open_rooms = sum(r.state not in _TERMINAL for r in receivers)
+        logger.warning("%s: %d unfinished rooms of it fail", reason, open_rooms)
         for receiver in receivers:
             self._finish(receiver, KVPoll.Failed, receiver.abort_reason or reason)
 
