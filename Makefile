@@ -19,9 +19,10 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	# The project itself, editable and without deps (pinned above): puts the kvfleet-agent console script
 	# ([project.scripts] in pyproject.toml) into $(VENV)/bin.
 	$(PY) -m pip install -q --no-deps -e .
-	# The fused decode step's C++ extension (engine/model/fused_decode.py), compiled once into the venv
-	# (about a minute); where it cannot be built the engine warns and decodes on the Python path.
-	$(PY) -m engine.model.fused_decode || true
+	# KVFleet's C++ extension (engine/model/extension.py: the fused decode step, the VNNI int8/int4 matmuls),
+	# compiled once into the venv (about a minute); where it cannot be built the engine warns and runs on
+	# the Python path and torch's kernels.
+	$(PY) -m engine.model.extension || true
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -10,7 +10,8 @@
    (``index_put_``) and the rest (norms, RoPE, activations, per-op dispatch).
 2. Variants (``--variants float32@2 bfloat16@2 float32+int8wo@2 float32@1 float32@1:python``): dtype,
    ``--torchao-config`` quantization, torch thread count and decode path (``:python``: without the fused C++
-   decode step, ``engine/model/fused_decode.py``) per variant, interleaved rounds, wall ms per decode step
+   decode step, ``engine/model/fused_decode.py``; ``:no-vnni``: torch's int8/int4 kernels instead of the
+   VNNI ones, ``engine/model/linear.py``) per variant, interleaved rounds, wall ms per decode step
    (the median of a round) and the ratio to the first variant of the same round (median and min-max over
    rounds), with this process's CPU ms next to it.
 
@@ -133,15 +134,18 @@ def breakdown(runner: ModelRunner, batch: int, context: int, steps: int) -> None
         print(f"{name:<22}{us / 4e3:>10.2f} ms/step{us / whole:>8.1%}")
 
 
-def _parse_variant(spec: str) -> tuple[str, str | None, int, bool]:
-    """``dtype[+quantization][@threads][:python]``, e.g. ``float32``, ``bfloat16@1``, ``float32+int8wo@2``,
-    ``bfloat16+int4wo-32@1:python`` (``:python``: the Python decode path, no fused C++ step)."""
-    spec, _, path = spec.partition(":")
-    if path not in ("", "python"):
-        raise SystemExit(f"--variants: unknown decode path {path!r} (only ':python')")
+def _parse_variant(spec: str) -> tuple[str, str | None, int, bool, bool]:
+    """``dtype[+quantization][@threads][:python][:no-vnni]``, e.g. ``float32``, ``bfloat16@1``,
+    ``float32+int8wo@2``, ``bfloat16+int4wo-32@1:python`` (``:python``: the Python decode path, no fused C++
+    step; ``:no-vnni``: torch's weight-only kernels, ``--disable-vnni-gemv``)."""
+    spec, *paths = spec.split(":")
+    unknown = set(paths) - {"python", "no-vnni"}
+    if unknown:
+        raise SystemExit(f"--variants: unknown suffix {sorted(unknown)} (only ':python', ':no-vnni')")
     rest, _, threads = spec.partition("@")
     dtype, _, quant = rest.partition("+")
-    return dtype, quant or None, int(threads or torch.get_num_threads()), path != "python"
+    threads_n = int(threads or torch.get_num_threads())
+    return dtype, quant or None, threads_n, "python" not in paths, "no-vnni" not in paths
 
 
 def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: list[str]) -> None:
@@ -149,8 +153,10 @@ def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: lis
     median of a round) and its ratio to the first variant of the same round, median (min-max) over rounds."""
     configs = [_parse_variant(s) for s in specs]
     runners = {
-        (dt, q, fused): ModelRunner.from_checkpoint(ckpt, dtype=dt, quantization=q, fused_decode=fused)
-        for dt, q, _, fused in configs
+        (dt, q, fused, vnni): ModelRunner.from_checkpoint(
+            ckpt, dtype=dt, quantization=q, fused_decode=fused, vnni_gemv=vnni
+        )
+        for dt, q, _, fused, vnni in configs
     }
     wall: dict[str, list[float]] = defaultdict(list)
     cpu: dict[str, list[float]] = defaultdict(list)
@@ -159,9 +165,9 @@ def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: lis
     for r in range(rounds):
         order = list(zip(specs, configs, strict=True))
         this_round = {}
-        for spec, (dt, q, threads, fused) in order if r % 2 == 0 else order[::-1]:
+        for spec, (dt, q, threads, fused, vnni) in order if r % 2 == 0 else order[::-1]:
             torch.set_num_threads(threads)
-            setup = DecodeSetup(runners[(dt, q, fused)], batch, context, steps + 2)
+            setup = DecodeSetup(runners[(dt, q, fused, vnni)], batch, context, steps + 2)
             setup.step()
             ts, cs = [], []
             for _ in range(steps):
@@ -193,9 +199,9 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="*",
-        metavar="DTYPE[+QUANT][@THREADS][:python]",
+        metavar="DTYPE[+QUANT][@THREADS][:python][:no-vnni]",
         help="also time these against the first (e.g. float32@2 bfloat16@2 float32+int8wo@2 float32@1; "
-        "':python' decodes without the fused C++ step)",
+        "':python' decodes without the fused C++ step, ':no-vnni' with torch's weight-only kernels)",
     )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-breakdown", action="store_true", help="only the variants")

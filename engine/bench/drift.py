@@ -1,12 +1,14 @@
 """Drift of lower-precision modes against float32: top-1 agreement over a fixed prompt set.
 
-``python -m engine.bench.drift [--variants bfloat16 float32+int8wo bfloat16+int8wo] [--new-tokens 32]``
+``python -m engine.bench.drift [--variants bfloat16 float32+int8wo bfloat16+int8wo:no-vnni] [--new-tokens N]``
 
 For each of the fixed chat prompts below, float32 greedily answers ``--new-tokens`` tokens (the reference).
-Each variant (``dtype[+quantization]``) then runs once over prompt + reference answer (teacher forcing) and
-we count the positions (the last prompt token and every answer token but the last) where its top-1 equals
-float32's, plus where it is in float32's top-5. Also: how many of the prompts the variant answers with the
-identical greedy tokens when it decodes on its own (once two runs differ, they follow different contexts).
+Each variant (``dtype[+quantization][:no-vnni]``; ``:no-vnni`` = torch's weight-only kernels,
+``--disable-vnni-gemv``) then runs over prompt + reference answer (teacher forcing) the way a server does:
+the prompt in one prefill, then the answer one decode step per token, so decode steps run the decode
+kernels. We count the positions (the last prompt token and every answer token but the last) where its top-1
+equals float32's, plus where it is in float32's top-5. Also: how many of the prompts the variant answers with
+the identical greedy tokens when it decodes on its own (once two runs differ, they follow different contexts).
 """
 
 from __future__ import annotations
@@ -36,11 +38,17 @@ PROMPTS = (
 )
 
 
-def _logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """Float32 logits at every position of ``ids`` (one prefill into a fresh pool)."""
-    pool = DeviceKVPool(-(-(len(ids) + 1) // 16) * 16, 16, **vars(runner.kv_pool_spec()))
-    batch = ForwardBatch.from_sequences([ids], [torch.arange(16, 16 + len(ids))])
-    return runner.forward(batch, pool, return_all_logits=True)
+def _logits(runner: ModelRunner, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """Float32 logits ``(len(answer), vocab)``: after ``prompt`` (one prefill into a fresh pool), then after
+    each answer token but the last (one decode step each)."""
+    size = -(-(len(prompt) + len(answer)) // 16) * 16
+    pool = DeviceKVPool(size, 16, **vars(runner.kv_pool_spec()))
+    slots = torch.arange(16, 16 + len(prompt) + len(answer))
+    out = [runner.forward(ForwardBatch.from_sequences([prompt], [slots[: len(prompt)]]), pool)]
+    for i, token in enumerate(answer[:-1]):
+        n = len(prompt) + i + 1
+        out.append(runner.forward(ForwardBatch.for_decode([token], [slots[:n]]), pool))
+    return torch.cat(out)
 
 
 def greedy(runner: ModelRunner, prompt: list[int], new_tokens: int) -> list[int]:
@@ -68,16 +76,21 @@ def main() -> None:
     tok = ref_runner.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     refs = [greedy(ref_runner, p, args.new_tokens) for p in prompts]
-    ref_logits = [_logits(ref_runner, p + r[:-1])[len(p) - 1 :] for p, r in zip(prompts, refs, strict=True)]
+    ref_logits = [_logits(ref_runner, p, r) for p, r in zip(prompts, refs, strict=True)]
     positions = sum(len(r) for r in refs)
     print(f"{len(prompts)} prompts x {args.new_tokens} answer tokens = {positions} positions vs float32")
     print(f"{'variant':<20}{'top-1 agreement':>17}{'in fp32 top-5':>15}{'identical answers':>19}")
     for spec in args.variants:
-        dtype, _, quant = spec.partition("+")
-        runner = ModelRunner.from_checkpoint(ckpt, dtype=dtype, quantization=quant or None)
+        mode, _, suffix = spec.partition(":")
+        if suffix not in ("", "no-vnni"):
+            raise SystemExit(f"--variants: unknown suffix {suffix!r} (only ':no-vnni')")
+        dtype, _, quant = mode.partition("+")
+        runner = ModelRunner.from_checkpoint(
+            ckpt, dtype=dtype, quantization=quant or None, vnni_gemv=suffix != "no-vnni"
+        )
         same = top5 = identical = 0
         for p, r, ref in zip(prompts, refs, ref_logits, strict=True):
-            got = _logits(runner, p + r[:-1])[len(p) - 1 :].argmax(-1)
+            got = _logits(runner, p, r).argmax(-1)
             same += int((got == ref.argmax(-1)).sum())
             top5 += int((ref.topk(5, dim=-1).indices == got[:, None]).any(-1).sum())
             identical += greedy(runner, p, args.new_tokens) == r

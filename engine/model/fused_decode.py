@@ -8,10 +8,9 @@ adds, the LM head), so the logits are bitwise the Python path's (``tests/model/t
 takes only what the torch attention backend runs as a decode-only batch (``for_decode``: every sequence one
 new token, a prefix already cached); prefill and mixed batches stay on the Python path.
 
-The extension is compiled with ``torch.utils.cpp_extension`` (g++ and ninja) into ``<venv>/kvfleet-ext/``
-once per venv and source version (``make venv`` builds it; a first use builds it otherwise, about a minute),
-later processes only load it. ``load_extension`` raises ``FusedDecodeUnavailable`` when it cannot be built;
-``ModelRunner`` then decodes on the Python path and logs why (``--disable-fused-decode`` turns it off).
+The C++ side lives in KVFleet's extension (``engine/model/extension.py``, built once per venv);
+``load_extension`` raises ``ExtensionUnavailable`` when it cannot be built, and ``ModelRunner`` then decodes
+on the Python path and logs why (``--disable-fused-decode`` turns it off).
 
 A fused step calls the batch's ``layer_hook`` for every layer before its first layer (a decode batch's K/V
 is already in L1; this only waits for a load-back of another request still in flight).
@@ -19,81 +18,31 @@ is already in L1; this only waits for a load-back of another request still in fl
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import logging
-import os
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.model.attention.torch_backend import TorchAttentionBackend
+from engine.model.extension import load_extension
 from engine.model.forward_batch import ForwardBatch
 from engine.model.linear import DenseLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("fused") / "decode_step.cpp"
-EXTENSION_NAME = "kvfleet_fused_decode"
 _KINDS = {DenseLinear: 0, Int8WeightOnlyLinear: 1, Int4WeightOnlyLinear: 2}
-_loaded: ModuleType | None = None
-
-
-class FusedDecodeUnavailable(RuntimeError):
-    """The C++ extension could not be built or loaded here (the message says why)."""
-
-
-def build_directory() -> Path:
-    """``$KVFLEET_EXTENSIONS_DIR`` or ``<sys.prefix>/kvfleet-ext`` (the venv's), then
-    ``torch-<version>-<hash>`` of the source and of the path torch is imported from (its headers' path is
-    in the build file, so checkouts that reach one venv through different paths, or hold different
-    sources, each build once instead of rebuilding over each other)."""
-    root = os.environ.get("KVFLEET_EXTENSIONS_DIR") or Path(sys.prefix) / "kvfleet-ext"
-    key = SOURCE.read_bytes() + str(Path(torch.__file__).parent).encode()
-    digest = hashlib.sha256(key).hexdigest()[:12]
-    return Path(root) / f"torch-{torch.__version__}-{digest}"
-
-
-def load_extension() -> ModuleType:
-    """The compiled extension, built on first use (``FusedDecodeUnavailable`` when it cannot be)."""
-    global _loaded
-    if _loaded is None:
-        from torch.utils import cpp_extension
-
-        directory = build_directory()
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            # cpp_extension's own lock file outlives a build that is killed and then blocks every later
-            # load for ever; an flock dies with its process, so whoever holds it may drop a stale one
-            with open(directory / "build.flock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                (directory / "lock").unlink(missing_ok=True)
-                _loaded = cpp_extension.load(
-                    EXTENSION_NAME, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(directory)
-                )
-        except Exception as exc:  # no compiler / ninja, read-only venv, compile error
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise FusedDecodeUnavailable(f"cannot build {SOURCE.name} in {directory}: {first}") from exc
-    return _loaded
 
 
 def _linear(layer: DenseLinear | Int8WeightOnlyLinear | Int4WeightOnlyLinear) -> list:
     kind = _KINDS[type(layer)]
     if kind == 0:
         out_features, in_features = layer.weight.shape
-        return [kind, layer.weight, None, layer.bias, 0, out_features, in_features]
+        return [kind, layer.weight, None, layer.bias, 0, out_features, in_features, None]
     weight, scales = (layer.qweight, layer.scales) if kind == 1 else (layer.packed, layer.scales_and_zeros)
     group = getattr(layer, "group_size", 0)
-    return [kind, weight, scales, layer.bias, group, layer.out_features, layer.in_features]
+    return [kind, weight, scales, layer.bias, group, layer.out_features, layer.in_features, layer.vnni_blocks]
 
 
 class FusedDecodeStep:
     """The decode-only forward of a ``LlamaForCausalLM`` (its weights shared, not copied) as one C++ call.
 
-    ``FusedDecodeUnavailable`` when the extension cannot be built; ``ValueError`` for a model this cannot
+    ``ExtensionUnavailable`` when the extension cannot be built; ``ValueError`` for a model this cannot
     run (an attention backend other than ``torch``, a device other than the CPU)."""
 
     def __init__(self, model) -> None:
@@ -142,18 +91,3 @@ class FusedDecodeStep:
             self._empty if rows is None else rows,
             self._empty if pos is None else pos,
         )
-
-
-def main() -> None:
-    """``python -m engine.model.fused_decode``: build (or load) the extension now, print where it lives."""
-    logging.basicConfig(level=logging.INFO)
-    try:
-        load_extension()
-    except FusedDecodeUnavailable as exc:
-        print(f"fused decode step not built: {exc}", file=sys.stderr)
-        sys.exit(1)
-    print(f"fused decode step built in {build_directory()}")
-
-
-if __name__ == "__main__":
-    main()

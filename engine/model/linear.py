@@ -16,9 +16,18 @@ scale and zero per ``group_size`` input columns of an output row, ``w ~ (q - 8) 
 int4wo needs ``--dtype bfloat16``. A GGUF Q4_1 block (32 weights, ``d * q + m``, its min at q=0 and max at
 q=15 by construction) lands on the same 16-level grid under ``int4wo-32``; only the bfloat16 rounding of
 scale and zero (fp16 in the GGUF) moves the weights (docs/model.md).
+
+On a CPU with AVX512-VNNI, ``use_vnni`` gives an int8 or int4 layer a second copy of its weight in the blocks
+of KVFleet's own kernels (``fused/quant_gemv.cpp``): a call with at most ``ext.INT8_MAX_ROWS`` /
+``ext.INT4_MAX_ROWS`` activation rows (a decode batch) multiplies integer weights with ``vpdpbusd``
+(activations quantized per group to 16 bits, closer to float32 than torch's bfloat16 cast), more rows (a
+prefill) take torch's kernel. ``ModelRunner`` calls it unless ``--disable-vnni-gemv``; the fused decode step
+dispatches the same way, so both paths stay bitwise equal.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -55,15 +64,28 @@ class Int8WeightOnlyLinear:
         self.scales = scale
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        self.vnni_blocks: torch.Tensor | None = None
+        self._ext: ModuleType | None = None
+
+    def use_vnni(self, ext: ModuleType) -> bool:
+        """Take the extension's VNNI kernel for calls of up to ``ext.INT8_MAX_ROWS`` rows; False (nothing
+        changed) for a shape it cannot take (``out_features % 16``, ``in_features % 32``)."""
+        if self.out_features % 16 or self.in_features % 32:
+            return False
+        self.vnni_blocks, self._ext = ext.int8_pack(self.qweight), ext
+        return True
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (``qweight * scale``)."""
         return self.qweight.float() * self.scales.float()[:, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.act_dtype)
-        out = torch._weight_int8pack_mm(flat, self.qweight, self.scales).to(x.dtype)
-        out = out.view(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, self.in_features)
+        if self._ext is not None and flat.size(0) <= self._ext.INT8_MAX_ROWS:
+            out = self._ext.int8_gemv(flat, self.vnni_blocks, self.scales)
+        else:
+            out = torch._weight_int8pack_mm(flat.to(self.act_dtype), self.qweight, self.scales)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 
@@ -93,6 +115,15 @@ class Int4WeightOnlyLinear:
         # (K / group_size, N, 2): scale and zero per group, the kernel's layout
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
         self.bias = bias
+        self.vnni_blocks: torch.Tensor | None = None
+        self._ext: ModuleType | None = None
+
+    def use_vnni(self, ext: ModuleType) -> bool:
+        """Take the extension's VNNI kernel for calls of up to ``ext.INT4_MAX_ROWS`` rows (every shape this
+        layer accepts fits it)."""
+        self.vnni_blocks = ext.int4_pack(self.qweight, self.scales_and_zeros, self.group_size)
+        self._ext = ext
+        return True
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (``(q - 8) * scale + zero`` per group)."""
@@ -101,9 +132,12 @@ class Int4WeightOnlyLinear:
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.act_dtype)
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        out = mm(flat, self.packed, self.group_size, self.scales_and_zeros)
+        flat = x.reshape(-1, self.in_features)
+        if self._ext is not None and flat.size(0) <= self._ext.INT4_MAX_ROWS:
+            out = self._ext.int4_gemv(flat, self.vnni_blocks, self.out_features, self.group_size)
+        else:
+            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            out = mm(flat.to(self.act_dtype), self.packed, self.group_size, self.scales_and_zeros)
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 

@@ -15,8 +15,9 @@ import torch
 from engine.cache.device_pool import DeviceKVPool
 from engine.model.attention import AttentionBackend, TorchAttentionBackend, get_attention_backend
 from engine.model.config import ModelConfig
+from engine.model.extension import ExtensionUnavailable, load_extension
 from engine.model.forward_batch import ForwardBatch
-from engine.model.fused_decode import FusedDecodeStep, FusedDecodeUnavailable
+from engine.model.fused_decode import FusedDecodeStep
 from engine.model.linear import check_quantization
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import Checkpoint, load_checkpoint
@@ -54,7 +55,9 @@ class ModelRunner:
     ``"int8wo"`` or ``"int4wo-<group_size>"`` (weight-only linear layers, ``engine/model/linear.py``; int4
     needs bfloat16); ``fused_decode``: run decode-only batches through the C++ decode step
     (``engine/model/fused_decode.py``, bitwise the Python path's logits) where it applies (torch backend on
-    the CPU) and builds; where it cannot be built a warning says why and the Python path decodes.
+    the CPU) and builds; where it cannot be built a warning says why and the Python path decodes;
+    ``vnni_gemv``: int8 / int4 weight-only layers on a CPU with AVX512-VNNI multiply decode batches with
+    KVFleet's VNNI kernels (``linear.py``; torch's kernels otherwise and for prefill).
     Raises ``ModelLoadError`` for a bad model path and ``ValueError`` for an unknown dtype, backend or
     quantization (``QuantizationError`` for a quantization this dtype or model cannot use).
     """
@@ -67,13 +70,14 @@ class ModelRunner:
         attention_backend: str = "torch",
         quantization: str | None = None,
         fused_decode: bool = True,
+        vnni_gemv: bool = True,
     ) -> None:
         backend_cls = get_attention_backend(attention_backend)  # bad names fail before the slow load
         self.dtype = _parse_dtype(dtype)
         check_quantization(quantization, self.dtype)
         self.device = torch.device(device)
         self.quantization = quantization
-        self._build(load_checkpoint(model_path), backend_cls, fused_decode)
+        self._build(load_checkpoint(model_path), backend_cls, fused_decode, vnni_gemv)
 
     @classmethod
     def from_checkpoint(
@@ -84,6 +88,7 @@ class ModelRunner:
         attention_backend: str = "torch",
         quantization: str | None = None,
         fused_decode: bool = True,
+        vnni_gemv: bool = True,
     ) -> ModelRunner:
         """A runner over an already loaded ``Checkpoint`` (e.g. one load, several dtypes)."""
         runner = cls.__new__(cls)
@@ -91,10 +96,12 @@ class ModelRunner:
         check_quantization(quantization, runner.dtype)
         runner.device = torch.device(device)
         runner.quantization = quantization
-        runner._build(checkpoint, get_attention_backend(attention_backend), fused_decode)
+        runner._build(checkpoint, get_attention_backend(attention_backend), fused_decode, vnni_gemv)
         return runner
 
-    def _build(self, checkpoint: Checkpoint, backend_cls: type[AttentionBackend], fused_decode: bool) -> None:
+    def _build(
+        self, checkpoint: Checkpoint, backend_cls: type[AttentionBackend], fused_decode: bool, vnni_gemv: bool
+    ) -> None:
         self.model_path = checkpoint.path
         self.config: ModelConfig = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
@@ -103,11 +110,30 @@ class ModelRunner:
         self.model = LlamaForCausalLM(
             cfg, checkpoint.tensors, self.dtype, self.device, attn, checkpoint.path, self.quantization
         )
+        self.vnni_gemv = vnni_gemv and self.device.type == "cpu" and self.quantization is not None
+        if self.vnni_gemv:
+            self.vnni_gemv = self._use_vnni()
         if fused_decode and self.device.type == "cpu" and isinstance(attn, TorchAttentionBackend):
             try:
                 self.model.fused_step = FusedDecodeStep(self.model)
-            except FusedDecodeUnavailable as exc:
+            except ExtensionUnavailable as exc:
                 logger.warning("%s; decoding on the Python path (--disable-fused-decode: no attempt)", exc)
+
+    def _use_vnni(self) -> bool:
+        """Give every int8 / int4 layer the extension's VNNI kernel; False (torch's kernels, and a warning or
+        an info line saying why) where the extension cannot be built or the CPU lacks AVX512-VNNI."""
+        try:
+            ext = load_extension()
+        except ExtensionUnavailable as exc:
+            logger.warning("%s; torch's weight-only kernels (--disable-vnni-gemv: no attempt)", exc)
+            return False
+        if not ext.gemv_supported():
+            logger.info("no AVX512-VNNI on this CPU: torch's weight-only kernels")
+            return False
+        linears = [self.model.lm_head]
+        for layer in self.model.layers:
+            linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+        return any([x.use_vnni(ext) for x in linears])
 
     @property
     def fused_decode(self) -> bool:

@@ -62,6 +62,7 @@ class ServerArgs:
     page_size: int = 1
     attention_backend: str = "torch"
     disable_fused_decode: bool = False
+    disable_vnni_gemv: bool = False
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
@@ -167,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode on the Python path: by default a decode-only batch (torch backend, cpu) runs every "
         "layer in one C++ call (same ops, same logits; built once per venv, skipped with a warning where "
         "it cannot be built)",
+    )
+    a(
+        "--disable-vnni-gemv",
+        action="store_true",
+        help="multiply --torchao-config int8wo/int4wo decode batches with torch's kernels: by default a CPU "
+        "with AVX512-VNNI runs KVFleet's integer kernels for them (activations quantized to 16 bits a group)",
     )
     a("--mem-fraction-static", type=_fraction, default=None, help="share of free GPU memory for KV (cuda)")
     a(

@@ -13,7 +13,7 @@ import torch
 from test_staged_decode import Pair
 
 from engine.cache.device_pool import DeviceKVPool
-from engine.model import fused_decode
+from engine.model import extension, fused_decode
 from engine.model.attention.staged_decode import STAGE_HEADROOM, DecodeStage
 from engine.model.forward_batch import ForwardBatch
 from engine.model.runner import ModelRunner
@@ -77,7 +77,7 @@ def test_fused_decode_step_calls_the_layer_hook_of_every_layer_and_leaves_prefil
 
 def test_a_runner_that_cannot_build_it_warns_and_decodes_on_the_python_path(tiny_models, monkeypatch, caplog):
     def unavailable():
-        raise fused_decode.FusedDecodeUnavailable("cannot build decode_step.cpp in /x: no compiler")
+        raise extension.ExtensionUnavailable("cannot build decode_step.cpp in /x: no compiler")
 
     monkeypatch.setattr(fused_decode, "load_extension", unavailable)
     with caplog.at_level(logging.WARNING):
@@ -94,9 +94,9 @@ def test_disable_fused_decode_flag():
 
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(monkeypatch):
     """cpp_extension waits for ever on its ``lock`` file; a build killed mid-way leaves it behind."""
-    fused_decode.load_extension()  # built (by make venv or an earlier test)
-    stale = fused_decode.build_directory() / "lock"
+    extension.load_extension()  # built (by make venv or an earlier test)
+    stale = extension.build_directory() / "lock"
     stale.touch()
-    monkeypatch.setattr(fused_decode, "_loaded", None)
-    assert fused_decode.load_extension().FusedDecoder is not None
+    monkeypatch.setattr(extension, "_loaded", None)
+    assert extension.load_extension().FusedDecoder is not None
     assert not stale.exists()

@@ -3,10 +3,13 @@
 // The same ATen ops, in the same order and with the same dtypes, as the Python path of a batch of decodes
 // (LlamaForCausalLM.forward -> DecoderLayer.forward -> TorchAttentionBackend, linear.py, rotary.py), so the
 // logits are bitwise the Python path's; what goes is the Python interpreter and the Python-side argument
-// parsing of the ~60-75 ops per layer. Built by engine/model/fused_decode.py (torch.utils.cpp_extension).
+// parsing of the ~60-75 ops per layer. Built with quant_gemv.cpp by engine/model/extension.py; its int4 / int8
+// linears take quant_gemv's VNNI kernels where the layer has blocks for them (linear.py's dispatch).
 #include <torch/extension.h>
 
 #include <optional>
+
+#include "quant_gemv.h"
 #include <vector>
 
 using at::Tensor;
@@ -22,12 +25,21 @@ struct Linear {
   Tensor scales;  // int8 scales (N,) / int4 scales_and_zeros (K / group, N, 2); undefined when dense
   std::optional<Tensor> bias;
   int64_t group, out_features, in_features;
+  Tensor vnni_blocks;  // quant_gemv.h's blocks of the weight; undefined when the layer has none
 
   Tensor operator()(const Tensor& x) const {
     if (kind == Kind::Dense) return at::linear(x, weight, bias);
-    Tensor flat = x.reshape({-1, in_features}).to(at::kBFloat16);
-    Tensor out = kind == Kind::Int8 ? at::_weight_int8pack_mm(flat, weight, scales)
-                                    : at::_weight_int4pack_mm_for_cpu(flat, weight, group, scales);
+    Tensor flat = x.reshape({-1, in_features});
+    Tensor out;
+    if (vnni_blocks.defined() && flat.size(0) <= (kind == Kind::Int8 ? kvfleet::kInt8MaxRows
+                                                                       : kvfleet::kInt4MaxRows)) {
+      out = kind == Kind::Int8 ? kvfleet::int8_gemv(flat, vnni_blocks, scales)
+                               : kvfleet::int4_gemv(flat, vnni_blocks, out_features, group);
+    } else {
+      flat = flat.to(at::kBFloat16);
+      out = kind == Kind::Int8 ? at::_weight_int8pack_mm(flat, weight, scales)
+                               : at::_weight_int4pack_mm_for_cpu(flat, weight, group, scales);
+    }
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = out_features;
     out = out.to(x.scalar_type()).view(shape);
@@ -64,8 +76,8 @@ class FusedDecoder {
         head_dim_(head_dim),
         scale_(scale) {}
 
-  // linears: (kind, weight, scales or None, bias or None, group, out_features, in_features) x 4 in the
-  // order qkv, o_proj, gate_up, down
+  // linears: (kind, weight, scales or None, bias or None, group, out_features, in_features, vnni_blocks or
+  // None) x 4 in the order qkv, o_proj, gate_up, down
   void add_layer(Tensor input_norm, Tensor post_norm, std::optional<Tensor> q_norm,
                  std::optional<Tensor> k_norm, std::vector<std::vector<py::object>> linears) {
     TORCH_CHECK(linears.size() == 4, "a layer needs 4 linears");
@@ -156,7 +168,7 @@ class FusedDecoder {
 
  private:
   static Linear to_linear(const std::vector<py::object>& l) {
-    TORCH_CHECK(l.size() == 7, "a linear is (kind, weight, scales, bias, group, out, in)");
+    TORCH_CHECK(l.size() == 8, "a linear is (kind, weight, scales, bias, group, out, in, vnni_blocks)");
     auto opt = [](const py::object& o) -> std::optional<Tensor> {
       if (o.is_none()) return std::nullopt;
       return o.cast<Tensor>();
@@ -164,7 +176,7 @@ class FusedDecoder {
     auto kind = static_cast<Kind>(l[0].cast<int64_t>());
     TORCH_CHECK(kind == Kind::Dense || kind == Kind::Int8 || kind == Kind::Int4, "unknown linear kind");
     return Linear{kind, l[1].cast<Tensor>(), opt(l[2]).value_or(Tensor()), opt(l[3]),
-                  l[4].cast<int64_t>(), l[5].cast<int64_t>(), l[6].cast<int64_t>()};
+                  l[4].cast<int64_t>(), l[5].cast<int64_t>(), l[6].cast<int64_t>(), opt(l[7]).value_or(Tensor())};
   }
 
   Tensor embed_, final_norm_, inv_freq_;
@@ -183,4 +195,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &FusedDecoder::add_layer)
       .def("set_lm_head", &FusedDecoder::set_lm_head)
       .def("step", &FusedDecoder::step);
+  m.def("gemv_supported", &kvfleet::gemv_supported);
+  m.def("int4_pack", &kvfleet::int4_pack);
+  m.def("int4_gemv", &kvfleet::int4_gemv, py::call_guard<py::gil_scoped_release>());
+  m.def("int8_pack", &kvfleet::int8_pack);
+  m.def("int8_gemv", &kvfleet::int8_gemv, py::call_guard<py::gil_scoped_release>());
+  m.attr("INT4_MAX_ROWS") = kvfleet::kInt4MaxRows;
+  m.attr("INT8_MAX_ROWS") = kvfleet::kInt8MaxRows;
 }

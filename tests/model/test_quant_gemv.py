@@ -1,0 +1,122 @@
+"""KVFleet's VNNI weight-only matmuls (``fused/quant_gemv.cpp`` through ``linear.py``): closer to the float32
+matmul of the dequantized weight than torch's kernels, for every int4 group size and both int8 group widths
+and each row count they take; more rows go to torch's kernel; bad input is refused; a runner takes them for
+int8wo / int4wo unless ``--disable-vnni-gemv``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.extension import load_extension
+from engine.model.linear import INT4_GROUP_SIZES, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from engine.model.runner import ModelRunner
+from engine.server.args import parse_args
+
+ext = load_extension()
+needs_vnni = pytest.mark.skipif(not ext.gemv_supported(), reason="this CPU has no AVX512-VNNI")
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def _pair(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the layer with torch's kernel, the same layer with the VNNI kernel) on ``x``."""
+    torch_out = layer(x)
+    assert layer.use_vnni(ext)
+    return torch_out, layer(x)
+
+
+@needs_vnni
+@pytest.mark.parametrize("group", INT4_GROUP_SIZES)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_int4_kernel_is_closer_to_float32_than_torchs(group, rows):
+    torch.manual_seed(group + rows)
+    layer = Int4WeightOnlyLinear(torch.randn(96, 512), None, group)
+    # float32 activations (bfloat16 values): the layer returns float32, so the output is not rounded either
+    x = torch.randn(rows, 512, dtype=torch.bfloat16).float()
+    ref = x @ layer.dequantized().T
+    torch_out, ours = _pair(layer, x)
+    assert ours.dtype == torch.float32 and ours.shape == (rows, 96)
+    assert _relative_error(ours, ref) < 2e-4  # the 16-bit activations' error alone
+    assert _relative_error(ours, ref) < _relative_error(torch_out, ref) / 4  # torch's: bfloat16 in and out
+
+
+@needs_vnni
+@pytest.mark.parametrize("in_features", [576, 544])  # groups of 64 inputs, and of 32
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_int8_kernel_is_closer_to_float32_than_torchs(in_features, rows):
+    torch.manual_seed(in_features + rows)
+    layer = Int8WeightOnlyLinear(torch.randn(64, in_features) * 0.05, None)
+    x = torch.randn(rows, in_features) * torch.linspace(0.01, 10, in_features)  # uneven magnitudes
+    ref = x @ layer.dequantized().T
+    torch_out, ours = _pair(layer, x)
+    assert _relative_error(ours, ref) < 2e-4  # float32 output: the 16-bit activations' error alone
+    assert _relative_error(ours, ref) < _relative_error(torch_out, ref) / 4
+    assert ours.dtype == torch.float32
+
+
+@needs_vnni
+def test_zero_activations_and_a_bias_and_leading_dims():
+    bias = torch.randn(32, dtype=torch.bfloat16)
+    layer = Int4WeightOnlyLinear(torch.randn(32, 64), bias, 32)
+    layer.use_vnni(ext)
+    x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    out = layer(x)
+    assert out.shape == (1, 1, 32)
+    assert torch.equal(out[0, 0], bias)
+
+
+@needs_vnni
+def test_more_rows_than_the_kernel_takes_go_to_torchs_kernel():
+    layer = Int4WeightOnlyLinear(torch.randn(32, 64), None, 32)
+    x = torch.randn(ext.INT4_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+    torch_out, ours = _pair(layer, x)
+    assert torch.equal(ours, torch_out)
+    layer = Int8WeightOnlyLinear(torch.randn(32, 64), None)
+    x = torch.randn(ext.INT8_MAX_ROWS + 1, 64, dtype=torch.bfloat16)
+    torch_out, ours = _pair(layer, x)
+    assert torch.equal(ours, torch_out)
+
+
+def test_a_shape_the_int8_kernel_cannot_take_keeps_torchs_kernel():
+    layer = Int8WeightOnlyLinear(torch.randn(24, 64), None)  # 24 output rows: not whole tiles of 16
+    assert not layer.use_vnni(ext)
+    assert layer.vnni_blocks is None
+
+
+@needs_vnni
+def test_bad_input_is_refused_with_the_reason():
+    layer = Int4WeightOnlyLinear(torch.randn(32, 64), None, 32)
+    layer.use_vnni(ext)
+    too_many = torch.randn(ext.INT4_MAX_ROWS + 1, 64)
+    with pytest.raises(RuntimeError, match=r"takes 1\.\.2 rows, got 3"):
+        ext.int4_gemv(too_many, layer.vnni_blocks, 32, 32)
+    with pytest.raises(RuntimeError, match=r"int4 blocks do not match \(32, 32\)"):  # 32 inputs, not 64
+        ext.int4_gemv(torch.randn(1, 32), layer.vnni_blocks, 32, 32)
+    with pytest.raises(RuntimeError, match=r"int4 blocks do not match \(48, 64\)"):
+        ext.int4_gemv(torch.randn(1, 64), layer.vnni_blocks, 48, 32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ext.int4_gemv(torch.ones(1, 64, dtype=torch.float64), layer.vnni_blocks, 32, 32)
+    with pytest.raises(RuntimeError, match="0..15"):
+        ext.int4_pack(torch.full((16, 32), 16, dtype=torch.int32), layer.scales_and_zeros[:1, :16], 32)
+    with pytest.raises(RuntimeError, match="N % 16 == 0"):
+        ext.int8_pack(torch.zeros(8, 64, dtype=torch.int8))
+
+
+@needs_vnni
+def test_a_quantized_runner_takes_the_kernels_unless_disabled(tiny_models):
+    path = tiny_models["llama"][0]
+    runner = ModelRunner(path, dtype="bfloat16", quantization="int4wo-32")
+    assert runner.vnni_gemv
+    assert runner.model.layers[0].qkv.vnni_blocks is not None
+    assert runner.model.lm_head.vnni_blocks is not None  # int8 head under int4wo
+    off = ModelRunner(path, dtype="bfloat16", quantization="int4wo-32", vnni_gemv=False)
+    assert not off.vnni_gemv and off.model.layers[0].qkv.vnni_blocks is None
+    assert not ModelRunner(path).vnni_gemv  # nothing to take in float32
+
+
+def test_disable_vnni_gemv_flag():
+    assert parse_args(["--model-path", "smollm2", "--disable-vnni-gemv"]).disable_vnni_gemv
+    assert not parse_args(["--model-path", "smollm2"]).disable_vnni_gemv
