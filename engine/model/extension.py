@@ -1,11 +1,12 @@
 """KVFleet's C++ extension for the CPU: the fused decode step and the VNNI weight-only matmuls.
 
-``fused/decode_step.cpp`` (a decode-only batch through every layer in one call, ``fused_decode.py``) and
-``fused/quant_gemv.cpp`` (int4 / int8 weight-only matmuls for a few activation rows with AVX512-VNNI,
-``linear.py``) are one module, compiled with ``torch.utils.cpp_extension`` (g++ and ninja) into
-``<venv>/kvfleet-ext/`` once per venv and source version (``make venv`` builds it, ``python -m
-engine.model.extension`` by hand, about a minute; a first use builds it otherwise); later processes only load
-it. ``load_extension`` raises ``ExtensionUnavailable`` when it cannot be built.
+``fused/decode_step.cpp`` (a decode-only batch through every layer in one call, ``fused_decode.py``) with
+``fused/glue.cpp`` (its float32 row kernels) and ``fused/quant_gemv.cpp`` (int4 / int8 weight-only matmuls
+for a few activation rows with AVX512-VNNI, ``linear.py``) are one module, compiled with
+``torch.utils.cpp_extension`` (g++ and ninja) into ``<venv>/kvfleet-ext/`` once per venv and source version
+(``make venv`` builds it, ``python -m engine.model.extension`` by hand, about a minute; a first use builds it
+otherwise); later processes only load it. ``load_extension`` raises ``ExtensionUnavailable`` when it cannot
+be built.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 FUSED = Path(__file__).with_name("fused")
-SOURCES = (FUSED / "decode_step.cpp", FUSED / "quant_gemv.cpp")
-HEADERS = (FUSED / "quant_gemv.h",)
+SOURCES = (FUSED / "decode_step.cpp", FUSED / "glue.cpp", FUSED / "quant_gemv.cpp")
+HEADERS = (FUSED / "glue.h", FUSED / "quant_gemv.h")
 EXTENSION_NAME = "kvfleet_fused_decode"
 _loaded: ModuleType | None = None
 
@@ -61,7 +62,7 @@ def load_extension() -> ModuleType:
                 _loaded = cpp_extension.load(
                     EXTENSION_NAME,
                     [str(s) for s in SOURCES],
-                    extra_cflags=["-O2"],
+                    extra_cflags=["-O3", "-fopenmp-simd"],
                     build_directory=str(directory),
                 )
         except Exception as exc:  # no compiler / ninja, read-only venv, compile error

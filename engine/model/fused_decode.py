@@ -27,6 +27,7 @@ from engine.model.forward_batch import ForwardBatch
 from engine.model.linear import DenseLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 _KINDS = {DenseLinear: 0, Int8WeightOnlyLinear: 1, Int4WeightOnlyLinear: 2}
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the KV pool dtypes its kernels read
 
 
 def _linear(layer: DenseLinear | Int8WeightOnlyLinear | Int4WeightOnlyLinear) -> list:
@@ -39,6 +40,11 @@ def _linear(layer: DenseLinear | Int8WeightOnlyLinear | Int4WeightOnlyLinear) ->
     return [kind, weight, scales, layer.bias, group, layer.out_features, layer.in_features, layer.vnni_blocks]
 
 
+def supports(attn, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model with this attention backend, device and dtype can take the fused step."""
+    return isinstance(attn, TorchAttentionBackend) and device.type == "cpu" and dtype in FUSED_DTYPES
+
+
 class FusedDecodeStep:
     """The decode-only forward of a ``LlamaForCausalLM`` (its weights shared, not copied) as one C++ call.
 
@@ -46,8 +52,10 @@ class FusedDecodeStep:
     run (an attention backend other than ``torch``, a device other than the CPU)."""
 
     def __init__(self, model) -> None:
-        if not isinstance(model.attn, TorchAttentionBackend) or model.device.type != "cpu":
-            raise ValueError("the fused decode step needs the torch attention backend on the CPU")
+        if not supports(model.attn, model.device, model.dtype):
+            raise ValueError(
+                "the fused decode step needs the torch attention backend on the CPU in float32 or bfloat16"
+            )
         ext = load_extension()
         cfg, attn = model.cfg, model.attn
         self.model = model

@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 
 from engine.cache.device_pool import DeviceKVPool
-from engine.model.attention import AttentionBackend, TorchAttentionBackend, get_attention_backend
+from engine.model.attention import AttentionBackend, get_attention_backend
 from engine.model.config import ModelConfig
 from engine.model.extension import ExtensionUnavailable, load_extension
 from engine.model.forward_batch import ForwardBatch
 from engine.model.fused_decode import FusedDecodeStep
+from engine.model.fused_decode import supports as fused_decode_supports
 from engine.model.linear import check_quantization
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import Checkpoint, load_checkpoint
@@ -113,7 +114,7 @@ class ModelRunner:
         self.vnni_gemv = vnni_gemv and self.device.type == "cpu" and self.quantization is not None
         if self.vnni_gemv:
             self.vnni_gemv = self._use_vnni()
-        if fused_decode and self.device.type == "cpu" and isinstance(attn, TorchAttentionBackend):
+        if fused_decode and fused_decode_supports(attn, self.device, self.dtype):
             try:
                 self.model.fused_step = FusedDecodeStep(self.model)
             except ExtensionUnavailable as exc:

@@ -1,12 +1,15 @@
-"""The fused decode step (``engine/model/fused_decode.py``, one C++ call per decode-only batch) gives bitwise
-the logits of the Python path: fp32, bf16, int8wo and int4wo-32, Llama / Qwen2 (biases) / Qwen3 (q/k norm),
-over staged K/V (refilled and appended), per-step gathers, batch changes and rows of different lengths; it
-calls the layer hook of every layer; a runner where it cannot be built warns and decodes on the Python
-path."""
+"""The fused decode step (``engine/model/fused_decode.py``, one C++ call per decode-only batch) computes the
+Python path's function: in float32 its logits equal the Python path's to float32 rounding (Llama / Qwen2
+with biases / Qwen3 with q/k norm); in bfloat16 (plain and int8wo), where it keeps activations float32
+between the matmuls, its logits are closer to the float32 model's than the bfloat16 Python path's; int4wo-32
+stays within a bfloat16 tolerance of the Python path; all over staged K/V (refilled and appended), per-step
+gathers, batch changes and rows of different lengths. It calls the layer hook of every layer; a runner where
+it cannot be built warns and decodes on the Python path."""
 
 from __future__ import annotations
 
 import logging
+import statistics
 
 import pytest
 import torch
@@ -19,14 +22,7 @@ from engine.model.forward_batch import ForwardBatch
 from engine.model.runner import ModelRunner
 from engine.server.args import parse_args
 
-MODES = [
-    ("llama", "float32", None),
-    ("qwen2", "float32", None),
-    ("qwen3", "float32", None),
-    ("llama", "bfloat16", None),
-    ("qwen2", "bfloat16", "int8wo"),
-    ("qwen3", "bfloat16", "int4wo-32"),
-]
+FLOAT32_ROUNDING = 1e-5  # of the largest logit (measured up to 2.6e-6)
 
 
 def _run(pair: Pair) -> None:
@@ -41,18 +37,37 @@ def _run(pair: Pair) -> None:
         pair.decode(["c", "a", "d"])
 
 
-@pytest.mark.parametrize(("kind", "dtype", "quant"), MODES)
-def test_fused_decode_step_equals_the_python_path(tiny_models, kind, dtype, quant):
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_float32_fused_decode_step_equals_the_python_path(tiny_models, kind):
     """Staged (fused) against per-step gathers (Python), the comparison of test_staged_decode."""
-    side = {"dtype": dtype, "quantization": quant}
-    pair = Pair(tiny_models[kind][0], staged={**side, "fused_decode": True}, gathered=side)
+    pair = Pair(tiny_models[kind][0], staged={"fused_decode": True}, tolerance=FLOAT32_ROUNDING)
     assert pair.staged.fused_decode and not pair.gathered.fused_decode
     _run(pair)
 
 
+@pytest.mark.parametrize(("kind", "quant"), [("llama", None), ("qwen2", "int8wo")])
+def test_bfloat16_fused_decode_step_is_closer_to_float32_than_the_python_path(tiny_models, kind, quant):
+    """Both bfloat16 paths against the float32 Python path with the same quantization, on the same tokens."""
+    reference = {"dtype": "float32", "quantization": quant}
+    gaps = {}
+    for fused in (True, False):
+        side = {"dtype": "bfloat16", "quantization": quant, "fused_decode": fused}
+        pair = Pair(tiny_models[kind][0], staged=side, gathered=reference, tolerance=0.25)
+        assert pair.staged.fused_decode == fused
+        _run(pair)
+        gaps[fused] = statistics.mean(((g - w).abs().max() / w.abs().max()).item() for g, w in pair.logits)
+    assert gaps[True] < gaps[False], gaps
+
+
+def test_int4_fused_decode_step_agrees_with_the_python_path(tiny_models):
+    side = {"dtype": "bfloat16", "quantization": "int4wo-32"}
+    pair = Pair(tiny_models["qwen3"][0], staged={**side, "fused_decode": True}, gathered=side, tolerance=0.05)
+    _run(pair)  # measured up to 0.014 (the Python path rounds every activation to bfloat16)
+
+
 def test_fused_decode_step_gathering_per_step_equals_the_python_path(tiny_models):
     """A batch too large to stage (``max_bytes`` 0) gathers per layer in the fused step too."""
-    pair = Pair(tiny_models["qwen2"][0], staged={"fused_decode": True})
+    pair = Pair(tiny_models["qwen2"][0], staged={"fused_decode": True}, tolerance=FLOAT32_ROUNDING)
     pair.staged.model.attn._stage = DecodeStage(max_bytes=0)
     _run(pair)
 

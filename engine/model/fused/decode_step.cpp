@@ -1,18 +1,28 @@
-// A whole decode step of the Llama-family decoder (engine/model/llama.py) in one C++ call against ATen.
+// A whole decode step of the Llama-family decoder (engine/model/llama.py) in one C++ call.
 //
-// The same ATen ops, in the same order and with the same dtypes, as the Python path of a batch of decodes
-// (LlamaForCausalLM.forward -> DecoderLayer.forward -> TorchAttentionBackend, linear.py, rotary.py), so the
-// logits are bitwise the Python path's; what goes is the Python interpreter and the Python-side argument
-// parsing of the ~60-75 ops per layer. Built with quant_gemv.cpp by engine/model/extension.py; its int4 / int8
-// linears take quant_gemv's VNNI kernels where the layer has blocks for them (linear.py's dispatch).
+// The Python path of a batch of decodes (LlamaForCausalLM.forward -> DecoderLayer.forward ->
+// TorchAttentionBackend, linear.py, rotary.py) runs 60-75 ATen ops per layer, each a few microseconds of
+// dispatch and allocation around a few hundred floats of work. Here the matmuls stay the linear layers' own
+// kernels (linear.py's dispatch: dense, quant_gemv's VNNI int8 / int4 kernels, torch's int8 / int4 kernels),
+// and everything between them runs as plain float32 loops over the rows: RMSNorm, RoPE, the K/V write into
+// the pool and the staged buffers, GQA decode attention over the staged or gathered K/V (one vectorized
+// exp per layer), residual adds. Activations stay float32 between the matmuls, where the bfloat16 Python
+// path rounds them to bfloat16 after every op, so the logits agree with the Python path's to float32
+// rounding in float32 and are closer to float32's in bfloat16 (tests/model/test_fused_decode.py). Built with
+// quant_gemv.cpp by engine/model/extension.py.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <optional>
-
-#include "quant_gemv.h"
 #include <vector>
 
+#include "glue.h"
+#include "quant_gemv.h"
+
 using at::Tensor;
+using namespace kvfleet;
 
 namespace {
 
@@ -27,8 +37,9 @@ struct Linear {
   int64_t group, out_features, in_features;
   Tensor vnni_blocks;  // quant_gemv.h's blocks of the weight; undefined when the layer has none
 
+  // x (..., in_features) -> (..., out_features) in x's dtype
   Tensor operator()(const Tensor& x) const {
-    if (kind == Kind::Dense) return at::linear(x, weight, bias);
+    if (kind == Kind::Dense) return at::linear(x.to(weight.scalar_type()), weight, bias).to(x.scalar_type());
     Tensor flat = x.reshape({-1, in_features});
     Tensor out;
     if (vnni_blocks.defined() && flat.size(0) <= (kind == Kind::Int8 ? kvfleet::kInt8MaxRows
@@ -47,19 +58,9 @@ struct Linear {
   }
 };
 
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-  return weight * at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps).to(x.scalar_type());
-}
-
-Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
-  int64_t half = x.size(-1) / 2;
-  Tensor rotated = at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-  return x * cos + rotated * sin;
-}
-
 struct Layer {
-  Tensor input_norm, post_norm;
-  std::optional<Tensor> q_norm, k_norm;
+  Tensor input_norm, post_norm;          // float32 copies
+  std::optional<Tensor> q_norm, k_norm;  // float32 copies (Qwen3)
   Linear qkv, o_proj, gate_up, down;
 };
 
@@ -68,7 +69,7 @@ class FusedDecoder {
   FusedDecoder(Tensor embed, Tensor final_norm, Tensor inv_freq, double eps, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double scale)
       : embed_(std::move(embed)),
-        final_norm_(std::move(final_norm)),
+        final_norm_(final_norm.to(at::kFloat).contiguous()),
         inv_freq_(std::move(inv_freq)),
         eps_(eps),
         heads_(num_heads),
@@ -78,13 +79,16 @@ class FusedDecoder {
 
   // linears: (kind, weight, scales or None, bias or None, group, out_features, in_features, vnni_blocks or
   // None) x 4 in the order qkv, o_proj, gate_up, down
-  void add_layer(Tensor input_norm, Tensor post_norm, std::optional<Tensor> q_norm,
-                 std::optional<Tensor> k_norm, std::vector<std::vector<py::object>> linears) {
+  void add_layer(const Tensor& input_norm, const Tensor& post_norm, const std::optional<Tensor>& q_norm,
+                 const std::optional<Tensor>& k_norm, std::vector<std::vector<py::object>> linears) {
     TORCH_CHECK(linears.size() == 4, "a layer needs 4 linears");
     std::vector<Linear> lin;
     for (auto& l : linears) lin.push_back(to_linear(l));
-    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(q_norm),
-                            std::move(k_norm), lin[0], lin[1], lin[2], lin[3]});
+    auto f32 = [](const Tensor& t) { return t.to(at::kFloat).contiguous(); };
+    std::optional<Tensor> qn, kn;
+    if (q_norm) qn = f32(*q_norm);
+    if (k_norm) kn = f32(*k_norm);
+    layers_.push_back(Layer{f32(input_norm), f32(post_norm), qn, kn, lin[0], lin[1], lin[2], lin[3]});
   }
 
   void set_lm_head(std::vector<py::object> linear) { lm_head_ = to_linear(linear); }
@@ -92,81 +96,147 @@ class FusedDecoder {
   // One decode step of Bd sequences, one new token each. mode 0: gather each layer's K/V from the pool
   // through `slots` (Bd * Smax); 1: refill the staged buffers `stage_k/v[layer]` (Bd, capacity, kv, D)
   // from `slots` (Bd * capacity), then read their first Smax rows; 2: append the new token's K/V to the
-  // staged buffers at (`rows`, `pos`). `kv_buffer`: the pool's (2, layers, slots, kv, D). Float32 logits.
+  // staged buffers at (`rows`, `pos`). `kv_buffer`: the pool's (2, layers, slots, kv, D), float32 or
+  // bfloat16. `mask` (Bd, 1, 1, Smax): the keys each row attends to (a prefix of its row; None: all Smax).
+  // Activations stay float32 from the embedding to the logits (float32 logits).
   Tensor step(const Tensor& input_ids, const Tensor& positions, const Tensor& out_cache_loc,
               const Tensor& kv_buffer, int64_t mode, const Tensor& slots, int64_t smax,
               const std::optional<Tensor>& mask, const std::vector<Tensor>& stage_k,
               const std::vector<Tensor>& stage_v, const Tensor& rows, const Tensor& pos) {
+    TORCH_CHECK(kv_buffer.is_contiguous(), "the KV pool must be contiguous");
+    if (kv_buffer.scalar_type() == at::kBFloat16)
+      return step_as<c10::BFloat16>(input_ids, positions, out_cache_loc, kv_buffer, mode, slots, smax, mask,
+                                    stage_k, stage_v, rows, pos);
+    TORCH_CHECK(kv_buffer.scalar_type() == at::kFloat, "the fused step takes a float32 or bfloat16 KV pool");
+    return step_as<float>(input_ids, positions, out_cache_loc, kv_buffer, mode, slots, smax, mask, stage_k,
+                          stage_v, rows, pos);
+  }
+
+ private:
+  template <typename T>
+  Tensor step_as(const Tensor& input_ids, const Tensor& positions, const Tensor& out_cache_loc,
+                 const Tensor& kv_buffer, int64_t mode, const Tensor& slots, int64_t smax,
+                 const std::optional<Tensor>& mask, const std::vector<Tensor>& stage_k,
+                 const std::vector<Tensor>& stage_v, const Tensor& rows, const Tensor& pos) {
     py::gil_scoped_release no_gil;
     at::InferenceMode guard;
-    const int64_t tokens = input_ids.size(0), bd = tokens;
-    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    const int64_t group = heads_ / kv_heads_;
-    auto dtype = embed_.scalar_type();
-    Tensor x = at::embedding(embed_, input_ids);
-    // rotary.cos_sin
+    const int64_t bd = input_ids.size(0), hidden = embed_.size(1);
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const float eps = static_cast<float>(eps_);
+    Tensor x = at::embedding(embed_, input_ids).to(at::kFloat).contiguous();  // (Bd, hidden), residual
     Tensor angles = positions.to(at::kFloat).unsqueeze(1) * inv_freq_.unsqueeze(0);
-    Tensor emb = at::cat({angles, angles}, -1).unsqueeze(1);
-    Tensor cos = emb.cos().to(dtype), sin = emb.sin().to(dtype);
+    Tensor emb = at::cat({angles, angles}, -1);
+    Tensor cos = emb.cos().contiguous(), sin = emb.sin().contiguous();  // (Bd, D)
+    std::vector<int64_t> lens(bd, smax);
+    if (mask) {
+      Tensor l = mask->reshape({bd, smax}).sum(-1).to(at::kLong);
+      for (int64_t b = 0; b < bd; ++b) lens[b] = l[b].item<int64_t>();
+    }
+    const int64_t* loc = out_cache_loc.data_ptr<int64_t>();
+    const int64_t* row_at = mode == 2 ? rows.data_ptr<int64_t>() : nullptr;
+    const int64_t* pos_at = mode == 2 ? pos.data_ptr<int64_t>() : nullptr;
+    Tensor h = at::empty({bd, hidden}, f32), attn = at::empty({bd, q_size}, f32);
+    Tensor scores = at::empty({bd, heads_, smax}, f32);
     Tensor k_pool = kv_buffer.select(0, 0), v_pool = kv_buffer.select(0, 1);
     Tensor gathered_k, gathered_v;
     if (mode == 0) {
-      std::vector<int64_t> shape = {slots.size(0), kv_heads_, head_dim_};
-      gathered_k = at::empty(shape, kv_buffer.options());
+      gathered_k = at::empty({slots.size(0), kv_heads_, head_dim_}, kv_buffer.options());
       gathered_v = at::empty_like(gathered_k);
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
-      Tensor qkv = L.qkv(rms_norm(x, L.input_norm, eps_));
-      auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
-      Tensor q = parts[0].view({tokens, heads_, head_dim_});
-      Tensor k = parts[1].view({tokens, kv_heads_, head_dim_});
-      Tensor v = parts[2].view({tokens, kv_heads_, head_dim_});
-      if (L.q_norm) {
-        q = rms_norm(q, *L.q_norm, eps_);
-        k = rms_norm(k, *L.k_norm, eps_);
+      rms_norm(x.data_ptr<float>(), L.input_norm.data_ptr<float>(), h.data_ptr<float>(), bd, hidden, eps);
+      Tensor qkv = L.qkv(h).contiguous();  // (Bd, q + k + v) float32
+      float* qkv_p = qkv.data_ptr<float>();
+      const int64_t stride = qkv.size(1);
+      Tensor k_buf = k_pool.select(0, i), v_buf = v_pool.select(0, i);  // (slots, kv, D)
+      T* k_pool_p = k_buf.data_ptr<T>();
+      T* v_pool_p = v_buf.data_ptr<T>();
+      for (int64_t b = 0; b < bd; ++b) {
+        float *q = qkv_p + b * stride, *k = q + q_size, *v = k + kv_size;
+        if (L.q_norm) {
+          rms_norm(q, L.q_norm->data_ptr<float>(), q, heads_, head_dim_, eps);
+          rms_norm(k, L.k_norm->data_ptr<float>(), k, kv_heads_, head_dim_, eps);
+        }
+        rotary(q, cos.data_ptr<float>() + b * head_dim_, sin.data_ptr<float>() + b * head_dim_, heads_, head_dim_);
+        rotary(k, cos.data_ptr<float>() + b * head_dim_, sin.data_ptr<float>() + b * head_dim_, kv_heads_,
+               head_dim_);
+        // DeviceKVPool.set_kv, then the staged buffers' append (mode 2)
+        store_row(k_pool_p + loc[b] * kv_size, k, kv_size);
+        store_row(v_pool_p + loc[b] * kv_size, v, kv_size);
+        if (mode == 2) {
+          const int64_t capacity = stage_k[i].size(1), at_row = row_at[b] * capacity + pos_at[b];
+          store_row(stage_k[i].data_ptr<T>() + at_row * kv_size, k, kv_size);
+          store_row(stage_v[i].data_ptr<T>() + at_row * kv_size, v, kv_size);
+        }
       }
-      q = rotary(q, cos, sin);
-      k = rotary(k, cos, sin);
-      // DeviceKVPool.set_kv, then TorchAttentionBackend's decode-only path
-      Tensor k_buf = k_pool.select(0, i), v_buf = v_pool.select(0, i);
-      k_buf.index_put_({out_cache_loc}, k.to(kv_buffer.scalar_type()));
-      v_buf.index_put_({out_cache_loc}, v.to(kv_buffer.scalar_type()));
-      Tensor keys, values;
+      // each row's keys: `row_len` rows apart, from the gathered or the staged buffers
+      const T *keys, *values;
+      int64_t row_len;
       if (mode == 0) {
         at::index_select_out(gathered_k, k_buf, 0, slots);
         at::index_select_out(gathered_v, v_buf, 0, slots);
-        keys = gathered_k.view({bd, smax, kv_heads_, head_dim_});
-        values = gathered_v.view(keys.sizes());
+        keys = gathered_k.data_ptr<T>();
+        values = gathered_v.data_ptr<T>();
+        row_len = smax;
       } else {
         const Tensor &sk = stage_k[i], &sv = stage_v[i];
+        TORCH_CHECK(sk.is_contiguous() && sv.is_contiguous(), "staged K/V must be contiguous");
+        row_len = sk.size(1);
         if (mode == 1) {
-          const int64_t capacity = sk.size(1);
-          Tensor flat_k = sk.view({bd * capacity, kv_heads_, head_dim_});
-          Tensor flat_v = sv.view({bd * capacity, kv_heads_, head_dim_});
+          Tensor flat_k = sk.view({bd * row_len, kv_heads_, head_dim_});
+          Tensor flat_v = sv.view({bd * row_len, kv_heads_, head_dim_});
           at::index_select_out(flat_k, k_buf, 0, slots);
           at::index_select_out(flat_v, v_buf, 0, slots);
-        } else {
-          sk.index_put_({rows, pos}, k.to(sk.scalar_type()));
-          sv.index_put_({rows, pos}, v.to(sv.scalar_type()));
         }
-        keys = sk.slice(1, 0, smax);
-        values = sv.slice(1, 0, smax);
+        keys = sk.data_ptr<T>();
+        values = sv.data_ptr<T>();
       }
-      keys = keys.to(q.scalar_type()).transpose(1, 2);
-      values = values.to(q.scalar_type()).transpose(1, 2);
-      Tensor queries = q.reshape({bd, kv_heads_, group, head_dim_});
-      Tensor attn = at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, false, scale_);
-      attn = attn.reshape({bd, heads_, head_dim_});
-      x = x + L.o_proj(attn.reshape({tokens, q_size}));
-      Tensor gate_up = L.gate_up(rms_norm(x, L.post_norm, eps_));
+      float* sc = scores.data_ptr<float>();
+      for (int64_t b = 0; b < bd; ++b)
+        attention_scores(qkv_p + b * stride, keys + b * row_len * kv_size, lens[b], kv_heads_, group, head_dim_,
+                         static_cast<float>(scale_), sc + b * heads_ * smax, smax);
+      softmax_rows(sc, lens, bd * heads_, heads_, smax);
+      for (int64_t b = 0; b < bd; ++b)
+        attention_values(sc + b * heads_ * smax, values + b * row_len * kv_size, lens[b], kv_heads_, group,
+                         head_dim_, attn.data_ptr<float>() + b * q_size, smax);
+      Tensor o = L.o_proj(attn).contiguous();
+      add_into(x.data_ptr<float>(), o.data_ptr<float>(), bd * hidden);
+      rms_norm(x.data_ptr<float>(), L.post_norm.data_ptr<float>(), h.data_ptr<float>(), bd, hidden, eps);
+      Tensor gate_up = L.gate_up(h);
       auto gu = gate_up.chunk(2, -1);
-      x = x + L.down(at::silu(gu[0]) * gu[1]);
+      Tensor down = L.down(at::silu(gu[0]).mul_(gu[1])).contiguous();
+      add_into(x.data_ptr<float>(), down.data_ptr<float>(), bd * hidden);
     }
-    return (*lm_head_)(rms_norm(x, final_norm_, eps_)).to(at::kFloat);
+    rms_norm(x.data_ptr<float>(), final_norm_.data_ptr<float>(), h.data_ptr<float>(), bd, hidden, eps);
+    return (*lm_head_)(h).to(at::kFloat);
   }
 
- private:
+  // softmax over the first lens[row / heads] entries of each of `n` rows of `smax` (in place; the rest 0)
+  static void softmax_rows(float* sc, const std::vector<int64_t>& lens, int64_t n, int64_t heads, int64_t smax) {
+    for (int64_t r = 0; r < n; ++r) {
+      float* row = sc + r * smax;
+      const int64_t len = lens[r / heads];
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < len; ++s) mx = std::max(mx, row[s]);
+#pragma omp simd
+      for (int64_t s = 0; s < len; ++s) row[s] -= mx;
+      std::fill(row + len, row + smax, -std::numeric_limits<float>::infinity());
+    }
+    Tensor all = at::from_blob(sc, {n * smax}, at::TensorOptions().dtype(at::kFloat));
+    all.exp_();  // one vectorized exp for every row (exp(-inf) = 0 past each length)
+    for (int64_t r = 0; r < n; ++r) {
+      float* row = sc + r * smax;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t s = 0; s < smax; ++s) sum += row[s];
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t s = 0; s < smax; ++s) row[s] *= inv;
+    }
+  }
+
   static Linear to_linear(const std::vector<py::object>& l) {
     TORCH_CHECK(l.size() == 8, "a linear is (kind, weight, scales, bias, group, out, in, vnni_blocks)");
     auto opt = [](const py::object& o) -> std::optional<Tensor> {
