@@ -10,7 +10,7 @@
    (``index_put_``) and the rest (norms, RoPE, activations, per-op dispatch).
 2. Variants (``--variants float32@2 bfloat16@2 float32+int8wo@2 float32@1 float32@1:python``): dtype,
    ``--torchao-config`` quantization, torch thread count and decode path (``:python``: without the fused C++
-   decode step, ``engine/model/fused_decode.py``; ``:no-vnni``: torch's int8/int4 kernels instead of the
+   decode step, ``engine/model/fused_decode.py``; ``:torch-quant``: torch's int8/int4 kernels instead of the
    VNNI ones, ``engine/model/linear.py``) per variant, interleaved rounds, wall ms per decode step
    (the median of a round) and the ratio to the first variant of the same round (median and min-max over
    rounds), with this process's CPU ms next to it.
@@ -135,17 +135,17 @@ def breakdown(runner: ModelRunner, batch: int, context: int, steps: int) -> None
 
 
 def _parse_variant(spec: str) -> tuple[str, str | None, int, bool, bool]:
-    """``dtype[+quantization][@threads][:python][:no-vnni]``, e.g. ``float32``, ``bfloat16@1``,
+    """``dtype[+quantization][@threads][:python][:torch-quant]``, e.g. ``float32``, ``bfloat16@1``,
     ``float32+int8wo@2``, ``bfloat16+int4wo-32@1:python`` (``:python``: the Python decode path, no fused C++
-    step; ``:no-vnni``: torch's weight-only kernels, ``--disable-vnni-gemv``)."""
+    step; ``:torch-quant``: torch's weight-only kernels, ``--disable-cpu-quant-kernels``)."""
     spec, *paths = spec.split(":")
-    unknown = set(paths) - {"python", "no-vnni"}
+    unknown = set(paths) - {"python", "torch-quant"}
     if unknown:
-        raise SystemExit(f"--variants: unknown suffix {sorted(unknown)} (only ':python', ':no-vnni')")
+        raise SystemExit(f"--variants: unknown suffix {sorted(unknown)} (only ':python', ':torch-quant')")
     rest, _, threads = spec.partition("@")
     dtype, _, quant = rest.partition("+")
     threads_n = int(threads or torch.get_num_threads())
-    return dtype, quant or None, threads_n, "python" not in paths, "no-vnni" not in paths
+    return dtype, quant or None, threads_n, "python" not in paths, "torch-quant" not in paths
 
 
 def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: list[str]) -> None:
@@ -153,10 +153,10 @@ def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: lis
     median of a round) and its ratio to the first variant of the same round, median (min-max) over rounds."""
     configs = [_parse_variant(s) for s in specs]
     runners = {
-        (dt, q, fused, vnni): ModelRunner.from_checkpoint(
-            ckpt, dtype=dt, quantization=q, fused_decode=fused, vnni_gemv=vnni
+        (dt, q, fused, quant_kernels): ModelRunner.from_checkpoint(
+            ckpt, dtype=dt, quantization=q, fused_decode=fused, cpu_quant_kernels=quant_kernels
         )
-        for dt, q, _, fused, vnni in configs
+        for dt, q, _, fused, quant_kernels in configs
     }
     wall: dict[str, list[float]] = defaultdict(list)
     cpu: dict[str, list[float]] = defaultdict(list)
@@ -165,9 +165,9 @@ def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: lis
     for r in range(rounds):
         order = list(zip(specs, configs, strict=True))
         this_round = {}
-        for spec, (dt, q, threads, fused, vnni) in order if r % 2 == 0 else order[::-1]:
+        for spec, (dt, q, threads, fused, quant_kernels) in order if r % 2 == 0 else order[::-1]:
             torch.set_num_threads(threads)
-            setup = DecodeSetup(runners[(dt, q, fused, vnni)], batch, context, steps + 2)
+            setup = DecodeSetup(runners[(dt, q, fused, quant_kernels)], batch, context, steps + 2)
             setup.step()
             ts, cs = [], []
             for _ in range(steps):
@@ -199,9 +199,9 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="*",
-        metavar="DTYPE[+QUANT][@THREADS][:python][:no-vnni]",
+        metavar="DTYPE[+QUANT][@THREADS][:python][:torch-quant]",
         help="also time these against the first (e.g. float32@2 bfloat16@2 float32+int8wo@2 float32@1; "
-        "':python' decodes without the fused C++ step, ':no-vnni' with torch's weight-only kernels)",
+        "':python' decodes without the fused C++ step, ':torch-quant' with torch's weight-only kernels)",
     )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-breakdown", action="store_true", help="only the variants")

@@ -1,11 +1,11 @@
 """Drift of lower-precision modes against float32: top-1 agreement over a fixed prompt set.
 
-``python -m engine.bench.drift [--variants bfloat16 float32+int8wo bfloat16+int8wo:no-vnni] [--new-tokens N]``
+``python -m engine.bench.drift [--variants bfloat16 bfloat16+int8wo bfloat16+int8wo:torch-quant]``
 
 For each of the fixed chat prompts below, float32 greedily answers ``--new-tokens`` tokens (the reference).
-Each variant (``dtype[+quantization][:no-vnni]``; ``:no-vnni`` = torch's weight-only kernels,
-``--disable-vnni-gemv``) then runs over prompt + reference answer (teacher forcing) the way a server does:
-the prompt in one prefill, then the answer one decode step per token, so decode steps run the decode
+Each variant (``dtype[+quantization][:torch-quant]``; ``:torch-quant`` = torch's weight-only kernels,
+``--disable-cpu-quant-kernels``) then runs over prompt + reference answer (teacher forcing) the way a server
+does: the prompt in one prefill, then the answer one decode step per token, so decode steps run the decode
 kernels. We count the positions (the last prompt token and every answer token but the last) where its top-1
 equals float32's, plus where it is in float32's top-5. Also: how many of the prompts the variant answers with
 the identical greedy tokens when it decodes on its own (once two runs differ, they follow different contexts).
@@ -82,11 +82,11 @@ def main() -> None:
     print(f"{'variant':<20}{'top-1 agreement':>17}{'in fp32 top-5':>15}{'identical answers':>19}")
     for spec in args.variants:
         mode, _, suffix = spec.partition(":")
-        if suffix not in ("", "no-vnni"):
-            raise SystemExit(f"--variants: unknown suffix {suffix!r} (only ':no-vnni')")
+        if suffix not in ("", "torch-quant"):
+            raise SystemExit(f"--variants: unknown suffix {suffix!r} (only ':torch-quant')")
         dtype, _, quant = mode.partition("+")
         runner = ModelRunner.from_checkpoint(
-            ckpt, dtype=dtype, quantization=quant or None, vnni_gemv=suffix != "no-vnni"
+            ckpt, dtype=dtype, quantization=quant or None, cpu_quant_kernels=suffix != "torch-quant"
         )
         same = top5 = identical = 0
         for p, r, ref in zip(prompts, refs, ref_logits, strict=True):

@@ -30,14 +30,9 @@ _KINDS = {DenseLinear: 0, Int8WeightOnlyLinear: 1, Int4WeightOnlyLinear: 2}
 FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the KV pool dtypes its kernels read
 
 
-def _linear(layer: DenseLinear | Int8WeightOnlyLinear | Int4WeightOnlyLinear) -> list:
-    kind = _KINDS[type(layer)]
-    if kind == 0:
-        out_features, in_features = layer.weight.shape
-        return [kind, layer.weight, None, layer.bias, 0, out_features, in_features, None]
-    weight, scales = (layer.qweight, layer.scales) if kind == 1 else (layer.packed, layer.scales_and_zeros)
-    group = getattr(layer, "group_size", 0)
-    return [kind, weight, scales, layer.bias, group, layer.out_features, layer.in_features, layer.vnni_blocks]
+def _linear(layer: DenseLinear | Int8WeightOnlyLinear | Int4WeightOnlyLinear) -> tuple[int, object]:
+    """(kind, layer): the C++ side reads the layer's weights and kernel choices from its attributes."""
+    return _KINDS[type(layer)], layer
 
 
 def supports(attn, device: torch.device, dtype: torch.dtype) -> bool:
@@ -72,7 +67,7 @@ class FusedDecodeStep:
         for layer in model.layers:
             linears = [_linear(x) for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             self.decoder.add_layer(layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, linears)
-        self.decoder.set_lm_head(_linear(model.lm_head))
+        self.decoder.set_lm_head(*_linear(model.lm_head))
         self._empty = torch.empty(0, dtype=torch.long)
 
     def __call__(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor | None:

@@ -17,12 +17,12 @@ int4wo needs ``--dtype bfloat16``. A GGUF Q4_1 block (32 weights, ``d * q + m``,
 q=15 by construction) lands on the same 16-level grid under ``int4wo-32``; only the bfloat16 rounding of
 scale and zero (fp16 in the GGUF) moves the weights (docs/model.md).
 
-On a CPU with AVX512-VNNI, ``use_vnni`` gives an int8 or int4 layer a second copy of its weight in the blocks
-of KVFleet's own kernels (``fused/quant_gemv.cpp``): a call with at most ``ext.INT8_MAX_ROWS`` /
-``ext.INT4_MAX_ROWS`` activation rows (a decode batch) multiplies integer weights with ``vpdpbusd``
-(activations quantized per group to 16 bits, closer to float32 than torch's bfloat16 cast), more rows (a
-prefill) take torch's kernel. ``ModelRunner`` calls it unless ``--disable-vnni-gemv``; the fused decode step
-dispatches the same way, so both paths stay bitwise equal.
+On the CPU ``use_cpu_kernels`` (``ModelRunner``'s default; ``--disable-cpu-quant-kernels`` keeps torch's
+kernels) gives an int8 or int4 layer KVFleet's kernels by the rows of a call: up to ``ext.INT8_MAX_ROWS`` /
+``ext.INT4_MAX_ROWS`` (a decode batch) integer weights through ``vpdpbusd`` (``fused/quant_gemv.cpp``,
+AVX512-VNNI; activations quantized per group to 16 bits, closer to float32 than torch's bfloat16 cast), and
+from ``DENSE_MIN_ROWS`` on (a prefill chunk) a dense bfloat16 matmul over the dequantized weight
+(AVX512-BF16); in between, torch's kernel.
 """
 
 from __future__ import annotations
@@ -50,53 +50,90 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-class Int8WeightOnlyLinear:
-    """Per-output-row symmetric int8 weight; bfloat16 activations in the matmul; bias in the model dtype."""
+class _WeightOnlyLinear:
+    """What int8wo and int4wo share: the kernel each call takes by its number of rows.
+
+    By default torch's weight-only kernel (bfloat16 activations). After ``use_cpu_kernels`` (the runner's
+    default on the CPU): up to ``vnni_max_rows`` rows (a decode batch) KVFleet's VNNI kernel on integer
+    blocks of the weight, and from ``DENSE_MIN_ROWS`` rows on (a prefill chunk) a dense bfloat16 matmul
+    (oneDNN) over the dequantized weight rounded to bfloat16, where the CPU has AVX512-BF16: at 12 rows it
+    matches torch's int4 kernel (8 for int8), at 32 it takes 0.4x its time, at 64 0.3x (docs/benchmarks.md).
+    The fused decode step (``fused/decode_step.cpp``) dispatches the same way."""
 
     act_dtype = torch.bfloat16
+    DENSE_MIN_ROWS = 12
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.vnni_blocks: torch.Tensor | None = None  # the VNNI kernel's blocks, once taken
+        self.vnni_max_rows = 0
+        self.dense_weight: torch.Tensor | None = None  # (N, K) bfloat16, once taken
+        self._ext: ModuleType | None = None
+
+    def use_cpu_kernels(self, ext: ModuleType) -> bool:
+        """Take the extension's kernels where this CPU runs them (AVX512-VNNI for the few-row kernel,
+        AVX512-BF16 for the dense one); False (nothing changed) where neither applies."""
+        if ext.gemv_supported() and self._vnni_fits():
+            self.vnni_blocks, self.vnni_max_rows, self._ext = self._vnni_pack(ext), self._vnni_rows(ext), ext
+        if ext.bf16_matmul_supported():
+            self.dense_weight = self.dequantized().to(torch.bfloat16)
+        return self._ext is not None or self.dense_weight is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.size(0)
+        if rows <= self.vnni_max_rows:
+            out = self._vnni(flat)
+        elif self.dense_weight is not None and rows >= self.DENSE_MIN_ROWS:
+            out = F.linear(flat.to(torch.bfloat16), self.dense_weight)
+        else:
+            out = self._torch_mm(flat.to(self.act_dtype))
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+class Int8WeightOnlyLinear(_WeightOnlyLinear):
+    """Per-output-row symmetric int8 weight; bfloat16 activations in torch's kernel; bias in the model
+    dtype."""
+
+    DENSE_MIN_ROWS = 8
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
         w = weight.float()
         # the kernel takes scales in the activation dtype: round each one up to a bfloat16 first, so the
         # weight is rounded to multiples of exactly the scale the kernel uses (error <= scale / 2)
         scale = (w.abs().amax(dim=1).clamp(min=1e-30) / 127.0 * (1 + 2**-7)).to(self.act_dtype)
         self.qweight = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.scales = scale
-        self.bias = bias
-        self.out_features, self.in_features = weight.shape
-        self.vnni_blocks: torch.Tensor | None = None
-        self._ext: ModuleType | None = None
-
-    def use_vnni(self, ext: ModuleType) -> bool:
-        """Take the extension's VNNI kernel for calls of up to ``ext.INT8_MAX_ROWS`` rows; False (nothing
-        changed) for a shape it cannot take (``out_features % 16``, ``in_features % 32``)."""
-        if self.out_features % 16 or self.in_features % 32:
-            return False
-        self.vnni_blocks, self._ext = ext.int8_pack(self.qweight), ext
-        return True
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (``qweight * scale``)."""
         return self.qweight.float() * self.scales.float()[:, None]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self._ext is not None and flat.size(0) <= self._ext.INT8_MAX_ROWS:
-            out = self._ext.int8_gemv(flat, self.vnni_blocks, self.scales)
-        else:
-            out = torch._weight_int8pack_mm(flat.to(self.act_dtype), self.qweight, self.scales)
-        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+    def _vnni_fits(self) -> bool:
+        return self.out_features % 16 == 0 and self.in_features % 32 == 0
+
+    def _vnni_pack(self, ext: ModuleType) -> torch.Tensor:
+        return ext.int8_pack(self.qweight)
+
+    def _vnni_rows(self, ext: ModuleType) -> int:
+        return ext.INT8_MAX_ROWS
+
+    def _vnni(self, flat: torch.Tensor) -> torch.Tensor:
+        return self._ext.int8_gemv(flat, self.vnni_blocks, self.scales)
+
+    def _torch_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(flat, self.qweight, self.scales)
 
 
-class Int4WeightOnlyLinear:
-    """Groupwise asymmetric int4 weight (torchao ``Int4CPULayout``); bfloat16 activations; bias in the model
-    dtype. ``QuantizationError`` when the kernel cannot take the weight's shape."""
-
-    act_dtype = torch.bfloat16
+class Int4WeightOnlyLinear(_WeightOnlyLinear):
+    """Groupwise asymmetric int4 weight (torchao ``Int4CPULayout``); bfloat16 activations in torch's matmul;
+    bias in the model dtype. ``QuantizationError`` when the kernel cannot take the weight's shape."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> None:
-        self.out_features, self.in_features = weight.shape
+        super().__init__(weight, bias)
         if self.in_features % group_size or self.out_features % 16:
             raise QuantizationError(
                 f"--torchao-config int4wo-{group_size}: a {self.out_features}x{self.in_features} weight "
@@ -110,20 +147,11 @@ class Int4WeightOnlyLinear:
         scale = ((hi - lo) / 15).clamp(min=1e-30).to(self.act_dtype)
         zero = (lo + 8 * scale.float()).to(self.act_dtype)
         q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
-        self.qweight = q.to(torch.int32).reshape(self.out_features, self.in_features)  # (N, K), 0..15
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.qweight, 1)  # (N, K / 2) uint8
+        self.qweight = q.to(torch.uint8).reshape(self.out_features, self.in_features)  # (N, K), 0..15
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.qweight.to(torch.int32), 1)
+        self.packed = packed  # (N, K / 2) uint8, torch's layout
         # (K / group_size, N, 2): scale and zero per group, the kernel's layout
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-        self.bias = bias
-        self.vnni_blocks: torch.Tensor | None = None
-        self._ext: ModuleType | None = None
-
-    def use_vnni(self, ext: ModuleType) -> bool:
-        """Take the extension's VNNI kernel for calls of up to ``ext.INT4_MAX_ROWS`` rows (every shape this
-        layer accepts fits it)."""
-        self.vnni_blocks = ext.int4_pack(self.qweight, self.scales_and_zeros, self.group_size)
-        self._ext = ext
-        return True
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (``(q - 8) * scale + zero`` per group)."""
@@ -131,15 +159,21 @@ class Int4WeightOnlyLinear:
         q = self.qweight.float().reshape(self.out_features, -1, self.group_size)
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self._ext is not None and flat.size(0) <= self._ext.INT4_MAX_ROWS:
-            out = self._ext.int4_gemv(flat, self.vnni_blocks, self.out_features, self.group_size)
-        else:
-            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-            out = mm(flat.to(self.act_dtype), self.packed, self.group_size, self.scales_and_zeros)
-        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+    def _vnni_fits(self) -> bool:
+        return True  # every shape this layer accepts
+
+    def _vnni_pack(self, ext: ModuleType) -> torch.Tensor:
+        return ext.int4_pack(self.qweight, self.scales_and_zeros, self.group_size)
+
+    def _vnni_rows(self, ext: ModuleType) -> int:
+        return ext.INT4_MAX_ROWS
+
+    def _vnni(self, flat: torch.Tensor) -> torch.Tensor:
+        return self._ext.int4_gemv(flat, self.vnni_blocks, self.out_features, self.group_size)
+
+    def _torch_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return mm(flat, self.packed, self.group_size, self.scales_and_zeros)
 
 
 def check_quantization(quantization: str | None, dtype: torch.dtype | None = None) -> None:

@@ -55,10 +55,11 @@ class ModelRunner:
     ``attention_backend``: a name registered in engine/model/attention; ``quantization``: None,
     ``"int8wo"`` or ``"int4wo-<group_size>"`` (weight-only linear layers, ``engine/model/linear.py``; int4
     needs bfloat16); ``fused_decode``: run decode-only batches through the C++ decode step
-    (``engine/model/fused_decode.py``, bitwise the Python path's logits) where it applies (torch backend on
-    the CPU) and builds; where it cannot be built a warning says why and the Python path decodes;
-    ``vnni_gemv``: int8 / int4 weight-only layers on a CPU with AVX512-VNNI multiply decode batches with
-    KVFleet's VNNI kernels (``linear.py``; torch's kernels otherwise and for prefill).
+    (``engine/model/fused_decode.py``; float32 activations between the matmuls) where it applies (torch
+    backend on the CPU, float32 or bfloat16) and builds; where it cannot be built a warning says why and the
+    Python path decodes; ``cpu_quant_kernels``: int8 / int4 weight-only layers on the CPU take KVFleet's
+    kernels by rows (``linear.py``: VNNI for decode batches, dense bfloat16 for prefill chunks) where the CPU
+    runs them, torch's weight-only kernels otherwise.
     Raises ``ModelLoadError`` for a bad model path and ``ValueError`` for an unknown dtype, backend or
     quantization (``QuantizationError`` for a quantization this dtype or model cannot use).
     """
@@ -71,14 +72,14 @@ class ModelRunner:
         attention_backend: str = "torch",
         quantization: str | None = None,
         fused_decode: bool = True,
-        vnni_gemv: bool = True,
+        cpu_quant_kernels: bool = True,
     ) -> None:
         backend_cls = get_attention_backend(attention_backend)  # bad names fail before the slow load
         self.dtype = _parse_dtype(dtype)
         check_quantization(quantization, self.dtype)
         self.device = torch.device(device)
         self.quantization = quantization
-        self._build(load_checkpoint(model_path), backend_cls, fused_decode, vnni_gemv)
+        self._build(load_checkpoint(model_path), backend_cls, fused_decode, cpu_quant_kernels)
 
     @classmethod
     def from_checkpoint(
@@ -89,7 +90,7 @@ class ModelRunner:
         attention_backend: str = "torch",
         quantization: str | None = None,
         fused_decode: bool = True,
-        vnni_gemv: bool = True,
+        cpu_quant_kernels: bool = True,
     ) -> ModelRunner:
         """A runner over an already loaded ``Checkpoint`` (e.g. one load, several dtypes)."""
         runner = cls.__new__(cls)
@@ -97,11 +98,15 @@ class ModelRunner:
         check_quantization(quantization, runner.dtype)
         runner.device = torch.device(device)
         runner.quantization = quantization
-        runner._build(checkpoint, get_attention_backend(attention_backend), fused_decode, vnni_gemv)
+        runner._build(checkpoint, get_attention_backend(attention_backend), fused_decode, cpu_quant_kernels)
         return runner
 
     def _build(
-        self, checkpoint: Checkpoint, backend_cls: type[AttentionBackend], fused_decode: bool, vnni_gemv: bool
+        self,
+        checkpoint: Checkpoint,
+        backend_cls: type[AttentionBackend],
+        fused_decode: bool,
+        cpu_quant_kernels: bool,
     ) -> None:
         self.model_path = checkpoint.path
         self.config: ModelConfig = checkpoint.config
@@ -111,30 +116,30 @@ class ModelRunner:
         self.model = LlamaForCausalLM(
             cfg, checkpoint.tensors, self.dtype, self.device, attn, checkpoint.path, self.quantization
         )
-        self.vnni_gemv = vnni_gemv and self.device.type == "cpu" and self.quantization is not None
-        if self.vnni_gemv:
-            self.vnni_gemv = self._use_vnni()
+        self.cpu_quant_kernels = False
+        if cpu_quant_kernels and self.device.type == "cpu" and self.quantization is not None:
+            self.cpu_quant_kernels = self._use_cpu_quant_kernels()
         if fused_decode and fused_decode_supports(attn, self.device, self.dtype):
             try:
                 self.model.fused_step = FusedDecodeStep(self.model)
             except ExtensionUnavailable as exc:
                 logger.warning("%s; decoding on the Python path (--disable-fused-decode: no attempt)", exc)
 
-    def _use_vnni(self) -> bool:
-        """Give every int8 / int4 layer the extension's VNNI kernel; False (torch's kernels, and a warning or
-        an info line saying why) where the extension cannot be built or the CPU lacks AVX512-VNNI."""
+    def _use_cpu_quant_kernels(self) -> bool:
+        """Give every int8 / int4 layer the extension's kernels; False (torch's kernels, and a warning or an
+        info line saying why) where the extension cannot be built or the CPU runs none of them."""
         try:
             ext = load_extension()
         except ExtensionUnavailable as exc:
-            logger.warning("%s; torch's weight-only kernels (--disable-vnni-gemv: no attempt)", exc)
+            logger.warning("%s; torch's weight-only kernels (--disable-cpu-quant-kernels: no attempt)", exc)
             return False
-        if not ext.gemv_supported():
-            logger.info("no AVX512-VNNI on this CPU: torch's weight-only kernels")
+        if not (ext.gemv_supported() or ext.bf16_matmul_supported()):
+            logger.info("neither AVX512-VNNI nor AVX512-BF16 on this CPU: torch's weight-only kernels")
             return False
         linears = [self.model.lm_head]
         for layer in self.model.layers:
             linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
-        return any([x.use_vnni(ext) for x in linears])
+        return any([x.use_cpu_kernels(ext) for x in linears])
 
     @property
     def fused_decode(self) -> bool:

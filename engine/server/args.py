@@ -62,7 +62,7 @@ class ServerArgs:
     page_size: int = 1
     attention_backend: str = "torch"
     disable_fused_decode: bool = False
-    disable_vnni_gemv: bool = False
+    disable_cpu_quant_kernels: bool = False
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
@@ -170,10 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
         "it cannot be built)",
     )
     a(
-        "--disable-vnni-gemv",
+        "--disable-cpu-quant-kernels",
         action="store_true",
-        help="multiply --torchao-config int8wo/int4wo decode batches with torch's kernels: by default a CPU "
-        "with AVX512-VNNI runs KVFleet's integer kernels for them (activations quantized to 16 bits a group)",
+        help="--torchao-config int8wo/int4wo layers on torch's weight-only kernels only: by default decode "
+        "batches take KVFleet's AVX512-VNNI integer kernels and prefill chunks a dense bfloat16 matmul "
+        "(AVX512-BF16) where the CPU has them",
     )
     a("--mem-fraction-static", type=_fraction, default=None, help="share of free GPU memory for KV (cuda)")
     a(

@@ -126,7 +126,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
                 attention_backend=args.attention_backend,
                 quantization=args.torchao_config or None,
                 fused_decode=not args.disable_fused_decode,
-                vnni_gemv=not args.disable_vnni_gemv,
+                cpu_quant_kernels=not args.disable_cpu_quant_kernels,
             )
         except QuantizationError as exc:  # e.g. an int4 group size the model's in_features do not take
             raise ArgumentError(str(exc)) from None  # names --torchao-config

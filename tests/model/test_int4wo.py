@@ -43,7 +43,7 @@ def test_int4wo_32_keeps_a_q4_1_block_grid_exactly():
     m = (-d * (6 + 4 * torch.rand(64, 4, 1, generator=gen))).half().float()  # min ~ -max, as in SmolLM2
     w = (d * q + m).reshape(64, 128)
     layer = make_linear(w, None, "int4wo-32")
-    assert torch.equal(layer.qweight, q.reshape(64, 128).to(torch.int32))
+    assert torch.equal(layer.qweight, q.reshape(64, 128).to(torch.uint8))
     assert (layer.dequantized() - w).reshape(64, 4, 32).abs().le(0.1 * d).all()
 
 
@@ -55,7 +55,7 @@ def test_smollm2_q4_1_tensors_keep_their_gguf_levels_under_int4wo_32(smollm2_che
     gguf_q = torch.round((groups - lo) / step)
     assert (groups - lo - gguf_q * step).abs().le(1e-3 * step).all()  # the dequantized GGUF is on a 16-grid
     layer = make_linear(w, None, "int4wo-32")
-    assert torch.equal(layer.qweight.reshape_as(groups), gguf_q.to(torch.int32))
+    assert torch.equal(layer.qweight.reshape_as(groups), gguf_q.to(torch.uint8))
 
 
 def test_shapes_dtypes_and_names_the_int4_kernel_cannot_take_are_refused(tiny_models):

@@ -1,7 +1,7 @@
 """KVFleet's VNNI weight-only matmuls (``fused/quant_gemv.cpp`` through ``linear.py``): closer to the float32
 matmul of the dequantized weight than torch's kernels, for every int4 group size and both int8 group widths
 and each row count they take; more rows go to torch's kernel; bad input is refused; a runner takes them for
-int8wo / int4wo unless ``--disable-vnni-gemv``."""
+int8wo / int4wo unless ``--disable-cpu-quant-kernels``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from engine.server.args import parse_args
 
 ext = load_extension()
 needs_vnni = pytest.mark.skipif(not ext.gemv_supported(), reason="this CPU has no AVX512-VNNI")
+needs_bf16 = pytest.mark.skipif(not ext.bf16_matmul_supported(), reason="this CPU has no AVX512-BF16")
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -24,7 +25,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def _pair(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the layer with torch's kernel, the same layer with the VNNI kernel) on ``x``."""
     torch_out = layer(x)
-    assert layer.use_vnni(ext)
+    assert layer.use_cpu_kernels(ext)
     return torch_out, layer(x)
 
 
@@ -61,7 +62,7 @@ def test_int8_kernel_is_closer_to_float32_than_torchs(in_features, rows):
 def test_zero_activations_and_a_bias_and_leading_dims():
     bias = torch.randn(32, dtype=torch.bfloat16)
     layer = Int4WeightOnlyLinear(torch.randn(32, 64), bias, 32)
-    layer.use_vnni(ext)
+    layer.use_cpu_kernels(ext)
     x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
     out = layer(x)
     assert out.shape == (1, 1, 32)
@@ -80,16 +81,37 @@ def test_more_rows_than_the_kernel_takes_go_to_torchs_kernel():
     assert torch.equal(ours, torch_out)
 
 
-def test_a_shape_the_int8_kernel_cannot_take_keeps_torchs_kernel():
+def test_a_shape_the_int8_kernel_cannot_take_keeps_torchs_kernel_for_decode_rows():
     layer = Int8WeightOnlyLinear(torch.randn(24, 64), None)  # 24 output rows: not whole tiles of 16
-    assert not layer.use_vnni(ext)
-    assert layer.vnni_blocks is None
+    layer.use_cpu_kernels(ext)
+    assert layer.vnni_blocks is None and layer.vnni_max_rows == 0
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), torch._weight_int8pack_mm(x, layer.qweight, layer.scales))
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    ("layer", "rows"),
+    [
+        (Int4WeightOnlyLinear(torch.randn(48, 128), None, 32), 12),
+        (Int8WeightOnlyLinear(torch.randn(48, 128), None), 8),
+    ],
+)
+def test_prefill_rows_take_a_dense_bfloat16_matmul_over_the_dequantized_weight(layer, rows):
+    x = torch.randn(rows, 128, dtype=torch.bfloat16)
+    torch_out, ours = _pair(layer, x)
+    assert layer.dense_weight.dtype == torch.bfloat16
+    assert torch.equal(ours, torch.nn.functional.linear(x, layer.dequantized().to(torch.bfloat16)))
+    ref = x.float() @ layer.dequantized().T
+    assert _relative_error(ours, ref) < 1e-2  # bfloat16 weights and output
+    fewer = x[: rows - 1]  # one row fewer: torch's kernel
+    assert torch.equal(layer(fewer), layer._torch_mm(fewer))
 
 
 @needs_vnni
 def test_bad_input_is_refused_with_the_reason():
     layer = Int4WeightOnlyLinear(torch.randn(32, 64), None, 32)
-    layer.use_vnni(ext)
+    layer.use_cpu_kernels(ext)
     too_many = torch.randn(ext.INT4_MAX_ROWS + 1, 64)
     with pytest.raises(RuntimeError, match=r"takes 1\.\.2 rows, got 3"):
         ext.int4_gemv(too_many, layer.vnni_blocks, 32, 32)
@@ -100,7 +122,7 @@ def test_bad_input_is_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ext.int4_gemv(torch.ones(1, 64, dtype=torch.float64), layer.vnni_blocks, 32, 32)
     with pytest.raises(RuntimeError, match="0..15"):
-        ext.int4_pack(torch.full((16, 32), 16, dtype=torch.int32), layer.scales_and_zeros[:1, :16], 32)
+        ext.int4_pack(torch.full((16, 32), 16, dtype=torch.uint8), layer.scales_and_zeros[:1, :16], 32)
     with pytest.raises(RuntimeError, match="N % 16 == 0"):
         ext.int8_pack(torch.zeros(8, 64, dtype=torch.int8))
 
@@ -109,14 +131,14 @@ def test_bad_input_is_refused_with_the_reason():
 def test_a_quantized_runner_takes_the_kernels_unless_disabled(tiny_models):
     path = tiny_models["llama"][0]
     runner = ModelRunner(path, dtype="bfloat16", quantization="int4wo-32")
-    assert runner.vnni_gemv
+    assert runner.cpu_quant_kernels
     assert runner.model.layers[0].qkv.vnni_blocks is not None
     assert runner.model.lm_head.vnni_blocks is not None  # int8 head under int4wo
-    off = ModelRunner(path, dtype="bfloat16", quantization="int4wo-32", vnni_gemv=False)
-    assert not off.vnni_gemv and off.model.layers[0].qkv.vnni_blocks is None
-    assert not ModelRunner(path).vnni_gemv  # nothing to take in float32
+    off = ModelRunner(path, dtype="bfloat16", quantization="int4wo-32", cpu_quant_kernels=False)
+    assert not off.cpu_quant_kernels and off.model.layers[0].qkv.vnni_blocks is None
+    assert not ModelRunner(path).cpu_quant_kernels  # nothing to take in float32
 
 
-def test_disable_vnni_gemv_flag():
-    assert parse_args(["--model-path", "smollm2", "--disable-vnni-gemv"]).disable_vnni_gemv
-    assert not parse_args(["--model-path", "smollm2"]).disable_vnni_gemv
+def test_disable_cpu_quant_kernels_flag():
+    assert parse_args(["--model-path", "smollm2", "--disable-cpu-quant-kernels"]).disable_cpu_quant_kernels
+    assert not parse_args(["--model-path", "smollm2"]).disable_cpu_quant_kernels

@@ -28,24 +28,30 @@ namespace {
 
 enum class Kind : int64_t { Dense = 0, Int8 = 1, Int4 = 2 };
 
-// linear.py: DenseLinear, Int8WeightOnlyLinear, Int4WeightOnlyLinear.
+// linear.py: DenseLinear, Int8WeightOnlyLinear, Int4WeightOnlyLinear, read from the Python layer's attributes;
+// the call dispatches by rows as linear.py's _WeightOnlyLinear.__call__ does.
 struct Linear {
   Kind kind;
   Tensor weight;  // dense weight (N, K) / int8 qweight (N, K) / int4 packed (N, K / 2)
   Tensor scales;  // int8 scales (N,) / int4 scales_and_zeros (K / group, N, 2); undefined when dense
   std::optional<Tensor> bias;
-  int64_t group, out_features, in_features;
-  Tensor vnni_blocks;  // quant_gemv.h's blocks of the weight; undefined when the layer has none
+  int64_t group = 0, out_features = 0, in_features = 0;
+  Tensor vnni_blocks;  // quant_gemv's blocks (up to vnni_max_rows rows), undefined when not taken
+  int64_t vnni_max_rows = 0;
+  Tensor dense_weight;  // bfloat16 dequantized weight (from dense_min_rows rows on), undefined when not taken
+  int64_t dense_min_rows = 0;
 
   // x (..., in_features) -> (..., out_features) in x's dtype
   Tensor operator()(const Tensor& x) const {
     if (kind == Kind::Dense) return at::linear(x.to(weight.scalar_type()), weight, bias).to(x.scalar_type());
     Tensor flat = x.reshape({-1, in_features});
+    const int64_t rows = flat.size(0);
     Tensor out;
-    if (vnni_blocks.defined() && flat.size(0) <= (kind == Kind::Int8 ? kvfleet::kInt8MaxRows
-                                                                       : kvfleet::kInt4MaxRows)) {
+    if (rows <= vnni_max_rows) {
       out = kind == Kind::Int8 ? kvfleet::int8_gemv(flat, vnni_blocks, scales)
                                : kvfleet::int4_gemv(flat, vnni_blocks, out_features, group);
+    } else if (dense_weight.defined() && rows >= dense_min_rows) {
+      out = at::linear(flat.to(at::kBFloat16), dense_weight);
     } else {
       flat = flat.to(at::kBFloat16);
       out = kind == Kind::Int8 ? at::_weight_int8pack_mm(flat, weight, scales)
@@ -55,6 +61,33 @@ struct Linear {
     shape.back() = out_features;
     out = out.to(x.scalar_type()).view(shape);
     return bias ? out + *bias : out;
+  }
+
+  // kind 0 dense, 1 int8, 2 int4; `layer` the linear.py object
+  static Linear from(int64_t kind, const py::object& layer) {
+    auto tensor = [&](const char* name) -> Tensor {
+      py::object o = layer.attr(name);
+      return o.is_none() ? Tensor() : o.cast<Tensor>();
+    };
+    Linear l;
+    l.kind = static_cast<Kind>(kind);
+    TORCH_CHECK(kind >= 0 && kind <= 2, "unknown linear kind ", kind);
+    Tensor bias = tensor("bias");
+    if (bias.defined()) l.bias = bias;
+    if (l.kind == Kind::Dense) {
+      l.weight = tensor("weight");
+      return l;
+    }
+    l.weight = tensor(l.kind == Kind::Int8 ? "qweight" : "packed");
+    l.scales = tensor(l.kind == Kind::Int8 ? "scales" : "scales_and_zeros");
+    l.group = l.kind == Kind::Int4 ? layer.attr("group_size").cast<int64_t>() : 0;
+    l.out_features = layer.attr("out_features").cast<int64_t>();
+    l.in_features = layer.attr("in_features").cast<int64_t>();
+    l.vnni_blocks = tensor("vnni_blocks");
+    l.vnni_max_rows = layer.attr("vnni_max_rows").cast<int64_t>();
+    l.dense_weight = tensor("dense_weight");
+    l.dense_min_rows = layer.attr("DENSE_MIN_ROWS").cast<int64_t>();
+    return l;
   }
 };
 
@@ -77,13 +110,12 @@ class FusedDecoder {
         head_dim_(head_dim),
         scale_(scale) {}
 
-  // linears: (kind, weight, scales or None, bias or None, group, out_features, in_features, vnni_blocks or
-  // None) x 4 in the order qkv, o_proj, gate_up, down
+  // linears: (kind, linear.py layer) x 4 in the order qkv, o_proj, gate_up, down
   void add_layer(const Tensor& input_norm, const Tensor& post_norm, const std::optional<Tensor>& q_norm,
-                 const std::optional<Tensor>& k_norm, std::vector<std::vector<py::object>> linears) {
+                 const std::optional<Tensor>& k_norm, std::vector<std::pair<int64_t, py::object>> linears) {
     TORCH_CHECK(linears.size() == 4, "a layer needs 4 linears");
     std::vector<Linear> lin;
-    for (auto& l : linears) lin.push_back(to_linear(l));
+    for (auto& [kind, layer] : linears) lin.push_back(Linear::from(kind, layer));
     auto f32 = [](const Tensor& t) { return t.to(at::kFloat).contiguous(); };
     std::optional<Tensor> qn, kn;
     if (q_norm) qn = f32(*q_norm);
@@ -91,7 +123,7 @@ class FusedDecoder {
     layers_.push_back(Layer{f32(input_norm), f32(post_norm), qn, kn, lin[0], lin[1], lin[2], lin[3]});
   }
 
-  void set_lm_head(std::vector<py::object> linear) { lm_head_ = to_linear(linear); }
+  void set_lm_head(int64_t kind, const py::object& layer) { lm_head_ = Linear::from(kind, layer); }
 
   // One decode step of Bd sequences, one new token each. mode 0: gather each layer's K/V from the pool
   // through `slots` (Bd * Smax); 1: refill the staged buffers `stage_k/v[layer]` (Bd, capacity, kv, D)
@@ -237,18 +269,6 @@ class FusedDecoder {
     }
   }
 
-  static Linear to_linear(const std::vector<py::object>& l) {
-    TORCH_CHECK(l.size() == 8, "a linear is (kind, weight, scales, bias, group, out, in, vnni_blocks)");
-    auto opt = [](const py::object& o) -> std::optional<Tensor> {
-      if (o.is_none()) return std::nullopt;
-      return o.cast<Tensor>();
-    };
-    auto kind = static_cast<Kind>(l[0].cast<int64_t>());
-    TORCH_CHECK(kind == Kind::Dense || kind == Kind::Int8 || kind == Kind::Int4, "unknown linear kind");
-    return Linear{kind, l[1].cast<Tensor>(), opt(l[2]).value_or(Tensor()), opt(l[3]),
-                  l[4].cast<int64_t>(), l[5].cast<int64_t>(), l[6].cast<int64_t>(), opt(l[7]).value_or(Tensor())};
-  }
-
   Tensor embed_, final_norm_, inv_freq_;
   double eps_;
   int64_t heads_, kv_heads_, head_dim_;
@@ -266,6 +286,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_lm_head", &FusedDecoder::set_lm_head)
       .def("step", &FusedDecoder::step);
   m.def("gemv_supported", &kvfleet::gemv_supported);
+  m.def("bf16_matmul_supported", &kvfleet::bf16_matmul_supported);
   m.def("int4_pack", &kvfleet::int4_pack);
   m.def("int4_gemv", &kvfleet::int4_gemv, py::call_guard<py::gil_scoped_release>());
   m.def("int8_pack", &kvfleet::int8_pack);

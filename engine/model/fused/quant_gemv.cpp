@@ -189,13 +189,15 @@ void check_rows(const at::Tensor& x, int64_t in_features, int64_t max_rows) {
 
 }  // namespace
 
+bool bf16_matmul_supported() { return __builtin_cpu_supports("avx512bf16"); }
+
 bool gemv_supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vnni");
 }
 
 at::Tensor int4_pack(const at::Tensor& qweight, const at::Tensor& scales_and_zeros, int64_t group) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt, "qweight must be (N, K) int32");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte, "qweight must be (N, K) uint8");
   const int64_t n = qweight.size(0), k = qweight.size(1);
   TORCH_CHECK(n % kTile == 0 && group % 8 == 0 && k % group == 0, "int4 blocks need N % 16 == 0 and K % group "
               "== 0 with group % 8 == 0, got N=", n, " K=", k, " group=", group);
@@ -206,7 +208,7 @@ at::Tensor int4_pack(const at::Tensor& qweight, const at::Tensor& scales_and_zer
   at::Tensor q = qweight.contiguous();
   at::Tensor sz = scales_and_zeros.contiguous();
   at::Tensor out = at::empty({n / kTile * groups * block}, at::kByte);
-  const int32_t* qp = q.data_ptr<int32_t>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t t = 0; t < n / kTile; ++t) {
@@ -214,10 +216,9 @@ at::Tensor int4_pack(const at::Tensor& qweight, const at::Tensor& scales_and_zer
       uint8_t* blk = dst + (t * groups + g) * block;
       for (int64_t c = 0; c < chunks; ++c) {
         for (int64_t j = 0; j < kTile; ++j) {
-          const int32_t* src = qp + (t * kTile + j) * k + g * group + c * 8;
+          const uint8_t* src = qp + (t * kTile + j) * k + g * group + c * 8;
           for (int64_t b = 0; b < 4; ++b) {
-            TORCH_CHECK(src[b] >= 0 && src[b] <= 15 && src[b + 4] >= 0 && src[b + 4] <= 15,
-                        "qweight values must be in 0..15");
+            TORCH_CHECK(src[b] <= 15 && src[b + 4] <= 15, "qweight values must be in 0..15");
             blk[c * 64 + j * 4 + b] = static_cast<uint8_t>(src[b] | (src[b + 4] << 4));
           }
         }

@@ -15,7 +15,11 @@ constexpr int64_t kInt8MaxRows = 4;
 // Whether this CPU runs the kernels (AVX512F, AVX512BW, AVX512-VNNI).
 bool gemv_supported();
 
-// int4wo: qweight (N, K) int32 in 0..15, scales_and_zeros (K / group, N, 2) bfloat16 (torch's int4 CPU
+// Whether this CPU multiplies bfloat16 natively (AVX512-BF16), which makes oneDNN's dense bfloat16 matmul
+// the fast one for many rows (linear.py's dense_weight).
+bool bf16_matmul_supported();
+
+// int4wo: qweight (N, K) uint8 in 0..15, scales_and_zeros (K / group, N, 2) bfloat16 (torch's int4 CPU
 // layout, w = (q - 8) * scale + zero) -> the kernel's uint8 blocks. N % 16 == 0, K % group == 0,
 // group % 8 == 0.
 at::Tensor int4_pack(const at::Tensor& qweight, const at::Tensor& scales_and_zeros, int64_t group);
