@@ -10,11 +10,13 @@ here. While the client runs, a sampler thread reads the Python stacks of the sch
 HTTP (event loop) thread (``sys._current_frames``) every ``--interval`` ms, as py-spy does from outside
 (py-spy is not installed here), and files each sample under one part by the functions on its stack:
 
-- scheduler: the forward pass, split into layer weight matmuls (dense or int8 linear layers), the LM head
-  matmul, attention (K/V write, gather, SDPA: the attention backend), the per-layer cache hook, and the rest
-  of a layer (norms, RoPE, residual adds, SiLU, embedding); building the decode ``ForwardBatch``; sampling;
-  per-request Python after sampling (token bookkeeping, stop checks, event hand-off); the state snapshot
-  published after every iteration; cache events; prefill passes; waiting for work.
+- scheduler: the forward pass, split into layer weight matmuls (dense or weight-only linear layers), the LM
+  head matmul, attention (K/V write, gather, SDPA: the attention backend), the per-layer cache hook, and the
+  rest of a layer (norms, RoPE, residual adds, SiLU, embedding), or the fused decode step as one part (one
+  C++ call, which Python stacks do not split: ``engine.bench.decode_profile`` does); building the decode
+  ``ForwardBatch``; sampling; per-request Python after sampling (token bookkeeping, stop checks, event
+  hand-off); the state snapshot published after every iteration; cache events; prefill passes; waiting for
+  work.
 - HTTP thread: detokenization (``StreamText.push``), SSE framing (``sse``: ``json.dumps`` of a chunk), the
   rest of uvicorn/starlette/asyncio and the route handlers, and idle (the event loop in ``select``).
 
@@ -46,7 +48,7 @@ from engine.server.builder import build_engine
 
 DEFAULT_FLAGS = ["--model-path", "smollm2", "--enable-hierarchical-cache"]
 IDLE = "waiting for work (inbox)"
-LINEAR = ("DenseLinear.__call__", "Int8WeightOnlyLinear.__call__")
+LINEAR = ("DenseLinear.__call__", "_WeightOnlyLinear.__call__")  # dense, int8wo and int4wo layers
 CLIENT = (
     "import asyncio, json, sys\n"
     "from engine.bench.peers import drive, prompts\n"
@@ -83,6 +85,8 @@ def scheduler_part(names: list[str]) -> str:
         return "decode: sampling"
     if "Scheduler._forward" not in names:
         return "decode: per-request Python (append, stop checks, events)"
+    if "FusedDecodeStep.__call__" in names:  # one C++ call: its parts are in decode_profile's breakdown
+        return "forward: fused decode step (C++)"
     if any(n in LINEAR for n in names):
         return (
             "forward: layer weight matmuls" if "DecoderLayer.forward" in names else "forward: LM head matmul"
