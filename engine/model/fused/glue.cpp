@@ -4,6 +4,8 @@
 // (float32 or bfloat16, widened in registers), never copied to a float32 buffer.
 #include "glue.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -61,6 +63,64 @@ inline __attribute__((always_inline)) void values_impl(const float* probs, const
   }
 }
 
+// AVX512F decode attention for head_dim % 16 == 0 and <= kMaxDim: each key / value row is widened to
+// float32 once per KV head (not once per query head), and each query head's dot product is 16 lanes of FMAs
+// and one horizontal add; the value sums stay in registers per 16 lanes.
+constexpr int64_t kMaxDim = 256;
+
+#define KVFLEET_AVX512 __attribute__((target("avx512f")))
+
+KVFLEET_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+KVFLEET_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+bool avx512_fits(int64_t head_dim) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx512 && head_dim % 16 == 0 && head_dim <= kMaxDim;
+}
+
+template <typename T>
+KVFLEET_AVX512 void scores_avx512(const float* q, const T* keys, int64_t len, int64_t kv_heads, int64_t group,
+                                  int64_t head_dim, float scale, float* scores, int64_t smax) {
+  const int64_t chunks = head_dim / 16;
+  __m512 k[kMaxDim / 16];
+  for (int64_t s = 0; s < len; ++s) {
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      const T* row = keys + (s * kv_heads + j) * head_dim;
+      for (int64_t c = 0; c < chunks; ++c) k[c] = load16(row + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = j * group + g;
+        const float* qh = q + h * head_dim;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
+        for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c * 16), k[c], acc);
+        scores[h * smax + s] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+  }
+}
+
+template <typename T>
+KVFLEET_AVX512 void values_avx512(const float* probs, const T* values, int64_t len, int64_t kv_heads,
+                                  int64_t group, int64_t head_dim, float* out, int64_t smax) {
+  const int64_t chunks = head_dim / 16;
+  for (int64_t j = 0; j < kv_heads; ++j) {
+    for (int64_t g = 0; g < group; ++g) {  // one query head at a time: its sums stay in registers
+      const int64_t h = j * group + g;
+      const float* p = probs + h * smax;
+      __m512 acc[kMaxDim / 16];
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+      for (int64_t s = 0; s < len; ++s) {
+        const __m512 w = _mm512_set1_ps(p[s]);
+        const T* row = values + (s * kv_heads + j) * head_dim;
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, load16(row + c * 16), acc[c]);
+      }
+      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + h * head_dim + c * 16, acc[c]);
+    }
+  }
+}
+
 }  // namespace
 
 KVFLEET_CLONES void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
@@ -102,22 +162,26 @@ void store_row(c10::BFloat16* dst, const float* src, int64_t n) {
 
 KVFLEET_CLONES void attention_scores(const float* q, const float* keys, int64_t len, int64_t kv_heads,
                                      int64_t group, int64_t head_dim, float scale, float* scores, int64_t smax) {
+  if (avx512_fits(head_dim)) return scores_avx512(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
   scores_impl(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
 }
 
 KVFLEET_CLONES void attention_scores(const float* q, const c10::BFloat16* keys, int64_t len, int64_t kv_heads,
                                      int64_t group, int64_t head_dim, float scale, float* scores, int64_t smax) {
+  if (avx512_fits(head_dim)) return scores_avx512(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
   scores_impl(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
 }
 
 KVFLEET_CLONES void attention_values(const float* probs, const float* values, int64_t len, int64_t kv_heads,
                                      int64_t group, int64_t head_dim, float* out, int64_t smax) {
+  if (avx512_fits(head_dim)) return values_avx512(probs, values, len, kv_heads, group, head_dim, out, smax);
   values_impl(probs, values, len, kv_heads, group, head_dim, out, smax);
 }
 
 KVFLEET_CLONES void attention_values(const float* probs, const c10::BFloat16* values, int64_t len,
                                      int64_t kv_heads, int64_t group, int64_t head_dim, float* out,
                                      int64_t smax) {
+  if (avx512_fits(head_dim)) return values_avx512(probs, values, len, kv_heads, group, head_dim, out, smax);
   values_impl(probs, values, len, kv_heads, group, head_dim, out, smax);
 }
 
