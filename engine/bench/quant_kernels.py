@@ -6,9 +6,9 @@ SmolLM2-135M's 120 projection shapes (30 x qkv 960x576, o 576x576, gate_up 3072x
 random weights as int4wo-32 layers, and its LM head shape (49,152 x 576) as an int8wo layer, called back to
 back so the weights stream from memory as in a decode step (not from cache). For each row count: torch's
 weight-only kernel (``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm``, bfloat16 activations),
-KVFleet's VNNI kernel where it takes that many rows (``engine/model/fused/quant_gemv.cpp``) and the dense bfloat16
-matmul over the dequantized weight (``F.linear``, oneDNN); ms for all 120 projections (or the head), the
-median of ``--reps`` calls, and each kernel's ratio to torch's in the same run. Where the CPU lacks
+KVFleet's VNNI kernel where it takes that many rows (``engine/model/fused/quant_gemv.cpp``) and the dense
+bfloat16 matmul over the dequantized weight (``F.linear``, oneDNN); ms for all 120 projections (or the head),
+the median of ``--reps`` calls, and each kernel's ratio to torch's in the same run. Where the CPU lacks
 AVX512-VNNI / AVX512-BF16 those columns say so.
 """
 
