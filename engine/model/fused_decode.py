@@ -1,12 +1,14 @@
 """The fused decode step: a batch of decodes through every layer in one C++ call (``fused/decode_step.cpp``).
 
-A batch-1 decode step of SmolLM2 runs about 2,000 small eager torch ops (60-75 per layer x 30 layers), each
-paying Python and argument parsing on top of its kernel. ``FusedDecodeStep`` runs the same ATen ops in the
-same order with the same dtypes from C++ (the weight-only matmul kernels of ``linear.py``, RMSNorm, RoPE, the
-K/V write into the pool, the torch backend's decode attention over staged or gathered K/V, SiLU x up, residual
-adds, the LM head), so the logits are bitwise the Python path's (``tests/model/test_fused_decode.py``). It
-takes only what the torch attention backend runs as a decode-only batch (``for_decode``: every sequence one
-new token, a prefix already cached); prefill and mixed batches stay on the Python path.
+A batch-1 decode step of SmolLM2 on the Python path runs about 2,000 small eager torch ops (60-75 per layer x
+30 layers), each paying Python, dispatch and an allocation on top of its kernel. ``FusedDecodeStep`` runs the
+layers' own matmuls (``linear.py``'s kernels, chosen by rows as on the Python path) and everything between
+them as float32 loops in C++ (``fused/glue.cpp``: RMSNorm, RoPE, the K/V write into the pool and the staged
+buffers, GQA decode attention over the staged or gathered K/V, SiLU x up, residual adds), with activations
+float32 from the embedding to the logits: in float32 the logits equal the Python path's to float32 rounding,
+in bfloat16 they are closer to the float32 model's (``tests/model/test_fused_decode.py``). It takes only what
+the torch attention backend runs as a decode-only batch (``for_decode``: every sequence one new token, a
+prefix already cached) on a float32 or bfloat16 model; prefill and mixed batches stay on the Python path.
 
 The C++ side lives in KVFleet's extension (``engine/model/extension.py``, built once per venv);
 ``load_extension`` raises ``ExtensionUnavailable`` when it cannot be built, and ``ModelRunner`` then decodes
@@ -44,7 +46,7 @@ class FusedDecodeStep:
     """The decode-only forward of a ``LlamaForCausalLM`` (its weights shared, not copied) as one C++ call.
 
     ``ExtensionUnavailable`` when the extension cannot be built; ``ValueError`` for a model this cannot
-    run (an attention backend other than ``torch``, a device other than the CPU)."""
+    run (an attention backend other than ``torch``, a device other than the CPU, float16)."""
 
     def __init__(self, model) -> None:
         if not supports(model.attn, model.device, model.dtype):

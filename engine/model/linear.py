@@ -74,8 +74,9 @@ class _WeightOnlyLinear:
     def use_cpu_kernels(self, ext: ModuleType) -> bool:
         """Take the extension's kernels where this CPU runs them (AVX512-VNNI for the few-row kernel,
         AVX512-BF16 for the dense one); False (nothing changed) where neither applies."""
-        if ext.gemv_supported() and self._vnni_fits():
-            self.vnni_blocks, self.vnni_max_rows, self._ext = self._vnni_pack(ext), self._vnni_rows(ext), ext
+        packed = self._vnni_pack(ext) if ext.gemv_supported() else None
+        if packed is not None:
+            (self.vnni_blocks, self.vnni_max_rows), self._ext = packed, ext
         if ext.bf16_matmul_supported():
             self.dense_weight = self.dequantized().to(torch.bfloat16)
         return self._ext is not None or self.dense_weight is not None
@@ -112,14 +113,11 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
         """The float32 weight this layer computes with (``qweight * scale``)."""
         return self.qweight.float() * self.scales.float()[:, None]
 
-    def _vnni_fits(self) -> bool:
-        return self.out_features % 16 == 0 and self.in_features % 32 == 0
-
-    def _vnni_pack(self, ext: ModuleType) -> torch.Tensor:
-        return ext.int8_pack(self.qweight)
-
-    def _vnni_rows(self, ext: ModuleType) -> int:
-        return ext.INT8_MAX_ROWS
+    def _vnni_pack(self, ext: ModuleType) -> tuple[torch.Tensor, int] | None:
+        """The VNNI blocks and the most rows they take; None for a shape they cannot hold."""
+        if self.out_features % 16 or self.in_features % 32:
+            return None
+        return ext.int8_pack(self.qweight), ext.INT8_MAX_ROWS
 
     def _vnni(self, flat: torch.Tensor) -> torch.Tensor:
         return self._ext.int8_gemv(flat, self.vnni_blocks, self.scales)
@@ -148,8 +146,8 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         zero = (lo + 8 * scale.float()).to(self.act_dtype)
         q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
         self.qweight = q.to(torch.uint8).reshape(self.out_features, self.in_features)  # (N, K), 0..15
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.qweight.to(torch.int32), 1)
-        self.packed = packed  # (N, K / 2) uint8, torch's layout
+        # (N, K / 2) uint8, torch's layout
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.qweight.to(torch.int32), 1)
         # (K / group_size, N, 2): scale and zero per group, the kernel's layout
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
 
@@ -159,14 +157,9 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         q = self.qweight.float().reshape(self.out_features, -1, self.group_size)
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
 
-    def _vnni_fits(self) -> bool:
-        return True  # every shape this layer accepts
-
-    def _vnni_pack(self, ext: ModuleType) -> torch.Tensor:
-        return ext.int4_pack(self.qweight, self.scales_and_zeros, self.group_size)
-
-    def _vnni_rows(self, ext: ModuleType) -> int:
-        return ext.INT4_MAX_ROWS
+    def _vnni_pack(self, ext: ModuleType) -> tuple[torch.Tensor, int]:
+        """The VNNI blocks (every shape this layer accepts fits them) and the most rows they take."""
+        return ext.int4_pack(self.qweight, self.scales_and_zeros, self.group_size), ext.INT4_MAX_ROWS
 
     def _vnni(self, flat: torch.Tensor) -> torch.Tensor:
         return self._ext.int4_gemv(flat, self.vnni_blocks, self.out_features, self.group_size)

@@ -8,8 +8,8 @@
 // the pool and the staged buffers, GQA decode attention over the staged or gathered K/V (one vectorized
 // exp per layer), residual adds. Activations stay float32 between the matmuls, where the bfloat16 Python
 // path rounds them to bfloat16 after every op, so the logits agree with the Python path's to float32
-// rounding in float32 and are closer to float32's in bfloat16 (tests/model/test_fused_decode.py). Built with
-// quant_gemv.cpp by engine/model/extension.py.
+// rounding in float32 and are closer to float32's in bfloat16 (tests/model/test_fused_decode.py). The loops
+// are glue.cpp's; built with it and quant_gemv.cpp into one module by engine/model/extension.py.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -136,6 +136,8 @@ class FusedDecoder {
               const std::optional<Tensor>& mask, const std::vector<Tensor>& stage_k,
               const std::vector<Tensor>& stage_v, const Tensor& rows, const Tensor& pos) {
     TORCH_CHECK(kv_buffer.is_contiguous(), "the KV pool must be contiguous");
+    for (size_t i = 0; mode != 0 && i < stage_k.size(); ++i)
+      TORCH_CHECK(stage_k[i].is_contiguous() && stage_v[i].is_contiguous(), "staged K/V must be contiguous");
     if (kv_buffer.scalar_type() == at::kBFloat16)
       return step_as<c10::BFloat16>(input_ids, positions, out_cache_loc, kv_buffer, mode, slots, smax, mask,
                                     stage_k, stage_v, rows, pos);
@@ -214,7 +216,6 @@ class FusedDecoder {
         row_len = smax;
       } else {
         const Tensor &sk = stage_k[i], &sv = stage_v[i];
-        TORCH_CHECK(sk.is_contiguous() && sv.is_contiguous(), "staged K/V must be contiguous");
         row_len = sk.size(1);
         if (mode == 1) {
           Tensor flat_k = sk.view({bd * row_len, kv_heads_, head_dim_});
