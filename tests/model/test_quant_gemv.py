@@ -70,6 +70,21 @@ def test_zero_activations_and_a_bias_and_leading_dims():
 
 
 @needs_vnni
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_activation_gives_non_finite_outputs_as_torchs_kernels_do(bad):
+    for layer in (
+        Int4WeightOnlyLinear(torch.randn(32, 64), None, 32),
+        Int8WeightOnlyLinear(torch.randn(32, 64), None),
+    ):
+        layer.use_cpu_kernels(ext)
+        x = torch.randn(2, 64)
+        x[0, 5] = bad
+        out = layer(x)
+        assert not out[0].isfinite().any()  # the row with it: no finite garbage
+        assert out[1].isfinite().all()  # the other row is untouched
+
+
+@needs_vnni
 def test_more_rows_than_the_kernel_takes_go_to_torchs_kernel():
     layer = Int4WeightOnlyLinear(torch.randn(32, 64), None, 32)
     x = torch.randn(ext.INT4_MAX_ROWS + 1, 64, dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
-// Weight-only int4 / int8 matmuls for a decode batch (1..kGemvMaxRows activation rows) with AVX512-VNNI.
+// Weight-only int4 / int8 matmuls for a decode batch (up to kInt4MaxRows / kInt8MaxRows activation rows) with
+// AVX512-VNNI.
 //
 // At one row torch's CPU kernels (_weight_int4pack_mm_for_cpu, _weight_int8pack_mm) dequantize every weight
 // to float and multiply-add 16 lanes per instruction, which leaves them compute-bound at about a third of the
@@ -24,6 +25,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace kvfleet {
@@ -59,15 +61,18 @@ Quantized quantize(const at::Tensor& x, int64_t group) {
       amax = std::max(amax, std::fabs(v[i]));
       sum += v[i];
     }
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    // a NaN or infinity in the group: no finite code for it, so the group's d is NaN and every output is
+    // NaN, as torch's kernels would give (the codes are zeros)
+    const bool finite = std::isfinite(sum) && std::isfinite(amax);
+    const float inv = finite && amax > 0.f ? 32767.f / amax : 0.f;
     int32_t hi_sum = 0;
     for (int64_t i = 0; i < group; ++i) {
-      const int32_t xq = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+      const int32_t xq = inv > 0.f ? static_cast<int32_t>(std::nearbyint(v[i] * inv)) : 0;
       q.hi[g * group + i] = static_cast<int8_t>(xq >> 8);  // arithmetic shift: xq = 256 * hi + lo
       q.lo[g * group + i] = static_cast<uint8_t>(xq & 0xFF);
       hi_sum += xq >> 8;
     }
-    q.scale[g] = amax / 32767.f;
+    q.scale[g] = finite ? amax / 32767.f : std::numeric_limits<float>::quiet_NaN();
     q.sum[g] = sum;
     q.hi_sum[g] = hi_sum;
   }
