@@ -182,11 +182,12 @@ def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: lis
             ratios[spec].append(v / this_round[specs[0]])
     torch.set_num_threads(threads_before)
     print(f"\nvariants, batch {batch}, context {context}, {rounds} interleaved rounds of {steps} steps")
-    print(f"{'variant':<22}{'wall ms/step':>14}{'CPU ms/step':>13}   vs {specs[0]} (median, min-max)")
+    width = max(22, *(len(s) + 2 for s in specs))
+    print(f"{'variant':<{width}}{'wall ms/step':>14}{'CPU ms/step':>13}   vs {specs[0]} (median, min-max)")
     for spec in specs:
         rs, w, c = ratios[spec], statistics.median(wall[spec]), statistics.median(cpu[spec])
         spread = f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})"
-        print(f"{spec:<22}{w * 1e3:>14.1f}{c * 1e3:>13.1f}   {spread}")
+        print(f"{spec:<{width}}{w * 1e3:>14.1f}{c * 1e3:>13.1f}   {spread}")
 
 
 def main() -> None:

@@ -41,7 +41,6 @@ def _ms(call, reps: int) -> float:
 
 def _row(name: str, rows: int, layers: list, reps: int) -> None:
     inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {x.in_features for x in layers}}
-    dense = [x.dequantized().to(torch.bfloat16) for x in layers]
     torch_ms = _ms(lambda: [x._torch_mm(inputs[x.in_features]) for x in layers], reps)
     line = f"{name:<16}{rows:>5}{torch_ms:>11.2f}"
     if layers[0].vnni_blocks is None:
@@ -50,11 +49,11 @@ def _row(name: str, rows: int, layers: list, reps: int) -> None:
         vnni_ms = _ms(lambda: [x._vnni(inputs[x.in_features]) for x in layers], reps)
         line += f"{vnni_ms:>11.2f}{vnni_ms / torch_ms:>7.2f}"
     else:
-        line += f"{'-':>18}"
+        line += f"{'-':>11}{'':>7}"
     if layers[0].dense_weight is None:
         line += f"{'no AVX512-BF16':>18}"
     else:
-        dense_ms = _ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in dense], reps)
+        dense_ms = _ms(lambda: [F.linear(inputs[x.in_features], x.dense_weight) for x in layers], reps)
         line += f"{dense_ms:>11.2f}{dense_ms / torch_ms:>7.2f}"
     print(line, flush=True)
 

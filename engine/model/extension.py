@@ -4,7 +4,7 @@
 ``fused/glue.cpp`` (its float32 row kernels) and ``fused/quant_gemv.cpp`` (int4 / int8 weight-only matmuls
 for a few activation rows with AVX512-VNNI, ``linear.py``) are one module, compiled with
 ``torch.utils.cpp_extension`` (g++ and ninja) into ``<venv>/kvfleet-ext/`` once per venv and source version
-(``make venv`` builds it, ``python -m engine.model.extension`` by hand, about a minute; a first use builds it
+(``make venv`` builds it, ``python -m engine.model.extension`` by hand, 25-60 s here; a first use builds it
 otherwise); later processes only load it. ``load_extension`` raises ``ExtensionUnavailable`` when it cannot
 be built.
 """

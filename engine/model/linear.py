@@ -56,9 +56,11 @@ class _WeightOnlyLinear:
     By default torch's weight-only kernel (bfloat16 activations). After ``use_cpu_kernels`` (the runner's
     default on the CPU): up to ``vnni_max_rows`` rows (a decode batch) KVFleet's VNNI kernel on integer
     blocks of the weight, and from ``DENSE_MIN_ROWS`` rows on (a prefill chunk) a dense bfloat16 matmul
-    (oneDNN) over the dequantized weight rounded to bfloat16, where the CPU has AVX512-BF16: at 12 rows it
-    matches torch's int4 kernel (8 for int8), at 32 it takes 0.4x its time, at 64 0.3x (docs/benchmarks.md).
-    The fused decode step (``fused/decode_step.cpp``) dispatches the same way."""
+    (oneDNN) where the CPU has AVX512-BF16: at 12 rows it matches torch's int4 kernel (8 for int8), at 32 it
+    takes 0.4x its time, at 64 0.3x (docs/benchmarks.md). Its weight is a bfloat16 copy, 2 bytes per weight
+    on top of the quantized ones: int4's dequantized weight rounded to bfloat16, int8's codes (exact in
+    bfloat16) with the row scales applied to the float32 output. Activations of any float dtype. The fused
+    decode step (``fused/decode_step.cpp``) dispatches the same way."""
 
     act_dtype = torch.bfloat16
     DENSE_MIN_ROWS = 12
@@ -69,6 +71,7 @@ class _WeightOnlyLinear:
         self.vnni_blocks: torch.Tensor | None = None  # the VNNI kernel's blocks, once taken
         self.vnni_max_rows = 0
         self.dense_weight: torch.Tensor | None = None  # (N, K) bfloat16, once taken
+        self.dense_scales: torch.Tensor | None = None  # (N,) float32 output scales of dense_weight, or None
         self._ext: ModuleType | None = None
 
     def use_cpu_kernels(self, ext: ModuleType) -> bool:
@@ -78,7 +81,7 @@ class _WeightOnlyLinear:
         if packed is not None:
             (self.vnni_blocks, self.vnni_max_rows), self._ext = packed, ext
         if ext.bf16_matmul_supported():
-            self.dense_weight = self.dequantized().to(torch.bfloat16)
+            self.dense_weight, self.dense_scales = self._dense_pack()
         return self._ext is not None or self.dense_weight is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +91,8 @@ class _WeightOnlyLinear:
             out = self._vnni(flat)
         elif self.dense_weight is not None and rows >= self.DENSE_MIN_ROWS:
             out = F.linear(flat.to(torch.bfloat16), self.dense_weight)
+            if self.dense_scales is not None:
+                out = out.float() * self.dense_scales
         else:
             out = self._torch_mm(flat.to(self.act_dtype))
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -112,6 +117,10 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with (``qweight * scale``)."""
         return self.qweight.float() * self.scales.float()[:, None]
+
+    def _dense_pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes as bfloat16 (|q| <= 127: exact) and the float32 row scales for the output."""
+        return self.qweight.to(torch.bfloat16), self.scales.float()
 
     def _vnni_pack(self, ext: ModuleType) -> tuple[torch.Tensor, int] | None:
         """The VNNI blocks and the most rows they take; None for a shape they cannot hold."""
@@ -156,6 +165,10 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         sz = self.scales_and_zeros.float().transpose(0, 1)  # (N, groups, 2)
         q = self.qweight.float().reshape(self.out_features, -1, self.group_size)
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).reshape(self.out_features, self.in_features)
+
+    def _dense_pack(self) -> tuple[torch.Tensor, None]:
+        """The dequantized weight rounded to bfloat16 (no output scales)."""
+        return self.dequantized().to(torch.bfloat16), None
 
     def _vnni_pack(self, ext: ModuleType) -> tuple[torch.Tensor, int]:
         """The VNNI blocks (every shape this layer accepts fits them) and the most rows they take."""

@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("", *QUANTIZATIONS),
         default="",
         help="int8wo: int8 weight-only linear layers; int4wo-<group>: int4 groupwise (cpu, --dtype bfloat16; "
-        "the group must divide the model's in_features); torch built-in kernels, no torchao needed",
+        "the group must divide the model's in_features); no torchao needed; on the cpu each call takes "
+        "KVFleet's or torch's kernels by its rows (--disable-cpu-quant-kernels)",
     )
     a("--served-model-name", default=None)
     a("--context-length", type=_positive_int("--context-length"), default=None)
@@ -165,16 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--disable-fused-decode",
         action="store_true",
-        help="decode on the Python path: by default a decode-only batch (torch backend, cpu) runs every "
-        "layer in one C++ call (same ops, same logits; built once per venv, skipped with a warning where "
-        "it cannot be built)",
+        help="decode on the Python path: by default a decode-only batch (torch backend, cpu, float32 or "
+        "bfloat16) runs every layer in one C++ call, float32 between the matmuls (built once per venv, "
+        "skipped with a warning where it cannot be built)",
     )
     a(
         "--disable-cpu-quant-kernels",
         action="store_true",
         help="--torchao-config int8wo/int4wo layers on torch's weight-only kernels only: by default decode "
         "batches take KVFleet's AVX512-VNNI integer kernels and prefill chunks a dense bfloat16 matmul "
-        "(AVX512-BF16) where the CPU has them",
+        "(AVX512-BF16; a bfloat16 copy of the weights, 2 bytes each) where the CPU has them",
     )
     a("--mem-fraction-static", type=_fraction, default=None, help="share of free GPU memory for KV (cuda)")
     a(

@@ -38,7 +38,8 @@ struct Linear {
   int64_t group = 0, out_features = 0, in_features = 0;
   Tensor vnni_blocks;  // quant_gemv's blocks (up to vnni_max_rows rows), undefined when not taken
   int64_t vnni_max_rows = 0;
-  Tensor dense_weight;  // bfloat16 dequantized weight (from dense_min_rows rows on), undefined when not taken
+  Tensor dense_weight;  // bfloat16 weight (from dense_min_rows rows on), undefined when not taken
+  Tensor dense_scales;  // float32 output scales of dense_weight (int8), undefined when none
   int64_t dense_min_rows = 0;
 
   // x (..., in_features) -> (..., out_features) in x's dtype
@@ -52,6 +53,7 @@ struct Linear {
                                : kvfleet::int4_gemv(flat, vnni_blocks, out_features, group);
     } else if (dense_weight.defined() && rows >= dense_min_rows) {
       out = at::linear(flat.to(at::kBFloat16), dense_weight);
+      if (dense_scales.defined()) out = out.to(at::kFloat) * dense_scales;
     } else {
       flat = flat.to(at::kBFloat16);
       out = kind == Kind::Int8 ? at::_weight_int8pack_mm(flat, weight, scales)
@@ -86,6 +88,7 @@ struct Linear {
     l.vnni_blocks = tensor("vnni_blocks");
     l.vnni_max_rows = layer.attr("vnni_max_rows").cast<int64_t>();
     l.dense_weight = tensor("dense_weight");
+    l.dense_scales = tensor("dense_scales");
     l.dense_min_rows = layer.attr("DENSE_MIN_ROWS").cast<int64_t>();
     return l;
   }

@@ -63,9 +63,11 @@ inline __attribute__((always_inline)) void values_impl(const float* probs, const
   }
 }
 
-// AVX512F decode attention for head_dim % 16 == 0 and <= kMaxDim: each key / value row is widened to
-// float32 once per KV head (not once per query head), and each query head's dot product is 16 lanes of FMAs
-// and one horizontal add; the value sums stay in registers per 16 lanes.
+// AVX512F decode attention for head_dim % 16 == 0 and <= kMaxDim: a key row is widened to float32 once per
+// KV head and shared by its query heads, each query head's dot product is 16 lanes of FMAs and one
+// horizontal add; the value sums of one query head stay in registers (a value row is widened once per query
+// head). Inside a decode step these loops wait on the K/V bytes from memory more than on arithmetic
+// (docs/benchmarks.md).
 constexpr int64_t kMaxDim = 256;
 
 #define KVFLEET_AVX512 __attribute__((target("avx512f")))

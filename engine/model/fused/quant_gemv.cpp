@@ -186,10 +186,8 @@ int64_t int8_group(int64_t in_features) { return in_features % 64 == 0 ? 64 : 32
 void check_rows(const at::Tensor& x, int64_t in_features, int64_t max_rows) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "activations must be (M, ", in_features, "), got ",
               x.sizes());
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, "this VNNI kernel takes 1..", max_rows, " rows, got ",
-              x.size(0));
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "activations must be float32 or bfloat16");
+  TORCH_CHECK(x.size(0) <= max_rows, "this VNNI kernel takes up to ", max_rows, " rows, got ", x.size(0));
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "activations must be floating point, got ", x.scalar_type());
 }
 
 }  // namespace

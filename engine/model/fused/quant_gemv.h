@@ -23,12 +23,12 @@ bool bf16_matmul_supported();
 // layout, w = (q - 8) * scale + zero) -> the kernel's uint8 blocks. N % 16 == 0, K % group == 0,
 // group % 8 == 0.
 at::Tensor int4_pack(const at::Tensor& qweight, const at::Tensor& scales_and_zeros, int64_t group);
-// x (M, K) float32 or bfloat16 -> (M, N) float32.
+// x (M, K) floating point, M <= kInt4MaxRows -> (M, N) float32.
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t out_features, int64_t group);
 
 // int8wo: qweight (N, K) int8 (one scale per row) -> the kernel's int8 blocks. N % 16 == 0, K % 32 == 0.
 at::Tensor int8_pack(const at::Tensor& qweight);
-// x (M, K) float32 or bfloat16, scales (N,) -> (M, N) float32.
+// x (M, K) floating point, M <= kInt8MaxRows, scales (N,) bfloat16 -> (M, N) float32.
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales);
 
 }  // namespace kvfleet
