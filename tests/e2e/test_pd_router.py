@@ -116,6 +116,13 @@ def _wait_clean(*urls: str, timeout: float = FAIL_BOUND_S) -> None:
             time.sleep(0.2)
 
 
+def _prefill_holds_unsent_kv(url: str) -> bool:
+    """A prefill worker's scheduler still holds a request (queued, bootstrapping, in its prefill or sending
+    its KV), not only the HTTP answer of one whose KV is already with the decode."""
+    info = httpx.get(f"{url}/server_info", timeout=10).json()
+    return info["num_waiting_reqs"] + info["num_running_reqs"] + info["num_pd_transfer_reqs"] > 0
+
+
 def _text(i: int, n: int = 90) -> str:
     rng = random.Random(i)
     words = ["alpha", "river", "stone", "cloud", "maple", "signal", "copper", "lantern", "harbor", "violet"]
@@ -260,13 +267,15 @@ def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(p
             for line in p2_info.splitlines()
         ), "P2 took no request"
 
-        # Long requests in flight, one more each round until P2 holds one (the router picks the prefill, so
-        # any fixed number may all land on P1); then SIGKILL P2.
+        # Long requests in flight, one more each round until P2's scheduler holds one (the router picks the
+        # prefill, so any fixed number may all land on P1); then SIGKILL P2. Not merely "not idle": a request
+        # whose KV already reached D counts until P2's HTTP answer is sent, and under load the kill could land
+        # in that tail, after which D finishes the request (the test passed alone and failed in a CI run).
         long_sp = {"max_new_tokens": 60, "temperature": 0}
         pool = concurrent.futures.ThreadPoolExecutor(24)
         started = time.monotonic()
         futures = []
-        while httpx.get(f"{p2.url}/server_info", timeout=10).json()["is_idle"]:
+        while not _prefill_holds_unsent_kv(p2.url):
             assert len(futures) < 24 and time.monotonic() - started < 60, "P2 never got a request"
             body = {"text": _text(200 + len(futures)), "sampling_params": long_sp}
             futures.append(pool.submit(httpx.post, f"{url}/generate", json=body, timeout=120))
