@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs (as root) or reports the system packages KVFleet needs:
 # libibverbs1 (Mooncake transfer engine), redis-server, chromium (browser tests), g++ and ninja-build
-# (the fused decode step's C++ extension, engine/model/fused_decode.py).
+# (KVFleet's C++ extension: the fused decode step and the CPU quantized kernels, engine/model/extension.py).
 set -euo pipefail
 missing=()
 ldconfig -p | grep -q 'libibverbs.so.1' || missing+=(libibverbs1)
