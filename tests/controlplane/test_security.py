@@ -69,6 +69,11 @@ async def _connect(query: str, origin: bytes | None = None):
     headers = [(b"origin", origin)] if origin else []
     communicator = WebsocketCommunicator(application, f"/ws/v1/events/{query}", headers=headers)
     connected, code = await communicator.connect()
+    if not connected:
+        # a refused consumer still runs until the server's websocket.disconnect (it listens on the channel
+        # layer); left running it is cancelled with the test's event loop, and a cancelled channels_redis
+        # receive hung that teardown for the 600 s timeout once in CI
+        await communicator.disconnect()
     return communicator, connected, code
 
 
@@ -110,6 +115,7 @@ async def test_a_revoked_tokens_open_socket_is_closed(personas, api_as):
     assert await database_sync_to_async(revoke)() == 204
     closed = await communicator.receive_output(timeout=3)
     assert closed == {"type": "websocket.close", "code": 4401}
+    await communicator.disconnect()  # the server's side of the close: the consumer leaves its groups and ends
 
 
 def test_the_django_admin_cannot_write_what_must_be_audited(client):

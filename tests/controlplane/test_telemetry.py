@@ -122,6 +122,11 @@ async def _connect(path: str, origin: bytes | None = b"http://127.0.0.1"):
     headers = [(b"origin", origin)] if origin else []
     communicator = WebsocketCommunicator(application, path, headers=headers)
     connected, code = await communicator.connect()
+    if not connected:
+        # a refused consumer still runs until the server's websocket.disconnect (it listens on the channel
+        # layer); left running it is cancelled with the test's event loop, and a cancelled channels_redis
+        # receive hung that teardown for the 600 s timeout once in CI
+        await communicator.disconnect()
     return communicator, connected, code
 
 
