@@ -152,12 +152,15 @@ def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: lis
     """Each variant decodes ``steps`` steps per round; rounds alternate the order. Wall ms per step (the
     median of a round) and its ratio to the first variant of the same round, median (min-max) over rounds."""
     configs = [_parse_variant(s) for s in specs]
-    runners = {
-        (dt, q, fused, quant_kernels): ModelRunner.from_checkpoint(
-            ckpt, dtype=dt, quantization=q, fused_decode=fused, cpu_quant_kernels=quant_kernels
-        )
-        for dt, q, _, fused, quant_kernels in configs
-    }
+    try:
+        runners = {
+            (dt, q, fused, quant_kernels): ModelRunner.from_checkpoint(
+                ckpt, dtype=dt, quantization=q, fused_decode=fused, cpu_quant_kernels=quant_kernels
+            )
+            for dt, q, _, fused, quant_kernels in configs
+        }
+    except ValueError as exc:  # a QuantizationError or an unknown dtype: say which, no traceback
+        raise SystemExit(f"--variants: {exc}") from None
     wall: dict[str, list[float]] = defaultdict(list)
     cpu: dict[str, list[float]] = defaultdict(list)
     ratios: dict[str, list[float]] = defaultdict(list)
