@@ -87,7 +87,7 @@ class _WeightOnlyLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows = flat.size(0)
-        if rows <= self.vnni_max_rows:
+        if self.vnni_blocks is not None and rows <= self.vnni_max_rows:
             out = self._vnni(flat)
         elif self.dense_weight is not None and rows >= self.DENSE_MIN_ROWS:
             out = F.linear(flat.to(torch.bfloat16), self.dense_weight)

@@ -13,6 +13,7 @@ import statistics
 
 import pytest
 import torch
+from model_testlib import save_tiny_model
 from test_staged_decode import Pair
 
 from engine.cache.device_pool import DeviceKVPool
@@ -63,6 +64,17 @@ def test_int4_fused_decode_step_agrees_with_the_python_path(tiny_models):
     side = {"dtype": "bfloat16", "quantization": "int4wo-32"}
     pair = Pair(tiny_models["qwen3"][0], staged={**side, "fused_decode": True}, gathered=side, tolerance=0.05)
     _run(pair)  # measured up to 0.014 (the Python path rounds every activation to bfloat16)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_head_dim_the_avx512_loops_do_not_take_runs_the_portable_loops(tmp_path, dtype):
+    """head_dim 24 (not a multiple of 16): glue.cpp's portable attention loops, float32 and bfloat16 K/V."""
+    save_tiny_model(tmp_path, "qwen3", seed=7, head_dim=24)
+    side = {"dtype": dtype, "fused_decode": True}
+    tolerance = FLOAT32_ROUNDING if dtype == "float32" else 0.25
+    pair = Pair(tmp_path, staged=side, gathered={"dtype": dtype}, tolerance=tolerance)
+    assert pair.staged.kv_pool_spec().head_dim == 24 and pair.staged.fused_decode
+    _run(pair)
 
 
 def test_fused_decode_step_gathering_per_step_equals_the_python_path(tiny_models):

@@ -139,6 +139,7 @@ def test_float16_activations_and_an_empty_batch():
     assert out.dtype == torch.float16
     assert _relative_error(out, x.float() @ layer.dequantized().T) < 1e-3  # float16 output rounding
     assert layer(torch.empty(0, 64)).shape == (0, 32)
+    assert Int8WeightOnlyLinear(torch.randn(32, 64), None)(torch.empty(0, 64)).shape == (0, 32)  # no kernels
 
 
 @needs_vnni

@@ -48,7 +48,7 @@ struct Linear {
     Tensor flat = x.reshape({-1, in_features});
     const int64_t rows = flat.size(0);
     Tensor out;
-    if (rows <= vnni_max_rows) {
+    if (vnni_blocks.defined() && rows <= vnni_max_rows) {
       out = kind == Kind::Int8 ? kvfleet::int8_gemv(flat, vnni_blocks, scales)
                                : kvfleet::int4_gemv(flat, vnni_blocks, out_features, group);
     } else if (dense_weight.defined() && rows >= dense_min_rows) {
