@@ -11,9 +11,9 @@ from django.utils import timezone
 from controlplane.accounts.models import ApiToken, Role
 from controlplane.accounts.selectors import TOKEN_PREFIX, token_digest, user_role
 from controlplane.audit.services import audit_record
+from controlplane.core.broadcast import emit_on_commit
+from controlplane.core.events import token_group
 from controlplane.core.exceptions import ApplicationError
-from controlplane.telemetry.broadcast import emit_on_commit
-from controlplane.telemetry.events import token_group
 
 
 def _user_snapshot(user) -> dict:

@@ -148,7 +148,7 @@ async def latency(base: str, token: str, worker_ids: list[int], messages: int, s
     import httpx
     from asgiref.sync import sync_to_async
 
-    from controlplane.telemetry.broadcast import emit
+    from controlplane.core.broadcast import emit
 
     ws_url = base.replace("http://", "ws://") + f"/ws/v1/events/?token={token}"
     sent: dict[tuple[int, int], float] = {}

@@ -17,7 +17,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from controlplane.accounts.models import ApiToken
 from controlplane.accounts.permissions import READ_ROLES
 from controlplane.accounts.selectors import user_role
-from controlplane.telemetry.events import GROUP_PATTERN, envelope, token_group
+from controlplane.core.events import GROUP_PATTERN, envelope, token_group
 
 MAX_GROUPS = 300
 # Group kind -> roles that may read it: the same as REST (/telemetry/*, /inventory/workers, /operations,

@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from django.utils import timezone
 
+from controlplane.core.broadcast import emit
+from controlplane.core.events import worker_group
 from controlplane.core.exceptions import ApplicationError
 from controlplane.inventory.models import EngineWorker, WorkerState
 from controlplane.telemetry import store
-from controlplane.telemetry.broadcast import emit
-from controlplane.telemetry.events import worker_group
 from controlplane.telemetry.metrics import SNAPSHOT_KEYS, finish_snapshot, parse_prometheus, with_rates
 from controlplane.telemetry.selectors import fleet_summary
 from controlplane.workerclient import WorkerClient, WorkerError

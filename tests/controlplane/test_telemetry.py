@@ -10,9 +10,9 @@ from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
 from cp_fakes import FakeWorker
 
 from controlplane.asgi import application
+from controlplane.core.events import EVENT_TYPES
 from controlplane.inventory.models import EngineWorker
 from controlplane.telemetry import store
-from controlplane.telemetry.events import EVENT_TYPES
 from controlplane.telemetry.metrics import histogram_quantile, parse_prometheus, with_rates
 from controlplane.telemetry.services import metrics_ingest, scrape_all
 

@@ -8,6 +8,8 @@ from django.utils import timezone
 
 from controlplane.audit.models import Outcome
 from controlplane.audit.services import audit_outcome_resolve, audit_record
+from controlplane.core.broadcast import emit_on_commit
+from controlplane.core.events import operation_group
 from controlplane.operations.models import (
     ACTIVE_STATES,
     Operation,
@@ -17,8 +19,6 @@ from controlplane.operations.models import (
 )
 from controlplane.operations.models import TargetState as T
 from controlplane.operations.services.transitions import enqueue_steps, target_transition
-from controlplane.telemetry.broadcast import emit_on_commit
-from controlplane.telemetry.events import operation_group
 
 
 def _to_revert(targets: list[OperationTarget]) -> list[OperationTarget]:

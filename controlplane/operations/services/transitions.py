@@ -8,6 +8,8 @@ from django.utils import timezone
 
 from controlplane.audit.models import Outcome
 from controlplane.audit.services import audit_record
+from controlplane.core.broadcast import emit_on_commit
+from controlplane.core.events import operation_group
 from controlplane.core.exceptions import ApplicationError
 from controlplane.operations.models import (
     FINAL_STATES,
@@ -17,8 +19,6 @@ from controlplane.operations.models import (
     OperationTarget,
 )
 from controlplane.operations.models import TargetState as T
-from controlplane.telemetry.broadcast import emit_on_commit
-from controlplane.telemetry.events import operation_group
 
 
 class InvalidTransition(ApplicationError):

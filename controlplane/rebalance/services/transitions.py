@@ -9,6 +9,8 @@ from django.utils import timezone
 
 from controlplane.audit.models import Outcome
 from controlplane.audit.services import audit_record
+from controlplane.core.broadcast import emit_on_commit
+from controlplane.core.events import rebalance_group
 from controlplane.core.exceptions import ApplicationError
 from controlplane.rebalance.models import (
     FINAL_STATES,
@@ -21,8 +23,6 @@ from controlplane.rebalance.models import (
 )
 from controlplane.rebalance.models import RebalanceState as R
 from controlplane.rebalance.models import StepState as S
-from controlplane.telemetry.broadcast import emit_on_commit
-from controlplane.telemetry.events import rebalance_group
 
 
 class InvalidTransition(ApplicationError):

@@ -14,7 +14,7 @@ import threading
 from channels.layers import get_channel_layer
 from django.db import transaction
 
-from controlplane.telemetry.events import envelope
+from controlplane.core.events import envelope
 
 log = logging.getLogger(__name__)
 MESSAGE_TYPE = "broadcast.event"
