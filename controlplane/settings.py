@@ -273,3 +273,6 @@ LOGGING = {
 # Capacity what-if: the shared Mooncake traces, and how long one replay (a sweep) may run.
 KVFLEET_TRACE_DIR = os.environ.get("KVFLEET_TRACE_DIR", "/work/shared/data/mooncake-traces")
 WHATIF_TIMEOUT_S = float(os.environ.get("WHATIF_TIMEOUT_S", "240"))
+# Each replay is a CPU-bound child process: at most this many at once per user and in all (429 beyond).
+WHATIF_MAX_PER_USER = int(os.environ.get("WHATIF_MAX_PER_USER", "1"))
+WHATIF_MAX_RUNNING = int(os.environ.get("WHATIF_MAX_RUNNING", "2"))

@@ -43,3 +43,4 @@ urlpatterns = [
 ]
 
 handler404 = "controlplane.core.exceptions.not_found"
+handler500 = "controlplane.core.exceptions.server_error"

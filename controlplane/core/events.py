@@ -4,9 +4,11 @@ Envelope: {"v": 1, "type": "<domain>.<event>", "id": uuid hex, "ts": ISO-8601 UT
 Types: worker.metrics, fleet.metrics, operation.state_changed, operation.target_changed,
 rebalance.state_changed, rebalance.step_changed, control.subscribed, control.error, control.revoked
 (server-internal: closes the sockets of a revoked token). Groups clients may subscribe: "fleet", "operations",
-"worker.<id>", "operation.<id>", "rebalances", "rebalance.<id>"; "token.<prefix>" holds a token's sockets.
+"worker.<id>", "operation.<id>", "rebalances", "rebalance.<id>"; "token.<prefix>" holds a token's sockets,
+"user.<id>" every socket of a user, "session.<digest>" the sockets of one console login session.
 """
 
+import hashlib
 import re
 import uuid
 from datetime import UTC, datetime
@@ -55,3 +57,15 @@ def rebalance_group(rebalance_id: int) -> str:
 def token_group(prefix: str) -> str:
     """The sockets opened with one API token (joined on connect, never subscribable)."""
     return f"token.{prefix}"
+
+
+def user_group(user_id: int) -> str:
+    """Every socket of one user (joined on connect, never subscribable): closed when the user is deactivated
+    or deleted."""
+    return f"user.{user_id}"
+
+
+def session_group(session_key: str) -> str:
+    """The sockets of one console login session (joined on connect): closed on logout. The key is a
+    credential, so the group is named by a digest of it."""
+    return "session." + hashlib.sha256(session_key.encode()).hexdigest()[:32]

@@ -4,15 +4,22 @@ Services raise ApplicationError (or a subclass) with an HTTP status; DRF and Dja
 same envelope by `exception_handler`.
 """
 
+import logging
+import sys
+
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import DatabaseError, DataError, IntegrityError
 from django.http import Http404, JsonResponse
 from django.views.defaults import page_not_found
+from django.views.defaults import server_error as html_server_error
 from rest_framework import exceptions as drf_exceptions
 from rest_framework import status
 from rest_framework.response import Response
 
 from controlplane.core.context import current_request_id
+
+log = logging.getLogger(__name__)
 
 
 class ApplicationError(Exception):
@@ -62,9 +69,24 @@ def error_body(code: str, message: str, detail=None) -> dict:
     }
 
 
+def database_error(exc: DatabaseError) -> ApplicationError:
+    """The API's answer to a database error no service handled: 409 ``integrity_error`` for a constraint a
+    write broke, 400 ``data_error`` for a value the column refuses, else 503 ``database_unavailable`` (the
+    server refused or lost the connection, e.g. "too many clients"; retry). The driver's text stays in the
+    server log: it can quote row values."""
+    if isinstance(exc, IntegrityError):
+        return ConflictError("the change conflicts with stored data", code="integrity_error")
+    if isinstance(exc, DataError):
+        return ApplicationError("a value does not fit its database column", code="data_error")
+    return ServiceUnavailable("the database is unavailable; retry shortly", code="database_unavailable")
+
+
 def exception_handler(exc, context):
     from rest_framework.views import exception_handler as drf_exception_handler  # DRF imports this module
 
+    if isinstance(exc, DatabaseError):
+        log.error("database error in %s: %r", context.get("view").__class__.__name__, exc)
+        exc = database_error(exc)
     if isinstance(exc, ApplicationError):
         return Response(error_body(exc.code, exc.message, exc.detail), status=exc.status_code)
     if isinstance(exc, DjangoValidationError):
@@ -93,3 +115,15 @@ def not_found(request, exception=None):
     if request.path.startswith("/api/"):
         return JsonResponse(error_body("not_found", "Not found.", {"path": request.path}), status=404)
     return page_not_found(request, exception)
+
+
+def server_error(request):
+    """The 500 page (``handler500``): under ``/api/`` the JSON envelope (a database error as
+    :func:`database_error` maps it), never Django's HTML page; Django's page elsewhere."""
+    if not request.path.startswith("/api/"):
+        return html_server_error(request)
+    exc = sys.exc_info()[1]
+    if isinstance(exc, DatabaseError):
+        err = database_error(exc)
+        return JsonResponse(error_body(err.code, err.message), status=err.status_code)
+    return JsonResponse(error_body("server_error", "Internal server error."), status=500)

@@ -8,16 +8,20 @@ Access follows the REST roles (``GROUP_READ_ROLES``, the read roles of the endpo
 data): anonymous sockets are closed with 4401 before accept, a role that may read no group (agent) with
 4403; a group the role may not read is refused with control.error. A socket opened with ``?token=`` is
 closed with 4401 when that token is revoked (``token_revoke`` sends ``control.revoked`` to its
-``token.<prefix>`` group) and re-checked on every subscribe (expiry).
+``token.<prefix>`` group) and re-checked on every subscribe (expiry). Every socket is also closed with 4401
+when its user is deactivated or deleted (``user.<id>`` group), and a console socket when its session logs
+out (``session.<digest>`` group; ``controlplane.accounts.signals``); a subscribe re-checks that the user
+is still active.
 """
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.contrib.auth import get_user_model
 
 from controlplane.accounts.models import ApiToken
 from controlplane.accounts.permissions import READ_ROLES
 from controlplane.accounts.selectors import user_role
-from controlplane.core.events import GROUP_PATTERN, envelope, token_group
+from controlplane.core.events import GROUP_PATTERN, envelope, session_group, token_group, user_group
 
 MAX_GROUPS = 300
 # Group kind -> roles that may read it: the same as REST (/telemetry/*, /inventory/workers, /operations,
@@ -42,9 +46,22 @@ def _role_of(user) -> str | None:
 
 
 @database_sync_to_async
-def _still_active(token_id: int) -> bool:
+def _still_active(user_id: int, token_id: int | None) -> bool:
+    if token_id is None:
+        return get_user_model().objects.filter(pk=user_id, is_active=True).exists()
     token = ApiToken.objects.select_related("user").filter(pk=token_id).first()
     return token is not None and token.is_active and token.user.is_active
+
+
+def _control_groups(scope) -> list[str]:
+    """The server-internal groups a socket joins: its user's, and its token's or its login session's."""
+    groups = [user_group(scope["user"].pk)]
+    token, session = scope.get("api_token"), scope.get("session")
+    if token is not None:
+        groups.append(token_group(token.prefix))
+    elif session is not None and session.session_key:
+        groups.append(session_group(session.session_key))
+    return groups
 
 
 class EventConsumer(AsyncJsonWebsocketConsumer):
@@ -59,18 +76,18 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             return
         self.groups_joined: set[str] = set()
         self.token = self.scope.get("api_token")
-        if self.token is not None:
-            await self.channel_layer.group_add(token_group(self.token.prefix), self.channel_name)
+        self.control_groups = _control_groups(self.scope)
+        for group in self.control_groups:
+            await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
 
     async def disconnect(self, code):
-        for group in getattr(self, "groups_joined", set()):
+        for group in getattr(self, "groups_joined", set()) | set(getattr(self, "control_groups", [])):
             await self.channel_layer.group_discard(group, self.channel_name)
-        if getattr(self, "token", None) is not None:
-            await self.channel_layer.group_discard(token_group(self.token.prefix), self.channel_name)
 
     async def receive_json(self, content, **kwargs):
-        if self.token is not None and not await _still_active(self.token.pk):
+        token_id = self.token.pk if self.token is not None else None
+        if not await _still_active(self.scope["user"].pk, token_id):
             await self.close(code=4401)
             return
         groups = content.get("groups") if isinstance(content, dict) else None

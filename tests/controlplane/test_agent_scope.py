@@ -166,3 +166,14 @@ def test_integer_overflow_in_agent_fields_is_a_400_naming_the_field(api_as, path
     inner = detail["host"]["gpus"]["0"] if where == "gpus" else detail["workers"]["0"]
     assert list(inner) == [field]
     assert not Gpu.objects.exists() and not EngineWorker.objects.exists()
+
+
+def test_a_repeated_gpu_index_is_a_400_naming_the_field(api_as):
+    gpu = {"model": "H100", "memory_mib": 81559}
+    host = {"name": AGENT_HOST, "gpus": [{"index": 0, **gpu}, {"index": 1, **gpu}, {"index": 1, **gpu}]}
+    response = api_as("agent").post("/api/v1/agent/register/", {"host": host}, format="json")
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["code"] == "validation_error"
+    assert error["detail"] == {"host": {"gpus": ["GPU index repeated: 1"]}}
+    assert not Gpu.objects.exists()

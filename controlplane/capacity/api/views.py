@@ -18,6 +18,7 @@ from controlplane.capacity.api.serializers import (
     TraceIngestSerializer,
     WhatIfSerializer,
 )
+from controlplane.capacity.limits import whatif_slot
 from controlplane.telemetry.services import ingest_worker
 
 
@@ -93,7 +94,8 @@ class WhatIfApi(APIView):
     request's, else the page size of the trace's pool's workers, else the fleet's, else the demo's 16) and
     ``skipped``: why the sweep points left out cannot be replayed (e.g. L2 not larger than L1).
     A calculation: any role may run it. 400 names the bad field (or repeats the replay's error), 404 for
-    an unknown trace, 504 past the time limit."""
+    an unknown trace, 429 ``too_many_whatif_runs`` while the user already runs ``WHATIF_MAX_PER_USER`` or
+    the control plane ``WHATIF_MAX_RUNNING`` replays (each is a child process), 504 past the time limit."""
 
     write_roles = READ_ROLES
 
@@ -122,7 +124,8 @@ class WhatIfApi(APIView):
         ]
         for tier in ("l1", "l2", "l3"):
             options += [f"--{tier}-tokens", data[f"{tier}_tokens"].replace(" ", "")]
-        points, skipped = services.whatif_run(  # ApplicationError whatif_failed: 400 / 504, as documented
-            trace_text=text, options=options, timeout_s=settings.WHATIF_TIMEOUT_S
-        )
+        with whatif_slot(user_id=request.user.pk):  # 429 too_many_whatif_runs past the limits
+            points, skipped = services.whatif_run(  # ApplicationError whatif_failed: 400 / 504, as documented
+                trace_text=text, options=options, timeout_s=settings.WHATIF_TIMEOUT_S
+            )
         return Response({"page_size": page_size, "points": points, "skipped": skipped})

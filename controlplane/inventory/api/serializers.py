@@ -194,6 +194,14 @@ class AgentHostSerializer(serializers.Serializer):
     memory_bytes = JsonIntegerField(min_value=1, max_value=2**63 - 1, required=False)
     gpus = AgentGpuSerializer(many=True, required=False)
 
+    def validate_gpus(self, gpus: list[dict]) -> list[dict]:
+        """GPU indexes are unique per host (the database's constraint): a repeated one is a 400 here."""
+        indexes = [g["index"] for g in gpus]
+        repeated = sorted({i for i in indexes if indexes.count(i) > 1})
+        if repeated:
+            raise serializers.ValidationError(f"GPU index repeated: {', '.join(map(str, repeated))}")
+        return gpus
+
 
 class AgentWorkerSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=100)
