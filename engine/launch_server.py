@@ -6,6 +6,10 @@ Start-up errors print one line naming the flag or path and exit before anything 
   use); the address is bound before the model loads, so this fails fast.
 - 1: the model (``--model-path`` unusable).
 
+Flags are parsed before the model stack (torch, the model, the HTTP server) is imported, so ``--help`` and
+a flag error answer at once. An unknown flag names the closest real ones, and an upstream SGLang flag this
+engine does not implement says so (:mod:`engine.server.upstream_flags`).
+
 Once serving, a scheduler thread that dies (a crash) stops the server and the process exits with 3 (the cause
 is logged), so a supervisor restarts the worker instead of keeping a process that can only answer 503.
 """
@@ -18,13 +22,12 @@ import socket
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import uvicorn
-
-from engine.model.errors import ModelLoadError
-from engine.server.app import create_app
 from engine.server.args import ArgumentError, parse_args
-from engine.server.builder import build_engine
+
+if TYPE_CHECKING:
+    import uvicorn
 
 logger = logging.getLogger("engine.launch_server")
 EXIT_SCHEDULER_DIED = 3
@@ -75,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with sock:
         logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+        # the model stack (torch, the model, the HTTP app) loads only once the flags are known to be good
+        import uvicorn
+
+        from engine.model.errors import ModelLoadError
+        from engine.server.app import create_app
+        from engine.server.builder import build_engine
+
         try:
             engine = build_engine(args)
         except ArgumentError as exc:

@@ -7,12 +7,18 @@ when anything is left over, calls ``parser.error("unrecognized arguments: ...")`
 exit status 2 unless the parser's ``error`` is overridden); otherwise it parses normally. The usage line
 of each parser is fixed before that first pass, so ``--help`` (and the error's usage) still shows a required
 flag as required (``--spec SPEC``, not ``[--spec SPEC]``).
+
+Each unknown flag is explained: ``explain(flag)`` (a caller's hook, e.g. upstream flags KVFleet leaves out)
+when it answers, else the closest real flags of the parser by ``difflib`` ("did you mean ...?").
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator, Sequence
+import difflib
+from collections.abc import Callable, Iterator, Sequence
+
+MAX_SUGGESTIONS = 3
 
 
 def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
@@ -31,8 +37,62 @@ def _actions(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
                 yield from _actions(sub)
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """``parser.parse_args(argv)``, except that unknown flags are reported first, naming them."""
+def closest_flags(flag: str, known: dict[str, str]) -> list[str]:
+    """Up to ``MAX_SUGGESTIONS`` flags closest to ``flag``, best first. ``known`` maps every option string
+    to the one a suggestion names (an alias's canonical flag); names are compared without the dashes and
+    with ``_`` read as ``-``, so ``--model_path`` finds ``--model-path``."""
+
+    def name(option: str) -> str:
+        return option.lstrip("-").replace("_", "-")
+
+    by_name = {name(option): canonical for option, canonical in known.items()}
+    matches = difflib.get_close_matches(name(flag), list(by_name), n=len(by_name), cutoff=0.6)
+    return list(dict.fromkeys(by_name[match] for match in matches))[:MAX_SUGGESTIONS]
+
+
+def describe_unknown(
+    unknown: Sequence[str], known: dict[str, str], explain: Callable[[str], str | None] | None = None
+) -> str:
+    """The error for the leftover ``unknown`` argv items: each flag's ``explain`` answer (its values
+    dropped), else "unrecognized arguments: ..." naming the closest ``known`` flags (see
+    :func:`closest_flags`); items that are not flags (a stray value) are listed as they are."""
+    parts, plain = [], []
+    explained = False
+    for item in unknown:
+        if not item.startswith("-"):
+            if not explained:
+                plain.append(item)
+            continue
+        flag = item.split("=", 1)[0]
+        why = explain(flag) if explain else None
+        explained = why is not None
+        if why is not None:
+            parts.append(why)
+            continue
+        close = closest_flags(flag, known)
+        plain.append(f"{item} (did you mean {' or '.join(close)}?)" if close else item)
+    if plain:
+        parts.insert(0, f"unrecognized arguments: {' '.join(plain)}")
+    return "; ".join(parts)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Every option string of ``parser`` (and its subcommands) -> the action's first long one."""
+    out = {}
+    for action in _actions(parser):
+        longs = [o for o in action.option_strings if o.startswith("--")] or action.option_strings
+        for option in action.option_strings:
+            out.setdefault(option, longs[0])
+    return out
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+    explain: Callable[[str], str | None] | None = None,
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that unknown flags are reported first, naming them, each with
+    ``explain(flag)`` or the closest real flags (:func:`describe_unknown`)."""
     parsers = [p for p in _parsers(parser) if p.usage is None]
     for p in parsers:  # argparse formats usage from ``required`` when it prints it: freeze it first
         p.usage = p.format_usage().removeprefix("usage: ").rstrip("\n").replace("%", "%%")
@@ -48,5 +108,5 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
         for p in parsers:
             p.usage = None
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.error(describe_unknown(unknown, _option_strings(parser), explain))
     return parser.parse_args(argv)

@@ -8,8 +8,10 @@ import Triton, so the engine can ask where the kernels run without paying for th
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def interpreting() -> bool:
@@ -19,8 +21,9 @@ def interpreting() -> bool:
 
 def unavailable_reason(device: torch.device | str) -> str | None:
     """Why the kernels cannot run on ``device`` (None when they can): CUDA, or any device under the
-    interpreter."""
-    device = torch.device(device)
-    if device.type == "cuda" or interpreting():
+    interpreter. Reads only the device's type, so it does not import torch (``launch_server`` validates
+    ``--attention-backend`` with it before the model stack loads)."""
+    device_type = str(device).split(":", 1)[0]
+    if device_type == "cuda" or interpreting():
         return None
-    return f"Triton kernels need a CUDA device or TRITON_INTERPRET=1 (the KV pool is on {device.type})"
+    return f"Triton kernels need a CUDA device or TRITON_INTERPRET=1 (the KV pool is on {device_type})"

@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES = {
 }
 # rope types whose inv_freq this engine computes (see engine/model/rotary.py)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# --torchao-config values (engine/model/linear.py): int8 weight-only, int4 groupwise with upstream's groups
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+QUANTIZATIONS = ("int8wo", *(f"int4wo-{g}" for g in INT4_GROUP_SIZES))
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-QUANTIZATIONS = ("int8wo", *(f"int4wo-{g}" for g in INT4_GROUP_SIZES))
+from engine.model.config import QUANTIZATIONS
 
 
 class QuantizationError(ValueError):

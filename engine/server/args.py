@@ -2,8 +2,10 @@
 
 Follows ``sglang.srt.server_args.ServerArgs``: every flag keeps its upstream spelling and its ``dest`` is the
 upstream attribute name, so ``/server_info`` reports the same keys as an SGLang worker. Only the flags this
-engine implements exist; any other flag is a start-up error that names it. KVFleet adds ``--device cpu|cuda``
-(upstream also has ``--device``; here it picks the torch device the model and the L1 pool live on).
+engine implements exist; any other flag is a start-up error that names it and the closest real flags, or
+says that the upstream flag is not supported by KVFleet (:mod:`engine.server.upstream_flags`). KVFleet adds
+``--device cpu|cuda`` (upstream also has ``--device``; here it picks the torch device the model and the L1
+pool live on). This module imports no torch, so flags are checked before the model stack loads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from engine.cache.config import (
     parse_extra_config,
 )
 from engine.cache.storage.registry import registered_backends
-from engine.model.linear import QUANTIZATIONS
+from engine.model.config import QUANTIZATIONS
+from engine.server import upstream_flags
 from engine.sizing.tiers import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from kernels import unavailable_reason
 
@@ -243,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None) -> ServerArgs:
     """Parse and validate ``argv``; raises ``ArgumentError`` naming the flag on any problem."""
-    values = vars(unknown_flags.parse_args(build_parser(), argv))
+    values = vars(unknown_flags.parse_args(build_parser(), argv, upstream_flags.explain))
     for name, env_var in SECRET_ENV.items():
         path = values.pop(f"{name}_file")
         if values[name] is None and path:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from engine.cache.host_pool import GIB, host_memory_reserve, requested_host_tokens
-
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 DEFAULT_MEM_FRACTION_STATIC = 0.88
 HIGH_MEM_FRACTION = 0.92  # above this, activations and CUDA graphs have too little room on the GPU
@@ -103,6 +101,10 @@ def size_tiers(
             )
     l2 = ram_left = None
     if enable_hierarchical_cache:
+        # imported here: the pool module loads torch, and launch_server reads this module's constants
+        # before it parses its flags
+        from engine.cache.host_pool import GIB, host_memory_reserve, requested_host_tokens
+
         l2 = requested_host_tokens(l1, page_size, bytes_per_token, hicache_ratio, hicache_size)
         if l2 <= l1:
             warnings.append(

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.model.config import INT4_GROUP_SIZES
 from engine.model.extension import load_extension
-from engine.model.linear import INT4_GROUP_SIZES, Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from engine.model.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from engine.model.runner import ModelRunner
 from engine.server.args import parse_args
 

@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig, StorageConfigError
 
-DYNAMIC_BACKEND = "dynamic"
 _REQUIRED = ("backend_name", "module_path", "class_name")
 _LOADER_FIELDS = (*_REQUIRED, "interface_v1")
 

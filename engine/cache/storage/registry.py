@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import TYPE_CHECKING
 
-from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
-from engine.cache.storage.dynamic import DYNAMIC_BACKEND, load_dynamic_backend
+if TYPE_CHECKING:  # the backends load torch: imported when one is built, so listing names stays cheap
+    from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
 
 logger = logging.getLogger(__name__)
+
+DYNAMIC_BACKEND = "dynamic"
+"""The name that loads a user's class named in the extra config (:mod:`engine.cache.storage.dynamic`)."""
 
 _BACKENDS: dict[str, tuple[str, str]] = {
     "file": ("engine.cache.storage.file", "HiCacheFile"),
@@ -42,6 +46,8 @@ def load_backend_class(module_path: str, class_name: str) -> type[HiCacheStorage
     Raises ``ImportError`` (module cannot be imported or has no such class) or ``TypeError`` (not a
     HiCacheStorage subclass), each naming the module and class.
     """
+    from engine.cache.storage.base import HiCacheStorage
+
     try:
         module = importlib.import_module(module_path)
     except Exception as exc:
@@ -61,6 +67,8 @@ def create_storage_backend(name: str, config: HiCacheStorageConfig, host_pool) -
     (e.g. :class:`StorageConfigError`) propagate.
     """
     if name == DYNAMIC_BACKEND:
+        from engine.cache.storage.dynamic import load_dynamic_backend
+
         backend = load_dynamic_backend(config, load_backend_class)
     elif name in _BACKENDS:
         backend = load_backend_class(*_BACKENDS[name])(config)

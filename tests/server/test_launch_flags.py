@@ -1,0 +1,88 @@
+"""``python -m engine.launch_server`` flag handling: answers before the model stack loads, and an unknown
+flag names the real one (closest match, a mistaken spelling's real flag, or "not supported by KVFleet")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.server.args import ArgumentError, build_parser, parse_args
+from engine.server.upstream_flags import MISTAKEN, NOT_YET, UNSUPPORTED
+
+# Runs the module as `python -m` does, then reports the exit code and which heavy modules got imported.
+_RUN = """
+import json, runpy, sys
+sys.argv = ["engine.launch_server", *json.loads(sys.argv[1])]
+try:
+    runpy.run_module("engine.launch_server", run_name="__main__", alter_sys=True)
+    code = None
+except SystemExit as exc:
+    code = exc.code
+heavy = [m for m in ("torch", "uvicorn", "transformers", "engine.model.runner") if m in sys.modules]
+print(json.dumps({"code": code, "heavy": heavy}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "says"),
+    [
+        (["--help"], 0, "--enable-hierarchical-cache"),
+        (["--model-path", "m", "--enable-hicache"], 2, "use --enable-hierarchical-cache"),
+        (["--model-path", "m", "--page-size", "zero"], 2, "--page-size must be an integer"),
+    ],
+)
+def test_help_and_flag_errors_answer_without_importing_the_model_stack(argv, code, says):
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN, json.dumps(argv)], capture_output=True, text=True, timeout=60
+    )
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"code": code, "heavy": []}, done.stderr
+    assert says in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "real"),
+    [
+        ("--enable-hicache", "use --enable-hierarchical-cache"),
+        ("--hicache-mem-pool-size=8", "use --hicache-size or --hicache-ratio"),
+    ],
+)
+def test_a_mistaken_spelling_names_the_real_flags(flag, real):
+    with pytest.raises(ArgumentError) as exc:
+        parse_args(["--model-path", "m", flag])
+    assert str(exc.value) == f"unrecognized argument {flag.split('=')[0]}: {real}"
+
+
+def test_an_upstream_flag_kvfleet_lacks_is_not_supported_not_unrecognized():
+    with pytest.raises(ArgumentError) as exc:
+        parse_args(["--model-path", "m", "--kv-cache-dtype", "fp8_e5m2"])
+    assert str(exc.value) == "--kv-cache-dtype is an SGLang flag not supported by KVFleet"
+
+
+@pytest.mark.parametrize("flag", ["--tp-size", "--tp"])
+def test_tensor_parallel_flags_are_not_supported_yet(flag):
+    with pytest.raises(ArgumentError, match=rf"^{flag} is not supported by KVFleet yet \(tensor parallel"):
+        parse_args(["--model-path", "m", flag, "2"])
+
+
+@pytest.mark.parametrize(
+    ("typo", "suggested"),
+    [
+        ("--hicache-raito", "--hicache-ratio"),
+        ("--model_path", "--model-path"),
+        ("--enable-hierarchial-cache", "--enable-hierarchical-cache"),
+    ],
+)
+def test_a_typo_suggests_the_closest_real_flag_first(typo, suggested):
+    argv = [typo, "m"] if typo == "--model_path" else ["--model-path", "m", typo, "3"]
+    with pytest.raises(ArgumentError, match=rf"^unrecognized arguments: {typo} \(did you mean {suggested}\b"):
+        parse_args(argv)
+
+
+def test_the_upstream_lists_name_no_real_flag_and_point_only_at_real_ones():
+    real = {option for action in build_parser()._actions for option in action.option_strings}
+    assert not real & (set(UNSUPPORTED) | set(NOT_YET) | set(MISTAKEN))
+    assert {target for targets in MISTAKEN.values() for target in targets} <= real
