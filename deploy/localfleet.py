@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from deploy.demo_keys import delete_fleet_keys  # noqa: E402
-from deploy.router import router_command, worker_args  # noqa: E402
-from engine.cache.storage.mooncake_master import MooncakeMaster  # noqa: E402
+from engine.fleet.mooncake_master import MooncakeMaster  # noqa: E402
+from engine.fleet.router import router_command, worker_args  # noqa: E402
 
 PY = sys.executable
 TIERS = ("device", "host", "storage")

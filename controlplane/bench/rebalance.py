@@ -4,8 +4,9 @@ traffic with no rebalance, in the same run.
     python -m controlplane.bench.rebalance [--clients 2] [--baseline-s 20] [--soak-s 5] [--redis-url URL]
                                            [--method switch|restart]
 
-Three real SmolLM2 engines (Mooncake over TCP) behind the real sglang-router in PD mode (deploy/router.py
-ROUTER_FLAGS), a real Celery worker on Redis, a fresh SQLite database and a random key prefix/queue. Method
+Three real SmolLM2 engines (Mooncake over TCP) behind the real sglang-router in PD mode
+(engine/fleet/router.py ROUTER_FLAGS), a real Celery worker on Redis, a fresh SQLite database and a random
+key prefix/queue. Method
 `switch` (default): the engines run with --enable-pd-role-switch and each step switches in place; `restart`:
 they run without it, launched by a real `kvfleet-agent run` talking to the control plane's API under daphne
 (controlplane/bench/agent_fleet.py), and each step's agent restarts its worker in the new role. Phases,
@@ -158,8 +159,8 @@ def _start_engines(engines: list) -> dict[str, str]:
 
 
 def _start_router(urls: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    from deploy.router import router_command
     from engine.bench.launcher import free_port
+    from engine.fleet.router import router_command
 
     args = ["--pd-disaggregation", "--policy", "round_robin"]
     for name, role in ROLES.items():

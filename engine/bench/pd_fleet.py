@@ -32,8 +32,8 @@ from datetime import UTC, datetime
 
 import httpx
 
-from deploy.router import router_command, worker_args
 from engine.bench.launcher import ServerProcess, free_port
+from engine.fleet.router import router_command, worker_args
 
 VOCAB = 49152  # SmolLM2
 WORKER_FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--max-total-tokens", "8192",

@@ -34,8 +34,8 @@ from engine.cache.host_pool import HostKVPool
 from engine.cache.keys import page_hashes
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
 from engine.cache.storage.file import PageRanges
-from engine.cache.storage.mooncake_master import MooncakeMaster
 from engine.cache.storage.registry import create_storage_backend
+from engine.fleet.mooncake_master import MooncakeMaster
 
 LAYOUT = "page_first_direct"
 

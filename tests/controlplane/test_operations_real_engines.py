@@ -22,8 +22,8 @@ from controlplane.audit.models import AuditEvent
 from controlplane.operations.models import ACTIVE_STATES
 from controlplane.operations.services import operation_create, target_step
 from controlplane.rebalance.services import pd
-from deploy.router import router_command, worker_args
 from engine.bench.launcher import ServerProcess, free_port
+from engine.fleet.router import router_command, worker_args
 from engine.server.contract import HiCacheConfigStatus, PdRoleSwitchResponse, StorageBackendStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]

@@ -25,8 +25,8 @@ from cp_factories import AGENT_HOST, EngineWorkerFactory, RouterFactory
 from controlplane.audit.models import AuditEvent
 from controlplane.inventory.models import EngineWorker
 from controlplane.rebalance.models import Rebalance
-from deploy.router import router_command
 from engine.bench.launcher import ServerProcess, free_port
+from engine.fleet.router import router_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}

@@ -17,8 +17,8 @@ from cp_factories import RouterFactory
 
 from controlplane.audit.models import AuditEvent
 from controlplane.rebalance.models import Rebalance
-from deploy.router import router_command
 from engine.bench.launcher import ServerProcess, free_port
+from engine.fleet.router import router_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 KEY = "rb-api-key-7f3a"

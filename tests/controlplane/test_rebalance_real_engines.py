@@ -22,8 +22,8 @@ from cp_factories import EngineWorkerFactory, RouterFactory
 from controlplane.audit.models import AuditEvent
 from controlplane.rebalance.models import Rebalance
 from controlplane.workerclient import RouterClient
-from deploy.router import router_command
 from engine.bench.launcher import ServerProcess, free_port
+from engine.fleet.router import router_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--random-seed", "0", "--enable-metrics",

@@ -65,9 +65,9 @@ def test_engine_host_spec_loads_and_router_targets_its_worker():
 
 
 def test_the_router_starts_with_kvfleets_resilience_flags():
-    """Same flags as the demo's router (deploy/router.py ROUTER_FLAGS): no breaker, fast health checks,
+    """Same flags as the demo's router (engine/fleet/router.py ROUTER_FLAGS): no breaker, fast health checks,
     retries that outlast them."""
-    from deploy.router import ROUTER_FLAGS
+    from engine.fleet.router import ROUTER_FLAGS
 
     cmd = [str(a) for a in SERVICES["router"]["command"]]
     at = cmd.index(ROUTER_FLAGS[0])
@@ -89,7 +89,7 @@ def test_every_redis_kvfleet_starts_persists_its_queue():
 
 def test_every_router_kvfleet_starts_is_built_by_router_command():
     """No module spells its own sglang-router command line (compose's is checked above)."""
-    builder, this = REPO / "deploy" / "router.py", Path(__file__).resolve()
+    builder, this = REPO / "engine" / "fleet" / "router.py", Path(__file__).resolve()
     own = [
         str(path.relative_to(REPO))
         for top in ("controlplane", "deploy", "engine", "tests")

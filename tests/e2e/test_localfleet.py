@@ -37,8 +37,8 @@ def test_uses_the_redis_that_answers(tmp_path):
 def test_pd_demo_is_2p1d_with_a_bootstrap_port_each_and_role_switch(tmp_path):
     """`make demo PD=1` can be rebalanced: 2P1D (a target other than the current split exists), every
     worker with --enable-pd-role-switch and its own bootstrap port (the decode's for when it becomes one)."""
-    from deploy.router import router_command
     from engine.agent.spec import load_spec
+    from engine.fleet.router import router_command
 
     fleet = LocalFleet(log_dir=tmp_path, pd=True)
     assert fleet.spec.name == "fleet.pd.toml" and fleet.num_workers == 3

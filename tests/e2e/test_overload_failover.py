@@ -19,8 +19,8 @@ import time
 import httpx
 import pytest
 
-from deploy.router import router_command, worker_args
 from engine.bench.launcher import ServerProcess, free_port
+from engine.fleet.router import router_command, worker_args
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--model-path", "smollm2", "--max-total-tokens", "1024", "--max-running-requests", "1",

@@ -16,9 +16,9 @@ import time
 import httpx
 import pytest
 
-from deploy.router import router_command
 from engine.bench.launcher import ServerProcess, free_port
 from engine.bench.pd_peer import PeerProcess
+from engine.fleet.router import router_command
 
 pytestmark = pytest.mark.slow
 

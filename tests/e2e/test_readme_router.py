@@ -1,5 +1,5 @@
-"""The README's hand-written sglang-router command is the one deploy/router.py builds: same arguments in the
-same order (so KVFleet's ROUTER_FLAGS are in it), and sglang-router's own parser takes every flag."""
+"""The README's hand-written sglang-router command is the one engine/fleet/router.py builds: same arguments in
+the same order (so KVFleet's ROUTER_FLAGS are in it), and sglang-router's own parser takes every flag."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 import shlex
 from pathlib import Path
 
-from deploy.router import ROUTER_FLAGS, router_command
+from engine.fleet.router import ROUTER_FLAGS, router_command
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MODULE = router_command([], 0, 0)[2]  # the router's module, named by the builder only

@@ -15,8 +15,8 @@ import pytest
 
 from controlplane.inventory.models import Router
 from controlplane.inventory.selectors import router_breakers
-from deploy.router import ROUTER_FLAGS, router_command, worker_args
 from engine.bench.launcher import ServerProcess, free_port
+from engine.fleet.router import ROUTER_FLAGS, router_command, worker_args
 
 pytestmark = pytest.mark.slow
 CONTEXT = 128

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from deploy.router import router_command, worker_args
 from engine.bench.launcher import ServerProcess, free_port
+from engine.fleet.router import router_command, worker_args
 
 pytestmark = pytest.mark.slow
 

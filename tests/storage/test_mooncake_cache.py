@@ -11,7 +11,7 @@ import torch
 from engine.cache.config import HiCacheConfig
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
-from engine.cache.storage.mooncake_master import MooncakeMaster
+from engine.fleet.mooncake_master import MooncakeMaster
 
 pytestmark = pytest.mark.slow
 

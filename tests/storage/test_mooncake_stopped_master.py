@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from engine.bench.launcher import ServerProcess
-from engine.cache.storage.mooncake_master import MooncakeMaster
+from engine.fleet.mooncake_master import MooncakeMaster
 
 pytestmark = pytest.mark.slow
 

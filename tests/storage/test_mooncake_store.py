@@ -11,8 +11,8 @@ import torch
 
 from engine.cache.keys import page_hashes
 from engine.cache.storage.base import StorageConfigError, StorageError
-from engine.cache.storage.mooncake_master import MooncakeMaster
 from engine.cache.storage.registry import create_storage_backend
+from engine.fleet.mooncake_master import MooncakeMaster
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,8 @@
 """GPU benchmark of the kernels: correctness on the device first, then speed against same-run baselines.
 
-``python -m kernels.bench`` (needs CUDA; a few minutes on one H100/H200-class GPU). ``--tiny`` shrinks every
-shape so the script's own logic can be checked on a CPU under ``TRITON_INTERPRET=1``; its timings are then
-meaningless and it says so.
+``python -m engine.bench.kernels`` (needs CUDA; a few minutes on one H100/H200-class GPU). ``--tiny`` shrinks
+every shape so the script's own logic can be checked on a CPU under ``TRITON_INTERPRET=1``; its timings are
+then meaningless and it says so.
 
 1. Checks: the page-transfer kernel against torch indexing (every host layout, both directions, page sizes
    1/16/64, fp16/bf16/fp32, destinations pre-filled with NaN), decode and extend attention against dense
@@ -358,14 +358,16 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.bench.kernels", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: checks the script on a CPU")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per transfer (default 8192)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     reason = unavailable_reason(device)
     if reason:
-        print(f"kernels.bench: {reason}", file=sys.stderr)
+        print(f"engine.bench.kernels: {reason}", file=sys.stderr)
         return 2
     if args.tiny:
         tokens, layers, heads, dim, iters, width = 128, 2, 2, 16, 1, 64
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens, layers, heads, dim, iters, width = args.tokens, 32, 8, 128, 5, 4096
         attention = {"batch": 64, "prefix": 2048, "extend": 512, "heads": 32, "kv_heads": 8, "dim": 128}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
-    print(f"# kernels.bench on {name}, torch {torch.__version__}")
+    print(f"# engine.bench.kernels on {name}, torch {torch.__version__}")
     if interpreting():
         print("TRITON_INTERPRET=1: timings below measure the interpreter, not a GPU; do not report them.")
     failures = check_transfer(device) + check_attention(device)

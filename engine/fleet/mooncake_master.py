@@ -6,7 +6,7 @@ loopback ports picked at start. Used by the tests, the storage benchmark and ``m
     with MooncakeMaster() as master:
         extra = {"master_server_address": master.master_address, "metadata_server": master.metadata_url}
 
-``python -m engine.cache.storage.mooncake_master`` runs one in the foreground and prints its addresses.
+``python -m engine.fleet.mooncake_master`` runs one in the foreground and prints its addresses.
 """
 
 from __future__ import annotations
