@@ -7,6 +7,8 @@ from collections import defaultdict
 
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
 from controlplane.inventory.selectors import router_breakers
+from controlplane.operations.models import TARGET_MACHINE
+from controlplane.rebalance.models import REBALANCE_MACHINE, STEP_MACHINE
 from controlplane.rebalance.planner.inputs import DEFAULT_SLO
 from controlplane.telemetry import store
 from controlplane.telemetry.metrics import TIERS
@@ -27,6 +29,12 @@ HICACHE_FIELDS = (
     "prefetch_timeout_max",
 )
 MASTER_KEYS = ("master_server_address", "master", "master_address")
+
+
+def state_machines() -> dict:
+    """The state sets the pages need ({machine: {states, active, final, outcome, ...}}), from the same
+    tables the services move rows with (rendered into every page as JSON: KV.machines)."""
+    return {m.name: m.console_constants() for m in (TARGET_MACHINE, REBALANCE_MACHINE, STEP_MACHINE)}
 
 
 def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:

@@ -15,7 +15,14 @@ def _render(request, name: str, pk: int | None = None, **context):
     return render(
         request,
         f"frontend/{name}.html",
-        {"page": name, "pk": pk, "role": role, "can_write": role in ("operator", "admin"), **context},
+        {
+            "page": name,
+            "pk": pk,
+            "role": role,
+            "can_write": role in ("operator", "admin"),
+            "state_machines": selectors.state_machines(),
+            **context,
+        },
     )
 
 

@@ -3,13 +3,14 @@
 Target states: pending -> waiting_for_idle -> applying -> verifying -> succeeded | failed | cancelled; under
 all_or_nothing, any target an apply was sent to (succeeded, or failed after the apply went out) then moves to
 reverting -> reverted | revert_failed.
-`TRANSITIONS` is the whole table; `services.transitions.target_transition` is the only writer of
-`OperationTarget.state`.
+`TRANSITIONS` is the whole table and `TARGET_MACHINE` (controlplane.core.state_machine) the sets derived from
+it; `services.transitions.target_transition` is the only writer of `OperationTarget.state`.
 """
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+
+from controlplane.core.state_machine import StateMachine
 
 
 class OperationKind(models.TextChoices):
@@ -63,10 +64,18 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     T.FAILED: frozenset({T.REVERTING}),
     T.REVERTING: frozenset({T.REVERTED, T.REVERT_FAILED}),
 }
+# An operation target in progress; succeeded and failed are not final: all_or_nothing can still revert them.
 ACTIVE_STATES = frozenset({T.PENDING, T.WAITING_FOR_IDLE, T.APPLYING, T.VERIFYING, T.REVERTING})
-# States with no way out (succeeded and failed can still be reverted under all_or_nothing).
-FINAL_STATES = frozenset({T.REVERTED, T.REVERT_FAILED, T.CANCELLED})
-OUTCOME_STATES = frozenset({T.SUCCEEDED, T.FAILED, T.REVERTED, T.REVERT_FAILED})
+TARGET_MACHINE = StateMachine(
+    name="target",
+    states=TargetState,
+    transitions=TRANSITIONS,
+    active=ACTIVE_STATES,
+    # A move into one of these appends the worker's audit record.
+    outcome=frozenset({T.SUCCEEDED, T.FAILED, T.REVERTED, T.REVERT_FAILED}),
+)
+FINAL_STATES = TARGET_MACHINE.final  # reverted, revert_failed, cancelled
+OUTCOME_STATES = TARGET_MACHINE.outcome
 
 
 class Operation(models.Model):
@@ -133,7 +142,7 @@ class OperationTarget(models.Model):
         constraints = [
             models.UniqueConstraint(
                 fields=["worker"],
-                condition=Q(state__in=["pending", "waiting_for_idle", "applying", "verifying", "reverting"]),
+                condition=TARGET_MACHINE.active_q(),
                 name="one_active_target_per_worker",
             )
         ]

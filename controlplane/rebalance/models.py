@@ -1,7 +1,9 @@
 """Rebalance (a P:D ratio change on one PD router) and its steps (one worker's role switch each).
 
-Each has ONE transition table: `TRANSITIONS` for the rebalance, `STEP_TRANSITIONS` for a step;
-`services.transitions` is the only writer of either `state` (compare-and-set on the expected state).
+Each has ONE transition table: `TRANSITIONS` for the rebalance, `STEP_TRANSITIONS` for a step, with the sets
+and the operator actions derived from it in `REBALANCE_MACHINE` / `STEP_MACHINE`
+(controlplane.core.state_machine); `services.transitions` is the only writer of either `state`
+(compare-and-set on the expected state).
 
 Rebalance: planned -> running (auto) | awaiting_approval (per_step) -> running -> ... per step ... ->
 succeeded; pause/approval wait between steps; a failed step (or breached SLO) -> rolling_back ->
@@ -15,7 +17,8 @@ a succeeded step is rolled back the same way when the whole rebalance rolls back
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+
+from controlplane.core.state_machine import StateMachine
 
 
 class Approval(models.TextChoices):
@@ -59,7 +62,27 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     R.ROLLING_BACK: frozenset({R.ROLLED_BACK, R.FAILED}),
 }
 ACTIVE_STATES = frozenset({R.PLANNED, R.AWAITING_APPROVAL, R.RUNNING, R.PAUSED, R.ROLLING_BACK})
-FINAL_STATES = frozenset({R.SUCCEEDED, R.ROLLED_BACK, R.FAILED, R.ABORTED})
+# Operator actions (services.launch) and when each is allowed; a running rebalance takes pause and abort as
+# requests its step runner honours between steps, so each is allowed once.
+REBALANCE_MACHINE = StateMachine(
+    name="rebalance",
+    states=RebalanceState,
+    transitions=TRANSITIONS,
+    active=ACTIVE_STATES,
+    outcome=frozenset({R.SUCCEEDED, R.ROLLED_BACK, R.FAILED, R.ABORTED}),  # the rebalance's outcome record
+    actions={
+        "approve": lambda rb: rb.state == R.AWAITING_APPROVAL,
+        "pause": lambda rb: (
+            rb.state == R.AWAITING_APPROVAL or (rb.state == R.RUNNING and not rb.pause_requested)
+        ),
+        "resume": lambda rb: rb.state == R.PAUSED or (rb.state == R.RUNNING and rb.pause_requested),
+        "abort": lambda rb: (
+            rb.state in (R.PLANNED, R.AWAITING_APPROVAL, R.PAUSED)
+            or (rb.state == R.RUNNING and not rb.abort_requested)
+        ),
+    },
+)
+FINAL_STATES = REBALANCE_MACHINE.final  # succeeded, rolled_back, failed, aborted
 
 
 class StepState(models.TextChoices):
@@ -90,8 +113,17 @@ STEP_TRANSITIONS: dict[str, frozenset[str]] = {
     S.ROLLING_BACK: frozenset({S.ROLLED_BACK, S.ROLLBACK_FAILED}),
 }
 STEP_ACTIVE_STATES = frozenset({S.DRAINING, S.SWITCHING, S.GATING, S.SOAKING, S.ROLLING_BACK})
-STEP_FINAL_STATES = frozenset({S.FAILED, S.ROLLED_BACK, S.ROLLBACK_FAILED, S.CANCELLED})
-STEP_OUTCOME_STATES = frozenset({S.SUCCEEDED, S.FAILED, S.ROLLED_BACK, S.ROLLBACK_FAILED, S.CANCELLED})
+STEP_MACHINE = StateMachine(
+    name="step",
+    states=StepState,
+    transitions=STEP_TRANSITIONS,
+    active=STEP_ACTIVE_STATES,  # started and not settled (pending is neither active nor final)
+    # A move into one of these appends the worker's audit record.
+    outcome=frozenset({S.SUCCEEDED, S.FAILED, S.ROLLED_BACK, S.ROLLBACK_FAILED, S.CANCELLED}),
+    groups={"switched": frozenset({S.GATING, S.SOAKING, S.SUCCEEDED})},  # the worker runs its new role
+)
+STEP_FINAL_STATES = STEP_MACHINE.final  # failed, rolled_back, rollback_failed, cancelled
+STEP_OUTCOME_STATES = STEP_MACHINE.outcome
 
 
 class Rebalance(models.Model):
@@ -133,7 +165,7 @@ class Rebalance(models.Model):
         constraints = [
             models.UniqueConstraint(
                 fields=["router"],
-                condition=Q(state__in=["planned", "awaiting_approval", "running", "paused", "rolling_back"]),
+                condition=REBALANCE_MACHINE.active_q(),
                 name="one_active_rebalance_per_router",
             )
         ]
@@ -143,6 +175,11 @@ class Rebalance(models.Model):
             f"rebalance {self.pk} ({self.before_prefill}P{self.before_decode}D -> "
             f"{self.target_prefill}P{self.target_decode}D)"
         )
+
+    @property
+    def allowed_actions(self) -> list[str]:
+        """The operator actions (approve, pause, resume, abort) this rebalance takes now."""
+        return REBALANCE_MACHINE.allowed_actions(self)
 
 
 class RebalanceStep(models.Model):

@@ -85,5 +85,7 @@ async def test_progress_is_pushed_to_the_rebalance_groups(personas):
     states = [m["data"] for m in seen if m["type"] == "rebalance.state_changed"]
     assert len(states) == 2  # once to rebalance.<id>, once to rebalances
     assert all(
-        (s["rebalance_id"], s["from"], s["state"]) == (rb.pk, "awaiting_approval", "aborted") for s in states
+        (s["rebalance_id"], s["from"], s["state"], s["allowed_actions"])
+        == (rb.pk, "awaiting_approval", "aborted", [])
+        for s in states
     )

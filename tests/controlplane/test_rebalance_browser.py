@@ -206,6 +206,8 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
         expect(page.locator("#rb-steps tbody tr .badge")).to_have_text("cancelled")
         expect(page.locator("#rb-history tbody tr")).to_have_count(2)
         expect(page.locator("#rb-history tbody tr").first.locator(".badge")).to_have_text("aborted")
+        # an ended rebalance takes no action: the server's allowed_actions is empty, no button shows
+        expect(page.locator("#rb-actions [data-action]:visible")).to_have_count(0)
         expect(page.get_by_test_id("split")).to_have_text("2P:1D")  # d1 runs prefill since rebalance 1
         expect(page.get_by_test_id("rec-status")).to_have_text("cooldown")  # the counts just changed
         page.get_by_label("Chart time window").select_option("3600")  # re-read over 1 h, every chart redrawn

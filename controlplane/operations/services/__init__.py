@@ -7,6 +7,7 @@
 - reaper: settles targets a lost task left behind, purges old Idempotency-Key records.
 """
 
+from controlplane.core.state_machine import InvalidTransition
 from controlplane.operations.services.aggregation import operation_refresh
 from controlplane.operations.services.launch import (
     operation_cancel,
@@ -17,7 +18,7 @@ from controlplane.operations.services.launch import (
 )
 from controlplane.operations.services.reaper import idempotency_purge, reap_stuck_targets
 from controlplane.operations.services.steps import target_step
-from controlplane.operations.services.transitions import InvalidTransition, target_transition
+from controlplane.operations.services.transitions import target_transition
 
 __all__ = [
     "InvalidTransition",

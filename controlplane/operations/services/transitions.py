@@ -1,28 +1,12 @@
-"""The one writer of OperationTarget.state (compare-and-set on the expected state) and its audit records."""
-
-from contextlib import nullcontext
+"""The one writer of OperationTarget.state (TARGET_MACHINE's compare-and-set) and its audit records."""
 
 from django.db import transaction
-from django.db.models import F
-from django.utils import timezone
 
 from controlplane.audit.models import Outcome
 from controlplane.audit.services import audit_record
-from controlplane.core.broadcast import emit_on_commit
 from controlplane.core.events import operation_group
-from controlplane.core.exceptions import ApplicationError
-from controlplane.operations.models import (
-    FINAL_STATES,
-    OUTCOME_STATES,
-    TRANSITIONS,
-    OperationKind,
-    OperationTarget,
-)
+from controlplane.operations.models import TARGET_MACHINE, OperationKind, OperationTarget
 from controlplane.operations.models import TargetState as T
-
-
-class InvalidTransition(ApplicationError):
-    code = "invalid_transition"
 
 
 def publish_steps(target_ids: list[int]) -> None:
@@ -50,45 +34,33 @@ def target_transition(target: OperationTarget, *, to: str, explanation: str | No
     same transaction, and it always broadcasts the change.
     Raises InvalidTransition when `to` is not allowed from the expected state.
     """
-    expected = target.state
-    if to not in TRANSITIONS.get(expected, frozenset()):
-        raise InvalidTransition(f"target {target.pk}: {expected} -> {to} is not allowed")
-    now = timezone.now()
-    changes = {"state": to, "updated_at": now, **fields}
     if explanation is not None:
-        changes["explanation"] = explanation
-    if to in FINAL_STATES or to in OUTCOME_STATES:
-        changes["finished_at"] = now
-    audited = to in OUTCOME_STATES
+        fields["explanation"] = explanation
+    audited = to in TARGET_MACHINE.outcome
     previous_after = target.after
+
+    def events(expected: str) -> list:
+        op_id = target.operation_id
+        data = {
+            "operation_id": op_id,
+            "target_id": target.pk,
+            "worker": target.worker.name,
+            "from": expected,
+            "state": to,
+            "explanation": target.explanation,
+        }
+        return [(operation_group(op_id), "operation.target_changed", data)]
+
     # A progress-only move is one UPDATE (its own transaction in autocommit); an outcome also appends its
     # audit record, in the same transaction.
-    with transaction.atomic() if audited else nullcontext():
-        moved = OperationTarget.objects.filter(pk=target.pk, state=expected).update(
-            version=F("version") + 1, **changes
-        )
-        if not moved:
-            return False
-        for key, value in changes.items():
-            setattr(target, key, value)
-        target.version += 1
-        if audited:
-            _audit_target(target, expected, previous_after)
-        op_id = target.operation_id
-        emit_on_commit(
-            operation_group(op_id),
-            "operation.target_changed",
-            {
-                "operation_id": op_id,
-                "target_id": target.pk,
-                "worker": target.worker.name,
-                "from": expected,
-                "state": to,
-                "explanation": target.explanation,
-            },
-            seq=target.version,
-        )
-    return True
+    return TARGET_MACHINE.transition(
+        target,
+        to=to,
+        changes=fields,
+        atomic=audited,
+        audit=(lambda expected: _audit_target(target, expected, previous_after)) if audited else None,
+        events=events,
+    )
 
 
 def _restore_pointer(target: OperationTarget) -> dict:

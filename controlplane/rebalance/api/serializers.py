@@ -41,6 +41,11 @@ class RebalanceSerializer(serializers.ModelSerializer):
     target = serializers.SerializerMethodField()
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
     steps = RebalanceStepSerializer(many=True, read_only=True)
+    allowed_actions = serializers.ListField(
+        child=serializers.CharField(),
+        read_only=True,
+        help_text="The actions (approve, pause, resume, abort) this rebalance takes now",
+    )
 
     class Meta:
         model = Rebalance
@@ -62,6 +67,7 @@ class RebalanceSerializer(serializers.ModelSerializer):
             "approved_steps",
             "pause_requested",
             "abort_requested",
+            "allowed_actions",
             "created_by",
             "request_id",
             "created_at",

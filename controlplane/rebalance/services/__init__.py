@@ -9,6 +9,7 @@
 - reaper: restarts the task chain of a rebalance whose chain was lost.
 """
 
+from controlplane.core.state_machine import InvalidTransition
 from controlplane.rebalance.services.launch import (
     rebalance_abort,
     rebalance_approve,
@@ -18,7 +19,6 @@ from controlplane.rebalance.services.launch import (
 )
 from controlplane.rebalance.services.reaper import rebalance_resume_stalled
 from controlplane.rebalance.services.steps import rebalance_advance
-from controlplane.rebalance.services.transitions import InvalidTransition
 
 __all__ = [
     "InvalidTransition",

@@ -8,7 +8,7 @@ from controlplane.audit.services import audit_record
 from controlplane.core.context import current_request_id
 from controlplane.core.exceptions import ApplicationError, ConflictError, ServiceUnavailable
 from controlplane.inventory.models import Router, RouterMode
-from controlplane.rebalance.models import ACTIVE_STATES, Approval, Rebalance, RebalanceStep
+from controlplane.rebalance.models import ACTIVE_STATES, REBALANCE_MACHINE, Approval, Rebalance, RebalanceStep
 from controlplane.rebalance.models import RebalanceState as R
 from controlplane.rebalance.models import StepState as S
 from controlplane.rebalance.services import canary, pd
@@ -199,16 +199,17 @@ def _locked(rb: Rebalance) -> Rebalance:
     return Rebalance.objects.select_for_update().select_related("router").get(pk=rb.pk)
 
 
-def _refuse(rb: Rebalance, action: str) -> ConflictError:
-    return ConflictError(f"rebalance {rb.pk} is {rb.state}: cannot {action}", code=f"cannot_{action}")
+def _require(rb: Rebalance, action: str) -> None:
+    """Raises ConflictError (code cannot_<action>) unless REBALANCE_MACHINE allows `action` now."""
+    if not REBALANCE_MACHINE.allows(rb, action):
+        raise ConflictError(f"rebalance {rb.pk} is {rb.state}: cannot {action}", code=f"cannot_{action}")
 
 
 def rebalance_approve(*, rb: Rebalance, actor, reason: str = "") -> Rebalance:
     """per_step: run the step that waits for approval. Raises ConflictError unless awaiting_approval."""
     with transaction.atomic():
         rb = _locked(rb)
-        if rb.state != R.AWAITING_APPROVAL:
-            raise _refuse(rb, "approve")
+        _require(rb, "approve")
         before = _snapshot(rb)
         nxt = rb.steps.filter(state=S.PENDING).order_by("index").first()
         approved = nxt.index + 1 if nxt is not None else rb.approved_steps
@@ -225,14 +226,13 @@ def rebalance_pause(*, rb: Rebalance, actor, reason: str = "") -> Rebalance:
     awaiting approval."""
     with transaction.atomic():
         rb = _locked(rb)
+        _require(rb, "pause")
         before = _snapshot(rb)
         if rb.state == R.AWAITING_APPROVAL:
             rebalance_transition(rb, to=R.PAUSED, explanation="paused while waiting for approval")
-        elif rb.state == R.RUNNING and not rb.pause_requested:
+        else:  # running: the step runner pauses before the next step
             Rebalance.objects.filter(pk=rb.pk).update(pause_requested=True)
             rb.pause_requested = True
-        else:
-            raise _refuse(rb, "pause")
         _audit_action(rb, "pause", actor, reason, before)
     return rb
 
@@ -242,15 +242,14 @@ def rebalance_resume(*, rb: Rebalance, actor, reason: str = "") -> Rebalance:
     not yet taken. Raises ConflictError otherwise."""
     with transaction.atomic():
         rb = _locked(rb)
+        _require(rb, "resume")
         before = _snapshot(rb)
         if rb.state == R.PAUSED:
             rebalance_transition(rb, to=R.RUNNING, explanation="resumed")
             enqueue_advance(rb.pk)
-        elif rb.state == R.RUNNING and rb.pause_requested:
+        else:  # running with a pause not yet taken: withdraw it
             Rebalance.objects.filter(pk=rb.pk).update(pause_requested=False)
             rb.pause_requested = False
-        else:
-            raise _refuse(rb, "resume")
         _audit_action(rb, "resume", actor, reason, before)
     return rb
 
@@ -262,8 +261,9 @@ def rebalance_abort(*, rb: Rebalance, actor, reason: str = "") -> Rebalance:
     Raises ConflictError when the rebalance has ended or is rolling back."""
     with transaction.atomic():
         rb = _locked(rb)
+        _require(rb, "abort")
         before = _snapshot(rb)
-        if rb.state in (R.PLANNED, R.AWAITING_APPROVAL, R.PAUSED):
+        if rb.state != R.RUNNING:  # between steps: stop now
             for step in rb.steps.filter(state=S.PENDING):
                 step.rebalance = rb
                 step_transition(step, to=S.CANCELLED, explanation="not run: the rebalance was aborted")
@@ -271,10 +271,8 @@ def rebalance_abort(*, rb: Rebalance, actor, reason: str = "") -> Rebalance:
             rebalance_transition(
                 rb, to=R.ABORTED, abort_requested=True, explanation=f"aborted between steps ({done} done)"
             )
-        elif rb.state == R.RUNNING and not rb.abort_requested:
+        else:  # the step runner stops at the current step's safe point
             Rebalance.objects.filter(pk=rb.pk).update(abort_requested=True)
             rb.abort_requested = True
-        else:
-            raise _refuse(rb, "abort")
         _audit_action(rb, "abort", actor, reason, before)
     return rb

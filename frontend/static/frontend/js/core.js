@@ -7,6 +7,10 @@
   var KV = (window.KV = { page: body.dataset.page, pk: body.dataset.pk, canWrite: body.dataset.canWrite === "1" });
   KV.$ = function (sel, root) { return (root || document).querySelector(sel); };
   KV.$$ = function (sel, root) { return Array.prototype.slice.call((root || document).querySelectorAll(sel)); };
+  /* the server's state machines: {target|rebalance|step: {states, active, final, outcome, ...}}, rendered
+     into the page from the tables the services use (controlplane/core/state_machine.py), never retyped here */
+  var machines = KV.$("#state-machines");
+  KV.machines = machines ? JSON.parse(machines.textContent) : {};
 
   function cookie(name) {
     var m = document.cookie.match(new RegExp("(?:^|; )" + name + "=([^;]*)"));

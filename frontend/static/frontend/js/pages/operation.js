@@ -6,7 +6,7 @@
 KV.ready(function () {
   "use strict";
   var tpl = KV.$("#tpl-target"), rows = {}, op = null;
-  var ACTIVE = ["pending", "waiting_for_idle", "applying", "verifying", "reverting"];
+  var ACTIVE = KV.machines.target.active;
   var POLL_REFRESH_S = 5;
 
   function targetView(t) {

@@ -9,8 +9,7 @@ KV.ready(function () {
   var WINDOW_S = 60, STEP_S = 5, REC_REFRESH_S = 15, COMPARE_S = 120, HISTORY = 1800, SAMPLE_S = 2;
   /* samples to read per worker: the chart window plus the before/after windows, at the agent's 2 s push */
   function historyLen() { return Math.min(HISTORY, Math.ceil((KV.windowS() + 2 * COMPARE_S) / SAMPLE_S)); }
-  var ACTIVE = ["planned", "awaiting_approval", "running", "paused", "rolling_back"];
-  var SWITCHED = ["gating", "soaking", "succeeded"];  // the worker already runs its new role
+  var SWITCHED = KV.machines.step.switched;  // the worker already runs its new role
   var members = data.workers.map(function (w) { return Object.assign({ samples: [], lastSeq: 0 }, w); });
   var rec = null, rb = null, list = [], stepRows = {};
   var wanted = Number(new URLSearchParams(location.search).get("rebalance")) || null;
@@ -132,11 +131,8 @@ KV.ready(function () {
       explanation: KV.readable(rb.explanation) || (rb.pause_requested ? "Pause requested." : rb.abort_requested ? "Abort requested." : "")
     }));
     rb.steps.forEach(putStep);
-    var show = {
-      approve: rb.state === "awaiting_approval", pause: (rb.state === "running" || rb.state === "awaiting_approval") && !rb.pause_requested,
-      resume: rb.state === "paused", abort: ACTIVE.indexOf(rb.state) >= 0 && rb.state !== "rolling_back" && !rb.abort_requested
-    };
-    KV.$$("#rb-actions [data-action]").forEach(function (b) { b.hidden = !show[b.dataset.action]; });
+    /* the server says which actions the rebalance takes now (the services' own rule) */
+    KV.$$("#rb-actions [data-action]").forEach(function (b) { b.hidden = rb.allowed_actions.indexOf(b.dataset.action) < 0; });
     renderCompare();
   }
   function select(id) {
@@ -276,7 +272,7 @@ KV.ready(function () {
       refreshRb();
     } else if (msg.type === "rebalance.state_changed" && d.router_id === Number(KV.pk)) {
       loadRec().catch(function () { /* the next tick reads it again */ });
-      if (rb && d.rebalance_id === rb.id) { rb.state = d.state; rb.explanation = d.explanation; renderRb(); }
+      if (rb && d.rebalance_id === rb.id) { rb.state = d.state; rb.explanation = d.explanation; rb.allowed_actions = d.allowed_actions; renderRb(); }
       if (!rb || d.rebalance_id === rb.id || !wanted) reloadList();  // history; a new one is followed
     }
   }
