@@ -5,6 +5,7 @@ from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.csrf import ensure_csrf_cookie
 
+from controlplane.accounts.permissions import WRITE_ROLES
 from controlplane.accounts.selectors import user_role
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
 from frontend import selectors
@@ -19,7 +20,7 @@ def _render(request, name: str, pk: int | None = None, **context):
             "page": name,
             "pk": pk,
             "role": role,
-            "can_write": role in ("operator", "admin"),
+            "can_write": role in WRITE_ROLES,  # the API's own rule for unsafe methods
             "state_machines": selectors.state_machines(),
             **context,
         },

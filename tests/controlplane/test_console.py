@@ -269,3 +269,13 @@ def test_decode_worker_page_marks_its_bootstrap_port_unused_and_explains_empty_c
         decode.save()
         other = client.get(f"/workers/{decode.pk}/").content.decode()
         assert 'data-testid="cache-note"' not in other and "(unused: decode)" not in other
+
+
+@pytest.mark.parametrize("role", ["viewer", "operator", "admin"])
+def test_the_console_offers_writes_exactly_to_the_roles_the_api_lets_write(client, personas, api_as, role):
+    client.force_login(personas[role][0])
+    offers_launch = 'href="/operations/new/"' in client.get("/").content.decode()
+    # an empty create: 400 (refused for the body) when the role may write, 403 when it may not
+    status = api_as(role).post("/api/v1/operations/", {}, format="json").status_code
+    assert status in (400, 403)
+    assert offers_launch is (status == 400)
