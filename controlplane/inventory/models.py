@@ -5,9 +5,10 @@ from django.core.validators import MinValueValidator
 from django.db import models
 
 from controlplane.core.crypto import decrypt_text, encrypt_text
+from controlplane.core.models import TimeStamped
 
 
-class Host(models.Model):
+class Host(TimeStamped):
     name = models.CharField(max_length=100, unique=True)
     address = models.CharField(max_length=200, blank=True)
     agent_version = models.CharField(max_length=50, blank=True)
@@ -24,8 +25,6 @@ class Host(models.Model):
         help_text="Physical memory in bytes the agent reported; empty for hosts added by hand",
     )
     last_seen = models.DateTimeField(null=True, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]
@@ -54,7 +53,7 @@ class StorageBackend(models.TextChoices):
     DYNAMIC = "dynamic"
 
 
-class StorageProfile(models.Model):
+class StorageProfile(TimeStamped):
     """An L3 store a worker can attach: e.g. a file path or a Mooncake cluster (`extra_config` as the engine
     takes it in `hicache_storage_backend_extra_config_json`)."""
 
@@ -62,8 +61,6 @@ class StorageProfile(models.Model):
     backend = models.CharField(max_length=20, choices=StorageBackend.choices)
     extra_config = models.JSONField(default=dict, blank=True)
     description = models.TextField(blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]
@@ -84,7 +81,7 @@ class RouterPolicy(models.TextChoices):
     POWER_OF_TWO = "power_of_two"
 
 
-class Router(models.Model):
+class Router(TimeStamped):
     name = models.CharField(max_length=100, unique=True)
     url = models.URLField(unique=True)
     mode = models.CharField(max_length=10, choices=RouterMode.choices, default=RouterMode.REGULAR)
@@ -116,8 +113,6 @@ class Router(models.Model):
         help_text="PD: a cap on the workers the P:D planner splits into prefill and decode (it plans for "
         "the smaller of this and the router's prefill + decode workers; empty: all of them)",
     )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]
@@ -143,7 +138,7 @@ class WorkerState(models.TextChoices):
 ROLE_REQUEST_FIELDS = ("desired_role", "role_request_seq", "role_seen_seq", "role_applied_seq")
 
 
-class EngineWorker(models.Model):
+class EngineWorker(TimeStamped):
     name = models.CharField(max_length=100, unique=True)
     url = models.URLField(unique=True)
     host = models.ForeignKey(Host, null=True, blank=True, on_delete=models.SET_NULL, related_name="workers")
@@ -208,8 +203,6 @@ class EngineWorker(models.Model):
         blank=True,
         help_text="The worker's --api-key, encrypted: bearer of its /generate, /pd_role_switch",
     )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
 
     audit_masked_fields = ("admin_key_encrypted", "api_key_encrypted")
 

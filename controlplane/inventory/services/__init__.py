@@ -1,0 +1,37 @@
+"""Inventory writes beyond generic CRUD, one module per job:
+
+- workers: create / update (keys encrypted), drain / undrain from the worker's router;
+- roles: the PD role a worker was seen running, and restarts in another role asked of its agent;
+- agent: an agent's register and heartbeat;
+- live_state: the L3 backend and HiCache config operations read back, recorded on the worker.
+"""
+
+from controlplane.inventory.services.agent import agent_heartbeat, agent_register
+from controlplane.inventory.services.live_state import (
+    profile_extra,
+    storage_profile_matching,
+    worker_config_observed,
+    worker_storage_observed,
+)
+from controlplane.inventory.services.roles import (
+    worker_role_observed,
+    worker_role_request,
+    worker_role_withdraw,
+)
+from controlplane.inventory.services.workers import worker_create, worker_drain, worker_undrain, worker_update
+
+__all__ = [
+    "agent_heartbeat",
+    "agent_register",
+    "profile_extra",
+    "storage_profile_matching",
+    "worker_config_observed",
+    "worker_create",
+    "worker_drain",
+    "worker_role_observed",
+    "worker_role_request",
+    "worker_role_withdraw",
+    "worker_storage_observed",
+    "worker_undrain",
+    "worker_update",
+]

@@ -1,0 +1,148 @@
+"""What a host's agent writes: register (host, GPUs, workers; one audit record per call) and heartbeat
+(liveness, roles, role-request acknowledgements). An agent token bound to a host writes only that host."""
+
+from django.db import transaction
+from django.utils import timezone
+
+from controlplane.audit.services import audit_record
+from controlplane.core.exceptions import ApplicationError, ConflictError
+from controlplane.core.services import model_snapshot
+from controlplane.inventory.models import EngineWorker, Gpu, Host, WorkerState
+from controlplane.inventory.services.live_state import storage_profile_matching
+from controlplane.inventory.services.roles import worker_role_observed
+
+_HOST_FIELDS = ("address", "agent_version", "cpu_count", "memory_bytes")
+_WORKER_FIELDS = ("name", "url", "role", "model_name", "tp_size", "dp_size", "page_size")
+
+
+def _check_scope(host_name: str, bound_host: str | None) -> None:
+    if bound_host is not None and host_name != bound_host:
+        raise ApplicationError(
+            f"this agent token is bound to host {bound_host!r}, not {host_name!r}",
+            code="wrong_host",
+            status_code=403,
+            detail={"host": [f"must be {bound_host!r}"]},
+        )
+
+
+@transaction.atomic
+def agent_register(
+    *, host: dict, workers: list[dict], actor, bound_host: str | None = None
+) -> tuple[Host, list[EngineWorker]]:
+    """Upsert a host, its GPUs and its workers as the agent reports them; one audit record per call.
+
+    Host fields the call leaves out (address, agent_version, cpu_count, memory_bytes, gpus) keep their stored
+    values; a new host gets blanks (cpu_count and memory_bytes NULL). A worker's ``storage_backend`` (with
+    ``storage_extra_config``) sets its attached L3 backend and the storage profile it identifies, if any.
+
+    A worker's ``role`` is the role it runs (the agent reads it from ``/server_info``); a change sets
+    ``role_changed_at`` (the P:D planner leaves its samples out while it warms up).
+
+    ``bound_host`` (an agent token's host) must equal the host's name, else ApplicationError 403
+    ``wrong_host``. A worker URL that belongs to another host is a ConflictError (409 ``worker_owned``)
+    naming that host; nothing is written then.
+    """
+    _check_scope(host["name"], bound_host)
+    host_obj = Host.objects.select_for_update().filter(name=host["name"]).first()
+    before = {"host": model_snapshot(host_obj), "workers": []} if host_obj else None
+    if host_obj is None:
+        host_obj = Host(name=host["name"])
+    for field in _HOST_FIELDS:
+        if field in host:
+            setattr(host_obj, field, host[field])
+    host_obj.last_seen = timezone.now()
+    host_obj.full_clean()
+    host_obj.save()
+    if "gpus" in host:
+        host_obj.gpus.all().delete()
+        Gpu.objects.bulk_create(
+            [
+                Gpu(host=host_obj, index=g["index"], model=g["model"], memory_mib=g["memory_mib"])
+                for g in host["gpus"]
+            ]
+        )
+    saved = []
+    for item in workers:
+        worker = EngineWorker.objects.filter(url=item["url"]).first() or EngineWorker(url=item["url"])
+        if worker.host_id is not None and worker.host_id != host_obj.pk:
+            raise ConflictError(
+                f"worker {item['url']} belongs to host {worker.host.name!r} (as {worker.name!r}); "
+                f"host {host_obj.name!r} cannot register it",
+                code="worker_owned",
+                detail={"workers": [{"url": item["url"], "owner": worker.host.name}]},
+            )
+        if before is not None and worker.pk:
+            before["workers"].append(model_snapshot(worker))
+        if worker.pk and item.get("role", worker.role) != worker.role:
+            worker.role_changed_at = timezone.now()
+        for field in _WORKER_FIELDS:
+            if field in item:
+                setattr(worker, field, item[field])
+        if "admin_key" in item:
+            worker.admin_key = item["admin_key"]
+        if "api_key" in item:
+            worker.api_key = item["api_key"]
+        if "storage_backend" in item:
+            worker.storage_backend = item["storage_backend"]
+            worker.storage_profile = storage_profile_matching(
+                backend=item["storage_backend"], extra_config=item.get("storage_extra_config")
+            )
+        worker.host = host_obj
+        worker.state = WorkerState.ONLINE
+        worker.last_seen = timezone.now()
+        worker.full_clean()
+        worker.save()
+        if item.get("role"):
+            EngineWorker.objects.filter(pk=worker.pk, desired_role=item["role"]).update(desired_role="")
+            worker.refresh_from_db(fields=["desired_role"])
+        saved.append(worker)
+    after = {"host": model_snapshot(host_obj), "workers": [model_snapshot(w) for w in saved]}
+    audit_record(action="register", obj=host_obj, before=before, after=after, actor=actor)
+    return host_obj, saved
+
+
+def agent_heartbeat(
+    *,
+    host_name: str,
+    worker_urls: list[str],
+    offline_urls: list[str] = (),
+    roles: dict | None = None,
+    role_acks: dict | None = None,
+    bound_host: str | None = None,
+    actor=None,
+) -> dict:
+    """Mark a host and the listed workers of that host as seen now.
+
+    ``offline_urls`` are workers the agent runs that are not serving (crashed, failing /health,
+    restarting): they become ``offline`` until a later heartbeat lists them as live again. ``roles`` maps
+    worker URLs to the role each runs (:func:`worker_role_observed`: a change is audited). ``role_acks``
+    maps worker URLs to ``{seen, applied}``: the newest ``role_request_seq`` the agent has processed (acted
+    on or decided against) and the newest request it carried out, stored as ``role_seen_seq`` /
+    ``role_applied_seq``. The agent processes answers in order and sends one heartbeat at a time, so a
+    ``seen`` at or past a withdrawal's generation means no older request will still be carried out. Workers
+    of other hosts are never touched. ``bound_host``: as in :func:`agent_register` (403 ``wrong_host``).
+
+    Liveness itself writes no audit row. Returns {workers_seen, restart, request_seq}: ``restart`` lists the
+    host's workers with a ``desired_role`` they do not run yet ({worker_url, role, seq}), for the agent to
+    restart; ``request_seq`` maps each of its workers that ever had a request to its ``role_request_seq``
+    (the generation the agent acknowledges as seen once it has processed this answer).
+    """
+    _check_scope(host_name, bound_host)
+    now = timezone.now()
+    if not Host.objects.filter(name=host_name).update(last_seen=now):
+        raise ApplicationError(
+            f"unknown host {host_name!r}: register first", code="unknown_host", status_code=404
+        )
+    mine = EngineWorker.objects.filter(host__name=host_name)
+    mine.filter(url__in=offline_urls).exclude(url__in=worker_urls).update(state=WorkerState.OFFLINE)
+    seen = mine.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)
+    for url, ack in (role_acks or {}).items():
+        mine.filter(url=url).update(role_seen_seq=ack["seen"], role_applied_seq=ack["applied"])
+    for worker in mine.filter(url__in=list(roles or {})):
+        worker_role_observed(worker=worker, role=roles[worker.url], actor=actor)
+    restart, request_seq = [], {}
+    for w in mine.filter(role_request_seq__gt=0):
+        request_seq[w.url] = w.role_request_seq
+        if w.desired_role and w.desired_role != w.role:
+            restart.append({"worker_url": w.url, "role": w.desired_role, "seq": w.role_request_seq})
+    return {"workers_seen": seen, "restart": restart, "request_seq": request_seq}
