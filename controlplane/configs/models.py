@@ -3,6 +3,8 @@
 from django.conf import settings
 from django.db import models
 
+from controlplane.core.models import TimeStamped
+
 # Fields a revision may set: exactly the body of the worker's PUT /hicache/config (CONTRACTS.md).
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -15,12 +17,10 @@ CONFIG_FIELDS = (
 )
 
 
-class ConfigProfile(models.Model):
+class ConfigProfile(TimeStamped):
     name = models.CharField(max_length=100, unique=True)
     description = models.TextField(blank=True)
     head_number = models.PositiveIntegerField(default=0, help_text="Number of the newest revision (0 = none)")
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]

@@ -18,6 +18,7 @@ a succeeded step is rolled back the same way when the whole rebalance rolls back
 from django.conf import settings
 from django.db import models
 
+from controlplane.core.models import TimeStamped
 from controlplane.core.state_machine import StateMachine
 
 
@@ -126,7 +127,7 @@ STEP_FINAL_STATES = STEP_MACHINE.final  # failed, rolled_back, rollback_failed, 
 STEP_OUTCOME_STATES = STEP_MACHINE.outcome
 
 
-class Rebalance(models.Model):
+class Rebalance(TimeStamped):
     router = models.ForeignKey("inventory.Router", on_delete=models.PROTECT, related_name="rebalances")
     before_prefill = models.PositiveSmallIntegerField(help_text="Prefill workers (live role) at creation")
     before_decode = models.PositiveSmallIntegerField(help_text="Decode workers (live role) at creation")
@@ -155,9 +156,7 @@ class Rebalance(models.Model):
     abort_requested = models.BooleanField(default=False)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
     request_id = models.CharField(max_length=64, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
-    updated_at = models.DateTimeField(auto_now=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
