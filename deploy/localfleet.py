@@ -269,7 +269,7 @@ class LocalFleet:
         # The secrets travel by environment (password) and a 0600 file (tokens), never argv or stdout: stdout
         # lands in manage.log, and ps shows argv to everyone.
         tokens_file = self.secrets_dir / "tokens.json"
-        self._run("deploy/bootstrap.py", f"--admin-user={self.admin_user}", "--label", self.label,
+        self._run("manage.py", "bootstrap", f"--admin-user={self.admin_user}", "--label", self.label,
                   f"--agent-host={self.env['DEMO_HOST_NAME']}", f"--tokens-file={tokens_file}",
                   KVFLEET_ADMIN_PASSWORD=self.admin_password)  # fmt: skip
         self.tokens = json.loads(tokens_file.read_text())

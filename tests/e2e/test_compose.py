@@ -40,8 +40,8 @@ def test_commands_name_real_modules_and_files():
             assert importlib.util.find_spec(cmd[2]) is not None, f"{name}: no module {cmd[2]}"
         if isinstance(cmd, list) and "--spec" in cmd:
             assert (REPO / cmd[cmd.index("--spec") + 1]).is_file(), name
-    assert "deploy/bootstrap.py" in " ".join(SERVICES["migrate"]["command"])
-    assert (REPO / "deploy" / "bootstrap.py").is_file() and (REPO / "Dockerfile").is_file()
+    assert "manage.py bootstrap" in " ".join(SERVICES["migrate"]["command"])
+    assert (REPO / "Dockerfile").is_file()
 
 
 def test_engine_host_spec_loads_and_router_targets_its_worker():

@@ -1,5 +1,5 @@
 """The demo's secrets stay out of its logs: bootstrap hands the tokens over in a 0600 file, the admin password
-in the environment; the log folder is 0700 and its files 0600 (real migrate + deploy/bootstrap.py, SQLite)."""
+in the environment; the log folder is 0700 and its files 0600 (real migrate + manage.py bootstrap, SQLite)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from localfleet import REPO, LocalFleet
 
-from deploy.bootstrap import write_secret_file
+from controlplane.accounts.management.commands.bootstrap import write_secret_file
 
 
 def _mode(path) -> int:
@@ -35,7 +35,7 @@ def test_bootstrap_tokens_and_password_never_reach_the_log(tmp_path):
     assert admin.startswith("cp_") and agent.startswith("cp_")
     log = fleet.log_of("manage")
     text = Path(log).read_text()
-    assert "bootstrap.py" in text and "ready" in text
+    assert "manage.py bootstrap" in text and "ready" in text
     for secret in (admin, agent, fleet.admin_password):
         assert secret not in text
     assert _mode(log) == 0o600
