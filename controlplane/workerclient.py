@@ -1,9 +1,9 @@
 """The only code that talks to engine workers and sglang-routers (httpx, synchronous).
 
-Worker endpoints follow CONTRACTS.md "Engine worker HTTP" (upstream SGLang hicache admin API, spec §7):
+Worker endpoints follow engine/server/contract.py (SGLang's HiCache admin API, docs/upstream.md H7, P4):
 GET /server_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config, POST /pd_role_switch,
 GET /metrics, GET /health, POST /generate; bodies are the models of engine/server/contract.py. A PD prefill's
-bootstrap server: GET /route (pd-and-router-spec §1.4). A PD canary pair: the same /generate body, with the
+bootstrap server: GET /route (docs/upstream.md P2). A PD canary pair: the same /generate body, with the
 router's bootstrap fields, to one prefill and one decode at once (what sglang-router does per request, §1.2).
 Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url", "worker_type",
 "bootstrap_port"} (202), DELETE /workers/{id}, POST /generate; circuit-breaker state from the router's

@@ -1,10 +1,10 @@
 """KV page transfer: one Triton kernel moving a batch of pages between two paged KV buffers.
 
 Follows upstream's GPU-assisted HiCache io (``transfer_kv_per_layer`` / ``transfer_kv_all_layer``,
-hicache-spec §4): the GPU reads and writes pinned host memory directly, so a whole batch of scattered pages
-moves in one launch instead of one copy per page. Every layout here (the L1 device pool and the three L2 host
-layouts) stores one token of one layer of K (or V) as a contiguous row of ``H * D`` elements, so a buffer is
-described by four strides, in elements: between K and V, layers, pages and tokens inside a page
+docs/upstream.md H4): the GPU reads and writes pinned host memory directly, so a whole batch of scattered
+pages moves in one launch instead of one copy per page. Every layout here (the L1 device pool and the three L2
+host layouts) stores one token of one layer of K (or V) as a contiguous row of ``H * D`` elements, so a buffer
+is described by four strides, in elements: between K and V, layers, pages and tokens inside a page
 (:class:`PagedKV`). The kernel copies bits: buffers are reinterpreted as the widest integer type dividing a
 row (8, 4, 2 or 1 bytes), so fp16, bf16 and fp32 move alike.
 

@@ -1,7 +1,8 @@
 """FakeFleet: many idle fake engine workers behind ONE loopback HTTP server (a fake: no GPU engine here).
 
-Worker i lives at `<base>/w<i>` and serves the CONTRACTS.md routes the control plane calls: /server_info,
-GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config, /metrics. Always idle.
+Worker i lives at `<base>/w<i>` and serves the worker routes the control plane calls
+(engine/server/contract.py): /server_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config,
+/metrics. Always idle.
 """
 
 import json

@@ -5,7 +5,7 @@ from django.db import models
 
 from controlplane.core.models import TimeStamped
 
-# Fields a revision may set: exactly the body of the worker's PUT /hicache/config (CONTRACTS.md).
+# Fields a revision may set: exactly the body of the worker's PUT /hicache/config (engine/server/contract.py).
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 NUMERIC_FIELDS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max")

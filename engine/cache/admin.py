@@ -1,4 +1,4 @@
-"""Runtime L3 administration (hicache-spec §7), mixed into :class:`HiRadixCache`.
+"""Runtime L3 administration (docs/upstream.md H7), mixed into :class:`HiRadixCache`.
 
 Attach, detach (idempotent), clear, policy updates and the status the server reports. Every refusal is a
 :class:`CacheAdminError` and changes nothing; the cache refuses while its own I/O is in flight (the

@@ -1,6 +1,6 @@
 """Page-aligned slot allocators for the L1 device pool and the L2 host pool.
 
-Follows SGLang's paged allocators (``free_slots`` taken from the front, returned on free, hicache-spec §4)
+Follows SGLang's paged allocators (``free_slots`` taken from the front, returned on free, docs/upstream.md H4)
 with one change: the free list is kept sorted (freed pages are merged back lazily), so an allocation gets
 the lowest free pages, which keeps a request's pages contiguous and makes L1<->L2 copies long runs.
 A page is handed out at most once until freed; freeing a page that is not allocated raises.

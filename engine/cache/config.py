@@ -1,4 +1,4 @@
-"""HiCache configuration: upstream defaults, validation and extra-config parsing (hicache-spec §8).
+"""HiCache configuration: upstream defaults, validation and extra-config parsing (docs/upstream.md H8).
 
 ``HiCacheConfig`` mirrors SGLang's ``--hicache-*`` / ``--radix-eviction-policy`` flags. The extra config
 (``--hicache-storage-backend-extra-config``) is a JSON object string or ``@path`` to a ``.json``,

@@ -1,4 +1,5 @@
-"""HiCacheController: the cache's I/O queues and threads (SGLang ``cache_controller.py``, hicache-spec §2-3).
+"""HiCacheController: the cache's I/O queues and threads (SGLang ``cache_controller.py``,
+docs/upstream.md H2-H3).
 
 Four background threads, each fed by a queue and answering through an ack deque that the scheduler
 thread drains in FIFO order:

@@ -4,7 +4,7 @@ L1 device pool <-> L2 host pool <-> L3 storage backend around one :class:`HiRadi
 pool mutations happen on the caller's (scheduler) thread; the :class:`HiCacheController` threads only
 copy data and report back through ack queues drained by ``check_hicache_events``. With
 ``enable_hierarchical=False`` this is a plain L1 radix cache (no host pool, no storage): eviction deletes
-nodes and nothing is ever loaded back. Behaviour follows hicache-spec §1-3 and §7; where this code
+nodes and nothing is ever loaded back. Behaviour follows docs/upstream.md H1-H3 and H7; where this code
 deliberately differs it says so next to the code. The prefetch methods live in
 :mod:`engine.cache.prefetching` and the storage admin methods in :mod:`engine.cache.admin` (mixins).
 """
@@ -51,7 +51,7 @@ class MatchResult(NamedTuple):
 
 
 class HiRadixCache(PrefetchMixin, StorageAdminMixin):
-    """Hierarchical radix cache over ``device_pool`` (see CONTRACTS.md for the method list).
+    """Hierarchical radix cache over ``device_pool`` (the method list: docs/architecture.md, the cache).
 
     ``replicated_kv``: MLA-style KV identical on every rank (L3 keys carry no rank; only rank 0 writes).
     ``reduce``: cross-rank agreement for scheduler-thread decisions (default: identity for one rank,

@@ -1,4 +1,4 @@
-"""L2: the host KV pool (SGLang ``MHATokenToKVPoolHost``, hicache-spec §4) and its sizing.
+"""L2: the host KV pool (SGLang ``MHATokenToKVPoolHost``, docs/upstream.md H4) and its sizing.
 
 Buffer shapes (``L`` layers, ``N`` tokens, ``NP`` pages of ``P`` tokens, ``H`` KV heads, ``D`` head dim;
 the leading 2 is K/V):

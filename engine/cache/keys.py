@@ -1,6 +1,6 @@
 """L3 page keys: a per-page SHA-256 chain over token ids, seeded with a namespace digest.
 
-Follows SGLang's ``get_hash_str`` chain (hicache-spec §5): each token id is encoded as a 4-byte
+Follows SGLang's ``get_hash_str`` chain (docs/upstream.md H5): each token id is encoded as a 4-byte
 little-endian unsigned integer and each page's digest chains on the previous page's raw 32 bytes, so a
 key names a page *and its whole prefix*. Unlike upstream, the first page of a chain is seeded with a
 namespace digest of (model, KV dtype, host layout, page size, TP shard), so two models, dtypes, layouts,

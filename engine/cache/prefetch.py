@@ -1,4 +1,4 @@
-"""L3 -> L2 prefetch operations and termination policies (hicache-spec §3.3-3.5).
+"""L3 -> L2 prefetch operations and termination policies (docs/upstream.md H3).
 
 A ``PrefetchOperation`` is shared by the scheduler thread (which commits it) and the prefetch worker
 (which fills its host slots). ``completed_tokens`` only moves, under ``lock``, after the data of those

@@ -1,4 +1,4 @@
-"""Tree side of L3 -> L2 prefetch (hicache-spec §3.2-3.5), mixed into :class:`HiRadixCache`.
+"""Tree side of L3 -> L2 prefetch (docs/upstream.md H3), mixed into :class:`HiRadixCache`.
 
 Starting a prefetch pins its anchor node's host copy and reserves host slots; committing inserts the
 page-aligned prefix every rank completed as host-only nodes; an abort frees what the request reserved

@@ -1,4 +1,4 @@
-"""HiRadixTree: the page-granular radix tree behind the hierarchical cache (hicache-spec §1).
+"""HiRadixTree: the page-granular radix tree behind the hierarchical cache (docs/upstream.md H1).
 
 Nodes carry the L1 location (``value``: device slots, None when evicted), the L2 location
 (``host_value``: host slots, None when not backed up) and per-page L3 keys (``hash_value``). The tree

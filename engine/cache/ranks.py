@@ -1,4 +1,4 @@
-"""Cross-rank agreement for cache decisions (hicache-spec §3.7).
+"""Cross-rank agreement for cache decisions (docs/upstream.md H3).
 
 Every decision that must be identical on all tensor-parallel ranks (write/load ack counts, L3 hit
 length, prefetch termination and committed length, control-queue drains) goes through one function

@@ -1,4 +1,4 @@
-"""Cache counters the metrics endpoint reads (SGLang names in the comments; hicache-spec §9).
+"""Cache counters the metrics endpoint reads (SGLang names in the comments; docs/upstream.md H9).
 
 All counters only grow except the host-pool and queue-length gauges (refreshed when read). Tokens are
 token counts, seconds wall time, bytes bytes. Updated on the scheduler thread, except the byte counters,
@@ -17,7 +17,7 @@ import bisect
 import threading
 from dataclasses import dataclass, field, fields
 
-# SGLang's buckets per histogram (metric name without the ``sglang:`` prefix; hicache-spec §9).
+# SGLang's buckets per histogram (metric name without the ``sglang:`` prefix; docs/upstream.md H9).
 _DURATION_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.02, 0.03, 0.04)
 _DURATION_BUCKETS += (0.05, 0.1, 0.2, 0.5, 1.0)
 _BANDWIDTH_BUCKETS = (0.1, 0.5, 1, 5, 10, 50, 100)

@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation: move a prompt's KV pages from a prefill worker's L1 pool into the pages
-a decode worker reserved (SGLang's ``disaggregation/`` package shape; interface in PD-INTERFACE.md).
+a decode worker reserved (SGLang's ``disaggregation/`` package shape; interface in docs/architecture.md,
+PD transport).
 
 ``create_kv_manager`` builds the per-process manager for a role; P opens a ``KVSender`` per request,
 D a ``KVReceiver`` per request; the scheduler polls them (``KVPoll``) and never blocks on the network.

@@ -1,7 +1,7 @@
 """States, errors, timeouts and the KV layout shared by every PD transfer backend.
 
 Follows SGLang's ``disaggregation/base/conn.py`` (``KVPoll``, ``KVTransferError``) and the timeouts of
-``common/conn.py`` with upstream's env names and defaults (pd-and-router-spec §1.7-1.8).
+``common/conn.py`` with upstream's env names and defaults (docs/upstream.md P1).
 """
 
 from __future__ import annotations

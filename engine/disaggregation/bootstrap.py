@@ -1,6 +1,6 @@
 """The bootstrap HTTP server a prefill worker runs on its ``--disaggregation-bootstrap-port``.
 
-Follows SGLang's ``CommonKVBootstrapServer`` (aiohttp, in a daemon thread; pd-and-router-spec §1.3-1.4):
+Follows SGLang's ``CommonKVBootstrapServer`` (aiohttp, in a daemon thread; docs/upstream.md P2):
 
 * ``PUT /route``: a prefill rank registers ``rank_ip``/``rank_port`` (its ZMQ PULL endpoint) under its
   dp/cp/tp/pp ranks; the first registration fixes the parallel layout, ``page_size``, ``kv_cache_dtype`` and

@@ -1,7 +1,7 @@
 """Decode side: the KV manager that resolves prefills through their bootstrap servers, and one
 ``KVReceiver`` per request.
 
-Follows SGLang's decode flow (pd-and-router-spec §1.5, §1.9): at first contact with a prefill, D reads its
+Follows SGLang's decode flow (docs/upstream.md P3): at first contact with a prefill, D reads its
 PrefillServerInfo (``GET /route`` with -1 ranks; up to 15 tries 1 s apart), checks page size and KV dtype,
 looks up the rank's side-channel endpoint and registers its pool buffers there; each room then sends its
 destination pages (``init``) and waits for the Success status that follows the writes. D probes every
@@ -67,7 +67,8 @@ class _Prefill:
 
 
 class KVReceiver(RoomState):
-    """One request's KV on D. Created by ``DecodeKVManager.create_receiver``; see PD-INTERFACE.md."""
+    """One request's KV on D. Created by ``DecodeKVManager.create_receiver``; see docs/architecture.md,
+    PD transport."""
 
     def __init__(self, mgr: DecodeKVManager, address: str, bootstrap_room: int) -> None:
         super().__init__(bootstrap_room, KVPoll.Bootstrapping)

@@ -1,6 +1,6 @@
 """Prefill side: the KV manager that runs the bootstrap server, and one ``KVSender`` per request.
 
-Follows SGLang's prefill flow (pd-and-router-spec §1.5): a sender is created when the request arrives
+Follows SGLang's prefill flow (docs/upstream.md P3): a sender is created when the request arrives
 (Bootstrapping); D's transfer info for the room (destination pages) moves it to WaitingForInput; pages
 handed to ``send`` are written into D's pages by the transfer thread (Transferring); after the last
 page, the first output token and metadata go to D with the Success status. A room still Bootstrapping
@@ -55,7 +55,8 @@ FAILED_ROOM_MEMORY_S = 60.0  # how long a room that failed on P answers a late t
 
 
 class KVSender(RoomState):
-    """One request's KV on P. Created by ``PrefillKVManager.create_sender``; see PD-INTERFACE.md."""
+    """One request's KV on P. Created by ``PrefillKVManager.create_sender``; see docs/architecture.md,
+    PD transport."""
 
     def __init__(self, mgr: PrefillKVManager, bootstrap_room: int) -> None:
         super().__init__(bootstrap_room, KVPoll.Bootstrapping)

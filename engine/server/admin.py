@@ -1,4 +1,4 @@
-"""HiCache admin routes, SGLang-compatible (hicache-spec §7), plus KVFleet's ``/hicache/config``.
+"""HiCache admin routes, SGLang-compatible (docs/upstream.md H7), plus KVFleet's ``/hicache/config``.
 
 Auth (upstream): without ``--admin-api-key`` every route answers 400 saying a key is required; with one, a
 missing or wrong ``Authorization: Bearer`` is 401. Attach, detach, clear and config changes run on the

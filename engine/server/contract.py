@@ -2,7 +2,7 @@
 
 One definition shared by the engine (``engine/server/admin.py`` validates with it and answers with it), the
 control plane (``controlplane/operations/actions.py`` reads worker state through it) and the test fake
-(``tests/controlplane/fakes.py``, checked against it). Field names are SGLang's (hicache-spec §7).
+(``tests/controlplane/fakes.py``, checked against it). Field names are SGLang's (docs/upstream.md H7).
 
 - ``PUT /hicache/storage-backend``: :class:`AttachRequest` -> 200 text, or 400 ``"Failed to attach ..."``.
 - ``GET /hicache/storage-backend``: :class:`StorageBackendStatus`, read from the live cache.

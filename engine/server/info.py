@@ -20,7 +20,7 @@
 - ``GET /metrics``: Prometheus text (only with ``--enable-metrics``; 404 otherwise).
 
 Only ``/flush_cache`` checks ``--api-key`` (upstream guards every route but health); health, info and metrics
-stay keyless because the sglang-router reads them without a key (design.md §3).
+stay keyless because the sglang-router reads them without a key (docs/upstream.md P4).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def scribble_free_device_slots(cache: HiRadixCache) -> None:
 
 
 def check_invariants(cache: HiRadixCache, held_host_tokens: int = 0) -> None:
-    """hicache-spec §1.2 invariants 1, 2, 4, 5 plus size accounting and slot ownership (no slot owned
+    """docs/upstream.md H1's invariants plus size accounting and slot ownership (no slot owned
     twice, no slot leaked once I/O is idle; ``held_host_tokens``: host slots the test holds itself)."""
     tree, P = cache.tree, cache.page_size
     evictable = protected = 0

@@ -1,4 +1,4 @@
-"""Two tensor-parallel ranks (gloo) agree on what a prefetch commits (hicache-spec §3.5, §11 item 27).
+"""Two tensor-parallel ranks (gloo) agree on what a prefetch commits (docs/upstream.md H3).
 
 Each rank has its own file L3 with the same 32-token prefix; rank 1's page 4 is corrupt (the file exists,
 its checksum does not match). Both ranks see 8 pages in the hit query, rank 0 fetches all 32 tokens, rank 1

@@ -1,4 +1,4 @@
-"""Per-operation HiCache histograms in ``CacheStats`` (SGLang buckets, hicache-spec §9): bucket semantics,
+"""Per-operation HiCache histograms in ``CacheStats`` (SGLang buckets, docs/upstream.md H9): bucket semantics,
 thread safety, and what load-back, eviction, L3 backup and L3 prefetch record."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Matching, splitting, insert, locks and eviction order (hicache-spec §11 items 1-7, 15-17)."""
+"""Matching, splitting, insert, locks and eviction order (docs/upstream.md H1)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Write policies, L1/L2 eviction and load-back (hicache-spec §11 items 8-20)."""
+"""Write policies, L1/L2 eviction and load-back (docs/upstream.md H2-H3)."""
 
 import json
 import threading

@@ -1,4 +1,4 @@
-"""HiCache admin API status codes and bodies (hicache-spec §7) and the idle-gated /hicache/config."""
+"""HiCache admin API status codes and bodies (docs/upstream.md H7) and the idle-gated /hicache/config."""
 
 from __future__ import annotations
 

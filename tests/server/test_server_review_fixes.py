@@ -47,7 +47,8 @@ def test_flush_cache_requires_the_api_key_router_routes_do_not(serve):
         assert wrong.status_code == 401
         ok = client.request(method, "/flush_cache", headers={"Authorization": f"Bearer {KEY}"})
         assert ok.status_code == 200 and ok.text == "Cache flushed.\n"
-    for path in ("/health", "/server_info", "/model_info"):  # design.md §3: the router calls these keyless
+    # the router calls these keyless (docs/upstream.md P4)
+    for path in ("/health", "/server_info", "/model_info"):
         assert client.get(path).status_code == 200, path
 
 

@@ -1,4 +1,4 @@
-"""Page-key chain: pinned vectors, chaining, namespacing, validation (hicache-spec §5, §11 items 30-31)."""
+"""Page-key chain: pinned vectors, chaining, namespacing, validation (docs/upstream.md H5)."""
 
 import hashlib
 import struct

@@ -1,4 +1,4 @@
-"""Backend registry and the ``dynamic`` loader (hicache-spec §6.3, §11 item 39)."""
+"""Backend registry and the ``dynamic`` loader (docs/upstream.md H6)."""
 
 import textwrap
 

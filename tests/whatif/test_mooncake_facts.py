@@ -1,4 +1,5 @@
-"""The prefix-reuse facts stated in ../shared/data/mooncake-traces/README.md, from the real traces.
+"""The prefix-reuse facts stated in the Mooncake traces' README (in ``KVFLEET_TRACE_DIR``), from the real
+traces.
 
 The facts are for a block-granular LRU cache (any cached block can go, even one whose successors stay);
 the engine's tree only ever evicts leaves, so a stranded suffix never wastes room and it serves a little

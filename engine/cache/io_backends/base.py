@@ -1,8 +1,8 @@
 """Interface of an io backend: whole-page copies between the L1 device pool and the L2 host pool.
 
-Follows upstream's ``--hicache-io-backend`` split (hicache-spec §4): the cache controller asks for an L2 -> L1
-load one layer at a time (so the forward pass of layer ``i`` can start once layer ``i`` is in L1) and for an
-L1 -> L2 backup of all layers at once. On CUDA, loads run on their own stream and each layer records an
+Follows upstream's ``--hicache-io-backend`` split (docs/upstream.md H4): the cache controller asks for an
+L2 -> L1 load one layer at a time (so the forward pass of layer ``i`` can start once layer ``i`` is in L1) and
+for an L1 -> L2 backup of all layers at once. On CUDA, loads run on their own stream and each layer records an
 event; :meth:`IOBackend.wait_loaded` makes the compute stream wait for that event only, so the host never
 blocks on the copy and layer ``i``'s attention waits only for layer ``i``'s copy. Backups run on a second
 stream and are complete when :meth:`IOBackend.backup` returns. On CPU every copy is synchronous.

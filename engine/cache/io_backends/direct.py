@@ -1,6 +1,6 @@
 """The ``direct`` io backend: L1 <-> L2 page copies with torch gather/scatter, one layer at a time.
 
-Follows upstream's ``direct`` backend (hicache-spec §4, §12): per layer, K then V, pages addressed by
+Follows upstream's ``direct`` backend (docs/upstream.md H4): per layer, K then V, pages addressed by
 index. Both pools are viewed page-major (one row = one page of one layer, reinterpreted as the widest
 element type that divides it, up to 16 bytes, since torch's index kernels move one element at a time).
 The host side is split into runs of consecutive pages (the host allocator hands out the lowest free

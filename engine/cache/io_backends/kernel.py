@@ -1,6 +1,6 @@
 """The ``kernel`` io backend: one Triton launch moves a batch of scattered pages (``kernels.transfer``).
 
-Follows upstream's GPU-assisted io (hicache-spec §4): page indices go to the device, the GPU reads and
+Follows upstream's GPU-assisted io (docs/upstream.md H4): page indices go to the device, the GPU reads and
 writes the pinned host buffer directly, one launch per layer for a load (so each layer can be waited on
 alone) and one launch for all layers of a backup. Copies every host layout (``layer_first``,
 ``page_first``, ``page_first_direct``; upstream's kernels lack ``page_first_direct`` and switch it to

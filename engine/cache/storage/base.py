@@ -1,4 +1,4 @@
-"""The L3 storage backend interface (SGLang ``hicache_storage.py``, hicache-spec §6.1-6.2).
+"""The L3 storage backend interface (SGLang ``hicache_storage.py``, docs/upstream.md H6).
 
 A backend stores whole KV pages under the 64-hex keys from :mod:`engine.cache.keys`. Two data paths:
 

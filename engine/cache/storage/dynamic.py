@@ -1,6 +1,6 @@
 """The ``dynamic`` backend loader: a user's HiCacheStorage subclass named in ``extra_config``.
 
-Follows SGLang's dynamic backend (hicache-spec §6.3): ``extra_config`` must hold ``backend_name``,
+Follows SGLang's dynamic backend (docs/upstream.md H6): ``extra_config`` must hold ``backend_name``,
 ``module_path`` and ``class_name`` (:class:`StorageConfigError`, a ``ValueError``, naming the missing
 field otherwise); optional ``interface_v1`` (truthy) makes the cache use the zero-copy v1 methods. The
 class is instantiated as ``cls(storage_config, kwargs)`` where ``kwargs`` is ``extra_config`` without

@@ -1,6 +1,6 @@
 """The ``file`` L3 backend: one file per page in a local (or shared) directory.
 
-Follows SGLang's ``HiCacheFile`` (hicache-spec §6.4) with three deliberate differences:
+Follows SGLang's ``HiCacheFile`` (docs/upstream.md H6) with three deliberate differences:
 
 * the file name is just ``<key>.bin``: keys (:mod:`engine.cache.keys`) already carry model, dtype,
   layout, page size and TP shard;

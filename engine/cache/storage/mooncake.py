@@ -1,6 +1,6 @@
 """The ``mooncake`` L3 backend on a real Mooncake distributed store.
 
-Follows SGLang's ``MooncakeStore`` (hicache-spec §6.5) with these choices:
+Follows SGLang's ``MooncakeStore`` (docs/upstream.md H6) with these choices:
 
 * one store object per page, key ``[<extra_backend_tag>_]<page key>`` (the page key already names model,
   dtype, layout, page size and shard, :mod:`engine.cache.keys`); the object holds the page's K plane then

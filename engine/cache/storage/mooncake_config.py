@@ -1,6 +1,6 @@
 """Configuration of the ``mooncake`` backend, resolved and validated at start-up.
 
-Follows SGLang's ``MooncakeStoreConfig`` (hicache-spec §6.5) precedence: ``extra_config`` when it has
+Follows SGLang's ``MooncakeStoreConfig`` (docs/upstream.md H6) precedence: ``extra_config`` when it has
 ``master_server_address``; else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``; else the
 environment (``MOONCAKE_MASTER`` required, ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
 ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, ``MOONCAKE_LOCAL_BUFFER_SIZE``,

@@ -1,4 +1,4 @@
-"""Backend registry and factory (SGLang ``storage/backend_factory.py``, hicache-spec §6.3).
+"""Backend registry and factory (SGLang ``storage/backend_factory.py``, docs/upstream.md H6).
 
 Names map to ``(module_path, class_name)`` and are imported lazily, so a backend's dependencies (e.g.
 Mooncake) load only when it is used. ``dynamic`` loads a user class named in ``extra_config``
