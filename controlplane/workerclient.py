@@ -4,7 +4,7 @@ Worker endpoints follow engine/server/contract.py (SGLang's HiCache admin API, d
 GET /server_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config, POST /pd_role_switch,
 GET /metrics, GET /health, POST /generate; bodies are the models of engine/server/contract.py. A PD prefill's
 bootstrap server: GET /route (docs/upstream.md P2). A PD canary pair: the same /generate body, with the
-router's bootstrap fields, to one prefill and one decode at once (what sglang-router does per request, §1.2).
+router's bootstrap fields, to one prefill and one decode at once (sglang-router's way, docs/upstream.md P2).
 Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url", "worker_type",
 "bootstrap_port"} (202), DELETE /workers/{id}, POST /generate; circuit-breaker state from the router's
 Prometheus endpoint (``smg_worker_cb_*``).
@@ -161,7 +161,8 @@ class WorkerClient:
         return self._call("POST", "/generate", json=body, key=self.api_key).json()
 
 
-# GET /route with every rank -1: the prefill's parallel layout, 200 once all its ranks registered (spec §1.4).
+# GET /route with every rank -1: the prefill's parallel layout, 200 once all its ranks registered
+# (docs/upstream.md P2).
 _ROUTE_ALL = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
 
 
@@ -178,10 +179,10 @@ def bootstrap_host(url: str) -> str:
 
 
 def pd_pair_generate(prefill: WorkerClient, decode: WorkerClient, bootstrap_port: int, body: dict) -> dict:
-    """Serve `body` through one chosen prefill/decode pair, as sglang-router does (spec §1.2): the same body
-    plus ``bootstrap_host`` (the prefill's host), ``bootstrap_port`` and a random 63-bit ``bootstrap_room``
-    goes to both at once; the decode's answer is the result. Raises as every call here (the prefill's error
-    first)."""
+    """Serve `body` through one chosen prefill/decode pair, as sglang-router does (docs/upstream.md P2): the
+    same body plus ``bootstrap_host`` (the prefill's host), ``bootstrap_port`` and a random 63-bit
+    ``bootstrap_room`` goes to both at once; the decode's answer is the result. Raises as every call here (the
+    prefill's error first)."""
     paired = {
         **body,
         "bootstrap_host": bootstrap_host(prefill.base_url),

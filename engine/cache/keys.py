@@ -2,9 +2,9 @@
 
 Follows SGLang's ``get_hash_str`` chain (docs/upstream.md H5): each token id is encoded as a 4-byte
 little-endian unsigned integer and each page's digest chains on the previous page's raw 32 bytes, so a
-key names a page *and its whole prefix*. Unlike upstream, the first page of a chain is seeded with a
-namespace digest of (model, KV dtype, host layout, page size, TP shard), so two models, dtypes, layouts,
-page sizes or shards never share a key (upstream's silent layout/dtype aliasing, spec §11 item 36).
+key names a page *and its whole prefix*. The first page of a chain is seeded with a namespace digest of
+(model, KV dtype, host layout, page size, TP shard), so two models, dtypes, layouts, page sizes or shards
+never share a key (a decision that differs from upstream: docs/architecture.md).
 
 The same function serves ``exists``/``get``/``set`` and the radix-tree nodes, so the prefetch path
 (re-hashing from a node's last key) and the tree reproduce identical chains.

@@ -1,4 +1,5 @@
-"""The ZMQ side channel between a prefill and a decode KV manager (upstream: mooncake/conn.py, §1.6).
+"""The ZMQ side channel between a prefill and a decode KV manager (upstream's mooncake/conn.py;
+docs/upstream.md P3).
 
 Each manager binds one PULL socket (its endpoint ``tcp://host:port`` is what the peer connects to) and owns
 PUSH sockets towards its peers. A message is a JSON header frame plus optional raw payload frames.

@@ -18,7 +18,7 @@ Beyond upstream: P acknowledges each transfer info (``transfer_ack`` with its bo
 notices a restarted P at once, see ``decode.py``). A request whose ``bootstrap_host:bootstrap_port`` names
 another prefill was sent here as its *decode* (this worker was one when the router picked it, then switched
 roles): it fails at once, and the prefill it names is told to abort the room, so neither side waits for a
-partner that never comes (upstream: both wait for the 300 s bootstrap timeout, and so does the router).
+partner that never comes (a decision that differs from upstream: docs/architecture.md).
 An ABORT for a room P has not opened yet is remembered, so the request fails when it arrives.
 """
 

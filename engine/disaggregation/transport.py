@@ -5,7 +5,8 @@
   reserved with ``batch_transfer_sync_write``, one write per run of consecutive pages per buffer (push
   model, as SGLang's mooncake/conn.py).
 * ``fake``: the same contract with the KV bytes carried over the ZMQ side channel instead of RDMA
-  (upstream's ``fake`` backend moves nothing; this one moves the bytes so the contract tests check it).
+  (upstream's moves nothing; this one moves the bytes so the contract tests check them: a decision in
+  docs/architecture.md).
 * ``nixl``: refused with a ``TransferBackendError`` that says why.
 """
 

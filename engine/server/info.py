@@ -19,7 +19,7 @@
   the ``--api-key`` bearer when one is set.
 - ``GET /metrics``: Prometheus text (only with ``--enable-metrics``; 404 otherwise).
 
-Only ``/flush_cache`` checks ``--api-key`` (upstream guards every route but health); health, info and metrics
+Only ``/flush_cache`` checks ``--api-key`` (a decision, docs/architecture.md); health, info and metrics
 stay keyless because the sglang-router reads them without a key (docs/upstream.md P4).
 """
 

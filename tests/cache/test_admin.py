@@ -1,4 +1,4 @@
-"""Runtime attach/detach/clear/update of L3 and MLA single-writer backup (spec §7, §11 30, 34, 40-43)."""
+"""Runtime attach/detach/clear/update of L3 and MLA single-writer backup (docs/upstream.md H7)."""
 
 import json
 

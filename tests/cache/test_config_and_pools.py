@@ -1,4 +1,4 @@
-"""Config parsing, host pool layouts and sizing, allocators, direct io copies (spec §4, §8, §11 37-38, 47)."""
+"""Config parsing, host pool layouts and sizing, allocators, direct io copies (docs/upstream.md H4, H8)."""
 
 import json
 import logging

@@ -1,4 +1,4 @@
-"""L3 -> L2 prefetch: threshold, revoke, capacity, policies, partial commit, abort (spec §11 items 21-29)."""
+"""L3 -> L2 prefetch: threshold, revoke, capacity, policies, partial commit, abort (docs/upstream.md H3)."""
 
 import threading
 import time

@@ -1,6 +1,7 @@
 """The ``file`` L3 backend: one file per page in a local (or shared) directory.
 
-Follows SGLang's ``HiCacheFile`` (docs/upstream.md H6) with three deliberate differences:
+Follows SGLang's ``HiCacheFile`` (docs/upstream.md H6) with three differences (docs/architecture.md,
+Decisions):
 
 * the file name is just ``<key>.bin``: keys (:mod:`engine.cache.keys`) already carry model, dtype,
   layout, page size and TP shard;
