@@ -158,6 +158,7 @@ class StorageAdminMixin:
             kv_dtype=str(self.device_pool.dtype),
             layout=layout,
             extra_config=backend_extra,
+            producer=self.kv_producer,
         )
         try:
             if isinstance(backend, str):

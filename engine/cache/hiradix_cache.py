@@ -54,6 +54,8 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
     """Hierarchical radix cache over ``device_pool`` (the method list: docs/architecture.md, the cache).
 
     ``replicated_kv``: MLA-style KV identical on every rank (L3 keys carry no rank; only rank 0 writes).
+    ``kv_producer``: what computes the KV (:func:`engine.model.loader.fingerprint.kv_producer`), part of the
+    L3 namespace.
     ``reduce``: cross-rank agreement for scheduler-thread decisions (default: identity for one rank,
     gloo all-reduce for several). Raises ``ValueError`` for a bad config, layout or host pool size.
     """
@@ -69,12 +71,14 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         tp_size: int = 1,
         reduce: Reduce | None = None,
         replicated_kv: bool = False,
+        kv_producer: str = "",
     ) -> None:
         config = config or HiCacheConfig()
         config.validate()
         self.device_pool = device_pool
         self.page_size = device_pool.page_size
         self.model_name = model_name
+        self.kv_producer = kv_producer  # part of the L3 namespace (weights, quantization, dtype)
         self.enable_hierarchical = enable_hierarchical
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.replicated_kv = replicated_kv

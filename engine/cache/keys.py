@@ -3,8 +3,10 @@
 Follows SGLang's ``get_hash_str`` chain (docs/upstream.md H5): each token id is encoded as a 4-byte
 little-endian unsigned integer and each page's digest chains on the previous page's raw 32 bytes, so a
 key names a page *and its whole prefix*. The first page of a chain is seeded with a namespace digest of
-(model, KV dtype, host layout, page size, TP shard), so two models, dtypes, layouts, page sizes or shards
-never share a key (a decision that differs from upstream: docs/architecture.md).
+(model, KV dtype, host layout, page size, TP shard, KV producer: weights digest, quantization and compute
+dtype, :mod:`engine.model.loader.fingerprint`), so two models, checkpoints, quantizations, dtypes,
+layouts, page sizes or shards never share a key (a decision that differs from upstream:
+docs/architecture.md).
 
 The same function serves ``exists``/``get``/``set`` and the radix-tree nodes, so the prefetch path
 (re-hashing from a node's last key) and the tree reproduce identical chains.
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-NAMESPACE_VERSION = 1
+NAMESPACE_VERSION = 2
 _MAX_TOKEN = 2**32
 
 
@@ -36,12 +38,14 @@ def namespace_digest(
     tp_rank: int,
     tp_size: int,
     replicated: bool = False,
+    producer: str = "",
 ) -> bytes:
     """32-byte SHA-256 digest naming the KV namespace a page belongs to.
 
     ``replicated`` (MLA-style KV, identical on every rank) leaves the rank out so all ranks share keys;
-    otherwise the shard ``tp_rank/tp_size`` is part of the digest. Raises ``ValueError`` for an empty
-    model name, ``page_size < 1`` or a rank outside ``[0, tp_size)``.
+    otherwise the shard ``tp_rank/tp_size`` is part of the digest. ``producer`` names what computed the KV
+    (:func:`engine.model.loader.fingerprint.kv_producer`; empty when unknown, e.g. a bare cache).
+    Raises ``ValueError`` for an empty model name, ``page_size < 1`` or a rank outside ``[0, tp_size)``.
     """
     if not model_name:
         raise ValueError("model_name must be a non-empty string")
@@ -58,6 +62,7 @@ def namespace_digest(
             f"layout={layout}",
             f"page_size={page_size}",
             f"shard={shard}",
+            f"producer={producer}",
         )
     )
     return hashlib.sha256(text.encode("utf-8")).digest()

@@ -18,6 +18,7 @@ from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
 from engine.disaggregation import TransferBackendError, create_kv_manager
 from engine.model.linear import QuantizationError
+from engine.model.loader.fingerprint import kv_producer, weights_digest
 from engine.model.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.server.args import ArgumentError, ServerArgs
@@ -137,9 +138,16 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
     context = args.context_length or cfg.max_position_embeddings
     name = args.served_model_name or str(runner.model_path)
     config = hicache_config(args)  # its ArgumentError names the flag; not re-wrapped below
+    producer = ""
+    if args.enable_hierarchical_cache:  # the L3 namespace names the weights, quantization and dtype
+        producer = kv_producer(weights_digest(runner.model_path), runner.quantization, runner.dtype)
     try:
         cache = HiRadixCache(
-            pool, config, model_name=name, enable_hierarchical=args.enable_hierarchical_cache
+            pool,
+            config,
+            model_name=name,
+            enable_hierarchical=args.enable_hierarchical_cache,
+            kv_producer=producer,
         )
     except ValueError as exc:  # bad layout / io backend / storage backend settings
         raise ArgumentError(f"--hicache-*: {exc}") from None

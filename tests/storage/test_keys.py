@@ -16,10 +16,11 @@ NS = namespace_digest("SmolLM2-135M", "bfloat16", "page_first", 4, 0, 1)
 
 def test_pinned_vectors():
     # Pinned so that a change to the key scheme (which would orphan every stored page) fails loudly.
-    assert NS.hex() == "2e3611f2462a639971755d579beaa3b4f7da591ad2c25350af7c1c2e19a23e09"
+    # Version 2 (the KV producer in the namespace) orphaned version 1's pages on purpose.
+    assert NS.hex() == "473056178a553576f839771553cc4f1139fe6bf2e28369d54b932b040a425845"
     assert page_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, None, NS) == [
-        "f833f439541cbcde4bc44eb52ba2fd031fb3b033734e8481f94b6082af0d97ba",
-        "1b93df479467a5e3f0713f08a40466910246b1d7134a4a63a91c7b1ee2f0b820",
+        "9577cff31eabf9af91b911855be0aaad1b3de35e754916b85dd5e64b6dca9678",
+        "f807cdea5f1837ae8cf8d0c8f972dff09347a90a01fd0fa07122534017b4bc90",
     ]
 
 
@@ -60,9 +61,10 @@ def test_tensor_numpy_and_list_inputs_agree():
         {"page_size": 8},
         {"tp_rank": 1, "tp_size": 2},
         {"tp_size": 2},
+        {"producer": "weights=ab;quantization=int4wo-32;dtype=bfloat16"},
     ],
 )
-def test_namespace_separates_model_dtype_layout_page_size_shard(change):
+def test_namespace_separates_model_dtype_layout_page_size_shard_producer(change):
     base = dict(model_name="m", kv_dtype="bfloat16", layout="page_first", page_size=4, tp_rank=0, tp_size=1)
     other = namespace_digest(**{**base, **change})
     assert other != namespace_digest(**base)

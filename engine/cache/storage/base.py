@@ -40,7 +40,8 @@ class HiCacheStorageConfig:
 
     ``is_mla_model`` means rank-replicated KV: keys carry no rank and only rank 0 writes.
     ``kv_dtype`` is a dtype name (``"float16"``; a ``torch.`` prefix is accepted), ``layout`` the host
-    pool layout, ``extra_config`` the backend's keys left after HiCache popped its own.
+    pool layout, ``extra_config`` the backend's keys left after HiCache popped its own, ``producer`` what
+    computed the KV (weights digest, quantization, compute dtype; part of the namespace).
     """
 
     tp_rank: int
@@ -51,6 +52,7 @@ class HiCacheStorageConfig:
     kv_dtype: str
     layout: str
     extra_config: dict = field(default_factory=dict)
+    producer: str = ""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -72,6 +74,7 @@ class HiCacheStorageConfig:
             self.tp_rank,
             self.tp_size,
             replicated=self.is_mla_model,
+            producer=self.producer,
         )
 
 
