@@ -11,6 +11,7 @@ import torch
 from engine.cache.config import HiCacheConfig
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
+from engine.cache.keys import page_hashes
 from engine.fleet.mooncake_master import MooncakeMaster
 
 pytestmark = pytest.mark.slow
@@ -108,6 +109,24 @@ def test_fresh_instance_reads_the_prefix_another_computed(master):
         assert message == "Attached storage backend 'mooncake'"
         assert prefetch(b, PREFIX, "r2") == len(PREFIX), "pages survive detach and are found again"
         assert_device_kv(b, PREFIX)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_page_corrupted_in_the_store_ends_the_prefetch_with_correct_kv_before_it(master):
+    a, b = new_cache(master), new_cache(master)
+    try:
+        serve_fresh(a, PREFIX)
+        keys = page_hashes(PREFIX, PAGE, None, a.controller.namespace)
+        client = a.backend._store  # the store's own client writes page 8 wrong on purpose
+        raw = bytearray(client.get(keys[8]))
+        raw[len(raw) // 2] ^= 0x01
+        client.remove(keys[8], True)
+        assert client.put(keys[8], bytes(raw)) == 0
+        assert prefetch(b, PREFIX, "r") == 8 * PAGE, "pages up to the corrupt one, nothing after"
+        assert b.backend.get_stats()["corrupt_pages"] == 1
+        assert_device_kv(b, PREFIX[: 8 * PAGE])  # exactly A's KV: the bad page was never used
     finally:
         a.close()
         b.close()

@@ -239,3 +239,25 @@ def test_master_killed_gives_counted_misses_without_hanging(open_store):
         assert stats["errors"] >= 3 + 20 and stats["pages_read"] == 0
     finally:
         own.stop()
+
+
+def test_corrupted_page_written_through_the_client_is_a_counted_miss(pair):
+    """A page whose bytes were changed in the store (same size, header kept) or replaced by bytes of
+    the right size without a header is a miss, counted in corrupt_pages, its host slots zeroed."""
+    (writer, pool), (reader, rpool) = pair()
+    fill(pool, 30)
+    flipped, foreign = keys_for(writer, 2, start=9000)
+    assert writer.batch_set_v1([flipped, foreign], slots(pool, [0, 1])) == [True, True]
+    client = writer._store  # the store's own client: write wrong bytes on purpose
+    raw = bytearray(client.get(flipped))
+    raw[-1] ^= 0xFF  # last byte of the V plane
+    client.remove(flipped, True)
+    assert client.put(flipped, bytes(raw)) == 0
+    client.remove(foreign, True)
+    assert client.put(foreign, bytes(len(raw))) == 0
+    fill(rpool, 31)
+    before = reader.get_stats()["corrupt_pages"]
+    assert reader.batch_get_v1([flipped, foreign], slots(rpool, [2, 3])) == [False, False]
+    assert reader.get_stats()["corrupt_pages"] == before + 2
+    assert not rpool.get_flat_data_page(2 * rpool.page_size).view(torch.uint8).any()
+    assert reader.batch_exists([flipped, foreign]) == 0  # removed, so a later write can replace them

@@ -3,9 +3,13 @@
 Follows SGLang's ``MooncakeStore`` (docs/upstream.md H6) with these choices:
 
 * one store object per page, key ``[<extra_backend_tag>_]<page key>`` (the page key already names model,
-  dtype, layout, page size and shard, :mod:`engine.cache.keys`); the object holds the page's K plane then
-  its V plane, written and read zero-copy from the registered host-pool buffer with the store's
-  multi-buffer batch calls (v1 interface);
+  dtype, layout, page size, shard and KV producer, :mod:`engine.cache.keys`); the object holds a
+  ``HEADER_BYTES`` header (the file backend's: key, dtype, layout, page size, payload bytes, xxh3_64 of
+  the payload, :mod:`engine.cache.storage.page_file`), the page's K plane then its V plane, written and
+  read zero-copy from the registered host pool (and a registered header row per host page) with the
+  store's multi-buffer batch calls (v1 interface). A read whose header or checksum does not match is a
+  miss, counted in ``corrupt_pages``, its host slots zeroed and the object removed (upstream stores raw
+  bytes with no check);
 * ``page_first`` / ``page_first_direct`` host layouts only (a page's K and V are each one contiguous
   block); any other layout is a :class:`StorageConfigError`;
 * start-up (and a runtime attach) checks that the master accepts TCP connections *and answers* (its RPC
@@ -34,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.cache.storage import mooncake_clients
+from engine.cache.storage import mooncake_clients, page_file
 from engine.cache.storage.base import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -43,6 +47,7 @@ from engine.cache.storage.base import (
     StorageError,
 )
 from engine.cache.storage.mooncake_config import P2P_HANDSHAKE, MooncakeConfig
+from engine.cache.storage.page_file import PageFileError, PageIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,7 @@ RPC_FAIL = -900  # the master did not answer: pause L3 calls (other negative cod
 _PROBE_TIMEOUT_S = 1.0
 ANSWER_TIMEOUT_S = 2.0
 _INVALID_HEADER = b"\x00" * 32  # not a coro_rpc request header: the master's RPC server hangs up on it
+HEADER_BYTES = 128  # page_file's header fields (100 bytes), zero-padded
 
 
 def _master_problem(host: str, port: int, timeout: float = ANSWER_TIMEOUT_S) -> str | None:
@@ -140,6 +146,8 @@ class MooncakeStore(HiCacheStorage):
         tag = self.config.extra_backend_tag
         self._prefix = f"{tag}_" if tag else ""
         self._registered_ptr: int | None = None
+        self._headers: torch.Tensor | None = None  # (host pages, HEADER_BYTES) uint8, registered
+        self._reported: set[str] = set()
         self._closed = False
         self._backoff = _Backoff(lambda: _master_problem(*self.config.master_host_port) is None)
 
@@ -168,20 +176,73 @@ class MooncakeStore(HiCacheStorage):
         if rc != 0:
             raise StorageError(f"Mooncake register_buffer failed (rc={rc}) for {nbytes} bytes of host pool")
         self._registered_ptr = ptr
+        headers = torch.zeros((mem_pool_host.page_num, HEADER_BYTES), dtype=torch.uint8)
+        rc = self._store.register_buffer(headers.data_ptr(), headers.numel())
+        if rc != 0:
+            self._unregister()
+            raise StorageError(f"Mooncake register_buffer failed (rc={rc}) for the page headers")
+        self._headers = headers
         super().register_mem_pool_host(mem_pool_host)
 
     def _unregister(self) -> None:
         if self._registered_ptr is not None:
             self._store.unregister_buffer(self._registered_ptr)
             self._registered_ptr = None
+        if self._headers is not None:
+            self._store.unregister_buffer(self._headers.data_ptr())
+            self._headers = None
 
-    def _buffers(self, slots: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+    def _views(self, slot: int) -> list[memoryview]:
+        return [
+            memoryview(v.reshape(-1).view(torch.uint8).numpy())
+            for v in self.mem_pool_host.get_page_buffer_views(slot)
+        ]
+
+    def _identity(self, key: str) -> PageIdentity:
+        cfg = self.storage_config
+        return PageIdentity(key, cfg.kv_dtype, cfg.layout, cfg.page_size)
+
+    def _buffers(self, keys: Sequence[str], slots: Sequence[int], write: bool):
+        """Per page: pointers and sizes of [header row, K plane, V plane]; for a write the header row is
+        filled with the page's identity and checksum first."""
         ptrs, sizes = [], []
-        for slot in slots:
+        for key, slot in zip(keys, slots, strict=True):
             views = self.mem_pool_host.get_page_buffer_views(slot)
-            ptrs.append([v.data_ptr() for v in views])
-            sizes.append([v.numel() * v.element_size() for v in views])
+            row = self._headers[slot // self.storage_config.page_size]
+            if write:
+                payload = self._views(slot)
+                header = page_file.pack_header(
+                    self._identity(key),
+                    sum(v.nbytes for v in payload),
+                    page_file.checksum(payload),
+                    HEADER_BYTES,
+                )
+                row.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+            ptrs.append([row.data_ptr(), *(v.data_ptr() for v in views)])
+            sizes.append([HEADER_BYTES, *(v.numel() * v.element_size() for v in views)])
         return ptrs, sizes
+
+    def _verified(self, key: str, slot: int) -> bool:
+        """Whether the page just read into ``slot`` carries ``key``'s header and a matching checksum; a bad
+        page is counted, its slots zeroed, logged once per key and removed from the store."""
+        payload = self._views(slot)
+        row = self._headers[slot // self.storage_config.page_size].numpy()
+        try:
+            nbytes, checksum = page_file.check_identity(memoryview(row), self._identity(key))
+            if nbytes != sum(v.nbytes for v in payload):
+                raise PageFileError(f"header nbytes {nbytes} != expected {sum(v.nbytes for v in payload)}")
+            if page_file.checksum(payload) != checksum:
+                raise PageFileError("checksum mismatch")
+        except PageFileError as exc:
+            for view in payload:
+                view[:] = bytes(view.nbytes)
+            self._count(corrupt_pages=1)
+            if key not in self._reported:
+                self._reported.add(key)
+                logger.warning("Mooncake page %s treated as a miss: %s", key, exc)
+            self._store.remove(self._prefix + key, True)
+            return False
+        return True
 
     # -- failure accounting ----------------------------------------------------------------------------
     def _failed(self, what: str, code: int) -> None:
@@ -235,16 +296,17 @@ class MooncakeStore(HiCacheStorage):
         if not self._available(len(keys)):
             self._count(pages_missed=len(keys))
             return [False] * len(keys)
-        ptrs, sizes = self._buffers(slots)
+        ptrs, sizes = self._buffers(keys, slots, write=False)
         codes = self._store.batch_get_into_multi_buffers([self._prefix + k for k in keys], ptrs, sizes)
         page_bytes = [sum(s) for s in sizes]
         results = [code == want for code, want in zip(codes, page_bytes, strict=True)]
+        results = [ok and self._verified(k, s) for ok, k, s in zip(results, keys, slots, strict=True)]
         failed = [c for c in codes if c < 0 and c != OBJECT_NOT_FOUND]
         wrong_size = sum(1 for c, want in zip(codes, page_bytes, strict=True) if 0 <= c != want)
         hits = sum(results)
         self._count(
             pages_read=hits,
-            bytes_read=sum(w for ok, w in zip(results, page_bytes, strict=True) if ok),
+            bytes_read=sum(w - HEADER_BYTES for ok, w in zip(results, page_bytes, strict=True) if ok),
             pages_missed=len(keys) - hits,
             corrupt_pages=wrong_size,
             errors=len(failed),
@@ -276,12 +338,12 @@ class MooncakeStore(HiCacheStorage):
         todo = [i for i, code in enumerate(present) if code != 1]
         results = [True] * len(keys)
         if todo:
-            ptrs, sizes = self._buffers([slots[i] for i in todo])
+            ptrs, sizes = self._buffers([keys[i] for i in todo], [slots[i] for i in todo], write=True)
             codes = self._store.batch_put_from_multi_buffers([names[i] for i in todo], ptrs, sizes)
             for i, code, size in zip(todo, codes, sizes, strict=True):
                 results[i] = code == 0
                 if code == 0:
-                    self._count(pages_written=1, bytes_written=sum(size))
+                    self._count(pages_written=1, bytes_written=sum(size) - HEADER_BYTES)
             failed = [c for c in codes if c != 0]
             if failed:
                 self._count(errors=len(failed))
@@ -302,11 +364,20 @@ class MooncakeStore(HiCacheStorage):
         data = self._store.get(self._prefix + key)
         dtype = getattr(torch, self.storage_config.kv_dtype)
         want = None if target_location is None else target_location.numel() * target_location.element_size()
-        if not data or (want is not None and len(data) != want) or len(data) % dtype.itemsize:
+        payload = memoryview(data)[HEADER_BYTES:] if data else b""
+        if not payload or (want is not None and len(payload) != want) or len(payload) % dtype.itemsize:
             self._count(pages_missed=1)
             return None
-        page = torch.frombuffer(bytearray(data), dtype=dtype)
-        self._count(pages_read=1, bytes_read=len(data))
+        try:
+            nbytes, checksum = page_file.check_identity(memoryview(data)[:HEADER_BYTES], self._identity(key))
+            if nbytes != len(payload) or page_file.checksum([payload]) != checksum:
+                raise PageFileError("payload size or checksum mismatch")
+        except PageFileError as exc:
+            self._count(pages_missed=1, corrupt_pages=1)
+            logger.warning("Mooncake page %s treated as a miss: %s", key, exc)
+            return None
+        page = torch.frombuffer(bytearray(payload), dtype=dtype)
+        self._count(pages_read=1, bytes_read=len(payload))
         if target_location is None:
             return page
         target_location.view(-1).copy_(page)
@@ -323,8 +394,11 @@ class MooncakeStore(HiCacheStorage):
             return True
         if not self._available(1):
             return False
-        data = value.contiguous().view(-1).view(torch.uint8).numpy()
-        rc = self._store.put(self._prefix + key, memoryview(data))
+        data = memoryview(value.contiguous().view(-1).view(torch.uint8).numpy())
+        header = page_file.pack_header(
+            self._identity(key), data.nbytes, page_file.checksum([data]), HEADER_BYTES
+        )
+        rc = self._store.put(self._prefix + key, header + bytes(data))
         if rc != 0:
             self._count(errors=1)
             self._failed("put", rc)

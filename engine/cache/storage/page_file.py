@@ -49,14 +49,15 @@ class PageIdentity:
     page_size: int
 
 
-def pack_header(page: PageIdentity, nbytes: int, checksum: int) -> bytes:
+def pack_header(page: PageIdentity, nbytes: int, checksum: int, size: int = HEADER_SIZE) -> bytes:
+    """The header naming ``page``, its payload bytes and xxh3_64 ``checksum``, zero-padded to ``size``."""
     fields = (MAGIC, bytes.fromhex(page.key), page.dtype.encode(), page.layout.encode(), page.page_size)
-    return HEADER.pack(*fields, nbytes, checksum).ljust(HEADER_SIZE, b"\0")
+    return HEADER.pack(*fields, nbytes, checksum).ljust(size, b"\0")
 
 
-def unpack_header(raw: bytes | bytearray) -> tuple[PageIdentity, int, int]:
+def unpack_header(raw: bytes | bytearray | memoryview) -> tuple[PageIdentity, int, int]:
     """(identity, payload bytes, checksum) from a header; ``PageFileError`` if it is not one."""
-    if len(raw) < HEADER.size or raw[: len(MAGIC)] != MAGIC:
+    if len(raw) < HEADER.size or bytes(raw[: len(MAGIC)]) != MAGIC:
         raise PageFileError("bad or truncated header")
     _, key, dtype, layout, page_size, nbytes, checksum = HEADER.unpack_from(raw)
     try:
@@ -144,14 +145,29 @@ def read_page(fd: int, expected: PageIdentity, buffers: Sequence[memoryview]) ->
     return want
 
 
-def _check_header(fd: int, raw, expected: PageIdentity, want: int) -> int:
-    """The header's checksum once its fields match ``expected`` and ``want``; else ``PageFileError``."""
+def check_identity(raw, expected: PageIdentity) -> tuple[int, int]:
+    """(payload bytes, checksum) of a header whose key and KV geometry match ``expected``; else
+    ``PageFileError`` naming the first field that differs."""
     page, nbytes, checksum = unpack_header(raw)
     for name in ("key", "dtype", "layout", "page_size"):
         if getattr(page, name) != getattr(expected, name):
             raise PageFileError(
                 f"header {name} {getattr(page, name)!r} != expected {getattr(expected, name)!r}"
             )
+    return nbytes, checksum
+
+
+def checksum(buffers: Sequence[memoryview]) -> int:
+    """xxh3_64 of ``buffers`` concatenated (the payload checksum the header carries)."""
+    hasher = xxhash.xxh3_64()
+    for piece in _pieces(buffers):
+        hasher.update(piece)
+    return hasher.intdigest()
+
+
+def _check_header(fd: int, raw, expected: PageIdentity, want: int) -> int:
+    """The header's checksum once its fields match ``expected`` and ``want``; else ``PageFileError``."""
+    nbytes, checksum = check_identity(raw, expected)
     if nbytes != want:
         intact = os.fstat(fd).st_size == HEADER_SIZE + nbytes  # a whole page of another KV geometry
         raise PageFileError(f"header nbytes {nbytes} != expected {want}", damaged=not intact)
