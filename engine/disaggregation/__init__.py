@@ -20,12 +20,12 @@ from engine.disaggregation.decode import DecodeKVManager, KVReceiver
 from engine.disaggregation.prefill import KVSender, PrefillKVManager
 from engine.disaggregation.transport import transport_class
 
-KVManager = PrefillKVManager | DecodeKVManager
+KVTransferManager = PrefillKVManager | DecodeKVManager
 
 __all__ = [
     "DecodeKVManager",
     "DisaggregationMode",
-    "KVManager",
+    "KVTransferManager",
     "KVPoll",
     "KVReceiver",
     "KVSender",
@@ -46,7 +46,7 @@ def create_kv_manager(
     prefill_http_port: int | None = None,
     ib_device: str | None = None,
     **timeouts,
-) -> KVManager:
+) -> KVTransferManager:
     """The KV manager of this worker's role, with ``pool``'s buffers registered with ``backend``.
 
     ``mode``: ``prefill`` (starts the bootstrap server on ``bootstrap_port``, 0 = a free port) or

@@ -24,13 +24,30 @@ class DisaggregationMode(enum.StrEnum):
 
 
 class KVPoll(enum.IntEnum):
-    """State of one bootstrap room, upstream's numbering. A room only moves forward, except to Failed."""
+    """State of one bootstrap room, upstream's numbering. A room only moves forward (``KVPOLL_TRANSITIONS``;
+    ``RoomState.move`` checks it): Bootstrapping -> WaitingForInput (D's transfer info is at P) ->
+    Transferring (P writes) -> Success, a state may be skipped, and any unfinished state may end Failed."""
 
     Failed = 0
     Bootstrapping = 1
     WaitingForInput = 2
     Transferring = 3
     Success = 4
+
+
+P = KVPoll
+KVPOLL_TRANSITIONS: dict[KVPoll, frozenset[KVPoll]] = {
+    P.Bootstrapping: frozenset({P.WaitingForInput, P.Transferring, P.Success, P.Failed}),
+    P.WaitingForInput: frozenset({P.Transferring, P.Success, P.Failed}),
+    P.Transferring: frozenset({P.Success, P.Failed}),
+    P.Success: frozenset(),
+    P.Failed: frozenset(),
+}
+del P
+
+
+class IllegalRoomTransition(RuntimeError):
+    """A room was moved along an edge ``KVPOLL_TRANSITIONS`` does not have (a transfer-manager bug)."""
 
 
 class KVTransferError(RuntimeError):

@@ -9,7 +9,14 @@ from abc import ABC, abstractmethod
 import httpx
 
 from engine.cache.device_pool import DeviceKVPool
-from engine.disaggregation.base import KVLayout, KVTransferError, TransferTimeouts
+from engine.disaggregation.base import (
+    KVPOLL_TRANSITIONS,
+    IllegalRoomTransition,
+    KVLayout,
+    KVPoll,
+    KVTransferError,
+    TransferTimeouts,
+)
 from engine.disaggregation.channel import Channel
 from engine.disaggregation.transport import transport_class
 
@@ -98,13 +105,25 @@ class KVManagerBase(ABC):
 
 
 class RoomState:
-    """State of one room; every field is guarded by ``lock`` (held only for in-memory updates)."""
+    """State of one room; every field is guarded by ``lock`` (held only for in-memory updates). ``state``
+    changes only through ``move``."""
 
-    def __init__(self, bootstrap_room: int, initial) -> None:
+    def __init__(self, bootstrap_room: int, initial: KVPoll) -> None:
         self.bootstrap_room = bootstrap_room
         self.lock = threading.Lock()
         self.state = initial
         self.reason: str | None = None
+
+    def move(self, state: KVPoll, reason: str | None = None) -> None:
+        """Go to ``state`` (with ``reason`` when it is Failed); the caller holds ``lock``. Raises
+        ``IllegalRoomTransition`` when ``KVPOLL_TRANSITIONS`` has no such edge."""
+        if state not in KVPOLL_TRANSITIONS[self.state]:
+            raise IllegalRoomTransition(
+                f"bootstrap room {self.bootstrap_room}: {self.state.name} -> {state.name}"
+            )
+        self.state = state
+        if reason is not None:
+            self.reason = reason
 
     def failure_exception(self) -> KVTransferError:
         """The ``KVTransferError`` of a Failed room; raises ``RuntimeError`` if the room has not failed."""

@@ -101,10 +101,7 @@ class KVReceiver(RoomState):
             state = self.state
             if self.abort_reason is not None:
                 if now - self.abort_at > timeouts.abort_ack_timeout_s:
-                    self.state, self.reason = (
-                        KVPoll.Failed,
-                        f"{self.abort_reason} (no abort ack from prefill)",
-                    )
+                    self.move(KVPoll.Failed, f"{self.abort_reason} (no abort ack from prefill)")
                 return self.state
             expired = state == KVPoll.WaitingForInput and now - self.sent_at > timeouts.waiting_timeout_s
         if expired:
@@ -176,10 +173,10 @@ class DecodeKVManager(KVManagerBase):
                 raise ValueError(f"bootstrap room {bootstrap_room} is already active on this decode")
             self._receivers[bootstrap_room] = receiver
             if mine:
-                receiver.state = KVPoll.Failed
-                receiver.reason = (
+                receiver.move(
+                    KVPoll.Failed,
                     f"bootstrap {address} is this worker's own, which is a decode now: the request was "
-                    "sent here as its prefill (the worker switched roles after the router picked it)"
+                    "sent here as its prefill (the worker switched roles after the router picked it)",
                 )
                 return receiver
             prefill = self._prefills.get(address)
@@ -200,16 +197,13 @@ class DecodeKVManager(KVManagerBase):
             if prefill is None or not prefill.ready:
                 return
             with receiver.lock:
-                if (
-                    receiver.pages is None
-                    or receiver.sent_to is not None
-                    or receiver.state != KVPoll.Bootstrapping
-                ):
+                if receiver.pages is None or receiver.sent_to is not None or receiver.state in _TERMINAL:
                     return
                 now = time.monotonic()
                 receiver.sent_at = receiver.sent_at or now
                 receiver.info_at, receiver.sent_to = now, prefill.start_id
-                receiver.state = KVPoll.WaitingForInput
+                if receiver.state == KVPoll.Bootstrapping:  # re-pairing after a P restart: WaitingForInput
+                    receiver.move(KVPoll.WaitingForInput)
                 pages = receiver.pages.tolist()
             endpoint = prefill.endpoint
         header = {"type": "transfer", "room": receiver.bootstrap_room, "endpoint": self.channel.endpoint}
@@ -219,7 +213,7 @@ class DecodeKVManager(KVManagerBase):
         with receiver.lock:
             if receiver.state in _TERMINAL:
                 return
-            receiver.state, receiver.reason = state, reason
+            receiver.move(state, reason)
             for key, value in aux.items():
                 setattr(receiver, key, value)
         if reason:
@@ -290,7 +284,7 @@ class DecodeKVManager(KVManagerBase):
                     if receiver.acked or receiver.abort_reason is not None:
                         lost.append(receiver)
                         continue
-                    receiver.sent_to, receiver.state = None, KVPoll.Bootstrapping
+                    receiver.sent_to = None  # stays WaitingForInput: its pages wait for the new instance
                 fresh.rooms.add(room)
             if fresh.rooms:
                 self._prefills[address] = fresh

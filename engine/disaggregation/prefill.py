@@ -311,7 +311,7 @@ class PrefillKVManager(KVManagerBase):
         with sender.lock:
             if sender.state in (KVPoll.Failed, KVPoll.Success):
                 return
-            sender.state, sender.reason = KVPoll.Failed, reason
+            sender.move(KVPoll.Failed, reason)
             sender.jobs = []
             endpoint = sender.endpoint
             if notify and sender.writing:  # D must not free its pages while our write may still land
@@ -339,7 +339,8 @@ class PrefillKVManager(KVManagerBase):
         with sender.lock:
             if sender.dst is None or not sender.jobs or sender.queued or sender.state == KVPoll.Failed:
                 return
-            sender.state = KVPoll.Transferring
+            if sender.state != KVPoll.Transferring:  # a later send() of a room already transferring
+                sender.move(KVPoll.Transferring)
             sender.queued = True
         self._queue.put(sender)
 
@@ -358,7 +359,7 @@ class PrefillKVManager(KVManagerBase):
                 sender.dst = torch.tensor(info["pages"], dtype=torch.int64)
                 sender.attached_at = time.monotonic()
                 if sender.state == KVPoll.Bootstrapping:
-                    sender.state = KVPoll.WaitingForInput
+                    sender.move(KVPoll.WaitingForInput)
                 reason = None
         if reason is not None:
             self._status(endpoint, sender.bootstrap_room, KVPoll.Failed, reason)
@@ -474,11 +475,13 @@ class PrefillKVManager(KVManagerBase):
                 if sender.notify_pending:
                     status = KVPoll.Failed
             elif error is not None:
-                sender.state, sender.reason, status = KVPoll.Failed, error, KVPoll.Failed
+                sender.move(KVPoll.Failed, error)
+                status = KVPoll.Failed
             else:
                 sender.written += sum(len(src) for src, _ in jobs)
                 if sender.written == sender.num_pages and sender.first_token_id is not None:
-                    sender.state = status = KVPoll.Success
+                    sender.move(KVPoll.Success)
+                    status = KVPoll.Success
                     aux = {"first_token_id": sender.first_token_id, "meta": sender.meta}
             reason = sender.reason
         if error is not None:

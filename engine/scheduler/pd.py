@@ -26,34 +26,61 @@ logged.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.disaggregation import KVPoll
 from engine.disaggregation.common import bootstrap_address
+from engine.scheduler.kv_manager import KVLease
 from engine.scheduler.req import Req, ReqState
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PDHooks:
+    """Everything the PD queues may ask of the scheduler (called on its thread).
+
+    ``get(rid)``: the live request of that id, or None. ``queue(req)`` (P): a paired request joins the
+    prefill queue. ``unqueue(req)`` (P): take a waiting request out of it (False if it was not waiting).
+    ``reserve(rid, positions)`` (D): L1 pages with no prefix (``KVManager.reserve``). ``start_decoding(req,
+    tok)`` (D): ``req`` decodes from P's first token ``tok``. ``finish(req, reason, last_ids)``: end ``req``
+    (its KV released, nothing inserted) and send its last event. ``on_failure(stage)``: a PD request failed,
+    ``bootstrap`` or ``transfer`` (metrics).
+    """
+
+    page_size: int
+    get: Callable[[str], Req | None]
+    queue: Callable[[Req], None]
+    unqueue: Callable[[Req], bool]
+    reserve: Callable[[str, int], KVLease | None]
+    start_decoding: Callable[[Req, int], None]
+    finish: Callable[[Req, dict, list[int] | None], None]
+    on_failure: Callable[[str], None]
 
 
 def _pages(n: int, page_size: int) -> int:
     return -(-n // page_size)
 
 
-def _failed(sched, req: Req, reason: str) -> dict:
+def _failed(hooks: PDHooks, req: Req, reason: str) -> dict:
     """The abort finish reason of a PD request whose room failed; counted and logged unless the client
     aborted it (the metric's stage: ``bootstrap`` while still pairing, else ``transfer``)."""
     if not req.aborted:
         stage = "bootstrap" if req.state is ReqState.BOOTSTRAPPING else "transfer"
         logger.warning("PD request %s failed (%s): %s", req.rid, stage, reason)
-        if sched.metrics is not None:
-            sched.metrics.on_pd_failure(stage)
+        hooks.on_failure(stage)
     return {"type": "abort", "message": reason, "status_code": 500}
 
 
 class PrefillQueues:
-    """P's bootstrap and transfer queues over ``mgr`` (a ``PrefillKVManager``) for ``sched``."""
+    """P's bootstrap and transfer queues over ``mgr`` (a ``PrefillKVManager``), talking to the scheduler
+    through ``hooks``."""
 
-    def __init__(self, sched, mgr) -> None:
-        self.sched = sched
+    sends_kv = True  # a PD request's KV leaves this worker after its prompt
+
+    def __init__(self, hooks: PDHooks, mgr) -> None:
+        self.hooks = hooks
         self.mgr = mgr
         self.bootstrapping: list[Req] = []
         self.transferring: list[Req] = []
@@ -68,13 +95,13 @@ class PrefillQueues:
         b = req.bootstrap
         sender = self.mgr.create_sender(b.room, bootstrap_address(b.host, b.port))
         self.rooms[req.rid] = sender
-        sender.init(_pages(len(req.input_ids), self.sched.page_size))
+        sender.init(_pages(len(req.input_ids), self.hooks.page_size))
         req.move(ReqState.BOOTSTRAPPING)
         self.bootstrapping.append(req)
 
     def send(self, req: Req, tok: int) -> None:
         """The prompt is computed and cached: hand its pages, first token and cached tokens to D."""
-        lease, page = req.kv, self.sched.page_size
+        lease, page = req.kv, self.hooks.page_size
         n = _pages(len(req.input_ids), page)
         meta = {
             "prompt_tokens": len(req.input_ids),
@@ -102,7 +129,7 @@ class PrefillQueues:
             elif state >= KVPoll.WaitingForInput:
                 self.bootstrapping.remove(req)
                 req.move(ReqState.QUEUED)
-                self.sched._queue(req)
+                self.hooks.queue(req)
                 moved = True
         for req in list(self.transferring):
             state = self.rooms[req.rid].poll()
@@ -115,18 +142,16 @@ class PrefillQueues:
     def _end_unpaired(self) -> bool:
         """End the paired requests still on P (queued, or part-way through a chunked prefill) whose room
         failed meanwhile: nothing will take their KV, so they give back their pages and prefix lock now."""
-        sched, moved = self.sched, False
+        hooks, moved = self.hooks, False
         for rid, sender in list(self.rooms.items()):
-            req = sched.reqs.get(rid)
+            req = hooks.get(rid)
             if req is None or req.state in (ReqState.BOOTSTRAPPING, ReqState.TRANSFERRING):
                 continue
             if sender.poll() != KVPoll.Failed:
                 continue
-            if req in sched.waiting:
-                sched.waiting.remove(req)
-                sched.kv.drop_prefetch(rid)
+            hooks.unqueue(req)
             reason = req.aborted or str(sender.failure_exception())
-            sched._finish(req, _failed(sched, req, reason), insert=False)  # closes the room (``drop``)
+            hooks.finish(req, _failed(hooks, req, reason), None)  # closes the room (``drop``)
             moved = True
         return moved
 
@@ -134,12 +159,12 @@ class PrefillQueues:
         sender = self.rooms.pop(req.rid)
         if sender.poll() == KVPoll.Success:
             reason = {"type": "length", "length": len(req.output_ids)}
-            self.sched._finish(req, reason, last_ids=req.output_ids[-1:], insert=False)
+            self.hooks.finish(req, reason, req.output_ids[-1:])
         else:
             if sender.poll() != KVPoll.Failed:
                 sender.abort("aborted by prefill")
             reason = req.aborted or str(sender.failure_exception())
-            self.sched._finish(req, _failed(self.sched, req, reason), insert=False)
+            self.hooks.finish(req, _failed(self.hooks, req, reason), None)
         sender.close()
 
     def drop(self, req: Req) -> None:
@@ -155,10 +180,13 @@ class PrefillQueues:
 
 
 class DecodeQueues:
-    """D's prealloc and transfer queues over ``mgr`` (a ``DecodeKVManager``) for ``sched``."""
+    """D's prealloc and transfer queues over ``mgr`` (a ``DecodeKVManager``), talking to the scheduler
+    through ``hooks``."""
 
-    def __init__(self, sched, mgr) -> None:
-        self.sched = sched
+    sends_kv = False
+
+    def __init__(self, hooks: PDHooks, mgr) -> None:
+        self.hooks = hooks
         self.mgr = mgr
         self.prealloc: list[Req] = []
         self.waiting_kv: list[Req] = []
@@ -182,7 +210,7 @@ class DecodeQueues:
         """Reserve pages for requests in arrival order while L1 has room, and start decoding requests whose
         KV has landed; True if anything moved."""
         moved = False
-        sched = self.sched
+        hooks = self.hooks
         for req in list(self.prealloc):
             receiver = self.rooms[req.rid]
             state = receiver.poll()
@@ -193,11 +221,11 @@ class DecodeQueues:
                 continue
             if req.aborted:
                 continue  # its room turns Failed once P acknowledged the abort
-            lease = sched.kv.reserve(req.rid, len(req.input_ids) + req.params.max_new_tokens)
+            lease = hooks.reserve(req.rid, len(req.input_ids) + req.params.max_new_tokens)
             if lease is None:
                 break  # no room yet: later requests wait behind this one
             req.kv = lease
-            page = sched.page_size
+            page = hooks.page_size
             n = _pages(len(req.input_ids), page)
             receiver.init(lease.indices[: n * page : page] // page)
             req.move(ReqState.WAITING_FOR_KV)
@@ -214,7 +242,7 @@ class DecodeQueues:
             elif state == KVPoll.Success and req.aborted:
                 self.waiting_kv.remove(req)
                 self.rooms.pop(req.rid).close()
-                sched._finish(req, {"type": "abort", "message": req.aborted}, insert=False)
+                hooks.finish(req, {"type": "abort", "message": req.aborted}, None)
                 moved = True
             elif state == KVPoll.Success:
                 self.waiting_kv.remove(req)
@@ -230,14 +258,13 @@ class DecodeQueues:
         req.cached = {tier: int(details.get(tier, 0)) for tier in ("device", "host", "storage")}
         req.admitted_at = req.admitted_at or req.arrival
         req.move(ReqState.DECODING)
-        self.sched.running.append(req)
-        self.sched._append_token(req, int(receiver.first_token_id))
+        self.hooks.start_decoding(req, int(receiver.first_token_id))
 
     def _fail(self, req: Req) -> None:
         receiver = self.rooms.pop(req.rid)
         reason = req.aborted or str(receiver.failure_exception())
         receiver.close()
-        self.sched._finish(req, _failed(self.sched, req, reason), insert=False)
+        self.hooks.finish(req, _failed(self.hooks, req, reason), None)
 
     def drop(self, req: Req) -> None:
         """Nothing to do: a D request leaves these queues only with its room closed."""
@@ -246,22 +273,6 @@ class DecodeQueues:
         self.mgr.close()
 
 
-def switch_role(sched, new_role: str, make_transfer) -> None:
-    """Flip an idle PD worker to ``new_role`` (``prefill`` / ``decode``), on the scheduler thread.
-
-    After upstream's ``--enable-pd-role-switch``: refuse unless fully idle (``NotIdleError``, nothing
-    changed); then tear down the transport (threads, sockets, registered memory; the KV pool and weights
-    stay), release the prefix cache (L1 and L2; L3 keeps its pages), and build the new role's transport with
-    ``make_transfer(new_role)``. An error from here on propagates with the worker left without a transport:
-    the caller marks it unhealthy (no rollback, as upstream). A new decode is told the bootstrap port it
-    served as a prefill, so a request the router sent here as its prefill fails at once.
-    """
-    sched.require_idle("PD role switch")
-    old = sched.pd.mgr.bootstrap_port if isinstance(sched.pd, PrefillQueues) else None
-    sched.pd.close()
-    sched.pd = None
-    sched.cache.reset()
-    mgr = make_transfer(new_role)
-    if new_role == "decode" and old is not None:
-        mgr.former_bootstrap_port = old
-    sched.pd = PrefillQueues(sched, mgr) if new_role == "prefill" else DecodeQueues(sched, mgr)
+def make_queues(role: str, hooks: PDHooks, mgr) -> PrefillQueues | DecodeQueues:
+    """The PD queues of ``role`` (``prefill`` / ``decode``) over the transfer manager ``mgr``."""
+    return PrefillQueues(hooks, mgr) if role == "prefill" else DecodeQueues(hooks, mgr)

@@ -1,14 +1,17 @@
-"""The scheduler thread: continuous batching with chunked prefill over the hierarchical prefix cache.
+"""The scheduler thread: the loop of continuous batching with chunked prefill over the hierarchical cache.
 
-One thread owns the model runner and the cache. Other threads talk to it only through ``submit`` (a new
-request), ``abort`` and ``call`` (run a function on this thread and get a ``concurrent.futures.Future``),
-and read the ``state`` snapshot it publishes after every iteration.
+One thread owns the model runner and the cache. Other threads talk to it only through its inbox: ``submit``
+(a new request), ``abort`` (an ``AbortReq``) and ``post`` (an admin message of ``engine.scheduler.messages``,
+answered through a ``concurrent.futures.Future``); they read the ``state`` snapshot it publishes after every
+iteration. ``call`` (run a function on this thread) is for tests and tools, not for the server.
 
-Policy (after SGLang / mini-sglang): prefill first; a prefill batch takes waiting requests in arrival order
-under a token budget (``max_prefill_tokens``, and ``chunked_prefill_size`` per batch when chunking is on); the
-one request that does not fit is split and continued in the next batch. Otherwise every running request
-decodes one token. Admission reserves L1 slots for the whole prompt plus ``max_new_tokens`` (evicting
-unlocked cache nodes when short), so no request runs out of KV mid-way and nothing is ever retracted.
+Each iteration: drain the inbox, poll the PD queues, then one forward pass: a prefill batch if the prefill
+policy (``PrefillManager``, ``engine/scheduler/prefill.py``: arrival order under a token budget, chunking,
+admission) picks one, else one decode step of every running request (``DecodeManager``,
+``engine/scheduler/decode.py``). Admission reserves L1 slots for the whole prompt plus ``max_new_tokens``
+(evicting unlocked cache nodes when short), so no request runs out of KV mid-way and nothing is ever
+retracted. The scheduler keeps what follows a forward pass: sampling, the prompt-done decision, appending
+tokens, finishing and reporting.
 Prefix reuse: ``match_prefix`` gives the L1 hit; an L2 hit is loaded back with ``init_load_back`` before the
 forward pass (which waits per layer through ``cache.wait_layer``); an L3 prefetch is started when the request
 is queued and ``check_prefetch_progress`` decides when it may be scheduled (per the prefetch policy).
@@ -26,23 +29,24 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.model.forward_batch import ForwardBatch
+from engine.scheduler import admin
+from engine.scheduler.decode import DecodeManager
 from engine.scheduler.kv_manager import KVManager
-from engine.scheduler.pd import DecodeQueues, PrefillQueues
+from engine.scheduler.messages import AbortReq, AdminMsg, NotIdleError
+from engine.scheduler.pd import DecodeQueues, PDHooks, PrefillQueues, make_queues
+from engine.scheduler.prefill import PrefillBudget, PrefillManager
 from engine.scheduler.req import Req, ReqOutput, ReqState
 from engine.scheduler.sampler import sample
 
 logger = logging.getLogger(__name__)
 
-
-class NotIdleError(RuntimeError):
-    """An operation that needs an idle scheduler was refused; the message carries the queue counts."""
+__all__ = ["NotIdleError", "QUEUE_FULL", "Scheduler", "SchedulerConfig"]
 
 
 QUEUE_FULL = "The request queue is full."  # upstream's abort message (HTTP 503)
@@ -62,7 +66,9 @@ class SchedulerConfig:
 
 @dataclass
 class _Command:
-    fn: Callable
+    """An admin message (or, from ``call``, a function of the scheduler) and the future it answers."""
+
+    work: AdminMsg | Callable
     future: concurrent.futures.Future
 
 
@@ -97,21 +103,20 @@ class Scheduler:
         self.cache = cache
         self.pool = device_pool
         self.config = config
-        self.detokenize = detokenize
         self.metrics = metrics
         self.page_size = cache.page_size
         self.hierarchical = cache.enable_hierarchical
         self.kv = KVManager(cache)
+        self.reqs: dict[str, Req] = {}
+        budget = PrefillBudget(
+            config.max_prefill_tokens, config.chunked_prefill_size, config.max_running_requests
+        )
+        self.prefill = PrefillManager(budget, self.kv, self._decode_tokens, self._on_admit)
+        self.decode = DecodeManager(config.eos_token_ids, detokenize)
         self.pd: PrefillQueues | DecodeQueues | None = None
         self.pd_decode_offload = pd_decode_offload
-        if pd_mode == "prefill":
-            self.pd = PrefillQueues(self, pd_transfer)
-        elif pd_mode == "decode":
-            self.pd = DecodeQueues(self, pd_transfer)
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.chunked: Req | None = None
-        self.reqs: dict[str, Req] = {}
+        if pd_mode in ("prefill", "decode"):
+            self.attach_pd(pd_mode, pd_transfer)
         self._inbox: queue.Queue = queue.Queue()
         self._inbox_lock = threading.Lock()  # orders "put into the inbox" against "the loop has ended"
         self._closed: str | None = None  # why the loop ended; set once, before the inbox is failed
@@ -181,13 +186,22 @@ class Scheduler:
 
     def abort(self, rid: str) -> None:
         """Abort a request by id (client went away); unknown ids are ignored."""
-        self._put(_Command(lambda s: s._abort(rid), concurrent.futures.Future()))
+        self._put(AbortReq(rid))
+
+    def post(self, msg: AdminMsg) -> concurrent.futures.Future:
+        """Carry out the admin message ``msg`` on the scheduler thread between iterations; the future gets
+        its result or error (``engine.scheduler.messages``; ``RuntimeError`` once the loop has ended)."""
+        return self._command(msg)
 
     def call(self, fn: Callable[[Scheduler], object]) -> concurrent.futures.Future:
         """Run ``fn(scheduler)`` on the scheduler thread between iterations; the future gets its result
-        (``RuntimeError`` once the loop has ended)."""
+        (``RuntimeError`` once the loop has ended). For tests and tools that inspect the scheduler; the
+        server's work goes through ``post``."""
+        return self._command(fn)
+
+    def _command(self, work: AdminMsg | Callable) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self._put(_Command(fn, fut)):
+        if not self._put(_Command(work, fut)):
             fut.set_exception(RuntimeError(f"scheduler thread is not running: {self._closed}"))
         return fut
 
@@ -213,18 +227,22 @@ class Scheduler:
 
     def _num_busy(self) -> int:
         pd = len(self.pd) if self.pd is not None else 0
-        return len(self.running) + len(self.waiting) + (self.chunked is not None) + pd
+        return len(self.decode) + len(self.prefill) + pd
+
+    def num_requests(self) -> int:
+        """Requests running, waiting, in a PD queue or accepted by the HTTP server and not answered."""
+        return self._num_busy() + self._accepted
 
     def require_idle(self, action: str) -> None:
         """Raise ``NotIdleError`` (upstream wording, then the counts; ``#http-req``: requests the HTTP server
         accepted and has not answered, ``accepted``) unless idle."""
         accepted = self._accepted
         if self._num_busy() or accepted:
-            running = len(self.running) + (self.chunked is not None)
+            running = len(self.decode) + (self.prefill.chunked is not None)
             pd = f" #pd-transfer-req={len(self.pd)}" if self.pd is not None else ""
             raise NotIdleError(
                 f"Reject {action}: scheduler is not idle. "
-                f"#queue-req={len(self.waiting)} #running-req={running}{pd} #http-req={accepted}"
+                f"#queue-req={len(self.prefill.waiting)} #running-req={running}{pd} #http-req={accepted}"
             )
         if not self.cache.is_io_idle():
             io = self.cache.inflight_io()
@@ -276,6 +294,8 @@ class Scheduler:
             if isinstance(item, _Command):
                 self._run_command(item)
                 self._publish()
+            elif isinstance(item, AbortReq):
+                self._abort(item.rid)
             else:
                 self._enqueue(item)
             self._in_hand = None
@@ -285,7 +305,8 @@ class Scheduler:
             return
         self.busy_since = time.monotonic()
         try:
-            cmd.future.set_result(cmd.fn(self))
+            work = cmd.work
+            cmd.future.set_result(work(self) if callable(work) else admin.handle(self, work))
         except Exception as exc:
             cmd.future.set_exception(exc)
         finally:
@@ -319,26 +340,44 @@ class Scheduler:
         prefilled. Not applied on a PD worker (upstream ignores the flag in disaggregation mode), nor to a
         health probe (it goes ahead of the queue, so a full queue never makes a busy worker look dead)."""
         limit = self.config.max_queued_requests
-        return limit is not None and self.pd is None and not req.health_check and len(self.waiting) >= limit
+        waiting = len(self.prefill.waiting)
+        return limit is not None and self.pd is None and not req.health_check and waiting >= limit
 
     def _queue(self, req: Req) -> None:
-        """Into the waiting queue (prefilled here; a health probe goes first); an L3 prefetch of its prefix
-        starts now."""
-        if req.health_check:
-            self.waiting.appendleft(req)
-        else:
-            self.waiting.append(req)
-        if self.kv.start_prefetch(req.rid, req.input_ids[:-1]):
-            req.move(ReqState.PREFETCHING)
+        """Into the prefill queue (a health probe goes first); an L3 prefetch of its prefix starts now."""
+        self.prefill.add(req)
+
+    def attach_pd(self, role: str, mgr) -> None:
+        """Run PD requests through the queues of ``role`` (``prefill`` / ``decode``) over the transfer
+        manager ``mgr``; they reach the scheduler only through ``PDHooks``."""
+        hooks = PDHooks(
+            page_size=self.page_size,
+            get=self.reqs.get,
+            queue=self._queue,
+            unqueue=self.prefill.unqueue,
+            reserve=self.kv.reserve,
+            start_decoding=self._start_decoding,
+            finish=lambda req, reason, last_ids: self._finish(req, reason, last_ids=last_ids, insert=False),
+            on_failure=self._on_pd_failure,
+        )
+        self.pd = make_queues(role, hooks, mgr)
+
+    def _on_admit(self, req: Req) -> None:
+        if self.metrics:  # ``metrics`` may be set after construction
+            self.metrics.on_admit(req)
+
+    def _on_pd_failure(self, stage: str) -> None:
+        if self.metrics:
+            self.metrics.on_pd_failure(stage)
 
     def _step(self) -> bool:
         """One scheduling decision; True when a forward pass ran or a PD request moved."""
         moved = self.pd.poll() if self.pd is not None else False
-        items = self._schedule_prefill()
+        items = self.prefill.schedule(len(self.decode))
         if items:
             self._run_prefill(items)
             return True
-        if self.running:
+        if self.decode:
             self._run_decode()
             return True
         if self.hierarchical:  # no forward pass this time: start loads queued by a failed admission
@@ -346,58 +385,9 @@ class Scheduler:
         return moved
 
     # ----------------------------------------------------------------- prefill
-    def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
-        """Pick (req, start, end) extend ranges for the next prefill batch."""
-        chunk = self.config.chunked_prefill_size
-        budget = self.config.max_prefill_tokens
-        if chunk > 0:
-            budget = min(budget, chunk)
-        items: list[tuple[Req, int, int]] = []
-        if self.chunked is not None:
-            req = self.chunked
-            done = req.kv.num_computed
-            end = min(len(req.input_ids), done + budget)
-            items.append((req, done, end))
-            budget -= end - done
-            self.chunked = None if end == len(req.input_ids) else req
-            if self.chunked is not None:
-                return items
-        for req in list(self.waiting):
-            if budget <= 0 or len(self.running) + len(items) >= self.config.max_running_requests:
-                break
-            if chunk <= 0 and items and len(req.input_ids) > budget:
-                break  # no chunking: a long prompt waits for a batch of its own
-            if not self.kv.prefetch_ready(req.rid):
-                continue
-            if not self._admit(req):
-                break
-            self.waiting.remove(req)
-            done = req.kv.num_computed
-            end = len(req.input_ids)
-            if end - done > budget and chunk > 0:
-                end = done + budget
-                self.chunked = req
-            items.append((req, done, end))
-            budget -= end - done
-            if self.chunked is not None:
-                break
-        return items
-
-    def _admit(self, req: Req) -> bool:
-        """Lease the request's cached prefix (L2 part loaded back) and slots for prompt + ``max_new_tokens``;
-        False if L1 has no room. The last prompt token is never matched."""
-        decode_tokens = 0 if self._sends_kv(req) else req.params.max_new_tokens
-        lease = self.kv.admit(req.rid, req.input_ids[:-1], len(req.input_ids) + decode_tokens)
-        if lease is None:
-            return False
-        req.kv = lease
-        req.cached = dict(lease.cached)
-        self.cache.stats.record_cached_tokens(**req.cached)
-        req.move(ReqState.LOADING if lease.cached["host"] + lease.cached["storage"] else ReqState.PREFILLING)
-        req.admitted_at = time.perf_counter()
-        if self.metrics:
-            self.metrics.on_admit(req)
-        return True
+    def _decode_tokens(self, req: Req) -> int:
+        """Positions admission reserves past the prompt: none when the KV goes to a decode worker."""
+        return 0 if self._sends_kv(req) else req.params.max_new_tokens
 
     def _run_prefill(self, items: list[tuple[Req, int, int]]) -> None:
         batch_reqs = [r for r, _, _ in items]
@@ -414,7 +404,7 @@ class Scheduler:
             logits = self._forward(batch)
         except Exception as exc:
             logger.exception("prefill forward failed")
-            self.chunked = None
+            self.prefill.chunked = None
             for req in batch_reqs:
                 self._finish(req, {"type": "abort", "message": f"forward failed: {exc}"}, insert=False)
             return
@@ -437,7 +427,7 @@ class Scheduler:
                 self._per_request(req, "prefill", self._prompt_done, req, tok)
 
     def _sends_kv(self, req: Req) -> bool:
-        return req.bootstrap is not None and isinstance(self.pd, PrefillQueues)
+        return req.bootstrap is not None and self.pd is not None and self.pd.sends_kv
 
     def _prompt_done(self, req: Req, tok: int) -> None:
         """After the prompt's last chunk, the one decision point: cache the prompt's prefix, then hand its KV
@@ -453,12 +443,16 @@ class Scheduler:
             self._finish(req, {"type": "length", "length": 0})
             return
         req.move(ReqState.DECODING)
-        self.running.append(req)
-        self._append_token(req, tok)
+        self._start_decoding(req, tok)
 
     # ----------------------------------------------------------------- decode
+    def _start_decoding(self, req: Req, tok: int) -> None:
+        """``req`` (DECODING) joins the decode set with its first token ``tok``."""
+        self.decode.add(req)
+        self._append_token(req, tok)
+
     def _run_decode(self) -> None:
-        reqs = list(self.running)
+        reqs = self.decode.batch()
         try:
             batch = ForwardBatch.for_decode(
                 [r.output_ids[-1] for r in reqs],
@@ -524,36 +518,19 @@ class Scheduler:
             self.metrics.on_inter_token(now - req.last_token_at)
         req.last_token_at = now
         req.output_ids.append(tok)
-        reason = self._finish_reason(req, tok)
+        reason = self.decode.finish_reason(req, tok)
         if reason is None:
             req.on_event(ReqOutput(req.rid, [tok], meta=self._meta(req, final=False)))
         else:
             self._finish(req, reason, last_ids=[tok])
 
-    def _finish_reason(self, req: Req, tok: int) -> dict | None:
-        p = req.params
-        if not p.ignore_eos and tok in self.config.eos_token_ids:
-            return {"type": "stop", "matched": tok}
-        if tok in p.stop_token_ids:
-            return {"type": "stop", "matched": tok}
-        if p.stop:
-            tail = self.detokenize(req.output_ids[-(max(len(s) for s in p.stop) + 8) :])
-            for s in p.stop:
-                if s in tail:
-                    return {"type": "stop", "matched": s}
-        if len(req.output_ids) >= p.max_new_tokens:
-            return {"type": "length", "length": len(req.output_ids)}
-        return None
-
     # ----------------------------------------------------------------- finish / abort
     def _finish(self, req: Req, reason: dict, last_ids: list[int] | None = None, insert: bool = True) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        if self.chunked is req:
-            self.chunked = None
+        self.decode.remove(req)
+        self.prefill.forget(req)
         if self.pd is not None:
             self.pd.drop(req)
-            if req.bootstrap and isinstance(self.pd, DecodeQueues):
+            if req.bootstrap and not self.pd.sends_kv:
                 insert = insert and self.pd_decode_offload  # else D caches nothing
         if req.kv is not None:
             self.kv.release(req.kv, req.fill_ids, insert=insert)
@@ -570,9 +547,7 @@ class Scheduler:
             return
         if req.state in (ReqState.BOOTSTRAPPING, ReqState.TRANSFERRING, ReqState.WAITING_FOR_KV):
             self.pd.abort(req)  # ends once the room is terminal
-        elif req in self.waiting:
-            self.waiting.remove(req)
-            self.kv.drop_prefetch(rid)
+        elif self.prefill.unqueue(req):
             if self.pd is not None:
                 self.pd.drop(req)
             self.reqs.pop(rid, None)
@@ -580,7 +555,7 @@ class Scheduler:
             req.on_event(
                 ReqOutput(rid, [], True, {"type": "abort", "message": "aborted"}, self._meta(req, True))
             )
-        elif req is self.chunked:
+        elif req is self.prefill.chunked:
             self._finish(req, {"type": "abort", "message": "aborted"}, insert=False)
         else:
             req.aborted = "aborted"
@@ -626,8 +601,8 @@ class Scheduler:
         cache = self.cache
         status = cache.storage_status() if self.hierarchical else None
         self.state = {
-            "num_running_reqs": len(self.running) + (self.chunked is not None),
-            "num_waiting_reqs": len(self.waiting),
+            "num_running_reqs": len(self.decode) + (self.prefill.chunked is not None),
+            "num_waiting_reqs": len(self.prefill.waiting),
             "num_pd_transfer_reqs": len(self.pd) if self.pd is not None else 0,
             "num_http_reqs": self._accepted,
             "inflight_cache_io": dict(cache.inflight_io()),

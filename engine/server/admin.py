@@ -38,7 +38,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
 from engine.cache.hiradix_cache import CacheAdminError
-from engine.scheduler import NotIdleError
+from engine.scheduler.messages import (
+    AdminMsg,
+    AttachStorage,
+    DetachStorage,
+    NotIdleError,
+    PauseStorage,
+    ReadStorage,
+    ResumeStorage,
+    UpdatePolicies,
+)
 from engine.server.contract import (
     CONFIG_FIELDS,
     AttachRequest,
@@ -51,12 +60,6 @@ from engine.server.http_utils import HTTPError, bearer_matches, json_body
 
 router = APIRouter()
 
-_IO_NAMES = {
-    "writes": "L1->L2 write(s)",
-    "loads": "L2->L1 load(s)",
-    "prefetches": "L3 prefetch(es)",
-    "backups": "L2->L3 backup(s)",
-}
 _CACHE_NAMES = {"hicache_storage_prefetch_policy": "prefetch_policy", "hicache_write_policy": "write_policy"}
 
 
@@ -76,30 +79,14 @@ def _auth(request: Request) -> Engine:
     return engine
 
 
-async def _run_idle(engine: Engine, action: str, fn, failure: str):
-    """``fn(cache)`` on the scheduler thread once it is idle for ``action``; its result.
+async def _run_idle(engine: Engine, msg: AdminMsg, failure: str):
+    """The result of the idle-only admin message ``msg`` (``engine.scheduler.messages``).
 
     Raises a 400 :class:`HTTPError` reading ``failure`` then the reason when the scheduler is busy or the
     cache refuses (nothing changes then).
     """
-
-    def run(sched):
-        try:
-            sched.require_idle(action)
-        except NotIdleError:
-            io = {k: v for k, v in sched.cache.inflight_io().items() if v}
-            requests = sched.running or sched.waiting or sched.chunked is not None or sched.pd
-            if requests or sched.num_accepted or not io:
-                raise
-            named = ", ".join(f"{n} {_IO_NAMES.get(k, k)}" for k, n in io.items())
-            raise NotIdleError(
-                f"Reject {action}: not idle: no request running or waiting, only cache I/O in flight: "
-                f"{named}; it finishes on its own, retry in a moment"
-            ) from None
-        return fn(sched.cache)
-
     try:
-        return await engine.call(run)
+        return await engine.post(msg)
     except (NotIdleError, CacheAdminError, ValueError) as exc:
         raise HTTPError(400, f"{failure}\n{exc}") from None
 
@@ -116,7 +103,7 @@ def _parse(model: type[BaseModel], body, failure: str) -> BaseModel:
 @router.get("/hicache/storage-backend")
 async def get_backend(request: Request):
     engine = _auth(request)
-    status = await engine.call(lambda s: s.cache.storage_backend_status())
+    status = await engine.post(ReadStorage("backend"))
     return JSONResponse(StorageBackendStatus.model_validate(status).model_dump())
 
 
@@ -135,13 +122,9 @@ async def attach_backend(request: Request):
         except CacheAdminError as exc:
             raise HTTPError(400, f"{failure}\n{exc}") from None
 
-    def attach(cache):
-        backend = name if prepared is None else prepared
-        message = cache.attach_storage_backend(backend, extra, prefetch_policy=prefetch, write_policy=write)
-        return message, cache.storage_backend_status()
-
+    attach = AttachStorage(name if prepared is None else prepared, extra, prefetch, write)
     try:
-        message, live = await _run_idle(engine, "attach", attach, failure)
+        message, live = await _run_idle(engine, attach, failure)
     except BaseException:
         if prepared is not None and cache.backend is not prepared.instance:
             await asyncio.to_thread(prepared.close)
@@ -158,7 +141,7 @@ async def attach_backend(request: Request):
 async def detach_backend(request: Request):
     engine = _auth(request)
     failure = "Failed to detach HiCache storage backend."
-    taken = await _run_idle(engine, "detach", lambda cache: cache.take_storage_backend(), failure)
+    taken = await _run_idle(engine, DetachStorage(), failure)
     if taken is not None:
         await asyncio.to_thread(taken.close)
     engine.args.hicache_storage_backend = None
@@ -172,20 +155,20 @@ async def detach_backend(request: Request):
 async def clear_backend(request: Request):
     engine = _auth(request)
     failure = "Failed to clear HiCache storage backend."
-    paused = await _run_idle(engine, "clear", lambda cache: cache.pause_storage_backend(), failure)
+    paused = await _run_idle(engine, PauseStorage(), failure)
     try:
         await asyncio.to_thread(paused.clear)
     except CacheAdminError as exc:
         raise HTTPError(400, f"{failure}\n{exc}") from None
     finally:
-        await engine.call(lambda s: s.cache.resume_storage_backend(paused))
+        await engine.post(ResumeStorage(paused))
     return PlainTextResponse("HiCache storage backend cleared.\n")
 
 
 @router.get("/hicache/config")
 async def get_config(request: Request):
     engine = _auth(request)
-    status = await engine.call(lambda s: s.cache.storage_status())
+    status = await engine.post(ReadStorage("config"))
     return JSONResponse(HiCacheConfigStatus.model_validate(status).model_dump())
 
 
@@ -197,7 +180,7 @@ async def put_config(request: Request):
     if not update:
         raise HTTPError(400, f"{failure}\ngive at least one of: {', '.join(CONFIG_FIELDS)}")
     fields = {_CACHE_NAMES.get(k, k): v for k, v in update.items()}
-    status = await _run_idle(engine, "config update", lambda cache: cache.update_policies(**fields), failure)
+    status = await _run_idle(engine, UpdatePolicies(fields), failure)
     a = engine.args
     a.hicache_storage_prefetch_policy = status["hicache_storage_prefetch_policy"]
     a.hicache_write_policy = status["hicache_write_policy"]

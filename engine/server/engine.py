@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.scheduler import Req, ReqOutput, SamplingParams, Scheduler
+from engine.scheduler.messages import AdminMsg
 from engine.scheduler.req import Bootstrap
 from engine.scheduler.sampling_params import label
 from engine.server.args import ServerArgs
@@ -238,9 +239,10 @@ class Engine:
             raise UnavailableError(reason.get("message", "scheduler thread is not running"))
         return {"output_ids": ids, "finish_reason": reason, "meta": meta}
 
-    async def call(self, fn, timeout: float | None = None):
-        """Run ``fn(scheduler)`` on the scheduler thread and await its result."""
-        return await asyncio.wait_for(asyncio.wrap_future(self.scheduler.call(fn)), timeout)
+    async def post(self, msg: AdminMsg, timeout: float | None = None):
+        """Carry out the admin message ``msg`` (``engine.scheduler.messages``) on the scheduler thread and
+        await its result; raises what the scheduler raised for it."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.scheduler.post(msg)), timeout)
 
 
 def _tokens(count: int) -> str:

@@ -32,6 +32,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.scheduler import NotIdleError, SamplingParams
+from engine.scheduler.messages import FlushCache
 from engine.server.engine import Engine
 from engine.server.http_utils import require_api_key, until_disconnect
 
@@ -145,18 +146,13 @@ async def get_model_info(request: Request):
     )
 
 
-def _flush(sched) -> None:
-    sched.require_idle("flush cache")
-    sched.cache.reset()
-
-
 @router.post("/flush_cache")
 @router.get("/flush_cache")
 async def flush_cache(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
     try:
-        await engine.call(_flush)
+        await engine.post(FlushCache())
     except NotIdleError as exc:
         return PlainTextResponse(f"Cache not flushed: {exc}\n", status_code=400)
     return PlainTextResponse("Cache flushed.\n")

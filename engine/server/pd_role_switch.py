@@ -6,7 +6,7 @@ Body :class:`~engine.server.contract.PdRoleSwitchRequest` ``{"new_role": "prefil
 (400), a valid role (400), same role (a no-op success), a switch already running or an unhealthy worker
 (409), not idle (400, nothing changed, ``safe_to_restore`` true; an inference request the HTTP server has
 accepted and not answered yet counts, ``Scheduler.accepted``). Then the scheduler tears down the
-transport, releases the prefix cache and builds the new role's transport (``scheduler.pd.switch_role``); a
+transport, releases the prefix cache and builds the new role's transport (``SwitchRole``); a
 failure there (e.g. the bootstrap port is taken when becoming a prefill) marks the worker unhealthy
 (``/health`` 503, new requests 503, restart required; no rollback, ``safe_to_restore`` false, 500). On success
 ``/server_info`` reports the new ``disaggregation_mode`` and, for a new prefill, its bootstrap port. Guarded
@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from engine.scheduler import NotIdleError
-from engine.scheduler.pd import switch_role
+from engine.scheduler.messages import SwitchRole
 from engine.server.builder import pd_transfer
 from engine.server.contract import PdRoleSwitchRequest, PdRoleSwitchResponse
 from engine.server.engine import Engine
@@ -63,7 +63,8 @@ async def pd_role_switch(request: Request):
     async with _lock:
         new_args = dataclasses.replace(args, disaggregation_mode=new)
         try:
-            await engine.call(lambda s: switch_role(s, new, lambda role: pd_transfer(new_args, s.pool)))
+            pool = engine.scheduler.pool
+            await engine.post(SwitchRole(new, lambda role: pd_transfer(new_args, pool)))
         except NotIdleError as exc:
             return _answer(400, False, str(exc), old, new, True)
         except Exception as exc:

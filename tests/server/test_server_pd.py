@@ -354,7 +354,7 @@ def _paired_and_queued_on_p(p, d, rid: str, room: int) -> tuple[queue.Queue, obj
     _submit(p, rid, prompt, b, events)
     _submit(d, rid, prompt, b, queue.Queue())
     deadline = time.monotonic() + 30
-    while not p.scheduler.call(lambda s: s.reqs[rid] in s.waiting).result(10):  # paired: D's info is in
+    while not p.scheduler.call(lambda s: s.reqs[rid] in s.prefill.waiting).result(10):  # paired
         assert time.monotonic() < deadline, "D's transfer info did not reach P"
         time.sleep(0.01)
     return events, lease

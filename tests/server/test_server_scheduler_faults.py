@@ -95,7 +95,7 @@ def test_error_while_decoding_one_request_aborts_only_it(make_engine):
     alone = run_requests(engine, [PROMPT], max_new_tokens=NEW_TOKENS)[0]["ids"]
     sched = engine.scheduler
     calls = {"n": 0}
-    real = sched.detokenize
+    real = sched.decode.detokenize
 
     def detokenize_failing_on_third_call(ids):  # only requests with a stop string detokenize
         calls["n"] += 1
@@ -103,7 +103,7 @@ def test_error_while_decoding_one_request_aborts_only_it(make_engine):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "test: bad byte")
         return real(ids)
 
-    sched.detokenize = detokenize_failing_on_third_call
+    sched.decode.detokenize = detokenize_failing_on_third_call
     bad = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, stop=["never-in-output-zzz"])
     good = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
     out = _submit_together(engine, [("bad", PROMPT, bad), ("good", PROMPT, good)])

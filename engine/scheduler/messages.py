@@ -1,0 +1,98 @@
+"""The typed messages other threads put into the scheduler's inbox, besides new requests.
+
+``AbortReq`` ends one request. The admin messages change or read the cache or the PD role between
+iterations; the scheduler answers each through the ``concurrent.futures.Future`` that ``Scheduler.post``
+returns (its result, or the exception it raised). Messages marked *idle* are refused with ``NotIdleError``
+unless the scheduler is idle (nothing running, waiting, in a PD queue or accepted by the HTTP server, no
+cache I/O in flight); nothing changes then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class NotIdleError(RuntimeError):
+    """An operation that needs an idle scheduler was refused; the message carries the queue counts."""
+
+
+@dataclass(frozen=True)
+class AbortReq:
+    """Abort request ``rid`` (its client went away); an unknown or finished id is ignored."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class FlushCache:
+    """*Idle*: drop every L1 and L2 entry of the prefix cache (L3 keeps its pages). Result: None."""
+
+
+@dataclass(frozen=True)
+class SwitchRole:
+    """*Idle*: flip a PD worker to ``new_role`` (``prefill`` / ``decode``); ``make_transfer(role)`` builds
+    the new role's KV transfer manager. Result: None. After ``NotIdleError`` nothing changed; any other
+    error leaves the worker without a transport (see ``engine.scheduler.pd.switch_role``)."""
+
+    new_role: Literal["prefill", "decode"]
+    make_transfer: Callable = field(compare=False)
+
+
+@dataclass(frozen=True)
+class AttachStorage:
+    """*Idle* (``attach``): attach an L3 backend (a name, or one prepared off the scheduler thread) with the
+    given policies. Result: ``(message | None, storage_backend_status())``."""
+
+    backend: object
+    extra_config: str | None = None
+    prefetch_policy: str | None = None
+    write_policy: str | None = None
+
+
+@dataclass(frozen=True)
+class DetachStorage:
+    """*Idle* (``detach``): take the L3 backend out of the cache. Result: the backend (to close off the
+    scheduler thread) or None."""
+
+
+@dataclass(frozen=True)
+class PauseStorage:
+    """*Idle* (``clear``): pause L3 I/O so the store can be wiped off the scheduler thread. Result: the
+    paused backend, to hand back with ``ResumeStorage``."""
+
+
+@dataclass(frozen=True)
+class ResumeStorage:
+    """Resume L3 I/O after ``PauseStorage``. Result: None."""
+
+    paused: object
+
+
+@dataclass(frozen=True)
+class UpdatePolicies:
+    """*Idle* (``config update``): change prefetch / write policies and thresholds (``HiRadixCache
+    .update_policies`` keywords). Result: the new ``storage_status()``."""
+
+    fields: dict
+
+
+@dataclass(frozen=True)
+class ReadStorage:
+    """Read the live L3 state: ``backend`` (``storage_backend_status()``) or ``config``
+    (``storage_status()``)."""
+
+    what: Literal["backend", "config"]
+
+
+AdminMsg = (
+    FlushCache
+    | SwitchRole
+    | AttachStorage
+    | DetachStorage
+    | PauseStorage
+    | ResumeStorage
+    | UpdatePolicies
+    | ReadStorage
+)
