@@ -113,7 +113,7 @@ def bench_load_back(page_size: int, tokens: int, trials: int, seed: int = 0) -> 
         cache.device_allocator.free(pages[torch.sort(keep).values].flatten())  # every other page, randomly
         m = cache.match_prefix(seq)
         t0 = time.perf_counter()
-        loaded, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+        loaded, _ = cache.init_load_back(m.last_host_node)
         cache.ready_to_load_host_cache()
         cache.wait_layer(layers - 1)
         load_times.append(time.perf_counter() - t0)

@@ -1,12 +1,14 @@
 """HiRadixCache: the hierarchical prefix KV cache the scheduler uses (SGLang ``hiradix_cache.py``).
 
-L1 device pool <-> L2 host pool <-> L3 storage backend around one :class:`HiRadixTree`. All tree and
-pool mutations happen on the caller's (scheduler) thread; the :class:`HiCacheController` threads only
-copy data and report back through ack queues drained by ``check_hicache_events``. With
-``enable_hierarchical=False`` this is a plain L1 radix cache (no host pool, no storage): eviction deletes
-nodes and nothing is ever loaded back. Behaviour follows docs/upstream.md H1-H3 and H7; where this code
-deliberately differs it says so next to the code. The prefetch methods live in
-:mod:`engine.cache.prefetching` and the storage admin methods in :mod:`engine.cache.admin` (mixins).
+L1 device pool <-> L2 host pool <-> L3 storage backend around one :class:`HiRadixTree`. What the cache
+decides (match, insert, eviction, write-through / write-back, load-back, prefetch commit) is
+:class:`engine.cache.policy.CachePolicy`, shared with the what-if replay; this module is its live executor:
+pool slots as tensors, copies through the :class:`HiCacheController`. All tree and pool mutations happen
+on the caller's (scheduler) thread; the controller threads only copy data and report back through ack
+queues drained by ``check_hicache_events``. With ``enable_hierarchical=False`` this is a plain L1 radix
+cache (no host pool, no storage): eviction deletes nodes and nothing is ever loaded back. Behaviour
+follows docs/upstream.md H1-H3 and H7. The prefetch methods live in :mod:`engine.cache.prefetching` and the
+storage admin methods in :mod:`engine.cache.admin` (mixins).
 """
 
 from __future__ import annotations
@@ -28,15 +30,17 @@ from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool, host_pool_tokens
 from engine.cache.io_backends import get_io_backend, resolve_layout
 from engine.cache.keys import page_hashes
+from engine.cache.policy import LOAD_BACK_THRESHOLD, CachePolicy
 from engine.cache.prefetching import PrefetchMixin, _Prefetch
 from engine.cache.radix_tree import HiRadixTree, TreeNode
 from engine.cache.ranks import Reduce, make_reduce
 from engine.cache.stats import CacheStats
 from engine.cache.storage.base import HiCacheStorage
 
+__all__ = ["LOAD_BACK_THRESHOLD", "HiRadixCache", "InsertResult", "MatchResult"]
+
 logger = logging.getLogger(__name__)
 
-LOAD_BACK_THRESHOLD = 10  # tokens; smaller L2 hits are recomputed
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
@@ -50,8 +54,27 @@ class MatchResult(NamedTuple):
     host_hit_length: int
 
 
+class InsertResult(NamedTuple):
+    """``prefix_len``: leading tokens that were already on device (the caller frees its duplicate slots
+    for them); ``last_node``: the node ending the inserted key (root for an empty key), with every node
+    above it on device."""
+
+    prefix_len: int
+    last_node: TreeNode
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """The L1 slots of the whole inserted key (int64, page-aligned length), top down."""
+        node, values = self.last_node, []
+        while node.parent is not None:
+            values.append(node.value)
+            node = node.parent
+        return torch.cat(values[::-1]) if values else _EMPTY
+
+
 class HiRadixCache(PrefetchMixin, StorageAdminMixin):
-    """Hierarchical radix cache over ``device_pool`` (the method list: docs/architecture.md, the cache).
+    """Hierarchical radix cache over ``device_pool``: the policy's live executor (the method list:
+    docs/architecture.md, the cache).
 
     ``replicated_kv``: MLA-style KV identical on every rank (L3 keys carry no rank; only rank 0 writes).
     ``kv_producer``: what computes the KV (:func:`engine.model.loader.fingerprint.kv_producer`), part of the
@@ -86,6 +109,9 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
             device_pool.size // self.page_size, self.page_size, first_page=1
         )
         self.tree = HiRadixTree(self.page_size, config.eviction_policy)
+        self.policy = CachePolicy(
+            self.tree, self, hierarchical=enable_hierarchical, write_policy=config.write_policy
+        )
         self._stats = CacheStats()
         self.host_pool: HostKVPool | None = None
         self.controller: HiCacheController | None = None
@@ -126,6 +152,16 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
 
     # -- accounting ----------------------------------------------------------------------------------------
     @property
+    def config(self) -> HiCacheConfig:
+        """The live settings; setting them also sets the policy's write policy."""
+        return self._config
+
+    @config.setter
+    def config(self, config: HiCacheConfig) -> None:
+        self._config = config
+        self.policy.write_policy = config.write_policy
+
+    @property
     def stats(self) -> CacheStats:
         """Counters (host-pool and queue-length gauges refreshed on read)."""
         if self.host_pool is not None:
@@ -137,7 +173,7 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
 
     @property
     def write_through_threshold(self) -> int:
-        return 1 if self.config.write_policy == "write_through" else 2
+        return self.policy.write_through_threshold
 
     def evictable_size(self) -> int:
         return self.tree.evictable_size
@@ -158,122 +194,106 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
     # -- match / insert --------------------------------------------------------------------------------------
     def match_prefix(self, token_ids) -> MatchResult:
         """Longest cached prefix of ``token_ids`` (page-granular; may split a node; moves no data)."""
-        key = self._key(token_ids)
-        root = self.tree.root
-        if not key:
-            return MatchResult(_EMPTY, root, root, 0)
-        path, _ = self.tree.walk(key)
-        values = [n.value for n in path if n.value is not None]
+        m = self.policy.match(self._key(token_ids))
+        values = m.device_values
         device_indices = torch.cat(values) if values else _EMPTY
-        node = deepest = path[-1] if path else root
-        host_hit = 0
-        while node.value is None:
-            host_hit += len(node.host_value)
-            node = node.parent
-        last_device = node
-        node = deepest
-        while node.host_value is None:
-            node = node.parent
-        return MatchResult(device_indices, last_device, node, host_hit)
+        return MatchResult(device_indices, m.last_device_node, m.last_host_node, m.host_hit_length)
 
-    def insert(self, token_ids, device_indices: torch.Tensor, chunked: bool = False) -> int:
+    def insert(self, token_ids, device_indices: torch.Tensor, chunked: bool = False) -> InsertResult:
         """Cache ``token_ids`` at ``device_indices`` (one slot per token, whole device pages).
 
-        Returns the number of leading tokens already on device (the caller frees its duplicate slots
-        for them). Evicted nodes on the path are revived with the new slots (not counted as present).
-        ``chunked=True`` (a partial chunk) bumps no hit counts. Raises ``ValueError`` when
-        ``device_indices`` is shorter than the page-aligned key or not page-aligned.
+        Returns what was inserted (:class:`InsertResult`): the leading tokens already on device, the node
+        ending the key and the key's L1 slots. Evicted nodes on the path are revived with the new slots
+        (not counted as present). ``chunked=True`` (a partial chunk) bumps no hit counts. Raises
+        ``ValueError`` when ``device_indices`` is shorter than the page-aligned key or not page-aligned.
         """
         key = self._key(token_ids)
         n = len(key)
         if n == 0:
-            return 0
+            return InsertResult(0, self.tree.root)
         if len(device_indices) < n:
             raise ValueError(f"insert: {len(device_indices)} device slots for {n} tokens")
         value = device_indices[:n].to(torch.int64)
         if self.page_size > 1 and bool((value[:: self.page_size] % self.page_size).any()):
             raise ValueError("insert: device_indices are not whole device pages")
-        path, _ = self.tree.walk(key)
-        pos = prefix = 0
-        for node in path:
-            length = len(node.key)
-            if node.value is None:
-                self.tree.set_device(node, value[pos : pos + length].clone())
-            else:
-                prefix += length
-                self._inc_hit_count(node, chunked)
-            pos += length
-        if pos < n:
-            parent = path[-1] if path else self.tree.root
-            leaf = self.tree.add_leaf(parent, key[pos:], value[pos:].clone())
-            if self.backend is not None:
-                self._ensure_hashes(leaf)
-            self._inc_hit_count(leaf, chunked)
-        return prefix
+        # One copy the tree owns (the caller may overwrite its tensor); nodes keep views of it.
+        return InsertResult._make(self.policy.insert(key, value.clone(), count_hits=not chunked))
 
-    def _inc_hit_count(self, node: TreeNode, chunked: bool) -> None:
-        # Hits are counted under write_back too (upstream does not), so LFU works with every policy.
-        if chunked:
-            return
-        node.hit_count += 1
-        if self.controller is None or self.config.write_policy == "write_back":
-            return
-        if node.host_value is None and node.hit_count >= self.write_through_threshold:
-            self._write_backup(node)
+    # -- eviction --------------------------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots if possible, least valuable leaves first; returns freed.
 
-    # -- L1 -> L2 --------------------------------------------------------------------------------------------
-    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        slots = self.host_pool.alloc(num_tokens)
-        if slots is None:
-            self.evict_host(num_tokens)
-            slots = self.host_pool.alloc(num_tokens)
-        return slots
-
-    def _write_backup(self, node: TreeNode, write_back: bool = False) -> bool:
-        """Give ``node`` a host copy: queued (write-through, node locked until the ack) or synchronous
-        (write-back eviction). Skipped under write-through while the parent has no host copy (newer
-        upstream) and when the host pool stays full after one host eviction.
-
-        Write-back first copies every ancestor that has no host copy yet (they stay on device), top down,
-        so L2 and L3 receive pages in prefix order: a hot shared prefix is never evicted as a leaf, and
-        without this its pages (page 0 above all) would never reach L3 and no L3 chain could be matched.
+        Backed-up nodes become host-only; others are deleted (write-through kinds, plain cache) or
+        written back synchronously first (write_back, or a node whose children are host-only).
         """
-        parent = node.parent
-        if parent is not self.tree.root and parent.host_value is None:
-            if not write_back:
-                return False
-            missing = []
-            while parent is not self.tree.root and parent.host_value is None:
-                missing.append(parent)
-                parent = parent.parent
-            for ancestor in reversed(missing):
-                if not self._copy_to_host(ancestor):
-                    return False
-        return self._copy_to_host(node) if write_back else self._queue_write(node)
+        return self.policy.evict(num_tokens)
 
-    def _copy_to_host(self, node: TreeNode) -> bool:
-        """Synchronous L1 -> L2 copy of ``node`` (write-back), then its L3 backup when a backend is on."""
-        host = self._alloc_host(len(node.key))
-        if host is None:
-            return False
-        node.host_value = host
-        self.controller.io.backup(node.value, host)
-        self._stats.add(bytes_d2h=len(host) * self.device_pool.bytes_per_token)
-        if self.backend is not None:
-            self._backup_to_storage(node)
-        return True
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host slots by removing host-only leaves (L3 copies stay)."""
+        return self.policy.evict_host(num_tokens)
 
-    def _queue_write(self, node: TreeNode) -> bool:
-        host = self._alloc_host(len(node.key))
-        if host is None:
-            return False
-        node.host_value = host
+    # -- L2 -> L1 --------------------------------------------------------------------------------------------
+    def init_load_back(self, last_host_node: TreeNode) -> tuple[torch.Tensor, TreeNode]:
+        """Queue an L2 -> L1 load of the evicted chain ending at ``last_host_node``, all or nothing.
+
+        Returns (new device slots, deepest loaded node), or (empty, deepest resident ancestor) when
+        skipped: chain under ``LOAD_BACK_THRESHOLD`` tokens, or no device room after one eviction. The
+        loaded nodes are device-resident at once; their data is valid after ``wait_layer`` (the deepest
+        stays locked until the load is acknowledged).
+        """
+        device, node = self.policy.load_back(last_host_node)
+        return (_EMPTY if device is None else device), node
+
+    # -- TierExecutor: what the policy's decisions do to tensors and the controller --------------------------
+    def alloc_device(self, units: int) -> torch.Tensor | None:
+        return self.device_allocator.alloc(units)
+
+    def free_device(self, slots: torch.Tensor) -> None:
+        self.device_allocator.free(slots)
+
+    def alloc_host(self, units: int) -> torch.Tensor | None:
+        return self.host_pool.alloc(units)
+
+    def free_host(self, slots: torch.Tensor) -> None:
+        self.host_pool.free(slots)
+
+    def write_to_host(self, node: TreeNode) -> None:
+        """Queue the L1 -> L2 copy; the node stays locked until the ack."""
         wid = next(self._ids)
         node.pending_write = wid
         self.tree.inc_lock_ref(node)
         self._ongoing_write[wid] = node
-        self.controller.write(node.value, host, [wid])
-        return True
+        self.controller.write(node.value, node.host_value, [wid])
+
+    def copy_to_host(self, node: TreeNode) -> None:
+        """Synchronous L1 -> L2 copy (write-back), then the L3 backup when a backend is on."""
+        self.controller.io.backup(node.value, node.host_value)
+        self._stats.add(bytes_d2h=len(node.host_value) * self.device_pool.bytes_per_token)
+        if self.backend is not None:
+            self._backup_to_storage(node)
+
+    def load_to_device(self, chain: list[TreeNode], device: torch.Tensor) -> None:
+        """Queue the L2 -> L1 copy (started by ``ready_to_load_host_cache``); the deepest node stays
+        locked until the ack."""
+        deepest = chain[-1]
+        self.tree.inc_lock_ref(deepest)
+        lid = next(self._ids)
+        self._ongoing_load[lid] = deepest
+        self.controller.load(device, torch.cat([n.host_value for n in chain]), [lid])
+        self._stats.add(load_back_tokens=len(device))
+
+    def node_added(self, node: TreeNode) -> None:
+        if self.backend is not None:
+            self._ensure_hashes(node)
+
+    def evicted(self, tier: str, units: int, seconds: float) -> None:
+        if tier == "host":
+            self._stats.add(evicted_host_tokens=units)
+            return
+        self._stats.add(evicted_tokens=units)
+        if units:
+            self._stats.observe("eviction_duration_seconds", seconds)
+        logger.debug("evicted %d device tokens in %.3f ms", units, 1e3 * seconds)
 
     def _on_write_ack(self, wid: int) -> None:
         node = self._ongoing_write.pop(wid)
@@ -287,106 +307,6 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         if self.backend is not None:
             for part in reversed(covered):
                 self._backup_to_storage(part)
-
-    # -- eviction --------------------------------------------------------------------------------------------
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` device slots if possible, least valuable leaves first; returns freed.
-
-        Backed-up nodes become host-only; others are deleted (write-through kinds, plain cache) or
-        written back synchronously first (write_back, or a node whose children are host-only).
-        """
-        start = time.perf_counter()
-        freed = 0
-        victims = self.tree.pop_victims(host=False)
-        try:
-            for node in victims:
-                length = len(node.key)
-                if node.host_value is not None:
-                    self.device_allocator.free(node.value)
-                    self.tree.set_device(node, None)
-                elif self.controller is None or (
-                    self.config.write_policy != "write_back" and not node.children
-                ):
-                    self.device_allocator.free(node.value)
-                    self.tree.remove_leaf(node)
-                elif self._write_backup(node, write_back=True):
-                    self.device_allocator.free(node.value)
-                    self.tree.set_device(node, None)
-                else:
-                    continue
-                freed += length
-                if freed >= num_tokens:
-                    break
-        finally:
-            victims.close()
-        seconds = time.perf_counter() - start
-        self._stats.add(evicted_tokens=freed)
-        if freed:
-            self._stats.observe("eviction_duration_seconds", seconds)
-        logger.debug("evicted %d device tokens in %.3f ms", freed, 1e3 * seconds)
-        return freed
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` host slots by removing host-only leaves (L3 copies stay)."""
-        freed = 0
-        if self.host_pool is None:
-            return 0
-        victims = self.tree.pop_victims(host=True)
-        try:
-            for node in victims:
-                self.host_pool.free(node.host_value)
-                freed += len(node.key)
-                self.tree.remove_leaf(node)
-                if freed >= num_tokens:
-                    break
-        finally:
-            victims.close()
-        self._stats.add(evicted_host_tokens=freed)
-        return freed
-
-    # -- L2 -> L1 --------------------------------------------------------------------------------------------
-    def init_load_back(
-        self, last_host_node: TreeNode, host_hit_length: int = 0
-    ) -> tuple[torch.Tensor, TreeNode]:
-        """Queue an L2 -> L1 load of the evicted chain ending at ``last_host_node``, all or nothing.
-
-        Returns (new device slots, deepest loaded node), or (empty, deepest resident ancestor) when
-        skipped: chain under 10 tokens, or no device room after one eviction. The loaded nodes are
-        device-resident at once; their data is valid after ``wait_layer`` (the deepest stays locked
-        until the load is acknowledged).
-        """
-        chain = []
-        node = last_host_node
-        while node.value is None:
-            if node.host_value is None:
-                raise ValueError(f"{node} is neither on device nor on host")
-            chain.append(node)
-            node = node.parent
-        ancestor = node
-        chain.reverse()
-        total = sum(len(n.host_value) for n in chain)
-        if self.controller is None or total < LOAD_BACK_THRESHOLD:
-            return _EMPTY, ancestor
-        self.tree.inc_lock_ref(ancestor)
-        device = self.device_allocator.alloc(total)
-        if device is None:
-            self.evict(total)
-            device = self.device_allocator.alloc(total)
-        self.tree.dec_lock_ref(ancestor)
-        if device is None:
-            return _EMPTY, ancestor
-        offset = 0
-        for part in chain:
-            length = len(part.host_value)
-            self.tree.set_device(part, device[offset : offset + length])
-            offset += length
-        deepest = chain[-1]
-        self.tree.inc_lock_ref(deepest)
-        lid = next(self._ids)
-        self._ongoing_load[lid] = deepest
-        self.controller.load(device, torch.cat([n.host_value for n in chain]), [lid])
-        self._stats.add(load_back_tokens=total)
-        return device, deepest
 
     def ready_to_load_host_cache(self) -> None:
         """Start the queued loads (call right before the forward pass)."""

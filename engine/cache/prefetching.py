@@ -31,17 +31,17 @@ class PrefetchMixin:
         Skipped without storage, below ``prefetch_threshold``, when prefetches already occupy half the
         host pool, when ``rid`` already prefetches, or when the host pool has no room.
         """
-        if self.backend is None or rid in self._ongoing_prefetch or last_host_node.host_value is None:
+        if self.backend is None or rid in self._ongoing_prefetch:
             return
         tokens = self._key(new_token_ids)
-        if len(tokens) < self.controller.prefetch_threshold:
-            return
-        if self.prefetch_tokens_occupied >= self.host_pool.size // 2:
-            return
-        self.tree.protect_host(last_host_node)
-        host = self._alloc_host(len(tokens))
+        host = self.policy.reserve_prefetch(
+            last_host_node,
+            len(tokens),
+            self.controller.prefetch_threshold,
+            self.prefetch_tokens_occupied,
+            self.host_pool.size,
+        )
         if host is None:
-            self.tree.release_host(last_host_node)
             return
         if last_host_node is not self.tree.root:
             self._ensure_hashes(last_host_node)
@@ -75,7 +75,9 @@ class PrefetchMixin:
         complete = op.is_complete(self.page_size)
         completed = op.terminate()
         committed = self.reduce("min", [completed])[0]
-        matched = self._insert_host(entry.anchor, op, committed)
+        matched = self.policy.commit_prefetch(
+            entry.anchor, op.token_ids[:committed], op.host_indices[:committed], op.hash_value
+        )
         if completed > committed:
             self.host_pool.free(op.host_indices[committed:completed])
         loaded = committed - matched
@@ -92,41 +94,8 @@ class PrefetchMixin:
 
     def _finish_prefetch(self, rid: str, entry: _Prefetch) -> None:
         del self._ongoing_prefetch[rid]
-        self.tree.release_host(entry.anchor)
+        self.policy.end_prefetch(entry.anchor)
         self.prefetch_tokens_occupied = max(0, self.prefetch_tokens_occupied - len(entry.op.token_ids))
-
-    def _insert_host(self, anchor: TreeNode, op: PrefetchOperation, length: int) -> int:
-        """Insert ``op``'s first ``length`` tokens under ``anchor`` as host-only nodes; returns the tokens
-        that were already in the tree (their fetched slots are freed, except that a device-only node on
-        the path adopts them as its host copy, keeping host copies prefix-closed)."""
-        tokens, slots, hashes, P = (
-            op.token_ids[:length],
-            op.host_indices[:length],
-            op.hash_value,
-            self.page_size,
-        )
-        node, pos, matched = anchor, 0, 0
-        now = self.tree.tick()
-        while pos < length:
-            child = node.children.get(self.tree.child_key(tokens, pos))
-            if child is None:
-                break
-            m = self.tree._match_len(child.key, tokens, pos)
-            if m < len(child.key):
-                child = self.tree.split(child, m)
-            child.last_access_time = now
-            if child.host_value is None:
-                child.host_value = slots[pos : pos + m]
-                if child.hash_value is None:
-                    child.hash_value = hashes[pos // P : (pos + m) // P]
-            else:
-                self.host_pool.free(slots[pos : pos + m])
-            matched += m
-            pos += m
-            node = child
-        if pos < length:
-            self.tree.add_leaf(node, tokens[pos:], None, slots[pos:length], hashes[pos // P : length // P])
-        return matched
 
     def pop_prefetch_loaded_tokens(self, rid: str) -> int:
         """Tokens ``rid``'s committed prefetch brought in from L3 (0 if none); forgets them."""

@@ -103,6 +103,8 @@ class HiRadixTree:
 
     # -- keys and matching ---------------------------------------------------------------------------------
     def child_key(self, key: list[int], pos: int = 0):
+        """The children-dict key of the page of ``key`` starting at ``pos``: every child lookup, split and
+        insert goes through here, so a per-request key space (a salt) is added in this one place."""
         return key[pos] if self.page_size == 1 else tuple(key[pos : pos + self.page_size])
 
     def _match_len(self, node_key: list[int], key: list[int], pos: int) -> int:
@@ -118,14 +120,15 @@ class HiRadixTree:
         self._clock += 1
         return self._clock
 
-    def walk(self, key: list[int]) -> tuple[list[TreeNode], int]:
-        """Fully matched nodes on the path for page-aligned ``key`` and the matched length.
+    def walk(self, key: list[int], start: TreeNode | None = None) -> tuple[list[TreeNode], int]:
+        """Fully matched nodes on the path for page-aligned ``key`` below ``start`` (default: the root)
+        and the matched length.
 
         A match ending inside a node splits it, so every returned node is matched entirely. Refreshes
         ``last_access_time`` of every returned node.
         """
         now = self.tick()
-        node, pos, path = self.root, 0, []
+        node, pos, path = start or self.root, 0, []
         while pos < len(key):
             child = node.children.get(self.child_key(key, pos))
             if child is None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache.protocols import PrefixCache
+
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
@@ -49,9 +51,9 @@ class KVLease:
 
 
 class KVManager:
-    """Admission, prefix caching and release of request KV over one ``HiRadixCache``."""
+    """Admission, prefix caching and release of request KV over one prefix cache."""
 
-    def __init__(self, cache) -> None:
+    def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
         self.page_size = cache.page_size
         self.hierarchical = cache.enable_hierarchical
@@ -92,7 +94,7 @@ class KVManager:
         prefix, last = m.device_indices, m.last_device_node
         host = 0
         if self.hierarchical and load_back and m.host_hit_length > 0:
-            loaded, node = cache.init_load_back(m.last_host_node, m.host_hit_length)
+            loaded, node = cache.init_load_back(m.last_host_node)
             if loaded.numel() > 0:
                 prefix, last, host = torch.cat([prefix, loaded]), node, int(loaded.numel())
         cache.inc_lock_ref(last)
@@ -138,16 +140,14 @@ class KVManager:
         """Insert the first ``num_computed`` positions of ``token_ids`` into the tree (``chunked``: a partial
         chunk, no hit counts), free the slots the tree already had, and re-lock at the new deepest node."""
         n = lease.num_computed
-        ids = token_ids[:n]
-        present = self.cache.insert(ids, lease.indices[:n], chunked=chunked)
-        if present > lease.prefix_len:
-            self.cache.device_allocator.free(lease.indices[lease.prefix_len : present])
-        m = self.cache.match_prefix(ids)
-        new_prefix = m.device_indices.to(torch.int64)
+        inserted = self.cache.insert(token_ids[:n], lease.indices[:n], chunked=chunked)
+        if inserted.prefix_len > lease.prefix_len:
+            self.cache.device_allocator.free(lease.indices[lease.prefix_len : inserted.prefix_len])
+        new_prefix = inserted.device_indices
         lease.indices[: new_prefix.numel()] = new_prefix
-        self.cache.inc_lock_ref(m.last_device_node)
+        self.cache.inc_lock_ref(inserted.last_node)
         self.cache.dec_lock_ref(lease.last_node)
-        lease.last_node = m.last_device_node
+        lease.last_node = inserted.last_node
         lease.prefix_len = int(new_prefix.numel())
 
     def release(self, lease: KVLease, token_ids: list[int], insert: bool = True) -> None:
@@ -158,7 +158,7 @@ class KVManager:
         keep = lease.prefix_len
         n = lease.num_computed
         if insert and n > lease.prefix_len:
-            present = self.cache.insert(token_ids[:n], lease.indices[:n])
+            present = self.cache.insert(token_ids[:n], lease.indices[:n]).prefix_len
             if present > lease.prefix_len:
                 free(lease.indices[lease.prefix_len : present])
             keep = max(present, n // self.page_size * self.page_size)

@@ -66,7 +66,7 @@ def test_cache_built_with_kernel_runs_direct_and_round_trips_kv(make_cache, capl
     scribble_free_device_slots(cache)
     m = cache.match_prefix(T)
     assert m.host_hit_length == len(T)
-    device, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    device, _ = cache.init_load_back(m.last_host_node)
     cache.drain_io()
     assert_kv(cache.device_pool, T, device)
     check_invariants(cache)
@@ -88,7 +88,7 @@ def test_kernel_under_the_interpreter_keeps_its_layout_and_round_trips_kv(
     assert cache.evict(len(T)) == len(T)
     scribble_free_device_slots(cache)
     m = cache.match_prefix(T)
-    device, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    device, _ = cache.init_load_back(m.last_host_node)
     cache.drain_io()  # load-back: one launch per layer
     assert_kv(cache.device_pool, T, device)
     check_invariants(cache)

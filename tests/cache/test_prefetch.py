@@ -49,7 +49,7 @@ def _wait_worker(cache):
 
 def _load_all(cache, tokens):
     m = cache.match_prefix(tokens)
-    device, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    device, _ = cache.init_load_back(m.last_host_node)
     cache.drain_io()
     return device
 

@@ -111,7 +111,7 @@ def _insert(cache: HiRadixCache, tokens: list[int], chunked: bool) -> None:
         cache.ready_to_load_host_cache()
         cache.wait_layer(LAYERS - 1)  # loads into reused slots must land before we write
         write_kv(cache.device_pool, tokens[:n], new, start=hit)
-        present = cache.insert(tokens, torch.cat([m.device_indices, new]), chunked=chunked)
+        present = cache.insert(tokens, torch.cat([m.device_indices, new]), chunked=chunked).prefix_len
         if present > hit:
             cache.device_allocator.free(new[: present - hit])
     finally:
@@ -122,7 +122,7 @@ def _match_and_load(cache: HiRadixCache, tokens: list[int]) -> None:
     m = cache.match_prefix(tokens)
     device = m.device_indices
     if m.host_hit_length:
-        loaded, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+        loaded, _ = cache.init_load_back(m.last_host_node)
         device = torch.cat([device, loaded])
     cache.ready_to_load_host_cache()
     cache.wait_layer(LAYERS - 1)

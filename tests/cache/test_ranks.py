@@ -70,7 +70,7 @@ def _rank(rank: int, port: int, root: str) -> None:
         assert cache.host_pool.used_size() == 16
         m = cache.match_prefix(T)
         assert m.host_hit_length == 16
-        device, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+        device, _ = cache.init_load_back(m.last_host_node)
         cache.drain_io()
         assert_kv(pool, T, device)
         cache.close()

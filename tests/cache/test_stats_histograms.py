@@ -79,7 +79,7 @@ def test_cache_operations_record_their_histograms(make_cache):
     assert _hist(cache.stats, "eviction_duration_seconds")["count"] == 1
 
     m = cache.match_prefix(T)
-    cache.init_load_back(m.last_host_node, m.host_hit_length)
+    cache.init_load_back(m.last_host_node)
     cache.drain_io()
     load = _hist(cache.stats, "load_back_duration_seconds")
     assert load["count"] == 1 and load["sum"] == pytest.approx(cache.stats.load_back_seconds)

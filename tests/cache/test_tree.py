@@ -102,7 +102,7 @@ def test_insert_over_evicted_node_revives_it_without_counting_prefix(make_cache)
     cache.evict(8)
     assert node.value is None
     slots = cache.device_allocator.alloc(8)
-    assert cache.insert(t, slots) == 0
+    assert cache.insert(t, slots).prefix_len == 0
     assert torch.equal(node.value, slots) and torch.equal(node.host_value, host)
     check_invariants(cache)
 
@@ -116,7 +116,7 @@ def test_plain_cache_deletes_on_eviction_and_never_has_host_hits(make_cache):
     assert cache.device_allocator.available_size() == 64
     m = cache.match_prefix(t)
     assert m.host_hit_length == 0 and len(m.device_indices) == 0
-    assert cache.init_load_back(m.last_host_node, 0)[0].numel() == 0
+    assert cache.init_load_back(m.last_host_node)[0].numel() == 0
 
 
 def test_locked_nodes_are_never_device_evicted(make_cache):

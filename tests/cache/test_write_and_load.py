@@ -56,7 +56,7 @@ def test_write_back_writes_only_on_eviction_and_keeps_node(make_cache):
     scribble_free_device_slots(cache)
     m = cache.match_prefix(T)
     assert m.host_hit_length == 16
-    device, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    device, _ = cache.init_load_back(m.last_host_node)
     cache.drain_io()
     assert_kv(cache.device_pool, T, device)
     check_invariants(cache)
@@ -137,7 +137,7 @@ def test_load_back_below_threshold_is_skipped(make_cache):
     cache.evict(8)
     m = cache.match_prefix(T[:8])
     assert m.host_hit_length == 8
-    device, last = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    device, last = cache.init_load_back(m.last_host_node)
     assert device.numel() == 0 and last is cache.tree.root
 
 
@@ -153,7 +153,7 @@ def test_load_back_all_or_nothing_and_locked_until_ack(make_cache):
     m = cache.match_prefix(T)
     # 16 free device tokens; taking 8 of them leaves too few, one eviction (of `other`) makes room.
     held = cache.device_allocator.alloc(8)
-    device, last = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    device, last = cache.init_load_back(m.last_host_node)
     assert device.numel() == 16 and last.lock_ref == 1
     assert cache.inflight_io()["loads"] == 1
     cache.ready_to_load_host_cache()
@@ -168,7 +168,7 @@ def test_load_back_all_or_nothing_and_locked_until_ack(make_cache):
     m = cache.match_prefix(T)
     cache.inc_lock_ref(_node(cache, other[:16])) if _node(cache, other[:16]).value is not None else None
     rest = cache.device_allocator.alloc(cache.device_allocator.available_size())
-    device, last = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    device, last = cache.init_load_back(m.last_host_node)
     assert device.numel() == 0
     assert all(n.value is None for n in cache.tree.path_to_root(m.last_host_node))
     cache.device_allocator.free(rest)
@@ -192,7 +192,7 @@ def test_per_layer_events_let_layer_zero_start_first(make_cache):
         return original(layer, plan)
 
     io.load_layer = slow_load
-    device, _ = cache.init_load_back(m.last_host_node, m.host_hit_length)
+    device, _ = cache.init_load_back(m.last_host_node)
     cache.ready_to_load_host_cache()
     cache.wait_layer(0)  # returns while layer 1 is still held back
     op = cache.controller._current_load
@@ -270,8 +270,8 @@ def test_two_loads_merged_into_one_op_unlock_both_nodes(make_cache):
     cache.evict(32)
     scribble_free_device_slots(cache)
     ma, mb = cache.match_prefix(a), cache.match_prefix(b)
-    dev_a, last_a = cache.init_load_back(ma.last_host_node, ma.host_hit_length)
-    dev_b, last_b = cache.init_load_back(mb.last_host_node, mb.host_hit_length)
+    dev_a, last_a = cache.init_load_back(ma.last_host_node)
+    dev_b, last_b = cache.init_load_back(mb.last_host_node)
     assert dev_a.numel() == 16 and dev_b.numel() == 16
     assert last_a.lock_ref == 1 and last_b.lock_ref == 1
     cache.ready_to_load_host_cache()  # both queued loads start as one merged op

@@ -60,7 +60,7 @@ def serve_fresh(cache: HiRadixCache, tokens: list[int]) -> None:
     slots = cache.device_allocator.alloc(len(tokens))
     for layer in range(LAYERS):
         cache.device_pool.set_kv(layer, slots, *kv_of(tokens, layer))
-    assert cache.insert(tokens, slots) == 0
+    assert cache.insert(tokens, slots).prefix_len == 0
     cache.drain_io()
 
 
@@ -77,7 +77,7 @@ def prefetch(cache: HiRadixCache, tokens: list[int], rid: str) -> int:
 
 def assert_device_kv(cache: HiRadixCache, tokens: list[int]) -> None:
     match = cache.match_prefix(tokens)
-    device, _ = cache.init_load_back(match.last_host_node, match.host_hit_length)
+    device, _ = cache.init_load_back(match.last_host_node)
     cache.drain_io()
     slots = torch.cat([match.device_indices, device])
     assert len(slots) == len(tokens)

@@ -1,0 +1,356 @@
+"""The cache's decisions over a :class:`HiRadixTree`, written once for every executor.
+
+:class:`CachePolicy` decides what the hierarchical cache does (match with tiers, insert with hit counts,
+write-through and write-back copies, eviction victims on device and host, load-back, prefetch reservation
+and commit) and hands every data movement to a :class:`TierExecutor`. Two executors exist: the live cache
+(:class:`engine.cache.hiradix_cache.HiRadixCache`: tensors of pool slots, copies through the I/O
+controller) and the what-if replay (:mod:`engine.whatif.replay`: ``range`` objects, counters, no data), so
+the what-if's answers are the engine's own by construction.
+
+Lengths are tree units (``len(node.key)``): tokens for the live cache, pages for the replay (its tree is
+keyed by page ids with page size 1). ``unit_tokens`` converts them for the token thresholds. "Slots" are
+whatever the executor allocates: anything with ``len`` and slicing, one element per unit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+from engine.cache.config import WRITE_POLICIES
+from engine.cache.radix_tree import HiRadixTree, TreeNode
+
+LOAD_BACK_THRESHOLD = 10  # tokens; smaller L2 hits are recomputed
+
+
+class TierExecutor(Protocol):
+    """Moves the data :class:`CachePolicy` decides on. Allocators return None when full (the policy evicts
+    and retries); copies never fail (a failed copy is the executor's to report)."""
+
+    def alloc_device(self, units: int) -> Sequence | None:
+        """``units`` free device slots, or None."""
+
+    def free_device(self, slots: Sequence) -> None:
+        """Return device slots (an evicted node's ``value``)."""
+
+    def alloc_host(self, units: int) -> Sequence | None:
+        """``units`` free host slots, or None (without evicting: the policy does that)."""
+
+    def free_host(self, slots: Sequence) -> None:
+        """Return host slots (a removed node's ``host_value``, or fetched duplicates)."""
+
+    def write_to_host(self, node: TreeNode) -> None:
+        """Copy ``node.value`` to its new ``node.host_value`` in the background (write-through)."""
+
+    def copy_to_host(self, node: TreeNode) -> None:
+        """Copy ``node.value`` to its new ``node.host_value`` now (write-back eviction)."""
+
+    def load_to_device(self, chain: list[TreeNode], device: Sequence) -> None:
+        """Copy the host copies of ``chain`` (top down) into ``device``, already assigned to the nodes."""
+
+    def node_added(self, node: TreeNode) -> None:
+        """A new device leaf was added by an insert."""
+
+    def evicted(self, tier: str, units: int, seconds: float) -> None:
+        """One eviction call (``tier`` ``"device"`` or ``"host"``) freed ``units`` in ``seconds``."""
+
+
+class TierMatch(NamedTuple):
+    """A match: ``device_values`` (the L1 slots of the matched nodes, top down), ``last_device_node``,
+    ``last_host_node`` (the deepest matched node with a host copy: the anchor for load-back and prefetch)
+    and ``host_hit_length`` (units right after the device hit that are only in L2)."""
+
+    device_values: list
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    host_hit_length: int
+
+    @property
+    def device_hit_length(self) -> int:
+        return sum(len(v) for v in self.device_values)
+
+
+class Inserted(NamedTuple):
+    """What an insert did: ``prefix_len`` units of the key were already on device (the caller frees its
+    duplicate slots for them); ``last_node`` ends the key (root for an empty key). Every node from the root
+    down to ``last_node`` is device-resident after the insert."""
+
+    prefix_len: int
+    last_node: TreeNode
+
+
+class CachePolicy:
+    """Decisions of one cache over ``tree``; ``executor`` moves the data.
+
+    ``hierarchical``: an L2 exists (write-through, write-back and load-back happen only then).
+    ``write_policy``: one of :data:`WRITE_POLICIES` (may change at runtime). ``unit_tokens``: tokens per
+    tree unit. ``eviction_log``: when a list, every evicted node is appended as ``(tier, node id, units)``
+    with tier ``"device"`` or ``"host"``, in eviction order.
+    """
+
+    def __init__(
+        self,
+        tree: HiRadixTree,
+        executor: TierExecutor,
+        *,
+        hierarchical: bool,
+        write_policy: str = "write_through",
+        unit_tokens: int = 1,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy: {write_policy!r} is not one of {WRITE_POLICIES}")
+        self.tree = tree
+        self.executor = executor
+        self.hierarchical = hierarchical
+        self.write_policy = write_policy
+        self.unit_tokens = unit_tokens
+        self.eviction_log: list[tuple[str, int, int]] | None = None
+
+    @property
+    def write_through_threshold(self) -> int:
+        """Hits after which a node is copied to L2 (write_through: 1, write_through_selective: 2)."""
+        return 1 if self.write_policy == "write_through" else 2
+
+    # -- match / insert --------------------------------------------------------------------------------------
+    def match(self, key: list) -> TierMatch:
+        """Longest cached prefix of the unit-aligned ``key`` by tier (may split a node; moves no data)."""
+        root = self.tree.root
+        if not key:
+            return TierMatch([], root, root, 0)
+        path, _ = self.tree.walk(key)
+        values = [n.value for n in path if n.value is not None]
+        node = deepest = path[-1] if path else root
+        host_hit = 0
+        while node.value is None:
+            host_hit += len(node.host_value)
+            node = node.parent
+        last_device = node
+        node = deepest
+        while node.host_value is None:
+            node = node.parent
+        return TierMatch(values, last_device, node, host_hit)
+
+    def insert(self, key: list, value: Sequence, count_hits: bool = True) -> Inserted:
+        """Cache ``key`` at device slots ``value`` (one per unit, ``len(value) >= len(key)``, owned by the
+        tree from now on where it takes them).
+
+        Evicted nodes on the path are revived with the new slots (not counted as present); matched device
+        nodes and the new leaf get a hit (unless ``count_hits`` is False: a partial chunk), which may start
+        their write-through copy to L2.
+        """
+        path, _ = self.tree.walk(key)
+        pos = prefix = 0
+        for node in path:
+            length = len(node.key)
+            if node.value is None:
+                self.tree.set_device(node, value[pos : pos + length])
+            else:
+                prefix += length
+                self._hit(node, count_hits)
+            pos += length
+        last = path[-1] if path else self.tree.root
+        if pos < len(key):
+            last = self.tree.add_leaf(last, key[pos:], value[pos : len(key)])
+            self.executor.node_added(last)
+            self._hit(last, count_hits)
+        return Inserted(prefix, last)
+
+    def _hit(self, node: TreeNode, count: bool) -> None:
+        # Hits are counted under write_back too (upstream does not), so LFU works with every policy.
+        if not count:
+            return
+        node.hit_count += 1
+        if not self.hierarchical or self.write_policy == "write_back":
+            return
+        if node.host_value is None and node.hit_count >= self.write_through_threshold:
+            self.write_backup(node)
+
+    # -- L1 -> L2 --------------------------------------------------------------------------------------------
+    def alloc_host(self, units: int) -> Sequence | None:
+        """Host slots for ``units``, evicting host-only leaves once when short; None when still full."""
+        slots = self.executor.alloc_host(units)
+        if slots is None:
+            self.evict_host(units)
+            slots = self.executor.alloc_host(units)
+        return slots
+
+    def write_backup(self, node: TreeNode, write_back: bool = False) -> bool:
+        """Give ``node`` a host copy: in the background (write-through) or now (write-back eviction).
+
+        Skipped under write-through while the parent has no host copy, and when the host pool stays full
+        after one host eviction. Write-back first copies every ancestor without a host copy (they stay on
+        device), top down, so L2 and L3 receive pages in prefix order: a hot shared prefix is never evicted
+        as a leaf, and without this its first pages would never reach L3 and no L3 chain could match.
+        """
+        parent = node.parent
+        if parent is not self.tree.root and parent.host_value is None:
+            if not write_back:
+                return False
+            missing = []
+            while parent is not self.tree.root and parent.host_value is None:
+                missing.append(parent)
+                parent = parent.parent
+            for ancestor in reversed(missing):
+                if not self._give_host_copy(ancestor, now=True):
+                    return False
+        return self._give_host_copy(node, now=write_back)
+
+    def _give_host_copy(self, node: TreeNode, now: bool) -> bool:
+        host = self.alloc_host(len(node.key))
+        if host is None:
+            return False
+        node.host_value = host
+        if now:
+            self.executor.copy_to_host(node)
+        else:
+            self.executor.write_to_host(node)
+        return True
+
+    # -- eviction --------------------------------------------------------------------------------------------
+    def evict(self, units: int) -> int:
+        """Free at least ``units`` device slots if possible, least valuable leaves first; returns freed.
+
+        Backed-up nodes become host-only; others are deleted (write-through kinds, no L2) or copied to L2
+        first (write_back, or a node whose children are host-only).
+        """
+        start = time.perf_counter()
+        freed = 0
+        tree, free, log = self.tree, self.executor.free_device, self.eviction_log
+        victims = tree.pop_victims(host=False)
+        try:
+            for node in victims:
+                length = len(node.key)
+                if node.host_value is not None:
+                    free(node.value)
+                    tree.set_device(node, None)
+                elif not self.hierarchical or (self.write_policy != "write_back" and not node.children):
+                    free(node.value)
+                    tree.remove_leaf(node)
+                elif self.write_backup(node, write_back=True):
+                    free(node.value)
+                    tree.set_device(node, None)
+                else:
+                    continue
+                if log is not None:
+                    log.append(("device", node.id, length))
+                freed += length
+                if freed >= units:
+                    break
+        finally:
+            victims.close()
+        self.executor.evicted("device", freed, time.perf_counter() - start)
+        return freed
+
+    def evict_host(self, units: int) -> int:
+        """Free at least ``units`` host slots by removing host-only leaves (L3 copies stay); returns freed."""
+        if not self.hierarchical:
+            return 0
+        start = time.perf_counter()
+        freed = 0
+        victims = self.tree.pop_victims(host=True)
+        try:
+            for node in victims:
+                self.executor.free_host(node.host_value)
+                freed += len(node.key)
+                if self.eviction_log is not None:
+                    self.eviction_log.append(("host", node.id, len(node.key)))
+                self.tree.remove_leaf(node)
+                if freed >= units:
+                    break
+        finally:
+            victims.close()
+        self.executor.evicted("host", freed, time.perf_counter() - start)
+        return freed
+
+    # -- L2 -> L1 --------------------------------------------------------------------------------------------
+    def load_back(self, last_host_node: TreeNode) -> tuple[Sequence | None, TreeNode]:
+        """Load the evicted chain ending at ``last_host_node`` into L1, all or nothing.
+
+        Returns (new device slots, deepest loaded node), or (None, deepest device-resident ancestor) when
+        skipped: no L2, a chain under :data:`LOAD_BACK_THRESHOLD` tokens, or no device room after one
+        eviction of the chain's size. The loaded nodes are device-resident at once (the executor's copy
+        makes their data valid). Raises ``ValueError`` for a node in neither tier.
+        """
+        chain = []
+        node = last_host_node
+        while node.value is None:
+            if node.host_value is None:
+                raise ValueError(f"{node} is neither on device nor on host")
+            chain.append(node)
+            node = node.parent
+        ancestor = node
+        chain.reverse()
+        total = sum(len(n.host_value) for n in chain)
+        if not self.hierarchical or total * self.unit_tokens < LOAD_BACK_THRESHOLD:
+            return None, ancestor
+        # The eviction may copy victims to L2 and so evict host leaves: pin the chain (its deepest node
+        # is a host leaf when childless; the others have a child in the chain).
+        self.tree.inc_lock_ref(ancestor)
+        self.tree.protect_host(last_host_node)
+        device = self.executor.alloc_device(total)
+        if device is None:
+            self.evict(total)
+            device = self.executor.alloc_device(total)
+        self.tree.release_host(last_host_node)
+        self.tree.dec_lock_ref(ancestor)
+        if device is None:
+            return None, ancestor
+        offset = 0
+        for part in chain:
+            length = len(part.host_value)
+            self.tree.set_device(part, device[offset : offset + length])
+            offset += length
+        self.executor.load_to_device(chain, device)
+        return device, chain[-1]
+
+    # -- L3 -> L2 --------------------------------------------------------------------------------------------
+    def reserve_prefetch(
+        self, anchor: TreeNode, units: int, threshold: int, occupied: int, host_capacity: float
+    ) -> Sequence | None:
+        """Host slots for prefetching ``units`` following ``anchor`` from L3, with ``anchor``'s host copy
+        pinned until :meth:`end_prefetch`; or None (nothing held).
+
+        Refused when ``anchor`` has no host copy, below ``threshold`` tokens, when prefetches already occupy
+        ``occupied`` >= half of ``host_capacity`` tokens, or when the host pool has no room.
+        """
+        if anchor.host_value is None or units * self.unit_tokens < threshold:
+            return None
+        if occupied >= host_capacity // 2:
+            return None
+        self.tree.protect_host(anchor)
+        host = self.alloc_host(units)
+        if host is None:
+            self.tree.release_host(anchor)
+        return host
+
+    def commit_prefetch(
+        self, anchor: TreeNode, key: list, slots: Sequence, hashes: list | None = None
+    ) -> int:
+        """Insert the fetched ``key`` (at host ``slots``, L3 page keys ``hashes``) under ``anchor`` as
+        host-only nodes; returns the units already in the tree.
+
+        Their fetched slots are freed, except that a node on the path without a host copy adopts them (host
+        copies stay prefix-closed). Call :meth:`end_prefetch` afterwards.
+        """
+        path, pos = self.tree.walk(key, start=anchor)
+        per_page = self.tree.page_size
+        start = 0
+        for child in path:
+            end = start + len(child.key)
+            if child.host_value is None:
+                child.host_value = slots[start:end]
+                if child.hash_value is None and hashes is not None:
+                    child.hash_value = hashes[start // per_page : end // per_page]
+            else:
+                self.executor.free_host(slots[start:end])
+            start = end
+        if pos < len(key):
+            parent = path[-1] if path else anchor
+            page_keys = hashes[pos // per_page : len(key) // per_page] if hashes is not None else None
+            self.tree.add_leaf(parent, key[pos:], None, slots[pos : len(key)], page_keys)
+        return pos
+
+    def end_prefetch(self, anchor: TreeNode) -> None:
+        """Unpin ``anchor``'s host copy (the prefetch was committed or dropped)."""
+        self.tree.release_host(anchor)
