@@ -283,7 +283,7 @@ class StorageAdminMixin:
         """The live attached backend under SGLang's ``GET /hicache/storage-backend`` names: the extra config
         it was attached with as JSON text (at start-up: the backend's part), None when detached."""
         cfg = self.config
-        extra = getattr(self, "backend_attached_extra", None)
+        extra = self.backend_attached_extra
         return {
             "hicache_storage_backend": self.backend_name,
             "hicache_storage_backend_extra_config": (

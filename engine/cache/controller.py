@@ -30,7 +30,7 @@ import torch
 from engine.cache.host_pool import HostKVPool
 from engine.cache.io_backends import IOBackend
 from engine.cache.keys import page_hashes
-from engine.cache.prefetch import PrefetchOperation
+from engine.cache.prefetch_operation import PrefetchOperation
 from engine.cache.ranks import Reduce
 from engine.cache.stats import CacheStats
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo

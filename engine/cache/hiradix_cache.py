@@ -7,8 +7,9 @@ pool slots as tensors, copies through the :class:`HiCacheController`. All tree a
 on the caller's (scheduler) thread; the controller threads only copy data and report back through ack
 queues drained by ``check_hicache_events``. With ``enable_hierarchical=False`` this is a plain L1 radix
 cache (no host pool, no storage): eviction deletes nodes and nothing is ever loaded back. Behaviour
-follows docs/upstream.md H1-H3 and H7. The prefetch methods live in :mod:`engine.cache.prefetching` and the
-storage admin methods in :mod:`engine.cache.admin` (mixins).
+follows docs/upstream.md H1-H3 and H7. L3 -> L2 prefetch state is an owned
+:class:`~engine.cache.prefetcher.Prefetcher`; the storage admin methods live in :mod:`engine.cache.admin`
+(a mixin).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from engine.cache.host_pool import HostKVPool, host_pool_tokens
 from engine.cache.io_backends import get_io_backend, resolve_layout
 from engine.cache.keys import page_hashes
 from engine.cache.policy import LOAD_BACK_THRESHOLD, CachePolicy
-from engine.cache.prefetching import PrefetchMixin, _Prefetch
+from engine.cache.prefetcher import Prefetcher
 from engine.cache.radix_tree import HiRadixTree, TreeNode
-from engine.cache.ranks import Reduce, make_reduce
+from engine.cache.ranks import Reduce, identity_reduce, make_reduce
 from engine.cache.stats import CacheStats
 from engine.cache.storage.base import HiCacheStorage
 
@@ -72,7 +73,7 @@ class InsertResult(NamedTuple):
         return torch.cat(values[::-1]) if values else _EMPTY
 
 
-class HiRadixCache(PrefetchMixin, StorageAdminMixin):
+class HiRadixCache(StorageAdminMixin):
     """Hierarchical radix cache over ``device_pool``: the policy's live executor (the method list:
     docs/architecture.md, the cache).
 
@@ -121,10 +122,10 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         self._ids = itertools.count()
         self._ongoing_write: dict[int, TreeNode] = {}
         self._ongoing_load: dict[int, TreeNode] = {}
-        self._ongoing_prefetch: dict[str, _Prefetch] = {}
-        self._prefetch_loaded: dict[str, int] = {}
+        self.prefetcher = Prefetcher(self)
         self._backups_inflight = 0
-        self.prefetch_tokens_occupied = 0
+        self.backend_attached_extra: dict | None = None
+        self.reduce: Reduce = reduce or identity_reduce
         if not enable_hierarchical:
             self.config = config
             return
@@ -318,6 +319,23 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         if self.controller is not None:
             self.controller.wait_layer(layer)
 
+    # -- L3 -> L2 prefetch (the prefetcher's state) ----------------------------------------------------------
+    def prefetch_from_storage(self, rid: str, last_host_node: TreeNode, new_token_ids) -> None:
+        """Start fetching ``new_token_ids`` (following ``last_host_node``) from L3 (``Prefetcher.start``)."""
+        self.prefetcher.start(rid, last_host_node, new_token_ids)
+
+    def check_prefetch_progress(self, rid: str) -> bool:
+        """Whether ``rid`` may be scheduled; commits what arrived when it may (``Prefetcher.progress``)."""
+        return self.prefetcher.progress(rid)
+
+    def pop_prefetch_loaded_tokens(self, rid: str) -> int:
+        """Tokens ``rid``'s committed prefetch brought in from L3 (0 if none); forgets them."""
+        return self.prefetcher.pop_loaded(rid)
+
+    def release_aborted_request(self, rid: str) -> None:
+        """Stop ``rid``'s prefetch and free its anchor and arrived host slots (exactly once)."""
+        self.prefetcher.abort(rid)
+
     # -- per-iteration events --------------------------------------------------------------------------------
     def check_hicache_events(self) -> None:
         """Process acknowledged writes/loads and the storage control queues (once per iteration)."""
@@ -337,10 +355,7 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         queues = (c.revoke_queue, c.backup_acks, c.release_queue)
         counts = reduce("min", [len(q) for q in queues])
         for _ in range(counts[0]):
-            op = c.revoke_queue.popleft()
-            entry = self._ongoing_prefetch.get(op.rid)
-            if entry is not None and entry.op is op:
-                self._finish_prefetch(op.rid, entry)
+            if self.prefetcher.revoked(c.revoke_queue.popleft()):
                 self._stats.add(prefetch_revoked=1)
         for _ in range(counts[1]):
             backup = c.backup_acks.popleft()
@@ -359,7 +374,7 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         return {
             "writes": c["writes"],
             "loads": c["loads"],
-            "prefetches": len(self._ongoing_prefetch) + c["prefetch_io"] + c_queues,
+            "prefetches": len(self.prefetcher.ongoing) + c["prefetch_io"] + c_queues,
             "backups": self._backups_inflight,
         }
 
@@ -376,7 +391,7 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
         while True:
             self.check_hicache_events()
             io = self.inflight_io()
-            io["prefetches"] -= len(self._ongoing_prefetch)
+            io["prefetches"] -= len(self.prefetcher.ongoing)
             if not self.reduce("max", [int(any(io.values()))])[0]:  # every rank loops equally often
                 return
             if time.monotonic() > deadline:
@@ -413,14 +428,13 @@ class HiRadixCache(PrefetchMixin, StorageAdminMixin):
     def reset(self) -> None:
         """Clear L1 and L2 (tree and pools) after finishing in-flight I/O; L3 is never touched."""
         if self.controller is not None:
-            for rid in list(self._ongoing_prefetch):
-                self.release_aborted_request(rid)
+            for rid in list(self.prefetcher.ongoing):
+                self.prefetcher.abort(rid)
             self.drain_io()
             self.host_pool.reset()
         self._ongoing_write.clear()
         self._ongoing_load.clear()
-        self._prefetch_loaded.clear()
-        self.prefetch_tokens_occupied = 0
+        self.prefetcher.clear()
         self.tree.reset()
         self.device_allocator.reset()
 

@@ -8,7 +8,7 @@ import torch
 from cache_testlib import MemoryBackend, assert_kv, check_invariants, prefill, scribble_free_device_slots
 
 from engine.cache.keys import page_hashes
-from engine.cache.prefetch import PrefetchOperation, can_terminate, prefetch_timeout
+from engine.cache.prefetch_operation import PrefetchOperation, can_terminate, prefetch_timeout
 
 T = list(range(1, 65))  # 16 pages of 4
 
@@ -60,7 +60,7 @@ def test_prefetch_commits_host_nodes_and_kv_round_trips(l3_cache):
     assert anchor is cache.tree.root and anchor.host_ref_counter == 1
     _wait_worker(cache)
     assert cache.check_prefetch_progress("r")
-    assert anchor.host_ref_counter == 0 and cache.prefetch_tokens_occupied == 0
+    assert anchor.host_ref_counter == 0 and cache.prefetcher.occupied_tokens == 0
     assert cache.pop_prefetch_loaded_tokens("r") == 64
     assert cache.stats.prefetched_tokens == 64 and cache.stats.prefetch_completed == 1
     device = _load_all(cache, T)
@@ -81,8 +81,8 @@ def test_l3_hit_below_threshold_is_revoked(l3_cache):
     anchor = _prefetch(cache)
     _wait_worker(cache)
     cache.check_hicache_events()
-    assert "r" not in cache._ongoing_prefetch and anchor.host_ref_counter == 0
-    assert cache.host_pool.used_size() == 0 and cache.prefetch_tokens_occupied == 0
+    assert "r" not in cache.prefetcher.ongoing and anchor.host_ref_counter == 0
+    assert cache.host_pool.used_size() == 0 and cache.prefetcher.occupied_tokens == 0
     assert cache.stats.prefetch_revoked == 1
     assert cache.check_prefetch_progress("r")
     assert cache.match_prefix(T).host_hit_length == 0
@@ -94,15 +94,15 @@ def test_capacity_limit_skips_new_prefetches(l3_cache):
     others = [list(range(1000 * i, 1000 * i + 128)) for i in range(1, 4)]
     for i, tokens in enumerate(others):
         cache.prefetch_from_storage(f"o{i}", cache.tree.root, tokens)
-    assert sorted(cache._ongoing_prefetch) == ["o0", "o1", "o2"]  # 0, 128, 256 < 258 occupied
+    assert sorted(cache.prefetcher.ongoing) == ["o0", "o1", "o2"]  # 0, 128, 256 < 258 occupied
     cache.prefetch_from_storage("r", cache.tree.root, T)
-    assert "r" not in cache._ongoing_prefetch
+    assert "r" not in cache.prefetcher.ongoing
     backend.gate.set()
     _wait_worker(cache)
     for i in range(3):
         assert cache.check_prefetch_progress(f"o{i}")  # all revoked (nothing in L3)
     cache.check_hicache_events()
-    assert cache.prefetch_tokens_occupied == 0 and cache.host_pool.used_size() == 0
+    assert cache.prefetcher.occupied_tokens == 0 and cache.host_pool.used_size() == 0
 
 
 def test_best_effort_terminates_at_once_even_with_nothing(l3_cache):
@@ -190,7 +190,7 @@ def test_abort_frees_anchor_and_slots_exactly_once(l3_cache):
     cache.release_aborted_request("r")
     cache.release_aborted_request("r")
     cache.check_hicache_events()
-    assert anchor.host_ref_counter == 0 and cache.prefetch_tokens_occupied == 0
+    assert anchor.host_ref_counter == 0 and cache.prefetcher.occupied_tokens == 0
     assert cache.host_pool.used_size() == 8
     assert cache.check_prefetch_progress("r")
     check_invariants(cache)
@@ -200,7 +200,7 @@ def test_no_progress_after_commit(l3_cache):
     cache, backend = l3_cache(prefetch_policy="best_effort")
     backend.gate = threading.Event()
     _prefetch(cache)
-    op = cache._ongoing_prefetch["r"].op
+    op = cache.prefetcher.ongoing["r"].op
     assert cache.check_prefetch_progress("r")
     frozen = op.completed_tokens
     backend.gate.set()

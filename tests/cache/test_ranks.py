@@ -57,7 +57,7 @@ def _rank(rank: int, port: int, root: str) -> None:
         scribble_free_device_slots(cache)
         m = cache.match_prefix(T)
         cache.prefetch_from_storage("r", m.last_host_node, T)
-        op = cache._ongoing_prefetch["r"].op
+        op = cache.prefetcher.ongoing["r"].op
         deadline = time.monotonic() + 30
         while cache.controller.inflight()["prefetch_io"]:
             assert time.monotonic() < deadline
