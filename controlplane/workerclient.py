@@ -1,10 +1,11 @@
 """The only code that talks to engine workers and sglang-routers (httpx, synchronous).
 
 Worker endpoints follow engine/server/contract.py (SGLang's HiCache admin API, docs/upstream.md H7, P4):
-GET /server_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config, POST /pd_role_switch,
-GET /metrics, GET /health, POST /generate; bodies are the models of engine/server/contract.py. A PD prefill's
-bootstrap server: GET /route (docs/upstream.md P2). A PD canary pair: the same /generate body, with the
-router's bootstrap fields, to one prefill and one decode at once (sglang-router's way, docs/upstream.md P2).
+GET /server_info, GET /get_model_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config,
+POST /pd_role_switch, GET /metrics, GET /health, POST /generate; bodies are the models of
+engine/server/contract.py. A PD prefill's bootstrap server: GET /route (docs/upstream.md P2). A PD canary
+pair: the same /generate body, with the router's bootstrap fields, to one prefill and one decode at once
+(sglang-router's way, docs/upstream.md P2).
 Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url", "worker_type",
 "bootstrap_port"} (202), DELETE /workers/{id}, POST /generate; circuit-breaker state from the router's
 Prometheus endpoint (``smg_worker_cb_*``).
@@ -98,6 +99,11 @@ class WorkerClient:
     def server_info(self) -> dict:
         """Launch args, `is_idle`, `num_running_reqs`, `num_waiting_reqs`, `inflight_cache_io`, `hicache`."""
         return self._call("GET", "/server_info").json()
+
+    def model_info(self) -> dict:
+        """GET /get_model_info: ``model_path``, ``served_model_name`` and KVFleet's ``kv_bytes_per_token``
+        (bytes of K and V for one token over all layers, in the KV cache's dtype)."""
+        return self._call("GET", "/get_model_info").json()
 
     def storage_backend(self) -> dict:
         """{hicache_storage_backend, hicache_storage_backend_extra_config, prefetch and write policy}."""

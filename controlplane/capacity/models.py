@@ -7,8 +7,8 @@ from controlplane.inventory.models import EngineWorker
 
 class RecordedRequest(models.Model):
     """One request a worker served: arrival (ms since the epoch), lengths in tokens, chained block ids
-    (one per 512-token block of the prompt; equal ids = equal prefixes across the fleet). ``pool`` is the
-    worker's pool when it was recorded (regular, prefill, decode)."""
+    (one per ``block_tokens``-token block of the prompt; equal ids = equal prefixes across the fleet).
+    ``pool`` is the worker's pool when it was recorded (regular, prefill, decode)."""
 
     worker = models.ForeignKey(EngineWorker, on_delete=models.CASCADE, related_name="recorded_requests")
     pool = models.CharField(max_length=10, db_index=True)
@@ -16,6 +16,10 @@ class RecordedRequest(models.Model):
     input_length = models.PositiveIntegerField()
     output_length = models.PositiveIntegerField()
     hash_ids = models.JSONField()
+    block_tokens = models.PositiveIntegerField(
+        default=512,
+        help_text="Tokens per hash_ids block the worker recorded with (the replay's --block-tokens)",
+    )
 
     class Meta:
         ordering = ["timestamp_ms", "id"]

@@ -11,18 +11,43 @@ from controlplane.telemetry.selectors import POOLS
 DEFAULT_PAGE_SIZE = 16
 
 
+MODEL_INFO_TIMEOUT_S = 2.0
+
+
+def _kv_bytes_per_token(url: str) -> int | None:
+    """The worker's own KV bytes per token (``/get_model_info`` ``kv_bytes_per_token``); None when it does
+    not answer or does not report one (an upstream SGLang worker)."""
+    from controlplane import workerclient
+
+    try:
+        value = (
+            workerclient.WorkerClient(url, timeout=MODEL_INFO_TIMEOUT_S)
+            .model_info()
+            .get("kv_bytes_per_token")
+        )
+    except (workerclient.WorkerError, ValueError):
+        return None
+    return int(value) if isinstance(value, int | float) and value > 0 else None
+
+
 def worker_capacities() -> list[dict]:
     """Per worker: name, pool (regular / prefill / decode), page size, and from its latest metrics sample
     the L1 capacity (``max_total_num_tokens``) and L2 capacity (``hicache_host_total_tokens``), None when
-    it has not reported, and its attached L3 ``storage_backend`` ("" for none)."""
+    it has not reported, its attached L3 ``storage_backend`` ("" for none), and ``kv_bytes_per_token`` as
+    the worker answers it now at ``/get_model_info`` (None when it does not; the workers are asked in
+    parallel, at most ``MODEL_INFO_TIMEOUT_S`` each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     workers = list(
         EngineWorker.objects.order_by("name").values(
-            "id", "name", "role", "page_size", "model_name", "storage_backend"
+            "id", "name", "url", "role", "page_size", "model_name", "storage_backend"
         )
     )
     latest = store.latest_many([w["id"] for w in workers])
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        kv_bytes = list(pool.map(_kv_bytes_per_token, [w["url"] for w in workers]))
     rows = []
-    for w in workers:
+    for w, bytes_per_token in zip(workers, kv_bytes, strict=True):
         sample = latest.get(w["id"]) or {}
         rows.append(
             {
@@ -34,6 +59,7 @@ def worker_capacities() -> list[dict]:
                 "l1_tokens": _int(sample.get("max_total_num_tokens")),
                 "l2_tokens": _int(sample.get("hicache_host_total_tokens")),
                 "storage_backend": w["storage_backend"],
+                "kv_bytes_per_token": bytes_per_token,
             }
         )
     return rows
@@ -63,8 +89,8 @@ def l1_sweep(*, pool: str, workers: list[dict], page_size: int) -> dict:
     """The default L1 sweep for ``pool`` and where it came from: ``{"l1_tokens": [tokens, ...], "source":
     sentence}``. Around the L1 pool (``l1_tokens``, tokens) of the pool's first reporting worker in
     ``workers`` (``worker_capacities()``: the worker whose L1 the chart marks as current), else of the
-    fleet's first reporting worker, else ``FALLBACK_L1_SWEEP``; that L1 itself and the other multiples
-    rounded to whole ``page_size`` pages (at least one)."""
+    fleet's first reporting worker, else ``FALLBACK_L1_SWEEP``: that L1 itself first (the live
+    configuration), then the other multiples in whole ``page_size`` pages (at least one), ascending."""
     reporting = [w for w in workers if w["l1_tokens"]]
     own = [w for w in reporting if w["pool"] == pool]
     chosen = (own or reporting or [None])[0]
@@ -74,39 +100,47 @@ def l1_sweep(*, pool: str, workers: list[dict], page_size: int) -> dict:
             "source": "no worker has reported its L1 pool size yet: GPU-sized defaults",
         }
     current = chosen["l1_tokens"]
-    values = sorted(
-        {
-            current if f == 1 else max(page_size, int(current * f / page_size + 0.5) * page_size)
-            for f in L1_SWEEP_FACTORS
-        }
-    )
+    multiples = {
+        max(page_size, int(current * f / page_size + 0.5) * page_size) for f in L1_SWEEP_FACTORS if f != 1
+    }
+    values = [current, *sorted(multiples - {current})]  # the live configuration is the first point
     span = f"{min(L1_SWEEP_FACTORS):g}× to {max(L1_SWEEP_FACTORS):g}×"
     where = "" if own else f" (no {pool} worker has reported one)"
     return {
         "l1_tokens": values,
-        "source": f"{span} the L1 pool of {chosen['name']}{where}: {current:,} tokens, from its metrics",
+        "source": f"the live L1 pool of {chosen['name']}{where} first ({current:,} tokens, from its "
+        f"metrics), then {span} it",
     }
 
 
 def upper_tier_defaults(*, pool: str, workers: list[dict]) -> dict:
-    """The what-if's default L2 and L3 capacities for ``pool``: ``{"l2_tokens": str, "l3_tokens": str,
-    "source": sentence}`` from the pool's first worker in ``workers`` (``worker_capacities()``) that has
-    reported its L1 (the worker ``l1_sweep`` starts from): its L2 host pool (tokens; 0 without one) and, when
-    it has an L3 backend attached, ``inf`` (no backend reports a capacity; the what-if takes ``inf`` as
-    unbounded), else 0. Both 0 when no worker of the pool has reported, and the sentence says so."""
+    """The what-if's default L2 and L3 for ``pool``: ``{"l2_tokens": str, "hicache_ratio": str,
+    "l3_tokens": str, "source": sentence}`` from the pool's first worker in ``workers``
+    (``worker_capacities()``) that has reported its L1 (the worker ``l1_sweep`` starts from). With a host
+    pool, L2 follows each L1 point by the worker's ``--hicache-ratio`` (read back from its two pool sizes:
+    the engine makes L2 ``int(L1 x ratio)`` rounded up past whole pages), so no point of the sweep is one the
+    engine would refuse; ``l2_tokens`` is then "". Without one, L2 is "0". L3 is ``inf`` when it has an L3
+    backend attached (no backend reports a capacity), else "0". Both tiers "0" when no worker of the pool
+    has reported, and the sentence says so."""
     chosen = next((w for w in workers if w["pool"] == pool and w["l1_tokens"]), None)
     if chosen is None:
         return {
             "l2_tokens": "0",
+            "hicache_ratio": "",
             "l3_tokens": "0",
             "source": f"no {pool} worker has reported yet: 0 (no tier)",
         }
-    l2 = chosen["l2_tokens"] or 0
+    l1, l2, page = chosen["l1_tokens"], chosen["l2_tokens"] or 0, chosen["page_size"]
+    ratio = f"{(l2 - page) / l1:.4g}" if l2 > l1 else ""
     backend = chosen["storage_backend"]
-    l2_text = f"{l2:,} L2 tokens" if l2 else "no L2 host pool"
+    if ratio:
+        l2_text = f"{l2:,} L2 tokens (--hicache-ratio {ratio} of its L1: L2 follows each L1 point)"
+    else:
+        l2_text = f"{l2:,} L2 tokens" if l2 else "no L2 host pool"
     l3_text = f"a {backend} L3 (capacity not reported: inf)" if backend else "no L3 backend"
     return {
-        "l2_tokens": str(l2),
+        "l2_tokens": "" if ratio else str(l2),
+        "hicache_ratio": ratio,
         "l3_tokens": "inf" if backend else "0",
         "source": f"{chosen['name']} reports {l2_text} and {l3_text}",
     }
@@ -135,13 +169,29 @@ def recorded_pools() -> list[dict]:
     return list(rows)
 
 
-def recorded_trace_lines(*, pool: str) -> list[dict]:
-    """The pool's trace in Mooncake's format, arrival order, ``timestamp`` in ms from its first request."""
+def recorded_block_tokens(*, pool: str) -> int | None:
+    """Tokens per hash id of the pool's newest recorded row (None: no traffic). A trace holds one block
+    size: rows recorded with another (an older worker's 512) are left out of it."""
     from controlplane.capacity.models import RecordedRequest
 
-    rows = RecordedRequest.objects.filter(pool=pool).values_list(
-        "timestamp_ms", "input_length", "output_length", "hash_ids"
-    )
+    newest = RecordedRequest.objects.filter(pool=pool).order_by("-id").values_list("block_tokens", flat=True)
+    return newest.first()
+
+
+def recorded_trace_lines(
+    *, pool: str, worker_id: int | None = None, since_ms: int | None = None
+) -> list[dict]:
+    """The pool's trace in Mooncake's format (rows of ``recorded_block_tokens``), arrival order,
+    ``timestamp`` in ms from its first request; only ``worker_id``'s rows when given, only rows that
+    arrived at or after ``since_ms`` (ms since the epoch) when given."""
+    from controlplane.capacity.models import RecordedRequest
+
+    rows = RecordedRequest.objects.filter(pool=pool, block_tokens=recorded_block_tokens(pool=pool))
+    if worker_id is not None:
+        rows = rows.filter(worker_id=worker_id)
+    if since_ms is not None:
+        rows = rows.filter(timestamp_ms__gte=since_ms)
+    rows = rows.values_list("timestamp_ms", "input_length", "output_length", "hash_ids")
     out, start = [], None
     for ts, inp, outp, ids in rows.order_by("timestamp_ms", "id").iterator():
         start = ts if start is None else start
@@ -168,3 +218,14 @@ def shared_trace_text(*, name: str) -> str | None:
     if name not in shared_traces():
         return None
     return (Path(settings.KVFLEET_TRACE_DIR) / name).read_text()
+
+
+def pool_kv_bytes_per_token(*, pool: str | None) -> int | None:
+    """KV bytes per token as the first worker of ``pool`` (None: of the fleet) that answers
+    ``/get_model_info`` reports it; None when none does."""
+    roles = [role for role, name in POOLS.items() if name == pool] if pool else list(POOLS)
+    for url in EngineWorker.objects.filter(role__in=roles).order_by("name").values_list("url", flat=True):
+        value = _kv_bytes_per_token(url)
+        if value:
+            return value
+    return None

@@ -92,8 +92,9 @@ def kv_sizing(
     }
 
 
-def recorded_requests_ingest(*, worker, requests: list[dict]) -> int:
-    """Store a batch of a worker's trace rows (already validated) under its pool; returns how many."""
+def recorded_requests_ingest(*, worker, requests: list[dict], block_tokens: int = 512) -> int:
+    """Store a batch of a worker's trace rows (already validated; ``block_tokens`` tokens per hash id)
+    under its pool; returns how many."""
     from controlplane.capacity.models import RecordedRequest
     from controlplane.telemetry.selectors import POOLS
 
@@ -106,6 +107,7 @@ def recorded_requests_ingest(*, worker, requests: list[dict]) -> int:
             input_length=r["input_length"],
             output_length=r["output_length"],
             hash_ids=r["hash_ids"],
+            block_tokens=block_tokens,
         )
         for r in requests
     )

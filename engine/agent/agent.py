@@ -217,7 +217,7 @@ class Agent:
         for start in range(0, len(rows), TRACE_BATCH):
             batch = rows[start : start + TRACE_BATCH]
             try:
-                self.reporter.client.push_trace(w.url, batch)
+                self.reporter.client.push_trace(w.url, batch, data.get("block_tokens", 512))
             except ControlPlaneDown:
                 return  # retried from the cursor next time
             except ControlPlaneRejected as exc:

@@ -97,11 +97,11 @@ class ControlPlaneClient:
             body["ts"] = ts
         return self.call("POST", "/api/v1/agent/metrics/", json=body)
 
-    def push_trace(self, worker_url: str, requests: list[dict]) -> dict:
-        """Recorded trace rows of one worker (``--record-trace``) for its pool."""
-        return self.call(
-            "POST", "/api/v1/agent/traces/", json={"worker_url": worker_url, "requests": requests}
-        )
+    def push_trace(self, worker_url: str, requests: list[dict], block_tokens: int = 512) -> dict:
+        """Recorded trace rows of one worker (``--record-trace``) for its pool; ``block_tokens``: the
+        tokens per ``hash_ids`` block the worker recorded them with."""
+        body = {"worker_url": worker_url, "block_tokens": block_tokens, "requests": requests}
+        return self.call("POST", "/api/v1/agent/traces/", json=body)
 
     def close(self) -> None:
         self.http.close()

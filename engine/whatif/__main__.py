@@ -57,6 +57,26 @@ def positive_float(text: str) -> float:
     return value
 
 
+def l2_for_ratio(l1_tokens: float, ratio: float, page_size: int) -> float:
+    """The host pool ``--hicache-ratio`` gives an L1 of ``l1_tokens`` (tokens; ``inf`` stays unbounded):
+    ``engine.cache.host_pool.requested_host_tokens``, the engine's own rounding."""
+    from engine.cache.host_pool import requested_host_tokens
+
+    if math.isinf(l1_tokens):
+        return math.inf
+    return requested_host_tokens(int(l1_tokens), page_size, 1, ratio, 0)
+
+
+def skip_line(caps: Capacities, message: str) -> str:
+    """One short line for a sweep point the engine would refuse: the point, then why."""
+    point = " / ".join(f"L{i} {v:g}" for i, v in enumerate((caps.l1, caps.l2, caps.l3), 1))
+    if caps.l2 and not caps.l2 > caps.l1:
+        return f"{point}: L2 must be larger than L1"
+    if caps.l3 and not caps.l2:
+        return f"{point}: L3 needs an L2"
+    return f"{point}: {message}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine.whatif", description=__doc__.split("\n\n")[0])
     a = p.add_argument
@@ -64,7 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--block-tokens", type=positive_int, default=512, help="tokens per hash_ids block of the trace")
     a("--page-size", type=positive_int, default=16, help="the worker's --page-size (tokens; the demo's 16)")
     a("--l1-tokens", type=capacity_list, default=[1_000_000], help="L1 tokens, or a comma list to sweep")
-    a("--l2-tokens", type=capacity_list, default=[0], help="L2 tokens (0 = no host tier, inf = unbounded)")
+    a("--l2-tokens", type=capacity_list, default=None, help="L2 tokens (0 = no host tier, inf = unbounded)")
+    a(
+        "--hicache-ratio",
+        type=positive_float,
+        default=None,
+        help="instead of --l2-tokens: L2 = this x each L1 point, in whole pages, as the engine sizes it",
+    )
     a("--l3-tokens", type=capacity_list, default=[0], help="L3 tokens (0 = no storage tier, inf = unbounded)")
     a("--eviction", choices=EVICTION_POLICIES, default="lru", help="--radix-eviction-policy")
     a("--write-policy", choices=WRITE_POLICIES, default="write_through", help="--hicache-write-policy")
@@ -113,17 +139,23 @@ def main(argv: list[str] | None = None) -> int:
     b, p = args.block_tokens, args.page_size
     if b % p and p % b:
         parser.error(f"--page-size {p}: must divide --block-tokens {b} or be a multiple of it")
+    if args.hicache_ratio is not None and args.l2_tokens is not None:
+        parser.error("--hicache-ratio: give it or --l2-tokens, not both")
+    if args.hicache_ratio is not None:  # L2 follows each L1 point, as the engine's flags size it
+        pairs = [(l1, l2_for_ratio(l1, args.hicache_ratio, p)) for l1 in args.l1_tokens]
+    else:
+        pairs = list(itertools.product(args.l1_tokens, args.l2_tokens or [0]))
     points, errors = [], []
-    for caps in (Capacities(*c) for c in itertools.product(args.l1_tokens, args.l2_tokens, args.l3_tokens)):
+    for caps in (Capacities(l1, l2, l3) for (l1, l2), l3 in itertools.product(pairs, args.l3_tokens)):
         try:
             caps.check()
             points.append(caps)
         except ValueError as exc:
-            errors.append(str(exc))
+            errors.append((caps, str(exc)))
     if not points:
-        parser.error(errors[0])
-    for message in sorted(set(errors)):  # a sweep skips the impossible combinations it crosses
-        print(f"skipped sweep points: {message}", file=sys.stderr)
+        parser.error(errors[0][1])
+    for caps, message in errors:  # a sweep skips the impossible combinations it crosses, one short line each
+        print(f"skipped sweep points: {skip_line(caps, message)}", file=sys.stderr)
     try:
         reqs = load_trace(args.trace, b)
     except TraceError as exc:

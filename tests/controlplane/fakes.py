@@ -115,8 +115,10 @@ class FakeWorker(_FakeHTTP):
         busy_polls: int = 0,
         model_name: str = "SmolLM2",
         pd_role: str = "null",
+        kv_bytes_per_token: int = 46_080,
     ):
         self.admin_key = admin_key
+        self.kv_bytes_per_token = kv_bytes_per_token  # /get_model_info (the demo's SmolLM2 in float32)
         self.pd_role = pd_role
         self.busy_polls = busy_polls
         self.io_polls = 0
@@ -230,6 +232,8 @@ class FakeWorker(_FakeHTTP):
             return self.pd_role_switch(body)
         if method == "GET" and path in ("/server_info", "/get_server_info"):
             return 200, self.server_info(), json_t
+        if method == "GET" and path in ("/model_info", "/get_model_info"):
+            return 200, {"model_path": self.model_name, "kv_bytes_per_token": self.kv_bytes_per_token}, json_t
         if method == "GET" and path == "/health":
             return 200, "", text_t
         if method == "GET" and path == "/metrics":

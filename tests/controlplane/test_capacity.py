@@ -177,12 +177,15 @@ def test_default_l1_sweep_is_around_the_pools_reported_l1(api_as):
     EngineWorkerFactory(name="d0", host=host, role="decode", page_size=64)  # not reporting
     workers = worker_capacities()
     regular = l1_sweep(pool="regular", workers=workers, page_size=16)
-    assert regular["l1_tokens"] == [256, 496, 1000, 2000, 4000, 8000, 16000]  # 1,000 x 1/4..16, in pages
-    assert regular["source"] == "0.25× to 16× the L1 pool of demo-w0: 1,000 tokens, from its metrics"
+    # the live L1 first (the live configuration is the first point), then 1,000 x 1/4..16 in pages
+    assert regular["l1_tokens"] == [1000, 256, 496, 2000, 4000, 8000, 16000]
+    assert regular["source"] == (
+        "the live L1 pool of demo-w0 first (1,000 tokens, from its metrics), then 0.25× to 16× it"
+    )
     decode = l1_sweep(pool="decode", workers=workers, page_size=64)
-    assert decode["l1_tokens"] == [256, 512, 1000, 1984, 4032, 8000, 16000]  # 64-token pages
+    assert decode["l1_tokens"] == [1000, 256, 512, 1984, 4032, 8000, 16000]  # 64-token pages
     assert decode["source"].startswith(
-        "0.25× to 16× the L1 pool of demo-w0 (no decode worker has reported one)"
+        "the live L1 pool of demo-w0 (no decode worker has reported one) first"
     )
 
 
@@ -194,6 +197,7 @@ def test_default_l2_l3_are_the_pools_first_reporting_workers(api_as):
 
     assert upper_tier_defaults(pool="regular", workers=worker_capacities()) == {
         "l2_tokens": "0",
+        "hicache_ratio": "",
         "l3_tokens": "0",
         "source": "no regular worker has reported yet: 0 (no tier)",
     }
@@ -204,10 +208,14 @@ def test_default_l2_l3_are_the_pools_first_reporting_workers(api_as):
     )
     body = {"worker": worker.pk, "metrics": {"max_total_num_tokens": 1000, "hicache_host_total_tokens": 2064}}
     assert api_as("agent").post("/api/v1/agent/metrics/", body, format="json").status_code == 202
+    # L2 follows each L1 point by the worker's ratio ((2,064 - one 16-token page) / 1,000 = 2.048), as the
+    # engine's --hicache-ratio sizes it: no sweep point is one the engine would refuse.
     assert upper_tier_defaults(pool="regular", workers=worker_capacities()) == {
-        "l2_tokens": "2064",
+        "l2_tokens": "",
+        "hicache_ratio": "2.048",
         "l3_tokens": "inf",
-        "source": "demo-w0 reports 2,064 L2 tokens and a mooncake L3 (capacity not reported: inf)",
+        "source": "demo-w0 reports 2,064 L2 tokens (--hicache-ratio 2.048 of its L1: L2 follows each L1 "
+        "point) and a mooncake L3 (capacity not reported: inf)",
     }
 
 
@@ -243,9 +251,56 @@ def test_whatif_skips_or_refuses_an_l2_not_larger_than_l1(api_as):
     response = viewer.post("/api/v1/capacity/whatif/", body, format="json")
     assert response.status_code == 200, response.content
     assert [p["l1_tokens"] for p in response.json()["points"]] == [1024]
-    (skipped,) = response.json()["skipped"]
-    assert skipped.startswith("--l2-tokens: L2 (the host pool) must be larger than L1") and "4096" in skipped
+    assert response.json()["skipped"] == ["L1 4096 / L2 4096 / L3 0: L2 must be larger than L1"]  # one line
     refused = viewer.post("/api/v1/capacity/whatif/", {**body, "l1_tokens": "4096"}, format="json")
     assert refused.status_code == 400, refused.content
     assert refused.json()["error"]["code"] == "whatif_failed"
     assert "--l2-tokens: L2 (the host pool) must be larger than L1" in refused.json()["error"]["message"]
+
+
+@pytest.mark.django_db
+def test_whatif_l2_following_l1_by_the_ratio_never_skips(api_as):
+    """The default sweep (L2 = --hicache-ratio x each L1, as the engine sizes its host pool) has no point the
+    engine would refuse, where the same L1 sweep against one fixed L2 skips the larger L1s."""
+    worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST), role="mixed", page_size=16)
+    rows = [_row(0, 1010, [1, 2]), _row(1, 1010, [1, 2])]
+    api_as("agent").post("/api/v1/agent/traces/", {"worker_url": worker.url, "requests": rows}, format="json")
+    viewer = api_as("viewer")
+    body = {"trace": "pool:regular", "l1_tokens": "1024,256,4096", "hicache_ratio": 2}
+    response = viewer.post("/api/v1/capacity/whatif/", body, format="json")
+    assert response.status_code == 200, response.content
+    points = response.json()["points"]
+    assert [(p["l1_tokens"], p["l2_tokens"]) for p in points] == [(1024, 2064), (256, 528), (4096, 8208)]
+    assert response.json()["skipped"] == []
+    both = viewer.post("/api/v1/capacity/whatif/", {**body, "l2_tokens": "4096"}, format="json")
+    assert both.status_code == 400 and "hicache_ratio" in both.json()["error"]["detail"]
+
+
+@pytest.mark.django_db
+def test_sizing_bytes_per_token_is_what_the_worker_reports(api_as, fake_worker):
+    """Each worker's KV bytes per token is read from its /get_model_info (the demo's SmolLM2 reports 46,080
+    in float32), and null, not a guess, for a worker that does not answer."""
+    live = fake_worker(kv_bytes_per_token=46_080)
+    answering = EngineWorkerFactory(name="w-live", url=live.url, role="mixed")
+    silent = EngineWorkerFactory(name="w-gone", role="mixed")
+    rows = {r["worker"]: r for r in api_as("viewer").get("/api/v1/capacity/workers/").json()["workers"]}
+    assert rows[answering.pk]["kv_bytes_per_token"] == 46_080
+    assert rows[silent.pk]["kv_bytes_per_token"] is None
+
+
+@pytest.mark.django_db
+def test_recorded_rows_keep_the_block_size_they_were_recorded_with(api_as, tmp_path):
+    """The recorder's 16-token blocks travel with the rows: ingest checks the id count against them, the
+    pool's trace says them (X-Block-Tokens) and holds only rows of its newest block size."""
+    worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST), role="mixed", page_size=16)
+    agent = api_as("agent")
+    old = {"worker_url": worker.url, "requests": [_row(0, 600, [1, 2])]}  # an older agent: 512 per id
+    assert agent.post("/api/v1/agent/traces/", old, format="json").status_code == 202
+    fine = {"worker_url": worker.url, "block_tokens": 16, "requests": [_row(5, 40, [7, 8, 9])]}
+    assert agent.post("/api/v1/agent/traces/", fine, format="json").status_code == 202
+    wrong = {**fine, "requests": [_row(6, 40, [7, 8])]}
+    refused = agent.post("/api/v1/agent/traces/", wrong, format="json")
+    assert refused.status_code == 400 and "2 ids for 40 tokens: want 3" in json.dumps(refused.json())
+    response = api_as("viewer").get("/api/v1/capacity/traces/regular.jsonl")
+    assert response["X-Block-Tokens"] == "16"
+    assert [json.loads(line)["hash_ids"] for line in response.content.splitlines()] == [[7, 8, 9]]

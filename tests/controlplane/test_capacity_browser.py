@@ -14,11 +14,14 @@ from test_browser import CHROMIUM_ARGS, console_user, log_in, serious_violations
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatch, tmp_path):
+def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatch, tmp_path, fake_worker):
     from playwright.sync_api import expect, sync_playwright
 
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    worker = EngineWorkerFactory(name="gpu-0", host=HostFactory(name=AGENT_HOST), page_size=16, role="mixed")
+    live = fake_worker(kv_bytes_per_token=46_080)  # what the demo's SmolLM2 worker answers at /get_model_info
+    worker = EngineWorkerFactory(
+        name="gpu-0", url=live.url, host=HostFactory(name=AGENT_HOST), page_size=16, role="mixed"
+    )
     EngineWorkerFactory(name="gpu-1", page_size=64, role="decode")
     console_user("bob", "viewer", "pw-for-tests-1")
     agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
@@ -43,6 +46,10 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         page.get_by_role("link", name="Capacity").click()
         # The sizing calculator is filled from gpu-0's report: page 16, L1 2,048, L2 4,112 (ratio 2).
         expect(page.locator("#sizing-table tbody tr").first).to_contain_text("2,048")
+        # bytes per token is the worker's own (/get_model_info), not a template constant
+        expect(page.locator("#sizing-form").get_by_label("KV bytes per token")).to_have_value("46080")
+        expect(page.get_by_test_id("bytes-source")).to_have_text("from gpu-0's /get_model_info")
+        expect(page.locator("#sizing-table tbody tr").first.locator("td").nth(2)).to_have_text("90 MiB")
         l2_row = page.locator("#sizing-table tbody tr").nth(1).locator("td")
         assert [l2_row.nth(i).inner_text() for i in (1, 3)] == ["4,112", "4,112"]  # computed = reported
         # The replay's page size is the marked pool's workers': regular 16, decode 64; choosing a pool's
@@ -50,18 +57,24 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         page_size = page.locator("#whatif-form").get_by_label("Page size")
         expect(page_size).to_have_value("16")
         expect(page.locator("#trace")).to_have_value("pool:regular")  # the marked pool's own traffic
-        # The L1 sweep starts around the marked pool's L1 (gpu-0's 2,048 tokens) and says so; the decode pool
-        # has no reporting worker, so its sweep is gpu-0's too, in its 64-token pages, and says that.
+        # The L1 sweep starts at the marked pool's live L1 (gpu-0's 2,048 tokens), then goes around it, and
+        # says so; the decode pool has no reporting worker, so its sweep is gpu-0's too, in 64-token pages.
         l1 = page.get_by_label("L1 tokens")
-        expect(l1).to_have_value("512,1024,2048,4096,8192,16384,32768")
+        expect(l1).to_have_value("2048,512,1024,4096,8192,16384,32768")
         expect(page.get_by_test_id("l1-source")).to_have_text(
-            "Default: 0.25× to 16× the L1 pool of gpu-0: 2,048 tokens, from its metrics"
+            "Default: the live L1 pool of gpu-0 first (2,048 tokens, from its metrics), then 0.25× to 16× it"
         )
-        # L2 / L3 start from the same worker's report: its 4,112-token host pool, no L3 backend attached.
-        expect(page.get_by_label("L2 tokens")).to_have_value("4112")
+        # L2 follows each L1 point by gpu-0's ratio ((4,112 - 16) / 2,048 = 2), as the engine sizes it.
+        expect(page.get_by_label("L2 tokens", exact=True)).to_have_value("")
+        expect(page.get_by_label("or L2 = --hicache-ratio × each L1")).to_have_value("2")
         expect(page.get_by_label("L3 tokens")).to_have_value("0")
         expect(page.get_by_test_id("upper-source")).to_have_text(
-            "Default: gpu-0 reports 4,112 L2 tokens and no L3 backend"
+            "Default: gpu-0 reports 4,112 L2 tokens (--hicache-ratio 2 of its L1: L2 follows each L1 point) "
+            "and no L3 backend"
+        )
+        # The recorded rows predate any metrics sample: there is no window to calibrate over, and it says so.
+        expect(page.get_by_test_id("calibration-text")).to_have_text(
+            "No calibration: no worker of the pool has metrics samples covering its recorded traffic."
         )
         # Before the first Run the chart card says what to do, and the results table is hidden.
         expect(page.get_by_test_id("whatif-empty")).to_contain_text("Press Run to replay the trace")
@@ -70,29 +83,29 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         page.locator("#whatif-form").get_by_label("Pool marked as current").select_option("decode")
         expect(page_size).to_have_value("64")
         expect(page.get_by_test_id("l1-source")).to_contain_text("gpu-0 (no decode worker has reported one)")
-        expect(page.get_by_label("L2 tokens")).to_have_value("0")
+        expect(page.get_by_label("L2 tokens", exact=True)).to_have_value("0")
         expect(page.get_by_test_id("upper-source")).to_have_text(
             "Default: no decode worker has reported yet: 0 (no tier)"
         )
         page.locator("#trace").select_option("pool:regular")
         expect(page.locator("#whatif-form select[name=pool]")).to_have_value("regular")
         expect(page_size).to_have_value("16")
-        expect(l1).to_have_value("512,1024,2048,4096,8192,16384,32768")
+        expect(l1).to_have_value("2048,512,1024,4096,8192,16384,32768")
         page.get_by_role("button", name="Run").click()  # the defaults as they are: the marker is on the chart
         # while the replays run the status counts the seconds so far
         expect(page.locator("#whatif-status")).to_have_text(re.compile(r"^Replaying… \d+ s$"))
-        # L1 8,192 and up is not below the default L2 (4,112): those points are skipped and named
-        expect(page.locator("#whatif-status")).to_contain_text(
-            "4 points; skipped points: --l2-tokens: L2 (the host pool) must be larger than L1",
-            timeout=180_000,
-        )
+        # L2 follows L1 by the ratio: every default point is one the engine runs, none skipped
+        expect(page.locator("#whatif-status")).to_have_text("7 points", timeout=180_000)
         expect(page.get_by_test_id("whatif-empty")).to_be_hidden()
-        expect(page.locator("#whatif-table tbody tr")).to_have_count(4)
+        expect(page.locator("#whatif-table tbody tr")).to_have_count(7)
+        first = page.locator("#whatif-table tbody tr").first.locator("td")
+        assert [first.nth(i).inner_text() for i in (0, 1, 2)] == ["live configuration", "2048", "4112"]
         page.screenshot(path=str(tmp_path / "capacity-after-run.png"), full_page=True)
         assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
         expect(page.locator("#whatif-chart canvas")).to_have_count(1)
         page.get_by_label("L1 tokens").fill("2048,8192")
-        page.get_by_label("L2 tokens").fill("0")  # L1 only
+        page.get_by_label("L2 tokens", exact=True).fill("0")  # L1 only
+        page.get_by_label("or L2 = --hicache-ratio × each L1").fill("")
         page.get_by_role("button", name="Run").click()
         expect(page.locator("#whatif-status")).to_have_text(
             "2 points", timeout=180_000
@@ -100,7 +113,7 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         expect(page.locator("#whatif-table tbody tr")).to_have_count(2)
         total = 12 * 1030
         cells = [
-            page.locator("#whatif-table tbody tr").nth(i).locator("td").nth(6).inner_text() for i in (0, 1)
+            page.locator("#whatif-table tbody tr").nth(i).locator("td").nth(7).inner_text() for i in (0, 1)
         ]
         assert cells == [f"{100 * 4 * 1024 / total:.2f}%", f"{100 * 8 * 1024 / total:.2f}%"]
         assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
@@ -108,10 +121,10 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         legend = page.locator("#whatif-chart .u-legend .u-series", has_text="L1 + L2 + L3")
         expect(legend).to_contain_text(cells[1])
         # a sweep point the engine could not run (L2 not larger than L1) is left out and named
-        page.get_by_label("L2 tokens").fill("4096")
+        page.get_by_label("L2 tokens", exact=True).fill("4096")
         page.get_by_role("button", name="Run").click()
-        expect(page.locator("#whatif-status")).to_contain_text(
-            "1 point; skipped points: --l2-tokens: L2 (the host pool) must be larger than L1", timeout=180_000
+        expect(page.locator("#whatif-status")).to_have_text(
+            "1 point; skipped points: L1 8192 / L2 4096 / L3 0: L2 must be larger than L1", timeout=180_000
         )
         expect(page.locator("#whatif-table tbody tr")).to_have_count(1)
         expect(page.locator("#whatif-chart canvas")).to_have_count(1)

@@ -19,7 +19,7 @@ SP = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 def test_block_ids_are_prefix_chained():
     a, b = list(range(1200)), list(range(1024)) + [7] * 100
-    ids_a, ids_b = block_hash_ids(a), block_hash_ids(b)
+    ids_a, ids_b = block_hash_ids(a, 512), block_hash_ids(b, 512)
     assert len(ids_a) == len(ids_b) == 3  # two full 512-token blocks and a partial one
     assert ids_a[:2] == ids_b[:2] and ids_a[2] != ids_b[2]
     assert block_hash_ids([9] + a[1:])[1] != ids_a[1]  # a different first block changes every later id
@@ -36,9 +36,11 @@ def test_recorded_trace_rows_and_cursor(serve, tmp_path):
     assert body["next"] == 2 and body["dropped"] == 0
     rows = body["requests"]
     assert [(r["input_length"], r["output_length"]) for r in rows] == [(1102, 3), (1101, 3)]
+    # 16-token blocks (the demo's page): the 1,099 shared tokens are 68 whole blocks both rows hold
+    assert body["block_tokens"] == 16 and [len(r["hash_ids"]) for r in rows] == [69, 69]
     assert (
-        rows[0]["hash_ids"][:2] == rows[1]["hash_ids"][:2]
-        and rows[0]["hash_ids"][2] != rows[1]["hash_ids"][2]
+        rows[0]["hash_ids"][:68] == rows[1]["hash_ids"][:68]
+        and rows[0]["hash_ids"][68] != rows[1]["hash_ids"][68]
     )
     assert set(rows[0]) == {"timestamp", "input_length", "output_length", "hash_ids"}  # no text, no token ids
     assert client.get("/recorded_trace", params={"after": 2}).json()["requests"] == []
@@ -46,8 +48,8 @@ def test_recorded_trace_rows_and_cursor(serve, tmp_path):
     # The recorded rows are a trace the what-if replays: the second request reuses two whole blocks.
     path = tmp_path / "rec.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    c = replay_trace(load_trace(path), Capacities(100_000), page_size=16)
-    assert c.per_request_served[1] == (1024, 0, 0)
+    c = replay_trace(load_trace(path, 16), Capacities(100_000), block_tokens=16, page_size=16)
+    assert c.per_request_served[1] == (1088, 0, 0)  # every whole page of the shared prefix, as the engine
 
 
 def test_recording_off_is_a_404(serve):

@@ -91,3 +91,24 @@ def test_page_size_defaults_to_the_demo_fleets(tmp_path, capsys):
     assert main(argv) == 0
     (point,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert point["l1"]["tokens_served"] == 1008
+
+
+def test_l2_follows_each_l1_point_by_the_hicache_ratio(trace, capsys):
+    """``--hicache-ratio``: L2 = int(L1 x ratio) rounded up past whole pages, as the engine sizes its host
+    pool, so a sweep has no point the engine refuses; a fixed L2 skips the points it is not larger than,
+    one short line each."""
+    base = [str(trace), "--block-tokens", "8", "--page-size", "8", "--no-ttft", "--kv-bytes-per-token", "2"]
+    assert main([*base, "--l1-tokens", "24,64", "--hicache-ratio", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    assert [(r["l1_tokens"], r["l2_tokens"]) for r in map(json.loads, out.out.splitlines())] == [
+        (24, 56),
+        (64, 136),
+    ]
+    assert out.err == ""
+    assert main([*base, "--l1-tokens", "24,64", "--l2-tokens", "64", "--json"]) == 0
+    assert (
+        capsys.readouterr().err == "skipped sweep points: L1 64 / L2 64 / L3 0: L2 must be larger than L1\n"
+    )
+    with pytest.raises(SystemExit):
+        main([*base, "--l2-tokens", "64", "--hicache-ratio", "2"])
+    assert "--hicache-ratio: give it or --l2-tokens, not both" in capsys.readouterr().err

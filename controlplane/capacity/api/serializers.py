@@ -4,7 +4,7 @@ from rest_framework import serializers
 
 from controlplane.capacity.services import DTYPE_BYTES
 
-BLOCK_TOKENS = 512  # the recorder's block size (engine/server/recording.py)
+BLOCK_TOKENS = 512  # Mooncake's block size: rows posted without block_tokens (an older agent)
 
 
 class SizingQuerySerializer(serializers.Serializer):
@@ -36,7 +36,8 @@ class SizingQuerySerializer(serializers.Serializer):
 
 
 class TraceRowSerializer(serializers.Serializer):
-    """One Mooncake trace row; ``hash_ids`` must have one id per 512-token block of the input."""
+    """One Mooncake trace row; ``hash_ids`` must have one id per block of the input (the batch's
+    ``block_tokens``, given in the serializer's context)."""
 
     timestamp = serializers.IntegerField(min_value=0)
     input_length = serializers.IntegerField(min_value=0)
@@ -44,7 +45,7 @@ class TraceRowSerializer(serializers.Serializer):
     hash_ids = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=2**63 - 1))
 
     def validate(self, attrs):
-        blocks = -(-attrs["input_length"] // BLOCK_TOKENS)
+        blocks = -(-attrs["input_length"] // self.context.get("block_tokens", BLOCK_TOKENS))
         if len(attrs["hash_ids"]) != blocks:
             raise serializers.ValidationError(
                 {
@@ -58,7 +59,17 @@ class TraceRowSerializer(serializers.Serializer):
 
 class TraceIngestSerializer(serializers.Serializer):
     worker_url = serializers.URLField()
-    requests = TraceRowSerializer(many=True, allow_empty=False, max_length=10_000)
+    block_tokens = serializers.IntegerField(min_value=1, max_value=4096, default=BLOCK_TOKENS)
+    requests = serializers.ListField(child=serializers.DictField(), allow_empty=False, max_length=10_000)
+
+    def validate(self, attrs):
+        rows = TraceRowSerializer(
+            data=attrs["requests"], many=True, context={"block_tokens": attrs["block_tokens"]}
+        )
+        if not rows.is_valid():
+            raise serializers.ValidationError({"requests": rows.errors})
+        attrs["requests"] = rows.validated_data
+        return attrs
 
 
 _CAPACITIES = re.compile(r"^\s*(inf|\d+(\.\d+)?(e\d+)?)(\s*,\s*(inf|\d+(\.\d+)?(e\d+)?))*\s*$", re.IGNORECASE)
@@ -68,28 +79,37 @@ MAX_UPLOAD_CHARS = 32 * 1024 * 1024
 
 class WhatIfSerializer(serializers.Serializer):
     """A what-if run: ``trace`` is ``shared:<file>`` or ``pool:<pool>``, or ``trace_text`` an uploaded
-    Mooncake JSONL; capacities are comma lists of tokens (``inf`` = unbounded, 0 = tier absent).
-    ``page_size`` left out: the fleet's (``selectors.pool_page_size``, the trace's pool for ``pool:``)."""
+    Mooncake JSONL; capacities are comma lists of tokens (``inf`` = unbounded, 0 = tier absent), or instead
+    of ``l2_tokens`` a ``hicache_ratio``: L2 = that x each L1 point, as the engine sizes its host pool.
+    ``page_size`` left out: the fleet's (``selectors.pool_page_size``, the trace's pool for ``pool:``);
+    ``kv_bytes_per_token`` left out: what the pool's workers report at ``/get_model_info``."""
 
     trace = serializers.CharField(required=False)
     trace_text = serializers.CharField(required=False, max_length=MAX_UPLOAD_CHARS, trim_whitespace=False)
     l1_tokens = serializers.CharField(default="1000000")
-    l2_tokens = serializers.CharField(default="0")
+    l2_tokens = serializers.CharField(required=False)
+    hicache_ratio = serializers.FloatField(min_value=0, required=False)
     l3_tokens = serializers.CharField(default="0")
     page_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
     eviction = serializers.ChoiceField(choices=["lru", "lfu"], default="lru")
     write_policy = serializers.ChoiceField(
         choices=["write_through", "write_through_selective", "write_back"], default="write_through"
     )
-    kv_bytes_per_token = serializers.IntegerField(min_value=1, default=23_040)
+    kv_bytes_per_token = serializers.IntegerField(min_value=1, required=False)
 
     def validate(self, attrs):
         if ("trace" in attrs) == ("trace_text" in attrs):
             raise serializers.ValidationError({"trace": ["give exactly one of trace and trace_text"]})
         if "trace" in attrs and not attrs["trace"].startswith(("shared:", "pool:")):
             raise serializers.ValidationError({"trace": ["shared:<file> or pool:<pool>"]})
+        if "hicache_ratio" in attrs and "l2_tokens" in attrs:
+            raise serializers.ValidationError({"hicache_ratio": ["give it or l2_tokens, not both"]})
+        if "hicache_ratio" not in attrs:
+            attrs.setdefault("l2_tokens", "0")
         points = 1
         for field in ("l1_tokens", "l2_tokens", "l3_tokens"):
+            if field not in attrs:  # L2 follows L1 by hicache_ratio: one L2 per L1 point
+                continue
             if not _CAPACITIES.match(attrs[field]):
                 raise serializers.ValidationError({field: ["a comma list of token counts or inf"]})
             points *= len(attrs[field].split(","))

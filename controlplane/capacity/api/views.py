@@ -12,7 +12,7 @@ from rest_framework.views import APIView
 
 from controlplane.accounts.permissions import AGENT_ROLES, READ_ROLES
 from controlplane.accounts.selectors import agent_host_scope
-from controlplane.capacity import selectors, services
+from controlplane.capacity import calibration, selectors, services
 from controlplane.capacity.api.serializers import (
     SizingQuerySerializer,
     TraceIngestSerializer,
@@ -61,7 +61,11 @@ class TraceIngestApi(APIView):
             worker_url=body.validated_data["worker_url"],
             bound_host=agent_host_scope(request.user, request.auth),
         )
-        stored = services.recorded_requests_ingest(worker=worker, requests=body.validated_data["requests"])
+        stored = services.recorded_requests_ingest(
+            worker=worker,
+            requests=body.validated_data["requests"],
+            block_tokens=body.validated_data["block_tokens"],
+        )
         return Response({"stored": stored}, status=status.HTTP_202_ACCEPTED)
 
 
@@ -85,6 +89,8 @@ class RecordedTraceApi(APIView):
         body = "".join(json.dumps(line) + "\n" for line in lines)
         response = HttpResponse(body, content_type="application/x-ndjson")
         response["Content-Disposition"] = f'attachment; filename="{pool}-trace.jsonl"'
+        # the tokens per hash id the pool recorded with: the replay's --block-tokens
+        response["X-Block-Tokens"] = str(selectors.recorded_block_tokens(pool=pool))
         return response
 
 
@@ -104,7 +110,7 @@ class WhatIfApi(APIView):
         body = WhatIfSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        text, pool = data.get("trace_text"), None
+        text, pool, block_tokens = data.get("trace_text"), None, 512
         if text is None:
             kind, name = data["trace"].split(":", 1)
             if kind == "shared":
@@ -112,20 +118,41 @@ class WhatIfApi(APIView):
             else:
                 pool, lines = name, selectors.recorded_trace_lines(pool=name)
                 text = "".join(json.dumps(line) + "\n" for line in lines) if lines else None
+                block_tokens = selectors.recorded_block_tokens(pool=name)
             if text is None:
                 raise NotFound(f"no trace {data['trace']!r}")
         page_size = data.get("page_size") or selectors.pool_page_size(pool=pool)
-        options = ["--page-size", str(page_size), "--eviction", data["eviction"]]
-        options += [
-            "--write-policy",
-            data["write_policy"],
-            "--kv-bytes-per-token",
-            str(data["kv_bytes_per_token"]),
+        options = [
+            "--block-tokens",
+            str(block_tokens),
+            "--page-size",
+            str(page_size),
+            "--eviction",
+            data["eviction"],
         ]
+        options += ["--write-policy", data["write_policy"]]
+        bytes_per_token = data.get("kv_bytes_per_token") or selectors.pool_kv_bytes_per_token(pool=pool)
+        if bytes_per_token:  # else the CLI derives it from its default model
+            options += ["--kv-bytes-per-token", str(bytes_per_token)]
+        if "hicache_ratio" in data:
+            options += ["--hicache-ratio", str(data["hicache_ratio"])]
         for tier in ("l1", "l2", "l3"):
-            options += [f"--{tier}-tokens", data[f"{tier}_tokens"].replace(" ", "")]
+            if f"{tier}_tokens" in data:
+                options += [f"--{tier}-tokens", data[f"{tier}_tokens"].replace(" ", "")]
         with whatif_slot(user_id=request.user.pk):  # 429 too_many_whatif_runs past the limits
             points, skipped = services.whatif_run(  # ApplicationError whatif_failed: 400 / 504, as documented
                 trace_text=text, options=options, timeout_s=settings.WHATIF_TIMEOUT_S
             )
         return Response({"page_size": page_size, "points": points, "skipped": skipped})
+
+
+class CalibrationApi(APIView):
+    """GET: the what-if's served share at the pool's live configuration over its recorded traffic, beside
+    the share its workers measured over the same window, and the difference in points
+    (``controlplane/capacity/calibration.py``). Shares null, with a note, when there is nothing to compare;
+    504 past the replay's time limit."""
+
+    @extend_schema(responses=OpenApiTypes.OBJECT)
+    def get(self, request, pool: str):
+        with whatif_slot(user_id=request.user.pk):  # its replays count against the what-if's limits
+            return Response(calibration.calibration(pool=pool))

@@ -15,6 +15,7 @@ KV.ready(function () {
     form.l1_tokens.value = chosen.l1Sweep;
     KV.$("#l1-source").textContent = "Default: " + chosen.l1Source;
     form.l2_tokens.value = chosen.l2;
+    form.hicache_ratio.value = chosen.ratio;
     form.l3_tokens.value = chosen.l3;
     KV.$("#upper-source").textContent = "Default: " + chosen.upperSource;
   }
@@ -26,8 +27,8 @@ KV.ready(function () {
   });
 
   function pct(v) { return (100 * v).toFixed(2) + "%"; }
-  function sweptTier(points) {  // the tier whose capacity changes across the points (L1 when none does)
-    var tiers = ["l3", "l2", "l1"];
+  function sweptTier(points, l2FollowsL1) {  // the tier whose capacity changes across the points (L1 when none does)
+    var tiers = l2FollowsL1 ? ["l3", "l1"] : ["l3", "l2", "l1"];  // L2 swept by the ratio moves with L1
     for (var i = 0; i < tiers.length; i++) {
       var seen = {};
       points.forEach(function (p) { seen[p[tiers[i] + "_tokens"]] = 1; });
@@ -39,8 +40,8 @@ KV.ready(function () {
     var w = workers.filter(function (x) { return x.pool === pool && x[tier + "_tokens"] != null; })[0];
     return w ? w[tier + "_tokens"] : null;
   }
-  function draw(points) {
-    var tier = sweptTier(points);
+  function draw(points, l2FollowsL1) {
+    var tier = sweptTier(points, l2FollowsL1);
     var rows = points.filter(function (p) { return p[tier + "_tokens"] !== "inf"; });
     rows.sort(function (a, b) { return a[tier + "_tokens"] - b[tier + "_tokens"]; });
     var xs = rows.map(function (p) { return p[tier + "_tokens"]; });
@@ -75,8 +76,9 @@ KV.ready(function () {
     chartEl.dataset.marked = mark == null ? "" : String(mark);
     KV.$("#whatif-empty").hidden = true;
     KV.$("#whatif-table").hidden = false;
+    var live = current(form.pool.value, "l1");
     KV.replaceRows(KV.$("#whatif-table tbody"), KV.$("#tpl-point"), points.map(function (p) {
-      return { l1_tokens: String(p.l1_tokens), l2_tokens: String(p.l2_tokens), l3_tokens: String(p.l3_tokens),
+      return { label: p.l1_tokens === live ? "live configuration" : "", l1_tokens: String(p.l1_tokens), l2_tokens: String(p.l2_tokens), l3_tokens: String(p.l3_tokens),
         l1: pct(p.l1.share), l2: pct(p.l2.share), l3: pct(p.l3.share), share: pct(p.share) };
     }));
   }
@@ -89,8 +91,12 @@ KV.ready(function () {
   form.addEventListener("submit", function (e) {
     e.preventDefault();
     KV.$("#whatif-error").textContent = "";
-    var body = { l1_tokens: form.l1_tokens.value, l2_tokens: form.l2_tokens.value, l3_tokens: form.l3_tokens.value,
+    var body = { l1_tokens: form.l1_tokens.value, l3_tokens: form.l3_tokens.value,
                  page_size: Number(form.page_size.value), eviction: form.eviction.value, write_policy: form.write_policy.value };
+    if (form.l2_tokens.value.trim() !== "") body.l2_tokens = form.l2_tokens.value;
+    if (form.hicache_ratio.value !== "") body.hicache_ratio = Number(form.hicache_ratio.value);
+    var reporting = workers.filter(function (x) { return x.pool === form.pool.value && x.kv_bytes_per_token != null; })[0];
+    if (reporting) body.kv_bytes_per_token = reporting.kv_bytes_per_token;  // the worker's own, else the API's
     var ready = Promise.resolve();
     if (form.trace.value === "upload") {
       var file = form.file.files[0];
@@ -109,16 +115,59 @@ KV.ready(function () {
       .then(function (res) {
         var skipped = (res.skipped || []).length ? "; skipped points: " + res.skipped.join("; ") : "";
         KV.$("#whatif-status").textContent = res.points.length + (res.points.length === 1 ? " point" : " points") + skipped;
-        draw(res.points);
+        draw(res.points, body.hicache_ratio != null);
       })
       .catch(function (err) { KV.$("#whatif-status").textContent = ""; KV.$("#whatif-error").textContent = KV.errorText(err); });
   });
+
+  // Calibration: the what-if at each worker's live configuration over its recorded traffic, beside the share
+  // the workers measured over the same window (one replay per worker, so it runs after the page is drawn).
+  var calText = KV.$("#calibration-text");
+  function calibrate() {
+    var pool = form.pool.value;
+    if (!calText || !calText.dataset.pools || calText.dataset.pools.split(" ").indexOf(pool) < 0) {
+      if (calText && calText.dataset.pools) {
+        calText.textContent = "No recorded traffic for pool " + pool + " yet: start its workers with --record-trace.";
+        KV.$("#calibration-table").hidden = true;
+      }
+      return;
+    }
+    calText.textContent = "Replaying " + pool + "'s recorded traffic at its live configuration…";
+    KV.api("GET", "/api/v1/capacity/calibration/" + encodeURIComponent(pool) + "/").then(function (r) {
+      if (r.whatif_share == null || r.measured_share == null) { calText.textContent = "No calibration: " + r.note + "."; return; }
+      var ws = r.workers, from = Math.min.apply(null, ws.map(function (w) { return w.from_ms; }));
+      var to = Math.max.apply(null, ws.map(function (w) { return w.to_ms; }));
+      var diff = r.difference_points;
+      calText.textContent = "Over " + r.requests.toLocaleString() + " recorded requests (" + new Date(from).toLocaleString() +
+        " to " + new Date(to).toLocaleString() + "): the what-if serves " + pct(r.whatif_share) + " of input tokens at the live configuration; the workers measured " +
+        pct(r.measured_share) + ". Difference: " + (diff >= 0 ? "+" : "") + diff.toFixed(1) + " points" +
+        (Math.abs(diff) <= 5 ? " (within the 5-point target)." : " (outside the 5-point target: see docs/capacity.md).") + (r.note ? " Note: " + r.note + "." : "");
+      var tbody = KV.$("#calibration-table tbody");
+      tbody.textContent = "";
+      ws.forEach(function (w) {
+        var tr = document.createElement("tr");
+        [w.worker, w.requests.toLocaleString(), w.live.l1_tokens.toLocaleString() + " / " + w.live.l2_tokens.toLocaleString(),
+         pct(w.whatif_tokens_served / w.whatif_input_tokens), w.measured_prompt_tokens ? pct(w.measured_cached_tokens / w.measured_prompt_tokens) : "–"].forEach(function (v, i) {
+          var td = document.createElement("td"); td.textContent = v; if (i) td.className = "num"; tr.appendChild(td);
+        });
+        tbody.appendChild(tr);
+      });
+      KV.$("#calibration-table").hidden = false;
+    }).catch(function (err) { calText.textContent = "Calibration failed: " + KV.errorText(err); });
+  }
+  form.pool.addEventListener("change", calibrate);
+  calibrate();
 
   var sizing = KV.$("#sizing-form");
   function fillFromWorker() {
     var w = workers[Number(sizing.worker.value)];
     if (!w) return;
     sizing.page_size.value = w.page_size;
+    // bytes per token as the worker itself reports it (its model and KV dtype), never a guess
+    sizing.bytes_per_token.value = w.kv_bytes_per_token == null ? "" : w.kv_bytes_per_token;
+    KV.$("#bytes-source").textContent = w.kv_bytes_per_token == null
+      ? w.name + " did not answer /get_model_info: enter the model's bytes per token"
+      : "from " + w.name + "'s /get_model_info";
     if (w.l1_tokens != null) sizing.max_total_tokens.value = w.l1_tokens;
     sizing.enable_hierarchical_cache.checked = w.l2_tokens != null && w.l2_tokens > 0;
     // the engine's host pool is ratio x L1 rounded up past whole pages: undo the extra page

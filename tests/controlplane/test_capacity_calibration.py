@@ -1,0 +1,59 @@
+"""Calibration on a real fleet (slow): two SmolLM2 workers with --record-trace serve multi-turn traffic over
+shared documents (what the demo runs, small enough that L1 evicts and L2 serves); their recorded rows and
+metrics reach the control plane through the same services the agent's endpoints call; the what-if replayed
+at each worker's live configuration must serve within 5 points of the share the workers measured."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+from cp_factories import EngineWorkerFactory
+
+from controlplane import workerclient
+from controlplane.capacity.calibration import calibration
+from controlplane.capacity.services import recorded_requests_ingest
+from controlplane.telemetry.services import metrics_ingest
+from engine.bench.launcher import ServerProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db]
+
+FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--max-total-tokens", "1024",
+         "--enable-hierarchical-cache", "--hicache-ratio", "2", "--enable-metrics", "--record-trace"]  # fmt: skip
+TRAFFIC = ["--concurrency", "1", "--conversations", "4", "--turns", "3", "--documents", "3",
+           "--doc-words", "160", "--max-new-tokens", "4", "--max-requests", "18"]  # fmt: skip
+
+
+def _scrape(worker) -> None:
+    metrics_ingest(worker=worker, text=workerclient.WorkerClient(worker.url).metrics_text())
+
+
+def test_whatif_at_the_live_configuration_matches_what_the_workers_measured():
+    with ServerProcess(FLAGS) as a, ServerProcess(FLAGS) as b:
+        workers = [EngineWorkerFactory(name=f"cal-{i}", url=s.url, role="mixed", page_size=16)
+                   for i, s in enumerate((a, b))]  # fmt: skip
+        for worker in workers:
+            _scrape(worker)  # the sample before the first request: the window's start
+        drivers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "engine.bench.traffic", "--url", s.url, "--seed", str(i), *TRAFFIC],
+                stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            for i, s in enumerate((a, b))
+        ]
+        assert [d.wait(timeout=400) for d in drivers] == [0, 0]
+        for worker in workers:
+            _scrape(worker)
+            body = httpx.get(f"{worker.url}/recorded_trace", timeout=10).json()
+            recorded_requests_ingest(
+                worker=worker, requests=body["requests"], block_tokens=body["block_tokens"]
+            )
+
+    result = calibration(pool="regular")
+    assert result["requests"] == 36
+    assert [w["live"]["l1_tokens"] for w in result["workers"]] == [1024, 1024]
+    assert [w["live"]["l2_tokens"] for w in result["workers"]] == [2064, 2064]
+    assert result["measured_share"] > 0.3  # shared documents: a comparison of two zeros would prove nothing
+    assert abs(result["difference_points"]) <= 5, result
