@@ -29,12 +29,11 @@ TIERS = ("device", "host", "storage")
 
 
 def _increase(samples: list[dict], key: str) -> float:
-    """How much counter ``key`` rose over ``samples`` (oldest first), across restarts (a drop is a reset)."""
+    """How much counter ``key`` rose over ``samples`` (oldest first), across restarts (a drop is a reset).
+    A sample without it counts 0: a labelled counter is not exported before its first increment."""
     total, prev = 0.0, None
     for sample in samples:
-        value = sample.get(key)
-        if value is None:
-            continue
+        value = sample.get(key) or 0.0
         if prev is not None:
             total += value - prev if value >= prev else value  # a drop: the worker restarted from 0
         prev = value
