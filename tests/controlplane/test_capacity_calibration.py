@@ -20,9 +20,10 @@ from engine.bench.launcher import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]
 
+# what is measured is the cache: the fused decode step's C++ build is not needed
 FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--max-total-tokens", "1024",
          "--enable-hierarchical-cache", "--hicache-ratio", "2", "--enable-metrics", "--record-trace",
-         "--disable-fused-decode"]  # fmt: skip  (what is measured is the cache; no C++ build to wait for)
+         "--disable-fused-decode"]  # fmt: skip
 TRAFFIC = ["--concurrency", "1", "--conversations", "4", "--turns", "3", "--documents", "3",
            "--doc-words", "160", "--max-new-tokens", "4", "--max-requests", "18"]  # fmt: skip
 
