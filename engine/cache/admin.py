@@ -208,7 +208,7 @@ class StorageAdminMixin:
             instance = self.controller.detach_storage()
         except RuntimeError as exc:
             raise CacheAdminError(str(exc)) from exc
-        self._drain_storage_queues(lambda op, values: values)
+        self._apply_storage_events(lambda op, values: values)
         self.backend = None
         return PreparedBackend(
             self.backend_name, instance, dict(self.backend_attached_extra or {}), namespace

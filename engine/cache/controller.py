@@ -12,8 +12,9 @@ thread drains in FIFO order:
 * prefetch (L3 -> L2): hit query (``batch_exists``, MIN over ranks), then reads into reserved host slots.
 
 Background threads never touch the tree or free pool slots: frees go through the release queue. The
-numbers of acks popped per iteration are reduced (MIN) over ranks so every rank applies the same
-mutations in the same order.
+scheduler thread reads every acknowledgement as a typed event (:meth:`HiCacheController.copy_events`,
+:meth:`HiCacheController.storage_events`); the numbers of acks taken per iteration are reduced (MIN) over
+ranks so every rank applies the same mutations in the same order.
 """
 
 from __future__ import annotations
@@ -68,6 +69,46 @@ class BackupOperation:
     payload: object
     prefix_keys: list[str] | None = None
     completed_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """L1 -> L2 copies finished: ``ids`` of every write merged into the acknowledged op."""
+
+    ids: list
+
+
+@dataclass(frozen=True, slots=True)
+class LoadDone:
+    """L2 -> L1 copies finished: ``ids`` of every load merged into the acknowledged op."""
+
+    ids: list
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchRevoked:
+    """The hit query of ``op`` found less than the prefetch threshold (its slots come back as a
+    :class:`HostSlotsReleased`)."""
+
+    op: PrefetchOperation
+
+
+@dataclass(frozen=True, slots=True)
+class BackupDone:
+    """An L2 -> L3 write ended: ``op.payload`` is the node whose host copy it pinned; ``op.completed_tokens``
+    reached L3."""
+
+    op: BackupOperation
+
+
+@dataclass(frozen=True, slots=True)
+class HostSlotsReleased:
+    """Host slots a prefetch reserved and did not fill, for the scheduler thread to free."""
+
+    slots: torch.Tensor
+
+
+CacheEvent = WriteDone | LoadDone | PrefetchRevoked | BackupDone | HostSlotsReleased
 
 
 class _Worker:
@@ -135,9 +176,9 @@ class HiCacheController:
         self.prefetch_threshold = 256
         self._backuper: _Worker | None = None
         self._prefetcher: _Worker | None = None
-        self.backup_acks: deque[BackupOperation] = deque()
-        self.revoke_queue: deque[PrefetchOperation] = deque()
-        self.release_queue: deque[torch.Tensor] = deque()
+        self._backups_done: deque[BackupOperation] = deque()
+        self._revoked: deque[PrefetchOperation] = deque()
+        self._released: deque[torch.Tensor] = deque()
 
     # -- L1 -> L2 --------------------------------------------------------------------------------------------
     def write(self, device_indices: torch.Tensor, host_indices: torch.Tensor, payload: list) -> None:
@@ -150,10 +191,6 @@ class HiCacheController:
         self.io.backup(op.device_indices, op.host_indices)
         self.stats.add(bytes_d2h=len(op.device_indices) * self.io.bytes_per_token)
         op.done.set()
-
-    def writing_check(self) -> list[list]:
-        """Payloads of acknowledged writes, FIFO, as many as every rank has finished (MIN)."""
-        return self._pop_acks(self._write_acks)
 
     def _pop_acks(self, acks: deque[CopyOperation]) -> list[list]:
         ready = 0
@@ -205,12 +242,30 @@ class HiCacheController:
             op.layer_done[layer].wait()
             self.io.wait_loaded(op.layer_ready[layer])
 
-    def loading_check(self) -> list[list]:
-        """Payloads of finished loads, FIFO, MIN over ranks."""
-        payloads = self._pop_acks(self._load_acks)
+    def copy_events(self) -> list[WriteDone | LoadDone]:
+        """Acknowledged writes, then finished loads, each FIFO and as many as every rank has (MIN)."""
+        events: list[WriteDone | LoadDone] = [WriteDone(p) for p in self._pop_acks(self._write_acks)]
+        events += [LoadDone(p) for p in self._pop_acks(self._load_acks)]
         if not self._load_acks:
             self._current_load = None
-        return payloads
+        return events
+
+    def storage_events(
+        self, reduce: Reduce | None = None
+    ) -> list[PrefetchRevoked | BackupDone | HostSlotsReleased]:
+        """Revoked prefetches, ended backups, then released host slots, each FIFO and as many as every
+        rank has (``reduce``, default the scheduler's: MIN over ranks)."""
+        queues = (self._revoked, self._backups_done, self._released)
+        counts = (reduce or self.reduce)("min", [len(q) for q in queues])
+        events: list[PrefetchRevoked | BackupDone | HostSlotsReleased] = []
+        events += [PrefetchRevoked(self._revoked.popleft()) for _ in range(counts[0])]
+        events += [BackupDone(self._backups_done.popleft()) for _ in range(counts[1])]
+        events += [HostSlotsReleased(self._released.popleft()) for _ in range(counts[2])]
+        return events
+
+    def pending_storage_events(self) -> int:
+        """Revokes and host-slot releases not yet taken by ``storage_events``."""
+        return len(self._revoked) + len(self._released)
 
     # -- storage attach --------------------------------------------------------------------------------------
     def attach_storage(
@@ -251,7 +306,7 @@ class HiCacheController:
             if not self.backup_skip:
                 self._write_pages(op)
         finally:
-            self.backup_acks.append(op)
+            self._backups_done.append(op)
 
     def _write_pages(self, op: BackupOperation) -> None:
         P = self.page_size
@@ -300,12 +355,12 @@ class HiCacheController:
                 op.hash_value = hashes[: hit_tokens // P]
         if op.terminated:
             if revoke:
-                self.revoke_queue.append(op)
-            self.release_queue.append(op.host_indices)
+                self._revoked.append(op)
+            self._released.append(op.host_indices)
             return
         self._read_pages(op, op.hash_value, op.host_indices[:hit_tokens])
         completed = op.terminate() if op.failed or op.terminated else op.completed_tokens
-        self.release_queue.append(op.host_indices[completed:])
+        self._released.append(op.host_indices[completed:])
 
     def _query_hits(self, op: PrefetchOperation, hashes: list[str]) -> int:
         info = HiCacheStorageExtraInfo(prefix_keys=op.prefix_keys) if op.prefix_keys is not None else None

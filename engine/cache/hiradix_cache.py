@@ -26,7 +26,13 @@ from engine.cache.allocator import PageAllocator
 from engine.cache.config import (
     HiCacheConfig,
 )
-from engine.cache.controller import BackupOperation, HiCacheController
+from engine.cache.controller import (
+    BackupDone,
+    BackupOperation,
+    HiCacheController,
+    PrefetchRevoked,
+    WriteDone,
+)
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool, host_pool_tokens
 from engine.cache.io_backends import get_io_backend, resolve_layout
@@ -341,36 +347,34 @@ class HiRadixCache(StorageAdminMixin):
         """Process acknowledged writes/loads and the storage control queues (once per iteration)."""
         if self.controller is None:
             return
-        # An ack's payload lists the ids of every op merged into it (loads are merged per forward pass).
-        for wids in self.controller.writing_check():
-            for wid in wids:
-                self._on_write_ack(wid)
-        for lids in self.controller.loading_check():
-            for lid in lids:
-                self.tree.dec_lock_ref(self._ongoing_load.pop(lid))
-        self._drain_storage_queues(self.reduce)
+        # A copy ack lists the ids of every op merged into it (loads are merged per forward pass).
+        for event in self.controller.copy_events():
+            if isinstance(event, WriteDone):
+                for wid in event.ids:
+                    self._on_write_ack(wid)
+            else:
+                for lid in event.ids:
+                    self.tree.dec_lock_ref(self._ongoing_load.pop(lid))
+        self._apply_storage_events(self.reduce)
 
-    def _drain_storage_queues(self, reduce: Reduce) -> None:
-        c = self.controller
-        queues = (c.revoke_queue, c.backup_acks, c.release_queue)
-        counts = reduce("min", [len(q) for q in queues])
-        for _ in range(counts[0]):
-            if self.prefetcher.revoked(c.revoke_queue.popleft()):
-                self._stats.add(prefetch_revoked=1)
-        for _ in range(counts[1]):
-            backup = c.backup_acks.popleft()
-            self.tree.release_host(backup.payload)
-            self._backups_inflight -= 1
-            self._stats.add(backuped_tokens=backup.completed_tokens)
-        for _ in range(counts[2]):
-            self.host_pool.free(c.release_queue.popleft())
+    def _apply_storage_events(self, reduce: Reduce) -> None:
+        for event in self.controller.storage_events(reduce):
+            if isinstance(event, PrefetchRevoked):
+                if self.prefetcher.revoked(event.op):
+                    self._stats.add(prefetch_revoked=1)
+            elif isinstance(event, BackupDone):
+                self.tree.release_host(event.op.payload)
+                self._backups_inflight -= 1
+                self._stats.add(backuped_tokens=event.op.completed_tokens)
+            else:
+                self.host_pool.free(event.slots)
 
     def inflight_io(self) -> dict[str, int]:
         """Cache I/O not yet acknowledged: writes (L1->L2), loads (L2->L1), prefetches, backups (L2->L3)."""
         if self.controller is None:
             return {"writes": 0, "loads": 0, "prefetches": 0, "backups": 0}
         c = self.controller.inflight()
-        c_queues = len(self.controller.revoke_queue) + len(self.controller.release_queue)
+        c_queues = self.controller.pending_storage_events()
         return {
             "writes": c["writes"],
             "loads": c["loads"],

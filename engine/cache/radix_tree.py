@@ -59,7 +59,7 @@ class TreeNode:
         return self.value is None
 
     @property
-    def backuped(self) -> bool:
+    def backed_up(self) -> bool:
         """Has a host copy."""
         return self.host_value is not None
 
