@@ -33,6 +33,7 @@ sysdeps:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy engine/cache engine/scheduler controlplane/*/services*
 
 test: sysdeps $(STAMP)
 	@scripts/test.sh

@@ -275,7 +275,7 @@ def load_spec(path: str | os.PathLike, environ: dict | None = None) -> FleetSpec
     )
 
 
-def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> WorkerSpec:
+def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> WorkerSpec:  # noqa: C901
     if not isinstance(raw, dict):
         raise error_at("workers", i, None)("must be a table")
     for key in ("name", "model", "port"):

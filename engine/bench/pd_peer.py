@@ -76,7 +76,7 @@ def _raw_write(mgr, cmd: dict) -> float:
     return seconds
 
 
-def _serve() -> None:
+def _serve() -> None:  # noqa: C901
     spec = json.loads(sys.argv[1])
     pool = make_pool(spec["pool"])
     if spec.get("seed") is not None:

@@ -131,7 +131,7 @@ def _match_and_load(cache: HiRadixCache, tokens: list[int]) -> None:
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=SETUP, steps=st.lists(STEP, min_size=10, max_size=24))
-def test_random_operation_sequences_keep_invariants_and_kv(setup, steps):
+def test_random_operation_sequences_keep_invariants_and_kv(setup, steps):  # noqa: C901
     setup = dict(setup)
     seed = setup.pop("holes_seed")
     pool = DeviceKVPool(32, setup.pop("page_size"), LAYERS, HEADS, HEAD_DIM)

@@ -226,7 +226,7 @@ class FakeWorker(_FakeHTTP):
         )
         return status, answer.model_dump(), "application/json"
 
-    def handle(self, method, path, headers, body):
+    def handle(self, method, path, headers, body):  # noqa: C901
         json_t, text_t = "application/json", "text/plain"
         if method == "POST" and path == "/pd_role_switch":
             return self.pd_role_switch(body)

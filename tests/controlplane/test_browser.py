@@ -91,7 +91,7 @@ def operation_count(base: str, token: str) -> int:
     return response.json()["count"]
 
 
-def test_operator_console_end_to_end(
+def test_operator_console_end_to_end(  # noqa: PLR0915
     asgi_server, celery_worker_process, fake_worker, fake_router, personas, monkeypatch
 ):
     from playwright.sync_api import expect, sync_playwright

@@ -147,7 +147,7 @@ def _live_roles(urls: dict[str, str], router_url: str) -> dict[str, str]:
     return live
 
 
-def test_a_worker_that_cannot_switch_is_restarted_by_its_agent_and_rolled_back_the_same_way(
+def test_a_worker_that_cannot_switch_is_restarted_by_its_agent_and_rolled_back_the_same_way(  # noqa: PLR0915
     asgi_server, personas, api_as, celery_worker_process, tmp_path
 ):
     agent_port = free_port()

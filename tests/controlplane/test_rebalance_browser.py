@@ -53,7 +53,7 @@ class Exporter:
         return m.render().decode()
 
 
-def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):
+def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):  # noqa: PLR0915
     from playwright.sync_api import expect, sync_playwright
 
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here

@@ -498,7 +498,7 @@ def _how_back(step: RebalanceStep) -> str:
     return _how(step)
 
 
-def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:
+def _rollback_step(rb: Rebalance, step: RebalanceStep) -> float:  # noqa: C901
     """Drain (out of the router, idle; restart method: first settle the step's request with its agent, see
     _settle_restart), switch back (or ask its agent to restart it back and wait until it runs the old role,
     healthy), verify, gate (health, bootstrap), re-add in the old role."""
