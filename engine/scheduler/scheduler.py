@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cache.protocols import PrefixCache
 from engine.model.forward_batch import ForwardBatch
 from engine.scheduler import admin
 from engine.scheduler.decode import DecodeManager
@@ -41,6 +42,7 @@ from engine.scheduler.kv_manager import KVManager
 from engine.scheduler.messages import AbortReq, AdminMsg, NotIdleError
 from engine.scheduler.pd import DecodeQueues, PDHooks, PrefillQueues, make_queues
 from engine.scheduler.prefill import PrefillBudget, PrefillManager
+from engine.scheduler.protocols import Runner
 from engine.scheduler.req import Req, ReqOutput, ReqState
 from engine.scheduler.sampler import sample
 
@@ -89,8 +91,8 @@ class Scheduler:
 
     def __init__(
         self,
-        runner,
-        cache,
+        runner: Runner,
+        cache: PrefixCache,
         device_pool,
         config: SchedulerConfig,
         detokenize,
