@@ -22,6 +22,7 @@ from engine.cache.config import (
     split_extra_config,
 )
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
+from engine.cache.storage.health import BreakerSettings, StorageHealth
 from engine.cache.storage.registry import create_storage_backend
 
 _POLICY_FIELDS = (
@@ -195,8 +196,10 @@ class StorageAdminMixin:
 
     def _start_storage_io(self, backend: PreparedBackend) -> None:
         backup_skip = self.replicated_kv and self.tp_rank != 0
+        c = self.config
+        health = StorageHealth(BreakerSettings(c.breaker_failures, c.breaker_latency_s, c.breaker_open_s))
         self.controller.attach_storage(
-            backend.instance, backend.namespace, self.config.prefetch_threshold, backup_skip, backend.name
+            backend.instance, backend.namespace, c.prefetch_threshold, backup_skip, backend.name, health
         )
 
     def _stop_storage_io(self, action: str) -> PreparedBackend:
@@ -294,6 +297,16 @@ class StorageAdminMixin:
             "hicache_storage_prefetch_policy": cfg.prefetch_policy,
             "hicache_write_policy": cfg.write_policy,
         }
+
+    def storage_health(self) -> dict | None:
+        """The attached L3 backend's breaker (``storage/health.py``): ``storage_backend``, ``state``
+        (closed / half_open / open), ``transitions`` per state entered, ``calls``, ``failed_calls``,
+        ``short_circuited``, ``dropped_backup_pages``, ``last_failure`` and its age in seconds; None when
+        no backend is attached."""
+        health = self.controller.health if self.controller is not None else None
+        if health is None or self.backend_name is None:
+            return None
+        return {"storage_backend": self.backend_name, **vars(health.snapshot())}
 
     def storage_status(self) -> dict:
         """Live HiCache storage settings under SGLang's names."""

@@ -31,7 +31,8 @@ _CHOICES = {
 }
 # Extra-config keys HiCache consumes (popped before the dict reaches the backend) and their types.
 _EXTRA_NUMBERS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max")
-_EXTRA_KEYS = ("prefetch_threshold", *_EXTRA_NUMBERS, "hicache_storage_pass_prefix_keys")
+_EXTRA_NUMBERS += ("breaker_latency_s", "breaker_open_s")  # L3 circuit breaker (storage/health.py)
+_EXTRA_KEYS = ("prefetch_threshold", "breaker_failures", *_EXTRA_NUMBERS, "hicache_storage_pass_prefix_keys")
 
 
 @dataclass
@@ -55,6 +56,9 @@ class HiCacheConfig:
     prefetch_timeout_base: float = 2.0
     prefetch_timeout_per_ki_token: float = 0.1
     prefetch_timeout_max: float = 30.0
+    breaker_failures: int = 3  # failed L3 calls in a row that open the breaker
+    breaker_latency_s: float = 1.0  # an L3 call slower than this counts as failed
+    breaker_open_s: float = 1.0  # first open window (doubles per failed probe, up to 30 s)
     eviction_policy: str = "lru"
     pass_prefix_keys: bool = False
 
@@ -68,6 +72,7 @@ class HiCacheConfig:
             if value not in choices:
                 raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
         _check_int("prefetch_threshold", self.prefetch_threshold, minimum=0)
+        _check_int("breaker_failures", self.breaker_failures, minimum=1)
         for name in ("ratio", "size", *_EXTRA_NUMBERS):
             _check_number(name, getattr(self, name))
         if self.size == 0 and self.ratio <= 1:
@@ -155,8 +160,8 @@ def split_extra_config(config: HiCacheConfig, extra: dict) -> tuple[HiCacheConfi
         if key not in remaining:
             continue
         value = remaining.pop(key)
-        if key == "prefetch_threshold":
-            _check_int(key, value, minimum=0)
+        if key in ("prefetch_threshold", "breaker_failures"):
+            _check_int(key, value, minimum=0 if key == "prefetch_threshold" else 1)
             changes[key] = value
         elif key == "hicache_storage_pass_prefix_keys":
             if not isinstance(value, bool):

@@ -35,6 +35,7 @@ from engine.cache.prefetch_operation import PrefetchOperation
 from engine.cache.ranks import Reduce
 from engine.cache.stats import CacheStats
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo
+from engine.cache.storage.health import StorageHealth
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class HiCacheController:
         self.backend_name: str | None = None
         self._detached_backend_errors = 0
         self.namespace: bytes | None = None
+        self.health: StorageHealth | None = None  # the attached backend's breaker (kept after a detach)
         self.backup_skip = False
         self.prefetch_threshold = 256
         self._backuper: _Worker | None = None
@@ -269,10 +271,18 @@ class HiCacheController:
 
     # -- storage attach --------------------------------------------------------------------------------------
     def attach_storage(
-        self, backend: HiCacheStorage, namespace: bytes, threshold: int, backup_skip: bool, name: str
+        self,
+        backend: HiCacheStorage,
+        namespace: bytes,
+        threshold: int,
+        backup_skip: bool,
+        name: str,
+        health: StorageHealth | None = None,
     ) -> None:
-        """Start the backup and prefetch threads for ``backend`` (``name`` labels its I/O histograms)."""
+        """Start the backup and prefetch threads for ``backend`` (``name`` labels its I/O histograms);
+        every store call goes through the ``health`` breaker (a new default one when None)."""
         self.backend = backend
+        self.health = health or StorageHealth()
         self.backend_name = name
         self.namespace = namespace
         self.backup_skip = backup_skip
@@ -308,6 +318,24 @@ class HiCacheController:
         finally:
             self._backups_done.append(op)
 
+    def _guarded(self, what: str, call):
+        """``call()`` under the breaker: its result, or None when the breaker refused it or it raised (a
+        raise is logged and counted). The outcome (errors the backend counted, latency) is recorded."""
+        if not self.health.allow():
+            return None
+        errors = self.backend.get_stats().get("errors", 0)
+        began = time.perf_counter()
+        try:
+            result = call()
+        except Exception as exc:
+            logger.exception("L3 %s failed", what)
+            self.stats.add(storage_errors=1)
+            self.health.record(False, time.perf_counter() - began, f"{what}: {exc}")
+            return None
+        failed = self.backend.get_stats().get("errors", 0) > errors
+        self.health.record(not failed, time.perf_counter() - began, f"{what}: the backend counted an error")
+        return result
+
     def _write_pages(self, op: BackupOperation) -> None:
         P = self.page_size
         info = HiCacheStorageExtraInfo(prefix_keys=op.prefix_keys) if op.prefix_keys is not None else None
@@ -315,15 +343,16 @@ class HiCacheController:
             keys = op.hash_value[start : start + STORAGE_BATCH_SIZE]
             slots = op.host_indices[start * P : (start + len(keys)) * P]
             began = time.perf_counter()
-            try:
+
+            def write(keys=keys, slots=slots):
                 if self.backend.supports_v1:
-                    results = self.backend.batch_set_v1(keys, slots, info)
-                else:
-                    pages = [self.host_pool.get_flat_data_page(int(s)) for s in slots[::P].tolist()]
-                    results = [self.backend.batch_set(keys, pages)] * len(keys)
-            except Exception:
-                logger.exception("L3 backup batch failed")
-                self.stats.add(storage_errors=1)
+                    return self.backend.batch_set_v1(keys, slots, info)
+                pages = [self.host_pool.get_flat_data_page(int(s)) for s in slots[::P].tolist()]
+                return [self.backend.batch_set(keys, pages)] * len(keys)
+
+            results = self._guarded("backup", write)
+            if results is None:  # breaker open (dropped, counted) or the call raised
+                self.health.drop_backup(len(op.hash_value) - start)
                 return
             ok = _leading_true(results)
             op.completed_tokens += ok * P
@@ -365,16 +394,12 @@ class HiCacheController:
     def _query_hits(self, op: PrefetchOperation, hashes: list[str]) -> int:
         info = HiCacheStorageExtraInfo(prefix_keys=op.prefix_keys) if op.prefix_keys is not None else None
         hit = 0
-        try:
-            for start in range(0, len(hashes), STORAGE_BATCH_SIZE):
-                batch = hashes[start : start + STORAGE_BATCH_SIZE]
-                found = self.backend.batch_exists(batch, info)
-                hit += found
-                if found < len(batch):
-                    break
-        except Exception:
-            logger.exception("L3 hit query failed")
-            self.stats.add(storage_errors=1)
+        for start in range(0, len(hashes), STORAGE_BATCH_SIZE):
+            batch = hashes[start : start + STORAGE_BATCH_SIZE]
+            found = self._guarded("hit query", lambda batch=batch: self.backend.batch_exists(batch, info))
+            hit += found or 0
+            if not found or found < len(batch):
+                break
         return hit
 
     def _read_pages(self, op: PrefetchOperation, keys: list[str], slots: torch.Tensor) -> None:
@@ -384,15 +409,13 @@ class HiCacheController:
             batch = keys[start : start + STORAGE_BATCH_SIZE]
             batch_slots = slots[start * P : (start + len(batch)) * P]
             began = time.perf_counter()
-            try:
+
+            def read(batch=batch, batch_slots=batch_slots):
                 if self.backend.supports_v1:
-                    results = self.backend.batch_get_v1(batch, batch_slots, info)
-                else:
-                    results = self._read_generic(batch, batch_slots)
-            except Exception:
-                logger.exception("L3 read batch failed")
-                self.stats.add(storage_errors=1)
-                results = []
+                    return self.backend.batch_get_v1(batch, batch_slots, info)
+                return self._read_generic(batch, batch_slots)
+
+            results = self._guarded("read", read) or []
             ok = _leading_true(results)
             self.stats.add(bytes_l3_read=ok * self.host_pool.page_bytes)
             self._observe_batch("prefetch", len(batch), ok, time.perf_counter() - began)

@@ -102,9 +102,11 @@ class MooncakeMaster:
         """URL of the HTTP metadata server (the ``metadata_server`` extra-config key)."""
         return f"http://{HOST}:{self.http_port}/metadata"
 
-    def start(self, timeout: float = 20.0, attempts: int = 3) -> MooncakeMaster:
+    def start(self, timeout: float = 20.0, attempts: int = 3, same_ports: bool = False) -> MooncakeMaster:
+        """Start the master (on free ports, or the previous run's with ``same_ports``: a restart)."""
         for _ in range(attempts):
-            self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+            if not same_ports:
+                self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
             cmd = [
                 find_master_binary(),
                 f"-rpc_port={self.rpc_port}",

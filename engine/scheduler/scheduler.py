@@ -610,6 +610,7 @@ class Scheduler:
             "inflight_cache_io": dict(cache.inflight_io()),
             "is_idle": self.is_idle(),
             "hicache": status,
+            "storage_health": cache.storage_health() if self.hierarchical else None,
             "cache_stats": cache.stats.snapshot(),
             "num_used_tokens": self.pool.size
             - cache.device_allocator.available_size()

@@ -15,6 +15,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from engine.cache.storage.health import STATES as BREAKER_STATES
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
 ITL_BUCKETS = (
     0.002,
@@ -197,7 +199,33 @@ class _StateCollector:
         )
         errors.add_metric(name, stats.get("storage_errors", 0) + stats.get("backend_errors", 0))
         yield errors
+        if state.get("storage_health"):
+            yield from _breaker(m.model_name, state["storage_health"])
         yield from _histograms(m.model_name, stats.get("histograms", []))
+
+
+def _breaker(model_name: str, health: dict):
+    """The L3 circuit breaker's state (0 closed, 1 half-open, 2 open), transitions and what it saved."""
+    labels, values = ["model_name", "storage_backend"], [model_name, health["storage_backend"]]
+    state = GaugeMetricFamily(
+        "sglang:hicache_storage_breaker_state", "L3 breaker: 0 closed, 1 half-open, 2 open", labels=labels
+    )
+    state.add_metric(values, BREAKER_STATES.index(health["state"]))
+    yield state
+    moves = CounterMetricFamily(
+        "sglang:hicache_storage_breaker_transitions", "L3 breaker state changes", labels=[*labels, "state"]
+    )
+    for to, count in health["transitions"].items():
+        moves.add_metric([*values, to], count)
+    yield moves
+    for metric, key, doc in (
+        ("hicache_storage_breaker_short_circuited", "short_circuited", "L3 calls skipped (breaker open)"),
+        ("hicache_storage_dropped_backup_pages", "dropped_backup_pages", "L3 backups dropped (breaker)"),
+        ("hicache_storage_breaker_failed_calls", "failed_calls", "L3 calls failed or too slow"),
+    ):
+        c = CounterMetricFamily(f"sglang:{metric}", doc, labels=labels)
+        c.add_metric(values, health[key])
+        yield c
 
 
 def _histograms(model_name: str, observed: list[dict]):

@@ -13,6 +13,7 @@ from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
 from engine.cache.keys import page_hashes
 from engine.fleet.mooncake_master import MooncakeMaster
+from engine.server.metrics import EngineMetrics
 
 pytestmark = pytest.mark.slow
 
@@ -130,6 +131,45 @@ def test_a_page_corrupted_in_the_store_ends_the_prefetch_with_correct_kv_before_
     finally:
         a.close()
         b.close()
+
+
+def test_breaker_opens_on_a_killed_master_and_closes_after_its_restart(master):
+    a = new_cache(master)
+    metrics = EngineMetrics("m", lambda: {"storage_health": a.storage_health()})
+    try:
+        serve_fresh(a, PREFIX)
+        a.reset()
+        master.kill()
+        for i in range(3):  # breaker_failures (3) failed hit queries in a row open it
+            assert prefetch(a, PREFIX, f"dead{i}") == 0
+        assert a.storage_health()["state"] == "open"
+        started = time.monotonic()
+        assert prefetch(a, PREFIX, "open") == 0  # a miss at once: no store call
+        assert time.monotonic() - started < 0.5
+        serve_fresh(a, list(range(300, 332)))  # its backup is dropped and counted
+        health = a.storage_health()
+        assert health["short_circuited"] >= 1 and health["dropped_backup_pages"] == 32 // PAGE
+        text = metrics.render().decode()
+        assert 'sglang:hicache_storage_breaker_state{model_name="m",storage_backend="mooncake"} 2.0' in text
+
+        master.start(same_ports=True)  # a restarted master: its pages are gone, the client re-mounts
+        deadline = time.monotonic() + 90
+        while True:  # traffic: serve, back up, look up again until L3 hits return
+            assert time.monotonic() < deadline, a.storage_health()
+            a.reset()
+            serve_fresh(a, PREFIX)
+            a.reset()
+            if prefetch(a, PREFIX, f"back{time.monotonic()}") == len(PREFIX):
+                break
+            time.sleep(0.5)
+        assert_device_kv(a, PREFIX)
+        health = a.storage_health()
+        assert health["state"] == "closed" and health["transitions"]["half_open"] >= 1
+        text = metrics.render().decode()
+        assert 'sglang:hicache_storage_breaker_state{model_name="m",storage_backend="mooncake"} 0.0' in text
+        assert 'breaker_transitions_total{model_name="m",state="closed",storage_backend="mooncake"}' in text
+    finally:
+        a.close()
 
 
 def test_killed_master_gives_misses_and_counted_errors(master):

@@ -1,0 +1,52 @@
+"""The L3 circuit breaker: failures in a row and slow calls open it, an open breaker refuses calls until its
+window ends, then one probe decides (success closes, failure reopens for twice as long)."""
+
+from engine.cache.storage.health import BreakerSettings, StorageHealth
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_failures_in_a_row_open_then_a_probe_closes():
+    clock = Clock()
+    health = StorageHealth(BreakerSettings(failures=2, latency_s=1.0, open_s=1.0), clock=clock)
+    assert health.allow()
+    health.record(False, 0.01)
+    health.record(True, 0.01)  # a success resets the run
+    health.record(False, 0.01)
+    assert health.state == "closed"
+    health.record(False, 0.01, "exists: rc=-900")
+    assert health.state == "open" and not health.allow()
+    clock.now += 1.0
+    assert health.allow() and health.state == "half_open"
+    assert not health.allow()  # one probe at a time
+    health.record(True, 0.01)
+    snap = health.snapshot()
+    assert snap.state == "closed" and snap.transitions == {"closed": 1, "half_open": 1, "open": 1}
+    assert snap.short_circuited == 2 and snap.last_failure == "exists: rc=-900"
+
+
+def test_slow_calls_count_as_failures_and_a_failed_probe_doubles_the_window():
+    clock = Clock()
+    health = StorageHealth(BreakerSettings(failures=1, latency_s=0.5, open_s=1.0), clock=clock)
+    health.record(True, 0.6)  # slower than latency_s
+    assert health.state == "open" and "took 0.60 s" in health.snapshot().last_failure
+    clock.now += 1.0
+    assert health.allow()
+    health.record(False, 0.01)
+    clock.now += 1.5
+    assert not health.allow(), "reopened for 2 s"
+    clock.now += 0.5
+    assert health.allow()
+
+
+def test_dropped_backups_are_counted():
+    health = StorageHealth()
+    health.drop_backup(3)
+    health.drop_backup(2)
+    assert health.snapshot().dropped_backup_pages == 5
