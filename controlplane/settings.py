@@ -5,7 +5,8 @@ CSRF_TRUSTED_ORIGINS (comma list), DATABASE_URL (default SQLite under var/), RED
 redis://127.0.0.1:6379/0), HTTPS (0/1; default the inverse of DEBUG: SSL redirect, secure cookies and HSTS),
 FIELD_ENCRYPTION_KEY (Fernet key for worker admin keys; default derived from SECRET_KEY), TOKEN_PEPPER (HMAC
 key of API token digests; default from SECRET_KEY), CELERY_QUEUE, REDIS_KEY_PREFIX,
-TELEMETRY_SCRAPE_INTERVAL_S.
+TELEMETRY_SCRAPE_INTERVAL_S, DB_POOL_MIN_SIZE / DB_POOL_MAX_SIZE / DB_POOL_TIMEOUT_S (PostgreSQL connection
+pool per process), INGEST_WORKER_CACHE_S, HEARTBEAT_DB_REFRESH_S.
 """
 
 import math
@@ -108,9 +109,27 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     }
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test_controlplane_{os.getpid()}.sqlite3")}
 
-# Persistent connections: Celery workers and the ASGI threads reuse them across tasks and requests.
-DATABASES["default"]["CONN_MAX_AGE"] = int(os.environ.get("CONN_MAX_AGE", "60"))
-DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# PostgreSQL: a bounded connection pool per process (psycopg_pool through Django's native "pool" option).
+# A request or task borrows a connection for as long as it runs and returns it at its end; at most
+# DB_POOL_MAX_SIZE are open per process, and a caller that finds all of them busy waits up to
+# DB_POOL_TIMEOUT_S for one, then gets 503 database_unavailable (never a new connection past the bound).
+# Size the server for it: max_connections >= processes x DB_POOL_MAX_SIZE + headroom (docs/deployment.md).
+# SQLite (no server) keeps Django's persistent connections.
+DB_POOL_MIN_SIZE = int(os.environ.get("DB_POOL_MIN_SIZE", "1"))
+DB_POOL_MAX_SIZE = int(os.environ.get("DB_POOL_MAX_SIZE", "10"))
+DB_POOL_TIMEOUT_S = float(os.environ.get("DB_POOL_TIMEOUT_S", "10"))
+if DATABASES["default"]["ENGINE"].endswith("postgresql") and DB_POOL_MAX_SIZE > 0:
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": min(DB_POOL_MIN_SIZE, DB_POOL_MAX_SIZE),
+        "max_size": DB_POOL_MAX_SIZE,
+        "timeout": DB_POOL_TIMEOUT_S,
+        "max_idle": 300,
+    }
+    DATABASES["default"]["CONN_MAX_AGE"] = 0  # the pool keeps connections; Django must not
+else:
+    # Persistent connections: Celery workers and the ASGI threads reuse them across tasks and requests.
+    DATABASES["default"]["CONN_MAX_AGE"] = int(os.environ.get("CONN_MAX_AGE", "60"))
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True  # with the pool: a connection is checked when borrowed
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_PASSWORD_VALIDATORS = [
@@ -162,6 +181,11 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 TELEMETRY_SCRAPE_INTERVAL_S = float(os.environ.get("TELEMETRY_SCRAPE_INTERVAL_S", "5"))
+# Agent traffic and the database: a metrics sample reads no row (a worker's id and host are cached per process
+# this long), a heartbeat writes only what changed, and refreshes a host's or worker's last_seen only once
+# the stored one is this old (the live time is the heartbeat itself; an offline worker is written at once).
+INGEST_WORKER_CACHE_S = float(os.environ.get("INGEST_WORKER_CACHE_S", "30"))
+HEARTBEAT_DB_REFRESH_S = float(os.environ.get("HEARTBEAT_DB_REFRESH_S", "30"))
 PLANNER_INTERVAL_S = float(os.environ.get("PLANNER_INTERVAL_S", "15"))  # P:D planner evaluations
 CELERY_BEAT_SCHEDULE = {
     "telemetry-scrape": {"task": "telemetry.scrape_all", "schedule": TELEMETRY_SCRAPE_INTERVAL_S},

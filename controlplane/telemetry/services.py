@@ -5,9 +5,11 @@ scheduled (Celery, countdown = time left) and sends the newest state when the wi
 """
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from django.conf import settings
 from django.utils import timezone
 
 from controlplane.core.broadcast import emit
@@ -55,6 +57,37 @@ def ingest_worker(
     return worker
 
 
+_identity_cache: dict[tuple, tuple[float, int, str | None]] = {}
+_identity_lock = threading.Lock()
+
+
+def ingest_worker_id(
+    *, worker_id: int | None = None, worker_url: str | None = None, bound_host: str | None = None
+) -> int:
+    """:func:`ingest_worker` for the metrics path, without a database read per sample: a worker's id and
+    host are cached in this process for ``INGEST_WORKER_CACHE_S`` once looked up (a worker deleted or moved
+    to another host is seen that much later; an unknown one is looked up every time). Same errors."""
+    key = ("id", worker_id) if worker_id is not None else ("url", worker_url.rstrip("/"))
+    now = time.monotonic()
+    with _identity_lock:
+        hit = _identity_cache.get(key)
+    if hit is None or hit[0] < now or (bound_host is not None and hit[2] != bound_host):
+        # a miss, an old entry, or another host than cached: read the row (raises unknown_worker/wrong_host)
+        worker = ingest_worker(worker_id=worker_id, worker_url=worker_url, bound_host=bound_host)
+        hit = (now + settings.INGEST_WORKER_CACHE_S, worker.pk, worker.host.name if worker.host else None)
+        with _identity_lock:
+            if len(_identity_cache) > 100_000:
+                _identity_cache.clear()
+            _identity_cache[key] = hit
+    return hit[1]
+
+
+def ingest_cache_clear() -> None:
+    """Forget every cached worker identity (tests whose ids repeat across databases)."""
+    with _identity_lock:
+        _identity_cache.clear()
+
+
 def _sample_time(ts: float | None, now: float) -> float:
     if ts is None:
         return now
@@ -68,9 +101,9 @@ def _sample_time(ts: float | None, now: float) -> float:
 
 
 def metrics_ingest(
-    *, worker: EngineWorker, text: str | None = None, metrics: dict | None = None, ts: float | None = None
+    *, worker_id: int, text: str | None = None, metrics: dict | None = None, ts: float | None = None
 ) -> dict:
-    """Store one sample for `worker` from Prometheus `text` or a flat `metrics` dict; broadcast it.
+    """Store one sample for worker `worker_id` from Prometheus `text` or a flat `metrics` dict; broadcast it.
 
     ``ts`` is when the sample was taken (Unix seconds, default now): samples an agent buffered through an
     outage keep their own time, and rates use the interval between sample times.
@@ -92,11 +125,11 @@ def metrics_ingest(
     else:
         raise ApplicationError("send either text or metrics", code="bad_metrics")
     now = _sample_time(ts, time.time())
-    prev = store.latest(worker.pk)
+    prev = store.latest(worker_id)
     interval = now - prev["ts"] if prev and now > prev["ts"] else 0.0
-    sample = {"ts": now, "worker_id": worker.pk, **with_rates(snap, prev, interval)}
-    store.save_sample(worker.pk, sample)
-    publish(worker_group(worker.pk))
+    sample = {"ts": now, "worker_id": worker_id, **with_rates(snap, prev, interval)}
+    store.save_sample(worker_id, sample)
+    publish(worker_group(worker_id))
     publish(FLEET_GROUP)
     return sample
 
@@ -150,7 +183,7 @@ def scrape_all() -> int:
             EngineWorker.objects.filter(pk=worker.pk).update(state=WorkerState.OFFLINE)
             continue
         try:
-            metrics_ingest(worker=worker, text=text)
+            metrics_ingest(worker_id=worker.pk, text=text)
         except ApplicationError as exc:
             log.warning("scrape %s: %s", worker.name, exc.message)
             continue

@@ -223,6 +223,9 @@ def _fresh_telemetry_keys():
     planner keys of this run."""
     import redis
 
+    from controlplane.telemetry.services import ingest_cache_clear
+
+    ingest_cache_clear()  # worker ids repeat across tests' databases
     client = redis.Redis.from_url(TEST_REDIS_URL)
     for pattern in (f"{TEST_PREFIX}:tm:*", f"{TEST_PREFIX}:plan:*"):
         for key in client.scan_iter(pattern, count=1000):

@@ -39,3 +39,16 @@ def test_secret_key_from_the_environment_and_dev_default_only_with_debug():
         "True",
         "dev-only-insecure-key-set-SECRET_KEY-in-production",
     ]
+
+
+def test_postgresql_gets_a_bounded_pool_sized_by_the_environment():
+    show = "from controlplane.settings import DATABASES\nd = DATABASES['default']\n"
+    show += "print(d['CONN_MAX_AGE'], d['OPTIONS'])"
+    env = {"SECRET_KEY": "k" * 50, "DATABASE_URL": "postgres://u@db:5432/kv", "DB_POOL_MAX_SIZE": "7"}
+    clean = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DB_POOL_MIN_SIZE")}
+    env = {**clean, "PYTHONPATH": str(REPO), **env}
+    done = subprocess.run([sys.executable, "-c", show], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "0 {'pool': {'min_size': 1, 'max_size': 7, 'timeout': 10.0, 'max_idle': 300}}"
+    )

@@ -157,7 +157,7 @@ async def test_ingest_reaches_a_subscribed_websocket(personas):
     assert reply["type"] == "control.subscribed" and reply["data"]["joined"] == sorted(
         [f"worker.{worker.pk}", "fleet"]
     )
-    await database_sync_to_async(metrics_ingest)(worker=worker, metrics={"num_queue_reqs": 7})
+    await database_sync_to_async(metrics_ingest)(worker_id=worker.pk, metrics={"num_queue_reqs": 7})
     got = {}
     for _ in range(2):
         message = await communicator.receive_json_from(timeout=WS_WAIT_S)
@@ -180,7 +180,7 @@ async def test_broadcast_is_throttled_to_one_per_second_and_coalesced(personas, 
     await communicator.receive_json_from(timeout=WS_WAIT_S)
     started = time.monotonic()
     for value in range(10):
-        await database_sync_to_async(metrics_ingest)(worker=worker, metrics={"num_running_reqs": value})
+        await database_sync_to_async(metrics_ingest)(worker_id=worker.pk, metrics={"num_running_reqs": value})
     ingest_s = time.monotonic() - started  # ~ms; seconds on a loaded box, where a window reopens in between
     values = [(await communicator.receive_json_from(timeout=WS_WAIT_S))["data"]["num_running_reqs"]]
     while values[-1] != 9:  # the trailing flush sends the newest sample

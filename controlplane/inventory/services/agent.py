@@ -1,6 +1,9 @@
 """What a host's agent writes: register (host, GPUs, workers; one audit record per call) and heartbeat
 (liveness, roles, role-request acknowledgements). An agent token bound to a host writes only that host."""
 
+from datetime import timedelta
+
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -12,6 +15,7 @@ from controlplane.inventory.services.live_state import storage_profile_matching
 from controlplane.inventory.services.roles import worker_role_observed
 
 _HOST_FIELDS = ("address", "agent_version", "cpu_count", "memory_bytes")
+_HEARTBEAT_ROLE_FIELDS = ("role", "desired_role", "role_request_seq", "role_seen_seq", "role_applied_seq")
 _WORKER_FIELDS = ("name", "url", "role", "model_name", "tp_size", "dp_size", "page_size")
 
 
@@ -122,27 +126,58 @@ def agent_heartbeat(
     ``seen`` at or past a withdrawal's generation means no older request will still be carried out. Workers
     of other hosts are never touched. ``bound_host``: as in :func:`agent_register` (403 ``wrong_host``).
 
-    Liveness itself writes no audit row. Returns {workers_seen, restart, request_seq}: ``restart`` lists the
+    Liveness itself writes no audit row, and only what changed is written: a worker's state when it
+    changes, ``last_seen`` of the host and of each live worker once the stored one is older than
+    ``HEARTBEAT_DB_REFRESH_S`` (so the steady state of a fleet reads two rows per heartbeat and writes none),
+    role acks when they move. Returns {workers_seen, restart, request_seq}: ``restart`` lists the
     host's workers with a ``desired_role`` they do not run yet ({worker_url, role, seq}), for the agent to
     restart; ``request_seq`` maps each of its workers that ever had a request to its ``role_request_seq``
     (the generation the agent acknowledges as seen once it has processed this answer).
     """
     _check_scope(host_name, bound_host)
     now = timezone.now()
-    if not Host.objects.filter(name=host_name).update(last_seen=now):
+    stale = now - timedelta(seconds=settings.HEARTBEAT_DB_REFRESH_S)
+    host = Host.objects.filter(name=host_name).values("pk", "last_seen").first()
+    if host is None:
         raise ApplicationError(
             f"unknown host {host_name!r}: register first", code="unknown_host", status_code=404
         )
-    mine = EngineWorker.objects.filter(host__name=host_name)
-    mine.filter(url__in=offline_urls).exclude(url__in=worker_urls).update(state=WorkerState.OFFLINE)
-    seen = mine.filter(url__in=worker_urls).update(last_seen=now, state=WorkerState.ONLINE)
+    if host["last_seen"] is None or host["last_seen"] < stale:
+        Host.objects.filter(pk=host["pk"]).update(last_seen=now)
+    mine = EngineWorker.objects.filter(host_id=host["pk"])
+    rows = {w["url"]: w for w in mine.values("pk", "url", "state", "last_seen", *_HEARTBEAT_ROLE_FIELDS)}
+    live = set(worker_urls) & set(rows)
+    went_off = [
+        rows[u]["pk"] for u in set(offline_urls) - live if u in rows and rows[u]["state"] != "offline"
+    ]
+    if went_off:
+        EngineWorker.objects.filter(pk__in=went_off).update(state=WorkerState.OFFLINE)
+    refresh = [
+        rows[u]["pk"]
+        for u in live
+        if rows[u]["state"] != WorkerState.ONLINE
+        or rows[u]["last_seen"] is None
+        or rows[u]["last_seen"] < stale
+    ]
+    if refresh:
+        EngineWorker.objects.filter(pk__in=refresh).update(last_seen=now, state=WorkerState.ONLINE)
     for url, ack in (role_acks or {}).items():
-        mine.filter(url=url).update(role_seen_seq=ack["seen"], role_applied_seq=ack["applied"])
-    for worker in mine.filter(url__in=list(roles or {})):
-        worker_role_observed(worker=worker, role=roles[worker.url], actor=actor)
+        row = rows.get(url)
+        if row and (row["role_seen_seq"], row["role_applied_seq"]) != (ack["seen"], ack["applied"]):
+            mine.filter(pk=row["pk"]).update(role_seen_seq=ack["seen"], role_applied_seq=ack["applied"])
+            row["role_seen_seq"], row["role_applied_seq"] = ack["seen"], ack["applied"]
+    for url, role in (roles or {}).items():
+        row = rows.get(url)
+        if row and (row["role"] != role or row["desired_role"] == role):
+            worker = mine.get(pk=row["pk"])
+            worker_role_observed(worker=worker, role=role, actor=actor)
+            row.update(role=worker.role, desired_role=worker.desired_role)
     restart, request_seq = [], {}
-    for w in mine.filter(role_request_seq__gt=0):
-        request_seq[w.url] = w.role_request_seq
-        if w.desired_role and w.desired_role != w.role:
-            restart.append({"worker_url": w.url, "role": w.desired_role, "seq": w.role_request_seq})
+    for url, w in rows.items():
+        if w["role_request_seq"] <= 0:
+            continue
+        request_seq[url] = w["role_request_seq"]
+        if w["desired_role"] and w["desired_role"] != w["role"]:
+            restart.append({"worker_url": url, "role": w["desired_role"], "seq": w["role_request_seq"]})
+    seen = len(live)
     return {"workers_seen": seen, "restart": restart, "request_seq": request_seq}

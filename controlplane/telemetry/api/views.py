@@ -1,5 +1,6 @@
 """Telemetry endpoints: agent ingest, one worker's live metrics, the fleet summary."""
 
+from django.db import connection
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, OpenApiTypes, extend_schema
 from rest_framework import status
@@ -27,13 +28,17 @@ class MetricsIngestApi(APIView):
         body = MetricsIngestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         data = body.validated_data
-        worker = services.ingest_worker(
+        worker_id = services.ingest_worker_id(
             worker_id=data.get("worker"),
             worker_url=data.get("worker_url"),
             bound_host=agent_host_scope(request.user, request.auth),
         )
+        # Nothing below reads the database: hand the connection back to the pool now rather than hold it
+        # through the parse and the Redis writes (under load, more requests than pooled connections run).
+        if not connection.in_atomic_block:
+            connection.close()
         sample = services.metrics_ingest(
-            worker=worker, text=data.get("text"), metrics=data.get("metrics"), ts=data.get("ts")
+            worker_id=worker_id, text=data.get("text"), metrics=data.get("metrics"), ts=data.get("ts")
         )
         return Response(sample, status=status.HTTP_202_ACCEPTED)
 

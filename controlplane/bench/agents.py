@@ -1,0 +1,440 @@
+"""Fleet-scale load on the control plane: simulated agents, REST clients and a websocket watcher against real
+daphne, PostgreSQL, Redis and a Celery worker.
+
+    python -m controlplane.bench.agents [--agents 1000] [--workers-per-agent 8] [--duration 300]
+        [--rest-clients 64] [--processes 1,2] [--heartbeat-s 5] [--metrics-s 3]
+        [--postgres-server postgres://postgres@127.0.0.1:5432/postgres] [--pool-max-size 10] [--json FILE]
+
+Each simulated agent does what ``kvfleet-agent`` does at its default intervals: registers its host and its
+workers, heartbeats every ``--heartbeat-s`` (5 s) and pushes each worker's Prometheus text every
+``--metrics-s`` (3 s, one POST per worker, one after the other), every request with its own host-bound agent
+token. REST clients (viewer token) each GET a worker page, the fleet summary or the host list, one request a
+second. One websocket (viewer token) subscribes to the fleet group and up to 299 worker groups; its lag is
+the time from a sample's scrape time (the ``ts`` its agent sent) to its ``worker.metrics`` message.
+
+For each process count N in ``--processes``: a throwaway database on the PostgreSQL server, N daphne processes
+(each with a connection pool of ``--pool-max-size``) on their own ports, agents and clients spread over them
+round-robin as a load balancer in front would; the peak of the database's connections is sampled every
+second. Prints, per N: requests, errors, ingest p50/p99, heartbeat p99, REST p99, websocket lag p50/p95 and
+the peak connections; then each N's figures as a ratio to the first. Exit status 1 on any error.
+Uses Redis DB 14 with a random key prefix and queue: no real data is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WS_MAX_WORKER_GROUPS = 299  # the consumer's MAX_GROUPS (300) less the fleet group
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def metrics_text(step: int, worker: int) -> str:
+    """One worker's /metrics as the engine writes it (the families the control plane reads), counters
+    growing with ``step``."""
+    tokens = 1000 * step + worker
+    lines = [
+        f'sglang:num_running_reqs{{model_name="m"}} {step % 4}',
+        f'sglang:num_queue_reqs{{model_name="m"}} {step % 2}',
+        f'sglang:cache_hit_rate{{model_name="m"}} {0.5 + (step % 5) / 10}',
+        'sglang:max_total_num_tokens{model_name="m"} 16384',
+        f'sglang:num_used_tokens{{model_name="m"}} {512 * (step % 8)}',
+        f'sglang:hicache_host_used_tokens{{model_name="m"}} {256 * (step % 16)}',
+        'sglang:hicache_host_total_tokens{model_name="m"} 32768',
+        f'sglang:prompt_tokens_total{{model_name="m"}} {tokens}',
+        f'sglang:generation_tokens_total{{model_name="m"}} {tokens // 4}',
+        f'sglang:num_requests_total{{model_name="m"}} {step * 3}',
+    ]
+    for tier, share in (("device", 3), ("host", 2), ("storage", 1)):
+        lines.append(f'sglang:cached_tokens_total{{cache_source="{tier}",model_name="m"}} {tokens * share}')
+    for family in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
+        count = 0
+        for bound in ("0.01", "0.05", "0.1", "0.5", "1.0", "5.0", "+Inf"):
+            count += step
+            lines.append(f'sglang:{family}_bucket{{le="{bound}",model_name="m"}} {count}')
+        lines.append(f'sglang:{family}_sum{{model_name="m"}} {step * 0.7}')
+        lines.append(f'sglang:{family}_count{{model_name="m"}} {count}')
+    return "\n".join(lines) + "\n"
+
+
+class Stats:
+    def __init__(self):
+        self.latency: dict[str, list[float]] = {}
+        self.errors: dict[str, int] = {}
+        self.error_samples: list[str] = []
+        self.lag: list[float] = []
+
+    def record(self, kind: str, seconds: float, ok: bool, why: str = "") -> None:
+        self.latency.setdefault(kind, []).append(seconds)
+        if not ok:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+            if len(self.error_samples) < 10:
+                self.error_samples.append(f"{kind}: {why}"[:300])
+
+
+async def _call(session, stats: Stats, kind: str, method: str, url: str, token: str, body=None):
+    import aiohttp
+
+    started = time.monotonic()
+    try:
+        async with session.request(
+            method, url, json=body, headers={"Authorization": f"Bearer {token}"},
+            timeout=aiohttp.ClientTimeout(total=30),
+        ) as response:  # fmt: skip
+            text = await response.text()
+            ok = response.status < 400
+            stats.record(kind, time.monotonic() - started, ok, f"HTTP {response.status} {text[:200]}")
+            return json.loads(text) if ok and text else None
+    except Exception as exc:  # noqa: BLE001 - counted as an error of this kind
+        stats.record(kind, time.monotonic() - started, False, repr(exc))
+        return None
+
+
+async def agent(session, stats: Stats, base: str, token: str, host: str, n_workers: int, args, stop):
+    urls = [f"http://{host}.bench:{30000 + i}" for i in range(n_workers)]
+    workers = [
+        {"name": f"{host}-w{i}", "url": u, "role": "mixed", "page_size": 16} for i, u in enumerate(urls)
+    ]
+    await asyncio.sleep(random.uniform(0, args.metrics_s))  # agents start spread over one interval
+    body = {"host": {"name": host, "address": "10.0.0.1", "cpu_count": 64}, "workers": workers}
+    while (
+        await _call(session, stats, "register", "POST", f"{base}/api/v1/agent/register/", token, body) is None
+    ):
+        if stop.is_set():
+            return
+        await asyncio.sleep(1)
+    next_beat, step = 0.0, 0
+    while not stop.is_set():
+        now = time.monotonic()
+        if now >= next_beat:
+            beat = {"host": host, "workers": urls, "roles": dict.fromkeys(urls, "mixed")}
+            await _call(session, stats, "heartbeat", "POST", f"{base}/api/v1/agent/heartbeat/", token, beat)
+            next_beat = now + args.heartbeat_s
+        step += 1
+        for i, url in enumerate(urls):
+            sample = {"worker_url": url, "text": metrics_text(step, i), "ts": time.time()}
+            await _call(session, stats, "ingest", "POST", f"{base}/api/v1/agent/metrics/", token, sample)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(0.0, args.metrics_s - (time.monotonic() - now)))
+
+
+async def rest_client(session, stats: Stats, bases: list[str], token: str, worker_ids: list[int], stop):
+    await asyncio.sleep(random.uniform(0, 1))
+    while not stop.is_set():
+        base = random.choice(bases)
+        path = random.choice(
+            [
+                f"/api/v1/inventory/workers/{random.choice(worker_ids)}/",
+                f"/api/v1/telemetry/workers/{random.choice(worker_ids)}/?history=60",
+                "/api/v1/inventory/hosts/?limit=50",
+                "/api/v1/telemetry/fleet/",
+            ]
+        )
+        await _call(session, stats, "rest", "GET", base + path, token)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+
+
+async def ws_watcher(session, stats: Stats, base: str, token: str, worker_ids: list[int], stop, ready):
+    ws_url = base.replace("http://", "ws://") + f"/ws/v1/events/?token={token}"
+    groups = ["fleet"] + [f"worker.{w}" for w in worker_ids[:WS_MAX_WORKER_GROUPS]]
+    async with session.ws_connect(ws_url, heartbeat=20) as ws:
+        await ws.send_json({"action": "subscribe", "groups": groups})
+        assert (await ws.receive_json())["type"] == "control.subscribed"
+        ready.set()
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                msg = await ws.receive_json(timeout=1.0)
+                if msg.get("type") == "worker.metrics":
+                    stats.lag.append(time.time() - float(msg["data"]["ts"]))
+
+
+async def drive(bases: list[str], tokens: list[tuple[str, str]], viewer: str, args) -> Stats:
+    import aiohttp
+
+    stats, stop, ready = Stats(), asyncio.Event(), asyncio.Event()
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        tasks = [
+            asyncio.create_task(
+                agent(session, stats, bases[i % len(bases)], tok, host, args.workers_per_agent, args, stop)
+            )
+            for i, (host, tok) in enumerate(tokens)
+        ]
+        # Watch and query once every agent has registered its workers.
+        deadline = time.monotonic() + args.metrics_s + 60
+        while len(stats.latency.get("register", [])) - stats.errors.get("register", 0) < len(tokens):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        worker_ids = await _worker_ids(session, bases[0], viewer)
+        watcher = asyncio.create_task(ws_watcher(session, stats, bases[-1], viewer, worker_ids, stop, ready))
+        await asyncio.wait_for(ready.wait(), 30)
+        for kind in list(stats.latency):  # latencies of the steady state only; errors of the whole run
+            stats.latency[kind] = []
+        tasks += [
+            asyncio.create_task(rest_client(session, stats, bases, viewer, worker_ids, stop))
+            for _ in range(args.rest_clients)
+        ]
+        await asyncio.sleep(args.duration)
+        stop.set()
+        await asyncio.gather(*tasks, watcher)
+    return stats
+
+
+async def _worker_ids(session, base: str, token: str) -> list[int]:
+    ids, url = [], f"{base}/api/v1/inventory/workers/?limit=500"
+    while url and len(ids) < 5000:
+        async with session.get(url, headers={"Authorization": f"Bearer {token}"}) as response:
+            page = await response.json()
+        ids += [w["id"] for w in page["results"]]
+        url = page.get("next")
+    return ids
+
+
+def _peak_connections(server_url: str, database: str, stop: threading.Event, out: list[int]) -> None:
+    import psycopg
+
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        while not stop.wait(1.0):
+            (count,) = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (database,)
+            ).fetchone()
+            out.append(count)
+
+
+def _server_setting(server_url: str, name: str) -> str:
+    import psycopg
+
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        return conn.execute(f"SHOW {name}").fetchone()[0]
+
+
+def _database(server_url: str, name: str, drop: bool = False) -> str:
+    import psycopg
+
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(
+            f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)' if drop else f'CREATE DATABASE "{name}"'
+        )
+    return server_url.rsplit("/", 1)[0] + f"/{name}"
+
+
+def _seed(env: dict, n_agents: int) -> tuple[list[tuple[str, str]], str]:
+    """Migrate the throwaway database and issue one host-bound agent token per agent and a viewer token
+    (in a child process: this one never holds a Django connection to drop later)."""
+    code = (
+        "import json, django; django.setup()\n"
+        "from django.core.management import call_command; call_command('migrate', verbosity=0)\n"
+        "from django.contrib.auth import get_user_model; from django.contrib.auth.models import Group\n"
+        "from controlplane.accounts.services import token_create\n"
+        "U = get_user_model()\n"
+        "def user(name, role):\n"
+        "    u = U.objects.create_user(name)\n"
+        "    u.groups.add(Group.objects.get_or_create(name=role)[0])\n"
+        "    return u\n"
+        "agent, viewer = user('bench-agent', 'agent'), user('bench-viewer', 'viewer')\n"
+        f"hosts = [f'bench-host-{{i:05d}}' for i in range({n_agents})]\n"
+        "tokens = [(h, token_create(user=agent, name=h, actor=None, host=h)[1]) for h in hosts]\n"
+        "viewer_token = token_create(user=viewer, name='v', actor=None)[1]\n"
+        "print(json.dumps({'agents': tokens, 'viewer': viewer_token}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-2000:])
+    seeded = json.loads(done.stdout.strip().splitlines()[-1])
+    return [tuple(t) for t in seeded["agents"]], seeded["viewer"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_ready(base: str, proc: subprocess.Popen, limit_s: float = 90) -> None:
+    import httpx
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daphne exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise RuntimeError(f"{base} did not answer in {limit_s:.0f} s")
+
+
+def run_once(args, processes: int) -> dict:
+    run = uuid.uuid4().hex[:8]
+    database = f"cp_load_{run}"
+    env = {
+        **os.environ,
+        "DATABASE_URL": _database(args.postgres_server, database),
+        "REDIS_URL": args.redis_url,
+        "REDIS_KEY_PREFIX": f"kvfleet-load-{run}",
+        "CELERY_QUEUE": f"cp-load-{run}",
+        "DB_POOL_MAX_SIZE": str(args.pool_max_size),
+        "DB_POOL_MIN_SIZE": "1",
+        "HTTPS": "0",
+        "DEBUG": "0",
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+        "PYTHONPATH": str(REPO),
+        "LOG_LEVEL": "ERROR",
+    }
+    env.setdefault("SECRET_KEY", "bench-only-secret-key-" + "x" * 40)
+    procs, peaks, stop = [], [], threading.Event()
+    try:
+        tokens, viewer = _seed(env, args.agents)
+        bases = []
+        for _ in range(processes):
+            port = _free_port()
+            daphne = [
+                "daphne",
+                "-v",
+                "0",
+                "-b",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "controlplane.asgi:application",
+            ]
+            procs.append(subprocess.Popen([sys.executable, "-m", *daphne], cwd=REPO, env=env))
+            bases.append(f"http://127.0.0.1:{port}")
+        celery = [
+            "celery",
+            "-A",
+            "controlplane",
+            "worker",
+            "-P",
+            "threads",
+            "-c",
+            "4",
+            "-Q",
+            env["CELERY_QUEUE"],
+        ]
+        celery += ["--without-heartbeat", "--without-mingle", "--without-gossip", "-l", "error"]
+        procs.append(subprocess.Popen([sys.executable, "-m", *celery], cwd=REPO, env=env))
+        for base, proc in zip(bases, procs, strict=False):
+            _wait_ready(base, proc)
+        sampler = threading.Thread(
+            target=_peak_connections, args=(args.postgres_server, database, stop, peaks)
+        )
+        sampler.start()
+        started = time.monotonic()
+        stats = asyncio.run(drive(bases, tokens, viewer, args))
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        with contextlib.suppress(Exception):
+            _database(args.postgres_server, database, drop=True)
+    ingest, beats, rest = (stats.latency.get(k, []) for k in ("ingest", "heartbeat", "rest"))
+    return {
+        "processes": processes,
+        "agents": args.agents,
+        "workers": args.agents * args.workers_per_agent,
+        "duration_s": args.duration,
+        "elapsed_s": round(elapsed, 1),
+        "requests": {k: len(v) for k, v in stats.latency.items()},
+        "errors": sum(stats.errors.values()),
+        "errors_by_kind": stats.errors,
+        "error_samples": stats.error_samples,
+        "ingest_per_s": round(len(ingest) / args.duration, 1),
+        "ingest_p50_s": _pct(ingest, 0.50),
+        "ingest_p99_s": _pct(ingest, 0.99),
+        "heartbeat_p99_s": _pct(beats, 0.99),
+        "rest_p99_s": _pct(rest, 0.99),
+        "ws_messages": len(stats.lag),
+        "ws_lag_p50_s": _pct(stats.lag, 0.50),
+        "ws_lag_p95_s": _pct(stats.lag, 0.95),
+        "peak_db_connections": max(peaks, default=0),
+        "pool_max_size": args.pool_max_size,
+    }
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--workers-per-agent", type=int, default=8)
+    parser.add_argument("--duration", type=float, default=300.0, help="measured seconds, after registration")
+    parser.add_argument("--rest-clients", type=int, default=64)
+    parser.add_argument("--processes", default="1,2", help="daphne process counts to run, comma-separated")
+    parser.add_argument("--heartbeat-s", type=float, default=5.0, help="the agent's heartbeat_interval_s")
+    parser.add_argument("--metrics-s", type=float, default=3.0, help="the agent's metrics_interval_s")
+    parser.add_argument("--postgres-server", default="postgres://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
+    parser.add_argument("--pool-max-size", type=int, default=10, help="DB_POOL_MAX_SIZE of each process")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.processes.split(",") if n.strip()]
+    print(
+        f"{args.agents} agents x {args.workers_per_agent} workers, heartbeat {args.heartbeat_s:g} s, metrics "
+        f"{args.metrics_s:g} s, {args.rest_clients} REST clients, {args.duration:g} s; PostgreSQL "
+        f"max_connections {_server_setting(args.postgres_server, 'max_connections')}, pool "
+        f"{args.pool_max_size} per process; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    results = []
+    for n in counts:
+        result = run_once(args, n)
+        results.append(result)
+        r = {k: _fmt(v) for k, v in result.items()}
+        print(
+            f"{n} ASGI process(es): {sum(result['requests'].values())} requests, {r['errors']} errors; "
+            f"ingest {r['ingest_per_s']}/s p50 {r['ingest_p50_s']} s p99 {r['ingest_p99_s']} s (target < 1 s"
+            f"); heartbeat p99 {r['heartbeat_p99_s']} s; REST p99 {r['rest_p99_s']} s; websocket lag p50 "
+            f"{r['ws_lag_p50_s']} s p95 {r['ws_lag_p95_s']} s (target < 1.5 s, {r['ws_messages']} messages);"
+            f" peak DB connections {r['peak_db_connections']} (bound {n} x {args.pool_max_size} + Celery)",
+            flush=True,
+        )
+        for sample in result["error_samples"]:
+            print(f"  error: {sample}")
+    base = results[0]
+    for result in results[1:]:
+        ratio = {
+            key: (result[key] / base[key] if base[key] and result[key] is not None else None)
+            for key in ("ingest_per_s", "ingest_p99_s", "ws_lag_p95_s", "rest_p99_s")
+        }
+        r = {k: _fmt(v) for k, v in ratio.items()}
+        print(
+            f"{result['processes']} processes / {base['processes']}: ingest rate x{r['ingest_per_s']}, "
+            f"ingest p99 x{r['ingest_p99_s']}, ws lag p95 x{r['ws_lag_p95_s']}, REST p99 x{r['rest_p99_s']}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 1 if any(r["errors"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

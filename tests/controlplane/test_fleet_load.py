@@ -1,0 +1,47 @@
+"""The load script's small variant in the suite: simulated agents (register, heartbeats, every worker's
+metrics at the agent's default intervals), REST clients and a websocket against a real daphne, Celery,
+Redis and PostgreSQL, each process's connection pool smaller than the server's limit: no request fails and
+the database never holds more connections than the pools allow. Skipped when no PostgreSQL answers."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_REDIS_URL = os.environ.get("CONTROLPLANE_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
+PG_SERVER = os.environ.get("CONTROLPLANE_TEST_POSTGRES_SERVER", "postgres://postgres@127.0.0.1:5432/postgres")
+POOL = 3
+
+
+def _max_connections() -> int | None:
+    import psycopg
+
+    try:
+        with psycopg.connect(PG_SERVER, connect_timeout=3, autocommit=True) as conn:
+            return int(conn.execute("SHOW max_connections").fetchone()[0])
+    except psycopg.Error:
+        return None
+
+
+@pytest.mark.slow
+def test_a_small_fleet_under_load_gets_no_errors_within_the_pool_bound(tmp_path):
+    limit = _max_connections()
+    if limit is None:
+        pytest.skip(f"no PostgreSQL at {PG_SERVER}")
+    out = tmp_path / "load.json"
+    argv = [sys.executable, "-m", "controlplane.bench.agents", "--agents", "4", "--duration", "20",
+            "--rest-clients", "4", "--processes", "1", "--pool-max-size", str(POOL),
+            "--postgres-server", PG_SERVER, "--redis-url", TEST_REDIS_URL, "--json", str(out)]  # fmt: skip
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    (result,) = json.loads(out.read_text())
+    assert result["errors"] == 0, result["error_samples"]
+    assert done.returncode == 0
+    # every agent's 8 workers reported at 3 s intervals for 20 s; the websocket saw their samples
+    assert result["requests"]["ingest"] >= 4 * 8 * 3 and result["ws_messages"] > 0
+    # one daphne and one Celery worker, each pooled: never more connections than the two pools
+    assert 0 < result["peak_db_connections"] <= 2 * POOL < limit
