@@ -10,6 +10,8 @@ from controlplane.inventory.selectors import router_breakers
 from controlplane.operations.models import TARGET_MACHINE
 from controlplane.rebalance.models import REBALANCE_MACHINE, STEP_MACHINE
 from controlplane.rebalance.planner.inputs import DEFAULT_SLO
+from controlplane.rebalance.services import slo as soak_slo
+from controlplane.rebalance.services.launch import router_slo
 from controlplane.telemetry import store
 from controlplane.telemetry.metrics import TIERS
 from controlplane.telemetry.selectors import POOLS
@@ -172,14 +174,20 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
 
 def rebalance_page(*, router: Router) -> dict:
     """The facts the rebalance page renders: the router, its prefill / decode counts, and (as page data for
-    the page's module) its PD workers {id, name, role} and the SLOs the planner uses."""
+    the page's module) its PD workers {id, name, role} and the SLOs the planner uses; ``gate_slo``: what a
+    rebalance's soak gate checks when its POST sets no SLO (the router's own SLOs, never the planner's
+    defaults), in words."""
     workers = list(router.workers.filter(role__in=["prefill", "decode"]).values("id", "name", "role"))
     counts = {role: sum(w["role"] == role for w in workers) for role in ("prefill", "decode")}
     slo = {
         "ttft_p90_s": router.slo_ttft_p90_s or DEFAULT_SLO.ttft_p90_s,
         "itl_p90_s": router.slo_itl_p90_s or DEFAULT_SLO.itl_p90_s,
     }
-    return {"router": router, "counts": counts, "page_data": {"workers": workers, "slo": slo}}
+    # a chart's line is the router's SLO, or (where it sets none) the planner's default, which no gate checks
+    labels = {key: "SLO" if getattr(router, f"slo_{key}") else "planner default" for key in slo}
+    gate_slo = soak_slo.describe(router_slo(router))
+    page_data = {"workers": workers, "slo": slo, "slo_labels": labels}
+    return {"router": router, "counts": counts, "gate_slo": gate_slo, "page_data": page_data}
 
 
 def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:

@@ -191,9 +191,8 @@ def test_rebalance_page_renders_the_split_and_gates_write_controls(client, perso
     for name, worker_role in (("p1", "prefill"), ("d1", "decode"), ("d2", "decode")):
         EngineWorkerFactory(name=name, router=router, role=worker_role)
     page = client.get(f"/routers/{router.pk}/rebalance/").content.decode()
-    assert (
-        'data-testid="split">1P:2D' in page and "SLO p90: TTFT 0.4 s · ITL 0.05 s (planner defaults" in page
-    )
+    # the header names the SLO the soak gate checks (the router's own), never the planner's defaults
+    assert 'data-testid="split">1P:2D' in page and 'data-testid="slo">Soak gate: TTFT p90 ≤ 0.4 s<' in page
     assert ('id="start"' in page) is (role == "operator")
     assert ('data-action="abort"' in page) is (role == "operator")
     router_page = client.get(f"/routers/{router.pk}/").content.decode()
@@ -202,7 +201,12 @@ def test_rebalance_page_renders_the_split_and_gates_write_controls(client, perso
     regular = RouterFactory(mode="regular")
     plain = client.get(f"/routers/{regular.pk}/rebalance/").content.decode()
     assert 'data-testid="not-pd"' in plain and "not in PD mode" in plain  # only that: no split, SLO, window
-    assert 'data-testid="split"' not in plain and "SLO p90" not in plain and "Chart time window" not in plain
+    assert (
+        'data-testid="split"' not in plain and "Soak gate" not in plain and "Chart time window" not in plain
+    )
+    unset = RouterFactory(mode="pd")
+    page = client.get(f"/routers/{unset.pk}/rebalance/").content.decode()
+    assert 'data-testid="slo">Soak gate: no SLO set: checked health and errors only<' in page
     assert client.get("/routers/999999/rebalance/").status_code == 404
 
 

@@ -41,19 +41,35 @@ def snapshot(rb: Rebalance) -> dict:
     return total
 
 
+LABELS = {"max_ttft_s": "TTFT", "max_itl_s": "ITL"}
+NO_SLO = "no SLO set: checked health and errors only"
+
+
+def thresholds(slo: dict | None) -> dict[str, float]:
+    """The thresholds the soak checks: the keys of FAMILIES that `slo` sets (seconds); {} when none is set."""
+    return {k: float(v) for k, v in (slo or {}).items() if k in FAMILIES and v is not None}
+
+
+def describe(slo: dict | None) -> str:
+    """What the soak checks, in words: "TTFT p90 ≤ 0.5 s, ITL p90 ≤ 0.05 s", or NO_SLO when none is set."""
+    limits = thresholds(slo)
+    if not limits:
+        return NO_SLO
+    return ", ".join(f"{LABELS[k]} p90 ≤ {v:g} s" for k, v in sorted(limits.items(), reverse=True))
+
+
 def breach(rb: Rebalance, baseline: dict) -> str:
     """'' while every set threshold holds over the window since `baseline`, else which p90 breached it."""
-    thresholds = {k: v for k, v in (rb.slo or {}).items() if k in FAMILIES and v is not None}
-    if not thresholds:
+    thresholds_ = thresholds(rb.slo)
+    if not thresholds_:
         return ""
     now = snapshot(rb)
-    for key, limit in sorted(thresholds.items()):
+    for key, limit in sorted(thresholds_.items()):
         family = FAMILIES[key]
         gained = [
             (float(le), value - baseline.get(family, {}).get(le, 0.0)) for le, value in now[family].items()
         ]
         p90 = histogram_quantile(0.9, gained)
         if p90 is not None and p90 > limit:
-            what = "TTFT" if key == "max_ttft_s" else "ITL"
-            return f"{what} p90 {p90:.3f}s over the soak window exceeds {key}={limit:g}s"
+            return f"{LABELS[key]} p90 {p90:.3f}s over the soak window exceeds {key}={limit:g}s"
     return ""

@@ -423,19 +423,22 @@ def _soak(rb: Rebalance, step: RebalanceStep) -> float:
     if left > 0 or not joined:
         if not joined and left < -settings.REBALANCE_ROUTER_JOIN_TIMEOUT_S:
             return _to_rollback(rb, step, f"router does not list it healthy as {step.to_role}: {entry}")
-        what = "SLOs hold" if joined else "waiting for the router to list it healthy"
+        held = f"SLO holds ({slo.describe(rb.slo)})" if slo.thresholds(rb.slo) else slo.NO_SLO
+        what = held if joined else "waiting for the router to list it healthy"
         RebalanceStep.objects.filter(pk=step.pk, state=S.SOAKING).update(
             explanation=f"soaking as {step.to_role}: {max(left, 0):.0f}s left; {what}"
         )
         return SOAK_POLL_S
     state = pd.live_state(worker)
     worker_role_observed(worker=worker, role=state["role"])
+    served = f"served {rb.soak_s:g}s"
+    served += f" within SLO ({slo.describe(rb.slo)})" if slo.thresholds(rb.slo) else f" ({slo.NO_SLO})"
     step_transition(
         step,
         to=S.SUCCEEDED,
         after=state,
         explanation=f"{step.from_role} -> {step.to_role} ({_how(step)}): role verified in /server_info, "
-        f"gates passed, served {rb.soak_s:g}s within SLO",
+        f"gates passed, {served}",
     )
     return 0
 

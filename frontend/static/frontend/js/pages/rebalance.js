@@ -16,8 +16,8 @@ KV.ready(function () {
 
   var SLO_LINE = { color: "#b3261e", dash: [6, 4] };
   var charts = {
-    ttft: KV.chart(KV.$("#chart-ttft"), { series: [{ label: "TTFT p90" }, Object.assign({ label: "SLO" }, SLO_LINE)], unit: "s", markers: markers }),
-    itl: KV.chart(KV.$("#chart-itl"), { series: [{ label: "ITL p90", color: "#d55e00" }, Object.assign({ label: "SLO" }, SLO_LINE)], unit: "s", markers: markers }),
+    ttft: KV.chart(KV.$("#chart-ttft"), { series: [{ label: "TTFT p90" }, Object.assign({ label: data.slo_labels.ttft_p90_s }, SLO_LINE)], unit: "s", markers: markers }),
+    itl: KV.chart(KV.$("#chart-itl"), { series: [{ label: "ITL p90", color: "#d55e00" }, Object.assign({ label: data.slo_labels.itl_p90_s }, SLO_LINE)], unit: "s", markers: markers }),
     input: KV.chart(KV.$("#chart-input"), { series: [{ label: "prompt tokens" }], unit: "tok/s", markers: markers }),
     output: KV.chart(KV.$("#chart-output"), { series: [{ label: "output tokens", color: "#d55e00" }], unit: "tok/s", markers: markers })
   };

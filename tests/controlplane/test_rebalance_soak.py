@@ -1,0 +1,49 @@
+"""What a finished soak says it checked (the step runner on the real database; the worker and router are the
+real-HTTP fakes of fakes.py): "within SLO" only when the rebalance has an SLO, which the soak then checked."""
+
+from datetime import timedelta
+
+import httpx
+import pytest
+from cp_factories import RouterFactory
+from django.utils import timezone
+
+from controlplane.inventory.models import EngineWorker
+from controlplane.rebalance.models import Rebalance, RebalanceStep
+from controlplane.rebalance.services import rebalance_advance
+
+pytestmark = pytest.mark.django_db
+
+
+def _soaked(fake_worker, fake_router, personas, slo: dict) -> RebalanceStep:
+    """A decode -> prefill step past its soak time, the worker listed healthy as a prefill; advanced once."""
+    worker = fake_worker(pd_role="prefill")
+    router = RouterFactory(name="pd", url=fake_router.url, mode="pd")
+    row = EngineWorker.objects.create(name="w0", url=worker.url, router=router, role="prefill")
+    httpx.post(
+        f"{fake_router.url}/workers", json={"url": worker.url, "worker_type": "prefill"}
+    ).raise_for_status()
+    rb = Rebalance.objects.create(
+        router=router, before_prefill=1, before_decode=2, target_prefill=2, target_decode=1, soak_s=5,
+        idle_timeout_s=60, state="running", created_by=personas["operator"][0], slo=slo,
+    )  # fmt: skip
+    RebalanceStep.objects.create(
+        rebalance=rb, index=0, worker=row, from_role="decode", to_role="prefill", method="switch",
+        state="soaking", switch_sent=True, started_at=timezone.now(), soak={"baseline": {}},
+        soak_until=timezone.now() - timedelta(seconds=1),
+    )  # fmt: skip
+    rebalance_advance(rebalance_id=rb.pk)
+    return rb.steps.get()
+
+
+def test_a_soak_without_an_slo_says_it_checked_health_and_errors_only(fake_worker, fake_router, personas):
+    step = _soaked(fake_worker, fake_router, personas, {"max_ttft_s": None, "max_itl_s": None})
+    assert step.state == "succeeded", step.explanation
+    assert step.explanation.endswith("served 5s (no SLO set: checked health and errors only)")
+    assert "within SLO" not in step.explanation
+
+
+def test_a_soak_with_an_slo_names_the_thresholds_it_held(fake_worker, fake_router, personas):
+    step = _soaked(fake_worker, fake_router, personas, {"max_ttft_s": 0.5, "max_itl_s": None})
+    assert step.state == "succeeded", step.explanation
+    assert step.explanation.endswith("served 5s within SLO (TTFT p90 ≤ 0.5 s)")
