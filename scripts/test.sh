@@ -13,7 +13,7 @@ ensure_redis
 pg_url="${POSTGRES_TEST_URL:-postgres://postgres@127.0.0.1:5432/test}"
 if postgres_reachable "$pg_url"; then
   echo "== control-plane tests on PostgreSQL ($pg_url)"
-  DATABASE_URL="$pg_url" .venv/bin/python -m pytest tests/controlplane -m "not browser" "$@"
+  DATABASE_URL="$pg_url" .venv/bin/python -m pytest tests/controlplane tests/browser -m "not browser" "$@"
 else
   echo "== PostgreSQL not reachable at $pg_url: control-plane tests ran on SQLite only"
 fi

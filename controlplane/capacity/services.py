@@ -1,5 +1,5 @@
 """KV sizing arithmetic (the control plane's copy of ``engine/sizing/tiers.py``; the control plane never
-imports the engine, and ``tests/controlplane/test_capacity.py`` checks both give the same answer).
+imports the engine, and ``tests/controlplane/capacity/test_api.py`` checks both give the same answer).
 
 Bytes per token = 2 x layers x KV heads x head_dim x dtype bytes. L1 = ``max_total_tokens``, else
 ``mem_fraction_static`` (default 0.88) x free GPU memory / bytes per token, else (a cpu worker) 16,384;

@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
-from test_browser import CHROMIUM_ARGS, console_user, log_in, serious_violations
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

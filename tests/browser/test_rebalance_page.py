@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory
-from test_browser import CHROMIUM_ARGS, console_user, log_in, serious_violations, wrapped_headers
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations, wrapped_headers
 
 from controlplane.inventory.services import worker_role_observed
 from controlplane.rebalance.models import Rebalance, RebalanceStep

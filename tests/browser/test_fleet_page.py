@@ -7,7 +7,7 @@ import re
 import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
-from test_browser import console_user, log_in
+from test_operator_console import console_user, log_in
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

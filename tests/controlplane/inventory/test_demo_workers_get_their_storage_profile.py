@@ -12,7 +12,7 @@ from engine.agent.agent import storage_fields
 from engine.agent.spec import load_spec
 
 pytestmark = pytest.mark.django_db
-REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+REPO = __import__("pathlib").Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "deploy"))
 ENV = {
     "MOONCAKE_MASTER": "127.0.0.1:50051",

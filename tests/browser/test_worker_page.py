@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory
-from test_browser import CHROMIUM_ARGS, console_user, log_in, serious_violations
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
 
 from controlplane.telemetry.metrics import histogram_quantile, parse_prometheus
 from engine.server.metrics import EngineMetrics
