@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TEST_REDIS_URL = os.environ.get("CONTROLPLANE_TEST_REDIS_URL", "redis://127.0.0.1:6379/13")
 PG_SERVER = os.environ.get("CONTROLPLANE_TEST_POSTGRES_SERVER", "postgres://postgres@127.0.0.1:5432/postgres")
 POOL = 3

@@ -5,7 +5,7 @@ import os
 
 import pytest
 from cp_factories import EngineWorkerFactory, RouterFactory
-from test_browser import CHROMIUM_ARGS, console_user, log_in
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
