@@ -119,3 +119,19 @@ def test_pages_get_the_state_sets_from_the_server(client, personas):
     ]
     assert machines["rebalance"]["final"] == ["succeeded", "rolled_back", "failed", "aborted"]
     assert machines["step"]["switched"] == ["gating", "soaking", "succeeded"]
+
+
+@pytest.mark.django_db
+def test_of_two_writers_from_the_same_state_only_the_first_moves_and_audits():
+    from controlplane.audit.models import AuditEvent
+    from controlplane.rebalance.services.transitions import rebalance_transition
+
+    first = _rebalance("running")
+    stale = Rebalance.objects.get(pk=first.pk)
+    assert rebalance_transition(first, to="succeeded") is True
+    assert rebalance_transition(stale, to="aborted") is False  # still expects running: nothing written
+    first.refresh_from_db()
+    assert (first.state, first.version) == ("succeeded", 1) and first.finished_at is not None
+    assert list(
+        AuditEvent.objects.filter(action="rebalance_finished").values_list("after__state", flat=True)
+    ) == ["succeeded"]
