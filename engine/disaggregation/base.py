@@ -87,6 +87,9 @@ class TransferTimeouts:
     unknown_room_timeout_s: float = 10.0  # P: D's info for a room P never opened -> Failed to D
     abort_ack_timeout_s: float = 15.0  # D: an ABORT not acknowledged this long -> Failed anyway
     info_ack_timeout_s: float = 2.0  # D: transfer info not acknowledged this long -> re-read P's bootstrap
+    decode_ping_interval_s: float = 1.0  # P: ping each decode it has met over the side channel this often
+    decode_dead_after_s: float = 3.0  # P: a decode silent this long is gone: the rooms it registered fail
+    no_decode_grace_s: float = 0.5  # P: a room Bootstrapping this long while every decode P met is gone fails
 
     @classmethod
     def from_env(cls, **overrides) -> TransferTimeouts:

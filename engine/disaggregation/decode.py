@@ -190,6 +190,28 @@ class DecodeKVManager(KVManagerBase):
         with self._lock:
             return len(self._receivers)
 
+    def refuse(self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int, reason: str) -> None:
+        """This decode refused a request before opening its room (e.g. its KV pool cannot hold prompt +
+        ``max_new_tokens``): tell the prefill at ``bootstrap_host:bootstrap_port`` to abort the room, so P
+        fails its copy at once (or when it arrives) instead of at its bootstrap timeout. Never blocks (a
+        pool thread resolves P's side channel); a P that cannot be reached is only logged."""
+        address = bootstrap_address(bootstrap_host, bootstrap_port)
+        check_room(bootstrap_room)
+        self._contacts.submit(self._refuse, address, bootstrap_room, reason)
+
+    def _refuse(self, address: str, room: int, reason: str) -> None:
+        with self._lock:
+            prefill = self._prefills.get(address)
+            endpoint = prefill.endpoint if prefill is not None and prefill.ready else None
+        if endpoint is None:
+            try:
+                endpoint, _ = rank_endpoint(self._client, address)
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                logger.warning("refused room %d: prefill bootstrap %s not told (%s)", room, address, exc)
+                return
+        header = {"type": "abort", "room": room, "endpoint": self.channel.endpoint, "refused": True}
+        self.channel.send(endpoint, {**header, "reason": f"decode refused the request: {reason}"})
+
     # ---- room transitions
     def _maybe_send_info(self, receiver: KVReceiver) -> None:
         with self._lock:  # held so that a restart of P cannot slip between the check and the update
@@ -307,6 +329,9 @@ class DecodeKVManager(KVManagerBase):
         kind = header.get("type")
         if kind == "kv":
             self.transport.on_data(header, payloads)
+            return
+        if kind == "ping":  # P's liveness check of this decode
+            self.channel.send(header["endpoint"], {"type": "pong", "endpoint": self.channel.endpoint})
             return
         with self._lock:
             receiver = self._receivers.get(header.get("room"))

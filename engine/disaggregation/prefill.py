@@ -54,6 +54,15 @@ REGISTER_TRIES = 5  # upstream: 5 tries, exponential backoff from 1 s, up to 30 
 FAILED_ROOM_MEMORY_S = 60.0  # how long a room that failed on P answers a late transfer info with Failed
 
 
+class _Decode:
+    """A decode P has met (it registered its KV buffers): when it was last heard from and pinged."""
+
+    def __init__(self, now: float) -> None:
+        self.seen = now
+        self.pinged = now
+        self.gone = False
+
+
 class KVSender(RoomState):
     """One request's KV on P. Created by ``PrefillKVManager.create_sender``; see docs/architecture.md,
     PD transport."""
@@ -72,6 +81,7 @@ class KVSender(RoomState):
         self.endpoint: str | None = None  # D's side-channel endpoint
         self.first_token_id: int | None = None
         self.meta: dict | None = None
+        self.refused = False  # D refused the request (400 for the client, not a transfer failure)
         self.write_lock = (
             threading.Lock()
         )  # held by the transfer thread during a write, and by abort handling
@@ -130,6 +140,18 @@ class KVSender(RoomState):
         timeouts, now = self._mgr.timeouts, time.monotonic()
         with self.lock:
             state, endpoint, attached = self.state, self.endpoint, self.attached_at
+        gone_since = self._mgr.all_decodes_gone_since
+        if (
+            state == KVPoll.Bootstrapping
+            and gone_since is not None
+            and now - max(self.created_at, gone_since) > timeouts.no_decode_grace_s
+        ):
+            reason = (
+                f"every decode this prefill has met is gone ({self._mgr.gone_decodes()}) and no decode "
+                f"registered the room within {timeouts.no_decode_grace_s:g} s"
+            )
+            self._mgr._fail(self, reason, notify=False)
+            return KVPoll.Failed
         if state == KVPoll.Bootstrapping and now - self.created_at > timeouts.bootstrap_timeout_s:
             t = timeouts.bootstrap_timeout_s
             self._mgr._fail(
@@ -151,6 +173,11 @@ class KVSender(RoomState):
     def abort(self, reason: str = "aborted by prefill") -> None:
         """Fail the room now and tell D (if known) with ``reason``."""
         self._mgr._fail(self, reason, notify=True)
+
+    @property
+    def status_code(self) -> int:
+        """HTTP status of a request whose room failed: 400 when D refused it, else 500."""
+        return 400 if self.refused else 500
 
     def close(self) -> None:
         """Forget the room (after Success/Failed and after P's pages are released)."""
@@ -187,6 +214,8 @@ class PrefillKVManager(KVManagerBase):
         self._checks = ThreadPoolExecutor(1, thread_name_prefix="pd-prefill-owner")
         self._aliases: set[str] = set()  # other addresses found to name this bootstrap server
         self._peers: dict[str, dict] = {}  # D endpoint -> {"layout", "transport", "mismatch"}
+        self._decodes: dict[str, _Decode] = {}  # D endpoint -> its liveness (pinged on the side channel)
+        self.all_decodes_gone_since: float | None = None  # every decode met is gone, since (monotonic)
         self._queue: queue.Queue = queue.Queue()
         self.bootstrap = BootstrapServer(host or "0.0.0.0", bootstrap_port)
         try:
@@ -252,6 +281,7 @@ class PrefillKVManager(KVManagerBase):
             pending = self._pending.pop(bootstrap_room, None)
             aborted = self._aborted.pop(bootstrap_room, None)
         if aborted is not None:
+            sender.refused = aborted[2]
             self._fail(sender, aborted[0], notify=False)
         elif pending is not None:
             self._attach(sender, pending[0])
@@ -387,6 +417,9 @@ class PrefillKVManager(KVManagerBase):
 
     def _on_message(self, header: dict, payloads: list) -> None:
         kind = header.get("type")
+        self._heard(header.get("endpoint"), register=kind == "register")
+        if kind == "pong":
+            return
         if kind == "register":
             layout = KVLayout.from_wire(header["layout"])
             self._peers[header["endpoint"]] = {
@@ -409,20 +442,23 @@ class PrefillKVManager(KVManagerBase):
                 self._status(header["endpoint"], room, KVPoll.Failed, failed[0])
         elif kind == "abort":
             peer, why = f"{header.get('by') or 'decode'} {header['endpoint']}", header.get("reason")
-            self._on_abort(header["room"], header["endpoint"], f"{peer} aborted the room: {why or 'aborted'}")
+            reason = f"{peer} aborted the room: {why or 'aborted'}"
+            self._on_abort(header["room"], header["endpoint"], reason, bool(header.get("refused")))
         elif kind == "abort_ack":
             pass  # the answer to an ABORT this prefill sent to another (``_check_owner``)
         else:
             logger.warning("prefill side channel: unknown message type %r", kind)
 
-    def _on_abort(self, room: int, endpoint: str, reason: str) -> None:
+    def _on_abort(self, room: int, endpoint: str, reason: str, refused: bool = False) -> None:
         with self._lock:
             sender = self._senders.get(room)
             self._pending.pop(room, None)
             if sender is None:
-                self._aborted[room] = (reason, time.monotonic())
+                self._aborted[room] = (reason, time.monotonic(), refused)
         if sender is not None:
             with sender.write_lock:  # waits for a write in flight, so the ack means "no more writes"
+                if sender.state == KVPoll.Bootstrapping:
+                    sender.refused = refused
                 self._fail(sender, reason, notify=False)
         self.channel.send(endpoint, {"type": "abort_ack", "room": room})
 
@@ -437,11 +473,69 @@ class PrefillKVManager(KVManagerBase):
             for room, _ in stale:
                 del self._pending[room]
             for memory in (self._failed, self._aborted):
-                for room in [r for r, (_, t) in memory.items() if now - t > FAILED_ROOM_MEMORY_S]:
+                for room in [r for r, (_, t, *_) in memory.items() if now - t > FAILED_ROOM_MEMORY_S]:
                     del memory[room]
         for room, header in stale:
             reason = f"bootstrap room {room} is unknown here"
             self._status(header["endpoint"], room, KVPoll.Failed, reason)
+        self._check_decodes(now)
+
+    # ---- liveness of the decodes (receive thread)
+    def _heard(self, endpoint: str | None, register: bool = False) -> None:
+        """A message from ``endpoint``: a decode registering (from then on pinged) or one already met."""
+        if endpoint is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            decode = self._decodes.get(endpoint)
+            if decode is None and register:
+                self._decodes[endpoint] = _Decode(now)
+            elif decode is not None:
+                decode.seen, decode.gone = now, False
+
+    def _check_decodes(self, now: float) -> None:
+        """Ping each decode met every ``decode_ping_interval_s``; one silent for ``decode_dead_after_s`` is
+        gone: the rooms it registered fail at once (``_decode_gone``)."""
+        t = self.timeouts
+        ping, gone = [], []
+        with self._lock:
+            for endpoint, decode in self._decodes.items():
+                if decode.gone:
+                    continue
+                if now - decode.seen > t.decode_dead_after_s:
+                    decode.gone = True
+                    gone.append(endpoint)
+                elif now - decode.pinged >= t.decode_ping_interval_s:
+                    decode.pinged = now
+                    ping.append(endpoint)
+            if self._decodes and all(d.gone for d in self._decodes.values()):
+                self.all_decodes_gone_since = self.all_decodes_gone_since or now
+            else:
+                self.all_decodes_gone_since = None
+        for endpoint in ping:
+            self.channel.send(endpoint, {"type": "ping", "endpoint": self.channel.endpoint})
+        for endpoint in gone:
+            self._decode_gone(endpoint)
+
+    def _decode_gone(self, endpoint: str) -> None:
+        reason = (
+            f"decode {endpoint} is gone (no answer on the side channel for "
+            f"{self.timeouts.decode_dead_after_s:g} s): the room it registered fails"
+        )
+        with self._lock:
+            senders = [s for s in self._senders.values() if s.endpoint == endpoint]
+            for room in [r for r, (h, _) in self._pending.items() if h["endpoint"] == endpoint]:
+                del self._pending[room]
+        open_rooms = [s for s in senders if s.state not in (KVPoll.Failed, KVPoll.Success)]
+        logger.warning("%s; %d unfinished rooms of it fail", reason, len(open_rooms))
+        for sender in open_rooms:
+            self._fail(sender, reason, notify=False)
+        self.channel.forget(endpoint)
+
+    def gone_decodes(self) -> str:
+        """The side-channel endpoints of the decodes found gone, for a failure reason."""
+        with self._lock:
+            return ", ".join(e for e, d in self._decodes.items() if d.gone) or "none"
 
     # ---- transfer thread
     def _transfer_loop(self) -> None:

@@ -63,14 +63,15 @@ def _pages(n: int, page_size: int) -> int:
     return -(-n // page_size)
 
 
-def _failed(hooks: PDHooks, req: Req, reason: str) -> dict:
-    """The abort finish reason of a PD request whose room failed; counted and logged unless the client
-    aborted it (the metric's stage: ``bootstrap`` while still pairing, else ``transfer``)."""
+def _failed(hooks: PDHooks, req: Req, reason: str, status_code: int = 500) -> dict:
+    """The abort finish reason of a PD request whose room failed (``status_code`` 400 when D refused the
+    request, else 500); counted and logged unless the client aborted it (the metric's stage: ``bootstrap``
+    while still pairing, else ``transfer``)."""
     if not req.aborted:
         stage = "bootstrap" if req.state is ReqState.BOOTSTRAPPING else "transfer"
         logger.warning("PD request %s failed (%s): %s", req.rid, stage, reason)
         hooks.on_failure(stage)
-    return {"type": "abort", "message": reason, "status_code": 500}
+    return {"type": "abort", "message": reason, "status_code": status_code}
 
 
 class PrefillQueues:
@@ -151,7 +152,7 @@ class PrefillQueues:
                 continue
             hooks.unqueue(req)
             reason = req.aborted or str(sender.failure_exception())
-            hooks.finish(req, _failed(hooks, req, reason), None)  # closes the room (``drop``)
+            hooks.finish(req, _failed(hooks, req, reason, sender.status_code), None)  # closes it (``drop``)
             moved = True
         return moved
 
@@ -164,7 +165,7 @@ class PrefillQueues:
             if sender.poll() != KVPoll.Failed:
                 sender.abort("aborted by prefill")
             reason = req.aborted or str(sender.failure_exception())
-            self.hooks.finish(req, _failed(self.hooks, req, reason), None)
+            self.hooks.finish(req, _failed(self.hooks, req, reason, sender.status_code), None)
         sender.close()
 
     def drop(self, req: Req) -> None:

@@ -102,6 +102,30 @@ class Engine:
         params: SamplingParams,
         names: dict[str, str] | None = None,
         source: str = "the input messages",
+        bootstrap: Bootstrap | None = None,
+    ) -> None:
+        """``_check_request``; a PD request (``bootstrap``) a decode worker refuses also has its room
+        aborted at the prefill (``refuse_room``), so P fails its copy at once instead of holding it."""
+        try:
+            self._check_request(input_ids, params, names, source)
+        except RequestError as exc:
+            if bootstrap is not None:
+                self.refuse_room(bootstrap, str(exc))
+            raise
+
+    def refuse_room(self, bootstrap: Bootstrap, reason: str) -> None:
+        """On a decode worker: tell the prefill named by ``bootstrap`` that this request is refused (its
+        copy there fails with 400 naming ``reason``). Nothing on a prefill or aggregated worker."""
+        pd = self.scheduler.pd
+        if pd is not None and not pd.sends_kv:
+            pd.mgr.refuse(bootstrap.host, bootstrap.port, bootstrap.room, reason)
+
+    def _check_request(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        names: dict[str, str] | None = None,
+        source: str = "the input messages",
     ) -> None:
         """Check ids, seed range (torch's) and length vs context and KV pool (RequestError); UnavailableError
         without scheduler. ``names`` maps SamplingParams fields to the client's (as in

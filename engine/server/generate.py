@@ -67,7 +67,7 @@ def parse_generate(
         raise HTTPError(400, str(exc)) from None
     try:
         for p, sp in zip(prompts, params, strict=True):
-            engine.check_request(p, sp)
+            engine.check_request(p, sp, bootstrap=bootstrap)
     except RequestError as exc:
         raise HTTPError(400, str(exc)) from None
     if bootstrap is not None and batched:
@@ -113,7 +113,7 @@ async def generate(request: Request):
     for res, sp in zip(results, params, strict=True):
         reason = res["finish_reason"]
         if reason and reason.get("type") == "abort":
-            raise HTTPError(500, reason.get("message", "request aborted"))
+            raise HTTPError(reason.get("status_code", 500), reason.get("message", "request aborted"))
         out.append(_response(engine, res["output_ids"], sp, reason, res["meta"]))
     return JSONResponse(out if batched else out[0])
 

@@ -59,7 +59,12 @@ _PARAM_FIELDS = {
 
 
 def _sampling_params(
-    engine: Engine, body: dict, prompt: list[int], max_tokens_field: str, source: str
+    engine: Engine,
+    body: dict,
+    prompt: list[int],
+    max_tokens_field: str,
+    source: str,
+    bootstrap: Bootstrap | None = None,
 ) -> SamplingParams:
     """SamplingParams of an OpenAI body; a bad value is ``HTTPError(400)`` naming the client's field
     (``max_tokens``, or ``max_completion_tokens`` on chat when that was sent; ``n``, ``seed``, ...), and the
@@ -72,7 +77,7 @@ def _sampling_params(
     names = {dst: src for src, dst in _PARAM_FIELDS.items()} | {"max_new_tokens": max_tokens_field}
     try:
         params = SamplingParams.from_dict(raw, names)
-        engine.check_request(prompt, params, names, source)
+        engine.check_request(prompt, params, names, source, bootstrap)
     except (TypeError, ValueError) as exc:
         raise HTTPError(400, str(exc)) from None
     return params
@@ -130,7 +135,7 @@ async def completions(request: Request):
         raise HTTPError(400, "'prompt' must be a string or a list of token ids (one prompt per request)")
     if body.get("suffix"):
         raise HTTPError(400, "suffix is not supported")
-    params = _sampling_params(engine, body, ids, "max_tokens", "the prompt")
+    params = _sampling_params(engine, body, ids, "max_tokens", "the prompt", bootstrap)
     echo = isinstance(prompt, str) and bool(body.get("echo"))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
@@ -157,7 +162,8 @@ async def completions(request: Request):
 def _check_abort(reason: dict | None) -> tuple[str | None, object]:
     finish, matched = _finish(reason)
     if finish == "abort":
-        raise HTTPError(500, (reason or {}).get("message", "request aborted"))
+        reason = reason or {}
+        raise HTTPError(reason.get("status_code", 500), reason.get("message", "request aborted"))
     return finish, matched
 
 
@@ -252,7 +258,7 @@ async def chat_completions(request: Request):
     bootstrap = _bootstrap(engine, body)
     ids = await asyncio.to_thread(_chat_prompt, engine, body)
     sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    params = _sampling_params(engine, body, ids, sent, "the input messages")
+    params = _sampling_params(engine, body, ids, sent, "the input messages", bootstrap)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name}
     if body.get("stream"):

@@ -391,7 +391,10 @@ def test_a_decode_gone_after_registering_the_room_fails_p_at_the_waiting_timeout
         assert p.scheduler.state["num_used_tokens"] == 0 and p.scheduler.pd.mgr.num_rooms() == 0
         assert _metric(p, "sglang:num_transfer_failed_reqs_total") == 1
         assert _metric(p, "sglang:num_bootstrap_failed_reqs_total") == 0
-        assert not p.scheduler.pd.mgr.channel.has_socket(endpoint)
+        deadline = time.monotonic() + 10  # P pings a decode it met until it finds it gone, then closes
+        while p.scheduler.pd.mgr.channel.has_socket(endpoint):
+            assert time.monotonic() < deadline, "P kept its socket towards the gone decode"
+            time.sleep(0.05)
     finally:
         for engine in (p, d):
             engine.scheduler.stop()
@@ -416,3 +419,81 @@ def test_a_room_d_gives_up_ends_the_request_queued_on_p_at_once(tiny_model_dir):
     finally:
         for engine in (p, d):
             engine.scheduler.stop()
+
+
+def test_a_prompt_the_decode_cannot_hold_is_refused_on_both_sides_before_p_prefills(tiny_model_dir):
+    """D's pool (128 tokens) is smaller than P's: D answers 400 at once and tells P, whose copy of the
+    request fails with 400 naming D's reason within seconds (not at the 300 s bootstrap timeout), never
+    prefilled; both sides end clean."""
+    p = _engine(tiny_model_dir, "prefill", "--disaggregation-bootstrap-port", "0")
+    d = _engine(tiny_model_dir, "decode", "--max-total-tokens", "128")
+    try:
+        b = Bootstrap("127.0.0.1", p.args.disaggregation_bootstrap_port, 93)
+        prompt = _prompt(93, 150)
+        events = queue.Queue()
+        start = time.monotonic()
+        with ThreadedServer(d) as ds:
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8}}
+            body |= {"bootstrap_host": b.host, "bootstrap_port": b.port, "bootstrap_room": b.room}
+            refused = httpx.post(f"{ds.url}/generate", json=body, timeout=30)
+            _submit(p, "too-long", prompt, b, events)  # the router's copy reaches P after D's refusal
+            reason = _collect(events, {"too-long"}, timeout=30)["too-long"]["reason"]
+        assert refused.status_code == 400 and "exceeds the KV pool (128 tokens)" in refused.text
+        assert time.monotonic() - start < 10
+        assert reason["type"] == "abort" and reason["status_code"] == 400
+        assert "decode refused the request: prompt (150)" in reason["message"]
+        assert _metric(p, "sglang:prompt_tokens_total") == 0  # never prefilled
+        for engine in (p, d):
+            wait_idle(engine)
+            assert engine.scheduler.state["num_used_tokens"] == 0 and engine.scheduler.pd.mgr.num_rooms() == 0
+    finally:
+        for engine in (p, d):
+            engine.scheduler.stop()
+
+
+def test_a_decode_gone_after_registering_the_room_fails_p_within_seconds(tiny_model_dir):
+    """D registered the room and died (stopped: its side channel is closed) while P's request waited to be
+    prefilled: P's pings go unanswered and P fails the request naming D within seconds, not at upstream's
+    300 s waiting timeout; a new room while every decode P met is gone fails too instead of waiting for
+    the bootstrap timeout; P ends idle and clean."""
+    p = _engine(tiny_model_dir, "prefill", "--disaggregation-bootstrap-port", "0")
+    d = _engine(tiny_model_dir, "decode")
+    try:
+        events, lease = _paired_and_queued_on_p(p, d, "dies", 94)
+        endpoint = d.scheduler.pd.mgr.channel.endpoint
+        start = time.monotonic()
+        d.scheduler.stop()
+        reason = _collect(events, {"dies"}, timeout=30)["dies"]["reason"]
+        assert time.monotonic() - start < 10
+        assert reason["status_code"] == 500 and f"decode {endpoint} is gone" in reason["message"]
+        _submit(
+            p,
+            "after",
+            _prompt(95, 20),
+            Bootstrap("127.0.0.1", p.args.disaggregation_bootstrap_port, 95),
+            events,
+        )
+        reason = _collect(events, {"after"}, timeout=30)["after"]["reason"]
+        assert (
+            reason["status_code"] == 500 and "every decode this prefill has met is gone" in reason["message"]
+        )
+        assert time.monotonic() - start < 15
+        _release(p, lease)
+        wait_idle(p)
+        assert p.scheduler.state["num_used_tokens"] == 0 and p.scheduler.pd.mgr.num_rooms() == 0
+    finally:
+        for engine in (p, d):
+            engine.scheduler.stop()
+
+
+def test_a_forged_colliding_room_is_a_400(pair):
+    p, d = pair
+    b = Bootstrap("127.0.0.1", p.args.disaggregation_bootstrap_port, 96)
+    _submit(p, "first", _prompt(96, 20), b, queue.Queue())  # holds the room (no decode takes it)
+    body = {"input_ids": _prompt(97, 20), "sampling_params": {"max_new_tokens": 2}}
+    body |= {"bootstrap_host": b.host, "bootstrap_port": b.port, "bootstrap_room": b.room}
+    with ThreadedServer(p) as ps:
+        forged = httpx.post(f"{ps.url}/generate", json=body, timeout=30)
+    assert forged.status_code == 400 and "bootstrap room 96 is already active" in forged.text
+    p.scheduler.abort("first")
+    wait_idle(p)
