@@ -127,7 +127,12 @@ def fanout_celery(base: str, token: str, workers, profile, limit_s: float = 120.
         f"{base}/api/v1/operations/",
         headers=headers,
         timeout=30,
-        json={"kind": "attach", "workers": [w.pk for w in workers], "storage_profile": profile.pk},
+        json={
+            "kind": "attach",
+            "workers": [w.pk for w in workers],
+            "storage_profile": profile.pk,
+            "reason": "fan-out bench",
+        },
     )
     response.raise_for_status()
     op_id = response.json()["id"]

@@ -78,7 +78,9 @@ class OperationCreateSerializer(serializers.Serializer):
         queryset=ConfigRevision.objects.all(), required=False, allow_null=True
     )
     idle_timeout_s = serializers.FloatField(required=False, min_value=0.1, max_value=3600)
-    reason = serializers.CharField(required=False, allow_blank=True, default="")
+    reason = serializers.CharField(
+        help_text="Why (kept in the audit log and on the operation); required, as in the launch form"
+    )
 
 
 class CancelSerializer(serializers.Serializer):

@@ -156,7 +156,7 @@ ENDPOINTS = {
         lambda p: (
             "post",
             "/api/v1/operations/",
-            {"kind": "detach", "workers": [EngineWorkerFactory().pk]},
+            {"kind": "detach", "workers": [EngineWorkerFactory().pk], "reason": "test"},
             {},
         ),
     ),

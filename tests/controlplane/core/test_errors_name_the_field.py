@@ -26,7 +26,7 @@ def test_non_pd_router_is_a_400_naming_router_on_post_and_a_409_on_get(api_as):
 def test_attach_without_storage_profile_names_the_field(api_as):
     worker = EngineWorkerFactory()
     got = api_as("operator").post(
-        "/api/v1/operations/", {"kind": "attach", "workers": [worker.pk]}, format="json"
+        "/api/v1/operations/", {"kind": "attach", "workers": [worker.pk], "reason": "test"}, format="json"
     )
     error = got.json()["error"]
     assert got.status_code == 400 and error["code"] == "missing_storage_profile"

@@ -156,7 +156,7 @@ def test_drain_without_router_is_refused_or_warned(fake_worker, api_as):
     fake = fake_worker()
     worker = registered(fake, "lone")
     client = api_as("operator")
-    body = {"kind": "detach", "workers": [worker.pk], "drain": True}
+    body = {"kind": "detach", "workers": [worker.pk], "drain": True, "reason": "test"}
     refused = client.post("/api/v1/operations/", body, format="json")
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "no_router"
     assert "lone" in refused.json()["error"]["message"] and Operation.objects.count() == 0

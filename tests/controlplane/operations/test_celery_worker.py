@@ -87,7 +87,9 @@ def test_cancel_stops_a_waiting_target(celery_worker_process, api_as, fake_worke
     worker = EngineWorkerFactory(url=busy.url, admin_key=busy.admin_key)
     client = api_as("operator")
     op_id = client.post(
-        "/api/v1/operations/", {"kind": "detach", "workers": [worker.pk], "idle_timeout_s": 60}, format="json"
+        "/api/v1/operations/",
+        {"kind": "detach", "workers": [worker.pk], "idle_timeout_s": 60, "reason": "test"},
+        format="json",
     ).json()["id"]
     time.sleep(0.5)
     assert (

@@ -128,11 +128,11 @@ def test_reaper_fails_targets_stuck_past_deadline(fake_worker):
 def test_worker_in_a_running_operation_is_refused(api_as):
     worker = EngineWorkerFactory()
     first = api_as("operator").post(
-        "/api/v1/operations/", {"kind": "detach", "workers": [worker.pk]}, format="json"
+        "/api/v1/operations/", {"kind": "detach", "workers": [worker.pk], "reason": "test"}, format="json"
     )
     assert first.status_code == 201
     second = api_as("operator").post(
-        "/api/v1/operations/", {"kind": "detach", "workers": [worker.pk]}, format="json"
+        "/api/v1/operations/", {"kind": "detach", "workers": [worker.pk], "reason": "test"}, format="json"
     )
     assert second.status_code == 409 and second.json()["error"]["code"] == "worker_busy"
 
@@ -140,7 +140,7 @@ def test_worker_in_a_running_operation_is_refused(api_as):
 def test_idempotency_key_replays_and_rejects_a_different_body(api_as):
     worker, other = EngineWorkerFactory(), EngineWorkerFactory()
     client = api_as("operator")
-    body = {"kind": "detach", "workers": [worker.pk]}
+    body = {"kind": "detach", "workers": [worker.pk], "reason": "test"}
     first = client.post("/api/v1/operations/", body, format="json", HTTP_IDEMPOTENCY_KEY="launch-1")
     again = client.post("/api/v1/operations/", body, format="json", HTTP_IDEMPOTENCY_KEY="launch-1")
     assert first.status_code == again.status_code == 201
@@ -148,7 +148,7 @@ def test_idempotency_key_replays_and_rejects_a_different_body(api_as):
     assert Operation.objects.count() == 1
     changed = client.post(
         "/api/v1/operations/",
-        {"kind": "detach", "workers": [other.pk]},
+        {"kind": "detach", "workers": [other.pk], "reason": "test"},
         format="json",
         HTTP_IDEMPOTENCY_KEY="launch-1",
     )
@@ -159,10 +159,27 @@ def test_bad_operation_input_changes_nothing(api_as):
     client = api_as("operator")
     worker = EngineWorkerFactory()
     audit_before = AuditEvent.objects.count()
-    missing = client.post("/api/v1/operations/", {"kind": "attach", "workers": [worker.pk]}, format="json")
+    missing = client.post(
+        "/api/v1/operations/", {"kind": "attach", "workers": [worker.pk], "reason": "t"}, format="json"
+    )
     assert missing.status_code == 400 and missing.json()["error"]["code"] == "missing_storage_profile"
-    unknown = client.post("/api/v1/operations/", {"kind": "detach", "workers": [99999]}, format="json")
+    unknown = client.post(
+        "/api/v1/operations/", {"kind": "detach", "workers": [99999], "reason": "t"}, format="json"
+    )
     assert unknown.status_code == 400 and "workers" in unknown.json()["error"]["detail"]
+    assert Operation.objects.count() == 0 and AuditEvent.objects.count() == audit_before
+
+
+def test_a_launch_without_a_reason_is_refused_naming_reason(api_as):
+    """The API asks for the reason the launch form requires; none, or only blanks, changes nothing."""
+    client = api_as("operator")
+    worker = EngineWorkerFactory()
+    audit_before = AuditEvent.objects.count()
+    for body in ({}, {"reason": "   "}):
+        r = client.post(
+            "/api/v1/operations/", {"kind": "detach", "workers": [worker.pk], **body}, format="json"
+        )
+        assert r.status_code == 400 and list(r.json()["error"]["detail"]) == ["reason"], r.content
     assert Operation.objects.count() == 0 and AuditEvent.objects.count() == audit_before
 
 
