@@ -3,6 +3,7 @@ from rest_framework import serializers
 from controlplane.configs.models import ConfigRevision
 from controlplane.inventory.models import EngineWorker, StorageProfile
 from controlplane.operations.models import NoRouter, Operation, OperationKind, OperationTarget, Policy
+from controlplane.operations.services.steps import drain_would_help
 
 
 class OperationTargetSerializer(serializers.ModelSerializer):
@@ -33,6 +34,10 @@ class OperationTargetSerializer(serializers.ModelSerializer):
 
 class OperationSerializer(serializers.ModelSerializer):
     targets = OperationTargetSerializer(many=True, read_only=True)
+    drain_on_retry = serializers.SerializerMethodField(
+        help_text="Worker ids whose targets failed by staying busy past the idle timeout, undrained, with a "
+        "router: a retry with drain on may succeed"
+    )
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
 
     class Meta:
@@ -57,8 +62,12 @@ class OperationSerializer(serializers.ModelSerializer):
             "created_at",
             "finished_at",
             "targets",
+            "drain_on_retry",
         ]
         read_only_fields = fields
+
+    def get_drain_on_retry(self, op: Operation) -> list[int]:
+        return [t.worker_id for t in op.targets.all() if t.state == "failed" and drain_would_help(t)]
 
 
 class OperationCreateSerializer(serializers.Serializer):

@@ -124,6 +124,28 @@ def _idle_state(target: OperationTarget) -> tuple[str, str]:
     return "busy", busy + (f" cache I/O {io}" if io else "")
 
 
+NOT_IDLE = "not idle within"  # how a target that stayed busy past its idle timeout fails
+
+
+def drain_would_help(target: OperationTarget) -> bool:
+    """A target failed by staying busy, applied undrained, whose worker has a router to be drained from."""
+    return (
+        target.explanation.startswith(NOT_IDLE)
+        and not target.operation.drain
+        and not target.drained
+        and target.worker.router_id is not None
+    )
+
+
+def _idle_advice(target: OperationTarget) -> str:
+    """What to do next about a worker that stayed busy past the idle timeout."""
+    if target.operation.drain or target.drained:
+        return "it was drained from its router: retry with a longer idle timeout"
+    if target.worker.router_id is None:
+        return "it has no router to drain it from: retry with a longer idle timeout, or when it is quieter"
+    return "retry with drain on: its router then sends it no new requests, so it goes idle"
+
+
 def _idle_wait(target: OperationTarget, state: str) -> float | None | bool:
     """Poll once: True when idle, a delay while waiting, None after failing the target (wait timed out)."""
     idle, status = _idle_state(target)
@@ -133,7 +155,7 @@ def _idle_wait(target: OperationTarget, state: str) -> float | None | bool:
     if idle == "soon" and deadline is not None:
         deadline += timedelta(seconds=IDLE_SOON_GRACE_S)
     if deadline and _now() >= deadline:
-        why = f"not idle within {target.operation.idle_timeout_s:g}s (last seen {status})"
+        why = f"{NOT_IDLE} {target.operation.idle_timeout_s:g}s (last seen {status}); {_idle_advice(target)}"
         (target_revert_fail if state == T.REVERTING else target_fail)(target, why)
         return None
     OperationTarget.objects.filter(pk=target.pk, state=state).update(

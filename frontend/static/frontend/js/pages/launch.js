@@ -3,7 +3,11 @@
 KV.ready(function () {
   "use strict";
   var form = KV.$("#launch-form"), key = (window.crypto && crypto.randomUUID) ? crypto.randomUUID() : String(Date.now());
-  var preselect = new URLSearchParams(location.search).getAll("worker");
+  var params = new URLSearchParams(location.search), preselect = params.getAll("worker");
+  /* a retry from an operation's page: its kind, drain, idle timeout, profile and revision (checked on Review) */
+  if (params.get("kind")) form.kind.value = params.get("kind");
+  if (params.get("drain") === "1") form.drain.checked = true;
+  if (params.get("idle_timeout_s")) form.idle_timeout_s.value = params.get("idle_timeout_s");
   var workers = {}, profiles = {}, revisions = {};
 
   function kindChanged() {
@@ -53,6 +57,7 @@ KV.ready(function () {
       KV.$("#storage-profile").replaceChildren.apply(KV.$("#storage-profile"), r[1].results.map(function (p) {
         profiles[p.id] = p; return option(p.id, p.name + " (" + p.backend + ")");
       }));
+      if (params.get("storage_profile")) KV.$("#storage-profile").value = params.get("storage_profile");
       return Promise.all(r[2].results.filter(function (p) { return p.head_number > 0; }).map(function (p) {
         return KV.api("GET", "/api/v1/configs/profiles/" + p.id + "/revisions/?limit=20").then(function (rv) {
           return rv.results.map(function (x) { revisions[x.id] = { label: p.name + "@" + x.number, content: x.content }; return option(x.id, p.name + "@" + x.number); });
@@ -60,6 +65,7 @@ KV.ready(function () {
       })).then(function (opts) {
         var sel = KV.$("#revision");
         sel.replaceChildren.apply(sel, [].concat.apply([], opts));
+        if (params.get("revision")) sel.value = params.get("revision");
       });
     });
   }

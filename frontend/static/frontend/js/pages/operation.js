@@ -42,6 +42,15 @@ KV.ready(function () {
     }));
     var cancel = KV.$("#cancel");
     if (cancel) { cancel.hidden = op.state !== "running"; cancel.disabled = !!op.cancel_requested; }
+    var retry = KV.$("#retry-drain");  // workers that stayed busy undrained: the launch form, drain on, them picked
+    if (retry) {
+      var q = new URLSearchParams({ kind: op.kind, drain: "1", idle_timeout_s: String(op.idle_timeout_s) });
+      if (op.storage_profile) q.set("storage_profile", op.storage_profile);
+      if (op.revision) q.set("revision", op.revision);
+      (op.drain_on_retry || []).forEach(function (id) { q.append("worker", id); });
+      retry.href = "/operations/new/?" + q.toString();
+      retry.hidden = op.state === "running" || !(op.drain_on_retry || []).length;
+    }
   }
   function render(fresh) {
     op = fresh;

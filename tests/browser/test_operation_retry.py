@@ -1,0 +1,60 @@
+"""An operation whose busy worker stayed busy past the idle timeout, in real headless Chromium (Playwright) at
+1280 px against daphne: the operation page says to retry with drain and offers it, and the launch form opens
+with the same change, drain on and that worker picked."""
+
+import os
+import time
+
+import pytest
+from cp_factories import EngineWorkerFactory, RouterFactory
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in
+
+from controlplane.operations.models import ACTIVE_STATES
+from controlplane.operations.services import operation_create, target_step
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
+
+
+def _failed_busy_detach(fake_worker, fake_router):
+    busy = fake_worker(busy_polls=-1)
+    fake_router.add(busy.url)
+    router = RouterFactory(url=fake_router.url)
+    worker = EngineWorkerFactory(name="busy", url=busy.url, admin_key=busy.admin_key, router=router)
+    op = operation_create(kind="detach", workers=[worker], actor=None, idle_timeout_s=0.5, reason="try")
+    target = op.targets.get()
+    deadline = time.monotonic() + 20
+    while target.state in ACTIVE_STATES:  # what the Celery task does, step by step
+        assert time.monotonic() < deadline, target.explanation
+        delay = target_step(target_id=target.pk)
+        target.refresh_from_db()
+        if delay and target.state in ACTIVE_STATES:
+            time.sleep(delay)
+    return op, worker
+
+
+def test_a_busy_worker_past_the_idle_timeout_is_offered_a_retry_with_drain(
+    asgi_server, fake_worker, fake_router, monkeypatch
+):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    op, worker = _failed_busy_detach(fake_worker, fake_router)
+    console_user("gates", "operator", "pw-for-tests-1")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
+        page.goto(f"{asgi_server}/operations/{op.pk}/")
+        expect(page.locator("#op-targets tbody tr")).to_contain_text("retry with drain on")
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "operation-retry-drain.png"), full_page=True)
+        page.get_by_test_id("retry-drain").click()
+        expect(page.get_by_label("drain each worker from its router while applying")).to_be_checked()
+        expect(page.locator("#kind")).to_have_value("detach")
+        expect(page.get_by_label("target busy")).to_be_checked()
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "launch-retry-drain.png"), full_page=True)
+        assert errors == []
+        browser.close()
