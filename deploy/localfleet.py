@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from deploy.demo_keys import delete_fleet_keys  # noqa: E402
 from engine.fleet.mooncake_master import MooncakeMaster  # noqa: E402
-from engine.fleet.router import router_command, worker_args  # noqa: E402
+from engine.fleet.router import ROUTER_FLAGS, router_command, worker_args  # noqa: E402
 
 PY = sys.executable
 TIERS = ("device", "host", "storage")
@@ -416,6 +416,7 @@ class LocalFleet:
                 "name": f"{self.label}-router",
                 "url": self.router_url,
                 "metrics_url": self.router_metrics_url,
+                "circuit_breaker": "--disable-circuit-breaker" not in ROUTER_FLAGS,
                 "policy": "cache_aware",
                 "mode": "pd" if self.pd else "regular",
             },

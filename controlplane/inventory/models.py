@@ -91,6 +91,12 @@ class Router(TimeStamped):
         help_text="The router's Prometheus endpoint (--prometheus-host/--prometheus-port, path /metrics); "
         "its circuit-breaker state is read from there",
     )
+    circuit_breaker = models.BooleanField(
+        default=True,
+        help_text="Whether the router runs its circuit breaker: false for one started with "
+        "--disable-circuit-breaker, as every router KVFleet starts is (its metrics still report each "
+        "breaker closed, so only this record can say it is off)",
+    )
     slo_ttft_p90_s = models.FloatField(
         null=True,
         blank=True,

@@ -38,16 +38,19 @@ def router_list() -> QuerySet:
 def router_breakers(router: Router) -> dict | None:
     """The router's circuit breakers, read live from its ``metrics_url``: {reachable, error, open (how many
     workers' breakers are open or half-open), workers: [{url, state, consecutive_failures}]}; None when the
-    record has no metrics_url. ``error`` never carries fetched text."""
+    record has no metrics_url. ``error`` never carries fetched text. A router run without its breaker
+    (``circuit_breaker`` false) is not read: {enabled: false, workers: []}; otherwise ``enabled`` is true."""
+    if not router.circuit_breaker:
+        return {"enabled": False, "reachable": None, "error": "", "open": None, "workers": []}
     if not router.metrics_url:
         return None
     try:
         workers = router_circuit_breakers(router.metrics_url)
     except WorkerError as exc:
         why = f"HTTP {exc.status}" if exc.status else "unreachable or not Prometheus text"
-        return {"reachable": False, "error": why, "open": None, "workers": []}
+        return {"enabled": True, "reachable": False, "error": why, "open": None, "workers": []}
     shut = sum(1 for w in workers if w["state"] in ("open", "half_open"))
-    return {"reachable": True, "error": "", "open": shut, "workers": workers}
+    return {"enabled": True, "reachable": True, "error": "", "open": shut, "workers": workers}
 
 
 def storage_profile_list() -> QuerySet:

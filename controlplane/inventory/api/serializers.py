@@ -62,6 +62,7 @@ class RouterSerializer(serializers.ModelSerializer):
             "mode",
             "policy",
             "metrics_url",
+            "circuit_breaker",
             "slo_ttft_p90_s",
             "slo_itl_p90_s",
             "worker_budget",

@@ -46,6 +46,7 @@ def test_router_api_shows_each_workers_breaker(api_as, metrics_url):
         for r in api_as("viewer").get("/api/v1/inventory/routers/").json()["results"]
     }
     assert rows["a"] == {
+        "enabled": True,
         "reachable": True,
         "error": "",
         "open": 1,
@@ -54,8 +55,28 @@ def test_router_api_shows_each_workers_breaker(api_as, metrics_url):
             {"url": "http://w2:30000", "state": "closed", "consecutive_failures": 0},
         ],
     }
-    assert rows["b"] == {"reachable": False, "error": "HTTP 404", "open": None, "workers": []}
+    assert rows["b"] == {
+        "enabled": True,
+        "reachable": False,
+        "error": "HTTP 404",
+        "open": None,
+        "workers": [],
+    }
     assert rows["c"] is None
     assert (
         api_as("viewer").get(f"/api/v1/inventory/routers/{good.pk}/").json()["circuit_breakers"]["open"] == 1
     )
+
+
+def test_a_router_run_without_its_breaker_says_so_rather_than_all_closed(api_as, metrics_url):
+    """A router run with --disable-circuit-breaker still reports each breaker closed: the record says off."""
+    off = RouterFactory(name="off", metrics_url=f"{metrics_url}/metrics", circuit_breaker=False)
+    got = api_as("viewer").get(f"/api/v1/inventory/routers/{off.pk}/").json()
+    assert got["circuit_breaker"] is False
+    assert got["circuit_breakers"] == {
+        "enabled": False,
+        "reachable": None,
+        "error": "",
+        "open": None,
+        "workers": [],
+    }
