@@ -30,7 +30,7 @@ import torch
 
 from engine.cache.host_pool import HostKVPool
 from engine.cache.io_backends import IOBackend
-from engine.cache.keys import page_hashes
+from engine.cache.keys import page_hashes, salted_namespace
 from engine.cache.prefetch_operation import PrefetchOperation
 from engine.cache.ranks import Reduce
 from engine.cache.stats import CacheStats
@@ -372,7 +372,8 @@ class HiCacheController:
         did not fill) and a revoke only for a hit below the threshold, so queue lengths match on every
         rank whenever the ranks have finished the same ops."""
         P = self.page_size
-        hashes = [] if op.terminated else page_hashes(op.token_ids, P, op.last_hash, self.namespace)
+        seed = salted_namespace(self.namespace, op.salt)
+        hashes = [] if op.terminated else page_hashes(op.token_ids, P, op.last_hash, seed)
         hit_pages = self._query_hits(op, hashes)
         hit_tokens = self.reduce_io("min", [hit_pages * P])[0]
         revoke = hit_tokens < self.prefetch_threshold

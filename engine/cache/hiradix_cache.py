@@ -36,7 +36,7 @@ from engine.cache.controller import (
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool, host_pool_tokens
 from engine.cache.io_backends import get_io_backend, resolve_layout
-from engine.cache.keys import page_hashes
+from engine.cache.keys import page_hashes, salted_namespace
 from engine.cache.policy import LOAD_BACK_THRESHOLD, CachePolicy
 from engine.cache.prefetcher import Prefetcher
 from engine.cache.radix_tree import HiRadixTree, TreeNode
@@ -199,15 +199,19 @@ class HiRadixCache(StorageAdminMixin):
         return key[: len(key) // self.page_size * self.page_size]
 
     # -- match / insert --------------------------------------------------------------------------------------
-    def match_prefix(self, token_ids) -> MatchResult:
-        """Longest cached prefix of ``token_ids`` (page-granular; may split a node; moves no data)."""
-        m = self.policy.match(self._key(token_ids))
+    def match_prefix(self, token_ids, salt: str | None = None) -> MatchResult:
+        """Longest cached prefix of ``token_ids`` in key space ``salt`` (page-granular; may split a node;
+        moves no data)."""
+        m = self.policy.match(self._key(token_ids), salt)
         values = m.device_values
         device_indices = torch.cat(values) if values else _EMPTY
         return MatchResult(device_indices, m.last_device_node, m.last_host_node, m.host_hit_length)
 
-    def insert(self, token_ids, device_indices: torch.Tensor, chunked: bool = False) -> InsertResult:
-        """Cache ``token_ids`` at ``device_indices`` (one slot per token, whole device pages).
+    def insert(
+        self, token_ids, device_indices: torch.Tensor, chunked: bool = False, salt: str | None = None
+    ) -> InsertResult:
+        """Cache ``token_ids`` in key space ``salt`` at ``device_indices`` (one slot per token, whole device
+        pages).
 
         Returns what was inserted (:class:`InsertResult`): the leading tokens already on device, the node
         ending the key and the key's L1 slots. Evicted nodes on the path are revived with the new slots
@@ -224,7 +228,7 @@ class HiRadixCache(StorageAdminMixin):
         if self.page_size > 1 and bool((value[:: self.page_size] % self.page_size).any()):
             raise ValueError("insert: device_indices are not whole device pages")
         # One copy the tree owns (the caller may overwrite its tensor); nodes keep views of it.
-        return InsertResult._make(self.policy.insert(key, value.clone(), count_hits=not chunked))
+        return InsertResult._make(self.policy.insert(key, value.clone(), not chunked, salt))
 
     # -- eviction --------------------------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
@@ -326,9 +330,12 @@ class HiRadixCache(StorageAdminMixin):
             self.controller.wait_layer(layer)
 
     # -- L3 -> L2 prefetch (the prefetcher's state) ----------------------------------------------------------
-    def prefetch_from_storage(self, rid: str, last_host_node: TreeNode, new_token_ids) -> None:
-        """Start fetching ``new_token_ids`` (following ``last_host_node``) from L3 (``Prefetcher.start``)."""
-        self.prefetcher.start(rid, last_host_node, new_token_ids)
+    def prefetch_from_storage(
+        self, rid: str, last_host_node: TreeNode, new_token_ids, salt: str | None = None
+    ) -> None:
+        """Start fetching ``new_token_ids`` (following ``last_host_node``, key space ``salt``) from L3
+        (``Prefetcher.start``)."""
+        self.prefetcher.start(rid, last_host_node, new_token_ids, salt)
 
     def check_prefetch_progress(self, rid: str) -> bool:
         """Whether ``rid`` may be scheduled; commits what arrived when it may (``Prefetcher.progress``)."""
@@ -404,14 +411,16 @@ class HiRadixCache(StorageAdminMixin):
 
     # -- L2 -> L3 --------------------------------------------------------------------------------------------
     def _ensure_hashes(self, node: TreeNode) -> None:
-        """Fill in missing page keys of ``node`` and its ancestors (chained from the root)."""
+        """Fill in missing page keys of ``node`` and its ancestors (chained from the root, whose children
+        seed the chain with their salt's namespace)."""
         missing = []
         while node.hash_value is None:
             missing.append(node)
             node = node.parent
         for part in reversed(missing):
             prior = part.parent.get_last_hash_value()
-            part.hash_value = page_hashes(part.key, self.page_size, prior, self.controller.namespace)
+            seed = salted_namespace(self.controller.namespace, part.salt)
+            part.hash_value = page_hashes(part.key, self.page_size, prior, seed)
 
     def _prefix_keys(self, node: TreeNode) -> list[str] | None:
         if not self.config.pass_prefix_keys:

@@ -6,7 +6,8 @@ key names a page *and its whole prefix*. The first page of a chain is seeded wit
 (model, KV dtype, host layout, page size, TP shard, KV producer: weights digest, quantization and compute
 dtype, :mod:`engine.model.loader.fingerprint`), so two models, checkpoints, quantizations, dtypes,
 layouts, page sizes or shards never share a key (a decision that differs from upstream:
-docs/architecture.md).
+docs/architecture.md). A request's ``cache_salt`` reseeds its chain (:func:`salted_namespace`), so requests
+with different salts never share a key either; without a salt the keys are the plain namespace's.
 
 The same function serves ``exists``/``get``/``set`` and the radix-tree nodes, so the prefetch path
 (re-hashing from a node's last key) and the tree reproduce identical chains.
@@ -66,6 +67,14 @@ def namespace_digest(
         )
     )
     return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+def salted_namespace(namespace: bytes, salt: str | None) -> bytes:
+    """The chain seed of requests with ``salt``: ``namespace`` itself for None, else
+    ``sha256(namespace || b"cache_salt=" || utf8(salt))`` (32 bytes)."""
+    if salt is None:
+        return namespace
+    return hashlib.sha256(namespace + b"cache_salt=" + salt.encode("utf-8")).digest()
 
 
 def _token_bytes(token_ids: Sequence[int] | torch.Tensor | np.ndarray) -> bytes:

@@ -113,12 +113,13 @@ class CachePolicy:
         return 1 if self.write_policy == "write_through" else 2
 
     # -- match / insert --------------------------------------------------------------------------------------
-    def match(self, key: list) -> TierMatch:
-        """Longest cached prefix of the unit-aligned ``key`` by tier (may split a node; moves no data)."""
+    def match(self, key: list, salt: str | None = None) -> TierMatch:
+        """Longest cached prefix of the unit-aligned ``key`` in key space ``salt`` (a request's
+        ``cache_salt``; None: the shared space) by tier (may split a node; moves no data)."""
         root = self.tree.root
         if not key:
             return TierMatch([], root, root, 0)
-        path, _ = self.tree.walk(key)
+        path, _ = self.tree.walk(key, salt=salt)
         values = [n.value for n in path if n.value is not None]
         node = deepest = path[-1] if path else root
         host_hit = 0
@@ -131,15 +132,17 @@ class CachePolicy:
             node = node.parent
         return TierMatch(values, last_device, node, host_hit)
 
-    def insert(self, key: list, value: Sequence, count_hits: bool = True) -> Inserted:
-        """Cache ``key`` at device slots ``value`` (one per unit, ``len(value) >= len(key)``, owned by the
-        tree from now on where it takes them).
+    def insert(
+        self, key: list, value: Sequence, count_hits: bool = True, salt: str | None = None
+    ) -> Inserted:
+        """Cache ``key`` in key space ``salt`` at device slots ``value`` (one per unit,
+        ``len(value) >= len(key)``, owned by the tree from now on where it takes them).
 
         Evicted nodes on the path are revived with the new slots (not counted as present); matched device
         nodes and the new leaf get a hit (unless ``count_hits`` is False: a partial chunk), which may start
         their write-through copy to L2.
         """
-        path, _ = self.tree.walk(key)
+        path, _ = self.tree.walk(key, salt=salt)
         pos = prefix = 0
         for node in path:
             length = len(node.key)
@@ -151,7 +154,7 @@ class CachePolicy:
             pos += length
         last = path[-1] if path else self.tree.root
         if pos < len(key):
-            last = self.tree.add_leaf(last, key[pos:], value[pos : len(key)])
+            last = self.tree.add_leaf(last, key[pos:], value[pos : len(key)], salt=salt)
             self.executor.node_added(last)
             self._hit(last, count_hits)
         return Inserted(prefix, last)
@@ -325,15 +328,21 @@ class CachePolicy:
         return host
 
     def commit_prefetch(
-        self, anchor: TreeNode, key: list, slots: Sequence, hashes: list | None = None
+        self,
+        anchor: TreeNode,
+        key: list,
+        slots: Sequence,
+        hashes: list | None = None,
+        salt: str | None = None,
     ) -> int:
-        """Insert the fetched ``key`` (at host ``slots``, L3 page keys ``hashes``) under ``anchor`` as
-        host-only nodes; returns the units already in the tree.
+        """Insert the fetched ``key`` (at host ``slots``, L3 page keys ``hashes``) under ``anchor`` in key
+        space ``salt`` (``anchor``'s own below the root) as host-only nodes; returns the units already in
+        the tree.
 
         Their fetched slots are freed, except that a node on the path without a host copy adopts them (host
         copies stay prefix-closed). Call :meth:`end_prefetch` afterwards.
         """
-        path, pos = self.tree.walk(key, start=anchor)
+        path, pos = self.tree.walk(key, start=anchor, salt=salt)
         per_page = self.tree.page_size
         start = 0
         for child in path:
@@ -348,7 +357,7 @@ class CachePolicy:
         if pos < len(key):
             parent = path[-1] if path else anchor
             page_keys = hashes[pos // per_page : len(key) // per_page] if hashes is not None else None
-            self.tree.add_leaf(parent, key[pos:], None, slots[pos : len(key)], page_keys)
+            self.tree.add_leaf(parent, key[pos:], None, slots[pos : len(key)], page_keys, salt)
         return pos
 
     def end_prefetch(self, anchor: TreeNode) -> None:

@@ -17,13 +17,15 @@ import torch
 
 @dataclass
 class PrefetchOperation:
-    """One request's prefetch: ``host_indices`` reserved for ``token_ids`` (page-aligned)."""
+    """One request's prefetch: ``host_indices`` reserved for ``token_ids`` (page-aligned); ``salt``: the
+    request's key space (seeds the L3 chain when ``last_hash`` is None)."""
 
     rid: str
     token_ids: list[int]
     host_indices: torch.Tensor
     last_hash: str | None
     prefix_keys: list[str] | None = None
+    salt: str | None = None
     start_time: float = field(default_factory=time.monotonic)
     hash_value: list[str] = field(default_factory=list)
     completed_tokens: int = 0

@@ -38,8 +38,9 @@ class Prefetcher:
         self.loaded: dict[str, int] = {}
         self.occupied_tokens = 0
 
-    def start(self, rid: str, last_host_node: TreeNode, new_token_ids) -> None:
-        """Start fetching the page-aligned ``new_token_ids`` (following ``last_host_node``) from L3.
+    def start(self, rid: str, last_host_node: TreeNode, new_token_ids, salt: str | None = None) -> None:
+        """Start fetching the page-aligned ``new_token_ids`` (following ``last_host_node``, in key space
+        ``salt``) from L3.
 
         Skipped without storage, below ``prefetch_threshold``, when prefetches already occupy half the
         host pool, when ``rid`` already prefetches, or when the host pool has no room.
@@ -60,7 +61,12 @@ class Prefetcher:
         if last_host_node is not cache.tree.root:
             cache._ensure_hashes(last_host_node)
         op = PrefetchOperation(
-            rid, tokens, host, last_host_node.get_last_hash_value(), cache._prefix_keys(last_host_node)
+            rid,
+            tokens,
+            host,
+            last_host_node.get_last_hash_value(),
+            cache._prefix_keys(last_host_node),
+            salt=salt,
         )
         self.ongoing[rid] = Prefetch(last_host_node, op)
         self.occupied_tokens += len(tokens)
@@ -91,7 +97,7 @@ class Prefetcher:
         completed = op.terminate()
         committed = cache.reduce("min", [completed])[0]
         matched = cache.policy.commit_prefetch(
-            entry.anchor, op.token_ids[:committed], op.host_indices[:committed], op.hash_value
+            entry.anchor, op.token_ids[:committed], op.host_indices[:committed], op.hash_value, op.salt
         )
         if completed > committed:
             cache.host_pool.free(op.host_indices[committed:completed])

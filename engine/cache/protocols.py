@@ -3,7 +3,9 @@ need from a prefix cache, with the contract written once here.
 
 :class:`engine.cache.hiradix_cache.HiRadixCache` implements it (with ``enable_hierarchical=False`` it is a
 plain L1 radix cache whose L2/L3 methods do nothing). Sizes are tokens; slot tensors are 1-D int64 L1 slot
-indices, one per token, in whole device pages. Every method runs on the scheduler thread.
+indices, one per token, in whole device pages. Every method runs on the scheduler thread. ``salt`` is a
+request's ``cache_salt``: requests with different salts never share a node or an L3 key; None is the shared
+key space.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ class PrefixCache(Protocol):
     device_allocator: PageAllocator
     tree: HiRadixTree
 
-    def match_prefix(self, token_ids) -> MatchResult:
+    def match_prefix(self, token_ids, salt: str | None = None) -> MatchResult:
         """Longest cached prefix of ``token_ids`` cut to whole pages: its L1 slots, the tokens after them
         that are only in L2 (``host_hit_length``), the deepest L1 node and the deepest node with an L2 copy
         (the anchor for load-back and prefetch). May split a node; moves no data; refreshes recency."""
 
-    def insert(self, token_ids, device_indices: torch.Tensor, chunked: bool = False) -> InsertResult:
+    def insert(
+        self, token_ids, device_indices: torch.Tensor, chunked: bool = False, salt: str | None = None
+    ) -> InsertResult:
         """Cache the whole pages of ``token_ids`` at ``device_indices`` (one slot per token) and return what
         was inserted: ``prefix_len`` leading tokens were already on device (the caller frees its own slots
         for them), ``last_node`` ends the key, ``device_indices`` are the key's L1 slots now. ``chunked``
@@ -63,7 +67,9 @@ class PrefixCache(Protocol):
     def evictable_size(self) -> int:
         """L1 tokens in unlocked nodes."""
 
-    def prefetch_from_storage(self, rid: str, last_host_node: TreeNode, new_token_ids) -> None:
+    def prefetch_from_storage(
+        self, rid: str, last_host_node: TreeNode, new_token_ids, salt: str | None = None
+    ) -> None:
         """Start fetching ``new_token_ids`` (the tokens after ``last_host_node``) from L3 into L2 for request
         ``rid``; a no-op without L3 or below the prefetch threshold."""
 

@@ -1,9 +1,12 @@
 """HiRadixTree: the page-granular radix tree behind the hierarchical cache (docs/upstream.md H1).
 
-Nodes carry the L1 location (``value``: device slots, None when evicted), the L2 location
-(``host_value``: host slots, None when not backed up) and per-page L3 keys (``hash_value``). The tree
-moves no KV data: it matches (splitting a node when a match ends inside it, always on a page boundary),
-adds nodes, keeps lock counts and device/host size accounting, and picks eviction victims by LRU or LFU.
+A request may carry a salt (``cache_salt``): the salt is part of every children-dict key of its nodes
+(``child_key``), so requests with different salts diverge at the root and never share a node; without a
+salt the keys are the plain pages, exactly as before salts existed. Nodes carry the L1 location
+(``value``: device slots, None when evicted), the L2 location (``host_value``: host slots, None when not
+backed up) and per-page L3 keys (``hash_value``). The tree moves no KV data: it matches (splitting a node
+when a match ends inside it, always on a page boundary), adds nodes, keeps lock counts and device/host size
+accounting, and picks eviction victims by LRU or LFU.
 
 Eviction candidates live in two lazy min-heaps (device leaves, host leaves). A node's priority only ever
 grows (access time and hit count increase), so a popped entry whose priority is stale is pushed back
@@ -36,9 +39,12 @@ class TreeNode:
         "creation_time",
         "id",
         "pending_write",
+        "salt",
     )
 
-    def __init__(self, node_id: int, key: list[int], parent: TreeNode | None, now: int) -> None:
+    def __init__(
+        self, node_id: int, key: list[int], parent: TreeNode | None, now: int, salt: str | None = None
+    ) -> None:
         self.children: dict = {}
         self.parent = parent
         self.key = key
@@ -52,6 +58,7 @@ class TreeNode:
         self.creation_time = now
         self.id = node_id
         self.pending_write: int | None = None
+        self.salt = salt  # the key space (cache_salt) of every request that shares this node
 
     @property
     def evicted(self) -> bool:
@@ -102,10 +109,12 @@ class HiRadixTree:
         self._host_heap: list = []
 
     # -- keys and matching ---------------------------------------------------------------------------------
-    def child_key(self, key: list[int], pos: int = 0):
-        """The children-dict key of the page of ``key`` starting at ``pos``: every child lookup, split and
-        insert goes through here, so a per-request key space (a salt) is added in this one place."""
-        return key[pos] if self.page_size == 1 else tuple(key[pos : pos + self.page_size])
+    def child_key(self, key: list[int], pos: int = 0, salt: str | None = None):
+        """The children-dict key of the page of ``key`` starting at ``pos`` in key space ``salt``: every
+        child lookup, split and insert goes through here. Without a salt it is the page itself (a token id,
+        or a tuple of ids); with one, ``(salt, page)``, which no unsalted page (ints only) can equal."""
+        page = key[pos] if self.page_size == 1 else tuple(key[pos : pos + self.page_size])
+        return page if salt is None else (salt, page)
 
     def _match_len(self, node_key: list[int], key: list[int], pos: int) -> int:
         n = min(len(node_key), len(key) - pos)
@@ -120,9 +129,11 @@ class HiRadixTree:
         self._clock += 1
         return self._clock
 
-    def walk(self, key: list[int], start: TreeNode | None = None) -> tuple[list[TreeNode], int]:
-        """Fully matched nodes on the path for page-aligned ``key`` below ``start`` (default: the root)
-        and the matched length.
+    def walk(
+        self, key: list[int], start: TreeNode | None = None, salt: str | None = None
+    ) -> tuple[list[TreeNode], int]:
+        """Fully matched nodes on the path for page-aligned ``key`` in key space ``salt`` below ``start``
+        (default: the root) and the matched length.
 
         A match ending inside a node splits it, so every returned node is matched entirely. Refreshes
         ``last_access_time`` of every returned node.
@@ -130,7 +141,7 @@ class HiRadixTree:
         now = self.tick()
         node, pos, path = start or self.root, 0, []
         while pos < len(key):
-            child = node.children.get(self.child_key(key, pos))
+            child = node.children.get(self.child_key(key, pos, salt))
             if child is None:
                 break
             m = self._match_len(child.key, key, pos)  # >= one page: the child key is the first page
@@ -153,7 +164,7 @@ class HiRadixTree:
                 f"split at {n} of a {len(child.key)}-token node is not on an inner page boundary"
             )
         parent = child.parent
-        upper = TreeNode(next(self._ids), child.key[:n], parent, child.creation_time)
+        upper = TreeNode(next(self._ids), child.key[:n], parent, child.creation_time, child.salt)
         upper.last_access_time = child.last_access_time
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
@@ -166,8 +177,8 @@ class HiRadixTree:
             pages = n // self.page_size
             upper.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
         child.key = child.key[n:]
-        parent.children[self.child_key(upper.key)] = upper
-        upper.children[self.child_key(child.key)] = child
+        parent.children[self.child_key(upper.key, 0, upper.salt)] = upper
+        upper.children[self.child_key(child.key, 0, child.salt)] = child
         child.parent = upper
         self.num_nodes += 1
         return upper
@@ -179,12 +190,16 @@ class HiRadixTree:
         value: torch.Tensor | None,
         host_value: torch.Tensor | None = None,
         hash_value: list[str] | None = None,
+        salt: str | None = None,
     ) -> TreeNode:
-        """New child of ``parent`` (no child may start with the same page)."""
-        node = TreeNode(next(self._ids), key, parent, self._clock)
+        """New child of ``parent`` in key space ``salt`` (the parent's own unless ``parent`` is the root; no
+        child may start with the same page in the same key space)."""
+        if parent is not self.root:
+            salt = parent.salt
+        node = TreeNode(next(self._ids), key, parent, self._clock, salt)
         node.host_value = host_value
         node.hash_value = hash_value
-        parent.children[self.child_key(key)] = node
+        parent.children[self.child_key(key, 0, salt)] = node
         self.num_nodes += 1
         if value is not None:
             self.set_device(node, value)
@@ -200,7 +215,7 @@ class HiRadixTree:
             self._account(node, -len(node.key))
             node.value = None
         parent = node.parent
-        del parent.children[self.child_key(node.key)]
+        del parent.children[self.child_key(node.key, 0, node.salt)]
         node.parent = None
         self.num_nodes -= 1
         self.push_device_candidate(parent)

@@ -14,7 +14,9 @@ release sequence is written once. Lifecycle of one request's KV (after SGLang's 
 * ``release``: insert what was computed (optional), free every slot the tree does not own, drop the lock.
 
 ``check_integrity`` asserts that every allocated L1 slot is owned exactly once, by the tree or by one live
-lease. All methods run on the scheduler thread.
+lease. All methods run on the scheduler thread. A request's ``salt`` (its ``cache_salt``) is given at
+``start_prefetch`` and ``admit``/``reserve`` and kept on the lease, so every match, prefetch and insert of
+the request stays in its key space.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class KVLease:
     reservation). Positions ``[0, prefix_len)`` belong to the radix tree and are protected by the lock on
     ``last_node``; the rest (whole pages) were allocated for this request. ``num_computed`` positions have
     their KV written (on a PD decode server 0 until the transfer lands). ``cached``: prefix tokens per tier.
+    ``salt``: the request's cache key space (None: shared).
     """
 
     rid: str
@@ -48,6 +51,7 @@ class KVLease:
     last_node: object
     num_computed: int = 0
     cached: dict = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    salt: str | None = None
 
 
 class KVManager:
@@ -60,15 +64,16 @@ class KVManager:
         self.leases: dict[str, KVLease] = {}
 
     # ----------------------------------------------------------------- L3 prefetch while queued
-    def start_prefetch(self, rid: str, key: list[int]) -> bool:
-        """Start an L3 -> L2 prefetch of the part of ``key`` in neither L1 nor L2; True when one started."""
+    def start_prefetch(self, rid: str, key: list[int], salt: str | None = None) -> bool:
+        """Start an L3 -> L2 prefetch of the part of ``key`` (key space ``salt``) in neither L1 nor L2;
+        True when one started."""
         if not self.hierarchical:
             return False
-        m = self.cache.match_prefix(key)
+        m = self.cache.match_prefix(key, salt)
         new_tokens = key[len(m.device_indices) + m.host_hit_length :]
         if not new_tokens:
             return False
-        self.cache.prefetch_from_storage(rid, m.last_host_node, new_tokens)
+        self.cache.prefetch_from_storage(rid, m.last_host_node, new_tokens, salt)
         return True
 
     def prefetch_ready(self, rid: str) -> bool:
@@ -81,16 +86,18 @@ class KVManager:
             self.cache.release_aborted_request(rid)
 
     # ----------------------------------------------------------------- admission
-    def admit(self, rid: str, key: list[int], reserve: int, load_back: bool = True) -> KVLease | None:
-        """Lease the cached prefix of ``key`` plus fresh pages up to ``reserve`` positions, or None (nothing
-        held) when L1 has no room even after eviction.
+    def admit(
+        self, rid: str, key: list[int], reserve: int, load_back: bool = True, salt: str | None = None
+    ) -> KVLease | None:
+        """Lease the cached prefix of ``key`` (key space ``salt``) plus fresh pages up to ``reserve``
+        positions, or None (nothing held) when L1 has no room even after eviction.
 
         The prefix is the L1 hit, plus its L2 part loaded back when ``load_back`` (its data is valid after
         ``cache.wait_layer``). ``cached`` splits the prefix into device / host / storage tokens (storage:
         prefetched pages that reached L1 through the load-back).
         """
         cache = self.cache
-        m = cache.match_prefix(key)
+        m = cache.match_prefix(key, salt)
         prefix, last = m.device_indices, m.last_device_node
         host = 0
         if self.hierarchical and load_back and m.host_hit_length > 0:
@@ -105,20 +112,21 @@ class KVManager:
         storage = min(cache.pop_prefetch_loaded_tokens(rid), host) if self.hierarchical and load_back else 0
         cached = {"device": int(m.device_indices.numel()), "host": host - storage, "storage": storage}
         n = int(prefix.numel())
-        lease = KVLease(rid, torch.cat([prefix.to(torch.int64), slots]), n, last, n, cached)
+        lease = KVLease(rid, torch.cat([prefix.to(torch.int64), slots]), n, last, n, cached, salt)
         self.leases[rid] = lease
         return lease
 
-    def reserve(self, rid: str, reserve: int) -> KVLease | None:
+    def reserve(self, rid: str, reserve: int, salt: str | None = None) -> KVLease | None:
         """Lease fresh pages for ``reserve`` positions with no prefix (the KV will be written into them by a
-        transfer; ``num_computed`` stays 0 until the caller records it), or None when L1 has no room."""
+        transfer; ``num_computed`` stays 0 until the caller records it), or None when L1 has no room.
+        ``salt``: the request's key space for its later insert."""
         root = self.cache.tree.root
         self.cache.inc_lock_ref(root)
         slots = self._alloc(self._pages(reserve))
         if slots is None:
             self.cache.dec_lock_ref(root)
             return None
-        lease = KVLease(rid, slots, 0, root)
+        lease = KVLease(rid, slots, 0, root, salt=salt)
         self.leases[rid] = lease
         return lease
 
@@ -140,7 +148,7 @@ class KVManager:
         """Insert the first ``num_computed`` positions of ``token_ids`` into the tree (``chunked``: a partial
         chunk, no hit counts), free the slots the tree already had, and re-lock at the new deepest node."""
         n = lease.num_computed
-        inserted = self.cache.insert(token_ids[:n], lease.indices[:n], chunked=chunked)
+        inserted = self.cache.insert(token_ids[:n], lease.indices[:n], chunked, lease.salt)
         if inserted.prefix_len > lease.prefix_len:
             self.cache.device_allocator.free(lease.indices[lease.prefix_len : inserted.prefix_len])
         new_prefix = inserted.device_indices
@@ -158,7 +166,7 @@ class KVManager:
         keep = lease.prefix_len
         n = lease.num_computed
         if insert and n > lease.prefix_len:
-            present = self.cache.insert(token_ids[:n], lease.indices[:n]).prefix_len
+            present = self.cache.insert(token_ids[:n], lease.indices[:n], salt=lease.salt).prefix_len
             if present > lease.prefix_len:
                 free(lease.indices[lease.prefix_len : present])
             keep = max(present, n // self.page_size * self.page_size)

@@ -43,7 +43,8 @@ class PDHooks:
 
     ``get(rid)``: the live request of that id, or None. ``queue(req)`` (P): a paired request joins the
     prefill queue. ``unqueue(req)`` (P): take a waiting request out of it (False if it was not waiting).
-    ``reserve(rid, positions)`` (D): L1 pages with no prefix (``KVManager.reserve``). ``start_decoding(req,
+    ``reserve(rid, positions, salt)`` (D): L1 pages with no prefix in the request's cache key space
+    (``KVManager.reserve``). ``start_decoding(req,
     tok)`` (D): ``req`` decodes from P's first token ``tok``. ``finish(req, reason, last_ids)``: end ``req``
     (its KV released, nothing inserted) and send its last event. ``on_failure(stage)``: a PD request failed,
     ``bootstrap`` or ``transfer`` (metrics).
@@ -53,7 +54,7 @@ class PDHooks:
     get: Callable[[str], Req | None]
     queue: Callable[[Req], None]
     unqueue: Callable[[Req], bool]
-    reserve: Callable[[str, int], KVLease | None]
+    reserve: Callable[[str, int, str | None], KVLease | None]
     start_decoding: Callable[[Req, int], None]
     finish: Callable[[Req, dict, list[int] | None], None]
     on_failure: Callable[[str], None]
@@ -222,7 +223,7 @@ class DecodeQueues:
                 continue
             if req.aborted:
                 continue  # its room turns Failed once P acknowledged the abort
-            lease = hooks.reserve(req.rid, len(req.input_ids) + req.params.max_new_tokens)
+            lease = hooks.reserve(req.rid, len(req.input_ids) + req.params.max_new_tokens, req.cache_salt)
             if lease is None:
                 break  # no room yet: later requests wait behind this one
             req.kv = lease

@@ -62,7 +62,7 @@ class PrefillManager:
             self.waiting.appendleft(req)
         else:
             self.waiting.append(req)
-        if self.kv.start_prefetch(req.rid, req.input_ids[:-1]):
+        if self.kv.start_prefetch(req.rid, req.input_ids[:-1], req.cache_salt):
             req.move(ReqState.PREFETCHING)
 
     def unqueue(self, req: Req) -> bool:
@@ -121,7 +121,8 @@ class PrefillManager:
     def _admit(self, req: Req) -> bool:
         """Lease the request's cached prefix (L2 part loaded back) and slots for prompt + its decode
         reservation; False if L1 has no room. The last prompt token is never matched."""
-        lease = self.kv.admit(req.rid, req.input_ids[:-1], len(req.input_ids) + self.decode_tokens(req))
+        reserve = len(req.input_ids) + self.decode_tokens(req)
+        lease = self.kv.admit(req.rid, req.input_ids[:-1], reserve, salt=req.cache_salt)
         if lease is None:
             return False
         req.kv = lease

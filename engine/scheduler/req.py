@@ -89,6 +89,8 @@ class Req:
     holds from admission to release (see ``KVLease``). ``bootstrap`` is set for a PD request. ``aborted`` is
     set when the client goes away while the request is in a batch or a PD queue (it is then finished at the
     next step). ``on_event`` is called on the scheduler thread and must only hand the event over.
+    ``cache_salt``: the request's cache key space (requests with different salts share no cached KV; None:
+    the shared space).
     """
 
     rid: str
@@ -107,6 +109,7 @@ class Req:
     last_token_at: float | None = None
     generator: torch.Generator | None = None
     health_check: bool = False  # a /health_generate probe: queued ahead of user requests
+    cache_salt: str | None = None
 
     def move(self, state: ReqState) -> None:
         """Go to ``state``; raises ``IllegalTransition`` when the table has no such edge."""

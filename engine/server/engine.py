@@ -206,9 +206,11 @@ class Engine:
         rid: str | None = None,
         health_check: bool = False,
         bootstrap: Bootstrap | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[ReqOutput]:
-        """Submit one request (a PD one with ``bootstrap``), yield its events up to the finished one; abort it
-        if the caller stops early. A ``health_check`` request is queued ahead of user requests."""
+        """Submit one request (a PD one with ``bootstrap``, in cache key space ``cache_salt``), yield its
+        events up to the finished one; abort it if the caller stops early. A ``health_check`` request is
+        queued ahead of user requests."""
         self.check_request(input_ids, params)  # also raises UnavailableError
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ReqOutput] = asyncio.Queue()
@@ -221,6 +223,7 @@ class Engine:
             lambda ev: loop.call_soon_threadsafe(put, ev),
             health_check=health_check,
             bootstrap=bootstrap,
+            cache_salt=cache_salt,
         )
         if params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(params.sampling_seed)
@@ -249,13 +252,14 @@ class Engine:
         rid: str | None = None,
         health_check: bool = False,
         bootstrap: Bootstrap | None = None,
+        cache_salt: str | None = None,
     ) -> dict:
         """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta"}``. Raises
         ``UnavailableError`` when the scheduler refused it (queue full) or ended before finishing it."""
         ids: list[int] = []
         meta: dict = {}
         reason = None
-        async for ev in self.stream(input_ids, params, rid, health_check, bootstrap):
+        async for ev in self.stream(input_ids, params, rid, health_check, bootstrap, cache_salt):
             ids.extend(ev.new_ids)
             meta.update(ev.meta)
             reason = ev.finish_reason

@@ -1,12 +1,13 @@
 """SGLang's native ``POST /generate``.
 
 Body (``schemas.GenerateReqInput``): exactly one of ``text`` (str or list of str) or ``input_ids`` (list of
-ints or list of lists), ``sampling_params``, ``stream``, ``rid``. Other upstream fields that routers forward
-(``log_metrics``, ``return_hidden_states``, ...) are accepted and have no effect; fields asking for output
-this engine cannot produce (``return_logprob``, ``input_embeds``) are a 400, and so is ``bootstrap_room`` on a
-worker that is not in PD mode, or a PD worker's request without valid ``bootstrap_host`` /
-``bootstrap_port`` / ``bootstrap_room`` (``Engine.bootstrap``). Text is tokenized on a worker thread, and a
-non-streaming request whose client disconnects is aborted.
+ints or list of lists), ``sampling_params``, ``stream``, ``rid``, ``cache_salt`` (a string for every prompt,
+or one per prompt: requests with different salts share no cached KV). Other upstream fields that routers
+forward (``log_metrics``, ``return_hidden_states``, ...) are accepted and have no effect; fields asking for
+output this engine cannot produce (``return_logprob``, ``input_embeds``) are a 400, and so is
+``bootstrap_room`` on a worker that is not in PD mode, or a PD worker's request without valid
+``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` (``Engine.bootstrap``). Text is tokenized on a
+worker thread, and a non-streaming request whose client disconnects is aborted.
 Response: ``{"text", "output_ids", "meta_info"}`` (a list for batched input). With ``stream`` the events are
 SSE frames carrying the cumulative text and ids (upstream default); the text only grows (a tail that could
 become a stop string waits for the next frame) and the stream ends with ``data: [DONE]``.
@@ -75,6 +76,15 @@ def parse_generate(
     return prompts, params, batched, bootstrap
 
 
+def _salts(salt, n: int, batched: bool) -> list[str | None]:
+    """One ``cache_salt`` per prompt: a string applies to every prompt; a list needs one per prompt."""
+    if not isinstance(salt, list):
+        return [salt] * n
+    if batched and len(salt) == n:
+        return list(salt)
+    raise HTTPError(400, "cache_salt must be a string or a list of strings, one per prompt")
+
+
 def _rids(rid, n: int, batched: bool) -> list[str | None]:
     """Request ids: a string for one prompt, a list of n strings for a batch (upstream); else generated."""
     if rid is None:
@@ -98,15 +108,17 @@ async def generate(request: Request):
     body = validated(GenerateReqInput, await json_body(request))
     prompts, params, batched, bootstrap = await asyncio.to_thread(parse_generate, engine, body)
     rids = _rids(body.get("rid"), len(prompts), batched)
+    salts = _salts(body.get("cache_salt"), len(prompts), batched)
     if body.get("stream"):
         if batched:
             raise HTTPError(400, "stream is not supported with batched input")
         return StreamingResponse(
-            _stream(engine, prompts[0], params[0], rids[0], bootstrap), media_type="text/event-stream"
+            _stream(engine, prompts[0], params[0], rids[0], bootstrap, salts[0]),
+            media_type="text/event-stream",
         )
     runs = (
-        engine.generate(p, sp, rid, bootstrap=bootstrap)
-        for p, sp, rid in zip(prompts, params, rids, strict=True)
+        engine.generate(p, sp, rid, bootstrap=bootstrap, cache_salt=salt)
+        for p, sp, rid, salt in zip(prompts, params, rids, salts, strict=True)
     )
     results = await until_disconnect(request, asyncio.gather(*runs))
     out = []
@@ -119,13 +131,18 @@ async def generate(request: Request):
 
 
 async def _stream(
-    engine: Engine, prompt: list[int], params: SamplingParams, rid: str | None, bootstrap: Bootstrap | None
+    engine: Engine,
+    prompt: list[int],
+    params: SamplingParams,
+    rid: str | None,
+    bootstrap: Bootstrap | None,
+    cache_salt: str | None,
 ):
     """One frame per scheduler event: all ids so far and the monotonic text (``StreamText``)."""
     ids: list[int] = []
     meta: dict = {}
     text = StreamText(engine, params)
-    async for ev in engine.stream(prompt, params, rid, bootstrap=bootstrap):
+    async for ev in engine.stream(prompt, params, rid, bootstrap=bootstrap, cache_salt=cache_salt):
         ids.extend(ev.new_ids)
         meta.update(ev.meta)
         if ev.finish_reason and ev.finish_reason.get("type") == "abort":

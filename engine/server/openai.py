@@ -13,7 +13,8 @@ is a 400 naming the client's field (``max_tokens`` or ``max_completion_tokens``,
 the SamplingParams one, and ``/v1/completions``' context-length error speaks of the prompt where the chat
 route's keeps upstream's "input messages". Prompts are tokenized and chat templates rendered on a worker
 thread, ``bootstrap_room`` is refused on a worker not in PD mode, and a non-streaming request whose client
-disconnects is aborted.
+disconnects is aborted. ``cache_salt`` puts the request in its own cache key space (requests with different
+salts share no cached KV).
 """
 
 from __future__ import annotations
@@ -111,9 +112,10 @@ def _usage(engine: Engine, prompt: list[int], n_out: int, meta: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- completions
-def _bootstrap(engine: Engine, body: dict) -> Bootstrap | None:
+def _submit_options(engine: Engine, body: dict) -> dict:
+    """The keyword arguments of ``Engine.stream``/``generate`` a body sets: its PD pairing and cache salt."""
     try:
-        return engine.bootstrap(body)
+        return {"bootstrap": engine.bootstrap(body), "cache_salt": body.get("cache_salt")}
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from None
 
@@ -123,7 +125,7 @@ async def completions(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
     body = validated(CompletionRequest, await json_body(request))
-    bootstrap = _bootstrap(engine, body)
+    options = _submit_options(engine, body)
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -135,17 +137,17 @@ async def completions(request: Request):
         raise HTTPError(400, "'prompt' must be a string or a list of token ids (one prompt per request)")
     if body.get("suffix"):
         raise HTTPError(400, "suffix is not supported")
-    params = _sampling_params(engine, body, ids, "max_tokens", "the prompt", bootstrap)
+    params = _sampling_params(engine, body, ids, "max_tokens", "the prompt", options["bootstrap"])
     echo = isinstance(prompt, str) and bool(body.get("echo"))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
     if body.get("stream"):
         include_usage = _include_usage(body)
         return StreamingResponse(
-            _stream_completion(engine, ids, params, base, prompt if echo else "", include_usage, bootstrap),
+            _stream_completion(engine, ids, params, base, prompt if echo else "", include_usage, options),
             media_type="text/event-stream",
         )
-    res = await until_disconnect(request, engine.generate(ids, params, bootstrap=bootstrap))
+    res = await until_disconnect(request, engine.generate(ids, params, **options))
     finish, matched = _check_abort(res["finish_reason"])
     text = engine.output_text(res["output_ids"], params, res["finish_reason"])
     choice = {
@@ -168,16 +170,16 @@ def _check_abort(reason: dict | None) -> tuple[str | None, object]:
 
 
 async def _stream_choices(
-    engine, ids, params, base, first: dict | None, content, include_usage: bool, bootstrap: Bootstrap | None
+    engine, ids, params, base, first: dict | None, content, include_usage: bool, options: dict
 ):
     """The SSE chunks of one streamed request: the opening choice ``first`` (when given), a choice per text
     delta carrying ``content(text)`` (``text`` or ``delta``), an error chunk on abort, the optional usage
-    chunk, then ``[DONE]``."""
+    chunk, then ``[DONE]``. ``options``: ``_submit_options``."""
     delta = StreamText(engine, params)
     n_out, meta = 0, {}
     if first is not None:
         yield sse({**base, "choices": [first]})
-    async for ev in engine.stream(ids, params, bootstrap=bootstrap):
+    async for ev in engine.stream(ids, params, **options):
         n_out += len(ev.new_ids)
         meta.update(ev.meta)
         finish, matched = _finish(ev.finish_reason)
@@ -207,10 +209,10 @@ async def _stream_choices(
     yield SSE_DONE
 
 
-def _stream_completion(engine, ids, params, base, echo_text: str, include_usage: bool, bootstrap):
+def _stream_completion(engine, ids, params, base, echo_text: str, include_usage: bool, options: dict):
     first = {"index": 0, "text": echo_text, "logprobs": None, "finish_reason": None} if echo_text else None
     return _stream_choices(
-        engine, ids, params, base, first, lambda text: {"text": text}, include_usage, bootstrap
+        engine, ids, params, base, first, lambda text: {"text": text}, include_usage, options
     )
 
 
@@ -255,19 +257,19 @@ async def chat_completions(request: Request):
     require_api_key(request)
     engine: Engine = request.app.state.engine
     body = validated(ChatCompletionRequest, await json_body(request))
-    bootstrap = _bootstrap(engine, body)
+    options = _submit_options(engine, body)
     ids = await asyncio.to_thread(_chat_prompt, engine, body)
     sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    params = _sampling_params(engine, body, ids, sent, "the input messages", bootstrap)
+    params = _sampling_params(engine, body, ids, sent, "the input messages", options["bootstrap"])
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name}
     if body.get("stream"):
         include_usage = _include_usage(body)
         base["object"] = "chat.completion.chunk"
         return StreamingResponse(
-            _stream_chat(engine, ids, params, base, include_usage, bootstrap), media_type="text/event-stream"
+            _stream_chat(engine, ids, params, base, include_usage, options), media_type="text/event-stream"
         )
-    res = await until_disconnect(request, engine.generate(ids, params, bootstrap=bootstrap))
+    res = await until_disconnect(request, engine.generate(ids, params, **options))
     finish, matched = _check_abort(res["finish_reason"])
     text = engine.output_text(res["output_ids"], params, res["finish_reason"])
     message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
@@ -282,14 +284,14 @@ async def chat_completions(request: Request):
     return JSONResponse({**base, "choices": [choice], "usage": usage})
 
 
-def _stream_chat(engine, ids, params, base, include_usage: bool, bootstrap):
+def _stream_chat(engine, ids, params, base, include_usage: bool, options: dict):
     first = {
         "index": 0,
         "delta": {"role": "assistant", "content": ""},
         "logprobs": None,
         "finish_reason": None,
     }
-    return _stream_choices(engine, ids, params, base, first, _chat_delta, include_usage, bootstrap)
+    return _stream_choices(engine, ids, params, base, first, _chat_delta, include_usage, options)
 
 
 def _chat_delta(text: str) -> dict:

@@ -8,15 +8,26 @@ the context, sampling values) stay in the routes and in ``SamplingParams``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from engine.scheduler.sampling_params import SamplingParams
 from engine.server.http_utils import HTTPError
 
 _BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+# A request's cache key space (upstream's ``cache_salt``): requests with different salts share no cached KV.
+CacheSalt = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 
 
 class _Body(BaseModel):
@@ -34,6 +45,7 @@ class GenerateReqInput(_Body):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    cache_salt: CacheSalt | list[CacheSalt] | None = None
 
 
 class _OpenAIRequest(_Body):
@@ -52,6 +64,7 @@ class _OpenAIRequest(_Body):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    cache_salt: CacheSalt | None = None
 
 
 class CompletionRequest(_OpenAIRequest):

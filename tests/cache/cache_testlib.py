@@ -67,7 +67,8 @@ def check_invariants(cache: HiRadixCache, held_host_tokens: int = 0) -> None:
     for node in tree.nodes():
         assert node.key and len(node.key) % P == 0
         parent = node.parent
-        assert parent.children[tree.child_key(node.key)] is node
+        assert parent.children[tree.child_key(node.key, 0, node.salt)] is node
+        assert parent is tree.root or node.salt == parent.salt, "a salt's subtree holds another salt"
         if node.value is not None:
             assert parent.value is not None, "device residency not prefix-closed"
             assert len(node.value) == len(node.key)
@@ -98,13 +99,13 @@ def check_invariants(cache: HiRadixCache, held_host_tokens: int = 0) -> None:
         assert cache.host_pool.used_size() == len(host_seen) + held_host_tokens
 
 
-def prefill(cache: HiRadixCache, token_ids: list[int], chunked: bool = False) -> int:
-    """What the scheduler does for one request, through its ``KVManager``: lease the device-hit prefix and
-    pages for the rest, compute their KV, cache the prefix (duplicate slots freed), release. Returns the
-    device-hit length. Raises when the device pool is full."""
+def prefill(cache: HiRadixCache, token_ids: list[int], chunked: bool = False, salt: str | None = None) -> int:
+    """What the scheduler does for one request (in key space ``salt``), through its ``KVManager``: lease the
+    device-hit prefix and pages for the rest, compute their KV, cache the prefix (duplicate slots freed),
+    release. Returns the device-hit length. Raises when the device pool is full."""
     kv = KVManager(cache)
     n = len(token_ids) // cache.page_size * cache.page_size
-    lease = kv.admit("prefill", token_ids, n, load_back=False)
+    lease = kv.admit("prefill", token_ids, n, load_back=False, salt=salt)
     assert lease is not None, "device pool full"
     hit = lease.prefix_len
     write_kv(cache.device_pool, token_ids[:n], lease.indices[hit:n], start=hit)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.cache.keys import namespace_digest, page_hashes
+from engine.cache.keys import namespace_digest, page_hashes, salted_namespace
 
 NS = namespace_digest("SmolLM2-135M", "bfloat16", "page_first", 4, 0, 1)
 
@@ -72,6 +72,16 @@ def test_namespace_separates_model_dtype_layout_page_size_shard_producer(change)
     assert set(page_hashes(toks, 4, None, other)).isdisjoint(
         page_hashes(toks, 4, None, namespace_digest(**base))
     )
+
+
+def test_cache_salt_reseeds_the_chain_and_no_salt_keeps_the_namespace():
+    toks = list(range(8))
+    assert salted_namespace(NS, None) is NS
+    a, b = salted_namespace(NS, "tenant-a"), salted_namespace(NS, "tenant-b")
+    assert a == hashlib.sha256(NS + b"cache_salt=tenant-a").digest()
+    assert len({NS, a, b}) == 3
+    chains = [page_hashes(toks, 4, None, seed) for seed in (NS, a, b)]
+    assert len({key for chain in chains for key in chain}) == 6  # no key shared across salts
 
 
 def test_replicated_kv_shares_keys_across_ranks_and_dtype_spelling():
