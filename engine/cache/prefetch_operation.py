@@ -25,7 +25,7 @@ class PrefetchOperation:
     host_indices: torch.Tensor
     last_hash: str | None
     prefix_keys: list[str] | None = None
-    salt: str | None = None
+    salt: str | None = field(default=None, repr=False)
     start_time: float = field(default_factory=time.monotonic)
     hash_value: list[str] = field(default_factory=list)
     completed_tokens: int = 0

@@ -51,7 +51,7 @@ class KVLease:
     last_node: object
     num_computed: int = 0
     cached: dict = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
-    salt: str | None = None
+    salt: str | None = field(default=None, repr=False)
 
 
 class KVManager:

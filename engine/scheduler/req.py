@@ -109,7 +109,7 @@ class Req:
     last_token_at: float | None = None
     generator: torch.Generator | None = None
     health_check: bool = False  # a /health_generate probe: queued ahead of user requests
-    cache_salt: str | None = None
+    cache_salt: str | None = field(default=None, repr=False)  # a tenant's secret: never logged
 
     def move(self, state: ReqState) -> None:
         """Go to ``state``; raises ``IllegalTransition`` when the table has no such edge."""

@@ -1,6 +1,6 @@
 """``cache_salt`` over HTTP on one worker with a file L3: requests with different salts share no cached KV in
 any tier (L1, L2, and L3 after a flush of L1/L2) and still produce the same greedy output; the same salt
-gets the hits; both OpenAI routes carry the salt; a bad salt is a 400 naming the field."""
+gets the hits; both OpenAI routes carry the salt; a bad salt is a 400 naming the field, not echoing it."""
 
 from __future__ import annotations
 
@@ -108,3 +108,4 @@ def test_bad_salt_is_a_400_naming_the_field(worker, salt):
     assert resp.status_code == 400 and "cache_salt" in resp.text
     resp = client.post("/v1/completions", json={"prompt": PROMPT[:20], "cache_salt": salt})
     assert resp.status_code == 400 and "cache_salt" in resp.text
+    assert not isinstance(salt, str) or not salt or salt not in resp.text  # a secret: never echoed
