@@ -20,3 +20,47 @@ class AuditEventFilter(django_filters.FilterSet):
 def audit_event_list(*, filters: dict | None = None) -> QuerySet:
     qs = AuditEvent.objects.select_related("actor").all()
     return AuditEventFilter(filters or {}, queryset=qs).qs
+
+
+def _described(kind: str, worker, profile_id: int | None, revision_id: int | None) -> tuple[str, str]:
+    """(what the worker runs now, what the revert would leave) for a restore of `kind`, in words."""
+    if kind == "apply_config":
+        now = f"config revision #{worker.config_revision_id}" if worker.config_revision_id else "no revision"
+        return now, f"config revision #{revision_id}"
+    now = worker.storage_backend or "none"
+    if worker.storage_backend and worker.storage_profile is not None:
+        now = f"{worker.storage_backend} ({worker.storage_profile.name})"
+    if kind == "detach":
+        return now, "none"
+    from controlplane.inventory.models import StorageProfile
+
+    profile = StorageProfile.objects.filter(pk=profile_id).first()
+    return now, f"{profile.backend} ({profile.name})" if profile else f"storage profile #{profile_id}"
+
+
+def revert_changes(*, event: AuditEvent) -> list[dict]:
+    """What "Revert to this" would change now: per worker of the record's restore pointer whose live inventory
+    state differs from the recorded one, {worker_id, worker, now, after} (words); [] when the record has no
+    restore pointer or the revert would change nothing."""
+    from controlplane.inventory.models import EngineWorker
+
+    restore = (event.extra or {}).get("restore") or {}
+    kind, profile_id, revision_id = (
+        restore.get("kind"),
+        restore.get("storage_profile_id"),
+        restore.get("revision_id"),
+    )
+    workers = EngineWorker.objects.select_related("storage_profile").filter(
+        pk__in=restore.get("worker_ids") or []
+    )
+    out = []
+    for worker in workers.order_by("name"):
+        same = {
+            "apply_config": worker.config_revision_id == revision_id,
+            "detach": not worker.storage_backend,
+            "attach": bool(worker.storage_backend) and worker.storage_profile_id == profile_id,
+        }.get(kind, True)
+        if not same:
+            now, after = _described(kind, worker, profile_id, revision_id)
+            out.append({"worker_id": worker.pk, "worker": worker.name, "now": now, "after": after})
+    return out

@@ -190,14 +190,9 @@ def test_operator_console_end_to_end(  # noqa: PLR0915
             "[...document.querySelectorAll('#audit-filter > *')].map(e => e.getBoundingClientRect().bottom)"
         )
         assert len(set(page.evaluate(bottoms))) == 1  # every filter and its buttons on one line
-        rows.first.get_by_role("button", name="Revert to this").click()  # asks first, per worker
-        expect(dialog).to_be_visible()
-        expect(dialog.locator("#confirm-rows tr")).to_have_count(1)
-        expect(dialog.locator("#confirm-rows tr")).to_contain_text("mooncake (mooncake-prod)")
-        assert operation_count(asgi_server, admin_token) == 1
-        page.keyboard.press("Escape")
-        expect(dialog).to_be_hidden()
-        assert operation_count(asgi_server, admin_token) == 1
+        # both workers still run what these records recorded: a revert would change nothing, none is offered
+        # (the offered case: tests/browser/test_audit_page.py)
+        expect(rows.get_by_role("button", name="Revert to this")).to_have_count(0)
 
         # Storage, host and router pages.
         page.goto(asgi_server + "/storage/")

@@ -218,7 +218,15 @@ def operation_create_from_audit(*, event: AuditEvent, actor, reason: str = "") -
     restore = (event.extra or {}).get("restore")
     if not restore:
         raise ApplicationError("this audit record has no revision to revert to", code="not_revertible")
-    workers = list(EngineWorker.objects.filter(pk__in=restore.get("worker_ids", [])))
+    from controlplane.audit.selectors import revert_changes
+
+    changing = [c["worker_id"] for c in revert_changes(event=event)]
+    if not changing:
+        raise ApplicationError(
+            f"audit record {event.pk}: every worker already runs the state it recorded; nothing to revert",
+            code="nothing_to_revert",
+        )
+    workers = list(EngineWorker.objects.filter(pk__in=changing))
     from controlplane.configs.models import ConfigRevision
     from controlplane.inventory.models import StorageProfile
 

@@ -39,7 +39,7 @@ def _operation():
 def _revertible_event():
     from controlplane.audit.services import audit_record
 
-    worker = EngineWorkerFactory()
+    worker = EngineWorkerFactory(storage_backend="file")  # attached since: the revert detaches it
     return audit_record(
         action="detach", obj=worker, extra={"restore": {"kind": "detach", "worker_ids": [worker.pk]}}
     )

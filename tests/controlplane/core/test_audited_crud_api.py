@@ -309,7 +309,7 @@ def test_worker_list_filters_orders_and_paginates(api_as):
 def test_audit_log_filters_and_revert_creates_an_operation(api_as):
     from controlplane.audit.services import audit_record
 
-    worker = EngineWorkerFactory(name="wx")
+    worker = EngineWorkerFactory(name="wx", storage_backend="file")  # attached since the detach it records
     event = audit_record(
         action="detach", obj=worker, extra={"restore": {"kind": "detach", "worker_ids": [worker.pk]}}
     )
@@ -317,6 +317,9 @@ def test_audit_log_filters_and_revert_creates_an_operation(api_as):
     client = api_as("operator")
     rows = client.get("/api/v1/audit/events/?action=detach").json()["results"]
     assert [r["id"] for r in rows] == [event.pk] and rows[0]["revertible"] is True
+    assert rows[0]["revert_changes"] == [
+        {"worker_id": worker.pk, "worker": "wx", "now": "file", "after": "none"}
+    ]
     reverted = client.post(f"/api/v1/audit/events/{event.pk}/revert/", {"reason": "roll back"}, format="json")
     assert reverted.status_code == 201 and reverted.json()["kind"] == "detach"
     plain = AuditEvent.objects.get(action="create", object_type="inventory.host")
@@ -324,3 +327,21 @@ def test_audit_log_filters_and_revert_creates_an_operation(api_as):
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "not_revertible"
     with pytest.raises(ValueError, match="append-only"):
         plain.delete()
+
+
+def test_revert_to_a_state_every_worker_already_runs_is_not_offered_and_refused(api_as):
+    """A detach record whose worker is still detached: the revert would change nothing."""
+    from controlplane.audit.services import audit_record
+
+    worker = EngineWorkerFactory(name="wy", storage_backend="")
+    event = audit_record(
+        action="detach", obj=worker, extra={"restore": {"kind": "detach", "worker_ids": [worker.pk]}}
+    )
+    client = api_as("operator")
+    row = client.get(f"/api/v1/audit/events/{event.pk}/").json()
+    assert row["revertible"] is False and row["revert_changes"] == []
+    refused = client.post(f"/api/v1/audit/events/{event.pk}/revert/", {}, format="json")
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "nothing_to_revert"
+    from controlplane.operations.models import Operation
+
+    assert not Operation.objects.exists()

@@ -47,22 +47,11 @@ KV.ready(function () {
       KV.$("#audit-empty").hidden = tbody.children.length > 0;
     });
   }
-  function restoredTo(restore, profiles) {
-    if (restore.kind === "attach") { var p = profiles[restore.storage_profile_id]; return p ? p.backend + " (" + p.name + ")" : "storage profile #" + restore.storage_profile_id; }
-    if (restore.kind === "detach") return "none (detached)";
-    return "config revision #" + restore.revision_id;
-  }
-  function revert(e) {
-    var restore = e.extra.restore, ids = restore.worker_ids || [];
-    return Promise.all([KV.api("GET", "/api/v1/inventory/workers/?limit=500"), KV.api("GET", "/api/v1/inventory/storage-profiles/?limit=500")]).then(function (r) {
-      var profiles = {};
-      r[1].results.forEach(function (p) { profiles[p.id] = p; });
-      var rows = r[0].results.filter(function (w) { return ids.indexOf(w.id) >= 0; }).map(function (w) {
-        var now = restore.kind === "apply_config" ? (w.config_revision ? "config revision #" + w.config_revision : "no revision applied") : (w.storage_backend || "none");
-        return { worker: w.name, before: now, after: restoredTo(restore, profiles) };
-      });
-      return KV.confirm({ title: "Revert to the state of record #" + e.id + "?", confirmLabel: "Launch revert",
-        text: "This launches a new " + (KV.KIND_LABELS[restore.kind] || restore.kind) + " operation on " + rows.length + " worker(s).", rows: rows });
+  function revert(e) {  /* the server's revert_changes: only the workers the revert would change, now -> after */
+    var restore = e.extra.restore, rows = e.revert_changes.map(function (c) { return { worker: c.worker, before: c.now, after: c.after }; });
+    return KV.confirm({ title: "Revert to the state of record #" + e.id + "?", confirmLabel: "Launch revert",
+      text: "This launches a new " + (KV.KIND_LABELS[restore.kind] || restore.kind) + " operation that changes " + rows.length +
+        " worker(s) as listed; workers already in the recorded state are left alone.", rows: rows
     }).then(function (ok) {
       if (!ok) return;
       return KV.api("POST", "/api/v1/audit/events/" + e.id + "/revert/", { reason: "revert to audit record #" + e.id }).then(function (op) { location.href = "/operations/" + op.id + "/"; });

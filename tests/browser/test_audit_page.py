@@ -1,0 +1,49 @@
+"""The audit page in real headless Chromium (Playwright) at 1280 px against daphne: each row shows its record
+id (the id the revert dialog cites), and "Revert to this" is offered only where it would change a worker,
+its dialog listing exactly those workers, now -> after."""
+
+import os
+
+import pytest
+from cp_factories import EngineWorkerFactory
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in
+
+from controlplane.audit.services import audit_record
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
+
+
+def test_revert_is_offered_only_where_it_changes_a_worker(asgi_server, monkeypatch):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    attached = EngineWorkerFactory(name="attached-since", storage_backend="file")
+    detached = EngineWorkerFactory(name="still-detached", storage_backend="")
+    events = {
+        w.name: audit_record(
+            action="detach", obj=w, extra={"restore": {"kind": "detach", "worker_ids": [w.pk]}}
+        )
+        for w in (attached, detached)
+    }
+    console_user("gates", "operator", "pw-for-tests-1")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
+        page.goto(f"{asgi_server}/audit/?action=detach")
+        changed = page.locator("#audit tbody tr", has_text="attached-since")
+        same = page.locator("#audit tbody tr", has_text="still-detached")
+        expect(changed.get_by_test_id("record-id")).to_contain_text(f"record #{events['attached-since'].pk}")
+        expect(same.get_by_role("button", name="Revert to this")).to_have_count(0)
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "audit-revert.png"), full_page=True)
+        changed.get_by_role("button", name="Revert to this").click()
+        dialog = page.locator("#confirm")
+        expect(dialog).to_contain_text(f"record #{events['attached-since'].pk}")
+        expect(dialog.locator("#confirm-rows tr")).to_have_count(1)
+        expect(dialog.locator("#confirm-rows tr")).to_have_text("attached-sincefilenone")
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "audit-revert-dialog.png"))
+        assert errors == []
+        browser.close()
