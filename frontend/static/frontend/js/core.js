@@ -149,6 +149,9 @@
     KV.$("#confirm-column").textContent = opts.column || "Worker";
     KV.replaceRows(tbody, KV.$("#tpl-confirm-row"), opts.rows || []);
     KV.$("#confirm-table").hidden = !(opts.rows && opts.rows.length);
+    /* opts.reason: ask for one; the caller reads what was typed with KV.confirmReason() */
+    KV.$("#confirm-reason-label").hidden = !opts.reason;
+    KV.$("#confirm-reason").value = "";
     return new Promise(function (resolve) {
       function done(ok) { dlg.removeEventListener("close", onClose); if (dlg.open) dlg.close(); resolve(ok); }
       function onClose() { done(dlg.returnValue === "ok"); }
@@ -158,6 +161,7 @@
       KV.$("#confirm-cancel").focus();
     });
   };
+  KV.confirmReason = function () { return KV.$("#confirm-reason").value.trim(); };
   KV.show = function (v) {
     if (v == null || v === "") return "none";
     return typeof v === "object" ? JSON.stringify(v) : String(v);

@@ -189,9 +189,9 @@ KV.ready(function () {
     button.addEventListener("click", function () {
       var a = ACTIONS[button.dataset.action];
       clearError();
-      KV.confirm({ title: a.title + " (#" + rb.id + ")", text: a.text, confirmLabel: a.label, rows: stepRowsFor(button.dataset.action) }).then(function (ok) {
-        if (!ok) return;
-        KV.api("POST", "/api/v1/rebalances/" + rb.id + "/" + button.dataset.action + "/", { reason: "from the console" })
+      KV.confirm({ title: a.title + " (#" + rb.id + ")", text: a.text, confirmLabel: a.label, rows: stepRowsFor(button.dataset.action), reason: true }).then(function (ok) {
+        if (!ok) return;  /* the audit record keeps what the operator typed (empty when nothing was) */
+        KV.api("POST", "/api/v1/rebalances/" + rb.id + "/" + button.dataset.action + "/", { reason: KV.confirmReason() })
           .then(function () { refreshRb(); }).catch(showError);
       });
     });

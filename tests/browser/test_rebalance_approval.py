@@ -1,0 +1,51 @@
+"""A per-step rebalance approved from its page, in real headless Chromium (Playwright) at 1280 px against
+daphne: the confirmation asks for a reason, and the audit record of the approval keeps what was typed (it was
+a fixed "from the console")."""
+
+import os
+
+import pytest
+from cp_factories import EngineWorkerFactory, RouterFactory
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in
+
+from controlplane.audit.models import AuditEvent
+from controlplane.rebalance.models import Rebalance, RebalanceStep
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
+
+
+def test_an_approval_keeps_the_reason_the_operator_typed(asgi_server, fake_router, monkeypatch):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    router = RouterFactory(name="pd-approve", url=fake_router.url, mode="pd")
+    p1 = EngineWorkerFactory(name="p1", router=router, role="prefill")
+    EngineWorkerFactory(name="d1", router=router, role="decode")
+    user = console_user("gates", "operator", "pw-for-tests-1")
+    rb = Rebalance.objects.create(
+        router=router, before_prefill=1, before_decode=1, target_prefill=0, target_decode=2, soak_s=5,
+        idle_timeout_s=60, state="awaiting_approval", approval="per_step", created_by=user,
+    )  # fmt: skip
+    RebalanceStep.objects.create(rebalance=rb, index=0, worker=p1, from_role="prefill", to_role="decode")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
+        page.goto(f"{asgi_server}/routers/{router.pk}/rebalance/?rebalance={rb.pk}")
+        page.get_by_role("button", name="Approve next step").click()
+        dialog = page.locator("#confirm")
+        dialog.get_by_label("Reason (kept in the audit log)").fill("decode queue growing since 14:00")
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "rebalance-approve-dialog.png"))
+        dialog.get_by_role("button", name="Approve").click()
+        expect(dialog).to_be_hidden()
+        record = None
+        for _ in range(50):  # the POST is in flight: poll the record it writes
+            record = AuditEvent.objects.filter(action="rebalance_approve").first()
+            if record:
+                break
+            page.wait_for_timeout(100)
+        assert record is not None and record.message == "decode queue growing since 14:00"
+        assert errors == []
+        browser.close()
