@@ -278,7 +278,6 @@ SPECTACULAR_SETTINGS = {
     "SCHEMA_PATH_PREFIX": r"/api/v1",
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
-    "REDOC_DIST": "SIDECAR",
     "ENUM_NAME_OVERRIDES": {
         "RouterPolicyEnum": "controlplane.inventory.models.RouterPolicy",
         "OperationPolicyEnum": "controlplane.operations.models.Policy",
