@@ -245,3 +245,8 @@ class RebalanceStep(models.Model):
 
     def __str__(self) -> str:
         return f"{self.rebalance_id}/{self.index} {self.worker.name} {self.from_role}->{self.to_role}"
+
+    @property
+    def number(self) -> int:
+        """The step's number as every text, table and dialog shows it: 1 for the first (``index`` + 1)."""
+        return self.index + 1

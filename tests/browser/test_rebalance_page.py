@@ -186,7 +186,7 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):  # noq
         RebalanceStep.objects.create(
             rebalance=rb1, index=0, worker=workers[1], from_role="prefill", to_role="decode"
         )
-        rebalance_transition(rb1, to="awaiting_approval", explanation="step 0 waits for approval")
+        rebalance_transition(rb1, to="awaiting_approval", explanation="step 1 waits for approval")
         expect(page.get_by_test_id("rb-title")).to_have_text(f"#{rb1.pk}")
         expect(page.get_by_test_id("rb-state")).to_have_text("awaiting approval")
         page.get_by_role("button", name="Approve next step").click()

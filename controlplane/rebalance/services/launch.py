@@ -214,7 +214,7 @@ def rebalance_approve(*, rb: Rebalance, actor, reason: str = "") -> Rebalance:
         nxt = rb.steps.filter(state=S.PENDING).order_by("index").first()
         approved = nxt.index + 1 if nxt is not None else rb.approved_steps
         rebalance_transition(
-            rb, to=R.RUNNING, approved_steps=approved, explanation=f"step {approved - 1} approved; running"
+            rb, to=R.RUNNING, approved_steps=approved, explanation=f"step {approved} approved; running"
         )
         _audit_action(rb, "approve", actor, reason, before)
         enqueue_advance(rb.pk)

@@ -92,14 +92,14 @@ def _run(rb: Rebalance) -> float | None:
     nxt = pending[0]
     if rb.pause_requested:
         rebalance_transition(
-            rb, to=R.PAUSED, pause_requested=False, explanation=f"paused before step {nxt.index}"
+            rb, to=R.PAUSED, pause_requested=False, explanation=f"paused before step {nxt.number}"
         )
         return None
     if rb.approval == Approval.PER_STEP and nxt.index >= rb.approved_steps:
         rebalance_transition(
             rb,
             to=R.AWAITING_APPROVAL,
-            explanation=f"step {nxt.index} ({nxt.worker.name}: {nxt.from_role} -> {nxt.to_role}) waits for "
+            explanation=f"step {nxt.number} ({nxt.worker.name}: {nxt.from_role} -> {nxt.to_role}) waits for "
             "approval",
         )
         return None
@@ -112,9 +112,9 @@ def _cancel(steps: list[RebalanceStep], why: str) -> None:
 
 
 def _after_failure(rb: Rebalance, steps: list[RebalanceStep], failed: RebalanceStep) -> float | None:
-    _cancel([s for s in steps if s.state == S.PENDING], f"not run: step {failed.index} failed")
+    _cancel([s for s in steps if s.state == S.PENDING], f"not run: step {failed.number} failed")
     done = [s.index for s in steps if s.state == S.SUCCEEDED]
-    cause = f"step {failed.index} ({failed.worker.name}) {failed.state}: {failed.explanation}"
+    cause = f"step {failed.number} ({failed.worker.name}) {failed.state}: {failed.explanation}"
     if done and not rb.rollback:
         rebalance_transition(
             rb,

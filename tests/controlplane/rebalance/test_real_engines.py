@@ -368,7 +368,7 @@ def test_two_steps_pause_between_them_and_approve_each(fleet, inventory, api_as)
         assert [s.state for s in rb.steps.order_by("index")] == ["succeeded", "pending"]
         op.post(f"/api/v1/rebalances/{rb_id}/resume/")
         rb = _wait_state(rb_id, {"awaiting_approval", "succeeded", "rolled_back", "failed", "aborted"})
-        assert rb.state == "awaiting_approval" and "step 1" in rb.explanation
+        assert rb.state == "awaiting_approval" and "step 2 (" in rb.explanation  # the second, as shown
         op.post(f"/api/v1/rebalances/{rb_id}/approve/")
         rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
     traffic.check()

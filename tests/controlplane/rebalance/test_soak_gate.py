@@ -47,3 +47,18 @@ def test_a_soak_with_an_slo_names_the_thresholds_it_held(fake_worker, fake_route
     step = _soaked(fake_worker, fake_router, personas, {"max_ttft_s": 0.5, "max_itl_s": None})
     assert step.state == "succeeded", step.explanation
     assert step.explanation.endswith("served 5s within SLO (TTFT p90 ≤ 0.5 s)")
+
+
+def test_a_step_is_numbered_from_1_in_the_rebalances_own_text(fake_router, personas):
+    """The page's table and dialogs number steps from 1: the rebalance's explanation names the same number."""
+    router = RouterFactory(name="pd", url=fake_router.url, mode="pd")
+    row = EngineWorker.objects.create(name="w0", url="http://w0.local:30000", router=router, role="decode")
+    rb = Rebalance.objects.create(
+        router=router, before_prefill=1, before_decode=2, target_prefill=2, target_decode=1, soak_s=5,
+        idle_timeout_s=60, state="running", approval="per_step", created_by=personas["operator"][0],
+    )  # fmt: skip
+    RebalanceStep.objects.create(rebalance=rb, index=0, worker=row, from_role="decode", to_role="prefill")
+    rebalance_advance(rebalance_id=rb.pk)
+    rb.refresh_from_db()
+    assert rb.state == "awaiting_approval"
+    assert rb.explanation == "step 1 (w0: decode -> prefill) waits for approval"
