@@ -29,6 +29,7 @@ def test_a_router_without_its_breaker_shows_it_off(asgi_server, fake_router, mon
         expect(breakers).to_contain_text("runs without a circuit breaker")
         expect(breakers).not_to_contain_text("closed")
         expect(page.locator("#router-workers tbody tr td").nth(5)).to_have_text("off")
+        expect(page.locator("#router-workers tbody tr td").nth(6)).to_have_text("–")  # no count is read
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
         if SHOTS:
             page.screenshot(path=os.path.join(SHOTS, "router-breaker-off.png"), full_page=True)
