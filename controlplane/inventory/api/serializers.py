@@ -42,7 +42,8 @@ class BreakerWorkerSerializer(serializers.Serializer):
 
 
 class BreakersSerializer(serializers.Serializer):
-    reachable = serializers.BooleanField()
+    enabled = serializers.BooleanField(help_text="false: the router runs without its circuit breaker")
+    reachable = serializers.BooleanField(allow_null=True, help_text="null: breaker off, not read")
     error = serializers.CharField(allow_blank=True)
     open = serializers.IntegerField(allow_null=True, help_text="workers whose breaker is open or half-open")
     workers = BreakerWorkerSerializer(many=True)
