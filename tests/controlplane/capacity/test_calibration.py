@@ -29,7 +29,7 @@ TRAFFIC = ["--concurrency", "1", "--conversations", "4", "--turns", "3", "--docu
 
 
 def _scrape(worker) -> None:
-    metrics_ingest(worker=worker, text=workerclient.WorkerClient(worker.url).metrics_text())
+    metrics_ingest(worker_id=worker.pk, text=workerclient.WorkerClient(worker.url).metrics_text())
 
 
 def test_whatif_at_the_live_configuration_matches_what_the_workers_measured():
