@@ -36,11 +36,12 @@ class ExtensionUnavailable(RuntimeError):
 
 def build_directory() -> Path:
     """``$KVFLEET_EXTENSIONS_DIR`` or ``<sys.prefix>/kvfleet-ext`` (the venv's), then
-    ``torch-<version>-<hash>`` of the sources and of the path torch is imported from (its headers' path is
-    in the build file, so checkouts that reach one venv through different paths, or hold different
+    ``torch-<version>-<hash>`` of the sources, of their folder and of the path torch is imported from (both
+    paths are in the build file, so checkouts that reach one venv through different paths, or hold different
     sources, each build once instead of rebuilding over each other)."""
     root = os.environ.get("KVFLEET_EXTENSIONS_DIR") or Path(sys.prefix) / "kvfleet-ext"
-    key = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + str(Path(torch.__file__).parent).encode()
+    paths = f"{Path(torch.__file__).parent}\0{FUSED.resolve()}"
+    key = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + paths.encode()
     digest = hashlib.sha256(key).hexdigest()[:12]
     return Path(root) / f"torch-{torch.__version__}-{digest}"
 
