@@ -26,7 +26,7 @@ def test_eos_stops_unless_ignore_eos(make_engine):
     engine = make_engine()
     greedy = run_requests(engine, [PROMPT], max_new_tokens=12)[0]["ids"]
     eos = greedy[2]
-    engine.scheduler.config.eos_token_ids = (eos,)
+    engine.scheduler.decode.eos_token_ids = (eos,)  # the stop rule lives in the DecodeManager
     stopped = run_requests(engine, [PROMPT], max_new_tokens=12)[0]
     assert stopped["ids"] == greedy[: greedy.index(eos) + 1] and stopped["reason"]["matched"] == eos
     ignored = run_requests(engine, [PROMPT], max_new_tokens=12, ignore_eos=True)[0]
