@@ -1,23 +1,30 @@
 """Every error under /api/ is the JSON envelope, database failures included (never Django's HTML 500)."""
 
+from contextlib import contextmanager
+
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 
 pytestmark = pytest.mark.django_db
 
 
-def _rename(table: str, to: str) -> None:
+@contextmanager
+def _table_missing(table: str):
+    """``table`` renamed away for the block: a real "no such table" from the database. Undone by rolling
+    back to a savepoint, which on PostgreSQL also ends the aborted state the failed query leaves."""
+    savepoint = transaction.savepoint()
     with connection.cursor() as cursor:
-        cursor.execute(f'ALTER TABLE "{table}" RENAME TO "{to}"')
+        cursor.execute(f'ALTER TABLE "{table}" RENAME TO "{table}_away"')
+    try:
+        yield
+    finally:
+        transaction.savepoint_rollback(savepoint)
 
 
 def test_a_database_error_in_a_view_is_a_json_503(api_as):
-    _rename("inventory_host", "inventory_host_away")  # a real "no such table" from the database
-    try:
+    with _table_missing("inventory_host"):
         response = api_as("viewer").get("/api/v1/inventory/hosts/")
-    finally:
-        _rename("inventory_host_away", "inventory_host")
     assert response.status_code == 503
     assert response["Content-Type"] == "application/json"
     error = response.json()["error"]
@@ -27,12 +34,9 @@ def test_a_database_error_in_a_view_is_a_json_503(api_as):
 def test_a_lost_session_table_is_a_json_503_for_the_api_and_a_page_for_the_console(personas):
     client = Client(raise_request_exception=False)
     client.force_login(personas["viewer"][0])
-    _rename("django_session", "django_session_away")
-    try:
+    with _table_missing("django_session"):
         api = client.get("/api/v1/inventory/hosts/")
         page = client.get("/")
-    finally:
-        _rename("django_session_away", "django_session")
     assert (api.status_code, api["Content-Type"]) == (503, "application/json")
     assert api.json()["error"]["code"] == "database_unavailable"
     assert page.status_code == 500 and page["Content-Type"].startswith("text/html")
