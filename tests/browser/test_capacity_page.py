@@ -89,6 +89,10 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         )
         page.locator("#trace").select_option("pool:regular")
         expect(page.locator("#whatif-form select[name=pool]")).to_have_value("regular")
+        # the calibration card follows the pool the trace chose (it kept saying "pool decode")
+        expect(page.get_by_test_id("calibration-text")).to_have_text(
+            "No calibration: no worker of the pool has metrics samples covering its recorded traffic."
+        )
         expect(page_size).to_have_value("16")
         expect(l1).to_have_value("2048,512,1024,4096,8192,16384,32768")
         page.get_by_role("button", name="Run").click()  # the defaults as they are: the marker is on the chart

@@ -23,7 +23,10 @@ KV.ready(function () {
   form.trace.addEventListener("change", function () {
     KV.$("#upload-row").hidden = form.trace.value !== "upload";
     var pool = form.trace.value.indexOf("pool:") === 0 ? form.trace.value.slice(5) : null;
-    if (pool && pool !== form.pool.value) { form.pool.value = pool; poolChosen(); }  // a pool's own traffic
+    if (pool && pool !== form.pool.value) {  // a pool's own traffic: every pool listener follows (defaults, calibration)
+      form.pool.value = pool;
+      form.pool.dispatchEvent(new Event("change"));
+    }
   });
 
   function pct(v) { return (100 * v).toFixed(2) + "%"; }
