@@ -43,6 +43,11 @@ def _state(url: str) -> dict:
     return httpx.get(f"{url}/server_info", timeout=10).json()
 
 
+def _counts(url: str) -> tuple[int, int]:
+    state = _state(url)
+    return state["num_running_reqs"], state["num_waiting_reqs"]
+
+
 @pytest.fixture(scope="module")
 def workers():
     with ServerProcess(FLAGS) as w0, ServerProcess(FLAGS) as w1:
@@ -71,8 +76,9 @@ def test_a_full_queue_refuses_at_once_with_upstreams_503(workers):
                     "code": 503,
                 }
                 assert client.get("/health_generate").status_code == 200  # the probe skips the full queue
-                state = _state(worker.url)
-                assert (state["num_running_reqs"], state["num_waiting_reqs"]) == (1, 1)  # nothing was added
+                # nothing was added: the probe is aborted once answered, the refused requests never queue
+                # (a queued one would wait behind the running slot, so (1, 2) would last)
+                _poll("the queue back to the two streams", lambda: _counts(worker.url) == (1, 1), timeout=30)
         _poll("both streams aborted", lambda: _state(worker.url)["is_idle"])
         ok = client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
         assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
