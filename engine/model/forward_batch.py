@@ -38,6 +38,9 @@ class ForwardBatch:
       between steps (the torch backend's staged decode) reuses them only for the same objects, so a new
       sequence on slots freed by another (a PD decode worker receives KV without a forward pass) is never
       mistaken for it. None: only the slots and lengths are compared.
+    - ``mm_embeds``: optional ``(rows int64 (M,), embeds (M, hidden))``: rows of the flat batch that are image
+      tokens (their ``input_ids`` are pad values outside the vocabulary) and the embeddings they take instead
+      of a token embedding (``engine/model/vlm/mm.py``).
 
     Tensors live on the model's device. Raises ``ValueError`` when the lengths disagree.
     """
@@ -52,6 +55,7 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     layer_hook: Callable[[int], None] | None = None
     seq_keys: tuple | None = None
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.shape[0]

@@ -127,17 +127,28 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` at each sequence's last new token, or ``(T, vocab)`` for all."""
         self.attn.init_forward_metadata(batch)
-        if self.fused_step is not None and not return_all_logits:
+        if self.fused_step is not None and not return_all_logits and batch.mm_embeds is None:
             logits = self.fused_step(batch, kv_pool)
             if logits is not None:
                 return logits
-        x = F.embedding(batch.input_ids, self.embed)
+        x = self.embed_tokens(batch)
         cos, sin = cos_sin(batch.positions, self._inv_freq, self.dtype)
         for layer in self.layers:
             x = layer.forward(x, cos, sin, self.attn, batch, kv_pool)
         if not return_all_logits:
             x = x[batch.cu_seqlens[1:] - 1]
         return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+
+    def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        """``(T, hidden)`` token embeddings; image rows (``batch.mm_embeds``) take their image embeddings."""
+        if batch.mm_embeds is None:
+            return F.embedding(batch.input_ids, self.embed)
+        rows, embeds = batch.mm_embeds
+        ids = batch.input_ids.clone()
+        ids[rows.to(ids.device)] = 0  # pad values lie outside the vocabulary
+        x = F.embedding(ids, self.embed)
+        x[rows.to(x.device)] = embeds.to(device=x.device, dtype=x.dtype)
+        return x
 
 
 class _Weights:

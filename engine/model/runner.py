@@ -23,6 +23,8 @@ from engine.model.linear import check_quantization
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.tokenizer import Tokenizer
+from engine.model.vlm.clip import VisionEncoder
+from engine.model.vlm.config import VLMConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,9 @@ class ModelRunner:
     backend on the CPU, float32 or bfloat16) and builds; where it cannot be built a warning says why and the
     Python path decodes; ``cpu_quant_kernels``: int8 / int4 weight-only layers on the CPU take KVFleet's
     kernels by rows (``linear.py``: VNNI for decode batches, dense bfloat16 for prefill chunks) where the CPU
-    runs them, torch's weight-only kernels otherwise.
+    runs them, torch's weight-only kernels otherwise. A LLaVA checkpoint also gets its vision tower and
+    projector (``vision``, ``engine/model/vlm``) unless ``language_only`` (embeddings come from an encoder
+    worker); ``vlm`` holds its vision settings (None for a text model).
     Raises ``ModelLoadError`` for a bad model path and ``ValueError`` for an unknown dtype, backend or
     quantization (``QuantizationError`` for a quantization this dtype or model cannot use).
     """
@@ -73,7 +77,9 @@ class ModelRunner:
         quantization: str | None = None,
         fused_decode: bool = True,
         cpu_quant_kernels: bool = True,
+        language_only: bool = False,
     ) -> None:
+        self.language_only = language_only
         backend_cls = get_attention_backend(attention_backend)  # bad names fail before the slow load
         self.dtype = _parse_dtype(dtype)
         check_quantization(quantization, self.dtype)
@@ -91,9 +97,11 @@ class ModelRunner:
         quantization: str | None = None,
         fused_decode: bool = True,
         cpu_quant_kernels: bool = True,
+        language_only: bool = False,
     ) -> ModelRunner:
         """A runner over an already loaded ``Checkpoint`` (e.g. one load, several dtypes)."""
         runner = cls.__new__(cls)
+        runner.language_only = language_only
         runner.dtype = _parse_dtype(dtype)
         check_quantization(quantization, runner.dtype)
         runner.device = torch.device(device)
@@ -111,6 +119,17 @@ class ModelRunner:
         self.model_path = checkpoint.path
         self.config: ModelConfig = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
+        self.vlm: VLMConfig | None = checkpoint.vlm
+        self.vision: VisionEncoder | None = None
+        if self.vlm is not None and not self.language_only:
+            self.vision = VisionEncoder(
+                self.vlm.vision,
+                checkpoint.vision_tensors,
+                checkpoint.projector_tensors,
+                self.dtype,
+                self.device,
+                checkpoint.path,
+            )
         cfg = self.config
         attn = backend_cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim**-0.5)
         self.model = LlamaForCausalLM(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.model.config import ModelConfig
 from engine.model.tokenizer import Tokenizer
+from engine.model.vlm.config import VLMConfig
 
 
 @dataclass
@@ -18,3 +19,7 @@ class Checkpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    # a vision-language checkpoint: its vision settings and the vision tower / projector tensors
+    vlm: VLMConfig | None = None
+    vision_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    projector_tensors: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -1,4 +1,5 @@
-"""Load an HF model folder: ``config.json``, ``*.safetensors``, ``tokenizer.json`` and the chat template.
+"""Load an HF model folder (a decoder, or a LLaVA checkpoint: its text tower plus vision tensors):
+``config.json``, ``*.safetensors``, ``tokenizer.json`` and the chat template.
 
 The chat template comes from ``chat_template.jinja`` (transformers>=4.49) or the ``chat_template`` field
 of ``tokenizer_config.json`` (a string, or a list of ``{name, template}`` where ``default`` is used). Stop
@@ -20,6 +21,8 @@ from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.loader.checkpoint import Checkpoint
 from engine.model.tokenizer import Tokenizer
+from engine.model.vlm.clip import split_vision_tensors
+from engine.model.vlm.config import is_llava, load_vlm_config
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any]:
@@ -60,11 +63,20 @@ def _eos_ids(*configs: dict[str, Any]) -> set[int]:
     return ids
 
 
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config: a LLaVA checkpoint's ``text_config`` (a Llama decoder), else ``cfg``."""
+    if not is_llava(cfg):
+        return cfg
+    text = dict(cfg.get("text_config") or {})
+    text.setdefault("model_type", "llama")
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    return text
+
+
 def load_hf_config(folder: Path) -> ModelConfig:
-    """Only the model config of ``folder`` (its ``config.json``); raises ``ModelLoadError``."""
-    return ModelConfig.from_hf(
-        _read_json(folder / "config.json", required=True), source=str(folder / "config.json")
-    )
+    """Only the (text) model config of ``folder`` (its ``config.json``); raises ``ModelLoadError``."""
+    raw = _read_json(folder / "config.json", required=True)
+    return ModelConfig.from_hf(_text_config(raw), source=str(folder / "config.json"))
 
 
 def load_hf_folder(folder: Path) -> Checkpoint:
@@ -72,7 +84,8 @@ def load_hf_folder(folder: Path) -> Checkpoint:
 
     Raises ``ModelLoadError`` naming the file and the reason.
     """
-    config = load_hf_config(folder)
+    raw = _read_json(folder / "config.json", required=True)
+    config = ModelConfig.from_hf(_text_config(raw), source=str(folder / "config.json"))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(folder, "no *.safetensors weight files")
@@ -98,4 +111,7 @@ def load_hf_folder(folder: Path) -> Checkpoint:
         eos_token=_token_text(tok_cfg.get("eos_token")),
         eos_token_ids=set(config.eos_token_ids) | _eos_ids(gen_cfg),
     )
-    return Checkpoint(str(folder), config, tensors, tokenizer)
+    if not is_llava(raw):
+        return Checkpoint(str(folder), config, tensors, tokenizer)
+    text, vision, projector = split_vision_tensors(tensors)
+    return Checkpoint(str(folder), config, text, tokenizer, load_vlm_config(folder, raw), vision, projector)
