@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import random
-import subprocess
 import time
 from contextlib import ExitStack
 from datetime import UTC, datetime
@@ -33,7 +32,7 @@ from datetime import UTC, datetime
 import httpx
 
 from engine.bench.launcher import ServerProcess, free_port
-from engine.fleet.router import router_command, worker_args
+from engine.fleet.router import RouterProcess, worker_args
 
 VOCAB = 49152  # SmolLM2
 WORKER_FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--max-total-tokens", "8192",
@@ -51,33 +50,6 @@ def _percentile(values: list[float], q: float) -> float:
         return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
-class Router:
-    """The real sglang-router in a child process; ``url`` once it is ready."""
-
-    def __init__(self, workers: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = router_command(workers, self.port, free_port())
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/readiness", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError("sglang-router not ready after 120 s")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=20)
 
 
 def start_setup(stack: ExitStack, setup: str) -> str:
@@ -99,9 +71,7 @@ def start_setup(stack: ExitStack, setup: str) -> str:
         for core, w in enumerate(workers):
             _pin(w.proc.pid, core)
         args = worker_args([w.url for w in workers], policy="round_robin")
-    router = Router(args)
-    stack.callback(router.close)
-    return router.url
+    return stack.enter_context(RouterProcess(args)).url
 
 
 async def _stream(client: httpx.AsyncClient, n_prompt: int, n_out: int, rng: random.Random) -> dict:

@@ -5,8 +5,14 @@ flags (tests/e2e/test_compose.py checks that they agree).
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
+
+import httpx
+
+from engine.bench.launcher import free_port
 
 # - sglang-router 0.3.2's circuit breaker counts a worker's 4xx answers as failures: ten over-long prompts
 #   from one client opened it and every other client got 503 "all circuits open" for 60 s while the workers
@@ -65,3 +71,54 @@ def router_command(
         "--host", host, "--port", str(port), "--prometheus-host", host, "--prometheus-port",
         str(prometheus_port), "--log-level", "warn", *flags, *extra,
     ]  # fmt: skip
+
+
+class RouterProcess:
+    """The real sglang-router in a child process, built by :func:`router_command`; a context manager.
+
+    ``RouterProcess(workers, extra=(...), min_workers=0)`` starts it on free ports and returns once
+    ``GET /readiness`` answers 200 and ``GET /workers`` lists at least ``min_workers`` workers (PD mode lists
+    none there, so leave it 0); ``url`` is its base URL. Raises ``RuntimeError`` when the router exits or is
+    not ready within ``timeout`` seconds (the process is killed then). ``close`` terminates it (SIGKILL after
+    20 s); it is idempotent.
+    """
+
+    def __init__(
+        self, workers: Sequence[str], *, extra: Sequence[str] = (), min_workers: int = 0, timeout: float = 120
+    ) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = router_command(workers, port, free_port(), extra=extra)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/readiness", timeout=2).status_code == 200 and (
+                    not min_workers or len(self._workers()) >= min_workers
+                ):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.close()
+        raise RuntimeError(f"sglang-router not ready after {timeout:.0f} s")
+
+    def _workers(self) -> list:
+        return httpx.get(f"{self.url}/workers", timeout=2).json().get("workers", [])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> RouterProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -9,14 +9,13 @@ P is idle again with no KV held.
 from __future__ import annotations
 
 import concurrent.futures
-import subprocess
 import time
 
 import httpx
 import pytest
 
 from engine.bench.launcher import ServerProcess, free_port
-from engine.fleet.router import router_command
+from engine.fleet.router import RouterProcess
 
 pytestmark = pytest.mark.slow
 
@@ -27,25 +26,6 @@ ANSWER_S = 10.0  # the client's answer after the decode fails
 START_S = 600.0  # a worker's start-up (model load) on a loaded 2-core machine
 
 
-def _router(prefill: str, bootstrap_port: int, decode: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    workers = ["--pd-disaggregation", "--prefill", prefill, str(bootstrap_port), "--decode", decode]
-    proc = subprocess.Popen(
-        router_command(workers, port, free_port()), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/readiness", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("router did not become ready")
-
-
 @pytest.fixture(scope="module")
 def fleet():
     bp = free_port()
@@ -53,16 +33,15 @@ def fleet():
         [*P_FLAGS, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp)], START_S
     )
     d1, d2 = ServerProcess(D_FLAGS, START_S), ServerProcess(D_FLAGS, START_S)
-    routers = []
     try:
         for proc in (p, d1, d2):
             proc.__enter__()
-        routers = [_router(p.url, bp, d.url) for d in (d1, d2)]
-        yield {"p": p, "d1": d1, "d2": d2, "r1": routers[0][1], "r2": routers[1][1]}
+        with (
+            RouterProcess(["--pd-disaggregation", "--prefill", p.url, str(bp), "--decode", d1.url]) as r1,
+            RouterProcess(["--pd-disaggregation", "--prefill", p.url, str(bp), "--decode", d2.url]) as r2,
+        ):
+            yield {"p": p, "d1": d1, "d2": d2, "r1": r1.url, "r2": r2.url}
     finally:
-        for proc, _ in routers:
-            proc.terminate()
-            proc.wait(timeout=20)
         for proc in (p, d1, d2):
             proc.__exit__(None, None, None)
 

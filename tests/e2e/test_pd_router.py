@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
-import subprocess
 import time
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 
 from engine.bench.launcher import ServerProcess, free_port
 from engine.bench.pd_peer import PeerProcess
-from engine.fleet.router import router_command
+from engine.fleet.router import RouterProcess
 
 pytestmark = pytest.mark.slow
 
@@ -51,33 +50,11 @@ def _start(*procs):
     return procs
 
 
-def _router(prefills: list[tuple[str, int]], decode: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def _router(prefills: list[tuple[str, int]], decode: str, *extra: str) -> RouterProcess:
     workers = ["--pd-disaggregation", "--policy", "cache_aware"]
     for url, bp in prefills:
         workers += ["--prefill", url, str(bp)]
-    workers += ["--decode", decode]
-    cmd = router_command(workers, port, free_port(), extra=extra)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/readiness", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("router did not become ready")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    return RouterProcess([*workers, "--decode", decode], extra=extra)
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +63,8 @@ def pd_fleet():
     agg, p1, d = ServerProcess(P_FLAGS, timeout=START_S), _prefill(bp), ServerProcess(D_FLAGS, START_S, D_ENV)
     try:
         _start(agg, p1, d)
-        router, url = _router([(p1.url, bp)], d.url)
-        try:
-            yield {"agg": agg, "p1": p1, "bp1": bp, "d": d, "router": url}
-        finally:
-            _stop(router)
+        with _router([(p1.url, bp)], d.url) as router:
+            yield {"agg": agg, "p1": p1, "bp1": bp, "d": d, "router": router.url}
     finally:
         for proc in (agg, p1, d):
             proc.__exit__(None, None, None)
@@ -248,7 +222,7 @@ def test_bad_bootstrap_values_unknown_room_dead_port_and_page_size_mismatch(pd_f
 def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(pd_fleet):
     bp2 = free_port()
     (p2,) = _start(_prefill(bp2))
-    router, url = _router(
+    router = _router(
         [(pd_fleet["p1"].url, pd_fleet["bp1"]), (p2.url, bp2)],
         pd_fleet["d"].url,
         "--health-check-interval-secs",
@@ -257,6 +231,7 @@ def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(p
         "1",
         "--disable-retries",  # a retry would re-pair the failed request with P1 and hide the failure
     )
+    url = router.url
     try:
         texts = [_text(100 + i) for i in range(6)]
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -303,5 +278,5 @@ def test_2p1d_both_prefills_serve_and_a_killed_prefill_fails_only_its_requests(p
             assert resp.json()["output_ids"] == _gen(pd_fleet["agg"].url, _text(301 + i)).json()["output_ids"]
         _wait_clean(pd_fleet["d"].url, pd_fleet["p1"].url)
     finally:
-        _stop(router)
+        router.close()
         p2.__exit__(None, None, None)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-from engine.bench.launcher import ServerProcess, free_port
-from engine.fleet.router import router_command, worker_args
+from engine.bench.launcher import ServerProcess
+from engine.fleet.router import RouterProcess, worker_args
 
 pytestmark = pytest.mark.slow
 
@@ -76,20 +75,6 @@ def test_openai_sdk_chat_and_completions(smollm2_server):
         openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="wrong").models.list()
 
 
-def _wait_router(url: str, n_workers: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/readiness", timeout=2).status_code == 200:
-                workers = httpx.get(f"{url}/workers", timeout=2).json()
-                if len(workers.get("workers", [])) >= n_workers:
-                    return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("router did not become ready")
-
-
 def _requests_served(url: str) -> float:
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line.startswith("sglang:num_requests_total{"):
@@ -109,12 +94,8 @@ def test_sglang_router_cache_aware_routes_to_two_workers(tiny_model_dir):
         comp_body = {"prompt": prompts[0], "max_tokens": 8, "temperature": 0}
         comp_expected = httpx.post(f"{w2.url}/v1/completions", json=comp_body).json()["choices"][0]["text"]
         before = _requests_served(w1.url) + _requests_served(w2.url)
-        port = free_port()
-        router_url = f"http://127.0.0.1:{port}"
-        cmd = router_command(worker_args([w1.url, w2.url]), port, free_port())
-        router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            _wait_router(router_url, 2)
+        with RouterProcess(worker_args([w1.url, w2.url]), min_workers=2) as router:
+            router_url = router.url
             for text, exp in zip(prompts, expected, strict=True):
                 routed = httpx.post(
                     f"{router_url}/generate", json={"text": text, "sampling_params": sp}, timeout=60
@@ -130,6 +111,3 @@ def test_sglang_router_cache_aware_routes_to_two_workers(tiny_model_dir):
             assert chat.json()["choices"][0]["message"]["role"] == "assistant"
             after = _requests_served(w1.url) + _requests_served(w2.url)
             assert after - before == len(prompts) + 2  # every routed request reached a worker exactly once
-        finally:
-            router.terminate()
-            router.wait(timeout=20)
