@@ -38,10 +38,29 @@ def _described(kind: str, worker, profile_id: int | None, revision_id: int | Non
     return now, f"{profile.backend} ({profile.name})" if profile else f"storage profile #{profile_id}"
 
 
-def revert_changes(*, event: AuditEvent) -> list[dict]:
-    """What "Revert to this" would change now: per worker of the record's restore pointer whose live inventory
-    state differs from the recorded one, {worker_id, worker, now, after} (words); [] when the record has no
-    restore pointer or the revert would change nothing."""
+def restore_worker_ids(*, event: AuditEvent, together: bool = False) -> list[int]:
+    """The workers a revert to `event` covers: its own restore pointer's, or with `together` every worker the
+    same operation changed to the same state (each worker's record of one operation carries one pointer of
+    the same kind, profile or revision). [] when the record has no restore pointer."""
+    restore = (event.extra or {}).get("restore") or {}
+    ids = set(restore.get("worker_ids") or [])
+    if together and ids and event.operation_id:
+        for other in AuditEvent.objects.filter(
+            operation_id=event.operation_id, object_type=event.object_type
+        ):
+            pointer = (other.extra or {}).get("restore") or {}
+            if {k: v for k, v in pointer.items() if k != "worker_ids"} == {
+                k: v for k, v in restore.items() if k != "worker_ids"
+            }:
+                ids.update(pointer.get("worker_ids") or [])
+    return sorted(ids)
+
+
+def revert_changes(*, event: AuditEvent, together: bool = False) -> list[dict]:
+    """What "Revert to this" would change now: per worker of the record's restore pointer (with `together`:
+    of every record of its operation, see `restore_worker_ids`) whose live inventory state differs from the
+    recorded one, {worker_id, worker, now, after} (words); [] when the record has no restore pointer or the
+    revert would change nothing."""
     from controlplane.inventory.models import EngineWorker
 
     restore = (event.extra or {}).get("restore") or {}
@@ -51,7 +70,7 @@ def revert_changes(*, event: AuditEvent) -> list[dict]:
         restore.get("revision_id"),
     )
     workers = EngineWorker.objects.select_related("storage_profile").filter(
-        pk__in=restore.get("worker_ids") or []
+        pk__in=restore_worker_ids(event=event, together=together)
     )
     out = []
     for worker in workers.order_by("name"):

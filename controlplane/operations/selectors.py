@@ -1,13 +1,18 @@
 """Reads for operations, including the launch preview (each chosen worker's idle state, read live)."""
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import django_filters
+from django.db import connection, transaction
 from django.db.models import QuerySet
 
 from controlplane.inventory.models import EngineWorker
 from controlplane.operations.models import Operation
 from controlplane.workerclient import WorkerClient, WorkerError
+
+T = TypeVar("T")
 
 
 class OperationFilter(django_filters.FilterSet):
@@ -21,6 +26,19 @@ def operation_list(*, filters: dict | None = None) -> QuerySet:
         "created_by", "storage_profile", "revision__profile"
     ).prefetch_related("targets__worker")
     return OperationFilter(filters or {}, queryset=qs).qs
+
+
+def operation_snapshot(*, pk: int, render: Callable[[Operation], T]) -> T:
+    """``render(operation)`` run on one database snapshot: the operation row and its targets are read in a
+    single transaction (REPEATABLE READ on PostgreSQL; SQLite's transactions already read one snapshot),
+    so a page never gets an operation's final state beside targets or a finish time read before it.
+
+    Raises ``Operation.DoesNotExist``."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cur:
+                cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        return render(operation_list().get(pk=pk))
 
 
 def _probe(worker: EngineWorker, drain: bool) -> dict:

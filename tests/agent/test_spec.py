@@ -177,3 +177,17 @@ def test_sglang_pd_flags_and_a_new_role(tmp_path):
     assert args.enable_pd_role_switch and args.disaggregation_transfer_backend == "fake"
     with pytest.raises(ValueError, match="cannot run as mixed: --enable-pd-role-switch needs"):
         with_role(w, "mixed")
+
+
+def test_the_demo_fleet_records_its_traffic_so_the_capacity_page_can_calibrate():
+    """`make demo`'s workers run with --record-trace: the capacity page's calibration card then replays the
+    demo's own traffic and shows a measured figure instead of "no recorded traffic"."""
+    spec_file = Path(__file__).resolve().parents[2] / "deploy" / "fleet.demo.toml"
+    env = {
+        "KVFLEET_WORKER_ADMIN_KEY": "k",
+        "MOONCAKE_MASTER": "m:1",
+        "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
+    }
+    spec = load_spec(spec_file, env)
+    assert len(spec.workers) == 2
+    assert all("--record-trace" in w.flags for w in spec.workers)

@@ -47,3 +47,58 @@ def test_revert_is_offered_only_where_it_changes_a_worker(asgi_server, monkeypat
             page.screenshot(path=os.path.join(SHOTS, "audit-revert-dialog.png"))
         assert errors == []
         browser.close()
+
+
+def test_a_multi_worker_change_is_reverted_together_and_a_role_switch_links_its_rebalance(
+    asgi_server, monkeypatch
+):
+    from cp_factories import RouterFactory
+    from playwright.sync_api import expect, sync_playwright
+
+    from controlplane.rebalance.models import Rebalance
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    workers = [EngineWorkerFactory(name=n, storage_backend="file") for n in ("w-one", "w-two")]
+    first = [
+        audit_record(
+            action="detach",
+            obj=w,
+            operation_id=7,
+            extra={"restore": {"kind": "detach", "worker_ids": [w.pk]}},
+        )
+        for w in workers
+    ][0]
+    router = RouterFactory(name="pd-r", mode="pd")
+    rb = Rebalance.objects.create(
+        router=router, before_prefill=2, before_decode=1, target_prefill=1, target_decode=2, soak_s=1,
+        idle_timeout_s=1, state="succeeded",
+    )  # fmt: skip
+    audit_record(
+        action="role_switch", obj=workers[0], before={"role": "prefill"}, after={"role": "decode"},
+        extra={"rebalance_id": rb.pk, "router_id": router.pk, "step_index": 0},
+    )  # fmt: skip
+    console_user("gates", "operator", "pw-for-tests-1")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
+        page.goto(f"{asgi_server}/audit/")
+        switch = page.locator("#audit tbody tr", has_text="role switch")
+        link = switch.get_by_test_id("rebalance-link")
+        expect(link).to_have_text(f"rebalance #{rb.pk}, step 1")
+        expect(link).to_have_attribute("href", f"/routers/{router.pk}/rebalance/?rebalance={rb.pk}")
+        expect(switch.locator(".diff")).to_contain_text("role")
+        row = page.locator(f"#audit tbody tr[data-event='{first.pk}']")
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "audit-together.png"), full_page=True)
+        row.get_by_test_id("revert-together").click()
+        dialog = page.locator("#confirm")
+        expect(dialog).to_contain_text("operation #7")
+        expect(dialog.locator("#confirm-rows tr")).to_have_count(2)
+        with page.expect_navigation(url="**/operations/*/"):
+            dialog.get_by_role("button", name="Launch revert").click()
+        expect(page.locator("#op-targets tbody tr")).to_have_count(2)
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "audit-together-operation.png"), full_page=True)
+        assert errors == []
+        browser.close()

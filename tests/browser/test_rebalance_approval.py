@@ -32,6 +32,11 @@ def test_an_approval_keeps_the_reason_the_operator_typed(asgi_server, fake_route
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
         page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
         page.goto(f"{asgi_server}/routers/{router.pk}/rebalance/?rebalance={rb.pk}")
+        # "Started" means it began changing workers: one awaiting its first approval has not.
+        expect(page.get_by_test_id("rb-started")).to_have_text("not started")
+        expect(page.locator("#rb-history tbody tr").first.locator("td").nth(3)).to_have_text("not started")
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "rebalance-not-started.png"), full_page=True)
         page.get_by_role("button", name="Approve next step").click()
         dialog = page.locator("#confirm")
         dialog.get_by_label("Reason (kept in the audit log)").fill("decode queue growing since 14:00")

@@ -3,6 +3,7 @@ p50 and p90 cover the 5 min before each point (the increase of its cumulative hi
 samples, rendered by the engine's own exporter and pushed through the agent API), not everything since
 start; a PD prefill worker's page says where its latency is measured instead of showing empty charts."""
 
+import os
 import re
 import time
 
@@ -16,6 +17,7 @@ from engine.server.metrics import EngineMetrics
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 MODEL = "smollm2"
+SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
 STATE = {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0, "max_total_num_tokens": 1000}
 
 
@@ -173,5 +175,48 @@ def test_fleet_table_shows_the_worker_pages_recent_latency(asgi_server, personas
         expect(cells(idle)[1]).to_have_text(re.compile(r"^\d+(\.\d+)? ms$"))
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
         assert serious_violations(page) == []
+        assert errors == []
+        browser.close()
+
+
+def test_a_pause_in_reporting_and_a_role_change_break_the_lines_and_unmeasured_figures_stay_absent(
+    asgi_server, personas, monkeypatch
+):
+    """Ten samples 2 s apart, the worker's role changed after the fifth, a 60 s pause, ten more: every chart
+    breaks at the role change and at the pause (one empty point each), "Live samples" counts the 20 charted,
+    and prefetch counters this worker never reported read "–", not 0."""
+    from datetime import UTC, datetime
+
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    host = HostFactory(name=AGENT_HOST)
+    now = time.time()
+    stamps = [now - 100 + 2 * i for i in range(10)] + [now - 20 + 2 * i for i in range(10)]
+    worker = EngineWorkerFactory(
+        name="gappy", url="http://gappy.local:30000", host=host, role="decode",
+        role_changed_at=datetime.fromtimestamp(stamps[4] + 1, UTC),
+    )  # fmt: skip
+    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
+    metrics = EngineMetrics(MODEL, lambda: STATE)  # its prefetch counters left out: never reported
+    for ts in stamps:
+        text = "\n".join(x for x in serve(metrics, 1, 0.05, 0.01).splitlines() if "prefetch" not in x) + "\n"
+        r = agent.post("/api/v1/agent/metrics/", json={"worker_url": worker.url, "text": text, "ts": ts})
+        assert r.status_code == 202, r.text
+    console_user("vera", "viewer", "pw-for-tests-1")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
+        page.goto(f"{asgi_server}/workers/{worker.pk}/")
+        expect(page.locator("#chart-reqs")).to_have_attribute("data-points", "22")  # 20 samples + 2 breaks
+        expect(page.get_by_test_id("samples")).to_have_text("20")
+        running = page.evaluate("document.querySelector('#chart-reqs').kvChart.uplot.data[1]")
+        assert [i for i, v in enumerate(running) if v is None] == [5, 11]
+        breaks = page.evaluate("document.querySelector('#chart-reqs').kvChart.uplot.data[0]")
+        assert breaks[5] == pytest.approx(stamps[4] + 1)  # the role change itself
+        expect(page.locator("#prefetch-balance")).to_contain_text("completed –")
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "worker-gaps.png"), full_page=True)
         assert errors == []
         browser.close()

@@ -12,6 +12,11 @@ class AuditEventSerializer(serializers.ModelSerializer):
         help_text="Per worker the revert would change now: {worker_id, worker, now, after}, in words"
     )
 
+    revert_together_changes = serializers.SerializerMethodField(
+        help_text="As revert_changes, for every worker its operation changed to the same state; [] when that "
+        "covers no more workers than revert_changes (POST revert with together=true)"
+    )
+
     class Meta:
         model = AuditEvent
         fields = [
@@ -35,6 +40,7 @@ class AuditEventSerializer(serializers.ModelSerializer):
             "extra",
             "revertible",
             "revert_changes",
+            "revert_together_changes",
         ]
         read_only_fields = fields
 
@@ -45,9 +51,20 @@ class AuditEventSerializer(serializers.ModelSerializer):
             obj._revert_changes = revert_changes(event=obj)
         return obj._revert_changes
 
+    def get_revert_together_changes(self, obj) -> list[dict]:
+        if not (obj.extra or {}).get("restore") or not obj.operation_id:
+            return []
+        together = revert_changes(event=obj, together=True)
+        return together if len(together) > len(self.get_revert_changes(obj)) else []
+
     def get_revertible(self, obj) -> bool:
         return bool(self.get_revert_changes(obj))
 
 
 class RevertSerializer(serializers.Serializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="")
+    together = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="Revert every worker the record's operation changed to this state, in one operation",
+    )

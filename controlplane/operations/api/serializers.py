@@ -39,6 +39,11 @@ class OperationSerializer(serializers.ModelSerializer):
         "router: a retry with drain on may succeed"
     )
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
+    started_at = serializers.DateTimeField(
+        source="created_at",
+        read_only=True,
+        help_text="When it began changing workers: an operation runs as soon as it is launched",
+    )
 
     class Meta:
         model = Operation
@@ -60,6 +65,7 @@ class OperationSerializer(serializers.ModelSerializer):
             "created_by",
             "request_id",
             "created_at",
+            "started_at",
             "finished_at",
             "targets",
             "drain_on_retry",

@@ -1,5 +1,6 @@
 """Operation endpoints: list/detail, launch (Idempotency-Key), cancel, and the live launch preview."""
 
+from django.http import Http404
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
@@ -9,6 +10,7 @@ from controlplane.core.exceptions import ApplicationError
 from controlplane.inventory.models import EngineWorker
 from controlplane.operations import selectors, services
 from controlplane.operations.api import serializers as s
+from controlplane.operations.models import Operation
 from controlplane.operations.selectors import OperationFilter
 
 IDEMPOTENCY_KEY = OpenApiParameter(
@@ -26,6 +28,14 @@ class OperationViewSet(viewsets.ReadOnlyModelViewSet, mixins.CreateModelMixin):
     filterset_class = OperationFilter
     ordering_fields = ["created_at", "finished_at", "state"]
     ordering = ["-created_at"]
+
+    def retrieve(self, request, pk=None):
+        """One operation with its targets, read on one snapshot (`selectors.operation_snapshot`)."""
+        try:
+            data = selectors.operation_snapshot(pk=int(pk), render=lambda op: s.OperationSerializer(op).data)
+        except (Operation.DoesNotExist, ValueError, OverflowError):
+            raise Http404 from None
+        return Response(data)
 
     @extend_schema(
         request=s.OperationCreateSerializer,

@@ -213,14 +213,19 @@ def operation_create_idempotent(*, key: str | None, user, payload: dict, create)
     return 201, body, False
 
 
-def operation_create_from_audit(*, event: AuditEvent, actor, reason: str = "") -> Operation:
-    """ "Revert to this revision": a new operation that restores the state recorded by `event`."""
+def operation_create_from_audit(
+    *, event: AuditEvent, actor, reason: str = "", together: bool = False
+) -> Operation:
+    """ "Revert to this revision": a new operation that restores the state recorded by `event` on its worker,
+    or with `together` on every worker the record's operation changed to that state (one operation, so an
+    all-or-nothing policy and one audit trail cover them all). Raises ApplicationError `not_revertible` /
+    `nothing_to_revert`."""
     restore = (event.extra or {}).get("restore")
     if not restore:
         raise ApplicationError("this audit record has no revision to revert to", code="not_revertible")
     from controlplane.audit.selectors import revert_changes
 
-    changing = [c["worker_id"] for c in revert_changes(event=event)]
+    changing = [c["worker_id"] for c in revert_changes(event=event, together=together)]
     if not changing:
         raise ApplicationError(
             f"audit record {event.pk}: every worker already runs the state it recorded; nothing to revert",

@@ -42,6 +42,15 @@ def live_state(worker: EngineWorker) -> dict:
     }
 
 
+ROLE_FIELDS = ("role", "bootstrap_port", "role_switch", "page_size")
+
+
+def role_facts(state: dict | None) -> dict | None:
+    """The part of a `live_state` that says what the worker is (role, bootstrap port, role switch, page
+    size), without the load counters that change by the second; None stays None."""
+    return None if state is None else {k: state[k] for k in ROLE_FIELDS if k in state}
+
+
 def agent_managed(worker: EngineWorker) -> bool:
     """An agent runs the worker: an agent registered it on its host (``EngineWorker.last_seen`` is set only
     by agent register and heartbeat; a worker typed in by hand has none, even on an agent's host), so that

@@ -12,6 +12,7 @@ from controlplane.core.events import rebalance_group
 from controlplane.rebalance.models import REBALANCE_MACHINE, STEP_MACHINE, Rebalance, RebalanceStep
 from controlplane.rebalance.models import RebalanceState as R
 from controlplane.rebalance.models import StepState as S
+from controlplane.rebalance.services import pd
 
 
 def enqueue_advance(rebalance_id: int) -> None:
@@ -115,14 +116,15 @@ def _audit_step(step: RebalanceStep, previous: str) -> None:
     audit_record(
         action="role_switch_rollback" if rollback else "role_switch",
         obj=step.worker,
-        before=step.before,
-        after=step.after,
+        before=pd.role_facts(step.before),  # what the worker is, not its load of the moment
+        after=pd.role_facts(step.after),
         message=step.explanation,
         outcome=Outcome.SUCCESS if step.state in (S.SUCCEEDED, S.ROLLED_BACK) else Outcome.FAILURE,
         actor=rb.created_by,
         request_id=rb.request_id,
         extra={
             "rebalance_id": rb.pk,
+            "router_id": rb.router_id,
             "step_id": step.pk,
             "step_index": step.index,
             "from_role": step.from_role,

@@ -179,3 +179,29 @@ def test_a_lost_task_chain_is_restarted_and_an_old_chain_stops():
     assert rebalance_advance(rebalance_id=rb.pk, chain=rb.chain) is None
     rb.refresh_from_db()
     assert rb.state == "succeeded" and rb.explanation == "all 1 steps succeeded: now 1P2D"
+
+
+@pytest.mark.django_db
+def test_a_role_switch_record_shows_what_the_worker_is_not_its_load_and_names_its_rebalance():
+    """The audit row of a finished step diffs role, bootstrap port, role switch, page size only (the load
+    counters read at the same moments differ every time) and carries the rebalance and router it links to."""
+    from controlplane.rebalance.services.transitions import step_transition
+
+    router = RouterFactory(name="pd", mode="pd")
+    worker = EngineWorkerFactory(router=router, role="decode")
+    rb = Rebalance.objects.create(
+        router=router, before_prefill=2, before_decode=1, target_prefill=1, target_decode=2, soak_s=1,
+        idle_timeout_s=1, state="running",
+    )  # fmt: skip
+    load = {"is_idle": True, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_pd_transfer_reqs": 0}
+    step = RebalanceStep.objects.create(
+        rebalance=rb, index=1, worker=worker, from_role="prefill", to_role="decode", state="soaking",
+        before={"role": "prefill", "bootstrap_port": 8998, "role_switch": True, "page_size": 16, **load,
+                "is_idle": False, "num_running_reqs": 3, "num_http_reqs": 4},
+        after={"role": "decode", "bootstrap_port": None, "role_switch": True, "page_size": 16, **load,
+               "num_http_reqs": 0},
+    )  # fmt: skip
+    step_transition(step, to=StepState.SUCCEEDED, explanation="soaked")
+    (record,) = AuditEvent.objects.filter(action="role_switch", extra__rebalance_id=rb.pk)
+    assert record.changes == {"role": ["prefill", "decode"], "bootstrap_port": [8998, None]}
+    assert (record.extra["router_id"], record.extra["step_index"]) == (router.pk, 1)

@@ -1,7 +1,8 @@
 /* Time-series charts on uPlot (vendor/uplot): KV.chart(el, opts) -> {set(xs, ys)}.
    opts: series [{label, color?, dash?}], unit (a KV.units key), stacked (bool: areas stacked bottom-up, legend
    shows each series' own value), range01 (y fixed at 0..1), height, spark (no axes/legend: a sparkline),
-   markers (a function returning [{ts, label}]: dashed vertical lines, e.g. the steps of a rebalance).
+   markers (a function returning [{ts, label}]: dashed vertical lines, e.g. the steps of a rebalance), gaps
+   (bool: a null breaks the line; without it lines span nulls).
    xs are epoch seconds; ys one array per series (null = gap). The x range is the page's window selector
    (#window, seconds: 5 min / 1 h); the legend shows the latest values unless the cursor is over the plot. */
 (function () {
@@ -24,7 +25,7 @@
     var series = [{ value: function (u, v) { return v == null ? "–" : KV.time.text(v); } }].concat(opts.series.map(function (s, i) {
       var color = s.color || PALETTE[i % PALETTE.length];
       return {
-        label: s.label, stroke: color, width: 1.5, spanGaps: true, dash: s.dash,
+        label: s.label, stroke: color, width: 1.5, spanGaps: !opts.gaps, dash: s.dash,
         fill: opts.stacked ? tint(color, 0.85) : undefined,
         points: { show: false },
         value: function (u, v, si, idx) { return idx == null ? "–" : fmt(raw[si] ? raw[si][idx] : v); }

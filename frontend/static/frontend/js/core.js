@@ -66,7 +66,7 @@
     },
     /* fill a <time> element: local text, ISO (UTC) in datetime and title */
     set: function (el, v) {
-      if (v == null || v === "") { el.textContent = "–"; el.removeAttribute("datetime"); el.removeAttribute("title"); return; }
+      if (v == null || v === "") { el.textContent = "empty" in el.dataset ? el.dataset.empty : "–"; el.removeAttribute("datetime"); el.removeAttribute("title"); return; }
       var iso = toDate(v).toISOString();
       el.dateTime = iso; el.title = iso; el.textContent = KV.time.text(v);
     },

@@ -11,7 +11,7 @@
       kind_label: KV.KIND_LABELS[op.kind] || op.kind, policy_label: op.policy.replace(/_/g, " "),
       targets_text: op.targets.length + " worker" + (op.targets.length === 1 ? "" : "s") + ": " +
         Object.keys(counts).sort().map(function (k) { return counts[k] + " " + KV.stateText(k); }).join(", "),
-      duration: KV.time.duration(KV.time.between(op.created_at, end)) + (op.finished_at ? "" : " so far")
+      duration: KV.time.duration(KV.time.between(op.started_at, end)) + (op.finished_at ? "" : " so far")
     });
   };
   /* A finished operation's fleet outcome (summary keys changed, restored, left_changed) in words. */

@@ -25,11 +25,14 @@ KV.ready(function () {
     return own ? (e.object_repr || "").replace(/^operation (\d+)/, "operation #$1") : "operation #" + e.operation_id;
   }
   function view(e) {
+    var x = e.extra || {};
     return Object.assign({}, e, {
       target_text: targetText(e), action_label: e.action.replace(/_/g, " "),
       actor_text: e.actor_display + (e.token_prefix ? " (API token)" : ""),
       request_short: (e.request_id || "").slice(0, 8) || "–",
       operation_text: operationText(e),
+      rebalance_id: x.rebalance_id, router_id: x.router_id,  // a role switch links its rebalance and step
+      rebalance_text: x.rebalance_id ? "rebalance #" + x.rebalance_id + (x.step_index != null ? ", step " + (x.step_index + 1) : "") : "",
       message_text: KV.readable(e.message)
     });
   }
@@ -37,6 +40,11 @@ KV.ready(function () {
     events[e.id] = e;
     KV.diff(KV.$(".diff", row), e.changes);
     if (KV.canWrite && e.revertible) KV.$(".act", row).appendChild(KV.fill(KV.$("#tpl-revert"), {}));
+    if (KV.canWrite && e.revert_together_changes.length) {  // every worker of its operation, in one operation
+      KV.$(".act", row).appendChild(KV.fill(KV.$("#tpl-revert-together"), {
+        label: "Revert all " + e.revert_together_changes.length + "…",
+        title: "Revert every worker operation #" + e.operation_id + " changed to this state, in one operation" }));
+    }
   }
   function load(url, append) {
     return KV.api("GET", url).then(function (r) {
@@ -47,14 +55,18 @@ KV.ready(function () {
       KV.$("#audit-empty").hidden = tbody.children.length > 0;
     });
   }
-  function revert(e) {  /* the server's revert_changes: only the workers the revert would change, now -> after */
-    var restore = e.extra.restore, rows = e.revert_changes.map(function (c) { return { worker: c.worker, before: c.now, after: c.after }; });
-    return KV.confirm({ title: "Revert to the state of record #" + e.id + "?", confirmLabel: "Launch revert",
+  /* The server's revert_changes (together: revert_together_changes): only the workers the revert would
+     change, now -> after. */
+  function revert(e, together) {
+    var restore = e.extra.restore, changes = together ? e.revert_together_changes : e.revert_changes;
+    var rows = changes.map(function (c) { return { worker: c.worker, before: c.now, after: c.after }; });
+    return KV.confirm({ title: together ? "Revert every worker of operation #" + e.operation_id + " to the state of record #" + e.id + "?"
+      : "Revert to the state of record #" + e.id + "?", confirmLabel: "Launch revert",
       text: "This launches a new " + (KV.KIND_LABELS[restore.kind] || restore.kind) + " operation that changes " + rows.length +
         " worker(s) as listed; workers already in the recorded state are left alone.", rows: rows
     }).then(function (ok) {
       if (!ok) return;
-      return KV.api("POST", "/api/v1/audit/events/" + e.id + "/revert/", { reason: "revert to audit record #" + e.id }).then(function (op) { location.href = "/operations/" + op.id + "/"; });
+      return KV.api("POST", "/api/v1/audit/events/" + e.id + "/revert/", { reason: "revert to audit record #" + e.id, together: !!together }).then(function (op) { location.href = "/operations/" + op.id + "/"; });
     });
   }
   form.addEventListener("submit", function (ev) {
@@ -67,7 +79,7 @@ KV.ready(function () {
   KV.$("#audit").addEventListener("click", function (ev) {
     if (!ev.target.classList.contains("revert")) return;
     var e = events[ev.target.closest("tr").dataset.event];
-    revert(e).catch(function (err) { KV.$("#page-error").textContent = KV.errorText(err); KV.$("#page-error").hidden = false; });
+    revert(e, ev.target.dataset.together === "1").catch(function (err) { KV.$("#page-error").textContent = KV.errorText(err); KV.$("#page-error").hidden = false; });
   });
   return load("/api/v1/audit/events/?" + query(), false);
 });

@@ -1,8 +1,8 @@
-/* Operation page: operation.target_changed / state_changed pushes update the target row and the header in
-   place at once, then the operation is re-read (one read in flight, coalesced, so an older answer never
-   overwrites a newer one) so each target's before/after, idle polls and times match the API. It is also
-   re-read on each websocket join (a push sent before it was missed) and, while running, every POLL_REFRESH_S
-   (idle polls move without a push). */
+/* Operation page: renders one API read of the operation at a time (the server reads the operation and its
+   targets on one database snapshot). operation.target_changed / state_changed pushes trigger a re-read (one
+   read in flight, coalesced, so an older answer never overwrites a newer one); so does each websocket join
+   (a push sent before it was missed) and, while running, every POLL_REFRESH_S (idle polls move without a
+   push). */
 KV.ready(function () {
   "use strict";
   var tpl = KV.$("#tpl-target"), rows = {}, op = null;
@@ -13,7 +13,7 @@ KV.ready(function () {
     var end = t.finished_at || (ACTIVE.indexOf(t.state) >= 0 ? null : t.updated_at);
     return Object.assign({}, t, {
       explanation_text: KV.readable(t.explanation),
-      duration: end ? KV.time.duration(KV.time.between(op.created_at, end)) : "running"
+      duration: end ? KV.time.duration(KV.time.between(op.started_at, end)) : "running"
     });
   }
   function putTarget(t) {
@@ -87,22 +87,9 @@ KV.ready(function () {
         .catch(function (err) { KV.$("#page-error").textContent = KV.errorText(err); KV.$("#page-error").hidden = false; });
     });
   });
-  function onMessage(msg) {
-    if (!op) { refresh(); return; }  // the first read is still out: read once more after it
-    var d = msg.data;
-    if (msg.type === "operation.target_changed") {
-      var t = op.targets.filter(function (x) { return x.id === d.target_id; })[0];
-      if (!t) return;
-      t.state = d.state; t.explanation = d.explanation; t.updated_at = msg.ts;
-      if (ACTIVE.indexOf(d.state) < 0 && !t.finished_at) t.finished_at = msg.ts;
-      putTarget(t);
-      refresh();  // before/after, polls and exact times of this target
-    } else if (msg.type === "operation.state_changed") {
-      op.state = d.state; op.explanation = d.explanation; op.summary = d.summary;
-      renderHead();
-      refresh();
-    }
-  }
+  /* A push is only a cue: the page re-reads the operation, so what it shows (state, finish time, each
+     target's before/after) is always one API snapshot, never a push's fields beside an older read. */
+  function onMessage() { refresh(); }
   return KV.api("GET", "/api/v1/inventory/storage-profiles/?limit=500").then(function (r) {
     r.results.forEach(function (p) { profileNames[p.id] = p.name + " (" + p.backend + ")"; });
     KV.subscribe(["operation." + KV.pk], onMessage, refresh);  // each join re-reads

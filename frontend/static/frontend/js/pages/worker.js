@@ -2,69 +2,106 @@
    Derived series: per-tier cached tokens/s and cache I/O tokens/s (counter rates over 10 s), hit share over
    a sliding 60 s window, TTFT / ITL p50 and p90 over the 5 min before each sample (the increase of the
    worker's cumulative histogram buckets, KV.pools; none on a PD prefill worker, whose page has a note
-   instead), prefetch in flight = started - completed - timed out - revoked. */
+   instead), prefetch in flight = issued - completed - timed out - revoked. */
 KV.ready(function () {
   "use strict";
   var HIT_WINDOW_S = 60, RATE_WINDOW_S = 10, LATENCY_WINDOW_S = 300, MAX_SAMPLES = 1800;
   var TIERS = ["device", "host", "storage"];
   var TIER_LABELS = ["L1 device", "L2 host", "L3 storage"];
-  var samples = [], lastSeq = 0, pushed = 0;
+  var samples = [], lastSeq = 0;
   var charts = {
-    cached: KV.chart(KV.$("#chart-cached"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "tok/s", stacked: true }),
-    hits: KV.chart(KV.$("#chart-hits"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "%", range01: true }),
-    ttft: KV.$("#chart-ttft") && KV.chart(KV.$("#chart-ttft"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s" }),
-    itl: KV.$("#chart-itl") && KV.chart(KV.$("#chart-itl"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s" }),
-    pool: KV.chart(KV.$("#chart-pool"), { series: [{ label: "host pool use" }], unit: "%", range01: true }),
-    bw: KV.chart(KV.$("#chart-bw"), { series: [{ label: "load-back" }, { label: "prefetch" }, { label: "backup" }], unit: "tok/s" }),
+    cached: KV.chart(KV.$("#chart-cached"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "tok/s", gaps: true, stacked: true }),
+    hits: KV.chart(KV.$("#chart-hits"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "%", gaps: true, range01: true }),
+    ttft: KV.$("#chart-ttft") && KV.chart(KV.$("#chart-ttft"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s", gaps: true }),
+    itl: KV.$("#chart-itl") && KV.chart(KV.$("#chart-itl"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s", gaps: true }),
+    pool: KV.chart(KV.$("#chart-pool"), { series: [{ label: "host pool use" }], unit: "%", gaps: true, range01: true }),
+    bw: KV.chart(KV.$("#chart-bw"), { series: [{ label: "load-back" }, { label: "prefetch" }, { label: "backup" }], unit: "tok/s", gaps: true }),
     prefetch: KV.chart(KV.$("#chart-prefetch"), {
-      series: [{ label: "completed" }, { label: "timed out" }, { label: "revoked" }, { label: "in flight" }], unit: "count", stacked: true
+      series: [{ label: "completed" }, { label: "timed out" }, { label: "revoked" }, { label: "in flight" }], unit: "count", gaps: true, stacked: true
     }),
-    reqs: KV.chart(KV.$("#chart-reqs"), { series: [{ label: "running" }, { label: "queued" }], unit: "reqs" })
+    reqs: KV.chart(KV.$("#chart-reqs"), { series: [{ label: "running" }, { label: "queued" }], unit: "reqs", gaps: true })
   };
 
-  function col(key) { return samples.map(function (s) { return s[key] == null ? null : s[key]; }); }
-  function delta(a, b, key) { var d = (b[key] || 0) - (a[key] || 0); return d >= 0 ? d : (b[key] || 0); }  // counter reset
-
+  /* A figure that was not measured stays null (a gap), never 0. */
+  function col(list, key) { return list.map(function (s) { return s[key] == null ? null : s[key]; }); }
+  function delta(a, b, key) {  // counter increase (a reset restarts from 0); null unless both samples have it
+    if (a[key] == null || b[key] == null) return null;
+    var d = b[key] - a[key];
+    return d >= 0 ? d : b[key];
+  }
   /* per-second rate of counter `key` over the last RATE_WINDOW_S (as Prometheus rate()), one per sample */
-  function rate(key) {
+  function rate(list, key) {
     var j = 0;
-    return samples.map(function (s, i) {
-      while (j < i - 1 && s.ts - samples[j + 1].ts >= RATE_WINDOW_S) j++;
-      var base = samples[j], dt = s.ts - base.ts;
-      return i > 0 && dt > 0 && s[key] != null && base[key] != null ? delta(base, s, key) / dt : null;
+    return list.map(function (s, i) {
+      while (j < i - 1 && s.ts - list[j + 1].ts >= RATE_WINDOW_S) j++;
+      var base = list[j], dt = s.ts - base.ts, d = i > 0 ? delta(base, s, key) : null;
+      return d != null && dt > 0 ? d / dt : null;
     });
   }
-  function redraw() {
-    var xs = col("ts");
+  /* Where the charts break: a pause in reporting longer than GAP_FACTOR x the usual interval (at least
+     MIN_GAP_S), and the worker's last role change (its figures before and after are of different jobs).
+     Each run between breaks is computed on its own, so no rate or window reaches across one. */
+  var GAP_FACTOR = 3, MIN_GAP_S = 6;
+  var ROLE_AT = KV.$("[data-testid=worker-role] time") ? Date.parse(KV.$("[data-testid=worker-role] time").getAttribute("datetime")) / 1000 : null;
+  function runs() {
+    var steps = samples.slice(1).map(function (s, i) { return s.ts - samples[i].ts; }).sort(function (a, b) { return a - b; });
+    var gap = Math.max(MIN_GAP_S, GAP_FACTOR * (steps.length ? steps[Math.floor(steps.length / 2)] : 0));
+    var out = [];
+    samples.forEach(function (s, i) {
+      var p = samples[i - 1];
+      var cut = !p || s.ts - p.ts > gap || (ROLE_AT != null && p.ts < ROLE_AT && s.ts >= ROLE_AT);
+      if (cut) out.push([]);
+      out[out.length - 1].push(s);
+    });
+    return out;
+  }
+  function figures(list) {  // every chart's series over one run of samples
     var shares = TIERS.map(function () { return []; });
     var j = 0;
-    samples.forEach(function (s, i) {
-      while (j < i && s.ts - samples[j].ts > HIT_WINDOW_S) j++;  // oldest sample inside the window
-      var base = samples[j], hits = TIERS.map(function (t) { return j < i ? delta(base, s, "cached_tokens_" + t) : 0; });
-      var total = hits[0] + hits[1] + hits[2];
-      TIERS.forEach(function (t, k) { shares[k].push(total > 0 ? hits[k] / total : null); });
+    list.forEach(function (s, i) {
+      while (j < i && s.ts - list[j].ts > HIT_WINDOW_S) j++;  // oldest sample inside the window
+      var hits = TIERS.map(function (t) { return j < i ? delta(list[j], s, "cached_tokens_" + t) : null; });
+      var total = hits.reduce(function (a, h) { return a + (h || 0); }, 0);
+      TIERS.forEach(function (t, k) { shares[k].push(total > 0 && hits[k] != null ? hits[k] / total : null); });
     });
-    charts.cached.set(xs, TIERS.map(function (t) { return rate("cached_tokens_" + t); }));
-    charts.hits.set(xs, shares);
-    if (charts.ttft) {
-      var member = [{ samples: samples }];
-      var lat = samples.map(function (s) { return KV.pools.at(member, s.ts, LATENCY_WINDOW_S) || {}; });
-      var pick = function (key) { return lat.map(function (v) { return v[key] == null ? null : v[key]; }); };
-      charts.ttft.set(xs, [pick("ttft_p50_s"), pick("ttft_p90_s")]);
-      charts.itl.set(xs, [pick("itl_p50_s"), pick("itl_p90_s")]);
-    }
-    charts.pool.set(xs, [col("host_pool_use")]);
-    charts.bw.set(xs, [rate("load_back_tokens_total"), rate("prefetched_tokens_total"), rate("backuped_tokens_total")]);
+    var member = [{ samples: list }];
+    var lat = list.map(function (s) { return KV.pools.at(member, s.ts, LATENCY_WINDOW_S) || {}; });
+    var pick = function (key) { return lat.map(function (v) { return v[key] == null ? null : v[key]; }); };
     var done = ["prefetch_completed_total", "prefetch_timeout_total", "prefetch_revoked_total"];
-    var inflight = samples.map(function (s) {
-      return Math.max(0, (s.prefetch_started_total || 0) - done.reduce(function (a, k) { return a + (s[k] || 0); }, 0));
+    var inflight = list.map(function (s) {
+      if (s.prefetch_started_total == null || done.some(function (k) { return s[k] == null; })) return null;
+      return Math.max(0, s.prefetch_started_total - done.reduce(function (a, k) { return a + s[k]; }, 0));
     });
-    charts.prefetch.set(xs, [col(done[0]), col(done[1]), col(done[2]), inflight]);
-    charts.reqs.set(xs, [col("num_running_reqs"), col("num_queue_reqs")]);
-    var last = samples[samples.length - 1];
-    KV.$("#prefetch-balance").textContent = last ? "Started " + KV.fmt(last.prefetch_started_total, "count") + " = completed " +
-      KV.fmt(last.prefetch_completed_total || 0, "count") + " + timed out " + KV.fmt(last.prefetch_timeout_total || 0, "count") +
-      " + revoked " + KV.fmt(last.prefetch_revoked_total || 0, "count") + " + in flight " + KV.fmt(inflight[inflight.length - 1], "count") : "";
+    return {
+      xs: col(list, "ts"),
+      cached: TIERS.map(function (t) { return rate(list, "cached_tokens_" + t); }),
+      hits: shares,
+      ttft: [pick("ttft_p50_s"), pick("ttft_p90_s")], itl: [pick("itl_p50_s"), pick("itl_p90_s")],
+      pool: [col(list, "host_pool_use")],
+      bw: [rate(list, "load_back_tokens_total"), rate(list, "prefetched_tokens_total"), rate(list, "backuped_tokens_total")],
+      prefetch: [col(list, done[0]), col(list, done[1]), col(list, done[2]), inflight],
+      reqs: [col(list, "num_running_reqs"), col(list, "num_queue_reqs")]
+    };
+  }
+  var CHARTS = ["cached", "hits", "ttft", "itl", "pool", "bw", "prefetch", "reqs"];
+  function redraw() {
+    var all = null;
+    runs().forEach(function (list) {
+      var f = figures(list);
+      if (!all) { all = f; return; }
+      var at = ROLE_AT != null && all.xs[all.xs.length - 1] < ROLE_AT && f.xs[0] >= ROLE_AT ? ROLE_AT : (all.xs[all.xs.length - 1] + f.xs[0]) / 2;
+      all.xs = all.xs.concat([at], f.xs);  // one empty point between runs: the line breaks there
+      CHARTS.forEach(function (k) { all[k] = all[k].map(function (ys, n) { return ys.concat([null], f[k][n]); }); });
+    });
+    all = all || figures([]);
+    CHARTS.forEach(function (k) { if (charts[k]) charts[k].set(all.xs, all[k]); });
+    var from = Date.now() / 1000 - KV.windowS();  // "Live samples": the samples the charts show now
+    KV.$("[data-testid=samples]").textContent = String(samples.filter(function (s) { return s.ts >= from; }).length);
+    var last = samples[samples.length - 1], count = function (v) { return v == null ? "–" : KV.fmt(v, "count"); };
+    var inflight = all.prefetch[3][all.prefetch[3].length - 1];
+    KV.$("#prefetch-balance").textContent = last ? "Issued " + count(last.prefetch_started_total) + " = completed " +
+      count(last.prefetch_completed_total) + " + timed out " + count(last.prefetch_timeout_total) +
+      " + revoked " + count(last.prefetch_revoked_total) + " + in flight " + count(inflight) : "";
   }
   function add(s) {
     if (!s || s.seq <= lastSeq) return false;
@@ -84,10 +121,7 @@ KV.ready(function () {
   }
   document.addEventListener("kv:window", redraw);
   KV.subscribe(["worker." + KV.pk], function (msg) {
-    if (msg.type === "worker.metrics" && add(msg.data)) {
-      pushed += 1; KV.$("[data-testid=samples]").textContent = String(pushed);
-      redraw();
-    }
+    if (msg.type === "worker.metrics" && add(msg.data)) redraw();
   }, load);
   return load();
 });

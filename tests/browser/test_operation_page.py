@@ -1,0 +1,75 @@
+"""The operation page in real headless Chromium (Playwright) at 1280 px against daphne: "Started" is the
+launch time, and the page shows one API snapshot: a state push is a cue to re-read, never a state shown beside
+an older finish time and older targets."""
+
+import os
+import time
+from datetime import UTC
+
+import pytest
+from cp_factories import EngineWorkerFactory
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in
+
+from controlplane.core.broadcast import emit
+from controlplane.core.events import operation_group
+from controlplane.operations.models import ACTIVE_STATES
+from controlplane.operations.services import operation_create, target_step
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")
+
+
+def _run_to_the_end(op) -> None:
+    target = op.targets.get()
+    deadline = time.monotonic() + 20
+    while target.state in ACTIVE_STATES:  # what the Celery task does, step by step
+        assert time.monotonic() < deadline, target.explanation
+        delay = target_step(target_id=target.pk)
+        target.refresh_from_db()
+        if delay and target.state in ACTIVE_STATES:
+            time.sleep(delay)
+
+
+def test_the_operation_page_shows_one_snapshot_and_started_is_the_launch_time(
+    asgi_server, fake_worker, monkeypatch
+):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    fake = fake_worker()
+    worker = EngineWorkerFactory(name="w-snap", url=fake.url, admin_key=fake.admin_key)
+    op = operation_create(kind="detach", workers=[worker], actor=None, idle_timeout_s=5, reason="snapshot")
+    console_user("snap", "operator", "pw-for-tests-1")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "snap", "pw-for-tests-1")
+        page.goto(f"{asgi_server}/operations/{op.pk}/")
+        expect(page.get_by_test_id("op-state")).to_have_text("running")
+        started = page.get_by_test_id("op-started")
+        launched = op.created_at.astimezone(UTC)
+        expect(started).to_have_attribute(
+            "datetime", launched.strftime("%Y-%m-%dT%H:%M:%S.") + f"{launched.microsecond // 1000:03d}Z"
+        )
+
+        # A push that disagrees with the database: the page re-reads and never shows the push's state.
+        page.evaluate("""() => { window.seenStates = []; const el = document.getElementById("op-state");
+            new MutationObserver(() => window.seenStates.push(el.textContent))
+              .observe(el, {childList: true, characterData: true, subtree: true}); }""")
+        url = f"{asgi_server}/api/v1/operations/{op.pk}/"
+        with page.expect_response(lambda r: r.url == url):
+            data = {"operation_id": op.pk, "state": "succeeded", "explanation": "", "summary": {}}
+            emit(operation_group(op.pk), "operation.state_changed", data, wait=True)
+        page.wait_for_load_state("networkidle")
+        expect(page.get_by_test_id("op-state")).to_have_text("running")
+        expect(page.locator("#op-facts time[data-f=finished_at]")).to_have_text("–")
+        assert "succeeded" not in page.evaluate("window.seenStates")
+
+        _run_to_the_end(op)  # the real pushes, after commit: final state, finish time and targets together
+        expect(page.get_by_test_id("op-state")).to_have_text("succeeded")
+        expect(page.locator("#op-facts time[data-f=finished_at]")).not_to_have_text("–")
+        expect(page.locator("#op-targets tbody tr .badge")).to_have_text("succeeded")
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "operation-snapshot.png"), full_page=True)
+        assert errors == []
+        browser.close()
