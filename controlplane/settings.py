@@ -187,12 +187,15 @@ TELEMETRY_SCRAPE_INTERVAL_S = float(os.environ.get("TELEMETRY_SCRAPE_INTERVAL_S"
 INGEST_WORKER_CACHE_S = float(os.environ.get("INGEST_WORKER_CACHE_S", "30"))
 HEARTBEAT_DB_REFRESH_S = float(os.environ.get("HEARTBEAT_DB_REFRESH_S", "30"))
 PLANNER_INTERVAL_S = float(os.environ.get("PLANNER_INTERVAL_S", "15"))  # P:D planner evaluations
+# PD routers' worker lists and workers' roles brought back to the inventory (rebalance/services/reconcile.py)
+RECONCILE_INTERVAL_S = float(os.environ.get("RECONCILE_INTERVAL_S", "15"))
 CELERY_BEAT_SCHEDULE = {
     "telemetry-scrape": {"task": "telemetry.scrape_all", "schedule": TELEMETRY_SCRAPE_INTERVAL_S},
     "operations-reap": {"task": "operations.reap_stuck_targets", "schedule": 10.0},
     "operations-purge-idempotency": {"task": "operations.purge_idempotency_records", "schedule": 3600.0},
     "rebalance-plan": {"task": "rebalance.plan_all", "schedule": PLANNER_INTERVAL_S},
     "rebalance-resume-stalled": {"task": "rebalance.resume_stalled", "schedule": 30.0},
+    "rebalance-reconcile": {"task": "rebalance.reconcile_all", "schedule": RECONCILE_INTERVAL_S},
 }
 CELERY_IMPORTS = ["controlplane.rebalance.planner.tasks"]
 

@@ -37,10 +37,15 @@ def page(request, name: str, pk: int | None = None):
 @login_required
 @ensure_csrf_cookie
 def fleet(request):
+    from controlplane.rebalance.selectors import reconcile_state
     from controlplane.telemetry.recent import WINDOW_S
 
     return _render(
-        request, "fleet", pool_history=selectors.pool_history(), recent_window_min=round(WINDOW_S / 60)
+        request,
+        "fleet",
+        pool_history=selectors.pool_history(),
+        recent_window_min=round(WINDOW_S / 60),
+        reconcile=reconcile_state(repairs=5),
     )
 
 
@@ -80,7 +85,16 @@ def host(request, pk: int):
 @login_required
 @ensure_csrf_cookie
 def router(request, pk: int):
-    return _render(request, "router", pk, **selectors.router_detail(router=get_object_or_404(Router, pk=pk)))
+    from controlplane.rebalance.selectors import reconcile_state
+
+    router = get_object_or_404(Router, pk=pk)
+    return _render(
+        request,
+        "router",
+        pk,
+        **selectors.router_detail(router=router),
+        reconcile=reconcile_state(router=router),
+    )
 
 
 @login_required

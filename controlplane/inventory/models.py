@@ -142,6 +142,9 @@ class WorkerState(models.TextChoices):
 # What the control plane asks a worker's agent (desired_role and its generation) and what the agent last
 # acknowledged: written only by queryset updates (controlplane.inventory.services).
 ROLE_REQUEST_FIELDS = ("desired_role", "role_request_seq", "role_seen_seq", "role_applied_seq")
+# What the reconciler keeps a worker at (its assigned role, whether it left its router on purpose): also
+# written only by queryset updates, never by a full save of a possibly stale row.
+SERVICE_ONLY_FIELDS = (*ROLE_REQUEST_FIELDS, "assigned_role", "drained")
 
 
 class EngineWorker(TimeStamped):
@@ -160,6 +163,16 @@ class EngineWorker(TimeStamped):
     )
     role_changed_at = models.DateTimeField(
         null=True, blank=True, help_text="When the control plane last saw the worker's role change"
+    )
+    assigned_role = models.CharField(
+        max_length=10,
+        choices=WorkerRole.choices,
+        blank=True,
+        help_text="PD role the reconciler keeps it in (set by a rebalance step); empty: none",
+    )
+    drained = models.BooleanField(
+        default=False,
+        help_text="Out of its router on purpose (drain): not re-added by the reconciler",
     )
     desired_role = models.CharField(
         max_length=10,
@@ -219,14 +232,14 @@ class EngineWorker(TimeStamped):
         return self.name
 
     def save(self, *args, **kwargs):
-        """A full save of an existing row leaves the role-request columns (ROLE_REQUEST_FIELDS) alone: only
-        the inventory services' queryset updates write them, so a stale instance saved by another path never
-        moves a request or its agent's acknowledgement back."""
+        """A full save of an existing row leaves SERVICE_ONLY_FIELDS (role requests, assigned role, drained)
+        alone: only the services' queryset updates write them, so a stale instance saved by another path
+        never moves a request or its agent's acknowledgement back."""
         if not self._state.adding and kwargs.get("update_fields") is None:
             kwargs["update_fields"] = [
                 f.name
                 for f in self._meta.concrete_fields
-                if not f.primary_key and f.name not in ROLE_REQUEST_FIELDS
+                if not f.primary_key and f.name not in SERVICE_ONLY_FIELDS
             ]
         super().save(*args, **kwargs)
 
@@ -247,3 +260,38 @@ class EngineWorker(TimeStamped):
     @api_key.setter
     def api_key(self, value: str) -> None:
         self.api_key_encrypted = encrypt_text(value)
+
+
+class FleetAlert(models.Model):
+    """Drift the reconciler found and cannot repair (a router listing a URL no worker of its has, a worker
+    that does not answer, a worker in the wrong role with no agent to restart it). Open while the drift is
+    seen; closed (``resolved_at``) by the first pass that no longer sees it. One open alert per (router,
+    worker, kind)."""
+
+    router = models.ForeignKey(Router, null=True, blank=True, on_delete=models.CASCADE, related_name="alerts")
+    worker = models.ForeignKey(
+        EngineWorker, null=True, blank=True, on_delete=models.CASCADE, related_name="alerts"
+    )
+    kind = models.CharField(
+        max_length=40, help_text="unknown_worker | worker_unreachable | cannot_restart | ..."
+    )
+    subject = models.CharField(
+        max_length=300, blank=True, help_text="What it is about (a URL for unknown_worker)"
+    )
+    message = models.TextField()
+    opened_at = models.DateTimeField(auto_now_add=True)
+    last_seen_at = models.DateTimeField(auto_now=True)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-opened_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["router", "worker", "kind", "subject"],
+                condition=models.Q(resolved_at__isnull=True),
+                name="one_open_alert_per_drift",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"

@@ -24,3 +24,10 @@ def resume_stalled_task() -> int:
     from controlplane.rebalance.services import rebalance_resume_stalled
 
     return rebalance_resume_stalled()
+
+
+@shared_task(name="rebalance.reconcile_all", ignore_result=True)
+def reconcile_all_task() -> int:
+    from controlplane.rebalance.services.reconcile import reconcile_all
+
+    return len(reconcile_all())

@@ -39,6 +39,7 @@ def worker_drain(*, worker: EngineWorker, actor) -> dict:
         raise ApplicationError(
             f"router {worker.router.name}: {exc.message}", code="router_error", status_code=502
         ) from exc
+    EngineWorker.objects.filter(pk=worker.pk).update(drained=True)  # the reconciler leaves it out
     audit_record(
         action="drain", obj=worker, before={"in_router": removed}, after={"in_router": False}, actor=actor
     )
@@ -62,6 +63,7 @@ def worker_undrain(*, worker: EngineWorker, actor) -> dict:
         raise ApplicationError(
             f"router {worker.router.name}: {exc.message}", code="router_error", status_code=502
         ) from exc
+    EngineWorker.objects.filter(pk=worker.pk).update(drained=False)
     audit_record(
         action="undrain", obj=worker, before={"in_router": listed}, after={"in_router": True}, actor=actor
     )

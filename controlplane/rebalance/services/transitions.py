@@ -9,6 +9,7 @@ from django.utils import timezone
 from controlplane.audit.models import Outcome
 from controlplane.audit.services import audit_record
 from controlplane.core.events import rebalance_group
+from controlplane.inventory.models import EngineWorker
 from controlplane.rebalance.models import REBALANCE_MACHINE, STEP_MACHINE, Rebalance, RebalanceStep
 from controlplane.rebalance.models import RebalanceState as R
 from controlplane.rebalance.models import StepState as S
@@ -105,9 +106,19 @@ def step_transition(step: RebalanceStep, *, to: str, explanation: str | None = N
         to=to,
         changes=fields,
         atomic=True,
-        audit=(lambda expected: _audit_step(step, expected)) if audited else None,
+        audit=(lambda expected: _settle_step(step, expected)) if audited else None,
         events=events,
     )
+
+
+def _settle_step(step: RebalanceStep, previous: str) -> None:
+    """In the transaction of a step's outcome: the worker's assigned role becomes the role it now keeps
+    (the new one on success, the old one after a rollback; a failure leaves it), so a restart by its agent
+    or of its router is repaired back to it (inventory reconcile), then the audit record."""
+    keep = {S.SUCCEEDED: step.to_role, S.ROLLED_BACK: step.from_role}.get(step.state)
+    if keep:
+        EngineWorker.objects.filter(pk=step.worker_id).update(assigned_role=keep)
+    _audit_step(step, previous)
 
 
 def _audit_step(step: RebalanceStep, previous: str) -> None:

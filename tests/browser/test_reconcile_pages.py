@@ -1,0 +1,54 @@
+"""The reconciler on the console, in real headless Chromium (Playwright) at 1280 px against daphne: after a
+pass that repaired a router's worker list and found a URL it cannot account for, the router page lists the
+repair and the alert, and the fleet page shows the alert with its router."""
+
+import os
+
+import pytest
+from cp_factories import EngineWorkerFactory, HostFactory, RouterFactory
+from django.utils import timezone
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in
+
+from controlplane.rebalance.services.reconcile import reconcile_all
+from controlplane.workerclient import RouterClient
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
+
+
+def test_repairs_and_alerts_show_on_the_router_and_fleet_pages(
+    asgi_server, fake_worker, fake_router, monkeypatch
+):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    router = RouterFactory(name="pd-main", url=fake_router.url, mode="pd")
+    host = HostFactory(name="gpu-host")
+    decode = fake_worker(pd_role="decode")
+    EngineWorkerFactory(
+        name="d-moved", url=decode.url, admin_key=decode.admin_key, router=router, host=host, role="decode",
+        last_seen=timezone.now(), assigned_role="decode",
+    )  # fmt: skip
+    client = RouterClient(router.url)
+    client.add_worker(decode.url, worker_type="prefill", bootstrap_port=8998)  # a restart's old argv
+    client.add_worker("http://stranger:1", worker_type="decode")
+    repairs = reconcile_all()
+    assert [r["action"] for r in repairs] == ["reconcile_router"]
+    console_user("vera", "viewer", "pw-for-tests-1")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
+        page.goto(f"{asgi_server}/routers/{router.pk}/")
+        expect(page.get_by_test_id("reconcile-repairs")).to_contain_text("listed it as prefill")
+        expect(page.get_by_test_id("fleet-alerts")).to_contain_text("lists http://stranger:1")
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "router-reconcile.png"), full_page=True)
+        page.goto(f"{asgi_server}/")
+        alerts = page.get_by_test_id("fleet-alerts")
+        expect(alerts.get_by_role("link", name="pd-main")).to_have_attribute("href", f"/routers/{router.pk}/")
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "fleet-reconcile.png"), full_page=True)
+        assert errors == []
+        browser.close()
