@@ -5,6 +5,9 @@
   and cached tokens per tier (device/host/storage) read live from the worker.
 - ``drain WORKER --control-plane URL --token TOKEN``: the control plane takes the worker out of its router
   (``POST /api/v1/inventory/workers/{id}/drain/``, operator token), then wait until the worker is idle.
+- ``check-isolation URL [--api-key-file FILE] [--words N] [--json]``: the cache isolation self-test
+  (``engine.agent.isolation``): same prompt, two salts → no reuse; same salt → reuse; both TTFTs. Exit 0
+  when isolated, 1 when not (or the worker failed); the key defaults to ``$KVFLEET_API_KEY``.
 
 ``--control-plane``, ``--token`` and ``--token-file`` default to ``$KVFLEET_CONTROL_PLANE``,
 ``$KVFLEET_AGENT_TOKEN`` and ``$KVFLEET_AGENT_TOKEN_FILE``.
@@ -61,7 +64,33 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("worker", help="worker name as registered")
     control_plane_flags(drain)
     drain.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for idle")
+    iso = sub.add_parser("check-isolation", help="same prompt, two salts: no reuse; same salt: reuse")
+    iso.add_argument("url", help="the worker's (or its router's) base URL")
+    iso.add_argument("--api-key", default=None, help="bearer key (prefer --api-key-file or $KVFLEET_API_KEY)")
+    iso.add_argument("--api-key-file", default=None, help="read the bearer key from this file")
+    iso.add_argument("--words", type=int, default=400, help="prompt length in words (default 400)")
+    iso.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
+
+
+def cmd_check_isolation(args) -> int:
+    from engine.agent.isolation import IsolationCheckError, check_isolation, format_report
+
+    key = args.api_key
+    if key is None and args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise CliError(f"--api-key-file {args.api_key_file}: {exc.strerror}", 2) from None
+    key = key or os.environ.get("KVFLEET_API_KEY") or None
+    if args.words < 32:
+        raise CliError(f"--words must be >= 32 (the prompt must span cache pages), got {args.words}", 2)
+    try:
+        report = check_isolation(args.url, key, words=args.words)
+    except IsolationCheckError as exc:
+        raise CliError(str(exc)) from None
+    print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report))
+    return 0 if report.ok else 1
 
 
 def _require_control_plane(args) -> ControlPlaneClient:
@@ -181,7 +210,12 @@ def cmd_drain(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
-    handler = {"run": cmd_run, "status": cmd_status, "drain": cmd_drain}[args.command]
+    handler = {
+        "run": cmd_run,
+        "status": cmd_status,
+        "drain": cmd_drain,
+        "check-isolation": cmd_check_isolation,
+    }[args.command]
     try:
         return handler(args)
     except CliError as exc:

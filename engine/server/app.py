@@ -11,6 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from engine.server import admin, generate, info, openai, pd_role_switch, recording, schemas
 from engine.server.engine import Engine, UnavailableError
 from engine.server.http_utils import BodyLimit, HTTPError, error_response
+from engine.server.tenants import TenantGate
 
 logger = logging.getLogger(__name__)
 
@@ -91,5 +92,8 @@ def create_app(engine: Engine) -> FastAPI:
     app.openapi = openapi
     app.add_middleware(JSONServerErrors)
     app.add_middleware(BodyLimit)
+    if engine.tenants is not None:  # inside CountAccepted: a refused request was accepted, then answered
+        on_rejected = engine.metrics.on_tenant_rejected if engine.metrics else None
+        app.add_middleware(TenantGate, tenants=engine.tenants, on_rejected=on_rejected)
     app.add_middleware(CountAccepted, engine=engine)
     return app

@@ -75,6 +75,7 @@ class ServerArgs:
     watchdog_timeout: float = 300.0
     api_key: str | None = dataclasses.field(default=None, repr=False)
     admin_api_key: str | None = dataclasses.field(default=None, repr=False)
+    tenant_keys_file: str | None = None
     enable_metrics: bool = False
     enable_cache_report: bool = False
     record_trace: bool = False
@@ -201,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--api-key-file", default=None, help="read the API key from this file")
     a("--admin-api-key", default=None, help="prefer --admin-api-key-file or $KVFLEET_ADMIN_API_KEY")
     a("--admin-api-key-file", default=None, help="read the admin API key from this file")
+    a(
+        "--tenant-keys-file",
+        default=None,
+        help="KVFleet: JSON of tenants and their API keys; each tenant's requests get a cache salt of their "
+        "own (tenants share no cached KV), an optional cap on requests in flight (docs/operations.md)",
+    )
     a("--enable-metrics", action="store_true")
     a("--enable-cache-report", action="store_true")
     a("--record-trace", action="store_true", help="KVFleet: keep a Mooncake-format trace at /recorded_trace")

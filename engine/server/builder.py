@@ -25,6 +25,7 @@ from engine.server.args import ArgumentError, ServerArgs
 from engine.server.engine import Engine
 from engine.server.metrics import EngineMetrics
 from engine.server.recording import TraceRecorder
+from engine.server.tenants import TenantConfigError, Tenants
 from engine.sizing.tiers import l1_pool_tokens
 
 logger = logging.getLogger(__name__)
@@ -177,7 +178,12 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         pd_transfer=transfer,
         pd_decode_offload=args.disaggregation_decode_enable_offload_kvcache,
     )
-    metrics = EngineMetrics(args.model_name, lambda: scheduler.state) if args.enable_metrics else None
+    try:
+        tenants = Tenants.load(args.tenant_keys_file) if args.tenant_keys_file else None
+    except TenantConfigError as exc:
+        raise ArgumentError(f"--tenant-keys-file {exc}") from None
+    labels = [t.label for t in tenants.tenants] if tenants else []
+    metrics = EngineMetrics(args.model_name, lambda: scheduler.state, labels) if args.enable_metrics else None
     scheduler.metrics = metrics
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
@@ -189,6 +195,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         vocab_size=tokenizer.vocab_size,
         metrics=metrics,
         recorder=TraceRecorder() if args.record_trace else None,
+        tenants=tenants,
         model_info={
             "architecture": cfg.architecture,
             "kv_bytes_per_token": bytes_per_token,

@@ -21,6 +21,7 @@ from engine.scheduler.req import Bootstrap
 from engine.scheduler.sampling_params import label
 from engine.server.args import ServerArgs
 from engine.server.recording import TraceRecorder
+from engine.server.tenants import Tenants
 
 
 class RequestError(ValueError):
@@ -44,6 +45,7 @@ class Engine:
     metrics: object = None
     model_info: dict = field(default_factory=dict)
     recorder: TraceRecorder | None = None  # --record-trace
+    tenants: Tenants | None = None  # --tenant-keys-file
     unhealthy: str | None = None  # set by a failed PD role switch: /health answers 503 with it
     started_at: float = field(default_factory=time.time)
 

@@ -23,9 +23,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.scheduler import SamplingParams
 from engine.scheduler.req import Bootstrap
 from engine.server.engine import Engine, RequestError
-from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse, until_disconnect
+from engine.server.http_utils import SSE_DONE, HTTPError, json_body, sse, until_disconnect
 from engine.server.schemas import GenerateReqInput, request_body, validated
 from engine.server.stream_text import StreamText
+from engine.server.tenants import authorize, request_salt
 
 router = APIRouter()
 
@@ -103,12 +104,12 @@ def _response(engine: Engine, ids: list[int], params: SamplingParams, reason, me
 
 @router.post("/generate", openapi_extra=request_body(GenerateReqInput))
 async def generate(request: Request):
-    require_api_key(request)
+    tenant = authorize(request)
     engine: Engine = request.app.state.engine
     body = validated(GenerateReqInput, await json_body(request))
     prompts, params, batched, bootstrap = await asyncio.to_thread(parse_generate, engine, body)
     rids = _rids(body.get("rid"), len(prompts), batched)
-    salts = _salts(body.get("cache_salt"), len(prompts), batched)
+    salts = [request_salt(engine, tenant, s) for s in _salts(body.get("cache_salt"), len(prompts), batched)]
     if body.get("stream"):
         if batched:
             raise HTTPError(400, "stream is not supported with batched input")

@@ -27,6 +27,7 @@ def error_response(status: int, message: str) -> JSONResponse:
         401: "AuthenticationError",
         404: "NotFoundError",
         413: "RequestTooLargeError",
+        429: "RateLimitError",
     }.get(status, "ServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
@@ -127,11 +128,16 @@ def sse(data: dict | str) -> bytes:
 SSE_DONE = sse("[DONE]")
 
 
+def bearer_token(header: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 def bearer_matches(request: Request, key: str) -> bool:
     """True when the request carries ``Authorization: Bearer <key>`` (constant-time compare)."""
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    token = bearer_token(request.headers.get("authorization", ""))
+    return token is not None and hmac.compare_digest(token.encode(), key.encode())
 
 
 def require_api_key(request: Request) -> None:

@@ -13,7 +13,8 @@
   answered yet, from arrival to the last byte; ``is_idle`` is false while there is one),
   ``inflight_cache_io``), the pools' sizes in tokens
   (``max_total_num_tokens`` L1, KVFleet's ``host_total_num_tokens`` L2 or null), ``hicache`` (the live
-  storage status, null without hierarchical cache) and ``disaggregation_mode``.
+  storage status, null without hierarchical cache), ``disaggregation_mode`` and ``tenants`` (KVFleet: each
+  ``--tenant-keys-file`` tenant's ``name``, metric ``label`` and ``max_requests``; null without the file).
 - ``GET /model_info`` (alias ``/get_model_info``): ``model_path``, ``tokenizer_path``, ``is_generation``.
 - ``POST|GET /flush_cache``: clears L1 and L2 (never L3) when idle: 200, else 400 (upstream); 401 without
   the ``--api-key`` bearer when one is set.
@@ -116,6 +117,12 @@ def server_info(engine: Engine) -> dict:
             "num_http_reqs": engine.scheduler.num_accepted,
             "inflight_cache_io": state.get("inflight_cache_io", {}),
             "hicache": state.get("hicache"),
+            "tenants": [  # KVFleet, --tenant-keys-file: names and metric labels, never keys
+                {"name": t.name, "label": t.label, "max_requests": t.max_requests}
+                for t in engine.tenants.tenants
+            ]
+            if engine.tenants
+            else None,
         }
     )
     return info

@@ -16,6 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.cache.storage.health import STATES as BREAKER_STATES
+from engine.server.tenants import salt_label
+
+TENANT_LABEL_LIMIT = 16
+"""Tenants (cache salts) with a ``tenant`` label of their own; later ones are counted as ``other``."""
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
 ITL_BUCKETS = (
@@ -63,10 +67,30 @@ CACHE_HISTOGRAMS = {
 _STORAGE_HISTOGRAMS = ("prefetch_bandwidth", "backup_bandwidth", "prefetch_pgs", "backup_pgs")
 
 
-class EngineMetrics:
-    """The worker's metric registry; ``state()`` returns the scheduler's latest snapshot dict."""
+class TenantLabels:
+    """The ``tenant`` label of a cache salt, bounded: the configured tenants' labels first, then the first
+    salts seen up to ``limit`` in all (``none``: no salt); every later salt is ``other``. First come, not
+    top N by traffic, so every series stays a monotonic counter."""
 
-    def __init__(self, model_name: str, state):
+    def __init__(self, configured: list[str], limit: int = TENANT_LABEL_LIMIT):
+        self.limit = limit
+        self._known = set(configured[:limit])
+
+    def __call__(self, salt: str | None) -> str:
+        label = salt_label(salt)
+        if label in self._known or label == "none":
+            return label
+        if len(self._known) < self.limit:
+            self._known.add(label)
+            return label
+        return "other"
+
+
+class EngineMetrics:
+    """The worker's metric registry; ``state()`` returns the scheduler's latest snapshot dict. ``tenants``:
+    the metric labels of the configured tenants (``--tenant-keys-file``), which always get a series."""
+
+    def __init__(self, model_name: str, state, tenants: list[str] = ()):
         self.registry = CollectorRegistry()
         self._state = state
         self.model_name = model_name
@@ -114,6 +138,28 @@ class EngineMetrics:
         self.cache_hit_rate = Gauge(
             "sglang:cache_hit_rate", "Prefix hit rate of the last prefill batch", labels, registry=r
         )
+        self.tenant_label = TenantLabels(list(tenants))
+        tenant_labels = ["model_name", "tenant"]
+        self.tenant_prompt_tokens = Counter(
+            "sglang:tenant_prompt_tokens", "Prompt tokens admitted, by tenant", tenant_labels, registry=r
+        )
+        self.tenant_cached_tokens = Counter(
+            "sglang:tenant_cached_tokens",
+            "Prompt tokens served from cache, by tenant and tier",
+            [*tenant_labels, "cache_source"],
+            registry=r,
+        )
+        self.tenant_rejected = Counter(
+            "sglang:tenant_rejected_requests",
+            "Requests refused because the tenant had max_requests in flight",
+            tenant_labels,
+            registry=r,
+        )
+        for label in tenants:  # exported from 0
+            self.tenant_prompt_tokens.labels(model_name, label)
+            self.tenant_rejected.labels(model_name, label)
+            for source in ("device", "host", "storage"):
+                self.tenant_cached_tokens.labels(model_name, label, source)
         self.registry.register(_StateCollector(self))
 
     # hooks called by the scheduler thread
@@ -121,6 +167,14 @@ class EngineMetrics:
         m = self.model_name
         self.prompt_tokens.labels(m).inc(len(req.input_ids))
         self.queue_time.labels(m).observe(time.perf_counter() - req.arrival)
+        tenant = self.tenant_label(req.cache_salt)
+        self.tenant_prompt_tokens.labels(m, tenant).inc(len(req.input_ids))
+        for source, tokens in req.cached.items():
+            self.tenant_cached_tokens.labels(m, tenant, source).inc(tokens)
+
+    def on_tenant_rejected(self, label: str) -> None:
+        """A tenant's request was refused at its ``max_requests`` (``label``: the tenant's metric label)."""
+        self.tenant_rejected.labels(self.model_name, label).inc()
 
     def on_prefill(self, hit_tokens: int, new_tokens: int) -> None:
         total = hit_tokens + new_tokens

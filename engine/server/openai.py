@@ -29,9 +29,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.scheduler import SamplingParams
 from engine.scheduler.req import Bootstrap
 from engine.server.engine import Engine
-from engine.server.http_utils import SSE_DONE, HTTPError, json_body, require_api_key, sse, until_disconnect
+from engine.server.http_utils import SSE_DONE, HTTPError, json_body, sse, until_disconnect
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest, request_body, validated
 from engine.server.stream_text import StreamText
+from engine.server.tenants import Tenant, authorize, request_salt
 
 router = APIRouter()
 
@@ -112,20 +113,24 @@ def _usage(engine: Engine, prompt: list[int], n_out: int, meta: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- completions
-def _submit_options(engine: Engine, body: dict) -> dict:
-    """The keyword arguments of ``Engine.stream``/``generate`` a body sets: its PD pairing and cache salt."""
+def _submit_options(engine: Engine, body: dict, tenant: Tenant | None) -> dict:
+    """The keyword arguments of ``Engine.stream``/``generate`` a body sets: its PD pairing and cache salt
+    (the tenant's, when its API key names one)."""
     try:
-        return {"bootstrap": engine.bootstrap(body), "cache_salt": body.get("cache_salt")}
+        return {
+            "bootstrap": engine.bootstrap(body),
+            "cache_salt": request_salt(engine, tenant, body.get("cache_salt")),
+        }
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from None
 
 
 @router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request):
-    require_api_key(request)
+    tenant = authorize(request)
     engine: Engine = request.app.state.engine
     body = validated(CompletionRequest, await json_body(request))
-    options = _submit_options(engine, body)
+    options = _submit_options(engine, body, tenant)
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -254,10 +259,10 @@ def _chat_prompt(engine: Engine, body: dict) -> list[int]:
 
 @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request):
-    require_api_key(request)
+    tenant = authorize(request)
     engine: Engine = request.app.state.engine
     body = validated(ChatCompletionRequest, await json_body(request))
-    options = _submit_options(engine, body)
+    options = _submit_options(engine, body, tenant)
     ids = await asyncio.to_thread(_chat_prompt, engine, body)
     sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     params = _sampling_params(engine, body, ids, sent, "the input messages", options["bootstrap"])
@@ -301,7 +306,7 @@ def _chat_delta(text: str) -> dict:
 # ---------------------------------------------------------------------------------------------- models
 @router.get("/v1/models")
 async def models(request: Request):
-    require_api_key(request)
+    authorize(request)
     engine: Engine = request.app.state.engine
     card = {
         "id": engine.model_name,

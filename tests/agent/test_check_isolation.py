@@ -1,0 +1,75 @@
+"""``kvfleet-agent check-isolation URL`` against real worker processes: a worker that keeps salts apart
+passes (exit 0, both TTFTs printed), one whose prefix cache cannot reuse the prompt fails (exit 1, says
+why), a tenant-keyed worker is checked with a tenant's key, and a wrong key is a one-line error."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.agent.cli import main
+from engine.bench.launcher import ServerProcess
+
+pytestmark = pytest.mark.slow
+WORDS = "48"  # the tiny model has 512 positions
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    path = Path(__file__).resolve().parent.parent / "model" / "model_testlib.py"
+    spec = importlib.util.spec_from_file_location("agent_model_testlib", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder = tmp_path_factory.mktemp("tiny-llama-agent")
+    module.save_tiny_model(folder, "llama", seed=7)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tenant_worker(tiny_model, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "tenants.json"
+    keys.write_text(json.dumps({"tenants": {"ops": {"api_keys": ["sk-ops-check"]}}}))
+    flags = ["--model-path", str(tiny_model), "--page-size", "16", "--tenant-keys-file", str(keys)]
+    with ServerProcess(flags) as worker:
+        yield worker
+
+
+def test_an_isolated_worker_passes_and_reports_both_ttfts(tenant_worker, tmp_path, capsys):
+    key = tmp_path / "key"
+    key.write_text("sk-ops-check\n")
+    assert main(["check-isolation", tenant_worker.url, "--api-key-file", str(key), "--words", WORDS]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:15].strip(): line for line in out.splitlines() if " cached " in line}
+    assert "isolation: ok" in out
+    assert rows["salt B"].endswith("cached device=0 host=0 storage=0")
+    assert "cached device=0 " not in rows["salt A (again)"]
+    assert all("ttft" in row for row in rows.values()) and "salt B / salt A (again) TTFT:" in out
+    assert main(["check-isolation", tenant_worker.url, "--api-key", "sk-ops-check", "--words", WORDS,
+                 "--json"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    cold, other, again = report["probes"]
+    assert report["ok"] and sum(other["cached"].values()) == 0 and again["cached"]["device"] > 0
+    assert cold["output_ids"] == other["output_ids"] == again["output_ids"]
+    assert all(p["ttft_s"] > 0 for p in report["probes"])
+
+
+def test_a_wrong_key_is_a_one_line_error(tenant_worker, capsys):
+    assert main(["check-isolation", tenant_worker.url, "--api-key", "sk-wrong", "--words", WORDS]) == 1
+    err = capsys.readouterr().err
+    assert "answered 401" in err and "sk-wrong" not in err
+
+
+def test_a_worker_that_cannot_reuse_the_prompt_fails_the_check(tiny_model, capsys):
+    # pages larger than the prompt: nothing is ever cached, so "same salt -> reuse" cannot hold
+    with ServerProcess(["--model-path", str(tiny_model), "--page-size", "256"]) as worker:
+        assert main(["check-isolation", worker.url, "--words", "32"]) == 1  # about 200 tokens < 1 page
+    out = capsys.readouterr().out
+    assert "isolation: FAILED" in out and "second request reused nothing" in out
+
+
+def test_too_few_words_names_the_flag(capsys):
+    assert main(["check-isolation", "http://127.0.0.1:9", "--words", "5"]) == 2
+    assert "--words must be >= 32" in capsys.readouterr().err
