@@ -14,6 +14,9 @@ prefetch_started_total is completed + timeout + revoked when the worker exports 
 and, given the previous snapshot, per-second rates: load_back_tokens_per_s, backup_tokens_per_s,
 prefetch_tokens_per_s, cached_tokens_per_s (all tiers) and hit shares per tier over the interval:
 hit_share_{device,host,storage}.
+With an L3 backend attached: storage_breaker_state (the L3 circuit breaker: 0 closed, 1 half-open, 2 open;
+``BREAKER_STATES``), storage_breaker_failed_calls_total, storage_breaker_short_circuited_total and
+storage_dropped_backup_pages_total (counters).
 """
 
 import math
@@ -39,7 +42,12 @@ _PLAIN = {
     "sglang:generation_tokens_total": "generation_tokens_total",
     "sglang:num_requests_total": "num_requests_total",
     "sglang:num_used_tokens": "num_used_tokens",
+    "sglang:hicache_storage_breaker_state": "storage_breaker_state",
+    "sglang:hicache_storage_breaker_failed_calls_total": "storage_breaker_failed_calls_total",
+    "sglang:hicache_storage_breaker_short_circuited_total": "storage_breaker_short_circuited_total",
+    "sglang:hicache_storage_dropped_backup_pages_total": "storage_dropped_backup_pages_total",
 }
+BREAKER_STATES = ("closed", "half_open", "open")  # the worker's breaker gauge value is the index
 TIERS = ("device", "host", "storage")
 # histogram family -> snapshot keys per quantile
 _QUANTILES = {

@@ -12,12 +12,20 @@ from concurrent.futures import ThreadPoolExecutor
 from django.conf import settings
 from django.utils import timezone
 
+from controlplane.audit.services import audit_record
 from controlplane.core.broadcast import emit
+from controlplane.core.context import token_prefix_var
 from controlplane.core.events import worker_group
 from controlplane.core.exceptions import ApplicationError
 from controlplane.inventory.models import EngineWorker, WorkerState
 from controlplane.telemetry import store
-from controlplane.telemetry.metrics import SNAPSHOT_KEYS, finish_snapshot, parse_prometheus, with_rates
+from controlplane.telemetry.metrics import (
+    BREAKER_STATES,
+    SNAPSHOT_KEYS,
+    finish_snapshot,
+    parse_prometheus,
+    with_rates,
+)
 from controlplane.telemetry.selectors import fleet_summary
 from controlplane.workerclient import WorkerClient, WorkerError
 
@@ -129,9 +137,36 @@ def metrics_ingest(
     interval = now - prev["ts"] if prev and now > prev["ts"] else 0.0
     sample = {"ts": now, "worker_id": worker_id, **with_rates(snap, prev, interval)}
     store.save_sample(worker_id, sample)
+    _audit_breaker_move(worker_id, prev, sample)
     publish(worker_group(worker_id))
     publish(FLEET_GROUP)
     return sample
+
+
+def _audit_breaker_move(worker_id: int, prev: dict | None, sample: dict) -> None:
+    """Audit, as a system event, a change of the worker's L3 breaker state between two samples (seen at
+    the control plane's sampling rate: a breaker that opened and closed between two samples is not seen)."""
+    old, new = (prev or {}).get("storage_breaker_state"), sample.get("storage_breaker_state")
+    if old is None or new is None or old == new:
+        return
+    names = [BREAKER_STATES[int(v)] if 0 <= int(v) < len(BREAKER_STATES) else str(v) for v in (old, new)]
+    worker = EngineWorker.objects.filter(pk=worker_id).only("name").first()
+    name = worker.name if worker else f"#{worker_id}"
+    failed = int(sample.get("storage_breaker_failed_calls_total", 0))
+    reset = token_prefix_var.set("")  # the worker's breaker moved, not the agent that pushed the sample
+    try:
+        audit_record(
+            action="storage_breaker",
+            object_type="inventory.engineworker",
+            object_id=str(worker_id),
+            object_repr=name,
+            before={"breaker_state": names[0]},
+            after={"breaker_state": names[1]},
+            message=f"L3 breaker of {name}: {names[0]} -> {names[1]} ({failed} failed L3 calls so far)",
+            request_id="",
+        )
+    finally:
+        token_prefix_var.reset(reset)
 
 
 def _message_for(group: str) -> tuple[str, dict, int] | None:

@@ -2,12 +2,14 @@
    Derived series: per-tier cached tokens/s and cache I/O tokens/s (counter rates over 10 s), hit share over
    a sliding 60 s window, TTFT / ITL p50 and p90 over the 5 min before each sample (the increase of the
    worker's cumulative histogram buckets, KV.pools; none on a PD prefill worker, whose page has a note
-   instead), prefetch in flight = issued - completed - timed out - revoked. */
+   instead), prefetch in flight = issued - completed - timed out - revoked. The L3 breaker fact shows the
+   newest sample's breaker state and counters. */
 KV.ready(function () {
   "use strict";
   var HIT_WINDOW_S = 60, RATE_WINDOW_S = 10, LATENCY_WINDOW_S = 300, MAX_SAMPLES = 1800;
   var TIERS = ["device", "host", "storage"];
   var TIER_LABELS = ["L1 device", "L2 host", "L3 storage"];
+  var BREAKER_STATES = ["closed", "half_open", "open"];
   var samples = [], lastSeq = 0;
   var charts = {
     cached: KV.chart(KV.$("#chart-cached"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "tok/s", gaps: true, stacked: true }),
@@ -98,10 +100,24 @@ KV.ready(function () {
     var from = Date.now() / 1000 - KV.windowS();  // "Live samples": the samples the charts show now
     KV.$("[data-testid=samples]").textContent = String(samples.filter(function (s) { return s.ts >= from; }).length);
     var last = samples[samples.length - 1], count = function (v) { return v == null ? "–" : KV.fmt(v, "count"); };
+    showBreaker(last);
     var inflight = all.prefetch[3][all.prefetch[3].length - 1];
     KV.$("#prefetch-balance").textContent = last ? "Issued " + count(last.prefetch_started_total) + " = completed " +
       count(last.prefetch_completed_total) + " + timed out " + count(last.prefetch_timeout_total) +
       " + revoked " + count(last.prefetch_revoked_total) + " + in flight " + count(inflight) : "";
+  }
+  /* the L3 circuit breaker of the newest sample (0 closed, 1 half-open, 2 open); nothing without an L3 */
+  function showBreaker(s) {
+    if (!s || s.storage_breaker_state == null) return;
+    var state = BREAKER_STATES[s.storage_breaker_state] || String(s.storage_breaker_state);
+    var badge = document.createElement("span");
+    badge.className = "badge s-" + state;
+    badge.textContent = state.replace("_", "-");
+    KV.$("#breaker-state").replaceChildren(badge);
+    KV.$("#breaker-detail").textContent = KV.fmt(s.storage_breaker_failed_calls_total || 0, "count") + " failed L3 calls, " +
+      KV.fmt(s.storage_breaker_short_circuited_total || 0, "count") + " skipped while open, " +
+      KV.fmt(s.storage_dropped_backup_pages_total || 0, "count") + " backup pages dropped" +
+      (state === "open" ? ": lookups miss and requests recompute until a probe succeeds" : "");
   }
   function add(s) {
     if (!s || s.seq <= lastSeq) return false;

@@ -1,0 +1,85 @@
+"""A worker's L3 circuit breaker on its console page and in the audit log, in real headless Chromium against
+daphne. The worker's /metrics text is rendered by the engine's own exporter from a real ``StorageHealth``
+(failing store calls open it, a later success closes it) and pushed through the agent API; each state
+change between two samples is one system audit event."""
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
+
+from controlplane.audit.models import AuditEvent
+from engine.cache.storage.health import BreakerSettings, StorageHealth
+from engine.server.metrics import EngineMetrics
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+SHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
+
+
+def test_breaker_state_on_the_worker_page_and_its_moves_in_the_audit_log(asgi_server, personas, monkeypatch):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
+    host = HostFactory(name=AGENT_HOST)
+    worker = EngineWorkerFactory(
+        name="gpu-0", url="http://gpu-0.local:30000", host=host, storage_backend="mooncake"
+    )
+    now = [0.0]
+    health = StorageHealth(BreakerSettings(failures=2, open_s=5.0), clock=lambda: now[0])
+    state = {"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000, "hicache": {}}
+    metrics = EngineMetrics(
+        "m", lambda: {**state, "storage_health": {"storage_backend": "mooncake", **vars(health.snapshot())}}
+    )
+    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
+
+    def push(ts: float) -> None:
+        text = metrics.render().decode()
+        resp = agent.post("/api/v1/agent/metrics/", json={"worker_url": worker.url, "text": text, "ts": ts})
+        assert resp.status_code == 202, resp.text
+
+    t0 = time.time() - 60
+    push(t0)  # closed
+    for _ in range(2):  # the master is gone: two failed calls open the breaker
+        assert health.allow()
+        health.record(False, 0.01, "mooncake: master unreachable")
+    assert not health.allow()  # a lookup while open: skipped (a miss at once)
+    push(t0 + 10)
+    assert AuditEvent.objects.filter(action="storage_breaker").count() == 1
+    console_user("vera", "viewer", "pw-for-tests-1")
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
+        page.set_viewport_size({"width": 1280, "height": 900})
+        page.goto(f"{asgi_server}/workers/{worker.pk}/")
+        fact = page.get_by_test_id("breaker")
+        expect(fact.locator(".badge.s-open")).to_have_text("open")
+        expect(fact).to_contain_text("2 failed L3 calls, 1 skipped while open")
+        expect(fact).to_contain_text("requests recompute")
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "worker-breaker-open.png"), full_page=True)
+        assert serious_violations(page) == []
+
+        now[0] += 6  # the store is back: the half-open probe succeeds and closes the breaker
+        assert health.allow()
+        health.record(True, 0.01)
+        push(t0 + 20)  # arrives over the websocket: the page updates in place
+        expect(fact.locator(".badge.s-closed")).to_have_text("closed")
+
+        page.goto(f"{asgi_server}/audit/?action=storage_breaker")
+        rows = page.locator("#audit tbody tr")
+        expect(rows).to_have_count(2)
+        expect(page.locator("#audit tbody")).to_contain_text("L3 breaker of gpu-0: open -> closed")
+        expect(page.locator("#audit tbody")).to_contain_text("L3 breaker of gpu-0: closed -> open")
+        page.screenshot(path=str(SHOTS / "audit-breaker.png"), full_page=True)
+        assert errors == []
+        browser.close()
+    events = list(AuditEvent.objects.filter(action="storage_breaker").order_by("id"))
+    assert [(e.before, e.after, e.actor_type) for e in events] == [
+        ({"breaker_state": "closed"}, {"breaker_state": "open"}, "system"),
+        ({"breaker_state": "open"}, {"breaker_state": "closed"}, "system"),
+    ]
+    assert events[0].object_id == str(worker.pk) and events[0].object_type == "inventory.engineworker"
