@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         from engine.server.app import create_app
         from engine.server.builder import build_engine
 
+        if args.encoder_only:
+            return _serve_encoder(args, sock)
         try:
             engine = build_engine(args)
         except ArgumentError as exc:
@@ -107,6 +109,32 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             engine.scheduler.stop()
     return EXIT_SCHEDULER_DIED if engine.scheduler.error is not None else 0
+
+
+def _serve_encoder(args, sock: socket.socket) -> int:
+    """``--encoder-only``: the EPD encoder worker (``engine/server/encoder_server.py``)."""
+    import uvicorn
+
+    from engine.model.errors import ModelLoadError
+    from engine.server.encoder_server import EncoderService, create_encoder_app
+
+    try:
+        service = EncoderService(args)
+    except ArgumentError as exc:
+        print(f"engine.launch_server: error: {exc}", file=sys.stderr)
+        return 2
+    except ModelLoadError as exc:
+        print(f"engine.launch_server: error: --model-path {exc}", file=sys.stderr)
+        return 1
+    config = uvicorn.Config(
+        create_encoder_app(service),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.model.vlm.mm import MMItem
 from engine.scheduler.kv_manager import KVLease
 from engine.scheduler.sampling_params import SamplingParams
 
@@ -110,6 +111,7 @@ class Req:
     generator: torch.Generator | None = None
     health_check: bool = False  # a /health_generate probe: queued ahead of user requests
     cache_salt: str | None = field(default=None, repr=False)  # a tenant's secret: never logged
+    mm_items: list[MMItem] = field(default_factory=list, repr=False)  # images: token ranges + embeddings
 
     def move(self, state: ReqState) -> None:
         """Go to ``state``; raises ``IllegalTransition`` when the table has no such edge."""

@@ -36,6 +36,7 @@ import torch
 
 from engine.cache.protocols import PrefixCache
 from engine.model.forward_batch import ForwardBatch
+from engine.model.vlm.mm import batch_embeds
 from engine.scheduler import admin
 from engine.scheduler.decode import DecodeManager
 from engine.scheduler.kv_manager import KVManager
@@ -403,6 +404,8 @@ class Scheduler:
                 self.cache.wait_layer if self.hierarchical else None,
                 self.pool.device,
             )
+            if any(r.mm_items for r in batch_reqs):
+                batch.mm_embeds = batch_embeds([(r.mm_items, s, e) for r, s, e in items])
             logits = self._forward(batch)
         except Exception as exc:
             logger.exception("prefill forward failed")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,20 @@ class ServerArgs:
     num_reserved_decode_tokens: int = 512
     enable_pd_role_switch: bool = False
     base_gpu_id: int = 0
+    limit_mm_data_per_request: str | None = None
+    max_image_pixels: int = 4096 * 4096
+    allowed_local_media_path: str | None = None
+    mm_embedding_cache_size: int = 256
+    encoder_only: bool = False
+    language_only: bool = False
+    encoder_urls: list[str] = dataclasses.field(default_factory=list)
+    encoder_transfer_backend: str = "zmq_to_scheduler"
+    enable_mm_global_cache: bool = False
+
+    @property
+    def max_images_per_request(self) -> int:
+        """``--limit-mm-data-per-request``'s ``image`` entry (default 8)."""
+        return int(json.loads(self.limit_mm_data_per_request or "{}").get("image", 8))
 
     def to_dict(self) -> dict:
         """Every launch arg by its SGLang dest name (for ``/server_info``); keys read ``"***"`` when set."""
@@ -248,7 +263,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="upstream's decode headroom; D here reserves prompt + max_new_tokens, so no request runs out",
     )
     a("--enable-pd-role-switch", action="store_true", help="POST /pd_role_switch flips an idle P/D worker")
+    _vlm_flags(a)
     return p
+
+
+ENCODER_TRANSFER_BACKENDS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")
+
+
+def _vlm_flags(a) -> None:
+    """Vision-language inputs and EPD (encoder / language-only workers), SGLang's names."""
+    a(
+        "--limit-mm-data-per-request",
+        default=None,
+        help='JSON, e.g. {"image": 4}: images per request (default 8)',
+    )
+    a("--max-image-pixels", type=_positive_int("--max-image-pixels"), default=4096 * 4096)
+    a("--allowed-local-media-path", default=None, help="KVFleet: image_url may name a local file under DIR")
+    a(
+        "--mm-embedding-cache-size",
+        type=int,
+        default=256,
+        help="KVFleet: image embeddings kept by content hash",
+    )
+    a("--encoder-only", action="store_true", help="EPD: run the vision tower + projector only, serve /encode")
+    a("--language-only", action="store_true", help="EPD: no vision tower; embeddings from --encoder-urls")
+    a("--encoder-urls", nargs="+", default=[], help="EPD: encoder workers a language-only worker calls")
+    a("--encoder-transfer-backend", choices=ENCODER_TRANSFER_BACKENDS, default="zmq_to_scheduler")
+    a("--enable-mm-global-cache", action="store_true", help="EPD encoder: image embeddings cache in Mooncake")
 
 
 def parse_args(argv: list[str] | None) -> ServerArgs:
@@ -302,6 +343,7 @@ def _validate(args: ServerArgs) -> None:
     if args.watchdog_timeout <= 0:
         raise ArgumentError(f"--watchdog-timeout must be > 0, got {args.watchdog_timeout}")
     _validate_pd(args)
+    _validate_vlm(args)
     if args.hicache_storage_backend and not args.enable_hierarchical_cache:
         raise ArgumentError("--hicache-storage-backend needs --enable-hierarchical-cache")
     if args.hicache_storage_backend_extra_config is not None:
@@ -334,3 +376,39 @@ def _validate_pd(args: ServerArgs) -> None:
         )
     if args.enable_pd_role_switch and args.disaggregation_mode == "null":
         raise ArgumentError("--enable-pd-role-switch needs --disaggregation-mode prefill or decode")
+
+
+def _validate_vlm(args: ServerArgs) -> None:
+    try:
+        limit = json.loads(args.limit_mm_data_per_request or "{}")
+        if not isinstance(limit, dict) or set(limit) - {"image"} or int(limit.get("image", 8)) < 0:
+            raise ValueError('expected {"image": <count>}')
+    except (ValueError, TypeError) as exc:
+        raise ArgumentError(f"--limit-mm-data-per-request: {exc} (images only)") from None
+    if args.allowed_local_media_path is not None and not Path(args.allowed_local_media_path).is_dir():
+        raise ArgumentError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a directory")
+    if args.mm_embedding_cache_size < 0:
+        raise ArgumentError(f"--mm-embedding-cache-size must be >= 0, got {args.mm_embedding_cache_size}")
+    if args.encoder_only and args.language_only:
+        raise ArgumentError("--encoder-only and --language-only exclude each other")
+    if args.encoder_only and args.disaggregation_mode != "null":
+        raise ArgumentError("--encoder-only: an encoder is not a PD worker (drop --disaggregation-mode)")
+    if args.language_only and not args.encoder_urls and args.disaggregation_mode != "decode":
+        raise ArgumentError("--language-only needs --encoder-urls (the encoders it fetches embeddings from)")
+    if args.encoder_urls and not args.language_only:
+        raise ArgumentError("--encoder-urls needs --language-only")
+    for url in args.encoder_urls:
+        if not url.startswith(("http://", "https://")):
+            raise ArgumentError(f"--encoder-urls {url}: expected http://host:port")
+    if args.encoder_transfer_backend != "zmq_to_scheduler":
+        raise ArgumentError(
+            f"--encoder-transfer-backend {args.encoder_transfer_backend}: not supported by KVFleet; a worker "
+            "is one process (tokenizer and scheduler share it), so zmq_to_scheduler already delivers "
+            "embeddings where zmq_to_tokenizer would, and the mooncake embedding transfer is not built; use "
+            "zmq_to_scheduler"
+        )
+    if args.enable_mm_global_cache:
+        raise ArgumentError(
+            "--enable-mm-global-cache: not supported by KVFleet yet (the Mooncake-backed embedding cache is "
+            "not built); encoders keep a local cache by image hash (--mm-embedding-cache-size)"
+        )

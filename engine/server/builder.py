@@ -10,6 +10,7 @@ defaults to 2048 tokens on cpu and 8192 on cuda; -1 turns it off. The context le
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -22,7 +23,9 @@ from engine.model.loader.fingerprint import kv_producer, weights_digest
 from engine.model.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.server.args import ArgumentError, ServerArgs
+from engine.server.encoder_client import EncoderClient
 from engine.server.engine import Engine
+from engine.server.images import EmbeddingCache, ImageInputs, local_embedder
 from engine.server.metrics import EngineMetrics
 from engine.server.recording import TraceRecorder
 from engine.server.tenants import TenantConfigError, Tenants
@@ -129,6 +132,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
                 quantization=args.torchao_config or None,
                 fused_decode=not args.disable_fused_decode,
                 cpu_quant_kernels=not args.disable_cpu_quant_kernels,
+                language_only=args.language_only,
             )
         except QuantizationError as exc:  # e.g. an int4 group size the model's in_features do not take
             raise ArgumentError(str(exc)) from None  # names --torchao-config
@@ -142,6 +146,8 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
     producer = ""
     if args.enable_hierarchical_cache:  # the L3 namespace names the weights, quantization and dtype
         producer = kv_producer(weights_digest(runner.model_path), runner.quantization, runner.dtype)
+        if runner.vlm is not None:  # image KV depends on the vision tower and the processor settings too
+            producer += f";vision={runner.vlm.digest()}"
     try:
         cache = HiRadixCache(
             pool,
@@ -202,6 +208,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
             "vocab_size": tokenizer.vocab_size,
         },
     )
+    engine.images = image_inputs(args, runner)
     scheduler.start()
     logger.info(
         "engine ready: %s, L1 %d tokens (page %d), hierarchical=%s",
@@ -211,3 +218,20 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         args.enable_hierarchical_cache,
     )
     return engine
+
+
+def image_inputs(args: ServerArgs, runner: ModelRunner) -> ImageInputs | None:
+    """The worker's image side: None for a text model; embeddings from the local vision tower (cached by
+    image hash), from ``--encoder-urls`` on a language-only worker, or none on a PD decode worker."""
+    if runner.vlm is None:
+        return None
+    embedder = None
+    if args.disaggregation_mode != "decode":
+        if args.language_only:
+            host = args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"
+            embedder = EncoderClient(args.encoder_urls, runner.vlm, host)
+        else:
+            assert runner.vision is not None
+            embedder = local_embedder(runner.vision.encode, EmbeddingCache(args.mm_embedding_cache_size))
+    local = Path(args.allowed_local_media_path).resolve() if args.allowed_local_media_path else None
+    return ImageInputs(runner.vlm, embedder, args.max_images_per_request, args.max_image_pixels, local)

@@ -10,16 +10,18 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.model.vlm.mm import MMItem
 from engine.scheduler import Req, ReqOutput, SamplingParams, Scheduler
 from engine.scheduler.messages import AdminMsg
 from engine.scheduler.req import Bootstrap
 from engine.scheduler.sampling_params import label
 from engine.server.args import ServerArgs
+from engine.server.images import ImageInputs
 from engine.server.recording import TraceRecorder
 from engine.server.tenants import Tenants
 
@@ -46,6 +48,7 @@ class Engine:
     model_info: dict = field(default_factory=dict)
     recorder: TraceRecorder | None = None  # --record-trace
     tenants: Tenants | None = None  # --tenant-keys-file
+    images: ImageInputs | None = None  # a vision-language model: image sources to tokens and embeddings
     unhealthy: str | None = None  # set by a failed PD role switch: /health answers 503 with it
     started_at: float = field(default_factory=time.time)
 
@@ -105,11 +108,13 @@ class Engine:
         names: dict[str, str] | None = None,
         source: str = "the input messages",
         bootstrap: Bootstrap | None = None,
+        mm_items: Sequence[MMItem] = (),
     ) -> None:
-        """``_check_request``; a PD request (``bootstrap``) a decode worker refuses also has its room
+        """``_check_request`` (ids may also be the pad ids of ``mm_items``' images); a PD request
+        (``bootstrap``) a decode worker refuses also has its room
         aborted at the prefill (``refuse_room``), so P fails its copy at once instead of holding it."""
         try:
-            self._check_request(input_ids, params, names, source)
+            self._check_request(input_ids, params, names, source, {i.pad_value for i in mm_items})
         except RequestError as exc:
             if bootstrap is not None:
                 self.refuse_room(bootstrap, str(exc))
@@ -128,8 +133,10 @@ class Engine:
         params: SamplingParams,
         names: dict[str, str] | None = None,
         source: str = "the input messages",
+        pads: set[int] | frozenset[int] = frozenset(),
     ) -> None:
-        """Check ids, seed range (torch's) and length vs context and KV pool (RequestError); UnavailableError
+        """Check ids (each in the vocabulary or one of ``pads``, its images' pad ids), seed range (torch's)
+        and length vs context and KV pool (RequestError); UnavailableError
         without scheduler. ``names`` maps SamplingParams fields to the client's (as in
         ``SamplingParams.from_dict``); ``source`` is what the context-length error calls the prompt (upstream:
         ``... 9 tokens from the input messages and 5000 tokens for the completion ...``)."""
@@ -140,7 +147,8 @@ class Engine:
         if not input_ids:
             raise RequestError("the prompt is empty")
         if any(
-            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in input_ids
+            not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < self.vocab_size or t in pads)
+            for t in input_ids
         ):
             raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
         seed = params.sampling_seed
@@ -209,11 +217,12 @@ class Engine:
         health_check: bool = False,
         bootstrap: Bootstrap | None = None,
         cache_salt: str | None = None,
+        mm_items: list[MMItem] | None = None,
     ) -> AsyncIterator[ReqOutput]:
         """Submit one request (a PD one with ``bootstrap``, in cache key space ``cache_salt``), yield its
         events up to the finished one; abort it if the caller stops early. A ``health_check`` request is
-        queued ahead of user requests."""
-        self.check_request(input_ids, params)  # also raises UnavailableError
+        queued ahead of user requests. ``mm_items``: the prompt's images (``ImageInputs.prepare``)."""
+        self.check_request(input_ids, params, mm_items=mm_items or ())  # also raises UnavailableError
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ReqOutput] = asyncio.Queue()
         put: Callable[[ReqOutput], None] = events.put_nowait
@@ -226,6 +235,7 @@ class Engine:
             health_check=health_check,
             bootstrap=bootstrap,
             cache_salt=cache_salt,
+            mm_items=list(mm_items or ()),
         )
         if params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(params.sampling_seed)
@@ -255,13 +265,14 @@ class Engine:
         health_check: bool = False,
         bootstrap: Bootstrap | None = None,
         cache_salt: str | None = None,
+        mm_items: list[MMItem] | None = None,
     ) -> dict:
         """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta"}``. Raises
         ``UnavailableError`` when the scheduler refused it (queue full) or ended before finishing it."""
         ids: list[int] = []
         meta: dict = {}
         reason = None
-        async for ev in self.stream(input_ids, params, rid, health_check, bootstrap, cache_salt):
+        async for ev in self.stream(input_ids, params, rid, health_check, bootstrap, cache_salt, mm_items):
             ids.extend(ev.new_ids)
             meta.update(ev.meta)
             reason = ev.finish_reason

@@ -2,7 +2,9 @@
 
 Body (``schemas.GenerateReqInput``): exactly one of ``text`` (str or list of str) or ``input_ids`` (list of
 ints or list of lists), ``sampling_params``, ``stream``, ``rid``, ``cache_salt`` (a string for every prompt,
-or one per prompt: requests with different salts share no cached KV). Other upstream fields that routers
+or one per prompt: requests with different salts share no cached KV), ``image_data`` (a vision-language
+model: an image or a list of images per prompt, ``engine/server/images.py``; the text carries one image
+token per image). Other upstream fields that routers
 forward (``log_metrics``, ``return_hidden_states``, ...) are accepted and have no effect; fields asking for
 output this engine cannot produce (``return_logprob``, ``input_embeds``) are a 400, and so is
 ``bootstrap_room`` on a worker that is not in PD mode, or a PD worker's request without valid
@@ -20,6 +22,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.model.vlm.mm import MMItem
 from engine.scheduler import SamplingParams
 from engine.scheduler.req import Bootstrap
 from engine.server.engine import Engine, RequestError
@@ -35,9 +38,10 @@ _UNSUPPORTED_TRUE = ("return_logprob", "return_hidden_states", "return_routed_ex
 
 def parse_generate(
     engine: Engine, body: dict
-) -> tuple[list[list[int]], list[SamplingParams], bool, Bootstrap | None]:
-    """Prompts as token ids, one SamplingParams each, whether the input was batched, and the PD pairing.
-    ``body`` was checked against ``GenerateReqInput``; text is tokenized here (run it off the event loop)."""
+) -> tuple[list[list[int]], list[SamplingParams], bool, Bootstrap | None, list[list[MMItem]]]:
+    """Prompts as token ids, one SamplingParams each, whether the input was batched, the PD pairing and each
+    prompt's images. ``body`` was checked against ``GenerateReqInput``; text is tokenized and images are
+    encoded here (run it off the event loop)."""
     if body.get("input_embeds") is not None:
         raise HTTPError(400, "input_embeds is not supported")
     for name in _UNSUPPORTED_TRUE:
@@ -59,6 +63,7 @@ def parse_generate(
     else:
         batched = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batched else [ids]
+    prompts, mm = _images(engine, body.get("image_data"), prompts, batched)
     raw = body.get("sampling_params")
     raws = raw if isinstance(raw, list) else [raw] * len(prompts)
     if len(raws) != len(prompts):
@@ -68,13 +73,39 @@ def parse_generate(
     except (TypeError, ValueError) as exc:
         raise HTTPError(400, str(exc)) from None
     try:
-        for p, sp in zip(prompts, params, strict=True):
-            engine.check_request(p, sp, bootstrap=bootstrap)
+        for p, sp, items in zip(prompts, params, mm, strict=True):
+            engine.check_request(p, sp, bootstrap=bootstrap, mm_items=items)
     except RequestError as exc:
         raise HTTPError(400, str(exc)) from None
     if bootstrap is not None and batched:
         raise HTTPError(400, "bootstrap_room: one prompt per PD request (batched input is not supported)")
-    return prompts, params, batched, bootstrap
+    return prompts, params, batched, bootstrap, mm
+
+
+def _images(
+    engine: Engine, data, prompts: list[list[int]], batched: bool
+) -> tuple[list[list[int]], list[list[MMItem]]]:
+    """``image_data`` (upstream's: a string or list of strings for one prompt; one entry per prompt for a
+    batch) applied to the prompts: image tokens expanded, embeddings attached."""
+    if data is None:
+        return prompts, [[] for _ in prompts]
+    if engine.images is None:
+        raise HTTPError(400, "image_data: this model takes no images (not a vision-language model)")
+    if batched:
+        if not isinstance(data, list) or len(data) != len(prompts):
+            raise HTTPError(400, "image_data: one entry (an image or a list of images) per prompt")
+        per_prompt = [([d] if isinstance(d, str) else d, f"image_data.{i}") for i, d in enumerate(data)]
+    else:
+        per_prompt = [([data] if isinstance(data, str) else data, "image_data")]
+    out_ids, out_items = [], []
+    for ids, (sources, field) in zip(prompts, per_prompt, strict=True):
+        if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+            raise HTTPError(400, f"{field}: expected an image (a string) or a list of images")
+        named = [(f"{field}.{k}" if len(sources) > 1 or batched else field, s) for k, s in enumerate(sources)]
+        new_ids, items = engine.images.prepare(list(ids), named, field)
+        out_ids.append(new_ids)
+        out_items.append(items)
+    return out_ids, out_items
 
 
 def _salts(salt, n: int, batched: bool) -> list[str | None]:
@@ -107,19 +138,19 @@ async def generate(request: Request):
     tenant = authorize(request)
     engine: Engine = request.app.state.engine
     body = validated(GenerateReqInput, await json_body(request))
-    prompts, params, batched, bootstrap = await asyncio.to_thread(parse_generate, engine, body)
+    prompts, params, batched, bootstrap, mm = await asyncio.to_thread(parse_generate, engine, body)
     rids = _rids(body.get("rid"), len(prompts), batched)
     salts = [request_salt(engine, tenant, s) for s in _salts(body.get("cache_salt"), len(prompts), batched)]
     if body.get("stream"):
         if batched:
             raise HTTPError(400, "stream is not supported with batched input")
         return StreamingResponse(
-            _stream(engine, prompts[0], params[0], rids[0], bootstrap, salts[0]),
+            _stream(engine, prompts[0], params[0], rids[0], bootstrap, salts[0], mm[0]),
             media_type="text/event-stream",
         )
     runs = (
-        engine.generate(p, sp, rid, bootstrap=bootstrap, cache_salt=salt)
-        for p, sp, rid, salt in zip(prompts, params, rids, salts, strict=True)
+        engine.generate(p, sp, rid, bootstrap=bootstrap, cache_salt=salt, mm_items=items)
+        for p, sp, rid, salt, items in zip(prompts, params, rids, salts, mm, strict=True)
     )
     results = await until_disconnect(request, asyncio.gather(*runs))
     out = []
@@ -138,12 +169,15 @@ async def _stream(
     rid: str | None,
     bootstrap: Bootstrap | None,
     cache_salt: str | None,
+    mm_items: list[MMItem],
 ):
     """One frame per scheduler event: all ids so far and the monotonic text (``StreamText``)."""
     ids: list[int] = []
     meta: dict = {}
     text = StreamText(engine, params)
-    async for ev in engine.stream(prompt, params, rid, bootstrap=bootstrap, cache_salt=cache_salt):
+    async for ev in engine.stream(
+        prompt, params, rid, bootstrap=bootstrap, cache_salt=cache_salt, mm_items=mm_items
+    ):
         ids.extend(ev.new_ids)
         meta.update(ev.meta)
         if ev.finish_reason and ev.finish_reason.get("type") == "abort":

@@ -26,6 +26,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.model.vlm.mm import MMItem
 from engine.scheduler import SamplingParams
 from engine.scheduler.req import Bootstrap
 from engine.server.engine import Engine
@@ -67,6 +68,7 @@ def _sampling_params(
     max_tokens_field: str,
     source: str,
     bootstrap: Bootstrap | None = None,
+    mm_items: list[MMItem] | None = None,
 ) -> SamplingParams:
     """SamplingParams of an OpenAI body; a bad value is ``HTTPError(400)`` naming the client's field
     (``max_tokens``, or ``max_completion_tokens`` on chat when that was sent; ``n``, ``seed``, ...), and the
@@ -79,7 +81,7 @@ def _sampling_params(
     names = {dst: src for src, dst in _PARAM_FIELDS.items()} | {"max_new_tokens": max_tokens_field}
     try:
         params = SamplingParams.from_dict(raw, names)
-        engine.check_request(prompt, params, names, source, bootstrap)
+        engine.check_request(prompt, params, names, source, bootstrap, mm_items or ())
     except (TypeError, ValueError) as exc:
         raise HTTPError(400, str(exc)) from None
     return params
@@ -226,13 +228,24 @@ def _stream_completion(engine, ids, params, base, echo_text: str, include_usage:
 _RESERVED_TEMPLATE_VARS = {"messages", "bos_token", "eos_token"}
 
 
-def _chat_prompt(engine: Engine, body: dict) -> list[int]:
-    """Token ids of the rendered chat; ``body`` was checked against ``ChatCompletionRequest`` (run it off the
-    event loop: the template renders and the text is tokenized here)."""
+def _chat_prompt(engine: Engine, body: dict) -> tuple[list[int], list[MMItem]]:
+    """Token ids of the rendered chat and its images; ``body`` was checked against ``ChatCompletionRequest``
+    (run it off the event loop: the template renders, the text is tokenized and images are encoded here)."""
     messages = body["messages"]
-    for m in messages:
-        if isinstance(m["content"], list):  # text content parts
-            m["content"] = "".join(p.get("text", "") for p in m["content"])
+    images: list[tuple[str, str]] = []  # (field, url) in prompt order
+    for i, m in enumerate(messages):
+        if not isinstance(m["content"], list):
+            continue
+        parts = m["content"]
+        if not any(p["type"] == "image_url" for p in parts):  # text content parts
+            m["content"] = "".join(p.get("text", "") for p in parts)
+            continue
+        if engine.images is None:
+            raise HTTPError(400, f"messages.{i}.content: image_url parts need a vision-language model")
+        for j, p in enumerate(parts):
+            if p["type"] == "image_url":
+                images.append((f"messages.{i}.content.{j}.image_url.url", p["image_url"]["url"]))
+        m["content"] = [p if p["type"] == "text" else {"type": "image"} for p in parts]
     if body.get("tools"):
         raise HTTPError(400, "tools are not supported")
     fmt = body.get("response_format")
@@ -250,11 +263,15 @@ def _chat_prompt(engine: Engine, body: dict) -> list[int]:
     if not isinstance(add_generation_prompt, bool):
         raise HTTPError(400, "chat_template_kwargs.add_generation_prompt must be a boolean")
     try:
-        return engine.chat_prompt(
+        ids = engine.chat_prompt(
             messages, continue_final_message=cont, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except ValueError as exc:  # template errors (bad roles, missing fields) are the client's
         raise HTTPError(400, str(exc)) from None
+    if not images:
+        return ids, []
+    assert engine.images is not None
+    return engine.images.prepare(ids, images, "messages")
 
 
 @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
@@ -263,9 +280,11 @@ async def chat_completions(request: Request):
     engine: Engine = request.app.state.engine
     body = validated(ChatCompletionRequest, await json_body(request))
     options = _submit_options(engine, body, tenant)
-    ids = await asyncio.to_thread(_chat_prompt, engine, body)
+    ids, options["mm_items"] = await asyncio.to_thread(_chat_prompt, engine, body)
     sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    params = _sampling_params(engine, body, ids, sent, "the input messages", options["bootstrap"])
+    params = _sampling_params(
+        engine, body, ids, sent, "the input messages", options["bootstrap"], options["mm_items"]
+    )
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name}
     if body.get("stream"):

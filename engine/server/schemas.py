@@ -46,6 +46,7 @@ class GenerateReqInput(_Body):
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
     cache_salt: CacheSalt | list[CacheSalt] | None = None
+    image_data: str | list[str] | list[list[str]] | None = None
 
 
 class _OpenAIRequest(_Body):
@@ -79,17 +80,30 @@ class TextContentPart(_Body):
     text: str = ""
 
 
+class ImageURL(_Body):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageContentPart(_Body):
+    """An image: ``image_url.url`` is a ``data:`` URL with base64 (``engine/server/images.py``)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 # Upstream's ChatCompletionMessageGenericParam roles (matched case-insensitively, lowercased); "user"
 # (ChatCompletionMessageUserParam) is matched exactly.
 _GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder")
 
 
 class ChatMessage(_Body):
-    """A chat message; ``content`` is a string or a list of text parts (no tools: never null). ``role`` is
-    upstream's: ``user``, or one of ``_GENERIC_ROLES`` in any case (lowercased); others are refused."""
+    """A chat message; ``content`` is a string or a list of text and image parts (no tools: never null).
+    ``role`` is upstream's: ``user``, or one of ``_GENERIC_ROLES`` in any case (lowercased); others are
+    refused."""
 
     role: str
-    content: str | list[TextContentPart]
+    content: str | list[Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]]
 
     @field_validator("role", mode="before")
     @classmethod

@@ -13,6 +13,7 @@ NOT_YET: dict[str, str] = {
     "--tp-size": "tensor parallelism is planned; a worker runs on one device for now",
     "--tp": "tensor parallelism is planned; a worker runs on one device for now",
     "--tensor-parallel-size": "tensor parallelism is planned; a worker runs on one device for now",
+    "--grpc-mode": "gRPC serving is not built; encoders and workers speak HTTP + ZMQ",
 }
 """Upstream flags a later KVFleet release implements: flag -> why it is refused today."""
 
