@@ -8,6 +8,7 @@ detokenized tail, then ``max_new_tokens``. Runs on the scheduler thread; it runs
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 
 from engine.scheduler.req import Req
@@ -49,7 +50,8 @@ class DecodeManager:
 
     def finish_reason(self, req: Req, tok: int) -> dict | None:
         """SGLang's finish reason once ``tok`` (already appended to ``req.output_ids``) ends ``req``, else
-        None: ``{"type": "stop", "matched": id | str}`` or ``{"type": "length", "length": n}``."""
+        None: ``{"type": "stop", "matched": id | str}`` (for ``stop_regex``: the text it matched) or
+        ``{"type": "length", "length": n}``."""
         p = req.params
         if not p.ignore_eos and tok in self.eos_token_ids:
             return {"type": "stop", "matched": tok}
@@ -60,6 +62,12 @@ class DecodeManager:
             for s in p.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
+        if p.stop_regex:
+            text = self.detokenize(req.output_ids)
+            for pattern in p.stop_regex:
+                found = next((m.group(0) for m in re.finditer(pattern, text) if m.group(0)), None)
+                if found is not None:
+                    return {"type": "stop", "matched": found}
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": len(req.output_ids)}
         return None

@@ -120,9 +120,14 @@ class PrefillManager:
 
     def _admit(self, req: Req) -> bool:
         """Lease the request's cached prefix (L2 part loaded back) and slots for prompt + its decode
-        reservation; False if L1 has no room. The last prompt token is never matched."""
+        reservation; False if L1 has no room. The last prompt token is never matched, and a request that
+        asks for prompt log-probabilities matches at most ``logprob_start_len`` tokens (their logits rows are
+        computed by its own forward pass, whatever tier held the prefix)."""
         reserve = len(req.input_ids) + self.decode_tokens(req)
-        lease = self.kv.admit(req.rid, req.input_ids[:-1], reserve, salt=req.cache_salt)
+        cap = len(req.input_ids) - 1
+        if req.logprob is not None:
+            cap = min(cap, req.logprob.want.prefix_cap())
+        lease = self.kv.admit(req.rid, req.input_ids[:cap], reserve, salt=req.cache_salt)
         if lease is None:
             return False
         req.kv = lease

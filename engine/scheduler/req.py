@@ -11,6 +11,7 @@ import torch
 
 from engine.model.vlm.mm import MMItem
 from engine.scheduler.kv_manager import KVLease
+from engine.scheduler.logprobs import LogprobState
 from engine.scheduler.sampling_params import SamplingParams
 
 
@@ -72,7 +73,9 @@ class ReqOutput:
 
     ``finish_reason`` follows SGLang's meta_info: ``{"type": "length", "length": n}``,
     ``{"type": "stop", "matched": <token id or stop string>}`` or ``{"type": "abort", "message": str}``.
-    ``meta`` is filled on the first event (cache hit counts) and the last one (latencies).
+    ``meta`` is filled on the first event (cache hit counts) and the last one (latencies). ``logprobs``
+    (requests that asked for them): the entries new since the previous event,
+    ``{"input": LogprobValues, "output": LogprobValues}`` (``engine.scheduler.logprobs``).
     """
 
     rid: str
@@ -80,6 +83,7 @@ class ReqOutput:
     finished: bool = False
     finish_reason: dict | None = None
     meta: dict = field(default_factory=dict)
+    logprobs: dict | None = None
 
 
 @dataclass(eq=False)
@@ -91,7 +95,8 @@ class Req:
     set when the client goes away while the request is in a batch or a PD queue (it is then finished at the
     next step). ``on_event`` is called on the scheduler thread and must only hand the event over.
     ``cache_salt``: the request's cache key space (requests with different salts share no cached KV; None:
-    the shared space).
+    the shared space). ``logprob``: the log-probabilities it asked for and those computed so far (None:
+    none asked).
     """
 
     rid: str
@@ -112,6 +117,7 @@ class Req:
     health_check: bool = False  # a /health_generate probe: queued ahead of user requests
     cache_salt: str | None = field(default=None, repr=False)  # a tenant's secret: never logged
     mm_items: list[MMItem] = field(default_factory=list, repr=False)  # images: token ranges + embeddings
+    logprob: LogprobState | None = None
 
     def move(self, state: ReqState) -> None:
         """Go to ``state``; raises ``IllegalTransition`` when the table has no such edge."""

@@ -3,6 +3,13 @@
 Follows SGLang's sampler semantics: temperature 0 (or top_k 1) is argmax; otherwise logits are divided by
 the temperature, filtered by top-k, then top-p (keep the smallest set whose probability reaches ``top_p``),
 then min-p (drop tokens below ``min_p`` times the top probability), and one token is drawn.
+
+Before that, ``adjust`` changes the logits as upstream's penalizers and logit bias do: frequency penalty
+(minus ``frequency_penalty`` x the token's count in the output so far), presence penalty (minus
+``presence_penalty`` for a token in the output), repetition penalty (an output token's positive logit divided
+by ``repetition_penalty``, a negative one multiplied), ``min_new_tokens`` (EOS and stop token ids get -inf
+until that many tokens were generated), then ``logit_bias`` added. ``logprobs`` gives the distribution a
+token was drawn from, the one its reported log-probability comes from.
 """
 
 from __future__ import annotations
@@ -22,6 +29,43 @@ def sample(
         if not p.greedy:
             out[i] = _sample_row(logits[i], p, generators[i])
     return out
+
+
+def adjust(
+    logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]], eos_ids: tuple[int, ...]
+) -> torch.Tensor:
+    """``logits`` ``(B, vocab)`` float32 with each row's penalties, ``min_new_tokens`` mask and logit bias
+    applied (in place; rows of requests that ask for none are unchanged). ``outputs``: each row's generated
+    ids so far."""
+    vocab = logits.shape[1]
+    for i, p in enumerate(params):
+        if not p.adjusts_logits:
+            continue
+        row, out = logits[i], outputs[i]
+        if out and (p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0):
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab]
+            seen = counts > 0
+            if p.repetition_penalty != 1.0:
+                rep = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, rep, row))
+            row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * seen.to(row.dtype)
+        if len(out) < p.min_new_tokens:
+            banned = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
+            if banned:
+                row[banned] = float("-inf")
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if t < vocab]
+            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
+    return logits
+
+
+def logprobs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Log-probabilities ``(vocab,)`` of the distribution a token of ``p`` is drawn from: the adjusted
+    logits ``row`` divided by the temperature (greedy: by 1), log-softmaxed, before top-k / top-p / min-p."""
+    row = row.float()
+    if not p.greedy:
+        row = row / p.temperature
+    return torch.log_softmax(row, dim=-1)
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

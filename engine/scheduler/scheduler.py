@@ -40,12 +40,13 @@ from engine.model.vlm.mm import batch_embeds
 from engine.scheduler import admin
 from engine.scheduler.decode import DecodeManager
 from engine.scheduler.kv_manager import KVManager
+from engine.scheduler.logprobs import LogprobState, read
 from engine.scheduler.messages import AbortReq, AdminMsg, NotIdleError
 from engine.scheduler.pd import DecodeQueues, PDHooks, PrefillQueues, make_queues
 from engine.scheduler.prefill import PrefillBudget, PrefillManager
 from engine.scheduler.protocols import Runner
 from engine.scheduler.req import Req, ReqOutput, ReqState
-from engine.scheduler.sampler import sample
+from engine.scheduler.sampler import adjust, logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -406,7 +407,10 @@ class Scheduler:
             )
             if any(r.mm_items for r in batch_reqs):
                 batch.mm_embeds = batch_embeds([(r.mm_items, s, e) for r, s, e in items])
-            logits = self._forward(batch)
+            wants_rows = any(self._prompt_rows(r, s, e) for r, s, e in items)
+            logits = self._forward(batch, return_all_logits=wants_rows)
+            if wants_rows:
+                logits = self._read_prompt_logprobs(items, logits)
         except Exception as exc:
             logger.exception("prefill forward failed")
             self.prefill.chunked = None
@@ -430,6 +434,30 @@ class Scheduler:
         for req, tok in zip(reqs, tokens, strict=True):
             if tok is not None:
                 self._per_request(req, "prefill", self._prompt_done, req, tok)
+
+    @staticmethod
+    def _prompt_rows(req: Req, start: int, end: int) -> range:
+        """Positions of the extend range ``[start, end)`` whose logits rows give ``req`` a prompt
+        log-probability (row ``p`` scores prompt token ``p + 1``; positions ``logprob_start_len`` up to the
+        second last)."""
+        if req.logprob is None:
+            return range(0)
+        return range(max(start, req.logprob.want.start), min(end, len(req.input_ids) - 1))
+
+    def _read_prompt_logprobs(self, items: list[tuple[Req, int, int]], logits: torch.Tensor) -> torch.Tensor:
+        """Record each request's prompt log-probabilities from the all-positions ``logits`` ``(T, vocab)``
+        (raw, as upstream: no temperature, no penalty); returns each sequence's last row ``(B, vocab)``."""
+        offset, last = 0, []
+        for req, start, end in items:
+            rows = self._prompt_rows(req, start, end)
+            if rows and req.logprob is not None:
+                lo = offset + rows.start - start
+                lp = torch.log_softmax(logits[lo : lo + len(rows)].float(), dim=-1)
+                chosen = [req.input_ids[p + 1] for p in rows]
+                req.logprob.input.extend(read(lp, chosen, req.logprob.want))
+            offset += end - start
+            last.append(offset - 1)
+        return logits[last]
 
     def _sends_kv(self, req: Req) -> bool:
         return req.bootstrap is not None and self.pd is not None and self.pd.sends_kv
@@ -487,13 +515,27 @@ class Scheduler:
         """One token per request from ``logits`` ``(B, vocab)``. When the batch raises, rows are sampled one
         by one and a request whose row raises is aborted alone (``None`` in its place)."""
         try:
-            return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            return self._sample_rows(logits, reqs)
         except Exception:
             logger.exception("batched sampling failed; sampling rows one by one")
         tokens: list[int | None] = []
         for i, req in enumerate(reqs):
-            tok = self._per_request(req, "sampling", sample, logits[i : i + 1], [req.params], [req.generator])
+            tok = self._per_request(req, "sampling", self._sample_rows, logits[i : i + 1], [req])
             tokens.append(None if tok is None else tok[0])
+        return tokens
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+        """Adjust (penalties, ``min_new_tokens``, logit bias), sample, and record the output log-probability
+        of each request that asked for it."""
+        params = [r.params for r in reqs]
+        logits = logits.float()
+        if any(p.adjusts_logits for p in params):
+            logits = adjust(logits.clone(), params, [r.output_ids for r in reqs], self.config.eos_token_ids)
+        tokens = sample(logits, params, [r.generator for r in reqs])
+        for i, req in enumerate(reqs):
+            if req.logprob is not None:
+                lp = logprobs(logits[i], req.params).unsqueeze(0)
+                req.logprob.output.extend(read(lp, [tokens[i]], req.logprob.want))
         return tokens
 
     def _per_request(self, req: Req, stage: str, fn: Callable, *args, **kwargs):
@@ -507,10 +549,13 @@ class Scheduler:
                 self._finish(req, {"type": "abort", "message": f"{stage} failed: {exc}"}, insert=False)
             return None
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """One forward pass (queued L2 load-backs started first); last-position logits ``(B, V)``."""
+    def _forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+        """One forward pass (queued L2 load-backs started first); last-position logits ``(B, V)``, or every
+        position's ``(T, V)`` with ``return_all_logits``."""
         if self.hierarchical:
             self.cache.ready_to_load_host_cache()
+        if return_all_logits:
+            return self.runner.forward(batch, self.pool, return_all_logits=True)
         return self.runner.forward(batch, self.pool)
 
     def _append_token(self, req: Req, tok: int) -> None:
@@ -525,7 +570,7 @@ class Scheduler:
         req.output_ids.append(tok)
         reason = self.decode.finish_reason(req, tok)
         if reason is None:
-            req.on_event(ReqOutput(req.rid, [tok], meta=self._meta(req, final=False)))
+            req.on_event(ReqOutput(req.rid, [tok], meta=self._meta(req, False), logprobs=_new_logprobs(req)))
         else:
             self._finish(req, reason, last_ids=[tok])
 
@@ -544,7 +589,9 @@ class Scheduler:
         self.reqs.pop(req.rid, None)
         if self.metrics:
             self.metrics.on_finish(req)
-        req.on_event(ReqOutput(req.rid, last_ids or [], True, reason, self._meta(req, final=True)))
+        out = ReqOutput(req.rid, last_ids or [], True, reason, self._meta(req, final=True))
+        out.logprobs = _new_logprobs(req)
+        req.on_event(out)
 
     def _abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -621,3 +668,9 @@ class Scheduler:
             "evictable_tokens": cache.evictable_size(),
             "max_total_num_tokens": self.pool.size,
         }
+
+
+def _new_logprobs(req: Req) -> dict | None:
+    """The log-probabilities an event of ``req`` carries (those not sent yet); None if it asked for none."""
+    state: LogprobState | None = req.logprob
+    return None if state is None else state.take_new(len(req.output_ids))

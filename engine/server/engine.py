@@ -8,6 +8,7 @@ scheduler thread through ``Scheduler.call`` and is awaited as a future.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -17,6 +18,7 @@ import torch
 
 from engine.model.vlm.mm import MMItem
 from engine.scheduler import Req, ReqOutput, SamplingParams, Scheduler
+from engine.scheduler.logprobs import LogprobRequest, LogprobState, LogprobValues
 from engine.scheduler.messages import AdminMsg
 from engine.scheduler.req import Bootstrap
 from engine.scheduler.sampling_params import label
@@ -151,6 +153,11 @@ class Engine:
             for t in input_ids
         ):
             raise RequestError(f"input_ids must be integers in [0, {self.vocab_size})")
+        bias = params.logit_bias or {}
+        if any(t >= self.vocab_size for t in bias):
+            raise RequestError(
+                f"{label('logit_bias', names)} keys must be token ids in [0, {self.vocab_size})"
+            )
         seed = params.sampling_seed
         if seed is not None and not -(2**63) <= seed < 2**64:
             raise RequestError(f"{label('sampling_seed', names)} must be in [-2**63, 2**64)")
@@ -218,10 +225,12 @@ class Engine:
         bootstrap: Bootstrap | None = None,
         cache_salt: str | None = None,
         mm_items: list[MMItem] | None = None,
+        logprob: LogprobRequest | None = None,
     ) -> AsyncIterator[ReqOutput]:
-        """Submit one request (a PD one with ``bootstrap``, in cache key space ``cache_salt``), yield its
-        events up to the finished one; abort it if the caller stops early. A ``health_check`` request is
-        queued ahead of user requests. ``mm_items``: the prompt's images (``ImageInputs.prepare``)."""
+        """Submit one request (a PD one with ``bootstrap``, in cache key space ``cache_salt``, reporting the
+        log-probabilities ``logprob`` asks for), yield its events up to the finished one; abort it if the
+        caller stops early. A ``health_check`` request is queued ahead of user requests. ``mm_items``: the
+        prompt's images (``ImageInputs.prepare``)."""
         self.check_request(input_ids, params, mm_items=mm_items or ())  # also raises UnavailableError
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ReqOutput] = asyncio.Queue()
@@ -236,6 +245,7 @@ class Engine:
             bootstrap=bootstrap,
             cache_salt=cache_salt,
             mm_items=list(mm_items or ()),
+            logprob=None if logprob is None else LogprobState(logprob),
         )
         if params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(params.sampling_seed)
@@ -266,19 +276,62 @@ class Engine:
         bootstrap: Bootstrap | None = None,
         cache_salt: str | None = None,
         mm_items: list[MMItem] | None = None,
+        logprob: LogprobRequest | None = None,
     ) -> dict:
-        """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta"}``. Raises
-        ``UnavailableError`` when the scheduler refused it (queue full) or ended before finishing it."""
+        """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta", "logprobs"}``
+        (``logprobs``: ``{"input": LogprobValues, "output": LogprobValues}`` when ``logprob`` asked, else
+        None). Raises ``UnavailableError`` when the scheduler refused it (queue full) or ended before
+        finishing it."""
         ids: list[int] = []
         meta: dict = {}
         reason = None
-        async for ev in self.stream(input_ids, params, rid, health_check, bootstrap, cache_salt, mm_items):
+        values = None if logprob is None else {"input": LogprobValues(), "output": LogprobValues()}
+        events = self.stream(input_ids, params, rid, health_check, bootstrap, cache_salt, mm_items, logprob)
+        async for ev in events:
             ids.extend(ev.new_ids)
             meta.update(ev.meta)
             reason = ev.finish_reason
+            if values is not None and ev.logprobs is not None:
+                values["input"].extend(ev.logprobs["input"])
+                values["output"].extend(ev.logprobs["output"])
         if reason and reason.get("status_code") == 503:  # queue full, or the scheduler ended
             raise UnavailableError(reason.get("message", "scheduler thread is not running"))
-        return {"output_ids": ids, "finish_reason": reason, "meta": meta}
+        return {"output_ids": ids, "finish_reason": reason, "meta": meta, "logprobs": values}
+
+    async def generate_n(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        bootstrap: Bootstrap | None = None,
+        cache_salt: str | None = None,
+        mm_items: list[MMItem] | None = None,
+        logprob: LogprobRequest | None = None,
+    ) -> list[dict]:
+        """``params.n`` samples of one prompt (``generate``'s results, in order). For n > 1 the prompt is
+        computed once first (a ``max_new_tokens`` 0 request), so the samples share its KV through the prefix
+        cache; sample ``j`` is seeded with ``sampling_seed + j`` when a seed is set. A rid or a PD pairing
+        needs n 1 (the callers refuse them)."""
+        if params.n == 1:
+            return [
+                await self.generate(input_ids, params, rid, False, bootstrap, cache_salt, mm_items, logprob)
+            ]
+        warm = dataclasses.replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
+        first = await self.generate(input_ids, warm, cache_salt=cache_salt, mm_items=mm_items)
+        if (first["finish_reason"] or {}).get("type") == "abort":
+            return [first]
+        seed = params.sampling_seed
+        runs = (
+            self.generate(
+                input_ids,
+                dataclasses.replace(params, n=1, sampling_seed=None if seed is None else seed + j),
+                cache_salt=cache_salt,
+                mm_items=mm_items,
+                logprob=logprob,
+            )
+            for j in range(params.n)
+        )
+        return list(await asyncio.gather(*runs))
 
     async def post(self, msg: AdminMsg, timeout: float | None = None):
         """Carry out the admin message ``msg`` (``engine.scheduler.messages``) on the scheduler thread and

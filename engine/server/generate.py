@@ -4,9 +4,14 @@ Body (``schemas.GenerateReqInput``): exactly one of ``text`` (str or list of str
 ints or list of lists), ``sampling_params``, ``stream``, ``rid``, ``cache_salt`` (a string for every prompt,
 or one per prompt: requests with different salts share no cached KV), ``image_data`` (a vision-language
 model: an image or a list of images per prompt, ``engine/server/images.py``; the text carries one image
-token per image). Other upstream fields that routers
-forward (``log_metrics``, ``return_hidden_states``, ...) are accepted and have no effect; fields asking for
-output this engine cannot produce (``return_logprob``, ``input_embeds``) are a 400, and so is
+token per image), and upstream's log-probability fields
+``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``token_ids_logprob``,
+``return_text_in_logprobs`` (one value for every prompt, or a list with one per prompt; the ``meta_info``
+fields are described in ``engine/server/logprob_format.py``). ``sampling_params.n`` > 1 answers a list of n
+results per prompt: the prompt is prefilled once (a ``max_new_tokens`` 0 request first), and the n samples
+share its KV through the prefix cache; with a ``sampling_seed``, sample ``j`` uses seed + j. Other upstream
+fields that routers forward (``log_metrics``, ...) are accepted and have no effect; fields asking for output
+this engine cannot produce (``return_hidden_states``, ``input_embeds``) are a 400, and so is
 ``bootstrap_room`` on a worker that is not in PD mode, or a PD worker's request without valid
 ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` (``Engine.bootstrap``). Text is tokenized on a
 worker thread, and a non-streaming request whose client disconnects is aborted.
@@ -24,16 +29,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.model.vlm.mm import MMItem
 from engine.scheduler import SamplingParams
+from engine.scheduler.logprobs import LogprobRequest, LogprobValues
 from engine.scheduler.req import Bootstrap
 from engine.server.engine import Engine, RequestError
 from engine.server.http_utils import SSE_DONE, HTTPError, json_body, sse, until_disconnect
+from engine.server.logprob_format import sglang_meta
 from engine.server.schemas import GenerateReqInput, request_body, validated
 from engine.server.stream_text import StreamText
 from engine.server.tenants import authorize, request_salt
 
 router = APIRouter()
 
-_UNSUPPORTED_TRUE = ("return_logprob", "return_hidden_states", "return_routed_experts")
+_UNSUPPORTED_TRUE = ("return_hidden_states", "return_routed_experts")
+_LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob")
 
 
 def parse_generate(
@@ -79,6 +87,8 @@ def parse_generate(
         raise HTTPError(400, str(exc)) from None
     if bootstrap is not None and batched:
         raise HTTPError(400, "bootstrap_room: one prompt per PD request (batched input is not supported)")
+    if bootstrap is not None and any(sp.n > 1 for sp in params):
+        raise HTTPError(400, f"sampling_params.n={max(sp.n for sp in params)} is not supported in PD mode")
     return prompts, params, batched, bootstrap, mm
 
 
@@ -108,6 +118,44 @@ def _images(
     return out_ids, out_items
 
 
+def parse_logprobs(engine: Engine, body: dict, prompts: list[list[int]], batched: bool) -> list:
+    """One ``LogprobRequest`` (or None) per prompt from upstream's fields; ``HTTPError(400)`` names a bad
+    one."""
+    per_prompt = {name: _per_prompt(body, name, len(prompts), batched) for name in _LOGPROB_FIELDS}
+    out: list[LogprobRequest | None] = []
+    for i, prompt in enumerate(prompts):
+        if not per_prompt["return_logprob"][i]:
+            out.append(None)
+            continue
+        try:
+            want = LogprobRequest.resolve(
+                len(prompt),
+                per_prompt["logprob_start_len"][i],
+                per_prompt["top_logprobs_num"][i],
+                per_prompt["token_ids_logprob"][i],
+            )
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from None
+        if want.top_n > engine.vocab_size:
+            raise HTTPError(400, f"top_logprobs_num must be <= the vocabulary size ({engine.vocab_size})")
+        if any(t >= engine.vocab_size for t in want.token_ids or ()):
+            raise HTTPError(400, f"token_ids_logprob must be token ids in [0, {engine.vocab_size})")
+        out.append(want)
+    return out
+
+
+def _per_prompt(body: dict, name: str, n: int, batched: bool) -> list:
+    """``body[name]`` for each of ``n`` prompts: one value for all, or (batched) a list of n values.
+    ``token_ids_logprob`` is itself a list: a list of lists is per prompt."""
+    value = body.get(name)
+    per = isinstance(value, list) and (name != "token_ids_logprob" or (value and isinstance(value[0], list)))
+    if not per:
+        return [value] * n
+    if batched and len(value) == n:
+        return list(value)
+    raise HTTPError(400, f"{name}: a list needs one value per prompt")
+
+
 def _salts(salt, n: int, batched: bool) -> list[str | None]:
     """One ``cache_salt`` per prompt: a string applies to every prompt; a list needs one per prompt."""
     if not isinstance(salt, list):
@@ -128,8 +176,13 @@ def _rids(rid, n: int, batched: bool) -> list[str | None]:
     raise HTTPError(400, "rid must be a string (one prompt) or a list of strings, one per prompt")
 
 
-def _response(engine: Engine, ids: list[int], params: SamplingParams, reason, meta: dict) -> dict:
-    meta = dict(meta, finish_reason=reason)
+def _response(
+    engine: Engine, prompt: list[int], res: dict, params: SamplingParams, want, return_text: bool
+) -> dict:
+    ids, reason = res["output_ids"], res["finish_reason"]
+    meta = dict(res["meta"], finish_reason=reason)
+    if want is not None:
+        meta.update(sglang_meta(engine, want, res["logprobs"], prompt, ids, return_text))
     return {"text": engine.output_text(ids, params, reason), "output_ids": list(ids), "meta_info": meta}
 
 
@@ -139,27 +192,38 @@ async def generate(request: Request):
     engine: Engine = request.app.state.engine
     body = validated(GenerateReqInput, await json_body(request))
     prompts, params, batched, bootstrap, mm = await asyncio.to_thread(parse_generate, engine, body)
+    wants = parse_logprobs(engine, body, prompts, batched)
+    return_text = bool(body.get("return_text_in_logprobs"))
     rids = _rids(body.get("rid"), len(prompts), batched)
     salts = [request_salt(engine, tenant, s) for s in _salts(body.get("cache_salt"), len(prompts), batched)]
+    multi = any(sp.n > 1 for sp in params)
     if body.get("stream"):
-        if batched:
-            raise HTTPError(400, "stream is not supported with batched input")
+        if batched or multi:
+            raise HTTPError(400, "stream is not supported with batched input or sampling_params.n > 1")
         return StreamingResponse(
-            _stream(engine, prompts[0], params[0], rids[0], bootstrap, salts[0], mm[0]),
+            _stream(
+                engine, prompts[0], params[0], rids[0], bootstrap, salts[0], mm[0], wants[0], return_text
+            ),
             media_type="text/event-stream",
         )
+    if multi and any(r is not None for r in rids):
+        raise HTTPError(400, "rid: give no rid with sampling_params.n > 1 (each sample is its own request)")
+
     runs = (
-        engine.generate(p, sp, rid, bootstrap=bootstrap, cache_salt=salt, mm_items=items)
-        for p, sp, rid, salt, items in zip(prompts, params, rids, salts, mm, strict=True)
+        engine.generate_n(
+            prompts[i], params[i], rids[i], bootstrap, salts[i], mm_items=mm[i], logprob=wants[i]
+        )
+        for i in range(len(prompts))
     )
     results = await until_disconnect(request, asyncio.gather(*runs))
     out = []
-    for res, sp in zip(results, params, strict=True):
-        reason = res["finish_reason"]
-        if reason and reason.get("type") == "abort":
-            raise HTTPError(reason.get("status_code", 500), reason.get("message", "request aborted"))
-        out.append(_response(engine, res["output_ids"], sp, reason, res["meta"]))
-    return JSONResponse(out if batched else out[0])
+    for i, group in enumerate(results):
+        for res in group:
+            reason = res["finish_reason"]
+            if reason and reason.get("type") == "abort":
+                raise HTTPError(reason.get("status_code", 500), reason.get("message", "request aborted"))
+            out.append(_response(engine, prompts[i], res, params[i], wants[i], return_text))
+    return JSONResponse(out if batched or multi else out[0])
 
 
 async def _stream(
@@ -170,16 +234,25 @@ async def _stream(
     bootstrap: Bootstrap | None,
     cache_salt: str | None,
     mm_items: list[MMItem],
+    want: LogprobRequest | None,
+    return_text: bool,
 ):
-    """One frame per scheduler event: all ids so far and the monotonic text (``StreamText``)."""
+    """One frame per scheduler event: all ids so far and the monotonic text (``StreamText``), and the
+    log-probabilities so far when asked."""
     ids: list[int] = []
     meta: dict = {}
     text = StreamText(engine, params)
-    async for ev in engine.stream(
-        prompt, params, rid, bootstrap=bootstrap, cache_salt=cache_salt, mm_items=mm_items
-    ):
+    values = {"input": LogprobValues(), "output": LogprobValues()}
+    events = engine.stream(
+        prompt, params, rid, bootstrap=bootstrap, cache_salt=cache_salt, mm_items=mm_items, logprob=want
+    )
+    async for ev in events:
         ids.extend(ev.new_ids)
         meta.update(ev.meta)
+        if want is not None and ev.logprobs is not None:
+            values["input"].extend(ev.logprobs["input"])
+            values["output"].extend(ev.logprobs["output"])
+            meta.update(sglang_meta(engine, want, values, prompt, ids, return_text))
         if ev.finish_reason and ev.finish_reason.get("type") == "abort":
             reason = ev.finish_reason
             yield sse(

@@ -15,6 +15,14 @@ route's keeps upstream's "input messages". Prompts are tokenized and chat templa
 thread, ``bootstrap_room`` is refused on a worker not in PD mode, and a non-streaming request whose client
 disconnects is aborted. ``cache_salt`` puts the request in its own cache key space (requests with different
 salts share no cached KV).
+Log-probabilities: chat ``logprobs`` (bool) with ``top_logprobs`` (0..20, needs ``logprobs``), completions
+``logprobs`` (an int, 0..20: the top log-probabilities per token) and, with ``echo``, the prompt's tokens
+first (the first one's logprob null), in OpenAI's shapes (``engine/server/logprob_format.py``). ``n`` > 1
+answers n choices (not streamed): the prompt is computed once and the n samples reuse its KV through the
+prefix cache, so ``usage.prompt_tokens_details.cached_tokens`` (summed over the choices, as upstream) shows
+it; ``prompt_tokens`` counts the prompt once. Completions' ``suffix`` builds a fill-in-the-middle prompt from
+the tokenizer's FIM tokens, or is a 400 saying the model has none. Penalties, ``min_tokens``,
+``logit_bias`` and ``stop_regex`` pass through to SamplingParams.
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.model.vlm.mm import MMItem
 from engine.scheduler import SamplingParams
+from engine.scheduler.logprobs import LogprobRequest, LogprobValues
 from engine.scheduler.req import Bootstrap
 from engine.server.engine import Engine
 from engine.server.http_utils import SSE_DONE, HTTPError, json_body, sse, until_disconnect
+from engine.server.logprob_format import openai_chat, openai_completion
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest, request_body, validated
 from engine.server.stream_text import StreamText
 from engine.server.tenants import Tenant, authorize, request_salt
@@ -58,7 +68,15 @@ _PARAM_FIELDS = {
     "json_schema": "json_schema",
     "ebnf": "ebnf",
     "logit_bias": "logit_bias",
+    "stop_regex": "stop_regex",
 }
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat ``top_logprobs`` (and here for completions' ``logprobs``)
+# Fill-in-the-middle tokens (prefix, suffix, middle) of the model families that have them.
+_FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<PRE>", "<SUF>", "<MID>"),
+)
 
 
 def _sampling_params(
@@ -74,8 +92,6 @@ def _sampling_params(
     (``max_tokens``, or ``max_completion_tokens`` on chat when that was sent; ``n``, ``seed``, ...), and the
     context-length error calls the prompt ``source``."""
     raw = {dst: body[src] for src, dst in _PARAM_FIELDS.items() if body.get(src) is not None}
-    if body.get("logprobs") not in (None, False):
-        raise HTTPError(400, "logprobs is not supported")
     max_tokens = body.get(max_tokens_field)
     raw["max_new_tokens"] = engine.default_max_new_tokens(prompt) if max_tokens is None else max_tokens
     names = {dst: src for src, dst in _PARAM_FIELDS.items()} | {"max_new_tokens": max_tokens_field}
@@ -114,6 +130,43 @@ def _usage(engine: Engine, prompt: list[int], n_out: int, meta: dict) -> dict:
     return usage
 
 
+def _usage_n(engine: Engine, prompt: list[int], results: list[dict]) -> dict:
+    """Usage of the n choices of one prompt (upstream): the prompt counted once, the completions and the
+    cached tokens summed over the choices."""
+    n_out = sum(len(r["output_ids"]) for r in results)
+    cached = sum(r["meta"].get("cached_tokens", 0) for r in results)
+    return _usage(engine, prompt, n_out, {"cached_tokens": cached})
+
+
+def _top_logprobs(body: dict, field: str, allowed: bool) -> int:
+    """The number of top log-probabilities ``body[field]`` asks for (0..``MAX_TOP_LOGPROBS``);
+    ``HTTPError(400)`` naming ``field`` otherwise, or when given while ``allowed`` is false."""
+    value = body.get(field)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise HTTPError(400, f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+    if not allowed:
+        raise HTTPError(400, f"{field} requires logprobs to be true")
+    return value
+
+
+def _check_n(body: dict) -> None:
+    """``n`` > 1 cannot stream here: ``HTTPError(400)`` naming n."""
+    if body.get("stream") and (body.get("n") or 1) > 1:
+        raise HTTPError(400, f"n={body['n']} is not supported with stream (only 1)")
+
+
+def _fim_prompt(engine: Engine, prompt: str, suffix: str) -> str:
+    """``prompt`` and ``suffix`` in the model's fill-in-the-middle format; ``HTTPError(400)`` naming suffix
+    when its tokenizer has no fill-in-the-middle tokens."""
+    vocab = engine.tokenizer.get_vocab() if hasattr(engine.tokenizer, "get_vocab") else {}
+    for pre, suf, mid in _FIM_TOKENS:
+        if pre in vocab and suf in vocab and mid in vocab:
+            return f"{pre}{prompt}{suf}{suffix}{mid}"
+    raise HTTPError(400, "suffix is not supported: the model's tokenizer has no fill-in-the-middle tokens")
+
+
 # ---------------------------------------------------------------------------------------------- completions
 def _submit_options(engine: Engine, body: dict, tenant: Tenant | None) -> dict:
     """The keyword arguments of ``Engine.stream``/``generate`` a body sets: its PD pairing and cache salt
@@ -133,39 +186,59 @@ async def completions(request: Request):
     engine: Engine = request.app.state.engine
     body = validated(CompletionRequest, await json_body(request))
     options = _submit_options(engine, body, tenant)
+    _check_n(body)
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
+    if not isinstance(prompt, str) and not (
+        isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+    ):
+        raise HTTPError(400, "'prompt' must be a string or a list of token ids (one prompt per request)")
+    suffix = body.get("suffix")
+    if suffix:
+        if not isinstance(prompt, str):
+            raise HTTPError(400, "suffix needs a text prompt")
+        prompt = _fim_prompt(engine, prompt, suffix)
     if isinstance(prompt, str):
         ids = await asyncio.to_thread(engine.encode, prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        ids = list(prompt)
     else:
-        raise HTTPError(400, "'prompt' must be a string or a list of token ids (one prompt per request)")
-    if body.get("suffix"):
-        raise HTTPError(400, "suffix is not supported")
+        ids = list(prompt)
     params = _sampling_params(engine, body, ids, "max_tokens", "the prompt", options["bootstrap"])
-    echo = isinstance(prompt, str) and bool(body.get("echo"))
+    echo = bool(body.get("echo")) and not suffix
+    top = _top_logprobs(body, "logprobs", True)
+    want = None
+    if body.get("logprobs") is not None:
+        start = 0 if echo else len(ids) - 1
+        want = LogprobRequest(start, top)
+    echo_text = (prompt if isinstance(prompt, str) else engine.decode(ids)) if echo else ""
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
     if body.get("stream"):
         include_usage = _include_usage(body)
         return StreamingResponse(
-            _stream_completion(engine, ids, params, base, prompt if echo else "", include_usage, options),
+            _stream_completion(engine, ids, params, base, echo_text, include_usage, options, want),
             media_type="text/event-stream",
         )
-    res = await until_disconnect(request, engine.generate(ids, params, **options))
-    finish, matched = _check_abort(res["finish_reason"])
-    text = engine.output_text(res["output_ids"], params, res["finish_reason"])
-    choice = {
-        "index": 0,
-        "text": (prompt if echo else "") + text,
-        "logprobs": None,
-        "finish_reason": finish,
-        "matched_stop": matched,
-    }
-    usage = _usage(engine, ids, len(res["output_ids"]), res["meta"])
-    return JSONResponse({**base, "choices": [choice], "usage": usage})
+    results = await until_disconnect(request, engine.generate_n(ids, params, logprob=want, **options))
+    choices = []
+    for j, res in enumerate(results):
+        finish, matched = _check_abort(res["finish_reason"])
+        text = engine.output_text(res["output_ids"], params, res["finish_reason"])
+        logprobs = None
+        if want is not None:
+            values = res["logprobs"]
+            inp = values["input"] if echo else None
+            logprobs = openai_completion(engine, inp, ids, values["output"], res["output_ids"], 0)
+        choices.append(
+            {
+                "index": j,
+                "text": echo_text + text,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+                "matched_stop": matched,
+            }
+        )
+    return JSONResponse({**base, "choices": choices, "usage": _usage_n(engine, ids, results)})
 
 
 def _check_abort(reason: dict | None) -> tuple[str | None, object]:
@@ -177,18 +250,32 @@ def _check_abort(reason: dict | None) -> tuple[str | None, object]:
 
 
 async def _stream_choices(
-    engine, ids, params, base, first: dict | None, content, include_usage: bool, options: dict
+    engine,
+    ids,
+    params,
+    base,
+    first: dict | None,
+    content,
+    include_usage: bool,
+    options: dict,
+    want: LogprobRequest | None = None,
+    render=None,
 ):
     """The SSE chunks of one streamed request: the opening choice ``first`` (when given), a choice per text
     delta carrying ``content(text)`` (``text`` or ``delta``), an error chunk on abort, the optional usage
-    chunk, then ``[DONE]``. ``options``: ``_submit_options``."""
+    chunk, then ``[DONE]``. ``options``: ``_submit_options``. With ``want``, each chunk's ``logprobs`` is
+    ``render(values, new ids)`` of the tokens not reported by an earlier chunk."""
     delta = StreamText(engine, params)
     n_out, meta = 0, {}
+    pending, pending_ids = LogprobValues(), []
     if first is not None:
         yield sse({**base, "choices": [first]})
-    async for ev in engine.stream(ids, params, **options):
+    async for ev in engine.stream(ids, params, logprob=want, **options):
         n_out += len(ev.new_ids)
         meta.update(ev.meta)
+        if ev.logprobs is not None:
+            pending.extend(ev.logprobs["output"])
+            pending_ids += ev.new_ids
         finish, matched = _finish(ev.finish_reason)
         if finish == "abort":
             reason = ev.finish_reason
@@ -203,10 +290,14 @@ async def _stream_choices(
             break
         text = delta.push(ev.new_ids, ev.finish_reason)
         if text or finish:
+            logprobs = None
+            if want is not None and render is not None:
+                logprobs = render(pending, pending_ids)
+                pending, pending_ids = LogprobValues(), []
             choice = {
                 "index": 0,
                 **content(text),
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
                 "matched_stop": matched,
             }
@@ -216,10 +307,28 @@ async def _stream_choices(
     yield SSE_DONE
 
 
-def _stream_completion(engine, ids, params, base, echo_text: str, include_usage: bool, options: dict):
+def _stream_completion(
+    engine, ids, params, base, echo_text: str, include_usage: bool, options: dict, want: LogprobRequest | None
+):
+    """Completion chunks; with ``logprobs`` each carries its tokens' (the echoed prompt's are not streamed:
+    a streamed echo sends the prompt text only)."""
     first = {"index": 0, "text": echo_text, "logprobs": None, "finish_reason": None} if echo_text else None
+    stream_want = None if want is None else LogprobRequest(len(ids) - 1, want.top_n)
+
+    def render(values, new_ids):
+        return openai_completion(engine, None, ids, values, new_ids, 0)
+
     return _stream_choices(
-        engine, ids, params, base, first, lambda text: {"text": text}, include_usage, options
+        engine,
+        ids,
+        params,
+        base,
+        first,
+        lambda text: {"text": text},
+        include_usage,
+        options,
+        stream_want,
+        render,
     )
 
 
@@ -282,40 +391,59 @@ async def chat_completions(request: Request):
     options = _submit_options(engine, body, tenant)
     ids, options["mm_items"] = await asyncio.to_thread(_chat_prompt, engine, body)
     sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    _check_n(body)
     params = _sampling_params(
         engine, body, ids, sent, "the input messages", options["bootstrap"], options["mm_items"]
     )
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise HTTPError(400, f"logprobs must be a boolean, got {logprobs!r}")
+    top = _top_logprobs(body, "top_logprobs", bool(logprobs))
+    want = LogprobRequest(len(ids) - 1, top) if logprobs else None
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name}
     if body.get("stream"):
         include_usage = _include_usage(body)
         base["object"] = "chat.completion.chunk"
         return StreamingResponse(
-            _stream_chat(engine, ids, params, base, include_usage, options), media_type="text/event-stream"
+            _stream_chat(engine, ids, params, base, include_usage, options, want),
+            media_type="text/event-stream",
         )
-    res = await until_disconnect(request, engine.generate(ids, params, **options))
-    finish, matched = _check_abort(res["finish_reason"])
-    text = engine.output_text(res["output_ids"], params, res["finish_reason"])
-    message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
-    choice = {
-        "index": 0,
-        "message": message,
-        "logprobs": None,
-        "finish_reason": finish,
-        "matched_stop": matched,
-    }
-    usage = _usage(engine, ids, len(res["output_ids"]), res["meta"])
-    return JSONResponse({**base, "choices": [choice], "usage": usage})
+    results = await until_disconnect(request, engine.generate_n(ids, params, logprob=want, **options))
+    choices = []
+    for j, res in enumerate(results):
+        finish, matched = _check_abort(res["finish_reason"])
+        text = engine.output_text(res["output_ids"], params, res["finish_reason"])
+        message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
+        choice_logprobs = None
+        if want is not None:
+            choice_logprobs = openai_chat(engine, res["logprobs"]["output"], res["output_ids"])
+        choices.append(
+            {
+                "index": j,
+                "message": message,
+                "logprobs": choice_logprobs,
+                "finish_reason": finish,
+                "matched_stop": matched,
+            }
+        )
+    return JSONResponse({**base, "choices": choices, "usage": _usage_n(engine, ids, results)})
 
 
-def _stream_chat(engine, ids, params, base, include_usage: bool, options: dict):
+def _stream_chat(engine, ids, params, base, include_usage: bool, options: dict, want: LogprobRequest | None):
     first = {
         "index": 0,
         "delta": {"role": "assistant", "content": ""},
         "logprobs": None,
         "finish_reason": None,
     }
-    return _stream_choices(engine, ids, params, base, first, _chat_delta, include_usage, options)
+
+    def render(values, new_ids):
+        return openai_chat(engine, values, new_ids)
+
+    return _stream_choices(
+        engine, ids, params, base, first, _chat_delta, include_usage, options, want, render
+    )
 
 
 def _chat_delta(text: str) -> dict:

@@ -21,7 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine.scheduler.sampling_params import SamplingParams
+from engine.scheduler.sampling_params import SamplingParams, label
 from engine.server.http_utils import HTTPError
 
 _BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -142,9 +142,9 @@ def _requested_n(body: dict) -> list[tuple[dict, object]]:
 
 def _unsupported_n_first(body: dict) -> None:
     """sglang-router in PD mode turns a request's ``n > 1`` into lists of ``n`` bootstrap hosts/ports/rooms;
-    the schema would then report those lists, so an unsupported ``n`` is reported first, in the words a
-    non-PD worker uses (``n=2 is not supported (only 1)`` for the OpenAI field, ``sampling_params.n=2 ...``
-    for /generate's). Raises ``HTTPError(400)``."""
+    the schema would then report those lists, so ``n`` is reported first: a bad one as a non-PD worker words
+    it, one above 1 as unsupported in PD mode (``n=2 is not supported in PD mode`` for the OpenAI field,
+    ``sampling_params.n=2 ...`` for /generate's). Raises ``HTTPError(400)``."""
     if not any(isinstance(body.get(field), list) for field in _BOOTSTRAP_FIELDS):
         return
     for names, n in _requested_n(body):
@@ -153,6 +153,8 @@ def _unsupported_n_first(body: dict) -> None:
                 SamplingParams.from_dict({"n": n}, names)
             except ValueError as exc:
                 raise HTTPError(400, str(exc)) from None
+            if n != 1:
+                raise HTTPError(400, f"{label('n', names)}={n} is not supported in PD mode")
 
 
 def validated(model: type[_Body], body: dict) -> dict:

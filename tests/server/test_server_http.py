@@ -80,11 +80,12 @@ def test_batched_generate_and_router_extra_fields(serve):
         ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
         ({"text": "a", "sampling_params": {"max_new_tokens": "x"}}, "max_new_tokens"),
         ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
-        ({"text": "a", "sampling_params": {"n": 2}}, "n=2"),
+        ({"text": "a", "sampling_params": {"n": 0}}, "sampling_params.n"),
+        ({"text": "a", "sampling_params": {"logit_bias": {"999999": 1}}}, "logit_bias"),
         ({"input_ids": [1, 2, 100000]}, "input_ids"),
         ({"input_ids": list(range(3, 300)) * 2}, "context length"),
         ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 600}}, "context length"),
-        ({"text": "a", "return_logprob": True}, "return_logprob"),
+        ({"text": "a", "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
     ],
 )
 def test_bad_generate_requests_are_400_and_server_keeps_serving(serve, body, needle):

@@ -28,7 +28,7 @@ def _message(call) -> str:
 
 CASES = [
     ({"max_tokens": -1}, "max_tokens must be >= 0, got -1"),
-    ({"n": 0}, "n=0 is not supported (only 1)"),
+    ({"n": 0}, "n must be an integer >= 1, got 0"),
     ({"temperature": -1}, "temperature must be >= 0, got -1.0"),
     ({"top_p": 0}, "top_p must be in (0, 1], got 0.0"),
     ({"stop": [""]}, "stop must be a non-empty string or a list of them"),

@@ -1,5 +1,5 @@
 """``n > 1`` through sglang-router's PD mode: the router turns it into lists of ``n`` bootstrap hosts, ports
-and rooms; a PD worker answers 400 naming the unsupported ``n`` (as a non-PD worker does), not the lists."""
+and rooms; a PD worker answers 400 naming ``n`` (unsupported in PD mode), not the lists."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_n_2_with_the_routers_bootstrap_lists_names_n(serve, mode):
         assert resp.status_code == 400, (path, resp.text)
         message = resp.json()["error"]["message"]
         expected = "sampling_params.n=2" if path == "/generate" else "n=2"
-        assert message == f"{expected} is not supported (only 1)", (path, message)
+        assert message == f"{expected} is not supported in PD mode", (path, message)
 
 
 def test_bootstrap_lists_with_n_1_still_name_the_lists(serve):

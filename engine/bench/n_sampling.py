@@ -1,0 +1,99 @@
+"""``n`` samples of one prompt in one request against ``n`` separate requests of the same prompt.
+
+One server (default: SmolLM2-135M, fp32, a fresh L1 for each side: ``/flush_cache`` before each) gets, in the
+same run, first ``/v1/completions`` with ``n`` (the prompt computed once, the samples reusing its KV through
+the prefix cache) and then ``n`` concurrent requests of the same prompt with n 1 (each of which may or may
+not find the others' prefix cached, depending on timing: the baseline an SDK loop or a proxy that splits
+``n`` gets). Reports, for each side, the prompt tokens computed (``n`` x prompt length minus
+``usage.prompt_tokens_details.cached_tokens``) and the wall time, then the ratios n-request / separate.
+Prints a markdown table; ``--json`` prints the numbers instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+
+from engine.bench.launcher import ServerProcess
+
+TIMEOUT = 600.0
+
+
+async def _one(client: httpx.AsyncClient, prompt: list[int], n: int, max_tokens: int, seed: int) -> dict:
+    body = {"prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+            "ignore_eos": True}  # fmt: skip
+    resp = await client.post("/v1/completions", json=body)
+    resp.raise_for_status()
+    return resp.json()["usage"]
+
+
+async def run_side(url: str, prompt: list[int], n: int, max_tokens: int, together: bool) -> dict:
+    """One side: ``n`` samples in one request (``together``) or as ``n`` concurrent requests; returns the
+    prompt tokens computed and the wall time (seconds)."""
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+        (await client.post("/flush_cache")).raise_for_status()
+        start = time.perf_counter()
+        if together:
+            usages = [await _one(client, prompt, n, max_tokens, seed=1)]
+        else:
+            usages = await asyncio.gather(
+                *(_one(client, prompt, 1, max_tokens, seed=1 + j) for j in range(n))
+            )
+        wall = time.perf_counter() - start
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {"prefill_tokens": n * len(prompt) - cached, "cached_tokens": cached, "wall_s": wall}
+
+
+def measure(url: str, prompt_len: int, n: int, max_tokens: int, repeats: int) -> dict:
+    """Both sides ``repeats`` times, alternating; medians of the wall times."""
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, 20000) for _ in range(prompt_len)]
+    runs: dict[str, list[dict]] = {"n": [], "separate": []}
+    for _ in range(repeats):
+        runs["n"].append(asyncio.run(run_side(url, prompt, n, max_tokens, together=True)))
+        runs["separate"].append(asyncio.run(run_side(url, prompt, n, max_tokens, together=False)))
+    out = {}
+    for side, results in runs.items():
+        out[side] = {
+            "prefill_tokens": statistics.median(r["prefill_tokens"] for r in results),
+            "wall_s": statistics.median(r["wall_s"] for r in results),
+        }
+    out["prefill_ratio"] = out["n"]["prefill_tokens"] / out["separate"]["prefill_tokens"]
+    out["wall_ratio"] = out["n"]["wall_s"] / out["separate"]["wall_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default="smollm2")
+    p.add_argument("--url", help="a running server (started with --enable-cache-report) instead of launching")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.url:
+        res = measure(a.url, a.prompt_len, a.n, a.max_tokens, a.repeats)
+    else:
+        flags = ["--model-path", a.model_path, "--enable-cache-report", "--max-total-tokens", "8192"]
+        with ServerProcess(flags, timeout=600) as server:
+            res = measure(server.url, a.prompt_len, a.n, a.max_tokens, a.repeats)
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return
+    print("| side | prompt tokens computed | wall time (s) |\n|---|---:|---:|")
+    print(f"| {a.n} separate requests (baseline) | {res['separate']['prefill_tokens']:,.0f} | "
+          f"{res['separate']['wall_s']:.2f} |")  # fmt: skip
+    print(f"| one request, n={a.n} | {res['n']['prefill_tokens']:,.0f} | {res['n']['wall_s']:.2f} |")
+    print(f"\nprefill tokens ratio {res['prefill_ratio']:.3f}, wall time ratio {res['wall_ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
