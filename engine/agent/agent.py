@@ -11,7 +11,8 @@ Roles: each worker is registered, and listed in every heartbeat, with the role i
 ``restart`` entries ({worker_url, role, seq}: the control plane's ``desired_role``, for engines that cannot
 switch in place) make the main thread restart that worker with its flags rebuilt for the role
 (:func:`engine.agent.spec.with_role`); the new role holds for later crash restarts until the agent itself
-restarts (then the spec file's role applies again).
+restarts (then the spec file's role applies again). A worker that switched role in place
+(``/pd_role_switch``) is adopted the same way without a restart: its crash restarts keep the new role.
 
 Acknowledgements (``role_acks`` in every heartbeat, per worker): ``applied`` is the newest request ``seq``
 carried out (restarted in that role, or found running it), ``seen`` the newest ``request_seq`` of an answer
@@ -114,6 +115,10 @@ class Agent:
         self.host = host_facts(spec.host_name, spec.address)
         # (restart, request_seq) of each heartbeat answer, in order, for the main thread
         self.restarts: queue.Queue[tuple[list[dict], dict]] = queue.Queue()
+        # (worker URL, role it reports, spec generation read before) of workers running another role than
+        # their spec's (switched in place), for the main thread to adopt
+        self.adoptions: queue.Queue[tuple[str, str, int]] = queue.Queue()
+        self.spec_gen: dict[str, int] = {}  # worker URL -> bumped whenever the main thread changes its spec
         self.acks_lock = threading.Lock()
         self.seen: dict[str, int] = {}  # worker URL -> newest request_seq fully processed
         self.applied: dict[str, int] = {}  # worker URL -> newest restart request seq carried out
@@ -142,9 +147,43 @@ class Agent:
         return [w.url for w in self._running()]
 
     def _roles(self) -> dict[str, str]:
-        """URL -> role of each running worker that answers /server_info."""
-        infos = {w.url: server_info(local_url(w)) for w in self._running()}
-        return {w.url: role_of(w, infos[w.url]) for w in self._running() if infos.get(w.url)}
+        """URL -> role of each running worker that answers /server_info (reporter thread). A role other
+        than the spec's (the worker switched in place) is queued for the main thread to adopt."""
+        running = self._running()
+        gens = {w.url: self.spec_gen.get(w.url, 0) for w in running}  # read before the workers are asked
+        infos = {w.url: server_info(local_url(w)) for w in running}
+        roles = {w.url: role_of(w, infos[w.url]) for w in running if infos.get(w.url)}
+        for w in running:
+            if w.url in roles and roles[w.url] != w.role:
+                self.adoptions.put((w.url, roles[w.url], gens[w.url]))
+        return roles
+
+    def adopt_live_roles(self) -> None:
+        """Main thread: a worker that switched role in place (``/pd_role_switch``, a rebalance) keeps that
+        role: its spec and the command its crash restarts use are rebuilt for it, the running process left
+        alone. An observation older than the worker's last spec change (a restart in another role since)
+        is dropped."""
+        while True:
+            try:
+                url, role, gen = self.adoptions.get_nowait()
+            except queue.Empty:
+                return
+            i = next((i for i, w in enumerate(self.spec.workers) if w.url == url), None)
+            if i is None or self.spec.workers[i].role == role or self.spec_gen.get(url, 0) != gen:
+                continue
+            old = self.spec.workers[i]
+            try:
+                new = with_role(old, role)
+            except ValueError as exc:
+                log.error("%s runs as %s, which its flags cannot restart it in: %s", old.name, role, exc)
+                continue
+            self._set_spec(i, new)
+            self.supervisor.set_command(old.name, command(new))
+            log.info("%s: switched in place %s -> %s; restarts keep %s", old.name, old.role, role, role)
+
+    def _set_spec(self, i: int, new: WorkerSpec) -> None:
+        self.spec.workers[i] = new
+        self.spec_gen[new.url] = self.spec_gen.get(new.url, 0) + 1
 
     def _role_acks(self) -> dict[str, dict]:
         """URL -> {seen, applied} of each worker a heartbeat answer named (reporter thread)."""
@@ -179,7 +218,7 @@ class Agent:
         except ValueError as exc:
             log.error("cannot restart %s as %s: %s", old.name, role, exc)
             return False
-        self.spec.workers[i] = new
+        self._set_spec(i, new)
         self._log([self.supervisor.replace(old.name, command(new), f"role {old.role} -> {new.role}")])
         self.reporter.heartbeat_now()
         return True
@@ -259,6 +298,7 @@ class Agent:
         try:
             while not self.stopping.is_set():
                 self.restart_in_roles()
+                self.adopt_live_roles()
                 self._log(self.supervisor.poll())
                 self.write_state()
                 self.stopping.wait(TICK_S)

@@ -170,6 +170,10 @@ class Supervisor:
         started = self._start(p)
         return Event("replaced", name, f"{why}; {started.detail}")
 
+    def set_command(self, name: str, command: list[str]) -> None:
+        """Later (crash) restarts of ``name`` use ``command``; the running process is left alone."""
+        self.processes[name].command = command
+
     def running(self) -> list[str]:
         return [p.name for p in self.processes.values() if p.state == "running"]
 

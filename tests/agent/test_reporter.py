@@ -330,3 +330,43 @@ def test_agent_acknowledges_role_requests_in_the_order_its_answers_came(port, tm
         assert spec.workers[0].role == "prefill"
     finally:
         cp.stop()
+
+
+def test_a_worker_switched_in_place_keeps_its_new_role_across_crash_restarts(port, tmp_path, health_server):
+    """The worker reports decode while its spec says prefill (a rebalance switched it in place): the agent
+    adopts it (spec and restart command rebuilt for decode, the process left running), so a crash restart
+    brings it back as decode, not as the spec file's prefill. An observation read before a later restart in
+    another role is dropped."""
+    wport = _free_port()
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        f'[agent]\nhost_name = "node-a"\nlog_dir = "{tmp_path}"\nheartbeat_interval_s = 0.01\n'
+        f'[[workers]]\nname = "p0"\nmodel = "smollm2"\nport = {wport}\ndisaggregation_mode = "prefill"\n'
+        'disaggregation_bootstrap_port = 9001\ndisaggregation_transfer_backend = "fake"\n'
+        "enable_pd_role_switch = true\n"
+    )
+    spec = load_spec(str(path), {})
+    url = spec.workers[0].url
+    argv = health_server(wport, tmp_path / "never", {"disaggregation_mode": "decode"})
+    sup = Supervisor([Managed("p0", argv, f"{url}/health", str(tmp_path / "p0.log"))])
+    cp = RecordingControlPlane(port)
+    cp.start()
+    agent = Agent(spec, ControlPlaneClient(f"http://127.0.0.1:{port}", "cp_abc.secret", timeout=2), sup)
+    try:
+        sup.start_all()
+        deadline = time.monotonic() + 30
+        while not sup.running() and time.monotonic() < deadline:
+            agent._log(sup.poll())
+            time.sleep(0.05)
+        pid = sup.processes["p0"].proc.pid
+        _tick_until(agent.reporter, lambda: agent.adoptions.qsize() > 0)
+        agent.adopt_live_roles()
+        assert spec.workers[0].role == "decode"
+        assert "--disaggregation-mode=decode" in sup.processes["p0"].command
+        assert sup.processes["p0"].proc.pid == pid  # not restarted
+        agent.adoptions.put((url, "prefill", 0))  # read before the adoption above: stale
+        agent.adopt_live_roles()
+        assert spec.workers[0].role == "decode"
+    finally:
+        sup.stop()
+        cp.stop()
