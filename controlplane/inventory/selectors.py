@@ -3,7 +3,7 @@
 import django_filters
 from django.db.models import QuerySet
 
-from controlplane.inventory.models import EngineWorker, Gpu, Host, Router, StorageProfile
+from controlplane.inventory.models import EngineWorker, FleetAlert, Gpu, Host, Router, StorageProfile
 from controlplane.workerclient import WorkerError, router_circuit_breakers
 
 
@@ -33,6 +33,20 @@ def gpu_list() -> QuerySet:
 
 def router_list() -> QuerySet:
     return Router.objects.all()
+
+
+class FleetAlertFilter(django_filters.FilterSet):
+    open = django_filters.BooleanFilter(field_name="resolved_at", lookup_expr="isnull", label="Still open")
+
+    class Meta:
+        model = FleetAlert
+        fields = ["router", "worker", "kind", "open"]
+
+
+def fleet_alert_list(*, filters: dict | None = None) -> QuerySet:
+    """The reconciler's alerts (drift it cannot repair), open and closed."""
+    qs = FleetAlert.objects.select_related("router", "worker")
+    return FleetAlertFilter(filters or {}, queryset=qs).qs
 
 
 def router_breakers(router: Router) -> dict | None:

@@ -4,8 +4,29 @@ set."""
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from controlplane.inventory.models import EngineWorker, Gpu, Host, Router, StorageProfile, WorkerRole
+from controlplane.inventory.models import (
+    EngineWorker,
+    FleetAlert,
+    Gpu,
+    Host,
+    Router,
+    StorageProfile,
+    WorkerRole,
+)
 from controlplane.inventory.selectors import router_breakers
+
+
+class FleetAlertSerializer(serializers.ModelSerializer):
+    router_name = serializers.CharField(source="router.name", read_only=True, allow_null=True, default=None)
+    worker_name = serializers.CharField(source="worker.name", read_only=True, allow_null=True, default=None)
+
+    class Meta:
+        model = FleetAlert
+        fields = [
+            "id", "router", "router_name", "worker", "worker_name", "kind", "subject", "message", "opened_at",
+            "last_seen_at", "resolved_at",
+        ]  # fmt: skip
+        read_only_fields = fields
 
 
 class GpuSerializer(serializers.ModelSerializer):

@@ -6,6 +6,7 @@ from controlplane.inventory.api import views
 router = SimpleRouter()
 router.register("hosts", views.HostViewSet, basename="host")
 router.register("gpus", views.GpuViewSet, basename="gpu")
+router.register("alerts", views.FleetAlertViewSet, basename="fleetalert")
 router.register("routers", views.RouterViewSet, basename="router")
 router.register("storage-profiles", views.StorageProfileViewSet, basename="storageprofile")
 router.register("workers", views.EngineWorkerViewSet, basename="worker")

@@ -1,7 +1,7 @@
 """Inventory endpoints: CRUD viewsets plus the agent's register and heartbeat."""
 
 from drf_spectacular.utils import OpenApiTypes, extend_schema
-from rest_framework import status
+from rest_framework import status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -32,6 +32,16 @@ class GpuViewSet(ServiceModelViewSet):
     filterset_fields = ["host", "model"]
     ordering_fields = ["index", "memory_mib"]
     ordering = ["host__name", "index"]
+
+
+class FleetAlertViewSet(viewsets.ReadOnlyModelViewSet):
+    """Drift the reconciler found and could not repair (`?open=true`: those it still sees)."""
+
+    queryset = selectors.fleet_alert_list()
+    serializer_class = s.FleetAlertSerializer
+    filterset_class = selectors.FleetAlertFilter
+    ordering_fields = ["opened_at", "last_seen_at"]
+    ordering = ["-opened_at", "-id"]
 
 
 class RouterViewSet(ServiceModelViewSet):

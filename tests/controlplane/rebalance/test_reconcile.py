@@ -134,3 +134,23 @@ def test_a_step_outcome_sets_the_role_the_worker_keeps():
         step_transition(step, to=to, explanation="done")
     assert EngineWorker.objects.get(pk=moved.pk).assigned_role == "decode"
     assert EngineWorker.objects.get(pk=back.pk).assigned_role == "prefill"
+
+
+def test_the_api_lists_the_alerts_a_viewer_may_read_and_refuses_writes(fleet, api_as):
+    router, fakes, workers = fleet
+    RouterClient(router.url).add_worker("http://stranger:1", worker_type="decode")
+    reconcile_all()
+    r = api_as("viewer").get("/api/v1/inventory/alerts/", {"open": "true"})
+    assert r.status_code == 200, r.content
+    (alert,) = r.json()["results"]
+    assert (alert["router_name"], alert["kind"], alert["subject"]) == (
+        "pd-main",
+        "unknown_worker",
+        "http://stranger:1",
+    )
+    assert alert["resolved_at"] is None
+    assert api_as("operator").post("/api/v1/inventory/alerts/", {}).status_code == 405
+    RouterClient(router.url).remove_worker("http://stranger:1")
+    reconcile_all()
+    assert api_as("viewer").get("/api/v1/inventory/alerts/", {"open": "true"}).json()["results"] == []
+    assert len(api_as("viewer").get("/api/v1/inventory/alerts/").json()["results"]) == 1
