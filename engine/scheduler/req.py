@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from engine.model.vlm.mm import MMItem
 from engine.scheduler.kv_manager import KVLease
 from engine.scheduler.logprobs import LogprobState
 from engine.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 
 class ReqState(enum.Enum):
@@ -96,7 +100,8 @@ class Req:
     next step). ``on_event`` is called on the scheduler thread and must only hand the event over.
     ``cache_salt``: the request's cache key space (requests with different salts share no cached KV; None:
     the shared space). ``logprob``: the log-probabilities it asked for and those computed so far (None:
-    none asked).
+    none asked). ``grammar``: the matcher of a constrained request (its vocab mask is applied before
+    each sampling, and it is advanced by each token appended).
     """
 
     rid: str
@@ -118,6 +123,7 @@ class Req:
     cache_salt: str | None = field(default=None, repr=False)  # a tenant's secret: never logged
     mm_items: list[MMItem] = field(default_factory=list, repr=False)  # images: token ranges + embeddings
     logprob: LogprobState | None = None
+    grammar: GrammarState | None = field(default=None, repr=False)  # constrained decoding (engine/grammar)
 
     def move(self, state: ReqState) -> None:
         """Go to ``state``; raises ``IllegalTransition`` when the table has no such edge."""

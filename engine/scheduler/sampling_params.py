@@ -17,12 +17,9 @@ import re
 from dataclasses import dataclass, field
 
 # Upstream fields accepted only with their neutral value (field -> neutral value).
-_NEUTRAL_ONLY = {
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
-}
+_NEUTRAL_ONLY = {}
+# Grammar constraints (engine/grammar), in the order a request's constraint is read.
+_CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
 # Upstream fields that only change output formatting or are hints this engine may ignore.
 _IGNORED = {"spaces_between_special_tokens", "custom_params", "stream_interval", "lora_path"}
 
@@ -61,10 +58,25 @@ class SamplingParams:
             or self.logit_bias
         )
 
+    # Constrained decoding (engine/grammar): at most one of these, each a string.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+
     @property
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature 0 or top_k 1)."""
         return self.temperature < 1e-6 or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """``(field, text)`` of the grammar constraint, or None when the output is unconstrained."""
+        for name in _CONSTRAINTS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @classmethod
     def from_dict(cls, data: dict | None, names: dict[str, str] | None = None) -> SamplingParams:
@@ -128,6 +140,16 @@ class SamplingParams:
         if self.sampling_seed is not None and not isinstance(self.sampling_seed, int):
             raise ValueError(f"{lbl('sampling_seed')} must be an integer, got {self.sampling_seed!r}")
         self._validate_extras(lbl)
+        self._validate_constraint(lbl)
+
+    def _validate_constraint(self, lbl) -> None:
+        """At most one grammar constraint, a string (upstream: "Only one of regex, json_schema, or ebnf")."""
+        constraints = [c for c in _CONSTRAINTS if getattr(self, c) is not None]
+        for name in constraints:
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{lbl(name)} must be a string")
+        if len(constraints) > 1:
+            raise ValueError(f"only one of {', '.join(lbl(c) for c in constraints)} may be set")
 
     def _validate_extras(self, lbl) -> None:
         """``n``, penalties, ``min_new_tokens``, ``stop_regex`` (``validate``'s second half)."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache.protocols import PrefixCache
+from engine.grammar.state import apply_vocab_masks
 from engine.model.forward_batch import ForwardBatch
 from engine.model.vlm.mm import batch_embeds
 from engine.scheduler import admin
@@ -525,10 +526,10 @@ class Scheduler:
         return tokens
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
-        """Adjust (penalties, ``min_new_tokens``, logit bias), sample, and record the output log-probability
-        of each request that asked for it."""
+        """Mask (grammars), adjust (penalties, ``min_new_tokens``, logit bias), sample, and record the output
+        log-probability of each request that asked for it."""
         params = [r.params for r in reqs]
-        logits = logits.float()
+        logits = apply_vocab_masks(logits.float(), [r.grammar for r in reqs])  # constrained decoding
         if any(p.adjusts_logits for p in params):
             logits = adjust(logits.clone(), params, [r.output_ids for r in reqs], self.config.eos_token_ids)
         tokens = sample(logits, params, [r.generator for r in reqs])
@@ -569,6 +570,8 @@ class Scheduler:
         req.last_token_at = now
         req.output_ids.append(tok)
         reason = self.decode.finish_reason(req, tok)
+        if req.grammar is not None:
+            reason = _grammar_finish(req, tok) or reason
         if reason is None:
             req.on_event(ReqOutput(req.rid, [tok], meta=self._meta(req, False), logprobs=_new_logprobs(req)))
         else:
@@ -674,3 +677,13 @@ def _new_logprobs(req: Req) -> dict | None:
     """The log-probabilities an event of ``req`` carries (those not sent yet); None if it asked for none."""
     state: LogprobState | None = req.logprob
     return None if state is None else state.take_new(len(req.output_ids))
+
+
+def _grammar_finish(req: Req, tok: int) -> dict | None:
+    """Advance ``req``'s grammar past ``tok`` (on a PD decode worker, P's first token rebuilds its state
+    here): a stop once the grammar has terminated, an abort (400) when it refuses the token."""
+    if not req.grammar.accept(tok):
+        return {"type": "abort", "message": f"the grammar does not allow token {tok}", "status_code": 400}
+    if req.grammar.terminated:
+        return {"type": "stop", "matched": tok}
+    return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from engine.cache.config import (
     parse_extra_config,
 )
 from engine.cache.storage.registry import registered_backends
+from engine.grammar.tool_parsers import TOOL_CALL_PARSERS
 from engine.model.config import QUANTIZATIONS
 from engine.server import upstream_flags
 from engine.sizing.tiers import CPU_DEFAULT_MAX_TOTAL_TOKENS
@@ -34,6 +36,7 @@ from kernels import unavailable_reason
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("torch", "triton")  # registered in engine/model/attention
+GRAMMAR_BACKENDS = ("xgrammar", "none")  # engine/grammar/backend.py
 
 # Default L1 size on CPU when neither --max-total-tokens nor a GPU memory budget applies (tokens).
 
@@ -107,6 +110,8 @@ class ServerArgs:
     encoder_urls: list[str] = dataclasses.field(default_factory=list)
     encoder_transfer_backend: str = "zmq_to_scheduler"
     enable_mm_global_cache: bool = False
+    grammar_backend: str = "xgrammar"
+    tool_call_parser: str | None = None
 
     @property
     def max_images_per_request(self) -> int:
@@ -263,8 +268,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="upstream's decode headroom; D here reserves prompt + max_new_tokens, so no request runs out",
     )
     a("--enable-pd-role-switch", action="store_true", help="POST /pd_role_switch flips an idle P/D worker")
+    a(
+        "--grammar-backend",
+        choices=GRAMMAR_BACKENDS,
+        default="xgrammar",
+        help="constrained decoding (json_schema, regex, ebnf, structural_tag, response_format, tool_choice); "
+        "none: such requests are a 400",
+    )
+    a(
+        "--tool-call-parser",
+        type=_tool_call_parser,
+        default=None,
+        help=f"how tool calls are found in the model's text: {', '.join(TOOL_CALL_PARSERS)} "
+        "(default: the one the model's chat template implies)",
+    )
     _vlm_flags(a)
     return p
+
+
+def _tool_call_parser(name: str) -> str:
+    if name in TOOL_CALL_PARSERS:
+        return name
+    close = difflib.get_close_matches(name, list(TOOL_CALL_PARSERS), n=1, cutoff=0.0)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise argparse.ArgumentTypeError(
+        f"--tool-call-parser: unknown parser {name!r} (one of {', '.join(TOOL_CALL_PARSERS)}){hint}"
+    )
 
 
 ENCODER_TRANSFER_BACKENDS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")

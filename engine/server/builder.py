@@ -18,6 +18,7 @@ from engine.cache.config import HiCacheConfig, parse_extra_config, split_extra_c
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
 from engine.disaggregation import TransferBackendError, create_kv_manager
+from engine.grammar.backend import GrammarBackend
 from engine.model.linear import QuantizationError
 from engine.model.loader.fingerprint import kv_producer, weights_digest
 from engine.model.runner import ModelRunner
@@ -193,6 +194,9 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
     scheduler.metrics = metrics
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
+    grammar = None
+    if args.grammar_backend == "xgrammar":  # compiles on its own threads; the model's logits width
+        grammar = GrammarBackend(tokenizer.backend, cfg.vocab_size, tokenizer.eos_token_ids)
     engine = Engine(
         args,
         tokenizer,
@@ -202,6 +206,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         metrics=metrics,
         recorder=TraceRecorder() if args.record_trace else None,
         tenants=tenants,
+        grammar=grammar,
         model_info={
             "architecture": cfg.architecture,
             "kv_bytes_per_token": bytes_per_token,

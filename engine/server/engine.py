@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.grammar.backend import GrammarBackend, GrammarError
+from engine.grammar.state import GrammarState
 from engine.model.vlm.mm import MMItem
 from engine.scheduler import Req, ReqOutput, SamplingParams, Scheduler
 from engine.scheduler.logprobs import LogprobRequest, LogprobState, LogprobValues
@@ -51,6 +53,7 @@ class Engine:
     recorder: TraceRecorder | None = None  # --record-trace
     tenants: Tenants | None = None  # --tenant-keys-file
     images: ImageInputs | None = None  # a vision-language model: image sources to tokens and embeddings
+    grammar: GrammarBackend | None = None  # --grammar-backend xgrammar (None: none)
     unhealthy: str | None = None  # set by a failed PD role switch: /health answers 503 with it
     started_at: float = field(default_factory=time.time)
 
@@ -212,6 +215,25 @@ class Engine:
             raise RequestError(f"bootstrap_room must be an integer in [0, 2**63), got {room!r}")
         return Bootstrap(host, port, room)
 
+    async def compile_grammar(self, params: SamplingParams, names: dict[str, str] | None = None):
+        """The compiled grammar of ``params``' constraint (``json_schema``, ``regex``, ``ebnf``,
+        ``structural_tag``), or None when it has none; compiled on the grammar backend's threads (cached), so
+        the event loop and the scheduler go on meanwhile. RequestError names the field (``names`` as in
+        ``SamplingParams.from_dict``) when it does not compile, or ``--grammar-backend`` when it is none."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        field, text = constraint
+        if self.grammar is None:
+            raise RequestError(
+                f"{label(field, names)}: constrained decoding is off on this worker (--grammar-backend none)"
+            )
+        try:
+            return await asyncio.wrap_future(self.grammar.compile(field, text))
+        except GrammarError as exc:
+            problem = str(exc).partition(": ")[2]
+            raise RequestError(f"{label(field, names)}: {problem}") from None
+
     def default_max_new_tokens(self, input_ids: list[int]) -> int:
         """OpenAI requests without ``max_tokens`` may use the rest of the context (upstream behaviour)."""
         return max(0, min(self.context_length, self.scheduler.pool.size) - len(input_ids))
@@ -226,9 +248,11 @@ class Engine:
         cache_salt: str | None = None,
         mm_items: list[MMItem] | None = None,
         logprob: LogprobRequest | None = None,
+        grammar=None,
     ) -> AsyncIterator[ReqOutput]:
         """Submit one request (a PD one with ``bootstrap``, in cache key space ``cache_salt``, reporting the
-        log-probabilities ``logprob`` asks for), yield its events up to the finished one; abort it if the
+        log-probabilities ``logprob`` asks for, constrained by ``grammar`` from ``compile_grammar``), yield
+        its events up to the finished one; abort it if the
         caller stops early. A ``health_check`` request is queued ahead of user requests. ``mm_items``: the
         prompt's images (``ImageInputs.prepare``)."""
         self.check_request(input_ids, params, mm_items=mm_items or ())  # also raises UnavailableError
@@ -246,6 +270,7 @@ class Engine:
             cache_salt=cache_salt,
             mm_items=list(mm_items or ()),
             logprob=None if logprob is None else LogprobState(logprob),
+            grammar=None if grammar is None else GrammarState(grammar),
         )
         if params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(params.sampling_seed)
@@ -277,6 +302,7 @@ class Engine:
         cache_salt: str | None = None,
         mm_items: list[MMItem] | None = None,
         logprob: LogprobRequest | None = None,
+        grammar=None,
     ) -> dict:
         """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta", "logprobs"}``
         (``logprobs``: ``{"input": LogprobValues, "output": LogprobValues}`` when ``logprob`` asked, else
@@ -286,7 +312,9 @@ class Engine:
         meta: dict = {}
         reason = None
         values = None if logprob is None else {"input": LogprobValues(), "output": LogprobValues()}
-        events = self.stream(input_ids, params, rid, health_check, bootstrap, cache_salt, mm_items, logprob)
+        events = self.stream(
+            input_ids, params, rid, health_check, bootstrap, cache_salt, mm_items, logprob, grammar
+        )
         async for ev in events:
             ids.extend(ev.new_ids)
             meta.update(ev.meta)
@@ -307,14 +335,17 @@ class Engine:
         cache_salt: str | None = None,
         mm_items: list[MMItem] | None = None,
         logprob: LogprobRequest | None = None,
+        grammar=None,
     ) -> list[dict]:
         """``params.n`` samples of one prompt (``generate``'s results, in order). For n > 1 the prompt is
         computed once first (a ``max_new_tokens`` 0 request), so the samples share its KV through the prefix
         cache; sample ``j`` is seeded with ``sampling_seed + j`` when a seed is set. A rid or a PD pairing
-        needs n 1 (the callers refuse them)."""
+        needs n 1 (the callers refuse them). Each sample gets its own matcher of ``grammar``."""
         if params.n == 1:
             return [
-                await self.generate(input_ids, params, rid, False, bootstrap, cache_salt, mm_items, logprob)
+                await self.generate(
+                    input_ids, params, rid, False, bootstrap, cache_salt, mm_items, logprob, grammar
+                )
             ]
         warm = dataclasses.replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
         first = await self.generate(input_ids, warm, cache_salt=cache_salt, mm_items=mm_items)
@@ -328,6 +359,7 @@ class Engine:
                 cache_salt=cache_salt,
                 mm_items=mm_items,
                 logprob=logprob,
+                grammar=grammar,
             )
             for j in range(params.n)
         )

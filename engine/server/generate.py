@@ -196,13 +196,28 @@ async def generate(request: Request):
     return_text = bool(body.get("return_text_in_logprobs"))
     rids = _rids(body.get("rid"), len(prompts), batched)
     salts = [request_salt(engine, tenant, s) for s in _salts(body.get("cache_salt"), len(prompts), batched)]
+    try:
+        grammars = await asyncio.gather(*(engine.compile_grammar(sp) for sp in params))
+    except RequestError as exc:
+        if bootstrap is not None:
+            engine.refuse_room(bootstrap, str(exc))
+        raise HTTPError(400, str(exc)) from None
     multi = any(sp.n > 1 for sp in params)
     if body.get("stream"):
         if batched or multi:
             raise HTTPError(400, "stream is not supported with batched input or sampling_params.n > 1")
         return StreamingResponse(
             _stream(
-                engine, prompts[0], params[0], rids[0], bootstrap, salts[0], mm[0], wants[0], return_text
+                engine,
+                prompts[0],
+                params[0],
+                rids[0],
+                bootstrap,
+                salts[0],
+                mm[0],
+                wants[0],
+                return_text,
+                grammars[0],
             ),
             media_type="text/event-stream",
         )
@@ -211,7 +226,14 @@ async def generate(request: Request):
 
     runs = (
         engine.generate_n(
-            prompts[i], params[i], rids[i], bootstrap, salts[i], mm_items=mm[i], logprob=wants[i]
+            prompts[i],
+            params[i],
+            rids[i],
+            bootstrap,
+            salts[i],
+            mm_items=mm[i],
+            logprob=wants[i],
+            grammar=grammars[i],
         )
         for i in range(len(prompts))
     )
@@ -236,6 +258,7 @@ async def _stream(
     mm_items: list[MMItem],
     want: LogprobRequest | None,
     return_text: bool,
+    grammar,
 ):
     """One frame per scheduler event: all ids so far and the monotonic text (``StreamText``), and the
     log-probabilities so far when asked."""
@@ -244,7 +267,14 @@ async def _stream(
     text = StreamText(engine, params)
     values = {"input": LogprobValues(), "output": LogprobValues()}
     events = engine.stream(
-        prompt, params, rid, bootstrap=bootstrap, cache_salt=cache_salt, mm_items=mm_items, logprob=want
+        prompt,
+        params,
+        rid,
+        bootstrap=bootstrap,
+        cache_salt=cache_salt,
+        mm_items=mm_items,
+        logprob=want,
+        grammar=grammar,
     )
     async for ev in events:
         ids.extend(ev.new_ids)

@@ -100,6 +100,9 @@ class EngineMetrics:
         self.generation_tokens = Counter("sglang:generation_tokens", "Generated tokens", labels, registry=r)
         self.num_requests = Counter("sglang:num_requests", "Finished requests", labels, registry=r)
         self.num_aborted = Counter("sglang:num_aborted_requests", "Aborted requests", labels, registry=r)
+        self.num_so = Counter(
+            "sglang:num_so_requests", "Finished structured-output requests", labels, registry=r
+        )
         self.ttft = Histogram(
             "sglang:time_to_first_token_seconds",
             "Time to first token",
@@ -201,6 +204,8 @@ class EngineMetrics:
         self.e2e.labels(m).observe(now - req.arrival)
         if req.aborted:
             self.num_aborted.labels(m).inc()
+        if req.grammar is not None:  # constrained (upstream counts it at the finish, as here)
+            self.num_so.labels(m).inc()
 
     def render(self) -> bytes:
         """Prometheus text exposition of every metric."""

@@ -62,7 +62,6 @@ UNSUPPORTED: tuple[str, ...] = (
     "--gpu-id-step",
     # kernels and backends
     "--sampling-backend",
-    "--grammar-backend",
     "--mm-attention-backend",
     "--prefill-attention-backend",
     "--decode-attention-backend",
@@ -87,7 +86,6 @@ UNSUPPORTED: tuple[str, ...] = (
     "--max-lora-rank",
     "--lora-backend",
     # API and logging
-    "--tool-call-parser",
     "--reasoning-parser",
     "--allow-auto-truncate",
     "--file-storage-path",
