@@ -28,21 +28,26 @@ the tokenizer's FIM tokens, or is a 400 saying the model has none. Penalties, ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.grammar.tool_parsers import default_parser, get_parser
+from engine.grammar.tools import Tools, ToolStream, parse_tools
 from engine.model.vlm.mm import MMItem
 from engine.scheduler import SamplingParams
 from engine.scheduler.logprobs import LogprobRequest, LogprobValues
 from engine.scheduler.req import Bootstrap
-from engine.server.engine import Engine
+from engine.server.engine import Engine, RequestError
 from engine.server.http_utils import SSE_DONE, HTTPError, json_body, sse, until_disconnect
 from engine.server.logprob_format import openai_chat, openai_completion
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest, request_body, validated
 from engine.server.stream_text import StreamText
+from engine.server.structured import response_format, tool_message
 from engine.server.tenants import Tenant, authorize, request_salt
 
 router = APIRouter()
@@ -87,20 +92,42 @@ def _sampling_params(
     source: str,
     bootstrap: Bootstrap | None = None,
     mm_items: list[MMItem] | None = None,
-) -> SamplingParams:
-    """SamplingParams of an OpenAI body; a bad value is ``HTTPError(400)`` naming the client's field
-    (``max_tokens``, or ``max_completion_tokens`` on chat when that was sent; ``n``, ``seed``, ...), and the
-    context-length error calls the prompt ``source``."""
+    tools: Tools | None = None,
+) -> tuple[SamplingParams, dict[str, str]]:
+    """SamplingParams of an OpenAI body and the client's names of their fields; a bad value is
+    ``HTTPError(400)`` naming the client's field (``max_tokens``, or ``max_completion_tokens`` on chat when
+    that was sent; ``n``, ``seed``, ``response_format``, ...), and the context-length error calls the prompt
+    ``source``. ``response_format`` and a tool choice that constrains the output become its grammar."""
     raw = {dst: body[src] for src, dst in _PARAM_FIELDS.items() if body.get(src) is not None}
     max_tokens = body.get(max_tokens_field)
     raw["max_new_tokens"] = engine.default_max_new_tokens(prompt) if max_tokens is None else max_tokens
     names = {dst: src for src, dst in _PARAM_FIELDS.items()} | {"max_new_tokens": max_tokens_field}
     try:
+        constraint = response_format(body.get("response_format"))
+        if tools is not None and tools.constrained:
+            if constraint:
+                raise ValueError(
+                    "response_format: give no JSON format with tool_choice required or a function"
+                )
+            constraint = {"json_schema": (tools.json_schema(), "tools")}
+        for key, (text, name) in (constraint or {}).items():
+            raw[key], names[key] = text, name
         params = SamplingParams.from_dict(raw, names)
         engine.check_request(prompt, params, names, source, bootstrap, mm_items or ())
     except (TypeError, ValueError) as exc:
         raise HTTPError(400, str(exc)) from None
-    return params
+    return params, names
+
+
+async def _compile(engine: Engine, params: SamplingParams, names: dict, options: dict):
+    """``options`` with the request's compiled grammar (``grammar``); ``HTTPError(400)`` naming the field
+    when it does not compile (a PD decode worker also refuses the room at its prefill)."""
+    try:
+        return {**options, "grammar": await engine.compile_grammar(params, names)}
+    except RequestError as exc:
+        if options.get("bootstrap") is not None:
+            engine.refuse_room(options["bootstrap"], str(exc))
+        raise HTTPError(400, str(exc)) from None
 
 
 def _include_usage(body: dict) -> bool:
@@ -203,7 +230,8 @@ async def completions(request: Request):
         ids = await asyncio.to_thread(engine.encode, prompt)
     else:
         ids = list(prompt)
-    params = _sampling_params(engine, body, ids, "max_tokens", "the prompt", options["bootstrap"])
+    params, names = _sampling_params(engine, body, ids, "max_tokens", "the prompt", options["bootstrap"])
+    options = await _compile(engine, params, names, options)
     echo = bool(body.get("echo")) and not suffix
     top = _top_logprobs(body, "logprobs", True)
     want = None
@@ -260,11 +288,14 @@ async def _stream_choices(
     options: dict,
     want: LogprobRequest | None = None,
     render=None,
+    tool_stream: ToolStream | None = None,
 ):
     """The SSE chunks of one streamed request: the opening choice ``first`` (when given), a choice per text
     delta carrying ``content(text)`` (``text`` or ``delta``), an error chunk on abort, the optional usage
     chunk, then ``[DONE]``. ``options``: ``_submit_options``. With ``want``, each chunk's ``logprobs`` is
-    ``render(values, new ids)`` of the tokens not reported by an earlier chunk."""
+    ``render(values, new ids)`` of the tokens not reported by an earlier chunk. A chat that may call tools
+    (``tool_stream``) sends its deltas instead: content as it comes, tool calls at the end (finish reason
+    ``tool_calls``)."""
     delta = StreamText(engine, params)
     n_out, meta = 0, {}
     pending, pending_ids = LogprobValues(), []
@@ -289,6 +320,10 @@ async def _stream_choices(
             )
             break
         text = delta.push(ev.new_ids, ev.finish_reason)
+        if tool_stream is not None:
+            for chunk in _tool_chunks(tool_stream, text, finish, matched):
+                yield sse({**base, "choices": [chunk]})
+            continue
         if text or finish:
             logprobs = None
             if want is not None and render is not None:
@@ -305,6 +340,18 @@ async def _stream_choices(
     if include_usage:
         yield sse({**base, "choices": [], "usage": _usage(engine, ids, n_out, meta)})
     yield SSE_DONE
+
+
+def _tool_chunks(tool_stream: ToolStream, text: str, finish: str | None, matched) -> list[dict]:
+    """The choices one stream event sends when tools may be called (``ToolStream``)."""
+    deltas = tool_stream.push(text) + (tool_stream.finish() if finish else [])
+    chunks = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    if finish:
+        finish = "tool_calls" if tool_stream.calls else finish
+        chunks.append(
+            {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+        )
+    return chunks
 
 
 def _stream_completion(
@@ -337,12 +384,14 @@ def _stream_completion(
 _RESERVED_TEMPLATE_VARS = {"messages", "bos_token", "eos_token"}
 
 
-def _chat_prompt(engine: Engine, body: dict) -> tuple[list[int], list[MMItem]]:
-    """Token ids of the rendered chat and its images; ``body`` was checked against ``ChatCompletionRequest``
-    (run it off the event loop: the template renders, the text is tokenized and images are encoded here)."""
+def _chat_prompt(engine: Engine, body: dict, tools: Tools | None = None) -> tuple[list[int], list[MMItem]]:
+    """Token ids of the rendered chat and its images, ``tools``' functions passed to the template (upstream);
+    ``body`` was checked against ``ChatCompletionRequest`` (run it off the event loop: the template renders,
+    the text is tokenized and images are encoded here)."""
     messages = body["messages"]
     images: list[tuple[str, str]] = []  # (field, url) in prompt order
     for i, m in enumerate(messages):
+        _tool_turn(m)
         if not isinstance(m["content"], list):
             continue
         parts = m["content"]
@@ -355,11 +404,6 @@ def _chat_prompt(engine: Engine, body: dict) -> tuple[list[int], list[MMItem]]:
             if p["type"] == "image_url":
                 images.append((f"messages.{i}.content.{j}.image_url.url", p["image_url"]["url"]))
         m["content"] = [p if p["type"] == "text" else {"type": "image"} for p in parts]
-    if body.get("tools"):
-        raise HTTPError(400, "tools are not supported")
-    fmt = body.get("response_format")
-    if fmt and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise HTTPError(400, "response_format other than 'text' is not supported")
     cont = bool(body.get("continue_final_message")) and messages[-1].get("role") == "assistant"
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
@@ -371,6 +415,8 @@ def _chat_prompt(engine: Engine, body: dict) -> tuple[list[int], list[MMItem]]:
     add_generation_prompt = kwargs.pop("add_generation_prompt", True)
     if not isinstance(add_generation_prompt, bool):
         raise HTTPError(400, "chat_template_kwargs.add_generation_prompt must be a boolean")
+    if tools is not None:
+        kwargs.setdefault("tools", tools.functions)
     try:
         ids = engine.chat_prompt(
             messages, continue_final_message=cont, add_generation_prompt=add_generation_prompt, **kwargs
@@ -383,18 +429,36 @@ def _chat_prompt(engine: Engine, body: dict) -> tuple[list[int], list[MMItem]]:
     return engine.images.prepare(ids, images, "messages")
 
 
+def _tool_turn(message: dict) -> None:
+    """An assistant turn that only called tools has content ""; its calls' arguments become objects, as
+    templates read them."""
+    if message.get("content") is None:
+        message["content"] = ""
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            with contextlib.suppress(ValueError):
+                function["arguments"] = json.loads(function["arguments"])
+
+
 @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions(request: Request):
     tenant = authorize(request)
     engine: Engine = request.app.state.engine
     body = validated(ChatCompletionRequest, await json_body(request))
     options = _submit_options(engine, body, tenant)
-    ids, options["mm_items"] = await asyncio.to_thread(_chat_prompt, engine, body)
+    try:
+        tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+    except ValueError as exc:
+        raise HTTPError(400, str(exc)) from None
+    ids, options["mm_items"] = await asyncio.to_thread(_chat_prompt, engine, body, tools)
     sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     _check_n(body)
-    params = _sampling_params(
-        engine, body, ids, sent, "the input messages", options["bootstrap"], options["mm_items"]
+    params, names = _sampling_params(
+        engine, body, ids, sent, "the input messages", options["bootstrap"], options["mm_items"], tools
     )
+    options = await _compile(engine, params, names, options)
+    parser = get_parser(engine.args.tool_call_parser or default_parser(engine.tokenizer.chat_template))
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise HTTPError(400, f"logprobs must be a boolean, got {logprobs!r}")
@@ -406,7 +470,9 @@ async def chat_completions(request: Request):
         include_usage = _include_usage(body)
         base["object"] = "chat.completion.chunk"
         return StreamingResponse(
-            _stream_chat(engine, ids, params, base, include_usage, options, want),
+            _stream_chat(
+                engine, ids, params, base, include_usage, options, want, _tool_stream(tools, parser)
+            ),
             media_type="text/event-stream",
         )
     results = await until_disconnect(request, engine.generate_n(ids, params, logprob=want, **options))
@@ -414,7 +480,7 @@ async def chat_completions(request: Request):
     for j, res in enumerate(results):
         finish, matched = _check_abort(res["finish_reason"])
         text = engine.output_text(res["output_ids"], params, res["finish_reason"])
-        message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
+        message, finish = tool_message(text, tools, parser, finish)
         choice_logprobs = None
         if want is not None:
             choice_logprobs = openai_chat(engine, res["logprobs"]["output"], res["output_ids"])
@@ -430,7 +496,20 @@ async def chat_completions(request: Request):
     return JSONResponse({**base, "choices": choices, "usage": _usage_n(engine, ids, results)})
 
 
-def _stream_chat(engine, ids, params, base, include_usage: bool, options: dict, want: LogprobRequest | None):
+def _tool_stream(tools: Tools | None, parser) -> ToolStream | None:
+    return None if tools is None else ToolStream(tools, parser)
+
+
+def _stream_chat(
+    engine,
+    ids,
+    params,
+    base,
+    include_usage: bool,
+    options: dict,
+    want: LogprobRequest | None,
+    tool_stream: ToolStream | None = None,
+):
     first = {
         "index": 0,
         "delta": {"role": "assistant", "content": ""},
@@ -442,7 +521,7 @@ def _stream_chat(engine, ids, params, base, include_usage: bool, options: dict, 
         return openai_chat(engine, values, new_ids)
 
     return _stream_choices(
-        engine, ids, params, base, first, _chat_delta, include_usage, options, want, render
+        engine, ids, params, base, first, _chat_delta, include_usage, options, want, render, tool_stream
     )
 
 

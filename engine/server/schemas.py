@@ -17,6 +17,7 @@ from pydantic import (
     StrictInt,
     StringConstraints,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -62,6 +63,7 @@ class _OpenAIRequest(_Body):
     n: int | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
@@ -97,13 +99,26 @@ class ImageContentPart(_Body):
 _GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder")
 
 
+_ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+
+
 class ChatMessage(_Body):
-    """A chat message; ``content`` is a string or a list of text and image parts (no tools: never null).
-    ``role`` is upstream's: ``user``, or one of ``_GENERIC_ROLES`` in any case (lowercased); others are
-    refused."""
+    """A chat message; ``content`` is a string or a list of text and image parts, null only in an assistant
+    turn that carries ``tool_calls``. ``role`` is upstream's: ``user``, or one of ``_GENERIC_ROLES`` in any
+    case (lowercased); others are refused."""
 
     role: str
-    content: str | list[Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]]
+    tool_calls: list[dict[str, Any]] | None = None  # before content: its check reads them
+    content: str | list[Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]] | None = (
+        Field(default=None, validate_default=True)
+    )
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, content: object, info: ValidationInfo) -> object:
+        if content is None and not info.data.get("tool_calls"):
+            raise PydanticCustomError("content", "required (null only in a turn with tool_calls)")
+        return content
 
     @field_validator("role", mode="before")
     @classmethod
@@ -125,6 +140,8 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

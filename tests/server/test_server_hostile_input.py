@@ -143,5 +143,5 @@ def test_openapi_declares_the_request_bodies(worker):
         assert body == {"$ref": f"#/components/schemas/{model}"}
     schemas = doc["components"]["schemas"]
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
-    content = schemas["ChatMessage"]["properties"]["content"]
-    assert {"type": "string"} in content["anyOf"] and {"type": "null"} not in content["anyOf"]
+    content = schemas["ChatMessage"]["properties"]["content"]  # null only beside tool_calls (checked)
+    assert {"type": "string"} in content["anyOf"] and "tool_calls" in schemas["ChatMessage"]["properties"]
