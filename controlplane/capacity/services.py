@@ -1,7 +1,8 @@
 """KV sizing arithmetic (the control plane's copy of ``engine/sizing/tiers.py``; the control plane never
 imports the engine, and ``tests/controlplane/capacity/test_api.py`` checks both give the same answer).
 
-Bytes per token = 2 x layers x KV heads x head_dim x dtype bytes. L1 = ``max_total_tokens``, else
+Bytes per token = 2 x layers x KV heads x (head_dim x dtype bytes + scale bytes: int8 keeps one bfloat16
+scale per token and KV head). L1 = ``max_total_tokens``, else
 ``mem_fraction_static`` (default 0.88) x free GPU memory / bytes per token, else (a cpu worker) 16,384;
 whole pages, at least one. L2 (hierarchical only) = ``hicache_size`` GB / bytes per token when > 0, else
 ``hicache_ratio`` x L1, rounded up past whole pages (newer upstream). L3 = its bytes in whole pages.
@@ -16,11 +17,12 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 DEFAULT_MEM_FRACTION_STATIC = 0.88
 HIGH_MEM_FRACTION = 0.92
 HOST_MEMORY_RESERVE = 10 * GIB
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+SCALE_BYTES = {"int8": 2}
 
 
 def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
+    return 2 * num_layers * num_kv_heads * (head_dim * DTYPE_BYTES[dtype] + SCALE_BYTES.get(dtype, 0))
 
 
 def kv_sizing(

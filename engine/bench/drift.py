@@ -1,6 +1,10 @@
 """Drift of lower-precision modes against float32: top-1 agreement over a fixed prompt set.
 
-``python -m engine.bench.drift [--variants bfloat16 bfloat16+int8wo bfloat16+int8wo:torch-quant]``
+``python -m engine.bench.drift [--variants bfloat16 bfloat16+int8wo float32@int8 bfloat16@fp8_e4m3]``
+
+A variant is ``dtype[+quantization][:torch-quant][@kv-cache-dtype]``: ``@int8`` / ``@fp8_e4m3`` / ...
+stores its KV cache in that ``--kv-cache-dtype``. Besides agreement, the logit error is printed: the mean
+over positions of max |logit - fp32 logit| / max |fp32 logit|.
 
 For each of the fixed chat prompts below, float32 greedily answers ``--new-tokens`` tokens (the reference).
 Each variant (``dtype[+quantization][:torch-quant]``; ``:torch-quant`` = torch's weight-only kernels,
@@ -38,11 +42,11 @@ PROMPTS = (
 )
 
 
-def _logits(runner: ModelRunner, prompt: list[int], answer: list[int]) -> torch.Tensor:
-    """Float32 logits ``(len(answer), vocab)``: after ``prompt`` (one prefill into a fresh pool), then after
-    each answer token but the last (one decode step each)."""
+def _logits(runner: ModelRunner, prompt: list[int], answer: list[int], kv: str = "auto") -> torch.Tensor:
+    """Float32 logits ``(len(answer), vocab)``: after ``prompt`` (one prefill into a fresh pool whose KV is
+    stored as ``kv``), then after each answer token but the last (one decode step each)."""
     size = -(-(len(prompt) + len(answer)) // 16) * 16
-    pool = DeviceKVPool(size, 16, **vars(runner.kv_pool_spec()))
+    pool = DeviceKVPool(size, 16, **vars(runner.kv_pool_spec()), kv_cache_dtype=kv)
     slots = torch.arange(16, 16 + len(prompt) + len(answer))
     out = [runner.forward(ForwardBatch.from_sequences([prompt], [slots[: len(prompt)]]), pool)]
     for i, token in enumerate(answer[:-1]):
@@ -51,10 +55,10 @@ def _logits(runner: ModelRunner, prompt: list[int], answer: list[int]) -> torch.
     return torch.cat(out)
 
 
-def greedy(runner: ModelRunner, prompt: list[int], new_tokens: int) -> list[int]:
+def greedy(runner: ModelRunner, prompt: list[int], new_tokens: int, kv: str = "auto") -> list[int]:
     """``new_tokens`` greedy tokens after ``prompt`` (prefill once, then one decode step per token)."""
     size = -(-(len(prompt) + new_tokens) // 16) * 16
-    pool = DeviceKVPool(size, 16, **vars(runner.kv_pool_spec()))
+    pool = DeviceKVPool(size, 16, **vars(runner.kv_pool_spec()), kv_cache_dtype=kv)
     slots = torch.arange(16, 16 + len(prompt) + new_tokens)
     logits = runner.forward(ForwardBatch.from_sequences([prompt], [slots[: len(prompt)]]), pool)
     out = [int(logits.argmax(-1))]
@@ -79,23 +83,32 @@ def main() -> None:
     ref_logits = [_logits(ref_runner, p, r) for p, r in zip(prompts, refs, strict=True)]
     positions = sum(len(r) for r in refs)
     print(f"{len(prompts)} prompts x {args.new_tokens} answer tokens = {positions} positions vs float32")
-    print(f"{'variant':<20}{'top-1 agreement':>17}{'in fp32 top-5':>15}{'identical answers':>19}")
+    print(
+        f"{'variant':<22}{'top-1 agreement':>17}{'in fp32 top-5':>15}{'identical answers':>19}"
+        f"{'logit error':>13}"
+    )
     for spec in args.variants:
-        mode, _, suffix = spec.partition(":")
+        spec_mode, _, kv = spec.partition("@")
+        mode, _, suffix = spec_mode.partition(":")
         if suffix not in ("", "torch-quant"):
             raise SystemExit(f"--variants: unknown suffix {suffix!r} (only ':torch-quant')")
         dtype, _, quant = mode.partition("+")
         runner = ModelRunner.from_checkpoint(
             ckpt, dtype=dtype, quantization=quant or None, cpu_quant_kernels=suffix != "torch-quant"
         )
+        kv = kv or "auto"
         same = top5 = identical = 0
+        error = 0.0
         for p, r, ref in zip(prompts, refs, ref_logits, strict=True):
-            got = _logits(runner, p, r).argmax(-1)
+            logits = _logits(runner, p, r, kv)
+            got = logits.argmax(-1)
             same += int((got == ref.argmax(-1)).sum())
             top5 += int((ref.topk(5, dim=-1).indices == got[:, None]).any(-1).sum())
-            identical += greedy(runner, p, args.new_tokens) == r
+            error += float(((logits - ref).abs().amax(-1) / ref.abs().amax(-1)).sum())
+            identical += greedy(runner, p, args.new_tokens, kv) == r
         print(
-            f"{spec:<20}{same / positions:>17.1%}{top5 / positions:>15.1%}{f'{identical}/{len(prompts)}':>19}"
+            f"{spec:<22}{same / positions:>17.1%}{top5 / positions:>15.1%}"
+            f"{f'{identical}/{len(prompts)}':>19}{error / positions:>13.4f}"
         )
 
 

@@ -30,10 +30,17 @@ from engine.disaggregation.transport import MAX_BATCH, mooncake_write_list
 
 
 def make_pool(spec: dict) -> DeviceKVPool:
-    """``spec``: size, page_size, layers, heads, head_dim, dtype (torch name, e.g. ``float32``)."""
+    """``spec``: size, page_size, layers, heads, head_dim, dtype (torch name, e.g. ``float32``) and
+    optionally kv_cache_dtype (``--kv-cache-dtype``, default ``auto``)."""
     dtype = getattr(torch, spec.get("dtype", "float32"))
     return DeviceKVPool(
-        spec["size"], spec["page_size"], spec["layers"], spec["heads"], spec["head_dim"], dtype
+        spec["size"],
+        spec["page_size"],
+        spec["layers"],
+        spec["heads"],
+        spec["head_dim"],
+        dtype,
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
     )
 
 

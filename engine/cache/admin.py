@@ -32,6 +32,9 @@ _POLICY_FIELDS = (
     "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token",
     "prefetch_timeout_max",
+    "eviction_policy",
+    "l2_admission",
+    "l3_admission",
 )
 
 
@@ -157,6 +160,7 @@ class StorageAdminMixin:
             model_name=self.model_name,
             page_size=self.page_size,
             kv_dtype=str(self.device_pool.dtype),
+            kv_format=self.device_pool.kv_format.layout_name,
             layout=layout,
             extra_config=backend_extra,
             producer=self.kv_producer,
@@ -322,4 +326,7 @@ class StorageAdminMixin:
             "prefetch_timeout_base": cfg.prefetch_timeout_base,
             "prefetch_timeout_per_ki_token": cfg.prefetch_timeout_per_ki_token,
             "prefetch_timeout_max": cfg.prefetch_timeout_max,
+            "radix_eviction_policy": cfg.eviction_policy,
+            "l2_admission": cfg.l2_admission,
+            "l3_admission": cfg.l3_admission,
         }

@@ -21,18 +21,22 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 IO_BACKENDS = ("direct", "kernel")
 MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-EVICTION_POLICIES = ("lru", "lfu")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority")
+ADMISSIONS = ("none", "tinylfu")  # engine/cache/admission.py
 _CHOICES = {
     "write_policy": WRITE_POLICIES,
     "prefetch_policy": PREFETCH_POLICIES,
     "io_backend": IO_BACKENDS,
     "mem_layout": MEM_LAYOUTS,
     "eviction_policy": EVICTION_POLICIES,
+    "l2_admission": ADMISSIONS,
+    "l3_admission": ADMISSIONS,
 }
 # Extra-config keys HiCache consumes (popped before the dict reaches the backend) and their types.
 _EXTRA_NUMBERS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max")
 _EXTRA_NUMBERS += ("breaker_latency_s", "breaker_open_s")  # L3 circuit breaker (storage/health.py)
 _EXTRA_KEYS = ("prefetch_threshold", "breaker_failures", *_EXTRA_NUMBERS, "hicache_storage_pass_prefix_keys")
+_EXTRA_KEYS += ("l2_admission", "l3_admission")  # TinyLFU admission per lower tier
 
 
 @dataclass
@@ -61,6 +65,8 @@ class HiCacheConfig:
     breaker_open_s: float = 1.0  # first open window (doubles per failed probe, up to 30 s)
     eviction_policy: str = "lru"
     pass_prefix_keys: bool = False
+    l2_admission: str = "none"  # none | tinylfu: who gets an L2 copy when L2 is full
+    l3_admission: str = "none"  # none | tinylfu: who gets an L3 backup, which L3 pages are prefetched
 
     def __post_init__(self) -> None:
         self.validate()
@@ -163,6 +169,8 @@ def split_extra_config(config: HiCacheConfig, extra: dict) -> tuple[HiCacheConfi
         if key in ("prefetch_threshold", "breaker_failures"):
             _check_int(key, value, minimum=0 if key == "prefetch_threshold" else 1)
             changes[key] = value
+        elif key in ("l2_admission", "l3_admission"):
+            changes[key] = value  # checked against ADMISSIONS by validate()
         elif key == "hicache_storage_pass_prefix_keys":
             if not isinstance(value, bool):
                 raise ValueError(f"{key}: must be a bool, got {type(value).__name__} {value!r}")

@@ -117,7 +117,12 @@ class HiRadixCache(StorageAdminMixin):
         )
         self.tree = HiRadixTree(self.page_size, config.eviction_policy)
         self.policy = CachePolicy(
-            self.tree, self, hierarchical=enable_hierarchical, write_policy=config.write_policy
+            self.tree,
+            self,
+            hierarchical=enable_hierarchical,
+            write_policy=config.write_policy,
+            l2_admission=config.l2_admission,
+            l3_admission=config.l3_admission,
         )
         self._stats = CacheStats()
         self.host_pool: HostKVPool | None = None
@@ -142,7 +147,7 @@ class HiRadixCache(StorageAdminMixin):
         p = device_pool
         host_tokens = host_pool_tokens(p.size, p.page_size, p.bytes_per_token, config.ratio, config.size)
         self.host_pool = HostKVPool(
-            host_tokens, p.page_size, p.num_layers, p.num_kv_heads, p.head_dim, p.dtype, layout
+            host_tokens, p.page_size, p.num_layers, p.num_kv_heads, p.row_dim, p.dtype, layout
         )
         # The prefetch thread reduces on its own group so it never interleaves with the scheduler's.
         self.reduce = reduce or make_reduce(tp_size)
@@ -167,6 +172,10 @@ class HiRadixCache(StorageAdminMixin):
     def config(self, config: HiCacheConfig) -> None:
         self._config = config
         self.policy.write_policy = config.write_policy
+        self.policy.l2_admission = config.l2_admission
+        self.policy.l3_admission = config.l3_admission
+        if self.tree.eviction_policy != config.eviction_policy:
+            self.tree.eviction_policy = config.eviction_policy
 
     @property
     def stats(self) -> CacheStats:
@@ -280,7 +289,7 @@ class HiRadixCache(StorageAdminMixin):
         """Synchronous L1 -> L2 copy (write-back), then the L3 backup when a backend is on."""
         self.controller.io.backup(node.value, node.host_value)
         self._stats.add(bytes_d2h=len(node.host_value) * self.device_pool.bytes_per_token)
-        if self.backend is not None:
+        if self.backend is not None and self.policy.admit_to_l3(node):
             self._backup_to_storage(node)
 
     def load_to_device(self, chain: list[TreeNode], device: torch.Tensor) -> None:
@@ -296,6 +305,10 @@ class HiRadixCache(StorageAdminMixin):
     def node_added(self, node: TreeNode) -> None:
         if self.backend is not None:
             self._ensure_hashes(node)
+
+    def backup_to_l3(self, node: TreeNode) -> None:
+        if self.backend is not None:
+            self._backup_to_storage(node)
 
     def evicted(self, tier: str, units: int, seconds: float) -> None:
         if tier == "host":
@@ -317,7 +330,8 @@ class HiRadixCache(StorageAdminMixin):
         self.tree.dec_lock_ref(node)
         if self.backend is not None:
             for part in reversed(covered):
-                self._backup_to_storage(part)
+                if self.policy.admit_to_l3(part):
+                    self._backup_to_storage(part)
 
     def ready_to_load_host_cache(self) -> None:
         """Start the queued loads (call right before the forward pass)."""

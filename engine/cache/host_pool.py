@@ -25,6 +25,7 @@ HOST_MEMORY_RESERVE = 10 * GIB
 class HostKVPool:
     """Pinned (when a GPU is present) host KV buffer of ``size`` tokens in ``layout``.
 
+    ``head_dim`` is the width of a stored row (the device pool's ``row_dim``: int8 rows carry their scale).
     ``alloc``/``free`` hand out whole pages (``PageAllocator``). ``page_bytes`` is K+V of one page over
     all layers. Raises ``ValueError`` for an unknown layout or a size that is not a positive multiple of
     ``page_size``.

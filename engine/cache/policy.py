@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+from engine.cache.admission import ADMISSIONS, L3_MIN_ESTIMATE, FrequencySketch, page_ids, salt_seed
 from engine.cache.config import WRITE_POLICIES
 from engine.cache.radix_tree import HiRadixTree, TreeNode
 
@@ -51,6 +52,9 @@ class TierExecutor(Protocol):
 
     def node_added(self, node: TreeNode) -> None:
         """A new device leaf was added by an insert."""
+
+    def backup_to_l3(self, node: TreeNode) -> None:
+        """Back ``node``'s finished host copy up to L3 (an L3 admission refused earlier, now granted)."""
 
     def evicted(self, tier: str, units: int, seconds: float) -> None:
         """One eviction call (``tier`` ``"device"`` or ``"host"``) freed ``units`` in ``seconds``."""
@@ -86,7 +90,9 @@ class CachePolicy:
     ``hierarchical``: an L2 exists (write-through, write-back and load-back happen only then).
     ``write_policy``: one of :data:`WRITE_POLICIES` (may change at runtime). ``unit_tokens``: tokens per
     tree unit. ``eviction_log``: when a list, every evicted node is appended as ``(tier, node id, units)``
-    with tier ``"device"`` or ``"host"``, in eviction order.
+    with tier ``"device"`` or ``"host"``, in eviction order. ``l2_admission`` / ``l3_admission``: ``none``
+    or ``tinylfu`` (``engine/cache/admission.py``; may change at runtime): whether a node earns an L2 copy
+    when L2 is full, an L3 backup, an L3 prefetch.
     """
 
     def __init__(
@@ -97,9 +103,18 @@ class CachePolicy:
         hierarchical: bool,
         write_policy: str = "write_through",
         unit_tokens: int = 1,
+        l2_admission: str = "none",
+        l3_admission: str = "none",
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy: {write_policy!r} is not one of {WRITE_POLICIES}")
+        for name, value in (("l2_admission", l2_admission), ("l3_admission", l3_admission)):
+            if value not in ADMISSIONS:
+                raise ValueError(f"{name}: {value!r} is not one of {', '.join(ADMISSIONS)}")
+        self.l2_admission = l2_admission
+        self.l3_admission = l3_admission
+        self.sketch = FrequencySketch()
+        self._refused = False  # the last host copy was refused by L2 admission (not for want of room)
         self.tree = tree
         self.executor = executor
         self.hierarchical = hierarchical
@@ -133,15 +148,24 @@ class CachePolicy:
         return TierMatch(values, last_device, node, host_hit)
 
     def insert(
-        self, key: list, value: Sequence, count_hits: bool = True, salt: str | None = None
+        self,
+        key: list,
+        value: Sequence,
+        count_hits: bool = True,
+        salt: str | None = None,
+        priority: int = 0,
     ) -> Inserted:
         """Cache ``key`` in key space ``salt`` at device slots ``value`` (one per unit,
         ``len(value) >= len(key)``, owned by the tree from now on where it takes them).
 
         Evicted nodes on the path are revived with the new slots (not counted as present); matched device
         nodes and the new leaf get a hit (unless ``count_hits`` is False: a partial chunk), which may start
-        their write-through copy to L2.
+        their write-through copy to L2. A counted insert is one sighting of each page of ``key`` for the
+        admission sketch; every node on the path keeps the highest ``priority`` that inserted it.
         """
+        if count_hits:
+            for page in page_ids(key, self.tree.page_size, salt_seed(salt)):
+                self.sketch.add(page)
         path, _ = self.tree.walk(key, salt=salt)
         pos = prefix = 0
         for node in path:
@@ -157,13 +181,44 @@ class CachePolicy:
             last = self.tree.add_leaf(last, key[pos:], value[pos : len(key)], salt=salt)
             self.executor.node_added(last)
             self._hit(last, count_hits)
+        if priority:
+            for node in (*path, last) if pos < len(key) else path:
+                node.priority = max(node.priority, priority)
         return Inserted(prefix, last)
+
+    # -- admission -------------------------------------------------------------------------------------------
+    def _estimate(self, node: TreeNode, first: list | None = None, salt: str | None = None) -> int:
+        """The sketch's estimate of ``node``'s last page, or with ``first`` of the page ``first`` starts
+        right below ``node`` (in key space ``salt`` when ``node`` is the root)."""
+        parts = [n.key for n in reversed(self.tree.path_to_root(node))]
+        key = [unit for part in parts for unit in part]
+        per_page = self.tree.page_size
+        if first is not None:
+            key += list(first[:per_page])
+        ids = page_ids(key, per_page, salt_seed(node.salt if node is not self.tree.root else salt))
+        return self.sketch.estimate(ids[-1]) if ids else 0
+
+    def admit_to_l3(self, node: TreeNode) -> bool:
+        """Whether ``node`` (its L2 copy just finished) is worth an L3 backup; a refused node is marked
+        ``l3_deferred`` and backed up by a later hit that finds it popular enough."""
+        if self.l3_admission == "none" or self._estimate(node) >= L3_MIN_ESTIMATE:
+            return True
+        node.l3_deferred = True
+        return False
 
     def _hit(self, node: TreeNode, count: bool) -> None:
         # Hits are counted under write_back too (upstream does not), so LFU works with every policy.
         if not count:
             return
         node.hit_count += 1
+        if (
+            node.l3_deferred
+            and node.host_value is not None
+            and node.pending_write is None
+            and self._estimate(node) >= L3_MIN_ESTIMATE
+        ):
+            node.l3_deferred = False
+            self.executor.backup_to_l3(node)
         if not self.hierarchical or self.write_policy == "write_back":
             return
         if node.host_value is None and node.hit_count >= self.write_through_threshold:
@@ -200,7 +255,19 @@ class CachePolicy:
         return self._give_host_copy(node, now=write_back)
 
     def _give_host_copy(self, node: TreeNode, now: bool) -> bool:
-        host = self.alloc_host(len(node.key))
+        self._refused = False
+        units = len(node.key)
+        if self.l2_admission == "none":
+            host = self.alloc_host(units)
+        else:  # TinyLFU: with L2 full, only a node more popular than the host victim gets in
+            host = self.executor.alloc_host(units)
+            if host is None:
+                victim = self.tree.peek_victim(host=True)
+                if victim is not None and self._estimate(node) <= self._estimate(victim):
+                    self._refused = True
+                    return False
+                self.evict_host(units)
+                host = self.executor.alloc_host(units)
         if host is None:
             return False
         node.host_value = host
@@ -233,6 +300,9 @@ class CachePolicy:
                 elif self.write_backup(node, write_back=True):
                     free(node.value)
                     tree.set_device(node, None)
+                elif self._refused and not node.children:  # L2 admission said no: dropped, not kept
+                    free(node.value)
+                    tree.remove_leaf(node)
                 else:
                     continue
                 if log is not None:
@@ -309,17 +379,28 @@ class CachePolicy:
 
     # -- L3 -> L2 --------------------------------------------------------------------------------------------
     def reserve_prefetch(
-        self, anchor: TreeNode, units: int, threshold: int, occupied: int, host_capacity: float
+        self,
+        anchor: TreeNode,
+        units: int,
+        threshold: int,
+        occupied: int,
+        host_capacity: float,
+        key: Sequence | None = None,
+        salt: str | None = None,
     ) -> Sequence | None:
         """Host slots for prefetching ``units`` following ``anchor`` from L3, with ``anchor``'s host copy
         pinned until :meth:`end_prefetch`; or None (nothing held).
 
         Refused when ``anchor`` has no host copy, below ``threshold`` tokens, when prefetches already occupy
-        ``occupied`` >= half of ``host_capacity`` tokens, or when the host pool has no room.
+        ``occupied`` >= half of ``host_capacity`` tokens, when the host pool has no room, or (L3 admission
+        ``tinylfu``, ``key`` the units to fetch in key space ``salt``) when the first page to fetch was asked
+        for less than twice.
         """
         if anchor.host_value is None or units * self.unit_tokens < threshold:
             return None
         if occupied >= host_capacity // 2:
+            return None
+        if self.l3_admission != "none" and key is not None and self._estimate(anchor, list(key), salt) < 2:
             return None
         self.tree.protect_host(anchor)
         host = self.alloc_host(units)

@@ -55,6 +55,8 @@ class Prefetcher:
             cache.controller.prefetch_threshold,
             self.occupied_tokens,
             cache.host_pool.size,
+            key=tokens,
+            salt=salt,
         )
         if host is None:
             return

@@ -6,11 +6,13 @@ salt the keys are the plain pages, exactly as before salts existed. Nodes carry 
 (``value``: device slots, None when evicted), the L2 location (``host_value``: host slots, None when not
 backed up) and per-page L3 keys (``hash_value``). The tree moves no KV data: it matches (splitting a node
 when a match ends inside it, always on a page boundary), adds nodes, keeps lock counts and device/host size
-accounting, and picks eviction victims by LRU or LFU.
+accounting, and picks eviction victims by ``--radix-eviction-policy`` (:data:`EVICTION_PRIORITY`).
 
-Eviction candidates live in two lazy min-heaps (device leaves, host leaves). A node's priority only ever
-grows (access time and hit count increase), so a popped entry whose priority is stale is pushed back
-with its current one; this gives O(log n) eviction instead of upstream's scan of every leaf.
+Eviction candidates live in two lazy min-heaps (device leaves, host leaves). Under lru, lfu, fifo, filo and
+priority a node's priority never falls (access time, hit count and request priority only grow; creation
+time is fixed), so a popped entry whose priority is stale is pushed back with its current one; this gives
+O(log n) eviction instead of upstream's scan of every leaf. Under mru an access lowers the priority, so
+every walk pushes a fresh entry for each leaf it touches (the stale, higher one is skipped when popped).
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ import itertools
 from collections.abc import Callable, Iterator
 
 import torch
+
+# Smallest first is evicted first (upstream ``evict_policy.py``).
+EVICTION_PRIORITY: dict[str, Callable[[TreeNode], object]] = {
+    "lru": lambda n: n.last_access_time,
+    "lfu": lambda n: (n.hit_count, n.last_access_time),
+    "fifo": lambda n: n.creation_time,
+    "mru": lambda n: -n.last_access_time,
+    "filo": lambda n: -n.creation_time,
+    "priority": lambda n: (n.priority, n.last_access_time),
+}
+EVICTION_POLICIES = tuple(EVICTION_PRIORITY)
 
 
 class TreeNode:
@@ -40,6 +53,8 @@ class TreeNode:
         "id",
         "pending_write",
         "salt",
+        "priority",
+        "l3_deferred",
     )
 
     def __init__(
@@ -58,6 +73,8 @@ class TreeNode:
         self.creation_time = now
         self.id = node_id
         self.pending_write: int | None = None
+        self.priority = 0  # the highest request priority that inserted it (the ``priority`` policy)
+        self.l3_deferred = False  # L3 admission refused its backup; a later hit may admit it
         self.salt = salt  # the key space (cache_salt) of every request that shares this node
 
     @property
@@ -86,8 +103,10 @@ class HiRadixTree:
     """
 
     def __init__(self, page_size: int, eviction_policy: str = "lru") -> None:
-        if eviction_policy not in ("lru", "lfu"):
-            raise ValueError(f"radix_eviction_policy: {eviction_policy!r} is not one of lru, lfu")
+        if eviction_policy not in EVICTION_PRIORITY:
+            raise ValueError(
+                f"radix_eviction_policy: {eviction_policy!r} is not one of {', '.join(EVICTION_POLICIES)}"
+            )
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self.reset()
@@ -148,6 +167,9 @@ class HiRadixTree:
             if m < len(child.key):
                 child = self.split(child, m)
             child.last_access_time = now
+            if self._eviction_policy == "mru":  # its priority fell: a fresh entry at the new one
+                self.push_device_candidate(child)
+                self.push_host_candidate(child)
             path.append(child)
             pos += m
             node = child
@@ -168,6 +190,8 @@ class HiRadixTree:
         upper.last_access_time = child.last_access_time
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
+        upper.priority = child.priority
+        upper.l3_deferred = child.l3_deferred
         upper.pending_write = child.pending_write
         if child.value is not None:
             upper.value, child.value = child.value[:n], child.value[n:]
@@ -281,10 +305,26 @@ class HiRadixTree:
             self.push_host_candidate(node)
 
     # -- eviction candidates ---------------------------------------------------------------------------------
+    @property
+    def eviction_policy(self) -> str:
+        return self._eviction_policy
+
+    @eviction_policy.setter
+    def eviction_policy(self, name: str) -> None:
+        """Switching policy (at runtime, idle-gated) re-keys both heaps."""
+        self._eviction_policy = name
+        self._priority = EVICTION_PRIORITY[name]
+        for heap, predicate in (
+            (getattr(self, "_device_heap", None), self.is_device_leaf),
+            (getattr(self, "_host_heap", None), self.is_host_leaf),
+        ):
+            if heap:
+                live = {id(n): n for _, _, n in heap if n.parent is not None and predicate(n)}
+                heap[:] = [(self._priority(n), next(self._seq), n) for n in live.values()]
+                heapq.heapify(heap)
+
     def priority(self, node: TreeNode):
-        if self.eviction_policy == "lfu":
-            return (node.hit_count, node.last_access_time)
-        return node.last_access_time
+        return self._priority(node)
 
     def is_device_leaf(self, node: TreeNode) -> bool:
         """On device, unlocked, and no child on device."""
@@ -345,6 +385,22 @@ class HiRadixTree:
         finally:
             for entry in skipped:
                 heapq.heappush(heap, entry)
+
+    def peek_victim(self, host: bool) -> TreeNode | None:
+        """The candidate :meth:`pop_victims` would yield first (device or host leaves), left in place."""
+        heap = self._host_heap if host else self._device_heap
+        predicate = self.is_host_leaf if host else self.is_device_leaf
+        while heap:
+            prio, _, node = heap[0]
+            if node.parent is None or not predicate(node):
+                heapq.heappop(heap)
+                continue
+            current = self.priority(node)
+            if current != prio:
+                heapq.heapreplace(heap, (current, next(self._seq), node))
+                continue
+            return node
+        return None
 
     # -- traversal -------------------------------------------------------------------------------------------
     def nodes(self) -> Iterator[TreeNode]:

@@ -117,7 +117,9 @@ class KVLayout:
     """Where a pool's pages live in memory.
 
     Page ``p`` of layer ``l`` is the ``page_bytes`` bytes at ``k_ptrs[l] + p * page_bytes`` (keys) and
-    ``v_ptrs[l] + p * page_bytes`` (values); ``page_bytes = page_size * num_kv_heads * head_dim * itemsize``.
+    ``v_ptrs[l] + p * page_bytes`` (values); ``page_bytes = page_size * num_kv_heads * row_dim * itemsize``
+    (``row_dim``: head_dim, plus int8's scale). ``kv_cache_dtype`` is the pool's format with its scale
+    layout (``float32``, ``fp8_e4m3``, ``int8/per-token-head-bf16``): both sides must agree at first contact.
     ``num_pages`` counts page 0 (padding), so valid request pages are ``1 .. num_pages - 1``.
     """
 
@@ -137,9 +139,9 @@ class KVLayout:
         return cls(
             num_layers=pool.num_layers,
             page_size=pool.page_size,
-            page_bytes=pool.page_size * pool.num_kv_heads * pool.head_dim * pool.dtype.itemsize,
+            page_bytes=pool.page_size * pool.num_kv_heads * pool.row_dim * pool.dtype.itemsize,
             num_pages=pool.k_buffer[0].shape[0] // pool.page_size,
-            kv_cache_dtype=dtype_name(pool.dtype),
+            kv_cache_dtype=pool.kv_format.layout_name,
             k_ptrs=tuple(b.data_ptr() for b in pool.k_buffer),
             v_ptrs=tuple(b.data_ptr() for b in pool.v_buffer),
         )

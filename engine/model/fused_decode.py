@@ -74,7 +74,10 @@ class FusedDecodeStep:
 
     def __call__(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor | None:
         """Float32 logits ``(B, vocab)`` of a decode-only batch whose ``init_forward_metadata`` just ran;
-        None (nothing done) for any other batch."""
+        None (nothing done) for any other batch, and for a quantized KV pool (fp8 / int8 rows: its C++ loops
+        read float32 or bfloat16 K/V, so such a pool decodes on the Python path)."""
+        if kv_pool.quantized:
+            return None
         plan = self.model.attn.decode_step_plan(kv_pool)
         if plan is None:
             return None

@@ -60,7 +60,11 @@ from engine.server.http_utils import HTTPError, bearer_matches, json_body
 
 router = APIRouter()
 
-_CACHE_NAMES = {"hicache_storage_prefetch_policy": "prefetch_policy", "hicache_write_policy": "write_policy"}
+_CACHE_NAMES = {
+    "hicache_storage_prefetch_policy": "prefetch_policy",
+    "hicache_write_policy": "write_policy",
+    "radix_eviction_policy": "eviction_policy",
+}
 
 
 def _auth(request: Request) -> Engine:
@@ -184,4 +188,5 @@ async def put_config(request: Request):
     a = engine.args
     a.hicache_storage_prefetch_policy = status["hicache_storage_prefetch_policy"]
     a.hicache_write_policy = status["hicache_write_policy"]
+    a.radix_eviction_policy = status["radix_eviction_policy"]
     return JSONResponse(HiCacheConfigStatus.model_validate(status).model_dump())

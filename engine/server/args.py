@@ -31,6 +31,7 @@ from engine.cache.storage.registry import registered_backends
 from engine.grammar.tool_parsers import TOOL_CALL_PARSERS
 from engine.model.config import QUANTIZATIONS
 from engine.server import upstream_flags
+from engine.sizing.kv import KV_CACHE_DTYPES
 from engine.sizing.tiers import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from kernels import unavailable_reason
 
@@ -61,6 +62,7 @@ class ServerArgs:
     port: int = 30000
     device: str = "cpu"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     torchao_config: str = ""
     served_model_name: str | None = None
     context_length: int | None = None
@@ -168,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=30000)
     a("--device", choices=("cpu", "cuda"), default="cpu")
     a("--dtype", choices=DTYPES, default="auto", help="auto: float32 on cpu, the checkpoint dtype on cuda")
+    a(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="how L1/L2/L3 and the PD transfer store K/V: auto (the --dtype), bfloat16, fp8_e4m3/fp8_e5m2 "
+        "(1 byte, no scale) or int8 (1 byte + a bfloat16 scale per token and KV head); read dequantized",
+    )
     a(
         "--torchao-config",
         choices=("", *QUANTIZATIONS),
@@ -361,6 +370,11 @@ def _validate(args: ServerArgs) -> None:
         )
     if args.attention_backend == "triton" and (reason := unavailable_reason(args.device)):
         raise ArgumentError(f"--attention-backend triton: {reason}")
+    if args.attention_backend == "triton" and args.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2", "int8"):
+        raise ArgumentError(
+            f"--kv-cache-dtype {args.kv_cache_dtype}: the triton attention backend reads only unquantized "
+            "K/V; use --attention-backend torch"
+        )
     if args.torchao_config.startswith("int4wo") and (args.device != "cpu" or args.dtype != "bfloat16"):
         raise ArgumentError(
             f"--torchao-config {args.torchao_config} needs --device cpu and --dtype bfloat16 (torch's "

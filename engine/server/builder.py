@@ -30,6 +30,7 @@ from engine.server.images import EmbeddingCache, ImageInputs, local_embedder
 from engine.server.metrics import EngineMetrics
 from engine.server.recording import TraceRecorder
 from engine.server.tenants import TenantConfigError, Tenants
+from engine.sizing.kv import resolve_kv_cache_dtype, shape_for
 from engine.sizing.tiers import l1_pool_tokens
 
 logger = logging.getLogger(__name__)
@@ -138,8 +139,10 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         except QuantizationError as exc:  # e.g. an int4 group size the model's in_features do not take
             raise ArgumentError(str(exc)) from None  # names --torchao-config
     spec = runner.kv_pool_spec()
-    bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
-    pool = DeviceKVPool(_pool_tokens(args, bytes_per_token), args.page_size, **vars(spec))
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, str(spec.dtype).removeprefix("torch."))
+    bytes_per_token = shape_for(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype).bytes_per_token
+    pool_tokens = _pool_tokens(args, bytes_per_token)
+    pool = DeviceKVPool(pool_tokens, args.page_size, **vars(spec), kv_cache_dtype=args.kv_cache_dtype)
     cfg = runner.config
     context = args.context_length or cfg.max_position_embeddings
     name = args.served_model_name or str(runner.model_path)
@@ -209,7 +212,8 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         grammar=grammar,
         model_info={
             "architecture": cfg.architecture,
-            "kv_bytes_per_token": bytes_per_token,
+            "kv_bytes_per_token": pool.bytes_per_token,
+            "kv_cache_dtype": pool.kv_cache_dtype,
             "vocab_size": tokenizer.vocab_size,
         },
     )

@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+EvictionPolicy = Literal["lru", "lfu", "fifo", "mru", "filo", "priority"]
+Admission = Literal["none", "tinylfu"]
 PdRole = Literal["prefill", "decode"]
 
 # Keys an extra config may carry that are HiCache settings (applied to the cache's config, reported by
@@ -67,6 +69,9 @@ class ConfigUpdate(_Strict):
     prefetch_timeout_base: float | None = Field(default=None, ge=0)
     prefetch_timeout_per_ki_token: float | None = Field(default=None, ge=0)
     prefetch_timeout_max: float | None = Field(default=None, ge=0)
+    radix_eviction_policy: EvictionPolicy | None = None
+    l2_admission: Admission | None = None
+    l3_admission: Admission | None = None
 
 
 class HiCacheConfigStatus(_Strict):
@@ -82,6 +87,9 @@ class HiCacheConfigStatus(_Strict):
     prefetch_timeout_base: float
     prefetch_timeout_per_ki_token: float
     prefetch_timeout_max: float
+    radix_eviction_policy: EvictionPolicy = "lru"
+    l2_admission: Admission = "none"
+    l3_admission: Admission = "none"
 
 
 class PdRoleSwitchRequest(_Strict):

@@ -35,7 +35,6 @@ UNSUPPORTED: tuple[str, ...] = (
     # quantization and data types
     "--quantization",
     "--quantization-param-path",
-    "--kv-cache-dtype",
     # memory and scheduling
     "--cpu-offload-gb",
     "--schedule-policy",

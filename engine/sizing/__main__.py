@@ -1,8 +1,9 @@
 """``python -m engine.sizing``: KV bytes per token and per-tier token capacity for a worker's launch flags.
 
 The model is ``--model-path`` (only its config is read) or ``--num-layers`` / ``--num-kv-heads`` /
-``--head-dim``; the KV dtype is ``--dtype`` as the engine resolves it (``auto``: float32 on cpu, bfloat16
-on cuda). L1 follows ``--max-total-tokens`` or ``--mem-fraction-static`` of ``--free-gpu-memory-gb`` (cuda),
+``--head-dim``; the KV dtype is ``--kv-cache-dtype`` as the engine resolves it (``auto``: the compute
+``--dtype``, itself ``auto``: float32 on cpu, bfloat16 on cuda).
+L1 follows ``--max-total-tokens`` or ``--mem-fraction-static`` of ``--free-gpu-memory-gb`` (cuda),
 L2 ``--hicache-ratio`` / ``--hicache-size`` with ``--enable-hierarchical-cache`` against
 ``--host-memory-gb`` (default: this host's MemAvailable), L3 ``--l3-gb``. ``--json`` prints one object.
 Exit status 2 with a message naming the flag on bad input.
@@ -16,7 +17,7 @@ import sys
 
 from engine.cache.host_pool import available_memory
 from engine.model.errors import ModelLoadError
-from engine.sizing.kv import KVShape, dtype_bytes, model_kv_shape
+from engine.sizing.kv import KVShape, model_kv_shape, resolve_kv_cache_dtype, shape_for
 from engine.sizing.tiers import size_tiers
 
 GB = 1e9
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num-layers", type=int, help="with --num-kv-heads and --head-dim instead of --model-path")
     a("--num-kv-heads", type=int)
     a("--head-dim", type=int)
-    a("--dtype", default="auto", help="KV dtype: auto, float32, bfloat16, float16, fp8_e4m3, ...")
+    a("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16, float16")
+    a("--kv-cache-dtype", default="auto", help="KV dtype: auto (the compute dtype), bfloat16, fp8_e4m3, ...")
     a("--device", choices=("cpu", "cuda"), default="cpu")
     a("--page-size", type=int, default=1)
     a("--max-total-tokens", type=int, default=None)
@@ -45,16 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def kv_shape(args: argparse.Namespace, parser: argparse.ArgumentParser) -> KVShape:
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
+    compute = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     try:
-        size = dtype_bytes(dtype)
+        dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, compute)
+    except ValueError as exc:
+        parser.error(f"--kv-cache-dtype: {exc}")
+    try:
+        shape_for(1, 1, 1, dtype)
     except ValueError as exc:
         parser.error(f"--dtype: {exc}")
     given = [args.num_layers, args.num_kv_heads, args.head_dim]
     if any(v is not None for v in given):
         if any(v is None or v < 1 for v in given):
             parser.error("--num-layers, --num-kv-heads and --head-dim go together, each >= 1")
-        return KVShape(*given, size)
+        return shape_for(*given, dtype)
     try:
         return model_kv_shape(args.model_path, dtype)
     except ModelLoadError as exc:
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     s = sizing
     dims = f"2 x {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}"
-    dims += f" x {shape.dtype_bytes} B"
+    dims += f" x {shape.dtype_bytes} B" + (f" + {shape.scale_bytes} B scale" if shape.scale_bytes else "")
     print(f"KV bytes per token: {s.bytes_per_token:,} ({dims}); page {s.page_size} tokens")
     print(f"L1 {s.l1_tokens:>14,} tokens  {s.l1_bytes / GB:10.2f} GB")
     print(f"L2 {s.l2_tokens:>14,} tokens  {s.l2_bytes / GB:10.2f} GB")

@@ -15,7 +15,7 @@ import math
 import sys
 import time
 
-from engine.cache.config import EVICTION_POLICIES, WRITE_POLICIES
+from engine.cache.config import ADMISSIONS, EVICTION_POLICIES, WRITE_POLICIES
 from engine.whatif.costs import Costs, measure_l2_bandwidth, measure_l3_bandwidth, measure_prefill
 from engine.whatif.replay import Capacities, replay_trace
 from engine.whatif.report import point_result, text_lines
@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--l3-tokens", type=capacity_list, default=[0], help="L3 tokens (0 = no storage tier, inf = unbounded)")
     a("--eviction", choices=EVICTION_POLICIES, default="lru", help="--radix-eviction-policy")
     a("--write-policy", choices=WRITE_POLICIES, default="write_through", help="--hicache-write-policy")
+    a("--l2-admission", choices=ADMISSIONS, default="none", help="extra config l2_admission (tinylfu)")
+    a("--l3-admission", choices=ADMISSIONS, default="none", help="extra config l3_admission (tinylfu)")
     a("--prefetch-threshold", type=int, default=256, help="L3 prefetch threshold (tokens)")
     a(
         "--kv-bytes-per-token",
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             eviction_policy=args.eviction,
             write_policy=args.write_policy,
             prefetch_threshold=args.prefetch_threshold,
+            l2_admission=args.l2_admission,
+            l3_admission=args.l3_admission,
         )
         result = point_result(
             caps,

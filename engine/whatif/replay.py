@@ -98,8 +98,10 @@ class ReplayCache:
     """The tier bookkeeping of one worker: ``caps`` in tokens, ``page_size`` tokens per page.
 
     ``write_policy`` is one of ``write_through``, ``write_through_selective``, ``write_back``;
-    ``eviction_policy`` ``lru`` or ``lfu``; ``prefetch_threshold`` in tokens (upstream default 256; at
-    least one page, as the engine's controller). Raises ``ValueError`` for a bad policy or capacity.
+    ``eviction_policy`` one of ``engine.cache.radix_tree.EVICTION_POLICIES``; ``l2_admission`` /
+    ``l3_admission`` ``none`` or ``tinylfu`` (the engine's admission filter); ``prefetch_threshold`` in
+    tokens (upstream default 256; at least one page, as the engine's controller). Raises ``ValueError`` for
+    a bad policy or capacity.
     """
 
     def __init__(
@@ -109,6 +111,8 @@ class ReplayCache:
         eviction_policy: str = "lru",
         write_policy: str = "write_through",
         prefetch_threshold: int = 256,
+        l2_admission: str = "none",
+        l3_admission: str = "none",
     ) -> None:
         caps.check()
         if write_policy not in WRITE_POLICIES:
@@ -124,6 +128,8 @@ class ReplayCache:
             hierarchical=self.host.capacity > 0,
             write_policy=write_policy,
             unit_tokens=page_size,
+            l2_admission=l2_admission,
+            l3_admission=l3_admission,
         )
         self.prefetch_threshold = max(prefetch_threshold, page_size)
         self.l3: OrderedDict[int, None] | None = OrderedDict() if self.l3_pages else None
@@ -178,7 +184,7 @@ class ReplayCache:
         """Pages of ``pages`` (at depth ``at``, following ``anchor``) brought from L3 that the tree did not
         have (HiRadixCache.prefetch_from_storage, the controller's hit query, check_prefetch_progress)."""
         slots = self.policy.reserve_prefetch(
-            anchor, len(pages), self.prefetch_threshold, 0, self.host.capacity * self.P
+            anchor, len(pages), self.prefetch_threshold, 0, self.host.capacity * self.P, key=pages
         )
         if slots is None:
             return 0
@@ -218,10 +224,15 @@ class ReplayCache:
 
     def copy_to_host(self, node: TreeNode) -> None:
         self.c.written_l2_pages += len(node.key)
-        if self.l3 is not None:
-            for page in node.key:
-                self._l3_put(page)
-            self.c.written_l3_pages += len(node.key)
+        if self.l3 is not None and self.policy.admit_to_l3(node):
+            self.backup_to_l3(node)
+
+    def backup_to_l3(self, node: TreeNode) -> None:
+        if self.l3 is None:
+            return
+        for page in node.key:
+            self._l3_put(page)
+        self.c.written_l3_pages += len(node.key)
 
     def load_to_device(self, chain: list[TreeNode], device: range) -> None:
         self.c.loaded_back_pages += len(device)
@@ -265,13 +276,17 @@ def replay_trace(
     eviction_policy: str = "lru",
     write_policy: str = "write_through",
     prefetch_threshold: int = 256,
+    l2_admission: str = "none",
+    l3_admission: str = "none",
 ) -> ReplayCounters:
     """Replay ``reqs`` in order through one :class:`ReplayCache`; returns its counters."""
     if block_tokens % page_size and page_size % block_tokens:
         raise ValueError(
             f"--page-size {page_size}: must divide --block-tokens {block_tokens} or be a multiple of it"
         )
-    cache = ReplayCache(caps, page_size, eviction_policy, write_policy, prefetch_threshold)
+    cache = ReplayCache(
+        caps, page_size, eviction_policy, write_policy, prefetch_threshold, l2_admission, l3_admission
+    )
     for req in reqs:
         cache.replay(req, block_tokens)
     return cache.c

@@ -28,7 +28,8 @@ def test_defaults_follow_upstream():
     [
         ("write_policy", "write_around", "write_policy"),
         ("prefetch_policy", "eager", "prefetch_policy"),
-        ("eviction_policy", "mru", "eviction_policy"),
+        ("eviction_policy", "random", "eviction_policy"),
+        ("l2_admission", "arc", "l2_admission"),
         ("ratio", 1.0, "ratio"),
         ("prefetch_threshold", "256", "prefetch_threshold"),
         ("prefetch_timeout_base", "2", "prefetch_timeout_base"),

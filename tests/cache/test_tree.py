@@ -133,8 +133,13 @@ def test_locked_nodes_are_never_device_evicted(make_cache):
     check_invariants(cache)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_eviction_order_lru_and_lfu(make_cache, policy):
+# first: created first, 2 hits; second: created and touched last. Which one survives one eviction.
+SURVIVOR = {"lru": "second", "lfu": "first", "fifo": "second", "mru": "first", "filo": "first"}
+SURVIVOR["priority"] = "second"  # no request priorities: LRU among equals
+
+
+@pytest.mark.parametrize("policy", sorted(SURVIVOR))
+def test_eviction_order_of_each_policy(make_cache, policy):
     cache = make_cache(eviction_policy=policy, write_policy="write_through_selective")
     first, second = list(range(1, 5)), list(range(10, 14))
     prefill(cache, first)
@@ -142,8 +147,7 @@ def test_eviction_order_lru_and_lfu(make_cache, policy):
     prefill(cache, second)  # second: 1 hit, touched last
     cache.drain_io()  # first's host copy is acknowledged, so it is unlocked
     cache.evict(4)
-    survivor = first if policy == "lfu" else second
-    gone = second if policy == "lfu" else first
+    survivor, gone = (first, second) if SURVIVOR[policy] == "first" else (second, first)
     assert cache.match_prefix(survivor).device_indices.numel() == 4
     assert cache.match_prefix(gone).device_indices.numel() == 0
 
@@ -163,7 +167,7 @@ def test_tree_rejects_bad_split_and_unknown_policy():
     with pytest.raises(ValueError, match="page boundary"):
         tree.split(node, 2)
     with pytest.raises(ValueError, match="radix_eviction_policy"):
-        HiRadixTree(4, "mru")
+        HiRadixTree(4, "random")
 
 
 def test_insert_rejects_misaligned_slots(make_cache):

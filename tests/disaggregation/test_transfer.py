@@ -89,7 +89,16 @@ def test_dead_bootstrap_port_fails_fast(decode, room):
 
 @pytest.mark.parametrize(
     ("change", "expected"),
-    [({"page_size": 2}, "page_size mismatch"), ({"dtype": "float16"}, "kv_cache_dtype mismatch")],
+    [
+        ({"page_size": 2}, "page_size mismatch"),
+        ({"dtype": "float16"}, "kv_cache_dtype mismatch"),
+        (
+            {"kv_cache_dtype": "int8"},
+            "kv_cache_dtype mismatch: prefill 127.0.0.1:{port} has float32, decode has "
+            "int8/per-token-head-bf16",
+        ),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "has float32, decode has fp8_e4m3"),
+    ],
 )
 def test_page_size_or_dtype_mismatch_fails_at_first_contact(backend, prefill, room, change, expected):
     mgr = create_kv_manager(backend, "decode", make_pool({**POOL, **change}), **D_TIMEOUTS)
@@ -99,7 +108,8 @@ def test_page_size_or_dtype_mismatch_fails_at_first_contact(backend, prefill, ro
         receiver.init(torch.tensor([1], dtype=torch.int64))
         assert wait_terminal(receiver) == KVPoll.Failed
         reason = receiver.failure_exception().reason
-        assert expected in reason and f"prefill 127.0.0.1:{prefill.bootstrap_port}" in reason
+        assert expected.format(port=prefill.bootstrap_port) in reason
+        assert f"prefill 127.0.0.1:{prefill.bootstrap_port}" in reason
         receiver.close()
         prefill.call("abort", room=room)
         prefill.call("close", room=room)

@@ -6,6 +6,7 @@ another pool with the same slots, a row outgrowing the staged capacity, a new se
 
 from __future__ import annotations
 
+import pytest
 import torch
 from model_testlib import PageAllocator
 
@@ -29,6 +30,7 @@ class Pair:
         staged: dict | None = None,
         gathered: dict | None = None,
         tolerance: float | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.tolerance = tolerance
         self.logits: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -38,8 +40,8 @@ class Pair:
         self.gathered.model.attn._stage = DecodeStage(max_bytes=0)
         spec = vars(self.staged.kv_pool_spec())
         self.pools = {
-            "staged": DeviceKVPool(pool_size, 1, **spec),
-            "gathered": DeviceKVPool(pool_size, 1, **spec),
+            "staged": DeviceKVPool(pool_size, 1, **spec, kv_cache_dtype=kv_cache_dtype),
+            "gathered": DeviceKVPool(pool_size, 1, **spec, kv_cache_dtype=kv_cache_dtype),
         }
         self.alloc = PageAllocator(self.pools["staged"], seed=3)
         self.seqs: dict[str, tuple[list[int], torch.Tensor]] = {}  # name -> (token ids, slots)
@@ -77,8 +79,9 @@ class Pair:
             self.seqs[name][0].append(tok)
 
 
-def test_staged_decode_equals_gathering_across_batch_changes(tiny_models):
-    pair = Pair(tiny_models["llama"][0])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int8"])
+def test_staged_decode_equals_gathering_across_batch_changes(tiny_models, kv_cache_dtype):
+    pair = Pair(tiny_models["llama"][0], kv_cache_dtype=kv_cache_dtype)
     for name, length in (("a", 9), ("b", 23), ("c", 5)):
         pair.prefill(name, length, seed=length)
     for _ in range(3):  # the same sequences one token longer: appended, not gathered

@@ -58,8 +58,8 @@ def test_a_mistaken_spelling_names_the_real_flags(flag, real):
 
 def test_an_upstream_flag_kvfleet_lacks_is_not_supported_not_unrecognized():
     with pytest.raises(ArgumentError) as exc:
-        parse_args(["--model-path", "m", "--kv-cache-dtype", "fp8_e5m2"])
-    assert str(exc.value) == "--kv-cache-dtype is an SGLang flag not supported by KVFleet"
+        parse_args(["--model-path", "m", "--cpu-offload-gb", "4"])
+    assert str(exc.value) == "--cpu-offload-gb is an SGLang flag not supported by KVFleet"
 
 
 @pytest.mark.parametrize("flag", ["--tp-size", "--tp"])

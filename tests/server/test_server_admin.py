@@ -157,6 +157,27 @@ def test_hicache_config_get_put(serve):
     assert client.get("/hicache/config", headers=AUTH).json()["prefetch_threshold"] == 64
 
 
+def test_eviction_policy_and_admission_change_at_runtime(serve):
+    server, client = _admin_server(
+        serve, "--hicache-storage-backend-extra-config", '{"l3_admission": "tinylfu"}'
+    )
+    cfg = client.get("/hicache/config", headers=AUTH).json()
+    assert (cfg["radix_eviction_policy"], cfg["l2_admission"], cfg["l3_admission"]) == (
+        "lru",
+        "none",
+        "tinylfu",
+    )
+    body = {"radix_eviction_policy": "mru", "l2_admission": "tinylfu", "l3_admission": "none"}
+    resp = client.put("/hicache/config", json=body, headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    assert {k: resp.json()[k] for k in body} == body
+    cache = server.engine.scheduler.cache
+    assert cache.tree.eviction_policy == "mru" and cache.policy.l2_admission == "tinylfu"
+    bad = client.put("/hicache/config", json={"radix_eviction_policy": "random"}, headers=AUTH)
+    assert bad.status_code == 400 and "radix_eviction_policy" in bad.json()["error"]["message"]
+    assert client.get("/hicache/config", headers=AUTH).json()["radix_eviction_policy"] == "mru"
+
+
 def test_reattach_validates_the_extra_config_always(serve, tmp_path):
     """Bug: re-attaching the attached backend with extra config "{not json" answered 200."""
     _, client = _admin_server(serve)

@@ -102,3 +102,28 @@ def test_16_concurrent_shared_prefix_requests_equal_one_at_a_time(make_engine, p
     wait_idle(together)
     state = together.scheduler.state
     assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_gives_the_same_output_from_every_tier(make_engine, tmp_path, kv_cache_dtype):
+    """L1, L2 and L3 hold the same encoded rows (int8 values with their scales, fp8 bits), so a prefix from
+    any tier gives exactly the tokens of its recompute under the same ``--kv-cache-dtype``."""
+    flags = _hicache_flags(tmp_path, 16, "write_through")
+    engine = make_engine(*flags, "--hicache-mem-layout", "page_first", "--kv-cache-dtype", kv_cache_dtype)
+    pool = engine.scheduler.pool
+    assert pool.kv_cache_dtype == kv_cache_dtype and pool.dtype.itemsize == 1
+    assert engine.scheduler.cache.host_pool.kv_buffer.shape[-1] == pool.row_dim
+    prompt = _prompt(7)
+    aligned = (PROMPT_LEN - 1) // 16 * 16
+    cold = run_requests(engine, [prompt], max_new_tokens=NEW_TOKENS)[0]
+    hit = run_requests(engine, [prompt], max_new_tokens=NEW_TOKENS)[0]
+    assert hit["ids"] == cold["ids"] and hit["meta"]["cached_tokens_details"]["device"] == aligned
+    wait_idle(engine)
+    engine.scheduler.call(lambda s: s.cache.evict(10**6)).result(30)
+    wait_idle(engine)
+    l2 = run_requests(engine, [prompt], max_new_tokens=NEW_TOKENS)[0]
+    assert l2["ids"] == cold["ids"] and l2["meta"]["cached_tokens_details"]["host"] == aligned
+    wait_idle(engine)
+    engine.scheduler.call(_flush).result(30)
+    l3 = run_requests(engine, [prompt], max_new_tokens=NEW_TOKENS)[0]
+    assert l3["ids"] == cold["ids"] and l3["meta"]["cached_tokens_details"]["storage"] == aligned

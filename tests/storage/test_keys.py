@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.cache.keys import namespace_digest, page_hashes, salted_namespace
+from engine.cache.kv_format import KVFormat
+from engine.cache.storage.base import HiCacheStorageConfig
 
 NS = namespace_digest("SmolLM2-135M", "bfloat16", "page_first", 4, 0, 1)
 
@@ -125,3 +127,19 @@ def test_chain_resumes_from_any_page_boundary(tokens, page_size, cut_pages):
     assert head + tail == full
     assert len(full) == len(tokens) // page_size
     assert all(len(k) == 64 and k == k.lower() for k in full)
+
+
+def test_kv_format_and_scale_layout_name_the_namespace():
+    """fp8 and int8 pools both store uint8 elements; the namespace tells their formats (and int8's scale
+    layout) apart, and a plain format names the namespace a pool of that dtype always had."""
+
+    def ns(kv_dtype, kv_format):
+        return HiCacheStorageConfig(
+            0, 1, False, "m", 4, kv_dtype, "page_first", kv_format=kv_format
+        ).namespace
+
+    int8 = KVFormat("int8", torch.float32, 64).layout_name
+    assert int8 == "int8/per-token-head-bf16"
+    spaces = {ns("uint8", int8), ns("uint8", "fp8_e4m3"), ns("uint8", "fp8_e5m2"), ns("float32", "float32")}
+    assert len(spaces) == 4
+    assert ns("bfloat16", "bfloat16") == namespace_digest("m", "bfloat16", "page_first", 4, 0, 1)

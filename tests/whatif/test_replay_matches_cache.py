@@ -75,14 +75,28 @@ def run_live(cache: HiRadixCache, reqs: list[TraceRequest]) -> list[tuple[int, i
 
 
 @pytest.mark.parametrize(
-    ("write_policy", "eviction_policy"),
+    ("write_policy", "eviction_policy", "l2_admission", "l3_admission"),
     # write_back + lfu once crashed the live cache: a load-back's eviction wrote a victim back, the host
     # eviction that made room removed the chain being loaded, and the load locked a detached node.
-    [("write_through", "lru"), ("write_back", "lfu")],
+    [
+        ("write_through", "lru", "none", "none"),
+        ("write_back", "lfu", "none", "none"),
+        ("write_through", "fifo", "none", "none"),
+        ("write_through", "mru", "none", "none"),
+        ("write_back", "filo", "none", "none"),
+        ("write_through", "priority", "none", "none"),
+        ("write_through", "lru", "none", "tinylfu"),
+        ("write_through", "lru", "tinylfu", "tinylfu"),
+        ("write_back", "lfu", "tinylfu", "none"),
+    ],
 )
-def test_replay_matches_live_cache_hits_and_evictions(tmp_path, write_policy, eviction_policy):
+def test_replay_matches_live_cache_hits_and_evictions(
+    tmp_path, write_policy, eviction_policy, l2_admission, l3_admission
+):
     reqs = small_trace()
     config = HiCacheConfig(
+        l2_admission=l2_admission,
+        l3_admission=l3_admission,
         ratio=2.0,
         write_policy=write_policy,
         eviction_policy=eviction_policy,
@@ -100,7 +114,9 @@ def test_replay_matches_live_cache_hits_and_evictions(tmp_path, write_policy, ev
     finally:
         cache.close()
 
-    replay = ReplayCache(caps, PAGE, eviction_policy, write_policy, prefetch_threshold=8)
+    replay = ReplayCache(
+        caps, PAGE, eviction_policy, write_policy, 8, l2_admission=l2_admission, l3_admission=l3_admission
+    )
     replay.policy.eviction_log = []
     for req in reqs:
         replay.replay(req, BLOCK)
@@ -108,6 +124,8 @@ def test_replay_matches_live_cache_hits_and_evictions(tmp_path, write_policy, ev
 
     assert replay.c.per_request_served == live_served
     assert replay_evictions == live_evictions
-    # The trace exercises every tier, so the comparison covers each path of the policy.
-    assert all(sum(s[tier] for s in live_served) > 0 for tier in range(3))
+    # The trace exercises every tier, so the comparison covers each path of the policy (with both
+    # admission filters on, L2 keeps the popular prefixes and L3 serves nothing on this short trace).
+    tiers = 2 if (l2_admission, l3_admission) == ("tinylfu", "tinylfu") else 3
+    assert all(sum(s[tier] for s in live_served) > 0 for tier in range(tiers))
     assert {tier for tier, _, _ in live_evictions} == {"device", "host"}

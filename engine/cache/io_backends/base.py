@@ -44,7 +44,7 @@ class IOBackend(ABC):
             device_pool.page_size == host_pool.page_size
             and device_pool.num_layers == host_pool.num_layers
             and device_pool.num_kv_heads == host_pool.num_kv_heads
-            and device_pool.head_dim == host_pool.head_dim
+            and device_pool.row_dim == host_pool.head_dim
             and device_pool.dtype == host_pool.dtype
         )
         if not same:

@@ -33,7 +33,7 @@ class KernelIO(IOBackend):
 
         super().__init__(device_pool, host_pool)
         P, L = self.page_size, self.num_layers
-        row = device_pool.num_kv_heads * device_pool.head_dim
+        row = device_pool.num_kv_heads * device_pool.row_dim
         dev_tokens = device_pool.size + P
         self._device = PagedKV.from_strides(
             device_pool.kv_buffer, **layout_strides("layer_first", L, dev_tokens, P, row), row=row

@@ -41,7 +41,9 @@ class HiCacheStorageConfig:
     ``is_mla_model`` means rank-replicated KV: keys carry no rank and only rank 0 writes.
     ``kv_dtype`` is a dtype name (``"float16"``; a ``torch.`` prefix is accepted), ``layout`` the host
     pool layout, ``extra_config`` the backend's keys left after HiCache popped its own, ``producer`` what
-    computed the KV (weights digest, quantization, compute dtype; part of the namespace).
+    computed the KV (weights digest, quantization, compute dtype; part of the namespace). ``kv_format``
+    (``KVFormat.layout_name``; empty: ``kv_dtype``) names how rows are encoded; the namespace carries it in
+    place of ``kv_dtype``, which stays the buffers' element dtype (``uint8`` for fp8 and int8).
     """
 
     tp_rank: int
@@ -53,6 +55,7 @@ class HiCacheStorageConfig:
     layout: str
     extra_config: dict = field(default_factory=dict)
     producer: str = ""
+    kv_format: str = ""  # the pool's KV format with its scale layout (``int8/per-token-head-bf16``)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -68,7 +71,7 @@ class HiCacheStorageConfig:
         """32-byte namespace digest that seeds this config's page-key chains."""
         return namespace_digest(
             self.model_name,
-            self.kv_dtype,
+            self.kv_format or self.kv_dtype,
             self.layout,
             self.page_size,
             self.tp_rank,

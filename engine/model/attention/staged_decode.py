@@ -100,7 +100,11 @@ class DecodeStage:
         capacity = self._keys[0].shape[1] if self._keys else 0
         self._refill = not (extends and self._pool is kv_pool and smax <= capacity)
         reusable = (
-            self._keys and self._keys[0].shape[0] == bd and smax <= capacity <= smax + 2 * STAGE_HEADROOM
+            self._keys
+            and self._keys[0].shape[0] == bd
+            and smax <= capacity <= smax + 2 * STAGE_HEADROOM
+            and self._keys[0].dtype == kv_pool.dtype  # another pool may store other rows
+            and self._keys[0].shape[-1] == kv_pool.row_dim
         )
         if self._refill and not reusable:
             capacity = smax + STAGE_HEADROOM
@@ -108,7 +112,7 @@ class DecodeStage:
             if bd * capacity * kv_pool.bytes_per_token > self.max_bytes:
                 self._table = self._lens = None
                 return False
-            shape = (bd, capacity, kv_pool.num_kv_heads, kv_pool.head_dim)
+            shape = (bd, capacity, kv_pool.num_kv_heads, kv_pool.row_dim)  # stored rows, as in the pool
             for _ in range(kv_pool.num_layers):
                 self._keys.append(torch.empty(shape, dtype=kv_pool.dtype, device=kv_pool.device))
                 self._values.append(torch.empty(shape, dtype=kv_pool.dtype, device=kv_pool.device))
@@ -146,7 +150,8 @@ class DecodeStage:
     def layer_kv(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``(Bd, Smax, num_kv_heads, head_dim)`` of ``layer`` for the current batch.
+        """Stored K and V rows ``(Bd, Smax, num_kv_heads, row_dim)`` of ``layer`` for the current batch
+        (the pool's storage dtype: ``DeviceKVPool.decode`` them).
 
         ``k``/``v`` ``(Bd, num_kv_heads, head_dim)``: its new tokens' K/V, already in ``k_buf``/``v_buf``."""
         keys, values = self._keys[layer], self._values[layer]
@@ -157,7 +162,7 @@ class DecodeStage:
             torch.index_select(k_buf, 0, slots, out=keys.view(bd * capacity, *keys.shape[2:]))
             torch.index_select(v_buf, 0, slots, out=values.view(bd * capacity, *values.shape[2:]))
         else:
-            keys[self._rows, self._pos] = k.to(keys.dtype)
-            values[self._rows, self._pos] = v.to(values.dtype)
+            keys[self._rows, self._pos] = self._pool.kv_format.encode(k)
+            values[self._rows, self._pos] = self._pool.kv_format.encode(v)
         self._layers_done += 1
         return keys[:, :smax], values[:, :smax]

@@ -49,15 +49,15 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode: _Decode | None = None
         self._single = False
         self._stage = DecodeStage()
+        self._kv_pool: DeviceKVPool | None = None  # the pool of the current forward (its format decodes)
 
-    @staticmethod
-    def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``buf[slots]`` as ``(*slots.shape, num_kv_heads, head_dim)``.
+    def _gather(self, buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``buf[slots]`` decoded (``DeviceKVPool.decode``) as ``(*slots.shape, num_kv_heads, head_dim)``.
 
         ``index_select`` copies rows at memcpy speed; advanced indexing is about 5x slower on CPU.
         """
         rows = torch.index_select(buf, 0, slots.reshape(-1))
-        return rows.view(*slots.shape, *buf.shape[1:]).to(dtype)
+        return self._kv_pool.decode(rows.view(*slots.shape, *buf.shape[1:]), dtype)
 
     def _gathered(self, buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """K/V of ``slots`` ``(S,)`` with KV heads repeated to query heads: ``(S, num_heads, head_dim)``."""
@@ -121,6 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_pool: DeviceKVPool,
     ) -> torch.Tensor:
         kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        self._kv_pool = kv_pool
         k_buf, v_buf = kv_pool.get_kv(layer_id)
         if self._single:
             return self._extend(q, k_buf, v_buf, self._extends[0])
@@ -132,7 +133,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._stage.begin(kv_pool)  # decides at the first layer of the batch, no-op for the others
             if self._stage.active:
                 keys, values = self._stage.layer_kv(layer_id, k, v, k_buf, v_buf)
-                return self._attend(q, keys, values, dec)
+                return self._attend(q, kv_pool.decode(keys, q.dtype), kv_pool.decode(values, q.dtype), dec)
             return self._decode_attend(q, k_buf, v_buf, dec)
         if dec is not None:
             out[dec.token_index] = self._decode_attend(q[dec.token_index], k_buf, v_buf, dec)
@@ -186,8 +187,9 @@ class TorchAttentionBackend(AttentionBackend):
         torch.index_select(k_buf, 0, dec.slots, out=dec.keys)
         torch.index_select(v_buf, 0, dec.slots, out=dec.values)
         bd, smax = dec.shape
-        keys = dec.keys.view(bd, smax, self.num_kv_heads, self.head_dim)
-        return self._attend(q, keys, dec.values.view(keys.shape), dec)
+        shape = (bd, smax, *k_buf.shape[1:])  # stored rows: (num_kv_heads, row_dim)
+        keys = self._kv_pool.decode(dec.keys.view(shape), q.dtype)
+        return self._attend(q, keys, self._kv_pool.decode(dec.values.view(shape), q.dtype), dec)
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dec: _Decode

@@ -8,7 +8,8 @@ import json
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
 
-from controlplane.capacity.services import kv_sizing
+from controlplane.capacity.services import kv_bytes_per_token, kv_sizing
+from engine.sizing.kv import shape_for
 from engine.sizing.tiers import size_tiers
 
 GIB = 1 << 30
@@ -41,6 +42,13 @@ def test_control_plane_sizing_equals_the_engine_sizing():
         if "host_memory_bytes" in engine_kwargs:
             engine_kwargs["host_available_bytes"] = engine_kwargs.pop("host_memory_bytes")
         assert cp == size_tiers(bpt, page, l3_bytes=l3, **engine_kwargs).as_dict(), (bpt, page, l1, l2, l3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_control_plane_bytes_per_token_equal_the_engines_for_each_kv_dtype(dtype):
+    assert kv_bytes_per_token(num_layers=30, num_kv_heads=3, head_dim=64, dtype=dtype) == (
+        shape_for(30, 3, 64, dtype).bytes_per_token
+    )
 
 
 @pytest.mark.django_db
