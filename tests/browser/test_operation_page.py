@@ -71,5 +71,11 @@ def test_the_operation_page_shows_one_snapshot_and_started_is_the_launch_time(
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
         if SHOTS:
             page.screenshot(path=os.path.join(SHOTS, "operation-snapshot.png"), full_page=True)
+        launched_at = started.get_attribute("datetime")
+        page.goto(f"{asgi_server}/operations/")  # the list's "Started" is the same moment
+        expect(page.locator("#operations tbody tr time").first).to_have_attribute("datetime", launched_at)
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "operations-started.png"), full_page=True)
         assert errors == []
         browser.close()
