@@ -206,6 +206,47 @@ def _hold_pd_request(proc: ServerProcess) -> socket.socket:
     return sock
 
 
+def test_the_reconciler_repairs_a_router_restarted_with_its_original_worker_list(fleet):
+    """P1 switched in place to decode, as a rebalance step leaves it (the router lists it as a decode, its
+    record's assigned role is decode); then the router lists it from its original command line, as a
+    prefill, as a restarted router does. One reconcile pass registers it as a decode again, and no request
+    after the repair fails or answers wrong. Leaves the fleet at 2P1D."""
+    from controlplane.rebalance.services.reconcile import reconcile_all
+    from controlplane.workerclient import WorkerClient
+
+    procs, url = fleet["procs"], fleet["router"]
+    p1 = procs["p1"]
+    port = httpx.get(f"{p1.url}/server_info").json()["disaggregation_bootstrap_port"]
+    router = RouterFactory(name="pd-reconcile", url=url, mode="pd")
+    for name, proc in procs.items():
+        role = httpx.get(f"{proc.url}/server_info").json()["disaggregation_mode"]
+        EngineWorkerFactory(name=name, url=proc.url, router=router, role=role,
+                            assigned_role="decode" if name == "p1" else "")  # fmt: skip
+    client = RouterClient(url)
+    client.remove_worker(p1.url)
+    assert WorkerClient(p1.url).pd_role_switch("decode").success
+    client.add_worker(p1.url, worker_type="decode")
+    _poll(lambda: _router_workers(url).get(p1.url) == "decode", "router lists P1 as decode")
+    client.remove_worker(p1.url)  # the router restarted from its argv: --prefill P1 PORT
+    client.add_worker(p1.url, worker_type="prefill", bootstrap_port=port)
+    _poll(lambda: _router_workers(url).get(p1.url) == "prefill", "router lists P1 as prefill again")
+
+    (repair,) = reconcile_all()
+    assert repair["action"] == "reconcile_router" and repair["worker"] == "p1"
+    _poll(lambda: _router_workers(url).get(p1.url) == "decode", "router lists P1 as decode after repair")
+    assert _split(_roles(fleet)) == (1, 2)
+    assert reconcile_all() == []
+    with Traffic(fleet) as traffic:
+        _poll(lambda: len(traffic.results) >= 6, "six answers through the repaired router", 240)
+    traffic.check()
+
+    client.remove_worker(p1.url)  # back to 2P1D for the scenarios after this one
+    assert WorkerClient(p1.url).pd_role_switch("prefill").success
+    client.add_worker(p1.url, worker_type="prefill", bootstrap_port=port)
+    _poll(lambda: _router_workers(url).get(p1.url) == "prefill", "router lists P1 as prefill")
+    assert _split(_roles(fleet)) == (2, 1)
+
+
 def test_2p1d_to_1p2d_under_traffic(fleet, inventory, api_as):
     router, workers = inventory
     assert _roles(fleet) == START
