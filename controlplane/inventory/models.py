@@ -131,6 +131,7 @@ class WorkerRole(models.TextChoices):
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"
+    ENCODER = "encoder"  # EPD: a vision encoder (--encoder-only); prefill workers call it, never switched
 
 
 class WorkerState(models.TextChoices):

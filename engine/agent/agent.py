@@ -35,7 +35,7 @@ import time
 from engine.agent.host import host_facts
 from engine.agent.probe import metrics_text, recorded_trace, server_info
 from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected, Reporter
-from engine.agent.spec import ROLE_OF_MODE, FleetSpec, WorkerSpec, with_role
+from engine.agent.spec import ENCODER, ROLE_OF_MODE, FleetSpec, WorkerSpec, with_role
 from engine.agent.supervisor import Managed, Supervisor
 
 log = logging.getLogger("kvfleet.agent")
@@ -83,7 +83,10 @@ def storage_fields(info: dict | None) -> dict:
 
 
 def role_of(w: WorkerSpec, info: dict | None) -> str:
-    """The role the worker reports (``disaggregation_mode`` in its /server_info), else the spec's."""
+    """The role the worker reports (``disaggregation_mode`` in its /server_info; ``encoder`` for an EPD
+    encoder, whose /server_info says ``encoder_only``), else the spec's."""
+    if (info or {}).get("encoder_only"):
+        return ENCODER
     return ROLE_OF_MODE.get(str((info or {}).get("disaggregation_mode")), w.role)
 
 

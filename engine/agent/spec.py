@@ -18,7 +18,7 @@ arg by its ``ServerArgs`` name, e.g. ``page_size``, ``max_total_tokens``, ``enab
     [[workers]]
     name = "w0"
     model = "smollm2"
-    role = "mixed"               # mixed | prefill | decode (or SGLang's disaggregation_mode = "prefill")
+    role = "mixed"               # mixed | prefill | decode | encoder (or disaggregation_mode = "prefill")
     port = 30001
     enable_hierarchical_cache = true
     hicache_storage_backend = "mooncake"
@@ -49,6 +49,8 @@ from engine.server.args import SECRET_ENV, ArgumentError, build_parser, parse_ar
 
 ROLES = {"mixed": "null", "prefill": "prefill", "decode": "decode"}
 ROLE_OF_MODE = {mode: role for role, mode in ROLES.items()}
+ENCODER = "encoder"  # EPD: an --encoder-only worker (vision tower only); its role is never switched
+_ENCODER_FLAG = "--encoder-only"
 AGENT_KEYS = {
     "host_name": str,
     "address": str,
@@ -303,8 +305,12 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
         if not isinstance(meta[key], str) or not meta[key]:
             raise error_at("workers", i, key)("must be a non-empty string")
     role = meta.get("role", "mixed")
-    if role not in ROLES:
-        raise error_at("workers", i, "role")(f"must be one of {', '.join(ROLES)}, got {role!r}")
+    if role not in (*ROLES, ENCODER):
+        raise error_at("workers", i, "role")(f"must be one of {', '.join((*ROLES, ENCODER))}, got {role!r}")
+    if _ENCODER_FLAG in flags and "role" not in raw:  # encoder_only = true names the role too
+        role = ENCODER
+    if role == ENCODER and "disaggregation_mode" in raw:
+        raise error_at("workers", i, "disaggregation_mode")("an encoder is not a PD worker")
     if "disaggregation_mode" in raw:
         mode = expand(
             raw["disaggregation_mode"], "disaggregation_mode", error_at("workers", i, "disaggregation_mode")
@@ -350,6 +356,8 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
 
 def _role_flags(flags: list[str], role: str) -> list[str]:
     kept = [f for f in flags if not f.startswith(_MODE_FLAG)]
+    if role == ENCODER:
+        return kept if _ENCODER_FLAG in kept else [*kept, _ENCODER_FLAG]
     return kept if role == "mixed" else [*kept, f"{_MODE_FLAG}{ROLES[role]}"]
 
 
@@ -360,6 +368,8 @@ def with_role(w: WorkerSpec, role: str) -> WorkerSpec:
     ``--enable-pd-role-switch`` on a mixed worker)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    if w.role == ENCODER:
+        raise ValueError(f"worker {w.name!r} is an EPD encoder: its role is not switched")
     flags = _role_flags(w.flags, role)
     try:
         parse_args(flags)

@@ -289,6 +289,18 @@ class PrefillKVManager(KVManagerBase):
             self._checks.submit(self._check_owner, sender, bootstrap_address)
         return sender
 
+    def fail_unopened(self, bootstrap_room: int, reason: str) -> None:
+        """Fail room ``bootstrap_room`` of a request this prefill refused before opening it (e.g. its images
+        could not be encoded): its decode is told Failed with ``reason`` now if its transfer info came
+        already, else when it comes (remembered ``FAILED_ROOM_MEMORY_S``). Nothing for an open room."""
+        with self._lock:
+            if bootstrap_room in self._senders:
+                return
+            self._failed[bootstrap_room] = (reason, time.monotonic())
+            pending = self._pending.pop(bootstrap_room, None)
+        if pending is not None:
+            self._status(pending[0]["endpoint"], bootstrap_room, KVPoll.Failed, reason)
+
     def _names_me(self, address: str) -> bool:
         host, _, port = address.rpartition(":")
         if address in self._aliases:

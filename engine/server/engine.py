@@ -132,6 +132,13 @@ class Engine:
         if pd is not None and not pd.sends_kv:
             pd.mgr.refuse(bootstrap.host, bootstrap.port, bootstrap.room, reason)
 
+    def fail_room(self, bootstrap: Bootstrap, reason: str) -> None:
+        """On a prefill worker: fail the room of a PD request refused before it was queued (its images
+        could not be prepared), so its decode ends it now instead of waiting for KV. Nothing elsewhere."""
+        pd = self.scheduler.pd
+        if pd is not None and pd.sends_kv:
+            pd.mgr.fail_unopened(bootstrap.room, reason)
+
     def _check_request(
         self,
         input_ids: list[int],

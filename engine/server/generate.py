@@ -71,7 +71,7 @@ def parse_generate(
     else:
         batched = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batched else [ids]
-    prompts, mm = _images(engine, body.get("image_data"), prompts, batched)
+    prompts, mm = _images_or_fail_room(engine, body.get("image_data"), prompts, batched, bootstrap)
     raw = body.get("sampling_params")
     raws = raw if isinstance(raw, list) else [raw] * len(prompts)
     if len(raws) != len(prompts):
@@ -90,6 +90,19 @@ def parse_generate(
     if bootstrap is not None and any(sp.n > 1 for sp in params):
         raise HTTPError(400, f"sampling_params.n={max(sp.n for sp in params)} is not supported in PD mode")
     return prompts, params, batched, bootstrap, mm
+
+
+def _images_or_fail_room(
+    engine: Engine, data, prompts: list[list[int]], batched: bool, bootstrap: Bootstrap | None
+) -> tuple[list[list[int]], list[list[MMItem]]]:
+    """``_images``; on a prefill worker a PD request whose images fail also fails its room (``fail_room``),
+    so its decode does not wait for KV."""
+    try:
+        return _images(engine, data, prompts, batched)
+    except HTTPError as exc:
+        if bootstrap is not None:
+            engine.fail_room(bootstrap, exc.message)
+        raise
 
 
 def _images(

@@ -451,7 +451,12 @@ async def chat_completions(request: Request):
         tools = parse_tools(body.get("tools"), body.get("tool_choice"))
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from None
-    ids, options["mm_items"] = await asyncio.to_thread(_chat_prompt, engine, body, tools)
+    try:
+        ids, options["mm_items"] = await asyncio.to_thread(_chat_prompt, engine, body, tools)
+    except HTTPError as exc:
+        if options["bootstrap"] is not None:
+            engine.fail_room(options["bootstrap"], exc.message)
+        raise
     sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     _check_n(body)
     params, names = _sampling_params(

@@ -191,3 +191,37 @@ def test_the_demo_fleet_records_its_traffic_so_the_capacity_page_can_calibrate()
     spec = load_spec(spec_file, env)
     assert len(spec.workers) == 2
     assert all("--record-trace" in w.flags for w in spec.workers)
+
+
+ENCODER_SPEC = """\
+[agent]
+host_name = "node-a"
+address = "10.1.2.3"
+log_dir = "{log_dir}"
+
+[[workers]]
+name = "enc0"
+model = "smollm2"
+role = "encoder"
+port = 31001
+
+[[workers]]
+name = "enc1"
+model = "smollm2"
+encoder_only = true
+port = 31002
+"""
+
+
+def test_an_encoder_worker_runs_encoder_only_and_is_never_switched(tmp_path):
+    from engine.agent.agent import role_of
+
+    spec = load_spec(write(tmp_path, ENCODER_SPEC.format(log_dir=tmp_path / "logs")), {})
+    enc0, enc1 = spec.workers
+    assert enc0.role == enc1.role == "encoder"
+    assert enc0.flags == ["--model-path=smollm2", "--port=31001", "--encoder-only"]
+    assert enc1.flags.count("--encoder-only") == 1
+    with pytest.raises(ValueError, match="EPD encoder: its role is not switched"):
+        with_role(enc0, "prefill")
+    assert role_of(enc0, {"encoder_only": True, "model_path": "smollm2"}) == "encoder"
+    assert role_of(enc0, None) == "encoder"

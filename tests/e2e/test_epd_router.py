@@ -123,3 +123,33 @@ def test_one_encoder_down_requests_go_to_the_other(epd_fleet):
         assert got.status_code == 200, got.text
         assert time.monotonic() - start < FAIL_BOUND_S
         assert got.json()["output_ids"] == want[i]["output_ids"]
+    _wait_clean(epd_fleet["p"].url, epd_fleet["d"].url)
+
+
+def test_no_encoder_left_fails_clearly_within_the_bound_and_leaks_nothing(epd_fleet):
+    """Runs last: with both encoders down an image request fails saying so, within the bound (P fails the
+    room, so D does not wait for KV), and P and D hold no request afterwards; text-only requests still
+    work."""
+    for enc in epd_fleet["enc"]:
+        enc.proc.kill()
+        enc.proc.wait()
+    start = time.monotonic()
+    resp = _gen(epd_fleet["router"], IMAGE_TOKEN + " dog", [png(900)])
+    assert time.monotonic() - start < FAIL_BOUND_S
+    assert resp.status_code >= 500, resp.text
+    assert "no encoder delivered the image embeddings" in resp.text, resp.text
+    assert _gen(epd_fleet["router"], "the quick brown fox", []).status_code == 200
+    _wait_clean(epd_fleet["p"].url, epd_fleet["d"].url)
+
+
+def _wait_clean(*urls: str, timeout: float = FAIL_BOUND_S) -> None:
+    """Each worker is idle and holds no KV slot for a request."""
+    deadline = time.monotonic() + timeout
+    for url in urls:
+        while True:
+            info = httpx.get(f"{url}/server_info", timeout=10).json()
+            busy = info["num_waiting_reqs"] + info["num_running_reqs"] + info["num_pd_transfer_reqs"]
+            if info["is_idle"] and busy == 0:
+                break
+            assert time.monotonic() < deadline, f"{url} still busy after {timeout} s"
+            time.sleep(0.2)

@@ -8,7 +8,7 @@ from django.utils import timezone
 from controlplane.audit.services import audit_record
 from controlplane.core.exceptions import ConflictError
 from controlplane.core.services import model_snapshot, model_update
-from controlplane.inventory.models import EngineWorker
+from controlplane.inventory.models import EngineWorker, WorkerRole
 
 
 def worker_role_observed(*, worker: EngineWorker, role: str, actor=None) -> bool:
@@ -48,8 +48,16 @@ def worker_role_request(*, worker: EngineWorker, role: str, actor, reason: str =
     the worker with ``--disaggregation-mode=<role>`` and registers the role the worker then reports, which
     clears the request. ``role`` equal to the stored role withdraws a request not carried out. A change of
     ``desired_role`` (set or withdrawn) bumps ``role_request_seq``, the generation its agent acknowledges.
-    Audited. Raises ConflictError 409 ``no_agent`` for a worker no agent registered.
+    Audited. Raises ConflictError 409 ``no_agent`` for a worker no agent registered, ``encoder_role`` for an
+    EPD encoder (its role is fixed: it runs no language model to prefill or decode with).
     Returns {worker, role, desired_role, request_seq}."""
+    worker.refresh_from_db(fields=["role"])
+    if worker.role == WorkerRole.ENCODER:
+        raise ConflictError(
+            f"worker {worker.name!r} is an EPD encoder: it runs only the vision tower, so it cannot become "
+            "a prefill or decode worker",
+            code="encoder_role",
+        )
     if worker.host_id is None:
         raise ConflictError(
             f"worker {worker.name!r} has no host: no agent runs it to restart it", code="no_agent"
