@@ -4,8 +4,9 @@ One server (default: SmolLM2-135M, fp32, a fresh L1 for each side: ``/flush_cach
 same run, first ``/v1/completions`` with ``n`` (the prompt computed once, the samples reusing its KV through
 the prefix cache) and then ``n`` concurrent requests of the same prompt with n 1 (each of which may or may
 not find the others' prefix cached, depending on timing: the baseline an SDK loop or a proxy that splits
-``n`` gets). Reports, for each side, the prompt tokens computed (``n`` x prompt length minus
-``usage.prompt_tokens_details.cached_tokens``) and the wall time, then the ratios n-request / separate.
+``n`` gets). Reports, for each side, the prompt tokens the server computed (from its ``/metrics``: the
+change of ``sglang:prompt_tokens_total`` minus that of ``sglang:cached_tokens_total``, so the n-request's
+prompt-only first pass counts) and the wall time, then the ratios n-request / separate.
 Prints a markdown table; ``--json`` prints the numbers instead.
 """
 
@@ -30,7 +31,7 @@ async def _one(client: httpx.AsyncClient, prompt: list[int], n: int, max_tokens:
             "ignore_eos": True}  # fmt: skip
     resp = await client.post("/v1/completions", json=body)
     resp.raise_for_status()
-    return resp.json()["usage"]
+    return resp.json()
 
 
 async def run_side(url: str, prompt: list[int], n: int, max_tokens: int, together: bool) -> dict:
@@ -38,16 +39,23 @@ async def run_side(url: str, prompt: list[int], n: int, max_tokens: int, togethe
     prompt tokens computed and the wall time (seconds)."""
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
         (await client.post("/flush_cache")).raise_for_status()
+        before = await _computed(client)
         start = time.perf_counter()
         if together:
-            usages = [await _one(client, prompt, n, max_tokens, seed=1)]
+            await _one(client, prompt, n, max_tokens, seed=1)
         else:
-            usages = await asyncio.gather(
-                *(_one(client, prompt, 1, max_tokens, seed=1 + j) for j in range(n))
-            )
+            await asyncio.gather(*(_one(client, prompt, 1, max_tokens, seed=1 + j) for j in range(n)))
         wall = time.perf_counter() - start
-    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
-    return {"prefill_tokens": n * len(prompt) - cached, "cached_tokens": cached, "wall_s": wall}
+        computed = await _computed(client) - before
+    return {"prefill_tokens": computed, "wall_s": wall}
+
+
+async def _computed(client: httpx.AsyncClient) -> float:
+    """Prompt tokens the server computed so far: admitted prompt tokens minus those served from a cache."""
+    lines = (await client.get("/metrics")).text.splitlines()
+    admitted = sum(float(x.split()[-1]) for x in lines if x.startswith("sglang:prompt_tokens_total"))
+    cached = sum(float(x.split()[-1]) for x in lines if x.startswith("sglang:cached_tokens_total"))
+    return admitted - cached
 
 
 def measure(url: str, prompt_len: int, n: int, max_tokens: int, repeats: int) -> dict:
@@ -72,7 +80,7 @@ def measure(url: str, prompt_len: int, n: int, max_tokens: int, repeats: int) ->
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default="smollm2")
-    p.add_argument("--url", help="a running server (started with --enable-cache-report) instead of launching")
+    p.add_argument("--url", help="a running server (started with --enable-metrics) instead of launching")
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -82,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.url:
         res = measure(a.url, a.prompt_len, a.n, a.max_tokens, a.repeats)
     else:
-        flags = ["--model-path", a.model_path, "--enable-cache-report", "--max-total-tokens", "8192"]
+        flags = ["--model-path", a.model_path, "--enable-metrics", "--max-total-tokens", "8192"]
         with ServerProcess(flags, timeout=600) as server:
             res = measure(server.url, a.prompt_len, a.n, a.max_tokens, a.repeats)
     if a.json:

@@ -174,6 +174,34 @@ def test_streaming_and_openai_routes_through_router_equal_aggregated(pd_fleet):
     _wait_clean(pd_fleet["p1"].url, pd_fleet["d"].url)
 
 
+def test_logprobs_through_router_equal_aggregated(pd_fleet):
+    """P computes the prompt's logprobs and the first token's, D the rest; the router merges P's
+    input_token_logprobs into D's answer. Chat logprobs come from D alone."""
+    router, agg = pd_fleet["router"], pd_fleet["agg"].url
+    fields = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3}
+    want = _gen(agg, _text(40), **fields).json()
+    got = _gen(router, _text(40), **fields)
+    assert got.status_code == 200, got.text
+    got = got.json()
+    assert got["output_ids"] == want["output_ids"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        mine, theirs = got["meta_info"][key], want["meta_info"][key]
+        assert [t for _, t, _ in mine] == [t for _, t, _ in theirs], key
+        assert mine[0][0] is None if key.startswith("input") else mine[0][0] is not None
+        assert max(abs(a - b) for (a, _, _), (b, _, _) in zip(mine[1:], theirs[1:], strict=True)) < 1e-4
+    top = got["meta_info"]["output_top_logprobs"]
+    assert [[t for _, t, _ in e] for e in top] == [
+        [t for _, t, _ in e] for e in want["meta_info"]["output_top_logprobs"]
+    ]
+    body = {"messages": [{"role": "user", "content": _text(41, 20)}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    chat = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json() for url in (agg, router)]
+    a, b = (c["choices"][0]["logprobs"]["content"] for c in chat)
+    assert [x["token"] for x in a] == [x["token"] for x in b] and len(a) == 6
+    assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a, b, strict=True)) < 1e-4
+    _wait_clean(pd_fleet["p1"].url, pd_fleet["d"].url)
+
+
 def test_client_disconnect_on_d_releases_pages_on_both_sides(pd_fleet):
     body = {"text": _text(11), "sampling_params": {"max_new_tokens": 200, "temperature": 0}, "stream": True}
     with httpx.stream("POST", f"{pd_fleet['router']}/generate", json=body, timeout=120) as resp:

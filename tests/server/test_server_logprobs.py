@@ -162,3 +162,28 @@ def test_bad_logprob_fields_are_a_400_naming_the_field(server, fields, named):
     resp = server.post("/generate", json={"input_ids": [5, 6, 7], "return_logprob": True, **fields})
     assert resp.status_code == 400 and named in resp.json()["error"]["message"]
     assert _generate(server, [5, 6, 7])["output_ids"]  # still serving
+
+
+def test_a_stream_carries_the_logprobs_so_far(server):
+    prompt = _prompt(6)
+    whole = _generate(server, prompt, logprob_start_len=START)
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": START,
+        "stream": True,
+    }
+    frames = []
+    with server.stream("POST", "/generate", json=body) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                frames.append(json.loads(line[6:]))
+    counts = [len(f["meta_info"]["output_token_logprobs"]) for f in frames]
+    assert counts == sorted(counts) and counts[-1] == NEW
+    last = frames[-1]["meta_info"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert [t for _, t, _ in last[key]] == [t for _, t, _ in whole["meta_info"][key]]
+        got = [lp for lp, _, _ in last[key][1:]]
+        want = [lp for lp, _, _ in whole["meta_info"][key][1:]]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5
