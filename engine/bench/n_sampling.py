@@ -1,12 +1,14 @@
 """``n`` samples of one prompt in one request against ``n`` separate requests of the same prompt.
 
 One server (default: SmolLM2-135M, fp32, a fresh L1 for each side: ``/flush_cache`` before each) gets, in the
-same run, first ``/v1/completions`` with ``n`` (the prompt computed once, the samples reusing its KV through
-the prefix cache) and then ``n`` concurrent requests of the same prompt with n 1 (each of which may or may
-not find the others' prefix cached, depending on timing: the baseline an SDK loop or a proxy that splits
-``n`` gets). Reports, for each side, the prompt tokens the server computed (from its ``/metrics``: the
-change of ``sglang:prompt_tokens_total`` minus that of ``sglang:cached_tokens_total``, so the n-request's
-prompt-only first pass counts) and the wall time, then the ratios n-request / separate.
+same run, ``/v1/completions`` with ``n`` (the prompt computed once, the samples reusing its KV through
+the prefix cache) and two baselines: ``n`` concurrent ``/v1/completions`` of the same prompt with n 1 (what
+an SDK loop or a proxy that splits ``n`` sends; those arriving while the first is being prefilled find its
+prefix cached) and one ``/generate`` batch of ``n`` copies (they arrive together and share one prefill
+batch, so none finds the others' prefix). Reports, for each side, the prompt tokens the server computed
+(from its ``/metrics``: the change of ``sglang:prompt_tokens_total`` minus that of
+``sglang:cached_tokens_total``, so the n-request's prompt-only first pass counts) and the wall time, then
+the ratios of the n-request to each baseline.
 Prints a markdown table; ``--json`` prints the numbers instead.
 """
 
@@ -34,17 +36,23 @@ async def _one(client: httpx.AsyncClient, prompt: list[int], n: int, max_tokens:
     return resp.json()
 
 
-async def run_side(url: str, prompt: list[int], n: int, max_tokens: int, together: bool) -> dict:
-    """One side: ``n`` samples in one request (``together``) or as ``n`` concurrent requests; returns the
-    prompt tokens computed and the wall time (seconds)."""
+async def run_side(url: str, prompt: list[int], n: int, max_tokens: int, side: str) -> dict:
+    """One side: ``n`` samples in one request (``n``), as ``n`` concurrent requests (``concurrent``) or as a
+    batch of ``n`` copies in one ``/generate`` (``batch``); returns the prompt tokens computed and the wall
+    time (seconds)."""
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
         (await client.post("/flush_cache")).raise_for_status()
         before = await _computed(client)
         start = time.perf_counter()
-        if together:
+        if side == "n":
             await _one(client, prompt, n, max_tokens, seed=1)
-        else:
+        elif side == "concurrent":
             await asyncio.gather(*(_one(client, prompt, 1, max_tokens, seed=1 + j) for j in range(n)))
+        else:  # one /generate batch of n copies: they arrive together, in one prefill batch
+            params = [{"max_new_tokens": max_tokens, "temperature": 1.0, "sampling_seed": 1 + j,
+                       "ignore_eos": True} for j in range(n)]  # fmt: skip
+            body = {"input_ids": [prompt] * n, "sampling_params": params}
+            (await client.post("/generate", json=body)).raise_for_status()
         wall = time.perf_counter() - start
         computed = await _computed(client) - before
     return {"prefill_tokens": computed, "wall_s": wall}
@@ -62,18 +70,20 @@ def measure(url: str, prompt_len: int, n: int, max_tokens: int, repeats: int) ->
     """Both sides ``repeats`` times, alternating; medians of the wall times."""
     rng = random.Random(0)
     prompt = [rng.randrange(100, 20000) for _ in range(prompt_len)]
-    runs: dict[str, list[dict]] = {"n": [], "separate": []}
+    sides = ("n", "concurrent", "batch")
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
     for _ in range(repeats):
-        runs["n"].append(asyncio.run(run_side(url, prompt, n, max_tokens, together=True)))
-        runs["separate"].append(asyncio.run(run_side(url, prompt, n, max_tokens, together=False)))
-    out = {}
+        for side in sides:
+            runs[side].append(asyncio.run(run_side(url, prompt, n, max_tokens, side)))
+    out: dict = {}
     for side, results in runs.items():
         out[side] = {
             "prefill_tokens": statistics.median(r["prefill_tokens"] for r in results),
             "wall_s": statistics.median(r["wall_s"] for r in results),
         }
-    out["prefill_ratio"] = out["n"]["prefill_tokens"] / out["separate"]["prefill_tokens"]
-    out["wall_ratio"] = out["n"]["wall_s"] / out["separate"]["wall_s"]
+    for side in ("concurrent", "batch"):
+        out[f"prefill_ratio_vs_{side}"] = out["n"]["prefill_tokens"] / out[side]["prefill_tokens"]
+        out[f"wall_ratio_vs_{side}"] = out["n"]["wall_s"] / out[side]["wall_s"]
     return out
 
 
@@ -97,10 +107,16 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(res, indent=2))
         return
     print("| side | prompt tokens computed | wall time (s) |\n|---|---:|---:|")
-    print(f"| {a.n} separate requests (baseline) | {res['separate']['prefill_tokens']:,.0f} | "
-          f"{res['separate']['wall_s']:.2f} |")  # fmt: skip
-    print(f"| one request, n={a.n} | {res['n']['prefill_tokens']:,.0f} | {res['n']['wall_s']:.2f} |")
-    print(f"\nprefill tokens ratio {res['prefill_ratio']:.3f}, wall time ratio {res['wall_ratio']:.3f}")
+    names = {
+        "concurrent": f"{a.n} concurrent requests (baseline)",
+        "batch": f"{a.n} copies in one batch (baseline)",
+        "n": f"one request, n={a.n}",
+    }
+    for side, name in names.items():
+        print(f"| {name} | {res[side]['prefill_tokens']:,.0f} | {res[side]['wall_s']:.2f} |")
+    for side in ("concurrent", "batch"):
+        print(f"\nn / {side}: prefill tokens ratio {res[f'prefill_ratio_vs_{side}']:.3f}, "
+              f"wall time ratio {res[f'wall_ratio_vs_{side}']:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import pytest
 
 from engine.bench.launcher import ServerProcess
 
-lm_eval = pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow
 
 TASK = "kvfleet_tiny_loglikelihood"
