@@ -7,7 +7,9 @@ Body: ``{"rid": str, "receiver": "tcp://host:port", "images": [{"digest": hex, "
 [N, tokens, hidden], "dtype": "float32", "digests": [...]}``, the embeddings' bytes. A digest that does not
 match its pixels (the two workers' processor settings or code differ) is a 400.
 Also ``/health``, ``/server_info`` (``images_encoded``, ``encode_seconds_total``, embedding cache hits and
-misses) and ``/model_info``.
+misses), ``/model_info`` and ``/metrics`` (the same counters in Prometheus text, ``model_name`` label:
+``sglang:encoder_images_total``, ``sglang:encoder_encode_seconds_total``,
+``sglang:mm_embedding_cache_hits_total``, ``sglang:mm_embedding_cache_misses_total``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 import zmq
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from engine.model.loader import load_checkpoint
 from engine.model.runner import _parse_dtype
@@ -91,6 +93,31 @@ class EncoderService:
                 raise HTTPError(503, f"receiver {receiver} did not take the embeddings within 5 s") from None
         return {"rid": rid, "images": len(images)}
 
+    def metrics_text(self) -> str:
+        """The counters of ``info`` in Prometheus text format."""
+        name = self.args.model_name.replace("\\", "\\\\").replace('"', '\\"')
+        lines = []
+        for metric, value, help_text in (
+            ("sglang:encoder_images_total", self.images_encoded, "Images run through the vision tower"),
+            ("sglang:encoder_encode_seconds_total", self.encode_seconds, "Seconds spent in the vision tower"),
+            (
+                "sglang:mm_embedding_cache_hits_total",
+                self.cache.hits,
+                "Images served from the embedding cache",
+            ),
+            (
+                "sglang:mm_embedding_cache_misses_total",
+                self.cache.misses,
+                "Images not in the embedding cache",
+            ),
+        ):
+            lines += [
+                f"# HELP {metric} {help_text}",
+                f"# TYPE {metric} counter",
+                f'{metric}{{model_name="{name}"}} {value}',
+            ]
+        return "\n".join(lines) + "\n"
+
     def info(self) -> dict:
         return {
             "encoder_only": True,
@@ -135,6 +162,10 @@ def create_encoder_app(service: EncoderService) -> FastAPI:
     @app.get("/server_info")
     async def server_info():
         return JSONResponse(service.info())
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(service.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/model_info")
     async def model_info():

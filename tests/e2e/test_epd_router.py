@@ -99,6 +99,10 @@ def test_requests_spread_over_the_encoders(epd_fleet):
     after = [httpx.get(f"{e.url}/server_info").json()["images_encoded"] for e in epd_fleet["enc"]]
     assert all(a - b >= 1 for a, b in zip(after, before, strict=True)), (before, after)
     assert sum(after) - sum(before) == 4
+    for enc, count in zip(epd_fleet["enc"], after, strict=True):
+        lines = httpx.get(f"{enc.url}/metrics").text.splitlines()
+        (images,) = [line for line in lines if line.startswith("sglang:encoder_images_total{")]
+        assert float(images.split()[-1]) == count
 
 
 def test_the_language_only_prefill_has_no_vision_tower(epd_fleet):
