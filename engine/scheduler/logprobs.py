@@ -84,8 +84,9 @@ class LogprobValues:
 def read(logprobs: torch.Tensor, chosen: list[int], want: LogprobRequest) -> LogprobValues:
     """Values of ``want`` from ``logprobs`` ``(R, vocab)`` (float32 log-softmax rows) for the ``chosen``
     token of each row (R ids)."""
-    rows = torch.arange(len(chosen))
-    out = LogprobValues(token=logprobs[rows, torch.tensor(chosen, dtype=torch.long)].tolist())
+    dev = logprobs.device
+    rows = torch.arange(len(chosen), device=dev)
+    out = LogprobValues(token=logprobs[rows, torch.tensor(chosen, dtype=torch.long, device=dev)].tolist())
     if want.top_n > 0:
         k = min(want.top_n, logprobs.shape[1])
         vals, idx = torch.topk(logprobs, k, dim=-1)
@@ -93,7 +94,7 @@ def read(logprobs: torch.Tensor, chosen: list[int], want: LogprobRequest) -> Log
     else:
         out.top = [None] * len(chosen)
     if want.token_ids is not None:
-        out.ids = logprobs[:, torch.tensor(want.token_ids, dtype=torch.long)].tolist()
+        out.ids = logprobs[:, torch.tensor(want.token_ids, dtype=torch.long, device=dev)].tolist()
     else:
         out.ids = [None] * len(chosen)
     return out

@@ -43,7 +43,8 @@ def adjust(
             continue
         row, out = logits[i], outputs[i]
         if out and (p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0):
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab]
+            ids = torch.tensor(out, dtype=torch.long, device=row.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab]
             seen = counts > 0
             if p.repetition_penalty != 1.0:
                 rep = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
@@ -54,8 +55,8 @@ def adjust(
             if banned:
                 row[banned] = float("-inf")
         if p.logit_bias:
-            ids = [t for t in p.logit_bias if t < vocab]
-            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
+            biased = [t for t in p.logit_bias if t < vocab]
+            row[biased] += torch.tensor([p.logit_bias[t] for t in biased], dtype=row.dtype, device=row.device)
     return logits
 
 
