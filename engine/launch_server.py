@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             server.run(sockets=[sock])
         finally:
-            engine.scheduler.stop()
+            engine.shutdown()
     return EXIT_SCHEDULER_DIED if engine.scheduler.error is not None else 0
 
 

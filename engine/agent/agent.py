@@ -100,6 +100,7 @@ def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
         "role": role_of(w, info),
         "model_name": w.model_name,
         "page_size": w.page_size,
+        "tp_size": int((info or {}).get("tp_size") or w.tp_size),
         **storage_fields(info),
     }
     if w.admin_api_key:

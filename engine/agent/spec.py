@@ -95,6 +95,13 @@ class WorkerSpec:
     api_key: str | None = None
     page_size: int = 1
     model_name: str = ""
+    tp_size: int = 1  # ranks (devices) this worker spans
+    base_gpu_id: int = 0  # its first device; the others follow (upstream's --base-gpu-id)
+
+    @property
+    def devices(self) -> list[int]:
+        """Device indexes the worker holds: ``--base-gpu-id`` .. + ``--tp-size`` - 1."""
+        return list(range(self.base_gpu_id, self.base_gpu_id + self.tp_size))
 
 
 @dataclass
@@ -351,6 +358,8 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
         api_key=args.api_key,
         page_size=args.page_size,
         model_name=args.model_name,
+        tp_size=args.tp_size,
+        base_gpu_id=args.base_gpu_id,
     )
 
 

@@ -154,8 +154,8 @@ class StorageAdminMixin:
         if name == "mooncake" and layout == "layer_first":
             raise CacheAdminError("mooncake storage needs hicache_mem_layout page_first or page_first_direct")
         storage_config = HiCacheStorageConfig(
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
+            tp_rank=self.kv_shard[0],
+            tp_size=self.kv_shard[1],
             is_mla_model=self.replicated_kv,
             model_name=self.model_name,
             page_size=self.page_size,
@@ -199,7 +199,7 @@ class StorageAdminMixin:
                 stack.extend(node.children.values())
 
     def _start_storage_io(self, backend: PreparedBackend) -> None:
-        backup_skip = self.replicated_kv and self.tp_rank != 0
+        backup_skip = (self.replicated_kv and self.tp_rank != 0) or not self.kv_writer
         c = self.config
         health = StorageHealth(BreakerSettings(c.breaker_failures, c.breaker_latency_s, c.breaker_open_s))
         self.controller.attach_storage(

@@ -84,6 +84,9 @@ class HiRadixCache(StorageAdminMixin):
     docs/architecture.md, the cache).
 
     ``replicated_kv``: MLA-style KV identical on every rank (L3 keys carry no rank; only rank 0 writes).
+    ``kv_shard``: ``(index, count)`` of the KV-head shard this rank holds, named by the L3 keys (default
+    ``(tp_rank, tp_size)``; differs when tp exceeds the KV heads and ranks share a head); ``kv_writer``: this
+    rank backs its shard up to L3 (False on all but one of the ranks sharing a replicated shard).
     ``kv_producer``: what computes the KV (:func:`engine.model.loader.fingerprint.kv_producer`), part of the
     L3 namespace.
     ``reduce``: cross-rank agreement for scheduler-thread decisions (default: identity for one rank,
@@ -102,6 +105,8 @@ class HiRadixCache(StorageAdminMixin):
         reduce: Reduce | None = None,
         replicated_kv: bool = False,
         kv_producer: str = "",
+        kv_shard: tuple[int, int] | None = None,
+        kv_writer: bool = True,
     ) -> None:
         config = config or HiCacheConfig()
         config.validate()
@@ -112,6 +117,10 @@ class HiRadixCache(StorageAdminMixin):
         self.enable_hierarchical = enable_hierarchical
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.replicated_kv = replicated_kv
+        # the KV shard this rank's pages hold (L3 keys name it): (index, count); ranks holding a replicated
+        # KV head share a shard and only its ``kv_writer`` backs it up
+        self.kv_shard = kv_shard or (tp_rank, tp_size)
+        self.kv_writer = kv_writer
         self.device_allocator = PageAllocator(
             device_pool.size // self.page_size, self.page_size, first_page=1
         )

@@ -6,6 +6,12 @@ RMSNorm before RoPE, SiLU-gated MLP, tied embeddings. Weights are plain contiguo
 gate/up projections are fused into one matmul each. ``quantization="int8wo"`` / ``"int4wo-<group_size>"``
 makes every linear layer (q/k/v, o, gate/up, down and the LM head; not the embedding) int8 / int4 weight-only
 (``engine/model/linear.py``), quantized from the checkpoint's float32 weights.
+
+Tensor parallelism (``tp``: a ``TPGroup`` of more than one rank): q/k/v and gate/up are column-parallel (a
+rank computes its heads and its intermediate columns), o and down are row-parallel (a partial sum, all-reduced
+before their bias), the embedding and the LM head are vocab-parallel (rows padded to a multiple of tp; the
+embedding's partial lookups are all-reduced, the LM head's logits all-gathered). Which rows and columns a
+rank owns: ``engine/distributed/sharding.py``. A quantized layer is quantized from its own shard.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cache.device_pool import DeviceKVPool
+from engine.distributed import TPGroup, TPShard, single_rank
 from engine.model.attention import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
@@ -35,19 +42,37 @@ class DecoderLayer:
     """One pre-norm block: attention (fused qkv, optional biases and q/k norm) and a SiLU-gated MLP."""
 
     def __init__(
-        self, cfg: ModelConfig, layer_id: int, w: dict[str, torch.Tensor | None], quantization: str | None
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        w: dict[str, torch.Tensor | None],
+        quantization: str | None,
+        tp: TPGroup | None = None,
     ) -> None:
         self.cfg = cfg
         self.layer_id = layer_id
+        self.tp = tp or single_rank()
+        shard = TPShard(cfg, self.tp.rank, self.tp.size)
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.input_norm = w["input_layernorm"]
         self.post_norm = w["post_attention_layernorm"]
         self.qkv = make_linear(w["qkv_w"], w["qkv_b"], quantization)
-        self.o_proj = make_linear(w["o_w"], w["o_b"], quantization)
+        # row-parallel: each rank's partial sums are all-reduced, then the bias is added once
+        split = self.tp.size > 1
+        self.o_bias, self.down_bias = (w["o_b"], w["down_b"]) if split else (None, None)
+        self.o_proj = make_linear(w["o_w"], None if split else w["o_b"], quantization)
         self.q_norm, self.k_norm = w["q_norm"], w["k_norm"]
         self.gate_up = make_linear(w["gate_up_w"], w["gate_up_b"], quantization)
-        self.down = make_linear(w["down_w"], w["down_b"], quantization)
-        self.q_size = cfg.num_attention_heads * cfg.head_dim
-        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.down = make_linear(w["down_w"], None if split else w["down_b"], quantization)
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+
+    def _row_parallel(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """All-reduce a row-parallel layer's partial output ``(T, hidden)``, then add its bias."""
+        if self.tp.size == 1:
+            return y
+        y = self.tp.all_reduce(y)
+        return y if bias is None else y + bias
 
     def forward(
         self,
@@ -62,9 +87,9 @@ class DecoderLayer:
         cfg, tokens = self.cfg, x.shape[0]
         qkv = self.qkv(rms_norm(x, self.input_norm, cfg.rms_norm_eps))
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(tokens, cfg.num_attention_heads, cfg.head_dim)
-        k = k.view(tokens, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.view(tokens, cfg.num_key_value_heads, cfg.head_dim)
+        q = q.view(tokens, self.num_heads, cfg.head_dim)
+        k = k.view(tokens, self.num_kv_heads, cfg.head_dim)
+        v = v.view(tokens, self.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
@@ -72,10 +97,10 @@ class DecoderLayer:
         if batch.layer_hook is not None:
             batch.layer_hook(self.layer_id)
         out = attn.forward(q, k, v, self.layer_id, batch, kv_pool)
-        x = x + self.o_proj(out.reshape(tokens, self.q_size))
+        x = x + self._row_parallel(self.o_proj(out.reshape(tokens, self.q_size)), self.o_bias)
         gate_up = self.gate_up(rms_norm(x, self.post_norm, cfg.rms_norm_eps))
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self._row_parallel(self.down(F.silu(gate) * up), self.down_bias)
 
 
 class LlamaForCausalLM:
@@ -90,8 +115,11 @@ class LlamaForCausalLM:
         attn: AttentionBackend,
         source: str = "model",
         quantization: str | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
-        """``tensors`` uses HF checkpoint names (``model.layers.0.self_attn.q_proj.weight``, ...).
+        """``tensors`` uses HF checkpoint names (``model.layers.0.self_attn.q_proj.weight``, ...); ``tp``:
+        this rank's group (default one rank), whose shard of every weight is kept (``TPConfigError``, a
+        ``ValueError``, when the head counts do not divide).
 
         Raises ``ModelLoadError`` naming ``source`` on a missing, unexpected or mis-shaped tensor, and
         ``QuantizationError`` (a ``ValueError``) for a ``quantization`` not in ``linear.QUANTIZATIONS``, int4
@@ -101,22 +129,29 @@ class LlamaForCausalLM:
         self.attn = attn
         self.dtype = dtype
         self.device = device
+        self.tp = tp or single_rank()
+        self.shard = TPShard(cfg, self.tp.rank, self.tp.size)
         self._inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
         check_quantization(quantization, dtype)
         # quantized layers are quantized from float32, dense ones use the model dtype
-        weights = _Weights(cfg, tensors, dtype, device, source, torch.float32 if quantization else dtype)
+        weights = _Weights(
+            cfg, tensors, dtype, device, source, torch.float32 if quantization else dtype, self.shard
+        )
         vocab_shape = (cfg.vocab_size, cfg.hidden_size)
-        embed = weights.take("model.embed_tokens.weight", vocab_shape, weights.linear_dtype)
+        embed = weights.vocab_rows(
+            weights.take("model.embed_tokens.weight", vocab_shape, weights.linear_dtype)
+        )
         self.embed = embed.to(dtype)
         self.layers = [
-            DecoderLayer(cfg, i, weights.layer(i), quantization) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, weights.layer(i), quantization, self.tp)
+            for i in range(cfg.num_hidden_layers)
         ]
         self.norm = weights.take("model.norm.weight", (cfg.hidden_size,))
         if cfg.tie_word_embeddings:
             weights.discard("lm_head.weight")
             head = embed
         else:
-            head = weights.take("lm_head.weight", vocab_shape, weights.linear_dtype)
+            head = weights.vocab_rows(weights.take("lm_head.weight", vocab_shape, weights.linear_dtype))
         self.lm_head = make_linear(head, None, lm_head_quantization(quantization))
         weights.check_all_used()
         # set by ModelRunner: a decode-only batch's forward in one C++ call (engine/model/fused_decode.py)
@@ -137,16 +172,30 @@ class LlamaForCausalLM:
             x = layer.forward(x, cos, sin, self.attn, batch, kv_pool)
         if not return_all_logits:
             x = x[batch.cu_seqlens[1:] - 1]
-        return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+        logits = self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+        if self.tp.size > 1:  # vocab-parallel: every rank gets the whole row (padding cut off)
+            logits = self.tp.all_gather(logits)[:, : self.cfg.vocab_size]
+        return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``(T, hidden)`` of ``ids`` ``(T,)``; vocab-parallel: rows outside this rank's range
+        are zero here and come from their owner through the all-reduce."""
+        if self.tp.size == 1:
+            return F.embedding(ids, self.embed)
+        start = self.tp.rank * self.shard.vocab_per_rank
+        local = ids - start
+        inside = (local >= 0) & (local < self.shard.vocab_per_rank)
+        x = F.embedding(local.clamp(0, self.shard.vocab_per_rank - 1), self.embed)
+        return self.tp.all_reduce(x * inside.unsqueeze(-1).to(x.dtype))
 
     def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
         """``(T, hidden)`` token embeddings; image rows (``batch.mm_embeds``) take their image embeddings."""
         if batch.mm_embeds is None:
-            return F.embedding(batch.input_ids, self.embed)
+            return self._embed(batch.input_ids)
         rows, embeds = batch.mm_embeds
         ids = batch.input_ids.clone()
         ids[rows.to(ids.device)] = 0  # pad values lie outside the vocabulary
-        x = F.embedding(ids, self.embed)
+        x = self._embed(ids)
         x[rows.to(x.device)] = embeds.to(device=x.device, dtype=x.dtype)
         return x
 
@@ -162,8 +211,10 @@ class _Weights:
         device: torch.device,
         source: str,
         linear_dtype: torch.dtype,
+        shard: TPShard,
     ) -> None:
         self.cfg, self.dtype, self.device, self.source = cfg, dtype, device, source
+        self.shard = shard
         self.linear_dtype = linear_dtype  # dtype of the weights of linear layers (not biases or norms)
         self.remaining = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
 
@@ -174,6 +225,15 @@ class _Weights:
         if tuple(t.shape) != shape:
             raise ModelLoadError(self.source, f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
         return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
+
+    def vocab_rows(self, w: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a ``(vocab, hidden)`` weight, zero-padded to ``vocab_per_rank`` rows."""
+        if self.shard.size == 1:
+            return w
+        start, end = self.shard.vocab_rows()
+        out = w.new_zeros((self.shard.vocab_per_rank, w.shape[1]))
+        out[: end - start] = w[start:end]
+        return out
 
     def discard(self, name: str) -> None:
         self.remaining.pop(name, None)
@@ -206,19 +266,49 @@ class _Weights:
         gate_up = [
             self.take(f"{mlp}{n}_proj.weight", (inter, hidden), self.linear_dtype) for n in ("gate", "up")
         ]
-        return {
-            "input_layernorm": self.take(p + "input_layernorm.weight", (hidden,)),
-            "post_attention_layernorm": self.take(p + "post_attention_layernorm.weight", (hidden,)),
-            "qkv_w": torch.cat(qkv_w).contiguous(),
-            "qkv_b": qkv_b,
-            "o_w": self.take(attn + "o_proj.weight", (hidden, q_out), self.linear_dtype),
-            "o_b": self.take(attn + "o_proj.bias", (hidden,)) if cfg.o_proj_bias else None,
-            "q_norm": self.take(attn + "q_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
-            "k_norm": self.take(attn + "k_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
-            "gate_up_w": torch.cat(gate_up).contiguous(),
-            "gate_up_b": torch.cat([self.take(f"{mlp}{n}_proj.bias", (inter,)) for n in ("gate", "up")])
-            if cfg.mlp_bias
-            else None,
-            "down_w": self.take(mlp + "down_proj.weight", (hidden, inter), self.linear_dtype),
-            "down_b": self.take(mlp + "down_proj.bias", (hidden,)) if cfg.mlp_bias else None,
-        }
+        return self._shard_layer(
+            {
+                "input_layernorm": self.take(p + "input_layernorm.weight", (hidden,)),
+                "post_attention_layernorm": self.take(p + "post_attention_layernorm.weight", (hidden,)),
+                "qkv_w": torch.cat(qkv_w).contiguous(),
+                "qkv_b": qkv_b,
+                "o_w": self.take(attn + "o_proj.weight", (hidden, q_out), self.linear_dtype),
+                "o_b": self.take(attn + "o_proj.bias", (hidden,)) if cfg.o_proj_bias else None,
+                "q_norm": self.take(attn + "q_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
+                "k_norm": self.take(attn + "k_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
+                "gate_up_w": torch.cat(gate_up).contiguous(),
+                "gate_up_b": torch.cat([self.take(f"{mlp}{n}_proj.bias", (inter,)) for n in ("gate", "up")])
+                if cfg.mlp_bias
+                else None,
+                "down_w": self.take(mlp + "down_proj.weight", (hidden, inter), self.linear_dtype),
+                "down_b": self.take(mlp + "down_proj.bias", (hidden,)) if cfg.mlp_bias else None,
+            }
+        )
+
+    def _shard_layer(self, w: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """This rank's part of one layer's weights: its q/k/v rows (column-parallel), the matching o columns
+        (row-parallel), its gate/up rows and down columns; norms and row-parallel biases whole."""
+        if self.shard.size == 1:
+            return w
+        cfg = self.cfg
+        q_rows, kv_rows = self.shard.head_rows()
+        q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+
+        def qkv(t: torch.Tensor) -> torch.Tensor:
+            q, k, v = t.split((q_out, kv_out, kv_out))
+            return torch.cat((q[q_rows], k[kv_rows], v[kv_rows])).contiguous()
+
+        inter, cols = cfg.intermediate_size, self.shard.inter_cols()
+
+        def gate_up(t: torch.Tensor) -> torch.Tensor:
+            gate, up = t.split((inter, inter))
+            return torch.cat((gate[cols], up[cols])).contiguous()
+
+        out = dict(w)
+        out["qkv_w"] = qkv(w["qkv_w"])
+        out["qkv_b"] = None if w["qkv_b"] is None else qkv(w["qkv_b"])
+        out["o_w"] = w["o_w"][:, q_rows].contiguous()
+        out["gate_up_w"] = gate_up(w["gate_up_w"])
+        out["gate_up_b"] = None if w["gate_up_b"] is None else gate_up(w["gate_up_b"])
+        out["down_w"] = w["down_w"][:, cols].contiguous()
+        return out

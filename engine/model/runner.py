@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.cache.device_pool import DeviceKVPool
+from engine.distributed import TPGroup, TPShard, single_rank
 from engine.model.attention import AttentionBackend, get_attention_backend
 from engine.model.config import ModelConfig
 from engine.model.extension import ExtensionUnavailable, load_extension
@@ -63,7 +64,9 @@ class ModelRunner:
     kernels by rows (``linear.py``: VNNI for decode batches, dense bfloat16 for prefill chunks) where the CPU
     runs them, torch's weight-only kernels otherwise. A LLaVA checkpoint also gets its vision tower and
     projector (``vision``, ``engine/model/vlm``) unless ``language_only`` (embeddings come from an encoder
-    worker); ``vlm`` holds its vision settings (None for a text model).
+    worker); ``vlm`` holds its vision settings (None for a text model). ``tp``: this rank's tensor-parallel
+    group (default one rank): the model keeps this rank's shard, the KV pool holds its KV heads, and decode
+    runs on the Python path (the fused C++ step has no all-reduce between its layers).
     Raises ``ModelLoadError`` for a bad model path and ``ValueError`` for an unknown dtype, backend or
     quantization (``QuantizationError`` for a quantization this dtype or model cannot use).
     """
@@ -78,6 +81,7 @@ class ModelRunner:
         fused_decode: bool = True,
         cpu_quant_kernels: bool = True,
         language_only: bool = False,
+        tp: TPGroup | None = None,
     ) -> None:
         self.language_only = language_only
         backend_cls = get_attention_backend(attention_backend)  # bad names fail before the slow load
@@ -85,6 +89,7 @@ class ModelRunner:
         check_quantization(quantization, self.dtype)
         self.device = torch.device(device)
         self.quantization = quantization
+        self.tp = tp or single_rank()
         self._build(load_checkpoint(model_path), backend_cls, fused_decode, cpu_quant_kernels)
 
     @classmethod
@@ -98,6 +103,7 @@ class ModelRunner:
         fused_decode: bool = True,
         cpu_quant_kernels: bool = True,
         language_only: bool = False,
+        tp: TPGroup | None = None,
     ) -> ModelRunner:
         """A runner over an already loaded ``Checkpoint`` (e.g. one load, several dtypes)."""
         runner = cls.__new__(cls)
@@ -106,6 +112,7 @@ class ModelRunner:
         check_quantization(quantization, runner.dtype)
         runner.device = torch.device(device)
         runner.quantization = quantization
+        runner.tp = tp or single_rank()
         runner._build(checkpoint, get_attention_backend(attention_backend), fused_decode, cpu_quant_kernels)
         return runner
 
@@ -131,14 +138,27 @@ class ModelRunner:
                 checkpoint.path,
             )
         cfg = self.config
-        attn = backend_cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.shard = TPShard(cfg, self.tp.rank, self.tp.size)  # TPConfigError when the heads do not divide
+        heads, kv_heads = self.shard.num_heads, self.shard.num_kv_heads
+        attn = backend_cls(heads, kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
         self.model = LlamaForCausalLM(
-            cfg, checkpoint.tensors, self.dtype, self.device, attn, checkpoint.path, self.quantization
+            cfg,
+            checkpoint.tensors,
+            self.dtype,
+            self.device,
+            attn,
+            checkpoint.path,
+            self.quantization,
+            self.tp,
         )
         self.cpu_quant_kernels = False
         if cpu_quant_kernels and self.device.type == "cpu" and self.quantization is not None:
             self.cpu_quant_kernels = self._use_cpu_quant_kernels()
-        if fused_decode and fused_decode_supports(attn, self.device, self.dtype):
+        if fused_decode and self.tp.size > 1:
+            logger.info(
+                "tp %d: decoding on the Python path (the fused decode step is one rank's)", self.tp.size
+            )
+        elif fused_decode and fused_decode_supports(attn, self.device, self.dtype):
             try:
                 self.model.fused_step = FusedDecodeStep(self.model)
             except ExtensionUnavailable as exc:
@@ -166,10 +186,10 @@ class ModelRunner:
         return self.model.fused_step is not None
 
     def kv_pool_spec(self) -> KVPoolSpec:
-        """Layer count, KV heads, head dim, dtype and device of the KV pool this model writes."""
+        """Layers, KV heads (this rank's), head dim, dtype and device of the KV pool this model writes."""
         cfg = self.config
         return KVPoolSpec(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device
+            cfg.num_hidden_layers, self.shard.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
 
     def forward(

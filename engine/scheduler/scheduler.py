@@ -48,6 +48,7 @@ from engine.scheduler.prefill import PrefillBudget, PrefillManager
 from engine.scheduler.protocols import Runner
 from engine.scheduler.req import Req, ReqOutput, ReqState
 from engine.scheduler.sampler import adjust, logprobs, sample
+from engine.scheduler.tp_sync import TPSync
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +104,10 @@ class Scheduler:
         pd_mode: str = "null",
         pd_transfer=None,
         pd_decode_offload: bool = False,
+        tp: TPSync | None = None,
     ):
         self.runner = runner
+        self.tp = tp  # tensor parallelism: rank 0 hands every rank the same work (tp_sync.py)
         self.cache = cache
         self.pool = device_pool
         self.config = config
@@ -140,6 +143,11 @@ class Scheduler:
     # ----------------------------------------------------------------- API for other threads
     def start(self) -> None:
         self._thread.start()
+
+    def run(self) -> None:
+        """Run the loop on the calling thread until stopped (a tensor-parallel follower rank's main thread);
+        raises what ended it."""
+        self._loop()
 
     def stop(self) -> None:
         """Stop the loop, wait for it (pending requests are aborted), then close the cache's I/O threads."""
@@ -259,7 +267,10 @@ class Scheduler:
         try:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
-                self._drain_inbox(self._wait_time(progressed))
+                if self.tp is None or self.tp.is_leader:
+                    self._drain_inbox(self._wait_time(progressed))
+                if self.tp is not None and self.tp.exchange(self, self._stop.is_set()):
+                    self._stop.set()
                 if self._stop.is_set():
                     break
                 self.busy_since = time.monotonic()
@@ -297,12 +308,18 @@ class Scheduler:
                 return
             self._in_hand = item
             if isinstance(item, _Command):
+                if self.tp is not None and not callable(item.work) and not item.future.cancelled():
+                    self.tp.announce(item.work, self._accepted)  # every rank carries it out, now
                 self._run_command(item)
                 self._publish()
             elif isinstance(item, AbortReq):
                 self._abort(item.rid)
+                if self.tp is not None:
+                    self.tp.took(item)
             else:
                 self._enqueue(item)
+                if self.tp is not None:
+                    self.tp.took(item)
             self._in_hand = None
 
     def _run_command(self, cmd: _Command) -> None:
@@ -514,7 +531,18 @@ class Scheduler:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | None]:
         """One token per request from ``logits`` ``(B, vocab)``. When the batch raises, rows are sampled one
-        by one and a request whose row raises is aborted alone (``None`` in its place)."""
+        by one and a request whose row raises is aborted alone (``None`` in its place). Under tensor
+        parallelism every rank takes rank 0's tokens."""
+        tokens = self._sample_here(logits, reqs)
+        if self.tp is None:
+            return tokens
+        agreed = self.tp.tokens(tokens)
+        for req, tok in zip(reqs, agreed, strict=True):
+            if tok is None and not req.finished:  # rank 0 aborted it
+                self._finish(req, {"type": "abort", "message": "sampling failed on rank 0"}, insert=False)
+        return agreed
+
+    def _sample_here(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | None]:
         try:
             return self._sample_rows(logits, reqs)
         except Exception:

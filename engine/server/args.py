@@ -114,6 +114,10 @@ class ServerArgs:
     enable_mm_global_cache: bool = False
     grammar_backend: str = "xgrammar"
     tool_call_parser: str | None = None
+    tp_size: int = 1
+    dist_init_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
 
     @property
     def max_images_per_request(self) -> int:
@@ -255,7 +259,23 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hicache-storage-prefetch-policy", choices=PREFETCH_POLICIES, default="best_effort")
     a("--hicache-storage-backend-extra-config", default=None, help="JSON object or @file (.json/.toml/.yaml)")
     a("--radix-eviction-policy", choices=EVICTION_POLICIES, default="lru")
-    a("--base-gpu-id", type=int, default=0, help="the GPU this worker uses (cuda)")
+    a("--base-gpu-id", type=int, default=0, help="the GPU of rank 0 (cuda); rank r uses base + r")
+    a(
+        "--tp-size",
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp_size",
+        type=_positive_int("--tp-size"),
+        default=1,
+        help="tensor parallelism: one scheduler process per rank, the model's heads split over them",
+    )
+    a(
+        "--dist-init-addr",
+        default=None,
+        help="host:port where the ranks meet (torch.distributed); default a free port on 127.0.0.1",
+    )
+    a("--nnodes", type=int, default=1, help="1 only: every rank of a KVFleet worker runs on this host")
+    a("--node-rank", type=int, default=0, help="0 only (see --nnodes)")
     a("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null")
     a(
         "--disaggregation-bootstrap-port",
@@ -387,6 +407,7 @@ def _validate(args: ServerArgs) -> None:
         raise ArgumentError(f"--watchdog-timeout must be > 0, got {args.watchdog_timeout}")
     _validate_pd(args)
     _validate_vlm(args)
+    _validate_tp(args)
     if args.hicache_storage_backend and not args.enable_hierarchical_cache:
         raise ArgumentError("--hicache-storage-backend needs --enable-hierarchical-cache")
     if args.hicache_storage_backend_extra_config is not None:
@@ -397,6 +418,30 @@ def _validate(args: ServerArgs) -> None:
     if args.max_total_tokens is not None and args.max_total_tokens % args.page_size:
         raise ArgumentError(
             f"--max-total-tokens {args.max_total_tokens} must be a multiple of --page-size {args.page_size}"
+        )
+
+
+def _validate_tp(args: ServerArgs) -> None:
+    if args.nnodes != 1:
+        raise ArgumentError(
+            f"--nnodes {args.nnodes}: not supported by KVFleet: every rank of a worker runs on one host "
+            "(--tp-size ranks as local processes); use --nnodes 1"
+        )
+    if args.node_rank != 0:
+        raise ArgumentError(
+            f"--node-rank {args.node_rank}: not supported by KVFleet (one node: --node-rank 0)"
+        )
+    if args.dist_init_addr is not None:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ArgumentError(f"--dist-init-addr must be host:port, got {args.dist_init_addr!r}")
+    if args.tp_size > 1 and (args.encoder_only or args.language_only):
+        flag = "--encoder-only" if args.encoder_only else "--language-only"
+        raise ArgumentError(f"--tp-size {args.tp_size} with {flag}: EPD workers run with --tp-size 1")
+    if args.tp_size > 1 and args.disaggregation_mode != "null":
+        raise ArgumentError(
+            f"--tp-size {args.tp_size} with --disaggregation-mode {args.disaggregation_mode}: PD workers run "
+            "with --tp-size 1 in this release (tensor-parallel PD transfer is not built yet)"
         )
 
 

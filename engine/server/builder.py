@@ -10,6 +10,7 @@ defaults to 2048 tokens on cpu and 8192 on cuda; -1 turns it off. The context le
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,11 +19,14 @@ from engine.cache.config import HiCacheConfig, parse_extra_config, split_extra_c
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
 from engine.disaggregation import TransferBackendError, create_kv_manager
+from engine.distributed import TPConfigError, TPGroup, TPShard, check_tp_size, init_tp_group, single_rank
 from engine.grammar.backend import GrammarBackend
 from engine.model.linear import QuantizationError
+from engine.model.loader import load_config
 from engine.model.loader.fingerprint import kv_producer, weights_digest
 from engine.model.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.tp_sync import TPSync
 from engine.server.args import ArgumentError, ServerArgs
 from engine.server.encoder_client import EncoderClient
 from engine.server.engine import Engine
@@ -30,6 +34,7 @@ from engine.server.images import EmbeddingCache, ImageInputs, local_embedder
 from engine.server.metrics import EngineMetrics
 from engine.server.recording import TraceRecorder
 from engine.server.tenants import TenantConfigError, Tenants
+from engine.server.tp_ranks import cpu_threads, init_method, start_ranks
 from engine.sizing.kv import resolve_kv_cache_dtype, shape_for
 from engine.sizing.tiers import l1_pool_tokens
 
@@ -115,14 +120,66 @@ def pd_transfer(args: ServerArgs, pool: DeviceKVPool):
     return mgr
 
 
-def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
-    """Load the model (unless ``runner`` is given), build cache and scheduler, start the scheduler thread."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ArgumentError("--device cuda: no CUDA device is available")
+@dataclass
+class _Rank:
+    """What every rank of a worker builds: the model shard, its pools and cache, the scheduler's config."""
+
+    runner: ModelRunner
+    pool: DeviceKVPool
+    cache: HiRadixCache
+    sched_cfg: SchedulerConfig
+    bytes_per_token: int
+    context: int
+    name: str
+
+
+def _check_tp_lcm(args: ServerArgs) -> None:
+    """``tp_lcm_size`` (extra config): must be a positive multiple of ``--tp-size`` (upstream's check)."""
+    extra = parse_extra_config(args.hicache_storage_backend_extra_config) or {}
+    lcm = extra.get("tp_lcm_size")
+    if lcm is None:
+        return
+    if isinstance(lcm, bool) or not isinstance(lcm, int) or lcm < 1 or lcm % args.tp_size:
+        raise ArgumentError(
+            f"--hicache-storage-backend-extra-config: tp_lcm_size {lcm!r} must be a multiple of "
+            f"--tp-size {args.tp_size}"
+        )
+    logger.warning(
+        "tp_lcm_size %d: L3 pages are keyed per tp shard; head splitting across tp sizes is not built, so "
+        "instances of different --tp-size do not share L3 pages",
+        lcm,
+    )
+
+
+def _check_tp(args: ServerArgs) -> None:
+    """Refuse a tp size the model's heads or this host's GPUs do not take (before any rank starts)."""
+    _check_tp_lcm(args)
+    if args.tp_size == 1:
+        return
+    try:
+        check_tp_size(load_config(args.model_path), args.tp_size)
+    except TPConfigError as exc:
+        raise ArgumentError(str(exc)) from None
+    if args.device == "cuda" and args.base_gpu_id + args.tp_size > torch.cuda.device_count():
+        raise ArgumentError(
+            f"--tp-size {args.tp_size} from --base-gpu-id {args.base_gpu_id} needs GPUs "
+            f"{args.base_gpu_id}..{args.base_gpu_id + args.tp_size - 1}; {torch.cuda.device_count()} visible"
+        )
+
+
+def _join_group(args: ServerArgs, rank: int, method: str | None) -> TPGroup:
+    """This rank's device (cuda: ``--base-gpu-id`` + rank), torch threads, and its place in the group."""
     if args.device == "cuda":
-        if args.base_gpu_id >= torch.cuda.device_count():
-            raise ArgumentError(f"--base-gpu-id {args.base_gpu_id}: {torch.cuda.device_count()} GPUs visible")
-        torch.cuda.set_device(args.base_gpu_id)
+        torch.cuda.set_device(args.base_gpu_id + rank)
+    if args.tp_size == 1:
+        return single_rank()
+    if args.device == "cpu":
+        torch.set_num_threads(cpu_threads(args.tp_size))
+    assert method is not None
+    return init_tp_group(rank, args.tp_size, method, args.device)
+
+
+def _build_rank(args: ServerArgs, group: TPGroup, runner: ModelRunner | None) -> _Rank:
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     if runner is None:
         try:
@@ -135,9 +192,12 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
                 fused_decode=not args.disable_fused_decode,
                 cpu_quant_kernels=not args.disable_cpu_quant_kernels,
                 language_only=args.language_only,
+                tp=group,
             )
         except QuantizationError as exc:  # e.g. an int4 group size the model's in_features do not take
             raise ArgumentError(str(exc)) from None  # names --torchao-config
+    if group.size > 1 and runner.vlm is not None:
+        raise ArgumentError(f"--tp-size {group.size}: image models run at --tp-size 1 in this release")
     spec = runner.kv_pool_spec()
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, str(spec.dtype).removeprefix("torch."))
     bytes_per_token = shape_for(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype).bytes_per_token
@@ -152,6 +212,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         producer = kv_producer(weights_digest(runner.model_path), runner.quantization, runner.dtype)
         if runner.vlm is not None:  # image KV depends on the vision tower and the processor settings too
             producer += f";vision={runner.vlm.digest()}"
+    shard = TPShard(cfg, group.rank, group.size)
     try:
         cache = HiRadixCache(
             pool,
@@ -159,6 +220,10 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
             model_name=name,
             enable_hierarchical=args.enable_hierarchical_cache,
             kv_producer=producer,
+            tp_rank=group.rank,
+            tp_size=group.size,
+            kv_shard=(shard.kv_shard, shard.num_kv_shards),
+            kv_writer=shard.kv_writer,
         )
     except ValueError as exc:  # bad layout / io backend / storage backend settings
         raise ArgumentError(f"--hicache-*: {exc}") from None
@@ -176,17 +241,50 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         max_queued_requests=args.max_queued_requests,
         eos_token_ids=tuple(sorted(runner.tokenizer.eos_token_ids)),
     )
+    return _Rank(runner, pool, cache, sched_cfg, bytes_per_token, context, name)
+
+
+def build_follower(args: ServerArgs, rank: int, method: str) -> Scheduler:
+    """Tensor-parallel rank ``rank`` > 0: its shard, pools and cache, and a scheduler that follows rank 0
+    (``Scheduler.run`` it)."""
+    group = _join_group(args, rank, method)
+    r = _build_rank(args, group, None)
+    if args.random_seed is not None:
+        torch.manual_seed(args.random_seed)
+    return Scheduler(r.runner, r.cache, r.pool, r.sched_cfg, r.runner.tokenizer.decode, tp=TPSync(group))
+
+
+def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
+    """Load the model (unless ``runner`` is given), build cache and scheduler, start the scheduler thread.
+    With ``--tp-size`` > 1 this process is rank 0 and starts the other ranks (``tp_ranks.py``) first."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ArgumentError("--device cuda: no CUDA device is available")
+    if args.device == "cuda" and args.base_gpu_id >= torch.cuda.device_count():
+        raise ArgumentError(f"--base-gpu-id {args.base_gpu_id}: {torch.cuda.device_count()} GPUs visible")
+    _check_tp(args)
+    ranks = None
+    method = None
+    if args.tp_size > 1:
+        if runner is not None:
+            raise ArgumentError(f"--tp-size {args.tp_size}: each rank loads its own shard (no runner given)")
+        method = init_method(args.dist_init_addr)
+        ranks = start_ranks(args, method)
+    group = _join_group(args, 0, method)
+    r = _build_rank(args, group, runner)
+    runner, pool, cache, name = r.runner, r.pool, r.cache, r.name
+    cfg = runner.config
     tokenizer = runner.tokenizer
     transfer = pd_transfer(args, pool)
     scheduler = Scheduler(
         runner,
         cache,
         pool,
-        sched_cfg,
+        r.sched_cfg,
         tokenizer.decode,
         pd_mode=args.disaggregation_mode,
         pd_transfer=transfer,
         pd_decode_offload=args.disaggregation_decode_enable_offload_kvcache,
+        tp=TPSync(group) if group.size > 1 else None,
     )
     try:
         tenants = Tenants.load(args.tenant_keys_file) if args.tenant_keys_file else None
@@ -204,7 +302,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         args,
         tokenizer,
         scheduler,
-        context_length=context,
+        context_length=r.context,
         vocab_size=tokenizer.vocab_size,
         metrics=metrics,
         recorder=TraceRecorder() if args.record_trace else None,
@@ -216,12 +314,16 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
             "kv_cache_dtype": pool.kv_cache_dtype,
             "vocab_size": tokenizer.vocab_size,
         },
+        tp_ranks=ranks,
     )
     engine.images = image_inputs(args, runner)
+    if ranks is not None:
+        ranks.on_death = engine.mark_unhealthy
     scheduler.start()
     logger.info(
-        "engine ready: %s, L1 %d tokens (page %d), hierarchical=%s",
+        "engine ready: %s, tp %d, L1 %d tokens per rank (page %d), hierarchical=%s",
         name,
+        args.tp_size,
         pool.size,
         args.page_size,
         args.enable_hierarchical_cache,

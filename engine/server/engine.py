@@ -56,6 +56,19 @@ class Engine:
     grammar: GrammarBackend | None = None  # --grammar-backend xgrammar (None: none)
     unhealthy: str | None = None  # set by a failed PD role switch: /health answers 503 with it
     started_at: float = field(default_factory=time.time)
+    tp_ranks: object = None  # tensor parallelism: ranks 1..tp-1 (engine.server.tp_ranks.RankProcesses)
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """From now on ``/health`` answers 503 with ``reason`` and new requests are refused with it."""
+        self.unhealthy = reason
+
+    def shutdown(self) -> None:
+        """Stop the scheduler (rank 0 tells the other ranks to stop) and wait for the other ranks."""
+        if self.tp_ranks is not None:
+            self.tp_ranks.stopping = True
+        self.scheduler.stop()
+        if self.tp_ranks is not None:
+            self.tp_ranks.stop()
 
     @property
     def model_name(self) -> str:

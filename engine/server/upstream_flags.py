@@ -10,9 +10,6 @@ spelling names the real flag(s). Anything else falls back to the closest real fl
 from __future__ import annotations
 
 NOT_YET: dict[str, str] = {
-    "--tp-size": "tensor parallelism is planned; a worker runs on one device for now",
-    "--tp": "tensor parallelism is planned; a worker runs on one device for now",
-    "--tensor-parallel-size": "tensor parallelism is planned; a worker runs on one device for now",
     "--grpc-mode": "gRPC serving is not built; encoders and workers speak HTTP + ZMQ",
 }
 """Upstream flags a later KVFleet release implements: flag -> why it is refused today."""
@@ -45,7 +42,7 @@ UNSUPPORTED: tuple[str, ...] = (
     "--disable-radix-cache",
     "--disable-chunked-prefix-cache",
     "--enable-priority-scheduling",
-    # parallelism (besides tensor parallelism, planned: NOT_YET)
+    # parallelism (besides tensor parallelism)
     "--dp-size",
     "--dp",
     "--data-parallel-size",
@@ -54,9 +51,6 @@ UNSUPPORTED: tuple[str, ...] = (
     "--ep-size",
     "--expert-parallel-size",
     "--enable-dp-attention",
-    "--nnodes",
-    "--node-rank",
-    "--dist-init-addr",
     "--nccl-port",
     "--gpu-id-step",
     # kernels and backends

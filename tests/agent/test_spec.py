@@ -225,3 +225,12 @@ def test_an_encoder_worker_runs_encoder_only_and_is_never_switched(tmp_path):
         with_role(enc0, "prefill")
     assert role_of(enc0, {"encoder_only": True, "model_path": "smollm2"}) == "encoder"
     assert role_of(enc0, None) == "encoder"
+
+
+def test_a_tp_worker_registers_its_tp_size_and_holds_its_devices(tmp_path):
+    text = '[[workers]]\nname = "w0"\nmodel = "smollm2"\nport = 31001\ntp_size = 3\nbase_gpu_id = 2\n'
+    (w0,) = load_spec(write(tmp_path, text)).workers
+    assert "--tp-size=3" in w0.flags and w0.tp_size == 3
+    assert w0.devices == [2, 3, 4]
+    assert worker_record(w0)["tp_size"] == 3
+    assert worker_record(w0, {"tp_size": 3, "disaggregation_mode": "null"})["tp_size"] == 3

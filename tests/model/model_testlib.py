@@ -250,3 +250,24 @@ _GGUF_NAMES = {  # gguf name part -> HF name part (most specific first)
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+
+def tp_rank_logits(
+    rank: int, size: int, folder: str, init_method: str, quantization, dtype: str, out
+) -> None:
+    """One tensor-parallel rank (a spawned process) running ``greedy_generate`` on the model in ``folder``
+    over ``TP_PROMPTS``; rank 0 puts ``(logits as numpy arrays, tokens)`` on the queue ``out``."""
+    torch.set_num_threads(1)
+    from engine.distributed import init_tp_group
+
+    group = init_tp_group(rank, size, init_method)
+    runner = ModelRunner(
+        folder, dtype=dtype, quantization=quantization, tp=group, fused_decode=False, cpu_quant_kernels=False
+    )
+    pool = DeviceKVPool(256, 4, **vars(runner.kv_pool_spec()))
+    logits, tokens = greedy_generate(runner, pool, PageAllocator(pool), TP_PROMPTS, 5, chunk_size=6)
+    if rank == 0:
+        out.put(([x.float().numpy() for x in logits], tokens))
+
+
+TP_PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9], [11, 12, 13]]

@@ -4,6 +4,7 @@ flag names the real one (closest match, a mistaken spelling's real flag, or "not
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -62,10 +63,24 @@ def test_an_upstream_flag_kvfleet_lacks_is_not_supported_not_unrecognized():
     assert str(exc.value) == "--cpu-offload-gb is an SGLang flag not supported by KVFleet"
 
 
-@pytest.mark.parametrize("flag", ["--tp-size", "--tp"])
-def test_tensor_parallel_flags_are_not_supported_yet(flag):
-    with pytest.raises(ArgumentError, match=rf"^{flag} is not supported by KVFleet yet \(tensor parallel"):
-        parse_args(["--model-path", "m", flag, "2"])
+@pytest.mark.parametrize("flag", ["--tp-size", "--tp", "--tensor-parallel-size"])
+def test_tensor_parallel_flags_set_tp_size(flag):
+    assert parse_args(["--model-path", "m", flag, "2"]).tp_size == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--nnodes", "2"], "--nnodes 2: not supported by KVFleet"),
+        (["--node-rank", "1"], "--node-rank 1: not supported by KVFleet"),
+        (["--dist-init-addr", "nohost"], "--dist-init-addr must be host:port"),
+        (["--tp", "2", "--disaggregation-mode", "prefill"], "--tp-size 2 with --disaggregation-mode prefill"),
+        (["--tp", "0"], "--tp-size"),
+    ],
+)
+def test_multi_node_and_tp_pd_are_refused_naming_the_flag(flags, named):
+    with pytest.raises(ArgumentError, match=re.escape(named)):
+        parse_args(["--model-path", "m", *flags])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,129 @@
+"""Keeping the schedulers of a tensor-parallel group in step (upstream: rank 0 broadcasts what it received).
+
+Rank 0 (the leader) owns the HTTP server and the inbox. Each iteration, after draining its inbox, it
+broadcasts what it took in (new requests, aborts, admin messages it carried out) and whether it is stopping;
+every other rank (a follower, no inbox) applies the same items in the same order, so all ranks hold the same
+queues and take the same scheduling decisions. Rank 0's sampled tokens are broadcast too, so every rank
+appends the same token whatever its sampler would have drawn (upstream's ``SYNC_TOKEN_IDS_ACROSS_TP``).
+Cache decisions that depend on I/O timing agree through the cache's own all-reduce(min) (``engine/cache``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.distributed import TPGroup
+from engine.scheduler import admin
+from engine.scheduler.messages import AbortReq, AttachStorage
+from engine.scheduler.req import Req, ReqOutput
+from engine.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NewReq:
+    """What a follower needs to rebuild a request rank 0 received (no callback, no generator object)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    health_check: bool
+    cache_salt: str | None
+
+    @classmethod
+    def of(cls, req: Req) -> NewReq:
+        return cls(req.rid, list(req.input_ids), req.params, req.health_check, req.cache_salt)
+
+    def build(self) -> Req:
+        req = Req(
+            self.rid,
+            list(self.input_ids),
+            self.params,
+            _discard,
+            health_check=self.health_check,
+            cache_salt=self.cache_salt,
+        )
+        if self.params.sampling_seed is not None:
+            req.generator = torch.Generator().manual_seed(self.params.sampling_seed)
+        return req
+
+
+@dataclass(frozen=True)
+class _Admin:
+    """An admin message every rank carries out, with rank 0's count of HTTP requests in hand."""
+
+    msg: object
+    accepted: int
+
+
+def _discard(_: ReqOutput) -> None:
+    """A follower's requests have no client: rank 0 answers them."""
+
+
+class TPSync:
+    """One rank's side of the per-iteration exchange; ``group.is_leader`` picks the side."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+        self._taken: list[object] = []
+
+    @property
+    def is_leader(self) -> bool:
+        return self.group.is_leader
+
+    # -- leader
+    def took(self, item: object) -> None:
+        """Rank 0 took ``item`` from its inbox and handled it (a ``Req`` or an ``AbortReq``)."""
+        self._taken.append(NewReq.of(item) if isinstance(item, Req) else item)
+
+    def announce(self, msg: object, accepted: int) -> None:
+        """Rank 0 is about to carry out the admin message ``msg``: every rank carries it out now, in the same
+        place in its loop (admin work may take part in the cache's collectives). ``accepted``: rank 0's HTTP
+        requests in hand, which its idle checks count, so the other ranks' checks decide the same."""
+        if isinstance(msg, AttachStorage) and not isinstance(msg.backend, str):
+            # a backend rank 0 prepared off its scheduler thread: each rank opens its own by name
+            name = getattr(msg.backend, "name", None) or type(msg.backend).__name__
+            extra = msg.extra_config
+            if extra is None and getattr(msg.backend, "extra", None):
+                extra = json.dumps(msg.backend.extra)
+            msg = AttachStorage(name, extra, msg.prefetch_policy, msg.write_policy)
+        self.group.broadcast_object(("more", False, [*self._taken, _Admin(msg, accepted)]))
+        self._taken = []
+
+    # -- both
+    def exchange(self, sched, stopping: bool) -> bool:
+        """Broadcast (rank 0) or receive and apply (the others) this iteration's items; True when the group
+        stops. Raises what ``torch.distributed`` raises when a rank is gone."""
+        if self.is_leader:
+            self.group.broadcast_object(("end", stopping, self._taken))
+            self._taken = []
+            return stopping
+        while True:
+            kind, stop, items = self.group.broadcast_object(None)
+            for item in items:
+                if isinstance(item, NewReq):
+                    sched._enqueue(item.build())
+                elif isinstance(item, AbortReq):
+                    sched._abort(item.rid)
+                elif isinstance(item, _Admin):
+                    self._run_admin(sched, item)
+            if kind == "end":
+                return stop
+
+    def _run_admin(self, sched, item: _Admin) -> None:
+        sched._accepted = item.accepted
+        try:
+            admin.handle(sched, item.msg)
+        except Exception as exc:  # rank 0 answers the client; its own outcome is the one reported
+            logger.info("tp rank %d: admin message %r: %s", self.group.rank, item.msg, exc)
+        finally:
+            sched._accepted = 0
+
+    def tokens(self, tokens: list[int | None]) -> list[int | None]:
+        """Rank 0's sampled tokens on every rank."""
+        return self.group.broadcast_object(tokens)  # type: ignore[return-value]

@@ -1,0 +1,170 @@
+"""Tensor parallelism through real worker processes (``--tp-size``): a process per rank, rank 0 serving HTTP.
+
+A tiny random Llama with 8 query heads and 4 KV heads gives token-for-token the same greedy output at tp 1, 2,
+4 and 8 (8: each KV head replicated on two ranks); a tp the heads do not divide is refused at start-up naming
+the counts; ``/server_info`` reports ``tp_size``; a rank that dies takes the worker down, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_testlib import model_testlib
+
+from engine.bench.launcher import ServerProcess
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210]]
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def gqa_model_dir(tmp_path_factory) -> Path:
+    """2 layers, 8 query heads, 4 KV heads (head dim 8), vocab 320: every tp in 1, 2, 4, 8 divides it."""
+    folder = tmp_path_factory.mktemp("tiny-llama-tp")
+    model_testlib().save_tiny_model(folder, "llama", seed=11, num_attention_heads=8, num_key_value_heads=4)
+    return folder
+
+
+def greedy(client: httpx.Client) -> list[list[int]]:
+    body = {
+        "input_ids": PROMPTS,
+        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
+    }
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return [out["output_ids"] for out in r.json()]
+
+
+@pytest.fixture(scope="module")
+def tp1_output(gqa_model_dir) -> list[list[int]]:
+    # the Python decode path, as every rank takes at tp > 1 (the fused C++ decode step is one rank's)
+    with (
+        ServerProcess(["--model-path", str(gqa_model_dir), "--disable-fused-decode"]) as server,
+        httpx.Client(base_url=server.url, timeout=120) as client,
+    ):
+        return greedy(client)
+
+
+@pytest.mark.parametrize(
+    "tp", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)]
+)
+def test_greedy_output_at_tp_equals_tp1_token_for_token(gqa_model_dir, tp1_output, tp):
+    flags = ["--model-path", str(gqa_model_dir), "--tp-size", str(tp)]
+    with ServerProcess(flags) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        assert greedy(client) == tp1_output
+        assert client.get("/server_info").json()["tp_size"] == tp
+
+
+def launch_refused(flags: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "engine.launch_server", *flags, "--port", "1"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_a_tp_the_heads_do_not_divide_is_refused_naming_the_counts(gqa_model_dir):
+    done = launch_refused(["--model-path", str(gqa_model_dir), "--tp", "3"])
+    assert done.returncode == 2
+    assert "--tp-size 3: the model's 8 attention heads are not divisible by 3" in done.stderr
+
+
+def _rank_pids(server_pid: int) -> list[int]:
+    """Pids of the server's tensor-parallel rank processes (spawned children, not the resource tracker)."""
+    out = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in map(int, out):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "multiprocessing.spawn" in cmdline and "resource_tracker" not in cmdline:
+            pids.append(pid)
+    return pids
+
+
+def test_a_dead_rank_takes_the_worker_down_with_a_clear_log_line(gqa_model_dir):
+    with ServerProcess(["--model-path", str(gqa_model_dir), "--tp", "2"]) as server:
+        (rank1,) = _rank_pids(server.proc.pid)
+        os.kill(rank1, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.proc.returncode == 3, server.log_tail()
+        assert f"tensor-parallel rank 1 (pid {rank1}) exited with code -9" in server.log_tail(20000)
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_equals_tp1_and_tp2_is_refused_naming_its_9_heads():
+    done = launch_refused(["--model-path", "smollm2", "--tp", "2"])
+    assert done.returncode == 2
+    assert "the model's 9 attention heads are not divisible by 2" in done.stderr
+    outputs = {}
+    for tp in (1, 3):
+        flags = ["--model-path", "smollm2", "--tp", str(tp), "--max-total-tokens", "512"]
+        with ServerProcess(flags) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+            body = {
+                "text": "The capital of France is",
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            }
+            r = client.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            outputs[tp] = r.json()["output_ids"]
+    assert outputs[3] == outputs[1]
+
+
+def _when_idle_flush(client: httpx.Client, timeout: float = 60.0) -> None:
+    """POST /flush_cache until it succeeds (a 400 while cache I/O such as backups still runs)."""
+    deadline = time.monotonic() + timeout
+    while (resp := client.post("/flush_cache")).status_code != 200:
+        assert "not idle" in resp.text and time.monotonic() < deadline, resp.text
+        time.sleep(0.05)
+
+
+def test_hicache_at_tp2_serves_l1_l2_and_l3_hits_with_the_cold_output(gqa_model_dir, tmp_path):
+    """Each rank caches its own KV heads in L1, L2 and L3 (file, keys per shard); a prompt served from each
+    tier gives the output of its cold run."""
+    extra = json.dumps({"file_path": str(tmp_path / "l3"), "prefetch_threshold": 4})
+    flags = ["--model-path", str(gqa_model_dir), "--tp", "2", "--page-size", "4", "--max-total-tokens", "96",
+             "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+             "--hicache-storage-backend-extra-config", extra,
+             "--hicache-storage-prefetch-policy", "wait_complete"]  # fmt: skip
+    prompt = [(7 * i + 3) % 300 + 10 for i in range(48)]
+    other = [(11 * i + 5) % 300 + 10 for i in range(84)]  # with the prompt, more than L1 holds
+
+    def run(client: httpx.Client, ids: list[int]) -> tuple[list[int], dict]:
+        body = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        }
+        r = client.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens_details"]
+
+    with ServerProcess(flags) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        cold, details = run(client, prompt)
+        assert details == {"device": 0, "host": 0, "storage": 0}
+        out, details = run(client, prompt)
+        assert out == cold and details["device"] >= 44
+        run(client, other)  # the L1 pool holds one of them: the first goes to L2 only
+        out, details = run(client, prompt)
+        # from L2, or from L3 when the eviction came before the ranks agreed the L2 write was done
+        assert out == cold and details["host"] + details["storage"] >= 40, details
+        _when_idle_flush(client)  # L1 and L2 emptied on every rank: only L3 holds the prompt's pages
+        out, details = run(client, prompt)
+        assert out == cold and details["storage"] >= 40, details
+        files = list((tmp_path / "l3").rglob("*.bin"))
+        assert files, "no page reached the file L3"
+
+
+def test_a_tp_lcm_size_that_is_not_a_multiple_of_tp_is_refused_naming_both(gqa_model_dir):
+    extra = json.dumps({"tp_lcm_size": 3})
+    done = launch_refused(["--model-path", str(gqa_model_dir), "--tp", "2", "--enable-hierarchical-cache",
+                           "--hicache-storage-backend-extra-config", extra])  # fmt: skip
+    assert done.returncode == 2
+    assert "tp_lcm_size 3 must be a multiple of --tp-size 2" in done.stderr
