@@ -391,7 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(bench_attention(device, iters=iters, **attention)) + "\n")
     print(f"## Load-back overlap ({layers} layers, {width}x{width} bf16 matmul per layer)\n")
     print(_table([bench_overlap(device, tokens, layers, heads, dim, width, iters)]))
-    return 0
+    print("\n## Tensor parallelism (NCCL all-reduce per layer, decode step tp 2 vs tp 1)\n")
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        print("not measured: needs 2 CUDA devices")
+        return 0
+    from engine.bench import tp
+
+    return tp.main(["--device", "cuda", "--tp", "2"])
 
 
 if __name__ == "__main__":
