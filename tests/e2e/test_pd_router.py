@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import re
 import time
 
 import httpx
@@ -199,6 +200,42 @@ def test_logprobs_through_router_equal_aggregated(pd_fleet):
     a, b = (c["choices"][0]["logprobs"]["content"] for c in chat)
     assert [x["token"] for x in a] == [x["token"] for x in b] and len(a) == 6
     assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a, b, strict=True)) < 1e-4
+    _wait_clean(pd_fleet["p1"].url, pd_fleet["d"].url)
+
+
+def test_constrained_output_through_router_matches_its_grammar_and_aggregated(pd_fleet):
+    """P picks the first token under the grammar; D rebuilds the grammar from it and goes on: the output
+    matches the regex / schema and equals the aggregated worker's (greedy)."""
+    router, agg = pd_fleet["router"], pd_fleet["agg"].url
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    }
+    cases = [
+        ({"regex": r"[A-Z][a-z]{2,9}, [0-9]{4}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,9}, [0-9]{4}", t)),
+        ({"json_schema": json.dumps(schema)}, lambda t: isinstance(json.loads(t)["city"], str)),
+    ]
+    for constraint, check in cases:
+        sp = {"max_new_tokens": 40, "temperature": 0, **constraint}
+        body = {"text": "The capital of France and a year:", "sampling_params": sp}
+        want = httpx.post(f"{agg}/generate", json=body, timeout=120).json()
+        got = httpx.post(f"{router}/generate", json=body, timeout=120)
+        assert got.status_code == 200, got.text
+        assert check(got.json()["text"]) and got.json()["output_ids"] == want["output_ids"]
+    chat = {
+        "messages": [{"role": "user", "content": "Name a city as JSON."}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    }
+    got = httpx.post(f"{router}/v1/chat/completions", json=chat, timeout=120)
+    assert got.status_code == 200, got.text
+    assert isinstance(json.loads(got.json()["choices"][0]["message"]["content"])["city"], str)
+    bad = httpx.post(
+        f"{router}/generate", json={"text": "x", "sampling_params": {"regex": "[a-"}}, timeout=120
+    )
+    assert bad.status_code == 400 and "sampling_params.regex" in bad.text
     _wait_clean(pd_fleet["p1"].url, pd_fleet["d"].url)
 
 
