@@ -320,9 +320,7 @@ def _tool_call_parser(name: str) -> str:
         return name
     close = difflib.get_close_matches(name, list(TOOL_CALL_PARSERS), n=1, cutoff=0.0)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise argparse.ArgumentTypeError(
-        f"--tool-call-parser: unknown parser {name!r} (one of {', '.join(TOOL_CALL_PARSERS)}){hint}"
-    )
+    raise argparse.ArgumentTypeError(f"unknown parser {name!r} (one of {', '.join(TOOL_CALL_PARSERS)}){hint}")
 
 
 ENCODER_TRANSFER_BACKENDS = ("zmq_to_scheduler", "zmq_to_tokenizer", "mooncake")

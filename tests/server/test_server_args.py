@@ -222,3 +222,15 @@ def test_a_bad_cache_setting_names_its_flag_once(tiny_model_dir):
     assert (
         str(exc.value) == "--hicache-storage-backend-extra-config: prefetch_threshold: must be >= 0, got -1"
     )
+
+
+def test_grammar_and_tool_call_parser_flags():
+    args = parse_args(["--model-path", "m", "--grammar-backend", "none", "--tool-call-parser", "llama3"])
+    assert (args.grammar_backend, args.tool_call_parser) == ("none", "llama3")
+    assert parse_args(["--model-path", "m"]).grammar_backend == "xgrammar"
+    with pytest.raises(
+        ArgumentError, match=r"--tool-call-parser: unknown parser 'qwen2' .*did you mean 'qwen25'\?$"
+    ):
+        parse_args(["--model-path", "m", "--tool-call-parser", "qwen2"])
+    with pytest.raises(ArgumentError, match="--grammar-backend"):
+        parse_args(["--model-path", "m", "--grammar-backend", "outlines"])
