@@ -42,11 +42,15 @@ class Prefetcher:
         """Start fetching the page-aligned ``new_token_ids`` (following ``last_host_node``, in key space
         ``salt``) from L3.
 
-        Skipped without storage, below ``prefetch_threshold``, when prefetches already occupy half the
-        host pool, when ``rid`` already prefetches, or when the host pool has no room.
+        Skipped without storage, while the L3 breaker is open (no probe due), below ``prefetch_threshold``,
+        when prefetches already occupy half the host pool, when ``rid`` already prefetches, or when the host
+        pool has no room.
         """
         cache = self.cache
         if cache.backend is None or rid in self.ongoing:
+            return
+        health = cache.controller.health
+        if health is not None and health.skipping():  # L3 breaker open: a miss now, no host slots reserved
             return
         tokens = cache._key(new_token_ids)
         host = cache.policy.reserve_prefetch(

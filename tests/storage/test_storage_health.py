@@ -50,3 +50,15 @@ def test_dropped_backups_are_counted():
     health.drop_backup(3)
     health.drop_backup(2)
     assert health.snapshot().dropped_backup_pages == 5
+
+
+def test_skipping_while_open_leaves_the_probe_to_the_next_call():
+    clock = Clock()
+    health = StorageHealth(BreakerSettings(failures=1, open_s=1.0), clock=clock)
+    assert not health.skipping()  # closed
+    health.record(False, 0.01)
+    assert health.skipping() and health.state == "open"
+    clock.now += 1.0
+    assert not health.skipping() and health.state == "open"  # a probe is due: not started by skipping
+    assert health.allow() and health.state == "half_open"
+    assert health.snapshot().short_circuited == 1

@@ -69,6 +69,16 @@ class StorageHealth:
             self._snap.short_circuited += 1
             return False
 
+    def skipping(self) -> bool:
+        """True while open with no probe due yet (counted as short-circuited): a caller that would only
+        queue work for a store call (a prefetch) skips it at once. Unlike ``allow`` it never starts the
+        half-open probe, which the next real call makes."""
+        with self._lock:
+            if self.state == OPEN and self._clock() < self._retry_at:
+                self._snap.short_circuited += 1
+                return True
+            return False
+
     def record(self, ok: bool, seconds: float, reason: str = "store call failed") -> None:
         """The outcome of an allowed call; a call slower than ``latency_s`` counts as failed."""
         s = self.settings
