@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.distributed import TPGroup
+from engine.grammar.state import GrammarState
 from engine.scheduler import admin
 from engine.scheduler.messages import AbortReq, AttachStorage
 from engine.scheduler.req import Req, ReqOutput
@@ -39,7 +40,10 @@ class NewReq:
     def of(cls, req: Req) -> NewReq:
         return cls(req.rid, list(req.input_ids), req.params, req.health_check, req.cache_salt)
 
-    def build(self) -> Req:
+    def build(self, grammar=None) -> Req:
+        """The request on a follower; with its ``GrammarBackend`` ``grammar``, a constrained request gets its
+        own matcher (compiled here, cached: rank 0 compiled it before submitting), so every rank ends it
+        when its grammar does."""
         req = Req(
             self.rid,
             list(self.input_ids),
@@ -50,6 +54,9 @@ class NewReq:
         )
         if self.params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(self.params.sampling_seed)
+        constraint = self.params.constraint
+        if grammar is not None and constraint is not None:
+            req.grammar = GrammarState(grammar.compile(*constraint).result())
         return req
 
 
@@ -68,8 +75,9 @@ def _discard(_: ReqOutput) -> None:
 class TPSync:
     """One rank's side of the per-iteration exchange; ``group.is_leader`` picks the side."""
 
-    def __init__(self, group: TPGroup) -> None:
+    def __init__(self, group: TPGroup, grammar=None) -> None:
         self.group = group
+        self.grammar = grammar  # a follower's GrammarBackend (engine/grammar), for constrained requests
         self._taken: list[object] = []
 
     @property
@@ -107,7 +115,7 @@ class TPSync:
             kind, stop, items = self.group.broadcast_object(None)
             for item in items:
                 if isinstance(item, NewReq):
-                    sched._enqueue(item.build())
+                    sched._enqueue(item.build(self.grammar))
                 elif isinstance(item, AbortReq):
                     sched._abort(item.rid)
                 elif isinstance(item, _Admin):

@@ -251,7 +251,11 @@ def build_follower(args: ServerArgs, rank: int, method: str) -> Scheduler:
     r = _build_rank(args, group, None)
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
-    return Scheduler(r.runner, r.cache, r.pool, r.sched_cfg, r.runner.tokenizer.decode, tp=TPSync(group))
+    tok = r.runner.tokenizer
+    grammar = None
+    if args.grammar_backend == "xgrammar":  # the follower's own matchers end a request where rank 0's do
+        grammar = GrammarBackend(tok.backend, r.runner.config.vocab_size, tok.eos_token_ids)
+    return Scheduler(r.runner, r.cache, r.pool, r.sched_cfg, tok.decode, tp=TPSync(group, grammar))
 
 
 def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,19 @@ def test_greedy_output_at_tp_equals_tp1_token_for_token(gqa_model_dir, tp1_outpu
 def launch_refused(flags: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "engine.launch_server", *flags, "--port", "1"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_constrained_request_at_tp2_ends_on_every_rank_with_its_grammar(gqa_model_dir):
+    """Every rank runs a matcher, so all end the request when its grammar does (even with ignore_eos),
+    and the worker goes on serving in step."""
+    flags = ["--model-path", str(gqa_model_dir), "--tp-size", "2"]
+    with ServerProcess(flags) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        sp = {"max_new_tokens": 40, "regex": "[a-z]{3}", "ignore_eos": True, "temperature": 0}
+        for _ in range(2):
+            r = client.post("/generate", json={"input_ids": PROMPTS, "sampling_params": sp})
+            assert r.status_code == 200, r.text
+            assert all(re.fullmatch("[a-z]{3}", out["text"]) for out in r.json())
+        assert len(greedy(client)) == len(PROMPTS)
 
 
 def test_a_tp_the_heads_do_not_divide_is_refused_naming_the_counts(gqa_model_dir):
