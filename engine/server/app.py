@@ -62,9 +62,10 @@ class CountAccepted:
 INFERENCE_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """Build the app around a started ``Engine``; every route reads it from ``app.state.engine``. Bodies over
-    ``http_utils.MAX_BODY_BYTES`` are a 413; ``/openapi.json`` declares the request bodies (``schemas``)."""
+def create_app(engine: Engine | None) -> FastAPI:
+    """Build the app around a started ``Engine`` (None: only for building the OpenAPI schema); every route
+    reads it from ``app.state.engine``. Bodies over ``http_utils.MAX_BODY_BYTES`` are a 413;
+    ``/openapi.json`` declares the request bodies (``schemas``)."""
     app = FastAPI(title="KVFleet engine worker", docs_url=None, redoc_url=None)
     app.state.engine = engine
     for module in (generate, openai, info, admin, recording, pd_role_switch):
@@ -92,7 +93,8 @@ def create_app(engine: Engine) -> FastAPI:
     app.openapi = openapi
     app.add_middleware(JSONServerErrors)
     app.add_middleware(BodyLimit)
-    if engine.tenants is not None:  # inside CountAccepted: a refused request was accepted, then answered
+    # inside CountAccepted: a refused request was accepted, then answered
+    if engine is not None and engine.tenants is not None:
         on_rejected = engine.metrics.on_tenant_rejected if engine.metrics else None
         app.add_middleware(TenantGate, tenants=engine.tenants, on_rejected=on_rejected)
     app.add_middleware(CountAccepted, engine=engine)
