@@ -38,7 +38,9 @@ def test_the_operation_page_shows_one_snapshot_and_started_is_the_launch_time(
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     fake = fake_worker()
     worker = EngineWorkerFactory(name="w-snap", url=fake.url, admin_key=fake.admin_key)
-    op = operation_create(kind="detach", workers=[worker], actor=None, idle_timeout_s=5, reason="snapshot")
+    op = operation_create(  # not dispatched: the test runs the steps itself (a session Celery worker may run)
+        kind="detach", workers=[worker], actor=None, idle_timeout_s=5, reason="snapshot", dispatch=False
+    )
     console_user("snap", "operator", "pw-for-tests-1")
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
