@@ -33,9 +33,13 @@ def operation_snapshot(*, pk: int, render: Callable[[Operation], T]) -> T:
     single transaction (REPEATABLE READ on PostgreSQL; SQLite's transactions already read one snapshot),
     so a page never gets an operation's final state beside targets or a finish time read before it.
 
+    Inside a caller's transaction (a test's, or one already open) the isolation level is that
+    transaction's: PostgreSQL fixes it at the first query, so it is set only when this block opens it.
+
     Raises ``Operation.DoesNotExist``."""
+    outermost = not connection.in_atomic_block
     with transaction.atomic():
-        if connection.vendor == "postgresql":
+        if outermost and connection.vendor == "postgresql":
             with connection.cursor() as cur:
                 cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         return render(operation_list().get(pk=pk))
