@@ -142,11 +142,14 @@ def storage_usage() -> list[dict]:
 
 
 def host_detail(*, host: Host) -> dict:
-    return {
-        "host": host,
-        "gpus": list(host.gpus.all()),
-        "workers": list(host.workers.select_related("router")),
-    }
+    """The host, its GPUs (each with ``holder``, the worker whose rank ``rank`` holds it, or None) and its
+    workers."""
+    workers = list(host.workers.select_related("router"))
+    held = {index: (w, rank) for w in workers for rank, index in enumerate(w.devices or [])}
+    gpus = list(host.gpus.all())
+    for g in gpus:
+        g.holder, g.rank = held.get(g.index, (None, None))
+    return {"host": host, "gpus": gpus, "workers": workers}
 
 
 def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:

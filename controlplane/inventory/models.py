@@ -1,6 +1,7 @@
 """Fleet inventory tables. Worker admin keys and API keys are Fernet-encrypted at rest
 (controlplane.core.crypto), write-only in the API and masked in audit records."""
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
@@ -148,6 +149,20 @@ ROLE_REQUEST_FIELDS = ("desired_role", "role_request_seq", "role_seen_seq", "rol
 SERVICE_ONLY_FIELDS = (*ROLE_REQUEST_FIELDS, "assigned_role", "drained")
 
 
+def devices_problem(devices, tp_size: int | None) -> str | None:
+    """Why ``devices`` is not a valid device list for a worker of ``tp_size`` ranks (None: it is): a list of
+    distinct integers >= 0, empty (not reported) or exactly one per rank."""
+    if not isinstance(devices, list) or any(
+        isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in devices
+    ):
+        return "must be a list of device indexes (integers >= 0)"
+    if len(set(devices)) != len(devices):
+        return f"device index repeated: {devices}"
+    if devices and tp_size is not None and len(devices) != tp_size:
+        return f"{len(devices)} device(s) for tp_size {tp_size}: one per rank"
+    return None
+
+
 class EngineWorker(TimeStamped):
     name = models.CharField(max_length=100, unique=True)
     url = models.URLField(unique=True)
@@ -198,7 +213,18 @@ class EngineWorker(TimeStamped):
         "running it), as it last reported (heartbeat role_acks.applied)",
     )
     model_name = models.CharField(max_length=200, blank=True)
-    tp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
+    tp_size = models.PositiveSmallIntegerField(
+        default=1,
+        validators=[MinValueValidator(1)],
+        help_text="Tensor-parallel ranks (--tp-size): the worker spans this many devices, and the P:D "
+        "planner and rebalances count it as that many",
+    )
+    devices = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Device (GPU) indexes on its host its ranks hold, rank 0 first, as its agent reports them "
+        "(--base-gpu-id .. + tp_size - 1); empty: not reported (a CPU worker, or one added by hand)",
+    )
     dp_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     page_size = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)])
     hicache_config = models.JSONField(
@@ -231,6 +257,14 @@ class EngineWorker(TimeStamped):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        """``devices``: distinct non-negative integers, one per rank (``tp_size`` of them) when given;
+        ValidationError naming ``devices`` otherwise."""
+        super().clean()
+        problem = devices_problem(self.devices, self.tp_size)
+        if problem:
+            raise ValidationError({"devices": problem})
 
     def save(self, *args, **kwargs):
         """A full save of an existing row leaves SERVICE_ONLY_FIELDS (role requests, assigned role, drained)

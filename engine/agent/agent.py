@@ -90,6 +90,16 @@ def role_of(w: WorkerSpec, info: dict | None) -> str:
     return ROLE_OF_MODE.get(str((info or {}).get("disaggregation_mode")), w.role)
 
 
+def worker_devices(w: WorkerSpec, info: dict | None = None) -> list[int]:
+    """GPU indexes the worker's ranks hold, rank 0 first: ``--base-gpu-id`` .. + ``--tp-size`` - 1 of a
+    ``--device cuda`` worker (as its ``/server_info`` reports them, else its spec's); [] on the CPU."""
+    src = info or {}
+    if src.get("device", w.device) != "cuda":
+        return []
+    base = int(src.get("base_gpu_id", w.base_gpu_id))
+    return list(range(base, base + int(src.get("tp_size") or w.tp_size)))
+
+
 def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
     """The worker object of the register call (the admin key lets the control plane run operations, the
     API key lets a rebalance switch the worker's role and send it its canary);
@@ -101,6 +111,7 @@ def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
         "model_name": w.model_name,
         "page_size": w.page_size,
         "tp_size": int((info or {}).get("tp_size") or w.tp_size),
+        "devices": worker_devices(w, info),
         **storage_fields(info),
     }
     if w.admin_api_key:

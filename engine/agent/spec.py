@@ -97,6 +97,7 @@ class WorkerSpec:
     model_name: str = ""
     tp_size: int = 1  # ranks (devices) this worker spans
     base_gpu_id: int = 0  # its first device; the others follow (upstream's --base-gpu-id)
+    device: str = "cpu"  # --device: cpu ranks hold no GPU
 
     @property
     def devices(self) -> list[int]:
@@ -360,6 +361,7 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
         model_name=args.model_name,
         tp_size=args.tp_size,
         base_gpu_id=args.base_gpu_id,
+        device=args.device,
     )
 
 

@@ -234,3 +234,18 @@ def test_a_tp_worker_registers_its_tp_size_and_holds_its_devices(tmp_path):
     assert w0.devices == [2, 3, 4]
     assert worker_record(w0)["tp_size"] == 3
     assert worker_record(w0, {"tp_size": 3, "disaggregation_mode": "null"})["tp_size"] == 3
+
+
+def test_a_cuda_tp_worker_registers_the_gpus_its_ranks_hold_and_a_cpu_one_none(tmp_path):
+    text = (
+        '[[workers]]\nname = "w0"\nmodel = "smollm2"\nport = 31001\ntp_size = 2\nbase_gpu_id = 4\n'
+        'device = "cuda"\n'
+        '[[workers]]\nname = "w1"\nmodel = "smollm2"\nport = 31002\ntp_size = 2\n'
+    )
+    gpu, cpu = load_spec(write(tmp_path, text)).workers
+    assert worker_record(gpu)["devices"] == [4, 5]
+    # what the running worker reports wins over the spec
+    info = {"device": "cuda", "base_gpu_id": 0, "tp_size": 2, "disaggregation_mode": "null"}
+    assert worker_record(gpu, info)["devices"] == [0, 1]
+    assert worker_record(cpu)["devices"] == []
+    assert worker_record(cpu, {"device": "cpu", "tp_size": 2})["devices"] == []

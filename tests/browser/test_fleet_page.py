@@ -92,3 +92,52 @@ def test_pool_sparkline_x_values_stay_sorted_after_live_pushes(
             assert xs == sorted(xs) and len(set(xs)) == len(xs), xs
             assert xs[: len(seed_xs)] == seed_xs, (seed_xs, xs)
         browser.close()
+
+
+def test_the_workers_table_shows_each_workers_tp_and_the_gpus_its_ranks_hold(
+    asgi_server, celery_worker_process, personas, monkeypatch, tmp_path
+):
+    """A TP-2 worker's row says 2 and the GPUs its agent registered, a CPU worker's says 1 and no GPU; the
+    worker page and the host page (which GPU each rank holds) say the same."""
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
+    gpu = {"model": "H100", "memory_mib": 81559}
+    devices = {"tp2-0": [1, 2], "tp1-0": []}
+    body = {
+        "host": {"name": AGENT_HOST, "gpus": [{"index": i, **gpu} for i in range(3)]},
+        "workers": [
+            {"name": "tp2-0", "url": "http://10.0.0.9:30000", "role": "prefill", "tp_size": 2},
+            {"name": "tp1-0", "url": "http://10.0.0.9:30001", "role": "decode", "tp_size": 1},
+        ],
+    }
+    for w in body["workers"]:
+        w["devices"] = devices[w["name"]]
+    done = httpx.post(asgi_server + "/api/v1/agent/register/", json=body, headers=agent)
+    assert done.status_code == 200, done.text
+    console_user("bob", "viewer", "pw-for-tests-2")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
+        page, errors = log_in(browser, asgi_server, "bob", "pw-for-tests-2")
+        header = page.locator("#workers thead th").filter(has_text=re.compile(r"^TP$"))
+        expect(header).to_have_count(1)
+        tp2 = page.locator("#workers tbody tr").filter(has_text="tp2-0").get_by_test_id("tp")
+        tp1 = page.locator("#workers tbody tr").filter(has_text="tp1-0").get_by_test_id("tp")
+        expect(tp2).to_have_text("2 GPU 1,2")
+        expect(tp2).to_have_attribute("title", "2 ranks on GPU 1, 2")
+        expect(tp1).to_have_text("1")
+        expect(tp1).to_have_attribute("title", "1 rank (no GPU reported)")
+        page.screenshot(path=str(tmp_path / "fleet.png"), full_page=True)
+        page.locator("#workers").get_by_role("link", name="tp2-0").click()
+        expect(page.get_by_test_id("devices")).to_have_text("GPU 1, 2 (rank 0 on GPU 1)")
+        expect(page.get_by_test_id("tp")).to_contain_text("2 / 1 (2 ranks: the P:D planner counts 2 devices)")
+        page.screenshot(path=str(tmp_path / "worker.png"), full_page=True)
+        page.get_by_role("link", name=AGENT_HOST).first.click()
+        rows = page.locator("#gpus tbody tr")
+        expect(rows.nth(0)).to_contain_text("free")
+        expect(rows.nth(2)).to_contain_text("tp2-0 rank 1")
+        page.screenshot(path=str(tmp_path / "host.png"), full_page=True)
+        assert not errors
+        browser.close()
+    print(f"screenshots in {tmp_path}")

@@ -12,6 +12,7 @@ from controlplane.inventory.models import (
     Router,
     StorageProfile,
     WorkerRole,
+    devices_problem,
 )
 from controlplane.inventory.selectors import router_breakers
 
@@ -150,6 +151,7 @@ class EngineWorkerSerializer(serializers.ModelSerializer):
             "role_applied_seq",
             "model_name",
             "tp_size",
+            "devices",
             "dp_size",
             "page_size",
             "hicache_config",
@@ -180,6 +182,15 @@ class EngineWorkerSerializer(serializers.ModelSerializer):
             "created_at",
             "updated_at",
         ]
+
+    def validate(self, attrs: dict) -> dict:
+        """``devices``: one distinct index per rank (``tp_size``; the stored one on a partial update)."""
+        tp_size = attrs.get("tp_size", getattr(self.instance, "tp_size", 1))
+        devices = attrs.get("devices", getattr(self.instance, "devices", []))
+        problem = devices_problem(devices, tp_size)
+        if problem:
+            raise serializers.ValidationError({"devices": [problem]})
+        return attrs
 
     def get_has_admin_key(self, obj) -> bool:
         return bool(obj.admin_key_encrypted)
@@ -232,6 +243,12 @@ class AgentWorkerSerializer(serializers.Serializer):
     role = serializers.ChoiceField(choices=EngineWorker._meta.get_field("role").choices, required=False)
     model_name = serializers.CharField(max_length=200, required=False, allow_blank=True)
     tp_size = serializers.IntegerField(min_value=1, max_value=SMALL_MAX, required=False)
+    devices = serializers.ListField(
+        child=serializers.IntegerField(min_value=0, max_value=SMALL_MAX),
+        required=False,
+        help_text="GPU indexes on this host its ranks hold, rank 0 first: one per rank (tp_size); [] for a "
+        "CPU worker",
+    )
     dp_size = serializers.IntegerField(min_value=1, max_value=SMALL_MAX, required=False)
     page_size = serializers.IntegerField(min_value=1, max_value=INT_MAX, required=False)
     admin_key = serializers.CharField(max_length=500, required=False, allow_blank=True)
@@ -244,6 +261,12 @@ class AgentWorkerSerializer(serializers.Serializer):
     storage_extra_config = serializers.DictField(
         required=False, allow_null=True, help_text="its hicache_storage_backend_extra_config"
     )
+
+    def validate(self, attrs: dict) -> dict:
+        problem = devices_problem(attrs.get("devices", []), attrs.get("tp_size"))
+        if problem:
+            raise serializers.ValidationError({"devices": [problem]})
+        return attrs
 
 
 class AgentRegisterSerializer(serializers.Serializer):

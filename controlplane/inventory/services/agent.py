@@ -16,7 +16,7 @@ from controlplane.inventory.services.roles import worker_role_observed
 
 _HOST_FIELDS = ("address", "agent_version", "cpu_count", "memory_bytes")
 _HEARTBEAT_ROLE_FIELDS = ("role", "desired_role", "role_request_seq", "role_seen_seq", "role_applied_seq")
-_WORKER_FIELDS = ("name", "url", "role", "model_name", "tp_size", "dp_size", "page_size")
+_WORKER_FIELDS = ("name", "url", "role", "model_name", "tp_size", "devices", "dp_size", "page_size")
 
 
 def _check_scope(host_name: str, bound_host: str | None) -> None:
@@ -29,6 +29,30 @@ def _check_scope(host_name: str, bound_host: str | None) -> None:
         )
 
 
+def _check_devices(host: Host, workers: list[dict]) -> None:
+    """Each worker's ``devices`` must be GPUs the host has (when it reports any) and no two workers of one
+    register call may hold the same one; else ApplicationError 400 naming ``workers[i].devices``."""
+    known = set(host.gpus.values_list("index", flat=True))
+    owner: dict[int, str] = {}
+    for i, item in enumerate(workers):
+        problems = []
+        devices = item.get("devices") or []
+        missing = sorted(d for d in devices if known and d not in known)
+        if missing:
+            problems.append(f"host {host.name!r} has no GPU {', '.join(map(str, missing))}")
+        shared = sorted(d for d in devices if d in owner)
+        if shared:
+            others = ", ".join(f"GPU {d} is held by {owner[d]!r}" for d in shared)
+            problems.append(f"two workers cannot hold one device: {others}")
+        owner.update(dict.fromkeys(devices, item["name"]))
+        if problems:
+            raise ApplicationError(
+                f"workers[{i}].devices: {'; '.join(problems)}",
+                code="validation_error",
+                detail={"workers": {str(i): {"devices": problems}}},
+            )
+
+
 @transaction.atomic
 def agent_register(
     *, host: dict, workers: list[dict], actor, bound_host: str | None = None
@@ -36,7 +60,9 @@ def agent_register(
     """Upsert a host, its GPUs and its workers as the agent reports them; one audit record per call.
 
     Host fields the call leaves out (address, agent_version, cpu_count, memory_bytes, gpus) keep their stored
-    values; a new host gets blanks (cpu_count and memory_bytes NULL). A worker's ``storage_backend`` (with
+    values; a new host gets blanks (cpu_count and memory_bytes NULL). A worker's ``devices`` (GPU indexes, one
+    per rank) must be GPUs of the host and held by no other worker of the call (ApplicationError 400 naming
+    ``workers[i].devices``). A worker's ``storage_backend`` (with
     ``storage_extra_config``) sets its attached L3 backend and the storage profile it identifies, if any.
 
     A worker's ``role`` is the role it runs (the agent reads it from ``/server_info``); a change sets
@@ -65,6 +91,7 @@ def agent_register(
                 for g in host["gpus"]
             ]
         )
+    _check_devices(host_obj, workers)
     saved = []
     for item in workers:
         worker = EngineWorker.objects.filter(url=item["url"]).first() or EngineWorker(url=item["url"])

@@ -8,6 +8,14 @@ KV.ready(function () {
   var tplWorker = KV.$("#tpl-worker"), tplPool = KV.$("#tpl-pool");
   var seeds = JSON.parse(KV.$("#pool-history").textContent);  // server-side 5 min of history per pool
 
+  /* TP cell: the rank count, and the GPUs the ranks hold (rank 0 first) when the agent reported any */
+  function devicesView(w) {
+    var d = w.devices || [];
+    return {
+      devices_text: d.length ? "GPU " + d.join(",") : "",
+      devices_title: w.tp_size + (w.tp_size === 1 ? " rank" : " ranks") + (d.length ? " on GPU " + d.join(", ") : " (no GPU reported)")
+    };
+  }
   function matches(w, q) {
     return !q || [w.name, w.host_name, w.model_name, w.role, w.storage_backend].join(" ").toLowerCase().indexOf(q) >= 0;
   }
@@ -91,7 +99,7 @@ KV.ready(function () {
       r[1].results.forEach(function (h) { hostNames[h.id] = h.name; });
       workers = r[0].results.map(function (w) {
         perHost[w.host] = (perHost[w.host] || 0) + 1; perRouter[w.router] = (perRouter[w.router] || 0) + 1;
-        return Object.assign({}, w, { host_name: hostNames[w.host] || "", select_label: "select " + w.name, latency_title: "" });
+        return Object.assign({}, w, devicesView(w), { host_name: hostNames[w.host] || "", select_label: "select " + w.name, latency_title: "" });
       });
       renderWorkers();
       KV.replaceRows(KV.$("#hosts tbody"), KV.$("#tpl-host"), r[1].results.map(function (h) {
