@@ -196,10 +196,11 @@ def rebalance_page(*, router: Router) -> dict:
 def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:
     """Per pool (regular/prefill/decode) the last `window_s` of cached tokens served per second and running
     requests, in `bucket_s` buckets, from each worker's stored samples: {pool: {ts: [epoch s], cached_rate:
-    [tokens/s], running: [requests]}}; seeds the fleet page's sparklines, which websocket pushes extend."""
+    [tokens/s], running: [requests]}}; seeds the fleet page's sparklines, which websocket pushes extend.
+    A bucket's value sums what the pool's workers reported in it; None (a gap, never 0) when none did."""
     now = time.time()
     first = math.floor((now - window_s) / bucket_s)
-    out = {}
+    out: dict[str, dict[int, list]] = {}
     for worker_id, role in EngineWorker.objects.values_list("id", "role"):
         pool = POOLS.get(role, "regular")
         last = {}  # bucket -> the worker's newest sample in it
@@ -207,15 +208,16 @@ def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:
             bucket = math.floor(float(sample.get("ts") or 0) / bucket_s)
             if bucket >= first:
                 last[bucket] = sample
-        series = out.setdefault(pool, defaultdict(lambda: [0.0, 0.0]))
+        series = out.setdefault(pool, defaultdict(lambda: [None, None]))
         prev = None
         for bucket in sorted(last):
-            sample = last[bucket]
-            series[bucket][1] += float(sample.get("num_running_reqs") or 0)
-            if prev is not None and sample["ts"] > prev["ts"]:
-                served = sum(float(sample.get(f"cached_tokens_{t}") or 0) for t in TIERS)
-                before = sum(float(prev.get(f"cached_tokens_{t}") or 0) for t in TIERS)
-                series[bucket][0] += max(0.0, served - before) / (sample["ts"] - prev["ts"])
+            sample, point = last[bucket], series[bucket]
+            if sample.get("num_running_reqs") is not None:
+                point[1] = (point[1] or 0.0) + float(sample["num_running_reqs"])
+            tiers = [f"cached_tokens_{t}" for t in TIERS if f"cached_tokens_{t}" in sample]
+            if prev is not None and sample["ts"] > prev["ts"] and tiers and all(k in prev for k in tiers):
+                served = sum(float(sample[k]) for k in tiers) - sum(float(prev[k]) for k in tiers)
+                point[0] = (point[0] or 0.0) + max(0.0, served) / (sample["ts"] - prev["ts"])
             prev = sample
     return {
         pool: {

@@ -145,21 +145,35 @@ def finish_snapshot(snap: dict) -> dict:
 
 
 def with_rates(snap: dict, prev: dict | None, dt_s: float) -> dict:
-    """Add per-second rates and per-tier hit shares over the interval since `prev` (counters may reset)."""
+    """Add per-second rates and per-tier hit shares over the interval since `prev` (counters may reset).
+
+    A rate is added only when both samples report its counter, and ``cached_tokens_per_s`` only when they
+    report at least one tier; ``hit_share_<tier>`` only for a tier both report, over an interval that served
+    any cached token. What a worker does not report stays absent, never 0 (the console shows it as absent)."""
     if not prev or dt_s <= 0:
         return snap
     out = dict(snap)
 
-    def delta(key: str) -> float:
-        d = snap.get(key, 0.0) - prev.get(key, 0.0)
-        return d if d >= 0 else snap.get(key, 0.0)
+    def delta(key: str) -> float | None:
+        if key not in snap or key not in prev:
+            return None
+        d = snap[key] - prev[key]
+        return d if d >= 0 else snap[key]
 
-    out["load_back_tokens_per_s"] = delta("load_back_tokens_total") / dt_s
-    out["backup_tokens_per_s"] = delta("backuped_tokens_total") / dt_s
-    out["prefetch_tokens_per_s"] = delta("prefetched_tokens_total") / dt_s
-    hits = {t: delta(f"cached_tokens_{t}") for t in TIERS}
+    for rate, counter in (
+        ("load_back_tokens_per_s", "load_back_tokens_total"),
+        ("backup_tokens_per_s", "backuped_tokens_total"),
+        ("prefetch_tokens_per_s", "prefetched_tokens_total"),
+    ):
+        d = delta(counter)
+        if d is not None:
+            out[rate] = d / dt_s
+    hits = {t: d for t in TIERS if (d := delta(f"cached_tokens_{t}")) is not None}
+    if not hits:
+        return out
     total = sum(hits.values())
     out["cached_tokens_per_s"] = total / dt_s
     for tier, value in hits.items():
-        out[f"hit_share_{tier}"] = value / total if total else 0.0
+        if total:
+            out[f"hit_share_{tier}"] = value / total
     return out

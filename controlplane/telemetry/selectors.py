@@ -34,21 +34,46 @@ def worker_metrics(*, worker_id: int, history_limit: int = 120) -> dict:
 POOLS = {"mixed": "regular", "prefill": "prefill", "decode": "decode"}
 
 
-def _totals(samples: list[dict]) -> dict:
-    """Sums of `_SUMMED` over samples, plus hit_share_<tier> (share of cached tokens since start, 0..1) and
-    host_pool_use (used / capacity over the samples' host pools, 0..1)."""
-    totals = {key: 0.0 for key in _SUMMED}
-    for sample in samples:
-        for key in _SUMMED:
-            totals[key] += float(sample.get(key) or 0.0)
-    hits = sum(totals[f"cached_tokens_{t}"] for t in TIERS)
+# A worker with no L3 backend attached reports its L3 counters (0), but no L3 figure of it is true of a pool:
+# its pool's L3 share and prefetch figures come only from workers with an L3 attached.
+L3_KEYS = (
+    "cached_tokens_storage",
+    "prefetch_tokens_per_s",
+    "prefetch_started_total",
+    "prefetch_completed_total",
+    "prefetch_timeout_total",
+    "prefetch_revoked_total",
+)
+NOT_REPORTED = "not reported by any worker"
+NO_L3 = "not reported by any worker: none has an L3 backend attached"
+NO_HITS = "no prompt token served from cache yet: a share of nothing"
+
+
+def _totals(samples: list[dict], *, l3_samples: list[dict] | None = None) -> dict:
+    """Sums of `_SUMMED` over samples, each over the samples that report it (None when none does, never 0),
+    plus hit_share_<tier> (share of cached tokens since start, 0..1; None for a tier no sample reports or
+    while no cached token was served) and host_pool_use (used / capacity over the samples' host pools, 0..1;
+    None without a reported capacity). The `L3_KEYS` come from ``l3_samples`` only (default: ``samples``):
+    the samples of workers with an L3 attached. ``absent`` maps each None figure to why, in words."""
+    l3 = samples if l3_samples is None else l3_samples
+    totals: dict = {}
+    absent: dict[str, str] = {}
+    for key in _SUMMED:
+        values = [float(v) for s in (l3 if key in L3_KEYS else samples) if (v := s.get(key)) is not None]
+        totals[key] = sum(values) if values else None
+        if not values:
+            absent[key] = NO_L3 if key in L3_KEYS and samples and not l3 else NOT_REPORTED
+    hits = sum(totals[f"cached_tokens_{t}"] or 0.0 for t in TIERS)
     for tier in TIERS:
-        totals[f"hit_share_{tier}"] = totals[f"cached_tokens_{tier}"] / hits if hits else 0.0
-    totals["host_pool_use"] = (
-        totals["hicache_host_used_tokens"] / totals["hicache_host_total_tokens"]
-        if totals["hicache_host_total_tokens"]
-        else 0.0
-    )
+        key, count = f"hit_share_{tier}", totals[f"cached_tokens_{tier}"]
+        totals[key] = count / hits if count is not None and hits else None
+        if totals[key] is None:
+            absent[key] = absent.get(f"cached_tokens_{tier}", NO_HITS)
+    used, capacity = totals["hicache_host_used_tokens"], totals["hicache_host_total_tokens"]
+    totals["host_pool_use"] = used / capacity if used is not None and capacity else None
+    if totals["host_pool_use"] is None:
+        absent["host_pool_use"] = absent.get("hicache_host_total_tokens", "a host pool of 0 tokens")
+    totals["absent"] = absent
     return totals
 
 
@@ -59,18 +84,21 @@ def fleet_summary() -> dict:
     (300 s, the worker page's latency window; `recent.latency`), `recent_ttft_p50_s` / `recent_itl_p50_s`
     (s; None without an observation) and `recent_requests` (first tokens in the window; None when the
     window holds fewer than two of its samples or it restarted in it)."""
-    workers = list(EngineWorker.objects.values_list("id", "name", "state", "role"))
+    workers = list(EngineWorker.objects.values_list("id", "name", "state", "role", "storage_backend"))
     latest = store.latest_many([w[0] for w in workers])
     windows = store.recent_bounds([w[0] for w in workers], since=time.time() - recent.WINDOW_S)
     rows = []
     by_pool: dict[str, list[dict]] = {pool: [] for pool in POOLS.values()}
+    with_l3: dict[str, list[dict]] = {pool: [] for pool in POOLS.values()}
     counts = dict.fromkeys(POOLS.values(), 0)
-    for worker_id, name, state, role in workers:
+    for worker_id, name, state, role, storage_backend in workers:
         sample = latest.get(worker_id)
         pool = POOLS.get(role, "regular")
         counts[pool] += 1
         if sample:
             by_pool[pool].append(sample)
+            if storage_backend:
+                with_l3[pool].append(sample)
         window = recent.latency(*windows.get(worker_id, (None, None)))
         rows.append(
             {
@@ -91,7 +119,7 @@ def fleet_summary() -> dict:
         )
     pools = {
         pool: {
-            **_totals(samples),
+            **_totals(samples, l3_samples=with_l3[pool]),
             "workers": counts[pool],
             "reporting": len(samples),
             "ts": max((float(s["ts"]) for s in samples if s.get("ts")), default=None),
@@ -100,7 +128,10 @@ def fleet_summary() -> dict:
     }
     return {
         "workers": rows,
-        "totals": _totals(list(latest.values())),
+        "totals": _totals(
+            [s for samples in by_pool.values() for s in samples],
+            l3_samples=[s for samples in with_l3.values() for s in samples],
+        ),
         "pools": pools,
         "reporting": len(latest),
         "recent_window_s": recent.WINDOW_S,

@@ -2,6 +2,7 @@
 page's "Cached tokens served" of a pool sums its workers' cached tokens/s (each over its own last two
 samples), so a push caused by another pool's sample leaves it as it was instead of showing 0 tok/s."""
 
+import os
 import re
 
 import httpx
@@ -9,6 +10,7 @@ import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
 from test_operator_console import console_user, log_in
 
+SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
@@ -141,3 +143,59 @@ def test_the_workers_table_shows_each_workers_tp_and_the_gpus_its_ranks_hold(
         assert not errors
         browser.close()
     print(f"screenshots in {tmp_path}")
+
+
+def test_pool_card_shows_a_dash_for_figures_no_worker_reported_and_a_real_zero_as_zero(
+    asgi_server, celery_worker_process, fake_worker, personas, monkeypatch
+):
+    """The regular pool's one worker has no L3 attached and reports no L3 hits and no host pool: its card
+    shows "—" for the L3 share and the host pool use (titled "not reported by any worker"), never 0 %. The
+    decode pool's worker has an L3 attached and reports 0 L3 hits: its card shows the real 0 %."""
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    bare, with_l3 = fake_worker(), fake_worker()
+    bare.counters, bare.host_pool = {"device": 100.0, "host": 0.0}, None
+    with_l3.counters = {"device": 300.0, "host": 100.0, "storage": 0.0}
+    host = HostFactory(name=AGENT_HOST)
+    workers = [
+        EngineWorkerFactory(name="mixed-0", url=bare.url, host=host, role="mixed"),
+        EngineWorkerFactory(
+            name="decode-0", url=with_l3.url, host=host, role="decode", storage_backend="file"
+        ),
+    ]
+    console_user("bob", "viewer", "pw-for-tests-2")
+    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
+    for worker, fake in zip(workers, (bare, with_l3), strict=True):
+        body = {"worker": worker.pk, "text": fake.metrics_text()}
+        response = httpx.post(asgi_server + "/api/v1/agent/metrics/", json=body, headers=agent)
+        assert response.status_code == 202, response.text
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
+        page, _ = log_in(browser, asgi_server, "bob", "pw-for-tests-2")
+        page.set_viewport_size({"width": 1280, "height": 900})
+        regular = page.locator("#pools [data-pool=regular]")
+        decode = page.locator("#pools [data-pool=decode]")
+        expect(regular).to_contain_text("1 of 1 workers reporting")
+        expect(decode).to_contain_text("1 of 1 workers reporting")
+
+        for field in ("hit_share_storage", "host_pool_use", "hicache_host_total_tokens"):
+            cell = regular.locator(f"[data-f={field}]")
+            expect(cell).to_have_text("—")
+            expect(cell).to_have_attribute("title", re.compile("^not reported by any worker"))
+        expect(regular.locator("[data-f=hit_share_device]")).to_have_text("100 %")
+        expect(regular.locator("[data-f=hit_share_host]")).to_have_text("0 %")  # reported, and 0
+
+        storage = decode.locator("[data-f=hit_share_storage]")
+        expect(storage).to_have_text("0 %")
+        expect(storage).not_to_have_attribute("title", re.compile("."))
+        expect(decode.locator("[data-f=hit_share_device]")).to_have_text("75 %")
+        expect(decode.locator("[data-f=host_pool_use]")).to_have_text("25 %")
+        row = page.locator(f"#workers tr[data-worker='{workers[0].pk}']")
+        use = row.locator("[data-f=host_pool_use]")
+        expect(use).to_have_text("—")
+        expect(use).to_have_attribute("title", "not reported by this worker")
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "fleet-absent-figures.png"), full_page=True)
+        browser.close()

@@ -133,7 +133,8 @@ class FakeWorker(_FakeHTTP):
         self.config = dict(DEFAULT_CONFIG)
         self.model_name = model_name
         self.decode_offload = False  # --disaggregation-decode-enable-offload-kvcache
-        self.counters = {"device": 0.0, "host": 0.0, "storage": 0.0}
+        self.counters = {"device": 0.0, "host": 0.0, "storage": 0.0}  # a tier left out is not reported
+        self.host_pool: tuple[int, int] | None = (1024, 4096)  # (used, total) tokens; None: not reported
         super().__init__()
 
     @property
@@ -186,10 +187,6 @@ class FakeWorker(_FakeHTTP):
         lines += [
             "# TYPE sglang:num_running_reqs gauge",
             f'sglang:num_running_reqs{{model_name="{self.model_name}"}} {2 if self.busy else 0}',
-            "# TYPE sglang:hicache_host_used_tokens gauge",
-            f'sglang:hicache_host_used_tokens{{model_name="{self.model_name}"}} 1024',
-            "# TYPE sglang:hicache_host_total_tokens gauge",
-            f'sglang:hicache_host_total_tokens{{model_name="{self.model_name}"}} 4096',
             "# TYPE sglang:time_to_first_token_seconds histogram",
             f'sglang:time_to_first_token_seconds_bucket{{le="0.1",model_name="{self.model_name}"}} 5',
             f'sglang:time_to_first_token_seconds_bucket{{le="0.5",model_name="{self.model_name}"}} 9',
@@ -197,6 +194,13 @@ class FakeWorker(_FakeHTTP):
             f'sglang:time_to_first_token_seconds_count{{model_name="{self.model_name}"}} 10',
             f'sglang:time_to_first_token_seconds_sum{{model_name="{self.model_name}"}} 1.5',
         ]
+        if self.host_pool is not None:
+            lines += [
+                "# TYPE sglang:hicache_host_used_tokens gauge",
+                f'sglang:hicache_host_used_tokens{{model_name="{self.model_name}"}} {self.host_pool[0]}',
+                "# TYPE sglang:hicache_host_total_tokens gauge",
+                f'sglang:hicache_host_total_tokens{{model_name="{self.model_name}"}} {self.host_pool[1]}',
+            ]
         return "\n".join(lines) + "\n"
 
     def _admin_error(self, headers):

@@ -268,3 +268,29 @@ def test_fleet_summary_latency_covers_only_the_last_5_minutes(api_as):
     # the store keeps only the window's samples for this: the one 600 s old was dropped on arrival
     window_key = f"{settings.REDIS_KEY_PREFIX}:tm:w:{busy.pk}:recent"
     assert store.client().zcard(window_key) == 2
+
+
+def test_rates_leave_out_what_the_worker_does_not_report():
+    """A counter missing from either sample gives no rate (not 0), a tier missing gives no hit share."""
+    prev = {"cached_tokens_device": 10.0, "cached_tokens_host": 0.0}
+    now = {"cached_tokens_device": 30.0, "cached_tokens_host": 0.0, "load_back_tokens_total": 5.0}
+    out = with_rates(now, prev, 2.0)
+    assert "load_back_tokens_per_s" not in out and "prefetch_tokens_per_s" not in out
+    assert "hit_share_storage" not in out
+    assert (out["cached_tokens_per_s"], out["hit_share_device"], out["hit_share_host"]) == (10.0, 1.0, 0.0)
+    assert "cached_tokens_per_s" not in with_rates({"num_running_reqs": 1}, {"num_running_reqs": 0}, 1.0)
+
+
+def test_pool_totals_sum_only_what_was_reported():
+    """A figure no sample reports is None with the reason, a reported 0 stays 0; L3 figures come only from
+    the workers with an L3 attached."""
+    from controlplane.telemetry.selectors import NO_L3, NOT_REPORTED, _totals
+
+    bare = {"cached_tokens_device": 30.0, "cached_tokens_host": 10.0, "cached_tokens_storage": 0.0}
+    totals = _totals([bare], l3_samples=[])
+    assert totals["hit_share_storage"] is None and totals["absent"]["hit_share_storage"] == NO_L3
+    assert totals["host_pool_use"] is None and totals["absent"]["host_pool_use"] == NOT_REPORTED
+    assert (totals["hit_share_device"], totals["hit_share_host"]) == (0.75, 0.25)
+    attached = _totals([bare], l3_samples=[bare])
+    assert attached["hit_share_storage"] == 0.0 and "hit_share_storage" not in attached["absent"]
+    assert _totals([])["num_running_reqs"] is None

@@ -113,6 +113,7 @@
   KV.stateText = function (v) { return v == null || v === "" ? "–" : String(v).replace(/_/g, " "); };
 
   /* ---- templates: clone <template id=...>, fill [data-f] slots by textContent, [data-href] links, <time> ---- */
+  KV.ABSENT = "\u2014";  // "—": what a figure shows when nothing reported it
   KV.fill = function (tplOrNode, data) {
     var node = tplOrNode.content ? tplOrNode.content.firstElementChild.cloneNode(true) : tplOrNode;
     function withSelf(sel) { var all = KV.$$(sel, node); if (node.matches(sel)) all.unshift(node); return all; }
@@ -122,6 +123,12 @@
       else if (el.dataset.unit) el.textContent = KV.fmt(v, el.dataset.unit);
       else el.textContent = v == null || v === "" ? ("empty" in el.dataset ? el.dataset.empty : "–") : String(v);
       if (el.classList.contains("badge")) { el.className = "badge s-" + (v || "none"); el.textContent = KV.stateText(v); el.title = v || ""; }
+      /* a figure nobody reported is visibly absent, never 0: data-absent="why" (data.absent[field] says why
+         when the server knows better) gives "—" with the reason as its title; a real value drops the title */
+      if ("absent" in el.dataset) {
+        if (v == null || v === "") { el.textContent = KV.ABSENT; el.title = (data.absent && data.absent[el.dataset.f]) || el.dataset.absent; el.classList.add("absent"); }
+        else { el.removeAttribute("title"); el.classList.remove("absent"); }
+      }
     });
     withSelf("[data-href]").forEach(function (el) {
       var missing = false;

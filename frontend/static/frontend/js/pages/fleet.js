@@ -37,6 +37,7 @@ KV.ready(function () {
       var p = pools[pool];
       if (!p.workers) return;
       p.cached_rate = p.reporting ? p.cached_tokens_per_s : null;
+      p.absent = Object.assign({ cached_rate: (p.absent || {}).cached_tokens_per_s }, p.absent);
       p.pool = pool; p.title = POOL_TITLES[pool] || pool;
       if (!cards[pool]) {
         cards[pool] = KV.fill(tplPool, p);
