@@ -367,15 +367,13 @@ class Engine:
                     input_ids, params, rid, False, bootstrap, cache_salt, mm_items, logprob, grammar
                 )
             ]
-        warm = dataclasses.replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
-        first = await self.generate(input_ids, warm, cache_salt=cache_salt, mm_items=mm_items)
-        if (first["finish_reason"] or {}).get("type") == "abort":
-            return [first]
-        seed = params.sampling_seed
+        warm = await self.prefill_once(input_ids, params, cache_salt, mm_items)
+        if warm is not None:
+            return [warm]
         runs = (
             self.generate(
                 input_ids,
-                dataclasses.replace(params, n=1, sampling_seed=None if seed is None else seed + j),
+                self.sample_params(params, j),
                 cache_salt=cache_salt,
                 mm_items=mm_items,
                 logprob=logprob,
@@ -384,6 +382,26 @@ class Engine:
             for j in range(params.n)
         )
         return list(await asyncio.gather(*runs))
+
+    async def prefill_once(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        mm_items: list[MMItem] | None = None,
+    ) -> dict | None:
+        """Compute the prompt's KV once (a ``max_new_tokens`` 0 request) so that ``n`` samples started after
+        it find the prompt in the prefix cache. Returns None when done, else the aborted result (its
+        ``finish_reason`` says why). Raises what ``generate`` raises."""
+        warm = dataclasses.replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
+        first = await self.generate(input_ids, warm, cache_salt=cache_salt, mm_items=mm_items)
+        return first if (first["finish_reason"] or {}).get("type") == "abort" else None
+
+    @staticmethod
+    def sample_params(params: SamplingParams, j: int) -> SamplingParams:
+        """The parameters of sample ``j`` (0-based) of an ``n`` > 1 request: n 1, and seed + j when seeded."""
+        seed = params.sampling_seed
+        return dataclasses.replace(params, n=1, sampling_seed=None if seed is None else seed + j)
 
     async def post(self, msg: AdminMsg, timeout: float | None = None):
         """Carry out the admin message ``msg`` (``engine.scheduler.messages``) on the scheduler thread and

@@ -17,7 +17,9 @@ this engine cannot produce (``return_hidden_states``, ``input_embeds``) are a 40
 worker thread, and a non-streaming request whose client disconnects is aborted.
 Response: ``{"text", "output_ids", "meta_info"}`` (a list for batched input). With ``stream`` the events are
 SSE frames carrying the cumulative text and ids (upstream default); the text only grows (a tail that could
-become a stop string waits for the next frame) and the stream ends with ``data: [DONE]``.
+become a stop string waits for the next frame) and the stream ends with ``data: [DONE]``. A streamed batch
+or ``n`` > 1 (each prompt prefilled once before the stream starts) interleaves the frames of all its runs as
+they come, each with a top-level ``index`` (prompt-major: prompt i's sample j is ``i * n + j``), as upstream.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from engine.scheduler import SamplingParams
 from engine.scheduler.logprobs import LogprobRequest, LogprobValues
 from engine.scheduler.req import Bootstrap
 from engine.server.engine import Engine, RequestError
-from engine.server.http_utils import SSE_DONE, HTTPError, json_body, sse, until_disconnect
+from engine.server.http_utils import SSE_DONE, HTTPError, interleave, json_body, sse, until_disconnect
 from engine.server.logprob_format import sglang_meta
 from engine.server.schemas import GenerateReqInput, request_body, validated
 from engine.server.stream_text import StreamText
@@ -216,11 +218,11 @@ async def generate(request: Request):
             engine.refuse_room(bootstrap, str(exc))
         raise HTTPError(400, str(exc)) from None
     multi = any(sp.n > 1 for sp in params)
+    if multi and any(r is not None for r in rids):
+        raise HTTPError(400, "rid: give no rid with sampling_params.n > 1 (each sample is its own request)")
     if body.get("stream"):
-        if batched or multi:
-            raise HTTPError(400, "stream is not supported with batched input or sampling_params.n > 1")
-        return StreamingResponse(
-            _stream(
+        if not (batched or multi):
+            frames = _frames(
                 engine,
                 prompts[0],
                 params[0],
@@ -231,11 +233,35 @@ async def generate(request: Request):
                 wants[0],
                 return_text,
                 grammars[0],
-            ),
-            media_type="text/event-stream",
-        )
-    if multi and any(r is not None for r in rids):
-        raise HTTPError(400, "rid: give no rid with sampling_params.n > 1 (each sample is its own request)")
+            )
+            return StreamingResponse(_stream(frames), media_type="text/event-stream")
+        if multi:  # each prompt's KV computed once, before its samples start
+            warm = (
+                engine.prefill_once(prompts[i], params[i], salts[i], mm[i])
+                for i in range(len(prompts))
+                if params[i].n > 1
+            )
+            for res in await until_disconnect(request, asyncio.gather(*warm)):
+                if res is not None:
+                    reason = res["finish_reason"]
+                    raise HTTPError(reason.get("status_code", 500), reason.get("message", "request aborted"))
+        runs = [
+            _frames(
+                engine,
+                prompts[i],
+                engine.sample_params(params[i], j) if params[i].n > 1 else params[i],
+                rids[i],
+                bootstrap,
+                salts[i],
+                mm[i],
+                wants[i],
+                return_text,
+                grammars[i],
+            )
+            for i in range(len(prompts))
+            for j in range(params[i].n)
+        ]
+        return StreamingResponse(_stream(interleave(runs), indexed=True), media_type="text/event-stream")
 
     runs = (
         engine.generate_n(
@@ -261,7 +287,19 @@ async def generate(request: Request):
     return JSONResponse(out if batched or multi else out[0])
 
 
-async def _stream(
+async def _stream(frames, indexed: bool = False):
+    """SSE frames of ``frames`` (one run's frame dicts, or with ``indexed`` the ``(index, frame)`` pairs of
+    several runs: each frame then carries its run's ``index``, prompt-major then sample, as upstream), ending
+    with ``[DONE]``; the first error frame ends the stream (the other runs are aborted)."""
+    async for item in frames:
+        frame = {**item[1], "index": item[0]} if indexed else item
+        yield sse(frame)
+        if "error" in frame:
+            break
+    yield SSE_DONE
+
+
+async def _frames(
     engine: Engine,
     prompt: list[int],
     params: SamplingParams,
@@ -273,8 +311,9 @@ async def _stream(
     return_text: bool,
     grammar,
 ):
-    """One frame per scheduler event: all ids so far and the monotonic text (``StreamText``), and the
-    log-probabilities so far when asked."""
+    """One frame dict per scheduler event of one request: all ids so far and the monotonic text
+    (``StreamText``), and the log-probabilities so far when asked; an abort yields an ``error`` frame and
+    ends it."""
     ids: list[int] = []
     meta: dict = {}
     text = StreamText(engine, params)
@@ -298,20 +337,13 @@ async def _stream(
             meta.update(sglang_meta(engine, want, values, prompt, ids, return_text))
         if ev.finish_reason and ev.finish_reason.get("type") == "abort":
             reason = ev.finish_reason
-            yield sse(
-                {
-                    "error": {
-                        "message": reason.get("message", "aborted"),
-                        "code": reason.get("status_code", 500),
-                    }
-                }
-            )
-            break
+            yield {
+                "error": {"message": reason.get("message", "aborted"), "code": reason.get("status_code", 500)}
+            }
+            return
         text.push(ev.new_ids, ev.finish_reason)
-        frame = {
+        yield {
             "text": text.text,
             "output_ids": list(ids),
             "meta_info": dict(meta, finish_reason=ev.finish_reason),
         }
-        yield sse(frame)
-    yield SSE_DONE

@@ -1,14 +1,19 @@
 """Shared HTTP helpers: bounded JSON body parsing, OpenAI-style error bodies, SSE framing, bearer-key checks,
-and running a request's work until its client disconnects."""
+running a request's work until its client disconnects, and interleaving several streams."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+
+T = TypeVar("T")
 
 
 class HTTPError(Exception):
@@ -167,3 +172,33 @@ async def until_disconnect(request: Request, work):
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def interleave(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """``(i, item)`` for every item of the async iterators ``streams``, in the order they arrive (``i``:
+    the stream's position in the list), until all are exhausted. When the consumer stops early (or is
+    cancelled), the streams still running are cancelled and closed, so their ``finally`` blocks run (an
+    ``Engine.stream`` aborts its request). An exception of a stream propagates after the others are
+    cancelled."""
+    iters = [aiter(s) for s in streams]
+    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iters)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t]):
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iters[i]))] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iters:
+            close = getattr(it, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()

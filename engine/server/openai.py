@@ -18,17 +18,20 @@ salts share no cached KV).
 Log-probabilities: chat ``logprobs`` (bool) with ``top_logprobs`` (0..20, needs ``logprobs``), completions
 ``logprobs`` (an int, 0..20: the top log-probabilities per token) and, with ``echo``, the prompt's tokens
 first (the first one's logprob null), in OpenAI's shapes (``engine/server/logprob_format.py``). ``n`` > 1
-answers n choices (not streamed): the prompt is computed once and the n samples reuse its KV through the
-prefix cache, so ``usage.prompt_tokens_details.cached_tokens`` (summed over the choices, as upstream) shows
-it; ``prompt_tokens`` counts the prompt once. Completions' ``suffix`` builds a fill-in-the-middle prompt from
-the tokenizer's FIM tokens, or is a 400 saying the model has none. Penalties, ``min_tokens``,
-``logit_bias`` and ``stop_regex`` pass through to SamplingParams.
+answers n choices: the prompt is computed once and the n samples reuse its KV through the prefix cache, so
+``usage.prompt_tokens_details.cached_tokens`` (summed over the choices, as upstream) shows it;
+``prompt_tokens`` counts each prompt once. Streamed, the n samples' chunks interleave, each carrying one
+choice and its ``index``. ``/v1/completions`` takes a list of prompts (strings or token-id lists): choices
+come prompt-major (prompt i's sample j is ``i * n + j``), streamed or not. Completions' ``suffix`` builds a
+fill-in-the-middle prompt from the tokenizer's FIM tokens, or is a 400 saying the model has none.
+Penalties, ``min_tokens``, ``logit_bias`` and ``stop_regex`` pass through to SamplingParams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -43,7 +46,7 @@ from engine.scheduler import SamplingParams
 from engine.scheduler.logprobs import LogprobRequest, LogprobValues
 from engine.scheduler.req import Bootstrap
 from engine.server.engine import Engine, RequestError
-from engine.server.http_utils import SSE_DONE, HTTPError, json_body, sse, until_disconnect
+from engine.server.http_utils import SSE_DONE, HTTPError, interleave, json_body, sse, until_disconnect
 from engine.server.logprob_format import openai_chat, openai_completion
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest, request_body, validated
 from engine.server.stream_text import StreamText
@@ -150,19 +153,16 @@ def _finish(reason: dict | None) -> tuple[str | None, object]:
     return ("stop" if kind == "stop" else "length" if kind == "length" else "abort"), reason.get("matched")
 
 
-def _usage(engine: Engine, prompt: list[int], n_out: int, meta: dict) -> dict:
-    usage = {"prompt_tokens": len(prompt), "completion_tokens": n_out, "total_tokens": len(prompt) + n_out}
+def _usage_n(engine: Engine, prompts: list[list[int]], results: list[tuple[int, dict]]) -> dict:
+    """Usage of the choices ``results`` (``(prompt index, result)``) of ``prompts`` (upstream): each prompt
+    counted once, the completions and the cached tokens summed over the choices."""
+    n_out = sum(len(r["output_ids"]) for _, r in results)
+    cached = sum(r["meta"].get("cached_tokens", 0) for _, r in results)
+    n_in = sum(len(ids) for ids in prompts)
+    usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
     if engine.args.enable_cache_report:
-        usage["prompt_tokens_details"] = {"cached_tokens": meta.get("cached_tokens", 0)}
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
-
-
-def _usage_n(engine: Engine, prompt: list[int], results: list[dict]) -> dict:
-    """Usage of the n choices of one prompt (upstream): the prompt counted once, the completions and the
-    cached tokens summed over the choices."""
-    n_out = sum(len(r["output_ids"]) for r in results)
-    cached = sum(r["meta"].get("cached_tokens", 0) for r in results)
-    return _usage(engine, prompt, n_out, {"cached_tokens": cached})
 
 
 def _top_logprobs(body: dict, field: str, allowed: bool) -> int:
@@ -176,12 +176,6 @@ def _top_logprobs(body: dict, field: str, allowed: bool) -> int:
     if not allowed:
         raise HTTPError(400, f"{field} requires logprobs to be true")
     return value
-
-
-def _check_n(body: dict) -> None:
-    """``n`` > 1 cannot stream here: ``HTTPError(400)`` naming n."""
-    if body.get("stream") and (body.get("n") or 1) > 1:
-        raise HTTPError(400, f"n={body['n']} is not supported with stream (only 1)")
 
 
 def _fim_prompt(engine: Engine, prompt: str, suffix: str) -> str:
@@ -207,66 +201,137 @@ def _submit_options(engine: Engine, body: dict, tenant: Tenant | None) -> dict:
         raise HTTPError(400, str(exc)) from None
 
 
+def _prompt_list(prompt, suffix) -> list[str | list[int]]:
+    """The prompts of a completions body: a string, a list of token ids, or a non-empty list of either;
+    ``HTTPError(400)`` naming ``prompt`` (or ``suffix`` with token prompts) otherwise."""
+    texts = isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)
+    ids = isinstance(prompt, list) and all(
+        isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt
+    )
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        prompts = [prompt]
+    elif prompt and (texts or ids):
+        prompts = list(prompt)
+    else:
+        raise HTTPError(400, "'prompt' must be a string, a list of token ids, or a non-empty list of either")
+    if suffix and not all(isinstance(p, str) for p in prompts):
+        raise HTTPError(400, "suffix needs a text prompt")
+    return prompts
+
+
+@dataclasses.dataclass
+class _Run:
+    """One streamed choice: its prompt's index and ids, its sampling parameters (one sample), the
+    log-probabilities it reports, the opening choice (``first``, without its index) and, on a chat that may
+    call tools, its own ``ToolStream``."""
+
+    prompt: int
+    ids: list[int]
+    params: SamplingParams
+    want: LogprobRequest | None = None
+    first: dict | None = None
+    tool_stream: ToolStream | None = None
+    n_out: int = 0
+    meta: dict = dataclasses.field(default_factory=dict)
+
+
+def _runs(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], **fields) -> list[_Run]:
+    """The streamed choices of ``prompts``, prompt-major then sample (OpenAI's choice order); ``fields``
+    maps a ``_Run`` field to a function of (prompt index, sample index) giving its value."""
+    runs = []
+    for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+        for j in range(sp.n):
+            one = engine.sample_params(sp, j) if sp.n > 1 else sp
+            runs.append(_Run(i, ids, one, **{k: f(i, j) for k, f in fields.items()}))
+    return runs
+
+
+async def _prefill_once(request: Request, engine: Engine, prompts, params, options: dict) -> None:
+    """Before streaming n > 1 samples: compute each such prompt's KV once (``Engine.prefill_once``);
+    ``HTTPError`` with the abort's status when the scheduler refused it."""
+    warm = (
+        engine.prefill_once(ids, sp, options.get("cache_salt"), options.get("mm_items"))
+        for ids, sp in zip(prompts, params, strict=True)
+        if sp.n > 1
+    )
+    for res in await until_disconnect(request, asyncio.gather(*warm)):
+        if res is not None:
+            _check_abort(res["finish_reason"])
+
+
 @router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request):
     tenant = authorize(request)
     engine: Engine = request.app.state.engine
     body = validated(CompletionRequest, await json_body(request))
     options = _submit_options(engine, body, tenant)
-    _check_n(body)
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) and not (
-        isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
-    ):
-        raise HTTPError(400, "'prompt' must be a string or a list of token ids (one prompt per request)")
     suffix = body.get("suffix")
+    texts = _prompt_list(body["prompt"], suffix)
+    if options["bootstrap"] is not None and len(texts) > 1:
+        raise HTTPError(400, "prompt: one prompt per PD request (a list of prompts is not supported)")
     if suffix:
-        if not isinstance(prompt, str):
-            raise HTTPError(400, "suffix needs a text prompt")
-        prompt = _fim_prompt(engine, prompt, suffix)
-    if isinstance(prompt, str):
-        ids = await asyncio.to_thread(engine.encode, prompt)
-    else:
-        ids = list(prompt)
-    params, names = _sampling_params(engine, body, ids, "max_tokens", "the prompt", options["bootstrap"])
-    options = await _compile(engine, params, names, options)
+        texts = [_fim_prompt(engine, t, suffix) for t in texts]  # type: ignore[arg-type]
+    prompts = await asyncio.to_thread(
+        lambda: [engine.encode(t) if isinstance(t, str) else list(t) for t in texts]
+    )
+    params, names = [], {}
+    for i, ids in enumerate(prompts):
+        try:
+            sp, names = _sampling_params(engine, body, ids, "max_tokens", "the prompt", options["bootstrap"])
+        except HTTPError as exc:
+            message = f"prompt.{i}: {exc.message}" if len(prompts) > 1 else exc.message
+            raise HTTPError(exc.status, message) from None
+        params.append(sp)
+    options = await _compile(engine, params[0], names, options)
     echo = bool(body.get("echo")) and not suffix
     top = _top_logprobs(body, "logprobs", True)
-    want = None
+    wants: list[LogprobRequest | None] = [None] * len(prompts)
     if body.get("logprobs") is not None:
-        start = 0 if echo else len(ids) - 1
-        want = LogprobRequest(start, top)
-    echo_text = (prompt if isinstance(prompt, str) else engine.decode(ids)) if echo else ""
+        wants = [LogprobRequest(0 if echo else len(ids) - 1, top) for ids in prompts]
+    echo_texts = [
+        (t if isinstance(t, str) else engine.decode(ids)) if echo else ""
+        for t, ids in zip(texts, prompts, strict=True)
+    ]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
     if body.get("stream"):
         include_usage = _include_usage(body)
+        await _prefill_once(request, engine, prompts, params, options)
         return StreamingResponse(
-            _stream_completion(engine, ids, params, base, echo_text, include_usage, options, want),
+            _stream_completion(engine, prompts, params, base, echo_texts, include_usage, options, wants),
             media_type="text/event-stream",
         )
-    results = await until_disconnect(request, engine.generate_n(ids, params, logprob=want, **options))
-    choices = []
-    for j, res in enumerate(results):
-        finish, matched = _check_abort(res["finish_reason"])
-        text = engine.output_text(res["output_ids"], params, res["finish_reason"])
-        logprobs = None
-        if want is not None:
-            values = res["logprobs"]
-            inp = values["input"] if echo else None
-            logprobs = openai_completion(engine, inp, ids, values["output"], res["output_ids"], 0)
-        choices.append(
-            {
-                "index": j,
-                "text": echo_text + text,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-                "matched_stop": matched,
-            }
-        )
-    return JSONResponse({**base, "choices": choices, "usage": _usage_n(engine, ids, results)})
+    groups = await until_disconnect(
+        request,
+        asyncio.gather(
+            *(
+                engine.generate_n(ids, sp, logprob=w, **options)
+                for ids, sp, w in zip(prompts, params, wants, strict=True)
+            )
+        ),
+    )
+    choices, results = [], []
+    for i, group in enumerate(groups):
+        ids, want = prompts[i], wants[i]
+        for res in group:
+            finish, matched = _check_abort(res["finish_reason"])
+            text = engine.output_text(res["output_ids"], params[i], res["finish_reason"])
+            logprobs = None
+            if want is not None:
+                values = res["logprobs"]
+                inp = values["input"] if echo else None
+                logprobs = openai_completion(engine, inp, ids, values["output"], res["output_ids"], 0)
+            choices.append(
+                {
+                    "index": len(choices),
+                    "text": echo_texts[i] + text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                    "matched_stop": matched,
+                }
+            )
+            results.append((i, res))
+    return JSONResponse({**base, "choices": choices, "usage": _usage_n(engine, prompts, results)})
 
 
 def _check_abort(reason: dict | None) -> tuple[str | None, object]:
@@ -278,68 +343,68 @@ def _check_abort(reason: dict | None) -> tuple[str | None, object]:
 
 
 async def _stream_choices(
-    engine,
-    ids,
-    params,
-    base,
-    first: dict | None,
+    engine: Engine,
+    prompts: list[list[int]],
+    runs: list[_Run],
+    base: dict,
     content,
     include_usage: bool,
     options: dict,
-    want: LogprobRequest | None = None,
     render=None,
-    tool_stream: ToolStream | None = None,
 ):
-    """The SSE chunks of one streamed request: the opening choice ``first`` (when given), a choice per text
-    delta carrying ``content(text)`` (``text`` or ``delta``), an error chunk on abort, the optional usage
-    chunk, then ``[DONE]``. ``options``: ``_submit_options``. With ``want``, each chunk's ``logprobs`` is
-    ``render(values, new ids)`` of the tokens not reported by an earlier chunk. A chat that may call tools
-    (``tool_stream``) sends its deltas instead: content as it comes, tool calls at the end (finish reason
-    ``tool_calls``)."""
-    delta = StreamText(engine, params)
-    n_out, meta = 0, {}
+    """The SSE chunks of a streamed request whose choices are ``runs`` (choice ``index`` = position in
+    ``runs``): each run's opening choice (when it has one), then as they come a chunk per text delta of one
+    choice carrying ``content(text)`` (``text`` or ``delta``), an error chunk on the first abort (which ends
+    the stream and aborts the other choices), the optional usage chunk (each of ``prompts`` counted once,
+    completions and cached tokens summed over the choices), then ``[DONE]``. ``options``:
+    ``_submit_options`` with the grammar. With a run's ``want``, each chunk's ``logprobs`` is
+    ``render(values, new ids)`` of the tokens not reported by an earlier chunk. A chat choice that may call
+    tools (``tool_stream``) sends its deltas instead: content as it comes, tool calls at the end (finish
+    reason ``tool_calls``)."""
+    for index, run in enumerate(runs):
+        if run.first is not None:
+            yield sse({**base, "choices": [{"index": index, **run.first}]})
+    streams = [_run_choices(engine, run, content, options, render) for run in runs]
+    async for index, choice in interleave(streams):
+        if "error" in choice:
+            yield sse(choice)
+            break
+        yield sse({**base, "choices": [{**choice, "index": index}]})
+    if include_usage:
+        results = [(run.prompt, {"output_ids": range(run.n_out), "meta": run.meta}) for run in runs]
+        yield sse({**base, "choices": [], "usage": _usage_n(engine, prompts, results)})
+    yield SSE_DONE
+
+
+async def _run_choices(engine: Engine, run: _Run, content, options: dict, render):
+    """The choices (without ``index``) one streamed run sends, or one ``{"error": ...}`` on abort; counts
+    its output tokens and keeps its meta in ``run``."""
+    delta = StreamText(engine, run.params)
     pending, pending_ids = LogprobValues(), []
-    if first is not None:
-        yield sse({**base, "choices": [first]})
-    async for ev in engine.stream(ids, params, logprob=want, **options):
-        n_out += len(ev.new_ids)
-        meta.update(ev.meta)
+    async for ev in engine.stream(run.ids, run.params, logprob=run.want, **options):
+        run.n_out += len(ev.new_ids)
+        run.meta.update(ev.meta)
         if ev.logprobs is not None:
             pending.extend(ev.logprobs["output"])
             pending_ids += ev.new_ids
         finish, matched = _finish(ev.finish_reason)
         if finish == "abort":
             reason = ev.finish_reason
-            yield sse(
-                {
-                    "error": {
-                        "message": reason.get("message", "aborted"),
-                        "code": reason.get("status_code", 500),
-                    }
-                }
-            )
-            break
+            yield {
+                "error": {"message": reason.get("message", "aborted"), "code": reason.get("status_code", 500)}
+            }
+            return
         text = delta.push(ev.new_ids, ev.finish_reason)
-        if tool_stream is not None:
-            for chunk in _tool_chunks(tool_stream, text, finish, matched):
-                yield sse({**base, "choices": [chunk]})
+        if run.tool_stream is not None:
+            for chunk in _tool_chunks(run.tool_stream, text, finish, matched):
+                yield chunk
             continue
         if text or finish:
             logprobs = None
-            if want is not None and render is not None:
-                logprobs = render(pending, pending_ids)
+            if run.want is not None and render is not None:
+                logprobs = render(run.ids, pending, pending_ids)
                 pending, pending_ids = LogprobValues(), []
-            choice = {
-                "index": 0,
-                **content(text),
-                "logprobs": logprobs,
-                "finish_reason": finish,
-                "matched_stop": matched,
-            }
-            yield sse({**base, "choices": [choice]})
-    if include_usage:
-        yield sse({**base, "choices": [], "usage": _usage(engine, ids, n_out, meta)})
-    yield SSE_DONE
+            yield {**content(text), "logprobs": logprobs, "finish_reason": finish, "matched_stop": matched}
 
 
 def _tool_chunks(tool_stream: ToolStream, text: str, finish: str | None, matched) -> list[dict]:
@@ -355,28 +420,31 @@ def _tool_chunks(tool_stream: ToolStream, text: str, finish: str | None, matched
 
 
 def _stream_completion(
-    engine, ids, params, base, echo_text: str, include_usage: bool, options: dict, want: LogprobRequest | None
+    engine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    base: dict,
+    echo_texts: list[str],
+    include_usage: bool,
+    options: dict,
+    wants: list[LogprobRequest | None],
 ):
     """Completion chunks; with ``logprobs`` each carries its tokens' (the echoed prompt's are not streamed:
     a streamed echo sends the prompt text only)."""
-    first = {"index": 0, "text": echo_text, "logprobs": None, "finish_reason": None} if echo_text else None
-    stream_want = None if want is None else LogprobRequest(len(ids) - 1, want.top_n)
 
-    def render(values, new_ids):
+    def first(i, j):
+        return {"text": echo_texts[i], "logprobs": None, "finish_reason": None} if echo_texts[i] else None
+
+    def want(i, j):
+        w = wants[i]
+        return None if w is None else LogprobRequest(len(prompts[i]) - 1, w.top_n)
+
+    def render(ids, values, new_ids):
         return openai_completion(engine, None, ids, values, new_ids, 0)
 
-    return _stream_choices(
-        engine,
-        ids,
-        params,
-        base,
-        first,
-        lambda text: {"text": text},
-        include_usage,
-        options,
-        stream_want,
-        render,
-    )
+    runs = _runs(engine, prompts, params, first=first, want=want)
+    content = lambda text: {"text": text}  # noqa: E731
+    return _stream_choices(engine, prompts, runs, base, content, include_usage, options, render)
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -458,7 +526,6 @@ async def chat_completions(request: Request):
             engine.fail_room(options["bootstrap"], exc.message)
         raise
     sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    _check_n(body)
     params, names = _sampling_params(
         engine, body, ids, sent, "the input messages", options["bootstrap"], options["mm_items"], tools
     )
@@ -474,10 +541,9 @@ async def chat_completions(request: Request):
     if body.get("stream"):
         include_usage = _include_usage(body)
         base["object"] = "chat.completion.chunk"
+        await _prefill_once(request, engine, [ids], [params], options)
         return StreamingResponse(
-            _stream_chat(
-                engine, ids, params, base, include_usage, options, want, _tool_stream(tools, parser)
-            ),
+            _stream_chat(engine, ids, params, base, include_usage, options, want, tools, parser),
             media_type="text/event-stream",
         )
     results = await until_disconnect(request, engine.generate_n(ids, params, logprob=want, **options))
@@ -498,7 +564,8 @@ async def chat_completions(request: Request):
                 "matched_stop": matched,
             }
         )
-    return JSONResponse({**base, "choices": choices, "usage": _usage_n(engine, ids, results)})
+    usage = _usage_n(engine, [ids], [(0, res) for res in results])
+    return JSONResponse({**base, "choices": choices, "usage": usage})
 
 
 def _tool_stream(tools: Tools | None, parser) -> ToolStream | None:
@@ -507,27 +574,31 @@ def _tool_stream(tools: Tools | None, parser) -> ToolStream | None:
 
 def _stream_chat(
     engine,
-    ids,
-    params,
-    base,
+    ids: list[int],
+    params: SamplingParams,
+    base: dict,
     include_usage: bool,
     options: dict,
     want: LogprobRequest | None,
-    tool_stream: ToolStream | None = None,
+    tools: Tools | None,
+    parser,
 ):
-    first = {
-        "index": 0,
-        "delta": {"role": "assistant", "content": ""},
-        "logprobs": None,
-        "finish_reason": None,
-    }
+    """Chat chunks: each choice opens with the assistant role, then its content deltas (or tool-call
+    deltas, each choice with its own ``ToolStream``)."""
+    first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def render(values, new_ids):
+    def render(_ids, values, new_ids):
         return openai_chat(engine, values, new_ids)
 
-    return _stream_choices(
-        engine, ids, params, base, first, _chat_delta, include_usage, options, want, render, tool_stream
+    runs = _runs(
+        engine,
+        [ids],
+        [params],
+        first=lambda i, j: first,
+        want=lambda i, j: want,
+        tool_stream=lambda i, j: _tool_stream(tools, parser),
     )
+    return _stream_choices(engine, [ids], runs, base, _chat_delta, include_usage, options, render)
 
 
 def _chat_delta(text: str) -> dict:

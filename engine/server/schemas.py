@@ -71,7 +71,7 @@ class _OpenAIRequest(_Body):
 
 
 class CompletionRequest(_OpenAIRequest):
-    """``POST /v1/completions``: one prompt, as text or token ids (a one-element list of either)."""
+    """``POST /v1/completions``: a prompt as text or token ids, or a list of prompts (strings or id lists)."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False

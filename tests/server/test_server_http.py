@@ -199,19 +199,22 @@ def test_health_fails_when_scheduler_thread_is_dead(serve):
 
 def test_client_disconnect_aborts_the_request_and_frees_its_kv(serve):
     server, client = serve("--enable-hierarchical-cache")
-    body = {"input_ids": [5, 6, 7], "stream": True,
-            "sampling_params": {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}}  # fmt: skip
-    with client.stream("POST", "/generate", json=body) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                break  # one token arrived; drop the connection
-    deadline = time.monotonic() + 60  # idle: nothing running or waiting, and its L1->L2 writes acknowledged
-    while not (info := client.get("/server_info").json())["is_idle"]:
-        assert time.monotonic() < deadline, f"aborted request still held: {info}"
-        time.sleep(0.05)
-    assert info["num_running_reqs"] == 0
-    used = server.engine.scheduler.state["num_used_tokens"]
-    assert used == 0  # everything the request held went back to the pool or the evictable tree
+    sampling = {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}
+    one = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": sampling}
+    # A streamed n > 1 batch: every sample of every prompt is aborted with the connection.
+    many = {"input_ids": [[5, 6, 7], [8, 9, 10]], "stream": True, "sampling_params": {**sampling, "n": 3}}
+    for body in (one, many):
+        with client.stream("POST", "/generate", json=body) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    break  # one token arrived; drop the connection
+        deadline = time.monotonic() + 60  # idle: nothing running or waiting, its L1->L2 writes acknowledged
+        while not (info := client.get("/server_info").json())["is_idle"]:
+            assert time.monotonic() < deadline, f"aborted request still held: {info}"
+            time.sleep(0.05)
+        assert info["num_running_reqs"] == 0
+        used = server.engine.scheduler.state["num_used_tokens"]
+        assert used == 0  # everything the requests held went back to the pool or the evictable tree
 
 
 def test_health_fails_while_the_scheduler_is_stuck(serve):

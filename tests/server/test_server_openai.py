@@ -71,7 +71,7 @@ def test_unsupported_openai_fields_are_400(serve):
     user = [{"role": "user", "content": "x"}]
     cases = [
         ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
-        ("/v1/completions", {"prompt": PROMPT, "n": 3, "stream": True}, "n=3"),
+        ("/v1/completions", {"prompt": [], "stream": True}, "prompt"),
         ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, "suffix"),
         ("/v1/chat/completions", {"messages": user, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": user, "logit_bias": {"abc": 1}}, "logit_bias"),

@@ -1,10 +1,12 @@
 """The OpenAI routes and /generate against transformers (fp32, same weights) through real clients: chat
 ``logprobs`` / ``top_logprobs``, completions ``echo`` + ``logprobs`` (the shape lm-evaluation-harness reads),
-``n`` choices sharing one prefill, penalties / ``min_new_tokens`` / ``logit_bias`` / ``stop_regex`` /
-seeds, and 400s naming the field while the worker keeps serving."""
+``n`` choices sharing one prefill (also streamed, by choice index), lists of prompts, penalties /
+``min_new_tokens`` / ``logit_bias`` / ``stop_regex`` / seeds, and 400s naming the field while the worker keeps
+serving."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -118,6 +120,78 @@ def test_generate_n_returns_one_result_per_sample(http):
     assert isinstance(out, list) and len(out) == 3
     assert out[0]["output_ids"] == out[1]["output_ids"] == out[2]["output_ids"]  # greedy
     assert all(r["meta_info"]["cached_tokens"] == 39 for r in out)
+
+
+def _by_index(chunks) -> dict[int, list]:
+    """The choices of streamed chunks, grouped by their ``index``."""
+    out: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            out.setdefault(choice.index, []).append(choice)
+    return out
+
+
+def test_n_choices_stream_by_index_with_one_prefill(sdk):
+    prompt = _prompt(22, 48)
+    args = {"model": "m", "prompt": prompt, "n": 3, "max_tokens": 6, "temperature": 1.0, "seed": 9}
+    whole = sdk.completions.create(**args)
+    chunks = list(sdk.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    per = _by_index(chunks)
+    assert sorted(per) == [0, 1, 2]
+    for choice in whole.choices:  # seeded: the stream's sample j is the non-streamed choice j
+        streamed = per[choice.index]
+        assert "".join(c.text for c in streamed) == choice.text
+        assert streamed[-1].finish_reason == choice.finish_reason
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == 48  # the prompt counted once
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 3 * 47  # computed once, then cached for each sample
+
+    messages = [{"role": "user", "content": "a paged KV cache"}]
+    chat = list(sdk.chat.completions.create(model="m", messages=messages, n=2, max_tokens=4, stream=True))
+    per = _by_index(chat)
+    assert sorted(per) == [0, 1]
+    for choices in per.values():
+        assert choices[0].delta.role == "assistant"
+        assert choices[-1].finish_reason in ("stop", "length")
+
+
+def test_completions_take_a_list_of_prompts_in_prompt_major_order(sdk):
+    first, second = _prompt(23, 20), _prompt(24, 30)
+    greedy = {"model": "m", "max_tokens": 5, "temperature": 0}
+    alone = [sdk.completions.create(prompt=p, **greedy).choices[0].text for p in (first, second)]
+    both = sdk.completions.create(prompt=[first, second], n=2, **greedy)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert both.usage.prompt_tokens == 50
+    streamed = _by_index(sdk.completions.create(prompt=[first, second], n=2, stream=True, **greedy))
+    assert ["".join(c.text for c in streamed[k]) for k in range(4)] == [c.text for c in both.choices]
+    texts = ["the quick brown", "a paged KV"]
+    echoed = sdk.completions.create(prompt=texts, echo=True, **greedy)
+    assert [c.index for c in echoed.choices] == [0, 1]
+    assert all(c.text.startswith(t) for c, t in zip(echoed.choices, texts, strict=True))
+
+
+def test_generate_streams_a_batch_with_n_as_indexed_frames(http):
+    prompts = [_prompt(25, 24), _prompt(26, 32)]
+    sampling = {"n": 2, "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    whole = http.post("/generate", json={"input_ids": prompts, "sampling_params": sampling}).json()
+    assert len(whole) == 4
+    body = {"input_ids": prompts, "sampling_params": sampling, "stream": True}
+    last: dict[int, dict] = {}
+    with http.stream("POST", "/generate", json=body) as resp:
+        assert resp.status_code == 200
+        lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    for line in lines[:-1]:
+        frame = json.loads(line)
+        last[frame["index"]] = frame  # cumulative: the last frame of an index is its whole output
+    assert sorted(last) == [0, 1, 2, 3]
+    for k in range(4):  # prompt-major, then sample
+        assert last[k]["output_ids"] == whole[k]["output_ids"]
+        assert last[k]["text"] == whole[k]["text"]
+        assert last[k]["meta_info"]["finish_reason"]["type"] == "length"
+    assert last[2]["meta_info"]["cached_tokens"] == 31  # prefilled once before the samples
 
 
 def _greedy_with_logprobs(http, prompt, **sampling) -> dict:
