@@ -24,6 +24,7 @@ from engine.cache.config import (
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
 from engine.cache.storage.health import BreakerSettings, StorageHealth
 from engine.cache.storage.registry import create_storage_backend
+from engine.cache.storage.shards import ShardedStorage, ShardMap, shard_map
 
 _POLICY_FIELDS = (
     "prefetch_policy",
@@ -147,7 +148,8 @@ class StorageAdminMixin:
         name = self._backend_label(backend)
         try:
             extra = extra if isinstance(extra, dict) else parse_extra_config(extra)
-            _, backend_extra = split_extra_config(self.config, extra)
+            config, backend_extra = split_extra_config(self.config, extra)
+            shards = self._storage_shards(config.tp_lcm_size)
         except ValueError as exc:
             raise CacheAdminError(str(exc)) from exc
         layout = self.host_pool.layout
@@ -164,6 +166,7 @@ class StorageAdminMixin:
             layout=layout,
             extra_config=backend_extra,
             producer=self.kv_producer,
+            tp_lcm_size=shards.lcm if shards is not None else None,
         )
         try:
             if isinstance(backend, str):
@@ -171,9 +174,18 @@ class StorageAdminMixin:
             else:
                 instance = backend
                 instance.register_mem_pool_host(self.host_pool)
+            if shards is not None:  # every backend stores this rank's heads as lcm-granular shards
+                instance = ShardedStorage(instance, shards, self.host_pool)
         except Exception as exc:
             raise CacheAdminError(f"storage backend {name!r} failed to start: {exc}") from exc
         return PreparedBackend(name, instance, extra, storage_config.namespace)
+
+    def _storage_shards(self, tp_lcm_size: int | None) -> ShardMap | None:
+        """This rank's storage shards for ``tp_lcm_size`` (None without it, and for replicated MLA-style KV,
+        whose keys every rank and TP size shares already). Raises ``ValueError`` naming ``tp_lcm_size``."""
+        if tp_lcm_size is None or self.replicated_kv:
+            return None
+        return shard_map(tp_lcm_size, self.tp_size, self.kv_shard, self.host_pool.num_kv_heads)
 
     def _install(self, prepared: PreparedBackend, policies: dict) -> None:
         """Start using ``prepared`` (scheduler thread): config, controller, page keys for the whole tree."""

@@ -3,8 +3,9 @@
 ``HiCacheConfig`` mirrors SGLang's ``--hicache-*`` / ``--radix-eviction-policy`` flags. The extra config
 (``--hicache-storage-backend-extra-config``) is a JSON object string or ``@path`` to a ``.json``,
 ``.toml``, ``.yaml`` or ``.yml`` file; the HiCache keys in it (prefetch threshold and timeouts,
-``hicache_storage_pass_prefix_keys``) are popped and type-checked by :func:`split_extra_config`, the rest
-goes to the storage backend. Every error is a ``ValueError`` naming the field, key or file.
+``hicache_storage_pass_prefix_keys``, ``tp_lcm_size``) are popped and type-checked by
+:func:`split_extra_config`, the rest goes to the storage backend. Every error is a ``ValueError`` naming
+the field, key or file.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _EXTRA_NUMBERS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "pre
 _EXTRA_NUMBERS += ("breaker_latency_s", "breaker_open_s")  # L3 circuit breaker (storage/health.py)
 _EXTRA_KEYS = ("prefetch_threshold", "breaker_failures", *_EXTRA_NUMBERS, "hicache_storage_pass_prefix_keys")
 _EXTRA_KEYS += ("l2_admission", "l3_admission")  # TinyLFU admission per lower tier
+_EXTRA_KEYS += ("tp_lcm_size",)  # L3 pages in KV-head shards shared across TP sizes (storage/shards.py)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class HiCacheConfig:
     pass_prefix_keys: bool = False
     l2_admission: str = "none"  # none | tinylfu: who gets an L2 copy when L2 is full
     l3_admission: str = "none"  # none | tinylfu: who gets an L3 backup, which L3 pages are prefetched
+    tp_lcm_size: int | None = None  # lcm of the TP sizes sharing the L3 namespace; None: keys per rank shard
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,6 +82,8 @@ class HiCacheConfig:
                 raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
         _check_int("prefetch_threshold", self.prefetch_threshold, minimum=0)
         _check_int("breaker_failures", self.breaker_failures, minimum=1)
+        if self.tp_lcm_size is not None:
+            _check_int("tp_lcm_size", self.tp_lcm_size, minimum=1)
         for name in ("ratio", "size", *_EXTRA_NUMBERS):
             _check_number(name, getattr(self, name))
         if self.size == 0 and self.ratio <= 1:
@@ -166,7 +171,7 @@ def split_extra_config(config: HiCacheConfig, extra: dict) -> tuple[HiCacheConfi
         if key not in remaining:
             continue
         value = remaining.pop(key)
-        if key in ("prefetch_threshold", "breaker_failures"):
+        if key in ("prefetch_threshold", "breaker_failures", "tp_lcm_size"):
             _check_int(key, value, minimum=0 if key == "prefetch_threshold" else 1)
             changes[key] = value
         elif key in ("l2_admission", "l3_admission"):

@@ -69,6 +69,18 @@ class HostKVPool:
         raise ValueError(f"hicache_mem_layout: unsupported layout {layout!r}")
 
     @property
+    def page_shape(self) -> tuple[int, ...]:
+        """Shape of one page in this layout (``get_flat_data_page`` is it flattened; KV heads are always the
+        second-to-last dim): layer_first ``(2, L, P, H, D)``, page_first ``(2, P, L, H, D)``,
+        page_first_direct ``(2, 1, L, P, H, D)``."""
+        L, H, D, P = self.num_layers, self.num_kv_heads, self.head_dim, self.page_size
+        if self.layout == "layer_first":
+            return (2, L, P, H, D)
+        if self.layout == "page_first":
+            return (2, P, L, H, D)
+        return (2, 1, L, P, H, D)
+
+    @property
     def bytes_per_token(self) -> int:
         return self.page_bytes // self.page_size
 

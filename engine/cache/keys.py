@@ -40,13 +40,17 @@ def namespace_digest(
     tp_size: int,
     replicated: bool = False,
     producer: str = "",
+    lcm_shards: int | None = None,
 ) -> bytes:
     """32-byte SHA-256 digest naming the KV namespace a page belongs to.
 
     ``replicated`` (MLA-style KV, identical on every rank) leaves the rank out so all ranks share keys;
-    otherwise the shard ``tp_rank/tp_size`` is part of the digest. ``producer`` names what computed the KV
-    (:func:`engine.model.loader.fingerprint.kv_producer`; empty when unknown, e.g. a bare cache).
-    Raises ``ValueError`` for an empty model name, ``page_size < 1`` or a rank outside ``[0, tp_size)``.
+    ``lcm_shards`` (pages stored in that many KV-head shards, ``tp_lcm_size``:
+    :mod:`engine.cache.storage.shards`) names that count instead of the rank, so every rank and every TP
+    size sharing it chains the same keys; otherwise the shard ``tp_rank/tp_size`` is part of the digest.
+    ``producer`` names what computed the KV (:func:`engine.model.loader.fingerprint.kv_producer`; empty
+    when unknown, e.g. a bare cache). Raises ``ValueError`` for an empty model name, ``page_size < 1``,
+    ``lcm_shards < 1`` or a rank outside ``[0, tp_size)``.
     """
     if not model_name:
         raise ValueError("model_name must be a non-empty string")
@@ -54,7 +58,14 @@ def namespace_digest(
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} must be in [0, tp_size={tp_size})")
-    shard = "replicated" if replicated else f"tp{tp_rank}of{tp_size}"
+    if lcm_shards is not None and lcm_shards < 1:
+        raise ValueError(f"lcm_shards must be >= 1, got {lcm_shards}")
+    if replicated:
+        shard = "replicated"
+    elif lcm_shards is not None:
+        shard = f"lcm{lcm_shards}"
+    else:
+        shard = f"tp{tp_rank}of{tp_size}"
     text = "\n".join(
         (
             f"kvfleet-l3-namespace-v{NAMESPACE_VERSION}",

@@ -134,7 +134,9 @@ class _Rank:
 
 
 def _check_tp_lcm(args: ServerArgs) -> None:
-    """``tp_lcm_size`` (extra config): must be a positive multiple of ``--tp-size`` (upstream's check)."""
+    """``tp_lcm_size`` (extra config): must be a positive multiple of ``--tp-size`` (upstream's check),
+    before any rank starts. The cache checks that the model's KV heads split into its shards
+    (``engine/cache/storage/shards.py``)."""
     extra = parse_extra_config(args.hicache_storage_backend_extra_config) or {}
     lcm = extra.get("tp_lcm_size")
     if lcm is None:
@@ -144,11 +146,7 @@ def _check_tp_lcm(args: ServerArgs) -> None:
             f"--hicache-storage-backend-extra-config: tp_lcm_size {lcm!r} must be a multiple of "
             f"--tp-size {args.tp_size}"
         )
-    logger.warning(
-        "tp_lcm_size %d: L3 pages are keyed per tp shard; head splitting across tp sizes is not built, so "
-        "instances of different --tp-size do not share L3 pages",
-        lcm,
-    )
+    logger.info("tp_lcm_size %d: L3 pages are stored in KV-head shards shared across tp sizes", lcm)
 
 
 def _check_tp(args: ServerArgs) -> None:

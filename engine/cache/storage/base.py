@@ -44,6 +44,9 @@ class HiCacheStorageConfig:
     computed the KV (weights digest, quantization, compute dtype; part of the namespace). ``kv_format``
     (``KVFormat.layout_name``; empty: ``kv_dtype``) names how rows are encoded; the namespace carries it in
     place of ``kv_dtype``, which stays the buffers' element dtype (``uint8`` for fp8 and int8).
+    ``tp_lcm_size``: the number of KV-head shards a page is stored in (``min(tp_lcm_size, KV heads)``,
+    :mod:`engine.cache.storage.shards`); the namespace then names it instead of the rank. None: keys per
+    rank shard, as without the extra-config key.
     """
 
     tp_rank: int
@@ -56,6 +59,7 @@ class HiCacheStorageConfig:
     extra_config: dict = field(default_factory=dict)
     producer: str = ""
     kv_format: str = ""  # the pool's KV format with its scale layout (``int8/per-token-head-bf16``)
+    tp_lcm_size: int | None = None  # storage shards per page (storage/shards.py); None: keys per rank shard
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -78,6 +82,7 @@ class HiCacheStorageConfig:
             self.tp_size,
             replicated=self.is_mla_model,
             producer=self.producer,
+            lcm_shards=self.tp_lcm_size,
         )
 
 
