@@ -176,12 +176,16 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
 
 
 def rebalance_page(*, router: Router) -> dict:
-    """The facts the rebalance page renders: the router, its prefill / decode counts, and (as page data for
-    the page's module) its PD workers {id, name, role} and the SLOs the planner uses; ``gate_slo``: what a
+    """The facts the rebalance page renders: the router, its prefill / decode counts (workers, and devices:
+    the sum of their tp sizes), and (as page data for the page's module) its PD workers {id, name, role,
+    tp_size} and the SLOs the planner uses; ``gate_slo``: what a
     rebalance's soak gate checks when its POST sets no SLO (the router's own SLOs, never the planner's
     defaults), in words."""
-    workers = list(router.workers.filter(role__in=["prefill", "decode"]).values("id", "name", "role"))
+    workers = list(
+        router.workers.filter(role__in=["prefill", "decode"]).values("id", "name", "role", "tp_size")
+    )
     counts = {role: sum(w["role"] == role for w in workers) for role in ("prefill", "decode")}
+    devices = {r: sum(w["tp_size"] for w in workers if w["role"] == r) for r in ("prefill", "decode")}
     slo = {
         "ttft_p90_s": router.slo_ttft_p90_s or DEFAULT_SLO.ttft_p90_s,
         "itl_p90_s": router.slo_itl_p90_s or DEFAULT_SLO.itl_p90_s,
@@ -190,7 +194,13 @@ def rebalance_page(*, router: Router) -> dict:
     labels = {key: "SLO" if getattr(router, f"slo_{key}") else "planner default" for key in slo}
     gate_slo = soak_slo.describe(router_slo(router))
     page_data = {"workers": workers, "slo": slo, "slo_labels": labels}
-    return {"router": router, "counts": counts, "gate_slo": gate_slo, "page_data": page_data}
+    return {
+        "router": router,
+        "counts": counts,
+        "devices": devices,
+        "gate_slo": gate_slo,
+        "page_data": page_data,
+    }
 
 
 def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:

@@ -53,7 +53,7 @@ class Exporter:
         return m.render().decode()
 
 
-def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):  # noqa: PLR0915
+def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch, tmp_path):  # noqa: PLR0915
     from playwright.sync_api import expect, sync_playwright
 
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
@@ -105,6 +105,11 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch):  # noq
         expect(reasons).to_contain_text(re.compile(r"prefill demand [\d,]+ computed prompt tokens/s"))
         expect(reasons).to_contain_text("40% served from cache")
         expect(page.locator("#rec-pools [data-pool=prefill]")).to_contain_text("40 %")
+        # counts are devices (TP-1 workers here: the same numbers), the target stays in workers
+        expect(page.locator("#rec-pools [data-pool=decode]")).to_contain_text("2 (2 workers, 2 warm)")
+        expect(page.get_by_test_id("now-decode")).to_have_text("2 (2)")
+        expect(page.get_by_test_id("rec-units")).to_contain_text("Recommended workers: 1P:2D.")
+        page.screenshot(path=str(tmp_path / "rebalance-devices.png"), full_page=True)  # looked at by eye
         expect(page.get_by_test_id("now-ttft")).not_to_have_text("–")
         expect(page.locator("#chart-ttft")).not_to_have_attribute("data-points", "0")
 

@@ -3,6 +3,10 @@
 Advisory, like Dynamo's planner in ADVISORY mode: it says which (prefill, decode) split of a PD router's
 workers fits the traffic and why; a person or a policy starts the rebalance.
 
+Everything is counted in devices: a worker of ``--tp-size`` N spans N devices, so a TP-2 worker that
+switches roles moves two devices. Splits are the (prefill devices, decode devices) the router's workers can
+form by changing whole workers' roles; with TP-1 workers only, devices and workers are the same numbers.
+
 Math (per pool, over the window the inputs module aggregates):
 - demand: prefill = prompt tokens/s that had to be computed, i.e. input tokens/s minus the tokens served from
   cache on any tier (device, host, storage; the hit-rate discount of Dynamo v2's ``effective_isl``); decode =
@@ -10,17 +14,20 @@ Math (per pool, over the window the inputs module aggregates):
   A pool whose waiting queue grows is served less than what arrives (a saturated pool's throughput is its
   capacity, not the demand): the queue's growth, requests/s, times the tokens per served request is added
   to the demand as unserved tokens/s. A shrinking queue (a backlog draining) is not subtracted.
-- per-worker capacity at SLO: the per-worker load times ``gain = SLO / measured p90`` (TTFT for prefill, ITL
+- per-device capacity at SLO: the per-device load (what the warm workers served over the devices they
+  span) times ``gain = SLO / measured p90`` (TTFT for prefill, ITL
   for decode), the latency-ratio correction of Dynamo v1's SLA planner applied to live figures; capped at
   ``max_gain`` (never extrapolate further than that from what was measured) and, for decode, at
   ``kv_limit / kv_usage`` (a decode worker cannot hold more than its KV pool).
-- utilisation of a pool with k workers = demand / (k * capacity); needed = ceil(demand / (capacity * (1 -
-  headroom))).
-- the split: every (P, D) with P + D = budget, P, D >= min_workers, scored by the larger of the two pools'
-  utilisations (the pool closest to its SLO decides); the lowest score wins, ties keep the current split.
+- utilisation of a pool of k devices = demand / (k * capacity); needed devices = ceil(demand / (capacity *
+  (1 - headroom))).
+- the split: every (P, D) devices with P + D = budget that whole workers can form, each pool with at least
+  ``min_workers`` workers, scored by the larger of the two pools' utilisations (the pool closest to its SLO
+  decides); the lowest score wins, ties keep the current split. Among the ways to reach a split, the one
+  changing the fewest workers' roles is the one recommended.
 
 Anti-flap (Dynamo's "persist for M evaluations + cooldown", Dynamo #9294's consolidation margin):
-- each pool's load (workers needed at 100 %: demand / per-worker capacity) is smoothed across evaluations
+- each pool's load (devices needed at 100 %: demand / per-device capacity) is smoothed across evaluations
   (EWMA, time constant ``smoothing_s``), so one noisy p90 does not decide;
 - a change is proposed only when the current split breaches ``1 - headroom`` utilisation in some pool and
   the best split lowers the worst utilisation by at least ``margin`` (relative); a shown change is replaced
@@ -59,7 +66,7 @@ class PlannerConfig:
     cooldown_s: float = 300.0  # no proposal this long after a role change / a rebalance ended
     max_gain: float = 4.0  # capacity <= 4x the measured per-worker load
     kv_limit: float = 0.9  # a decode worker is full at 90 % KV usage
-    min_workers: int = 1  # per pool
+    min_workers: int = 1  # workers per pool
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,8 @@ class PoolLoad:
     ``workers`` is how many warm workers the figures come from; ``cached_tokens_per_s`` maps each tier
     (device, host, storage) to prompt tokens/s served from it; ``kv_usage`` is the mean KV pool use, 0..1;
     ``queue_reqs`` the mean number of requests waiting (per worker, summed over the pool's warm workers) and
-    ``queue_growth_per_s`` how fast that number grew over the window, requests/s (negative: it shrank).
+    ``queue_growth_per_s`` how fast that number grew over the window, requests/s (negative: it shrank);
+    ``devices`` the devices those warm workers span (the sum of their tp sizes; None: one each).
     """
 
     workers: int
@@ -82,6 +90,11 @@ class PoolLoad:
     queue_reqs: float = 0.0
     queue_growth_per_s: float = 0.0
     kv_usage: float | None = None
+    devices: int | None = None
+
+    @property
+    def warm_devices(self) -> int:
+        return self.workers if self.devices is None else self.devices
 
     @property
     def cached_total(self) -> float:
@@ -97,10 +110,20 @@ class PoolLoad:
 
 
 @dataclass(frozen=True)
+class PoolWorker:
+    """One PD worker of the router as the planner counts it: name, the role it runs, devices (tp_size)."""
+
+    name: str
+    role: str
+    devices: int = 1
+
+
+@dataclass(frozen=True)
 class FleetView:
-    """What the planner sees of one router now: its live counts, each pool's load (None: no warm worker
-    reported), the budget (workers to split), when the counts last changed (Unix s), and why it must not
-    propose anything now (None: free)."""
+    """What the planner sees of one router now: its live counts in devices (prefill, decode), each pool's
+    load (None: no warm worker reported), the budget (devices to split), when the counts last changed
+    (Unix s), why it must not propose anything now (None: free), and its PD workers (None: ``current``'s
+    counts as one-device workers)."""
 
     current: tuple[int, int]
     prefill: PoolLoad | None
@@ -109,6 +132,13 @@ class FleetView:
     slo: Slo
     last_change_at: float | None = None
     frozen: str | None = None
+    workers: tuple[PoolWorker, ...] | None = None
+
+    def members(self) -> tuple[PoolWorker, ...]:
+        if self.workers is not None:
+            return self.workers
+        roles = [(PREFILL, i) for i in range(self.current[0])] + [(DECODE, i) for i in range(self.current[1])]
+        return tuple(PoolWorker(f"{role}-{i}", role) for role, i in roles)
 
 
 @dataclass(frozen=True)
@@ -119,7 +149,7 @@ class PlannerState:
     shown: tuple[int, int] | None = None
     proposal: tuple[int, int] | None = None
     proposal_since: float | None = None
-    smoothed: tuple[float, float] | None = None  # workers each pool needs at 100 % utilisation (EWMA)
+    smoothed: tuple[float, float] | None = None  # devices each pool needs at 100 % utilisation (EWMA)
     smoothed_at: float | None = None
     smoothed_for: tuple[int, int] | None = None  # the counts it was measured at (reset when they change)
     smoothed_since: float | None = None  # when the smoothing started (its warm-up counts from here)
@@ -144,8 +174,11 @@ class PlannerState:
 
 @dataclass(frozen=True)
 class PoolFigures:
-    """The numbers behind one pool's part of a recommendation (see the module docstring for the math)."""
+    """The numbers behind one pool's part of a recommendation (see the module docstring for the math);
+    loads and capacities are per device, ``needed_devices`` is in devices."""
 
+    devices: int
+    warm_devices: int
     workers: int
     warm_workers: int
     demand: float
@@ -159,10 +192,10 @@ class PoolFigures:
     slo_p90_s: float
     gain: float
     gain_limit: str
-    per_worker_load: float
-    per_worker_capacity: float
+    per_device_load: float
+    per_device_capacity: float
     utilisation: float
-    needed: int
+    needed_devices: int
     queue_reqs: float
     queue_growth_per_s: float
     unserved_per_s: float
@@ -170,10 +203,11 @@ class PoolFigures:
 
 
 def pool_figures(
-    role: str, load: PoolLoad, workers: int, slo_s: float, cfg: PlannerConfig
+    role: str, load: PoolLoad, devices: int, slo_s: float, cfg: PlannerConfig, workers: int | None = None
 ) -> PoolFigures | None:
-    """Demand, capacity at SLO and utilisation of a pool of ``workers``; None without traffic or latency.
-    Capacity comes from what the warm workers served; demand adds what a growing queue left unserved."""
+    """Demand, capacity at SLO and utilisation of a pool of ``devices`` (in ``workers`` workers; None: one
+    device each); None without traffic or latency. Capacity comes from what the warm workers served over
+    the devices they span; demand adds what a growing queue left unserved."""
     prefill = role == PREFILL
     measured = load.computed_tokens_per_s if prefill else load.output_tokens_per_s
     latency = load.ttft_p90_s if prefill else load.itl_p90_s
@@ -182,16 +216,19 @@ def pool_figures(
     unserved = 0.0
     if load.queue_growth_per_s > 0 and load.request_rate > 0:
         unserved = load.queue_growth_per_s * measured / load.request_rate
-    per_worker = measured / load.workers
+    warm = load.warm_devices
+    per_device = measured / warm
     gain, limit = slo_s / latency, "slo"
     if gain > cfg.max_gain:
         gain, limit = cfg.max_gain, "max_gain"
     if not prefill and load.kv_usage and cfg.kv_limit / load.kv_usage < gain:
         gain, limit = cfg.kv_limit / load.kv_usage, "kv"
-    capacity = per_worker * gain
-    demand = (measured + unserved) / load.workers * workers
+    capacity = per_device * gain
+    demand = (measured + unserved) / warm * devices
     return PoolFigures(
-        workers=workers,
+        devices=devices,
+        warm_devices=warm,
+        workers=devices if workers is None else workers,
         warm_workers=load.workers,
         demand=demand,
         demand_unit="computed prompt tokens/s" if prefill else "output tokens/s",
@@ -204,18 +241,52 @@ def pool_figures(
         slo_p90_s=slo_s,
         gain=gain,
         gain_limit=limit,
-        per_worker_load=per_worker,
-        per_worker_capacity=capacity,
-        utilisation=demand / (workers * capacity),
-        needed=max(cfg.min_workers, math.ceil(demand / (capacity * (1 - cfg.headroom)) - 1e-9)),
+        per_device_load=per_device,
+        per_device_capacity=capacity,
+        utilisation=demand / (devices * capacity),
+        needed_devices=max(1, math.ceil(demand / (capacity * (1 - cfg.headroom)) - 1e-9)),
         queue_reqs=load.queue_reqs,
         queue_growth_per_s=load.queue_growth_per_s,
-        unserved_per_s=unserved / load.workers * workers,
+        unserved_per_s=unserved / warm * devices,
         kv_usage=load.kv_usage,
     )
 
 
 Split = tuple[int, int]
+Plan = tuple[
+    int, tuple[str, ...]
+]  # (role changes, the role each worker gets: prefill | decode | "" left out)
+
+
+def split_plans(members: tuple[PoolWorker, ...], budget: int, min_workers: int = 1) -> dict[Split, Plan]:
+    """Every (prefill, decode) device split of ``budget`` that whole workers form (each one prefill, decode
+    or, when the budget is below the fleet's devices, left out), each pool with at least ``min_workers``
+    workers; for each, the assignment changing the fewest workers' roles (ties: the workers later in
+    ``members``' order change). A sketch of which workers could move: a rebalance picks its own donors."""
+    left = [sum(m.devices for m in members[i:]) for i in range(len(members) + 1)]
+    states: dict[tuple[int, int, int, int], Plan] = {(0, 0, 0, 0): (0, ())}
+    for i, m in enumerate(members):
+        step: dict[tuple[int, int, int, int], Plan] = {}
+        choices = (m.role, DECODE if m.role == PREFILL else PREFILL, "")
+        for (p, d, n_p, n_d), (moves, roles) in states.items():
+            for role in choices:
+                key = (
+                    p + (m.devices if role == PREFILL else 0),
+                    d + (m.devices if role == DECODE else 0),
+                    min(min_workers, n_p + (role == PREFILL)),
+                    min(min_workers, n_d + (role == DECODE)),
+                )
+                if key[0] + key[1] > budget or key[0] + key[1] + left[i + 1] < budget:
+                    continue
+                plan = (moves + (role not in ("", m.role)), (*roles, role))
+                if key not in step or plan[0] < step[key][0]:
+                    step[key] = plan
+        states = step
+    out: dict[Split, Plan] = {}
+    for (p, d, n_p, n_d), plan in states.items():
+        if n_p >= min_workers and n_d >= min_workers and ((p, d) not in out or plan[0] < out[(p, d)][0]):
+            out[(p, d)] = plan
+    return out
 
 
 def _split_name(t: Split) -> str:
@@ -223,15 +294,12 @@ def _split_name(t: Split) -> str:
 
 
 def _worst(load: tuple[float, float], split: Split) -> float:
-    """The higher of the two pools' utilisations with ``split`` workers."""
+    """The higher of the two pools' utilisations with ``split`` devices."""
     return max(load[0] / split[0], load[1] / split[1])
 
 
-def best_split(
-    load: tuple[float, float], budget: int, prefer: list[Split], cfg: PlannerConfig
-) -> Split | None:
-    """(P, D) with P + D = budget minimising the worse pool utilisation; ties go to ``prefer`` in order."""
-    splits = [(p, budget - p) for p in range(cfg.min_workers, budget - cfg.min_workers + 1)]
+def best_split(load: tuple[float, float], splits: list[Split], prefer: list[Split]) -> Split | None:
+    """The split of ``splits`` minimising the worse pool utilisation; ties go to ``prefer`` in order."""
     if not splits:
         return None
     rank = {s: i for i, s in enumerate(prefer)}
@@ -249,14 +317,21 @@ class Recommendation:
     budget: int
     slo: Slo
     evaluated_at: float
+    current_workers: Split = (0, 0)
+    recommended_workers: Split = (0, 0)
+    moves: tuple = ()  # ({worker, from_role, to_role, devices}, ...) from current to recommended
 
     def to_dict(self) -> dict:
         pair = lambda t: {PREFILL: t[0], DECODE: t[1]}  # noqa: E731
         return {
             "evaluated_at": self.evaluated_at,
             "status": self.status,
+            "unit": "devices",
             "current": pair(self.current),
             "recommended": pair(self.recommended),
+            "current_workers": pair(self.current_workers),
+            "recommended_workers": pair(self.recommended_workers),
+            "moves": [dict(m) for m in self.moves],
             "change": self.recommended != self.current,
             "summary": self.summary,
             "reasons": self.reasons,
@@ -268,12 +343,15 @@ class Recommendation:
 
 def _explain(role: str, f: PoolFigures, cfg: PlannerConfig) -> str:
     lat = "TTFT" if role == PREFILL else "ITL"
+    warm = f"{f.warm_workers} warm worker(s)" + (
+        f" on {f.warm_devices} device(s)" if f.warm_devices != f.warm_workers else ""
+    )
     if role == PREFILL:
-        source = f"input {f.input_tokens_per_s:,.0f} tokens/s on {f.warm_workers} warm worker(s)"
-        cache = f"{f.hit_rate:.0%} served from cache, scaled to {f.workers}"
+        source = f"input {f.input_tokens_per_s:,.0f} tokens/s on {warm}"
+        cache = f"{f.hit_rate:.0%} served from cache, scaled to {f.devices} device(s)"
         demand = f"prefill demand {f.demand:,.0f} computed prompt tokens/s ({source}, {cache})"
     else:
-        demand = f"decode demand {f.demand:,.0f} output tokens/s ({f.workers} worker(s))"
+        demand = f"decode demand {f.demand:,.0f} output tokens/s ({f.devices} device(s), {warm})"
     if f.unserved_per_s > 0:
         waiting = f" ({f.queue_reqs:.1f} waiting on average)" if f.queue_reqs > 0 else ""
         demand += (
@@ -289,9 +367,9 @@ def _explain(role: str, f: PoolFigures, cfg: PlannerConfig) -> str:
         limit += f" (far below it: capped at {cfg.max_gain:g}x the measured load)"
     elif f.gain_limit == "kv":
         limit += f" (KV usage {f.kv_usage:.0%} caps it at {cfg.kv_limit:.0%} KV)"
-    capacity = f"so {f.per_worker_capacity:,.0f} at the SLO; utilisation {f.utilisation:.0%}"
-    need = f"with {cfg.headroom:.0%} headroom it needs {f.needed}"
-    return f"{demand}; each worker serves {f.per_worker_load:,.0f} at {limit}, {capacity}; {need}."
+    capacity = f"so {f.per_device_capacity:,.0f} at the SLO; utilisation {f.utilisation:.0%}"
+    need = f"with {cfg.headroom:.0%} headroom it needs {f.needed_devices} device(s)"
+    return f"{demand}; each device serves {f.per_device_load:,.0f} at {limit}, {capacity}; {need}."
 
 
 def _smooth(state: PlannerState, raw: tuple[float, float], current: Split, now: float, cfg: PlannerConfig):
@@ -309,10 +387,13 @@ def evaluate(
     view: FleetView, state: PlannerState, now: float, cfg: PlannerConfig = PlannerConfig()
 ) -> tuple[Recommendation, PlannerState]:
     """One planner tick: the recommendation to show and the state to keep for the next tick."""
-    current = view.current
+    current, members = view.current, view.members()
+    n_workers = tuple(sum(m.role == role for m in members) for role in (PREFILL, DECODE))
     pools = {
-        PREFILL: view.prefill and pool_figures(PREFILL, view.prefill, current[0], view.slo.ttft_p90_s, cfg),
-        DECODE: view.decode and pool_figures(DECODE, view.decode, current[1], view.slo.itl_p90_s, cfg),
+        PREFILL: view.prefill
+        and pool_figures(PREFILL, view.prefill, current[0], view.slo.ttft_p90_s, cfg, n_workers[0]),
+        DECODE: view.decode
+        and pool_figures(DECODE, view.decode, current[1], view.slo.itl_p90_s, cfg, n_workers[1]),
     }
     reasons = [_explain(role, f, cfg) for role, f in pools.items() if f]
     if view.frozen:
@@ -336,10 +417,11 @@ def evaluate(
         return _rec("cooldown", current, current, summary, [*reasons, why], pools, view, now), PlannerState()
     pre, dec = pools[PREFILL], pools[DECODE]
     load, smoothed_since = _smooth(
-        state, (pre.demand / pre.per_worker_capacity, dec.demand / dec.per_worker_capacity), current, now, cfg
+        state, (pre.demand / pre.per_device_capacity, dec.demand / dec.per_device_capacity), current, now, cfg
     )
-    shown = state.shown if state.shown is not None and sum(state.shown) == view.budget else current
-    proposal, why = _propose(load, current, shown, view.budget, cfg)
+    plans = split_plans(members, view.budget, cfg.min_workers)
+    shown = state.shown if state.shown is not None and state.shown in plans else current
+    proposal, why = _propose(load, current, shown, view.budget, sorted(plans), cfg)
     reasons.append(why)
     kept = dict(smoothed=load, smoothed_at=now, smoothed_for=current, smoothed_since=smoothed_since)
     new_state = PlannerState(shown=shown, **kept)
@@ -365,22 +447,39 @@ def evaluate(
     elif shown == current:
         status, summary = "hold", f"Keep {_split_name(current)}."
     else:
-        status, summary = "change", _move_sentence(current, shown)
-    return _rec(status, current, shown, summary, reasons, pools, view, now), new_state
+        status = "change"
+        summary = _move_sentence(current, shown, _moves(view, plans.get(shown)), view.workers is not None)
+    return _rec(status, current, shown, summary, reasons, pools, view, now, plans), new_state
 
 
-def _propose(load, current: Split, shown: Split, budget: int, cfg: PlannerConfig) -> tuple[Split, str]:
-    """The split to propose now, and why (utilisations from the smoothed loads)."""
+def _moves(view: FleetView, plan: Plan | None) -> tuple[dict, ...]:
+    """The role changes of ``plan`` as {worker, from_role, to_role, devices}."""
+    if plan is None:
+        return ()
+    return tuple(
+        {"worker": m.name, "from_role": m.role, "to_role": role, "devices": m.devices}
+        for m, role in zip(view.members(), plan[1], strict=True)
+        if role and role != m.role
+    )
+
+
+def _propose(
+    load, current: Split, shown: Split, budget: int, splits: list[Split], cfg: PlannerConfig
+) -> tuple[Split, str]:
+    """The split to propose now among ``splits`` (those whole workers form), and why (utilisations from the
+    smoothed loads)."""
     target = 1 - cfg.headroom
-    best = best_split(load, budget, [current, shown], cfg)
+    best = best_split(load, splits, [current, shown])
     if best is None:
-        return current, f"a budget of {budget} worker(s) cannot hold {cfg.min_workers} of each role"
+        return current, (
+            f"no split of {budget} device(s) in whole workers holds {cfg.min_workers} worker(s) of each role"
+        )
     util = lambda s: f"{_split_name(s)} (prefill {load[0] / s[0]:.0%}, decode {load[1] / s[1]:.0%})"  # noqa: E731
     now_worst, best_worst = _worst(load, current), _worst(load, best)
     if sum(current) != budget:
         return (
             best,
-            f"the budget is {budget} worker(s) and the router has {sum(current)}; best split {util(best)}",
+            f"the budget is {budget} device(s) and the router has {sum(current)}; best split {util(best)}",
         )
     if shown != current:
         if now_worst <= target * (1 - cfg.margin):
@@ -395,7 +494,7 @@ def _propose(load, current: Split, shown: Split, budget: int, cfg: PlannerConfig
         )
     if best == current or best_worst > now_worst * (1 - cfg.margin):
         return current, (
-            f"{util(current)} runs a pool over {target:.0%}, but no split of {budget} worker(s) "
+            f"{util(current)} runs a pool over {target:.0%}, but no split of {budget} device(s) "
             f"lowers the worse pool by {cfg.margin:.0%} or more"
             + ("" if best == current else f" (best {util(best)})")
         )
@@ -406,15 +505,35 @@ def _propose(load, current: Split, shown: Split, budget: int, cfg: PlannerConfig
     )
 
 
-def _move_sentence(current: Split, target: Split) -> str:
+def _move_sentence(current: Split, target: Split, moves: tuple[dict, ...], named: bool) -> str:
+    """E.g. "Move 2 device(s) from decode to prefill (1 worker(s): d1 (TP 2)): 2P:6D -> 4P:4D devices."."""
     dp = target[0] - current[0]
+    who = f"{len(moves)} worker(s)"
+    if named and moves:
+        who += ": " + ", ".join(
+            m["worker"] + (f" (TP {m['devices']})" if m["devices"] > 1 else "") for m in moves
+        )
     if sum(current) == sum(target) and dp:
         src, dst = (DECODE, PREFILL) if dp > 0 else (PREFILL, DECODE)
         return (
-            f"Move {abs(dp)} worker(s) from {src} to {dst}: {_split_name(current)} -> {_split_name(target)}."
+            f"Move {abs(dp)} device(s) from {src} to {dst} ({who}): "
+            f"{_split_name(current)} -> {_split_name(target)} devices."
         )
-    return f"Change {_split_name(current)} -> {_split_name(target)}."
+    return f"Change {_split_name(current)} -> {_split_name(target)} devices ({who})."
 
 
-def _rec(status, current, recommended, summary, reasons, pools, view: FleetView, now) -> Recommendation:
-    return Recommendation(status, current, recommended, summary, reasons, pools, view.budget, view.slo, now)
+def _rec(
+    status, current, recommended, summary, reasons, pools, view: FleetView, now, plans: dict | None = None
+) -> Recommendation:
+    """The recommendation, with worker counts: the current ones, and those of the least-moving assignment
+    of ``recommended`` (workers a budget leaves out count in the role they run)."""
+    members = view.members()
+    count = lambda roles: tuple(sum(r == role for r in roles) for role in (PREFILL, DECODE))  # noqa: E731
+    workers = count([m.role for m in members])
+    plan = (plans or {}).get(recommended) if recommended != current else None
+    moves = _moves(view, plan)
+    rec_workers = count([r or m.role for m, r in zip(members, plan[1], strict=True)]) if plan else workers
+    return Recommendation(
+        status, current, recommended, summary, reasons, pools, view.budget, view.slo, now, workers,
+        rec_workers, moves,
+    )  # fmt: skip

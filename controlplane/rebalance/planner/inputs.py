@@ -1,7 +1,10 @@
 """What the planner sees of one PD router, read from inventory, telemetry (Redis) and rebalances.
 
-Pools are the router's workers by role (prefill, decode). A worker's samples count from ``warmup_s`` after
-its role last changed (Dynamo #12430: cold samples of a worker that just joined a pool skew its capacity).
+Pools are the router's workers by role (prefill, decode), counted in devices: a worker spans its
+``tp_size`` devices. The budget is the devices of all of them, or, when the router's ``worker_budget`` is
+below their number, the devices of that many workers, the largest first. A worker's samples count from
+``warmup_s`` after its role last changed (Dynamo #12430: cold samples of a worker that just joined a pool
+skew its capacity).
 The prefill pool's TTFT is the one the client sees, measured where its first token is sent: on the decode
 workers in PD (a decode worker observes TTFT from a request's arrival to the first token it streams, which
 covers the prefill on P and the KV transfer); the prefill workers' own TTFT is used only when no decode
@@ -19,7 +22,7 @@ from django.utils import timezone
 
 from controlplane.inventory.models import EngineWorker, Router, WorkerRole, WorkerState
 from controlplane.rebalance.models import ACTIVE_STATES, Rebalance, RebalanceState
-from controlplane.rebalance.planner.core import DECODE, PREFILL, FleetView, Slo
+from controlplane.rebalance.planner.core import DECODE, PREFILL, FleetView, PoolWorker, Slo
 from controlplane.rebalance.planner.window import pool_load
 from controlplane.telemetry import store
 
@@ -57,8 +60,8 @@ def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -
         EngineWorker.objects.filter(router=router, role__in=[WorkerRole.PREFILL, WorkerRole.DECODE])
     )
     current = (
-        sum(w.role == WorkerRole.PREFILL for w in workers),
-        sum(w.role == WorkerRole.DECODE for w in workers),
+        sum(w.tp_size for w in workers if w.role == WorkerRole.PREFILL),
+        sum(w.tp_size for w in workers if w.role == WorkerRole.DECODE),
     )
     slo = Slo(router.slo_ttft_p90_s or DEFAULT_SLO.ttft_p90_s, router.slo_itl_p90_s or DEFAULT_SLO.itl_p90_s)
     sources = {
@@ -78,25 +81,34 @@ def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -
     changed = [w.role_changed_at.timestamp() for w in workers if w.role_changed_at]
     last_change = max([*changed, *([finished] if finished else [])], default=None)
     samples: dict[str, list[list[dict]]] = {PREFILL: [], DECODE: []}
+    devices: dict[str, list[int]] = {PREFILL: [], DECODE: []}
     for w in workers:
         start = now - cfg.window_s
         if w.role_changed_at:
             start = max(start, w.role_changed_at.timestamp() + cfg.warmup_s)
         hist = store.history(w.pk, limit=400)
         samples[w.role].append([s for s in hist if start <= s["ts"] <= now])
-    prefill, decode = pool_load(samples[PREFILL]), pool_load(samples[DECODE])
+        devices[w.role].append(w.tp_size)
+    prefill, decode = (pool_load(samples[r], devices[r]) for r in (PREFILL, DECODE))
     if prefill and decode and decode.ttft_p90_s is not None:
         prefill = replace(prefill, ttft_p90_s=decode.ttft_p90_s)  # the client's TTFT: see the module doc
     view = FleetView(
         current=current,
         prefill=prefill,
         decode=decode,
-        budget=min(router.worker_budget or sum(current), sum(current)),  # a cap: docs/rebalance.md
+        budget=_device_budget(router, workers),  # a cap: docs/rebalance.md
         slo=slo,
         last_change_at=last_change,
         frozen=frozen,
+        workers=tuple(PoolWorker(w.name, w.role, w.tp_size) for w in workers),
     )
     return view, notes
+
+
+def _device_budget(router: Router, workers: list[EngineWorker]) -> int:
+    """The devices the planner splits: all the workers', or the ``worker_budget`` largest workers'."""
+    sizes = sorted((w.tp_size for w in workers), reverse=True)
+    return sum(sizes[: router.worker_budget or len(sizes)])
 
 
 def now_s() -> float:

@@ -32,14 +32,15 @@ def _p90(buckets: dict[float, float]) -> float | None:
     return histogram_quantile(0.9, list(buckets.items())) if buckets else None
 
 
-def pool_load(worker_samples: list[list[dict]]) -> PoolLoad | None:
-    """``worker_samples``: per warm worker, its samples inside the window, oldest first. A worker with
+def pool_load(worker_samples: list[list[dict]], devices: list[int] | None = None) -> PoolLoad | None:
+    """``worker_samples``: per warm worker, its samples inside the window, oldest first; ``devices``: the
+    devices (tp_size) of each of those workers (None: one each), summed over the workers used. A worker with
     fewer than two samples, or whose counters went down (restart), is left out. None when none is left."""
     sums = dict.fromkeys(_COUNTERS, 0.0)
     ttft: dict[float, float] = {}
     itl: dict[float, float] = {}
-    queue, kv, used, growth = [], [], 0, 0.0
-    for samples in worker_samples:
+    queue, kv, used, growth, used_devices = [], [], 0, 0.0, 0
+    for i, samples in enumerate(worker_samples):
         if len(samples) < 2:
             continue
         first, last = samples[0], samples[-1]
@@ -50,6 +51,7 @@ def pool_load(worker_samples: list[list[dict]]) -> PoolLoad | None:
         if dt <= 0 or min(deltas.values()) < 0 or b_ttft is None or b_itl is None:
             continue
         used += 1
+        used_devices += devices[i] if devices is not None else 1
         for k, d in deltas.items():
             sums[k] += d / dt
         for acc, add in ((ttft, b_ttft), (itl, b_itl)):
@@ -71,4 +73,5 @@ def pool_load(worker_samples: list[list[dict]]) -> PoolLoad | None:
         queue_reqs=sum(queue) / len(queue) * used if queue else 0.0,
         queue_growth_per_s=growth,
         kv_usage=sum(kv) / len(kv) if kv else None,
+        devices=used_devices,
     )

@@ -100,7 +100,7 @@ def test_an_overloaded_prefill_pool_gets_a_decode_worker_after_the_proposal_pers
     assert pre["input_tokens_per_s"] == pytest.approx(2000) and pre["hit_rate"] == pytest.approx(0.4)
     assert pre["demand"] == pytest.approx(1200)  # 2000 prompt tokens/s - 800 served from cache
     assert pre["latency_p90_s"] > 1.0 and pre["slo_p90_s"] == 0.5  # the client's TTFT, seen on decode
-    assert pre["per_worker_capacity"] == pytest.approx(1200 * 0.5 / pre["latency_p90_s"])
+    assert pre["per_device_capacity"] == pytest.approx(1200 * 0.5 / pre["latency_p90_s"])
     assert dec["demand"] == pytest.approx(100) and dec["workers"] == 2 and dec["warm_workers"] == 2
     assert rec["slo_source"] == "router"
     assert rec["slo_sources"] == {"ttft_p90_s": "router", "itl_p90_s": "router"}
@@ -112,7 +112,10 @@ def test_an_overloaded_prefill_pool_gets_a_decode_worker_after_the_proposal_pers
     assert later["status"] == "change" and later["recommended"] == {"prefill": 2, "decode": 1}, later[
         "reasons"
     ]
-    assert later["summary"] == "Move 1 worker(s) from decode to prefill: 1P:2D -> 2P:1D."
+    assert later["summary"] == (
+        "Move 1 device(s) from decode to prefill (1 worker(s): d2): 1P:2D -> 2P:1D devices."
+    )
+    assert later["recommended_workers"] == {"prefill": 2, "decode": 1} and later["unit"] == "devices"
     _push(agent, workers, exporters, time.time() - 10, 10, prefill_ttft=1.5)  # the workers report now
     got = api_as("viewer").get(f"/api/v1/inventory/routers/{router.pk}/recommendation/")
     assert got.status_code == 200 and got.json()["status"] == "change", got.json()["reasons"]
@@ -162,3 +165,30 @@ def test_the_beat_task_plans_every_pd_router(pd_fleet, api_as):
     assert plan_all_task.apply().get() == 1  # the PD router only
     stored = api_as("viewer").get(f"/api/v1/inventory/routers/{router.pk}/recommendation/").json()
     assert stored["router"] == router.pk and stored["status"] == "frozen"  # no worker has reported yet
+
+
+def test_the_recommendation_counts_tp2_workers_as_two_devices(pd_fleet, api_as, agent_for):
+    """The same traffic as above on TP-2 workers: the API reports devices (current 2P:4D, the budget 6),
+    per-device capacity half the per-worker one, and moving one TP-2 decode worker moves two devices."""
+    router, workers, exporters = pd_fleet
+    for w in workers.values():
+        w.tp_size = 2
+        w.save()
+    t0 = time.time() - 250
+    _push(agent_for(AGENT_HOST), workers, exporters, t0, 220, prefill_ttft=1.5)
+    rec = plan(router, now=t0 + 100)
+    assert rec["unit"] == "devices" and rec["budget"] == 6
+    assert rec["current"] == {"prefill": 2, "decode": 4}
+    assert rec["current_workers"] == {"prefill": 1, "decode": 2}
+    pre = rec["pools"]["prefill"]
+    assert (pre["devices"], pre["workers"], pre["warm_devices"]) == (2, 1, 2)
+    assert pre["per_device_capacity"] == pytest.approx(1200 / 2 * 0.5 / pre["latency_p90_s"])
+    later = plan(router, now=t0 + 221)
+    assert later["status"] == "change", later["reasons"]
+    assert later["recommended"] == {"prefill": 4, "decode": 2}
+    assert later["recommended_workers"] == {"prefill": 2, "decode": 1}
+    assert later["moves"] == [{"worker": "d2", "from_role": "decode", "to_role": "prefill", "devices": 2}]
+    assert later["summary"].startswith("Move 2 device(s) from decode to prefill (1 worker(s): d2 (TP 2))")
+    router.worker_budget = 2  # the two largest workers' devices
+    router.save()
+    assert plan(router, now=t0 + 100)["budget"] == 4

@@ -128,7 +128,7 @@ def test_shift_from_decode_heavy_to_prefill_heavy_gives_one_change_towards_prefi
     assert [(a[1], a[2]) for a in applied] == [((1, 2), (2, 1))], applied
     when, _, _, summary, reasons = applied[0]
     assert PHASE_S < when <= PHASE_S + 180, f"the change came at {when} s"
-    assert summary == "Move 1 worker(s) from decode to prefill: 1P:2D -> 2P:1D."
+    assert summary == "Move 1 device(s) from decode to prefill (1 worker(s)): 1P:2D -> 2P:1D devices."
     assert any("prefill demand" in r and "served from cache" in r for r in reasons)
     assert any("more arrives than it serves" in r and "the prefill pool is short" in r for r in reasons)
     # the decode-heavy phase held 1P:2D throughout (no proposal persisted)
@@ -191,8 +191,8 @@ def test_figures_an_operator_can_check():
     pre = rec.to_dict()["pools"][PREFILL]
     assert pre["demand"] == pytest.approx(6000)  # 8000 input - 2000 cached
     assert pre["hit_rate"] == pytest.approx(0.25)
-    assert pre["per_worker_capacity"] == pytest.approx(3000 * 0.5 / 1.0)
-    assert pre["needed"] == math.ceil(6000 / (1500 * 0.8))
+    assert pre["per_device_capacity"] == pytest.approx(3000 * 0.5 / 1.0)
+    assert pre["needed_devices"] == math.ceil(6000 / (1500 * 0.8))
     assert rec.status == "change" and rec.recommended == (3, 1)
 
 

@@ -45,8 +45,9 @@ KV.ready(function () {
   function renderNow() {
     var now = Date.now() / 1000, p = poolsAt(now, WINDOW_S);
     var counts = { prefill: pool("prefill")(now).length, decode: pool("decode")(now).length };
+    var devices = function (role) { return pool(role)(now).reduce(function (n, m) { return n + (m.tp_size || 1); }, 0); };
     KV.fill(KV.$("#now"), {
-      prefill_workers: counts.prefill, decode_workers: counts.decode,
+      prefill_workers: counts.prefill + " (" + devices("prefill") + ")", decode_workers: counts.decode + " (" + devices("decode") + ")",
       ttft_p90_s: clientTtft(p.prefill && p.prefill.ttft_p90_s, p.decode && p.decode.ttft_p90_s), itl_p90_s: p.decode && p.decode.itl_p90_s,
       input_tps: p.prefill && p.prefill.input_tps, output_tps: p.decode && p.decode.output_tps
     });
@@ -80,17 +81,20 @@ KV.ready(function () {
     var rows = ["prefill", "decode"].filter(function (k) { return rec.pools[k]; }).map(function (k) {
       var f = rec.pools[k], unit = k === "prefill" ? "tok/s" : "tok/s";
       return Object.assign({}, f, {
-        pool: k, workers_text: f.workers + " (" + f.warm_workers + ")",
+        pool: k, workers_text: f.devices + " (" + workersText(f.workers) + ", " + f.warm_workers + " warm)",
         demand_text: KV.fmt(f.demand, unit) + (k === "prefill" ? " computed" : " out"),
         hit_rate: k === "prefill" ? f.hit_rate : null,
         latency_text: KV.fmt(f.latency_p90_s, "s") + " / " + KV.fmt(f.slo_p90_s, "s"),
-        capacity_text: KV.fmt(f.per_worker_capacity, unit)
+        capacity_text: KV.fmt(f.per_device_capacity, unit)
       });
     });
     KV.replaceRows(KV.$("#rec-pools tbody"), KV.$("#tpl-rec-pool"), rows);
     KV.$("#rec-pools").hidden = !rows.length;
+    var moved = rec.moves.map(function (m) { return m.worker + " (" + m.devices + (m.devices === 1 ? " device" : " devices") + ") to " + m.to_role; });
+    KV.fill(KV.$("#rec-units"), { workers_text: split(rec.recommended_workers) + (moved.length ? "; moving " + moved.join(", ") : "") });
+    /* the rebalance's target is in workers: the planner's least-moving way to its device split */
     var p = KV.$("#target-prefill"), d = KV.$("#target-decode");
-    if (p && !p.dataset.touched) { p.value = rec.recommended.prefill; d.value = rec.recommended.decode; }
+    if (p && !p.dataset.touched) { p.value = rec.recommended_workers.prefill; d.value = rec.recommended_workers.decode; }
   }
   function loadRec() {
     return KV.api("GET", "/api/v1/inventory/routers/" + KV.pk + "/recommendation/").then(function (r) { rec = r; renderRec(); });
@@ -214,7 +218,7 @@ KV.ready(function () {
     start.addEventListener("click", function () {
       var value = function (sel) { var v = KV.$(sel).value.trim(); return v === "" ? NaN : Number(v); };
       var target = { prefill: value("#target-prefill"), decode: value("#target-decode") };
-      var now = rec ? rec.current : { prefill: pool("prefill")(Date.now() / 1000).length, decode: pool("decode")(Date.now() / 1000).length };
+      var now = rec ? rec.current_workers : { prefill: pool("prefill")(Date.now() / 1000).length, decode: pool("decode")(Date.now() / 1000).length };
       var problem = targetProblem(target, now);
       if (problem) { showError(new Error(problem)); return; }
       clearError();
