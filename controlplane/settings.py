@@ -146,10 +146,14 @@ TIME_ZONE = "UTC"
 USE_I18N = False
 USE_TZ = True
 STATIC_URL = "static/"
-STATIC_ROOT = VAR_DIR / "static"
-STATIC_ROOT.mkdir(exist_ok=True)
-# WhiteNoise serves the console's JS/CSS and the Swagger UI straight from the apps (no build step).
-WHITENOISE_USE_FINDERS = True
+STATIC_ROOT = Path(os.environ.get("STATIC_ROOT") or VAR_DIR / "static")
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
+# WhiteNoise serves the console's JS/CSS and the Swagger UI straight from the apps (no build step), unless
+# WHITENOISE_USE_FINDERS=0: then only the copy collectstatic put in STATIC_ROOT. Without autorefresh it
+# records each file's size when the server starts and reads the file at each request, so a source file
+# edited (or pulled) under a running server is served cut to its old size: a script that does not parse.
+# The local fleet (make demo) serves its own collected copy, which nothing else writes.
+WHITENOISE_USE_FINDERS = _env_bool("WHITENOISE_USE_FINDERS", True)
 WHITENOISE_AUTOREFRESH = DEBUG
 
 # Transport security: on by default whenever DEBUG is off (behind a TLS-terminating proxy set HTTPS=1 and

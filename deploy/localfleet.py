@@ -205,8 +205,19 @@ class LocalFleet:
 
     def start(self) -> None:
         self.make_log_dir()
+        self.env = self.base_env()
+        self._redis()
+        self._mooncake()
+        self._control_plane()
+        self._storage_profile()  # before the agent: its workers' registration links it (audited there)
+        self._agent()
+        self._router()
+        self._register_fleet()
+
+    def base_env(self) -> dict:
+        """The environment every process of the fleet starts with (before Redis, Mooncake and the ports)."""
         tag = f"{self.label}-{os.getpid()}"
-        self.env = {
+        return {
             **os.environ,
             "PYTHONPATH": str(REPO),
             "DATABASE_URL": f"sqlite:///{self.log_dir / 'controlplane.sqlite3'}",
@@ -220,16 +231,13 @@ class LocalFleet:
             "OPERATION_POLL_INTERVAL_S": "0.5",
             "KVFLEET_WORKER_ADMIN_KEY": secrets.token_hex(16),
             "DEMO_LOG_DIR": str(self.log_dir),
+            # the console's JS/CSS as collected at start-up, in this fleet's folder: a checkout edited or
+            # pulled while it runs never serves a script cut to its old size (controlplane/settings.py)
+            "STATIC_ROOT": str(self.log_dir / "static"),
+            "WHITENOISE_USE_FINDERS": "0",
             "DEMO_HOST_NAME": f"{socket.gethostname()}-{self.label}",
             "DEMO_WORKER_PREFIX": f"{self.label}-{os.getpid()}",
         }
-        self._redis()
-        self._mooncake()
-        self._control_plane()
-        self._storage_profile()  # before the agent: its workers' registration links it (audited there)
-        self._agent()
-        self._router()
-        self._register_fleet()
 
     def _redis(self) -> None:
         url = self.env.get("REDIS_URL", "redis://127.0.0.1:6379/0")
