@@ -8,6 +8,7 @@ from django.views.decorators.csrf import ensure_csrf_cookie
 from controlplane.accounts.permissions import WRITE_ROLES
 from controlplane.accounts.selectors import user_role
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
+from engine.server.contract import ADMISSIONS, EVICTION_POLICIES
 from frontend import selectors
 
 
@@ -141,4 +142,6 @@ def capacity(request):
         pools=capacity.recorded_pools(),
         pool_options=pool_options,
         workers=workers,
+        eviction_policies=EVICTION_POLICIES,
+        admissions=ADMISSIONS,
     )

@@ -16,7 +16,7 @@ Imports only pydantic (no torch), so the control plane can use it.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +24,8 @@ PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 EvictionPolicy = Literal["lru", "lfu", "fifo", "mru", "filo", "priority"]
 Admission = Literal["none", "tinylfu"]
+EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)  # the console's and the what-if API's choices
+ADMISSIONS: tuple[str, ...] = get_args(Admission)
 PdRole = Literal["prefill", "decode"]
 
 # Keys an extra config may carry that are HiCache settings (applied to the cache's config, reported by

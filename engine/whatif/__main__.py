@@ -2,8 +2,10 @@
 
 Replays a Mooncake-format trace through :class:`engine.whatif.replay.ReplayCache` once per capacity point
 (the cross product of the ``--l1-tokens`` / ``--l2-tokens`` / ``--l3-tokens`` lists) and prints per tier
-tokens served, share of input tokens, pages moved, bytes moved and an estimated TTFT saving; ``--json``
-prints one JSON object per point instead. Exit status 2 with a message naming the flag on bad input.
+tokens served, share of input tokens, pages moved, bytes moved and an estimated TTFT saving, after one
+line with the trace's ceiling (the share an unbounded cache serves); ``--json`` prints one JSON object
+per point instead, each with the ceiling as ``ceiling_share``. Exit status 2 with a message naming the
+flag on bad input.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import time
 
 from engine.cache.config import ADMISSIONS, EVICTION_POLICIES, WRITE_POLICIES
 from engine.whatif.costs import Costs, measure_l2_bandwidth, measure_l3_bandwidth, measure_prefill
-from engine.whatif.replay import Capacities, replay_trace
-from engine.whatif.report import point_result, text_lines
+from engine.whatif.replay import Capacities, ceiling_share, replay_trace
+from engine.whatif.report import ceiling_line, point_result, text_lines
 from engine.whatif.trace import TraceError, load_trace
 
 
@@ -172,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ModelLoadError, ValueError) as exc:
             parser.error(f"--model-path / --kv-cache-dtype: {exc}")
     costs = resolve_costs(args, bytes_per_token)
+    ceiling = ceiling_share(reqs, block_tokens=b, page_size=p)
+    if not args.json:
+        print(ceiling_line(ceiling), flush=True)
     for caps in points:
         start = time.perf_counter()
         counters = replay_trace(
@@ -192,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             bytes_per_token=bytes_per_token,
             costs=costs,
             replay_s=time.perf_counter() - start,
+            ceiling_share=ceiling,
         )
         if args.json:
             print(json.dumps(result), flush=True)

@@ -290,3 +290,13 @@ def replay_trace(
     for req in reqs:
         cache.replay(req, block_tokens)
     return cache.c
+
+
+def ceiling_share(reqs: list[TraceRequest], *, block_tokens: int = 512, page_size: int = 512) -> float:
+    """The share of ``reqs``' input tokens an unbounded L1 serves: the tokens that repeat at all.
+
+    No capacity, eviction policy or admission filter serves more (an unbounded tier never evicts and
+    caches what any bounded one does), so a point far below it is short of capacity and a low ceiling
+    means little reuse in the traffic. Raises ``ValueError`` as :func:`replay_trace`."""
+    c = replay_trace(reqs, Capacities(math.inf), block_tokens=block_tokens, page_size=page_size)
+    return c.served_l1 / max(c.input_tokens, 1)

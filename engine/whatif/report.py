@@ -20,9 +20,12 @@ def point_result(
     bytes_per_token: int,
     costs: Costs | None,
     replay_s: float,
+    ceiling_share: float | None = None,
 ) -> dict:
     """Capacities, per-tier ``tokens_served`` / ``share`` (of all input tokens) and page and byte counts,
-    the TTFT saving estimate (None without costs) and the replay's wall time."""
+    the TTFT saving estimate (None without costs), the replay's wall time and ``ceiling_share``: the
+    trace's share with an unbounded cache (:func:`engine.whatif.replay.ceiling_share`; None when not
+    computed), the same for every point of a sweep."""
     total = max(c.input_tokens, 1)
     page_bytes = page_size * bytes_per_token
     out = {
@@ -56,6 +59,7 @@ def point_result(
             "bytes_written": c.written_l3_pages * page_bytes,
         },
         "share": (c.served_l1 + c.served_l2 + c.served_l3) / total,
+        "ceiling_share": ceiling_share,
         "bytes_per_token": bytes_per_token,
         "ttft_saving": None,
         "replay_s": round(replay_s, 3),
@@ -75,6 +79,14 @@ def point_result(
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
+
+
+def ceiling_line(share: float) -> str:
+    """The sweep's header: what an unbounded cache would serve."""
+    return (
+        f"ceiling: {share:.1%} of input tokens repeat at all (an unbounded cache serves that much; "
+        "no capacity or policy serves more)"
+    )
 
 
 def text_lines(r: dict) -> list[str]:

@@ -121,6 +121,7 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         ]
         assert cells == [f"{100 * 4 * 1024 / total:.2f}%", f"{100 * 8 * 1024 / total:.2f}%"]
         assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
+        _ceiling_at_the_largest_point(page, expect, total)
         # the legend shows the largest capacity's shares (not dashes) while the cursor is off the plot
         legend = page.locator("#whatif-chart .u-legend .u-series", has_text="L1 + L2 + L3")
         expect(legend).to_contain_text(cells[1])
@@ -132,6 +133,31 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         )
         expect(page.locator("#whatif-table tbody tr")).to_have_count(1)
         expect(page.locator("#whatif-chart canvas")).to_have_count(1)
+        _gap_to_the_ceiling_under_fifo(page, expect, total)
         assert serious_violations(page) == []
         assert errors == []
         browser.close()
+
+
+def _ceiling_at_the_largest_point(page, expect, total: int) -> None:
+    """Each prompt's repeats (what an unbounded cache serves) are all served at L1 8,192: the page says
+    capacity no longer limits this traffic."""
+    ceiling = f"{100 * 8 * 1024 / total:.2f}%"
+    expect(page.get_by_test_id("whatif-ceiling")).to_have_text(
+        f"Ceiling: {ceiling} of input tokens repeat at all, what an unbounded cache would serve. "
+        f"The best point here serves {ceiling}: at the ceiling, so more capacity or another policy "
+        "cannot raise it; only more reuse in the traffic can."
+    )
+
+
+def _gap_to_the_ceiling_under_fifo(page, expect, total: int) -> None:
+    """L1 2,048 alone under fifo: half the repeats are lost to capacity, and the gap is named."""
+    page.get_by_label("L1 tokens").fill("2048")
+    page.get_by_label("L2 tokens", exact=True).fill("0")
+    page.locator("#whatif-form").get_by_label("Eviction").select_option("fifo")
+    page.get_by_role("button", name="Run").click()
+    expect(page.locator("#whatif-status")).to_have_text("1 point", timeout=180_000)
+    served, gap = 100 * 4 * 1024 / total, 100 * 4 * 1024 / total
+    expect(page.get_by_test_id("whatif-ceiling")).to_contain_text(
+        f"serves {served:.2f}%, {gap:.1f} points below: that much is lost to capacity or the fifo policy."
+    )

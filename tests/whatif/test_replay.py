@@ -118,3 +118,25 @@ def test_request_longer_than_l1_is_rejected():
 def test_bad_capacities_name_the_flag(caps, flag):
     with pytest.raises(ValueError, match=flag):
         ReplayCache(caps, 8)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "fifo", "mru", "filo", "priority"])
+def test_no_capacity_or_policy_serves_more_than_the_ceiling(eviction):
+    """The unbounded cache's share bounds every point; a small L1 under any policy stays below it."""
+    import random
+
+    from engine.whatif.replay import ceiling_share
+
+    rng = random.Random(7)
+    trunks = [[rng.randrange(10**6) for _ in range(3)] for _ in range(5)]
+    reqs = []
+    for i in range(60):  # conversations: a shared trunk, then a tail of new blocks
+        ids = [*rng.choice(trunks), *(rng.randrange(10**6) for _ in range(rng.randrange(1, 3)))]
+        reqs.append(TraceRequest(float(i), 8 * len(ids), 1, tuple(ids)))
+    ceiling = ceiling_share(reqs, block_tokens=8, page_size=8)
+    assert 0.3 < ceiling < 0.8
+    for caps in (Capacities(16), Capacities(16, 48), Capacities(16, 48, 96)):
+        c = replay_trace(reqs, caps, block_tokens=8, page_size=8, eviction_policy=eviction)
+        assert (c.served_l1 + c.served_l2 + c.served_l3) / c.input_tokens <= ceiling + 1e-12
+    small = replay_trace(reqs, Capacities(16), block_tokens=8, page_size=8, eviction_policy=eviction)
+    assert small.served_l1 / small.input_tokens < ceiling

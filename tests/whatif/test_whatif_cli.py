@@ -45,6 +45,9 @@ def test_json_sweep_one_object_per_point_with_ttft(trace, capsys):
     assert (no_l2["l1"]["tokens_served"], no_l2["l2"]["tokens_served"]) == (16, 0)  # only r5 hits
     assert (with_l2["l1"]["tokens_served"], with_l2["l2"]["tokens_served"]) == (16, 32)
     assert with_l2["l2"]["share"] == pytest.approx(32 / 85)
+    # r3-r5 repeat 16 tokens each: the unbounded cache's 48 of 85, reached with L2, not by L1 alone
+    assert [r["ceiling_share"] for r in rows] == [pytest.approx(48 / 85)] * 2
+    assert with_l2["share"] == pytest.approx(48 / 85) and no_l2["share"] < 48 / 85
     assert with_l2["l2"]["bytes_loaded_back"] == 4 * 8 * 1000
     # 48 cached tokens save 100 us each; the 32 from L2 cost 32 * 1000 B at 1 GB/s.
     saving = with_l2["ttft_saving"]

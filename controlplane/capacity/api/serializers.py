@@ -3,6 +3,7 @@ import re
 from rest_framework import serializers
 
 from controlplane.capacity.services import DTYPE_BYTES
+from engine.server.contract import ADMISSIONS, EVICTION_POLICIES
 
 BLOCK_TOKENS = 512  # Mooncake's block size: rows posted without block_tokens (an older agent)
 
@@ -82,7 +83,9 @@ class WhatIfSerializer(serializers.Serializer):
     Mooncake JSONL; capacities are comma lists of tokens (``inf`` = unbounded, 0 = tier absent), or instead
     of ``l2_tokens`` a ``hicache_ratio``: L2 = that x each L1 point, as the engine sizes its host pool.
     ``page_size`` left out: the fleet's (``selectors.pool_page_size``, the trace's pool for ``pool:``);
-    ``kv_bytes_per_token`` left out: what the pool's workers report at ``/get_model_info``."""
+    ``kv_bytes_per_token`` left out: what the pool's workers report at ``/get_model_info``. ``eviction``
+    and the ``l2_admission`` / ``l3_admission`` filters are the engine's (``--radix-eviction-policy``, the
+    extra-config keys)."""
 
     trace = serializers.CharField(required=False)
     trace_text = serializers.CharField(required=False, max_length=MAX_UPLOAD_CHARS, trim_whitespace=False)
@@ -91,7 +94,9 @@ class WhatIfSerializer(serializers.Serializer):
     hicache_ratio = serializers.FloatField(min_value=0, required=False)
     l3_tokens = serializers.CharField(default="0")
     page_size = serializers.IntegerField(min_value=1, max_value=4096, required=False)
-    eviction = serializers.ChoiceField(choices=["lru", "lfu"], default="lru")
+    eviction = serializers.ChoiceField(choices=EVICTION_POLICIES, default="lru")
+    l2_admission = serializers.ChoiceField(choices=ADMISSIONS, default="none")
+    l3_admission = serializers.ChoiceField(choices=ADMISSIONS, default="none")
     write_policy = serializers.ChoiceField(
         choices=["write_through", "write_through_selective", "write_back"], default="write_through"
     )

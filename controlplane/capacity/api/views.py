@@ -96,7 +96,8 @@ class RecordedTraceApi(APIView):
 
 class WhatIfApi(APIView):
     """POST: replay a trace (shared, a pool's recorded traffic, or uploaded) at each capacity point; one
-    result per point as ``python -m engine.whatif --json`` prints it, the ``page_size`` replayed (the
+    result per point as ``python -m engine.whatif --json`` prints it (each with the trace's
+    ``ceiling_share``: what an unbounded cache serves), the ``page_size`` replayed (the
     request's, else the page size of the trace's pool's workers, else the fleet's, else the demo's 16) and
     ``skipped``: why the sweep points left out cannot be replayed (e.g. L2 not larger than L1).
     A calculation: any role may run it. 400 names the bad field (or repeats the replay's error), 404 for
@@ -131,6 +132,7 @@ class WhatIfApi(APIView):
             data["eviction"],
         ]
         options += ["--write-policy", data["write_policy"]]
+        options += ["--l2-admission", data["l2_admission"], "--l3-admission", data["l3_admission"]]
         bytes_per_token = data.get("kv_bytes_per_token") or selectors.pool_kv_bytes_per_token(pool=pool)
         if bytes_per_token:  # else the CLI derives it from its default model
             options += ["--kv-bytes-per-token", str(bytes_per_token)]

@@ -53,6 +53,7 @@ KV.ready(function () {
       return rows.map(function (p, i) { acc[i] += 100 * p[t].share; return acc[i]; });
     });
     var mark = current(form.pool.value, tier);
+    var ceiling = points.length ? points[0].ceiling_share : null;  // the same for every point of the sweep
     var opts = {
       width: Math.max(320, chartEl.clientWidth || 900), height: 300,
       scales: { x: { time: false }, y: { range: [0, 100] } },
@@ -62,6 +63,15 @@ KV.ready(function () {
         return { label: label, stroke: COLORS[i], width: 2, points: { show: true }, value: function (u, v) { return v == null ? "–" : v.toFixed(2) + "%"; } };
       })),
       hooks: { draw: [function (u) {
+        if (ceiling != null) {  // what an unbounded cache serves: no capacity or policy goes above it
+          var y = u.valToPos(100 * ceiling, "y", true), c = u.ctx;
+          c.save(); c.setLineDash([2, 3]); c.strokeStyle = "#6b7280"; c.lineWidth = 2;
+          c.beginPath(); c.moveTo(u.bbox.left, y); c.lineTo(u.bbox.left + u.bbox.width, y); c.stroke();
+          c.fillStyle = "#374151"; c.textAlign = "right"; c.textBaseline = "bottom";
+          c.font = (12 * devicePixelRatio) + "px sans-serif";
+          c.fillText("ceiling " + pct(ceiling), u.bbox.left + u.bbox.width - 4 * devicePixelRatio, y - 2 * devicePixelRatio);
+          c.restore();
+        }
         if (mark == null) return;
         var x = u.valToPos(mark, "x", true), ctx = u.ctx;
         if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) return;  // outside the swept range
@@ -78,12 +88,26 @@ KV.ready(function () {
     setTimeout(showLargest);  // after uPlot's first commit, which clears the legend
     chartEl.dataset.marked = mark == null ? "" : String(mark);
     KV.$("#whatif-empty").hidden = true;
+    showCeiling(points, ceiling);
     KV.$("#whatif-table").hidden = false;
     var live = current(form.pool.value, "l1");
     KV.replaceRows(KV.$("#whatif-table tbody"), KV.$("#tpl-point"), points.map(function (p) {
       return { label: p.l1_tokens === live ? "live configuration" : "", l1_tokens: String(p.l1_tokens), l2_tokens: String(p.l2_tokens), l3_tokens: String(p.l3_tokens),
         l1: pct(p.l1.share), l2: pct(p.l2.share), l3: pct(p.l3.share), share: pct(p.share) };
     }));
+  }
+
+  // Tells "the cache is too small" from "the traffic has little reuse": the best point against the ceiling.
+  function showCeiling(points, ceiling) {
+    var el = KV.$("#whatif-ceiling");
+    el.hidden = ceiling == null;
+    if (ceiling == null) return;
+    var best = Math.max.apply(null, points.map(function (p) { return p.share; }));
+    var gap = 100 * (ceiling - best);
+    el.textContent = "Ceiling: " + pct(ceiling) + " of input tokens repeat at all, what an unbounded cache would serve. " +
+      "The best point here serves " + pct(best) + (gap < 1
+        ? ": at the ceiling, so more capacity or another policy cannot raise it; only more reuse in the traffic can."
+        : ", " + gap.toFixed(1) + " points below: that much is lost to capacity or the " + form.eviction.value + " policy.");
   }
 
   function showLargest() {  // the legend shows the largest capacity's shares unless the cursor is on the plot
@@ -95,7 +119,8 @@ KV.ready(function () {
     e.preventDefault();
     KV.$("#whatif-error").textContent = "";
     var body = { l1_tokens: form.l1_tokens.value, l3_tokens: form.l3_tokens.value,
-                 page_size: Number(form.page_size.value), eviction: form.eviction.value, write_policy: form.write_policy.value };
+                 page_size: Number(form.page_size.value), eviction: form.eviction.value, write_policy: form.write_policy.value,
+                 l2_admission: form.l2_admission.value, l3_admission: form.l3_admission.value };
     if (form.l2_tokens.value.trim() !== "") body.l2_tokens = form.l2_tokens.value;
     if (form.hicache_ratio.value !== "") body.hicache_ratio = Number(form.hicache_ratio.value);
     var reporting = workers.filter(function (x) { return x.pool === form.pool.value && x.kv_bytes_per_token != null; })[0];
