@@ -312,3 +312,20 @@ def test_recorded_rows_keep_the_block_size_they_were_recorded_with(api_as, tmp_p
     response = api_as("viewer").get("/api/v1/capacity/traces/regular.jsonl")
     assert response["X-Block-Tokens"] == "16"
     assert [json.loads(line)["hash_ids"] for line in response.content.splitlines()] == [[7, 8, 9]]
+
+
+@pytest.mark.django_db
+def test_whatif_takes_every_engine_policy_and_reports_the_ceiling(api_as):
+    """Two identical prompts: the unbounded cache serves the second's 1,008 tokens of 2,020, whatever the
+    policy; the admission filters are the engine's, and an unknown one is a 400 naming the field."""
+    worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST), role="mixed", page_size=16)
+    rows = [_row(0, 1010, [1, 2]), _row(1, 1010, [1, 2])]
+    api_as("agent").post("/api/v1/agent/traces/", {"worker_url": worker.url, "requests": rows}, format="json")
+    viewer = api_as("viewer")
+    body = {"trace": "pool:regular", "l1_tokens": "64,4096", "eviction": "mru", "l3_admission": "tinylfu"}
+    response = viewer.post("/api/v1/capacity/whatif/", body, format="json")
+    assert response.status_code == 200, response.content
+    assert [p["ceiling_share"] for p in response.json()["points"]] == [pytest.approx(1008 / 2020)] * 2
+    assert [p["share"] for p in response.json()["points"]] == [0, pytest.approx(1008 / 2020)]
+    refused = viewer.post("/api/v1/capacity/whatif/", {**body, "l2_admission": "arc"}, format="json")
+    assert refused.status_code == 400 and "l2_admission" in refused.json()["error"]["detail"]
