@@ -125,7 +125,7 @@ class Engine:
         params: SamplingParams,
         names: dict[str, str] | None = None,
         source: str = "the input messages",
-        bootstrap: Bootstrap | None = None,
+        bootstrap: Bootstrap | list[Bootstrap] | None = None,
         mm_items: Sequence[MMItem] = (),
     ) -> None:
         """``_check_request`` (ids may also be the pad ids of ``mm_items``' images); a PD request
@@ -138,19 +138,23 @@ class Engine:
                 self.refuse_room(bootstrap, str(exc))
             raise
 
-    def refuse_room(self, bootstrap: Bootstrap, reason: str) -> None:
-        """On a decode worker: tell the prefill named by ``bootstrap`` that this request is refused (its
-        copy there fails with 400 naming ``reason``). Nothing on a prefill or aggregated worker."""
+    def refuse_room(self, bootstrap: Bootstrap | list[Bootstrap], reason: str) -> None:
+        """On a decode worker: tell the prefill named by ``bootstrap`` (each of a list) that this request is
+        refused (its copy there fails with 400 naming ``reason``). Nothing on a prefill or aggregated
+        worker."""
         pd = self.scheduler.pd
         if pd is not None and not pd.sends_kv:
-            pd.mgr.refuse(bootstrap.host, bootstrap.port, bootstrap.room, reason)
+            for b in _each(bootstrap):
+                pd.mgr.refuse(b.host, b.port, b.room, reason)
 
-    def fail_room(self, bootstrap: Bootstrap, reason: str) -> None:
-        """On a prefill worker: fail the room of a PD request refused before it was queued (its images
-        could not be prepared), so its decode ends it now instead of waiting for KV. Nothing elsewhere."""
+    def fail_room(self, bootstrap: Bootstrap | list[Bootstrap], reason: str) -> None:
+        """On a prefill worker: fail the room (each of a list) of a PD request refused before it was queued
+        (its images could not be prepared), so its decode ends it now instead of waiting for KV. Nothing
+        elsewhere."""
         pd = self.scheduler.pd
         if pd is not None and pd.sends_kv:
-            pd.mgr.fail_unopened(bootstrap.room, reason)
+            for b in _each(bootstrap):
+                pd.mgr.fail_unopened(b.room, reason)
 
     def _check_request(
         self,
@@ -203,13 +207,16 @@ class Engine:
                 f"({capacity} tokens)"
             )
 
-    def bootstrap(self, body: dict) -> Bootstrap | None:
+    def bootstrap(self, body: dict, n: int = 1) -> Bootstrap | list[Bootstrap] | None:
         """The PD pairing the router put into ``body`` (``bootstrap_host``, ``bootstrap_port``,
-        ``bootstrap_room``), checked; None for a request without one on a worker not in PD mode.
+        ``bootstrap_room``), checked; None for a request without one on a worker not in PD mode. For
+        ``n`` > 1 samples, a list of n pairings: the router sends a list of n rooms (and hosts and ports,
+        which may also be one value for all), one per sample.
 
         RequestError: ``bootstrap_room`` on a worker not in PD mode (``--disaggregation-mode null``: running
         it here would do the whole request on each of the pair, twice the work, silently); on a PD worker a
-        missing or bad field (named), or a batch of rooms (one prompt per PD request here).
+        missing or bad field (named), lists with n 1 (one prompt per PD request here), or lists whose length
+        is not n.
         """
         host, port, room = (body.get(f"bootstrap_{k}") for k in ("host", "port", "room"))
         if self.args.disaggregation_mode == "null":
@@ -225,15 +232,23 @@ class Engine:
                 f"bootstrap_room: this is a PD {mode} worker; requests come through a PD router, which adds "
                 "bootstrap_host, bootstrap_port and bootstrap_room"
             )
-        if isinstance(room, list) or isinstance(host, list) or isinstance(port, list):
-            raise RequestError("bootstrap_room: one prompt per PD request (batched rooms are not supported)")
-        if not isinstance(host, str) or not host:
-            raise RequestError("bootstrap_host must be the prefill server's host name or address")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise RequestError(f"bootstrap_port must be an integer in 1..65535, got {port!r}")
-        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
-            raise RequestError(f"bootstrap_room must be an integer in [0, 2**63), got {room!r}")
-        return Bootstrap(host, port, room)
+        lists = [isinstance(v, list) for v in (host, port, room)]
+        if n == 1:
+            if any(lists):
+                raise RequestError(
+                    "bootstrap_room: one prompt per PD request (batched rooms are not supported)"
+                )
+            return _pairing(host, port, room)
+        if not isinstance(room, list) or len(room) != n:
+            raise RequestError(f"bootstrap_room: n={n} samples need a list of {n} rooms, one per sample")
+        for name, value in (("bootstrap_host", host), ("bootstrap_port", port)):
+            if isinstance(value, list) and len(value) != n:
+                raise RequestError(f"{name}: n={n} samples need one value or a list of {n}")
+        hosts = host if isinstance(host, list) else [host] * n
+        ports = port if isinstance(port, list) else [port] * n
+        if len(set(map(str, room))) != n:
+            raise RequestError("bootstrap_room: the samples' rooms must differ")
+        return [_pairing(h, p, r) for h, p, r in zip(hosts, ports, room, strict=True)]
 
     async def compile_grammar(self, params: SamplingParams, names: dict[str, str] | None = None):
         """The compiled grammar of ``params``' constraint (``json_schema``, ``regex``, ``ebnf``,
@@ -351,7 +366,7 @@ class Engine:
         input_ids: list[int],
         params: SamplingParams,
         rid: str | None = None,
-        bootstrap: Bootstrap | None = None,
+        bootstrap: Bootstrap | list[Bootstrap] | None = None,
         cache_salt: str | None = None,
         mm_items: list[MMItem] | None = None,
         logprob: LogprobRequest | None = None,
@@ -359,21 +374,26 @@ class Engine:
     ) -> list[dict]:
         """``params.n`` samples of one prompt (``generate``'s results, in order). For n > 1 the prompt is
         computed once first (a ``max_new_tokens`` 0 request), so the samples share its KV through the prefix
-        cache; sample ``j`` is seeded with ``sampling_seed + j`` when a seed is set. A rid or a PD pairing
-        needs n 1 (the callers refuse them). Each sample gets its own matcher of ``grammar``."""
+        cache; sample ``j`` is seeded with ``sampling_seed + j`` when a seed is set. A PD request with n > 1
+        gives one pairing per sample (``bootstrap`` is then a list of n: sample j uses room j) and skips the
+        first computation (a PD worker serves only paired requests). A rid needs n 1 (the callers refuse
+        it). Each sample gets its own matcher of ``grammar``."""
+        pairings = bootstrap if isinstance(bootstrap, list) else [bootstrap] * params.n
         if params.n == 1:
             return [
                 await self.generate(
-                    input_ids, params, rid, False, bootstrap, cache_salt, mm_items, logprob, grammar
+                    input_ids, params, rid, False, pairings[0], cache_salt, mm_items, logprob, grammar
                 )
             ]
-        warm = await self.prefill_once(input_ids, params, cache_salt, mm_items)
-        if warm is not None:
-            return [warm]
+        if bootstrap is None:
+            warm = await self.prefill_once(input_ids, params, cache_salt, mm_items)
+            if warm is not None:
+                return [warm]
         runs = (
             self.generate(
                 input_ids,
                 self.sample_params(params, j),
+                bootstrap=pairings[j],
                 cache_salt=cache_salt,
                 mm_items=mm_items,
                 logprob=logprob,
@@ -407,6 +427,24 @@ class Engine:
         """Carry out the admin message ``msg`` (``engine.scheduler.messages``) on the scheduler thread and
         await its result; raises what the scheduler raised for it."""
         return await asyncio.wait_for(asyncio.wrap_future(self.scheduler.post(msg)), timeout)
+
+
+def _pairing(host, port, room) -> Bootstrap:
+    """One checked PD pairing; RequestError naming the bad field."""
+    if not isinstance(host, str) or not host:
+        raise RequestError("bootstrap_host must be the prefill server's host name or address")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise RequestError(f"bootstrap_port must be an integer in 1..65535, got {port!r}")
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
+        raise RequestError(f"bootstrap_room must be an integer in [0, 2**63), got {room!r}")
+    return Bootstrap(host, port, room)
+
+
+def _each(bootstrap: Bootstrap | list[Bootstrap] | None) -> list[Bootstrap]:
+    """The pairings of one request: none, one, or one per sample."""
+    if bootstrap is None:
+        return []
+    return bootstrap if isinstance(bootstrap, list) else [bootstrap]
 
 
 def _tokens(count: int) -> str:

@@ -13,8 +13,9 @@ share its KV through the prefix cache; with a ``sampling_seed``, sample ``j`` us
 fields that routers forward (``log_metrics``, ...) are accepted and have no effect; fields asking for output
 this engine cannot produce (``return_hidden_states``, ``input_embeds``) are a 400, and so is
 ``bootstrap_room`` on a worker that is not in PD mode, or a PD worker's request without valid
-``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` (``Engine.bootstrap``). Text is tokenized on a
-worker thread, and a non-streaming request whose client disconnects is aborted.
+``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` (``Engine.bootstrap``; with n > 1, as
+sglang-router sends it, a list of n rooms: sample j pairs with room j, and the prompt is not computed ahead).
+Text is tokenized on a worker thread, and a non-streaming request whose client disconnects is aborted.
 Response: ``{"text", "output_ids", "meta_info"}`` (a list for batched input). With ``stream`` the events are
 SSE frames carrying the cumulative text and ids (upstream default); the text only grows (a tail that could
 become a stop string waits for the next frame) and the stream ends with ``data: [DONE]``. A streamed batch
@@ -48,7 +49,9 @@ _LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "t
 
 def parse_generate(
     engine: Engine, body: dict
-) -> tuple[list[list[int]], list[SamplingParams], bool, Bootstrap | None, list[list[MMItem]]]:
+) -> tuple[
+    list[list[int]], list[SamplingParams], bool, Bootstrap | list[Bootstrap] | None, list[list[MMItem]]
+]:
     """Prompts as token ids, one SamplingParams each, whether the input was batched, the PD pairing and each
     prompt's images. ``body`` was checked against ``GenerateReqInput``; text is tokenized and images are
     encoded here (run it off the event loop)."""
@@ -58,7 +61,7 @@ def parse_generate(
         if body.get(name):
             raise HTTPError(400, f"{name} is not supported")
     try:
-        bootstrap = engine.bootstrap(body)
+        bootstrap = engine.bootstrap(body, _requested_n(body))
     except RequestError as exc:
         raise HTTPError(400, str(exc)) from None
     text, ids = body.get("text"), body.get("input_ids")
@@ -89,13 +92,23 @@ def parse_generate(
         raise HTTPError(400, str(exc)) from None
     if bootstrap is not None and batched:
         raise HTTPError(400, "bootstrap_room: one prompt per PD request (batched input is not supported)")
-    if bootstrap is not None and any(sp.n > 1 for sp in params):
-        raise HTTPError(400, f"sampling_params.n={max(sp.n for sp in params)} is not supported in PD mode")
     return prompts, params, batched, bootstrap, mm
 
 
+def _requested_n(body: dict) -> int:
+    """The ``sampling_params.n`` of a one-prompt body when it is an integer above 1 (a PD request then
+    carries one pairing per sample), else 1 (checked later, with the other sampling values)."""
+    raw = body.get("sampling_params")
+    n = raw.get("n") if isinstance(raw, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
 def _images_or_fail_room(
-    engine: Engine, data, prompts: list[list[int]], batched: bool, bootstrap: Bootstrap | None
+    engine: Engine,
+    data,
+    prompts: list[list[int]],
+    batched: bool,
+    bootstrap: Bootstrap | list[Bootstrap] | None,
 ) -> tuple[list[list[int]], list[list[MMItem]]]:
     """``_images``; on a prefill worker a PD request whose images fail also fails its room (``fail_room``),
     so its decode does not wait for KV."""
@@ -235,7 +248,7 @@ async def generate(request: Request):
                 grammars[0],
             )
             return StreamingResponse(_stream(frames), media_type="text/event-stream")
-        if multi:  # each prompt's KV computed once, before its samples start
+        if multi and bootstrap is None:  # each prompt's KV computed once, before its samples start
             warm = (
                 engine.prefill_once(prompts[i], params[i], salts[i], mm[i])
                 for i in range(len(prompts))
@@ -251,7 +264,7 @@ async def generate(request: Request):
                 prompts[i],
                 engine.sample_params(params[i], j) if params[i].n > 1 else params[i],
                 rids[i],
-                bootstrap,
+                bootstrap[j] if isinstance(bootstrap, list) else bootstrap,
                 salts[i],
                 mm[i],
                 wants[i],

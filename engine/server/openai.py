@@ -93,7 +93,7 @@ def _sampling_params(
     prompt: list[int],
     max_tokens_field: str,
     source: str,
-    bootstrap: Bootstrap | None = None,
+    bootstrap: Bootstrap | list[Bootstrap] | None = None,
     mm_items: list[MMItem] | None = None,
     tools: Tools | None = None,
 ) -> tuple[SamplingParams, dict[str, str]]:
@@ -189,12 +189,19 @@ def _fim_prompt(engine: Engine, prompt: str, suffix: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- completions
+def _requested_n(body: dict) -> int:
+    """``n`` when it is an integer above 1 (a PD request then carries one pairing per sample), else 1
+    (checked later, with the other sampling values)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
 def _submit_options(engine: Engine, body: dict, tenant: Tenant | None) -> dict:
     """The keyword arguments of ``Engine.stream``/``generate`` a body sets: its PD pairing and cache salt
     (the tenant's, when its API key names one)."""
     try:
         return {
-            "bootstrap": engine.bootstrap(body),
+            "bootstrap": engine.bootstrap(body, _requested_n(body)),
             "cache_salt": request_salt(engine, tenant, body.get("cache_salt")),
         }
     except ValueError as exc:
@@ -231,24 +238,32 @@ class _Run:
     want: LogprobRequest | None = None
     first: dict | None = None
     tool_stream: ToolStream | None = None
+    bootstrap: Bootstrap | None = None
     n_out: int = 0
     meta: dict = dataclasses.field(default_factory=dict)
 
 
-def _runs(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], **fields) -> list[_Run]:
-    """The streamed choices of ``prompts``, prompt-major then sample (OpenAI's choice order); ``fields``
-    maps a ``_Run`` field to a function of (prompt index, sample index) giving its value."""
+def _runs(
+    engine: Engine, prompts: list[list[int]], params: list[SamplingParams], options: dict, **fields
+) -> list[_Run]:
+    """The streamed choices of ``prompts``, prompt-major then sample (OpenAI's choice order), each with its
+    PD pairing from ``options`` (one per sample for a PD request with n > 1); ``fields`` maps a ``_Run``
+    field to a function of (prompt index, sample index) giving its value."""
     runs = []
+    pairing = options.get("bootstrap")
     for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
         for j in range(sp.n):
             one = engine.sample_params(sp, j) if sp.n > 1 else sp
-            runs.append(_Run(i, ids, one, **{k: f(i, j) for k, f in fields.items()}))
+            b = pairing[j] if isinstance(pairing, list) else pairing
+            runs.append(_Run(i, ids, one, bootstrap=b, **{k: f(i, j) for k, f in fields.items()}))
     return runs
 
 
 async def _prefill_once(request: Request, engine: Engine, prompts, params, options: dict) -> None:
     """Before streaming n > 1 samples: compute each such prompt's KV once (``Engine.prefill_once``);
     ``HTTPError`` with the abort's status when the scheduler refused it."""
+    if options.get("bootstrap") is not None:
+        return  # a PD worker serves only paired requests: each sample's own prefill runs on P
     warm = (
         engine.prefill_once(ids, sp, options.get("cache_salt"), options.get("mm_items"))
         for ids, sp in zip(prompts, params, strict=True)
@@ -381,6 +396,7 @@ async def _run_choices(engine: Engine, run: _Run, content, options: dict, render
     its output tokens and keeps its meta in ``run``."""
     delta = StreamText(engine, run.params)
     pending, pending_ids = LogprobValues(), []
+    options = {**options, "bootstrap": run.bootstrap}
     async for ev in engine.stream(run.ids, run.params, logprob=run.want, **options):
         run.n_out += len(ev.new_ids)
         run.meta.update(ev.meta)
@@ -442,7 +458,7 @@ def _stream_completion(
     def render(ids, values, new_ids):
         return openai_completion(engine, None, ids, values, new_ids, 0)
 
-    runs = _runs(engine, prompts, params, first=first, want=want)
+    runs = _runs(engine, prompts, params, options, first=first, want=want)
     content = lambda text: {"text": text}  # noqa: E731
     return _stream_choices(engine, prompts, runs, base, content, include_usage, options, render)
 
@@ -594,6 +610,7 @@ def _stream_chat(
         engine,
         [ids],
         [params],
+        options,
         first=lambda i, j: first,
         want=lambda i, j: want,
         tool_stream=lambda i, j: _tool_stream(tools, parser),

@@ -22,7 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine.scheduler.sampling_params import SamplingParams, label
+from engine.scheduler.sampling_params import SamplingParams
 from engine.server.http_utils import HTTPError
 
 _BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -64,9 +64,9 @@ class _OpenAIRequest(_Body):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
     cache_salt: CacheSalt | None = None
 
 
@@ -157,11 +157,10 @@ def _requested_n(body: dict) -> list[tuple[dict, object]]:
     return [({"n": "n"}, body.get("n")), *(({}, p.get("n")) for p in params if isinstance(p, dict))]
 
 
-def _unsupported_n_first(body: dict) -> None:
+def _bad_n_first(body: dict) -> None:
     """sglang-router in PD mode turns a request's ``n > 1`` into lists of ``n`` bootstrap hosts/ports/rooms;
-    the schema would then report those lists, so ``n`` is reported first: a bad one as a non-PD worker words
-    it, one above 1 as unsupported in PD mode (``n=2 is not supported in PD mode`` for the OpenAI field,
-    ``sampling_params.n=2 ...`` for /generate's). Raises ``HTTPError(400)``."""
+    a bad ``n`` is then reported first, as a non-PD worker words it (the lists themselves are checked
+    against n by ``Engine.bootstrap``). Raises ``HTTPError(400)``."""
     if not any(isinstance(body.get(field), list) for field in _BOOTSTRAP_FIELDS):
         return
     for names, n in _requested_n(body):
@@ -170,8 +169,6 @@ def _unsupported_n_first(body: dict) -> None:
                 SamplingParams.from_dict({"n": n}, names)
             except ValueError as exc:
                 raise HTTPError(400, str(exc)) from None
-            if n != 1:
-                raise HTTPError(400, f"{label('n', names)}={n} is not supported in PD mode")
 
 
 def validated(model: type[_Body], body: dict) -> dict:
@@ -180,7 +177,7 @@ def validated(model: type[_Body], body: dict) -> dict:
     Raises ``HTTPError(400)`` whose message names each bad field (``messages.0.content: ...``); an
     unsupported ``n`` that came with the bootstrap lists sglang-router's PD mode makes of it is named first.
     """
-    _unsupported_n_first(body)
+    _bad_n_first(body)
     try:
         return model.model_validate(body).model_dump(exclude_unset=True)
     except ValidationError as exc:
