@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo
@@ -75,6 +76,19 @@ def shard_map(tp_lcm_size: int, tp_size: int, kv_shard: tuple[int, int], rank_kv
     return ShardMap(lcm, index * per_rank, per_rank, kv_heads // lcm)
 
 
+def _byte_rows(t: torch.Tensor) -> np.ndarray:
+    """``t`` ``(..., H, D)`` as a uint8 numpy array ``(rows, H, D * itemsize)`` sharing its memory when it is
+    contiguous. The copies below run in numpy: single-threaded, they do not wait on torch's thread pool,
+    which on a loaded CPU made each head-slice copy ~1000x slower (docs/benchmarks.md)."""
+    rows = t.reshape(-1, t.shape[-2], t.shape[-1])
+    return rows.view(torch.uint8).numpy()
+
+
+def _as_tensor(data: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """Flat tensor of ``dtype`` over the contiguous uint8 array ``data`` (no copy)."""
+    return torch.from_numpy(np.ascontiguousarray(data).reshape(-1)).view(dtype)
+
+
 def split_page(page: torch.Tensor, count: int) -> list[torch.Tensor]:
     """``count`` flat, contiguous copies of ``page`` ``(..., H, D)`` cut along its heads: part ``j`` holds
     heads ``[j*H/count, (j+1)*H/count)`` in the page's own dim order. Raises ``ValueError`` when ``count``
@@ -82,19 +96,21 @@ def split_page(page: torch.Tensor, count: int) -> list[torch.Tensor]:
     heads = page.shape[-2]
     if heads % count:
         raise ValueError(f"{heads} KV heads do not split into {count} shards")
-    h = heads // count
-    return [page[..., j * h : (j + 1) * h, :].contiguous().view(-1) for j in range(count)]
+    h, rows = heads // count, _byte_rows(page)
+    return [_as_tensor(rows[:, j * h : (j + 1) * h], page.dtype) for j in range(count)]
 
 
 def combine_page(parts: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Write the flat shards ``parts`` (as from :func:`split_page`) into ``out`` ``(..., H, D)``, in head
-    order; returns ``out``. Raises ``ValueError`` when a part's size is not ``out``'s over ``len(parts)``."""
-    h = out.shape[-2] // len(parts)
-    shape = (*out.shape[:-2], h, out.shape[-1])
+    """Write the flat shards ``parts`` (as from :func:`split_page`) into the contiguous ``out``
+    ``(..., H, D)``, in head order; returns ``out``. Raises ``ValueError`` when ``out`` is not contiguous or
+    a part's size is not ``out``'s over ``len(parts)``."""
+    if not out.is_contiguous():
+        raise ValueError("combine_page needs a contiguous page to write into")
+    h, rows = out.shape[-2] // len(parts), _byte_rows(out)
     for j, part in enumerate(parts):
         if part.numel() != out.numel() // len(parts):
             raise ValueError(f"shard {j} has {part.numel()} elements, expected {out.numel() // len(parts)}")
-        out[..., j * h : (j + 1) * h, :].copy_(part.view(shape))
+        rows[:, j * h : (j + 1) * h] = part.contiguous().view(torch.uint8).numpy().reshape(len(rows), h, -1)
     return out
 
 
@@ -102,16 +118,17 @@ class ShardedStorage(HiCacheStorage):
     """A backend seen through a :class:`ShardMap`: each page key is this rank's shard keys in ``inner``.
 
     Reads and writes move whole pages of the rank (the host pool's flat page order), split into or combined
-    from the shards; a page counts as present only when all its shards are. With one shard per rank the v1
-    zero-copy calls go straight to ``inner`` under the mapped keys; with several, the generic path copies
-    (``supports_v1`` False). Stats, ``clear`` and ``close`` are ``inner``'s.
+    from the shards; a page counts as present only when all its shards are. The v1 calls (which the cache
+    uses) work on the host pool's page views: with one shard per rank and a zero-copy ``inner`` they go
+    straight to ``inner`` under the mapped keys; otherwise each shard is gathered into (or read from) one
+    buffer and moved with ``inner``'s generic calls. Stats, ``clear`` and ``close`` are ``inner``'s.
     """
 
     def __init__(self, inner: HiCacheStorage, shards: ShardMap, mem_pool_host=None) -> None:
         super().__init__(inner.storage_config)
         self.inner = inner
         self.shards = shards
-        self.supports_v1 = inner.supports_v1 and shards.count == 1
+        self.supports_v1 = True  # the v1 calls gather and scatter heads straight from the host pool
         self._page_shape: tuple[int, ...] | None = None
         self._dtype: torch.dtype | None = None
         if mem_pool_host is not None:
@@ -196,16 +213,45 @@ class ShardedStorage(HiCacheStorage):
         """Leading pages whose every shard exists."""
         return self.inner.batch_exists(self._expand(keys), extra_info) // self.shards.count
 
-    # -- v1 (one shard per rank: the page is the shard) ------------------------------------------------
+    # -- v1: straight from / into the host pool's page views --------------------------------------------
+    def _direct(self) -> bool:
+        """One shard per rank and a zero-copy ``inner``: the page is the shard, moved by ``inner`` itself."""
+        return self.shards.count == 1 and self.inner.supports_v1
+
+    def _head_rows(self, first_slot: int) -> list[np.ndarray]:
+        """The page's contiguous buffer views as uint8 ``(rows, H, D * itemsize)`` arrays over the host pool
+        (no copy), in flat page order."""
+        return [_byte_rows(v) for v in self.mem_pool_host.get_page_buffer_views(first_slot)]
+
     def batch_get_v1(
         self,
         keys: Sequence[str],
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        if not self.supports_v1:
-            return super().batch_get_v1(keys, host_indices, extra_info)
-        return self.inner.batch_get_v1(self._expand(keys), host_indices, extra_info)
+        """Read each page's shards and copy each into its heads of the page's host slots; a page with a
+        missing shard is False (its slots are left as they were)."""
+        slots = self._first_slots(keys, host_indices)
+        if self._direct():
+            return self.inner.batch_get_v1(self._expand(keys), host_indices, extra_info)
+        m, h, numel = self.shards.count, self.shards.heads, self._page_numel()
+        scratch = [torch.empty(numel // m, dtype=self._dtype) for _ in range(len(keys) * m)]
+        got = self.inner.batch_get(self._expand(keys), scratch)
+        results = []
+        for i, slot in enumerate(slots):
+            parts = got[i * m : (i + 1) * m]
+            if any(part is None for part in parts):
+                results.append(False)
+                continue
+            views = self._head_rows(slot)
+            for j, part in enumerate(parts):
+                data, at = part.view(torch.uint8).numpy(), 0
+                for rows in views:
+                    n = rows.shape[0] * h * rows.shape[-1]
+                    rows[:, j * h : (j + 1) * h] = data[at : at + n].reshape(-1, h, rows.shape[-1])
+                    at += n
+            results.append(True)
+        return results
 
     def batch_set_v1(
         self,
@@ -213,9 +259,20 @@ class ShardedStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        if not self.supports_v1:
-            return super().batch_set_v1(keys, host_indices, extra_info)
-        return self.inner.batch_set_v1(self._expand(keys), host_indices, extra_info)
+        """Gather each shard's heads from the page's host slots into one buffer and store it; one result
+        per page (True when every shard of it is stored)."""
+        slots = self._first_slots(keys, host_indices)
+        if self._direct():
+            return self.inner.batch_set_v1(self._expand(keys), host_indices, extra_info)
+        m, h = self.shards.count, self.shards.heads
+        parts = []
+        for slot in slots:
+            views = self._head_rows(slot)
+            for j in range(m):
+                data = np.concatenate([rows[:, j * h : (j + 1) * h].reshape(-1) for rows in views])
+                parts.append(_as_tensor(data, self._dtype))
+        stored = [self.inner.set(key, part) for key, part in zip(self._expand(keys), parts, strict=True)]
+        return [all(stored[i * m : (i + 1) * m]) for i in range(len(keys))]
 
     # -- housekeeping ----------------------------------------------------------------------------------
     def clear(self) -> None:
