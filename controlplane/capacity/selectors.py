@@ -14,28 +14,93 @@ DEFAULT_PAGE_SIZE = 16
 MODEL_INFO_TIMEOUT_S = 2.0
 
 
-def _kv_bytes_per_token(url: str) -> int | None:
-    """The worker's own KV bytes per token (``/get_model_info`` ``kv_bytes_per_token``); None when it does
-    not answer or does not report one (an upstream SGLang worker)."""
+def _model_info(url: str) -> dict:
+    """The worker's ``/get_model_info`` answer; {} when it does not answer."""
     from controlplane import workerclient
 
     try:
-        value = (
-            workerclient.WorkerClient(url, timeout=MODEL_INFO_TIMEOUT_S)
-            .model_info()
-            .get("kv_bytes_per_token")
-        )
+        info = workerclient.WorkerClient(url, timeout=MODEL_INFO_TIMEOUT_S).model_info()
     except (workerclient.WorkerError, ValueError):
-        return None
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _bytes_per_token(info: dict) -> int | None:
+    """``kv_bytes_per_token`` of a ``/get_model_info`` answer; None when absent (upstream SGLang)."""
+    value = info.get("kv_bytes_per_token")
     return int(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def _kv_bytes_per_token(url: str) -> int | None:
+    """The worker's own KV bytes per token (``/get_model_info`` ``kv_bytes_per_token``); None when it does
+    not answer or does not report one (an upstream SGLang worker)."""
+    return _bytes_per_token(_model_info(url))
+
+
+# The --kv-cache-dtype choices whose ceiling the capacity page shows beside the worker's own (fp8_e4m3 and
+# fp8_e5m2 store the same bytes: one row).
+CEILING_DTYPES = (("bfloat16", "bfloat16"), ("fp8", "fp8_e4m3"), ("int8", "int8"))
+
+
+def _per_dtype_bytes(info: dict, dtype: str) -> int | None:
+    """One rank's KV bytes per token at KV dtype ``dtype`` from a ``/get_model_info`` answer: from its
+    ``kv_shape`` (exact, int8's scales included), else scaled from its own ``kv_bytes_per_token`` by element
+    size (exact between unscaled dtypes; None for int8, whose scales need the shape, or for a worker that
+    does not name its ``kv_cache_dtype``)."""
+    from engine.sizing.kv import KV_DTYPES, SCALE_BYTES, shape_for
+
+    shape, own, current = info.get("kv_shape"), _bytes_per_token(info), info.get("kv_cache_dtype")
+    if isinstance(shape, dict) and all(
+        isinstance(shape.get(k), int) for k in ("num_layers", "num_kv_heads", "head_dim")
+    ):
+        return shape_for(shape["num_layers"], shape["num_kv_heads"], shape["head_dim"], dtype).bytes_per_token
+    if own is None or current not in KV_DTYPES or current in SCALE_BYTES or dtype in SCALE_BYTES:
+        return None
+    return own * KV_DTYPES[dtype] // KV_DTYPES[current]
+
+
+def kv_dtype_ceilings(
+    *, info: dict, l1_tokens: int | None, l2_tokens: int | None, page_size: int
+) -> list[dict]:
+    """What each KV dtype buys one worker: per dtype (its own ``kv_cache_dtype`` first, marked ``current``,
+    then bfloat16, fp8, int8), one rank's bytes per token and the L1 / L2 tokens per rank that fit in the
+    memory its pools take now (its reported L1 / L2 tokens x its own bytes per token), in whole
+    ``page_size`` pages, and ``factor``: those L1 tokens over today's. A figure that cannot be known is None
+    with ``absent`` saying why (the worker did not answer ``/get_model_info``, reported no KV shape for
+    int8, has not reported its pools, has no L2 host pool). [] when the worker names no KV dtype."""
+    current, own = info.get("kv_cache_dtype"), _bytes_per_token(info)
+    if not current or own is None:
+        return []
+    page = max(1, page_size)
+    rows = []
+    for label, dtype in ((current, current), *((lbl, d) for lbl, d in CEILING_DTYPES if d != current)):
+        if label == "fp8" and current.startswith("fp8"):
+            continue
+        per_token = own if dtype == current else _per_dtype_bytes(info, dtype)
+        row: dict = {"dtype": label, "current": dtype == current, "bytes_per_token": per_token, "absent": {}}
+        for tier, tokens in (("l1", l1_tokens), ("l2", l2_tokens)):
+            key = f"{tier}_tokens"
+            if per_token is None:
+                row[key], row["absent"][key] = None, "the worker reports no KV shape to size int8's scales by"
+            elif not tokens:
+                why = "not reported by the worker" if tokens is None or tier == "l1" else "no L2 host pool"
+                row[key], row["absent"][key] = None, why
+            else:
+                row[key] = tokens * own // per_token // page * page
+        if per_token is None:
+            row["absent"]["bytes_per_token"] = row["absent"]["l1_tokens"]
+        row["factor"] = row["l1_tokens"] / l1_tokens if row["l1_tokens"] and l1_tokens else None
+        rows.append(row)
+    return rows
 
 
 def worker_capacities() -> list[dict]:
     """Per worker: name, pool (regular / prefill / decode), page size, and from its latest metrics sample
     the L1 capacity (``max_total_num_tokens``) and L2 capacity (``hicache_host_total_tokens``), None when
-    it has not reported, its attached L3 ``storage_backend`` ("" for none), and ``kv_bytes_per_token`` as
-    the worker answers it now at ``/get_model_info`` (None when it does not; the workers are asked in
-    parallel, at most ``MODEL_INFO_TIMEOUT_S`` each)."""
+    it has not reported, its attached L3 ``storage_backend`` ("" for none), and ``kv_bytes_per_token`` and
+    ``kv_cache_dtype`` as the worker answers them now at ``/get_model_info`` (None when it does not; the
+    workers are asked in parallel, at most ``MODEL_INFO_TIMEOUT_S`` each), with ``kv_dtypes``: the tokens
+    per rank each KV dtype fits in the same memory (``kv_dtype_ceilings``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     workers = list(
@@ -45,10 +110,11 @@ def worker_capacities() -> list[dict]:
     )
     latest = store.latest_many([w["id"] for w in workers])
     with ThreadPoolExecutor(max_workers=8) as pool:
-        kv_bytes = list(pool.map(_kv_bytes_per_token, [w["url"] for w in workers]))
+        infos = list(pool.map(_model_info, [w["url"] for w in workers]))
     rows = []
-    for w, bytes_per_token in zip(workers, kv_bytes, strict=True):
+    for w, info in zip(workers, infos, strict=True):
         sample = latest.get(w["id"]) or {}
+        l1, l2 = _int(sample.get("max_total_num_tokens")), _int(sample.get("hicache_host_total_tokens"))
         rows.append(
             {
                 "worker": w["id"],
@@ -56,10 +122,14 @@ def worker_capacities() -> list[dict]:
                 "pool": POOLS.get(w["role"], w["role"]),
                 "model_name": w["model_name"],
                 "page_size": w["page_size"],
-                "l1_tokens": _int(sample.get("max_total_num_tokens")),
-                "l2_tokens": _int(sample.get("hicache_host_total_tokens")),
+                "l1_tokens": l1,
+                "l2_tokens": l2,
                 "storage_backend": w["storage_backend"],
-                "kv_bytes_per_token": bytes_per_token,
+                "kv_bytes_per_token": _bytes_per_token(info),
+                "kv_cache_dtype": info.get("kv_cache_dtype"),
+                "kv_dtypes": kv_dtype_ceilings(
+                    info=info, l1_tokens=l1, l2_tokens=l2, page_size=w["page_size"]
+                ),
             }
         )
     return rows

@@ -314,6 +314,12 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
             "architecture": cfg.architecture,
             "kv_bytes_per_token": pool.bytes_per_token,
             "kv_cache_dtype": pool.kv_cache_dtype,
+            # one rank's KV shape: a reader computes bytes per token at another --kv-cache-dtype from it
+            "kv_shape": {
+                "num_layers": pool.num_layers,
+                "num_kv_heads": pool.num_kv_heads,
+                "head_dim": pool.head_dim,
+            },
             "vocab_size": tokenizer.vocab_size,
         },
         tp_ranks=ranks,

@@ -15,7 +15,9 @@
   (``max_total_num_tokens`` L1, KVFleet's ``host_total_num_tokens`` L2 or null), ``hicache`` (the live
   storage status, null without hierarchical cache), ``disaggregation_mode`` and ``tenants`` (KVFleet: each
   ``--tenant-keys-file`` tenant's ``name``, metric ``label`` and ``max_requests``; null without the file).
-- ``GET /model_info`` (alias ``/get_model_info``): ``model_path``, ``tokenizer_path``, ``is_generation``.
+- ``GET /model_info`` (alias ``/get_model_info``): ``model_path``, ``tokenizer_path``, ``is_generation``,
+  and KVFleet's ``kv_bytes_per_token`` (one rank's L1/L2 bytes per token), ``kv_cache_dtype`` (the stored
+  format) and ``kv_shape`` (one rank's ``num_layers``, ``num_kv_heads``, ``head_dim``).
 - ``POST|GET /flush_cache``: clears L1 and L2 (never L3) when idle: 200, else 400 (upstream); 401 without
   the ``--api-key`` bearer when one is set.
 - ``GET /metrics``: Prometheus text (only with ``--enable-metrics``; 404 otherwise).

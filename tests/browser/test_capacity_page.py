@@ -161,3 +161,55 @@ def _gap_to_the_ceiling_under_fifo(page, expect, total: int) -> None:
     expect(page.get_by_test_id("whatif-ceiling")).to_contain_text(
         f"serves {served:.2f}%, {gap:.1f} points below: that much is lost to capacity or the fifo policy."
     )
+
+
+def test_capacity_page_shows_the_tokens_each_kv_dtype_fits_per_rank(
+    asgi_server, personas, monkeypatch, tmp_path, fake_worker
+):
+    """The demo's SmolLM2 worker (float32 KV, 46,080 bytes per token, L1 2,048 / L2 4,112 tokens): at the
+    same memory bfloat16 fits 4,096 / 8,224 tokens per rank (2×), fp8 8,192 / 16,448 (4×), int8 (its
+    scales make 11,880 bytes) 7,936 / 15,936 (3.88×); a worker that reports no host pool shows "—" for L2
+    with the reason, one that does not answer /get_model_info says so."""
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    host = HostFactory(name=AGENT_HOST)
+    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
+    for name, l2 in (("cpu-0", 4112), ("cpu-1", None)):
+        live = fake_worker(kv_bytes_per_token=46_080)
+        worker = EngineWorkerFactory(name=name, url=live.url, host=host, page_size=16, role="mixed")
+        metrics = {"max_total_num_tokens": 2048, **({"hicache_host_total_tokens": l2} if l2 else {})}
+        httpx.post(f"{asgi_server}/api/v1/agent/metrics/", json={"worker": worker.pk, "metrics": metrics},
+                   headers=agent).raise_for_status()  # fmt: skip
+    EngineWorkerFactory(name="gone-0", host=host, role="mixed")  # answers nothing
+    console_user("bob", "viewer", "pw-for-tests-1")
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "bob", "pw-for-tests-1")
+        page.set_viewport_size({"width": 1280, "height": 900})
+        page.goto(asgi_server + "/capacity/")
+        table = page.locator("#kv-dtype-table")
+
+        def cells(worker, dtype):
+            row = table.locator(f"tr[data-worker='{worker}'][data-dtype='{dtype}']")
+            return [
+                row.locator(f"[data-f={f}]").inner_text()
+                for f in ("bytes_per_token", "l1_tokens", "l2_tokens", "factor")
+            ]
+
+        assert cells("cpu-0", "float32") == ["46,080", "2,048", "4,112", "1.00×"]
+        assert cells("cpu-0", "bfloat16") == ["23,040", "4,096", "8,224", "2.00×"]
+        assert cells("cpu-0", "fp8") == ["11,520", "8,192", "16,448", "4.00×"]
+        assert cells("cpu-0", "int8") == ["11,880", "7,936", "15,936", "3.88×"]
+        expect(table.locator("tr[data-worker='cpu-0'][data-dtype='float32']")).to_contain_text("now")
+        l2 = table.locator("tr[data-worker='cpu-1'][data-dtype='fp8'] [data-f=l2_tokens]")
+        expect(l2).to_have_text("—")
+        expect(l2).to_have_attribute("title", "not reported by the worker")
+        expect(table.locator("tr[data-worker='gone-0']")).to_contain_text("did not answer /get_model_info")
+        table.scroll_into_view_if_needed()
+        page.screenshot(path=str(tmp_path / "capacity-kv-dtypes.png"), full_page=True)
+        assert not serious_violations(page)
+        assert not errors
+        browser.close()
+    print(f"screenshot in {tmp_path}")

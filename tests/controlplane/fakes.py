@@ -107,6 +107,9 @@ class _FakeHTTP:
         self.server.server_close()
 
 
+SMOLLM2_KV_SHAPE = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}  # /get_model_info kv_shape
+
+
 class FakeWorker(_FakeHTTP):
     def __init__(
         self,
@@ -237,7 +240,10 @@ class FakeWorker(_FakeHTTP):
         if method == "GET" and path in ("/server_info", "/get_server_info"):
             return 200, self.server_info(), json_t
         if method == "GET" and path in ("/model_info", "/get_model_info"):
-            return 200, {"model_path": self.model_name, "kv_bytes_per_token": self.kv_bytes_per_token}, json_t
+            info = {"model_path": self.model_name, "kv_bytes_per_token": self.kv_bytes_per_token}
+            if self.kv_bytes_per_token == 46_080:  # the demo's SmolLM2 in float32, as the engine reports it
+                info |= {"kv_cache_dtype": "float32", "kv_shape": SMOLLM2_KV_SHAPE}
+            return 200, info, json_t
         if method == "GET" and path == "/health":
             return 200, "", text_t
         if method == "GET" and path == "/metrics":

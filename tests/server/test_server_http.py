@@ -121,6 +121,11 @@ def test_server_info_model_info_and_health(serve, tiny_model_dir):
     for path in ("/model_info", "/get_model_info"):
         model = client.get(path).json()
         assert model["model_path"] == str(tiny_model_dir) and model["is_generation"] is True
+        # one rank's KV shape: with the stored dtype it gives the bytes per token the worker reports
+        shape, dtype = model["kv_shape"], model["kv_cache_dtype"]
+        per_element = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+        row = shape["head_dim"] * per_element
+        assert model["kv_bytes_per_token"] == 2 * shape["num_layers"] * shape["num_kv_heads"] * row
 
 
 def test_server_info_hicache_is_null_without_hierarchical_cache(serve):

@@ -329,3 +329,45 @@ def test_whatif_takes_every_engine_policy_and_reports_the_ceiling(api_as):
     assert [p["share"] for p in response.json()["points"]] == [0, pytest.approx(1008 / 2020)]
     refused = viewer.post("/api/v1/capacity/whatif/", {**body, "l2_admission": "arc"}, format="json")
     assert refused.status_code == 400 and "l2_admission" in refused.json()["error"]["detail"]
+
+
+def test_kv_dtype_ceilings_fit_each_dtype_in_the_memory_the_pools_take_now():
+    """The demo's SmolLM2 (30 layers, 3 KV heads, head dim 64) in float32: at the same bytes bfloat16 holds
+    2x its L1 and L2 tokens, fp8 4x, int8 (a 2-byte scale per token and head) 46,080 / 11,880 = 3.88x, in
+    whole pages; without a KV shape int8 is absent with the reason, without a host pool L2 is."""
+    from controlplane.capacity.selectors import kv_dtype_ceilings
+
+    shape = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
+    info = {"kv_bytes_per_token": 46_080, "kv_cache_dtype": "float32", "kv_shape": shape}
+    rows = kv_dtype_ceilings(info=info, l1_tokens=2048, l2_tokens=4112, page_size=16)
+    assert [(r["dtype"], r["current"], r["bytes_per_token"]) for r in rows] == [
+        ("float32", True, 46_080),
+        ("bfloat16", False, 23_040),
+        ("fp8", False, 11_520),
+        ("int8", False, shape_for(30, 3, 64, "int8").bytes_per_token),
+    ]
+    assert rows[3]["bytes_per_token"] == 11_880
+    assert [(r["l1_tokens"], r["l2_tokens"]) for r in rows] == [
+        (2048, 4112),
+        (4096, 8224),
+        (8192, 16448),
+        (2048 * 46_080 // 11_880 // 16 * 16, 4112 * 46_080 // 11_880 // 16 * 16),
+    ]
+    assert [round(r["factor"], 2) for r in rows] == [1.0, 2.0, 4.0, 3.88]
+
+    no_shape = kv_dtype_ceilings(
+        info={**info, "kv_shape": None}, l1_tokens=2048, l2_tokens=None, page_size=16
+    )
+    assert no_shape[1]["l1_tokens"] == 4096 and no_shape[1]["l2_tokens"] is None
+    assert no_shape[1]["absent"]["l2_tokens"] == "not reported by the worker"
+    assert no_shape[3]["bytes_per_token"] is None and "KV shape" in no_shape[3]["absent"]["l1_tokens"]
+    bf16 = {"kv_bytes_per_token": 23_040, "kv_cache_dtype": "bfloat16", "kv_shape": shape}
+    assert [r["dtype"] for r in kv_dtype_ceilings(info=bf16, l1_tokens=64, l2_tokens=0, page_size=16)] == [
+        "bfloat16",
+        "fp8",
+        "int8",
+    ]
+    assert kv_dtype_ceilings(info=bf16, l1_tokens=64, l2_tokens=0, page_size=16)[0]["absent"] == {
+        "l2_tokens": "no L2 host pool"
+    }
+    assert kv_dtype_ceilings(info={}, l1_tokens=64, l2_tokens=0, page_size=16) == []
