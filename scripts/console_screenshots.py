@@ -58,7 +58,7 @@ def run_whatif(page) -> None:
     """On the capacity page: run the what-if on the page's defaults when they replay a pool's recorded traffic
     (the demo records its own: an L1 sweep around the marked pool's L1, L1 alone); without recorded traffic,
     sweep L1 from the marked pool's current L1 up (L2, L3 fixed) over a shared trace, so the chart has every
-    line and the current-capacity marker. Waits for the replay (up to 240 s)."""
+    line and the current-capacity marker. Waits for the replay (up to 420 s)."""
     if not page.locator("#trace").input_value().startswith("pool:"):
         shared = page.locator("#trace option[value^='shared:synthetic']")
         if shared.count():
@@ -77,7 +77,7 @@ def run_whatif(page) -> None:
     page.wait_for_function(
         "/points$/.test(document.querySelector('#whatif-status').textContent)"
         " || document.querySelector('#whatif-error').textContent",
-        timeout=240_000,
+        timeout=420_000,
     )
     error = page.locator("#whatif-error").inner_text()
     if error:
@@ -116,10 +116,16 @@ def shoot(
             if wanted and name not in wanted:
                 continue
             page.goto(base + path)
-            page.wait_for_load_state("networkidle")
-            page.wait_for_selector("body[data-loaded='1']")
-            if name == "capacity":
+            if name == "capacity":  # its calibration replays the recorded traffic: minutes on a busy machine
+                page.wait_for_selector("body[data-loaded='1']")
+                page.wait_for_function(
+                    "!/^Replaying/.test(document.querySelector('[data-testid=calibration-text]').textContent)",
+                    timeout=300_000,
+                )
                 run_whatif(page)
+            else:
+                page.wait_for_load_state("networkidle")
+                page.wait_for_selector("body[data-loaded='1']")
             time.sleep(
                 settle_s
             )  # let a websocket push or two arrive so live values show, as a user sees them
