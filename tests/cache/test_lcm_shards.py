@@ -1,9 +1,9 @@
 """``tp_lcm_size``: L3 pages in KV-head shards of the lcm granularity, shared across TP sizes.
 
 The mapping (which storage shards each rank of tp 1, 2, 4 and 8 holds of a 4-KV-head model, split and
-combine of page tensors), then the cache path on a real file L3: the two ranks of a tp-2 instance back a
-prefix up, and every rank of a tp-1 and a tp-4 instance prefetches it and finds exactly its own heads, while
-an instance without ``tp_lcm_size`` keeps its per-rank keys and finds nothing.
+combine of page tensors), then the cache path on a real file L3 and a real Mooncake master: the two ranks
+of a tp-2 instance back a prefix up, and every rank of a tp-1 and a tp-4 instance prefetches it and finds
+exactly its own heads, while an instance without ``tp_lcm_size`` keeps its per-rank keys and finds nothing.
 """
 
 from __future__ import annotations
@@ -75,15 +75,16 @@ def _full_kv(tokens: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.cat((k0, k1), dim=1), torch.cat((v0, v1), dim=1)
 
 
-def _rank_cache(path, tp: int, rank: int, lcm: int | None) -> tuple[HiRadixCache, slice]:
-    """Rank ``rank`` of a tp-``tp`` instance on the file L3 at ``path``, and the KV heads it holds."""
+def _rank_cache(l3: tuple[str, dict], tp: int, rank: int, lcm: int | None) -> tuple[HiRadixCache, slice]:
+    """Rank ``rank`` of a tp-``tp`` instance on the L3 ``l3`` (backend, extra config), and its KV heads."""
     shards = min(tp, KV_HEADS)
     heads = KV_HEADS // shards
     shard = rank // (tp // shards)
     config = HiCacheConfig(
         ratio=4.0,
-        storage_backend="file",
-        extra_config={"file_path": str(path)},
+        mem_layout="page_first_direct",  # one a Mooncake L3 takes too
+        storage_backend=l3[0],
+        extra_config=dict(l3[1]),
         prefetch_threshold=8,
         prefetch_policy="wait_complete",
         tp_lcm_size=lcm,
@@ -132,17 +133,40 @@ def _from_l3(cache: HiRadixCache) -> torch.Tensor:
     return device
 
 
-def test_a_prefix_a_tp2_instance_wrote_is_read_by_every_rank_at_tp1_and_tp4(tmp_path):
+@pytest.fixture(params=["file", pytest.param("mooncake", marks=pytest.mark.slow)])
+def l3(request, tmp_path):
+    """(backend, extra config) of an empty L3: a file directory, or a real Mooncake master."""
+    if request.param == "file":
+        yield "file", {"file_path": str(tmp_path)}
+        return
+    from engine.fleet.mooncake_master import MooncakeMaster
+
+    with MooncakeMaster() as master:
+        yield (
+            "mooncake",
+            {
+                "master_server_address": master.master_address,
+                "metadata_server": master.metadata_url,
+                "protocol": "tcp",
+                "global_segment_size": "64mb",  # 16 MB per rank at tp 4, the least a segment takes
+                "local_buffer_size": "4mb",
+            },
+        )
+
+
+def test_a_prefix_a_tp2_instance_wrote_is_read_by_every_rank_at_tp1_and_tp4(l3, tmp_path):
     for rank in range(2):
-        cache, heads = _rank_cache(tmp_path, 2, rank, lcm=4)
+        cache, heads = _rank_cache(l3, 2, rank, lcm=4)
         _prefill(cache, heads)
         assert cache.stats.backuped_tokens == len(T)
+        assert cache.controller.backend.get_stats()["pages_written"] == 8 * 2  # its 2 of 4 shards per page
         cache.close()
-    assert len(list(tmp_path.glob("*.bin"))) == 8 * 4  # 8 pages x 4 storage shards, each written once
+    if l3[0] == "file":
+        assert len(list(tmp_path.glob("*.bin"))) == 8 * 4  # 8 pages x 4 storage shards, each written once
 
     for tp in (1, 4):
         for rank in range(tp):
-            cache, heads = _rank_cache(tmp_path, tp, rank, lcm=max(4, tp))
+            cache, heads = _rank_cache(l3, tp, rank, lcm=max(4, tp))
             try:
                 device = _from_l3(cache)
                 for layer in range(LAYERS):
@@ -152,10 +176,9 @@ def test_a_prefix_a_tp2_instance_wrote_is_read_by_every_rank_at_tp1_and_tp4(tmp_
             finally:
                 cache.close()
 
-    cache, _ = _rank_cache(tmp_path, 1, 0, lcm=None)  # per-rank keys, as before tp_lcm_size
+    cache, _ = _rank_cache(l3, 1, 0, lcm=None)  # per-rank keys, as before tp_lcm_size
     try:
         keys = page_hashes(T, 4, None, cache.controller.namespace)
         assert cache.controller.backend.batch_exists(keys) == 0
     finally:
         cache.close()
-    assert len(list(tmp_path.glob("*.bin"))) == 8 * 4  # the readers added no object
