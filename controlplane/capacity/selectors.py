@@ -97,15 +97,16 @@ def kv_dtype_ceilings(
 def worker_capacities() -> list[dict]:
     """Per worker: name, pool (regular / prefill / decode), page size, and from its latest metrics sample
     the L1 capacity (``max_total_num_tokens``) and L2 capacity (``hicache_host_total_tokens``), None when
-    it has not reported, its attached L3 ``storage_backend`` ("" for none), and ``kv_bytes_per_token`` and
-    ``kv_cache_dtype`` as the worker answers them now at ``/get_model_info`` (None when it does not; the
+    it has not reported, its attached L3 ``storage_backend`` ("" for none), its ``tp_size``, and
+    ``kv_bytes_per_token`` and ``kv_cache_dtype`` as the worker answers them now at ``/get_model_info``
+    (one rank's: each rank's pools hold its share of the KV heads; None when it does not answer; the
     workers are asked in parallel, at most ``MODEL_INFO_TIMEOUT_S`` each), with ``kv_dtypes``: the tokens
     per rank each KV dtype fits in the same memory (``kv_dtype_ceilings``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     workers = list(
         EngineWorker.objects.order_by("name").values(
-            "id", "name", "url", "role", "page_size", "model_name", "storage_backend"
+            "id", "name", "url", "role", "page_size", "model_name", "storage_backend", "tp_size"
         )
     )
     latest = store.latest_many([w["id"] for w in workers])
@@ -130,6 +131,7 @@ def worker_capacities() -> list[dict]:
                 "kv_dtypes": kv_dtype_ceilings(
                     info=info, l1_tokens=l1, l2_tokens=l2, page_size=w["page_size"]
                 ),
+                "tp_size": w["tp_size"],
             }
         )
     return rows

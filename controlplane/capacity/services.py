@@ -2,7 +2,9 @@
 imports the engine, and ``tests/controlplane/capacity/test_api.py`` checks both give the same answer).
 
 Bytes per token = 2 x layers x KV heads x (head_dim x dtype bytes + scale bytes: int8 keeps one bfloat16
-scale per token and KV head). L1 = ``max_total_tokens``, else
+scale per token and KV head). A worker of ``--tp-size`` N has pools per rank, each for its share of the KV
+heads (KV / N, or one replicated head when N exceeds them): its L1 and L2 are sized per rank, the tokens
+the same on every rank, the bytes per token divided. L1 = ``max_total_tokens``, else
 ``mem_fraction_static`` (default 0.88) x free GPU memory / bytes per token, else (a cpu worker) 16,384;
 whole pages, at least one. L2 (hierarchical only) = ``hicache_size`` GB / bytes per token when > 0, else
 ``hicache_ratio`` x L1, rounded up past whole pages (newer upstream). L3 = its bytes in whole pages.
@@ -21,8 +23,31 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5
 SCALE_BYTES = {"int8": 2}
 
 
-def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-    return 2 * num_layers * num_kv_heads * (head_dim * DTYPE_BYTES[dtype] + SCALE_BYTES.get(dtype, 0))
+def kv_heads_per_rank(*, num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each of ``tp_size`` ranks holds (the engine's rule): KV / tp when tp divides them, one
+    replicated head when tp is a multiple of them; else ApplicationError 400 naming ``tp_size``."""
+    if (tp_size <= num_kv_heads and num_kv_heads % tp_size) or (
+        tp_size > num_kv_heads and tp_size % num_kv_heads
+    ):
+        problem = (
+            f"the model's {num_kv_heads} KV heads are not divisible by {tp_size}"
+            if tp_size <= num_kv_heads
+            else f"more ranks than the model's {num_kv_heads} KV heads needs a multiple of them"
+        )
+        raise ApplicationError(
+            f"tp_size: {problem} (the engine refuses --tp-size {tp_size})",
+            code="validation_error",
+            detail={"tp_size": [problem]},
+        )
+    return max(1, num_kv_heads // tp_size)
+
+
+def kv_bytes_per_token(
+    *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, tp_size: int = 1
+) -> int:
+    """One rank's KV bytes per token (``tp_size`` 1: the whole worker's)."""
+    heads = kv_heads_per_rank(num_kv_heads=num_kv_heads, tp_size=tp_size)
+    return 2 * num_layers * heads * (head_dim * DTYPE_BYTES[dtype] + SCALE_BYTES.get(dtype, 0))
 
 
 def kv_sizing(

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16, float16")
     a("--kv-cache-dtype", default="auto", help="KV dtype: auto (the compute dtype), bfloat16, fp8_e4m3, ...")
     a("--device", choices=("cpu", "cuda"), default="cpu")
+    a("--tp-size", "--tp", type=int, default=1, dest="tp_size", help="ranks: L1/L2 are sized per rank")
     a("--page-size", type=int, default=1)
     a("--max-total-tokens", type=int, default=None)
     a("--mem-fraction-static", type=float, default=None)
@@ -72,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and args.max_total_tokens is None and args.free_gpu_memory_gb is None:
         parser.error("--free-gpu-memory-gb: needed on cuda without --max-total-tokens")
-    shape = kv_shape(args, parser)
+    whole = kv_shape(args, parser)
+    try:
+        shape = whole.per_rank(args.tp_size)
+    except ValueError as exc:
+        parser.error(str(exc))
     host = available_memory() if args.host_memory_gb is None else int(args.host_memory_gb * GB)
     free_gpu = int(args.free_gpu_memory_gb * GB) if args.free_gpu_memory_gb is not None else None
     try:
@@ -85,18 +90,19 @@ def main(argv: list[str] | None = None) -> int:
             enable_hierarchical_cache=args.enable_hierarchical_cache,
             hicache_ratio=args.hicache_ratio,
             hicache_size=args.hicache_size,
-            host_available_bytes=host,
+            host_available_bytes=host // args.tp_size,  # the ranks' host pools share this host's RAM
             l3_bytes=int(args.l3_gb * GB),
         )
     except ValueError as exc:
         parser.error(str(exc))
     if args.json:
-        print(json.dumps(sizing.as_dict()))
+        print(json.dumps({**sizing.as_dict(), "tp_size": args.tp_size, "num_kv_heads": shape.num_kv_heads}))
         return 0
     s = sizing
     dims = f"2 x {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}"
     dims += f" x {shape.dtype_bytes} B" + (f" + {shape.scale_bytes} B scale" if shape.scale_bytes else "")
-    print(f"KV bytes per token: {s.bytes_per_token:,} ({dims}); page {s.page_size} tokens")
+    rank = f" per rank of {args.tp_size} ({whole.num_kv_heads} KV heads split)" if args.tp_size > 1 else ""
+    print(f"KV bytes per token{rank}: {s.bytes_per_token:,} ({dims}); page {s.page_size} tokens")
     print(f"L1 {s.l1_tokens:>14,} tokens  {s.l1_bytes / GB:10.2f} GB")
     print(f"L2 {s.l2_tokens:>14,} tokens  {s.l2_bytes / GB:10.2f} GB")
     if s.host_ram_left_bytes is not None:

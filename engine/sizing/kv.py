@@ -5,11 +5,15 @@ this the per-token cost of L1 and of every host-pool layout. Example (the tuning
 8 KV heads, head_dim 128, fp16 -> 2 * 28 * 8 * 128 * 2 = 114,688 bytes. ``--kv-cache-dtype int8`` adds
 one bfloat16 scale per token and KV head (``SCALE_BYTES``), kept in the same row as the head's values
 (``engine/cache/kv_format.py``), so every tier and transfer counts and moves it with them.
+
+With ``--tp-size`` N each rank has its own pools holding its share of the KV heads (KV / N, or one
+replicated head when N exceeds them), so the per-rank bytes per token divide by N (at most by KV); the
+tiers' token counts are the same on every rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
 SCALE_BYTES = {"int8": 2}  # one bfloat16 scale per (token, KV head)
@@ -34,6 +38,27 @@ class KVShape:
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.row_bytes
+
+    def per_rank(self, tp_size: int) -> KVShape:
+        """The shape one of ``tp_size`` tensor-parallel ranks stores: its share of the KV heads
+        (:func:`kv_heads_per_rank`). Raises ``ValueError`` naming ``--tp-size`` as the engine refuses."""
+        return replace(self, num_kv_heads=kv_heads_per_rank(self.num_kv_heads, tp_size))
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each of ``tp_size`` ranks holds: ``num_kv_heads / tp`` when tp divides them, 1 (replicated
+    on ``tp / num_kv_heads`` ranks) when tp is a multiple of them. Raises ``ValueError`` naming ``--tp-size``
+    and the counts otherwise, as the engine's start-up check does."""
+    if tp_size < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
+    if tp_size <= num_kv_heads and num_kv_heads % tp_size:
+        raise ValueError(f"--tp-size {tp_size}: the model's {num_kv_heads} KV heads are not divisible by it")
+    if tp_size > num_kv_heads and tp_size % num_kv_heads:
+        raise ValueError(
+            f"--tp-size {tp_size}: more ranks than the model's {num_kv_heads} KV heads needs a multiple "
+            "of them"
+        )
+    return max(1, num_kv_heads // tp_size)
 
 
 def dtype_bytes(name: str) -> int:

@@ -213,3 +213,37 @@ def test_capacity_page_shows_the_tokens_each_kv_dtype_fits_per_rank(
         assert not errors
         browser.close()
     print(f"screenshot in {tmp_path}")
+
+
+def test_the_sizing_calculator_sizes_a_tp_workers_pools_per_rank(
+    asgi_server, personas, monkeypatch, tmp_path
+):  # noqa: E501
+    """A TP-2 worker: the calculator takes its tp size and says its L1 and L2 are per rank; back at tp 1
+    the table is the whole worker's."""
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    EngineWorkerFactory(name="tp2-0", host=HostFactory(name=AGENT_HOST), page_size=16, tp_size=2)
+    console_user("bob", "viewer", "pw-for-tests-1")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "bob", "pw-for-tests-1")
+        page.goto(f"{asgi_server}/capacity/")
+        form = page.locator("#sizing-form")
+        expect(form.get_by_label("--tp-size")).to_have_value("2")
+        form.get_by_label("KV bytes per token (one rank's)").fill("23040")
+        form.get_by_label("--max-total-tokens").fill("4096")
+        form.get_by_role("button", name="Calculate").click()
+        expect(page.get_by_test_id("sizing-caption")).to_have_text(
+            "Per rank (each of the 2 ranks has these pools, on its own device; host RAM is shared by the "
+            "ranks)"
+        )
+        expect(page.get_by_test_id("rank-note")).to_have_text("L1 and L2 are sized per rank")
+        expect(page.locator("#sizing-table tbody tr").first).to_contain_text("4,096")
+        page.locator("#sizing-table").scroll_into_view_if_needed()
+        page.screenshot(path=str(tmp_path / "capacity-per-rank.png"), full_page=True)  # looked at by eye
+        form.get_by_label("--tp-size").fill("1")
+        form.get_by_role("button", name="Calculate").click()
+        expect(page.get_by_test_id("sizing-caption")).to_have_text("Per worker")
+        assert not errors
+        browser.close()

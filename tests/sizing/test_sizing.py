@@ -97,3 +97,42 @@ def test_sizing_equals_what_a_real_smollm2_worker_allocated():
     assert sizing["bytes_per_token"] == model["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # float32 on cpu
     assert sizing["l1_tokens"] == info["max_total_num_tokens"] == 2048
     assert sizing["l2_tokens"] == info["host_total_num_tokens"] == (5120 // 16 + 1) * 16
+
+
+def test_tp_sizes_l1_and_l2_per_rank_with_the_kv_heads_split_or_replicated(capsys):
+    """Each rank stores its share of the KV heads: 8 heads at tp 2 -> 4 per rank (half the bytes), at tp
+    16 -> one replicated head (an eighth); the tiers' token counts are the same at every tp."""
+    shape = KVShape(28, 8, 128, 2)
+    assert shape.per_rank(2).bytes_per_token == 114_688 // 2
+    assert shape.per_rank(16).num_kv_heads == 1 and shape.per_rank(16).bytes_per_token == 114_688 // 8
+    argv = ["--num-layers", "28", "--num-kv-heads", "8", "--head-dim", "128", "--dtype", "float16"]
+    tiers = ["--max-total-tokens", "1000", "--enable-hierarchical-cache", "--json"]
+    assert main([*argv, *tiers, "--tp", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["tp_size"], out["num_kv_heads"], out["bytes_per_token"]) == (2, 4, 57_344)
+    assert out["l1_tokens"] == 1000 and out["l1_bytes"] == 1000 * 57_344
+    assert main([*argv, "--max-total-tokens", "1000", "--tp-size", "4"]) == 0
+    assert "KV bytes per token per rank of 4 (8 KV heads split): 28,672" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("tp", "words"), [(3, "8 KV heads are not divisible by it"), (12, "a multiple of them")]
+)
+def test_a_tp_the_kv_heads_do_not_take_exits_2_naming_tp_size(capsys, tp, words):
+    with pytest.raises(SystemExit) as exc:
+        main(["--num-layers", "2", "--num-kv-heads", "8", "--head-dim", "64", "--tp", str(tp)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--tp-size {tp}" in err and words in err
+
+
+@pytest.mark.slow
+def test_per_rank_sizing_equals_what_a_real_tp3_smollm2_worker_reports():
+    """SmolLM2-135M (3 KV heads) at --tp 3: one KV head per rank, a third of tp 1's bytes per token."""
+    flags = ["--page-size", "16", "--max-total-tokens", "1024", "--tp", "3"]
+    cmd = [sys.executable, "-m", "engine.sizing", "--model-path", "smollm2", *flags, "--json"]
+    sizing = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300).stdout)
+    with ServerProcess(["--model-path", "smollm2", *flags]) as server:
+        info = httpx.get(f"{server.url}/server_info", timeout=30).json()
+        model = httpx.get(f"{server.url}/get_model_info", timeout=30).json()
+    assert sizing["bytes_per_token"] == model["kv_bytes_per_token"] == 2 * 30 * 1 * 64 * 4
+    assert sizing["l1_tokens"] == info["max_total_num_tokens"] == 1024 and info["tp_size"] == 3

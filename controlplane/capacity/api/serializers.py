@@ -9,14 +9,17 @@ BLOCK_TOKENS = 512  # Mooncake's block size: rows posted without block_tokens (a
 
 
 class SizingQuerySerializer(serializers.Serializer):
-    """Query parameters of the sizing calculator: ``bytes_per_token``, or the model's ``num_layers``,
-    ``num_kv_heads``, ``head_dim`` and ``dtype``; then the worker's launch flags and the machine."""
+    """Query parameters of the sizing calculator: ``bytes_per_token`` (one rank's), or the model's
+    ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype``; ``tp_size`` (the worker's ranks: L1 and
+    L2 are sized per rank); then the worker's launch flags and the machine (``host_memory_bytes``: the
+    host's, shared by the ranks)."""
 
     bytes_per_token = serializers.IntegerField(min_value=1, required=False)
     num_layers = serializers.IntegerField(min_value=1, required=False)
     num_kv_heads = serializers.IntegerField(min_value=1, required=False)
     head_dim = serializers.IntegerField(min_value=1, required=False)
     dtype = serializers.ChoiceField(choices=sorted(DTYPE_BYTES), default="bfloat16")
+    tp_size = serializers.IntegerField(min_value=1, max_value=1024, default=1)
     page_size = serializers.IntegerField(min_value=1, default=1)
     max_total_tokens = serializers.IntegerField(min_value=1, required=False)
     mem_fraction_static = serializers.FloatField(min_value=0.01, max_value=1.0, required=False)

@@ -24,7 +24,9 @@ from controlplane.telemetry.services import ingest_worker
 
 class SizingApi(APIView):
     """GET: per-tier KV capacity in tokens and bytes for the given model shape and launch flags, with the
-    engine's warnings (400 naming each bad parameter). A calculation: it changes nothing."""
+    engine's warnings (400 naming each bad parameter). With ``tp_size`` > 1 every figure is one rank's
+    (``per_rank`` true; ``kv_heads_per_rank`` when a shape was given) and the host RAM is split between
+    the ranks. A calculation: it changes nothing."""
 
     @extend_schema(parameters=[SizingQuerySerializer], responses=OpenApiTypes.OBJECT)
     def get(self, request):
@@ -32,10 +34,15 @@ class SizingApi(APIView):
         query.is_valid(raise_exception=True)
         args = dict(query.validated_data)
         shape = {k: args.pop(k, None) for k in ("num_layers", "num_kv_heads", "head_dim")}
-        dtype = args.pop("dtype")
+        dtype, tp_size = args.pop("dtype"), args.pop("tp_size")
+        extra = {"tp_size": tp_size, "per_rank": tp_size > 1}
         if "bytes_per_token" not in args:
-            args["bytes_per_token"] = services.kv_bytes_per_token(**shape, dtype=dtype)
-        return Response(services.kv_sizing(**args))
+            args["bytes_per_token"] = services.kv_bytes_per_token(**shape, dtype=dtype, tp_size=tp_size)
+            heads = services.kv_heads_per_rank(num_kv_heads=shape["num_kv_heads"], tp_size=tp_size)
+            extra["kv_heads_per_rank"] = heads
+        if args.get("host_memory_bytes") is not None:
+            args["host_memory_bytes"] //= tp_size  # every rank's host pool comes out of this host's RAM
+        return Response({**services.kv_sizing(**args), **extra})
 
 
 class WorkerCapacitiesApi(APIView):

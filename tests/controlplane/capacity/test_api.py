@@ -371,3 +371,29 @@ def test_kv_dtype_ceilings_fit_each_dtype_in_the_memory_the_pools_take_now():
         "l2_tokens": "no L2 host pool"
     }
     assert kv_dtype_ceilings(info={}, l1_tokens=64, l2_tokens=0, page_size=16) == []
+
+
+@pytest.mark.parametrize(("kv_heads", "tp"), [(8, 1), (8, 2), (8, 8), (8, 16), (3, 3), (1, 4)])
+def test_per_rank_bytes_per_token_equal_the_engines_at_each_tp(kv_heads, tp):
+    cp = kv_bytes_per_token(num_layers=30, num_kv_heads=kv_heads, head_dim=64, dtype="bfloat16", tp_size=tp)
+    assert cp == shape_for(30, kv_heads, 64, "bfloat16").per_rank(tp).bytes_per_token
+
+
+@pytest.mark.django_db
+def test_sizing_api_sizes_l1_and_l2_per_rank_of_a_tp_worker(api_as):
+    """8 KV heads at tp 2: each rank stores 4, half the bytes per token, so the same free GPU memory per
+    device holds twice the tokens; the host's RAM is shared by the ranks' host pools."""
+    query = {"num_layers": 28, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16", "page_size": 64,
+             "free_gpu_memory_bytes": 80 * 10**9, "mem_fraction_static": 0.85,
+             "enable_hierarchical_cache": "true", "host_memory_bytes": 2000 * GIB}  # fmt: skip
+    whole = api_as("viewer").get("/api/v1/capacity/sizing/", query).json()
+    rank = api_as("viewer").get("/api/v1/capacity/sizing/", {**query, "tp_size": 2}).json()
+    assert (whole["per_rank"], rank["per_rank"], rank["tp_size"], rank["kv_heads_per_rank"]) == (
+        False, True, 2, 4
+    )  # fmt: skip
+    assert rank["bytes_per_token"] == whole["bytes_per_token"] // 2 == 57_344
+    assert rank["l1_tokens"] == 2 * whole["l1_tokens"]
+    assert rank["host_ram_left_bytes"] == 1000 * GIB - rank["l2_bytes"]
+    bad = api_as("viewer").get("/api/v1/capacity/sizing/", {**query, "tp_size": 3})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["detail"] == {"tp_size": ["the model's 8 KV heads are not divisible by 3"]}

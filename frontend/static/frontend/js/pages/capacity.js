@@ -191,11 +191,12 @@ KV.ready(function () {
     var w = workers[Number(sizing.worker.value)];
     if (!w) return;
     sizing.page_size.value = w.page_size;
+    sizing.tp_size.value = w.tp_size || 1;
     // bytes per token as the worker itself reports it (its model and KV dtype), never a guess
     sizing.bytes_per_token.value = w.kv_bytes_per_token == null ? "" : w.kv_bytes_per_token;
     KV.$("#bytes-source").textContent = w.kv_bytes_per_token == null
       ? w.name + " did not answer /get_model_info: enter the model's bytes per token"
-      : "from " + w.name + "'s /get_model_info";
+      : "from " + w.name + "'s /get_model_info" + ((w.tp_size || 1) > 1 ? " (rank 0's pool: its share of the KV heads)" : "");
     if (w.l1_tokens != null) sizing.max_total_tokens.value = w.l1_tokens;
     sizing.enable_hierarchical_cache.checked = w.l2_tokens != null && w.l2_tokens > 0;
     // the engine's host pool is ratio x L1 rounded up past whole pages: undo the extra page
@@ -205,10 +206,15 @@ KV.ready(function () {
     KV.$("#sizing-error").textContent = "";
     var q = new URLSearchParams();
     ["bytes_per_token", "page_size", "max_total_tokens", "mem_fraction_static", "free_gpu_memory_bytes", "hicache_ratio",
-     "hicache_size", "host_memory_bytes", "l3_bytes"].forEach(function (k) { if (sizing[k].value !== "") q.set(k, sizing[k].value); });
+     "hicache_size", "host_memory_bytes", "l3_bytes", "tp_size"].forEach(function (k) { if (sizing[k].value !== "") q.set(k, sizing[k].value); });
     q.set("enable_hierarchical_cache", sizing.enable_hierarchical_cache.checked ? "true" : "false");
     var w = workers[Number(sizing.worker.value)] || {};
     return KV.api("GET", "/api/v1/capacity/sizing/?" + q.toString()).then(function (r) {
+      /* a TP-N worker has pools per rank: each holds every token for its share of the KV heads */
+      KV.$("#sizing-caption").textContent = r.per_rank
+        ? "Per rank (each of the " + r.tp_size + " ranks has these pools, on its own device; host RAM is shared by the ranks)"
+        : "Per worker";
+      KV.$("#rank-note").textContent = r.per_rank ? "L1 and L2 are sized per rank" : "";
       var tbody = KV.$("#sizing-table tbody");
       tbody.textContent = "";
       [["L1", r.l1_tokens, r.l1_bytes, w.l1_tokens], ["L2", r.l2_tokens, r.l2_bytes, w.l2_tokens], ["L3", r.l3_tokens, r.l3_bytes, null]].forEach(function (row) {
