@@ -206,7 +206,8 @@ class StorageAdminMixin:
         stack = list(self.tree.root.children.values())
         while stack:
             node = stack.pop()
-            if node.host_value is not None:
+            # a tenant over its L3 cap (charge_l3 refuses): none of its chain below either
+            if node.host_value is not None and self.policy.charge_l3(node):
                 self._backup_to_storage(node)
                 stack.extend(node.children.values())
 
@@ -214,6 +215,7 @@ class StorageAdminMixin:
         backup_skip = (self.replicated_kv and self.tp_rank != 0) or not self.kv_writer
         c = self.config
         health = StorageHealth(BreakerSettings(c.breaker_failures, c.breaker_latency_s, c.breaker_open_s))
+        self.policy.caps.reset_l3()  # a new or cleared store: no tenant has pages in it yet
         self.controller.attach_storage(
             backend.instance, backend.namespace, c.prefetch_threshold, backup_skip, backend.name, health
         )

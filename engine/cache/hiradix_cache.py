@@ -43,6 +43,7 @@ from engine.cache.radix_tree import HiRadixTree, TreeNode
 from engine.cache.ranks import Reduce, identity_reduce, make_reduce
 from engine.cache.stats import CacheStats
 from engine.cache.storage.base import HiCacheStorage
+from engine.cache.tenant_caps import TenantCaps
 
 __all__ = ["LOAD_BACK_THRESHOLD", "HiRadixCache", "InsertResult", "MatchResult"]
 
@@ -88,7 +89,8 @@ class HiRadixCache(StorageAdminMixin):
     ``(tp_rank, tp_size)``; differs when tp exceeds the KV heads and ranks share a head); ``kv_writer``: this
     rank backs its shard up to L3 (False on all but one of the ranks sharing a replicated shard).
     ``kv_producer``: what computes the KV (:func:`engine.model.loader.fingerprint.kv_producer`), part of the
-    L3 namespace.
+    L3 namespace. ``tenant_caps``: per-tenant L2 / L3 occupancy caps (:mod:`engine.cache.tenant_caps`;
+    every rank of a TP group must get the same ones, so their trees decide alike).
     ``reduce``: cross-rank agreement for scheduler-thread decisions (default: identity for one rank,
     gloo all-reduce for several). Raises ``ValueError`` for a bad config, layout or host pool size.
     """
@@ -107,6 +109,7 @@ class HiRadixCache(StorageAdminMixin):
         kv_producer: str = "",
         kv_shard: tuple[int, int] | None = None,
         kv_writer: bool = True,
+        tenant_caps: TenantCaps | None = None,
     ) -> None:
         config = config or HiCacheConfig()
         config.validate()
@@ -132,6 +135,7 @@ class HiRadixCache(StorageAdminMixin):
             write_policy=config.write_policy,
             l2_admission=config.l2_admission,
             l3_admission=config.l3_admission,
+            caps=tenant_caps,
         )
         self._stats = CacheStats()
         self.host_pool: HostKVPool | None = None
@@ -172,6 +176,12 @@ class HiRadixCache(StorageAdminMixin):
                 raise ValueError(f"hicache_storage_backend {config.storage_backend!r}: {exc}") from exc
 
     # -- accounting ----------------------------------------------------------------------------------------
+    def tenant_usage(self) -> dict[str, dict]:
+        """Per capped tenant (by salt owner): caps, L2 tokens held, L3 pages sent and what the caps did
+        (:meth:`engine.cache.tenant_caps.TenantCaps.snapshot`); empty without caps."""
+        caps = self.policy.caps
+        return caps.snapshot(self.tree.host_units) if caps else {}
+
     @property
     def config(self) -> HiCacheConfig:
         """The live settings; setting them also sets the policy's write policy."""

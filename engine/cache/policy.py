@@ -21,6 +21,7 @@ from typing import NamedTuple, Protocol
 from engine.cache.admission import ADMISSIONS, L3_MIN_ESTIMATE, FrequencySketch, page_ids, salt_seed
 from engine.cache.config import WRITE_POLICIES
 from engine.cache.radix_tree import HiRadixTree, TreeNode
+from engine.cache.tenant_caps import TenantCaps, salt_owner
 
 LOAD_BACK_THRESHOLD = 10  # tokens; smaller L2 hits are recomputed
 
@@ -105,6 +106,7 @@ class CachePolicy:
         unit_tokens: int = 1,
         l2_admission: str = "none",
         l3_admission: str = "none",
+        caps: TenantCaps | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy: {write_policy!r} is not one of {WRITE_POLICIES}")
@@ -121,6 +123,7 @@ class CachePolicy:
         self.write_policy = write_policy
         self.unit_tokens = unit_tokens
         self.eviction_log: list[tuple[str, int, int]] | None = None
+        self.caps = caps or TenantCaps()
 
     @property
     def write_through_threshold(self) -> int:
@@ -200,11 +203,26 @@ class CachePolicy:
 
     def admit_to_l3(self, node: TreeNode) -> bool:
         """Whether ``node`` (its L2 copy just finished) is worth an L3 backup; a refused node is marked
-        ``l3_deferred`` and backed up by a later hit that finds it popular enough."""
-        if self.l3_admission == "none" or self._estimate(node) >= L3_MIN_ESTIMATE:
+        ``l3_deferred`` and backed up by a later hit that finds it popular enough. A node whose tenant has
+        sent its ``l3_pages`` cap is refused for good (counted)."""
+        if self.l3_admission != "none" and self._estimate(node) < L3_MIN_ESTIMATE:
+            node.l3_deferred = True
+            return False
+        return self.charge_l3(node)
+
+    def charge_l3(self, node: TreeNode) -> bool:
+        """Whether ``node``'s pages fit under its tenant's L3 cap; if so they are counted as sent, if not
+        as skipped. Always True for an uncapped node."""
+        capped = self.caps.of(node.salt)
+        if capped is None or capped[1].l3_pages is None:
             return True
-        node.l3_deferred = True
-        return False
+        owner, cap = capped
+        pages = len(node.key) // self.tree.page_size
+        if self.caps.l3_pages[owner] + pages > cap.l3_pages:
+            self.caps.l3_skipped_pages[owner] += pages
+            return False
+        self.caps.l3_pages[owner] += pages
+        return True
 
     def _hit(self, node: TreeNode, count: bool) -> None:
         # Hits are counted under write_back too (upstream does not), so LFU works with every policy.
@@ -257,6 +275,9 @@ class CachePolicy:
     def _give_host_copy(self, node: TreeNode, now: bool) -> bool:
         self._refused = False
         units = len(node.key)
+        if not self.room_under_cap(node.salt, units):
+            self._refused = True  # a write-back eviction drops the leaf rather than keeping it on device
+            return False
         if self.l2_admission == "none":
             host = self.alloc_host(units)
         else:  # TinyLFU: with L2 full, only a node more popular than the host victim gets in
@@ -270,11 +291,28 @@ class CachePolicy:
                 host = self.executor.alloc_host(units)
         if host is None:
             return False
-        node.host_value = host
+        self.tree.set_host(node, host)
         if now:
             self.executor.copy_to_host(node)
         else:
             self.executor.write_to_host(node)
+        return True
+
+    def room_under_cap(self, salt: str | None, units: int) -> bool:
+        """Whether ``units`` more host units of key space ``salt`` fit under its tenant's L2 cap, after
+        evicting that tenant's own host-only leaves if needed (counted); True when uncapped."""
+        capped = self.caps.of(salt)
+        if capped is None or capped[1].l2_tokens is None:
+            return True
+        owner, cap = capped
+        limit = cap.l2_tokens // self.unit_tokens
+        over = self.tree.host_units.get(owner, 0) + units - limit
+        if over > 0:
+            freed = self.evict_host(over, owner=owner)
+            self.caps.l2_evicted_tokens[owner] += freed * self.unit_tokens
+        if self.tree.host_units.get(owner, 0) + units > limit:
+            self.caps.l2_refused_tokens[owner] += units * self.unit_tokens
+            return False
         return True
 
     # -- eviction --------------------------------------------------------------------------------------------
@@ -315,8 +353,9 @@ class CachePolicy:
         self.executor.evicted("device", freed, time.perf_counter() - start)
         return freed
 
-    def evict_host(self, units: int) -> int:
-        """Free at least ``units`` host slots by removing host-only leaves (L3 copies stay); returns freed."""
+    def evict_host(self, units: int, owner: str | None = None) -> int:
+        """Free at least ``units`` host slots by removing host-only leaves (L3 copies stay); returns freed.
+        With ``owner``, only leaves whose salt that tenant owns (its cap's own-pages-first eviction)."""
         if not self.hierarchical:
             return 0
         start = time.perf_counter()
@@ -324,6 +363,8 @@ class CachePolicy:
         victims = self.tree.pop_victims(host=True)
         try:
             for node in victims:
+                if owner is not None and salt_owner(node.salt) != owner:
+                    continue
                 self.executor.free_host(node.host_value)
                 freed += len(node.key)
                 if self.eviction_log is not None:
@@ -394,7 +435,8 @@ class CachePolicy:
         Refused when ``anchor`` has no host copy, below ``threshold`` tokens, when prefetches already occupy
         ``occupied`` >= half of ``host_capacity`` tokens, when the host pool has no room, or (L3 admission
         ``tinylfu``, ``key`` the units to fetch in key space ``salt``) when the first page to fetch was asked
-        for less than twice.
+        for less than twice, or when the tenant's L2 cap has no room for ``units`` after evicting its own
+        pages (the reserved slots count against the cap once committed).
         """
         if anchor.host_value is None or units * self.unit_tokens < threshold:
             return None
@@ -403,6 +445,9 @@ class CachePolicy:
         if self.l3_admission != "none" and key is not None and self._estimate(anchor, list(key), salt) < 2:
             return None
         self.tree.protect_host(anchor)
+        if not self.room_under_cap(anchor.salt if anchor is not self.tree.root else salt, units):
+            self.tree.release_host(anchor)
+            return None
         host = self.alloc_host(units)
         if host is None:
             self.tree.release_host(anchor)
@@ -429,7 +474,7 @@ class CachePolicy:
         for child in path:
             end = start + len(child.key)
             if child.host_value is None:
-                child.host_value = slots[start:end]
+                self.tree.set_host(child, slots[start:end])
                 if child.hash_value is None and hashes is not None:
                     child.hash_value = hashes[start // per_page : end // per_page]
             else:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.cache.tenant_caps import salt_owner
+
 # Smallest first is evicted first (upstream ``evict_policy.py``).
 EVICTION_PRIORITY: dict[str, Callable[[TreeNode], object]] = {
     "lru": lambda n: n.last_access_time,
@@ -99,7 +101,9 @@ class HiRadixTree:
     """Radix tree over token ids with page granularity ``page_size`` and ``eviction_policy`` lru|lfu.
 
     Sizes are tokens. ``evictable_size``/``protected_size`` count device-resident tokens with
-    ``lock_ref == 0`` / ``> 0``.
+    ``lock_ref == 0`` / ``> 0``. ``host_units`` counts the units with a host copy per owner of their salt
+    (:func:`engine.cache.tenant_caps.salt_owner`; None: unsalted), for the per-tenant L2 caps: host copies
+    are given through :meth:`set_host` or :meth:`add_leaf` and end with :meth:`remove_leaf`.
     """
 
     def __init__(self, page_size: int, eviction_policy: str = "lru") -> None:
@@ -126,6 +130,7 @@ class HiRadixTree:
         self.protected_size = 0
         self._device_heap: list = []
         self._host_heap: list = []
+        self.host_units: dict[str | None, int] = {}
 
     # -- keys and matching ---------------------------------------------------------------------------------
     def child_key(self, key: list[int], pos: int = 0, salt: str | None = None):
@@ -221,8 +226,9 @@ class HiRadixTree:
         if parent is not self.root:
             salt = parent.salt
         node = TreeNode(next(self._ids), key, parent, self._clock, salt)
-        node.host_value = host_value
         node.hash_value = hash_value
+        if host_value is not None:
+            self.set_host(node, host_value)
         parent.children[self.child_key(key, 0, salt)] = node
         self.num_nodes += 1
         if value is not None:
@@ -238,6 +244,8 @@ class HiRadixTree:
         if node.value is not None:
             self._account(node, -len(node.key))
             node.value = None
+        if node.host_value is not None:
+            self._account_host(node, -len(node.host_value))
         parent = node.parent
         del parent.children[self.child_key(node.key, 0, node.salt)]
         node.parent = None
@@ -256,6 +264,21 @@ class HiRadixTree:
         else:
             self.push_device_candidate(node.parent)
             self.push_host_candidate(node)
+
+    def set_host(self, node: TreeNode, host_value) -> None:
+        """Give ``node`` (which has none) its host copy at ``host_value``, counted for its salt's owner."""
+        if node.host_value is not None:
+            raise ValueError(f"{node} already has a host copy")
+        node.host_value = host_value
+        self._account_host(node, len(host_value))
+
+    def _account_host(self, node: TreeNode, delta: int) -> None:
+        owner = salt_owner(node.salt)
+        left = self.host_units.get(owner, 0) + delta
+        if left:
+            self.host_units[owner] = left
+        else:
+            self.host_units.pop(owner, None)
 
     def _account(self, node: TreeNode, delta: int) -> None:
         if node.lock_ref > 0:

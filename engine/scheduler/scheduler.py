@@ -693,6 +693,7 @@ class Scheduler:
             "hicache": status,
             "storage_health": cache.storage_health() if self.hierarchical else None,
             "cache_stats": cache.stats.snapshot(),
+            "tenant_usage": cache.tenant_usage() if self.hierarchical else {},
             "num_used_tokens": self.pool.size
             - cache.device_allocator.available_size()
             - cache.evictable_size(),

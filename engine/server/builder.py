@@ -18,6 +18,7 @@ import torch
 from engine.cache.config import HiCacheConfig, parse_extra_config, split_extra_config
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
+from engine.cache.tenant_caps import TenantCap, TenantCaps
 from engine.disaggregation import TransferBackendError, create_kv_manager
 from engine.distributed import TPConfigError, TPGroup, TPShard, check_tp_size, init_tp_group, single_rank
 from engine.grammar.backend import GrammarBackend
@@ -211,6 +212,8 @@ def _build_rank(args: ServerArgs, group: TPGroup, runner: ModelRunner | None) ->
         if runner.vlm is not None:  # image KV depends on the vision tower and the processor settings too
             producer += f";vision={runner.vlm.digest()}"
     shard = TPShard(cfg, group.rank, group.size)
+    tenants = load_tenants(args)
+    caps = TenantCaps({s: TenantCap(*pair) for s, pair in tenants.caps().items()} if tenants else {})
     try:
         cache = HiRadixCache(
             pool,
@@ -222,6 +225,7 @@ def _build_rank(args: ServerArgs, group: TPGroup, runner: ModelRunner | None) ->
             tp_size=group.size,
             kv_shard=(shard.kv_shard, shard.num_kv_shards),
             kv_writer=shard.kv_writer,
+            tenant_caps=caps,
         )
     except ValueError as exc:  # bad layout / io backend / storage backend settings
         raise ArgumentError(f"--hicache-*: {exc}") from None
@@ -240,6 +244,14 @@ def _build_rank(args: ServerArgs, group: TPGroup, runner: ModelRunner | None) ->
         eos_token_ids=tuple(sorted(runner.tokenizer.eos_token_ids)),
     )
     return _Rank(runner, pool, cache, sched_cfg, bytes_per_token, context, name)
+
+
+def load_tenants(args: ServerArgs) -> Tenants | None:
+    """The ``--tenant-keys-file`` tenants (None without one); ``ArgumentError`` naming the flag."""
+    try:
+        return Tenants.load(args.tenant_keys_file) if args.tenant_keys_file else None
+    except TenantConfigError as exc:
+        raise ArgumentError(f"--tenant-keys-file {exc}") from None
 
 
 def build_follower(args: ServerArgs, rank: int, method: str) -> Scheduler:
@@ -288,10 +300,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         pd_decode_offload=args.disaggregation_decode_enable_offload_kvcache,
         tp=TPSync(group) if group.size > 1 else None,
     )
-    try:
-        tenants = Tenants.load(args.tenant_keys_file) if args.tenant_keys_file else None
-    except TenantConfigError as exc:
-        raise ArgumentError(f"--tenant-keys-file {exc}") from None
+    tenants = load_tenants(args)
     labels = [t.label for t in tenants.tenants] if tenants else []
     metrics = EngineMetrics(args.model_name, lambda: scheduler.state, labels) if args.enable_metrics else None
     scheduler.metrics = metrics

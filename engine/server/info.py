@@ -14,7 +14,8 @@
   ``inflight_cache_io``), the pools' sizes in tokens
   (``max_total_num_tokens`` L1, KVFleet's ``host_total_num_tokens`` L2 or null), ``hicache`` (the live
   storage status, null without hierarchical cache), ``disaggregation_mode`` and ``tenants`` (KVFleet: each
-  ``--tenant-keys-file`` tenant's ``name``, metric ``label`` and ``max_requests``; null without the file).
+  ``--tenant-keys-file`` tenant's ``name``, metric ``label``, ``max_requests``, ``l2_max_tokens`` and
+  ``l3_max_pages``; null without the file).
 - ``GET /model_info`` (alias ``/get_model_info``): ``model_path``, ``tokenizer_path``, ``is_generation``,
   and KVFleet's ``kv_bytes_per_token`` (one rank's L1/L2 bytes per token), ``kv_cache_dtype`` (the stored
   format) and ``kv_shape`` (one rank's ``num_layers``, ``num_kv_heads``, ``head_dim``).
@@ -120,7 +121,13 @@ def server_info(engine: Engine) -> dict:
             "inflight_cache_io": state.get("inflight_cache_io", {}),
             "hicache": state.get("hicache"),
             "tenants": [  # KVFleet, --tenant-keys-file: names and metric labels, never keys
-                {"name": t.name, "label": t.label, "max_requests": t.max_requests}
+                {
+                    "name": t.name,
+                    "label": t.label,
+                    "max_requests": t.max_requests,
+                    "l2_max_tokens": t.l2_max_tokens,
+                    "l3_max_pages": t.l3_max_pages,
+                }
                 for t in engine.tenants.tenants
             ]
             if engine.tenants

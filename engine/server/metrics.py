@@ -260,6 +260,8 @@ class _StateCollector:
         yield errors
         if state.get("storage_health"):
             yield from _breaker(m.model_name, state["storage_health"])
+        if state.get("tenant_usage"):
+            yield from _tenant_caps(m.model_name, state["tenant_usage"])
         yield from _histograms(m.model_name, stats.get("histograms", []))
 
 
@@ -285,6 +287,29 @@ def _breaker(model_name: str, health: dict):
         c = CounterMetricFamily(f"sglang:{metric}", doc, labels=labels)
         c.add_metric(values, health[key])
         yield c
+
+
+TENANT_CAP_METRICS = (  # (metric, usage key, kind, doc)
+    ("tenant_l2_used_tokens", "l2_tokens_used", "gauge", "L2 (host pool) tokens a capped tenant holds"),
+    ("tenant_l2_cap_tokens", "l2_tokens_cap", "gauge", "A tenant's L2 cap in tokens"),
+    ("tenant_l2_cap_evicted_tokens", "l2_evicted_tokens", "counter", "L2 tokens evicted by a tenant's cap"),
+    ("tenant_l2_cap_refused_tokens", "l2_refused_tokens", "counter", "L2 copies refused by a tenant's cap"),
+    ("tenant_l3_sent_pages", "l3_pages_sent", "gauge", "Pages sent to L3 for a tenant since attach/clear"),
+    ("tenant_l3_cap_pages", "l3_pages_cap", "gauge", "A tenant's L3 cap in pages"),
+    ("tenant_l3_cap_skipped_pages", "l3_skipped_pages", "counter", "L3 backups skipped by a tenant's cap"),
+)
+
+
+def _tenant_caps(model_name: str, usage: dict):
+    """Per capped tenant (``tenant``: the label of its group's salt, as the hit counters use): occupancy,
+    caps (absent when the tenant has none for that tier) and what the caps did."""
+    for metric, key, kind, doc in TENANT_CAP_METRICS:
+        family_type = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        family = family_type(f"sglang:{metric}", doc, labels=["model_name", "tenant"])
+        for owner, figures in usage.items():
+            if figures[key] is not None:
+                family.add_metric([model_name, salt_label(owner)], figures[key])
+        yield family
 
 
 def _histograms(model_name: str, observed: list[dict]):

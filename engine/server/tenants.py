@@ -1,11 +1,15 @@
 """Tenants by API key (``--tenant-keys-file``): each key's requests get their tenant's cache key space.
 
-The file is JSON: ``{"tenants": {NAME: {"api_keys": [KEY, ...], "cache_group": GROUP, "max_requests": N}}}``.
+The file is JSON: ``{"tenants": {NAME: {"api_keys": [KEY, ...], "cache_group": GROUP, "max_requests": N,
+"l2_max_tokens": T, "l3_max_pages": P}}}``.
 ``api_keys`` (at least one, each unique across tenants) authenticate the tenant's requests as
 ``Authorization: Bearer KEY`` (the sglang-router forwards that header unchanged). ``cache_group`` (default:
 the tenant's name) is what the cache salt derives from: tenants never share cached KV unless the operator
 gives them one group. ``max_requests`` (optional, >= 1) caps the tenant's inference requests in flight on
 this worker (from arrival to the last byte): one more is a 429 naming the tenant and its limit.
+``l2_max_tokens`` / ``l3_max_pages`` (optional, >= 1) cap the group's occupancy of this worker's host pool
+(tokens) and what it sends to L3 (pages): over its cap a group evicts its own L2 pages first, or is not
+backed up (``engine/cache/tenant_caps.py``); tenants sharing a group must give it the same caps.
 
 A tenant's request runs in the salt :func:`tenant_salt` derives from its group and the body's own
 ``cache_salt`` (which splits the tenant's space further), so no body salt of any key maps into another
@@ -32,7 +36,7 @@ from engine.server.http_utils import HTTPError, bearer_token, error_response, re
 # Routes whose requests run in a tenant's key space (the inference routes and the model list).
 TENANT_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/models"})
 INFERENCE_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
-TENANT_FIELDS = ("api_keys", "cache_group", "max_requests")
+TENANT_FIELDS = ("api_keys", "cache_group", "max_requests", "l2_max_tokens", "l3_max_pages")
 
 
 class TenantConfigError(ValueError):
@@ -45,8 +49,11 @@ def _digest(*parts: str | None) -> str:
 
 def tenant_salt(group: str | None, cache_salt: str | None) -> str:
     """The cache salt of a request of tenant group ``group`` (None: the ``--api-key`` holder) carrying body
-    salt ``cache_salt`` (or none): a 64-hex-digit SHA-256, the same on every worker for the same pair."""
-    return _digest("kvfleet-tenant", group, cache_salt)
+    salt ``cache_salt`` (or none), the same on every worker for the same pair: the group's own salt (a
+    64-hex-digit SHA-256) or, with a body salt, ``<group salt>/<SHA-256 of both>``, so the cache counts
+    every key space of a group against the group's caps (``engine.cache.tenant_caps.salt_owner``)."""
+    base = _digest("kvfleet-tenant", group, None)
+    return base if cache_salt is None else f"{base}/{_digest('kvfleet-tenant', group, cache_salt)}"
 
 
 def salt_label(salt: str | None) -> str:
@@ -59,6 +66,8 @@ class Tenant:
     name: str
     group: str
     max_requests: int | None = None
+    l2_max_tokens: int | None = None
+    l3_max_pages: int | None = None
 
     @property
     def label(self) -> str:
@@ -101,10 +110,13 @@ class Tenants:
             group = spec.get("cache_group", name)
             if not isinstance(group, str) or not group:
                 raise TenantConfigError(f"{where}.cache_group must be a non-empty string")
-            cap = spec.get("max_requests")
-            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-                raise TenantConfigError(f"{where}.max_requests must be an integer >= 1")
-            tenant = Tenant(name, group, cap)
+            limits = {}
+            for limit in ("max_requests", "l2_max_tokens", "l3_max_pages"):
+                value = spec.get(limit)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise TenantConfigError(f"{where}.{limit} must be an integer >= 1")
+                limits[limit] = value
+            tenant = Tenant(name, group, **limits)
             for key in keys:
                 digest = hashlib.sha256(key.encode()).hexdigest()
                 if digest in by_digest:
@@ -112,7 +124,30 @@ class Tenants:
                         f"{where}.api_keys: a key is listed twice (tenants must not share keys)"
                     )
                 by_digest[digest] = tenant
-        return cls(by_digest)
+        loaded = cls(by_digest)
+        try:
+            loaded.caps()  # tenants of one group agree on its caps
+        except TenantConfigError as exc:
+            raise TenantConfigError(f"{path}: {exc}") from None
+        return loaded
+
+    def caps(self) -> dict[str, tuple[int | None, int | None]]:
+        """``{group salt: (l2_max_tokens, l3_max_pages)}`` for every group with a cap (keyed as the cache
+        counts owners). Raises ``TenantConfigError`` when tenants of one group give it different caps."""
+        caps: dict[str, tuple[int | None, int | None]] = {}
+        for tenant in self.tenants:
+            pair = (tenant.l2_max_tokens, tenant.l3_max_pages)
+            if pair == (None, None):
+                continue
+            salt = tenant_salt(tenant.group, None)
+            if caps.setdefault(salt, pair) != pair or any(
+                t.group == tenant.group and (t.l2_max_tokens, t.l3_max_pages) != pair for t in self.tenants
+            ):
+                raise TenantConfigError(
+                    f"tenants.{tenant.name}: tenants of cache_group {tenant.group!r} give it different "
+                    "l2_max_tokens / l3_max_pages"
+                )
+        return caps
 
     @property
     def tenants(self) -> list[Tenant]:

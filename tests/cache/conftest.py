@@ -21,12 +21,17 @@ def make_cache():
         *,
         hierarchical: bool = True,
         model_name: str = "m",
+        tenant_caps=None,
         **cfg,
     ) -> HiRadixCache:
         cfg.setdefault("ratio", 4.0)
         pool = DeviceKVPool(device_tokens, page_size, LAYERS, HEADS, HEAD_DIM)
         cache = HiRadixCache(
-            pool, HiCacheConfig(**cfg), model_name=model_name, enable_hierarchical=hierarchical
+            pool,
+            HiCacheConfig(**cfg),
+            model_name=model_name,
+            enable_hierarchical=hierarchical,
+            tenant_caps=tenant_caps,
         )
         caches.append(cache)
         return cache
