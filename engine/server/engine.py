@@ -211,7 +211,8 @@ class Engine:
         """The PD pairing the router put into ``body`` (``bootstrap_host``, ``bootstrap_port``,
         ``bootstrap_room``), checked; None for a request without one on a worker not in PD mode. For
         ``n`` > 1 samples, a list of n pairings: the router sends a list of n rooms (and hosts and ports,
-        which may also be one value for all), one per sample.
+        which may also be one value for all), one per sample; a single room stands for rooms room + j
+        (sample j), as upstream fans it out.
 
         RequestError: ``bootstrap_room`` on a worker not in PD mode (``--disaggregation-mode null``: running
         it here would do the whole request on each of the pair, twice the work, silently); on a PD worker a
@@ -239,8 +240,12 @@ class Engine:
                     "bootstrap_room: one prompt per PD request (batched rooms are not supported)"
                 )
             return _pairing(host, port, room)
+        if isinstance(room, int) and not isinstance(room, bool) and 0 <= room < 2**63:
+            room = [(room + j) % 2**63 for j in range(n)]  # one room for all: sample j takes room + j
         if not isinstance(room, list) or len(room) != n:
-            raise RequestError(f"bootstrap_room: n={n} samples need a list of {n} rooms, one per sample")
+            raise RequestError(
+                f"bootstrap_room: n={n} samples need one room or a list of {n}, one per sample"
+            )
         for name, value in (("bootstrap_host", host), ("bootstrap_port", port)):
             if isinstance(value, list) and len(value) != n:
                 raise RequestError(f"{name}: n={n} samples need one value or a list of {n}")

@@ -175,6 +175,32 @@ def test_streaming_and_openai_routes_through_router_equal_aggregated(pd_fleet):
     _wait_clean(pd_fleet["p1"].url, pd_fleet["d"].url)
 
 
+def test_n_samples_through_router_equal_aggregated_streamed_or_not(pd_fleet):
+    """The router sends n > 1 as lists of n rooms; each sample is its own PD request."""
+    router, agg = pd_fleet["router"], pd_fleet["agg"].url
+    text = _text(8, 30)
+    want = _gen(agg, text).json()["output_ids"]
+    got = httpx.post(
+        f"{router}/generate", json={"text": text, "sampling_params": {**SP, "n": 2}}, timeout=120
+    )
+    assert got.status_code == 200, got.text
+    assert [r["output_ids"] for r in got.json()] == [want, want]
+    comp = {"model": "smollm2", "prompt": text, "max_tokens": 10, "temperature": 0, "n": 2}
+    expected = httpx.post(f"{agg}/v1/completions", json={**comp, "n": 1}, timeout=120).json()
+    expected_text = expected["choices"][0]["text"]
+    answer = httpx.post(f"{router}/v1/completions", json=comp, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert [c["text"] for c in answer.json()["choices"]] == [expected_text, expected_text]
+    with httpx.stream("POST", f"{router}/v1/completions", json={**comp, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200
+        texts: dict[int, str] = {}
+        for frame in _sse(resp):
+            for c in frame.get("choices", []):
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {0: expected_text, 1: expected_text}
+    _wait_clean(pd_fleet["p1"].url, pd_fleet["d"].url)
+
+
 def test_logprobs_through_router_equal_aggregated(pd_fleet):
     """P computes the prompt's logprobs and the first token's, D the rest; the router merges P's
     input_token_logprobs into D's answer. Chat logprobs come from D alone."""

@@ -1,7 +1,8 @@
 """``n > 1`` through PD, as sglang-router sends it: the same body to the prefill and the decode worker, with
-``n`` and lists of ``n`` bootstrap hosts, ports and rooms (one pairing per sample). A P/D pair on the tiny
-model (``fake`` transport, in one process) answers n choices on every route, streamed or not, equal to an
-aggregated worker's; malformed lists are a 400 naming the field."""
+``n`` and lists of ``n`` bootstrap hosts, ports and rooms (one pairing per sample) on the OpenAI routes, one
+room on ``/generate`` (sample j then takes room + j). A P/D pair on the tiny model (``fake`` transport, in
+one process) answers n choices on every route, streamed or not, equal to an aggregated worker's; malformed
+lists are a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -73,10 +74,16 @@ def test_n_2_through_a_pd_pair_equals_the_aggregated_worker(tiny_model_dir):
                 want = _texts(path, httpx.post(f"{ags.url}{path}", json=body, timeout=60).json())
                 assert len(want) == 2
                 for stream in (False, True):
-                    lists = {"bootstrap_host": ["127.0.0.1"] * 2, "bootstrap_port": [port] * 2,
-                             "bootstrap_room": [room, room + 1]}  # fmt: skip
+                    pairing = {"bootstrap_host": ["127.0.0.1"] * 2, "bootstrap_port": [port] * 2,
+                               "bootstrap_room": [room, room + 1]}  # fmt: skip
+                    if path == "/generate":  # what the router sends there: one room for the n samples
+                        pairing = {
+                            "bootstrap_host": "127.0.0.1",
+                            "bootstrap_port": port,
+                            "bootstrap_room": room,
+                        }
                     room += 2
-                    sent = {**body, **lists, "stream": stream}
+                    sent = {**body, **pairing, "stream": stream}
                     on_p = pool.submit(httpx.post, f"{ps.url}{path}", json=sent, timeout=60)
                     on_d = pool.submit(httpx.post, f"{ds.url}{path}", json=sent, timeout=60)
                     got_p, got_d = on_p.result(), on_d.result()
@@ -98,7 +105,7 @@ def test_n_2_through_a_pd_pair_equals_the_aggregated_worker(tiny_model_dir):
 @pytest.mark.parametrize(
     "extra, named",
     [
-        ({"n": 3}, "bootstrap_room: n=3 samples need a list of 3 rooms"),
+        ({"n": 3}, "bootstrap_room: n=3 samples need one room or a list of 3"),
         ({"n": 2, "bootstrap_room": [11, 11]}, "bootstrap_room: the samples' rooms must differ"),
         ({"n": 2, "bootstrap_port": [8998] * 3}, "bootstrap_port: n=2 samples need one value or a list of 2"),
         ({"n": 1}, "bootstrap_room: one prompt per PD request"),
