@@ -23,19 +23,25 @@ from controlplane.capacity import selectors, services
 from controlplane.capacity.models import RecordedRequest
 from controlplane.inventory.models import EngineWorker
 from controlplane.telemetry import store
+from controlplane.telemetry.metrics import counter_step
 from controlplane.telemetry.selectors import POOLS
 
 TIERS = ("device", "host", "storage")
 
 
 def _increase(samples: list[dict], key: str) -> float:
-    """How much counter ``key`` rose over ``samples`` (oldest first), across restarts (a drop is a reset).
-    A sample without it counts 0: a labelled counter is not exported before its first increment."""
+    """How much counter ``key`` rose over ``samples``, in sample-time order, across restarts: each step is
+    ``counter_step`` from the last value counted (the highest since the last restart), so a sample that
+    arrived out of order (the agent's and the control plane's scrape both sample a worker) is not counted as
+    a restart. A sample without it counts 0: a labelled counter is not exported before its first increment.
+    """
     total, prev = 0.0, None
-    for sample in samples:
+    for sample in sorted(samples, key=lambda s: s["ts"]):
         value = sample.get(key) or 0.0
-        if prev is not None:
-            total += value - prev if value >= prev else value  # a drop: the worker restarted from 0
+        step = None if prev is None else counter_step(prev, value)
+        if prev is not None and step is None:
+            continue  # out of order: the next step counts from the highest value seen
+        total += step or 0.0
         prev = value
     return total
 

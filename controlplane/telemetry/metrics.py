@@ -144,12 +144,23 @@ def finish_snapshot(snap: dict) -> dict:
     return snap
 
 
+def counter_step(before: float, after: float) -> float | None:
+    """How much a counter rose from one sample to the next: ``after - before``; ``after`` when it fell below
+    half of ``before`` (the worker restarted from 0); None when it fell less (a sample taken before
+    ``before`` but stored after it: a worker's agent and the control plane's own scrape both sample it, so
+    their samples can arrive out of order, and counting that dip as a restart counted the counter twice)."""
+    if after >= before:
+        return after - before
+    return after if after < before / 2 else None
+
+
 def with_rates(snap: dict, prev: dict | None, dt_s: float) -> dict:
     """Add per-second rates and per-tier hit shares over the interval since `prev` (counters may reset).
 
-    A rate is added only when both samples report its counter, and ``cached_tokens_per_s`` only when they
-    report at least one tier; ``hit_share_<tier>`` only for a tier both report, over an interval that served
-    any cached token. What a worker does not report stays absent, never 0 (the console shows it as absent)."""
+    A rate is added only when both samples report its counter and it did not dip (``counter_step``), and
+    ``cached_tokens_per_s`` only when they report at least one tier and none dipped; ``hit_share_<tier>``
+    only for a tier both report, over an interval that served any cached token. What a worker does not
+    report stays absent, never 0 (the console shows it as absent)."""
     if not prev or dt_s <= 0:
         return snap
     out = dict(snap)
@@ -157,8 +168,7 @@ def with_rates(snap: dict, prev: dict | None, dt_s: float) -> dict:
     def delta(key: str) -> float | None:
         if key not in snap or key not in prev:
             return None
-        d = snap[key] - prev[key]
-        return d if d >= 0 else snap[key]
+        return counter_step(prev[key], snap[key])
 
     for rate, counter in (
         ("load_back_tokens_per_s", "load_back_tokens_total"),
@@ -169,8 +179,10 @@ def with_rates(snap: dict, prev: dict | None, dt_s: float) -> dict:
         if d is not None:
             out[rate] = d / dt_s
     hits = {t: d for t in TIERS if (d := delta(f"cached_tokens_{t}")) is not None}
-    if not hits:
-        return out
+    if not hits or any(
+        f"cached_tokens_{t}" in snap and f"cached_tokens_{t}" in prev for t in TIERS if t not in hits
+    ):
+        return out  # none reported, or an out-of-order sample: no rate rather than a false one
     total = sum(hits.values())
     out["cached_tokens_per_s"] = total / dt_s
     for tier, value in hits.items():

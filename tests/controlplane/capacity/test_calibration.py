@@ -59,3 +59,18 @@ def test_whatif_at_the_live_configuration_matches_what_the_workers_measured():
     assert [w["live"]["l2_tokens"] for w in result["workers"]] == [2064, 2064]
     assert result["measured_share"] > 0.3  # shared documents: a comparison of two zeros would prove nothing
     assert abs(result["difference_points"]) <= 5, result
+
+
+def test_measured_increase_ignores_samples_that_arrived_out_of_order():
+    """A worker is sampled by its agent and by the control plane's scrape, so a sample taken earlier can
+    be stored later (a dip). Counting the dip as a restart added the counter's whole value again: the demo's
+    calibration showed a measured share of 150 %. Sample-time order, and a dip to above half is no restart;
+    a fall below half is (the worker restarted from 0)."""
+    from controlplane.capacity.calibration import _increase
+
+    samples = [{"ts": 1, "c": 1000.0}, {"ts": 2, "c": 1200.0}, {"ts": 4, "c": 1500.0}, {"ts": 3, "c": 1190.0}]
+    assert _increase(samples, "c") == 500.0  # before: 200 + 300 + 1190 (the stored order, a false restart)
+    stale_last = [{"ts": 1, "c": 1000.0}, {"ts": 3, "c": 1200.0}, {"ts": 2.5, "c": 1250.0}]
+    assert _increase(stale_last, "c") == 250.0  # by sample time: 1000 -> 1250 -> 1200 (a dip, skipped)
+    restarted = [{"ts": 1, "c": 1000.0}, {"ts": 2, "c": 1200.0}, {"ts": 3, "c": 40.0}, {"ts": 4, "c": 90.0}]
+    assert _increase(restarted, "c") == 200.0 + 40.0 + 50.0

@@ -294,3 +294,14 @@ def test_pool_totals_sum_only_what_was_reported():
     attached = _totals([bare], l3_samples=[bare])
     assert attached["hit_share_storage"] == 0.0 and "hit_share_storage" not in attached["absent"]
     assert _totals([])["num_running_reqs"] is None
+
+
+def test_an_out_of_order_sample_gives_no_rate_rather_than_a_spike():
+    """A counter that dipped a little (a sample stored after a newer one) is no restart: no rate, where the
+    whole counter used to be counted as the interval's increase."""
+    prev = {"cached_tokens_device": 5000.0, "load_back_tokens_total": 800.0}
+    stale = {"cached_tokens_device": 4990.0, "load_back_tokens_total": 800.0}
+    out = with_rates(stale, prev, 1.0)
+    assert "cached_tokens_per_s" not in out and out["load_back_tokens_per_s"] == 0.0
+    restarted = with_rates({"cached_tokens_device": 30.0}, prev, 1.0)
+    assert restarted["cached_tokens_per_s"] == 30.0
