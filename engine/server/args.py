@@ -493,8 +493,8 @@ def _validate_vlm(args: ServerArgs) -> None:
             "embeddings where zmq_to_tokenizer would, and the mooncake embedding transfer is not built; use "
             "zmq_to_scheduler"
         )
-    if args.enable_mm_global_cache:
+    if args.enable_mm_global_cache and not args.encoder_only:
         raise ArgumentError(
-            "--enable-mm-global-cache: not supported by KVFleet yet (the Mooncake-backed embedding cache is "
-            "not built); encoders keep a local cache by image hash (--mm-embedding-cache-size)"
+            "--enable-mm-global-cache: only an --encoder-only worker looks images up in the Mooncake-backed "
+            "embedding cache (other workers keep a local one: --mm-embedding-cache-size)"
         )

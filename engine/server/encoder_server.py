@@ -9,7 +9,9 @@ match its pixels (the two workers' processor settings or code differ) is a 400.
 Also ``/health``, ``/server_info`` (``images_encoded``, ``encode_seconds_total``, embedding cache hits and
 misses), ``/model_info`` and ``/metrics`` (the same counters in Prometheus text, ``model_name`` label:
 ``sglang:encoder_images_total``, ``sglang:encoder_encode_seconds_total``,
-``sglang:mm_embedding_cache_hits_total``, ``sglang:mm_embedding_cache_misses_total``).
+``sglang:mm_embedding_cache_hits_total``, ``sglang:mm_embedding_cache_misses_total``). With
+``--enable-mm-global-cache`` embeddings are also looked up in and written to a shared Mooncake store
+(:mod:`engine.server.mm_global_cache`), with its counters beside these (``mm_global_cache_*``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import threading
 import time
 
@@ -28,6 +31,7 @@ import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from engine.cache.storage.base import StorageConfigError, StorageError
 from engine.model.loader import load_checkpoint
 from engine.model.runner import _parse_dtype
 from engine.model.vlm.clip import VisionEncoder
@@ -35,6 +39,9 @@ from engine.model.vlm.processor import ProcessedImage
 from engine.server.args import ArgumentError, ServerArgs
 from engine.server.http_utils import HTTPError, error_response
 from engine.server.images import EmbeddingCache, local_embedder
+from engine.server.mm_global_cache import MMGlobalCache
+
+log = logging.getLogger(__name__)
 
 
 class EncoderService:
@@ -55,7 +62,14 @@ class EncoderService:
             ckpt.path,
         )
         self.cache = EmbeddingCache(args.mm_embedding_cache_size)
-        self.embed = local_embedder(self._encode, self.cache)
+        self.global_cache = None
+        if args.enable_mm_global_cache:
+            try:
+                self.global_cache, cfg = MMGlobalCache.connect(self.vlm.digest())
+            except (StorageConfigError, StorageError) as exc:
+                raise ArgumentError(f"--enable-mm-global-cache: {exc}") from exc
+            log.info("mm global cache: Mooncake master %s (%s)", cfg.master_server_address, cfg.source)
+        self.embed = local_embedder(self._encode, self.cache, self.global_cache)
         self.images_encoded = 0
         self.encode_seconds = 0.0
         self._lock = threading.Lock()
@@ -110,6 +124,7 @@ class EncoderService:
                 self.cache.misses,
                 "Images not in the embedding cache",
             ),
+            *self._global_counters(),
         ):
             lines += [
                 f"# HELP {metric} {help_text}",
@@ -118,8 +133,31 @@ class EncoderService:
             ]
         return "\n".join(lines) + "\n"
 
+    def _global_counters(self) -> list[tuple[str, int, str]]:
+        g = self.global_cache
+        if g is None:
+            return []
+        return [
+            ("sglang:mm_global_cache_hits_total", g.hits, "Images found in the Mooncake embedding cache"),
+            ("sglang:mm_global_cache_misses_total", g.misses, "Images not in the Mooncake embedding cache"),
+            ("sglang:mm_global_cache_writes_total", g.writes, "Embeddings written to the Mooncake cache"),
+            ("sglang:mm_global_cache_errors_total", g.errors, "Mooncake embedding cache errors and timeouts"),
+            ("sglang:mm_global_cache_corrupt_total", g.corrupt, "Entries failing their checksum (misses)"),
+            ("sglang:mm_global_cache_dropped_writes_total", g.dropped_writes, "Writes dropped (queue full)"),
+        ]
+
     def info(self) -> dict:
+        g = self.global_cache
         return {
+            "enable_mm_global_cache": g is not None,
+            **(
+                {}
+                if g is None
+                else {
+                    f"mm_global_cache_{k}": getattr(g, k)
+                    for k in ("hits", "misses", "writes", "errors", "corrupt", "dropped_writes")
+                }
+            ),
             "encoder_only": True,
             "model_path": self.args.model_path,
             "encoder_transfer_backend": self.args.encoder_transfer_backend,

@@ -103,17 +103,31 @@ class EmbeddingCache:
                 self._items.popitem(last=False)
 
 
-def local_embedder(encode: Callable[[torch.Tensor], torch.Tensor], cache: EmbeddingCache) -> Embedder:
+def local_embedder(
+    encode: Callable[[torch.Tensor], torch.Tensor], cache: EmbeddingCache, shared=None
+) -> Embedder:
     """Embeddings from a vision tower in this process (``encode``: pixels ``(N, C, H, W)`` to
-    ``(N, tokens, hidden)``), cached by digest."""
+    ``(N, tokens, hidden)``), cached by digest: the in-process ``cache`` first, then ``shared`` (an
+    :class:`engine.server.mm_global_cache.MMGlobalCache`, or None), and only the images neither holds are
+    encoded (and written to both)."""
+
+    def lookup(digest: str) -> torch.Tensor | None:
+        found = cache.get(digest)
+        if found is None and shared is not None:
+            found = shared.get(digest)
+            if found is not None:
+                cache.put(digest, found)
+        return found
 
     def embed(images: list[ProcessedImage]) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [cache.get(p.digest) for p in images]
+        out: list[torch.Tensor | None] = [lookup(p.digest) for p in images]
         todo = [i for i, e in enumerate(out) if e is None]
         if todo:
             embeds = encode(torch.stack([images[i].pixels for i in todo]))
             for i, e in zip(todo, embeds, strict=True):
                 cache.put(images[i].digest, e)
+                if shared is not None:
+                    shared.put(images[i].digest, e)
                 out[i] = e
         return [e for e in out if e is not None]
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from engine.bench.launcher import ServerProcess, free_port
+from engine.fleet.mooncake_master import MooncakeMaster
 from engine.fleet.router import RouterProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
@@ -37,7 +38,16 @@ def epd_fleet(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llava-epd")
     save_tiny_llava(folder, seed=11)
     common = ["--model-path", str(folder), "--page-size", "4", "--random-seed", "0"]
-    enc = [ServerProcess([*common, "--encoder-only"], timeout=START_S) for _ in range(2)]
+    master = MooncakeMaster().start()  # the encoders' shared embedding cache (--enable-mm-global-cache)
+    mooncake = {
+        "MOONCAKE_MASTER": master.master_address,
+        "MOONCAKE_TE_META_DATA_SERVER": master.metadata_url,
+        "MOONCAKE_PROTOCOL": "tcp",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "32mb",
+        "MOONCAKE_LOCAL_BUFFER_SIZE": "8mb",
+    }
+    enc_flags = [*common, "--encoder-only", "--enable-mm-global-cache"]
+    enc = [ServerProcess(enc_flags, timeout=START_S, env=mooncake) for _ in range(2)]
     agg = ServerProcess(common, timeout=START_S)
     procs = [*enc, agg]
     try:
@@ -63,6 +73,7 @@ def epd_fleet(tmp_path_factory):
     finally:
         for proc in procs:
             proc.__exit__(None, None, None)
+        master.stop()
 
 
 def _gen(url: str, text: str, images: list[bytes]) -> httpx.Response:
@@ -103,6 +114,33 @@ def test_requests_spread_over_the_encoders(epd_fleet):
         lines = httpx.get(f"{enc.url}/metrics").text.splitlines()
         (images,) = [line for line in lines if line.startswith("sglang:encoder_images_total{")]
         assert float(images.split()[-1]) == count
+
+
+def _encoder_counts(fleet) -> list[dict]:
+    return [httpx.get(f"{e.url}/server_info").json() for e in fleet["enc"]]
+
+
+def test_an_image_one_encoder_ran_is_a_global_cache_hit_on_the_other(epd_fleet):
+    """Encoders are taken in turn, so two requests with one image (different text: no KV prefix hit) go
+    to different encoders: the second finds the first's embedding in Mooncake and runs no vision tower,
+    and its answer equals the aggregated worker's."""
+    image = png(611)
+    first = _gen(epd_fleet["router"], "one " + IMAGE_TOKEN + " cat", [image])
+    assert first.status_code == 200, first.text
+    before = _encoder_counts(epd_fleet)
+    deadline = time.monotonic() + FAIL_BOUND_S  # every image encoded is written, in the background
+    while sum(c["mm_global_cache_writes"] for c in before) < sum(c["images_encoded"] for c in before):
+        assert time.monotonic() < deadline, before
+        time.sleep(0.1)
+        before = _encoder_counts(epd_fleet)
+    text = "two " + IMAGE_TOKEN + " cat"
+    got = _gen(epd_fleet["router"], text, [image])
+    assert got.status_code == 200, got.text
+    after = _encoder_counts(epd_fleet)
+    for key, delta in (("mm_global_cache_hits", 1), ("images_encoded", 0), ("mm_embedding_cache_hits", 0)):
+        assert sum(a[key] - b[key] for a, b in zip(after, before, strict=True)) == delta, (key, before, after)
+    assert got.json()["output_ids"] == _gen(epd_fleet["agg"].url, text, [image]).json()["output_ids"]
+    assert all(c["enable_mm_global_cache"] for c in after)
 
 
 def test_the_language_only_prefill_has_no_vision_tower(epd_fleet):

@@ -25,7 +25,7 @@ def test_epd_flags_parse_with_upstream_names():
     [
         (["--encoder-transfer-backend", "mooncake"], "--encoder-transfer-backend mooncake: not supported"),
         (["--encoder-transfer-backend", "zmq_to_tokenizer"], "--encoder-transfer-backend zmq_to_tokenizer"),
-        (["--enable-mm-global-cache"], "--enable-mm-global-cache: not supported by KVFleet yet"),
+        (["--enable-mm-global-cache"], "--enable-mm-global-cache: only an --encoder-only worker"),
         (["--grpc-mode"], "--grpc-mode is not supported by KVFleet yet (gRPC serving is not built"),
         (["--language-only"], "--language-only needs --encoder-urls"),
         (["--encoder-urls", "http://a:1"], "--encoder-urls needs --language-only"),

@@ -83,7 +83,12 @@ class MooncakeConfig:
     @classmethod
     def from_storage_config(cls, storage_config: HiCacheStorageConfig) -> MooncakeConfig:
         """Resolve extra_config / config file / environment, validate, and divide sizes by tp_size."""
-        extra = storage_config.extra_config
+        return cls.resolve(storage_config.extra_config, storage_config.tp_size)
+
+    @classmethod
+    def resolve(cls, extra: dict, tp_size: int = 1) -> MooncakeConfig:
+        """``extra`` when it names a master, else the config file, else the environment (the order above);
+        raises :class:`StorageConfigError` naming the key."""
         if extra.get("master_server_address"):
             raw, source = dict(extra), "extra_config"
         elif os.environ.get(CONFIG_PATH_ENV):
@@ -96,7 +101,7 @@ class MooncakeConfig:
                     "master_server_address: no Mooncake master configured; set extra_config "
                     "master_server_address, SGLANG_HICACHE_MOONCAKE_CONFIG_PATH or MOONCAKE_MASTER"
                 )
-        return cls._validated(raw, source, storage_config.tp_size)
+        return cls._validated(raw, source, tp_size)
 
     @classmethod
     def _validated(cls, raw: dict, source: str, tp_size: int) -> MooncakeConfig:
