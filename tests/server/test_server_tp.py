@@ -182,3 +182,44 @@ def test_a_tp_lcm_size_that_is_not_a_multiple_of_tp_is_refused_naming_both(gqa_m
                            "--hicache-storage-backend-extra-config", extra])  # fmt: skip
     assert done.returncode == 2
     assert "tp_lcm_size 3 must be a multiple of --tp-size 2" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # three workers, one of four ranks, on a shared 2-core box
+def test_tp_lcm_size_lets_tp1_and_tp4_reuse_a_prefix_a_tp2_instance_wrote_to_l3(gqa_model_dir, tmp_path):
+    """With ``tp_lcm_size`` 4 the pages go to the file L3 in four KV-head shards: a tp-2 worker writes a
+    prompt's, a tp-1 and a tp-4 worker on the same L3 serve it as a storage hit with the tp-2 output. (That
+    a worker without ``tp_lcm_size`` keeps its per-rank keys: tests/cache/test_lcm_shards.py, and the tp-2
+    HiCache test above.)"""
+    prompt = [(7 * i + 3) % 300 + 10 for i in range(48)]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+    }
+
+    def serve(tp: int, lcm: int | None) -> tuple[list[int], dict]:
+        extra = {"file_path": str(tmp_path / "l3"), "prefetch_threshold": 4}
+        if lcm is not None:
+            extra["tp_lcm_size"] = lcm
+        flags = ["--model-path", str(gqa_model_dir), "--tp", str(tp), "--page-size", "4",
+                 "--max-total-tokens", "96", "--enable-hierarchical-cache",
+                 "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
+                 "--hicache-storage-backend-extra-config", json.dumps(extra)]  # fmt: skip
+        # four ranks each import torch and load a shard: give a loaded 2-core box time to start them
+        with (
+            ServerProcess(flags, timeout=600) as server,
+            httpx.Client(base_url=server.url, timeout=300) as client,
+        ):
+            r = client.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            _when_idle_flush(client)  # its backups are in L3 before it stops
+            return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens_details"]
+
+    written, details = serve(2, 4)
+    assert details["storage"] == 0
+    shards = len(list((tmp_path / "l3").glob("*.bin")))
+    assert shards and shards % 4 == 0
+    for tp in (1, 4):
+        out, details = serve(tp, 4)
+        assert out == written and details["storage"] >= 44, (tp, details)
+    assert len(list((tmp_path / "l3").glob("*.bin"))) == shards  # what the readers cached was there already
