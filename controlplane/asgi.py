@@ -1,4 +1,5 @@
-"""ASGI entry point: HTTP goes to Django, websockets to the telemetry consumer behind origin and auth checks
+"""ASGI entry point: HTTP goes to Django (each request's middleware and view in one pooled thread,
+``controlplane.core.asgi_handler``), websockets to the telemetry consumer behind origin and auth checks
 (``controlplane.accounts.ws_auth``).
 
 Serve with `daphne controlplane.asgi:application`.
@@ -6,10 +7,14 @@ Serve with `daphne controlplane.asgi:application`.
 
 import os
 
-from django.core.asgi import get_asgi_application
+import django
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-django_asgi_app = get_asgi_application()
+django.setup(set_prefix=False)
+
+from controlplane.core.asgi_handler import OneThreadASGIHandler  # noqa: E402
+
+django_asgi_app = OneThreadASGIHandler()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 

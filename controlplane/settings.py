@@ -130,6 +130,9 @@ else:
     # Persistent connections: Celery workers and the ASGI threads reuse them across tasks and requests.
     DATABASES["default"]["CONN_MAX_AGE"] = int(os.environ.get("CONN_MAX_AGE", "60"))
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True  # with the pool: a connection is checked when borrowed
+# Threads of one ASGI process that run requests' Django code (controlplane.core.asgi_handler): each holds at
+# most one pooled connection while it runs a request, so by default as many as the pool has connections.
+ASGI_THREADS = int(os.environ.get("ASGI_THREADS", str(max(DB_POOL_MAX_SIZE, 1))))
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_PASSWORD_VALIDATORS = [
