@@ -8,6 +8,7 @@ from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 from rest_framework.exceptions import PermissionDenied
 
+from controlplane.accounts import token_cache
 from controlplane.accounts.models import ApiToken, Role
 
 _ROLE_ORDER = (Role.ADMIN, Role.OPERATOR, Role.VIEWER, Role.AGENT)
@@ -35,13 +36,22 @@ def token_digest(secret: str) -> str:
 
 
 def token_get_by_plaintext(value: str) -> ApiToken | None:
-    """Resolve `cp_<prefix>.<secret>` to an active token, comparing digests in constant time."""
+    """Resolve `cp_<prefix>.<secret>` to an active token (with its user, and the user's role resolved),
+    comparing digests in constant time. Agent tokens (the fleet's heartbeats and samples, most requests) are
+    served from ``token_cache`` while the auth epoch is unchanged (one Redis read), else read from the
+    database and cached; every other token is read from the database on each request."""
     if not value.startswith(TOKEN_PREFIX) or "." not in value:
         return None
     prefix, secret = value[len(TOKEN_PREFIX) :].split(".", 1)
-    token = ApiToken.objects.select_related("user").filter(prefix=prefix).first()
-    if token is None or not hmac.compare_digest(token.secret_hash, token_digest(secret)):
-        return None
+    digest = token_digest(secret)
+    epoch = token_cache.current_epoch()
+    token = token_cache.get(prefix, digest, epoch) if epoch is not None else None
+    if token is None:
+        token = ApiToken.objects.select_related("user").filter(prefix=prefix).first()
+        if token is None or not hmac.compare_digest(token.secret_hash, digest):
+            return None
+        if epoch is not None and user_role(token.user) == Role.AGENT:  # the copies carry the role
+            token_cache.put(prefix, digest, epoch, token)
     return token if token.is_active and token.user.is_active else None
 
 

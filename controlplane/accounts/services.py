@@ -8,6 +8,7 @@ from django.contrib.auth.models import Group
 from django.db import transaction
 from django.utils import timezone
 
+from controlplane.accounts import token_cache
 from controlplane.accounts.models import ApiToken, Role
 from controlplane.accounts.selectors import TOKEN_PREFIX, token_digest, user_role
 from controlplane.audit.services import audit_record
@@ -128,3 +129,5 @@ def token_touch(token: ApiToken) -> None:
     now = timezone.now()
     if token.last_used_at is None or (now - token.last_used_at).total_seconds() > 60:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+        token.last_used_at = now
+        token_cache.touched(token.prefix, now)

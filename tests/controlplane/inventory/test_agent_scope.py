@@ -108,6 +108,7 @@ def test_a_replayed_sample_keeps_its_sample_time(api_as):
 def test_an_unbound_agent_token_is_refused_and_the_migration_binds_registered_ones(personas):
     from rest_framework.test import APIClient
 
+    from controlplane.accounts import token_cache
     from controlplane.accounts.services import token_create
 
     agent_user = personas["agent"][0]
@@ -116,13 +117,16 @@ def test_an_unbound_agent_token_is_refused_and_the_migration_binds_registered_on
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {plaintext}")
     assert _register(client, "gpu-old", []).status_code == 200
     never = token_create(user=agent_user, name="never used", actor=None, host="x")[0]
-    # Tokens as they were before binding existed: no host.
+    # Tokens as they were before binding existed: no host. A queryset update sends no model signal, so it
+    # advances the auth epoch itself, as every change through the models does (controlplane.accounts.signals).
     ApiToken.objects.filter(pk__in=[used.pk, never.pk]).update(host_name="")
+    token_cache.bump_epoch()
     refused = _register(client, "gpu-old", [])
     assert refused.status_code == 403 and "bound to no host" in refused.json()["error"]["message"]
 
     migration = importlib.import_module("controlplane.accounts.migrations.0003_apitoken_host_name")
     migration.bind_existing_agent_tokens(apps, None)
+    token_cache.bump_epoch()  # the migration's updates, like the one above, send no signal
     assert ApiToken.objects.get(pk=used.pk).host_name == "gpu-old"  # the host it registered
     assert ApiToken.objects.get(pk=never.pk).host_name == ""  # never registered: stays refused
     assert _register(client, "gpu-old", []).status_code == 200
