@@ -2,6 +2,11 @@
 
 A sample arriving while a group's 1 s window is closed is not dropped: one trailing flush per window is
 scheduled (Celery, countdown = time left) and sends the newest state when the window reopens.
+
+An ingest reads no database row (the worker's identity is cached per process) and makes two Redis round
+trips: the previous sample with the new number, then the writes with both groups' windows. The worker's
+message is the sample itself; the fleet summary (every worker's row) is built off the request, on this
+process's fleet-publisher thread, when an ingest finds the fleet window open.
 """
 
 import logging
@@ -133,13 +138,20 @@ def metrics_ingest(
     else:
         raise ApplicationError("send either text or metrics", code="bad_metrics")
     now = _sample_time(ts, time.time())
-    prev = store.latest(worker_id)
+    prev, seq = store.ingest_begin(worker_id)
     interval = now - prev["ts"] if prev and now > prev["ts"] else 0.0
-    sample = {"ts": now, "worker_id": worker_id, **with_rates(snap, prev, interval)}
-    store.save_sample(worker_id, sample)
+    sample = {"ts": now, "worker_id": worker_id, **with_rates(snap, prev, interval), "seq": seq}
+    group = worker_group(worker_id)
+    own, fleet = store.ingest_commit(worker_id, sample, [group, FLEET_GROUP])
     _audit_breaker_move(worker_id, prev, sample)
-    publish(worker_group(worker_id))
-    publish(FLEET_GROUP)
+    if own is True:
+        emit(group, "worker.metrics", sample, seq)
+    else:
+        _schedule_flush(group, own)
+    if fleet is True:
+        _fleet_publisher().wake()
+    else:
+        _schedule_flush(FLEET_GROUP, fleet)
     return sample
 
 
@@ -177,19 +189,60 @@ def _message_for(group: str) -> tuple[str, dict, int] | None:
     return ("worker.metrics", sample, int(sample.get("seq", 0))) if sample else None
 
 
-def publish(group: str) -> bool:
-    """Send the group's newest state now if its window is open; else schedule one trailing flush."""
-    if store.open_window(group):
-        message = _message_for(group)
-        if message:
-            emit(group, *message)
-        return True
-    delay = store.claim_trailing_flush(group)
+def _schedule_flush(group: str, delay: float | None) -> None:
     if delay is not None:
         from controlplane.telemetry.tasks import flush_group_task
 
         flush_group_task.apply_async((group,), countdown=delay)
+
+
+def publish(group: str) -> bool:
+    """Send the group's newest state now if its window is open; else schedule one trailing flush."""
+    answer = store.gate(group)
+    if answer is True:
+        message = _message_for(group)
+        if message:
+            emit(group, *message)
+        return True
+    _schedule_flush(group, answer)
     return False
+
+
+class _FleetPublisher:
+    """One daemon thread per process that builds and sends the fleet summary when woken (an ingest found
+    the fleet window open), so no request waits for it; wakes while it works fold into one more run."""
+
+    def __init__(self):
+        self._due = threading.Event()
+        threading.Thread(target=self._run, name="fleet-publisher", daemon=True).start()
+
+    def wake(self) -> None:
+        self._due.set()
+
+    def _run(self) -> None:
+        from django.db import connection
+
+        while True:
+            self._due.wait()
+            self._due.clear()
+            try:
+                emit(FLEET_GROUP, *_message_for(FLEET_GROUP))
+            except Exception:  # noqa: BLE001 - one missed summary; the next open window sends one
+                log.exception("fleet summary failed")
+            finally:
+                connection.close()  # hand the connection back to the pool between summaries
+
+
+_publisher: _FleetPublisher | None = None
+_publisher_lock = threading.Lock()
+
+
+def _fleet_publisher() -> _FleetPublisher:
+    global _publisher
+    with _publisher_lock:
+        if _publisher is None:
+            _publisher = _FleetPublisher()
+        return _publisher
 
 
 def flush_group(*, group: str) -> None:

@@ -36,8 +36,35 @@ def _key(*parts) -> str:
 def save_sample(worker_id: int, sample: dict) -> int:
     """Number `sample` (sets sample["seq"]), store it as latest and in history; returns that number."""
     sample["seq"] = int(client().incr(_key("w", worker_id, "seq")))
-    body = json.dumps(sample)
     pipe = client().pipeline()
+    _queue_sample(pipe, worker_id, sample)
+    pipe.execute()
+    return sample["seq"]
+
+
+def ingest_begin(worker_id: int) -> tuple[dict | None, int]:
+    """One round trip before storing a new sample: the worker's latest sample (None if none) and the
+    number the new one gets."""
+    pipe = client().pipeline(transaction=False)
+    pipe.get(_key("w", worker_id, "latest"))
+    pipe.incr(_key("w", worker_id, "seq"))
+    raw, seq = pipe.execute()
+    return (json.loads(raw) if raw else None), int(seq)
+
+
+def ingest_commit(worker_id: int, sample: dict, groups: list[str]) -> list[float | bool | None]:
+    """One round trip: store `sample` (its "seq" set) as latest, in history and in the recent window, and
+    pass each of `groups` through its send window (:func:`gate`). Returns one gate answer per group."""
+    pipe = client().pipeline(transaction=False)
+    _queue_sample(pipe, worker_id, sample)
+    for group in groups:
+        _queue_gate(pipe, group)
+    answers = pipe.execute()[-len(groups) :] if groups else []
+    return [_gate_answer(a) for a in answers]
+
+
+def _queue_sample(pipe, worker_id: int, sample: dict) -> None:
+    body = json.dumps(sample)
     pipe.set(_key("w", worker_id, "latest"), body)
     pipe.lpush(_key("w", worker_id, "hist"), body)
     pipe.ltrim(_key("w", worker_id, "hist"), 0, HISTORY_LEN - 1)
@@ -46,8 +73,6 @@ def save_sample(worker_id: int, sample: dict) -> int:
     pipe.zremrangebyscore(window, "-inf", time.time() - recent.WINDOW_S)
     pipe.zremrangebyrank(window, 0, -HISTORY_LEN - 1)
     pipe.expire(window, int(recent.WINDOW_S) + 60)
-    pipe.execute()
-    return sample["seq"]
 
 
 def latest(worker_id: int) -> dict | None:
@@ -85,6 +110,43 @@ def history(worker_id: int, limit: int = HISTORY_LEN) -> list[dict]:
     """Oldest first."""
     raws = client().lrange(_key("w", worker_id, "hist"), 0, max(0, min(limit, HISTORY_LEN) - 1))
     return [json.loads(r) for r in reversed(raws)]
+
+
+# KEYS: gate, pend; ARGV: window ms. -2: the window was open (now closed for ARGV[1] ms): send now. >= 0:
+# it is closed for that many ms more and this caller must schedule the trailing flush. -1: closed, and a
+# flush is already scheduled.
+_GATE_LUA = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then return -2 end
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl < 1 then ttl = 1 end
+if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ttl + 50) then return ttl end
+return -1
+"""
+
+
+@lru_cache(maxsize=4)
+def _gate_script(url: str):
+    return _client(url).register_script(_GATE_LUA)
+
+
+def _queue_gate(pipe, group: str) -> None:
+    _gate_script(settings.REDIS_URL)(
+        keys=[_key("gate", group), _key("pend", group)], args=[WINDOW_MS], client=pipe
+    )
+
+
+def _gate_answer(raw) -> float | bool | None:
+    raw = int(raw)
+    return True if raw == -2 else (None if raw == -1 else raw / 1000.0)
+
+
+def gate(group: str) -> float | bool | None:
+    """Pass `group` through its 1 s send window in one round trip: True when the window was open (it is
+    now closed for a second: send now); else the seconds until it reopens when this caller must schedule the
+    one trailing flush, or None when one is already scheduled."""
+    pipe = client().pipeline(transaction=False)
+    _queue_gate(pipe, group)
+    return _gate_answer(pipe.execute()[0])
 
 
 def open_window(group: str) -> bool:

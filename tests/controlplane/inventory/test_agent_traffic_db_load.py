@@ -1,5 +1,5 @@
 """Agent traffic at rest costs the database almost nothing: a repeated heartbeat writes no row, a metrics
-sample reads no inventory row (only the token's authentication touches the database)."""
+sample reads no row (the worker's identity and the agent token are cached per process)."""
 
 import pytest
 from cp_factories import AGENT_HOST
@@ -47,3 +47,32 @@ def test_a_metrics_sample_reads_no_inventory_row(api_as):
         assert agent.post("/api/v1/agent/metrics/", sample, format="json").status_code == 202
     tables = {t for q in queries for t in ("inventory_engineworker", "inventory_host") if t in q["sql"]}
     assert tables == set()
+
+
+def test_an_agent_sample_reads_no_row_at_all_and_a_revoke_still_refuses_at_once(personas):
+    """The agent token is served from the process's token cache (one Redis read), so a steady sample runs
+    no SQL at all; revoking the token advances the auth epoch, and the very next sample is refused."""
+    from controlplane.accounts.models import ApiToken
+    from controlplane.accounts.services import token_revoke
+    from controlplane.telemetry import store
+    from controlplane.telemetry.services import FLEET_GROUP
+
+    agent = _client_for(personas["agent"][1])
+    _registered(agent)
+    sample = {"worker_url": URLS[0], "metrics": {"num_running_reqs": 1}}
+    assert agent.post("/api/v1/agent/metrics/", sample, format="json").status_code == 202
+    store.open_window(FLEET_GROUP)
+    with CaptureQueriesContext(connection) as queries:
+        assert agent.post("/api/v1/agent/metrics/", sample, format="json").status_code == 202
+    assert [q["sql"] for q in queries] == []
+    token_revoke(token=ApiToken.objects.get(user=personas["agent"][0]), actor=None)
+    refused = agent.post("/api/v1/agent/metrics/", sample, format="json")
+    assert refused.status_code == 401 and "revoked" in refused.json()["error"]["message"]
+
+
+def _client_for(plaintext: str):
+    from rest_framework.test import APIClient
+
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {plaintext}")
+    return client
