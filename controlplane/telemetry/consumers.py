@@ -14,6 +14,8 @@ out (``session.<digest>`` group; ``controlplane.accounts.signals``); a subscribe
 is still active.
 """
 
+import asyncio
+
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.contrib.auth import get_user_model
@@ -114,10 +116,11 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             return
         wanted = set(groups)
         joined, left = wanted - self.groups_joined, self.groups_joined - wanted
-        for group in left:
-            await self.channel_layer.group_discard(group, self.channel_name)
-        for group in joined:
-            await self.channel_layer.group_add(group, self.channel_name)
+        # concurrently: 300 groups one after the other took seconds on a loaded process
+        await asyncio.gather(
+            *(self.channel_layer.group_discard(group, self.channel_name) for group in left),
+            *(self.channel_layer.group_add(group, self.channel_name) for group in joined),
+        )
         self.groups_joined = wanted
         await self.send_json(
             envelope(
