@@ -4,6 +4,7 @@ daphne, PostgreSQL, Redis and a Celery worker.
     python -m controlplane.bench.agents [--agents 1000] [--workers-per-agent 8] [--duration 300]
         [--rest-clients 64] [--processes 1,2] [--heartbeat-s 5] [--metrics-s 3]
         [--postgres-server postgres://postgres@127.0.0.1:5432/postgres] [--pool-max-size 10] [--json FILE]
+        [--baseline-ref REF] [--redis-url URL]
 
 Each simulated agent does what ``kvfleet-agent`` does at its default intervals: registers its host and its
 workers, heartbeats every ``--heartbeat-s`` (5 s) and pushes each worker's Prometheus text every
@@ -17,7 +18,10 @@ For each process count N in ``--processes``: a throwaway database on the Postgre
 round-robin as a load balancer in front would; the peak of the database's connections is sampled every
 second. Prints, per N: requests, errors, ingest p50/p99, heartbeat p99, REST p99, websocket lag p50/p95 and
 the peak connections; then each N's figures as a ratio to the first. Exit status 1 on any error.
-Uses Redis DB 14 with a random key prefix and queue: no real data is touched.
+With ``--baseline-ref REF`` (a commit, e.g. ``HEAD~3``) every process count is first run against that
+commit's control plane (a temporary git worktree, same interpreter and load) and then against this
+checkout's, and the second is printed as a ratio to the first: a same-run before/after on a shared machine.
+Uses Redis DB 14 (``--redis-url``) with a random key prefix and queue: no real data is touched.
 """
 
 from __future__ import annotations
@@ -186,7 +190,7 @@ async def drive(bases: list[str], tokens: list[tuple[str, str]], viewer: str, ar
             await asyncio.sleep(0.5)
         worker_ids = await _worker_ids(session, bases[0], viewer)
         watcher = asyncio.create_task(ws_watcher(session, stats, bases[-1], viewer, worker_ids, stop, ready))
-        await asyncio.wait_for(ready.wait(), 30)
+        await asyncio.wait_for(ready.wait(), 180)  # 300 group joins: seconds on a loaded process
         for kind in list(stats.latency):  # latencies of the steady state only; errors of the whole run
             stats.latency[kind] = []
         tasks += [
@@ -237,7 +241,7 @@ def _database(server_url: str, name: str, drop: bool = False) -> str:
     return server_url.rsplit("/", 1)[0] + f"/{name}"
 
 
-def _seed(env: dict, n_agents: int) -> tuple[list[tuple[str, str]], str]:
+def _seed(env: dict, n_agents: int, repo: Path = REPO) -> tuple[list[tuple[str, str]], str]:
     """Migrate the throwaway database and issue one host-bound agent token per agent and a viewer token
     (in a child process: this one never holds a Django connection to drop later)."""
     code = (
@@ -256,7 +260,7 @@ def _seed(env: dict, n_agents: int) -> tuple[list[tuple[str, str]], str]:
         "viewer_token = token_create(user=viewer, name='v', actor=None)[1]\n"
         "print(json.dumps({'agents': tokens, 'viewer': viewer_token}))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(done.stderr[-2000:])
     seeded = json.loads(done.stdout.strip().splitlines()[-1])
@@ -285,7 +289,8 @@ def _wait_ready(base: str, proc: subprocess.Popen, limit_s: float = 90) -> None:
     raise RuntimeError(f"{base} did not answer in {limit_s:.0f} s")
 
 
-def run_once(args, processes: int) -> dict:
+def run_once(args, processes: int, repo: Path = REPO) -> dict:
+    """One load run against `processes` daphne processes of the control plane checked out at `repo`."""
     run = uuid.uuid4().hex[:8]
     database = f"cp_load_{run}"
     env = {
@@ -299,13 +304,13 @@ def run_once(args, processes: int) -> dict:
         "HTTPS": "0",
         "DEBUG": "0",
         "DJANGO_SETTINGS_MODULE": "controlplane.settings",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": str(repo),
         "LOG_LEVEL": "ERROR",
     }
     env.setdefault("SECRET_KEY", "bench-only-secret-key-" + "x" * 40)
     procs, peaks, stop = [], [], threading.Event()
     try:
-        tokens, viewer = _seed(env, args.agents)
+        tokens, viewer = _seed(env, args.agents, repo)
         bases = []
         for _ in range(processes):
             port = _free_port()
@@ -319,7 +324,7 @@ def run_once(args, processes: int) -> dict:
                 str(port),
                 "controlplane.asgi:application",
             ]
-            procs.append(subprocess.Popen([sys.executable, "-m", *daphne], cwd=REPO, env=env))
+            procs.append(subprocess.Popen([sys.executable, "-m", *daphne], cwd=repo, env=env))
             bases.append(f"http://127.0.0.1:{port}")
         celery = [
             "celery",
@@ -334,7 +339,7 @@ def run_once(args, processes: int) -> dict:
             env["CELERY_QUEUE"],
         ]
         celery += ["--without-heartbeat", "--without-mingle", "--without-gossip", "-l", "error"]
-        procs.append(subprocess.Popen([sys.executable, "-m", *celery], cwd=REPO, env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", *celery], cwd=repo, env=env))
         for base, proc in zip(bases, procs, strict=False):
             _wait_ready(base, proc)
         sampler = threading.Thread(
@@ -357,6 +362,7 @@ def run_once(args, processes: int) -> dict:
             _database(args.postgres_server, database, drop=True)
     ingest, beats, rest = (stats.latency.get(k, []) for k in ("ingest", "heartbeat", "rest"))
     return {
+        "code": "baseline" if repo != REPO else "this checkout",
         "processes": processes,
         "agents": args.agents,
         "workers": args.agents * args.workers_per_agent,
@@ -383,6 +389,50 @@ def _fmt(value) -> str:
     return "-" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
 
 
+@contextlib.contextmanager
+def _baseline_checkout(ref: str | None):
+    """A temporary git worktree of `ref` (removed afterwards), or None without a ref."""
+    if not ref:
+        yield None
+        return
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="cp-load-baseline-")) / "repo"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), ref], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False)
+
+
+def _print_result(result: dict, args) -> None:
+    r = {k: _fmt(v) for k, v in result.items()}
+    n = result["processes"]
+    print(
+        f"{result['code']}, {n} ASGI process(es): {sum(result['requests'].values())} requests, {r['errors']} "
+        f"errors; ingest {r['ingest_per_s']}/s p50 {r['ingest_p50_s']} s p99 {r['ingest_p99_s']} s (target "
+        f"< 1 s); heartbeat p99 {r['heartbeat_p99_s']} s; REST p99 {r['rest_p99_s']} s; websocket lag p50 "
+        f"{r['ws_lag_p50_s']} s p95 {r['ws_lag_p95_s']} s (target < 1.5 s, {r['ws_messages']} messages);"
+        f" peak DB connections {r['peak_db_connections']} (bound {n} x {args.pool_max_size} + Celery)",
+        flush=True,
+    )
+    for sample in result["error_samples"]:
+        print(f"  error: {sample}")
+
+
+def _print_ratio(result: dict, base: dict, label: str) -> None:
+    ratio = {
+        key: (result[key] / base[key] if base[key] and result[key] is not None else None)
+        for key in ("ingest_per_s", "ingest_p99_s", "ws_lag_p95_s", "rest_p99_s")
+    }
+    r = {k: _fmt(v) for k, v in ratio.items()}
+    print(
+        f"{label}: ingest rate x{r['ingest_per_s']}, ingest p99 x{r['ingest_p99_s']}, ws lag p95 "
+        f"x{r['ws_lag_p95_s']}, REST p99 x{r['rest_p99_s']}",
+        flush=True,
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=1000)
@@ -396,6 +446,9 @@ def main(argv=None) -> int:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     parser.add_argument("--pool-max-size", type=int, default=10, help="DB_POOL_MAX_SIZE of each process")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--baseline-ref", help="also run each process count against this git commit first; print the ratio"
+    )
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.processes.split(",") if n.strip()]
     print(
@@ -406,31 +459,19 @@ def main(argv=None) -> int:
         flush=True,
     )
     results = []
-    for n in counts:
-        result = run_once(args, n)
-        results.append(result)
-        r = {k: _fmt(v) for k, v in result.items()}
-        print(
-            f"{n} ASGI process(es): {sum(result['requests'].values())} requests, {r['errors']} errors; "
-            f"ingest {r['ingest_per_s']}/s p50 {r['ingest_p50_s']} s p99 {r['ingest_p99_s']} s (target < 1 s"
-            f"); heartbeat p99 {r['heartbeat_p99_s']} s; REST p99 {r['rest_p99_s']} s; websocket lag p50 "
-            f"{r['ws_lag_p50_s']} s p95 {r['ws_lag_p95_s']} s (target < 1.5 s, {r['ws_messages']} messages);"
-            f" peak DB connections {r['peak_db_connections']} (bound {n} x {args.pool_max_size} + Celery)",
-            flush=True,
-        )
-        for sample in result["error_samples"]:
-            print(f"  error: {sample}")
-    base = results[0]
-    for result in results[1:]:
-        ratio = {
-            key: (result[key] / base[key] if base[key] and result[key] is not None else None)
-            for key in ("ingest_per_s", "ingest_p99_s", "ws_lag_p95_s", "rest_p99_s")
-        }
-        r = {k: _fmt(v) for k, v in ratio.items()}
-        print(
-            f"{result['processes']} processes / {base['processes']}: ingest rate x{r['ingest_per_s']}, "
-            f"ingest p99 x{r['ingest_p99_s']}, ws lag p95 x{r['ws_lag_p95_s']}, REST p99 x{r['rest_p99_s']}"
-        )
+    with _baseline_checkout(args.baseline_ref) as baseline:
+        for n in counts:
+            for repo in ([baseline] if baseline else []) + [REPO]:
+                result = run_once(args, n, repo)
+                results.append(result)
+                _print_result(result, args)
+            if baseline:
+                _print_ratio(
+                    results[-1], results[-2], f"{n} process(es), this checkout / {args.baseline_ref}"
+                )
+    mine = [r for r in results if r["code"] == "this checkout"]
+    for result in mine[1:]:
+        _print_ratio(result, mine[0], f"{result['processes']} processes / {mine[0]['processes']}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 1 if any(r["errors"] for r in results) else 0
