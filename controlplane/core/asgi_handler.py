@@ -54,15 +54,19 @@ class OneThreadASGIHandler(ASGIHandler):
         await self.handle(scope, receive, send)
 
     def _respond(self, scope, body_file):
-        """Everything of one request that runs Django code: returns (response, closed)."""
-        set_script_prefix(get_script_prefix(scope))
-        signals.request_started.send(sender=self.__class__, scope=scope)
-        request, response = self.create_request(scope, body_file)
-        if request is not None:
-            response = self.get_response(request)
-            response._handler_class = self.__class__
-            if isinstance(response, FileResponse):
-                response.block_size = self.chunk_size
+        """Everything of one request that runs Django code: returns (response, closed). Closes the body:
+        this thread is its only reader, even when the client has gone and the awaiting task was cancelled."""
+        try:
+            set_script_prefix(get_script_prefix(scope))
+            signals.request_started.send(sender=self.__class__, scope=scope)
+            request, response = self.create_request(scope, body_file)
+            if request is not None:
+                response = self.get_response(request)
+                response._handler_class = self.__class__
+                if isinstance(response, FileResponse):
+                    response.block_size = self.chunk_size
+        finally:
+            body_file.close()
         if response.streaming:
             return response, False
         response.content  # noqa: B018 - rendered here, before close() ends the request
@@ -74,13 +78,10 @@ class OneThreadASGIHandler(ASGIHandler):
             body_file = await self.read_body(receive)
         except RequestAborted:
             return
+        respond = sync_to_async(self._respond, thread_sensitive=False, executor=request_executor())
+        response, closed = await respond(scope, body_file)
         try:
-            respond = sync_to_async(self._respond, thread_sensitive=False, executor=request_executor())
-            response, closed = await respond(scope, body_file)
-            try:
-                await self.send_response(response, send)
-            finally:
-                if not closed:
-                    await sync_to_async(response.close, thread_sensitive=False, executor=request_executor())()
+            await self.send_response(response, send)
         finally:
-            body_file.close()
+            if not closed:
+                await sync_to_async(response.close, thread_sensitive=False, executor=request_executor())()

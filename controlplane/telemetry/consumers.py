@@ -26,6 +26,7 @@ from controlplane.accounts.selectors import user_role
 from controlplane.core.events import GROUP_PATTERN, envelope, session_group, token_group, user_group
 
 MAX_GROUPS = 300
+JOIN_CONCURRENCY = 8  # group joins/leaves of one subscribe in flight at once
 # Group kind -> roles that may read it: the same as REST (/telemetry/*, /inventory/workers, /operations,
 # /rebalances).
 GROUP_READ_ROLES = {
@@ -116,11 +117,12 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             return
         wanted = set(groups)
         joined, left = wanted - self.groups_joined, self.groups_joined - wanted
-        # concurrently: 300 groups one after the other took seconds on a loaded process
-        await asyncio.gather(
-            *(self.channel_layer.group_discard(group, self.channel_name) for group in left),
-            *(self.channel_layer.group_add(group, self.channel_name) for group in joined),
-        )
+        # a few at a time: 300 one after the other took seconds on a loaded process, and all at once would
+        # take more Redis connections than the layer's pool holds
+        changes = [self.channel_layer.group_discard(g, self.channel_name) for g in left]
+        changes += [self.channel_layer.group_add(g, self.channel_name) for g in joined]
+        for start in range(0, len(changes), JOIN_CONCURRENCY):
+            await asyncio.gather(*changes[start : start + JOIN_CONCURRENCY])
         self.groups_joined = wanted
         await self.send_json(
             envelope(
