@@ -2,10 +2,11 @@
 
 Worker endpoints follow engine/server/contract.py (SGLang's HiCache admin API, docs/upstream.md H7, P4):
 GET /server_info, GET /get_model_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config,
-POST /pd_role_switch, GET /metrics, GET /health, POST /generate; bodies are the models of
-engine/server/contract.py. A PD prefill's bootstrap server: GET /route (docs/upstream.md P2). A PD canary
-pair: the same /generate body, with the router's bootstrap fields, to one prefill and one decode at once
-(sglang-router's way, docs/upstream.md P2).
+POST /pd_role_switch, GET /metrics, GET /health, POST /generate (also as the cache isolation self-test,
+``engine/agent/isolation.py``, the one check the agent's ``check-isolation`` runs too); bodies are the
+models of engine/server/contract.py. A PD prefill's bootstrap server: GET /route (docs/upstream.md P2). A
+PD canary pair: the same /generate body, with the router's bootstrap fields, to one prefill and one decode
+at once (sglang-router's way, docs/upstream.md P2).
 Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url", "worker_type",
 "bootstrap_port"} (202), DELETE /workers/{id}, POST /generate; circuit-breaker state from the router's
 Prometheus endpoint (``smg_worker_cb_*``).
@@ -23,6 +24,7 @@ import httpx
 from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.agent.isolation import IsolationCheckError, IsolationReport, check_isolation
 from engine.server.contract import PdRoleSwitchResponse
 
 
@@ -155,6 +157,17 @@ class WorkerClient:
 
     def metrics_text(self) -> str:
         return self._call("GET", "/metrics").text
+
+    def check_isolation(self, words: int = 400, timeout: float = 120.0) -> IsolationReport:
+        """The cache isolation self-test (``kvfleet-agent check-isolation``'s own code): one fresh prompt of
+        about ``words`` tokens as salt A, salt B, salt A, with the worker's ``api_key`` as bearer. Raises
+        WorkerUnreachable / WorkerRejected (e.g. 401 when the worker wants a key the inventory lacks)."""
+        try:
+            return check_isolation(self.base_url, self.api_key or None, words=words, timeout=timeout)
+        except IsolationCheckError as exc:
+            if exc.status is None:
+                raise WorkerUnreachable(str(exc)) from exc
+            raise WorkerRejected(str(exc), status=exc.status) from exc
 
     def health(self) -> None:
         """GET /health; raises WorkerRejected (503: unhealthy, e.g. after a failed role switch) or

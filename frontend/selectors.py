@@ -42,7 +42,8 @@ def state_machines() -> dict:
 def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:
     """The worker's ``/server_info`` read now: {reachable, error, hicache (live storage status + launch
     HiCache args), hicache_ratio, hicache_size, disaggregation_mode, bootstrap_port, decode_offload (a decode
-    that offloads its KV to HiCache: --disaggregation-decode-enable-offload-kvcache), is_idle}. A worker that
+    that offloads its KV to HiCache: --disaggregation-decode-enable-offload-kvcache), is_idle, tenant_names
+    (metric label -> tenant name, from a worker started with --tenant-keys-file)}. A worker that
     does not answer gives reachable False and the stored ``hicache_config`` (what the last operation read)."""
     try:
         info = WorkerClient(worker.url, timeout=timeout_s).server_info()
@@ -61,6 +62,7 @@ def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:
         "bootstrap_port": info.get("disaggregation_bootstrap_port"),
         "decode_offload": bool(info.get("disaggregation_decode_enable_offload_kvcache")),
         "is_idle": info.get("is_idle"),
+        "tenant_names": {t["label"]: t["name"] for t in info.get("tenants") or [] if "label" in t},
     }
 
 

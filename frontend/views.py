@@ -8,6 +8,7 @@ from django.views.decorators.csrf import ensure_csrf_cookie
 from controlplane.accounts.permissions import WRITE_ROLES
 from controlplane.accounts.selectors import user_role
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
+from controlplane.telemetry.metrics import TENANT_TOP_N
 from engine.server.contract import ADMISSIONS, EVICTION_POLICIES
 from frontend import selectors
 
@@ -69,6 +70,8 @@ def worker(request, pk: int):
         worker=worker,
         live=live,
         hicache_rows=selectors.hicache_rows(hicache),
+        tenant_names=live.get("tenant_names", {}),
+        tenant_top_n=TENANT_TOP_N,
         latency_peers=selectors.latency_peers(worker=worker),
         profile=profile,
         master=selectors.storage_master(

@@ -17,6 +17,10 @@ hit_share_{device,host,storage}.
 With an L3 backend attached: storage_breaker_state (the L3 circuit breaker: 0 closed, 1 half-open, 2 open;
 ``BREAKER_STATES``), storage_breaker_failed_calls_total, storage_breaker_short_circuited_total and
 storage_dropped_backup_pages_total (counters).
+With tenant counters (``sglang:tenant_prompt_tokens_total``, ``sglang:tenant_cached_tokens_total``):
+``tenants``, a list of ``{"tenant": label, "prompt": tokens, "device", "host", "storage": cached tokens}``
+(counters since the worker started), the ``TENANT_TOP_N`` tenants with the most cached tokens first, then one
+``other`` row summing the rest (the worker's own ``other`` label included); ``none`` is unsalted traffic.
 """
 
 import math
@@ -49,6 +53,7 @@ _PLAIN = {
 }
 BREAKER_STATES = ("closed", "half_open", "open")  # the worker's breaker gauge value is the index
 TIERS = ("device", "host", "storage")
+TENANT_TOP_N = 8  # tenants the console shows by name or label; the rest are summed as "other"
 # histogram family -> snapshot keys per quantile
 _QUANTILES = {
     "sglang:time_to_first_token_seconds_bucket": (
@@ -109,10 +114,16 @@ def parse_prometheus(text: str) -> dict:
     """Raises ValueError on text that is not Prometheus exposition format."""
     snap: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {name: {} for name in _QUANTILES}
+    tenants: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, float(sample.value)
-            if name == "sglang:cached_tokens_total" and labels.get("cache_source") in TIERS:
+            if name in ("sglang:tenant_prompt_tokens_total", "sglang:tenant_cached_tokens_total"):
+                field = "prompt" if name.startswith("sglang:tenant_prompt") else labels.get("cache_source")
+                if field in ("prompt", *TIERS) and labels.get("tenant"):
+                    row = tenants.setdefault(labels["tenant"], dict.fromkeys(("prompt", *TIERS), 0.0))
+                    row[field] += value
+            elif name == "sglang:cached_tokens_total" and labels.get("cache_source") in TIERS:
                 key = f"cached_tokens_{labels['cache_source']}"
                 snap[key] = snap.get(key, 0.0) + value
             elif name in _PLAIN:
@@ -120,6 +131,8 @@ def parse_prometheus(text: str) -> dict:
             elif name in buckets:
                 bound = float(labels["le"])
                 buckets[name][bound] = buckets[name].get(bound, 0.0) + value
+    if tenants:
+        snap["tenants"] = top_tenants(tenants)
     for name, counts in buckets.items():
         if counts:
             snap[BUCKET_KEYS[name]] = [[min(b, 1e308), c] for b, c in sorted(counts.items())]
@@ -128,6 +141,21 @@ def parse_prometheus(text: str) -> dict:
             if value is not None:
                 snap[key] = value
     return finish_snapshot(snap)
+
+
+def top_tenants(tenants: dict[str, dict[str, float]], n: int = TENANT_TOP_N) -> list[dict]:
+    """Rows ``{"tenant", "prompt", "device", "host", "storage"}``: the ``n`` tenants with the most cached
+    tokens (ties by label), then ``other`` summing the rest (absent when nothing is left over)."""
+
+    def cached(item):
+        return -sum(item[1][t] for t in TIERS), item[0]
+
+    named = sorted(((k, v) for k, v in tenants.items() if k != "other"), key=cached)
+    rows = [{"tenant": label, **figures} for label, figures in named[:n]]
+    rest = [figures for _, figures in named[n:]] + ([tenants["other"]] if "other" in tenants else [])
+    if rest:
+        rows.append({"tenant": "other", **{k: sum(r[k] for r in rest) for k in ("prompt", *TIERS)}})
+    return rows
 
 
 def finish_snapshot(snap: dict) -> dict:

@@ -32,7 +32,12 @@ WORDS = (
 
 
 class IsolationCheckError(Exception):
-    """The worker could not be checked (unreachable, a non-200 answer); the message says which."""
+    """The worker could not be checked (unreachable, a non-200 answer); the message says which, ``status``
+    is the worker's HTTP status (None: it did not answer)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -81,7 +86,9 @@ def check_isolation(
             except httpx.HTTPError as exc:
                 raise IsolationCheckError(f"{url} unreachable: {exc}") from None
             if resp.status_code != 200:
-                raise IsolationCheckError(f"{url}/generate answered {resp.status_code}: {resp.text[:300]}")
+                raise IsolationCheckError(
+                    f"{url}/generate answered {resp.status_code}: {resp.text[:300]}", resp.status_code
+                )
             out = resp.json()
             meta = out["meta_info"]
             prompt_tokens = meta["prompt_tokens"]

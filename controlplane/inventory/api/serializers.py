@@ -320,6 +320,10 @@ class AgentHeartbeatResponseSerializer(serializers.Serializer):
     )
 
 
+class WorkerIsolationCheckSerializer(serializers.Serializer):
+    words = serializers.IntegerField(required=False, default=400, min_value=32, max_value=4000)
+
+
 class WorkerRoleSerializer(serializers.Serializer):
     role = serializers.ChoiceField(choices=[WorkerRole.PREFILL, WorkerRole.DECODE])
     reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)

@@ -93,6 +93,20 @@ class EngineWorkerViewSet(ServiceModelViewSet):
         )
         return Response(answer, status=status.HTTP_202_ACCEPTED)
 
+    @extend_schema(request=s.WorkerIsolationCheckSerializer, responses={200: OpenApiTypes.OBJECT})
+    @action(detail=True, methods=["post"], url_path="check-isolation")
+    def check_isolation(self, request, pk=None):
+        """Run the cache isolation self-test against the worker (``kvfleet-agent check-isolation``'s
+        check): both TTFTs, cached tokens per tier of each probe and the verdict; audited. 502 when the
+        worker cannot be checked."""
+        body = s.WorkerIsolationCheckSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        return Response(
+            services.worker_check_isolation(
+                worker=self.get_object(), actor=request.user, words=body.validated_data["words"]
+            )
+        )
+
     @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
     @action(detail=True, methods=["post"])
     def drain(self, request, pk=None):

@@ -3,10 +3,12 @@
 - workers: create / update (keys encrypted), drain / undrain from the worker's router;
 - roles: the PD role a worker was seen running, and restarts in another role asked of its agent;
 - agent: an agent's register and heartbeat;
-- live_state: the L3 backend and HiCache config operations read back, recorded on the worker.
+- live_state: the L3 backend and HiCache config operations read back, recorded on the worker;
+- isolation: the cache isolation self-test of a worker (the agent's check, audited).
 """
 
 from controlplane.inventory.services.agent import agent_heartbeat, agent_register
+from controlplane.inventory.services.isolation import worker_check_isolation
 from controlplane.inventory.services.live_state import (
     profile_extra,
     storage_profile_matching,
@@ -26,6 +28,7 @@ __all__ = [
     "profile_extra",
     "storage_profile_matching",
     "worker_config_observed",
+    "worker_check_isolation",
     "worker_create",
     "worker_drain",
     "worker_role_observed",

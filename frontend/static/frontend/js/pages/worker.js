@@ -3,7 +3,8 @@
    a sliding 60 s window, TTFT / ITL p50 and p90 over the 5 min before each sample (the increase of the
    worker's cumulative histogram buckets, KV.pools; none on a PD prefill worker, whose page has a note
    instead), prefetch in flight = issued - completed - timed out - revoked. The L3 breaker fact shows the
-   newest sample's breaker state and counters. */
+   newest sample's breaker state and counters; the tenant table its per-tenant cached tokens (named where
+   the worker's tenants file names the label). */
 KV.ready(function () {
   "use strict";
   var HIT_WINDOW_S = 60, RATE_WINDOW_S = 10, LATENCY_WINDOW_S = 300, MAX_SAMPLES = 1800;
@@ -101,6 +102,7 @@ KV.ready(function () {
     KV.$("[data-testid=samples]").textContent = String(samples.filter(function (s) { return s.ts >= from; }).length);
     var last = samples[samples.length - 1], count = function (v) { return v == null ? "–" : KV.fmt(v, "count"); };
     showBreaker(last);
+    showTenants(last);
     var inflight = all.prefetch[3][all.prefetch[3].length - 1];
     KV.$("#prefetch-balance").textContent = last ? "Issued " + count(last.prefetch_started_total) + " = completed " +
       count(last.prefetch_completed_total) + " + timed out " + count(last.prefetch_timeout_total) +
@@ -119,6 +121,64 @@ KV.ready(function () {
       KV.fmt(s.storage_dropped_backup_pages_total || 0, "count") + " backup pages dropped" +
       (state === "open" ? ": lookups miss and requests recompute until a probe succeeds" : "");
   }
+  var TENANT_NAMES = JSON.parse((KV.$("#tenant-names") || {}).textContent || "{}");
+  function tenantName(label) {
+    if (label === "none") return "shared (no salt)";
+    if (label === "other") return "other";
+    return TENANT_NAMES[label] ? TENANT_NAMES[label] + " (" + label + ")" : label;
+  }
+  /* cached tokens per tier and tenant in the newest sample (counters since the worker started) */
+  function showTenants(s) {
+    if (!s || !s.tenants || !s.tenants.length) return;
+    var body = KV.$("#tenant-hits tbody");
+    body.replaceChildren.apply(body, s.tenants.map(function (t) {
+      var tr = document.createElement("tr"), cached = t.device + t.host + t.storage;
+      tr.dataset.tenant = t.tenant;
+      [tenantName(t.tenant), KV.fmt(t.prompt, "count")].concat(TIERS.map(function (tier) { return KV.fmt(t[tier], "count"); }))
+        .concat([t.prompt ? KV.fmt(cached / t.prompt, "%") : "–"]).forEach(function (text, i) {
+          var td = document.createElement(i ? "td" : "th");
+          if (i) td.className = "num"; else td.scope = "row";
+          td.textContent = text;
+          tr.appendChild(td);
+        });
+      return tr;
+    }));
+  }
+  /* the isolation self-test (POST .../check-isolation/): the verdict, both TTFTs and each probe's hits */
+  var checkButton = KV.$("#check-isolation");
+  function showIsolation(r) {
+    var verdict = document.createElement("span");
+    verdict.className = "badge s-" + (r.ok ? "succeeded" : "failed");
+    verdict.textContent = r.ok ? "isolated" : "failed";
+    KV.$("#isolation-verdict").replaceChildren(verdict);
+    KV.$("#isolation-summary").textContent = r.prompt_tokens + "-token prompt; other salt TTFT " + KV.fmt(r.ttft_other_salt_s, "s") +
+      ", same salt again " + KV.fmt(r.ttft_same_salt_s, "s") +
+      (r.ttft_same_salt_s > 0 ? " (" + (r.ttft_other_salt_s / r.ttft_same_salt_s).toFixed(2) + "x)" : "");
+    var names = ["salt A (cold)", "salt B", "salt A (again)"], body = KV.$("#isolation-probes tbody");
+    body.replaceChildren.apply(body, r.probes.map(function (p, i) {
+      var tr = document.createElement("tr");
+      [names[i], KV.fmt(p.ttft_s, "s")].concat(TIERS.map(function (t) { return KV.fmt(p.cached[t], "count"); })).forEach(function (text, j) {
+        var td = document.createElement(j ? "td" : "th");
+        if (j) td.className = "num"; else td.scope = "row";
+        td.textContent = text;
+        tr.appendChild(td);
+      });
+      return tr;
+    }));
+    var problems = KV.$("#isolation-problems");
+    problems.replaceChildren.apply(problems, r.problems.map(function (text) { var li = document.createElement("li"); li.textContent = text; return li; }));
+    KV.$("#isolation-result").hidden = false;
+  }
+  if (checkButton) checkButton.addEventListener("click", function () {
+    checkButton.disabled = true;
+    KV.$("#isolation-status").textContent = "running three requests on the worker…";
+    KV.api("POST", "/api/v1/inventory/workers/" + KV.pk + "/check-isolation/", { words: Number(KV.$("#isolation-words").value) }).then(function (r) {
+      KV.$("#isolation-status").textContent = "";
+      showIsolation(r);
+    }, function (e) {
+      KV.$("#isolation-status").textContent = "could not run: " + e.message;
+    }).then(function () { checkButton.disabled = false; });
+  });
   function add(s) {
     if (!s || s.seq <= lastSeq) return false;
     lastSeq = s.seq;

@@ -1,0 +1,108 @@
+"""A worker's per-tenant cache hits and the isolation self-test on its console page, in real headless
+Chromium against daphne and a real engine worker process started with a tenants file: the table names each
+tenant (from the worker's /server_info) with its cached tokens per tier, from the worker's own /metrics
+pushed through the agent API; an operator's "Check isolation" runs the agent's check against the worker and
+shows the verdict and both TTFTs; a viewer gets no button."""
+
+import importlib.util
+import json
+import random
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
+
+from controlplane.audit.models import AuditEvent
+from engine.bench.launcher import ServerProcess
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+SHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
+OPERATOR_KEY = "sk-operator-7c1d"
+TENANTS = {"acme": {"api_keys": ["sk-acme-2b9e"]}, "globex": {"api_keys": ["sk-globex-40af"]}}
+
+
+@pytest.fixture(scope="module")
+def engine_url(tmp_path_factory):
+    path = Path(__file__).resolve().parents[1] / "model" / "model_testlib.py"
+    spec = importlib.util.spec_from_file_location("browser_model_testlib", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder = tmp_path_factory.mktemp("tiny-llama-console")
+    module.save_tiny_model(folder, "llama", seed=7)
+    keys = folder / "tenants.json"
+    keys.write_text(json.dumps({"tenants": TENANTS}))
+    flags = ["--model-path", str(folder), "--page-size", "16", "--enable-metrics", "--api-key", OPERATOR_KEY,
+             "--tenant-keys-file", str(keys)]  # fmt: skip
+    with ServerProcess(flags) as worker:
+        yield worker.url
+
+
+def _traffic(url: str) -> None:
+    prompt = [random.Random(3).randrange(3, 300) for _ in range(120)]
+    for key, times in (("sk-acme-2b9e", 3), ("sk-globex-40af", 2)):
+        for _ in range(times):
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+            resp = httpx.post(
+                f"{url}/generate", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
+            )
+            assert resp.status_code == 200, resp.text
+
+
+def test_tenant_hits_and_the_isolation_check_on_the_worker_page(
+    asgi_server, personas, engine_url, monkeypatch
+):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
+    host = HostFactory(name=AGENT_HOST)
+    worker = EngineWorkerFactory(name="gpu-tenants", url=engine_url, host=host)
+    worker.api_key = OPERATOR_KEY
+    worker.save(update_fields=["api_key_encrypted"])
+    _traffic(engine_url)
+    labels = {t["name"]: t["label"] for t in httpx.get(f"{engine_url}/server_info").json()["tenants"]}
+    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
+    text = httpx.get(f"{engine_url}/metrics").text
+    resp = agent.post(
+        "/api/v1/agent/metrics/", json={"worker_url": worker.url, "text": text, "ts": time.time()}
+    )
+    assert resp.status_code == 202, resp.text
+    console_user("olga", "operator", "pw-for-tests-1")
+    console_user("vera", "viewer", "pw-for-tests-1")
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "olga", "pw-for-tests-1")
+        page.set_viewport_size({"width": 1280, "height": 900})
+        page.goto(f"{asgi_server}/workers/{worker.pk}/")
+        rows = page.locator("#tenant-hits tbody tr")
+        acme = page.locator(f'#tenant-hits tr[data-tenant="{labels["acme"]}"]')
+        expect(acme.locator("th")).to_have_text(f"acme ({labels['acme']})")
+        # acme: 3 x 120 prompt tokens, the 2nd and 3rd served 112 each from L1 (whole pages of 16)
+        expect(acme.locator("td")).to_have_text(["360", "224", "0", "0", "62.2 %"])
+        globex = page.locator(f'#tenant-hits tr[data-tenant="{labels["globex"]}"]')
+        expect(globex.locator("td")).to_have_text(["240", "112", "0", "0", "46.7 %"])
+        expect(rows.first).to_have_attribute("data-tenant", labels["acme"])  # most cached first
+
+        page.get_by_label("Prompt words").fill("48")  # the tiny model has 512 positions
+        page.get_by_role("button", name="Check isolation").click()
+        section = page.get_by_test_id("isolation")
+        expect(section.locator("#isolation-verdict .badge")).to_have_text("isolated", timeout=120_000)
+        expect(section).to_contain_text("other salt TTFT")
+        probes = section.locator("#isolation-probes tbody tr")
+        expect(probes).to_have_count(3)
+        expect(probes.nth(1).locator("td")).to_contain_text(["0", "0", "0"])
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "worker-tenants-isolation.png"), full_page=True)
+        assert serious_violations(page) == []
+        assert errors == []
+
+        viewer, _ = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
+        viewer.goto(f"{asgi_server}/workers/{worker.pk}/")
+        expect(viewer.get_by_test_id("isolation")).to_contain_text("Operators and admins can run the check")
+        expect(viewer.get_by_role("button", name="Check isolation")).to_have_count(0)
+        browser.close()
+    event = AuditEvent.objects.get(action="check_isolation")
+    assert event.outcome == "success" and event.after["verdict"] == "isolated"
