@@ -6,6 +6,13 @@ snapshot the scheduler publishes (``Scheduler.state``), so a scrape never touche
 follow SGLang's collector (TTFT 0.1…400 s, ITL 0.002…8 s, e2e 0.1…2400 s), with a few finer TTFT buckets.
 The HiCache per-operation histograms (load-back and eviction seconds, L3 batch pages and GB/s) are bucketed by
 the cache itself (``engine.cache.stats.HISTOGRAM_BUCKETS``, SGLang's buckets) and exported from the snapshot.
+
+``tp_rank`` label, where upstream's collectors carry it: the scheduler's gauges (running / queued requests,
+token usage, pool sizes, cache hit rate) and the L3 storage metrics (prefetched / backed-up tokens, the L3
+batch histograms). The request-side counters and latency histograms carry ``model_name`` only, as upstream's
+tokenizer metrics do. Only rank 0 serves ``/metrics`` (the other ranks of a ``--tp-size`` worker have no
+HTTP server), so the label is always ``"0"`` here; its figures are rank 0's, which every rank shares
+(they take the same scheduling decisions).
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ CACHE_HISTOGRAMS = {
     "backup_pgs": "Pages per L2 -> L3 write batch",
 }
 _STORAGE_HISTOGRAMS = ("prefetch_bandwidth", "backup_bandwidth", "prefetch_pgs", "backup_pgs")
+_STORAGE_COUNTERS = ("prefetched_tokens", "backuped_tokens")
 
 
 class TenantLabels:
@@ -90,10 +98,11 @@ class EngineMetrics:
     """The worker's metric registry; ``state()`` returns the scheduler's latest snapshot dict. ``tenants``:
     the metric labels of the configured tenants (``--tenant-keys-file``), which always get a series."""
 
-    def __init__(self, model_name: str, state, tenants: list[str] = ()):
+    def __init__(self, model_name: str, state, tenants: list[str] = (), tp_rank: int = 0):
         self.registry = CollectorRegistry()
         self._state = state
         self.model_name = model_name
+        self.tp_rank = str(tp_rank)
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("sglang:prompt_tokens", "Prefill tokens", labels, registry=r)
@@ -139,7 +148,10 @@ class EngineMetrics:
         for counter in (self.bootstrap_failed, self.transfer_failed):
             counter.labels(model_name)  # exported from 0, before the first failure
         self.cache_hit_rate = Gauge(
-            "sglang:cache_hit_rate", "Prefix hit rate of the last prefill batch", labels, registry=r
+            "sglang:cache_hit_rate",
+            "Prefix hit rate of the last prefill batch",
+            ["model_name", "tp_rank"],
+            registry=r,
         )
         self.tenant_label = TenantLabels(list(tenants))
         tenant_labels = ["model_name", "tenant"]
@@ -181,7 +193,7 @@ class EngineMetrics:
 
     def on_prefill(self, hit_tokens: int, new_tokens: int) -> None:
         total = hit_tokens + new_tokens
-        self.cache_hit_rate.labels(self.model_name).set(hit_tokens / total if total else 0.0)
+        self.cache_hit_rate.labels(self.model_name, self.tp_rank).set(hit_tokens / total if total else 0.0)
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
@@ -221,11 +233,11 @@ class _StateCollector:
     def collect(self):
         m = self.metrics
         state = m._state()
-        name = [m.model_name]
+        name, ranked = [m.model_name], [m.model_name, m.tp_rank]
 
-        def gauge(metric, doc, value):
-            g = GaugeMetricFamily(f"sglang:{metric}", doc, labels=["model_name"])
-            g.add_metric(name, value)
+        def gauge(metric, doc, value):  # a scheduler gauge: upstream labels it with the tp rank
+            g = GaugeMetricFamily(f"sglang:{metric}", doc, labels=["model_name", "tp_rank"])
+            g.add_metric(ranked, value)
             return g
 
         used = state.get("num_used_tokens", 0)
@@ -248,8 +260,10 @@ class _StateCollector:
             cached.add_metric([m.model_name, source], stats.get(f"{source}_hit_tokens", 0))
         yield cached
         for metric, key in CACHE_COUNTERS.items():
-            c = CounterMetricFamily(f"sglang:{metric}", f"HiCache {key}", labels=["model_name"])
-            c.add_metric(name, stats.get(key, 0))
+            storage = metric in _STORAGE_COUNTERS  # upstream's storage collector: tp_rank labelled
+            labels = ["model_name", "tp_rank"] if storage else ["model_name"]
+            c = CounterMetricFamily(f"sglang:{metric}", f"HiCache {key}", labels=labels)
+            c.add_metric(ranked if storage else name, stats.get(key, 0))
             yield c
         errors = CounterMetricFamily(
             "sglang:hicache_storage_errors",
@@ -262,7 +276,7 @@ class _StateCollector:
             yield from _breaker(m.model_name, state["storage_health"])
         if state.get("tenant_usage"):
             yield from _tenant_caps(m.model_name, state["tenant_usage"])
-        yield from _histograms(m.model_name, stats.get("histograms", []))
+        yield from _histograms(m.model_name, stats.get("histograms", []), m.tp_rank)
 
 
 def _breaker(model_name: str, health: dict):
@@ -312,16 +326,17 @@ def _tenant_caps(model_name: str, usage: dict):
         yield family
 
 
-def _histograms(model_name: str, observed: list[dict]):
-    """One family per ``CACHE_HISTOGRAMS`` entry with a series per observed (metric, storage backend)."""
+def _histograms(model_name: str, observed: list[dict], tp_rank: str = "0"):
+    """One family per ``CACHE_HISTOGRAMS`` entry with a series per observed (metric, storage backend); the
+    L3 ones are labelled with the tp rank, as upstream's storage collector does."""
     for metric, doc in CACHE_HISTOGRAMS.items():
         storage = metric in _STORAGE_HISTOGRAMS
-        labels = ["model_name", "storage_backend"] if storage else ["model_name"]
+        labels = ["model_name", "storage_backend", "tp_rank"] if storage else ["model_name"]
         family = HistogramMetricFamily(f"sglang:{metric}", doc, labels=labels)
         for h in observed:
             if h["metric"] != metric:
                 continue
-            values = [model_name, h["storage_backend"] or ""] if storage else [model_name]
+            values = [model_name, h["storage_backend"] or "", tp_rank] if storage else [model_name]
             buckets = [(_bound(le), count) for le, count in h["buckets"]]
             family.add_metric(values, buckets, sum_value=h["sum"])
         yield family
