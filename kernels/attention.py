@@ -9,7 +9,12 @@ itself the same way. Decode runs one program per sequence, KV head and KV split;
 second launch merges the parts by their log-sum-exp (upstream's two-stage decode).
 
 Shapes: ``Hq`` query heads, ``Hkv`` KV heads (``Hq % Hkv == 0``), ``D`` head dim (any; padded to a power of
-two >= 16 inside the kernel), pool buffers ``(S, Hkv, D)`` with a contiguous last dim.
+two >= 16 inside the kernel), pool buffers ``(S, Hkv, R)`` with a contiguous last dim: ``R = D`` values of
+``q``'s dtype, or a quantized KV cache's encoded rows (``engine/cache/kv_format.py``), read and dequantized
+in the kernel (``kv_format``): ``fp8_e4m3`` / ``fp8_e5m2`` ``R = D`` bytes of float8 bits, ``int8``
+``R = D + 2`` bytes, the int8 values then a bfloat16 scale. The float8 bits are widened through
+float16's bit layout (integer shifts), so the same code runs on sm_80, which has no e4m3 type, and under
+the interpreter.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels import interpreting
-from kernels.launch import jit
+from kernels.launch import helper, jit
 
 BLOCK_N = 32  # keys per step
 BLOCK_M = 16  # extend queries per program
@@ -32,6 +37,36 @@ MAX_SPLITS = 16
 # imported without TRITON_INTERPRET (see kernels.launch); the interpreter maps these two to numpy.
 _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
+# ``kv_format`` -> the kernels' KV_FORMAT constexpr (any other name: rows of q's dtype)
+KV_FORMATS = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}
+
+
+@helper
+def _load_rows(
+    buf, rows, d, row_mask, d_mask, HEAD_DIM: tl.constexpr, KV_FORMAT: tl.constexpr, COMPUTE: tl.constexpr
+):
+    """K or V ``(BLOCK_N, BLOCK_D)`` in ``COMPUTE``: the pool rows at element offsets ``rows`` of ``buf``,
+    dequantized per ``KV_FORMAT``; masked rows and columns read as 0."""
+    raw = tl.load(buf + rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0)
+    if KV_FORMAT == 0:
+        x = raw.to(COMPUTE)
+    elif (
+        KV_FORMAT == 3
+    ):  # int8 values, then a little-endian bfloat16 scale: its bits are a float32's top half
+        lo = tl.load(buf + rows + HEAD_DIM, mask=row_mask, other=0).to(tl.int32)
+        hi = tl.load(buf + rows + HEAD_DIM + 1, mask=row_mask, other=0).to(tl.int32)
+        scale = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
+        x = (raw.to(tl.int8, bitcast=True).to(tl.float32) * scale[:, None]).to(COMPUTE)
+    else:
+        bits = raw.to(tl.int32)
+        if KV_FORMAT == 1:  # e4m3fn: exponent and mantissa into float16's fields (bias 7 -> 15, so x 2^8)
+            half = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+            f = half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+            f = tl.where((bits & 0x7F) == 0x7F, float("nan"), f)  # e4m3fn's only NaN pattern
+        else:  # e5m2 is float16's top byte
+            f = (bits << 8).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        x = f.to(COMPUTE)
+    return x
 
 
 @jit
@@ -63,6 +98,7 @@ def _decode_kernel(
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     COMPUTE: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,19 +125,18 @@ def _decode_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < end
         slots = tl.load(row + n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
-        ).to(COMPUTE)
+        k = _load_rows(
+            k_buf, slots * stride_kt + kv_head * stride_kh, d, n_mask, d_mask, HEAD_DIM, KV_FORMAT, COMPUTE
+        )
         s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
-        v = tl.load(
-            v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
-        ).to(COMPUTE)
+        v = _load_rows(
+            v_buf, slots * stride_vt + kv_head * stride_vh, d, n_mask, d_mask, HEAD_DIM, KV_FORMAT, COMPUTE
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (past a short sequence) has l = 0
@@ -174,6 +209,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     COMPUTE: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -205,19 +241,18 @@ def _extend_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < end
         slots = tl.load(row + n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_buf + slots[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0
-        ).to(COMPUTE)
+        k = _load_rows(
+            k_buf, slots * stride_kt + kv_head * stride_kh, d, n_mask, d_mask, HEAD_DIM, KV_FORMAT, COMPUTE
+        )
         s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
-        v = tl.load(
-            v_buf + slots[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0
-        ).to(COMPUTE)
+        v = _load_rows(
+            v_buf, slots * stride_vt + kv_head * stride_vh, d, n_mask, d_mask, HEAD_DIM, KV_FORMAT, COMPUTE
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=PRECISION)
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -228,17 +263,25 @@ def _extend_kernel(
     )
 
 
-def _check(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
-    """(group, padded head dim); raises ``ValueError`` for shapes that do not fit."""
+def _check(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor, kv_format: str
+) -> tuple[int, int, int]:
+    """(group, padded head dim, KV_FORMAT); raises ``ValueError`` for shapes or dtypes that do not fit."""
     if q.shape[1] % k_buf.shape[1] or k_buf.shape != v_buf.shape or out.shape != q.shape:
         raise ValueError(
             f"q {tuple(q.shape)}, k/v {tuple(k_buf.shape)}/{tuple(v_buf.shape)}, out {tuple(out.shape)}"
         )
-    if q.shape[2] != k_buf.shape[2] or any(t.stride(-1) != 1 for t in (q, k_buf, v_buf, out)):
-        raise ValueError("q, k/v buffers and out need one head dim and a contiguous last dim")
-    if q.dtype != k_buf.dtype:
-        raise ValueError(f"q is {q.dtype} but the KV pool is {k_buf.dtype}")
-    return q.shape[1] // k_buf.shape[1], max(16, triton.next_power_of_2(q.shape[2]))
+    fmt = KV_FORMATS.get(kv_format, 0)
+    row = q.shape[2] + (2 if kv_format == "int8" else 0)
+    if k_buf.shape[2] != row or any(t.stride(-1) != 1 for t in (q, k_buf, v_buf, out)):
+        raise ValueError(
+            f"k/v rows of {k_buf.shape[2]} for head dim {q.shape[2]} ({kv_format}: {row} expected), "
+            "or a last dim that is not contiguous"
+        )
+    want = torch.uint8 if fmt else q.dtype
+    if k_buf.dtype != want:
+        raise ValueError(f"the KV pool is {k_buf.dtype}: {want} expected for q {q.dtype} and {kv_format!r}")
+    return q.shape[1] // k_buf.shape[1], max(16, triton.next_power_of_2(q.shape[2])), fmt
 
 
 def _compute_dtype(dtype: torch.dtype) -> tl.dtype:
@@ -270,17 +313,19 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int = 1,
+    kv_format: str = "auto",
 ) -> None:
     """Decode attention, written to ``out``.
 
     ``q``/``out``: ``(B, Hq, D)``, the one new token of each sequence (position ``seq_lens[b] - 1``);
-    ``k_buf``/``v_buf``: ``(S, Hkv, D)`` one layer of the pool, same dtype as ``q``; ``req_to_token``:
-    integer ``(B, W)``, ``W >= max(seq_lens)``; ``seq_lens``: integer ``(B,)``, each >= 1. Every key of the
-    sequence is attended. ``num_splits`` > 1 cuts each sequence's keys into that many parts run by separate
-    programs and merged by their log-sum-exp in a second launch (upstream's split-KV decode; see
-    :func:`num_decode_splits`). Raises ``ValueError`` for mismatched shapes or dtypes.
+    ``k_buf``/``v_buf``: ``(S, Hkv, R)`` one layer of the pool: ``q``'s dtype, or uint8 rows of the
+    quantized ``kv_format`` (``fp8_e4m3``, ``fp8_e5m2``, ``int8``; see the module docstring);
+    ``req_to_token``: integer ``(B, W)``, ``W >= max(seq_lens)``; ``seq_lens``: integer ``(B,)``, each
+    >= 1. Every key of the sequence is attended. ``num_splits`` > 1 cuts each sequence's keys into that
+    many parts run by separate programs and merged by their log-sum-exp in a second launch (upstream's
+    split-KV decode; see :func:`num_decode_splits`). Raises ``ValueError`` for mismatched shapes or dtypes.
     """
-    group, block_d = _check(q, k_buf, v_buf, out)
+    group, block_d, fmt = _check(q, k_buf, v_buf, out, kv_format)
     if group > BLOCK_H:
         raise ValueError(f"decode kernel handles at most {BLOCK_H} query heads per KV head, got {group}")
     if num_splits < 1:
@@ -320,6 +365,7 @@ def decode_attention(
         SPLITS=num_splits,
         PRECISION=_precision(q.dtype),
         COMPUTE=_compute_dtype(q.dtype),
+        KV_FORMAT=fmt,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, heads)](
@@ -346,6 +392,7 @@ def extend_attention(
     cu_seqlens: torch.Tensor,
     max_extend: int,
     scale: float,
+    kv_format: str = "auto",
 ) -> None:
     """Causal extend attention, written to ``out``.
 
@@ -355,7 +402,7 @@ def extend_attention(
     (a host int: it sizes the grid). The query at position p attends the keys at positions 0..p. Other
     arguments as :func:`decode_attention`. Raises ``ValueError`` for mismatched shapes or dtypes.
     """
-    group, block_d = _check(q, k_buf, v_buf, out)
+    group, block_d, fmt = _check(q, k_buf, v_buf, out, kv_format)
     batch = seq_lens.shape[0]
     if batch == 0 or max_extend == 0:
         return
@@ -384,4 +431,5 @@ def extend_attention(
         BLOCK_N=BLOCK_N,
         PRECISION=_precision(q.dtype),
         COMPUTE=_compute_dtype(q.dtype),
+        KV_FORMAT=fmt,
     )

@@ -48,5 +48,21 @@ class Kernel:
 
 
 def jit(fn: Callable) -> Kernel:
-    """Decorator: ``fn`` (a Triton kernel body, no nested jit calls) as a :class:`Kernel`."""
+    """Decorator: ``fn`` (a Triton kernel body; it may call :func:`helper` functions) as a :class:`Kernel`."""
     return Kernel(fn)
+
+
+class _Helper(JITFunction):
+    """A Triton device function a :class:`Kernel` calls: compiled into the caller when the kernel is
+    compiled, called as plain Python (on the interpreter's patched ``tl``) when it is interpreted, where a
+    ``triton.jit`` function refuses to be called."""
+
+    def __call__(self, *args, **kwargs):
+        if interpreting():
+            return self.fn(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+def helper(fn: Callable) -> JITFunction:
+    """Decorator: ``fn`` (a Triton device function) callable from :func:`jit` kernels in both modes."""
+    return _Helper(fn)

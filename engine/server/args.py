@@ -388,11 +388,6 @@ def _validate(args: ServerArgs) -> None:
         )
     if args.attention_backend == "triton" and (reason := unavailable_reason(args.device)):
         raise ArgumentError(f"--attention-backend triton: {reason}")
-    if args.attention_backend == "triton" and args.kv_cache_dtype in ("fp8_e4m3", "fp8_e5m2", "int8"):
-        raise ArgumentError(
-            f"--kv-cache-dtype {args.kv_cache_dtype}: the triton attention backend reads only unquantized "
-            "K/V; use --attention-backend torch"
-        )
     if args.torchao_config.startswith("int4wo") and (args.device != "cpu" or args.dtype != "bfloat16"):
         raise ArgumentError(
             f"--torchao-config {args.torchao_config} needs --device cpu and --dtype bfloat16 (torch's "

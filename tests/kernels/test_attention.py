@@ -105,7 +105,7 @@ def test_head_dim_that_is_not_a_power_of_two():
 
 def test_bad_shapes_are_refused():
     k_buf = torch.zeros(8, 2, 16)
-    with pytest.raises(ValueError, match="q is torch.float16 but the KV pool"):
+    with pytest.raises(ValueError, match="the KV pool is torch.float32: torch.float16 expected"):
         q = torch.zeros(1, 2, 16, dtype=torch.float16)
         decode_attention(q, k_buf, k_buf, q.clone(), torch.zeros(1, 4, dtype=torch.long), torch.ones(1), 1.0)
     with pytest.raises(ValueError, match="q \\(1, 3, 16\\)"):
@@ -118,3 +118,56 @@ def test_decode_splits_only_when_the_batch_cannot_fill_the_gpu():
     assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=4096) == 16  # 4096 keys / 256, capped at 16
     assert num_decode_splits(batch=1, kv_heads=8, max_seq_len=300) == 2  # at least 256 keys per split
     assert num_decode_splits(batch=4, kv_heads=2, max_seq_len=100) == 1
+
+
+def _quantized_pool(total: int, kv_format: str, gen: torch.Generator):
+    """Like :func:`_pool` for a quantized KV cache: uint8 rows written by the engine's own encoder, every
+    other slot 0xFF bytes (NaN in both float8 formats and in int8's bfloat16 scale). Returns the raw
+    buffers, their dequantized fp32 copies (the reference reads those) and the slots."""
+    from engine.cache.kv_format import KVFormat
+
+    fmt = KVFormat(kv_format, torch.float32, HEAD_DIM)
+    k_buf = torch.full((total + 64, KV_HEADS, fmt.row_dim), 0xFF, dtype=torch.uint8)
+    v_buf = k_buf.clone()
+    slots = torch.randperm(total + 64, generator=gen)[:total]
+    for buf in (k_buf, v_buf):
+        buf[slots] = fmt.encode(3 * torch.randn(total, KV_HEADS, HEAD_DIM, generator=gen))
+    return k_buf, v_buf, fmt.decode(k_buf), fmt.decode(v_buf), slots
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_quantized_pools_are_read_as_the_engine_decodes_them(kv_format):
+    """The kernels dequantize in place: the same result as attention over the engine's own decode of the
+    rows (``KVFormat.decode``), for decode (split and not) and extend, GQA 3."""
+    gen = torch.Generator().manual_seed(21)
+    scale, group = HEAD_DIM**-0.5, 3
+    seq_lens = [p + 1 for p in PREFIXES]
+    k_buf, v_buf, k_ref, v_ref, slots = _quantized_pool(sum(seq_lens), kv_format, gen)
+    table = _table(seq_lens, slots)
+    q = torch.randn(len(seq_lens), KV_HEADS * group, HEAD_DIM, generator=gen)
+    ref = _reference(q, k_ref, v_ref, table, seq_lens, [1] * len(seq_lens), scale)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        lens = torch.tensor(seq_lens)
+        decode_attention(q, k_buf, v_buf, out, table, lens, scale, num_splits=splits, kv_format=kv_format)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    extend_lens = [1, 1, 5, 16, 9]
+    q = torch.randn(sum(extend_lens), KV_HEADS * group, HEAD_DIM, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    cu = torch.tensor([0, *extend_lens]).cumsum(0)
+    lens = torch.tensor(seq_lens)
+    extend_attention(q, k_buf, v_buf, out, table, lens, cu, max(extend_lens), scale, kv_format=kv_format)
+    torch.testing.assert_close(
+        out, _reference(q, k_ref, v_ref, table, seq_lens, extend_lens, scale), atol=1e-5, rtol=0
+    )
+
+
+def test_a_quantized_pool_needs_its_row_width_and_bytes():
+    q = torch.zeros(1, 2, 16)
+    table, lens = torch.zeros(1, 4, dtype=torch.long), torch.ones(1)
+    with pytest.raises(ValueError, match="k/v rows of 16 for head dim 16 \\(int8: 18 expected\\)"):
+        k_buf = torch.zeros(8, 2, 16, dtype=torch.uint8)
+        decode_attention(q, k_buf, k_buf, q.clone(), table, lens, 1.0, kv_format="int8")
+    with pytest.raises(ValueError, match="torch.uint8 expected"):
+        k_buf = torch.zeros(8, 2, 16)
+        decode_attention(q, k_buf, k_buf, q.clone(), table, lens, 1.0, kv_format="fp8_e4m3")

@@ -48,10 +48,12 @@ def compile_kernel(kernel: Kernel, types: dict[str, str], constexprs: dict, capa
     return triton.compile(source, target=GPUTarget("cuda", capability, 32))
 
 
-def _attention_args(dtype: torch.dtype, head_dim: int, group: int) -> tuple[dict, dict]:
-    """Types and constexprs shared by the decode and extend kernels, as ``kernels.attention`` sets them."""
+def _attention_args(dtype: torch.dtype, head_dim: int, group: int, kv: str = "auto") -> tuple[dict, dict]:
+    """Types and constexprs shared by the decode and extend kernels, as ``kernels.attention`` sets them;
+    ``kv``: the pool's ``kv_format`` (a quantized one is a uint8 pool)."""
     pointer = POINTER[dtype]
-    types = {"q": pointer, "k_buf": pointer, "v_buf": pointer, "out": pointer, "scale": "fp32"}
+    pool = "*u8" if kv in attention.KV_FORMATS else pointer
+    types = {"q": pointer, "k_buf": pool, "v_buf": pool, "out": pointer, "scale": "fp32"}
     types |= {"req_to_token": "*i64", "seq_lens": "*i64", "cu_seqlens": "*i64"}
     constexprs = {
         "GROUP": group,
@@ -60,19 +62,20 @@ def _attention_args(dtype: torch.dtype, head_dim: int, group: int) -> tuple[dict
         "BLOCK_N": attention.BLOCK_N,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         "COMPUTE": COMPUTE[dtype],
+        "KV_FORMAT": attention.KV_FORMATS.get(kv, 0),
     }
     return types, constexprs
 
 
-def _decode(dtype: torch.dtype, head_dim: int, group: int, splits: int):
-    types, constexprs = _attention_args(dtype, head_dim, group)
+def _decode(dtype: torch.dtype, head_dim: int, group: int, splits: int, kv: str = "auto"):
+    types, constexprs = _attention_args(dtype, head_dim, group, kv)
     mid = "*fp32" if splits > 1 else types["out"]  # one split writes ``out`` directly
     types |= {"mid_o": mid, "mid_lse": mid}
     return attention._decode_kernel, types, constexprs | {"BLOCK_H": attention.BLOCK_H, "SPLITS": splits}
 
 
-def _extend(dtype: torch.dtype, head_dim: int, group: int):
-    types, constexprs = _attention_args(dtype, head_dim, group)
+def _extend(dtype: torch.dtype, head_dim: int, group: int, kv: str = "auto"):
+    types, constexprs = _attention_args(dtype, head_dim, group, kv)
     return attention._extend_kernel, types, constexprs | {"BLOCK_M": attention.BLOCK_M}
 
 
@@ -103,6 +106,11 @@ LAUNCHES = {
     "extend bf16 d128": _extend(torch.bfloat16, 128, 4),
     "extend fp16 d128": _extend(torch.float16, 128, 6),
     "extend fp32 d128": _extend(torch.float32, 128, 8),
+    **{
+        f"decode bf16 d128 split-KV, {kv} KV": _decode(torch.bfloat16, 128, 4, 8, kv)
+        for kv in attention.KV_FORMATS
+    },
+    **{f"extend bf16 d128, {kv} KV": _extend(torch.bfloat16, 128, 4, kv) for kv in attention.KV_FORMATS},
     "copy pages, SmolLM2 bf16 rows, page 1": _copy_pages(3 * 64 * 2, 1),
     "copy pages, Llama-3-8B bf16 rows, page 64": _copy_pages(8 * 128 * 2, 64),
 }

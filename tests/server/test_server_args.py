@@ -94,6 +94,7 @@ def test_triton_attention_needs_cuda_or_the_interpreter(monkeypatch):
         parse_args(argv)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert parse_args(argv).attention_backend == "triton"
+    assert parse_args([*argv, "--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"  # the kernels dequantize
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Triton attention over the paged L1 pool (``--attention-backend triton``; SGLang's ``triton`` backend).
 
-Per layer: the new tokens' K/V go to ``out_cache_loc``, then one kernel launch reads every key through the
+Per layer: the new tokens' K/V go to ``out_cache_loc`` (encoded, for a quantized ``--kv-cache-dtype``: the
+kernels read and dequantize the rows themselves), then one kernel launch reads every key through the
 batch's ``req_to_token`` page table (``kernels.attention``): the decode kernel when every sequence adds one
 token (split over the keys when the batch is too small to fill the GPU), else the causal extend kernel over
 all sequences (a decode in a mixed batch is an extend of one token). Runs on CUDA, or on the CPU under
@@ -46,14 +47,15 @@ class TritonAttentionBackend(AttentionBackend):
         kv_pool: DeviceKVPool,
     ) -> torch.Tensor:
         kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = kv_pool.get_kv(layer_id)
-        q = q.to(k_buf.dtype)
+        k_buf, v_buf = kv_pool.get_kv(layer_id)  # a quantized pool's raw rows: the kernels dequantize
+        fmt = kv_pool.kv_format
+        q = q.to(fmt.compute_dtype if fmt.quantized else k_buf.dtype)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self._decode:
             self._kernels.decode_attention(
-                q, k_buf, v_buf, out, batch.req_to_token, batch.seq_lens, self.scale, self._splits
+                q, k_buf, v_buf, out, batch.req_to_token, batch.seq_lens, self.scale, self._splits, fmt.name
             )
         else:
             self._kernels.extend_attention(
@@ -66,5 +68,6 @@ class TritonAttentionBackend(AttentionBackend):
                 batch.cu_seqlens,
                 self._max_extend,
                 self.scale,
+                fmt.name,
             )
         return out
