@@ -178,6 +178,8 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch, tmp_pat
         rebalance_transition(rb0, to="succeeded", explanation="2P:1D reached")
         expect(page.get_by_test_id("rb-state")).to_have_text("succeeded")
         expect(page.get_by_test_id("split")).to_have_text("2P:1D")
+        expect(page.locator("#rb dd[data-f=change]")).to_have_text("1P:2D → 2P:1D workers, moving 1 device")
+        page.locator("#rb").screenshot(path=str(tmp_path / "rebalance-run.png"))  # looked at by eye
         compare = page.locator("#rb-compare tbody")
         expect(compare.locator("tr", has_text="TTFT p90 (client)").locator("td").first).not_to_have_text("–")
         assert page.evaluate("window.__sameDocument") is True

@@ -6,6 +6,11 @@ from controlplane.rebalance.models import Approval, Rebalance, RebalanceStep
 
 class RebalanceStepSerializer(serializers.ModelSerializer):
     worker_name = serializers.CharField(source="worker.name", read_only=True)
+    devices = serializers.IntegerField(
+        source="worker.tp_size",
+        read_only=True,
+        help_text="Devices the step moves between roles: its worker's tp_size (a TP-2 worker moves two)",
+    )
 
     class Meta:
         model = RebalanceStep
@@ -14,6 +19,7 @@ class RebalanceStepSerializer(serializers.ModelSerializer):
             "index",
             "worker",
             "worker_name",
+            "devices",
             "from_role",
             "to_role",
             "method",
@@ -39,6 +45,10 @@ class RebalanceSerializer(serializers.ModelSerializer):
     router_name = serializers.CharField(source="router.name", read_only=True)
     before = serializers.SerializerMethodField()
     target = serializers.SerializerMethodField()
+    moved_devices = serializers.SerializerMethodField(
+        help_text="Devices its steps move between roles: the sum of their workers' tp_size (before and "
+        "target count workers)"
+    )
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
     steps = RebalanceStepSerializer(many=True, read_only=True)
     allowed_actions = serializers.ListField(
@@ -55,6 +65,7 @@ class RebalanceSerializer(serializers.ModelSerializer):
             "router_name",
             "before",
             "target",
+            "moved_devices",
             "approval",
             "rollback",
             "soak_s",
@@ -83,6 +94,9 @@ class RebalanceSerializer(serializers.ModelSerializer):
 
     def get_target(self, obj: Rebalance) -> dict:
         return {"prefill": obj.target_prefill, "decode": obj.target_decode}
+
+    def get_moved_devices(self, obj: Rebalance) -> int:
+        return sum(step.worker.tp_size for step in obj.steps.all())
 
 
 class TargetSerializer(serializers.Serializer):

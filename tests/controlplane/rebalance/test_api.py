@@ -7,6 +7,7 @@ from channels.testing import WebsocketCommunicator
 from cp_factories import EngineWorkerFactory, RouterFactory
 
 from controlplane.asgi import application
+from controlplane.inventory.models import EngineWorker
 from controlplane.rebalance.models import Rebalance, RebalanceStep
 from controlplane.rebalance.services import rebalance_abort
 from controlplane.workerclient import RouterClient
@@ -41,6 +42,17 @@ def test_list_and_detail_show_counts_state_and_steps(api_as):
         "decode",
         "pending",
     )
+    assert step["devices"] == 1 and detail["moved_devices"] == 1
+
+
+def test_a_step_moving_a_tp2_worker_moves_two_devices(api_as):
+    rb = _rebalance()
+    EngineWorker.objects.filter(name="p0").update(tp_size=2)
+    d1 = EngineWorkerFactory(name="d1", router=rb.router, role="decode", tp_size=2)
+    RebalanceStep.objects.create(rebalance=rb, index=1, worker=d1, from_role="decode", to_role="prefill")
+    detail = api_as("viewer").get(f"/api/v1/rebalances/{rb.pk}/").json()
+    assert [(s["worker_name"], s["devices"]) for s in detail["steps"]] == [("p0", 2), ("d1", 2)]
+    assert detail["moved_devices"] == 4
 
 
 def test_agents_and_anonymous_cannot_read(api_as, client):

@@ -102,7 +102,8 @@ KV.ready(function () {
 
   /* ---- the selected rebalance ---- */
   function stepView(s) {
-    return Object.assign({}, s, { number: s.index + 1, roles: s.from_role + " → " + s.to_role, explanation: KV.readable(s.explanation) });
+    var devices = s.devices > 1 ? " (" + s.devices + " devices)" : "";  // a TP-N worker moves N devices
+    return Object.assign({}, s, { number: s.index + 1, roles: s.from_role + " → " + s.to_role + devices, explanation: KV.readable(s.explanation) });
   }
   function putStep(s) {
     if (!stepRows[s.id]) { stepRows[s.id] = KV.fill(KV.$("#tpl-step"), stepView(s)); KV.$("#rb-steps tbody").appendChild(stepRows[s.id]); }
@@ -129,7 +130,7 @@ KV.ready(function () {
     box.hidden = !rb;
     if (!rb) return;
     KV.fill(box, Object.assign({}, rb, {
-      title: "#" + rb.id, change: split(rb.before) + " → " + split(rb.target),
+      title: "#" + rb.id, change: split(rb.before) + " → " + split(rb.target) + " workers, moving " + rb.moved_devices + (rb.moved_devices === 1 ? " device" : " devices"),
       approval_text: rb.approval === "per_step" ? "each step (" + rb.approved_steps + " approved)" : "automatic",
       soak_text: rb.soak_s + " s", rollback_text: rb.rollback ? "yes, the whole rebalance" : "no",
       explanation: KV.readable(rb.explanation) || (rb.pause_requested ? "Pause requested." : rb.abort_requested ? "Abort requested." : "")
