@@ -213,8 +213,8 @@ def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:
     now = time.time()
     first = math.floor((now - window_s) / bucket_s)
     out: dict[str, dict[int, list]] = {}
-    for worker_id, role in EngineWorker.objects.values_list("id", "role"):
-        pool = POOLS.get(role, "regular")
+    for worker_id, role in EngineWorker.objects.exclude(role="encoder").values_list("id", "role"):
+        pool = POOLS.get(role, "regular")  # encoders serve no tokens: their pool card has no such sparkline
         last = {}  # bucket -> the worker's newest sample in it
         for sample in store.history(worker_id, int(window_s) + 60):
             bucket = math.floor(float(sample.get("ts") or 0) / bucket_s)

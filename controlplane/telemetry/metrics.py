@@ -21,6 +21,13 @@ With tenant counters (``sglang:tenant_prompt_tokens_total``, ``sglang:tenant_cac
 ``tenants``, a list of ``{"tenant": label, "prompt": tokens, "device", "host", "storage": cached tokens}``
 (counters since the worker started), the ``TENANT_TOP_N`` tenants with the most cached tokens first, then one
 ``other`` row summing the rest (the worker's own ``other`` label included); ``none`` is unsalted traffic.
+An EPD encoder (``--encoder-only``) reports no KV figures but its own counters: encoder_images_total,
+encoder_encode_seconds_total (s in the vision tower), mm_embedding_cache_{hits,misses}_total (its in-memory
+LRU) and, with ``--enable-mm-global-cache``, mm_global_cache_{hits,misses,writes,errors,corrupt,
+dropped_writes}_total; from them mm_embedding_cache_hit_rate and mm_global_cache_hit_rate (hits over
+lookups since the encoder started, 0..1; absent before its first lookup) and, given the previous snapshot,
+encoder_images_per_s, encoder_busy (encode seconds per wall second: 1.0 is one vision tower busy all the
+time) and encode_s_per_image (mean s per image encoded in the interval; absent when none was).
 """
 
 import math
@@ -50,6 +57,19 @@ _PLAIN = {
     "sglang:hicache_storage_breaker_failed_calls_total": "storage_breaker_failed_calls_total",
     "sglang:hicache_storage_breaker_short_circuited_total": "storage_breaker_short_circuited_total",
     "sglang:hicache_storage_dropped_backup_pages_total": "storage_dropped_backup_pages_total",
+    "sglang:encoder_images_total": "encoder_images_total",
+    "sglang:encoder_encode_seconds_total": "encoder_encode_seconds_total",
+    "sglang:mm_embedding_cache_hits_total": "mm_embedding_cache_hits_total",
+    "sglang:mm_embedding_cache_misses_total": "mm_embedding_cache_misses_total",
+    **{
+        f"sglang:mm_global_cache_{k}_total": f"mm_global_cache_{k}_total"
+        for k in ("hits", "misses", "writes", "errors", "corrupt", "dropped_writes")
+    },
+}
+# (hits counter, misses counter) -> the hit-rate key finish_snapshot derives (an encoder's embedding caches)
+_HIT_RATES = {
+    "mm_embedding_cache_hit_rate": ("mm_embedding_cache_hits_total", "mm_embedding_cache_misses_total"),
+    "mm_global_cache_hit_rate": ("mm_global_cache_hits_total", "mm_global_cache_misses_total"),
 }
 BREAKER_STATES = ("closed", "half_open", "open")  # the worker's breaker gauge value is the index
 TIERS = ("device", "host", "storage")
@@ -74,6 +94,7 @@ SNAPSHOT_KEYS = frozenset(
         *(f"cached_tokens_{t}" for t in TIERS),
         "host_pool_use",
         "kv_usage",
+        *_HIT_RATES,
         *(key for pairs in _QUANTILES.values() for _, key in pairs),
     }
 )
@@ -169,6 +190,10 @@ def finish_snapshot(snap: dict) -> dict:
         snap["host_pool_use"] = snap.get("hicache_host_used_tokens", 0.0) / total
     if snap.get("max_total_num_tokens") and "num_used_tokens" in snap:
         snap["kv_usage"] = snap["num_used_tokens"] / snap["max_total_num_tokens"]
+    for key, (hits, misses) in _HIT_RATES.items():
+        lookups = snap.get(hits, 0.0) + snap.get(misses, 0.0)
+        if hits in snap and lookups > 0:
+            snap[key] = snap[hits] / lookups
     return snap
 
 
@@ -206,6 +231,12 @@ def with_rates(snap: dict, prev: dict | None, dt_s: float) -> dict:
         d = delta(counter)
         if d is not None:
             out[rate] = d / dt_s
+    images, busy = delta("encoder_images_total"), delta("encoder_encode_seconds_total")
+    if images is not None and busy is not None:
+        out["encoder_images_per_s"] = images / dt_s
+        out["encoder_busy"] = busy / dt_s
+        if images:
+            out["encode_s_per_image"] = busy / images
     hits = {t: d for t in TIERS if (d := delta(f"cached_tokens_{t}")) is not None}
     if not hits or any(
         f"cached_tokens_{t}" in snap and f"cached_tokens_{t}" in prev for t in TIERS if t not in hits

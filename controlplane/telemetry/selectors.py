@@ -32,6 +32,9 @@ def worker_metrics(*, worker_id: int, history_limit: int = 120) -> dict:
 
 
 POOLS = {"mixed": "regular", "prefill": "prefill", "decode": "decode"}
+# EPD encoders are a pool of their own on the fleet page (not in POOLS: they hold no KV, so no capacity,
+# calibration or P:D figure of the language pools applies to them)
+ENCODER_POOL = "encoder"
 
 
 # A worker with no L3 backend attached reports its L3 counters (0), but no L3 figure of it is true of a pool:
@@ -77,9 +80,41 @@ def _totals(samples: list[dict], *, l3_samples: list[dict] | None = None) -> dic
     return totals
 
 
+def _encoder_totals(samples: list[dict]) -> dict:
+    """The encoder pool's figures over its workers' latest samples (None when none reports it, with why in
+    ``absent``): encoder_images_per_s (images/s, summed), encoder_busy (encode seconds per wall second per
+    reporting encoder, 0..1 for one vision tower each), encode_s_per_image (s, encode seconds over images
+    in the workers' last intervals), mm_embedding_cache_hit_rate and mm_global_cache_hit_rate (hits over
+    lookups since each encoder started, summed over encoders, 0..1)."""
+
+    def total(key: str) -> float | None:
+        values = [float(v) for s in samples if (v := s.get(key)) is not None]
+        return sum(values) if values else None
+
+    images, busy = total("encoder_images_per_s"), total("encoder_busy")
+    busy_n = sum(1 for s in samples if s.get("encoder_busy") is not None)
+    out: dict = {
+        "encoder_images_per_s": images,
+        "encoder_busy": busy / busy_n if busy is not None and busy_n else None,
+        "encode_s_per_image": busy / images if busy is not None and images else None,
+    }
+    for key in ("mm_embedding_cache", "mm_global_cache"):
+        hits, misses = total(f"{key}_hits_total"), total(f"{key}_misses_total")
+        lookups = (hits or 0.0) + (misses or 0.0)
+        out[f"{key}_hit_rate"] = hits / lookups if hits is not None and lookups else None
+    absent = {k: NOT_REPORTED for k, v in out.items() if v is None}
+    if out["encode_s_per_image"] is None and images == 0:
+        absent["encode_s_per_image"] = "no image encoded in the last interval"
+    if out["mm_global_cache_hit_rate"] is None and total("mm_global_cache_hits_total") is None:
+        absent["mm_global_cache_hit_rate"] = "no encoder runs with --enable-mm-global-cache"
+    out["absent"] = absent
+    return out
+
+
 def fleet_summary() -> dict:
     """Totals over every worker's latest sample, the same per pool (regular = mixed workers, prefill,
-    decode; each with `workers` and `reporting` counts and `ts`, its newest sample's time in epoch s or None),
+    decode; each with `workers` and `reporting` counts and `ts`, its newest sample's time in epoch s or None;
+    and ``encoder``, the EPD encoders, with `_encoder_totals` instead of KV figures),
     and one compact row per worker: its latest sample's gauges and, over the last `recent_window_s`
     (300 s, the worker page's latency window; `recent.latency`), `recent_ttft_p50_s` / `recent_itl_p50_s`
     (s; None without an observation) and `recent_requests` (first tokens in the window; None when the
@@ -91,11 +126,16 @@ def fleet_summary() -> dict:
     by_pool: dict[str, list[dict]] = {pool: [] for pool in POOLS.values()}
     with_l3: dict[str, list[dict]] = {pool: [] for pool in POOLS.values()}
     counts = dict.fromkeys(POOLS.values(), 0)
+    encoders: list[dict] = []
     for worker_id, name, state, role, storage_backend in workers:
         sample = latest.get(worker_id)
-        pool = POOLS.get(role, "regular")
-        counts[pool] += 1
-        if sample:
+        pool = ENCODER_POOL if role == ENCODER_POOL else POOLS.get(role, "regular")
+        if pool == ENCODER_POOL:
+            encoders += [sample] if sample else []
+            counts[pool] = counts.get(pool, 0) + 1
+        else:
+            counts[pool] += 1
+        if sample and pool != ENCODER_POOL:
             by_pool[pool].append(sample)
             if storage_backend:
                 with_l3[pool].append(sample)
@@ -111,6 +151,7 @@ def fleet_summary() -> dict:
                 "num_running_reqs": (sample or {}).get("num_running_reqs"),
                 "num_queue_reqs": (sample or {}).get("num_queue_reqs"),
                 "host_pool_use": (sample or {}).get("host_pool_use"),
+                "encoder_images_per_s": (sample or {}).get("encoder_images_per_s"),
                 "recent_ttft_p50_s": window["ttft_p50_s"],
                 "recent_itl_p50_s": window["itl_p50_s"],
                 "recent_requests": window["requests"],
@@ -125,6 +166,12 @@ def fleet_summary() -> dict:
             "ts": max((float(s["ts"]) for s in samples if s.get("ts")), default=None),
         }
         for pool, samples in by_pool.items()
+    }
+    pools[ENCODER_POOL] = {
+        **_encoder_totals(encoders),
+        "workers": counts.get(ENCODER_POOL, 0),
+        "reporting": len(encoders),
+        "ts": max((float(s["ts"]) for s in encoders if s.get("ts")), default=None),
     }
     return {
         "workers": rows,

@@ -99,6 +99,7 @@
     "%": function (v) { return v == null ? "–" : +(v * 100).toFixed(1) + " %"; },
     "s": function (v) { return v == null ? "–" : v < 1 ? +(v * 1000).toFixed(v < 0.01 ? 2 : 0) + " ms" : +v.toFixed(2) + " s"; },
     "tok/s": function (v) { return v == null ? "–" : si(v) + "tok/s"; },
+    "images/s": function (v) { return v == null ? "–" : si(v) + "images/s"; },
     "tok": function (v) { return v == null ? "–" : si(v) + "tok"; },
     "reqs": function (v) { return v == null ? "–" : String(Math.round(v)); },
     "count": function (v) { return v == null ? "–" : si(v).trim(); },

@@ -2,7 +2,7 @@
    each fleet.metrics push updates the live cells and pool cards in place and extends the sparklines. */
 KV.ready(function () {
   "use strict";
-  var POOL_TITLES = { regular: "Regular pool", prefill: "Prefill pool", decode: "Decode pool" };
+  var POOL_TITLES = { regular: "Regular pool", prefill: "Prefill pool", decode: "Decode pool", encoder: "Encoder pool" };
   var SPARK_S = 300;
   var workers = [], hostNames = {}, rows = {}, cards = {}, spark = {};
   var tplWorker = KV.$("#tpl-worker"), tplPool = KV.$("#tpl-pool");
@@ -39,6 +39,11 @@ KV.ready(function () {
       p.cached_rate = p.reporting ? p.cached_tokens_per_s : null;
       p.absent = Object.assign({ cached_rate: (p.absent || {}).cached_tokens_per_s }, p.absent);
       p.pool = pool; p.title = POOL_TITLES[pool] || pool;
+      if (pool === "encoder") {  // EPD encoders: image figures, no KV figures and no token sparklines
+        if (!cards[pool]) KV.$("#pools").appendChild(cards[pool] = KV.fill(KV.$("#tpl-encoder-pool"), p));
+        else KV.fill(cards[pool], p);
+        return;
+      }
       if (!cards[pool]) {
         cards[pool] = KV.fill(tplPool, p);
         KV.$("#pools").appendChild(cards[pool]);
@@ -67,6 +72,7 @@ KV.ready(function () {
      on a PD prefill worker, which records no latency; the cells' title says which. */
   function latencyCells(w, live, windowS) {
     var span = "the last " + Math.round(windowS / 60) + " min";
+    if (w.role === "encoder") return { ttft_text: "–", itl_text: "–", latency_title: "an EPD encoder serves no tokens: it encodes images for prefill workers" };
     if (w.role === "prefill") return { ttft_text: "–", itl_text: "–", latency_title: "a PD prefill worker records no TTFT / ITL: see its decode workers" };
     if (live.recent_requests == null) return { ttft_text: "–", itl_text: "–", latency_title: "fewer than two samples in " + span };
     if (!live.recent_requests) return { ttft_text: "no requests", itl_text: "", latency_title: "no request in " + span, no_requests: true };

@@ -4,7 +4,10 @@
    worker's cumulative histogram buckets, KV.pools; none on a PD prefill worker, whose page has a note
    instead), prefetch in flight = issued - completed - timed out - revoked. The L3 breaker fact shows the
    newest sample's breaker state and counters; the tenant table its per-tenant cached tokens (named where
-   the worker's tenants file names the label). */
+   the worker's tenants file names the label). An EPD encoder's page has its own charts instead (its
+   template has #chart-images): images/s and encode seconds per second (10 s rates), mean encode time per
+   image (encode seconds over images encoded in the last 10 s) and the local / global embedding cache hit
+   rates (hits over lookups in the last 60 s); an encoder reports no KV figure. */
 KV.ready(function () {
   "use strict";
   var HIT_WINDOW_S = 60, RATE_WINDOW_S = 10, LATENCY_WINDOW_S = 300, MAX_SAMPLES = 1800;
@@ -12,7 +15,13 @@ KV.ready(function () {
   var TIER_LABELS = ["L1 device", "L2 host", "L3 storage"];
   var BREAKER_STATES = ["closed", "half_open", "open"];
   var samples = [], lastSeq = 0;
-  var charts = {
+  var ENCODER = !!KV.$("#chart-images");
+  var charts = ENCODER ? {
+    images: KV.chart(KV.$("#chart-images"), { series: [{ label: "images/s" }], unit: "images/s", gaps: true }),
+    encode: KV.chart(KV.$("#chart-encode"), { series: [{ label: "mean per image" }], unit: "s", gaps: true }),
+    busy: KV.chart(KV.$("#chart-busy"), { series: [{ label: "busy" }], unit: "%", gaps: true }),
+    mmHits: KV.chart(KV.$("#chart-mm-hits"), { series: [{ label: "local LRU" }, { label: "global (Mooncake)" }], unit: "%", gaps: true, range01: true })
+  } : {
     cached: KV.chart(KV.$("#chart-cached"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "tok/s", gaps: true, stacked: true }),
     hits: KV.chart(KV.$("#chart-hits"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "%", gaps: true, range01: true }),
     ttft: KV.$("#chart-ttft") && KV.chart(KV.$("#chart-ttft"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s", gaps: true }),
@@ -58,7 +67,34 @@ KV.ready(function () {
     });
     return out;
   }
+  /* per sample, f(oldest sample within windowS before it, the sample); null for the first of a run */
+  function windowed(list, windowS, f) {
+    var j = 0;
+    return list.map(function (s, i) {
+      while (j < i - 1 && s.ts - list[j + 1].ts >= windowS) j++;
+      return i > 0 ? f(list[j], s) : null;
+    });
+  }
+  function ratio(num, den) { return num != null && den != null && den > 0 ? num / den : null; }
+  function encoderFigures(list) {
+    var hitRate = function (cache) {
+      return windowed(list, HIT_WINDOW_S, function (a, b) {
+        var h = delta(a, b, cache + "_hits_total"), m = delta(a, b, cache + "_misses_total");
+        return h == null || m == null ? null : ratio(h, h + m);
+      });
+    };
+    return {
+      xs: col(list, "ts"),
+      images: [rate(list, "encoder_images_total")],
+      encode: [windowed(list, RATE_WINDOW_S, function (a, b) {
+        return ratio(delta(a, b, "encoder_encode_seconds_total"), delta(a, b, "encoder_images_total"));
+      })],
+      busy: [rate(list, "encoder_encode_seconds_total")],
+      mmHits: [hitRate("mm_embedding_cache"), hitRate("mm_global_cache")]
+    };
+  }
   function figures(list) {  // every chart's series over one run of samples
+    if (ENCODER) return encoderFigures(list);
     var shares = TIERS.map(function () { return []; });
     var j = 0;
     list.forEach(function (s, i) {
@@ -86,7 +122,7 @@ KV.ready(function () {
       reqs: [col(list, "num_running_reqs"), col(list, "num_queue_reqs")]
     };
   }
-  var CHARTS = ["cached", "hits", "ttft", "itl", "pool", "bw", "prefetch", "reqs"];
+  var CHARTS = ENCODER ? ["images", "encode", "busy", "mmHits"] : ["cached", "hits", "ttft", "itl", "pool", "bw", "prefetch", "reqs"];
   function redraw() {
     var all = null;
     runs().forEach(function (list) {
@@ -103,6 +139,7 @@ KV.ready(function () {
     var last = samples[samples.length - 1], count = function (v) { return v == null ? "–" : KV.fmt(v, "count"); };
     showBreaker(last);
     showTenants(last);
+    if (ENCODER) return;
     var inflight = all.prefetch[3][all.prefetch[3].length - 1];
     KV.$("#prefetch-balance").textContent = last ? "Issued " + count(last.prefetch_started_total) + " = completed " +
       count(last.prefetch_completed_total) + " + timed out " + count(last.prefetch_timeout_total) +
