@@ -8,8 +8,8 @@ on the caller's (scheduler) thread; the controller threads only copy data and re
 queues drained by ``check_hicache_events``. With ``enable_hierarchical=False`` this is a plain L1 radix
 cache (no host pool, no storage): eviction deletes nodes and nothing is ever loaded back. Behaviour
 follows docs/upstream.md H1-H3 and H7. L3 -> L2 prefetch state is an owned
-:class:`~engine.cache.prefetcher.Prefetcher`; the storage admin methods live in :mod:`engine.cache.admin`
-(a mixin).
+:class:`~engine.cache.prefetcher.Prefetcher` (``cache.prefetcher``) and the attached L3 backend an owned
+:class:`~engine.cache.admin.StorageAttachment` (``cache.storage``: attach, detach, clear, backups).
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from typing import NamedTuple
 
 import torch
 
-from engine.cache.admin import CacheAdminError, StorageAdminMixin
+from engine.cache.admin import POLICY_FIELDS, CacheAdminError, StorageAttachment
 from engine.cache.allocator import PageAllocator
 from engine.cache.config import (
     HiCacheConfig,
 )
 from engine.cache.controller import (
     BackupDone,
-    BackupOperation,
     HiCacheController,
     PrefetchRevoked,
     WriteDone,
@@ -36,13 +35,11 @@ from engine.cache.controller import (
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool, host_pool_tokens
 from engine.cache.io_backends import get_io_backend, resolve_layout
-from engine.cache.keys import page_hashes, salted_namespace
 from engine.cache.policy import LOAD_BACK_THRESHOLD, CachePolicy
 from engine.cache.prefetcher import Prefetcher
 from engine.cache.radix_tree import HiRadixTree, TreeNode
 from engine.cache.ranks import Reduce, identity_reduce, make_reduce
 from engine.cache.stats import CacheStats
-from engine.cache.storage.base import HiCacheStorage
 from engine.cache.tenant_caps import TenantCaps
 
 __all__ = ["LOAD_BACK_THRESHOLD", "HiRadixCache", "InsertResult", "MatchResult"]
@@ -80,7 +77,7 @@ class InsertResult(NamedTuple):
         return torch.cat(values[::-1]) if values else _EMPTY
 
 
-class HiRadixCache(StorageAdminMixin):
+class HiRadixCache:
     """Hierarchical radix cache over ``device_pool``: the policy's live executor (the method list:
     docs/architecture.md, the cache).
 
@@ -140,15 +137,11 @@ class HiRadixCache(StorageAdminMixin):
         self._stats = CacheStats()
         self.host_pool: HostKVPool | None = None
         self.controller: HiCacheController | None = None
-        self.backend_name: str | None = None
-        self.backend: HiCacheStorage | None = None
-        self.storage_paused = None  # the backend while a clear runs (StorageAdminMixin)
         self._ids = itertools.count()
         self._ongoing_write: dict[int, TreeNode] = {}
         self._ongoing_load: dict[int, TreeNode] = {}
         self.prefetcher = Prefetcher(self)
-        self._backups_inflight = 0
-        self.backend_attached_extra: dict | None = None
+        self.storage = StorageAttachment(self)
         self.reduce: Reduce = reduce or identity_reduce
         if not enable_hierarchical:
             self.config = config
@@ -170,7 +163,7 @@ class HiRadixCache(StorageAdminMixin):
         self._stats.host_total_tokens = self.host_pool.size
         if config.storage_backend:
             try:
-                self._install(self.prepare_storage_backend(config.storage_backend, config.extra_config), {})
+                self.storage.install(self.storage.prepare(config.storage_backend, config.extra_config), {})
             except CacheAdminError as exc:
                 self.close()
                 raise ValueError(f"hicache_storage_backend {config.storage_backend!r}: {exc}") from exc
@@ -308,8 +301,8 @@ class HiRadixCache(StorageAdminMixin):
         """Synchronous L1 -> L2 copy (write-back), then the L3 backup when a backend is on."""
         self.controller.io.backup(node.value, node.host_value)
         self._stats.add(bytes_d2h=len(node.host_value) * self.device_pool.bytes_per_token)
-        if self.backend is not None and self.policy.admit_to_l3(node):
-            self._backup_to_storage(node)
+        if self.storage.backend is not None and self.policy.admit_to_l3(node):
+            self.storage.backup(node)
 
     def load_to_device(self, chain: list[TreeNode], device: torch.Tensor) -> None:
         """Queue the L2 -> L1 copy (started by ``ready_to_load_host_cache``); the deepest node stays
@@ -322,12 +315,12 @@ class HiRadixCache(StorageAdminMixin):
         self._stats.add(load_back_tokens=len(device))
 
     def node_added(self, node: TreeNode) -> None:
-        if self.backend is not None:
-            self._ensure_hashes(node)
+        if self.storage.backend is not None:
+            self.storage.ensure_hashes(node)
 
     def backup_to_l3(self, node: TreeNode) -> None:
-        if self.backend is not None:
-            self._backup_to_storage(node)
+        if self.storage.backend is not None:
+            self.storage.backup(node)
 
     def evicted(self, tier: str, units: int, seconds: float) -> None:
         if tier == "host":
@@ -347,10 +340,10 @@ class HiRadixCache(StorageAdminMixin):
             covered.append(walk)
             walk = walk.parent
         self.tree.dec_lock_ref(node)
-        if self.backend is not None:
+        if self.storage.backend is not None:
             for part in reversed(covered):
                 if self.policy.admit_to_l3(part):
-                    self._backup_to_storage(part)
+                    self.storage.backup(part)
 
     def ready_to_load_host_cache(self) -> None:
         """Start the queued loads (call right before the forward pass)."""
@@ -395,16 +388,18 @@ class HiRadixCache(StorageAdminMixin):
             else:
                 for lid in event.ids:
                     self.tree.dec_lock_ref(self._ongoing_load.pop(lid))
-        self._apply_storage_events(self.reduce)
+        self.apply_storage_events(self.reduce)
 
-    def _apply_storage_events(self, reduce: Reduce) -> None:
+    def apply_storage_events(self, reduce: Reduce) -> None:
+        """Process the storage threads' events (revoked prefetches, finished backups, released host slots),
+        counted by every rank through ``reduce``."""
         for event in self.controller.storage_events(reduce):
             if isinstance(event, PrefetchRevoked):
                 if self.prefetcher.revoked(event.op):
                     self._stats.add(prefetch_revoked=1)
             elif isinstance(event, BackupDone):
                 self.tree.release_host(event.op.payload)
-                self._backups_inflight -= 1
+                self.storage.backups_inflight -= 1
                 self._stats.add(backuped_tokens=event.op.completed_tokens)
             else:
                 self.host_pool.free(event.slots)
@@ -419,7 +414,7 @@ class HiRadixCache(StorageAdminMixin):
             "writes": c["writes"],
             "loads": c["loads"],
             "prefetches": len(self.prefetcher.ongoing) + c["prefetch_io"] + c_queues,
-            "backups": self._backups_inflight,
+            "backups": self.storage.backups_inflight,
         }
 
     def is_io_idle(self) -> bool:
@@ -442,33 +437,47 @@ class HiRadixCache(StorageAdminMixin):
                 raise TimeoutError(f"cache I/O still in flight after {timeout}s: {io}")
             time.sleep(0.0005)
 
-    # -- L2 -> L3 --------------------------------------------------------------------------------------------
-    def _ensure_hashes(self, node: TreeNode) -> None:
-        """Fill in missing page keys of ``node`` and its ancestors (chained from the root, whose children
-        seed the chain with their salt's namespace)."""
-        missing = []
-        while node.hash_value is None:
-            missing.append(node)
-            node = node.parent
-        for part in reversed(missing):
-            prior = part.parent.get_last_hash_value()
-            seed = salted_namespace(self.controller.namespace, part.salt)
-            part.hash_value = page_hashes(part.key, self.page_size, prior, seed)
+    # -- runtime settings ------------------------------------------------------------------------------------
+    def update_policies(self, **fields) -> dict:
+        """Change prefetch/write policies, threshold, timeouts, eviction or admission at runtime; returns
+        ``storage_status()``.
 
-    def _prefix_keys(self, node: TreeNode) -> list[str] | None:
-        if not self.config.pass_prefix_keys:
-            return None
-        keys: list[str] = []
-        for part in reversed(self.tree.path_to_root(node)):
-            keys.extend(part.hash_value or [])
-        return keys
+        Raises ``CacheAdminError`` naming a bad field or value, or while cache I/O is in flight.
+        """
+        unknown = [k for k in fields if k not in POLICY_FIELDS]
+        if unknown:
+            raise CacheAdminError(
+                f"{unknown[0]}: not a runtime HiCache setting (use {', '.join(POLICY_FIELDS)})"
+            )
+        try:
+            config = self.config.updated(**fields)
+        except ValueError as exc:
+            raise CacheAdminError(str(exc)) from exc
+        self.storage.check_idle("update")
+        assert self.controller is not None  # check_idle refuses without one
+        self.config = config
+        self.controller.set_prefetch_threshold(config.prefetch_threshold)
+        return self.storage_status()
 
-    def _backup_to_storage(self, node: TreeNode) -> None:
-        self._ensure_hashes(node)
-        self.tree.protect_host(node)
-        self._backups_inflight += 1
-        prefix = self._prefix_keys(node.parent)
-        self.controller.backup_storage(BackupOperation(node.host_value, list(node.hash_value), node, prefix))
+    def storage_status(self) -> dict:
+        """Live HiCache storage settings under SGLang's names."""
+        cfg = self.config
+        name = self.storage.name
+        return {
+            "hicache_storage_backend": name,
+            "hicache_storage_backend_extra_config": dict(cfg.extra_config) if name else None,
+            "hicache_storage_prefetch_policy": cfg.prefetch_policy,
+            "hicache_write_policy": cfg.write_policy,
+            "hicache_mem_layout": cfg.mem_layout,
+            "hicache_io_backend": cfg.io_backend,
+            "prefetch_threshold": cfg.prefetch_threshold,
+            "prefetch_timeout_base": cfg.prefetch_timeout_base,
+            "prefetch_timeout_per_ki_token": cfg.prefetch_timeout_per_ki_token,
+            "prefetch_timeout_max": cfg.prefetch_timeout_max,
+            "radix_eviction_policy": cfg.eviction_policy,
+            "l2_admission": cfg.l2_admission,
+            "l3_admission": cfg.l3_admission,
+        }
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -488,8 +497,5 @@ class HiRadixCache(StorageAdminMixin):
         """Stop the I/O threads and close the storage backend."""
         if self.controller is None:
             return
-        backend = self.backend
         self.controller.close()
-        if backend is not None:
-            backend.close()
-        self.backend = self.backend_name = None
+        self.storage.close()

@@ -47,7 +47,7 @@ class Prefetcher:
         pool has no room.
         """
         cache = self.cache
-        if cache.backend is None or rid in self.ongoing:
+        if cache.storage.backend is None or rid in self.ongoing:
             return
         health = cache.controller.health
         if health is not None and health.skipping():  # L3 breaker open: a miss now, no host slots reserved
@@ -65,13 +65,13 @@ class Prefetcher:
         if host is None:
             return
         if last_host_node is not cache.tree.root:
-            cache._ensure_hashes(last_host_node)
+            cache.storage.ensure_hashes(last_host_node)
         op = PrefetchOperation(
             rid,
             tokens,
             host,
             last_host_node.get_last_hash_value(),
-            cache._prefix_keys(last_host_node),
+            cache.storage.prefix_keys(last_host_node),
             salt=salt,
         )
         self.ongoing[rid] = Prefetch(last_host_node, op)

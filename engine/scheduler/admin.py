@@ -40,26 +40,26 @@ def handle(sched, msg: AdminMsg) -> object:
             return None
         case AttachStorage():
             _require_idle_for_storage(sched, "attach")
-            message = cache.attach_storage_backend(
+            message = cache.storage.attach(
                 msg.backend,
                 msg.extra_config,
                 prefetch_policy=msg.prefetch_policy,
                 write_policy=msg.write_policy,
             )
-            return message, cache.storage_backend_status()
+            return message, cache.storage.backend_status()
         case DetachStorage():
             _require_idle_for_storage(sched, "detach")
-            return cache.take_storage_backend()
+            return cache.storage.take()
         case PauseStorage():
             _require_idle_for_storage(sched, "clear")
-            return cache.pause_storage_backend()
+            return cache.storage.pause()
         case ResumeStorage(paused=paused):
-            return cache.resume_storage_backend(paused)
+            return cache.storage.resume(paused)
         case UpdatePolicies(fields=fields):
             _require_idle_for_storage(sched, "config update")
             return cache.update_policies(**fields)
         case ReadStorage(what="backend"):
-            return cache.storage_backend_status()
+            return cache.storage.backend_status()
         case ReadStorage(what="config"):
             return cache.storage_status()
     raise TypeError(f"not an admin message: {msg!r}")

@@ -43,7 +43,7 @@ class SwitchRole:
 @dataclass(frozen=True)
 class AttachStorage:
     """*Idle* (``attach``): attach an L3 backend (a name, or one prepared off the scheduler thread) with the
-    given policies. Result: ``(message | None, storage_backend_status())``."""
+    given policies. Result: ``(message | None, cache.storage.backend_status())``."""
 
     backend: object
     extra_config: str | None = None
@@ -80,7 +80,7 @@ class UpdatePolicies:
 
 @dataclass(frozen=True)
 class ReadStorage:
-    """Read the live L3 state: ``backend`` (``storage_backend_status()``) or ``config``
+    """Read the live L3 state: ``backend`` (``cache.storage.backend_status()``) or ``config``
     (``storage_status()``)."""
 
     what: Literal["backend", "config"]

@@ -691,7 +691,7 @@ class Scheduler:
             "inflight_cache_io": dict(cache.inflight_io()),
             "is_idle": self.is_idle(),
             "hicache": status,
-            "storage_health": cache.storage_health() if self.hierarchical else None,
+            "storage_health": cache.storage.health() if self.hierarchical else None,
             "cache_stats": cache.stats.snapshot(),
             "tenant_usage": cache.tenant_usage() if self.hierarchical else {},
             "num_used_tokens": self.pool.size

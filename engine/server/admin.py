@@ -120,9 +120,9 @@ async def attach_backend(request: Request):
     prefetch, write = req.hicache_storage_prefetch_policy, req.hicache_write_policy
     cache = engine.scheduler.cache
     prepared = None
-    if cache.backend_name is None:  # start the backend here, off the scheduler thread (it may be slow)
+    if cache.storage.name is None:  # start the backend here, off the scheduler thread (it may be slow)
         try:
-            prepared = await asyncio.to_thread(cache.prepare_storage_backend, name, extra)
+            prepared = await asyncio.to_thread(cache.storage.prepare, name, extra)
         except CacheAdminError as exc:
             raise HTTPError(400, f"{failure}\n{exc}") from None
 
@@ -130,7 +130,7 @@ async def attach_backend(request: Request):
     try:
         message, live = await _run_idle(engine, attach, failure)
     except BaseException:
-        if prepared is not None and cache.backend is not prepared.instance:
+        if prepared is not None and cache.storage.backend is not prepared.instance:
             await asyncio.to_thread(prepared.close)
         raise
     a = engine.args  # /server_info's launch-args view follows the live cache

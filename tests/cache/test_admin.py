@@ -24,7 +24,7 @@ def test_attach_fills_in_page_keys_of_existing_nodes(make_cache, tmp_path):
     prefill(cache, T)
     cache.drain_io()
     assert all(n.hash_value is None for n in cache.tree.nodes())
-    cache.attach_storage_backend("file", _file_json(tmp_path))
+    cache.storage.attach("file", _file_json(tmp_path))
     expected = page_hashes(T, 4, None, cache.controller.namespace)
     upper = cache.tree.root.children[(1, 2, 3, 4)]
     lower = next(iter(upper.children.values()))
@@ -37,40 +37,40 @@ def test_attach_rejects_bad_policy_and_config_without_changes(make_cache, tmp_pa
     cache = make_cache()
     before = cache.storage_status()
     with pytest.raises(CacheAdminError, match="hicache_storage_prefetch_policy"):
-        cache.attach_storage_backend("file", _file_json(tmp_path), prefetch_policy="eager")
+        cache.storage.attach("file", _file_json(tmp_path), prefetch_policy="eager")
     with pytest.raises(CacheAdminError, match="hicache_write_policy"):
-        cache.attach_storage_backend("file", _file_json(tmp_path), write_policy="write_around")
+        cache.storage.attach("file", _file_json(tmp_path), write_policy="write_around")
     with pytest.raises(CacheAdminError, match="invalid JSON"):
-        cache.attach_storage_backend("file", "{oops")
+        cache.storage.attach("file", "{oops")
     with pytest.raises(CacheAdminError, match="prefetch_threshold"):
-        cache.attach_storage_backend("file", json.dumps({"prefetch_threshold": "256"}))
+        cache.storage.attach("file", json.dumps({"prefetch_threshold": "256"}))
     with pytest.raises(CacheAdminError, match="class_name"):
-        cache.attach_storage_backend("dynamic", json.dumps({"backend_name": "x", "module_path": "os"}))
+        cache.storage.attach("dynamic", json.dumps({"backend_name": "x", "module_path": "os"}))
     with pytest.raises(CacheAdminError, match="registered backends"):
-        cache.attach_storage_backend("nosuch")
-    assert cache.storage_status() == before and cache.backend is None
+        cache.storage.attach("nosuch")
+    assert cache.storage_status() == before and cache.storage.backend is None
 
 
 def test_attach_and_detach_refused_while_io_in_flight(make_cache, tmp_path):
     cache = make_cache(write_policy="write_through")
     prefill(cache, T)  # an unacknowledged write
     with pytest.raises(CacheAdminError, match="Reject attach: cache I/O in flight"):
-        cache.attach_storage_backend("file", _file_json(tmp_path))
-    assert cache.backend is None
+        cache.storage.attach("file", _file_json(tmp_path))
+    assert cache.storage.backend is None
     cache.drain_io()
-    cache.attach_storage_backend("file", _file_json(tmp_path))
+    cache.storage.attach("file", _file_json(tmp_path))
     prefill(cache, list(range(40, 48)))
     with pytest.raises(CacheAdminError, match="Reject detach"):
-        cache.detach_storage_backend()
+        cache.storage.detach()
     assert cache.storage_status()["hicache_storage_backend"] == "file"
     cache.drain_io()
-    cache.detach_storage_backend()
+    cache.storage.detach()
 
 
 def test_same_backend_updates_policies_other_backend_needs_detach(make_cache, tmp_path):
     cache = make_cache()
-    assert "Attached" in cache.attach_storage_backend("file", _file_json(tmp_path))
-    msg = cache.attach_storage_backend("file", prefetch_policy="timeout", write_policy="write_back")
+    assert "Attached" in cache.storage.attach("file", _file_json(tmp_path))
+    msg = cache.storage.attach("file", prefetch_policy="timeout", write_policy="write_back")
     assert "policies updated" in msg
     status = cache.storage_status()
     assert (
@@ -78,18 +78,18 @@ def test_same_backend_updates_policies_other_backend_needs_detach(make_cache, tm
         and status["hicache_write_policy"] == "write_back"
     )
     with pytest.raises(CacheAdminError, match="Detach first"):
-        cache.attach_storage_backend(MemoryBackend())
+        cache.storage.attach(MemoryBackend())
     assert cache.storage_status() == status
 
 
 def test_detach_is_idempotent_keeps_l3_l1_l2_and_policies(make_cache, tmp_path):
     cache = make_cache(prefetch_policy="wait_complete")
-    cache.attach_storage_backend("file", _file_json(tmp_path))
+    cache.storage.attach("file", _file_json(tmp_path))
     prefill(cache, T)
     cache.drain_io()
     hashes = cache.match_prefix(T).last_device_node.hash_value
-    assert "Detached" in cache.detach_storage_backend()
-    assert cache.detach_storage_backend() == "no storage backend attached"
+    assert "Detached" in cache.storage.detach()
+    assert cache.storage.detach() == "no storage backend attached"
     status = cache.storage_status()
     assert status["hicache_storage_backend"] is None
     assert status["hicache_storage_prefetch_policy"] == "wait_complete"
@@ -104,11 +104,11 @@ def test_detach_is_idempotent_keeps_l3_l1_l2_and_policies(make_cache, tmp_path):
 def test_clear_and_update_policies(make_cache, tmp_path):
     cache = make_cache()
     with pytest.raises(CacheAdminError, match="no storage backend"):
-        cache.clear_storage_backend()
-    cache.attach_storage_backend("file", _file_json(tmp_path))
+        cache.storage.clear()
+    cache.storage.attach("file", _file_json(tmp_path))
     prefill(cache, T)
     cache.drain_io()
-    cache.clear_storage_backend()
+    cache.storage.clear()
     assert not list(tmp_path.glob("*.bin"))
     status = cache.update_policies(prefetch_threshold=64, prefetch_timeout_max=5.0)
     assert status["prefetch_threshold"] == 64 and cache.controller.prefetch_threshold == 64
@@ -123,16 +123,16 @@ def test_clear_pauses_l3_io_while_the_store_is_wiped_elsewhere(make_cache, tmp_p
     """The server wipes the store off the scheduler thread: meanwhile the backend stays attached as far as
     anyone can tell, no request reads or writes L3, other admin calls are refused; then it resumes."""
     cache = make_cache()
-    cache.attach_storage_backend("file", _file_json(tmp_path))
+    cache.storage.attach("file", _file_json(tmp_path))
     prefill(cache, T)
     cache.drain_io()
-    status = cache.storage_backend_status()
-    paused = cache.pause_storage_backend()
-    assert cache.storage_backend_status() == status  # still attached
+    status = cache.storage.backend_status()
+    paused = cache.storage.pause()
+    assert cache.storage.backend_status() == status  # still attached
     for admin in (
-        cache.detach_storage_backend,
-        cache.clear_storage_backend,
-        lambda: cache.attach_storage_backend("file"),
+        cache.storage.detach,
+        cache.storage.clear,
+        lambda: cache.storage.attach("file"),
     ):
         with pytest.raises(CacheAdminError, match="a clear of storage backend 'file' is running"):
             admin()
@@ -140,19 +140,19 @@ def test_clear_pauses_l3_io_while_the_store_is_wiped_elsewhere(make_cache, tmp_p
     prefill(cache, list(range(40, 48)))  # served meanwhile, without L3
     cache.drain_io()
     assert not list(tmp_path.glob("*.bin"))
-    cache.resume_storage_backend(paused)
-    assert cache.storage_backend_status() == status
+    cache.storage.resume(paused)
+    assert cache.storage.backend_status() == status
     prefill(cache, list(range(60, 68)))
     cache.drain_io()
     assert len(list(tmp_path.glob("*.bin"))) == 2  # backups flow again
-    assert "Detached" in cache.detach_storage_backend()
+    assert "Detached" in cache.storage.detach()
     check_invariants(cache)
 
 
 def test_plain_cache_refuses_storage_admin(make_cache):
     cache = make_cache(hierarchical=False)
     with pytest.raises(CacheAdminError, match="not enabled"):
-        cache.attach_storage_backend("file")
+        cache.storage.attach("file")
 
 
 def test_bad_startup_backend_is_a_value_error():

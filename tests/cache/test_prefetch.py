@@ -22,7 +22,7 @@ def l3_cache(make_cache):
         cfg.setdefault("prefetch_threshold", 8)
         cache = make_cache(device_tokens=128, **cfg)
         backend = MemoryBackend()
-        cache.attach_storage_backend(backend)
+        cache.storage.attach(backend)
         prefill(cache, T)
         cache.drain_io()
         assert cache.stats.backuped_tokens == 64

@@ -137,7 +137,7 @@ def test_random_operation_sequences_keep_invariants_and_kv(setup, steps):  # noq
     pool = DeviceKVPool(32, setup.pop("page_size"), LAYERS, HEADS, HEAD_DIM)
     config = HiCacheConfig(ratio=3.0, prefetch_threshold=2, prefetch_timeout_base=0.001, **setup)
     cache = HiRadixCache(pool, config, model_name="prop")
-    cache.attach_storage_backend(MemoryBackend())
+    cache.storage.attach(MemoryBackend())
     # Pin a random third of the host pages so host allocations come in several runs (fragmented L2).
     held = _hold_random_host_pages(cache, seed)
     rids: list[str] = []

@@ -50,7 +50,7 @@ def test_salted_nodes_split_and_evict_inside_their_key_space(make_cache):
 def test_l3_keys_are_seeded_by_the_salt_and_prefetch_stays_in_its_space(make_cache):
     cache = make_cache(device_tokens=128, prefetch_threshold=8, prefetch_policy="wait_complete")
     backend = MemoryBackend()
-    cache.attach_storage_backend(backend)
+    cache.storage.attach(backend)
     prefill(cache, T)
     prefill(cache, T, salt="a")
     cache.drain_io()

@@ -64,7 +64,7 @@ def test_observations_from_many_threads_are_all_counted():
 
 def test_cache_operations_record_their_histograms(make_cache):
     cache = make_cache(device_tokens=128, prefetch_threshold=8, prefetch_policy="wait_complete")
-    cache.attach_storage_backend(MemoryBackend())
+    cache.storage.attach(MemoryBackend())
     name = "MemoryBackend"
     prefill(cache, T)
     cache.drain_io()  # L1 -> L2 copy, then one 16-page L2 -> L3 batch

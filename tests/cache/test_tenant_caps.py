@@ -62,20 +62,22 @@ def test_write_back_evictions_keep_a_tenant_at_its_cap_with_its_newest_pages(mak
 
 def test_a_tenant_stops_being_backed_up_at_its_l3_page_cap_until_the_store_is_cleared(make_cache, tmp_path):
     cache = make_cache(tenant_caps=TenantCaps({"t": TenantCap(l3_pages=4)}))
-    cache.attach_storage_backend("file", json.dumps({"file_path": str(tmp_path)}))
+    cache.storage.attach("file", json.dumps({"file_path": str(tmp_path)}))
     ns = cache.controller.namespace
     for tokens, salt in ((A, "t"), (B, "t"), (C, "t"), (U, "u")):
         prefill(cache, tokens, salt=salt)
     cache.drain_io()
 
     def stored(tokens, salt):
-        return [cache.backend.exists(k) for k in page_hashes(tokens, 4, None, salted_namespace(ns, salt))]
+        return [
+            cache.storage.backend.exists(k) for k in page_hashes(tokens, 4, None, salted_namespace(ns, salt))
+        ]
 
     assert stored(A, "t") == stored(B, "t") == [True, True]
     assert stored(C, "t") == [False, False] and all(stored(U, "u"))
     usage = cache.tenant_usage()["t"]
     assert (usage["l3_pages_sent"], usage["l3_skipped_pages"]) == (4, 2)
-    cache.clear_storage_backend()
+    cache.storage.clear()
     assert cache.tenant_usage()["t"]["l3_pages_sent"] == 0
     cache.evict(1000)
     prefill(cache, C, salt="t")  # L2 hit loaded back; a fresh page after the clear goes out again

@@ -236,7 +236,7 @@ def test_storage_calls_get_prefix_keys_when_asked(make_cache):
 
     cache = make_cache(prefetch_threshold=4)
     backend = Recording()
-    cache.attach_storage_backend(backend, json.dumps({"hicache_storage_pass_prefix_keys": True}))
+    cache.storage.attach(backend, json.dumps({"hicache_storage_pass_prefix_keys": True}))
     prefill(cache, T[:8])
     cache.drain_io()
     anchor = cache.match_prefix(T).last_host_node

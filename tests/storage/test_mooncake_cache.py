@@ -104,9 +104,9 @@ def test_fresh_instance_reads_the_prefix_another_computed(master):
         assert prefetch(b, PREFIX, "r1") == len(PREFIX)
         assert_device_kv(b, PREFIX)
 
-        b.detach_storage_backend()
+        b.storage.detach()
         b.reset()
-        message = b.attach_storage_backend("mooncake", json.dumps(extra_for(master)))
+        message = b.storage.attach("mooncake", json.dumps(extra_for(master)))
         assert message == "Attached storage backend 'mooncake'"
         assert prefetch(b, PREFIX, "r2") == len(PREFIX), "pages survive detach and are found again"
         assert_device_kv(b, PREFIX)
@@ -120,13 +120,13 @@ def test_a_page_corrupted_in_the_store_ends_the_prefetch_with_correct_kv_before_
     try:
         serve_fresh(a, PREFIX)
         keys = page_hashes(PREFIX, PAGE, None, a.controller.namespace)
-        client = a.backend._store  # the store's own client writes page 8 wrong on purpose
+        client = a.storage.backend._store  # the store's own client writes page 8 wrong on purpose
         raw = bytearray(client.get(keys[8]))
         raw[len(raw) // 2] ^= 0x01
         client.remove(keys[8], True)
         assert client.put(keys[8], bytes(raw)) == 0
         assert prefetch(b, PREFIX, "r") == 8 * PAGE, "pages up to the corrupt one, nothing after"
-        assert b.backend.get_stats()["corrupt_pages"] == 1
+        assert b.storage.backend.get_stats()["corrupt_pages"] == 1
         assert_device_kv(b, PREFIX[: 8 * PAGE])  # exactly A's KV: the bad page was never used
     finally:
         a.close()
@@ -135,19 +135,19 @@ def test_a_page_corrupted_in_the_store_ends_the_prefetch_with_correct_kv_before_
 
 def test_breaker_opens_on_a_killed_master_and_closes_after_its_restart(master):
     a = new_cache(master)
-    metrics = EngineMetrics("m", lambda: {"storage_health": a.storage_health()})
+    metrics = EngineMetrics("m", lambda: {"storage_health": a.storage.health()})
     try:
         serve_fresh(a, PREFIX)
         a.reset()
         master.kill()
         for i in range(3):  # breaker_failures (3) failed hit queries in a row open it
             assert prefetch(a, PREFIX, f"dead{i}") == 0
-        assert a.storage_health()["state"] == "open"
+        assert a.storage.health()["state"] == "open"
         started = time.monotonic()
         assert prefetch(a, PREFIX, "open") == 0  # a miss at once: no store call
         assert time.monotonic() - started < 0.5
         serve_fresh(a, list(range(300, 332)))  # its backup is dropped and counted
-        health = a.storage_health()
+        health = a.storage.health()
         assert health["short_circuited"] >= 1 and health["dropped_backup_pages"] == 32 // PAGE
         text = metrics.render().decode()
         assert 'sglang:hicache_storage_breaker_state{model_name="m",storage_backend="mooncake"} 2.0' in text
@@ -155,7 +155,7 @@ def test_breaker_opens_on_a_killed_master_and_closes_after_its_restart(master):
         master.start(same_ports=True)  # a restarted master: its pages are gone, the client re-mounts
         deadline = time.monotonic() + 90
         while True:  # traffic: serve, back up, look up again until L3 hits return
-            assert time.monotonic() < deadline, a.storage_health()
+            assert time.monotonic() < deadline, a.storage.health()
             a.reset()
             serve_fresh(a, PREFIX)
             a.reset()
@@ -163,7 +163,7 @@ def test_breaker_opens_on_a_killed_master_and_closes_after_its_restart(master):
                 break
             time.sleep(0.5)
         assert_device_kv(a, PREFIX)
-        health = a.storage_health()
+        health = a.storage.health()
         assert health["state"] == "closed" and health["transitions"]["half_open"] >= 1
         text = metrics.render().decode()
         assert 'sglang:hicache_storage_breaker_state{model_name="m",storage_backend="mooncake"} 0.0' in text
@@ -181,7 +181,7 @@ def test_killed_master_gives_misses_and_counted_errors(master):
         started = time.monotonic()
         assert prefetch(a, PREFIX, "r") == 0, "no page from a dead store"
         assert time.monotonic() - started < 15
-        assert a.backend.get_stats()["errors"] >= 1
+        assert a.storage.backend.get_stats()["errors"] >= 1
         serve_fresh(a, PREFIX)  # the request is recomputed and served from L1
         assert a.match_prefix(PREFIX).device_indices.numel() == len(PREFIX)
     finally:

@@ -339,7 +339,7 @@ def test_hit_query_on_a_dead_store_is_a_counted_storage_error():
             assert exported in metrics.render().decode()
 
             cache.drain_io()
-            cache.detach_storage_backend()
+            cache.storage.detach()
             assert cache.stats.snapshot()["backend_errors"] == stats["backend_errors"], "kept after detach"
         finally:
             cache.close()
