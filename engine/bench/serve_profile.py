@@ -81,7 +81,7 @@ def scheduler_part(names: list[str]) -> str:
         return "loop other"
     if "ForwardBatch.for_decode" in names:
         return "decode: build ForwardBatch"
-    if "Scheduler._sample" in names:
+    if "BatchSampler.sample" in names:
         return "decode: sampling"
     if "Scheduler._forward" not in names:
         return "decode: per-request Python (append, stop checks, events)"

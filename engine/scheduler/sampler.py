@@ -10,13 +10,87 @@ Before that, ``adjust`` changes the logits as upstream's penalizers and logit bi
 by ``repetition_penalty``, a negative one multiplied), ``min_new_tokens`` (EOS and stop token ids get -inf
 until that many tokens were generated), then ``logit_bias`` added. ``logprobs`` gives the distribution a
 token was drawn from, the one its reported log-probability comes from.
+
+:class:`BatchSampler` is what the scheduler calls after a forward pass: grammar masks, ``adjust``,
+``sample`` and the output log-probabilities for a batch of requests, with a failure kept to the request
+whose row raised, and under tensor parallelism rank 0's tokens on every rank.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
+from engine.grammar.state import apply_vocab_masks
+from engine.scheduler.logprobs import read
 from engine.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.scheduler.req import Req
+    from engine.scheduler.tp_sync import TPSync
+
+logger = logging.getLogger(__name__)
+
+
+class BatchSampler:
+    """Picks one token per request from a batch's last-position logits.
+
+    ``eos_token_ids``: what ``min_new_tokens`` bans besides each request's stop ids. ``tp``: the tensor
+    parallel sync (None on one rank). ``abort(req, message)``: end ``req`` as an abort (called for a request
+    whose sampling failed here or on rank 0; it must do nothing for a finished request).
+    """
+
+    def __init__(
+        self, eos_token_ids: tuple[int, ...], tp: TPSync | None, abort: Callable[[Req, str], None]
+    ) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.tp = tp
+        self.abort = abort
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | None]:
+        """One token per request from ``logits`` ``(B, vocab)``. When the batch raises, rows are sampled one
+        by one and a request whose row raises is aborted alone (``None`` in its place). Under tensor
+        parallelism every rank takes rank 0's tokens."""
+        tokens = self._sample_here(logits, reqs)
+        if self.tp is None:
+            return tokens
+        agreed = self.tp.tokens(tokens)
+        for req, tok in zip(reqs, agreed, strict=True):
+            if tok is None:  # rank 0 aborted it
+                self.abort(req, "sampling failed on rank 0")
+        return agreed
+
+    def _sample_here(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | None]:
+        try:
+            return self.sample_rows(logits, reqs)
+        except Exception:
+            logger.exception("batched sampling failed; sampling rows one by one")
+        tokens: list[int | None] = []
+        for i, req in enumerate(reqs):
+            try:
+                tokens.append(self.sample_rows(logits[i : i + 1], [req])[0])
+            except Exception as exc:
+                logger.exception("request %s failed in sampling", req.rid)
+                self.abort(req, f"sampling failed: {exc}")
+                tokens.append(None)
+        return tokens
+
+    def sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+        """Mask (grammars), adjust (penalties, ``min_new_tokens``, logit bias), sample, and record the output
+        log-probability of each request that asked for it."""
+        params = [r.params for r in reqs]
+        logits = apply_vocab_masks(logits.float(), [r.grammar for r in reqs])  # constrained decoding
+        if any(p.adjusts_logits for p in params):
+            logits = adjust(logits.clone(), params, [r.output_ids for r in reqs], self.eos_token_ids)
+        tokens = sample(logits, params, [r.generator for r in reqs])
+        for i, req in enumerate(reqs):
+            if req.logprob is not None:
+                lp = logprobs(logits[i], req.params).unsqueeze(0)
+                req.logprob.output.extend(read(lp, [tokens[i]], req.logprob.want))
+        return tokens
 
 
 def sample(

@@ -10,8 +10,9 @@ policy (``PrefillManager``, ``engine/scheduler/prefill.py``: arrival order under
 admission) picks one, else one decode step of every running request (``DecodeManager``,
 ``engine/scheduler/decode.py``). Admission reserves L1 slots for the whole prompt plus ``max_new_tokens``
 (evicting unlocked cache nodes when short), so no request runs out of KV mid-way and nothing is ever
-retracted. The scheduler keeps what follows a forward pass: sampling, the prompt-done decision, appending
-tokens, finishing and reporting.
+retracted. After a forward pass a ``BatchSampler`` (``engine/scheduler/sampler.py``) picks the tokens, the
+scheduler makes the prompt-done decision, and ``Output`` (``engine/scheduler/output.py``) appends tokens,
+finishes requests and builds the events and the state snapshot.
 Prefix reuse: ``match_prefix`` gives the L1 hit; an L2 hit is loaded back with ``init_load_back`` before the
 forward pass (which waits per layer through ``cache.wait_layer``); an L3 prefetch is started when the request
 is queued and ``check_prefetch_progress`` decides when it may be scheduled (per the prefetch policy).
@@ -35,19 +36,19 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache.protocols import PrefixCache
-from engine.grammar.state import apply_vocab_masks
 from engine.model.forward_batch import ForwardBatch
 from engine.model.vlm.mm import batch_embeds
 from engine.scheduler import admin
 from engine.scheduler.decode import DecodeManager
+from engine.scheduler.inbox import Command, Inbox
 from engine.scheduler.kv_manager import KVManager
-from engine.scheduler.logprobs import LogprobState, read
 from engine.scheduler.messages import AbortReq, AdminMsg, NotIdleError
+from engine.scheduler.output import Output, prompt_rows, read_prompt_logprobs, refuse, snapshot
 from engine.scheduler.pd import DecodeQueues, PDHooks, PrefillQueues, make_queues
 from engine.scheduler.prefill import PrefillBudget, PrefillManager
 from engine.scheduler.protocols import Runner
-from engine.scheduler.req import Req, ReqOutput, ReqState
-from engine.scheduler.sampler import adjust, logprobs, sample
+from engine.scheduler.req import Req, ReqState
+from engine.scheduler.sampler import BatchSampler
 from engine.scheduler.tp_sync import TPSync
 
 logger = logging.getLogger(__name__)
@@ -68,14 +69,6 @@ class SchedulerConfig:
     max_running_requests: int = 256
     max_queued_requests: int | None = None  # None: unbounded (upstream's default)
     eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class _Command:
-    """An admin message (or, from ``call``, a function of the scheduler) and the future it answers."""
-
-    work: AdminMsg | Callable
-    future: concurrent.futures.Future
 
 
 class Scheduler:
@@ -122,13 +115,20 @@ class Scheduler:
         self.prefill = PrefillManager(budget, self.kv, self._decode_tokens, self._on_admit)
         self.decode = DecodeManager(config.eos_token_ids, detokenize)
         self.pd: PrefillQueues | DecodeQueues | None = None
-        self.pd_decode_offload = pd_decode_offload
+        self.output = Output(
+            self.reqs,
+            self.decode,
+            self.prefill,
+            self.kv,
+            pd=lambda: self.pd,
+            metrics=lambda: self.metrics,
+            pd_decode_offload=pd_decode_offload,
+        )
+        self.sampler = BatchSampler(config.eos_token_ids, tp, self.output.abort)
         if pd_mode in ("prefill", "decode"):
             self.attach_pd(pd_mode, pd_transfer)
-        self._inbox: queue.Queue = queue.Queue()
-        self._inbox_lock = threading.Lock()  # orders "put into the inbox" against "the loop has ended"
-        self._closed: str | None = None  # why the loop ended; set once, before the inbox is failed
-        self._in_hand: Req | _Command | None = None  # taken from the inbox, not yet fully handled
+        self._inbox = Inbox()
+        self._in_hand: Req | Command | None = None  # taken from the inbox, not yet fully handled
         self._accepted = 0  # requests the HTTP side holds (``accepted``); any thread, under the lock
         self._accepted_lock = threading.Lock()
         self._stop = threading.Event()
@@ -152,7 +152,7 @@ class Scheduler:
     def stop(self) -> None:
         """Stop the loop, wait for it (pending requests are aborted), then close the cache's I/O threads."""
         self._stop.set()
-        self._inbox.put(None)
+        self._inbox.wake()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         if self.pd is not None:
@@ -161,7 +161,7 @@ class Scheduler:
 
     def is_alive(self) -> bool:
         """True while the loop runs and accepts work (False from the moment it starts to shut down)."""
-        return self._thread.is_alive() and self._closed is None
+        return self._thread.is_alive() and self._inbox.closed is None
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the scheduler thread to end (crash or ``stop``); ``error`` then holds a crash's cause."""
@@ -175,7 +175,7 @@ class Scheduler:
     def submit(self, req: Req) -> None:
         """Queue ``req``; its events arrive through ``req.on_event`` (thread-safe). Once the loop has ended
         the request is finished at once with an abort whose ``status_code`` is 503."""
-        if not self._put(req):
+        if not self._inbox.put(req):
             self._reject(req)
 
     @contextlib.contextmanager
@@ -199,7 +199,7 @@ class Scheduler:
 
     def abort(self, rid: str) -> None:
         """Abort a request by id (client went away); unknown ids are ignored."""
-        self._put(AbortReq(rid))
+        self._inbox.put(AbortReq(rid))
 
     def post(self, msg: AdminMsg) -> concurrent.futures.Future:
         """Carry out the admin message ``msg`` on the scheduler thread between iterations; the future gets
@@ -214,23 +214,12 @@ class Scheduler:
 
     def _command(self, work: AdminMsg | Callable) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        if not self._put(_Command(work, fut)):
-            fut.set_exception(RuntimeError(f"scheduler thread is not running: {self._closed}"))
+        if not self._inbox.put(Command(work, fut)):
+            fut.set_exception(RuntimeError(f"scheduler thread is not running: {self._inbox.closed}"))
         return fut
 
-    def _put(self, item) -> bool:
-        """Put ``item`` into the inbox unless the loop has ended (then False): nothing put is ever stranded,
-        because the loop fails whatever is left in the inbox after marking itself closed."""
-        with self._inbox_lock:
-            if self._closed is not None:
-                return False
-            self._inbox.put(item)
-            return True
-
     def _reject(self, req: Req) -> None:
-        req.move(ReqState.ABORTED)
-        reason = {"type": "abort", "message": self._closed, "status_code": 503}
-        req.on_event(ReqOutput(req.rid, [], True, reason, {}))
+        refuse(req, {"type": "abort", "message": self._inbox.closed, "status_code": 503})
 
     # ----------------------------------------------------------------- for commands (scheduler thread)
     def is_idle(self) -> bool:
@@ -300,20 +289,20 @@ class Scheduler:
     def _drain_inbox(self, timeout: float | None) -> None:
         while True:
             try:
-                item = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+                item = self._inbox.get(timeout)
             except queue.Empty:
                 return
             timeout = None
             if item is None:
                 return
             self._in_hand = item
-            if isinstance(item, _Command):
+            if isinstance(item, Command):
                 if self.tp is not None and not callable(item.work) and not item.future.cancelled():
                     self.tp.announce(item.work, self._accepted)  # every rank carries it out, now
                 self._run_command(item)
                 self._publish()
             elif isinstance(item, AbortReq):
-                self._abort(item.rid)
+                self.output.cancel(item.rid)
                 if self.tp is not None:
                     self.tp.took(item)
             else:
@@ -322,7 +311,7 @@ class Scheduler:
                     self.tp.took(item)
             self._in_hand = None
 
-    def _run_command(self, cmd: _Command) -> None:
+    def _run_command(self, cmd: Command) -> None:
         if not cmd.future.set_running_or_notify_cancel():
             return
         self.busy_since = time.monotonic()
@@ -336,14 +325,10 @@ class Scheduler:
 
     def _enqueue(self, req: Req) -> None:
         if req.rid in self.reqs:
-            req.move(ReqState.ABORTED)
-            reason = {"type": "abort", "message": f"request id {req.rid!r} is already in use"}
-            req.on_event(ReqOutput(req.rid, [], True, reason, {}))
+            refuse(req, {"type": "abort", "message": f"request id {req.rid!r} is already in use"})
             return
         if self._queue_full(req):
-            req.move(ReqState.ABORTED)
-            reason = {"type": "abort", "message": QUEUE_FULL, "status_code": 503}
-            req.on_event(ReqOutput(req.rid, [], True, reason, {}))
+            refuse(req, {"type": "abort", "message": QUEUE_FULL, "status_code": 503})
             return
         self.reqs[req.rid] = req
         if req.bootstrap is None or self.pd is None:
@@ -353,9 +338,7 @@ class Scheduler:
             self.pd.add(req)
         except ValueError as exc:  # bad bootstrap values (the HTTP side checks them first)
             self.reqs.pop(req.rid, None)
-            req.move(ReqState.ABORTED)
-            reason = {"type": "abort", "message": str(exc), "status_code": 400}
-            req.on_event(ReqOutput(req.rid, [], True, reason, {}))
+            refuse(req, {"type": "abort", "message": str(exc), "status_code": 400})
 
     def _queue_full(self, req: Req) -> bool:
         """``--max-queued-requests`` (upstream): a new request is refused while that many wait to be
@@ -379,7 +362,7 @@ class Scheduler:
             unqueue=self.prefill.unqueue,
             reserve=self.kv.reserve,
             start_decoding=self._start_decoding,
-            finish=lambda req, reason, last_ids: self._finish(req, reason, last_ids=last_ids, insert=False),
+            finish=lambda req, reason, last_ids: self.output.finish(req, reason, last_ids, insert=False),
             on_failure=self._on_pd_failure,
         )
         self.pd = make_queues(role, hooks, mgr)
@@ -425,15 +408,14 @@ class Scheduler:
             )
             if any(r.mm_items for r in batch_reqs):
                 batch.mm_embeds = batch_embeds([(r.mm_items, s, e) for r, s, e in items])
-            wants_rows = any(self._prompt_rows(r, s, e) for r, s, e in items)
+            wants_rows = any(prompt_rows(r, s, e) for r, s, e in items)
             logits = self._forward(batch, return_all_logits=wants_rows)
             if wants_rows:
-                logits = self._read_prompt_logprobs(items, logits)
+                logits = read_prompt_logprobs(items, logits)
         except Exception as exc:
             logger.exception("prefill forward failed")
             self.prefill.chunked = None
-            for req in batch_reqs:
-                self._finish(req, {"type": "abort", "message": f"forward failed: {exc}"}, insert=False)
+            self.output.abort_all(batch_reqs, f"forward failed: {exc}")
             return
         if self.metrics:
             hit = sum(r.cached_tokens for r, s, _ in items if s == r.cached_tokens)
@@ -448,34 +430,10 @@ class Scheduler:
         if not done:
             return
         reqs = [r for _, r in done]
-        tokens = self._sample(logits[[i for i, _ in done]], reqs)
+        tokens = self.sampler.sample(logits[[i for i, _ in done]], reqs)
         for req, tok in zip(reqs, tokens, strict=True):
             if tok is not None:
                 self._per_request(req, "prefill", self._prompt_done, req, tok)
-
-    @staticmethod
-    def _prompt_rows(req: Req, start: int, end: int) -> range:
-        """Positions of the extend range ``[start, end)`` whose logits rows give ``req`` a prompt
-        log-probability (row ``p`` scores prompt token ``p + 1``; positions ``logprob_start_len`` up to the
-        second last)."""
-        if req.logprob is None:
-            return range(0)
-        return range(max(start, req.logprob.want.start), min(end, len(req.input_ids) - 1))
-
-    def _read_prompt_logprobs(self, items: list[tuple[Req, int, int]], logits: torch.Tensor) -> torch.Tensor:
-        """Record each request's prompt log-probabilities from the all-positions ``logits`` ``(T, vocab)``
-        (raw, as upstream: no temperature, no penalty); returns each sequence's last row ``(B, vocab)``."""
-        offset, last = 0, []
-        for req, start, end in items:
-            rows = self._prompt_rows(req, start, end)
-            if rows and req.logprob is not None:
-                lo = offset + rows.start - start
-                lp = torch.log_softmax(logits[lo : lo + len(rows)].float(), dim=-1)
-                chosen = [req.input_ids[p + 1] for p in rows]
-                req.logprob.input.extend(read(lp, chosen, req.logprob.want))
-            offset += end - start
-            last.append(offset - 1)
-        return logits[last]
 
     def _sends_kv(self, req: Req) -> bool:
         return req.bootstrap is not None and self.pd is not None and self.pd.sends_kv
@@ -484,14 +442,14 @@ class Scheduler:
         """After the prompt's last chunk, the one decision point: cache the prompt's prefix, then hand its KV
         and ``tok`` to D (a PD request on P), finish it (``max_new_tokens`` 0) or decode it here."""
         if req.aborted:
-            self._finish(req, {"type": "abort", "message": req.aborted})
+            self.output.finish(req, {"type": "abort", "message": req.aborted})
             return
         self.kv.cache_prefix(req.kv, req.fill_ids)
         if self._sends_kv(req):
             self.pd.send(req, tok)
             return
         if req.params.max_new_tokens == 0:
-            self._finish(req, {"type": "length", "length": 0})
+            self.output.finish(req, {"type": "length", "length": 0})
             return
         req.move(ReqState.DECODING)
         self._start_decoding(req, tok)
@@ -500,7 +458,7 @@ class Scheduler:
     def _start_decoding(self, req: Req, tok: int) -> None:
         """``req`` (DECODING) joins the decode set with its first token ``tok``."""
         self.decode.add(req)
-        self._append_token(req, tok)
+        self.output.append_token(req, tok)
 
     def _run_decode(self) -> None:
         reqs = self.decode.batch()
@@ -515,57 +473,19 @@ class Scheduler:
             logits = self._forward(batch)
         except Exception as exc:
             logger.exception("decode forward failed")
-            for req in reqs:
-                self._finish(req, {"type": "abort", "message": f"forward failed: {exc}"}, insert=False)
+            self.output.abort_all(reqs, f"forward failed: {exc}")
             return
         for req in reqs:
             req.kv.num_computed += 1
-        tokens = self._sample(logits, reqs)
+        tokens = self.sampler.sample(logits, reqs)
         for req, tok in zip(reqs, tokens, strict=True):
             if tok is None:
                 continue
             if req.aborted:
-                self._per_request(req, "decode", self._finish, req, {"type": "abort", "message": req.aborted})
+                reason = {"type": "abort", "message": req.aborted}
+                self._per_request(req, "decode", self.output.finish, req, reason)
             else:
-                self._per_request(req, "decode", self._append_token, req, tok)
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | None]:
-        """One token per request from ``logits`` ``(B, vocab)``. When the batch raises, rows are sampled one
-        by one and a request whose row raises is aborted alone (``None`` in its place). Under tensor
-        parallelism every rank takes rank 0's tokens."""
-        tokens = self._sample_here(logits, reqs)
-        if self.tp is None:
-            return tokens
-        agreed = self.tp.tokens(tokens)
-        for req, tok in zip(reqs, agreed, strict=True):
-            if tok is None and not req.finished:  # rank 0 aborted it
-                self._finish(req, {"type": "abort", "message": "sampling failed on rank 0"}, insert=False)
-        return agreed
-
-    def _sample_here(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | None]:
-        try:
-            return self._sample_rows(logits, reqs)
-        except Exception:
-            logger.exception("batched sampling failed; sampling rows one by one")
-        tokens: list[int | None] = []
-        for i, req in enumerate(reqs):
-            tok = self._per_request(req, "sampling", self._sample_rows, logits[i : i + 1], [req])
-            tokens.append(None if tok is None else tok[0])
-        return tokens
-
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
-        """Mask (grammars), adjust (penalties, ``min_new_tokens``, logit bias), sample, and record the output
-        log-probability of each request that asked for it."""
-        params = [r.params for r in reqs]
-        logits = apply_vocab_masks(logits.float(), [r.grammar for r in reqs])  # constrained decoding
-        if any(p.adjusts_logits for p in params):
-            logits = adjust(logits.clone(), params, [r.output_ids for r in reqs], self.config.eos_token_ids)
-        tokens = sample(logits, params, [r.generator for r in reqs])
-        for i, req in enumerate(reqs):
-            if req.logprob is not None:
-                lp = logprobs(logits[i], req.params).unsqueeze(0)
-                req.logprob.output.extend(read(lp, [tokens[i]], req.logprob.want))
-        return tokens
+                self._per_request(req, "decode", self.output.append_token, req, tok)
 
     def _per_request(self, req: Req, stage: str, fn: Callable, *args, **kwargs):
         """Run ``fn`` for one request; if it raises, abort only that request (its KV freed, its tree lock
@@ -574,8 +494,7 @@ class Scheduler:
             return fn(*args, **kwargs)
         except Exception as exc:
             logger.exception("request %s failed in %s", req.rid, stage)
-            if not req.finished:
-                self._finish(req, {"type": "abort", "message": f"{stage} failed: {exc}"}, insert=False)
+            self.output.abort(req, f"{stage} failed: {exc}")
             return None
 
     def _forward(self, batch: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
@@ -587,132 +506,27 @@ class Scheduler:
             return self.runner.forward(batch, self.pool, return_all_logits=True)
         return self.runner.forward(batch, self.pool)
 
-    def _append_token(self, req: Req, tok: int) -> None:
-        now = time.perf_counter()
-        if req.first_token_at is None:
-            req.first_token_at = now
-            if self.metrics:
-                self.metrics.on_first_token(now - req.arrival)
-        elif self.metrics:
-            self.metrics.on_inter_token(now - req.last_token_at)
-        req.last_token_at = now
-        req.output_ids.append(tok)
-        reason = self.decode.finish_reason(req, tok)
-        if req.grammar is not None:
-            reason = _grammar_finish(req, tok) or reason
-        if reason is None:
-            req.on_event(ReqOutput(req.rid, [tok], meta=self._meta(req, False), logprobs=_new_logprobs(req)))
-        else:
-            self._finish(req, reason, last_ids=[tok])
-
-    # ----------------------------------------------------------------- finish / abort
-    def _finish(self, req: Req, reason: dict, last_ids: list[int] | None = None, insert: bool = True) -> None:
-        self.decode.remove(req)
-        self.prefill.forget(req)
-        if self.pd is not None:
-            self.pd.drop(req)
-            if req.bootstrap and not self.pd.sends_kv:
-                insert = insert and self.pd_decode_offload  # else D caches nothing
-        if req.kv is not None:
-            self.kv.release(req.kv, req.fill_ids, insert=insert)
-            req.kv = None
-        req.move(ReqState.ABORTED if reason["type"] == "abort" else ReqState.FINISHED)
-        self.reqs.pop(req.rid, None)
-        if self.metrics:
-            self.metrics.on_finish(req)
-        out = ReqOutput(req.rid, last_ids or [], True, reason, self._meta(req, final=True))
-        out.logprobs = _new_logprobs(req)
-        req.on_event(out)
-
-    def _abort(self, rid: str) -> None:
-        req = self.reqs.get(rid)
-        if req is None or req.finished:
-            return
-        if req.state in (ReqState.BOOTSTRAPPING, ReqState.TRANSFERRING, ReqState.WAITING_FOR_KV):
-            self.pd.abort(req)  # ends once the room is terminal
-        elif self.prefill.unqueue(req):
-            if self.pd is not None:
-                self.pd.drop(req)
-            self.reqs.pop(rid, None)
-            req.move(ReqState.ABORTED)
-            req.on_event(
-                ReqOutput(rid, [], True, {"type": "abort", "message": "aborted"}, self._meta(req, True))
-            )
-        elif req is self.prefill.chunked:
-            self._finish(req, {"type": "abort", "message": "aborted"}, insert=False)
-        else:
-            req.aborted = "aborted"
-
+    # ----------------------------------------------------------------- close
     def _close(self, message: str) -> None:
         """The loop is ending: refuse new work, then fail every known request, queued request and command
         (aborts carry ``status_code`` 503, the worker is unavailable)."""
-        with self._inbox_lock:
-            self._closed = message
-        items = [*self.reqs.values(), self._in_hand]
+        items = [*self.reqs.values(), self._in_hand, *self._inbox.close(message)]
         self.reqs.clear()
-        while True:
-            try:
-                items.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
         for item in items:
             if isinstance(item, Req) and not item.finished:
                 self._reject(item)
-            elif isinstance(item, _Command) and not item.future.done():
+            elif isinstance(item, Command) and not item.future.done():
                 item.future.set_exception(RuntimeError(f"scheduler thread is not running: {message}"))
 
     # ----------------------------------------------------------------- reporting
-    def _meta(self, req: Req, final: bool) -> dict:
-        meta = {
-            "id": req.rid,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "cached_tokens_details": dict(req.cached),
-        }
-        if final:
-            now = time.perf_counter()
-            meta["e2e_latency"] = now - req.arrival
-            if req.admitted_at is not None:
-                meta["queue_time"] = req.admitted_at - req.arrival
-            if req.first_token_at is not None:
-                meta["ttft"] = req.first_token_at - req.arrival
-        return meta
-
     def _publish(self) -> None:
         """Replace the snapshot other threads read (one assignment: readers never see a partial one)."""
-        cache = self.cache
-        status = cache.storage_status() if self.hierarchical else None
-        self.state = {
-            "num_running_reqs": len(self.decode) + (self.prefill.chunked is not None),
-            "num_waiting_reqs": len(self.prefill.waiting),
-            "num_pd_transfer_reqs": len(self.pd) if self.pd is not None else 0,
-            "num_http_reqs": self._accepted,
-            "inflight_cache_io": dict(cache.inflight_io()),
-            "is_idle": self.is_idle(),
-            "hicache": status,
-            "storage_health": cache.storage.health() if self.hierarchical else None,
-            "cache_stats": cache.stats.snapshot(),
-            "tenant_usage": cache.tenant_usage() if self.hierarchical else {},
-            "num_used_tokens": self.pool.size
-            - cache.device_allocator.available_size()
-            - cache.evictable_size(),
-            "evictable_tokens": cache.evictable_size(),
-            "max_total_num_tokens": self.pool.size,
-        }
-
-
-def _new_logprobs(req: Req) -> dict | None:
-    """The log-probabilities an event of ``req`` carries (those not sent yet); None if it asked for none."""
-    state: LogprobState | None = req.logprob
-    return None if state is None else state.take_new(len(req.output_ids))
-
-
-def _grammar_finish(req: Req, tok: int) -> dict | None:
-    """Advance ``req``'s grammar past ``tok`` (on a PD decode worker, P's first token rebuilds its state
-    here): a stop once the grammar has terminated, an abort (400) when it refuses the token."""
-    if not req.grammar.accept(tok):
-        return {"type": "abort", "message": f"the grammar does not allow token {tok}", "status_code": 400}
-    if req.grammar.terminated:
-        return {"type": "stop", "matched": tok}
-    return None
+        self.state = snapshot(
+            self.cache,
+            self.pool.size,
+            running=len(self.decode) + (self.prefill.chunked is not None),
+            waiting=len(self.prefill.waiting),
+            pd_transfer=len(self.pd) if self.pd is not None else 0,
+            http=self._accepted,
+            idle=self.is_idle(),
+        )

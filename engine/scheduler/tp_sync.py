@@ -117,7 +117,7 @@ class TPSync:
                 if isinstance(item, NewReq):
                     sched._enqueue(item.build(self.grammar))
                 elif isinstance(item, AbortReq):
-                    sched._abort(item.rid)
+                    sched.output.cancel(item.rid)
                 elif isinstance(item, _Admin):
                     self._run_admin(sched, item)
             if kind == "end":
