@@ -37,7 +37,8 @@ class WindowConfig:
 
 
 def _rebalance_freeze(router: Router, current: tuple[int, int]) -> tuple[str | None, float | None]:
-    """(why frozen, when the newest rebalance finished) from the rebalance app's records."""
+    """(why frozen, when the newest rebalance finished) from the rebalance app's records; ``current``:
+    the router's (prefill, decode) workers, as a rebalance's target counts them (not devices)."""
     active = Rebalance.objects.filter(router=router, state__in=ACTIVE_STATES).first()
     if active is not None:
         return f"rebalance {active.pk} of this router is {active.state.replace('_', ' ')}", None
@@ -76,7 +77,11 @@ def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -
         if w.state == WorkerState.OFFLINE or seen is None or now - seen > cfg.stale_s:
             frozen = f"actual != expected: {w.name} ({w.role}) is not reporting"
             break
-    why, finished = _rebalance_freeze(router, current)
+    workers_now = (
+        sum(w.role == WorkerRole.PREFILL for w in workers),
+        sum(w.role == WorkerRole.DECODE for w in workers),
+    )
+    why, finished = _rebalance_freeze(router, workers_now)
     frozen = why or frozen
     changed = [w.role_changed_at.timestamp() for w in workers if w.role_changed_at]
     last_change = max([*changed, *([finished] if finished else [])], default=None)

@@ -10,6 +10,7 @@ from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFac
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
+from controlplane.rebalance.models import Rebalance
 from controlplane.rebalance.planner.service import plan
 from engine.server.metrics import EngineMetrics
 
@@ -174,9 +175,15 @@ def test_the_recommendation_counts_tp2_workers_as_two_devices(pd_fleet, api_as, 
     for w in workers.values():
         w.tp_size = 2
         w.save()
+    # a rebalance that reached 1P:2D (workers) long ago: the router is at its target, nothing is frozen
+    Rebalance.objects.create(
+        router=router, before_prefill=2, before_decode=1, target_prefill=1, target_decode=2, soak_s=5,
+        idle_timeout_s=60, state="succeeded", finished_at=timezone.now() - timedelta(seconds=3600),
+    )  # fmt: skip
     t0 = time.time() - 250
     _push(agent_for(AGENT_HOST), workers, exporters, t0, 220, prefill_ttft=1.5)
     rec = plan(router, now=t0 + 100)
+    assert rec["status"] == "pending", rec["summary"]
     assert rec["unit"] == "devices" and rec["budget"] == 6
     assert rec["current"] == {"prefill": 2, "decode": 4}
     assert rec["current_workers"] == {"prefill": 1, "decode": 2}
