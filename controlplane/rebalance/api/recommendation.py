@@ -11,9 +11,11 @@ from controlplane.rebalance.planner.service import recommendation
 
 
 class RecommendationApi(APIView):
-    """The newest recommendation (re-evaluated when older than 5 s): status, current and
-    recommended (prefill, decode), a summary and the reasons with each pool's demand, per-worker capacity at
-    the SLO, hit-rate discount and headroom. 409 ``not_pd`` for a router that is not in PD mode."""
+    """The newest recommendation (re-evaluated when older than 5 s): status, current and recommended
+    (prefill, decode) in devices (``unit``: a worker of tp N spans N devices), ``current_workers`` and
+    ``recommended_workers`` (the worker counts a rebalance's target takes) with the ``moves`` that reach
+    it, a summary and the reasons with each pool's demand, per-device capacity at the SLO, hit-rate
+    discount and headroom. 409 ``not_pd`` for a router that is not in PD mode."""
 
     @extend_schema(responses=OpenApiTypes.OBJECT, tags=["rebalance"])
     def get(self, request, pk: int):
