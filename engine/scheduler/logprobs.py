@@ -134,6 +134,18 @@ def to_wire(values: LogprobValues, i: int) -> dict:
     return {"token": values.token[i], "top": None if top is None else [top[0], top[1]], "ids": values.ids[i]}
 
 
+def run_to_wire(values: LogprobValues) -> dict:
+    """All of ``values`` as plain JSON (P sends the prompt's to D)."""
+    top = [None if t is None else [t[0], t[1]] for t in values.top]
+    return {"token": list(values.token), "top": top, "ids": list(values.ids)}
+
+
+def run_from_wire(data: dict) -> LogprobValues:
+    """A run sent by ``run_to_wire``."""
+    top = [None if t is None else (t[0], t[1]) for t in data.get("top") or []]
+    return LogprobValues(list(data.get("token") or []), top, list(data.get("ids") or []))
+
+
 def from_wire(data: dict) -> LogprobValues:
     """One entry sent by ``to_wire``."""
     top = data.get("top")

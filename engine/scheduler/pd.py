@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from engine.disaggregation import KVPoll
 from engine.disaggregation.common import bootstrap_address
 from engine.scheduler.kv_manager import KVLease
-from engine.scheduler.logprobs import LogprobValues, from_wire, to_wire
+from engine.scheduler.logprobs import LogprobValues, from_wire, run_from_wire, run_to_wire, to_wire
 from engine.scheduler.req import Req, ReqState
 
 logger = logging.getLogger(__name__)
@@ -111,8 +111,9 @@ class PrefillQueues:
             "cached_tokens": req.cached_tokens,
             "cached_tokens_details": dict(req.cached),
         }
-        if req.logprob is not None:  # the first token's log-probabilities: D reports them
+        if req.logprob is not None:  # the prompt's and the first token's log-probabilities: D reports them
             meta["first_token_logprobs"] = to_wire(req.logprob.output, 0)
+            meta["input_logprobs"] = run_to_wire(req.logprob.input)
         req.output_ids.append(tok)
         req.move(ReqState.TRANSFERRING)
         self.transferring.append(req)
@@ -262,8 +263,9 @@ class DecodeQueues:
         details = (receiver.meta or {}).get("cached_tokens_details") or {}
         req.cached = {tier: int(details.get(tier, 0)) for tier in ("device", "host", "storage")}
         req.admitted_at = req.admitted_at or req.arrival
-        if req.logprob is not None:  # D computes no prompt rows; the router merges P's prompt logprobs
-            req.logprob.input = LogprobValues()
+        if req.logprob is not None:  # D computes no prompt rows: P's come with the KV
+            sent = (receiver.meta or {}).get("input_logprobs")
+            req.logprob.input = LogprobValues() if sent is None else run_from_wire(sent)
             first = (receiver.meta or {}).get("first_token_logprobs")
             if first is not None:
                 req.logprob.output.extend(from_wire(first))

@@ -33,13 +33,17 @@ def sglang_meta(
     engine, want: LogprobRequest, values: dict, prompt: list[int], output: list[int], return_text: bool
 ) -> dict:
     """The ``meta_info`` fields of ``values`` (``Engine.generate``'s ``logprobs``) for ``prompt`` and the
-    ``output`` ids."""
+    ``output`` ids. On a decode worker ``input_token_logprobs`` is empty: the sglang-router puts the prefill
+    worker's answer's there (it prepends P's list to D's), while the other input fields, which the router does
+    not merge, are D's copy of P's values (sent with the KV)."""
     text = _Texts(engine, return_text)
     inp: LogprobValues = values["input"]
     out: LogprobValues = values["output"]
     in_ids = prompt[want.start : want.start + len(inp)]
     meta = {
-        "input_token_logprobs": [[lp, t, text(t)] for lp, t in zip(inp.token, in_ids, strict=True)],
+        "input_token_logprobs": []
+        if engine.args.disaggregation_mode == "decode"
+        else [[lp, t, text(t)] for lp, t in zip(inp.token, in_ids, strict=True)],
         "output_token_logprobs": [[lp, t, text(t)] for lp, t in zip(out.token, output, strict=False)],
     }
     if want.top_n > 0:
