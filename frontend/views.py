@@ -112,7 +112,9 @@ def rebalance(request, pk: int):
 @login_required
 @ensure_csrf_cookie
 def storage(request):
-    return _render(request, "storage", usage=selectors.storage_usage())
+    from controlplane.telemetry.selectors import storage_health
+
+    return _render(request, "storage", usage=selectors.storage_usage(), health=storage_health())
 
 
 @login_required

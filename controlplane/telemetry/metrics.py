@@ -16,7 +16,8 @@ prefetch_tokens_per_s, cached_tokens_per_s (all tiers) and hit shares per tier o
 hit_share_{device,host,storage}.
 With an L3 backend attached: storage_breaker_state (the L3 circuit breaker: 0 closed, 1 half-open, 2 open;
 ``BREAKER_STATES``), storage_breaker_failed_calls_total, storage_breaker_short_circuited_total and
-storage_dropped_backup_pages_total (counters).
+storage_dropped_backup_pages_total (counters), storage_breaker_last_failure_age_s (seconds since its last
+failed L3 call, when there was one) and, given the previous snapshot, storage_breaker_failed_calls_per_s.
 With tenant counters (``sglang:tenant_prompt_tokens_total``, ``sglang:tenant_cached_tokens_total``):
 ``tenants``, a list of ``{"tenant": label, "prompt": tokens, "device", "host", "storage": cached tokens}``
 (counters since the worker started), the ``TENANT_TOP_N`` tenants with the most cached tokens first, then one
@@ -57,6 +58,7 @@ _PLAIN = {
     "sglang:hicache_storage_breaker_failed_calls_total": "storage_breaker_failed_calls_total",
     "sglang:hicache_storage_breaker_short_circuited_total": "storage_breaker_short_circuited_total",
     "sglang:hicache_storage_dropped_backup_pages_total": "storage_dropped_backup_pages_total",
+    "sglang:hicache_storage_breaker_last_failure_age_seconds": "storage_breaker_last_failure_age_s",
     "sglang:encoder_images_total": "encoder_images_total",
     "sglang:encoder_encode_seconds_total": "encoder_encode_seconds_total",
     "sglang:mm_embedding_cache_hits_total": "mm_embedding_cache_hits_total",
@@ -227,6 +229,7 @@ def with_rates(snap: dict, prev: dict | None, dt_s: float) -> dict:
         ("load_back_tokens_per_s", "load_back_tokens_total"),
         ("backup_tokens_per_s", "backuped_tokens_total"),
         ("prefetch_tokens_per_s", "prefetched_tokens_total"),
+        ("storage_breaker_failed_calls_per_s", "storage_breaker_failed_calls_total"),
     ):
         d = delta(counter)
         if d is not None:

@@ -1,10 +1,13 @@
 """Reads of live telemetry (Redis): one worker's latest/history, and the fleet summary."""
 
 import time
+from datetime import UTC, datetime
 
 from controlplane.inventory.models import EngineWorker
 from controlplane.telemetry import recent, store
-from controlplane.telemetry.metrics import TIERS
+from controlplane.telemetry.metrics import BREAKER_STATES, TIERS
+
+BREAKER_OPEN = BREAKER_STATES.index("open")
 
 _SUMMED = (
     "num_running_reqs",
@@ -152,6 +155,7 @@ def fleet_summary() -> dict:
                 "num_queue_reqs": (sample or {}).get("num_queue_reqs"),
                 "host_pool_use": (sample or {}).get("host_pool_use"),
                 "encoder_images_per_s": (sample or {}).get("encoder_images_per_s"),
+                "storage_breaker_state": (sample or {}).get("storage_breaker_state"),
                 "recent_ttft_p50_s": window["ttft_p50_s"],
                 "recent_itl_p50_s": window["itl_p50_s"],
                 "recent_requests": window["requests"],
@@ -182,4 +186,40 @@ def fleet_summary() -> dict:
         "pools": pools,
         "reporting": len(latest),
         "recent_window_s": recent.WINDOW_S,
+        "breakers_open": [
+            {"id": r["id"], "name": r["name"]} for r in rows if r["storage_breaker_state"] == BREAKER_OPEN
+        ],
     }
+
+
+def storage_health() -> list[dict]:
+    """Each worker with an L3 backend or a breaker reading, by name: ``{worker, backend, state}`` (the
+    breaker in its newest sample: ``closed`` / ``half_open`` / ``open``, None without a reading) and
+    ``failed_calls_per_s`` (failed L3 calls per second between its last two samples), ``failed_calls``,
+    ``short_circuited``, ``dropped_backup_pages`` (counters since it started), ``last_failure_at`` (an aware
+    datetime of its last failed L3 call, None when none), ``ts`` (the sample's time, epoch s)."""
+    workers = [w for w in EngineWorker.objects.order_by("name")]
+    latest = store.latest_many([w.pk for w in workers])
+    rows = []
+    for w in workers:
+        s = latest.get(w.pk) or {}
+        state = s.get("storage_breaker_state")
+        if not w.storage_backend and state is None:
+            continue
+        age = s.get("storage_breaker_last_failure_age_s")
+        rows.append(
+            {
+                "worker": w,
+                "backend": w.storage_backend,
+                "state": BREAKER_STATES[int(state)] if state is not None else None,
+                "failed_calls_per_s": s.get("storage_breaker_failed_calls_per_s"),
+                "failed_calls": s.get("storage_breaker_failed_calls_total"),
+                "short_circuited": s.get("storage_breaker_short_circuited_total"),
+                "dropped_backup_pages": s.get("storage_dropped_backup_pages_total"),
+                "last_failure_at": (
+                    datetime.fromtimestamp(s["ts"] - age, tz=UTC) if age is not None and s.get("ts") else None
+                ),
+                "ts": s.get("ts"),
+            }
+        )
+    return rows

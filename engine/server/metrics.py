@@ -301,6 +301,14 @@ def _breaker(model_name: str, health: dict):
         c = CounterMetricFamily(f"sglang:{metric}", doc, labels=labels)
         c.add_metric(values, health[key])
         yield c
+    if health.get("last_failure_age_s") is not None:
+        age = GaugeMetricFamily(
+            "sglang:hicache_storage_breaker_last_failure_age_seconds",
+            "Seconds since the last failed or too slow L3 call (absent before the first)",
+            labels=labels,
+        )
+        age.add_metric(values, health["last_failure_age_s"])
+        yield age
 
 
 TENANT_CAP_METRICS = (  # (metric, usage key, kind, doc)

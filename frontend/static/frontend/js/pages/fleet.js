@@ -84,7 +84,21 @@ KV.ready(function () {
     ttft.colSpan = cells.no_requests ? 2 : 1;
     itl.hidden = !!cells.no_requests;
   }
+  /* the workers whose L3 breaker is open in their newest sample, raised above the pools */
+  function showBreakers(summary) {
+    var open = summary.breakers_open || [], list = KV.$("#breaker-workers");
+    list.replaceChildren.apply(list, open.reduce(function (out, w, i) {
+      var a = document.createElement("a");
+      a.href = "/workers/" + w.id + "/";
+      a.textContent = w.name;
+      if (i) out.push(document.createTextNode(", "));
+      out.push(a);
+      return out;
+    }, []));
+    KV.$("#breaker-alert").hidden = !open.length;
+  }
   function applySummary(summary) {
+    showBreakers(summary);
     KV.$("#reporting").textContent = summary.reporting + " of " + summary.workers.length + " workers reporting";
     summary.workers.forEach(function (live) {
       var w = workers.filter(function (x) { return x.id === live.id; })[0];

@@ -1,0 +1,105 @@
+"""Each worker's L3 breaker on the storage page (state, error rate, failed calls, last failure) and raised
+on the fleet page while any is open, in real headless Chromium against daphne. The /metrics text is the
+engine's own exporter over a real ``StorageHealth`` (failed calls open it, a half-open probe closes it),
+pushed through the agent API; the fleet alert clears in place when the breaker closes."""
+
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
+from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
+
+from engine.cache.storage.health import BreakerSettings, StorageHealth
+from engine.server.metrics import EngineMetrics
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+SHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
+
+
+def _exporter(health: StorageHealth) -> EngineMetrics:
+    state = {"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000, "hicache": {}}
+    return EngineMetrics(
+        "m", lambda: {**state, "storage_health": {"storage_backend": "mooncake", **vars(health.snapshot())}}
+    )
+
+
+def test_breakers_per_worker_on_the_storage_page_and_an_open_one_on_the_fleet_page(
+    asgi_server, personas, monkeypatch
+):
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
+    host = HostFactory(name=AGENT_HOST)
+    sick = EngineWorkerFactory(
+        name="gpu-0", url="http://gpu-0.local:30000", host=host, storage_backend="mooncake"
+    )
+    well = EngineWorkerFactory(
+        name="gpu-1", url="http://gpu-1.local:30000", host=host, storage_backend="mooncake"
+    )
+    now = [0.0]
+    health = {
+        w.pk: StorageHealth(BreakerSettings(failures=4, open_s=5.0), clock=lambda: now[0])
+        for w in (sick, well)
+    }
+    exporters = {pk: _exporter(h) for pk, h in health.items()}
+    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
+
+    def push(ts: float) -> None:
+        for worker in (sick, well):
+            text = exporters[worker.pk].render().decode()
+            sample = {"worker_url": worker.url, "text": text, "ts": ts}
+            assert agent.post("/api/v1/agent/metrics/", json=sample).status_code == 202
+
+    t0 = time.time() - 60
+    push(t0)
+    for _ in range(4):  # the store stops answering gpu-0: four failed calls in 10 s open its breaker
+        assert health[sick.pk].allow()
+        health[sick.pk].record(False, 0.01, "mooncake: master unreachable")
+    now[0] += 2  # the last failure was 2 s before the sample
+    push(t0 + 10)
+    console_user("vera", "viewer", "pw-for-tests-1")
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
+        page.set_viewport_size({"width": 1280, "height": 900})
+        page.goto(f"{asgi_server}/storage/")
+        row = page.locator('#l3-health tr[data-worker="gpu-0"]')
+        expect(row.get_by_test_id("breaker")).to_contain_text("open")
+        expect(row.get_by_test_id("breaker")).to_contain_text("requests recompute")
+        cells = row.locator("td")
+        expect(cells.nth(2)).to_have_text("0.40/s")  # 4 failed calls over the 10 s between samples
+        expect(cells.nth(3)).to_have_text("4")
+        last_failure = re.compile("^" + _iso(t0 + 8)[:19])  # 2 s before the sample, to the second
+        expect(cells.nth(4).locator("time")).to_have_attribute("datetime", last_failure)
+        other = page.locator('#l3-health tr[data-worker="gpu-1"]')
+        expect(other.locator(".badge.s-closed")).to_have_text("closed")
+        expect(other.locator("td").nth(4)).to_have_text("none")
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "storage-breakers.png"), full_page=True)
+        assert serious_violations(page) == []
+
+        page.goto(f"{asgi_server}/")
+        alert = page.get_by_test_id("breaker-alert")
+        expect(alert).to_be_visible()
+        expect(alert).to_contain_text("L3 breaker open on gpu-0:")
+        expect(alert.get_by_role("link", name="gpu-0")).to_have_attribute("href", f"/workers/{sick.pk}/")
+        page.screenshot(path=str(SHOTS / "fleet-breaker-open.png"), full_page=True)
+        assert serious_violations(page) == []
+
+        now[0] += 6  # the store is back: the half-open probe succeeds and closes the breaker
+        assert health[sick.pk].allow()
+        health[sick.pk].record(True, 0.01)
+        push(t0 + 20)  # arrives over the websocket: the alert goes away in place
+        expect(alert).to_be_hidden()
+        assert errors == []
+        browser.close()
+
+
+def _iso(ts: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat()
