@@ -25,9 +25,12 @@ logged.
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from engine.disaggregation import KVPoll
 from engine.disaggregation.common import bootstrap_address
@@ -114,6 +117,8 @@ class PrefillQueues:
         if req.logprob is not None:  # the prompt's and the first token's log-probabilities: D reports them
             meta["first_token_logprobs"] = to_wire(req.logprob.output, 0)
             meta["input_logprobs"] = run_to_wire(req.logprob.input)
+        if req.generator is not None:  # a seeded request: D draws on from where P's first draw left it
+            meta["generator_state"] = base64.b64encode(req.generator.get_state().numpy().tobytes()).decode()
         req.output_ids.append(tok)
         req.move(ReqState.TRANSFERRING)
         self.transferring.append(req)
@@ -269,6 +274,9 @@ class DecodeQueues:
             first = (receiver.meta or {}).get("first_token_logprobs")
             if first is not None:
                 req.logprob.output.extend(from_wire(first))
+        state = (receiver.meta or {}).get("generator_state")
+        if state is not None and req.generator is not None:
+            req.generator.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
         req.move(ReqState.DECODING)
         self.hooks.start_decoding(req, int(receiver.first_token_id))
 

@@ -108,3 +108,31 @@ def test_completions_echo_logprobs_through_the_router_equal_aggregated(fleet):
         for x, y in zip(a["top_logprobs"][1:], b["top_logprobs"][1:], strict=True):
             assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < TOL for k in x)
     _idle(fleet)
+
+
+def test_chat_n_2_through_the_router_equals_aggregated(fleet):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5, "n": 2,
+            "temperature": 0.8, "seed": 11}  # fmt: skip
+    want = _post(fleet["agg"], "/v1/chat/completions", body)["choices"]
+    got = _post(fleet["router"], "/v1/chat/completions", body)["choices"]
+    assert [c["index"] for c in got] == [0, 1]
+    assert [c["message"]["content"] for c in got] == [c["message"]["content"] for c in want]
+    _idle(fleet)
+
+
+def test_seeded_sampling_through_the_router_equals_aggregated(fleet):
+    """The first token is drawn on P, the rest on D, each from the request's own generator seeded alike."""
+    sp = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 0.95, "ignore_eos": True, "sampling_seed": 1234}
+    body = {"text": PROMPT, "sampling_params": sp}
+    want = _post(fleet["agg"], "/generate", body)["output_ids"]
+    assert (
+        want
+        != _post(fleet["agg"], "/generate", {**body, "sampling_params": {**sp, "sampling_seed": 7}})[
+            "output_ids"
+        ]
+    )
+    assert _post(fleet["router"], "/generate", body)["output_ids"] == want
+    comp = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 99}
+    want_text = _post(fleet["agg"], "/v1/completions", comp)["choices"][0]["text"]
+    assert _post(fleet["router"], "/v1/completions", comp)["choices"][0]["text"] == want_text
+    _idle(fleet)
