@@ -537,3 +537,72 @@ def _rec(
         status, current, recommended, summary, reasons, pools, view.budget, view.slo, now, workers,
         rec_workers, moves,
     )  # fmt: skip
+
+
+# ---- the EPD encoder pool: advice only ----
+ENCODER = "encoder"
+
+
+@dataclass(frozen=True)
+class EncoderLoad:
+    """The router's EPD encoders over the window: ``workers`` those with figures (two samples or more),
+    ``images_per_s`` the images they ran through the vision tower per second (summed) and
+    ``busy_s_per_s`` their encode seconds per wall second (summed: 1.0 is one vision tower busy all the
+    time)."""
+
+    workers: int
+    images_per_s: float
+    busy_s_per_s: float
+
+    @property
+    def utilisation(self) -> float:
+        """Encode seconds per wall second per encoder, 0..1 (over 1 when an encoder encodes in parallel)."""
+        return self.busy_s_per_s / self.workers if self.workers else 0.0
+
+
+def encoder_advice(
+    encoders: EncoderLoad | None, total: int, prefill: PoolLoad | None, slo: Slo, cfg: PlannerConfig
+) -> dict | None:
+    """Whether the router's encoder pool (``total`` encoders) should grow; None when it has none.
+
+    Encoders are their own pool: never in a P:D split, never a role to switch (they run no language model),
+    so this is a recommendation only. ``advice`` is ``add_encoder`` when the encoders' utilisation reaches
+    ``1 - headroom`` while prefill waits: its TTFT p90 is over the SLO (a language-only prefill worker fetches
+    a request's embeddings before queueing it, so a wait for encoders shows in TTFT) or its queue holds or
+    gains requests; ``hold`` otherwise; ``insufficient_data`` when no encoder has two samples in the window.
+    ``message`` says why in words; utilisation is encode seconds per wall second per encoder (0..1)."""
+    if total <= 0:
+        return None
+    base = {"workers": total, "warm_workers": 0, "images_per_s": None, "utilisation": None}
+    if encoders is None or not encoders.workers:
+        return {
+            **base,
+            "advice": "insufficient_data",
+            "message": f"{total} encoder(s): no encoder has two samples in the window yet",
+        }
+    util, limit = encoders.utilisation, 1.0 - cfg.headroom
+    out = {
+        **base,
+        "warm_workers": encoders.workers,
+        "images_per_s": encoders.images_per_s,
+        "utilisation": util,
+        "encode_s_per_image": encoders.busy_s_per_s / encoders.images_per_s
+        if encoders.images_per_s
+        else None,
+    }
+    ttft = prefill.ttft_p90_s if prefill else None
+    waits = []
+    if ttft is not None and ttft > slo.ttft_p90_s:
+        waits.append(f"TTFT p90 {ttft:.3g} s is over its SLO {slo.ttft_p90_s:.3g} s")
+    if prefill and (prefill.queue_reqs > 0 or prefill.queue_growth_per_s > 0):
+        waits.append(f"prefill holds {prefill.queue_reqs:.3g} queued requests")
+    busy = f"encoders busy {util:.0%} (encode seconds per second per encoder, limit {limit:.0%})"
+    if util >= limit and waits:
+        return {
+            **out,
+            "advice": "add_encoder",
+            "message": f"add an encoder: {busy} while prefill waits ({'; '.join(waits)}). "
+            "A recommendation only: no prefill or decode worker is switched to encode.",
+        }
+    why = "prefill does not wait" if util >= limit else "below the limit"
+    return {**out, "advice": "hold", "message": f"{total} encoder(s) enough: {busy}, {why}"}

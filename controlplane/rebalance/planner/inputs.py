@@ -22,8 +22,8 @@ from django.utils import timezone
 
 from controlplane.inventory.models import EngineWorker, Router, WorkerRole, WorkerState
 from controlplane.rebalance.models import ACTIVE_STATES, Rebalance, RebalanceState
-from controlplane.rebalance.planner.core import DECODE, PREFILL, FleetView, PoolWorker, Slo
-from controlplane.rebalance.planner.window import pool_load
+from controlplane.rebalance.planner.core import DECODE, PREFILL, EncoderLoad, FleetView, PoolWorker, Slo
+from controlplane.rebalance.planner.window import encoder_load, pool_load
 from controlplane.telemetry import store
 
 DEFAULT_SLO = Slo(ttft_p90_s=0.5, itl_p90_s=0.05)  # Dynamo's SLA planner defaults
@@ -108,6 +108,18 @@ def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -
         workers=tuple(PoolWorker(w.name, w.role, w.tp_size) for w in workers),
     )
     return view, notes
+
+
+def encoder_view(
+    router: Router, now: float, cfg: WindowConfig = WindowConfig()
+) -> tuple[EncoderLoad | None, int]:
+    """The EPD encoders recorded with ``router`` (the ones its prefill workers call): their load over the
+    window (``window.encoder_load``; None without figures) and how many there are. They are not in the
+    FleetView: never in a P:D split, never switched."""
+    encoders = list(EngineWorker.objects.filter(router=router, role=WorkerRole.ENCODER))
+    start = now - cfg.window_s
+    samples = [[s for s in store.history(w.pk, limit=400) if start <= s["ts"] <= now] for w in encoders]
+    return encoder_load(samples), len(encoders)
 
 
 def _device_budget(router: Router, workers: list[EngineWorker]) -> int:

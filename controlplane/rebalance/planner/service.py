@@ -13,23 +13,26 @@ from datetime import UTC, datetime
 from controlplane.inventory.models import Router, RouterMode
 from controlplane.rebalance.models import Rebalance
 from controlplane.rebalance.planner import store
-from controlplane.rebalance.planner.core import PlannerConfig, evaluate
-from controlplane.rebalance.planner.inputs import WindowConfig, fleet_view, now_s
+from controlplane.rebalance.planner.core import PlannerConfig, encoder_advice, evaluate
+from controlplane.rebalance.planner.inputs import WindowConfig, encoder_view, fleet_view, now_s
 
 FRESH_S = 5.0
 
 
 def plan(router: Router, now: float | None = None) -> dict:
     """Evaluate the planner for ``router`` now; stores and returns the recommendation dict (see
-    ``core.Recommendation.to_dict``, plus ``router``, ``slo_source``, ``slo_sources`` and ``config``)."""
+    ``core.Recommendation.to_dict``, plus ``router``, ``slo_source``, ``slo_sources``, ``config`` and
+    ``encoders``: ``core.encoder_advice`` for the router's EPD encoders, None when it has none)."""
     now = now_s() if now is None else now
     cfg, window = PlannerConfig(), WindowConfig()
     view, notes = fleet_view(router, now, window)
     rec, state = evaluate(view, store.load_state(router.pk), now, cfg)
+    encoders, total = encoder_view(router, now, window)
     out = {
         "router": router.pk,
         **rec.to_dict(),
         **notes,
+        "encoders": encoder_advice(encoders, total, view.prefill, view.slo, cfg),
         "config": {**cfg.__dict__, **window.__dict__},
     }
     store.save(router.pk, state, out)

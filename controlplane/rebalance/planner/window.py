@@ -11,7 +11,7 @@ p90s come from the summed bucket increases of every worker (Prometheus' ``histog
 
 from __future__ import annotations
 
-from controlplane.rebalance.planner.core import TIERS, PoolLoad
+from controlplane.rebalance.planner.core import TIERS, EncoderLoad, PoolLoad
 from controlplane.telemetry.metrics import bucket_increase, histogram_quantile
 
 _COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "num_requests_total") + tuple(
@@ -75,3 +75,26 @@ def pool_load(worker_samples: list[list[dict]], devices: list[int] | None = None
         kv_usage=sum(kv) / len(kv) if kv else None,
         devices=used_devices,
     )
+
+
+def encoder_load(worker_samples: list[list[dict]]) -> EncoderLoad | None:
+    """The encoder pool's figures from each encoder's samples inside the window (oldest first): the
+    increase of ``encoder_images_total`` and ``encoder_encode_seconds_total`` between an encoder's first and
+    last sample over the time between them, summed. An encoder with fewer than two samples, without the
+    counters or whose counters went down (restart) is left out; None when none is left."""
+    used, images, busy = 0, 0.0, 0.0
+    for samples in worker_samples:
+        if len(samples) < 2:
+            continue
+        first, last = samples[0], samples[-1]
+        dt = last["ts"] - first["ts"]
+        keys = ("encoder_images_total", "encoder_encode_seconds_total")
+        if dt <= 0 or any(first.get(k) is None or last.get(k) is None for k in keys):
+            continue
+        d_images, d_busy = (float(last[k]) - float(first[k]) for k in keys)
+        if d_images < 0 or d_busy < 0:
+            continue
+        used += 1
+        images += d_images / dt
+        busy += d_busy / dt
+    return EncoderLoad(workers=used, images_per_s=images, busy_s_per_s=busy) if used else None

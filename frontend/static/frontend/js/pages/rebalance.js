@@ -78,6 +78,14 @@ KV.ready(function () {
   function renderRec() {
     KV.fill(KV.$("#rec"), rec);
     KV.replaceRows(KV.$("#rec-reasons"), KV.$("#tpl-reason"), rec.reasons.map(function (r) { return { text: r }; }));
+    /* the router's EPD encoder pool: advice only ("add an encoder"), never part of the P:D split */
+    var enc = rec.encoders, encBox = KV.$("#rec-encoders");
+    encBox.hidden = !enc;
+    if (enc) {
+      KV.$("#rec-encoders-advice").className = "badge s-" + (enc.advice === "add_encoder" ? "pending" : "none");
+      KV.$("#rec-encoders-advice").textContent = KV.stateText(enc.advice);
+      KV.$("#rec-encoders-text").textContent = enc.message;
+    }
     var rows = ["prefill", "decode"].filter(function (k) { return rec.pools[k]; }).map(function (k) {
       var f = rec.pools[k], unit = k === "prefill" ? "tok/s" : "tok/s";
       return Object.assign({}, f, {
