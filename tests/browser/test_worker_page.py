@@ -154,8 +154,8 @@ def test_fleet_table_shows_the_worker_pages_recent_latency(asgi_server, personas
         expect(page.get_by_test_id("latency-window")).to_contain_text("the requests of the last 5 minutes")
 
         def cells(worker):
-            row = page.locator(f"#workers tr[data-worker='{worker.pk}'] td")
-            return [row.nth(10), row.nth(11)]
+            row = page.locator(f"#workers tr[data-worker='{worker.pk}']")
+            return [row.locator("td[data-f=ttft_text]"), row.locator("td[data-f=itl_text]")]
 
         for cell, text in zip(cells(busy), on_worker_page, strict=True):
             expect(cell).to_have_text(text)

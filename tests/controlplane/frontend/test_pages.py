@@ -176,7 +176,8 @@ def test_pool_history_seeds_fleet_sparklines(client, personas):
             store.save_sample(worker.pk, {**sample, "cached_tokens_host": tokens / 2})
     history = pool_history(window_s=60, bucket_s=10)
     assert history["regular"]["cached_rate"][-1] == pytest.approx(10.0)  # 200 tokens in 20 s
-    assert history["prefill"]["cached_rate"] == [0.0, 0.0]
+    # the first sample has no earlier one to make a rate with: a gap (None), then the measured 0
+    assert history["prefill"]["cached_rate"] == [None, 0.0]
     assert history["regular"]["running"] == [2.0, 2.0]
     client.force_login(personas["viewer"][0])
     assert 'id="pool-history"' in client.get("/").content.decode()
