@@ -11,6 +11,7 @@ well formed whatever the model; the array is read back as the calls. Pure Python
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -130,11 +131,83 @@ def call_objects(calls: list[ToolCall]) -> list[dict]:
     ]
 
 
+# A call in JSON whose name comes first: ``{"name": "f", "arguments": `` (or ``"parameters"``), so its
+# arguments can stream as the model writes them.
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+# What may stand between two calls (or before the first): separators and the parsers' markers.
+_BETWEEN = re.compile(r"(?:\s|[;,\[\]]|<tool_call>|</tool_call>|\[TOOL_CALLS\]|<\|python_tag\|>)*")
+_SCALAR = set("+-0123456789.eEtrufalsn")
+
+
+def dumps_prefix(raw: str) -> tuple[str, int | None]:
+    """The part of ``json.dumps(json.loads(raw), ensure_ascii=False)`` that the complete tokens at the start
+    of ``raw`` (one JSON value, possibly cut short) already fix, and where that value ends in ``raw`` (None
+    while it is not complete). A string or a number goes out only once it is closed, so the prefix never
+    changes afterwards; text that is not JSON ends the prefix where it starts."""
+    out: list[str] = []
+    depth, i, n = 0, 0, len(raw)
+    while i < n:
+        c = raw[i]
+        if c in " \t\r\n":
+            i += 1
+            continue
+        if c in "{[":
+            out.append(c)
+            depth += 1
+        elif c in "}]":
+            out.append(c)
+            depth -= 1
+        elif c == ",":
+            out.append(", ")
+        elif c == ":":
+            out.append(": ")
+        elif c == '"' or c in _SCALAR:
+            token, i = _token(raw, i)
+            if token is None:
+                break
+            out.append(token)
+        else:
+            break
+        i += 1
+        if depth == 0:
+            return "".join(out), i
+    return "".join(out), None
+
+
+def _token(raw: str, i: int) -> tuple[str | None, int]:
+    """The string or scalar starting at ``raw[i]`` as ``json.dumps`` writes it and the index of its last
+    character, or None while it may not be complete (or is not JSON)."""
+    n = len(raw)
+    if raw[i] == '"':
+        j = i + 1
+        while j < n and raw[j] != '"':
+            j += 2 if raw[j] == "\\" else 1
+        if j >= n:
+            return None, i
+        text, last = raw[i : j + 1], j
+    else:
+        j = i
+        while j < n and raw[j] in _SCALAR:
+            j += 1
+        if j >= n:
+            return None, i  # the number or literal may go on
+        text, last = raw[i:j], j - 1
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False), last
+    except ValueError:
+        return None, i
+
+
 class ToolStream:
     """Turns a streamed chat's text deltas into OpenAI deltas when tools may be called: text that cannot
     start a call goes out as ``content`` at once; from where a call may start (the parser's marker, or all
-    of a constrained output) it is held, and at the end it becomes ``tool_calls`` deltas (each call whole)
-    or, when it held no call, ``content``."""
+    of a constrained output) it is held. A call written as JSON with its name first streams as the model
+    writes it, as upstream does: one delta with its ``index``, ``id``, ``type`` and ``name`` (arguments
+    ``""``) once the name is complete, then deltas that append to ``function.arguments`` (the arguments as
+    ``json.dumps`` writes them, each string or number once it is complete). At the end the parser reads the
+    calls from the whole text, the same as without streaming, and what has not gone out yet goes out (a whole
+    call for one that did not stream, e.g. pythonic calls), so the concatenated arguments equal the
+    non-streamed call's; held text that holds no call is sent as ``content``."""
 
     def __init__(self, tools: Tools, parser: ToolCallParser) -> None:
         self.tools = tools
@@ -142,6 +215,7 @@ class ToolStream:
         self.text = ""
         self.sent = 0  # characters of ``text`` sent as content
         self.calls: list[ToolCall] = []
+        self.streamed: list[list[str]] = []  # per call started: [id, name, arguments sent]
 
     def push(self, delta: str) -> list[dict]:
         """Deltas to send for ``delta`` (new text)."""
@@ -150,14 +224,71 @@ class ToolStream:
         hold = max(len(self.text[:hold].rstrip()), self.sent)  # whitespace before a call is not content
         out = [{"content": self.text[self.sent : hold]}] if hold > self.sent else []
         self.sent = hold
+        if hold < len(self.text):
+            for index, name, args in self._partial_calls():
+                out += self._call_deltas(index, name, args)
+        return out
+
+    def _partial_calls(self) -> list[tuple[int, str, str]]:
+        """``(index, name, arguments so far)`` of the calls in the held text that stream, in order; the
+        first call that is not JSON with its name first ends the list."""
+        found, pos, held = [], self.sent, self.text
+        while True:
+            m = _CALL_HEAD.search(held, pos)
+            if m is None or not _BETWEEN.fullmatch(held, pos, m.start()):
+                return found
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except ValueError:
+                return found
+            if name not in self.tools.names or held[m.end() : m.end() + 1] not in ("{", ""):
+                return found
+            args, end = dumps_prefix(held[m.end() :])
+            found.append((len(found), name, args))
+            if end is None:
+                return found
+            close = held.find("}", m.end() + end)  # the call object's own closing brace
+            if close < 0:
+                return found
+            pos = close + 1
+
+    def _call_deltas(self, index: int, name: str, args: str) -> list[dict]:
+        out = []
+        if index == len(self.streamed):
+            call_id = f"call_{uuid.uuid4().hex[:24]}"
+            self.streamed.append([call_id, name, ""])
+            head = {"name": name, "arguments": ""}
+            out.append(
+                {"tool_calls": [{"index": index, "id": call_id, "type": "function", "function": head}]}
+            )
+        entry = self.streamed[index]
+        if entry[1] == name and args.startswith(entry[2]) and len(args) > len(entry[2]):
+            out.append({"tool_calls": [{"index": index, "function": {"arguments": args[len(entry[2]) :]}}]})
+            entry[2] = args
         return out
 
     def finish(self) -> list[dict]:
-        """The last deltas: the calls found in the held text, or the held text as content."""
+        """The last deltas: the rest of the calls found in the held text, or the held text as content."""
         content, self.calls = self.tools.extract(self.text, self.parser)
         if self.calls:
             rest = content[self.sent :] if content.startswith(self.text[: self.sent]) else ""
             out = [{"content": rest}] if rest else []
-            return out + [{"tool_calls": [c]} for c in call_objects(self.calls)]
+            for index, call in enumerate(self.calls):
+                if index >= len(self.streamed):
+                    self.streamed.append([f"call_{uuid.uuid4().hex[:24]}", call.name, ""])
+                    head = {"name": call.name, "arguments": call.arguments}
+                    entry = {
+                        "index": index,
+                        "id": self.streamed[index][0],
+                        "type": "function",
+                        "function": head,
+                    }
+                    out.append({"tool_calls": [entry]})
+                    continue
+                sent = self.streamed[index][2]
+                if call.arguments.startswith(sent) and len(call.arguments) > len(sent):
+                    more = {"arguments": call.arguments[len(sent) :]}
+                    out.append({"tool_calls": [{"index": index, "function": more}]})
+            return out
         rest = self.text[self.sent :]
         return [{"content": rest}] if rest else []

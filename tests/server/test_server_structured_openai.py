@@ -123,9 +123,19 @@ def test_named_tool_choice_calls_that_function_streamed_too(client):
     )  # fmt: skip
     chunks = [c for c in stream if c.choices]
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [d.function.name for d in deltas] == ["get_time"]
-    assert json.loads(deltas[0].function.arguments) == json.loads(call.function.arguments)
+    # The first delta opens the call (id, type, name); the arguments follow in several deltas.
+    assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.name == "get_time"
+    assert [d.function.name for d in deltas[1:]] == [None] * (len(deltas) - 1) and len(deltas) > 2
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The SDK's own accumulation of the stream gives the non-streamed call.
+    with client.chat.completions.stream(
+        model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice=named, max_tokens=80, temperature=0
+    ) as events:
+        final = events.get_final_completion()
+    (acc,) = final.choices[0].message.tool_calls
+    assert (acc.function.name, acc.function.arguments) == (call.function.name, call.function.arguments)
+    _check_call(acc, TIME)
 
 
 def test_auto_without_a_call_answers_in_text(client):
