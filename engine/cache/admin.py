@@ -230,7 +230,11 @@ class StorageAttachment:
         assert cache.controller is not None
         backup_skip = (cache.replicated_kv and cache.tp_rank != 0) or not cache.kv_writer
         c = cache.config
-        health = StorageHealth(BreakerSettings(c.breaker_failures, c.breaker_latency_s, c.breaker_open_s))
+        health = StorageHealth(
+            BreakerSettings(
+                c.breaker_failures, c.breaker_latency_s, c.breaker_open_s, ramp_s=c.breaker_ramp_s
+            )
+        )
         cache.policy.caps.reset_l3()  # a new or cleared store: no tenant has pages in it yet
         cache.controller.attach_storage(
             backend.instance, backend.namespace, c.prefetch_threshold, backup_skip, backend.name, health

@@ -35,7 +35,7 @@ _CHOICES = {
 }
 # Extra-config keys HiCache consumes (popped before the dict reaches the backend) and their types.
 _EXTRA_NUMBERS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max")
-_EXTRA_NUMBERS += ("breaker_latency_s", "breaker_open_s")  # L3 circuit breaker (storage/health.py)
+_EXTRA_NUMBERS += ("breaker_latency_s", "breaker_open_s", "breaker_ramp_s")  # L3 breaker (storage/health.py)
 _EXTRA_KEYS = ("prefetch_threshold", "breaker_failures", *_EXTRA_NUMBERS, "hicache_storage_pass_prefix_keys")
 _EXTRA_KEYS += ("l2_admission", "l3_admission")  # TinyLFU admission per lower tier
 _EXTRA_KEYS += ("tp_lcm_size",)  # L3 pages in KV-head shards shared across TP sizes (storage/shards.py)
@@ -65,6 +65,7 @@ class HiCacheConfig:
     breaker_failures: int = 3  # failed L3 calls in a row that open the breaker
     breaker_latency_s: float = 1.0  # an L3 call slower than this counts as failed
     breaker_open_s: float = 1.0  # first open window (doubles per failed probe, up to 30 s)
+    breaker_ramp_s: float = 10.0  # after a recovery, backups ramp from 10% to all over this many seconds
     eviction_policy: str = "lru"
     pass_prefix_keys: bool = False
     l2_admission: str = "none"  # none | tinylfu: who gets an L2 copy when L2 is full

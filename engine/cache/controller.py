@@ -338,6 +338,9 @@ class HiCacheController:
 
     def _write_pages(self, op: BackupOperation) -> None:
         P = self.page_size
+        if not self.health.admit_backup(len(op.hash_value)):  # ramping up after a store recovery
+            self.health.drop_backup(len(op.hash_value))
+            return
         info = HiCacheStorageExtraInfo(prefix_keys=op.prefix_keys) if op.prefix_keys is not None else None
         for start in range(0, len(op.hash_value), STORAGE_BATCH_SIZE):
             keys = op.hash_value[start : start + STORAGE_BATCH_SIZE]

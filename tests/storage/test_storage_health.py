@@ -62,3 +62,33 @@ def test_skipping_while_open_leaves_the_probe_to_the_next_call():
     assert not health.skipping() and health.state == "open"  # a probe is due: not started by skipping
     assert health.allow() and health.state == "half_open"
     assert health.snapshot().short_circuited == 1
+
+
+def test_backups_ramp_up_after_a_recovery_and_not_before_one():
+    """A store that just came back gets 10% of the backup pages at first, rising linearly to all of them
+    over ramp_s; a breaker that never opened admits everything."""
+    clock = Clock()
+    health = StorageHealth(BreakerSettings(failures=1, open_s=1.0, ramp_s=10.0), clock=clock)
+    assert all(health.admit_backup(4) for _ in range(20)) and health.snapshot().ramp_share is None
+    health.record(False, 0.01)
+    clock.now += 1.0
+    assert health.allow()
+    health.record(True, 0.01)  # the probe closes it: the ramp starts
+    assert health.snapshot().ramp_share == 0.1
+    admitted = sum(health.admit_backup(1) for _ in range(100))
+    assert admitted == 10
+    clock.now += 5.0  # halfway: 55%
+    assert abs(health.snapshot().ramp_share - 0.55) < 1e-9
+    assert 54 <= sum(health.admit_backup(1) for _ in range(100)) <= 56
+    clock.now += 5.0  # over: everything again
+    assert all(health.admit_backup(8) for _ in range(10)) and health.snapshot().ramp_share is None
+
+
+def test_a_zero_ramp_resumes_backups_at_once():
+    clock = Clock()
+    health = StorageHealth(BreakerSettings(failures=1, open_s=1.0, ramp_s=0), clock=clock)
+    health.record(False, 0.01)
+    clock.now += 1.0
+    assert health.allow()
+    health.record(True, 0.01)
+    assert all(health.admit_backup(1) for _ in range(10))

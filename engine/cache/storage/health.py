@@ -8,6 +8,12 @@ longer than ``latency_s``. After ``open_s`` seconds open, the next call is the p
 breaker, failure opens it again for twice as long (at most ``max_open_s``). Upstream has no breaker: its
 workers keep calling a dead or slow store request by request.
 
+After a recovery (half-open -> closed) backups ramp up over ``ramp_s`` seconds instead of all resuming at
+once: :meth:`admit_backup` admits a share of the backup pages that grows linearly from ``RAMP_FLOOR`` to
+all of them, so a store that just came back is not flooded by every worker's pending writes (the pages
+not admitted are dropped and counted, as while open). Lookups and prefetches are not ramped: a read that
+hits is what the recovery is for.
+
 Thread-safe (the backup and prefetch threads share one breaker). Times are ``time.monotonic`` seconds.
 """
 
@@ -29,6 +35,10 @@ class BreakerSettings:
     latency_s: float = 1.0
     open_s: float = 1.0
     max_open_s: float = 30.0
+    ramp_s: float = 10.0  # extra-config ``breaker_ramp_s``; 0: backups resume at full rate
+
+
+RAMP_FLOOR = 0.1  # the share of backup pages admitted right after a recovery
 
 
 @dataclass
@@ -38,7 +48,8 @@ class HealthSnapshot:
     calls: int = 0
     failed_calls: int = 0
     short_circuited: int = 0  # hit queries and reads answered "miss" without a call
-    dropped_backup_pages: int = 0
+    dropped_backup_pages: int = 0  # while open, or not admitted during the ramp after a recovery
+    ramp_share: float | None = None  # the share of backup pages admitted now, while ramping; else None
     last_failure: str | None = None
     last_failure_age_s: float | None = None
 
@@ -57,6 +68,8 @@ class StorageHealth:
         self._probing = False
         self._snap = HealthSnapshot(CLOSED, {s: 0 for s in STATES})
         self._last_failure_at: float | None = None
+        self._ramp_from: float | None = None  # when the last recovery closed the breaker
+        self._ramp_credit = 0.0  # pages' worth of admission not yet used
 
     def allow(self) -> bool:
         """Whether a store call may run now (False counts a short-circuited call)."""
@@ -92,6 +105,7 @@ class StorageHealth:
                 if self.state != CLOSED:
                     self._open_for = s.open_s
                     self._move(CLOSED)
+                    self._ramp_from, self._ramp_credit = self._clock(), 0.0
                 return
             self._snap.failed_calls += 1
             self._snap.last_failure, self._last_failure_at = reason, self._clock()
@@ -102,6 +116,30 @@ class StorageHealth:
             elif self.state == CLOSED and self._in_a_row >= s.failures:
                 self._open()
 
+    def _ramp_share(self) -> float | None:
+        """The share of backup pages admitted now (None: not ramping). Call with the lock held."""
+        if self._ramp_from is None or self.state != CLOSED or self.settings.ramp_s <= 0:
+            return None
+        elapsed = self._clock() - self._ramp_from
+        if elapsed >= self.settings.ramp_s:
+            self._ramp_from = None
+            return None
+        return RAMP_FLOOR + (1 - RAMP_FLOOR) * elapsed / self.settings.ramp_s
+
+    def admit_backup(self, pages: int) -> bool:
+        """Whether a backup of ``pages`` pages may be written now: always, except during the ramp after a
+        recovery, where admitted pages track the ramp's share (a credit of share x pages per batch asked,
+        spent by the batches admitted). A refused batch is the caller's to drop and count."""
+        with self._lock:
+            share = self._ramp_share()
+            if share is None:
+                return True
+            self._ramp_credit += share * pages
+            if self._ramp_credit >= pages - 1e-9:  # a share x n that sums to n exactly, despite rounding
+                self._ramp_credit -= pages
+                return True
+            return False
+
     def drop_backup(self, pages: int) -> None:
         with self._lock:
             self._snap.dropped_backup_pages += pages
@@ -110,6 +148,7 @@ class StorageHealth:
         with self._lock:
             snap = HealthSnapshot(**{**vars(self._snap), "transitions": dict(self._snap.transitions)})
             snap.state = self.state
+            snap.ramp_share = self._ramp_share()
             if self._last_failure_at is not None:
                 snap.last_failure_age_s = self._clock() - self._last_failure_at
             return snap
