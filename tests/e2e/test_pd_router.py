@@ -203,7 +203,8 @@ def test_n_samples_through_router_equal_aggregated_streamed_or_not(pd_fleet):
 
 def test_logprobs_through_router_equal_aggregated(pd_fleet):
     """P computes the prompt's logprobs and the first token's, D the rest; the router merges P's
-    input_token_logprobs into D's answer. Chat logprobs come from D alone."""
+    input_token_logprobs into D's answer, D reports the top ones P sent it. Chat logprobs come from D alone.
+    A seeded sample equals the aggregated worker's."""
     router, agg = pd_fleet["router"], pd_fleet["agg"].url
     fields = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3}
     want = _gen(agg, _text(40), **fields).json()
@@ -216,10 +217,15 @@ def test_logprobs_through_router_equal_aggregated(pd_fleet):
         assert [t for _, t, _ in mine] == [t for _, t, _ in theirs], key
         assert mine[0][0] is None if key.startswith("input") else mine[0][0] is not None
         assert max(abs(a - b) for (a, _, _), (b, _, _) in zip(mine[1:], theirs[1:], strict=True)) < 1e-4
-    top = got["meta_info"]["output_top_logprobs"]
-    assert [[t for _, t, _ in e] for e in top] == [
-        [t for _, t, _ in e] for e in want["meta_info"]["output_top_logprobs"]
-    ]
+    for key in ("output_top_logprobs", "input_top_logprobs"):  # D sends P's input ones (Mooncake's channel)
+        top = got["meta_info"][key]
+        assert [e and [t for _, t, _ in e] for e in top] == [
+            e and [t for _, t, _ in e] for e in want["meta_info"][key]
+        ], key
+    seeded = {"text": _text(42, 20), "sampling_params": {"max_new_tokens": 8, "temperature": 1.0,
+                                                         "sampling_seed": 5}}  # fmt: skip
+    outs = [httpx.post(f"{u}/generate", json=seeded, timeout=120).json()["output_ids"] for u in (agg, router)]
+    assert outs[0] == outs[1]  # P's generator state moves to D with the KV
     body = {"messages": [{"role": "user", "content": _text(41, 20)}], "max_tokens": 6, "temperature": 0,
             "logprobs": True, "top_logprobs": 2}  # fmt: skip
     chat = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json() for url in (agg, router)]
