@@ -309,6 +309,14 @@ def _breaker(model_name: str, health: dict):
         )
         age.add_metric(values, health["last_failure_age_s"])
         yield age
+    if health.get("ramp_share") is not None:
+        ramp = GaugeMetricFamily(
+            "sglang:hicache_storage_backup_ramp_share",
+            "Share of L3 backup pages written while ramping up after a recovery (absent otherwise)",
+            labels=labels,
+        )
+        ramp.add_metric(values, health["ramp_share"])
+        yield ramp
 
 
 TENANT_CAP_METRICS = (  # (metric, usage key, kind, doc)

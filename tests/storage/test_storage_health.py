@@ -92,3 +92,23 @@ def test_a_zero_ramp_resumes_backups_at_once():
     assert health.allow()
     health.record(True, 0.01)
     assert all(health.admit_backup(1) for _ in range(10))
+
+
+def test_the_ramp_share_is_a_metric_only_while_ramping():
+    from engine.server.metrics import _breaker
+
+    clock = Clock()
+    health = StorageHealth(BreakerSettings(failures=1, open_s=1.0, ramp_s=10.0), clock=clock)
+
+    def families():
+        snap = {"storage_backend": "file", **vars(health.snapshot())}
+        return {f.name: f for f in _breaker("m", snap)}
+
+    assert "sglang:hicache_storage_backup_ramp_share" not in families()
+    health.record(False, 0.01)
+    clock.now += 1.0
+    health.allow()
+    health.record(True, 0.01)
+    clock.now += 2.5
+    (sample,) = families()["sglang:hicache_storage_backup_ramp_share"].samples
+    assert abs(sample.value - 0.325) < 1e-9 and sample.labels["storage_backend"] == "file"
