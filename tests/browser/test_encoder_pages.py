@@ -97,9 +97,11 @@ def test_encoder_worker_page_and_fleet_pool_show_image_figures_not_kv(
         assert pool.locator("[data-f=encode_s_per_image]").inner_text() not in ("", "—")
         expect(pool.locator("[data-f=num_running_reqs], [data-spark]")).to_have_count(0)  # no KV figures
         expect(page.locator("#pools [data-pool=regular]")).to_contain_text("0 of 1 workers reporting")
-        row = page.locator(f"#workers tr[data-worker='{enc.pk}'] td")
-        expect(row.nth(4)).to_have_text("encoder")
-        expect(row.nth(11)).to_have_attribute("title", re.compile("an EPD encoder serves no tokens"))
+        row = page.locator(f"#workers tr[data-worker='{enc.pk}']")
+        expect(row.locator("td[data-f=role]")).to_have_text("encoder")
+        expect(row.locator("td[data-f=ttft_text]")).to_have_attribute(
+            "title", re.compile("an EPD encoder serves no tokens")
+        )
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
         assert serious_violations(page) == []
         if SHOTS:
