@@ -1,4 +1,4 @@
-"""Review fixes on the HTTP layer: secrets never echoed, flush needs --api-key, same-backend re-attach keeps
+"""The HTTP layer's contract: secrets never echoed, flush needs --api-key, same-backend re-attach keeps
 the live extra config, bad request fields are 400s, unexpected errors are JSON 500s, /generate streams are
 monotonic with stop strings, and a busy --port fails before the model loads."""
 
