@@ -1,6 +1,6 @@
-"""Concurrent what-if replays: at most ``WHATIF_MAX_PER_USER`` per user and ``WHATIF_MAX_RUNNING`` in all,
-counted across every web process in Redis (a sorted set of run ids scored by their deadline, so a slot a
-killed process held frees itself once ``WHATIF_TIMEOUT_S`` plus a margin has passed)."""
+"""Concurrent what-if replays: at most ``WHATIF_MAX_PER_USER`` per user and kind and ``WHATIF_MAX_RUNNING``
+in all, counted across every web process in Redis (a sorted set of run ids scored by their deadline, so a
+slot a killed process held frees itself once ``WHATIF_TIMEOUT_S`` plus a margin has passed)."""
 
 import contextlib
 import time
@@ -30,16 +30,23 @@ class TooManyRuns(ApplicationError):
     code = "too_many_whatif_runs"
 
 
-def _keys(user_id: int) -> list[str]:
+KINDS = ("whatif", "calibration")  # the capacity page's Run and the replay it starts on every load
+
+
+def _keys(user_id: int, kind: str) -> list[str]:
     prefix = f"{settings.REDIS_KEY_PREFIX}:whatif:running"
-    return [prefix, f"{prefix}:user:{user_id}"]
+    return [prefix, f"{prefix}:user:{user_id}:{kind}"]
 
 
 @contextlib.contextmanager
-def whatif_slot(*, user_id: int):
-    """Hold one what-if slot for the block. Raises TooManyRuns (429, ``detail.limit`` the limit reached and
+def whatif_slot(*, user_id: int, kind: str = "whatif"):
+    """Hold one what-if slot for the block. ``kind``: one of ``KINDS``, each with its own per-user limit,
+    so the calibration replay a page load starts never refuses the user's Run (both count against the
+    control plane's). Raises TooManyRuns (429, ``detail.limit`` the limit reached and
     ``detail.retry_after_s``) when the user or the control plane already runs as many as allowed."""
-    keys = _keys(user_id)
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {', '.join(KINDS)}")
+    keys = _keys(user_id, kind)
     run_id = uuid.uuid4().hex
     now = time.time()
     per_user, overall = settings.WHATIF_MAX_PER_USER, settings.WHATIF_MAX_RUNNING
@@ -47,7 +54,7 @@ def whatif_slot(*, user_id: int):
         _ACQUIRE, 2, *keys, now, now + settings.WHATIF_TIMEOUT_S + 30, run_id, overall, per_user
     )
     if taken:
-        who, limit = ("you run", per_user) if taken == 1 else ("the control plane runs", overall)
+        who, limit = (f"you run ({kind})", per_user) if taken == 1 else ("the control plane runs", overall)
         raise TooManyRuns(
             f"{who} {limit} what-if replay(s) already, the most allowed at once: retry when one has finished",
             detail={"limit": "per_user" if taken == 1 else "overall", "max": limit, "retry_after_s": 10},

@@ -104,6 +104,10 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         expect(page.locator("#whatif-table tbody tr")).to_have_count(7)
         first = page.locator("#whatif-table tbody tr").first.locator("td")
         assert [first.nth(i).inner_text() for i in (0, 1, 2)] == ["live configuration", "2048", "4112"]
+        # 512 L1 tokens hold none of the 1,030-token prompts: the row says so rather than passing for a figure
+        expect(page.locator("#whatif-table tbody tr").nth(1).locator("td").first).to_have_text(
+            "12 of 12 requests do not fit in L1 (the engine refuses them)"
+        )
         page.screenshot(path=str(tmp_path / "capacity-after-run.png"), full_page=True)
         assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
         expect(page.locator("#whatif-chart canvas")).to_have_count(1)

@@ -163,5 +163,5 @@ class CalibrationApi(APIView):
 
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request, pool: str):
-        with whatif_slot(user_id=request.user.pk):  # its replays count against the what-if's limits
+        with whatif_slot(user_id=request.user.pk, kind="calibration"):  # never blocks the user's own Run
             return Response(calibration.calibration(pool=pool))

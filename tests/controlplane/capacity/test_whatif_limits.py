@@ -40,3 +40,20 @@ def test_the_control_plane_limit_holds_across_users(api_as, personas, recorded_p
         refused = api_as("viewer").post("/api/v1/capacity/whatif/", BODY, format="json")
     assert refused.status_code == 429 and refused.json()["error"]["detail"]["limit"] == "overall"
     assert api_as("viewer").post("/api/v1/capacity/whatif/", BODY, format="json").status_code == 200
+
+
+def test_the_calibration_a_page_load_starts_never_refuses_the_users_run(
+    api_as, personas, recorded_pool, settings
+):
+    """The capacity page starts a calibration replay on every load; the user's Run has a slot of its own
+    (both still count against the control plane's limit)."""
+    settings.WHATIF_MAX_PER_USER, settings.WHATIF_MAX_RUNNING = 1, 4
+    viewer = api_as("viewer")
+    with whatif_slot(user_id=personas["viewer"][0].pk, kind="calibration"):
+        assert viewer.post("/api/v1/capacity/whatif/", BODY, format="json").status_code == 200
+    with whatif_slot(user_id=personas["viewer"][0].pk):  # a Run going: the page still calibrates
+        assert viewer.get("/api/v1/capacity/calibration/regular/").status_code == 200
+    settings.WHATIF_MAX_RUNNING = 1
+    with whatif_slot(user_id=personas["viewer"][0].pk, kind="calibration"):
+        refused = viewer.post("/api/v1/capacity/whatif/", BODY, format="json")
+    assert refused.status_code == 429 and refused.json()["error"]["detail"]["limit"] == "overall"

@@ -92,9 +92,16 @@ KV.ready(function () {
     KV.$("#whatif-table").hidden = false;
     var live = current(form.pool.value, "l1");
     KV.replaceRows(KV.$("#whatif-table tbody"), KV.$("#tpl-point"), points.map(function (p) {
-      return { label: p.l1_tokens === live ? "live configuration" : "", l1_tokens: String(p.l1_tokens), l2_tokens: String(p.l2_tokens), l3_tokens: String(p.l3_tokens),
+      var label = p.l1_tokens === live ? "live configuration" : "";
+      if (p.rejected) label = (label ? label + "; " : "") + p.rejected + " of " + p.requests + " requests do not fit in L1 (the engine refuses them)";
+      return { label: label, l1_tokens: String(p.l1_tokens), l2_tokens: String(p.l2_tokens), l3_tokens: String(p.l3_tokens),
         l1: pct(p.l1.share), l2: pct(p.l2.share), l3: pct(p.l3.share), share: pct(p.share) };
     }));
+  }
+
+  function policyText() {  // the eviction policy and any admission filter the run used
+    var filters = [["L2", form.l2_admission.value], ["L3", form.l3_admission.value]].filter(function (f) { return f[1] !== "none"; });
+    return form.eviction.value + " policy" + filters.map(function (f) { return " with " + f[1] + " admission to " + f[0]; }).join(" and");
   }
 
   // Tells "the cache is too small" from "the traffic has little reuse": the best point against the ceiling.
@@ -107,7 +114,7 @@ KV.ready(function () {
     el.textContent = "Ceiling: " + pct(ceiling) + " of input tokens repeat at all, what an unbounded cache would serve. " +
       "The best point here serves " + pct(best) + (gap < 1
         ? ": at the ceiling, so more capacity or another policy cannot raise it; only more reuse in the traffic can."
-        : ", " + gap.toFixed(1) + " points below: that much is lost to capacity or the " + form.eviction.value + " policy.");
+        : ", " + gap.toFixed(1) + " points below: that much is lost to capacity or the " + policyText() + ".");
   }
 
   function showLargest() {  // the legend shows the largest capacity's shares unless the cursor is on the plot
