@@ -56,6 +56,7 @@ def _probe(worker: EngineWorker, drain: bool) -> dict:
         "is_idle": None,
         "num_running_reqs": None,
         "num_waiting_reqs": None,
+        "num_http_reqs": None,
         "storage_backend": None,
         "inflight_cache_io": None,
         "router": router,
@@ -85,6 +86,7 @@ def _probe(worker: EngineWorker, drain: bool) -> dict:
         is_idle=info.get("is_idle") is True,
         num_running_reqs=_count(info.get("num_running_reqs")),
         num_waiting_reqs=_count(info.get("num_waiting_reqs")),
+        num_http_reqs=_count(info.get("num_http_reqs")),
         storage_backend=backend if isinstance(backend, str) and len(backend) <= 20 else None,
         inflight_cache_io=_io_counts(info.get("inflight_cache_io")),
     )

@@ -177,6 +177,7 @@ class FakeWorker(_FakeHTTP):
             "is_idle": not busy and not io,
             "num_running_reqs": 2 if busy else 0,
             "num_waiting_reqs": 1 if busy else 0,
+            "num_http_reqs": 3 if busy else 0,
             "inflight_cache_io": {"writes": 0, "loads": 0, "prefetches": 0, "backups": 3 if io else 0},
             "hicache": self.config_status(),
         }

@@ -110,6 +110,7 @@ class PreviewRowSerializer(serializers.Serializer):
     is_idle = serializers.BooleanField(allow_null=True)
     num_running_reqs = serializers.IntegerField(allow_null=True)
     num_waiting_reqs = serializers.IntegerField(allow_null=True)
+    num_http_reqs = serializers.IntegerField(allow_null=True, help_text="accepted, not answered yet")
     storage_backend = serializers.CharField(allow_null=True)
     inflight_cache_io = serializers.DictField(child=serializers.IntegerField(), allow_null=True)
     router = serializers.CharField(allow_null=True)

@@ -190,6 +190,7 @@ def test_preview_reports_idle_state(api_as, fake_worker):
     rows = {r["name"]: r for r in response.json()}
     assert rows["a-idle"]["is_idle"] is True and rows["b-busy"]["is_idle"] is False
     assert rows["b-busy"]["num_running_reqs"] == 2
+    assert rows["b-busy"]["num_http_reqs"] == 3  # what keeps a worker with nothing queued from idling
 
 
 def test_drain_and_undrain_endpoints_talk_to_the_router(api_as, fake_router):

@@ -39,7 +39,8 @@ KV.ready(function () {
     return KV.api("GET", "/api/v1/operations/preview/?" + ids.map(function (i) { return "worker=" + i; }).join("&")).then(function (probes) {
       probes.forEach(function (p) {
         var cell = KV.$('tr[data-worker="' + p.worker_id + '"] .idle');
-        if (cell) cell.textContent = !p.reachable ? "unreachable" : p.is_idle ? "idle" : "busy (" + p.num_running_reqs + " running, " + p.num_waiting_reqs + " waiting)";
+        if (cell) cell.textContent = !p.reachable ? "unreachable" : p.is_idle ? "idle" : "busy (" + p.num_running_reqs + " running, " +
+          p.num_waiting_reqs + " waiting" + (p.num_http_reqs ? ", " + p.num_http_reqs + " HTTP request" + (p.num_http_reqs === 1 ? "" : "s") + " unanswered" : "") + ")";
       });
       return probes;
     });
@@ -85,7 +86,10 @@ KV.ready(function () {
       return KV.confirm({
         title: "Launch " + KV.$("#kind").selectedOptions[0].textContent + " on " + ids.length + " worker" + (ids.length === 1 ? "" : "s") + "?",
         text: "Policy " + form.policy.value.replace(/_/g, " ") + (form.drain.checked ? ", drained from the router while applying" : "") +
-          ". Busy workers are changed once idle (up to " + form.idle_timeout_s.value + " s). Reason: " + (form.reason.value || "none"),
+          ". Busy workers are changed once idle (up to " + form.idle_timeout_s.value + " s)" +
+          (form.drain.checked || probes.every(function (p) { return p.is_idle; }) ? "" :
+            ": a worker under steady traffic may never be idle without drain, which takes it out of its router first") +
+          ". Reason: " + (form.reason.value || "none"),
         confirmLabel: "Launch",
         rows: probes.map(function (p) { var w = workers[p.worker_id]; return { worker: w.name, before: before(w, p), after: after(w) }; })
       });
