@@ -301,22 +301,22 @@ def _breaker(model_name: str, health: dict):
         c = CounterMetricFamily(f"sglang:{metric}", doc, labels=labels)
         c.add_metric(values, health[key])
         yield c
-    if health.get("last_failure_age_s") is not None:
-        age = GaugeMetricFamily(
-            "sglang:hicache_storage_breaker_last_failure_age_seconds",
+    for metric, key, doc in (  # gauges present only while they mean something
+        (
+            "hicache_storage_breaker_last_failure_age_seconds",
+            "last_failure_age_s",
             "Seconds since the last failed or too slow L3 call (absent before the first)",
-            labels=labels,
-        )
-        age.add_metric(values, health["last_failure_age_s"])
-        yield age
-    if health.get("ramp_share") is not None:
-        ramp = GaugeMetricFamily(
-            "sglang:hicache_storage_backup_ramp_share",
+        ),
+        (
+            "hicache_storage_backup_ramp_share",
+            "ramp_share",
             "Share of L3 backup pages written while ramping up after a recovery (absent otherwise)",
-            labels=labels,
-        )
-        ramp.add_metric(values, health["ramp_share"])
-        yield ramp
+        ),
+    ):
+        if health.get(key) is not None:
+            g = GaugeMetricFamily(f"sglang:{metric}", doc, labels=labels)
+            g.add_metric(values, health[key])
+            yield g
 
 
 TENANT_CAP_METRICS = (  # (metric, usage key, kind, doc)
