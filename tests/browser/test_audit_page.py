@@ -102,3 +102,26 @@ def test_a_multi_worker_change_is_reverted_together_and_a_role_switch_links_its_
             page.screenshot(path=os.path.join(SHOTS, "audit-together-operation.png"), full_page=True)
         assert errors == []
         browser.close()
+
+
+def test_two_long_values_that_share_their_start_show_where_they_differ(asgi_server, monkeypatch):
+    """A host re-registering with one GPU changed: both values are 300 characters that agree for their first
+    200, so a summary of each value's start read the same on both sides of the change."""
+    from playwright.sync_api import expect, sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    common = "gpu-" + "x" * 196
+    before, after = common + "A" * 100, common + "B" * 100
+    audit_record(action="register", object_type="inventory.host", object_id="9", object_repr="long-host",
+                 before={"gpus": before}, after={"gpus": after})  # fmt: skip
+    console_user("gates", "operator", "pw-for-tests-1")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
+        page.goto(f"{asgi_server}/audit/?action=register")
+        row = page.locator("#audit tbody tr", has_text="long-host")
+        expect(row.locator("del summary")).to_have_text("…" + "x" * 10 + "A" * 30 + "… (300 chars)")
+        expect(row.locator("ins summary")).to_have_text("…" + "x" * 10 + "B" * 30 + "… (300 chars)")
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        assert errors == []
+        browser.close()

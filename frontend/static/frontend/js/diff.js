@@ -1,13 +1,21 @@
 /* Per-field diffs rendered from <template id="tpl-change">; long values (over FOLD chars) fold into a
-   <details> so tables keep their width. KV.diff(cell, changes) with changes {field: [before, after]}. */
+   <details> so tables keep their width, summarised from just before where the two values first differ (two
+   long values with the same start would otherwise read the same). KV.diff(cell, changes) with changes
+   {field: [before, after]}. */
 (function () {
   "use strict";
   var KV = window.KV, FOLD = 80;
-  function valueNode(tag, v) {
+  function firstDifference(a, b) {
+    var i = 0;
+    while (i < a.length && i < b.length && a[i] === b[i]) i++;
+    return i;
+  }
+  function valueNode(tag, v, other) {
     var text = KV.show(v), el = document.createElement(tag);
     if (text.length <= FOLD) { el.textContent = text; return el; }
     var d = document.createElement("details"), s = document.createElement("summary"), pre = document.createElement("pre");
-    s.textContent = text.slice(0, 40) + "… (" + text.length + " chars)";
+    var start = other == null ? 0 : Math.max(0, firstDifference(text, KV.show(other)) - 10);
+    s.textContent = (start ? "…" : "") + text.slice(start, start + 40) + "… (" + text.length + " chars)";
     pre.className = "json"; pre.textContent = typeof v === "object" ? JSON.stringify(v, null, 1) : text;
     d.append(s, pre); el.appendChild(d);
     return el;
@@ -18,8 +26,8 @@
       var row = KV.fill(tpl, { key: k, before: "", after: "" });
       if (changes[k][0] == null) {  // a new field (create): only the value
         KV.$("del", row).nextSibling.remove(); KV.$("del", row).remove();
-      } else KV.$("del", row).replaceWith(valueNode("del", changes[k][0]));
-      KV.$("ins", row).replaceWith(valueNode("ins", changes[k][1]));
+      } else KV.$("del", row).replaceWith(valueNode("del", changes[k][0], changes[k][1]));
+      KV.$("ins", row).replaceWith(valueNode("ins", changes[k][1], changes[k][0]));
       frag.appendChild(row);
     });
     cell.replaceChildren(frag);
