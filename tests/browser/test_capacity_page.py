@@ -102,12 +102,7 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         expect(page.locator("#whatif-status")).to_have_text("7 points", timeout=180_000)
         expect(page.get_by_test_id("whatif-empty")).to_be_hidden()
         expect(page.locator("#whatif-table tbody tr")).to_have_count(7)
-        first = page.locator("#whatif-table tbody tr").first.locator("td")
-        assert [first.nth(i).inner_text() for i in (0, 1, 2)] == ["live configuration", "2048", "4112"]
-        # 512 L1 tokens hold none of the 1,030-token prompts: the row says so rather than passing for a figure
-        expect(page.locator("#whatif-table tbody tr").nth(1).locator("td").first).to_have_text(
-            "12 of 12 requests do not fit in L1 (the engine refuses them)"
-        )
+        _the_live_point_first_and_a_refusing_one_named(page, expect)
         page.screenshot(path=str(tmp_path / "capacity-after-run.png"), full_page=True)
         assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
         expect(page.locator("#whatif-chart canvas")).to_have_count(1)
@@ -141,6 +136,16 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         assert serious_violations(page) == []
         assert errors == []
         browser.close()
+
+
+def _the_live_point_first_and_a_refusing_one_named(page, expect) -> None:
+    """The live configuration is the first row; 512 L1 tokens hold none of the 1,030-token prompts, and
+    that row says so rather than passing for a measured share."""
+    first = page.locator("#whatif-table tbody tr").first.locator("td")
+    assert [first.nth(i).inner_text() for i in (0, 1, 2)] == ["live configuration", "2048", "4112"]
+    expect(page.locator("#whatif-table tbody tr").nth(1).locator("td").first).to_have_text(
+        "12 of 12 requests do not fit in L1 (the engine refuses them)"
+    )
 
 
 def _ceiling_at_the_largest_point(page, expect, total: int) -> None:
