@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 TOOL_CALL_PARSERS = ("llama3", "mistral", "pythonic", "qwen", "qwen25")
@@ -32,7 +33,7 @@ class ToolCall:
     arguments: str
 
 
-class ToolCallParser:
+class ToolCallParser(ABC):
     """Base: ``start`` is the marker that opens the calls (a stream holds text back from it on)."""
 
     start = ""
@@ -51,8 +52,9 @@ class ToolCallParser:
             return text, []
         return (text[:idx].rstrip(), calls) if calls else (text, [])
 
+    @abstractmethod
     def _calls(self, body: str) -> list[ToolCall]:
-        raise NotImplementedError
+        """The calls in ``body`` (the text after the start marker); raises on text that is not calls."""
 
     def hold_from(self, text: str) -> int:
         """Where, in a stream's ``text`` so far, a call may begin: the marker, or a tail that could grow
