@@ -9,11 +9,12 @@
    matmuls (``aten::mm``/``addmm``/``linear``), K/V gathers (``index_select``), attention (SDPA), K/V writes
    (``index_put_``) and the rest (norms, RoPE, activations, per-op dispatch).
 2. Variants (``--variants float32@2 bfloat16@2 float32+int8wo@2 float32@1 float32@1:python``): dtype,
-   ``--torchao-config`` quantization, torch thread count and decode path (``:python``: without the fused C++
+   ``--torchao-config`` quantization, torch thread count, decode path (``:python``: without the fused C++
    decode step, ``engine/model/fused_decode.py``; ``:torch-quant``: torch's int8/int4 kernels instead of the
-   VNNI ones, ``engine/model/linear.py``) per variant, interleaved rounds, wall ms per decode step
-   (the median of a round) and the ratio to the first variant of the same round (median and min-max over
-   rounds), with this process's CPU ms next to it.
+   VNNI ones, ``engine/model/linear.py``) and KV cache dtype (``:kv=int8``, ``:kv=fp8_e4m3``, ...: the
+   pool stores K/V as ``--kv-cache-dtype`` would, attention reads it quantized) per variant, interleaved
+   rounds, wall ms per decode step (the median of a round) and the ratio to the first variant of the same
+   round (median and min-max over rounds), with this process's CPU ms next to it.
 
 The breakdown's times are this process's CPU time (``time.process_time``, all threads): on a shared machine
 other jobs stretch wall time but not the CPU a step consumes.
@@ -27,6 +28,7 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +38,7 @@ from engine.model.loader import load_checkpoint
 from engine.model.runner import ModelRunner
 from engine.scheduler.sampler import sample
 from engine.scheduler.sampling_params import SamplingParams
+from engine.sizing.kv import KV_CACHE_DTYPES
 
 CATEGORIES = {
     "weight matmuls": (
@@ -58,11 +61,13 @@ CATEGORIES = {
 class DecodeSetup:
     """``batch`` sequences of ``context`` random tokens prefilled into a pool with shuffled slots."""
 
-    def __init__(self, runner: ModelRunner, batch: int, context: int, steps: int, seed: int = 0) -> None:
+    def __init__(
+        self, runner: ModelRunner, batch: int, context: int, steps: int, seed: int = 0, kv: str = "auto"
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.runner = runner
         total = batch * (context + steps + 1)
-        self.pool = DeviceKVPool(-(-total // 16) * 16, 16, **vars(runner.kv_pool_spec()))
+        self.pool = DeviceKVPool(-(-total // 16) * 16, 16, **vars(runner.kv_pool_spec()), kv_cache_dtype=kv)
         free = torch.randperm(total, generator=gen) + 16
         self.slots = [free[i * (context + steps + 1) : (i + 1) * (context + steps + 1)] for i in range(batch)]
         vocab = runner.config.vocab_size
@@ -134,18 +139,36 @@ def breakdown(runner: ModelRunner, batch: int, context: int, steps: int) -> None
         print(f"{name:<22}{us / 4e3:>10.2f} ms/step{us / whole:>8.1%}")
 
 
-def _parse_variant(spec: str) -> tuple[str, str | None, int, bool, bool]:
-    """``dtype[+quantization][@threads][:python][:torch-quant]``, e.g. ``float32``, ``bfloat16@1``,
-    ``float32+int8wo@2``, ``bfloat16+int4wo-32@1:python`` (``:python``: the Python decode path, no fused C++
-    step; ``:torch-quant``: torch's weight-only kernels, ``--disable-cpu-quant-kernels``)."""
-    spec, *paths = spec.split(":")
+class Variant(NamedTuple):
+    dtype: str
+    quantization: str | None
+    threads: int
+    fused: bool
+    quant_kernels: bool
+    kv: str
+
+
+def _parse_variant(spec: str) -> Variant:
+    """``dtype[+quantization][@threads][:python][:torch-quant][:kv=KV_DTYPE]``, e.g. ``float32``,
+    ``bfloat16@1``, ``float32+int8wo@2``, ``bfloat16+int4wo-32@1:python``, ``bfloat16@2:kv=int8``
+    (``:python``: the Python decode path, no fused C++ step; ``:torch-quant``: torch's weight-only kernels,
+    ``--disable-cpu-quant-kernels``; ``:kv=``: the ``--kv-cache-dtype``, default ``auto``)."""
+    spec, *suffixes = spec.split(":")
+    kvs = [s.removeprefix("kv=") for s in suffixes if s.startswith("kv=")]
+    paths = [s for s in suffixes if not s.startswith("kv=")]
     unknown = set(paths) - {"python", "torch-quant"}
-    if unknown:
-        raise SystemExit(f"--variants: unknown suffix {sorted(unknown)} (only ':python', ':torch-quant')")
+    if unknown or len(kvs) > 1:
+        raise SystemExit(
+            f"--variants: unknown suffix {sorted(unknown) or kvs} "
+            "(only ':python', ':torch-quant', one ':kv=')"
+        )
+    if kvs and kvs[0] not in KV_CACHE_DTYPES:
+        raise SystemExit(f"--variants: ':kv={kvs[0]}' is not a --kv-cache-dtype (one of {KV_CACHE_DTYPES})")
     rest, _, threads = spec.partition("@")
     dtype, _, quant = rest.partition("+")
     threads_n = int(threads or torch.get_num_threads())
-    return dtype, quant or None, threads_n, "python" not in paths, "torch-quant" not in paths
+    kv = kvs[0] if kvs else "auto"
+    return Variant(dtype, quant or None, threads_n, "python" not in paths, "torch-quant" not in paths, kv)
 
 
 def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: list[str]) -> None:
@@ -154,10 +177,14 @@ def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: lis
     configs = [_parse_variant(s) for s in specs]
     try:
         runners = {
-            (dt, q, fused, quant_kernels): ModelRunner.from_checkpoint(
-                ckpt, dtype=dt, quantization=q, fused_decode=fused, cpu_quant_kernels=quant_kernels
+            (v.dtype, v.quantization, v.fused, v.quant_kernels): ModelRunner.from_checkpoint(
+                ckpt,
+                dtype=v.dtype,
+                quantization=v.quantization,
+                fused_decode=v.fused,
+                cpu_quant_kernels=v.quant_kernels,
             )
-            for dt, q, _, fused, quant_kernels in configs
+            for v in configs
         }
     except ValueError as exc:  # a QuantizationError or an unknown dtype: say which, no traceback
         raise SystemExit(f"--variants: {exc}") from None
@@ -168,9 +195,10 @@ def variants(ckpt, batch: int, context: int, steps: int, rounds: int, specs: lis
     for r in range(rounds):
         order = list(zip(specs, configs, strict=True))
         this_round = {}
-        for spec, (dt, q, threads, fused, quant_kernels) in order if r % 2 == 0 else order[::-1]:
-            torch.set_num_threads(threads)
-            setup = DecodeSetup(runners[(dt, q, fused, quant_kernels)], batch, context, steps + 2)
+        for spec, v in order if r % 2 == 0 else order[::-1]:
+            torch.set_num_threads(v.threads)
+            runner = runners[(v.dtype, v.quantization, v.fused, v.quant_kernels)]
+            setup = DecodeSetup(runner, batch, context, steps + 2, kv=v.kv)
             setup.step()
             ts, cs = [], []
             for _ in range(steps):
@@ -203,9 +231,10 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="*",
-        metavar="DTYPE[+QUANT][@THREADS][:python][:torch-quant]",
+        metavar="DTYPE[+QUANT][@THREADS][:python][:torch-quant][:kv=KV_DTYPE]",
         help="also time these against the first (e.g. float32@2 bfloat16@2 float32+int8wo@2 float32@1; "
-        "':python' decodes without the fused C++ step, ':torch-quant' with torch's weight-only kernels)",
+        "':python' decodes without the fused C++ step, ':torch-quant' with torch's weight-only kernels, "
+        "':kv=int8' with an int8 KV cache)",
     )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-breakdown", action="store_true", help="only the variants")
