@@ -164,20 +164,27 @@ KV.ready(function () {
     if (label === "other") return "other";
     return TENANT_NAMES[label] ? TENANT_NAMES[label] + " (" + label + ")" : label;
   }
+  /* a table row: the first text a row header, the rest right-aligned number cells */
+  function headedRow(texts) {
+    var tr = document.createElement("tr");
+    texts.forEach(function (text, i) {
+      var td = document.createElement(i ? "td" : "th");
+      if (i) td.className = "num"; else td.scope = "row";
+      td.textContent = text;
+      tr.appendChild(td);
+    });
+    return tr;
+  }
   /* cached tokens per tier and tenant in the newest sample (counters since the worker started) */
   function showTenants(s) {
     if (!s || !s.tenants || !s.tenants.length) return;
     var body = KV.$("#tenant-hits tbody");
     body.replaceChildren.apply(body, s.tenants.map(function (t) {
-      var tr = document.createElement("tr"), cached = t.device + t.host + t.storage;
+      var cached = t.device + t.host + t.storage;
+      var tr = headedRow([tenantName(t.tenant), KV.fmt(t.prompt, "count")]
+        .concat(TIERS.map(function (tier) { return KV.fmt(t[tier], "count"); }))
+        .concat([t.prompt ? KV.fmt(cached / t.prompt, "%") : "–"]));
       tr.dataset.tenant = t.tenant;
-      [tenantName(t.tenant), KV.fmt(t.prompt, "count")].concat(TIERS.map(function (tier) { return KV.fmt(t[tier], "count"); }))
-        .concat([t.prompt ? KV.fmt(cached / t.prompt, "%") : "–"]).forEach(function (text, i) {
-          var td = document.createElement(i ? "td" : "th");
-          if (i) td.className = "num"; else td.scope = "row";
-          td.textContent = text;
-          tr.appendChild(td);
-        });
       return tr;
     }));
   }
@@ -193,14 +200,7 @@ KV.ready(function () {
       (r.ttft_same_salt_s > 0 ? " (" + (r.ttft_other_salt_s / r.ttft_same_salt_s).toFixed(2) + "x)" : "");
     var names = ["salt A (cold)", "salt B", "salt A (again)"], body = KV.$("#isolation-probes tbody");
     body.replaceChildren.apply(body, r.probes.map(function (p, i) {
-      var tr = document.createElement("tr");
-      [names[i], KV.fmt(p.ttft_s, "s")].concat(TIERS.map(function (t) { return KV.fmt(p.cached[t], "count"); })).forEach(function (text, j) {
-        var td = document.createElement(j ? "td" : "th");
-        if (j) td.className = "num"; else td.scope = "row";
-        td.textContent = text;
-        tr.appendChild(td);
-      });
-      return tr;
+      return headedRow([names[i], KV.fmt(p.ttft_s, "s")].concat(TIERS.map(function (t) { return KV.fmt(p.cached[t], "count"); })));
     }));
     var problems = KV.$("#isolation-problems");
     problems.replaceChildren.apply(problems, r.problems.map(function (text) { var li = document.createElement("li"); li.textContent = text; return li; }));
