@@ -2,10 +2,12 @@
 
 Envelope: {"v": 1, "type": "<domain>.<event>", "id": uuid hex, "ts": ISO-8601 UTC, "seq": int, "data": {...}}.
 Types: worker.metrics, fleet.metrics, operation.state_changed, operation.target_changed,
-rebalance.state_changed, rebalance.step_changed, control.subscribed, control.error, control.revoked
-(server-internal: closes the sockets of a revoked token). Groups clients may subscribe: "fleet", "operations",
-"worker.<id>", "operation.<id>", "rebalances", "rebalance.<id>"; "token.<prefix>" holds a token's sockets,
-"user.<id>" every socket of a user, "session.<digest>" the sockets of one console login session.
+rebalance.state_changed, rebalance.step_changed, fleet.alert (a reconciler alert opened, changed or resolved;
+group "alerts"), control.subscribed, control.error, control.revoked
+(server-internal: closes the sockets of a revoked token). Groups clients may subscribe: "fleet", "alerts",
+"operations", "worker.<id>", "operation.<id>", "rebalances", "rebalance.<id>"; "token.<prefix>" holds a
+token's sockets, "user.<id>" every socket of a user, "session.<digest>" the sockets of one console login
+session.
 """
 
 import hashlib
@@ -21,12 +23,16 @@ EVENT_TYPES = frozenset(
         "operation.target_changed",
         "rebalance.state_changed",
         "rebalance.step_changed",
+        "fleet.alert",
         "control.subscribed",
         "control.error",
         "control.revoked",
     }
 )
-GROUP_PATTERN = re.compile(r"^(fleet|operations|worker\.\d+|operation\.\d+|rebalances|rebalance\.\d+)$")
+GROUP_PATTERN = re.compile(
+    r"^(fleet|alerts|operations|worker\.\d+|operation\.\d+|rebalances|rebalance\.\d+)$"
+)
+ALERTS_GROUP = "alerts"  # every reconciler alert's fleet.alert events
 
 
 def envelope(event_type: str, data: dict, seq: int = 0) -> dict:

@@ -27,10 +27,11 @@ from controlplane.core.events import GROUP_PATTERN, envelope, session_group, tok
 
 MAX_GROUPS = 300
 JOIN_CONCURRENCY = 8  # group joins/leaves of one subscribe in flight at once
-# Group kind -> roles that may read it: the same as REST (/telemetry/*, /inventory/workers, /operations,
-# /rebalances).
+# Group kind -> roles that may read it: the same as REST (/telemetry/*, /inventory/workers, /inventory/alerts,
+# /operations, /rebalances).
 GROUP_READ_ROLES = {
     "fleet": READ_ROLES,
+    "alerts": READ_ROLES,
     "worker": READ_ROLES,
     "operations": READ_ROLES,
     "operation": READ_ROLES,

@@ -9,9 +9,9 @@ role the router does not expect) and its agent is asked to restart it in the ass
 ``desired_role`` a heartbeat answer carries); a worker listed with the wrong type or bootstrap port is
 removed and registered again right; a worker missing from the list is registered. Drift that cannot be
 repaired here raises a :class:`~controlplane.inventory.models.FleetAlert` (the console shows open ones on the
-fleet and router pages): a URL the router lists that is no worker of its, a worker that does not answer, a
-worker in the wrong role with no agent to restart it. An alert closes on the first pass that no longer sees
-its drift.
+fleet and router pages, kept current by ``fleet.alert`` events): a URL the router lists that is no worker of
+its, a worker that does not answer, a worker in the wrong role with no agent to restart it. An alert closes
+on the first pass that no longer sees its drift.
 
 A router with an active rebalance is left alone (the rebalance owns its membership), and so is a worker
 with an active operation target (an operation may have drained it).
@@ -24,6 +24,8 @@ import logging
 from django.utils import timezone
 
 from controlplane.audit.services import audit_record
+from controlplane.core.broadcast import emit_on_commit
+from controlplane.core.events import ALERTS_GROUP
 from controlplane.inventory.models import EngineWorker, FleetAlert, Router, RouterMode
 from controlplane.inventory.services import worker_role_observed, worker_role_request
 from controlplane.operations.models import ACTIVE_STATES as TARGET_ACTIVE
@@ -103,8 +105,29 @@ def _worker(router: Router, client: RouterClient, worker: EngineWorker, listed: 
     return done
 
 
+def alert_event(alert: FleetAlert) -> dict:
+    """The ``fleet.alert`` event's data for `alert` (group ``alerts``): {state: "open" | "resolved", id,
+    router, router_name, worker, worker_name (ids and names, null when none), kind, subject, message,
+    opened_at, resolved_at (ISO-8601 UTC or null)}, the fields of ``GET /api/v1/inventory/alerts/``."""
+    return {
+        "state": "resolved" if alert.resolved_at else "open",
+        "id": alert.pk,
+        "router": alert.router_id,
+        "router_name": alert.router.name if alert.router else None,
+        "worker": alert.worker_id,
+        "worker_name": alert.worker.name if alert.worker else None,
+        "kind": alert.kind,
+        "subject": alert.subject,
+        "message": alert.message,
+        "opened_at": alert.opened_at.isoformat(),
+        "resolved_at": alert.resolved_at.isoformat() if alert.resolved_at else None,
+    }
+
+
 def _sync_alerts(router: Router, found: list) -> None:
-    """Open (or keep) an alert per drift found now; close this router's others."""
+    """Open (or keep) an alert per drift found now; close this router's others. Each alert opened, whose
+    message changed, or resolved is pushed to the console (``fleet.alert`` to group ``alerts``) after
+    commit."""
     now = timezone.now()
     keep = []
     for worker, kind, subject, message in found:
@@ -118,12 +141,18 @@ def _sync_alerts(router: Router, found: list) -> None:
             audit_record(
                 action="alert_open", obj=router, message=message, extra={"alert_id": alert.pk, "kind": kind}
             )
+            emit_on_commit(ALERTS_GROUP, "fleet.alert", alert_event(alert))
         else:
             FleetAlert.objects.filter(pk=alert.pk).update(message=message, last_seen_at=now)
+            if alert.message != message:
+                alert.message = message
+                emit_on_commit(ALERTS_GROUP, "fleet.alert", alert_event(alert))
         keep.append(alert.pk)
     stale = FleetAlert.objects.filter(router=router, resolved_at__isnull=True).exclude(pk__in=keep)
-    for alert in stale:
+    for alert in stale.select_related("router", "worker"):
         audit_record(action="alert_resolve", obj=router, message=alert.message, extra={"alert_id": alert.pk})
+        alert.resolved_at = now
+        emit_on_commit(ALERTS_GROUP, "fleet.alert", alert_event(alert))
     stale.update(resolved_at=now)
 
 

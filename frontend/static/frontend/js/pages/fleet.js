@@ -1,5 +1,6 @@
 /* Fleet page: pool cards with sparklines and the worker, host and router tables. Inventory is read once;
-   each fleet.metrics push updates the live cells and pool cards in place and extends the sparklines. */
+   each fleet.metrics push updates the live cells and pool cards in place and extends the sparklines; the
+   reconciler's alert card follows fleet.alert events (js/alerts.js). */
 KV.ready(function () {
   "use strict";
   var POOL_TITLES = { regular: "Regular pool", prefill: "Prefill pool", decode: "Decode pool", encoder: "Encoder pool" };
@@ -141,6 +142,9 @@ KV.ready(function () {
     var ids = KV.$$(".pick").filter(function (c) { return c.checked; }).map(function (c) { return "worker=" + c.value; });
     location.href = "/operations/new/?" + ids.join("&");
   });
-  KV.subscribe(["fleet"], function (msg) { if (msg.type === "fleet.metrics") applySummary(msg.data); }, load);
+  KV.subscribe(["fleet"].concat(KV.fleetAlerts.groups), function (msg) {
+    if (msg.type === "fleet.metrics") applySummary(msg.data);
+    else KV.fleetAlerts.apply(msg);
+  }, function () { return Promise.all([load(), KV.fleetAlerts.resync()]); });
   return load();
 });
