@@ -4,9 +4,7 @@ why), a tenant-keyed worker is checked with a tenant's key, and a wrong key is a
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -18,21 +16,10 @@ WORDS = "48"  # the tiny model has 512 positions
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    path = Path(__file__).resolve().parent.parent / "model" / "model_testlib.py"
-    spec = importlib.util.spec_from_file_location("agent_model_testlib", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    folder = tmp_path_factory.mktemp("tiny-llama-agent")
-    module.save_tiny_model(folder, "llama", seed=7)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tenant_worker(tiny_model, tmp_path_factory):
+def tenant_worker(tiny_model_dir, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "tenants.json"
     keys.write_text(json.dumps({"tenants": {"ops": {"api_keys": ["sk-ops-check"]}}}))
-    flags = ["--model-path", str(tiny_model), "--page-size", "16", "--tenant-keys-file", str(keys)]
+    flags = ["--model-path", str(tiny_model_dir), "--page-size", "16", "--tenant-keys-file", str(keys)]
     with ServerProcess(flags) as worker:
         yield worker
 
@@ -62,9 +49,9 @@ def test_a_wrong_key_is_a_one_line_error(tenant_worker, capsys):
     assert "answered 401" in err and "sk-wrong" not in err
 
 
-def test_a_worker_that_cannot_reuse_the_prompt_fails_the_check(tiny_model, capsys):
+def test_a_worker_that_cannot_reuse_the_prompt_fails_the_check(tiny_model_dir, capsys):
     # pages larger than the prompt: nothing is ever cached, so "same salt -> reuse" cannot hold
-    with ServerProcess(["--model-path", str(tiny_model), "--page-size", "256"]) as worker:
+    with ServerProcess(["--model-path", str(tiny_model_dir), "--page-size", "256"]) as worker:
         assert main(["check-isolation", worker.url, "--words", "32"]) == 1  # about 200 tokens < 1 page
     out = capsys.readouterr().out
     assert "isolation: FAILED" in out and "second request reused nothing" in out

@@ -4,7 +4,6 @@ tenant (from the worker's /server_info) with its cached tokens per tier, from th
 pushed through the agent API; an operator's "Check isolation" runs the agent's check against the worker and
 shows the verdict and both TTFTs; a viewer gets no button."""
 
-import importlib.util
 import json
 import random
 import time
@@ -25,17 +24,11 @@ TENANTS = {"acme": {"api_keys": ["sk-acme-2b9e"]}, "globex": {"api_keys": ["sk-g
 
 
 @pytest.fixture(scope="module")
-def engine_url(tmp_path_factory):
-    path = Path(__file__).resolve().parents[1] / "model" / "model_testlib.py"
-    spec = importlib.util.spec_from_file_location("browser_model_testlib", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    folder = tmp_path_factory.mktemp("tiny-llama-console")
-    module.save_tiny_model(folder, "llama", seed=7)
-    keys = folder / "tenants.json"
+def engine_url(tiny_model_dir, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("tenant-keys") / "tenants.json"
     keys.write_text(json.dumps({"tenants": TENANTS}))
-    flags = ["--model-path", str(folder), "--page-size", "16", "--enable-metrics", "--api-key", OPERATOR_KEY,
-             "--tenant-keys-file", str(keys)]  # fmt: skip
+    flags = ["--model-path", str(tiny_model_dir), "--page-size", "16", "--enable-metrics",
+             "--api-key", OPERATOR_KEY, "--tenant-keys-file", str(keys)]  # fmt: skip
     with ServerProcess(flags) as worker:
         yield worker.url
 

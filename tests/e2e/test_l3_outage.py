@@ -6,7 +6,6 @@ request waits on the dead store, the breaker opens and then closes after the res
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -26,17 +25,6 @@ STATE = "sglang:hicache_storage_breaker_state"
 MOVES = "sglang:hicache_storage_breaker_transitions_total"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    path = Path(__file__).resolve().parent.parent / "model" / "model_testlib.py"
-    spec = importlib.util.spec_from_file_location("outage_model_testlib", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    folder = tmp_path_factory.mktemp("tiny-llama-outage")
-    module.save_tiny_model(folder, "llama", seed=7)
-    return folder
-
-
 def worker_flags(model: Path, master: MooncakeMaster) -> list[str]:
     extra = {
         "master_server_address": master.master_address, "metadata_server": master.metadata_url,
@@ -51,11 +39,11 @@ def worker_flags(model: Path, master: MooncakeMaster) -> list[str]:
     ]  # fmt: skip
 
 
-def test_a_killed_master_costs_recompute_never_a_failed_request(tiny_model):
+def test_a_killed_master_costs_recompute_never_a_failed_request(tiny_model_dir):
     rng = random.Random(24)
     # 24 prompts of 192 tokens: more than L1 (1024) and L2 (2048 tokens) hold, so lookups reach L3
     prompts = [[rng.randrange(3, 300) for _ in range(192)] for _ in range(24)]
-    with MooncakeMaster() as master, ServerProcess(worker_flags(tiny_model, master)) as worker:
+    with MooncakeMaster() as master, ServerProcess(worker_flags(tiny_model_dir, master)) as worker:
         url = worker.url
         with Traffic(url, prompts, clients=4) as traffic:
             traffic.phase("healthy")
@@ -101,12 +89,12 @@ def test_a_killed_master_costs_recompute_never_a_failed_request(tiny_model):
         wait_for(served_from_l3, 60, "the prompt served from L3 after the restart", interval=0.5)
 
 
-def test_a_master_that_never_answers_costs_recompute_never_a_failed_request(tiny_model):
+def test_a_master_that_never_answers_costs_recompute_never_a_failed_request(tiny_model_dir):
     """SIGSTOP: the master's sockets still accept connections (the kernel completes the handshake) but
     nothing answers, the store outage a plain connection check does not see."""
     rng = random.Random(25)
     prompts = [[rng.randrange(3, 300) for _ in range(192)] for _ in range(24)]
-    with MooncakeMaster() as master, ServerProcess(worker_flags(tiny_model, master)) as worker:
+    with MooncakeMaster() as master, ServerProcess(worker_flags(tiny_model_dir, master)) as worker:
         url = worker.url
         try:
             with Traffic(url, prompts, clients=4) as traffic:

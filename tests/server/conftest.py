@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 import torch
-from server_testlib import ThreadedServer, model_testlib
+from server_testlib import ThreadedServer
 
 from engine.model.runner import ModelRunner
 from engine.server.args import parse_args
 from engine.server.builder import build_engine
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A 2-layer random Llama (vocab 320, 512 positions) with a BPE tokenizer and chat template."""
-    folder = tmp_path_factory.mktemp("tiny-llama-server")
-    model_testlib().save_tiny_model(folder, "llama", seed=7)
-    return folder
 
 
 @pytest.fixture(scope="session")

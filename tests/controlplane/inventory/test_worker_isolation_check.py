@@ -3,9 +3,6 @@ check-isolation/``) against a real engine worker process: it runs the agent's ch
 inventory API key, answers both TTFTs, each probe's cached tokens and the verdict, and audits every run
 (a worker it cannot check: a 502 naming the worker, audited as a failure)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 from cp_factories import EngineWorkerFactory
 
@@ -17,14 +14,9 @@ KEY = "sk-operator-iso-5d1e"
 
 
 @pytest.fixture(scope="module")
-def engine_url(tmp_path_factory):
-    path = Path(__file__).resolve().parents[2] / "model" / "model_testlib.py"
-    spec = importlib.util.spec_from_file_location("iso_model_testlib", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    folder = tmp_path_factory.mktemp("tiny-llama-iso")
-    module.save_tiny_model(folder, "llama", seed=7)
-    with ServerProcess(["--model-path", str(folder), "--page-size", "16", "--api-key", KEY]) as worker:
+def engine_url(tiny_model_dir):
+    flags = ["--model-path", str(tiny_model_dir), "--page-size", "16", "--api-key", KEY]
+    with ServerProcess(flags) as worker:
         yield worker.url
 
 
