@@ -53,8 +53,26 @@ def test_a_busy_worker_past_the_idle_timeout_is_offered_a_retry_with_drain(
         expect(page.get_by_label("drain each worker from its router while applying")).to_be_checked()
         expect(page.locator("#kind")).to_have_value("detach")
         expect(page.get_by_label("target busy")).to_be_checked()
+        idle = page.locator(f'tr[data-worker="{worker.pk}"] .idle')
+        expect(idle).to_have_text("busy (2 running, 1 waiting, 3 HTTP requests unanswered)")
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
         if SHOTS:
             page.screenshot(path=os.path.join(SHOTS, "launch-retry-drain.png"), full_page=True)
+        _review_without_drain_warns(page)
         assert errors == []
         browser.close()
+
+
+def _review_without_drain_warns(page) -> None:
+    """Review with drain off: the confirmation says a busy worker may never go idle without drain."""
+    from playwright.sync_api import expect
+
+    page.get_by_label("drain each worker from its router while applying").uncheck()
+    page.get_by_label("Reason (kept in the audit log and on the operation)").fill("retry after idle timeout")
+    page.locator("#review").click()
+    dialog = page.locator("dialog[open]")
+    expect(dialog).to_contain_text("may never be idle without drain")
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "launch-review-busy-no-drain.png"), full_page=True)
+    dialog.get_by_role("button", name="Cancel").click()
+    expect(page.locator("dialog[open]")).to_have_count(0)
