@@ -211,7 +211,7 @@ CELERY_IMPORTS = ["controlplane.rebalance.planner.tasks"]
 CHANNEL_REDIS_HOST = {"address": REDIS_URL, "socket_timeout": 30}
 CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "BACKEND": "controlplane.core.channel_layer.BatchReceiveLayer",  # channels_redis's, batched receives
         "CONFIG": {"hosts": [CHANNEL_REDIS_HOST], "capacity": 10000, "prefix": f"{REDIS_KEY_PREFIX}:asgi"},
     }
 }

@@ -51,7 +51,7 @@ def _batchable(layer) -> bool:
         from channels_redis.core import RedisChannelLayer
     except ImportError:  # pragma: no cover - channels_redis is a requirement
         return False
-    return type(layer) is RedisChannelLayer and layer.ring_size == 1
+    return isinstance(layer, RedisChannelLayer) and layer.ring_size == 1
 
 
 async def group_send_many(layer, items: list[tuple[str, dict]]) -> None:

@@ -44,7 +44,7 @@ settings.CELERY_BROKER_URL = TEST_REDIS_URL
 settings.CELERY_TASK_DEFAULT_QUEUE = TEST_QUEUE
 settings.CHANNEL_LAYERS = {
     "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "BACKEND": "controlplane.core.channel_layer.BatchReceiveLayer",
         "CONFIG": {
             "hosts": [{"address": TEST_REDIS_URL, "socket_timeout": 30}],
             "prefix": f"{TEST_PREFIX}:asgi",
