@@ -73,7 +73,7 @@ def create_app(engine: Engine | None) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError):
-        return error_response(exc.status, exc.message)
+        return error_response(exc.status, exc.message, exc.param)
 
     @app.exception_handler(UnavailableError)
     async def _unavailable(request: Request, exc: UnavailableError):
@@ -81,7 +81,8 @@ def create_app(engine: Engine | None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return error_response(400, str(exc))
+        loc = [str(part) for part in (exc.errors() or [{}])[0].get("loc", ()) if part != "body"]
+        return error_response(400, str(exc), ".".join(loc) or None)
 
     def openapi() -> dict:
         if app.openapi_schema is None:

@@ -191,7 +191,7 @@ def create_encoder_app(service: EncoderService) -> FastAPI:
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError):
-        return error_response(exc.status, exc.message)
+        return error_response(exc.status, exc.message, exc.param)
 
     @app.get("/health")
     async def health():

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
@@ -16,17 +17,32 @@ from fastapi.responses import JSONResponse
 T = TypeVar("T")
 
 
-class HTTPError(Exception):
-    """Raised by route code; rendered as ``{"error": {"message", "type", "code"}}`` with ``status``."""
+# "temperature must be >= 0", "messages.1.role: must be ...", "image_data[0]: ..." -> the leading field
+_LEADING_FIELD = re.compile(r"([A-Za-z_]\w*(?:\.\w+|\[\d+\])*)(?:: | must )")
 
-    def __init__(self, status: int, message: str):
+
+def leading_field(message: str) -> str | None:
+    """The request field a ``"field: why"`` or ``"field must ..."`` message starts with (``None`` when it
+    starts with none, or names the whole body)."""
+    match = _LEADING_FIELD.match(message)
+    return match.group(1) if match and match.group(1) != "body" else None
+
+
+class HTTPError(Exception):
+    """Raised by route code; rendered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``.
+    ``param`` (the offending request field) defaults to the field the message starts with
+    (``leading_field``)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param if param is not None else leading_field(message)
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    """OpenAI-shaped error body (the ``openai`` SDK surfaces ``error.message``)."""
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """OpenAI-shaped error body: ``message``, ``type``, ``param`` (the request field at fault, or null) and
+    ``code`` (the HTTP status); the ``openai`` SDK surfaces them as ``err.message`` / ``err.param``."""
     kind = {
         400: "BadRequestError",
         401: "AuthenticationError",
@@ -34,7 +50,8 @@ def error_response(status: int, message: str) -> JSONResponse:
         413: "RequestTooLargeError",
         429: "RateLimitError",
     }.get(status, "ServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    body = {"message": message, "type": kind, "param": param, "code": status}
+    return JSONResponse({"error": body}, status_code=status)
 
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a full-context prompt is ~40 KB of text; SGLang has no limit

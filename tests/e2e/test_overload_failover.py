@@ -67,7 +67,7 @@ def test_a_full_queue_refuses_at_once_with_upstreams_503(workers):
                 )
                 assert refused.status_code == 503
                 assert refused.json()["error"] == {
-                    "message": "The request queue is full.", "type": "ServerError", "code": 503
+                    "message": "The request queue is full.", "type": "ServerError", "param": None, "code": 503
                 }  # fmt: skip
                 stream = client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 2}})
                 frames = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]

@@ -20,10 +20,14 @@ def sdk(serve):
 
 
 def _message(call) -> str:
+    return _error(call).body["message"]
+
+
+def _error(call) -> openai.BadRequestError:
     with pytest.raises(openai.BadRequestError) as raised:
         call()
     assert raised.value.status_code == 400
-    return raised.value.body["message"] if isinstance(raised.value.body, dict) else str(raised.value)
+    return raised.value
 
 
 CASES = [
@@ -43,6 +47,13 @@ def test_sdk_400s_name_the_clients_field(sdk, extra, expected):
     assert completion == chat == expected
 
 
+@pytest.mark.parametrize(("extra", "expected"), CASES)
+def test_sdk_400s_carry_the_field_as_param(sdk, extra, expected):
+    (field,) = extra
+    assert _error(lambda: sdk.completions.create(model="m", prompt="Hi", **extra)).param == field
+    assert _error(lambda: sdk.chat.completions.create(model="m", messages=USER, **extra)).param == field
+
+
 def test_chat_names_max_completion_tokens_when_that_was_sent(sdk):
     message = _message(
         lambda: sdk.chat.completions.create(model="m", messages=USER, max_completion_tokens=-2)
@@ -55,6 +66,8 @@ def test_an_unknown_chat_role_is_a_400_naming_it(sdk, role):
     messages = [{"role": "system", "content": "be brief"}, {"role": role, "content": "Hi"}]
     message = _message(lambda: sdk.chat.completions.create(model="m", messages=messages, max_tokens=2))
     assert message.startswith("messages.1.role: must be one of 'user', 'system', 'assistant'"), message
+    error = _error(lambda: sdk.chat.completions.create(model="m", messages=messages, max_tokens=2))
+    assert error.param == "messages.1.role"
     assert message.endswith(f"got {role!r}")
 
 
