@@ -68,10 +68,11 @@ def serious_violations(page) -> list[str]:
 
 
 def wrapped_headers(page) -> list[str]:
-    """Table headers, page headings and buttons in table cells that take more than one line or stick out of
-    their cell, as 'tag: text' (what an operator sees as a wrapped or clipped header)."""
+    """Table headers, page headings, buttons in table cells and addresses (``code.addr``) that take more
+    than one line or stick out of their cell, as 'tag: text' (what an operator sees as a wrapped or clipped
+    header)."""
     return page.evaluate(
-        """() => [...document.querySelectorAll('th, h1, td button')].filter(el => {
+        """() => [...document.querySelectorAll('th, h1, td button, code.addr')].filter(el => {
           const hidden = el.querySelector('.sr-only');  // a header only screen readers read
           if (!el.getClientRects().length || (hidden && hidden.textContent === el.textContent)) return false;
           const range = document.createRange();
