@@ -29,6 +29,32 @@ class TransferFailed(RuntimeError):
     """One write towards a decode peer failed; the message is the room's failure reason."""
 
 
+def open_transfer_engine(host: str, flag: str, ib_device: str | None = None):
+    """A Mooncake ``TransferEngine`` initialised on ``host`` (P2P handshake, no metadata server; protocol
+    ``MOONCAKE_PROTOCOL``, default tcp) and its session id ``"host:rpc_port"``, which peers pass to
+    ``batch_transfer_sync_write``. Shared by the PD KV transport and the EPD embedding transfer
+    (``engine/server/encoder_transfer.py``). Raises ``TransferBackendError`` naming ``flag`` when the
+    engine cannot load or initialise."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise TransferBackendError(
+            f"{flag}: cannot load Mooncake's TransferEngine ({exc}); "
+            "install mooncake-transfer-engine-non-cuda (requirements.txt) and libibverbs1"
+        ) from exc
+    protocol = os.environ.get("MOONCAKE_PROTOCOL", "tcp")
+    if protocol == "tcp" and ib_device:
+        logger.info("--disaggregation-ib-device %s is unused: Mooncake runs over TCP here", ib_device)
+    device = "" if protocol == "tcp" else (ib_device or "")
+    engine = TransferEngine()
+    rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+    if rc != 0:
+        raise TransferBackendError(
+            f"{flag}: Mooncake TransferEngine.initialize({host!r}, {protocol!r}) returned {rc}"
+        )
+    return engine, f"{host}:{engine.get_rpc_port()}"
+
+
 class MooncakeTransport:
     """A ``TransferEngine`` on ``host`` with the pool's 2 x num_layers buffers registered.
 
@@ -39,24 +65,9 @@ class MooncakeTransport:
     name = "mooncake"
 
     def __init__(self, host: str, pool: DeviceKVPool, layout: KVLayout, ib_device: str | None = None) -> None:
-        try:
-            from mooncake.engine import TransferEngine
-        except ImportError as exc:
-            raise TransferBackendError(
-                f"--disaggregation-transfer-backend mooncake: cannot load Mooncake's TransferEngine ({exc}); "
-                "install mooncake-transfer-engine-non-cuda (requirements.txt) and libibverbs1"
-            ) from exc
-        protocol = os.environ.get("MOONCAKE_PROTOCOL", "tcp")
-        if protocol == "tcp" and ib_device:
-            logger.info("--disaggregation-ib-device %s is unused: Mooncake runs over TCP here", ib_device)
-        device = "" if protocol == "tcp" else (ib_device or "")
-        self.engine = TransferEngine()
-        rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
-        if rc != 0:
-            raise TransferBackendError(
-                f"Mooncake TransferEngine.initialize({host!r}, {protocol!r}) returned {rc}"
-            )
-        self.session_id = f"{host}:{self.engine.get_rpc_port()}"
+        self.engine, self.session_id = open_transfer_engine(
+            host, "--disaggregation-transfer-backend mooncake", ib_device
+        )
         self._layout = layout
         self._ptrs = [*layout.k_ptrs, *layout.v_ptrs]
         rc = self.engine.batch_register_memory(self._ptrs, [layout.buffer_bytes] * len(self._ptrs))

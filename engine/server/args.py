@@ -481,12 +481,16 @@ def _validate_vlm(args: ServerArgs) -> None:
     for url in args.encoder_urls:
         if not url.startswith(("http://", "https://")):
             raise ArgumentError(f"--encoder-urls {url}: expected http://host:port")
-    if args.encoder_transfer_backend != "zmq_to_scheduler":
+    if args.encoder_transfer_backend == "zmq_to_tokenizer":
         raise ArgumentError(
-            f"--encoder-transfer-backend {args.encoder_transfer_backend}: not supported by KVFleet; a worker "
-            "is one process (tokenizer and scheduler share it), so zmq_to_scheduler already delivers "
-            "embeddings where zmq_to_tokenizer would, and the mooncake embedding transfer is not built; use "
-            "zmq_to_scheduler"
+            "--encoder-transfer-backend zmq_to_tokenizer: not supported by KVFleet; a worker is one process "
+            "(tokenizer and scheduler share it), so zmq_to_scheduler already delivers embeddings where "
+            "zmq_to_tokenizer would; use zmq_to_scheduler or mooncake"
+        )
+    if args.encoder_transfer_backend == "mooncake" and not (args.encoder_only or args.language_only):
+        raise ArgumentError(
+            "--encoder-transfer-backend mooncake: only an --encoder-only or --language-only worker moves "
+            "image embeddings (this worker runs its own vision tower)"
         )
     if args.enable_mm_global_cache and not args.encoder_only:
         raise ArgumentError(

@@ -357,7 +357,16 @@ def image_inputs(args: ServerArgs, runner: ModelRunner) -> ImageInputs | None:
     if args.disaggregation_mode != "decode":
         if args.language_only:
             host = args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"
-            embedder = EncoderClient(args.encoder_urls, runner.vlm, host)
+            try:
+                embedder = EncoderClient(
+                    args.encoder_urls,
+                    runner.vlm,
+                    host,
+                    backend=args.encoder_transfer_backend,
+                    max_images=args.max_images_per_request,
+                )
+            except TransferBackendError as exc:
+                raise ArgumentError(str(exc)) from None  # names --encoder-transfer-backend
         else:
             assert runner.vision is not None
             embedder = local_embedder(runner.vision.encode, EmbeddingCache(args.mm_embedding_cache_size))

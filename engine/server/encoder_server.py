@@ -1,11 +1,20 @@
 """EPD encoder worker (``--encoder-only``): the vision tower and projector of a LLaVA checkpoint, no language
-model, no KV. ``POST /encode`` takes a request's processed images and pushes their embeddings over ZMQ to the
-receiver the language-only worker named (``zmq_to_scheduler``); the HTTP answer follows once they are sent.
+model, no KV. ``POST /encode`` takes a request's processed images and delivers their embeddings by the
+encoder's ``--encoder-transfer-backend``; the HTTP answer follows once they are delivered.
 
-Body: ``{"rid": str, "receiver": "tcp://host:port", "images": [{"digest": hex, "shape": [C, H, W],
-"pixels": base64 of float32 C-order}]}``. ZMQ message (multipart): ``rid``, a JSON header ``{"shape":
-[N, tokens, hidden], "dtype": "float32", "digests": [...]}``, the embeddings' bytes. A digest that does not
-match its pixels (the two workers' processor settings or code differ) is a 400.
+Body: ``{"rid": str, "transfer_backend": "zmq_to_scheduler" | "mooncake" (absent: zmq_to_scheduler),
+"images": [{"digest": hex, "shape": [C, H, W], "pixels": base64 of float32 C-order}]}`` plus, by backend:
+
+* ``zmq_to_scheduler``: ``"receiver": "tcp://host:port"``; the ZMQ message (multipart) is ``rid``, a JSON
+  header ``{"shape": [N, tokens, hidden], "dtype": "float32", "digests": [...]}``, the embeddings' bytes;
+  the answer is ``{"rid", "images", "transfer_backend"}``.
+* ``mooncake``: ``"transfer": {"session_id", "addr", "capacity", "deadline"}`` (the worker's registered
+  receive slot, :mod:`engine.server.encoder_transfer`); the embeddings (float32, C order) are written there
+  by the TransferEngine and the answer adds the header's ``shape``, ``dtype`` and ``digests``.
+
+A ``transfer_backend`` other than this encoder's is a 400 naming ``--encoder-transfer-backend``; a digest
+that does not match its pixels (the two workers' processor settings or code differ) is a 400; embeddings
+larger than ``capacity`` a 400; a ``deadline`` passed before the write a 504 (nothing written).
 Also ``/health``, ``/server_info`` (``images_encoded``, ``encode_seconds_total``, embedding cache hits and
 misses), ``/model_info`` and ``/metrics`` (the same counters in Prometheus text, ``model_name`` label:
 ``sglang:encoder_images_total``, ``sglang:encoder_encode_seconds_total``,
@@ -32,11 +41,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from engine.cache.storage.base import StorageConfigError, StorageError
+from engine.disaggregation.base import TransferBackendError
 from engine.model.loader import load_checkpoint
 from engine.model.runner import _parse_dtype
 from engine.model.vlm.clip import VisionEncoder
 from engine.model.vlm.processor import ProcessedImage
 from engine.server.args import ArgumentError, ServerArgs
+from engine.server.encoder_transfer import EmbeddingSender
 from engine.server.http_utils import HTTPError, error_response
 from engine.server.images import EmbeddingCache, local_embedder
 from engine.server.mm_global_cache import MMGlobalCache
@@ -75,6 +86,15 @@ class EncoderService:
         self._lock = threading.Lock()
         self._ctx = zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
+        self.sender: EmbeddingSender | None = None
+        if args.encoder_transfer_backend == "mooncake":
+            vision = self.vlm.vision
+            per_request = args.max_images_per_request * vision.tokens_per_image * vision.text_hidden_size * 4
+            host = args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"
+            try:
+                self.sender = EmbeddingSender(host, max(per_request, 4 * vision.text_hidden_size))
+            except TransferBackendError as exc:
+                raise ArgumentError(str(exc)) from exc
 
     def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
@@ -85,15 +105,33 @@ class EncoderService:
         return out
 
     def handle(self, body: dict) -> dict:
-        """Encode one request's images and push them to its receiver; raises ``HTTPError(400)``."""
-        rid, receiver, raw = body.get("rid"), body.get("receiver"), body.get("images")
-        if not isinstance(rid, str) or not isinstance(receiver, str) or not receiver.startswith("tcp://"):
-            raise HTTPError(400, "rid and receiver (tcp://host:port) are required")
+        """Encode one request's images and deliver them by this encoder's ``--encoder-transfer-backend``;
+        raises ``HTTPError`` (400 for a bad body or a backend other than this encoder's)."""
+        backend = self.args.encoder_transfer_backend
+        asked = body.get("transfer_backend", "zmq_to_scheduler")
+        if asked != backend:
+            raise HTTPError(
+                400,
+                f"--encoder-transfer-backend mismatch: this encoder runs {backend}, the language-only worker "
+                f"asked for {asked!r}; start the encoders and the language-only workers with the same "
+                "--encoder-transfer-backend",
+            )
+        rid, raw = body.get("rid"), body.get("images")
+        if not isinstance(rid, str):
+            raise HTTPError(400, "rid: a string is required")
+        target = _mooncake_target(body) if backend == "mooncake" else _zmq_receiver(body)
         if not isinstance(raw, list) or not raw:
             raise HTTPError(400, "images: a non-empty list")
         images = [_image(i, item) for i, item in enumerate(raw)]
         embeds = torch.stack(self.embed(images)).float().contiguous()
         header = {"shape": list(embeds.shape), "dtype": "float32", "digests": [p.digest for p in images]}
+        if isinstance(target, dict):
+            self._send_mooncake(target, embeds)
+            return {"rid": rid, "images": len(images), "transfer_backend": backend, **header}
+        self._push(target, rid, header, embeds)
+        return {"rid": rid, "images": len(images), "transfer_backend": backend}
+
+    def _push(self, receiver: str, rid: str, header: dict, embeds: torch.Tensor) -> None:
         with self._lock:  # one PUSH socket per receiver, used by one thread at a time
             sock = self._sockets.get(receiver)
             if sock is None:
@@ -105,7 +143,20 @@ class EncoderService:
                 sock.send_multipart([rid.encode(), json.dumps(header).encode(), embeds.numpy().tobytes()])
             except zmq.Again:
                 raise HTTPError(503, f"receiver {receiver} did not take the embeddings within 5 s") from None
-        return {"rid": rid, "images": len(images)}
+
+    def _send_mooncake(self, target: dict, embeds: torch.Tensor) -> None:
+        nbytes = embeds.numel() * embeds.element_size()
+        if nbytes > target["capacity"]:
+            raise HTTPError(
+                400, f"transfer.capacity: {target['capacity']} bytes, the embeddings take {nbytes}"
+            )
+        if time.time() > target["deadline"]:  # the worker may have given this slot to another request
+            raise HTTPError(504, "transfer.deadline passed before the embeddings were ready; nothing written")
+        assert self.sender is not None
+        try:
+            self.sender.send(embeds, target["session_id"], target["addr"])
+        except (TimeoutError, RuntimeError) as exc:
+            raise HTTPError(503, f"mooncake embedding transfer to {target['session_id']}: {exc}") from None
 
     def metrics_text(self) -> str:
         """The counters of ``info`` in Prometheus text format."""
@@ -161,6 +212,7 @@ class EncoderService:
             "encoder_only": True,
             "model_path": self.args.model_path,
             "encoder_transfer_backend": self.args.encoder_transfer_backend,
+            "encoder_transfer_buffers": None if self.sender is None else self.sender.pool.stats(),
             "images_encoded": self.images_encoded,
             "encode_seconds_total": round(self.encode_seconds, 6),
             "mm_embedding_cache_hits": self.cache.hits,
@@ -168,6 +220,27 @@ class EncoderService:
             "tokens_per_image": self.vlm.vision.tokens_per_image,
             "vision_digest": self.vlm.digest(),
         }
+
+
+def _zmq_receiver(body: dict) -> str:
+    receiver = body.get("receiver")
+    if not isinstance(receiver, str) or not receiver.startswith("tcp://"):
+        raise HTTPError(400, "receiver: tcp://host:port is required (zmq_to_scheduler)")
+    return receiver
+
+
+def _mooncake_target(body: dict) -> dict:
+    """``transfer``: ``{"session_id": "host:port", "addr": int, "capacity": int, "deadline": unix s}``."""
+    t = body.get("transfer")
+    ok = (
+        isinstance(t, dict)
+        and isinstance(t.get("session_id"), str)
+        and all(isinstance(t.get(k), int) and not isinstance(t.get(k), bool) for k in ("addr", "capacity"))
+        and isinstance(t.get("deadline"), int | float)
+    )
+    if not ok:
+        raise HTTPError(400, "transfer: {session_id, addr, capacity, deadline} is required (mooncake)")
+    return t
 
 
 def _image(i: int, item: object) -> ProcessedImage:

@@ -102,6 +102,7 @@ def server_info(engine: Engine) -> dict:
     """Launch args plus live scheduler and cache state (the Engine worker HTTP contract)."""
     state = engine.scheduler.state
     info = engine.args.to_dict()
+    transfer_stats = getattr(engine.images and engine.images.embedder, "transfer_stats", None)
     info.update(
         {
             "version": VERSION,
@@ -119,6 +120,8 @@ def server_info(engine: Engine) -> dict:
             "num_pd_transfer_reqs": state.get("num_pd_transfer_reqs", 0),
             "num_http_reqs": engine.scheduler.num_accepted,
             "inflight_cache_io": state.get("inflight_cache_io", {}),
+            # EPD language-only worker: embedding receive buffers (``EncoderClient.transfer_stats``)
+            "encoder_transfer_buffers": transfer_stats() if transfer_stats else None,
             "hicache": state.get("hicache"),
             "tenants": [  # KVFleet, --tenant-keys-file: names and metric labels, never keys
                 {

@@ -17,14 +17,25 @@ def test_epd_flags_parse_with_upstream_names():
     assert p.language_only and p.encoder_urls == ["http://a:1", "http://b:2"]
     assert p.to_dict()["encoder_transfer_backend"] == "zmq_to_scheduler"
     assert parse_args([*M, "--encoder-only"]).encoder_only
+    for role in (["--encoder-only"], ["--language-only", "--encoder-urls", "http://a:1"]):
+        assert (
+            parse_args([*M, *role, "--encoder-transfer-backend", "mooncake"]).encoder_transfer_backend
+            == "mooncake"
+        )
     assert parse_args([*M, "--limit-mm-data-per-request", '{"image": 3}']).max_images_per_request == 3
 
 
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
-        (["--encoder-transfer-backend", "mooncake"], "--encoder-transfer-backend mooncake: not supported"),
-        (["--encoder-transfer-backend", "zmq_to_tokenizer"], "--encoder-transfer-backend zmq_to_tokenizer"),
+        (
+            ["--encoder-transfer-backend", "mooncake"],
+            "--encoder-transfer-backend mooncake: only an --encoder-only",
+        ),
+        (
+            ["--encoder-transfer-backend", "zmq_to_tokenizer"],
+            "zmq_to_tokenizer: not supported by KVFleet; a worker",
+        ),
         (["--enable-mm-global-cache"], "--enable-mm-global-cache: only an --encoder-only worker"),
         (["--grpc-mode"], "--grpc-mode is not supported by KVFleet yet (gRPC serving is not built"),
         (["--language-only"], "--language-only needs --encoder-urls"),
