@@ -35,8 +35,11 @@ IMAGE = "<image>"
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
-def write_model(folder: Path, image_size: int, vision_layers: int) -> None:
-    """A random LLaVA + byte-level BPE tokenizer (with the image token) + CLIP image processor."""
+def write_model(
+    folder: Path, image_size: int, vision_layers: int, text_hidden: int = 256, text_layers: int = 4
+) -> None:
+    """A random LLaVA + byte-level BPE tokenizer (with the image token) + CLIP image processor; the text
+    tower is ``text_layers`` Llama layers of width ``text_hidden`` (the projector's output width)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -57,10 +60,10 @@ def write_model(folder: Path, image_size: int, vision_layers: int) -> None:
         patch_size=14,
     )
     text = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+        hidden_size=text_hidden,
+        intermediate_size=4 * text_hidden if text_hidden <= 256 else text_hidden,
+        num_hidden_layers=text_layers,
+        num_attention_heads=max(4, text_hidden // 64),
         num_key_value_heads=2,
         vocab_size=tok.get_vocab_size(),
         max_position_embeddings=2048,

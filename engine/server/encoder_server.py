@@ -16,7 +16,9 @@ A ``transfer_backend`` other than this encoder's is a 400 naming ``--encoder-tra
 that does not match its pixels (the two workers' processor settings or code differ) is a 400; embeddings
 larger than ``capacity`` a 400; a ``deadline`` passed before the write a 504 (nothing written).
 Also ``/health``, ``/server_info`` (``images_encoded``, ``encode_seconds_total``, embedding cache hits and
-misses), ``/model_info`` and ``/metrics`` (the same counters in Prometheus text, ``model_name`` label:
+misses, ``encoder_transfer_seconds_total`` / ``_bytes_total``: time and bytes handed to the backend,
+``encoder_transfer_buffers``: the mooncake staging slots), ``/model_info`` and ``/metrics`` (the image
+and cache counters in Prometheus text, ``model_name`` label:
 ``sglang:encoder_images_total``, ``sglang:encoder_encode_seconds_total``,
 ``sglang:mm_embedding_cache_hits_total``, ``sglang:mm_embedding_cache_misses_total``). With
 ``--enable-mm-global-cache`` embeddings are also looked up in and written to a shared Mooncake store
@@ -83,6 +85,8 @@ class EncoderService:
         self.embed = local_embedder(self._encode, self.cache, self.global_cache)
         self.images_encoded = 0
         self.encode_seconds = 0.0
+        self.transfer_seconds = 0.0  # time handing embeddings to the backend (see info())
+        self.transfer_bytes = 0
         self._lock = threading.Lock()
         self._ctx = zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
@@ -125,11 +129,16 @@ class EncoderService:
         images = [_image(i, item) for i, item in enumerate(raw)]
         embeds = torch.stack(self.embed(images)).float().contiguous()
         header = {"shape": list(embeds.shape), "dtype": "float32", "digests": [p.digest for p in images]}
+        start = time.perf_counter()
         if isinstance(target, dict):
             self._send_mooncake(target, embeds)
-            return {"rid": rid, "images": len(images), "transfer_backend": backend, **header}
-        self._push(target, rid, header, embeds)
-        return {"rid": rid, "images": len(images), "transfer_backend": backend}
+        else:
+            self._push(target, rid, header, embeds)
+        with self._lock:
+            self.transfer_seconds += time.perf_counter() - start
+            self.transfer_bytes += embeds.numel() * embeds.element_size()
+        answer = {"rid": rid, "images": len(images), "transfer_backend": backend}
+        return {**answer, **header} if isinstance(target, dict) else answer
 
     def _push(self, receiver: str, rid: str, header: dict, embeds: torch.Tensor) -> None:
         with self._lock:  # one PUSH socket per receiver, used by one thread at a time
@@ -215,6 +224,9 @@ class EncoderService:
             "encoder_transfer_buffers": None if self.sender is None else self.sender.pool.stats(),
             "images_encoded": self.images_encoded,
             "encode_seconds_total": round(self.encode_seconds, 6),
+            # mooncake: staging copy + TransferEngine write, done; zmq_to_scheduler: queueing the message
+            "encoder_transfer_seconds_total": round(self.transfer_seconds, 6),
+            "encoder_transfer_bytes_total": self.transfer_bytes,
             "mm_embedding_cache_hits": self.cache.hits,
             "mm_embedding_cache_misses": self.cache.misses,
             "tokens_per_image": self.vlm.vision.tokens_per_image,

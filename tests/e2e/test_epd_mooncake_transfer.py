@@ -32,6 +32,7 @@ START_S = 600.0
 SP = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 MOONCAKE = ["--encoder-transfer-backend", "mooncake"]
 ZMQ = ["--encoder-transfer-backend", "zmq_to_scheduler"]
+TEXT_HIDDEN = 64  # vlm_testlib's tiny LLaVA
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +71,15 @@ def test_mooncake_transfer_output_equals_zmq_to_scheduler_token_for_token(fleet,
     images = [png(40 + 10 * n_images + i) for i in range(n_images)]
     text = "the quick " + IMAGE_TOKEN * n_images + " brown fox"
     want = _gen(fleet["LZ"], text, images)
+    sent = httpx.get(f"{fleet['M']}/server_info").json()["encoder_transfer_bytes_total"]
     got = _gen(fleet["LM"], text, images)
     assert want.status_code == 200 and got.status_code == 200, (want.text, got.text)
     assert got.json()["output_ids"] == want.json()["output_ids"]
     assert got.json()["meta_info"]["prompt_tokens"] == want.json()["meta_info"]["prompt_tokens"]
     enc = {k: httpx.get(f"{fleet[k]}/server_info").json() for k in ("M", "Z")}
     assert enc["M"]["encoder_transfer_backend"] == "mooncake" and enc["M"]["images_encoded"] >= n_images
+    per_image = enc["M"]["tokens_per_image"] * TEXT_HIDDEN * 4  # float32 rows of the text width
+    assert enc["M"]["encoder_transfer_bytes_total"] - sent == n_images * per_image
     assert enc["Z"]["encoder_transfer_buffers"] is None
 
 
