@@ -17,6 +17,7 @@ stalls only the admin request, never serving (SGLang runs these store calls on i
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from engine.cache.config import (
 from engine.cache.controller import BackupOperation
 from engine.cache.keys import page_hashes, salted_namespace
 from engine.cache.radix_tree import TreeNode
+from engine.cache.storage.autodetach import AutoDetach, AutoDetachSettings, Prober
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
 from engine.cache.storage.health import BreakerSettings, StorageHealth
 from engine.cache.storage.registry import create_storage_backend
@@ -36,6 +38,8 @@ from engine.cache.storage.shards import ShardedStorage, ShardMap, shard_map
 
 if TYPE_CHECKING:
     from engine.cache.hiradix_cache import HiRadixCache
+
+logger = logging.getLogger(__name__)
 
 POLICY_FIELDS = (
     "prefetch_policy",
@@ -93,16 +97,20 @@ class StorageAttachment:
         self.paused: PreparedBackend | None = None
         self.extra: dict | None = None
         self.backups_inflight = 0
+        self.auto: AutoDetach | None = None  # with ``auto_detach_after_s`` (storage/autodetach.py)
+        self._prober: Prober | None = None
 
     # -- admin -----------------------------------------------------------------------------------------------
-    def check_idle(self, action: str) -> None:
+    def check_idle(self, action: str, storage_only: bool = False) -> None:
         """Raise ``CacheAdminError`` naming ``action`` without a hierarchical cache, while a clear runs or
-        while cache I/O is in flight."""
+        while cache I/O is in flight (``storage_only``: L3 I/O only, prefetches and backups; L1 <-> L2
+        copies never touch the store)."""
         if self.cache.controller is None:
             raise CacheAdminError(f"Reject {action}: hierarchical cache is not enabled")
         if self.paused is not None:
             raise CacheAdminError(f"Reject {action}: a clear of storage backend {self.name!r} is running")
-        io = {k: v for k, v in self.cache.inflight_io().items() if v}
+        kinds = ("prefetches", "backups") if storage_only else None
+        io = {k: v for k, v in self.cache.inflight_io().items() if v and (kinds is None or k in kinds)}
         if io:
             named = ", ".join(f"{k}={v}" for k, v in io.items())
             raise CacheAdminError(f"Reject {action}: cache I/O in flight ({named}): not idle")
@@ -145,6 +153,7 @@ class StorageAttachment:
         self.check_idle("attach")
         if not isinstance(backend, PreparedBackend):
             backend = self.prepare(backend, extra_config_json)
+        self._end_auto_episode("an operator's attach")
         self.install(backend, policies)
         return f"Attached storage backend {name!r}"
 
@@ -199,15 +208,17 @@ class StorageAttachment:
         assert cache.host_pool is not None
         return shard_map(tp_lcm_size, cache.tp_size, cache.kv_shard, cache.host_pool.num_kv_heads)
 
-    def install(self, prepared: PreparedBackend, policies: dict) -> None:
+    def install(self, prepared: PreparedBackend, policies: dict, health: StorageHealth | None = None) -> None:
         """Start using ``prepared`` (scheduler thread): config, controller, page keys for the whole tree,
-        then a backup of every L2 page."""
+        then a backup of every L2 page. ``health``: the breaker to keep (an automatic re-attach's); else a
+        new one. The config's ``auto_detach_after_s`` (None: never) arms the automatic detach."""
         cache = self.cache
         config, _ = split_extra_config(cache.config.updated(**policies), prepared.extra)
         cache.config = config.updated(storage_backend=prepared.name)
         self.backend, self.name = prepared.instance, prepared.name
         self.extra = dict(prepared.extra)
-        self._start_io(prepared)
+        self._arm_auto()
+        self._start_io(prepared, health)
         for node in cache.tree.nodes():
             if node.hash_value is None:
                 self.ensure_hashes(node)
@@ -225,12 +236,24 @@ class StorageAttachment:
                 self.backup(node)
                 stack.extend(node.children.values())
 
-    def _start_io(self, backend: PreparedBackend) -> None:
+    def _arm_auto(self) -> None:
+        """Set up (or keep, counters and all) the automatic detach for the config just installed."""
+        c = self.cache.config
+        if c.auto_detach_after_s is None:
+            self.auto = None
+            return
+        settings = AutoDetachSettings(c.auto_detach_after_s, c.breaker_open_s, c.breaker_latency_s)
+        if self.auto is None:
+            self.auto = AutoDetach(settings)
+        else:
+            self.auto.settings = settings
+
+    def _start_io(self, backend: PreparedBackend, health: StorageHealth | None = None) -> None:
         cache = self.cache
         assert cache.controller is not None
         backup_skip = (cache.replicated_kv and cache.tp_rank != 0) or not cache.kv_writer
         c = cache.config
-        health = StorageHealth(
+        health = health or StorageHealth(
             BreakerSettings(
                 c.breaker_failures, c.breaker_latency_s, c.breaker_open_s, ramp_s=c.breaker_ramp_s
             )
@@ -240,10 +263,10 @@ class StorageAttachment:
             backend.instance, backend.namespace, c.prefetch_threshold, backup_skip, backend.name, health
         )
 
-    def _stop_io(self, action: str) -> PreparedBackend:
+    def _stop_io(self, action: str, storage_only: bool = False) -> PreparedBackend:
         """Stop the L3 threads (no store call) and unset ``backend``; the attached backend, as a
-        :class:`PreparedBackend`. Raises ``CacheAdminError`` while cache I/O is in flight."""
-        self.check_idle(action)
+        :class:`PreparedBackend`. Raises ``CacheAdminError`` while cache I/O is in flight (``check_idle``)."""
+        self.check_idle(action, storage_only)
         controller = self.cache.controller
         assert controller is not None and self.name is not None
         namespace = controller.namespace
@@ -261,11 +284,82 @@ class StorageAttachment:
         attached. L3 data, L1/L2 contents and page keys stay. Raises ``CacheAdminError`` while cache I/O is
         in flight or a clear runs."""
         if self.backend is None and self.paused is None:
-            return None
+            return self._end_auto_episode("an operator's detach")
         taken = self._stop_io("detach")
         self.name = self.extra = None
         self.cache.config = self.cache.config.updated(storage_backend=None)
         return taken
+
+    # -- automatic detach / re-attach (storage/autodetach.py) ------------------------------------------------
+    def auto_step(self) -> None:
+        """Once per scheduler iteration, on every rank (``cache.reduce`` makes them agree): take the backend
+        out when its breaker has not been closed for ``auto_detach_after_s`` and no L3 I/O is in flight;
+        re-install it once a background probe found the store answering and no cache I/O is in flight.
+        Without the key: nothing (no cross-rank call either). Never waits on the store."""
+        auto = self.auto
+        if auto is None or self.paused is not None:
+            return
+        try:
+            self._auto_step(auto)
+        except CacheAdminError as exc:  # a storage thread that did not stop: state kept, next step retries
+            logger.warning("automatic L3 detach/re-attach deferred: %s", exc)
+
+    def _auto_step(self, auto: AutoDetach) -> None:
+        controller = self.cache.controller
+        assert controller is not None
+        if self.backend is not None:
+            want = auto.due(controller.health)
+            io = self.cache.inflight_io()
+            idle = not io["prefetches"] and not io["backups"]
+            not_wanted, all_idle = self.cache.reduce("min", [0 if want else 1, int(idle)])
+            if not not_wanted and all_idle:
+                self._auto_detach(auto)
+        elif auto.kept is not None:
+            ready, all_idle = self.cache.reduce("min", [int(auto.answered()), int(self.cache.is_io_idle())])
+            if ready and all_idle:
+                self._auto_attach(auto)
+
+    def _auto_detach(self, auto: AutoDetach) -> None:
+        health = self.cache.controller.health
+        down = health.down_for() if health is not None else None
+        taken = self._stop_io("auto-detach", storage_only=True)
+        self.name = self.extra = None
+        self.cache.config = self.cache.config.updated(storage_backend=None)
+        auto.detached(taken)
+        self._prober = Prober(auto)
+        logger.warning(
+            "L3 backend %r detached automatically: its breaker has not closed for %.1f s "
+            "(auto_detach_after_s=%g); probing it in the background to re-attach",
+            taken.name,
+            down or 0.0,
+            auto.settings.after_s,
+        )
+
+    def _auto_attach(self, auto: AutoDetach) -> None:
+        kept = auto.kept
+        health = self.cache.controller.health
+        self.check_idle("auto re-attach")
+        self.install(kept, {}, health)
+        auto.reattached()
+        self._prober = None
+        if health is not None:
+            health.recovered()  # closed as by a successful probe: the backup ramp starts
+        logger.warning(
+            "L3 backend %r re-attached automatically after %d probe(s); backups ramp up over %g s",
+            kept.name,
+            auto.probes,
+            self.cache.config.breaker_ramp_s,
+        )
+
+    def _end_auto_episode(self, why: str) -> PreparedBackend | None:
+        """Stop probing and forget a backend taken out automatically: returns it (the caller's to close)."""
+        if self._prober is not None:
+            self._prober.stop()
+            self._prober = None
+        kept = self.auto.cancel() if self.auto is not None else None
+        if kept is not None:
+            logger.warning("automatic re-attach of L3 backend %r cancelled by %s", kept.name, why)
+        return kept
 
     def detach(self) -> str:
         """:meth:`take` and close it on this thread (idempotent); returns a message."""
@@ -301,10 +395,12 @@ class StorageAttachment:
             self.resume(paused)
 
     def close(self) -> None:
-        """Close the attached backend (after the controller's threads stopped) and forget it."""
-        backend = self.backend
-        if backend is not None:
-            backend.close()
+        """Close the attached backend, or one taken out automatically (after the controller's threads
+        stopped), and forget it."""
+        kept = self._end_auto_episode("shutdown")
+        for backend in (self.backend, kept.instance if kept is not None else None):
+            if backend is not None:
+                backend.close()
         self.backend = self.name = None
 
     # -- status ----------------------------------------------------------------------------------------------
@@ -325,13 +421,20 @@ class StorageAttachment:
     def health(self) -> dict | None:
         """The attached L3 backend's breaker (``storage/health.py``): ``storage_backend``, ``state``
         (closed / half_open / open), ``transitions`` per state entered, ``calls``, ``failed_calls``,
-        ``short_circuited``, ``dropped_backup_pages``, ``last_failure`` and its age in seconds; None when
-        no backend is attached."""
+        ``short_circuited``, ``dropped_backup_pages``, ``last_failure`` and its age in seconds, and with
+        ``auto_detach_after_s`` ``auto_detach`` (:meth:`AutoDetach.status`); None when no backend is
+        attached and none was taken out automatically (while one is, it is reported under its name)."""
         controller = self.cache.controller
         health = controller.health if controller is not None else None
-        if health is None or self.name is None:
+        auto = self.auto
+        name = self.name or (auto.kept.name if auto is not None and auto.kept is not None else None)
+        if health is None or name is None:
             return None
-        return {"storage_backend": self.name, **vars(health.snapshot())}
+        return {
+            "storage_backend": name,
+            **vars(health.snapshot()),
+            "auto_detach": auto.status() if auto is not None else None,
+        }
 
     # -- L2 -> L3 --------------------------------------------------------------------------------------------
     def ensure_hashes(self, node: TreeNode) -> None:

@@ -38,6 +38,7 @@ _EXTRA_NUMBERS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "pre
 _EXTRA_NUMBERS += ("breaker_latency_s", "breaker_open_s", "breaker_ramp_s")  # L3 breaker (storage/health.py)
 _EXTRA_KEYS = ("prefetch_threshold", "breaker_failures", *_EXTRA_NUMBERS, "hicache_storage_pass_prefix_keys")
 _EXTRA_KEYS += ("l2_admission", "l3_admission")  # TinyLFU admission per lower tier
+_EXTRA_KEYS += ("auto_detach_after_s",)  # breaker not closed this long: detach L3 (storage/autodetach.py)
 _EXTRA_KEYS += ("tp_lcm_size",)  # L3 pages in KV-head shards shared across TP sizes (storage/shards.py)
 
 
@@ -66,6 +67,7 @@ class HiCacheConfig:
     breaker_latency_s: float = 1.0  # an L3 call slower than this counts as failed
     breaker_open_s: float = 1.0  # first open window (doubles per failed probe, up to 30 s)
     breaker_ramp_s: float = 10.0  # after a recovery, backups ramp from 10% to all over this many seconds
+    auto_detach_after_s: float | None = None  # breaker not closed this long: detach L3; None: never
     eviction_policy: str = "lru"
     pass_prefix_keys: bool = False
     l2_admission: str = "none"  # none | tinylfu: who gets an L2 copy when L2 is full
@@ -87,6 +89,8 @@ class HiCacheConfig:
             _check_int("tp_lcm_size", self.tp_lcm_size, minimum=1)
         for name in ("ratio", "size", *_EXTRA_NUMBERS):
             _check_number(name, getattr(self, name))
+        if self.auto_detach_after_s is not None:
+            _check_number("auto_detach_after_s", self.auto_detach_after_s)
         if self.size == 0 and self.ratio <= 1:
             raise ValueError(
                 f"ratio: hicache_ratio must be > 1 (host pool larger than device), got {self.ratio}"
@@ -177,6 +181,8 @@ def split_extra_config(config: HiCacheConfig, extra: dict) -> tuple[HiCacheConfi
             changes[key] = value
         elif key in ("l2_admission", "l3_admission"):
             changes[key] = value  # checked against ADMISSIONS by validate()
+        elif key == "auto_detach_after_s" and value is None:
+            changes[key] = None  # null turns it off (a key left out keeps the value in force)
         elif key == "hicache_storage_pass_prefix_keys":
             if not isinstance(value, bool):
                 raise ValueError(f"{key}: must be a bool, got {type(value).__name__} {value!r}")

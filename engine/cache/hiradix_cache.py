@@ -389,6 +389,7 @@ class HiRadixCache:
                 for lid in event.ids:
                     self.tree.dec_lock_ref(self._ongoing_load.pop(lid))
         self.apply_storage_events(self.reduce)
+        self.storage.auto_step()
 
     def apply_storage_events(self, reduce: Reduce) -> None:
         """Process the storage threads' events (revoked prefetches, finished backups, released host slots),
@@ -477,6 +478,8 @@ class HiRadixCache:
             "radix_eviction_policy": cfg.eviction_policy,
             "l2_admission": cfg.l2_admission,
             "l3_admission": cfg.l3_admission,
+            "auto_detach_after_s": cfg.auto_detach_after_s if name or self.storage.auto else None,
+            "auto_detach": self.storage.auto.status() if self.storage.auto is not None else None,
         }
 
     # -- lifecycle -------------------------------------------------------------------------------------------

@@ -92,6 +92,8 @@ class HiCacheConfigStatus(_Strict):
     radix_eviction_policy: EvictionPolicy = "lru"
     l2_admission: Admission = "none"
     l3_admission: Admission = "none"
+    auto_detach_after_s: float | None = None  # extra-config key; None: never detached automatically
+    auto_detach: dict | None = None  # AutoDetach.status() (engine/cache/storage/autodetach.py) or None
 
 
 class PdRoleSwitchRequest(_Strict):

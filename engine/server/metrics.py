@@ -317,6 +317,28 @@ def _breaker(model_name: str, health: dict):
             g = GaugeMetricFamily(f"sglang:{metric}", doc, labels=labels)
             g.add_metric(values, health[key])
             yield g
+    if health.get("auto_detach"):
+        yield from _auto_detach(labels, values, health["auto_detach"])
+
+
+def _auto_detach(labels: list[str], values: list[str], auto: dict):
+    """With ``auto_detach_after_s``: how often the worker took its L3 backend out and put it back itself,
+    and, while it is out, for how long (absent otherwise)."""
+    for metric, key, doc in (
+        ("hicache_storage_auto_detach", "detaches", "L3 backend detached automatically (breaker open)"),
+        ("hicache_storage_auto_attach", "attaches", "L3 backend re-attached automatically (probe answered)"),
+    ):
+        c = CounterMetricFamily(f"sglang:{metric}", doc, labels=labels)
+        c.add_metric(values, auto[key])
+        yield c
+    if auto.get("detached_for_s") is not None:
+        g = GaugeMetricFamily(
+            "sglang:hicache_storage_auto_detached_seconds",
+            "Seconds since the L3 backend was detached automatically (absent while attached)",
+            labels=labels,
+        )
+        g.add_metric(values, auto["detached_for_s"])
+        yield g
 
 
 TENANT_CAP_METRICS = (  # (metric, usage key, kind, doc)

@@ -70,6 +70,7 @@ class StorageHealth:
         self._last_failure_at: float | None = None
         self._ramp_from: float | None = None  # when the last recovery closed the breaker
         self._ramp_credit = 0.0  # pages' worth of admission not yet used
+        self._down_since: float | None = None  # when it last left closed (None while closed)
 
     def allow(self) -> bool:
         """Whether a store call may run now (False counts a short-circuited call)."""
@@ -102,10 +103,7 @@ class StorageHealth:
             probe, self._probing = self._probing, False
             if ok:
                 self._in_a_row = 0
-                if self.state != CLOSED:
-                    self._open_for = s.open_s
-                    self._move(CLOSED)
-                    self._ramp_from, self._ramp_credit = self._clock(), 0.0
+                self._recover()
                 return
             self._snap.failed_calls += 1
             self._snap.last_failure, self._last_failure_at = reason, self._clock()
@@ -140,6 +138,26 @@ class StorageHealth:
                 return True
             return False
 
+    def down_for(self) -> float | None:
+        """Seconds since the breaker last left ``closed`` (open and half-open alike: a failed probe does not
+        restart it); None while closed."""
+        with self._lock:
+            return None if self._down_since is None else self._clock() - self._down_since
+
+    def recovered(self) -> None:
+        """The store answered a probe made outside the breaker (the auto re-attach's, ``autodetach.py``):
+        close as a successful half-open probe does, backup ramp included. No-op while closed."""
+        with self._lock:
+            self._in_a_row, self._probing = 0, False
+            self._recover()
+
+    def _recover(self) -> None:
+        """Close after a successful probe and start the backup ramp (lock held); no-op while closed."""
+        if self.state != CLOSED:
+            self._open_for = self.settings.open_s
+            self._move(CLOSED)
+            self._ramp_from, self._ramp_credit = self._clock(), 0.0
+
     def drop_backup(self, pages: int) -> None:
         with self._lock:
             self._snap.dropped_backup_pages += pages
@@ -159,5 +177,9 @@ class StorageHealth:
 
     def _move(self, state: str) -> None:
         if state != self.state:
+            if self.state == CLOSED:
+                self._down_since = self._clock()
+            elif state == CLOSED:
+                self._down_since = None
             self.state = state
             self._snap.transitions[state] += 1
