@@ -18,6 +18,9 @@ With an L3 backend attached: storage_breaker_state (the L3 circuit breaker: 0 cl
 ``BREAKER_STATES``), storage_breaker_failed_calls_total, storage_breaker_short_circuited_total and
 storage_dropped_backup_pages_total (counters), storage_breaker_last_failure_age_s (seconds since its last
 failed L3 call, when there was one) and, given the previous snapshot, storage_breaker_failed_calls_per_s.
+With ``auto_detach_after_s`` in the worker's extra config: storage_auto_detach_total and
+storage_auto_attach_total (counters: the worker detached / re-attached its L3 backend itself) and, while it is
+detached automatically, storage_auto_detached_s (seconds since it was).
 With tenant counters (``sglang:tenant_prompt_tokens_total``, ``sglang:tenant_cached_tokens_total``):
 ``tenants``, a list of ``{"tenant": label, "prompt": tokens, "device", "host", "storage": cached tokens}``
 (counters since the worker started), the ``TENANT_TOP_N`` tenants with the most cached tokens first, then one
@@ -59,6 +62,9 @@ _PLAIN = {
     "sglang:hicache_storage_breaker_short_circuited_total": "storage_breaker_short_circuited_total",
     "sglang:hicache_storage_dropped_backup_pages_total": "storage_dropped_backup_pages_total",
     "sglang:hicache_storage_breaker_last_failure_age_seconds": "storage_breaker_last_failure_age_s",
+    "sglang:hicache_storage_auto_detach_total": "storage_auto_detach_total",
+    "sglang:hicache_storage_auto_attach_total": "storage_auto_attach_total",
+    "sglang:hicache_storage_auto_detached_seconds": "storage_auto_detached_s",
     "sglang:encoder_images_total": "encoder_images_total",
     "sglang:encoder_encode_seconds_total": "encoder_encode_seconds_total",
     "sglang:mm_embedding_cache_hits_total": "mm_embedding_cache_hits_total",

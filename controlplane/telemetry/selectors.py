@@ -197,7 +197,10 @@ def storage_health() -> list[dict]:
     breaker in its newest sample: ``closed`` / ``half_open`` / ``open``, None without a reading) and
     ``failed_calls_per_s`` (failed L3 calls per second between its last two samples), ``failed_calls``,
     ``short_circuited``, ``dropped_backup_pages`` (counters since it started), ``last_failure_at`` (an aware
-    datetime of its last failed L3 call, None when none), ``ts`` (the sample's time, epoch s)."""
+    datetime of its last failed L3 call, None when none), ``auto_detached_since`` (an aware datetime: the
+    worker detached its L3 backend itself then and has not re-attached it, ``auto_detach_after_s``; else
+    None), ``auto_detaches`` (how often it did, None without the setting), ``ts`` (the sample's time,
+    epoch s)."""
     workers = [w for w in EngineWorker.objects.order_by("name")]
     latest = store.latest_many([w.pk for w in workers])
     rows = []
@@ -207,6 +210,7 @@ def storage_health() -> list[dict]:
         if not w.storage_backend and state is None:
             continue
         age = s.get("storage_breaker_last_failure_age_s")
+        out = s.get("storage_auto_detached_s")
         rows.append(
             {
                 "worker": w,
@@ -219,6 +223,10 @@ def storage_health() -> list[dict]:
                 "last_failure_at": (
                     datetime.fromtimestamp(s["ts"] - age, tz=UTC) if age is not None and s.get("ts") else None
                 ),
+                "auto_detached_since": (
+                    datetime.fromtimestamp(s["ts"] - out, tz=UTC) if out is not None and s.get("ts") else None
+                ),
+                "auto_detaches": s.get("storage_auto_detach_total"),
                 "ts": s.get("ts"),
             }
         )

@@ -144,6 +144,7 @@ def metrics_ingest(
     group = worker_group(worker_id)
     own, fleet = store.ingest_commit(worker_id, sample, [group, FLEET_GROUP])
     _audit_breaker_move(worker_id, prev, sample)
+    _audit_auto_detach(worker_id, prev, sample)
     if own is True:
         emit(group, "worker.metrics", sample, seq)
     else:
@@ -179,6 +180,42 @@ def _audit_breaker_move(worker_id: int, prev: dict | None, sample: dict) -> None
         )
     finally:
         token_prefix_var.reset(reset)
+
+
+def _audit_auto_detach(worker_id: int, prev: dict | None, sample: dict) -> None:
+    """Audit, as system events, the worker detaching or re-attaching its L3 backend itself
+    (``auto_detach_after_s``): one event per step its counters went up by between two samples, so a detach
+    and re-attach between two samples are both seen; a counter that went down (a restart) is not audited."""
+    for key, action, verb in (
+        ("storage_auto_detach_total", "storage_auto_detach", "detached"),
+        ("storage_auto_attach_total", "storage_auto_attach", "re-attached"),
+    ):
+        old, new = (prev or {}).get(key), sample.get(key)
+        if old is None or new is None or new <= old:
+            continue
+        worker = EngineWorker.objects.filter(pk=worker_id).only("name").first()
+        name = worker.name if worker else f"#{worker_id}"
+        reset = token_prefix_var.set("")  # the worker acted on its own, not the agent that pushed the sample
+        try:
+            audit_record(
+                action=action,
+                object_type="inventory.engineworker",
+                object_id=str(worker_id),
+                object_repr=name,
+                before={key: int(old)},
+                after={key: int(new)},
+                message=f"L3 backend of {name} {verb} automatically (L3 breaker {_breaker_name(sample)})",
+                request_id="",
+            )
+        finally:
+            token_prefix_var.reset(reset)
+
+
+def _breaker_name(sample: dict) -> str:
+    state = sample.get("storage_breaker_state")
+    if state is None or not 0 <= int(state) < len(BREAKER_STATES):
+        return "state unknown"
+    return BREAKER_STATES[int(state)]
 
 
 def _message_for(group: str) -> tuple[str, dict, int] | None:

@@ -103,3 +103,81 @@ def _iso(ts: float) -> str:
     from datetime import UTC, datetime
 
     return datetime.fromtimestamp(ts, tz=UTC).isoformat()
+
+
+def test_a_worker_that_detached_its_l3_itself_says_since_when_and_both_moves_are_audited(
+    asgi_server, personas, monkeypatch
+):
+    """``auto_detach_after_s``: the engine's exporter over a real breaker and a real ``AutoDetach``; the
+    storage page's L3 health row says "detached automatically since ..." while out, and the detach and the
+    re-attach are system audit events."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from controlplane.audit.models import AuditEvent
+    from engine.cache.storage.autodetach import AutoDetach, AutoDetachSettings
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    host = HostFactory(name=AGENT_HOST)
+    worker = EngineWorkerFactory(
+        name="gpu-0", url="http://gpu-0.local:30000", host=host, storage_backend="mooncake"
+    )
+    now = [0.0]
+    health = StorageHealth(BreakerSettings(failures=1, open_s=5.0), clock=lambda: now[0])
+    auto = AutoDetach(AutoDetachSettings(after_s=30.0), clock=lambda: now[0])
+    state = {"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000, "hicache": {}}
+    exporter = EngineMetrics(
+        "m",
+        lambda: {
+            **state,
+            "storage_health": {
+                "storage_backend": "mooncake",
+                **vars(health.snapshot()),
+                "auto_detach": auto.status(),
+            },
+        },
+    )
+    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
+
+    def push(ts: float) -> None:
+        sample = {"worker_url": worker.url, "text": exporter.render().decode(), "ts": ts}
+        assert agent.post("/api/v1/agent/metrics/", json=sample).status_code == 202
+
+    t0 = time.time() - 120
+    push(t0)
+    health.record(False, 0.01, "mooncake: master unreachable")  # open
+    now[0] += 30
+    assert auto.due(health)
+    auto.detached(type("Kept", (), {"name": "mooncake"})())  # the scheduler took the backend out
+    now[0] += 12  # sampled 12 s after the detach
+    push(t0 + 60)
+    assert AuditEvent.objects.filter(action="storage_auto_detach").count() == 1
+    console_user("vera", "viewer", "pw-for-tests-1")
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
+        page.set_viewport_size({"width": 1280, "height": 900})
+        page.goto(f"{asgi_server}/storage/")
+        cell = page.locator('#l3-health tr[data-worker="gpu-0"]').get_by_test_id("breaker")
+        expect(cell.locator(".badge.s-open")).to_have_text("open")
+        out = cell.get_by_test_id("auto-detached")
+        expect(out).to_contain_text("detached automatically since")
+        since = re.compile("^" + _iso(t0 + 48)[:19])  # 12 s before the sample, to the second
+        expect(out.locator("time")).to_have_attribute("datetime", since)
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / "storage-auto-detached.png"), full_page=True)
+        assert serious_violations(page) == []
+        assert errors == []
+        browser.close()
+
+    auto.probed(True)  # the store answered: the scheduler re-attached it, the breaker closed
+    auto.reattached()
+    health.recovered()
+    push(t0 + 70)
+    events = list(AuditEvent.objects.filter(action__startswith="storage_auto_").order_by("id"))
+    assert [(e.action, e.actor_type) for e in events] == [
+        ("storage_auto_detach", "system"),
+        ("storage_auto_attach", "system"),
+    ]
+    assert events[0].message == "L3 backend of gpu-0 detached automatically (L3 breaker open)"
+    assert events[1].message == "L3 backend of gpu-0 re-attached automatically (L3 breaker closed)"
