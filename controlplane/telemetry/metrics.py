@@ -11,13 +11,14 @@ ttft_p50_s, ttft_p90_s, ttft_p99_s, itl_p50_s, itl_p90_s (seconds; quantiles of 
 sglang:time_to_first_token_seconds and sglang:inter_token_latency_seconds histograms, linear within the bucket
 as Prometheus histogram_quantile does);
 prefetch_started_total is completed + timeout + revoked when the worker exports no started counter;
-and, given the previous snapshot, per-second rates: load_back_tokens_per_s, backup_tokens_per_s,
-prefetch_tokens_per_s, cached_tokens_per_s (all tiers) and hit shares per tier over the interval:
-hit_share_{device,host,storage}.
+and, given an earlier snapshot (`with_rates`, over at least ``RATE_WINDOW_S``), per-second rates:
+load_back_tokens_per_s, backup_tokens_per_s, prefetch_tokens_per_s, cached_tokens_per_s (all tiers) and hit
+shares per tier over the interval: hit_share_{device,host,storage}; rates_over_s (the interval, s) and
+rates_absent ({rate: why} for a rate left out although its counter is reported).
 With an L3 backend attached: storage_breaker_state (the L3 circuit breaker: 0 closed, 1 half-open, 2 open;
 ``BREAKER_STATES``), storage_breaker_failed_calls_total, storage_breaker_short_circuited_total and
 storage_dropped_backup_pages_total (counters), storage_breaker_last_failure_age_s (seconds since its last
-failed L3 call, when there was one) and, given the previous snapshot, storage_breaker_failed_calls_per_s.
+failed L3 call, when there was one) and, given an earlier snapshot, storage_breaker_failed_calls_per_s.
 With ``auto_detach_after_s`` in the worker's extra config: storage_auto_detach_total and
 storage_auto_attach_total (counters: the worker detached / re-attached its L3 backend itself) and, while it is
 detached automatically, storage_auto_detached_s (seconds since it was).
@@ -29,7 +30,7 @@ An EPD encoder (``--encoder-only``) reports no KV figures but its own counters: 
 encoder_encode_seconds_total (s in the vision tower), mm_embedding_cache_{hits,misses}_total (its in-memory
 LRU) and, with ``--enable-mm-global-cache``, mm_global_cache_{hits,misses,writes,errors,corrupt,
 dropped_writes}_total; from them mm_embedding_cache_hit_rate and mm_global_cache_hit_rate (hits over
-lookups since the encoder started, 0..1; absent before its first lookup) and, given the previous snapshot,
+lookups since the encoder started, 0..1; absent before its first lookup) and, given an earlier snapshot,
 encoder_images_per_s, encoder_busy (encode seconds per wall second: 1.0 is one vision tower busy all the
 time) and encode_s_per_image (mean s per image encoded in the interval; absent when none was).
 """
@@ -215,31 +216,58 @@ def counter_step(before: float, after: float) -> float | None:
     return after if after < before / 2 else None
 
 
+RATE_WINDOW_S = 10.0  # the worker page's RATE_WINDOW_S (js/pages/worker.js): a rate spans at least this
+# the counters `with_rates` reads: a sample's rates need them in its window's base sample (recent.ENTRY_KEYS)
+RATE_COUNTERS = {
+    "load_back_tokens_per_s": "load_back_tokens_total",
+    "backup_tokens_per_s": "backuped_tokens_total",
+    "prefetch_tokens_per_s": "prefetched_tokens_total",
+    "storage_breaker_failed_calls_per_s": "storage_breaker_failed_calls_total",
+}
+_ENCODER_COUNTERS = ("encoder_images_total", "encoder_encode_seconds_total")
+WINDOWED_COUNTERS = (*RATE_COUNTERS.values(), *_ENCODER_COUNTERS, *(f"cached_tokens_{t}" for t in TIERS))
+NO_BASE = f"fewer than two samples in the last {RATE_WINDOW_S:g} s"
+DIPPED = f"a counter went down within the last {RATE_WINDOW_S:g} s (an out-of-order sample)"
+
+
+def rate_base(older: dict | None, newer: dict | None) -> dict | None:
+    """The sample a new sample's rates are taken from, as the worker page's charts take theirs: ``older``,
+    the newest earlier sample at least ``RATE_WINDOW_S`` before it, else ``newer``, the oldest earlier one
+    within that window (the rate then spans what there is); None when it has no earlier sample. Samples are
+    ordered by their own time, not by arrival: an agent's push and the control plane's scrape of the same
+    worker arrive interleaved, a fraction of a second apart and sometimes out of order, and a rate over
+    that one interval was 0, a spike or nothing."""
+    return older or newer
+
+
 def with_rates(snap: dict, prev: dict | None, dt_s: float) -> dict:
-    """Add per-second rates and per-tier hit shares over the interval since `prev` (counters may reset).
+    """Add per-second rates and per-tier hit shares over the ``dt_s`` seconds since `prev` (counters may
+    reset); `prev` is the window's base sample (`rate_base`), so a rate spans ``RATE_WINDOW_S`` or more once
+    the worker has reported that long.
 
     A rate is added only when both samples report its counter and it did not dip (``counter_step``), and
     ``cached_tokens_per_s`` only when they report at least one tier and none dipped; ``hit_share_<tier>``
     only for a tier both report, over an interval that served any cached token. What a worker does not
-    report stays absent, never 0 (the console shows it as absent)."""
+    report stays absent, never 0 (the console shows it as absent). ``rates_over_s`` is ``dt_s`` whenever
+    there was a base; ``rates_absent`` maps a rate left out although its counter is reported to why."""
     if not prev or dt_s <= 0:
-        return snap
-    out = dict(snap)
+        missing = [r for r, c in RATE_COUNTERS.items() if c in snap]
+        missing += ["cached_tokens_per_s"] if any(f"cached_tokens_{t}" in snap for t in TIERS) else []
+        return {**snap, "rates_absent": dict.fromkeys(missing, NO_BASE)} if missing else snap
+    out = dict(snap, rates_over_s=dt_s)
+    absent: dict[str, str] = {}
 
     def delta(key: str) -> float | None:
         if key not in snap or key not in prev:
             return None
         return counter_step(prev[key], snap[key])
 
-    for rate, counter in (
-        ("load_back_tokens_per_s", "load_back_tokens_total"),
-        ("backup_tokens_per_s", "backuped_tokens_total"),
-        ("prefetch_tokens_per_s", "prefetched_tokens_total"),
-        ("storage_breaker_failed_calls_per_s", "storage_breaker_failed_calls_total"),
-    ):
+    for rate, counter in RATE_COUNTERS.items():
         d = delta(counter)
         if d is not None:
             out[rate] = d / dt_s
+        elif counter in snap and counter in prev:
+            absent[rate] = DIPPED
     images, busy = delta("encoder_images_total"), delta("encoder_encode_seconds_total")
     if images is not None and busy is not None:
         out["encoder_images_per_s"] = images / dt_s
@@ -247,13 +275,14 @@ def with_rates(snap: dict, prev: dict | None, dt_s: float) -> dict:
         if images:
             out["encode_s_per_image"] = busy / images
     hits = {t: d for t in TIERS if (d := delta(f"cached_tokens_{t}")) is not None}
-    if not hits or any(
-        f"cached_tokens_{t}" in snap and f"cached_tokens_{t}" in prev for t in TIERS if t not in hits
-    ):
-        return out  # none reported, or an out-of-order sample: no rate rather than a false one
-    total = sum(hits.values())
-    out["cached_tokens_per_s"] = total / dt_s
-    for tier, value in hits.items():
-        if total:
-            out[f"hit_share_{tier}"] = value / total
+    if any(f"cached_tokens_{t}" in snap and f"cached_tokens_{t}" in prev for t in TIERS if t not in hits):
+        absent["cached_tokens_per_s"] = DIPPED  # an out-of-order sample: no rate rather than a false one
+    elif hits:
+        total = sum(hits.values())
+        out["cached_tokens_per_s"] = total / dt_s
+        for tier, value in hits.items():
+            if total:
+                out[f"hit_share_{tier}"] = value / total
+    if absent:
+        out["rates_absent"] = absent
     return out

@@ -8,16 +8,18 @@ figure (None) when the window holds fewer than two samples or a counter went dow
 the worker page.
 
 The store keeps, per worker, a small sorted set of ``ENTRY_KEYS`` of each sample (score: its time), trimmed to
-the window, so the fleet summary reads two entries per worker instead of its whole history.
+the window, so the fleet summary reads two entries per worker instead of its whole history; an ingest reads
+from it the base sample of the new sample's rates (`metrics.rate_base`, over ``metrics.RATE_WINDOW_S``).
 """
 
 from __future__ import annotations
 
-from controlplane.telemetry.metrics import bucket_increase, histogram_quantile
+from controlplane.telemetry.metrics import WINDOWED_COUNTERS, bucket_increase, histogram_quantile
 
 WINDOW_S = 300.0  # the worker page's LATENCY_WINDOW_S (js/pages/worker.js)
 _COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "num_requests_total")
-ENTRY_KEYS = ("ts", "seq", "ttft_buckets", "itl_buckets", *_COUNTERS)
+# and the counters a later sample's rates are taken from (`metrics.rate_base`)
+ENTRY_KEYS = ("ts", "seq", "ttft_buckets", "itl_buckets", *_COUNTERS, *WINDOWED_COUNTERS)
 
 
 def entry(sample: dict) -> dict:

@@ -60,15 +60,19 @@ def _totals(samples: list[dict], *, l3_samples: list[dict] | None = None) -> dic
     plus hit_share_<tier> (share of cached tokens since start, 0..1; None for a tier no sample reports or
     while no cached token was served) and host_pool_use (used / capacity over the samples' host pools, 0..1;
     None without a reported capacity). The `L3_KEYS` come from ``l3_samples`` only (default: ``samples``):
-    the samples of workers with an L3 attached. ``absent`` maps each None figure to why, in words."""
+    the samples of workers with an L3 attached. ``absent`` maps each None figure to why, in words: a rate's
+    reason is a worker's own (`metrics.with_rates`' ``rates_absent``) when its counter is reported. The rates
+    are each worker's over its last ``metrics.RATE_WINDOW_S`` or more, as the worker page charts them."""
     l3 = samples if l3_samples is None else l3_samples
     totals: dict = {}
     absent: dict[str, str] = {}
     for key in _SUMMED:
-        values = [float(v) for s in (l3 if key in L3_KEYS else samples) if (v := s.get(key)) is not None]
+        pool = l3 if key in L3_KEYS else samples
+        values = [float(v) for s in pool if (v := s.get(key)) is not None]
         totals[key] = sum(values) if values else None
         if not values:
-            absent[key] = NO_L3 if key in L3_KEYS and samples and not l3 else NOT_REPORTED
+            why = [r for s in pool if (r := s.get("rates_absent", {}).get(key))] or [NOT_REPORTED]
+            absent[key] = NO_L3 if key in L3_KEYS and samples and not l3 else why[0]
     hits = sum(totals[f"cached_tokens_{t}"] or 0.0 for t in TIERS)
     for tier in TIERS:
         key, count = f"hit_share_{tier}", totals[f"cached_tokens_{tier}"]
@@ -195,12 +199,12 @@ def fleet_summary() -> dict:
 def storage_health() -> list[dict]:
     """Each worker with an L3 backend or a breaker reading, by name: ``{worker, backend, state}`` (the
     breaker in its newest sample: ``closed`` / ``half_open`` / ``open``, None without a reading) and
-    ``failed_calls_per_s`` (failed L3 calls per second between its last two samples), ``failed_calls``,
-    ``short_circuited``, ``dropped_backup_pages`` (counters since it started), ``last_failure_at`` (an aware
-    datetime of its last failed L3 call, None when none), ``auto_detached_since`` (an aware datetime: the
-    worker detached its L3 backend itself then and has not re-attached it, ``auto_detach_after_s``; else
-    None), ``auto_detaches`` (how often it did, None without the setting), ``ts`` (the sample's time,
-    epoch s)."""
+    ``failed_calls_per_s`` (failed L3 calls per second over its last 10 s, `metrics.with_rates`),
+    ``failed_calls``, ``short_circuited``, ``dropped_backup_pages`` (counters since it started),
+    ``last_failure_at`` (an aware datetime of its last failed L3 call, None when none),
+    ``auto_detached_since`` (an aware datetime: the worker detached its L3 backend itself then and has not
+    re-attached it, ``auto_detach_after_s``; else None), ``auto_detaches`` (how often it did, None without
+    the setting), ``ts`` (the sample's time, epoch s)."""
     workers = [w for w in EngineWorker.objects.order_by("name")]
     latest = store.latest_many([w.pk for w in workers])
     rows = []

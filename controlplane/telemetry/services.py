@@ -118,10 +118,11 @@ def metrics_ingest(
 ) -> dict:
     """Store one sample for worker `worker_id` from Prometheus `text` or a flat `metrics` dict; broadcast it.
 
-    ``ts`` is when the sample was taken (Unix seconds, default now): samples an agent buffered through an
-    outage keep their own time, and rates use the interval between sample times.
-    Raises ApplicationError naming a bad metric name, unparsable text or a ``ts`` out of range (older than
-    a day, or in the future). Returns the stored sample.
+        ``ts`` is when the sample was taken (Unix seconds, default now): samples an agent buffered through an
+        outage keep their own time, and rates use the interval between sample times: from the newest sample at
+    least ``RATE_WINDOW_S`` (10 s) older, by sample time, not arrival (`metrics.rate_base`).
+        Raises ApplicationError naming a bad metric name, unparsable text or a ``ts`` out of range (older than
+        a day, or in the future). Returns the stored sample.
     """
     if text is not None:
         try:
@@ -138,9 +139,9 @@ def metrics_ingest(
     else:
         raise ApplicationError("send either text or metrics", code="bad_metrics")
     now = _sample_time(ts, time.time())
-    prev, seq = store.ingest_begin(worker_id)
-    interval = now - prev["ts"] if prev and now > prev["ts"] else 0.0
-    sample = {"ts": now, "worker_id": worker_id, **with_rates(snap, prev, interval), "seq": seq}
+    prev, base, seq = store.ingest_begin(worker_id, now)
+    interval = now - base["ts"] if base else 0.0
+    sample = {"ts": now, "worker_id": worker_id, **with_rates(snap, base, interval), "seq": seq}
     group = worker_group(worker_id)
     own, fleet = store.ingest_commit(worker_id, sample, [group, FLEET_GROUP])
     _audit_breaker_move(worker_id, prev, sample)

@@ -15,6 +15,7 @@ import redis
 from django.conf import settings
 
 from controlplane.telemetry import recent
+from controlplane.telemetry.metrics import RATE_WINDOW_S, rate_base
 
 HISTORY_LEN = 1800  # one hour at the agent's 2 s push interval: the console's 1 h window
 WINDOW_MS = 1000
@@ -42,14 +43,19 @@ def save_sample(worker_id: int, sample: dict) -> int:
     return sample["seq"]
 
 
-def ingest_begin(worker_id: int) -> tuple[dict | None, int]:
-    """One round trip before storing a new sample: the worker's latest sample (None if none) and the
-    number the new one gets."""
+def ingest_begin(worker_id: int, ts: float) -> tuple[dict | None, dict | None, int]:
+    """One round trip before storing a new sample taken at ``ts`` (epoch s): the worker's latest sample
+    (None if none), the base of the new sample's rates (`metrics.rate_base` over the worker's recent window:
+    a `recent.entry`, None when no earlier sample is in it) and the number the new one gets."""
+    window = _key("w", worker_id, "recent")
     pipe = client().pipeline(transaction=False)
     pipe.get(_key("w", worker_id, "latest"))
+    pipe.zrevrangebyscore(window, ts - RATE_WINDOW_S, "-inf", start=0, num=1)
+    pipe.zrangebyscore(window, f"({ts - RATE_WINDOW_S}", f"({ts}", start=0, num=1)
     pipe.incr(_key("w", worker_id, "seq"))
-    raw, seq = pipe.execute()
-    return (json.loads(raw) if raw else None), int(seq)
+    raw, older, newer, seq = pipe.execute()
+    base = rate_base(json.loads(older[0]) if older else None, json.loads(newer[0]) if newer else None)
+    return (json.loads(raw) if raw else None), base, int(seq)
 
 
 def ingest_commit(worker_id: int, sample: dict, groups: list[str]) -> list[float | bool | None]:

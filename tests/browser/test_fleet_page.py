@@ -1,6 +1,6 @@
 """Real headless Chromium against daphne and a real Celery worker (its trailing broadcast flush): the fleet
-page's "Cached tokens served" of a pool sums its workers' cached tokens/s (each over its own last two
-samples), so a push caused by another pool's sample leaves it as it was instead of showing 0 tok/s."""
+page's "Cached tokens served" of a pool sums its workers' cached tokens/s (each over its own last 10 s
+or more), so a push caused by another pool's sample leaves it as it was instead of showing 0 tok/s."""
 
 import os
 import re
@@ -149,7 +149,8 @@ def test_pool_card_shows_a_dash_for_figures_no_worker_reported_and_a_real_zero_a
     asgi_server, celery_worker_process, fake_worker, personas, monkeypatch
 ):
     """The regular pool's one worker has no L3 attached and reports no L3 hits and no host pool: its card
-    shows "—" for the L3 share and the host pool use (titled "not reported by any worker"), never 0 %. The
+    shows "—" for the L3 share and the host pool use (titled "not reported by any worker"), never 0 %, and
+    for its cached tokens/s, titled with the true reason (one sample: fewer than two in 10 s). The
     decode pool's worker has an L3 attached and reports 0 L3 hits: its card shows the real 0 %."""
     from playwright.sync_api import expect, sync_playwright
 
@@ -186,6 +187,9 @@ def test_pool_card_shows_a_dash_for_figures_no_worker_reported_and_a_real_zero_a
             expect(cell).to_have_attribute("title", re.compile("^not reported by any worker"))
         expect(regular.locator("[data-f=hit_share_device]")).to_have_text("100 %")
         expect(regular.locator("[data-f=hit_share_host]")).to_have_text("0 %")  # reported, and 0
+        rate = regular.locator("[data-f=cached_rate]")  # reported counters, one sample: no rate yet, and why
+        expect(rate).to_have_text("—")
+        expect(rate).to_have_attribute("title", "fewer than two samples in the last 10 s")
 
         storage = decode.locator("[data-f=hit_share_storage]")
         expect(storage).to_have_text("0 %")

@@ -305,3 +305,44 @@ def test_an_out_of_order_sample_gives_no_rate_rather_than_a_spike():
     assert "cached_tokens_per_s" not in out and out["load_back_tokens_per_s"] == 0.0
     restarted = with_rates({"cached_tokens_device": 30.0}, prev, 1.0)
     assert restarted["cached_tokens_per_s"] == 30.0
+
+
+@pytest.mark.django_db
+def test_fleet_rates_stay_put_when_pushes_and_scrapes_interleave(api_as):
+    """A worker sampled by its agent every 2 s and by the control plane's scrape in between, the two arriving
+    a fraction of a second apart and sometimes out of order: the fleet's cached tokens/s and load-back rate
+    are each worker's rate over its last 10 s, so they stay near the true rate (never 0, never absent) at
+    every read once the workers have reported that long; before a second sample the reason says so."""
+    from controlplane.telemetry.metrics import NO_BASE
+
+    host = HostFactory(name=AGENT_HOST)
+    workers = [EngineWorkerFactory(host=host, role="mixed") for _ in range(2)]
+    start = time.time() - 40
+
+    def counters(at: float) -> dict:  # the engine bumps its counters once per 2.5 s batch: 200 tok/s each
+        served = 500.0 * ((at - start) // 2.5)
+        return {"cached_tokens_device": served, "cached_tokens_host": 0.0, "load_back_tokens_total": served}
+
+    def push(worker, at: float) -> None:
+        body = {"worker": worker.pk, "metrics": counters(at), "ts": at}
+        assert api_as("agent").post("/api/v1/agent/metrics/", body, format="json").status_code == 202
+
+    def totals() -> dict:
+        return api_as("viewer").get("/api/v1/telemetry/fleet/").json()["totals"]
+
+    push(workers[0], start)
+    first = totals()
+    assert first["cached_tokens_per_s"] is None and first["absent"]["cached_tokens_per_s"] == NO_BASE
+    seen = []
+    for k in range(18):  # 36 s: an agent push at 2k, a scrape taken 0.3 s later that often arrives first
+        agent, scrape = start + 2 * k + 0.1, start + 2 * k + 0.4
+        for worker in workers:
+            for at in (scrape, agent) if k % 2 else (agent, scrape):
+                push(worker, at)
+        now = totals()
+        if scrape - start >= 12:  # every worker has reported for 10 s and more
+            seen.append((now["cached_tokens_per_s"], now["load_back_tokens_per_s"]))
+    assert len(seen) >= 12
+    for cached, load_back in seen:
+        assert cached is not None and 2 * 150 <= cached <= 2 * 250, seen
+        assert load_back is not None and 2 * 150 <= load_back <= 2 * 250, seen

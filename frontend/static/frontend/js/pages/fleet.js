@@ -29,7 +29,7 @@ KV.ready(function () {
     KV.replaceRows(KV.$("#workers tbody"), tplWorker, workers, function (row, w) { rows[w.id] = row; });
     applyFilter();
   }
-  // cached_rate: the pool's workers' cached tokens/s, each over its own last two samples (summed server-side),
+  // cached_rate: the pool's workers' cached tokens/s, each over its own last 10 s or more (summed server-side),
   // so a push for another pool's sample does not change it. Sparkline points are placed at the pool's newest
   // sample time (server clock, p.ts), never the browser's, so the series stays sorted by time.
   function renderPools(summary) {
