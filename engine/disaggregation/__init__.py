@@ -45,12 +45,16 @@ def create_kv_manager(
     bootstrap_port: int | None = None,
     prefill_http_port: int | None = None,
     ib_device: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
     **timeouts,
 ) -> KVTransferManager:
     """The KV manager of this worker's role, with ``pool``'s buffers registered with ``backend``.
 
     ``mode``: ``prefill`` (starts the bootstrap server on ``bootstrap_port``, 0 = a free port) or
-    ``decode``. ``timeouts``: ``TransferTimeouts`` fields overriding upstream's env values.
+    ``decode``. ``tp_rank`` of ``tp_size``: this process's tensor-parallel rank; a prefill rank > 0 starts
+    no bootstrap server and registers at rank 0's, whose bound port ``bootstrap_port`` must then be.
+    ``timeouts``: ``TransferTimeouts`` fields overriding upstream's env values.
     Raises ``TransferBackendError`` (backend unknown or unusable), ``ValueError`` (bad mode or port),
     ``OSError`` (bootstrap port taken).
     """
@@ -60,7 +64,9 @@ def create_kv_manager(
     if mode == DisaggregationMode.PREFILL:
         if bootstrap_port is None or not 0 <= bootstrap_port <= 65535:
             raise ValueError(f"--disaggregation-bootstrap-port must be in [0, 65535], got {bootstrap_port!r}")
-        return PrefillKVManager(backend, pool, host, bootstrap_port, settings, prefill_http_port, ib_device)
+        return PrefillKVManager(
+            backend, pool, host, bootstrap_port, settings, prefill_http_port, ib_device, tp_rank, tp_size
+        )
     if mode == DisaggregationMode.DECODE:
-        return DecodeKVManager(backend, pool, host, settings, ib_device)
+        return DecodeKVManager(backend, pool, host, settings, ib_device, tp_rank, tp_size)
     raise ValueError("--disaggregation-mode null has no KV manager")

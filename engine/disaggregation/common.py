@@ -24,7 +24,13 @@ logger = logging.getLogger(__name__)
 
 MAX_ROOM = 2**63 - 1
 INFO_QUERY = "prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
-RANK_QUERY = "prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+
+
+def rank_query(tp_rank: int = 0) -> str:
+    """The ``GET /route`` query for prefill tensor-parallel rank ``tp_rank`` (dp, cp and pp rank 0)."""
+    return f"prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank={tp_rank}&target_pp_rank=0"
+
+
 BOOTSTRAP_HTTP_TIMEOUT = httpx.Timeout(3.0, connect=2.0)  # upstream's heartbeat: connect 2 s, read 3 s
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")  # names of this host in a bootstrap address
 
@@ -44,10 +50,11 @@ def bootstrap_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def rank_endpoint(client: httpx.Client, address: str) -> tuple[str, str | None]:
-    """(side-channel endpoint ``ip:port``, bootstrap ``start_id``) of rank 0 of the prefill whose bootstrap
-    server is at ``address``. Raises ``httpx.HTTPError`` or ``ValueError`` (a bad answer)."""
-    response = client.get(f"http://{address}/route?{RANK_QUERY}")
+def rank_endpoint(client: httpx.Client, address: str, tp_rank: int = 0) -> tuple[str, str | None]:
+    """(side-channel endpoint ``ip:port``, bootstrap ``start_id``) of tensor-parallel rank ``tp_rank`` of
+    the prefill whose bootstrap server is at ``address``. Raises ``httpx.HTTPError`` or ``ValueError``
+    (a bad answer)."""
+    response = client.get(f"http://{address}/route?{rank_query(tp_rank)}")
     response.raise_for_status()
     rank = response.json()
     return f"{rank['rank_ip']}:{rank['rank_port']}", rank.get("start_id")

@@ -128,7 +128,11 @@ class KVReceiver(RoomState):
 
 
 class DecodeKVManager(KVManagerBase):
-    """D's manager: side channel, a thread pool for first contacts, and the heartbeat thread."""
+    """D's manager: side channel, a thread pool for first contacts, and the heartbeat thread.
+
+    Tensor-parallel rank ``tp_rank`` of ``tp_size``: it pairs with the same rank of a prefill of the same tp
+    (first contact fails, naming both sizes, with a prefill of another tp) and receives that rank's KV heads.
+    """
 
     role = "decode"
 
@@ -139,7 +143,10 @@ class DecodeKVManager(KVManagerBase):
         host: str,
         timeouts: TransferTimeouts,
         ib_device: str | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self._receivers: dict[int, KVReceiver] = {}
         self._prefills: dict[str, _Prefill] = {}
         # the bootstrap port this process served as a prefill before a role switch (set by the switch)
@@ -205,7 +212,7 @@ class DecodeKVManager(KVManagerBase):
             endpoint = prefill.endpoint if prefill is not None and prefill.ready else None
         if endpoint is None:
             try:
-                endpoint, _ = rank_endpoint(self._client, address)
+                endpoint, _ = rank_endpoint(self._client, address, self.tp_rank)
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 logger.warning("refused room %d: prefill bootstrap %s not told (%s)", room, address, exc)
                 return
@@ -450,8 +457,13 @@ class DecodeKVManager(KVManagerBase):
                 raise _ContactError(
                     f"{field} mismatch: prefill {address} has {info.get(field)}, decode has {mine}"
                 )
+        if info.get("attn_tp_size", 1) != self.tp_size:
+            raise _ContactError(
+                f"prefill {address} runs at tp {info.get('attn_tp_size')} and this decode at tp "
+                f"{self.tp_size}: PD pairs prefill and decode workers of the same --tp-size"
+            )
         try:
-            endpoint, start_id = rank_endpoint(client, address)
+            endpoint, start_id = rank_endpoint(client, address, self.tp_rank)
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             raise _ContactError(f"prefill bootstrap {address}: rank lookup failed: {exc}") from exc
         if start_id != info.get("start_id"):

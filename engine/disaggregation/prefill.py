@@ -36,7 +36,7 @@ import torch
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVLayout, KVPoll, TransferTimeouts
-from engine.disaggregation.bootstrap import BootstrapServer
+from engine.disaggregation.bootstrap import START_ID_HEADER, BootstrapServer
 from engine.disaggregation.common import (
     BOOTSTRAP_HTTP_TIMEOUT,
     INFO_QUERY,
@@ -193,7 +193,12 @@ class KVSender(RoomState):
 
 class PrefillKVManager(KVManagerBase):
     """P's manager: bootstrap server on ``bootstrap_port`` (0 = any free port), rank registered there,
-    side channel, one transfer thread. Raises ``OSError`` when the port is taken."""
+    side channel, one transfer thread. Raises ``OSError`` when the port is taken.
+
+    Tensor-parallel rank ``tp_rank`` > 0 of ``tp_size`` starts no server: ``bootstrap_port`` is rank 0's
+    (already bound), where it registers its own side channel as ``attn_tp_rank``; it moves its own KV heads
+    to the decode rank that asks for them, and leaves the check of a request's bootstrap address to rank 0.
+    """
 
     role = "prefill"
 
@@ -206,6 +211,8 @@ class PrefillKVManager(KVManagerBase):
         timeouts: TransferTimeouts,
         prefill_http_port: int | None = None,
         ib_device: str | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         self._senders: dict[int, KVSender] = {}
         self._pending: dict[int, tuple[dict, float]] = {}  # transfer infos for rooms not opened yet
@@ -217,14 +224,18 @@ class PrefillKVManager(KVManagerBase):
         self._decodes: dict[str, _Decode] = {}  # D endpoint -> its liveness (pinged on the side channel)
         self.all_decodes_gone_since: float | None = None  # every decode met is gone, since (monotonic)
         self._queue: queue.Queue = queue.Queue()
-        self.bootstrap = BootstrapServer(host or "0.0.0.0", bootstrap_port)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # rank 0 runs the worker's bootstrap server; the other ranks register with it
+        self.bootstrap = BootstrapServer(host or "0.0.0.0", bootstrap_port) if tp_rank == 0 else None
         try:
             super().__init__(backend, pool, host, timeouts, ib_device)
         except BaseException:
-            self.bootstrap.close()
+            if self.bootstrap is not None:
+                self.bootstrap.close()
             raise
-        self.bootstrap_port = self.bootstrap.port
+        self.bootstrap_port = self.bootstrap.port if self.bootstrap is not None else bootstrap_port
         self.bootstrap_address = f"{self.host}:{self.bootstrap_port}"
+        self.start_id = self.bootstrap.start_id if self.bootstrap is not None else ""
         self._worker = threading.Thread(target=self._transfer_loop, name="pd-prefill-transfer", daemon=True)
         self._worker.start()
         try:
@@ -234,12 +245,14 @@ class PrefillKVManager(KVManagerBase):
             raise
 
     def _register(self, prefill_http_port: int | None) -> None:
+        """PUT this rank's side-channel endpoint to the bootstrap server (retried with backoff); a rank
+        other than 0 then reads the server's ``start_id`` (it acknowledges transfer infos with it)."""
         ep_host, ep_port = self.channel.endpoint.rsplit(":", 1)
         body = {
             "rank_ip": ep_host,
             "rank_port": int(ep_port),
-            "attn_tp_size": 1,
-            "attn_tp_rank": 0,
+            "attn_tp_size": self.tp_size,
+            "attn_tp_rank": self.tp_rank,
             "attn_cp_size": 1,
             "attn_cp_rank": 0,
             "attn_dp_size": 1,
@@ -257,10 +270,13 @@ class PrefillKVManager(KVManagerBase):
         for attempt in range(REGISTER_TRIES):
             try:
                 httpx.put(url, json=body, timeout=5.0).raise_for_status()
+                if self.bootstrap is None:
+                    health = httpx.get(f"http://{self.bootstrap_address}/health", timeout=5.0)
+                    self.start_id = health.raise_for_status().headers[START_ID_HEADER]
                 return
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, KeyError) as exc:
                 if attempt == REGISTER_TRIES - 1:
-                    raise OSError(f"cannot register with the bootstrap server {url}: {exc}") from exc
+                    raise OSError(f"cannot register with the bootstrap server {url}: {exc!r}") from exc
                 time.sleep(min(30.0, 2**attempt) * random.uniform(0.8, 1.2))  # backoff between retries
 
     # ---- scheduler-thread API
@@ -285,7 +301,8 @@ class PrefillKVManager(KVManagerBase):
             self._fail(sender, aborted[0], notify=False)
         elif pending is not None:
             self._attach(sender, pending[0])
-        if bootstrap_address is not None and not self._names_me(bootstrap_address):
+        owner_check = self.bootstrap is not None  # rank 0's verdict reaches the other ranks' rooms
+        if owner_check and bootstrap_address is not None and not self._names_me(bootstrap_address):
             self._checks.submit(self._check_owner, sender, bootstrap_address)
         return sender
 
@@ -327,7 +344,7 @@ class PrefillKVManager(KVManagerBase):
                 response = client.get(f"http://{address}/route?{INFO_QUERY}")
                 if response.status_code != 200:
                     return None, None
-                if response.json().get("start_id") == self.bootstrap.start_id:
+                if response.json().get("start_id") == self.start_id:
                     self._aliases.add(address)
                     return None, None
                 reason = (
@@ -441,7 +458,7 @@ class PrefillKVManager(KVManagerBase):
             }
         elif kind == "transfer":
             room = header["room"]
-            ack = {"type": "transfer_ack", "room": room, "start_id": self.bootstrap.start_id}
+            ack = {"type": "transfer_ack", "room": room, "start_id": self.start_id}
             self.channel.send(header["endpoint"], ack)
             with self._lock:
                 sender = self._senders.get(room)
@@ -602,4 +619,5 @@ class PrefillKVManager(KVManagerBase):
         self._worker.join(timeout=10)
         self._checks.shutdown(wait=True, cancel_futures=True)
         super().close()
-        self.bootstrap.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()

@@ -62,6 +62,33 @@ class PDHooks:
     start_decoding: Callable[[Req, int], None]
     finish: Callable[[Req, dict, list[int] | None], None]
     on_failure: Callable[[str], None]
+    agree: Callable[[list[int]], list[int]] = list
+
+
+OTHER_RANK = "the transfer of another tensor-parallel rank of this worker failed (its log has the reason)"
+
+
+def _agreed(hooks: PDHooks, rooms: dict) -> dict[str, tuple[KVPoll, bool]]:
+    """rid -> (the lowest state of the request's room over the ranks, whether it is terminal on every
+    rank). Each rank polls its own room (its share of the KV heads); the ranks hold the same rooms in the
+    same order, so one all-reduce(min) per poll lets them all take the same decision. Failed (0) is the
+    lowest state: one rank's failure fails the request everywhere."""
+    rids = list(rooms)
+    if not rids:
+        return {}
+    local: list[int] = []
+    for rid in rids:
+        state = rooms[rid].poll()
+        local += [int(state), int(state in (KVPoll.Success, KVPoll.Failed))]
+    agreed = hooks.agree(local)
+    return {rid: (KVPoll(agreed[2 * i]), bool(agreed[2 * i + 1])) for i, rid in enumerate(rids)}
+
+
+def _why(room) -> str:
+    """The failure reason of ``room`` on this rank, or ``OTHER_RANK`` when only another rank's failed."""
+    with room.lock:
+        failed = room.reason is not None
+    return str(room.failure_exception()) if failed else OTHER_RANK
 
 
 def _pages(n: int, page_size: int) -> int:
@@ -129,13 +156,15 @@ class PrefillQueues:
         self.rooms[req.rid].abort("aborted by prefill")
 
     def poll(self) -> bool:
-        """Move paired requests to the waiting queue and end finished transfers; True if anything moved."""
+        """Move paired requests to the waiting queue and end finished transfers; True if anything moved.
+        Decisions follow the state the ranks agree on (``_agreed``)."""
         moved = False
+        agreed = _agreed(self.hooks, self.rooms)
         for req in list(self.bootstrapping):
-            state = self.rooms[req.rid].poll()
+            state = agreed[req.rid][0]
             if state == KVPoll.Failed or req.aborted:
                 self.bootstrapping.remove(req)
-                self._end(req)
+                self._end(req, state)
                 moved = True
             elif state >= KVPoll.WaitingForInput:
                 self.bootstrapping.remove(req)
@@ -143,14 +172,14 @@ class PrefillQueues:
                 self.hooks.queue(req)
                 moved = True
         for req in list(self.transferring):
-            state = self.rooms[req.rid].poll()
+            state = agreed[req.rid][0]
             if state in (KVPoll.Success, KVPoll.Failed):
                 self.transferring.remove(req)
-                self._end(req)
+                self._end(req, state)
                 moved = True
-        return self._end_unpaired() or moved
+        return self._end_unpaired(agreed) or moved
 
-    def _end_unpaired(self) -> bool:
+    def _end_unpaired(self, agreed: dict[str, tuple[KVPoll, bool]]) -> bool:
         """End the paired requests still on P (queued, or part-way through a chunked prefill) whose room
         failed meanwhile: nothing will take their KV, so they give back their pages and prefix lock now."""
         hooks, moved = self.hooks, False
@@ -158,23 +187,26 @@ class PrefillQueues:
             req = hooks.get(rid)
             if req is None or req.state in (ReqState.BOOTSTRAPPING, ReqState.TRANSFERRING):
                 continue
-            if sender.poll() != KVPoll.Failed:
+            if agreed[rid][0] != KVPoll.Failed:
                 continue
             hooks.unqueue(req)
-            reason = req.aborted or str(sender.failure_exception())
+            if sender.poll() != KVPoll.Failed:  # another rank's room failed: this rank's sends nothing
+                sender.abort(OTHER_RANK)
+            reason = req.aborted or _why(sender)
             hooks.finish(req, _failed(hooks, req, reason, sender.status_code), None)  # closes it (``drop``)
             moved = True
         return moved
 
-    def _end(self, req: Req) -> None:
+    def _end(self, req: Req, state: KVPoll) -> None:
+        """End ``req`` whose room the ranks agree is ``state`` (Success: its KV reached D everywhere)."""
         sender = self.rooms.pop(req.rid)
-        if sender.poll() == KVPoll.Success:
+        if state == KVPoll.Success:
             reason = {"type": "length", "length": len(req.output_ids)}
             self.hooks.finish(req, reason, req.output_ids[-1:])
         else:
-            if sender.poll() != KVPoll.Failed:
+            if sender.poll() not in (KVPoll.Failed, KVPoll.Success):
                 sender.abort("aborted by prefill")
-            reason = req.aborted or str(sender.failure_exception())
+            reason = req.aborted or _why(sender)
             self.hooks.finish(req, _failed(self.hooks, req, reason, sender.status_code), None)
         sender.close()
 
@@ -222,10 +254,11 @@ class DecodeQueues:
         KV has landed; True if anything moved."""
         moved = False
         hooks = self.hooks
+        agreed = _agreed(hooks, self.rooms)
         for req in list(self.prealloc):
             receiver = self.rooms[req.rid]
-            state = receiver.poll()
-            if state == KVPoll.Failed:
+            state = agreed[req.rid][0]
+            if state == KVPoll.Failed:  # no pages reserved yet: closing the room ends it on every rank
                 self.prealloc.remove(req)
                 self._fail(req)
                 moved = True
@@ -245,8 +278,12 @@ class DecodeQueues:
             moved = True
         for req in list(self.waiting_kv):
             receiver = self.rooms[req.rid]
-            state = receiver.poll()
-            if state == KVPoll.Failed:
+            state, everywhere = agreed[req.rid]
+            if state == KVPoll.Failed and not everywhere:
+                # another rank's room failed: stop this rank's, and free the pages only once no write can
+                # land in them any more (every rank's room terminal)
+                receiver.abort(OTHER_RANK)
+            elif state == KVPoll.Failed:
                 self.waiting_kv.remove(req)
                 self._fail(req)
                 moved = True
@@ -282,7 +319,7 @@ class DecodeQueues:
 
     def _fail(self, req: Req) -> None:
         receiver = self.rooms.pop(req.rid)
-        reason = req.aborted or str(receiver.failure_exception())
+        reason = req.aborted or _why(receiver)
         receiver.close()
         self.hooks.finish(req, _failed(self.hooks, req, reason), None)
 

@@ -364,6 +364,7 @@ class Scheduler:
             start_decoding=self._start_decoding,
             finish=lambda req, reason, last_ids: self.output.finish(req, reason, last_ids, insert=False),
             on_failure=self._on_pd_failure,
+            agree=self.tp.group.all_min if self.tp is not None else list,
         )
         self.pd = make_queues(role, hooks, mgr)
 

@@ -20,7 +20,7 @@ from engine.distributed import TPGroup
 from engine.grammar.state import GrammarState
 from engine.scheduler import admin
 from engine.scheduler.messages import AbortReq, AttachStorage
-from engine.scheduler.req import Req, ReqOutput
+from engine.scheduler.req import Bootstrap, Req, ReqOutput
 from engine.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,10 +35,11 @@ class NewReq:
     params: SamplingParams
     health_check: bool
     cache_salt: str | None
+    bootstrap: Bootstrap | None = None  # a PD request: every rank opens its own room for its KV heads
 
     @classmethod
     def of(cls, req: Req) -> NewReq:
-        return cls(req.rid, list(req.input_ids), req.params, req.health_check, req.cache_salt)
+        return cls(req.rid, list(req.input_ids), req.params, req.health_check, req.cache_salt, req.bootstrap)
 
     def build(self, grammar=None) -> Req:
         """The request on a follower; with its ``GrammarBackend`` ``grammar``, a constrained request gets its
@@ -51,6 +52,7 @@ class NewReq:
             _discard,
             health_check=self.health_check,
             cache_salt=self.cache_salt,
+            bootstrap=self.bootstrap,
         )
         if self.params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(self.params.sampling_seed)

@@ -90,31 +90,47 @@ def _pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
     )
 
 
-def pd_transfer(args: ServerArgs, pool: DeviceKVPool):
+def pd_transfer(args: ServerArgs, pool: DeviceKVPool, group: TPGroup | None = None):
     """The PD KV manager of this worker's role (None when not in PD mode); on P it starts the bootstrap
     server, and ``args.disaggregation_bootstrap_port`` becomes the bound port. ``ArgumentError`` names the
-    flag when the backend is unusable or the port is taken."""
+    flag when the backend is unusable or the port is taken.
+
+    With a tensor-parallel ``group`` every rank calls this at the same point: rank 0 builds its manager
+    first and broadcasts the bound bootstrap port, then each other rank builds its own (a prefill rank
+    registers at rank 0's bootstrap server). Each rank moves the KV heads of its own pool."""
     if args.disaggregation_mode == "null":
         return None
+    group = group or single_rank()
+    if group.is_leader:
+        mgr = _kv_manager(args, pool, group, args.disaggregation_bootstrap_port)
+        group.broadcast_object(mgr.bootstrap_port if args.disaggregation_mode == "prefill" else 0)
+        return mgr
+    return _kv_manager(args, pool, group, group.broadcast_object(None))
+
+
+def _kv_manager(args: ServerArgs, pool: DeviceKVPool, group: TPGroup, bootstrap_port: int):
     try:
         mgr = create_kv_manager(
             args.disaggregation_transfer_backend,
             args.disaggregation_mode,
             pool,
             host=args.host,
-            bootstrap_port=args.disaggregation_bootstrap_port,
+            bootstrap_port=bootstrap_port,
             prefill_http_port=args.port,
             ib_device=args.disaggregation_ib_device,
+            tp_rank=group.rank,
+            tp_size=group.size,
         )
     except TransferBackendError as exc:
         raise ArgumentError(str(exc)) from None  # names the flag
     except OSError as exc:
         raise ArgumentError(f"--disaggregation-bootstrap-port: {exc}") from None
-    if args.disaggregation_mode == "prefill":
+    if args.disaggregation_mode == "prefill" and group.is_leader:
         args.disaggregation_bootstrap_port = mgr.bootstrap_port
     logger.info(
-        "PD %s worker, transfer backend %s%s",
+        "PD %s worker%s, transfer backend %s%s",
         args.disaggregation_mode,
+        f" (tp rank {group.rank} of {group.size})" if group.size > 1 else "",
         args.disaggregation_transfer_backend,
         f", bootstrap port {mgr.bootstrap_port}" if args.disaggregation_mode == "prefill" else "",
     )
@@ -265,7 +281,17 @@ def build_follower(args: ServerArgs, rank: int, method: str) -> Scheduler:
     grammar = None
     if args.grammar_backend == "xgrammar":  # the follower's own matchers end a request where rank 0's do
         grammar = GrammarBackend(tok.backend, r.runner.config.vocab_size, tok.eos_token_ids)
-    return Scheduler(r.runner, r.cache, r.pool, r.sched_cfg, tok.decode, tp=TPSync(group, grammar))
+    return Scheduler(
+        r.runner,
+        r.cache,
+        r.pool,
+        r.sched_cfg,
+        tok.decode,
+        pd_mode=args.disaggregation_mode,
+        pd_transfer=pd_transfer(args, r.pool, group),
+        pd_decode_offload=args.disaggregation_decode_enable_offload_kvcache,
+        tp=TPSync(group, grammar),
+    )
 
 
 def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
@@ -288,7 +314,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
     runner, pool, cache, name = r.runner, r.pool, r.cache, r.name
     cfg = runner.config
     tokenizer = runner.tokenizer
-    transfer = pd_transfer(args, pool)
+    transfer = pd_transfer(args, pool, group)
     scheduler = Scheduler(
         runner,
         cache,
