@@ -47,6 +47,7 @@ def create_kv_manager(
     ib_device: str | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    model_kv_heads: int | None = None,
     **timeouts,
 ) -> KVTransferManager:
     """The KV manager of this worker's role, with ``pool``'s buffers registered with ``backend``.
@@ -54,6 +55,7 @@ def create_kv_manager(
     ``mode``: ``prefill`` (starts the bootstrap server on ``bootstrap_port``, 0 = a free port) or
     ``decode``. ``tp_rank`` of ``tp_size``: this process's tensor-parallel rank; a prefill rank > 0 starts
     no bootstrap server and registers at rank 0's, whose bound port ``bootstrap_port`` must then be.
+    ``model_kv_heads`` (decode): the model's KV head count, for pairing with a prefill of another tp.
     ``timeouts``: ``TransferTimeouts`` fields overriding upstream's env values.
     Raises ``TransferBackendError`` (backend unknown or unusable), ``ValueError`` (bad mode or port),
     ``OSError`` (bootstrap port taken).
@@ -68,5 +70,5 @@ def create_kv_manager(
             backend, pool, host, bootstrap_port, settings, prefill_http_port, ib_device, tp_rank, tp_size
         )
     if mode == DisaggregationMode.DECODE:
-        return DecodeKVManager(backend, pool, host, settings, ib_device, tp_rank, tp_size)
+        return DecodeKVManager(backend, pool, host, settings, ib_device, tp_rank, tp_size, model_kv_heads)
     raise ValueError("--disaggregation-mode null has no KV manager")

@@ -121,6 +121,8 @@ class KVLayout:
     (``row_dim``: head_dim, plus int8's scale). ``kv_cache_dtype`` is the pool's format with its scale
     layout (``float32``, ``fp8_e4m3``, ``int8/per-token-head-bf16``): both sides must agree at first contact.
     ``num_pages`` counts page 0 (padding), so valid request pages are ``1 .. num_pages - 1``.
+    ``num_kv_heads``: the heads the pool holds (a tensor-parallel rank's share), so a page's token ``t`` has
+    head ``h`` at byte ``(t * num_kv_heads + h) * head_bytes`` of the page.
     """
 
     num_layers: int
@@ -130,6 +132,7 @@ class KVLayout:
     kv_cache_dtype: str
     k_ptrs: tuple[int, ...]
     v_ptrs: tuple[int, ...]
+    num_kv_heads: int = 1
 
     @classmethod
     def from_pool(cls, pool: DeviceKVPool) -> KVLayout:
@@ -144,7 +147,13 @@ class KVLayout:
             kv_cache_dtype=pool.kv_format.layout_name,
             k_ptrs=tuple(b.data_ptr() for b in pool.k_buffer),
             v_ptrs=tuple(b.data_ptr() for b in pool.v_buffer),
+            num_kv_heads=pool.num_kv_heads,
         )
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one token's row of one KV head (head_dim, plus int8's scale, times the item size)."""
+        return self.page_bytes // (self.page_size * self.num_kv_heads)
 
     @property
     def buffer_bytes(self) -> int:
@@ -160,6 +169,7 @@ class KVLayout:
             "kv_cache_dtype": self.kv_cache_dtype,
             "k_ptrs": list(self.k_ptrs),
             "v_ptrs": list(self.v_ptrs),
+            "num_kv_heads": self.num_kv_heads,
         }
 
     @classmethod
@@ -167,8 +177,10 @@ class KVLayout:
         return cls(**{**data, "k_ptrs": tuple(data["k_ptrs"]), "v_ptrs": tuple(data["v_ptrs"])})
 
     def mismatch(self, other: KVLayout) -> str | None:
-        """Why pages of ``other`` cannot be written into this layout (or from it), else None."""
-        for field in ("page_size", "kv_cache_dtype", "num_layers", "page_bytes"):
+        """Why pages of ``other`` cannot be written into this layout (or from it), else None. Pools of
+        different tp hold different numbers of heads: then a head's bytes must agree instead of a page's."""
+        size = "page_bytes" if self.num_kv_heads == other.num_kv_heads else "head_bytes"
+        for field in ("page_size", "kv_cache_dtype", "num_layers", size):
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
                 return f"KV layout mismatch: {field} is {theirs} on the peer, {mine} here"

@@ -18,6 +18,7 @@ from engine.disaggregation.base import (
     TransferTimeouts,
 )
 from engine.disaggregation.channel import Channel
+from engine.disaggregation.staging import StagingArea, staging_enabled, staging_pool_bytes
 from engine.disaggregation.transport import transport_class
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,9 @@ class KVManagerBase(ABC):
         self.timeouts = timeouts
         self._lock = threading.Lock()
         self._closed = False
-        self.transport = transport_class(backend)(self.host, pool, self.layout, ib_device)
+        # heterogeneous-TP shares go through it when SGLANG_DISAGG_STAGING_BUFFER is on (staging.py)
+        self.staging = StagingArea(staging_pool_bytes()) if staging_enabled() else None
+        self.transport = transport_class(backend)(self.host, pool, self.layout, ib_device, self.staging)
         self.channel = Channel(self.host, self._on_message, self._on_tick, name=f"pd-{self.role}")
         if backend == "fake":
             self.transport.channel = self.channel

@@ -44,6 +44,8 @@ from engine.disaggregation.common import (
     check_room,
     rank_endpoint,
 )
+from engine.disaggregation.heads import HeadShare, head_shares, sources
+from engine.disaggregation.staging import scatter, share_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +55,17 @@ CONTACT_THREADS = 8  # first contacts with different prefills run in parallel
 
 class _Prefill:
     """One instance of a prefill's bootstrap server D has rooms with: resolving until first contact
-    succeeds, then ``ready`` with the rank's side-channel ``endpoint`` and the server's ``start_id``."""
+    succeeds, then ``ready`` with the side-channel ``endpoints`` of the prefill ranks this decode rank
+    receives from (prefill rank -> endpoint), what each sends (``shares``, None when both sides have the same
+    tp: whole pages from the same rank), how many decode ranks each of them sends to (``required``) and the
+    server's ``start_id``."""
 
     def __init__(self, address: str) -> None:
         self.address = address
         self.ready = False
-        self.endpoint: str | None = None
+        self.endpoints: dict[int, str] = {}
+        self.shares: dict[int, HeadShare] | None = None
+        self.required: dict[int, int] = {}
         self.start_id: str | None = None
         self.rooms: set[int] = set()
         self.misses = 0
@@ -78,7 +85,12 @@ class KVReceiver(RoomState):
         self.sent_at: float | None = None  # transfer info first sent to P (starts the waiting clock)
         self.sent_to: str | None = None  # start_id of the P instance holding our info (None: not sent)
         self.info_at = 0.0  # when it was last sent
-        self.acked = False  # that instance acknowledged it
+        self.acks: set[str] = set()  # the prefill ranks (endpoints) of that instance that acknowledged it
+        self.sources: tuple[str, ...] = ()  # the prefill ranks (endpoints) the info went to
+        self.done: set[str] = set()  # the prefill ranks whose Success came (and whose staged KV is in)
+        self.abort_acks: set[str] = set()  # the prefill ranks that acknowledged our ABORT
+        # prefill rank endpoint -> (offset of its region in the staging area, first head here, heads)
+        self.staged: dict[str, tuple[int, int, int]] = {}
         self.abort_reason: str | None = None  # ABORT sent, waiting for P's ack
         self.abort_at = 0.0
         self.first_token_id: int | None = None
@@ -115,6 +127,11 @@ class KVReceiver(RoomState):
         """Tell P to stop; Failed once P acknowledged (or is dead), so D's pages are then safe to free."""
         self._mgr._abort(self, reason)
 
+    @property
+    def acked(self) -> bool:
+        """Every prefill rank the transfer info went to acknowledged it."""
+        return bool(self.sources) and self.acks >= set(self.sources)
+
     def unacked_for(self, now: float) -> float:
         """Seconds its transfer info has waited for P's acknowledgement (0 when not sent or acked)."""
         with self.lock:
@@ -131,7 +148,9 @@ class DecodeKVManager(KVManagerBase):
     """D's manager: side channel, a thread pool for first contacts, and the heartbeat thread.
 
     Tensor-parallel rank ``tp_rank`` of ``tp_size``: it pairs with the same rank of a prefill of the same tp
-    (first contact fails, naming both sizes, with a prefill of another tp) and receives that rank's KV heads.
+    and receives that rank's pages whole; with a prefill of another tp it receives each of its heads from
+    the first prefill rank holding it (``heads.sources``; ``model_kv_heads``: the model's KV head count),
+    through its staging area when ``SGLANG_DISAGG_STAGING_BUFFER`` is on (``staging.py``).
     """
 
     role = "decode"
@@ -145,8 +164,12 @@ class DecodeKVManager(KVManagerBase):
         ib_device: str | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        model_kv_heads: int | None = None,
     ) -> None:
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self._staging_logged = False
+        # the model's KV heads (a replicated pool holds one): which prefill rank holds which head
+        self.model_kv_heads = model_kv_heads or pool.num_kv_heads * tp_size
         self._receivers: dict[int, KVReceiver] = {}
         self._prefills: dict[str, _Prefill] = {}
         # the bootstrap port this process served as a prefill before a role switch (set by the switch)
@@ -209,15 +232,16 @@ class DecodeKVManager(KVManagerBase):
     def _refuse(self, address: str, room: int, reason: str) -> None:
         with self._lock:
             prefill = self._prefills.get(address)
-            endpoint = prefill.endpoint if prefill is not None and prefill.ready else None
-        if endpoint is None:
+            endpoints = list(prefill.endpoints.values()) if prefill is not None and prefill.ready else []
+        if not endpoints:  # its rank 0 fails the request on every prefill rank (they agree on each room)
             try:
-                endpoint, _ = rank_endpoint(self._client, address, self.tp_rank)
+                endpoints = [rank_endpoint(self._client, address, 0)[0]]
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 logger.warning("refused room %d: prefill bootstrap %s not told (%s)", room, address, exc)
                 return
         header = {"type": "abort", "room": room, "endpoint": self.channel.endpoint, "refused": True}
-        self.channel.send(endpoint, {**header, "reason": f"decode refused the request: {reason}"})
+        for endpoint in endpoints:
+            self.channel.send(endpoint, {**header, "reason": f"decode refused the request: {reason}"})
 
     # ---- room transitions
     def _maybe_send_info(self, receiver: KVReceiver) -> None:
@@ -231,12 +255,36 @@ class DecodeKVManager(KVManagerBase):
                 now = time.monotonic()
                 receiver.sent_at = receiver.sent_at or now
                 receiver.info_at, receiver.sent_to = now, prefill.start_id
+                receiver.sources = tuple(prefill.endpoints.values())
+                receiver.acks = set()
                 if receiver.state == KVPoll.Bootstrapping:  # re-pairing after a P restart: WaitingForInput
                     receiver.move(KVPoll.WaitingForInput)
-                pages = receiver.pages.tolist()
-            endpoint = prefill.endpoint
+                infos = self._infos(prefill, receiver)
         header = {"type": "transfer", "room": receiver.bootstrap_room, "endpoint": self.channel.endpoint}
-        self.channel.send(endpoint, {**header, "pages": pages})
+        for endpoint, info in infos:
+            self.channel.send(endpoint, {**header, **info})
+
+    def _infos(self, prefill: _Prefill, receiver: KVReceiver) -> list[tuple[str, dict]]:
+        """(prefill rank endpoint, transfer info) for each source of the room: the destination pages, and
+        with different tp sizes the share of heads, how many decode ranks that rank sends to, and the
+        region of the staging area it writes (when staging is on and the area has room; else its heads
+        are written straight into the pages). The caller holds ``receiver.lock``."""
+        pages = receiver.pages.tolist()
+        if prefill.shares is None:
+            return [(endpoint, {"pages": pages}) for endpoint in prefill.endpoints.values()]
+        infos = []
+        for p, endpoint in prefill.endpoints.items():
+            share = prefill.shares[p]
+            wire = {"src_head": share.src_head, "dst_head": share.dst_head, "n": share.n}
+            if share.n and self.staging is not None and endpoint not in receiver.staged:
+                at = self.staging.alloc(share_bytes(self.layout, len(pages), share.n))
+                if at is not None:
+                    receiver.staged[endpoint] = (at, share.dst_head, share.n)
+            if endpoint in receiver.staged:
+                wire["staging"] = receiver.staged[endpoint][0]
+            info = {"pages": pages if share.n else [], "share": wire, "required": prefill.required[p]}
+            infos.append((endpoint, info))
+        return infos
 
     def _finish(self, receiver: KVReceiver, state: KVPoll, reason: str | None = None, **aux) -> None:
         with receiver.lock:
@@ -251,15 +299,15 @@ class DecodeKVManager(KVManagerBase):
     def _abort(self, receiver: KVReceiver, reason: str) -> None:
         with self._lock:
             prefill = self._prefills.get(receiver.bootstrap_address)
-            endpoint = prefill.endpoint if prefill is not None and prefill.ready else None
+            endpoints = list(prefill.endpoints.values()) if prefill is not None and prefill.ready else []
         with receiver.lock:
             if receiver.state in _TERMINAL or receiver.abort_reason is not None:
                 return
             in_flight = receiver.sent_to is not None  # P may know our pages: wait for its ack
             if in_flight:
                 receiver.abort_reason, receiver.abort_at = reason, time.monotonic()
-        if endpoint is not None:
-            header = {"type": "abort", "room": receiver.bootstrap_room, "endpoint": self.channel.endpoint}
+        header = {"type": "abort", "room": receiver.bootstrap_room, "endpoint": self.channel.endpoint}
+        for endpoint in endpoints:
             self.channel.send(endpoint, {**header, "reason": reason})
         if not in_flight:
             self._finish(receiver, KVPoll.Failed, reason)
@@ -267,6 +315,8 @@ class DecodeKVManager(KVManagerBase):
     def _close(self, receiver: KVReceiver) -> None:
         if receiver.state not in _TERMINAL:
             self._abort(receiver, "closed by decode before the transfer ended")
+        for at, _, _ in receiver.staged.values():
+            self.staging.free(at)
         with self._lock:
             if self._receivers.get(receiver.bootstrap_room) is receiver:
                 del self._receivers[receiver.bootstrap_room]
@@ -281,8 +331,8 @@ class DecodeKVManager(KVManagerBase):
                 return  # forgotten already
             del self._prefills[prefill.address]
             receivers = [self._receivers[r] for r in prefill.rooms if r in self._receivers]
-        if prefill.endpoint is not None:
-            self.channel.forget(prefill.endpoint)
+        for endpoint in prefill.endpoints.values():
+            self.channel.forget(endpoint)
         # one line per lost P, whatever its rooms say (a room the client aborted first keeps that reason)
         open_rooms = sum(r.state not in _TERMINAL for r in receivers)
         logger.warning("%s: %d unfinished rooms of it fail", reason, open_rooms)
@@ -327,7 +377,8 @@ class DecodeKVManager(KVManagerBase):
             len(lost),
             len(fresh.rooms),
         )
-        self.channel.forget(old.endpoint)
+        for endpoint in old.endpoints.values():
+            self.channel.forget(endpoint)
         for receiver in lost:
             self._finish(receiver, KVPoll.Failed, receiver.abort_reason or reason)
 
@@ -347,22 +398,54 @@ class DecodeKVManager(KVManagerBase):
         if kind == "transfer_ack":
             with receiver.lock:
                 if receiver.sent_to is not None and receiver.sent_to == header.get("start_id"):
-                    receiver.acked = True
+                    receiver.acks.add(header.get("endpoint"))
         elif kind == "status":
-            if receiver.abort_reason is not None:
-                self._finish(receiver, KVPoll.Failed, receiver.abort_reason)
-            elif header["status"] == KVPoll.Success:
+            self._on_status(receiver, header)
+        elif kind == "abort_ack":
+            self._quiet(receiver, header.get("endpoint"))
+        else:
+            logger.warning("decode side channel: unknown message type %r", kind)
+
+    def _on_status(self, receiver: KVReceiver, header: dict) -> None:
+        """A prefill rank's Success (its KV is in our pages: scattered here first when it was staged) or
+        Failed. The room succeeds once every source succeeded; a failure (or any status after our ABORT)
+        fails it once no source can write any more: the others are told to abort first."""
+        source = header.get("endpoint")
+        if receiver.abort_reason is None and header["status"] == KVPoll.Success:
+            staged = receiver.staged.get(source)
+            if staged is not None:
+                at, head, n = staged
+                if not self._staging_logged:
+                    self._staging_logged = True
+                    logger.info("heterogeneous-TP KV arrives through the staging buffer (scattered here)")
+                region = self.staging.region(at, share_bytes(self.layout, len(receiver.pages), n))
+                scatter(self.pool, region, receiver.pages, head, n)
+            with receiver.lock:
+                receiver.done.add(source)
+                complete = receiver.done >= set(receiver.sources)
+            if complete:
                 self._finish(
                     receiver, KVPoll.Success, first_token_id=header["first_token_id"], meta=header["meta"]
                 )
-            else:
-                self._finish(
-                    receiver, KVPoll.Failed, f"prefill {receiver.bootstrap_address}: {header['reason']}"
-                )
-        elif kind == "abort_ack":
+            return
+        if receiver.abort_reason is None:
+            reason = f"prefill {receiver.bootstrap_address}: {header['reason']}"
+            with receiver.lock:
+                receiver.abort_reason, receiver.abort_at = reason, time.monotonic()
+                others = [e for e in receiver.sources if e != source and e not in receiver.done]
+            header = {"type": "abort", "room": receiver.bootstrap_room, "endpoint": self.channel.endpoint}
+            for endpoint in others:
+                self.channel.send(endpoint, {**header, "reason": "another prefill rank failed the room"})
+        self._quiet(receiver, source)
+
+    def _quiet(self, receiver: KVReceiver, source: str | None) -> None:
+        """``source`` will write no more into the room's pages (it acknowledged our ABORT or reported its
+        end): Failed once every source is quiet or done."""
+        with receiver.lock:
+            receiver.abort_acks.add(source)
+            quiet = (receiver.abort_acks | receiver.done) >= set(receiver.sources)
+        if quiet:
             self._finish(receiver, KVPoll.Failed, receiver.abort_reason or "aborted")
-        else:
-            logger.warning("decode side channel: unknown message type %r", kind)
 
     def _on_tick(self) -> None:
         """Queue a re-read of the bootstrap info of each prefill with a transfer info not acknowledged
@@ -405,29 +488,52 @@ class DecodeKVManager(KVManagerBase):
     def _contact(self, prefill: _Prefill) -> None:
         address = prefill.address
         try:
-            endpoint, start_id = self._first_contact(self._client, address)
+            p_tp, start_id = self._first_contact(self._client, address)
+            endpoints, shares, required = self._sources(self._client, address, p_tp, start_id)
         except _ContactError as exc:
             self._prefill_failed(prefill, str(exc))
             return
-        self.channel.send(
-            endpoint,
-            {
-                "type": "register",
-                "endpoint": self.channel.endpoint,
-                "layout": self.layout.to_wire(),
-                "transport": self.transport.descriptor(),
-            },
-        )
+        register = {
+            "type": "register",
+            "endpoint": self.channel.endpoint,
+            "layout": self.layout.to_wire(),
+            "transport": self.transport.descriptor(),
+        }
+        for endpoint in endpoints.values():
+            self.channel.send(endpoint, register)
         with self._lock:
             if self._prefills.get(address) is not prefill:
                 return  # forgotten meanwhile
-            prefill.endpoint, prefill.start_id, prefill.ready = endpoint, start_id, True
+            prefill.endpoints, prefill.shares, prefill.required = endpoints, shares, required
+            prefill.start_id, prefill.ready = start_id, True
             receivers = [self._receivers[r] for r in prefill.rooms if r in self._receivers]
         for receiver in receivers:
             self._maybe_send_info(receiver)
 
-    def _first_contact(self, client: httpx.Client, address: str) -> tuple[str, str | None]:
-        """(rank 0's side-channel endpoint, bootstrap ``start_id``) after the checks; ``_ContactError``."""
+    def _sources(
+        self, client: httpx.Client, address: str, p_tp: int, start_id: str | None
+    ) -> tuple[dict[int, str], dict[int, HeadShare] | None, dict[int, int]]:
+        """(prefill rank -> side-channel endpoint, prefill rank -> the heads it sends here or None for whole
+        pages (same tp), prefill rank -> how many decode ranks it sends to) for this decode rank."""
+        if p_tp == self.tp_size:
+            ranks, shares, required = [self.tp_rank], None, {self.tp_rank: 1}
+        else:
+            mine = sources(self.model_kv_heads, p_tp, self.tp_size, self.tp_rank)
+            ranks, shares = [s.p for s in mine], {s.p: s for s in mine}
+            everyone = head_shares(self.model_kv_heads, p_tp, self.tp_size)
+            required = {p: sum(s.p == p for s in everyone) for p in ranks}
+        endpoints = {}
+        for p in ranks:
+            try:
+                endpoints[p], rank_start = rank_endpoint(client, address, p)
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                raise _ContactError(f"prefill bootstrap {address}: lookup of rank {p} failed: {exc}") from exc
+            if rank_start != start_id:
+                raise _ContactError(f"prefill bootstrap {address} restarted during first contact")
+        return endpoints, shares, required
+
+    def _first_contact(self, client: httpx.Client, address: str) -> tuple[int, str | None]:
+        """(the prefill's tp size, bootstrap ``start_id``) after the checks; ``_ContactError``."""
         tries = self.timeouts.bootstrap_query_retries
         last = "no answer"
         for attempt in range(tries):
@@ -457,18 +563,15 @@ class DecodeKVManager(KVManagerBase):
                 raise _ContactError(
                     f"{field} mismatch: prefill {address} has {info.get(field)}, decode has {mine}"
                 )
-        if info.get("attn_tp_size", 1) != self.tp_size:
-            raise _ContactError(
-                f"prefill {address} runs at tp {info.get('attn_tp_size')} and this decode at tp "
-                f"{self.tp_size}: PD pairs prefill and decode workers of the same --tp-size"
-            )
-        try:
-            endpoint, start_id = rank_endpoint(client, address, self.tp_rank)
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            raise _ContactError(f"prefill bootstrap {address}: rank lookup failed: {exc}") from exc
-        if start_id != info.get("start_id"):
-            raise _ContactError(f"prefill bootstrap {address} restarted during first contact")
-        return endpoint, start_id
+        p_tp = int(info.get("attn_tp_size", 1))
+        if p_tp != self.tp_size:
+            try:
+                head_shares(self.model_kv_heads, p_tp, self.tp_size)
+            except ValueError as exc:
+                raise _ContactError(
+                    f"prefill {address} at tp {p_tp}, decode at tp {self.tp_size}: {exc}"
+                ) from None
+        return p_tp, info.get("start_id")
 
     # ---- heartbeat thread
     def _heartbeat_loop(self) -> None:

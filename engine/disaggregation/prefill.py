@@ -1,7 +1,8 @@
 """Prefill side: the KV manager that runs the bootstrap server, and one ``KVSender`` per request.
 
 Follows SGLang's prefill flow (docs/upstream.md P3): a sender is created when the request arrives
-(Bootstrapping); D's transfer info for the room (destination pages) moves it to WaitingForInput; pages
+(Bootstrapping); D's transfer info for the room (destination pages; from every decode rank this rank sends
+the room to, when the two workers' tp sizes differ: ``heads.py``) moves it to WaitingForInput; pages
 handed to ``send`` are written into D's pages by the transfer thread (Transferring); after the last
 page, the first output token and metadata go to D with the Success status. A room still Bootstrapping
 after ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` fails (checked in ``poll``, as upstream).
@@ -77,8 +78,10 @@ class KVSender(RoomState):
         self.handed = 0  # pages given to send()
         self.jobs: list[tuple[torch.Tensor, int]] = []  # (P pages, offset into D's pages) not yet written
         self.written = 0  # pages written (transfer thread)
-        self.dst: torch.Tensor | None = None
-        self.endpoint: str | None = None  # D's side-channel endpoint
+        # one per decode rank this rank sends to: {"endpoint", "pages" (D's, int64), "share" (None: whole
+        # pages; else the heads, see ``heads.HeadShare``)}; ``required``: how many the room waits for
+        self.dests: list[dict] = []
+        self.required: int | None = None
         self.first_token_id: int | None = None
         self.meta: dict | None = None
         self.refused = False  # D refused the request (400 for the client, not a transfer failure)
@@ -134,6 +137,20 @@ class KVSender(RoomState):
                 self.first_token_id, self.meta = int(first_token_id), dict(meta or {})
         self._mgr._schedule(self)
 
+    @property
+    def endpoint(self) -> str | None:
+        """The side-channel endpoint of the first decode rank that sent its transfer info (None: none yet)."""
+        return self.dests[0]["endpoint"] if self.dests else None
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [d["endpoint"] for d in self.dests]
+
+    @property
+    def paired(self) -> bool:
+        """Every decode rank this rank sends to has sent its transfer info."""
+        return self.required is not None and len(self.dests) >= self.required
+
     def poll(self) -> KVPoll:
         """Current state; fails a room still Bootstrapping after the bootstrap timeout, and one D registered
         whose transfer has not ended within the waiting timeout of its transfer info (module docstring)."""
@@ -184,10 +201,15 @@ class KVSender(RoomState):
         self._mgr._close(self)
 
     def _count_mismatch(self) -> str | None:
-        if self.num_pages is not None and self.dst is not None and len(self.dst) != self.num_pages:
-            return (
-                f"page count mismatch: prefill sends {self.num_pages} pages, decode reserved {len(self.dst)}"
-            )
+        if self.num_pages is None:
+            return None
+        for dest in self.dests:
+            empty = dest["share"] is not None and dest["share"]["n"] == 0  # a replica that sends nothing
+            if not empty and len(dest["pages"]) != self.num_pages:
+                return (
+                    f"page count mismatch: prefill sends {self.num_pages} pages, decode reserved "
+                    f"{len(dest['pages'])}"
+                )
         return None
 
 
@@ -215,7 +237,8 @@ class PrefillKVManager(KVManagerBase):
         tp_size: int = 1,
     ) -> None:
         self._senders: dict[int, KVSender] = {}
-        self._pending: dict[int, tuple[dict, float]] = {}  # transfer infos for rooms not opened yet
+        # transfer infos (one per decode rank) for rooms not opened yet, and when the first came
+        self._pending: dict[int, tuple[list[dict], float]] = {}
         self._failed: dict[int, tuple[str, float]] = {}  # closed/failed rooms D may still ask about
         self._aborted: dict[int, tuple[str, float]] = {}  # ABORTs for rooms not opened yet
         self._checks = ThreadPoolExecutor(1, thread_name_prefix="pd-prefill-owner")
@@ -300,7 +323,8 @@ class PrefillKVManager(KVManagerBase):
             sender.refused = aborted[2]
             self._fail(sender, aborted[0], notify=False)
         elif pending is not None:
-            self._attach(sender, pending[0])
+            for info in pending[0]:
+                self._attach(sender, info)
         owner_check = self.bootstrap is not None  # rank 0's verdict reaches the other ranks' rooms
         if owner_check and bootstrap_address is not None and not self._names_me(bootstrap_address):
             self._checks.submit(self._check_owner, sender, bootstrap_address)
@@ -315,8 +339,8 @@ class PrefillKVManager(KVManagerBase):
                 return
             self._failed[bootstrap_room] = (reason, time.monotonic())
             pending = self._pending.pop(bootstrap_room, None)
-        if pending is not None:
-            self._status(pending[0]["endpoint"], bootstrap_room, KVPoll.Failed, reason)
+        for info in pending[0] if pending is not None else ():
+            self._status(info["endpoint"], bootstrap_room, KVPoll.Failed, reason)
 
     def _names_me(self, address: str) -> bool:
         host, _, port = address.rpartition(":")
@@ -372,31 +396,31 @@ class PrefillKVManager(KVManagerBase):
                 return
             sender.move(KVPoll.Failed, reason)
             sender.jobs = []
-            endpoint = sender.endpoint
+            endpoints = sender.endpoints
             if notify and sender.writing:  # D must not free its pages while our write may still land
                 sender.notify_pending, notify = True, False
         logger.warning("bootstrap room %d failed: %s", sender.bootstrap_room, reason)
-        if notify and endpoint:
+        for endpoint in endpoints if notify else ():
             self._status(endpoint, sender.bootstrap_room, KVPoll.Failed, reason)
 
     def _close(self, sender: KVSender) -> None:
         if sender.state not in (KVPoll.Failed, KVPoll.Success):
             self._fail(sender, "closed by prefill before the transfer ended", notify=True)
-        gone = sender.endpoint if sender.timed_out else None
+        gone = set(sender.endpoints) if sender.timed_out else set()
         with self._lock:
             if self._senders.get(sender.bootstrap_room) is sender:
                 del self._senders[sender.bootstrap_room]
-            if sender.state == KVPoll.Failed and sender.endpoint is None:
+            if sender.state == KVPoll.Failed and not sender.paired:
                 self._failed[sender.bootstrap_room] = (sender.reason, time.monotonic())
-            if gone is not None and any(s.endpoint == gone for s in self._senders.values()):
-                gone = None  # still paired with rooms here
-        if gone is not None:
-            self.channel.forget(gone)
-            logger.info("forgot decode %s: its room timed out and no other room here names it", gone)
+            for other in self._senders.values():
+                gone -= set(other.endpoints)  # still paired with rooms here
+        for endpoint in gone:
+            self.channel.forget(endpoint)
+            logger.info("forgot decode %s: its room timed out and no other room here names it", endpoint)
 
     def _schedule(self, sender: KVSender) -> None:
         with sender.lock:
-            if sender.dst is None or not sender.jobs or sender.queued or sender.state == KVPoll.Failed:
+            if not sender.paired or not sender.jobs or sender.queued or sender.state == KVPoll.Failed:
                 return
             if sender.state != KVPoll.Transferring:  # a later send() of a room already transferring
                 sender.move(KVPoll.Transferring)
@@ -404,20 +428,23 @@ class PrefillKVManager(KVManagerBase):
         self._queue.put(sender)
 
     def _attach(self, sender: KVSender, info: dict) -> None:
-        """D's transfer info arrived for an open room."""
+        """A decode rank's transfer info arrived for an open room: ``pages`` (D's), ``share`` (the heads,
+        when the tp sizes differ) and ``required`` (how many decode ranks this rank sends the room to; 1 when
+        absent). The room is WaitingForInput once all of them have sent theirs."""
         endpoint = info["endpoint"]
         peer = self._peers.get(endpoint)
+        pages = torch.tensor(info["pages"], dtype=torch.int64)
         with sender.lock:
-            if sender.dst is not None:
+            if endpoint in sender.endpoints:
                 logger.warning("bootstrap room %d: duplicate transfer info ignored", sender.bootstrap_room)
                 return
-            sender.endpoint = endpoint
+            sender.dests.append({"endpoint": endpoint, "pages": pages, "share": info.get("share")})
+            sender.required = int(info.get("required") or 1)
             if sender.state == KVPoll.Failed:
                 reason = sender.reason
             else:
-                sender.dst = torch.tensor(info["pages"], dtype=torch.int64)
-                sender.attached_at = time.monotonic()
-                if sender.state == KVPoll.Bootstrapping:
+                sender.attached_at = sender.attached_at or time.monotonic()
+                if sender.state == KVPoll.Bootstrapping and sender.paired:
                     sender.move(KVPoll.WaitingForInput)
                 reason = None
         if reason is not None:
@@ -430,7 +457,7 @@ class PrefillKVManager(KVManagerBase):
         else:
             reason = sender._count_mismatch()
             try:
-                peer["layout"].check_pages(sender.dst, "decode page indices")
+                peer["layout"].check_pages(pages, "decode page indices")
             except ValueError as exc:
                 reason = reason or str(exc)
         if reason:
@@ -441,7 +468,15 @@ class PrefillKVManager(KVManagerBase):
     # ---- side channel (receive thread)
     def _status(self, endpoint: str, room: int, status: KVPoll, reason=None, **aux) -> None:
         self.channel.send(
-            endpoint, {"type": "status", "room": room, "status": int(status), "reason": reason, **aux}
+            endpoint,
+            {
+                "type": "status",
+                "room": room,
+                "status": int(status),
+                "reason": reason,
+                "endpoint": self.channel.endpoint,  # which prefill rank (a decode rank may have several)
+                **aux,
+            },
         )
 
     def _on_message(self, header: dict, payloads: list) -> None:
@@ -458,13 +493,18 @@ class PrefillKVManager(KVManagerBase):
             }
         elif kind == "transfer":
             room = header["room"]
-            ack = {"type": "transfer_ack", "room": room, "start_id": self.start_id}
+            ack = {
+                "type": "transfer_ack",
+                "room": room,
+                "start_id": self.start_id,
+                "endpoint": self.channel.endpoint,
+            }
             self.channel.send(header["endpoint"], ack)
             with self._lock:
                 sender = self._senders.get(room)
                 failed = self._failed.get(room)
                 if sender is None and failed is None:
-                    self._pending[room] = (header, time.monotonic())
+                    self._pending.setdefault(room, ([], time.monotonic()))[0].append(header)
             if sender is not None:
                 self._attach(sender, header)
             elif failed is not None:
@@ -489,18 +529,19 @@ class PrefillKVManager(KVManagerBase):
                 if sender.state == KVPoll.Bootstrapping:
                     sender.refused = refused
                 self._fail(sender, reason, notify=False)
-        self.channel.send(endpoint, {"type": "abort_ack", "room": room})
+        self.channel.send(endpoint, {"type": "abort_ack", "room": room, "endpoint": self.channel.endpoint})
 
     def _on_tick(self) -> None:
         now = time.monotonic()
         with self._lock:
             stale = [
                 (r, h)
-                for r, (h, t) in self._pending.items()
+                for r, (infos, t) in self._pending.items()
                 if now - t > self.timeouts.unknown_room_timeout_s
+                for h in infos
             ]
             for room, _ in stale:
-                del self._pending[room]
+                self._pending.pop(room, None)
             for memory in (self._failed, self._aborted):
                 for room in [r for r, (_, t, *_) in memory.items() if now - t > FAILED_ROOM_MEMORY_S]:
                     del memory[room]
@@ -552,9 +593,10 @@ class PrefillKVManager(KVManagerBase):
             f"{self.timeouts.decode_dead_after_s:g} s): the room it registered fails"
         )
         with self._lock:
-            senders = [s for s in self._senders.values() if s.endpoint == endpoint]
-            for room in [r for r, (h, _) in self._pending.items() if h["endpoint"] == endpoint]:
-                del self._pending[room]
+            senders = [s for s in self._senders.values() if endpoint in s.endpoints]
+            for room, (infos, _) in list(self._pending.items()):
+                if any(h["endpoint"] == endpoint for h in infos):
+                    del self._pending[room]
         open_rooms = [s for s in senders if s.state not in (KVPoll.Failed, KVPoll.Success)]
         logger.warning("%s; %d unfinished rooms of it fail", reason, len(open_rooms))
         for sender in open_rooms:
@@ -581,14 +623,12 @@ class PrefillKVManager(KVManagerBase):
             if sender.state == KVPoll.Failed:
                 return
             jobs, sender.jobs = sender.jobs, []
-            dst, endpoint = sender.dst, sender.endpoint
+            dests = list(sender.dests)
             sender.writing = True
-        peer = self._peers[endpoint]
         error = None
         try:
-            for src, offset in jobs:
-                chunk_dst = dst[offset : offset + len(src)]
-                self.transport.write(peer["transport"], peer["layout"], src, chunk_dst, sender.bootstrap_room)
+            for dest in dests:
+                self._write(sender.bootstrap_room, dest, jobs)
         except TransferFailed as exc:
             error = str(exc)
         status, aux = None, {}
@@ -609,8 +649,20 @@ class PrefillKVManager(KVManagerBase):
             reason = sender.reason
         if error is not None:
             logger.warning("bootstrap room %d failed: %s", sender.bootstrap_room, error)
-        if status is not None:
-            self._status(endpoint, sender.bootstrap_room, status, reason, **aux)
+        for dest in dests if status is not None else ():
+            self._status(dest["endpoint"], sender.bootstrap_room, status, reason, **aux)
+
+    def _write(self, room: int, dest: dict, jobs: list[tuple[torch.Tensor, int]]) -> None:
+        """Write the queued pages to one decode rank: whole pages, or its share of the heads (nothing for
+        an empty share). Raises ``TransferFailed``."""
+        share = dest["share"]
+        if share is not None and share["n"] == 0:
+            return
+        peer = self._peers[dest["endpoint"]]
+        for src, offset in jobs:
+            chunk_dst = dest["pages"][offset : offset + len(src)]
+            chunk_share = None if share is None else {**share, "page_offset": offset}
+            self.transport.write(peer["transport"], peer["layout"], src, chunk_dst, room, chunk_share)
 
     def close(self) -> None:
         if self._closed:

@@ -3,7 +3,8 @@
 * ``mooncake``: Mooncake's real ``TransferEngine`` (P2P handshake, no etcd; TCP here, RDMA with NICs).
   Both sides register every layer's K and V buffer once; P writes its pages straight into the pages D
   reserved with ``batch_transfer_sync_write``, one write per run of consecutive pages per buffer (push
-  model, as SGLang's mooncake/conn.py).
+  model, as SGLang's mooncake/conn.py). Between pools of different tp, a write moves a share of the heads:
+  one entry per token and buffer, or one entry through the staging buffers (``staging.py``).
 * ``fake``: the same contract with the KV bytes carried over the ZMQ side channel instead of RDMA
   (upstream's moves nothing; this one moves the bytes so the contract tests check them: a decision in
   docs/architecture.md).
@@ -20,6 +21,14 @@ import torch
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVLayout, TransferBackendError, contiguous_runs
+from engine.disaggregation.staging import (
+    StagingArea,
+    head_write_list,
+    pack,
+    page_share_bytes,
+    scatter,
+    share_bytes,
+)
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 1024  # entries per batch_transfer_sync_write (0.3.13 returns -1 for 4096; 2048 works)
@@ -64,29 +73,73 @@ class MooncakeTransport:
 
     name = "mooncake"
 
-    def __init__(self, host: str, pool: DeviceKVPool, layout: KVLayout, ib_device: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        pool: DeviceKVPool,
+        layout: KVLayout,
+        ib_device: str | None = None,
+        staging: StagingArea | None = None,
+    ) -> None:
         self.engine, self.session_id = open_transfer_engine(
             host, "--disaggregation-transfer-backend mooncake", ib_device
         )
         self._layout = layout
         self._ptrs = [*layout.k_ptrs, *layout.v_ptrs]
-        rc = self.engine.batch_register_memory(self._ptrs, [layout.buffer_bytes] * len(self._ptrs))
+        self._pool, self.staging = pool, staging
+        sizes = [layout.buffer_bytes] * len(self._ptrs)
+        if staging is not None:
+            self._ptrs.append(staging.ptr)
+            sizes.append(staging.size)
+        rc = self.engine.batch_register_memory(self._ptrs, sizes)
         if rc != 0:
             raise TransferBackendError(f"Mooncake could not register the KV pool buffers (rc {rc})")
 
     def descriptor(self) -> dict:
-        return {"session_id": self.session_id}
+        staging = {"staging_ptr": self.staging.ptr} if self.staging is not None else {}
+        return {"session_id": self.session_id, **staging}
 
     def write(
-        self, peer: dict, peer_layout: KVLayout, src: torch.Tensor, dst: torch.Tensor, room: int
+        self,
+        peer: dict,
+        peer_layout: KVLayout,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        room: int,
+        share: dict | None = None,
     ) -> None:
-        """Write pages ``src`` into the peer pages ``dst`` (int64 ``(n,)``); raises ``TransferFailed``."""
-        srcs, dsts, lens = mooncake_write_list(self._layout, peer_layout, src, dst)
+        """Write pages ``src`` into the peer pages ``dst`` (int64 ``(n,)``); raises ``TransferFailed``.
+
+        ``share`` (pools of different tp): ``{"src_head", "dst_head", "n"}`` moves only those heads, one
+        entry per token and buffer; with ``"staging"`` (an offset into the peer's staging buffer) and a
+        staging buffer here, the heads are packed here and written in one entry (the peer scatters them)."""
+        if share is not None and share.get("staging") is not None and self.staging is not None:
+            srcs, dsts, lens = self._staged_write(peer, src, share)
+        elif share is not None:
+            srcs, dsts, lens = head_write_list(
+                self._layout, peer_layout, src, dst, share["src_head"], share["dst_head"], share["n"]
+            )
+        else:
+            srcs, dsts, lens = mooncake_write_list(self._layout, peer_layout, src, dst)
         if not srcs:
             return
         rc = batched_write(self.engine, peer["session_id"], srcs, dsts, lens)
         if rc < 0:
             raise TransferFailed(f"Mooncake write to decode session {peer['session_id']} failed (rc {rc})")
+
+    def _staged_write(self, peer: dict, src: torch.Tensor, share: dict) -> tuple[list, list, list]:
+        """Pack the share into this side's staging buffer (from its start: one transfer thread writes one
+        share at a time); the one entry that writes it to its place in the peer's staging buffer (the
+        room's region there, past the pages of earlier chunks: ``share["page_offset"]``)."""
+        nbytes = share_bytes(self._layout, len(src), share["n"])
+        if nbytes > self.staging.size:
+            raise TransferFailed(
+                f"the prefill's staging buffer ({self.staging.size} bytes) cannot hold a {nbytes}-byte "
+                "share; raise SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
+            )
+        pack(self._pool, self.staging.region(0, nbytes), src, share["src_head"], share["n"])
+        before = share.get("page_offset", 0) * page_share_bytes(self._layout, share["n"])
+        return [self.staging.ptr], [peer["staging_ptr"] + share["staging"] + before], [nbytes]
 
     def on_data(self, header: dict, payloads: list) -> None:
         raise RuntimeError(
@@ -130,9 +183,17 @@ class FakeTransport:
 
     name = "fake"
 
-    def __init__(self, host: str, pool: DeviceKVPool, layout: KVLayout, ib_device: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        pool: DeviceKVPool,
+        layout: KVLayout,
+        ib_device: str | None = None,
+        staging: StagingArea | None = None,
+    ) -> None:
         self._pool = pool
         self._layout = layout
+        self.staging = staging
         self.channel = None  # set by the manager: the Channel the frames travel on
 
     def descriptor(self) -> dict:
@@ -142,9 +203,21 @@ class FakeTransport:
         return buf.view(self._layout.num_pages, -1)
 
     def write(
-        self, peer: dict, peer_layout: KVLayout, src: torch.Tensor, dst: torch.Tensor, room: int
+        self,
+        peer: dict,
+        peer_layout: KVLayout,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        room: int,
+        share: dict | None = None,
     ) -> None:
         if not len(src):
+            return
+        if share is not None:  # the share's heads, packed; the decode scatters them into its pages
+            region = torch.empty(share_bytes(self._layout, len(src), share["n"]), dtype=torch.uint8)
+            pack(self._pool, region, src, share["src_head"], share["n"])
+            header = {"type": "kv", "room": room, "dst_pages": dst.tolist(), "share": share}
+            self.channel.send(peer["endpoint"], header, [region.numpy()])
             return
         frames = [
             self._paged(b).index_select(0, src).numpy() for b in (*self._pool.k_buffer, *self._pool.v_buffer)
@@ -154,6 +227,11 @@ class FakeTransport:
     def on_data(self, header: dict, payloads: list) -> None:
         dst = torch.tensor(header["dst_pages"], dtype=torch.int64)
         self._layout.check_pages(dst, "dst_pages")
+        share = header.get("share")
+        if share is not None:
+            region = torch.frombuffer(bytearray(payloads[0]), dtype=torch.uint8)
+            scatter(self._pool, region, dst, share["dst_head"], share["n"])
+            return
         for buf, data in zip((*self._pool.k_buffer, *self._pool.v_buffer), payloads, strict=True):
             paged = self._paged(buf)
             rows = torch.frombuffer(bytearray(data), dtype=buf.dtype).view(len(dst), paged.shape[1])

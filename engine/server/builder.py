@@ -109,6 +109,7 @@ def pd_transfer(args: ServerArgs, pool: DeviceKVPool, group: TPGroup | None = No
 
 
 def _kv_manager(args: ServerArgs, pool: DeviceKVPool, group: TPGroup, bootstrap_port: int):
+    model_kv_heads = load_config(args.model_path).num_key_value_heads if group.size > 1 else None
     try:
         mgr = create_kv_manager(
             args.disaggregation_transfer_backend,
@@ -120,11 +121,14 @@ def _kv_manager(args: ServerArgs, pool: DeviceKVPool, group: TPGroup, bootstrap_
             ib_device=args.disaggregation_ib_device,
             tp_rank=group.rank,
             tp_size=group.size,
+            model_kv_heads=model_kv_heads,
         )
     except TransferBackendError as exc:
         raise ArgumentError(str(exc)) from None  # names the flag
     except OSError as exc:
         raise ArgumentError(f"--disaggregation-bootstrap-port: {exc}") from None
+    except ValueError as exc:  # SGLANG_DISAGG_STAGING_POOL_SIZE_MB
+        raise ArgumentError(str(exc)) from None
     if args.disaggregation_mode == "prefill" and group.is_leader:
         args.disaggregation_bootstrap_port = mgr.bootstrap_port
     logger.info(

@@ -172,8 +172,13 @@ def test_contiguous_runs_and_layout():
     assert contiguous_runs(src, dst) == ([3, 5, 9], [1, 7, 8], [2, 1, 2])
     layout = KVLayout.from_pool(make_pool(POOL))
     assert layout.page_bytes == 4 * 2 * 8 * 4 and layout.num_pages == 17
-    other = KVLayout.from_pool(make_pool({**POOL, "heads": 1}))
+    other = KVLayout.from_pool(make_pool({**POOL, "head_dim": 4}))
     assert layout.mismatch(other) == "KV layout mismatch: page_bytes is 128 on the peer, 256 here"
+    # a pool of another tp holds fewer heads of the same size: its heads can be moved, not its head_dim
+    fewer = KVLayout.from_pool(make_pool({**POOL, "heads": 1}))
+    assert layout.mismatch(fewer) is None and fewer.head_bytes == layout.head_bytes == 8 * 4
+    narrower = KVLayout.from_pool(make_pool({**POOL, "heads": 1, "head_dim": 4}))
+    assert layout.mismatch(narrower) == "KV layout mismatch: head_bytes is 16 on the peer, 32 here"
 
 
 def test_mooncake_writes_go_in_batches_the_engine_accepts():

@@ -1,6 +1,8 @@
 """PD disaggregation with tensor-parallel workers, behind the real sglang-router in ``--pd-disaggregation``
 mode: every rank of the prefill moves its own KV heads to the decode rank that holds them (Mooncake's
-TransferEngine over TCP), and the greedy output equals an aggregated tp-1 worker's token for token.
+TransferEngine over TCP), and the greedy output equals an aggregated tp-1 worker's token for token; with
+equal tp rank r sends whole pages to rank r, with different tp each decode rank gets its heads from the
+prefill ranks holding them, straight into its pages or through the staging buffer.
 
 The tiny random Llama has 8 query heads and 4 KV heads, so each rank's heads change the output: a decode rank
 whose pages missed its share of the prompt's KV would answer differently.
@@ -49,9 +51,12 @@ def aggregated(gqa_model_dir) -> list[list[int]]:
         return [_generate(agg.url, ids) for ids in PROMPTS]
 
 
-def _pd_outputs(model_dir: Path, p_tp: int, d_tp: int, env: dict | None = None) -> list[list[int]]:
-    """The prompts sent at once through a router over a P of tp ``p_tp`` and a D of tp ``d_tp``; afterwards
-    neither worker holds a PD request (every rank's room ended, the ranks agreeing)."""
+def _pd_outputs(
+    model_dir: Path, p_tp: int, d_tp: int, env: dict | None = None
+) -> tuple[list[list[int]], str]:
+    """(outputs, the decode's log) of the prompts sent at once through a router over a P of tp ``p_tp`` and
+    a D of tp ``d_tp``; afterwards neither worker holds a PD request (every rank's room ended, the ranks
+    agreeing)."""
     pd = [*_flags(model_dir), "--disaggregation-transfer-backend", "mooncake"]
     bp = free_port()
     p_flags = [*pd, "--tp", str(p_tp), "--disaggregation-mode", "prefill"]
@@ -68,8 +73,25 @@ def _pd_outputs(model_dir: Path, p_tp: int, d_tp: int, env: dict | None = None) 
             info = httpx.get(f"{worker.url}/server_info", timeout=10).json()
             assert info["tp_size"] == (p_tp if worker is p else d_tp)
             assert info["num_pd_transfer_reqs"] == 0
-    return outputs
+        return outputs, d.log_tail(200_000)
+
+
+STAGED = "heterogeneous-TP KV arrives through the staging buffer"
 
 
 def test_pd_at_tp2_on_both_sides_equals_aggregated_token_for_token(gqa_model_dir, aggregated):
-    assert _pd_outputs(gqa_model_dir, 2, 2) == aggregated
+    # staging on: bypassed, as the tp sizes are equal (whole pages, rank to rank)
+    outputs, d_log = _pd_outputs(gqa_model_dir, 2, 2, {"SGLANG_DISAGG_STAGING_BUFFER": "1"})
+    assert outputs == aggregated
+    assert STAGED not in d_log
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize("staging", [False, True], ids=["per-head", "staging"])
+def test_pd_between_tp_sizes_equals_aggregated_token_for_token(
+    gqa_model_dir, aggregated, p_tp, d_tp, staging
+):
+    env = {"SGLANG_DISAGG_STAGING_BUFFER": "1", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "4"} if staging else {}
+    outputs, d_log = _pd_outputs(gqa_model_dir, p_tp, d_tp, env)
+    assert outputs == aggregated
+    assert (STAGED in d_log) == staging
