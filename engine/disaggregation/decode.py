@@ -276,7 +276,8 @@ class DecodeKVManager(KVManagerBase):
         for p, endpoint in prefill.endpoints.items():
             share = prefill.shares[p]
             wire = {"src_head": share.src_head, "dst_head": share.dst_head, "n": share.n}
-            if share.n and self.staging is not None and endpoint not in receiver.staged:
+            stages = self.staging is not None and self.transport.stages
+            if share.n and stages and endpoint not in receiver.staged:
                 at = self.staging.alloc(share_bytes(self.layout, len(pages), share.n))
                 if at is not None:
                     receiver.staged[endpoint] = (at, share.dst_head, share.n)

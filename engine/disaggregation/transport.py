@@ -72,6 +72,7 @@ class MooncakeTransport:
     """
 
     name = "mooncake"
+    stages = True  # writes a share into the peer's staging buffer when the transfer info gives a region
 
     def __init__(
         self,
@@ -182,6 +183,7 @@ class FakeTransport:
     called by the receive thread, in order before the room's status) copies them into the given pages."""
 
     name = "fake"
+    stages = False  # a share's heads travel packed in one frame whatever the staging setting
 
     def __init__(
         self,
