@@ -4,6 +4,8 @@ watches it finish, reads the audit log (fits a 1280 px viewport), sees worker ch
 pushes without a reload; at 1280 px no page's table header or heading wraps; axe-core (vendored) finds no
 serious accessibility violation on any page."""
 
+import os
+import re
 import time
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from cp_factories import (
 )
 from django.contrib.auth.hashers import make_password
 
+ATTACH_DIFF = re.compile(r"storage_backend: none\s*→\s*mooncake")  # from none, not only "mooncake"
+SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: pages are saved there to be looked at
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 AXE = Path(__file__).resolve().parent / "vendor" / "axe-core" / "axe.min.js"
@@ -164,7 +168,11 @@ def test_operator_console_end_to_end(  # noqa: PLR0915
         expect(page.locator("#op-targets .s-succeeded")).to_have_count(2)
         expect(page.get_by_test_id("op-reason")).to_have_text("enable L3 on gpu-0/1")
         expect(page.get_by_test_id("op-duration")).not_to_contain_text("so far")
-        expect(page.locator("#op-targets tbody tr").first.locator(".diff")).to_contain_text("mooncake")
+        # an attach: the old backend was there and null, so the diff says from what (not only "mooncake")
+        op_diff = page.locator("#op-targets tbody tr").first.locator(".diff")
+        expect(op_diff).to_contain_text(ATTACH_DIFF)
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "operation-attach.png"), full_page=True)
         expect(page.locator("#cancel")).to_be_hidden()  # finished: nothing left to cancel
         expect(page.get_by_test_id("op-outcome")).to_have_text("changed: gpu-0, gpu-1")
         op_api = httpx.get(
@@ -182,7 +190,9 @@ def test_operator_console_end_to_end(  # noqa: PLR0915
         rows = page.locator("#audit tbody tr", has_text="worker gpu-")
         expect(rows).to_have_count(2)
         expect(rows.first).to_contain_text("alice")
-        expect(rows.first.locator(".diff")).to_contain_text("mooncake")
+        expect(rows.first.locator(".diff")).to_contain_text(ATTACH_DIFF)
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "audit-attach.png"), full_page=True)
         expect(page.locator("#audit tbody")).not_to_contain_text("operation operation")
         assert page.evaluate("document.documentElement.scrollWidth") == 1280
         assert serious_violations(page) == []

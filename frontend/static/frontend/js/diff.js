@@ -1,7 +1,7 @@
 /* Per-field diffs rendered from <template id="tpl-change">; long values (over FOLD chars) fold into a
    <details> so tables keep their width, summarised from just before where the two values first differ (two
-   long values with the same start would otherwise read the same). KV.diff(cell, changes) with changes
-   {field: [before, after]}. */
+   long values with the same start would otherwise read the same). KV.diff(cell, changes, before) with changes
+   {field: [before, after]} and before the old snapshot (optional: which fields existed). */
 (function () {
   "use strict";
   var KV = window.KV, FOLD = 80;
@@ -20,11 +20,17 @@
     d.append(s, pre); el.appendChild(d);
     return el;
   }
-  KV.diff = function (cell, changes) {
+  /* A field is new (a create: only its value is shown) when its old value is undefined or `before`, the
+     old snapshot when the caller has it, is null or lacks the field; a field that was there and null is a
+     change from "none" (an attach: storage_backend none → mooncake), never shown as its new value alone. */
+  KV.diff = function (cell, changes, before) {
     var tpl = KV.$("#tpl-change"), frag = document.createDocumentFragment();
+    function created(k) {
+      return changes[k][0] === undefined || (before !== undefined && (before == null || !(k in before)));
+    }
     Object.keys(changes || {}).forEach(function (k) {
       var row = KV.fill(tpl, { key: k, before: "", after: "" });
-      if (changes[k][0] == null) {  // a new field (create): only the value
+      if (created(k)) {  // a new field (create): only the value
         KV.$("del", row).nextSibling.remove(); KV.$("del", row).remove();
       } else KV.$("del", row).replaceWith(valueNode("del", changes[k][0], changes[k][1]));
       KV.$("ins", row).replaceWith(valueNode("ins", changes[k][1], changes[k][0]));

@@ -38,7 +38,7 @@ KV.ready(function () {
   }
   function decorate(row, e) {
     events[e.id] = e;
-    KV.diff(KV.$(".diff", row), e.changes);
+    KV.diff(KV.$(".diff", row), e.changes, e.before);
     if (KV.canWrite && e.revertible) KV.$(".act", row).appendChild(KV.fill(KV.$("#tpl-revert"), {}));
     if (KV.canWrite && e.revert_together_changes.length) {  // every worker of its operation, in one operation
       KV.$(".act", row).appendChild(KV.fill(KV.$("#tpl-revert-together"), {

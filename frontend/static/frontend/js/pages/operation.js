@@ -22,7 +22,7 @@ KV.ready(function () {
     else KV.fill(rows[t.id], view);
     var cell = KV.$(".diff", rows[t.id]);
     if (t.after == null) cell.textContent = t.before == null ? "–" : "not changed yet";
-    else KV.diff(cell, KV.changes(t.before, t.after));
+    else KV.diff(cell, KV.changes(t.before, t.after), t.before);
   }
   var profileNames = {};
   function change() {
