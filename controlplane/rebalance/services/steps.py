@@ -111,20 +111,25 @@ def _cancel(steps: list[RebalanceStep], why: str) -> None:
         step_transition(step, to=S.CANCELLED, explanation=why)
 
 
+def steps_text(numbers: list[int]) -> str:
+    """Step numbers as a sentence's object: ``"step 2"``, ``"steps 2, 1"`` (in the order given)."""
+    return ("step " if len(numbers) == 1 else "steps ") + ", ".join(str(n) for n in numbers)
+
+
 def _after_failure(rb: Rebalance, steps: list[RebalanceStep], failed: RebalanceStep) -> float | None:
     _cancel([s for s in steps if s.state == S.PENDING], f"not run: step {failed.number} failed")
-    done = [s.index for s in steps if s.state == S.SUCCEEDED]
+    done = [s.number for s in steps if s.state == S.SUCCEEDED]
     cause = f"step {failed.number} ({failed.worker.name}) {failed.state}: {failed.explanation}"
     if done and not rb.rollback:
+        kept = steps_text(done)
         rebalance_transition(
             rb,
             to=R.FAILED,
-            explanation=f"{cause}; rollback: false, left at {_split(live_counts(rb))} (steps {done} kept)",
+            explanation=f"{cause}; rollback: false, left at {_split(live_counts(rb))} ({kept} kept)",
         )
         return None
-    rebalance_transition(
-        rb, to=R.ROLLING_BACK, explanation=f"{cause}; rolling back steps {sorted(done, reverse=True)}"
-    )
+    undo = f"rolling back {steps_text(sorted(done, reverse=True))}" if done else "nothing to roll back"
+    rebalance_transition(rb, to=R.ROLLING_BACK, explanation=f"{cause}; {undo}")
     return 0
 
 
