@@ -7,7 +7,8 @@
   (``POST /api/v1/inventory/workers/{id}/drain/``, operator token), then wait until the worker is idle.
 - ``check-isolation URL [--api-key-file FILE] [--words N] [--json]``: the cache isolation self-test
   (``engine.agent.isolation``): same prompt, two salts → no reuse; same salt → reuse; both TTFTs. Exit 0
-  when isolated, 1 when not (or the worker failed); the key defaults to ``$KVFLEET_API_KEY``.
+  when isolated, 1 when not, inconclusive (a router with more than one worker) or the worker failed; URL
+  may be a worker or an sglang-router; the key defaults to ``$KVFLEET_API_KEY``.
 
 ``--control-plane``, ``--token`` and ``--token-file`` default to ``$KVFLEET_CONTROL_PLANE``,
 ``$KVFLEET_AGENT_TOKEN`` and ``$KVFLEET_AGENT_TOKEN_FILE``.

@@ -5,6 +5,13 @@ salt A (cold), salt B (must reuse nothing: 0 cached tokens in every tier), salt 
 prompt's cached pages). Both salts are fresh random values, so the check never reads or pollutes a real
 tenant's cache. It passes when B got no cached token, A's second request got some, and all three answered the
 same greedy tokens. TTFTs are the worker's ``meta_info.ttft`` (seconds from arrival to first token).
+
+Each salt goes as both ``cache_salt`` and ``extra_key`` (the worker takes either; they are equal), because
+sglang-router rebuilds a /generate body from its own request type and drops ``cache_salt`` but forwards
+``extra_key``. A URL that answers ``GET /workers`` with a worker list is taken for a router: with exactly
+one worker behind it the result stands; with more (or a PD router, which lists none) the three requests may
+land on different workers, so "salt B reused nothing" proves nothing and the check is inconclusive
+(``ok`` False, ``inconclusive`` True) rather than passed. Reuse by salt B is a failure wherever it lands.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ class IsolationReport:
     prompt_tokens: int
     probes: list  # of Probe: A cold, B, A again
     problems: list  # sentences, empty when ok
+    router_workers: int | None = None  # URL is a router: workers it lists (PD mode: 0); None: a worker
+    inconclusive: bool = False  # nothing reused, but the router may have split the probes across workers
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,10 +84,12 @@ def check_isolation(
     probes: list[Probe] = []
     prompt_tokens = 0
     with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout) as client:
+        router_workers = _router_workers(client)
         for name in ("A", "B", "A"):
             body = {
                 "text": text,
                 "cache_salt": salts[name],
+                "extra_key": salts[name],
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
             }
             try:
@@ -94,16 +105,43 @@ def check_isolation(
             prompt_tokens = meta["prompt_tokens"]
             cached = {t: int(meta["cached_tokens_details"].get(t, 0)) for t in ("device", "host", "storage")}
             probes.append(Probe(name, cached, float(meta.get("ttft", 0.0)), list(out["output_ids"])))
+    return _judge(prompt_tokens, probes, router_workers)
+
+
+def _router_workers(client: httpx.Client) -> int | None:
+    """How many workers the URL lists at ``GET /workers`` if it is an sglang-router; None for a worker."""
+    try:
+        resp = client.get("/workers")
+        listed = resp.json().get("workers") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return len(listed) if isinstance(listed, list) else None
+
+
+def _judge(prompt_tokens: int, probes: list[Probe], router_workers: int | None) -> IsolationReport:
     cold, other, again = probes
     problems = []
     if sum(other.cached.values()):
-        problems.append(f"salt B reused {other.cached} cached tokens of salt A's prompt: salts share cache")
+        problem = f"salt B reused {other.cached} cached tokens of salt A's prompt: salts share cache"
+        if router_workers is not None:
+            problem += (
+                " (through sglang-router, which drops /generate's cache_salt and passes extra_key on: "
+                "workers older than this check ignore extra_key; give each tenant its API key with "
+                "--tenant-keys-file, which the router passes on as Authorization)"
+            )
+        problems.append(problem)
     if not sum(again.cached.values()):
         problems.append("salt A's second request reused nothing (is the prefix cache disabled, or the "
                         "prompt shorter than a page?)")  # fmt: skip
     if not cold.output_ids == other.output_ids == again.output_ids:
         problems.append("the three answers differ (greedy decoding of one prompt must agree)")
-    return IsolationReport(not problems, prompt_tokens, probes, problems)
+    inconclusive = not problems and router_workers is not None and router_workers != 1
+    if inconclusive:
+        problems.append(
+            f"inconclusive: the router lists {router_workers} workers (PD mode lists none), so salt B may "
+            "have run on another worker than salt A; check each worker's URL, or a router with one worker"
+        )
+    return IsolationReport(not problems, prompt_tokens, probes, problems, router_workers, inconclusive)
 
 
 def format_report(report: IsolationReport) -> str:
@@ -114,6 +152,9 @@ def format_report(report: IsolationReport) -> str:
     cold, other, again = report.probes
     if again.ttft_s > 0:
         lines.append(f"salt B / salt A (again) TTFT: {other.ttft_s / again.ttft_s:.2f}x")
-    lines.append("isolation: ok" if report.ok else "isolation: FAILED")
+    if report.router_workers is not None:
+        lines.append(f"via sglang-router with {report.router_workers} worker(s) listed")
+    verdict = "ok" if report.ok else "INCONCLUSIVE" if report.inconclusive else "FAILED"
+    lines.append(f"isolation: {verdict}")
     lines += [f"  - {p}" for p in report.problems]
     return "\n".join(lines)

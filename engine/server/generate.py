@@ -2,7 +2,9 @@
 
 Body (``schemas.GenerateReqInput``): exactly one of ``text`` (str or list of str) or ``input_ids`` (list of
 ints or list of lists), ``sampling_params``, ``stream``, ``rid``, ``cache_salt`` (a string for every prompt,
-or one per prompt: requests with different salts share no cached KV), ``image_data`` (a vision-language
+or one per prompt: requests with different salts share no cached KV; ``extra_key``, upstream's name for it, is
+taken too and must equal it when both are given: sglang-router forwards ``extra_key`` and drops ``cache_salt``
+on this route), ``image_data`` (a vision-language
 model: an image or a list of images per prompt, ``engine/server/images.py``; the text carries one image
 token per image), and upstream's log-probability fields
 ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``token_ids_logprob``,
@@ -184,13 +186,20 @@ def _per_prompt(body: dict, name: str, n: int, batched: bool) -> list:
     raise HTTPError(400, f"{name}: a list needs one value per prompt")
 
 
-def _salts(salt, n: int, batched: bool) -> list[str | None]:
-    """One ``cache_salt`` per prompt: a string applies to every prompt; a list needs one per prompt."""
+def _salts(body: dict, n: int, batched: bool) -> list[str | None]:
+    """One salt per prompt from ``cache_salt`` or, failing that, ``extra_key`` (upstream's name, and the one
+    sglang-router forwards on /generate): a string applies to every prompt; a list needs one per prompt.
+    Both given and different: ``HTTPError(400)`` naming both (never the values)."""
+    salt, key = body.get("cache_salt"), body.get("extra_key")
+    if salt is not None and key is not None and salt != key:
+        raise HTTPError(400, "cache_salt and extra_key differ: give one (they name the same cache key space)")
+    field = "cache_salt" if salt is not None or key is None else "extra_key"
+    salt = salt if salt is not None else key
     if not isinstance(salt, list):
         return [salt] * n
     if batched and len(salt) == n:
         return list(salt)
-    raise HTTPError(400, "cache_salt must be a string or a list of strings, one per prompt")
+    raise HTTPError(400, f"{field} must be a string or a list of strings, one per prompt")
 
 
 def _rids(rid, n: int, batched: bool) -> list[str | None]:
@@ -223,7 +232,7 @@ async def generate(request: Request):
     wants = parse_logprobs(engine, body, prompts, batched)
     return_text = bool(body.get("return_text_in_logprobs"))
     rids = _rids(body.get("rid"), len(prompts), batched)
-    salts = [request_salt(engine, tenant, s) for s in _salts(body.get("cache_salt"), len(prompts), batched)]
+    salts = [request_salt(engine, tenant, s) for s in _salts(body, len(prompts), batched)]
     try:
         grammars = await asyncio.gather(*(engine.compile_grammar(sp) for sp in params))
     except RequestError as exc:

@@ -47,6 +47,9 @@ class GenerateReqInput(_Body):
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
     cache_salt: CacheSalt | list[CacheSalt] | None = None
+    # Upstream's name of the same key space on /generate; the only salt field sglang-router 0.3.2 passes on
+    # for this route (it rebuilds the body and drops ``cache_salt``). Equal to ``cache_salt`` if both given.
+    extra_key: CacheSalt | list[CacheSalt] | None = None
     image_data: str | list[str] | list[list[str]] | None = None
 
 

@@ -1,6 +1,7 @@
 """``kvfleet-agent check-isolation URL`` against real worker processes: a worker that keeps salts apart
 passes (exit 0, both TTFTs printed), one whose prefix cache cannot reuse the prompt fails (exit 1, says
-why), a tenant-keyed worker is checked with a tenant's key, and a wrong key is a one-line error."""
+why), a tenant-keyed worker is checked with a tenant's key, and a wrong key is a one-line error. Through a
+real sglang-router with one worker the check holds; with two it is inconclusive, never "ok"."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from engine.agent.cli import main
 from engine.bench.launcher import ServerProcess
+from engine.fleet.router import RouterProcess, worker_args
 
 pytestmark = pytest.mark.slow
 WORDS = "48"  # the tiny model has 512 positions
@@ -60,3 +62,25 @@ def test_a_worker_that_cannot_reuse_the_prompt_fails_the_check(tiny_model_dir, c
 def test_too_few_words_names_the_flag(capsys):
     assert main(["check-isolation", "http://127.0.0.1:9", "--words", "5"]) == 2
     assert "--words must be >= 32" in capsys.readouterr().err
+
+
+def test_through_a_router_with_one_worker_the_salts_stay_apart(tenant_worker, capsys):
+    # the router drops /generate's cache_salt; the check's extra_key and the tenant key get through
+    with RouterProcess(worker_args([tenant_worker.url]), min_workers=1) as router:
+        assert main(["check-isolation", router.url, "--api-key", "sk-ops-check", "--words", WORDS]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:15].strip(): line for line in out.splitlines() if " cached " in line}
+    assert "via sglang-router with 1 worker(s) listed" in out and "isolation: ok" in out
+    assert rows["salt B"].endswith("cached device=0 host=0 storage=0")
+    assert "cached device=0 " not in rows["salt A (again)"]
+
+
+def test_through_a_router_with_two_workers_no_reuse_is_inconclusive(tenant_worker, capsys):
+    # one worker under two names: the router sees two, so "B reused nothing" proves nothing
+    second = tenant_worker.url.replace("127.0.0.1", "localhost")
+    with RouterProcess(worker_args([tenant_worker.url, second]), min_workers=2) as router:
+        args = ["check-isolation", router.url, "--api-key", "sk-ops-check", "--words", WORDS, "--json"]
+        assert main(args) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and report["inconclusive"] and report["router_workers"] == 2
+    assert report["problems"][0].startswith("inconclusive: the router lists 2 workers")

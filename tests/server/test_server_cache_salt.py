@@ -1,6 +1,8 @@
 """``cache_salt`` over HTTP on one worker with a file L3: requests with different salts share no cached KV in
 any tier (L1, L2, and L3 after a flush of L1/L2) and still produce the same greedy output; the same salt
-gets the hits; both OpenAI routes carry the salt; a bad salt is a 400 naming the field, not echoing it."""
+gets the hits; both OpenAI routes carry the salt; a bad salt is a 400 naming the field, not echoing it.
+Through a real sglang-router: /generate's ``extra_key`` and /v1/completions' ``cache_salt`` keep salts apart,
+while the router drops ``cache_salt`` on /generate and chat."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import httpx
 import pytest
 from server_testlib import ThreadedServer, wait_idle
 
+from engine.fleet.router import RouterProcess, worker_args
 from engine.server.args import parse_args
 from engine.server.builder import build_engine
 
@@ -109,3 +112,66 @@ def test_bad_salt_is_a_400_naming_the_field(worker, salt):
     resp = client.post("/v1/completions", json={"prompt": PROMPT[:20], "cache_salt": salt})
     assert resp.status_code == 400 and "cache_salt" in resp.text
     assert not isinstance(salt, str) or not salt or salt not in resp.text  # a secret: never echoed
+
+
+@pytest.fixture(scope="module")
+def router(worker):
+    """The real sglang-router (KVFleet's flags) in front of the worker: it rebuilds every body from its own
+    request types, so which salt field arrives depends on the route."""
+    _, client = worker
+    url = str(client.base_url).rstrip("/")
+    with (
+        RouterProcess(worker_args([url]), min_workers=1) as proc,
+        httpx.Client(base_url=proc.url, timeout=120) as routed,
+    ):
+        yield routed
+
+
+def _routed(client, route: str, tag: str, salt_field: str, salt: str) -> int:
+    """Cached prompt tokens of one request through the router carrying ``salt`` in ``salt_field``; the prompt
+    is a text (the router takes no token ids on the OpenAI routes) that starts with ``tag``."""
+    text = f"{tag}: " + "a lazy dog jumps over the quick fox " * 24
+    if route == "/generate":
+        body: dict = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    else:
+        model = client.get("/v1/models").json()["data"][0]["id"]  # the router requires it
+        body = {"model": model, "max_tokens": 2, "temperature": 0}
+        body.update(
+            {"prompt": text}
+            if route == "/v1/completions"
+            else {"messages": [{"role": "user", "content": text}]}
+        )
+    resp = client.post(route, json={**body, salt_field: salt})
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    if route == "/generate":
+        return sum(out["meta_info"]["cached_tokens_details"].values())
+    return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.parametrize(("route", "field"), [("/generate", "extra_key"), ("/v1/completions", "cache_salt")])
+def test_through_the_router_the_fields_it_forwards_keep_salts_apart(router, route, field):
+    tag, salt = f"kept {route} {field}", f"routed-{route}-{field}"
+    assert _routed(router, route, tag, field, salt) == 0
+    assert _routed(router, route, tag, field, salt + "-other") == 0
+    assert _routed(router, route, tag, field, salt) > 0
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions"])
+def test_the_router_drops_cache_salt_on_generate_and_chat(router, route):
+    # sglang-router 0.3.2: the salt never reaches the worker, so a second salt reuses the first one's
+    # pages. docs/operations.md says so; when a router release forwards it, this fails and the docs change.
+    tag = f"dropped {route}"
+    assert _routed(router, route, tag, "cache_salt", f"dropped-{route}") == 0
+    assert _routed(router, route, tag, "cache_salt", f"dropped-{route}-other") > 0
+
+
+def test_extra_key_on_generate_is_a_salt_and_must_agree_with_cache_salt(worker):
+    _, client = worker
+    body = {"input_ids": PROMPT[:20], "sampling_params": {"max_new_tokens": 1}}
+    resp = client.post("/generate", json={**body, "extra_key": "k-secret", "cache_salt": "other-secret"})
+    assert resp.status_code == 400 and "cache_salt and extra_key differ" in resp.text
+    assert "secret" not in resp.text
+    resp = client.post("/generate", json={**body, "extra_key": 5})
+    assert resp.status_code == 400 and "extra_key" in resp.text
+    assert client.post("/generate", json={**body, "extra_key": "k", "cache_salt": "k"}).status_code == 200

@@ -18,7 +18,8 @@ def worker_check_isolation(*, worker: EngineWorker, actor, words: int = 400) -> 
     """Run the isolation self-test against ``worker`` (its inventory ``api_key`` as bearer), about ``words``
     prompt tokens (32..4000). Returns ``{worker, ok, verdict, prompt_tokens, ttft_other_salt_s,
     ttft_same_salt_s, probes: [{salt, cached: {device, host, storage}, ttft_s}], problems}``: ``ok`` when
-    the other salt reused nothing, the same salt reused the prompt and the answers agree; TTFTs in seconds
+    the other salt reused nothing, the same salt reused the prompt and the answers agree; ``verdict``
+    ``isolated``, ``failed``, or ``inconclusive`` (the URL is a router with several workers); TTFTs in seconds
     (the worker's own ``meta_info.ttft``). Raises ApplicationError 400 for ``words`` out of range, 502
     (``worker_error``) when the worker cannot be checked (both audited)."""
     if not MIN_WORDS <= words <= MAX_WORDS:
@@ -45,7 +46,7 @@ def worker_check_isolation(*, worker: EngineWorker, actor, words: int = 400) -> 
     answer = {
         "worker": worker.pk,
         "ok": report.ok,
-        "verdict": "isolated" if report.ok else "failed",
+        "verdict": "isolated" if report.ok else "inconclusive" if report.inconclusive else "failed",
         "prompt_tokens": report.prompt_tokens,
         "ttft_other_salt_s": other.ttft_s,
         "ttft_same_salt_s": again.ttft_s,
