@@ -175,3 +175,13 @@ def test_extra_key_on_generate_is_a_salt_and_must_agree_with_cache_salt(worker):
     resp = client.post("/generate", json={**body, "extra_key": 5})
     assert resp.status_code == 400 and "extra_key" in resp.text
     assert client.post("/generate", json={**body, "extra_key": "k", "cache_salt": "k"}).status_code == 200
+
+
+def test_through_the_router_a_bad_salt_is_a_400_only_where_the_salt_arrives(router):
+    model = router.get("/v1/models").json()["data"][0]["id"]
+    resp = router.post(
+        "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1, "cache_salt": 5}
+    )
+    assert resp.status_code == 400 and "cache_salt" in resp.text
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "cache_salt": 5}
+    assert router.post("/v1/chat/completions", json=chat).status_code == 200  # dropped: fails open
