@@ -102,7 +102,12 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch, tmp_pat
         expect(page.get_by_test_id("rec-status")).to_have_text("pending")
         expect(page.get_by_test_id("rb-history-empty")).to_have_text("No rebalance of this router yet.")
         reasons = page.get_by_test_id("rec-reasons")  # the exact figures: test_planner_api.py
-        expect(reasons).to_contain_text(re.compile(r"prefill demand [\d,]+ computed prompt tokens/s"))
+        demand = re.compile(r"prefill demand [\d,.]+ computed prompt tokens/s over the last 120 s")
+        expect(reasons).to_contain_text(demand)
+        # the planner's figures cover its own window, the tiles above 60 s: each says which
+        expect(page.locator("#rec-pools thead")).to_contain_text("p90 (120 s) / SLO")
+        expect(page.get_by_test_id("rec-window-text")).to_contain_text("the 120 s before it was evaluated")
+        expect(page.get_by_text("TTFT p90 (60 s)")).to_be_visible()
         expect(reasons).to_contain_text("40% served from cache")
         expect(page.locator("#rec-pools [data-pool=prefill]")).to_contain_text("40 %")
         # counts are devices (TP-1 workers here: the same numbers), the target stays in workers

@@ -133,6 +133,7 @@ class FleetView:
     last_change_at: float | None = None
     frozen: str | None = None
     workers: tuple[PoolWorker, ...] | None = None
+    window_s: float | None = None  # the window the pools' figures were taken over (s), named in the reasons
 
     def members(self) -> tuple[PoolWorker, ...]:
         if self.workers is not None:
@@ -341,17 +342,27 @@ class Recommendation:
         }
 
 
-def _explain(role: str, f: PoolFigures, cfg: PlannerConfig) -> str:
+def figure(v: float) -> str:
+    """A rate or count for a sentence, at the precision the console's tables show it: three significant
+    digits below 100 (``0.37``, ``14.2``), whole numbers with thousands separators above (``2,000``), so a
+    reason never reads "0" where the table next to it says 0.37."""
+    if v == 0 or abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+def _explain(role: str, f: PoolFigures, cfg: PlannerConfig, window_s: float | None = None) -> str:
     lat = "TTFT" if role == PREFILL else "ITL"
+    over = f" over the last {window_s:g} s" if window_s else ""
     warm = f"{f.warm_workers} warm worker(s)" + (
         f" on {f.warm_devices} device(s)" if f.warm_devices != f.warm_workers else ""
     )
     if role == PREFILL:
-        source = f"input {f.input_tokens_per_s:,.0f} tokens/s on {warm}"
+        source = f"input {figure(f.input_tokens_per_s)} tokens/s on {warm}"
         cache = f"{f.hit_rate:.0%} served from cache, scaled to {f.devices} device(s)"
-        demand = f"prefill demand {f.demand:,.0f} computed prompt tokens/s ({source}, {cache})"
+        demand = f"prefill demand {figure(f.demand)} computed prompt tokens/s{over} ({source}, {cache})"
     else:
-        demand = f"decode demand {f.demand:,.0f} output tokens/s ({f.devices} device(s), {warm})"
+        demand = f"decode demand {figure(f.demand)} output tokens/s{over} ({f.devices} device(s), {warm})"
     if f.unserved_per_s > 0:
         waiting = f" ({f.queue_reqs:.1f} waiting on average)" if f.queue_reqs > 0 else ""
         demand += (
@@ -362,14 +373,14 @@ def _explain(role: str, f: PoolFigures, cfg: PlannerConfig) -> str:
     elif f.queue_reqs >= 1:
         trend = "shrinking: a backlog draining" if f.queue_growth_per_s < 0 else "not growing"
         demand += f"; {f.queue_reqs:.1f} requests wait on average ({trend}: no demand added)"
-    limit = f"{lat} p90 {f.latency_p90_s:.3f} s against an SLO of {f.slo_p90_s:.3f} s"
+    limit = f"{lat} p90 {f.latency_p90_s:.3f} s{over} against an SLO of {f.slo_p90_s:.3f} s"
     if f.gain_limit == "max_gain":
         limit += f" (far below it: capped at {cfg.max_gain:g}x the measured load)"
     elif f.gain_limit == "kv":
         limit += f" (KV usage {f.kv_usage:.0%} caps it at {cfg.kv_limit:.0%} KV)"
-    capacity = f"so {f.per_device_capacity:,.0f} at the SLO; utilisation {f.utilisation:.0%}"
+    capacity = f"so {figure(f.per_device_capacity)} at the SLO; utilisation {f.utilisation:.0%}"
     need = f"with {cfg.headroom:.0%} headroom it needs {f.needed_devices} device(s)"
-    return f"{demand}; each device serves {f.per_device_load:,.0f} at {limit}, {capacity}; {need}."
+    return f"{demand}; each device serves {figure(f.per_device_load)} at {limit}, {capacity}; {need}."
 
 
 def _smooth(state: PlannerState, raw: tuple[float, float], current: Split, now: float, cfg: PlannerConfig):
@@ -395,7 +406,7 @@ def evaluate(
         DECODE: view.decode
         and pool_figures(DECODE, view.decode, current[1], view.slo.itl_p90_s, cfg, n_workers[1]),
     }
-    reasons = [_explain(role, f, cfg) for role, f in pools.items() if f]
+    reasons = [_explain(role, f, cfg, view.window_s) for role, f in pools.items() if f]
     if view.frozen:
         summary = f"No recommendation: {view.frozen}."
         return _rec(
@@ -474,7 +485,12 @@ def _propose(
         return current, (
             f"no split of {budget} device(s) in whole workers holds {cfg.min_workers} worker(s) of each role"
         )
-    util = lambda s: f"{_split_name(s)} (prefill {load[0] / s[0]:.0%}, decode {load[1] / s[1]:.0%})"  # noqa: E731
+    # the loads are smoothed (EWMA over evaluations, `_smooth`), so these utilisations lag the table's, which
+    # are this evaluation's own: each sentence says so, with the smoothing's time constant
+    smoothed = f"smoothed over ~{cfg.smoothing_s:g} s: " if cfg.smoothing_s > 0 else ""
+    util = lambda s: (  # noqa: E731
+        f"{_split_name(s)} ({smoothed}prefill {load[0] / s[0]:.0%}, decode {load[1] / s[1]:.0%})"
+    )
     now_worst, best_worst = _worst(load, current), _worst(load, best)
     if sum(current) != budget:
         return (
@@ -486,7 +502,7 @@ def _propose(
             return current, f"{util(current)} fits again, with the margin to spare"
         if best != shown and best_worst <= _worst(load, shown) * (1 - cfg.margin):
             return best, f"{util(best)} beats the recommended {util(shown)}"
-        return shown, f"{util(shown)} against {util(current)} now (smoothed utilisation)"
+        return shown, f"{util(shown)} against {util(current)} now"
     if now_worst <= target:
         return (
             current,

@@ -106,6 +106,7 @@ def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -
         last_change_at=last_change,
         frozen=frozen,
         workers=tuple(PoolWorker(w.name, w.role, w.tp_size) for w in workers),
+        window_s=cfg.window_s,
     )
     return view, notes
 

@@ -97,9 +97,15 @@ KV.ready(function () {
       });
     });
     KV.replaceRows(KV.$("#rec-pools tbody"), KV.$("#tpl-rec-pool"), rows);
+    /* the planner's figures cover its own window (config.window_s, 120 s), not the 60 s of the tiles above */
+    var win = rec.config && rec.config.window_s;
+    KV.$("[data-testid=rec-window]").textContent = win ? "(" + win + " s)" : "";
     KV.$("#rec-pools").hidden = !rows.length;
     var moved = rec.moves.map(function (m) { return m.worker + " (" + m.devices + (m.devices === 1 ? " device" : " devices") + ") to " + m.to_role; });
-    KV.fill(KV.$("#rec-units"), { workers_text: split(rec.recommended_workers) + (moved.length ? "; moving " + moved.join(", ") : "") });
+    KV.fill(KV.$("#rec-units"), {
+      workers_text: split(rec.recommended_workers) + (moved.length ? "; moving " + moved.join(", ") : ""),
+      window_text: win ? "Its figures cover the " + win + " s before it was evaluated (the tiles above: the last " + WINDOW_S + " s, live); the split utilisations in its reasons are smoothed." : ""
+    });
     /* the rebalance's target is in workers: the planner's least-moving way to its device split */
     var p = KV.$("#target-prefill"), d = KV.$("#target-decode");
     if (p && !p.dataset.touched) { p.value = rec.recommended_workers.prefill; d.value = rec.recommended_workers.decode; }
