@@ -270,6 +270,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["controlplane.accounts.permissions.RolePermission"],
     "DEFAULT_FILTER_BACKENDS": [
+        "controlplane.core.filters.KnownQueryParamsFilter",
         "django_filters.rest_framework.DjangoFilterBackend",
         "controlplane.core.filters.OrderingFilter",
     ],

@@ -20,18 +20,22 @@ from controlplane.core.exceptions import (
     PreconditionFailed,
     PreconditionRequired,
 )
+from controlplane.core.serializers import unknown_key_errors
 from controlplane.core.services import model_snapshot
 
 
 def config_content_validate(content) -> dict:
-    """Check a revision body; raises ApplicationError naming the first bad field. Returns it unchanged."""
+    """Check a revision body; raises ApplicationError (400 ``bad_content``) naming the first bad field (an
+    unknown key: each one in ``detail.content`` with the closest real field). Returns it unchanged."""
     if not isinstance(content, dict) or not content:
         raise ApplicationError("content must be a non-empty JSON object", code="bad_content")
-    unknown = sorted(set(content) - set(CONFIG_FIELDS))
+    unknown = unknown_key_errors(content, CONFIG_FIELDS, what="config field")
     if unknown:
+        first = sorted(unknown)[0]
         raise ApplicationError(
-            f"unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(CONFIG_FIELDS)}",
+            f"{first!r}: {unknown[first][0]}",
             code="bad_content",
+            detail={"content": dict(sorted(unknown.items()))},
         )
     checks = {
         "hicache_storage_prefetch_policy": lambda v: v in PREFETCH_POLICIES,

@@ -43,12 +43,22 @@ def model_create(*, model: type[models.Model], data: dict, actor, message: str =
     return instance
 
 
+def _stored_values(instance: models.Model) -> dict:
+    return {field.attname: getattr(instance, field.attname) for field in instance._meta.concrete_fields}
+
+
 def model_update(*, instance: models.Model, data: dict, actor, message: str = "") -> models.Model:
+    """Sets ``data`` on ``instance``, validates and saves it with one ``update`` audit record; a ``data``
+    that changes no stored value (an empty PATCH, or the current values again) saves nothing and writes
+    no audit record."""
     with transaction.atomic():
         before = model_snapshot(instance)
+        unchanged = _stored_values(instance)
         for key, value in data.items():
             setattr(instance, key, value)
         instance.full_clean()
+        if _stored_values(instance) == unchanged:
+            return instance
         instance.save()
         audit_record(
             action="update",

@@ -3,9 +3,10 @@ from rest_framework import serializers
 
 from controlplane.accounts.models import ApiToken, Role
 from controlplane.accounts.selectors import user_role
+from controlplane.core.serializers import StrictModelSerializer, StrictSerializer
 
 
-class UserSerializer(serializers.ModelSerializer):
+class UserSerializer(StrictModelSerializer):
     role = serializers.SerializerMethodField()
     # Empty when none was given: a plain string, so the schema's "format: email" does not reject "".
     email = serializers.CharField(read_only=True, help_text="e-mail address; empty when none is set")
@@ -19,20 +20,20 @@ class UserSerializer(serializers.ModelSerializer):
         return user_role(obj)
 
 
-class UserCreateSerializer(serializers.Serializer):
+class UserCreateSerializer(StrictSerializer):
     username = serializers.CharField(max_length=150)
     password = serializers.CharField(write_only=True, min_length=8)
     email = serializers.EmailField(required=False, allow_blank=True, default="")
     role = serializers.ChoiceField(choices=Role.choices)
 
 
-class UserUpdateSerializer(serializers.Serializer):
+class UserUpdateSerializer(StrictSerializer):
     role = serializers.ChoiceField(choices=Role.choices, required=False)
     is_active = serializers.BooleanField(required=False)
     email = serializers.EmailField(required=False, allow_blank=True)
 
 
-class ApiTokenSerializer(serializers.ModelSerializer):
+class ApiTokenSerializer(StrictModelSerializer):
     user = serializers.SlugRelatedField(slug_field="username", queryset=get_user_model().objects.all())
 
     class Meta:

@@ -2,9 +2,10 @@ from rest_framework import serializers
 
 from controlplane.audit.models import AuditEvent
 from controlplane.audit.selectors import revert_changes
+from controlplane.core.serializers import StrictModelSerializer, StrictSerializer
 
 
-class AuditEventSerializer(serializers.ModelSerializer):
+class AuditEventSerializer(StrictModelSerializer):
     revertible = serializers.SerializerMethodField(
         help_text='"Revert to this" would change a worker now (see revert_changes)'
     )
@@ -61,7 +62,7 @@ class AuditEventSerializer(serializers.ModelSerializer):
         return bool(self.get_revert_changes(obj))
 
 
-class RevertSerializer(serializers.Serializer):
+class RevertSerializer(StrictSerializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="")
     together = serializers.BooleanField(
         required=False,

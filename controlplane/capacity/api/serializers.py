@@ -3,12 +3,13 @@ import re
 from rest_framework import serializers
 
 from controlplane.capacity.services import DTYPE_BYTES
+from controlplane.core.serializers import StrictSerializer
 from engine.server.contract import ADMISSIONS, EVICTION_POLICIES
 
 BLOCK_TOKENS = 512  # Mooncake's block size: rows posted without block_tokens (an older agent)
 
 
-class SizingQuerySerializer(serializers.Serializer):
+class SizingQuerySerializer(StrictSerializer):
     """Query parameters of the sizing calculator: ``bytes_per_token`` (one rank's), or the model's
     ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype``; ``tp_size`` (the worker's ranks: L1 and
     L2 are sized per rank); then the worker's launch flags and the machine (``host_memory_bytes``: the
@@ -39,7 +40,7 @@ class SizingQuerySerializer(serializers.Serializer):
         return attrs
 
 
-class TraceRowSerializer(serializers.Serializer):
+class TraceRowSerializer(StrictSerializer):
     """One Mooncake trace row; ``hash_ids`` must have one id per block of the input (the batch's
     ``block_tokens``, given in the serializer's context)."""
 
@@ -61,7 +62,7 @@ class TraceRowSerializer(serializers.Serializer):
         return attrs
 
 
-class TraceIngestSerializer(serializers.Serializer):
+class TraceIngestSerializer(StrictSerializer):
     worker_url = serializers.URLField()
     block_tokens = serializers.IntegerField(min_value=1, max_value=4096, default=BLOCK_TOKENS)
     requests = serializers.ListField(child=serializers.DictField(), allow_empty=False, max_length=10_000)
@@ -81,7 +82,7 @@ MAX_POINTS = 16
 MAX_UPLOAD_CHARS = 32 * 1024 * 1024
 
 
-class WhatIfSerializer(serializers.Serializer):
+class WhatIfSerializer(StrictSerializer):
     """A what-if run: ``trace`` is ``shared:<file>`` or ``pool:<pool>``, or ``trace_text`` an uploaded
     Mooncake JSONL; capacities are comma lists of tokens (``inf`` = unbounded, 0 = tier absent), or instead
     of ``l2_tokens`` a ``hicache_ratio``: L2 = that x each L1 point, as the engine sizes its host pool.

@@ -1,9 +1,10 @@
 from rest_framework import serializers
 
 from controlplane.configs.models import ConfigProfile, ConfigRevision
+from controlplane.core.serializers import StrictModelSerializer, StrictSerializer
 
 
-class ConfigRevisionSerializer(serializers.ModelSerializer):
+class ConfigRevisionSerializer(StrictModelSerializer):
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
 
     class Meta:
@@ -22,7 +23,7 @@ class ConfigRevisionSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class ConfigProfileSerializer(serializers.ModelSerializer):
+class ConfigProfileSerializer(StrictModelSerializer):
     content = serializers.JSONField(write_only=True, required=False, help_text="Initial content (revision 1)")
     etag = serializers.CharField(read_only=True)
 
@@ -32,6 +33,6 @@ class ConfigProfileSerializer(serializers.ModelSerializer):
         read_only_fields = ["head_number", "created_at", "updated_at"]
 
 
-class RevisionCommitSerializer(serializers.Serializer):
+class RevisionCommitSerializer(StrictSerializer):
     content = serializers.JSONField()
     message = serializers.CharField(required=False, allow_blank=True, default="")

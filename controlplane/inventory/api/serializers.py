@@ -4,6 +4,7 @@ set."""
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from controlplane.core.serializers import StrictModelSerializer, StrictSerializer
 from controlplane.inventory.models import (
     EngineWorker,
     FleetAlert,
@@ -17,7 +18,7 @@ from controlplane.inventory.models import (
 from controlplane.inventory.selectors import router_breakers
 
 
-class FleetAlertSerializer(serializers.ModelSerializer):
+class FleetAlertSerializer(StrictModelSerializer):
     router_name = serializers.CharField(source="router.name", read_only=True, allow_null=True, default=None)
     worker_name = serializers.CharField(source="worker.name", read_only=True, allow_null=True, default=None)
 
@@ -30,13 +31,13 @@ class FleetAlertSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class GpuSerializer(serializers.ModelSerializer):
+class GpuSerializer(StrictModelSerializer):
     class Meta:
         model = Gpu
         fields = ["id", "host", "index", "model", "memory_mib"]
 
 
-class HostSerializer(serializers.ModelSerializer):
+class HostSerializer(StrictModelSerializer):
     gpus = GpuSerializer(many=True, read_only=True)
 
     class Meta:
@@ -57,13 +58,13 @@ class HostSerializer(serializers.ModelSerializer):
         read_only_fields = ["cpu_count", "memory_bytes", "last_seen", "created_at", "updated_at"]
 
 
-class BreakerWorkerSerializer(serializers.Serializer):
+class BreakerWorkerSerializer(StrictSerializer):
     url = serializers.CharField()
     state = serializers.ChoiceField(choices=["closed", "open", "half_open", "unknown"])
     consecutive_failures = serializers.IntegerField(allow_null=True)
 
 
-class BreakersSerializer(serializers.Serializer):
+class BreakersSerializer(StrictSerializer):
     enabled = serializers.BooleanField(help_text="false: the router runs without its circuit breaker")
     reachable = serializers.BooleanField(allow_null=True, help_text="null: breaker off, not read")
     error = serializers.CharField(allow_blank=True)
@@ -71,7 +72,7 @@ class BreakersSerializer(serializers.Serializer):
     workers = BreakerWorkerSerializer(many=True)
 
 
-class RouterSerializer(serializers.ModelSerializer):
+class RouterSerializer(StrictModelSerializer):
     circuit_breakers = serializers.SerializerMethodField(
         help_text="Live from metrics_url (null without one): each worker's sglang-router circuit breaker"
     )
@@ -107,7 +108,7 @@ class RouterSerializer(serializers.ModelSerializer):
         return router_breakers(obj)
 
 
-class StorageProfileSerializer(serializers.ModelSerializer):
+class StorageProfileSerializer(StrictModelSerializer):
     class Meta:
         model = StorageProfile
         fields = ["id", "name", "backend", "extra_config", "description", "created_at", "updated_at"]
@@ -119,7 +120,7 @@ class StorageProfileSerializer(serializers.ModelSerializer):
         return value
 
 
-class EngineWorkerSerializer(serializers.ModelSerializer):
+class EngineWorkerSerializer(StrictModelSerializer):
     admin_key = serializers.CharField(write_only=True, required=False, allow_blank=True, max_length=500)
     api_key = serializers.CharField(
         write_only=True,
@@ -214,13 +215,13 @@ class JsonIntegerField(serializers.IntegerField):
 SMALL_MAX, INT_MAX = 2**15 - 1, 2**31 - 1
 
 
-class AgentGpuSerializer(serializers.Serializer):
+class AgentGpuSerializer(StrictSerializer):
     index = serializers.IntegerField(min_value=0, max_value=SMALL_MAX)
     model = serializers.CharField(max_length=100)
     memory_mib = serializers.IntegerField(min_value=0, max_value=INT_MAX)
 
 
-class AgentHostSerializer(serializers.Serializer):
+class AgentHostSerializer(StrictSerializer):
     name = serializers.CharField(max_length=100)
     address = serializers.CharField(max_length=200, required=False, allow_blank=True)
     agent_version = serializers.CharField(max_length=50, required=False, allow_blank=True)
@@ -237,7 +238,7 @@ class AgentHostSerializer(serializers.Serializer):
         return gpus
 
 
-class AgentWorkerSerializer(serializers.Serializer):
+class AgentWorkerSerializer(StrictSerializer):
     name = serializers.CharField(max_length=100)
     url = serializers.URLField()
     role = serializers.ChoiceField(choices=EngineWorker._meta.get_field("role").choices, required=False)
@@ -269,22 +270,22 @@ class AgentWorkerSerializer(serializers.Serializer):
         return attrs
 
 
-class AgentRegisterSerializer(serializers.Serializer):
+class AgentRegisterSerializer(StrictSerializer):
     host = AgentHostSerializer()
     workers = AgentWorkerSerializer(many=True, required=False, default=list)
 
 
-class AgentRegisterResponseSerializer(serializers.Serializer):
+class AgentRegisterResponseSerializer(StrictSerializer):
     host = HostSerializer()
     workers = EngineWorkerSerializer(many=True)
 
 
-class RoleAckSerializer(serializers.Serializer):
+class RoleAckSerializer(StrictSerializer):
     seen = serializers.IntegerField(min_value=0)
     applied = serializers.IntegerField(min_value=0)
 
 
-class AgentHeartbeatSerializer(serializers.Serializer):
+class AgentHeartbeatSerializer(StrictSerializer):
     host = serializers.CharField(max_length=100)
     workers = serializers.ListField(child=serializers.URLField(), required=False, default=list)
     offline = serializers.ListField(child=serializers.URLField(), required=False, default=list)
@@ -303,13 +304,13 @@ class AgentHeartbeatSerializer(serializers.Serializer):
     )
 
 
-class RoleRestartSerializer(serializers.Serializer):
+class RoleRestartSerializer(StrictSerializer):
     worker_url = serializers.URLField()
     role = serializers.ChoiceField(choices=WorkerRole.choices)
     seq = serializers.IntegerField(help_text="the request's generation (role_request_seq)")
 
 
-class AgentHeartbeatResponseSerializer(serializers.Serializer):
+class AgentHeartbeatResponseSerializer(StrictSerializer):
     workers_seen = serializers.IntegerField()
     restart = RoleRestartSerializer(
         many=True, help_text="Workers to restart in a new role (their desired_role), with that role"
@@ -320,10 +321,10 @@ class AgentHeartbeatResponseSerializer(serializers.Serializer):
     )
 
 
-class WorkerIsolationCheckSerializer(serializers.Serializer):
+class WorkerIsolationCheckSerializer(StrictSerializer):
     words = serializers.IntegerField(required=False, default=400, min_value=32, max_value=4000)
 
 
-class WorkerRoleSerializer(serializers.Serializer):
+class WorkerRoleSerializer(StrictSerializer):
     role = serializers.ChoiceField(choices=[WorkerRole.PREFILL, WorkerRole.DECODE])
     reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)

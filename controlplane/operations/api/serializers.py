@@ -1,12 +1,13 @@
 from rest_framework import serializers
 
 from controlplane.configs.models import ConfigRevision
+from controlplane.core.serializers import StrictModelSerializer, StrictSerializer
 from controlplane.inventory.models import EngineWorker, StorageProfile
 from controlplane.operations.models import NoRouter, Operation, OperationKind, OperationTarget, Policy
 from controlplane.operations.services.steps import drain_would_help
 
 
-class OperationTargetSerializer(serializers.ModelSerializer):
+class OperationTargetSerializer(StrictModelSerializer):
     worker_name = serializers.CharField(source="worker.name", read_only=True)
 
     class Meta:
@@ -32,7 +33,7 @@ class OperationTargetSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class OperationSerializer(serializers.ModelSerializer):
+class OperationSerializer(StrictModelSerializer):
     targets = OperationTargetSerializer(many=True, read_only=True)
     drain_on_retry = serializers.SerializerMethodField(
         help_text="Worker ids whose targets failed by staying busy past the idle timeout, undrained, with a "
@@ -76,7 +77,7 @@ class OperationSerializer(serializers.ModelSerializer):
         return [t.worker_id for t in op.targets.all() if t.state == "failed" and drain_would_help(t)]
 
 
-class OperationCreateSerializer(serializers.Serializer):
+class OperationCreateSerializer(StrictSerializer):
     kind = serializers.ChoiceField(choices=OperationKind.choices)
     workers = serializers.PrimaryKeyRelatedField(queryset=EngineWorker.objects.all(), many=True)
     policy = serializers.ChoiceField(choices=Policy.choices, default=Policy.BEST_EFFORT)
@@ -98,11 +99,11 @@ class OperationCreateSerializer(serializers.Serializer):
     )
 
 
-class CancelSerializer(serializers.Serializer):
+class CancelSerializer(StrictSerializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="")
 
 
-class PreviewRowSerializer(serializers.Serializer):
+class PreviewRowSerializer(StrictSerializer):
     worker_id = serializers.IntegerField()
     name = serializers.CharField()
     url = serializers.CharField()

@@ -1,10 +1,11 @@
 from rest_framework import serializers
 
+from controlplane.core.serializers import StrictModelSerializer, StrictSerializer
 from controlplane.inventory.models import Router
 from controlplane.rebalance.models import Approval, Rebalance, RebalanceStep
 
 
-class RebalanceStepSerializer(serializers.ModelSerializer):
+class RebalanceStepSerializer(StrictModelSerializer):
     worker_name = serializers.CharField(source="worker.name", read_only=True)
     devices = serializers.IntegerField(
         source="worker.tp_size",
@@ -41,7 +42,7 @@ class RebalanceStepSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class RebalanceSerializer(serializers.ModelSerializer):
+class RebalanceSerializer(StrictModelSerializer):
     router_name = serializers.CharField(source="router.name", read_only=True)
     before = serializers.SerializerMethodField()
     target = serializers.SerializerMethodField()
@@ -99,16 +100,9 @@ class RebalanceSerializer(serializers.ModelSerializer):
         return sum(step.worker.tp_size for step in obj.steps.all())
 
 
-class TargetSerializer(serializers.Serializer):
+class TargetSerializer(StrictSerializer):
     prefill = serializers.IntegerField(min_value=1, max_value=10000)
     decode = serializers.IntegerField(min_value=1, max_value=10000)
-
-    def to_internal_value(self, data):
-        """Refuses keys other than prefill/decode (a typo would otherwise be ignored silently)."""
-        unknown = sorted(set(data) - set(self.fields)) if isinstance(data, dict) else []
-        if unknown:
-            raise serializers.ValidationError({k: ["unknown field (prefill, decode)"] for k in unknown})
-        return super().to_internal_value(data)
 
 
 def _positive(value: float) -> None:
@@ -116,7 +110,7 @@ def _positive(value: float) -> None:
         raise serializers.ValidationError("must be greater than 0 (seconds)")
 
 
-class SloSerializer(serializers.Serializer):
+class SloSerializer(StrictSerializer):
     """The soak's p90 latency limits, seconds, each > 0 and at most 3600 (null: the router's SLO)."""
 
     max_ttft_s = serializers.FloatField(
@@ -135,7 +129,7 @@ class SloSerializer(serializers.Serializer):
     )
 
 
-class RebalanceCreateSerializer(serializers.Serializer):
+class RebalanceCreateSerializer(StrictSerializer):
     router = serializers.PrimaryKeyRelatedField(queryset=Router.objects.all())
     target = TargetSerializer()
     approval = serializers.ChoiceField(choices=Approval.choices, default=Approval.AUTO)
@@ -146,5 +140,5 @@ class RebalanceCreateSerializer(serializers.Serializer):
     slo = SloSerializer(required=False)
 
 
-class ActionSerializer(serializers.Serializer):
+class ActionSerializer(StrictSerializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)

@@ -1,9 +1,11 @@
 from rest_framework import serializers
 
+from controlplane.core.serializers import StrictSerializer
+
 INT_MAX = 2**63 - 1  # BigAutoField
 
 
-class MetricsIngestSerializer(serializers.Serializer):
+class MetricsIngestSerializer(StrictSerializer):
     worker = serializers.IntegerField(min_value=1, max_value=INT_MAX, required=False, help_text="worker id")
     worker_url = serializers.URLField(required=False)
     text = serializers.CharField(
@@ -23,7 +25,7 @@ class MetricsIngestSerializer(serializers.Serializer):
         return attrs
 
 
-class SampleSerializer(serializers.Serializer):
+class SampleSerializer(StrictSerializer):
     ts = serializers.FloatField()
     worker_id = serializers.IntegerField()
     seq = serializers.IntegerField()

@@ -249,10 +249,17 @@ def test_agent_register_stores_cpu_count_and_memory_bytes(api_as, agent_for):
     assert Host.objects.get(name="gpu-2").memory_bytes == 2_164_372_918_272
     assert AuditEvent.objects.filter(action="register", object_type="inventory.host").count() == 2
 
-    # A host added by hand has neither; the fields are read-only there (the agent measures them).
-    by_hand = api_as("operator").post(
+    # A host added by hand has neither; the fields are read-only there (the agent measures them): sending
+    # them is a 400 naming each, and nothing is created.
+    refused = api_as("operator").post(
         "/api/v1/inventory/hosts/", {"name": "gpu-3", "cpu_count": 8, "memory_bytes": 1}, format="json"
     )
+    assert refused.status_code == 400 and refused.json()["error"]["detail"] == {
+        "cpu_count": ["read-only field; it cannot be written"],
+        "memory_bytes": ["read-only field; it cannot be written"],
+    }
+    assert not Host.objects.filter(name="gpu-3").exists()
+    by_hand = api_as("operator").post("/api/v1/inventory/hosts/", {"name": "gpu-3"}, format="json")
     assert by_hand.status_code == 201
     assert (by_hand.json()["cpu_count"], by_hand.json()["memory_bytes"]) == (None, None)
     agent_for("gpu-4").post(

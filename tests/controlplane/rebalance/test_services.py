@@ -133,7 +133,7 @@ def test_api_refusals_name_the_field_and_a_second_rebalance_is_409(api_as):
     assert bad.status_code == 400 and "target" in bad.json()["error"]["detail"]
     bad = post({"router": pd_router.pk, "target": {"prefill": 1, "decode": 2, "extra": 3}})
     assert bad.status_code == 400 and bad.json()["error"]["detail"] == {
-        "target": {"extra": ["unknown field (prefill, decode)"]}
+        "target": {"extra": ["unknown field; known: decode, prefill"]}
     }
     bad = post({"router": pd_router.pk, "target": {"prefill": 1, "decode": 2}, "approval": "sometimes"})
     assert bad.status_code == 400 and "approval" in bad.json()["error"]["detail"]
