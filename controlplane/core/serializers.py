@@ -6,7 +6,10 @@ On a write (a JSON object body, or a nested object such as a rebalance's ``slo``
 
 - a key the serializer does not know: ``{"max_ttft": ["unknown field; did you mean 'max_ttft_s'?"]}`` (the
   closest real field by :func:`difflib.get_close_matches`, else the list of fields);
-- a read-only field: ``{"cpu_count": ["read-only field; it cannot be written"]}``.
+- a read-only field: ``{"cpu_count": ["read-only field; it cannot be written"]}``;
+- a boolean that is not JSON ``true``/``false`` (DRF would take ``"yes"``, ``"1"``, ``1``):
+  ``{"drain": ["must be a JSON boolean (true or false), got 'yes'"]}``. Query strings and form posts carry
+  only text, so there ``true``/``false`` (DRF's spellings) stay accepted.
 
 Nothing is written when the body is refused: validation runs before any service call.
 """
@@ -37,7 +40,7 @@ def unknown_key_errors(data: Mapping, known: Iterable[str], what: str = "field")
 
 
 class StrictMixin:
-    """Refuses unknown keys and read-only fields in the body (see the module doc)."""
+    """Refuses unknown keys, read-only fields and non-JSON booleans in the body (see the module doc)."""
 
     def to_internal_value(self, data):
         if isinstance(data, Mapping):
@@ -57,6 +60,10 @@ class StrictMixin:
                 errors[key] = ["read-only field; it cannot be written"]
             elif key not in writable and not (is_form and key in FORM_KEYS):
                 errors[key] = [f"unknown field; {closest_hint(key, writable)}"]
+            elif not is_form and isinstance(fields[key], serializers.BooleanField):
+                value = data[key]
+                if not isinstance(value, bool) and not (value is None and fields[key].allow_null):
+                    errors[key] = [f"must be a JSON boolean (true or false), got {value!r}"]
         return errors
 
 

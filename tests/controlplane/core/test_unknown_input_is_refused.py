@@ -1,11 +1,12 @@
 """Strict input (controlplane/core/serializers.py, core/filters.py): an unknown or mistyped body key, a
-read-only field or an unknown list filter is a 400 ``validation_error`` naming it (and the
+read-only field, a non-JSON boolean or an unknown list filter is a 400 ``validation_error`` naming it (and the
 closest real field), and nothing is written; a PATCH that changes nothing writes no audit record."""
 
 import pytest
 from cp_factories import ConfigProfileFactory, EngineWorkerFactory, HostFactory, RouterFactory
 
 from controlplane.audit.models import AuditEvent
+from controlplane.operations.models import Operation
 from controlplane.rebalance.models import Rebalance
 
 pytestmark = pytest.mark.django_db
@@ -112,3 +113,30 @@ def test_an_unknown_config_content_key_names_the_closest_config_field(api_as):
     assert error["detail"] == {
         "content": {"prefetch_treshold": ["unknown config field; did you mean 'prefetch_threshold'?"]}
     }
+
+
+@pytest.mark.parametrize("value", ["yes", "true", 1, 0, None])
+def test_an_operation_drain_must_be_a_json_boolean(api_as, value):
+    worker = EngineWorkerFactory()
+    body = {"kind": "detach", "workers": [worker.pk], "reason": "test", "drain": value}
+    detail = refused(api_as("operator").post("/api/v1/operations/", body, format="json"))
+    assert detail == {"drain": [f"must be a JSON boolean (true or false), got {value!r}"]}
+    assert not Operation.objects.exists()
+
+
+def test_a_rebalance_rollback_must_be_a_json_boolean(api_as):
+    router = RouterFactory(mode="pd")
+    body = {"router": router.pk, "target": TARGET, "rollback": "no"}
+    detail = refused(api_as("operator").post("/api/v1/rebalances/", body, format="json"))
+    assert detail == {"rollback": ["must be a JSON boolean (true or false), got 'no'"]}
+    assert not Rebalance.objects.exists()
+
+
+def test_a_query_string_boolean_keeps_its_text_spelling(api_as):
+    got = api_as("viewer").get(
+        "/api/v1/capacity/sizing/?bytes_per_token=1000&max_total_tokens=1000&enable_hierarchical_cache=true"
+    )
+    assert got.status_code == 200, got.json()
+    assert "enable_hierarchical_cachee" in refused(
+        api_as("viewer").get("/api/v1/capacity/sizing/?bytes_per_token=1000&enable_hierarchical_cachee=true")
+    )
