@@ -5,16 +5,21 @@ Server -> client: control.subscribed {groups, joined, left}, control.error {mess
 envelope of the joined groups, forwarded verbatim.
 
 Access follows the REST roles (``GROUP_READ_ROLES``, the read roles of the endpoints that serve the same
-data): anonymous sockets are closed with 4401 before accept, a role that may read no group (agent) with
-4403; a group the role may not read is refused with control.error. A socket opened with ``?token=`` is
-closed with 4401 when that token is revoked (``token_revoke`` sends ``control.revoked`` to its
-``token.<prefix>`` group) and re-checked on every subscribe (expiry). Every socket is also closed with 4401
-when its user is deactivated or deleted (``user.<id>`` group), and a console socket when its session logs
-out (``session.<digest>`` group; ``controlplane.accounts.signals``); a subscribe re-checks that the user
-is still active.
+data): an anonymous socket is accepted and closed at once with 4401, a role that may read no group (agent)
+with 4403 (closing before the accept would make the server answer the handshake with a bare HTTP 403, and
+the client would never see the code); a group the role may not read is refused with control.error. A
+socket opened with ``?token=`` is closed with 4401 when that token is revoked (``token_revoke`` sends
+``control.revoked`` to its ``token.<prefix>`` group) and re-checked on every subscribe (expiry). Every
+socket is also closed with 4401 when its user is deactivated or deleted (``user.<id>`` group), and a console
+socket when its session logs out (``session.<digest>`` group; ``controlplane.accounts.signals``); a
+subscribe re-checks that the user is still active.
+
+A message that is not a JSON text frame (a typo, a binary frame) is answered with ``control.error`` naming
+the problem; the socket stays open and keeps its groups.
 """
 
 import asyncio
+import json
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
@@ -26,6 +31,7 @@ from controlplane.accounts.selectors import user_role
 from controlplane.core.events import GROUP_PATTERN, envelope, session_group, token_group, user_group
 
 MAX_GROUPS = 300
+SUBSCRIBE_HINT = 'send {"action": "subscribe", "groups": [...]}'
 JOIN_CONCURRENCY = 8  # group joins/leaves of one subscribe in flight at once
 # Group kind -> roles that may read it: the same as REST (/telemetry/*, /inventory/workers, /inventory/alerts,
 # /operations, /rebalances).
@@ -72,11 +78,11 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
-            await self.close(code=4401)
+            await self.refuse(4401)
             return
         self.role = await _role_of(user)
         if not any(self.role in roles for roles in GROUP_READ_ROLES.values()):
-            await self.close(code=4403)
+            await self.refuse(4403)
             return
         self.groups_joined: set[str] = set()
         self.token = self.scope.get("api_token")
@@ -85,9 +91,29 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
 
+    async def refuse(self, code: int) -> None:
+        """Accept, then close with ``code``: a close before the accept reaches the client as HTTP 403."""
+        await self.accept()
+        await self.close(code=code)
+
     async def disconnect(self, code):
         for group in getattr(self, "groups_joined", set()) | set(getattr(self, "control_groups", [])):
             await self.channel_layer.group_discard(group, self.channel_name)
+
+    async def receive(self, text_data=None, bytes_data=None, **kwargs):
+        """Decodes a JSON text frame for :meth:`receive_json`; anything else gets ``control.error``."""
+        if text_data is None:
+            await self.send_error("binary frame: send JSON text frames")
+            return
+        try:
+            content = await self.decode_json(text_data)
+        except json.JSONDecodeError as exc:
+            await self.send_error(f"not JSON ({exc.msg} at character {exc.pos}): {SUBSCRIBE_HINT}")
+            return
+        await self.receive_json(content, **kwargs)
+
+    async def send_error(self, message: str) -> None:
+        await self.send_json(envelope("control.error", {"message": message}))
 
     async def receive_json(self, content, **kwargs):
         token_id = self.token.pk if self.token is not None else None
@@ -100,9 +126,7 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             or content.get("action") != "subscribe"
             or not isinstance(groups, list)
         ):
-            await self.send_json(
-                envelope("control.error", {"message": 'send {"action": "subscribe", "groups": [...]}'})
-            )
+            await self.send_error(SUBSCRIBE_HINT)
             return
         bad = [g for g in groups if not isinstance(g, str) or not GROUP_PATTERN.match(g)]
         if bad or len(groups) > MAX_GROUPS:
