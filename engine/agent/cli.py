@@ -1,10 +1,13 @@
-"""``kvfleet-agent`` (``python -m engine.agent``): run | status | drain.
+"""``kvfleet-agent`` (``python -m engine.agent``): run | status | drain | undrain | check-isolation.
 
 - ``run --control-plane URL --token TOKEN --spec fleet.toml``: supervise the spec's workers and report them.
 - ``status --spec fleet.toml``: one row per worker: supervisor state, restarts, idle, running/waiting requests
   and cached tokens per tier (device/host/storage) read live from the worker.
 - ``drain WORKER --control-plane URL --token TOKEN``: the control plane takes the worker out of its router
-  (``POST /api/v1/inventory/workers/{id}/drain/``, operator token), then wait until the worker is idle.
+  (``POST /api/v1/inventory/workers/{id}/drain/``, operator token), then wait until the worker is idle
+  (``--timeout`` seconds, > 0). A drain that times out leaves the worker out of its router, and says so.
+- ``undrain WORKER --control-plane URL --token TOKEN``: put the worker back into its router
+  (``POST .../undrain/``): the way back from a drain.
 - ``check-isolation URL [--api-key-file FILE] [--words N] [--json]``: the cache isolation self-test
   (``engine.agent.isolation``): same prompt, two salts → no reuse; same salt → reuse; both TTFTs. Exit 0
   when isolated, 1 when not, inconclusive (a router with more than one worker) or the worker failed; URL
@@ -12,13 +15,15 @@
 
 ``--control-plane``, ``--token`` and ``--token-file`` default to ``$KVFLEET_CONTROL_PLANE``,
 ``$KVFLEET_AGENT_TOKEN`` and ``$KVFLEET_AGENT_TOKEN_FILE``.
-Errors (an unknown flag, named before any missing required one; bad spec, missing flag, control plane
-refusal) print one line and exit 2 (usage) or 1; a bad spec starts nothing.
+Errors (an unknown flag, named before any missing required one, with the closest real one; an unknown
+command, with the closest real one; bad spec, missing flag, control plane refusal) print one line and exit
+2 (usage) or 1; a bad spec starts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
@@ -38,6 +43,17 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
+
+
+def positive_seconds(text: str) -> float:
+    """``--timeout``'s type: a number of seconds > 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     drain = sub.add_parser("drain", help="take a worker out of its router and wait until it is idle")
     drain.add_argument("worker", help="worker name as registered")
     control_plane_flags(drain)
-    drain.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for idle")
+    drain.add_argument(
+        "--timeout", type=positive_seconds, default=300.0, help="seconds to wait for idle (> 0, default 300)"
+    )
+    undrain = sub.add_parser("undrain", help="put a drained worker back into its router")
+    undrain.add_argument("worker", help="worker name as registered")
+    control_plane_flags(undrain)
     iso = sub.add_parser("check-isolation", help="same prompt, two salts: no reuse; same salt: reuse")
     iso.add_argument("url", help="the worker's (or its router's) base URL")
     iso.add_argument("--api-key", default=None, help="bearer key (prefer --api-key-file or $KVFLEET_API_KEY)")
@@ -181,7 +202,8 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_drain(args) -> int:
+def _worker_call(args, action: str) -> tuple[dict, dict]:
+    """Find worker ``args.worker`` by name and POST its ``action`` (drain / undrain): (worker, answer)."""
     client = _require_control_plane(args)
     try:
         page = client.call("GET", "/api/v1/inventory/workers/", params={"q": args.worker, "limit": 500})
@@ -189,11 +211,15 @@ def cmd_drain(args) -> int:
         if not matches:
             raise CliError(f"no worker named {args.worker!r} at {client.base_url}")
         worker = matches[0]
-        out = client.call("POST", f"/api/v1/inventory/workers/{worker['id']}/drain/")
+        return worker, client.call("POST", f"/api/v1/inventory/workers/{worker['id']}/{action}/")
     except ControlPlaneRejected as exc:
         raise CliError(f"control plane refused: {exc}") from None
     except ControlPlaneDown as exc:
         raise CliError(f"control plane unreachable at {client.base_url}: {exc}") from None
+
+
+def cmd_drain(args) -> int:
+    worker, out = _worker_call(args, "drain")
     print(f"{args.worker}: {'removed from' if out['removed'] else 'was not in'} router {out['router']}")
     start = time.monotonic()
     while True:
@@ -205,16 +231,39 @@ def cmd_drain(args) -> int:
             detail = "unreachable"
             if info is not None:
                 detail = f"{info.get('num_running_reqs')} running, {info.get('num_waiting_reqs')} waiting"
-            raise CliError(f"{args.worker} not idle after {args.timeout:.0f}s ({detail})")
+            raise CliError(
+                f"{args.worker} not idle after {args.timeout:g}s ({detail}); it stays out of router "
+                f"{out['router']}: put it back with `kvfleet-agent undrain {args.worker}`"
+            )
         time.sleep(0.5)
 
 
+def cmd_undrain(args) -> int:
+    _, out = _worker_call(args, "undrain")
+    print(f"{args.worker}: {'added to' if out['added'] else 'already in'} router {out['router']}")
+    return 0
+
+
+def check_command(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """An unknown command is a usage error naming the closest real one (argparse lists them all)."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first is None or first in commands:
+        return
+    close = difflib.get_close_matches(first, list(commands), n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}?" if close else f"commands: {', '.join(commands)}"
+    parser.error(f"unknown command {first!r}; {hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(build_parser(), argv)
+    parser = build_parser()
+    check_command(parser, sys.argv[1:] if argv is None else argv)
+    args = parse_args(parser, argv)
     handler = {
         "run": cmd_run,
         "status": cmd_status,
         "drain": cmd_drain,
+        "undrain": cmd_undrain,
         "check-isolation": cmd_check_isolation,
     }[args.command]
     try:

@@ -37,6 +37,7 @@ the line and the field.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -242,7 +243,7 @@ def load_spec(path: str | os.PathLike, environ: dict | None = None) -> FleetSpec
     for key, value in agent.items():
         err = error_at("agent", None, key)
         if key not in AGENT_KEYS:
-            raise err(f"unknown field (known: {', '.join(sorted(AGENT_KEYS))})")
+            raise err(f"unknown field; {_closest(key, AGENT_KEYS)}")
         if isinstance(value, bool) or not isinstance(value, AGENT_KEYS[key]):
             raise err(f"has the wrong type: {value!r}")
     agent = {k: expand(v, k, error_at("agent", None, k)) for k, v in agent.items()}
@@ -285,6 +286,15 @@ def load_spec(path: str | os.PathLike, environ: dict | None = None) -> FleetSpec
     )
 
 
+def _closest(key: str, known, otherwise: str | None = None) -> str:
+    """``"did you mean 'x'?"`` for the closest of ``known`` to ``key``, else ``otherwise`` (default: the
+    ``known`` keys listed)."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    return otherwise or f"known: {', '.join(sorted(known))}"
+
+
 def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> WorkerSpec:  # noqa: C901
     if not isinstance(raw, dict):
         raise error_at("workers", i, None)("must be a table")
@@ -298,8 +308,9 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
         if key in WORKER_META_KEYS or key == "disaggregation_mode":
             continue
         if key in _RESERVED_ARGS or key not in actions:
-            known = ", ".join(sorted(k for k in actions if k not in _RESERVED_ARGS))
-            raise err(f"unknown field (worker keys: name, model, role, url, env and the launch args {known})")
+            known = [*WORKER_META_KEYS, *(k for k in actions if k not in _RESERVED_ARGS)]
+            hint = _closest(key, known, "worker keys: name, model, role, url, env and its launch args")
+            raise err(f"unknown field; {hint}")
         if isinstance(value, dict):
             value = {sub: expand(v, sub, error_at("workers", i, key, sub)) for sub, v in value.items()}
         else:

@@ -1,10 +1,14 @@
-"""CLI without a control plane: `status` of workers that are not running; usage errors name the flag."""
+"""CLI: `status` of workers that are not running; usage errors name the flag or command and the closest
+real one; a drain that times out says how to undo it and `undrain` does (against a real HTTP stand-in of the
+control plane and a busy worker)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -125,3 +129,78 @@ def test_help_shows_the_required_spec_as_required(command, capsys):
     assert exc.value.code == 0
     usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
     assert " --spec SPEC " in f"{usage} " and "[--spec SPEC]" not in usage
+
+
+@pytest.mark.parametrize(
+    ("command", "closest"), [("stats", "status"), ("drian", "drain"), ("undran", "undrain")]
+)
+def test_an_unknown_command_names_the_closest_one(command, closest, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "w0"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"kvfleet-agent: error: unknown command {command!r}; did you mean {closest!r}?"
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_drain_refuses_a_timeout_that_is_not_positive(value, capsys):
+    # refused before any call: the control plane URL has nothing listening
+    with pytest.raises(SystemExit) as exc:
+        main(["drain", "w0", f"--timeout={value}", "--control-plane", "http://127.0.0.1:9", "--token", "t"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --timeout: must be a number of seconds > 0" in err
+
+
+class _ControlPlane(BaseHTTPRequestHandler):
+    """The control plane's worker list, drain and undrain for worker 7 ("w0", at this server's /w0), and
+    the worker's /server_info: always busy."""
+
+    posts: list[str] = []
+
+    def _json(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802
+        if self.path.startswith("/api/v1/inventory/workers/"):
+            url = f"http://127.0.0.1:{self.server.server_port}/w0"
+            return self._json({"results": [{"id": 7, "name": "w0", "url": url}]})
+        return self._json({"is_idle": False, "num_running_reqs": 2, "num_waiting_reqs": 1})
+
+    def do_POST(self):  # noqa: N802
+        self.posts.append(self.path)
+        if self.path.endswith("/undrain/"):
+            return self._json({"worker": 7, "router": "http://router", "added": True})
+        return self._json({"worker": 7, "router": "http://router", "removed": True})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def control_plane():
+    _ControlPlane.posts = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ControlPlane)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", _ControlPlane.posts
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_drain_that_times_out_says_how_to_undo_it_and_undrain_does(control_plane, capsys):
+    url, posts = control_plane
+    flags = ["--control-plane", url, "--token", "t"]
+    assert main(["drain", "w0", "--timeout", "0.1", *flags]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "kvfleet-agent drain: error: w0 not idle after 0.1s (2 running, 1 waiting); it stays out of router "
+        "http://router: put it back with `kvfleet-agent undrain w0`"
+    )
+    assert main(["undrain", "w0", *flags]) == 0
+    assert capsys.readouterr().out.strip() == "w0: added to router http://router"
+    assert posts == ["/api/v1/inventory/workers/7/drain/", "/api/v1/inventory/workers/7/undrain/"]

@@ -95,6 +95,10 @@ BAD = [
     ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\nhicache_ratio = \n", 5, "toml", "Invalid value"),
     ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\nbogus_flag = 3\n", 5, "workers[0].bogus_flag",
      "unknown field"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\nhicache_ration = 3\n", 5,
+     "workers[0].hicache_ration", "unknown field; did you mean 'hicache_ratio'?"),
+    ("[agent]\nheartbeat_interval = 3\n\n[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\n", 2,
+     "agent.heartbeat_interval", "unknown field; did you mean 'heartbeat_interval_s'?"),
     ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\n\n[[workers]]\nname = \"w1\"\nmodel = \"m\"\n"
      "port = 2\nhicache_ratio = \"lots\"\n", 10, "workers[1].hicache_ratio", "invalid float value: 'lots'"),
     ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nrole = \"leader\"\nport = 1\n", 4, "workers[0].role",
