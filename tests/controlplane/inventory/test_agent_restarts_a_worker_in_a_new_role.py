@@ -64,7 +64,7 @@ max_total_tokens = 1024
     try:
 
         def worker():
-            rows = api.get("/api/v1/inventory/workers/", params={"name": "pd0"}).json()["results"]
+            rows = api.get("/api/v1/inventory/workers/", params={"q": "pd0"}).json()["results"]
             return rows[0] if rows and rows[0]["state"] == "online" else None
 
         registered = _poll("the agent to register pd0", worker)
