@@ -116,7 +116,7 @@ def test_storage_page_counts_workers_using_each_profile(client, personas):
 
     counts = {row["profile"].name: len(row["workers"]) for row in storage_usage()}
     assert counts == {"mc": 2, "files": 0, "files-b": 0}
-    assert "<code>m:1</code>" in client.get("/storage/").content.decode()
+    assert '<code class="addr">m:1</code>' in client.get("/storage/").content.decode()
 
 
 def test_storage_page_counts_backend_and_hicache_settings_apart(client, personas):
