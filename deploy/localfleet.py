@@ -466,10 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = {"now": False}
 
     def on_signal(*_):
+        if stop["now"]:  # a second signal (make passes its own on): the cleanup is already running
+            return
         stop["now"] = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     print(f"KVFleet demo: logs in {log_dir}", flush=True)
     try:
         with fleet:
