@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # The whole suite: lint (ruff, incl. size/complexity; mypy on the cache, scheduler and control-plane
-# services), then the tests: the control-plane tests on PostgreSQL when one answers at $POSTGRES_TEST_URL
-# (default postgres://postgres@127.0.0.1:5432/test), every other test (and, without PostgreSQL, those too)
-# on SQLite.
+# services), then the tests in three pytest sessions at once, by folder:
+#   servers       tests/server, tests/e2e (real engine, router and fleet processes), SQLite
+#   engine+ui     every other folder but tests/controlplane (in-process engine tests, browser tests), SQLite
+#   controlplane  tests/controlplane, on PostgreSQL when one answers at $POSTGRES_TEST_URL (default
+#                 postgres://postgres@127.0.0.1:5432/test), else on SQLite
+# Most of the real-process tests wait on their servers, so the sessions overlap well on 2 cores. The sessions
+# share nothing: each control-plane fixture set has its own Redis key prefix and Celery queue, each SQLite
+# test database is named by its process id. A session's output is printed when it ends; the run fails if
+# any session fails. Extra arguments go to every session (for example `-x` or `-k name`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
@@ -10,14 +16,44 @@ source scripts/services.sh
 .venv/bin/ruff format --check .
 .venv/bin/mypy engine/cache engine/scheduler controlplane/*/services*
 ensure_redis
+
 pg_url="${POSTGRES_TEST_URL:-postgres://postgres@127.0.0.1:5432/test}"
+cp_env=()
 if postgres_reachable "$pg_url"; then
-  # The control-plane tests run once, on PostgreSQL (production's database); the rest (the engine, the
-  # browser tests and the demo fleet, which run on SQLite as `make demo` does) on SQLite.
-  .venv/bin/python -m pytest --durations=20 --ignore=tests/controlplane "$@"
-  echo "== control-plane tests on PostgreSQL ($pg_url)"
-  DATABASE_URL="$pg_url" .venv/bin/python -m pytest --durations=10 tests/controlplane "$@"
+  cp_env=(DATABASE_URL="$pg_url")
+  cp_name="controlplane (PostgreSQL $pg_url)"
 else
   echo "== PostgreSQL not reachable at $pg_url: control-plane tests run on SQLite"
-  .venv/bin/python -m pytest --durations=20 "$@"
+  cp_name="controlplane (SQLite)"
 fi
+
+logs=$(mktemp -d)
+names=() pids=()
+start() {  # start NAME ENV... -- PYTEST ARGS...: one session in the background, output to $logs/N.log
+  local name=$1 envs=()
+  shift
+  while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+  shift
+  names+=("$name")
+  env "${envs[@]}" .venv/bin/python -m pytest "$@" >"$logs/${#names[@]}.log" 2>&1 &
+  pids+=($!)
+}
+start "servers" -- --durations=15 tests/server tests/e2e "$@"
+start "engine+ui" -- --durations=15 --ignore=tests/controlplane --ignore=tests/server --ignore=tests/e2e "$@"
+start "$cp_name" "${cp_env[@]}" -- --durations=10 tests/controlplane "$@"
+trap 'kill "${pids[@]}" 2>/dev/null; rm -rf "$logs"' EXIT
+
+failed=()
+for i in "${!pids[@]}"; do
+  rc=0
+  wait "${pids[$i]}" || rc=$?
+  echo "== ${names[$i]}: pytest exit $rc"
+  cat "$logs/$((i + 1)).log"
+  # 5 = nothing collected: expected in some sessions when arguments select tests (`-k name`)
+  if ((rc != 0)) && ! ((rc == 5 && $# > 0)); then failed+=("${names[$i]}"); fi
+done
+if ((${#failed[@]})); then
+  echo "== failed sessions: ${failed[*]}"
+  exit 1
+fi
+echo "== all test sessions passed"
