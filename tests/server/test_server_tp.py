@@ -21,6 +21,8 @@ import pytest
 from server_testlib import model_testlib
 
 from engine.bench.launcher import ServerProcess
+from engine.bench.outage import metric
+from engine.fleet.mooncake_master import MooncakeMaster
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210]]
 MAX_NEW = 6
@@ -223,3 +225,57 @@ def test_tp_lcm_size_lets_tp1_and_tp4_reuse_a_prefix_a_tp2_instance_wrote_to_l3(
         out, details = serve(tp, 4)
         assert out == written and details["storage"] >= 44, (tp, details)
     assert len(list((tmp_path / "l3").glob("*.bin"))) == shards  # what the readers cached was there already
+
+
+# upstream's HiCache + Mooncake deployment command (docs: HiCache best practices), flags unchanged
+UPSTREAM_MOONCAKE_TP8 = [
+    "--tp", "8", "--page-size", "64", "--enable-hierarchical-cache", "--hicache-ratio", "2",
+    "--hicache-mem-layout", "page_first_direct", "--hicache-io-backend", "direct",
+    "--hicache-storage-backend", "mooncake", "--hicache-write-policy", "write_through",
+    "--hicache-storage-prefetch-policy", "timeout",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # eight ranks start on a shared 2-core box
+def test_upstreams_mooncake_command_at_tp8_serves_an_l3_hit_with_the_tp1_output(gqa_model_dir):
+    """The command with only the module and the model changed (plus ``--enable-metrics`` to read the hit),
+    its Mooncake settings from upstream's environment variables, on a real ``mooncake_master``: tp 8 (each
+    of the 4 KV heads on two ranks) answers as a tp-1 worker, and once L1 and L2 are flushed the prompt
+    comes back from L3 (the storage metric) with the same output."""
+    prompt = [(13 * i + 1) % 300 + 10 for i in range(330)]  # 5 whole pages: above the 256-token threshold
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+    }
+
+    def generate(url: str) -> tuple[list[int], dict]:
+        r = httpx.post(f"{url}/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"], r.json()["meta_info"]["cached_tokens_details"]
+
+    with ServerProcess(["--model-path", str(gqa_model_dir), "--disable-fused-decode"]) as tp1:
+        expected, _ = generate(tp1.url)
+    with MooncakeMaster() as master:
+        env = {
+            "MOONCAKE_MASTER": master.master_address, "MOONCAKE_PROTOCOL": "tcp",
+            "MOONCAKE_TE_META_DATA_SERVER": master.metadata_url, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "256mb",
+            "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": "",
+        }  # fmt: skip
+        flags = ["--model-path", str(gqa_model_dir), *UPSTREAM_MOONCAKE_TP8, "--enable-metrics"]
+        with (
+            ServerProcess(flags, timeout=600, env=env) as server,
+            httpx.Client(base_url=server.url, timeout=300) as client,
+        ):
+            assert client.get("/server_info").json()["tp_size"] == 8
+            out, details = generate(server.url)
+            assert out == expected and details["storage"] == 0
+            stored = 5 * 64
+            for _ in range(10):  # a timed-out prefetch (loaded box) leaves part in L3: flush and ask again
+                _when_idle_flush(client)  # L1 and L2 emptied on every rank, the backups in L3 first
+                out, details = generate(server.url)
+                assert out == expected
+                if details["storage"] == stored:
+                    break
+            assert details["storage"] == stored, details
+            assert metric(server.url, "sglang:cached_tokens_total", cache_source="storage") >= stored
