@@ -254,5 +254,19 @@ def test_the_sizing_calculator_sizes_a_tp_workers_pools_per_rank(
         form.get_by_label("--tp-size").fill("1")
         form.get_by_role("button", name="Calculate").click()
         expect(page.get_by_test_id("sizing-caption")).to_have_text("Per worker")
+        # no L3 size entered, no hierarchical cache: those tiers are visibly absent ("—" with the reason),
+        # never "0" / "0 B"
+        l2, l3 = (page.locator("#sizing-table tbody tr").nth(i).locator("td") for i in (1, 2))
+        for i in (1, 2, 3):
+            expect(l3.nth(i)).to_have_text("—")
+            expect(l2.nth(i)).to_have_text("—")
+        expect(l3.nth(2)).to_have_attribute("title", re.compile("no L3 attached"))
+        expect(l2.nth(2)).to_have_attribute("title", re.compile("without --enable-hierarchical-cache"))
+        page.locator("#sizing-table").scroll_into_view_if_needed()
+        page.screenshot(path=str(tmp_path / "capacity-sizing-no-l3.png"), full_page=True)  # looked at by eye
+        form.get_by_label("L3 size (bytes)").fill(str(100 * 16 * 23040))  # 100 pages
+        form.get_by_role("button", name="Calculate").click()
+        expect(l3.nth(1)).to_have_text("1,600")
+        expect(l3.nth(2)).to_have_text("35.2 MiB")
         assert not errors
         browser.close()

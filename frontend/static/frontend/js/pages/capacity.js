@@ -224,12 +224,24 @@ KV.ready(function () {
       KV.$("#rank-note").textContent = r.per_rank ? "L1 and L2 are sized per rank" : "";
       var tbody = KV.$("#sizing-table tbody");
       tbody.textContent = "";
-      [["L1", r.l1_tokens, r.l1_bytes, w.l1_tokens], ["L2", r.l2_tokens, r.l2_bytes, w.l2_tokens], ["L3", r.l3_tokens, r.l3_bytes, null]].forEach(function (row) {
+      /* a tier that is not there (no L3 size entered: none attached or not measured; no L2 host pool without
+         --enable-hierarchical-cache) is visibly absent, never "0 B" */
+      var noL2 = !sizing.enable_hierarchical_cache.checked, noL3 = !(Number(sizing.l3_bytes.value) > 0);
+      var why = { L2: "no L2 host pool without --enable-hierarchical-cache",
+                  L3: "no L3 size entered: no L3 attached, or its size is not measured" };
+      var reports = "not reported by " + (w.name || "the worker");
+      [["L1", r.l1_tokens, r.l1_bytes, w.l1_tokens], ["L2", noL2 ? null : r.l2_tokens, noL2 ? null : r.l2_bytes, w.l2_tokens],
+       ["L3", noL3 ? null : r.l3_tokens, noL3 ? null : r.l3_bytes, null]].forEach(function (row) {
         var tr = document.createElement("tr");
         row.forEach(function (v, i) {
           var td = document.createElement("td");
           if (i) td.className = "num";
-          td.textContent = i === 0 ? v : v == null ? "–" : i === 2 ? KV.fmt(v, "bytes") : v.toLocaleString();
+          if (i && v == null) {
+            td.textContent = KV.ABSENT; td.classList.add("absent");
+            td.title = i === 3 ? (row[0] === "L3" ? "workers report no L3 size" : reports) : why[row[0]] || "not computed";
+          } else {
+            td.textContent = i === 0 ? v : i === 2 ? KV.fmt(v, "bytes") : v.toLocaleString();
+          }
           tr.appendChild(td);
         });
         tbody.appendChild(tr);
