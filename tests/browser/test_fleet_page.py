@@ -130,6 +130,9 @@ def test_the_workers_table_shows_each_workers_tp_and_the_gpus_its_ranks_hold(
         expect(tp2).to_have_attribute("title", "2 ranks on GPU 1, 2")
         expect(tp1).to_have_text("1")
         expect(tp1).to_have_attribute("title", "1 rank (no GPU reported)")
+        # a viewer cannot launch: no picking column, no "Launch on selected" (the API refuses its POSTs)
+        expect(page.locator("#workers input[type=checkbox]")).to_have_count(0)
+        expect(page.locator("#launch-selected")).to_have_count(0)
         page.screenshot(path=str(tmp_path / "fleet.png"), full_page=True)
         page.locator("#workers").get_by_role("link", name="tp2-0").click()
         expect(page.get_by_test_id("devices")).to_have_text("GPU 1, 2 (rank 0 on GPU 1)")
@@ -140,6 +143,10 @@ def test_the_workers_table_shows_each_workers_tp_and_the_gpus_its_ranks_hold(
         expect(rows.nth(0)).to_contain_text("free")
         expect(rows.nth(2)).to_contain_text("tp2-0 rank 1")
         page.screenshot(path=str(tmp_path / "host.png"), full_page=True)
+        page.goto(asgi_server + "/operations/new/")  # typed in: the page says why there is no form
+        expect(page.get_by_test_id("read-only")).to_contain_text("Your role (viewer) can read operations")
+        expect(page.locator("#launch-form")).to_have_count(0)
+        page.screenshot(path=str(tmp_path / "launch-viewer.png"), full_page=True)
         assert not errors
         browser.close()
     print(f"screenshots in {tmp_path}")

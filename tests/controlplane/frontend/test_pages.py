@@ -27,6 +27,11 @@ def test_pages_render_and_gate_write_controls(client, personas, role):
         assert response.status_code == 200, url
     fleet = client.get("/").content.decode()
     assert ('id="launch-selected"' in fleet) is (role == "operator")
+    # a viewer gets no controls the API refuses it: no worker checkboxes, no launch form
+    assert ('id="select-all"' in fleet) is ('class="pick"' in fleet) is (role == "operator")
+    launch = client.get("/operations/new/").content.decode()
+    assert ('id="launch-form"' in launch) is ("launch.js" in launch) is (role == "operator")
+    assert ('data-testid="read-only"' in launch) is (role == "viewer")
     assert 'data-testid="role">' + role in fleet
     assert ">p50, last 5 min</th>" in fleet and "the requests of the last 5 minutes" in fleet  # their window
     operation = client.get("/operations/1/").content.decode()
