@@ -2,7 +2,9 @@
 storage); live data comes from /api/v1 and /ws/v1/events/ through the page's module in js/pages/."""
 
 from django.contrib.auth.decorators import login_required
+from django.http import HttpResponseServerError
 from django.shortcuts import get_object_or_404, render
+from django.template import loader
 from django.views.decorators.csrf import ensure_csrf_cookie
 
 from controlplane.accounts.permissions import WRITE_ROLES
@@ -13,7 +15,7 @@ from engine.server.contract import ADMISSIONS, EVICTION_POLICIES
 from frontend import selectors
 
 
-def _render(request, name: str, pk: int | None = None, **context):
+def _render(request, name: str, pk: int | None = None, status: int = 200, **context):
     role = user_role(request.user)
     return render(
         request,
@@ -26,7 +28,23 @@ def _render(request, name: str, pk: int | None = None, **context):
             "state_machines": selectors.state_machines(),
             **context,
         },
+        status=status,
     )
+
+
+def not_found(request):
+    """The console's 404 page, in its layout (``handler404`` outside ``/api/``, which answers JSON)."""
+    return _render(request, "404", status=404, request_path=request.path)
+
+
+def server_error(request):
+    """The console's 500 page, in its layout (``handler500`` outside ``/api/``). Rendered without the
+    request: no context processor, session or role read, since the database may be what failed; the
+    header shows no user."""
+    html = loader.get_template("frontend/500.html").render(
+        {"page": "500", "request_path": request.path, "request_id": getattr(request, "request_id", "")}
+    )
+    return HttpResponseServerError(html)
 
 
 @login_required

@@ -289,3 +289,45 @@ def test_the_console_offers_writes_exactly_to_the_roles_the_api_lets_write(clien
     status = api_as(role).post("/api/v1/operations/", {}, format="json").status_code
     assert status in (400, 403)
     assert offers_launch is (status == 400)
+
+
+def test_a_missing_page_is_the_consoles_404_and_the_api_keeps_json(client, personas):
+    """Outside /api/ a 404 is a page in the console's layout (header, navigation, who is logged in);
+    under /api/ it stays the JSON envelope."""
+    client.force_login(personas["viewer"][0])
+    for url in ("/no-such-page/", "/workers/999/"):  # no route; a route whose object is gone
+        response = client.get(url)
+        page = response.content.decode()
+        assert response.status_code == 404 and response["Content-Type"].startswith("text/html"), url
+        assert 'data-testid="not-found"' in page and f'<code class="addr">{url}</code>' in page
+        assert 'aria-label="Main"' in page and 'data-testid="role">viewer' in page  # the console's header
+    api = client.get("/api/v1/no-such-thing/")
+    assert (api.status_code, api["Content-Type"]) == (404, "application/json")
+    assert api.json()["error"]["code"] == "not_found"
+    client.logout()
+    page = client.get("/no-such-page/").content.decode()
+    assert 'data-testid="not-found"' in page and "Log out" not in page and ">Log in</a>" in page
+
+
+def test_a_console_error_is_the_consoles_500_and_the_api_keeps_json(personas, monkeypatch):
+    """An exception no view handled: the console's 500 page in its layout, with the request id; under
+    /api/ the JSON envelope."""
+    from django.test import Client
+
+    from controlplane.inventory.api import views as inventory_views
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("frontend.selectors.storage_usage", broken)
+    monkeypatch.setattr(inventory_views.HostViewSet, "get_queryset", broken)
+    client = Client(raise_request_exception=False)
+    client.force_login(personas["viewer"][0])
+    response = client.get("/storage/")
+    page = response.content.decode()
+    assert response.status_code == 500 and response["Content-Type"].startswith("text/html")
+    assert 'data-testid="server-error"' in page and 'aria-label="Main"' in page and "a bug" not in page
+    assert f'data-testid="request-id">{response["X-Request-ID"]}</code>' in page
+    api = client.get("/api/v1/inventory/hosts/")
+    assert (api.status_code, api["Content-Type"]) == (500, "application/json")
+    assert api.json()["error"]["code"] == "server_error"
