@@ -72,6 +72,8 @@ def fleet(request):
 @login_required
 @ensure_csrf_cookie
 def worker(request, pk: int):
+    from controlplane.telemetry.selectors import l3_health
+
     worker = get_object_or_404(
         EngineWorker.objects.select_related("host", "router", "storage_profile"), pk=pk
     )
@@ -92,6 +94,7 @@ def worker(request, pk: int):
         tenant_top_n=TENANT_TOP_N,
         latency_peers=selectors.latency_peers(worker=worker),
         profile=profile,
+        l3=l3_health(worker),  # the storage page's row of this worker: its auto-detach, in the same words
         master=selectors.storage_master(
             profile.extra_config if profile else hicache.get("hicache_storage_backend_extra_config")
         ),

@@ -197,41 +197,41 @@ def fleet_summary() -> dict:
 
 
 def storage_health() -> list[dict]:
-    """Each worker with an L3 backend or a breaker reading, by name: ``{worker, backend, state}`` (the
-    breaker in its newest sample: ``closed`` / ``half_open`` / ``open``, None without a reading) and
-    ``failed_calls_per_s`` (failed L3 calls per second over its last 10 s, `metrics.with_rates`),
-    ``failed_calls``, ``short_circuited``, ``dropped_backup_pages`` (counters since it started),
-    ``last_failure_at`` (an aware datetime of its last failed L3 call, None when none),
-    ``auto_detached_since`` (an aware datetime: the worker detached its L3 backend itself then and has not
-    re-attached it, ``auto_detach_after_s``; else None), ``auto_detaches`` (how often it did, None without
-    the setting), ``ts`` (the sample's time, epoch s)."""
+    """Each worker with an L3 backend or a breaker reading, by name: :func:`l3_health` of its newest
+    sample."""
     workers = [w for w in EngineWorker.objects.order_by("name")]
     latest = store.latest_many([w.pk for w in workers])
-    rows = []
-    for w in workers:
-        s = latest.get(w.pk) or {}
-        state = s.get("storage_breaker_state")
-        if not w.storage_backend and state is None:
-            continue
-        age = s.get("storage_breaker_last_failure_age_s")
-        out = s.get("storage_auto_detached_s")
-        rows.append(
-            {
-                "worker": w,
-                "backend": w.storage_backend,
-                "state": BREAKER_STATES[int(state)] if state is not None else None,
-                "failed_calls_per_s": s.get("storage_breaker_failed_calls_per_s"),
-                "failed_calls": s.get("storage_breaker_failed_calls_total"),
-                "short_circuited": s.get("storage_breaker_short_circuited_total"),
-                "dropped_backup_pages": s.get("storage_dropped_backup_pages_total"),
-                "last_failure_at": (
-                    datetime.fromtimestamp(s["ts"] - age, tz=UTC) if age is not None and s.get("ts") else None
-                ),
-                "auto_detached_since": (
-                    datetime.fromtimestamp(s["ts"] - out, tz=UTC) if out is not None and s.get("ts") else None
-                ),
-                "auto_detaches": s.get("storage_auto_detach_total"),
-                "ts": s.get("ts"),
-            }
-        )
-    return rows
+    rows = [l3_health(w, latest.get(w.pk) or {}) for w in workers]
+    return [r for r in rows if r["backend"] or r["state"] is not None]
+
+
+def l3_health(worker: EngineWorker, sample: dict | None = None) -> dict:
+    """A worker's L3 health in ``sample`` (default: its newest): ``{worker, backend, state}`` (the breaker:
+    ``closed`` / ``half_open`` / ``open``, None without a reading) and ``failed_calls_per_s`` (failed L3
+    calls per second over its last 10 s, `metrics.with_rates`), ``failed_calls``, ``short_circuited``,
+    ``dropped_backup_pages`` (counters since it started), ``last_failure_at`` (an aware datetime of its last
+    failed L3 call, None when none), ``auto_detached_since`` (an aware datetime: the worker detached its L3
+    backend itself then and has not re-attached it, ``auto_detach_after_s``; else None), ``auto_detaches``
+    (how often it did, None without the setting), ``ts`` (the sample's time, epoch s). The storage page's
+    rows and the worker page's L3 facts."""
+    s = (store.latest_many([worker.pk]).get(worker.pk) if sample is None else sample) or {}
+    state = s.get("storage_breaker_state")
+    age = s.get("storage_breaker_last_failure_age_s")
+    out = s.get("storage_auto_detached_s")
+    return {
+        "worker": worker,
+        "backend": worker.storage_backend,
+        "state": BREAKER_STATES[int(state)] if state is not None else None,
+        "failed_calls_per_s": s.get("storage_breaker_failed_calls_per_s"),
+        "failed_calls": s.get("storage_breaker_failed_calls_total"),
+        "short_circuited": s.get("storage_breaker_short_circuited_total"),
+        "dropped_backup_pages": s.get("storage_dropped_backup_pages_total"),
+        "last_failure_at": (
+            datetime.fromtimestamp(s["ts"] - age, tz=UTC) if age is not None and s.get("ts") else None
+        ),
+        "auto_detached_since": (
+            datetime.fromtimestamp(s["ts"] - out, tz=UTC) if out is not None and s.get("ts") else None
+        ),
+        "auto_detaches": s.get("storage_auto_detach_total"),
+        "ts": s.get("ts"),
+    }

@@ -109,8 +109,8 @@ def test_a_worker_that_detached_its_l3_itself_says_since_when_and_both_moves_are
     asgi_server, personas, monkeypatch
 ):
     """``auto_detach_after_s``: the engine's exporter over a real breaker and a real ``AutoDetach``; the
-    storage page's L3 health row says "detached automatically since ..." while out, and the detach and the
-    re-attach are system audit events."""
+    storage page's L3 health row and the worker page's L3 breaker say "detached automatically since ..."
+    while out, and the detach and the re-attach are system audit events."""
     from playwright.sync_api import expect, sync_playwright
 
     from controlplane.audit.models import AuditEvent
@@ -167,6 +167,12 @@ def test_a_worker_that_detached_its_l3_itself_says_since_when_and_both_moves_are
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / "storage-auto-detached.png"), full_page=True)
         assert serious_violations(page) == []
+        page.get_by_role("link", name="gpu-0").first.click()  # its worker page says the same, in its L3 facts
+        fact = page.get_by_test_id("breaker")
+        expect(fact.locator(".badge.s-open")).to_have_text("open")
+        expect(fact.get_by_test_id("auto-detached")).to_contain_text("detached automatically since")
+        expect(fact.get_by_test_id("auto-detached").locator("time")).to_have_attribute("datetime", since)
+        page.screenshot(path=str(SHOTS / "worker-auto-detached.png"), full_page=True)
         assert errors == []
         browser.close()
 

@@ -157,6 +157,10 @@ KV.ready(function () {
       KV.fmt(s.storage_breaker_short_circuited_total || 0, "count") + " skipped while open, " +
       KV.fmt(s.storage_dropped_backup_pages_total || 0, "count") + " backup pages dropped" +
       (state === "open" ? ": lookups miss and requests recompute until a probe succeeds" : "");
+    /* auto_detach_after_s: the worker detached its L3 itself (seconds ago in the sample), as the storage page says */
+    var out = s.storage_auto_detached_s, auto = KV.$("#breaker-auto");
+    auto.hidden = out == null || !s.ts;
+    if (!auto.hidden) KV.time.set(KV.$("#breaker-auto-since"), s.ts - out);
   }
   var TENANT_NAMES = JSON.parse((KV.$("#tenant-names") || {}).textContent || "{}");
   function tenantName(label) {
