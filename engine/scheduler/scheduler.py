@@ -237,7 +237,15 @@ class Scheduler:
 
     def require_idle(self, action: str) -> None:
         """Raise ``NotIdleError`` (upstream wording, then the counts; ``#http-req``: requests the HTTP server
-        accepted and has not answered, ``accepted``) unless idle."""
+        accepted and has not answered, ``accepted``) unless idle. At tp > 1 (every rank calls this at the
+        same point of its loop, for an admin message) the ranks agree through an all-reduce(min): one rank
+        with cache I/O in flight refuses the action on all, so none acts alone (a flush or role switch on
+        some ranks only would split their caches or transports)."""
+        if self.tp is not None and not self.tp.group.all_min([int(self.is_idle())])[0] and self.is_idle():
+            raise NotIdleError(
+                f"Reject {action}: scheduler is not idle. "
+                "another tensor-parallel rank is busy (cache I/O in flight there)"
+            )
         accepted = self._accepted
         if self._num_busy() or accepted:
             running = len(self.decode) + (self.prefill.chunked is not None)
