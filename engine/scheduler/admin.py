@@ -90,13 +90,40 @@ def switch_role(sched, new_role: str, make_transfer) -> None:
     ``make_transfer(new_role)``. An error from here on propagates with the worker left without a transport:
     the caller marks it unhealthy (no rollback, as upstream). A new decode is told the bootstrap port it
     served as a prefill, so a request the router sent here as its prefill fails at once.
+
+    At tp > 1 every rank runs this at the same point: the idle check agrees across the ranks, each rank
+    rebuilds its own transport (``make_transfer`` of its pool; rank 0 first, as at start-up), and the ranks
+    then agree that all of them succeeded, so one rank's failure fails the switch on every rank.
     """
     sched.require_idle("PD role switch")
     old = sched.pd.mgr.bootstrap_port if sched.pd.sends_kv else None
     sched.pd.close()
     sched.pd = None
     sched.cache.reset()
-    mgr = make_transfer(new_role)
+    if sched.tp is None:
+        mgr = make_transfer(new_role)
+    else:
+        mgr = _make_transfer_on_every_rank(sched.tp.group, make_transfer, new_role)
     if new_role == "decode" and old is not None:
         mgr.former_bootstrap_port = old
     sched.attach_pd(new_role, mgr)
+
+
+def _make_transfer_on_every_rank(group, make_transfer, new_role: str):
+    """This rank's new transport, once every rank has built its own; else every rank raises (this rank's
+    error, or one naming the rank that failed) with none left open."""
+    mgr, error = None, None
+    try:
+        mgr = make_transfer(new_role)
+    except Exception as exc:
+        error = exc
+    ok = group.all_min([int(error is None), group.rank if error is not None else group.size])
+    if ok[0]:
+        return mgr
+    if mgr is not None:
+        mgr.close()
+    if error is not None:
+        raise error
+    raise RuntimeError(
+        f"tensor-parallel rank {ok[1]} failed to build its {new_role} transport (its log says why)"
+    )

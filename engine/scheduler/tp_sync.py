@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.distributed import TPGroup
 from engine.grammar.state import GrammarState
 from engine.scheduler import admin
-from engine.scheduler.messages import AbortReq, AttachStorage
+from engine.scheduler.messages import AbortReq, AttachStorage, SwitchRole
 from engine.scheduler.req import Bootstrap, Req, ReqOutput
 from engine.scheduler.sampling_params import SamplingParams
 
@@ -77,9 +78,11 @@ def _discard(_: ReqOutput) -> None:
 class TPSync:
     """One rank's side of the per-iteration exchange; ``group.is_leader`` picks the side."""
 
-    def __init__(self, group: TPGroup, grammar=None) -> None:
+    def __init__(self, group: TPGroup, grammar=None, make_transfer: Callable | None = None) -> None:
         self.group = group
         self.grammar = grammar  # a follower's GrammarBackend (engine/grammar), for constrained requests
+        # a follower's ``make_transfer(role)`` (its own pool): builds its transport on a role switch
+        self.make_transfer = make_transfer
         self._taken: list[object] = []
 
     @property
@@ -102,6 +105,8 @@ class TPSync:
             if extra is None and getattr(msg.backend, "extra", None):
                 extra = json.dumps(msg.backend.extra)
             msg = AttachStorage(name, extra, msg.prefetch_policy, msg.write_policy)
+        elif isinstance(msg, SwitchRole):
+            msg = replace(msg, make_transfer=None)  # rank 0's builder holds its pool: each rank has its own
         self.group.broadcast_object(("more", False, [*self._taken, _Admin(msg, accepted)]))
         self._taken = []
 
@@ -127,8 +132,11 @@ class TPSync:
 
     def _run_admin(self, sched, item: _Admin) -> None:
         sched._accepted = item.accepted
+        msg = item.msg
+        if isinstance(msg, SwitchRole):
+            msg = replace(msg, make_transfer=self.make_transfer)
         try:
-            admin.handle(sched, item.msg)
+            admin.handle(sched, msg)
         except Exception as exc:  # rank 0 answers the client; its own outcome is the one reported
             logger.info("tp rank %d: admin message %r: %s", self.group.rank, item.msg, exc)
         finally:

@@ -431,11 +431,6 @@ def _validate_tp(args: ServerArgs) -> None:
     if args.tp_size > 1 and (args.encoder_only or args.language_only):
         flag = "--encoder-only" if args.encoder_only else "--language-only"
         raise ArgumentError(f"--tp-size {args.tp_size} with {flag}: EPD workers run with --tp-size 1")
-    if args.tp_size > 1 and args.enable_pd_role_switch:
-        raise ArgumentError(
-            f"--tp-size {args.tp_size} with --enable-pd-role-switch: a role switch rebuilds rank 0's "
-            "transfer only; PD workers that switch roles run with --tp-size 1 in this release"
-        )
 
 
 def _validate_pd(args: ServerArgs) -> None:

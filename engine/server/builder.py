@@ -10,7 +10,7 @@ defaults to 2048 tokens on cpu and 8192 on cuda; -1 turns it off. The context le
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -102,10 +102,19 @@ def pd_transfer(args: ServerArgs, pool: DeviceKVPool, group: TPGroup | None = No
         return None
     group = group or single_rank()
     if group.is_leader:
-        mgr = _kv_manager(args, pool, group, args.disaggregation_bootstrap_port)
+        try:
+            mgr = _kv_manager(args, pool, group, args.disaggregation_bootstrap_port)
+        except Exception as exc:
+            group.broadcast_object(f"{type(exc).__name__}: {exc}")  # the other ranks stop waiting for it
+            raise
         group.broadcast_object(mgr.bootstrap_port if args.disaggregation_mode == "prefill" else 0)
         return mgr
-    return _kv_manager(args, pool, group, group.broadcast_object(None))
+    port = group.broadcast_object(None)
+    if isinstance(port, str):
+        raise ArgumentError(
+            f"tensor-parallel rank 0 failed to build its {args.disaggregation_mode} transport: {port}"
+        )
+    return _kv_manager(args, pool, group, port)
 
 
 def _kv_manager(args: ServerArgs, pool: DeviceKVPool, group: TPGroup, bootstrap_port: int):
@@ -294,7 +303,9 @@ def build_follower(args: ServerArgs, rank: int, method: str) -> Scheduler:
         pd_mode=args.disaggregation_mode,
         pd_transfer=pd_transfer(args, r.pool, group),
         pd_decode_offload=args.disaggregation_decode_enable_offload_kvcache,
-        tp=TPSync(group, grammar),
+        tp=TPSync(
+            group, grammar, lambda role: pd_transfer(replace(args, disaggregation_mode=role), r.pool, group)
+        ),
     )
 
 

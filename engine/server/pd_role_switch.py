@@ -8,7 +8,9 @@ Body :class:`~engine.server.contract.PdRoleSwitchRequest` ``{"new_role": "prefil
 accepted and not answered yet counts, ``Scheduler.accepted``). Then the scheduler tears down the
 transport, releases the prefix cache and builds the new role's transport (``SwitchRole``); a
 failure there (e.g. the bootstrap port is taken when becoming a prefill) marks the worker unhealthy
-(``/health`` 503, new requests 503, restart required; no rollback, ``safe_to_restore`` false, 500). On success
+(``/health`` 503, new requests 503, restart required; no rollback, ``safe_to_restore`` false, 500). At
+``--tp-size`` > 1 every rank switches at once, each rebuilding its own transport, and the idle check and the
+outcome agree across the ranks (``engine.scheduler.admin.switch_role``). On success
 ``/server_info`` reports the new ``disaggregation_mode`` and, for a new prefill, its bootstrap port. Guarded
 by ``--api-key`` when set.
 """
@@ -64,7 +66,8 @@ async def pd_role_switch(request: Request):
         new_args = dataclasses.replace(args, disaggregation_mode=new)
         try:
             pool = engine.scheduler.pool
-            await engine.post(SwitchRole(new, lambda role: pd_transfer(new_args, pool)))
+            group = engine.scheduler.tp.group if engine.scheduler.tp is not None else None
+            await engine.post(SwitchRole(new, lambda role: pd_transfer(new_args, pool, group)))
         except NotIdleError as exc:
             return _answer(400, False, str(exc), old, new, True)
         except Exception as exc:

@@ -11,6 +11,7 @@ whose pages missed its share of the prompt's KV would answer differently.
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 from pathlib import Path
 
 import httpx
@@ -95,3 +96,44 @@ def test_pd_between_tp_sizes_equals_aggregated_token_for_token(
     outputs, d_log = _pd_outputs(gqa_model_dir, p_tp, d_tp, env)
     assert outputs == aggregated
     assert (STAGED in d_log) == staging
+
+
+def _pd_direct(p_url: str, d_url: str, bootstrap_port: int, ids: list[int], room: int) -> list[int]:
+    """One request sent to P and D with one room, as the router does; D's output."""
+    body = {"input_ids": ids, "sampling_params": SP, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap_port, "bootstrap_room": room}  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        on_p, on_d = pool.map(
+            lambda url: httpx.post(f"{url}/generate", json=body, timeout=300), (p_url, d_url)
+        )
+    assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
+    return on_d.json()["output_ids"]
+
+
+def test_pd_role_switch_at_tp2_flips_every_rank_and_serves_the_other_way(gqa_model_dir, aggregated):
+    """Two tp-2 workers swap roles through POST /pd_role_switch: every rank tears its transport down and
+    builds the other role's (rank 0 first, the prefill's ranks registering at its new bootstrap server),
+    and a PD request then runs the other way with the aggregated output. A switch rank 0 cannot make (its
+    new bootstrap port taken) fails on every rank and leaves the worker unhealthy."""
+    ports = [free_port(), free_port()]
+    pd = [*_flags(gqa_model_dir), "--disaggregation-transfer-backend", "mooncake", "--tp", "2"]
+    pd += ["--enable-pd-role-switch"]
+    a_flags = [*pd, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports[0])]
+    b_flags = [*pd, "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(ports[1])]
+    with ServerProcess(a_flags, START_S) as a, ServerProcess(b_flags, START_S) as b:
+        assert _pd_direct(a.url, b.url, ports[0], PROMPTS[0], 11) == aggregated[0]
+        for worker, new in ((a, "decode"), (b, "prefill")):
+            flip = httpx.post(f"{worker.url}/pd_role_switch", json={"new_role": new}, timeout=120)
+            assert flip.status_code == 200 and flip.json()["success"], flip.text
+            info = httpx.get(f"{worker.url}/server_info", timeout=10).json()
+            assert info["disaggregation_mode"] == new and info["tp_size"] == 2
+        assert _pd_direct(b.url, a.url, ports[1], PROMPTS[2], 12) == aggregated[2]
+        for worker in (a, b):
+            assert httpx.get(f"{worker.url}/health", timeout=10).status_code == 200
+            assert httpx.get(f"{worker.url}/server_info", timeout=10).json()["num_pd_transfer_reqs"] == 0
+        with socket.create_server(("", ports[0])):  # a's bootstrap port taken: rank 0 cannot become P
+            flip = httpx.post(f"{a.url}/pd_role_switch", json={"new_role": "prefill"}, timeout=120)
+        # rank 1 hears of rank 0's failure instead of waiting for its port: the switch fails, no hang
+        assert flip.status_code == 500 and flip.json()["safe_to_restore"] is False, flip.text
+        health = httpx.get(f"{a.url}/health", timeout=10)
+        assert health.status_code == 503 and "restart required" in health.text
