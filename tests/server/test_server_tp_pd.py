@@ -11,7 +11,9 @@ whose pages missed its share of the prompt's KV would answer differently.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -96,6 +98,65 @@ def test_pd_between_tp_sizes_equals_aggregated_token_for_token(
     outputs, d_log = _pd_outputs(gqa_model_dir, p_tp, d_tp, env)
     assert outputs == aggregated
     assert (STAGED in d_log) == staging
+
+
+@pytest.mark.timeout(1500)  # nine rank processes on a shared 2-core box
+@pytest.mark.parametrize(("p_tp", "d_tp", "staging"), [(8, 1, False), (1, 8, True)], ids=["P8-D1", "P1-D8"])
+def test_pd_with_replicated_kv_heads_equals_aggregated_token_for_token(
+    gqa_model_dir, aggregated, p_tp, d_tp, staging
+):
+    """tp 8 on 4 KV heads holds each head on two ranks. A tp-8 prefill sends each head once, from its first
+    replica (the other replicas join the room with an empty share); each rank of a tp-8 decode gets its one
+    head from the tp-1 prefill (here through the staging buffer)."""
+    env = {"SGLANG_DISAGG_STAGING_BUFFER": "1", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "4"} if staging else {}
+    outputs, d_log = _pd_outputs(gqa_model_dir, p_tp, d_tp, env)
+    assert outputs == aggregated
+    assert (STAGED in d_log) == staging
+
+
+def _generate_meta(url: str, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+    sp = {**SP, "max_new_tokens": max_new_tokens}
+    resp = httpx.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["output_ids"], resp.json()["meta_info"]["cached_tokens_details"]
+
+
+def _flush_when_idle(url: str) -> None:
+    """POST /flush_cache until it succeeds: a 400 while cache I/O (backups to L3) still runs."""
+    deadline = time.monotonic() + 120
+    while (resp := httpx.post(f"{url}/flush_cache", timeout=30)).status_code != 200:
+        assert "not idle" in resp.text and time.monotonic() < deadline, resp.text
+        time.sleep(0.1)
+
+
+def test_decode_offload_at_tp2_gives_the_next_turn_storage_hits_on_the_prefill(gqa_model_dir, tmp_path):
+    """P and D at tp 2 share a file L3; D (``--disaggregation-decode-enable-offload-kvcache``) caches turn 1's
+    prompt and answer, every rank backing its KV heads up under its shard's keys; with P's L1 and L2
+    flushed, turn 2's prefill on P finds all of it in L3 on both ranks and answers as aggregated."""
+    extra = json.dumps({"file_path": str(tmp_path / "l3"), "prefetch_threshold": 4})
+    l3 = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+          "--hicache-storage-backend-extra-config", extra,
+          "--hicache-storage-prefetch-policy", "wait_complete"]  # fmt: skip
+    pd = [*_flags(gqa_model_dir), *l3, "--disaggregation-transfer-backend", "mooncake", "--tp", "2"]
+    bp = free_port()
+    p_flags = [*pd, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp)]
+    d_flags = [*pd, "--disaggregation-mode", "decode", "--disaggregation-decode-enable-offload-kvcache"]
+    turn1 = [(7 * i + 3) % 300 + 10 for i in range(40)]
+    with (
+        ServerProcess(p_flags, START_S) as p,
+        ServerProcess(d_flags, START_S) as d,
+        RouterProcess(["--pd-disaggregation", "--prefill", p.url, str(bp), "--decode", d.url]) as router,
+    ):
+        answer, details = _generate_meta(router.url, turn1, 12)
+        assert details["storage"] == 0
+        _flush_when_idle(d.url)  # D's write-through reached L3 on both ranks
+        _flush_when_idle(p.url)  # P keeps nothing in L1 / L2
+        turn2 = turn1 + answer + [17, 18, 19, 20, 21]
+        out, details = _generate_meta(router.url, turn2, 6)
+        computed_by_d = len(turn1) + len(answer) - 1  # the last answer token's KV is never computed
+        assert details["storage"] == computed_by_d // 4 * 4 > len(turn1), details
+    with ServerProcess(_flags(gqa_model_dir), timeout=START_S) as agg:
+        assert out == _generate_meta(agg.url, turn2, 6)[0]
 
 
 def _pd_direct(p_url: str, d_url: str, bootstrap_port: int, ids: list[int], room: int) -> list[int]:
