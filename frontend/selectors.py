@@ -5,6 +5,8 @@ import math
 import time
 from collections import defaultdict
 
+from django.conf import settings
+
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
 from controlplane.inventory.selectors import router_breakers
 from controlplane.operations.models import TARGET_MACHINE
@@ -180,7 +182,8 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
 def rebalance_page(*, router: Router) -> dict:
     """The facts the rebalance page renders: the router, its prefill / decode counts (workers, and devices:
     the sum of their tp sizes), and (as page data for the page's module) its PD workers {id, name, role,
-    tp_size} and the SLOs the planner uses; ``gate_slo``: what a
+    tp_size} and the SLOs the planner uses; ``idle_timeout_s``: the start form's default (the API's);
+    ``gate_slo``: what a
     rebalance's soak gate checks when its POST sets no SLO (the router's own SLOs, never the planner's
     defaults), in words."""
     workers = list(
@@ -202,6 +205,7 @@ def rebalance_page(*, router: Router) -> dict:
         "devices": devices,
         "gate_slo": gate_slo,
         "page_data": page_data,
+        "idle_timeout_s": settings.REBALANCE_IDLE_TIMEOUT_S,  # what a POST without one gets
     }
 
 

@@ -146,7 +146,7 @@ KV.ready(function () {
     KV.fill(box, Object.assign({}, rb, {
       title: "#" + rb.id, change: split(rb.before) + " → " + split(rb.target) + " workers, moving " + rb.moved_devices + (rb.moved_devices === 1 ? " device" : " devices"),
       approval_text: rb.approval === "per_step" ? "each step (" + rb.approved_steps + " approved)" : "automatic",
-      soak_text: rb.soak_s + " s", rollback_text: rb.rollback ? "yes, the whole rebalance" : "no",
+      soak_text: rb.soak_s + " s", idle_timeout_text: rb.idle_timeout_s + " s", rollback_text: rb.rollback ? "yes, the whole rebalance" : "no",
       explanation: KV.readable(rb.explanation) || (rb.pause_requested ? "Pause requested." : rb.abort_requested ? "Abort requested." : "")
     }));
     rb.steps.forEach(putStep);
@@ -234,19 +234,22 @@ KV.ready(function () {
       var value = function (sel) { var v = KV.$(sel).value.trim(); return v === "" ? NaN : Number(v); };
       var target = { prefill: value("#target-prefill"), decode: value("#target-decode") };
       var now = rec ? rec.current_workers : { prefill: pool("prefill")(Date.now() / 1000).length, decode: pool("decode")(Date.now() / 1000).length };
-      var problem = targetProblem(target, now);
+      var idle = KV.$("#idle-timeout");  // the launch form's bounds, the API's: 0.1 to 3600 s
+      var problem = targetProblem(target, now) ||
+        (idle.checkValidity() ? "" : "Idle timeout: enter the seconds a worker may stay busy, from " + idle.min + " to " + idle.max + ".");
       if (problem) { showError(new Error(problem)); return; }
       clearError();
       KV.confirm({
         column: "Pool",
         title: "Start rebalance " + split(now) + " → " + split(target) + "?",
         text: "Workers move one at a time from donor to receiver role, " + (KV.$("#approval").value === "per_step" ? "each step after your approval" : "without further approval") +
-          "; a failed gate or a breached SLO rolls back.",
+          "; a busy worker is switched once idle (its step fails after " + idle.value + " s); a failed gate or a breached SLO rolls back.",
         confirmLabel: "Start rebalance",
         rows: ["prefill", "decode"].map(function (k) { return { worker: k, before: workersText(now[k]), after: workersText(target[k]) }; })
       }).then(function (ok) {
         if (!ok) return;
-        KV.api("POST", "/api/v1/rebalances/", { router: Number(KV.pk), target: target, approval: KV.$("#approval").value, reason: KV.$("#reason").value })
+        KV.api("POST", "/api/v1/rebalances/", { router: Number(KV.pk), target: target, approval: KV.$("#approval").value, reason: KV.$("#reason").value,
+                                           idle_timeout_s: Number(idle.value) })
           .then(function (r) { wanted = r.id; history.replaceState(null, "", "?rebalance=" + r.id); return loadList(); }).catch(showError);
       });
     });
