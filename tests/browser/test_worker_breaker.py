@@ -3,6 +3,7 @@ daphne. The worker's /metrics text is rendered by the engine's own exporter from
 (failing store calls open it, a later success closes it) and pushed through the agent API; each state
 change between two samples is one system audit event."""
 
+import re
 import time
 from pathlib import Path
 
@@ -59,6 +60,11 @@ def test_breaker_state_on_the_worker_page_and_its_moves_in_the_audit_log(asgi_se
         expect(fact.locator(".badge.s-open")).to_have_text("open")
         expect(fact).to_contain_text("2 failed L3 calls, 1 skipped while open")
         expect(fact).to_contain_text("requests recompute")
+        # chart times are the console's 24-hour format (KV.time), never uPlot's "6:11pm 12/3/26"
+        expect(page.locator("#chart-reqs")).to_have_attribute("data-points", "2")
+        ticks = page.evaluate("document.querySelector('#chart-reqs').kvChart.uplot.axes[0]._values")
+        assert ticks and all(re.fullmatch(r"\d\d:\d\d(:\d\d)?(\n\d{4}-\d\d-\d\d)?", t) for t in ticks), ticks
+        assert "\n" in ticks[0]  # the date under the first tick
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / "worker-breaker-open.png"), full_page=True)
         assert serious_violations(page) == []

@@ -4,7 +4,8 @@
    markers (a function returning [{ts, label}]: dashed vertical lines, e.g. the steps of a rebalance), gaps
    (bool: a null breaks the line; without it lines span nulls).
    xs are epoch seconds; ys one array per series (null = gap). The x range is the page's window selector
-   (#window, seconds: 5 min / 1 h); the legend shows the latest values unless the cursor is over the plot. */
+   (#window, seconds: 5 min / 1 h), its ticks 24-hour local times (KV.time); the legend shows the latest
+   values unless the cursor is over the plot. */
 (function () {
   "use strict";
   var KV = window.KV;
@@ -42,7 +43,8 @@
         y: { range: opts.range01 ? [0, 1] : function (u, min, max) { return [0, max > 0 ? max * 1.1 : 1]; } }
       },
       axes: opts.spark ? [{ show: false }, { show: false }] : [
-        { stroke: "#3d4550", font: axisFont, grid: { stroke: "#e3e6ea", width: 1 }, ticks: { stroke: "#c9ced4" } },
+        { stroke: "#3d4550", font: axisFont, grid: { stroke: "#e3e6ea", width: 1 }, ticks: { stroke: "#c9ced4" },
+          values: timeTicks },
         { stroke: "#3d4550", font: axisFont, size: 64, grid: { stroke: "#e3e6ea", width: 1 }, ticks: { stroke: "#c9ced4" },
           incrs: unit === "reqs" || unit === "count" ? [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 1e5, 1e6] : undefined,
           label: unit === "%" || unit === "s" ? undefined : unit, labelSize: 18, labelFont: axisFont,
@@ -93,6 +95,19 @@
     el.kvChart = api;  // the element's chart, for browser tests and devtools (el.kvChart.uplot.data)
     return api;
   };
+
+  /* x ticks in the console's one time format (KV.time: local, 24-hour), never uPlot's US 12-hour default
+     ("6:11pm 12/3/26"): "18:05" (with seconds when ticks are under a minute apart), the date under the
+     first tick and wherever the day changes */
+  function timeTicks(u, splits, axisIdx, space, incr) {
+    var prev = null;
+    return splits.map(function (v) {
+      var day = KV.time.date(v), text = KV.time.clock(v, incr < 60);
+      if (day !== prev) text += "\n" + day;
+      prev = day;
+      return text;
+    });
+  }
 
   function drawMarkers(u, marks) {
     var ctx = u.ctx, top = u.bbox.top, bottom = u.bbox.top + u.bbox.height;

@@ -51,19 +51,26 @@
     });
   };
 
-  /* ---- time: one format everywhere (local time with zone), ISO on hover ---- */
+  /* ---- time: one format everywhere (local time, 24-hour, with zone), ISO on hover ---- */
   var dateFmt = new Intl.DateTimeFormat(undefined, {
     year: "numeric", month: "2-digit", day: "2-digit", hour: "2-digit", minute: "2-digit", second: "2-digit",
     hourCycle: "h23", timeZoneName: "short"
   });
   function toDate(v) { return v instanceof Date ? v : new Date(typeof v === "number" ? v * 1000 : v); }
+  function parts(v) {
+    var p = {};
+    dateFmt.formatToParts(toDate(v)).forEach(function (x) { p[x.type] = x.value; });
+    return p;
+  }
   KV.time = {
     text: function (v) {
       if (v == null || v === "") return "–";
-      var p = {};
-      dateFmt.formatToParts(toDate(v)).forEach(function (x) { p[x.type] = x.value; });
+      var p = parts(v);
       return p.year + "-" + p.month + "-" + p.day + " " + p.hour + ":" + p.minute + ":" + p.second + " " + p.timeZoneName;
     },
+    /* the same clock for chart axes, shorter: "18:05" (or "18:05:30" with seconds), "2026-12-03" for date */
+    clock: function (v, seconds) { var p = parts(v); return p.hour + ":" + p.minute + (seconds ? ":" + p.second : ""); },
+    date: function (v) { var p = parts(v); return p.year + "-" + p.month + "-" + p.day; },
     /* fill a <time> element: local text, ISO (UTC) in datetime and title */
     set: function (el, v) {
       if (v == null || v === "") { el.textContent = "empty" in el.dataset ? el.dataset.empty : "–"; el.removeAttribute("datetime"); el.removeAttribute("title"); return; }

@@ -173,8 +173,8 @@ KV.ready(function () {
       var ws = r.workers, from = Math.min.apply(null, ws.map(function (w) { return w.from_ms; }));
       var to = Math.max.apply(null, ws.map(function (w) { return w.to_ms; }));
       var diff = r.difference_points;
-      calText.textContent = "Over " + r.requests.toLocaleString() + " recorded requests (" + new Date(from).toLocaleString() +
-        " to " + new Date(to).toLocaleString() + "): the what-if serves " + pct(r.whatif_share) + " of input tokens at the live configuration; the workers measured " +
+      calText.textContent = "Over " + r.requests.toLocaleString() + " recorded requests (" + KV.time.text(new Date(from)) +
+        " to " + KV.time.text(new Date(to)) + "): the what-if serves " + pct(r.whatif_share) + " of input tokens at the live configuration; the workers measured " +
         pct(r.measured_share) + ". Difference: " + (diff >= 0 ? "+" : "") + diff.toFixed(1) + " points" +
         (Math.abs(diff) <= 5 ? " (within the 5-point target)." : " (outside the 5-point target: see docs/capacity.md).") + (r.note ? " Note: " + r.note + "." : "");
       var tbody = KV.$("#calibration-table tbody");
