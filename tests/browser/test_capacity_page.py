@@ -118,12 +118,13 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, personas, monkeypatc
         cells = [
             page.locator("#whatif-table tbody tr").nth(i).locator("td").nth(7).inner_text() for i in (0, 1)
         ]
-        assert cells == [f"{100 * 4 * 1024 / total:.2f}%", f"{100 * 8 * 1024 / total:.2f}%"]
+        assert cells == [_pct(4 * 1024 / total), _pct(8 * 1024 / total)]  # as the console shows shares
         assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
         _ceiling_at_the_largest_point(page, expect, total)
         # the legend shows the largest capacity's shares (not dashes) while the cursor is off the plot
         legend = page.locator("#whatif-chart .u-legend .u-series", has_text="L1 + L2 + L3")
         expect(legend).to_contain_text(cells[1])
+        expect(page.locator("#whatif-chart .u-legend .u-series").first).to_contain_text("8,192")
         # a sweep point the engine could not run (L2 not larger than L1) is left out and named
         page.get_by_label("L2 tokens", exact=True).fill("4096")
         page.get_by_role("button", name="Run").click()
@@ -142,7 +143,7 @@ def _the_live_point_first_and_a_refusing_one_named(page, expect) -> None:
     """The live configuration is the first row; 512 L1 tokens hold none of the 1,030-token prompts, and
     that row says so rather than passing for a measured share."""
     first = page.locator("#whatif-table tbody tr").first.locator("td")
-    assert [first.nth(i).inner_text() for i in (0, 1, 2)] == ["live configuration", "2048", "4112"]
+    assert [first.nth(i).inner_text() for i in (0, 1, 2)] == ["live configuration", "2,048", "4,112"]
     expect(page.locator("#whatif-table tbody tr").nth(1).locator("td").first).to_have_text(
         "12 of 12 requests do not fit in L1 (the engine refuses them)"
     )
@@ -151,7 +152,7 @@ def _the_live_point_first_and_a_refusing_one_named(page, expect) -> None:
 def _ceiling_at_the_largest_point(page, expect, total: int) -> None:
     """Each prompt's repeats (what an unbounded cache serves) are all served at L1 8,192: the page says
     capacity no longer limits this traffic."""
-    ceiling = f"{100 * 8 * 1024 / total:.2f}%"
+    ceiling = _pct(8 * 1024 / total)
     expect(page.get_by_test_id("whatif-ceiling")).to_have_text(
         f"Ceiling: {ceiling} of input tokens repeat at all, what an unbounded cache would serve. "
         f"The best point here serves {ceiling}: at the ceiling, so more capacity or another policy "
@@ -166,10 +167,15 @@ def _gap_to_the_ceiling_under_fifo(page, expect, total: int) -> None:
     page.locator("#whatif-form").get_by_label("Eviction").select_option("fifo")
     page.get_by_role("button", name="Run").click()
     expect(page.locator("#whatif-status")).to_have_text("1 point", timeout=180_000)
-    served, gap = 100 * 4 * 1024 / total, 100 * 4 * 1024 / total
+    served, gap = _pct(4 * 1024 / total), 100 * 4 * 1024 / total
     expect(page.get_by_test_id("whatif-ceiling")).to_contain_text(
-        f"serves {served:.2f}%, {gap:.1f} points below: that much is lost to capacity or the fifo policy."
+        f"serves {served}, {gap:.1f} points below: that much is lost to capacity or the fifo policy."
     )
+
+
+def _pct(share: float) -> str:
+    """A share as KV.units["%"] writes it: "33.1 %" (one decimal, none when whole)."""
+    return f"{round(100 * share, 1):g} %"
 
 
 def test_capacity_page_shows_the_tokens_each_kv_dtype_fits_per_rank(

@@ -29,7 +29,8 @@ KV.ready(function () {
     }
   });
 
-  function pct(v) { return (100 * v).toFixed(2) + "%"; }
+  function pct(v) { return KV.fmt(v, "%"); }  // shares as the rest of the console shows them: "33.1 %"
+  function tokens(v) { return v === "inf" ? "unbounded" : Number(v).toLocaleString(); }  // "2,048", as the sizing table
   function sweptTier(points, l2FollowsL1) {  // the tier whose capacity changes across the points (L1 when none does)
     var tiers = l2FollowsL1 ? ["l3", "l1"] : ["l3", "l2", "l1"];  // L2 swept by the ratio moves with L1
     for (var i = 0; i < tiers.length; i++) {
@@ -59,8 +60,8 @@ KV.ready(function () {
       scales: { x: { time: false }, y: { range: [0, 100] } },
       axes: [{ label: tier.toUpperCase() + " capacity (tokens)", values: function (u, v) { return v.map(KV.compact); } },
              { label: "share of input tokens (%)" }],
-      series: [{ label: tier.toUpperCase() + " tokens" }].concat(["L1", "L1 + L2", "L1 + L2 + L3"].map(function (label, i) {
-        return { label: label, stroke: COLORS[i], width: 2, points: { show: true }, value: function (u, v) { return v == null ? "–" : v.toFixed(2) + "%"; } };
+      series: [{ label: tier.toUpperCase() + " tokens", value: function (u, v) { return v == null ? "–" : tokens(v); } }].concat(["L1", "L1 + L2", "L1 + L2 + L3"].map(function (label, i) {
+        return { label: label, stroke: COLORS[i], width: 2, points: { show: true }, value: function (u, v) { return v == null ? "–" : pct(v / 100); } };
       })),
       hooks: { draw: [function (u) {
         if (ceiling != null) {  // what an unbounded cache serves: no capacity or policy goes above it
@@ -94,7 +95,7 @@ KV.ready(function () {
     KV.replaceRows(KV.$("#whatif-table tbody"), KV.$("#tpl-point"), points.map(function (p) {
       var label = p.l1_tokens === live ? "live configuration" : "";
       if (p.rejected) label = (label ? label + "; " : "") + p.rejected + " of " + p.requests + " requests do not fit in L1 (the engine refuses them)";
-      return { label: label, l1_tokens: String(p.l1_tokens), l2_tokens: String(p.l2_tokens), l3_tokens: String(p.l3_tokens),
+      return { label: label, l1_tokens: tokens(p.l1_tokens), l2_tokens: tokens(p.l2_tokens), l3_tokens: tokens(p.l3_tokens),
         l1: pct(p.l1.share), l2: pct(p.l2.share), l3: pct(p.l3.share), share: pct(p.share) };
     }));
   }
