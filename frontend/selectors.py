@@ -15,7 +15,6 @@ from controlplane.rebalance.planner.inputs import DEFAULT_SLO
 from controlplane.rebalance.services import slo as soak_slo
 from controlplane.rebalance.services.launch import router_slo
 from controlplane.telemetry import store
-from controlplane.telemetry.metrics import TIERS
 from controlplane.telemetry.selectors import POOLS
 from controlplane.workerclient import RouterClient, WorkerClient, WorkerError
 from engine.server.contract import HICACHE_EXTRA_KEYS
@@ -213,7 +212,10 @@ def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:
     """Per pool (regular/prefill/decode) the last `window_s` of cached tokens served per second and running
     requests, in `bucket_s` buckets, from each worker's stored samples: {pool: {ts: [epoch s], cached_rate:
     [tokens/s], running: [requests]}}; seeds the fleet page's sparklines, which websocket pushes extend.
-    A bucket's value sums what the pool's workers reported in it; None (a gap, never 0) when none did."""
+    A bucket's value sums what the pool's workers reported in it (each worker's newest sample there), the
+    rate being the one each sample was stored with (``cached_tokens_per_s``, `metrics.with_rates`: over
+    its last 10 s or more, a restart counted, a dip left out), which the pushes carry too; None (a gap,
+    never 0) when none did."""
     now = time.time()
     first = math.floor((now - window_s) / bucket_s)
     out: dict[str, dict[int, list]] = {}
@@ -225,16 +227,11 @@ def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:
             if bucket >= first:
                 last[bucket] = sample
         series = out.setdefault(pool, defaultdict(lambda: [None, None]))
-        prev = None
-        for bucket in sorted(last):
-            sample, point = last[bucket], series[bucket]
-            if sample.get("num_running_reqs") is not None:
-                point[1] = (point[1] or 0.0) + float(sample["num_running_reqs"])
-            tiers = [f"cached_tokens_{t}" for t in TIERS if f"cached_tokens_{t}" in sample]
-            if prev is not None and sample["ts"] > prev["ts"] and tiers and all(k in prev for k in tiers):
-                served = sum(float(sample[k]) for k in tiers) - sum(float(prev[k]) for k in tiers)
-                point[0] = (point[0] or 0.0) + max(0.0, served) / (sample["ts"] - prev["ts"])
-            prev = sample
+        for bucket, sample in last.items():
+            point = series[bucket]
+            for i, key in enumerate(("cached_tokens_per_s", "num_running_reqs")):
+                if sample.get(key) is not None:
+                    point[i] = (point[i] or 0.0) + float(sample[key])
     return {
         pool: {
             "ts": [(b + 1) * bucket_s for b in sorted(series)],

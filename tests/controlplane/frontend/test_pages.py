@@ -168,21 +168,29 @@ def test_worker_page_says_its_extra_config_is_the_backends_keys(client, personas
 
 
 def test_pool_history_seeds_fleet_sparklines(client, personas):
+    """The seed's cached tokens/s are the rates the samples were stored with (the fleet pushes' own):
+    a worker that restarted between two samples served what its counter restarted to, not 0."""
     import time
 
-    from controlplane.telemetry import store
+    from controlplane.telemetry.services import metrics_ingest
     from frontend.selectors import pool_history
 
     mixed, prefill = EngineWorkerFactory(role="mixed"), EngineWorkerFactory(role="prefill")
+    decode = EngineWorkerFactory(role="decode")
     now = time.time()
-    for worker, served in ((mixed, (0, 200)), (prefill, (100, 100))):
+    for worker, served in ((mixed, (0, 200)), (prefill, (100, 100)), (decode, (1000, 100))):
         for ago, tokens in zip((25, 5), served, strict=True):
-            sample = {"ts": now - ago, "num_running_reqs": 2.0, "cached_tokens_device": tokens / 2}
-            store.save_sample(worker.pk, {**sample, "cached_tokens_host": tokens / 2})
+            sample = {
+                "num_running_reqs": 2,
+                "cached_tokens_device": tokens / 2,
+                "cached_tokens_host": tokens / 2,
+            }
+            metrics_ingest(worker_id=worker.pk, metrics=sample, ts=now - ago)
     history = pool_history(window_s=60, bucket_s=10)
     assert history["regular"]["cached_rate"][-1] == pytest.approx(10.0)  # 200 tokens in 20 s
     # the first sample has no earlier one to make a rate with: a gap (None), then the measured 0
     assert history["prefill"]["cached_rate"] == [None, 0.0]
+    assert history["decode"]["cached_rate"][-1] == pytest.approx(5.0)  # restarted: 100 tokens in 20 s
     assert history["regular"]["running"] == [2.0, 2.0]
     client.force_login(personas["viewer"][0])
     assert 'id="pool-history"' in client.get("/").content.decode()
