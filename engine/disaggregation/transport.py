@@ -88,6 +88,7 @@ class MooncakeTransport:
         self._layout = layout
         self._ptrs = [*layout.k_ptrs, *layout.v_ptrs]
         self._pool, self.staging = pool, staging
+        self.bytes_sent = 0  # KV bytes handed to batch_transfer_sync_write that it wrote (rc >= 0)
         sizes = [layout.buffer_bytes] * len(self._ptrs)
         if staging is not None:
             self._ptrs.append(staging.ptr)
@@ -127,6 +128,7 @@ class MooncakeTransport:
         rc = batched_write(self.engine, peer["session_id"], srcs, dsts, lens)
         if rc < 0:
             raise TransferFailed(f"Mooncake write to decode session {peer['session_id']} failed (rc {rc})")
+        self.bytes_sent += sum(lens)
 
     def _staged_write(self, peer: dict, src: torch.Tensor, share: dict) -> tuple[list, list, list]:
         """Pack the share into this side's staging buffer (from its start: one transfer thread writes one
@@ -197,6 +199,7 @@ class FakeTransport:
         self._layout = layout
         self.staging = staging
         self.channel = None  # set by the manager: the Channel the frames travel on
+        self.bytes_sent = 0  # KV payload bytes of the frames handed to the channel
 
     def descriptor(self) -> dict:
         return {}
@@ -220,11 +223,15 @@ class FakeTransport:
             pack(self._pool, region, src, share["src_head"], share["n"])
             header = {"type": "kv", "room": room, "dst_pages": dst.tolist(), "share": share}
             self.channel.send(peer["endpoint"], header, [region.numpy()])
+            self.bytes_sent += region.nbytes
             return
         frames = [
-            self._paged(b).index_select(0, src).numpy() for b in (*self._pool.k_buffer, *self._pool.v_buffer)
+            # as bytes: numpy has no bfloat16 / float8 dtype
+            self._paged(b).index_select(0, src).view(torch.uint8).numpy()
+            for b in (*self._pool.k_buffer, *self._pool.v_buffer)
         ]
         self.channel.send(peer["endpoint"], {"type": "kv", "room": room, "dst_pages": dst.tolist()}, frames)
+        self.bytes_sent += sum(f.nbytes for f in frames)
 
     def on_data(self, header: dict, payloads: list) -> None:
         dst = torch.tensor(header["dst_pages"], dtype=torch.int64)
@@ -236,7 +243,7 @@ class FakeTransport:
             return
         for buf, data in zip((*self._pool.k_buffer, *self._pool.v_buffer), payloads, strict=True):
             paged = self._paged(buf)
-            rows = torch.frombuffer(bytearray(data), dtype=buf.dtype).view(len(dst), paged.shape[1])
+            rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(buf.dtype).view(len(dst), -1)
             paged.index_copy_(0, dst, rows)
 
     def close(self) -> None:
