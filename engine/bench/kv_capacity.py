@@ -134,6 +134,8 @@ def part_policies(traces: dict, args) -> None:
         print(f"{name}: ceiling (unbounded L1: tokens that repeat at all) {ceiling:.2%}")
         base = None
         for eviction, l2_adm, l3_adm in POLICIES:
+            if args.no_admission and (l2_adm, l3_adm) != ("none", "none"):
+                continue
             start = time.process_time()
             c = replay_trace(
                 reqs,
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy-l1-tokens", type=float, default=500_000)
     ap.add_argument("--policy-l2-tokens", type=float, default=2_000_000)
     ap.add_argument("--policy-l3-tokens", type=float, default=8_000_000)
+    ap.add_argument(
+        "--no-admission", action="store_true", help="policies: eviction policies only (a single tier)"
+    )
+    ap.add_argument("--trace-dir", type=Path, default=SHARED_TRACE_DIR, help="where NAME_trace.jsonl are")
     args = ap.parse_args(argv)
     cfg = load_config(args.model_path)
     cpu = platform.processor() or platform.machine()
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "tiers":
         return 0
     traces = {
-        name: load_trace(SHARED_TRACE_DIR / f"{name}_trace.jsonl", args.block_tokens) for name in args.traces
+        name: load_trace(args.trace_dir / f"{name}_trace.jsonl", args.block_tokens) for name in args.traces
     }
     if args.part in ("all", "served"):
         part_served(cfg, traces, args)
