@@ -2,7 +2,7 @@
 daphne, PostgreSQL, Redis and a Celery worker.
 
     python -m controlplane.bench.agents [--agents 1000] [--workers-per-agent 8] [--duration 300]
-        [--rest-clients 64] [--processes 1,2] [--heartbeat-s 5] [--metrics-s 3]
+        [--rest-clients 64] [--processes 1,2,1+ws] [--heartbeat-s 5] [--metrics-s 3]
         [--postgres-server postgres://postgres@127.0.0.1:5432/postgres] [--pool-max-size 10] [--json FILE]
         [--baseline-ref REF] [--redis-url URL]
 
@@ -18,10 +18,11 @@ ingest's 202 reached the agent is printed too: the part of the lag after the ing
 
 For each process count N in ``--processes``: a throwaway database on the PostgreSQL server, N daphne processes
 (each with a connection pool of ``--pool-max-size``) on their own ports, agents and clients spread over them
-round-robin as a load balancer in front would; the peak of the database's connections is sampled every
-second. Prints, per N: requests, errors, ingest p50/p99, heartbeat p99, REST p99, websocket lag p50/p95 and
-the peak connections; then each N's figures as a ratio to the first. Exit status 1 on any error.
-With ``--baseline-ref REF`` (a commit, e.g. ``HEAD~3``) every process count is first run against that
+round-robin as a load balancer in front would (``N+ws``: one more daphne serves only the websocket
+watcher, as a proxy's path rule for ``/ws/`` would send it); the peak of the database's connections is
+sampled every second. Prints, per N: requests, errors, ingest p50/p99, heartbeat p99, REST p99, websocket
+lag p50/p95 and the peak connections; then each N's figures as a ratio to the first. Exit status 1 on any
+error. With ``--baseline-ref REF`` (a commit, e.g. ``HEAD~3``) every process count is first run against that
 commit's control plane (a temporary git worktree, same interpreter and load) and then against this
 checkout's, and the second is printed as a ratio to the first: a same-run before/after on a shared machine.
 Uses Redis DB 14 (``--redis-url``) with a random key prefix and queue: no real data is touched.
@@ -181,7 +182,9 @@ async def ws_watcher(session, stats: Stats, base: str, token: str, worker_ids: l
                     stats.arrived.append((int(data["worker_id"]), float(data["ts"]), now))
 
 
-async def drive(bases: list[str], tokens: list[tuple[str, str]], viewer: str, args) -> Stats:
+async def drive(
+    bases: list[str], tokens: list[tuple[str, str]], viewer: str, args, ws_base: str | None = None
+) -> Stats:
     import aiohttp
 
     stats, stop, ready = Stats(), asyncio.Event(), asyncio.Event()
@@ -200,7 +203,9 @@ async def drive(bases: list[str], tokens: list[tuple[str, str]], viewer: str, ar
                 break
             await asyncio.sleep(0.5)
         worker_ids = await _worker_ids(session, bases[0], viewer)
-        watcher = asyncio.create_task(ws_watcher(session, stats, bases[-1], viewer, worker_ids, stop, ready))
+        watcher = asyncio.create_task(
+            ws_watcher(session, stats, ws_base or bases[-1], viewer, worker_ids, stop, ready)
+        )
         await asyncio.wait_for(ready.wait(), 180)  # 300 group joins: seconds on a loaded process
         for kind in list(stats.latency):  # latencies of the steady state only; errors of the whole run
             stats.latency[kind] = []
@@ -300,8 +305,10 @@ def _wait_ready(base: str, proc: subprocess.Popen, limit_s: float = 90) -> None:
     raise RuntimeError(f"{base} did not answer in {limit_s:.0f} s")
 
 
-def run_once(args, processes: int, repo: Path = REPO) -> dict:
-    """One load run against `processes` daphne processes of the control plane checked out at `repo`."""
+def run_once(args, processes: int, repo: Path = REPO, ws_process: bool = False) -> dict:
+    """One load run against `processes` daphne processes of the control plane checked out at `repo`; with
+    `ws_process`, one more daphne that serves only the websocket watcher (no agent or REST client calls it,
+    as a proxy's path rule for /ws/ would route)."""
     run = uuid.uuid4().hex[:8]
     database = f"cp_load_{run}"
     env = {
@@ -323,7 +330,7 @@ def run_once(args, processes: int, repo: Path = REPO) -> dict:
     try:
         tokens, viewer = _seed(env, args.agents, repo)
         bases = []
-        for _ in range(processes):
+        for _ in range(processes + ws_process):
             port = _free_port()
             daphne = [
                 "daphne",
@@ -353,12 +360,13 @@ def run_once(args, processes: int, repo: Path = REPO) -> dict:
         procs.append(subprocess.Popen([sys.executable, "-m", *celery], cwd=repo, env=env))
         for base, proc in zip(bases, procs, strict=False):
             _wait_ready(base, proc)
+        ws_base = bases.pop() if ws_process else None
         sampler = threading.Thread(
             target=_peak_connections, args=(args.postgres_server, database, stop, peaks)
         )
         sampler.start()
         started = time.monotonic()
-        stats = asyncio.run(drive(bases, tokens, viewer, args))
+        stats = asyncio.run(drive(bases, tokens, viewer, args, ws_base))
         elapsed = time.monotonic() - started
     finally:
         stop.set()
@@ -375,6 +383,7 @@ def run_once(args, processes: int, repo: Path = REPO) -> dict:
     return {
         "code": "baseline" if repo != REPO else "this checkout",
         "processes": processes,
+        "ws_process": ws_process,
         "agents": args.agents,
         "workers": args.agents * args.workers_per_agent,
         "duration_s": args.duration,
@@ -433,7 +442,7 @@ def _print_result(result: dict, args) -> None:
     r = {k: _fmt(v) for k, v in result.items()}
     n = result["processes"]
     print(
-        f"{result['code']}, {n} ASGI process(es): {sum(result['requests'].values())} requests, {r['errors']} "
+        f"{result['code']}, {_label(result)}: {sum(result['requests'].values())} requests, {r['errors']} "
         f"errors; ingest {r['ingest_per_s']}/s p50 {r['ingest_p50_s']} s p99 {r['ingest_p99_s']} s (target "
         f"< 1 s); heartbeat p99 {r['heartbeat_p99_s']} s; REST p99 {r['rest_p99_s']} s; websocket lag p50 "
         f"{r['ws_lag_p50_s']} s p95 {r['ws_lag_p95_s']} s (target < 1.5 s, {r['ws_messages']} messages; "
@@ -445,15 +454,32 @@ def _print_result(result: dict, args) -> None:
         print(f"  error: {sample}")
 
 
+def _label(result: dict) -> str:
+    n = result["processes"]
+    return f"{n} ASGI process(es)" + (" + 1 websocket-only" if result.get("ws_process") else "")
+
+
+def _parse_counts(text: str) -> list[tuple[int, bool]]:
+    """``--processes``: comma-separated counts, each optionally ``+ws`` (one more websocket-only daphne)."""
+    counts = []
+    for item in (t.strip() for t in text.split(",")):
+        if item:
+            n, _, ws = item.partition("+")
+            if ws not in ("", "ws"):
+                raise ValueError(f"--processes: {item!r} is not N or N+ws")
+            counts.append((int(n), ws == "ws"))
+    return counts
+
+
 def _print_ratio(result: dict, base: dict, label: str) -> None:
     ratio = {
         key: (result[key] / base[key] if base[key] and result[key] is not None else None)
-        for key in ("ingest_per_s", "ingest_p99_s", "ws_lag_p95_s", "rest_p99_s")
+        for key in ("ingest_per_s", "ingest_p99_s", "ws_lag_p50_s", "ws_lag_p95_s", "rest_p99_s")
     }
     r = {k: _fmt(v) for k, v in ratio.items()}
     print(
-        f"{label}: ingest rate x{r['ingest_per_s']}, ingest p99 x{r['ingest_p99_s']}, ws lag p95 "
-        f"x{r['ws_lag_p95_s']}, REST p99 x{r['rest_p99_s']}",
+        f"{label}: ingest rate x{r['ingest_per_s']}, ingest p99 x{r['ingest_p99_s']}, ws lag p50 "
+        f"x{r['ws_lag_p50_s']} p95 x{r['ws_lag_p95_s']}, REST p99 x{r['rest_p99_s']}",
         flush=True,
     )
 
@@ -464,7 +490,11 @@ def main(argv=None) -> int:
     parser.add_argument("--workers-per-agent", type=int, default=8)
     parser.add_argument("--duration", type=float, default=300.0, help="measured seconds, after registration")
     parser.add_argument("--rest-clients", type=int, default=64)
-    parser.add_argument("--processes", default="1,2", help="daphne process counts to run, comma-separated")
+    parser.add_argument(
+        "--processes",
+        default="1,2",
+        help="daphne process counts to run, comma-separated; N+ws adds a daphne serving only the websocket",
+    )
     parser.add_argument("--heartbeat-s", type=float, default=5.0, help="the agent's heartbeat_interval_s")
     parser.add_argument("--metrics-s", type=float, default=3.0, help="the agent's metrics_interval_s")
     parser.add_argument("--postgres-server", default="postgres://postgres@127.0.0.1:5432/postgres")
@@ -475,7 +505,7 @@ def main(argv=None) -> int:
         "--baseline-ref", help="also run each process count against this git commit first; print the ratio"
     )
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.processes.split(",") if n.strip()]
+    counts = _parse_counts(args.processes)
     print(
         f"{args.agents} agents x {args.workers_per_agent} workers, heartbeat {args.heartbeat_s:g} s, metrics "
         f"{args.metrics_s:g} s, {args.rest_clients} REST clients, {args.duration:g} s; PostgreSQL "
@@ -485,9 +515,9 @@ def main(argv=None) -> int:
     )
     results = []
     with _baseline_checkout(args.baseline_ref) as baseline:
-        for n in counts:
+        for n, ws_process in counts:
             for repo in ([baseline] if baseline else []) + [REPO]:
-                result = run_once(args, n, repo)
+                result = run_once(args, n, repo, ws_process)
                 results.append(result)
                 _print_result(result, args)
             if baseline:
@@ -496,7 +526,7 @@ def main(argv=None) -> int:
                 )
     mine = [r for r in results if r["code"] == "this checkout"]
     for result in mine[1:]:
-        _print_ratio(result, mine[0], f"{result['processes']} processes / {mine[0]['processes']}")
+        _print_ratio(result, mine[0], f"{_label(result)} / {_label(mine[0])}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 1 if any(r["errors"] for r in results) else 0

@@ -5,6 +5,7 @@ the database never holds more connections than the pools allow. Skipped when no 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,11 @@ def test_a_small_fleet_under_load_gets_no_errors_within_the_pool_bound(tmp_path)
     assert result["requests"]["ingest"] >= 4 * 8 * 3 and result["ws_messages"] > 0
     # one daphne and one Celery worker, each pooled: never more connections than the two pools
     assert 0 < result["peak_db_connections"] <= 2 * POOL < limit
+
+
+def test_process_counts_take_a_websocket_only_daphne():
+    from controlplane.bench.agents import _parse_counts
+
+    assert _parse_counts("1,2, 1+ws") == [(1, False), (2, False), (1, True)]
+    with pytest.raises(ValueError, match=re.escape("'1+http' is not N or N+ws")):
+        _parse_counts("1+http")
