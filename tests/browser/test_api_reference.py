@@ -6,29 +6,23 @@ import os
 from urllib.parse import urlsplit
 
 import pytest
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
 
 
-def test_the_api_reference_loads_nothing_from_outside(asgi_server, monkeypatch):
-    from playwright.sync_api import expect, sync_playwright
+def test_the_api_reference_loads_nothing_from_outside(asgi_server, console_page):
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    console_user("gates", "viewer", "pw-for-tests-1")
     own = urlsplit(asgi_server).netloc
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
-        outside: list[str] = []
-        page.on("request", lambda r: urlsplit(r.url).scheme in ("http", "https")
-                and urlsplit(r.url).netloc != own and outside.append(r.url))  # fmt: skip
-        assert page.goto(asgi_server + "/api/redoc/").status == 404
-        page.goto(asgi_server + "/api/docs/")
-        expect(page.locator(".swagger-ui .info").first).to_contain_text("KVFleet control plane API")
-        page.wait_for_load_state("networkidle")
-        assert outside == []
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "api-docs.png"))
-        browser.close()
+    page, errors = console_page("gates", "viewer")
+    outside: list[str] = []
+    page.on("request", lambda r: urlsplit(r.url).scheme in ("http", "https")
+            and urlsplit(r.url).netloc != own and outside.append(r.url))  # fmt: skip
+    assert page.goto(asgi_server + "/api/redoc/").status == 404
+    page.goto(asgi_server + "/api/docs/")
+    expect(page.locator(".swagger-ui .info").first).to_contain_text("KVFleet control plane API")
+    page.wait_for_load_state("networkidle")
+    assert outside == []
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "api-docs.png"))

@@ -6,7 +6,6 @@ import os
 
 import pytest
 from cp_factories import EngineWorkerFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in
 
 from controlplane.audit.services import audit_record
 
@@ -14,10 +13,9 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(trans
 SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
 
 
-def test_revert_is_offered_only_where_it_changes_a_worker(asgi_server, monkeypatch):
-    from playwright.sync_api import expect, sync_playwright
+def test_revert_is_offered_only_where_it_changes_a_worker(asgi_server, console_page):
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     attached = EngineWorkerFactory(name="attached-since", storage_backend="file")
     detached = EngineWorkerFactory(name="still-detached", storage_backend="")
     events = {
@@ -26,38 +24,33 @@ def test_revert_is_offered_only_where_it_changes_a_worker(asgi_server, monkeypat
         )
         for w in (attached, detached)
     }
-    console_user("gates", "operator", "pw-for-tests-1")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/audit/?action=detach")
-        changed = page.locator("#audit tbody tr", has_text="attached-since")
-        same = page.locator("#audit tbody tr", has_text="still-detached")
-        expect(changed.get_by_test_id("record-id")).to_contain_text(f"record #{events['attached-since'].pk}")
-        expect(same.get_by_role("button", name="Revert to this")).to_have_count(0)
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "audit-revert.png"), full_page=True)
-        changed.get_by_role("button", name="Revert to this").click()
-        dialog = page.locator("#confirm")
-        expect(dialog).to_contain_text(f"record #{events['attached-since'].pk}")
-        expect(dialog.locator("#confirm-rows tr")).to_have_count(1)
-        expect(dialog.locator("#confirm-rows tr")).to_have_text("attached-sincefilenone")
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "audit-revert-dialog.png"))
-        assert errors == []
-        browser.close()
+    page, errors = console_page("gates", "operator")
+    page.goto(f"{asgi_server}/audit/?action=detach")
+    changed = page.locator("#audit tbody tr", has_text="attached-since")
+    same = page.locator("#audit tbody tr", has_text="still-detached")
+    expect(changed.get_by_test_id("record-id")).to_contain_text(f"record #{events['attached-since'].pk}")
+    expect(same.get_by_role("button", name="Revert to this")).to_have_count(0)
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "audit-revert.png"), full_page=True)
+    changed.get_by_role("button", name="Revert to this").click()
+    dialog = page.locator("#confirm")
+    expect(dialog).to_contain_text(f"record #{events['attached-since'].pk}")
+    expect(dialog.locator("#confirm-rows tr")).to_have_count(1)
+    expect(dialog.locator("#confirm-rows tr")).to_have_text("attached-sincefilenone")
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "audit-revert-dialog.png"))
+    assert errors == []
 
 
 def test_a_multi_worker_change_is_reverted_together_and_a_role_switch_links_its_rebalance(
-    asgi_server, monkeypatch
+    asgi_server, console_page
 ):
     from cp_factories import RouterFactory
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from controlplane.rebalance.models import Rebalance
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     workers = [EngineWorkerFactory(name=n, storage_backend="file") for n in ("w-one", "w-two")]
     first = [
         audit_record(
@@ -77,51 +70,42 @@ def test_a_multi_worker_change_is_reverted_together_and_a_role_switch_links_its_
         action="role_switch", obj=workers[0], before={"role": "prefill"}, after={"role": "decode"},
         extra={"rebalance_id": rb.pk, "router_id": router.pk, "step_index": 0},
     )  # fmt: skip
-    console_user("gates", "operator", "pw-for-tests-1")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/audit/")
-        switch = page.locator("#audit tbody tr", has_text="role switch")
-        link = switch.get_by_test_id("rebalance-link")
-        expect(link).to_have_text(f"rebalance #{rb.pk}, step 1")
-        expect(link).to_have_attribute("href", f"/routers/{router.pk}/rebalance/?rebalance={rb.pk}")
-        expect(switch.locator(".diff")).to_contain_text("role")
-        row = page.locator(f"#audit tbody tr[data-event='{first.pk}']")
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "audit-together.png"), full_page=True)
-        row.get_by_test_id("revert-together").click()
-        dialog = page.locator("#confirm")
-        expect(dialog).to_contain_text("operation #7")
-        expect(dialog.locator("#confirm-rows tr")).to_have_count(2)
-        with page.expect_navigation(url="**/operations/*/"):
-            dialog.get_by_role("button", name="Launch revert").click()
-        expect(page.locator("#op-targets tbody tr")).to_have_count(2)
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "audit-together-operation.png"), full_page=True)
-        assert errors == []
-        browser.close()
+    page, errors = console_page("gates", "operator")
+    page.goto(f"{asgi_server}/audit/")
+    switch = page.locator("#audit tbody tr", has_text="role switch")
+    link = switch.get_by_test_id("rebalance-link")
+    expect(link).to_have_text(f"rebalance #{rb.pk}, step 1")
+    expect(link).to_have_attribute("href", f"/routers/{router.pk}/rebalance/?rebalance={rb.pk}")
+    expect(switch.locator(".diff")).to_contain_text("role")
+    row = page.locator(f"#audit tbody tr[data-event='{first.pk}']")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "audit-together.png"), full_page=True)
+    row.get_by_test_id("revert-together").click()
+    dialog = page.locator("#confirm")
+    expect(dialog).to_contain_text("operation #7")
+    expect(dialog.locator("#confirm-rows tr")).to_have_count(2)
+    with page.expect_navigation(url="**/operations/*/"):
+        dialog.get_by_role("button", name="Launch revert").click()
+    expect(page.locator("#op-targets tbody tr")).to_have_count(2)
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "audit-together-operation.png"), full_page=True)
+    assert errors == []
 
 
-def test_two_long_values_that_share_their_start_show_where_they_differ(asgi_server, monkeypatch):
+def test_two_long_values_that_share_their_start_show_where_they_differ(asgi_server, console_page):
     """A host re-registering with one GPU changed: both values are 300 characters that agree for their first
     200, so a summary of each value's start read the same on both sides of the change."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     common = "gpu-" + "x" * 196
     before, after = common + "A" * 100, common + "B" * 100
     audit_record(action="register", object_type="inventory.host", object_id="9", object_repr="long-host",
                  before={"gpus": before}, after={"gpus": after})  # fmt: skip
-    console_user("gates", "operator", "pw-for-tests-1")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/audit/?action=register")
-        row = page.locator("#audit tbody tr", has_text="long-host")
-        expect(row.locator("del summary")).to_have_text("…" + "x" * 10 + "A" * 30 + "… (300 chars)")
-        expect(row.locator("ins summary")).to_have_text("…" + "x" * 10 + "B" * 30 + "… (300 chars)")
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        assert errors == []
-        browser.close()
+    page, errors = console_page("gates", "operator")
+    page.goto(f"{asgi_server}/audit/?action=register")
+    row = page.locator("#audit tbody tr", has_text="long-host")
+    expect(row.locator("del summary")).to_have_text("…" + "x" * 10 + "A" * 30 + "… (300 chars)")
+    expect(row.locator("ins summary")).to_have_text("…" + "x" * 10 + "B" * 30 + "… (300 chars)")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    assert errors == []

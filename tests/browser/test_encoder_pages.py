@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from console_testlib import serious_violations
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
 
 from controlplane.telemetry.metrics import parse_prometheus
 from engine.model.vlm.processor import open_image, preprocess
@@ -27,11 +27,10 @@ SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved th
 
 
 def test_encoder_worker_page_and_fleet_pool_show_image_figures_not_kv(
-    asgi_server, personas, monkeypatch, tmp_path
+    asgi_server, console_page, personas, tmp_path
 ):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
     save_tiny_llava(tmp_path, seed=3)
     service = EncoderService(parse_args(["--model-path", str(tmp_path), "--encoder-only", "--device", "cpu"]))
     processor = service.vlm.processor
@@ -59,52 +58,48 @@ def test_encoder_worker_page_and_fleet_pool_show_image_figures_not_kv(
     snap = parse_prometheus(text)
     assert snap["encoder_images_total"] == 6 and snap["mm_embedding_cache_hits_total"] == 2
     assert snap["encoder_encode_seconds_total"] > 0
-    console_user("vera", "viewer", "pw-for-tests-1")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/workers/{enc.pk}/")
-        expect(page.locator("#chart-images")).to_have_attribute("data-points", "3")
-        expect(page.get_by_test_id("encoder-note")).to_contain_text("do not apply and are not shown")
-        expect(page.get_by_test_id("kv-absent")).to_contain_text("an encoder holds no KV")
-        kv_only = ("#chart-cached", "#chart-hits", "#chart-pool", "#chart-ttft", "#hicache", "#breaker-state")
-        for kv in kv_only:
-            expect(page.locator(kv)).to_have_count(0)
-        expect(page.locator(".chart .uplot")).to_have_count(4)
+    page, errors = console_page("vera", "viewer")
+    page.goto(f"{asgi_server}/workers/{enc.pk}/")
+    expect(page.locator("#chart-images")).to_have_attribute("data-points", "3")
+    expect(page.get_by_test_id("encoder-note")).to_contain_text("do not apply and are not shown")
+    expect(page.get_by_test_id("kv-absent")).to_contain_text("an encoder holds no KV")
+    kv_only = ("#chart-cached", "#chart-hits", "#chart-pool", "#chart-ttft", "#hicache", "#breaker-state")
+    for kv in kv_only:
+        expect(page.locator(kv)).to_have_count(0)
+    expect(page.locator(".chart .uplot")).to_have_count(4)
 
-        def legend(chart, label):
-            return page.locator(f"{chart} .u-legend .u-series").filter(has_text=label)
+    def legend(chart, label):
+        return page.locator(f"{chart} .u-legend .u-series").filter(has_text=label)
 
-        # the newest point: 2 images encoded in its 10 s; the window of 60 s reaches the first sample
-        expect(legend("#chart-images", "images/s")).to_contain_text("0.2 images/s")
-        expect(legend("#chart-mm-hits", "local LRU")).to_contain_text("25 %")  # 2 of 8 lookups in 60 s
-        expect(legend("#chart-mm-hits", "global")).to_contain_text("–")  # no --enable-mm-global-cache
-        assert legend("#chart-encode", "mean per image").locator(".u-value").inner_text() not in ("", "–")
-        assert serious_violations(page) == []
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "worker-encoder.png"), full_page=True)
+    # the newest point: 2 images encoded in its 10 s; the window of 60 s reaches the first sample
+    expect(legend("#chart-images", "images/s")).to_contain_text("0.2 images/s")
+    expect(legend("#chart-mm-hits", "local LRU")).to_contain_text("25 %")  # 2 of 8 lookups in 60 s
+    expect(legend("#chart-mm-hits", "global")).to_contain_text("–")  # no --enable-mm-global-cache
+    assert legend("#chart-encode", "mean per image").locator(".u-value").inner_text() not in ("", "–")
+    assert serious_violations(page) == []
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "worker-encoder.png"), full_page=True)
 
-        page.goto(asgi_server + "/")
-        pool = page.locator("#pools [data-pool=encoder]")
-        expect(pool).to_contain_text("Encoder pool")
-        expect(pool).to_contain_text("1 of 2 encoders reporting")
-        expect(pool.locator("[data-f=encoder_images_per_s]")).to_have_text("0.2 images/s")
-        expect(pool.locator("[data-f=mm_embedding_cache_hit_rate]")).to_have_text("25 %")
-        expect(pool.locator("[data-f=mm_global_cache_hit_rate]")).to_have_attribute(
-            "title", "no encoder runs with --enable-mm-global-cache"
-        )
-        assert pool.locator("[data-f=encode_s_per_image]").inner_text() not in ("", "—")
-        expect(pool.locator("[data-f=num_running_reqs], [data-spark]")).to_have_count(0)  # no KV figures
-        expect(page.locator("#pools [data-pool=regular]")).to_contain_text("0 of 1 workers reporting")
-        row = page.locator(f"#workers tr[data-worker='{enc.pk}']")
-        expect(row.locator("td[data-f=role]")).to_have_text("encoder")
-        expect(row.locator("td[data-f=ttft_text]")).to_have_attribute(
-            "title", re.compile("an EPD encoder serves no tokens")
-        )
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        assert serious_violations(page) == []
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "fleet-encoder-pool.png"), full_page=True)
-        assert errors == []
-        browser.close()
+    page.goto(asgi_server + "/")
+    pool = page.locator("#pools [data-pool=encoder]")
+    expect(pool).to_contain_text("Encoder pool")
+    expect(pool).to_contain_text("1 of 2 encoders reporting")
+    expect(pool.locator("[data-f=encoder_images_per_s]")).to_have_text("0.2 images/s")
+    expect(pool.locator("[data-f=mm_embedding_cache_hit_rate]")).to_have_text("25 %")
+    expect(pool.locator("[data-f=mm_global_cache_hit_rate]")).to_have_attribute(
+        "title", "no encoder runs with --enable-mm-global-cache"
+    )
+    assert pool.locator("[data-f=encode_s_per_image]").inner_text() not in ("", "—")
+    expect(pool.locator("[data-f=num_running_reqs], [data-spark]")).to_have_count(0)  # no KV figures
+    expect(page.locator("#pools [data-pool=regular]")).to_contain_text("0 of 1 workers reporting")
+    row = page.locator(f"#workers tr[data-worker='{enc.pk}']")
+    expect(row.locator("td[data-f=role]")).to_have_text("encoder")
+    expect(row.locator("td[data-f=ttft_text]")).to_have_attribute(
+        "title", re.compile("an EPD encoder serves no tokens")
+    )
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    assert serious_violations(page) == []
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "fleet-encoder-pool.png"), full_page=True)
+    assert errors == []

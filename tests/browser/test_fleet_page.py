@@ -8,25 +8,22 @@ import re
 import httpx
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
-from test_operator_console import console_user, log_in
 
 SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
 def test_pool_cached_rate_ignores_other_pools_samples(
-    asgi_server, celery_worker_process, fake_worker, personas, monkeypatch
+    asgi_server, console_page, celery_worker_process, fake_worker, personas
 ):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
     mixed, decode = fake_worker(), fake_worker()
     host = HostFactory(name=AGENT_HOST)
     workers = [
         EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed"),
         EngineWorkerFactory(name="decode-0", url=decode.url, host=host, role="decode"),
     ]
-    console_user("bob", "viewer", "pw-for-tests-2")
     agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
 
     def push(worker, fake):
@@ -34,40 +31,35 @@ def test_pool_cached_rate_ignores_other_pools_samples(
         response = httpx.post(asgi_server + "/api/v1/agent/metrics/", json=body, headers=agent)
         assert response.status_code == 202, response.text
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
-        page, _ = log_in(browser, asgi_server, "bob", "pw-for-tests-2")
-        expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
-        regular = page.locator("#pools [data-pool=regular]")
-        rate = regular.locator("[data-f=cached_rate]")
+    page, _ = console_page("bob", "viewer", "pw-for-tests-2")
+    expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+    regular = page.locator("#pools [data-pool=regular]")
+    rate = regular.locator("[data-f=cached_rate]")
 
-        mixed.counters.update({"device": 100, "host": 0})
-        push(workers[0], mixed)
-        expect(regular).to_contain_text("1 of 1 workers reporting")
-        mixed.counters.update({"device": 400, "host": 200})
-        push(workers[0], mixed)
-        expect(rate).to_have_text(re.compile(r"^[1-9][\d,.]* k?tok/s$"))  # 500 tokens between samples
-        shown = rate.inner_text()
+    mixed.counters.update({"device": 100, "host": 0})
+    push(workers[0], mixed)
+    expect(regular).to_contain_text("1 of 1 workers reporting")
+    mixed.counters.update({"device": 400, "host": 200})
+    push(workers[0], mixed)
+    expect(rate).to_have_text(re.compile(r"^[1-9][\d,.]* k?tok/s$"))  # 500 tokens between samples
+    shown = rate.inner_text()
 
-        decode.counters.update({"device": 0, "host": 0})
-        push(workers[1], decode)  # a push for the decode pool; the regular pool has no new sample
-        expect(page.locator("#pools [data-pool=decode]")).to_contain_text("1 of 1 workers reporting")
-        assert rate.inner_text() == shown
-        browser.close()
+    decode.counters.update({"device": 0, "host": 0})
+    push(workers[1], decode)  # a push for the decode pool; the regular pool has no new sample
+    expect(page.locator("#pools [data-pool=decode]")).to_contain_text("1 of 1 workers reporting")
+    assert rate.inner_text() == shown
 
 
 def test_pool_sparkline_x_values_stay_sorted_after_live_pushes(
-    asgi_server, celery_worker_process, fake_worker, personas, monkeypatch
+    asgi_server, console_page, celery_worker_process, fake_worker, personas
 ):
     """The server-side history seed ends at its bucket's end (up to 10 s ahead of the newest sample); live
     points are placed at the pool's sample time, so they never land before the seed's last point."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     mixed = fake_worker()
     host = HostFactory(name=AGENT_HOST)
     worker = EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed")
-    console_user("bob", "viewer", "pw-for-tests-2")
     agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
 
     def push(device):
@@ -78,32 +70,28 @@ def test_pool_sparkline_x_values_stay_sorted_after_live_pushes(
 
     push(100)
     push(200)  # two stored samples: the page's history seed has a point
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
-        page, _ = log_in(browser, asgi_server, "bob", "pw-for-tests-2")
-        expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
-        spark = page.locator("#pools [data-pool=regular] [data-spark=cached]")
-        expect(spark).to_have_attribute("data-points", re.compile(r"^[1-9]"))
-        seed_xs = spark.evaluate("el => el.kvChart.uplot.data[0].slice()")
-        rate = page.locator("#pools [data-pool=regular] [data-f=cached_rate]")
-        for device in (400, 800, 1600):
-            before = rate.inner_text()
-            push(device)
-            expect(rate).not_to_have_text(before)
-            xs = spark.evaluate("el => el.kvChart.uplot.data[0].slice()")
-            assert xs == sorted(xs) and len(set(xs)) == len(xs), xs
-            assert xs[: len(seed_xs)] == seed_xs, (seed_xs, xs)
-        browser.close()
+    page, _ = console_page("bob", "viewer", "pw-for-tests-2")
+    expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+    spark = page.locator("#pools [data-pool=regular] [data-spark=cached]")
+    expect(spark).to_have_attribute("data-points", re.compile(r"^[1-9]"))
+    seed_xs = spark.evaluate("el => el.kvChart.uplot.data[0].slice()")
+    rate = page.locator("#pools [data-pool=regular] [data-f=cached_rate]")
+    for device in (400, 800, 1600):
+        before = rate.inner_text()
+        push(device)
+        expect(rate).not_to_have_text(before)
+        xs = spark.evaluate("el => el.kvChart.uplot.data[0].slice()")
+        assert xs == sorted(xs) and len(set(xs)) == len(xs), xs
+        assert xs[: len(seed_xs)] == seed_xs, (seed_xs, xs)
 
 
 def test_the_workers_table_shows_each_workers_tp_and_the_gpus_its_ranks_hold(
-    asgi_server, celery_worker_process, personas, monkeypatch, tmp_path
+    asgi_server, console_page, celery_worker_process, personas, tmp_path
 ):
     """A TP-2 worker's row says 2 and the GPUs its agent registered, a CPU worker's says 1 and no GPU; the
     worker page and the host page (which GPU each rank holds) say the same."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
     gpu = {"model": "H100", "memory_mib": 81559}
     devices = {"tp2-0": [1, 2], "tp1-0": []}
@@ -118,50 +106,45 @@ def test_the_workers_table_shows_each_workers_tp_and_the_gpus_its_ranks_hold(
         w["devices"] = devices[w["name"]]
     done = httpx.post(asgi_server + "/api/v1/agent/register/", json=body, headers=agent)
     assert done.status_code == 200, done.text
-    console_user("bob", "viewer", "pw-for-tests-2")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
-        page, errors = log_in(browser, asgi_server, "bob", "pw-for-tests-2")
-        header = page.locator("#workers thead th").filter(has_text=re.compile(r"^TP$"))
-        expect(header).to_have_count(1)
-        tp2 = page.locator("#workers tbody tr").filter(has_text="tp2-0").get_by_test_id("tp")
-        tp1 = page.locator("#workers tbody tr").filter(has_text="tp1-0").get_by_test_id("tp")
-        expect(tp2).to_have_text("2 GPU 1,2")
-        expect(tp2).to_have_attribute("title", "2 ranks on GPU 1, 2")
-        expect(tp1).to_have_text("1")
-        expect(tp1).to_have_attribute("title", "1 rank (no GPU reported)")
-        # a viewer cannot launch: no picking column, no "Launch on selected" (the API refuses its POSTs)
-        expect(page.locator("#workers input[type=checkbox]")).to_have_count(0)
-        expect(page.locator("#launch-selected")).to_have_count(0)
-        page.screenshot(path=str(tmp_path / "fleet.png"), full_page=True)
-        page.locator("#workers").get_by_role("link", name="tp2-0").click()
-        expect(page.get_by_test_id("devices")).to_have_text("GPU 1, 2 (rank 0 on GPU 1)")
-        expect(page.get_by_test_id("tp")).to_contain_text("2 / 1 (2 ranks: the P:D planner counts 2 devices)")
-        page.screenshot(path=str(tmp_path / "worker.png"), full_page=True)
-        page.get_by_role("link", name=AGENT_HOST).first.click()
-        rows = page.locator("#gpus tbody tr")
-        expect(rows.nth(0)).to_contain_text("free")
-        expect(rows.nth(2)).to_contain_text("tp2-0 rank 1")
-        page.screenshot(path=str(tmp_path / "host.png"), full_page=True)
-        page.goto(asgi_server + "/operations/new/")  # typed in: the page says why there is no form
-        expect(page.get_by_test_id("read-only")).to_contain_text("Your role (viewer) can read operations")
-        expect(page.locator("#launch-form")).to_have_count(0)
-        page.screenshot(path=str(tmp_path / "launch-viewer.png"), full_page=True)
-        assert not errors
-        browser.close()
+    page, errors = console_page("bob", "viewer", "pw-for-tests-2")
+    header = page.locator("#workers thead th").filter(has_text=re.compile(r"^TP$"))
+    expect(header).to_have_count(1)
+    tp2 = page.locator("#workers tbody tr").filter(has_text="tp2-0").get_by_test_id("tp")
+    tp1 = page.locator("#workers tbody tr").filter(has_text="tp1-0").get_by_test_id("tp")
+    expect(tp2).to_have_text("2 GPU 1,2")
+    expect(tp2).to_have_attribute("title", "2 ranks on GPU 1, 2")
+    expect(tp1).to_have_text("1")
+    expect(tp1).to_have_attribute("title", "1 rank (no GPU reported)")
+    # a viewer cannot launch: no picking column, no "Launch on selected" (the API refuses its POSTs)
+    expect(page.locator("#workers input[type=checkbox]")).to_have_count(0)
+    expect(page.locator("#launch-selected")).to_have_count(0)
+    page.screenshot(path=str(tmp_path / "fleet.png"), full_page=True)
+    page.locator("#workers").get_by_role("link", name="tp2-0").click()
+    expect(page.get_by_test_id("devices")).to_have_text("GPU 1, 2 (rank 0 on GPU 1)")
+    expect(page.get_by_test_id("tp")).to_contain_text("2 / 1 (2 ranks: the P:D planner counts 2 devices)")
+    page.screenshot(path=str(tmp_path / "worker.png"), full_page=True)
+    page.get_by_role("link", name=AGENT_HOST).first.click()
+    rows = page.locator("#gpus tbody tr")
+    expect(rows.nth(0)).to_contain_text("free")
+    expect(rows.nth(2)).to_contain_text("tp2-0 rank 1")
+    page.screenshot(path=str(tmp_path / "host.png"), full_page=True)
+    page.goto(asgi_server + "/operations/new/")  # typed in: the page says why there is no form
+    expect(page.get_by_test_id("read-only")).to_contain_text("Your role (viewer) can read operations")
+    expect(page.locator("#launch-form")).to_have_count(0)
+    page.screenshot(path=str(tmp_path / "launch-viewer.png"), full_page=True)
+    assert not errors
     print(f"screenshots in {tmp_path}")
 
 
 def test_pool_card_shows_a_dash_for_figures_no_worker_reported_and_a_real_zero_as_zero(
-    asgi_server, celery_worker_process, fake_worker, personas, monkeypatch
+    asgi_server, console_page, celery_worker_process, fake_worker, personas
 ):
     """The regular pool's one worker has no L3 attached and reports no L3 hits and no host pool: its card
     shows "—" for the L3 share and the host pool use (titled "not reported by any worker"), never 0 %, and
     for its cached tokens/s, titled with the true reason (one sample: fewer than two in 10 s). The
     decode pool's worker has an L3 attached and reports 0 L3 hits: its card shows the real 0 %."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     bare, with_l3 = fake_worker(), fake_worker()
     bare.counters, bare.host_pool = {"device": 100.0, "host": 0.0}, None
     with_l3.counters = {"device": 300.0, "host": 100.0, "storage": 0.0}
@@ -172,41 +155,36 @@ def test_pool_card_shows_a_dash_for_figures_no_worker_reported_and_a_real_zero_a
             name="decode-0", url=with_l3.url, host=host, role="decode", storage_backend="file"
         ),
     ]
-    console_user("bob", "viewer", "pw-for-tests-2")
     agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
     for worker, fake in zip(workers, (bare, with_l3), strict=True):
         body = {"worker": worker.pk, "text": fake.metrics_text()}
         response = httpx.post(asgi_server + "/api/v1/agent/metrics/", json=body, headers=agent)
         assert response.status_code == 202, response.text
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless", "--no-sandbox"])
-        page, _ = log_in(browser, asgi_server, "bob", "pw-for-tests-2")
-        page.set_viewport_size({"width": 1280, "height": 900})
-        regular = page.locator("#pools [data-pool=regular]")
-        decode = page.locator("#pools [data-pool=decode]")
-        expect(regular).to_contain_text("1 of 1 workers reporting")
-        expect(decode).to_contain_text("1 of 1 workers reporting")
+    page, _ = console_page("bob", "viewer", "pw-for-tests-2", height=900)
+    regular = page.locator("#pools [data-pool=regular]")
+    decode = page.locator("#pools [data-pool=decode]")
+    expect(regular).to_contain_text("1 of 1 workers reporting")
+    expect(decode).to_contain_text("1 of 1 workers reporting")
 
-        for field in ("hit_share_storage", "host_pool_use", "hicache_host_total_tokens"):
-            cell = regular.locator(f"[data-f={field}]")
-            expect(cell).to_have_text("—")
-            expect(cell).to_have_attribute("title", re.compile("^not reported by any worker"))
-        expect(regular.locator("[data-f=hit_share_device]")).to_have_text("100 %")
-        expect(regular.locator("[data-f=hit_share_host]")).to_have_text("0 %")  # reported, and 0
-        rate = regular.locator("[data-f=cached_rate]")  # reported counters, one sample: no rate yet, and why
-        expect(rate).to_have_text("—")
-        expect(rate).to_have_attribute("title", "fewer than two samples in the last 10 s")
+    for field in ("hit_share_storage", "host_pool_use", "hicache_host_total_tokens"):
+        cell = regular.locator(f"[data-f={field}]")
+        expect(cell).to_have_text("—")
+        expect(cell).to_have_attribute("title", re.compile("^not reported by any worker"))
+    expect(regular.locator("[data-f=hit_share_device]")).to_have_text("100 %")
+    expect(regular.locator("[data-f=hit_share_host]")).to_have_text("0 %")  # reported, and 0
+    rate = regular.locator("[data-f=cached_rate]")  # reported counters, one sample: no rate yet, and why
+    expect(rate).to_have_text("—")
+    expect(rate).to_have_attribute("title", "fewer than two samples in the last 10 s")
 
-        storage = decode.locator("[data-f=hit_share_storage]")
-        expect(storage).to_have_text("0 %")
-        expect(storage).not_to_have_attribute("title", re.compile("."))
-        expect(decode.locator("[data-f=hit_share_device]")).to_have_text("75 %")
-        expect(decode.locator("[data-f=host_pool_use]")).to_have_text("25 %")
-        row = page.locator(f"#workers tr[data-worker='{workers[0].pk}']")
-        use = row.locator("[data-f=host_pool_use]")
-        expect(use).to_have_text("—")
-        expect(use).to_have_attribute("title", "not reported by this worker")
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "fleet-absent-figures.png"), full_page=True)
-        browser.close()
+    storage = decode.locator("[data-f=hit_share_storage]")
+    expect(storage).to_have_text("0 %")
+    expect(storage).not_to_have_attribute("title", re.compile("."))
+    expect(decode.locator("[data-f=hit_share_device]")).to_have_text("75 %")
+    expect(decode.locator("[data-f=host_pool_use]")).to_have_text("25 %")
+    row = page.locator(f"#workers tr[data-worker='{workers[0].pk}']")
+    use = row.locator("[data-f=host_pool_use]")
+    expect(use).to_have_text("—")
+    expect(use).to_have_attribute("title", "not reported by this worker")
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "fleet-absent-figures.png"), full_page=True)

@@ -8,7 +8,6 @@ from datetime import UTC
 
 import pytest
 from cp_factories import EngineWorkerFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in
 
 from controlplane.core.broadcast import emit
 from controlplane.core.events import operation_group
@@ -31,53 +30,48 @@ def _run_to_the_end(op) -> None:
 
 
 def test_the_operation_page_shows_one_snapshot_and_started_is_the_launch_time(
-    asgi_server, fake_worker, monkeypatch
+    asgi_server, console_page, fake_worker
 ):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     fake = fake_worker()
     worker = EngineWorkerFactory(name="w-snap", url=fake.url, admin_key=fake.admin_key)
     op = operation_create(  # not dispatched: the test runs the steps itself (a session Celery worker may run)
         kind="detach", workers=[worker], actor=None, idle_timeout_s=5, reason="snapshot", dispatch=False
     )
-    console_user("snap", "operator", "pw-for-tests-1")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "snap", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/operations/{op.pk}/")
-        expect(page.get_by_test_id("op-state")).to_have_text("running")
-        started = page.get_by_test_id("op-started")
-        launched = op.created_at.astimezone(UTC)
-        expect(started).to_have_attribute(
-            "datetime", launched.strftime("%Y-%m-%dT%H:%M:%S.") + f"{launched.microsecond // 1000:03d}Z"
-        )
+    page, errors = console_page("snap", "operator")
+    page.goto(f"{asgi_server}/operations/{op.pk}/")
+    expect(page.get_by_test_id("op-state")).to_have_text("running")
+    started = page.get_by_test_id("op-started")
+    launched = op.created_at.astimezone(UTC)
+    expect(started).to_have_attribute(
+        "datetime", launched.strftime("%Y-%m-%dT%H:%M:%S.") + f"{launched.microsecond // 1000:03d}Z"
+    )
 
-        # A push that disagrees with the database: the page re-reads and never shows the push's state.
-        page.evaluate("""() => { window.seenStates = []; const el = document.getElementById("op-state");
-            new MutationObserver(() => window.seenStates.push(el.textContent))
-              .observe(el, {childList: true, characterData: true, subtree: true}); }""")
-        url = f"{asgi_server}/api/v1/operations/{op.pk}/"
-        with page.expect_response(lambda r: r.url == url):
-            data = {"operation_id": op.pk, "state": "succeeded", "explanation": "", "summary": {}}
-            emit(operation_group(op.pk), "operation.state_changed", data, wait=True)
-        page.wait_for_load_state("networkidle")
-        expect(page.get_by_test_id("op-state")).to_have_text("running")
-        expect(page.locator("#op-facts time[data-f=finished_at]")).to_have_text("–")
-        assert "succeeded" not in page.evaluate("window.seenStates")
+    # A push that disagrees with the database: the page re-reads and never shows the push's state.
+    page.evaluate("""() => { window.seenStates = []; const el = document.getElementById("op-state");
+        new MutationObserver(() => window.seenStates.push(el.textContent))
+          .observe(el, {childList: true, characterData: true, subtree: true}); }""")
+    url = f"{asgi_server}/api/v1/operations/{op.pk}/"
+    with page.expect_response(lambda r: r.url == url):
+        data = {"operation_id": op.pk, "state": "succeeded", "explanation": "", "summary": {}}
+        emit(operation_group(op.pk), "operation.state_changed", data, wait=True)
+    page.wait_for_load_state("networkidle")
+    expect(page.get_by_test_id("op-state")).to_have_text("running")
+    expect(page.locator("#op-facts time[data-f=finished_at]")).to_have_text("–")
+    assert "succeeded" not in page.evaluate("window.seenStates")
 
-        _run_to_the_end(op)  # the real pushes, after commit: final state, finish time and targets together
-        expect(page.get_by_test_id("op-state")).to_have_text("succeeded")
-        expect(page.locator("#op-facts time[data-f=finished_at]")).not_to_have_text("–")
-        expect(page.locator("#op-targets tbody tr .badge")).to_have_text("succeeded")
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "operation-snapshot.png"), full_page=True)
-        launched_at = started.get_attribute("datetime")
-        page.goto(f"{asgi_server}/operations/")  # the list's "Started" is the same moment
-        expect(page.locator("#operations tbody tr time").first).to_have_attribute("datetime", launched_at)
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "operations-started.png"), full_page=True)
-        assert errors == []
-        browser.close()
+    _run_to_the_end(op)  # the real pushes, after commit: final state, finish time and targets together
+    expect(page.get_by_test_id("op-state")).to_have_text("succeeded")
+    expect(page.locator("#op-facts time[data-f=finished_at]")).not_to_have_text("–")
+    expect(page.locator("#op-targets tbody tr .badge")).to_have_text("succeeded")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "operation-snapshot.png"), full_page=True)
+    launched_at = started.get_attribute("datetime")
+    page.goto(f"{asgi_server}/operations/")  # the list's "Started" is the same moment
+    expect(page.locator("#operations tbody tr time").first).to_have_attribute("datetime", launched_at)
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "operations-started.png"), full_page=True)
+    assert errors == []

@@ -7,7 +7,6 @@ import time
 
 import pytest
 from cp_factories import EngineWorkerFactory, RouterFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in
 
 from controlplane.operations.models import ACTIVE_STATES
 from controlplane.operations.services import operation_create, target_step
@@ -34,33 +33,28 @@ def _failed_busy_detach(fake_worker, fake_router):
 
 
 def test_a_busy_worker_past_the_idle_timeout_is_offered_a_retry_with_drain(
-    asgi_server, fake_worker, fake_router, monkeypatch
+    asgi_server, console_page, fake_worker, fake_router
 ):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     op, worker = _failed_busy_detach(fake_worker, fake_router)
-    console_user("gates", "operator", "pw-for-tests-1")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/operations/{op.pk}/")
-        expect(page.locator("#op-targets tbody tr")).to_contain_text("retry with drain on")
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "operation-retry-drain.png"), full_page=True)
-        page.get_by_test_id("retry-drain").click()
-        expect(page.get_by_label("drain each worker from its router while applying")).to_be_checked()
-        expect(page.locator("#kind")).to_have_value("detach")
-        expect(page.get_by_label("target busy")).to_be_checked()
-        idle = page.locator(f'tr[data-worker="{worker.pk}"] .idle')
-        expect(idle).to_have_text("busy (2 running, 1 waiting, 3 HTTP requests unanswered)")
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "launch-retry-drain.png"), full_page=True)
-        _review_without_drain_warns(page)
-        assert errors == []
-        browser.close()
+    page, errors = console_page("gates", "operator")
+    page.goto(f"{asgi_server}/operations/{op.pk}/")
+    expect(page.locator("#op-targets tbody tr")).to_contain_text("retry with drain on")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "operation-retry-drain.png"), full_page=True)
+    page.get_by_test_id("retry-drain").click()
+    expect(page.get_by_label("drain each worker from its router while applying")).to_be_checked()
+    expect(page.locator("#kind")).to_have_value("detach")
+    expect(page.get_by_label("target busy")).to_be_checked()
+    idle = page.locator(f'tr[data-worker="{worker.pk}"] .idle')
+    expect(idle).to_have_text("busy (2 running, 1 waiting, 3 HTTP requests unanswered)")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "launch-retry-drain.png"), full_page=True)
+    _review_without_drain_warns(page)
+    assert errors == []
 
 
 def _review_without_drain_warns(page) -> None:

@@ -7,68 +7,21 @@ serious accessibility violation on any page."""
 import os
 import re
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from console_testlib import serious_violations
 from cp_factories import (
     AGENT_HOST,
     EngineWorkerFactory,
     HostFactory,
     RouterFactory,
     StorageProfileFactory,
-    UserFactory,
 )
-from django.contrib.auth.hashers import make_password
 
 ATTACH_DIFF = re.compile(r"storage_backend: none\s*→\s*mooncake")  # from none, not only "mooncake"
 SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: pages are saved there to be looked at
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-
-AXE = Path(__file__).resolve().parent / "vendor" / "axe-core" / "axe.min.js"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-def console_user(username: str, role: str, password: str):
-    """A console user with `role` who logs in with `password` (hashed with pbkdf2, the daphne process's
-    hasher: the test settings' fast hasher is not the server's)."""
-    user = UserFactory(username=username, role=role)
-    user.password = make_password(password, hasher="pbkdf2_sha256")
-    user.save()
-    return user
-
-
-def log_in(browser, base_url: str, username: str, password: str):
-    """A 1280 x 800 page of `browser` logged in to the console at `base_url` as `username`; returns the page
-    and the list its uncaught page errors are appended to."""
-    page = browser.new_page(viewport={"width": 1280, "height": 800})
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(base_url + "/login/")
-    page.get_by_label("Username").fill(username)
-    page.get_by_label("Password").fill(password)
-    page.get_by_role("button", name="Log in").click()
-    return page, errors
-
-
-def serious_violations(page) -> list[str]:
-    """axe-core's WCAG 2 A/AA rules on the current page: 'rule (impact): first target' per serious one."""
-    page.add_script_tag(path=str(AXE))
-    result = page.evaluate(
-        "axe.run(document, {runOnly: {type: 'tag', values: ['wcag2a', 'wcag2aa', 'wcag21aa']}})"
-    )
-    return [
-        f"{v['id']} ({v['impact']}): {v['nodes'][0]['target']}"
-        for v in result["violations"]
-        if v["impact"] in ("serious", "critical")
-    ]
 
 
 def wrapped_headers(page) -> list[str]:
@@ -97,9 +50,9 @@ def operation_count(base: str, token: str) -> int:
 
 
 def test_operator_console_end_to_end(  # noqa: PLR0915
-    asgi_server, celery_worker_process, fake_worker, fake_router, personas, monkeypatch
+    asgi_server, console_page, celery_worker_process, fake_worker, fake_router, personas, monkeypatch
 ):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     monkeypatch.setenv(
         "DJANGO_ALLOW_ASYNC_UNSAFE", "true"
@@ -118,203 +71,192 @@ def test_operator_console_end_to_end(  # noqa: PLR0915
     profile = StorageProfileFactory(
         name="mooncake-prod", backend="mooncake", extra_config={"master_server_address": "127.0.0.1:50051"}
     )
-    console_user("alice", "operator", "pw-for-tests-1")
     agent_token, admin_token = personas["agent"][1], personas["admin"][1]
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "alice", "pw-for-tests-1")
-        page.set_default_timeout(20000)
-        expect(page.get_by_test_id("role")).to_have_text("operator")
-        expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
-        expect(page.locator("#pools [data-pool=regular]")).to_contain_text("0 of 2 workers reporting")
-        expect(page.locator("#hosts tbody tr").first).to_contain_text("64 GiB")
-        assert serious_violations(page) == []
-        assert wrapped_headers(page) == []
+    page, errors = console_page("alice", "operator")
+    page.set_default_timeout(20000)
+    expect(page.get_by_test_id("role")).to_have_text("operator")
+    expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+    expect(page.locator("#pools [data-pool=regular]")).to_contain_text("0 of 2 workers reporting")
+    expect(page.locator("#hosts tbody tr").first).to_contain_text("64 GiB")
+    assert serious_violations(page) == []
+    assert wrapped_headers(page) == []
 
-        page.goto(asgi_server + "/operations/")  # none yet: the page says so and where to start one
-        expect(page.get_by_test_id("no-operations")).to_have_text("No operations yet. Launch one (key n).")
+    page.goto(asgi_server + "/operations/")  # none yet: the page says so and where to start one
+    expect(page.get_by_test_id("no-operations")).to_have_text("No operations yet. Launch one (key n).")
 
-        # Launch form: only the chosen kind's fields; nothing is sent until the dialog is confirmed.
-        page.keyboard.press("n")
-        expect(page).to_have_url(asgi_server + "/operations/new/")
-        # each worker's "Idle now?" is polled on load (the same poll the review makes), not left as a dash
-        for i in range(len(workers)):
-            expect(page.locator("#targets tbody tr").nth(i).locator(".idle")).to_have_text("idle")
-        expect(page.get_by_label("Storage profile")).to_be_visible()
-        page.get_by_label("Kind").select_option("detach")
-        expect(page.get_by_label("Storage profile")).to_be_hidden()
-        page.get_by_label("Kind").select_option("attach")
-        for worker in workers:
-            page.get_by_label(f"target {worker.name}").check()
-        page.get_by_label("Reason (kept in the audit log and on the operation)").fill("enable L3 on gpu-0/1")
-        assert serious_violations(page) == []
-        assert wrapped_headers(page) == []
-        page.get_by_role("button", name="Review and launch").click()
-        dialog = page.locator("#confirm")
-        expect(dialog).to_be_visible()
-        expect(dialog.locator("#confirm-rows tr")).to_have_count(2)
-        expect(dialog.locator("#confirm-rows tr").first).to_contain_text("none [idle]")
-        expect(dialog.locator("#confirm-rows tr").first).to_contain_text("mooncake (mooncake-prod)")
-        assert operation_count(asgi_server, admin_token) == 0  # the open dialog blocks the launch
-        dialog.get_by_role("button", name="Cancel").click()
-        expect(dialog).to_be_hidden()
-        assert operation_count(asgi_server, admin_token) == 0
-        page.get_by_role("button", name="Review and launch").click()
-        dialog.get_by_role("button", name="Launch").click()
+    # Launch form: only the chosen kind's fields; nothing is sent until the dialog is confirmed.
+    page.keyboard.press("n")
+    expect(page).to_have_url(asgi_server + "/operations/new/")
+    # each worker's "Idle now?" is polled on load (the same poll the review makes), not left as a dash
+    for i in range(len(workers)):
+        expect(page.locator("#targets tbody tr").nth(i).locator(".idle")).to_have_text("idle")
+    expect(page.get_by_label("Storage profile")).to_be_visible()
+    page.get_by_label("Kind").select_option("detach")
+    expect(page.get_by_label("Storage profile")).to_be_hidden()
+    page.get_by_label("Kind").select_option("attach")
+    for worker in workers:
+        page.get_by_label(f"target {worker.name}").check()
+    page.get_by_label("Reason (kept in the audit log and on the operation)").fill("enable L3 on gpu-0/1")
+    assert serious_violations(page) == []
+    assert wrapped_headers(page) == []
+    page.get_by_role("button", name="Review and launch").click()
+    dialog = page.locator("#confirm")
+    expect(dialog).to_be_visible()
+    expect(dialog.locator("#confirm-rows tr")).to_have_count(2)
+    expect(dialog.locator("#confirm-rows tr").first).to_contain_text("none [idle]")
+    expect(dialog.locator("#confirm-rows tr").first).to_contain_text("mooncake (mooncake-prod)")
+    assert operation_count(asgi_server, admin_token) == 0  # the open dialog blocks the launch
+    dialog.get_by_role("button", name="Cancel").click()
+    expect(dialog).to_be_hidden()
+    assert operation_count(asgi_server, admin_token) == 0
+    page.get_by_role("button", name="Review and launch").click()
+    dialog.get_by_role("button", name="Launch").click()
 
-        # Operation page: reason kept, times and durations, per-worker before -> after.
-        expect(page.get_by_test_id("op-state")).to_have_text("succeeded")
-        expect(page.locator("#op-targets .s-succeeded")).to_have_count(2)
-        expect(page.get_by_test_id("op-reason")).to_have_text("enable L3 on gpu-0/1")
-        expect(page.get_by_test_id("op-duration")).not_to_contain_text("so far")
-        # an attach: the old backend was there and null, so the diff says from what (not only "mooncake")
-        op_diff = page.locator("#op-targets tbody tr").first.locator(".diff")
-        expect(op_diff).to_contain_text(ATTACH_DIFF)
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "operation-attach.png"), full_page=True)
-        expect(page.locator("#cancel")).to_be_hidden()  # finished: nothing left to cancel
-        expect(page.get_by_test_id("op-outcome")).to_have_text("changed: gpu-0, gpu-1")
-        op_api = httpx.get(
-            asgi_server + "/api/v1/operations/", headers={"Authorization": f"Bearer {admin_token}"}
-        ).json()["results"][0]
-        polls = {t["worker_name"]: str(t["polls"]) for t in op_api["targets"]}
-        for name, count in polls.items():
-            row = page.locator("#op-targets tbody tr", has_text=name)
-            expect(row.locator("td").nth(3)).to_have_text(count)
-        assert [f.backend for f in fakes] == ["mooncake", "mooncake"]
-        assert serious_violations(page) == []
-        assert wrapped_headers(page) == []
+    # Operation page: reason kept, times and durations, per-worker before -> after.
+    expect(page.get_by_test_id("op-state")).to_have_text("succeeded")
+    expect(page.locator("#op-targets .s-succeeded")).to_have_count(2)
+    expect(page.get_by_test_id("op-reason")).to_have_text("enable L3 on gpu-0/1")
+    expect(page.get_by_test_id("op-duration")).not_to_contain_text("so far")
+    # an attach: the old backend was there and null, so the diff says from what (not only "mooncake")
+    op_diff = page.locator("#op-targets tbody tr").first.locator(".diff")
+    expect(op_diff).to_contain_text(ATTACH_DIFF)
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "operation-attach.png"), full_page=True)
+    expect(page.locator("#cancel")).to_be_hidden()  # finished: nothing left to cancel
+    expect(page.get_by_test_id("op-outcome")).to_have_text("changed: gpu-0, gpu-1")
+    op_api = httpx.get(
+        asgi_server + "/api/v1/operations/", headers={"Authorization": f"Bearer {admin_token}"}
+    ).json()["results"][0]
+    polls = {t["worker_name"]: str(t["polls"]) for t in op_api["targets"]}
+    for name, count in polls.items():
+        row = page.locator("#op-targets tbody tr", has_text=name)
+        expect(row.locator("td").nth(3)).to_have_text(count)
+    assert [f.backend for f in fakes] == ["mooncake", "mooncake"]
+    assert serious_violations(page) == []
+    assert wrapped_headers(page) == []
 
-        page.get_by_role("link", name="Audit records").click()
-        rows = page.locator("#audit tbody tr", has_text="worker gpu-")
-        expect(rows).to_have_count(2)
-        expect(rows.first).to_contain_text("alice")
-        expect(rows.first.locator(".diff")).to_contain_text(ATTACH_DIFF)
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "audit-attach.png"), full_page=True)
-        expect(page.locator("#audit tbody")).not_to_contain_text("operation operation")
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        assert serious_violations(page) == []
-        assert wrapped_headers(page) == []  # incl. "Reason / message" and the revert buttons
-        bottoms = (
-            "[...document.querySelectorAll('#audit-filter > *')].map(e => e.getBoundingClientRect().bottom)"
-        )
-        assert len(set(page.evaluate(bottoms))) == 1  # every filter and its buttons on one line
-        # both workers still run what these records recorded: a revert would change nothing, none is offered
-        # (the offered case: tests/browser/test_audit_page.py)
-        expect(rows.get_by_role("button", name="Revert to this")).to_have_count(0)
+    page.get_by_role("link", name="Audit records").click()
+    rows = page.locator("#audit tbody tr", has_text="worker gpu-")
+    expect(rows).to_have_count(2)
+    expect(rows.first).to_contain_text("alice")
+    expect(rows.first.locator(".diff")).to_contain_text(ATTACH_DIFF)
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "audit-attach.png"), full_page=True)
+    expect(page.locator("#audit tbody")).not_to_contain_text("operation operation")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    assert serious_violations(page) == []
+    assert wrapped_headers(page) == []  # incl. "Reason / message" and the revert buttons
+    bottoms = "[...document.querySelectorAll('#audit-filter > *')].map(e => e.getBoundingClientRect().bottom)"
+    assert len(set(page.evaluate(bottoms))) == 1  # every filter and its buttons on one line
+    # both workers still run what these records recorded: a revert would change nothing, none is offered
+    # (the offered case: tests/browser/test_audit_page.py)
+    expect(rows.get_by_role("button", name="Revert to this")).to_have_count(0)
 
-        # Storage, host and router pages.
-        page.goto(asgi_server + "/storage/")
-        expect(page.locator(f"#profile-{profile.pk} [data-testid=attached]")).to_have_text("2")
-        assert serious_violations(page) == []
-        assert wrapped_headers(page) == []
-        page.goto(f"{asgi_server}/hosts/{host.pk}/")
-        expect(page.locator("#host-workers tbody tr")).to_have_count(2)
-        expect(page.get_by_test_id("host-ram")).to_have_text("64 GiB")  # the fleet page's unit
-        assert serious_violations(page) == []
-        assert wrapped_headers(page) == []
-        page.goto(f"{asgi_server}/routers/{router.pk}/")
-        expect(page.locator("#router-workers tbody tr", has_text="yes")).to_have_count(2)
-        assert serious_violations(page) == []
-        assert wrapped_headers(page) == []
+    # Storage, host and router pages.
+    page.goto(asgi_server + "/storage/")
+    expect(page.locator(f"#profile-{profile.pk} [data-testid=attached]")).to_have_text("2")
+    assert serious_violations(page) == []
+    assert wrapped_headers(page) == []
+    page.goto(f"{asgi_server}/hosts/{host.pk}/")
+    expect(page.locator("#host-workers tbody tr")).to_have_count(2)
+    expect(page.get_by_test_id("host-ram")).to_have_text("64 GiB")  # the fleet page's unit
+    assert serious_violations(page) == []
+    assert wrapped_headers(page) == []
+    page.goto(f"{asgi_server}/routers/{router.pk}/")
+    expect(page.locator("#router-workers tbody tr", has_text="yes")).to_have_count(2)
+    assert serious_violations(page) == []
+    assert wrapped_headers(page) == []
 
-        # Worker page: live HiCache config; charts fill from websocket pushes, no reload.
-        page.goto(f"{asgi_server}/workers/{workers[0].pk}/")
-        expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
-        expect(page.locator("#hicache")).to_contain_text("hicache_write_policy")
-        expect(page.get_by_test_id("storage-profile")).to_contain_text("mooncake-prod")
-        page.evaluate("window.__sameDocument = true")
-        for step, counters in enumerate(({"device": 100, "host": 0}, {"device": 150, "host": 150}), 1):
-            fakes[0].counters.update(counters)
-            response = httpx.post(
-                asgi_server + "/api/v1/agent/metrics/",
-                json={"worker": workers[0].pk, "text": fakes[0].metrics_text()},
-                headers={"Authorization": f"Bearer {agent_token}"},
-            )
-            assert response.status_code == 202
-            expect(page.get_by_test_id("samples")).to_have_text(str(step))
-        expect(page.locator("#chart-pool")).to_have_attribute("data-points", "2")
-        pool_legend = page.locator("#chart-pool .u-legend .u-series").nth(1)
-        expect(pool_legend).to_contain_text("25 %")  # 1024 of 4096 host tokens
-        hits = page.locator("#chart-hits .u-legend")
-        expect(hits.locator(".u-series", has_text="L1 device")).to_contain_text("25 %")  # 50 of 200 new hits
-        expect(hits.locator(".u-series", has_text="L2 host")).to_contain_text("75 %")
-        expect(page.locator("#chart-ttft")).to_have_attribute("data-window-s", "300")
-        page.get_by_label("Chart time window").select_option("3600")  # every chart redraws over 1 h
-        expect(page.locator(".chart[data-window-s='3600']")).to_have_count(8)
-        assert page.evaluate("window.__sameDocument") is True
-        assert serious_violations(page) == []
-        assert wrapped_headers(page) == []
-
-        page.goto(asgi_server + "/operations/")
-        expect(page.locator("#operations tbody tr")).not_to_have_count(0)
-        expect(page.get_by_test_id("no-operations")).to_be_hidden()
-
-        # A running operation's page follows the pushes: both workers busy, then gpu-0 frees up; its row
-        # shows the API's final polls and before -> after without a reload; Cancel shows only while running.
-        for f in fakes:
-            f.busy_polls = -1
-        auth = {"Authorization": f"Bearer {admin_token}"}
+    # Worker page: live HiCache config; charts fill from websocket pushes, no reload.
+    page.goto(f"{asgi_server}/workers/{workers[0].pk}/")
+    expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+    expect(page.locator("#hicache")).to_contain_text("hicache_write_policy")
+    expect(page.get_by_test_id("storage-profile")).to_contain_text("mooncake-prod")
+    page.evaluate("window.__sameDocument = true")
+    for step, counters in enumerate(({"device": 100, "host": 0}, {"device": 150, "host": 150}), 1):
+        fakes[0].counters.update(counters)
         response = httpx.post(
-            asgi_server + "/api/v1/operations/",
-            json={"kind": "detach", "workers": [w.pk for w in workers], "reason": "live view"},
-            headers=auth,
+            asgi_server + "/api/v1/agent/metrics/",
+            json={"worker": workers[0].pk, "text": fakes[0].metrics_text()},
+            headers={"Authorization": f"Bearer {agent_token}"},
         )
-        assert response.status_code in (201, 202), response.text
-        op_url = f"{asgi_server}/api/v1/operations/{response.json()['id']}/"
-        page.goto(op_url.replace("/api/v1", ""))
-        expect(page.locator("body[data-ws-ready='1'][data-loaded='1']")).to_have_count(1)
-        expect(page.get_by_test_id("op-state")).to_have_text("running")
-        expect(page.locator("#cancel")).to_be_visible()
-        rows = [page.locator("#op-targets tbody tr", has_text=w.name) for w in workers]
-        shown = [row.locator("td").nth(3).inner_text() for row in rows]
+        assert response.status_code == 202
+        expect(page.get_by_test_id("samples")).to_have_text(str(step))
+    expect(page.locator("#chart-pool")).to_have_attribute("data-points", "2")
+    pool_legend = page.locator("#chart-pool .u-legend .u-series").nth(1)
+    expect(pool_legend).to_contain_text("25 %")  # 1024 of 4096 host tokens
+    hits = page.locator("#chart-hits .u-legend")
+    expect(hits.locator(".u-series", has_text="L1 device")).to_contain_text("25 %")  # 50 of 200 new hits
+    expect(hits.locator(".u-series", has_text="L2 host")).to_contain_text("75 %")
+    expect(page.locator("#chart-ttft")).to_have_attribute("data-window-s", "300")
+    page.get_by_label("Chart time window").select_option("3600")  # every chart redraws over 1 h
+    expect(page.locator(".chart[data-window-s='3600']")).to_have_count(8)
+    assert page.evaluate("window.__sameDocument") is True
+    assert serious_violations(page) == []
+    assert wrapped_headers(page) == []
 
-        def polls(name):
-            targets = httpx.get(op_url, headers=auth).json()["targets"]
-            return next(t["polls"] for t in targets if t["worker_name"] == name)
+    page.goto(asgi_server + "/operations/")
+    expect(page.locator("#operations tbody tr")).not_to_have_count(0)
+    expect(page.get_by_test_id("no-operations")).to_be_hidden()
 
-        deadline = time.monotonic() + 20
-        while polls("gpu-0") <= int(shown[0]):  # polled until the page's first read is out of date
-            assert time.monotonic() < deadline, "gpu-0 is not polled for idle"
-        fakes[0].busy_polls = 0
-        expect(rows[0].locator(".badge")).to_have_text("succeeded")
-        expect(rows[0].locator(".diff")).to_contain_text("mooncake")
-        expect(rows[0].locator(".diff")).not_to_contain_text("not changed yet")
-        expect(rows[0].locator("td").nth(3)).to_have_text(str(polls("gpu-0")))
-        expect(rows[1].locator("td").nth(3)).not_to_have_text(shown[1])  # idle polls move without a push
-        page.locator("#cancel").click()
-        dialog.get_by_role("button", name="Cancel operation").click()
-        expect(page.get_by_test_id("op-state")).to_have_text("cancelled")
-        expect(page.locator("#cancel")).to_be_hidden()
-        assert errors == []
-        browser.close()
+    # A running operation's page follows the pushes: both workers busy, then gpu-0 frees up; its row
+    # shows the API's final polls and before -> after without a reload; Cancel shows only while running.
+    for f in fakes:
+        f.busy_polls = -1
+    auth = {"Authorization": f"Bearer {admin_token}"}
+    response = httpx.post(
+        asgi_server + "/api/v1/operations/",
+        json={"kind": "detach", "workers": [w.pk for w in workers], "reason": "live view"},
+        headers=auth,
+    )
+    assert response.status_code in (201, 202), response.text
+    op_url = f"{asgi_server}/api/v1/operations/{response.json()['id']}/"
+    page.goto(op_url.replace("/api/v1", ""))
+    expect(page.locator("body[data-ws-ready='1'][data-loaded='1']")).to_have_count(1)
+    expect(page.get_by_test_id("op-state")).to_have_text("running")
+    expect(page.locator("#cancel")).to_be_visible()
+    rows = [page.locator("#op-targets tbody tr", has_text=w.name) for w in workers]
+    shown = [row.locator("td").nth(3).inner_text() for row in rows]
+
+    def polls(name):
+        targets = httpx.get(op_url, headers=auth).json()["targets"]
+        return next(t["polls"] for t in targets if t["worker_name"] == name)
+
+    deadline = time.monotonic() + 20
+    while polls("gpu-0") <= int(shown[0]):  # polled until the page's first read is out of date
+        assert time.monotonic() < deadline, "gpu-0 is not polled for idle"
+    fakes[0].busy_polls = 0
+    expect(rows[0].locator(".badge")).to_have_text("succeeded")
+    expect(rows[0].locator(".diff")).to_contain_text("mooncake")
+    expect(rows[0].locator(".diff")).not_to_contain_text("not changed yet")
+    expect(rows[0].locator("td").nth(3)).to_have_text(str(polls("gpu-0")))
+    expect(rows[1].locator("td").nth(3)).not_to_have_text(shown[1])  # idle polls move without a push
+    page.locator("#cancel").click()
+    dialog.get_by_role("button", name="Cancel operation").click()
+    expect(page.get_by_test_id("op-state")).to_have_text("cancelled")
+    expect(page.locator("#cancel")).to_be_hidden()
+    assert errors == []
 
 
-def test_operation_page_catches_up_without_a_push(asgi_server, monkeypatch):
+def test_operation_page_catches_up_without_a_push(asgi_server, console_page):
     """An operation that ends while no push reaches the page (sent before the page joined its group, or lost
     while reconnecting) still shows its final state: a running operation's page re-reads it on each join and
     every few seconds."""
     from django.utils import timezone
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from controlplane.operations.models import Operation, OperationTarget
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     worker = EngineWorkerFactory(name="gpu-quiet")
     op = Operation.objects.create(kind="detach", idle_timeout_s=60, reason="quiet")
     OperationTarget.objects.create(operation=op, worker=worker)
-    console_user("bob", "viewer", "pw-for-tests-2")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "bob", "pw-for-tests-2")
-        page.goto(f"{asgi_server}/operations/{op.pk}/")
-        expect(page.locator("body[data-ws-ready='1'][data-loaded='1']")).to_have_count(1)
-        expect(page.get_by_test_id("op-state")).to_have_text("running")
-        op.targets.update(state="succeeded", finished_at=timezone.now())  # in the database only: no push
-        Operation.objects.filter(pk=op.pk).update(state="succeeded", finished_at=timezone.now())
-        expect(page.get_by_test_id("op-state")).to_have_text("succeeded", timeout=15000)
-        expect(page.locator("#op-targets tbody tr").first.locator(".badge")).to_have_text("succeeded")
-        assert errors == []
-        browser.close()
+    page, errors = console_page("bob", "viewer", "pw-for-tests-2")
+    page.goto(f"{asgi_server}/operations/{op.pk}/")
+    expect(page.locator("body[data-ws-ready='1'][data-loaded='1']")).to_have_count(1)
+    expect(page.get_by_test_id("op-state")).to_have_text("running")
+    op.targets.update(state="succeeded", finished_at=timezone.now())  # in the database only: no push
+    Operation.objects.filter(pk=op.pk).update(state="succeeded", finished_at=timezone.now())
+    expect(page.get_by_test_id("op-state")).to_have_text("succeeded", timeout=15000)
+    expect(page.locator("#op-targets tbody tr").first.locator(".badge")).to_have_text("succeeded")
+    assert errors == []

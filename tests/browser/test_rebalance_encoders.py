@@ -7,8 +7,8 @@ import time
 
 import httpx
 import pytest
+from console_testlib import serious_violations
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
 from test_rebalance_page import Exporter
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -22,10 +22,9 @@ def _encoder_text(images: float, seconds: float) -> str:
     )
 
 
-def test_busy_encoders_while_ttft_misses_its_slo_read_add_an_encoder(asgi_server, personas, monkeypatch):
-    from playwright.sync_api import expect, sync_playwright
+def test_busy_encoders_while_ttft_misses_its_slo_read_add_an_encoder(asgi_server, console_page, personas):
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
     host = HostFactory(name=AGENT_HOST)
     router = RouterFactory(name="epd", mode="pd", slo_ttft_p90_s=0.5, slo_itl_p90_s=0.05)
     workers = {
@@ -48,22 +47,18 @@ def test_busy_encoders_while_ttft_misses_its_slo_read_add_an_encoder(asgi_server
         push("p1", prefill.serve(20, 200, 0, 8, None, 0.01), ts)
         push("d1", decode.serve(20, 200, 0, 8, 2.0, 0.01), ts)  # the client's TTFT: 2 s, SLO 0.5 s
         push("e1", _encoder_text(100.0 * i, 19.0 * i), ts)  # 5 images/s, 95 % busy
-    console_user("vera", "viewer", "pw-for-tests-1")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/routers/{router.pk}/rebalance/")
-        box = page.get_by_test_id("rec-encoders")
-        expect(box).to_be_visible()
-        expect(box).to_contain_text("add encoder")
-        expect(box).to_contain_text("add an encoder: encoders busy 95%")
-        expect(box).to_contain_text("TTFT p90")
-        expect(box).to_contain_text("no prefill or decode worker is switched")
-        expect(page.locator("#rec-pools tbody tr")).to_have_count(2)  # prefill and decode only
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        assert serious_violations(page) == []
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "rebalance-encoders.png"), full_page=True)
-        assert errors == []
-        browser.close()
+    page, errors = console_page("vera", "viewer")
+    page.goto(f"{asgi_server}/routers/{router.pk}/rebalance/")
+    box = page.get_by_test_id("rec-encoders")
+    expect(box).to_be_visible()
+    expect(box).to_contain_text("add encoder")
+    expect(box).to_contain_text("add an encoder: encoders busy 95%")
+    expect(box).to_contain_text("TTFT p90")
+    expect(box).to_contain_text("no prefill or decode worker is switched")
+    expect(page.locator("#rec-pools tbody tr")).to_have_count(2)  # prefill and decode only
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    assert serious_violations(page) == []
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "rebalance-encoders.png"), full_page=True)
+    assert errors == []

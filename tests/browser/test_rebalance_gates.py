@@ -5,7 +5,6 @@ import os
 
 import pytest
 from cp_factories import EngineWorkerFactory, RouterFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
@@ -17,24 +16,17 @@ def _shot(page, name: str) -> None:
         page.screenshot(path=os.path.join(SHOTS, f"{name}.png"), full_page=True)
 
 
-def test_rebalance_header_says_no_slo_when_the_router_sets_none(asgi_server, monkeypatch):
-    from playwright.sync_api import expect, sync_playwright
+def test_rebalance_header_says_no_slo_when_the_router_sets_none(asgi_server, console_page):
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     router = RouterFactory(name="pd-noslo", mode="pd")
     for name, role in (("p1", "prefill"), ("d1", "decode")):
         EngineWorkerFactory(name=name, router=router, role=role)
-    console_user("gates", "viewer", "pw-for-tests-1")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/routers/{router.pk}/rebalance/")
-        expect(page.get_by_test_id("slo")).to_have_text(
-            "Soak gate: no SLO set: checked health and errors only"
-        )
-        # the charts' dashed line is the planner's default, which no gate checks: named so, not "SLO"
-        expect(page.locator("#chart-ttft")).to_contain_text("planner default")
-        expect(page.locator("#chart-ttft")).not_to_contain_text("SLO")
-        _shot(page, "rebalance-no-slo")
-        assert errors == []
-        browser.close()
+    page, errors = console_page("gates", "viewer")
+    page.goto(f"{asgi_server}/routers/{router.pk}/rebalance/")
+    expect(page.get_by_test_id("slo")).to_have_text("Soak gate: no SLO set: checked health and errors only")
+    # the charts' dashed line is the planner's default, which no gate checks: named so, not "SLO"
+    expect(page.locator("#chart-ttft")).to_contain_text("planner default")
+    expect(page.locator("#chart-ttft")).not_to_contain_text("SLO")
+    _shot(page, "rebalance-no-slo")
+    assert errors == []

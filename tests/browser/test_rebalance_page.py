@@ -9,8 +9,9 @@ import time
 
 import httpx
 import pytest
+from console_testlib import console_user, serious_violations
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations, wrapped_headers
+from test_operator_console import wrapped_headers
 
 from controlplane.inventory.services import worker_role_observed
 from controlplane.rebalance.models import Rebalance, RebalanceStep
@@ -53,10 +54,9 @@ class Exporter:
         return m.render().decode()
 
 
-def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch, tmp_path):  # noqa: PLR0915
-    from playwright.sync_api import expect, sync_playwright
+def test_rebalance_page(asgi_server, console_page, personas, fake_router, tmp_path):  # noqa: PLR0915
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
     host = HostFactory(name=AGENT_HOST)
     router = RouterFactory(
         name="pd-edge", url=fake_router.url, mode="pd", slo_ttft_p90_s=0.5, slo_itl_p90_s=0.05
@@ -91,146 +91,143 @@ def test_rebalance_page(asgi_server, personas, fake_router, monkeypatch, tmp_pat
     reporter.start()
     alice = console_user("alice", "operator", "pw-for-tests-1")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "alice", "pw-for-tests-1")
-        expect(page.get_by_test_id("role")).to_have_text("operator")
-        page.goto(f"{asgi_server}/routers/{router.pk}/")
-        page.get_by_test_id("rebalance-link").click()
-        expect(page.locator("body[data-loaded='1']")).to_have_count(1)
-        expect(page.get_by_test_id("split")).to_have_text("1P:2D")
-        expect(page.get_by_test_id("rec-status")).to_have_text("pending")
-        expect(page.get_by_test_id("rb-history-empty")).to_have_text("No rebalance of this router yet.")
-        reasons = page.get_by_test_id("rec-reasons")  # the exact figures: test_planner_api.py
-        demand = re.compile(r"prefill demand [\d,.]+ computed prompt tokens/s over the last 120 s")
-        expect(reasons).to_contain_text(demand)
-        # the planner's figures cover its own window, the tiles above 60 s: each says which
-        expect(page.locator("#rec-pools thead")).to_contain_text("p90 (120 s) / SLO")
-        expect(page.get_by_test_id("rec-window-text")).to_contain_text("the 120 s before it was evaluated")
-        expect(page.get_by_text("TTFT p90 (60 s)")).to_be_visible()
-        expect(reasons).to_contain_text("40% served from cache")
-        expect(page.locator("#rec-pools [data-pool=prefill]")).to_contain_text("40 %")
-        # counts are devices (TP-1 workers here: the same numbers), the target stays in workers
-        expect(page.locator("#rec-pools [data-pool=decode]")).to_contain_text("2 (2 workers, 2 warm)")
-        expect(page.get_by_test_id("now-decode")).to_have_text("2 (2)")
-        expect(page.get_by_test_id("rec-units")).to_contain_text("Recommended workers: 1P:2D.")
-        page.screenshot(path=str(tmp_path / "rebalance-devices.png"), full_page=True)  # looked at by eye
-        expect(page.get_by_test_id("now-ttft")).not_to_have_text("–")
-        expect(page.locator("#chart-ttft")).not_to_have_attribute("data-points", "0")
+    page, errors = console_page("alice")
+    expect(page.get_by_test_id("role")).to_have_text("operator")
+    page.goto(f"{asgi_server}/routers/{router.pk}/")
+    page.get_by_test_id("rebalance-link").click()
+    expect(page.locator("body[data-loaded='1']")).to_have_count(1)
+    expect(page.get_by_test_id("split")).to_have_text("1P:2D")
+    expect(page.get_by_test_id("rec-status")).to_have_text("pending")
+    expect(page.get_by_test_id("rb-history-empty")).to_have_text("No rebalance of this router yet.")
+    reasons = page.get_by_test_id("rec-reasons")  # the exact figures: test_planner_api.py
+    demand = re.compile(r"prefill demand [\d,.]+ computed prompt tokens/s over the last 120 s")
+    expect(reasons).to_contain_text(demand)
+    # the planner's figures cover its own window, the tiles above 60 s: each says which
+    expect(page.locator("#rec-pools thead")).to_contain_text("p90 (120 s) / SLO")
+    expect(page.get_by_test_id("rec-window-text")).to_contain_text("the 120 s before it was evaluated")
+    expect(page.get_by_text("TTFT p90 (60 s)")).to_be_visible()
+    expect(reasons).to_contain_text("40% served from cache")
+    expect(page.locator("#rec-pools [data-pool=prefill]")).to_contain_text("40 %")
+    # counts are devices (TP-1 workers here: the same numbers), the target stays in workers
+    expect(page.locator("#rec-pools [data-pool=decode]")).to_contain_text("2 (2 workers, 2 warm)")
+    expect(page.get_by_test_id("now-decode")).to_have_text("2 (2)")
+    expect(page.get_by_test_id("rec-units")).to_contain_text("Recommended workers: 1P:2D.")
+    page.screenshot(path=str(tmp_path / "rebalance-devices.png"), full_page=True)  # looked at by eye
+    expect(page.get_by_test_id("now-ttft")).not_to_have_text("–")
+    expect(page.locator("#chart-ttft")).not_to_have_attribute("data-points", "0")
 
-        # Start: the dialog lists each pool now -> after; nothing is sent while it is open or when cancelled.
-        expect(page.get_by_test_id("target-prefill")).to_have_value("1")
-        page.get_by_test_id("target-prefill").fill("2")
-        page.get_by_test_id("target-decode").fill("1")
+    # Start: the dialog lists each pool now -> after; nothing is sent while it is open or when cancelled.
+    expect(page.get_by_test_id("target-prefill")).to_have_value("1")
+    page.get_by_test_id("target-prefill").fill("2")
+    page.get_by_test_id("target-decode").fill("1")
+    page.get_by_role("button", name="Review and start").click()
+    dialog = page.locator("#confirm")
+    expect(dialog).to_contain_text("Start rebalance 1P:2D → 2P:1D?")
+    expect(dialog.locator("#confirm-rows tr", has_text="prefill")).to_contain_text("1 worker2 workers")
+    expect(dialog.locator("thead th").first).to_have_text("Pool")
+    expect(dialog.locator("#confirm-rows tr", has_text="decode")).to_have_text("decode2 workers1 worker")
+    dialog.get_by_role("button", name="Cancel").click()
+    expect(dialog).to_be_hidden()
+    assert not Rebalance.objects.exists()
+
+    # Targets the server refuses open no dialog; the page says which field is wrong and why.
+    banner = page.locator("#page-error")
+    for prefill, decode, words in (
+        ("0", "3", "Target prefill: enter a whole number of workers, at least 1."),
+        ("2", "", "Target decode: enter a whole number of workers, at least 1."),
+        ("5", "5", "Target: 5P:5D has 10 workers; prefill + decode must equal the router's 3 workers."),
+        ("1", "2", "Target: the router already runs 1P:2D."),
+    ):
+        page.get_by_test_id("target-prefill").fill(prefill)
+        page.get_by_test_id("target-decode").fill(decode)
         page.get_by_role("button", name="Review and start").click()
-        dialog = page.locator("#confirm")
-        expect(dialog).to_contain_text("Start rebalance 1P:2D → 2P:1D?")
-        expect(dialog.locator("#confirm-rows tr", has_text="prefill")).to_contain_text("1 worker2 workers")
-        expect(dialog.locator("thead th").first).to_have_text("Pool")
-        expect(dialog.locator("#confirm-rows tr", has_text="decode")).to_have_text("decode2 workers1 worker")
-        dialog.get_by_role("button", name="Cancel").click()
+        expect(banner).to_have_text(words)
         expect(dialog).to_be_hidden()
-        assert not Rebalance.objects.exists()
+    # A refusal the page cannot foresee (the router's live checks) comes back in words, and the next
+    # dialog opens without the old banner.
+    page.get_by_test_id("target-prefill").fill("2")
+    page.get_by_test_id("target-decode").fill("1")
+    page.get_by_role("button", name="Review and start").click()
+    expect(banner).to_be_hidden()
+    dialog.get_by_role("button", name="Start rebalance").click()
+    expect(banner).to_be_visible()
+    expect(banner).not_to_contain_text("{")
+    print("server refusal shown:", banner.text_content())
+    page.get_by_role("button", name="Review and start").click()
+    expect(dialog).to_be_visible()
+    expect(banner).to_be_hidden()
+    dialog.get_by_role("button", name="Cancel").click()
+    assert not Rebalance.objects.exists()
 
-        # Targets the server refuses open no dialog; the page says which field is wrong and why.
-        banner = page.locator("#page-error")
-        for prefill, decode, words in (
-            ("0", "3", "Target prefill: enter a whole number of workers, at least 1."),
-            ("2", "", "Target decode: enter a whole number of workers, at least 1."),
-            ("5", "5", "Target: 5P:5D has 10 workers; prefill + decode must equal the router's 3 workers."),
-            ("1", "2", "Target: the router already runs 1P:2D."),
-        ):
-            page.get_by_test_id("target-prefill").fill(prefill)
-            page.get_by_test_id("target-decode").fill(decode)
-            page.get_by_role("button", name="Review and start").click()
-            expect(banner).to_have_text(words)
-            expect(dialog).to_be_hidden()
-        # A refusal the page cannot foresee (the router's live checks) comes back in words, and the next
-        # dialog opens without the old banner.
-        page.get_by_test_id("target-prefill").fill("2")
-        page.get_by_test_id("target-decode").fill("1")
-        page.get_by_role("button", name="Review and start").click()
-        expect(banner).to_be_hidden()
-        dialog.get_by_role("button", name="Start rebalance").click()
-        expect(banner).to_be_visible()
-        expect(banner).not_to_contain_text("{")
-        print("server refusal shown:", banner.text_content())
-        page.get_by_role("button", name="Review and start").click()
-        expect(dialog).to_be_visible()
-        expect(banner).to_be_hidden()
-        dialog.get_by_role("button", name="Cancel").click()
-        assert not Rebalance.objects.exists()
+    # A running rebalance (its steps moved by rollout's own transition writer, as the executor moves
+    # them; no Celery worker is involved): the page follows it without a reload.
+    rb0 = Rebalance.objects.create(router=router, before_prefill=1, before_decode=2, target_prefill=2,
+                                   target_decode=1, approval="auto", soak_s=5, idle_timeout_s=60,
+                                   reason="prefill misses its TTFT SLO", created_by=alice)  # fmt: skip
+    step = RebalanceStep.objects.create(rebalance=rb0, index=0, worker=workers[1], from_role="decode",
+                                        to_role="prefill")  # fmt: skip
+    page.evaluate("window.__sameDocument = true")
+    rebalance_transition(rb0, to="running", explanation="running")
+    expect(page.get_by_test_id("rb-state")).to_have_text("running")
+    expect(page.get_by_test_id("rec-status")).to_have_text("frozen")  # no advice while one runs
+    expect(page.get_by_test_id("rb-history-empty")).to_be_hidden()
+    row = page.locator("#rb-steps tbody tr")
+    expect(row).to_have_count(1)
+    for to in ("draining", "switching", "gating", "soaking", "succeeded"):
+        step_transition(step, to=to, explanation=f"{to} (test)")
+        expect(row.locator(".badge")).to_have_text(to)
+    expect(row).to_contain_text("succeeded (test)")
+    worker_role_observed(worker=workers[1], role="prefill")  # what the executor records after the switch
+    rebalance_transition(rb0, to="succeeded", explanation="2P:1D reached")
+    expect(page.get_by_test_id("rb-state")).to_have_text("succeeded")
+    expect(page.get_by_test_id("split")).to_have_text("2P:1D")
+    expect(page.locator("#rb dd[data-f=change]")).to_have_text("1P:2D → 2P:1D workers, moving 1 device")
+    page.locator("#rb").screenshot(path=str(tmp_path / "rebalance-run.png"))  # looked at by eye
+    compare = page.locator("#rb-compare tbody")
+    expect(compare.locator("tr", has_text="TTFT p90 (client)").locator("td").first).not_to_have_text("–")
+    assert page.evaluate("window.__sameDocument") is True
 
-        # A running rebalance (its steps moved by rollout's own transition writer, as the executor moves
-        # them; no Celery worker is involved): the page follows it without a reload.
-        rb0 = Rebalance.objects.create(router=router, before_prefill=1, before_decode=2, target_prefill=2,
-                                       target_decode=1, approval="auto", soak_s=5, idle_timeout_s=60,
-                                       reason="prefill misses its TTFT SLO", created_by=alice)  # fmt: skip
-        step = RebalanceStep.objects.create(rebalance=rb0, index=0, worker=workers[1], from_role="decode",
-                                            to_role="prefill")  # fmt: skip
-        page.evaluate("window.__sameDocument = true")
-        rebalance_transition(rb0, to="running", explanation="running")
-        expect(page.get_by_test_id("rb-state")).to_have_text("running")
-        expect(page.get_by_test_id("rec-status")).to_have_text("frozen")  # no advice while one runs
-        expect(page.get_by_test_id("rb-history-empty")).to_be_hidden()
-        row = page.locator("#rb-steps tbody tr")
-        expect(row).to_have_count(1)
-        for to in ("draining", "switching", "gating", "soaking", "succeeded"):
-            step_transition(step, to=to, explanation=f"{to} (test)")
-            expect(row.locator(".badge")).to_have_text(to)
-        expect(row).to_contain_text("succeeded (test)")
-        worker_role_observed(worker=workers[1], role="prefill")  # what the executor records after the switch
-        rebalance_transition(rb0, to="succeeded", explanation="2P:1D reached")
-        expect(page.get_by_test_id("rb-state")).to_have_text("succeeded")
-        expect(page.get_by_test_id("split")).to_have_text("2P:1D")
-        expect(page.locator("#rb dd[data-f=change]")).to_have_text("1P:2D → 2P:1D workers, moving 1 device")
-        page.locator("#rb").screenshot(path=str(tmp_path / "rebalance-run.png"))  # looked at by eye
-        compare = page.locator("#rb-compare tbody")
-        expect(compare.locator("tr", has_text="TTFT p90 (client)").locator("td").first).not_to_have_text("–")
-        assert page.evaluate("window.__sameDocument") is True
-
-        # A per-step rebalance: approve asks first (cancelled: nothing sent); pause and abort are sent on
-        # confirmation and arrive back over the websocket.
-        rb1 = Rebalance.objects.create(
-            router=router, before_prefill=2, before_decode=1, target_prefill=1, target_decode=2,
-            approval="per_step", soak_s=5, idle_timeout_s=60,
-        )  # fmt: skip
-        RebalanceStep.objects.create(
-            rebalance=rb1, index=0, worker=workers[1], from_role="prefill", to_role="decode"
-        )
-        rebalance_transition(rb1, to="awaiting_approval", explanation="step 1 waits for approval")
-        expect(page.get_by_test_id("rb-title")).to_have_text(f"#{rb1.pk}")
-        expect(page.get_by_test_id("rb-state")).to_have_text("awaiting approval")
-        page.get_by_role("button", name="Approve next step").click()
-        expect(dialog.locator("#confirm-rows tr")).to_contain_text("d1 (prefill → decode)")
-        expect(dialog.locator("#confirm-rows tr")).to_contain_text("runs now")
-        dialog.get_by_role("button", name="Cancel").click()
-        rb1.refresh_from_db()
-        assert rb1.state == "awaiting_approval"
-        page.get_by_role("button", name="Pause").click()
-        dialog.get_by_role("button", name="Pause").click()
-        expect(page.get_by_test_id("rb-state")).to_have_text("paused")
-        expect(page.get_by_role("button", name="Resume")).to_be_visible()
-        page.get_by_role("button", name="Abort").click()
-        expect(dialog.locator("#confirm-rows tr")).to_contain_text("cancelled")
-        dialog.get_by_role("button", name="Abort rebalance").click()
-        expect(page.get_by_test_id("rb-state")).to_have_text("aborted")
-        expect(page.locator("#rb-steps tbody tr .badge")).to_have_text("cancelled")
-        expect(page.locator("#rb-history tbody tr")).to_have_count(2)
-        expect(page.locator("#rb-history tbody tr").first.locator(".badge")).to_have_text("aborted")
-        # an ended rebalance takes no action: the server's allowed_actions is empty, no button shows
-        expect(page.locator("#rb-actions [data-action]:visible")).to_have_count(0)
-        expect(page.get_by_test_id("split")).to_have_text("2P:1D")  # d1 runs prefill since rebalance 1
-        expect(page.get_by_test_id("rec-status")).to_have_text("cooldown")  # the counts just changed
-        page.get_by_label("Chart time window").select_option("3600")  # re-read over 1 h, every chart redrawn
-        expect(page.locator(".chart[data-window-s='3600']")).to_have_count(4)
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        assert wrapped_headers(page) == []
-        assert serious_violations(page) == []
-        page.get_by_role("link", name="d1").first.click()  # the worker page shows the role it now runs
-        expect(page.get_by_test_id("worker-role")).to_contain_text("prefill")
-        expect(page.get_by_test_id("worker-role")).to_contain_text("since")
-        assert errors == []
-        browser.close()
+    # A per-step rebalance: approve asks first (cancelled: nothing sent); pause and abort are sent on
+    # confirmation and arrive back over the websocket.
+    rb1 = Rebalance.objects.create(
+        router=router, before_prefill=2, before_decode=1, target_prefill=1, target_decode=2,
+        approval="per_step", soak_s=5, idle_timeout_s=60,
+    )  # fmt: skip
+    RebalanceStep.objects.create(
+        rebalance=rb1, index=0, worker=workers[1], from_role="prefill", to_role="decode"
+    )
+    rebalance_transition(rb1, to="awaiting_approval", explanation="step 1 waits for approval")
+    expect(page.get_by_test_id("rb-title")).to_have_text(f"#{rb1.pk}")
+    expect(page.get_by_test_id("rb-state")).to_have_text("awaiting approval")
+    page.get_by_role("button", name="Approve next step").click()
+    expect(dialog.locator("#confirm-rows tr")).to_contain_text("d1 (prefill → decode)")
+    expect(dialog.locator("#confirm-rows tr")).to_contain_text("runs now")
+    dialog.get_by_role("button", name="Cancel").click()
+    rb1.refresh_from_db()
+    assert rb1.state == "awaiting_approval"
+    page.get_by_role("button", name="Pause").click()
+    dialog.get_by_role("button", name="Pause").click()
+    expect(page.get_by_test_id("rb-state")).to_have_text("paused")
+    expect(page.get_by_role("button", name="Resume")).to_be_visible()
+    page.get_by_role("button", name="Abort").click()
+    expect(dialog.locator("#confirm-rows tr")).to_contain_text("cancelled")
+    dialog.get_by_role("button", name="Abort rebalance").click()
+    expect(page.get_by_test_id("rb-state")).to_have_text("aborted")
+    expect(page.locator("#rb-steps tbody tr .badge")).to_have_text("cancelled")
+    expect(page.locator("#rb-history tbody tr")).to_have_count(2)
+    expect(page.locator("#rb-history tbody tr").first.locator(".badge")).to_have_text("aborted")
+    # an ended rebalance takes no action: the server's allowed_actions is empty, no button shows
+    expect(page.locator("#rb-actions [data-action]:visible")).to_have_count(0)
+    expect(page.get_by_test_id("split")).to_have_text("2P:1D")  # d1 runs prefill since rebalance 1
+    expect(page.get_by_test_id("rec-status")).to_have_text("cooldown")  # the counts just changed
+    page.get_by_label("Chart time window").select_option("3600")  # re-read over 1 h, every chart redrawn
+    expect(page.locator(".chart[data-window-s='3600']")).to_have_count(4)
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    assert wrapped_headers(page) == []
+    assert serious_violations(page) == []
+    page.get_by_role("link", name="d1").first.click()  # the worker page shows the role it now runs
+    expect(page.get_by_test_id("worker-role")).to_contain_text("prefill")
+    expect(page.get_by_test_id("worker-role")).to_contain_text("since")
+    assert errors == []
     stop.set()
     reporter.join(10)

@@ -7,7 +7,6 @@ import os
 import pytest
 from cp_factories import EngineWorkerFactory, HostFactory, RouterFactory
 from django.utils import timezone
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in
 
 from controlplane.rebalance.services.reconcile import reconcile_all
 from controlplane.workerclient import RouterClient
@@ -17,11 +16,10 @@ SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved th
 
 
 def test_repairs_and_alerts_show_on_the_router_and_fleet_pages(
-    asgi_server, fake_worker, fake_router, monkeypatch
+    asgi_server, console_page, fake_worker, fake_router
 ):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     router = RouterFactory(name="pd-main", url=fake_router.url, mode="pd")
     host = HostFactory(name="gpu-host")
     decode = fake_worker(pd_role="decode")
@@ -34,24 +32,20 @@ def test_repairs_and_alerts_show_on_the_router_and_fleet_pages(
     client.add_worker("http://stranger:1", worker_type="decode")
     repairs = reconcile_all()
     assert [r["action"] for r in repairs] == ["reconcile_router"]
-    console_user("vera", "viewer", "pw-for-tests-1")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/routers/{router.pk}/")
-        expect(page.get_by_test_id("reconcile-repairs")).to_contain_text("listed it as prefill")
-        expect(page.get_by_test_id("fleet-alerts")).to_contain_text("lists http://stranger:1")
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "router-reconcile.png"), full_page=True)
-        page.goto(f"{asgi_server}/")
-        alerts = page.get_by_test_id("fleet-alerts")
-        expect(alerts.get_by_role("link", name="pd-main")).to_have_attribute("href", f"/routers/{router.pk}/")
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "fleet-reconcile.png"), full_page=True)
-        assert errors == []
-        browser.close()
+    page, errors = console_page("vera", "viewer")
+    page.goto(f"{asgi_server}/routers/{router.pk}/")
+    expect(page.get_by_test_id("reconcile-repairs")).to_contain_text("listed it as prefill")
+    expect(page.get_by_test_id("fleet-alerts")).to_contain_text("lists http://stranger:1")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "router-reconcile.png"), full_page=True)
+    page.goto(f"{asgi_server}/")
+    alerts = page.get_by_test_id("fleet-alerts")
+    expect(alerts.get_by_role("link", name="pd-main")).to_have_attribute("href", f"/routers/{router.pk}/")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "fleet-reconcile.png"), full_page=True)
+    assert errors == []
 
 
 def _open_synced(page, url: str):
@@ -65,14 +59,13 @@ def _open_synced(page, url: str):
 
 
 def test_alerts_open_and_resolve_live_on_the_fleet_and_router_pages(
-    asgi_server, fake_worker, fake_router, monkeypatch
+    asgi_server, console_page, fake_worker, fake_router
 ):
     """Both pages open with no alert; a reconcile pass that finds a stranger in pd-main's list and pd-gone not
     answering shows both on the fleet page and only pd-main's on its router page, without reload; the pass
     after the stranger left removes it from both pages, and the router page's card is hidden again."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     router = RouterFactory(name="pd-main", url=fake_router.url, mode="pd")
     RouterFactory(name="pd-gone", url="http://127.0.0.1:9", mode="pd")  # nothing listens: router_unreachable
     decode = fake_worker(pd_role="decode")
@@ -82,38 +75,34 @@ def test_alerts_open_and_resolve_live_on_the_fleet_and_router_pages(
     )  # fmt: skip
     client = RouterClient(router.url)
     client.add_worker(decode.url, worker_type="decode")
-    console_user("vera", "viewer", "pw-for-tests-1")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        fleet, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        routerpage, router_errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        _open_synced(fleet, f"{asgi_server}/")
-        _open_synced(routerpage, f"{asgi_server}/routers/{router.pk}/")
-        for page in (fleet, routerpage):
-            expect(page.get_by_test_id("fleet-alerts")).to_be_hidden()
+    fleet, errors = console_page("vera", "viewer")
+    routerpage, router_errors = console_page("vera")
+    _open_synced(fleet, f"{asgi_server}/")
+    _open_synced(routerpage, f"{asgi_server}/routers/{router.pk}/")
+    for page in (fleet, routerpage):
+        expect(page.get_by_test_id("fleet-alerts")).to_be_hidden()
 
-        client.add_worker("http://stranger:1", worker_type="decode")
-        assert reconcile_all() == []
-        fleet_alerts = fleet.get_by_test_id("fleet-alerts")
-        router_alerts = routerpage.get_by_test_id("fleet-alerts")
-        expect(fleet_alerts.locator("li")).to_have_count(2)
-        expect(fleet_alerts).to_contain_text("lists http://stranger:1")
-        expect(fleet_alerts.get_by_role("link", name="pd-gone")).to_be_visible()
-        main_link = fleet_alerts.get_by_role("link", name="pd-main")
-        expect(main_link).to_have_attribute("href", f"/routers/{router.pk}/")
-        expect(router_alerts.locator("li")).to_have_count(1)
-        expect(router_alerts).to_contain_text("lists http://stranger:1")
-        assert fleet.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            fleet.screenshot(path=os.path.join(SHOTS, "fleet-alert-live.png"), full_page=True)
+    client.add_worker("http://stranger:1", worker_type="decode")
+    assert reconcile_all() == []
+    fleet_alerts = fleet.get_by_test_id("fleet-alerts")
+    router_alerts = routerpage.get_by_test_id("fleet-alerts")
+    expect(fleet_alerts.locator("li")).to_have_count(2)
+    expect(fleet_alerts).to_contain_text("lists http://stranger:1")
+    expect(fleet_alerts.get_by_role("link", name="pd-gone")).to_be_visible()
+    main_link = fleet_alerts.get_by_role("link", name="pd-main")
+    expect(main_link).to_have_attribute("href", f"/routers/{router.pk}/")
+    expect(router_alerts.locator("li")).to_have_count(1)
+    expect(router_alerts).to_contain_text("lists http://stranger:1")
+    assert fleet.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        fleet.screenshot(path=os.path.join(SHOTS, "fleet-alert-live.png"), full_page=True)
 
-        client.remove_worker("http://stranger:1")
-        assert reconcile_all() == []
-        expect(router_alerts).to_be_hidden()
-        expect(fleet_alerts.locator("li")).to_have_count(1)
-        expect(fleet_alerts).not_to_contain_text("stranger")
-        expect(fleet_alerts).to_contain_text("pd-gone")
-        for page in (fleet, routerpage):
-            assert page.evaluate("window.kvfleetNotReloaded") is True
-        assert errors == router_errors == []
-        browser.close()
+    client.remove_worker("http://stranger:1")
+    assert reconcile_all() == []
+    expect(router_alerts).to_be_hidden()
+    expect(fleet_alerts.locator("li")).to_have_count(1)
+    expect(fleet_alerts).not_to_contain_text("stranger")
+    expect(fleet_alerts).to_contain_text("pd-gone")
+    for page in (fleet, routerpage):
+        assert page.evaluate("window.kvfleetNotReloaded") is True
+    assert errors == router_errors == []

@@ -6,32 +6,26 @@ import os
 
 import pytest
 from cp_factories import EngineWorkerFactory, RouterFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
 
 
-def test_a_router_without_its_breaker_shows_it_off(asgi_server, fake_router, monkeypatch):
-    from playwright.sync_api import expect, sync_playwright
+def test_a_router_without_its_breaker_shows_it_off(asgi_server, console_page, fake_router):
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     router = RouterFactory(name="demo-router", url=fake_router.url, circuit_breaker=False,
                            metrics_url=f"{fake_router.url}/metrics")  # fmt: skip
     EngineWorkerFactory(name="w0", router=router)
-    console_user("gates", "viewer", "pw-for-tests-1")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "gates", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/routers/{router.pk}/")
-        breakers = page.get_by_test_id("breakers")
-        expect(breakers).to_contain_text("off")
-        expect(breakers).to_contain_text("runs without a circuit breaker")
-        expect(breakers).not_to_contain_text("closed")
-        expect(page.locator("#router-workers tbody tr td").nth(5)).to_have_text("off")
-        expect(page.locator("#router-workers tbody tr td").nth(6)).to_have_text("–")  # no count is read
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "router-breaker-off.png"), full_page=True)
-        assert errors == []
-        browser.close()
+    page, errors = console_page("gates", "viewer")
+    page.goto(f"{asgi_server}/routers/{router.pk}/")
+    breakers = page.get_by_test_id("breakers")
+    expect(breakers).to_contain_text("off")
+    expect(breakers).to_contain_text("runs without a circuit breaker")
+    expect(breakers).not_to_contain_text("closed")
+    expect(page.locator("#router-workers tbody tr td").nth(5)).to_have_text("off")
+    expect(page.locator("#router-workers tbody tr td").nth(6)).to_have_text("–")  # no count is read
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "router-breaker-off.png"), full_page=True)
+    assert errors == []

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from console_testlib import serious_violations
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
 
 from engine.cache.storage.health import BreakerSettings, StorageHealth
 from engine.server.metrics import EngineMetrics
@@ -27,11 +27,10 @@ def _exporter(health: StorageHealth) -> EngineMetrics:
 
 
 def test_breakers_per_worker_on_the_storage_page_and_an_open_one_on_the_fleet_page(
-    asgi_server, personas, monkeypatch
+    asgi_server, console_page, personas
 ):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
     host = HostFactory(name=AGENT_HOST)
     sick = EngineWorkerFactory(
         name="gpu-0", url="http://gpu-0.local:30000", host=host, storage_backend="mooncake"
@@ -60,43 +59,38 @@ def test_breakers_per_worker_on_the_storage_page_and_an_open_one_on_the_fleet_pa
         health[sick.pk].record(False, 0.01, "mooncake: master unreachable")
     now[0] += 2  # the last failure was 2 s before the sample
     push(t0 + 10)
-    console_user("vera", "viewer", "pw-for-tests-1")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        page.set_viewport_size({"width": 1280, "height": 900})
-        page.goto(f"{asgi_server}/storage/")
-        row = page.locator('#l3-health tr[data-worker="gpu-0"]')
-        expect(row.get_by_test_id("breaker")).to_contain_text("open")
-        expect(row.get_by_test_id("breaker")).to_contain_text("requests recompute")
-        cells = row.locator("td")
-        expect(cells.nth(2)).to_have_text("0.40/s")  # 4 failed calls over the 10 s between samples
-        expect(cells.nth(3)).to_have_text("4")
-        last_failure = re.compile("^" + _iso(t0 + 8)[:19])  # 2 s before the sample, to the second
-        expect(cells.nth(4).locator("time")).to_have_attribute("datetime", last_failure)
-        other = page.locator('#l3-health tr[data-worker="gpu-1"]')
-        expect(other.locator(".badge.s-closed")).to_have_text("closed")
-        expect(other.locator("td").nth(4)).to_have_text("none")
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / "storage-breakers.png"), full_page=True)
-        assert serious_violations(page) == []
+    page, errors = console_page("vera", "viewer", height=900)
+    page.goto(f"{asgi_server}/storage/")
+    row = page.locator('#l3-health tr[data-worker="gpu-0"]')
+    expect(row.get_by_test_id("breaker")).to_contain_text("open")
+    expect(row.get_by_test_id("breaker")).to_contain_text("requests recompute")
+    cells = row.locator("td")
+    expect(cells.nth(2)).to_have_text("0.40/s")  # 4 failed calls over the 10 s between samples
+    expect(cells.nth(3)).to_have_text("4")
+    last_failure = re.compile("^" + _iso(t0 + 8)[:19])  # 2 s before the sample, to the second
+    expect(cells.nth(4).locator("time")).to_have_attribute("datetime", last_failure)
+    other = page.locator('#l3-health tr[data-worker="gpu-1"]')
+    expect(other.locator(".badge.s-closed")).to_have_text("closed")
+    expect(other.locator("td").nth(4)).to_have_text("none")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "storage-breakers.png"), full_page=True)
+    assert serious_violations(page) == []
 
-        page.goto(f"{asgi_server}/")
-        alert = page.get_by_test_id("breaker-alert")
-        expect(alert).to_be_visible()
-        expect(alert).to_contain_text("L3 breaker open on gpu-0:")
-        expect(alert.get_by_role("link", name="gpu-0")).to_have_attribute("href", f"/workers/{sick.pk}/")
-        page.screenshot(path=str(SHOTS / "fleet-breaker-open.png"), full_page=True)
-        assert serious_violations(page) == []
+    page.goto(f"{asgi_server}/")
+    alert = page.get_by_test_id("breaker-alert")
+    expect(alert).to_be_visible()
+    expect(alert).to_contain_text("L3 breaker open on gpu-0:")
+    expect(alert.get_by_role("link", name="gpu-0")).to_have_attribute("href", f"/workers/{sick.pk}/")
+    page.screenshot(path=str(SHOTS / "fleet-breaker-open.png"), full_page=True)
+    assert serious_violations(page) == []
 
-        now[0] += 6  # the store is back: the half-open probe succeeds and closes the breaker
-        assert health[sick.pk].allow()
-        health[sick.pk].record(True, 0.01)
-        push(t0 + 20)  # arrives over the websocket: the alert goes away in place
-        expect(alert).to_be_hidden()
-        assert errors == []
-        browser.close()
+    now[0] += 6  # the store is back: the half-open probe succeeds and closes the breaker
+    assert health[sick.pk].allow()
+    health[sick.pk].record(True, 0.01)
+    push(t0 + 20)  # arrives over the websocket: the alert goes away in place
+    expect(alert).to_be_hidden()
+    assert errors == []
 
 
 def _iso(ts: float) -> str:
@@ -106,17 +100,16 @@ def _iso(ts: float) -> str:
 
 
 def test_a_worker_that_detached_its_l3_itself_says_since_when_and_both_moves_are_audited(
-    asgi_server, personas, monkeypatch
+    asgi_server, console_page, personas
 ):
     """``auto_detach_after_s``: the engine's exporter over a real breaker and a real ``AutoDetach``; the
     storage page's L3 health row and the worker page's L3 breaker say "detached automatically since ..."
     while out, and the detach and the re-attach are system audit events."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from controlplane.audit.models import AuditEvent
     from engine.cache.storage.autodetach import AutoDetach, AutoDetachSettings
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     host = HostFactory(name=AGENT_HOST)
     worker = EngineWorkerFactory(
         name="gpu-0", url="http://gpu-0.local:30000", host=host, storage_backend="mooncake"
@@ -151,30 +144,25 @@ def test_a_worker_that_detached_its_l3_itself_says_since_when_and_both_moves_are
     now[0] += 12  # sampled 12 s after the detach
     push(t0 + 60)
     assert AuditEvent.objects.filter(action="storage_auto_detach").count() == 1
-    console_user("vera", "viewer", "pw-for-tests-1")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        page.set_viewport_size({"width": 1280, "height": 900})
-        page.goto(f"{asgi_server}/storage/")
-        cell = page.locator('#l3-health tr[data-worker="gpu-0"]').get_by_test_id("breaker")
-        expect(cell.locator(".badge.s-open")).to_have_text("open")
-        out = cell.get_by_test_id("auto-detached")
-        expect(out).to_contain_text("detached automatically since")
-        since = re.compile("^" + _iso(t0 + 48)[:19])  # 12 s before the sample, to the second
-        expect(out.locator("time")).to_have_attribute("datetime", since)
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / "storage-auto-detached.png"), full_page=True)
-        assert serious_violations(page) == []
-        page.get_by_role("link", name="gpu-0").first.click()  # its worker page says the same, in its L3 facts
-        fact = page.get_by_test_id("breaker")
-        expect(fact.locator(".badge.s-open")).to_have_text("open")
-        expect(fact.get_by_test_id("auto-detached")).to_contain_text("detached automatically since")
-        expect(fact.get_by_test_id("auto-detached").locator("time")).to_have_attribute("datetime", since)
-        page.screenshot(path=str(SHOTS / "worker-auto-detached.png"), full_page=True)
-        assert errors == []
-        browser.close()
+    page, errors = console_page("vera", "viewer", height=900)
+    page.goto(f"{asgi_server}/storage/")
+    cell = page.locator('#l3-health tr[data-worker="gpu-0"]').get_by_test_id("breaker")
+    expect(cell.locator(".badge.s-open")).to_have_text("open")
+    out = cell.get_by_test_id("auto-detached")
+    expect(out).to_contain_text("detached automatically since")
+    since = re.compile("^" + _iso(t0 + 48)[:19])  # 12 s before the sample, to the second
+    expect(out.locator("time")).to_have_attribute("datetime", since)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "storage-auto-detached.png"), full_page=True)
+    assert serious_violations(page) == []
+    page.get_by_role("link", name="gpu-0").first.click()  # its worker page says the same, in its L3 facts
+    fact = page.get_by_test_id("breaker")
+    expect(fact.locator(".badge.s-open")).to_have_text("open")
+    expect(fact.get_by_test_id("auto-detached")).to_contain_text("detached automatically since")
+    expect(fact.get_by_test_id("auto-detached").locator("time")).to_have_attribute("datetime", since)
+    page.screenshot(path=str(SHOTS / "worker-auto-detached.png"), full_page=True)
+    assert errors == []
 
     auto.probed(True)  # the store answered: the scheduler re-attached it, the breaker closed
     auto.reattached()

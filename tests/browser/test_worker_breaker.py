@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from console_testlib import serious_violations
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
 
 from controlplane.audit.models import AuditEvent
 from engine.cache.storage.health import BreakerSettings, StorageHealth
@@ -20,10 +20,9 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(trans
 SHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
 
 
-def test_breaker_state_on_the_worker_page_and_its_moves_in_the_audit_log(asgi_server, personas, monkeypatch):
-    from playwright.sync_api import expect, sync_playwright
+def test_breaker_state_on_the_worker_page_and_its_moves_in_the_audit_log(asgi_server, console_page, personas):
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
     host = HostFactory(name=AGENT_HOST)
     worker = EngineWorkerFactory(
         name="gpu-0", url="http://gpu-0.local:30000", host=host, storage_backend="mooncake"
@@ -49,40 +48,35 @@ def test_breaker_state_on_the_worker_page_and_its_moves_in_the_audit_log(asgi_se
     assert not health.allow()  # a lookup while open: skipped (a miss at once)
     push(t0 + 10)
     assert AuditEvent.objects.filter(action="storage_breaker").count() == 1
-    console_user("vera", "viewer", "pw-for-tests-1")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        page.set_viewport_size({"width": 1280, "height": 900})
-        page.goto(f"{asgi_server}/workers/{worker.pk}/")
-        fact = page.get_by_test_id("breaker")
-        expect(fact.locator(".badge.s-open")).to_have_text("open")
-        expect(fact).to_contain_text("2 failed L3 calls, 1 skipped while open")
-        expect(fact).to_contain_text("requests recompute")
-        # chart times are the console's 24-hour format (KV.time), never uPlot's "6:11pm 12/3/26"
-        expect(page.locator("#chart-reqs")).to_have_attribute("data-points", "2")
-        ticks = page.evaluate("document.querySelector('#chart-reqs').kvChart.uplot.axes[0]._values")
-        assert ticks and all(re.fullmatch(r"\d\d:\d\d(:\d\d)?(\n\d{4}-\d\d-\d\d)?", t) for t in ticks), ticks
-        assert "\n" in ticks[0]  # the date under the first tick
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / "worker-breaker-open.png"), full_page=True)
-        assert serious_violations(page) == []
+    page, errors = console_page("vera", "viewer", height=900)
+    page.goto(f"{asgi_server}/workers/{worker.pk}/")
+    fact = page.get_by_test_id("breaker")
+    expect(fact.locator(".badge.s-open")).to_have_text("open")
+    expect(fact).to_contain_text("2 failed L3 calls, 1 skipped while open")
+    expect(fact).to_contain_text("requests recompute")
+    # chart times are the console's 24-hour format (KV.time), never uPlot's "6:11pm 12/3/26"
+    expect(page.locator("#chart-reqs")).to_have_attribute("data-points", "2")
+    ticks = page.evaluate("document.querySelector('#chart-reqs').kvChart.uplot.axes[0]._values")
+    assert ticks and all(re.fullmatch(r"\d\d:\d\d(:\d\d)?(\n\d{4}-\d\d-\d\d)?", t) for t in ticks), ticks
+    assert "\n" in ticks[0]  # the date under the first tick
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "worker-breaker-open.png"), full_page=True)
+    assert serious_violations(page) == []
 
-        now[0] += 6  # the store is back: the half-open probe succeeds and closes the breaker
-        assert health.allow()
-        health.record(True, 0.01)
-        push(t0 + 20)  # arrives over the websocket: the page updates in place
-        expect(fact.locator(".badge.s-closed")).to_have_text("closed")
+    now[0] += 6  # the store is back: the half-open probe succeeds and closes the breaker
+    assert health.allow()
+    health.record(True, 0.01)
+    push(t0 + 20)  # arrives over the websocket: the page updates in place
+    expect(fact.locator(".badge.s-closed")).to_have_text("closed")
 
-        page.goto(f"{asgi_server}/audit/?action=storage_breaker")
-        rows = page.locator("#audit tbody tr")
-        expect(rows).to_have_count(2)
-        expect(page.locator("#audit tbody")).to_contain_text("L3 breaker of gpu-0: open -> closed")
-        expect(page.locator("#audit tbody")).to_contain_text("L3 breaker of gpu-0: closed -> open")
-        page.screenshot(path=str(SHOTS / "audit-breaker.png"), full_page=True)
-        assert errors == []
-        browser.close()
+    page.goto(f"{asgi_server}/audit/?action=storage_breaker")
+    rows = page.locator("#audit tbody tr")
+    expect(rows).to_have_count(2)
+    expect(page.locator("#audit tbody")).to_contain_text("L3 breaker of gpu-0: open -> closed")
+    expect(page.locator("#audit tbody")).to_contain_text("L3 breaker of gpu-0: closed -> open")
+    page.screenshot(path=str(SHOTS / "audit-breaker.png"), full_page=True)
+    assert errors == []
     events = list(AuditEvent.objects.filter(action="storage_breaker").order_by("id"))
     assert [(e.before, e.after, e.actor_type) for e in events] == [
         ({"breaker_state": "closed"}, {"breaker_state": "open"}, "system"),

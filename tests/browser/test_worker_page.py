@@ -9,8 +9,8 @@ import time
 
 import httpx
 import pytest
+from console_testlib import serious_violations
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
 
 from controlplane.telemetry.metrics import histogram_quantile, parse_prometheus
 from engine.server.metrics import EngineMetrics
@@ -40,10 +40,9 @@ def quantiles(before: str, after: str, key: str) -> tuple[float, float]:
     )
 
 
-def test_latency_over_the_last_5_minutes_and_the_prefill_note(asgi_server, personas, monkeypatch):
-    from playwright.sync_api import expect, sync_playwright
+def test_latency_over_the_last_5_minutes_and_the_prefill_note(asgi_server, console_page, personas):
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
     host = HostFactory(name=AGENT_HOST)
     router = RouterFactory(name="pd-edge", mode="pd")
     mixed = EngineWorkerFactory(name="gpu-0", url="http://gpu-0.local:30000", host=host, role="mixed")
@@ -71,48 +70,41 @@ def test_latency_over_the_last_5_minutes_and_the_prefill_note(asgi_server, perso
     assert (
         ttft[1] < 0.1 < 1 < ttft_all[0] and itl[1] < 0.05 < itl_all[0]
     )  # the window differs from "since start"
-    console_user("vera", "viewer", "pw-for-tests-1")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        expect(page.get_by_test_id("role")).to_have_text("viewer")
+    page, errors = console_page("vera", "viewer")
+    expect(page.get_by_test_id("role")).to_have_text("viewer")
 
-        page.goto(f"{asgi_server}/workers/{mixed.pk}/")
-        expect(page.locator("#chart-ttft")).to_have_attribute("data-points", "3")
-        expect(page.locator("figure", has=page.locator("#chart-ttft"))).to_contain_text(
-            "5 min before each point"
-        )
-        for chart, (p50, p90) in (("#chart-ttft", ttft), ("#chart-itl", itl)):
-            legend = page.locator(f"{chart} .u-legend .u-series")
-            shown = page.evaluate("([a, b]) => [KV.fmt(a, 's'), KV.fmt(b, 's')]", [p50, p90])
-            expect(legend.filter(has_text="p50")).to_contain_text(shown[0])
-            expect(legend.filter(has_text="p90")).to_contain_text(shown[1])
-        assert page.get_by_test_id("latency-note").count() == 0
-        assert serious_violations(page) == []
+    page.goto(f"{asgi_server}/workers/{mixed.pk}/")
+    expect(page.locator("#chart-ttft")).to_have_attribute("data-points", "3")
+    expect(page.locator("figure", has=page.locator("#chart-ttft"))).to_contain_text("5 min before each point")
+    for chart, (p50, p90) in (("#chart-ttft", ttft), ("#chart-itl", itl)):
+        legend = page.locator(f"{chart} .u-legend .u-series")
+        shown = page.evaluate("([a, b]) => [KV.fmt(a, 's'), KV.fmt(b, 's')]", [p50, p90])
+        expect(legend.filter(has_text="p50")).to_contain_text(shown[0])
+        expect(legend.filter(has_text="p90")).to_contain_text(shown[1])
+    assert page.get_by_test_id("latency-note").count() == 0
+    assert serious_violations(page) == []
 
-        page.goto(f"{asgi_server}/workers/{prefill.pk}/")
-        expect(page.locator("body[data-loaded='1']")).to_have_count(1)
-        note = page.get_by_test_id("latency-note")
-        expect(note).to_contain_text("Measured on the decode side in PD mode")
-        expect(note.get_by_role("link", name="d1")).to_have_attribute("href", f"/workers/{decode.pk}/")
-        expect(note.get_by_role("link", name="rebalance page")).to_have_attribute(
-            "href", f"/routers/{router.pk}/rebalance/"
-        )
-        expect(page.locator("#chart-ttft, #chart-itl")).to_have_count(0)
-        expect(page.locator(".chart .uplot")).to_have_count(6)  # every other chart still draws
-        assert serious_violations(page) == []
-        assert errors == []
-        browser.close()
+    page.goto(f"{asgi_server}/workers/{prefill.pk}/")
+    expect(page.locator("body[data-loaded='1']")).to_have_count(1)
+    note = page.get_by_test_id("latency-note")
+    expect(note).to_contain_text("Measured on the decode side in PD mode")
+    expect(note.get_by_role("link", name="d1")).to_have_attribute("href", f"/workers/{decode.pk}/")
+    expect(note.get_by_role("link", name="rebalance page")).to_have_attribute(
+        "href", f"/routers/{router.pk}/rebalance/"
+    )
+    expect(page.locator("#chart-ttft, #chart-itl")).to_have_count(0)
+    expect(page.locator(".chart .uplot")).to_have_count(6)  # every other chart still draws
+    assert serious_violations(page) == []
+    assert errors == []
 
 
-def test_fleet_table_shows_the_worker_pages_recent_latency(asgi_server, personas, monkeypatch):
+def test_fleet_table_shows_the_worker_pages_recent_latency(asgi_server, console_page, personas):
     """The fleet table's TTFT / ITL p50 are the worker page's newest 5 min figures (server-side, from the same
     stored samples), labelled with the window; a worker with no request in it says "no requests", one with no
     window (fewer than two samples) or a PD prefill worker "–"; a live push updates the cells."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     host = HostFactory(name=AGENT_HOST)
     busy = EngineWorkerFactory(name="gpu-0", url="http://gpu-0.local:30000", host=host, role="mixed")
     idle = EngineWorkerFactory(name="gpu-1", url="http://gpu-1.local:30000", host=host, role="mixed")
@@ -135,61 +127,56 @@ def test_fleet_table_shows_the_worker_pages_recent_latency(asgi_server, personas
         push(busy, busy_text, ts)
         push(idle, idle_text, ts)
         push(prefill, idle_text, ts)
-    console_user("vera", "viewer", "pw-for-tests-1")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/workers/{busy.pk}/")
-        expect(page.locator("#chart-ttft")).to_have_attribute("data-points", "3")
-        legends = [page.locator(f"{chart} .u-legend .u-series") for chart in ("#chart-ttft", "#chart-itl")]
-        on_worker_page = [s.filter(has_text="p50").locator(".u-value").inner_text() for s in legends]
-        assert all(text.endswith(" ms") for text in on_worker_page), on_worker_page  # fast: not since start
+    page, errors = console_page("vera", "viewer")
+    page.goto(f"{asgi_server}/workers/{busy.pk}/")
+    expect(page.locator("#chart-ttft")).to_have_attribute("data-points", "3")
+    legends = [page.locator(f"{chart} .u-legend .u-series") for chart in ("#chart-ttft", "#chart-itl")]
+    on_worker_page = [s.filter(has_text="p50").locator(".u-value").inner_text() for s in legends]
+    assert all(text.endswith(" ms") for text in on_worker_page), on_worker_page  # fast: not since start
 
-        page.goto(asgi_server + "/")
-        expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
-        head = page.locator("#workers thead tr")
-        expect(head.first.locator("th[colspan='2']")).to_have_text("p50, last 5 min")  # over TTFT and ITL
-        expect(head.nth(1).locator("th")).to_have_text(["TTFT", "ITL"])
-        expect(page.get_by_test_id("latency-window")).to_contain_text("the requests of the last 5 minutes")
+    page.goto(asgi_server + "/")
+    expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+    head = page.locator("#workers thead tr")
+    expect(head.first.locator("th[colspan='2']")).to_have_text("p50, last 5 min")  # over TTFT and ITL
+    expect(head.nth(1).locator("th")).to_have_text(["TTFT", "ITL"])
+    expect(page.get_by_test_id("latency-window")).to_contain_text("the requests of the last 5 minutes")
 
-        def cells(worker):
-            row = page.locator(f"#workers tr[data-worker='{worker.pk}']")
-            return [row.locator("td[data-f=ttft_text]"), row.locator("td[data-f=itl_text]")]
+    def cells(worker):
+        row = page.locator(f"#workers tr[data-worker='{worker.pk}']")
+        return [row.locator("td[data-f=ttft_text]"), row.locator("td[data-f=itl_text]")]
 
-        for cell, text in zip(cells(busy), on_worker_page, strict=True):
-            expect(cell).to_have_text(text)
-        expect(cells(busy)[0]).to_have_attribute("title", "p50 of 10 requests in the last 5 min")
-        expect(cells(idle)[0]).to_have_text("no requests")  # one cell across TTFT and ITL
-        expect(cells(idle)[0]).to_have_attribute("colspan", "2")
-        expect(cells(idle)[1]).to_be_hidden()
-        for worker in (prefill, silent):
-            for cell in cells(worker):
-                expect(cell).to_have_text("–")
-        expect(cells(prefill)[0]).to_have_attribute("title", re.compile("prefill worker records no TTFT"))
-        expect(cells(silent)[0]).to_have_attribute("title", "fewer than two samples in the last 5 min")
+    for cell, text in zip(cells(busy), on_worker_page, strict=True):
+        expect(cell).to_have_text(text)
+    expect(cells(busy)[0]).to_have_attribute("title", "p50 of 10 requests in the last 5 min")
+    expect(cells(idle)[0]).to_have_text("no requests")  # one cell across TTFT and ITL
+    expect(cells(idle)[0]).to_have_attribute("colspan", "2")
+    expect(cells(idle)[1]).to_be_hidden()
+    for worker in (prefill, silent):
+        for cell in cells(worker):
+            expect(cell).to_have_text("–")
+    expect(cells(prefill)[0]).to_have_attribute("title", re.compile("prefill worker records no TTFT"))
+    expect(cells(silent)[0]).to_have_attribute("title", "fewer than two samples in the last 5 min")
 
-        push(idle, serve(idle_m, 4, 0.02, 0.005), time.time())  # live: gpu-1 serves again
-        expect(cells(idle)[0]).to_have_text(re.compile(r"^\d+(\.\d+)? ms$"))
-        expect(cells(idle)[0]).to_have_attribute("title", "p50 of 4 requests in the last 5 min")
-        expect(cells(idle)[1]).to_have_text(re.compile(r"^\d+(\.\d+)? ms$"))
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        assert serious_violations(page) == []
-        assert errors == []
-        browser.close()
+    push(idle, serve(idle_m, 4, 0.02, 0.005), time.time())  # live: gpu-1 serves again
+    expect(cells(idle)[0]).to_have_text(re.compile(r"^\d+(\.\d+)? ms$"))
+    expect(cells(idle)[0]).to_have_attribute("title", "p50 of 4 requests in the last 5 min")
+    expect(cells(idle)[1]).to_have_text(re.compile(r"^\d+(\.\d+)? ms$"))
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    assert serious_violations(page) == []
+    assert errors == []
 
 
 def test_a_pause_in_reporting_and_a_role_change_break_the_lines_and_unmeasured_figures_stay_absent(
-    asgi_server, personas, monkeypatch
+    asgi_server, console_page, personas
 ):
     """Ten samples 2 s apart, the worker's role changed after the fifth, a 60 s pause, ten more: every chart
     breaks at the role change and at the pause (one empty point each), "Live samples" counts the 20 charted,
     and prefetch counters this worker never reported read "–", not 0."""
     from datetime import UTC, datetime
 
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     host = HostFactory(name=AGENT_HOST)
     now = time.time()
     stamps = [now - 100 + 2 * i for i in range(10)] + [now - 20 + 2 * i for i in range(10)]
@@ -203,20 +190,16 @@ def test_a_pause_in_reporting_and_a_role_change_break_the_lines_and_unmeasured_f
         text = "\n".join(x for x in serve(metrics, 1, 0.05, 0.01).splitlines() if "prefetch" not in x) + "\n"
         r = agent.post("/api/v1/agent/metrics/", json={"worker_url": worker.url, "text": text, "ts": ts})
         assert r.status_code == 202, r.text
-    console_user("vera", "viewer", "pw-for-tests-1")
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        page.goto(f"{asgi_server}/workers/{worker.pk}/")
-        expect(page.locator("#chart-reqs")).to_have_attribute("data-points", "22")  # 20 samples + 2 breaks
-        expect(page.get_by_test_id("samples")).to_have_text("20")
-        running = page.evaluate("document.querySelector('#chart-reqs').kvChart.uplot.data[1]")
-        assert [i for i, v in enumerate(running) if v is None] == [5, 11]
-        breaks = page.evaluate("document.querySelector('#chart-reqs').kvChart.uplot.data[0]")
-        assert breaks[5] == pytest.approx(stamps[4] + 1)  # the role change itself
-        expect(page.locator("#prefetch-balance")).to_contain_text("completed –")
-        assert page.evaluate("document.documentElement.scrollWidth") == 1280
-        if SHOTS:
-            page.screenshot(path=os.path.join(SHOTS, "worker-gaps.png"), full_page=True)
-        assert errors == []
-        browser.close()
+    page, errors = console_page("vera", "viewer")
+    page.goto(f"{asgi_server}/workers/{worker.pk}/")
+    expect(page.locator("#chart-reqs")).to_have_attribute("data-points", "22")  # 20 samples + 2 breaks
+    expect(page.get_by_test_id("samples")).to_have_text("20")
+    running = page.evaluate("document.querySelector('#chart-reqs').kvChart.uplot.data[1]")
+    assert [i for i, v in enumerate(running) if v is None] == [5, 11]
+    breaks = page.evaluate("document.querySelector('#chart-reqs').kvChart.uplot.data[0]")
+    assert breaks[5] == pytest.approx(stamps[4] + 1)  # the role change itself
+    expect(page.locator("#prefetch-balance")).to_contain_text("completed –")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "worker-gaps.png"), full_page=True)
+    assert errors == []

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from console_testlib import serious_violations
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
-from test_operator_console import CHROMIUM_ARGS, console_user, log_in, serious_violations
 
 from controlplane.audit.models import AuditEvent
 from engine.bench.launcher import ServerProcess
@@ -45,11 +45,10 @@ def _traffic(url: str) -> None:
 
 
 def test_tenant_hits_and_the_isolation_check_on_the_worker_page(
-    asgi_server, personas, engine_url, monkeypatch
+    asgi_server, console_page, personas, engine_url
 ):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")  # Playwright's sync API keeps a loop here
     host = HostFactory(name=AGENT_HOST)
     worker = EngineWorkerFactory(name="gpu-tenants", url=engine_url, host=host)
     worker.api_key = OPERATOR_KEY
@@ -62,40 +61,34 @@ def test_tenant_hits_and_the_isolation_check_on_the_worker_page(
         "/api/v1/agent/metrics/", json={"worker_url": worker.url, "text": text, "ts": time.time()}
     )
     assert resp.status_code == 202, resp.text
-    console_user("olga", "operator", "pw-for-tests-1")
-    console_user("vera", "viewer", "pw-for-tests-1")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        page, errors = log_in(browser, asgi_server, "olga", "pw-for-tests-1")
-        page.set_viewport_size({"width": 1280, "height": 900})
-        page.goto(f"{asgi_server}/workers/{worker.pk}/")
-        rows = page.locator("#tenant-hits tbody tr")
-        acme = page.locator(f'#tenant-hits tr[data-tenant="{labels["acme"]}"]')
-        expect(acme.locator("th")).to_have_text(f"acme ({labels['acme']})")
-        # acme: 3 x 120 prompt tokens, the 2nd and 3rd served 112 each from L1 (whole pages of 16)
-        expect(acme.locator("td")).to_have_text(["360", "224", "0", "0", "62.2 %"])
-        globex = page.locator(f'#tenant-hits tr[data-tenant="{labels["globex"]}"]')
-        expect(globex.locator("td")).to_have_text(["240", "112", "0", "0", "46.7 %"])
-        expect(rows.first).to_have_attribute("data-tenant", labels["acme"])  # most cached first
+    page, errors = console_page("olga", "operator", height=900)
+    page.goto(f"{asgi_server}/workers/{worker.pk}/")
+    rows = page.locator("#tenant-hits tbody tr")
+    acme = page.locator(f'#tenant-hits tr[data-tenant="{labels["acme"]}"]')
+    expect(acme.locator("th")).to_have_text(f"acme ({labels['acme']})")
+    # acme: 3 x 120 prompt tokens, the 2nd and 3rd served 112 each from L1 (whole pages of 16)
+    expect(acme.locator("td")).to_have_text(["360", "224", "0", "0", "62.2 %"])
+    globex = page.locator(f'#tenant-hits tr[data-tenant="{labels["globex"]}"]')
+    expect(globex.locator("td")).to_have_text(["240", "112", "0", "0", "46.7 %"])
+    expect(rows.first).to_have_attribute("data-tenant", labels["acme"])  # most cached first
 
-        page.get_by_label("Prompt words").fill("48")  # the tiny model has 512 positions
-        page.get_by_role("button", name="Check isolation").click()
-        section = page.get_by_test_id("isolation")
-        expect(section.locator("#isolation-verdict .badge")).to_have_text("isolated", timeout=120_000)
-        expect(section).to_contain_text("other salt TTFT")
-        probes = section.locator("#isolation-probes tbody tr")
-        expect(probes).to_have_count(3)
-        expect(probes.nth(1).locator("td")).to_contain_text(["0", "0", "0"])
-        SHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SHOTS / "worker-tenants-isolation.png"), full_page=True)
-        assert serious_violations(page) == []
-        assert errors == []
+    page.get_by_label("Prompt words").fill("48")  # the tiny model has 512 positions
+    page.get_by_role("button", name="Check isolation").click()
+    section = page.get_by_test_id("isolation")
+    expect(section.locator("#isolation-verdict .badge")).to_have_text("isolated", timeout=120_000)
+    expect(section).to_contain_text("other salt TTFT")
+    probes = section.locator("#isolation-probes tbody tr")
+    expect(probes).to_have_count(3)
+    expect(probes.nth(1).locator("td")).to_contain_text(["0", "0", "0"])
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "worker-tenants-isolation.png"), full_page=True)
+    assert serious_violations(page) == []
+    assert errors == []
 
-        viewer, _ = log_in(browser, asgi_server, "vera", "pw-for-tests-1")
-        viewer.goto(f"{asgi_server}/workers/{worker.pk}/")
-        expect(viewer.get_by_test_id("isolation")).to_contain_text("Operators and admins can run the check")
-        expect(viewer.get_by_role("button", name="Check isolation")).to_have_count(0)
-        browser.close()
+    viewer, _ = console_page("vera", "viewer")
+    viewer.goto(f"{asgi_server}/workers/{worker.pk}/")
+    expect(viewer.get_by_test_id("isolation")).to_contain_text("Operators and admins can run the check")
+    expect(viewer.get_by_role("button", name="Check isolation")).to_have_count(0)
     event = AuditEvent.objects.get(action="check_isolation")
     assert event.outcome == "success" and event.after["verdict"] == "isolated"
