@@ -29,7 +29,9 @@ from engine.model.forward_batch import ForwardBatch
 from engine.model.linear import DenseLinear, Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
 _KINDS = {DenseLinear: 0, Int8WeightOnlyLinear: 1, Int4WeightOnlyLinear: 2}
-FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the KV pool dtypes its kernels read
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the model dtypes it runs
+# quantized pools (glue.h KVQuant); any other pool: 0, rows in its dtype
+KV_FORMATS = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3}
 
 
 def _linear(layer: DenseLinear | Int8WeightOnlyLinear | Int4WeightOnlyLinear) -> tuple[int, object]:
@@ -74,10 +76,9 @@ class FusedDecodeStep:
 
     def __call__(self, batch: ForwardBatch, kv_pool: DeviceKVPool) -> torch.Tensor | None:
         """Float32 logits ``(B, vocab)`` of a decode-only batch whose ``init_forward_metadata`` just ran;
-        None (nothing done) for any other batch, and for a quantized KV pool (fp8 / int8 rows: its C++ loops
-        read float32 or bfloat16 K/V, so such a pool decodes on the Python path)."""
-        if kv_pool.quantized:
-            return None
+        None (nothing done) for any other batch. A quantized pool (fp8 / int8 rows, ``kv_format.py``) is
+        written and read in its format: each K/V row widened to float32 in registers, an int8 row's scale
+        applied to its dot product and its probability, never dequantized into a buffer."""
         plan = self.model.attn.decode_step_plan(kv_pool)
         if plan is None:
             return None
@@ -98,4 +99,5 @@ class FusedDecodeStep:
             values,
             self._empty if rows is None else rows,
             self._empty if pos is None else pos,
+            KV_FORMATS.get(kv_pool.kv_cache_dtype, 0),
         )

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "glue.h"
@@ -131,22 +132,30 @@ class FusedDecoder {
   // One decode step of Bd sequences, one new token each. mode 0: gather each layer's K/V from the pool
   // through `slots` (Bd * Smax); 1: refill the staged buffers `stage_k/v[layer]` (Bd, capacity, kv, D)
   // from `slots` (Bd * capacity), then read their first Smax rows; 2: append the new token's K/V to the
-  // staged buffers at (`rows`, `pos`). `kv_buffer`: the pool's (2, layers, slots, kv, D), float32 or
-  // bfloat16. `mask` (Bd, 1, 1, Smax): the keys each row attends to (a prefix of its row; None: all Smax).
-  // Activations stay float32 from the embedding to the logits (float32 logits).
+  // staged buffers at (`rows`, `pos`). `kv_buffer`: the pool's (2, layers, slots, kv, row_dim), float32 or
+  // bfloat16 (kv_format 0, row_dim = D), or uint8 rows of a quantized format (glue.h KVQuant: fp8 / int8,
+  // read and written in that format). `mask` (Bd, 1, 1, Smax): the keys each row attends to (a prefix of
+  // its row; None: all Smax). Activations stay float32 from the embedding to the logits (float32 logits).
   Tensor step(const Tensor& input_ids, const Tensor& positions, const Tensor& out_cache_loc,
               const Tensor& kv_buffer, int64_t mode, const Tensor& slots, int64_t smax,
               const std::optional<Tensor>& mask, const std::vector<Tensor>& stage_k,
-              const std::vector<Tensor>& stage_v, const Tensor& rows, const Tensor& pos) {
+              const std::vector<Tensor>& stage_v, const Tensor& rows, const Tensor& pos, int64_t kv_format) {
     TORCH_CHECK(kv_buffer.is_contiguous(), "the KV pool must be contiguous");
     for (size_t i = 0; mode != 0 && i < stage_k.size(); ++i)
       TORCH_CHECK(stage_k[i].is_contiguous() && stage_v[i].is_contiguous(), "staged K/V must be contiguous");
+    if (kv_format != 0) {
+      TORCH_CHECK(kv_buffer.scalar_type() == at::kByte && kv_format >= kFp8E4M3 && kv_format <= kInt8 &&
+                      kv_buffer.size(-1) == quant_row_dim(kv_format, head_dim_),
+                  "a quantized KV pool needs uint8 rows of its format, got format ", kv_format);
+      return step_as<uint8_t>(input_ids, positions, out_cache_loc, kv_buffer, mode, slots, smax, mask, stage_k,
+                              stage_v, rows, pos, kv_format);
+    }
     if (kv_buffer.scalar_type() == at::kBFloat16)
       return step_as<c10::BFloat16>(input_ids, positions, out_cache_loc, kv_buffer, mode, slots, smax, mask,
-                                    stage_k, stage_v, rows, pos);
+                                    stage_k, stage_v, rows, pos, 0);
     TORCH_CHECK(kv_buffer.scalar_type() == at::kFloat, "the fused step takes a float32 or bfloat16 KV pool");
     return step_as<float>(input_ids, positions, out_cache_loc, kv_buffer, mode, slots, smax, mask, stage_k,
-                          stage_v, rows, pos);
+                          stage_v, rows, pos, 0);
   }
 
  private:
@@ -154,11 +163,13 @@ class FusedDecoder {
   Tensor step_as(const Tensor& input_ids, const Tensor& positions, const Tensor& out_cache_loc,
                  const Tensor& kv_buffer, int64_t mode, const Tensor& slots, int64_t smax,
                  const std::optional<Tensor>& mask, const std::vector<Tensor>& stage_k,
-                 const std::vector<Tensor>& stage_v, const Tensor& rows, const Tensor& pos) {
+                 const std::vector<Tensor>& stage_v, const Tensor& rows, const Tensor& pos, int64_t kv_format) {
     py::gil_scoped_release no_gil;
     at::InferenceMode guard;
     const int64_t bd = input_ids.size(0), hidden = embed_.size(1);
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_, group = heads_ / kv_heads_;
+    // a token's K (or V) in the pool: kv_heads rows of row_dim elements of T (quantized: bytes)
+    const int64_t row_dim = kv_buffer.size(-1), kv_row = kv_heads_ * row_dim;
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     const float eps = static_cast<float>(eps_);
     Tensor x = at::embedding(embed_, input_ids).to(at::kFloat).contiguous();  // (Bd, hidden), residual
@@ -178,7 +189,7 @@ class FusedDecoder {
     Tensor k_pool = kv_buffer.select(0, 0), v_pool = kv_buffer.select(0, 1);
     Tensor gathered_k, gathered_v;
     if (mode == 0) {
-      gathered_k = at::empty({slots.size(0), kv_heads_, head_dim_}, kv_buffer.options());
+      gathered_k = at::empty({slots.size(0), kv_heads_, row_dim}, kv_buffer.options());
       gathered_v = at::empty_like(gathered_k);
     }
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -200,12 +211,12 @@ class FusedDecoder {
         rotary(k, cos.data_ptr<float>() + b * head_dim_, sin.data_ptr<float>() + b * head_dim_, kv_heads_,
                head_dim_);
         // DeviceKVPool.set_kv, then the staged buffers' append (mode 2)
-        store_row(k_pool_p + loc[b] * kv_size, k, kv_size);
-        store_row(v_pool_p + loc[b] * kv_size, v, kv_size);
+        store_kv(k_pool_p + loc[b] * kv_row, k, kv_format);
+        store_kv(v_pool_p + loc[b] * kv_row, v, kv_format);
         if (mode == 2) {
           const int64_t capacity = stage_k[i].size(1), at_row = row_at[b] * capacity + pos_at[b];
-          store_row(stage_k[i].data_ptr<T>() + at_row * kv_size, k, kv_size);
-          store_row(stage_v[i].data_ptr<T>() + at_row * kv_size, v, kv_size);
+          store_kv(stage_k[i].data_ptr<T>() + at_row * kv_row, k, kv_format);
+          store_kv(stage_v[i].data_ptr<T>() + at_row * kv_row, v, kv_format);
         }
       }
       // each row's keys: `row_len` rows apart, from the gathered or the staged buffers
@@ -221,8 +232,8 @@ class FusedDecoder {
         const Tensor &sk = stage_k[i], &sv = stage_v[i];
         row_len = sk.size(1);
         if (mode == 1) {
-          Tensor flat_k = sk.view({bd * row_len, kv_heads_, head_dim_});
-          Tensor flat_v = sv.view({bd * row_len, kv_heads_, head_dim_});
+          Tensor flat_k = sk.view({bd * row_len, kv_heads_, row_dim});
+          Tensor flat_v = sv.view({bd * row_len, kv_heads_, row_dim});
           at::index_select_out(flat_k, k_buf, 0, slots);
           at::index_select_out(flat_v, v_buf, 0, slots);
         }
@@ -230,13 +241,25 @@ class FusedDecoder {
         values = sv.data_ptr<T>();
       }
       float* sc = scores.data_ptr<float>();
-      for (int64_t b = 0; b < bd; ++b)
-        attention_scores(qkv_p + b * stride, keys + b * row_len * kv_size, lens[b], kv_heads_, group, head_dim_,
-                         static_cast<float>(scale_), sc + b * heads_ * smax, smax);
+      const float scale = static_cast<float>(scale_);
+      for (int64_t b = 0; b < bd; ++b) {
+        const T* kb = keys + b * row_len * kv_row;
+        float* sb = sc + b * heads_ * smax;
+        if constexpr (std::is_same_v<T, uint8_t>)
+          attention_scores_quant(qkv_p + b * stride, kb, lens[b], kv_heads_, group, head_dim_, kv_format, scale,
+                                 sb, smax);
+        else
+          attention_scores(qkv_p + b * stride, kb, lens[b], kv_heads_, group, head_dim_, scale, sb, smax);
+      }
       softmax_rows(sc, lens, bd * heads_, heads_, smax);
-      for (int64_t b = 0; b < bd; ++b)
-        attention_values(sc + b * heads_ * smax, values + b * row_len * kv_size, lens[b], kv_heads_, group,
-                         head_dim_, attn.data_ptr<float>() + b * q_size, smax);
+      for (int64_t b = 0; b < bd; ++b) {
+        const T* vb = values + b * row_len * kv_row;
+        float *pb = sc + b * heads_ * smax, *ob = attn.data_ptr<float>() + b * q_size;
+        if constexpr (std::is_same_v<T, uint8_t>)
+          attention_values_quant(pb, vb, lens[b], kv_heads_, group, head_dim_, kv_format, ob, smax);
+        else
+          attention_values(pb, vb, lens[b], kv_heads_, group, head_dim_, ob, smax);
+      }
       Tensor o = L.o_proj(attn).contiguous();
       add_into(x.data_ptr<float>(), o.data_ptr<float>(), bd * hidden);
       rms_norm(x.data_ptr<float>(), L.post_norm.data_ptr<float>(), h.data_ptr<float>(), bd, hidden, eps);
@@ -247,6 +270,15 @@ class FusedDecoder {
     }
     rms_norm(x.data_ptr<float>(), final_norm_.data_ptr<float>(), h.data_ptr<float>(), bd, hidden, eps);
     return (*lm_head_)(h).to(at::kFloat);
+  }
+
+  // one token's K or V (kv_heads x head_dim floats) into the pool / staged row at dst, in its format
+  template <typename T>
+  void store_kv(T* dst, const float* src, int64_t kv_format) const {
+    if constexpr (std::is_same_v<T, uint8_t>)
+      store_quant_rows(dst, src, kv_heads_, head_dim_, kv_format);
+    else
+      store_row(dst, src, kv_heads_ * head_dim_);
   }
 
   // softmax over the first lens[row / heads] entries of each of `n` rows of `smax` (in place; the rest 0)

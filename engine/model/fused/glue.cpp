@@ -6,9 +6,13 @@
 
 #include <immintrin.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #define KVFLEET_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
@@ -123,7 +127,124 @@ KVFLEET_AVX512 void values_avx512(const float* probs, const T* values, int64_t l
   }
 }
 
+// fp8 bits -> float32: sign, exponent and mantissa moved to float32's positions, then scaled by the bias
+// difference (exact for normal and subnormal values; the encoder clamps, so no inf / NaN pattern occurs)
+inline float fp8_e4m3(uint8_t b) {
+  const uint32_t bits = (static_cast<uint32_t>(b & 0x80) << 24) | (static_cast<uint32_t>(b & 0x7F) << 20);
+  return __builtin_bit_cast(float, bits) * 0x1p120f;
+}
+inline float fp8_e5m2(uint8_t b) {
+  const uint32_t bits = (static_cast<uint32_t>(b & 0x80) << 24) | (static_cast<uint32_t>(b & 0x7F) << 21);
+  return __builtin_bit_cast(float, bits) * 0x1p112f;
+}
+
+// one quantized row as head_dim floats (int8: the codes; the row's scale is returned)
+template <int64_t F>
+inline __attribute__((always_inline)) float widen_row(const uint8_t* row, float* out, int64_t head_dim) {
+  if constexpr (F == kInt8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(row);
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<float>(q[d]);
+    c10::BFloat16 s;
+    std::memcpy(&s.x, row + head_dim, 2);
+    return widen(s);
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = F == kFp8E4M3 ? fp8_e4m3(row[d]) : fp8_e5m2(row[d]);
+    return 1.f;
+  }
+}
+
+template <int64_t F>
+inline __attribute__((always_inline)) void scores_quant(const float* q, const uint8_t* keys, int64_t len,
+                                                        int64_t kv_heads, int64_t group, int64_t head_dim,
+                                                        float scale, float* scores, int64_t smax, float* k) {
+  const int64_t row_dim = quant_row_dim(F, head_dim);
+  for (int64_t s = 0; s < len; ++s) {
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      const float row_scale = widen_row<F>(keys + (s * kv_heads + j) * row_dim, k, head_dim) * scale;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = j * group + g;
+        const float* qh = q + h * head_dim;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * k[d];
+        scores[h * smax + s] = dot * row_scale;
+      }
+    }
+  }
+}
+
+template <int64_t F>
+inline __attribute__((always_inline)) void values_quant(const float* probs, const uint8_t* values, int64_t len,
+                                                        int64_t kv_heads, int64_t group, int64_t head_dim,
+                                                        float* out, int64_t smax, float* v) {
+  const int64_t row_dim = quant_row_dim(F, head_dim);
+  std::fill(out, out + kv_heads * group * head_dim, 0.f);
+  for (int64_t s = 0; s < len; ++s) {
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      const float row_scale = widen_row<F>(values + (s * kv_heads + j) * row_dim, v, head_dim);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = j * group + g;
+        const float p = probs[h * smax + s] * row_scale;
+        float* o = out + h * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += p * v[d];
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void store_quant_rows(uint8_t* dst, const float* src, int64_t heads, int64_t head_dim, int64_t format) {
+  const int64_t row_dim = quant_row_dim(format, head_dim);
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x = src + h * head_dim;
+    uint8_t* row = dst + h * row_dim;
+    if (format == kInt8) {
+      float amax = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+      const c10::BFloat16 scale(std::max(amax / 127.f, 1e-30f));
+      const float s = widen(scale);
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float q = std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / s)));
+        row[d] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      }
+      std::memcpy(row + head_dim, &scale.x, 2);
+    } else if (format == kFp8E4M3) {
+      for (int64_t d = 0; d < head_dim; ++d)
+        row[d] = c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, x[d]))).x;
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d)
+        row[d] = c10::Float8_e5m2(std::min(57344.f, std::max(-57344.f, x[d]))).x;
+    }
+  }
+}
+
+KVFLEET_CLONES void attention_scores_quant(const float* q, const uint8_t* keys, int64_t len, int64_t kv_heads,
+                                           int64_t group, int64_t head_dim, int64_t format, float scale,
+                                           float* scores, int64_t smax) {
+  std::vector<float> k(head_dim);
+  if (format == kInt8)
+    scores_quant<kInt8>(q, keys, len, kv_heads, group, head_dim, scale, scores, smax, k.data());
+  else if (format == kFp8E4M3)
+    scores_quant<kFp8E4M3>(q, keys, len, kv_heads, group, head_dim, scale, scores, smax, k.data());
+  else
+    scores_quant<kFp8E5M2>(q, keys, len, kv_heads, group, head_dim, scale, scores, smax, k.data());
+}
+
+KVFLEET_CLONES void attention_values_quant(const float* probs, const uint8_t* values, int64_t len,
+                                           int64_t kv_heads, int64_t group, int64_t head_dim, int64_t format,
+                                           float* out, int64_t smax) {
+  std::vector<float> v(head_dim);
+  if (format == kInt8)
+    values_quant<kInt8>(probs, values, len, kv_heads, group, head_dim, out, smax, v.data());
+  else if (format == kFp8E4M3)
+    values_quant<kFp8E4M3>(probs, values, len, kv_heads, group, head_dim, out, smax, v.data());
+  else
+    values_quant<kFp8E5M2>(probs, values, len, kv_heads, group, head_dim, out, smax, v.data());
+}
 
 KVFLEET_CLONES void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
   for (int64_t r = 0; r < rows; ++r) {

@@ -32,4 +32,22 @@ void attention_values(const float* probs, const float* values, int64_t len, int6
 void attention_values(const float* probs, const c10::BFloat16* values, int64_t len, int64_t kv_heads,
                       int64_t group, int64_t head_dim, float* out, int64_t smax);
 
+// Quantized K/V rows (engine/cache/kv_format.py): a row is one KV head of one token, `row_dim` bytes.
+// kFp8E4M3 / kFp8E5M2: head_dim float8 bit patterns (no scale); kInt8: head_dim int8 values, then one
+// bfloat16 scale (x ~= q * scale), row_dim = head_dim + 2.
+enum KVQuant : int64_t { kFp8E4M3 = 1, kFp8E5M2 = 2, kInt8 = 3 };
+inline int64_t quant_row_dim(int64_t format, int64_t head_dim) { return head_dim + (format == kInt8 ? 2 : 0); }
+
+// encode `heads` rows of head_dim floats into heads * row_dim bytes at dst, as KVFormat.encode does
+// (fp8: clamped to the format's finite range, rounded to nearest even; int8: scale = bfloat16(amax / 127),
+// q = round-half-even(x / scale) clamped to +-127)
+void store_quant_rows(uint8_t* dst, const float* src, int64_t heads, int64_t head_dim, int64_t format);
+// attention_scores / attention_values over quantized rows (rows of kv_heads x row_dim bytes): each K/V row
+// is widened to float32 once and shared by its `group` query heads; an int8 row's scale multiplies the dot
+// product (keys) or the probability (values)
+void attention_scores_quant(const float* q, const uint8_t* keys, int64_t len, int64_t kv_heads, int64_t group,
+                            int64_t head_dim, int64_t format, float scale, float* scores, int64_t smax);
+void attention_values_quant(const float* probs, const uint8_t* values, int64_t len, int64_t kv_heads,
+                            int64_t group, int64_t head_dim, int64_t format, float* out, int64_t smax);
+
 }  // namespace kvfleet
