@@ -127,14 +127,19 @@ def part_policies(traces: dict, args) -> None:
         f"\n== served share by policy at L1 {caps.l1:,.0f} / L2 {caps.l2:,.0f} / L3 {caps.l3:,.0f} tokens =="
     )
     for name, reqs in traces.items():
-        unbounded = Capacities(math.inf)
-        ceiling = _share(
-            replay_trace(reqs, unbounded, block_tokens=args.block_tokens, page_size=args.page_size)
-        )
-        print(f"{name}: ceiling (unbounded L1: tokens that repeat at all) {ceiling:.2%}")
+        if args.no_ceiling:
+            print(f"{name}:")
+        else:
+            unbounded = Capacities(math.inf)
+            ceiling = _share(
+                replay_trace(reqs, unbounded, block_tokens=args.block_tokens, page_size=args.page_size)
+            )
+            print(f"{name}: ceiling (unbounded L1: tokens that repeat at all) {ceiling:.2%}")
         base = None
         for eviction, l2_adm, l3_adm in POLICIES:
             if args.no_admission and (l2_adm, l3_adm) != ("none", "none"):
+                continue
+            if args.evictions and eviction not in args.evictions:
                 continue
             start = time.process_time()
             c = replay_trace(
@@ -171,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-admission", action="store_true", help="policies: eviction policies only (a single tier)"
     )
+    ap.add_argument("--evictions", nargs="+", help="policies: only these eviction policies (lru first)")
+    ap.add_argument("--no-ceiling", action="store_true", help="policies: skip the unbounded replay")
     ap.add_argument("--trace-dir", type=Path, default=SHARED_TRACE_DIR, help="where NAME_trace.jsonl are")
     args = ap.parse_args(argv)
     cfg = load_config(args.model_path)
