@@ -30,6 +30,7 @@ import os
 import random
 import statistics
 import subprocess
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -47,19 +48,29 @@ DEFAULT_VARIANTS = [f"{FAST}@1:kv={kv}" for kv in ("bfloat16", "int8", "fp8_e4m3
 
 def llama_itl(binary: str, gguf: Path, cache_type: str, context: int, steps: int, threads: int) -> float:
     """llama-server's mean ms per generated token over ``steps`` tokens after a ``context``-token prompt,
-    with its K and V cache in ``cache_type`` (f16, q8_0, ...)."""
+    with its K and V cache in ``cache_type`` (f16, q8_0, ...). Its log goes to a temporary file (a pipe
+    nobody reads while it runs could fill and stall it); its tail ends the error of a server that exits."""
+    with tempfile.TemporaryFile("w+") as log:
+        return _llama_itl(log, binary, gguf, cache_type, context, steps, threads)
+
+
+def _llama_itl(
+    log, binary: str, gguf: Path, cache_type: str, context: int, steps: int, threads: int
+) -> float:
+    """``llama_itl`` with the server's log going to the open file ``log``."""
     port = free_port()
     cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "1"]
     cmd += ["-c", str(context + steps + 64), "-t", str(threads), "-tb", str(threads), "-fa", "on"]
     cmd += ["--cache-type-k", cache_type, "--cache-type-v", cache_type]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while True:
             if proc.poll() is not None:
+                log.seek(0)
                 raise RuntimeError(
-                    f"llama-server ({cache_type}) exited with {proc.returncode}: {proc.stderr.read()[-2000:]}"
+                    f"llama-server ({cache_type}) exited with {proc.returncode}: {log.read()[-2000:]}"
                 )
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
