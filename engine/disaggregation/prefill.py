@@ -631,6 +631,9 @@ class PrefillKVManager(KVManagerBase):
                 self._write(sender.bootstrap_room, dest, jobs)
         except TransferFailed as exc:
             error = str(exc)
+        except Exception as exc:  # a transport bug fails this room; the thread must live on for the others
+            logger.exception("bootstrap room %d: unexpected error in the KV transfer", sender.bootstrap_room)
+            error = f"unexpected error in the KV transfer: {type(exc).__name__}: {exc}"
         status, aux = None, {}
         with sender.lock:
             sender.writing = False
