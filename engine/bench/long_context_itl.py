@@ -160,7 +160,10 @@ def main() -> None:
                     value = llama_itl(binary, gguf, cache_type, args.context, args.steps, args.threads)
                     ms[f"llama.cpp {cache_type} KV"].append(value)
         load = os.getloadavg()
-        print(f"repetition {rep}: load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
+        values = ", ".join(f"{name} {v[-1]:.2f}" for name, v in ms.items())
+        print(
+            f"repetition {rep}: load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; ms/token {values}", flush=True
+        )
     print(f"end {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, load {os.getloadavg()[0]:.1f}")
     order = [*args.variants, *(f"llama.cpp {t} KV" for t in args.llama_cache_types if binary is not None)]
     llama_base = f"llama.cpp {args.llama_cache_types[0]} KV" if binary is not None else None

@@ -87,7 +87,7 @@ def test_main_alternates_the_engines_and_prints_ratios_to_the_first_variant(fake
     assert len(profiles) == 2
     assert profiles[0][:8] == ["--batch", "1", "--context", "200", "--steps", "4", "--chunk", "64"]
     out = capsys.readouterr().out
-    assert "repetition 1: load" in out
+    assert "repetition 1: load" in out and "bf16@1:kv=int8 15.00, llama.cpp" in out
     rows = {line.split("  ")[0].strip(): line for line in out.splitlines()[-4:]}
     assert rows["bf16@1:kv=int8"].split()[1:5] == ["15.00", "15.00-15.00", "0.75", "(0.75-0.75)"]
     assert rows["llama.cpp f16 KV"].split()[3:] == [
