@@ -41,7 +41,8 @@ start() {  # start NAME ENV... -- PYTEST ARGS...: one session in the background,
 start "servers" -- --durations=15 tests/server tests/e2e "$@"
 start "engine+ui" -- --durations=15 --ignore=tests/controlplane --ignore=tests/server --ignore=tests/e2e "$@"
 start "$cp_name" "${cp_env[@]}" -- --durations=10 tests/controlplane "$@"
-trap 'kill "${pids[@]}" 2>/dev/null; rm -rf "$logs"' EXIT
+# On an early exit (Ctrl-C, a failed wait) stop the sessions still running; never fail the exit itself.
+trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$logs"' EXIT
 
 failed=()
 for i in "${!pids[@]}"; do
