@@ -363,12 +363,12 @@ def _explain(role: str, f: PoolFigures, cfg: PlannerConfig, window_s: float | No
         demand = f"prefill demand {figure(f.demand)} computed prompt tokens/s{over} ({source}, {cache})"
     else:
         demand = f"decode demand {figure(f.demand)} output tokens/s{over} ({f.devices} device(s), {warm})"
-    if f.unserved_per_s > 0:
+    if f.unserved_per_s >= 0.5:  # below, it would read "0 unserved": negligible, said as not growing
         waiting = f" ({f.queue_reqs:.1f} waiting on average)" if f.queue_reqs > 0 else ""
         demand += (
-            f"; its queue grew by {f.queue_growth_per_s:.2f} requests/s{waiting} while it served "
-            f"{f.request_rate:.2f} requests/s: more arrives than it serves, so {f.unserved_per_s:,.0f} "
-            f"unserved {f.demand_unit} are counted in (the {role} pool is short)"
+            f"; its queue grew by {figure(f.queue_growth_per_s)} requests/s{waiting} while it served "
+            f"{figure(f.request_rate)} requests/s: more arrives than it serves, so "
+            f"{figure(f.unserved_per_s)} unserved {f.demand_unit} are counted in (the {role} pool is short)"
         )
     elif f.queue_reqs >= 1:
         trend = "shrinking: a backlog draining" if f.queue_growth_per_s < 0 else "not growing"

@@ -215,9 +215,23 @@ def test_a_growing_prefill_queue_at_a_steady_rate_means_prefill_is_short():
     assert pre["unserved_per_s"] == pytest.approx(6000) and pre["demand"] == pytest.approx(12000)
     assert pre["utilisation"] == pytest.approx(1.0)
     assert (
-        "its queue grew by 4.00 requests/s while it served 4.00 requests/s: more arrives than it serves, so "
+        "its queue grew by 4 requests/s while it served 4 requests/s: more arrives than it serves, so "
         "6,000 unserved computed prompt tokens/s are counted in (the prefill pool is short)"
     ) in rec.reasons[0]
+
+
+def test_a_queue_growth_that_rounds_to_zero_is_not_stated_as_growth():
+    """A growth shown at its own precision (0.004, not 0.00); one whose unserved tokens/s round to 0 is not
+    stated as growth at all (no "so 0 unserved ... the prefill pool is short")."""
+    base = _view(0.25, 0.0125)
+    for growth, unserved in ((0.004, "6 unserved"), (0.000001, None)):
+        prefill = replace(base.prefill, request_rate=4.0, queue_growth_per_s=growth, queue_reqs=12.0)
+        rec, _ = evaluate(replace(base, prefill=prefill), PlannerState(), 1000.0, INSTANT)
+        reason = rec.reasons[0]
+        if unserved:
+            assert f"its queue grew by {growth:g} requests/s" in reason and unserved in reason
+        else:
+            assert "grew" not in reason and "12.0 requests wait on average (not growing" in reason
 
 
 def test_the_window_takes_the_queue_growth_from_the_gauge_slope():
