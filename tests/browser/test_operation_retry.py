@@ -47,6 +47,7 @@ def test_a_busy_worker_past_the_idle_timeout_is_offered_a_retry_with_drain(
     page.get_by_test_id("retry-drain").click()
     expect(page.get_by_label("drain each worker from its router while applying")).to_be_checked()
     expect(page.locator("#kind")).to_have_value("detach")
+    expect(page.get_by_label("Reason (kept in the audit log and on the operation)")).to_have_value("try")
     expect(page.get_by_label("target busy")).to_be_checked()
     idle = page.locator(f'tr[data-worker="{worker.pk}"] .idle')
     expect(idle).to_have_text("busy (2 running, 1 waiting, 3 HTTP requests unanswered)")
@@ -70,3 +71,30 @@ def _review_without_drain_warns(page) -> None:
         page.screenshot(path=os.path.join(SHOTS, "launch-review-busy-no-drain.png"), full_page=True)
     dialog.get_by_role("button", name="Cancel").click()
     expect(page.locator("dialog[open]")).to_have_count(0)
+
+
+def test_drain_defaults_on_for_workers_behind_a_router(asgi_server, console_page):
+    """A worker behind a router (the demo's: its traffic keeps it busy) gets drain on by default; one without
+    a router (a drain there is refused) off; the operator's own click on the box then wins."""
+    from playwright.sync_api import expect
+
+    routed = EngineWorkerFactory(name="routed", router=RouterFactory())
+    EngineWorkerFactory(name="bare")
+    page, errors = console_page("drainer", "operator")
+    page.goto(f"{asgi_server}/operations/new/?worker={routed.pk}")
+    drain = page.get_by_label("drain each worker from its router while applying")
+    expect(page.get_by_label("target routed")).to_be_checked()
+    expect(drain).to_be_checked()
+    expect(page.get_by_test_id("drain-help")).to_contain_text("every picked worker is served by a router")
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "launch-drain-default.png"), full_page=True)
+    page.get_by_label("target bare").check()
+    expect(drain).not_to_be_checked()
+    page.get_by_label("target bare").uncheck()
+    expect(drain).to_be_checked()
+    drain.uncheck()
+    page.get_by_label("target bare").check()
+    page.get_by_label("target bare").uncheck()
+    expect(drain).not_to_be_checked()
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    assert errors == []

@@ -4,10 +4,15 @@ KV.ready(function () {
   "use strict";
   var form = KV.$("#launch-form"), key = (window.crypto && crypto.randomUUID) ? crypto.randomUUID() : String(Date.now());
   var params = new URLSearchParams(location.search), preselect = params.getAll("worker");
-  /* a retry from an operation's page: its kind, drain, idle timeout, profile and revision (checked on Review) */
+  /* a retry from an operation's page: its kind, drain, idle timeout, profile, revision and reason (checked on Review) */
   if (params.get("kind")) form.kind.value = params.get("kind");
   if (params.get("drain") === "1") form.drain.checked = true;
   if (params.get("idle_timeout_s")) form.idle_timeout_s.value = params.get("idle_timeout_s");
+  if (params.get("reason")) form.reason.value = params.get("reason");
+  /* drain defaults on while every picked worker is served by a router (its traffic can keep it busy past the
+     idle timeout), off otherwise (a drain without a router is refused); a link's drain= or the operator's click wins */
+  var drainChosen = params.has("drain");
+  form.drain.addEventListener("change", function () { drainChosen = true; });
   var workers = {}, profiles = {}, revisions = {};
 
   function kindChanged() {
@@ -19,6 +24,10 @@ KV.ready(function () {
   }
   function option(value, text) { var o = document.createElement("option"); o.value = value; o.textContent = text; return o; }
   function picked() { return KV.$$(".pick").filter(function (c) { return c.checked; }).map(function (c) { return Number(c.value); }); }
+  function defaultDrain() {
+    var ids = picked();
+    if (!drainChosen) form.drain.checked = ids.length > 0 && ids.every(function (id) { return workers[id] && workers[id].router != null; });
+  }
   function error(text) { KV.$("#launch-error").textContent = text; }
 
   function after(w) {
@@ -53,6 +62,7 @@ KV.ready(function () {
         workers[w.id] = w;
         return Object.assign({}, w, { pick_label: "target " + w.name, idle: "checking…" });
       }), function (row, w) { KV.$(".pick", row).checked = preselect.indexOf(String(w.id)) >= 0; });
+      defaultDrain();
       var ids = r[0].results.map(function (w) { return w.id; });
       if (ids.length) probe(ids).catch(function () { KV.$$("#targets .idle").forEach(function (c) { c.textContent = "not checked: press Review"; }); });
       KV.$("#storage-profile").replaceChildren.apply(KV.$("#storage-profile"), r[1].results.map(function (p) {
@@ -73,7 +83,8 @@ KV.ready(function () {
 
   KV.$("#kind").addEventListener("change", kindChanged);
   kindChanged();
-  KV.$("#select-all").addEventListener("change", function (e) { KV.$$(".pick").forEach(function (c) { c.checked = e.target.checked; }); });
+  KV.$("#select-all").addEventListener("change", function (e) { KV.$$(".pick").forEach(function (c) { c.checked = e.target.checked; }); defaultDrain(); });
+  KV.$("#targets tbody").addEventListener("change", function (e) { if (e.target.classList.contains("pick")) defaultDrain(); });
   form.addEventListener("submit", function (e) {
     e.preventDefault();
     var ids = picked();

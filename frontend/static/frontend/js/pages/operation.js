@@ -47,6 +47,7 @@ KV.ready(function () {
       var q = new URLSearchParams({ kind: op.kind, drain: "1", idle_timeout_s: String(op.idle_timeout_s) });
       if (op.storage_profile) q.set("storage_profile", op.storage_profile);
       if (op.revision) q.set("revision", op.revision);
+      if (op.reason) q.set("reason", op.reason);  // the launch form requires one: the original's, to edit
       (op.drain_on_retry || []).forEach(function (id) { q.append("worker", id); });
       retry.href = "/operations/new/?" + q.toString();
       retry.hidden = op.state === "running" || !(op.drain_on_retry || []).length;
