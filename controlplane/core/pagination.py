@@ -1,11 +1,12 @@
 """Pagination: limit/offset for inventory lists (default 50, max 500); a cursor for append-only logs.
 
 A ``limit`` or ``offset`` that is not a whole number in range is a 400 ``validation_error`` naming the
-parameter (DRF would silently fall back to the default page).
+parameter (DRF would silently fall back to the default page); so is a ``cursor`` that is not one a page's
+``next``/``previous`` link gave (DRF answers 404 "Invalid cursor").
 """
 
 from rest_framework import pagination
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import NotFound, ValidationError
 
 
 def _int_param(request, name: str, minimum: int) -> int | None:
@@ -45,3 +46,11 @@ class CursorPagination(pagination.CursorPagination):
     def get_page_size(self, request):
         limit = _int_param(request, self.page_size_query_param, 1)
         return self.page_size if limit is None else min(limit, self.max_page_size)
+
+    def decode_cursor(self, request):
+        try:
+            return super().decode_cursor(request)
+        except NotFound:
+            raise ValidationError(
+                {self.cursor_query_param: ["not a cursor this list gave; follow its next or previous link"]}
+            ) from None

@@ -129,12 +129,17 @@ def metrics_ingest(
             snap = parse_prometheus(text)
         except ValueError as exc:
             raise ApplicationError(
-                f"metrics text is not Prometheus exposition format: {exc}", code="bad_metrics"
+                f"metrics text is not Prometheus exposition format: {exc}",
+                code="bad_metrics",
+                detail={"text": [f"not Prometheus exposition format: {exc}"]},
             ) from exc
     elif metrics is not None:
         unknown = sorted(set(metrics) - SNAPSHOT_KEYS)
         if unknown:
-            raise ApplicationError(f"unknown metric(s): {', '.join(unknown)}", code="bad_metrics")
+            names = ", ".join(unknown)
+            raise ApplicationError(
+                f"unknown metric(s): {names}", code="bad_metrics", detail={"metrics": [f"unknown: {names}"]}
+            )
         snap = finish_snapshot({k: float(v) for k, v in metrics.items()})
     else:
         raise ApplicationError("send either text or metrics", code="bad_metrics")

@@ -5,12 +5,19 @@ from controlplane.core.serializers import StrictSerializer
 INT_MAX = 2**63 - 1  # BigAutoField
 
 
+class TextField(serializers.CharField):
+    """A JSON string only: DRF's CharField would take 12 as "12" (then refused as a metric name)."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            raise serializers.ValidationError(f"must be a string, got {type(data).__name__}")
+        return super().to_internal_value(data)
+
+
 class MetricsIngestSerializer(StrictSerializer):
     worker = serializers.IntegerField(min_value=1, max_value=INT_MAX, required=False, help_text="worker id")
     worker_url = serializers.URLField(required=False)
-    text = serializers.CharField(
-        required=False, help_text="Prometheus exposition text from the worker's /metrics"
-    )
+    text = TextField(required=False, help_text="Prometheus exposition text from the worker's /metrics")
     metrics = serializers.DictField(child=serializers.FloatField(), required=False)
     ts = serializers.FloatField(
         required=False,

@@ -42,6 +42,7 @@ def test_unknown_paths_outside_the_api_keep_the_html_404(client):
         ("/api/v1/inventory/hosts/?limit=-1", "limit", "must be an integer >= 1, got '-1'"),
         ("/api/v1/inventory/hosts/?offset=x", "offset", "must be an integer >= 0, got 'x'"),
         ("/api/v1/audit/events/?limit=abc", "limit", "must be an integer >= 1, got 'abc'"),
+        ("/api/v1/audit/events/?cursor=garbage", "cursor", "not a cursor this list gave"),
         ("/api/v1/inventory/hosts/?ordering=bogus", "ordering", "unknown field 'bogus'; use one of"),
         ("/api/v1/inventory/hosts/?ordering=name,-bogus", "ordering", "unknown field '-bogus'"),
     ],

@@ -97,6 +97,17 @@ def test_ingest_api_stores_latest_and_bounded_history(api_as):
         "/api/v1/agent/metrics/", {"worker": worker.pk, "metrics": {"bogus": 1}}, format="json"
     )
     assert bad.status_code == 400 and "bogus" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["detail"] == {"metrics": ["unknown: bogus"]}
+    for text, code, message in (
+        (12, "validation_error", "must be a string, got int"),
+        ("12", "bad_metrics", "not Prometheus"),
+    ):
+        bad = api_as("agent").post(
+            "/api/v1/agent/metrics/", {"worker": worker.pk, "text": text}, format="json"
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == code, bad.content
+        detail = bad.json()["error"]["detail"]  # each a 400 naming `text`
+        assert list(detail) == ["text"] and detail["text"][0].startswith(message), bad.content
     assert len(store.history(worker.pk)) == 3
     assert store.HISTORY_LEN == 1800  # one hour at a 2 s push: the console's 1 h chart window
     last_two = api_as("viewer").get(f"/api/v1/telemetry/workers/{worker.pk}/?history=2").json()
