@@ -206,7 +206,10 @@ def upper_tier_defaults(*, pool: str, workers: list[dict]) -> dict:
     ratio = f"{(l2 - page) / l1:.4g}" if l2 > l1 else ""
     backend = chosen["storage_backend"]
     if ratio:
-        l2_text = f"{l2:,} L2 tokens (--hicache-ratio {ratio} of its L1: L2 follows each L1 point)"
+        l2_text = (
+            f"{l2:,} L2 tokens (--hicache-ratio {ratio} × its {l1:,} L1 tokens, plus the one "
+            f"{page}-token page the engine adds: L2 follows each L1 point)"
+        )
     else:
         l2_text = f"{l2:,} L2 tokens" if l2 else "no L2 host pool"
     l3_text = f"a {backend} L3 (capacity not reported: inf)" if backend else "no L3 backend"

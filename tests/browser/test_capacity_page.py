@@ -65,8 +65,8 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, console_page, person
     expect(page.get_by_label("or L2 = --hicache-ratio × each L1")).to_have_value("2")
     expect(page.get_by_label("L3 tokens")).to_have_value("0")
     expect(page.get_by_test_id("upper-source")).to_have_text(
-        "Default: gpu-0 reports 4,112 L2 tokens (--hicache-ratio 2 of its L1: L2 follows each L1 point) "
-        "and no L3 backend"
+        "Default: gpu-0 reports 4,112 L2 tokens (--hicache-ratio 2 × its 2,048 L1 tokens, plus the one "
+        "16-token page the engine adds: L2 follows each L1 point) and no L3 backend"
     )
     # The recorded rows predate any metrics sample: there is no window to calibrate over, and it says so.
     expect(page.get_by_test_id("calibration-text")).to_have_text(

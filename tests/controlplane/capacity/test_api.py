@@ -222,8 +222,9 @@ def test_default_l2_l3_are_the_pools_first_reporting_workers(api_as):
         "l2_tokens": "",
         "hicache_ratio": "2.048",
         "l3_tokens": "inf",
-        "source": "demo-w0 reports 2,064 L2 tokens (--hicache-ratio 2.048 of its L1: L2 follows each L1 "
-        "point) and a mooncake L3 (capacity not reported: inf)",
+        "source": "demo-w0 reports 2,064 L2 tokens (--hicache-ratio 2.048 × its 1,000 L1 tokens, plus the "
+        "one 16-token page the engine adds: L2 follows each L1 point) and a mooncake L3 (capacity not "
+        "reported: inf)",
     }
 
 
