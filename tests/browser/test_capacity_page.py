@@ -229,6 +229,15 @@ def test_the_sizing_calculator_sizes_a_tp_workers_pools_per_rank(
     page.goto(f"{asgi_server}/capacity/")
     form = page.locator("#sizing-form")
     expect(form.get_by_label("--tp-size")).to_have_value("2")
+    # it answers nothing, so no bytes per token: the page asks for them instead of showing an API error
+    expect(page.get_by_test_id("bytes-source")).to_have_text(
+        "tp2-0 did not answer /get_model_info: enter the model's bytes per token"
+    )
+    expect(page.locator("#sizing-error")).to_have_text("")
+    form.get_by_role("button", name="Calculate").click()
+    expect(page.locator("#sizing-error")).to_have_text(
+        "KV bytes per token: enter the model's (the worker did not report it)."
+    )
     form.get_by_label("KV bytes per token (one rank's)").fill("23040")
     form.get_by_label("--max-total-tokens").fill("4096")
     form.get_by_role("button", name="Calculate").click()

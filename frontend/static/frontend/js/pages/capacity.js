@@ -210,8 +210,13 @@ KV.ready(function () {
     // the engine's host pool is ratio x L1 rounded up past whole pages: undo the extra page
     if (w.l1_tokens && w.l2_tokens) sizing.hicache_ratio.value = +((w.l2_tokens - w.page_size) / w.l1_tokens).toFixed(4);
   }
-  function calculate() {
+  function calculate(auto) {
     KV.$("#sizing-error").textContent = "";
+    if (sizing.bytes_per_token.value === "") {
+      /* a worker that did not report its bytes per token: #bytes-source asks for it; nothing to size yet */
+      if (!auto) KV.$("#sizing-error").textContent = "KV bytes per token: enter the model's (the worker did not report it).";
+      return Promise.resolve();
+    }
     var q = new URLSearchParams();
     ["bytes_per_token", "page_size", "max_total_tokens", "mem_fraction_static", "free_gpu_memory_bytes", "hicache_ratio",
      "hicache_size", "host_memory_bytes", "l3_bytes", "tp_size"].forEach(function (k) { if (sizing[k].value !== "") q.set(k, sizing[k].value); });
@@ -252,8 +257,8 @@ KV.ready(function () {
       r.warnings.forEach(function (text) { var li = document.createElement("li"); li.textContent = text; ul.appendChild(li); });
     }).catch(function (err) { KV.$("#sizing-error").textContent = KV.errorText(err); });
   }
-  sizing.worker.addEventListener("change", function () { fillFromWorker(); calculate(); });
-  sizing.addEventListener("submit", function (e) { e.preventDefault(); calculate(); });
+  sizing.worker.addEventListener("change", function () { fillFromWorker(); calculate(true); });
+  sizing.addEventListener("submit", function (e) { e.preventDefault(); calculate(false); });
   fillFromWorker();
-  calculate();
+  calculate(true);
 });
