@@ -55,13 +55,19 @@ def describe_unknown(
 ) -> str:
     """The error for the leftover ``unknown`` argv items: each flag's ``explain`` answer (its values
     dropped), else "unrecognized arguments: ..." naming the closest ``known`` flags (see
-    :func:`closest_flags`); items that are not flags (a stray value) are listed as they are."""
-    parts, plain = [], []
+    :func:`closest_flags`) after the flag and its values (``--hicache-ratoi 2 (did you mean
+    --hicache-ratio?)``); items that follow no unknown flag (a stray value) are listed as they are."""
+    parts: list[str] = []
+    plain: list[list[str]] = []  # [flag and its values, hint]
     explained = False
     for item in unknown:
         if not item.startswith("-"):
-            if not explained:
-                plain.append(item)
+            if explained:
+                continue
+            if plain and plain[-1][1]:
+                plain[-1][0] += f" {item}"
+            else:
+                plain.append([item, ""])
             continue
         flag = item.split("=", 1)[0]
         why = explain(flag) if explain else None
@@ -70,9 +76,9 @@ def describe_unknown(
             parts.append(why)
             continue
         close = closest_flags(flag, known)
-        plain.append(f"{item} (did you mean {' or '.join(close)}?)" if close else item)
+        plain.append([item, f" (did you mean {' or '.join(close)}?)" if close else ""])
     if plain:
-        parts.insert(0, f"unrecognized arguments: {' '.join(plain)}")
+        parts.insert(0, "unrecognized arguments: " + " ".join(text + hint for text, hint in plain))
     return "; ".join(parts)
 
 

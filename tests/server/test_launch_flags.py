@@ -91,8 +91,12 @@ def test_multi_node_flags_and_a_bad_tp_are_refused_naming_the_flag(flags, named)
     ],
 )
 def test_a_typo_suggests_the_closest_real_flag_first(typo, suggested):
-    argv = [typo, "m"] if typo == "--model_path" else ["--model-path", "m", typo, "3"]
-    with pytest.raises(ArgumentError, match=rf"^unrecognized arguments: {typo} \(did you mean {suggested}\b"):
+    value = "m" if typo == "--model_path" else "3"
+    argv = [typo, value] if typo == "--model_path" else ["--model-path", "m", typo, value]
+    # the value stays with its flag, the hint comes after both
+    with pytest.raises(
+        ArgumentError, match=rf"^unrecognized arguments: {typo} {value} \(did you mean {suggested}\b"
+    ):
         parse_args(argv)
 
 
