@@ -50,6 +50,23 @@ POLICIES = (
 )
 
 
+def file_backend(l1: DeviceKVPool, host: HostKVPool, directory: str):
+    """``(config, backend)``: a ``file`` L3 backend in ``directory`` for ``host``'s pages (its page size and
+    layout) in ``l1``'s KV format, as one rank of tp 1."""
+    config = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        is_mla_model=False,
+        model_name="bench",
+        page_size=host.page_size,
+        kv_dtype=str(l1.dtype),
+        layout=host.layout,
+        extra_config={"file_path": directory},
+        kv_format=l1.kv_format.layout_name,
+    )
+    return config, create_storage_backend("file", config, host)
+
+
 def tier_bytes_per_token(cfg, kv: str, page_size: int) -> dict[str, float]:
     """Bytes per token in L1, L2 (page_first) and L3 (file backend, one written page) for KV dtype ``kv``."""
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
@@ -65,18 +82,7 @@ def tier_bytes_per_token(cfg, kv: str, page_size: int) -> dict[str, float]:
         "L2": l2.kv_buffer.nbytes / tokens,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        config = HiCacheStorageConfig(
-            tp_rank=0,
-            tp_size=1,
-            is_mla_model=False,
-            model_name="bench",
-            page_size=page_size,
-            kv_dtype=str(l1.dtype),
-            layout="page_first",
-            extra_config={"file_path": tmp},
-            kv_format=l1.kv_format.layout_name,
-        )
-        backend = create_storage_backend("file", config, l2)
+        config, backend = file_backend(l1, l2, tmp)
         key = page_hashes(list(range(page_size)), page_size, None, config.namespace)[0]
         backend.set(key, l2.get_flat_data_page(0))
         out["L3"] = sum(p.stat().st_size for p in Path(tmp).glob("*.bin")) / page_size

@@ -34,12 +34,11 @@ from pathlib import Path
 
 import torch
 
+from engine.bench.kv_capacity import file_backend
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool
 from engine.cache.io_backends.direct import DirectIO
 from engine.cache.keys import page_hashes
-from engine.cache.storage.base import HiCacheStorageConfig
-from engine.cache.storage.registry import create_storage_backend
 
 DTYPES = ("float32", "bfloat16", "fp8_e4m3", "int8")
 Shape = tuple[int, int, int]  # layers, kv heads, head_dim
@@ -122,18 +121,7 @@ def measure_prefetch(shape: Shape, kv: str, tokens: int, page_size: int) -> dict
     randomize(src.kv_buffer, 2)
     reads: list[int] = []
     with tempfile.TemporaryDirectory() as tmp:
-        config = HiCacheStorageConfig(
-            tp_rank=0,
-            tp_size=1,
-            is_mla_model=False,
-            model_name="bench",
-            page_size=page_size,
-            kv_dtype=str(l1.dtype),
-            layout="layer_first",
-            extra_config={"file_path": tmp},
-            kv_format=l1.kv_format.layout_name,
-        )
-        backend = create_storage_backend("file", config, dst)
+        config, backend = file_backend(l1, dst, tmp)
         keys = page_hashes(list(range(tokens)), page_size, None, config.namespace)
         for i, key in enumerate(keys):
             backend.set(key, src.get_flat_data_page(i * page_size))
