@@ -295,13 +295,19 @@ class Scheduler:
         return 0.5
 
     def _drain_inbox(self, timeout: float | None) -> None:
+        """Take everything queued (waiting up to ``timeout`` for the first item). When requests arrived, the
+        snapshot is replaced before the step that may stream their first token, so no reader that has seen
+        a token can read an older snapshot that calls the worker idle."""
+        took = False
         while True:
             try:
                 item = self._inbox.get(timeout)
             except queue.Empty:
-                return
+                item = None
             timeout = None
             if item is None:
+                if took:
+                    self._publish()
                 return
             self._in_hand = item
             if isinstance(item, Command):
@@ -315,6 +321,7 @@ class Scheduler:
                     self.tp.took(item)
             else:
                 self._enqueue(item)
+                took = True
                 if self.tp is not None:
                     self.tp.took(item)
             self._in_hand = None
