@@ -81,14 +81,17 @@ def test_the_start_form_sends_the_idle_timeout_it_checks_as_the_launch_form_does
     page.get_by_test_id("target-prefill").fill("2")
     page.get_by_test_id("target-decode").fill("1")
     dialog, banner = page.locator("#confirm"), page.locator("#page-error")
+    at_field = page.locator("#idle-timeout-error")  # the message sits under the field it is about
     for bad in ("0", "3601"):
         idle.fill(bad)
         page.get_by_role("button", name="Review and start").click()
-        expect(banner).to_have_text(
-            "Idle timeout: enter the seconds a worker may stay busy, from 0.1 to 3600."
-        )
+        expect(at_field).to_have_text("Idle timeout: enter the seconds a worker may stay busy, from 0.1 to 3600.")
+        expect(idle).to_have_attribute("aria-invalid", "true")
+        expect(banner).to_be_hidden()
         expect(dialog).to_be_hidden()
+    page.screenshot(path=str(SHOTS_DIR / "rebalance-start-idle-error.png"), full_page=True)
     idle.fill("45")
+    expect(at_field).to_be_hidden()  # editing the field clears its message
     page.screenshot(path=str(SHOTS_DIR / "rebalance-start-idle.png"), full_page=True)
     page.get_by_role("button", name="Review and start").click()
     expect(dialog).to_contain_text("its step fails after 45 s")

@@ -130,18 +130,21 @@ def test_rebalance_page(asgi_server, console_page, personas, fake_router, tmp_pa
     expect(dialog).to_be_hidden()
     assert not Rebalance.objects.exists()
 
-    # Targets the server refuses open no dialog; the page says which field is wrong and why.
-    banner = page.locator("#page-error")
-    for prefill, decode, words in (
-        ("0", "3", "Target prefill: enter a whole number of workers, at least 1."),
-        ("2", "", "Target decode: enter a whole number of workers, at least 1."),
-        ("5", "5", "Target: 5P:5D has 10 workers; prefill + decode must equal the router's 3 workers."),
-        ("1", "2", "Target: the router already runs 1P:2D."),
+    # Targets the server refuses open no dialog; the page says, under the target fields, what is wrong.
+    banner, at_field = page.locator("#page-error"), page.locator("#target-prefill-error")
+    for prefill, decode, words, invalid in (
+        ("0", "3", "Target prefill: enter a whole number of workers, at least 1.", "target-prefill"),
+        ("2", "", "Target decode: enter a whole number of workers, at least 1.", "target-decode"),
+        ("5", "5", "Target: 5P:5D has 10 workers; prefill + decode must equal the router's 3 workers.", None),
+        ("1", "2", "Target: the router already runs 1P:2D.", None),
     ):
         page.get_by_test_id("target-prefill").fill(prefill)
         page.get_by_test_id("target-decode").fill(decode)
         page.get_by_role("button", name="Review and start").click()
-        expect(banner).to_have_text(words)
+        expect(at_field).to_have_text(words)
+        if invalid:
+            expect(page.get_by_test_id(invalid)).to_be_focused()
+        expect(banner).to_be_hidden()
         expect(dialog).to_be_hidden()
     # A refusal the page cannot foresee (the router's live checks) comes back in words, and the next
     # dialog opens without the old banner.

@@ -37,6 +37,34 @@
     return e.message + (detail ? " (" + detail + ")" : "");
   };
 
+  /* A form problem shown at its field: ``message`` under the field's label (role alert, linked by
+     aria-describedby, the field marked aria-invalid), removed with "" or once the field is edited. Fields
+     sharing a label share one message. Returns the message element. */
+  KV.fieldError = function (input, message) {
+    var label = input.closest("label") || input.parentNode;
+    var first = KV.$("input, select, textarea", label) || input;
+    var id = first.id + "-error";
+    var box = document.getElementById(id);
+    if (!box) {
+      box = document.createElement("small");
+      box.id = id; box.className = "error field-error"; box.setAttribute("role", "alert");
+      label.appendChild(box);
+    }
+    var fields = KV.$$("input, select, textarea", label);
+    box.textContent = message || "";
+    box.hidden = !message;
+    fields.forEach(function (f) {
+      var ids = (f.getAttribute("aria-describedby") || "").split(" ").filter(function (x) { return x && x !== id; });
+      if (message) { f.setAttribute("aria-invalid", "true"); ids.push(id); } else { f.removeAttribute("aria-invalid"); }
+      if (ids.length) f.setAttribute("aria-describedby", ids.join(" ")); else f.removeAttribute("aria-describedby");
+      if (message && !f.dataset.clearsError) {
+        f.dataset.clearsError = "1";
+        f.addEventListener("input", function () { KV.fieldError(f, ""); });
+      }
+    });
+    return box;
+  };
+
   KV.api = function (method, url, data, headers) {
     var opts = { method: method, credentials: "same-origin", headers: Object.assign({ Accept: "application/json" }, headers || {}) };
     if (data !== undefined) { opts.headers["Content-Type"] = "application/json"; opts.body = JSON.stringify(data); }

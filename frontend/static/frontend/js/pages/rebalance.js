@@ -219,16 +219,29 @@ KV.ready(function () {
   if (start) {
     ["#target-prefill", "#target-decode"].forEach(function (sel) { KV.$(sel).addEventListener("input", function (e) { e.target.dataset.touched = "1"; }); });
     /* the server's refusals (docs/rebalance.md), checked here so no dialog opens for a target it refuses */
+    /* [field, message] of the first problem, or null */
     function targetProblem(target, now) {
       var bad = ["prefill", "decode"].filter(function (k) { return !(Number.isInteger(target[k]) && target[k] >= 1); })[0];
-      if (bad) return "Target " + bad + ": enter a whole number of workers, at least 1.";
+      if (bad) return [KV.$("#target-" + bad), "Target " + bad + ": enter a whole number of workers, at least 1."];
       var total = now.prefill + now.decode;
       if (target.prefill + target.decode !== total) {
-        return "Target: " + split(target) + " has " + workersText(target.prefill + target.decode) + "; prefill + decode must equal the router's " +
-          workersText(total) + ".";
+        return [KV.$("#target-prefill"), "Target: " + split(target) + " has " + workersText(target.prefill + target.decode) +
+          "; prefill + decode must equal the router's " + workersText(total) + "."];
       }
-      if (target.prefill === now.prefill) return "Target: the router already runs " + split(now) + ".";
-      return "";
+      if (target.prefill === now.prefill) return [KV.$("#target-prefill"), "Target: the router already runs " + split(now) + "."];
+      return null;
+    }
+    var FIELDS = { target: "#target-prefill", approval: "#approval", idle_timeout_s: "#idle-timeout", reason: "#reason" };
+    function clearFields() { Object.keys(FIELDS).forEach(function (k) { KV.fieldError(KV.$(FIELDS[k]), ""); }); }
+    /* a refusal whose detail names form fields goes to those fields; anything else to the page banner */
+    function showRefusal(err) {
+      var detail = err && err.body && err.body.error && err.body.error.detail;
+      var named = detail && typeof detail === "object" ? Object.keys(detail).filter(function (k) { return FIELDS[k]; }) : [];
+      if (!named.length) { showError(err); return; }
+      named.forEach(function (k) {
+        var d = {}; d[k] = detail[k];
+        KV.fieldError(KV.$(FIELDS[k]), KV.errorText({ body: { error: { message: err.body.error.message, detail: d } } }));
+      });
     }
     start.addEventListener("click", function () {
       var value = function (sel) { var v = KV.$(sel).value.trim(); return v === "" ? NaN : Number(v); };
@@ -236,9 +249,9 @@ KV.ready(function () {
       var now = rec ? rec.current_workers : { prefill: pool("prefill")(Date.now() / 1000).length, decode: pool("decode")(Date.now() / 1000).length };
       var idle = KV.$("#idle-timeout");  // the launch form's bounds, the API's: 0.1 to 3600 s
       var problem = targetProblem(target, now) ||
-        (idle.checkValidity() ? "" : "Idle timeout: enter the seconds a worker may stay busy, from " + idle.min + " to " + idle.max + ".");
-      if (problem) { showError(new Error(problem)); return; }
-      clearError();
+        (idle.checkValidity() ? null : [idle, "Idle timeout: enter the seconds a worker may stay busy, from " + idle.min + " to " + idle.max + "."]);
+      clearError(); clearFields();
+      if (problem) { KV.fieldError(problem[0], problem[1]); problem[0].focus(); return; }
       KV.confirm({
         column: "Pool",
         title: "Start rebalance " + split(now) + " → " + split(target) + "?",
@@ -250,7 +263,7 @@ KV.ready(function () {
         if (!ok) return;
         KV.api("POST", "/api/v1/rebalances/", { router: Number(KV.pk), target: target, approval: KV.$("#approval").value, reason: KV.$("#reason").value,
                                            idle_timeout_s: Number(idle.value) })
-          .then(function (r) { wanted = r.id; history.replaceState(null, "", "?rebalance=" + r.id); return loadList(); }).catch(showError);
+          .then(function (r) { wanted = r.id; history.replaceState(null, "", "?rebalance=" + r.id); return loadList(); }).catch(showRefusal);
       });
     });
   }
