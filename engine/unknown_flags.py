@@ -3,13 +3,14 @@
 argparse checks required arguments (a required subcommand, ``--spec``, ``--model-path``) before it reports
 unrecognized ones, so ``cmd --bogus`` says "the following arguments are required: ..." and never names
 ``--bogus``. ``parse_args`` first parses with every ``required`` switched off (also inside subcommands) and,
-when anything is left over, calls ``parser.error("unrecognized arguments: ...")`` (argparse's own wording,
-exit status 2 unless the parser's ``error`` is overridden); otherwise it parses normally. The usage line
-of each parser is fixed before that first pass, so ``--help`` (and the error's usage) still shows a required
-flag as required (``--spec SPEC``, not ``[--spec SPEC]``).
+when anything is left over, calls ``error("unrecognized arguments: ...")`` (argparse's own wording, exit
+status 2 unless the parser's ``error`` is overridden) of the subcommand's parser when one was given
+(``kvfleet-agent run: error: ...`` under ``run``'s usage), else of ``parser``; otherwise it parses
+normally. The usage line of each parser is fixed before that first pass, so ``--help`` (and the error's
+usage) still shows a required flag as required (``--spec SPEC``, not ``[--spec SPEC]``).
 
 Each unknown flag is explained: ``explain(flag)`` (a caller's hook, e.g. upstream flags KVFleet leaves out)
-when it answers, else the closest real flags of the parser by ``difflib`` ("did you mean ...?").
+when it answers, else the closest real flags of that parser by ``difflib`` ("did you mean ...?").
 """
 
 from __future__ import annotations
@@ -92,6 +93,18 @@ def _option_strings(parser: argparse.ArgumentParser) -> dict[str, str]:
     return out
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> argparse.ArgumentParser:
+    """The subcommand's parser ``namespace`` was parsed into (the innermost one, through nested
+    subcommands), else ``parser``: its usage and its ``prog`` (``kvfleet-agent run``) head the error, and
+    only its flags are suggested."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and action.dest != argparse.SUPPRESS:
+            sub = action.choices.get(getattr(namespace, action.dest, None))
+            if sub is not None:
+                return _chosen_parser(sub, namespace)
+    return parser
+
+
 def parse_args(
     parser: argparse.ArgumentParser,
     argv: Sequence[str] | None = None,
@@ -107,12 +120,13 @@ def parse_args(
     for action in actions:
         action.required = False
     try:
-        _, unknown = parser.parse_known_args(argv)
+        namespace, unknown = parser.parse_known_args(argv)
     finally:
         for action, was in zip(actions, required, strict=True):
             action.required = was
         for p in parsers:
             p.usage = None
     if unknown:
-        parser.error(describe_unknown(unknown, _option_strings(parser), explain))
+        chosen = _chosen_parser(parser, namespace)
+        chosen.error(describe_unknown(unknown, _option_strings(chosen), explain))
     return parser.parse_args(argv)

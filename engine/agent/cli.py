@@ -15,9 +15,9 @@
 
 ``--control-plane``, ``--token`` and ``--token-file`` default to ``$KVFLEET_CONTROL_PLANE``,
 ``$KVFLEET_AGENT_TOKEN`` and ``$KVFLEET_AGENT_TOKEN_FILE``.
-Errors (an unknown flag, named before any missing required one, with the closest real one; an unknown
-command, with the closest real one; bad spec, missing flag, control plane refusal) print one line and exit
-2 (usage) or 1; a bad spec starts nothing.
+Errors (an unknown flag, named before any missing required one, under its command's usage, with the
+closest real flag of that command; an unknown command, with the closest real one; bad spec, missing flag,
+control plane refusal) print one line and exit 2 (usage) or 1; a bad spec or an unknown flag starts nothing.
 """
 
 from __future__ import annotations

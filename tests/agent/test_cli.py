@@ -97,10 +97,15 @@ def test_run_without_token_names_the_flag(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv, flag",
-    [(["--bogus"], "--bogus"), (["run", "--bogus-flag"], "--bogus-flag"), (["drain", "--nope"], "--nope")],
+    "argv, prog, flag",
+    [
+        (["--bogus"], "kvfleet-agent", "--bogus"),
+        (["run", "--bogus-flag"], "kvfleet-agent run", "--bogus-flag"),
+        (["drain", "--nope"], "kvfleet-agent drain", "--nope"),
+    ],
 )
-def test_an_unknown_flag_is_named_before_missing_required_ones(argv, flag):
+def test_an_unknown_flag_is_named_before_missing_required_ones(argv, prog, flag):
+    """Under the usage of the command it was given to (argparse's own wording)."""
     done = subprocess.run(
         [sys.executable, "-m", "engine.agent", *argv],
         cwd=REPO,
@@ -110,7 +115,55 @@ def test_an_unknown_flag_is_named_before_missing_required_ones(argv, flag):
         env={"PATH": "/usr/bin:/bin"},
     )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == f"kvfleet-agent: error: unrecognized arguments: {flag}"
+    assert done.stderr.strip().splitlines()[-1] == f"{prog}: error: unrecognized arguments: {flag}"
+    assert done.stderr.startswith(f"usage: {prog} ")
+
+
+@pytest.mark.parametrize(
+    ("typo", "closest"),
+    [("--spek", "--spec"), ("--controlplane", "--control-plane"), ("--log-levl", "--log-level")],
+)
+def test_an_unknown_run_flag_names_run_and_its_closest_flag_and_starts_nothing(
+    typo, closest, tmp_path, monkeypatch, capsys
+):
+    """The hint is the engine CLI's (engine.unknown_flags), after the flag's value; no agent is made. The
+    same command line without the typo makes one (the spec, the control plane and the token are valid)."""
+    import engine.agent.agent
+
+    made = []
+
+    class Agent:
+        def __init__(self, spec, client):
+            made.append(spec)
+
+        def run(self) -> int:
+            return 0
+
+    monkeypatch.setattr(engine.agent.agent, "Agent", Agent)
+    argv = ["run", "--spec", str(_spec(tmp_path)), "--control-plane", "http://127.0.0.1:9", "--token", "t"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, typo, "x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvfleet-agent run ")
+    last = err.strip().splitlines()[-1]
+    assert last == f"kvfleet-agent run: error: unrecognized arguments: {typo} x (did you mean {closest}?)"
+    assert made == []
+    assert main(argv) == 0 and len(made) == 1
+
+
+def test_an_unknown_flag_is_matched_against_its_own_command_only(capsys):
+    """``--timeout`` is drain's: a typo of it given to ``run`` gets no hint to it."""
+    with pytest.raises(SystemExit):
+        main(["run", "--spec", "fleet.toml", "--timout", "3"])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "kvfleet-agent run: error: unrecognized arguments: --timout 3"
+    )
+    with pytest.raises(SystemExit):
+        main(["drain", "w0", "--timout", "3"])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "kvfleet-agent drain: error: unrecognized arguments: --timout 3 (did you mean --timeout?)"
+    )
 
 
 def test_a_missing_required_flag_is_still_reported(capsys):
