@@ -5,8 +5,9 @@ traffic with no rebalance, in the same run.
                                            [--method switch|restart]
 
 Three real SmolLM2 engines (Mooncake over TCP) behind the real sglang-router in PD mode
-(engine/fleet/router.py ROUTER_FLAGS), a real Celery worker on Redis, a fresh SQLite database and a random
-key prefix/queue. Method
+(engine/fleet/router.py ROUTER_FLAGS; engines, router, inventory rows and client load are
+controlplane/bench/rebalance_fleet.py's, which the rebalance tests on real processes use too), a real
+Celery worker on Redis, a fresh SQLite database and a random key prefix/queue. Method
 `switch` (default): the engines run with --enable-pd-role-switch and each step switches in place; `restart`:
 they run without it, launched by a real `kvfleet-agent run` talking to the control plane's API under daphne
 (controlplane/bench/agent_fleet.py), and each step's agent restarts its worker in the new role. Phases,
@@ -20,24 +21,26 @@ ratios, and failed requests (target 0).
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
-import httpx
-
 from controlplane.bench import agent_fleet
+from controlplane.bench.rebalance_fleet import (
+    RouterLoad,
+    greedy_texts,
+    register,
+    start_engines,
+    start_router,
+    stop_engines,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--random-seed", "0", "--enable-metrics",
-         "--max-total-tokens", "2048"]  # fmt: skip
 ROLES = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
 PROMPTS = [
     f"Story {i}: the lighthouse keeper counted the ships that passed in the night, and" for i in range(8)
@@ -70,117 +73,23 @@ def _configure(redis_url: str) -> dict:
     return {**os.environ, **env}
 
 
-class Load:
-    """`clients` threads streaming the prompts through the router until stopped."""
-
-    def __init__(self, router: str, expected: dict[str, str], clients: int):
-        self.router, self.expected, self.stop = router, expected, threading.Event()
-        self.ttft: list[float] = []
-        self.itl: list[float] = []
-        self.ok = 0
-        self.failed: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
-
-    def _one(self, client: httpx.Client, text: str) -> None:
-        started, chunks, last = time.perf_counter(), [], None
-        body = {"text": text, "sampling_params": SP, "stream": True}
-        with client.stream("POST", f"{self.router}/generate", json=body) as resp:
-            if resp.status_code != 200:
-                self.failed.append(f"HTTP {resp.status_code}: {resp.read()[:200]!r}")
-                return
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    self.ttft.append(now - started)
-                else:
-                    self.itl.append(now - last)
-                last = now
-                chunks.append(json.loads(line[6:]))
-        text_out = chunks[-1]["text"] if chunks else None
-        if text_out != self.expected[text]:
-            self.failed.append(f"wrong text {text_out!r}")
-        else:
-            self.ok += 1
-
-    def _run(self, offset: int) -> None:
-        i = offset
-        with httpx.Client(timeout=120) as client:
-            while not self.stop.is_set():
-                try:
-                    self._one(client, PROMPTS[i % len(PROMPTS)])
-                except (httpx.HTTPError, ValueError) as exc:
-                    self.failed.append(repr(exc))
-                i += len(self.threads)
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(150)
-
-
 def _pct(values: list[float], q: int) -> float:
     if len(values) < 2:
         return values[0] if values else float("nan")
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def _summary(load: Load) -> dict:
+def _summary(load: RouterLoad) -> dict:
+    failed = load.failures()
     return {
-        "requests": load.ok + len(load.failed),
-        "failed": len(load.failed),
+        "requests": len(load.answers),
+        "failed": len(failed),
         "ttft_p50": _pct(load.ttft, 50),
         "ttft_p90": _pct(load.ttft, 90),
         "itl_p50": _pct(load.itl, 50),
         "itl_p90": _pct(load.itl, 90),
-        "failures": load.failed[:3],
+        "failures": [a.detail for a in failed[:3]],
     }
-
-
-def _start_engines(engines: list) -> dict[str, str]:
-    """Switch method: the three engines with --enable-pd-role-switch (appended to `engines`); name -> URL."""
-    from engine.bench.launcher import ServerProcess, free_port
-
-    urls = {}
-    for name, role in ROLES.items():
-        port_flag = ["--disaggregation-bootstrap-port", str(free_port())]
-        proc = ServerProcess([*FLAGS, "--enable-pd-role-switch", "--disaggregation-mode", role, *port_flag],
-                             timeout=600)  # fmt: skip
-        proc.__enter__()
-        engines.append(proc)
-        urls[name] = proc.url
-    return urls
-
-
-def _start_router(urls: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    from engine.bench.launcher import free_port
-    from engine.fleet.router import router_command
-
-    args = ["--pd-disaggregation", "--policy", "round_robin"]
-    for name, role in ROLES.items():
-        if role == "prefill":
-            bp = httpx.get(f"{urls[name]}/server_info").json()["disaggregation_bootstrap_port"]
-            args += ["--prefill", urls[name], str(bp)]
-    args += [arg for name, role in ROLES.items() if role == "decode" for arg in ("--decode", urls[name])]
-    port = free_port()
-    router = subprocess.Popen(router_command(args, port, free_port()),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if len(httpx.get(f"{url}/workers", timeout=2).json()["workers"]) == len(urls):
-                return router, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"router did not list the {len(urls)} workers")
 
 
 def _phases(step, soak_s: float) -> str:
@@ -236,31 +145,24 @@ def main(argv=None) -> int:
          env["CELERY_QUEUE"], "--without-heartbeat", "--without-mingle", "--without-gossip", "-l", "error"],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL,
     )  # fmt: skip
-    engines: list = []
+    engines: dict = {}
     agent_procs: list = []
     router = None
     try:
-        from controlplane.inventory.models import EngineWorker, Router
-
         if args.method == "restart":
             base = agent_fleet.start_control_plane(env, agent_procs)
             urls = agent_fleet.start_agent(base, env, ROLES, agent_procs)
         else:
-            urls = _start_engines(engines)
-        router, url = _start_router(urls)
-        row = Router.objects.create(name="bench-pd", url=url, mode="pd")
-        for name, worker_url in urls.items():
-            EngineWorker.objects.update_or_create(
-                url=worker_url, defaults={"name": name, "router": row, "role": ROLES[name]}
-            )
-        expected = {}
-        for text in PROMPTS:
-            answer = httpx.post(f"{url}/generate", json={"text": text, "sampling_params": SP}, timeout=120)
-            expected[text] = answer.json()["text"]
+            engines = start_engines(ROLES, switch=True)
+            urls = {name: proc.url for name, proc in engines.items()}
+        router = start_router(urls, ROLES)
+        url = router.url
+        row, _ = register(url, urls, ROLES, name="bench-pd")
+        expected = greedy_texts(url, PROMPTS, SP)
         phases = []
         for kind, target in (("baseline", None), ("rebalance", {"prefill": 1, "decode": 2}),
                              ("baseline", None), ("rebalance", {"prefill": 2, "decode": 1})):  # fmt: skip
-            with Load(url, expected, args.clients) as load:
+            with RouterLoad(url, expected, SP, args.clients, stream=True) as load:
                 if target is None:
                     time.sleep(args.baseline_s)  # the phase's length: traffic runs meanwhile
                     result = {}
@@ -269,9 +171,8 @@ def main(argv=None) -> int:
             phases.append({"kind": kind, "target": target, **result, **_summary(load)})
     finally:
         if router is not None:
-            router.terminate()
-        for proc in engines:
-            proc.__exit__(None, None, None)
+            router.close()
+        stop_engines(engines)
         agent_fleet.stop(agent_procs)
         celery.terminate()
         celery.wait(20)

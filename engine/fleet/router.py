@@ -77,10 +77,10 @@ class RouterProcess:
     """The real sglang-router in a child process, built by :func:`router_command`; a context manager.
 
     ``RouterProcess(workers, extra=(...), min_workers=0)`` starts it on free ports and returns once
-    ``GET /readiness`` answers 200 and ``GET /workers`` lists at least ``min_workers`` workers (PD mode lists
-    none there, so leave it 0); ``url`` is its base URL. Raises ``RuntimeError`` when the router exits or is
-    not ready within ``timeout`` seconds (the process is killed then). ``close`` terminates it (SIGKILL after
-    20 s); it is idempotent.
+    ``GET /readiness`` answers 200 and ``GET /workers`` lists at least ``min_workers`` workers (in PD mode
+    too: it lists the prefill and decode workers, each with its ``worker_type``); ``url`` is its base URL.
+    Raises ``RuntimeError`` when the router exits or is not ready within ``timeout`` seconds (the process is
+    killed then). ``close`` terminates it (SIGKILL after 20 s); it is idempotent.
     """
 
     def __init__(

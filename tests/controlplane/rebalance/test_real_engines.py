@@ -11,73 +11,47 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import threading
 import time
 
 import httpx
 import pytest
-from cp_factories import EngineWorkerFactory, RouterFactory
+from cp_factories import EngineWorkerFactory
 
 from controlplane.audit.models import AuditEvent
+from controlplane.bench.rebalance_fleet import (
+    RouterLoad,
+    greedy_texts,
+    register,
+    router_workers,
+    server_roles,
+    start_engines,
+    start_router,
+    stop_engines,
+)
+from controlplane.inventory.models import EngineWorker
 from controlplane.rebalance.models import Rebalance
 from controlplane.workerclient import RouterClient
-from engine.bench.launcher import ServerProcess, free_port
-from engine.fleet.router import router_command
+from engine.bench.launcher import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--random-seed", "0", "--enable-metrics",
-         "--max-total-tokens", "2048", "--enable-pd-role-switch"]  # fmt: skip
 ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
 DEADLINE_S = 240.0  # a rebalance on a loaded 2-core machine (drain, switch, gates, soak per step)
 SP = {"max_new_tokens": 8, "temperature": 0}
 PROMPTS = [
     f"Question {i}: what is the colour of the sky over the sea at dawn in story {i}?" for i in range(6)
 ]
-
-
-def _worker(role: str) -> ServerProcess:
-    # Every worker has its own bootstrap port, kept when it becomes a decode and reused if it becomes a P.
-    return ServerProcess([*FLAGS, "--disaggregation-mode", role, "--disaggregation-bootstrap-port",
-                          str(free_port())], timeout=600, env=ENV)  # fmt: skip
-
-
-def _router_workers(url: str) -> dict[str, str]:
-    return {w["url"].rstrip("/"): w["worker_type"] for w in httpx.get(f"{url}/workers").json()["workers"]}
+START = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    procs = {"p0": _worker("prefill"), "p1": _worker("prefill"), "d0": _worker("decode")}
-    for proc in procs.values():
-        proc.__enter__()
+    procs = start_engines(START, switch=True, env=ENV)
     try:
-        infos = {n: httpx.get(f"{p.url}/server_info").json() for n, p in procs.items()}
-        args = ["--pd-disaggregation", "--policy", "round_robin"]
-        for name in ("p0", "p1"):
-            args += ["--prefill", procs[name].url, str(infos[name]["disaggregation_bootstrap_port"])]
-        args += ["--decode", procs["d0"].url]
-        port = free_port()
-        router = subprocess.Popen(router_command(args, port, free_port()),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _poll(lambda: len(_try(lambda: _router_workers(url)) or {}) == 3, "router lists 3 workers")
-            expected = {t: _generate(url, t).json()["text"] for t in PROMPTS}
-            yield {"procs": procs, "router": url, "expected": expected}
-        finally:
-            router.terminate()
-            router.wait(20)
+        with start_router({n: p.url for n, p in procs.items()}, START, timeout=90) as router:
+            expected = greedy_texts(router.url, PROMPTS, SP)
+            yield {"procs": procs, "router": router.url, "expected": expected}
     finally:
-        for proc in procs.values():
-            proc.__exit__(None, None, None)
-
-
-def _try(fn):
-    try:
-        return fn()
-    except httpx.HTTPError:
-        return None
+        stop_engines(procs)  # with the worker the last scenario adds
 
 
 def _poll(check, what: str, limit_s: float = 90.0):
@@ -88,78 +62,32 @@ def _poll(check, what: str, limit_s: float = 90.0):
     return value
 
 
-def _generate(url: str, text: str) -> httpx.Response:
-    return httpx.post(f"{url}/generate", json={"text": text, "sampling_params": SP}, timeout=120)
+def _urls(fleet) -> dict[str, str]:
+    return {n: p.url for n, p in fleet["procs"].items()}
 
 
-class Traffic:
-    """Two clients sending the prompts through the router in turn until stopped; records every answer."""
-
-    def __init__(self, fleet):
-        self.fleet, self.stop_event, self.results = fleet, threading.Event(), []
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(2)]
-
-    def _run(self, offset: int) -> None:
-        i = offset
-        with httpx.Client(timeout=120) as client:
-            while not self.stop_event.is_set():
-                text = PROMPTS[i % len(PROMPTS)]
-                try:
-                    r = client.post(
-                        f"{self.fleet['router']}/generate", json={"text": text, "sampling_params": SP}
-                    )
-                    ok = r.status_code == 200 and r.json()["text"] == self.fleet["expected"][text]
-                    self.results.append((ok, r.status_code, r.text[:200]))
-                except httpx.HTTPError as exc:
-                    self.results.append((False, None, repr(exc)))
-                i += 2
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop_event.set()
-        for t in self.threads:
-            t.join(150)
-
-    def check(self) -> None:
-        """No request failed or answered wrong, and traffic ran (at least one answer per client: on a
-        loaded machine a request can take seconds, so no higher count is assumed)."""
-        bad = [r for r in self.results if not r[0]]
-        assert not bad, (
-            f"{len(bad)} of {len(self.results)} client requests failed or answered wrong: {bad[:3]}"
-        )
-        assert len(self.results) >= len(self.threads), self.results
+def _traffic(fleet) -> RouterLoad:
+    """Two clients sending the prompts through the router in turn until stopped; every answer checked."""
+    return RouterLoad(fleet["router"], fleet["expected"], SP)
 
 
 @pytest.fixture
 def inventory(fleet, celery_worker_process):
     """The router and its workers as inventory rows (each with the role it runs now)."""
-    router = RouterFactory(name="pd", url=fleet["router"], mode="pd")
-    workers = {}
-    for name, proc in fleet["procs"].items():
-        role = httpx.get(f"{proc.url}/server_info").json()["disaggregation_mode"]
-        workers[name] = EngineWorkerFactory(name=name, url=proc.url, router=router, role=role)
-    return router, workers
+    urls = _urls(fleet)
+    return register(fleet["router"], urls, server_roles(urls), name="pd")
 
 
 def _roles(fleet) -> dict[str, str]:
     """name -> live role in /server_info; the router lists each worker with that same type."""
-    listed = _router_workers(fleet["router"])
-    live = {
-        n: httpx.get(f"{p.url}/server_info").json()["disaggregation_mode"] for n, p in fleet["procs"].items()
-    }
-    assert {n: listed.get(p.url) for n, p in fleet["procs"].items()} == live
+    listed, urls = router_workers(fleet["router"]), _urls(fleet)
+    live = server_roles(urls)
+    assert {n: listed.get(u) for n, u in urls.items()} == live
     return live
 
 
 def _split(roles: dict[str, str]) -> tuple[int, int]:
     return sum(r == "prefill" for r in roles.values()), sum(r == "decode" for r in roles.values())
-
-
-START = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
 
 
 def _create(api, router, target, **extra) -> httpx.Response:
@@ -217,40 +145,38 @@ def test_the_reconciler_repairs_a_router_restarted_with_its_original_worker_list
     procs, url = fleet["procs"], fleet["router"]
     p1 = procs["p1"]
     port = httpx.get(f"{p1.url}/server_info").json()["disaggregation_bootstrap_port"]
-    router = RouterFactory(name="pd-reconcile", url=url, mode="pd")
-    for name, proc in procs.items():
-        role = httpx.get(f"{proc.url}/server_info").json()["disaggregation_mode"]
-        EngineWorkerFactory(name=name, url=proc.url, router=router, role=role,
-                            assigned_role="decode" if name == "p1" else "")  # fmt: skip
+    urls = _urls(fleet)
+    _, workers = register(url, urls, server_roles(urls), name="pd-reconcile")
+    EngineWorker.objects.filter(pk=workers["p1"].pk).update(assigned_role="decode")
     client = RouterClient(url)
     client.remove_worker(p1.url)
     assert WorkerClient(p1.url).pd_role_switch("decode").success
     client.add_worker(p1.url, worker_type="decode")
-    _poll(lambda: _router_workers(url).get(p1.url) == "decode", "router lists P1 as decode")
+    _poll(lambda: router_workers(url).get(p1.url) == "decode", "router lists P1 as decode")
     client.remove_worker(p1.url)  # the router restarted from its argv: --prefill P1 PORT
     client.add_worker(p1.url, worker_type="prefill", bootstrap_port=port)
-    _poll(lambda: _router_workers(url).get(p1.url) == "prefill", "router lists P1 as prefill again")
+    _poll(lambda: router_workers(url).get(p1.url) == "prefill", "router lists P1 as prefill again")
 
     (repair,) = reconcile_all()
     assert repair["action"] == "reconcile_router" and repair["worker"] == "p1"
-    _poll(lambda: _router_workers(url).get(p1.url) == "decode", "router lists P1 as decode after repair")
+    _poll(lambda: router_workers(url).get(p1.url) == "decode", "router lists P1 as decode after repair")
     assert _split(_roles(fleet)) == (1, 2)
     assert reconcile_all() == []
-    with Traffic(fleet) as traffic:
-        _poll(lambda: len(traffic.results) >= 6, "six answers through the repaired router", 240)
+    with _traffic(fleet) as traffic:
+        _poll(lambda: len(traffic.answers) >= 6, "six answers through the repaired router", 240)
     traffic.check()
 
     client.remove_worker(p1.url)  # back to 2P1D for the scenarios after this one
     assert WorkerClient(p1.url).pd_role_switch("prefill").success
     client.add_worker(p1.url, worker_type="prefill", bootstrap_port=port)
-    _poll(lambda: _router_workers(url).get(p1.url) == "prefill", "router lists P1 as prefill")
+    _poll(lambda: router_workers(url).get(p1.url) == "prefill", "router lists P1 as prefill")
     assert _split(_roles(fleet)) == (2, 1)
 
 
 def test_2p1d_to_1p2d_under_traffic(fleet, inventory, api_as):
     router, workers = inventory
     assert _roles(fleet) == START
-    with Traffic(fleet) as traffic:
+    with _traffic(fleet) as traffic:
         r = _create(api_as("operator"), router, {"prefill": 1, "decode": 2}, reason="decode-heavy load")
         assert r.status_code == 201, r.content
         plan = r.json()
@@ -296,7 +222,7 @@ def test_per_step_approval_pause_and_resume_back_to_2p1d(fleet, inventory, api_a
     op.post(f"/api/v1/rebalances/{rb_id}/resume/")
     _wait_state(rb_id, {"awaiting_approval"})  # resumed: the step still waits for its approval
     assert _roles(fleet) == before  # nothing ran yet
-    with Traffic(fleet) as traffic:
+    with _traffic(fleet) as traffic:
         assert op.post(f"/api/v1/rebalances/{rb_id}/approve/").status_code == 202
         rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
     traffic.check()
@@ -317,7 +243,7 @@ def test_wrong_canary_rolls_the_switch_back_under_traffic(fleet, inventory, api_
     rb = Rebalance.objects.get(pk=rb_id)
     real = rb.canary["prompts"][2]["expected_text"]  # the long one: every prompt of the set is checked
     Rebalance.objects.filter(pk=rb_id).update(canary=_altered(rb.canary, "not what SmolLM2 says"))
-    with Traffic(fleet) as traffic:
+    with _traffic(fleet) as traffic:
         op.post(f"/api/v1/rebalances/{rb_id}/approve/")
         rb = _wait_state(rb_id, {"succeeded", "rolled_back", "failed", "aborted"})
     step = rb.steps.get()
@@ -383,11 +309,10 @@ def test_two_steps_pause_between_them_and_approve_each(fleet, inventory, api_as)
     """A fourth worker joins as a prefill (3P1D); 3P1D -> 1P3D takes two steps: a pause asked during step 0
     takes effect after it, resume waits for step 1's approval, then step 1 runs. Runs last (adds a worker)."""
     router, _ = inventory
-    extra = _worker("prefill")
-    extra.__enter__()
+    extra = start_engines({"p2": "prefill"}, switch=True, env=ENV)["p2"]
     fleet["procs"]["p2"] = extra  # the fixture's teardown stops it
     RouterClient(fleet["router"]).add_worker(extra.url)
-    _poll(lambda: _router_workers(fleet["router"]).get(extra.url) == "prefill", "router lists p2 as prefill")
+    _poll(lambda: router_workers(fleet["router"]).get(extra.url) == "prefill", "router lists p2 as prefill")
     EngineWorkerFactory(name="p2", url=extra.url, router=router, role="prefill")
     before = _roles(fleet)
     assert _split(before) == (3, 1)
@@ -399,7 +324,7 @@ def test_two_steps_pause_between_them_and_approve_each(fleet, inventory, api_as)
         (0, "prefill", "decode"),
         (1, "prefill", "decode"),
     ]
-    with Traffic(fleet) as traffic:
+    with _traffic(fleet) as traffic:
         op.post(f"/api/v1/rebalances/{rb_id}/approve/")
         running = {"draining", "switching", "gating", "soaking"}
         _poll(lambda: Rebalance.objects.get(pk=rb_id).steps.get(index=0).state in running, "step 0 running")
@@ -432,7 +357,7 @@ def test_a_failed_second_step_rolls_back_the_first(fleet, inventory, api_as):
     op = api_as("operator")
     r = _create(op, router, {"prefill": 3, "decode": 1}, approval="per_step")
     rb_id = r.json()["id"]
-    with Traffic(fleet) as traffic:
+    with _traffic(fleet) as traffic:
         op.post(f"/api/v1/rebalances/{rb_id}/approve/")
         rb = _wait_state(rb_id, {"awaiting_approval", "succeeded", "rolled_back", "failed", "aborted"})
         assert rb.state == "awaiting_approval" and rb.steps.get(index=0).state == "succeeded", rb.explanation
@@ -467,7 +392,7 @@ def test_a_breached_slo_rolls_back_and_an_abort_after_the_switch_finishes_the_st
     # one: then the same move below could pick another); the traffic runs from its drain on
     r = _create(api_as("operator"), router, {"prefill": 2, "decode": 2}, soak_s=30, slo={"max_itl_s": 1e-4})
     assert r.status_code == 201, r.content
-    with Traffic(fleet) as traffic:
+    with _traffic(fleet) as traffic:
         rb = _wait_state(r.json()["id"], {"succeeded", "rolled_back", "failed", "aborted"})
     traffic.check()
     assert rb.state == "rolled_back", rb.explanation

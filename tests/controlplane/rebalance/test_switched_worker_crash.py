@@ -17,18 +17,23 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import pytest
-from cp_factories import AGENT_HOST, RouterFactory
+from cp_factories import AGENT_HOST
 
+from controlplane.bench.rebalance_fleet import (
+    RouterLoad,
+    greedy_texts,
+    register,
+    router_workers,
+    start_router,
+)
 from controlplane.inventory.models import EngineWorker
 from controlplane.rebalance.models import Rebalance
 from controlplane.rebalance.services.reconcile import reconcile_all
 from engine.bench.launcher import free_port
-from engine.fleet.router import router_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 SP = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -58,9 +63,10 @@ def _role(url: str) -> str | None:
 
 
 def _listed(router: str) -> dict[str, str]:
-    return {
-        w["url"].rstrip("/"): w["worker_type"] for w in (_get(f"{router}/workers") or {}).get("workers", [])
-    }
+    try:
+        return router_workers(router)
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def _spec(tmp_path, model_dir) -> tuple[dict[str, str], str]:
@@ -90,37 +96,6 @@ env = {{ SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL = "2", SGLANG_DISAGGREGATION_H
     return urls, str(spec)
 
 
-class Traffic:
-    """Two clients sending the prompts through the router until stopped: (start time, ok, detail) each."""
-
-    def __init__(self, router: str, expected: dict[str, str]):
-        self.router, self.expected, self.results = router, expected, []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(2)]
-
-    def _run(self, i: int) -> None:
-        with httpx.Client(timeout=60) as client:
-            while not self.stop.is_set():
-                text, started = PROMPTS[i % len(PROMPTS)], time.monotonic()
-                try:
-                    r = client.post(f"{self.router}/generate", json={"text": text, "sampling_params": SP})
-                    ok = r.status_code == 200 and r.json()["text"] == self.expected[text]
-                    self.results.append((started, ok, f"{r.status_code} {r.text[:120]}"))
-                except httpx.HTTPError as exc:
-                    self.results.append((started, False, repr(exc)))
-                i += 2
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join(90)
-
-
 def _agent_pid(logs, name: str) -> int | None:
     try:
         state = json.loads((logs / "agent-state.json").read_text())
@@ -140,30 +115,16 @@ def agent_fleet(asgi_server, personas, tmp_path, tiny_model_dir):
         stdout=subprocess.DEVNULL,
         stderr=agent_log.open("wb"),
     )
-    router_proc = None
+    router = None
     try:
         for name, url in urls.items():
             _poll(lambda url=url, name=name: _role(url) == NAMES[name], f"{name} serving", 300)
-        args = ["--pd-disaggregation", "--policy", "round_robin"]
-        for name in ("p0", "p1"):
-            args += [
-                "--prefill",
-                urls[name],
-                str(_get(f"{urls[name]}/server_info")["disaggregation_bootstrap_port"]),
-            ]
-        args += ["--decode", urls["d0"]]
-        port = free_port()
-        router_proc = subprocess.Popen(
-            router_command(args, port, free_port()), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        router = f"http://127.0.0.1:{port}"
-        _poll(lambda: len(_listed(router)) == 3, "router lists 3 workers")
+        router = start_router(urls, NAMES)
         _poll(lambda: EngineWorker.objects.filter(url__in=urls.values()).count() == 3, "agent registered")
-        yield {"urls": urls, "router": router, "logs": tmp_path / "logs", "agent_log": agent_log}
+        yield {"urls": urls, "router": router.url, "logs": tmp_path / "logs", "agent_log": agent_log}
     finally:
-        if router_proc is not None:
-            router_proc.terminate()
-            router_proc.wait(20)
+        if router is not None:
+            router.close()
         agent.send_signal(signal.SIGTERM)
         try:
             agent.wait(60)
@@ -175,13 +136,8 @@ def test_a_rebalanced_worker_killed_comes_back_in_its_new_role_and_the_router_st
     agent_fleet, celery_worker_process, api_as
 ):
     urls, router_url = agent_fleet["urls"], agent_fleet["router"]
-    router = RouterFactory(name="pd", url=router_url, mode="pd")
-    EngineWorker.objects.filter(url__in=urls.values()).update(router=router)
-    expected = {}
-    for text in PROMPTS:
-        r = httpx.post(f"{router_url}/generate", json={"text": text, "sampling_params": SP}, timeout=60)
-        assert r.status_code == 200, r.text
-        expected[text] = r.json()["text"]
+    router, _ = register(router_url, urls, NAMES, name="pd")
+    expected = greedy_texts(router_url, PROMPTS, SP)
 
     body = {"router": router.pk, "target": {"prefill": 1, "decode": 2}, "soak_s": 2, "idle_timeout_s": 60}
     r = api_as("operator").post("/api/v1/rebalances/", body, format="json")
@@ -201,8 +157,8 @@ def test_a_rebalanced_worker_killed_comes_back_in_its_new_role_and_the_router_st
     _poll(lambda: f"{moved}: switched in place prefill -> decode" in agent_fleet["agent_log"].read_text(),
           "the agent to keep decode for restarts")  # fmt: skip
 
-    with Traffic(router_url, expected) as traffic:
-        _poll(lambda: len(traffic.results) >= 2, "traffic through the router at 1P2D")
+    with RouterLoad(router_url, expected, SP, timeout=60) as traffic:
+        _poll(lambda: len(traffic.answers) >= 2, "traffic through the router at 1P2D")
         old = _poll(lambda: _agent_pid(agent_fleet["logs"], moved), "the worker's pid")
         killed = time.monotonic()
         os.killpg(old, signal.SIGKILL)  # the engine and its children, as a kill -9 of the worker
@@ -221,13 +177,15 @@ def test_a_rebalanced_worker_killed_comes_back_in_its_new_role_and_the_router_st
             REPAIR_BOUND_S - (time.monotonic() - killed),
         )
         repaired = time.monotonic()
-        _poll(lambda: sum(s >= repaired for s, _, _ in traffic.results) >= 6, "six answers after the repair")
-    after = [r for r in traffic.results if r[0] >= repaired]
-    bad = [r for r in after if not r[1]]
+        _poll(
+            lambda: sum(a.started >= repaired for a in traffic.answers) >= 6, "six answers after the repair"
+        )
+    after = [a for a in traffic.answers if a.started >= repaired]
+    bad = [a for a in after if not a.ok]
     assert not bad, f"{len(bad)} of {len(after)} requests after the repair failed: {bad[:3]}"
-    during = [r for r in traffic.results if killed <= r[0] < repaired]
+    during = [a for a in traffic.answers if killed <= a.started < repaired]
     print(
         f"kill -9 -> consistent router in {repaired - killed:.1f} s; requests in that window "
-        f"{len(during)}, failed {sum(not r[1] for r in during)}; after it {len(after)}, failed 0"
+        f"{len(during)}, failed {sum(not a.ok for a in during)}; after it {len(after)}, failed 0"
     )
     assert sorted(_listed(router_url).values()) == ["decode", "decode", "prefill"]
