@@ -4,7 +4,9 @@
 # (KVFleet's C++ extension: the fused decode step and the CPU quantized kernels, engine/model/extension.py).
 set -euo pipefail
 missing=()
-ldconfig -p | grep -q 'libibverbs.so.1' || missing+=(libibverbs1)
+# grep reads all of ldconfig's output: with -q it would stop at the first match and, under pipefail,
+# ldconfig's broken pipe would count the library as missing.
+ldconfig -p | grep 'libibverbs.so.1' >/dev/null || missing+=(libibverbs1)
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v chromium >/dev/null || missing+=(chromium)
 command -v g++ >/dev/null || missing+=(g++)
