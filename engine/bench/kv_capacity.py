@@ -44,6 +44,7 @@ POLICIES = (
     ("fifo", "none", "none"),
     ("mru", "none", "none"),
     ("filo", "none", "none"),
+    ("arc", "none", "none"),
     ("lru", "tinylfu", "none"),
     ("lru", "tinylfu", "tinylfu"),
     ("lfu", "tinylfu", "tinylfu"),

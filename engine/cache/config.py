@@ -18,11 +18,12 @@ from typing import Any
 
 import yaml
 
+from engine.cache.eviction_names import EVICTION_POLICIES
+
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 IO_BACKENDS = ("direct", "kernel")
 MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo", "priority")
 ADMISSIONS = ("none", "tinylfu")  # engine/cache/admission.py
 _CHOICES = {
     "write_policy": WRITE_POLICIES,

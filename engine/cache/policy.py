@@ -228,7 +228,7 @@ class CachePolicy:
         # Hits are counted under write_back too (upstream does not), so LFU works with every policy.
         if not count:
             return
-        node.hit_count += 1
+        self.tree.count_hit(node)
         if (
             node.l3_deferred
             and node.host_value is not None

@@ -8,21 +8,37 @@ backed up) and per-page L3 keys (``hash_value``). The tree moves no KV data: it 
 when a match ends inside it, always on a page boundary), adds nodes, keeps lock counts and device/host size
 accounting, and picks eviction victims by ``--radix-eviction-policy`` (:data:`EVICTION_PRIORITY`).
 
-Eviction candidates live in two lazy min-heaps (device leaves, host leaves). Under lru, lfu, fifo, filo and
+Eviction candidates live in lazy min-heaps (device leaves, host leaves). Under lru, lfu, fifo, filo and
 priority a node's priority never falls (access time, hit count and request priority only grow; creation
 time is fixed), so a popped entry whose priority is stale is pushed back with its current one; this gives
 O(log n) eviction instead of upstream's scan of every leaf. Under mru an access lowers the priority, so
 every walk pushes a fresh entry for each leaf it touches (the stale, higher one is skipped when popped).
+
+``arc`` (KVFleet's own, not an upstream name) is adaptive replacement (Megiddo and Modha's ARC) over the
+tree's leaves, per tier (device, host; :class:`ArcState`). A node is *recent* (T1) until a second request
+passes it (``hit_count`` 2) or it comes back from a ghost list, then *frequent* (T2) for good; each tier
+keeps one lazy LRU heap per segment and the tokens of each segment resident in it. A node leaving a tier
+leaves a ghost (B1 or B2 by its segment): its size under the key ``(parent id, first page)``, which is how
+a later insert of the same prefix finds it. A ghost hit moves the target size ``p`` of T1: up after a B1
+hit, down after a B2 hit, by the hit's tokens times the size ratio of the other ghost list (at least 1);
+the first walk that ends where a ghost hangs counts it (a request's match, before its eviction), the node
+that takes the ghost's place starts frequent. The victim is the least recently used leaf of T1 while T1's
+resident tokens exceed ``p``, else of T2 (the other segment when that one has no evictable leaf). The
+capacity ``c`` is the most tokens the tier has held; B1 is cut to ``c - |T1|`` and both ghost lists to
+``2c`` with T1 and T2, oldest first, and a ghost whose parent is removed goes too (nothing can reach it).
+Every step is O(1) or a heap operation, so eviction stays O(log n).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.cache.eviction_names import EVICTION_POLICIES  # the same names as EVICTION_PRIORITY's keys
 from engine.cache.tenant_caps import salt_owner
 
 # Smallest first is evicted first (upstream ``evict_policy.py``).
@@ -33,8 +49,8 @@ EVICTION_PRIORITY: dict[str, Callable[[TreeNode], object]] = {
     "mru": lambda n: -n.last_access_time,
     "filo": lambda n: -n.creation_time,
     "priority": lambda n: (n.priority, n.last_access_time),
+    "arc": lambda n: n.last_access_time,  # within its segment's heap; ArcState picks the segment
 }
-EVICTION_POLICIES = tuple(EVICTION_PRIORITY)
 
 
 class TreeNode:
@@ -57,6 +73,7 @@ class TreeNode:
         "salt",
         "priority",
         "l3_deferred",
+        "frequent",
     )
 
     def __init__(
@@ -78,6 +95,7 @@ class TreeNode:
         self.priority = 0  # the highest request priority that inserted it (the ``priority`` policy)
         self.l3_deferred = False  # L3 admission refused its backup; a later hit may admit it
         self.salt = salt  # the key space (cache_salt) of every request that shares this node
+        self.frequent = False  # arc's T2: passed by a second request, or back from a ghost list
 
     @property
     def evicted(self) -> bool:
@@ -97,8 +115,116 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, {state or '-'}, lock={self.lock_ref})"
 
 
+class ArcState:
+    """One tier's ARC bookkeeping (device or host): resident units per segment, ghosts, target ``p``.
+
+    Sizes are the tree's units (tokens, or pages in the what-if). ``resident[0]`` / ``resident[1]``: units
+    of recent (T1) / frequent (T2) nodes in the tier, locked ones included; kept under every policy, so a
+    runtime switch to ``arc`` starts with them right. ``ghosts[0]`` / ``ghosts[1]`` (B1 / B2): key ->
+    ``[units, counted]``, oldest first, recorded only under ``arc``; ``counted``: a walk already moved
+    ``p`` for it. ``p`` is T1's target in units, within ``[0, c]``; ``c`` the most units the tier held.
+    """
+
+    __slots__ = ("resident", "ghosts", "ghost_units", "by_parent", "p", "c")
+
+    def __init__(self) -> None:
+        self.resident = [0, 0]
+        self.ghosts: tuple[OrderedDict, OrderedDict] = (OrderedDict(), OrderedDict())
+        self.ghost_units = [0, 0]
+        self.by_parent: dict[int, set] = {}  # parent node id -> keys of the ghosts hanging below it
+        self.p = 0
+        self.c = 0
+
+    def enter(self, frequent: bool, units: int) -> None:
+        self.resident[frequent] += units
+        self.c = max(self.c, self.resident[0] + self.resident[1])
+
+    def leave(self, frequent: bool, units: int) -> None:
+        self.resident[frequent] -= units
+
+    def victim_segments(self) -> tuple[int, int]:
+        """The segment to evict from first (T1 while it holds more than ``p``), then the other."""
+        return (0, 1) if self.resident[0] > self.p else (1, 0)
+
+    def add_ghost(self, key: tuple, frequent: bool, units: int) -> None:
+        self._pop(key)  # an older ghost under the same key is superseded
+        self.ghosts[frequent][key] = [units, False]
+        self.ghost_units[frequent] += units
+        self.by_parent.setdefault(key[0], set()).add(key)
+        t1, t2 = self.resident
+        while self.ghost_units[0] and t1 + self.ghost_units[0] > self.c:
+            self._drop_oldest(0)
+        while self.ghost_units[1] and t1 + t2 + self.ghost_units[0] + self.ghost_units[1] > 2 * self.c:
+            self._drop_oldest(1)
+
+    def _drop_oldest(self, segment: int) -> None:
+        key, (units, _) = self.ghosts[segment].popitem(last=False)
+        self.ghost_units[segment] -= units
+        self._unindex(key)
+
+    def _unindex(self, key: tuple) -> None:
+        keys = self.by_parent[key[0]]
+        keys.discard(key)
+        if not keys:
+            del self.by_parent[key[0]]
+
+    def count(self, key: tuple, units: int) -> None:
+        """A walk ends where ghost ``key`` hangs, ``units`` of the request beyond: move ``p`` once."""
+        for segment in (0, 1):
+            entry = self.ghosts[segment].get(key)
+            if entry is not None:
+                if not entry[1]:
+                    entry[1] = True
+                    self.adapt(segment, min(entry[0], units))
+                return
+
+    def take(self, key: tuple, units: int) -> bool:
+        """Remove ghost ``key`` (a node of ``units`` took its place in the tier), moving ``p`` unless a
+        walk already did; returns whether there was one."""
+        found = self._pop(key)
+        if found is None:
+            return False
+        segment, (ghost_units, counted) = found
+        if not counted:
+            self.adapt(segment, min(ghost_units, units))
+        return True
+
+    def _pop(self, key: tuple) -> tuple[int, list] | None:
+        for segment in (0, 1):
+            entry = self.ghosts[segment].pop(key, None)
+            if entry is not None:
+                self.ghost_units[segment] -= entry[0]
+                self._unindex(key)
+                return segment, entry
+        return None
+
+    def adapt(self, segment: int, units: int) -> None:
+        """ARC's adaptation: a B1 hit grows T1's target, a B2 hit shrinks it (integer steps, so the
+        what-if's page units and the engine's token units make the same decisions)."""
+        b1, b2 = self.ghost_units
+        if segment == 0:
+            self.p = min(self.c, self.p + units * max(b2 // max(b1, 1), 1))
+        else:
+            self.p = max(0, self.p - units * max(b1 // max(b2, 1), 1))
+
+    def drop_below(self, parent_id: int) -> None:
+        """Forget the ghosts below a removed node: no later insert can reach them."""
+        for key in self.by_parent.pop(parent_id, ()):
+            for segment in (0, 1):
+                entry = self.ghosts[segment].pop(key, None)
+                if entry is not None:
+                    self.ghost_units[segment] -= entry[0]
+
+    def clear_ghosts(self) -> None:
+        for segment in (0, 1):
+            self.ghosts[segment].clear()
+            self.ghost_units[segment] = 0
+        self.by_parent.clear()
+
+
 class HiRadixTree:
-    """Radix tree over token ids with page granularity ``page_size`` and ``eviction_policy`` lru|lfu.
+    """Radix tree over token ids with page granularity ``page_size`` and ``eviction_policy`` (one of
+    :data:`EVICTION_POLICIES`).
 
     Sizes are tokens. ``evictable_size``/``protected_size`` count device-resident tokens with
     ``lock_ref == 0`` / ``> 0``. ``host_units`` counts the units with a host copy per owner of their salt
@@ -128,8 +254,9 @@ class HiRadixTree:
         self.num_nodes = 1
         self.evictable_size = 0
         self.protected_size = 0
-        self._device_heap: list = []
-        self._host_heap: list = []
+        # Candidate heaps by tier (device, host) and arc segment (T1, T2; other policies use the first).
+        self._heaps: tuple[list[list], list[list]] = ([[], []], [[], []])
+        self.arc = (ArcState(), ArcState())  # device, host
         self.host_units: dict[str | None, int] = {}
 
     # -- keys and matching ---------------------------------------------------------------------------------
@@ -178,6 +305,10 @@ class HiRadixTree:
             path.append(child)
             pos += m
             node = child
+        if self._eviction_policy == "arc" and pos < len(key):  # a ghost hit counts at the request's match
+            ghost = (node.id, self.child_key(key, pos, salt))
+            for state in self.arc:
+                state.count(ghost, len(key) - pos)
         return path, pos
 
     def split(self, child: TreeNode, n: int) -> TreeNode:
@@ -197,6 +328,7 @@ class HiRadixTree:
         upper.hit_count = child.hit_count
         upper.priority = child.priority
         upper.l3_deferred = child.l3_deferred
+        upper.frequent = child.frequent
         upper.pending_write = child.pending_write
         if child.value is not None:
             upper.value, child.value = child.value[:n], child.value[n:]
@@ -243,13 +375,17 @@ class HiRadixTree:
             raise ValueError(f"cannot remove {node}: it has children or is the root")
         if node.value is not None:
             self._account(node, -len(node.key))
+            self._leave(node, host=False)
             node.value = None
         if node.host_value is not None:
             self._account_host(node, -len(node.host_value))
+            self._leave(node, host=True)
         parent = node.parent
         del parent.children[self.child_key(node.key, 0, node.salt)]
         node.parent = None
         self.num_nodes -= 1
+        for state in self.arc:
+            state.drop_below(node.id)
         self.push_device_candidate(parent)
         self.push_host_candidate(parent)
 
@@ -257,9 +393,16 @@ class HiRadixTree:
         """Make ``node`` device-resident at ``value`` (load-back, revive) or evicted (None)."""
         if node.value is not None:
             self._account(node, -len(node.key))
+            if value is None:
+                self._leave(node, host=False)
+            else:
+                self.arc[0].leave(node.frequent, len(node.key))
+        elif value is not None:
+            self._revive(node, host=False)
         node.value = value
         if value is not None:
             self._account(node, len(node.key))
+            self.arc[0].enter(node.frequent, len(node.key))
             self.push_device_candidate(node)
         else:
             self.push_device_candidate(node.parent)
@@ -269,8 +412,48 @@ class HiRadixTree:
         """Give ``node`` (which has none) its host copy at ``host_value``, counted for its salt's owner."""
         if node.host_value is not None:
             raise ValueError(f"{node} already has a host copy")
+        self._revive(node, host=True)
         node.host_value = host_value
         self._account_host(node, len(host_value))
+        self.arc[1].enter(node.frequent, len(host_value))
+
+    # -- arc bookkeeping (segment sizes under every policy, ghosts under arc) --------------------------------
+    def count_hit(self, node: TreeNode) -> None:
+        """One more request passed ``node``: its second makes it frequent (arc's T2)."""
+        node.hit_count += 1
+        if node.hit_count >= 2 and not node.frequent:
+            self._promote(node)
+
+    def _promote(self, node: TreeNode) -> None:
+        node.frequent = True
+        units = len(node.key)
+        for state, resident in ((self.arc[0], node.value), (self.arc[1], node.host_value)):
+            if resident is not None:
+                state.leave(False, units)
+                state.enter(True, units)
+        if self._eviction_policy == "arc":  # now a candidate of the T2 heaps
+            self.push_device_candidate(node)
+            self.push_host_candidate(node)
+
+    def _ghost_key(self, node: TreeNode) -> tuple:
+        return node.parent.id, self.child_key(node.key, 0, node.salt)
+
+    def _leave(self, node: TreeNode, host: bool) -> None:
+        """``node`` (still attached) leaves the device or host tier: under arc it leaves a ghost."""
+        self.arc[host].leave(node.frequent, len(node.key))
+        if self._eviction_policy == "arc":
+            self.arc[host].add_ghost(self._ghost_key(node), node.frequent, len(node.key))
+
+    def _revive(self, node: TreeNode, host: bool) -> None:
+        """``node`` (attached) is about to enter the device or host tier: a ghost in its place makes it
+        frequent."""
+        if (
+            self._eviction_policy == "arc"
+            and node.parent is not None
+            and self.arc[host].take(self._ghost_key(node), len(node.key))
+            and not node.frequent
+        ):
+            self._promote(node)
 
     def _account_host(self, node: TreeNode, delta: int) -> None:
         owner = salt_owner(node.salt)
@@ -334,17 +517,14 @@ class HiRadixTree:
 
     @eviction_policy.setter
     def eviction_policy(self, name: str) -> None:
-        """Switching policy (at runtime, idle-gated) re-keys both heaps."""
+        """Switching policy (at runtime, idle-gated) re-keys the heaps; arc starts with no ghosts."""
         self._eviction_policy = name
         self._priority = EVICTION_PRIORITY[name]
-        for heap, predicate in (
-            (getattr(self, "_device_heap", None), self.is_device_leaf),
-            (getattr(self, "_host_heap", None), self.is_host_leaf),
-        ):
-            if heap:
-                live = {id(n): n for _, _, n in heap if n.parent is not None and predicate(n)}
-                heap[:] = [(self._priority(n), next(self._seq), n) for n in live.values()]
-                heapq.heapify(heap)
+        if hasattr(self, "_heaps"):
+            for host in (False, True):
+                self._rekey(host)
+                self.arc[host].clear_ghosts()
+                self.arc[host].p = 0
 
     def priority(self, node: TreeNode):
         return self._priority(node)
@@ -369,53 +549,46 @@ class HiRadixTree:
 
     def push_device_candidate(self, node: TreeNode) -> None:
         if self.is_device_leaf(node):
-            self._push(self._device_heap, node, self.is_device_leaf)
+            self._push(False, node)
 
     def push_host_candidate(self, node: TreeNode) -> None:
         if self.is_host_leaf(node):
-            self._push(self._host_heap, node, self.is_host_leaf)
+            self._push(True, node)
 
-    def _push(self, heap: list, node: TreeNode, predicate: Callable[[TreeNode], bool]) -> None:
+    def _segment(self, node: TreeNode) -> int:
+        """The heap of ``node`` in its tier: its arc segment under arc, else the first."""
+        return int(node.frequent) if self._eviction_policy == "arc" else 0
+
+    def _push(self, host: bool, node: TreeNode) -> None:
+        heap = self._heaps[host][self._segment(node)]
         heapq.heappush(heap, (self.priority(node), next(self._seq), node))
         if len(heap) > 4 * self.num_nodes + 1024:
-            live = {id(n): n for _, _, n in heap if n.parent is not None and predicate(n)}
-            heap[:] = [(self.priority(n), next(self._seq), n) for n in live.values()]
+            self._rekey(host)
+
+    def _rekey(self, host: bool) -> None:
+        """Rebuild a tier's heaps from its live candidates (stale and duplicate entries dropped)."""
+        predicate = self.is_host_leaf if host else self.is_device_leaf
+        heaps = self._heaps[host]
+        live = {id(n): n for heap in heaps for _, _, n in heap if n.parent is not None and predicate(n)}
+        for heap in heaps:
+            heap.clear()
+        for n in live.values():
+            heaps[self._segment(n)].append((self.priority(n), next(self._seq), n))
+        for heap in heaps:
             heapq.heapify(heap)
 
-    def pop_victims(self, host: bool) -> Iterator[TreeNode]:
-        """Yield eviction candidates in priority order (device leaves, or host leaves when ``host``).
-
-        The consumer evicts or removes each yielded node (which may make its parent a candidate); a node
-        it leaves in place is not yielded again by this iterator.
-        """
-        heap = self._host_heap if host else self._device_heap
-        predicate = self.is_host_leaf if host else self.is_device_leaf
-        seen: set[int] = set()
-        skipped = []
-        try:
-            while heap:
-                prio, seq, node = heapq.heappop(heap)
-                if node.parent is None or not predicate(node) or id(node) in seen:
-                    continue
-                current = self.priority(node)
-                if current != prio:
-                    heapq.heappush(heap, (current, next(self._seq), node))
-                    continue
-                seen.add(id(node))
-                yield node
-                if node.parent is not None and predicate(node):
-                    skipped.append((prio, seq, node))
-        finally:
-            for entry in skipped:
-                heapq.heappush(heap, entry)
-
-    def peek_victim(self, host: bool) -> TreeNode | None:
-        """The candidate :meth:`pop_victims` would yield first (device or host leaves), left in place."""
-        heap = self._host_heap if host else self._device_heap
-        predicate = self.is_host_leaf if host else self.is_device_leaf
+    def _top(self, heap: list, predicate, segment: int | None, seen: set[int]) -> TreeNode | None:
+        """The valid candidate at the top of ``heap`` (of arc ``segment``; None: any), left in place:
+        entries of nodes gone, no longer candidates, in ``seen`` or of the other segment are dropped, one
+        with a stale priority is put back with its current one."""
         while heap:
             prio, _, node = heap[0]
-            if node.parent is None or not predicate(node):
+            if (
+                node.parent is None
+                or not predicate(node)
+                or id(node) in seen
+                or (segment is not None and int(node.frequent) != segment)
+            ):
                 heapq.heappop(heap)
                 continue
             current = self.priority(node)
@@ -424,6 +597,48 @@ class HiRadixTree:
                 continue
             return node
         return None
+
+    def _victim(self, host: bool, seen: set[int]) -> tuple[int, TreeNode] | None:
+        """(heap index, node) of the next victim in a tier: under arc the least recently used leaf of T1
+        while T1 holds more than ``p``, else of T2, the other when that one has no candidate."""
+        predicate = self.is_host_leaf if host else self.is_device_leaf
+        heaps = self._heaps[host]
+        if self._eviction_policy != "arc":
+            node = self._top(heaps[0], predicate, None, seen)
+            return None if node is None else (0, node)
+        for segment in self.arc[host].victim_segments():
+            node = self._top(heaps[segment], predicate, segment, seen)
+            if node is not None:
+                return segment, node
+        return None
+
+    def pop_victims(self, host: bool) -> Iterator[TreeNode]:
+        """Yield eviction candidates in priority order (device leaves, or host leaves when ``host``).
+
+        The consumer evicts or removes each yielded node (which may make its parent a candidate); a node
+        it leaves in place is not yielded again by this iterator. Under arc the segment is chosen again
+        for every victim, after the previous one left.
+        """
+        predicate = self.is_host_leaf if host else self.is_device_leaf
+        heaps = self._heaps[host]
+        seen: set[int] = set()
+        skipped = []
+        try:
+            while (found := self._victim(host, seen)) is not None:
+                segment, node = found
+                entry = heapq.heappop(heaps[segment])
+                seen.add(id(node))
+                yield node
+                if node.parent is not None and predicate(node):
+                    skipped.append((segment, entry))
+        finally:
+            for segment, entry in skipped:
+                heapq.heappush(heaps[segment], entry)
+
+    def peek_victim(self, host: bool) -> TreeNode | None:
+        """The candidate :meth:`pop_victims` would yield first (device or host leaves), left in place."""
+        found = self._victim(host, set())
+        return None if found is None else found[1]
 
     # -- traversal -------------------------------------------------------------------------------------------
     def nodes(self) -> Iterator[TreeNode]:

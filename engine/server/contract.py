@@ -10,7 +10,7 @@ control plane (``controlplane/operations/actions.py`` reads worker state through
 - ``POST /pd_role_switch`` (:class:`PdRoleSwitchRequest`): :class:`PdRoleSwitchResponse`; the role reads back
   as ``/server_info``'s ``disaggregation_mode``.
 
-Imports only pydantic (no torch), so the control plane can use it.
+Imports only pydantic and the eviction policy names (no torch), so the control plane can use it.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# EVICTION_POLICIES: the console's and the what-if API's choices, from the one list of names (typing only).
+from engine.cache.eviction_names import EVICTION_POLICIES, EvictionPolicy  # noqa: F401
+
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
-EvictionPolicy = Literal["lru", "lfu", "fifo", "mru", "filo", "priority"]
 Admission = Literal["none", "tinylfu"]
-EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)  # the console's and the what-if API's choices
 ADMISSIONS: tuple[str, ...] = get_args(Admission)
 PdRole = Literal["prefill", "decode"]
 

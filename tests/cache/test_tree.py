@@ -136,6 +136,7 @@ def test_locked_nodes_are_never_device_evicted(make_cache):
 # first: created first, 2 hits; second: created and touched last. Which one survives one eviction.
 SURVIVOR = {"lru": "second", "lfu": "first", "fifo": "second", "mru": "first", "filo": "first"}
 SURVIVOR["priority"] = "second"  # no request priorities: LRU among equals
+SURVIVOR["arc"] = "first"  # second is recent (T1), which holds more than the target p = 0
 
 
 @pytest.mark.parametrize("policy", sorted(SURVIVOR))

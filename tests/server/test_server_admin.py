@@ -176,6 +176,9 @@ def test_eviction_policy_and_admission_change_at_runtime(serve):
     bad = client.put("/hicache/config", json={"radix_eviction_policy": "random"}, headers=AUTH)
     assert bad.status_code == 400 and "radix_eviction_policy" in bad.json()["error"]["message"]
     assert client.get("/hicache/config", headers=AUTH).json()["radix_eviction_policy"] == "mru"
+    resp = client.put("/hicache/config", json={"radix_eviction_policy": "arc"}, headers=AUTH)
+    assert resp.status_code == 200 and resp.json()["radix_eviction_policy"] == "arc", resp.text
+    assert cache.tree.eviction_policy == "arc"
 
 
 def test_reattach_validates_the_extra_config_always(serve, tmp_path):

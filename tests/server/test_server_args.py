@@ -37,6 +37,12 @@ def test_a_typical_sglang_hicache_command_parses():
     assert args.hicache_storage_backend_extra_config == extra and args.enable_metrics
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "mru", "filo", "priority", "arc"])
+def test_every_eviction_policy_is_a_flag_choice(policy):
+    args = parse_args(["--model-path", "m", "--radix-eviction-policy", policy])
+    assert args.radix_eviction_policy == policy
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [

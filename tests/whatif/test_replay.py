@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.cache.eviction_names import EVICTION_POLICIES
 from engine.whatif.replay import Capacities, ReplayCache, replay_trace
 from engine.whatif.trace import TraceRequest
 
@@ -120,7 +121,7 @@ def test_bad_capacities_name_the_flag(caps, flag):
         ReplayCache(caps, 8)
 
 
-@pytest.mark.parametrize("eviction", ["lru", "lfu", "fifo", "mru", "filo", "priority"])
+@pytest.mark.parametrize("eviction", EVICTION_POLICIES)
 def test_no_capacity_or_policy_serves_more_than_the_ceiling(eviction):
     """The unbounded cache's share bounds every point; a small L1 under any policy stays below it."""
     import random

@@ -330,6 +330,9 @@ def test_whatif_takes_every_engine_policy_and_reports_the_ceiling(api_as):
     assert [p["share"] for p in response.json()["points"]] == [0, pytest.approx(1008 / 2020)]
     refused = viewer.post("/api/v1/capacity/whatif/", {**body, "l2_admission": "arc"}, format="json")
     assert refused.status_code == 400 and "l2_admission" in refused.json()["error"]["detail"]
+    arc = viewer.post("/api/v1/capacity/whatif/", {**body, "eviction": "arc"}, format="json")
+    assert arc.status_code == 200, arc.content  # KVFleet's own policy, accepted as the engine's flag is
+    assert [p["share"] for p in arc.json()["points"]] == [0, pytest.approx(1008 / 2020)]
 
 
 def test_kv_dtype_ceilings_fit_each_dtype_in_the_memory_the_pools_take_now():
