@@ -16,7 +16,8 @@
 ``--control-plane``, ``--token`` and ``--token-file`` default to ``$KVFLEET_CONTROL_PLANE``,
 ``$KVFLEET_AGENT_TOKEN`` and ``$KVFLEET_AGENT_TOKEN_FILE``.
 Errors (an unknown flag, named before any missing required one, under its command's usage, with the
-closest real flag of that command; an unknown command, with the closest real one; bad spec, missing flag,
+closest real flag of that command; an unknown command, with the closest real one; a flag before the
+command, with the command line it belongs in; bad spec, missing flag,
 control plane refusal) print one line and exit 2 (usage) or 1; a bad spec or an unknown flag starts nothing.
 """
 
@@ -31,10 +32,11 @@ import sys
 import time
 from pathlib import Path
 
+from engine.agent.host import AGENT_VERSION
 from engine.agent.probe import cached_tokens, metrics_text, server_info
 from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected
 from engine.agent.spec import SpecError, load_spec
-from engine.unknown_flags import parse_args
+from engine.unknown_flags import closest_flags, parse_args
 
 
 class CliError(Exception):
@@ -58,6 +60,7 @@ def positive_seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfleet-agent", description="KVFleet engine agent for one host")
+    p.add_argument("--version", action="version", version=AGENT_VERSION)
     sub = p.add_subparsers(dest="command", required=True)
 
     def control_plane_flags(sp):
@@ -245,8 +248,22 @@ def cmd_undrain(args) -> int:
 
 
 def check_command(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    """An unknown command is a usage error naming the closest real one (argparse lists them all)."""
+    """An unknown command is a usage error naming the closest real one (argparse lists them all); a flag
+    before the command (``kvfleet-agent --control-plane URL run``) is one saying that flags go after the
+    command, with the command line they belong in and the closest real flag of that command."""
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        flag = argv[0].split("=", 1)[0]
+        command = next((a for a in argv if a in commands), None)
+        if command is None:
+            if all(a.startswith("-") for a in argv):
+                return  # nothing that could be read as a command: argparse names the unknown flag
+            parser.error(f"{flag}: flags go after the command ({', '.join(commands)})")
+        known = {o: o for action in commands[command]._actions for o in action.option_strings}
+        close = closest_flags(flag, known)
+        parser.error(
+            f"{flag}: flags go after the command: kvfleet-agent {command} {close[0] if close else flag} ..."
+        )
     first = next((a for a in argv if not a.startswith("-")), None)
     if first is None or first in commands:
         return

@@ -195,6 +195,33 @@ def test_an_unknown_command_names_the_closest_one(command, closest, capsys):
     assert last == f"kvfleet-agent: error: unknown command {command!r}; did you mean {closest!r}?"
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["--contorl-plane", "http://x", "run"],
+            "--contorl-plane: flags go after the command: kvfleet-agent run --control-plane ...",
+        ),
+        (["--spec=a.toml", "status"], "--spec: flags go after the command: kvfleet-agent status --spec ..."),
+        (
+            ["--token", "t"],
+            "--token: flags go after the command (run, status, drain, undrain, check-isolation)",
+        ),
+    ],
+)
+def test_a_flag_before_the_command_is_named_with_where_it_goes(argv, said, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"kvfleet-agent: error: {said}"
+
+
+def test_version_prints_the_agent_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == "kvfleet-agent 0.1.0"
+
+
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
 def test_drain_refuses_a_timeout_that_is_not_positive(value, capsys):
     # refused before any call: the control plane URL has nothing listening
