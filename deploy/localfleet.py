@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from deploy.demo_keys import delete_fleet_keys  # noqa: E402
 from engine.fleet.mooncake_master import MooncakeMaster  # noqa: E402
 from engine.fleet.router import ROUTER_FLAGS, router_command, worker_args  # noqa: E402
+from engine.unknown_flags import parse_args  # noqa: E402
 
 PY = sys.executable
 TIERS = ("device", "host", "storage")
@@ -460,8 +461,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="replay this Mooncake trace (scaled down 16x) instead of the conversations",
     )
-    a = p.parse_args(argv)
+    a = parse_args(p, argv)
     log_dir = Path(a.log_dir or REPO / "logs" / time.strftime("demo-%Y%m%d-%H%M%S"))
+    other = _claim_demo(log_dir)
+    if other:
+        print(
+            f"Another demo is running (logs in {other}): this one starts a second fleet beside it, and on a"
+            " small machine both will be slow. Ctrl-C here to keep only the first.",
+            flush=True,
+        )
     fleet = LocalFleet(log_dir=log_dir, pd=a.pd)
     stop = {"now": False}
 
@@ -507,6 +515,30 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         print("demo stopped", flush=True)
+
+
+_DEMO_LOCK = REPO / "var" / "demo.lock"
+
+
+def _claim_demo(log_dir: Path) -> str | None:
+    """Hold the demo lock for this process's life; when another demo holds it, return that demo's log
+    directory (written in the lock file) instead. The lock goes with the process, however it ends."""
+    import fcntl
+
+    _DEMO_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    f = open(_DEMO_LOCK, "a+")  # noqa: SIM115 (kept open: closing it releases the lock)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        other = f.read().strip() or "unknown"
+        f.close()
+        return other
+    f.truncate(0)
+    f.write(str(log_dir))
+    f.flush()
+    _claim_demo.held = f  # type: ignore[attr-defined]
+    return None
 
 
 def _banner(fleet: LocalFleet) -> str:

@@ -4,10 +4,15 @@
 #   scripts/demo.sh                   run until Ctrl-C
 #   scripts/demo.sh --duration 180    bounded: exit 0 once every worker shows device/host/storage hits
 #   scripts/demo.sh --pd              2 prefill + 1 decode workers (2P1D, rebalance-able), router in PD mode
-# `make demo DEMO_SECONDS=180` passes --duration, `make demo PD=1` passes --pd. Logs: logs/demo-<time>/.
+# `make demo DEMO_SECONDS=180` passes --duration, `make demo PD=1` (or yes/true/on) passes --pd; any other PD
+# value is refused. A demo started while another runs says so (var/demo.lock) and starts anyway. Logs: logs/demo-<time>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args=("$@")
 if [ -n "${DEMO_SECONDS:-}" ]; then args+=(--duration "$DEMO_SECONDS"); fi
-if [ "${PD:-0}" = 1 ]; then args+=(--pd); fi
+case "${PD:-0}" in
+  0 | "" | no | false | off) ;;
+  1 | yes | true | on) args+=(--pd) ;;
+  *) echo "make demo: PD=${PD}: use PD=1 for prefill + decode workers behind the router, or leave PD out" >&2; exit 2 ;;
+esac
 exec .venv/bin/python deploy/localfleet.py "${args[@]}"
