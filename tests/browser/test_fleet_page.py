@@ -4,6 +4,7 @@ or more), so a push caused by another pool's sample leaves it as it was instead 
 
 import os
 import re
+import time
 
 import httpx
 import pytest
@@ -188,3 +189,88 @@ def test_pool_card_shows_a_dash_for_figures_no_worker_reported_and_a_real_zero_a
     expect(use).to_have_attribute("title", "not reported by this worker")
     if SHOTS:
         page.screenshot(path=os.path.join(SHOTS, "fleet-absent-figures.png"), full_page=True)
+
+
+def test_a_pool_sparkline_draws_a_zero_inside_its_box(
+    asgi_server, console_page, celery_worker_process, fake_worker, personas
+):
+    """An idle pool (0 running requests, 0 cached tokens/s) draws both sparklines as a flat line a few pixels
+    above the box's bottom edge: at the edge the plot clipped it away and a 0 looked like no data."""
+    from playwright.sync_api import expect
+
+    mixed = fake_worker()  # idle: 0 running requests
+    host = HostFactory(name=AGENT_HOST)
+    worker = EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed")
+    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
+    mixed.counters.update({"device": 100, "host": 0})  # never more: 0 cached tokens/s
+
+    now = time.time()
+    for ago in (60, 50, 40, 30, 20, 10):  # one sample per 10 s bucket of the sparklines' history seed
+        body = {"worker": worker.pk, "text": mixed.metrics_text(), "ts": now - ago}
+        response = httpx.post(asgi_server + "/api/v1/agent/metrics/", json=body, headers=agent)
+        assert response.status_code == 202, response.text
+    page, errors = console_page("bob", "viewer", "pw-for-tests-2")
+    expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+    card = page.locator("#pools [data-pool=regular]")
+    expect(card.locator("[data-f=cached_rate]")).to_have_text("0 tok/s")
+    for spark in ("cached", "running"):
+        chart = card.locator(f"[data-spark={spark}]")
+        expect(chart).to_have_attribute("data-points", re.compile(r"^([2-9]|\d\d)"))
+        drawn = chart.evaluate(
+            """el => { const u = el.kvChart.uplot, c = u.ctx.canvas, dpr = window.devicePixelRatio;
+                const y = Math.round(u.valToPos(0, "y", true));
+                const row = u.ctx.getImageData(0, y, c.width, 1).data;
+                let painted = 0;
+                for (let i = 3; i < row.length; i += 4) if (row[i] > 128) painted++;
+                return {gap: (c.height - y) / dpr, painted: painted / dpr}; }"""
+        )
+        assert drawn["gap"] >= 3, (spark, drawn)  # css px between the 0 line and the bottom edge
+        assert drawn["painted"] >= 2, (spark, drawn)  # and it is drawn there
+    expect(card.locator("[data-f=num_running_reqs]")).to_have_text("0")
+    if SHOTS:
+        card.screenshot(path=os.path.join(SHOTS, "fleet-spark-zero.png"))
+    assert errors == []
+
+
+def test_the_worker_filter_says_when_nothing_matches_and_launch_waits_for_a_pick(asgi_server, console_page):
+    """A filter that hides every row says so in the table; "Launch on selected" is disabled (its title and
+    the line beside it say why) until a worker is picked, instead of opening an empty launch form."""
+    from playwright.sync_api import expect
+
+    host = HostFactory(name=AGENT_HOST)
+    workers = [EngineWorkerFactory(name=f"mixed-{i}", host=host, role="mixed") for i in range(2)]
+    page, errors = console_page("alice", "operator")
+    rows = page.locator("#workers tbody tr[data-worker]")
+    expect(rows).to_have_count(2)
+    launch = page.get_by_role("button", name="Launch on selected")
+    expect(launch).to_be_disabled()
+    expect(launch).to_have_attribute("title", "select one or more workers in the table first")
+    hint = page.get_by_test_id("launch-selected-hint")
+    expect(hint).to_have_text("Select workers in the table to launch an operation on them.")
+    nomatch = page.get_by_test_id("workers-nomatch")
+    expect(nomatch).to_be_hidden()
+
+    page.get_by_label("Filter").fill("decode")
+    expect(nomatch).to_have_text("No worker matches the filter “decode”.")
+    expect(rows.filter(visible=True)).to_have_count(0)
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "fleet-filter-nomatch.png"), full_page=True)
+    page.get_by_label("Filter").fill("mixed-1")
+    expect(nomatch).to_be_hidden()
+    expect(rows.filter(visible=True)).to_have_count(1)
+    page.get_by_label("Filter").fill("")
+
+    page.get_by_label("select mixed-1").check()
+    expect(launch).to_be_enabled()
+    expect(launch).to_have_attribute("title", "launch an operation on the selected worker")
+    expect(hint).to_be_hidden()
+    page.get_by_label("select mixed-1").uncheck()
+    expect(launch).to_be_disabled()
+    page.get_by_label("Select all workers").check()
+    expect(launch).to_have_attribute("title", "launch an operation on the 2 selected workers")
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "fleet-launch-selected.png"), full_page=True)
+    launch.click()
+    page.wait_for_url(re.compile(r"/operations/new/\?"))
+    assert page.url.endswith(f"?worker={workers[0].pk}&worker={workers[1].pk}")
+    assert errors == []

@@ -11,6 +11,9 @@
   var KV = window.KV;
   var PALETTE = ["#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9"];
   var charts = [];
+  /* a sparkline has no axis: its y range starts this share of the range below 0, so a 0 is drawn as a line
+     inside the box, never on its bottom edge where the plot clips it away (a null is still no point, never a 0) */
+  var SPARK_FLOOR = 0.12;
 
   KV.windowS = function () { var w = KV.$("#window"); return w ? Number(w.value) : 300; };
 
@@ -40,7 +43,10 @@
       legend: { show: !opts.spark, live: true },
       scales: {
         x: { time: true },
-        y: { range: opts.range01 ? [0, 1] : function (u, min, max) { return [0, max > 0 ? max * 1.1 : 1]; } }
+        y: { range: opts.range01 ? [0, 1] : function (u, min, max) {
+          var top = max > 0 ? max * 1.1 : 1;
+          return [opts.spark ? -top * SPARK_FLOOR : 0, top];
+        } }
       },
       axes: opts.spark ? [{ show: false }, { show: false }] : [
         { stroke: "#3d4550", font: axisFont, grid: { stroke: "#e3e6ea", width: 1 }, ticks: { stroke: "#c9ced4" },

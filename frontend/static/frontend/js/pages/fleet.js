@@ -22,12 +22,15 @@ KV.ready(function () {
   }
   function applyFilter() {
     var q = (KV.$("#filter").value || "").trim().toLowerCase();
-    workers.forEach(function (w) { rows[w.id].hidden = !matches(w, q); });
+    var shown = workers.filter(function (w) { rows[w.id].hidden = !matches(w, q); return !rows[w.id].hidden; });
+    KV.$("#nomatch-query").textContent = q;
+    KV.$("#workers-nomatch").hidden = !(q && workers.length && !shown.length);  // an empty table says why
   }
   function renderWorkers() {
     rows = {};
     KV.replaceRows(KV.$("#workers tbody"), tplWorker, workers, function (row, w) { rows[w.id] = row; });
     applyFilter();
+    showPicked();
   }
   // cached_rate: the pool's workers' cached tokens/s, each over its own last 10 s or more (summed server-side),
   // so a push for another pool's sample does not change it. Sparkline points are placed at the pool's newest
@@ -139,10 +142,22 @@ KV.ready(function () {
     KV.$$(".pick").forEach(function (c) { if (!c.closest("tr").hidden) c.checked = e.target.checked; });
   });
   var btn = KV.$("#launch-selected");
-  if (btn) btn.addEventListener("click", function () {
-    var ids = KV.$$(".pick").filter(function (c) { return c.checked; }).map(function (c) { return "worker=" + c.value; });
-    location.href = "/operations/new/?" + ids.join("&");
-  });
+  function picked() { return KV.$$(".pick").filter(function (c) { return c.checked; }); }
+  /* "Launch on selected" waits for a pick: with none it would open an empty launch form */
+  function showPicked() {
+    if (!btn) return;
+    var n = picked().length;
+    btn.disabled = !n;
+    btn.title = n ? "launch an operation on the " + (n === 1 ? "selected worker" : n + " selected workers") : "select one or more workers in the table first";
+    KV.$("#launch-selected-hint").hidden = !!n;
+  }
+  if (btn) {
+    KV.$("#workers").addEventListener("change", showPicked);
+    btn.addEventListener("click", function () {
+      var ids = picked().map(function (c) { return "worker=" + c.value; });
+      if (ids.length) location.href = "/operations/new/?" + ids.join("&");
+    });
+  }
   KV.subscribe(["fleet"].concat(KV.fleetAlerts.groups), function (msg) {
     if (msg.type === "fleet.metrics") applySummary(msg.data);
     else KV.fleetAlerts.apply(msg);
