@@ -75,3 +75,37 @@ def test_the_operation_page_shows_one_snapshot_and_started_is_the_launch_time(
     if SHOTS:
         page.screenshot(path=os.path.join(SHOTS, "operations-started.png"), full_page=True)
     assert errors == []
+
+
+def test_a_cancelled_target_says_it_was_not_changed_and_why(
+    asgi_server, console_page, fake_worker, monkeypatch
+):
+    """A target cancelled while it waited for idle has a before and no after: final, so its Before → after
+    cell says "not changed (cancelled)", never "not changed yet" as if it might still change."""
+    from playwright.sync_api import expect
+
+    from controlplane.operations.services import operation_cancel, transitions
+
+    monkeypatch.setattr(transitions, "publish_steps", lambda ids: None)  # the test runs the steps itself
+    fake = fake_worker(busy_polls=-1)  # busy: the target waits for idle until cancelled
+    worker = EngineWorkerFactory(name="w-cancel", url=fake.url, admin_key=fake.admin_key)
+    op = operation_create(
+        kind="detach", workers=[worker], actor=None, idle_timeout_s=60, reason="cancel test", dispatch=False
+    )
+    target = op.targets.get()
+    target_step(target_id=target.pk)
+    target.refresh_from_db()
+    assert target.state == "waiting_for_idle" and target.before is not None, target.state
+    page, errors = console_page("snap", "operator")
+    page.goto(f"{asgi_server}/operations/{op.pk}/")
+    diff = page.locator("#op-targets tbody tr .diff")
+    expect(diff).to_have_text("not changed yet")  # still waiting: it may change
+    operation_cancel(op=op, actor=None, reason="cancel test")
+    _run_to_the_end(op)
+    expect(page.get_by_test_id("op-state")).to_have_text("cancelled")
+    expect(page.locator("#op-targets tbody tr .badge")).to_have_text("cancelled")
+    expect(diff).to_have_text("not changed (cancelled)")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "operation-cancelled.png"), full_page=True)
+    assert errors == []

@@ -21,7 +21,8 @@ KV.ready(function () {
     if (!rows[t.id]) { rows[t.id] = KV.fill(tpl, view); KV.$("#op-targets tbody").appendChild(rows[t.id]); }
     else KV.fill(rows[t.id], view);
     var cell = KV.$(".diff", rows[t.id]);
-    if (t.after == null) cell.textContent = t.before == null ? "–" : "not changed yet";
+    // no after: still to come while the target is active; a target that ended so (cancelled, failed) never changed
+    if (t.after == null) cell.textContent = t.before == null ? "–" : ACTIVE.indexOf(t.state) >= 0 ? "not changed yet" : "not changed (" + KV.stateText(t.state) + ")";
     else KV.diff(cell, KV.changes(t.before, t.after), t.before);
   }
   var profileNames = {};
