@@ -178,11 +178,29 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
     return {"router": router, "rows": rows, "live": live, "error": error, "breakers": breakers}
 
 
+def _planner_slo_text(slo: dict, labels: dict) -> str:
+    """The SLOs the recommendation judges the pools against, in words, each saying whose it is: "TTFT p90
+    500 ms, ITL p90 50 ms (planner defaults: the router sets none)", or the router's, or a mix."""
+
+    def value(s: float) -> str:
+        return f"{s * 1000:g} ms" if s < 1 else f"{s:g} s"
+
+    names = {"ttft_p90_s": "TTFT", "itl_p90_s": "ITL"}
+    parts = {key: f"{name} p90 {value(slo[key])}" for key, name in names.items()}
+    owners = set(labels.values())
+    if owners == {"planner default"}:
+        return ", ".join(parts.values()) + " (planner defaults: the router sets none)"
+    if owners == {"SLO"}:
+        return ", ".join(parts.values()) + " (the router's)"
+    whose = {"SLO": "the router's", "planner default": "planner default"}
+    return ", ".join(f"{text} ({whose[labels[key]]})" for key, text in parts.items())
+
+
 def rebalance_page(*, router: Router) -> dict:
     """The facts the rebalance page renders: the router, its prefill / decode counts (workers, and devices:
     the sum of their tp sizes), and (as page data for the page's module) its PD workers {id, name, role,
     tp_size} and the SLOs the planner uses; ``idle_timeout_s``: the start form's default (the API's);
-    ``gate_slo``: what a
+    ``planner_slo``: the SLOs the recommendation uses, in words; ``gate_slo``: what a
     rebalance's soak gate checks when its POST sets no SLO (the router's own SLOs, never the planner's
     defaults), in words."""
     workers = list(
@@ -202,6 +220,7 @@ def rebalance_page(*, router: Router) -> dict:
         "router": router,
         "counts": counts,
         "devices": devices,
+        "planner_slo": _planner_slo_text(slo, labels),
         "gate_slo": gate_slo,
         "page_data": page_data,
         "idle_timeout_s": settings.REBALANCE_IDLE_TIMEOUT_S,  # what a POST without one gets

@@ -85,7 +85,8 @@ def test_the_start_form_sends_the_idle_timeout_it_checks_as_the_launch_form_does
     for bad in ("0", "3601"):
         idle.fill(bad)
         page.get_by_role("button", name="Review and start").click()
-        expect(at_field).to_have_text("Idle timeout: enter the seconds a worker may stay busy, from 0.1 to 3600.")
+        words = "Idle timeout: enter the seconds a worker may stay busy, from 0.1 to 3600."
+        expect(at_field).to_have_text(words)
         expect(idle).to_have_attribute("aria-invalid", "true")
         expect(banner).to_be_hidden()
         expect(dialog).to_be_hidden()
@@ -100,3 +101,47 @@ def test_the_start_form_sends_the_idle_timeout_it_checks_as_the_launch_form_does
     expect(banner).to_have_text("refused by the test")
     assert [body["idle_timeout_s"] for body in sent] == [45]
     assert not Rebalance.objects.exists() and errors == []
+
+
+def test_a_started_rebalance_leaves_the_form_for_the_next_one(asgi_server, console_page, fake_router):
+    """Once the POST starts a rebalance, the form forgets the reason and the target the operator typed: the
+    target follows the recommendation again (here the router's split, while the rebalance runs)."""
+    from playwright.sync_api import expect
+
+    router = RouterFactory(name="pd-form", url=fake_router.url, mode="pd")
+    for name, role in (("p1", "prefill"), ("d1", "decode"), ("d2", "decode")):
+        EngineWorkerFactory(name=name, router=router, role=role)
+    started = []
+
+    def start(route):  # the rebalance the API would create; its executor is not under test here
+        rb = Rebalance.objects.create(
+            router=router, before_prefill=1, before_decode=2, target_prefill=2, target_decode=1,
+            soak_s=5, idle_timeout_s=120, reason=route.request.post_data_json["reason"],
+        )  # fmt: skip
+        started.append(rb)
+        route.fulfill(status=201, json={"id": rb.pk})
+
+    page, errors = console_page("gates", "operator")
+    page.route(
+        "**/api/v1/rebalances/",
+        lambda route: start(route) if route.request.method == "POST" else route.fallback(),
+    )
+    page.goto(f"{asgi_server}/routers/{router.pk}/rebalance/")
+    prefill, decode = page.get_by_test_id("target-prefill"), page.get_by_test_id("target-decode")
+    expect(prefill).to_have_value("1")
+    prefill.fill("2")
+    decode.fill("1")
+    reason = page.get_by_role("textbox", name="Reason")
+    reason.fill("prefill misses its TTFT SLO")
+    page.get_by_role("button", name="Review and start").click()
+    with page.expect_response(lambda r: r.url.endswith("/api/v1/rebalances/") and r.request.method == "POST"):
+        page.locator("#confirm").get_by_role("button", name="Start rebalance").click()
+    expect(page.get_by_test_id("rb-title")).to_have_text(f"#{started[0].pk}")
+    assert started[0].reason == "prefill misses its TTFT SLO"
+    expect(reason).to_have_value("")
+    expect(prefill).to_have_value("1")
+    expect(decode).to_have_value("2")
+    expect(page.locator("#page-error")).to_be_hidden()
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "rebalance-started-form.png"), full_page=True)
+    assert errors == []

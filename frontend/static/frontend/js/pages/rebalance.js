@@ -263,7 +263,13 @@ KV.ready(function () {
         if (!ok) return;
         KV.api("POST", "/api/v1/rebalances/", { router: Number(KV.pk), target: target, approval: KV.$("#approval").value, reason: KV.$("#reason").value,
                                            idle_timeout_s: Number(idle.value) })
-          .then(function (r) { wanted = r.id; history.replaceState(null, "", "?rebalance=" + r.id); return loadList(); }).catch(showRefusal);
+          .then(function (r) {
+            wanted = r.id; history.replaceState(null, "", "?rebalance=" + r.id);
+            /* started: the form is for the next one; the reason goes, the target follows the recommendation again */
+            KV.$("#reason").value = "";
+            ["#target-prefill", "#target-decode"].forEach(function (sel) { delete KV.$(sel).dataset.touched; });
+            return Promise.all([loadList(), loadRec()]);
+          }).catch(showRefusal);
       });
     });
   }
