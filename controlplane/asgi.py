@@ -6,6 +6,7 @@ Serve with `daphne controlplane.asgi:application`.
 """
 
 import os
+from http import HTTPStatus
 
 import django
 
@@ -15,6 +16,14 @@ django.setup(set_prefix=False)
 from controlplane.core.asgi_handler import OneThreadASGIHandler  # noqa: E402
 
 django_asgi_app = OneThreadASGIHandler()
+
+try:  # daphne writes Twisted's reason phrase, which some codes lack ("HTTP/1.1 422 Unknown Status")
+    from twisted.web import http as twisted_http
+except ImportError:  # another ASGI server: it has its own phrases
+    pass
+else:
+    for status in HTTPStatus:
+        twisted_http.RESPONSES.setdefault(status.value, status.phrase.encode())
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 

@@ -8,7 +8,7 @@ from cp_factories import ConfigRevisionFactory, EngineWorkerFactory, RouterFacto
 from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
-from controlplane.operations.models import Operation, OperationTarget
+from controlplane.operations.models import IdempotencyRecord, Operation, OperationTarget
 from controlplane.operations.services import (
     InvalidTransition,
     operation_create,
@@ -153,6 +153,27 @@ def test_idempotency_key_replays_and_rejects_a_different_body(api_as):
         HTTP_IDEMPOTENCY_KEY="launch-1",
     )
     assert changed.status_code == 422 and Operation.objects.count() == 1
+    assert changed.reason_phrase == "Unprocessable Entity"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_idempotency_key_conflict_status_line_under_daphne_names_the_status(asgi_server, personas):
+    """Under daphne the status line carries Twisted's phrase, which has none for 422: it said "HTTP/1.1 422
+    Unknown Status" until the ASGI entry point filled in the standard phrases."""
+    import httpx
+
+    user, token = personas["operator"]
+    worker = EngineWorkerFactory()
+    IdempotencyRecord.objects.create(
+        user=user, key="launch-1", request_sha256="0" * 64, status_code=201, response_body={"id": 0}
+    )
+    body = {"kind": "detach", "workers": [worker.pk], "reason": "test"}
+    headers = {"Authorization": f"Bearer {token}", "Idempotency-Key": "launch-1"}
+    changed = httpx.post(asgi_server + "/api/v1/operations/", json=body, headers=headers)
+    assert changed.status_code == 422, changed.text
+    assert changed.reason_phrase == "Unprocessable Entity"
+    assert changed.json()["error"]["code"] == "idempotency_key_mismatch"
+    assert not Operation.objects.exists()
 
 
 def test_bad_operation_input_changes_nothing(api_as):
