@@ -38,3 +38,14 @@ async def test_an_anonymous_socket_is_closed_with_4401_through_a_real_server(asg
     async with aiohttp.ClientSession() as session, session.ws_connect(url, origin=asgi_server) as ws:
         message = await ws.receive(timeout=WS_WAIT_S)
         assert message.type == aiohttp.WSMsgType.CLOSE and message.data == 4401
+
+
+@pytest.mark.asyncio
+async def test_a_socket_without_origin_or_token_is_refused_at_the_handshake(asgi_server):
+    """No Origin header and no ``?token=``: Channels' origin check answers the handshake with HTTP 403, so
+    such a client sees no close code (docs/api.md says both cases)."""
+    url = asgi_server.replace("http://", "ws://") + "/ws/v1/events/"
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await session.ws_connect(url)
+    assert refused.value.status == 403
