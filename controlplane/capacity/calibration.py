@@ -1,11 +1,17 @@
-"""Calibration: does the what-if agree with the fleet it describes?
+"""Calibration: does the what-if agree with the fleet it describes, tier by tier?
 
 Per worker of a pool that recorded traffic (``--record-trace``), over the window its kept metrics history
-covers: replay the worker's own recorded requests with ``python -m engine.whatif`` at the worker's live
-configuration (L1 ``max_total_num_tokens`` and L2 ``hicache_host_total_tokens`` from its newest sample, L3
-unbounded when it has a backend attached, its page size and write policy), and beside it the share of prompt
-tokens the worker measured as cached over the same window (the increase of ``sglang:cached_tokens_total``
-over all tiers over that of ``sglang:prompt_tokens_total``). The pool's figures are token-weighted sums.
+covers: its live configuration (L1 ``max_total_num_tokens`` and L2 ``hicache_host_total_tokens`` from its
+newest sample, L3 unbounded when it has a backend attached, its page size, and the write policy, eviction
+policy, admission filters and prefetch threshold it reported at ``GET /hicache/config``), and the prompt
+tokens it measured as cached per tier over the same window (the increases of ``sglang:cached_tokens_total``
+by ``cache_source`` device / host / storage over that of ``sglang:prompt_tokens_total``). The workers'
+recorded requests are replayed together with ``python -m engine.whatif``, each worker through its own L1
+and L2 and all of them through one L3, as the pool runs (its workers attach the same storage backend, so a
+page one worker backed up is a storage hit for another). Workers of different live configurations are
+replayed in separate runs (one per configuration), and then the L3 they share is modelled within each run
+only: the note says so. The pool's figures are token-weighted sums; each tier and the total must agree
+within ``TARGET_POINTS``.
 
 Each worker is replayed with its own traffic, so how the router split the pool's traffic is exactly what
 happened; the replay starts cold, so a window that begins after the worker had already cached traffic (the
@@ -55,7 +61,12 @@ def _window(history: list[dict], first_ms: int) -> tuple[list[dict], int, bool]:
     return history, math.ceil(history[0]["ts"] * 1000), True
 
 
+TARGET_POINTS = 5.0  # the most a tier's (or the total's) what-if share may differ from the measured one
+TIER_NAMES = {"device": "l1", "host": "l2", "storage": "l3"}
+
+
 def _worker(worker: EngineWorker, pool: str, block_tokens: int) -> dict | None:
+    """The worker's window, live configuration and measured tokens; None when there is nothing to replay."""
     rows = RecordedRequest.objects.filter(worker=worker, pool=pool, block_tokens=block_tokens)
     first_ms = rows.order_by("timestamp_ms").values_list("timestamp_ms", flat=True).first()
     history = store.history(worker.pk)
@@ -64,48 +75,82 @@ def _worker(worker: EngineWorker, pool: str, block_tokens: int) -> dict | None:
     samples, since_ms, truncated = _window(history, first_ms)
     newest = samples[-1]
     l1 = newest.get("max_total_num_tokens")
-    if len(samples) < 2 or not l1:
-        return None
-    lines = selectors.recorded_trace_lines(pool=pool, worker_id=worker.pk, since_ms=since_ms)
-    if not lines:
+    if len(samples) < 2 or not l1 or not rows.filter(timestamp_ms__gte=since_ms).exists():
         return None
     l2 = int(newest.get("hicache_host_total_tokens") or 0)
-    live = {"l1_tokens": int(l1), "l2_tokens": l2, "l3_tokens": "inf" if worker.storage_backend and l2 else 0}
-    write_policy = (worker.hicache_config or {}).get("hicache_write_policy") or "write_through"
-    options = ["--block-tokens", str(block_tokens), "--page-size", str(worker.page_size)]
-    options += ["--write-policy", write_policy, "--kv-bytes-per-token", "1"]  # bytes are not compared
-    for tier in ("l1", "l2", "l3"):
-        options += [f"--{tier}-tokens", str(live[f"{tier}_tokens"])]
-    text = "".join(json.dumps(line) + "\n" for line in lines)
-    points, _ = services.whatif_run(trace_text=text, options=options, timeout_s=settings.WHATIF_TIMEOUT_S)
-    point = points[0]
-    cached = sum(_increase(samples, f"cached_tokens_{t}") for t in TIERS)
-    prompt = _increase(samples, "prompt_tokens_total")
+    config = worker.hicache_config or {}
+    live = {
+        "l1_tokens": int(l1),
+        "l2_tokens": l2,
+        "l3_tokens": "inf" if worker.storage_backend and l2 else 0,
+        "page_size": worker.page_size,
+        "write_policy": config.get("hicache_write_policy") or "write_through",
+        "eviction": config.get("radix_eviction_policy") or "lru",
+        "l2_admission": config.get("l2_admission") or "none",
+        "l3_admission": config.get("l3_admission") or "none",
+        "prefetch_threshold": int(config.get("prefetch_threshold") or 256),
+    }
+    measured = {TIER_NAMES[t]: _increase(samples, f"cached_tokens_{t}") for t in TIERS}
     return {
         "worker": worker.name,
-        "live": {**live, "page_size": worker.page_size, "write_policy": write_policy},
-        "requests": point["requests"],
+        "worker_id": worker.pk,
+        "live": live,
         "from_ms": since_ms,
         "to_ms": round(newest["ts"] * 1000),
         "starts_after_traffic": truncated,
-        "whatif_tokens_served": point["input_tokens"] * point["share"],
-        "whatif_input_tokens": point["input_tokens"],
-        "measured_cached_tokens": cached,
-        "measured_prompt_tokens": prompt,
+        "measured_tiers": measured,
+        "measured_cached_tokens": sum(measured.values()),
+        "measured_prompt_tokens": _increase(samples, "prompt_tokens_total"),
     }
 
 
-def calibration(*, pool: str) -> dict:
-    """The what-if's served share at the pool's live configuration beside the share its workers measured.
+def _options(live: dict, block_tokens: int) -> list[str]:
+    options = ["--block-tokens", str(block_tokens), "--page-size", str(live["page_size"])]
+    options += ["--write-policy", live["write_policy"], "--eviction", live["eviction"]]
+    options += ["--l2-admission", live["l2_admission"], "--l3-admission", live["l3_admission"]]
+    options += ["--prefetch-threshold", str(live["prefetch_threshold"]), "--kv-bytes-per-token", "1"]
+    for tier in ("l1", "l2", "l3"):  # bytes are not compared
+        options += [f"--{tier}-tokens", str(live[f"{tier}_tokens"])]
+    return options
 
-    Returns ``{"pool", "requests", "whatif_share", "measured_share", "difference_points", "workers": [...],
-    "note"}``; shares are 0..1 (None when there is nothing to compare: the note says why), the difference is
-    what-if minus measured in percentage points. Raises ``ApplicationError`` ``whatif_failed`` as
-    ``services.whatif_run`` does.
+
+def _replay(rows: list[dict], pool: str, block_tokens: int) -> None:
+    """Replay the recorded requests of ``rows`` (workers of one live configuration) together, each worker
+    from its own window's start; adds each row's what-if figures to it."""
+    since = {r["worker_id"]: r["from_ms"] for r in rows}
+    lines = selectors.recorded_trace_lines(pool=pool, since_ms_by_worker=since)
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    options = _options(rows[0]["live"], block_tokens)
+    points, _ = services.whatif_run(trace_text=text, options=options, timeout_s=settings.WHATIF_TIMEOUT_S)
+    per_worker = points[0]["workers"]
+    for r in rows:
+        own = per_worker.get(r["worker"]) or {}
+        r["requests"] = sum(1 for line in lines if line["worker"] == r["worker"])
+        r["whatif_input_tokens"] = own.get("input_tokens", 0)
+        r["whatif_tiers"] = {t: own.get(f"{t}_tokens_served", 0) for t in ("l1", "l2", "l3")}
+        r["whatif_tokens_served"] = sum(r["whatif_tiers"].values())
+
+
+def _compare(whatif: float | None, measured: float | None) -> dict:
+    difference = None if whatif is None or measured is None else 100 * (whatif - measured)
+    return {"whatif_share": whatif, "measured_share": measured, "difference_points": difference}
+
+
+def calibration(*, pool: str) -> dict:
+    """The what-if's served share at the pool's live configuration beside the share its workers measured,
+    in all and per tier.
+
+    Returns ``{"pool", "requests", "whatif_share", "measured_share", "difference_points", "tiers": {"l1",
+    "l2", "l3": {"whatif_share", "measured_share", "difference_points"}}, "target_points", "within_target",
+    "workers": [...], "note"}``; shares are 0..1 (None when there is nothing to compare: the note says
+    why), differences are what-if minus measured in percentage points, ``within_target`` is True only when
+    the total and every tier differ by at most ``target_points`` (None with nothing to compare). Raises
+    ``ApplicationError`` ``whatif_failed`` as ``services.whatif_run`` does.
     """
     block_tokens = selectors.recorded_block_tokens(pool=pool)
     empty = {"pool": pool, "requests": 0, "whatif_share": None, "measured_share": None,
-             "difference_points": None, "workers": []}  # fmt: skip
+             "difference_points": None, "tiers": {t: _compare(None, None) for t in ("l1", "l2", "l3")},
+             "target_points": TARGET_POINTS, "within_target": None, "workers": []}  # fmt: skip
     if block_tokens is None:
         return {
             **empty,
@@ -117,25 +162,51 @@ def calibration(*, pool: str) -> dict:
     rows = [r for r in (_worker(w, pool, block_tokens) for w in workers) if r]
     if not rows:
         return {**empty, "note": "no worker of the pool has metrics samples covering its recorded traffic"}
-    served = sum(r["whatif_tokens_served"] for r in rows)
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(json.dumps(r["live"], sort_keys=True), []).append(r)
+    for group in groups.values():
+        _replay(group, pool, block_tokens)
     inputs = sum(r["whatif_input_tokens"] for r in rows)
-    cached = sum(r["measured_cached_tokens"] for r in rows)
     prompt = sum(r["measured_prompt_tokens"] for r in rows)
-    whatif = served / inputs if inputs else None
-    measured = cached / prompt if prompt else None
-    late = [r["worker"] for r in rows if r["starts_after_traffic"]]
-    note = (
-        f"the window of {', '.join(late)} starts after its traffic did (its metrics history is shorter): "
-        "the replay starts cold where the worker was warm"
-        if late
-        else ""
+
+    def share(total: float, of: float) -> float | None:
+        return total / of if of else None
+
+    tiers = {
+        t: _compare(
+            share(sum(r["whatif_tiers"][t] for r in rows), inputs),
+            share(sum(r["measured_tiers"][t] for r in rows), prompt),
+        )
+        for t in ("l1", "l2", "l3")
+    }
+    total = _compare(
+        share(sum(r["whatif_tokens_served"] for r in rows), inputs),
+        share(sum(r["measured_cached_tokens"] for r in rows), prompt),
     )
+    differences = [c["difference_points"] for c in (total, *tiers.values())]
+    within = None if None in differences else all(abs(d) <= TARGET_POINTS for d in differences)
+    notes = []
+    late = [r["worker"] for r in rows if r["starts_after_traffic"]]
+    if late:
+        notes.append(
+            f"the window of {', '.join(late)} starts after its traffic did (its metrics history is shorter): "
+            "the replay starts cold where the worker was warm"
+        )
+    if len(groups) > 1:
+        notes.append(
+            "the workers run different live configurations, so each configuration is replayed on its own: "
+            "the L3 they share is modelled within each run only"
+        )
+    for r in rows:
+        del r["worker_id"]
     return {
         "pool": pool,
         "requests": sum(r["requests"] for r in rows),
-        "whatif_share": whatif,
-        "measured_share": measured,
-        "difference_points": None if whatif is None or measured is None else 100 * (whatif - measured),
+        **total,
+        "tiers": tiers,
+        "target_points": TARGET_POINTS,
+        "within_target": within,
         "workers": rows,
-        "note": note,
+        "note": "; ".join(notes),
     }

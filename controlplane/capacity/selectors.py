@@ -254,11 +254,20 @@ def recorded_block_tokens(*, pool: str) -> int | None:
 
 
 def recorded_trace_lines(
-    *, pool: str, worker_id: int | None = None, since_ms: int | None = None
+    *,
+    pool: str,
+    worker_id: int | None = None,
+    since_ms: int | None = None,
+    since_ms_by_worker: dict[int, int] | None = None,
 ) -> list[dict]:
     """The pool's trace in Mooncake's format (rows of ``recorded_block_tokens``), arrival order,
-    ``timestamp`` in ms from its first request; only ``worker_id``'s rows when given, only rows that
-    arrived at or after ``since_ms`` (ms since the epoch) when given."""
+    ``timestamp`` in ms from its first request, each row with the ``worker`` (name) that served it (the
+    what-if gives each worker its own L1 and L2 and all of them one L3, as the fleet has them); only
+    ``worker_id``'s rows when given, only rows that arrived at or after ``since_ms`` (ms since the epoch)
+    when given; with ``since_ms_by_worker`` ({worker id: ms}), only those workers' rows from each one's
+    own start."""
+    from django.db.models import Q
+
     from controlplane.capacity.models import RecordedRequest
 
     rows = RecordedRequest.objects.filter(pool=pool, block_tokens=recorded_block_tokens(pool=pool))
@@ -266,11 +275,19 @@ def recorded_trace_lines(
         rows = rows.filter(worker_id=worker_id)
     if since_ms is not None:
         rows = rows.filter(timestamp_ms__gte=since_ms)
-    rows = rows.values_list("timestamp_ms", "input_length", "output_length", "hash_ids")
+    if since_ms_by_worker is not None:
+        either = Q(pk__in=[])
+        for worker, since in since_ms_by_worker.items():
+            either |= Q(worker_id=worker, timestamp_ms__gte=since)
+        rows = rows.filter(either)
+    rows = rows.values_list("timestamp_ms", "input_length", "output_length", "hash_ids", "worker__name")
     out, start = [], None
-    for ts, inp, outp, ids in rows.order_by("timestamp_ms", "id").iterator():
+    for ts, inp, outp, ids, worker in rows.order_by("timestamp_ms", "id").iterator():
         start = ts if start is None else start
-        out.append({"timestamp": ts - start, "input_length": inp, "output_length": outp, "hash_ids": ids})
+        out.append(
+            {"timestamp": ts - start, "input_length": inp, "output_length": outp, "hash_ids": ids,
+             "worker": worker}
+        )  # fmt: skip
     return out
 
 
@@ -293,6 +310,24 @@ def shared_trace_text(*, name: str) -> str | None:
     if name not in shared_traces():
         return None
     return (Path(settings.KVFLEET_TRACE_DIR) / name).read_text()
+
+
+DEFAULT_PREFETCH_THRESHOLD = 256  # tokens: the engine's (and upstream's) L3 prefetch threshold
+
+
+def pool_prefetch_threshold(*, pool: str | None) -> int:
+    """The L3 prefetch threshold (tokens) the first worker of ``pool`` (by name) reported at ``GET
+    /hicache/config`` (its ``hicache_config``); the engine's default when none did (or ``pool`` is None)."""
+    if pool is None:
+        return DEFAULT_PREFETCH_THRESHOLD
+    roles = [role for role, name in POOLS.items() if name == pool]
+    for config in (
+        EngineWorker.objects.filter(role__in=roles).order_by("name").values_list("hicache_config", flat=True)
+    ):
+        value = (config or {}).get("prefetch_threshold")
+        if isinstance(value, int) and value >= 0:
+            return value
+    return DEFAULT_PREFETCH_THRESHOLD
 
 
 def pool_kv_bytes_per_token(*, pool: str | None) -> int | None:

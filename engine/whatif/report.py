@@ -25,7 +25,9 @@ def point_result(
     """Capacities, per-tier ``tokens_served`` / ``share`` (of all input tokens) and page and byte counts,
     the TTFT saving estimate (None without costs), the replay's wall time and ``ceiling_share``: the
     trace's share with an unbounded cache (:func:`engine.whatif.replay.ceiling_share`; None when not
-    computed), the same for every point of a sweep."""
+    computed), the same for every point of a sweep. ``workers``: per worker of a trace that names them
+    (each replayed with its own L1 and L2 at these capacities, one L3 shared), its input tokens and tokens
+    served per tier; {} for a trace that does not."""
     total = max(c.input_tokens, 1)
     page_bytes = page_size * bytes_per_token
     out = {
@@ -63,6 +65,11 @@ def point_result(
         "bytes_per_token": bytes_per_token,
         "ttft_saving": None,
         "replay_s": round(replay_s, 3),
+        # a trace naming its workers is replayed per worker (own L1 / L2, shared L3): each one's figures
+        "workers": {
+            name: {"input_tokens": n, "l1_tokens_served": l1, "l2_tokens_served": l2, "l3_tokens_served": l3}
+            for name, (n, l1, l2, l3) in c.workers.items()
+        },
     }
     if costs is not None:
         saved = sum(costs.saving_s(s, bytes_per_token) for s in c.per_request_served)
@@ -94,7 +101,12 @@ def text_lines(r: dict) -> list[str]:
     lines = [
         f"L1 {r['l1_tokens']} / L2 {r['l2_tokens']} / L3 {r['l3_tokens']} tokens: "
         f"{r['share']:.1%} of {r['input_tokens']:,} input tokens served from cache "
-        f"({r['requests']:,} requests, {r['rejected']} too long for L1, replay {r['replay_s']:.2f} s)",
+        f"({r['requests']:,} requests, {r['rejected']} too long for L1, replay {r['replay_s']:.2f} s)"
+        + (
+            f", per worker: {len(r['workers'])} workers, each with these L1 and L2, one shared L3"
+            if r.get("workers")
+            else ""
+        ),
         f"  L1 {r['l1']['tokens_served']:>14,} tokens {r['l1']['share']:7.2%}",
         f"  L2 {r['l2']['tokens_served']:>14,} tokens {r['l2']['share']:7.2%}   "
         f"loaded back {r['l2']['pages_loaded_back']:,} pages ({_gb(r['l2']['bytes_loaded_back'])}), "

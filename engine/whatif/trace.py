@@ -2,10 +2,12 @@
 
 A trace is JSON lines, one request per line: ``timestamp`` (ms from the start), ``input_length`` and
 ``output_length`` (tokens) and ``hash_ids``: one id per ``block_tokens``-token block of the input (the last
-block may be partial). Equal ids mean the same prefix up to the end of that block (Mooncake's traces are
-prefix-closed: an id always has the same predecessor and position), so a page ending at token ``t`` is
-identified by the id of the block holding ``t`` and ``t``'s offset in it. That page id is what the
-replay's radix tree keys on and what stands in for the page's L3 key.
+block may be partial); optionally ``worker``: the name of the worker that served it (a pool's recorded
+trace carries it, so the replay gives each worker its own L1 and L2, as the fleet has them). Equal ids
+mean the same prefix up to the end of that block (Mooncake's traces are prefix-closed: an id always has the
+same predecessor and position), so a page ending at token ``t`` is identified by the id of the block
+holding ``t`` and ``t``'s offset in it. That page id is what the replay's radix tree keys on and what
+stands in for the page's L3 key.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request: arrival ``timestamp`` (ms), ``input_length``, ``output_length`` (tokens), ``hash_ids``."""
+    """One request: arrival ``timestamp`` (ms), ``input_length``, ``output_length`` (tokens), ``hash_ids``,
+    and the ``worker`` that served it ("" when the trace does not say)."""
 
     timestamp: float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    worker: str = ""
 
 
 def parse_line(text: str, where: str, block_tokens: int) -> TraceRequest:
@@ -60,7 +64,10 @@ def parse_line(text: str, where: str, block_tokens: int) -> TraceRequest:
             f"{where}: {len(ids)} hash_ids for input_length {inp} do not match --block-tokens {block_tokens} "
             f"(expected {-(-inp // block_tokens)})"
         )
-    return TraceRequest(float(ts), inp, out, tuple(ids))
+    worker = obj.get("worker", "")
+    if isinstance(worker, bool) or not isinstance(worker, str | int):
+        raise TraceError(f"{where}: worker must be a name (string), got {worker!r}")
+    return TraceRequest(float(ts), inp, out, tuple(ids), str(worker))
 
 
 def load_trace(path: str | Path, block_tokens: int = 512) -> list[TraceRequest]:

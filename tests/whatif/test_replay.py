@@ -141,3 +141,25 @@ def test_no_capacity_or_policy_serves_more_than_the_ceiling(eviction):
         assert (c.served_l1 + c.served_l2 + c.served_l3) / c.input_tokens <= ceiling + 1e-12
     small = replay_trace(reqs, Capacities(16), block_tokens=8, page_size=8, eviction_policy=eviction)
     assert small.served_l1 / small.input_tokens < ceiling
+
+
+def test_a_trace_naming_workers_gives_each_its_own_l1_and_l2_and_all_one_l3():
+    """The pool's recorded traffic names the worker of each request. Replayed as one stream through one
+    worker's L1 and L2, b's copy of a's prompt was an L1 hit (the demo's page drew L2 hits as L3 hits the
+    same way: a pool's working set through one worker's memory); each worker with its own L1 and L2 and one
+    shared L3, b's first copy comes from the L3 a backed it up to (write-through: on a's repeat), and b's
+    repeat from b's own L1."""
+
+    def on(worker: str, ids: list[int]) -> TraceRequest:
+        return TraceRequest(0.0, 4 * len(ids) + 1, 1, (*ids, 99), worker)
+
+    caps = Capacities(20, 24, float("inf"))  # 5 and 6 pages; load-back needs 10 tokens: 3-page prompts
+    reqs = [on("a", [1, 2, 3]), on("a", [1, 2, 3]), on("b", [1, 2, 3]), on("b", [1, 2, 3])]
+    c = replay_trace(reqs, caps, block_tokens=4, page_size=4, prefetch_threshold=4)
+    assert c.per_request_served == [(0, 0, 0), (12, 0, 0), (0, 0, 12), (12, 0, 0)]
+    assert c.workers == {"a": (26, 12, 0, 0), "b": (26, 12, 0, 12)}
+    assert (c.served_l1, c.served_l2, c.served_l3, c.input_tokens) == (24, 0, 12, 52)
+    merged = replay_trace([TraceRequest(r.timestamp, r.input_length, 1, r.hash_ids) for r in reqs], caps,
+                          block_tokens=4, page_size=4, prefetch_threshold=4)  # fmt: skip
+    assert merged.per_request_served == [(0, 0, 0), (12, 0, 0), (12, 0, 0), (12, 0, 0)]
+    assert merged.workers == {}

@@ -89,7 +89,8 @@ class WhatIfSerializer(StrictSerializer):
     ``page_size`` left out: the fleet's (``selectors.pool_page_size``, the trace's pool for ``pool:``);
     ``kv_bytes_per_token`` left out: what the pool's workers report at ``/get_model_info``. ``eviction``
     and the ``l2_admission`` / ``l3_admission`` filters are the engine's (``--radix-eviction-policy``, the
-    extra-config keys)."""
+    extra-config keys). ``prefetch_threshold`` (tokens) left out: the one the trace's pool's first worker
+    reported at ``GET /hicache/config``, else the engine's 256."""
 
     trace = serializers.CharField(required=False)
     trace_text = serializers.CharField(required=False, max_length=MAX_UPLOAD_CHARS, trim_whitespace=False)
@@ -105,6 +106,7 @@ class WhatIfSerializer(StrictSerializer):
         choices=["write_through", "write_through_selective", "write_back"], default="write_through"
     )
     kv_bytes_per_token = serializers.IntegerField(min_value=1, required=False)
+    prefetch_threshold = serializers.IntegerField(min_value=0, max_value=1 << 30, required=False)
 
     def validate(self, attrs):
         if ("trace" in attrs) == ("trace_text" in attrs):

@@ -106,7 +106,9 @@ class WhatIfApi(APIView):
     result per point as ``python -m engine.whatif --json`` prints it (each with the trace's
     ``ceiling_share``: what an unbounded cache serves), the ``page_size`` replayed (the
     request's, else the page size of the trace's pool's workers, else the fleet's, else the demo's 16) and
-    ``skipped``: why the sweep points left out cannot be replayed (e.g. L2 not larger than L1).
+    ``skipped``: why the sweep points left out cannot be replayed (e.g. L2 not larger than L1), and the
+    L3 ``prefetch_threshold`` replayed (the request's, else the pool's live one, else 256). A pool's
+    recorded traffic is replayed per worker: each its own L1 and L2 at the point, one shared L3.
     A calculation: any role may run it. 400 names the bad field (or repeats the replay's error), 404 for
     an unknown trace, 429 ``too_many_whatif_runs`` while the user already runs ``WHATIF_MAX_PER_USER`` or
     the control plane ``WHATIF_MAX_RUNNING`` replays (each is a child process), 504 past the time limit."""
@@ -140,6 +142,10 @@ class WhatIfApi(APIView):
         ]
         options += ["--write-policy", data["write_policy"]]
         options += ["--l2-admission", data["l2_admission"], "--l3-admission", data["l3_admission"]]
+        threshold = data.get("prefetch_threshold")
+        if threshold is None:
+            threshold = selectors.pool_prefetch_threshold(pool=pool)
+        options += ["--prefetch-threshold", str(threshold)]
         bytes_per_token = data.get("kv_bytes_per_token") or selectors.pool_kv_bytes_per_token(pool=pool)
         if bytes_per_token:  # else the CLI derives it from its default model
             options += ["--kv-bytes-per-token", str(bytes_per_token)]
@@ -152,14 +158,17 @@ class WhatIfApi(APIView):
             points, skipped = services.whatif_run(  # ApplicationError whatif_failed: 400 / 504, as documented
                 trace_text=text, options=options, timeout_s=settings.WHATIF_TIMEOUT_S
             )
-        return Response({"page_size": page_size, "points": points, "skipped": skipped})
+        return Response(
+            {"page_size": page_size, "prefetch_threshold": threshold, "points": points, "skipped": skipped}
+        )
 
 
 class CalibrationApi(APIView):
-    """GET: the what-if's served share at the pool's live configuration over its recorded traffic, beside
-    the share its workers measured over the same window, and the difference in points
-    (``controlplane/capacity/calibration.py``). Shares null, with a note, when there is nothing to compare;
-    504 past the replay's time limit."""
+    """GET: the what-if's served share at the pool's live configuration over its recorded traffic (each
+    worker its own L1 and L2, one shared L3), beside the share its workers measured over the same window,
+    in all and per tier (L1 / L2 / L3), the differences in points and ``within_target`` (every one within
+    ``target_points``) (``controlplane/capacity/calibration.py``). Shares null, with a note, when there is
+    nothing to compare; 504 past the replay's time limit."""
 
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request, pool: str):

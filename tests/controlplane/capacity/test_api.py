@@ -401,3 +401,37 @@ def test_sizing_api_sizes_l1_and_l2_per_rank_of_a_tp_worker(api_as):
     bad = api_as("viewer").get("/api/v1/capacity/sizing/", {**query, "tp_size": 3})
     assert bad.status_code == 400
     assert bad.json()["error"]["detail"] == {"tp_size": ["the model's 8 KV heads are not divisible by 3"]}
+
+
+@pytest.mark.django_db
+def test_whatif_replays_a_pools_traffic_per_worker_with_one_shared_l3(api_as):
+    """The demo's page replayed its three workers' traffic as one stream through one worker's L1 and L2 and
+    drew the L2 hits each worker measured as L3 hits. Now each worker has its own L1 and L2 and all share one
+    L3: worker b's first copy of a prompt a saw twice (write-through backed it up to L3 on a's hit) is an L3
+    hit, not an L1 one, and its 96-token prefetch passes the threshold of 32 the pool reported (the
+    engine's 256 would revoke it)."""
+    host = HostFactory(name=AGENT_HOST)
+    a = EngineWorkerFactory(host=host, name="cal-a", role="mixed", page_size=16,
+                            hicache_config={"prefetch_threshold": 32})  # fmt: skip
+    b = EngineWorkerFactory(host=host, name="cal-b", role="mixed", page_size=16)
+    agent = api_as("agent")
+    for worker, rows in ((a, [_row(0, 100, [7]), _row(10, 100, [7])]), (b, [_row(20, 100, [7])])):
+        stored = agent.post(
+            "/api/v1/agent/traces/", {"worker_url": worker.url, "requests": rows}, format="json"
+        )
+        assert stored.status_code == 202, stored.content
+    viewer = api_as("viewer")
+    body = {"trace": "pool:regular", "l1_tokens": "1024", "l2_tokens": "2064", "l3_tokens": "inf"}
+    for extra, threshold, l3 in (({}, 32, 96), ({"prefetch_threshold": 256}, 256, 0)):
+        response = viewer.post("/api/v1/capacity/whatif/", {**body, **extra}, format="json")
+        assert response.status_code == 200, response.content
+        (point,) = response.json()["points"]
+        assert response.json()["prefetch_threshold"] == threshold
+        assert (point["l1"]["tokens_served"], point["l2"]["tokens_served"], point["l3"]["tokens_served"]) == (
+            96,
+            0,
+            l3,
+        )
+        assert point["workers"]["cal-b"] == {
+            "input_tokens": 100, "l1_tokens_served": 0, "l2_tokens_served": 0, "l3_tokens_served": l3
+        }  # fmt: skip

@@ -1,10 +1,13 @@
-"""Calibration on a real fleet (slow): two SmolLM2 workers with --record-trace serve multi-turn traffic over
-shared documents (what the demo runs, small enough that L1 evicts and L2 serves); their recorded rows and
-metrics reach the control plane through the same services the agent's endpoints call; the what-if replayed
-at each worker's live configuration must serve within 5 points of the share the workers measured."""
+"""Calibration on a real fleet (slow): two SmolLM2 workers with --record-trace and one file L3 directory
+shared between them (as the demo's workers share one storage backend) serve multi-turn traffic over shared
+documents (what the demo runs, small enough that L1 evicts, L2 serves, and the second worker finds the first
+one's pages in L3); their recorded rows, metrics and live HiCache config reach the control plane through the
+same services the agent's endpoints call; the what-if replayed at each worker's live configuration must
+serve within 5 points of what the workers measured, in all and from each tier."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -15,6 +18,7 @@ from cp_factories import EngineWorkerFactory
 from controlplane import workerclient
 from controlplane.capacity.calibration import calibration
 from controlplane.capacity.services import recorded_requests_ingest
+from controlplane.inventory.services.live_state import worker_config_observed
 from controlplane.telemetry.services import metrics_ingest
 from engine.bench.launcher import ServerProcess
 
@@ -23,8 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db]
 # what is measured is the cache: the fused decode step's C++ build is not needed
 FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--max-total-tokens", "1024",
          "--enable-hierarchical-cache", "--hicache-ratio", "2", "--enable-metrics", "--record-trace",
-         "--disable-fused-decode"]  # fmt: skip
-TRAFFIC = ["--concurrency", "1", "--conversations", "4", "--turns", "3", "--documents", "3",
+         "--disable-fused-decode", "--hicache-storage-backend", "file",
+         "--hicache-storage-prefetch-policy", "timeout", "--admin-api-key", "cal-admin"]  # fmt: skip
+TRAFFIC = ["--concurrency", "1", "--conversations", "6", "--turns", "3", "--documents", "6",
            "--doc-words", "160", "--max-new-tokens", "4", "--max-requests", "18"]  # fmt: skip
 
 
@@ -32,20 +37,37 @@ def _scrape(worker) -> None:
     metrics_ingest(worker_id=worker.pk, text=workerclient.WorkerClient(worker.url).metrics_text())
 
 
-def test_whatif_at_the_live_configuration_matches_what_the_workers_measured():
-    with ServerProcess(FLAGS) as a, ServerProcess(FLAGS) as b:
-        workers = [EngineWorkerFactory(name=f"cal-{i}", url=s.url, role="mixed", page_size=16)
+def _drive(*runs: tuple[str, int]) -> None:
+    """Run the traffic of each (url, seed) at once; returns when all finished."""
+    drivers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "engine.bench.traffic", "--url", url, "--seed", str(seed), *TRAFFIC],
+            stdout=subprocess.DEVNULL,
+        )
+        for url, seed in runs
+    ]
+    assert [d.wait(timeout=400) for d in drivers] == [0] * len(runs)
+
+
+def test_whatif_at_the_live_configuration_matches_what_the_workers_measured(tmp_path):
+    """Before the what-if replayed each worker through its own L1 and L2 with one shared L3, the page
+    replayed the pool's traffic as one stream through one worker's L1 and L2 (the demo: L1 14.8 / L2 4.8 /
+    L3 70.8 % where the workers measured about 20 / 66 / 14 %) and calibration compared only the total."""
+    extra = json.dumps({"file_path": str(tmp_path / "l3"), "prefetch_threshold": 32})
+    flags = [*FLAGS, "--hicache-storage-backend-extra-config", extra]
+    with ServerProcess(flags) as a, ServerProcess(flags) as b:
+        workers = [EngineWorkerFactory(name=f"cal-{i}", url=s.url, role="mixed", page_size=16,
+                                       storage_backend="file")
                    for i, s in enumerate((a, b))]  # fmt: skip
         for worker in workers:
             _scrape(worker)  # the sample before the first request: the window's start
-        drivers = [
-            subprocess.Popen(
-                [sys.executable, "-m", "engine.bench.traffic", "--url", s.url, "--seed", str(i), *TRAFFIC],
-                stdout=subprocess.DEVNULL,
-            )  # fmt: skip
-            for i, s in enumerate((a, b))
-        ]
-        assert [d.wait(timeout=400) for d in drivers] == [0, 0]
+            live = workerclient.WorkerClient(worker.url, admin_key="cal-admin").hicache_config()
+            worker_config_observed(worker=worker, state=live)
+        # each worker its own conversations at once (their requests interleave, as behind a router), then
+        # the second worker the first one's: their first turns are the first worker's pages in the shared
+        # L3, their later turns its own L1 and L2
+        _drive((a.url, 0), (b.url, 1))
+        _drive((b.url, 0))
         for worker in workers:
             _scrape(worker)
             body = httpx.get(f"{worker.url}/recorded_trace", timeout=10).json()
@@ -54,11 +76,18 @@ def test_whatif_at_the_live_configuration_matches_what_the_workers_measured():
             )
 
     result = calibration(pool="regular")
-    assert result["requests"] == 36
+    print(json.dumps({k: result[k] for k in ("whatif_share", "measured_share", "tiers")}, indent=1))
+    assert result["requests"] == 54
     assert [w["live"]["l1_tokens"] for w in result["workers"]] == [1024, 1024]
     assert [w["live"]["l2_tokens"] for w in result["workers"]] == [2064, 2064]
+    assert [w["live"]["prefetch_threshold"] for w in result["workers"]] == [32, 32]
     assert result["measured_share"] > 0.3  # shared documents: a comparison of two zeros would prove nothing
+    tiers = result["tiers"]
+    assert tiers["l2"]["measured_share"] > 0.05 and tiers["l3"]["measured_share"] > 0.05, tiers  # both used
     assert abs(result["difference_points"]) <= 5, result
+    for tier in ("l1", "l2", "l3"):
+        assert abs(tiers[tier]["difference_points"]) <= 5, (tier, result)
+    assert result["within_target"] is True
 
 
 def test_measured_increase_ignores_samples_that_arrived_out_of_order():

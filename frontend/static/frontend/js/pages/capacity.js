@@ -156,9 +156,14 @@ KV.ready(function () {
       .catch(function (err) { KV.$("#whatif-status").textContent = ""; KV.$("#whatif-error").textContent = KV.errorText(err); });
   });
 
-  // Calibration: the what-if at each worker's live configuration over its recorded traffic, beside the share
-  // the workers measured over the same window (one replay per worker, so it runs after the page is drawn).
+  // Calibration: the what-if at each worker's live configuration over its recorded traffic (each worker its
+  // own L1 and L2, one shared L3), beside what the workers measured over the same window, in all and per tier
+  // (one replay per live configuration, so it runs after the page is drawn).
   var calText = KV.$("#calibration-text");
+  var TIERS = [["l1", "L1"], ["l2", "L2"], ["l3", "L3"]];
+  function points(d) { return (d >= 0 ? "+" : "−") + Math.abs(d).toFixed(1); }
+  function split(shares) { return TIERS.map(function (t) { return t[1] + " " + pct(shares[t[0]]); }).join(" / "); }
+  function pair(whatif, measured) { return (whatif == null ? "–" : pct(whatif)) + " / " + (measured == null ? "–" : pct(measured)); }
   function calibrate() {
     var pool = form.pool.value;
     if (!calText || !calText.dataset.pools || calText.dataset.pools.split(" ").indexOf(pool) < 0) {
@@ -173,21 +178,40 @@ KV.ready(function () {
       if (r.whatif_share == null || r.measured_share == null) { calText.textContent = "No calibration: " + r.note + "."; return; }
       var ws = r.workers, from = Math.min.apply(null, ws.map(function (w) { return w.from_ms; }));
       var to = Math.max.apply(null, ws.map(function (w) { return w.to_ms; }));
-      var diff = r.difference_points;
+      var target = r.target_points, whatif = {}, measured = {};
+      TIERS.forEach(function (t) { whatif[t[0]] = r.tiers[t[0]].whatif_share; measured[t[0]] = r.tiers[t[0]].measured_share; });
+      var off = [["all tiers", r.difference_points]].concat(TIERS.map(function (t) { return [t[1], r.tiers[t[0]].difference_points]; }))
+        .filter(function (d) { return Math.abs(d[1]) > target; });
+      var verdict = off.length
+        ? "Outside the " + target + "-point target: " + off.map(function (d) { return d[0] + " " + points(d[1]) + " points"; }).join(", ") +
+          " (what-if minus measured), so the split the what-if draws is not what the workers do; see docs/capacity.md."
+        : "Within the " + target + "-point target in every tier (largest difference " +
+          points(TIERS.map(function (t) { return r.tiers[t[0]].difference_points; }).concat([r.difference_points])
+            .reduce(function (m, d) { return Math.abs(d) > Math.abs(m) ? d : m; }, 0)) + " points).";
       calText.textContent = "Over " + r.requests.toLocaleString() + " recorded requests (" + KV.time.text(new Date(from)) +
-        " to " + KV.time.text(new Date(to)) + "): the what-if serves " + pct(r.whatif_share) + " of input tokens at the live configuration; the workers measured " +
-        pct(r.measured_share) + ". Difference: " + (diff >= 0 ? "+" : "") + diff.toFixed(1) + " points" +
-        (Math.abs(diff) <= 5 ? " (within the 5-point target)." : " (outside the 5-point target: see docs/capacity.md).") + (r.note ? " Note: " + r.note + "." : "");
+        " to " + KV.time.text(new Date(to)) + "), replayed per worker (each its own L1 and L2, one shared L3): the what-if serves " +
+        pct(r.whatif_share) + " of input tokens at the live configuration (" + split(whatif) + "); the workers measured " +
+        pct(r.measured_share) + " (" + split(measured) + "). " + verdict + (r.note ? " Note: " + r.note + "." : "");
       var tbody = KV.$("#calibration-table tbody");
       tbody.textContent = "";
-      ws.forEach(function (w) {
+      function row(cells, strong) {
         var tr = document.createElement("tr");
-        [w.worker, w.requests.toLocaleString(), w.live.l1_tokens.toLocaleString() + " / " + w.live.l2_tokens.toLocaleString(),
-         pct(w.whatif_tokens_served / w.whatif_input_tokens), w.measured_prompt_tokens ? pct(w.measured_cached_tokens / w.measured_prompt_tokens) : "–"].forEach(function (v, i) {
-          var td = document.createElement("td"); td.textContent = v; if (i) td.className = "num"; tr.appendChild(td);
+        cells.forEach(function (v, i) {
+          var td = document.createElement(i || !strong ? "td" : "th"); td.textContent = v; if (i) td.className = "num";
+          if (!i && strong) td.scope = "row";
+          tr.appendChild(td);
         });
         tbody.appendChild(tr);
+      }
+      ws.forEach(function (w) {
+        var n = w.whatif_input_tokens, m = w.measured_prompt_tokens;
+        row([w.worker, w.requests.toLocaleString(), w.live.l1_tokens.toLocaleString() + " / " + w.live.l2_tokens.toLocaleString()]
+          .concat(TIERS.map(function (t) { return pair(n ? w.whatif_tiers[t[0]] / n : null, m ? w.measured_tiers[t[0]] / m : null); }))
+          .concat([pair(n ? w.whatif_tokens_served / n : null, m ? w.measured_cached_tokens / m : null)]));
       });
+      row(["Pool " + r.pool, r.requests.toLocaleString(), ""]
+        .concat(TIERS.map(function (t) { return pair(whatif[t[0]], measured[t[0]]) + " (" + points(r.tiers[t[0]].difference_points) + ")"; }))
+        .concat([pair(r.whatif_share, r.measured_share) + " (" + points(r.difference_points) + ")"]), true);
       KV.$("#calibration-table").hidden = false;
     }).catch(function (err) { calText.textContent = "Calibration failed: " + KV.errorText(err); });
   }
