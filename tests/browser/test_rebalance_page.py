@@ -142,8 +142,11 @@ def test_rebalance_page(asgi_server, console_page, personas, fake_router, tmp_pa
         page.get_by_test_id("target-decode").fill(decode)
         page.get_by_role("button", name="Review and start").click()
         expect(at_field).to_have_text(words)
-        if invalid:
+        if invalid:  # the field at fault is focused and marked; its neighbour under the label is not
             expect(page.get_by_test_id(invalid)).to_be_focused()
+            expect(page.get_by_test_id(invalid)).to_have_attribute("aria-invalid", "true")
+            other = "target-decode" if invalid == "target-prefill" else "target-prefill"
+            expect(page.get_by_test_id(other)).not_to_have_attribute("aria-invalid", "true")
         expect(banner).to_be_hidden()
         expect(dialog).to_be_hidden()
     # A refusal the page cannot foresee (the router's live checks) comes back in words, and the next

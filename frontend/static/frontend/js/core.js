@@ -38,8 +38,9 @@
   };
 
   /* A form problem shown at its field: ``message`` under the field's label (role alert, linked by
-     aria-describedby, the field marked aria-invalid), removed with "" or once the field is edited. Fields
-     sharing a label share one message. Returns the message element. */
+     aria-describedby from every field of the label), ``input`` alone marked aria-invalid; removed with ""
+     or once a field of the label is edited. Fields sharing a label share one message. Returns the message
+     element. */
   KV.fieldError = function (input, message) {
     var label = input.closest("label") || input.parentNode;
     var first = KV.$("input, select, textarea", label) || input;
@@ -55,7 +56,8 @@
     box.hidden = !message;
     fields.forEach(function (f) {
       var ids = (f.getAttribute("aria-describedby") || "").split(" ").filter(function (x) { return x && x !== id; });
-      if (message) { f.setAttribute("aria-invalid", "true"); ids.push(id); } else { f.removeAttribute("aria-invalid"); }
+      if (message) ids.push(id);
+      if (message && f === input) f.setAttribute("aria-invalid", "true"); else f.removeAttribute("aria-invalid");
       if (ids.length) f.setAttribute("aria-describedby", ids.join(" ")); else f.removeAttribute("aria-describedby");
       if (message && !f.dataset.clearsError) {
         f.dataset.clearsError = "1";
