@@ -83,3 +83,28 @@ def revert_changes(*, event: AuditEvent, together: bool = False) -> list[dict]:
             now, after = _described(kind, worker, profile_id, revision_id)
             out.append({"worker_id": worker.pk, "worker": worker.name, "now": now, "after": after})
     return out
+
+
+# Audit actions that change what a worker's cache is made of (its L3 backend or its config revision).
+CONFIG_CHANGE_ACTIONS = (
+    "attach",
+    "detach",
+    "apply_config",
+    "revert_attach",
+    "revert_detach",
+    "revert_apply_config",
+)
+
+
+def worker_config_changes(*, worker_id: int, since, until) -> QuerySet:
+    """Successful audit records of changes to worker ``worker_id``'s cache configuration (an attach,
+    detach or config push, or the revert of one) with ``since <= occurred_at <= until`` (datetimes), oldest
+    first."""
+    return AuditEvent.objects.filter(
+        object_type="inventory.engineworker",
+        object_id=str(worker_id),
+        action__in=CONFIG_CHANGE_ACTIONS,
+        outcome="success",
+        occurred_at__gte=since,
+        occurred_at__lte=until,
+    ).order_by("occurred_at")

@@ -13,6 +13,10 @@ replayed in separate runs (one per configuration), and then the L3 they share is
 only: the note says so. The pool's figures are token-weighted sums; each tier and the total must agree
 within ``TARGET_POINTS``.
 
+A worker whose cache configuration changed inside its window (an audited attach, detach or config push,
+or its revert) is replayed with today's configuration throughout: the answer names the change and gives
+no verdict (``within_target`` None, ``config_changes`` listing them).
+
 Each worker is replayed with its own traffic, so how the router split the pool's traffic is exactly what
 happened; the replay starts cold, so a window that begins after the worker had already cached traffic (the
 metrics history is one hour) starts the replay at a disadvantage, and the answer says when that is so.
@@ -22,9 +26,11 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import UTC, datetime
 
 from django.conf import settings
 
+from controlplane.audit.selectors import worker_config_changes
 from controlplane.capacity import selectors, services
 from controlplane.capacity.models import RecordedRequest
 from controlplane.inventory.models import EngineWorker
@@ -104,6 +110,18 @@ def _worker(worker: EngineWorker, pool: str, block_tokens: int) -> dict | None:
     }
 
 
+def _changed_inside(rows: list[dict]) -> list[dict]:
+    """``{"worker", "action", "at"}`` (``at``: ISO 8601 UTC) of each audited change to a worker's cache
+    configuration inside its window (``from_ms`` .. ``to_ms``), oldest first per worker."""
+    out = []
+    for r in rows:
+        since, until = (datetime.fromtimestamp(ms / 1000, UTC) for ms in (r["from_ms"], r["to_ms"]))
+        for event in worker_config_changes(worker_id=r["worker_id"], since=since, until=until):
+            at = event.occurred_at.astimezone(UTC).isoformat(timespec="seconds")
+            out.append({"worker": r["worker"], "action": event.action, "at": at})
+    return out
+
+
 def _options(live: dict, block_tokens: int) -> list[str]:
     options = ["--block-tokens", str(block_tokens), "--page-size", str(live["page_size"])]
     options += ["--write-policy", live["write_policy"], "--eviction", live["eviction"]]
@@ -142,15 +160,18 @@ def calibration(*, pool: str) -> dict:
 
     Returns ``{"pool", "requests", "whatif_share", "measured_share", "difference_points", "tiers": {"l1",
     "l2", "l3": {"whatif_share", "measured_share", "difference_points"}}, "target_points", "within_target",
-    "workers": [...], "note"}``; shares are 0..1 (None when there is nothing to compare: the note says
-    why), differences are what-if minus measured in percentage points, ``within_target`` is True only when
-    the total and every tier differ by at most ``target_points`` (None with nothing to compare). Raises
+    "config_changes": [{"worker", "action", "at"}], "workers": [...], "note"}``; shares are 0..1 (None
+    when there is nothing to compare: the note says why), differences are what-if minus measured in
+    percentage points, ``within_target`` is True only when the total and every tier differ by at most
+    ``target_points`` (None with nothing to compare, or when a worker's configuration changed inside its
+    window: ``config_changes``). Raises
     ``ApplicationError`` ``whatif_failed`` as ``services.whatif_run`` does.
     """
     block_tokens = selectors.recorded_block_tokens(pool=pool)
     empty = {"pool": pool, "requests": 0, "whatif_share": None, "measured_share": None,
              "difference_points": None, "tiers": {t: _compare(None, None) for t in ("l1", "l2", "l3")},
-             "target_points": TARGET_POINTS, "within_target": None, "workers": []}  # fmt: skip
+             "target_points": TARGET_POINTS, "within_target": None, "config_changes": [],
+             "workers": []}  # fmt: skip
     if block_tokens is None:
         return {
             **empty,
@@ -186,7 +207,16 @@ def calibration(*, pool: str) -> dict:
     )
     differences = [c["difference_points"] for c in (total, *tiers.values())]
     within = None if None in differences else all(abs(d) <= TARGET_POINTS for d in differences)
+    changed = _changed_inside(rows)
     notes = []
+    if changed:  # the replay runs today's configuration for the whole window: no verdict either way
+        within = None
+        notes.append(
+            "the configuration changed inside the window ("
+            + ", ".join(f"{c['worker']}: {c['action']} at {c['at']}" for c in changed)
+            + "): the replay runs each worker's configuration of now for the whole window, so the comparison"
+            " is not like for like until a window starts after the change"
+        )
     late = [r["worker"] for r in rows if r["starts_after_traffic"]]
     if late:
         notes.append(
@@ -207,6 +237,7 @@ def calibration(*, pool: str) -> dict:
         "tiers": tiers,
         "target_points": TARGET_POINTS,
         "within_target": within,
+        "config_changes": changed,
         "workers": rows,
         "note": "; ".join(notes),
     }

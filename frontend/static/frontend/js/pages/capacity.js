@@ -182,7 +182,9 @@ KV.ready(function () {
       TIERS.forEach(function (t) { whatif[t[0]] = r.tiers[t[0]].whatif_share; measured[t[0]] = r.tiers[t[0]].measured_share; });
       var off = [["all tiers", r.difference_points]].concat(TIERS.map(function (t) { return [t[1], r.tiers[t[0]].difference_points]; }))
         .filter(function (d) { return Math.abs(d[1]) > target; });
-      var verdict = off.length
+      var verdict = (r.config_changes || []).length
+        ? "No verdict: a worker's configuration changed inside the window (see the note), so what-if and measured do not describe the same cache."
+        : off.length
         ? "Outside the " + target + "-point target: " + off.map(function (d) { return d[0] + " " + points(d[1]) + " points"; }).join(", ") +
           " (what-if minus measured), so the split the what-if draws is not what the workers do; see docs/capacity.md."
         : "Within the " + target + "-point target in every tier (largest difference " +

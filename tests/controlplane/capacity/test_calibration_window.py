@@ -1,0 +1,58 @@
+"""Calibration compares the what-if at each worker's configuration of now with what the worker measured over
+its window; when an operation changed that configuration inside the window (a new user detached L3 mid-way,
+and the card still said "within target" with the L3 row 4.4 points off), the answer names the change and
+gives no verdict. The window's figures stand for the worker's metrics and the replay (both covered by
+test_calibration.py on real engines); the audit log is the real one."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cp_factories import EngineWorkerFactory
+
+from controlplane.audit.services import audit_record
+from controlplane.capacity import calibration as cal
+from controlplane.capacity.services import recorded_requests_ingest
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def measured_window(monkeypatch):
+    """A worker that recorded traffic, whose window runs from a minute ago to a minute ahead and whose
+    what-if agrees with what it measured to the token."""
+    worker = EngineWorkerFactory(name="cal-a", role="mixed", page_size=16, storage_backend="file")
+    row = {"timestamp": 0, "input_length": 100, "output_length": 4, "hash_ids": [7]}
+    recorded_requests_ingest(worker=worker, requests=[row], block_tokens=16)
+    now_ms = round(time.time() * 1000)
+    tiers = {"l1": 20.0, "l2": 50.0, "l3": 10.0}
+
+    def window(w, pool, block_tokens):
+        return {"worker": w.name, "worker_id": w.pk, "live": {}, "from_ms": now_ms - 60_000,
+                "to_ms": now_ms + 60_000, "starts_after_traffic": False, "measured_tiers": dict(tiers),
+                "measured_cached_tokens": 80.0, "measured_prompt_tokens": 100.0}  # fmt: skip
+
+    def replay(rows, pool, block_tokens):
+        for r in rows:
+            r.update(requests=1, whatif_input_tokens=100, whatif_tiers=dict(tiers), whatif_tokens_served=80)
+
+    monkeypatch.setattr(cal, "_worker", window)
+    monkeypatch.setattr(cal, "_replay", replay)
+    return worker
+
+
+def test_a_window_without_changes_gets_its_verdict(measured_window):
+    result = cal.calibration(pool="regular")
+    assert result["within_target"] is True and result["config_changes"] == [] and result["note"] == ""
+
+
+def test_a_detach_inside_the_window_is_named_and_withholds_the_verdict(measured_window):
+    audit_record(action="detach", obj=measured_window, before={"storage_backend": "file"}, after={})
+    audit_record(action="detach", obj=measured_window, outcome="failure")  # changed nothing: not named
+    result = cal.calibration(pool="regular")
+    assert result["within_target"] is None
+    ((change),) = result["config_changes"]
+    assert change["worker"] == "cal-a" and change["action"] == "detach" and change["at"].endswith("+00:00")
+    assert f"cal-a: detach at {change['at']}" in result["note"]
+    assert "not like for like" in result["note"]
