@@ -555,7 +555,8 @@ def _banner(fleet: LocalFleet) -> str:
             + ", ".join(f"{u} ({r})" for u, r in zip(fleet.worker_urls, fleet.worker_roles, strict=True)),
             f"  Mooncake     master {fleet.env['MOONCAKE_MASTER']}",
             f"  Logs         {fleet.log_dir}",
-            "  Traffic      multi-turn conversations through the router (traffic.log, traffic.jsonl)",
+            "  Traffic      multi-turn conversations through the router"
+            " (traffic.log: totals every 30 s; traffic.jsonl)",
             *(
                 ["  Rebalance    console > router > Rebalance: 2P1D -> 1P2D and back (docs/rebalance.md)"]
                 if fleet.pd

@@ -146,6 +146,7 @@ class Run:
         self.count = self.errors = 0
         self.cached = {"device": 0, "host": 0, "storage": 0}
         self.record = open(a.record, "a") if a.record else None  # noqa: SIM115
+        self.started = self.progressed = time.perf_counter()
 
     def log(self, item: dict) -> None:
         self.count += 1
@@ -157,6 +158,10 @@ class Run:
         if self.record:
             self.record.write(json.dumps(item) + "\n")
             self.record.flush()
+        now = time.perf_counter()
+        if self.a.progress_s and now - self.progressed >= self.a.progress_s:  # the totals so far
+            self.progressed = now
+            print(self.summary(now - self.started), flush=True)
         if self.a.max_requests and self.count >= self.a.max_requests:
             self.stop.set()
 
@@ -263,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--record", help="append every request and answer to this JSON-lines file")
+    p.add_argument(
+        "--progress-s",
+        type=float,
+        default=30.0,
+        help="print the totals so far every this many seconds (0: only at the end)",
+    )
     p.add_argument("--trace", help="Mooncake trace .jsonl to replay instead of conversations")
     p.add_argument("--trace-scale", type=int, default=16, help="divide trace lengths and blocks by k")
     p.add_argument("--trace-speedup", type=float, default=1.0, help="divide trace timestamps by this")
