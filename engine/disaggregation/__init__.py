@@ -2,8 +2,9 @@
 a decode worker reserved (SGLang's ``disaggregation/`` package shape; interface in docs/architecture.md,
 PD transport).
 
-``create_kv_manager`` builds the per-process manager for a role; P opens a ``KVSender`` per request,
-D a ``KVReceiver`` per request; the scheduler polls them (``KVPoll``) and never blocks on the network.
+``create_kv_manager`` builds the per-process transfer of a role (``PrefillTransfer`` / ``DecodeTransfer``;
+upstream calls it the KV manager); P opens a ``KVSender`` per request, D a ``KVReceiver`` per request; the
+scheduler polls them (``KVPoll``) and never blocks on the network.
 """
 
 from __future__ import annotations
@@ -16,21 +17,23 @@ from engine.disaggregation.base import (
     TransferBackendError,
     TransferTimeouts,
 )
-from engine.disaggregation.decode import DecodeKVManager, KVReceiver
-from engine.disaggregation.prefill import KVSender, PrefillKVManager
+from engine.disaggregation.decode import DecodeTransfer
+from engine.disaggregation.prefill import PrefillTransfer
+from engine.disaggregation.receiver import KVReceiver
+from engine.disaggregation.sender import KVSender
 from engine.disaggregation.transport import transport_class
 
-KVTransferManager = PrefillKVManager | DecodeKVManager
+PDTransfer = PrefillTransfer | DecodeTransfer
 
 __all__ = [
-    "DecodeKVManager",
+    "DecodeTransfer",
     "DisaggregationMode",
-    "KVTransferManager",
     "KVPoll",
     "KVReceiver",
     "KVSender",
     "KVTransferError",
-    "PrefillKVManager",
+    "PDTransfer",
+    "PrefillTransfer",
     "TransferBackendError",
     "TransferTimeouts",
     "create_kv_manager",
@@ -49,8 +52,8 @@ def create_kv_manager(
     tp_size: int = 1,
     model_kv_heads: int | None = None,
     **timeouts,
-) -> KVTransferManager:
-    """The KV manager of this worker's role, with ``pool``'s buffers registered with ``backend``.
+) -> PDTransfer:
+    """The transfer of this worker's role, with ``pool``'s buffers registered with ``backend``.
 
     ``mode``: ``prefill`` (starts the bootstrap server on ``bootstrap_port``, 0 = a free port) or
     ``decode``. ``tp_rank`` of ``tp_size``: this process's tensor-parallel rank; a prefill rank > 0 starts
@@ -66,9 +69,9 @@ def create_kv_manager(
     if mode == DisaggregationMode.PREFILL:
         if bootstrap_port is None or not 0 <= bootstrap_port <= 65535:
             raise ValueError(f"--disaggregation-bootstrap-port must be in [0, 65535], got {bootstrap_port!r}")
-        return PrefillKVManager(
+        return PrefillTransfer(
             backend, pool, host, bootstrap_port, settings, prefill_http_port, ib_device, tp_rank, tp_size
         )
     if mode == DisaggregationMode.DECODE:
-        return DecodeKVManager(backend, pool, host, settings, ib_device, tp_rank, tp_size, model_kv_heads)
-    raise ValueError("--disaggregation-mode null has no KV manager")
+        return DecodeTransfer(backend, pool, host, settings, ib_device, tp_rank, tp_size, model_kv_heads)
+    raise ValueError("--disaggregation-mode null has no PD transfer")

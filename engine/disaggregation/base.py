@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -90,11 +91,12 @@ class TransferTimeouts:
     decode_ping_interval_s: float = 1.0  # P: ping each decode it has met over the side channel this often
     decode_dead_after_s: float = 3.0  # P: a decode silent this long is gone: the rooms it registered fail
     no_decode_grace_s: float = 0.5  # P: a room Bootstrapping this long while every decode P met is gone fails
+    claim_grace_s: float = 2.0  # P: a room no decode claimed this long fails if a decode was found gone then
 
     @classmethod
     def from_env(cls, **overrides) -> TransferTimeouts:
         """Upstream env vars (``SGLANG_DISAGGREGATION_*``), then ``overrides`` (keyword = field name)."""
-        values = {
+        values: dict[str, Any] = {
             "bootstrap_timeout_s": _env_float("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0, 0.0),
             "waiting_timeout_s": _env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0, 0.0),
             "heartbeat_interval_s": _env_float("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5.0, 2.0),

@@ -168,6 +168,7 @@ class BootstrapServer:
         with self._lock:
             if all(r == -1 for r in ranks):
                 info = self._info
+                assert info is not None  # ready() holds
                 return web.json_response(
                     {
                         "attn_tp_size": info["attn_tp_size"],
@@ -181,7 +182,7 @@ class BootstrapServer:
                         "start_id": self.start_id,
                     }
                 )
-            entry = self._ranks.get(tuple(ranks))
+            entry = self._ranks.get((ranks[0], ranks[1], ranks[2], ranks[3]))
         if entry is None:
             return web.json_response(
                 {"error": f"no prefill rank registered at {dict(zip(_QUERY, ranks, strict=True))}"},

@@ -1,4 +1,4 @@
-"""The ZMQ side channel between a prefill and a decode KV manager (upstream's mooncake/conn.py;
+"""The ZMQ side channel between a prefill and a decode transfer (upstream's mooncake/conn.py;
 docs/upstream.md P3).
 
 Each manager binds one PULL socket (its endpoint ``tcp://host:port`` is what the peer connects to) and owns

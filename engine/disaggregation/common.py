@@ -1,39 +1,56 @@
-"""What the prefill and decode KV managers share: the pool's layout, the transport, the side channel."""
+"""What the prefill and decode transfers share: the pool's layout, the transport, the side channel, and the
+helpers for bootstrap addresses and room ids."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from abc import ABC, abstractmethod
-
-import httpx
+from collections.abc import Callable
 
 from engine.cache.device_pool import DeviceKVPool
-from engine.disaggregation.base import (
-    KVPOLL_TRANSITIONS,
-    IllegalRoomTransition,
-    KVLayout,
-    KVPoll,
-    KVTransferError,
-    TransferTimeouts,
-)
+from engine.disaggregation.base import KVLayout, TransferTimeouts
 from engine.disaggregation.channel import Channel
+from engine.disaggregation.messages import Message
 from engine.disaggregation.staging import StagingArea, staging_enabled, staging_pool_bytes
-from engine.disaggregation.transport import transport_class
+from engine.disaggregation.transport import Transport, transport_class
 
 logger = logging.getLogger(__name__)
 
 MAX_ROOM = 2**63 - 1
-INFO_QUERY = "prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
-
-
-def rank_query(tp_rank: int = 0) -> str:
-    """The ``GET /route`` query for prefill tensor-parallel rank ``tp_rank`` (dp, cp and pp rank 0)."""
-    return f"prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank={tp_rank}&target_pp_rank=0"
-
-
-BOOTSTRAP_HTTP_TIMEOUT = httpx.Timeout(3.0, connect=2.0)  # upstream's heartbeat: connect 2 s, read 3 s
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")  # names of this host in a bootstrap address
+TEST_DELAY_ENV = "KVFLEET_TEST_PD_DELAY"  # test-only: hold a room at a point of the transfer (TestDelay)
+
+
+class TestDelay:
+    """Test-only: how long to hold a room at ``point``, from ``KVFLEET_TEST_PD_DELAY``
+    (``point=seconds[:skip]``, comma-separated; unset: 0). The first ``skip`` rooms (default 0) go through
+    unheld. Points: ``decode_info`` (D sends its transfer info that late: the room stays Bootstrapping on
+    P), ``prefill_send`` (P queues the pages ``send`` got that late: WaitingForInput), ``prefill_write`` (P's
+    transfer thread waits before writing: Transferring). Lets the real-process tests kill a peer while a
+    room is in a given state; never set in production. Thread-safe."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, point: str) -> None:
+        self.seconds, self._skip = 0.0, 0
+        for item in os.environ.get(TEST_DELAY_ENV, "").split(","):
+            name, _, value = item.partition("=")
+            if name.strip() == point:
+                seconds, _, skip = value.partition(":")
+                self.seconds, self._skip = float(seconds), int(skip or 0)
+        self._lock = threading.Lock()
+        self._unheld: set[int] = set()
+
+    def __call__(self, room: int) -> float:
+        """Seconds to hold ``room`` (0 for the first ``skip`` rooms asked about)."""
+        if not self.seconds:
+            return 0.0
+        with self._lock:
+            if room in self._unheld or len(self._unheld) < self._skip:
+                self._unheld.add(room)
+                return 0.0
+        return self.seconds
 
 
 def advertised_host(host: str) -> str:
@@ -51,16 +68,6 @@ def bootstrap_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def rank_endpoint(client: httpx.Client, address: str, tp_rank: int = 0) -> tuple[str, str | None]:
-    """(side-channel endpoint ``ip:port``, bootstrap ``start_id``) of tensor-parallel rank ``tp_rank`` of
-    the prefill whose bootstrap server is at ``address``. Raises ``httpx.HTTPError`` or ``ValueError``
-    (a bad answer)."""
-    response = client.get(f"http://{address}/route?{rank_query(tp_rank)}")
-    response.raise_for_status()
-    rank = response.json()
-    return f"{rank['rank_ip']}:{rank['rank_port']}", rank.get("start_id")
-
-
 def check_room(bootstrap_room) -> int:
     if (
         isinstance(bootstrap_room, bool)
@@ -71,39 +78,48 @@ def check_room(bootstrap_room) -> int:
     return bootstrap_room
 
 
-class KVManagerBase(ABC):
-    """Registers ``pool``'s buffers with the ``backend`` transport and opens the side channel.
-
-    Subclasses implement ``_on_message(header, payloads)`` and ``_on_tick()`` (receive thread).
-    Raises ``TransferBackendError`` when the backend cannot run here.
+class TransferBase:
+    """Registers ``pool``'s buffers with the ``backend`` transport and opens the side channel, whose
+    messages go to ``on_message(header, payloads)`` and whose periodic tick (about every 0.2 s) goes to
+    ``on_tick()`` (both on the channel's receive thread). Raises ``TransferBackendError`` when the backend
+    cannot run here.
     """
 
     role = "?"
 
     def __init__(
-        self, backend: str, pool: DeviceKVPool, host: str, timeouts: TransferTimeouts, ib_device=None
-    ):
+        self,
+        backend: str,
+        pool: DeviceKVPool,
+        host: str,
+        timeouts: TransferTimeouts,
+        ib_device: str | None,
+        on_message: Callable[[dict, list], None],
+        on_tick: Callable[[], None],
+    ) -> None:
         self.backend = backend
         self.pool = pool
         self.layout = KVLayout.from_pool(pool)
         self.host = advertised_host(host)
         self.timeouts = timeouts
-        self._lock = threading.Lock()
         self._closed = False
         # heterogeneous-TP shares go through it when SGLANG_DISAGG_STAGING_BUFFER is on (staging.py)
         self.staging = StagingArea(staging_pool_bytes()) if staging_enabled() else None
-        self.transport = transport_class(backend)(self.host, pool, self.layout, ib_device, self.staging)
-        self.channel = Channel(self.host, self._on_message, self._on_tick, name=f"pd-{self.role}")
-        if backend == "fake":
-            self.transport.channel = self.channel
+        make = transport_class(backend)
+        self.transport: Transport = make(self.host, pool, self.layout, ib_device, self.staging)  # type: ignore[call-arg]
+        transport = self.transport
 
-    @abstractmethod
-    def _on_message(self, header: dict, payloads: list) -> None:
-        """Handle one side-channel message (runs on the channel thread)."""
+        def tick() -> None:
+            transport.drain()
+            on_tick()
 
-    @abstractmethod
-    def _on_tick(self) -> None:
-        """Periodic work on the channel thread: timeouts, heartbeats."""
+        self.channel = Channel(self.host, on_message, tick, name=f"pd-{self.role}")
+        if self.transport.uses_side_channel:
+            self.transport.channel = self.channel  # type: ignore[attr-defined]
+
+    def send(self, endpoint: str, msg: Message, payloads: list | None = None) -> None:
+        """Send ``msg`` to the peer at side-channel ``endpoint`` (never blocks on the network)."""
+        self.channel.send(endpoint, msg.to_wire(), payloads)
 
     def close(self) -> None:
         """Stop threads, close sockets, unregister memory. Idempotent."""
@@ -114,32 +130,11 @@ class KVManagerBase(ABC):
         self.transport.close()
 
 
-class RoomState:
-    """State of one room; every field is guarded by ``lock`` (held only for in-memory updates). ``state``
-    changes only through ``move``."""
-
-    def __init__(self, bootstrap_room: int, initial: KVPoll) -> None:
-        self.bootstrap_room = bootstrap_room
-        self.lock = threading.Lock()
-        self.state = initial
-        self.reason: str | None = None
-
-    def move(self, state: KVPoll, reason: str | None = None) -> None:
-        """Go to ``state`` (with ``reason`` when it is Failed); the caller holds ``lock``. Raises
-        ``IllegalRoomTransition`` when ``KVPOLL_TRANSITIONS`` has no such edge."""
-        if state not in KVPOLL_TRANSITIONS[self.state]:
-            raise IllegalRoomTransition(
-                f"bootstrap room {self.bootstrap_room}: {self.state.name} -> {state.name}"
-            )
-        self.state = state
-        if reason is not None:
-            self.reason = reason
-
-    def failure_exception(self) -> KVTransferError:
-        """The ``KVTransferError`` of a Failed room; raises ``RuntimeError`` if the room has not failed."""
-        with self.lock:
-            if self.reason is None:
-                raise RuntimeError(
-                    f"bootstrap room {self.bootstrap_room} has not failed (state {self.state.name})"
-                )
-            return KVTransferError(self.bootstrap_room, self.reason)
+def later(seconds: float, fn: Callable, *args) -> None:
+    """Call ``fn(*args)`` now, or on a timer thread ``seconds`` from now (``TestDelay``)."""
+    if seconds <= 0:
+        fn(*args)
+        return
+    timer = threading.Timer(seconds, fn, args)
+    timer.daemon = True
+    timer.start()

@@ -8,19 +8,27 @@
 * ``fake``: the same contract with the KV bytes carried over the ZMQ side channel instead of RDMA
   (upstream's moves nothing; this one moves the bytes so the contract tests check them: a decision in
   docs/architecture.md).
-* ``nixl``: refused with a ``TransferBackendError`` that says why.
+* ``nixl``: NVIDIA's NIXL agent with its UCX backend (``NixlTransport``): both sides register their pool
+  buffers with an agent, D's agent metadata travels in its descriptor (the side channel's ``Register``), and
+  P writes the same entries as Mooncake with a notification naming the room (as SGLang's nixl/conn.py).
+  UCX's transports come from ``UCX_*`` env vars; the defaults set here are in ``ucx_defaults``.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import logging
 import os
+import time
+import uuid
+from typing import Protocol
 
 import torch
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVLayout, TransferBackendError, contiguous_runs
+from engine.disaggregation.channel import Channel
 from engine.disaggregation.staging import (
     StagingArea,
     head_write_list,
@@ -36,6 +44,44 @@ MAX_BATCH = 1024  # entries per batch_transfer_sync_write (0.3.13 returns -1 for
 
 class TransferFailed(RuntimeError):
     """One write towards a decode peer failed; the message is the room's failure reason."""
+
+
+class Transport(Protocol):
+    """What a PD transfer needs from a transport (one per ``PrefillTransfer`` / ``DecodeTransfer``).
+
+    Built as ``cls(host, pool, layout, ib_device, staging)`` with the pool's buffers (and the staging
+    buffer, if any) registered; raises ``TransferBackendError`` when it cannot run here. On D,
+    ``descriptor()`` is what the decode registers at each prefill (JSON; the ``Register`` message); on P,
+    ``write`` gets that descriptor plus ``"endpoint"`` (the decode's side channel) as ``peer``.
+    ``uses_side_channel``: the KV bytes travel as ``kv`` side-channel frames (``channel`` is set to the
+    transfer's ``Channel`` before use, and D's receive thread hands those frames to ``on_data``).
+    """
+
+    name: str
+    stages: bool  # can write a share of heads into the peer's staging buffer (``staging.py``)
+    uses_side_channel: bool
+
+    def descriptor(self) -> dict: ...
+
+    def write(
+        self,
+        peer: dict,
+        peer_layout: KVLayout,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        room: int,
+        share: dict | None = None,
+    ) -> None:
+        """Write P's pages ``src`` into the peer's pages ``dst`` (int64 ``(n,)`` each; ``share``: only those
+        heads, for pools of different tp). Blocks until written; raises ``TransferFailed``."""
+
+    def on_data(self, header: dict, payloads: list) -> None: ...
+
+    def drain(self) -> None:
+        """Take what the transport itself delivered to this side (NIXL's notifications); called on the side
+        channel's tick (about every 0.2 s) on both sides. Never blocks."""
+
+    def close(self) -> None: ...
 
 
 def open_transfer_engine(host: str, flag: str, ib_device: str | None = None):
@@ -72,6 +118,7 @@ class MooncakeTransport:
     """
 
     name = "mooncake"
+    uses_side_channel = False
     stages = True  # writes a share into the peer's staging buffer when the transfer info gives a region
 
     def __init__(
@@ -116,7 +163,7 @@ class MooncakeTransport:
         entry per token and buffer; with ``"staging"`` (an offset into the peer's staging buffer) and a
         staging buffer here, the heads are packed here and written in one entry (the peer scatters them)."""
         if share is not None and share.get("staging") is not None and self.staging is not None:
-            srcs, dsts, lens = self._staged_write(peer, src, share)
+            srcs, dsts, lens = staged_write_list(self._pool, self._layout, self.staging, peer, src, share)
         elif share is not None:
             srcs, dsts, lens = head_write_list(
                 self._layout, peer_layout, src, dst, share["src_head"], share["dst_head"], share["n"]
@@ -130,34 +177,31 @@ class MooncakeTransport:
             raise TransferFailed(f"Mooncake write to decode session {peer['session_id']} failed (rc {rc})")
         self.bytes_sent += sum(lens)
 
-    def _staged_write(self, peer: dict, src: torch.Tensor, share: dict) -> tuple[list, list, list]:
-        """Pack the share into this side's staging buffer (from its start: one transfer thread writes one
-        share at a time); the one entry that writes it to its place in the peer's staging buffer (the
-        room's region there, past the pages of earlier chunks: ``share["page_offset"]``)."""
-        nbytes = share_bytes(self._layout, len(src), share["n"])
-        if nbytes > self.staging.size:
-            raise TransferFailed(
-                f"the prefill's staging buffer ({self.staging.size} bytes) cannot hold a {nbytes}-byte "
-                "share; raise SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
-            )
-        pack(self._pool, self.staging.region(0, nbytes), src, share["src_head"], share["n"])
-        before = share.get("page_offset", 0) * page_share_bytes(self._layout, share["n"])
-        return [self.staging.ptr], [peer["staging_ptr"] + share["staging"] + before], [nbytes]
-
     def on_data(self, header: dict, payloads: list) -> None:
         raise RuntimeError(
             "the mooncake backend receives KV through the transfer engine, not the side channel"
         )
+
+    def drain(self) -> None:
+        pass
 
     def close(self) -> None:
         self.engine.batch_unregister_memory(self._ptrs)
 
 
 def batched_write(engine, session_id: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
-    """``batch_transfer_sync_write`` in batches of at most ``MAX_BATCH`` entries; first rc < 0, else 0."""
+    """``batch_transfer_sync_write`` in batches of at most ``MAX_BATCH`` entries; first rc < 0, else 0.
+
+    A batch that fails is sent once more before its rc is returned: a write puts the same bytes at the same
+    addresses, so a second try is safe, and the TCP transport's first write to a peer that has just started
+    can fail while its connection is set up (seen as a rare rc -1 on a freshly restarted decode). A dead
+    peer fails both tries at once (connection refused), so a killed decode still fails its request fast."""
     for i in range(0, len(srcs), MAX_BATCH):
         j = i + MAX_BATCH
         rc = engine.batch_transfer_sync_write(session_id, srcs[i:j], dsts[i:j], lens[i:j])
+        if rc < 0:
+            logger.warning("Mooncake write to %s failed (rc %d); sending the batch once more", session_id, rc)
+            rc = engine.batch_transfer_sync_write(session_id, srcs[i:j], dsts[i:j], lens[i:j])
         if rc < 0:
             return rc
     return 0
@@ -180,11 +224,250 @@ def mooncake_write_list(
     return srcs, dsts, lens
 
 
+NIXL_WRITE_TIMEOUT_S = 30.0  # a NIXL write not DONE by then fails (a dead peer's TCP errors come sooner)
+
+
+def ucx_defaults(host: str, environ: dict | None = None) -> dict[str, str]:
+    """The ``UCX_*`` settings ``NixlTransport`` adds to ``environ`` (``os.environ``) before its UCX backend
+    starts; a variable already set is left alone. On a host without RDMA devices (no entry under
+    ``/sys/class/infiniband``): ``UCX_TLS=tcp`` and ``UCX_MODULES=^ib`` (a process that created a UCX backend
+    otherwise segfaults at exit in libnl, seen with NIXL 1.5.1's UCX); with a loopback ``host`` also
+    ``UCX_NET_DEVICES=lo``. With RDMA devices nothing is set: UCX picks its fastest transports."""
+    env = os.environ if environ is None else environ
+    try:
+        rdma = bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        rdma = False
+    wanted: dict[str, str] = {}
+    if not rdma:
+        wanted = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib"}
+        if host.strip("[]") in ("127.0.0.1", "localhost", "::1"):
+            wanted["UCX_NET_DEVICES"] = "lo"
+    added = {k: v for k, v in wanted.items() if k not in env}
+    env.update(added)
+    return added
+
+
+class NixlTransport:
+    """A NIXL agent (UCX backend) on ``host`` with the pool's 2 x num_layers buffers (and the staging buffer)
+    registered. ``descriptor()`` is ``{"agent_name", "agent_metadata"}`` (base64 of the agent's metadata,
+    plus ``staging_ptr``); P loads a decode's metadata on its first write to it (``add_remote_agent``) and
+    writes the entries Mooncake would (one per run of pages per buffer, or per token and head share, or one
+    staged entry), posted as one NIXL WRITE with the notification ``b"<room>"`` (as SGLang's nixl/conn.py),
+    and waits until NIXL reports it DONE. D drains those notifications (``drain``; ``notified`` counts them
+    per room): a room's completion is still P's Success on the side channel, sent after the write is DONE.
+    Raises ``TransferBackendError`` when nixl or its UCX plugin cannot load."""
+
+    name = "nixl"
+    uses_side_channel = False
+    stages = True
+
+    def __init__(
+        self,
+        host: str,
+        pool: DeviceKVPool,
+        layout: KVLayout,
+        ib_device: str | None = None,
+        staging: StagingArea | None = None,
+    ) -> None:
+        flag = "--disaggregation-transfer-backend nixl"
+        added = ucx_defaults(host)
+        if added:
+            logger.info("NIXL: UCX defaults set (unset before): %s", added)
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise TransferBackendError(
+                f"{flag}: cannot load NIXL ({exc}); "
+                "install nixl and nixl-cu13 with pip --no-deps (make venv does)"
+            ) from exc
+        _route_nixl_logs()
+        self.agent_name = f"kvfleet-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        except Exception as exc:  # nixl raises RuntimeError / nixlBind errors from C++
+            raise TransferBackendError(f"{flag}: cannot start a NIXL agent ({exc})") from exc
+        if "UCX" not in self.agent.backends:
+            plugins = self.agent.plugin_list
+            raise TransferBackendError(f"{flag}: NIXL's UCX plugin did not load (plugins: {plugins})")
+        self._layout, self._pool, self.staging = layout, pool, staging
+        self._mem, self._dev = _mem_type(pool)
+        ptrs = [*layout.k_ptrs, *layout.v_ptrs]
+        regions = [(p, layout.buffer_bytes, self._dev, "") for p in ptrs]
+        if staging is not None:
+            regions.append((staging.ptr, staging.size, 0, ""))  # the staging buffer is host memory
+        try:
+            self._registered = self.agent.register_memory(regions, self._mem)
+        except Exception as exc:
+            raise TransferBackendError(
+                f"{flag}: NIXL could not register the KV pool buffers ({exc})"
+            ) from exc
+        self._metadata = base64.b64encode(self.agent.get_agent_metadata()).decode("ascii")
+        self._peers: dict[str, str] = {}  # descriptor agent name -> name NIXL loaded it as
+        self.bytes_sent = 0  # KV bytes of the writes NIXL reported DONE
+        self.notified: dict[int, int] = {}  # D: notifications received per room (drain)
+
+    def descriptor(self) -> dict:
+        staging = {"staging_ptr": self.staging.ptr} if self.staging is not None else {}
+        return {"agent_name": self.agent_name, "agent_metadata": self._metadata, **staging}
+
+    def _remote(self, peer: dict) -> str:
+        name = peer["agent_name"]
+        loaded = self._peers.get(name)
+        if loaded is None:
+            try:
+                got = self.agent.add_remote_agent(base64.b64decode(peer["agent_metadata"]))
+            except Exception as exc:
+                raise TransferFailed(f"NIXL could not load decode agent {name}'s metadata ({exc})") from exc
+            # nixl 1.5.1 returns the name as bytes; check_remote_xfer_done / initialize_xfer want str
+            loaded = got.decode() if isinstance(got, bytes) else got
+            self._peers[name] = loaded
+        return loaded
+
+    def write(
+        self,
+        peer: dict,
+        peer_layout: KVLayout,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        room: int,
+        share: dict | None = None,
+    ) -> None:
+        """As ``MooncakeTransport.write``: the same entries, posted as one NIXL WRITE to the peer's agent with
+        the notification ``b"<room>"``; raises ``TransferFailed`` when NIXL reports an error or the write is
+        not DONE within ``NIXL_WRITE_TIMEOUT_S``."""
+        if share is not None and share.get("staging") is not None and self.staging is not None:
+            srcs, dsts, lens = staged_write_list(self._pool, self._layout, self.staging, peer, src, share)
+            mem, dev = "DRAM", 0
+        elif share is not None:
+            srcs, dsts, lens = head_write_list(
+                self._layout, peer_layout, src, dst, share["src_head"], share["dst_head"], share["n"]
+            )
+            mem, dev = self._mem, self._dev
+        else:
+            srcs, dsts, lens = mooncake_write_list(self._layout, peer_layout, src, dst)
+            mem, dev = self._mem, self._dev
+        if not srcs:
+            return
+        remote = self._remote(peer)
+        local = self.agent.get_xfer_descs([(s, n, dev) for s, n in zip(srcs, lens, strict=True)], mem)
+        far = self.agent.get_xfer_descs([(d, n, dev) for d, n in zip(dsts, lens, strict=True)], mem)
+        try:
+            handle = self.agent.initialize_xfer("WRITE", local, far, remote, str(room).encode())
+        except Exception as exc:
+            raise TransferFailed(f"NIXL could not prepare a write to decode agent {remote} ({exc})") from exc
+        try:
+            self._wait(handle, remote)
+        except TransferFailed:
+            self._forget(peer["agent_name"])
+            raise
+        finally:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as exc:  # a handle still in flight (timeout) may refuse release
+                logger.warning("NIXL: could not release a write handle (%s)", exc)
+        self.bytes_sent += sum(lens)
+
+    def _wait(self, handle, remote: str) -> None:
+        """Post ``handle`` and poll it until DONE; raises ``TransferFailed`` on NIXL's error (a dead peer:
+        ``NIXL_ERR_REMOTE_DISCONNECT`` at once) or after ``NIXL_WRITE_TIMEOUT_S``."""
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + NIXL_WRITE_TIMEOUT_S
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferFailed(
+                        f"NIXL write to decode agent {remote} not done after {NIXL_WRITE_TIMEOUT_S} s"
+                    )
+                time.sleep(0.0002)  # the agent's progress thread moves it; only the state is read here
+                state = self.agent.check_xfer_state(handle)
+        except TransferFailed:
+            raise
+        except Exception as exc:  # nixl's bindings raise their own errors (nixlRemoteDisconnectError, ...)
+            raise TransferFailed(f"NIXL write to decode agent {remote} failed ({exc})") from exc
+        if state != "DONE":
+            raise TransferFailed(f"NIXL write to decode agent {remote} failed ({state})")
+
+    def _forget(self, name: str) -> None:
+        """Drop a decode agent after a failed write (a restarted decode has a new agent name)."""
+        loaded = self._peers.pop(name, None)
+        if loaded is not None:
+            try:
+                self.agent.remove_remote_agent(loaded)
+            except Exception as exc:
+                logger.debug("NIXL: removing remote agent %s: %s", loaded, exc)
+
+    def drain(self) -> None:
+        """D: take the notifications that arrived (``b"<room>"`` per write) and count them in ``notified``;
+        called from the side channel's tick, so the agent's list does not grow."""
+        for msgs in self.agent.get_new_notifs().values():
+            for msg in msgs:
+                try:
+                    room = int(msg)
+                except ValueError:
+                    continue
+                self.notified[room] = self.notified.get(room, 0) + 1
+        if len(self.notified) > 4096:  # keep the newest rooms only
+            for room in list(self.notified)[:-2048]:
+                del self.notified[room]
+
+    def on_data(self, header: dict, payloads: list) -> None:
+        raise RuntimeError("the nixl backend receives KV through NIXL, not the side channel")
+
+    def close(self) -> None:
+        for name in self._peers.values():
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception as exc:
+                logger.debug("NIXL: removing remote agent %s: %s", name, exc)
+        self._peers.clear()
+        try:
+            self.agent.deregister_memory(self._registered)
+        except Exception as exc:
+            logger.debug("NIXL: deregistering the pool: %s", exc)
+
+
+def _route_nixl_logs() -> None:
+    """NIXL's Python logger writes to stdout with a handler of its own; send its records through the engine's
+    logging (stderr) instead, so stdout stays the process's own (a worker's, a peer's JSON lines)."""
+    nixl_logger = logging.getLogger("nixl")
+    for handler in list(nixl_logger.handlers):
+        nixl_logger.removeHandler(handler)
+    nixl_logger.propagate = True
+
+
+def _mem_type(pool: DeviceKVPool) -> tuple[str, int]:
+    """NIXL's memory type and device id of the pool's buffers: ``("VRAM", cuda index)`` or ``("DRAM", 0)``."""
+    buf = pool.k_buffer[0]
+    if buf.is_cuda:
+        return "VRAM", buf.device.index or 0
+    return "DRAM", 0
+
+
+def staged_write_list(
+    pool: DeviceKVPool, layout: KVLayout, staging: StagingArea, peer: dict, src: torch.Tensor, share: dict
+) -> tuple[list[int], list[int], list[int]]:
+    """Pack the share into this side's staging buffer (from its start: one transfer thread writes one
+    share at a time); the one entry that writes it to its place in the peer's staging buffer (the
+    room's region there, past the pages of earlier chunks: ``share["page_offset"]``). Raises
+    ``TransferFailed`` when the share does not fit here."""
+    nbytes = share_bytes(layout, len(src), share["n"])
+    if nbytes > staging.size:
+        raise TransferFailed(
+            f"the prefill's staging buffer ({staging.size} bytes) cannot hold a {nbytes}-byte "
+            "share; raise SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
+        )
+    pack(pool, staging.region(0, nbytes), src, share["src_head"], share["n"])
+    before = share.get("page_offset", 0) * page_share_bytes(layout, share["n"])
+    return [staging.ptr], [peer["staging_ptr"] + share["staging"] + before], [nbytes]
+
+
 class FakeTransport:
     """Carries the KV bytes over the side channel: ``write`` sends one frame per buffer, ``on_data`` (on D,
     called by the receive thread, in order before the room's status) copies them into the given pages."""
 
     name = "fake"
+    uses_side_channel = True
     stages = False  # a share's heads travel packed in one frame whatever the staging setting
 
     def __init__(
@@ -198,7 +481,7 @@ class FakeTransport:
         self._pool = pool
         self._layout = layout
         self.staging = staging
-        self.channel = None  # set by the manager: the Channel the frames travel on
+        self.channel: Channel | None = None  # set by the transfer: the Channel the frames travel on
         self.bytes_sent = 0  # KV payload bytes of the frames handed to the channel
 
     def descriptor(self) -> dict:
@@ -218,11 +501,14 @@ class FakeTransport:
     ) -> None:
         if not len(src):
             return
+        channel = self.channel
+        if channel is None:
+            raise TransferFailed("the fake transport has no side channel yet (the transfer sets it)")
         if share is not None:  # the share's heads, packed; the decode scatters them into its pages
             region = torch.empty(share_bytes(self._layout, len(src), share["n"]), dtype=torch.uint8)
             pack(self._pool, region, src, share["src_head"], share["n"])
             header = {"type": "kv", "room": room, "dst_pages": dst.tolist(), "share": share}
-            self.channel.send(peer["endpoint"], header, [region.numpy()])
+            channel.send(peer["endpoint"], header, [region.numpy()])
             self.bytes_sent += region.nbytes
             return
         frames = [
@@ -230,7 +516,7 @@ class FakeTransport:
             self._paged(b).index_select(0, src).view(torch.uint8).numpy()
             for b in (*self._pool.k_buffer, *self._pool.v_buffer)
         ]
-        self.channel.send(peer["endpoint"], {"type": "kv", "room": room, "dst_pages": dst.tolist()}, frames)
+        channel.send(peer["endpoint"], {"type": "kv", "room": room, "dst_pages": dst.tolist()}, frames)
         self.bytes_sent += sum(f.nbytes for f in frames)
 
     def on_data(self, header: dict, payloads: list) -> None:
@@ -246,25 +532,31 @@ class FakeTransport:
             rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(buf.dtype).view(len(dst), -1)
             paged.index_copy_(0, dst, rows)
 
+    def drain(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
-def transport_class(backend: str):
+def nixl_installed() -> bool:
+    """Whether the ``nixl`` package can be imported here (without importing it)."""
+    return importlib.util.find_spec("nixl") is not None
+
+
+def transport_class(backend: str) -> type[Transport]:
     """The transport class for ``--disaggregation-transfer-backend``; raises ``TransferBackendError``."""
     if backend == "mooncake":
         return MooncakeTransport
     if backend == "fake":
         return FakeTransport
     if backend == "nixl":
-        if importlib.util.find_spec("nixl") is None:
+        if not nixl_installed():
             raise TransferBackendError(
-                "--disaggregation-transfer-backend nixl: the nixl package is not installed on this host "
-                "(it needs CUDA/UCX); use mooncake"
+                "--disaggregation-transfer-backend nixl: the nixl package is not installed on this host; "
+                "install nixl and nixl-cu13 with pip --no-deps (make venv does) or use mooncake"
             )
-        raise TransferBackendError(
-            "--disaggregation-transfer-backend nixl: KVFleet has no NIXL transport yet; use mooncake"
-        )
+        return NixlTransport
     raise TransferBackendError(
         f"--disaggregation-transfer-backend {backend!r} is not one of: mooncake, fake, nixl"
     )

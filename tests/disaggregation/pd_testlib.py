@@ -15,7 +15,7 @@ D_TIMEOUTS = {
     "bootstrap_query_retries": 3,
     "bootstrap_query_interval_s": 0.2,
 }
-BACKENDS = ["mooncake", "fake"]
+BACKENDS = ["mooncake", "nixl", "fake"]
 
 
 def wait_terminal(room, timeout: float = 30.0) -> KVPoll:

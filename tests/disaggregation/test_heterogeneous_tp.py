@@ -24,13 +24,21 @@ def _managers(backend, mode: str, tp: int, heads: int, **extra) -> list:
         fill_pool(pool, 11 + rank)
         if mode == "prefill":
             port = mgrs[0].bootstrap_port if mgrs else 0
-            extra_p = {**P_TIMEOUTS, "bootstrap_port": port}
+            # this test moves KV between tp sizes, not timeouts: the shared short bootstrap timeout (4 s)
+            # failed both rooms once on a loaded 2-core box before the decode's first contact
+            extra_p = {**P_TIMEOUTS, "bootstrap_timeout_s": 60.0, "bootstrap_port": port}
             mgrs.append(create_kv_manager(backend, mode, pool, tp_rank=rank, tp_size=tp, **extra_p))
         else:
             mgrs.append(
                 create_kv_manager(
-                    backend, mode, pool, tp_rank=rank, tp_size=tp, model_kv_heads=4, **D_TIMEOUTS
-                )
+                    backend,
+                    mode,
+                    pool,
+                    tp_rank=rank,
+                    tp_size=tp,
+                    model_kv_heads=4,
+                    **{**D_TIMEOUTS, "heartbeat_max_failure": 20},
+                )  # fmt: skip
             )
     return mgrs
 

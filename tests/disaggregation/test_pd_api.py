@@ -8,7 +8,7 @@ import torch
 from pd_testlib import POOL
 
 from engine.bench.pd_peer import make_pool
-from engine.disaggregation import KVTransferError, TransferBackendError, create_kv_manager
+from engine.disaggregation import KVTransferError, TransferBackendError, create_kv_manager, transport
 from engine.disaggregation.base import KVLayout, TransferTimeouts, contiguous_runs
 from engine.disaggregation.bootstrap import START_ID_HEADER, BootstrapServer
 from engine.disaggregation.transport import MAX_BATCH, batched_write
@@ -102,8 +102,10 @@ def test_bootstrap_port_in_use_is_a_clear_error(bootstrap):
         BootstrapServer("127.0.0.1", port)
 
 
-def test_nixl_and_unknown_backends_are_refused_with_the_reason():
-    with pytest.raises(TransferBackendError, match="nixl"):
+def test_nixl_without_the_package_and_unknown_backends_are_refused_with_the_reason(monkeypatch):
+    # stand-in: the nixl package is installed here, so its absence is simulated at the one check that looks
+    monkeypatch.setattr(transport, "nixl_installed", lambda: False)
+    with pytest.raises(TransferBackendError, match="nixl: the nixl package is not installed.*--no-deps"):
         create_kv_manager("nixl", "decode", make_pool(POOL))
     with pytest.raises(TransferBackendError, match="not one of: mooncake, fake, nixl"):
         create_kv_manager("rdma", "decode", make_pool(POOL))
@@ -181,14 +183,22 @@ def test_contiguous_runs_and_layout():
     assert layout.mismatch(narrower) == "KV layout mismatch: head_bytes is 16 on the peer, 32 here"
 
 
-def test_mooncake_writes_go_in_batches_the_engine_accepts():
+def test_mooncake_writes_go_in_batches_the_engine_accepts_and_a_failed_batch_is_sent_once_more():
+    """A stand-in engine (the real one's rc -1 cannot be provoked on demand) that fails the given calls."""
     calls = []
 
     class Engine:
+        def __init__(self, failing):
+            self.failing = failing
+
         def batch_transfer_sync_write(self, session, srcs, dsts, lens):
             calls.append((session, len(srcs)))
-            return 0 if len(calls) < 3 else -1
+            return -1 if len(calls) in self.failing else 0
 
     n = 2 * MAX_BATCH + 5
-    assert batched_write(Engine(), "s", list(range(n)), list(range(n)), [1] * n) == -1
-    assert calls == [("s", MAX_BATCH), ("s", MAX_BATCH), ("s", 5)]
+    # the second batch fails once: sent again, then the third
+    assert batched_write(Engine({2}), "s", list(range(n)), list(range(n)), [1] * n) == 0
+    assert calls == [("s", MAX_BATCH), ("s", MAX_BATCH), ("s", MAX_BATCH), ("s", 5)]
+    calls.clear()  # the third fails twice: its rc, nothing after
+    assert batched_write(Engine({3, 4}), "s", list(range(n)), list(range(n)), [1] * n) == -1
+    assert calls == [("s", MAX_BATCH), ("s", MAX_BATCH), ("s", 5), ("s", 5)]

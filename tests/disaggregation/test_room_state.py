@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.disaggregation.base import KVPOLL_TRANSITIONS, IllegalRoomTransition, KVPoll
-from engine.disaggregation.common import RoomState
+from engine.disaggregation.rooms import RoomState
 
 
 def test_a_room_moves_forward_and_may_skip_a_state():

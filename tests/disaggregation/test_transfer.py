@@ -1,5 +1,6 @@
 """PD KV transfer between two real processes: P (child process, own pool) writes pages into the pages
-D (this process, own pool) reserved, through the mooncake TransferEngine and through the fake backend."""
+D (this process, own pool) reserved, through the mooncake TransferEngine, NIXL (UCX over TCP) and the fake
+backend: one contract, the same tests."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 import torch
 from pd_testlib import D_TIMEOUTS, P_SEED, POOL, wait_terminal
 
-from engine.bench.launcher import free_port
-from engine.bench.pd_peer import PeerProcess, make_pool, page_bytes
+from engine.bench.pd_peer import PeerProcess, fill_pool, make_pool, page_bytes
 from engine.disaggregation import KVPoll, create_kv_manager
+from engine.ports import free_port
 
 pytestmark = pytest.mark.slow
 SUCCESS, FAILED = int(KVPoll.Success), int(KVPoll.Failed)
@@ -220,3 +221,23 @@ def test_a_dead_prefill_does_not_delay_first_contact_with_a_live_one(backend, pr
         assert mgr.num_rooms() == 0
     finally:
         mgr.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_pages_arrive_byte_equal(backend, room, kv_cache_dtype):
+    """Quantized pools (int8 with its per-token-head scales beside the values, fp8) move as bytes."""
+    spec = {**POOL, "kv_cache_dtype": kv_cache_dtype}
+    peer = PeerProcess(backend, "prefill", spec, seed=P_SEED, bootstrap_port=0)
+    mgr = create_kv_manager(backend, "decode", make_pool(spec), **D_TIMEOUTS)
+    reference = make_pool(spec)
+    fill_pool(reference, P_SEED)
+    try:
+        receiver = _pair(peer, mgr, room, 3, [6, 1, 2])
+        peer.call("send", room=room, pages=[4, 5, 8], first_token_id=9)
+        assert wait_terminal(receiver) == KVPoll.Success
+        for s, d in zip([4, 5, 8], [6, 1, 2], strict=True):
+            assert page_bytes(mgr.pool, [d]) == page_bytes(reference, [s]), f"D page {d} != P page {s}"
+        receiver.close()
+    finally:
+        mgr.close()
+        peer.close()
