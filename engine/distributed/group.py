@@ -31,6 +31,13 @@ class TPGroup:
     cpu_group: Any = None
     backend: str = "gloo"
 
+    def close(self) -> None:
+        """Leave the group (``destroy_process_group``): its gloo threads stop here rather than at interpreter
+        exit, where a still-joinable one aborts the process (SIGABRT, "terminate called without an active
+        exception"). Call it once every rank's last collective has returned; a no-op for one rank."""
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
     @property
     def is_leader(self) -> bool:
         """Rank 0: the one with HTTP, the tokenizer and the request inbox."""

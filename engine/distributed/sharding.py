@@ -10,15 +10,30 @@ evenly, the padding rows being zero.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from engine.model.config import ModelConfig
+
+class ModelShape(Protocol):
+    """What sharding reads of a model's config (``engine.model.config.ModelConfig`` has it): counts and
+    sizes, no weights."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
 
 
 class TPConfigError(ValueError):
     """The model cannot be split over this many ranks; the message names ``--tp-size`` and the counts."""
 
 
-def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
+def check_tp_size(cfg: ModelShape, tp_size: int) -> None:
     """Refuse a tp size the model's head counts do not take (upstream's asserts, as one message).
 
     Raises ``TPConfigError`` when ``num_attention_heads % tp != 0``, when ``tp <= KV heads`` and
@@ -44,6 +59,12 @@ def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
         raise TPConfigError(
             f"--tp-size {tp_size}: the model's intermediate_size {inter} is not divisible by {tp_size}"
         )
+    moe_inter = getattr(cfg, "moe_intermediate_size", 0)  # MoE experts split like the dense MLP
+    if moe_inter and moe_inter % tp_size:
+        raise TPConfigError(
+            f"--tp-size {tp_size}: the model's moe_intermediate_size {moe_inter} is not divisible by "
+            f"{tp_size} (experts are split by intermediate columns; --ep-size is not built)"
+        )
 
 
 def _divisors(n: int) -> list[int]:
@@ -54,7 +75,7 @@ def _divisors(n: int) -> list[int]:
 class TPShard:
     """What rank ``rank`` of ``size`` owns of a model with config ``cfg`` (checked by ``check_tp_size``)."""
 
-    cfg: ModelConfig
+    cfg: ModelShape
     rank: int = 0
     size: int = 1
 
@@ -100,9 +121,10 @@ class TPShard:
         k0 = self.kv_shard * self.num_kv_heads * d
         return slice(q0, q0 + self.num_heads * d), slice(k0, k0 + self.num_kv_heads * d)
 
-    def inter_cols(self) -> slice:
-        """Intermediate (MLP) features this rank owns."""
-        per = self.cfg.intermediate_size // self.size
+    def inter_cols(self, width: int | None = None) -> slice:
+        """Intermediate (MLP) features this rank owns of an MLP ``width`` wide (default: the dense MLP's
+        ``intermediate_size``; an MoE expert's is ``moe_intermediate_size``)."""
+        per = (self.cfg.intermediate_size if width is None else width) // self.size
         return slice(self.rank * per, (self.rank + 1) * per)
 
     @property

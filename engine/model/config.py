@@ -1,6 +1,9 @@
-"""Model hyper-parameters of a Llama-family decoder, read from an HF ``config.json`` or GGUF metadata.
+"""Model hyper-parameters of a decoder, read from an HF ``config.json`` or GGUF metadata.
 
-Follows transformers' field names and defaults (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``).
+Follows transformers' field names and defaults (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``,
+``DeepseekV2Config``, ``DeepseekV3Config``). A DeepSeek-V2/V3 config is multi-head latent attention (MLA):
+its KV cache holds one compressed latent per token and layer (``kv_lora_rank`` + ``qk_rope_head_dim``
+values, shared by every head), which :attr:`ModelConfig.kv_cache_heads` / ``kv_cache_head_dim`` describe.
 Both rope spellings are accepted: the older top-level ``rope_theta``/``rope_scaling`` and the
 transformers>=5 ``rope_parameters`` dict.
 """
@@ -16,9 +19,14 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MOE_ROUTERS = ("softmax", "greedy", "group_limited_greedy", "noaux_tc")  # ModelConfig.topk_method
+MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
 # rope types whose inv_freq this engine computes (see engine/model/rotary.py)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # yarn: MLA (DeepSeek) models only
 # --torchao-config values (engine/model/linear.py): int8 weight-only, int4 groupwise with upstream's groups
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 QUANTIZATIONS = ("int8wo", *(f"int4wo-{g}" for g in INT4_GROUP_SIZES))
@@ -32,7 +40,7 @@ class ModelConfig:
     ``eos_token_ids`` may hold several ids (Llama-3 instruct lists two).
     """
 
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "deepseek_v2" | "deepseek_v3"
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -51,8 +59,62 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # MLA (DeepSeek-V2/V3): ``head_dim`` is then the rotary part ``qk_rope_head_dim`` (what RoPE rotates)
+    kv_lora_rank: int | None = None  # None: not MLA
+    q_lora_rank: int | None = None  # None: one q_proj, else q_a_proj -> q_a_layernorm -> q_b_proj
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE rotates (x0, x1), (x2, x3) ... pairs (DeepSeek) instead of halves
+    # MoE (engine/model/moe.py): the layers in moe_layers replace the dense MLP by routed + shared experts
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    n_shared_experts: int = 0
+    topk_method: str = ""  # one of MOE_ROUTERS
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def moe(self) -> bool:
+        """Some layers are mixture-of-experts."""
+        return bool(self.moe_layers)
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention: the KV cache holds one latent per token and layer."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one head's query and key: ``qk_nope_head_dim + qk_rope_head_dim`` (MLA), else
+        ``head_dim``."""
+        return self.qk_nope_head_dim + self.head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """KV heads a token's cache entry has per layer: 1 for MLA (the latent is shared by all heads)."""
+        return 1 if self.mla else self.num_key_value_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        """Width of one cache row. The pools keep a K and a V row per token, layer and head; MLA stores
+        its latent ``kv_lora_rank + qk_rope_head_dim`` split over the two, half in each (same bytes as
+        upstream's one-buffer MLA pool, every tier and transfer unchanged)."""
+        if self.mla:
+            return (self.kv_lora_rank + self.head_dim) // 2
+        return self.head_dim
 
     def __post_init__(self) -> None:
+        if self.moe:
+            self._check_moe()
+        if self.mla and (self.kv_lora_rank + self.head_dim) % 2:
+            raise ValueError(
+                f"kv_lora_rank {self.kv_lora_rank} + qk_rope_head_dim {self.head_dim} must be even "
+                "(the latent is stored as two half rows)"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -61,6 +123,27 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        if rope_type == "yarn" and not self.mla:  # the fused decode step computes plain RoPE angles itself
+            raise ValueError(
+                f"rope_type 'yarn' is supported for DeepSeek (MLA) models only, not {self.architecture}"
+            )
+
+    def _check_moe(self) -> None:
+        """Raise ``ValueError`` naming the field for an MoE config the router cannot run."""
+        if self.topk_method not in MOE_ROUTERS:
+            raise ValueError(f"topk_method {self.topk_method!r} is not supported (supported: {MOE_ROUTERS})")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be in [1, {self.num_experts}] "
+                "(the experts)"
+            )
+        if self.topk_method in ("group_limited_greedy", "noaux_tc") and (
+            self.n_group < 1 or self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group
+        ):
+            raise ValueError(
+                f"n_group {self.n_group} must divide the {self.num_experts} experts and topk_group "
+                f"{self.topk_group} be in [1, n_group]"
+            )
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -72,7 +155,7 @@ class ModelConfig:
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             model_type = cfg.get("model_type")
-            arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
+            arch = {a: a for a in SUPPORTED_ARCHITECTURES.values()}.get(model_type)
         if arch is None:
             raise ModelLoadError(
                 source,
@@ -97,6 +180,8 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             bias = bool(cfg.get("attention_bias", False))
+            if arch in MLA_ARCHITECTURES:
+                return cls._from_hf_mla(cfg, arch, hidden, heads, theta, scaling, eos_ids, bias, source)
             return cls(
                 architecture=arch,
                 hidden_size=hidden,
@@ -114,14 +199,59 @@ class ModelConfig:
                 attention_bias=arch == "qwen2" or bias,
                 o_proj_bias=arch == "llama" and bias,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=arch == "qwen3",
+                qk_norm=arch in ("qwen3", "qwen3_moe"),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **(_qwen3_moe_fields(cfg) if arch == "qwen3_moe" else {}),
             )
         except KeyError as exc:
             raise ModelLoadError(source, f"missing field {exc.args[0]!r}") from exc
         except (TypeError, ValueError) as exc:
             raise ModelLoadError(source, f"invalid value: {exc}") from exc
+
+    @classmethod
+    def _from_hf_mla(
+        cls,
+        cfg: dict[str, Any],
+        arch: str,
+        hidden: int,
+        heads: int,
+        theta: Any,
+        scaling: dict[str, Any] | None,
+        eos_ids: tuple[int, ...],
+        bias: bool,
+        source: str,
+    ) -> ModelConfig:
+        """A DeepSeek-V2/V3 config (transformers' ``DeepseekV2Config`` / ``DeepseekV3Config`` fields); layers
+        from ``first_k_dense_replace`` on are MoE when ``n_routed_experts`` is set."""
+        layers = int(cfg["num_hidden_layers"])
+        q_lora = cfg.get("q_lora_rank")
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,  # MLA: every head has its own k_nope / v from the latent
+            head_dim=int(cfg["qk_rope_head_dim"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            kv_lora_rank=int(cfg["kv_lora_rank"]),
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+            v_head_dim=int(cfg["v_head_dim"]),
+            # transformers: V2 always rotates pairs (complex RoPE); V3 when rope_interleave (default True)
+            rope_interleave=arch == "deepseek_v2" or bool(cfg.get("rope_interleave", True)),
+            **_deepseek_moe_fields(cfg, arch, layers),
+        )
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], source: str, tie_word_embeddings: bool) -> ModelConfig:
@@ -170,3 +300,47 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )
+
+
+def _deepseek_moe_fields(cfg: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
+    """MoE fields of a DeepSeek config: layers ``first_k_dense_replace..`` route over ``n_routed_experts``
+    with ``n_shared_experts`` beside them; V2 routes by ``topk_method`` (softmax greedy or group-limited),
+    V3 by sigmoid scores with ``e_score_correction_bias`` (upstream's ``noaux_tc``)."""
+    experts = int(cfg.get("n_routed_experts") or 0)
+    dense = int(cfg.get("first_k_dense_replace", 0))
+    if not experts or dense >= layers:
+        return {}
+    return {
+        "moe_layers": tuple(range(dense, layers)),
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "n_shared_experts": int(cfg.get("n_shared_experts") or 0),
+        "topk_method": "noaux_tc" if arch == "deepseek_v3" else str(cfg.get("topk_method") or "greedy"),
+        "n_group": int(cfg.get("n_group") or 1),
+        "topk_group": int(cfg.get("topk_group") or 1),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+    }
+
+
+def _qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MoE fields of a ``Qwen3MoeConfig``: layer i is MoE unless in ``mlp_only_layers``, when
+    ``(i + 1) % decoder_sparse_step == 0``; softmax top-k, no shared experts."""
+    experts = int(
+        cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    )  # transformers 5 writes the latter
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or ())
+    layers = int(cfg["num_hidden_layers"])
+    moe = tuple(i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0)
+    if not moe:
+        return {}
+    return {
+        "moe_layers": moe,
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "topk_method": "softmax",
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+    }

