@@ -37,7 +37,7 @@ from engine.cache.storage.registry import create_storage_backend
 from engine.cache.storage.shards import ShardedStorage, ShardMap, shard_map
 
 if TYPE_CHECKING:
-    from engine.cache.hiradix_cache import HiRadixCache
+    from engine.cache.protocols import CacheParts
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class PreparedBackend:
     name: str
     instance: HiCacheStorage
     extra: dict
-    namespace: str
+    namespace: bytes
 
     def close(self) -> None:
         self.instance.close()
@@ -90,7 +90,7 @@ class StorageAttachment:
     detached); ``backups_inflight``: L2 -> L3 backups not yet acknowledged.
     """
 
-    def __init__(self, cache: HiRadixCache) -> None:
+    def __init__(self, cache: CacheParts) -> None:
         self.cache = cache
         self.name: str | None = None
         self.backend: HiCacheStorage | None = None
@@ -203,6 +203,10 @@ class StorageAttachment:
         """This rank's storage shards for ``tp_lcm_size`` (None without it, and for replicated MLA-style KV,
         whose keys every rank and TP size shares already). Raises ``ValueError`` naming ``tp_lcm_size``."""
         cache = self.cache
+        if tp_lcm_size is not None and cache.replicated_kv:
+            logger.info(
+                "tp_lcm_size %d: no-op for replicated (MLA) KV, whose L3 keys name no rank", tp_lcm_size
+            )
         if tp_lcm_size is None or cache.replicated_kv:
             return None
         assert cache.host_pool is not None
@@ -274,6 +278,7 @@ class StorageAttachment:
             instance = controller.detach_storage()
         except RuntimeError as exc:
             raise CacheAdminError(str(exc)) from exc
+        assert instance is not None and namespace is not None, "a named backend is attached"
         self.cache.apply_storage_events(lambda op, values: values)
         self.backend = None
         return PreparedBackend(self.name, instance, dict(self.extra or {}), namespace)
@@ -320,6 +325,7 @@ class StorageAttachment:
                 self._auto_attach(auto)
 
     def _auto_detach(self, auto: AutoDetach) -> None:
+        assert self.cache.controller is not None, "auto-detach runs only with an attached backend"
         health = self.cache.controller.health
         down = health.down_for() if health is not None else None
         taken = self._stop_io("auto-detach", storage_only=True)
@@ -337,6 +343,7 @@ class StorageAttachment:
 
     def _auto_attach(self, auto: AutoDetach) -> None:
         kept = auto.kept
+        assert self.cache.controller is not None, "a detached backend was attached to this controller"
         health = self.cache.controller.health
         self.check_idle("auto re-attach")
         self.install(kept, {}, health)
@@ -441,12 +448,14 @@ class StorageAttachment:
         """Fill in missing page keys of ``node`` and its ancestors (chained from the root, whose children
         seed the chain with their salt's namespace)."""
         controller = self.cache.controller
-        assert controller is not None
+        assert controller is not None and controller.namespace is not None, "a backend is attached"
         missing = []
         while node.hash_value is None:
             missing.append(node)
+            assert node.parent is not None, f"{node}: the root has page keys (empty), so this is below it"
             node = node.parent
         for part in reversed(missing):
+            assert part.parent is not None, f"{part} is below the root, so it has a parent"
             prior = part.parent.get_last_hash_value()
             seed = salted_namespace(controller.namespace, part.salt)
             part.hash_value = page_hashes(part.key, self.cache.page_size, prior, seed)
@@ -467,6 +476,9 @@ class StorageAttachment:
         self.ensure_hashes(node)
         cache.tree.protect_host(node)
         self.backups_inflight += 1
+        assert node.parent is not None and node.host_value is not None and node.hash_value is not None, (
+            f"{node}: an attached host copy with page keys (ensure_hashes above)"
+        )
         prefix = self.prefix_keys(node.parent)
         cache.controller.backup_storage(BackupOperation(node.host_value, list(node.hash_value), node, prefix))
 

@@ -35,8 +35,10 @@ _CHOICES = {
     "l3_admission": ADMISSIONS,
 }
 # Extra-config keys HiCache consumes (popped before the dict reaches the backend) and their types.
+_EXTRA_NUMBERS: tuple[str, ...]
 _EXTRA_NUMBERS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max")
 _EXTRA_NUMBERS += ("breaker_latency_s", "breaker_open_s", "breaker_ramp_s")  # L3 breaker (storage/health.py)
+_EXTRA_KEYS: tuple[str, ...]
 _EXTRA_KEYS = ("prefetch_threshold", "breaker_failures", *_EXTRA_NUMBERS, "hicache_storage_pass_prefix_keys")
 _EXTRA_KEYS += ("l2_admission", "l3_admission")  # TinyLFU admission per lower tier
 _EXTRA_KEYS += ("auto_detach_after_s",)  # breaker not closed this long: detach L3 (storage/autodetach.py)

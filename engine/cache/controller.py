@@ -51,10 +51,10 @@ class CopyOperation:
     host_indices: torch.Tensor
     payload: list
     num_layers: int
-    after: object = None  # loads: the compute-stream mark the copies wait for (IOBackend.compute_mark)
+    after: torch.cuda.Event | None = None  # loads: the compute-stream mark to wait for (compute_mark)
     done: threading.Event = field(default_factory=threading.Event)
     layer_done: list = field(default_factory=list)
-    layer_ready: list = field(default_factory=list)  # loads: IOBackend.load_layer result per layer
+    layer_ready: list[torch.cuda.Event | None] = field(default_factory=list)  # loads: load_layer's, per layer
 
     def __post_init__(self) -> None:
         self.layer_done = [threading.Event() for _ in range(self.num_layers)]
@@ -309,6 +309,7 @@ class HiCacheController:
     # -- L2 -> L3 --------------------------------------------------------------------------------------------
     def backup_storage(self, op: BackupOperation) -> None:
         """Queue an L2 -> L3 write; acked through ``backup_acks``."""
+        assert self._backuper is not None, "storage I/O runs only while a backend is attached"
         self._backuper.put(op)
 
     def _run_backup(self, op: BackupOperation) -> None:
@@ -321,6 +322,7 @@ class HiCacheController:
     def _guarded(self, what: str, call):
         """``call()`` under the breaker: its result, or None when the breaker refused it or it raised (a
         raise is logged and counted). The outcome (errors the backend counted, latency) is recorded."""
+        assert self.backend is not None and self.health is not None, "storage I/O runs only while attached"
         if not self.health.allow():
             return None
         errors = self.backend.get_stats().get("errors", 0)
@@ -338,6 +340,7 @@ class HiCacheController:
 
     def _write_pages(self, op: BackupOperation) -> None:
         P = self.page_size
+        assert self.health is not None, "storage I/O runs only while a backend is attached"
         if not self.health.admit_backup(len(op.hash_value)):  # ramping up after a store recovery
             self.health.drop_backup(len(op.hash_value))
             return
@@ -368,6 +371,7 @@ class HiCacheController:
     # -- L3 -> L2 --------------------------------------------------------------------------------------------
     def prefetch(self, op: PrefetchOperation) -> None:
         """Queue a prefetch (its host slots are already reserved)."""
+        assert self._prefetcher is not None, "storage I/O runs only while a backend is attached"
         self._prefetcher.put(op)
 
     def _run_prefetch(self, op: PrefetchOperation) -> None:
@@ -375,6 +379,7 @@ class HiCacheController:
         did not fill) and a revoke only for a hit below the threshold, so queue lengths match on every
         rank whenever the ranks have finished the same ops."""
         P = self.page_size
+        assert self.namespace is not None, "storage I/O runs only while a backend is attached"
         seed = salted_namespace(self.namespace, op.salt)
         hashes = [] if op.terminated else page_hashes(op.token_ids, P, op.last_hash, seed)
         hit_pages = self._query_hits(op, hashes)
@@ -382,6 +387,7 @@ class HiCacheController:
         revoke = hit_tokens < self.prefetch_threshold
         with op.lock:
             op.hit_done = True
+            op.hit_tokens = hit_tokens
             if revoke or op.terminated:
                 op.terminated = True
             else:
@@ -398,9 +404,11 @@ class HiCacheController:
     def _query_hits(self, op: PrefetchOperation, hashes: list[str]) -> int:
         info = HiCacheStorageExtraInfo(prefix_keys=op.prefix_keys) if op.prefix_keys is not None else None
         hit = 0
+        backend = self.backend
+        assert backend is not None, "storage I/O runs only while a backend is attached"
         for start in range(0, len(hashes), STORAGE_BATCH_SIZE):
             batch = hashes[start : start + STORAGE_BATCH_SIZE]
-            found = self._guarded("hit query", lambda batch=batch: self.backend.batch_exists(batch, info))
+            found = self._guarded("hit query", lambda batch=batch: backend.batch_exists(batch, info))
             hit += found or 0
             if not found or found < len(batch):
                 break
@@ -438,6 +446,7 @@ class HiCacheController:
     def _read_generic(self, keys: list[str], slots: torch.Tensor) -> list[bool]:
         firsts = slots[:: self.page_size].tolist()
         scratch = [self.host_pool.get_flat_data_page(int(s)) for s in firsts]
+        assert self.backend is not None, "storage I/O runs only while a backend is attached"
         pages = self.backend.batch_get(keys, scratch)
         results = []
         for first, page in zip(firsts, pages, strict=True):

@@ -4,7 +4,8 @@ Follows SGLang's ``MHATokenToKVPool``: slot ``s`` of layer ``l`` holds the key/v
 ``k_buffer[l][s]`` with shape ``(num_kv_heads, head_dim)``. Slots ``[0, page_size)`` are a padding page
 that is never handed out, so a slot index of 0 can be used for padded positions. With a quantized
 ``kv_cache_dtype`` a slot holds encoded rows (``engine/cache/kv_format.py``): ``(num_kv_heads, row_dim)``
-of ``uint8``, values and scale together.
+of ``uint8``, values and scale together. An MLA model (DeepSeek) has one head whose K and V rows are the two
+halves of its per-token latent (``engine/model/attention/mla.py``).
 """
 
 from __future__ import annotations

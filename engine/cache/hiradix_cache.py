@@ -35,6 +35,7 @@ from engine.cache.controller import (
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool, host_pool_tokens
 from engine.cache.io_backends import get_io_backend, resolve_layout
+from engine.cache.misses import EvictionRecord, PrefetchOutcome
 from engine.cache.policy import LOAD_BACK_THRESHOLD, CachePolicy
 from engine.cache.prefetcher import Prefetcher
 from engine.cache.radix_tree import HiRadixTree, TreeNode
@@ -72,6 +73,7 @@ class InsertResult(NamedTuple):
         """The L1 slots of the whole inserted key (int64, page-aligned length), top down."""
         node, values = self.last_node, []
         while node.parent is not None:
+            assert node.value is not None, f"{node}: every node above an insert's last node is on device"
             values.append(node.value)
             node = node.parent
         return torch.cat(values[::-1]) if values else _EMPTY
@@ -134,7 +136,9 @@ class HiRadixCache:
             l3_admission=config.l3_admission,
             caps=tenant_caps,
         )
-        self._stats = CacheStats()
+        self.counters = CacheStats()  # added to, never replaced (the stats property refreshes gauges)
+        self.eviction_record: EvictionRecord | None = None
+        self.miss_attribution = True
         self.host_pool: HostKVPool | None = None
         self.controller: HiCacheController | None = None
         self._ids = itertools.count()
@@ -159,8 +163,8 @@ class HiRadixCache:
         self.reduce = reduce or make_reduce(tp_size)
         reduce_io = make_reduce(tp_size) if reduce is None and tp_size > 1 else self.reduce
         io = get_io_backend(io_backend)(device_pool, self.host_pool)
-        self.controller = HiCacheController(io, self.host_pool, self._stats, self.reduce, reduce_io)
-        self._stats.host_total_tokens = self.host_pool.size
+        self.controller = HiCacheController(io, self.host_pool, self.counters, self.reduce, reduce_io)
+        self.counters.host_total_tokens = self.host_pool.size
         if config.storage_backend:
             try:
                 self.storage.install(self.storage.prepare(config.storage_backend, config.extra_config), {})
@@ -190,14 +194,29 @@ class HiRadixCache:
             self.tree.eviction_policy = config.eviction_policy
 
     @property
+    def miss_attribution(self) -> bool:
+        """Whether evicted pages are recorded and admitted requests' misses attributed (on by default;
+        :mod:`engine.cache.misses`). Turning it off forgets the record."""
+        return self.eviction_record is not None
+
+    @miss_attribution.setter
+    def miss_attribution(self, on: bool) -> None:
+        if on != self.miss_attribution:
+            self.eviction_record = EvictionRecord() if on else None
+        self.policy.eviction_record = self.eviction_record
+
+    @property
     def stats(self) -> CacheStats:
         """Counters (host-pool and queue-length gauges refreshed on read)."""
         if self.host_pool is not None:
-            self._stats.host_used_tokens = self.host_pool.used_size()
-            self._stats.backend_errors = self.controller.backend_errors()
+            self.counters.host_used_tokens = self.host_pool.used_size()
+            assert self.controller is not None, "set with the host pool"
+            self.counters.backend_errors = self.controller.backend_errors()
+        if self.eviction_record is not None:
+            self.counters.miss_record_forgotten_pages = self.eviction_record.forgotten
         for name, value in self.inflight_io().items():
-            setattr(self._stats, f"inflight_{name}", value)
-        return self._stats
+            setattr(self.counters, f"inflight_{name}", value)
+        return self.counters
 
     @property
     def write_through_threshold(self) -> int:
@@ -215,7 +234,8 @@ class HiRadixCache:
     def dec_lock_ref(self, node: TreeNode) -> int:
         return self.tree.dec_lock_ref(node)
 
-    def _key(self, token_ids) -> list[int]:
+    def page_key(self, token_ids) -> list[int]:
+        """``token_ids`` (a list or 1-D tensor) as a list cut to whole pages."""
         key = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
         return key[: len(key) // self.page_size * self.page_size]
 
@@ -223,7 +243,7 @@ class HiRadixCache:
     def match_prefix(self, token_ids, salt: str | None = None) -> MatchResult:
         """Longest cached prefix of ``token_ids`` in key space ``salt`` (page-granular; may split a node;
         moves no data)."""
-        m = self.policy.match(self._key(token_ids), salt)
+        m = self.policy.match(self.page_key(token_ids), salt)
         values = m.device_values
         device_indices = torch.cat(values) if values else _EMPTY
         return MatchResult(device_indices, m.last_device_node, m.last_host_node, m.host_hit_length)
@@ -239,7 +259,7 @@ class HiRadixCache:
         (not counted as present). ``chunked=True`` (a partial chunk) bumps no hit counts. Raises
         ``ValueError`` when ``device_indices`` is shorter than the page-aligned key or not page-aligned.
         """
-        key = self._key(token_ids)
+        key = self.page_key(token_ids)
         n = len(key)
         if n == 0:
             return InsertResult(0, self.tree.root)
@@ -284,9 +304,11 @@ class HiRadixCache:
         self.device_allocator.free(slots)
 
     def alloc_host(self, units: int) -> torch.Tensor | None:
+        assert self.host_pool is not None, "the policy moves data to L2 only when hierarchical"
         return self.host_pool.alloc(units)
 
     def free_host(self, slots: torch.Tensor) -> None:
+        assert self.host_pool is not None, "the policy moves data to L2 only when hierarchical"
         self.host_pool.free(slots)
 
     def write_to_host(self, node: TreeNode) -> None:
@@ -295,12 +317,16 @@ class HiRadixCache:
         node.pending_write = wid
         self.tree.inc_lock_ref(node)
         self._ongoing_write[wid] = node
+        assert self.controller is not None, "the policy moves data to L2 only when hierarchical"
+        assert node.value is not None and node.host_value is not None, f"{node}: on device, host slots given"
         self.controller.write(node.value, node.host_value, [wid])
 
     def copy_to_host(self, node: TreeNode) -> None:
         """Synchronous L1 -> L2 copy (write-back), then the L3 backup when a backend is on."""
+        assert self.controller is not None, "the policy moves data to L2 only when hierarchical"
+        assert node.value is not None and node.host_value is not None, f"{node}: on device, host slots given"
         self.controller.io.backup(node.value, node.host_value)
-        self._stats.add(bytes_d2h=len(node.host_value) * self.device_pool.bytes_per_token)
+        self.counters.add(bytes_d2h=len(node.host_value) * self.device_pool.bytes_per_token)
         if self.storage.backend is not None and self.policy.admit_to_l3(node):
             self.storage.backup(node)
 
@@ -311,8 +337,11 @@ class HiRadixCache:
         self.tree.inc_lock_ref(deepest)
         lid = next(self._ids)
         self._ongoing_load[lid] = deepest
-        self.controller.load(device, torch.cat([n.host_value for n in chain]), [lid])
-        self._stats.add(load_back_tokens=len(device))
+        assert self.controller is not None, "the policy loads from L2 only when hierarchical"
+        hosts = [n.host_value for n in chain if n.host_value is not None]
+        assert len(hosts) == len(chain), "a loaded chain is host-backed"
+        self.controller.load(device, torch.cat(hosts), [lid])
+        self.counters.add(load_back_tokens=len(device))
 
     def node_added(self, node: TreeNode) -> None:
         if self.storage.backend is not None:
@@ -324,11 +353,11 @@ class HiRadixCache:
 
     def evicted(self, tier: str, units: int, seconds: float) -> None:
         if tier == "host":
-            self._stats.add(evicted_host_tokens=units)
+            self.counters.add(evicted_host_tokens=units)
             return
-        self._stats.add(evicted_tokens=units)
+        self.counters.add(evicted_tokens=units)
         if units:
-            self._stats.observe("eviction_duration_seconds", seconds)
+            self.counters.observe("eviction_duration_seconds", seconds)
         logger.debug("evicted %d device tokens in %.3f ms", units, 1e3 * seconds)
 
     def _on_write_ack(self, wid: int) -> None:
@@ -338,6 +367,7 @@ class HiRadixCache:
         while walk is not self.tree.root and walk.pending_write == wid:
             walk.pending_write = None
             covered.append(walk)
+            assert walk.parent is not None, f"{walk} is below the root, so it has a parent"
             walk = walk.parent
         self.tree.dec_lock_ref(node)
         if self.storage.backend is not None:
@@ -357,11 +387,15 @@ class HiRadixCache:
 
     # -- L3 -> L2 prefetch (the prefetcher's state) ----------------------------------------------------------
     def prefetch_from_storage(
-        self, rid: str, last_host_node: TreeNode, new_token_ids, salt: str | None = None
+        self, rid: str, last_host_node: TreeNode, new_token_ids, salt: str | None = None, start: int = 0
     ) -> None:
-        """Start fetching ``new_token_ids`` (following ``last_host_node``, key space ``salt``) from L3
-        (``Prefetcher.start``)."""
-        self.prefetcher.start(rid, last_host_node, new_token_ids, salt)
+        """Start fetching ``new_token_ids`` (following ``last_host_node``, key space ``salt``, from prompt
+        position ``start``) from L3 (``Prefetcher.start``)."""
+        self.prefetcher.start(rid, last_host_node, new_token_ids, salt, start)
+
+    def pop_prefetch_outcome(self, rid: str) -> PrefetchOutcome | None:
+        """What ``rid``'s L3 prefetch did, for its miss attribution (None: none considered); forgets it."""
+        return self.prefetcher.pop_outcome(rid)
 
     def check_prefetch_progress(self, rid: str) -> bool:
         """Whether ``rid`` may be scheduled; commits what arrived when it may (``Prefetcher.progress``)."""
@@ -394,14 +428,16 @@ class HiRadixCache:
     def apply_storage_events(self, reduce: Reduce) -> None:
         """Process the storage threads' events (revoked prefetches, finished backups, released host slots),
         counted by every rank through ``reduce``."""
+        assert self.controller is not None and self.host_pool is not None, "storage runs only with L2"
         for event in self.controller.storage_events(reduce):
             if isinstance(event, PrefetchRevoked):
                 if self.prefetcher.revoked(event.op):
-                    self._stats.add(prefetch_revoked=1)
+                    self.counters.add(prefetch_revoked=1)
             elif isinstance(event, BackupDone):
+                assert isinstance(event.op.payload, TreeNode), "a backup pins its node's host copy"
                 self.tree.release_host(event.op.payload)
                 self.storage.backups_inflight -= 1
-                self._stats.add(backuped_tokens=event.op.completed_tokens)
+                self.counters.add(backuped_tokens=event.op.completed_tokens)
             else:
                 self.host_pool.free(event.slots)
 
@@ -489,6 +525,7 @@ class HiRadixCache:
             for rid in list(self.prefetcher.ongoing):
                 self.prefetcher.abort(rid)
             self.drain_io()
+            assert self.host_pool is not None, "set with the controller"
             self.host_pool.reset()
         self._ongoing_write.clear()
         self._ongoing_load.clear()

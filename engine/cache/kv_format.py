@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sizing.kv import SCALE_BYTES, resolve_kv_cache_dtype
+from engine.cache.kv_dtypes import SCALE_BYTES, resolve_kv_cache_dtype
 
 _FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _PLAIN = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

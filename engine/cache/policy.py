@@ -18,8 +18,11 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+import torch
+
 from engine.cache.admission import ADMISSIONS, L3_MIN_ESTIMATE, FrequencySketch, page_ids, salt_seed
 from engine.cache.config import WRITE_POLICIES
+from engine.cache.misses import EvictionRecord
 from engine.cache.radix_tree import HiRadixTree, TreeNode
 from engine.cache.tenant_caps import TenantCaps, salt_owner
 
@@ -28,18 +31,20 @@ LOAD_BACK_THRESHOLD = 10  # tokens; smaller L2 hits are recomputed
 
 class TierExecutor(Protocol):
     """Moves the data :class:`CachePolicy` decides on. Allocators return None when full (the policy evicts
-    and retries); copies never fail (a failed copy is the executor's to report)."""
+    and retries); copies never fail (a failed copy is the executor's to report). Slots are typed as the
+    live cache's (int64 tensors of pool slots, as :class:`TreeNode` stores them); the what-if replay passes
+    ``range`` objects, which have the only operations the policy and the tree use (``len``, slicing)."""
 
-    def alloc_device(self, units: int) -> Sequence | None:
+    def alloc_device(self, units: int) -> torch.Tensor | None:
         """``units`` free device slots, or None."""
 
-    def free_device(self, slots: Sequence) -> None:
+    def free_device(self, slots: torch.Tensor) -> None:
         """Return device slots (an evicted node's ``value``)."""
 
-    def alloc_host(self, units: int) -> Sequence | None:
+    def alloc_host(self, units: int) -> torch.Tensor | None:
         """``units`` free host slots, or None (without evicting: the policy does that)."""
 
-    def free_host(self, slots: Sequence) -> None:
+    def free_host(self, slots: torch.Tensor) -> None:
         """Return host slots (a removed node's ``host_value``, or fetched duplicates)."""
 
     def write_to_host(self, node: TreeNode) -> None:
@@ -48,7 +53,7 @@ class TierExecutor(Protocol):
     def copy_to_host(self, node: TreeNode) -> None:
         """Copy ``node.value`` to its new ``node.host_value`` now (write-back eviction)."""
 
-    def load_to_device(self, chain: list[TreeNode], device: Sequence) -> None:
+    def load_to_device(self, chain: list[TreeNode], device: torch.Tensor) -> None:
         """Copy the host copies of ``chain`` (top down) into ``device``, already assigned to the nodes."""
 
     def node_added(self, node: TreeNode) -> None:
@@ -91,7 +96,9 @@ class CachePolicy:
     ``hierarchical``: an L2 exists (write-through, write-back and load-back happen only then).
     ``write_policy``: one of :data:`WRITE_POLICIES` (may change at runtime). ``unit_tokens``: tokens per
     tree unit. ``eviction_log``: when a list, every evicted node is appended as ``(tier, node id, units)``
-    with tier ``"device"`` or ``"host"``, in eviction order. ``l2_admission`` / ``l3_admission``: ``none``
+    with tier ``"device"`` or ``"host"``, in eviction order. ``eviction_record``: when set, the pages of
+    every node that leaves the cache (L1 without an L2 copy, or L2) are recorded there with the eviction
+    policy (:mod:`engine.cache.misses`). ``l2_admission`` / ``l3_admission``: ``none``
     or ``tinylfu`` (``engine/cache/admission.py``; may change at runtime): whether a node earns an L2 copy
     when L2 is full, an L3 backup, an L3 prefetch.
     """
@@ -123,6 +130,8 @@ class CachePolicy:
         self.write_policy = write_policy
         self.unit_tokens = unit_tokens
         self.eviction_log: list[tuple[str, int, int]] | None = None
+        self.eviction_record: EvictionRecord | None = None  # the live cache's, for miss attribution
+        self.prefetch_refusal = ""  # why the last reserve_prefetch returned None (a miss cause)
         self.caps = caps or TenantCaps()
 
     @property
@@ -142,18 +151,20 @@ class CachePolicy:
         node = deepest = path[-1] if path else root
         host_hit = 0
         while node.value is None:
+            assert node.host_value is not None and node.parent is not None, f"{node}: evicted, so host-backed"
             host_hit += len(node.host_value)
             node = node.parent
         last_device = node
         node = deepest
         while node.host_value is None:
+            assert node.parent is not None, f"{node} is below the root, so it has a parent"
             node = node.parent
         return TierMatch(values, last_device, node, host_hit)
 
     def insert(
         self,
         key: list,
-        value: Sequence,
+        value: torch.Tensor,
         count_hits: bool = True,
         salt: str | None = None,
         priority: int = 0,
@@ -218,6 +229,7 @@ class CachePolicy:
             return True
         owner, cap = capped
         pages = len(node.key) // self.tree.page_size
+        assert cap.l3_pages is not None, "an uncapped owner returned above"
         if self.caps.l3_pages[owner] + pages > cap.l3_pages:
             self.caps.l3_skipped_pages[owner] += pages
             return False
@@ -243,7 +255,7 @@ class CachePolicy:
             self.write_backup(node)
 
     # -- L1 -> L2 --------------------------------------------------------------------------------------------
-    def alloc_host(self, units: int) -> Sequence | None:
+    def alloc_host(self, units: int) -> torch.Tensor | None:
         """Host slots for ``units``, evicting host-only leaves once when short; None when still full."""
         slots = self.executor.alloc_host(units)
         if slots is None:
@@ -260,12 +272,14 @@ class CachePolicy:
         as a leaf, and without this its first pages would never reach L3 and no L3 chain could match.
         """
         parent = node.parent
+        assert parent is not None, f"{node} is attached to the tree"
         if parent is not self.tree.root and parent.host_value is None:
             if not write_back:
                 return False
             missing = []
             while parent is not self.tree.root and parent.host_value is None:
                 missing.append(parent)
+                assert parent.parent is not None, f"{parent} is below the root, so it has a parent"
                 parent = parent.parent
             for ancestor in reversed(missing):
                 if not self._give_host_copy(ancestor, now=True):
@@ -305,6 +319,7 @@ class CachePolicy:
         if capped is None or capped[1].l2_tokens is None:
             return True
         owner, cap = capped
+        assert cap.l2_tokens is not None, "an uncapped owner returned above"
         limit = cap.l2_tokens // self.unit_tokens
         over = self.tree.host_units.get(owner, 0) + units - limit
         if over > 0:
@@ -328,19 +343,20 @@ class CachePolicy:
         victims = tree.pop_victims(host=False)
         try:
             for node in victims:
+                assert node.value is not None, f"{node}: device victims are on device"
                 length = len(node.key)
                 if node.host_value is not None:
                     free(node.value)
                     tree.set_device(node, None)
                 elif not self.hierarchical or (self.write_policy != "write_back" and not node.children):
                     free(node.value)
-                    tree.remove_leaf(node)
+                    self._forget(node, "device")
                 elif self.write_backup(node, write_back=True):
                     free(node.value)
                     tree.set_device(node, None)
                 elif self._refused and not node.children:  # L2 admission said no: dropped, not kept
                     free(node.value)
-                    tree.remove_leaf(node)
+                    self._forget(node, "device")
                 else:
                     continue
                 if log is not None:
@@ -352,6 +368,12 @@ class CachePolicy:
             victims.close()
         self.executor.evicted("device", freed, time.perf_counter() - start)
         return freed
+
+    def _forget(self, node: TreeNode, tier: str) -> None:
+        """Remove the evicted leaf ``node`` (its slots already freed), recording its pages first."""
+        if self.eviction_record is not None:
+            self.eviction_record.add(self.tree, node, tier, self.tree.eviction_policy)
+        self.tree.remove_leaf(node)
 
     def evict_host(self, units: int, owner: str | None = None) -> int:
         """Free at least ``units`` host slots by removing host-only leaves (L3 copies stay); returns freed.
@@ -365,11 +387,12 @@ class CachePolicy:
             for node in victims:
                 if owner is not None and salt_owner(node.salt) != owner:
                     continue
+                assert node.host_value is not None, f"{node}: host victims have a host copy"
                 self.executor.free_host(node.host_value)
                 freed += len(node.key)
                 if self.eviction_log is not None:
                     self.eviction_log.append(("host", node.id, len(node.key)))
-                self.tree.remove_leaf(node)
+                self._forget(node, "host")
                 if freed >= units:
                     break
         finally:
@@ -378,7 +401,7 @@ class CachePolicy:
         return freed
 
     # -- L2 -> L1 --------------------------------------------------------------------------------------------
-    def load_back(self, last_host_node: TreeNode) -> tuple[Sequence | None, TreeNode]:
+    def load_back(self, last_host_node: TreeNode) -> tuple[torch.Tensor | None, TreeNode]:
         """Load the evicted chain ending at ``last_host_node`` into L1, all or nothing.
 
         Returns (new device slots, deepest loaded node), or (None, deepest device-resident ancestor) when
@@ -392,10 +415,11 @@ class CachePolicy:
             if node.host_value is None:
                 raise ValueError(f"{node} is neither on device nor on host")
             chain.append(node)
+            assert node.parent is not None, f"{node} is below the root, so it has a parent"
             node = node.parent
         ancestor = node
         chain.reverse()
-        total = sum(len(n.host_value) for n in chain)
+        total = sum(len(n.host_value) for n in chain if n.host_value is not None)  # all: checked above
         if not self.hierarchical or total * self.unit_tokens < LOAD_BACK_THRESHOLD:
             return None, ancestor
         # The eviction may copy victims to L2 and so evict host leaves: pin the chain (its deepest node
@@ -412,6 +436,7 @@ class CachePolicy:
             return None, ancestor
         offset = 0
         for part in chain:
+            assert part.host_value is not None, f"{part}: checked when the chain was collected"
             length = len(part.host_value)
             self.tree.set_device(part, device[offset : offset + length])
             offset += length
@@ -428,7 +453,7 @@ class CachePolicy:
         host_capacity: float,
         key: Sequence | None = None,
         salt: str | None = None,
-    ) -> Sequence | None:
+    ) -> torch.Tensor | None:
         """Host slots for prefetching ``units`` following ``anchor`` from L3, with ``anchor``'s host copy
         pinned until :meth:`end_prefetch`; or None (nothing held).
 
@@ -436,18 +461,23 @@ class CachePolicy:
         ``occupied`` >= half of ``host_capacity`` tokens, when the host pool has no room, or (L3 admission
         ``tinylfu``, ``key`` the units to fetch in key space ``salt``) when the first page to fetch was asked
         for less than twice, or when the tenant's L2 cap has no room for ``units`` after evicting its own
-        pages (the reserved slots count against the cap once committed).
+        pages (the reserved slots count against the cap once committed). A refusal leaves its miss cause
+        (:data:`engine.cache.misses.MISS_CAUSES`) in ``prefetch_refusal``.
         """
+        self.prefetch_refusal = "l3_below_threshold"
         if anchor.host_value is None or units * self.unit_tokens < threshold:
             return None
+        self.prefetch_refusal = "over_capacity"
         if occupied >= host_capacity // 2:
             return None
+        self.prefetch_refusal = "l3_not_admitted"
         if self.l3_admission != "none" and key is not None and self._estimate(anchor, list(key), salt) < 2:
             return None
         self.tree.protect_host(anchor)
         if not self.room_under_cap(anchor.salt if anchor is not self.tree.root else salt, units):
             self.tree.release_host(anchor)
             return None
+        self.prefetch_refusal = "over_capacity"
         host = self.alloc_host(units)
         if host is None:
             self.tree.release_host(anchor)
@@ -457,7 +487,7 @@ class CachePolicy:
         self,
         anchor: TreeNode,
         key: list,
-        slots: Sequence,
+        slots: torch.Tensor,
         hashes: list | None = None,
         salt: str | None = None,
     ) -> int:

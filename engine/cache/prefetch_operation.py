@@ -32,6 +32,7 @@ class PrefetchOperation:
     terminated: bool = False
     failed: bool = False
     hit_done: bool = False
+    hit_tokens: int = 0  # the hit query's answer (tokens, MIN over ranks), also when it revoked the op
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def increment(self, tokens: int) -> bool:

@@ -15,10 +15,18 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from engine.cache.admin import StorageAttachment
     from engine.cache.allocator import PageAllocator
+    from engine.cache.config import HiCacheConfig
+    from engine.cache.controller import HiCacheController
     from engine.cache.device_pool import DeviceKVPool
     from engine.cache.hiradix_cache import InsertResult, MatchResult
+    from engine.cache.host_pool import HostKVPool
+    from engine.cache.misses import EvictionRecord, PrefetchOutcome
+    from engine.cache.policy import CachePolicy
     from engine.cache.radix_tree import HiRadixTree, TreeNode
+    from engine.cache.ranks import Reduce
+    from engine.cache.stats import CacheStats
 
 
 class PrefixCache(Protocol):
@@ -34,6 +42,18 @@ class PrefixCache(Protocol):
     device_pool: DeviceKVPool
     device_allocator: PageAllocator
     tree: HiRadixTree
+    eviction_record: EvictionRecord | None  # pages that left the cache, for miss attribution (None: off)
+    storage: StorageAttachment  # the L3 attachment (its ``health()`` for the state snapshot)
+
+    @property
+    def stats(self) -> CacheStats:
+        """The cache's counters (host-pool and queue-length gauges refreshed on read)."""
+
+    def storage_status(self) -> dict:
+        """Live HiCache storage settings under SGLang's names."""
+
+    def tenant_usage(self) -> dict[str, dict]:
+        """Per capped tenant: caps, L2 tokens held, L3 pages sent and what the caps did (empty without)."""
 
     def match_prefix(self, token_ids, salt: str | None = None) -> MatchResult:
         """Longest cached prefix of ``token_ids`` cut to whole pages: its L1 slots, the tokens after them
@@ -68,10 +88,10 @@ class PrefixCache(Protocol):
         """L1 tokens in unlocked nodes."""
 
     def prefetch_from_storage(
-        self, rid: str, last_host_node: TreeNode, new_token_ids, salt: str | None = None
+        self, rid: str, last_host_node: TreeNode, new_token_ids, salt: str | None = None, start: int = 0
     ) -> None:
-        """Start fetching ``new_token_ids`` (the tokens after ``last_host_node``) from L3 into L2 for request
-        ``rid``; a no-op without L3 or below the prefetch threshold."""
+        """Start fetching ``new_token_ids`` (the tokens after ``last_host_node``, from prompt position
+        ``start``) from L3 into L2 for request ``rid``; a no-op without L3 or below the prefetch threshold."""
 
     def check_prefetch_progress(self, rid: str) -> bool:
         """Whether ``rid`` may be admitted under the prefetch policy (True without a prefetch); when it
@@ -79,6 +99,9 @@ class PrefixCache(Protocol):
 
     def pop_prefetch_loaded_tokens(self, rid: str) -> int:
         """Tokens ``rid``'s committed prefetch brought from L3 (0 if none); forgets them."""
+
+    def pop_prefetch_outcome(self, rid: str) -> PrefetchOutcome | None:
+        """What ``rid``'s L3 prefetch did (None: none was considered); forgets it."""
 
     def release_aborted_request(self, rid: str) -> None:
         """Stop ``rid``'s prefetch and free what it holds (idempotent)."""
@@ -103,3 +126,38 @@ class PrefixCache(Protocol):
 
     def close(self) -> None:
         """Stop the I/O threads and the storage backend."""
+
+
+class CacheParts(Protocol):
+    """What the cache's own helpers (the prefetcher, the L3 attachment) use of the cache that owns them: its
+    parts and identity, never its internals. :class:`engine.cache.hiradix_cache.HiRadixCache` has them.
+    ``host_pool`` and ``controller`` are None without HiCache; ``counters`` are the cache's live counters
+    (added to, never replaced); setting ``config`` applies the settings to the policy and the tree."""
+
+    page_size: int
+    tree: HiRadixTree
+    policy: CachePolicy
+    device_pool: DeviceKVPool
+    host_pool: HostKVPool | None
+    controller: HiCacheController | None
+    storage: StorageAttachment
+    counters: CacheStats
+    config: HiCacheConfig
+    reduce: Reduce
+    model_name: str
+    kv_producer: str
+    tp_rank: int
+    tp_size: int
+    kv_shard: tuple[int, int]
+    kv_writer: bool
+    replicated_kv: bool
+
+    def page_key(self, token_ids) -> list[int]:
+        """``token_ids`` (a list or 1-D tensor) as a list cut to whole pages."""
+
+    def inflight_io(self) -> dict[str, int]: ...
+
+    def is_io_idle(self) -> bool: ...
+
+    def apply_storage_events(self, reduce: Reduce) -> None:
+        """Apply the L3 backups' acknowledgements, agreeing across ranks with ``reduce``."""

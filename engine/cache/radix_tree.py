@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import torch
 
@@ -74,6 +74,7 @@ class TreeNode:
         "priority",
         "l3_deferred",
         "frequent",
+        "chain",
     )
 
     def __init__(
@@ -87,15 +88,16 @@ class TreeNode:
         self.hash_value: list[str] | None = None
         self.lock_ref = 0
         self.host_ref_counter = 0
-        self.hit_count = 0
-        self.last_access_time = now
-        self.creation_time = now
+        self.hit_count: int = 0
+        self.last_access_time: int = now
+        self.creation_time: int = now
         self.id = node_id
         self.pending_write: int | None = None
-        self.priority = 0  # the highest request priority that inserted it (the ``priority`` policy)
+        self.priority: int = 0  # the highest request priority that inserted it (the ``priority`` policy)
         self.l3_deferred = False  # L3 admission refused its backup; a later hit may admit it
         self.salt = salt  # the key space (cache_salt) of every request that shares this node
         self.frequent = False  # arc's T2: passed by a second request, or back from a ghost list
+        self.chain: int | None = None  # prefix-chained page id after its last page (engine/cache/misses.py)
 
     @property
     def evicted(self) -> bool:
@@ -299,7 +301,7 @@ class HiRadixTree:
             if m < len(child.key):
                 child = self.split(child, m)
             child.last_access_time = now
-            if self._eviction_policy == "mru":  # its priority fell: a fresh entry at the new one
+            if self._falling:  # its priority fell (mru, an offline priority): a fresh entry at the new one
                 self.push_device_candidate(child)
                 self.push_host_candidate(child)
             path.append(child)
@@ -322,6 +324,7 @@ class HiRadixTree:
                 f"split at {n} of a {len(child.key)}-token node is not on an inner page boundary"
             )
         parent = child.parent
+        assert parent is not None, f"split of {child}: only attached non-root nodes are matched"
         upper = TreeNode(next(self._ids), child.key[:n], parent, child.creation_time, child.salt)
         upper.last_access_time = child.last_access_time
         upper.lock_ref = child.lock_ref
@@ -342,6 +345,9 @@ class HiRadixTree:
         upper.children[self.child_key(child.key, 0, child.salt)] = child
         child.parent = upper
         self.num_nodes += 1
+        if self._falling:  # an offline priority keys on the node's first page, which just moved
+            self.push_device_candidate(child)
+            self.push_host_candidate(child)
         return upper
 
     def add_leaf(
@@ -381,6 +387,7 @@ class HiRadixTree:
             self._account_host(node, -len(node.host_value))
             self._leave(node, host=True)
         parent = node.parent
+        assert parent is not None, f"{node} is not the root, so it is attached"
         del parent.children[self.child_key(node.key, 0, node.salt)]
         node.parent = None
         self.num_nodes -= 1
@@ -405,6 +412,7 @@ class HiRadixTree:
             self.arc[0].enter(node.frequent, len(node.key))
             self.push_device_candidate(node)
         else:
+            assert node.parent is not None, f"{node}: only attached nodes hold device slots"
             self.push_device_candidate(node.parent)
             self.push_host_candidate(node)
 
@@ -436,6 +444,7 @@ class HiRadixTree:
             self.push_host_candidate(node)
 
     def _ghost_key(self, node: TreeNode) -> tuple:
+        assert node.parent is not None, f"{node}: ghosts are keyed by attached nodes"
         return node.parent.id, self.child_key(node.key, 0, node.salt)
 
     def _leave(self, node: TreeNode, host: bool) -> None:
@@ -479,6 +488,7 @@ class HiRadixTree:
                 self.protected_size += len(node.key)
                 delta -= len(node.key)
             node.lock_ref += 1
+            assert node.parent is not None, f"{node} is below the root, so it has a parent"
             node = node.parent
         return delta
 
@@ -496,6 +506,7 @@ class HiRadixTree:
                     delta += len(node.key)
                 self.push_device_candidate(node)
                 self.push_host_candidate(node)
+            assert node.parent is not None, f"{node} is below the root, so it has a parent"
             node = node.parent
         return delta
 
@@ -520,11 +531,21 @@ class HiRadixTree:
         """Switching policy (at runtime, idle-gated) re-keys the heaps; arc starts with no ghosts."""
         self._eviction_policy = name
         self._priority = EVICTION_PRIORITY[name]
+        self._falling = name == "mru"
         if hasattr(self, "_heaps"):
             for host in (False, True):
                 self._rekey(host)
                 self.arc[host].clear_ghosts()
                 self.arc[host].p = 0
+
+    def use_offline_priority(self, priority: Callable[[TreeNode], object]) -> None:
+        """The what-if's offline optimum only (:mod:`engine.whatif.belady`): evict by ``priority`` (smallest
+        first) instead of the policy's, a priority that may fall at each access as mru's does (every walk
+        pushes a fresh entry). Re-keys the heaps; no live worker calls it (it needs the future)."""
+        self._priority = priority
+        self._falling = True
+        for host in (False, True):
+            self._rekey(host)
 
     def priority(self, node: TreeNode):
         return self._priority(node)
@@ -612,7 +633,7 @@ class HiRadixTree:
                 return segment, node
         return None
 
-    def pop_victims(self, host: bool) -> Iterator[TreeNode]:
+    def pop_victims(self, host: bool) -> Generator[TreeNode, None, None]:
         """Yield eviction candidates in priority order (device leaves, or host leaves when ``host``).
 
         The consumer evicts or removes each yielded node (which may make its parent a candidate); a node
@@ -654,5 +675,6 @@ class HiRadixTree:
         path = []
         while node is not self.root:
             path.append(node)
+            assert node.parent is not None, f"{node} is below the root, so it has a parent"
             node = node.parent
         return path

@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field, fields
 
 # SGLang's buckets per histogram (metric name without the ``sglang:`` prefix; docs/upstream.md H9).
+_DURATION_BUCKETS: tuple[float, ...]
 _DURATION_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.02, 0.03, 0.04)
 _DURATION_BUCKETS += (0.05, 0.1, 0.2, 0.5, 1.0)
 _BANDWIDTH_BUCKETS = (0.1, 0.5, 1, 5, 10, 50, 100)
@@ -78,6 +79,7 @@ class CacheStats:
     backend_errors: int = 0
     host_used_tokens: int = 0  # sglang:hicache_host_used_tokens
     host_total_tokens: int = 0  # sglang:hicache_host_total_tokens
+    miss_record_forgotten_pages: int = 0  # sglang:miss_record_forgotten_pages_total (engine/cache/misses.py)
     inflight_writes: int = 0  # queue lengths (gauges): L1->L2 copies not yet acknowledged
     inflight_loads: int = 0  # L2->L1 loads queued or running
     inflight_prefetches: int = 0  # L3->L2 prefetches not yet committed, aborted or freed

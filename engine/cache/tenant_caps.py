@@ -62,7 +62,7 @@ class TenantCaps:
         """``(owner, cap)`` for a salt whose owner has a cap, else None."""
         owner = salt_owner(salt)
         cap = self.caps.get(owner) if owner is not None else None
-        return None if cap is None else (owner, cap)
+        return None if cap is None or owner is None else (owner, cap)
 
     def reset_l3(self) -> None:
         """A new or cleared L3: nothing sent to it yet."""

@@ -4,8 +4,11 @@ Replays a Mooncake-format trace through :class:`engine.whatif.replay.ReplayCache
 (the cross product of the ``--l1-tokens`` / ``--l2-tokens`` / ``--l3-tokens`` lists) and prints per tier
 tokens served, share of input tokens, pages moved, bytes moved and an estimated TTFT saving, after one
 line with the trace's ceiling (the share an unbounded cache serves); ``--json`` prints one JSON object
-per point instead, each with the ceiling as ``ceiling_share``. Exit status 2 with a message naming the
-flag on bad input.
+per point instead, each with the ceiling as ``ceiling_share``. ``--optimum`` replays each point a second
+time with Belady's MIN (:mod:`engine.whatif.belady`: the offline optimum at that capacity) and reports it
+beside the policy, with the gap to the ceiling split into what no policy keeps and what a better one would
+(``--eviction belady`` replays the optimum alone). Exit status 2 with a message naming the flag on bad
+input.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import time
 
 from engine.cache.config import ADMISSIONS, EVICTION_POLICIES, WRITE_POLICIES
+from engine.whatif.belady import OPTIMUM
 from engine.whatif.costs import Costs, measure_l2_bandwidth, measure_l3_bandwidth, measure_prefill
 from engine.whatif.replay import Capacities, ceiling_share, replay_trace
 from engine.whatif.report import ceiling_line, point_result, text_lines
@@ -94,7 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of --l2-tokens: L2 = this x each L1 point, in whole pages, as the engine sizes it",
     )
     a("--l3-tokens", type=capacity_list, default=[0], help="L3 tokens (0 = no storage tier, inf = unbounded)")
-    a("--eviction", choices=EVICTION_POLICIES, default="lru", help="--radix-eviction-policy")
+    a(
+        "--eviction",
+        choices=(*EVICTION_POLICIES, OPTIMUM),
+        default="lru",
+        help=f"--radix-eviction-policy ({OPTIMUM}: the offline optimum, no engine policy)",
+    )
+    a("--optimum", action="store_true", help=f"also replay each point with {OPTIMUM} (Belady's MIN)")
     a("--write-policy", choices=WRITE_POLICIES, default="write_through", help="--hicache-write-policy")
     a("--l2-admission", choices=ADMISSIONS, default="none", help="extra config l2_admission (tinylfu)")
     a("--l3-admission", choices=ADMISSIONS, default="none", help="extra config l3_admission (tinylfu)")
@@ -135,6 +145,21 @@ def resolve_costs(args: argparse.Namespace, bytes_per_token: int) -> Costs | Non
     else:
         l3 = args.l3_gbps * 1e9
     return Costs(prefill, l2, l3, tuple(measured))
+
+
+def replay_point(reqs: list, caps: Capacities, args: argparse.Namespace, eviction: str):
+    """One replay of ``reqs`` at ``caps`` with the parsed flags and eviction policy ``eviction``."""
+    return replay_trace(
+        reqs,
+        caps,
+        block_tokens=args.block_tokens,
+        page_size=args.page_size,
+        eviction_policy=eviction,
+        write_policy=args.write_policy,
+        prefetch_threshold=args.prefetch_threshold,
+        l2_admission=args.l2_admission,
+        l3_admission=args.l3_admission,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,17 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         print(ceiling_line(ceiling), flush=True)
     for caps in points:
         start = time.perf_counter()
-        counters = replay_trace(
-            reqs,
-            caps,
-            block_tokens=b,
-            page_size=p,
-            eviction_policy=args.eviction,
-            write_policy=args.write_policy,
-            prefetch_threshold=args.prefetch_threshold,
-            l2_admission=args.l2_admission,
-            l3_admission=args.l3_admission,
-        )
+        counters = replay_point(reqs, caps, args, args.eviction)
+        optimum = None
+        if args.optimum:  # Belady's MIN at the same point (the point itself when it is the policy)
+            optimum = counters if args.eviction == OPTIMUM else replay_point(reqs, caps, args, OPTIMUM)
         result = point_result(
             caps,
             counters,
@@ -198,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             costs=costs,
             replay_s=time.perf_counter() - start,
             ceiling_share=ceiling,
+            optimum=optimum,
         )
         if args.json:
             print(json.dumps(result), flush=True)

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field, fields
 from engine.cache.config import WRITE_POLICIES
 from engine.cache.policy import CachePolicy
 from engine.cache.radix_tree import HiRadixTree, TreeNode
-from engine.whatif.trace import TraceRequest, page_keys
+from engine.whatif.belady import OPTIMUM, NextUse
+from engine.whatif.trace import TraceRequest, output_page_keys, page_keys
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,10 @@ class ReplayCache:
     ``eviction_policy`` one of ``engine.cache.radix_tree.EVICTION_POLICIES``; ``l2_admission`` /
     ``l3_admission`` ``none`` or ``tinylfu`` (the engine's admission filter); ``prefetch_threshold`` in
     tokens (upstream default 256; at least one page, as the engine's controller). ``l3_store``: the L3
-    shared with other workers' caches (page ids, least recently used first); None: its own. Raises
-    ``ValueError`` for a bad policy or capacity.
+    shared with other workers' caches (page ids, least recently used first); None: its own.
+    ``eviction_policy`` ``belady`` (:data:`engine.whatif.belady.OPTIMUM`) is the offline optimum and needs
+    ``future``: the :class:`~engine.whatif.belady.NextUse` of the requests this cache will replay, in order.
+    Raises ``ValueError`` for a bad policy or capacity.
     """
 
     def __init__(
@@ -124,12 +127,20 @@ class ReplayCache:
         l2_admission: str = "none",
         l3_admission: str = "none",
         l3_store: OrderedDict[int, None] | None = None,
+        future: NextUse | None = None,
     ) -> None:
         caps.check()
+        if (eviction_policy == OPTIMUM) != (future is not None):
+            raise ValueError(
+                f"--eviction {OPTIMUM}: the offline optimum needs the trace's future (and only it)"
+            )
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"--write-policy: {write_policy!r} is not one of {', '.join(WRITE_POLICIES)}")
         self.P = page_size
-        self.tree = HiRadixTree(1, eviction_policy)
+        self.tree = HiRadixTree(1, "lru" if future is not None else eviction_policy)
+        self.future = future
+        if future is not None:
+            self.tree.use_offline_priority(future.priority)
         self.device = _Tier(_pages(caps.l1, page_size))
         self.host = _Tier(_pages(caps.l2, page_size))
         self.l3_pages = _pages(caps.l3, page_size)
@@ -151,6 +162,8 @@ class ReplayCache:
     def replay(self, req: TraceRequest, block_tokens: int) -> None:
         """Enqueue (L3 prefetch), admit (load-back, reserve), finish (insert, release) one request."""
         c, P, policy = self.c, self.P, self.policy
+        if self.future is not None:
+            self.future.now = c.requests  # this cache's request index: victims are chosen from here on
         c.requests += 1
         c.input_tokens += req.input_length
         key = page_keys(req, req.input_length, block_tokens, P)
@@ -293,11 +306,20 @@ def replay_trace(
 ) -> ReplayCounters:
     """Replay ``reqs`` in order; returns the counters. Requests that name no worker go through one
     :class:`ReplayCache`; requests that do, through one per worker (``caps`` each) sharing one L3, and the
-    counters are the fleet's sums with ``workers`` holding each worker's input and served tokens."""
+    counters are the fleet's sums with ``workers`` holding each worker's input and served tokens.
+    ``eviction_policy`` ``belady``: the offline optimum (:mod:`engine.whatif.belady`), each worker's cache
+    knowing its own requests' future."""
     if block_tokens % page_size and page_size % block_tokens:
         raise ValueError(
             f"--page-size {page_size}: must divide --block-tokens {block_tokens} or be a multiple of it"
         )
+    futures: dict[str, NextUse] = {}
+    if eviction_policy == OPTIMUM:  # each cache's future: its own requests' matchable pages, in order
+        keys: dict[str, list[list[int]]] = {}
+        for req in reqs:
+            key = page_keys(req, max(req.input_length - 1, 0), block_tokens, page_size)
+            keys.setdefault(req.worker, []).append(key)
+        futures = {worker: NextUse(k) for worker, k in keys.items()}
     shared_l3: OrderedDict[int, None] = OrderedDict()
     caches: dict[str, ReplayCache] = {}
     total = ReplayCounters()
@@ -313,6 +335,7 @@ def replay_trace(
                 l2_admission,
                 l3_admission,
                 l3_store=shared_l3,
+                future=futures.get(req.worker),
             )
         cache.replay(req, block_tokens)
         total.per_request_served.append(cache.c.per_request_served[-1])
@@ -331,10 +354,29 @@ def replay_trace(
 
 
 def ceiling_share(reqs: list[TraceRequest], *, block_tokens: int = 512, page_size: int = 512) -> float:
-    """The share of ``reqs``' input tokens an unbounded L1 serves: the tokens that repeat at all.
+    """The share of ``reqs``' input tokens that repeat at all: served by one unbounded cache that every
+    worker shares and that keeps every page any request ever computed.
 
-    No capacity, eviction policy or admission filter serves more (an unbounded tier never evicts and
-    caches what any bounded one does), so a point far below it is short of capacity and a low ceiling
-    means little reuse in the traffic. Raises ``ValueError`` as :func:`replay_trace`."""
-    c = replay_trace(reqs, Capacities(math.inf), block_tokens=block_tokens, page_size=page_size)
-    return c.served_l1 / max(c.input_tokens, 1)
+    A request's prompt is served up to its first page no earlier request computed (whole pages of its input
+    but the last token, as the engine matches); then its input pages and, where the trace has them
+    (``output_hash_ids``), the pages of its answer join the cache, as the engine caches a finished request's
+    whole sequence (a conversation's next turn repeats the previous answer). No capacity, eviction policy,
+    admission filter or routing serves more: a real fleet serves a page only if some request computed it
+    before. So a point far below it is short of capacity and a low ceiling means little reuse in the
+    traffic. Raises ``ValueError`` for a page size that neither divides nor is a multiple of the block
+    size."""
+    if block_tokens % page_size and page_size % block_tokens:
+        raise ValueError(
+            f"--page-size {page_size}: must divide --block-tokens {block_tokens} or be a multiple of it"
+        )
+    computed: set[int] = set()
+    served = total = 0
+    for req in reqs:
+        total += req.input_length
+        key = page_keys(req, req.input_length, block_tokens, page_size)
+        match = key[: max(req.input_length - 1, 0) // page_size]
+        hit = next((i for i, page in enumerate(match) if page not in computed), len(match))
+        served += hit * page_size
+        computed.update(key)
+        computed.update(output_page_keys(req, block_tokens, page_size))
+    return served / max(total, 1)

@@ -21,13 +21,21 @@ def point_result(
     costs: Costs | None,
     replay_s: float,
     ceiling_share: float | None = None,
+    optimum: ReplayCounters | None = None,
 ) -> dict:
     """Capacities, per-tier ``tokens_served`` / ``share`` (of all input tokens) and page and byte counts,
     the TTFT saving estimate (None without costs), the replay's wall time and ``ceiling_share``: the
     trace's share with an unbounded cache (:func:`engine.whatif.replay.ceiling_share`; None when not
     computed), the same for every point of a sweep. ``workers``: per worker of a trace that names them
     (each replayed with its own L1 and L2 at these capacities, one L3 shared), its input tokens and tokens
-    served per tier; {} for a trace that does not."""
+    served per tier; {} for a trace that does not.
+
+    ``optimum`` (the same point replayed with Belady's MIN, :mod:`engine.whatif.belady`; None when not
+    replayed): ``{"share", "l1_share", "l2_share", "l3_share", "workers": {name: share of its input}}``,
+    and ``lost``: the ceiling's gap at this point in shares of all input tokens, ``{"capacity":
+    ceiling - optimum (what no eviction policy keeps at these capacities), "policy": optimum - share (what a
+    better policy would keep; negative if this policy beat the reference)}``; both None without the
+    optimum, ``capacity`` None without the ceiling."""
     total = max(c.input_tokens, 1)
     page_bytes = page_size * bytes_per_token
     out = {
@@ -71,6 +79,22 @@ def point_result(
             for name, (n, l1, l2, l3) in c.workers.items()
         },
     }
+    out["optimum"], out["lost"] = None, {"capacity": None, "policy": None}
+    if optimum is not None:
+        best = optimum.served_l1 + optimum.served_l2 + optimum.served_l3
+        out["optimum"] = {
+            "share": best / total,
+            "l1_share": optimum.served_l1 / total,
+            "l2_share": optimum.served_l2 / total,
+            "l3_share": optimum.served_l3 / total,
+            "workers": {
+                name: (l1 + l2 + l3) / max(n, 1) for name, (n, l1, l2, l3) in optimum.workers.items()
+            },
+        }
+        out["lost"] = {
+            "capacity": None if ceiling_share is None else ceiling_share - best / total,
+            "policy": out["optimum"]["share"] - out["share"],
+        }
     if costs is not None:
         saved = sum(costs.saving_s(s, bytes_per_token) for s in c.per_request_served)
         out["ttft_saving"] = {
@@ -115,6 +139,14 @@ def text_lines(r: dict) -> list[str]:
         f"prefetched {r['l3']['pages_prefetched']:,} pages ({_gb(r['l3']['bytes_prefetched'])}), "
         f"written {r['l3']['pages_written']:,} pages ({_gb(r['l3']['bytes_written'])})",
     ]
+    o, lost = r.get("optimum"), r.get("lost") or {}
+    if o is not None:
+        line = (
+            f"  optimum (Belady's MIN) {o['share']:7.2%}: a better policy would serve {lost['policy']:+.2%}"
+        )
+        if lost.get("capacity") is not None:
+            line += f", no policy serves the {lost['capacity']:.2%} up to the ceiling at these capacities"
+        lines.append(line)
     t = r["ttft_saving"]
     if t is not None:
         lines.append(

@@ -2,12 +2,14 @@
 
 A trace is JSON lines, one request per line: ``timestamp`` (ms from the start), ``input_length`` and
 ``output_length`` (tokens) and ``hash_ids``: one id per ``block_tokens``-token block of the input (the last
-block may be partial); optionally ``worker``: the name of the worker that served it (a pool's recorded
-trace carries it, so the replay gives each worker its own L1 and L2, as the fleet has them). Equal ids
-mean the same prefix up to the end of that block (Mooncake's traces are prefix-closed: an id always has the
-same predecessor and position), so a page ending at token ``t`` is identified by the id of the block
-holding ``t`` and ``t``'s offset in it. That page id is what the replay's radix tree keys on and what
-stands in for the page's L3 key.
+block may be partial); optionally ``output_hash_ids``: the ids of the blocks holding generated tokens of the
+sequence the engine caches at the end (the input, then every output token but the last), from the first such
+block on (a KVFleet recording has them, Mooncake's traces do not), and ``worker``: the name of the worker that
+served it (a pool's recorded trace carries it, so the replay gives each worker its own L1 and L2, as the fleet
+has them). Equal ids mean the same prefix up to the end of that block (Mooncake's traces are prefix-closed: an
+id always has the same predecessor and position), so a page ending at token ``t`` is identified by the id of
+the block holding ``t`` and ``t``'s offset in it. That page id is what the replay's radix tree keys on and
+what stands in for the page's L3 key.
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ class TraceRequest:
     output_length: int
     hash_ids: tuple[int, ...]
     worker: str = ""
+    output_hash_ids: tuple[int, ...] = ()
+
+    @property
+    def computed_length(self) -> int:
+        """Tokens the engine caches when the request ends: the input and every output token but the last."""
+        return self.input_length + max(self.output_length - 1, 0)
+
+
+def output_blocks(input_length: int, output_length: int, block_tokens: int) -> int:
+    """How many ``output_hash_ids`` a row has: the blocks of its computed sequence from the first one
+    holding a generated token (none with fewer than two output tokens)."""
+    if output_length < 2:
+        return 0
+    computed = input_length + output_length - 1
+    return -(-computed // block_tokens) - input_length // block_tokens
 
 
 def parse_line(text: str, where: str, block_tokens: int) -> TraceRequest:
@@ -67,7 +84,17 @@ def parse_line(text: str, where: str, block_tokens: int) -> TraceRequest:
     worker = obj.get("worker", "")
     if isinstance(worker, bool) or not isinstance(worker, str | int):
         raise TraceError(f"{where}: worker must be a name (string), got {worker!r}")
-    return TraceRequest(float(ts), inp, out, tuple(ids), str(worker))
+    extra = obj.get("output_hash_ids", [])
+    if not isinstance(extra, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in extra
+    ):
+        raise TraceError(f"{where}: output_hash_ids must be a list of integers >= 0")
+    if extra and len(extra) != output_blocks(inp, out, block_tokens):
+        raise TraceError(
+            f"{where}: {len(extra)} output_hash_ids for input_length {inp} and output_length {out} do not "
+            f"match --block-tokens {block_tokens} (expected {output_blocks(inp, out, block_tokens)})"
+        )
+    return TraceRequest(float(ts), inp, out, tuple(ids), str(worker), tuple(extra))
 
 
 def load_trace(path: str | Path, block_tokens: int = 512) -> list[TraceRequest]:
@@ -97,3 +124,15 @@ def page_keys(req: TraceRequest, num_tokens: int, block_tokens: int, page_size: 
         return [h * B + B - 1 for h in ids[: num_tokens // B]]
     ends = range(page_size - 1, num_tokens // page_size * page_size, page_size)
     return [ids[t // B] * B + t % B for t in ends]
+
+
+def output_page_keys(req: TraceRequest, block_tokens: int, page_size: int) -> list[int]:
+    """Page ids of the whole pages of ``req``'s computed sequence (``computed_length``) past its input's whole
+    pages, from ``output_hash_ids``; [] when the row has none. Same ids as :func:`page_keys` gives a later
+    request whose input holds this sequence (the block ids are chained)."""
+    if not req.output_hash_ids:
+        return []
+    B, first = block_tokens, req.input_length // block_tokens  # output_hash_ids[0] is block ``first``
+    start = req.input_length // page_size * page_size
+    ends = range(start + page_size - 1, req.computed_length // page_size * page_size, page_size)
+    return [req.output_hash_ids[t // B - first] * B + t % B for t in ends]

@@ -48,6 +48,8 @@ def test_attach_rejects_bad_policy_and_config_without_changes(make_cache, tmp_pa
         cache.storage.attach("dynamic", json.dumps({"backend_name": "x", "module_path": "os"}))
     with pytest.raises(CacheAdminError, match="registered backends"):
         cache.storage.attach("nosuch")
+    with pytest.raises(CacheAdminError, match="hf3fs-py-usrbio"):  # upstream's, not built here: says why
+        cache.storage.attach("hf3fs")
     assert cache.storage_status() == before and cache.storage.backend is None
 
 

@@ -5,7 +5,6 @@ its checksum does not match). Both ranks see 8 pages in the hit query, rank 0 fe
 only 16, and both commit exactly 16 (rank 0 frees its extra 16 host slots)."""
 
 import os
-import socket
 import time
 
 import pytest
@@ -17,14 +16,9 @@ from engine.cache.config import HiCacheConfig
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
 from engine.cache.keys import page_hashes
+from engine.ports import free_port
 
 T = list(range(1, 33))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _corrupt_payload(path: str) -> None:
@@ -81,4 +75,4 @@ def _rank(rank: int, port: int, root: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_gloo_ranks_commit_the_same_prefetched_prefix(tmp_path):
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)

@@ -7,7 +7,7 @@ import pytest
 from engine.cache.storage.base import StorageConfigError, StorageError
 from engine.cache.storage.mooncake import MooncakeStore
 from engine.cache.storage.mooncake_config import MooncakeConfig, parse_size
-from engine.fleet.mooncake_master import free_port
+from engine.ports import free_port
 
 MOONCAKE_ENV = (
     "MOONCAKE_MASTER",

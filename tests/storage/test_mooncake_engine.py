@@ -28,7 +28,8 @@ from engine.bench.launcher import ServerProcess
 from engine.cache.config import HiCacheConfig
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
-from engine.fleet.mooncake_master import MooncakeMaster, free_port
+from engine.fleet.mooncake_master import MooncakeMaster
+from engine.ports import free_port
 from engine.server.metrics import EngineMetrics
 
 pytestmark = pytest.mark.slow

@@ -234,7 +234,9 @@ def test_master_killed_gives_counted_misses_without_hanging(open_store):
         paused = time.monotonic()
         for _ in range(20):
             assert writer.batch_get_v1(keys[:1], slots(pool, [3])) == [False]
-        assert time.monotonic() - paused < 1.0, "while the master is down, calls return at once"
+        # a call that reached the dead master would wait out its RPC timeout (seconds each): 20 of them in
+        # under 10 s on a loaded box means they returned at once
+        assert time.monotonic() - paused < 10.0, "while the master is down, calls return at once"
         stats = writer.get_stats()
         assert stats["errors"] >= 3 + 20 and stats["pages_read"] == 0
     finally:

@@ -44,6 +44,16 @@ def test_unknown_backend_lists_registered_names(storage_config_factory):
         create_storage_backend("nope", storage_config_factory(), None)
 
 
+def test_an_upstream_backend_kvfleet_lacks_says_why_at_start_and_at_attach(storage_config_factory):
+    """hf3fs's client cannot be installed here: the flag and the runtime attach both name what it needs."""
+    from engine.server.args import ArgumentError, parse_args
+
+    with pytest.raises(ValueError, match=r"'hf3fs' is not available: DeepSeek 3FS needs its usrbio client"):
+        create_storage_backend("hf3fs", storage_config_factory(), None)
+    with pytest.raises(ArgumentError, match=r"--hicache-storage-backend: hf3fs: .*hf3fs-py-usrbio.*FUSE"):
+        parse_args(["--model-path", "m", "--enable-hierarchical-cache", "--hicache-storage-backend", "hf3fs"])
+
+
 def test_file_backend_registers_host_pool(tmp_path, storage_config_factory, page_pool_factory):
     pool = page_pool_factory()
     backend = create_storage_backend("file", storage_config_factory(extra={"file_path": str(tmp_path)}), pool)

@@ -11,7 +11,7 @@ stream and are complete when :meth:`IOBackend.backup` returns. On CPU every copy
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
@@ -19,8 +19,11 @@ from engine.cache.allocator import slots_to_pages
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool
 
+PlanT = TypeVar("PlanT")
+"""What a backend precomputes for one transfer (:meth:`IOBackend.plan`)."""
 
-class IOBackend(ABC):
+
+class IOBackend(ABC, Generic[PlanT]):
     """Copies whole pages between ``device_pool`` and ``host_pool`` (same page size, layers, heads, dtype).
 
     ``layouts``: the host layouts the backend copies; ``substitutes``: for a layout it cannot copy, the one
@@ -77,13 +80,13 @@ class IOBackend(ABC):
         return event
 
     @abstractmethod
-    def plan(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> object:
+    def plan(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> PlanT:
         """Whatever the backend precomputes for one transfer (reused for every layer of it), issued on the
         current stream."""
 
     def prepare_load(
         self, device_indices: torch.Tensor, host_indices: torch.Tensor, after: torch.cuda.Event | None
-    ) -> object:
+    ) -> PlanT:
         """The plan of an L2 -> L1 load, made on the load stream behind ``after`` (see
         :meth:`compute_mark`)."""
         if self.load_stream is None:
@@ -93,7 +96,7 @@ class IOBackend(ABC):
                 self.load_stream.wait_event(after)
             return self.plan(device_indices, host_indices)
 
-    def load_layer(self, layer: int, plan: object) -> object:
+    def load_layer(self, layer: int, plan: PlanT) -> torch.cuda.Event | None:
         """Issue the L2 -> L1 copy of ``layer`` on the load stream; returns what :meth:`wait_loaded` needs:
         a CUDA event, or None on CPU where the copy is already done."""
         if self.load_stream is None:
@@ -106,19 +109,19 @@ class IOBackend(ABC):
         return event
 
     @staticmethod
-    def wait_loaded(ready: object) -> None:
+    def wait_loaded(ready: torch.cuda.Event | None) -> None:
         """Make the current (compute) stream wait for a :meth:`load_layer` result; no host block."""
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
 
     @staticmethod
-    def synchronize(ready: object) -> None:
+    def synchronize(ready: torch.cuda.Event | None) -> None:
         """Block the calling thread until a :meth:`load_layer` result is complete."""
         if ready is not None:
             ready.synchronize()
 
     @abstractmethod
-    def _load_layer(self, layer: int, plan: object) -> None:
+    def _load_layer(self, layer: int, plan: PlanT) -> None:
         """Issue the copy of one layer on the current stream."""
 
     # -- L1 -> L2 ----------------------------------------------------------------------------------------
@@ -133,5 +136,5 @@ class IOBackend(ABC):
         self.write_stream.synchronize()
 
     @abstractmethod
-    def _backup(self, plan: object) -> None:
+    def _backup(self, plan: PlanT) -> None:
         """Issue the copy of every layer on the current stream."""

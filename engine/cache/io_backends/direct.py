@@ -33,7 +33,7 @@ def _page_rows(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
     return rows
 
 
-class DirectIO(IOBackend):
+class DirectIO(IOBackend[tuple]):
     """Per-layer torch index copies. Raises ``ValueError`` as :class:`IOBackend`."""
 
     layouts = ("layer_first", "page_first_direct")

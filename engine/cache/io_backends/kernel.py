@@ -19,7 +19,7 @@ from engine.cache.io_backends.base import IOBackend
 from kernels import unavailable_reason
 
 
-class KernelIO(IOBackend):
+class KernelIO(IOBackend[tuple[torch.Tensor, torch.Tensor]]):
     """Triton page copies. Raises ``ValueError`` as :class:`IOBackend`."""
 
     layouts = ("layer_first", "page_first", "page_first_direct")

@@ -17,11 +17,14 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.cache.keys import namespace_digest, normalize_dtype_name
+
+if TYPE_CHECKING:
+    from engine.cache.host_pool import HostKVPool
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
@@ -120,7 +123,7 @@ class HiCacheStorage(ABC):
 
     def __init__(self, storage_config: HiCacheStorageConfig) -> None:
         self.storage_config = storage_config
-        self.mem_pool_host = None
+        self.mem_pool_host: HostKVPool | None = None
         self._stats = StorageStats()
         self._stats_lock = threading.Lock()
 
@@ -199,6 +202,7 @@ class HiCacheStorage(ABC):
             if page is None:
                 results.append(False)
                 continue
+            assert self.mem_pool_host is not None, "_first_slots raised otherwise"
             self.mem_pool_host.set_from_flat_data_page(first_slot, page)
             results.append(True)
         return results
@@ -210,9 +214,12 @@ class HiCacheStorage(ABC):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Store each key's page from its host slots (generic default: via a flat page copy)."""
+        first_slots = self._first_slots(keys, host_indices)
+        pool = self.mem_pool_host
+        assert pool is not None, "_first_slots raised otherwise"
         return [
-            self.set(key, self.mem_pool_host.get_flat_data_page(first_slot))
-            for key, first_slot in zip(keys, self._first_slots(keys, host_indices), strict=True)
+            self.set(key, pool.get_flat_data_page(first_slot))
+            for key, first_slot in zip(keys, first_slots, strict=True)
         ]
 
     def clear(self) -> None:

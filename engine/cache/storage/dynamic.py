@@ -34,7 +34,7 @@ def load_dynamic_backend(
             )
     cls = load_class(extra["module_path"], extra["class_name"])
     kwargs = {k: v for k, v in extra.items() if k not in _LOADER_FIELDS}
-    backend = cls(config, kwargs)
+    backend = cls(config, kwargs)  # type: ignore[call-arg]  # dynamic classes take (config, kwargs), as upstream's
     if "interface_v1" in extra:
         backend.supports_v1 = bool(extra["interface_v1"])
     return backend

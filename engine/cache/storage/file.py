@@ -12,8 +12,10 @@ Decisions):
   host-pool slots);
 * writes are atomic (temp file in the same directory + ``os.replace``), so readers never see half a page.
 
-Directory: ``extra_config["file_path"]``, else env ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, else
-``/tmp/hicache``. It is created if missing; a directory that cannot be created, read or written is a
+Directory: ``extra_config["file_path"]`` or upstream SGLang's name for it, ``file_storage_path`` (so one
+storage profile serves KVFleet and upstream workers alike), else env
+``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, else ``/tmp/hicache``. It is created if missing; a directory
+that cannot be created, read or written is a
 :class:`StorageConfigError` at construction naming it. The v1 methods read and write straight from/into
 host-pool memory: the byte ranges of each page inside ``kv_buffer`` are worked out once at
 ``register_mem_pool_host`` (:class:`PageRanges`), so a page costs no torch call.
@@ -52,7 +54,7 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous tensor's memory (no copy)."""
     if not tensor.is_contiguous():
         raise ValueError("page buffers must be contiguous")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray has the buffer protocol; numpy declares it for 3.12+ only
 
 
 class PageRanges:
@@ -104,10 +106,12 @@ class HiCacheFile(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig) -> None:
         super().__init__(storage_config)
         extra = storage_config.extra_config
-        self.file_path = str(extra.get("file_path") or os.environ.get(DIR_ENV) or DEFAULT_DIR)
-        self._dtype = getattr(torch, storage_config.kv_dtype, None)
-        if not isinstance(self._dtype, torch.dtype):
+        given = extra.get("file_path") or extra.get("file_storage_path")
+        self.file_path = str(given or os.environ.get(DIR_ENV) or DEFAULT_DIR)
+        dtype = getattr(torch, storage_config.kv_dtype, None)
+        if not isinstance(dtype, torch.dtype):
             raise StorageConfigError(f"kv_dtype: {storage_config.kv_dtype!r} is not a torch dtype")
+        self._dtype = dtype
         self._check_directory()
         self._reported: set[str] = set()
         self._reported_lock = threading.Lock()
@@ -249,6 +253,7 @@ class HiCacheFile(HiCacheStorage):
     ) -> list[bool]:
         """Read each page straight into its host-pool slots (no intermediate copy)."""
         slots = self._first_slots(keys, host_indices)
+        assert self._pages is not None, "set with the host pool (_first_slots raised otherwise)"
         return [self._read_page(k, self._pages.views(s)) for k, s in zip(keys, slots, strict=True)]
 
     def batch_set_v1(
@@ -259,6 +264,7 @@ class HiCacheFile(HiCacheStorage):
     ) -> list[bool]:
         """Write each page straight from its host-pool slots; existing pages are skipped (True)."""
         slots = self._first_slots(keys, host_indices)
+        assert self._pages is not None, "set with the host pool (_first_slots raised otherwise)"
         return [self._write_page(k, self._pages.views(s)) for k, s in zip(keys, slots, strict=True)]
 
     # -- housekeeping ----------------------------------------------------------------------------------

@@ -193,8 +193,9 @@ class MooncakeStore(HiCacheStorage):
             self._headers = None
 
     def _views(self, slot: int) -> list[memoryview]:
+        assert self.mem_pool_host is not None, "set before any page I/O (_first_slots raised otherwise)"
         return [
-            memoryview(v.reshape(-1).view(torch.uint8).numpy())
+            memoryview(v.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray has the buffer protocol; numpy declares it for 3.12+ only
             for v in self.mem_pool_host.get_page_buffer_views(slot)
         ]
 
@@ -206,6 +207,7 @@ class MooncakeStore(HiCacheStorage):
         """Per page: pointers and sizes of [header row, K plane, V plane]; for a write the header row is
         filled with the page's identity and checksum first."""
         ptrs, sizes = [], []
+        assert self.mem_pool_host is not None and self._headers is not None, "set with the host pool"
         for key, slot in zip(keys, slots, strict=True):
             views = self.mem_pool_host.get_page_buffer_views(slot)
             row = self._headers[slot // self.storage_config.page_size]
@@ -226,9 +228,10 @@ class MooncakeStore(HiCacheStorage):
         """Whether the page just read into ``slot`` carries ``key``'s header and a matching checksum; a bad
         page is counted, its slots zeroed, logged once per key and removed from the store."""
         payload = self._views(slot)
+        assert self._headers is not None, "registered with the host pool, before any read"
         row = self._headers[slot // self.storage_config.page_size].numpy()
         try:
-            nbytes, checksum = page_file.check_identity(memoryview(row), self._identity(key))
+            nbytes, checksum = page_file.check_identity(memoryview(row), self._identity(key))  # type: ignore[arg-type]  # ndarray has the buffer protocol
             if nbytes != sum(v.nbytes for v in payload):
                 raise PageFileError(f"header nbytes {nbytes} != expected {sum(v.nbytes for v in payload)}")
             if page_file.checksum(payload) != checksum:
@@ -364,7 +367,7 @@ class MooncakeStore(HiCacheStorage):
         data = self._store.get(self._prefix + key)
         dtype = getattr(torch, self.storage_config.kv_dtype)
         want = None if target_location is None else target_location.numel() * target_location.element_size()
-        payload = memoryview(data)[HEADER_BYTES:] if data else b""
+        payload = memoryview(data)[HEADER_BYTES:] if data else memoryview(b"")
         if not payload or (want is not None and len(payload) != want) or len(payload) % dtype.itemsize:
             self._count(pages_missed=1)
             return None
@@ -394,7 +397,7 @@ class MooncakeStore(HiCacheStorage):
             return True
         if not self._available(1):
             return False
-        data = memoryview(value.contiguous().view(-1).view(torch.uint8).numpy())
+        data = memoryview(value.contiguous().view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray has the buffer protocol; numpy declares it for 3.12+ only
         header = page_file.pack_header(
             self._identity(key), data.nbytes, page_file.checksum([data]), HEADER_BYTES
         )

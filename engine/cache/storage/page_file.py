@@ -124,6 +124,7 @@ def read_page(fd: int, expected: PageIdentity, buffers: Sequence[memoryview]) ->
     pieces = _pieces(buffers)
     want = sum(b.nbytes for b in buffers)
     hasher, got, last, checksum = xxhash.xxh3_64(), 0, len(pieces) - 1, 0
+    bufs: list[memoryview | bytearray]
     for index, piece in enumerate(pieces or [memoryview(b"")]):
         bufs, size = [piece], piece.nbytes
         if index == 0:

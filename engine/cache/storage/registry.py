@@ -26,6 +26,32 @@ _BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
+UNAVAILABLE: dict[str, str] = {
+    "hf3fs": (
+        "DeepSeek 3FS needs its usrbio client (hf3fs-py-usrbio), whose package builds only inside the 3FS "
+        "source tree and reads and writes through a mounted 3FS (FUSE); KVFleet cannot install or test it"
+    ),
+    "nixl": (
+        "NIXL as an L3 backend is not built yet (NIXL moves PD transfers: "
+        "--disaggregation-transfer-backend nixl); use file, mooncake or dynamic"
+    ),
+    "aibrix": "AIBrix KVCache as an L3 backend is not built yet; use file, mooncake or dynamic",
+}
+"""Upstream's backend names KVFleet does not build: name -> why, said wherever a backend is named."""
+
+
+def check_backend_name(name: str) -> str:
+    """``name`` when it is a registered or the dynamic backend; raises ``ValueError`` saying why an
+    upstream backend KVFleet lacks is not available, else listing the registered names."""
+    if name in UNAVAILABLE:
+        raise ValueError(f"storage backend {name!r} is not available: {UNAVAILABLE[name]}")
+    if name != DYNAMIC_BACKEND and name not in _BACKENDS:
+        raise ValueError(
+            f"unknown storage backend {name!r}; registered backends: {', '.join(registered_backends())}"
+        )
+    return name
+
+
 def register_backend(name: str, module_path: str, class_name: str) -> None:
     """Register (or, with a warning, replace) backend ``name`` as ``module_path.class_name``."""
     if name == DYNAMIC_BACKEND:
@@ -63,19 +89,15 @@ def load_backend_class(module_path: str, class_name: str) -> type[HiCacheStorage
 def create_storage_backend(name: str, config: HiCacheStorageConfig, host_pool) -> HiCacheStorage:
     """Build backend ``name`` for ``config`` and register ``host_pool`` (may be None) with it.
 
-    Raises ``ValueError`` listing the registered names for an unknown ``name``; construction errors
-    (e.g. :class:`StorageConfigError`) propagate.
+    Raises ``ValueError`` for an unknown ``name`` (:func:`check_backend_name`); construction errors (e.g.
+    :class:`StorageConfigError`) propagate.
     """
     if name == DYNAMIC_BACKEND:
         from engine.cache.storage.dynamic import load_dynamic_backend
 
         backend = load_dynamic_backend(config, load_backend_class)
-    elif name in _BACKENDS:
-        backend = load_backend_class(*_BACKENDS[name])(config)
     else:
-        raise ValueError(
-            f"unknown storage backend {name!r}; registered backends: {', '.join(registered_backends())}"
-        )
+        backend = load_backend_class(*_BACKENDS[check_backend_name(name)])(config)
     if host_pool is not None:
         try:
             backend.register_mem_pool_host(host_pool)

@@ -167,6 +167,7 @@ class ShardedStorage(HiCacheStorage):
     ) -> list:
         """Each page combined from its shards (into its target when given), or None when a shard misses."""
         m, numel = self.shards.count, self._page_numel()
+        assert self._page_shape is not None, "_page_numel raised otherwise"
         scratch = [torch.empty(numel // m, dtype=self._dtype) for _ in range(len(keys) * m)]
         got = self.inner.batch_get(self._expand(keys), scratch)
         pages: list[torch.Tensor | None] = []
@@ -193,6 +194,7 @@ class ShardedStorage(HiCacheStorage):
         if values is None or len(values) != len(keys):
             raise ValueError("batch_set() needs one page tensor per key in values")
         self._page_numel()
+        assert self._page_shape is not None, "_page_numel raised otherwise"
         parts = [p for v in values for p in split_page(v.reshape(self._page_shape), self.shards.count)]
         return self.inner.batch_set(self._expand(keys), parts)
 
@@ -221,6 +223,7 @@ class ShardedStorage(HiCacheStorage):
     def _head_rows(self, first_slot: int) -> list[np.ndarray]:
         """The page's contiguous buffer views as uint8 ``(rows, H, D * itemsize)`` arrays over the host pool
         (no copy), in flat page order."""
+        assert self.mem_pool_host is not None, "callers' _first_slots raised otherwise"
         return [_byte_rows(v) for v in self.mem_pool_host.get_page_buffer_views(first_slot)]
 
     def batch_get_v1(
@@ -265,6 +268,7 @@ class ShardedStorage(HiCacheStorage):
         if self._direct():
             return self.inner.batch_set_v1(self._expand(keys), host_indices, extra_info)
         m, h = self.shards.count, self.shards.heads
+        assert self._dtype is not None, "set with the host pool (_first_slots raised otherwise)"
         parts = []
         for slot in slots:
             views = self._head_rows(slot)
