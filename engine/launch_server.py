@@ -74,13 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         sock = bind_listen_socket(args.host, args.port)
     except ArgumentError as exc:
-        print(f"engine.launch_server: error: {exc}", file=sys.stderr)
-        return 2
+        return _launch_error(exc)
     with sock:
         logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
         # the model stack (torch, the model, the HTTP app) loads only once the flags are known to be good
-        import uvicorn
-
         from engine.model.errors import ModelLoadError
         from engine.server.app import create_app
         from engine.server.builder import build_engine
@@ -89,20 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             return _serve_encoder(args, sock)
         try:
             engine = build_engine(args)
-        except ArgumentError as exc:
-            print(f"engine.launch_server: error: {exc}", file=sys.stderr)
-            return 2
-        except ModelLoadError as exc:
-            print(f"engine.launch_server: error: --model-path {exc}", file=sys.stderr)
-            return 1
-        config = uvicorn.Config(
-            create_app(engine),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,
-        )
-        server = uvicorn.Server(config)
+        except (ArgumentError, ModelLoadError) as exc:
+            return _launch_error(exc)
+        server = _uvicorn_server(create_app(engine), args)
         exit_when_scheduler_dies(engine.scheduler, server)
         try:
             server.run(sockets=[sock])
@@ -111,29 +97,37 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_SCHEDULER_DIED if engine.scheduler.error is not None else 0
 
 
-def _serve_encoder(args, sock: socket.socket) -> int:
-    """``--encoder-only``: the EPD encoder worker (``engine/server/encoder_server.py``)."""
+def _launch_error(exc: Exception) -> int:
+    """Print why the worker cannot start; its exit status: 2 for bad flags (as argparse), 1 for a model
+    that does not load (``ModelLoadError``, named by ``--model-path``)."""
+    from engine.model.errors import ModelLoadError
+
+    if isinstance(exc, ModelLoadError):
+        print(f"engine.launch_server: error: --model-path {exc}", file=sys.stderr)
+        return 1
+    print(f"engine.launch_server: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _uvicorn_server(app, args):
     import uvicorn
 
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
+    return uvicorn.Server(config)
+
+
+def _serve_encoder(args, sock: socket.socket) -> int:
+    """``--encoder-only``: the EPD encoder worker (``engine/server/encoder_server.py``)."""
     from engine.model.errors import ModelLoadError
     from engine.server.encoder_server import EncoderService, create_encoder_app
 
     try:
         service = EncoderService(args)
-    except ArgumentError as exc:
-        print(f"engine.launch_server: error: {exc}", file=sys.stderr)
-        return 2
-    except ModelLoadError as exc:
-        print(f"engine.launch_server: error: --model-path {exc}", file=sys.stderr)
-        return 1
-    config = uvicorn.Config(
-        create_encoder_app(service),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
-    )
-    uvicorn.Server(config).run(sockets=[sock])
+    except (ArgumentError, ModelLoadError) as exc:
+        return _launch_error(exc)
+    _uvicorn_server(create_encoder_app(service), args).run(sockets=[sock])
     return 0
 
 

@@ -1,17 +1,20 @@
 """``kvfleet-agent run``: supervise this host's engine workers and keep the control plane informed.
 
 The main thread supervises (starts, health-checks, restarts) and writes the state file that ``status``
-reads; a reporter thread registers the host and its running workers, heartbeats, and pushes each running
-worker's ``/metrics`` every ``metrics_interval_s`` seconds, and the new rows of each ``--record-trace``
-worker's ``/recorded_trace`` (a cursor per worker moves only once the control plane stored them; rows it
-rejects are logged and skipped). SIGINT/SIGTERM stop every worker and exit.
+reads; a reporter thread registers the host and its running workers, heartbeats, and ships every
+``trace_interval_s`` seconds the new rows of each ``--record-trace`` worker's ``/recorded_trace`` (a cursor
+per worker moves only once the control plane stored them; rows it rejects are logged and skipped). Metrics
+are not sent: the fleet's TSDB scrapes each worker's ``/metrics`` itself, its targets from the control
+plane's inventory (the workers this agent registers). SIGINT/SIGTERM stop every worker and exit.
 
 Roles: each worker is registered, and listed in every heartbeat, with the role it reports running
 (``/server_info`` ``disaggregation_mode``; the spec's role while it does not answer). A heartbeat answer's
 ``restart`` entries ({worker_url, role, seq}: the control plane's ``desired_role``, for engines that cannot
 switch in place) make the main thread restart that worker with its flags rebuilt for the role
 (:func:`engine.agent.spec.with_role`); the new role holds for later crash restarts until the agent itself
-restarts (then the spec file's role applies again). A worker that switched role in place
+restarts (then the spec file's role applies again). Flags a restart-with-flags request changed outlast the
+agent: they are kept in ``<log_dir>/agent-flags.json`` and applied at the next start while the spec file's
+flags for that worker are unchanged (:mod:`engine.agent.flag_overrides`). A worker that switched role in place
 (``/pd_role_switch``) is adopted the same way without a restart: its crash restarts keep the new role.
 
 Acknowledgements (``role_acks`` in every heartbeat, per worker): ``applied`` is the newest request ``seq``
@@ -28,14 +31,23 @@ import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 
+from engine.agent.engines import KVFLEET, launch_command
+from engine.agent.flag_overrides import FlagOverrides
 from engine.agent.host import host_facts
-from engine.agent.probe import metrics_text, recorded_trace, server_info
+from engine.agent.probe import capabilities, recorded_trace, server_info
 from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected, Reporter
-from engine.agent.spec import ENCODER, ROLE_OF_MODE, FleetSpec, WorkerSpec, with_role
+from engine.agent.spec import (
+    ENCODER,
+    ROLE_OF_MODE,
+    FleetSpec,
+    WorkerSpec,
+    flag_table,
+    with_flags,
+    with_role,
+)
 from engine.agent.supervisor import Managed, Supervisor
 
 log = logging.getLogger("kvfleet.agent")
@@ -50,10 +62,17 @@ def local_url(w: WorkerSpec) -> str:
 
 
 def command(w: WorkerSpec) -> list[str]:
-    return [sys.executable, "-m", "engine.launch_server", *w.flags]
+    """The worker's argv: KVFleet's engine from this interpreter, or upstream SGLang from its spec's python
+    (:func:`engine.agent.engines.launch_command`)."""
+    return launch_command(w.engine, w.flags, w.python, w.env)
 
 
 def managed(spec: FleetSpec) -> list[Managed]:
+    """One supervised process per worker: ready when ``/health`` answers 200. Once running, a KVFleet worker
+    is probed on ``/health`` again (it never blocks on the scheduler); an upstream SGLang worker on
+    ``/model_info``, its HTTP server alone: upstream's ``/health`` runs a one-token generation that waits
+    behind a busy scheduler (a 20 s CPU prefill failed three 2 s probes in a row and got a healthy worker
+    restarted), and upstream ends its own process tree when a scheduler dies or its watchdog fires."""
     return [
         Managed(
             name=w.name,
@@ -61,6 +80,7 @@ def managed(spec: FleetSpec) -> list[Managed]:
             health_url=f"{local_url(w)}/health",
             log_path=os.path.join(spec.log_dir, f"worker-{w.name}.log"),
             env=w.env,
+            live_url=f"{local_url(w)}/model_info" if w.engine != KVFLEET else None,
         )
         for w in spec.workers
     ]
@@ -102,18 +122,25 @@ def worker_devices(w: WorkerSpec, info: dict | None = None) -> list[int]:
 
 def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
     """The worker object of the register call (the admin key lets the control plane run operations, the
-    API key lets a rebalance switch the worker's role and send it its canary);
+    API key lets a rebalance switch the worker's role and send it its canary; ``command_line`` and
+    ``launch_flags`` let it restart the worker with other flags);
     ``info`` is the worker's ``/server_info`` (its attached L3 backend goes along)."""
     record = {
         "name": w.name,
         "url": w.url,
         "role": role_of(w, info),
-        "model_name": w.model_name,
+        "model_name": w.model_name or str((info or {}).get("served_model_name") or "")[:200],
         "page_size": w.page_size,
         "tp_size": int((info or {}).get("tp_size") or w.tp_size),
         "devices": worker_devices(w, info),
+        "engine": w.engine,
+        "engine_version": str((info or {}).get("version") or w.engine_version)[:50],
         **storage_fields(info),
+        "command_line": list(w.flags),  # secrets never are on it: they go through the environment
+        "launch_flags": flag_table(w),
     }
+    if info is not None:
+        record["capabilities"] = capabilities(local_url(w), info, w.admin_api_key)
     if w.admin_api_key:
         record["admin_key"] = w.admin_api_key
     if w.api_key:
@@ -124,6 +151,9 @@ def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
 class Agent:
     def __init__(self, spec: FleetSpec, client: ControlPlaneClient, supervisor: Supervisor | None = None):
         self.spec = spec
+        # flag changes restart-with-flags requests made in earlier runs (engine/agent/flag_overrides.py)
+        self.overrides = FlagOverrides(spec.log_dir, {w.name: w.flags for w in spec.workers})
+        spec.workers = [self.overrides.applied(w) for w in spec.workers]
         self.supervisor = supervisor or Supervisor(
             managed(spec), health_interval_s=spec.health_interval_s, unhealthy_after=spec.unhealthy_after
         )
@@ -137,6 +167,14 @@ class Agent:
         self.acks_lock = threading.Lock()
         self.seen: dict[str, int] = {}  # worker URL -> newest request_seq fully processed
         self.applied: dict[str, int] = {}  # worker URL -> newest restart request seq carried out
+        # Restarts with other flags (heartbeat answers' ``flags``): each request list, in order, for the main
+        # thread; per worker URL the newest request taken, carried out, failed (and why), and the request
+        # whose new process has not answered /health yet (worker name -> (URL, seq)).
+        self.flag_requests: queue.Queue[list[dict]] = queue.Queue()
+        self.flags_taken: dict[str, int] = {}
+        self.flags_applied: dict[str, int] = {}
+        self.flags_failed: dict[str, tuple[int, str]] = {}
+        self.flags_starting: dict[str, tuple[str, int]] = {}
         self.reporter = Reporter(
             client,
             self._registration,
@@ -145,8 +183,9 @@ class Agent:
             roles=self._roles,
             role_acks=self._role_acks,
             on_role_requests=lambda restart, request_seq: self.restarts.put((restart, request_seq)),
+            flag_acks=self._flag_acks,
+            on_flag_requests=self.flag_requests.put,
             heartbeat_interval_s=spec.heartbeat_interval_s,
-            buffer_size=spec.buffer_size,
         )
         self.stopping = threading.Event()
         self.trace_cursor: dict[str, int] = {}
@@ -238,21 +277,92 @@ class Agent:
         self.reporter.heartbeat_now()
         return True
 
+    def _flag_acks(self) -> dict[str, dict]:
+        """URL -> {applied, failed, failure} of each worker a flags request named (reporter thread)."""
+        with self.acks_lock:
+            urls = set(self.flags_applied) | set(self.flags_failed)
+            return {
+                url: {
+                    "applied": self.flags_applied.get(url, 0),
+                    "failed": self.flags_failed.get(url, (0, ""))[0],
+                    "failure": self.flags_failed.get(url, (0, ""))[1],
+                }
+                for url in urls
+            }
+
+    def restart_with_flags(self) -> None:
+        """Main thread: carry out the heartbeat answers' flags requests in order. A request the agent took
+        already (same or older generation) is skipped; flags its engine refuses (:func:`with_flags`) fail at
+        once with the worker left running; flags the worker already runs, running, are carried out as they
+        are (starting with them for an earlier request: that start answers this one too); else the worker
+        is stopped and started with them, and the request is carried out once it answers /health, failed
+        if it exits (or is not healthy in time) before that (:meth:`_log`)."""
+        while True:
+            try:
+                requests = self.flag_requests.get_nowait()
+            except queue.Empty:
+                return
+            for req in requests:
+                url, seq = req.get("worker_url"), int(req.get("seq") or 0)
+                i = next((i for i, w in enumerate(self.spec.workers) if w.url == url), None)
+                if i is None or seq <= self.flags_taken.get(url, 0):
+                    continue
+                self.flags_taken[url] = seq
+                old = self.spec.workers[i]
+                try:
+                    new = with_flags(old, list(req.get("flags") or []))
+                except ValueError as exc:
+                    log.error("%s: flags request #%d refused: %s", old.name, seq, exc)
+                    self._flags_outcome(url, seq, f"refused by the agent: {exc}")
+                    continue
+                if new.flags == old.flags and old.name in self.supervisor.running():
+                    self._flags_outcome(url, seq, None)
+                    continue
+                if new.flags == old.flags and old.name in self.flags_starting:  # starting with them now
+                    self.flags_starting[old.name] = (url, seq)
+                    continue
+                self._set_spec(i, new)
+                self.flags_starting[old.name] = (url, seq)
+                self._log([self.supervisor.replace(old.name, command(new), f"flags request #{seq}")])
+                self.reporter.heartbeat_now()
+
+    def _last_error(self, name: str) -> str:
+        """``": <line>"``: the last line of worker ``name``'s log that says error (its own words for why it
+        exited; the log never holds a secret), or "" when none does."""
+        try:
+            with open(os.path.join(self.spec.log_dir, f"worker-{name}.log"), errors="replace") as f:
+                tail = f.readlines()[-200:]
+        except OSError:
+            return ""
+        lines = [ln.strip() for ln in tail if "error" in ln.lower()]
+        return f": {lines[-1][:500]}" if lines else ""
+
+    def _flags_outcome(self, url: str, seq: int, failure: str | None) -> None:
+        """Record request `seq` of `url` as carried out (`failure` None) or failed, for the heartbeat."""
+        failure = None if failure is None else failure[:1900]  # the control plane takes up to 2000 chars
+        if failure is None:  # kept for the agent's next run (main thread)
+            w = next((w for w in self.spec.workers if w.url == url), None)
+            if w is not None:
+                self.overrides.record(w.name, w.flags)
+        with self.acks_lock:
+            if failure is None:
+                self.flags_applied[url] = max(self.flags_applied.get(url, 0), seq)
+            else:
+                self.flags_failed[url] = (seq, failure)
+        self.reporter.heartbeat_now()
+
     def _down_urls(self) -> list[str]:
         """Workers this agent runs that are not serving (crashed, unhealthy, restarting)."""
         running = set(self.supervisor.running())
         return [w.url for w in self.spec.workers if w.name not in running]
 
     def _report_loop(self) -> None:
-        next_scrape = 0.0
+        next_trace = 0.0
         while not self.stopping.is_set():
             now = time.monotonic()
-            if now >= next_scrape:
-                next_scrape = now + self.spec.metrics_interval_s
+            if now >= next_trace:
+                next_trace = now + self.spec.trace_interval_s
                 for w in self._running():
-                    text = metrics_text(local_url(w))
-                    if text is not None:
-                        self.reporter.add_sample(w.url, text)
                     if "--record-trace" in w.flags and self.reporter.registered:
                         self._ship_trace(w)
             self.reporter.tick()
@@ -313,6 +423,7 @@ class Agent:
         try:
             while not self.stopping.is_set():
                 self.restart_in_roles()
+                self.restart_with_flags()
                 self.adopt_live_roles()
                 self._log(self.supervisor.poll())
                 self.write_state()
@@ -331,6 +442,10 @@ class Agent:
                 log.error("worker %s crashed: %s", e.name, e.detail)
             else:
                 log.info("worker %s %s %s", e.name, e.kind, e.detail)
+            starting = self.flags_starting.pop(e.name, None) if e.kind in ("healthy", "crashed") else None
+            if starting is not None:  # the first start with a flags request's command line
+                why = None if e.kind == "healthy" else f"the new process {e.detail}{self._last_error(e.name)}"
+                self._flags_outcome(*starting, why)
             if e.kind == "healthy":
                 self.reporter.reregister()
             elif e.kind == "crashed":

@@ -1,8 +1,11 @@
 """``kvfleet-agent`` (``python -m engine.agent``): run | status | drain | undrain | check-isolation.
 
 - ``run --control-plane URL --token TOKEN --spec fleet.toml``: supervise the spec's workers and report them.
-- ``status --spec fleet.toml``: one row per worker: supervisor state, restarts, idle, running/waiting requests
-  and cached tokens per tier (device/host/storage) read live from the worker.
+- ``status --state-file FILE`` (or ``--spec fleet.toml``): one row per worker: supervisor state, restarts,
+  idle, running/waiting requests and cached tokens per tier (device/host/storage) read live from the
+  worker. The state file (``agent-state.json`` in the spec's ``log_dir``, rewritten by a running agent every
+  heartbeat) holds the workers as the agent resolved them, so it needs nothing else; ``--spec`` finds it
+  through the spec, whose ``${...}`` values must then be set as when the agent started.
 - ``drain WORKER --control-plane URL --token TOKEN``: the control plane takes the worker out of its router
   (``POST /api/v1/inventory/workers/{id}/drain/``, operator token), then wait until the worker is idle
   (``--timeout`` seconds, > 0). A drain that times out leaves the worker out of its router, and says so.
@@ -11,7 +14,8 @@
 - ``check-isolation URL [--api-key-file FILE] [--words N] [--json]``: the cache isolation self-test
   (``engine.agent.isolation``): same prompt, two salts → no reuse; same salt → reuse; both TTFTs. Exit 0
   when isolated, 1 when not, inconclusive (a router with more than one worker) or the worker failed; URL
-  may be a worker or an sglang-router; the key defaults to ``$KVFLEET_API_KEY``.
+  may be a worker or a router (smg or sglang-router: each salt route is checked through it); the key
+  defaults to ``$KVFLEET_API_KEY``.
 
 ``--control-plane``, ``--token`` and ``--token-file`` default to ``$KVFLEET_CONTROL_PLANE``,
 ``$KVFLEET_AGENT_TOKEN`` and ``$KVFLEET_AGENT_TOKEN_FILE``.
@@ -78,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--spec", required=True, help="fleet spec (TOML)")
     run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     status = sub.add_parser("status", help="table of workers: state, idle, cached tokens per tier")
-    status.add_argument("--spec", required=True, help="fleet spec (TOML) whose workers to show")
+    which = status.add_mutually_exclusive_group(required=True)
+    which.add_argument("--state-file", help="a running agent's agent-state.json (in its spec's log_dir)")
+    which.add_argument("--spec", help="fleet spec (TOML) whose workers to show")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     drain = sub.add_parser("drain", help="take a worker out of its router and wait until it is idle")
     drain.add_argument("worker", help="worker name as registered")
@@ -150,27 +156,64 @@ def cmd_run(args) -> int:
     return Agent(spec, client).run()
 
 
-def status_rows(spec) -> list[dict]:
-    """Supervisor state from the state file of a running agent, merged with each worker's live state."""
+def _agent_running(state: dict) -> bool:
+    pid = state.get("agent_pid")
+    if not isinstance(pid, int):
+        return False
     try:
-        with open(spec.state_file) as f:
-            supervised = {w["name"]: w for w in json.load(f)["workers"]}
-    except (OSError, ValueError, KeyError):
-        supervised = {}
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def read_state(path: str) -> dict | None:
+    """A running agent's state file (``Agent.write_state``), or None when there is none or it is not one."""
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and isinstance(state.get("workers"), list) else None
+
+
+def status_rows(spec=None, state: dict | None = None) -> list[dict]:
+    """One row per worker: its supervisor state merged with its live state. Workers come from ``state`` (a
+    state file's content: each worker's name, URL and local URL as the agent resolved them) or, without one,
+    from ``spec`` (merged with the state file its ``log_dir`` holds, if any). A worker of an agent that is no
+    longer running shows ``agent stopped`` (or ``down`` when the worker does not answer either)."""
+    if state is None:
+        state = read_state(spec.state_file) if spec is not None else None
+    supervised = {w.get("name"): w for w in (state or {}).get("workers", [])}
+    running = state is not None and _agent_running(state)
+    if spec is not None:
+        workers = [(w.name, w.url, f"http://127.0.0.1:{w.port}") for w in spec.workers]
+    else:
+        workers = [
+            (w.get("name"), w.get("url"), w.get("local_url") or w.get("url")) for w in supervised.values()
+        ]
     rows = []
-    for w in spec.workers:
-        sup = supervised.get(w.name, {})
-        local = sup.get("local_url") or f"http://127.0.0.1:{w.port}"
+    for name, url, default_local in workers:
+        sup = supervised.get(name, {})
+        local = sup.get("local_url") or default_local
         info = server_info(local)
         text = metrics_text(local) if info else None
         tiers = cached_tokens(text) if text else {}
         hicache = (info or {}).get("hicache") or {}
+        if not info and not sup:
+            how = "down"
+        elif not sup:
+            how = "unsupervised"
+        else:
+            how = sup.get("state", "unsupervised") if running else ("agent stopped" if info else "down")
         rows.append(
             {
-                "worker": w.name,
-                "url": w.url,
-                "state": sup.get("state", "unsupervised") if info or sup else "down",
-                "pid": sup.get("pid"),
+                "worker": name,
+                "url": url,
+                "state": how,
+                "pid": sup.get("pid") if running else None,
                 "restarts": sup.get("restarts", 0),
                 "idle": info.get("is_idle") if info else None,
                 "running": info.get("num_running_reqs") if info else None,
@@ -200,7 +243,17 @@ def format_table(rows: list[dict]) -> str:
 
 
 def cmd_status(args) -> int:
-    rows = status_rows(_spec(args.spec))
+    if args.state_file:
+        state = read_state(args.state_file)
+        if state is None:
+            raise CliError(
+                f"--state-file {args.state_file}: no agent state there (a running agent writes "
+                "agent-state.json in its spec's log_dir)",
+                2,
+            )
+        rows = status_rows(state=state)
+    else:
+        rows = status_rows(_spec(args.spec))
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0
 

@@ -1,23 +1,21 @@
-"""Talk to the control plane's agent API: register, heartbeat, metrics ingest; survive it being down.
+"""Talk to the control plane's agent API: register, heartbeat, recorded traffic; survive it being down.
 
 Endpoints (token auth, ``Authorization: Bearer cp_...``): ``POST /api/v1/agent/register/`` (host + workers,
 idempotent upsert), ``POST /api/v1/agent/heartbeat/`` (live worker URLs, ``offline``: the ones not
 serving, ``roles``: the role each live worker reports, ``role_acks``: per worker the newest role-request
 generation the agent processed and the newest it carried out; 404 = unknown host: register again; the
 answer's ``restart`` lists workers to restart in a new role and ``request_seq`` each worker's current
-request generation, both handed to ``on_role_requests``),
-``POST /api/v1/agent/metrics/`` (``{"worker_url", "text", "ts"}``: the worker's Prometheus text and when it
-was scraped, Unix seconds; 400 ``unknown_worker`` = not registered: register again, then resend).
+request generation, both handed to ``on_role_requests``; ``flag_acks``: per worker the newest flags request
+carried out and the newest failed, with why; the answer's ``flags`` lists workers to restart with another
+command line, handed to ``on_flag_requests``), ``POST /api/v1/agent/traces/`` (a worker's recorded requests).
+Metrics are not sent: the fleet's TSDB scrapes the workers itself.
 
 A re-register asked for while a register call is in flight is never lost: each request bumps a generation
 and the host counts as registered only once a register that started after the newest request succeeded.
 
-Metrics samples wait in a bounded FIFO (oldest dropped when full) and keep their scrape time. While the
-control plane is unreachable (connect error, timeout or 5xx) nothing is lost beyond that bound: each attempt
-backs off exponentially (``retry_base_s`` doubling up to ``retry_max_s``), the outage is logged once when it
-starts and once when it ends (with how many samples were sent and dropped). A sample the control plane
-rejects (4xx) is dropped with a warning so it never blocks the queue; one for a worker it does not know is
-resent once after registering again.
+While the control plane is unreachable (connect error, timeout or 5xx) each attempt backs off
+exponentially (``retry_base_s`` doubling up to ``retry_max_s``), and the outage is logged once when it starts
+and once when it ends.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import httpx
@@ -82,20 +79,16 @@ class ControlPlaneClient:
         offline_urls: list[str] = (),
         roles: dict | None = None,
         role_acks: dict | None = None,
+        flag_acks: dict | None = None,
     ) -> dict:
         body = {"host": host_name, "workers": worker_urls, "offline": list(offline_urls)}
         if roles:
             body["roles"] = roles
         if role_acks:
             body["role_acks"] = role_acks
+        if flag_acks:
+            body["flag_acks"] = flag_acks
         return self.call("POST", "/api/v1/agent/heartbeat/", json=body)
-
-    def push_metrics(self, worker_url: str, text: str, ts: float | None = None) -> dict:
-        """``ts``: when the sample was scraped (Unix seconds), kept by the control plane as its time."""
-        body = {"worker_url": worker_url, "text": text}
-        if ts is not None:
-            body["ts"] = ts
-        return self.call("POST", "/api/v1/agent/metrics/", json=body)
 
     def push_trace(self, worker_url: str, requests: list[dict], block_tokens: int = 512) -> dict:
         """Recorded trace rows of one worker (``--record-trace``) for its pool; ``block_tokens``: the
@@ -116,7 +109,9 @@ class Reporter:
     live worker runs (URL -> mixed | prefill | decode); ``role_acks()`` URL -> {seen, applied} (sent with
     every heartbeat); ``on_role_requests(restart, request_seq)`` gets the heartbeat answer's ``restart``
     list ([{worker_url, role, seq}]) and ``request_seq`` map (URL -> generation), on the reporter thread,
-    once per answer that has either, in the order the answers came.
+    once per answer that has either, in the order the answers came. ``flag_acks()`` URL -> {applied,
+    failed, failure} (sent with every heartbeat); ``on_flag_requests(flags)`` gets a non-empty ``flags``
+    list ([{worker_url, flags, seq}]) of an answer, on the reporter thread, in order.
     """
 
     def __init__(
@@ -129,36 +124,28 @@ class Reporter:
         roles: Callable[[], dict] = dict,
         role_acks: Callable[[], dict] = dict,
         on_role_requests: Callable[[list[dict], dict], None] = lambda restart, request_seq: None,
+        flag_acks: Callable[[], dict] = dict,
+        on_flag_requests: Callable[[list[dict]], None] = lambda flags: None,
         heartbeat_interval_s: float = 5.0,
-        buffer_size: int = 500,
         retry_base_s: float = 1.0,
         retry_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
     ):
         self.client = client
         self.registration, self.live_urls, self.down_urls = registration, live_urls, down_urls
         self.roles, self.role_acks, self.on_role_requests = roles, role_acks, on_role_requests
+        self.flag_acks, self.on_flag_requests = flag_acks, on_flag_requests
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.outbox: deque[tuple[str, str, float]] = deque(maxlen=buffer_size)
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
-        self.clock, self.wall_clock = clock, wall_clock
+        self.clock = clock
         self._lock = threading.Lock()
         self._wanted = 1  # register generations asked for; _done = the newest one that succeeded
         self._done = 0
-        self._resent_for: tuple[str, float] | None = None  # sample already resent after an unknown_worker
         self.host_name = ""
         self.down_since: float | None = None
         self.retry_delay = 0.0
         self.next_attempt = 0.0
         self.next_heartbeat = 0.0
-        self.sent = self.dropped = self.rejected = 0
-        self._sent_at_outage = 0
-
-    def add_sample(self, worker_url: str, text: str) -> None:
-        if len(self.outbox) == self.outbox.maxlen:
-            self.dropped += 1
-        self.outbox.append((worker_url, text, self.wall_clock()))
 
     @property
     def registered(self) -> bool:
@@ -180,10 +167,6 @@ class Reporter:
             "url": self.client.base_url,
             "reachable": self.down_since is None,
             "registered": self.registered,
-            "buffered": len(self.outbox),
-            "sent": self.sent,
-            "dropped": self.dropped,
-            "rejected": self.rejected,
         }
 
     def tick(self) -> None:
@@ -196,12 +179,7 @@ class Reporter:
             self._went_down(now, str(exc))
             return
         if self.down_since is not None:
-            log.warning(
-                "control plane reachable again after %.0fs; sent %d buffered samples, dropped %d",
-                now - self.down_since,
-                self.sent - self._sent_at_outage,
-                self.dropped,
-            )
+            log.warning("control plane reachable again after %.0fs", now - self.down_since)
             self.down_since = None
         self.retry_delay = 0.0
 
@@ -226,31 +204,23 @@ class Reporter:
         if now >= self.next_heartbeat:
             try:
                 answer = self.client.heartbeat(
-                    self.host_name, self.live_urls(), self.down_urls(), self.roles(), self.role_acks()
+                    self.host_name,
+                    self.live_urls(),
+                    self.down_urls(),
+                    self.roles(),
+                    self.role_acks(),
+                    self.flag_acks(),
                 )
                 if answer.get("restart") or answer.get("request_seq"):
                     self.on_role_requests(answer.get("restart") or [], answer.get("request_seq") or {})
+                if answer.get("flags"):
+                    self.on_flag_requests(answer["flags"])
             except ControlPlaneRejected as exc:
                 if exc.status == 404:
                     self.reregister()
                     return
                 log.error("heartbeat refused: %s", exc)
             self.next_heartbeat = now + self.heartbeat_interval_s
-        while self.outbox and self.registered:
-            url, text, ts = self.outbox[0]
-            try:
-                self.client.push_metrics(url, text, ts)
-                self.sent += 1
-            except ControlPlaneRejected as exc:
-                if exc.code == "unknown_worker" and self._resent_for != (url, ts):
-                    # The control plane does not know this worker (yet): register again, then resend once.
-                    log.warning("metrics for %s: %s; registering again", url, exc)
-                    self._resent_for = (url, ts)
-                    self.reregister()
-                    return
-                self.rejected += 1
-                log.warning("metrics for %s rejected (dropped): %s", url, exc)
-            self.outbox.popleft()
 
     def _back_off(self, now: float) -> None:
         self.retry_delay = min(max(self.retry_base_s, self.retry_delay * 2), self.retry_max_s)
@@ -259,11 +229,7 @@ class Reporter:
     def _went_down(self, now: float, why: str) -> None:
         if self.down_since is None:
             self.down_since = now
-            self._sent_at_outage = self.sent
             log.warning(
-                "control plane unreachable at %s (%s); buffering up to %d samples, retrying with backoff",
-                self.client.base_url,
-                why,
-                self.outbox.maxlen,
+                "control plane unreachable at %s (%s); retrying with backoff", self.client.base_url, why
             )
         self._back_off(now)

@@ -1,8 +1,8 @@
 """The agent's fleet spec: a TOML file listing the engine workers one host runs.
 
-Layout (every worker key other than ``name``, ``model``, ``role``, ``url`` and ``env`` is an SGLang launch
-arg by its ``ServerArgs`` name, e.g. ``page_size``, ``max_total_tokens``, ``enable_hierarchical_cache``,
-``hicache_ratio``, ``hicache_storage_backend``; a table value becomes JSON, so
+Layout (every worker key other than ``name``, ``model``, ``role``, ``url``, ``env``, ``engine`` and ``python``
+is an SGLang launch arg by its ``ServerArgs`` name, e.g. ``page_size``, ``max_total_tokens``,
+``enable_hierarchical_cache``, ``hicache_ratio``, ``hicache_storage_backend``; a table value becomes JSON, so
 ``hicache_storage_backend_extra_config`` may be an inline table)::
 
     [agent]                      # optional
@@ -10,8 +10,7 @@ arg by its ``ServerArgs`` name, e.g. ``page_size``, ``max_total_tokens``, ``enab
     address = "10.0.0.5"         # address the workers are reached at (default 127.0.0.1)
     log_dir = "logs/agent"       # worker logs and the state file
     heartbeat_interval_s = 5
-    metrics_interval_s = 3
-    buffer_size = 500            # samples kept while the control plane is down
+    trace_interval_s = 3         # how often recorded traffic (--record-trace) is shipped
     health_interval_s = 5        # how often a running worker's /health is probed
     unhealthy_after = 3          # consecutive failed probes before the worker is restarted
 
@@ -23,6 +22,11 @@ arg by its ``ServerArgs`` name, e.g. ``page_size``, ``max_total_tokens``, ``enab
     enable_hierarchical_cache = true
     hicache_storage_backend = "mooncake"
     hicache_storage_backend_extra_config = { master_server_address = "${MOONCAKE_MASTER}" }
+
+A worker runs KVFleet's engine unless it says ``engine = "sglang"``: then ``python`` names the interpreter of
+an environment with upstream SGLang, its keys are that SGLang's own launch flags (checked against its parser,
+``engine/agent/engines.py``; a KVFleet-only flag is an error naming it) and it starts as upstream's
+``python -m sglang.launch_server``.
 
 PD workers take SGLang's PD flags as keys (``disaggregation_bootstrap_port``,
 ``disaggregation_transfer_backend``, ``disaggregation_ib_device``, ``enable_pd_role_switch``, ...);
@@ -46,6 +50,7 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from engine.agent.engines import ENGINES, KVFLEET, SGLANG, EngineUnavailable, UpstreamFlags, upstream_flags
 from engine.server.args import SECRET_ENV, ArgumentError, build_parser, parse_args
 
 ROLES = {"mixed": "null", "prefill": "prefill", "decode": "decode"}
@@ -57,12 +62,11 @@ AGENT_KEYS = {
     "address": str,
     "log_dir": str,
     "heartbeat_interval_s": (int, float),
-    "metrics_interval_s": (int, float),
-    "buffer_size": int,
+    "trace_interval_s": (int, float),
     "health_interval_s": (int, float),
     "unhealthy_after": int,
 }
-WORKER_META_KEYS = {"name", "model", "role", "url", "env"}
+WORKER_META_KEYS = {"name", "model", "role", "url", "env", "engine", "python"}
 # Launch args the agent sets itself from other fields (model, role, port are fields of their own).
 _RESERVED_ARGS = {"model_path"}
 _MODE_FLAG = "--disaggregation-mode="
@@ -99,6 +103,9 @@ class WorkerSpec:
     tp_size: int = 1  # ranks (devices) this worker spans
     base_gpu_id: int = 0  # its first device; the others follow (upstream's --base-gpu-id)
     device: str = "cpu"  # --device: cpu ranks hold no GPU
+    engine: str = KVFLEET  # kvfleet | sglang (engine/agent/engines.py)
+    python: str | None = None  # sglang: the interpreter of its SGLang environment
+    engine_version: str = ""  # sglang: the version its interpreter reported at spec load
 
     @property
     def devices(self) -> list[int]:
@@ -113,8 +120,7 @@ class FleetSpec:
     address: str
     log_dir: str
     heartbeat_interval_s: float
-    metrics_interval_s: float
-    buffer_size: int
+    trace_interval_s: float
     workers: list[WorkerSpec]
     health_interval_s: float = 5.0
     unhealthy_after: int = 3
@@ -249,8 +255,7 @@ def load_spec(path: str | os.PathLike, environ: dict | None = None) -> FleetSpec
     agent = {k: expand(v, k, error_at("agent", None, k)) for k, v in agent.items()}
     for key in (
         "heartbeat_interval_s",
-        "metrics_interval_s",
-        "buffer_size",
+        "trace_interval_s",
         "health_interval_s",
         "unhealthy_after",
     ):
@@ -278,8 +283,7 @@ def load_spec(path: str | os.PathLike, environ: dict | None = None) -> FleetSpec
         address=address,
         log_dir=agent.get("log_dir", "logs/agent"),
         heartbeat_interval_s=float(agent.get("heartbeat_interval_s", 5)),
-        metrics_interval_s=float(agent.get("metrics_interval_s", 3)),
-        buffer_size=int(agent.get("buffer_size", 500)),
+        trace_interval_s=float(agent.get("trace_interval_s", 3)),
         workers=workers,
         health_interval_s=float(agent.get("health_interval_s", 5)),
         unhealthy_after=int(agent.get("unhealthy_after", 3)),
@@ -301,6 +305,17 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
     for key in ("name", "model", "port"):
         if key not in raw:
             raise error_at("workers", i, None)(f"missing required field {key!r}")
+    meta = {k: expand(raw[k], k, error_at("workers", i, k)) for k in WORKER_META_KEYS if k in raw}
+    for key in ("name", "model"):
+        if not isinstance(meta[key], str) or not meta[key]:
+            raise error_at("workers", i, key)("must be a non-empty string")
+    engine = meta.get("engine", KVFLEET)
+    if engine not in ENGINES:
+        raise error_at("workers", i, "engine")(f"must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == SGLANG:
+        return _upstream_worker(raw, meta, i, address, actions, error_at, expand)
+    if "python" in raw:
+        raise error_at("workers", i, "python")('only an engine = "sglang" worker names its python')
     flags: list[str] = []
     flag_field: dict[str, str] = {}
     for key, value in raw.items():
@@ -311,39 +326,12 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
             known = [*WORKER_META_KEYS, *(k for k in actions if k not in _RESERVED_ARGS)]
             hint = _closest(key, known, "worker keys: name, model, role, url, env and its launch args")
             raise err(f"unknown field; {hint}")
-        if isinstance(value, dict):
-            value = {sub: expand(v, sub, error_at("workers", i, key, sub)) for sub, v in value.items()}
-        else:
-            value = expand(value, key, err)
         before = len(flags)
-        flags += _to_flags(key, value, actions[key], err)
+        flags += _to_flags(key, _expand_value(value, key, i, error_at, expand), actions[key], err)
         for flag in flags[before : before + 1]:
             flag_field[flag.split("=", 1)[0]] = key
-    meta = {k: expand(raw[k], k, error_at("workers", i, k)) for k in WORKER_META_KEYS if k in raw}
-    for key in ("name", "model"):
-        if not isinstance(meta[key], str) or not meta[key]:
-            raise error_at("workers", i, key)("must be a non-empty string")
-    role = meta.get("role", "mixed")
-    if role not in (*ROLES, ENCODER):
-        raise error_at("workers", i, "role")(f"must be one of {', '.join((*ROLES, ENCODER))}, got {role!r}")
-    if _ENCODER_FLAG in flags and "role" not in raw:  # encoder_only = true names the role too
-        role = ENCODER
-    if role == ENCODER and "disaggregation_mode" in raw:
-        raise error_at("workers", i, "disaggregation_mode")("an encoder is not a PD worker")
-    if "disaggregation_mode" in raw:
-        mode = expand(
-            raw["disaggregation_mode"], "disaggregation_mode", error_at("workers", i, "disaggregation_mode")
-        )
-        if mode not in ROLE_OF_MODE:
-            raise error_at("workers", i, "disaggregation_mode")(
-                f"must be null, prefill or decode, got {mode!r}"
-            )
-        if "role" in raw and ROLE_OF_MODE[mode] != role:
-            raise error_at("workers", i, "disaggregation_mode")(f"{mode!r} contradicts role = {role!r}")
-        role = ROLE_OF_MODE[mode]
-    env = meta.get("env", {})
-    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-        raise error_at("workers", i, "env")("must be a table of strings")
+    role = _role(raw, meta, flags, i, error_at, expand)
+    env = _env(meta, i, error_at)
     flags = [f"--model-path={meta['model']}", *_role_flags(flags, role)]
     try:
         args = parse_args(flags)
@@ -376,6 +364,122 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
     )
 
 
+def _expand_value(value, key: str, i: int, error_at, expand):
+    if isinstance(value, dict):
+        return {sub: expand(v, sub, error_at("workers", i, key, sub)) for sub, v in value.items()}
+    return expand(value, key, error_at("workers", i, key))
+
+
+def _env(meta: dict, i: int, error_at) -> dict[str, str]:
+    env = meta.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+        raise error_at("workers", i, "env")("must be a table of strings")
+    return env
+
+
+def _role(raw: dict, meta: dict, flags: list[str], i: int, error_at, expand) -> str:
+    """The worker's role from ``role`` / ``disaggregation_mode`` / ``encoder_only`` (contradictions
+    refused)."""
+    role = meta.get("role", "mixed")
+    if role not in (*ROLES, ENCODER):
+        raise error_at("workers", i, "role")(f"must be one of {', '.join((*ROLES, ENCODER))}, got {role!r}")
+    if _ENCODER_FLAG in flags and "role" not in raw:  # encoder_only = true names the role too
+        role = ENCODER
+    if role == ENCODER and "disaggregation_mode" in raw:
+        raise error_at("workers", i, "disaggregation_mode")("an encoder is not a PD worker")
+    if "disaggregation_mode" in raw:
+        mode = expand(
+            raw["disaggregation_mode"], "disaggregation_mode", error_at("workers", i, "disaggregation_mode")
+        )
+        if mode not in ROLE_OF_MODE:
+            raise error_at("workers", i, "disaggregation_mode")(
+                f"must be null, prefill or decode, got {mode!r}"
+            )
+        if "role" in raw and ROLE_OF_MODE[mode] != role:
+            raise error_at("workers", i, "disaggregation_mode")(f"{mode!r} contradicts role = {role!r}")
+        role = ROLE_OF_MODE[mode]
+    return role
+
+
+def _upstream_worker(raw: dict, meta: dict, i: int, address: str, ours: dict, error_at, expand) -> WorkerSpec:
+    """An ``engine = "sglang"`` worker: every key other than the worker fields must be a launch flag of the
+    SGLang its ``python`` runs (asked with :func:`upstream_flags`); a KVFleet-only flag is refused naming it.
+    Values are passed as written: upstream's own parser checks them when the worker starts (its log says
+    why)."""
+    python = meta.get("python")
+    if not isinstance(python, str) or not python:
+        raise error_at("workers", i, "python" if "python" in raw else None)(
+            'an engine = "sglang" worker needs python = "<its SGLang environment>/bin/python"'
+        )
+    try:
+        up = upstream_flags(python)
+    except EngineUnavailable as exc:
+        raise error_at("workers", i, "python")(str(exc)) from None
+    flags: list[str] = []
+    values: dict = {}
+    for key, value in raw.items():
+        err = error_at("workers", i, key)
+        if key in WORKER_META_KEYS or key == "disaggregation_mode":
+            continue
+        if key in _RESERVED_ARGS or key not in up.flags:
+            if key in ours and key not in _RESERVED_ARGS:
+                flag = ours[key].option_strings[0]
+                raise err(
+                    f"{flag} is KVFleet's own flag: SGLang {up.version} has none "
+                    '(remove it, or use engine = "kvfleet")'
+                )
+            known = [*WORKER_META_KEYS, *(k for k in up.flags if k not in _RESERVED_ARGS)]
+            raise err(f"unknown field: not a launch flag of SGLang {up.version}; {_closest(key, known)}")
+        values[key] = _expand_value(value, key, i, error_at, expand)
+        if key in SECRET_ENV:
+            continue
+        action = _UpstreamAction(up, key)
+        flags += _to_flags(key, values[key], action, err)
+    role = _role(raw, meta, flags, i, error_at, expand)
+    env = {
+        **_env(meta, i, error_at),
+        **{var: str(values[name]) for name, var in SECRET_ENV.items() if values.get(name)},
+    }
+
+    def value(name: str, kind, default):
+        got = values.get(name, up.default(name) if name in up.flags else None)
+        try:
+            return kind(got) if got is not None else default
+        except (TypeError, ValueError):
+            raise error_at("workers", i, name)(f"must be a {kind.__name__}, got {got!r}") from None
+
+    port = value("port", int, 30000)
+    url = meta.get("url") or f"http://{address}:{port}"
+    return WorkerSpec(
+        name=meta["name"],
+        model=meta["model"],
+        role=role,
+        host=value("host", str, "127.0.0.1"),
+        port=port,
+        url=url.rstrip("/"),
+        flags=[f"--model-path={meta['model']}", *_role_flags(flags, role)],
+        env=env,
+        admin_api_key=values.get("admin_api_key") or None,
+        api_key=values.get("api_key") or None,
+        page_size=value("page_size", int, 1),
+        model_name=value("served_model_name", str, ""),
+        tp_size=value("tp_size", int, 1),
+        base_gpu_id=value("base_gpu_id", int, 0),
+        device=value("device", str, "cuda"),
+        engine=SGLANG,
+        python=python,
+        engine_version=up.version,
+    )
+
+
+class _UpstreamAction:
+    """The two facts :func:`_to_flags` reads of an argparse action, for an upstream flag."""
+
+    def __init__(self, up: UpstreamFlags, dest: str):
+        self.option_strings = [up.option(dest)]
+        self.nargs = None if up.takes_value(dest) else 0
+
+
 def _role_flags(flags: list[str], role: str) -> list[str]:
     kept = [f for f in flags if not f.startswith(_MODE_FLAG)]
     if role == ENCODER:
@@ -393,8 +497,82 @@ def with_role(w: WorkerSpec, role: str) -> WorkerSpec:
     if w.role == ENCODER:
         raise ValueError(f"worker {w.name!r} is an EPD encoder: its role is not switched")
     flags = _role_flags(w.flags, role)
+    if w.engine != KVFLEET:  # upstream's own parser checks the new flags when it starts
+        return replace(w, role=role, flags=flags)
     try:
         parse_args(flags)
     except ArgumentError as exc:
         raise ValueError(f"worker {w.name} cannot run as {role}: {exc}") from None
     return replace(w, role=role, flags=flags)
+
+
+# What a restart with other flags never changes: the worker's identity and role (flags that carry a secret
+# are refused too: secrets reach a worker through its environment only).
+_FIXED_OPTIONS = ("--model-path", "--port", "--host", "--disaggregation-mode", _ENCODER_FLAG)
+
+
+def flag_table(w: WorkerSpec) -> dict[str, list]:
+    """``w``'s engine's launch flags: SGLang name -> [option, takes a value] (KVFleet's parser, or the
+    upstream interpreter's own, :func:`upstream_flags`). What the agent reports as ``launch_flags``."""
+    if w.engine == KVFLEET:
+        return {k: [a.option_strings[0], a.nargs != 0] for k, a in _flag_actions().items()}
+    return {k: [opt, takes] for k, (opt, takes, _) in upstream_flags(w.python).flags.items()}
+
+
+def _option_values(flags: list[str]) -> dict[str, str]:
+    return {f.split("=", 1)[0]: f.split("=", 1)[1] if "=" in f else "" for f in flags}
+
+
+def with_flags(w: WorkerSpec, flags: list[str]) -> WorkerSpec:
+    """``w`` launched with the command line ``flags`` instead (one ``--flag=value`` or ``--switch`` item
+    each, as ``w.flags``). Every option must be one of its engine's (KVFleet's: the whole command line is
+    parsed and checked as at spec load; upstream: the names are checked against that interpreter's parser,
+    values are upstream's to check when it starts). Raises ``ValueError`` saying why: an unknown option
+    (naming the closest), a secret on the command line, or a change of model, port, host or role."""
+    table = flag_table(w)
+    options = {opt: name for name, (opt, _) in table.items()}
+    for item in flags:
+        if not isinstance(item, str) or not item.startswith("--"):
+            raise ValueError(f"{item!r} is not a --flag or --flag=value item")
+        option = item.split("=", 1)[0]
+        if option not in options:
+            engine = "KVFleet's engine" if w.engine == KVFLEET else f"SGLang {w.engine_version}"
+            raise ValueError(f"{option} is not a launch flag of {engine}; {_closest(option, options)}")
+        if options[option] in SECRET_ENV:
+            raise ValueError(f"{option} carries a secret: it reaches a worker through its environment only")
+    old, new = _option_values(w.flags), _option_values(flags)
+    for option in _FIXED_OPTIONS:
+        if old.get(option) != new.get(option):
+            change = f"{old.get(option)!r} -> {new.get(option)!r}"
+            raise ValueError(f"{option} cannot change by a restart ({change})")
+    if w.engine != KVFLEET:
+
+        def number(option: str, default: int) -> int:
+            try:
+                return int(new[option]) if option in new else default
+            except ValueError:  # upstream's parser says so when it starts
+                return default
+
+        up = upstream_flags(w.python)
+        return replace(
+            w,
+            flags=list(flags),
+            page_size=number("--page-size", int(up.default("page_size") or 1)),
+            tp_size=number("--tp-size", 1),
+            base_gpu_id=number("--base-gpu-id", 0),
+            device=new.get("--device") or up.default("device") or "cuda",
+            model_name=new.get("--served-model-name", ""),
+        )
+    try:
+        args = parse_args(list(flags))
+    except ArgumentError as exc:
+        raise ValueError(f"refused by KVFleet's parser: {exc}") from None
+    return replace(
+        w,
+        flags=list(flags),
+        page_size=args.page_size,
+        tp_size=args.tp_size,
+        base_gpu_id=args.base_gpu_id,
+        device=args.device,
+        model_name=args.model_name,
+    )

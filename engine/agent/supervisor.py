@@ -30,13 +30,15 @@ log = logging.getLogger("kvfleet.agent")
 
 @dataclass
 class Managed:
-    """One supervised process. ``command`` is the argv; ``health_url`` answers 200 once it serves."""
+    """One supervised process. ``command`` is the argv; ``health_url`` answers 200 once it serves;
+    ``live_url`` (default: ``health_url``) is what the running process is probed with afterwards."""
 
     name: str
     command: list[str]
     health_url: str | None
     log_path: str
     env: dict[str, str] = field(default_factory=dict)
+    live_url: str | None = None
     state: str = "starting"
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
@@ -143,7 +145,7 @@ class Supervisor:
     def _check_running(self, p: Managed, now: float) -> list[Event]:
         if p.health_url is not None and now >= p.next_probe_at:
             p.next_probe_at = now + self.health_interval_s
-            p.failed_probes = 0 if self.probe(p.health_url) else p.failed_probes + 1
+            p.failed_probes = 0 if self.probe(p.live_url or p.health_url) else p.failed_probes + 1
             if p.failed_probes >= self.unhealthy_after:
                 _terminate(p.proc, 5.0)
                 why = f"health check failed {p.failed_probes} times in a row"

@@ -35,12 +35,12 @@ from typing import NamedTuple
 import torch
 
 from engine.cache.device_pool import DeviceKVPool
+from engine.cache.kv_dtypes import KV_CACHE_DTYPES
 from engine.model.forward_batch import ForwardBatch
 from engine.model.loader import load_checkpoint
 from engine.model.runner import ModelRunner
 from engine.scheduler.sampler import sample
 from engine.scheduler.sampling_params import SamplingParams
-from engine.sizing.kv import KV_CACHE_DTYPES
 
 CATEGORIES = {
     "weight matmuls": (

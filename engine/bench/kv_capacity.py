@@ -13,7 +13,8 @@ policy), against the compute dtype at the same bytes.
 
 ``--part policies``: share served by each eviction policy and admission filter at the same capacity
 (``--policy-l1-tokens`` etc.), against LRU without admission in the same run, beside the trace's ceiling
-(an unbounded L1: the share of tokens that repeat at all).
+(an unbounded L1: the share of tokens that repeat at all), and Belady's MIN (``belady``: the offline optimum
+at that capacity, evicting what the trace uses again farthest in the future).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ POLICIES = (
     ("mru", "none", "none"),
     ("filo", "none", "none"),
     ("arc", "none", "none"),
+    ("belady", "none", "none"),  # the offline optimum (engine/whatif/belady.py): what no policy exceeds
     ("lru", "tinylfu", "none"),
     ("lru", "tinylfu", "tinylfu"),
     ("lfu", "tinylfu", "tinylfu"),

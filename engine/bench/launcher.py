@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -11,23 +10,27 @@ import time
 
 import httpx
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.ports import free_port
 
 
 class ServerProcess:
     """Context manager around one engine worker process; ``url`` is its base URL.
 
-    ``args`` are launch flags without ``--host``/``--port``. Raises ``RuntimeError`` with the tail of the
-    server's log when it exits or is not healthy within ``timeout`` seconds.
+    ``args`` are launch flags without ``--host``/``--port``; ``launcher`` the argv before them (default
+    KVFleet's engine from this interpreter; e.g. ``[python, "-m", "sglang.launch_server"]`` for upstream).
+    Raises ``RuntimeError`` with the tail of the server's log when it exits or is not healthy within
+    ``timeout`` seconds.
     """
 
-    def __init__(self, args: list[str], timeout: float = 180.0, env: dict | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        timeout: float = 180.0,
+        env: dict | None = None,
+        launcher: list[str] | None = None,
+    ):
         self.args = list(args)
+        self.launcher = launcher or [sys.executable, "-m", "engine.launch_server"]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.timeout = timeout
@@ -37,9 +40,7 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         cmd = [
-            sys.executable,
-            "-m",
-            "engine.launch_server",
+            *self.launcher,
             *self.args,
             "--host",
             "127.0.0.1",

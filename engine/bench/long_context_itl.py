@@ -38,9 +38,9 @@ from pathlib import Path
 import httpx
 
 from engine.bench.ab import REPO, run_profile
-from engine.bench.launcher import free_port
 from engine.bench.peers import _cpus, llama_server_binary
 from engine.model.loader import resolve_model_path
+from engine.ports import free_port
 
 FAST = "bfloat16+int4wo-32"  # the fast mode on a CPU (README.md, docs/model.md)
 DEFAULT_VARIANTS = [f"{FAST}@1:kv={kv}" for kv in ("bfloat16", "int8", "fp8_e4m3")]

@@ -14,15 +14,17 @@ cached prompt tokens per tier (``meta_info.cached_tokens_details``). Round 0 is 
 
 ``--compare`` launches the same workload on three fresh servers with the same L1 size: no hierarchical
 cache, L2 (``--enable-hierarchical-cache``), L2 + file L3 with ``/flush_cache`` before every warm round (so
-the prefix must come back from L3); and adds the physical limit of each warm request: its cached bytes
-copied at this machine's plain-copy speed plus the prefill time of its uncached tokens alone. Prints a
-markdown table.
+the prefix must come back from L3), with ``--mooncake`` a fourth with a Mooncake L3 (a real master started
+for the run); and adds the physical limit of each warm request: its cached bytes copied at this machine's
+plain-copy speed plus the prefill time of its uncached tokens alone. ``--upstream-python`` runs the three
+on upstream SGLang too (same model, same workload). Prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -34,7 +36,9 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
+from engine.agent.engines import SGLANG, launch_command
 from engine.bench.launcher import ServerProcess
+from engine.fleet.mooncake_master import MooncakeMaster
 
 REQUEST_TIMEOUT = 600.0  # seconds; a request slower than this fails the run instead of hanging it
 
@@ -71,8 +75,10 @@ async def send(client: httpx.AsyncClient, input_ids: list[int], output_len: int)
                 ttft = time.perf_counter() - start
             last = chunk
     meta = last["meta_info"]
+    # upstream SGLang reports the per-tier split only with its hierarchical cache on: else all is device
+    tiers = meta.get("cached_tokens_details") or {"device": meta.get("cached_tokens", 0)}
     res = Result(-1, meta["prompt_tokens"], len(last["output_ids"]), ttft or 0.0, time.perf_counter() - start,
-                 dict(meta["cached_tokens_details"]))  # fmt: skip
+                 {k: int(tiers.get(k) or 0) for k in ("device", "host", "storage")})  # fmt: skip
     return last["output_ids"], res
 
 
@@ -103,9 +109,10 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(lo, hi) for _ in range(n)]
 
 
-async def run_multiturn(url: str, a: argparse.Namespace, vocab: int, flush_between_rounds: bool = False
-                        ) -> list[Result]:  # fmt: skip
-    """Run the multi-turn workload against ``url``; returns every request's Result."""
+async def run_multiturn(url: str, a: argparse.Namespace, vocab: int, flush_between_rounds: bool = False,
+                        headers: dict | None = None) -> list[Result]:  # fmt: skip
+    """Run the multi-turn workload against ``url``; returns every request's Result. ``headers`` go with
+    every call (upstream's ``/flush_cache`` needs its admin key)."""
     rng = random.Random(a.seed)
     histories = [_tokens(rng, a.context_length, vocab) for _ in range(a.num_clients)]
     turns = [
@@ -114,7 +121,7 @@ async def run_multiturn(url: str, a: argparse.Namespace, vocab: int, flush_betwe
     results: list[Result] = []
     sem = asyncio.Semaphore(a.max_parallel)
     pacer = _Pacer(a.request_rate, rng)
-    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT, headers=headers) as client:
 
         async def one(c: int, r: int) -> None:
             await pacer.wait()
@@ -227,60 +234,126 @@ def _model_facts(url: str) -> dict:
     return httpx.get(f"{url}/model_info", timeout=10).json()
 
 
-def compare(a: argparse.Namespace) -> str:
-    """Run the workload on the three configurations and return the markdown table."""
+NO_CACHE, L2, L3 = "no hierarchical cache", "L2 (host)", "L2 + file L3, flushed before each warm round"
+MC = "L2 + Mooncake L3, flushed before each warm round"
+UPSTREAM_KEY = (
+    "bench-admin-key"  # upstream's /flush_cache is admin-gated; the key goes through the environment
+)
+
+
+def _configs(
+    a: argparse.Namespace, l3_dir: str, upstream: bool, master=None
+) -> list[tuple[str, list[str], bool]]:
+    """(name, launch flags, flush before each warm round) of the configurations, in run order: three, and
+    a Mooncake L3 on KVFleet with ``master`` (a running :class:`MooncakeMaster`)."""
     base = _server_flags(a)
-    l3_dir = tempfile.mkdtemp(prefix="bench-l3-")
+    l2 = [*base, "--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio)]
+    l3 = [*l2, "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete"]
+    if upstream:  # upstream's file backend takes its folder from the environment (see _upstream_env)
+        cpu = ["--device", "cpu", "--attention-backend", "torch_native", "--hicache-io-backend", "direct",
+               "--hicache-mem-layout", "layer_first"] if a.upstream_cpu else []  # fmt: skip
+        return [(L2, [*l2, *cpu], False), (L3, [*l3, *cpu], True), (NO_CACHE, [*base, *cpu], False)]
     extra = json.dumps({"file_path": l3_dir, "prefetch_threshold": a.page_size * 4})
-    configs = [
-        ("L2 (host)", [*base, "--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio)], False),
-        ("L2 + file L3, flushed before each warm round",
-         [*base, "--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio),
-          "--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", extra,
-          "--hicache-storage-prefetch-policy", "wait_complete"], True),
-        ("no hierarchical cache", base, False),
-    ]  # fmt: skip
-    rows, raw = {}, {}
-    for name, flags, flush in configs:
-        with ServerProcess(flags, timeout=300) as server:
-            facts = _model_facts(server.url)
-            t = time.perf_counter()
-            results = asyncio.run(run_multiturn(server.url, a, facts["vocab_size"], flush))
-            raw[name] = results
-            rows[name] = summarize(results, time.perf_counter() - t)
-            if name == "no hierarchical cache":  # the physical limit of the L2 run's warm requests
-                warm = [r for r in raw["L2 (host)"] if r.round > 0]
-                bpt = facts["kv_bytes_per_token"]
-                bw = copy_bandwidth(max(r.prompt_tokens for r in warm) * bpt)
-                prefill_of = _uncached_prefill_probe(server.url, a, facts["vocab_size"])
-                phys = sorted(
-                    sum(r.cached.values()) * bpt / bw + prefill_of(r.prompt_tokens - sum(r.cached.values()))
-                    for r in warm
+    configs = [(L2, l2, False), (L3, [*l3, "--hicache-storage-backend-extra-config", extra], True)]
+    if master is not None:
+        mc = {"master_server_address": master.master_address, "metadata_server": master.metadata_url,
+              "protocol": "tcp", "global_segment_size": "512mb", "local_buffer_size": "64mb",
+              "prefetch_threshold": a.page_size * 4}  # fmt: skip
+        mooncake = ["--hicache-storage-backend", "mooncake", "--hicache-storage-prefetch-policy",
+                    "wait_complete", "--hicache-storage-backend-extra-config", json.dumps(mc)]  # fmt: skip
+        configs.append((MC, [*l2, *mooncake], True))
+    return [*configs, (NO_CACHE, base, False)]
+
+
+def _upstream_env(a: argparse.Namespace, l3_dir: str) -> dict:
+    env = {"KVFLEET_ADMIN_API_KEY": UPSTREAM_KEY, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": l3_dir}
+    if a.upstream_cpu:  # the test-only stand-ins for what upstream's CPU build lacks
+        from tests.support.sglang_upstream import CPU_WORKER_ENV
+
+        env.update(CPU_WORKER_ENV)
+    return env
+
+
+def _run_engine(a: argparse.Namespace, upstream: bool, vocab: int | None) -> tuple[dict, dict]:
+    """Run the configurations on one engine: (name -> summary, model facts: KVFleet's only, with the
+    physical limit of its L2 run's warm requests)."""
+    l3_dir = tempfile.mkdtemp(prefix="bench-l3-")
+    rows: dict[str, dict] = {}
+    facts: dict = {}
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(MooncakeMaster()) if a.mooncake and not upstream else None
+        for name, flags, flush in _configs(a, l3_dir, upstream, master):
+            env, launcher, headers = None, None, None
+            if upstream:
+                env = _upstream_env(a, l3_dir)
+                launcher = launch_command(SGLANG, [], a.upstream_python, env)
+                headers = {"Authorization": f"Bearer {UPSTREAM_KEY}"}
+            with ServerProcess(flags, timeout=a.start_timeout, env=env, launcher=launcher) as server:
+                if not upstream:
+                    facts.update(_model_facts(server.url))
+                t = time.perf_counter()
+                results = asyncio.run(
+                    run_multiturn(server.url, a, vocab or facts["vocab_size"], flush, headers=headers)
                 )
-    rows = [(name, rows[name]) for name in ("no hierarchical cache", "L2 (host)", configs[1][0])]
-    baseline = rows[0][1]
+                rows[name] = summarize(results, time.perf_counter() - t)
+                rows[name]["results"] = results
+                if name == NO_CACHE and not upstream:
+                    facts.update(_physical_limit(server.url, a, facts, rows[L2]["results"]))
+    return rows, facts
+
+
+def _physical_limit(url: str, a: argparse.Namespace, facts: dict, l2_results: list[Result]) -> dict:
+    """``phys``: per warm request of the L2 run, its cached bytes copied at this machine's plain-copy speed
+    plus the prefill of its uncached tokens alone on the no-cache server at ``url`` (sorted, seconds);
+    ``copy_bw`` that speed (bytes/s)."""
+    warm = [r for r in l2_results if r.round > 0]
+    bpt = facts["kv_bytes_per_token"]
+    bw = copy_bandwidth(max(r.prompt_tokens for r in warm) * bpt)
+    prefill_of = _uncached_prefill_probe(url, a, facts["vocab_size"])
+    phys = sorted(
+        sum(r.cached.values()) * bpt / bw + prefill_of(r.prompt_tokens - sum(r.cached.values())) for r in warm
+    )
+    return {"phys": phys, "copy_bw": bw}
+
+
+def compare(a: argparse.Namespace) -> str:
+    """Run the workload on the three configurations (and on upstream SGLang with ``--upstream-python``)
+    and return the markdown table."""
+    if a.upstream_python and a.model_path == "smollm2":  # one model both engines load: the HF folder
+        from engine.fleet.hf_export import export
+
+        a.model_path = str(export("smollm2"))
+    rows, facts = _run_engine(a, False, None)
+    up = _run_engine(a, True, facts["vocab_size"])[0] if a.upstream_python else {}
+    bpt, bw, phys = facts["kv_bytes_per_token"], facts["copy_bw"], facts["phys"]
     lines = [
         f"Workload: {a.num_clients} clients x {a.num_rounds} rounds, context {a.context_length} tokens, "
         f"+{a.request_length} tokens/round, {a.output_length} output tokens, max {a.max_parallel} in flight; "
-        f"L1 {a.max_total_tokens} tokens (page {a.page_size}), L2 ratio {a.hicache_ratio}. "
-        f"KV {bpt} B/token, plain copy {bw / 1e9:.2f} GB/s. TTFT over warm rounds (1..{a.num_rounds - 1}).",
+        f"L1 {a.max_total_tokens} tokens (page {a.page_size}), L2 ratio {a.hicache_ratio}; model "
+        f"{a.model_path}. KV {bpt} B/token, plain copy {bw / 1e9:.2f} GB/s. TTFT over warm rounds "
+        f"(1..{a.num_rounds - 1}).",
         "",
-        "| configuration | TTFT mean (s) | p50 (s) | p90 (s) | TTFT / no-cache | cold TTFT (s) "
-        "| output tok/s | cached device / host / storage (warm) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | configuration | TTFT mean (s) | p50 (s) | p90 (s) | TTFT / its no-cache | cold TTFT (s) "
+        "| output tok/s | cached device / host / storage (warm) | TTFT / upstream's |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, s in rows:
-        c = s["cached"]
-        lines.append(
-            f"| {name} | {s['ttft_mean']:.3f} | {s['ttft_p50']:.3f} | {s['ttft_p90']:.3f} | "
-            f"{s['ttft_mean'] / baseline['ttft_mean']:.1%} | {s['cold_ttft_mean']:.3f} | "
-            f"{s['output_tok_per_s']:.2f} | {c['device']} / {c['host']} / {c['storage']} of "
-            f"{s['warm_prompt_tokens']} |"
-        )
+    for engine, table in (("KVFleet", rows), ("upstream SGLang", up)):
+        for name in [n for n in (NO_CACHE, L2, L3, MC) if n in table]:
+            s, c, base = table[name], table[name]["cached"], table[NO_CACHE]
+            vs = (
+                f"{s['ttft_mean'] / up[name]['ttft_mean']:.2f}x" if name in up and engine == "KVFleet" else ""
+            )
+            lines.append(
+                f"| {engine} | {name} | {s['ttft_mean']:.3f} | {s['ttft_p50']:.3f} | {s['ttft_p90']:.3f} | "
+                f"{s['ttft_mean'] / base['ttft_mean']:.1%} | {s['cold_ttft_mean']:.3f} | "
+                f"{s['output_tok_per_s']:.2f} | {c['device']} / {c['host']} / {c['storage']} of "
+                f"{s['warm_prompt_tokens']} | {vs} |"
+            )
     lines.append(
-        f"| physical limit (copy cached bytes + prefill uncached) | {statistics.fmean(phys):.3f} | "
-        f"{_pct(phys, 50):.3f} | {_pct(phys, 90):.3f} | {statistics.fmean(phys) / baseline['ttft_mean']:.1%} "
-        "| | | |"
+        f"| KVFleet | physical limit (copy cached bytes + prefill uncached) | {statistics.fmean(phys):.3f} | "
+        f"{_pct(phys, 50):.3f} | {_pct(phys, 90):.3f} | "
+        f"{statistics.fmean(phys) / rows[NO_CACHE]['ttft_mean']:.1%} "
+        "| | | | |"
     )
     return "\n".join(lines)
 
@@ -327,6 +400,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--hicache-ratio", type=float, default=4.0)
+    p.add_argument(
+        "--upstream-python",
+        help="with --compare: also run upstream SGLang from this interpreter (make sglang-env prints it) "
+        "on the same model (smollm2: its HF folder)",
+    )
+    p.add_argument("--upstream-cpu", action="store_true",
+                   help="upstream on a CPU-only host: its CPU flags and the test-only stand-ins")  # fmt: skip
+    p.add_argument("--mooncake", action="store_true", help="with --compare: add a Mooncake L3 run (KVFleet)")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     return p
 
 

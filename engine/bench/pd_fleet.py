@@ -1,4 +1,4 @@
-"""PD vs aggregated on the same two cores, behind the real sglang-router, under the same mixed load.
+"""PD vs aggregated on the same two cores, behind the real router (smg), under the same mixed load.
 
 ``python -m engine.bench.pd_fleet [--duration S] [--quick]`` runs the workload twice, each time on fresh
 processes:
@@ -31,8 +31,9 @@ from datetime import UTC, datetime
 
 import httpx
 
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess, worker_args
+from engine.ports import free_port
 
 VOCAB = 49152  # SmolLM2
 WORKER_FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--max-total-tokens", "8192",

@@ -42,8 +42,9 @@ from pathlib import Path
 
 import httpx
 
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.model.loader import resolve_model_path
+from engine.ports import free_port
 
 WORDS = ("cache", "page", "prefix", "decode", "token", "memory", "layer", "host", "device", "radix", "tree")
 

@@ -41,7 +41,7 @@ import time
 
 import uvicorn
 
-from engine.bench.launcher import free_port
+from engine.ports import free_port
 from engine.server.app import create_app
 from engine.server.args import parse_args
 from engine.server.builder import build_engine

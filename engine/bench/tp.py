@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from engine.ports import free_port
 
 
 def write_model(folder: Path) -> None:
@@ -118,9 +119,7 @@ def sync(device: str) -> None:
 
 
 def run(size: int, folder: Path, device: str, opts: dict) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    method = f"tcp://127.0.0.1:{free_port()}"
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [

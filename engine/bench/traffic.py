@@ -1,4 +1,4 @@
-"""Multi-turn chat traffic for a fleet (through the sglang-router or straight to a worker).
+"""Multi-turn chat traffic for a fleet (through the router or straight to a worker).
 
 Workload: ``--conversations`` conversations over ``--documents`` shared documents (``--doc-words`` words
 each, each document always behind the same one of ``--system-prompts`` system prompts), so conversations

@@ -12,21 +12,19 @@ loopback ports picked at start. Used by the tests, the storage benchmark and ``m
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from engine.cache.storage import mooncake_clients
+from engine.fleet.child import ChildServer
+from engine.ports import free_port, port_open
 
 HOST = "127.0.0.1"
-PR_SET_PDEATHSIG = 1
 
 
 class MooncakeMasterError(RuntimeError):
@@ -51,28 +49,7 @@ def find_master_binary() -> str:
     return found
 
 
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
-    """Whether a TCP connect to ``host:port`` succeeds within ``timeout`` seconds."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the starting thread's process dies (Linux prctl)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class MooncakeMaster:
+class MooncakeMaster(ChildServer):
     """One ``mooncake_master`` process with its HTTP metadata server on free loopback ports.
 
     The master is stopped by :meth:`stop` and also dies with the process (thread) that started it,
@@ -119,33 +96,16 @@ class MooncakeMaster:
                 "-enable_metric_reporting=false",
                 *self.extra_args,
             ]
-            with open(self.log_path, "ab") as log:
-                self.process = subprocess.Popen(
-                    cmd,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and self.process.poll() is None:
-                if port_open(HOST, self.rpc_port) and port_open(HOST, self.http_port):
-                    return self
-                time.sleep(0.05)
+            self.spawn(cmd)
+            if self.wait_ready(
+                lambda: port_open(HOST, self.rpc_port) and port_open(HOST, self.http_port), timeout
+            ):
+                return self
             self.stop()
-        raise MooncakeMasterError(f"mooncake_master did not start; log {self.log_path}:\n{self._log_tail()}")
+        raise MooncakeMasterError(f"mooncake_master did not start; log {self.log_path}:\n{self.log_tail()}")
 
-    def _log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def kill(self) -> None:
-        """SIGKILL the master (simulates a crash); no-op when not running."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+    def _ready(self) -> bool:
+        return port_open(HOST, self.rpc_port) and port_open(HOST, self.http_port)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Close this process's idle clients of this master, then SIGTERM (SIGKILL after ``timeout``
@@ -153,11 +113,7 @@ class MooncakeMaster:
         if self.process is None or self.process.poll() is not None:
             return
         mooncake_clients.close_idle(self.master_address)
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        self.terminate(timeout)
 
     def __enter__(self) -> MooncakeMaster:
         return self.start()

@@ -97,8 +97,7 @@ def switch_role(sched, new_role: str, make_transfer) -> None:
     """
     sched.require_idle("PD role switch")
     old = sched.pd.mgr.bootstrap_port if sched.pd.sends_kv else None
-    sched.pd.close()
-    sched.pd = None
+    sched.detach_pd()
     sched.cache.reset()
     if sched.tp is None:
         mgr = make_transfer(new_role)

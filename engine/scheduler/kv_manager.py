@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache.misses import Misses, attribute
+from engine.cache.policy import LOAD_BACK_THRESHOLD
 from engine.cache.protocols import PrefixCache
+from engine.cache.radix_tree import TreeNode
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -42,16 +45,18 @@ class KVLease:
     reservation). Positions ``[0, prefix_len)`` belong to the radix tree and are protected by the lock on
     ``last_node``; the rest (whole pages) were allocated for this request. ``num_computed`` positions have
     their KV written (on a PD decode server 0 until the transfer lands). ``cached``: prefix tokens per tier.
-    ``salt``: the request's cache key space (None: shared).
+    ``salt``: the request's cache key space (None: shared). ``misses``: why the prompt's other tokens
+    were not served (:mod:`engine.cache.misses`; None when attribution is off or no prompt length was given).
     """
 
     rid: str
     indices: torch.Tensor
     prefix_len: int
-    last_node: object
+    last_node: TreeNode
     num_computed: int = 0
     cached: dict = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     salt: str | None = field(default=None, repr=False)
+    misses: Misses | None = None
 
 
 class KVManager:
@@ -70,10 +75,11 @@ class KVManager:
         if not self.hierarchical:
             return False
         m = self.cache.match_prefix(key, salt)
-        new_tokens = key[len(m.device_indices) + m.host_hit_length :]
+        start = len(m.device_indices) + m.host_hit_length
+        new_tokens = key[start:]
         if not new_tokens:
             return False
-        self.cache.prefetch_from_storage(rid, m.last_host_node, new_tokens, salt)
+        self.cache.prefetch_from_storage(rid, m.last_host_node, new_tokens, salt, start)
         return True
 
     def prefetch_ready(self, rid: str) -> bool:
@@ -87,23 +93,34 @@ class KVManager:
 
     # ----------------------------------------------------------------- admission
     def admit(
-        self, rid: str, key: list[int], reserve: int, load_back: bool = True, salt: str | None = None
+        self,
+        rid: str,
+        key: list[int],
+        reserve: int,
+        load_back: bool = True,
+        salt: str | None = None,
+        prompt_len: int | None = None,
     ) -> KVLease | None:
         """Lease the cached prefix of ``key`` (key space ``salt``) plus fresh pages up to ``reserve``
         positions, or None (nothing held) when L1 has no room even after eviction.
 
         The prefix is the L1 hit, plus its L2 part loaded back when ``load_back`` (its data is valid after
         ``cache.wait_layer``). ``cached`` splits the prefix into device / host / storage tokens (storage:
-        prefetched pages that reached L1 through the load-back).
+        prefetched pages that reached L1 through the load-back). With ``prompt_len`` (the whole prompt,
+        of which ``key`` is the part admission may match) and attribution on, ``misses`` gives every
+        other prompt token its cause.
         """
         cache = self.cache
         m = cache.match_prefix(key, salt)
         prefix, last = m.device_indices, m.last_device_node
         host = 0
+        unloaded = None
         if self.hierarchical and load_back and m.host_hit_length > 0:
             loaded, node = cache.init_load_back(m.last_host_node)
             if loaded.numel() > 0:
                 prefix, last, host = torch.cat([prefix, loaded]), node, int(loaded.numel())
+            else:  # under the load-back threshold, or no L1 room for it
+                unloaded = m.host_hit_length
         cache.inc_lock_ref(last)
         slots = self._alloc(self._pages(reserve - prefix.numel()))
         if slots is None:
@@ -113,6 +130,17 @@ class KVManager:
         cached = {"device": int(m.device_indices.numel()), "host": host - storage, "storage": storage}
         n = int(prefix.numel())
         lease = KVLease(rid, torch.cat([prefix.to(torch.int64), slots]), n, last, n, cached, salt)
+        outcome = cache.pop_prefetch_outcome(rid) if self.hierarchical else None
+        if prompt_len is not None and cache.eviction_record is not None:
+            why = None
+            if unloaded is not None:  # the load-back was skipped: too short, or no L1 room for it
+                why = (
+                    unloaded,
+                    "host_below_threshold" if unloaded < LOAD_BACK_THRESHOLD else "over_capacity",
+                )
+            lease.misses = attribute(
+                cache.tree, cache.eviction_record, key, salt, n, last, why, outcome, prompt_len
+            )
         self.leases[rid] = lease
         return lease
 

@@ -37,7 +37,7 @@ class SwitchRole:
     error leaves the worker without a transport (see ``engine.scheduler.pd.switch_role``)."""
 
     new_role: Literal["prefill", "decode"]
-    make_transfer: Callable = field(compare=False)
+    make_transfer: Callable | None = field(compare=False)  # None only on its way to the other TP ranks
 
 
 @dataclass(frozen=True)

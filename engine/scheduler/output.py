@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,6 +24,17 @@ from engine.scheduler.req import Req, ReqOutput, ReqState
 if TYPE_CHECKING:
     from engine.cache.protocols import PrefixCache
     from engine.scheduler.pd import DecodeQueues, PrefillQueues
+
+
+class TokenMetrics(Protocol):
+    """What :class:`Output` reports to the metrics sink (the server's collector): seconds to the first
+    token and between tokens, and each finished request."""
+
+    def on_first_token(self, seconds: float) -> None: ...
+
+    def on_inter_token(self, seconds: float) -> None: ...
+
+    def on_finish(self, req: Req) -> None: ...
 
 
 class Output:
@@ -40,7 +51,7 @@ class Output:
         prefill: PrefillManager,
         kv: KVManager,
         pd: Callable[[], PrefillQueues | DecodeQueues | None],
-        metrics: Callable[[], object | None],
+        metrics: Callable[[], TokenMetrics | None],
         pd_decode_offload: bool = False,
     ) -> None:
         self.reqs = reqs
@@ -61,6 +72,7 @@ class Output:
             if metrics:
                 metrics.on_first_token(now - req.arrival)
         elif metrics:
+            assert req.last_token_at is not None, "set with first_token_at"
             metrics.on_inter_token(now - req.last_token_at)
         req.last_token_at = now
         req.output_ids.append(tok)
@@ -115,6 +127,7 @@ class Output:
             return
         pd = self.pd()
         if req.state in (ReqState.BOOTSTRAPPING, ReqState.TRANSFERRING, ReqState.WAITING_FOR_KV):
+            assert pd is not None, f"{rid}: only the PD queues move a request to {req.state}"
             pd.abort(req)  # ends once the room is terminal
         elif self.prefill.unqueue(req):
             if pd is not None:
@@ -135,7 +148,9 @@ def refuse(req: Req, reason: dict) -> None:
 
 
 def meta(req: Req, final: bool) -> dict:
-    """``meta_info`` of an event of ``req``: token counts and cached tokens per tier; a ``final`` one adds
+    """``meta_info`` of an event of ``req``: token counts and cached tokens per tier, and (attribution on)
+    ``miss_tokens_details``: the other prompt tokens by miss cause, ``{"causes": {cause: tokens},
+    "evicted_by": {eviction policy: tokens}}`` (``Misses.meta``); a ``final`` one adds
     ``e2e_latency``, ``queue_time`` and ``ttft`` (seconds) where known."""
     info = {
         "id": req.rid,
@@ -144,6 +159,8 @@ def meta(req: Req, final: bool) -> dict:
         "cached_tokens": req.cached_tokens,
         "cached_tokens_details": dict(req.cached),
     }
+    if req.misses is not None:
+        info["miss_tokens_details"] = req.misses.meta()
     if final:
         now = time.perf_counter()
         info["e2e_latency"] = now - req.arrival
@@ -206,17 +223,19 @@ def snapshot(
     pd_transfer: int,
     http: int,
     idle: bool,
+    pd_queues: dict | None = None,
 ) -> dict:
     """The state other threads read: request counts (``running`` decoding or chunked, ``waiting`` to be
-    prefilled, ``pd_transfer`` in the PD queues, ``http`` accepted by the HTTP server), ``idle``, the cache's
-    I/O in flight, settings, breaker, counters and per-tenant usage, and L1 use in tokens of a pool of
-    ``pool_size``."""
+    prefilled, ``pd_transfer`` in the PD queues, ``pd_queues`` the same per queue by upstream's /v1/loads
+    names, ``http`` accepted by the HTTP server), ``idle``, the cache's I/O in flight, settings, breaker,
+    counters and per-tenant usage, and L1 use in tokens of a pool of ``pool_size``."""
     hierarchical = cache.enable_hierarchical
     evictable = cache.evictable_size()
     return {
         "num_running_reqs": running,
         "num_waiting_reqs": waiting,
         "num_pd_transfer_reqs": pd_transfer,
+        "pd_queues": dict(pd_queues or {}),
         "num_http_reqs": http,
         "inflight_cache_io": dict(cache.inflight_io()),
         "is_idle": idle,

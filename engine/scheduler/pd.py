@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.disaggregation import KVPoll
+from engine.cache.misses import Misses
+from engine.disaggregation import KVPoll, KVReceiver, KVSender
 from engine.disaggregation.common import bootstrap_address
 from engine.scheduler.kv_manager import KVLease
 from engine.scheduler.logprobs import LogprobValues, from_wire, run_from_wire, run_to_wire, to_wire
@@ -107,7 +108,7 @@ def _failed(hooks: PDHooks, req: Req, reason: str, status_code: int = 500) -> di
 
 
 class PrefillQueues:
-    """P's bootstrap and transfer queues over ``mgr`` (a ``PrefillKVManager``), talking to the scheduler
+    """P's bootstrap and transfer queues over ``mgr`` (a ``PrefillTransfer``), talking to the scheduler
     through ``hooks``."""
 
     sends_kv = True  # a PD request's KV leaves this worker after its prompt
@@ -117,15 +118,24 @@ class PrefillQueues:
         self.mgr = mgr
         self.bootstrapping: list[Req] = []
         self.transferring: list[Req] = []
-        self.rooms: dict[str, object] = {}  # rid -> KVSender
+        self.rooms: dict[str, KVSender] = {}
 
     def __len__(self) -> int:
         return len(self.bootstrapping) + len(self.transferring)
+
+    def queue_sizes(self) -> dict[str, int]:
+        """Requests per queue, by upstream's /v1/loads names (``prefill_bootstrap_queue_reqs``: pairing with
+        their decode; ``prefill_inflight_queue_reqs``: prefilled, KV on its way)."""
+        return {
+            "prefill_bootstrap_queue_reqs": len(self.bootstrapping),
+            "prefill_inflight_queue_reqs": len(self.transferring),
+        }
 
     def add(self, req: Req) -> None:
         """A new request from the router: open its room; it is prefilled once D is paired (it fails at once
         when its bootstrap address names another prefill: it was sent here as its decode)."""
         b = req.bootstrap
+        assert b is not None, "the PD queues take only PD requests (bootstrap set)"
         sender = self.mgr.create_sender(b.room, bootstrap_address(b.host, b.port))
         self.rooms[req.rid] = sender
         sender.init(_pages(len(req.input_ids), self.hooks.page_size))
@@ -135,12 +145,15 @@ class PrefillQueues:
     def send(self, req: Req, tok: int) -> None:
         """The prompt is computed and cached: hand its pages, first token and cached tokens to D."""
         lease, page = req.kv, self.hooks.page_size
+        assert lease is not None, f"{req.rid}: a prefilled request holds its KV lease"
         n = _pages(len(req.input_ids), page)
         meta = {
             "prompt_tokens": len(req.input_ids),
             "cached_tokens": req.cached_tokens,
             "cached_tokens_details": dict(req.cached),
         }
+        if req.misses is not None:  # D reports P's attribution (D itself matched nothing)
+            meta["miss_tokens_details"] = req.misses.meta()
         if req.logprob is not None:  # the prompt's and the first token's log-probabilities: D reports them
             meta["first_token_logprobs"] = to_wire(req.logprob.output, 0)
             meta["input_logprobs"] = run_to_wire(req.logprob.input)
@@ -206,8 +219,8 @@ class PrefillQueues:
         else:
             if sender.poll() not in (KVPoll.Failed, KVPoll.Success):
                 sender.abort("aborted by prefill")
-            reason = req.aborted or _why(sender)
-            self.hooks.finish(req, _failed(self.hooks, req, reason, sender.status_code), None)
+            why = req.aborted or _why(sender)
+            self.hooks.finish(req, _failed(self.hooks, req, why, sender.status_code), None)
         sender.close()
 
     def drop(self, req: Req) -> None:
@@ -223,7 +236,7 @@ class PrefillQueues:
 
 
 class DecodeQueues:
-    """D's prealloc and transfer queues over ``mgr`` (a ``DecodeKVManager``), talking to the scheduler
+    """D's prealloc and transfer queues over ``mgr`` (a ``DecodeTransfer``), talking to the scheduler
     through ``hooks``."""
 
     sends_kv = False
@@ -233,14 +246,23 @@ class DecodeQueues:
         self.mgr = mgr
         self.prealloc: list[Req] = []
         self.waiting_kv: list[Req] = []
-        self.rooms: dict[str, object] = {}  # rid -> KVReceiver
+        self.rooms: dict[str, KVReceiver] = {}
 
     def __len__(self) -> int:
         return len(self.prealloc) + len(self.waiting_kv)
 
+    def queue_sizes(self) -> dict[str, int]:
+        """Requests per queue, by upstream's /v1/loads names (``decode_prealloc_queue_reqs``: pairing and
+        reserving KV slots; ``decode_transfer_queue_reqs``: waiting for the prompt's KV)."""
+        return {
+            "decode_prealloc_queue_reqs": len(self.prealloc),
+            "decode_transfer_queue_reqs": len(self.waiting_kv),
+        }
+
     def add(self, req: Req) -> None:
         """A new request from the router: open its room toward P's bootstrap server."""
         b = req.bootstrap
+        assert b is not None, "the PD queues take only PD requests (bootstrap set)"
         self.rooms[req.rid] = self.mgr.create_receiver(b.host, b.port, b.room)
         req.move(ReqState.BOOTSTRAPPING)
         self.prealloc.append(req)
@@ -301,9 +323,13 @@ class DecodeQueues:
 
     def _start_decoding(self, req: Req, receiver) -> None:
         """The prompt's KV is in the reserved pages: decode from P's first token."""
+        assert req.kv is not None, f"{req.rid}: pages were reserved before the KV was awaited"
         req.kv.num_computed = len(req.input_ids)
         details = (receiver.meta or {}).get("cached_tokens_details") or {}
         req.cached = {tier: int(details.get(tier, 0)) for tier in ("device", "host", "storage")}
+        misses = (receiver.meta or {}).get("miss_tokens_details")
+        if isinstance(misses, dict):
+            req.misses = Misses.from_meta(misses)
         req.admitted_at = req.admitted_at or req.arrival
         if req.logprob is not None:  # D computes no prompt rows: P's come with the KV
             sent = (receiver.meta or {}).get("input_logprobs")

@@ -90,7 +90,7 @@ class PrefillManager:
         items: list[tuple[Req, int, int]] = []
         if self.chunked is not None:
             req = self.chunked
-            done = req.kv.num_computed
+            done = req.lease.num_computed
             end = min(len(req.input_ids), done + budget)
             items.append((req, done, end))
             budget -= end - done
@@ -107,7 +107,7 @@ class PrefillManager:
             if not self._admit(req):
                 break
             self.waiting.remove(req)
-            done = req.kv.num_computed
+            done = req.lease.num_computed
             end = len(req.input_ids)
             if end - done > budget and chunk > 0:
                 end = done + budget
@@ -127,11 +127,14 @@ class PrefillManager:
         cap = len(req.input_ids) - 1
         if req.logprob is not None:
             cap = min(cap, req.logprob.want.prefix_cap())
-        lease = self.kv.admit(req.rid, req.input_ids[:cap], reserve, salt=req.cache_salt)
+        lease = self.kv.admit(
+            req.rid, req.input_ids[:cap], reserve, salt=req.cache_salt, prompt_len=len(req.input_ids)
+        )
         if lease is None:
             return False
         req.kv = lease
         req.cached = dict(lease.cached)
+        req.misses = lease.misses
         self.kv.cache.stats.record_cached_tokens(**req.cached)
         req.move(ReqState.LOADING if lease.cached["host"] + lease.cached["storage"] else ReqState.PREFILLING)
         req.admitted_at = time.perf_counter()

@@ -16,7 +16,8 @@ from engine.scheduler.logprobs import LogprobState
 from engine.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.grammar import GrammarState
+    from engine.cache.misses import Misses
+    from engine.grammar.state import GrammarState
 
 
 class ReqState(enum.Enum):
@@ -107,12 +108,13 @@ class Req:
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    on_event: Callable[[ReqOutput], None]
+    on_event: Callable[[ReqOutput], object]  # its result is ignored
     output_ids: list[int] = field(default_factory=list)
     state: ReqState = ReqState.QUEUED
     kv: KVLease | None = None
     bootstrap: Bootstrap | None = None
     cached: dict = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    misses: Misses | None = None  # why the other prompt tokens were computed (engine/cache/misses.py)
     aborted: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -130,6 +132,13 @@ class Req:
         if state not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"request {self.rid!r}: {self.state.value} -> {state.value}")
         self.state = state
+
+    @property
+    def lease(self) -> KVLease:
+        """``kv`` of a request that holds its KV (admitted and not yet released: prefilling, decoding, in a
+        PD transfer); an ``AssertionError`` otherwise."""
+        assert self.kv is not None, f"request {self.rid!r} holds no KV in state {self.state.value}"
+        return self.kv
 
     @property
     def finished(self) -> bool:

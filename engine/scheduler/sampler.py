@@ -65,7 +65,7 @@ class BatchSampler:
 
     def _sample_here(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | None]:
         try:
-            return self.sample_rows(logits, reqs)
+            return list(self.sample_rows(logits, reqs))  # list[int] as list[int | None]: a copy
         except Exception:
             logger.exception("batched sampling failed; sampling rows one by one")
         tokens: list[int | None] = []

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 # Upstream fields accepted only with their neutral value (field -> neutral value).
-_NEUTRAL_ONLY = {}
+_NEUTRAL_ONLY: dict[str, object] = {}
 # Grammar constraints (engine/grammar), in the order a request's constraint is read.
 _CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
 # Upstream fields that only change output formatting or are hints this engine may ignore.

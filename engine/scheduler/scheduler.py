@@ -128,7 +128,7 @@ class Scheduler:
         if pd_mode in ("prefill", "decode"):
             self.attach_pd(pd_mode, pd_transfer)
         self._inbox = Inbox()
-        self._in_hand: Req | Command | None = None  # taken from the inbox, not yet fully handled
+        self._in_hand: object = None  # a Req, AbortReq or Command taken from the inbox, not yet fully handled
         self._accepted = 0  # requests the HTTP side holds (``accepted``); any thread, under the lock
         self._accepted_lock = threading.Lock()
         self._stop = threading.Event()
@@ -320,7 +320,8 @@ class Scheduler:
                 if self.tp is not None:
                     self.tp.took(item)
             else:
-                self._enqueue(item)
+                assert isinstance(item, Req), f"the inbox holds requests, aborts and commands, not {item!r}"
+                self.enqueue(item)
                 took = True
                 if self.tp is not None:
                     self.tp.took(item)
@@ -338,7 +339,9 @@ class Scheduler:
         finally:
             self.busy_since = None
 
-    def _enqueue(self, req: Req) -> None:
+    def enqueue(self, req: Req) -> None:
+        """Take ``req`` into the scheduler (this thread): refused at once if its id is in use or the queue is
+        full, else queued (a PD request through its role's queues)."""
         if req.rid in self.reqs:
             refuse(req, {"type": "abort", "message": f"request id {req.rid!r} is already in use"})
             return
@@ -366,6 +369,22 @@ class Scheduler:
     def _queue(self, req: Req) -> None:
         """Into the prefill queue (a health probe goes first); an L3 prefetch of its prefix starts now."""
         self.prefill.add(req)
+
+    def run_admin_for_leader(self, msg, accepted: int):
+        """A TP follower rank carries out rank 0's admin message ``msg`` (:mod:`engine.scheduler.admin`) with
+        rank 0's count of HTTP requests in hand, ``accepted``, so idle checks decide as rank 0's did."""
+        self._accepted = accepted
+        try:
+            return admin.handle(self, msg)
+        finally:
+            self._accepted = 0
+
+    def detach_pd(self) -> None:
+        """Close the PD queues and their transfer manager; the worker has no PD role until
+        :meth:`attach_pd`."""
+        if self.pd is not None:
+            self.pd.close()
+        self.pd = None
 
     def attach_pd(self, role: str, mgr) -> None:
         """Run PD requests through the queues of ``role`` (``prefill`` / ``decode``) over the transfer
@@ -418,7 +437,7 @@ class Scheduler:
         try:
             batch = ForwardBatch.from_sequences(
                 [r.fill_ids[s:e] for r, s, e in items],
-                [r.kv.indices[:e] for r, _, e in items],
+                [r.lease.indices[:e] for r, _, e in items],
                 self.cache.wait_layer if self.hierarchical else None,
                 self.pool.device,
             )
@@ -438,7 +457,7 @@ class Scheduler:
             self.metrics.on_prefill(hit, sum(e - s for _, s, e in items))
         done: list[tuple[int, Req]] = []
         for i, (req, _, end) in enumerate(items):
-            req.kv.num_computed = end
+            req.lease.num_computed = end
             if end < len(req.input_ids):
                 self._per_request(req, "prefill", self.kv.cache_prefix, req.kv, req.fill_ids, chunked=True)
             else:
@@ -460,8 +479,9 @@ class Scheduler:
         if req.aborted:
             self.output.finish(req, {"type": "abort", "message": req.aborted})
             return
-        self.kv.cache_prefix(req.kv, req.fill_ids)
+        self.kv.cache_prefix(req.lease, req.fill_ids)
         if self._sends_kv(req):
+            assert isinstance(self.pd, PrefillQueues), "only P's queues send KV"
             self.pd.send(req, tok)
             return
         if req.params.max_new_tokens == 0:
@@ -481,7 +501,7 @@ class Scheduler:
         try:
             batch = ForwardBatch.for_decode(
                 [r.output_ids[-1] for r in reqs],
-                [r.kv.indices[: r.kv.num_computed + 1] for r in reqs],
+                [r.lease.indices[: r.lease.num_computed + 1] for r in reqs],
                 self.cache.wait_layer if self.hierarchical else None,
                 self.pool.device,
                 seq_keys=[r.kv for r in reqs],  # a request's lease: the KV it owns, new per admission
@@ -492,7 +512,7 @@ class Scheduler:
             self.output.abort_all(reqs, f"forward failed: {exc}")
             return
         for req in reqs:
-            req.kv.num_computed += 1
+            req.lease.num_computed += 1
         tokens = self.sampler.sample(logits, reqs)
         for req, tok in zip(reqs, tokens, strict=True):
             if tok is None:
@@ -543,6 +563,7 @@ class Scheduler:
             running=len(self.decode) + (self.prefill.chunked is not None),
             waiting=len(self.prefill.waiting),
             pd_transfer=len(self.pd) if self.pd is not None else 0,
+            pd_queues=self.pd.queue_sizes() if self.pd is not None else {},
             http=self._accepted,
             idle=self.is_idle(),
         )

@@ -14,17 +14,32 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol, cast
 
 import torch
 
 from engine.distributed import TPGroup
 from engine.grammar.state import GrammarState
-from engine.scheduler import admin
 from engine.scheduler.messages import AbortReq, AttachStorage, SwitchRole
 from engine.scheduler.req import Bootstrap, Req, ReqOutput
 from engine.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class _Cancels(Protocol):
+    def cancel(self, rid: str) -> None: ...
+
+
+class TPFollower(Protocol):
+    """What a follower rank's items need of its scheduler."""
+
+    @property
+    def output(self) -> _Cancels: ...
+
+    def enqueue(self, req: Req) -> None: ...
+
+    def run_admin_for_leader(self, msg: object, accepted: int) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -101,9 +116,9 @@ class TPSync:
         if isinstance(msg, AttachStorage) and not isinstance(msg.backend, str):
             # a backend rank 0 prepared off its scheduler thread: each rank opens its own by name
             name = getattr(msg.backend, "name", None) or type(msg.backend).__name__
-            extra = msg.extra_config
-            if extra is None and getattr(msg.backend, "extra", None):
-                extra = json.dumps(msg.backend.extra)
+            extra, backend_extra = msg.extra_config, getattr(msg.backend, "extra", None)
+            if extra is None and backend_extra:
+                extra = json.dumps(backend_extra)
             msg = AttachStorage(name, extra, msg.prefetch_policy, msg.write_policy)
         elif isinstance(msg, SwitchRole):
             msg = replace(msg, make_transfer=None)  # rank 0's builder holds its pool: each rank has its own
@@ -111,7 +126,7 @@ class TPSync:
         self._taken = []
 
     # -- both
-    def exchange(self, sched, stopping: bool) -> bool:
+    def exchange(self, sched: TPFollower, stopping: bool) -> bool:
         """Broadcast (rank 0) or receive and apply (the others) this iteration's items; True when the group
         stops. Raises what ``torch.distributed`` raises when a rank is gone."""
         if self.is_leader:
@@ -119,10 +134,11 @@ class TPSync:
             self._taken = []
             return stopping
         while True:
-            kind, stop, items = self.group.broadcast_object(None)
+            frame = cast(tuple[str, bool, list], self.group.broadcast_object(None))  # rank 0's, sent above
+            kind, stop, items = frame
             for item in items:
                 if isinstance(item, NewReq):
-                    sched._enqueue(item.build(self.grammar))
+                    sched.enqueue(item.build(self.grammar))
                 elif isinstance(item, AbortReq):
                     sched.output.cancel(item.rid)
                 elif isinstance(item, _Admin):
@@ -130,17 +146,14 @@ class TPSync:
             if kind == "end":
                 return stop
 
-    def _run_admin(self, sched, item: _Admin) -> None:
-        sched._accepted = item.accepted
+    def _run_admin(self, sched: TPFollower, item: _Admin) -> None:
         msg = item.msg
         if isinstance(msg, SwitchRole):
             msg = replace(msg, make_transfer=self.make_transfer)
         try:
-            admin.handle(sched, msg)
+            sched.run_admin_for_leader(msg, item.accepted)
         except Exception as exc:  # rank 0 answers the client; its own outcome is the one reported
             logger.info("tp rank %d: admin message %r: %s", self.group.rank, item.msg, exc)
-        finally:
-            sched._accepted = 0
 
     def tokens(self, tokens: list[int | None]) -> list[int | None]:
         """Rank 0's sampled tokens on every rank."""

@@ -32,6 +32,7 @@ and its test fake share). A refusal while only cache I/O is in flight names it (
 from __future__ import annotations
 
 import asyncio
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -59,6 +60,8 @@ from engine.server.engine import Engine
 from engine.server.http_utils import HTTPError, bearer_matches, json_body
 
 router = APIRouter()
+
+M = TypeVar("M", bound=BaseModel)  # the contract model a body is parsed into
 
 _CACHE_NAMES = {
     "hicache_storage_prefetch_policy": "prefetch_policy",
@@ -95,7 +98,7 @@ async def _run_idle(engine: Engine, msg: AdminMsg, failure: str):
         raise HTTPError(400, f"{failure}\n{exc}") from None
 
 
-def _parse(model: type[BaseModel], body, failure: str) -> BaseModel:
+def _parse(model: type[M], body, failure: str) -> M:
     """``body`` validated against a contract model; 400 ``failure`` + each bad field named otherwise."""
     try:
         return model.model_validate(body)

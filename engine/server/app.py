@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 
-from engine.server import admin, generate, info, openai, pd_role_switch, recording, schemas
+from engine.server import admin, generate, info, loads, openai, pd_role_switch, recording, schemas
 from engine.server.engine import Engine, UnavailableError
 from engine.server.http_utils import BodyLimit, HTTPError, error_response
 from engine.server.tenants import TenantGate
@@ -48,13 +48,14 @@ class CountAccepted:
     ``Scheduler.accepted`` from the moment it arrives until its response has ended (a stream: its last
     frame), so the worker is not idle while one is read, parsed, tokenized, checked or submitted."""
 
-    def __init__(self, app, engine: Engine):
+    def __init__(self, app, engine: Engine | None):
         self.app = app
         self.engine = engine
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] not in INFERENCE_PATHS:
             return await self.app(scope, receive, send)
+        assert self.engine is not None, "an app without an engine only builds the OpenAPI schema"
         with self.engine.scheduler.accepted():
             await self.app(scope, receive, send)
 
@@ -68,7 +69,7 @@ def create_app(engine: Engine | None) -> FastAPI:
     ``/openapi.json`` declares the request bodies (``schemas``)."""
     app = FastAPI(title="KVFleet engine worker", docs_url=None, redoc_url=None)
     app.state.engine = engine
-    for module in (generate, openai, info, admin, recording, pd_role_switch):
+    for module in (generate, openai, info, loads, admin, recording, pd_role_switch):
         app.include_router(module.router)
 
     @app.exception_handler(HTTPError)
@@ -91,7 +92,7 @@ def create_app(engine: Engine | None) -> FastAPI:
             app.openapi_schema = doc
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
     app.add_middleware(JSONServerErrors)
     app.add_middleware(BodyLimit)
     # inside CountAccepted: a refused request was accepted, then answered

@@ -27,11 +27,11 @@ from engine.cache.config import (
     WRITE_POLICIES,
     parse_extra_config,
 )
-from engine.cache.storage.registry import registered_backends
+from engine.cache.kv_dtypes import KV_CACHE_DTYPES
+from engine.cache.storage.registry import UNAVAILABLE, registered_backends
 from engine.grammar.tool_parsers import TOOL_CALL_PARSERS
 from engine.model.config import QUANTIZATIONS
 from engine.server import upstream_flags
-from engine.sizing.kv import KV_CACHE_DTYPES
 from engine.sizing.tiers import CPU_DEFAULT_MAX_TOTAL_TOKENS
 from kernels import unavailable_reason
 
@@ -115,6 +115,7 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     tool_call_parser: str | None = None
     tp_size: int = 1
+    ep_size: int = 1
     dist_init_addr: str | None = None
     nnodes: int = 1
     node_rank: int = 0
@@ -140,6 +141,14 @@ class ServerArgs:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse calls this for unknown flags and bad values
         raise ArgumentError(message)
+
+
+def _storage_backend(name: str) -> str:
+    """An upstream backend KVFleet lacks (``hf3fs``, ...) is refused saying why; other names go on to the
+    choices check."""
+    if name in UNAVAILABLE:
+        raise argparse.ArgumentTypeError(f"{name}: {UNAVAILABLE[name]}")
+    return name
 
 
 def _positive_int(flag: str):
@@ -255,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="kernel: Triton copies (cuda, or cpu with TRITON_INTERPRET=1); elsewhere corrected to direct",
     )
     a("--hicache-mem-layout", choices=MEM_LAYOUTS, default="layer_first")
-    a("--hicache-storage-backend", choices=registered_backends(), default=None)
+    a("--hicache-storage-backend", type=_storage_backend, choices=registered_backends(), default=None)
     a("--hicache-storage-prefetch-policy", choices=PREFETCH_POLICIES, default="best_effort")
     a("--hicache-storage-backend-extra-config", default=None, help="JSON object or @file (.json/.toml/.yaml)")
     a("--radix-eviction-policy", choices=EVICTION_POLICIES, default="lru")
@@ -268,6 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int("--tp-size"),
         default=1,
         help="tensor parallelism: one scheduler process per rank, the model's heads split over them",
+    )
+    a(
+        "--ep-size",
+        "--ep",
+        "--expert-parallel-size",
+        dest="ep_size",
+        type=_positive_int("--ep-size"),
+        default=1,
+        help="expert parallelism: only 1 (MoE experts are split by --tp-size instead)",
     )
     a(
         "--dist-init-addr",
@@ -428,6 +446,12 @@ def _validate_tp(args: ServerArgs) -> None:
         host, _, port = args.dist_init_addr.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ArgumentError(f"--dist-init-addr must be host:port, got {args.dist_init_addr!r}")
+    if args.ep_size > 1:
+        raise ArgumentError(
+            f"--ep-size {args.ep_size}: expert parallelism is not built in KVFleet; MoE experts are split "
+            "by --tp-size (every rank computes its share of each expert's intermediate columns): use "
+            "--ep-size 1"
+        )
     if args.tp_size > 1 and (args.encoder_only or args.language_only):
         flag = "--encoder-only" if args.encoder_only else "--language-only"
         raise ArgumentError(f"--tp-size {args.tp_size} with {flag}: EPD workers run with --tp-size 1")

@@ -18,10 +18,13 @@ import torch
 from engine.cache.config import HiCacheConfig, parse_extra_config, split_extra_config
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.hiradix_cache import HiRadixCache
+from engine.cache.kv_dtypes import resolve_kv_cache_dtype
 from engine.cache.tenant_caps import TenantCap, TenantCaps
-from engine.disaggregation import TransferBackendError, create_kv_manager
+from engine.disaggregation import PrefillTransfer, TransferBackendError, create_kv_manager
 from engine.distributed import TPConfigError, TPGroup, TPShard, check_tp_size, init_tp_group, single_rank
 from engine.grammar.backend import GrammarBackend
+from engine.model.config import ModelConfig
+from engine.model.deepseek import mla_unsupported
 from engine.model.linear import QuantizationError
 from engine.model.loader import load_config
 from engine.model.loader.fingerprint import kv_producer, weights_digest
@@ -31,15 +34,20 @@ from engine.scheduler.tp_sync import TPSync
 from engine.server.args import ArgumentError, ServerArgs
 from engine.server.encoder_client import EncoderClient
 from engine.server.engine import Engine
-from engine.server.images import EmbeddingCache, ImageInputs, local_embedder
+from engine.server.images import Embedder, EmbeddingCache, ImageInputs, local_embedder
 from engine.server.metrics import EngineMetrics
 from engine.server.recording import TraceRecorder
 from engine.server.tenants import TenantConfigError, Tenants
 from engine.server.tp_ranks import cpu_threads, init_method, start_ranks
-from engine.sizing.kv import resolve_kv_cache_dtype, shape_for
+from engine.sizing.kv import shape_for
 from engine.sizing.tiers import l1_pool_tokens
 
 logger = logging.getLogger(__name__)
+
+MLA_LCM_NOOP = (
+    "tp_lcm_size %d: no-op for %s (MLA): every rank holds the same latent and its L3 keys name no rank, "
+    "so every tp size shares its pages already"
+)
 
 
 # HiCacheConfig field -> the flag that sets it; any other field comes from the extra config.
@@ -91,7 +99,7 @@ def _pool_tokens(args: ServerArgs, bytes_per_token: int) -> int:
 
 
 def pd_transfer(args: ServerArgs, pool: DeviceKVPool, group: TPGroup | None = None):
-    """The PD KV manager of this worker's role (None when not in PD mode); on P it starts the bootstrap
+    """The PD transfer of this worker's role (None when not in PD mode); on P it starts the bootstrap
     server, and ``args.disaggregation_bootstrap_port`` becomes the bound port. ``ArgumentError`` names the
     flag when the backend is unusable or the port is taken.
 
@@ -114,11 +122,12 @@ def pd_transfer(args: ServerArgs, pool: DeviceKVPool, group: TPGroup | None = No
         raise ArgumentError(
             f"tensor-parallel rank 0 failed to build its {args.disaggregation_mode} transport: {port}"
         )
+    assert isinstance(port, int), f"rank 0 broadcasts its bootstrap port or an error, not {port!r}"
     return _kv_manager(args, pool, group, port)
 
 
 def _kv_manager(args: ServerArgs, pool: DeviceKVPool, group: TPGroup, bootstrap_port: int):
-    model_kv_heads = load_config(args.model_path).num_key_value_heads if group.size > 1 else None
+    model_kv_heads = load_config(args.model_path).kv_cache_heads if group.size > 1 else None
     try:
         mgr = create_kv_manager(
             args.disaggregation_transfer_backend,
@@ -139,13 +148,14 @@ def _kv_manager(args: ServerArgs, pool: DeviceKVPool, group: TPGroup, bootstrap_
     except ValueError as exc:  # SGLANG_DISAGG_STAGING_POOL_SIZE_MB
         raise ArgumentError(str(exc)) from None
     if args.disaggregation_mode == "prefill" and group.is_leader:
+        assert isinstance(mgr, PrefillTransfer), "the prefill mode builds a PrefillTransfer"
         args.disaggregation_bootstrap_port = mgr.bootstrap_port
     logger.info(
         "PD %s worker%s, transfer backend %s%s",
         args.disaggregation_mode,
         f" (tp rank {group.rank} of {group.size})" if group.size > 1 else "",
         args.disaggregation_transfer_backend,
-        f", bootstrap port {mgr.bootstrap_port}" if args.disaggregation_mode == "prefill" else "",
+        f", bootstrap port {mgr.bootstrap_port}" if isinstance(mgr, PrefillTransfer) else "",
     )
     return mgr
 
@@ -163,10 +173,10 @@ class _Rank:
     name: str
 
 
-def _check_tp_lcm(args: ServerArgs) -> None:
+def _check_tp_lcm(args: ServerArgs, cfg: ModelConfig) -> None:
     """``tp_lcm_size`` (extra config): must be a positive multiple of ``--tp-size`` (upstream's check),
     before any rank starts. The cache checks that the model's KV heads split into its shards
-    (``engine/cache/storage/shards.py``)."""
+    (``engine/cache/storage/shards.py``); for an MLA model it is a no-op, which the log says."""
     extra = parse_extra_config(args.hicache_storage_backend_extra_config) or {}
     lcm = extra.get("tp_lcm_size")
     if lcm is None:
@@ -176,16 +186,24 @@ def _check_tp_lcm(args: ServerArgs) -> None:
             f"--hicache-storage-backend-extra-config: tp_lcm_size {lcm!r} must be a multiple of "
             f"--tp-size {args.tp_size}"
         )
+    if cfg.mla:
+        logger.info(MLA_LCM_NOOP, lcm, cfg.architecture)
+        return
     logger.info("tp_lcm_size %d: L3 pages are stored in KV-head shards shared across tp sizes", lcm)
 
 
 def _check_tp(args: ServerArgs) -> None:
-    """Refuse a tp size the model's heads or this host's GPUs do not take (before any rank starts)."""
-    _check_tp_lcm(args)
+    """Refuse a tp size the model's heads or this host's GPUs do not take (before any rank starts), and
+    flags an MLA model cannot run with yet."""
+    cfg = load_config(args.model_path)
+    _check_tp_lcm(args, cfg)
+    why = mla_unsupported(cfg, args.attention_backend)
+    if why:
+        raise ArgumentError(why)
     if args.tp_size == 1:
         return
     try:
-        check_tp_size(load_config(args.model_path), args.tp_size)
+        check_tp_size(cfg, args.tp_size)
     except TPConfigError as exc:
         raise ArgumentError(str(exc)) from None
     if args.device == "cuda" and args.base_gpu_id + args.tp_size > torch.cuda.device_count():
@@ -237,7 +255,7 @@ def _build_rank(args: ServerArgs, group: TPGroup, runner: ModelRunner | None) ->
     config = hicache_config(args)  # its ArgumentError names the flag; not re-wrapped below
     producer = ""
     if args.enable_hierarchical_cache:  # the L3 namespace names the weights, quantization and dtype
-        producer = kv_producer(weights_digest(runner.model_path), runner.quantization, runner.dtype)
+        producer = kv_producer(weights_digest(runner.model_path), runner.quantization, str(runner.dtype))
         if runner.vlm is not None:  # image KV depends on the vision tower and the processor settings too
             producer += f";vision={runner.vlm.digest()}"
     shard = TPShard(cfg, group.rank, group.size)
@@ -252,8 +270,10 @@ def _build_rank(args: ServerArgs, group: TPGroup, runner: ModelRunner | None) ->
             kv_producer=producer,
             tp_rank=group.rank,
             tp_size=group.size,
-            kv_shard=(shard.kv_shard, shard.num_kv_shards),
-            kv_writer=shard.kv_writer,
+            # MLA: every rank holds the same latent: L3 keys name no rank, rank 0 alone backs pages up
+            replicated_kv=cfg.mla,
+            kv_shard=(0, 1) if cfg.mla else (shard.kv_shard, shard.num_kv_shards),
+            kv_writer=group.rank == 0 if cfg.mla else shard.kv_writer,
             tenant_caps=caps,
         )
     except ValueError as exc:  # bad layout / io backend / storage backend settings
@@ -369,6 +389,8 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
                 "num_layers": pool.num_layers,
                 "num_kv_heads": pool.num_kv_heads,
                 "head_dim": pool.head_dim,
+                # MLA: the one head's K and V rows are the two halves of this latent
+                **({"latent_dim": 2 * cfg.kv_cache_head_dim} if cfg.mla else {}),
             },
             "vocab_size": tokenizer.vocab_size,
         },
@@ -394,7 +416,7 @@ def image_inputs(args: ServerArgs, runner: ModelRunner) -> ImageInputs | None:
     image hash), from ``--encoder-urls`` on a language-only worker, or none on a PD decode worker."""
     if runner.vlm is None:
         return None
-    embedder = None
+    embedder: Embedder | None = None
     if args.disaggregation_mode != "decode":
         if args.language_only:
             host = args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"

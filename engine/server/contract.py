@@ -129,3 +129,67 @@ def backend_extra_config(status: dict) -> dict:
 
 CONFIG_FIELDS = tuple(ConfigUpdate.model_fields)
 ATTACH_FIELDS = tuple(AttachRequest.model_fields)
+
+
+# Engines a fleet member can run and what each worker was found able to do (probed by its agent,
+# ``engine/agent/probe.py``; recorded by the control plane, which offers only the operations a worker
+# supports).
+ENGINE_KINDS = ("kvfleet", "sglang")
+CAPABILITIES: dict[str, str] = {
+    "storage_attach": "attach and detach an L3 backend at runtime (PUT/DELETE /hicache/storage-backend)",
+    "runtime_config": "change HiCache settings at runtime (GET/PUT /hicache/config)",
+    "role_switch": "switch its PD role in place (POST /pd_role_switch)",
+    "exact_idle": "/server_info is_idle, counting HTTP requests and cache I/O in flight",
+    "load_report": "GET /v1/loads: running and queued requests per DP rank",
+    "recorded_trace": "GET /recorded_trace: the traffic the capacity what-if replays",
+}
+WORKER_SECRET_FIELDS = (
+    "admin_api_key",
+    "api_key",
+    "ssl_keyfile_password",
+    "watermark_key",
+    "watermark_key_b",
+)
+"""``/server_info`` fields that hold a secret: KVFleet masks them; upstream SGLang (0.5.23) answers
+``admin_api_key`` and ``api_key`` in clear text to anyone, so readers drop them (:func:`without_secrets`)."""
+
+
+def without_secrets(info: dict) -> dict:
+    """``info`` (a ``/server_info`` body) without :data:`WORKER_SECRET_FIELDS`, at the top level and in
+    upstream's ``internal_states`` entries."""
+    clean = {k: v for k, v in info.items() if k not in WORKER_SECRET_FIELDS}
+    if isinstance(clean.get("internal_states"), list):
+        clean["internal_states"] = [
+            {k: v for k, v in s.items() if k not in WORKER_SECRET_FIELDS} if isinstance(s, dict) else s
+            for s in clean["internal_states"]
+        ]
+    return clean
+
+
+def missing_capability(capability: str, engine: str, version: str) -> str:
+    """Why a worker lacks ``capability``, for the console and API errors: what to do instead."""
+    name = f"SGLang {version}" if engine == "sglang" else f"this {engine} worker"
+    if engine == "kvfleet" and capability in ("runtime_config", "storage_attach"):
+        return (
+            f"{name} did not answer its HiCache admin routes: it needs --enable-hierarchical-cache and "
+            "--admin-api-key, and the inventory its admin key"
+        )
+    if capability == "runtime_config":
+        return f"needs a restart on {name}: it has no PUT /hicache/config (change its launch flags instead)"
+    if capability == "storage_attach":
+        return (
+            f"{name} cannot attach L3 at runtime: it needs --enable-hierarchical-cache and --admin-api-key "
+            "(and its admin key in the inventory)"
+        )
+    if capability == "role_switch":
+        return f"{name} switches role by a restart in the other --disaggregation-mode"
+    if capability == "exact_idle":
+        return (
+            f"{name}: idle is read from /v1/loads (requests running and queued); requests its HTTP server "
+            "has not queued yet and cache I/O in flight are not visible (its own check refuses then)"
+        )
+    if capability == "load_report":
+        return f"{name} answers no GET /v1/loads (its /server_info is_idle is used)"
+    if capability == "recorded_trace":
+        return f"{name} records no traffic: calibration needs a KVFleet worker started with --record-trace"
+    return f"not available on {name}"

@@ -71,7 +71,7 @@ class EncoderClient:
             per_image = vlm.vision.tokens_per_image * vlm.vision.text_hidden_size * 4
             self.transfer = EmbeddingReceiver(host, max(1, max_images) * per_image)
             return
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.receiver = f"tcp://{host}:{port}"

@@ -88,7 +88,7 @@ class EncoderService:
         self.transfer_seconds = 0.0  # time handing embeddings to the backend (see info())
         self.transfer_bytes = 0
         self._lock = threading.Lock()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket] = {}
         self.sender: EmbeddingSender | None = None
         if args.encoder_transfer_backend == "mooncake":
@@ -252,6 +252,7 @@ def _mooncake_target(body: dict) -> dict:
     )
     if not ok:
         raise HTTPError(400, "transfer: {session_id, addr, capacity, deadline} is required (mooncake)")
+    assert isinstance(t, dict), "checked in ok"
     return t
 
 

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,11 @@ from engine.server.images import ImageInputs
 from engine.server.recording import TraceRecorder
 from engine.server.tenants import Tenants
 
+if TYPE_CHECKING:
+    from engine.model.tokenizer import Tokenizer
+    from engine.server.metrics import EngineMetrics
+    from engine.server.tp_ranks import RankProcesses
+
 
 class RequestError(ValueError):
     """Bad request input (HTTP 400); the message says what is wrong."""
@@ -44,11 +50,11 @@ class Engine:
     """Launch args, tokenizer, scheduler and metrics of one worker."""
 
     args: ServerArgs
-    tokenizer: object
+    tokenizer: Tokenizer
     scheduler: Scheduler
     context_length: int
     vocab_size: int
-    metrics: object = None
+    metrics: EngineMetrics | None = None
     model_info: dict = field(default_factory=dict)
     recorder: TraceRecorder | None = None  # --record-trace
     tenants: Tenants | None = None  # --tenant-keys-file
@@ -56,7 +62,7 @@ class Engine:
     grammar: GrammarBackend | None = None  # --grammar-backend xgrammar (None: none)
     unhealthy: str | None = None  # set by a failed PD role switch: /health answers 503 with it
     started_at: float = field(default_factory=time.time)
-    tp_ranks: object = None  # tensor parallelism: ranks 1..tp-1 (engine.server.tp_ranks.RankProcesses)
+    tp_ranks: RankProcesses | None = None  # tensor parallelism: ranks 1..tp-1
 
     def mark_unhealthy(self, reason: str) -> None:
         """From now on ``/health`` answers 503 with ``reason`` and new requests are refused with it."""
@@ -317,14 +323,14 @@ class Engine:
         arrival = time.time()
         self.scheduler.submit(req)
         finished = False
-        output_length = 0
+        output_ids: list[int] = []
         try:
             while True:
                 ev = await events.get()
                 finished = ev.finished
-                output_length += len(ev.new_ids)
+                output_ids += ev.new_ids
                 if finished and self.recorder is not None:
-                    self.recorder.record(req.input_ids, output_length, arrival)
+                    self.recorder.record(req.input_ids, output_ids, arrival, req.misses)
                 yield ev
                 if finished:
                     return

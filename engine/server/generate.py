@@ -3,8 +3,8 @@
 Body (``schemas.GenerateReqInput``): exactly one of ``text`` (str or list of str) or ``input_ids`` (list of
 ints or list of lists), ``sampling_params``, ``stream``, ``rid``, ``cache_salt`` (a string for every prompt,
 or one per prompt: requests with different salts share no cached KV; ``extra_key``, upstream's name for it, is
-taken too and must equal it when both are given: sglang-router forwards ``extra_key`` and drops ``cache_salt``
-on this route), ``image_data`` (a vision-language
+taken too and must equal it when both are given: sglang-router 0.3.2 forwards ``extra_key`` and drops
+``cache_salt`` on this route; smg forwards both), ``image_data`` (a vision-language
 model: an image or a list of images per prompt, ``engine/server/images.py``; the text carries one image
 token per image), and upstream's log-probability fields
 ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``token_ids_logprob``,
@@ -76,6 +76,7 @@ def parse_generate(
             raise HTTPError(400, "'text' must be a string or a non-empty list of strings")
         prompts = [engine.encode(t) for t in texts]
     else:
+        assert ids is not None, "exactly one of text and input_ids is given (checked above)"
         batched = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batched else [ids]
     prompts, mm = _images_or_fail_room(engine, body.get("image_data"), prompts, batched, bootstrap)
@@ -181,6 +182,7 @@ def _per_prompt(body: dict, name: str, n: int, batched: bool) -> list:
     per = isinstance(value, list) and (name != "token_ids_logprob" or (value and isinstance(value[0], list)))
     if not per:
         return [value] * n
+    assert isinstance(value, list), "per is only true for a list"
     if batched and len(value) == n:
         return list(value)
     raise HTTPError(400, f"{name}: a list needs one value per prompt")
@@ -188,7 +190,7 @@ def _per_prompt(body: dict, name: str, n: int, batched: bool) -> list:
 
 def _salts(body: dict, n: int, batched: bool) -> list[str | None]:
     """One salt per prompt from ``cache_salt`` or, failing that, ``extra_key`` (upstream's name, and the one
-    sglang-router forwards on /generate): a string applies to every prompt; a list needs one per prompt.
+    sglang-router 0.3.2 forwards on /generate): a string applies to every prompt; a list needs one per prompt.
     Both given and different: ``HTTPError(400)`` naming both (never the values)."""
     salt, key = body.get("cache_salt"), body.get("extra_key")
     if salt is not None and key is not None and salt != key:
@@ -244,6 +246,7 @@ async def generate(request: Request):
         raise HTTPError(400, "rid: give no rid with sampling_params.n > 1 (each sample is its own request)")
     if body.get("stream"):
         if not (batched or multi):
+            assert not isinstance(bootstrap, list), "one prompt, one sample: one pairing"
             frames = _frames(
                 engine,
                 prompts[0],
@@ -267,7 +270,7 @@ async def generate(request: Request):
                 if res is not None:
                     reason = res["finish_reason"]
                     raise HTTPError(reason.get("status_code", 500), reason.get("message", "request aborted"))
-        runs = [
+        streams = [
             _frames(
                 engine,
                 prompts[i],
@@ -283,7 +286,7 @@ async def generate(request: Request):
             for i in range(len(prompts))
             for j in range(params[i].n)
         ]
-        return StreamingResponse(_stream(interleave(runs), indexed=True), media_type="text/event-stream")
+        return StreamingResponse(_stream(interleave(streams), indexed=True), media_type="text/event-stream")
 
     runs = (
         engine.generate_n(

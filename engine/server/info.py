@@ -11,20 +11,22 @@
   ``num_running_reqs``, ``num_waiting_reqs``, ``num_pd_transfer_reqs`` (PD: bootstrapping, transferring or
   waiting for KV), ``num_http_reqs`` (KVFleet: inference requests the HTTP server accepted and has not
   answered yet, from arrival to the last byte; ``is_idle`` is false while there is one),
-  ``inflight_cache_io``), the pools' sizes in tokens
-  (``max_total_num_tokens`` L1, KVFleet's ``host_total_num_tokens`` L2 or null), ``hicache`` (the live
+  ``inflight_cache_io``), ``max_running_requests`` (the scheduler's limit in effect), the pools' sizes in
+  tokens (``max_total_num_tokens`` L1, KVFleet's ``host_total_num_tokens`` L2 or null), ``hicache`` (the live
   storage status, null without hierarchical cache), ``disaggregation_mode`` and ``tenants`` (KVFleet: each
   ``--tenant-keys-file`` tenant's ``name``, metric ``label``, ``max_requests``, ``l2_max_tokens`` and
   ``l3_max_pages``; null without the file).
 - ``GET /model_info`` (alias ``/get_model_info``): ``model_path``, ``tokenizer_path``, ``is_generation``,
   and KVFleet's ``kv_bytes_per_token`` (one rank's L1/L2 bytes per token), ``kv_cache_dtype`` (the stored
-  format) and ``kv_shape`` (one rank's ``num_layers``, ``num_kv_heads``, ``head_dim``).
+  format) and ``kv_shape`` (one rank's ``num_layers``, ``num_kv_heads``, ``head_dim``; an MLA model also
+  ``latent_dim``, the ``kv_lora_rank + qk_rope_head_dim`` its one head's K and V rows split in two).
 - ``POST|GET /flush_cache``: clears L1 and L2 (never L3) when idle: 200, else 400 (upstream); 401 without
   the ``--api-key`` bearer when one is set.
 - ``GET /metrics``: Prometheus text (only with ``--enable-metrics``; 404 otherwise).
 
 Only ``/flush_cache`` checks ``--api-key`` (a decision, docs/architecture.md); health, info and metrics
-stay keyless because the sglang-router reads them without a key (docs/upstream.md P4).
+stay keyless because the router reads them without a key (docs/upstream.md P4). The load poll routers read
+(``/v1/loads``, ``/loads``) is ``engine/server/loads.py``.
 """
 
 from __future__ import annotations
@@ -108,6 +110,9 @@ def server_info(engine: Engine) -> dict:
             "version": VERSION,
             "served_model_name": engine.model_name,
             "context_length": engine.context_length,
+            # the scheduler's limit (the flag's value, or its default): smg reads it as the worker's
+            # max_running_requests label, a decode worker's window for PD admission
+            "max_running_requests": engine.scheduler.config.max_running_requests,
             "max_total_num_tokens": state.get("max_total_num_tokens"),
             "host_total_num_tokens": (state.get("cache_stats") or {}).get("host_total_tokens")
             if engine.args.enable_hierarchical_cache

@@ -40,7 +40,7 @@ def sglang_meta(
     inp: LogprobValues = values["input"]
     out: LogprobValues = values["output"]
     in_ids = prompt[want.start : want.start + len(inp)]
-    meta = {
+    meta: dict[str, list] = {
         "input_token_logprobs": []
         if engine.args.disaggregation_mode == "decode"
         else [[lp, t, text(t)] for lp, t in zip(inp.token, in_ids, strict=True)],

@@ -4,6 +4,9 @@ Per-request counters and histograms are updated by the scheduler thread through 
 (prometheus-client is thread-safe). Queue gauges and the HiCache counters are read at scrape time from the
 snapshot the scheduler publishes (``Scheduler.state``), so a scrape never touches the cache. Histogram buckets
 follow SGLang's collector (TTFT 0.1…400 s, ITL 0.002…8 s, e2e 0.1…2400 s), with a few finer TTFT buckets.
+Miss attribution (``engine/cache/misses.py``): ``sglang:miss_tokens{cause}``, ``sglang:tenant_miss_tokens
+{tenant,cause}`` and ``sglang:miss_evicted_tokens{radix_eviction_policy}``, counted at admission from the
+request's ``misses``; the first sums to ``prompt_tokens`` less ``cached_tokens`` of every tier.
 The HiCache per-operation histograms (load-back and eviction seconds, L3 batch pages and GB/s) are bucketed by
 the cache itself (``engine.cache.stats.HISTOGRAM_BUCKETS``, SGLang's buckets) and exported from the snapshot.
 
@@ -18,10 +21,13 @@ HTTP server), so the label is always ``"0"`` here; its figures are rank 0's, whi
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from engine.cache.eviction_names import EVICTION_POLICIES
+from engine.cache.misses import MISS_CAUSES
 from engine.cache.storage.health import STATES as BREAKER_STATES
 from engine.server.tenants import salt_label
 
@@ -61,6 +67,8 @@ CACHE_COUNTERS = {
     "prefetch_completed": "prefetch_completed",
     "prefetch_timeout": "prefetch_timed_out",
     "prefetch_revoked": "prefetch_revoked",
+    # evicted pages the miss attribution's record forgot (bounded): later misses of them read not_seen_here
+    "miss_record_forgotten_pages": "miss_record_forgotten_pages",
 }
 # HiCache per-operation histograms (CacheStats.histograms); the L3 ones carry a storage_backend label.
 CACHE_HISTOGRAMS = {
@@ -98,7 +106,7 @@ class EngineMetrics:
     """The worker's metric registry; ``state()`` returns the scheduler's latest snapshot dict. ``tenants``:
     the metric labels of the configured tenants (``--tenant-keys-file``), which always get a series."""
 
-    def __init__(self, model_name: str, state, tenants: list[str] = (), tp_rank: int = 0):
+    def __init__(self, model_name: str, state, tenants: Sequence[str] = (), tp_rank: int = 0):
         self.registry = CollectorRegistry()
         self._state = state
         self.model_name = model_name
@@ -147,6 +155,8 @@ class EngineMetrics:
         )
         for counter in (self.bootstrap_failed, self.transfer_failed):
             counter.labels(model_name)  # exported from 0, before the first failure
+        for counter in (self.prompt_tokens, self.generation_tokens, self.num_requests):
+            counter.labels(model_name)  # from 0, so a window's increase counts the first request too
         self.cache_hit_rate = Gauge(
             "sglang:cache_hit_rate",
             "Prefix hit rate of the last prefill batch",
@@ -170,6 +180,30 @@ class EngineMetrics:
             tenant_labels,
             registry=r,
         )
+        # Miss attribution (engine/cache/misses.py): every admitted prompt token the cache did not serve,
+        # by cause; they sum to sglang:prompt_tokens less sglang:cached_tokens (attribution on).
+        self.miss_tokens = Counter(
+            "sglang:miss_tokens",
+            "Prompt tokens not served from cache, by cause",
+            [*labels, "cause"],
+            registry=r,
+        )
+        self.tenant_miss_tokens = Counter(
+            "sglang:tenant_miss_tokens",
+            "Prompt tokens not served from cache, by tenant and cause",
+            [*tenant_labels, "cause"],
+            registry=r,
+        )
+        self.miss_evicted_tokens = Counter(
+            "sglang:miss_evicted_tokens",
+            "Missed prompt tokens this worker had evicted, by the eviction policy that evicted them",
+            [*labels, "radix_eviction_policy"],
+            registry=r,
+        )
+        for cause in MISS_CAUSES:  # exported from 0
+            self.miss_tokens.labels(model_name, cause)
+        for policy in EVICTION_POLICIES:
+            self.miss_evicted_tokens.labels(model_name, policy)
         for label in tenants:  # exported from 0
             self.tenant_prompt_tokens.labels(model_name, label)
             self.tenant_rejected.labels(model_name, label)
@@ -186,6 +220,12 @@ class EngineMetrics:
         self.tenant_prompt_tokens.labels(m, tenant).inc(len(req.input_ids))
         for source, tokens in req.cached.items():
             self.tenant_cached_tokens.labels(m, tenant, source).inc(tokens)
+        if req.misses is not None:
+            for cause, tokens in req.misses.causes.items():
+                self.miss_tokens.labels(m, cause).inc(tokens)
+                self.tenant_miss_tokens.labels(m, tenant, cause).inc(tokens)
+            for policy, tokens in req.misses.evicted_by.items():
+                self.miss_evicted_tokens.labels(m, policy).inc(tokens)
 
     def on_tenant_rejected(self, label: str) -> None:
         """A tenant's request was refused at its ``max_requests`` (``label``: the tenant's metric label)."""

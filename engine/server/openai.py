@@ -112,7 +112,9 @@ def _sampling_params(
                 raise ValueError(
                     "response_format: give no JSON format with tool_choice required or a function"
                 )
-            constraint = {"json_schema": (tools.json_schema(), "tools")}
+            schema = tools.json_schema()
+            assert schema is not None, "a constrained tool choice has a schema (only auto has none)"
+            constraint = {"json_schema": (schema, "tools")}
         for key, (text, name) in (constraint or {}).items():
             raw[key], names[key] = text, name
         params = SamplingParams.from_dict(raw, names)
@@ -159,6 +161,7 @@ def _usage_n(engine: Engine, prompts: list[list[int]], results: list[tuple[int, 
     n_out = sum(len(r["output_ids"]) for _, r in results)
     cached = sum(r["meta"].get("cached_tokens", 0) for _, r in results)
     n_in = sum(len(ids) for ids in prompts)
+    usage: dict[str, object]
     usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
     if engine.args.enable_cache_report:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -289,6 +292,7 @@ async def completions(request: Request):
     prompts = await asyncio.to_thread(
         lambda: [engine.encode(t) if isinstance(t, str) else list(t) for t in texts]
     )
+    names: dict[str, str]
     params, names = [], {}
     for i, ids in enumerate(prompts):
         try:
@@ -325,6 +329,7 @@ async def completions(request: Request):
             )
         ),
     )
+    choices: list[dict]
     choices, results = [], []
     for i, group in enumerate(groups):
         ids, want = prompts[i], wants[i]
@@ -406,6 +411,7 @@ async def _run_choices(engine: Engine, run: _Run, content, options: dict, render
         finish, matched = _finish(ev.finish_reason)
         if finish == "abort":
             reason = ev.finish_reason
+            assert reason is not None, "an abort is a finish"
             yield {
                 "error": {"message": reason.get("message", "aborted"), "code": reason.get("status_code", 500)}
             }
@@ -426,7 +432,7 @@ async def _run_choices(engine: Engine, run: _Run, content, options: dict, render
 def _tool_chunks(tool_stream: ToolStream, text: str, finish: str | None, matched) -> list[dict]:
     """The choices one stream event sends when tools may be called (``ToolStream``)."""
     deltas = tool_stream.push(text) + (tool_stream.finish() if finish else [])
-    chunks = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    chunks: list[dict] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
     if finish:
         finish = "tool_calls" if tool_stream.calls else finish
         chunks.append(

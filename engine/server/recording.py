@@ -2,14 +2,22 @@
 
 Each finished request becomes one trace row: ``timestamp`` (ms since the epoch at arrival), ``input_length``,
 ``output_length`` and ``hash_ids``, one per ``BLOCK_TOKENS``-token block of the input (the last may be
-partial). A block's id is the first 63 bits of a SHA-256 chain over the prompt's token ids up to the end of
-that block (``digest_i = sha256(digest_{i-1} || block_i tokens)``), so equal ids mean equal prefixes on every
-worker of a fleet (pool traces merge), the trace stays prefix-closed, and neither text nor token ids are
-kept. Rows wait in a bounded ring (``RING_SIZE``; the oldest go first, counted in ``dropped``) until read.
+partial), and ``output_hash_ids``: the ids of the blocks that hold generated tokens in the sequence the engine
+caches when the request finishes (the input, then every output token but the last, whose KV is never
+computed), from the first such block on. Mooncake's format has no such field; without it a replay cannot see
+that a conversation's next turn repeats the previous answer, which the engine serves from its cache. When the
+worker attributes misses a row also has ``misses``: ``{"causes": {cause: tokens}, "unseen": [[start, end],
+...]}``, the request's ``miss_tokens_details`` causes and the prompt token ranges of its ``not_seen_here``
+ones (``engine/cache/misses.py``), from which the control plane tells a fleet-wide first sighting from a
+prefix another worker computed. A block's id is the first 63 bits of a SHA-256 chain over the prompt's token
+ids up to the end of that block (``digest_i = sha256(digest_{i-1} || block_i tokens)``), so equal ids mean
+equal prefixes on every worker of a fleet (pool traces merge), the trace stays prefix-closed, and neither
+text nor token ids are kept. Rows wait in a bounded
+ring (``RING_SIZE``; the oldest go first, counted in ``dropped``) until read.
 
-``GET /recorded_trace?after=N``: ``{"next": M, "dropped": D, "block_tokens": B, "requests": [...]}``, the
-rows with sequence numbers above ``N`` (the agent passes back ``next``; ``B`` is ``BLOCK_TOKENS``, which a
-replay needs as its ``--block-tokens``); 404 without ``--record-trace``.
+``GET /recorded_trace?after=N``: ``{"next": M, "dropped": D, "block_tokens": B, "requests": [...]}``, the rows
+with sequence numbers above ``N`` (the agent passes back ``next``; ``B`` is ``BLOCK_TOKENS``, which a replay
+needs as its ``--block-tokens``); 404 without ``--record-trace``.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from collections import deque
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from engine.cache.misses import Misses
 from engine.server.http_utils import error_response
 
 # Tokens per hash id. Mooncake's released traces use 512; a recorder this coarse hides every shared prefix
@@ -53,13 +62,19 @@ class TraceRecorder:
         self.dropped = 0
         self._lock = threading.Lock()
 
-    def record(self, input_ids: list[int], output_length: int, arrival_s: float) -> None:
+    def record(
+        self, input_ids: list[int], output_ids: list[int], arrival_s: float, misses: Misses | None = None
+    ) -> None:
+        computed = block_hash_ids(input_ids + output_ids[:-1]) if len(output_ids) > 1 else []
         row = {
             "timestamp": round(arrival_s * 1000),
             "input_length": len(input_ids),
-            "output_length": output_length,
+            "output_length": len(output_ids),
             "hash_ids": block_hash_ids(input_ids),
+            "output_hash_ids": computed[len(input_ids) // BLOCK_TOKENS :],
         }
+        if misses is not None:  # the worker's own attribution, with where its not_seen_here tokens are
+            row["misses"] = {"causes": dict(misses.causes), "unseen": [list(r) for r in misses.unseen]}
         with self._lock:
             if len(self._rows) == self._rows.maxlen:
                 self.dropped += 1

@@ -50,6 +50,7 @@ def tool_message(
 ) -> tuple[dict, str | None]:
     """The chat ``message`` for the model's ``text`` and the finish reason: with tool calls, ``tool_calls``
     (content the text before them, or None) and ``tool_calls``; else the text and ``finish``."""
+    message: dict[str, object]
     message = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
     if tools is None:
         return message, finish

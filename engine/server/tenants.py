@@ -3,10 +3,11 @@
 The file is JSON: ``{"tenants": {NAME: {"api_keys": [KEY, ...], "cache_group": GROUP, "max_requests": N,
 "l2_max_tokens": T, "l3_max_pages": P}}}``.
 ``api_keys`` (at least one, each unique across tenants) authenticate the tenant's requests as
-``Authorization: Bearer KEY`` (the sglang-router forwards that header unchanged). ``cache_group`` (default:
-the tenant's name) is what the cache salt derives from: tenants never share cached KV unless the operator
-gives them one group. ``max_requests`` (optional, >= 1) caps the tenant's inference requests in flight on
-this worker (from arrival to the last byte): one more is a 429 naming the tenant and its limit.
+``Authorization: Bearer KEY`` (both routers, smg and sglang-router, forward that header unchanged).
+``cache_group`` (default: the tenant's name) is what the cache salt derives from: tenants never share
+cached KV unless the operator gives them one group. ``max_requests`` (optional, >= 1) caps the tenant's
+inference requests in flight on this worker (from arrival to the last byte): one more is a 429 naming the
+tenant and its limit.
 ``l2_max_tokens`` / ``l3_max_pages`` (optional, >= 1) cap the group's occupancy of this worker's host pool
 (tokens) and what it sends to L3 (pages): over its cap a group evicts its own L2 pages first, or is not
 backed up (``engine/cache/tenant_caps.py``); tenants sharing a group must give it the same caps.

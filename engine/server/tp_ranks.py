@@ -14,12 +14,13 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from engine.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +32,7 @@ def init_method(dist_init_addr: str | None) -> str:
     """``tcp://host:port`` where the ranks meet: ``--dist-init-addr`` or a free loopback port."""
     if dist_init_addr:
         return f"tcp://{dist_init_addr}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def cpu_threads(tp_size: int) -> int:
@@ -45,7 +44,7 @@ def cpu_threads(tp_size: int) -> int:
 class RankProcesses:
     """Ranks 1..tp-1 of this worker, started by ``start_ranks``."""
 
-    procs: list[multiprocessing.Process]
+    procs: list[multiprocessing.process.BaseProcess]
     stopping: bool = False
     on_death: Callable[[str], None] | None = None  # set once the engine exists: mark it unhealthy
     _watch: threading.Thread | None = field(default=None, repr=False)
@@ -92,7 +91,7 @@ class RankProcesses:
 def start_ranks(args, method: str) -> RankProcesses:
     """Spawn ranks 1..``args.tp_size``-1 (each runs ``rank_main``) and watch them."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [
+    procs: list[multiprocessing.process.BaseProcess] = [
         ctx.Process(target=rank_main, args=(args, rank, method), name=f"tp-rank-{rank}", daemon=True)
         for rank in range(1, args.tp_size)
     ]

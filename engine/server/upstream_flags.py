@@ -9,8 +9,16 @@ spelling names the real flag(s). Anything else falls back to the closest real fl
 
 from __future__ import annotations
 
+_DP_ATTENTION = (
+    "data-parallel attention is not built: a worker has one scheduler with one radix tree, L1 and L2 pool; "
+    "run several workers behind the router (cache-aware routing keeps a conversation on its worker)"
+)
 NOT_YET: dict[str, str] = {
     "--grpc-mode": "gRPC serving is not built; encoders and workers speak HTTP + ZMQ",
+    "--dp-size": _DP_ATTENTION,
+    "--dp": _DP_ATTENTION,
+    "--data-parallel-size": _DP_ATTENTION,
+    "--enable-dp-attention": _DP_ATTENTION,
 }
 """Upstream flags a later KVFleet release implements: flag -> why it is refused today."""
 
@@ -42,15 +50,9 @@ UNSUPPORTED: tuple[str, ...] = (
     "--disable-radix-cache",
     "--disable-chunked-prefix-cache",
     "--enable-priority-scheduling",
-    # parallelism (besides tensor parallelism)
-    "--dp-size",
-    "--dp",
-    "--data-parallel-size",
+    # parallelism (besides tensor parallelism; data parallelism is NOT_YET, --ep-size a real flag)
     "--pp-size",
     "--pipeline-parallel-size",
-    "--ep-size",
-    "--expert-parallel-size",
-    "--enable-dp-attention",
     "--nccl-port",
     "--gpu-id-step",
     # kernels and backends

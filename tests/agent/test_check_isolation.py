@@ -1,7 +1,9 @@
 """``kvfleet-agent check-isolation URL`` against real worker processes: a worker that keeps salts apart
 passes (exit 0, both TTFTs printed), one whose prefix cache cannot reuse the prompt fails (exit 1, says
 why), a tenant-keyed worker is checked with a tenant's key, and a wrong key is a one-line error. Through a
-real sglang-router with one worker the check holds; with two it is inconclusive, never "ok"."""
+real smg (1.13.0) with one worker the check holds on every salt route; with two it is inconclusive, never
+"ok"; through sglang-router 0.3.2 (its own venv) it fails loudly on /generate and chat, naming the router and
+the supported way."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ WORDS = "48"  # the tiny model has 512 positions
 def tenant_worker(tiny_model_dir, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "tenants.json"
     keys.write_text(json.dumps({"tenants": {"ops": {"api_keys": ["sk-ops-check"]}}}))
-    flags = ["--model-path", str(tiny_model_dir), "--page-size", "16", "--tenant-keys-file", str(keys)]
+    flags = ["--model-path", str(tiny_model_dir), "--page-size", "16", "--tenant-keys-file", str(keys),
+             "--enable-cache-report"]  # fmt: skip
     with ServerProcess(flags) as worker:
         yield worker
 
@@ -64,15 +67,36 @@ def test_too_few_words_names_the_flag(capsys):
     assert "--words must be >= 32" in capsys.readouterr().err
 
 
-def test_through_a_router_with_one_worker_the_salts_stay_apart(tenant_worker, capsys):
-    # the router drops /generate's cache_salt; the check's extra_key and the tenant key get through
+def test_through_smg_with_one_worker_the_salts_stay_apart_on_every_route(tenant_worker, capsys):
     with RouterProcess(worker_args([tenant_worker.url]), min_workers=1) as router:
         assert main(["check-isolation", router.url, "--api-key", "sk-ops-check", "--words", WORDS]) == 0
     out = capsys.readouterr().out
     rows = {line[:15].strip(): line for line in out.splitlines() if " cached " in line}
-    assert "via sglang-router with 1 worker(s) listed" in out and "isolation: ok" in out
+    assert "via smg 1.13.0 with 1 worker(s) listed" in out and "isolation: ok" in out
     assert rows["salt B"].endswith("cached device=0 host=0 storage=0")
     assert "cached device=0 " not in rows["salt A (again)"]
+    for route in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        (line,) = [row for row in out.splitlines() if row.strip().startswith(route + " ")]
+        assert line.endswith("salts apart") and " salt B cached     0 " in line
+
+
+def test_through_sglang_router_0_3_2_the_salt_leak_fails_loudly(tenant_worker, sglang_router_env, capsys):
+    with RouterProcess(worker_args([tenant_worker.url]), min_workers=1, kind="sglang-router") as router:
+        args = ["check-isolation", router.url, "--api-key", "sk-ops-check", "--words", WORDS]
+        assert main(args) == 1
+        assert main([*args, "--json"]) == 1
+    out, report = capsys.readouterr().out.split("\n{", 1)
+    report = json.loads("{" + report)
+    assert "via sglang-router (version not reported) with 1 worker(s) listed" in out
+    assert "isolation: FAILED" in out
+    assert {route: r["isolated"] for route, r in report["routes"].items()} == {
+        "/generate": False,
+        "/v1/completions": True,
+        "/v1/chat/completions": False,
+    }
+    leaks = [p for p in report["problems"] if "salt B reused" in p]
+    assert [p.split(":", 1)[0] for p in leaks] == ["/generate", "/v1/chat/completions"]
+    assert all("which drops cache_salt there" in p and "--tenant-keys-file" in p for p in leaks)
 
 
 def test_through_a_router_with_two_workers_no_reuse_is_inconclusive(tenant_worker, capsys):
@@ -84,3 +108,8 @@ def test_through_a_router_with_two_workers_no_reuse_is_inconclusive(tenant_worke
     report = json.loads(capsys.readouterr().out)
     assert not report["ok"] and report["inconclusive"] and report["router_workers"] == 2
     assert report["problems"][0].startswith("inconclusive: the router lists 2 workers")
+    assert report["router"] == "smg 1.13.0" and set(report["routes"]) == {
+        "/generate",
+        "/v1/completions",
+        "/v1/chat/completions",
+    }

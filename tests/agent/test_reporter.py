@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +17,7 @@ from engine.agent.agent import Agent
 from engine.agent.reporter import ControlPlaneClient, Reporter
 from engine.agent.spec import FleetSpec, WorkerSpec, load_spec
 from engine.agent.supervisor import Managed, Supervisor
+from engine.ports import free_port
 
 
 class RecordingControlPlane:
@@ -77,17 +77,15 @@ class RecordingControlPlane:
 
 @pytest.fixture
 def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
-def _reporter(port: int, buffer_size: int = 5) -> Reporter:
+def _reporter(port: int) -> Reporter:
     host = {"name": "node-a", "address": "127.0.0.1", "gpus": []}
     workers = [{"name": "w0", "url": "http://127.0.0.1:1"}]
     client = ControlPlaneClient(f"http://127.0.0.1:{port}", "cp_abc.secret", timeout=2)
     return Reporter(client, lambda: (host, workers), lambda: ["http://127.0.0.1:1"], heartbeat_interval_s=0.0,
-                    buffer_size=buffer_size, retry_base_s=0.05, retry_max_s=0.2)  # fmt: skip
+                    retry_base_s=0.05, retry_max_s=0.2)  # fmt: skip
 
 
 def _tick_until(rep: Reporter, cond, timeout: float = 10.0) -> None:
@@ -98,15 +96,13 @@ def _tick_until(rep: Reporter, cond, timeout: float = 10.0) -> None:
     assert cond()
 
 
-def test_buffers_while_down_then_delivers_in_order(port, caplog):
+def test_backs_off_while_down_then_registers_and_heartbeats(port, caplog):
     caplog.set_level(logging.WARNING, logger="kvfleet.agent")
-    rep = _reporter(port, buffer_size=5)
-    for i in range(8):  # control plane not listening yet
-        rep.add_sample("http://127.0.0.1:1", f"sample {i}")
+    rep = _reporter(port)
+    for _ in range(8):  # control plane not listening yet
         rep.tick()
         time.sleep(0.06)
-    status = rep.status()
-    assert status["reachable"] is False and status["buffered"] == 5 and status["dropped"] == 3
+    assert rep.status()["reachable"] is False
     assert rep.retry_delay == 0.2  # backed off up to retry_max_s
     down_logs = [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(down_logs) == 1  # logged once, not once per attempt
@@ -114,32 +110,30 @@ def test_buffers_while_down_then_delivers_in_order(port, caplog):
     cp = RecordingControlPlane(port)
     cp.start()
     try:
-        _tick_until(rep, lambda: len(cp.paths("/metrics/")) == 5)
-        assert [b["text"] for b in cp.paths("/metrics/")] == [f"sample {i}" for i in range(3, 8)]
-        # Replayed samples carry their scrape time (scraped >= 60 ms apart, before the outage ended).
-        stamps = [b["ts"] for b in cp.paths("/metrics/")]
-        assert stamps == sorted(stamps) and stamps[-1] - stamps[0] >= 0.2
+        _tick_until(rep, lambda: len(cp.paths("/heartbeat/")) >= 1)
         assert cp.calls[0][0] == "/api/v1/agent/register/" and cp.calls[0][2] == "Bearer cp_abc.secret"
         assert cp.paths("/register/")[0]["workers"] == [{"name": "w0", "url": "http://127.0.0.1:1"}]
-        assert cp.paths("/heartbeat/") == [
-            {"host": "node-a", "workers": ["http://127.0.0.1:1"], "offline": []}
-        ]
-        want = {"reachable": True, "registered": True, "buffered": 0, "sent": 5, "dropped": 3, "rejected": 0}
-        assert {k: v for k, v in rep.status().items() if k != "url"} == want
-        assert any("reachable again" in r.getMessage() and "sent 5" in r.getMessage() for r in caplog.records)
+        assert cp.paths("/heartbeat/")[0] == {
+            "host": "node-a",
+            "workers": ["http://127.0.0.1:1"],
+            "offline": [],
+        }
+        assert {k: v for k, v in rep.status().items() if k != "url"} == {
+            "reachable": True,
+            "registered": True,
+        }
+        assert any("reachable again" in r.getMessage() for r in caplog.records)
+        assert not cp.paths("/metrics/")  # metrics are the TSDB's to scrape: the agent sends none
     finally:
         cp.stop()
 
 
-def test_rejected_sample_is_dropped_and_unknown_host_registers_again(port):
+def test_unknown_host_registers_again(port):
     cp = RecordingControlPlane(port)
     cp.start()
     try:
         rep = _reporter(port)
-        rep.add_sample("http://127.0.0.1:1", "garbage")
-        rep.add_sample("http://127.0.0.1:1", "good")
-        _tick_until(rep, lambda: rep.status()["buffered"] == 0)
-        assert rep.status()["rejected"] == 1 and rep.status()["sent"] == 1
+        _tick_until(rep, lambda: rep.registered)
         cp.known_hosts.clear()  # e.g. the control plane's database was reset
         _tick_until(rep, lambda: len(cp.paths("/register/")) == 2)
         assert rep.registered
@@ -157,7 +151,7 @@ def _meminfo_total_bytes() -> int:
 
 def test_agent_registers_cpu_count_and_memory_bytes(port, tmp_path):
     spec = FleetSpec(path=str(tmp_path / "fleet.toml"), host_name="node-a", address="10.1.2.3",
-                     log_dir=str(tmp_path), heartbeat_interval_s=60.0, metrics_interval_s=60.0, buffer_size=5,
+                     log_dir=str(tmp_path), heartbeat_interval_s=60.0, trace_interval_s=60.0,
                      workers=[])  # fmt: skip
     cp = RecordingControlPlane(port)
     cp.start()
@@ -173,11 +167,11 @@ def test_agent_registers_cpu_count_and_memory_bytes(port, tmp_path):
 
 
 def test_agent_reports_a_worker_failing_health_as_offline(port, tmp_path, health_server):
-    worker_port, sick = _free_port(), tmp_path / "sick"
+    worker_port, sick = free_port(), tmp_path / "sick"
     url = f"http://127.0.0.1:{worker_port}"
     w = WorkerSpec(name="w0", model="m", role="mixed", host="127.0.0.1", port=worker_port, url=url, flags=[])
     spec = FleetSpec(path=str(tmp_path / "fleet.toml"), host_name="node-a", address="127.0.0.1",
-                     log_dir=str(tmp_path), heartbeat_interval_s=60.0, metrics_interval_s=60.0, buffer_size=5,
+                     log_dir=str(tmp_path), heartbeat_interval_s=60.0, trace_interval_s=60.0,
                      workers=[w])  # fmt: skip
     managed = Managed("w0", health_server(worker_port, sick), f"{url}/health", str(tmp_path / "w0.log"))
     sup = Supervisor([managed], backoff_base_s=30.0, health_interval_s=0.1, unhealthy_after=3)
@@ -211,14 +205,14 @@ def test_agent_registers_each_workers_attached_l3_backend(port, tmp_path, health
     info = {"hicache_storage_backend": "mooncake", "hicache_storage_backend_extra_config": json.dumps(extra)}
     specs, procs = [], []
     for name, served in (("w0", info), ("w1", {"hicache_storage_backend": None})):
-        wport = _free_port()
+        wport = free_port()
         url = f"http://127.0.0.1:{wport}"
         specs.append(WorkerSpec(name=name, model="m", role="mixed", host="127.0.0.1", port=wport, url=url,
                                 flags=[]))  # fmt: skip
         argv = health_server(wport, tmp_path / "never", served)
         procs.append(Managed(name, argv, f"{url}/health", str(tmp_path / f"{name}.log")))
     spec = FleetSpec(path=str(tmp_path / "fleet.toml"), host_name="node-a", address="127.0.0.1",
-                     log_dir=str(tmp_path), heartbeat_interval_s=60.0, metrics_interval_s=60.0, buffer_size=5,
+                     log_dir=str(tmp_path), heartbeat_interval_s=60.0, trace_interval_s=60.0,
                      workers=specs)  # fmt: skip
     sup = Supervisor(procs)
     cp = RecordingControlPlane(port)
@@ -238,12 +232,6 @@ def test_agent_registers_each_workers_attached_l3_backend(port, tmp_path, health
     finally:
         sup.stop()
         cp.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_reregister_asked_while_register_is_in_flight_is_not_lost(port):
@@ -267,34 +255,6 @@ def test_reregister_asked_while_register_is_in_flight_is_not_lost(port):
         _tick_until(rep, lambda: len(cp.paths("/register/")) >= 2)
         assert [w["name"] for w in cp.paths("/register/")[-1]["workers"]] == ["w0", "w1"]
         assert rep.registered
-    finally:
-        cp.stop()
-
-
-def test_metrics_for_a_worker_the_control_plane_does_not_know_trigger_a_reregister(port):
-    """The control plane answers 400 unknown_worker: the agent registers again and the sample is delivered."""
-    cp = RecordingControlPlane(port)
-    cp.start()
-    host = {"name": "node-a"}
-    workers = [{"name": "w0", "url": "http://127.0.0.1:1"}]
-    client = ControlPlaneClient(f"http://127.0.0.1:{port}", "cp_abc.secret", timeout=2)
-    rep = Reporter(client, lambda: (host, list(workers)), lambda: [w["url"] for w in workers],
-                   heartbeat_interval_s=0.0, retry_base_s=0.05, wall_clock=lambda: 1.7e9)  # fmt: skip
-    try:
-        _tick_until(rep, lambda: rep.registered)
-        workers.append({"name": "w1", "url": "http://127.0.0.1:2"})  # running, but its re-register was missed
-        rep.add_sample("http://127.0.0.1:2", "sample w1")
-        _tick_until(rep, lambda: rep.status()["sent"] == 1)
-        assert len(cp.paths("/register/")) == 2 and rep.status()["rejected"] == 0
-        assert cp.paths("/metrics/")[-1] == {
-            "worker_url": "http://127.0.0.1:2",
-            "text": "sample w1",
-            "ts": 1.7e9,
-        }
-        # A sample of a worker the agent no longer runs is resent once after the re-register, then dropped.
-        rep.add_sample("http://127.0.0.1:9", "gone")
-        _tick_until(rep, lambda: rep.status()["buffered"] == 0)
-        assert rep.status()["rejected"] == 1 and len(cp.paths("/register/")) == 3
     finally:
         cp.stop()
 
@@ -337,7 +297,7 @@ def test_a_worker_switched_in_place_keeps_its_new_role_across_crash_restarts(por
     adopts it (spec and restart command rebuilt for decode, the process left running), so a crash restart
     brings it back as decode, not as the spec file's prefill. An observation read before a later restart in
     another role is dropped."""
-    wport = _free_port()
+    wport = free_port()
     path = tmp_path / "fleet.toml"
     path.write_text(
         f'[agent]\nhost_name = "node-a"\nlog_dir = "{tmp_path}"\nheartbeat_interval_s = 0.01\n'

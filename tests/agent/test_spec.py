@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.agent.agent import worker_record
-from engine.agent.spec import SpecError, load_spec, with_role
+from engine.agent.spec import SpecError, load_spec, with_flags, with_role
 from engine.server.args import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -253,3 +254,27 @@ def test_a_cuda_tp_worker_registers_the_gpus_its_ranks_hold_and_a_cpu_one_none(t
     assert worker_record(gpu, info)["devices"] == [0, 1]
     assert worker_record(cpu)["devices"] == []
     assert worker_record(cpu, {"device": "cpu", "tp_size": 2})["devices"] == []
+
+
+def test_a_new_command_line_is_checked_before_a_restart_with_it(tmp_path):
+    """with_flags: the command line a restart_with_flags request names is checked by the engine's parser
+    before the worker is touched; what a restart may not change is refused naming the flag."""
+    text = '[[workers]]\nname = "w0"\nmodel = "smollm2"\nport = 31001\npage_size = 16\nadmin_api_key = "s3"\n'
+    (w0,) = load_spec(write(tmp_path, text), {}).workers
+    record = worker_record(w0)
+    assert record["command_line"] == w0.flags and not any("s3" in f for f in w0.flags)
+    assert record["launch_flags"]["page_size"] == ["--page-size", True]
+    assert record["launch_flags"]["enable_hierarchical_cache"] == ["--enable-hierarchical-cache", False]
+    bigger = with_flags(w0, [f.replace("--page-size=16", "--page-size=32") for f in w0.flags])
+    assert bigger.page_size == 32 and "--page-size=32" in bigger.flags and bigger.env == w0.env
+    refused = {
+        "--pge-size=32": "--pge-size is not a launch flag of KVFleet's engine; did you mean '--page-size'?",
+        "--admin-api-key=x": "--admin-api-key carries a secret",
+        "--port=31002": "--port cannot change by a restart ('31001' -> '31002')",
+        "--disaggregation-mode=prefill": "--disaggregation-mode cannot change by a restart",
+        "--hicache-storage-backend=file": "refused by KVFleet's parser: --hicache-storage-backend needs",
+    }
+    for item, says in refused.items():
+        flags = [f for f in w0.flags if not f.startswith(item.split("=")[0] + "=")] + [item]
+        with pytest.raises(ValueError, match=re.escape(says)):
+            with_flags(w0, flags)

@@ -4,17 +4,11 @@ restarted; stop() ends the whole process group."""
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 
 from engine.agent.supervisor import Managed, Supervisor
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.ports import free_port
 
 
 def _gone(pid: int, timeout: float) -> bool:
@@ -62,7 +56,7 @@ def test_crashing_process_restarts_with_exponential_backoff(tmp_path):
 
 
 def test_running_only_after_health_answers_and_stop_ends_process_group(tmp_path):
-    port = _free_port()
+    port = free_port()
     code = (
         "import http.server, subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
@@ -99,7 +93,7 @@ def test_stable_worker_has_its_crash_count_reset(tmp_path):
 
 
 def test_running_worker_answering_503_is_restarted_after_consecutive_failures(tmp_path, health_server):
-    port, sick = _free_port(), tmp_path / "sick"
+    port, sick = free_port(), tmp_path / "sick"
     worker = Managed(
         "w", health_server(port, sick), f"http://127.0.0.1:{port}/health", str(tmp_path / "w.log")
     )

@@ -31,7 +31,8 @@ def conversations(n: int = 80, seed: int = 3) -> list[TraceRequest]:
 
 
 def test_policies_part_prints_arc_with_the_replays_share(capsys):
-    assert {e for e, _, _ in kv_capacity.POLICIES} == set(EVICTION_POLICIES) - {"priority"}
+    # every engine policy but priority (it needs request priorities), and the offline optimum
+    assert {e for e, _, _ in kv_capacity.POLICIES} == set(EVICTION_POLICIES) - {"priority"} | {"belady"}
     reqs = conversations()
     args = argparse.Namespace(
         policy_l1_tokens=64,

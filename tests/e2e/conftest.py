@@ -15,7 +15,9 @@ sys.path.insert(0, str(REPO / "deploy"))
 def fleet(tmp_path_factory):
     """The fleet with a Redis of its own (nothing answers at the free port it is given, so LocalFleet
     starts one), which a test may SIGKILL without touching the suite's shared Redis."""
-    from localfleet import LocalFleet, free_port
+    from localfleet import LocalFleet
+
+    from engine.ports import free_port
 
     log_dir = tmp_path_factory.mktemp("fleet-logs")
     with pytest.MonkeyPatch.context() as env:

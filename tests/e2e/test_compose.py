@@ -87,13 +87,17 @@ def test_every_redis_kvfleet_starts_persists_its_queue():
     assert " ".join(REDIS_PERSISTENCE) in services and "--appendonly no" not in services
 
 
+# A router's launch spelled as an argv: "-m", "smg" / "smg.launch_router" / "sglang_router.launch_router".
+LAUNCH = re.compile(r"""["']-m["'],\s*["'](smg|smg\.launch_router|sglang_router\.launch_router)["']""")
+
+
 def test_every_router_kvfleet_starts_is_built_by_router_command():
-    """No module spells its own sglang-router command line (compose's is checked above)."""
+    """No module spells its own router command line, smg's or sglang-router's (compose's is checked above)."""
     builder, this = REPO / "engine" / "fleet" / "router.py", Path(__file__).resolve()
     own = [
         str(path.relative_to(REPO))
         for top in ("controlplane", "deploy", "engine", "tests")
         for path in (REPO / top).rglob("*.py")
-        if path not in (builder, this) and "sglang_router.launch_router" in path.read_text()
+        if path not in (builder, this) and LAUNCH.search(path.read_text())
     ]
     assert own == []

@@ -31,12 +31,12 @@ def test_bootstrap_tokens_and_password_never_reach_the_log(tmp_path):
     }
     fleet._run("manage.py", "migrate", "--noinput")
     fleet._bootstrap()
-    admin, agent = fleet.tokens["admin"], fleet.tokens["agent"]
-    assert admin.startswith("cp_") and agent.startswith("cp_")
+    admin, agent, prometheus = fleet.tokens["admin"], fleet.tokens["agent"], fleet.tokens["prometheus"]
+    assert admin.startswith("cp_") and agent.startswith("cp_") and prometheus.startswith("cp_")
     log = fleet.log_of("manage")
     text = Path(log).read_text()
     assert "manage.py bootstrap" in text and "ready" in text
-    for secret in (admin, agent, fleet.admin_password):
+    for secret in (admin, agent, prometheus, fleet.admin_password):
         assert secret not in text
     assert _mode(log) == 0o600
     assert not fleet.secrets_dir.exists()  # the tokens file was read and removed

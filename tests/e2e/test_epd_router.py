@@ -1,5 +1,5 @@
 """EPD end to end: two encoder workers (``--encoder-only``), a language-only prefill worker fetching image
-embeddings from them (``zmq_to_scheduler``), a decode worker and the real sglang-router in PD mode (KV over
+embeddings from them (``zmq_to_scheduler``), a decode worker and the real router (smg) in PD mode (KV over
 Mooncake's TransferEngine, TCP), against an aggregated worker of the same tiny random LLaVA.
 
 One module-scoped fleet; the encoder-failure test kills an encoder, so it runs last.
@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.fleet.mooncake_master import MooncakeMaster
 from engine.fleet.router import RouterProcess
+from engine.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from vlm_testlib import IMAGE_TOKEN, png, save_tiny_llava  # noqa: E402
@@ -96,7 +97,15 @@ def test_epd_through_router_equals_aggregated(epd_fleet, n_images):
 
 def test_openai_chat_with_an_image_through_router_equals_aggregated(epd_fleet):
     content = [{"type": "text", "text": "look: "}, {"type": "image_url", "image_url": {"url": _url(png(77))}}]
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0}
+    model = httpx.get(f"{epd_fleet['router']}/v1/models", timeout=10).json()["data"][0][
+        "id"
+    ]  # smg routes by it
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
     want = httpx.post(f"{epd_fleet['agg'].url}/v1/chat/completions", json=body, timeout=120)
     got = httpx.post(f"{epd_fleet['router']}/v1/chat/completions", json=body, timeout=120)
     assert got.status_code == 200, got.text

@@ -5,7 +5,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from localfleet import LocalFleet, bootstrap_port, free_port, redis_answers
+from localfleet import LocalFleet, bootstrap_port, redis_answers
+
+from engine.ports import free_port
 
 
 @pytest.mark.skipif(

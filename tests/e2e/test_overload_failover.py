@@ -1,4 +1,4 @@
-"""Overload and a killed worker, against real SmolLM2 workers behind the real sglang-router (0.3.2) started
+"""Overload and a killed worker, against real SmolLM2 workers behind the real router (smg 1.13.0) started
 with KVFleet's ROUTER_FLAGS (issue 15's soak: 1504 of 1625 requests failed).
 
 - A worker with ``--max-queued-requests`` refuses a request arriving while that many wait with upstream's
@@ -19,8 +19,9 @@ import time
 import httpx
 import pytest
 
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.fleet.router import router_command, worker_args
+from engine.ports import free_port
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--model-path", "smollm2", "--max-total-tokens", "1024", "--max-running-requests", "1",
@@ -130,8 +131,11 @@ def test_a_request_routed_to_a_killed_worker_is_answered_by_the_live_one(workers
         ]  # cache-aware routing sends each to the dead owner first
         assert [a.status_code for a in answers] == [200] * 4, [a.text[:200] for a in answers]
         assert all(a.json()["meta_info"]["completion_tokens"] == 2 for a in answers)
-        health = {w["url"]: w["is_healthy"] for w in listed()}
-        assert health == {owner.url: False, live.url: True}  # the health checks took the dead worker out
+        # the router's health checks take the dead worker out (after their failure threshold: polled)
+        _poll(
+            "the router to mark the killed worker unhealthy",
+            lambda: {w["url"]: w["is_healthy"] for w in listed()} == {owner.url: False, live.url: True},
+        )
     finally:
         router.terminate()
         router.wait(timeout=20)

@@ -1,4 +1,4 @@
-"""A PD request whose decode side fails ends within seconds, behind the real sglang-router: SmolLM2 prefill
+"""A PD request whose decode side fails ends within seconds, behind the real router (smg): SmolLM2 prefill
 (P) and decode workers (D1, D2, whose pools are smaller than P's) over Mooncake's TransferEngine (TCP).
 
 D1 refuses a prompt it cannot hold, then is killed with SIGKILL while a request's KV is on its way; D2 is
@@ -14,8 +14,9 @@ import time
 import httpx
 import pytest
 
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess
+from engine.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""PD end to end: SmolLM2 prefill (P) and decode (D) workers behind the real sglang-router in PD mode, KV
+"""PD end to end: SmolLM2 prefill (P) and decode (D) workers behind the real router (smg) in PD mode, KV
 moved over Mooncake's TransferEngine (TCP), against an aggregated worker with the same flags.
 
 One module-scoped fleet (aggregated A, P1, D, router R1) serves every test; the 2P1D test adds P2 and a second
@@ -16,9 +16,10 @@ import time
 import httpx
 import pytest
 
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.bench.pd_peer import PeerProcess
 from engine.fleet.router import RouterProcess
+from engine.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -226,8 +227,8 @@ def test_logprobs_through_router_equal_aggregated(pd_fleet):
                                                          "sampling_seed": 5}}  # fmt: skip
     outs = [httpx.post(f"{u}/generate", json=seeded, timeout=120).json()["output_ids"] for u in (agg, router)]
     assert outs[0] == outs[1]  # P's generator state moves to D with the KV
-    body = {"messages": [{"role": "user", "content": _text(41, 20)}], "max_tokens": 6, "temperature": 0,
-            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": _text(41, 20)}], "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}  # fmt: skip
     chat = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json() for url in (agg, router)]
     a, b = (c["choices"][0]["logprobs"]["content"] for c in chat)
     assert [x["token"] for x in a] == [x["token"] for x in b] and len(a) == 6
@@ -256,6 +257,7 @@ def test_constrained_output_through_router_matches_its_grammar_and_aggregated(pd
         assert got.status_code == 200, got.text
         assert check(got.json()["text"]) and got.json()["output_ids"] == want["output_ids"]
     chat = {
+        "model": "smollm2",
         "messages": [{"role": "user", "content": "Name a city as JSON."}],
         "max_tokens": 40,
         "temperature": 0,

@@ -1,8 +1,9 @@
-"""One client's bad requests must not become everyone's outage: the real sglang-router (0.3.2) in front of a
-real SmolLM2 worker. Sixty prompts longer than the context are each a 400 from the worker; with the router's
-defaults they open its circuit breaker (other clients then get 503 "all circuits open"); with KVFleet's
-ROUTER_FLAGS (what the demo and compose start) every other client is still served. The control plane reads
-the breaker state from the router's Prometheus endpoint, as the console shows it."""
+"""One client's bad requests must not become everyone's outage: a real router in front of a real SmolLM2
+worker. Sixty prompts longer than the context are each a 400 from the worker. With sglang-router 0.3.2's
+defaults they open its circuit breaker (other clients then get 503 "all circuits open"); smg 1.13.0 counts a
+4xx as a success, so its breaker stays closed even with its defaults; with KVFleet's ROUTER_FLAGS (what the
+demo and compose start) every other client is still served by both. The control plane reads the breaker
+state from the router's Prometheus endpoint (both export ``smg_worker_cb_state``), as the console shows it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pytest
 
 from controlplane.inventory.models import Router
 from controlplane.inventory.selectors import router_breakers
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.fleet.router import ROUTER_FLAGS, router_command, worker_args
+from engine.ports import free_port
 
 pytestmark = pytest.mark.slow
 CONTEXT = 128
@@ -31,9 +33,9 @@ def worker():
         yield server
 
 
-def _router(worker_url: str, flags: tuple[str, ...]):
+def _router(worker_url: str, flags: tuple[str, ...], kind: str):
     port, prometheus_port = free_port(), free_port()
-    argv = router_command(worker_args([worker_url]), port, prometheus_port, flags=flags)
+    argv = router_command(worker_args([worker_url]), port, prometheus_port, flags=flags, kind=kind)
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -66,12 +68,19 @@ def _flood_then_serve(router_url: str) -> tuple[list[int], int]:
 
 
 @pytest.mark.parametrize(
-    ("flags", "served", "breaker"),
-    [((), 503, "open"), (ROUTER_FLAGS, 200, "closed")],
-    ids=["router-defaults", "kvfleet-flags"],
+    ("kind", "flags", "served", "breaker"),
+    [
+        ("smg", (), 200, "closed"),
+        ("smg", ROUTER_FLAGS, 200, "closed"),
+        ("sglang-router", (), 503, "open"),
+        ("sglang-router", ROUTER_FLAGS, 200, "closed"),
+    ],
+    ids=["smg-defaults", "smg-kvfleet-flags", "sglang-router-defaults", "sglang-router-kvfleet-flags"],
 )
-def test_client_errors_do_not_open_the_routers_breaker(worker, flags, served, breaker):
-    proc, url, record = _router(worker.url, flags)
+def test_client_errors_do_not_open_the_routers_breaker(worker, kind, flags, served, breaker, request):
+    if kind == "sglang-router":
+        request.getfixturevalue("sglang_router_env")
+    proc, url, record = _router(worker.url, flags, kind)
     try:
         codes, good = _flood_then_serve(url)
         assert set(codes) <= {400, 503} and codes.count(400) >= 10  # the worker refused each over-long prompt

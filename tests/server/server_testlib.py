@@ -11,7 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
-from engine.bench.launcher import free_port
+from engine.ports import free_port
 from engine.scheduler import Req, SamplingParams
 from engine.server.app import create_app
 

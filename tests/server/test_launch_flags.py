@@ -104,3 +104,19 @@ def test_the_upstream_lists_name_no_real_flag_and_point_only_at_real_ones():
     real = {option for action in build_parser()._actions for option in action.option_strings}
     assert not real & (set(UNSUPPORTED) | set(NOT_YET) | set(MISTAKEN))
     assert {target for targets in MISTAKEN.values() for target in targets} <= real
+
+
+def test_expert_parallelism_above_one_is_refused_naming_why():
+    assert parse_args(["--model-path", "m", "--ep-size", "1"]).ep_size == 1
+    with pytest.raises(
+        ArgumentError, match=r"^--ep-size 2: expert parallelism is not built.*split by --tp-size"
+    ):
+        parse_args(["--model-path", "m", "--expert-parallel-size", "2"])
+
+
+@pytest.mark.parametrize("flags", [["--dp-size", "2"], ["--enable-dp-attention"]])
+def test_data_parallel_attention_is_refused_naming_what_a_worker_has_instead(flags):
+    with pytest.raises(ArgumentError) as exc:
+        parse_args(["--model-path", "m", *flags])
+    assert str(exc.value).startswith(f"{flags[0]} is not supported by KVFleet yet (data-parallel attention")
+    assert "one radix tree" in str(exc.value) and "behind the router" in str(exc.value)

@@ -68,8 +68,9 @@ def test_an_embedding_written_by_one_encoder_is_read_by_another(monkeypatch):
 
 
 def test_a_stopped_master_costs_misses_and_one_failed_write_then_is_skipped(monkeypatch):
-    """Mooncake's client answers a lookup at once with nothing once its master is gone (a miss); the first
-    write fails (counted) and puts the cache in its back-off, where writes are dropped unsent."""
+    """Once its master is gone Mooncake's client answers a lookup with nothing (a miss) and the first write
+    fails, or, on a loaded machine, the first lookup misses its timeout: either way exactly one failure is
+    counted and puts the cache in its back-off, where writes are dropped unsent and lookups skip the store."""
     with MooncakeMaster() as master:
         _env(monkeypatch, master)
         cache, _ = MMGlobalCache.connect("tower-a")
@@ -78,12 +79,16 @@ def test_a_stopped_master_costs_misses_and_one_failed_write_then_is_skipped(monk
         master.kill()
         start = time.monotonic()
         assert cache.get("img") is None and cache.get("img-2") is None
-        assert time.monotonic() - start < mm_global_cache.GET_TIMEOUT_S
+        # bounded by the timeout, not waiting for the master (margin for a loaded 2-core machine)
+        assert time.monotonic() - start < mm_global_cache.GET_TIMEOUT_S + 5.0
         assert (cache.hits, cache.misses) == (0, 2)
-        cache.put("img-3", torch.ones(3))
-        assert cache.flush(60.0) and (cache.writes, cache.errors) == (1, 1)
-        cache.put("img-4", torch.ones(3))
-        assert cache.dropped_writes == 1 and cache.flush(0.1)
+        if cache.errors == 0:  # the client answered both lookups with nothing: the first write fails
+            cache.put("img-3", torch.ones(3))
+            assert cache.flush(60.0) and cache.writes == 1
+        # else a loaded machine made the first lookup miss its timeout: that was the one failure
+        assert cache.errors == 1 and cache.dropped_writes == 0
+        cache.put("img-4", torch.ones(3))  # in the back-off: dropped unsent
+        assert cache.dropped_writes == 1 and cache.flush(0.1) and cache.writes == 1
         assert cache.get("img") is None and cache.misses == 3  # skipped: no call to the store
         cache.close()
         mooncake_clients.close_client(cache._store, timeout=0.5)

@@ -1,8 +1,9 @@
 """``cache_salt`` over HTTP on one worker with a file L3: requests with different salts share no cached KV in
 any tier (L1, L2, and L3 after a flush of L1/L2) and still produce the same greedy output; the same salt
 gets the hits; both OpenAI routes carry the salt; a bad salt is a 400 naming the field, not echoing it.
-Through a real sglang-router: /generate's ``extra_key`` and /v1/completions' ``cache_salt`` keep salts apart,
-while the router drops ``cache_salt`` on /generate and chat."""
+Through a real router: smg 1.13.0 carries ``cache_salt`` on /generate, /v1/completions and chat (salts stay
+apart) and its answers are the worker's own; sglang-router 0.3.2 drops it on /generate and chat (salts
+share cache, the request succeeds) and keeps /generate's ``extra_key``, as engine/fleet/identity.py says."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 from server_testlib import ThreadedServer, wait_idle
 
+from engine.fleet.identity import SALT_ROUTES, identify_router
 from engine.fleet.router import RouterProcess, worker_args
 from engine.server.args import parse_args
 from engine.server.builder import build_engine
@@ -114,34 +116,38 @@ def test_bad_salt_is_a_400_naming_the_field(worker, salt):
     assert not isinstance(salt, str) or not salt or salt not in resp.text  # a secret: never echoed
 
 
-@pytest.fixture(scope="module")
-def router(worker):
-    """The real sglang-router (KVFleet's flags) in front of the worker: it rebuilds every body from its own
-    request types, so which salt field arrives depends on the route."""
+@pytest.fixture(scope="module", params=["smg", "sglang-router"])
+def router(worker, request):
+    """(kind, client) of a real router (KVFleet's flags) in front of the worker: smg 1.13.0, the project's,
+    and sglang-router 0.3.2 from its own venv (built on first use by scripts/sglang_router_env.sh, cached).
+    Which salt field arrives depends on the router and the route: engine/fleet/identity.py says which, and
+    these tests hold it to what the routers do."""
+    if request.param == "sglang-router":
+        request.getfixturevalue("sglang_router_env")
     _, client = worker
     url = str(client.base_url).rstrip("/")
     with (
-        RouterProcess(worker_args([url]), min_workers=1) as proc,
+        RouterProcess(worker_args([url]), min_workers=1, kind=request.param) as proc,
         httpx.Client(base_url=proc.url, timeout=120) as routed,
     ):
-        yield routed
+        yield request.param, routed
+
+
+def _body(client, route: str, text: str, max_tokens: int = 2) -> dict:
+    if route == "/generate":
+        return {"text": text, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+    model = client.get("/v1/models").json()["data"][0]["id"]  # the router requires it
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
+    key = "prompt" if route == "/v1/completions" else "messages"
+    body[key] = text if route == "/v1/completions" else [{"role": "user", "content": text}]
+    return body
 
 
 def _routed(client, route: str, tag: str, salt_field: str, salt: str) -> int:
     """Cached prompt tokens of one request through the router carrying ``salt`` in ``salt_field``; the prompt
     is a text (the router takes no token ids on the OpenAI routes) that starts with ``tag``."""
     text = f"{tag}: " + "a lazy dog jumps over the quick fox " * 24
-    if route == "/generate":
-        body: dict = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-    else:
-        model = client.get("/v1/models").json()["data"][0]["id"]  # the router requires it
-        body = {"model": model, "max_tokens": 2, "temperature": 0}
-        body.update(
-            {"prompt": text}
-            if route == "/v1/completions"
-            else {"messages": [{"role": "user", "content": text}]}
-        )
-    resp = client.post(route, json={**body, salt_field: salt})
+    resp = client.post(route, json={**_body(client, route, text), salt_field: salt})
     assert resp.status_code == 200, resp.text
     out = resp.json()
     if route == "/generate":
@@ -149,21 +155,50 @@ def _routed(client, route: str, tag: str, salt_field: str, salt: str) -> int:
     return out["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-@pytest.mark.parametrize(("route", "field"), [("/generate", "extra_key"), ("/v1/completions", "cache_salt")])
-def test_through_the_router_the_fields_it_forwards_keep_salts_apart(router, route, field):
-    tag, salt = f"kept {route} {field}", f"routed-{route}-{field}"
-    assert _routed(router, route, tag, field, salt) == 0
-    assert _routed(router, route, tag, field, salt + "-other") == 0
-    assert _routed(router, route, tag, field, salt) > 0
+def test_the_router_is_identified_with_its_kind_and_version(router):
+    kind, client = router
+    ident = identify_router(client.get("/get_loads").json())
+    assert ident.kind == kind
+    assert ident.version == ("1.13.0" if kind == "smg" else "")  # 0.3.2 does not report its version
 
 
-@pytest.mark.parametrize("route", ["/generate", "/v1/chat/completions"])
-def test_the_router_drops_cache_salt_on_generate_and_chat(router, route):
-    # sglang-router 0.3.2: the salt never reaches the worker, so a second salt reuses the first one's
-    # pages. docs/operations.md says so; when a router release forwards it, this fails and the docs change.
-    tag = f"dropped {route}"
-    assert _routed(router, route, tag, "cache_salt", f"dropped-{route}") == 0
-    assert _routed(router, route, tag, "cache_salt", f"dropped-{route}-other") > 0
+@pytest.mark.parametrize("route", SALT_ROUTES)
+def test_cache_salt_through_the_router_does_what_its_identity_says(router, route):
+    """Salts apart where engine/fleet/identity.py says the router carries ``cache_salt`` (smg: every route),
+    shared where it says the router drops it (0.3.2: /generate and chat; the request still succeeds)."""
+    kind, client = router
+    carried = identify_router(client.get("/get_loads").json()).salt_routes[route]
+    assert carried is (True if kind == "smg" else route == "/v1/completions")
+    tag, salt = f"{kind} {route}", f"routed-{kind}-{route}"
+    assert _routed(client, route, tag, "cache_salt", salt) == 0
+    other = _routed(client, route, tag, "cache_salt", salt + "-other")
+    assert (other == 0) if carried else (other > 0)
+    assert _routed(client, route, tag, "cache_salt", salt) > 0
+
+
+def test_extra_key_on_generate_keeps_salts_apart_through_the_router(router):
+    kind, client = router
+    tag, salt = f"{kind} extra_key", f"routed-{kind}-extra-key"
+    assert _routed(client, "/generate", tag, "extra_key", salt) == 0
+    assert _routed(client, "/generate", tag, "extra_key", salt + "-other") == 0
+    assert _routed(client, "/generate", tag, "extra_key", salt) > 0
+
+
+@pytest.mark.parametrize("route", SALT_ROUTES)
+def test_outputs_through_the_router_equal_the_workers_own(worker, router, route):
+    """Greedy answers through the router are the worker's, byte for byte (text and, on /generate, ids)."""
+    _, direct = worker
+    kind, client = router
+    text = f"{kind} {route} identical: " + "the quick brown fox " * 10
+    body = _body(client, route, text, max_tokens=12)
+    a, b = direct.post(route, json=body), client.post(route, json=body)
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    if route == "/generate":
+        assert (a.json()["text"], a.json()["output_ids"]) == (b.json()["text"], b.json()["output_ids"])
+    elif route == "/v1/completions":
+        assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    else:
+        assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
 
 
 def test_extra_key_on_generate_is_a_salt_and_must_agree_with_cache_salt(worker):
@@ -177,11 +212,13 @@ def test_extra_key_on_generate_is_a_salt_and_must_agree_with_cache_salt(worker):
     assert client.post("/generate", json={**body, "extra_key": "k", "cache_salt": "k"}).status_code == 200
 
 
-def test_through_the_router_a_bad_salt_is_a_400_only_where_the_salt_arrives(router):
-    model = router.get("/v1/models").json()["data"][0]["id"]
-    resp = router.post(
+def test_through_the_router_a_bad_salt_is_a_400_where_the_salt_arrives(router):
+    kind, client = router
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    resp = client.post(
         "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1, "cache_salt": 5}
     )
     assert resp.status_code == 400 and "cache_salt" in resp.text
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "cache_salt": 5}
-    assert router.post("/v1/chat/completions", json=chat).status_code == 200  # dropped: fails open
+    # smg passes the salt on, so the worker refuses it; 0.3.2 drops it, so the request fails open.
+    assert client.post("/v1/chat/completions", json=chat).status_code == (400 if kind == "smg" else 200)

@@ -1,5 +1,5 @@
-"""End to end with real processes: start-up errors, the openai SDK against SmolLM2, and the real sglang-router
-(PyPI) with the cache_aware policy in front of two workers."""
+"""End to end with real processes: start-up errors, the openai SDK against SmolLM2, and the real router (smg,
+PyPI) with the cache_aware policy in front of two workers."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _requests_served(url: str) -> float:
     raise AssertionError("sglang:num_requests_total missing")
 
 
-def test_sglang_router_cache_aware_routes_to_two_workers(tiny_model_dir):
+def test_the_router_cache_aware_routes_to_two_workers(tiny_model_dir):
     flags = ["--model-path", str(tiny_model_dir), "--enable-hierarchical-cache", "--page-size", "16",
              "--enable-metrics"]  # fmt: skip
     with ServerProcess(flags) as w1, ServerProcess(flags) as w2:
@@ -102,10 +102,14 @@ def test_sglang_router_cache_aware_routes_to_two_workers(tiny_model_dir):
                 )
                 assert routed.status_code == 200, routed.text
                 assert routed.json()["output_ids"] == exp["output_ids"]
-            comp = httpx.post(f"{router_url}/v1/completions", json={"model": "x", **comp_body}, timeout=60)
+            model = httpx.get(f"{router_url}/v1/models", timeout=10).json()["data"][0][
+                "id"
+            ]  # smg routes by it
+            comp = httpx.post(f"{router_url}/v1/completions", json={"model": model, **comp_body}, timeout=60)
             assert comp.status_code == 200, comp.text
             assert comp.json()["choices"][0]["text"] == comp_expected
-            chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+            chat_body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                         "temperature": 0}  # fmt: skip
             chat = httpx.post(f"{router_url}/v1/chat/completions", json=chat_body, timeout=60)
             assert chat.status_code == 200, chat.text
             assert chat.json()["choices"][0]["message"]["role"] == "assistant"

@@ -109,6 +109,11 @@ def test_server_info_model_info_and_health(serve, tiny_model_dir):
     _, client = serve("--page-size", "16", "--max-total-tokens", "2048", "--enable-hierarchical-cache")
     assert client.get("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200
+    # the health probe's request ends in the scheduler's next published snapshot (later on a loaded machine)
+    deadline = time.monotonic() + 30
+    while not client.get("/server_info").json()["is_idle"]:
+        assert time.monotonic() < deadline, "not idle 30 s after /health_generate answered"
+        time.sleep(0.05)
     for path in ("/server_info", "/get_server_info"):
         info = client.get(path).json()
         assert info["model_path"] == str(tiny_model_dir)

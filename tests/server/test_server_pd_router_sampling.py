@@ -1,4 +1,4 @@
-"""Sampling and log-probability features through the real sglang-router in PD mode, against an
+"""Sampling and log-probability features through the real router (smg) in PD mode, against an
 aggregated worker with the same weights: a P and a D worker on the tiny model (``fake`` transport, in this
 process) behind the router, one module-scoped fleet. P computes the prompt's log-probabilities and the first
 token's and sends them with the KV; D reports the rest (``input_token_logprobs`` empty on ``/generate``: the
@@ -36,7 +36,9 @@ def fleet(tiny_model_dir):
         with ThreadedServer(p) as ps, ThreadedServer(d) as ds, ThreadedServer(agg) as ags:
             workers = ["--pd-disaggregation", "--prefill", ps.url, str(p.args.disaggregation_bootstrap_port)]
             with RouterProcess([*workers, "--decode", ds.url]) as router:
-                yield {"router": router.url, "agg": ags.url, "p": p, "d": d}
+                # smg routes the OpenAI routes by model: the name the workers serve
+                model = httpx.get(f"{router.url}/v1/models", timeout=10).json()["data"][0]["id"]
+                yield {"router": router.url, "agg": ags.url, "p": p, "d": d, "model": model}
     finally:
         for engine in (p, d, agg):
             engine.scheduler.stop()
@@ -91,8 +93,22 @@ def test_generate_prompt_logprobs_through_the_router_equal_aggregated(fleet, sta
 def test_completions_echo_logprobs_through_the_router_equal_aggregated(fleet):
     """What lm-evaluation-harness sends for a loglikelihood item, and the same with generated tokens."""
     for body in (
-        {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0},
-        {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "echo": True, "logprobs": 3, "temperature": 0},
+        {
+            "model": fleet["model"],
+            "prompt": PROMPT,
+            "max_tokens": 1,
+            "echo": True,
+            "logprobs": 1,
+            "temperature": 0,
+        },
+        {
+            "model": fleet["model"],
+            "prompt": PROMPT,
+            "max_tokens": 4,
+            "echo": True,
+            "logprobs": 3,
+            "temperature": 0,
+        },
     ):
         want = _post(fleet["agg"], "/v1/completions", body)["choices"][0]
         got = _post(fleet["router"], "/v1/completions", body)["choices"][0]
@@ -111,8 +127,8 @@ def test_completions_echo_logprobs_through_the_router_equal_aggregated(fleet):
 
 
 def test_chat_n_2_through_the_router_equals_aggregated(fleet):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5, "n": 2,
-            "temperature": 0.8, "seed": 11}  # fmt: skip
+    body = {"model": fleet["model"], "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5,
+            "n": 2, "temperature": 0.8, "seed": 11}  # fmt: skip
     want = _post(fleet["agg"], "/v1/chat/completions", body)["choices"]
     got = _post(fleet["router"], "/v1/chat/completions", body)["choices"]
     assert [c["index"] for c in got] == [0, 1]
@@ -132,7 +148,7 @@ def test_seeded_sampling_through_the_router_equals_aggregated(fleet):
         ]
     )
     assert _post(fleet["router"], "/generate", body)["output_ids"] == want
-    comp = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 99}
+    comp = {"model": fleet["model"], "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 99}
     want_text = _post(fleet["agg"], "/v1/completions", comp)["choices"][0]["text"]
     assert _post(fleet["router"], "/v1/completions", comp)["choices"][0]["text"] == want_text
     _idle(fleet)

@@ -1,6 +1,6 @@
 """A dead scheduler leaves no zombie worker: queued and later requests fail at once with 503, commands raise,
 and the launched process exits non-zero (3) with the cause logged. The crash is injected (a fault in
-``Scheduler._enqueue`` for one request id) because no real input crashes the scheduler any more."""
+``Scheduler.enqueue`` for one request id) because no real input crashes the scheduler any more."""
 
 from __future__ import annotations
 
@@ -13,28 +13,28 @@ import time
 import httpx
 import pytest
 
-from engine.bench.launcher import free_port
+from engine.ports import free_port
 from engine.scheduler import Req, SamplingParams
 
 CRASH_RID = "inject-scheduler-fault"
 
 
-def _inject_enqueue_fault(sched) -> None:
-    real = sched._enqueue
+def _injectenqueue_fault(sched) -> None:
+    real = sched.enqueue
 
     def enqueue(req):
         if req.rid == CRASH_RID:
             raise RuntimeError("injected scheduler fault")
         real(req)
 
-    sched._enqueue = enqueue
+    sched.enqueue = enqueue
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected crash
 def test_requests_queued_behind_a_crash_and_after_it_fail_with_503(serve):
     server, client = serve()
     sched = server.engine.scheduler
-    _inject_enqueue_fault(sched)
+    _injectenqueue_fault(sched)
     events: queue.Queue = queue.Queue()
     gate = threading.Event()
     sched.call(lambda s: gate.wait(30))  # hold the loop so both land in the inbox together
@@ -64,12 +64,12 @@ _WORKER = f"""
 import sys
 from engine import launch_server
 from engine.scheduler import scheduler as s
-real = s.Scheduler._enqueue
+real = s.Scheduler.enqueue
 def enqueue(self, req):  # injected fault
     if req.rid == {CRASH_RID!r}:
         raise RuntimeError("injected scheduler fault")
     real(self, req)
-s.Scheduler._enqueue = enqueue
+s.Scheduler.enqueue = enqueue
 sys.exit(launch_server.main())
 """
 

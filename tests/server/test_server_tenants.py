@@ -1,4 +1,5 @@
-"""Tenants by API key (``--tenant-keys-file``) over HTTP, directly and through a real sglang-router: each
+"""Tenants by API key (``--tenant-keys-file``) over HTTP, directly and through each real router (smg, and
+sglang-router 0.3.2 from its own venv: both pass ``Authorization`` on): each
 tenant's requests get their own cache key space (another tenant's identical prompt gets 0 cached tokens and
 the same output), keys of one tenant or of tenants given one ``cache_group`` share, ``max_requests`` is a
 429 naming the tenant, per-tenant hit metrics carry a digest label, and no key or salt leaves the worker."""
@@ -17,8 +18,8 @@ import openai
 import pytest
 from server_testlib import ThreadedServer
 
-from engine.bench.launcher import free_port
 from engine.fleet.router import router_command, worker_args
+from engine.ports import free_port
 from engine.server.args import ArgumentError, parse_args
 from engine.server.builder import build_engine
 from engine.server.tenants import tenant_salt
@@ -185,18 +186,21 @@ def test_tenant_keys_file_errors_name_the_flag_and_never_a_key(tiny_model_dir, t
         assert expected in str(err.value) and "sk-" not in str(err.value)
 
 
-def test_through_the_sglang_router_each_key_keeps_its_tenants_cache(worker):
+@pytest.mark.parametrize("kind", ["smg", "sglang-router"])
+def test_through_the_router_each_key_keeps_its_tenants_cache(worker, kind, request):
+    if kind == "sglang-router":
+        request.getfixturevalue("sglang_router_env")
     _, url = worker
     port = free_port()
     router_url = f"http://127.0.0.1:{port}"
     router = subprocess.Popen(
-        router_command(worker_args([url]), port, free_port()),
+        router_command(worker_args([url]), port, free_port(), kind=kind),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
         _wait_router(router_url)
-        prompt = [23] * 30 + PROMPT[:130]  # shares no page with the other tests
+        prompt = [23 if kind == "smg" else 29] * 30 + PROMPT[:130]  # shares no page with the other tests
         aligned = (len(prompt) - 1) // PAGE * PAGE
         cold, hit = _generate(router_url, "sk-globex-7a8b", prompt)
         assert hit == 0

@@ -1,4 +1,4 @@
-"""PD disaggregation with tensor-parallel workers, behind the real sglang-router in ``--pd-disaggregation``
+"""PD disaggregation with tensor-parallel workers, behind the real router (smg) in ``--pd-disaggregation``
 mode: every rank of the prefill moves its own KV heads to the decode rank that holds them (Mooncake's
 TransferEngine over TCP), and the greedy output equals an aggregated tp-1 worker's token for token; with
 equal tp rank r sends whole pages to rank r, with different tp each decode rank gets its heads from the
@@ -20,8 +20,9 @@ import httpx
 import pytest
 from server_testlib import model_testlib
 
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess
+from engine.ports import free_port
 
 pytestmark = pytest.mark.slow
 
