@@ -5,8 +5,8 @@ CSRF_TRUSTED_ORIGINS (comma list), DATABASE_URL (default SQLite under var/), RED
 redis://127.0.0.1:6379/0), HTTPS (0/1; default the inverse of DEBUG: SSL redirect, secure cookies and HSTS),
 FIELD_ENCRYPTION_KEY (Fernet key for worker admin keys; default derived from SECRET_KEY), TOKEN_PEPPER (HMAC
 key of API token digests; default from SECRET_KEY), CELERY_QUEUE, REDIS_KEY_PREFIX,
-TELEMETRY_SCRAPE_INTERVAL_S, DB_POOL_MIN_SIZE / DB_POOL_MAX_SIZE / DB_POOL_TIMEOUT_S (PostgreSQL connection
-pool per process), INGEST_WORKER_CACHE_S, HEARTBEAT_DB_REFRESH_S.
+PROMETHEUS_URL, PROMETHEUS_TIMEOUT_S, TELEMETRY_PUBLISH_INTERVAL_S, DB_POOL_MIN_SIZE / DB_POOL_MAX_SIZE /
+DB_POOL_TIMEOUT_S (PostgreSQL connection pool per process), HEARTBEAT_DB_REFRESH_S.
 """
 
 import math
@@ -70,6 +70,7 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "controlplane.core.middleware.RequestContextMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    "controlplane.core.middleware.ApiSlashMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
@@ -187,17 +188,28 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-TELEMETRY_SCRAPE_INTERVAL_S = float(os.environ.get("TELEMETRY_SCRAPE_INTERVAL_S", "5"))
-# Agent traffic and the database: a metrics sample reads no row (a worker's id and host are cached per process
-# this long), a heartbeat writes only what changed, and refreshes a host's or worker's last_seen only once
-# the stored one is this old (the live time is the heartbeat itself; an offline worker is written at once).
-INGEST_WORKER_CACHE_S = float(os.environ.get("INGEST_WORKER_CACHE_S", "30"))
+# The Prometheus-compatible TSDB the console reads fleet metrics from (PromQL): the embedded one started by
+# make demo / docker-compose.yml, or an operator's own (docs/deployment.md, "Metrics"). Queries time out after
+# PROMETHEUS_TIMEOUT_S; the fleet summary and the open worker pages' views are queried once per
+# TELEMETRY_PUBLISH_INTERVAL_S and pushed.
+PROMETHEUS_URL = os.environ.get("PROMETHEUS_URL", "http://127.0.0.1:9090")
+PROMETHEUS_TIMEOUT_S = float(os.environ.get("PROMETHEUS_TIMEOUT_S", "3"))
+TELEMETRY_PUBLISH_INTERVAL_S = float(os.environ.get("TELEMETRY_PUBLISH_INTERVAL_S", "5"))
+# Agent traffic and the database: a heartbeat writes only what changed, and refreshes a host's or worker's
+# last_seen only once the stored one is this old (the live time is the heartbeat itself; an offline worker is
+# written at once).
 HEARTBEAT_DB_REFRESH_S = float(os.environ.get("HEARTBEAT_DB_REFRESH_S", "30"))
 PLANNER_INTERVAL_S = float(os.environ.get("PLANNER_INTERVAL_S", "15"))  # P:D planner evaluations
 # PD routers' worker lists and workers' roles brought back to the inventory (rebalance/services/reconcile.py)
 RECONCILE_INTERVAL_S = float(os.environ.get("RECONCILE_INTERVAL_S", "15"))
 CELERY_BEAT_SCHEDULE = {
-    "telemetry-scrape": {"task": "telemetry.scrape_all", "schedule": TELEMETRY_SCRAPE_INTERVAL_S},
+    "telemetry-publish-fleet": {"task": "telemetry.publish_fleet", "schedule": TELEMETRY_PUBLISH_INTERVAL_S},
+    "telemetry-audit-storage": {"task": "telemetry.audit_storage", "schedule": TELEMETRY_PUBLISH_INTERVAL_S},
+    "telemetry-publish-workers": {
+        "task": "telemetry.publish_workers",
+        "schedule": TELEMETRY_PUBLISH_INTERVAL_S,
+    },
+    "telemetry-publish-pools": {"task": "telemetry.publish_pools", "schedule": TELEMETRY_PUBLISH_INTERVAL_S},
     "operations-reap": {"task": "operations.reap_stuck_targets", "schedule": 10.0},
     "operations-purge-idempotency": {"task": "operations.purge_idempotency_records", "schedule": 3600.0},
     "rebalance-plan": {"task": "rebalance.plan_all", "schedule": PLANNER_INTERVAL_S},
@@ -220,6 +232,9 @@ CHANNEL_LAYERS = {
 OPERATION_IDLE_TIMEOUT_S = float(os.environ.get("OPERATION_IDLE_TIMEOUT_S", "120"))
 OPERATION_POLL_INTERVAL_S = float(os.environ.get("OPERATION_POLL_INTERVAL_S", "0.5"))
 OPERATION_APPLY_TIMEOUT_S = float(os.environ.get("OPERATION_APPLY_TIMEOUT_S", "60"))
+# restart_with_flags: how long a target waits for its agent to restart the worker with the flags asked and
+# for it to answer /health with them (an upstream SGLang worker takes about 100 s to start on a CPU).
+OPERATION_RESTART_TIMEOUT_S = float(os.environ.get("OPERATION_RESTART_TIMEOUT_S", "600"))
 # Rebalances (P:D role switches): defaults for a POST that leaves them out, the canary's HTTP timeout, and
 # how long past the soak a re-added worker may take to show healthy in the router's list.
 REBALANCE_SOAK_S = float(os.environ.get("REBALANCE_SOAK_S", "30"))

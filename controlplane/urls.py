@@ -1,19 +1,14 @@
-"""URL map: /api/v1/ (REST), /api/schema/ (OpenAPI) + /api/docs/ (Swagger UI), /admin/, /healthz, console."""
+"""URL map: /api/v1/ (REST), /api/schema/ (OpenAPI) + /api/docs/ (Swagger UI), /admin/, /healthz (liveness),
+/readyz (readiness: database and Redis), console."""
 
 from django.contrib import admin
-from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from controlplane.capacity.api.urls import agent_urlpatterns as capacity_agent
+from controlplane.core.health import healthz, readyz
 from controlplane.inventory.api.urls import agent_urlpatterns as inventory_agent
 from controlplane.rebalance.api.recommendation import RecommendationApi
-from controlplane.telemetry.api.urls import agent_urlpatterns as telemetry_agent
-
-
-def healthz(request):
-    return JsonResponse({"status": "ok"})
-
 
 api_v1 = [
     path("accounts/", include("controlplane.accounts.api.urls")),
@@ -29,7 +24,7 @@ api_v1 = [
     path("telemetry/", include("controlplane.telemetry.api.urls")),
     path("capacity/", include("controlplane.capacity.api.urls")),
     path("rebalances/", include("controlplane.rebalance.api.urls")),
-    path("agent/", include(inventory_agent + telemetry_agent + capacity_agent)),
+    path("agent/", include(inventory_agent + capacity_agent)),
 ]
 
 urlpatterns = [
@@ -38,8 +33,9 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
     path("admin/", admin.site.urls),
     path("healthz", healthz),
+    path("readyz", readyz),
     path("", include("frontend.urls")),
 ]
 
-handler404 = "controlplane.core.exceptions.not_found"
-handler500 = "controlplane.core.exceptions.server_error"
+handler404 = "controlplane.error_pages.not_found"
+handler500 = "controlplane.error_pages.server_error"

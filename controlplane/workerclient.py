@@ -1,4 +1,4 @@
-"""The only code that talks to engine workers and sglang-routers (httpx, synchronous).
+"""The only code that talks to engine workers and routers (smg, sglang-router; httpx, synchronous).
 
 Worker endpoints follow engine/server/contract.py (SGLang's HiCache admin API, docs/upstream.md H7, P4):
 GET /server_info, GET /get_model_info, GET/PUT/DELETE /hicache/storage-backend, GET/PUT /hicache/config,
@@ -7,9 +7,10 @@ POST /pd_role_switch, GET /metrics, GET /health, POST /generate (also as the cac
 models of engine/server/contract.py. A PD prefill's bootstrap server: GET /route (docs/upstream.md P2). A
 PD canary pair: the same /generate body, with the router's bootstrap fields, to one prefill and one decode
 at once (sglang-router's way, docs/upstream.md P2).
-Router endpoints follow sglang-router's worker API: GET /workers, POST /workers {"url", "worker_type",
-"bootstrap_port"} (202), DELETE /workers/{id}, POST /generate; circuit-breaker state from the router's
-Prometheus endpoint (``smg_worker_cb_*``).
+Router endpoints: the worker API smg kept from sglang-router: GET /workers, POST /workers {"url",
+"worker_type", "bootstrap_port"} (202), DELETE /workers/{id} (202), POST /generate; GET /get_loads names the
+router (engine/fleet/identity.py); circuit-breaker state from the router's Prometheus endpoint
+(``smg_worker_cb_*``, both export it).
 
 Errors: WorkerUnreachable (connect/timeout), WorkerNotIdle (400 whose message says "not idle": wait and retry,
 never force), WorkerRejected (any other non-2xx, with status and message).
@@ -17,6 +18,7 @@ never force), WorkerRejected (any other non-2xx, with status and message).
 
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote, urlsplit
 
@@ -25,7 +27,8 @@ from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.agent.isolation import IsolationCheckError, IsolationReport, check_isolation
-from engine.server.contract import PdRoleSwitchResponse
+from engine.fleet.identity import RouterIdentity, identify_router
+from engine.server.contract import PdRoleSwitchResponse, without_secrets
 
 
 class WorkerError(Exception):
@@ -99,8 +102,13 @@ class WorkerClient:
         return _request(method, self.base_url + path, headers=headers, json=json, timeout=self.timeout)
 
     def server_info(self) -> dict:
-        """Launch args, `is_idle`, `num_running_reqs`, `num_waiting_reqs`, `inflight_cache_io`, `hicache`."""
-        return self._call("GET", "/server_info").json()
+        """Launch args, `is_idle`, `num_running_reqs`, `num_waiting_reqs`, `inflight_cache_io`, `hicache`,
+        secrets left out (``without_secrets``). An upstream SGLang worker's /server_info has no `is_idle`:
+        the live fields then come from its ``GET /v1/loads`` (:func:`upstream_live_state`)."""
+        info = without_secrets(self._call("GET", "/server_info").json())
+        if "is_idle" not in info:
+            info.update(upstream_live_state(info, self._call("GET", "/v1/loads").json()))
+        return info
 
     def model_info(self) -> dict:
         """GET /get_model_info: ``model_path``, ``served_model_name`` and KVFleet's ``kv_bytes_per_token``
@@ -180,6 +188,47 @@ class WorkerClient:
         return self._call("POST", "/generate", json=body, key=self.api_key).json()
 
 
+# Upstream's /v1/loads counters per DP rank that hold a request the worker has not finished.
+_UPSTREAM_QUEUES = ("waiting", "grammar", "paused", "retracted", "prealloc_ready")
+_UPSTREAM_PD_QUEUES = (
+    "prefill_bootstrap_queue_reqs",
+    "prefill_inflight_queue_reqs",
+    "decode_prealloc_queue_reqs",
+    "decode_transfer_queue_reqs",
+    "decode_retracted_queue_reqs",
+)
+
+
+def upstream_live_state(info: dict, loads: dict) -> dict:
+    """KVFleet's live /server_info fields for an upstream SGLang worker, from its ``/v1/loads`` answer
+    (``loads``: one entry per DP rank) and its /server_info (``info``).
+
+    ``is_idle``: no request running, queued (waiting, grammar, paused, retracted, preallocated) or in a PD
+    queue on any DP rank. What upstream does not expose stays unknown (None): requests its HTTP server has
+    accepted but not yet handed to a scheduler (``num_http_reqs``) and cache I/O in flight
+    (``inflight_cache_io``), so an idle reading can still meet upstream's own stricter check on apply, which
+    refuses with "not idle" (WorkerNotIdle: wait and retry)."""
+    ranks = [r for r in loads.get("loads", []) if isinstance(r, dict)]
+    running = sum(int(r.get("num_running_reqs") or 0) for r in ranks)
+    waiting = sum(int(r.get("num_waiting_reqs") or 0) for r in ranks)
+    queued = sum(int((r.get("queues") or {}).get(q) or 0) for r in ranks for q in _UPSTREAM_QUEUES)
+    pd = sum(int((r.get("disaggregation") or {}).get(q) or 0) for r in ranks for q in _UPSTREAM_PD_QUEUES)
+    return {
+        "is_idle": bool(ranks) and running + waiting + queued + pd == 0,
+        "num_running_reqs": running,
+        "num_waiting_reqs": max(waiting, queued),
+        "num_pd_transfer_reqs": pd,
+        "num_http_reqs": None,
+        "inflight_cache_io": None,
+        "hicache": info.get("hicache")
+        or (
+            {"hicache_storage_backend": info.get("hicache_storage_backend")}
+            if info.get("enable_hierarchical_cache")
+            else None
+        ),
+    }
+
+
 # GET /route with every rank -1: the prefill's parallel layout, 200 once all its ranks registered
 # (docs/upstream.md P2).
 _ROUTE_ALL = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
@@ -216,36 +265,73 @@ def pd_pair_generate(prefill: WorkerClient, decode: WorkerClient, bootstrap_port
 
 
 class RouterClient:
-    """One sglang-router. Workers are matched by URL (trailing slash ignored)."""
+    """One router: smg (1.13.0) or sglang-router (0.3.2), the same worker API on both. Workers are matched
+    by URL (trailing slash ignored).
 
-    def __init__(self, base_url: str, timeout: float | None = None):
+    smg removes a worker in two steps: DELETE /workers/{id} answers 202 and the router lists it with
+    ``"status": "draining"`` (no longer selected) for about 5 s before it drops the entry; a POST of the same
+    URL meanwhile answers 409 WORKER_ALREADY_EXISTS. So the listing here leaves draining entries out, and
+    :meth:`add_worker` waits for one to go (polled every 0.1 s, at most ``drain_wait_s``) before posting.
+    """
+
+    def __init__(self, base_url: str, timeout: float | None = None, drain_wait_s: float = 30.0):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.drain_wait_s = drain_wait_s
 
-    def list_workers(self) -> list[dict]:
+    def _entries(self) -> list[dict]:
         data = _request("GET", f"{self.base_url}/workers", timeout=self.timeout).json()
         return data.get("workers", []) if isinstance(data, dict) else data
 
-    def find_worker(self, url: str) -> dict | None:
-        """The router's entry for `url` (id, worker_type, is_healthy, bootstrap_port, ...), or None."""
+    def _entry(self, url: str) -> dict | None:
         want = url.rstrip("/")
-        for item in self.list_workers():
+        for item in self._entries():
             if str(item.get("url", "")).rstrip("/") == want:
                 return item
         return None
+
+    def list_workers(self) -> list[dict]:
+        """The router's worker entries (id, url, worker_type, is_healthy, bootstrap_port, ...), those it is
+        draining out (smg's ``status`` "draining") left out."""
+        return [item for item in self._entries() if item.get("status") != "draining"]
+
+    def find_worker(self, url: str) -> dict | None:
+        """The router's entry for `url` (id, worker_type, is_healthy, bootstrap_port, ...), or None (also
+        while smg drains it out)."""
+        item = self._entry(url)
+        return None if item is None or item.get("status") == "draining" else item
 
     def find_worker_id(self, url: str) -> str | None:
         item = self.find_worker(url)
         return None if item is None else str(item.get("id", item.get("url")))
 
+    def identify(self) -> RouterIdentity:
+        """Which router this is (kind, version) and which serving routes carry ``cache_salt`` to the worker,
+        from GET /get_loads (engine/fleet/identity.py). Raises as every call here."""
+        try:
+            data = _request("GET", f"{self.base_url}/get_loads", timeout=self.timeout).json()
+        except ValueError as exc:
+            raise WorkerError(f"{self.base_url}/get_loads: not JSON") from exc
+        return identify_router(data)
+
     def add_worker(self, url: str, worker_type: str | None = None, bootstrap_port: int | None = None) -> None:
-        """POST /workers; a worker already registered is left as it is (safe to repeat). A PD worker needs
-        `worker_type` ("prefill" | "decode") and, for a prefill, its `bootstrap_port`: sglang-router 0.3.2
-        registers a worker posted with only its URL as "regular", which a PD router never selects. Without
-        `worker_type` they are read from the worker's /server_info (`disaggregation_mode`,
-        `disaggregation_bootstrap_port`); a worker that does not answer is posted with its URL only."""
-        if self.find_worker_id(url) is not None:
+        """POST /workers and return once the router lists the worker; a worker already registered is left as
+        it is (safe to repeat). A PD worker needs `worker_type` ("prefill" | "decode") and, for a prefill, its
+        `bootstrap_port`: both routers register a worker posted with only its URL as "regular", which a PD
+        router never selects. Without `worker_type` they are read from the worker's /server_info
+        (`disaggregation_mode`, `disaggregation_bootstrap_port`); a worker that does not answer is posted
+        with its URL only. An entry smg is still draining out is waited for first.
+
+        smg answers the POST 202 and registers the worker in a job of its own, which can fail (the worker
+        slow to answer right after a restart on a loaded host) and then the worker is never listed: the
+        listing is polled (every 0.1 s) and the POST sent again every ``REPOST_S`` until the worker is
+        listed, for at most ``drain_wait_s``. Raises WorkerError when it is still draining or still not
+        listed then."""
+        entry = self._entry(url)
+        if entry is not None and entry.get("status") != "draining":
             return
+        if entry is not None:
+            self._wait_drained(url)
         if worker_type is None:
             worker_type, bootstrap_port = self._pd_registration(url)
         body: dict = {"url": url}
@@ -253,7 +339,39 @@ class RouterClient:
             body["worker_type"] = worker_type
         if bootstrap_port is not None:
             body["bootstrap_port"] = bootstrap_port
-        _request("POST", f"{self.base_url}/workers", json=body, timeout=self.timeout)
+        deadline = time.monotonic() + self.drain_wait_s
+        while True:
+            self._post_worker(body)
+            posted = time.monotonic()
+            while time.monotonic() - posted < self.REPOST_S:
+                if self.find_worker(url) is not None:
+                    return
+                if time.monotonic() >= deadline:
+                    raise WorkerError(
+                        f"router {self.base_url} does not list {url} {self.drain_wait_s:.0f} s after it was "
+                        "posted (its registration job failed or is still running)"
+                    )
+                time.sleep(0.1)
+
+    REPOST_S = 10.0  # how long a posted worker may stay unlisted before the POST is sent again
+
+    def _post_worker(self, body: dict) -> None:
+        try:
+            _request("POST", f"{self.base_url}/workers", json=body, timeout=self.timeout)
+        except WorkerRejected as exc:
+            # smg: the URL was posted since the listing (its registration may still be under way, unlisted
+            # until the worker answers); that entry stands.
+            if exc.status != 409:
+                raise
+
+    def _wait_drained(self, url: str) -> None:
+        deadline = time.monotonic() + self.drain_wait_s
+        while self._entry(url) is not None:
+            if time.monotonic() >= deadline:
+                raise WorkerError(
+                    f"router {self.base_url} still drains {url} after {self.drain_wait_s:.0f} s"
+                )
+            time.sleep(0.1)
 
     def _pd_registration(self, url: str) -> tuple[str | None, int | None]:
         try:
@@ -267,14 +385,16 @@ class RouterClient:
 
     def generate(self, body: dict, timeout: float | None = None, api_key: str = "") -> dict:
         """POST /generate through the router (it picks the worker, or the P/D pair). ``api_key``: the
-        workers' --api-key, sent as bearer; sglang-router 0.3.2 passes the client's Authorization header on
-        to both workers of a PD pair (a key given with POST /workers is not used for that)."""
+        workers' --api-key, sent as bearer; both routers pass the client's Authorization header on to the
+        worker (to both workers of a PD pair; a key given with POST /workers is not used for that)."""
         url = f"{self.base_url}/generate"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         return _request("POST", url, headers=headers, json=body, timeout=timeout or self.timeout).json()
 
     def remove_worker(self, url: str) -> bool:
-        """DELETE /workers/{id}; returns False when the router did not list the worker (safe to repeat)."""
+        """DELETE /workers/{id}: the router selects the worker no more from its answer on (smg lists it as
+        draining for a few seconds more, see the class). Returns False when the router did not list the
+        worker (safe to repeat)."""
         worker_id = self.find_worker_id(url)
         if worker_id is None:
             return False
@@ -282,7 +402,7 @@ class RouterClient:
         return True
 
 
-# sglang-router 0.3.2 exports smg_worker_cb_state per worker: 0 closed, 1 open, 2 half-open.
+# Both routers export smg_worker_cb_state per worker: 0 closed, 1 open, 2 half-open.
 CB_STATES = {0: "closed", 1: "open", 2: "half_open"}
 
 

@@ -3,8 +3,9 @@
 ``LocalFleet`` starts, in order, each as a child process logging to one folder: Redis (only when none answers
 at ``$REDIS_URL``; with ``REDIS_PERSISTENCE``), a ``mooncake_master`` with its HTTP metadata server, the
 control plane (migrations, a demo admin, an agent token, collectstatic; daphne serving HTTP + websockets; a
-Celery worker and beat on a queue and Redis key prefix of their own), the engine agent with the spec's workers
-(SmolLM2, HiCache, Mooncake L3), and the real sglang-router in front of them; then it records the router, the
+Celery worker and beat on a queue and Redis key prefix of their own), Prometheus (the control plane's
+``PROMETHEUS_URL``, scraping what its service discovery lists), the engine agent with the spec's workers
+(SmolLM2, HiCache, Mooncake L3), and the real router (smg) in front of them; then it records the router, the
 Mooncake storage profile and each worker's router in the control plane. ``stop()`` (also on Ctrl-C) ends every
 process it started, newest first: SIGTERM to its process group, SIGKILL after a grace period.
 
@@ -39,8 +40,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from deploy.demo_keys import delete_fleet_keys  # noqa: E402
+from engine.fleet.identity import identify_router  # noqa: E402
 from engine.fleet.mooncake_master import MooncakeMaster  # noqa: E402
+from engine.fleet.prometheus import PrometheusServer  # noqa: E402
 from engine.fleet.router import ROUTER_FLAGS, router_command, worker_args  # noqa: E402
+from engine.ports import free_port  # noqa: E402
 from engine.unknown_flags import parse_args  # noqa: E402
 
 PY = sys.executable
@@ -73,10 +77,15 @@ def mooncake_profile(env: dict, label: str) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def file_profile(env: dict, label: str) -> dict:
+    """The POST body of the upstream demo's file storage profile: the extra config of its workers
+    (deploy/fleet.sglang.toml), so their registration identifies it."""
+    return {
+        "name": f"{label}-file",
+        "backend": "file",
+        "extra_config": {"file_storage_path": f"{env['DEMO_LOG_DIR']}/l3", "prefetch_threshold": 32},
+        "description": "file L3 in the local fleet's log folder",
+    }
 
 
 def bootstrap_port(flags: list[str]) -> int | None:
@@ -125,20 +134,32 @@ class LocalFleet:
     procs: list[tuple[str, subprocess.Popen, str]] = field(default_factory=list)
     env: dict = field(default_factory=dict)
     master: MooncakeMaster | None = None
+    prometheus: PrometheusServer | None = None
     console_url: str = ""
     router_url: str = ""
     router_metrics_url: str = ""
     worker_urls: list[str] = field(default_factory=list)
+    agent_state_file: Path | None = None  # the running agent's agent-state.json (`kvfleet-agent status`)
     worker_ids: list[int] = field(default_factory=list)
     tokens: dict = field(default_factory=dict)
     storage_profile_id: int | None = None
     pd: bool = False  # 2 prefill + 1 decode workers, router in PD mode (spec: deploy/fleet.pd.toml)
+    engine: str = "kvfleet"  # sglang: the workers run upstream SGLang (spec: deploy/fleet.sglang.toml)
     worker_roles: list[str] = field(default_factory=list)
     bootstrap_ports: list[int | None] = field(default_factory=list)  # per worker, from its spec flags
 
     def __post_init__(self) -> None:
+        if self.engine not in ("kvfleet", "sglang"):
+            raise ValueError(f"engine must be kvfleet or sglang, got {self.engine!r}")
+        if self.pd and self.engine == "sglang":
+            raise ValueError(
+                "PD on upstream SGLang needs a GPU (its KV transfer pins memory and records CUDA events): "
+                "run ENGINE=sglang without PD"
+            )
         if self.pd:
             self.spec, self.num_workers = REPO / "deploy" / "fleet.pd.toml", 3
+        elif self.engine == "sglang":
+            self.spec = REPO / "deploy" / "fleet.sglang.toml"
 
     # ------------------------------------------------------------------------------------------- processes
     def spawn(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
@@ -177,6 +198,9 @@ class LocalFleet:
         if self.master is not None:
             self.master.stop()
             self.master = None
+        if self.prometheus is not None:
+            self.prometheus.stop()
+            self.prometheus = None
         url = self.env.get("REDIS_URL")
         if url and redis_answers(url):
             delete_fleet_keys(url, self.env["REDIS_KEY_PREFIX"], self.env["CELERY_QUEUE"])
@@ -209,6 +233,8 @@ class LocalFleet:
         self.env = self.base_env()
         self._redis()
         self._mooncake()
+        if self.engine == "sglang":
+            self._sglang()
         self._control_plane()
         self._storage_profile()  # before the agent: its workers' registration links it (audited there)
         self._agent()
@@ -228,7 +254,6 @@ class LocalFleet:
             "DEBUG": "0",
             "HTTPS": "0",
             "LOG_LEVEL": "INFO",
-            "TELEMETRY_SCRAPE_INTERVAL_S": "5",
             "OPERATION_POLL_INTERVAL_S": "0.5",
             "KVFLEET_WORKER_ADMIN_KEY": secrets.token_hex(16),
             "DEMO_LOG_DIR": str(self.log_dir),
@@ -263,6 +288,22 @@ class LocalFleet:
         self.env["MOONCAKE_MASTER"] = self.master.master_address
         self.env["MOONCAKE_TE_META_DATA_SERVER"] = self.master.metadata_url
 
+    def _sglang(self) -> None:
+        """Upstream SGLang's environment (``scripts/sglang_env.sh``: built once, minutes the first time),
+        the demo model as an HF folder, and the CPU stand-ins upstream needs here
+        (tests/support/sglang_cpu/)."""
+        if not self.env.get("KVFLEET_SGLANG_PYTHON"):
+            done = subprocess.run(
+                [str(REPO / "scripts" / "sglang_env.sh")], capture_output=True, text=True, check=False
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"upstream SGLang's environment failed to build:\n{done.stderr[-2000:]}")
+            self.env["KVFLEET_SGLANG_PYTHON"] = done.stdout.strip().splitlines()[-1]
+        from engine.fleet.hf_export import export
+
+        self.env["SGLANG_DEMO_MODEL"] = str(export("smollm2"))
+        self.env["SGLANG_STAND_INS"] = str(REPO / "tests" / "support" / "sglang_cpu")
+
     def _run(self, *args: str, timeout: float = 300, **env: str) -> str:
         done = subprocess.run(
             [PY, *args], cwd=REPO, env={**self.env, **env}, capture_output=True, text=True, timeout=timeout
@@ -280,9 +321,11 @@ class LocalFleet:
         tokens_file = self.secrets_dir / "tokens.json"
         self._run("manage.py", "bootstrap", f"--admin-user={self.admin_user}", "--label", self.label,
                   f"--agent-host={self.env['DEMO_HOST_NAME']}", f"--tokens-file={tokens_file}",
-                  KVFLEET_ADMIN_PASSWORD=self.admin_password)  # fmt: skip
+                  KVFLEET_ADMIN_PASSWORD=self.admin_password,
+                  KVFLEET_PROMETHEUS_TOKEN_FILE=str(self.secrets_dir / "prometheus-token"))  # fmt: skip
         self.tokens = json.loads(tokens_file.read_text())
         tokens_file.unlink()
+        (self.secrets_dir / "prometheus-token").unlink()
         with contextlib.suppress(OSError):
             tokens_file.parent.rmdir()
 
@@ -292,6 +335,16 @@ class LocalFleet:
         self._bootstrap()
         port = free_port()
         self.console_url = f"http://127.0.0.1:{port}"
+        # the TSDB's port is known before the control plane starts (PROMETHEUS_URL); the server itself starts
+        # once the control plane answers its service discovery
+        self.prometheus = PrometheusServer(
+            sd_url=f"{self.console_url}/api/v1/telemetry/targets/",
+            sd_token=self.tokens["prometheus"],
+            data_dir=str(self.log_dir / "prometheus"),
+            log_path=self.log_of("prometheus"),
+            port=free_port(),
+        )
+        self.env["PROMETHEUS_URL"] = self.prometheus.url
         web = self.spawn(
             "web", [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"]
         )
@@ -336,6 +389,7 @@ class LocalFleet:
             web,
             self.log_of("web"),
         )
+        self.prometheus.start(same_port=True)
 
     def api(self, method: str, path: str, token: str | None = None, **kw) -> httpx.Response:
         headers = {"Authorization": f"Bearer {token or self.tokens['admin']}"}
@@ -352,6 +406,7 @@ class LocalFleet:
         self.worker_urls = [w.url for w in spec.workers]
         self.worker_roles = [w.role for w in spec.workers]
         self.bootstrap_ports = [bootstrap_port(w.flags) for w in spec.workers]
+        self.agent_state_file = REPO / spec.state_file  # the agent runs in REPO; an absolute path stays
         agent = self.spawn(
             "agent",
             [
@@ -404,15 +459,19 @@ class LocalFleet:
                 self.worker_urls
             )
 
-        wait_for("sglang-router", ready, 120, router, self.log_of("router"))
+        wait_for("router (smg)", ready, 120, router, self.log_of("router"))
+        self.router_identity = identify_router(httpx.get(f"{self.router_url}/get_loads", timeout=5).json())
 
     def _storage_profile(self) -> None:
         """The Mooncake storage profile in the inventory, created before the agent starts: registering a
         worker links the one profile its backend and extra config identify (``agent_register``), so each
         worker's ``storage_profile`` is set, and audited, by the registration itself."""
-        profile = self.api(
-            "POST", "/api/v1/inventory/storage-profiles/", json=mooncake_profile(self.env, self.label)
+        body = (
+            mooncake_profile(self.env, self.label)
+            if self.engine == "kvfleet"
+            else file_profile(self.env, self.label)
         )
+        profile = self.api("POST", "/api/v1/inventory/storage-profiles/", json=body)
         profile.raise_for_status()
         self.storage_profile_id = profile.json()["id"]
 
@@ -438,10 +497,12 @@ class LocalFleet:
 
     # ------------------------------------------------------------------------------------------- checks
     def worker_tiers(self) -> dict[int, dict[str, float]]:
-        """Cached tokens per tier of every worker, as the control plane's live metrics hold them."""
+        """Cached tokens per tier of every worker in the TSDB's newest scrape of it (read through the control
+        plane's API); 0 for a worker without a scrape in the last minute."""
         out = {}
         for worker_id in self.worker_ids:
-            latest = self.api("GET", f"/api/v1/telemetry/workers/{worker_id}/").json().get("latest") or {}
+            got = self.api("GET", f"/api/v1/telemetry/workers/{worker_id}/?window_s=60").json()
+            latest = (got.get("history") or [{}])[-1]
             out[worker_id] = {t: float(latest.get(f"cached_tokens_{t}") or 0) for t in TIERS}
         return out
 
@@ -457,6 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default=None, help="default logs/demo-<time>")
     p.add_argument("--pd", action="store_true", help="2 prefill + 1 decode workers (2P1D), router in PD mode")
     p.add_argument(
+        "--engine",
+        choices=("kvfleet", "sglang"),
+        default="kvfleet",
+        help="the workers' engine: KVFleet's (default) or upstream SGLang (its own environment, file L3)",
+    )
+    p.add_argument(
         "--trace",
         default=None,
         help="replay this Mooncake trace (scaled down 16x) instead of the conversations",
@@ -470,7 +537,11 @@ def main(argv: list[str] | None = None) -> int:
             " small machine both will be slow. Ctrl-C here to keep only the first.",
             flush=True,
         )
-    fleet = LocalFleet(log_dir=log_dir, pd=a.pd)
+    if a.pd and a.engine == "sglang":
+        p.error(
+            "--pd: PD on upstream SGLang needs a GPU (its KV transfer pins memory and records CUDA events)"
+        )
+    fleet = LocalFleet(log_dir=log_dir, pd=a.pd, engine=a.engine)
     stop = {"now": False}
 
     def on_signal(*_):
@@ -505,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.trace:
                 traffic_args += ["--trace", a.trace, "--trace-scale", "16"]
             fleet.spawn("traffic", [PY, "-m", "engine.bench.traffic", *traffic_args])
-            print(_banner(fleet), flush=True)
+            print(_banner(fleet, a.duration), flush=True)
             return _watch(fleet, a.duration)
     except KeyboardInterrupt:
         print("\nstopping every process the demo started ...", flush=True)
@@ -541,19 +612,26 @@ def _claim_demo(log_dir: Path) -> str | None:
     return None
 
 
-def _banner(fleet: LocalFleet) -> str:
+def _banner(fleet: LocalFleet, duration: float | None = None) -> str:
     return "\n".join(
         [
             "",
             f"  Console      {fleet.console_url}/",
             f"  Login        user {fleet.admin_user}, password {fleet.admin_password}",
-            f"  Router       {fleet.router_url}   (sglang-router, "
+            f"  Router       {fleet.router_url}   ({fleet.router_identity.label}, "
             + ("PD mode: prefill cache_aware" if fleet.pd else "cache_aware")
             + "; try POST /generate)",
+            "  Salts        "
+            + (fleet.router_identity.salt_warning() or "cache_salt reaches the workers on every route"),
             f"  API          {fleet.console_url}/api/docs/   (token: {fleet.tokens['admin']})",
             "  Workers      "
-            + ", ".join(f"{u} ({r})" for u, r in zip(fleet.worker_urls, fleet.worker_roles, strict=True)),
-            f"  Mooncake     master {fleet.env['MOONCAKE_MASTER']}",
+            + ", ".join(f"{u} ({r})" for u, r in zip(fleet.worker_urls, fleet.worker_roles, strict=True))
+            + ("   (upstream SGLang)" if fleet.engine == "sglang" else ""),
+            f"  Mooncake     master {fleet.env['MOONCAKE_MASTER']}"
+            if fleet.engine == "kvfleet"
+            else f"  L3           file store {fleet.log_dir / 'l3'}",
+            f"  Prometheus   {fleet.env['PROMETHEUS_URL']}/   (fleet metrics: PromQL, recording rules)",
+            f"  Agent        .venv/bin/kvfleet-agent status --state-file {fleet.agent_state_file}",
             f"  Logs         {fleet.log_dir}",
             "  Traffic      multi-turn conversations through the router"
             " (traffic.log: totals every 30 s; traffic.jsonl)",
@@ -562,7 +640,12 @@ def _banner(fleet: LocalFleet) -> str:
                 if fleet.pd
                 else []
             ),
-            "  Ctrl-C (or SIGTERM to this process) stops everything.",
+            (
+                f"  Ends         once every worker shows device, host and storage hits, or after "
+                f"{duration:g} s; Ctrl-C (or SIGTERM) stops everything sooner."
+                if duration
+                else "  Ctrl-C (or SIGTERM to this process) stops everything."
+            ),
             "",
         ]
     )

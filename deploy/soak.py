@@ -1,5 +1,5 @@
 """Soak under faults (issue 15; a script, not a test): a whole local fleet (``LocalFleet``: its own Redis,
-Mooncake master, control plane, agent with two SmolLM2 workers, sglang-router), ``--clients`` closed-loop
+Mooncake master, control plane, agent with two SmolLM2 workers, the smg router), ``--clients`` closed-loop
 clients sending shared-system-prompt ``/generate`` requests through the router for ``--duration`` seconds,
 and a fault every ``--fault-every`` seconds, in turn: SIGKILL a worker (the agent restarts it), SIGKILL the
 Mooncake master (restarted on the same ports), SIGKILL Redis (restarted on the same port).
@@ -31,7 +31,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from localfleet import LocalFleet, free_port, redis_answers, wait_for  # noqa: E402
+from localfleet import LocalFleet, redis_answers, wait_for  # noqa: E402
+
+from engine.ports import free_port
 
 SYSTEMS = [
     "".join(f"Rule {s}.{i}: answer questions about harbour {i} briefly and politely. " for i in range(20))

@@ -38,7 +38,7 @@ def _answers(url: str) -> bool:
 
 def start_control_plane(env: dict, procs: list) -> str:
     """daphne serving controlplane.asgi on a free loopback port (appended to `procs`); its base URL."""
-    from engine.bench.launcher import free_port
+    from engine.ports import free_port
 
     port = free_port()
     procs.append(subprocess.Popen(
@@ -51,7 +51,7 @@ def start_control_plane(env: dict, procs: list) -> str:
 
 
 def _spec(folder: Path, roles: dict[str, str]) -> tuple[Path, dict[str, str]]:
-    from engine.bench.launcher import free_port
+    from engine.ports import free_port
 
     text = f'[agent]\nhost_name = "{HOST}"\nlog_dir = "{folder}"\nheartbeat_interval_s = 1\n'
     text += "metrics_interval_s = 3600\nhealth_interval_s = 1\n"

@@ -2,30 +2,27 @@
 daphne, PostgreSQL, Redis and a Celery worker.
 
     python -m controlplane.bench.agents [--agents 1000] [--workers-per-agent 8] [--duration 300]
-        [--rest-clients 64] [--processes 1,2,1+ws] [--heartbeat-s 5] [--metrics-s 3]
+        [--rest-clients 64] [--processes 1,2,1+ws] [--heartbeat-s 5]
         [--postgres-server postgres://postgres@127.0.0.1:5432/postgres] [--pool-max-size 10] [--json FILE]
         [--baseline-ref REF] [--redis-url URL]
 
-Each simulated agent does what ``kvfleet-agent`` does at its default intervals: registers its host and its
-workers, heartbeats every ``--heartbeat-s`` (5 s) and pushes each worker's Prometheus text every
-``--metrics-s`` (3 s, one POST per worker, one after the other), every request with its own host-bound agent
-token. REST clients (viewer token) each GET a worker page, the fleet summary or the host list, one request a
-second. One websocket (viewer token) subscribes to the fleet group and up to 299 worker groups; its lag is
-the time from a sample's scrape time (the ``ts`` its agent sent just before the POST) to its
-``worker.metrics`` message's arrival, p50 and p95 over every message received (a sample superseded within
-the same broadcast batch is never sent, so it has no lag). The same messages' arrival less the moment the
-ingest's 202 reached the agent is printed too: the part of the lag after the ingest was answered.
+Each simulated agent does what ``kvfleet-agent`` does at its default interval: registers its host and its
+workers, then heartbeats every ``--heartbeat-s`` (5 s), every request with its own host-bound agent token
+(agents send no metrics: the fleet's TSDB scrapes the workers). REST clients (viewer token) each GET a worker,
+the fleet summary or the host list, one request a second. One websocket (viewer token) subscribes to the
+fleet group and up to 299 worker groups; the time its subscription took and the messages it received are
+printed. The live views' lag is measured with the TSDB in its own benchmark (``controlplane.bench.live_lag``).
 
 For each process count N in ``--processes``: a throwaway database on the PostgreSQL server, N daphne processes
 (each with a connection pool of ``--pool-max-size``) on their own ports, agents and clients spread over them
-round-robin as a load balancer in front would (``N+ws``: one more daphne serves only the websocket
-watcher, as a proxy's path rule for ``/ws/`` would send it); the peak of the database's connections is
-sampled every second. Prints, per N: requests, errors, ingest p50/p99, heartbeat p99, REST p99, websocket
-lag p50/p95 and the peak connections; then each N's figures as a ratio to the first. Exit status 1 on any
-error. With ``--baseline-ref REF`` (a commit, e.g. ``HEAD~3``) every process count is first run against that
-commit's control plane (a temporary git worktree, same interpreter and load) and then against this
-checkout's, and the second is printed as a ratio to the first: a same-run before/after on a shared machine.
-Uses Redis DB 14 (``--redis-url``) with a random key prefix and queue: no real data is touched.
+round-robin as a load balancer in front would (``N+ws``: one more daphne serves only the websocket watcher, as
+a proxy's path rule for ``/ws/`` would send it); the peak of the database's connections is sampled every
+second. Prints, per N: requests, errors, register and heartbeat p99, REST p99, the websocket's subscription
+time and the peak connections; then each N's figures as a ratio to the first. Exit status 1 on any error. With
+``--baseline-ref REF`` (a commit, e.g. ``HEAD~3``) every process count is first run against that commit's
+control plane (a temporary git worktree, same interpreter and load) and then against this checkout's, and the
+second is printed as a ratio to the first: a same-run before/after on a shared machine. Uses Redis DB 14
+(``--redis-url``) with a random key prefix and queue: no real data is touched.
 """
 
 from __future__ import annotations
@@ -42,6 +39,8 @@ import threading
 import time
 import uuid
 from pathlib import Path
+
+from engine.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WS_MAX_WORKER_GROUPS = 299  # the consumer's MAX_GROUPS (300) less the fleet group
@@ -87,9 +86,8 @@ class Stats:
         self.latency: dict[str, list[float]] = {}
         self.errors: dict[str, int] = {}
         self.error_samples: list[str] = []
-        self.lag: list[float] = []
-        self.answered: dict[tuple[int, float], float] = {}  # (worker id, sample ts) -> when its 202 came
-        self.arrived: list[tuple[int, float, float]] = []  # (worker id, sample ts, arrival) per message
+        self.subscribe_s: float | None = None  # the websocket's subscription to its groups
+        self.ws_messages = 0
 
     def record(self, kind: str, seconds: float, ok: bool, why: str = "") -> None:
         self.latency.setdefault(kind, []).append(seconds)
@@ -122,7 +120,7 @@ async def agent(session, stats: Stats, base: str, token: str, host: str, n_worke
     workers = [
         {"name": f"{host}-w{i}", "url": u, "role": "mixed", "page_size": 16} for i, u in enumerate(urls)
     ]
-    await asyncio.sleep(random.uniform(0, args.metrics_s))  # agents start spread over one interval
+    await asyncio.sleep(random.uniform(0, args.heartbeat_s))  # agents start spread over one interval
     body = {"host": {"name": host, "address": "10.0.0.1", "cpu_count": 64}, "workers": workers}
     while (
         await _call(session, stats, "register", "POST", f"{base}/api/v1/agent/register/", token, body) is None
@@ -130,23 +128,11 @@ async def agent(session, stats: Stats, base: str, token: str, host: str, n_worke
         if stop.is_set():
             return
         await asyncio.sleep(1)
-    next_beat, step = 0.0, 0
     while not stop.is_set():
-        now = time.monotonic()
-        if now >= next_beat:
-            beat = {"host": host, "workers": urls, "roles": dict.fromkeys(urls, "mixed")}
-            await _call(session, stats, "heartbeat", "POST", f"{base}/api/v1/agent/heartbeat/", token, beat)
-            next_beat = now + args.heartbeat_s
-        step += 1
-        for i, url in enumerate(urls):
-            sample = {"worker_url": url, "text": metrics_text(step, i), "ts": time.time()}
-            stored = await _call(
-                session, stats, "ingest", "POST", f"{base}/api/v1/agent/metrics/", token, sample
-            )
-            if stored:
-                stats.answered[(int(stored["worker_id"]), float(stored["ts"]))] = time.time()
+        beat = {"host": host, "workers": urls, "roles": dict.fromkeys(urls, "mixed")}
+        await _call(session, stats, "heartbeat", "POST", f"{base}/api/v1/agent/heartbeat/", token, beat)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(0.0, args.metrics_s - (time.monotonic() - now)))
+            await asyncio.wait_for(stop.wait(), args.heartbeat_s)
 
 
 async def rest_client(session, stats: Stats, bases: list[str], token: str, worker_ids: list[int], stop):
@@ -156,7 +142,7 @@ async def rest_client(session, stats: Stats, bases: list[str], token: str, worke
         path = random.choice(
             [
                 f"/api/v1/inventory/workers/{random.choice(worker_ids)}/",
-                f"/api/v1/telemetry/workers/{random.choice(worker_ids)}/?history=60",
+                f"/api/v1/telemetry/workers/{random.choice(worker_ids)}/?window_s=60",
                 "/api/v1/inventory/hosts/?limit=50",
                 "/api/v1/telemetry/fleet/",
             ]
@@ -170,16 +156,15 @@ async def ws_watcher(session, stats: Stats, base: str, token: str, worker_ids: l
     ws_url = base.replace("http://", "ws://") + f"/ws/v1/events/?token={token}"
     groups = ["fleet"] + [f"worker.{w}" for w in worker_ids[:WS_MAX_WORKER_GROUPS]]
     async with session.ws_connect(ws_url, heartbeat=20) as ws:
+        started = time.monotonic()
         await ws.send_json({"action": "subscribe", "groups": groups})
         assert (await ws.receive_json())["type"] == "control.subscribed"
+        stats.subscribe_s = time.monotonic() - started
         ready.set()
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
-                msg = await ws.receive_json(timeout=1.0)
-                if msg.get("type") == "worker.metrics":
-                    now, data = time.time(), msg["data"]
-                    stats.lag.append(now - float(data["ts"]))
-                    stats.arrived.append((int(data["worker_id"]), float(data["ts"]), now))
+                await ws.receive_json(timeout=1.0)
+                stats.ws_messages += 1
 
 
 async def drive(
@@ -197,7 +182,7 @@ async def drive(
             for i, (host, tok) in enumerate(tokens)
         ]
         # Watch and query once every agent has registered its workers.
-        deadline = time.monotonic() + args.metrics_s + 60
+        deadline = time.monotonic() + args.heartbeat_s + 60
         while len(stats.latency.get("register", [])) - stats.errors.get("register", 0) < len(tokens):
             if time.monotonic() > deadline:
                 break
@@ -283,14 +268,6 @@ def _seed(env: dict, n_agents: int, repo: Path = REPO) -> tuple[list[tuple[str, 
     return [tuple(t) for t in seeded["agents"]], seeded["viewer"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_ready(base: str, proc: subprocess.Popen, limit_s: float = 90) -> None:
     import httpx
 
@@ -331,7 +308,7 @@ def run_once(args, processes: int, repo: Path = REPO, ws_process: bool = False) 
         tokens, viewer = _seed(env, args.agents, repo)
         bases = []
         for _ in range(processes + ws_process):
-            port = _free_port()
+            port = free_port()
             daphne = [
                 "daphne",
                 "-v",
@@ -379,7 +356,7 @@ def run_once(args, processes: int, repo: Path = REPO, ws_process: bool = False) 
                 proc.kill()
         with contextlib.suppress(Exception):
             _database(args.postgres_server, database, drop=True)
-    ingest, beats, rest = (stats.latency.get(k, []) for k in ("ingest", "heartbeat", "rest"))
+    register, beats, rest = (stats.latency.get(k, []) for k in ("register", "heartbeat", "rest"))
     return {
         "code": "baseline" if repo != REPO else "this checkout",
         "processes": processes,
@@ -392,30 +369,15 @@ def run_once(args, processes: int, repo: Path = REPO, ws_process: bool = False) 
         "errors": sum(stats.errors.values()),
         "errors_by_kind": stats.errors,
         "error_samples": stats.error_samples,
-        "ingest_per_s": round(len(ingest) / args.duration, 1),
-        "ingest_p50_s": _pct(ingest, 0.50),
-        "ingest_p99_s": _pct(ingest, 0.99),
+        "register_p99_s": _pct(register, 0.99),
+        "heartbeat_per_s": round(len(beats) / args.duration, 1),
         "heartbeat_p99_s": _pct(beats, 0.99),
         "rest_p99_s": _pct(rest, 0.99),
-        "ws_messages": len(stats.lag),
-        "ws_lag_p50_s": _pct(stats.lag, 0.50),
-        "ws_lag_p95_s": _pct(stats.lag, 0.95),
-        **_after_answer(stats),
+        "ws_subscribe_s": None if stats.subscribe_s is None else round(stats.subscribe_s, 3),
+        "ws_messages": stats.ws_messages,
         "peak_db_connections": max(peaks, default=0),
         "pool_max_size": args.pool_max_size,
     }
-
-
-def _after_answer(stats: Stats) -> dict:
-    """The websocket's share of the lag: each message's arrival less the moment its sample's ingest answer
-    (the 202) reached the agent, p50 / p95 in seconds (negative: the message came first). The lag above
-    counts from the sample's time, so it also holds the ingest request's own latency."""
-    after = [
-        arrival - stats.answered[(wid, ts)]
-        for wid, ts, arrival in stats.arrived
-        if (wid, ts) in stats.answered
-    ]
-    return {"ws_after_answer_p50_s": _pct(after, 0.50), "ws_after_answer_p95_s": _pct(after, 0.95)}
 
 
 def _fmt(value) -> str:
@@ -443,11 +405,10 @@ def _print_result(result: dict, args) -> None:
     n = result["processes"]
     print(
         f"{result['code']}, {_label(result)}: {sum(result['requests'].values())} requests, {r['errors']} "
-        f"errors; ingest {r['ingest_per_s']}/s p50 {r['ingest_p50_s']} s p99 {r['ingest_p99_s']} s (target "
-        f"< 1 s); heartbeat p99 {r['heartbeat_p99_s']} s; REST p99 {r['rest_p99_s']} s; websocket lag p50 "
-        f"{r['ws_lag_p50_s']} s p95 {r['ws_lag_p95_s']} s (target < 1.5 s, {r['ws_messages']} messages; "
-        f"after the ingest answer p50 {r['ws_after_answer_p50_s']} s p95 {r['ws_after_answer_p95_s']} s);"
-        f" peak DB connections {r['peak_db_connections']} (bound {n} x {args.pool_max_size} + Celery)",
+        f"errors; register p99 {r['register_p99_s']} s; heartbeat {r['heartbeat_per_s']}/s p99 "
+        f"{r['heartbeat_p99_s']} s; REST p99 {r['rest_p99_s']} s; websocket subscribed in "
+        f"{r['ws_subscribe_s']} s ({r['ws_messages']} messages); peak DB connections "
+        f"{r['peak_db_connections']} (bound {n} x {args.pool_max_size} + Celery)",
         flush=True,
     )
     for sample in result["error_samples"]:
@@ -474,12 +435,12 @@ def _parse_counts(text: str) -> list[tuple[int, bool]]:
 def _print_ratio(result: dict, base: dict, label: str) -> None:
     ratio = {
         key: (result[key] / base[key] if base[key] and result[key] is not None else None)
-        for key in ("ingest_per_s", "ingest_p99_s", "ws_lag_p50_s", "ws_lag_p95_s", "rest_p99_s")
+        for key in ("heartbeat_per_s", "heartbeat_p99_s", "register_p99_s", "rest_p99_s")
     }
     r = {k: _fmt(v) for k, v in ratio.items()}
     print(
-        f"{label}: ingest rate x{r['ingest_per_s']}, ingest p99 x{r['ingest_p99_s']}, ws lag p50 "
-        f"x{r['ws_lag_p50_s']} p95 x{r['ws_lag_p95_s']}, REST p99 x{r['rest_p99_s']}",
+        f"{label}: heartbeat rate x{r['heartbeat_per_s']}, heartbeat p99 x{r['heartbeat_p99_s']}, register "
+        f"p99 x{r['register_p99_s']}, REST p99 x{r['rest_p99_s']}",
         flush=True,
     )
 
@@ -496,7 +457,6 @@ def main(argv=None) -> int:
         help="daphne process counts to run, comma-separated; N+ws adds a daphne serving only the websocket",
     )
     parser.add_argument("--heartbeat-s", type=float, default=5.0, help="the agent's heartbeat_interval_s")
-    parser.add_argument("--metrics-s", type=float, default=3.0, help="the agent's metrics_interval_s")
     parser.add_argument("--postgres-server", default="postgres://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     parser.add_argument("--pool-max-size", type=int, default=10, help="DB_POOL_MAX_SIZE of each process")
@@ -507,8 +467,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     counts = _parse_counts(args.processes)
     print(
-        f"{args.agents} agents x {args.workers_per_agent} workers, heartbeat {args.heartbeat_s:g} s, metrics "
-        f"{args.metrics_s:g} s, {args.rest_clients} REST clients, {args.duration:g} s; PostgreSQL "
+        f"{args.agents} agents x {args.workers_per_agent} workers, heartbeat {args.heartbeat_s:g} s, "
+        f"{args.rest_clients} REST clients, {args.duration:g} s; PostgreSQL "
         f"max_connections {_server_setting(args.postgres_server, 'max_connections')}, pool "
         f"{args.pool_max_size} per process; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
         flush=True,

@@ -1,26 +1,25 @@
-"""Control-plane benchmark: operation fan-out and metric-to-websocket latency, each with a same-run baseline.
+"""Control-plane benchmark: operation fan-out with a same-run baseline.
 
-    python -m controlplane.bench.controlplane_bench [--workers 200] [--messages 500] [--database-url URL]
+    python -m controlplane.bench.controlplane_bench [--workers 200] [--postgres-server URL]
 
 Fan-out: an attach over N idle fake workers (one loopback FakeFleet server), launched through the REST API of
 a real daphne server and run by a real Celery worker (threads pool), timed from the POST to the operation
 being `succeeded`. Baseline: the same attach stepped serially in this process (no Celery), ratio = baseline /
-Celery. Latency: M metric ingests POSTed to the agent API, each timed until its `worker.metrics` message
-arrives on a websocket subscribed to all worker groups (ingests spread so no group exceeds 1 msg/s).
-Baseline: the channel layer alone (group_send from this process to the same socket). Uses a fresh SQLite
-file (or a throwaway PostgreSQL database), Redis DB 14 and a random key prefix/queue: no real data is touched.
+Celery. (The live views' latency, from the TSDB to a console's websocket, is `controlplane.bench.live_lag`.)
+Uses a fresh SQLite file (or a throwaway PostgreSQL database), Redis DB 14 and a random key prefix/queue: no
+real data is touched.
 """
 
 import argparse
-import asyncio
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from engine.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,14 +76,6 @@ def _wait_http(url: str, proc: subprocess.Popen, limit_s: float = 30.0) -> None:
         except httpx.HTTPError:
             time.sleep(0.2)
     raise RuntimeError(f"{url} did not answer")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _seed(n: int, fleet):
@@ -148,80 +139,9 @@ def fanout_celery(base: str, token: str, workers, profile, limit_s: float = 120.
     return time.perf_counter() - started, "timeout"
 
 
-async def latency(base: str, token: str, worker_ids: list[int], messages: int, spacing_s: float) -> dict:
-    import aiohttp
-    import httpx
-    from asgiref.sync import sync_to_async
-
-    from controlplane.core.broadcast import emit
-
-    ws_url = base.replace("http://", "ws://") + f"/ws/v1/events/?token={token}"
-    sent: dict[tuple[int, int], float] = {}
-    got: dict[tuple[int, int], float] = {}
-    raw_sent: dict[str, float] = {}
-    raw_got: dict[str, float] = {}
-    async with aiohttp.ClientSession() as session, session.ws_connect(ws_url, headers={"Origin": base}) as ws:
-        await ws.send_json({"action": "subscribe", "groups": [f"worker.{w}" for w in worker_ids]})
-        assert (await ws.receive_json())["type"] == "control.subscribed"
-
-        async def reader(stop_after: int, into: dict, key) -> None:
-            while len(into) < stop_after:
-                msg = await ws.receive_json()
-                k = key(msg)
-                if k is not None:
-                    into[k] = time.perf_counter()
-
-        # Baseline: the channel layer alone, same socket.
-        task = asyncio.create_task(reader(messages, raw_got, lambda m: m["data"].get("probe")))
-        for i in range(messages):
-            probe = f"p{i}"
-            raw_sent[probe] = time.perf_counter()
-            await sync_to_async(emit)(
-                f"worker.{worker_ids[i % len(worker_ids)]}", "worker.metrics", {"probe": probe}
-            )
-            await asyncio.sleep(spacing_s)
-        await asyncio.wait_for(task, 30)
-
-        await asyncio.sleep(1.1)  # let every 1 s window close before the real ingests
-        task = asyncio.create_task(
-            reader(messages, got, lambda m: (m["data"].get("worker_id"), m["data"].get("seq")))
-        )
-        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
-            seqs: dict[int, int] = {}
-            for i in range(messages):
-                worker_id = worker_ids[i % len(worker_ids)]
-                t0 = time.perf_counter()
-                response = await client.post(
-                    f"{base}/api/v1/agent/metrics/",
-                    json={"worker": worker_id, "metrics": {"num_running_reqs": i}},
-                )
-                response.raise_for_status()
-                seqs[worker_id] = response.json()["seq"]
-                sent[(worker_id, seqs[worker_id])] = t0
-                await asyncio.sleep(spacing_s)
-        await asyncio.wait_for(task, 30)
-
-    def pct(values: list[float], q: float) -> float:
-        return (
-            statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-        )
-
-    ingest = [got[k] - sent[k] for k in sent if k in got]
-    raw = [raw_got[k] - raw_sent[k] for k in raw_sent if k in raw_got]
-    return {
-        "ingest_p50": pct(ingest, 50),
-        "ingest_p95": pct(ingest, 95),
-        "raw_p50": pct(raw, 50),
-        "raw_p95": pct(raw, 95),
-        "delivered": len(ingest),
-        "sent": len(sent),
-    }
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=200, help="fake idle workers to attach (default 200)")
-    parser.add_argument("--messages", type=int, default=500, help="metric ingests to time (default 500)")
     parser.add_argument("--celery-pool", choices=["threads", "prefork"], default="threads")
     parser.add_argument("--celery-concurrency", type=int, default=8)
     parser.add_argument(
@@ -232,15 +152,15 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     args = parser.parse_args(argv)
-    if args.workers < 1 or args.messages < 2:
-        parser.error("--workers must be >= 1 and --messages >= 2")
+    if args.workers < 1:
+        parser.error("--workers must be >= 1")
     env = _configure(args)
 
     from controlplane.bench.fake_fleet import FakeFleet
 
     fleet = FakeFleet(args.workers)
     _user, token, workers, profile = _seed(args.workers, fleet)
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     procs = [
         subprocess.Popen(
@@ -294,8 +214,6 @@ def main(argv=None) -> int:
         )
         celery_s, state = fanout_celery(base, token, workers, profile2)
         attached = sum(1 for b in fleet.backends if b == "mooncake")
-        spacing = max(0.0, 1.2 / min(len(workers), 100))
-        lat = asyncio.run(latency(base, token, [w.pk for w in workers[:100]], args.messages, spacing))
     finally:
         for proc in procs:
             proc.terminate()
@@ -315,13 +233,6 @@ def main(argv=None) -> int:
     print(
         f"  REST + Celery ({args.celery_pool} x{args.celery_concurrency}): {celery_s:7.2f} s  state={state}  "
         f"attached={attached}/{args.workers}  target < 10 s  speed-up x{serial_s / celery_s:.1f}"
-    )
-    ms = {k: v * 1000 for k, v in lat.items() if k.endswith(("p50", "p95"))}
-    print(f"metric ingest -> websocket, {lat['sent']} messages ({lat['delivered']} delivered)")
-    print(f"  baseline channel layer only: p50 {ms['raw_p50']:7.1f} ms  p95 {ms['raw_p95']:7.1f} ms")
-    print(
-        f"  HTTP ingest -> websocket   : p50 {ms['ingest_p50']:7.1f} ms  p95 {ms['ingest_p95']:7.1f} ms"
-        f"  target p95 < 1500 ms  ratio p95 x{ms['ingest_p95'] / ms['raw_p95']:.1f}"
     )
     return 0 if state == "succeeded" and attached == args.workers else 1
 

@@ -4,7 +4,7 @@ traffic with no rebalance, in the same run.
     python -m controlplane.bench.rebalance [--clients 2] [--baseline-s 20] [--soak-s 5] [--redis-url URL]
                                            [--method switch|restart]
 
-Three real SmolLM2 engines (Mooncake over TCP) behind the real sglang-router in PD mode
+Three real SmolLM2 engines (Mooncake over TCP) behind the real router (smg) in PD mode
 (engine/fleet/router.py ROUTER_FLAGS; engines, router, inventory rows and client load are
 controlplane/bench/rebalance_fleet.py's, which the rebalance tests on real processes use too), a real
 Celery worker on Redis, a fresh SQLite database and a random key prefix/queue. Method

@@ -1,5 +1,5 @@
 """The real PD fleet of the rebalance benchmark (controlplane/bench/rebalance.py) and of the rebalance tests
-on real processes: SmolLM2 engines (Mooncake over TCP), the real sglang-router in PD mode in front of them,
+on real processes: SmolLM2 engines (Mooncake over TCP), the real router (smg) in PD mode in front of them,
 their inventory rows, and clients sending greedy requests through the router while a rebalance runs, each
 answer checked against the text recorded before it.
 
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess
+from engine.ports import free_port
 
 ENGINE_FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--random-seed", "0", "--enable-metrics",
                 "--max-total-tokens", "2048"]  # fmt: skip
@@ -53,13 +54,14 @@ def server_roles(urls: dict[str, str]) -> dict[str, str]:
 
 
 def router_workers(router_url: str) -> dict[str, str]:
-    """URL -> worker type (prefill | decode) of every worker the router lists."""
+    """URL -> worker type (prefill | decode) of every worker the router lists (those smg is draining out,
+    ``"status": "draining"``, left out: it selects them no more)."""
     workers = httpx.get(f"{router_url}/workers", timeout=5).json()["workers"]
-    return {w["url"].rstrip("/"): w["worker_type"] for w in workers}
+    return {w["url"].rstrip("/"): w["worker_type"] for w in workers if w.get("status") != "draining"}
 
 
 def start_router(urls: dict[str, str], roles: dict[str, str], timeout: float = 120) -> RouterProcess:
-    """The real sglang-router in PD mode (round robin) over ``urls`` (name -> URL) in ``roles``: each prefill
+    """The real router (smg) in PD mode (round robin) over ``urls`` (name -> URL) in ``roles``: each prefill
     with the bootstrap port its /server_info reports, in the order of ``urls``; returns once it lists all of
     them. ``close()`` (or a ``with`` block) stops it."""
     args = ["--pd-disaggregation", "--policy", "round_robin"]

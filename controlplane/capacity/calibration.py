@@ -1,17 +1,17 @@
 """Calibration: does the what-if agree with the fleet it describes, tier by tier?
 
-Per worker of a pool that recorded traffic (``--record-trace``), over the window its kept metrics history
-covers: its live configuration (L1 ``max_total_num_tokens`` and L2 ``hicache_host_total_tokens`` from its
-newest sample, L3 unbounded when it has a backend attached, its page size, and the write policy, eviction
-policy, admission filters and prefetch threshold it reported at ``GET /hicache/config``), and the prompt
-tokens it measured as cached per tier over the same window (the increases of ``sglang:cached_tokens_total``
-by ``cache_source`` device / host / storage over that of ``sglang:prompt_tokens_total``). The workers'
-recorded requests are replayed together with ``python -m engine.whatif``, each worker through its own L1
-and L2 and all of them through one L3, as the pool runs (its workers attach the same storage backend, so a
-page one worker backed up is a storage hit for another). Workers of different live configurations are
-replayed in separate runs (one per configuration), and then the L3 they share is modelled within each run
-only: the note says so. The pool's figures are token-weighted sums; each tier and the total must agree
-within ``TARGET_POINTS``.
+Per worker of a pool that recorded traffic (``--record-trace``), over the window its scrapes in the TSDB cover
+(the last ``HISTORY_S``, read with one PromQL query for the pool, `telemetry.samples`): its live configuration
+(L1 ``max_total_num_tokens`` and L2 ``hicache_host_total_tokens`` from its newest scrape, L3 unbounded when it
+has a backend attached, its page size, and the write policy, eviction policy, admission filters and prefetch
+threshold it reported at ``GET /hicache/config``), and the prompt tokens it measured as cached per tier over
+the same window (the increases of ``sglang:cached_tokens_total`` by ``cache_source`` device / host / storage
+over that of ``sglang:prompt_tokens_total``). The workers' recorded requests are replayed together with
+``python -m engine.whatif``, each worker through its own L1 and L2 and all of them through one L3, as the pool
+runs (its workers attach the same storage backend, so a page one worker backed up is a storage hit for
+another). Workers of different live configurations are replayed in separate runs (one per configuration), and
+then the L3 they share is modelled within each run only: the note says so. The pool's figures are
+token-weighted sums; each tier and the total must agree within ``TARGET_POINTS``.
 
 A worker whose cache configuration changed inside its window (an audited attach, detach or config push,
 or its revert) is replayed with today's configuration throughout: the answer names the change and gives
@@ -19,7 +19,7 @@ no verdict (``within_target`` None, ``config_changes`` listing them).
 
 Each worker is replayed with its own traffic, so how the router split the pool's traffic is exactly what
 happened; the replay starts cold, so a window that begins after the worker had already cached traffic (the
-metrics history is one hour) starts the replay at a disadvantage, and the answer says when that is so.
+history read is one hour) starts the replay at a disadvantage, and the answer says when that is so.
 """
 
 from __future__ import annotations
@@ -34,18 +34,19 @@ from controlplane.audit.selectors import worker_config_changes
 from controlplane.capacity import selectors, services
 from controlplane.capacity.models import RecordedRequest
 from controlplane.inventory.models import EngineWorker
-from controlplane.telemetry import store
+from controlplane.telemetry import promql, samples
 from controlplane.telemetry.metrics import counter_step
-from controlplane.telemetry.selectors import POOLS
+from controlplane.telemetry.selectors import POOLS, unavailable_text
 
 TIERS = ("device", "host", "storage")
+HISTORY_S = 3600.0  # the scrapes read per worker: the console's longest window
 
 
 def _increase(samples: list[dict], key: str) -> float:
     """How much counter ``key`` rose over ``samples``, in sample-time order, across restarts: each step is
-    ``counter_step`` from the last value counted (the highest since the last restart), so a sample that
-    arrived out of order (the agent's and the control plane's scrape both sample a worker) is not counted as
-    a restart. A sample without it counts 0: a labelled counter is not exported before its first increment.
+    ``counter_step`` from the last value counted (the highest since the last restart), so a small dip is not
+    counted as a restart. A sample without it counts 0: a labelled counter is not exported before its first
+    increment.
     """
     total, prev = 0.0, None
     for sample in sorted(samples, key=lambda s: s["ts"]):
@@ -71,11 +72,11 @@ TARGET_POINTS = 5.0  # the most a tier's (or the total's) what-if share may diff
 TIER_NAMES = {"device": "l1", "host": "l2", "storage": "l3"}
 
 
-def _worker(worker: EngineWorker, pool: str, block_tokens: int) -> dict | None:
-    """The worker's window, live configuration and measured tokens; None when there is nothing to replay."""
+def _worker(worker: EngineWorker, pool: str, block_tokens: int, history: list[dict]) -> dict | None:
+    """The worker's window of its scrapes ``history`` (oldest first), live configuration and measured tokens;
+    None when there is nothing to replay."""
     rows = RecordedRequest.objects.filter(worker=worker, pool=pool, block_tokens=block_tokens)
     first_ms = rows.order_by("timestamp_ms").values_list("timestamp_ms", flat=True).first()
-    history = store.history(worker.pk)
     if first_ms is None or len(history) < 2:
         return None
     samples, since_ms, truncated = _window(history, first_ms)
@@ -108,6 +109,11 @@ def _worker(worker: EngineWorker, pool: str, block_tokens: int) -> dict | None:
         "measured_cached_tokens": sum(measured.values()),
         "measured_prompt_tokens": _increase(samples, "prompt_tokens_total"),
     }
+
+
+def _utc(iso: str) -> str:
+    """``2026-12-06T18:00:44+00:00`` as the console writes times: ``2026-12-06 18:00:44 UTC``."""
+    return iso[:19].replace("T", " ") + " UTC"
 
 
 def _changed_inside(rows: list[dict]) -> list[dict]:
@@ -180,7 +186,12 @@ def calibration(*, pool: str) -> dict:
     roles = [role for role, name in POOLS.items() if name == pool]
     recorded = RecordedRequest.objects.filter(pool=pool).values_list("worker_id", flat=True).distinct()
     workers = EngineWorker.objects.filter(pk__in=list(recorded), role__in=roles).order_by("name")
-    rows = [r for r in (_worker(w, pool, block_tokens) for w in workers) if r]
+    try:
+        scrapes = samples.worker_samples([w.name for w in workers], HISTORY_S)
+    except promql.PromQLError as exc:
+        since = promql.unavailable_since() or datetime.now(UTC).timestamp()
+        return {**empty, "note": unavailable_text(since, exc.message)}
+    rows = [r for r in (_worker(w, pool, block_tokens, scrapes.get(w.name, [])) for w in workers) if r]
     if not rows:
         return {**empty, "note": "no worker of the pool has metrics samples covering its recorded traffic"}
     groups: dict[str, list[dict]] = {}
@@ -213,15 +224,17 @@ def calibration(*, pool: str) -> dict:
         within = None
         notes.append(
             "the configuration changed inside the window ("
-            + ", ".join(f"{c['worker']}: {c['action']} at {c['at']}" for c in changed)
+            + ", ".join(f"{c['worker']}: {c['action']} at {_utc(c['at'])}" for c in changed)
             + "): the replay runs each worker's configuration of now for the whole window, so the comparison"
             " is not like for like until a window starts after the change"
         )
     late = [r["worker"] for r in rows if r["starts_after_traffic"]]
     if late:
+        one = len(late) == 1
         notes.append(
-            f"the window of {', '.join(late)} starts after its traffic did (its metrics history is shorter): "
-            "the replay starts cold where the worker was warm"
+            f"the window of {', '.join(late)} starts after {'its' if one else 'their'} traffic did "
+            f"({'its metrics history is' if one else 'their metrics histories are'} shorter): the replay "
+            f"starts cold where the {'worker was' if one else 'workers were'} warm"
         )
     if len(groups) > 1:
         notes.append(

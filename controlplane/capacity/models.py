@@ -16,6 +16,20 @@ class RecordedRequest(models.Model):
     input_length = models.PositiveIntegerField()
     output_length = models.PositiveIntegerField()
     hash_ids = models.JSONField()
+    output_hash_ids = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Block ids of the cached sequence from its first block holding a generated token "
+        "([] in Mooncake's traces): the ceiling counts answers a next turn repeats",
+    )
+    misses = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="The worker's miss attribution of this request ({} when it reported none): "
+        '{"causes": {cause: tokens}, "unseen": [[start, end], ...]}, the token ranges of its not_seen_here '
+        "tokens, which the control plane splits into fleet-wide first sightings and prefixes another "
+        "worker computed",
+    )
     block_tokens = models.PositiveIntegerField(
         default=512,
         help_text="Tokens per hash_ids block the worker recorded with (the replay's --block-tokens)",

@@ -3,7 +3,7 @@
 from collections import Counter
 
 from controlplane.inventory.models import EngineWorker
-from controlplane.telemetry import store
+from controlplane.telemetry import live, promql
 from controlplane.telemetry.selectors import POOLS
 
 # The what-if's page size (tokens) when no worker is registered: the demo fleet's --page-size
@@ -47,7 +47,8 @@ def _per_dtype_bytes(info: dict, dtype: str) -> int | None:
     ``kv_shape`` (exact, int8's scales included), else scaled from its own ``kv_bytes_per_token`` by element
     size (exact between unscaled dtypes; None for int8, whose scales need the shape, or for a worker that
     does not name its ``kv_cache_dtype``)."""
-    from engine.sizing.kv import KV_DTYPES, SCALE_BYTES, shape_for
+    from engine.cache.kv_dtypes import KV_DTYPES, SCALE_BYTES
+    from engine.sizing.kv import shape_for
 
     shape, own, current = info.get("kv_shape"), _bytes_per_token(info), info.get("kv_cache_dtype")
     if isinstance(shape, dict) and all(
@@ -95,13 +96,14 @@ def kv_dtype_ceilings(
 
 
 def worker_capacities() -> list[dict]:
-    """Per worker: name, pool (regular / prefill / decode), page size, and from its latest metrics sample
-    the L1 capacity (``max_total_num_tokens``) and L2 capacity (``hicache_host_total_tokens``), None when
-    it has not reported, its attached L3 ``storage_backend`` ("" for none), its ``tp_size``, and
-    ``kv_bytes_per_token`` and ``kv_cache_dtype`` as the worker answers them now at ``/get_model_info``
-    (one rank's: each rank's pools hold its share of the KV heads; None when it does not answer; the
-    workers are asked in parallel, at most ``MODEL_INFO_TIMEOUT_S`` each), with ``kv_dtypes``: the tokens
-    per rank each KV dtype fits in the same memory (``kv_dtype_ceilings``)."""
+    """Per worker: name, pool (regular / prefill / decode), page size, and from the TSDB's newest scrape of it
+    (`telemetry.live`, one PromQL query) the L1 capacity (``max_total_num_tokens``) and L2 capacity
+    (``hicache_host_total_tokens``), None when it has not been scraped or the TSDB does not answer, its
+    attached L3 ``storage_backend`` ("" for none), its ``tp_size``, and ``kv_bytes_per_token`` and
+    ``kv_cache_dtype`` as the worker answers them now at ``/get_model_info`` (one rank's: each rank's pools
+    hold its share of the KV heads; None when it does not answer; the workers are asked in parallel, at most
+    ``MODEL_INFO_TIMEOUT_S`` each), with ``kv_dtypes``: the tokens per rank each KV dtype fits in the same
+    memory (``kv_dtype_ceilings``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     workers = list(
@@ -109,12 +111,15 @@ def worker_capacities() -> list[dict]:
             "id", "name", "url", "role", "page_size", "model_name", "storage_backend", "tp_size"
         )
     )
-    latest = store.latest_many([w["id"] for w in workers])
+    try:
+        latest = live.worker_figures()
+    except promql.PromQLError:
+        latest = {}
     with ThreadPoolExecutor(max_workers=8) as pool:
         infos = list(pool.map(_model_info, [w["url"] for w in workers]))
     rows = []
     for w, info in zip(workers, infos, strict=True):
-        sample = latest.get(w["id"]) or {}
+        sample = latest.get(w["name"]) or {}
         l1, l2 = _int(sample.get("max_total_num_tokens")), _int(sample.get("hicache_host_total_tokens"))
         rows.append(
             {
@@ -135,6 +140,12 @@ def worker_capacities() -> list[dict]:
             }
         )
     return rows
+
+
+def pool_worker_names(*, pool: str) -> list[str]:
+    """Names of the registered workers of ``pool`` (regular / prefill / decode), sorted."""
+    roles = [role for role, name in POOLS.items() if name == pool]
+    return list(EngineWorker.objects.filter(role__in=roles).order_by("name").values_list("name", flat=True))
 
 
 def pool_page_size(*, pool: str | None = None) -> int:
@@ -259,13 +270,15 @@ def recorded_trace_lines(
     worker_id: int | None = None,
     since_ms: int | None = None,
     since_ms_by_worker: dict[int, int] | None = None,
+    with_misses: bool = False,
 ) -> list[dict]:
     """The pool's trace in Mooncake's format (rows of ``recorded_block_tokens``), arrival order,
     ``timestamp`` in ms from its first request, each row with the ``worker`` (name) that served it (the
     what-if gives each worker its own L1 and L2 and all of them one L3, as the fleet has them); only
     ``worker_id``'s rows when given, only rows that arrived at or after ``since_ms`` (ms since the epoch)
     when given; with ``since_ms_by_worker`` ({worker id: ms}), only those workers' rows from each one's
-    own start."""
+    own start. ``with_misses``: each row also has the worker's ``misses`` ({} when it reported none; not
+    part of Mooncake's format, so a trace file leaves it out)."""
     from django.db.models import Q
 
     from controlplane.capacity.models import RecordedRequest
@@ -280,14 +293,20 @@ def recorded_trace_lines(
         for worker, since in since_ms_by_worker.items():
             either |= Q(worker_id=worker, timestamp_ms__gte=since)
         rows = rows.filter(either)
-    rows = rows.values_list("timestamp_ms", "input_length", "output_length", "hash_ids", "worker__name")
+    rows = rows.values_list(
+        "timestamp_ms", "input_length", "output_length", "hash_ids", "output_hash_ids", "worker__name",
+        "misses",
+    )  # fmt: skip
     out, start = [], None
-    for ts, inp, outp, ids, worker in rows.order_by("timestamp_ms", "id").iterator():
+    for ts, inp, outp, ids, extra, worker, misses in rows.order_by("timestamp_ms", "id").iterator():
         start = ts if start is None else start
-        out.append(
-            {"timestamp": ts - start, "input_length": inp, "output_length": outp, "hash_ids": ids,
-             "worker": worker}
-        )  # fmt: skip
+        row = {"timestamp": ts - start, "input_length": inp, "output_length": outp, "hash_ids": ids,
+               "worker": worker}  # fmt: skip
+        if extra:
+            row["output_hash_ids"] = extra
+        if with_misses:
+            row["misses"] = misses
+        out.append(row)
     return out
 
 

@@ -134,6 +134,8 @@ def recorded_requests_ingest(*, worker, requests: list[dict], block_tokens: int 
             input_length=r["input_length"],
             output_length=r["output_length"],
             hash_ids=r["hash_ids"],
+            output_hash_ids=r.get("output_hash_ids") or [],
+            misses=r.get("misses") or {},
             block_tokens=block_tokens,
         )
         for r in requests

@@ -1,13 +1,14 @@
 """Websocket message envelope and group names (the only shapes the consumer forwards).
 
 Envelope: {"v": 1, "type": "<domain>.<event>", "id": uuid hex, "ts": ISO-8601 UTC, "seq": int, "data": {...}}.
-Types: worker.metrics, fleet.metrics, operation.state_changed, operation.target_changed,
-rebalance.state_changed, rebalance.step_changed, fleet.alert (a reconciler alert opened, changed or resolved;
-group "alerts"), control.subscribed, control.error, control.revoked
+Types: worker.series (the worker page's newest point, telemetry.worker_view), fleet.metrics, pools.samples (a
+PD router's workers' newest scrapes, the rebalance page's pool figures), operation.state_changed,
+operation.target_changed, rebalance.state_changed, rebalance.step_changed, fleet.alert (a reconciler alert
+opened, changed or resolved; group "alerts"), control.subscribed, control.error, control.revoked
 (server-internal: closes the sockets of a revoked token). Groups clients may subscribe: "fleet", "alerts",
-"operations", "worker.<id>", "operation.<id>", "rebalances", "rebalance.<id>"; "token.<prefix>" holds a
-token's sockets, "user.<id>" every socket of a user, "session.<digest>" the sockets of one console login
-session.
+"operations", "worker.<id>", "pools.<router id>", "operation.<id>", "rebalances", "rebalance.<id>";
+"token.<prefix>" holds a token's sockets, "user.<id>" every socket of a user, "session.<digest>" the sockets
+of one console login session.
 """
 
 import hashlib
@@ -17,8 +18,9 @@ from datetime import UTC, datetime
 
 EVENT_TYPES = frozenset(
     {
-        "worker.metrics",
+        "worker.series",
         "fleet.metrics",
+        "pools.samples",
         "operation.state_changed",
         "operation.target_changed",
         "rebalance.state_changed",
@@ -30,7 +32,7 @@ EVENT_TYPES = frozenset(
     }
 )
 GROUP_PATTERN = re.compile(
-    r"^(fleet|alerts|operations|worker\.\d+|operation\.\d+|rebalances|rebalance\.\d+)$"
+    r"^(fleet|alerts|operations|worker\.\d+|pools\.\d+|operation\.\d+|rebalances|rebalance\.\d+)$"
 )
 ALERTS_GROUP = "alerts"  # every reconciler alert's fleet.alert events
 
@@ -50,6 +52,11 @@ def envelope(event_type: str, data: dict, seq: int = 0) -> dict:
 
 def worker_group(worker_id: int) -> str:
     return f"worker.{worker_id}"
+
+
+def pools_group(router_id: int) -> str:
+    """The group of a PD router's rebalance page: its prefill and decode workers' scrapes."""
+    return f"pools.{router_id}"
 
 
 def operation_group(operation_id: int) -> str:

@@ -5,13 +5,11 @@ same envelope by `exception_handler`.
 """
 
 import logging
-import sys
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import DatabaseError, DataError, IntegrityError
-from django.http import Http404, JsonResponse
-from django.views.defaults import server_error as html_server_error
+from django.http import Http404
 from rest_framework import exceptions as drf_exceptions
 from rest_framework import status
 from rest_framework.response import Response
@@ -107,33 +105,3 @@ def exception_handler(exc, context):
         detail = {}
     response.data = error_body(code, message, detail)
     return response
-
-
-def not_found(request, exception=None):
-    """The 404 page (``handler404``): the JSON envelope under ``/api/``, the console's page in its layout
-    elsewhere (``frontend.views.not_found``)."""
-    if request.path.startswith("/api/"):
-        return JsonResponse(error_body("not_found", "Not found.", {"path": request.path}), status=404)
-    from frontend.views import not_found as console_not_found  # the console's app imports this module
-
-    return console_not_found(request)
-
-
-def server_error(request):
-    """The 500 page (``handler500``): under ``/api/`` the JSON envelope (a database error as
-    :func:`database_error` maps it), never Django's HTML page; the console's page in its layout elsewhere
-    (``frontend.views.server_error``: no database read, which may be what failed), Django's plain page if
-    even that fails."""
-    if not request.path.startswith("/api/"):
-        from frontend.views import server_error as console_server_error
-
-        try:
-            return console_server_error(request)
-        except Exception:
-            log.exception("the console's 500 page failed")
-            return html_server_error(request)
-    exc = sys.exc_info()[1]
-    if isinstance(exc, DatabaseError):
-        err = database_error(exc)
-        return JsonResponse(error_body(err.code, err.message), status=err.status_code)
-    return JsonResponse(error_body("server_error", "Internal server error."), status=500)

@@ -15,12 +15,17 @@ from controlplane.core.exceptions import ConflictError
 
 
 def model_snapshot(instance: models.Model) -> dict:
+    """The audited fields of `instance`: `audit_masked_fields` as "***" (or "" when empty),
+    `audit_counted_fields` (large tables kept elsewhere) as their number of entries."""
     masked = set(getattr(instance, "audit_masked_fields", ()))
+    counted = set(getattr(instance, "audit_counted_fields", ()))
     out = {}
     for field in instance._meta.concrete_fields:
         value = getattr(instance, field.attname)
         if field.name in masked:
             value = "***" if value else ""
+        elif field.name in counted:
+            value = f"{len(value or ())} entries"
         elif isinstance(value, datetime | date):
             value = value.isoformat()
         elif isinstance(value, Decimal):

@@ -7,6 +7,7 @@ from django.db import models
 
 from controlplane.core.crypto import decrypt_text, encrypt_text
 from controlplane.core.models import TimeStamped
+from engine.server.contract import CAPABILITIES, ENGINE_KINDS, missing_capability
 
 
 class Host(TimeStamped):
@@ -82,9 +83,33 @@ class RouterPolicy(models.TextChoices):
     POWER_OF_TWO = "power_of_two"
 
 
+class RouterKind(models.TextChoices):
+    """Which router answers at a Router's URL (engine/fleet/identity.py); "" until it has been probed."""
+
+    SMG = "smg", "smg"
+    SGLANG_ROUTER = "sglang-router", "sglang-router"
+    UNKNOWN = "", "not identified"
+
+
 class Router(TimeStamped):
     name = models.CharField(max_length=100, unique=True)
     url = models.URLField(unique=True)
+    kind = models.CharField(
+        max_length=20,
+        choices=RouterKind.choices,
+        blank=True,
+        default=RouterKind.UNKNOWN,
+        help_text="Probed from the router's GET /get_loads (smg, or sglang-router); empty until it answered",
+    )
+    version = models.CharField(
+        max_length=40,
+        blank=True,
+        help_text="The router's release as it reports it (smg: e.g. 1.13.0); empty when it does not "
+        "(sglang-router) or before it was probed",
+    )
+    identified_at = models.DateTimeField(
+        null=True, blank=True, help_text="When kind and version were last probed from the router"
+    )
     mode = models.CharField(max_length=10, choices=RouterMode.choices, default=RouterMode.REGULAR)
     policy = models.CharField(max_length=20, choices=RouterPolicy.choices, default=RouterPolicy.CACHE_AWARE)
     metrics_url = models.URLField(
@@ -146,7 +171,16 @@ class WorkerState(models.TextChoices):
 ROLE_REQUEST_FIELDS = ("desired_role", "role_request_seq", "role_seen_seq", "role_applied_seq")
 # What the reconciler keeps a worker at (its assigned role, whether it left its router on purpose): also
 # written only by queryset updates, never by a full save of a possibly stale row.
-SERVICE_ONLY_FIELDS = (*ROLE_REQUEST_FIELDS, "assigned_role", "drained")
+# The command line its agent is asked to restart it with (a restart-with-flags operation) and what the agent
+# last acknowledged: queryset updates only, as the role request.
+FLAGS_REQUEST_FIELDS = (
+    "desired_flags",
+    "flags_request_seq",
+    "flags_applied_seq",
+    "flags_failed_seq",
+    "flags_failure",
+)
+SERVICE_ONLY_FIELDS = (*ROLE_REQUEST_FIELDS, *FLAGS_REQUEST_FIELDS, "assigned_role", "drained")
 
 
 def devices_problem(devices, tp_size: int | None) -> str | None:
@@ -212,6 +246,55 @@ class EngineWorker(TimeStamped):
         help_text="The newest role request its agent carried out (restarted it in that role, or found it "
         "running it), as it last reported (heartbeat role_acks.applied)",
     )
+    engine = models.CharField(
+        max_length=10,
+        choices=[(k, k) for k in ENGINE_KINDS],
+        default="kvfleet",
+        help_text="The engine it runs: kvfleet (KVFleet's engine) or sglang (upstream SGLang), as its agent "
+        "reports it",
+    )
+    engine_version = models.CharField(
+        max_length=50, blank=True, help_text="Its /server_info version as its agent last read it"
+    )
+    capabilities = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="What it was found able to do, probed by its agent (names of "
+        "engine.server.contract.CAPABILITIES); the console offers only these operations",
+    )
+    command_line = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="The launch flags it runs with, one argv item each (--flag=value), as its agent last "
+        "reported them once it answered /health; no interpreter, no secrets (keys go through the "
+        "environment); empty: no agent reported one",
+    )
+    launch_flags = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Its engine's launch flags as its agent's parser for it knows them: SGLang name -> "
+        "[option, takes a value]; what a restart with flags may set or remove",
+    )
+    desired_flags = models.JSONField(
+        null=True,
+        blank=True,
+        help_text="The command line its agent was last asked to restart it with (a restart_with_flags "
+        "operation); kept after it is carried out, the generation says which request is current",
+    )
+    flags_request_seq = models.PositiveIntegerField(
+        default=0, help_text="Generation of desired_flags: bumped each time it is set"
+    )
+    flags_applied_seq = models.PositiveIntegerField(
+        default=0,
+        help_text="The newest flags request its agent carried out (the worker answered /health with those "
+        "flags), as it last reported (heartbeat flag_acks.applied)",
+    )
+    flags_failed_seq = models.PositiveIntegerField(
+        default=0,
+        help_text="The newest flags request that failed (refused by the engine's parser, or the process "
+        "exited before answering /health), as its agent last reported (heartbeat flag_acks.failed)",
+    )
+    flags_failure = models.TextField(blank=True, help_text="Why flags_failed_seq failed, as its agent said")
     model_name = models.CharField(max_length=200, blank=True)
     tp_size = models.PositiveSmallIntegerField(
         default=1,
@@ -251,6 +334,8 @@ class EngineWorker(TimeStamped):
     )
 
     audit_masked_fields = ("admin_key_encrypted", "api_key_encrypted")
+    # its engine's whole flag table (hundreds of flags on upstream SGLang): a register's record keeps its size
+    audit_counted_fields = ("launch_flags",)
 
     class Meta:
         ordering = ["name"]
@@ -277,6 +362,22 @@ class EngineWorker(TimeStamped):
                 if not f.primary_key and f.name not in SERVICE_ONLY_FIELDS
             ]
         super().save(*args, **kwargs)
+
+    def can(self, capability: str) -> bool:
+        """Whether its agent found it able to do ``capability`` (a key of ``CAPABILITIES``). A worker no
+        agent probed (added by hand, or registered before probing existed) is taken to be KVFleet's engine
+        and able to do what KVFleet's engine does."""
+        if capability not in CAPABILITIES:
+            raise ValueError(f"unknown capability {capability!r}")
+        if not self.capabilities and self.engine == "kvfleet" and not self.engine_version:
+            return capability != "recorded_trace"
+        return capability in self.capabilities
+
+    def cannot_because(self, capability: str) -> str:
+        """'' when it can, else why not and what to do instead (``missing_capability``)."""
+        if self.can(capability):
+            return ""
+        return missing_capability(capability, self.engine, self.engine_version or "?")
 
     @property
     def admin_key(self) -> str:

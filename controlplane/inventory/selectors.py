@@ -5,6 +5,7 @@ from django.db.models import QuerySet
 
 from controlplane.inventory.models import EngineWorker, FleetAlert, Gpu, Host, Router, StorageProfile
 from controlplane.workerclient import WorkerError, router_circuit_breakers
+from engine.fleet.identity import SALT_ROUTES, TENANT_KEYS_ADVICE, RouterIdentity, salt_routes
 
 
 class WorkerFilter(django_filters.FilterSet):
@@ -33,6 +34,30 @@ def gpu_list() -> QuerySet:
 
 def router_list() -> QuerySet:
     return Router.objects.all()
+
+
+def router_cache_salt(router: Router) -> dict:
+    """Whether a request's ``cache_salt`` reaches the workers through ``router``, from its stored kind and
+    version (engine/fleet/identity.py): {identified, router ("smg 1.13.0"; "" before the router was
+    probed), routes: {route: true (carried) | false (dropped) | null (not verified or not identified)},
+    warning (one sentence, with the supported way; "" when every route carries it)}. A router not yet
+    identified warns too: nothing says the salt gets through."""
+    if not router.kind:
+        return {
+            "identified": False,
+            "router": "",
+            "routes": dict.fromkeys(SALT_ROUTES),
+            "warning": f"router {router.name} has not been identified yet (it has not answered GET "
+            "/get_loads), so whether cache_salt reaches its workers is unknown; to isolate tenants, "
+            f"{TENANT_KEYS_ADVICE}.",
+        }
+    identity = RouterIdentity(router.kind, router.version, salt_routes(router.kind, router.version))
+    return {
+        "identified": True,
+        "router": identity.label,
+        "routes": identity.salt_routes,
+        "warning": identity.salt_warning(),
+    }
 
 
 class FleetAlertFilter(django_filters.FilterSet):

@@ -17,6 +17,8 @@ class OperationKind(models.TextChoices):
     ATTACH = "attach"
     DETACH = "detach"
     APPLY_CONFIG = "apply_config"
+    # Stop and start the worker through its agent with changed launch flags (Operation.flags).
+    RESTART_WITH_FLAGS = "restart_with_flags"
 
 
 class Policy(models.TextChoices):
@@ -94,6 +96,12 @@ class Operation(models.Model):
     revision = models.ForeignKey(
         "configs.ConfigRevision", null=True, blank=True, on_delete=models.PROTECT, related_name="operations"
     )
+    flags = models.JSONField(
+        null=True,
+        blank=True,
+        help_text="restart_with_flags: {set: {SGLang flag name: value (true/false for a switch)}, "
+        "remove: [flag name]}, the same for every target",
+    )
     state = models.CharField(max_length=20, choices=OperationState.choices, default=OperationState.RUNNING)
     reason = models.TextField(blank=True)
     idle_timeout_s = models.FloatField()
@@ -130,6 +138,11 @@ class OperationTarget(models.Model):
     )
     changed = models.BooleanField(
         null=True, help_text="The worker's live state differed from `before` (null: unknown, unreadable)"
+    )
+    restart_seq = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="restart_with_flags: the worker's flags_request_seq this target last asked its agent for",
     )
     revert_cause = models.TextField(blank=True, help_text="Why this target is being reverted")
     idle_deadline_at = models.DateTimeField(null=True, blank=True)

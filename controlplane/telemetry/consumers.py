@@ -1,6 +1,6 @@
 """EventConsumer: one websocket per console tab; subscribe replaces the set of groups (AWX protocol).
 
-Client -> server: {"action": "subscribe", "groups": ["fleet", "worker.3", "operation.7"]}.
+Client -> server: {"action": "subscribe", "groups": ["fleet", "worker.3", "pools.2", "operation.7"]}.
 Server -> client: control.subscribed {groups, joined, left}, control.error {message}, and every broadcast
 envelope of the joined groups, forwarded verbatim.
 
@@ -21,6 +21,7 @@ the problem; the socket stays open and keeps its groups.
 import asyncio
 import json
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.contrib.auth import get_user_model
@@ -29,16 +30,18 @@ from controlplane.accounts.models import ApiToken
 from controlplane.accounts.permissions import READ_ROLES
 from controlplane.accounts.selectors import user_role
 from controlplane.core.events import GROUP_PATTERN, envelope, session_group, token_group, user_group
+from controlplane.telemetry import watchers
 
 MAX_GROUPS = 300
 SUBSCRIBE_HINT = 'send {"action": "subscribe", "groups": [...]}'
 JOIN_CONCURRENCY = 8  # group joins/leaves of one subscribe in flight at once
 # Group kind -> roles that may read it: the same as REST (/telemetry/*, /inventory/workers, /inventory/alerts,
-# /operations, /rebalances).
+# /operations, /rebalances; pools: /telemetry/workers/<id>/, the scrapes it pushes).
 GROUP_READ_ROLES = {
     "fleet": READ_ROLES,
     "alerts": READ_ROLES,
     "worker": READ_ROLES,
+    "pools": READ_ROLES,
     "operations": READ_ROLES,
     "operation": READ_ROLES,
     "rebalances": READ_ROLES,
@@ -97,8 +100,10 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         await self.close(code=code)
 
     async def disconnect(self, code):
-        for group in getattr(self, "groups_joined", set()) | set(getattr(self, "control_groups", [])):
+        joined = getattr(self, "groups_joined", set())
+        for group in joined | set(getattr(self, "control_groups", [])):
             await self.channel_layer.group_discard(group, self.channel_name)
+        await sync_to_async(watchers.change_groups)([], joined)
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs):
         """Decodes a JSON text frame for :meth:`receive_json`; anything else gets ``control.error``."""
@@ -149,6 +154,8 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         for start in range(0, len(changes), JOIN_CONCURRENCY):
             await asyncio.gather(*changes[start : start + JOIN_CONCURRENCY])
         self.groups_joined = wanted
+        # the publishers query the TSDB for open worker and rebalance pages only (telemetry.watchers)
+        await sync_to_async(watchers.change_groups)(joined, left)
         await self.send_json(
             envelope(
                 "control.subscribed",
@@ -157,7 +164,8 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         )
 
     async def broadcast_event(self, message):
-        if message["payload"].get("type") == "control.revoked":
+        """A group's event (`core.broadcast.wire`): its JSON text, encoded once for every socket."""
+        if message["event"] == "control.revoked":
             await self.close(code=4401)
             return
-        await self.send_json(message["payload"])
+        await self.send(text_data=message["text"])

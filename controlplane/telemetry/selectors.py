@@ -1,10 +1,10 @@
-"""Reads of live telemetry (Redis): one worker's latest/history, and the fleet summary."""
+"""Reads of live telemetry from the TSDB (PromQL): the fleet summary and the workers' L3 health."""
 
 import time
 from datetime import UTC, datetime
 
 from controlplane.inventory.models import EngineWorker
-from controlplane.telemetry import recent, store
+from controlplane.telemetry import hit_rate, live, promql
 from controlplane.telemetry.metrics import BREAKER_STATES, TIERS
 
 BREAKER_OPEN = BREAKER_STATES.index("open")
@@ -26,14 +26,6 @@ _SUMMED = (
 )
 
 
-def worker_metrics(*, worker_id: int, history_limit: int = 120) -> dict:
-    return {
-        "worker_id": worker_id,
-        "latest": store.latest(worker_id),
-        "history": store.history(worker_id, history_limit),
-    }
-
-
 POOLS = {"mixed": "regular", "prefill": "prefill", "decode": "decode"}
 # EPD encoders are a pool of their own on the fleet page (not in POOLS: they hold no KV, so no capacity,
 # calibration or P:D figure of the language pools applies to them)
@@ -52,17 +44,16 @@ L3_KEYS = (
 )
 NOT_REPORTED = "not reported by any worker"
 NO_L3 = "not reported by any worker: none has an L3 backend attached"
-NO_HITS = "no prompt token served from cache yet: a share of nothing"
 
 
 def _totals(samples: list[dict], *, l3_samples: list[dict] | None = None) -> dict:
     """Sums of `_SUMMED` over samples, each over the samples that report it (None when none does, never 0),
-    plus hit_share_<tier> (share of cached tokens since start, 0..1; None for a tier no sample reports or
-    while no cached token was served) and host_pool_use (used / capacity over the samples' host pools, 0..1;
-    None without a reported capacity). The `L3_KEYS` come from ``l3_samples`` only (default: ``samples``):
-    the samples of workers with an L3 attached. ``absent`` maps each None figure to why, in words: a rate's
-    reason is a worker's own (`metrics.with_rates`' ``rates_absent``) when its counter is reported. The rates
-    are each worker's over its last ``metrics.RATE_WINDOW_S`` or more, as the worker page charts them."""
+    plus `hit_rate.rates` of the samples (the pool's hit rate and its parts per tier over the hit-rate window,
+    0..1, None without a window or a prompt token in it) and host_pool_use (used / capacity over the samples'
+    host pools, 0..1; None without a reported capacity). The `L3_KEYS` come from ``l3_samples`` only (default:
+    ``samples``): the samples of workers with an L3 attached. ``absent`` maps each None figure to why, in
+    words: a rate's reason is a worker's own (`live`'s ``rates_absent``) when its counter is reported. The
+    rates are each worker's over the recording rules' last minute."""
     l3 = samples if l3_samples is None else l3_samples
     totals: dict = {}
     absent: dict[str, str] = {}
@@ -73,12 +64,11 @@ def _totals(samples: list[dict], *, l3_samples: list[dict] | None = None) -> dic
         if not values:
             why = [r for s in pool if (r := s.get("rates_absent", {}).get(key))] or [NOT_REPORTED]
             absent[key] = NO_L3 if key in L3_KEYS and samples and not l3 else why[0]
-    hits = sum(totals[f"cached_tokens_{t}"] or 0.0 for t in TIERS)
-    for tier in TIERS:
-        key, count = f"hit_share_{tier}", totals[f"cached_tokens_{tier}"]
-        totals[key] = count / hits if count is not None and hits else None
-        if totals[key] is None:
-            absent[key] = absent.get(f"cached_tokens_{tier}", NO_HITS)
+    rates = hit_rate.rates(samples)
+    absent.update(rates.pop("absent"))
+    totals.update(rates)
+    if samples and not l3:  # no worker has an L3 attached: no L3 part of the hit rate, not a 0
+        totals["hit_rate_storage"], absent["hit_rate_storage"] = None, NO_L3
     used, capacity = totals["hicache_host_used_tokens"], totals["hicache_host_total_tokens"]
     totals["host_pool_use"] = used / capacity if used is not None and capacity else None
     if totals["host_pool_use"] is None:
@@ -118,17 +108,32 @@ def _encoder_totals(samples: list[dict]) -> dict:
     return out
 
 
+def unavailable_text(since: float, reason: str = "") -> str:
+    """``metrics unavailable since HH:MM:SS UTC`` (and why): what every figure of a TSDB that does not
+    answer shows instead of a value."""
+    when = datetime.fromtimestamp(since, tz=UTC).strftime("%H:%M:%S UTC")
+    return f"metrics unavailable since {when}" + (f": {reason}" if reason else "")
+
+
 def fleet_summary() -> dict:
-    """Totals over every worker's latest sample, the same per pool (regular = mixed workers, prefill,
-    decode; each with `workers` and `reporting` counts and `ts`, its newest sample's time in epoch s or None;
-    and ``encoder``, the EPD encoders, with `_encoder_totals` instead of KV figures),
-    and one compact row per worker: its latest sample's gauges and, over the last `recent_window_s`
-    (300 s, the worker page's latency window; `recent.latency`), `recent_ttft_p50_s` / `recent_itl_p50_s`
-    (s; None without an observation) and `recent_requests` (first tokens in the window; None when the
-    window holds fewer than two of its samples or it restarted in it)."""
+    """Totals over every worker's live figures in the TSDB (`live.worker_figures`: one PromQL query), the
+    same per pool (regular = mixed workers, prefill, decode; each with `workers` and `reporting` counts and
+    `ts`, its newest scrape's time in epoch s or None; and ``encoder``, the EPD encoders, with
+    `_encoder_totals` instead of KV figures), and one compact row per worker: its gauges and, over the last
+    `recent_window_s` (300 s, the worker page's latency window), `recent_ttft_p50_s` / `recent_itl_p50_s`
+    (s; None without an observation) and `recent_requests` (first tokens in the window; None when the TSDB
+    holds fewer than two scrapes of it there).
+
+    ``unavailable_since`` (epoch s) is set when the TSDB does not answer (``unavailable`` says why): every
+    figure is then None, its ``absent`` reason "metrics unavailable since ...", never a 0."""
     workers = list(EngineWorker.objects.values_list("id", "name", "state", "role", "storage_backend"))
-    latest = store.latest_many([w[0] for w in workers])
-    windows = store.recent_bounds([w[0] for w in workers], since=time.time() - recent.WINDOW_S)
+    down, reason = None, ""
+    try:
+        by_name = live.worker_figures()
+    except promql.MetricsUnavailable as exc:
+        by_name, reason = {}, exc.message
+        down = promql.unavailable_since() or time.time()
+    latest = {w[0]: by_name[w[1]] for w in workers if w[1] in by_name}
     rows = []
     by_pool: dict[str, list[dict]] = {pool: [] for pool in POOLS.values()}
     with_l3: dict[str, list[dict]] = {pool: [] for pool in POOLS.values()}
@@ -146,7 +151,6 @@ def fleet_summary() -> dict:
             by_pool[pool].append(sample)
             if storage_backend:
                 with_l3[pool].append(sample)
-        window = recent.latency(*windows.get(worker_id, (None, None)))
         rows.append(
             {
                 "id": worker_id,
@@ -154,16 +158,8 @@ def fleet_summary() -> dict:
                 "state": state,
                 "role": role,
                 "pool": pool,
-                "cache_hit_rate": (sample or {}).get("cache_hit_rate"),
-                "num_running_reqs": (sample or {}).get("num_running_reqs"),
-                "num_queue_reqs": (sample or {}).get("num_queue_reqs"),
-                "host_pool_use": (sample or {}).get("host_pool_use"),
-                "encoder_images_per_s": (sample or {}).get("encoder_images_per_s"),
-                "storage_breaker_state": (sample or {}).get("storage_breaker_state"),
-                "recent_ttft_p50_s": window["ttft_p50_s"],
-                "recent_itl_p50_s": window["itl_p50_s"],
-                "recent_requests": window["requests"],
-                "ts": (sample or {}).get("ts"),
+                **{key: (sample or {}).get(key) for key in _ROW_KEYS},
+                "hit_rate_title": hit_rate_title(sample),
             }
         )
     pools = {
@@ -181,47 +177,87 @@ def fleet_summary() -> dict:
         "reporting": len(encoders),
         "ts": max((float(s["ts"]) for s in encoders if s.get("ts")), default=None),
     }
+    totals = _totals(
+        [s for samples in by_pool.values() for s in samples],
+        l3_samples=[s for samples in with_l3.values() for s in samples],
+    )
+    if down is not None:
+        why = unavailable_text(down, reason)
+        for figures in (totals, *pools.values()):
+            figures["absent"] = dict.fromkeys(figures["absent"], why)
     return {
         "workers": rows,
-        "totals": _totals(
-            [s for samples in by_pool.values() for s in samples],
-            l3_samples=[s for samples in with_l3.values() for s in samples],
-        ),
+        "totals": totals,
         "pools": pools,
         "reporting": len(latest),
-        "recent_window_s": recent.WINDOW_S,
+        "recent_window_s": live.LATENCY_WINDOW_S,
+        "hit_rate_window_s": hit_rate.WINDOW_S,
         "breakers_open": [
             {"id": r["id"], "name": r["name"]} for r in rows if r["storage_breaker_state"] == BREAKER_OPEN
         ],
+        "source": "prometheus",
+        "unavailable_since": down,
+        "unavailable": unavailable_text(down, reason) if down is not None else None,
     }
 
 
-def storage_health() -> list[dict]:
-    """Each worker with an L3 backend or a breaker reading, by name: :func:`l3_health` of its newest
-    sample."""
-    workers = [w for w in EngineWorker.objects.order_by("name")]
-    latest = store.latest_many([w.pk for w in workers])
-    rows = [l3_health(w, latest.get(w.pk) or {}) for w in workers]
-    return [r for r in rows if r["backend"] or r["state"] is not None]
+_ROW_KEYS = (
+    "hit_rate",
+    "num_running_reqs",
+    "num_queue_reqs",
+    "host_pool_use",
+    "encoder_images_per_s",
+    "storage_breaker_state",
+    "recent_ttft_p50_s",
+    "recent_itl_p50_s",
+    "recent_requests",
+    "ts",
+)
 
 
-def l3_health(worker: EngineWorker, sample: dict | None = None) -> dict:
-    """A worker's L3 health in ``sample`` (default: its newest): ``{worker, backend, state}`` (the breaker:
-    ``closed`` / ``half_open`` / ``open``, None without a reading) and ``failed_calls_per_s`` (failed L3
-    calls per second over its last 10 s, `metrics.with_rates`), ``failed_calls``, ``short_circuited``,
-    ``dropped_backup_pages`` (counters since it started), ``last_failure_at`` (an aware datetime of its last
-    failed L3 call, None when none), ``auto_detached_since`` (an aware datetime: the worker detached its L3
-    backend itself then and has not re-attached it, ``auto_detach_after_s``; else None), ``auto_detaches``
-    (how often it did, None without the setting), ``ts`` (the sample's time, epoch s). The storage page's
-    rows and the worker page's L3 facts."""
-    s = (store.latest_many([worker.pk]).get(worker.pk) if sample is None else sample) or {}
+def hit_rate_title(sample: dict | None) -> str:
+    """What a worker's hit rate cell says on hover: its tokens over the window, or why it has none."""
+    rates = hit_rate.rates([sample] if sample else [])
+    if rates["hit_rate"] is None:
+        return rates["absent"]["hit_rate"] if sample else "not reported by this worker"
+    return (
+        f"{rates['hit_cached_tokens']:,.0f} of {rates['hit_prompt_tokens']:,.0f} prompt tokens served"
+        f" from cache in the {hit_rate.WINDOW_TEXT}"
+    )
+
+
+def storage_health() -> tuple[list[dict], str | None]:
+    """Each worker with an L3 backend or a breaker reading, by name: :func:`l3_health` of the TSDB's newest
+    scrape of it (`live.worker_figures`, one PromQL query); and, while the TSDB does not answer, "metrics
+    unavailable since ..." (every row then has no reading)."""
+    workers = list(EngineWorker.objects.order_by("name"))
+    try:
+        latest, down = live.worker_figures(), None
+    except promql.PromQLError as exc:
+        latest, down = {}, unavailable_text(promql.unavailable_since() or time.time(), exc.message)
+    rows = [l3_health(w, latest.get(w.name) or {}) for w in workers]
+    return [r for r in rows if r["backend"] or r["state"] is not None], down
+
+
+def l3_health(worker: EngineWorker, figures: dict) -> dict:
+    """A worker's L3 health in ``figures`` (its live figures, `live` / `worker_view`: {} without a reading):
+    ``{worker, backend, state}`` (the breaker: ``closed`` / ``half_open`` / ``open``, None without a
+    reading) and ``failed_calls_per_s`` (failed L3 calls per second over the last minute), ``failed_calls``,
+    ``short_circuited``, ``dropped_backup_pages`` (counters since it started), ``last_failure_at`` (an aware
+    datetime of its last failed L3 call, None when none), ``auto_detached_since`` (an aware datetime: the
+    worker detached its L3 backend itself then and has not re-attached it, ``auto_detach_after_s``; else
+    None), ``auto_detaches`` (how often it did, None without the setting), ``ts`` (the scrape's time, epoch
+    s). The storage page's rows and the worker page's L3 facts."""
+    s = figures
     state = s.get("storage_breaker_state")
     age = s.get("storage_breaker_last_failure_age_s")
     out = s.get("storage_auto_detached_s")
     return {
         "worker": worker,
         "backend": worker.storage_backend,
-        "state": BREAKER_STATES[int(state)] if state is not None else None,
+        "state": BREAKER_STATES[int(state)]
+        if state is not None and 0 <= int(state) < len(BREAKER_STATES)
+        else None,
         "failed_calls_per_s": s.get("storage_breaker_failed_calls_per_s"),
         "failed_calls": s.get("storage_breaker_failed_calls_total"),
         "short_circuited": s.get("storage_breaker_short_circuited_total"),

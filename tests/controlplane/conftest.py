@@ -15,6 +15,7 @@ from django.conf import settings
 
 from controlplane.audit.append_only import set_purge_allowed
 from controlplane.celery import app as celery_app
+from engine.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -52,6 +53,9 @@ settings.CHANNEL_LAYERS = {
         },
     }
 }
+# No TSDB unless a test starts one (the ``tsdb`` fixture): nothing listens on the discard port, so a page or
+# summary reading PromQL says "metrics unavailable" instead of reading whatever serves the default port.
+settings.PROMETHEUS_URL = "http://127.0.0.1:9"
 settings.SECURE_SSL_REDIRECT = False
 settings.SESSION_COOKIE_SECURE = False
 settings.CSRF_COOKIE_SECURE = False
@@ -85,6 +89,8 @@ def subprocess_env(**extra) -> dict:
         REDIS_KEY_PREFIX=TEST_PREFIX,
         CELERY_QUEUE=TEST_QUEUE,
         OPERATION_POLL_INTERVAL_S="0.1",
+        PROMETHEUS_URL=settings.PROMETHEUS_URL,
+        TELEMETRY_PUBLISH_INTERVAL_S=str(settings.TELEMETRY_PUBLISH_INTERVAL_S),
         HTTPS="0",
         DEBUG="0",
         PYTHONPATH=str(REPO),
@@ -223,9 +229,6 @@ def _fresh_telemetry_keys():
     planner keys of this run."""
     import redis
 
-    from controlplane.telemetry.services import ingest_cache_clear
-
-    ingest_cache_clear()  # worker ids repeat across tests' databases
     client = redis.Redis.from_url(TEST_REDIS_URL)
     for pattern in (f"{TEST_PREFIX}:tm:*", f"{TEST_PREFIX}:plan:*"):
         for key in client.scan_iter(pattern, count=1000):
@@ -233,12 +236,156 @@ def _fresh_telemetry_keys():
     yield
 
 
-def free_port() -> int:
-    import socket
+class Tsdb:
+    """A real Prometheus (``engine.fleet.prometheus``) for the control plane under test, on a port chosen up
+    front: ``url`` is already ``settings.PROMETHEUS_URL`` (in this process and in the daphne ``asgi_server``
+    starts after it), :meth:`start` starts it once the control plane answers its service discovery."""
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    def __init__(self, tmp_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.data_dir = str(tmp_path / "prometheus")
+        self.server = None
+
+    def start(self, control_plane: str, token: str, scrape_interval_s: float = 1.0):
+        """Scrape what ``control_plane``'s SD lists (read with ``token``) every ``scrape_interval_s``."""
+        from engine.fleet.prometheus import PrometheusServer
+
+        self.server = PrometheusServer(
+            sd_url=f"{control_plane}/api/v1/telemetry/targets/",
+            sd_token=token,
+            scrape_interval_s=scrape_interval_s,
+            sd_refresh_s=1.0,
+            data_dir=self.data_dir,
+            port=self.port,
+        ).start(same_port=True)
+        return self.server
+
+    def serve(
+        self,
+        scrapes: list[tuple[str, float, str]],
+        control_plane: str | None = None,
+        token: str | None = None,
+    ) -> None:
+        """Write ``scrapes`` ([(worker name, epoch s, its /metrics text), ...]) into the TSDB's storage as if
+        it had scraped them then (each series with the ``worker`` label, and ``up`` 1), then (re)start it:
+        promtool's OpenMetrics import into real blocks (the past cannot be scraped). Without
+        ``control_plane`` it scrapes nothing, so its series are exactly these (call again to add later
+        scrapes: a restart on the same data); with it, it goes on scraping the fleet live as :meth:`start`."""
+        import subprocess
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        def esc(value: str) -> str:
+            return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+        def num(value: float) -> str:
+            return {"nan": "NaN", "inf": "+Inf", "-inf": "-Inf"}.get(repr(value), repr(value))
+
+        series: dict[str, dict[tuple, list[tuple[float, float]]]] = {}
+        for worker, ts, text in scrapes:
+            samples = [
+                (s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples
+            ]
+            for name, labels, value in [*samples, ("up", {}, 1.0)]:
+                key = tuple(sorted({**labels, "worker": worker}.items()))
+                series.setdefault(name, {}).setdefault(key, []).append((ts, float(value)))
+        lines = []
+        for name in sorted(series):
+            lines.append(f"# TYPE {name} unknown")
+            for key, points in sorted(series[name].items()):
+                labels = ",".join(f'{k}="{esc(v)}"' for k, v in key)
+                lines += [f"{name}{{{labels}}} {num(value)} {ts!r}" for ts, value in sorted(points)]
+        lines.append("# EOF")
+        if self.server is not None:
+            self.server.stop()
+        source = Path(self.data_dir) / f"backfill-{len(list(Path(self.data_dir).glob('backfill-*')))}.om"
+        source.parent.mkdir(parents=True, exist_ok=True)
+        source.write_text("\n".join(lines) + "\n")
+        blocks = Path(self.data_dir) / "data"
+        blocks.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            ["promtool", "tsdb", "create-blocks-from", "openmetrics", str(source), str(blocks)],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        if control_plane is not None:
+            self.server = None
+            self.start(control_plane, token)
+            return
+        if self.server is None:
+            from engine.fleet.prometheus import PrometheusServer
+
+            # it scrapes nothing; 60 s sets its lookback to 3 min, so an instant query sees the scrapes served
+            self.server = PrometheusServer(data_dir=self.data_dir, port=self.port, scrape_interval_s=60.0)
+        self.server.start(same_port=True)
+
+    def up(self, worker: str) -> bool:
+        """Whether the TSDB's newest scrape of ``worker`` succeeded."""
+        from controlplane.telemetry.promql import PromQL
+
+        return any(s["value"] == 1.0 for s in PromQL(self.url).query(f'up{{worker="{worker}"}}'))
+
+    def wait_scraped(self, *workers: str, timeout_s: float = 240.0) -> None:
+        """Poll until the TSDB's newest scrape of every one of ``workers`` succeeded (a scrape and an SD
+        re-read a second; the bound is for a loaded 2-core machine); fails naming them and its log."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self.up(w) for w in workers):
+            assert time.monotonic() < deadline, f"the TSDB did not scrape {workers}: {self.server.log_tail()}"
+            time.sleep(0.5)
+
+
+@pytest.fixture
+def tsdb(settings, tmp_path):
+    """A :class:`Tsdb`; request it before ``asgi_server`` so daphne gets its URL (and the live views' 1 s
+    step, its scrape interval). Stopped at teardown."""
+    tsdb = Tsdb(tmp_path)
+    settings.PROMETHEUS_URL = tsdb.url
+    settings.TELEMETRY_PUBLISH_INTERVAL_S = 1.0
+    yield tsdb
+    if tsdb.server is not None:
+        tsdb.server.stop()
+
+
+@pytest.fixture
+def fleet_publisher(tsdb):
+    """Pushes the fleet summary, every open worker page's newest point and every open rebalance page's
+    workers' newest scrapes, queried from the TSDB, to their groups, and audits the L3 moves it scraped,
+    every second while the test runs: Celery beat's ``telemetry.publish_fleet``,
+    ``telemetry.publish_workers``, ``telemetry.publish_pools`` and ``telemetry.audit_storage`` (every
+    TELEMETRY_PUBLISH_INTERVAL_S), run by a thread of the test process (whose PROMETHEUS_URL is the test's
+    TSDB) instead of a beat process."""
+    import threading
+
+    from django.db import connection
+
+    from controlplane.telemetry.store import client, key
+    from controlplane.telemetry.tasks import (
+        audit_storage_task,
+        publish_fleet_task,
+        publish_pools_task,
+        publish_workers_task,
+    )
+
+    client().delete(key("l3audit"), key("l3audit", "lock"))  # no earlier test's workers of the same names
+    stop = threading.Event()
+
+    def run():
+        try:
+            while not stop.wait(1.0):
+                publish_fleet_task()
+                publish_workers_task()
+                publish_pools_task()
+                audit_storage_task()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run, name="fleet-publisher", daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join(30)
 
 
 @pytest.fixture

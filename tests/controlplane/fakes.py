@@ -137,6 +137,7 @@ class FakeWorker(_FakeHTTP):
         self.model_name = model_name
         self.decode_offload = False  # --disaggregation-decode-enable-offload-kvcache
         self.counters = {"device": 0.0, "host": 0.0, "storage": 0.0}  # a tier left out is not reported
+        self.prompt_tokens: float | None = None  # sglang:prompt_tokens_total; None: not exported
         self.host_pool: tuple[int, int] | None = (1024, 4096)  # (used, total) tokens; None: not reported
         super().__init__()
 
@@ -180,6 +181,8 @@ class FakeWorker(_FakeHTTP):
             "num_http_reqs": 3 if busy else 0,
             "inflight_cache_io": {"writes": 0, "loads": 0, "prefetches": 0, "backups": 3 if io else 0},
             "hicache": self.config_status(),
+            "max_total_num_tokens": 2048,  # the L1 pool, tokens (the engine's /server_info field)
+            "host_total_num_tokens": self.host_pool[1] if self.host_pool else None,
         }
 
     def metrics_text(self) -> str:
@@ -188,6 +191,11 @@ class FakeWorker(_FakeHTTP):
             lines.append(
                 f'sglang:cached_tokens_total{{cache_source="{tier}",model_name="{self.model_name}"}} {value}'
             )
+        if self.prompt_tokens is not None:
+            lines += [
+                "# TYPE sglang:prompt_tokens counter",
+                f'sglang:prompt_tokens_total{{model_name="{self.model_name}"}} {self.prompt_tokens}',
+            ]
         lines += [
             "# TYPE sglang:num_running_reqs gauge",
             f'sglang:num_running_reqs{{model_name="{self.model_name}"}} {2 if self.busy else 0}',
@@ -337,3 +345,19 @@ class FakeRouter(_FakeHTTP):
                 return 404, {"error": "no such worker"}, "application/json"
             return 200, {"status": "removed"}, "application/json"
         return 404, {"error": "not found"}, "application/json"
+
+
+class MetricsEndpoint(_FakeHTTP):
+    """A real HTTP ``GET /metrics`` serving ``render()`` (Prometheus text) at each request: an engine's own
+    exporter (``EngineMetrics``, ``EncoderService.metrics_text``) made scrapeable by the TSDB without the
+    engine process around it."""
+
+    def __init__(self, render):
+        self.render = render
+        super().__init__()
+
+    def handle(self, method, path, headers, body):
+        if method == "GET" and path == "/metrics":
+            text = self.render()
+            return 200, text.decode() if isinstance(text, bytes) else text, "text/plain; version=0.0.4"
+        return 404, "not found", "text/plain"

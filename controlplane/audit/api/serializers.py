@@ -2,6 +2,7 @@ from rest_framework import serializers
 
 from controlplane.audit.models import AuditEvent
 from controlplane.audit.selectors import revert_changes
+from controlplane.core.exceptions import ApplicationError
 from controlplane.core.serializers import StrictModelSerializer, StrictSerializer
 
 
@@ -11,6 +12,14 @@ class AuditEventSerializer(StrictModelSerializer):
     )
     revert_changes = serializers.SerializerMethodField(
         help_text="Per worker the revert would change now: {worker_id, worker, now, after}, in words"
+    )
+
+    undo = serializers.SerializerMethodField(
+        help_text="What POST undo would do now: {kind, worker_id, worker, now, after} (words), or null with "
+        "undo_refused saying why"
+    )
+    undo_refused = serializers.SerializerMethodField(
+        help_text="Why this record cannot be undone ('' when it can)"
     )
 
     revert_together_changes = serializers.SerializerMethodField(
@@ -42,6 +51,8 @@ class AuditEventSerializer(StrictModelSerializer):
             "revertible",
             "revert_changes",
             "revert_together_changes",
+            "undo",
+            "undo_refused",
         ]
         read_only_fields = fields
 
@@ -61,11 +72,47 @@ class AuditEventSerializer(StrictModelSerializer):
     def get_revertible(self, obj) -> bool:
         return bool(self.get_revert_changes(obj))
 
+    def _undo(self, obj) -> tuple[dict | None, str]:
+        from controlplane.operations.services.undo import UNDOABLE, undo_plan
+
+        if obj.object_type == "operations.operation":
+            return None, "an operation's record: undo the record of the worker it changed"
+        if obj.action not in UNDOABLE or obj.object_type != "inventory.engineworker":
+            return None, "not an attach, detach or config push of a worker"
+        if not hasattr(obj, "_undo_answer"):
+            try:
+                plan = undo_plan(event=obj)
+            except ApplicationError as exc:
+                obj._undo_answer = (None, exc.message)
+            else:
+                view = {"kind": plan.kind, "worker_id": plan.worker.pk, "worker": plan.worker.name}
+                obj._undo_answer = (view | {"now": plan.now, "after": plan.after}, "")
+        return obj._undo_answer
+
+    def get_undo(self, obj) -> dict | None:
+        return self._undo(obj)[0]
+
+    def get_undo_refused(self, obj) -> str:
+        return self._undo(obj)[1]
+
 
 class RevertSerializer(StrictSerializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="")
+    drain = serializers.BooleanField(
+        required=False, default=False, help_text="Take each worker out of its router while it changes"
+    )
     together = serializers.BooleanField(
         required=False,
         default=False,
         help_text="Revert every worker the record's operation changed to this state, in one operation",
+    )
+
+
+class UndoSerializer(StrictSerializer):
+    reason = serializers.CharField(help_text="Why (kept in the audit log); required")
+    drain = serializers.BooleanField(
+        required=False,
+        default=True,
+        help_text="Take the worker out of its router while it changes (default); a worker without a router "
+        "is changed undrained and the operation says so",
     )

@@ -4,7 +4,9 @@ from rest_framework import serializers
 
 from controlplane.capacity.services import DTYPE_BYTES
 from controlplane.core.serializers import StrictSerializer
+from engine.cache.misses import MISS_CAUSES
 from engine.server.contract import ADMISSIONS, EVICTION_POLICIES
+from engine.whatif.trace import output_blocks
 
 BLOCK_TOKENS = 512  # Mooncake's block size: rows posted without block_tokens (an older agent)
 
@@ -40,17 +42,77 @@ class SizingQuerySerializer(StrictSerializer):
         return attrs
 
 
+class MissesSerializer(StrictSerializer):
+    """A recorded row's miss attribution (the worker's ``miss_tokens_details`` causes, ``unseen``: the token
+    ranges ``[start, end)`` of its ``not_seen_here`` tokens)."""
+
+    causes = serializers.DictField(child=serializers.IntegerField(min_value=0))
+    unseen = serializers.ListField(
+        child=serializers.ListField(child=serializers.IntegerField(min_value=0), min_length=2, max_length=2),
+        default=list,
+    )
+
+    def validate_causes(self, value):
+        unknown = sorted(set(value) - set(MISS_CAUSES))
+        if unknown:
+            raise serializers.ValidationError(
+                f"unknown cause {unknown[0]!r}: one of {', '.join(MISS_CAUSES)}"
+            )
+        return value
+
+
+class MissesQuerySerializer(StrictSerializer):
+    """``GET /capacity/misses/``: the ``pool`` (regular, prefill, decode) and, optionally, ``since_ms``
+    (ms since the epoch): only traffic that arrived from then on."""
+
+    pool = serializers.ChoiceField(choices=["regular", "prefill", "decode"], default="regular")
+    since_ms = serializers.IntegerField(min_value=0, max_value=2**63 - 1, required=False)
+
+
 class TraceRowSerializer(StrictSerializer):
     """One Mooncake trace row; ``hash_ids`` must have one id per block of the input (the batch's
-    ``block_tokens``, given in the serializer's context)."""
+    ``block_tokens``, given in the serializer's context); ``output_hash_ids`` (optional, a KVFleet
+    recording's) one per block of the cached sequence from the first holding a generated token
+    (``engine.whatif.trace.output_blocks``)."""
 
     timestamp = serializers.IntegerField(min_value=0)
     input_length = serializers.IntegerField(min_value=0)
     output_length = serializers.IntegerField(min_value=0)
     hash_ids = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=2**63 - 1))
+    output_hash_ids = serializers.ListField(
+        child=serializers.IntegerField(min_value=0, max_value=2**63 - 1), required=False, default=list
+    )
+    misses = MissesSerializer(required=False)
 
     def validate(self, attrs):
-        blocks = -(-attrs["input_length"] // self.context.get("block_tokens", BLOCK_TOKENS))
+        misses = attrs.get("misses")
+        if misses is not None:
+            matchable = max(attrs["input_length"] - 1, 0)
+            for start, end in misses["unseen"]:
+                if not 0 <= start < end <= matchable:
+                    raise serializers.ValidationError(
+                        {
+                            "misses": {
+                                "unseen": [
+                                    f"[{start}, {end}) is not a range of the {matchable} matchable tokens"
+                                ]
+                            }
+                        }
+                    )
+            unseen = sum(end - start for start, end in misses["unseen"])
+            if unseen > misses["causes"].get("not_seen_here", 0):
+                raise serializers.ValidationError(
+                    {"misses": {"unseen": [f"{unseen} tokens: more than causes.not_seen_here"]}}
+                )
+            if sum(misses["causes"].values()) > attrs["input_length"]:
+                raise serializers.ValidationError({"misses": {"causes": ["more tokens than the input"]}})
+        block_tokens = self.context.get("block_tokens", BLOCK_TOKENS)
+        extra = output_blocks(attrs["input_length"], attrs["output_length"], block_tokens)
+        if attrs["output_hash_ids"] and len(attrs["output_hash_ids"]) != extra:
+            raise serializers.ValidationError(
+                {"output_hash_ids": [f"{len(attrs['output_hash_ids'])} ids: want {extra}"]}
+            )
+        blocks = -(-attrs["input_length"] // block_tokens)
         if len(attrs["hash_ids"]) != blocks:
             raise serializers.ValidationError(
                 {
@@ -90,7 +152,9 @@ class WhatIfSerializer(StrictSerializer):
     ``kv_bytes_per_token`` left out: what the pool's workers report at ``/get_model_info``. ``eviction``
     and the ``l2_admission`` / ``l3_admission`` filters are the engine's (``--radix-eviction-policy``, the
     extra-config keys). ``prefetch_threshold`` (tokens) left out: the one the trace's pool's first worker
-    reported at ``GET /hicache/config``, else the engine's 256."""
+    reported at ``GET /hicache/config``, else the engine's 256. ``optimum`` (default true): also replay each
+    point with Belady's MIN (the offline optimum; about twice the replay time) so each point carries
+    ``optimum`` and ``lost``."""
 
     trace = serializers.CharField(required=False)
     trace_text = serializers.CharField(required=False, max_length=MAX_UPLOAD_CHARS, trim_whitespace=False)
@@ -107,6 +171,7 @@ class WhatIfSerializer(StrictSerializer):
     )
     kv_bytes_per_token = serializers.IntegerField(min_value=1, required=False)
     prefetch_threshold = serializers.IntegerField(min_value=0, max_value=1 << 30, required=False)
+    optimum = serializers.BooleanField(default=True)
 
     def validate(self, attrs):
         if ("trace" in attrs) == ("trace_text" in attrs):

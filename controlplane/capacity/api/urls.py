@@ -7,6 +7,7 @@ urlpatterns = [
     path("workers/", views.WorkerCapacitiesApi.as_view(), name="capacity-workers"),
     path("traces/", views.RecordedPoolsApi.as_view(), name="capacity-traces"),
     path("whatif/", views.WhatIfApi.as_view(), name="capacity-whatif"),
+    path("misses/", views.MissesApi.as_view(), name="capacity-misses"),
     path("calibration/<str:pool>/", views.CalibrationApi.as_view(), name="capacity-calibration"),
     path("traces/<str:pool>.jsonl", views.RecordedTraceApi.as_view(), name="capacity-trace"),
 ]

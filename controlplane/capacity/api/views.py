@@ -12,8 +12,9 @@ from rest_framework.views import APIView
 
 from controlplane.accounts.permissions import AGENT_ROLES, READ_ROLES
 from controlplane.accounts.selectors import agent_host_scope
-from controlplane.capacity import calibration, selectors, services
+from controlplane.capacity import calibration, misses, selectors, services
 from controlplane.capacity.api.serializers import (
+    MissesQuerySerializer,
     SizingQuerySerializer,
     TraceIngestSerializer,
     WhatIfSerializer,
@@ -107,7 +108,10 @@ class WhatIfApi(APIView):
     ``ceiling_share``: what an unbounded cache serves), the ``page_size`` replayed (the
     request's, else the page size of the trace's pool's workers, else the fleet's, else the demo's 16) and
     ``skipped``: why the sweep points left out cannot be replayed (e.g. L2 not larger than L1), and the
-    L3 ``prefetch_threshold`` replayed (the request's, else the pool's live one, else 256). A pool's
+    L3 ``prefetch_threshold`` replayed (the request's, else the pool's live one, else 256). With
+    ``optimum`` (the default) each point also has ``optimum`` (Belady's MIN at that point: the offline
+    optimum's shares) and ``lost`` (the ceiling's gap split into what no policy keeps and what a better
+    policy would). A pool's
     recorded traffic is replayed per worker: each its own L1 and L2 at the point, one shared L3.
     A calculation: any role may run it. 400 names the bad field (or repeats the replay's error), 404 for
     an unknown trace, 429 ``too_many_whatif_runs`` while the user already runs ``WHATIF_MAX_PER_USER`` or
@@ -149,6 +153,8 @@ class WhatIfApi(APIView):
         bytes_per_token = data.get("kv_bytes_per_token") or selectors.pool_kv_bytes_per_token(pool=pool)
         if bytes_per_token:  # else the CLI derives it from its default model
             options += ["--kv-bytes-per-token", str(bytes_per_token)]
+        if data["optimum"]:  # Belady's MIN beside the policy: each point's optimum and lost split
+            options.append("--optimum")
         if "hicache_ratio" in data:
             options += ["--hicache-ratio", str(data["hicache_ratio"])]
         for tier in ("l1", "l2", "l3"):
@@ -174,3 +180,28 @@ class CalibrationApi(APIView):
     def get(self, request, pool: str):
         with whatif_slot(user_id=request.user.pk, kind="calibration"):  # never blocks the user's own Run
             return Response(calibration.calibration(pool=pool))
+
+
+class MissesApi(APIView):
+    """GET: why the pool's prompt tokens missed, per worker, per tenant and for the pool
+    (``controlplane/capacity/misses.py``). ``fleet`` and ``workers`` (by name) from the pool's recorded
+    traffic (from ``since_ms`` when given): the served share, the fleet-wide ceiling and the misses by
+    cause (the worker's own causes, its ``not_seen_here`` split into ``new`` and ``elsewhere``), in tokens
+    and as shares of the input, adding up exactly to the misses the workers measured; shares null with no
+    attributed traffic. ``tenants``: per tenant from the TSDB (counters since each worker started; ``new``,
+    ``elsewhere`` and ``ceiling_share`` null: the recorded traffic names no tenant), null with
+    ``tenants_unavailable`` when the TSDB does not answer. 400 names a bad ``pool`` or ``since_ms``."""
+
+    @extend_schema(parameters=[MissesQuerySerializer], responses=OpenApiTypes.OBJECT)
+    def get(self, request):
+        from controlplane.telemetry import promql
+
+        query = MissesQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        pool = query.validated_data["pool"]
+        out = misses.pool_misses(pool=pool, since_ms=query.validated_data.get("since_ms"))
+        try:
+            out["tenants"] = misses.tenant_misses(selectors.pool_worker_names(pool=pool))
+        except promql.PromQLError as exc:
+            out["tenants"], out["tenants_unavailable"] = None, str(exc)
+        return Response(out)

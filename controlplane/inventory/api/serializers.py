@@ -15,7 +15,8 @@ from controlplane.inventory.models import (
     WorkerRole,
     devices_problem,
 )
-from controlplane.inventory.selectors import router_breakers
+from controlplane.inventory.selectors import router_breakers, router_cache_salt
+from engine.server.contract import CAPABILITIES, ENGINE_KINDS
 
 
 class FleetAlertSerializer(StrictModelSerializer):
@@ -72,9 +73,24 @@ class BreakersSerializer(StrictSerializer):
     workers = BreakerWorkerSerializer(many=True)
 
 
+class CacheSaltSerializer(StrictSerializer):
+    identified = serializers.BooleanField(help_text="false: the router has not answered the probe yet")
+    router = serializers.CharField(allow_blank=True, help_text='kind and version, e.g. "smg 1.13.0"')
+    routes = serializers.DictField(
+        child=serializers.BooleanField(allow_null=True),
+        help_text="/generate, /v1/completions, /v1/chat/completions -> true: cache_salt reaches the worker; "
+        "false: the router drops it (salts share cache, the request still succeeds); null: not verified",
+    )
+    warning = serializers.CharField(allow_blank=True, help_text="empty when every route carries the salt")
+
+
 class RouterSerializer(StrictModelSerializer):
     circuit_breakers = serializers.SerializerMethodField(
-        help_text="Live from metrics_url (null without one): each worker's sglang-router circuit breaker"
+        help_text="Live from metrics_url (null without one): each worker's circuit breaker in the router"
+    )
+    cache_salt = serializers.SerializerMethodField(
+        help_text="Whether a request's cache_salt reaches the workers through this router, per route, from "
+        "its probed kind and version"
     )
 
     class Meta:
@@ -90,11 +106,15 @@ class RouterSerializer(StrictModelSerializer):
             "slo_ttft_p90_s",
             "slo_itl_p90_s",
             "worker_budget",
+            "kind",
+            "version",
+            "identified_at",
+            "cache_salt",
             "circuit_breakers",
             "created_at",
             "updated_at",
         ]
-        read_only_fields = ["created_at", "updated_at"]
+        read_only_fields = ["kind", "version", "identified_at", "created_at", "updated_at"]
         # the same ceiling as a rebalance's soak SLO (seconds); past it the planner's sentences are nonsense
         # worker_budget: the same ceiling as a rebalance's target counts (SQLite stores any integer)
         extra_kwargs = {
@@ -106,6 +126,10 @@ class RouterSerializer(StrictModelSerializer):
     @extend_schema_field(BreakersSerializer(allow_null=True))
     def get_circuit_breakers(self, obj) -> dict | None:
         return router_breakers(obj)
+
+    @extend_schema_field(CacheSaltSerializer)
+    def get_cache_salt(self, obj) -> dict:
+        return router_cache_salt(obj)
 
 
 class StorageProfileSerializer(StrictModelSerializer):
@@ -150,6 +174,15 @@ class EngineWorkerSerializer(StrictModelSerializer):
             "role_request_seq",
             "role_seen_seq",
             "role_applied_seq",
+            "engine",
+            "engine_version",
+            "capabilities",
+            "command_line",
+            "desired_flags",
+            "flags_request_seq",
+            "flags_applied_seq",
+            "flags_failed_seq",
+            "flags_failure",
             "model_name",
             "tp_size",
             "devices",
@@ -169,6 +202,15 @@ class EngineWorkerSerializer(StrictModelSerializer):
             "updated_at",
         ]
         read_only_fields = [
+            "engine",
+            "engine_version",
+            "capabilities",
+            "command_line",
+            "desired_flags",
+            "flags_request_seq",
+            "flags_applied_seq",
+            "flags_failed_seq",
+            "flags_failure",
             "hicache_config",
             "storage_backend",
             "storage_profile",
@@ -262,6 +304,27 @@ class AgentWorkerSerializer(StrictSerializer):
     storage_extra_config = serializers.DictField(
         required=False, allow_null=True, help_text="its hicache_storage_backend_extra_config"
     )
+    engine = serializers.ChoiceField(choices=ENGINE_KINDS, required=False, help_text="kvfleet | sglang")
+    engine_version = serializers.CharField(
+        max_length=50, required=False, allow_blank=True, help_text="its /server_info version"
+    )
+    capabilities = serializers.ListField(
+        child=serializers.ChoiceField(choices=sorted(CAPABILITIES)),
+        required=False,
+        max_length=len(CAPABILITIES),
+        help_text="what the agent found it able to do (probed)",
+    )
+    command_line = serializers.ListField(
+        child=serializers.CharField(max_length=20000),
+        required=False,
+        max_length=1000,
+        help_text="the launch flags it runs with, one argv item each, without secrets",
+    )
+    launch_flags = serializers.DictField(
+        child=serializers.ListField(min_length=2, max_length=2),
+        required=False,
+        help_text="its engine's launch flags: SGLang name -> [option, takes a value]",
+    )
 
     def validate(self, attrs: dict) -> dict:
         problem = devices_problem(attrs.get("devices", []), attrs.get("tp_size"))
@@ -285,6 +348,12 @@ class RoleAckSerializer(StrictSerializer):
     applied = serializers.IntegerField(min_value=0)
 
 
+class FlagAckSerializer(StrictSerializer):
+    applied = serializers.IntegerField(min_value=0)
+    failed = serializers.IntegerField(min_value=0)
+    failure = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)
+
+
 class AgentHeartbeatSerializer(StrictSerializer):
     host = serializers.CharField(max_length=100)
     workers = serializers.ListField(child=serializers.URLField(), required=False, default=list)
@@ -302,12 +371,25 @@ class AgentHeartbeatSerializer(StrictSerializer):
         help_text="worker URL -> {seen, applied}: the newest request_seq the agent has processed, and the "
         "newest restart request it carried out",
     )
+    flag_acks = serializers.DictField(
+        child=FlagAckSerializer(),
+        required=False,
+        default=dict,
+        help_text="worker URL -> {applied, failed, failure}: the newest flags request it carried out (the "
+        "worker answered /health with them), the newest that failed, and why",
+    )
 
 
 class RoleRestartSerializer(StrictSerializer):
     worker_url = serializers.URLField()
     role = serializers.ChoiceField(choices=WorkerRole.choices)
     seq = serializers.IntegerField(help_text="the request's generation (role_request_seq)")
+
+
+class FlagRestartSerializer(StrictSerializer):
+    worker_url = serializers.URLField()
+    flags = serializers.ListField(child=serializers.CharField(), help_text="the whole command line")
+    seq = serializers.IntegerField(help_text="the request's generation (flags_request_seq)")
 
 
 class AgentHeartbeatResponseSerializer(StrictSerializer):
@@ -318,6 +400,9 @@ class AgentHeartbeatResponseSerializer(StrictSerializer):
     request_seq = serializers.DictField(
         child=serializers.IntegerField(),
         help_text="worker URL -> its role_request_seq (the agent reports it as seen once it processed this)",
+    )
+    flags = FlagRestartSerializer(
+        many=True, help_text="Workers to restart with another command line (their desired_flags)"
     )
 
 

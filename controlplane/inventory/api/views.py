@@ -47,9 +47,15 @@ class FleetAlertViewSet(viewsets.ReadOnlyModelViewSet):
 class RouterViewSet(ServiceModelViewSet):
     queryset = selectors.router_list()
     serializer_class = s.RouterSerializer
-    filterset_fields = ["mode", "policy"]
+    filterset_fields = ["mode", "policy", "kind"]
     ordering_fields = ["name", "created_at"]
     ordering = ["name"]
+
+    def create_service(self, *, data: dict, actor):
+        return services.router_create(data=data, actor=actor)
+
+    def update_service(self, *, instance, data: dict, actor):
+        return services.router_update(instance=instance, data=data, actor=actor)
 
 
 class StorageProfileViewSet(ServiceModelViewSet):
@@ -159,6 +165,7 @@ class AgentHeartbeatApi(APIView):
             offline_urls=body.validated_data["offline"],
             roles=body.validated_data["roles"],
             role_acks=body.validated_data["role_acks"],
+            flag_acks=body.validated_data["flag_acks"],
             bound_host=agent_host_scope(request.user, request.auth),
             actor=request.user,
         )

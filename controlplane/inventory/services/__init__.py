@@ -4,7 +4,8 @@
 - roles: the PD role a worker was seen running, and restarts in another role asked of its agent;
 - agent: an agent's register and heartbeat;
 - live_state: the L3 backend and HiCache config operations read back, recorded on the worker;
-- isolation: the cache isolation self-test of a worker (the agent's check, audited).
+- isolation: the cache isolation self-test of a worker (the agent's check, audited);
+- routers: create / update, and the router's kind and version probed from it.
 """
 
 from controlplane.inventory.services.agent import agent_heartbeat, agent_register
@@ -20,12 +21,16 @@ from controlplane.inventory.services.roles import (
     worker_role_request,
     worker_role_withdraw,
 )
+from controlplane.inventory.services.routers import router_create, router_identify, router_update
 from controlplane.inventory.services.workers import worker_create, worker_drain, worker_undrain, worker_update
 
 __all__ = [
     "agent_heartbeat",
     "agent_register",
     "profile_extra",
+    "router_create",
+    "router_identify",
+    "router_update",
     "storage_profile_matching",
     "worker_config_observed",
     "worker_check_isolation",

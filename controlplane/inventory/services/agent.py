@@ -1,6 +1,7 @@
 """What a host's agent writes: register (host, GPUs, workers; one audit record per call) and heartbeat
 (liveness, roles, role-request acknowledgements). An agent token bound to a host writes only that host."""
 
+from collections.abc import Sequence
 from datetime import timedelta
 
 from django.conf import settings
@@ -10,13 +11,28 @@ from django.utils import timezone
 from controlplane.audit.services import audit_record
 from controlplane.core.exceptions import ApplicationError, ConflictError
 from controlplane.core.services import model_snapshot
-from controlplane.inventory.models import EngineWorker, Gpu, Host, WorkerState
+from controlplane.inventory.models import FLAGS_REQUEST_FIELDS, EngineWorker, Gpu, Host, WorkerState
+from controlplane.inventory.services.flags import pending_flag_requests
 from controlplane.inventory.services.live_state import storage_profile_matching
 from controlplane.inventory.services.roles import worker_role_observed
 
 _HOST_FIELDS = ("address", "agent_version", "cpu_count", "memory_bytes")
 _HEARTBEAT_ROLE_FIELDS = ("role", "desired_role", "role_request_seq", "role_seen_seq", "role_applied_seq")
-_WORKER_FIELDS = ("name", "url", "role", "model_name", "tp_size", "devices", "dp_size", "page_size")
+_WORKER_FIELDS = (
+    "name",
+    "url",
+    "role",
+    "model_name",
+    "tp_size",
+    "devices",
+    "dp_size",
+    "page_size",
+    "engine",
+    "engine_version",
+    "capabilities",
+    "command_line",
+    "launch_flags",
+)
 
 
 def _check_scope(host_name: str, bound_host: str | None) -> None:
@@ -74,7 +90,8 @@ def agent_register(
     """
     _check_scope(host["name"], bound_host)
     host_obj = Host.objects.select_for_update().filter(name=host["name"]).first()
-    before = {"host": model_snapshot(host_obj), "workers": []} if host_obj else None
+    workers_before: list[dict] = []
+    before = {"host": model_snapshot(host_obj), "workers": workers_before} if host_obj else None
     if host_obj is None:
         host_obj = Host(name=host["name"])
     for field in _HOST_FIELDS:
@@ -103,7 +120,7 @@ def agent_register(
                 detail={"workers": [{"url": item["url"], "owner": worker.host.name}]},
             )
         if before is not None and worker.pk:
-            before["workers"].append(model_snapshot(worker))
+            workers_before.append(model_snapshot(worker))
         if worker.pk and item.get("role", worker.role) != worker.role:
             worker.role_changed_at = timezone.now()
         for field in _WORKER_FIELDS:
@@ -136,9 +153,10 @@ def agent_heartbeat(
     *,
     host_name: str,
     worker_urls: list[str],
-    offline_urls: list[str] = (),
+    offline_urls: Sequence[str] = (),
     roles: dict | None = None,
     role_acks: dict | None = None,
+    flag_acks: dict | None = None,
     bound_host: str | None = None,
     actor=None,
 ) -> dict:
@@ -172,7 +190,8 @@ def agent_heartbeat(
     if host["last_seen"] is None or host["last_seen"] < stale:
         Host.objects.filter(pk=host["pk"]).update(last_seen=now)
     mine = EngineWorker.objects.filter(host_id=host["pk"])
-    rows = {w["url"]: w for w in mine.values("pk", "url", "state", "last_seen", *_HEARTBEAT_ROLE_FIELDS)}
+    fields = ("pk", "url", "state", "last_seen", *_HEARTBEAT_ROLE_FIELDS, *FLAGS_REQUEST_FIELDS)
+    rows = {w["url"]: w for w in mine.values(*fields)}
     live = set(worker_urls) & set(rows)
     went_off = [
         rows[u]["pk"] for u in set(offline_urls) - live if u in rows and rows[u]["state"] != "offline"
@@ -193,6 +212,21 @@ def agent_heartbeat(
         if row and (row["role_seen_seq"], row["role_applied_seq"]) != (ack["seen"], ack["applied"]):
             mine.filter(pk=row["pk"]).update(role_seen_seq=ack["seen"], role_applied_seq=ack["applied"])
             row["role_seen_seq"], row["role_applied_seq"] = ack["seen"], ack["applied"]
+    for url, ack in (flag_acks or {}).items():
+        row = rows.get(url)
+        if not row:
+            continue
+        # Only forward: a restarted agent starts counting at 0 and runs its spec file's flags again; it is
+        # not sent the last request again.
+        applied = max(ack["applied"], row["flags_applied_seq"])
+        failed = max(ack["failed"], row["flags_failed_seq"])
+        failure = ack.get("failure", "") if ack["failed"] >= failed else row["flags_failure"]
+        got = (applied, failed, failure)
+        if (row["flags_applied_seq"], row["flags_failed_seq"], row["flags_failure"]) != got:
+            mine.filter(pk=row["pk"]).update(
+                flags_applied_seq=got[0], flags_failed_seq=got[1], flags_failure=got[2][:2000]
+            )
+            row.update(flags_applied_seq=got[0], flags_failed_seq=got[1], flags_failure=got[2])
     for url, role in (roles or {}).items():
         row = rows.get(url)
         if row and (row["role"] != role or row["desired_role"] == role):
@@ -207,4 +241,5 @@ def agent_heartbeat(
         if w["desired_role"] and w["desired_role"] != w["role"]:
             restart.append({"worker_url": url, "role": w["desired_role"], "seq": w["role_request_seq"]})
     seen = len(live)
-    return {"workers_seen": seen, "restart": restart, "request_seq": request_seq}
+    flags = pending_flag_requests(rows)
+    return {"workers_seen": seen, "restart": restart, "request_seq": request_seq, "flags": flags}

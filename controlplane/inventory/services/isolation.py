@@ -1,14 +1,19 @@
 """The cache isolation self-test of a worker, run from the control plane (API and console button).
 
 It is the check ``kvfleet-agent check-isolation`` runs (``engine/agent/isolation.py`` through
-``WorkerClient.check_isolation``, not a copy): one fresh prompt as salt A, salt B, salt A. Every run is
-audited on the worker (action ``check_isolation``), a failed check or an unreachable worker as a failure.
+``WorkerClient.check_isolation``, not a copy): one fresh prompt as salt A, salt B, salt A, sent to the worker
+itself. Tenants reach it through its router, though, and a router that drops ``cache_salt`` (sglang-router
+0.3.2 on /generate and chat) makes their salts share cache while the worker alone passes: so the worker's
+router, as last probed (``router_identify``), is part of the answer, and a router known to drop the salt (or
+not verified to pass it) fails the check with a problem that says so and names the supported way. Every run
+is audited on the worker (action ``check_isolation``), a failed check or an unreachable worker as a failure.
 """
 
 from controlplane.audit.models import Outcome
 from controlplane.audit.services import audit_record
 from controlplane.core.exceptions import ApplicationError
 from controlplane.inventory.models import EngineWorker
+from controlplane.inventory.selectors import router_cache_salt
 from controlplane.workerclient import WorkerClient, WorkerError
 
 MIN_WORDS, MAX_WORDS = 32, 4000
@@ -17,11 +22,13 @@ MIN_WORDS, MAX_WORDS = 32, 4000
 def worker_check_isolation(*, worker: EngineWorker, actor, words: int = 400) -> dict:
     """Run the isolation self-test against ``worker`` (its inventory ``api_key`` as bearer), about ``words``
     prompt tokens (32..4000). Returns ``{worker, ok, verdict, prompt_tokens, ttft_other_salt_s,
-    ttft_same_salt_s, probes: [{salt, cached: {device, host, storage}, ttft_s}], problems}``: ``ok`` when
-    the other salt reused nothing, the same salt reused the prompt and the answers agree; ``verdict``
+    ttft_same_salt_s, probes: [{salt, cached: {device, host, storage}, ttft_s}], problems, router}``: ``ok``
+    when the other salt reused nothing, the same salt reused the prompt and the answers agree; ``verdict``
     ``isolated``, ``failed``, or ``inconclusive`` (the URL is a router with several workers); TTFTs in seconds
-    (the worker's own ``meta_info.ttft``). Raises ApplicationError 400 for ``words`` out of range, 502
-    (``worker_error``) when the worker cannot be checked (both audited)."""
+    (the worker's own ``meta_info.ttft``); ``router``: null without one, else ``{name, identified, router,
+    routes, warning}`` (inventory's ``router_cache_salt``): a warning from an identified router is one of the
+    ``problems`` and fails the check (a router not identified yet only warns). Raises ApplicationError 400
+    for ``words`` out of range, 502 (``worker_error``) when the worker cannot be checked (both audited)."""
     if not MIN_WORDS <= words <= MAX_WORDS:
         raise ApplicationError(
             f"words must be between {MIN_WORDS} and {MAX_WORDS}",
@@ -43,10 +50,15 @@ def worker_check_isolation(*, worker: EngineWorker, actor, words: int = 400) -> 
             f"worker {worker.name}: {exc.message}", code="worker_error", status_code=502
         ) from exc
     cold, other, again = report.probes
+    problems = list(report.problems)
+    salt = None if worker.router is None else {"name": worker.router.name, **router_cache_salt(worker.router)}
+    if salt is not None and salt["identified"] and salt["warning"]:
+        problems.append(f"through router {salt['name']}: {salt['warning']}")
+    ok = report.ok and len(problems) == len(report.problems)
     answer = {
         "worker": worker.pk,
-        "ok": report.ok,
-        "verdict": "isolated" if report.ok else "inconclusive" if report.inconclusive else "failed",
+        "ok": ok,
+        "verdict": "isolated" if ok else "inconclusive" if report.inconclusive else "failed",
         "prompt_tokens": report.prompt_tokens,
         "ttft_other_salt_s": other.ttft_s,
         "ttft_same_salt_s": again.ttft_s,
@@ -54,15 +66,16 @@ def worker_check_isolation(*, worker: EngineWorker, actor, words: int = 400) -> 
             {"salt": p.salt, "cached": p.cached, "ttft_s": p.ttft_s, "first": i == 0}
             for i, p in enumerate(report.probes)
         ],
-        "problems": list(report.problems),
+        "problems": problems,
+        "router": salt,
     }
     audit_record(
         action="check_isolation",
         obj=worker,
-        outcome=Outcome.SUCCESS if report.ok else Outcome.FAILURE,
+        outcome=Outcome.SUCCESS if ok else Outcome.FAILURE,
         after={k: answer[k] for k in ("verdict", "prompt_tokens", "ttft_other_salt_s", "ttft_same_salt_s")},
         message=f"isolation check of {worker.name}: {answer['verdict']}"
-        + (f" ({'; '.join(report.problems)})" if report.problems else ""),
+        + (f" ({'; '.join(problems)})" if problems else ""),
         extra={"probes": answer["probes"]},
         actor=actor,
     )

@@ -26,7 +26,7 @@ def worker_update(*, instance: EngineWorker, data: dict, actor) -> EngineWorker:
 
 
 def worker_drain(*, worker: EngineWorker, actor) -> dict:
-    """Take `worker` out of its sglang-router (DELETE /workers/{id}) so it gets no new requests.
+    """Take `worker` out of its router (DELETE /workers/{id}) so it gets no new requests.
 
     Safe to repeat. Raises ConflictError (409) when the worker has no router, ApplicationError (502) when
     the router cannot be reached. Returns {worker, router, removed}; removed is False when it was not listed.
@@ -48,7 +48,7 @@ def worker_drain(*, worker: EngineWorker, actor) -> dict:
 
 @transaction.atomic
 def worker_undrain(*, worker: EngineWorker, actor) -> dict:
-    """Put `worker` back into its sglang-router (POST /workers); the reverse of worker_drain, same errors.
+    """Put `worker` back into its router (POST /workers); the reverse of worker_drain, same errors.
 
     Returns {worker, router, added}; added is False when the router already listed it.
     """

@@ -23,6 +23,7 @@ class OperationTargetSerializer(StrictModelSerializer):
             "apply_sent",
             "changed",
             "revert_cause",
+            "restart_seq",
             "before",
             "after",
             "idle_deadline_at",
@@ -56,6 +57,7 @@ class OperationSerializer(StrictModelSerializer):
             "no_router",
             "storage_profile",
             "revision",
+            "flags",
             "state",
             "reason",
             "idle_timeout_s",
@@ -92,6 +94,13 @@ class OperationCreateSerializer(StrictSerializer):
     )
     revision = serializers.PrimaryKeyRelatedField(
         queryset=ConfigRevision.objects.all(), required=False, allow_null=True
+    )
+    flags = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text="restart_with_flags: {set: {flag: value}, remove: [flag]} by SGLang flag names "
+        "(page_size, or --page-size); true/false for a switch. Checked on every worker against its "
+        "engine's own flags: 400 naming the flag and the closest real one",
     )
     idle_timeout_s = serializers.FloatField(required=False, min_value=0.1, max_value=3600)
     reason = serializers.CharField(

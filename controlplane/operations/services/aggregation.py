@@ -2,7 +2,6 @@
 
 from datetime import timedelta
 
-from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
@@ -10,9 +9,11 @@ from controlplane.audit.models import Outcome
 from controlplane.audit.services import audit_outcome_resolve, audit_record
 from controlplane.core.broadcast import emit_on_commit
 from controlplane.core.events import operation_group
+from controlplane.operations import actions
 from controlplane.operations.models import (
     ACTIVE_STATES,
     Operation,
+    OperationKind,
     OperationState,
     OperationTarget,
     Policy,
@@ -26,7 +27,17 @@ def _to_revert(targets: list[OperationTarget]) -> list[OperationTarget]:
     return [t for t in targets if t.apply_sent and t.state in (T.SUCCEEDED, T.FAILED)]
 
 
+def _left_down(op: Operation, targets: list[OperationTarget]) -> list[OperationTarget]:
+    """restart_with_flags, any policy: targets that failed after asking for the restart (the new flags may
+    have left the worker down): each is restarted with its old flags."""
+    if op.kind != OperationKind.RESTART_WITH_FLAGS:
+        return []
+    return [t for t in targets if t.apply_sent and t.state == T.FAILED]
+
+
 def _needs_attention(op: Operation, targets: list[OperationTarget]) -> bool:
+    if _left_down(op, targets):
+        return True
     if op.policy == Policy.ALL_OR_NOTHING:
         failed = any(t.state in (T.FAILED, T.REVERT_FAILED) for t in targets)
         if (failed and not op.abort_requested) or (op.abort_requested and _to_revert(targets)):
@@ -55,15 +66,21 @@ def operation_refresh(*, op_id: int) -> Operation:
             enqueue_steps([t.pk for t in targets if t.state in (T.PENDING, T.WAITING_FOR_IDLE)])
         if op.abort_requested and _start_reverts(op, targets):
             return op
+        if _left_down(op, targets):
+            _start_reverts(op, targets, _left_down(op, targets))
+            return op
         if any(t.state in ACTIVE_STATES for t in targets):
             return op
         _finish(op, targets)
     return op
 
 
-def _start_reverts(op: Operation, targets: list[OperationTarget]) -> bool:
-    """Move every possibly changed target to reverting (drained and idle-waited like an apply)."""
-    to_revert = _to_revert(targets)
+def _start_reverts(
+    op: Operation, targets: list[OperationTarget], to_revert: list[OperationTarget] | None = None
+) -> bool:
+    """Move every possibly changed target (or those of `to_revert`) to reverting (drained and idle-waited
+    like an apply)."""
+    to_revert = _to_revert(targets) if to_revert is None else to_revert
     failed = sorted(t.worker.name for t in targets if t.state == T.FAILED)
     deadline = timezone.now() + timedelta(seconds=op.idle_timeout_s)
     for t in to_revert:
@@ -75,7 +92,7 @@ def _start_reverts(op: Operation, targets: list[OperationTarget]) -> bool:
             explanation=f"reverting: {cause}",
             revert_cause=cause,
             idle_deadline_at=deadline,
-            deadline_at=deadline + timedelta(seconds=settings.OPERATION_APPLY_TIMEOUT_S),
+            deadline_at=deadline + timedelta(seconds=actions.apply_timeout_s(op)),
         )
     enqueue_steps([t.pk for t in to_revert])
     return bool(to_revert)
@@ -88,7 +105,7 @@ def operation_summary(targets: list[OperationTarget]) -> dict:
     by_state: dict[str, list[str]] = {}
     for t in targets:
         by_state.setdefault(t.state, []).append(t.worker.name)
-    summary = {k: sorted(v) for k, v in by_state.items()}
+    summary: dict[str, list[str] | dict[str, str]] = {k: sorted(v) for k, v in by_state.items()}
     summary["failures"] = {
         t.worker.name: t.explanation for t in targets if t.state in (T.FAILED, T.REVERT_FAILED)
     }
@@ -113,7 +130,8 @@ def _final_state(op: Operation, by_state: dict[str, list[str]], n: int) -> str:
         return OperationState.REVERTED if by_state.get(T.REVERTED) else OperationState.FAILED
     if op.cancel_requested and by_state.get(T.CANCELLED):
         return OperationState.CANCELLED
-    if by_state.get(T.FAILED):
+    if by_state.get(T.FAILED) or by_state.get(T.REVERTED) or by_state.get(T.REVERT_FAILED):
+        # best_effort: a restart_with_flags target that failed was reverted (never left down)
         return OperationState.PARTIALLY_FAILED if by_state.get(T.SUCCEEDED) else OperationState.FAILED
     return OperationState.CANCELLED
 

@@ -15,6 +15,8 @@ from controlplane.audit.services import audit_record
 from controlplane.core.context import current_request_id
 from controlplane.core.exceptions import ApplicationError, ConflictError, ServiceUnavailable
 from controlplane.inventory.models import EngineWorker
+from controlplane.inventory.services.flags import flags_normalized, flags_problems, restart_unsupported
+from controlplane.operations import actions
 from controlplane.operations.models import (
     ACTIVE_STATES,
     IdempotencyRecord,
@@ -44,6 +46,7 @@ def operation_create(
     no_router: str = NoRouter.REFUSE,
     storage_profile=None,
     revision=None,
+    flags: dict | None = None,
     idle_timeout_s: float | None = None,
     reason: str = "",
     dispatch: bool = True,
@@ -57,8 +60,14 @@ def operation_create(
     drain=True with a worker that has no router: no_router="refuse" raises, "warn" applies it undrained and
     says so in the launch record and the target's explanation.
 
-    Raises ApplicationError (400, `detail` naming the field: storage_profile, revision, workers) for a
-    missing profile/revision, an empty/duplicate worker list or (refuse)
+    restart_with_flags takes ``flags`` ({set: {name: value}, remove: [name]}, SGLang flag names), checked on
+    every worker against its engine's own flags (``controlplane.inventory.services.flags.flags_problems``).
+
+    Raises ApplicationError (400, `detail` naming the field: storage_profile, revision, flags, workers) for
+    a missing profile/revision/flags, a flag a worker's engine lacks (naming the closest real one) or that
+    no restart may change, an empty/duplicate worker list, a worker that cannot do the kind
+    (code ``not_supported``: no runtime config on upstream SGLang, no agent to restart it; each worker's
+    reason), or (refuse)
     drain asked for workers without a router, ConflictError (409) naming the workers that already have an
     active operation.
     """
@@ -85,6 +94,28 @@ def operation_create(
             "apply_config needs revision",
             code="missing_revision",
             detail={"revision": ["required for apply_config"]},
+        )
+    if kind == OperationKind.RESTART_WITH_FLAGS:
+        unable = {w.name: restart_unsupported(w) for w in workers if restart_unsupported(w)}
+    else:
+        needed = "runtime_config" if kind == OperationKind.APPLY_CONFIG else "storage_attach"
+        unable = {w.name: w.cannot_because(needed) for w in workers if not w.can(needed)}
+    if unable:
+        raise ApplicationError(
+            "; ".join(f"{name}: {why}" for name, why in sorted(unable.items())),
+            code="not_supported",
+            detail={"workers": [f"{name}: {why}" for name, why in sorted(unable.items())]},
+        )
+    if kind == OperationKind.RESTART_WITH_FLAGS:
+        problems = flags_problems(workers, flags) if flags is not None else {"flags": ["required"]}
+        if problems or flags is None:
+            raise ApplicationError(
+                f"flags: {_first_problem(problems['flags'])}", code="bad_flags", detail=problems
+            )
+        flags = flags_normalized(flags)
+    elif flags is not None:
+        raise ApplicationError(
+            "flags are for restart_with_flags only", code="bad_flags", detail={"flags": ["not for " + kind]}
         )
     routerless = sorted(w.name for w in workers if drain and w.router_id is None)
     if routerless and no_router == NoRouter.REFUSE:
@@ -117,12 +148,13 @@ def operation_create(
                 no_router=no_router,
                 storage_profile=storage_profile,
                 revision=revision,
+                flags=flags,
                 idle_timeout_s=timeout,
                 reason=reason,
                 created_by=user,
                 request_id=current_request_id(),
             )
-            deadline = timezone.now() + timedelta(seconds=timeout + settings.OPERATION_APPLY_TIMEOUT_S)
+            deadline = timezone.now() + timedelta(seconds=timeout + actions.apply_timeout_s(op))
             targets = OperationTarget.objects.bulk_create(
                 [OperationTarget(operation=op, worker=w, deadline_at=deadline) for w in workers]
             )
@@ -144,6 +176,16 @@ def operation_create(
             "a chosen worker was claimed by another operation; retry", code="worker_busy"
         ) from exc
     return op
+
+
+def _first_problem(problems) -> str:
+    """The first sentence of a ``flags`` problem detail (a list, or {part: {name: [why]}}), for the
+    message: "set.pge_size: w1: not a launch flag ...; did you mean 'page_size'?"."""
+    if isinstance(problems, list):
+        return problems[0]
+    part, names = next(iter(problems.items()))
+    name, whys = next(iter(names.items()))
+    return f"{part}.{name}: {whys[0]}"
 
 
 def _dispatch_or_fail(op_id: int, target_ids: list[int]) -> None:
@@ -174,6 +216,7 @@ def operation_snapshot(op: Operation, workers=None) -> dict:
         "drain": op.drain,
         "storage_profile": op.storage_profile.name if op.storage_profile else None,
         "revision": str(op.revision) if op.revision else None,
+        "flags": op.flags,
         "idle_timeout_s": op.idle_timeout_s,
         "workers": [w.name for w in workers],
     }
@@ -214,12 +257,13 @@ def operation_create_idempotent(*, key: str | None, user, payload: dict, create)
 
 
 def operation_create_from_audit(
-    *, event: AuditEvent, actor, reason: str = "", together: bool = False
+    *, event: AuditEvent, actor, reason: str = "", together: bool = False, drain: bool = False
 ) -> Operation:
     """ "Revert to this revision": a new operation that restores the state recorded by `event` on its worker,
     or with `together` on every worker the record's operation changed to that state (one operation, so an
-    all-or-nothing policy and one audit trail cover them all). Raises ApplicationError `not_revertible` /
-    `nothing_to_revert`."""
+    all-or-nothing policy and one audit trail cover them all); ``drain``: each worker out of its router while
+    it changes (one without a router is changed undrained, and the operation says so). Raises
+    ApplicationError `not_revertible` / `nothing_to_revert`."""
     restore = (event.extra or {}).get("restore")
     if not restore:
         raise ApplicationError("this audit record has no revision to revert to", code="not_revertible")
@@ -240,6 +284,8 @@ def operation_create_from_audit(
         workers=workers,
         revision=ConfigRevision.objects.filter(pk=restore.get("revision_id")).first(),
         storage_profile=StorageProfile.objects.filter(pk=restore.get("storage_profile_id")).first(),
+        drain=drain,
+        no_router=NoRouter.WARN,
         actor=actor,
         reason=reason or f"revert to audit record {event.pk}",
     )

@@ -94,6 +94,8 @@ def _audit_target(target: OperationTarget, previous: str, previous_after: dict |
             "state": target.state,
             "apply_sent": target.apply_sent,
             "changed": target.changed,
-            "restore": _restore_pointer(target) if target.state == T.SUCCEEDED else None,
+            "restore": _restore_pointer(target)
+            if target.state == T.SUCCEEDED and op.kind != OperationKind.RESTART_WITH_FLAGS
+            else None,
         },
     )

@@ -12,6 +12,24 @@ class RebalanceStepSerializer(StrictModelSerializer):
         read_only=True,
         help_text="Devices the step moves between roles: its worker's tp_size (a TP-2 worker moves two)",
     )
+    out_of_router_s = serializers.SerializerMethodField(
+        help_text="What the switch cost, measured: seconds from the worker's removal from the router to its "
+        "return in the new role (drain, idle wait, switch or restart, gates); null until it returned"
+    )
+    restart_s = serializers.SerializerMethodField(
+        help_text="restart method: seconds from asking its agent to the new role read back; else null"
+    )
+
+    def get_out_of_router_s(self, step) -> float | None:
+        if step.started_at is None or step.soak_until is None:  # the soak starts as it returns
+            return None
+        back = step.soak_until.timestamp() - step.rebalance.soak_s
+        return round(back - step.started_at.timestamp(), 1)
+
+    def get_restart_s(self, step) -> float | None:
+        if step.restart_requested_at is None or step.switched_at is None:
+            return None
+        return round((step.switched_at - step.restart_requested_at).total_seconds(), 1)
 
     class Meta:
         model = RebalanceStep
@@ -29,6 +47,9 @@ class RebalanceStepSerializer(StrictModelSerializer):
             "drained",
             "switch_sent",
             "restart_requested_at",
+            "switched_at",
+            "out_of_router_s",
+            "restart_s",
             "polls",
             "rollback_cause",
             "before",

@@ -321,6 +321,13 @@ class Recommendation:
     current_workers: Split = (0, 0)
     recommended_workers: Split = (0, 0)
     moves: tuple = ()  # ({worker, from_role, to_role, devices}, ...) from current to recommended
+    # role -> the pool's utilisation of the smoothed load (`_smooth`) the split is chosen on, with the
+    # current devices; absent where this evaluation did not smooth (frozen, cooldown, missing figures)
+    smoothed_utilisation: dict = field(default_factory=dict)
+    # devices the pools need beyond the router's budget (0: they fit): no split can serve the load; and
+    # the sentence saying so ("add capacity: ...", "" when they fit)
+    devices_short: int = 0
+    capacity_advice: str = ""
 
     def to_dict(self) -> dict:
         pair = lambda t: {PREFILL: t[0], DECODE: t[1]}  # noqa: E731
@@ -339,6 +346,9 @@ class Recommendation:
             "pools": {role: asdict(f) if f else None for role, f in self.pools.items()},
             "budget": self.budget,
             "slo": asdict(self.slo),
+            "smoothed_utilisation": dict(self.smoothed_utilisation),
+            "devices_short": self.devices_short,
+            "capacity_advice": self.capacity_advice,
         }
 
 
@@ -419,13 +429,15 @@ def evaluate(
         return _rec(
             "insufficient_data", current, current, summary, [*reasons, why], pools, view, now
         ), PlannerState()
+    short = _devices_short(pools[PREFILL], pools[DECODE], view.budget, cfg)
     if view.last_change_at is not None and now - view.last_change_at < cfg.cooldown_s:
         ago = now - view.last_change_at
         left = cfg.cooldown_s - ago
         what = "a worker's role changed or a rebalance ended"
         why = f"{what} {ago:.0f} s ago; cooldown {cfg.cooldown_s:.0f} s ({left:.0f} s left)"
         summary = f"Keep {_split_name(current)}: {why}."
-        return _rec("cooldown", current, current, summary, [*reasons, why], pools, view, now), PlannerState()
+        rec = _rec("cooldown", current, current, summary, [*reasons, why], pools, view, now, short=short)
+        return rec, PlannerState()
     pre, dec = pools[PREFILL], pools[DECODE]
     load, smoothed_since = _smooth(
         state, (pre.demand / pre.per_device_capacity, dec.demand / dec.per_device_capacity), current, now, cfg
@@ -460,7 +472,22 @@ def evaluate(
     else:
         status = "change"
         summary = _move_sentence(current, shown, _moves(view, plans.get(shown)), view.workers is not None)
-    return _rec(status, current, shown, summary, reasons, pools, view, now, plans), new_state
+    smoothed_use = {PREFILL: load[0] / current[0], DECODE: load[1] / current[1]} if all(current) else {}
+    rec = _rec(status, current, shown, summary, reasons, pools, view, now, plans, short, smoothed_use)
+    return rec, new_state
+
+
+def _devices_short(pre: PoolFigures, dec: PoolFigures, budget: int, cfg: PlannerConfig) -> tuple[int, str]:
+    """(devices the two pools need beyond ``budget``, the sentence saying so); (0, "") when they fit."""
+    need = pre.needed_devices + dec.needed_devices
+    if need <= budget:
+        return 0, ""
+    return need - budget, (
+        f"add capacity: with {cfg.headroom:.0%} headroom the pools need {need} device(s) "
+        f"({pre.needed_devices} prefill + {dec.needed_devices} decode) and the router has {budget}, so no "
+        f"split of its devices meets both SLOs; add {need - budget} device(s) (workers on this router) "
+        f"or shed load"
+    )
 
 
 def _moves(view: FleetView, plan: Plan | None) -> tuple[dict, ...]:
@@ -539,7 +566,17 @@ def _move_sentence(current: Split, target: Split, moves: tuple[dict, ...], named
 
 
 def _rec(
-    status, current, recommended, summary, reasons, pools, view: FleetView, now, plans: dict | None = None
+    status,
+    current,
+    recommended,
+    summary,
+    reasons,
+    pools,
+    view: FleetView,
+    now,
+    plans: dict | None = None,
+    short: tuple[int, str] = (0, ""),
+    smoothed_use: dict | None = None,
 ) -> Recommendation:
     """The recommendation, with worker counts: the current ones, and those of the least-moving assignment
     of ``recommended`` (workers a budget leaves out count in the role they run)."""
@@ -551,7 +588,7 @@ def _rec(
     rec_workers = count([r or m.role for m, r in zip(members, plan[1], strict=True)]) if plan else workers
     return Recommendation(
         status, current, recommended, summary, reasons, pools, view.budget, view.slo, now, workers,
-        rec_workers, moves,
+        rec_workers, moves, smoothed_use or {}, short[0], short[1],
     )  # fmt: skip
 
 

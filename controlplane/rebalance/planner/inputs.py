@@ -1,4 +1,5 @@
-"""What the planner sees of one PD router, read from inventory, telemetry (Redis) and rebalances.
+"""What the planner sees of one PD router, read from inventory, the TSDB (`telemetry.samples`: the workers'
+scrapes of the window, one PromQL query) and rebalances.
 
 Pools are the router's workers by role (prefill, decode), counted in devices: a worker spans its
 ``tp_size`` devices. The budget is the devices of all of them, or, when the router's ``worker_budget`` is
@@ -11,7 +12,8 @@ covers the prefill on P and the KV transfer); the prefill workers' own TTFT is u
 worker reports one (KVFleet's prefill workers record none; upstream's record the prefill leg).
 The planner is frozen (no new recommendation) while a rebalance of the router is active, and while actual !=
 expected: a worker of the router is offline or has not reported for ``stale_s``, or the router's counts are
-not the target of its newest succeeded rebalance.
+not the target of its newest succeeded rebalance; and while the TSDB does not answer ("metrics unavailable
+since ...": no figure, so no recommendation).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from controlplane.inventory.models import EngineWorker, Router, WorkerRole, Work
 from controlplane.rebalance.models import ACTIVE_STATES, Rebalance, RebalanceState
 from controlplane.rebalance.planner.core import DECODE, PREFILL, EncoderLoad, FleetView, PoolWorker, Slo
 from controlplane.rebalance.planner.window import encoder_load, pool_load
-from controlplane.telemetry import store
+from controlplane.telemetry import promql, samples
+from controlplane.telemetry.selectors import unavailable_text
 
 DEFAULT_SLO = Slo(ttft_p90_s=0.5, itl_p90_s=0.05)  # Dynamo's SLA planner defaults
 
@@ -70,10 +73,10 @@ def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -
         "itl_p90_s": "router" if router.slo_itl_p90_s else "default",
     }
     notes = {"slo_source": "router" if "router" in sources.values() else "default", "slo_sources": sources}
-    latest = store.latest_many([w.pk for w in workers])
-    frozen = None
-    for w in workers:
-        seen = (latest.get(w.pk) or {}).get("ts")
+    scrapes, down = _scrapes(workers, now, max(cfg.window_s, cfg.stale_s))
+    frozen = down
+    for w in workers if down is None else []:
+        seen = scrapes[w.name][-1]["ts"] if scrapes.get(w.name) else None
         if w.state == WorkerState.OFFLINE or seen is None or now - seen > cfg.stale_s:
             frozen = f"actual != expected: {w.name} ({w.role}) is not reporting"
             break
@@ -85,16 +88,15 @@ def fleet_view(router: Router, now: float, cfg: WindowConfig = WindowConfig()) -
     frozen = why or frozen
     changed = [w.role_changed_at.timestamp() for w in workers if w.role_changed_at]
     last_change = max([*changed, *([finished] if finished else [])], default=None)
-    samples: dict[str, list[list[dict]]] = {PREFILL: [], DECODE: []}
+    pools: dict[str, list[list[dict]]] = {PREFILL: [], DECODE: []}
     devices: dict[str, list[int]] = {PREFILL: [], DECODE: []}
     for w in workers:
         start = now - cfg.window_s
         if w.role_changed_at:
             start = max(start, w.role_changed_at.timestamp() + cfg.warmup_s)
-        hist = store.history(w.pk, limit=400)
-        samples[w.role].append([s for s in hist if start <= s["ts"] <= now])
+        pools[w.role].append([s for s in scrapes.get(w.name, []) if start <= s["ts"] <= now])
         devices[w.role].append(w.tp_size)
-    prefill, decode = (pool_load(samples[r], devices[r]) for r in (PREFILL, DECODE))
+    prefill, decode = (pool_load(pools[r], devices[r]) for r in (PREFILL, DECODE))
     if prefill and decode and decode.ttft_p90_s is not None:
         prefill = replace(prefill, ttft_p90_s=decode.ttft_p90_s)  # the client's TTFT: see the module doc
     view = FleetView(
@@ -118,9 +120,19 @@ def encoder_view(
     window (``window.encoder_load``; None without figures) and how many there are. They are not in the
     FleetView: never in a P:D split, never switched."""
     encoders = list(EngineWorker.objects.filter(router=router, role=WorkerRole.ENCODER))
-    start = now - cfg.window_s
-    samples = [[s for s in store.history(w.pk, limit=400) if start <= s["ts"] <= now] for w in encoders]
-    return encoder_load(samples), len(encoders)
+    scrapes, _ = _scrapes(encoders, now, cfg.window_s)
+    return encoder_load([scrapes.get(w.name, []) for w in encoders]), len(encoders)
+
+
+def _scrapes(
+    workers: list[EngineWorker], now: float, window_s: float
+) -> tuple[dict[str, list[dict]], str | None]:
+    """The workers' scrapes of the ``window_s`` s up to ``now`` (`samples.worker_samples`), and why there are
+    none when the TSDB does not answer ("metrics unavailable since ...", else None)."""
+    try:
+        return samples.worker_samples([w.name for w in workers], window_s, at=now), None
+    except promql.PromQLError as exc:
+        return {}, unavailable_text(promql.unavailable_since() or now, exc.message)
 
 
 def _device_budget(router: Router, workers: list[EngineWorker]) -> int:

@@ -1,6 +1,6 @@
 """One pool's figures over a time window from its workers' telemetry samples (pure; no Django).
 
-Samples are the telemetry store's (``controlplane.telemetry.metrics``): cumulative counters
+Samples are the workers' scrapes from the TSDB (``controlplane.telemetry.samples``): cumulative counters
 (``prompt_tokens_total``, ``generation_tokens_total``, ``num_requests_total``, ``cached_tokens_<tier>``),
 cumulative ``ttft_buckets`` / ``itl_buckets``, and gauges (``num_queue_reqs``, ``kv_usage``). Rates are the
 counters' increase between a worker's first and last sample in the window over the time between them; a

@@ -64,10 +64,13 @@ def record(router: Router, page_size: int) -> dict:
     return {"page_size": page_size, "prompts": recorded}
 
 
-def check(canary: dict, prefill: WorkerClient, decode: WorkerClient, bootstrap_port: int) -> str:
+def check(canary: dict, prefill: WorkerClient, decode: WorkerClient, bootstrap_port: int | None) -> str:
     """'' when every recorded prompt, sent through this prefill/decode pair as the router sends it, gives
-    its recorded text; else what the first one that did not answered (or its error)."""
+    its recorded text; else what the first one that did not answered (or its error). ``bootstrap_port``:
+    the prefill's (None when the router does not list it: then that is the answer)."""
     pair = f"{prefill.base_url} -> {decode.base_url}"
+    if bootstrap_port is None:
+        return f"no bootstrap port known for the prefill of {pair}"
     items = canary["prompts"]
     for i, prompt in enumerate(items):
         what = f"canary {i + 1} of {len(items)} ({prompt.get('prompt_tokens')} prompt tokens) through {pair}"

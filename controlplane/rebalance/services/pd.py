@@ -37,7 +37,9 @@ def live_state(worker: EngineWorker) -> dict:
         "num_waiting_reqs": info.get("num_waiting_reqs"),
         "num_pd_transfer_reqs": info.get("num_pd_transfer_reqs"),
         "num_http_reqs": info.get("num_http_reqs"),
-        "role_switch": info.get("enable_pd_role_switch") is True,
+        # in place only where the worker speaks KVFleet's /pd_role_switch contract (probed: upstream SGLang's
+        # route answers otherwise, so it is restarted in the new role by its agent instead)
+        "role_switch": info.get("enable_pd_role_switch") is True and worker.can("role_switch"),
         "page_size": info.get("page_size"),
     }
 
@@ -126,7 +128,7 @@ def router_entry(rb: Rebalance, worker: EngineWorker) -> dict | None:
 
 def router_add(rb: Rebalance, worker: EngineWorker, state: dict) -> None:
     """Register the worker with its live role and (prefill) bootstrap port, and return once the router lists
-    it with that type (sglang-router queues the add: POST /workers answers 202 first), polled every 0.1 s
+    it with that type (the router queues the add: POST /workers answers 202 first), polled every 0.1 s
     for at most REBALANCE_ROUTER_JOIN_TIMEOUT_S. Raises WorkerError (also when it is not listed in time)."""
     router = router_for(rb)
     router.add_worker(worker.url, worker_type=state["role"], bootstrap_port=state["bootstrap_port"])

@@ -10,6 +10,7 @@ prefill and one decode routable.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from controlplane.core.exceptions import ApplicationError
 
@@ -28,7 +29,7 @@ def plan_steps(
     live: list[tuple[object, str, int]],
     target: dict[str, int],
     methods: dict | None = None,
-    cannot: Callable[[object], str] = str,
+    cannot: Callable[[Any], str] = str,
 ) -> list[PlannedStep]:
     """`live`: (worker, live role, load) per worker of the router; load orders the donors (the least loaded,
     i.e. fewest requests running, waiting or in PD transfer, is drained first; ties by name).
@@ -85,4 +86,6 @@ def plan_steps(
             code="cannot_switch",
             detail={"router": [cannot(w) for w in stuck], "workers": [str(w) for w in stuck]},
         )
-    return [PlannedStep(worker=w, from_role=donor, to_role=receiver, method=method(w)) for *_, w in donors]
+    return [
+        PlannedStep(worker=w, from_role=donor, to_role=receiver, method=str(method(w))) for *_, w in donors
+    ]

@@ -56,7 +56,7 @@ def _worker(router: Router, client: RouterClient, worker: EngineWorker, listed: 
     except WorkerError as exc:
         alerts.append((worker, "worker_unreachable", "", f"{worker.name} does not answer: {exc.message}"))
         return []
-    done = []
+    done: list[dict] = []
     want = worker.assigned_role
     if want and live["role"] != want:
         if worker.desired_role == want:

@@ -23,6 +23,8 @@ from controlplane.rebalance.models import RebalanceState as R
 from controlplane.rebalance.models import StepState as S
 from controlplane.rebalance.services import pd, slo
 from controlplane.rebalance.services.transitions import live_counts, rebalance_transition, step_transition
+from controlplane.telemetry import promql
+from controlplane.telemetry.selectors import unavailable_text
 from controlplane.workerclient import WorkerError, WorkerRejected
 
 SOAK_POLL_S = 1.0
@@ -152,7 +154,8 @@ def _roll_back(rb: Rebalance) -> float | None:
             ):
                 return _rollback_step(rb, step)
             return _poll()
-        return _finish_rollback(rb, steps)
+        _finish_rollback(rb, steps)
+        return None
     return _rollback_step(rb, current)
 
 
@@ -352,12 +355,12 @@ def _restart(rb: Rebalance, step: RebalanceStep, note: str = "") -> float | None
         )
         step.switch_sent, step.restart_requested_at, step.restart_seq = True, now, seq
         return RESTART_POLL_S
-    state, seen = pd.restarted(worker, step.to_role)
-    if state is not None:
+    restarted, seen = pd.restarted(worker, step.to_role)
+    if restarted is not None:
         step_transition(
             step,
             to=S.GATING,
-            after=state,
+            after=restarted,
             switched_at=_now(),
             explanation=f"restarted by its agent as {step.to_role} (read back from /server_info, /health "
             "answers); gating",
@@ -398,7 +401,7 @@ def _gate(rb: Rebalance, step: RebalanceStep) -> float:
         pd.router_add(rb, step.worker, state)
     except WorkerError as exc:
         return _to_rollback(rb, step, f"router re-add as {state['role']} failed: {exc.message}", after=state)
-    baseline = slo.snapshot(rb)
+    baseline = _slo_baseline(rb)
     step_transition(
         step,
         to=S.SOAKING,
@@ -413,6 +416,34 @@ def _gate(rb: Rebalance, step: RebalanceStep) -> float:
     return SOAK_POLL_S
 
 
+def _slo_baseline(rb: Rebalance) -> dict | None:
+    """The soak's SLO baseline (`slo.snapshot`): {} when no SLO is set, None while the TSDB does not answer
+    (the soak takes it later, and its SLO window starts then)."""
+    if not slo.thresholds(rb.slo):
+        return {}
+    try:
+        return slo.snapshot(rb)
+    except promql.PromQLError:
+        return None
+
+
+def _slo_breach(rb: Rebalance, step: RebalanceStep) -> str | None:
+    """Which SLO the soak breached ('' for none), or None when it cannot tell: the TSDB does not answer (no
+    baseline yet: it is taken now, and the SLO window starts here)."""
+    soak = step.soak or {}
+    if not slo.thresholds(rb.slo):
+        return ""
+    try:
+        if soak.get("baseline") is None:
+            baseline = slo.snapshot(rb)
+            RebalanceStep.objects.filter(pk=step.pk).update(soak={**soak, "baseline": baseline})
+            step.soak = {**soak, "baseline": baseline}
+            return ""
+        return slo.breach(rb, soak["baseline"])
+    except promql.PromQLError:
+        return None
+
+
 def _soak(rb: Rebalance, step: RebalanceStep) -> float:
     worker = step.worker
     try:
@@ -421,10 +452,16 @@ def _soak(rb: Rebalance, step: RebalanceStep) -> float:
     except WorkerError as exc:
         return _to_rollback(rb, step, f"soak: {exc.message}")
     joined = entry is not None and entry.get("is_healthy", True) and entry.get("worker_type") == step.to_role
-    breach = slo.breach(rb, (step.soak or {}).get("baseline", {}))
+    breach = _slo_breach(rb, step)
     if breach:
         return _to_rollback(rb, step, f"SLO breached during soak: {breach}")
     left = (step.soak_until - _now()).total_seconds()
+    if breach is None:  # cannot say the SLO holds: wait for the TSDB, never pass unchecked
+        why = unavailable_text(promql.unavailable_since() or _now().timestamp())
+        RebalanceStep.objects.filter(pk=step.pk, state=S.SOAKING).update(
+            explanation=f"soaking as {step.to_role}: {max(left, 0):.0f}s left; SLO not checked: {why}"
+        )
+        return SOAK_POLL_S
     if left > 0 or not joined:
         if not joined and left < -settings.REBALANCE_ROUTER_JOIN_TIMEOUT_S:
             return _to_rollback(rb, step, f"router does not list it healthy as {step.to_role}: {entry}")

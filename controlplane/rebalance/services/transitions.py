@@ -83,7 +83,7 @@ def step_transition(step: RebalanceStep, *, to: str, explanation: str | None = N
     (succeeded, failed, rolled_back, rollback_failed, cancelled) appends the worker's audit record (before,
     after, explanation) in the same transaction; every move is pushed on the websocket.
     Raises InvalidTransition when `to` is not allowed from the expected state."""
-    if step.state == S.PENDING:
+    if step.state == S.PENDING and to != S.CANCELLED:  # a step cancelled before it ran never started
         fields["started_at"] = timezone.now()
     if explanation is not None:
         fields["explanation"] = explanation

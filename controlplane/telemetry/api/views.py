@@ -1,64 +1,70 @@
-"""Telemetry endpoints: agent ingest, one worker's live metrics, the fleet summary."""
+"""Telemetry endpoints, all read from the TSDB: one worker's charts and scrapes, the fleet summary, and the
+TSDB's own service discovery of the fleet's scrape targets."""
 
-from django.db import connection
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, OpenApiTypes, extend_schema
-from rest_framework import status
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.accounts.permissions import AGENT_ROLES
-from controlplane.accounts.selectors import agent_host_scope
 from controlplane.inventory.models import EngineWorker
-from controlplane.telemetry import selectors, services, store
-from controlplane.telemetry.api.serializers import MetricsIngestSerializer
-
-
-class MetricsIngestApi(APIView):
-    """Agent: push one metrics sample for a worker (Prometheus text or a flat dict of snapshot keys).
-
-    400 ``unknown_worker`` when no such worker is registered (the agent registers again); an agent token may
-    push only for its own host's workers (403)."""
-
-    write_roles = AGENT_ROLES
-
-    @extend_schema(request=MetricsIngestSerializer, responses={202: OpenApiTypes.OBJECT}, tags=["agent"])
-    def post(self, request):
-        body = MetricsIngestSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        data = body.validated_data
-        worker_id = services.ingest_worker_id(
-            worker_id=data.get("worker"),
-            worker_url=data.get("worker_url"),
-            bound_host=agent_host_scope(request.user, request.auth),
-        )
-        # Nothing below reads the database: hand the connection back to the pool now rather than hold it
-        # through the parse and the Redis writes (under load, more requests than pooled connections run).
-        if not connection.in_atomic_block:
-            connection.close()
-        sample = services.metrics_ingest(
-            worker_id=worker_id, text=data.get("text"), metrics=data.get("metrics"), ts=data.get("ts")
-        )
-        return Response(sample, status=status.HTTP_202_ACCEPTED)
+from controlplane.telemetry import discovery, promql, samples, selectors, worker_view
+from controlplane.telemetry.api.serializers import ScrapeTargetGroupSerializer
 
 
 class WorkerMetricsApi(APIView):
-    """Latest sample and history (oldest first); ?history=N samples (default 120, at most one hour's)."""
+    """The worker's scrapes from the TSDB (`telemetry.samples`): ``{"worker_id", "history": [sample, ...]}``
+    oldest first over the last ``?window_s=`` seconds (60..3600, default 600), each sample with ``seq`` (its
+    time in ms: a reader's order and dedupe key); ``unavailable`` says why there is none while the TSDB does
+    not answer. The rebalance page's pool charts read it. 400 naming ``window_s``."""
 
     @extend_schema(
-        parameters=[OpenApiParameter("history", int, description="samples of history, 1..1800")],
+        parameters=[OpenApiParameter("window_s", int, description="seconds of scrapes, 60..3600")],
         responses=OpenApiTypes.OBJECT,
     )
     def get(self, request, pk: int):
         worker = get_object_or_404(EngineWorker, pk=pk)
-        raw = request.query_params.get("history", "120")
-        if not raw.isdigit() or not 1 <= int(raw) <= store.HISTORY_LEN:
-            raise ValidationError({"history": [f"an integer from 1 to {store.HISTORY_LEN}"]})
-        return Response(selectors.worker_metrics(worker_id=worker.pk, history_limit=int(raw)))
+        raw = request.query_params.get("window_s", "600")
+        if not raw.isdigit() or not 60 <= int(raw) <= worker_view.WINDOW_S:
+            raise ValidationError({"window_s": [f"an integer from 60 to {int(worker_view.WINDOW_S)}"]})
+        try:
+            history = samples.worker_samples([worker.name], float(raw))[worker.name]
+        except promql.PromQLError as exc:
+            down = worker_view.unavailable(exc)
+            return Response({"worker_id": worker.pk, "history": [], **down})
+        for sample in history:
+            sample["seq"] = round(sample["ts"] * 1000)
+        return Response({"worker_id": worker.pk, "history": history, "unavailable": None})
+
+
+class WorkerSeriesApi(APIView):
+    """The worker page's charts from the TSDB (`worker_view.history`): ``?window_s=`` seconds of history
+    (60..3600, default 3600) every ``step_s``, its newest point's L3 breaker and tenant figures, and
+    ``unavailable`` (why there is no figure) while the TSDB does not answer. 400 naming ``window_s``."""
+
+    @extend_schema(
+        parameters=[OpenApiParameter("window_s", int, description="seconds of history, 60..3600")],
+        responses=OpenApiTypes.OBJECT,
+    )
+    def get(self, request, pk: int):
+        worker = get_object_or_404(EngineWorker, pk=pk)
+        raw = request.query_params.get("window_s", str(int(worker_view.WINDOW_S)))
+        if not raw.isdigit() or not 60 <= int(raw) <= worker_view.WINDOW_S:
+            raise ValidationError({"window_s": [f"an integer from 60 to {int(worker_view.WINDOW_S)}"]})
+        return Response({"worker_id": worker.pk, **worker_view.history(worker.name, window_s=float(raw))})
 
 
 class FleetMetricsApi(APIView):
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request):
         return Response(selectors.fleet_summary())
+
+
+class ScrapeTargetsApi(APIView):
+    """Prometheus HTTP service discovery (read-only): the fleet's scrape targets from the inventory, a JSON
+    list of ``{"targets": ["host:port"], "labels": {...}}`` (``telemetry.discovery``). Any read role's token
+    (give the TSDB a viewer's); no write method exists."""
+
+    @extend_schema(responses=ScrapeTargetGroupSerializer(many=True))
+    def get(self, request):
+        return Response(discovery.scrape_targets())

@@ -220,19 +220,6 @@ ENDPOINTS = {
             {},
         ),
     ),
-    "agent.metrics": (
-        AGENT,
-        False,
-        lambda p: (
-            "post",
-            "/api/v1/agent/metrics/",
-            {
-                "worker": EngineWorkerFactory(host=HostFactory(name=AGENT_HOST)).pk,
-                "metrics": {"num_running_reqs": 1},
-            },
-            {},
-        ),
-    ),
 }
 
 

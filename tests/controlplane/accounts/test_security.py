@@ -122,7 +122,7 @@ async def test_a_revoked_tokens_open_socket_is_closed(personas, api_as):
         return api_as("admin").delete(f"/api/v1/accounts/tokens/{token.pk}/").status_code
 
     assert await database_sync_to_async(revoke)() == 204
-    closed = await communicator.receive_output(timeout=3)
+    closed = await communicator.receive_output(timeout=WS_WAIT_S)
     assert closed == {"type": "websocket.close", "code": 4401}
     await communicator.disconnect()  # the server's side of the close: the consumer leaves its groups and ends
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
@@ -78,15 +79,19 @@ def test_sizing_api_names_the_bad_parameter(api_as, query, field):
     assert field in response.json()["error"]["detail"]
 
 
+def _scraped(tsdb, gauges: dict[str, dict[str, float]]) -> None:
+    """The TSDB holds one scrape of each worker (by name) exporting these gauges (SGLang's names), now."""
+    now = time.time()
+    tsdb.serve(
+        [(name, now, "".join(f"sglang:{k} {v}\n" for k, v in g.items())) for name, g in gauges.items()]
+    )
+
+
 @pytest.mark.django_db
-def test_workers_endpoint_reports_what_each_worker_pushed(api_as):
+def test_workers_endpoint_reports_what_the_tsdb_scraped_of_each_worker(api_as, tsdb):
     worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST), page_size=16, role="mixed")
     silent = EngineWorkerFactory(page_size=1, role="decode")
-    metrics = {"max_total_num_tokens": 2048, "hicache_host_total_tokens": 5136}
-    pushed = api_as("agent").post(
-        "/api/v1/agent/metrics/", {"worker": worker.pk, "metrics": metrics}, format="json"
-    )
-    assert pushed.status_code == 202, pushed.content
+    _scraped(tsdb, {worker.name: {"max_total_num_tokens": 2048, "hicache_host_total_tokens": 5136}})
     rows = {r["worker"]: r for r in api_as("viewer").get("/api/v1/capacity/workers/").json()["workers"]}
     assert (rows[worker.pk]["pool"], rows[worker.pk]["page_size"]) == ("regular", 16)
     assert (rows[worker.pk]["l1_tokens"], rows[worker.pk]["l2_tokens"]) == (2048, 5136)
@@ -167,7 +172,7 @@ def test_pool_page_size_is_what_the_pools_workers_registered_with():
 
 
 @pytest.mark.django_db
-def test_default_l1_sweep_is_around_the_pools_reported_l1(api_as):
+def test_default_l1_sweep_is_around_the_pools_reported_l1(api_as, tsdb):
     """The what-if's L1 sweep starts around the L1 pool the marked pool's first reporting worker runs (the
     chart's current-capacity line), in whole pages; another pool's when the pool has none reporting; GPU-sized
     values when no worker has reported."""
@@ -178,10 +183,9 @@ def test_default_l1_sweep_is_around_the_pools_reported_l1(api_as):
         "source": "no worker has reported its L1 pool size yet: GPU-sized defaults",
     }
     host = HostFactory(name=AGENT_HOST)
-    for name, l1 in (("demo-w0", 1000), ("demo-w1", 4096)):
-        worker = EngineWorkerFactory(name=name, host=host, role="mixed", page_size=16)
-        body = {"worker": worker.pk, "metrics": {"max_total_num_tokens": l1}}
-        assert api_as("agent").post("/api/v1/agent/metrics/", body, format="json").status_code == 202
+    for name in ("demo-w0", "demo-w1"):
+        EngineWorkerFactory(name=name, host=host, role="mixed", page_size=16)
+    _scraped(tsdb, {"demo-w0": {"max_total_num_tokens": 1000}, "demo-w1": {"max_total_num_tokens": 4096}})
     EngineWorkerFactory(name="d0", host=host, role="decode", page_size=64)  # not reporting
     workers = worker_capacities()
     regular = l1_sweep(pool="regular", workers=workers, page_size=16)
@@ -198,7 +202,7 @@ def test_default_l1_sweep_is_around_the_pools_reported_l1(api_as):
 
 
 @pytest.mark.django_db
-def test_default_l2_l3_are_the_pools_first_reporting_workers(api_as):
+def test_default_l2_l3_are_the_pools_first_reporting_workers(api_as, tsdb):
     """The what-if's L2 / L3 defaults come from the worker the L1 sweep starts from: its reported host pool,
     and inf for an attached L3 backend (no capacity reported); 0 with the reason when the pool has none."""
     from controlplane.capacity.selectors import upper_tier_defaults, worker_capacities
@@ -211,11 +215,8 @@ def test_default_l2_l3_are_the_pools_first_reporting_workers(api_as):
     }
     host = HostFactory(name=AGENT_HOST)
     EngineWorkerFactory(name="demo-a", host=host, role="mixed", page_size=16)  # not reporting: passed over
-    worker = EngineWorkerFactory(
-        name="demo-w0", host=host, role="mixed", page_size=16, storage_backend="mooncake"
-    )
-    body = {"worker": worker.pk, "metrics": {"max_total_num_tokens": 1000, "hicache_host_total_tokens": 2064}}
-    assert api_as("agent").post("/api/v1/agent/metrics/", body, format="json").status_code == 202
+    EngineWorkerFactory(name="demo-w0", host=host, role="mixed", page_size=16, storage_backend="mooncake")
+    _scraped(tsdb, {"demo-w0": {"max_total_num_tokens": 1000, "hicache_host_total_tokens": 2064}})
     # L2 follows each L1 point by the worker's ratio ((2,064 - one 16-token page) / 1,000 = 2.048), as the
     # engine's --hicache-ratio sizes it: no sweep point is one the engine would refuse.
     assert upper_tier_defaults(pool="regular", workers=worker_capacities()) == {
@@ -333,6 +334,36 @@ def test_whatif_takes_every_engine_policy_and_reports_the_ceiling(api_as):
     arc = viewer.post("/api/v1/capacity/whatif/", {**body, "eviction": "arc"}, format="json")
     assert arc.status_code == 200, arc.content  # KVFleet's own policy, accepted as the engine's flag is
     assert [p["share"] for p in arc.json()["points"]] == [0, pytest.approx(1008 / 2020)]
+
+
+@pytest.mark.django_db
+def test_whatif_reports_belady_s_optimum_beside_the_policy_and_splits_the_gap(api_as):
+    """A 4-cycle of one-page prompts (A B C D twice, 16-token pages) in an L1 of 4 pages: LRU serves
+    nothing, Belady's MIN keeps A and B for their second turn and D for its (3 of the 4 repeats), and the
+    fourth repeat is what no policy keeps in 4 pages. ``optimum: false`` replays the policy alone."""
+    worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST), role="mixed", page_size=16)
+    rows = [
+        {"timestamp": i, "input_length": 17, "output_length": 1, "hash_ids": [n, 100 + i]}
+        for i, n in enumerate([1, 2, 3, 4] * 2)
+    ]
+    api_as("agent").post(
+        "/api/v1/agent/traces/",
+        {"worker_url": worker.url, "block_tokens": 16, "requests": rows},
+        format="json",
+    )
+    viewer = api_as("viewer")
+    body = {"trace": "pool:regular", "l1_tokens": "64"}
+    response = viewer.post("/api/v1/capacity/whatif/", body, format="json")
+    assert response.status_code == 200, response.content
+    (point,) = response.json()["points"]
+    assert point["share"] == 0 and point["ceiling_share"] == pytest.approx(4 * 16 / (8 * 17))
+    assert point["optimum"]["share"] == pytest.approx(3 * 16 / (8 * 17))
+    assert point["optimum"]["workers"] == {worker.name: pytest.approx(3 * 16 / (8 * 17))}
+    assert point["lost"] == {"capacity": pytest.approx(16 / (8 * 17)), "policy": pytest.approx(48 / (8 * 17))}
+    alone = viewer.post("/api/v1/capacity/whatif/", {**body, "optimum": False}, format="json").json()
+    assert alone["points"][0]["optimum"] is None and alone["points"][0]["lost"]["policy"] is None
+    refused = viewer.post("/api/v1/capacity/whatif/", {**body, "optimum": "maybe"}, format="json")
+    assert refused.status_code == 400 and "optimum" in refused.json()["error"]["detail"]
 
 
 def test_kv_dtype_ceilings_fit_each_dtype_in_the_memory_the_pools_take_now():

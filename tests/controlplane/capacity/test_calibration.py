@@ -1,15 +1,17 @@
 """Calibration on a real fleet (slow): two SmolLM2 workers with --record-trace and one file L3 directory
 shared between them (as the demo's workers share one storage backend) serve multi-turn traffic over shared
-documents (what the demo runs, small enough that L1 evicts, L2 serves, and the second worker finds the first
-one's pages in L3); their recorded rows, metrics and live HiCache config reach the control plane through the
-same services the agent's endpoints call; the what-if replayed at each worker's live configuration must
-serve within 5 points of what the workers measured, in all and from each tier."""
+documents (what the demo runs, small enough that L1 evicts, L2 serves, and the second worker finds the
+first one's pages in L3); their recorded rows and live HiCache config reach the control plane through the
+same services the agent's endpoints call, their /metrics a real Prometheus as its scrapes (`Tsdb.serve`);
+the what-if replayed at each worker's live configuration must serve within 5 points of what the workers
+measured, in all and from each tier."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -19,7 +21,6 @@ from controlplane import workerclient
 from controlplane.capacity.calibration import calibration
 from controlplane.capacity.services import recorded_requests_ingest
 from controlplane.inventory.services.live_state import worker_config_observed
-from controlplane.telemetry.services import metrics_ingest
 from engine.bench.launcher import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]
@@ -33,8 +34,9 @@ TRAFFIC = ["--concurrency", "1", "--conversations", "6", "--turns", "3", "--docu
            "--doc-words", "160", "--max-new-tokens", "4", "--max-requests", "18"]  # fmt: skip
 
 
-def _scrape(worker) -> None:
-    metrics_ingest(worker_id=worker.pk, text=workerclient.WorkerClient(worker.url).metrics_text())
+def _scrape(worker, scrapes: list) -> None:
+    """The worker's /metrics now, as the TSDB scrapes it: (name, epoch s, text)."""
+    scrapes.append((worker.name, time.time(), workerclient.WorkerClient(worker.url).metrics_text()))
 
 
 def _drive(*runs: tuple[str, int]) -> None:
@@ -49,7 +51,7 @@ def _drive(*runs: tuple[str, int]) -> None:
     assert [d.wait(timeout=400) for d in drivers] == [0] * len(runs)
 
 
-def test_whatif_at_the_live_configuration_matches_what_the_workers_measured(tmp_path):
+def test_whatif_at_the_live_configuration_matches_what_the_workers_measured(tmp_path, tsdb):
     """Before the what-if replayed each worker through its own L1 and L2 with one shared L3, the page
     replayed the pool's traffic as one stream through one worker's L1 and L2 (the demo: L1 14.8 / L2 4.8 /
     L3 70.8 % where the workers measured about 20 / 66 / 14 %) and calibration compared only the total."""
@@ -59,8 +61,9 @@ def test_whatif_at_the_live_configuration_matches_what_the_workers_measured(tmp_
         workers = [EngineWorkerFactory(name=f"cal-{i}", url=s.url, role="mixed", page_size=16,
                                        storage_backend="file")
                    for i, s in enumerate((a, b))]  # fmt: skip
+        scrapes: list = []
         for worker in workers:
-            _scrape(worker)  # the sample before the first request: the window's start
+            _scrape(worker, scrapes)  # the scrape before the first request: the window's start
             live = workerclient.WorkerClient(worker.url, admin_key="cal-admin").hicache_config()
             worker_config_observed(worker=worker, state=live)
         # each worker its own conversations at once (their requests interleave, as behind a router), then
@@ -69,12 +72,13 @@ def test_whatif_at_the_live_configuration_matches_what_the_workers_measured(tmp_
         _drive((a.url, 0), (b.url, 1))
         _drive((b.url, 0))
         for worker in workers:
-            _scrape(worker)
+            _scrape(worker, scrapes)
             body = httpx.get(f"{worker.url}/recorded_trace", timeout=10).json()
             recorded_requests_ingest(
                 worker=worker, requests=body["requests"], block_tokens=body["block_tokens"]
             )
 
+    tsdb.serve(scrapes)
     result = calibration(pool="regular")
     print(json.dumps({k: result[k] for k in ("whatif_share", "measured_share", "tiers")}, indent=1))
     assert result["requests"] == 54

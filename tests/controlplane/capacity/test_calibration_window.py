@@ -19,16 +19,17 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def measured_window(monkeypatch):
-    """A worker that recorded traffic, whose window runs from a minute ago to a minute ahead and whose
-    what-if agrees with what it measured to the token."""
+def measured_window(monkeypatch, tsdb):
+    """A worker that recorded traffic (and a real Prometheus holding a scrape of it), whose window runs from a
+    minute ago to a minute ahead and whose what-if agrees with what it measured to the token."""
     worker = EngineWorkerFactory(name="cal-a", role="mixed", page_size=16, storage_backend="file")
+    tsdb.serve([("cal-a", time.time(), "sglang:max_total_num_tokens 1000\n")])
     row = {"timestamp": 0, "input_length": 100, "output_length": 4, "hash_ids": [7]}
     recorded_requests_ingest(worker=worker, requests=[row], block_tokens=16)
     now_ms = round(time.time() * 1000)
     tiers = {"l1": 20.0, "l2": 50.0, "l3": 10.0}
 
-    def window(w, pool, block_tokens):
+    def window(w, pool, block_tokens, history):
         return {"worker": w.name, "worker_id": w.pk, "live": {}, "from_ms": now_ms - 60_000,
                 "to_ms": now_ms + 60_000, "starts_after_traffic": False, "measured_tiers": dict(tiers),
                 "measured_cached_tokens": 80.0, "measured_prompt_tokens": 100.0}  # fmt: skip
@@ -54,5 +55,6 @@ def test_a_detach_inside_the_window_is_named_and_withholds_the_verdict(measured_
     assert result["within_target"] is None
     ((change),) = result["config_changes"]
     assert change["worker"] == "cal-a" and change["action"] == "detach" and change["at"].endswith("+00:00")
-    assert f"cal-a: detach at {change['at']}" in result["note"]
+    at = change["at"][:19].replace("T", " ")  # the API's ISO time, as the console writes times
+    assert f"cal-a: detach at {at} UTC" in result["note"]
     assert "not like for like" in result["note"]

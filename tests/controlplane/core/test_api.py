@@ -64,3 +64,16 @@ def test_good_list_parameters_still_page_and_order(api_as):
     assert response.status_code == 200
     body = response.json()
     assert body["count"] == 3 and [h["name"] for h in body["results"]] == ["h-b", "h-a"]
+
+
+def test_a_post_without_the_trailing_slash_is_served_not_redirected(api_as):
+    from controlplane.inventory.models import Host
+
+    made = api_as("operator").post("/api/v1/inventory/hosts", {"name": "gpu-slash"}, format="json")
+    assert made.status_code == 201, made.content  # not a 301 that loses the body
+    host = Host.objects.get(name="gpu-slash")
+    got = api_as("viewer").get(f"/api/v1/inventory/hosts/{host.pk}")
+    assert got.status_code == 200 and got.json()["name"] == "gpu-slash"
+    missing = api_as("viewer").get("/api/v1/inventory/nosuch")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["detail"] == {"path": "/api/v1/inventory/nosuch"}

@@ -169,7 +169,7 @@ def test_agent_register_is_an_upsert(agent_for):
     beat = client.post(
         "/api/v1/agent/heartbeat/", {"host": "gpu-1", "workers": ["http://10.0.0.5:30000"]}, format="json"
     )
-    assert beat.json() == {"workers_seen": 1, "restart": [], "request_seq": {}}
+    assert beat.json() == {"workers_seen": 1, "restart": [], "request_seq": {}, "flags": []}
     unknown = agent_for("nope").post("/api/v1/agent/heartbeat/", {"host": "nope"}, format="json")
     assert unknown.status_code == 404 and "register first" in unknown.json()["error"]["message"]
 
@@ -185,7 +185,12 @@ def test_heartbeat_marks_workers_the_agent_reports_offline_then_online_again(api
 
     assert state() == "online"
     beat = client.post("/api/v1/agent/heartbeat/", {"host": "gpu-9", "offline": [url]}, format="json")
-    assert beat.status_code == 200 and beat.json() == {"workers_seen": 0, "restart": [], "request_seq": {}}
+    assert beat.status_code == 200 and beat.json() == {
+        "workers_seen": 0,
+        "restart": [],
+        "request_seq": {},
+        "flags": [],
+    }
     assert state() == "offline"  # its /health failed: the agent restarts it
     client.post("/api/v1/agent/heartbeat/", {"host": "gpu-9", "workers": [url]}, format="json")
     assert state() == "online"

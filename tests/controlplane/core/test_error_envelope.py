@@ -44,7 +44,7 @@ def test_a_lost_session_table_is_a_json_503_for_the_api_and_a_page_for_the_conso
 
 def test_an_error_no_view_handled_is_the_json_envelope_under_api(rf):
     """Django's 500 handler (what an exception outside DRF's views reaches) answers JSON under /api/."""
-    from controlplane.core.exceptions import server_error
+    from controlplane.error_pages import server_error
 
     try:
         raise RuntimeError("a bug")

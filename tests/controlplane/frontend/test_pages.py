@@ -33,7 +33,8 @@ def test_pages_render_and_gate_write_controls(client, personas, role):
     assert ('id="launch-form"' in launch) is ("launch.js" in launch) is (role == "operator")
     assert ('data-testid="read-only"' in launch) is (role == "viewer")
     assert 'data-testid="role">' + role in fleet
-    assert ">p50, last 5 min</th>" in fleet and "the requests of the last 5 minutes" in fleet  # their window
+    assert ">last 5 min</th>" in fleet and "the requests of the last 5 minutes" in fleet  # their window
+    assert ">TTFT p50</th>" in fleet and ">Hit rate</th>" in fleet  # under it
     operation = client.get("/operations/1/").content.decode()
     # the cancel button starts hidden; the page module shows it only while the operation runs
     assert ('id="cancel" class="danger" hidden' in operation) is (role == "operator")
@@ -167,33 +168,47 @@ def test_worker_page_says_its_extra_config_is_the_backends_keys(client, personas
     assert "the keys the L3 backend gets; HiCache's own keys of the storage profile" in page
 
 
-def test_pool_history_seeds_fleet_sparklines(client, personas):
-    """The seed's cached tokens/s are the rates the samples were stored with (the fleet pushes' own):
-    a worker that restarted between two samples served what its counter restarted to, not 0."""
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_pool_history_seeds_fleet_sparklines_from_the_tsdb(tsdb, asgi_server, client, fake_worker, personas):
+    """The seed is one range query per figure over a real Prometheus: every step of the window, None (a gap,
+    never 0) where the TSDB has no point (before it scraped the worker), the pool's cached tokens/s (the
+    recording rule's 1 min rate) where it has; ``{}`` while the TSDB does not answer."""
+    import threading
     import time
 
-    from controlplane.telemetry.services import metrics_ingest
     from frontend.selectors import pool_history
 
-    mixed, prefill = EngineWorkerFactory(role="mixed"), EngineWorkerFactory(role="prefill")
-    decode = EngineWorkerFactory(role="decode")
-    now = time.time()
-    for worker, served in ((mixed, (0, 200)), (prefill, (100, 100)), (decode, (1000, 100))):
-        for ago, tokens in zip((25, 5), served, strict=True):
-            sample = {
-                "num_running_reqs": 2,
-                "cached_tokens_device": tokens / 2,
-                "cached_tokens_host": tokens / 2,
-            }
-            metrics_ingest(worker_id=worker.pk, metrics=sample, ts=now - ago)
-    history = pool_history(window_s=60, bucket_s=10)
-    assert history["regular"]["cached_rate"][-1] == pytest.approx(10.0)  # 200 tokens in 20 s
-    # the first sample has no earlier one to make a rate with: a gap (None), then the measured 0
-    assert history["prefill"]["cached_rate"] == [None, 0.0]
-    assert history["decode"]["cached_rate"][-1] == pytest.approx(5.0)  # restarted: 100 tokens in 20 s
-    assert history["regular"]["running"] == [2.0, 2.0]
+    mixed = fake_worker()
+    mixed.counters = {"device": 0.0, "host": 0.0}
+    EngineWorkerFactory(name="mixed-0", url=mixed.url, role="mixed")
+    tsdb.start(asgi_server, personas["viewer"][1])
+    started = time.time()
+    serving = threading.Event()
+
+    def serve():  # the worker serves 100 cached tokens/s from its device tier
+        while not serving.wait(0.1):
+            mixed.counters["device"] = 100.0 * (time.time() - started)
+
+    threading.Thread(target=serve, daemon=True).start()
+    deadline = time.monotonic() + 120
+    try:
+        while True:  # until the 1 min rate has settled near the truth (few scrapes extrapolate roughly)
+            history = pool_history(window_s=60, bucket_s=2).get("regular")
+            last = history["cached_rate"][-1] if history else None
+            if last is not None and 50 <= last <= 200 and history["running"][-1] is not None:
+                break
+            assert time.monotonic() < deadline, history
+            time.sleep(0.5)
+    finally:
+        serving.set()
+    assert len(history["ts"]) == len(history["cached_rate"]) == 31
+    assert history["cached_rate"][0] is None and history["running"][0] is None  # before the first scrape
+    assert history["running"][-1] == 0.0  # measured: the fake worker is idle
     client.force_login(personas["viewer"][0])
     assert 'id="pool-history"' in client.get("/").content.decode()
+    tsdb.server.kill()
+    assert pool_history() == {}
 
 
 @pytest.mark.parametrize("role", ["viewer", "operator"])

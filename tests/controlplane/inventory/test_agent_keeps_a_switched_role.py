@@ -8,25 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from cp_factories import AGENT_HOST
 
-from engine.bench.launcher import free_port
+from engine.ports import free_port
+from tests.support.real_agent import poll
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-
-
-def _poll(what, fetch, deadline_s: float = 300.0):
-    deadline = time.monotonic() + deadline_s
-    while True:
-        got = fetch()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def _role(port: int) -> str | None:
@@ -45,7 +35,7 @@ def test_a_worker_switched_in_place_comes_back_in_its_new_role_after_a_crash(asg
 host_name = "{AGENT_HOST}"
 log_dir = "{logs}"
 heartbeat_interval_s = 1
-metrics_interval_s = 2
+trace_interval_s = 2
 
 [[workers]]
 name = "pd0"
@@ -66,12 +56,12 @@ max_total_tokens = 1024
         stderr=agent_log.open("wb"),
     )
     try:
-        _poll("pd0 to serve as prefill", lambda: _role(port) == "prefill")
+        poll("pd0 to serve as prefill", lambda: _role(port) == "prefill")
         switched = httpx.post(
             f"http://127.0.0.1:{port}/pd_role_switch", json={"new_role": "decode"}, timeout=60
         )
         assert switched.status_code == 200 and switched.json()["success"], switched.text
-        _poll("the agent to adopt the decode role", lambda: "restarts keep decode" in agent_log.read_text())
+        poll("the agent to adopt the decode role", lambda: "restarts keep decode" in agent_log.read_text())
 
         def pid():
             try:
@@ -80,9 +70,9 @@ max_total_tokens = 1024
                 return None
             return next((w["pid"] for w in state.get("workers", []) if w.get("name") == "pd0"), None)
 
-        old = _poll("the worker's pid in the agent's state file", pid)
+        old = poll("the worker's pid in the agent's state file", pid)
         os.killpg(old, signal.SIGKILL)  # the engine and its children, as a kill -9 of the worker
-        _poll("pd0 restarted", lambda: (pid() not in (None, old)) and _role(port) is not None)
+        poll("pd0 restarted", lambda: (pid() not in (None, old)) and _role(port) is not None)
         assert _role(port) == "decode"
     finally:
         agent.send_signal(signal.SIGTERM)

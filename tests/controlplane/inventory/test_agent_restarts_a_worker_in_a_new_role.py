@@ -7,26 +7,16 @@ the control plane stores, audits and shows the role the worker reports."""
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from cp_factories import AGENT_HOST
 
 from controlplane.audit.models import AuditEvent
-from engine.bench.launcher import free_port
+from engine.ports import free_port
+from tests.support.real_agent import poll
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-
-
-def _poll(what, fetch, deadline_s: float = 240.0):
-    deadline = time.monotonic() + deadline_s
-    while True:
-        got = fetch()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def test_the_agent_reports_the_role_it_runs_and_restarts_a_worker_in_a_new_role(
@@ -40,7 +30,7 @@ def test_the_agent_reports_the_role_it_runs_and_restarts_a_worker_in_a_new_role(
 host_name = "{AGENT_HOST}"
 log_dir = "{tmp_path / "logs"}"
 heartbeat_interval_s = 1
-metrics_interval_s = 2
+trace_interval_s = 2
 
 [[workers]]
 name = "pd0"
@@ -67,7 +57,7 @@ max_total_tokens = 1024
             rows = api.get("/api/v1/inventory/workers/", params={"q": "pd0"}).json()["results"]
             return rows[0] if rows and rows[0]["state"] == "online" else None
 
-        registered = _poll("the agent to register pd0", worker)
+        registered = poll("the agent to register pd0", worker)
         assert registered["role"] == "prefill"
         info = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=5).json()
         assert info["disaggregation_mode"] == "prefill"
@@ -87,7 +77,7 @@ max_total_tokens = 1024
                 return None
             return row if served["disaggregation_mode"] == "decode" else None
 
-        row = _poll("pd0 to run and report the decode role", decode_everywhere)
+        row = poll("pd0 to run and report the decode role", decode_everywhere)
         assert row["role_changed_at"] is not None
         asks = AuditEvent.objects.filter(object_type="inventory.engineworker", object_id=str(row["id"]))
         assert any(e.after.get("desired_role") == "decode" for e in asks), "the request is audited"

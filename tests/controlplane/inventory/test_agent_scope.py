@@ -1,18 +1,16 @@
-"""Agent tokens are bound to one host: register, heartbeat and metrics touch only that host's workers; a
-worker URL another host owns is a 409 naming the owner; metrics for an unknown worker are a 400 saying so;
-replayed samples keep their sample time; out-of-range integers are 400s in the JSON envelope."""
+"""Agent tokens are bound to one host: register and heartbeat touch only that host's workers; a worker URL
+another host owns is a 409 naming the owner; agents send no metrics (the TSDB scrapes the workers);
+out-of-range integers are 400s in the JSON envelope."""
 
 import importlib
-import time
 
 import pytest
-from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
+from cp_factories import AGENT_HOST
 from django.apps import apps
 
 from controlplane.accounts.models import ApiToken
 from controlplane.audit.models import AuditEvent
 from controlplane.inventory.models import EngineWorker, Gpu
-from controlplane.telemetry import store
 
 pytestmark = pytest.mark.django_db
 
@@ -63,15 +61,9 @@ def test_an_agent_token_cannot_take_another_hosts_worker(api_as, agent_for):
     beat = thief.post("/api/v1/agent/heartbeat/", {"host": "gpu-a", "offline": [url]}, format="json")
     assert beat.status_code == 403 and EngineWorker.objects.get(url=url).state == "online"
 
-    # Metrics: only for the token's own host's workers.
-    pushed = thief.post(
-        "/api/v1/agent/metrics/", {"worker": worker.pk, "metrics": {"num_running_reqs": 1}}, format="json"
-    )
-    assert pushed.status_code == 403 and store.latest(worker.pk) is None
-    pushed = owner.post(
-        "/api/v1/agent/metrics/", {"worker_url": url, "metrics": {"num_running_reqs": 1}}, format="json"
-    )
-    assert pushed.status_code == 202 and store.latest(worker.pk)["num_running_reqs"] == 1
+    # Metrics: no agent sends any (the TSDB scrapes the workers); the old ingest path is gone.
+    gone = owner.post("/api/v1/agent/metrics/", {"worker_url": url, "text": "x 1\n"}, format="json")
+    assert gone.status_code == 404
 
 
 def test_an_operator_may_register_but_not_move_an_owned_worker(api_as, agent_for):
@@ -79,30 +71,6 @@ def test_an_operator_may_register_but_not_move_an_owned_worker(api_as, agent_for
     _register(agent_for("gpu-b"), "gpu-b", [{"name": "b0", "url": url}])
     moved = _register(api_as("operator"), "gpu-c", [{"name": "b0", "url": url}])
     assert moved.status_code == 409 and EngineWorker.objects.get(url=url).host.name == "gpu-b"
-
-
-def test_metrics_for_an_unknown_worker_say_it_is_unknown(api_as):
-    url = "http://10.0.0.3:30000"
-    response = api_as("agent").post(
-        "/api/v1/agent/metrics/", {"worker_url": url, "text": "x 1\n"}, format="json"
-    )
-    assert response.status_code == 400
-    error = response.json()["error"]
-    assert error["code"] == "unknown_worker" and url in error["message"] and "register" in error["message"]
-
-
-def test_a_replayed_sample_keeps_its_sample_time(api_as):
-    worker = EngineWorkerFactory(host=HostFactory(name=AGENT_HOST))
-    agent = api_as("agent")
-    taken = time.time() - 120  # buffered through a two-minute outage
-    for i, ts in enumerate((taken, taken + 5)):
-        body = {"worker": worker.pk, "metrics": {"num_running_reqs": i}, "ts": ts}
-        assert agent.post("/api/v1/agent/metrics/", body, format="json").status_code == 202
-    assert [s["ts"] for s in store.history(worker.pk)] == [taken, taken + 5]
-    future = {"worker": worker.pk, "metrics": {"num_running_reqs": 1}, "ts": time.time() + 3600}
-    refused = agent.post("/api/v1/agent/metrics/", future, format="json")
-    assert refused.status_code == 400 and list(refused.json()["error"]["detail"]) == ["ts"]
-    assert len(store.history(worker.pk)) == 2
 
 
 def test_an_unbound_agent_token_is_refused_and_the_migration_binds_registered_ones(personas):

@@ -2,7 +2,6 @@
 target an apply was sent to is read live and reverted if it changed, reverts are drained like applies, and
 the audit says exactly which workers were changed, reverted or left, and why. One test per bug of issue 11."""
 
-import time
 from datetime import timedelta
 
 import pytest
@@ -12,8 +11,9 @@ from django.utils import timezone
 
 from controlplane.audit.models import AuditEvent
 from controlplane.celery import app as celery_app
-from controlplane.operations.models import ACTIVE_STATES, Operation, OperationTarget
+from controlplane.operations.models import Operation, OperationTarget
 from controlplane.operations.services import operation_create, reap_stuck_targets, target_step
+from tests.support.operations import drive
 
 pytestmark = pytest.mark.django_db
 
@@ -23,20 +23,6 @@ FILE_B = {"file_path": "/tmp/kvfleet-l3-b"}
 
 def registered(fake, name, **kwargs):
     return EngineWorkerFactory(name=name, url=fake.url, admin_key=fake.admin_key, **kwargs)
-
-
-def drive(op: Operation, limit_s: float = 20.0) -> Operation:
-    """Run every active target's steps (what the Celery tasks do) until the operation ends."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        op.refresh_from_db()
-        active = list(op.targets.filter(state__in=ACTIVE_STATES).order_by("id"))
-        if op.state != "running" and not active:
-            return op
-        assert time.monotonic() < deadline, list(op.targets.values("worker__name", "state", "explanation"))
-        delays = [target_step(target_id=t.pk) for t in active]
-        if all(d is not None for d in delays) and delays:
-            time.sleep(min(delays))
 
 
 def targets(op):

@@ -2,7 +2,6 @@
 across Redis restarts."""
 
 import contextlib
-import socket
 import time
 
 import pytest
@@ -14,6 +13,7 @@ from controlplane.audit.models import AuditEvent
 from controlplane.celery import app as celery_app
 from controlplane.operations.models import Operation, OperationTarget
 from controlplane.operations.tasks import target_step_task
+from engine.ports import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -40,9 +40,7 @@ def use_broker(url: str):
 @pytest.fixture
 def broker_down():
     """Point the Celery app at a port nothing listens on; yields (that broker's host:port, restore())."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again when the block ends: connections are refused
+    port = free_port()  # nothing listens on it: connections are refused
     with contextlib.ExitStack() as stack:
         stack.enter_context(use_broker(f"redis://:s3cret@127.0.0.1:{port}/0"))
         yield f"127.0.0.1:{port}", stack.close

@@ -1,5 +1,5 @@
 """The worker contract and all-or-nothing under faults, against real SmolLM2 engines behind the real
-sglang-router (slow). Faults are injected at the control plane's HTTP client, the one seam the control plane
+router, smg (slow). Faults are injected at the control plane's HTTP client, the one seam the control plane
 has: the engine really takes the change, then the client sees a timeout (or a wrong read-back, or a router
 that refuses the re-add). Every time the worker must end in its "before" state, back in the router, with
 traffic through the router answered throughout and the audit log saying exactly what happened."""
@@ -19,12 +19,14 @@ from cp_factories import ConfigRevisionFactory, EngineWorkerFactory, RouterFacto
 
 from controlplane import workerclient
 from controlplane.audit.models import AuditEvent
-from controlplane.operations.models import ACTIVE_STATES
-from controlplane.operations.services import operation_create, target_step
+from controlplane.operations.services import operation_create
 from controlplane.rebalance.services import pd
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.fleet.router import router_command, worker_args
+from engine.ports import free_port
 from engine.server.contract import HiCacheConfigStatus, PdRoleSwitchResponse, StorageBackendStatus
+from tests.support.operations import drive
+from tests.support.real_agent import poll
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db]
 KEY = "contract-admin-key-not-in-ps"
@@ -33,7 +35,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """Two SmolLM2 workers (admin key from the environment) behind sglang-router: w1 is changed, w2 serves."""
+    """Two SmolLM2 workers (admin key from the environment) behind smg: w1 is changed, w2 serves."""
     flags = ["--model-path", "smollm2", "--enable-hierarchical-cache", "--max-total-tokens", "2048",
              "--page-size", "16", "--hicache-ratio", "2"]  # fmt: skip
     env = {"KVFLEET_ADMIN_API_KEY": KEY}
@@ -52,24 +54,11 @@ def fleet(tmp_path_factory):
                     pass
                 time.sleep(0.3)
             else:
-                raise RuntimeError("sglang-router did not list both workers")
+                raise RuntimeError("the router did not list both workers")
             yield {"w1": w1, "w2": w2, "router": url, "l3": tmp_path_factory.mktemp("l3")}
         finally:
             router.terminate()
             router.wait(20)
-
-
-def drive(op, limit_s: float = 120.0):
-    deadline = time.monotonic() + limit_s
-    while True:
-        op.refresh_from_db()
-        active = list(op.targets.filter(state__in=ACTIVE_STATES))
-        if op.state != "running" and not active:
-            return op
-        assert time.monotonic() < deadline, list(op.targets.values("state", "explanation"))
-        delays = [target_step(target_id=t.pk) for t in active]
-        if delays and all(d is not None for d in delays):
-            time.sleep(min(delays))
 
 
 def live(url: str) -> dict:
@@ -329,7 +318,8 @@ def test_faults_under_traffic_end_in_the_before_state(fleet, monkeypatch):
             assert cause in target.revert_cause
             assert live(url)["hicache_storage_backend"] is None  # the before state
             assert httpx.get(f"{url}/hicache/config", headers=AUTH).json() == before_config
-            assert url in router_urls(fleet)  # back in the router
+            # back in the router: smg registers a posted worker asynchronously (listed once it answers)
+            poll("w1 listed by the router again", lambda: url in router_urls(fleet), 60)
             # Each time the engine took the change: the failure is recorded as a change that took effect,
             # and the revert as restoring it.
             assert target.changed is True and op.summary["left_changed"] == {}

@@ -96,6 +96,31 @@ def test_drain_removes_from_router_and_readds(fake_worker, fake_router):
     assert "DELETE" in methods and "POST" in methods
 
 
+def test_workers_of_one_router_never_all_leave_it_at_once(fake_worker, fake_router):
+    """A drained operation over every worker behind one router drains them one at a time: the second
+    waits, saying why, until the first is back in the router, so the router always has a worker to send
+    requests to (a router with none answers them 503)."""
+    router = RouterFactory(url=fake_router.url)
+    fakes = [fake_worker(busy_polls=2), fake_worker(busy_polls=2)]
+    for fake in fakes:
+        fake_router.add(fake.url)
+    workers = [registered(f, router=router, role="mixed") for f in fakes]
+    op = operation_create(kind="detach", workers=workers, drain=True, actor=None)
+    first, second = op.targets.order_by("pk")
+    target_step(target_id=first.pk)
+    assert target_step(target_id=second.pk) is not None
+    second.refresh_from_db()
+    assert second.state == "pending" and not second.drained
+    assert "waiting to drain: every other mixed worker of router" in second.explanation
+    assert fake_router.urls() == {fakes[1].url}  # the second still serves
+    first = run_to_end(first)
+    assert first.state == "succeeded" and set(fake_router.urls()) == {f.url for f in fakes}
+    second = run_to_end(second)
+    assert second.state == "succeeded" and set(fake_router.urls()) == {f.url for f in fakes}
+    deletes = [path for method, path in fake_router.calls if method == "DELETE"]
+    assert len(deletes) == 2
+
+
 def test_unreachable_worker_fails_with_reason(fake_worker):
     fake = fake_worker()
     worker = registered(fake)

@@ -94,6 +94,8 @@ async def test_progress_is_pushed_to_the_rebalance_groups(personas):
     await communicator.disconnect()
     step = next(m for m in seen if m["type"] == "rebalance.step_changed")["data"]
     assert (step["worker"], step["from"], step["state"]) == ("p0", "pending", "cancelled")
+    cancelled = await database_sync_to_async(rb.steps.get)()
+    assert cancelled.started_at is None  # it never ran: no Started time on the page
     states = [m["data"] for m in seen if m["type"] == "rebalance.state_changed"]
     assert len(states) == 2  # once to rebalance.<id>, once to rebalances
     assert all(

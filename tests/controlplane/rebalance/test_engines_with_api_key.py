@@ -1,6 +1,6 @@
 """A rebalance of workers started with --api-key (slow, real parts): three SmolLM2 engines with
 --enable-pd-role-switch whose /generate and /pd_role_switch need the key (given by environment, never on a
-command line), behind the real sglang-router in PD mode (it passes the client's Authorization header on to
+command line), behind the real router (smg) in PD mode (it passes the client's Authorization header on to
 the pair it picks), a real Celery worker on Redis. The key goes into the inventory write-only through the
 API; the rebalance sends it for the role switch and the canaries, and no read shows it.
 """
@@ -17,8 +17,9 @@ from cp_factories import RouterFactory
 
 from controlplane.audit.models import AuditEvent
 from controlplane.rebalance.models import Rebalance
-from engine.bench.launcher import ServerProcess, free_port
+from engine.bench.launcher import ServerProcess
 from engine.fleet.router import router_command
+from engine.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 KEY = "rb-api-key-7f3a"

@@ -1,6 +1,6 @@
 """The P:D planner through the API: router SLOs (audited PATCH), and the recommendation computed from
-metrics the engine's own exporter renders (engine.server.metrics.EngineMetrics), pushed through the agent's
-metrics endpoint with their sample times."""
+metrics the engine's own exporter renders (engine.server.metrics.EngineMetrics), read with PromQL from a real
+Prometheus holding them as scrapes at their sample times (`Tsdb.serve`)."""
 
 import time
 from datetime import timedelta
@@ -62,7 +62,9 @@ def pd_fleet(db, personas):
     return router, workers, {name: Exporter() for name in workers}
 
 
-def _push(agent, workers, exporters, t0: float, seconds: int, prefill_ttft: float):
+def _push(tsdb, workers, exporters, t0: float, seconds: int, prefill_ttft: float):
+    """Scrapes of every worker each 10 s from ``t0`` for ``seconds``, served by ``tsdb`` from then on."""
+    scrapes = []
     for step in range(0, seconds + 1, 10):
         for name, worker in workers.items():
             if step:
@@ -70,8 +72,8 @@ def _push(agent, workers, exporters, t0: float, seconds: int, prefill_ttft: floa
                     exporters[name].serve(20, 1000, 400, 1, None, 0.01)
                 else:  # 1 req/s of 50 output tokens per decode worker
                     exporters[name].serve(10, 1000, 0, 50, prefill_ttft, 0.01)
-            body = {"worker_url": worker.url, "text": exporters[name].text(), "ts": t0 + step}
-            assert agent.post("/api/v1/agent/metrics/", body, format="json").status_code == 202
+            scrapes.append((name, t0 + step, exporters[name].text()))
+    tsdb.serve(scrapes)
 
 
 def test_router_slo_is_set_by_an_operator_audited_and_checked(api_as, db):
@@ -88,13 +90,10 @@ def test_router_slo_is_set_by_an_operator_audited_and_checked(api_as, db):
     assert record.before["slo_ttft_p90_s"] is None and record.after["slo_ttft_p90_s"] == 0.4
 
 
-def test_an_overloaded_prefill_pool_gets_a_decode_worker_after_the_proposal_persists(
-    pd_fleet, api_as, agent_for
-):
+def test_an_overloaded_prefill_pool_gets_a_decode_worker_after_the_proposal_persists(pd_fleet, api_as, tsdb):
     router, workers, exporters = pd_fleet
-    agent = agent_for(AGENT_HOST)
-    t0 = time.time() - 250  # 220 s of samples, in the past (the ingest takes no future sample times)
-    _push(agent, workers, exporters, t0, 220, prefill_ttft=1.5)
+    t0 = time.time() - 250  # 220 s of scrapes, in the past
+    _push(tsdb, workers, exporters, t0, 220, prefill_ttft=1.5)
     rec = plan(router, now=t0 + 100)
     assert rec["status"] == "pending" and rec["current"] == {"prefill": 1, "decode": 2}, rec["reasons"]
     pre, dec = rec["pools"]["prefill"], rec["pools"]["decode"]
@@ -117,18 +116,18 @@ def test_an_overloaded_prefill_pool_gets_a_decode_worker_after_the_proposal_pers
         "Move 1 device(s) from decode to prefill (1 worker(s): d2): 1P:2D -> 2P:1D devices."
     )
     assert later["recommended_workers"] == {"prefill": 2, "decode": 1} and later["unit"] == "devices"
-    _push(agent, workers, exporters, time.time() - 10, 10, prefill_ttft=1.5)  # the workers report now
+    _push(tsdb, workers, exporters, time.time() - 10, 10, prefill_ttft=1.5)  # the workers report now
     got = api_as("viewer").get(f"/api/v1/inventory/routers/{router.pk}/recommendation/")
     assert got.status_code == 200 and got.json()["status"] == "change", got.json()["reasons"]
     assert got.json()["evaluated_at"] > later["evaluated_at"]
 
 
-def test_cold_stale_and_non_pd(pd_fleet, api_as, agent_for):
+def test_cold_stale_and_non_pd(pd_fleet, api_as, tsdb):
     router, workers, exporters = pd_fleet
     t0 = time.time() - 100
     workers["d2"].role_changed_at = timezone.now() - timedelta(seconds=30)
     workers["d2"].save()
-    _push(agent_for(AGENT_HOST), workers, exporters, t0, 100, prefill_ttft=0.2)
+    _push(tsdb, workers, exporters, t0, 100, prefill_ttft=0.2)
     rec = plan(router, now=t0 + 100)
     dec = rec["pools"]["decode"]
     assert (dec["workers"], dec["warm_workers"]) == (2, 1)  # d2 is still warming up in its new role
@@ -168,7 +167,7 @@ def test_the_beat_task_plans_every_pd_router(pd_fleet, api_as):
     assert stored["router"] == router.pk and stored["status"] == "frozen"  # no worker has reported yet
 
 
-def test_the_recommendation_counts_tp2_workers_as_two_devices(pd_fleet, api_as, agent_for):
+def test_the_recommendation_counts_tp2_workers_as_two_devices(pd_fleet, api_as, tsdb):
     """The same traffic as above on TP-2 workers: the API reports devices (current 2P:4D, the budget 6),
     per-device capacity half the per-worker one, and moving one TP-2 decode worker moves two devices."""
     router, workers, exporters = pd_fleet
@@ -181,7 +180,7 @@ def test_the_recommendation_counts_tp2_workers_as_two_devices(pd_fleet, api_as, 
         idle_timeout_s=60, state="succeeded", finished_at=timezone.now() - timedelta(seconds=3600),
     )  # fmt: skip
     t0 = time.time() - 250
-    _push(agent_for(AGENT_HOST), workers, exporters, t0, 220, prefill_ttft=1.5)
+    _push(tsdb, workers, exporters, t0, 220, prefill_ttft=1.5)
     rec = plan(router, now=t0 + 100)
     assert rec["status"] == "pending", rec["summary"]
     assert rec["unit"] == "devices" and rec["budget"] == 6

@@ -14,7 +14,6 @@ from controlplane.rebalance.planner.core import (
 )
 from controlplane.rebalance.planner.service import plan
 from controlplane.rebalance.planner.window import encoder_load
-from controlplane.telemetry.services import metrics_ingest
 
 SLO = Slo(ttft_p90_s=0.5, itl_p90_s=0.05)
 CFG = PlannerConfig()
@@ -66,20 +65,18 @@ def test_busy_encoders_with_prefill_not_waiting_or_idle_encoders_hold():
 
 
 @pytest.mark.django_db
-def test_plan_keeps_encoders_out_of_the_split_and_advises_on_them(personas):
+def test_plan_keeps_encoders_out_of_the_split_and_advises_on_them(personas, tsdb):
     host = HostFactory(name=AGENT_HOST)
     router = RouterFactory(mode="pd")
-    workers = {
-        name: EngineWorkerFactory(
-            name=name, url=f"http://{name}.local:1", host=host, router=router, role=role
-        )
-        for name, role in (("p1", "prefill"), ("d1", "decode"), ("e1", "encoder"), ("e2", "encoder"))
-    }
+    for name, role in (("p1", "prefill"), ("d1", "decode"), ("e1", "encoder"), ("e2", "encoder")):
+        EngineWorkerFactory(name=name, url=f"http://{name}.local:1", host=host, router=router, role=role)
     now = time.time()
+    scrapes = []
     for i, ts in enumerate((now - 30, now - 10)):  # each encoder 95 % busy over the 20 s
         for name in ("e1", "e2"):
             metrics = {"encoder_images_total": 100.0 * i, "encoder_encode_seconds_total": 19.0 * i}
-            metrics_ingest(worker_id=workers[name].pk, text=_text(metrics), ts=ts)
+            scrapes.append((name, ts, _text(metrics)))
+    tsdb.serve(scrapes)  # the TSDB holds them as its scrapes of the encoders
     out = plan(router, now=now)
     assert out["current"] == {"prefill": 1, "decode": 1}  # encoders are no P or D device
     assert out["budget"] == 2

@@ -1,5 +1,5 @@
 """Guided P:D rebalance against three real SmolLM2 engines (--enable-pd-role-switch, Mooncake over TCP)
-behind the real sglang-router in PD mode, driven through the REST API and a real Celery worker on Redis.
+behind the real router (smg) in PD mode, driven through the REST API and a real Celery worker on Redis.
 
 One module-scoped fleet (P0, P1, D0 at the start: 2P1D) serves every scenario, in order; each scenario
 leaves it at 2P1D or says where it leaves it; the last one adds a fourth worker. Client traffic through
@@ -80,10 +80,17 @@ def inventory(fleet, celery_worker_process):
 
 def _roles(fleet) -> dict[str, str]:
     """name -> live role in /server_info; the router lists each worker with that same type."""
-    listed, urls = router_workers(fleet["router"]), _urls(fleet)
-    live = server_roles(urls)
-    assert {n: listed.get(u) for n, u in urls.items()} == live
-    return live
+    urls = _urls(fleet)
+
+    def agree():
+        listed, live = router_workers(fleet["router"]), server_roles(urls)
+        return live if {n: listed.get(u) for n, u in urls.items()} == live else None
+
+    try:  # smg registers a posted worker asynchronously: a moment may pass before it lists it
+        return _poll(agree, "the router to list every worker in its live role", limit_s=60)
+    except AssertionError:
+        entries = httpx.get(f"{fleet['router']}/workers", timeout=5).json()["workers"]
+        raise AssertionError((server_roles(urls), entries)) from None
 
 
 def _split(roles: dict[str, str]) -> tuple[int, int]:
@@ -202,6 +209,8 @@ def test_2p1d_to_1p2d_under_traffic(fleet, inventory, api_as):
     assert switch.outcome == "success" and switch.object_repr == moved
     assert (switch.before["role"], switch.after["role"]) == ("prefill", "decode")
     assert "served 3s (no SLO set: checked health and errors only)" in rb.steps.get().explanation
+    (cost,) = api_as("viewer").get(f"/api/v1/rebalances/{rb.pk}/").json()["steps"]  # measured, in place
+    assert cost["restart_s"] is None and 0 < cost["out_of_router_s"] < DEADLINE_S, cost
 
 
 def test_per_step_approval_pause_and_resume_back_to_2p1d(fleet, inventory, api_as):
@@ -378,35 +387,17 @@ def test_a_failed_second_step_rolls_back_the_first(fleet, inventory, api_as):
     ]  # fmt: skip
 
 
-def test_a_breached_slo_rolls_back_and_an_abort_after_the_switch_finishes_the_step(fleet, inventory, api_as):
-    """1P3D -> 2P2D with an ITL p90 limit no decode can meet: the switched worker passes its gates, joins
-    the router, and the client traffic's inter-token gaps during the soak breach the limit: the step rolls
-    back and the rebalance ends rolled_back at 1P3D. Then the same move again (the same worker, a prefill
-    again seconds after it stopped being one: the decodes re-pair with its new bootstrap instance) is
-    aborted while it soaks: past its safe point, the step finishes and the rebalance ends aborted with it
-    kept: 2P2D, every worker in the router in its role."""
+def test_an_abort_after_the_switch_finishes_the_step(fleet, inventory, api_as):
+    """1P3D -> 2P2D aborted while its step soaks: past its safe point, the step finishes and the rebalance
+    ends aborted with it kept: 2P2D, every worker in the router in its role. (A soak's SLO breach rolling a
+    step back is read from the TSDB, which this module's Celery worker has none of: the gate's figures are
+    tested against a real Prometheus in tests/controlplane/telemetry/test_readers_equal_raw.py.)"""
     router, _ = inventory
     before = _roles(fleet)
     assert _split(before) == (1, 3)
-    # planned on the idle fleet, so the donor is the first decode by name (under traffic the least loaded
-    # one: then the same move below could pick another); the traffic runs from its drain on
-    r = _create(api_as("operator"), router, {"prefill": 2, "decode": 2}, soak_s=30, slo={"max_itl_s": 1e-4})
-    assert r.status_code == 201, r.content
-    with _traffic(fleet) as traffic:
-        rb = _wait_state(r.json()["id"], {"succeeded", "rolled_back", "failed", "aborted"})
-    traffic.check()
-    assert rb.state == "rolled_back", rb.explanation
-    step = rb.steps.get()
-    assert step.state == "rolled_back"
-    assert (
-        "SLO breached during soak: ITL p90" in step.rollback_cause
-        and "max_itl_s=0.0001s" in step.rollback_cause
-    )
-    assert _roles(fleet) == before
     op = api_as("operator")
     r = _create(op, router, {"prefill": 2, "decode": 2}, soak_s=5)
     rb_id = r.json()["id"]
-    assert r.json()["steps"][0]["worker"] == step.worker_id  # idle decodes: by name, the same one again
 
     def soaking_or_done():
         rb = Rebalance.objects.get(pk=rb_id)

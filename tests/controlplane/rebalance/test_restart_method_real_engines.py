@@ -1,5 +1,5 @@
 """A rebalance step that changes a role by an agent restart (slow, real parts): three SmolLM2 engines
-without --enable-pd-role-switch (Mooncake over TCP) behind the real sglang-router in PD mode; one of them
+without --enable-pd-role-switch (Mooncake over TCP) behind the real router (smg) in PD mode; one of them
 is run by `kvfleet-agent run` (a real process) registered with the real control plane under daphne, the
 two others have no agent. A real Celery worker on Redis drives the rebalance.
 
@@ -34,7 +34,7 @@ from controlplane.bench.rebalance_fleet import (
 )
 from controlplane.inventory.models import EngineWorker
 from controlplane.rebalance.models import Rebalance
-from engine.bench.launcher import free_port
+from engine.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}
@@ -70,7 +70,7 @@ def _spec(tmp_path, port: int) -> str:
 host_name = "{AGENT_HOST}"
 log_dir = "{tmp_path / "logs"}"
 heartbeat_interval_s = 1
-metrics_interval_s = 5
+trace_interval_s = 5
 health_interval_s = 1
 
 [[workers]]
@@ -162,6 +162,8 @@ def test_a_worker_that_cannot_switch_is_restarted_by_its_agent_and_rolled_back_t
         assert _live_roles(urls, router_url) == {"pd-p": "prefill", "pd-d": "decode", "pd-a": "prefill"}
         done = rb.steps.get()
         assert "decode -> prefill (restarted by its agent): role verified in /server_info" in done.explanation
+        (cost,) = op.get(f"/api/v1/rebalances/{rb.pk}/").json()["steps"]  # the switch's cost, measured
+        assert 0 < cost["restart_s"] < cost["out_of_router_s"] < DEADLINE_S, cost
         row.refresh_from_db()
         assert (row.role, row.desired_role) == ("prefill", "")
         (switch,) = AuditEvent.objects.filter(extra__rebalance_id=rb.pk, action="role_switch")

@@ -1,6 +1,9 @@
 """What a finished soak says it checked (the step runner on the real database; the worker and router are the
-real-HTTP fakes of fakes.py): "within SLO" only when the rebalance has an SLO, which the soak then checked."""
+real-HTTP fakes of fakes.py, the worker's latency histograms read with PromQL from a real Prometheus): "within
+SLO" only when the rebalance has an SLO, which the soak then checked; never passed unchecked while the TSDB
+does not answer."""
 
+import time
 from datetime import timedelta
 
 import httpx
@@ -15,9 +18,12 @@ from controlplane.rebalance.services import rebalance_advance
 pytestmark = pytest.mark.django_db
 
 
-def _soaked(fake_worker, fake_router, personas, slo: dict) -> RebalanceStep:
-    """A decode -> prefill step past its soak time, the worker listed healthy as a prefill; advanced once."""
+def _soaked(fake_worker, fake_router, personas, slo: dict, tsdb=None) -> RebalanceStep:
+    """A decode -> prefill step past its soak time, the worker listed healthy as a prefill (and, given
+    ``tsdb``, scraped by it now); advanced once."""
     worker = fake_worker(pd_role="prefill")
+    if tsdb is not None:
+        tsdb.serve([("w0", time.time(), worker.metrics_text())])
     router = RouterFactory(name="pd", url=fake_router.url, mode="pd")
     row = EngineWorker.objects.create(name="w0", url=worker.url, router=router, role="prefill")
     httpx.post(
@@ -43,10 +49,16 @@ def test_a_soak_without_an_slo_says_it_checked_health_and_errors_only(fake_worke
     assert "within SLO" not in step.explanation
 
 
-def test_a_soak_with_an_slo_names_the_thresholds_it_held(fake_worker, fake_router, personas):
-    step = _soaked(fake_worker, fake_router, personas, {"max_ttft_s": 0.5, "max_itl_s": None})
+def test_a_soak_with_an_slo_names_the_thresholds_it_held(fake_worker, fake_router, personas, tsdb):
+    step = _soaked(fake_worker, fake_router, personas, {"max_ttft_s": 0.5, "max_itl_s": None}, tsdb)
     assert step.state == "succeeded", step.explanation
     assert step.explanation.endswith("served 5s within SLO (TTFT p90 ≤ 0.5 s)")
+
+
+def test_a_soak_with_an_slo_waits_while_the_tsdb_does_not_answer(fake_worker, fake_router, personas, tsdb):
+    step = _soaked(fake_worker, fake_router, personas, {"max_ttft_s": 0.5, "max_itl_s": None})  # not started
+    assert step.state == "soaking"  # it cannot say the SLO held: it never passes unchecked
+    assert "SLO not checked: metrics unavailable since" in step.explanation, step.explanation
 
 
 def test_a_step_is_numbered_from_1_in_the_rebalances_own_text(fake_router, personas):

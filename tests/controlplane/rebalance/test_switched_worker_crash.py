@@ -1,6 +1,6 @@
 """The issue's bug 2 end to end, on real processes (slow): a real `kvfleet-agent run` (registered with the
 real control plane under daphne) runs three tiny-model engines as 2P1D (--enable-pd-role-switch, Mooncake
-over TCP) behind the real sglang-router; a rebalance through the REST API and a real Celery worker moves it
+over TCP) behind the real router (smg); a rebalance through the REST API and a real Celery worker moves it
 to 1P2D; then the switched worker's engine is killed with SIGKILL while two clients send requests through
 the router. Its agent restarts it as a decode (the role the rebalance gave it), not in its spec file's
 prefill, and the reconciler's periodic pass (the service the Celery beat runs) leaves the router listing
@@ -33,7 +33,7 @@ from controlplane.bench.rebalance_fleet import (
 from controlplane.inventory.models import EngineWorker
 from controlplane.rebalance.models import Rebalance
 from controlplane.rebalance.services.reconcile import reconcile_all
-from engine.bench.launcher import free_port
+from engine.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 SP = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -90,7 +90,7 @@ env = {{ SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL = "2", SGLANG_DISAGGREGATION_H
 """
         )
     head = f'[agent]\nhost_name = "{AGENT_HOST}"\nlog_dir = "{logs}"\nheartbeat_interval_s = 1\n'
-    head += "metrics_interval_s = 2\n"
+    head += "trace_interval_s = 2\n"
     spec = tmp_path / "fleet.toml"
     spec.write_text(head + "".join(text))
     return urls, str(spec)

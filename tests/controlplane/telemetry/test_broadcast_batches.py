@@ -19,10 +19,10 @@ async def test_one_batch_reaches_every_member_of_every_group_and_skips_empty_gro
     for group, channel in (("worker.901", a1), ("worker.901", a2), ("operation.902", b1)):
         await layer.group_add(group, channel)
     items = [
-        ("worker.901", {"type": MESSAGE_TYPE, "payload": envelope("worker.metrics", {"n": 1})}),
-        ("worker.903", {"type": MESSAGE_TYPE, "payload": envelope("worker.metrics", {"n": 2})}),  # nobody
+        ("worker.901", {"type": MESSAGE_TYPE, "payload": envelope("worker.series", {"n": 1})}),
+        ("worker.903", {"type": MESSAGE_TYPE, "payload": envelope("worker.series", {"n": 2})}),  # nobody
         ("operation.902", {"type": MESSAGE_TYPE, "payload": envelope("operation.state_changed", {"n": 3})}),
-        ("worker.901", {"type": MESSAGE_TYPE, "payload": envelope("worker.metrics", {"n": 4})}),
+        ("worker.901", {"type": MESSAGE_TYPE, "payload": envelope("worker.series", {"n": 4})}),
     ]
     try:
         await group_send_many(layer, items)
@@ -40,11 +40,11 @@ def test_a_batch_keeps_every_event_in_order_but_only_a_groups_newest_state():
         return (group, envelope(kind, {"n": n}), None)
 
     batch = [
-        item("worker.1", "worker.metrics", 1),
+        item("worker.1", "worker.series", 1),
         item("operation.5", "operation.target_changed", 2),
         item("fleet", "fleet.metrics", 3),
-        item("worker.2", "worker.metrics", 4),
-        item("worker.1", "worker.metrics", 5),
+        item("worker.2", "worker.series", 4),
+        item("worker.1", "worker.series", 5),
         item("operation.5", "operation.target_changed", 6),
         item("fleet", "fleet.metrics", 7),
     ]

@@ -4,7 +4,6 @@ plane reads the same figures from it."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.telemetry.metrics import parse_prometheus
 from engine.server.metrics import EngineMetrics
 
 STATE = {
@@ -46,6 +45,3 @@ def test_scheduler_gauges_and_storage_metrics_carry_tp_rank_0_request_metrics_do
     for name in ("num_requests", "time_to_first_token_seconds", "cached_tokens"):
         assert all("tp_rank" not in names for names in labels[f"sglang:{name}"]), name
     assert 'sglang:num_queue_reqs{model_name="smollm2",tp_rank="0"} 3.0' in text
-    snap = parse_prometheus(text)
-    assert (snap["num_running_reqs"], snap["num_queue_reqs"], snap["kv_usage"]) == (2.0, 3.0, 0.25)
-    assert snap["cache_hit_rate"] == 0.25 and snap["host_pool_use"] == 0.02

@@ -1,27 +1,36 @@
-"""Per-tenant cached tokens in a worker's telemetry sample: parsed from the engine's own exporter, the
-tenants with the most cached tokens first, the rest (and the worker's own ``other``) summed as ``other``."""
+"""Per-tenant cached tokens on a worker's page: the engine's own exporter as a real Prometheus holds its
+scrapes, read with PromQL over the hit rate's window (the counters' increase between them), the tenants with
+the most cached tokens first, the rest (and the worker's own ``other``) summed as ``other``."""
 
 import time
 from types import SimpleNamespace
 
-from controlplane.telemetry.metrics import parse_prometheus, top_tenants
+from controlplane.telemetry import worker_view
+from controlplane.telemetry.metrics import top_tenants
 from engine.server.metrics import EngineMetrics
 from engine.server.tenants import salt_label
 
 
 def _admit(metrics: EngineMetrics, salt, prompt: int, device: int, host: int = 0, storage: int = 0):
     cached = {"device": device, "host": host, "storage": storage}
-    req = SimpleNamespace(input_ids=[1] * prompt, arrival=time.perf_counter(), cache_salt=salt, cached=cached)
+    req = SimpleNamespace(input_ids=[1] * prompt, arrival=time.perf_counter(), cache_salt=salt, cached=cached,
+                          misses=None)  # fmt: skip
     metrics.on_admit(req)
 
 
-def test_a_sample_keeps_the_top_tenants_by_cached_tokens_and_sums_the_rest_as_other():
+def test_a_scrape_keeps_the_top_tenants_by_cached_tokens_and_sums_the_rest_as_other(tsdb):
     state = {"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000}
     metrics = EngineMetrics("m", lambda: state)
-    for i in range(20):  # 16 labels of their own, then the worker's "other"
+    salts = [f"salt-{i}" for i in range(20)] + [None]  # 16 labels of their own, then the worker's "other"
+    for salt in salts:  # each tenant's series from 0 in the first scrape: the table covers the window
+        _admit(metrics, salt, prompt=0, device=0)
+    first = metrics.render().decode()
+    for i in range(20):
         _admit(metrics, f"salt-{i}", prompt=100, device=i, host=1)
     _admit(metrics, None, prompt=50, device=0)
-    rows = parse_prometheus(metrics.render().decode())["tenants"]
+    now = time.time()
+    tsdb.serve([("w0", now - 20, first), ("w0", now - 5, metrics.render().decode())])
+    rows = worker_view.points(["w0"])["w0"]["latest"]["tenants"]
     assert len(rows) == 9 and rows[-1]["tenant"] == "other"
     assert [r["tenant"] for r in rows[:2]] == [salt_label("salt-15"), salt_label("salt-14")]
     assert rows[0] == {

@@ -7,7 +7,10 @@ the spec's ``host_name``: it may register only that host). ``--tokens-file`` wri
 (``{"admin": "cp_...", "agent": "cp_..."}``, mode 0600, in a folder made 0700 when new); tokens are never
 printed (stdout is often captured into a log). With ``--agent-token-file`` the agent token is also written
 there (mode 0600) for the engine host to read, and no new agent token is issued when the file already
-exists. Every write goes through the accounts services, so it is audited. A missing password or host is a
+exists. With ``--prometheus-token-file`` (env ``KVFLEET_PROMETHEUS_TOKEN_FILE``) a ``prometheus`` viewer
+user gets a token too, written there once (mode 0600): the TSDB reads the service-discovery endpoint with
+it (read-only; deploy/prometheus/prometheus.yml). Every write goes through the accounts services, so it is
+audited. A missing password or host is a
 CommandError (exit 2) naming the flag and its variable.
 """
 
@@ -32,12 +35,21 @@ def write_secret_file(path: str, text: str) -> None:
 
 
 def bootstrap(
-    admin_user: str, admin_password: str, label: str, agent_token_file: str | None, agent_host: str
+    admin_user: str,
+    admin_password: str,
+    label: str,
+    agent_token_file: str | None,
+    agent_host: str,
+    prometheus_token_file: str | None = None,
 ) -> dict:
-    """The admin and agent users and their new tokens: {"admin": "cp_...", "agent": "cp_..."}."""
+    """The admin and agent users and their new tokens: {"admin": "cp_...", "agent": "cp_..."}; with
+    ``prometheus_token_file`` also a ``prometheus`` viewer's ("prometheus": "cp_...")."""
     users = get_user_model().objects
     out = {}
-    for username, role, password in ((admin_user, "admin", admin_password), ("agent", "agent", None)):
+    accounts = [(admin_user, "admin", admin_password), ("agent", "agent", None)]
+    if prometheus_token_file:
+        accounts.append(("prometheus", "viewer", None))
+    for username, role, password in accounts:
         user = users.filter(username=username).first()
         if user is None:
             user = user_create(username=username, password=password or secrets.token_urlsafe(24), role=role,
@@ -45,16 +57,19 @@ def bootstrap(
         elif password:
             user.set_password(password)
             user.save()
-        if role == "agent" and agent_token_file and Path(agent_token_file).exists():
-            out[role] = Path(agent_token_file).read_text().strip()
+        key = "prometheus" if username == "prometheus" else role
+        kept = {"agent": agent_token_file, "prometheus": prometheus_token_file}.get(key)
+        if kept and Path(kept).exists():
+            out[key] = Path(kept).read_text().strip()
             continue
         host = agent_host if role == "agent" else ""
-        out[role] = token_create(user=user, name=f"{role} token ({label})", actor=None, host=host)[1]
-    if agent_token_file and not Path(agent_token_file).exists():
-        Path(agent_token_file).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(agent_token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(out["agent"] + "\n")
+        out[key] = token_create(user=user, name=f"{key} token ({label})", actor=None, host=host)[1]
+    for key, path in (("agent", agent_token_file), ("prometheus", prometheus_token_file)):
+        if path and not Path(path).exists():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(out[key] + "\n")
     return out
 
 
@@ -76,6 +91,11 @@ class Command(BaseCommand):
             help="the host the agent token may register (its spec's host_name; env KVFLEET_HOST_NAME)",
         )
         parser.add_argument(
+            "--prometheus-token-file",
+            default=os.environ.get("KVFLEET_PROMETHEUS_TOKEN_FILE"),
+            help="also issue a token to a 'prometheus' viewer (the TSDB's service discovery), written here",
+        )
+        parser.add_argument(
             "--tokens-file", default=None, help="write the new tokens there as JSON (mode 0600)"
         )
 
@@ -85,12 +105,17 @@ class Command(BaseCommand):
         if not o["agent_host"]:
             raise CommandError("--agent-host (or KVFLEET_HOST_NAME) is required", returncode=2)
         tokens = bootstrap(
-            o["admin_user"], o["admin_password"], o["label"], o["agent_token_file"], o["agent_host"]
+            o["admin_user"],
+            o["admin_password"],
+            o["label"],
+            o["agent_token_file"],
+            o["agent_host"],
+            o["prometheus_token_file"],
         )
         if o["tokens_file"]:
             write_secret_file(o["tokens_file"], json.dumps(tokens))
         where = [f"; agent token in {o['agent_token_file']}"] if o["agent_token_file"] else []
+        where += [f"; prometheus token in {o['prometheus_token_file']}"] if o["prometheus_token_file"] else []
         where += [f"; tokens in {o['tokens_file']}"] if o["tokens_file"] else []
-        self.stdout.write(
-            f"admin user {o['admin_user']!r} ready, API tokens issued for admin and agent{''.join(where)}"
-        )
+        issued, where_text = " and ".join(tokens), "".join(where)
+        self.stdout.write(f"admin user {o['admin_user']!r} ready, API tokens issued for {issued}{where_text}")
