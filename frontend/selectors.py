@@ -4,20 +4,21 @@ import json
 import math
 import time
 from collections import defaultdict
+from datetime import UTC, datetime
 
 from django.conf import settings
 
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
-from controlplane.inventory.selectors import router_breakers
+from controlplane.inventory.selectors import router_breakers, router_cache_salt
 from controlplane.operations.models import TARGET_MACHINE
 from controlplane.rebalance.models import REBALANCE_MACHINE, STEP_MACHINE
-from controlplane.rebalance.planner.inputs import DEFAULT_SLO
+from controlplane.rebalance.planner.inputs import DEFAULT_SLO, WindowConfig
 from controlplane.rebalance.services import slo as soak_slo
 from controlplane.rebalance.services.launch import router_slo
-from controlplane.telemetry import store
+from controlplane.telemetry import promql, worker_view
 from controlplane.telemetry.selectors import POOLS
 from controlplane.workerclient import RouterClient, WorkerClient, WorkerError
-from engine.server.contract import HICACHE_EXTRA_KEYS
+from engine.server.contract import CAPABILITIES, HICACHE_EXTRA_KEYS
 
 # HiCache settings shown on the worker page, in this order (SGLang server-arg names).
 HICACHE_FIELDS = (
@@ -42,10 +43,12 @@ def state_machines() -> dict:
 
 def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:
     """The worker's ``/server_info`` read now: {reachable, error, hicache (live storage status + launch
-    HiCache args), hicache_ratio, hicache_size, disaggregation_mode, bootstrap_port, decode_offload (a decode
-    that offloads its KV to HiCache: --disaggregation-decode-enable-offload-kvcache), is_idle, tenant_names
-    (metric label -> tenant name, from a worker started with --tenant-keys-file)}. A worker that
-    does not answer gives reachable False and the stored ``hicache_config`` (what the last operation read)."""
+    HiCache args), hierarchical (--enable-hierarchical-cache), hicache_ratio, hicache_size,
+    max_total_num_tokens / host_total_num_tokens (the L1 and L2 pools' sizes in tokens, None where the engine
+    does not report them), disaggregation_mode, bootstrap_port, decode_offload (a decode that offloads its KV
+    to HiCache: --disaggregation-decode-enable-offload-kvcache), is_idle, tenant_names (metric label -> tenant
+    name, from a worker started with --tenant-keys-file)}. A worker that does not answer gives reachable False
+    and the stored ``hicache_config`` (what the last operation read)."""
     try:
         info = WorkerClient(worker.url, timeout=timeout_s).server_info()
     except WorkerError as exc:
@@ -63,8 +66,68 @@ def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:
         "bootstrap_port": info.get("disaggregation_bootstrap_port"),
         "decode_offload": bool(info.get("disaggregation_decode_enable_offload_kvcache")),
         "is_idle": info.get("is_idle"),
+        "hierarchical": bool(info.get("enable_hierarchical_cache")),  # an L2 host pool at all
+        "max_total_num_tokens": info.get("max_total_num_tokens"),
+        "host_total_num_tokens": info.get("host_total_num_tokens"),
         "tenant_names": {t["label"]: t["name"] for t in info.get("tenants") or [] if "label" in t},
     }
+
+
+def pool_sizes(live: dict) -> dict:
+    """The worker page's cache sizes from its live ``/server_info`` (`worker_live`): ``l1_tokens`` and
+    ``l2_tokens`` (int tokens, None when not reported) and ``l2_ratio`` (L2 / L1 as
+    "2.0", "" without both), ``l1_text`` / ``l2_text`` ("16,384 tokens")."""
+    l1, l2 = live.get("max_total_num_tokens"), live.get("host_total_num_tokens")
+    return {
+        "l1_tokens": int(l1) if l1 else None,
+        "l2_tokens": int(l2) if l2 else None,
+        "l2_ratio": f"{l2 / l1:.1f}" if l1 and l2 else "",
+        "l1_text": f"{int(l1):,} tokens" if l1 else "",
+        "l2_text": f"{int(l2):,} tokens" if l2 else "",
+    }
+
+
+# The worker page's charts whose series some engines never export: (chart, metric family scraped).
+CHART_SOURCES = (
+    ("Inter-token latency", "sglang:inter_token_latency_seconds_bucket"),
+    ("Prefetch outcomes", "sglang:prefetch_completed_total"),
+    ("Cache I/O bandwidth, load-back", "sglang:load_back_tokens_total"),
+)
+
+
+def unexported_charts(worker: EngineWorker) -> list[tuple[str, str]]:
+    """(chart, metric family) of each chart whose series the TSDB's newest scrape of the worker lacks, so
+    the page can say its chart stays empty because the engine does not export it (measured from what it
+    exports, not assumed from its engine; one instant query); [] before its first successful scrape or
+    while the TSDB does not answer (the page says so)."""
+    names = "|".join(metric for _, metric in CHART_SOURCES)
+    sel = worker_view.selector([worker.name])
+    try:
+        found = promql.PromQL().query(f'group by (__name__) ({{{sel},__name__=~"up|{names}"}})')
+    except promql.PromQLError:
+        return []
+    exported = {s["labels"].get("__name__") for s in found}
+    if "up" not in exported:
+        return []
+    return [
+        (chart, metric.removesuffix("_bucket")) for chart, metric in CHART_SOURCES if metric not in exported
+    ]
+
+
+def newest_figures(worker: EngineWorker) -> dict:
+    """The worker's newest-only figures (its L3 breaker and tenants, `worker_view.points`) with ``ts``, the
+    scrape's time; {} without a scrape or while the TSDB does not answer (the page's script says so)."""
+    try:
+        latest = worker_view.points([worker.name])[worker.name]["latest"]
+    except promql.PromQLError:
+        return {}
+    return {**latest, "ts": latest["scraped_at"]} if "scraped_at" in latest else {}
+
+
+def capability_rows(worker: EngineWorker) -> list[tuple[str, str, str]]:
+    """(capability, what it enables, '' when the worker can, else why not and what to do instead) for the
+    worker page, in ``CAPABILITIES`` order."""
+    return [(name, what, worker.cannot_because(name)) for name, what in CAPABILITIES.items()]
 
 
 def latency_peers(*, worker: EngineWorker) -> list[EngineWorker]:
@@ -156,8 +219,10 @@ def host_detail(*, host: Host) -> dict:
 
 
 def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
-    """A router with its registered workers, whether the live sglang-router lists each (None when the router
-    does not answer, with the error) and each worker's circuit-breaker state (None without a metrics_url)."""
+    """A router with its registered workers, whether the live router lists each (None when the router does
+    not answer, with the error), each worker's circuit-breaker state (None without a metrics_url), whether
+    cache_salt reaches the workers through it (``cache_salt``: inventory's router_cache_salt) and what it does
+    with its traffic (``traffic``: telemetry's router_traffic, with ``unavailable_text``)."""
     registered = list(router.workers.select_related("host"))
     try:
         live = RouterClient(router.url, timeout=timeout_s).list_workers()
@@ -175,7 +240,26 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
         }
         for w in registered
     ]
-    return {"router": router, "rows": rows, "live": live, "error": error, "breakers": breakers}
+    return {
+        "router": router,
+        "rows": rows,
+        "live": live,
+        "error": error,
+        "breakers": breakers,
+        "cache_salt": router_cache_salt(router),
+        "traffic": _traffic(router, live_urls if live is not None else None),
+    }
+
+
+def _traffic(router: Router, listed: set[str] | None) -> dict:
+    from controlplane.telemetry.router_traffic import router_traffic
+
+    traffic = router_traffic(router=router, listed=listed)
+    since = traffic["unavailable_since"]
+    traffic["unavailable_text"] = (
+        datetime.fromtimestamp(since, UTC).strftime("%H:%M:%S UTC") if since is not None else ""
+    )
+    return traffic
 
 
 def _planner_slo_text(slo: dict, labels: dict) -> str:
@@ -224,38 +308,37 @@ def rebalance_page(*, router: Router) -> dict:
         "gate_slo": gate_slo,
         "page_data": page_data,
         "idle_timeout_s": settings.REBALANCE_IDLE_TIMEOUT_S,  # what a POST without one gets
+        "warmup_s": WindowConfig.warmup_s,  # "warm": in its role at least this long (the planner's samples)
     }
+
+
+# pool sparklines' PromQL, summed by the ``role`` label the service discovery gives each target
+POOL_SERIES = {
+    "cached_rate": "sum by (role) (worker_cache_source:sglang_cached_tokens:rate1m)",
+    "running": 'sum by (role) (sglang:num_running_reqs{role!="encoder"})',
+}
 
 
 def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:
-    """Per pool (regular/prefill/decode) the last `window_s` of cached tokens served per second and running
-    requests, in `bucket_s` buckets, from each worker's stored samples: {pool: {ts: [epoch s], cached_rate:
-    [tokens/s], running: [requests]}}; seeds the fleet page's sparklines, which websocket pushes extend.
-    A bucket's value sums what the pool's workers reported in it (each worker's newest sample there), the
-    rate being the one each sample was stored with (``cached_tokens_per_s``, `metrics.with_rates`: over
-    its last 10 s or more, a restart counted, a dip left out), which the pushes carry too; None (a gap,
-    never 0) when none did."""
-    now = time.time()
-    first = math.floor((now - window_s) / bucket_s)
-    out: dict[str, dict[int, list]] = {}
-    for worker_id, role in EngineWorker.objects.exclude(role="encoder").values_list("id", "role"):
-        pool = POOLS.get(role, "regular")  # encoders serve no tokens: their pool card has no such sparkline
-        last = {}  # bucket -> the worker's newest sample in it
-        for sample in store.history(worker_id, int(window_s) + 60):
-            bucket = math.floor(float(sample.get("ts") or 0) / bucket_s)
-            if bucket >= first:
-                last[bucket] = sample
-        series = out.setdefault(pool, defaultdict(lambda: [None, None]))
-        for bucket, sample in last.items():
-            point = series[bucket]
-            for i, key in enumerate(("cached_tokens_per_s", "num_running_reqs")):
-                if sample.get(key) is not None:
-                    point[i] = (point[i] or 0.0) + float(sample[key])
-    return {
-        pool: {
-            "ts": [(b + 1) * bucket_s for b in sorted(series)],
-            "cached_rate": [series[b][0] for b in sorted(series)],
-            "running": [series[b][1] for b in sorted(series)],
-        }
-        for pool, series in out.items()
-    }
+    """Per pool (regular/prefill/decode) the last `window_s` of cached tokens served per second (the
+    recording rule's 1 min rate) and running requests, every `bucket_s` s, from the TSDB (one range query
+    per figure): {pool: {ts: [epoch s], cached_rate: [tokens/s], running: [requests]}}; seeds the fleet
+    page's sparklines, which websocket pushes extend. A step the TSDB has no point for is None (a gap, never
+    0), so an outage is drawn as one. ``{}`` when the TSDB does not answer (the page says so)."""
+    end = math.floor(time.time() / bucket_s) * bucket_s
+    start = end - window_s
+    steps = [start + i * bucket_s for i in range(int(window_s / bucket_s) + 1)]
+    client = promql.PromQL()
+    out: dict[str, dict] = {}
+    try:
+        for field, expr in POOL_SERIES.items():
+            for series in client.query_range(expr, start, end, bucket_s):
+                pool = POOLS.get(series["labels"].get("role", ""))
+                if pool is None:
+                    continue
+                points = dict(series["points"])
+                row = out.setdefault(pool, {"ts": steps, **{f: [None] * len(steps) for f in POOL_SERIES}})
+                row[field] = [points.get(ts) for ts in steps]
+    except promql.PromQLError:
+        return {}
+    return out

@@ -10,7 +10,9 @@ from django.views.decorators.csrf import ensure_csrf_cookie
 from controlplane.accounts.permissions import WRITE_ROLES
 from controlplane.accounts.selectors import user_role
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
+from controlplane.telemetry import hit_rate
 from controlplane.telemetry.metrics import TENANT_TOP_N
+from controlplane.telemetry.selectors import POOLS
 from engine.server.contract import ADMISSIONS, EVICTION_POLICIES
 from frontend import selectors
 
@@ -26,6 +28,7 @@ def _render(request, name: str, pk: int | None = None, status: int = 200, **cont
             "role": role,
             "can_write": role in WRITE_ROLES,  # the API's own rule for unsafe methods
             "state_machines": selectors.state_machines(),
+            "hit_window": hit_rate.WINDOW_TEXT,  # every page's hit rate is over this window
             **context,
         },
         status=status,
@@ -58,13 +61,13 @@ def page(request, name: str, pk: int | None = None):
 @ensure_csrf_cookie
 def fleet(request):
     from controlplane.rebalance.selectors import reconcile_state
-    from controlplane.telemetry.recent import WINDOW_S
+    from controlplane.telemetry.live import LATENCY_WINDOW_S
 
     return _render(
         request,
         "fleet",
         pool_history=selectors.pool_history(),
-        recent_window_min=round(WINDOW_S / 60),
+        recent_window_min=round(LATENCY_WINDOW_S / 60),
         reconcile=reconcile_state(repairs=5),
     )
 
@@ -90,11 +93,18 @@ def worker(request, pk: int):
         worker=worker,
         live=live,
         hicache_rows=selectors.hicache_rows(hicache),
+        pools=selectors.pool_sizes(live),
+        prefetch_threshold=hicache.get("prefetch_threshold"),
         tenant_names=live.get("tenant_names", {}),
+        pool=POOLS.get(worker.role, worker.role),
         tenant_top_n=TENANT_TOP_N,
+        capabilities=selectors.capability_rows(worker),
+        unexported=selectors.unexported_charts(worker),
         latency_peers=selectors.latency_peers(worker=worker),
         profile=profile,
-        l3=l3_health(worker),  # the storage page's row of this worker: its auto-detach, in the same words
+        l3=l3_health(
+            worker, selectors.newest_figures(worker)
+        ),  # the storage page's words for its auto-detach
         master=selectors.storage_master(
             profile.extra_config if profile else hicache.get("hicache_storage_backend_extra_config")
         ),
@@ -110,9 +120,11 @@ def host(request, pk: int):
 @login_required
 @ensure_csrf_cookie
 def router(request, pk: int):
+    from controlplane.inventory.services import router_identify
     from controlplane.rebalance.selectors import reconcile_state
 
     router = get_object_or_404(Router, pk=pk)
+    router_identify(router=router)  # kind and version as the router answers now; as stored if it does not
     return _render(
         request,
         "router",
@@ -135,7 +147,10 @@ def rebalance(request, pk: int):
 def storage(request):
     from controlplane.telemetry.selectors import storage_health
 
-    return _render(request, "storage", usage=selectors.storage_usage(), health=storage_health())
+    health, metrics_down = storage_health()
+    return _render(
+        request, "storage", usage=selectors.storage_usage(), health=health, metrics_down=metrics_down
+    )
 
 
 @login_required
@@ -168,6 +183,11 @@ def capacity(request):
         pools=capacity.recorded_pools(),
         pool_options=pool_options,
         workers=workers,
+        untraced=[
+            w
+            for w in EngineWorker.objects.exclude(engine="kvfleet").order_by("name")
+            if not w.can("recorded_trace")
+        ],
         eviction_policies=EVICTION_POLICIES,
         admissions=ADMISSIONS,
     )

@@ -54,3 +54,19 @@ def serious_violations(page) -> list[str]:
         for v in result["violations"]
         if v["impact"] in ("serious", "critical")
     ]
+
+
+def wrapped(page, selector: str) -> list[str]:
+    """The visible elements matching ``selector`` whose text takes more than one line, as 'tag: text': a
+    name, tile label or time an operator would read split at 1280 px."""
+    return page.evaluate(
+        """(selector) => [...document.querySelectorAll(selector)].filter(el => {
+          if (!el.getClientRects().length) return false;
+          const range = document.createRange();
+          range.selectNodeContents(el);
+          const rects = [...range.getClientRects()].filter(r => r.width > 0);
+          const bottoms = rects.map(r => r.bottom).sort((a, b) => a - b);
+          return bottoms.filter((b, i) => i === 0 || b - bottoms[i - 1] > 8).length > 1;
+        }).map(el => el.tagName.toLowerCase() + ': ' + el.textContent.trim())""",
+        selector,
+    )

@@ -3,6 +3,7 @@ id (the id the revert dialog cites), and "Revert to this" is offered only where 
 its dialog listing exactly those workers, now -> after."""
 
 import os
+import re
 
 import pytest
 from cp_factories import EngineWorkerFactory
@@ -108,4 +109,39 @@ def test_two_long_values_that_share_their_start_show_where_they_differ(asgi_serv
     expect(row.locator("del summary")).to_have_text("…" + "x" * 10 + "A" * 30 + "… (300 chars)")
     expect(row.locator("ins summary")).to_have_text("…" + "x" * 10 + "B" * 30 + "… (300 chars)")
     assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    assert errors == []
+
+
+def test_a_first_attach_is_undone_with_a_reason_and_drain(asgi_server, console_page):
+    """A fleet's first change, an attach: "Revert to this" has nothing to offer (the worker is in the state
+    the record left), "Undo" puts it back to the state the record found. Its dialog shows now -> after, asks
+    for a reason (it cannot be confirmed without one) and offers the drain, ticked; confirming launches the
+    operation and opens its page."""
+    from playwright.sync_api import expect
+
+    from controlplane.operations.models import Operation
+
+    worker = EngineWorkerFactory(name="first-attach", storage_backend="file")
+    event = audit_record(action="attach", obj=worker, before={"hicache_storage_backend": None},
+                         after={"hicache_storage_backend": "file"})  # fmt: skip
+    page, errors = console_page("undoer", "operator")
+    page.goto(f"{asgi_server}/audit/?action=attach")
+    row = page.locator("#audit tbody tr", has_text="first-attach")
+    expect(row.get_by_role("button", name="Revert to this")).to_have_count(0)
+    row.get_by_role("button", name="Undo").click()
+    dialog = page.locator("#confirm")
+    expect(dialog).to_contain_text(f"Undo record #{event.pk}?")
+    expect(dialog.locator("#confirm-rows tr")).to_have_text("first-attachfilenone")
+    expect(dialog.locator("#confirm-drain")).to_be_checked()
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "audit-undo-dialog.png"))
+    dialog.get_by_role("button", name="Launch undo").click()  # no reason typed: the dialog stays
+    expect(dialog).to_be_visible()
+    assert Operation.objects.count() == 0
+    dialog.locator("#confirm-reason").fill("the L3 made TTFT worse")
+    dialog.get_by_role("button", name="Launch undo").click()
+    expect(page).to_have_url(re.compile(r"/operations/\d+/$"))
+    op = Operation.objects.get()
+    assert (op.kind, op.drain, op.reason) == ("detach", True, f"undo of audit record {event.pk}: the L3 made "
+                                              "TTFT worse")  # fmt: skip
     assert errors == []

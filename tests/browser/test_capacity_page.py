@@ -5,6 +5,7 @@ reported numbers. The docs' screenshot (docs/console/capacity.png) is the demo's
 scripts/console_screenshots.py."""
 
 import re
+import time
 
 import httpx
 import pytest
@@ -14,7 +15,16 @@ from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-def test_capacity_page_sweep_marker_and_sizing(asgi_server, console_page, personas, tmp_path, fake_worker):
+def _scraped(tsdb, gauges: dict[str, dict[str, float]]) -> None:
+    """The TSDB holds one scrape of each worker (by name) exporting these gauges (SGLang's names), now."""
+    now = time.time()
+    texts = {name: "".join(f"sglang:{k} {v}\n" for k, v in g.items()) for name, g in gauges.items()}
+    tsdb.serve([(name, now, text) for name, text in texts.items()])
+
+
+def test_capacity_page_sweep_marker_and_sizing(
+    tsdb, asgi_server, console_page, personas, tmp_path, fake_worker
+):
     from playwright.sync_api import expect
 
     live = fake_worker(kv_bytes_per_token=46_080)  # what the demo's SmolLM2 worker answers at /get_model_info
@@ -23,9 +33,7 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, console_page, person
     )
     EngineWorkerFactory(name="gpu-1", page_size=64, role="decode")
     agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
-    metrics = {"max_total_num_tokens": 2048, "hicache_host_total_tokens": 4112}
-    httpx.post(f"{asgi_server}/api/v1/agent/metrics/", json={"worker": worker.pk, "metrics": metrics},
-               headers=agent).raise_for_status()  # fmt: skip
+    _scraped(tsdb, {worker.name: {"max_total_num_tokens": 2048, "hicache_host_total_tokens": 4112}})
     # Four 1,030-token prompts (two whole blocks + 6 tokens), each asked twice in a row, then all four again:
     # a hit is the 1,024 tokens of whole 16-token pages in input[:-1]. With 2,048 L1 tokens only the
     # back-to-back repeats hit (4 hits); with 8,192 the second round hits too (8).
@@ -102,6 +110,8 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, console_page, person
     page.screenshot(path=str(tmp_path / "capacity-after-run.png"), full_page=True)
     assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
     expect(page.locator("#whatif-chart canvas")).to_have_count(1)
+    # 512 to 32768 (x64) on a log axis: the points spread over the chart, not into its first tenth
+    assert page.locator("#whatif-chart").get_attribute("data-x-scale") == "log2"
     page.get_by_label("L1 tokens").fill("2048,8192")
     page.get_by_label("L2 tokens", exact=True).fill("0")  # L1 only
     page.get_by_label("or L2 = --hicache-ratio × each L1").fill("")
@@ -114,6 +124,7 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, console_page, person
     cells = [page.locator("#whatif-table tbody tr").nth(i).locator("td").nth(7).inner_text() for i in (0, 1)]
     assert cells == [_pct(4 * 1024 / total), _pct(8 * 1024 / total)]  # as the console shows shares
     assert page.locator("#whatif-chart").get_attribute("data-marked") == "2048"
+    assert page.locator("#whatif-chart").get_attribute("data-x-scale") == "linear"  # x4: linear reads fine
     _ceiling_at_the_largest_point(page, expect, total)
     # the legend shows the largest capacity's shares (not dashes) while the cursor is off the plot
     legend = page.locator("#whatif-chart .u-legend .u-series", has_text="L1 + L2 + L3")
@@ -128,6 +139,7 @@ def test_capacity_page_sweep_marker_and_sizing(asgi_server, console_page, person
     expect(page.locator("#whatif-table tbody tr")).to_have_count(1)
     expect(page.locator("#whatif-chart canvas")).to_have_count(1)
     _gap_to_the_ceiling_under_fifo(page, expect, total)
+    page.screenshot(path=str(tmp_path / "capacity-gap-split.png"), full_page=True)
     assert serious_violations(page) == []
     assert errors == []
 
@@ -164,6 +176,15 @@ def _gap_to_the_ceiling_under_fifo(page, expect, total: int) -> None:
     expect(page.get_by_test_id("whatif-ceiling")).to_contain_text(
         f"serves {served}, {gap:.1f} points below: that much is lost to capacity or the fifo policy."
     )
+    # One 1,030-token prompt and the next one's 65 pages do not fit in 128 pages together: Belady's MIN
+    # keeps only the back-to-back repeats too, so the whole gap is capacity, none of it the policy's.
+    expect(page.get_by_test_id("whatif-ceiling")).to_contain_text(
+        f"Of it, {gap:.1f} pts no eviction policy keeps at that capacity (Belady's MIN, the offline "
+        f"optimum, serves {served}) and 0.0 pts a better policy would keep."
+    )
+    row = page.locator("#whatif-table tbody tr").first.locator("td")
+    assert [row.nth(i).inner_text() for i in (8, 9, 10)] == [served, "0.0 pts", f"{gap:.1f} pts"]
+    expect(page.locator("#whatif-chart .u-legend")).to_contain_text("optimum (Belady's MIN, all tiers)")
 
 
 def _pct(share: float) -> str:
@@ -172,7 +193,7 @@ def _pct(share: float) -> str:
 
 
 def test_capacity_page_shows_the_tokens_each_kv_dtype_fits_per_rank(
-    asgi_server, console_page, personas, tmp_path, fake_worker
+    tsdb, asgi_server, console_page, personas, tmp_path, fake_worker
 ):
     """The demo's SmolLM2 worker (float32 KV, 46,080 bytes per token, L1 2,048 / L2 4,112 tokens): at the
     same memory bfloat16 fits 4,096 / 8,224 tokens per rank (2×), fp8 8,192 / 16,448 (4×), int8 (its
@@ -181,13 +202,12 @@ def test_capacity_page_shows_the_tokens_each_kv_dtype_fits_per_rank(
     from playwright.sync_api import expect
 
     host = HostFactory(name=AGENT_HOST)
-    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
+    gauges = {}
     for name, l2 in (("cpu-0", 4112), ("cpu-1", None)):
         live = fake_worker(kv_bytes_per_token=46_080)
-        worker = EngineWorkerFactory(name=name, url=live.url, host=host, page_size=16, role="mixed")
-        metrics = {"max_total_num_tokens": 2048, **({"hicache_host_total_tokens": l2} if l2 else {})}
-        httpx.post(f"{asgi_server}/api/v1/agent/metrics/", json={"worker": worker.pk, "metrics": metrics},
-                   headers=agent).raise_for_status()  # fmt: skip
+        EngineWorkerFactory(name=name, url=live.url, host=host, page_size=16, role="mixed")
+        gauges[name] = {"max_total_num_tokens": 2048, **({"hicache_host_total_tokens": l2} if l2 else {})}
+    _scraped(tsdb, gauges)
     EngineWorkerFactory(name="gone-0", host=host, role="mixed")  # answers nothing
 
     page, errors = console_page("bob", "viewer", height=900)

@@ -1,7 +1,8 @@
 """An EPD encoder in the console, in real headless Chromium against daphne: a real encoder service (the tiny
-LLaVA's vision tower on CPU) encodes images, its own /metrics text goes through the agent API, and the
-worker page charts images/s, mean encode time per image, busy share and the embedding cache hit rate
-instead of the KV-cache charts (absent, with a note); the fleet page shows the encoders as their own pool."""
+LLaVA's vision tower on CPU) encodes images and a real Prometheus scrapes its own /metrics through the
+control plane's service discovery; the worker page charts images/s, mean encode time per image, busy share
+and the embedding cache hit rate instead of the KV-cache charts (absent, with a note); the fleet page shows
+the encoders as their own pool."""
 
 import os
 import re
@@ -9,12 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from console_testlib import serious_violations
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
 
-from controlplane.telemetry.metrics import parse_prometheus
 from engine.model.vlm.processor import open_image, preprocess
 from engine.server.args import parse_args
 from engine.server.encoder_server import EncoderService
@@ -27,65 +26,34 @@ SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved th
 
 
 def test_encoder_worker_page_and_fleet_pool_show_image_figures_not_kv(
-    asgi_server, console_page, personas, tmp_path
+    tsdb, asgi_server, console_page, personas, tmp_path, fleet_publisher
 ):
+    from cp_fakes import MetricsEndpoint
     from playwright.sync_api import expect
 
     save_tiny_llava(tmp_path, seed=3)
     service = EncoderService(parse_args(["--model-path", str(tmp_path), "--encoder-only", "--device", "cpu"]))
     processor = service.vlm.processor
+    endpoint = MetricsEndpoint(service.metrics_text)  # its /metrics, scraped by the TSDB
 
     def images(*seeds):
         return [preprocess(open_image(png(s), 4096), processor) for s in seeds]
 
     host = HostFactory(name=AGENT_HOST)
-    enc = EngineWorkerFactory(name="enc-0", url="http://enc-0.local:30000", host=host, role="encoder")
+    enc = EngineWorkerFactory(name="enc-0", url=endpoint.url, host=host, role="encoder")
     EngineWorkerFactory(name="enc-1", url="http://enc-1.local:30000", host=host, role="encoder")  # silent
     EngineWorkerFactory(name="gpu-0", url="http://gpu-0.local:30000", host=host, role="mixed")
-    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
-
-    def push(worker, text, ts):
-        response = agent.post("/api/v1/agent/metrics/", json={"worker": worker.pk, "text": text, "ts": ts})
-        assert response.status_code == 202, response.text
-
-    now = time.time()
-    push(enc, service.metrics_text(), now - 40)
+    tsdb.start(asgi_server, personas["viewer"][1])
+    tsdb.wait_scraped("enc-0")  # scraped before it encodes: its 1 min figures see the images
     service.embed(images(1, 2, 3, 4))  # 4 misses, 4 images through the vision tower
-    push(enc, service.metrics_text(), now - 20)
+    time.sleep(2)  # a scrape in between
     service.embed(images(1, 2, 5, 6))  # 2 hits from the LRU, 2 new images encoded
-    text = service.metrics_text()
-    push(enc, text, now - 10)
-    snap = parse_prometheus(text)
-    assert snap["encoder_images_total"] == 6 and snap["mm_embedding_cache_hits_total"] == 2
-    assert snap["encoder_encode_seconds_total"] > 0
 
     page, errors = console_page("vera", "viewer")
-    page.goto(f"{asgi_server}/workers/{enc.pk}/")
-    expect(page.locator("#chart-images")).to_have_attribute("data-points", "3")
-    expect(page.get_by_test_id("encoder-note")).to_contain_text("do not apply and are not shown")
-    expect(page.get_by_test_id("kv-absent")).to_contain_text("an encoder holds no KV")
-    kv_only = ("#chart-cached", "#chart-hits", "#chart-pool", "#chart-ttft", "#hicache", "#breaker-state")
-    for kv in kv_only:
-        expect(page.locator(kv)).to_have_count(0)
-    expect(page.locator(".chart .uplot")).to_have_count(4)
-
-    def legend(chart, label):
-        return page.locator(f"{chart} .u-legend .u-series").filter(has_text=label)
-
-    # the newest point: 2 images encoded in its 10 s; the window of 60 s reaches the first sample
-    expect(legend("#chart-images", "images/s")).to_contain_text("0.2 images/s")
-    expect(legend("#chart-mm-hits", "local LRU")).to_contain_text("25 %")  # 2 of 8 lookups in 60 s
-    expect(legend("#chart-mm-hits", "global")).to_contain_text("–")  # no --enable-mm-global-cache
-    assert legend("#chart-encode", "mean per image").locator(".u-value").inner_text() not in ("", "–")
-    assert serious_violations(page) == []
-    if SHOTS:
-        page.screenshot(path=os.path.join(SHOTS, "worker-encoder.png"), full_page=True)
-
-    page.goto(asgi_server + "/")
-    pool = page.locator("#pools [data-pool=encoder]")
+    pool = page.locator("#pools [data-pool=encoder]")  # the fleet page: from the TSDB
     expect(pool).to_contain_text("Encoder pool")
     expect(pool).to_contain_text("1 of 2 encoders reporting")
-    expect(pool.locator("[data-f=encoder_images_per_s]")).to_have_text("0.2 images/s")
+    expect(pool.locator("[data-f=encoder_images_per_s]")).to_have_text(re.compile(r"^0\.\d+ images/s$"))
     expect(pool.locator("[data-f=mm_embedding_cache_hit_rate]")).to_have_text("25 %")
     expect(pool.locator("[data-f=mm_global_cache_hit_rate]")).to_have_attribute(
         "title", "no encoder runs with --enable-mm-global-cache"
@@ -102,4 +70,25 @@ def test_encoder_worker_page_and_fleet_pool_show_image_figures_not_kv(
     assert serious_violations(page) == []
     if SHOTS:
         page.screenshot(path=os.path.join(SHOTS, "fleet-encoder-pool.png"), full_page=True)
+
+    page.goto(f"{asgi_server}/workers/{enc.pk}/")  # the worker page: from the TSDB too
+    expect(page.get_by_test_id("encoder-note")).to_contain_text("do not apply and are not shown")
+    expect(page.get_by_test_id("kv-absent")).to_contain_text("an encoder holds no KV")
+    kv_only = ("#chart-cached", "#chart-hits", "#chart-pool", "#chart-ttft", "#hicache", "#breaker-state")
+    for kv in kv_only:
+        expect(page.locator(kv)).to_have_count(0)
+    expect(page.locator(".chart .uplot")).to_have_count(4)
+
+    def legend(chart, label):
+        return page.locator(f"{chart} .u-legend .u-series").filter(has_text=label)
+
+    # the newest point's last minute holds every lookup: 2 hits of 8
+    expect(legend("#chart-mm-hits", "local LRU")).to_contain_text("25 %", timeout=120_000)
+    expect(legend("#chart-images", "images/s")).to_contain_text(re.compile(r"0\.\d+ images/s"))
+    expect(legend("#chart-mm-hits", "global")).to_contain_text("–")  # no --enable-mm-global-cache
+    assert legend("#chart-encode", "mean per image").locator(".u-value").inner_text() not in ("", "–")
+    assert serious_violations(page) == []
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "worker-encoder.png"), full_page=True)
+
     assert errors == []

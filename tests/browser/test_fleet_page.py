@@ -1,89 +1,118 @@
-"""Real headless Chromium against daphne and a real Celery worker (its trailing broadcast flush): the fleet
-page's "Cached tokens served" of a pool sums its workers' cached tokens/s (each over its own last 10 s
-or more), so a push caused by another pool's sample leaves it as it was instead of showing 0 tok/s."""
+"""Real headless Chromium against daphne: the fleet page's pool cards and worker table, their live figures
+read from a real Prometheus (Debian's package) that scrapes fake workers' real /metrics endpoints through
+the control plane's service discovery, pushed every second as Celery beat's publish task does."""
 
 import os
 import re
-import time
 
 import httpx
 import pytest
+from console_testlib import wrapped
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
 
 SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")  # a folder: each page is saved there to be looked at
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-def test_pool_cached_rate_ignores_other_pools_samples(
-    asgi_server, console_page, celery_worker_process, fake_worker, personas
+def _scraped(tsdb, asgi_server, personas, *names):
+    """Start the TSDB on the control plane's service discovery and wait until it scraped every worker."""
+    tsdb.start(asgi_server, personas["viewer"][1])
+    tsdb.wait_scraped(*names)
+
+
+def test_pools_show_the_hit_rate_from_the_tsdb_and_say_when_it_is_down(
+    tsdb, asgi_server, console_page, fake_worker, personas, fleet_publisher
 ):
+    """Two fake workers (real HTTP /metrics) scraped by a real Prometheus through the control plane's service
+    discovery: the pool cards show the hit rate of the last 5 min (cached over prompt tokens, each tier's
+    part) and cached tokens/s from PromQL; no prompt token in the window: "—" saying so. The TSDB
+    killed: every page load and push says "Metrics unavailable since ...", the figures are "—" titled so
+    (never 0); restarted on its data: the figures are back."""
     from playwright.sync_api import expect
 
     mixed, decode = fake_worker(), fake_worker()
+    mixed.counters.update({"device": 100, "host": 100, "storage": 0})
+    mixed.prompt_tokens = 400
+    decode.counters.update({"device": 0, "host": 0, "storage": 0})
     host = HostFactory(name=AGENT_HOST)
-    workers = [
-        EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed"),
-        EngineWorkerFactory(name="decode-0", url=decode.url, host=host, role="decode"),
-    ]
-    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
+    EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed", storage_backend="file")
+    EngineWorkerFactory(name="decode-0", url=decode.url, host=host, role="decode")
+    _scraped(tsdb, asgi_server, personas, "mixed-0", "decode-0")
 
-    def push(worker, fake):
-        body = {"worker": worker.pk, "text": fake.metrics_text()}
-        response = httpx.post(asgi_server + "/api/v1/agent/metrics/", json=body, headers=agent)
-        assert response.status_code == 202, response.text
-
-    page, _ = console_page("bob", "viewer", "pw-for-tests-2")
+    page, errors = console_page("bob", "viewer", "pw-for-tests-2", height=1000)
     expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
     regular = page.locator("#pools [data-pool=regular]")
-    rate = regular.locator("[data-f=cached_rate]")
-
-    mixed.counters.update({"device": 100, "host": 0})
-    push(workers[0], mixed)
     expect(regular).to_contain_text("1 of 1 workers reporting")
-    mixed.counters.update({"device": 400, "host": 200})
-    push(workers[0], mixed)
-    expect(rate).to_have_text(re.compile(r"^[1-9][\d,.]* k?tok/s$"))  # 500 tokens between samples
-    shown = rate.inner_text()
-
-    decode.counters.update({"device": 0, "host": 0})
-    push(workers[1], decode)  # a push for the decode pool; the regular pool has no new sample
     expect(page.locator("#pools [data-pool=decode]")).to_contain_text("1 of 1 workers reporting")
-    assert rate.inner_text() == shown
+    rate = regular.locator("[data-f=hit_rate]")
+    expect(regular).to_contain_text("Hit rate, last 5 min")
+    expect(rate).to_have_text("—")  # the counters did not move since the first scrape
+    expect(rate).to_have_attribute("title", "no prompt token admitted in the last 5 min")
+    mixed.counters.update({"device": 400, "host": 400, "storage": 200})  # served from every tier now
+    mixed.prompt_tokens = 1400  # 1000 prompt tokens since the first scrape, 800 of them from cache
+    expect(rate).to_have_text("80 %")
+    expect(regular.locator("[data-f=hit_rate_device]")).to_have_text("30 %")
+    expect(regular.locator("[data-f=hit_rate_host]")).to_have_text("30 %")
+    expect(regular.locator("[data-f=hit_rate_storage]")).to_have_text("20 %")  # 200 of 1000
+    expect(regular.locator("[data-f=cached_rate]")).to_have_text(re.compile(r"^[1-9][\d,.]* k?tok/s$"))
+    banner = page.get_by_test_id("metrics-down")
+    expect(banner).to_be_hidden()
+    # names, hosts, times and the pool cards' figures each on one line at 1280 px
+    assert wrapped(page, "#workers td a, #workers td time, #pools dt, #pools dd > span") == []
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "fleet-tsdb.png"), full_page=True)
+
+    tsdb.server.kill()
+    expect(banner).to_be_visible()
+    expect(banner).to_contain_text(re.compile(r"Metrics unavailable since \d\d:\d\d:\d\d UTC"))
+    share = regular.locator("[data-f=hit_rate]")
+    expect(share).to_have_text("—")
+    expect(share).to_have_attribute("title", re.compile("^metrics unavailable since"))
+    expect(regular).to_contain_text("0 of 1 workers reporting")
+    row = page.locator("#workers tbody tr").filter(has_text="mixed-0")
+    expect(row.locator("[data-f=num_running_reqs]")).to_have_attribute(
+        "title", re.compile("^metrics unavail")
+    )
+    expect(row.locator("[data-f=hit_rate]")).to_have_attribute("title", re.compile("^metrics unavail"))
+    page.reload()  # a page loaded while the TSDB is down says so too
+    expect(page.get_by_test_id("metrics-down")).to_be_visible()
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "fleet-tsdb-down.png"), full_page=True)
+
+    tsdb.server.start(same_port=True)
+    expect(page.get_by_test_id("metrics-down")).to_be_hidden()
+    expect(page.locator("#pools [data-pool=regular] [data-f=hit_rate]")).to_have_text("80 %")
+    assert not errors
 
 
 def test_pool_sparkline_x_values_stay_sorted_after_live_pushes(
-    asgi_server, console_page, celery_worker_process, fake_worker, personas
+    tsdb, asgi_server, console_page, fake_worker, personas, fleet_publisher
 ):
-    """The server-side history seed ends at its bucket's end (up to 10 s ahead of the newest sample); live
-    points are placed at the pool's sample time, so they never land before the seed's last point."""
+    """The server-side history seed (a range query, 10 s steps) ends at its last step; live points are placed
+    at the pool's newest scrape time, so they never land before the seed's last point. The window slides: a
+    push drops the points older than 5 min, the seed's oldest first."""
     from playwright.sync_api import expect
 
     mixed = fake_worker()
     host = HostFactory(name=AGENT_HOST)
-    worker = EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed")
-    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
-
-    def push(device):
-        mixed.counters.update({"device": device, "host": 0})
-        body = {"worker": worker.pk, "text": mixed.metrics_text()}
-        response = httpx.post(asgi_server + "/api/v1/agent/metrics/", json=body, headers=agent)
-        assert response.status_code == 202, response.text
-
-    push(100)
-    push(200)  # two stored samples: the page's history seed has a point
+    EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed")
+    mixed.counters.update({"device": 100, "host": 0})
+    _scraped(tsdb, asgi_server, personas, "mixed-0")
     page, _ = console_page("bob", "viewer", "pw-for-tests-2")
     expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
     spark = page.locator("#pools [data-pool=regular] [data-spark=cached]")
-    expect(spark).to_have_attribute("data-points", re.compile(r"^[1-9]"))
     seed_xs = spark.evaluate("el => el.kvChart.uplot.data[0].slice()")
     rate = page.locator("#pools [data-pool=regular] [data-f=cached_rate]")
     for device in (400, 800, 1600):
         before = rate.inner_text()
-        push(device)
-        expect(rate).not_to_have_text(before)
+        mixed.counters.update({"device": device, "host": 0})
+        expect(rate).not_to_have_text(before, timeout=60_000)  # a scrape and a push tick, on a loaded box
         xs = spark.evaluate("el => el.kvChart.uplot.data[0].slice()")
         assert xs == sorted(xs) and len(set(xs)) == len(xs), xs
-        assert xs[: len(seed_xs)] == seed_xs, (seed_xs, xs)
+        # the sparkline keeps 5 min: a push may drop the seed's oldest points, never reorder or alter the rest
+        kept = [x for x in xs if x <= seed_xs[-1]]
+        assert kept and kept == seed_xs[len(seed_xs) - len(kept) :], (seed_xs, xs)
+        assert xs[0] >= xs[-1] - 300, xs
 
 
 def test_the_workers_table_shows_each_workers_tp_and_the_gpus_its_ranks_hold(
@@ -138,11 +167,10 @@ def test_the_workers_table_shows_each_workers_tp_and_the_gpus_its_ranks_hold(
 
 
 def test_pool_card_shows_a_dash_for_figures_no_worker_reported_and_a_real_zero_as_zero(
-    asgi_server, console_page, celery_worker_process, fake_worker, personas
+    tsdb, asgi_server, console_page, fake_worker, personas, fleet_publisher
 ):
     """The regular pool's one worker has no L3 attached and reports no L3 hits and no host pool: its card
-    shows "—" for the L3 share and the host pool use (titled "not reported by any worker"), never 0 %, and
-    for its cached tokens/s, titled with the true reason (one sample: fewer than two in 10 s). The
+    shows "—" for the L3 share and the host pool use (titled "not reported by any worker"), never 0 %. The
     decode pool's worker has an L3 attached and reports 0 L3 hits: its card shows the real 0 %."""
     from playwright.sync_api import expect
 
@@ -156,11 +184,7 @@ def test_pool_card_shows_a_dash_for_figures_no_worker_reported_and_a_real_zero_a
             name="decode-0", url=with_l3.url, host=host, role="decode", storage_backend="file"
         ),
     ]
-    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
-    for worker, fake in zip(workers, (bare, with_l3), strict=True):
-        body = {"worker": worker.pk, "text": fake.metrics_text()}
-        response = httpx.post(asgi_server + "/api/v1/agent/metrics/", json=body, headers=agent)
-        assert response.status_code == 202, response.text
+    _scraped(tsdb, asgi_server, personas, "mixed-0", "decode-0")
 
     page, _ = console_page("bob", "viewer", "pw-for-tests-2", height=900)
     regular = page.locator("#pools [data-pool=regular]")
@@ -168,20 +192,16 @@ def test_pool_card_shows_a_dash_for_figures_no_worker_reported_and_a_real_zero_a
     expect(regular).to_contain_text("1 of 1 workers reporting")
     expect(decode).to_contain_text("1 of 1 workers reporting")
 
-    for field in ("hit_share_storage", "host_pool_use", "hicache_host_total_tokens"):
+    for field in ("hit_rate_storage", "host_pool_use", "hicache_host_total_tokens"):
         cell = regular.locator(f"[data-f={field}]")
         expect(cell).to_have_text("—")
         expect(cell).to_have_attribute("title", re.compile("^not reported by any worker"))
-    expect(regular.locator("[data-f=hit_share_device]")).to_have_text("100 %")
-    expect(regular.locator("[data-f=hit_share_host]")).to_have_text("0 %")  # reported, and 0
-    rate = regular.locator("[data-f=cached_rate]")  # reported counters, one sample: no rate yet, and why
-    expect(rate).to_have_text("—")
-    expect(rate).to_have_attribute("title", "fewer than two samples in the last 10 s")
+    unexported = regular.locator("[data-f=hit_rate]")  # the fake workers export no prompt-token counter
+    expect(unexported).to_have_text("—")
+    expect(unexported).to_have_attribute("title", re.compile("^no prompt-token counter"))
+    expect(regular.locator("[data-f=cached_rate]")).to_have_text("0 tok/s")  # measured: nothing served
 
-    storage = decode.locator("[data-f=hit_share_storage]")
-    expect(storage).to_have_text("0 %")
-    expect(storage).not_to_have_attribute("title", re.compile("."))
-    expect(decode.locator("[data-f=hit_share_device]")).to_have_text("75 %")
+    expect(decode.locator("[data-f=cached_tokens_storage]")).to_have_count(0)  # the card shows rates only
     expect(decode.locator("[data-f=host_pool_use]")).to_have_text("25 %")
     row = page.locator(f"#workers tr[data-worker='{workers[0].pk}']")
     use = row.locator("[data-f=host_pool_use]")
@@ -192,7 +212,7 @@ def test_pool_card_shows_a_dash_for_figures_no_worker_reported_and_a_real_zero_a
 
 
 def test_a_pool_sparkline_draws_a_zero_inside_its_box(
-    asgi_server, console_page, celery_worker_process, fake_worker, personas
+    tsdb, asgi_server, console_page, fake_worker, personas, fleet_publisher
 ):
     """An idle pool (0 running requests, 0 cached tokens/s) draws both sparklines as a flat line a few pixels
     above the box's bottom edge: at the edge the plot clipped it away and a 0 looked like no data."""
@@ -200,30 +220,27 @@ def test_a_pool_sparkline_draws_a_zero_inside_its_box(
 
     mixed = fake_worker()  # idle: 0 running requests
     host = HostFactory(name=AGENT_HOST)
-    worker = EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed")
-    agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
+    EngineWorkerFactory(name="mixed-0", url=mixed.url, host=host, role="mixed")
     mixed.counters.update({"device": 100, "host": 0})  # never more: 0 cached tokens/s
-
-    now = time.time()
-    for ago in (60, 50, 40, 30, 20, 10):  # one sample per 10 s bucket of the sparklines' history seed
-        body = {"worker": worker.pk, "text": mixed.metrics_text(), "ts": now - ago}
-        response = httpx.post(asgi_server + "/api/v1/agent/metrics/", json=body, headers=agent)
-        assert response.status_code == 202, response.text
+    _scraped(tsdb, asgi_server, personas, "mixed-0")
     page, errors = console_page("bob", "viewer", "pw-for-tests-2")
     expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
     card = page.locator("#pools [data-pool=regular]")
     expect(card.locator("[data-f=cached_rate]")).to_have_text("0 tok/s")
     for spark in ("cached", "running"):
         chart = card.locator(f"[data-spark={spark}]")
-        expect(chart).to_have_attribute("data-points", re.compile(r"^([2-9]|\d\d)"))
-        drawn = chart.evaluate(
-            """el => { const u = el.kvChart.uplot, c = u.ctx.canvas, dpr = window.devicePixelRatio;
+        # the 0 line, once two measured points lie side by side (the seed's steps before the first scrape
+        # are gaps): css px between it and the bottom edge, and how much of it is painted
+        measure = """el => { const u = el.kvChart.uplot, c = u.ctx.canvas, dpr = window.devicePixelRatio;
                 const y = Math.round(u.valToPos(0, "y", true));
                 const row = u.ctx.getImageData(0, y, c.width, 1).data;
                 let painted = 0;
                 for (let i = 3; i < row.length; i += 4) if (row[i] > 128) painted++;
-                return {gap: (c.height - y) / dpr, painted: painted / dpr}; }"""
-        )
+                return {gap: (c.height - y) / dpr, painted: painted / dpr, ys: u.data[1]}; }"""
+        try:
+            page.wait_for_function(f"el => ({measure})(el).painted >= 2", arg=chart.element_handle())
+        finally:
+            drawn = chart.evaluate(measure)
         assert drawn["gap"] >= 3, (spark, drawn)  # css px between the 0 line and the bottom edge
         assert drawn["painted"] >= 2, (spark, drawn)  # and it is drawn there
     expect(card.locator("[data-f=num_running_reqs]")).to_have_text("0")

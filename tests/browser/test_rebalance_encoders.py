@@ -5,7 +5,6 @@ is over the SLO reads "add an encoder", beside the P:D recommendation, which cou
 import os
 import time
 
-import httpx
 import pytest
 from console_testlib import serious_violations
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory
@@ -22,24 +21,19 @@ def _encoder_text(images: float, seconds: float) -> str:
     )
 
 
-def test_busy_encoders_while_ttft_misses_its_slo_read_add_an_encoder(asgi_server, console_page, personas):
+def test_busy_encoders_while_ttft_misses_its_slo_read_add_an_encoder(
+    tsdb, asgi_server, console_page, personas
+):
     from playwright.sync_api import expect
 
     host = HostFactory(name=AGENT_HOST)
     router = RouterFactory(name="epd", mode="pd", slo_ttft_p90_s=0.5, slo_itl_p90_s=0.05)
-    workers = {
-        name: EngineWorkerFactory(
-            name=name, url=f"http://{name}.local:1", host=host, router=router, role=role
-        )
-        for name, role in (("p1", "prefill"), ("d1", "decode"), ("e1", "encoder"))
-    }
-    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
+    for name, role in (("p1", "prefill"), ("d1", "decode"), ("e1", "encoder")):
+        EngineWorkerFactory(name=name, url=f"http://{name}.local:1", host=host, router=router, role=role)
+    scrapes = []
 
-    def push(name, text, ts):
-        response = agent.post(
-            "/api/v1/agent/metrics/", json={"worker": workers[name].pk, "text": text, "ts": ts}
-        )
-        assert response.status_code == 202, response.text
+    def push(name, text, ts):  # the TSDB's scrape of the worker at ``ts``
+        scrapes.append((name, ts, text))
 
     prefill, decode = Exporter(), Exporter()
     now = time.time()
@@ -47,6 +41,7 @@ def test_busy_encoders_while_ttft_misses_its_slo_read_add_an_encoder(asgi_server
         push("p1", prefill.serve(20, 200, 0, 8, None, 0.01), ts)
         push("d1", decode.serve(20, 200, 0, 8, 2.0, 0.01), ts)  # the client's TTFT: 2 s, SLO 0.5 s
         push("e1", _encoder_text(100.0 * i, 19.0 * i), ts)  # 5 images/s, 95 % busy
+    tsdb.serve(scrapes)
 
     page, errors = console_page("vera", "viewer")
     page.goto(f"{asgi_server}/routers/{router.pk}/rebalance/")

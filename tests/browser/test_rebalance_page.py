@@ -1,15 +1,19 @@
-"""The rebalance page in real headless Chromium (Playwright) against daphne: a PD router 1P:2D whose
-prefill pool misses its TTFT SLO (samples rendered by the engine's own exporter, pushed through the agent
-API), the planner's recommendation with its numbers, a per-step rebalance the operator approves behind a
-confirmation, its steps moving live over the websocket (no reload), and before/after figures."""
+"""The rebalance page in real headless Chromium (Playwright) against daphne: a PD router 1P:2D whose prefill
+pool misses its TTFT SLO (metrics rendered by the engine's own exporter: 100 s of them written into a real
+Prometheus as its scrapes, then scraped live through the control plane's service discovery), the planner's
+recommendation with its numbers, a per-step rebalance the operator approves behind a confirmation, its
+steps moving live over the websocket (no reload), and before/after figures."""
 
+import json
+import os
 import re
+import tempfile
 import threading
 import time
+from pathlib import Path
 
-import httpx
 import pytest
-from console_testlib import console_user, serious_violations
+from console_testlib import console_user, serious_violations, wrapped
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory, RouterFactory
 from test_operator_console import wrapped_headers
 
@@ -20,6 +24,7 @@ from engine.server.metrics import EngineMetrics
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 MODEL = "smollm2"
+SHOTS = Path(os.environ.get("KVFLEET_SCREENSHOTS") or tempfile.mkdtemp())  # each page saved to be looked at
 
 
 class Exporter:
@@ -54,38 +59,45 @@ class Exporter:
         return m.render().decode()
 
 
-def test_rebalance_page(asgi_server, console_page, personas, fake_router, tmp_path):  # noqa: PLR0915
+def test_rebalance_page(  # noqa: PLR0915
+    tsdb, asgi_server, console_page, personas, fake_router, tmp_path, fleet_publisher
+):
+    from cp_fakes import MetricsEndpoint
     from playwright.sync_api import expect
 
+    names = ("p1", "d1", "d2")
+    exporters = {name: Exporter() for name in names}
+    endpoints = {name: MetricsEndpoint(exporters[name].metrics.render) for name in names}
     host = HostFactory(name=AGENT_HOST)
     router = RouterFactory(
         name="pd-edge", url=fake_router.url, mode="pd", slo_ttft_p90_s=0.5, slo_itl_p90_s=0.05
     )
     workers = [
-        EngineWorkerFactory(name=name, url=f"http://{name}.local:30000", host=host, router=router, role=role)
+        EngineWorkerFactory(name=name, url=endpoints[name].url, host=host, router=router, role=role)
         for name, role in (("p1", "prefill"), ("d1", "decode"), ("d2", "decode"))
     ]
-    exporters = {w.pk: Exporter() for w in workers}
-    agent = httpx.Client(base_url=asgi_server, headers={"Authorization": f"Bearer {personas['agent'][1]}"})
 
-    def push(ts: float):
-        for w in workers:
-            text = (
-                exporters[w.pk].serve(20, 1000, 400, 1, None, 0.01)
+    def serve() -> list[tuple[str, float, str]]:  # 10 s of traffic on every worker: their texts after
+        return [
+            (
+                w.name,
+                time.time(),
+                exporters[w.name].serve(20, 1000, 400, 1, None, 0.01)
                 if w.role == "prefill"
-                else exporters[w.pk].serve(10, 1000, 0, 50, 1.5, 0.01)
+                else exporters[w.name].serve(10, 1000, 0, 50, 1.5, 0.01),
             )
-            body = {"worker_url": w.url, "text": text, "ts": ts}
-            assert agent.post("/api/v1/agent/metrics/", json=body).status_code == 202
+            for w in workers
+        ]
 
     t0 = time.time() - 100
-    for step in range(0, 101, 10):
-        push(t0 + step)
+    history = [(name, t0 + step, text) for step in range(0, 101, 10) for name, _, text in serve()]
+    tsdb.serve(history, asgi_server, personas["viewer"][1])  # then it scrapes them live
+    tsdb.wait_scraped(*names)
     stop = threading.Event()
 
-    def report():  # the agent keeps pushing every 2 s, as it does for live workers
+    def report():  # the workers keep serving: a scrape every second sees it
         while not stop.wait(2.0):
-            push(time.time())
+            serve()
 
     reporter = threading.Thread(target=report, daemon=True)
     reporter.start()
@@ -93,6 +105,16 @@ def test_rebalance_page(asgi_server, console_page, personas, fake_router, tmp_pa
 
     page, errors = console_page("alice")
     expect(page.get_by_test_id("role")).to_have_text("operator")
+    # what the page reads from the TSDB through the API, and the pushes it gets
+    scrape_reads: list[str] = []
+    pushes: list[dict] = []
+    reads = "/api/v1/telemetry/workers/"
+    page.on("request", lambda r: scrape_reads.append(r.url) if reads in r.url else None)
+
+    def on_socket(ws):
+        ws.on("framereceived", lambda f: pushes.append(json.loads(f)) if '"pools.samples"' in f else None)
+
+    page.on("websocket", on_socket)
     page.goto(f"{asgi_server}/routers/{router.pk}/")
     page.get_by_test_id("rebalance-link").click()
     expect(page.locator("body[data-loaded='1']")).to_have_count(1)
@@ -112,9 +134,41 @@ def test_rebalance_page(asgi_server, console_page, personas, fake_router, tmp_pa
     expect(page.locator("#rec-pools [data-pool=decode]")).to_contain_text("2 (2 workers, 2 warm)")
     expect(page.get_by_test_id("now-decode")).to_have_text("2 (2)")
     expect(page.get_by_test_id("rec-units")).to_contain_text("Recommended workers: 1P:2D.")
-    page.screenshot(path=str(tmp_path / "rebalance-devices.png"), full_page=True)  # looked at by eye
+    expect(page.get_by_test_id("rec-units")).to_contain_text(
+        "Warm: a worker in its current role for at least 120 s"
+    )
+    # utilisation: this evaluation's and the smoothed one the split is chosen on, each labelled
+    head = page.get_by_test_id("utilisation-head")
+    expect(head).to_have_attribute("title", re.compile("^now · smoothed: "))
+    expect(page.get_by_test_id("rec-units")).to_contain_text("Utilisation “now · smoothed”")
+    expect(page.locator("#rec-pools [data-pool=prefill] [data-testid=utilisation]")).to_have_text(
+        re.compile(r"^\d[\d.]* % · \d[\d.]* %$")
+    )
+    expect(page.get_by_test_id("rec-units")).to_contain_text("“smoothed” the moving average (~60 s)")
+    # decode's TTFT p90 (~1.5 s) is 3x the 0.5 s SLO: the prefill pool alone needs more than the 3 devices
+    short = page.get_by_test_id("add-capacity")
+    expect(short).to_be_visible()
+    said = re.search(
+        r"the pools need (\d+) device\(s\).* the router has 3, .* add (\d+) device", short.inner_text()
+    )
+    assert said and int(said[1]) - 3 == int(said[2]) > 0, short.inner_text()
+    assert wrapped(page, ".stat span, .stat b, #rec-pools td") == []
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    page.screenshot(path=str(SHOTS / "rebalance-devices.png"), full_page=True)  # looked at by eye
     expect(page.get_by_test_id("now-ttft")).not_to_have_text("–")
     expect(page.locator("#chart-ttft")).not_to_have_attribute("data-points", "0")
+    # live: the members' newest scrapes come in the router's pushes (one TSDB read per interval for every
+    # viewer), never from a read of the page's own: each member's scrapes were read once, at load
+    deadline = time.monotonic() + 120
+    while len(pushes) < 3:
+        assert time.monotonic() < deadline, "no pools.samples push reached the page"
+        page.wait_for_timeout(200)
+    assert {w["worker_id"] for w in pushes[-1]["data"]["workers"]} == {w.pk for w in workers}
+    assert all(w["samples"] for w in pushes[-1]["data"]["workers"])
+    assert sorted(u.split("/api/v1/telemetry/workers/")[1].split("/")[0] for u in scrape_reads) == sorted(
+        str(w.pk) for w in workers
+    )
+    page.screenshot(path=str(tmp_path / "rebalance-live.png"), full_page=True)  # looked at by eye
 
     # Start: the dialog lists each pool now -> after; nothing is sent while it is open or when cancelled.
     expect(page.get_by_test_id("target-prefill")).to_have_value("1")
@@ -237,3 +291,5 @@ def test_rebalance_page(asgi_server, console_page, personas, fake_router, tmp_pa
     assert errors == []
     stop.set()
     reporter.join(10)
+    for endpoint in endpoints.values():
+        endpoint.stop()

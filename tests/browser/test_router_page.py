@@ -29,3 +29,123 @@ def test_a_router_without_its_breaker_shows_it_off(asgi_server, console_page, fa
     if SHOTS:
         page.screenshot(path=os.path.join(SHOTS, "router-breaker-off.png"), full_page=True)
     assert errors == []
+
+
+@pytest.mark.parametrize("kind", ["smg", "sglang-router"])
+def test_the_page_names_the_router_and_where_cache_salt_reaches_the_workers(
+    asgi_server, console_page, kind, request
+):
+    """A real router of each kind (no workers behind it: the page only asks who it is): smg 1.13.0 carries
+    the salt on every route; sglang-router 0.3.2 drops it on /generate and chat, which the page says in red
+    with the supported way."""
+    from playwright.sync_api import expect
+
+    from engine.fleet.router import RouterProcess
+
+    if kind == "sglang-router":
+        request.getfixturevalue("sglang_router_env")
+    with RouterProcess([], ready=False, kind=kind) as proc:
+        router = RouterFactory(name=f"{kind}-router", url=proc.url)
+        page, errors = console_page("gates", "viewer")
+        page.goto(f"{asgi_server}/routers/{router.pk}/")
+        salt = page.get_by_test_id("cache-salt")
+        if kind == "smg":
+            expect(page.get_by_test_id("router-kind")).to_contain_text("smg 1.13.0")
+            expect(salt).to_contain_text("/v1/chat/completions reaches the worker")
+            expect(salt).not_to_contain_text("dropped")
+            expect(page.get_by_test_id("cache-salt-warning")).to_have_count(0)
+        else:
+            expect(page.get_by_test_id("router-kind")).to_contain_text("sglang-router (version not reported)")
+            expect(salt).to_contain_text("/generate dropped")
+            expect(salt).to_contain_text("/v1/completions reaches the worker")
+            expect(salt).to_contain_text("/v1/chat/completions dropped")
+            expect(page.get_by_test_id("cache-salt-warning")).to_contain_text("--tenant-keys-file")
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, f"router-{kind}.png"), full_page=True)
+        assert errors == []
+
+
+def _raw_requests(metrics_url: str) -> dict[str, float]:
+    """The router's own per-worker dispatch counters (smg_worker_requests_total), worker URL -> count."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "smg_worker_requests_total":
+                url = sample.labels["worker"]
+                counts[url] = counts.get(url, 0.0) + sample.value
+    return counts
+
+
+def test_traffic_per_worker_and_the_imbalance_cache_aware_routing_causes(
+    tsdb, asgi_server, console_page, personas, tiny_model_dir
+):
+    """Two real engine workers behind a real smg (cache_aware), scraped by a real Prometheus through the
+    control plane's service discovery. Requests sharing one long prefix all match the prefix tree on the
+    worker that served the first, so it gets nearly every request: the page shows each worker's share as the
+    router's own counters give it, the policy's decisions, and an imbalance warning naming the worker and
+    cache-aware routing as the cause."""
+    import re
+    import time
+
+    import httpx
+    from playwright.sync_api import expect
+
+    from controlplane.telemetry.promql import PromQL
+    from controlplane.telemetry.router_traffic import router_traffic
+    from engine.bench.launcher import ServerProcess
+    from engine.fleet.router import RouterProcess, worker_args
+
+    flags = ["--model-path", str(tiny_model_dir), "--page-size", "16"]
+    with (
+        ServerProcess(flags) as a,
+        ServerProcess(flags) as b,
+        RouterProcess(worker_args([a.url, b.url], policy="cache_aware"), min_workers=2) as proc,
+    ):
+        router = RouterFactory(name="r-traffic", url=proc.url, metrics_url=proc.metrics_url)
+        EngineWorkerFactory(name="w-a", url=a.url, router=router)
+        EngineWorkerFactory(name="w-b", url=b.url, router=router)
+        tsdb.start(asgi_server, personas["viewer"][1])
+        prom = PromQL()
+        deadline = time.monotonic() + 240  # a scrape a second; the bound is for a loaded 2-core box
+        while not prom.query('smg_worker_requests_total{router="r-traffic"}'):
+            assert time.monotonic() < deadline, tsdb.server.log_tail()
+            time.sleep(0.5)
+        prefix = "A long shared system prompt about radix trees and their cached prefixes. " * 8
+        for i in range(30):
+            body = {"text": f"{prefix} Question {i}?", "sampling_params": {"max_new_tokens": 1}}
+            assert httpx.post(f"{proc.url}/generate", json=body, timeout=120).status_code == 200
+        raw = _raw_requests(proc.metrics_url)
+        assert sum(raw.values()) == 30, raw
+        while (traffic := router_traffic(router=router))["imbalance"] is None:
+            assert time.monotonic() < deadline + 60, traffic
+            time.sleep(0.5)
+
+        page, errors = console_page("traffic", "viewer", height=1000)
+        page.goto(f"{asgi_server}/routers/{router.pk}/")
+        top = max(raw, key=raw.get)
+        name = {a.url: "w-a", b.url: "w-b"}[top]
+        warning = page.get_by_test_id("imbalance")
+        expect(warning).to_contain_text(f"{name} gets")
+        expect(warning).to_contain_text("cache-aware routing")
+        for url, count in raw.items():
+            shown = page.locator(f"#traffic-workers tr[data-url='{url}'] [data-f=share]").inner_text()
+            assert abs(int(shown.rstrip(" %")) - 100 * count / 30) <= 2, (url, shown, raw)
+        expect(page.locator("#traffic-decisions tr[data-branch=tree_match]")).to_contain_text(
+            re.compile(r"matched a cached prefix")
+        )
+        assert page.evaluate("document.documentElement.scrollWidth") == 1280
+        if SHOTS:
+            page.screenshot(path=os.path.join(SHOTS, "router-traffic.png"), full_page=True)
+
+        # the card is re-read while the page stays open (health, share and in-flight never freeze)
+        expect(page.locator("body[data-traffic-refreshed]")).to_have_count(1, timeout=60_000)
+        expect(page.get_by_test_id("imbalance")).to_contain_text(f"{name} gets")
+        tsdb.server.kill()
+        page.reload()
+        expect(page.get_by_test_id("traffic-absent")).to_contain_text("Metrics unavailable since")
+        expect(page.locator("#traffic-workers")).to_have_count(0)  # no figure rather than a stale one
+        assert errors == []

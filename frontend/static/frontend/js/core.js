@@ -137,6 +137,8 @@
     "s": function (v) { return v == null ? "–" : v < 1 ? +(v * 1000).toFixed(v < 0.01 ? 2 : 0) + " ms" : +v.toFixed(2) + " s"; },
     "tok/s": function (v) { return v == null ? "–" : si(v) + "tok/s"; },
     "images/s": function (v) { return v == null ? "–" : si(v) + "images/s"; },
+    "prefetches/s": function (v) { return v == null ? "–" : si(v) + "/s"; },
+    "req/s": function (v) { return v == null ? "–" : si(v) + "req/s"; },
     "tok": function (v) { return v == null ? "–" : si(v) + "tok"; },
     "reqs": function (v) { return v == null ? "–" : String(Math.round(v)); },
     "count": function (v) { return v == null ? "–" : si(v).trim(); },
@@ -197,6 +199,10 @@
     /* opts.reason: ask for one; the caller reads what was typed with KV.confirmReason() */
     KV.$("#confirm-reason-label").hidden = !opts.reason;
     KV.$("#confirm-reason").value = "";
+    KV.$("#confirm-reason").required = opts.reason === "required";  // the OK button then needs one typed
+    /* opts.drain: offer the drain checkbox, ticked when true; read with KV.confirmDrain() */
+    KV.$("#confirm-drain-label").hidden = opts.drain == null;
+    KV.$("#confirm-drain").checked = opts.drain === true;
     return new Promise(function (resolve) {
       function done(ok) { dlg.removeEventListener("close", onClose); if (dlg.open) dlg.close(); resolve(ok); }
       function onClose() { done(dlg.returnValue === "ok"); }
@@ -207,6 +213,7 @@
     });
   };
   KV.confirmReason = function () { return KV.$("#confirm-reason").value.trim(); };
+  KV.confirmDrain = function () { return KV.$("#confirm-drain").checked; };
   KV.show = function (v) {
     if (v == null || v === "") return "none";
     return typeof v === "object" ? JSON.stringify(v) : String(v);

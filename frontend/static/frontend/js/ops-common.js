@@ -2,7 +2,7 @@
 (function () {
   "use strict";
   var KV = window.KV;
-  KV.KIND_LABELS = { attach: "attach L3", detach: "detach L3", apply_config: "apply config revision" };
+  KV.KIND_LABELS = { attach: "attach L3", detach: "detach L3", apply_config: "apply config revision", restart_with_flags: "restart with flags" };
   KV.opView = function (op) {
     var counts = {};
     op.targets.forEach(function (t) { counts[t.state] = (counts[t.state] || 0) + 1; });

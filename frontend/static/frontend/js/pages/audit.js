@@ -39,6 +39,7 @@ KV.ready(function () {
   function decorate(row, e) {
     events[e.id] = e;
     KV.diff(KV.$(".diff", row), e.changes, e.before);
+    if (KV.canWrite && e.undo) KV.$(".act", row).appendChild(KV.fill(KV.$("#tpl-undo"), { title: "Back to the state before this change: " + e.undo.after }));
     if (KV.canWrite && e.revertible) KV.$(".act", row).appendChild(KV.fill(KV.$("#tpl-revert"), {}));
     if (KV.canWrite && e.revert_together_changes.length) {  // every worker of its operation, in one operation
       KV.$(".act", row).appendChild(KV.fill(KV.$("#tpl-revert-together"), {
@@ -63,10 +64,24 @@ KV.ready(function () {
     return KV.confirm({ title: together ? "Revert every worker of operation #" + e.operation_id + " to the state of record #" + e.id + "?"
       : "Revert to the state of record #" + e.id + "?", confirmLabel: "Launch revert",
       text: "This launches a new " + (KV.KIND_LABELS[restore.kind] || restore.kind) + " operation that changes " + rows.length +
-        " worker(s) as listed; workers already in the recorded state are left alone.", rows: rows
+        " worker(s) as listed; workers already in the recorded state are left alone.", rows: rows,
+      reason: true, drain: true
     }).then(function (ok) {
       if (!ok) return;
-      return KV.api("POST", "/api/v1/audit/events/" + e.id + "/revert/", { reason: "revert to audit record #" + e.id, together: !!together }).then(function (op) { location.href = "/operations/" + op.id + "/"; });
+      var body = { reason: KV.confirmReason() || "revert to audit record #" + e.id, together: !!together, drain: KV.confirmDrain() };
+      return KV.api("POST", "/api/v1/audit/events/" + e.id + "/revert/", body).then(function (op) { location.href = "/operations/" + op.id + "/"; });
+    });
+  }
+  /* The server's undo plan: the one worker back to the state the record found (its `before`). */
+  function undo(e) {
+    var u = e.undo;
+    return KV.confirm({ title: "Undo record #" + e.id + "?", confirmLabel: "Launch undo",
+      text: "This launches a new " + (KV.KIND_LABELS[u.kind] || u.kind) + " operation that puts " + u.worker +
+        " back to the state it had before this change.", rows: [{ worker: u.worker, before: u.now, after: u.after }],
+      reason: "required", drain: true
+    }).then(function (ok) {
+      if (!ok) return;
+      return KV.api("POST", "/api/v1/audit/events/" + e.id + "/undo/", { reason: KV.confirmReason(), drain: KV.confirmDrain() }).then(function (op) { location.href = "/operations/" + op.id + "/"; });
     });
   }
   form.addEventListener("submit", function (ev) {
@@ -77,9 +92,10 @@ KV.ready(function () {
   form.addEventListener("reset", function () { setTimeout(function () { form.requestSubmit(); }, 0); });
   KV.$("#more").addEventListener("click", function () { if (next) load(next, true); });
   KV.$("#audit").addEventListener("click", function (ev) {
-    if (!ev.target.classList.contains("revert")) return;
+    var undoing = ev.target.classList.contains("undo");
+    if (!undoing && !ev.target.classList.contains("revert")) return;
     var e = events[ev.target.closest("tr").dataset.event];
-    revert(e, ev.target.dataset.together === "1").catch(function (err) { KV.$("#page-error").textContent = KV.errorText(err); KV.$("#page-error").hidden = false; });
+    (undoing ? undo(e) : revert(e, ev.target.dataset.together === "1")).catch(function (err) { KV.$("#page-error").textContent = KV.errorText(err); KV.$("#page-error").hidden = false; });
   });
   return load("/api/v1/audit/events/?" + query(), false);
 });

@@ -53,16 +53,23 @@ KV.ready(function () {
     var ys = ["l1", "l2", "l3"].map(function (t) {
       return rows.map(function (p, i) { acc[i] += 100 * p[t].share; return acc[i]; });
     });
+    var optimum = rows.map(function (p) { return p.optimum ? 100 * p.optimum.share : null; });
+    var hasOptimum = optimum.some(function (v) { return v != null; });
     var mark = current(form.pool.value, tier);
     var ceiling = points.length ? points[0].ceiling_share : null;  // the same for every point of the sweep
+    var logX = xs.length > 1 && xs[0] > 0 && xs[xs.length - 1] / xs[0] >= 8;
+    chartEl.dataset.xScale = logX ? "log2" : "linear";
     var opts = {
       width: Math.max(320, chartEl.clientWidth || 900), height: 300,
-      scales: { x: { time: false }, y: { range: [0, 100] } },
-      axes: [{ label: tier.toUpperCase() + " capacity (tokens)", values: function (u, v) { return v.map(KV.compact); } },
+      // a sweep of x0.25-x16 on a linear axis crowds every point into its first tenth: log (base 2), when
+      // every capacity is > 0 and they span a factor of 8 or more
+      scales: { x: logX ? { time: false, distr: 3, log: 2 } : { time: false }, y: { range: [0, 100] } },
+      axes: [{ label: tier.toUpperCase() + " capacity (tokens" + (logX ? ", log scale" : "") + ")", values: function (u, v) { return v.map(KV.compact); } },
              { label: "share of input tokens (%)" }],
       series: [{ label: tier.toUpperCase() + " tokens", value: function (u, v) { return v == null ? "–" : tokens(v); } }].concat(["L1", "L1 + L2", "L1 + L2 + L3"].map(function (label, i) {
         return { label: label, stroke: COLORS[i], width: 2, points: { show: true }, value: function (u, v) { return v == null ? "–" : pct(v / 100); } };
-      })),
+      })).concat(hasOptimum ? [{ label: "optimum (Belady's MIN, all tiers)", stroke: "#7c3aed", width: 2, dash: [8, 4],
+        points: { show: true }, value: function (u, v) { return v == null ? "–" : pct(v / 100); } }] : []),
       hooks: { draw: [function (u) {
         if (ceiling != null) {  // what an unbounded cache serves: no capacity or policy goes above it
           var y = u.valToPos(100 * ceiling, "y", true), c = u.ctx;
@@ -85,7 +92,7 @@ KV.ready(function () {
       }] }
     };
     if (plot) plot.destroy();
-    plot = new window.uPlot(opts, [xs].concat(ys), chartEl);
+    plot = new window.uPlot(opts, [xs].concat(ys, hasOptimum ? [optimum] : []), chartEl);
     setTimeout(showLargest);  // after uPlot's first commit, which clears the legend
     chartEl.dataset.marked = mark == null ? "" : String(mark);
     KV.$("#whatif-empty").hidden = true;
@@ -96,9 +103,14 @@ KV.ready(function () {
       var label = p.l1_tokens === live ? "live configuration" : "";
       if (p.rejected) label = (label ? label + "; " : "") + p.rejected + " of " + p.requests + " requests do not fit in L1 (the engine refuses them)";
       return { label: label, l1_tokens: tokens(p.l1_tokens), l2_tokens: tokens(p.l2_tokens), l3_tokens: tokens(p.l3_tokens),
-        l1: pct(p.l1.share), l2: pct(p.l2.share), l3: pct(p.l3.share), share: pct(p.share) };
+        l1: pct(p.l1.share), l2: pct(p.l2.share), l3: pct(p.l3.share), share: pct(p.share),
+        optimum: p.optimum ? pct(p.optimum.share) : "—",
+        lost_policy: p.lost && p.lost.policy != null ? pointsOf(p.lost.policy) : "—",
+        lost_capacity: p.lost && p.lost.capacity != null ? pointsOf(p.lost.capacity) : "—" };
     }));
   }
+
+  function pointsOf(share) { return (100 * share).toFixed(1) + " pts"; }  // a gap in points of input tokens
 
   function policyText() {  // the eviction policy and any admission filter the run used
     var filters = [["L2", form.l2_admission.value], ["L3", form.l3_admission.value]].filter(function (f) { return f[1] !== "none"; });
@@ -110,12 +122,19 @@ KV.ready(function () {
     var el = KV.$("#whatif-ceiling");
     el.hidden = ceiling == null;
     if (ceiling == null) return;
-    var best = Math.max.apply(null, points.map(function (p) { return p.share; }));
-    var gap = 100 * (ceiling - best);
+    var top = points.reduce(function (a, p) { return p.share > a.share ? p : a; }, points[0]);
+    var best = top.share, gap = 100 * (ceiling - best);
+    var split = "";
+    if (gap >= 1 && top.optimum && top.lost && top.lost.capacity != null) {  // Belady's MIN at that point
+      split = " Of it, " + pointsOf(Math.max(0, top.lost.capacity)) + " no eviction policy keeps at that capacity (Belady's MIN, the offline optimum, serves " +
+        pct(top.optimum.share) + ") and " + (top.lost.policy >= 0
+          ? pointsOf(top.lost.policy) + " a better policy would keep."
+          : "the " + policyText() + " serves " + pointsOf(-top.lost.policy) + " more than that reference.");
+    }
     el.textContent = "Ceiling: " + pct(ceiling) + " of input tokens repeat at all, what an unbounded cache would serve. " +
       "The best point here serves " + pct(best) + (gap < 1
         ? ": at the ceiling, so more capacity or another policy cannot raise it; only more reuse in the traffic can."
-        : ", " + gap.toFixed(1) + " points below: that much is lost to capacity or the " + policyText() + ".");
+        : ", " + gap.toFixed(1) + " points below: that much is lost to capacity or the " + policyText() + "." + split);
   }
 
   function showLargest() {  // the legend shows the largest capacity's shares unless the cursor is on the plot

@@ -4,7 +4,8 @@
 KV.ready(function () {
   "use strict";
   var POOL_TITLES = { regular: "Regular pool", prefill: "Prefill pool", decode: "Decode pool", encoder: "Encoder pool" };
-  var SPARK_S = 300;
+  var SPARK_S = 300, GAP_S = 30;  // a push is due every few seconds: 30 s without one is a gap
+  var ROW_FIGURES = ["num_running_reqs", "num_queue_reqs", "hit_rate", "host_pool_use"];
   var workers = [], hostNames = {}, rows = {}, cards = {}, spark = {};
   var tplWorker = KV.$("#tpl-worker"), tplPool = KV.$("#tpl-pool");
   var seeds = JSON.parse(KV.$("#pool-history").textContent);  // server-side 5 min of history per pool
@@ -18,7 +19,7 @@ KV.ready(function () {
     };
   }
   function matches(w, q) {
-    return !q || [w.name, w.host_name, w.model_name, w.role, w.storage_backend].join(" ").toLowerCase().indexOf(q) >= 0;
+    return !q || [w.name, w.host_name, w.model_name, w.role, w.storage_backend, w.engine_text].join(" ").toLowerCase().indexOf(q) >= 0;
   }
   function applyFilter() {
     var q = (KV.$("#filter").value || "").trim().toLowerCase();
@@ -60,8 +61,12 @@ KV.ready(function () {
       } else {
         KV.fill(cards[pool], p);
       }
+      KV.$("[data-testid=pool-hit-parts]", cards[pool]).hidden = p.hit_rate == null;  // no parts of no figure
       var s = spark[pool], ts = p.ts, n = s.xs.length;
       if (ts == null || (p.cached_rate == null && n)) return;
+      if (n && ts - s.xs[n - 1] > GAP_S) {  // no point for a while (the metrics store was down): draw a gap
+        s.xs.push(s.xs[n - 1] + 1); s.cached.push(null); s.running.push(null); n += 1;
+      }
       if (n && ts <= s.xs[n - 1]) {  // not newer than the last point (a seed bucket's end, or a repeat): update it
         s.cached[n - 1] = p.cached_rate; s.running[n - 1] = p.num_running_reqs;
       } else {
@@ -101,15 +106,28 @@ KV.ready(function () {
     }, []));
     KV.$("#breaker-alert").hidden = !open.length;
   }
+  /* the metrics store (Prometheus) did not answer: say since when, and every figure is absent with that why */
+  function showDown(summary) {
+    var down = summary.unavailable;
+    KV.$("#metrics-down").hidden = !down;
+    KV.$("#metrics-down-text").textContent = down ? down.charAt(0).toUpperCase() + down.slice(1) : "";
+  }
   function applySummary(summary) {
+    showDown(summary);
     showBreakers(summary);
     KV.$("#reporting").textContent = summary.reporting + " of " + summary.workers.length + " workers reporting";
     summary.workers.forEach(function (live) {
       var w = workers.filter(function (x) { return x.id === live.id; })[0];
       if (!w) return;
-      ["cache_hit_rate", "num_running_reqs", "num_queue_reqs", "host_pool_use", "ts", "state", "role"].forEach(function (k) { w[k] = live[k]; });
-      var cells = latencyCells(w, live, summary.recent_window_s);
+      ["hit_rate", "hit_rate_title", "num_running_reqs", "num_queue_reqs", "host_pool_use", "ts", "state", "role"].forEach(function (k) { w[k] = live[k]; });
+      var cells = summary.unavailable ? { ttft_text: "–", itl_text: "–", latency_title: summary.unavailable }
+        : latencyCells(w, live, summary.recent_window_s);
       Object.assign(w, cells);
+      w.absent = { hit_rate: live.hit_rate_title };  // why a worker has no hit rate (its cell's title says it too)
+      if (summary.unavailable) {
+        ROW_FIGURES.forEach(function (k) { w.absent[k] = summary.unavailable; });
+        w.hit_rate_title = summary.unavailable;  // the cell's title: why it has no figure now
+      }
       KV.fill(rows[w.id], w);
       showLatency(rows[w.id], cells);
     });
@@ -124,7 +142,11 @@ KV.ready(function () {
       r[1].results.forEach(function (h) { hostNames[h.id] = h.name; });
       workers = r[0].results.map(function (w) {
         perHost[w.host] = (perHost[w.host] || 0) + 1; perRouter[w.router] = (perRouter[w.router] || 0) + 1;
-        return Object.assign({}, w, devicesView(w), { host_name: hostNames[w.host] || "", select_label: "select " + w.name, latency_title: "" });
+        return Object.assign({}, w, devicesView(w), {
+          host_name: hostNames[w.host] || "", select_label: "select " + w.name, latency_title: "", hit_rate_title: "",
+          // a worker that runs upstream SGLang says so (and its version) under its name
+          engine_text: w.engine === "sglang" ? "SGLang " + (w.engine_version || "") : ""
+        });
       });
       renderWorkers();
       KV.replaceRows(KV.$("#hosts tbody"), KV.$("#tpl-host"), r[1].results.map(function (h) {
@@ -164,3 +186,21 @@ KV.ready(function () {
   }, function () { return Promise.all([load(), KV.fleetAlerts.resync()]); });
   return load();
 });
+
+/* Why prompt tokens missed, per pool and worker (js/misses.js), from each pool's recorded traffic. */
+(function () {  // not KV.ready: body[data-loaded] stays the charts' first render
+  "use strict";
+  var box = KV.$("#fleet-miss-bars");
+  if (!box) return;
+  Promise.all(["regular", "prefill"].map(function (pool) {
+    return KV.api("GET", "/api/v1/capacity/misses/?pool=" + pool);
+  })).then(function (pools) {
+    var rows = [], causes = pools[0].causes;
+    pools.forEach(function (res) {
+      if (!res.fleet.requests && res.pool !== "regular") return;  // a pool with no traffic: left out
+      rows.push(["pool " + res.pool, res.fleet, "no recorded traffic with miss attribution: start the workers with --record-trace"]);
+      Object.keys(res.workers).forEach(function (name) { rows.push([name, res.workers[name], "no attributed traffic from this worker"]); });
+    });
+    KV.missBars(box, rows, causes);
+  }).catch(function (err) { box.textContent = KV.errorText(err); });
+})();

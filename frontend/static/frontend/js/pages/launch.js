@@ -30,8 +30,26 @@ KV.ready(function () {
   }
   function error(text) { KV.$("#launch-error").textContent = text; }
 
+  /* the restart's change from the form: {set: {name: value}, remove: [name]}; a value that reads as JSON
+     (32, true, {"a": 1}) is sent as such, else as text; a bare name switches a flag on */
+  function flagsChange() {
+    var set = {};
+    form.flags_set.value.split("\n").map(function (l) { return l.trim(); }).filter(Boolean).forEach(function (line) {
+      var at = line.indexOf("="), name = at < 0 ? line : line.slice(0, at).trim(), text = at < 0 ? "true" : line.slice(at + 1).trim();
+      var value = text;
+      try { value = JSON.parse(text); } catch (e) { /* plain text */ }
+      set[name] = value;
+    });
+    var remove = form.flags_remove.value.split(/[\s,]+/).filter(Boolean);
+    return { set: set, remove: remove };
+  }
+  function flagsText(change) {
+    var parts = Object.keys(change.set).map(function (k) { return k + "=" + (typeof change.set[k] === "string" ? change.set[k] : JSON.stringify(change.set[k])); });
+    return (parts.length ? "set " + parts.join(" ") : "") + (change.remove.length ? (parts.length ? "; " : "") + "remove " + change.remove.join(" ") : "");
+  }
   function after(w) {
     var k = form.kind.value;
+    if (k === "restart_with_flags") return "restarted: " + flagsText(flagsChange());
     if (k === "attach") { var p = profiles[form.storage_profile.value]; return p ? p.backend + " (" + p.name + ")" : "?"; }
     if (k === "detach") return "none";
     var r = revisions[form.revision.value];
@@ -40,6 +58,7 @@ KV.ready(function () {
   function before(w, probe) {
     var k = form.kind.value, idle = !probe.reachable ? "unreachable" : probe.is_idle ? "idle" : "busy: waits for idle";
     var now = k === "apply_config" ? (w.config_revision ? "revision #" + w.config_revision : "no revision applied") :
+      k === "restart_with_flags" ? ((w.command_line || []).join(" ") || "no command line reported (no agent)") :
       (probe.storage_backend || w.storage_backend || "none");
     return now + " [" + idle + "]";
   }
@@ -91,6 +110,7 @@ KV.ready(function () {
     if (!ids.length) { error("Choose at least one worker."); return; }
     if (form.kind.value === "attach" && !form.storage_profile.value) { error("Choose a storage profile (create one on the Storage page)."); return; }
     if (form.kind.value === "apply_config" && !form.revision.value) { error("Choose a config revision."); return; }
+    if (form.kind.value === "restart_with_flags" && !flagsText(flagsChange())) { error("Give at least one flag to set or remove."); return; }
     error("");
     var btn = KV.$("#review"); btn.disabled = true;
     probe(ids).then(function (probes) {
@@ -110,6 +130,7 @@ KV.ready(function () {
         idle_timeout_s: Number(form.idle_timeout_s.value), reason: form.reason.value };
       if (data.kind === "attach") data.storage_profile = Number(form.storage_profile.value);
       if (data.kind === "apply_config") data.revision = Number(form.revision.value);
+      if (data.kind === "restart_with_flags") data.flags = flagsChange();
       return KV.api("POST", "/api/v1/operations/", data, { "Idempotency-Key": key }).then(function (op) { location.href = "/operations/" + op.id + "/"; });
     }).catch(function (err) { btn.disabled = false; error(KV.errorText(err)); });
   });

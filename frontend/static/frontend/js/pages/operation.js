@@ -22,11 +22,33 @@ KV.ready(function () {
     else KV.fill(rows[t.id], view);
     var cell = KV.$(".diff", rows[t.id]);
     // no after: still to come while the target is active; a target that ended so (cancelled, failed) never changed
+    if (op.kind === "restart_with_flags" && t.before) { commandLines(cell, t); return; }
     if (t.after == null) cell.textContent = t.before == null ? "–" : ACTIVE.indexOf(t.state) >= 0 ? "not changed yet" : "not changed (" + KV.stateText(t.state) + ")";
     else KV.diff(cell, KV.changes(t.before, t.after), t.before);
   }
+  /* restart_with_flags: the command line before and after (read back from what its agent reports), the
+     flags that differ marked */
+  function commandLines(cell, t) {
+    var was = t.before.command_line || [], now = t.after ? t.after.command_line || [] : null;
+    function line(label, items, other, mark) {
+      var div = document.createElement("div"), name = document.createElement("span"), code = document.createElement("code");
+      name.className = "field"; name.textContent = label + ": "; div.append(name, code); div.className = "cmdline";
+      items.forEach(function (item, i) {
+        var el = document.createElement(other && other.indexOf(item) < 0 ? mark : "span");
+        el.textContent = item; code.append(i ? " " : "", el);
+      });
+      return div;
+    }
+    var rowsOut = [line("before", was, now, "del")];
+    rowsOut.push(now ? line("after", now, was, "ins") : document.createTextNode(ACTIVE.indexOf(t.state) >= 0 ? "after: not restarted yet" : "after: unknown (" + KV.stateText(t.state) + ")"));
+    cell.replaceChildren.apply(cell, rowsOut);
+  }
   var profileNames = {};
   function change() {
+    if (op.kind === "restart_with_flags") {
+      var f = op.flags || {}, set = Object.keys(f.set || {}).map(function (k) { return k + "=" + (typeof f.set[k] === "string" ? f.set[k] : JSON.stringify(f.set[k])); });
+      return "restart with flags: " + [set.length ? "set " + set.join(" ") : "", (f.remove || []).length ? "remove " + f.remove.join(" ") : ""].filter(Boolean).join("; ");
+    }
     if (op.kind === "attach") return "attach L3 storage profile " + (profileNames[op.storage_profile] || "#" + op.storage_profile);
     if (op.kind === "apply_config") return "apply config revision #" + op.revision;
     return "detach L3 storage";

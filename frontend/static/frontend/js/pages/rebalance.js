@@ -1,4 +1,6 @@
-/* Rebalance page of one PD router: pools now (60 s figures from the workers' samples, KV.pools), the P:D
+/* Rebalance page of one PD router: pools now (60 s figures from the workers' samples, KV.pools: read once
+   per member at load, then extended by the pools.<router id> pushes, one TSDB read per interval shared by
+   every viewer, telemetry.services.publish_pools), the P:D
    planner's recommendation (re-read every REC_REFRESH_S), the selected rebalance (?rebalance=ID, else the
    newest) with its steps, live over the websocket (rebalance.<id>: a push updates the row at once, then one
    coalesced re-read makes it match the API), approve / pause / resume / abort and start, each behind a
@@ -6,9 +8,10 @@
 KV.ready(function () {
   "use strict";
   var data = JSON.parse(KV.$("#page-data").textContent);
-  var WINDOW_S = 60, STEP_S = 5, REC_REFRESH_S = 15, COMPARE_S = 120, HISTORY = 1800, SAMPLE_S = 2;
-  /* samples to read per worker: the chart window plus the before/after windows, at the agent's 2 s push */
-  function historyLen() { return Math.min(HISTORY, Math.ceil((KV.windowS() + 2 * COMPARE_S) / SAMPLE_S)); }
+  var WINDOW_S = 60, STEP_S = 5, REC_REFRESH_S = 15, COMPARE_S = 120, HISTORY = 1800;
+  var PUSH_WINDOW_S = 3 * STEP_S;  /* a pools.<id> push's scrapes: the last 3 publish intervals (publish_pools) */
+  /* seconds of each member's scrapes to read from the metrics store: the window and the comparisons around it */
+  function historyWindowS() { return Math.max(60, Math.min(3600, Math.ceil(KV.windowS() + 2 * COMPARE_S))); }
   var SWITCHED = KV.machines.step.switched;  // the worker already runs its new role
   var members = data.workers.map(function (w) { return Object.assign({ samples: [], lastSeq: 0 }, w); });
   var rec = null, rb = null, list = [], stepRows = {};
@@ -92,6 +95,7 @@ KV.ready(function () {
         pool: k, workers_text: f.devices + " (" + workersText(f.workers) + ", " + f.warm_workers + " warm)",
         demand_text: KV.fmt(f.demand, unit) + (k === "prefill" ? " computed" : " out"),
         hit_rate: k === "prefill" ? f.hit_rate : null,
+        smoothed_utilisation: (rec.smoothed_utilisation || {})[k],
         latency_text: KV.fmt(f.latency_p90_s, "s") + " / " + KV.fmt(f.slo_p90_s, "s"),
         capacity_text: KV.fmt(f.per_device_capacity, unit)
       });
@@ -104,8 +108,13 @@ KV.ready(function () {
     var moved = rec.moves.map(function (m) { return m.worker + " (" + m.devices + (m.devices === 1 ? " device" : " devices") + ") to " + m.to_role; });
     KV.fill(KV.$("#rec-units"), {
       workers_text: split(rec.recommended_workers) + (moved.length ? "; moving " + moved.join(", ") : ""),
-      window_text: win ? "Its figures cover the " + win + " s before it was evaluated (the tiles above: the last " + WINDOW_S + " s, live); the split utilisations in its reasons are smoothed." : ""
+      window_text: win ? "Its figures cover the " + win + " s before it was evaluated (the tiles above: the last " + WINDOW_S + " s, live); the split utilisations in its reasons are smoothed." : "",
+      smoothing_text: rec.config && rec.config.smoothing_s ? rec.config.smoothing_s + " s" : "none"
     });
+    /* the pools need more devices than the router has: no split helps, say so (the reason has the numbers) */
+    var short = rec.devices_short || 0;
+    KV.$("#rec-short").hidden = !short;
+    KV.$("#rec-short-text").textContent = short ? rec.capacity_advice.replace(/^add capacity: /, "") + "." : "";
     /* the rebalance's target is in workers: the planner's least-moving way to its device split */
     var p = KV.$("#target-prefill"), d = KV.$("#target-decode");
     if (p && !p.dataset.touched) { p.value = rec.recommended_workers.prefill; d.value = rec.recommended_workers.decode; }
@@ -117,7 +126,8 @@ KV.ready(function () {
   /* ---- the selected rebalance ---- */
   function stepView(s) {
     var devices = s.devices > 1 ? " (" + s.devices + " devices)" : "";  // a TP-N worker moves N devices
-    return Object.assign({}, s, { number: s.index + 1, roles: s.from_role + " → " + s.to_role + devices, explanation: KV.readable(s.explanation) });
+    var cost = s.out_of_router_s == null ? "–" : KV.fmt(s.out_of_router_s, "s") + (s.restart_s == null ? "" : " (restart " + KV.fmt(s.restart_s, "s") + ")");
+    return Object.assign({}, s, { number: s.index + 1, roles: s.from_role + " → " + s.to_role + devices, explanation: KV.readable(s.explanation), cost: cost });
   }
   function putStep(s) {
     if (!stepRows[s.id]) { stepRows[s.id] = KV.fill(KV.$("#tpl-step"), stepView(s)); KV.$("#rb-steps tbody").appendChild(stepRows[s.id]); }
@@ -284,29 +294,34 @@ KV.ready(function () {
     if (m.samples.length > HISTORY) m.samples.shift();
     return true;
   }
+  /* one member's scrapes from the metrics store (its /api/v1/telemetry/workers/<id>/ history) */
+  function loadMember(m) {
+    return KV.api("GET", "/api/v1/telemetry/workers/" + m.id + "/?window_s=" + historyWindowS()).then(function (r) {
+      m.samples = []; m.lastSeq = 0; r.history.forEach(function (s) { addSample(m, s); });
+    });
+  }
   function loadSamples() {
     return Promise.all(members.map(function (m) {
-      return KV.api("GET", "/api/v1/telemetry/workers/" + m.id + "/?history=" + historyLen()).then(function (r) {
-        m.samples = []; m.lastSeq = 0; r.history.forEach(function (s) { addSample(m, s); });
-      });
+      return loadMember(m);
     }));
   }
   function groups() {
-    return ["rebalances"].concat(rb ? ["rebalance." + rb.id] : [], members.map(function (m) { return "worker." + m.id; }));
+    return ["rebalances", "pools." + KV.pk].concat(rb ? ["rebalance." + rb.id] : []);
   }
   var subscribed = "";
   function resubscribe() {
     var g = groups();
     if (g.join() === subscribed) return;
     subscribed = g.join();
-    KV.subscribe(g, onMessage, loadAll);
+    KV.subscribe(g, onMessage, resync);
   }
   var dirty = false;
   function onMessage(msg) {
     var d = msg.data;
-    if (msg.type === "worker.metrics") {
-      var m = members.filter(function (x) { return x.id === d.worker_id; })[0];
-      if (m && addSample(m, d)) dirty = true;
+    if (msg.type === "pools.samples") {  // the members' newest scrapes, the same push for every viewer
+      d.workers.forEach(function (w) {
+        members.forEach(function (m) { if (m.id === w.worker_id) w.samples.forEach(function (s) { if (addSample(m, s)) dirty = true; }); });
+      });
     } else if (msg.type === "rebalance.step_changed" && rb && d.rebalance_id === rb.id) {
       var s = rb.steps.filter(function (x) { return x.id === d.step_id; })[0];
       if (s) { s.state = d.state; s.explanation = d.explanation; putStep(s); }
@@ -323,6 +338,15 @@ KV.ready(function () {
 
   function loadAll() {
     return Promise.all([loadSamples(), loadRec(), loadList()]).then(function () { renderNow(); renderCharts(); if (rb) renderRb(); });
+  }
+  /* on every (re)join: what may have been missed. A push carries its members' scrapes of the last few
+     intervals, so a member's scrapes are read again only when its newest is older than that (the socket
+     was away longer, or it has none); the recommendation and the history always. */
+  function resync() {
+    var now = Date.now() / 1000;
+    var gap = members.filter(function (m) { return !m.samples.length || now - m.samples[m.samples.length - 1].ts > PUSH_WINDOW_S; });
+    return Promise.all([Promise.all(gap.map(loadMember)), loadRec(), loadList()])
+      .then(function () { renderNow(); renderCharts(); if (rb) renderRb(); }).catch(showError);
   }
   return loadAll().then(resubscribe);
 });

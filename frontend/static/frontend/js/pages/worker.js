@@ -1,20 +1,22 @@
-/* Worker page: one hour of samples from the API, then each worker.metrics push appended in place.
-   Derived series: per-tier cached tokens/s and cache I/O tokens/s (counter rates over 10 s), hit share over
-   a sliding 60 s window, TTFT / ITL p50 and p90 over the 5 min before each sample (the increase of the
-   worker's cumulative histogram buckets, KV.pools; none on a PD prefill worker, whose page has a note
-   instead), prefetch in flight = issued - completed - timed out - revoked. The L3 breaker fact shows the
-   newest sample's breaker state and counters; the tenant table its per-tenant cached tokens (named where
-   the worker's tenants file names the label). An EPD encoder's page has its own charts instead (its
-   template has #chart-images): images/s and encode seconds per second (10 s rates), mean encode time per
-   image (encode seconds over images encoded in the last 10 s) and the local / global embedding cache hit
-   rates (hits over lookups in the last 60 s); an encoder reports no KV figure. */
+/* Worker page: its charts from the metrics store (Prometheus), one hour at the server's step from
+   /api/v1/telemetry/workers/<id>/series/, then each worker.series push (the newest point, queried once per
+   interval for every open page) appended in place. Every figure is the server's (PromQL over the recording
+   rules): per-tier cached tokens/s and cache I/O tokens/s (1 min rates), the hit rate per tier (cached over
+   prompt tokens in the 5 min before each point: controlplane/telemetry/hit_rate.py, the fleet page's
+   figure), TTFT / ITL p50 and p90 over the 5 min before each point (none on a PD prefill worker, whose page
+   has a note instead), prefetch outcomes per second (1 min rates; the counters since start and in flight =
+   issued - completed - timed out - revoked in the line below), finished requests per second. A step
+   the store has no point for is a gap, never a 0; while the store does not answer the page says "metrics
+   unavailable since ..." and draws nothing new. The L3 breaker fact shows the newest point's breaker state
+   and counters; the tenant table its per-tenant cached tokens (named where the worker's tenants file names
+   the label). An EPD encoder's page has its own charts instead (its template has #chart-images): images/s
+   and encode seconds per second (1 min rates), mean encode time per image and the local / global
+   embedding cache hit rates (1 min); an encoder reports no KV figure. */
 KV.ready(function () {
   "use strict";
-  var HIT_WINDOW_S = 60, RATE_WINDOW_S = 10, LATENCY_WINDOW_S = 300, MAX_SAMPLES = 1800;
   var TIERS = ["device", "host", "storage"];
   var TIER_LABELS = ["L1 device", "L2 host", "L3 storage"];
   var BREAKER_STATES = ["closed", "half_open", "open"];
-  var samples = [], lastSeq = 0;
   var ENCODER = !!KV.$("#chart-images");
   var charts = ENCODER ? {
     images: KV.chart(KV.$("#chart-images"), { series: [{ label: "images/s" }], unit: "images/s", gaps: true }),
@@ -23,130 +25,93 @@ KV.ready(function () {
     mmHits: KV.chart(KV.$("#chart-mm-hits"), { series: [{ label: "local LRU" }, { label: "global (Mooncake)" }], unit: "%", gaps: true, range01: true })
   } : {
     cached: KV.chart(KV.$("#chart-cached"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "tok/s", gaps: true, stacked: true }),
-    hits: KV.chart(KV.$("#chart-hits"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "%", gaps: true, range01: true }),
+    hits: KV.chart(KV.$("#chart-hits"), { series: TIER_LABELS.map(function (l) { return { label: l }; }), unit: "%", gaps: true, range01: true, stacked: true }),
     ttft: KV.$("#chart-ttft") && KV.chart(KV.$("#chart-ttft"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s", gaps: true }),
     itl: KV.$("#chart-itl") && KV.chart(KV.$("#chart-itl"), { series: [{ label: "p50" }, { label: "p90" }], unit: "s", gaps: true }),
     pool: KV.chart(KV.$("#chart-pool"), { series: [{ label: "host pool use" }], unit: "%", gaps: true, range01: true }),
     bw: KV.chart(KV.$("#chart-bw"), { series: [{ label: "load-back" }, { label: "prefetch" }, { label: "backup" }], unit: "tok/s", gaps: true }),
     prefetch: KV.chart(KV.$("#chart-prefetch"), {
-      series: [{ label: "completed" }, { label: "timed out" }, { label: "revoked" }, { label: "in flight" }], unit: "count", gaps: true, stacked: true
+      series: [{ label: "completed" }, { label: "timed out" }, { label: "revoked" }], unit: "prefetches/s", gaps: true, stacked: true
     }),
-    reqs: KV.chart(KV.$("#chart-reqs"), { series: [{ label: "running" }, { label: "queued" }], unit: "reqs", gaps: true })
+    reqs: KV.chart(KV.$("#chart-reqs"), { series: [{ label: "finished" }], unit: "req/s", gaps: true })
   };
 
-  /* A figure that was not measured stays null (a gap), never 0. */
-  function col(list, key) { return list.map(function (s) { return s[key] == null ? null : s[key]; }); }
-  function delta(a, b, key) {  // counter increase (a reset restarts from 0); null unless both samples have it
-    if (a[key] == null || b[key] == null) return null;
-    var d = b[key] - a[key];
-    return d >= 0 ? d : b[key];
-  }
-  /* per-second rate of counter `key` over the last RATE_WINDOW_S (as Prometheus rate()), one per sample */
-  function rate(list, key) {
-    var j = 0;
-    return list.map(function (s, i) {
-      while (j < i - 1 && s.ts - list[j + 1].ts >= RATE_WINDOW_S) j++;
-      var base = list[j], dt = s.ts - base.ts, d = i > 0 ? delta(base, s, key) : null;
-      return d != null && dt > 0 ? d / dt : null;
-    });
-  }
-  /* Where the charts break: a pause in reporting longer than GAP_FACTOR x the usual interval (at least
-     MIN_GAP_S), and the worker's last role change (its figures before and after are of different jobs).
-     Each run between breaks is computed on its own, so no rate or window reaches across one. */
-  var GAP_FACTOR = 3, MIN_GAP_S = 6;
-  var ROLE_AT = KV.$("[data-testid=worker-role] time") ? Date.parse(KV.$("[data-testid=worker-role] time").getAttribute("datetime")) / 1000 : null;
-  function runs() {
-    var steps = samples.slice(1).map(function (s, i) { return s.ts - samples[i].ts; }).sort(function (a, b) { return a - b; });
-    var gap = Math.max(MIN_GAP_S, GAP_FACTOR * (steps.length ? steps[Math.floor(steps.length / 2)] : 0));
-    var out = [];
-    samples.forEach(function (s, i) {
-      var p = samples[i - 1];
-      var cut = !p || s.ts - p.ts > gap || (ROLE_AT != null && p.ts < ROLE_AT && s.ts >= ROLE_AT);
-      if (cut) out.push([]);
-      out[out.length - 1].push(s);
-    });
-    return out;
-  }
-  /* per sample, f(oldest sample within windowS before it, the sample); null for the first of a run */
-  function windowed(list, windowS, f) {
-    var j = 0;
-    return list.map(function (s, i) {
-      while (j < i - 1 && s.ts - list[j + 1].ts >= windowS) j++;
-      return i > 0 ? f(list[j], s) : null;
-    });
-  }
-  function ratio(num, den) { return num != null && den != null && den > 0 ? num / den : null; }
-  function encoderFigures(list) {
-    var hitRate = function (cache) {
-      return windowed(list, HIT_WINDOW_S, function (a, b) {
-        var h = delta(a, b, cache + "_hits_total"), m = delta(a, b, cache + "_misses_total");
-        return h == null || m == null ? null : ratio(h, h + m);
-      });
-    };
-    return {
-      xs: col(list, "ts"),
-      images: [rate(list, "encoder_images_total")],
-      encode: [windowed(list, RATE_WINDOW_S, function (a, b) {
-        return ratio(delta(a, b, "encoder_encode_seconds_total"), delta(a, b, "encoder_images_total"));
-      })],
-      busy: [rate(list, "encoder_encode_seconds_total")],
-      mmHits: [hitRate("mm_embedding_cache"), hitRate("mm_global_cache")]
-    };
-  }
-  function figures(list) {  // every chart's series over one run of samples
-    if (ENCODER) return encoderFigures(list);
-    var shares = TIERS.map(function () { return []; });
-    var j = 0;
-    list.forEach(function (s, i) {
-      while (j < i && s.ts - list[j].ts > HIT_WINDOW_S) j++;  // oldest sample inside the window
-      var hits = TIERS.map(function (t) { return j < i ? delta(list[j], s, "cached_tokens_" + t) : null; });
-      var total = hits.reduce(function (a, h) { return a + (h || 0); }, 0);
-      TIERS.forEach(function (t, k) { shares[k].push(total > 0 && hits[k] != null ? hits[k] / total : null); });
-    });
-    var member = [{ samples: list }];
-    var lat = list.map(function (s) { return KV.pools.at(member, s.ts, LATENCY_WINDOW_S) || {}; });
-    var pick = function (key) { return lat.map(function (v) { return v[key] == null ? null : v[key]; }); };
-    var done = ["prefetch_completed_total", "prefetch_timeout_total", "prefetch_revoked_total"];
-    var inflight = list.map(function (s) {
-      if (s.prefetch_started_total == null || done.some(function (k) { return s[k] == null; })) return null;
-      return Math.max(0, s.prefetch_started_total - done.reduce(function (a, k) { return a + s[k]; }, 0));
-    });
-    return {
-      xs: col(list, "ts"),
-      cached: TIERS.map(function (t) { return rate(list, "cached_tokens_" + t); }),
-      hits: shares,
-      ttft: [pick("ttft_p50_s"), pick("ttft_p90_s")], itl: [pick("itl_p50_s"), pick("itl_p90_s")],
-      pool: [col(list, "host_pool_use")],
-      bw: [rate(list, "load_back_tokens_total"), rate(list, "prefetched_tokens_total"), rate(list, "backuped_tokens_total")],
-      prefetch: [col(list, done[0]), col(list, done[1]), col(list, done[2]), inflight],
-      reqs: [col(list, "num_running_reqs"), col(list, "num_queue_reqs")]
-    };
-  }
+  var WINDOW_S = 3600, step = 5, xs = [], series = {}, latest = {};
+  var KEYS = {
+    images: ["encoder_images_per_s"], encode: ["encode_s_per_image"], busy: ["encoder_busy"],
+    mmHits: ["mm_embedding_cache_hit_rate", "mm_global_cache_hit_rate"],
+    cached: TIERS.map(function (t) { return "cached_" + t + "_per_s"; }),
+    hits: TIERS.map(function (t) { return "hit_rate_" + t; }),
+    ttft: ["ttft_p50_s", "ttft_p90_s"], itl: ["itl_p50_s", "itl_p90_s"], pool: ["host_pool_use"],
+    bw: ["load_back_tokens_per_s", "prefetch_tokens_per_s", "backup_tokens_per_s"],
+    prefetch: ["prefetch_completed_per_s", "prefetch_timeout_per_s", "prefetch_revoked_per_s"],
+    reqs: ["requests_per_s"]
+  };
   var CHARTS = ENCODER ? ["images", "encode", "busy", "mmHits"] : ["cached", "hits", "ttft", "itl", "pool", "bw", "prefetch", "reqs"];
-  function redraw() {
-    var all = null;
-    runs().forEach(function (list) {
-      var f = figures(list);
-      if (!all) { all = f; return; }
-      var at = ROLE_AT != null && all.xs[all.xs.length - 1] < ROLE_AT && f.xs[0] >= ROLE_AT ? ROLE_AT : (all.xs[all.xs.length - 1] + f.xs[0]) / 2;
-      all.xs = all.xs.concat([at], f.xs);  // one empty point between runs: the line breaks there
-      CHARTS.forEach(function (k) { all[k] = all[k].map(function (ys, n) { return ys.concat([null], f[k][n]); }); });
-    });
-    all = all || figures([]);
-    CHARTS.forEach(function (k) { if (charts[k]) charts[k].set(all.xs, all[k]); });
-    var from = Date.now() / 1000 - KV.windowS();  // "Live samples": the samples the charts show now
-    KV.$("[data-testid=samples]").textContent = String(samples.filter(function (s) { return s.ts >= from; }).length);
-    var last = samples[samples.length - 1], count = function (v) { return v == null ? "–" : KV.fmt(v, "count"); };
-    showBreaker(last);
-    showTenants(last);
-    if (ENCODER) return;
-    var inflight = all.prefetch[3][all.prefetch[3].length - 1];
-    KV.$("#prefetch-balance").textContent = last ? "Issued " + count(last.prefetch_started_total) + " = completed " +
-      count(last.prefetch_completed_total) + " + timed out " + count(last.prefetch_timeout_total) +
-      " + revoked " + count(last.prefetch_revoked_total) + " + in flight " + count(inflight) : "";
+  /* The worker's last role change: its figures before and after are of different jobs, so the lines break
+     there (an empty point at that time). */
+  var ROLE_AT = KV.$("[data-testid=worker-role] time") ? Date.parse(KV.$("[data-testid=worker-role] time").getAttribute("datetime")) / 1000 : null;
+  // kept for the lines under the charts, not charted: the prefetch balance since start, the hit rate's
+  // tokens, the running / queued requests now
+  var EXTRA = ENCODER ? [] : ["prefetch_started_total", "prefetch_completed_total", "prefetch_timeout_total", "prefetch_revoked_total",
+    "prefetch_in_flight", "hit_rate", "hit_prompt_tokens", "num_running_reqs", "num_queue_reqs"];
+  function allKeys() { return CHARTS.reduce(function (a, k) { return a.concat(KEYS[k]); }, EXTRA); }
+  function value(v) { return v == null ? null : v; }
+  function reset() { xs = []; series = {}; allKeys().forEach(function (k) { series[k] = []; }); }
+  reset();
+  /* one point: its time and {key: value}; a point at or before the newest replaces nothing older */
+  function append(ts, figures) {
+    var n = xs.length;
+    if (n && ts < xs[n - 1]) return;
+    if (n && ts === xs[n - 1]) { allKeys().forEach(function (k) { series[k][n - 1] = value(figures[k]); }); return; }
+    if (n && ts - xs[n - 1] > step * 1.5) {  // missed pushes (a page asleep, a slow publisher): a gap
+      xs.push(xs[n - 1] + step); allKeys().forEach(function (k) { series[k].push(null); });
+    }
+    xs.push(ts); allKeys().forEach(function (k) { series[k].push(value(figures[k])); });
+    while (xs.length && xs[0] < ts - WINDOW_S) { xs.shift(); allKeys().forEach(function (k) { series[k].shift(); }); }
   }
-  /* the L3 circuit breaker of the newest sample (0 closed, 1 half-open, 2 open); nothing without an L3 */
-  function showBreaker(s) {
+  function redraw() {
+    var cx = xs, cols = series;
+    var at = ROLE_AT != null && xs.length && xs[0] < ROLE_AT && ROLE_AT < xs[xs.length - 1] ? ROLE_AT : null;
+    if (at != null) {  // an empty point at the role change: no line reaches across it
+      var i = 0;
+      while (xs[i] < at) i++;
+      cx = xs.slice(0, i).concat([at], xs.slice(i));
+      cols = {};
+      allKeys().forEach(function (k) { cols[k] = series[k].slice(0, i).concat([null], series[k].slice(i)); });
+    }
+    CHARTS.forEach(function (c) { if (charts[c]) charts[c].set(cx, KEYS[c].map(function (k) { return cols[k] || []; })); });
+    var from = Date.now() / 1000 - KV.windowS();  // "Live samples": the points the charts show now
+    KV.$("[data-testid=samples]").textContent = String(xs.filter(function (ts, i) {
+      return ts >= from && allKeys().some(function (k) { return series[k][i] != null; });
+    }).length);
+    var last = {};
+    allKeys().forEach(function (k) { for (var j = xs.length - 1; j >= 0; j--) if (series[k][j] != null) { last[k] = series[k][j]; return; } });
+    showBreaker(latest, latest.scraped_at);
+    showTenants(latest);
+    if (ENCODER) return;
+    var count = function (v) { return v == null ? "–" : KV.fmt(v, "count"); };
+    /* the hit rate of the newest point: the same figure (and window) as the fleet page's and the tenant table's total */
+    var newest = {};
+    if (xs.length) allKeys().forEach(function (k) { newest[k] = series[k][xs.length - 1]; });
+    KV.$("#hit-rate-now").textContent = KV.fmt(newest.hit_rate, "%");
+    KV.$("#hit-rate-detail").textContent = newest.hit_prompt_tokens == null ? "(fewer than two scrapes in the window)" :
+      newest.hit_rate == null ? "(no prompt token in the window)" : "of " + Math.round(newest.hit_prompt_tokens).toLocaleString("en-US") + " prompt tokens";
+    KV.$("#reqs-now").textContent = last.num_running_reqs == null ? "" :
+      "Now: " + KV.fmt(last.num_running_reqs, "reqs") + " running, " + KV.fmt(last.num_queue_reqs, "reqs") + " queued";
+    KV.$("#prefetch-balance").textContent = last.prefetch_started_total != null || last.prefetch_completed_total != null ?
+      "Since the worker started: issued " + count(last.prefetch_started_total) + " = completed " +
+      count(last.prefetch_completed_total) + " + timed out " + count(last.prefetch_timeout_total) +
+      " + revoked " + count(last.prefetch_revoked_total) + " + in flight " + count(last.prefetch_in_flight) : "";
+  }
+  /* the metrics store did not answer: say since when (the charts draw nothing new, never zeros) */
+  function showDown(r) {
+    var down = r.unavailable;
+    KV.$("#metrics-down").hidden = !down;
+    KV.$("#metrics-down-text").textContent = down ? down.charAt(0).toUpperCase() + down.slice(1) : "";
+  }
+  /* the L3 circuit breaker of the newest point (0 closed, 1 half-open, 2 open); nothing without an L3 */
+  function showBreaker(s, ts) {
     if (!s || s.storage_breaker_state == null) return;
     var state = BREAKER_STATES[s.storage_breaker_state] || String(s.storage_breaker_state);
     var badge = document.createElement("span");
@@ -159,8 +124,8 @@ KV.ready(function () {
       (state === "open" ? ": lookups miss and requests recompute until a probe succeeds" : "");
     /* auto_detach_after_s: the worker detached its L3 itself (seconds ago in the sample), as the storage page says */
     var out = s.storage_auto_detached_s, auto = KV.$("#breaker-auto");
-    auto.hidden = out == null || !s.ts;
-    if (!auto.hidden) KV.time.set(KV.$("#breaker-auto-since"), s.ts - out);
+    auto.hidden = out == null || !ts;
+    if (!auto.hidden) KV.time.set(KV.$("#breaker-auto-since"), ts - out);
   }
   var TENANT_NAMES = JSON.parse((KV.$("#tenant-names") || {}).textContent || "{}");
   function tenantName(label) {
@@ -179,18 +144,25 @@ KV.ready(function () {
     });
     return tr;
   }
-  /* cached tokens per tier and tenant in the newest sample (counters since the worker started) */
+  /* prompt and cached tokens per tier and tenant over the hit-rate window, in the newest point; each row's
+     hit rate is cached / prompt (the server's hit_rate.ratio), the footer's all tenants together */
+  function tenantCells(t) {
+    var cached = t.device + t.host + t.storage;
+    return [KV.fmt(t.prompt, "count")].concat(TIERS.map(function (tier) { return KV.fmt(t[tier], "count"); }))
+      .concat([t.prompt > 0 ? KV.fmt(Math.min(1, cached / t.prompt), "%") : "–"]);
+  }
   function showTenants(s) {
     if (!s || !s.tenants || !s.tenants.length) return;
-    var body = KV.$("#tenant-hits tbody");
+    var body = KV.$("#tenant-hits tbody"), sum = { prompt: 0, device: 0, host: 0, storage: 0 };
     body.replaceChildren.apply(body, s.tenants.map(function (t) {
-      var cached = t.device + t.host + t.storage;
-      var tr = headedRow([tenantName(t.tenant), KV.fmt(t.prompt, "count")]
-        .concat(TIERS.map(function (tier) { return KV.fmt(t[tier], "count"); }))
-        .concat([t.prompt ? KV.fmt(cached / t.prompt, "%") : "–"]));
+      Object.keys(sum).forEach(function (k) { sum[k] += t[k]; });
+      var tr = headedRow([tenantName(t.tenant)].concat(tenantCells(t)));
       tr.dataset.tenant = t.tenant;
       return tr;
     }));
+    var foot = KV.$("#tenant-hits tfoot");
+    KV.$$("td", foot).forEach(function (td, i) { td.textContent = tenantCells(sum)[i]; });
+    foot.hidden = false;
   }
   /* the isolation self-test (POST .../check-isolation/): the verdict, both TTFTs and each probe's hits */
   var checkButton = KV.$("#check-isolation");
@@ -220,25 +192,52 @@ KV.ready(function () {
       KV.$("#isolation-status").textContent = "could not run: " + e.message;
     }).then(function () { checkButton.disabled = false; });
   });
-  function add(s) {
-    if (!s || s.seq <= lastSeq) return false;
-    lastSeq = s.seq;
-    var at = samples.length;
-    while (at > 0 && samples[at - 1].ts > s.ts) at--;  // keep time order (samples carry their scrape time)
-    samples.splice(at, 0, s);
-    if (samples.length > MAX_SAMPLES) samples.shift();
-    return true;
-  }
   function load() {
-    return KV.api("GET", "/api/v1/telemetry/workers/" + KV.pk + "/?history=" + MAX_SAMPLES).then(function (r) {
-      samples = []; lastSeq = 0;
-      r.history.forEach(add);
+    return KV.api("GET", "/api/v1/telemetry/workers/" + KV.pk + "/series/?window_s=" + WINDOW_S).then(function (r) {
+      step = r.step_s; reset();
+      r.ts.forEach(function (ts, i) {
+        var f = {};
+        Object.keys(r.series).forEach(function (k) { f[k] = r.series[k][i]; });
+        append(ts, f);
+      });
+      latest = r.latest || {};
+      showDown(r);
       redraw();
+    }, function (e) {  // the history did not load (a busy server): the pushes go on; ask again shortly
+      if (window.console) console.warn("worker history: " + e.message + "; retrying in 3 s");
+      setTimeout(load, 3000);
     });
   }
   document.addEventListener("kv:window", redraw);
   KV.subscribe(["worker." + KV.pk], function (msg) {
-    if (msg.type === "worker.metrics" && add(msg.data)) redraw();
+    if (msg.type !== "worker.series") return;
+    var p = msg.data;
+    showDown(p);
+    if (p.unavailable) return;  // no figure: the charts keep their last points and gain none
+    append(p.ts, p.figures);
+    latest = p.latest || {};
+    redraw();
   }, load);
   return load();
 });
+
+/* Why this worker's prompt tokens missed (js/misses.js): its bar from its pool's recorded traffic, then one
+   per tenant it served (measured by the worker since it started; the fleet split and ceiling are absent). */
+(function () {  // not KV.ready: body[data-loaded] stays the charts' first render
+  "use strict";
+  var card = KV.$("#misses"), box = KV.$("#miss-bars");
+  if (!card) return;
+  var name = card.dataset.worker;
+  KV.api("GET", "/api/v1/capacity/misses/?pool=" + encodeURIComponent(card.dataset.pool)).then(function (res) {
+    var mine = res.workers[name] || { served_share: null, ceiling_share: null, causes: {}, cause_shares: {} };
+    var rows = [[name, mine, "no recorded traffic with miss attribution from this worker: start it with --record-trace"]];
+    (res.tenants || []).forEach(function (t) {
+      var f = t.workers[name];
+      if (f) rows.push(["tenant " + t.tenant, f, "no prompt tokens from this tenant"]);
+    });
+    KV.missBars(box, rows, res.causes);
+    if (res.tenants == null) {
+      box.appendChild(Object.assign(document.createElement("p"), { className: "muted", textContent: "Per tenant: — (the metrics store did not answer: " + res.tenants_unavailable + ")" }));
+    }
+  }).catch(function (err) { box.textContent = KV.errorText(err); });
+})();
