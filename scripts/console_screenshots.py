@@ -4,7 +4,7 @@
     .venv/bin/python scripts/console_screenshots.py --demo     # starts deploy/localfleet.py itself
     .venv/bin/python scripts/console_screenshots.py --demo --pd --only rebalance,prefill-worker   # PD pages
 
-With --demo it starts the local fleet (control plane, Mooncake master, two SmolLM2 workers, sglang-router,
+With --demo it starts the local fleet (control plane, Mooncake master, two SmolLM2 workers, the smg router,
 traffic), runs one detach + attach operation so the operation and audit pages have content, waits until
 the worker charts hold samples, then writes docs/console/<page>.png (full page; confirm.png is the launch
 confirmation, cancelled; capacity.png after a what-if run on the page's defaults over the demo's recorded

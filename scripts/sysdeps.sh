@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs (as root) or reports the system packages KVFleet needs:
 # libibverbs1 (Mooncake transfer engine), redis-server, chromium (browser tests), g++ and ninja-build
-# (KVFleet's C++ extension: the fused decode step and the CPU quantized kernels, engine/model/extension.py).
+# (KVFleet's C++ extension: the fused decode step and the CPU quantized kernels, engine/model/extension.py),
+# prometheus (the fleet metrics store and promtool: engine/fleet/prometheus.py, deploy/prometheus/).
 set -euo pipefail
 missing=()
 # grep reads all of ldconfig's output: with -q it would stop at the first match and, under pipefail,
@@ -11,6 +12,7 @@ command -v redis-server >/dev/null || missing+=(redis-server)
 command -v chromium >/dev/null || missing+=(chromium)
 command -v g++ >/dev/null || missing+=(g++)
 command -v ninja >/dev/null || missing+=(ninja-build)
+command -v prometheus >/dev/null || missing+=(prometheus)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "Installing system packages: ${missing[*]}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole suite: lint (ruff, incl. size/complexity; mypy on the cache, scheduler and control-plane
-# services), then the tests in three pytest sessions at once, by folder:
+# The whole suite: lint (ruff, incl. size/complexity; mypy on the cache, scheduler, PD transfer, server and
+# control-plane services), then the tests in three pytest sessions at once, by folder:
 #   servers       tests/server, tests/e2e (real engine, router and fleet processes), SQLite
 #   engine+ui     every other folder but tests/controlplane (in-process engine tests, browser tests), SQLite
 #   controlplane  tests/controlplane, on PostgreSQL when one answers at $POSTGRES_TEST_URL (default
@@ -14,8 +14,12 @@ cd "$(dirname "$0")/.."
 source scripts/services.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy engine/cache engine/scheduler controlplane/*/services*
+.venv/bin/mypy engine/cache engine/scheduler engine/disaggregation engine/server controlplane/*/services*
 ensure_redis
+# Upstream SGLang's own environment for the upstream-worker tests (cached outside the clone; minutes the
+# first time, a second otherwise). KVFLEET_SGLANG_PYTHON tells the tests where it is.
+KVFLEET_SGLANG_PYTHON=$(scripts/sglang_env.sh)
+export KVFLEET_SGLANG_PYTHON
 
 pg_url="${POSTGRES_TEST_URL:-postgres://postgres@127.0.0.1:5432/test}"
 cp_env=()

@@ -24,3 +24,26 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     _model_testlib().save_tiny_model(folder, "llama", seed=7)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random DeepSeek-V3 (MLA: kv_lora_rank 32 + qk_rope_head_dim 16, dense layers) with the same
+    tokenizer, written once per session by transformers (seed 7)."""
+    folder = tmp_path_factory.mktemp("tiny-deepseek-v3")
+    _model_testlib().save_tiny_model(folder, "deepseek_v3", seed=7)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def sglang_router_env() -> Path:
+    """sglang-router 0.3.2's own venv (the router deployments that pin it run), built by
+    scripts/sglang_router_env.sh on first use (~15 s from PyPI) and reused from its cache folder after
+    (``${XDG_CACHE_HOME:-~/.cache}/kvfleet/``); its python. Fails the test when it cannot be built."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sglang_router_env.sh"
+    out = subprocess.run([str(script)], capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        pytest.fail(f"scripts/sglang_router_env.sh failed:\n{out.stderr[-3000:]}")
+    return Path(out.stdout.strip().splitlines()[-1])

@@ -1,0 +1,67 @@
+"""Upstream SGLang workers in tests: its environment, the demo model as an HF folder, and what a CPU-only
+host adds (the stand-ins in ``sglang_cpu/``, named and documented there).
+
+``sglang_python()`` is the interpreter ``scripts/sglang_env.sh`` built (``make test`` exports it as
+``KVFLEET_SGLANG_PYTHON``; run alone, a test builds or finds it the same way). ``CPU_WORKER_ENV`` and
+``CPU_FLAGS`` are what an upstream worker needs on this machine, as a spec's ``env`` table and flag keys.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from functools import cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STAND_INS = REPO / "tests" / "support" / "sglang_cpu"
+
+# Upstream's CPU engine, its torch_native attention, and the HiCache io backend / layout with plain-torch
+# copies (the others need compiled kernels). Upstream's /health runs a one-token generation by default; on a
+# loaded 2-core CPU host that outlasts the router's 5 s health timeout (the router then answered every client
+# 503 "no available workers" while the worker served), so its documented switch turns that off here.
+CPU_WORKER_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "PYTHONPATH": str(STAND_INS),
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
+}
+CPU_FLAGS = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "hicache_io_backend": "direct",
+    "hicache_mem_layout": "layer_first",
+}
+
+
+@cache
+def sglang_python() -> str:
+    """Path of the upstream environment's python (built on first use: minutes)."""
+    given = os.environ.get("KVFLEET_SGLANG_PYTHON")
+    if given:
+        return given
+    out = subprocess.run(
+        [str(REPO / "scripts" / "sglang_env.sh")], capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+@cache
+def smollm2_hf() -> str:
+    """The SmolLM2 demo model as an HF folder (``engine.fleet.hf_export``)."""
+    from engine.fleet.hf_export import export
+
+    return str(export("smollm2"))
+
+
+def spec_table(**values) -> str:
+    """``key = value`` TOML lines (strings quoted, booleans lower case, tables inline)."""
+    import json
+
+    def toml(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {toml(x)}" for k, x in v.items()) + " }"
+        return json.dumps(v) if isinstance(v, str) else str(v)
+
+    return "\n".join(f"{k} = {toml(v)}" for k, v in values.items())
