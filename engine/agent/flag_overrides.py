@@ -16,7 +16,7 @@ import json
 import logging
 import os
 
-from engine.agent.spec import _FIXED_OPTIONS, WorkerSpec, with_flags
+from engine.agent.spec import FIXED_OPTIONS, WorkerSpec, with_flags
 
 log = logging.getLogger("kvfleet.agent")
 FILE_NAME = "agent-flags.json"
@@ -32,8 +32,8 @@ def edit_between(file_flags: list[str], flags: list[str]) -> dict:
     before = {_option(i): i for i in file_flags}
     after = {_option(i): i for i in flags}
     return {
-        "set": {o: i for o, i in after.items() if before.get(o) != i and o not in _FIXED_OPTIONS},
-        "remove": [o for o in before if o not in after and o not in _FIXED_OPTIONS],
+        "set": {o: i for o, i in after.items() if before.get(o) != i and o not in FIXED_OPTIONS},
+        "remove": [o for o in before if o not in after and o not in FIXED_OPTIONS],
     }
 
 

@@ -508,7 +508,7 @@ def with_role(w: WorkerSpec, role: str) -> WorkerSpec:
 
 # What a restart with other flags never changes: the worker's identity and role (flags that carry a secret
 # are refused too: secrets reach a worker through its environment only).
-_FIXED_OPTIONS = ("--model-path", "--port", "--host", "--disaggregation-mode", _ENCODER_FLAG)
+FIXED_OPTIONS = ("--model-path", "--port", "--host", "--disaggregation-mode", _ENCODER_FLAG)
 
 
 def flag_table(w: WorkerSpec) -> dict[str, list]:
@@ -541,7 +541,7 @@ def with_flags(w: WorkerSpec, flags: list[str]) -> WorkerSpec:
         if options[option] in SECRET_ENV:
             raise ValueError(f"{option} carries a secret: it reaches a worker through its environment only")
     old, new = _option_values(w.flags), _option_values(flags)
-    for option in _FIXED_OPTIONS:
+    for option in FIXED_OPTIONS:
         if old.get(option) != new.get(option):
             change = f"{old.get(option)!r} -> {new.get(option)!r}"
             raise ValueError(f"{option} cannot change by a restart ({change})")

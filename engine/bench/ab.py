@@ -21,9 +21,33 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def alternate(base_rev: str, reps: int, run: Callable[[Path], T]) -> dict[str, list[T]]:
+    """``run(tree)`` ``reps`` times in a temporary detached git worktree of ``base_rev`` and as often in this
+    tree, alternating which goes first (A B, B A, ...) so a load change hits both alike; prints the load
+    average after each repetition. Returns ``{"base": [...], "this": [...]}`` in repetition order. The
+    worktree is removed at the end; raises ``subprocess.CalledProcessError`` when ``git worktree`` fails."""
+    out: dict[str, list[T]] = {"base": [], "this": []}
+    with tempfile.TemporaryDirectory(prefix="kvfleet-ab-") as tmp:
+        base = Path(tmp) / "base"
+        git = ["git", "-C", str(REPO), "worktree"]
+        subprocess.run([*git, "add", "--detach", str(base), base_rev], check=True, capture_output=True)
+        try:
+            trees = {"base": base, "this": REPO}
+            for rep in range(reps):
+                for name in ("base", "this") if rep % 2 == 0 else ("this", "base"):
+                    out[name].append(run(trees[name]))
+                print(f"repetition {rep}: load {os.getloadavg()[0]:.1f}", flush=True)
+        finally:
+            subprocess.run([*git, "remove", "--force", str(base)], check=True)
+    return out
 
 
 def run_profile(tree: Path, args: list[str]) -> dict[str, float]:
@@ -44,20 +68,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=6)
     args = ap.parse_args(argv[:split])
     profile_args = argv[split + 1 :]
-    with tempfile.TemporaryDirectory(prefix="kvfleet-ab-") as tmp:
-        base = Path(tmp) / "base"
-        git = ["git", "-C", str(REPO), "worktree"]
-        subprocess.run([*git, "add", "--detach", str(base), args.base], check=True)
-        try:
-            trees = {"base": base, "this": REPO}
-            ms: dict[str, dict[str, list[float]]] = {"base": {}, "this": {}}
-            for rep in range(args.reps):
-                for name in ("base", "this") if rep % 2 == 0 else ("this", "base"):
-                    for variant, value in run_profile(trees[name], profile_args).items():
-                        ms[name].setdefault(variant, []).append(value)
-                print(f"repetition {rep}: load {os.getloadavg()[0]:.1f}", flush=True)
-        finally:
-            subprocess.run([*git, "remove", "--force", str(base)], check=True)
+    runs = alternate(args.base, args.reps, lambda tree: run_profile(tree, profile_args))
+    ms: dict[str, dict[str, list[float]]] = {"base": {}, "this": {}}
+    for name, results in runs.items():
+        for result in results:
+            for variant, value in result.items():
+                ms[name].setdefault(variant, []).append(value)
     print(f"\nbase {args.base} vs this tree, {args.reps} repetitions")
     print(f"decode_profile {' '.join(profile_args)}")
     print(f"{'variant':<22}{'base ms/step':>14}{'this ms/step':>14}   this / base (median, min-max)")

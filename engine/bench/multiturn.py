@@ -38,6 +38,7 @@ import torch
 
 from engine.agent.engines import SGLANG, launch_command
 from engine.bench.launcher import ServerProcess
+from engine.bench.upstream_cpu import CPU_WORKER_ENV, cpu_command_line
 from engine.fleet.mooncake_master import MooncakeMaster
 
 REQUEST_TIMEOUT = 600.0  # seconds; a request slower than this fails the run instead of hanging it
@@ -250,8 +251,7 @@ def _configs(
     l2 = [*base, "--enable-hierarchical-cache", "--hicache-ratio", str(a.hicache_ratio)]
     l3 = [*l2, "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete"]
     if upstream:  # upstream's file backend takes its folder from the environment (see _upstream_env)
-        cpu = ["--device", "cpu", "--attention-backend", "torch_native", "--hicache-io-backend", "direct",
-               "--hicache-mem-layout", "layer_first"] if a.upstream_cpu else []  # fmt: skip
+        cpu = cpu_command_line() if a.upstream_cpu else []
         return [(L2, [*l2, *cpu], False), (L3, [*l3, *cpu], True), (NO_CACHE, [*base, *cpu], False)]
     extra = json.dumps({"file_path": l3_dir, "prefetch_threshold": a.page_size * 4})
     configs = [(L2, l2, False), (L3, [*l3, "--hicache-storage-backend-extra-config", extra], True)]
@@ -268,8 +268,6 @@ def _configs(
 def _upstream_env(a: argparse.Namespace, l3_dir: str) -> dict:
     env = {"KVFLEET_ADMIN_API_KEY": UPSTREAM_KEY, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": l3_dir}
     if a.upstream_cpu:  # the test-only stand-ins for what upstream's CPU build lacks
-        from tests.support.sglang_upstream import CPU_WORKER_ENV
-
         env.update(CPU_WORKER_ENV)
     return env
 

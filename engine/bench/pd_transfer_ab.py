@@ -19,10 +19,9 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from engine.bench.ab import alternate
 
 
 def run_bench(tree: Path, args: list[str]) -> dict[str, tuple[float, float]]:
@@ -46,19 +45,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=4)
     args = ap.parse_args(argv[:split])
     bench_args = argv[split + 1 :]
-    with tempfile.TemporaryDirectory(prefix="kvfleet-pd-ab-") as tmp:
-        base = Path(tmp) / "base"
-        git = ["git", "-C", str(REPO), "worktree"]
-        subprocess.run([*git, "add", "--detach", str(base), args.base], check=True, capture_output=True)
-        try:
-            trees = {"base": base, "this": REPO}
-            runs: dict[str, list[dict[str, tuple[float, float]]]] = {"base": [], "this": []}
-            for rep in range(args.reps):
-                for name in ("base", "this") if rep % 2 == 0 else ("this", "base"):
-                    runs[name].append(run_bench(trees[name], bench_args))
-                print(f"repetition {rep}: load {os.getloadavg()[0]:.1f}", flush=True)
-        finally:
-            subprocess.run([*git, "remove", "--force", str(base)], check=True)
+    runs = alternate(args.base, args.reps, lambda tree: run_bench(tree, bench_args))
     print(f"\nbase {args.base} vs this tree, {args.reps} repetitions, pd_transfer {' '.join(bench_args)}")
     print(
         "| case | base engine ms | this engine ms | this / base (median, min-max) | raw/engine base | this |"

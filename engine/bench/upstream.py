@@ -17,16 +17,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
 from engine.agent.engines import SGLANG, launch_command
+from engine.bench.upstream_cpu import CPU_WORKER_ENV, cpu_command_line
 from engine.ports import free_port
 
 KEY = "bench-admin-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-STAND_INS = Path(__file__).resolve().parents[2] / "tests" / "support" / "sglang_cpu"
 
 
 def _generate(url: str, text: str) -> dict:
@@ -43,9 +42,8 @@ def _start(args, port: int, l3: str) -> subprocess.Popen:
              "--enable-metrics"]  # fmt: skip
     env = {**os.environ, "KVFLEET_ADMIN_API_KEY": KEY, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": l3}
     if args.cpu:
-        flags += ["--device=cpu", "--attention-backend=torch_native", "--hicache-io-backend=direct",
-                  "--hicache-mem-layout=layer_first"]  # fmt: skip
-        env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=str(STAND_INS))
+        flags += cpu_command_line()
+        env.update(CPU_WORKER_ENV)
     return subprocess.Popen(
         launch_command(SGLANG, flags, args.python, env), env=env, stdout=subprocess.DEVNULL
     )

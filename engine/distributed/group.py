@@ -55,6 +55,15 @@ class TPGroup:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def row_parallel(self, y: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A row-parallel linear layer's output: its partial ``(T, out)`` summed over the ranks, then its
+        ``bias`` ``(out,)`` (held whole by every rank) added once. One rank: ``y`` as it is (the layer added
+        its bias itself)."""
+        if self.size == 1:
+            return y
+        y = self.all_reduce(y)
+        return y if bias is None else y + bias
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` ``(..., n)`` along the last dim, rank order: ``(..., size * n)``."""
         if self.size == 1:

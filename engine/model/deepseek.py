@@ -120,13 +120,6 @@ class MLADecoderLayer:
         mlp = self.moe.linears() if self.moe is not None else [self.gate_up, self.down]
         return [*q, self.kv_a, self.kv_b, self.o_proj, *mlp]
 
-    def _row_parallel(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """All-reduce a row-parallel layer's partial output ``(T, hidden)``, then add its bias."""
-        if self.tp.size == 1:
-            return y
-        y = self.tp.all_reduce(y)
-        return y if bias is None else y + bias
-
     def forward(
         self,
         x: torch.Tensor,
@@ -153,14 +146,14 @@ class MLADecoderLayer:
             batch.layer_hook(self.layer_id)
         latent = torch.cat((c_kv, k_pe), dim=-1)
         out = attn.forward(q, latent, self.layer_id, batch, kv_pool, self.kv_b, self.absorbed)
-        x = x + self._row_parallel(
+        x = x + self.tp.row_parallel(
             self.o_proj(out.reshape(tokens, self.num_heads * cfg.v_head_dim)), self.o_bias
         )
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         if self.moe is not None:
-            return x + self._row_parallel(self.moe(h), None)
+            return x + self.tp.row_parallel(self.moe(h), None)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self._row_parallel(self.down(F.silu(gate) * up), self.down_bias)
+        return x + self.tp.row_parallel(self.down(F.silu(gate) * up), self.down_bias)
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):

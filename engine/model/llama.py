@@ -77,13 +77,6 @@ class DecoderLayer:
         mlp = self.moe.linears() if self.moe is not None else [self.gate_up, self.down]
         return [self.qkv, self.o_proj, *mlp]
 
-    def _row_parallel(self, y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """All-reduce a row-parallel layer's partial output ``(T, hidden)``, then add its bias."""
-        if self.tp.size == 1:
-            return y
-        y = self.tp.all_reduce(y)
-        return y if bias is None else y + bias
-
     def forward(
         self,
         x: torch.Tensor,
@@ -107,12 +100,12 @@ class DecoderLayer:
         if batch.layer_hook is not None:
             batch.layer_hook(self.layer_id)
         out = attn.forward(q, k, v, self.layer_id, batch, kv_pool)
-        x = x + self._row_parallel(self.o_proj(out.reshape(tokens, self.q_size)), self.o_bias)
+        x = x + self.tp.row_parallel(self.o_proj(out.reshape(tokens, self.q_size)), self.o_bias)
         if self.moe is not None:  # every expert's columns split like the dense MLP's: all-reduced
-            return x + self._row_parallel(self.moe(rms_norm(x, self.post_norm, cfg.rms_norm_eps)), None)
+            return x + self.tp.row_parallel(self.moe(rms_norm(x, self.post_norm, cfg.rms_norm_eps)), None)
         gate_up = self.gate_up(rms_norm(x, self.post_norm, cfg.rms_norm_eps))
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + self._row_parallel(self.down(F.silu(gate) * up), self.down_bias)
+        return x + self.tp.row_parallel(self.down(F.silu(gate) * up), self.down_bias)
 
 
 class LlamaForCausalLM:

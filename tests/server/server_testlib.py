@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import queue
 import threading
@@ -9,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import uvicorn
 
 from engine.ports import free_port
@@ -83,3 +85,16 @@ class ThreadedServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def pd_direct(p_url: str, d_url: str, bootstrap_port: int, ids: list[int], room: int, sp: dict) -> list[int]:
+    """One PD request (prompt ``ids``, sampling params ``sp``) sent to prefill ``p_url`` and decode ``d_url``
+    at once with the same room, as the router does; the decode's output ids. Asserts both answer 200."""
+    body = {"input_ids": ids, "sampling_params": sp, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap_port, "bootstrap_room": room}  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        on_p, on_d = pool.map(
+            lambda url: httpx.post(f"{url}/generate", json=body, timeout=300), (p_url, d_url)
+        )
+    assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
+    return on_d.json()["output_ids"]

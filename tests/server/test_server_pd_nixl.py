@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_testlib import model_testlib
+from server_testlib import model_testlib, pd_direct
 
 from engine.bench.launcher import ServerProcess
 from engine.disaggregation.base import TransferTimeouts
@@ -148,18 +148,6 @@ def _generate_response(url: str, ids: list[int]) -> tuple[httpx.Response, float]
     return resp, time.monotonic()
 
 
-def _pd_direct(p_url: str, d_url: str, bootstrap_port: int, ids: list[int], room: int) -> list[int]:
-    """One request sent to P and D with one room, as the router does; D's output."""
-    body = {"input_ids": ids, "sampling_params": SP, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": bootstrap_port, "bootstrap_room": room}  # fmt: skip
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        on_p, on_d = pool.map(
-            lambda url: httpx.post(f"{url}/generate", json=body, timeout=300), (p_url, d_url)
-        )
-    assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
-    return on_d.json()["output_ids"]
-
-
 def test_pd_role_switch_rebuilds_the_nixl_transport_and_serves_the_other_way(gqa_model_dir, aggregated):
     """Two workers swap roles through POST /pd_role_switch: each closes its NIXL agent and opens the other
     role's (a new agent name: the peer loads its metadata afresh), and PD then runs the other way."""
@@ -169,11 +157,11 @@ def test_pd_role_switch_rebuilds_the_nixl_transport_and_serves_the_other_way(gqa
     a_flags = [*pd, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports[0])]
     b_flags = [*pd, "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(ports[1])]
     with ServerProcess(a_flags, START_S) as a, ServerProcess(b_flags, START_S) as b:
-        assert _pd_direct(a.url, b.url, ports[0], PROMPTS[0], 11) == want[0]
+        assert pd_direct(a.url, b.url, ports[0], PROMPTS[0], 11, SP) == want[0]
         for worker, new in ((a, "decode"), (b, "prefill")):
             flip = httpx.post(f"{worker.url}/pd_role_switch", json={"new_role": new}, timeout=120)
             assert flip.status_code == 200 and flip.json()["success"], flip.text
-        assert _pd_direct(b.url, a.url, ports[1], PROMPTS[2], 12) == want[2]
+        assert pd_direct(b.url, a.url, ports[1], PROMPTS[2], 12, SP) == want[2]
         for worker in (a, b):
             assert httpx.get(f"{worker.url}/health", timeout=10).status_code == 200
             assert _info(worker.url)["num_pd_transfer_reqs"] == 0

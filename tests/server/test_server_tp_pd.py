@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_testlib import model_testlib
+from server_testlib import model_testlib, pd_direct
 
 from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess
@@ -160,18 +160,6 @@ def test_decode_offload_at_tp2_gives_the_next_turn_storage_hits_on_the_prefill(g
         assert out == _generate_meta(agg.url, turn2, 6)[0]
 
 
-def _pd_direct(p_url: str, d_url: str, bootstrap_port: int, ids: list[int], room: int) -> list[int]:
-    """One request sent to P and D with one room, as the router does; D's output."""
-    body = {"input_ids": ids, "sampling_params": SP, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": bootstrap_port, "bootstrap_room": room}  # fmt: skip
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        on_p, on_d = pool.map(
-            lambda url: httpx.post(f"{url}/generate", json=body, timeout=300), (p_url, d_url)
-        )
-    assert on_p.status_code == 200 and on_d.status_code == 200, (on_p.text, on_d.text)
-    return on_d.json()["output_ids"]
-
-
 def test_pd_role_switch_at_tp2_flips_every_rank_and_serves_the_other_way(gqa_model_dir, aggregated):
     """Two tp-2 workers swap roles through POST /pd_role_switch: every rank tears its transport down and
     builds the other role's (rank 0 first, the prefill's ranks registering at its new bootstrap server),
@@ -183,13 +171,13 @@ def test_pd_role_switch_at_tp2_flips_every_rank_and_serves_the_other_way(gqa_mod
     a_flags = [*pd, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports[0])]
     b_flags = [*pd, "--disaggregation-mode", "decode", "--disaggregation-bootstrap-port", str(ports[1])]
     with ServerProcess(a_flags, START_S) as a, ServerProcess(b_flags, START_S) as b:
-        assert _pd_direct(a.url, b.url, ports[0], PROMPTS[0], 11) == aggregated[0]
+        assert pd_direct(a.url, b.url, ports[0], PROMPTS[0], 11, SP) == aggregated[0]
         for worker, new in ((a, "decode"), (b, "prefill")):
             flip = httpx.post(f"{worker.url}/pd_role_switch", json={"new_role": new}, timeout=120)
             assert flip.status_code == 200 and flip.json()["success"], flip.text
             info = httpx.get(f"{worker.url}/server_info", timeout=10).json()
             assert info["disaggregation_mode"] == new and info["tp_size"] == 2
-        assert _pd_direct(b.url, a.url, ports[1], PROMPTS[2], 12) == aggregated[2]
+        assert pd_direct(b.url, a.url, ports[1], PROMPTS[2], 12, SP) == aggregated[2]
         for worker in (a, b):
             assert httpx.get(f"{worker.url}/health", timeout=10).status_code == 200
             assert httpx.get(f"{worker.url}/server_info", timeout=10).json()["num_pd_transfer_reqs"] == 0

@@ -1,5 +1,6 @@
 """Upstream SGLang workers in tests: its environment, the demo model as an HF folder, and what a CPU-only
-host adds (the stand-ins in ``sglang_cpu/``, named and documented there).
+host adds (the stand-ins in ``sglang_cpu/``, named and documented there; the environment and flags that
+use them are ``engine/bench/upstream_cpu.py``'s, shared with the benchmarks).
 
 ``sglang_python()`` is the interpreter ``scripts/sglang_env.sh`` built (``make test`` exports it as
 ``KVFLEET_SGLANG_PYTHON``; run alone, a test builds or finds it the same way). ``CPU_WORKER_ENV`` and
@@ -13,24 +14,11 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-STAND_INS = REPO / "tests" / "support" / "sglang_cpu"
+from engine.bench.upstream_cpu import CPU_FLAGS, CPU_WORKER_ENV
 
-# Upstream's CPU engine, its torch_native attention, and the HiCache io backend / layout with plain-torch
-# copies (the others need compiled kernels). Upstream's /health runs a one-token generation by default; on a
-# loaded 2-core CPU host that outlasts the router's 5 s health timeout (the router then answered every client
-# 503 "no available workers" while the worker served), so its documented switch turns that off here.
-CPU_WORKER_ENV = {
-    "SGLANG_USE_CPU_ENGINE": "1",
-    "PYTHONPATH": str(STAND_INS),
-    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
-}
-CPU_FLAGS = {
-    "device": "cpu",
-    "attention_backend": "torch_native",
-    "hicache_io_backend": "direct",
-    "hicache_mem_layout": "layer_first",
-}
+__all__ = ["CPU_FLAGS", "CPU_WORKER_ENV", "sglang_python", "smollm2_hf", "spec_table"]
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @cache
