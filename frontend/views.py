@@ -16,6 +16,8 @@ from controlplane.telemetry.selectors import POOLS
 from engine.server.contract import ADMISSIONS, EVICTION_POLICIES
 from frontend import selectors
 
+MISS_REQUESTS = 10  # the worker page's sampled per-request miss view: its newest recorded requests
+
 
 def _render(request, name: str, pk: int | None = None, status: int = 200, **context):
     role = user_role(request.user)
@@ -98,6 +100,7 @@ def worker(request, pk: int):
         tenant_names=live.get("tenant_names", {}),
         pool=POOLS.get(worker.role, worker.role),
         tenant_top_n=TENANT_TOP_N,
+        miss_requests=MISS_REQUESTS,
         capabilities=selectors.capability_rows(worker),
         unexported=selectors.unexported_charts(worker),
         latency_peers=selectors.latency_peers(worker=worker),

@@ -22,6 +22,8 @@ does).
 
 from __future__ import annotations
 
+from collections import deque
+
 from engine.cache.misses import MISS_CAUSES as WORKER_CAUSES
 from engine.whatif.trace import TraceRequest, output_page_keys, page_keys
 
@@ -51,15 +53,19 @@ def _finish(acc: dict) -> dict:
     return acc
 
 
-def attribute_rows(rows: list[dict], *, block_tokens: int, page_size: int) -> dict:
+def attribute_rows(rows: list[dict], *, block_tokens: int, page_size: int, recent: int = 0) -> dict:
     """Split ``rows`` (one pool's recorded traffic in arrival order: ``worker`` (name), ``input_length``,
     ``output_length``, ``hash_ids``, ``output_hash_ids``, ``misses``) into causes per worker and for the
     fleet. Returns ``{"fleet": figures, "workers": {name: figures}}``; figures: ``requests``,
     ``attributed_requests`` (rows with the worker's attribution), over those: ``input_tokens``,
     ``served_tokens`` (input less misses), ``miss_tokens``, ``causes`` ({cause: tokens}, every one of
     :data:`MISS_CAUSES`, summing to ``miss_tokens``), ``ceiling_tokens`` (what a fleet-wide unbounded cache
-    would have served them), and the same as shares of ``input_tokens`` (None when it is 0)."""
+    would have served them), and the same as shares of ``input_tokens`` (None when it is 0). With
+    ``recent`` > 0, each figures also has ``recent``: the newest ``recent`` attributed requests of that worker
+    (of the pool for ``fleet``), newest first, each as figures of its own (``requests`` 1) plus ``worker``
+    and ``arrived_ms`` (the row's, when it carries one: ms since the epoch)."""
     P = page_size
+    latest: dict[str, deque] = {}  # worker name ("" for the fleet) -> its newest attributed requests
     computed: dict[int, set[str]] = {}  # page id -> workers that computed it
     fleet, workers = _empty(), {}
     for row in rows:
@@ -86,21 +92,30 @@ def attribute_rows(rows: list[dict], *, block_tokens: int, page_size: int) -> di
                         moved[cause] += P
             stays = causes.get("not_seen_here", 0) - moved["new"] - moved["elsewhere"]
             causes.update(moved, not_seen_here=stays)
-            for target in (acc, fleet):
+            one = _empty()
+            for target in (acc, fleet, one):
                 target["attributed_requests"] += 1
                 target["input_tokens"] += req.input_length
                 target["served_tokens"] += req.input_length - sum(misses["causes"].values())
                 target["ceiling_tokens"] += hit * P
                 for cause, tokens in causes.items():
                     target["causes"][cause] = target["causes"].get(cause, 0) + tokens
+            if recent > 0:
+                one.update(requests=1, worker=name, arrived_ms=row.get("arrived_ms"))
+                for key in (name, ""):
+                    latest.setdefault(key, deque(maxlen=recent)).append(one)
         for page in (*keys, *output_page_keys(req, block_tokens, P)):
             computed.setdefault(page, set()).add(name)
+    if recent > 0:
+        for key, figures in (("", fleet), *workers.items()):
+            figures["recent"] = [_finish(one) for one in reversed(latest.get(key, ()))]
     return {"fleet": _finish(fleet), "workers": {n: _finish(w) for n, w in sorted(workers.items())}}
 
 
-def pool_misses(*, pool: str, since_ms: int | None = None) -> dict:
+def pool_misses(*, pool: str, since_ms: int | None = None, recent: int = 0) -> dict:
     """The pool's recorded traffic (``selectors.recorded_trace_lines``, from ``since_ms`` when given)
-    attributed per worker and for the pool (:func:`attribute_rows`) at the pool's ``--page-size``, with
+    attributed per worker and for the pool (:func:`attribute_rows`, with its ``recent`` newest requests
+    each) at the pool's ``--page-size``, with
     ``causes``: the order of :data:`MISS_CAUSES` and ``pool``, ``requests``, ``block_tokens`` and
     ``page_size``; workers of the pool with no recorded rows are not listed."""
     from controlplane.capacity import selectors
@@ -110,7 +125,7 @@ def pool_misses(*, pool: str, since_ms: int | None = None) -> dict:
     page_size = selectors.pool_page_size(pool=pool)
     if rows and (block_tokens % page_size and page_size % block_tokens):
         raise ValueError(f"page size {page_size} and block size {block_tokens}: neither divides the other")
-    out = attribute_rows(rows, block_tokens=block_tokens or page_size, page_size=page_size)
+    out = attribute_rows(rows, block_tokens=block_tokens or page_size, page_size=page_size, recent=recent)
     return {
         "pool": pool,
         "causes": list(MISS_CAUSES),

@@ -277,8 +277,9 @@ def recorded_trace_lines(
     what-if gives each worker its own L1 and L2 and all of them one L3, as the fleet has them); only
     ``worker_id``'s rows when given, only rows that arrived at or after ``since_ms`` (ms since the epoch)
     when given; with ``since_ms_by_worker`` ({worker id: ms}), only those workers' rows from each one's
-    own start. ``with_misses``: each row also has the worker's ``misses`` ({} when it reported none; not
-    part of Mooncake's format, so a trace file leaves it out)."""
+    own start. ``with_misses``: each row also has the worker's ``misses`` ({} when it reported none) and
+    ``arrived_ms`` (ms since the epoch); neither is part of Mooncake's format, so a trace file leaves them
+    out."""
     from django.db.models import Q
 
     from controlplane.capacity.models import RecordedRequest
@@ -305,7 +306,7 @@ def recorded_trace_lines(
         if extra:
             row["output_hash_ids"] = extra
         if with_misses:
-            row["misses"] = misses
+            row["misses"], row["arrived_ms"] = misses, ts
         out.append(row)
     return out
 

@@ -2,6 +2,7 @@
 worker and the worker page's bar for it and its tenants, from what the agent shipped (recorded rows with the
 workers' own attribution) and the TSDB (per tenant); what was not measured shows "—"."""
 
+import re
 import time
 
 import httpx
@@ -79,6 +80,16 @@ def test_fleet_and_worker_pages_stack_the_causes_between_served_share_and_ceilin
     expect(tenant.locator(".missfacts")).to_contain_text("ceiling —")
     expect(tenant.locator(".missfacts")).to_contain_text("elsewhere —")
     expect(tenant.locator(".missfacts")).to_contain_text("evicted here 40 %")
+    # the sampled per-request view: w1's one request, its 40 tokens split as the pool's split them
+    rows = card.get_by_test_id("miss-requests").locator(".missrow")
+    expect(rows).to_have_count(1)
+    expect(rows.locator(".misslabel")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d · 40 tok$"))
+    expect(rows.locator(".missbar")).to_have_attribute(
+        "aria-label",
+        re.compile(
+            r": served 0 %, elsewhere \(another worker computed it\) 80 %, partial page 20 %; ceiling 80 %$"
+        ),
+    )
     card.scroll_into_view_if_needed()
     page.screenshot(path=str(tmp_path / "worker-misses.png"), full_page=True)
 
@@ -86,5 +97,8 @@ def test_fleet_and_worker_pages_stack_the_causes_between_served_share_and_ceilin
     w2 = page.get_by_test_id("misses").locator(".missrow[data-name=w2]")
     expect(w2.locator(".missbar")).to_have_text("—")
     expect(w2.locator(".missfacts")).to_contain_text("served —")
+    expect(page.get_by_test_id("miss-requests")).to_have_text(
+        "No recorded request with miss attribution from this worker yet."
+    )
     assert serious_violations(page) == []
     assert errors == []

@@ -63,10 +63,12 @@ class MissesSerializer(StrictSerializer):
 
 class MissesQuerySerializer(StrictSerializer):
     """``GET /capacity/misses/``: the ``pool`` (regular, prefill, decode) and, optionally, ``since_ms``
-    (ms since the epoch): only traffic that arrived from then on."""
+    (ms since the epoch): only traffic that arrived from then on; ``recent`` (0-100, default 0): the newest
+    that many attributed requests of each worker and of the pool, each with its own causes."""
 
     pool = serializers.ChoiceField(choices=["regular", "prefill", "decode"], default="regular")
     since_ms = serializers.IntegerField(min_value=0, max_value=2**63 - 1, required=False)
+    recent = serializers.IntegerField(min_value=0, max_value=100, default=0)
 
 
 class TraceRowSerializer(StrictSerializer):

@@ -188,9 +188,11 @@ class MissesApi(APIView):
     traffic (from ``since_ms`` when given): the served share, the fleet-wide ceiling and the misses by
     cause (the worker's own causes, its ``not_seen_here`` split into ``new`` and ``elsewhere``), in tokens
     and as shares of the input, adding up exactly to the misses the workers measured; shares null with no
-    attributed traffic. ``tenants``: per tenant from the TSDB (counters since each worker started; ``new``,
-    ``elsewhere`` and ``ceiling_share`` null: the recorded traffic names no tenant), null with
-    ``tenants_unavailable`` when the TSDB does not answer. 400 names a bad ``pool`` or ``since_ms``."""
+    attributed traffic; with ``recent`` N, each also lists its N newest requests with their own figures
+    (the sampled per-request view). ``tenants``: per tenant from the TSDB (counters since each worker
+    started; ``new``, ``elsewhere`` and ``ceiling_share`` null: the recorded traffic names no tenant),
+    null with ``tenants_unavailable`` when the TSDB does not answer. 400 names a bad ``pool``,
+    ``since_ms`` or ``recent``."""
 
     @extend_schema(parameters=[MissesQuerySerializer], responses=OpenApiTypes.OBJECT)
     def get(self, request):
@@ -199,7 +201,9 @@ class MissesApi(APIView):
         query = MissesQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         pool = query.validated_data["pool"]
-        out = misses.pool_misses(pool=pool, since_ms=query.validated_data.get("since_ms"))
+        out = misses.pool_misses(
+            pool=pool, since_ms=query.validated_data.get("since_ms"), recent=query.validated_data["recent"]
+        )
         try:
             out["tenants"] = misses.tenant_misses(selectors.pool_worker_names(pool=pool))
         except promql.PromQLError as exc:

@@ -77,6 +77,26 @@ def test_not_seen_here_splits_into_new_elsewhere_and_what_only_this_worker_compu
     assert w1["served_share"] == 0 and w0["cause_shares"]["new"] == pytest.approx(32 / 96)
 
 
+def test_the_newest_requests_each_carry_their_own_split_causes():
+    """The sampled per-request view: each of the newest attributed requests with its own causes (the fleet
+    split included), newest first; the requests' figures add up to the worker's."""
+    rows = [{**r, "arrived_ms": 5000 + r["timestamp"]} for r in ROWS]
+    out = attribute_rows(rows, block_tokens=P, page_size=P, recent=2)
+    w0, w1, fleet = out["workers"]["w0"], out["workers"]["w1"], out["fleet"]
+    assert [(r["worker"], r["arrived_ms"]) for r in w0["recent"]] == [("w0", 5002), ("w0", 5000)]
+    assert [(r["worker"], r["arrived_ms"]) for r in fleet["recent"]] == [("w1", 5003), ("w0", 5002)]
+    assert [r["arrived_ms"] for r in w1["recent"]] == [5003, 5001]  # r4 carries no attribution
+    newest, first = w0["recent"]
+    assert {c: t for c, t in first["causes"].items() if t} == {"new": 32, "partial_page": 8}
+    assert {c: t for c, t in newest["causes"].items() if t} == {"not_seen_here": 16, "partial_page": 8}
+    assert newest["served_share"] == pytest.approx(32 / 56) and newest["ceiling_share"] == pytest.approx(
+        48 / 56
+    )
+    for key in ("input_tokens", "served_tokens", "miss_tokens", "ceiling_tokens"):
+        assert newest[key] + first[key] == w0[key]
+    assert "recent" not in attribute_rows(rows, block_tokens=P, page_size=P)["fleet"]
+
+
 def test_a_worker_with_no_attributed_traffic_has_no_shares():
     out = attribute_rows([ROWS[4]], block_tokens=P, page_size=P)
     w1 = out["workers"]["w1"]
@@ -111,7 +131,14 @@ def test_misses_api_per_worker_and_fleet_from_what_the_agent_shipped(api_as):
     later = viewer.get("/api/v1/capacity/misses/", {"pool": "regular", "since_ms": 1_000_002}).json()
     assert later["fleet"]["requests"] == 3  # r2, r3, r4: r2's page 3 is now a first sighting
     assert later["workers"]["w0"]["causes"]["new"] == 16
-    for query, field in (({"pool": "gpu"}, "pool"), ({"since_ms": "x"}, "since_ms")):
+    sampled = viewer.get("/api/v1/capacity/misses/", {"pool": "regular", "recent": 1}).json()
+    assert [r["arrived_ms"] for r in sampled["workers"]["w1"]["recent"]] == [1_000_003]
+    assert sampled["workers"]["w1"]["recent"][0]["causes"]["partial_page"] == 10
+    for query, field in (
+        ({"pool": "gpu"}, "pool"),
+        ({"since_ms": "x"}, "since_ms"),
+        ({"recent": 101}, "recent"),
+    ):
         refused = viewer.get("/api/v1/capacity/misses/", query)
         assert refused.status_code == 400 and field in refused.json()["error"]["detail"]
 

@@ -222,13 +222,16 @@ KV.ready(function () {
 });
 
 /* Why this worker's prompt tokens missed (js/misses.js): its bar from its pool's recorded traffic, then one
-   per tenant it served (measured by the worker since it started; the fleet split and ceiling are absent). */
+   per tenant it served (measured by the worker since it started; the fleet split and ceiling are absent),
+   then one per request for its newest recorded requests (data-recent of them). */
 (function () {  // not KV.ready: body[data-loaded] stays the charts' first render
   "use strict";
   var card = KV.$("#misses"), box = KV.$("#miss-bars");
   if (!card) return;
   var name = card.dataset.worker;
-  KV.api("GET", "/api/v1/capacity/misses/?pool=" + encodeURIComponent(card.dataset.pool)).then(function (res) {
+  var list = KV.$("#miss-requests");
+  var query = "?pool=" + encodeURIComponent(card.dataset.pool) + "&recent=" + encodeURIComponent(card.dataset.recent);
+  KV.api("GET", "/api/v1/capacity/misses/" + query).then(function (res) {
     var mine = res.workers[name] || { served_share: null, ceiling_share: null, causes: {}, cause_shares: {} };
     var rows = [[name, mine, "no recorded traffic with miss attribution from this worker: start it with --record-trace"]];
     (res.tenants || []).forEach(function (t) {
@@ -239,5 +242,15 @@ KV.ready(function () {
     if (res.tenants == null) {
       box.appendChild(Object.assign(document.createElement("p"), { className: "muted", textContent: "Per tenant: — (the metrics store did not answer: " + res.tenants_unavailable + ")" }));
     }
-  }).catch(function (err) { box.textContent = KV.errorText(err); });
+    list.textContent = "";
+    if (!(mine.recent || []).length) {
+      list.appendChild(Object.assign(document.createElement("p"), { className: "muted", textContent: "No recorded request with miss attribution from this worker yet." }));
+    }
+    (mine.recent || []).forEach(function (r) {  // the sampled per-request view
+      var at = r.arrived_ms == null ? "–" : KV.time.clock(r.arrived_ms / 1000, true);
+      var row = KV.missBar(at + " · " + r.input_tokens.toLocaleString() + " tok", r, res.causes);
+      if (r.arrived_ms != null) row.title = "arrived " + KV.time.text(r.arrived_ms / 1000);
+      list.appendChild(row);
+    });
+  }).catch(function (err) { box.textContent = KV.errorText(err); list.textContent = ""; });
 })();
