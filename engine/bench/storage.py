@@ -1,14 +1,19 @@
 """L3 backend throughput next to the raw store, measured in the same run on the same bytes.
 
-``python -m engine.bench.storage --backend file|mooncake`` fills a real host pool (``HostKVPool``,
+``python -m engine.bench.storage --backend file|mooncake|nixl`` fills a real host pool (``HostKVPool``,
 ``page_first_direct``) with random KV pages and times, alternating rounds:
 
 * ours: ``batch_set_v1`` / ``batch_get_v1`` of the backend (keys, existence check, header + checksum for
-  ``file``, stats), in batches of ``--batch`` pages as the cache controller issues them;
+  ``file`` and ``nixl``, stats), in batches of ``--batch`` pages as the cache controller issues them;
 * raw: the store's own calls on the same page buffers: plain ``open/write/close`` and ``readinto`` of one
   file per page (no header, checksum or rename; page buffers from the backend's own ``PageRanges`` map)
   for ``file``; the same Mooncake client's
-  ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` for ``mooncake``.
+  ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` for ``mooncake``; for ``nixl`` the
+  backend's own NIXL agent moving the same page buffers into one file per page (one NIXL transfer per
+  batch, no header, checksum or rename).
+
+With ``--backend nixl --compare-file`` the ``file`` backend also runs in every round, on the same pool and
+page slots (its own directory on the same file system), and a second table prints nixl/file.
 
 Every round writes fresh keys and removes them afterwards; ours and raw run back to back in each
 round. It prints one row per operation: GB/s (1e9 bytes/s of wall time, median over ``--rounds``),
@@ -34,6 +39,7 @@ from engine.cache.host_pool import HostKVPool
 from engine.cache.keys import page_hashes
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
 from engine.cache.storage.file import PageRanges
+from engine.cache.storage.nixl import HiCacheNixl
 from engine.cache.storage.registry import create_storage_backend
 from engine.fleet.mooncake_master import MooncakeMaster
 
@@ -116,6 +122,37 @@ class FileRaw:
             os.remove(os.path.join(self.directory, f"raw-{key}"))
 
 
+class NixlRaw:
+    """The nixl backend's own agent, pool registration and POSIX plugin, moving the same page buffers into
+    (and out of) one plain file per page: one NIXL transfer per batch, no header, checksum or rename."""
+
+    def __init__(self, backend: HiCacheNixl, pool: HostKVPool, directory: str, batch: int) -> None:
+        self.backend, self.pool, self.directory, self.batch = backend, pool, directory, batch
+
+    def _move(self, op: str, keys: list[str], flags: int) -> None:
+        P = self.pool.page_size
+        for start in range(0, len(keys), self.batch):
+            part = keys[start : start + self.batch]
+            fds = [os.open(os.path.join(self.directory, f"raw-{k}"), flags, 0o644) for k in part]
+            try:
+                host = [self.backend._host_ranges((start + i) * P) for i in range(len(part))]
+                if not self.backend._xfer(op, host, fds):
+                    raise RuntimeError(f"raw NIXL {op} failed")
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def write(self, keys: list[str]) -> None:
+        self._move("WRITE", keys, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+
+    def read(self, keys: list[str]) -> None:
+        self._move("READ", keys, os.O_RDONLY)
+
+    def remove(self, keys: list[str]) -> None:
+        for key in keys:
+            os.remove(os.path.join(self.directory, f"raw-{key}"))
+
+
 class MooncakeRaw:
     """The backend's own Mooncake client, called directly with the same multi-buffer batch calls."""
 
@@ -175,36 +212,61 @@ def ours_remove(backend, keys, directory):
         backend._store.batch_remove(keys, True)
 
 
-def run(args, backend: HiCacheStorage, raw, pool: HostKVPool, directory: str | None) -> list[dict]:
+def run(
+    args,
+    backend: HiCacheStorage,
+    raw,
+    pool: HostKVPool,
+    directory: str | None,
+    other: tuple[HiCacheStorage, str] | None = None,
+) -> list[dict]:
+    """Rows of ours against raw (``vs="raw"``) and, with ``other`` = (backend, its directory), of ours
+    against that backend (``vs="file"``), all measured in the same rounds."""
     total = args.pages * pool.page_bytes
-    samples = {("set", "ours"): [], ("set", "raw"): [], ("get", "ours"): [], ("get", "raw"): []}
+    steps_of: dict[str, dict[str, Callable[[list[str]], None]]] = {
+        "ours": {
+            "set": lambda k: ours_write(backend, pool, k, args.batch),
+            "get": lambda k: ours_read(backend, pool, k, args.batch),
+        },
+        "raw": {"set": raw.write, "get": raw.read},
+    }
+    if other is not None:
+        steps_of["file"] = {
+            "set": lambda k: ours_write(other[0], pool, k, args.batch),
+            "get": lambda k: ours_read(other[0], pool, k, args.batch),
+        }
+    who_all = list(steps_of)
+    samples: dict[tuple[str, str], list[tuple[float, float]]] = {
+        (op, w): [] for op in ("set", "get") for w in who_all
+    }
     for index in range(args.rounds):
         keys = round_keys(backend, args.pages)
-        steps = {
-            ("set", "raw"): lambda k=keys: raw.write(k),
-            ("set", "ours"): lambda k=keys: ours_write(backend, pool, k, args.batch),
-            ("get", "raw"): lambda k=keys: raw.read(k),
-            ("get", "ours"): lambda k=keys: ours_read(backend, pool, k, args.batch),
-        }
-        for op in ("set", "get"):  # alternate who goes first, so neither always pays the other's writeback
-            for who in ("raw", "ours") if index % 2 == 0 else ("ours", "raw"):
-                samples[op, who].append(timed(steps[op, who]))
+        order = who_all[index % len(who_all) :] + who_all[: index % len(who_all)]
+        for op in ("set", "get"):  # rotate who goes first, so none always pays another's writeback
+            for who in order:
+                samples[op, who].append(timed(lambda w=who, o=op, k=keys: steps_of[w][o](k)))
         raw.remove(keys)
         ours_remove(backend, keys, directory)
+        if other is not None:
+            ours_remove(other[0], keys, other[1])
     rows = []
-    for op in ("set", "get"):
-        ours, base = samples[op, "ours"], samples[op, "raw"]
-        rows.append(
-            {
-                "op": op,
-                "ours": total / statistics.median(w for w, _ in ours) / 1e9,
-                "raw": total / statistics.median(w for w, _ in base) / 1e9,
-                "ratio": statistics.median(b[0] / max(o[0], 1e-9) for o, b in zip(ours, base, strict=True)),
-                "cpu_ratio": statistics.median(
-                    b[1] / max(o[1], 1e-9) for o, b in zip(ours, base, strict=True)
-                ),
-            }
-        )
+    for vs in who_all[1:]:
+        for op in ("set", "get"):
+            ours, base = samples[op, "ours"], samples[op, vs]
+            rows.append(
+                {
+                    "op": op,
+                    "vs": vs,
+                    "ours": total / statistics.median(w for w, _ in ours) / 1e9,
+                    "raw": total / statistics.median(w for w, _ in base) / 1e9,
+                    "ratio": statistics.median(
+                        b[0] / max(o[0], 1e-9) for o, b in zip(ours, base, strict=True)
+                    ),
+                    "cpu_ratio": statistics.median(
+                        b[1] / max(o[1], 1e-9) for o, b in zip(ours, base, strict=True)
+                    ),
+                }
+            )
     return rows
 
 
@@ -216,15 +278,27 @@ def print_table(args, rows: list[dict], page_bytes: int) -> None:
     print("| backend | op | bytes/round | ours GB/s | raw GB/s | ours/raw wall | ours/raw CPU time |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        print(
-            f"| {args.backend} | batch_{row['op']} | {args.pages * page_bytes / 1e6:.0f} MB | "
-            f"{row['ours']:.2f} | {row['raw']:.2f} | {row['ratio']:.2f} | {row['cpu_ratio']:.2f} |"
-        )
+        if row["vs"] == "raw":
+            print(
+                f"| {args.backend} | batch_{row['op']} | {args.pages * page_bytes / 1e6:.0f} MB | "
+                f"{row['ours']:.2f} | {row['raw']:.2f} | {row['ratio']:.2f} | {row['cpu_ratio']:.2f} |"
+            )
+    against = [row for row in rows if row["vs"] == "file"]
+    if against:
+        print(f"same rounds, {args.backend} backend against the file backend (same pool and page slots):")
+        name = args.backend
+        print(f"| op | {name} GB/s | file GB/s | {name}/file wall | {name}/file CPU time |")
+        print("|---|---|---|---|---|")
+        for row in against:
+            print(
+                f"| batch_{row['op']} | {row['ours']:.2f} | {row['raw']:.2f} | {row['ratio']:.2f} | "
+                f"{row['cpu_ratio']:.2f} |"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["file", "mooncake"], required=True)
+    parser.add_argument("--backend", choices=["file", "mooncake", "nixl"], required=True)
     parser.add_argument("--pages", type=int, default=128, help="pages per round (default 128)")
     parser.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
     parser.add_argument("--layers", type=int, default=30, help="default: SmolLM2-135M's 30 layers")
@@ -232,8 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32, help="pages per batch call (default 32)")
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--dir", default=None, help="file backend directory (default: a temp dir)")
+    parser.add_argument("--dir", default=None, help="file / nixl backend directory (default: a temp dir)")
+    parser.add_argument(
+        "--compare-file", action="store_true", help="nixl: also time the file backend in the same rounds"
+    )
     args = parser.parse_args(argv)
+    if args.compare_file and args.backend != "nixl":
+        parser.error("--compare-file needs --backend nixl")
     for flag in ("pages", "page_size", "layers", "kv_heads", "head_dim", "batch", "rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -243,6 +322,26 @@ def main(argv: list[str] | None = None) -> int:
         try:
             backend = create_storage_backend("file", storage_config(args, {"file_path": directory}), pool)
             rows = run(args, backend, FileRaw(pool, directory), pool, directory)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    elif args.backend == "nixl":
+        directory = tempfile.mkdtemp(prefix="kvfleet-bench-", dir=args.dir)
+        try:
+            backend = create_storage_backend("nixl", storage_config(args, {"file_path": directory}), pool)
+            assert isinstance(backend, HiCacheNixl)
+            other = None
+            if args.compare_file:
+                file_dir = os.path.join(directory, "file")
+                file_backend = create_storage_backend(
+                    "file", storage_config(args, {"file_path": file_dir}), pool
+                )
+                other = (file_backend, file_dir)
+            try:
+                rows = run(
+                    args, backend, NixlRaw(backend, pool, directory, args.batch), pool, directory, other
+                )
+            finally:
+                backend.close()
         finally:
             shutil.rmtree(directory, ignore_errors=True)
     else:

@@ -11,7 +11,7 @@
 * ``nixl``: NVIDIA's NIXL agent with its UCX backend (``NixlTransport``): both sides register their pool
   buffers with an agent, D's agent metadata travels in its descriptor (the side channel's ``Register``), and
   P writes the same entries as Mooncake with a notification naming the room (as SGLang's nixl/conn.py).
-  UCX's transports come from ``UCX_*`` env vars; the defaults set here are in ``ucx_defaults``.
+  UCX's transports come from ``UCX_*`` env vars; the defaults set here: ``engine.nixl_common.ucx_defaults``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import base64
 import importlib.util
 import logging
 import os
-import time
 import uuid
 from typing import Protocol
 
@@ -37,6 +36,7 @@ from engine.disaggregation.staging import (
     scatter,
     share_bytes,
 )
+from engine.nixl_common import NixlUnavailable, make_agent, ucx_defaults, wait_xfer
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 1024  # entries per batch_transfer_sync_write (0.3.13 returns -1 for 4096; 2048 works)
@@ -227,27 +227,6 @@ def mooncake_write_list(
 NIXL_WRITE_TIMEOUT_S = 30.0  # a NIXL write not DONE by then fails (a dead peer's TCP errors come sooner)
 
 
-def ucx_defaults(host: str, environ: dict | None = None) -> dict[str, str]:
-    """The ``UCX_*`` settings ``NixlTransport`` adds to ``environ`` (``os.environ``) before its UCX backend
-    starts; a variable already set is left alone. On a host without RDMA devices (no entry under
-    ``/sys/class/infiniband``): ``UCX_TLS=tcp`` and ``UCX_MODULES=^ib`` (a process that created a UCX backend
-    otherwise segfaults at exit in libnl, seen with NIXL 1.5.1's UCX); with a loopback ``host`` also
-    ``UCX_NET_DEVICES=lo``. With RDMA devices nothing is set: UCX picks its fastest transports."""
-    env = os.environ if environ is None else environ
-    try:
-        rdma = bool(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        rdma = False
-    wanted: dict[str, str] = {}
-    if not rdma:
-        wanted = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib"}
-        if host.strip("[]") in ("127.0.0.1", "localhost", "::1"):
-            wanted["UCX_NET_DEVICES"] = "lo"
-    added = {k: v for k, v in wanted.items() if k not in env}
-    env.update(added)
-    return added
-
-
 class NixlTransport:
     """A NIXL agent (UCX backend) on ``host`` with the pool's 2 x num_layers buffers (and the staging buffer)
     registered. ``descriptor()`` is ``{"agent_name", "agent_metadata"}`` (base64 of the agent's metadata,
@@ -274,22 +253,11 @@ class NixlTransport:
         added = ucx_defaults(host)
         if added:
             logger.info("NIXL: UCX defaults set (unset before): %s", added)
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise TransferBackendError(
-                f"{flag}: cannot load NIXL ({exc}); "
-                "install nixl and nixl-cu13 with pip --no-deps (make venv does)"
-            ) from exc
-        _route_nixl_logs()
         self.agent_name = f"kvfleet-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
-        except Exception as exc:  # nixl raises RuntimeError / nixlBind errors from C++
-            raise TransferBackendError(f"{flag}: cannot start a NIXL agent ({exc})") from exc
-        if "UCX" not in self.agent.backends:
-            plugins = self.agent.plugin_list
-            raise TransferBackendError(f"{flag}: NIXL's UCX plugin did not load (plugins: {plugins})")
+            self.agent = make_agent(self.agent_name, ["UCX"], flag)
+        except NixlUnavailable as exc:
+            raise TransferBackendError(str(exc)) from exc
         self._layout, self._pool, self.staging = layout, pool, staging
         self._mem, self._dev = _mem_type(pool)
         ptrs = [*layout.k_ptrs, *layout.v_ptrs]
@@ -372,17 +340,11 @@ class NixlTransport:
         """Post ``handle`` and poll it until DONE; raises ``TransferFailed`` on NIXL's error (a dead peer:
         ``NIXL_ERR_REMOTE_DISCONNECT`` at once) or after ``NIXL_WRITE_TIMEOUT_S``."""
         try:
-            state = self.agent.transfer(handle)
-            deadline = time.monotonic() + NIXL_WRITE_TIMEOUT_S
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise TransferFailed(
-                        f"NIXL write to decode agent {remote} not done after {NIXL_WRITE_TIMEOUT_S} s"
-                    )
-                time.sleep(0.0002)  # the agent's progress thread moves it; only the state is read here
-                state = self.agent.check_xfer_state(handle)
-        except TransferFailed:
-            raise
+            state = wait_xfer(self.agent, handle, NIXL_WRITE_TIMEOUT_S)
+        except TimeoutError:
+            raise TransferFailed(
+                f"NIXL write to decode agent {remote} not done after {NIXL_WRITE_TIMEOUT_S} s"
+            ) from None
         except Exception as exc:  # nixl's bindings raise their own errors (nixlRemoteDisconnectError, ...)
             raise TransferFailed(f"NIXL write to decode agent {remote} failed ({exc})") from exc
         if state != "DONE":
@@ -425,15 +387,6 @@ class NixlTransport:
             self.agent.deregister_memory(self._registered)
         except Exception as exc:
             logger.debug("NIXL: deregistering the pool: %s", exc)
-
-
-def _route_nixl_logs() -> None:
-    """NIXL's Python logger writes to stdout with a handler of its own; send its records through the engine's
-    logging (stderr) instead, so stdout stays the process's own (a worker's, a peer's JSON lines)."""
-    nixl_logger = logging.getLogger("nixl")
-    for handler in list(nixl_logger.handlers):
-        nixl_logger.removeHandler(handler)
-    nixl_logger.propagate = True
 
 
 def _mem_type(pool: DeviceKVPool) -> tuple[str, int]:

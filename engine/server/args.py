@@ -264,7 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="kernel: Triton copies (cuda, or cpu with TRITON_INTERPRET=1); elsewhere corrected to direct",
     )
     a("--hicache-mem-layout", choices=MEM_LAYOUTS, default="layer_first")
-    a("--hicache-storage-backend", type=_storage_backend, choices=registered_backends(), default=None)
+    a(
+        "--hicache-storage-backend",
+        type=_storage_backend,
+        choices=registered_backends(),
+        default=None,
+        help="L3: file (page files in file_path), mooncake (a Mooncake store), nixl (the file backend's "
+        "page files through NIXL's POSIX plugin; directory: file_path or "
+        "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR), dynamic (a class named in the extra config)",
+    )
     a("--hicache-storage-prefetch-policy", choices=PREFETCH_POLICIES, default="best_effort")
     a("--hicache-storage-backend-extra-config", default=None, help="JSON object or @file (.json/.toml/.yaml)")
     a("--radix-eviction-policy", choices=EVICTION_POLICIES, default="lru")

@@ -84,9 +84,10 @@ def test_same_backend_updates_policies_other_backend_needs_detach(make_cache, tm
     assert cache.storage_status() == status
 
 
-def test_detach_is_idempotent_keeps_l3_l1_l2_and_policies(make_cache, tmp_path):
+@pytest.mark.parametrize("backend", ["file", "nixl"])
+def test_detach_is_idempotent_keeps_l3_l1_l2_and_policies(make_cache, tmp_path, backend):
     cache = make_cache(prefetch_policy="wait_complete")
-    cache.storage.attach("file", _file_json(tmp_path))
+    cache.storage.attach(backend, _file_json(tmp_path))
     prefill(cache, T)
     cache.drain_io()
     hashes = cache.match_prefix(T).last_device_node.hash_value
@@ -163,10 +164,11 @@ def test_bad_startup_backend_is_a_value_error():
         HiRadixCache(pool, HiCacheConfig(storage_backend="nosuch"), model_name="m")
 
 
+@pytest.mark.parametrize("backend", ["file", "nixl"])
 @pytest.mark.parametrize(("rank", "written"), [(0, 16), (1, 0)])
-def test_replicated_kv_only_rank_zero_writes_l3(tmp_path, rank, written):
+def test_replicated_kv_only_rank_zero_writes_l3(tmp_path, rank, written, backend):
     pool = DeviceKVPool(64, 4, LAYERS, HEADS, HEAD_DIM)
-    config = HiCacheConfig(storage_backend="file", extra_config={"file_path": str(tmp_path)})
+    config = HiCacheConfig(storage_backend=backend, extra_config={"file_path": str(tmp_path)})
     cache = HiRadixCache(
         pool, config, model_name="m", tp_rank=rank, tp_size=2, reduce=identity_reduce, replicated_kv=True
     )

@@ -133,11 +133,12 @@ def _from_l3(cache: HiRadixCache) -> torch.Tensor:
     return device
 
 
-@pytest.fixture(params=["file", pytest.param("mooncake", marks=pytest.mark.slow)])
+@pytest.fixture(params=["file", "nixl", pytest.param("mooncake", marks=pytest.mark.slow)])
 def l3(request, tmp_path):
-    """(backend, extra config) of an empty L3: a file directory, or a real Mooncake master."""
-    if request.param == "file":
-        yield "file", {"file_path": str(tmp_path)}
+    """(backend, extra config) of an empty L3: a directory of page files (file, nixl), or a real Mooncake
+    master."""
+    if request.param in ("file", "nixl"):
+        yield request.param, {"file_path": str(tmp_path)}
         return
     from engine.fleet.mooncake_master import MooncakeMaster
 
@@ -161,7 +162,7 @@ def test_a_prefix_a_tp2_instance_wrote_is_read_by_every_rank_at_tp1_and_tp4(l3, 
         assert cache.stats.backuped_tokens == len(T)
         assert cache.controller.backend.get_stats()["pages_written"] == 8 * 2  # its 2 of 4 shards per page
         cache.close()
-    if l3[0] == "file":
+    if l3[0] in ("file", "nixl"):
         assert len(list(tmp_path.glob("*.bin"))) == 8 * 4  # 8 pages x 4 storage shards, each written once
 
     for tp in (1, 4):

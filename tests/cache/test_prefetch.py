@@ -1,5 +1,6 @@
 """L3 -> L2 prefetch: threshold, revoke, capacity, policies, partial commit, abort (docs/upstream.md H3)."""
 
+import json
 import threading
 import time
 
@@ -208,10 +209,11 @@ def test_no_progress_after_commit(l3_cache):
     assert op.completed_tokens == frozen == 0
 
 
-def test_file_backend_prefetch_after_reset_restores_kv(make_cache, tmp_path):
+@pytest.mark.parametrize("backend", ["file", "nixl"])
+def test_page_file_backend_prefetch_after_reset_restores_kv(make_cache, tmp_path, backend):
     cache = make_cache(
         device_tokens=128,
-        storage_backend="file",
+        storage_backend=backend,
         extra_config={"file_path": str(tmp_path)},
         prefetch_threshold=8,
         prefetch_policy="wait_complete",
@@ -224,6 +226,26 @@ def test_file_backend_prefetch_after_reset_restores_kv(make_cache, tmp_path):
     _wait_worker(cache)
     assert cache.check_prefetch_progress("r")
     assert_kv(cache.device_pool, T, _load_all(cache, T))
+
+
+def test_a_fresh_cache_attached_to_nixl_at_run_time_serves_pages_another_wrote(make_cache, tmp_path):
+    """The runtime attach (``PUT /hicache/storage-backend``) path: one cache writes its pages through nixl,
+    a second one, attached at run time to the same directory, prefetches them and holds the same KV."""
+    extra = json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 8})
+    writer = make_cache(device_tokens=128)
+    assert "Attached" in writer.storage.attach("nixl", extra)
+    prefill(writer, T)
+    writer.drain_io()
+    assert writer.storage.backend.get_stats()["pages_written"] == len(T) // 4
+    reader = make_cache(device_tokens=128, prefetch_policy="wait_complete")
+    assert "Attached" in reader.storage.attach("nixl", extra)
+    scribble_free_device_slots(reader)
+    _prefetch(reader)
+    _wait_worker(reader)
+    assert reader.check_prefetch_progress("r")
+    assert_kv(reader.device_pool, T, _load_all(reader, T))
+    assert reader.storage.backend.get_stats()["pages_read"] == len(T) // 4
+    assert reader.storage_status()["hicache_storage_backend"] == "nixl"
 
 
 def test_timeout_formula_and_policy_before_hit_query():

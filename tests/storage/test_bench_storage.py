@@ -6,10 +6,11 @@ import pytest
 
 from engine.bench.storage import main
 
-ROW = re.compile(r"^\| (file|mooncake) \| batch_(set|get) \| \d+ MB( \| [\d.]+){4} \|$")
+ROW = re.compile(r"^\| (file|mooncake|nixl) \| batch_(set|get) \| \d+ MB( \| [\d.]+){4} \|$")
+AGAINST_FILE = re.compile(r"^\| batch_(set|get)( \| [\d.]+){4} \|$")
 
 
-def run(capsys, backend, *extra):
+def run(capsys, backend, *extra, pattern=ROW):
     args = [
         "--backend",
         backend,
@@ -24,13 +25,20 @@ def run(capsys, backend, *extra):
         *extra,
     ]
     assert main(args) == 0
-    return [line for line in capsys.readouterr().out.splitlines() if ROW.match(line)]
+    return [line for line in capsys.readouterr().out.splitlines() if pattern.match(line)]
 
 
-def test_file_benchmark_prints_set_and_get_rows(capsys, tmp_path):
-    rows = run(capsys, "file", "--dir", str(tmp_path))
+@pytest.mark.parametrize("backend", ["file", "nixl"])
+def test_page_file_benchmark_prints_set_and_get_rows(capsys, tmp_path, backend):
+    rows = run(capsys, backend, "--dir", str(tmp_path))
     assert [r.split("|")[2].strip() for r in rows] == ["batch_set", "batch_get"]
     assert list(tmp_path.iterdir()) == [], "the benchmark removes its directory"
+
+
+def test_nixl_benchmark_times_the_file_backend_in_the_same_rounds(capsys, tmp_path):
+    rows = run(capsys, "nixl", "--dir", str(tmp_path), "--compare-file", pattern=AGAINST_FILE)
+    assert [r.split("|")[1].strip() for r in rows] == ["batch_set", "batch_get"]
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -44,3 +52,6 @@ def test_bad_flag_is_a_cli_error(capsys):
         main(["--backend", "file", "--pages", "0"])
     assert exc.value.code == 2
     assert "--pages must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--backend", "file", "--compare-file"])
+    assert "--compare-file needs --backend nixl" in capsys.readouterr().err

@@ -1,4 +1,6 @@
-"""The ``file`` backend: round trips (generic and v1 zero-copy), dedup, leading-hit counts, faults."""
+"""The page-file backends, ``file`` and ``nixl`` (the same files, moved by NIXL's POSIX plugin): round trips
+(generic and v1 zero-copy) for every KV dtype layout, dedup, leading-hit counts, faults; every test runs
+against both (``make_backend``), and a page one writes the other reads."""
 
 import logging
 import os
@@ -10,15 +12,22 @@ import torch
 from engine.cache.keys import page_hashes
 from engine.cache.storage.base import StorageConfigError
 from engine.cache.storage.file import HiCacheFile, PageRanges
+from engine.cache.storage.nixl import HiCacheNixl
 from engine.cache.storage.page_file import HEADER_SIZE, PageIdentity, pack_header, unpack_header
 from engine.cache.storage.registry import create_storage_backend
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
 
-@pytest.fixture
-def make_backend(tmp_path, storage_config_factory, page_pool_factory):
-    def make(layout="page_first", dtype=torch.float16, page_size=4, pool=True, directory=None, **kw):
+PAGE_FILE_BACKENDS = ["file", "nixl"]
+
+
+@pytest.fixture(params=PAGE_FILE_BACKENDS)
+def make_backend(request, tmp_path, storage_config_factory, page_pool_factory):
+    def make(
+        layout="page_first", dtype=torch.float16, page_size=4, pool=True, directory=None, name=None, **kw
+    ):
+        pool_kw = {k: kw.pop(k) for k in ("heads", "dim") if k in kw}
         cfg = storage_config_factory(
             layout=layout,
             page_size=page_size,
@@ -26,14 +35,17 @@ def make_backend(tmp_path, storage_config_factory, page_pool_factory):
             extra={"file_path": str(directory or tmp_path)},
             **kw,
         )
-        host = page_pool_factory(layout=layout, page_size=page_size, dtype=dtype) if pool else None
-        return create_storage_backend("file", cfg, host), host
+        host = page_pool_factory(layout=layout, page_size=page_size, dtype=dtype, **pool_kw) if pool else None
+        return create_storage_backend(name or request.param, cfg, host), host
 
     return make
 
 
 def _fill(pool, seed):
     gen = torch.Generator().manual_seed(seed)
+    if pool.dtype == torch.uint8:  # fp8 bits / int8 values + scales: every byte value
+        pool.kv_buffer.copy_(torch.randint(0, 256, pool.kv_buffer.shape, generator=gen, dtype=torch.uint8))
+        return
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=gen).to(pool.dtype))
 
 
@@ -46,10 +58,22 @@ def keys_for(backend, n, start=0):
     return page_hashes(tokens, backend.storage_config.page_size, None, backend.storage_config.namespace)
 
 
+# (pool dtype, row width): the element dtypes of --kv-cache-dtype auto/bfloat16/float32, and the uint8 rows of
+# fp8_e4m3 (the float8 bits) and int8 (head_dim values + a 2-byte bfloat16 scale: head_dim + 2 bytes)
+KV_LAYOUTS = [
+    (torch.float16, 8),
+    (torch.bfloat16, 8),
+    (torch.float32, 8),
+    (torch.uint8, 8),
+    (torch.uint8, 10),
+]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_v1_round_trip_between_two_pools_is_byte_identical(make_backend, layout):
-    writer, pool_a = make_backend(layout)
-    reader, pool_b = make_backend(layout)
+@pytest.mark.parametrize("dtype, dim", KV_LAYOUTS, ids=["fp16", "bf16", "fp32", "fp8", "int8"])
+def test_v1_round_trip_between_two_pools_is_byte_identical(make_backend, layout, dtype, dim):
+    writer, pool_a = make_backend(layout, dtype=dtype, dim=dim)
+    reader, pool_b = make_backend(layout, dtype=dtype, dim=dim)
     _fill(pool_a, 1)
     keys = keys_for(writer, 3)
     assert writer.batch_set_v1(keys, slots(pool_a, [5, 0, 3])) == [True, True, True]
@@ -217,7 +241,7 @@ def test_damaged_page_is_a_logged_miss_and_never_reaches_the_pool(make_backend, 
     key, path = _stored(backend, pool)
     damage(path)
     pool.kv_buffer.zero_()
-    with caplog.at_level(logging.WARNING, logger="engine.cache.storage.file"):
+    with caplog.at_level(logging.WARNING, logger="engine.cache.storage"):
         assert backend.batch_get_v1([key], slots(pool, [2])) == [False]
         assert backend.get(key) is None
     assert reason in caplog.text and key in caplog.text
@@ -230,7 +254,7 @@ def test_damaged_page_is_a_logged_miss_and_never_reaches_the_pool(make_backend, 
 def test_damage_is_logged_once_per_key(make_backend, caplog):
     backend, pool = make_backend()
     key, path = _stored(backend, pool)
-    with caplog.at_level(logging.WARNING, logger="engine.cache.storage.file"):
+    with caplog.at_level(logging.WARNING, logger="engine.cache.storage"):
         for _ in range(3):
             backend.batch_set_v1([key], slots(pool, [0]))
             flip_payload_byte(path)
@@ -251,12 +275,20 @@ def test_reader_with_other_page_geometry_rejects_page(make_backend, page_pool_fa
     assert backend.batch_get_v1([key], slots(pool, [1])) == [True], "the intact page was kept"
 
 
-def test_unusable_directory_is_a_startup_error_naming_it(tmp_path, storage_config_factory):
+BACKEND_CLASSES = {"file": HiCacheFile, "nixl": HiCacheNixl}
+DIR_ENVS = {
+    "file": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
+    "nixl": "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR",
+}
+
+
+@pytest.mark.parametrize("name", PAGE_FILE_BACKENDS)
+def test_unusable_directory_is_a_startup_error_naming_it(tmp_path, storage_config_factory, name):
     not_a_dir = tmp_path / "plain-file"
     not_a_dir.write_text("x")
     for bad in (not_a_dir, not_a_dir / "sub"):
         with pytest.raises(StorageConfigError, match=str(bad)):
-            HiCacheFile(storage_config_factory(extra={"file_path": str(bad)}))
+            BACKEND_CLASSES[name](storage_config_factory(extra={"file_path": str(bad)}))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permission bits")
@@ -267,11 +299,60 @@ def test_read_only_directory_is_a_startup_error(tmp_path, storage_config_factory
         HiCacheFile(storage_config_factory(extra={"file_path": str(ro)}))
 
 
-def test_directory_from_env_and_extra_config(tmp_path, monkeypatch, storage_config_factory):
-    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "env"))
-    assert HiCacheFile(storage_config_factory()).file_path == str(tmp_path / "env")
-    explicit = HiCacheFile(storage_config_factory(extra={"file_path": str(tmp_path / "x")}))
+@pytest.mark.parametrize("name", PAGE_FILE_BACKENDS)
+def test_directory_from_env_and_extra_config(tmp_path, monkeypatch, storage_config_factory, name):
+    for other in DIR_ENVS.values():
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(DIR_ENVS[name], str(tmp_path / "env"))
+    cls = BACKEND_CLASSES[name]
+    assert cls(storage_config_factory()).file_path == str(tmp_path / "env")
+    explicit = cls(storage_config_factory(extra={"file_path": str(tmp_path / "x")}))
     assert explicit.file_path == str(tmp_path / "x") and (tmp_path / "x").is_dir()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_page_one_page_file_backend_wrote_the_other_reads(make_backend, tmp_path, layout):
+    """file and nixl share the directory format: pages cross between them both ways, byte for byte."""
+    file_side, pool_f = make_backend(layout, name="file")
+    nixl_side, pool_n = make_backend(layout, name="nixl")
+    _fill(pool_f, 5)
+    _fill(pool_n, 6)
+    k = keys_for(file_side, 4)
+    assert file_side.batch_set_v1(k[:2], slots(pool_f, [0, 1])) == [True, True]
+    assert nixl_side.batch_set_v1(k[2:], slots(pool_n, [2, 3])) == [True, True]
+    assert nixl_side.batch_exists(k) == 4 and file_side.batch_exists(k) == 4
+    assert nixl_side.batch_get_v1(k[:2], slots(pool_n, [4, 5])) == [True, True]
+    assert file_side.batch_get_v1(k[2:], slots(pool_f, [4, 5])) == [True, True]
+    for pool_a, src, pool_b, dst in [(pool_f, 0, pool_n, 4), (pool_f, 1, pool_n, 5)]:
+        assert torch.equal(pool_b.get_flat_data_page(dst * 4), pool_a.get_flat_data_page(src * 4))
+    for pool_a, src, pool_b, dst in [(pool_n, 2, pool_f, 4), (pool_n, 3, pool_f, 5)]:
+        assert torch.equal(pool_b.get_flat_data_page(dst * 4), pool_a.get_flat_data_page(src * 4))
+
+
+@pytest.mark.parametrize(
+    "extra, env, wanted",
+    [
+        ({}, None, "POSIX"),
+        ({"plugin": "auto"}, None, "POSIX"),
+        ({}, "posix", "POSIX"),
+        ({"plugin": {"gds": {"active": False}, "posix": {"active": True, "use_aio": False}}}, None, "POSIX"),
+        ({"plugin": "GDS"}, None, "plugin: NIXL plugin 'GDS' is not available"),
+        ({}, "3FS", "plugin: NIXL plugin '3FS' is not available"),
+        ({"plugin": {"posix": {"active": False}}}, None, "plugin: no plugin"),
+        ({"plugin": 3}, None, "plugin: must be a plugin name"),
+    ],
+)
+def test_nixl_plugin_choice_names_the_key(tmp_path, monkeypatch, storage_config_factory, extra, env, wanted):
+    monkeypatch.delenv("SGLANG_HICACHE_NIXL_BACKEND_PLUGIN", raising=False)
+    if env:
+        monkeypatch.setenv("SGLANG_HICACHE_NIXL_BACKEND_PLUGIN", env)
+    cfg = storage_config_factory(extra={"file_path": str(tmp_path), **extra})
+    if wanted == "POSIX":
+        backend = HiCacheNixl(cfg)
+        assert backend.plugin == "POSIX" and "POSIX" in backend.agent.backends
+        return
+    with pytest.raises(StorageConfigError, match=wanted):
+        HiCacheNixl(cfg)
 
 
 def test_directory_vanishing_at_run_time_is_a_counted_failure(make_backend, tmp_path):

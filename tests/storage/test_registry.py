@@ -40,7 +40,7 @@ def dynamic_extra(tmp_path, module, **over):
 
 
 def test_unknown_backend_lists_registered_names(storage_config_factory):
-    with pytest.raises(ValueError, match="registered backends: dynamic, file, mooncake"):
+    with pytest.raises(ValueError, match="registered backends: dynamic, file, mooncake, nixl"):
         create_storage_backend("nope", storage_config_factory(), None)
 
 
@@ -54,10 +54,13 @@ def test_an_upstream_backend_kvfleet_lacks_says_why_at_start_and_at_attach(stora
         parse_args(["--model-path", "m", "--enable-hierarchical-cache", "--hicache-storage-backend", "hf3fs"])
 
 
-def test_file_backend_registers_host_pool(tmp_path, storage_config_factory, page_pool_factory):
+@pytest.mark.parametrize("name", ["file", "nixl"])
+def test_page_file_backends_register_host_pool(tmp_path, storage_config_factory, page_pool_factory, name):
+    """Built as upstream builds file and nixl: ``cls(storage_config)``, then ``register_mem_pool_host``."""
     pool = page_pool_factory()
-    backend = create_storage_backend("file", storage_config_factory(extra={"file_path": str(tmp_path)}), pool)
+    backend = create_storage_backend(name, storage_config_factory(extra={"file_path": str(tmp_path)}), pool)
     assert isinstance(backend, HiCacheFile) and backend.mem_pool_host is pool and backend.supports_v1
+    assert type(backend).__name__ == {"file": "HiCacheFile", "nixl": "HiCacheNixl"}[name]
 
 
 def test_dynamic_loads_user_class_with_kwargs_and_interface_v1(tmp_path, user_module, storage_config_factory):

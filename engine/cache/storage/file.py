@@ -87,27 +87,36 @@ class PageRanges:
         shift = page * self.stride
         return [(offset + shift, nbytes) for offset, nbytes in self.first]
 
+    def ranges(self, first_slot: int) -> list[tuple[int, int]]:
+        """(byte offset in ``kv_buffer``, byte count) of each piece of the page starting at host slot
+        ``first_slot``, in page order. Raises ``ValueError`` for a slot that is not the first slot of a
+        page of this pool."""
+        page, rest = divmod(first_slot, self.page_size)
+        if rest or not 0 <= page < self.page_num:
+            raise ValueError(f"slot {first_slot} is not the first slot of a host pool page")
+        return self._ranges(page)
+
     def views(self, first_slot: int) -> list[memoryview]:
         """Writable byte views (no copy) of the page starting at host slot ``first_slot``, in page order.
 
         Raises ``ValueError`` for a slot that is not the first slot of a page of this pool.
         """
-        page, rest = divmod(first_slot, self.page_size)
-        if rest or not 0 <= page < self.page_num:
-            raise ValueError(f"slot {first_slot} is not the first slot of a host pool page")
-        return [self.memory[offset : offset + nbytes] for offset, nbytes in self._ranges(page)]
+        return [self.memory[offset : offset + nbytes] for offset, nbytes in self.ranges(first_slot)]
 
 
 class HiCacheFile(HiCacheStorage):
     """Page files under one directory; thread-safe; ``supports_v1`` (zero-copy via page buffer views)."""
 
     supports_v1 = True
+    log_name = "file"
+    dir_env = DIR_ENV  # the environment variable naming the directory when the extra config does not
+    default_dir = DEFAULT_DIR
 
     def __init__(self, storage_config: HiCacheStorageConfig) -> None:
         super().__init__(storage_config)
         extra = storage_config.extra_config
         given = extra.get("file_path") or extra.get("file_storage_path")
-        self.file_path = str(given or os.environ.get(DIR_ENV) or DEFAULT_DIR)
+        self.file_path = str(given or os.environ.get(self.dir_env) or self.default_dir)
         dtype = getattr(torch, storage_config.kv_dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise StorageConfigError(f"kv_dtype: {storage_config.kv_dtype!r} is not a torch dtype")
@@ -157,8 +166,10 @@ class HiCacheFile(HiCacheStorage):
         with self._reported_lock:
             first = key not in self._reported
             self._reported.add(key)
-        if first:
-            logger.warning("L3 file page %s treated as a miss: %s", path, reason)
+        if first:  # logged under the backend's own module (file, or nixl that reuses this)
+            logging.getLogger(type(self).__module__).warning(
+                "L3 %s page %s treated as a miss: %s", self.log_name, path, reason
+            )
         if remove:
             with contextlib.suppress(OSError):
                 os.remove(path)

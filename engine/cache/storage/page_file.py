@@ -90,6 +90,26 @@ def _readv_full(fd: int, bufs: list, total: int) -> int:
         done += n
 
 
+def write_header(fd: int, page: PageIdentity, nbytes: int, checksum: int) -> None:
+    """Write the header of a page of ``nbytes`` payload bytes with xxh3_64 ``checksum`` at the start of
+    ``fd`` (for writers that put the payload at ``HEADER_SIZE`` by other means, e.g. NIXL)."""
+    _write_all(fd, pack_header(page, nbytes, checksum), 0)
+
+
+def check_file(fd: int, expected: PageIdentity, want: int) -> int:
+    """The payload checksum of the page file ``fd`` once its header matches ``expected`` and its size is
+    the header's plus ``want`` payload bytes (for readers that fetch the payload by other means and check
+    it afterwards); else :class:`PageFileError` with the reason :func:`read_page` would give."""
+    raw = os.pread(fd, HEADER_SIZE, 0)
+    checksum = _check_header(fd, raw if len(raw) >= HEADER_SIZE else b"", expected, want)
+    have = os.fstat(fd).st_size - HEADER_SIZE
+    if have < want:
+        raise PageFileError(f"file has {have} payload bytes, header says {want}")
+    if have > want:
+        raise PageFileError(f"file has over {want} payload bytes, header says {want}")
+    return checksum
+
+
 def _write_all(fd: int, buf, offset: int) -> None:
     """Write every byte of ``buf`` at ``offset``, retrying short writes."""
     done = os.pwrite(fd, buf, offset)

@@ -23,6 +23,7 @@ DYNAMIC_BACKEND = "dynamic"
 _BACKENDS: dict[str, tuple[str, str]] = {
     "file": ("engine.cache.storage.file", "HiCacheFile"),
     "mooncake": ("engine.cache.storage.mooncake", "MooncakeStore"),
+    "nixl": ("engine.cache.storage.nixl", "HiCacheNixl"),
 }
 
 
@@ -31,11 +32,7 @@ UNAVAILABLE: dict[str, str] = {
         "DeepSeek 3FS needs its usrbio client (hf3fs-py-usrbio), whose package builds only inside the 3FS "
         "source tree and reads and writes through a mounted 3FS (FUSE); KVFleet cannot install or test it"
     ),
-    "nixl": (
-        "NIXL as an L3 backend is not built yet (NIXL moves PD transfers: "
-        "--disaggregation-transfer-backend nixl); use file, mooncake or dynamic"
-    ),
-    "aibrix": "AIBrix KVCache as an L3 backend is not built yet; use file, mooncake or dynamic",
+    "aibrix": "AIBrix KVCache as an L3 backend is not built yet; use file, mooncake, nixl or dynamic",
 }
 """Upstream's backend names KVFleet does not build: name -> why, said wherever a backend is named."""
 
