@@ -52,6 +52,7 @@ class Gpu(models.Model):
 class StorageBackend(models.TextChoices):
     FILE = "file"
     MOONCAKE = "mooncake"
+    NIXL = "nixl"
     DYNAMIC = "dynamic"
 
 
