@@ -4,15 +4,22 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('inventory', '0015_restart_with_flags'),
+        ("inventory", "0015_restart_with_flags"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='storageprofile',
-            name='backend',
-            field=models.CharField(choices=[('file', 'File'), ('mooncake', 'Mooncake'), ('nixl', 'Nixl'), ('dynamic', 'Dynamic')], max_length=20),
+            model_name="storageprofile",
+            name="backend",
+            field=models.CharField(
+                choices=[
+                    ("file", "File"),
+                    ("mooncake", "Mooncake"),
+                    ("nixl", "Nixl"),
+                    ("dynamic", "Dynamic"),
+                ],
+                max_length=20,
+            ),
         ),
     ]
