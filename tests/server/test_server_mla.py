@@ -18,7 +18,9 @@ from server_testlib import ThreadedServer, model_testlib, run_requests, wait_idl
 
 from engine.bench.launcher import ServerProcess
 from engine.fleet.mooncake_master import MooncakeMaster
+from engine.fleet.router import RouterProcess
 from engine.model.runner import ModelRunner
+from engine.ports import free_port
 from engine.scheduler import Req, SamplingParams
 from engine.scheduler.req import Bootstrap
 from engine.server.args import ArgumentError, parse_args
@@ -217,6 +219,35 @@ def test_pd_of_the_latent_over_mooncake_equals_the_aggregated_worker(make_mla_en
     finally:
         for engine in engines:
             engine.scheduler.stop()
+
+
+def test_pd_from_a_tp2_prefill_behind_the_router_equals_the_aggregated_engine(make_mla_engine, mla_model):
+    """Real processes behind the real router (smg, ``--pd-disaggregation``): a tp-2 prefill (two rank
+    processes, each holding the whole latent) and a tp-1 decode over Mooncake. The decode takes the latent
+    whole from prefill rank 0 (rank 1 joins each room with an empty share); its greedy tokens equal an
+    aggregated tp-1 engine's, and both workers end with no PD request."""
+    flags = ["--model-path", str(mla_model[0]), "--page-size", "4", "--max-total-tokens", "512"]
+    prompts = [_prompt(41)[:37], _prompt(42)[:12]]
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = [r["ids"] for r in run_requests(make_mla_engine(*flags[2:]), prompts, **sp)]
+    bp = free_port()
+    pd = [*flags, "--disaggregation-transfer-backend", "mooncake", "--disaggregation-mode"]
+    p_flags = [*pd, "prefill", "--tp", "2", "--disaggregation-bootstrap-port", str(bp)]
+    with (
+        ServerProcess(p_flags, 600) as p,
+        ServerProcess([*pd, "decode"], 600) as d,
+        RouterProcess(["--pd-disaggregation", "--prefill", p.url, str(bp), "--decode", d.url]) as router,
+        httpx.Client(base_url=router.url, timeout=120) as client,
+    ):
+        got = []
+        for ids in prompts:
+            resp = client.post("/generate", json={"input_ids": ids, "sampling_params": sp})
+            assert resp.status_code == 200, resp.text
+            got.append(resp.json()["output_ids"])
+        assert got == want
+        for worker in (p, d):
+            assert httpx.get(f"{worker.url}/server_info", timeout=10).json()["num_pd_transfer_reqs"] == 0
+        assert "PD of deepseek_v3 (MLA)" in d.log_tail(100_000)
 
 
 def test_the_staging_buffer_is_refused_for_a_pd_worker_of_an_mla_model(mla_model, monkeypatch):
