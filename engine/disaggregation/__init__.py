@@ -58,7 +58,9 @@ def create_kv_manager(
     ``mode``: ``prefill`` (starts the bootstrap server on ``bootstrap_port``, 0 = a free port) or
     ``decode``. ``tp_rank`` of ``tp_size``: this process's tensor-parallel rank; a prefill rank > 0 starts
     no bootstrap server and registers at rank 0's, whose bound port ``bootstrap_port`` must then be.
-    ``model_kv_heads`` (decode): the model's KV head count, for pairing with a prefill of another tp.
+    ``model_kv_heads`` (decode): the model's KV head count, for pairing with a prefill of another tp
+    (``ModelConfig.kv_cache_heads``: 1 for an MLA latent, which every rank holds whole; None: the pool's
+    heads x ``tp_size``, right only for unreplicated GQA heads, so pass it at ``tp_size`` > 1).
     ``timeouts``: ``TransferTimeouts`` fields overriding upstream's env values.
     Raises ``TransferBackendError`` (backend unknown or unusable), ``ValueError`` (bad mode or port),
     ``OSError`` (bootstrap port taken).

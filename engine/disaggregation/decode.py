@@ -86,7 +86,9 @@ class DecodeTransfer(TransferBase):
     Tensor-parallel rank ``tp_rank`` of ``tp_size``: it pairs with the same rank of a prefill of the same tp
     and receives that rank's pages whole; with a prefill of another tp it receives each of its heads from
     the first prefill rank holding it (``heads.sources``; ``model_kv_heads``: the model's KV head count),
-    through its staging area when ``SGLANG_DISAGG_STAGING_BUFFER`` is on (``staging.py``).
+    through its staging area when ``SGLANG_DISAGG_STAGING_BUFFER`` is on (``staging.py``). One KV head (an
+    MLA latent): the whole latent as whole pages from prefill rank ``tp_rank * p_tp // tp_size``, never
+    staged (``heads.latent_shares``).
     """
 
     role = "decode"

@@ -107,8 +107,9 @@ class KVReceiver(RoomState):
     ) -> list[tuple[str, TransferInfo]]:
         """(prefill rank endpoint, transfer info from ``me``) for each source of the room: the destination
         pages, and with different tp sizes the share of heads, how many decode ranks that rank sends to, and
-        the region of ``staging`` it writes (when the transport ``stages`` and the area has room; else its
-        heads are written straight into the pages). The caller holds ``lock``; ``pages`` is set."""
+        the region of ``staging`` it writes (when the transport ``stages``, the share is not ``whole`` and
+        the area has room; else its heads are written straight into the pages; a ``whole`` share, e.g. an
+        MLA latent, is marked so and moves as whole pages). The caller holds ``lock``; ``pages`` is set."""
         pages, room = self.pages.tolist(), self.bootstrap_room  # type: ignore[union-attr]
         if ranks.shares is None:
             return [(endpoint, TransferInfo(me, room, pages)) for endpoint in ranks.endpoints.values()]
@@ -116,7 +117,9 @@ class KVReceiver(RoomState):
         for p, endpoint in ranks.endpoints.items():
             share = ranks.shares[p]
             wire = {"src_head": share.src_head, "dst_head": share.dst_head, "n": share.n}
-            if share.n and staging is not None and stages and endpoint not in self.staged:
+            if share.whole:  # every head of both ranks (MLA's latent): whole pages, never staged
+                wire["whole"] = True
+            elif share.n and staging is not None and stages and endpoint not in self.staged:
                 at = staging.alloc(share_bytes(self._port.layout, len(pages), share.n))
                 if at is not None:
                     self.staged[endpoint] = (at, share.dst_head, share.n)

@@ -10,6 +10,10 @@ rank of another tp (``heads.HeadShare``) are ``page_size`` separate pieces of ea
   the decode copies it into its pages (``scatter``): two memory copies, one transfer entry. The region's
   layout is page-major, ``(pages, 2 * layers, page_size, n, row)`` (buffers: layer 0..L-1 keys, then
   values), so the pages of a later chunk of the prompt land at ``offset + pages_before * page_share``.
+
+Neither applies to a share that is every head of both pools (``heads.HeadShare.whole``; always the case for
+an MLA model's latent): it moves as whole pages, like equal tp. A PD worker of an MLA model refuses to
+start with the staging buffer on (``mla_staging_refused``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,22 @@ def staging_enabled() -> bool:
     return os.environ.get("SGLANG_DISAGG_STAGING_BUFFER", "").strip().lower() in ("1", "true", "yes")
 
 
+def mla_staging_refused(architecture: str) -> str | None:
+    """Why a PD worker of an MLA model (``architecture``) cannot start with ``SGLANG_DISAGG_STAGING_BUFFER``
+    on, else None (the variable is off). The staging buffer gathers a share of KV heads sliced out of each
+    token's row (GQA/MHA KV between different tp sizes); an MLA latent is one KV head every rank holds whole,
+    so it is never sliced and always moves as whole pages (``heads.latent_shares``), as upstream keeps
+    staging to non-MLA models."""
+    if not staging_enabled():
+        return None
+    return (
+        f"SGLANG_DISAGG_STAGING_BUFFER={os.environ['SGLANG_DISAGG_STAGING_BUFFER']}: the PD staging buffer "
+        f"gathers KV heads sliced between different tp sizes (GQA/MHA KV only); {architecture} (MLA) keeps "
+        "one latent every rank holds whole, which moves as whole pages from one prefill rank per decode "
+        "rank; unset SGLANG_DISAGG_STAGING_BUFFER"
+    )
+
+
 def staging_pool_bytes() -> int:
     """``SGLANG_DISAGG_STAGING_POOL_SIZE_MB`` (default 64) in bytes; ``ValueError`` names the variable."""
     raw = os.environ.get("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "") or str(DEFAULT_POOL_MB)
@@ -40,6 +60,19 @@ def staging_pool_bytes() -> int:
     if mb < 1:
         raise ValueError(f"SGLANG_DISAGG_STAGING_POOL_SIZE_MB must be >= 1, got {mb}")
     return mb << 20
+
+
+def whole_share_mismatch(local: KVLayout, remote: KVLayout, share: dict) -> str | None:
+    """Why a share marked ``whole`` (``heads.HeadShare.whole``: every head of both pools, as an MLA
+    latent is) cannot move as whole pages between ``local`` and ``remote``, else None."""
+    n = share["n"]
+    if share["src_head"] or share["dst_head"] or not n == local.num_kv_heads == remote.num_kv_heads:
+        return (
+            f"a whole-page share of {n} KV heads from head {share['src_head']} to head {share['dst_head']} "
+            f"does not cover both pools (prefill rank holds {local.num_kv_heads}, decode rank "
+            f"{remote.num_kv_heads})"
+        )
+    return local.mismatch(remote)
 
 
 def page_share_bytes(layout: KVLayout, n: int) -> int:

@@ -18,6 +18,7 @@ import torch
 from engine.disaggregation.base import KVLayout, KVPoll
 from engine.disaggregation.common import TestDelay
 from engine.disaggregation.sender import KVSender
+from engine.disaggregation.staging import whole_share_mismatch
 from engine.disaggregation.transport import TransferFailed, Transport
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ class WriterPort(Protocol):
     """What the writer needs from the prefill transfer."""
 
     transport: Transport
+    layout: KVLayout  # this prefill rank's pool
 
     def decode_target(self, endpoint: str) -> tuple[dict, KVLayout]:
         """(the transport descriptor of the decode at side-channel ``endpoint``, its pool layout)."""
@@ -104,12 +106,17 @@ class PageWriter:
                 self._port.report(dest["endpoint"], sender.bootstrap_room, status, reason, **aux)
 
     def _write(self, room: int, dest: dict, jobs: list[tuple[torch.Tensor, int]]) -> None:
-        """Write the queued pages to one decode rank: whole pages, or its share of the heads (nothing for
-        an empty share). Raises ``TransferFailed``."""
+        """Write the queued pages to one decode rank: whole pages (equal tp, or a ``whole`` share such as an
+        MLA latent), or its share of the heads (nothing for an empty share). Raises ``TransferFailed``."""
         share = dest["share"]
         if share is not None and share["n"] == 0:
             return
         target, layout = self._port.decode_target(dest["endpoint"])
+        if share is not None and share.get("whole"):
+            why = whole_share_mismatch(self._port.layout, layout, share)
+            if why is not None:
+                raise TransferFailed(why)
+            share = None  # every head of both pools (MLA's latent): whole pages, one entry per run
         for src, offset in jobs:
             chunk_dst = dest["pages"][offset : offset + len(src)]
             chunk_share = None if share is None else {**share, "page_offset": offset}

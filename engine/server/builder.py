@@ -21,6 +21,7 @@ from engine.cache.hiradix_cache import HiRadixCache
 from engine.cache.kv_dtypes import resolve_kv_cache_dtype
 from engine.cache.tenant_caps import TenantCap, TenantCaps
 from engine.disaggregation import PrefillTransfer, TransferBackendError, create_kv_manager
+from engine.disaggregation.staging import mla_staging_refused
 from engine.distributed import TPConfigError, TPGroup, TPShard, check_tp_size, init_tp_group, single_rank
 from engine.grammar.backend import GrammarBackend
 from engine.model.config import ModelConfig
@@ -49,6 +50,10 @@ MLA_LCM_NOOP = (
     "so every tp size shares its pages already"
 )
 
+MLA_PD_WHOLE = (
+    "PD of %s (MLA): its %d-value latent is one KV head every rank holds whole, so slicing KV heads between "
+    "tp sizes is a no-op: each decode rank receives whole pages once, from one prefill rank"
+)
 
 # HiCacheConfig field -> the flag that sets it; any other field comes from the extra config.
 _FLAGS = {
@@ -127,7 +132,8 @@ def pd_transfer(args: ServerArgs, pool: DeviceKVPool, group: TPGroup | None = No
 
 
 def _kv_manager(args: ServerArgs, pool: DeviceKVPool, group: TPGroup, bootstrap_port: int):
-    model_kv_heads = load_config(args.model_path).kv_cache_heads if group.size > 1 else None
+    cfg = load_config(args.model_path)
+    model_kv_heads = cfg.kv_cache_heads if group.size > 1 else None
     try:
         mgr = create_kv_manager(
             args.disaggregation_transfer_backend,
@@ -157,6 +163,8 @@ def _kv_manager(args: ServerArgs, pool: DeviceKVPool, group: TPGroup, bootstrap_
         args.disaggregation_transfer_backend,
         f", bootstrap port {mgr.bootstrap_port}" if isinstance(mgr, PrefillTransfer) else "",
     )
+    if cfg.mla and group.is_leader:
+        logger.info(MLA_PD_WHOLE, cfg.architecture, 2 * cfg.kv_cache_head_dim)
     return mgr
 
 
@@ -198,6 +206,8 @@ def _check_tp(args: ServerArgs) -> None:
     cfg = load_config(args.model_path)
     _check_tp_lcm(args, cfg)
     why = mla_unsupported(cfg, args.attention_backend)
+    if cfg.mla and args.disaggregation_mode != "null":
+        why = why or mla_staging_refused(cfg.architecture)
     if why:
         raise ArgumentError(why)
     if args.tp_size == 1:

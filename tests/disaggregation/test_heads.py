@@ -8,7 +8,7 @@ import torch
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVLayout
 from engine.disaggregation.heads import HeadShare, destinations, head_shares, rank_heads, sources
-from engine.disaggregation.staging import StagingArea, pack, scatter, share_bytes
+from engine.disaggregation.staging import StagingArea, pack, scatter, share_bytes, whole_share_mismatch
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 4), (4, 1), (8, 2), (2, 8), (8, 1), (1, 8)])
@@ -31,8 +31,33 @@ def test_every_prefill_rank_has_a_share_and_replicas_after_the_first_send_nothin
 
 
 def test_equal_tp_pairs_rank_with_rank_whole():
-    assert head_shares(4, 8, 8)[5] == HeadShare(5, 5, 0, 0, 1)
-    assert head_shares(4, 2, 2) == [HeadShare(0, 0, 0, 0, 2), HeadShare(1, 1, 0, 0, 2)]
+    assert head_shares(4, 8, 8)[5] == HeadShare(5, 5, 0, 0, 1, whole=True)
+    assert head_shares(4, 2, 2) == [HeadShare(0, 0, 0, 0, 2, True), HeadShare(1, 1, 0, 0, 2, True)]
+
+
+def test_a_share_is_whole_only_when_it_is_every_head_of_both_ranks():
+    assert all(not s.whole for s in head_shares(4, 2, 1) + head_shares(4, 1, 2) + head_shares(4, 8, 2))
+    # tp 8 over 4 KV heads holds one head per rank, as does tp 4: each decode rank's one head is whole
+    assert destinations(4, 8, 4, 2) == [HeadShare(2, 1, 0, 0, 1, whole=True)]
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "sender_of"),
+    [(1, 1, [0]), (2, 1, [0]), (1, 2, [0, 0]), (4, 2, [0, 2]), (2, 4, [0, 0, 1, 1]), (3, 2, [0, 1])],
+)
+def test_the_mla_latent_goes_whole_once_to_each_decode_rank_from_one_prefill_rank(p_tp, d_tp, sender_of):
+    """One KV head (MLA's latent) is on every rank of both sides: never sliced, no tp divisibility rule;
+    decode rank d gets it whole from prefill rank d * p_tp // d_tp, the other prefill ranks send nothing."""
+    shares = head_shares(1, p_tp, d_tp)
+    for d in range(d_tp):
+        (got,) = [s for s in sources(1, p_tp, d_tp, d) if s.n]
+        assert got == HeadShare(sender_of[d], d, 0, 0, 1, whole=True)
+    for p in range(p_tp):  # every prefill rank takes part; a non-sender with one empty share
+        mine = destinations(1, p_tp, d_tp, p)
+        assert mine == [s for s in shares if s.p == p] and mine
+        if p not in sender_of:
+            assert [(s.n, s.whole) for s in mine] == [(0, False)]
+    assert sum(s.n for s in shares) == d_tp  # the latent crosses once per decode rank
 
 
 def test_a_tp_that_does_not_split_the_heads_is_refused_naming_it():
@@ -67,3 +92,11 @@ def test_the_staging_area_hands_out_first_fit_regions_and_refuses_when_full():
     assert [area.alloc(40), area.alloc(40), area.alloc(40)] == [0, 40, None]
     area.free(0)
     assert [area.alloc(30), area.alloc(20), area.alloc(1)] == [0, 80, 30]
+
+
+def test_a_whole_share_moves_only_between_pools_holding_exactly_its_heads():
+    one, four = KVLayout.from_pool(_pool(1)), KVLayout.from_pool(_pool(4))
+    latent = {"src_head": 0, "dst_head": 0, "n": 1, "whole": True}
+    assert whole_share_mismatch(one, one, latent) is None
+    assert "(prefill rank holds 4, decode rank 1)" in whole_share_mismatch(four, one, latent)
+    assert "from head 2 to head 0" in whole_share_mismatch(four, four, {**latent, "src_head": 2, "n": 4})

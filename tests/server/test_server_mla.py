@@ -8,6 +8,7 @@ The tiny checkpoint is written by transformers (tests/model/model_testlib.py); t
 from __future__ import annotations
 
 import json
+import queue
 import random
 import time
 
@@ -17,7 +18,11 @@ from server_testlib import ThreadedServer, model_testlib, run_requests, wait_idl
 
 from engine.bench.launcher import ServerProcess
 from engine.fleet.mooncake_master import MooncakeMaster
+from engine.fleet.router import RouterProcess
 from engine.model.runner import ModelRunner
+from engine.ports import free_port
+from engine.scheduler import Req, SamplingParams
+from engine.scheduler.req import Bootstrap
 from engine.server.args import ArgumentError, parse_args
 from engine.server.builder import build_engine
 from tests.support.counting_storage import counts
@@ -154,6 +159,103 @@ def test_the_triton_backend_is_refused_for_mla_naming_the_flag(mla_model, monkey
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # so the CPU's own refusal of Triton does not come first
     with pytest.raises(ArgumentError, match=r"--attention-backend triton: deepseek_v3 \(MLA\)"):
         build_engine(parse_args(["--model-path", str(mla_model[0]), "--attention-backend", "triton"]))
+
+
+PD_FLAGS = ["--page-size", "16", "--max-total-tokens", "512", "--chunked-prefill-size", "48"]
+
+
+def _run_pd(p, d, prompts: list[list[int]]) -> list[dict]:
+    """Each prompt submitted to the prefill and the decode engine with one bootstrap room, as the router
+    does; the decode's results (``{"ids", "meta", "reason"}``)."""
+    rooms = [
+        Bootstrap("127.0.0.1", p.args.disaggregation_bootstrap_port, random.getrandbits(63)) for _ in prompts
+    ]
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+    events = [queue.Queue(), queue.Queue()]
+    for i, (prompt, room) in enumerate(zip(prompts, rooms, strict=True)):
+        for engine, sink in zip((p, d), events, strict=True):
+            engine.scheduler.submit(Req(f"r{i}", list(prompt), sp, sink.put, bootstrap=room))
+    out = []
+    for sink in events:
+        results = {f"r{i}": {"ids": [], "meta": {}, "reason": None} for i in range(len(prompts))}
+        pending = set(results)
+        while pending:
+            ev = sink.get(timeout=120)
+            results[ev.rid]["ids"] += ev.new_ids
+            results[ev.rid]["meta"].update(ev.meta)
+            if ev.finished:
+                results[ev.rid]["reason"] = ev.finish_reason
+                pending.discard(ev.rid)
+        out.append([results[f"r{i}"] for i in range(len(prompts))])
+    return out[1]
+
+
+def test_pd_of_the_latent_over_mooncake_equals_the_aggregated_worker(make_mla_engine, mla_model, caplog):
+    """P tp 1 -> D tp 1 of the MLA model through Mooncake's real TransferEngine (engines in this process):
+    the decode's greedy tokens equal an aggregated worker's, and P's transport sent exactly the latent's bytes
+    per token of each prompt's whole pages."""
+    folder = str(mla_model[0])
+    agg = make_mla_engine(*PD_FLAGS)
+    prompts = [_prompt(31), _prompt(32)[:70]]
+    want = [r["ids"] for r in run_requests(agg, prompts, max_new_tokens=NEW_TOKENS)]
+    pd = [*PD_FLAGS, "--disaggregation-transfer-backend", "mooncake", "--disaggregation-mode"]
+    engines = []
+    try:
+        with caplog.at_level("INFO", logger="engine.server.builder"):
+            for mode in (["prefill", "--disaggregation-bootstrap-port", "0"], ["decode"]):
+                args = parse_args(["--model-path", folder, *pd, *mode])
+                engines.append(build_engine(args, runner=ModelRunner(folder, dtype="float32", device="cpu")))
+        p, d = engines
+        got = _run_pd(p, d, prompts)
+        assert [g["ids"] for g in got] == want
+        assert all(g["reason"]["type"] == "length" for g in got)
+        for engine in (p, d):
+            wait_idle(engine)
+        pool = p.scheduler.pool
+        assert pool.bytes_per_token == 2 * LATENT * 4  # 2 layers x 48 float32 values
+        tokens = sum(-(-len(prompt) // 16) * 16 for prompt in prompts)  # whole pages
+        assert p.scheduler.pd.mgr.transport.bytes_sent == tokens * pool.bytes_per_token
+        assert "PD of deepseek_v3 (MLA)" in caplog.text  # slicing by heads: a no-op, logged
+    finally:
+        for engine in engines:
+            engine.scheduler.stop()
+
+
+def test_pd_from_a_tp2_prefill_behind_the_router_equals_the_aggregated_engine(make_mla_engine, mla_model):
+    """Real processes behind the real router (smg, ``--pd-disaggregation``): a tp-2 prefill (two rank
+    processes, each holding the whole latent) and a tp-1 decode over Mooncake. The decode takes the latent
+    whole from prefill rank 0 (rank 1 joins each room with an empty share); its greedy tokens equal an
+    aggregated tp-1 engine's, and both workers end with no PD request."""
+    flags = ["--model-path", str(mla_model[0]), "--page-size", "4", "--max-total-tokens", "512"]
+    prompts = [_prompt(41)[:37], _prompt(42)[:12]]
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = [r["ids"] for r in run_requests(make_mla_engine(*flags[2:]), prompts, **sp)]
+    bp = free_port()
+    pd = [*flags, "--disaggregation-transfer-backend", "mooncake", "--disaggregation-mode"]
+    p_flags = [*pd, "prefill", "--tp", "2", "--disaggregation-bootstrap-port", str(bp)]
+    with (
+        ServerProcess(p_flags, 600) as p,
+        ServerProcess([*pd, "decode"], 600) as d,
+        RouterProcess(["--pd-disaggregation", "--prefill", p.url, str(bp), "--decode", d.url]) as router,
+        httpx.Client(base_url=router.url, timeout=120) as client,
+    ):
+        got = []
+        for ids in prompts:
+            resp = client.post("/generate", json={"input_ids": ids, "sampling_params": sp})
+            assert resp.status_code == 200, resp.text
+            got.append(resp.json()["output_ids"])
+        assert got == want
+        for worker in (p, d):
+            assert httpx.get(f"{worker.url}/server_info", timeout=10).json()["num_pd_transfer_reqs"] == 0
+        assert "PD of deepseek_v3 (MLA)" in d.log_tail(100_000)
+
+
+def test_the_staging_buffer_is_refused_for_a_pd_worker_of_an_mla_model(mla_model, monkeypatch):
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
+    args = parse_args(["--model-path", str(mla_model[0]), "--disaggregation-mode", "decode"])
+    with pytest.raises(ArgumentError, match=r"SGLANG_DISAGG_STAGING_BUFFER=1: .*deepseek_v3 \(MLA\)") as err:
+        build_engine(args)
+    assert "GQA/MHA KV only" in str(err.value) and "unset SGLANG_DISAGG_STAGING_BUFFER" in str(err.value)
 
 
 def _generate(client: httpx.Client, ids: list[int]) -> tuple[list[int], dict]:
