@@ -12,14 +12,16 @@ from rest_framework.views import APIView
 
 from controlplane.accounts.permissions import AGENT_ROLES, READ_ROLES
 from controlplane.accounts.selectors import agent_host_scope
-from controlplane.capacity import calibration, misses, selectors, services
+from controlplane.capacity import calibration, crossover, misses, selectors, services
 from controlplane.capacity.api.serializers import (
+    CrossoverQuerySerializer,
     MissesQuerySerializer,
     SizingQuerySerializer,
     TraceIngestSerializer,
     WhatIfSerializer,
 )
 from controlplane.capacity.limits import whatif_slot
+from controlplane.core.exceptions import ServiceUnavailable
 from controlplane.telemetry.services import ingest_worker
 
 
@@ -208,4 +210,27 @@ class MissesApi(APIView):
             out["tenants"] = misses.tenant_misses(selectors.pool_worker_names(pool=pool))
         except promql.PromQLError as exc:
             out["tenants"], out["tenants_unavailable"] = None, str(exc)
+        return Response(out)
+
+
+class CrossoverApi(APIView):
+    """GET: per worker (of ``pool``, else all) that exports ``sglang:kv_cost_*`` counters, from what prefix
+    length loading from L2 and from L3 beats recomputing, the recommended ``prefetch_threshold`` and
+    prefetch timeout terms, the changes from its live HiCache config, and the numbers behind them: the
+    measured buckets and the fitted cost lines (``controlplane/capacity/crossover.py``, docs/capacity.md).
+    Read from the TSDB (counters since each worker started, or their increase over ``window_s``); 503
+    ``metrics_unavailable`` when it does not answer, 400 naming a bad ``pool`` or ``window_s``. A
+    calculation: it changes nothing (apply the recommendation as a HiCache config change)."""
+
+    @extend_schema(parameters=[CrossoverQuerySerializer], responses=OpenApiTypes.OBJECT)
+    def get(self, request):
+        from controlplane.telemetry import promql
+
+        query = CrossoverQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        data = query.validated_data
+        try:
+            out = crossover.pool_crossover(pool=data.get("pool"), window_s=data.get("window_s"))
+        except promql.PromQLError as exc:
+            raise ServiceUnavailable(str(exc), code="metrics_unavailable") from exc
         return Response(out)
