@@ -204,6 +204,25 @@ def costs_from_samples(samples: dict[str, list[dict]]) -> dict[str, dict[str, li
     return out
 
 
+def _answers(workers: dict, window_s: int | None) -> list[dict]:
+    """:func:`worker_crossover` of each of ``workers`` ({name: EngineWorker}) that exports cost counters,
+    from the TSDB (raises ``promql.PromQLError`` when it does not answer)."""
+    from controlplane.telemetry.promql import PromQL
+
+    client = PromQL()
+    fmt = {"range": "increase", "window": f"[{window_s}s]"} if window_s else {"range": "", "window": ""}
+    samples = {kind: client.query(expr.format(**fmt)) for kind, expr in QUERIES.items()}
+    costs = costs_from_samples(samples)
+    rows = []
+    for name, worker in workers.items():
+        if name in costs:
+            current = worker.hicache_config or None
+            rows.append(
+                {"worker": name, **worker_crossover(costs[name], page_size=worker.page_size, current=current)}
+            )
+    return rows
+
+
 def pool_crossover(*, pool: str | None, window_s: int | None = None) -> dict:
     """Every worker of ``pool`` (None: the fleet) that exports cost counters: :func:`worker_crossover` from
     the TSDB's newest scrape (counters since the worker started; with ``window_s``, their increase over the
@@ -211,21 +230,77 @@ def pool_crossover(*, pool: str | None, window_s: int | None = None) -> dict:
     Returns ``{"pool", "window_s", "workers": [...]}``. Raises ``promql.PromQLError`` when the TSDB does not
     answer."""
     from controlplane.inventory.models import EngineWorker
-    from controlplane.telemetry.promql import PromQL
     from controlplane.telemetry.selectors import POOLS
 
     roles = [role for role, name in POOLS.items() if name == pool] if pool else list(POOLS)
     workers = {w.name: w for w in EngineWorker.objects.filter(role__in=roles).order_by("name")}
-    client = PromQL()
-    fmt = {"range": "increase", "window": f"[{window_s}s]"} if window_s else {"range": "", "window": ""}
-    samples = {kind: client.query(expr.format(**fmt)) for kind, expr in QUERIES.items()}
-    costs = costs_from_samples(samples)
-    rows = []
-    for name, worker in workers.items():
-        if name not in costs:
-            continue
-        answer = worker_crossover(
-            costs[name], page_size=worker.page_size, current=worker.hicache_config or None
+    return {"pool": pool, "window_s": window_s, "workers": _answers(workers, window_s)}
+
+
+def crossover_apply(*, worker_name: str, window_s: int | None = None, actor) -> dict:
+    """Offer worker ``worker_name``'s recommendation as an ordinary HiCache config change: its
+    ``recommended`` fields become the head revision of the config profile ``crossover-<worker>`` (created
+    on first use; the revision's message gives the crossover behind it) and an ``apply_config`` operation
+    on that worker is created (idle-gated, verified, audited, revertible like any other).
+
+    Returns ``{"worker", "operation" (id), "profile", "revision" (number), "changes" ({field: {before,
+    after}}: the preview), "recommended", "tiers"}``. Raises ``ApplicationError`` 400 naming ``worker`` when
+    no such worker, ``no_recommendation`` (with the notes) when its costs do not give one, ``ConflictError``
+    409 ``no_change`` when the live config already has the recommended values (and what operation_create
+    raises: 409 while another operation holds the worker, ``not_supported``), ``promql.PromQLError`` when
+    the TSDB does not answer."""
+    from controlplane.configs.models import ConfigProfile
+    from controlplane.configs.services import profile_create, revision_commit
+    from controlplane.core.exceptions import ApplicationError, ConflictError
+    from controlplane.inventory.models import EngineWorker
+    from controlplane.operations.services import operation_create
+
+    worker = EngineWorker.objects.filter(name=worker_name).first()
+    if worker is None:
+        raise ApplicationError(
+            f"no worker {worker_name!r}", detail={"worker": [f"no worker {worker_name!r}"]}
         )
-        rows.append({"worker": name, **answer})
-    return {"pool": pool, "window_s": window_s, "workers": rows}
+    rows = _answers({worker.name: worker}, window_s)
+    answer = rows[0] if rows else None
+    if answer is None or not answer["recommended"]:
+        notes = answer["notes"] if answer else ["the TSDB holds no sglang:kv_cost_* counters of this worker"]
+        raise ApplicationError(
+            f"{worker.name}: no recommendation yet: {'; '.join(notes)}",
+            code="no_recommendation",
+            detail={"notes": notes},
+        )
+    if not answer["changes"]:
+        raise ConflictError(f"{worker.name} already runs the recommended values", code="no_change")
+    content = answer["recommended"]
+    l3 = answer["tiers"]["L3"]
+    message = (
+        f"measured crossover of {worker.name}: loading from L3 wins {l3['loading_wins']}"
+        + (f" {l3['crossover_tokens']} tokens" if l3["crossover_tokens"] is not None else "")
+        + f" (load {l3['load_fixed_s']:.4g} s + {l3['load_per_token_s']:.3g} s/token, "
+        f"recompute {l3['recompute_per_token_s']:.3g} s/token)"
+    )
+    name = f"crossover-{worker.name}"
+    profile = ConfigProfile.objects.filter(name=name).first()
+    if profile is None:
+        profile = profile_create(
+            name=name, description="the measured crossover's recommendation", actor=actor
+        )
+    head = profile.revisions.filter(number=profile.head_number).first()
+    if head is not None and head.content == content:
+        revision = head
+    else:
+        revision = revision_commit(
+            profile=profile, if_match=profile.etag, content=content, message=message, actor=actor
+        )
+    op = operation_create(
+        kind="apply_config", workers=[worker], revision=revision, actor=actor, reason=message
+    )
+    return {
+        "worker": worker.name,
+        "operation": op.pk,
+        "profile": profile.name,
+        "revision": revision.number,
+        "changes": answer["changes"],
+        "recommended": content,
+        "tiers": answer["tiers"],
+    }

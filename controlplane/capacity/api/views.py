@@ -14,6 +14,7 @@ from controlplane.accounts.permissions import AGENT_ROLES, READ_ROLES
 from controlplane.accounts.selectors import agent_host_scope
 from controlplane.capacity import calibration, crossover, misses, selectors, services
 from controlplane.capacity.api.serializers import (
+    CrossoverApplySerializer,
     CrossoverQuerySerializer,
     MissesQuerySerializer,
     SizingQuerySerializer,
@@ -234,3 +235,28 @@ class CrossoverApi(APIView):
         except promql.PromQLError as exc:
             raise ServiceUnavailable(str(exc), code="metrics_unavailable") from exc
         return Response(out)
+
+
+class CrossoverApplyApi(APIView):
+    """POST ``{worker, window_s?}``: apply the worker's crossover recommendation as an ordinary HiCache
+    config change: a revision of the config profile ``crossover-<worker>`` and an ``apply_config``
+    operation on the worker (idle-gated, verified, audited, revertible; follow it at
+    ``/api/v1/operations/<id>/``). 201 ``{worker, operation, profile, revision, changes (before -> after),
+    recommended, tiers}``; 400 naming ``worker`` or ``no_recommendation`` (with the notes), 409
+    ``no_change`` when the worker already runs the recommended values (or another operation holds it), 503
+    ``metrics_unavailable`` without the TSDB."""
+
+    @extend_schema(request=CrossoverApplySerializer, responses={201: OpenApiTypes.OBJECT})
+    def post(self, request):
+        from controlplane.telemetry import promql
+
+        body = CrossoverApplySerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        try:
+            out = crossover.crossover_apply(
+                worker_name=data["worker"], window_s=data.get("window_s"), actor=request.user
+            )
+        except promql.PromQLError as exc:
+            raise ServiceUnavailable(str(exc), code="metrics_unavailable") from exc
+        return Response(out, status=status.HTTP_201_CREATED)

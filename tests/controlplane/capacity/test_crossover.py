@@ -14,6 +14,8 @@ from controlplane.capacity.crossover import (
     fit_cost,
     worker_crossover,
 )
+from controlplane.operations.models import Operation
+from controlplane.operations.services import target_step
 from engine.cache.costs import TransferCosts
 from engine.server.metrics import EngineMetrics
 
@@ -111,10 +113,15 @@ def test_costs_from_promql_samples_sum_per_worker_operation_and_size():
 
 
 @pytest.mark.django_db
-def test_crossover_api_reads_the_worker_exporter_from_the_tsdb(tsdb, api_as):
+def test_crossover_api_reads_the_worker_exporter_from_the_tsdb_and_applies_it(tsdb, api_as, fake_worker):
+    """GET answers the crossover of the worker's real exporter as Prometheus holds it; POST .../apply/
+    turns the recommendation into a config revision and an idle-gated apply_config operation, which,
+    driven step by step against a fake worker over HTTP, leaves the recommended values on it."""
+    fake = fake_worker()
     worker = EngineWorkerFactory(
-        name="w0", role="mixed", page_size=PAGE, hicache_config={"prefetch_threshold": 256}
-    )
+        name="w0", role="mixed", page_size=PAGE, url=fake.url, admin_key=fake.admin_key,
+        hicache_config={"prefetch_threshold": 256},
+    )  # fmt: skip
     costs = _costs(("load_back", LOAD_BACK), ("prefetch", PREFETCH), ("prefill", PREFILL))
     state = {"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000}
     state["cache_stats"] = {"costs": costs.snapshot()}
@@ -133,3 +140,24 @@ def test_crossover_api_reads_the_worker_exporter_from_the_tsdb(tsdb, api_as):
     }
     refused = viewer.get("/api/v1/capacity/crossover/", {"window_s": 1})
     assert refused.status_code == 400 and "window_s" in refused.json()["error"]["detail"]
+
+    apply = "/api/v1/capacity/crossover/apply/"
+    assert viewer.post(apply, {"worker": "w0"}, format="json").status_code == 403
+    operator = api_as("operator")
+    unknown = operator.post(apply, {"worker": "w9"}, format="json")
+    assert unknown.status_code == 400 and "worker" in unknown.json()["error"]["detail"]
+    applied = operator.post(apply, {"worker": "w0"}, format="json")
+    assert applied.status_code == 201, applied.content
+    body = applied.json()
+    assert body["changes"] == row["changes"] and body["profile"] == "crossover-w0" and body["revision"] == 1
+    op = Operation.objects.get(pk=body["operation"])
+    assert op.kind == "apply_config" and "538.5 tokens" in op.reason
+    target = op.targets.get()
+    deadline = time.monotonic() + 30
+    while (delay := target_step(target_id=target.pk)) is not None:
+        assert time.monotonic() < deadline, "the apply_config target did not finish"
+        time.sleep(delay)
+    target.refresh_from_db()
+    assert target.state == "succeeded", target.explanation
+    assert fake.config["prefetch_threshold"] == 544 and fake.config["prefetch_timeout_base"] == 0.021
+    assert target.before["prefetch_threshold"] != 544 and target.after["prefetch_threshold"] == 544
