@@ -9,7 +9,8 @@ least squares weighted by their operation counts::
 
 Loading ``n`` prefix tokens from a tier costs its operations' lines added up (L2: ``load_back``; L3:
 ``prefetch`` then ``load_back``); recomputing them costs ``prefill``'s per-token slope only (the pass for the
-rest of the prompt runs anyway, so its fixed part is paid either way). Loading wins from::
+rest of the prompt runs anyway, so its fixed part is paid either way; a slope read as 0 from noisy buckets
+is replaced by prefill's mean seconds per token). Loading wins from::
 
     crossover_tokens = load_fixed_s / (prefill_per_token_s - load_per_token_s)
 
@@ -132,13 +133,17 @@ def worker_crossover(costs: dict[str, list[dict]], *, page_size: int, current: d
             continue
         fixed = sum(p["fixed_s"] for p in parts)
         per_token = sum(p["per_token_s"] for p in parts)
-        cross = crossover_tokens(fixed, per_token, prefill["per_token_s"])
+        # a prefill slope read as 0 (time not growing with size in noisy buckets): its mean cost per token
+        recompute = prefill["per_token_s"] or (
+            prefill["seconds"] / prefill["tokens"] if prefill["tokens"] else 0
+        )
+        cross = crossover_tokens(fixed, per_token, recompute)
         tiers[tier] = {
             "crossover_tokens": None if cross is None else round(cross, 1),
             "loading_wins": "never" if cross is None else ("always" if cross == 0 else "from"),
             "load_fixed_s": fixed,
             "load_per_token_s": per_token,
-            "recompute_per_token_s": prefill["per_token_s"],
+            "recompute_per_token_s": recompute,
         }
     recommended: dict = {}
     l3 = tiers["L3"]

@@ -93,6 +93,18 @@ def test_an_l3_slower_than_recompute_raises_the_threshold_past_every_prefill():
     assert "slower than recomputing" in out["notes"][0]
 
 
+def test_a_flat_prefill_line_recomputes_at_its_mean_cost_per_token():
+    costs = _costs(("load_back", LOAD_BACK), ("prefetch", PREFETCH)).snapshot()
+    costs["prefill"] = [  # the bigger bucket ran faster per pass: no slope can be read
+        {"size": "64", "count": 3, "tokens": 150, "seconds": 0.3},
+        {"size": "512", "count": 3, "tokens": 1500, "seconds": 0.24},
+    ]
+    out = worker_crossover(costs, page_size=PAGE)
+    assert out["fits"]["prefill"]["per_token_s"] == 0
+    assert out["tiers"]["L3"]["recompute_per_token_s"] == pytest.approx(0.54 / 1650)
+    assert out["tiers"]["L3"]["crossover_tokens"] == pytest.approx(0.021 / (0.54 / 1650 - 11e-6), abs=0.1)
+
+
 def test_too_few_operations_give_no_answer_and_say_why():
     costs = _costs(("load_back", LOAD_BACK), ("prefill", PREFILL), sizes=(100,), repeat=2).snapshot()
     out = worker_crossover(costs, page_size=PAGE, current=None)
