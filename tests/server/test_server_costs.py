@@ -1,6 +1,7 @@
 """What loading costs against recomputing, measured on a real worker from its own requests: a cold prompt
 (prefill passes), the same prompt loaded back from L2 and prefetched from the file L3; the worker's
-``sglang:kv_cost_*`` counters hold exactly those operations and tokens, with a positive time each."""
+``sglang:kv_cost_*`` counters hold exactly those operations and tokens, with a positive time each, and
+``GET /hicache/costs`` answers the same sums."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_load_back_prefetch_and_prefill_costs_appear_after_real_requests(serve, 
         "--enable-metrics", "--page-size", str(PAGE), "--max-total-tokens", "1024",
         "--chunked-prefill-size", str(CHUNK), "--enable-hierarchical-cache", "--hicache-ratio", "4",
         "--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", extra,
-        "--hicache-storage-prefetch-policy", "wait_complete",
+        "--hicache-storage-prefetch-policy", "wait_complete", "--admin-api-key", "cost-admin",
     )  # fmt: skip
     engine = server.engine
     rng = random.Random(3)
@@ -89,3 +90,12 @@ def test_load_back_prefetch_and_prefill_costs_appear_after_real_requests(serve, 
             "seconds": samples[("sglang:kv_cost_seconds_total", "load_back", "256")],
         }
     ]
+    # the same sums as JSON on the admin route (the worker contract's KVCosts)
+    assert client.get("/hicache/costs").status_code == 401
+    got = client.get("/hicache/costs", headers={"Authorization": "Bearer cost-admin"})
+    assert got.status_code == 200, got.text
+    assert got.json() == {
+        "page_size": PAGE,
+        "prefetch_threshold": PAGE,
+        "operations": engine.scheduler.state["cache_stats"]["costs"],
+    }
