@@ -201,14 +201,10 @@ async def put_config(request: Request):
 @router.get("/hicache/costs")
 async def get_costs(request: Request):
     engine = _auth(request)
-    state = engine.scheduler.state
-    costs = (state.get("cache_stats") or {}).get("costs") or {}
-    hicache = state.get("hicache") or {}
+    state = engine.scheduler.state  # the published snapshot: hierarchical, so "hicache" is the live settings
     body = {
         "page_size": engine.scheduler.page_size,
-        "prefetch_threshold": hicache.get(
-            "prefetch_threshold", engine.scheduler.cache.config.prefetch_threshold
-        ),
-        "operations": costs,
+        "prefetch_threshold": state["hicache"]["prefetch_threshold"],
+        "operations": state["cache_stats"]["costs"],
     }
     return JSONResponse(KVCosts.model_validate(body).model_dump())
