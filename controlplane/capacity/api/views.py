@@ -1,6 +1,7 @@
 """Capacity endpoints: the KV sizing calculator, the workers' pool sizes, and recorded traffic per pool."""
 
 import json
+import time
 
 from django.conf import settings
 from django.http import HttpResponse
@@ -23,6 +24,7 @@ from controlplane.capacity.api.serializers import (
 )
 from controlplane.capacity.limits import whatif_slot
 from controlplane.core.exceptions import ServiceUnavailable
+from controlplane.telemetry.selectors import unavailable_text
 from controlplane.telemetry.services import ingest_worker
 
 
@@ -219,8 +221,9 @@ class CrossoverApi(APIView):
     length loading from L2 and from L3 beats recomputing, the recommended ``prefetch_threshold`` and
     prefetch timeout terms, the changes from its live HiCache config, and the numbers behind them: the
     measured buckets and the fitted cost lines (``controlplane/capacity/crossover.py``, docs/capacity.md).
-    Read from the TSDB (counters since each worker started, or their increase over ``window_s``); 503
-    ``metrics_unavailable`` when it does not answer, 400 naming a bad ``pool`` or ``window_s``. A
+    Read from the TSDB (counters since each worker started, or their increase over ``window_s``); while it
+    does not answer, no workers and ``unavailable`` says why (else null). 400 naming a bad ``pool`` or
+    ``window_s``. A
     calculation: it changes nothing (apply the recommendation as a HiCache config change)."""
 
     @extend_schema(parameters=[CrossoverQuerySerializer], responses=OpenApiTypes.OBJECT)
@@ -231,9 +234,12 @@ class CrossoverApi(APIView):
         query.is_valid(raise_exception=True)
         data = query.validated_data
         try:
-            out = crossover.pool_crossover(pool=data.get("pool"), window_s=data.get("window_s"))
-        except promql.PromQLError as exc:
-            raise ServiceUnavailable(str(exc), code="metrics_unavailable") from exc
+            out = {**crossover.pool_crossover(pool=data.get("pool"), window_s=data.get("window_s"))}
+            out["unavailable"] = None
+        except promql.PromQLError as exc:  # no figures, and why (as every TSDB reader answers)
+            since = promql.unavailable_since() or time.time()
+            out = {"pool": data.get("pool"), "window_s": data.get("window_s"), "workers": []}
+            out["unavailable"] = unavailable_text(since, exc.message)
         return Response(out)
 
 

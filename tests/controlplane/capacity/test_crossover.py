@@ -143,6 +143,7 @@ def test_crossover_api_reads_the_worker_exporter_from_the_tsdb_and_applies_it(ts
     viewer = api_as("viewer")
     got = viewer.get("/api/v1/capacity/crossover/", {"pool": "regular"})
     assert got.status_code == 200, got.content
+    assert got.json()["unavailable"] is None
     (row,) = got.json()["workers"]
     assert row["worker"] == "w0" and row["tiers"]["L3"]["crossover_tokens"] == pytest.approx(538.5, abs=0.1)
     assert row["changes"] == {
@@ -173,3 +174,12 @@ def test_crossover_api_reads_the_worker_exporter_from_the_tsdb_and_applies_it(ts
     assert target.state == "succeeded", target.explanation
     assert fake.config["prefetch_threshold"] == 544 and fake.config["prefetch_timeout_base"] == 0.021
     assert target.before["prefetch_threshold"] != 544 and target.after["prefetch_threshold"] == 544
+
+
+@pytest.mark.django_db
+def test_crossover_api_without_the_tsdb_says_why_and_has_no_workers(api_as, settings):
+    settings.PROMETHEUS_URL = "http://127.0.0.1:9"  # nothing listens there
+    got = api_as("viewer").get("/api/v1/capacity/crossover/")
+    assert got.status_code == 200, got.content
+    body = got.json()
+    assert body["workers"] == [] and body["unavailable"].startswith("metrics unavailable since")
