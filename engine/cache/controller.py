@@ -234,6 +234,7 @@ class HiCacheController:
         seconds = time.perf_counter() - start
         self.stats.add(bytes_h2d=len(op.device_indices) * self.io.bytes_per_token, load_back_seconds=seconds)
         self.stats.observe("load_back_duration_seconds", seconds)
+        self.stats.costs.observe("load_back", len(op.device_indices), seconds)
         op.done.set()
 
     def wait_layer(self, layer: int) -> None:
@@ -379,6 +380,7 @@ class HiCacheController:
         did not fill) and a revoke only for a hit below the threshold, so queue lengths match on every
         rank whenever the ranks have finished the same ops."""
         P = self.page_size
+        began = time.perf_counter()
         assert self.namespace is not None, "storage I/O runs only while a backend is attached"
         seed = salted_namespace(self.namespace, op.salt)
         hashes = [] if op.terminated else page_hashes(op.token_ids, P, op.last_hash, seed)
@@ -398,6 +400,8 @@ class HiCacheController:
             self._released.append(op.host_indices)
             return
         self._read_pages(op, op.hash_value, op.host_indices[:hit_tokens])
+        # what loading from L3 cost (hit query + reads), against recomputing (engine/cache/costs.py)
+        self.stats.costs.observe("prefetch", op.completed_tokens, time.perf_counter() - began)
         completed = op.terminate() if op.failed or op.terminated else op.completed_tokens
         self._released.append(op.host_indices[completed:])
 

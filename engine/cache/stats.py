@@ -17,6 +17,8 @@ import bisect
 import threading
 from dataclasses import dataclass, field, fields
 
+from engine.cache.costs import TransferCosts
+
 # SGLang's buckets per histogram (metric name without the ``sglang:`` prefix; docs/upstream.md H9).
 _DURATION_BUCKETS: tuple[float, ...]
 _DURATION_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.02, 0.03, 0.04)
@@ -86,6 +88,8 @@ class CacheStats:
     inflight_backups: int = 0  # L2->L3 backups not yet acknowledged
     # (metric, storage backend name or None) -> _Histogram; see HISTOGRAM_BUCKETS
     histograms: dict = field(default_factory=dict, repr=False, compare=False)
+    # load-back / prefetch / prefill cost per size bucket (engine/cache/costs.py; its own lock)
+    costs: TransferCosts = field(default_factory=TransferCosts, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:
@@ -110,12 +114,14 @@ class CacheStats:
 
     def snapshot(self) -> dict:
         """All counters as a plain dict; ``histograms`` as a list of ``{"metric", "storage_backend",
-        "buckets", "sum", "count"}`` (see ``_Histogram.snapshot``)."""
+        "buckets", "sum", "count"}`` (see ``_Histogram.snapshot``); ``costs``: ``TransferCosts.snapshot``."""
+        costs = self.costs.snapshot()
         with self._lock:
-            skip = ("_lock", "histograms")
+            skip = ("_lock", "histograms", "costs")
             out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
             out["histograms"] = [
                 {"metric": metric, "storage_backend": backend, **hist.snapshot()}
                 for (metric, backend), hist in self.histograms.items()
             ]
+            out["costs"] = costs
             return out

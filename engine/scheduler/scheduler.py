@@ -431,9 +431,12 @@ class Scheduler:
 
     def _run_prefill(self, items: list[tuple[Req, int, int]]) -> None:
         batch_reqs = [r for r, _, _ in items]
+        timed = True  # the pass's time is the cost of computing its new tokens: no load-back waited in it
         for req in batch_reqs:
             if req.state is ReqState.LOADING:  # the forward pass waits for its load-back layer by layer
                 req.move(ReqState.PREFILLING)
+                timed = False
+        began = time.perf_counter()
         try:
             batch = ForwardBatch.from_sequences(
                 [r.fill_ids[s:e] for r, s, e in items],
@@ -452,9 +455,13 @@ class Scheduler:
             self.prefill.chunked = None
             self.output.abort_all(batch_reqs, f"forward failed: {exc}")
             return
+        new_tokens = sum(e - s for _, s, e in items)
+        if timed and self.pool.device.type == "cpu":  # on an accelerator: timed after sampling (below)
+            self.cache.stats.costs.observe("prefill", new_tokens, time.perf_counter() - began)
+            timed = False
         if self.metrics:
             hit = sum(r.cached_tokens for r, s, _ in items if s == r.cached_tokens)
-            self.metrics.on_prefill(hit, sum(e - s for _, s, e in items))
+            self.metrics.on_prefill(hit, new_tokens)
         done: list[tuple[int, Req]] = []
         for i, (req, _, end) in enumerate(items):
             req.lease.num_computed = end
@@ -466,6 +473,8 @@ class Scheduler:
             return
         reqs = [r for _, r in done]
         tokens = self.sampler.sample(logits[[i for i, _ in done]], reqs)
+        if timed:  # the sampled tokens are on the host: the pass has finished on the device
+            self.cache.stats.costs.observe("prefill", new_tokens, time.perf_counter() - began)
         for req, tok in zip(reqs, tokens, strict=True):
             if tok is not None:
                 self._per_request(req, "prefill", self._prompt_done, req, tok)

@@ -23,6 +23,8 @@ a worker thread, then resumes. Bodies and texts:
 - ``POST /hicache/storage-backend/clear`` (alias ``/clear_hicache_storage_backend``) -> wipes L3.
 - ``GET/PUT /hicache/config``: prefetch policy, write policy, prefetch threshold and timeouts; PUT returns the
   full new config, 400 names an unknown or bad field.
+- ``GET /hicache/costs``: load-back, prefetch and prefill costs by size bucket (``KVCosts``), read from the
+  scheduler's published snapshot (no scheduler round trip; KVFleet's own).
 
 Bodies and answers are the models of :mod:`engine.server.contract` (the worker contract the control plane
 and its test fake share). A refusal while only cache I/O is in flight names it ("only cache I/O in flight:
@@ -54,6 +56,7 @@ from engine.server.contract import (
     AttachRequest,
     ConfigUpdate,
     HiCacheConfigStatus,
+    KVCosts,
     StorageBackendStatus,
 )
 from engine.server.engine import Engine
@@ -193,3 +196,15 @@ async def put_config(request: Request):
     a.hicache_write_policy = status["hicache_write_policy"]
     a.radix_eviction_policy = status["radix_eviction_policy"]
     return JSONResponse(HiCacheConfigStatus.model_validate(status).model_dump())
+
+
+@router.get("/hicache/costs")
+async def get_costs(request: Request):
+    engine = _auth(request)
+    state = engine.scheduler.state  # the published snapshot: hierarchical, so "hicache" is the live settings
+    body = {
+        "page_size": engine.scheduler.page_size,
+        "prefetch_threshold": state["hicache"]["prefetch_threshold"],
+        "operations": state["cache_stats"]["costs"],
+    }
+    return JSONResponse(KVCosts.model_validate(body).model_dump())

@@ -7,6 +7,7 @@ control plane (``controlplane/operations/actions.py`` reads worker state through
 - ``PUT /hicache/storage-backend``: :class:`AttachRequest` -> 200 text, or 400 ``"Failed to attach ..."``.
 - ``GET /hicache/storage-backend``: :class:`StorageBackendStatus`, read from the live cache.
 - ``GET /hicache/config``, ``PUT /hicache/config`` (:class:`ConfigUpdate`): :class:`HiCacheConfigStatus`.
+- ``GET /hicache/costs``: :class:`KVCosts`, load and recompute costs by size (``engine/cache/costs.py``).
 - ``POST /pd_role_switch`` (:class:`PdRoleSwitchRequest`): :class:`PdRoleSwitchResponse`; the role reads back
   as ``/server_info``'s ``disaggregation_mode``.
 
@@ -95,6 +96,26 @@ class HiCacheConfigStatus(_Strict):
     l3_admission: Admission = "none"
     auto_detach_after_s: float | None = None  # extra-config key; None: never detached automatically
     auto_detach: dict | None = None  # AutoDetach.status() (engine/cache/storage/autodetach.py) or None
+
+
+class KVCostBucket(_Strict):
+    """One size bucket of one operation: ``size`` its upper bound in tokens (``"+Inf"``), then the sums over
+    its ``count`` operations of their ``tokens`` and wall ``seconds``."""
+
+    size: str
+    count: int
+    tokens: int
+    seconds: float
+
+
+class KVCosts(_Strict):
+    """``GET /hicache/costs``: per operation (``load_back`` L2 -> L1, ``prefetch`` L3 -> L2, ``prefill``)
+    the size buckets observed since start (the same sums as ``sglang:kv_cost_*_total``), the worker's
+    ``page_size`` and its live ``prefetch_threshold`` (tokens)."""
+
+    page_size: int
+    prefetch_threshold: int
+    operations: dict[str, list[KVCostBucket]]
 
 
 class PdRoleSwitchRequest(_Strict):

@@ -7,6 +7,8 @@ follow SGLang's collector (TTFT 0.1…400 s, ITL 0.002…8 s, e2e 0.1…2400 s),
 Miss attribution (``engine/cache/misses.py``): ``sglang:miss_tokens{cause}``, ``sglang:tenant_miss_tokens
 {tenant,cause}`` and ``sglang:miss_evicted_tokens{radix_eviction_policy}``, counted at admission from the
 request's ``misses``; the first sums to ``prompt_tokens`` less ``cached_tokens`` of every tier.
+``sglang:kv_cost_{operations,tokens,seconds}_total{operation,size}``: what loading a prefix costs against
+recomputing it, by size bucket (engine/cache/costs.py), the control plane's crossover reads them.
 The HiCache per-operation histograms (load-back and eviction seconds, L3 batch pages and GB/s) are bucketed by
 the cache itself (``engine.cache.stats.HISTOGRAM_BUCKETS``, SGLang's buckets) and exported from the snapshot.
 
@@ -317,6 +319,7 @@ class _StateCollector:
         if state.get("tenant_usage"):
             yield from _tenant_caps(m.model_name, state["tenant_usage"])
         yield from _histograms(m.model_name, stats.get("histograms", []), m.tp_rank)
+        yield from _costs(m.model_name, stats.get("costs") or {})
 
 
 def _breaker(model_name: str, health: dict):
@@ -417,6 +420,27 @@ def _histograms(model_name: str, observed: list[dict], tp_rank: str = "0"):
             values = [model_name, h["storage_backend"] or "", tp_rank] if storage else [model_name]
             buckets = [(_bound(le), count) for le, count in h["buckets"]]
             family.add_metric(values, buckets, sum_value=h["sum"])
+        yield family
+
+
+COST_METRICS = {  # metric suffix -> (TransferCosts.snapshot key, doc)
+    "kv_cost_operations": ("count", "Load-backs (L2->L1), prefetches (L3->L2) and prefill passes, by size"),
+    "kv_cost_tokens": ("tokens", "Tokens loaded back, prefetched or prefilled, by operation and size"),
+    "kv_cost_seconds": ("seconds", "Wall seconds of the same operations, by operation and size"),
+}
+
+
+def _costs(model_name: str, costs: dict):
+    """What loading costs against recomputing (engine/cache/costs.py): per ``operation`` (``load_back``,
+    ``prefetch``, ``prefill``) and ``size`` bucket (upper bound in tokens, ``+Inf``), the operations, tokens
+    and seconds since start, as counters; a bucket appears once observed. Tokens per second of a bucket over
+    a window: ``increase(tokens) / increase(seconds)``."""
+    labels = ["model_name", "operation", "size"]
+    for metric, (key, doc) in COST_METRICS.items():
+        family = CounterMetricFamily(f"sglang:{metric}", doc, labels=labels)
+        for operation, buckets in costs.items():
+            for b in buckets:
+                family.add_metric([model_name, operation, b["size"]], b[key])
         yield family
 
 

@@ -24,6 +24,7 @@ def test_without_admin_key_every_route_is_400(serve):
         ("DELETE", "/hicache/storage-backend"),
         ("POST", "/hicache/storage-backend/clear"),
         ("GET", "/hicache/config"),
+        ("GET", "/hicache/costs"),
     ):
         resp = client.request(
             method, path, json={"hicache_storage_backend": "file"} if method == "PUT" else None

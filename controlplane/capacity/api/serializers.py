@@ -71,6 +71,22 @@ class MissesQuerySerializer(StrictSerializer):
     recent = serializers.IntegerField(min_value=0, max_value=100, default=0)
 
 
+class CrossoverQuerySerializer(StrictSerializer):
+    """``GET /capacity/crossover/``: the ``pool`` (regular, prefill, decode; left out: every worker) and,
+    optionally, ``window_s``: measure over the last that many seconds (else since each worker started)."""
+
+    pool = serializers.ChoiceField(choices=["regular", "prefill", "decode"], required=False)
+    window_s = serializers.IntegerField(min_value=10, max_value=7 * 86400, required=False)
+
+
+class CrossoverApplySerializer(StrictSerializer):
+    """``POST /capacity/crossover/apply/``: the ``worker`` (name) whose recommendation to apply and,
+    optionally, the ``window_s`` it is measured over (as the GET's)."""
+
+    worker = serializers.CharField(max_length=200)
+    window_s = serializers.IntegerField(min_value=10, max_value=7 * 86400, required=False)
+
+
 class TraceRowSerializer(StrictSerializer):
     """One Mooncake trace row; ``hash_ids`` must have one id per block of the input (the batch's
     ``block_tokens``, given in the serializer's context); ``output_hash_ids`` (optional, a KVFleet

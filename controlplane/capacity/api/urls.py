@@ -8,6 +8,8 @@ urlpatterns = [
     path("traces/", views.RecordedPoolsApi.as_view(), name="capacity-traces"),
     path("whatif/", views.WhatIfApi.as_view(), name="capacity-whatif"),
     path("misses/", views.MissesApi.as_view(), name="capacity-misses"),
+    path("crossover/", views.CrossoverApi.as_view(), name="capacity-crossover"),
+    path("crossover/apply/", views.CrossoverApplyApi.as_view(), name="capacity-crossover-apply"),
     path("calibration/<str:pool>/", views.CalibrationApi.as_view(), name="capacity-calibration"),
     path("traces/<str:pool>.jsonl", views.RecordedTraceApi.as_view(), name="capacity-trace"),
 ]

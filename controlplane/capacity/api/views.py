@@ -1,6 +1,7 @@
 """Capacity endpoints: the KV sizing calculator, the workers' pool sizes, and recorded traffic per pool."""
 
 import json
+import time
 
 from django.conf import settings
 from django.http import HttpResponse
@@ -12,14 +13,18 @@ from rest_framework.views import APIView
 
 from controlplane.accounts.permissions import AGENT_ROLES, READ_ROLES
 from controlplane.accounts.selectors import agent_host_scope
-from controlplane.capacity import calibration, misses, selectors, services
+from controlplane.capacity import calibration, crossover, misses, selectors, services
 from controlplane.capacity.api.serializers import (
+    CrossoverApplySerializer,
+    CrossoverQuerySerializer,
     MissesQuerySerializer,
     SizingQuerySerializer,
     TraceIngestSerializer,
     WhatIfSerializer,
 )
 from controlplane.capacity.limits import whatif_slot
+from controlplane.core.exceptions import ServiceUnavailable
+from controlplane.telemetry.selectors import unavailable_text
 from controlplane.telemetry.services import ingest_worker
 
 
@@ -209,3 +214,55 @@ class MissesApi(APIView):
         except promql.PromQLError as exc:
             out["tenants"], out["tenants_unavailable"] = None, str(exc)
         return Response(out)
+
+
+class CrossoverApi(APIView):
+    """GET: per worker (of ``pool``, else all) that exports ``sglang:kv_cost_*`` counters, from what prefix
+    length loading from L2 and from L3 beats recomputing, the recommended ``prefetch_threshold`` and
+    prefetch timeout terms, the changes from its live HiCache config, and the numbers behind them: the
+    measured buckets and the fitted cost lines (``controlplane/capacity/crossover.py``, docs/capacity.md).
+    Read from the TSDB (counters since each worker started, or their increase over ``window_s``); while it
+    does not answer, no workers and ``unavailable`` says why (else null). 400 naming a bad ``pool`` or
+    ``window_s``. A
+    calculation: it changes nothing (apply the recommendation as a HiCache config change)."""
+
+    @extend_schema(parameters=[CrossoverQuerySerializer], responses=OpenApiTypes.OBJECT)
+    def get(self, request):
+        from controlplane.telemetry import promql
+
+        query = CrossoverQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        data = query.validated_data
+        try:
+            out = {**crossover.pool_crossover(pool=data.get("pool"), window_s=data.get("window_s"))}
+            out["unavailable"] = None
+        except promql.PromQLError as exc:  # no figures, and why (as every TSDB reader answers)
+            since = promql.unavailable_since() or time.time()
+            out = {"pool": data.get("pool"), "window_s": data.get("window_s"), "workers": []}
+            out["unavailable"] = unavailable_text(since, exc.message)
+        return Response(out)
+
+
+class CrossoverApplyApi(APIView):
+    """POST ``{worker, window_s?}``: apply the worker's crossover recommendation as an ordinary HiCache
+    config change: a revision of the config profile ``crossover-<worker>`` and an ``apply_config``
+    operation on the worker (idle-gated, verified, audited, revertible; follow it at
+    ``/api/v1/operations/<id>/``). 201 ``{worker, operation, profile, revision, changes (before -> after),
+    recommended, tiers}``; 400 naming ``worker`` or ``no_recommendation`` (with the notes), 409
+    ``no_change`` when the worker already runs the recommended values (or another operation holds it), 503
+    ``metrics_unavailable`` without the TSDB."""
+
+    @extend_schema(request=CrossoverApplySerializer, responses={201: OpenApiTypes.OBJECT})
+    def post(self, request):
+        from controlplane.telemetry import promql
+
+        body = CrossoverApplySerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        try:
+            out = crossover.crossover_apply(
+                worker_name=data["worker"], window_s=data.get("window_s"), actor=request.user
+            )
+        except promql.PromQLError as exc:
+            raise ServiceUnavailable(str(exc), code="metrics_unavailable") from exc
+        return Response(out, status=status.HTTP_201_CREATED)

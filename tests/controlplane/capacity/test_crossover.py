@@ -1,0 +1,185 @@
+"""The measured crossover: known cost lines in, known crossover and recommendation out; and the REST endpoint
+reading a worker's real exporter (``EngineMetrics`` over a real ``TransferCosts``) from a real Prometheus."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cp_factories import EngineWorkerFactory
+
+from controlplane.capacity.crossover import (
+    costs_from_samples,
+    crossover_tokens,
+    fit_cost,
+    worker_crossover,
+)
+from controlplane.operations.models import Operation
+from controlplane.operations.services import target_step
+from engine.cache.costs import TransferCosts
+from engine.server.metrics import EngineMetrics
+
+PAGE = 16
+# seconds(n) = fixed + per_token * n for each operation, the numbers the tests are built from
+LOAD_BACK = (0.001, 1e-6)
+PREFETCH = (0.020, 10e-6)
+PREFILL = (0.0005, 50e-6)
+SIZES = (20, 100, 400, 1500, 3000)
+
+
+def _costs(*lines: tuple[str, tuple[float, float]], sizes=SIZES, repeat: int = 2) -> TransferCosts:
+    costs = TransferCosts()
+    for op, (fixed, per_token) in lines:
+        for n in sizes:
+            for _ in range(repeat):
+                costs.observe(op, n, fixed + per_token * n)
+    return costs
+
+
+def test_fit_recovers_a_cost_line_from_its_buckets():
+    fit = fit_cost(_costs(("prefetch", PREFETCH)).snapshot()["prefetch"])
+    assert fit["operations"] == 10 and fit["tokens"] == 2 * sum(SIZES)
+    assert fit["fixed_s"] == pytest.approx(0.020) and fit["per_token_s"] == pytest.approx(10e-6)
+    # one size only: a line through the origin (throughput), never a negative term
+    one = fit_cost([{"size": "64", "count": 4, "tokens": 200, "seconds": 0.01}])
+    assert one["fixed_s"] == 0 and one["per_token_s"] == pytest.approx(0.01 / 200)
+    falling = fit_cost(
+        [
+            {"size": "16", "count": 1, "tokens": 16, "seconds": 0.02},
+            {"size": "64", "count": 1, "tokens": 64, "seconds": 0.01},
+        ]
+    )
+    assert falling["per_token_s"] == 0 and falling["fixed_s"] == pytest.approx(0.015)
+    assert fit_cost([]) is None
+
+
+def test_crossover_formula():
+    assert crossover_tokens(0.021, 11e-6, 50e-6) == pytest.approx(0.021 / 39e-6)
+    assert crossover_tokens(0.0, 1e-6, 50e-6) == 0.0  # no fixed cost: loading always wins
+    assert crossover_tokens(0.001, 60e-6, 50e-6) is None  # recomputing a token is faster: never
+
+
+def test_known_lines_give_the_known_crossover_and_recommendation():
+    costs = _costs(("load_back", LOAD_BACK), ("prefetch", PREFETCH), ("prefill", PREFILL)).snapshot()
+    current = {"prefetch_threshold": 256, "prefetch_timeout_base": 2.0, "prefetch_timeout_per_ki_token": 0.1}
+    out = worker_crossover(costs, page_size=PAGE, current=current)
+    l2, l3 = out["tiers"]["L2"], out["tiers"]["L3"]
+    assert l2["crossover_tokens"] == pytest.approx(0.001 / 49e-6, abs=0.1) and l2["loading_wins"] == "from"
+    assert l3["crossover_tokens"] == pytest.approx(0.021 / 39e-6, abs=0.1)  # 538.5 tokens
+    assert l3["load_fixed_s"] == pytest.approx(0.021) and l3["load_per_token_s"] == pytest.approx(11e-6)
+    assert out["recommended"] == {
+        "prefetch_threshold": 544,  # 538.5 rounded up to whole 16-token pages
+        "prefetch_timeout_base": 0.021,
+        "prefetch_timeout_per_ki_token": round(1024 * 50e-6, 4),
+    }
+    assert out["changes"]["prefetch_threshold"] == {"before": 256, "after": 544}
+    assert out["load_back_threshold"] == {
+        "engine": 10,
+        "l2_crossover_tokens": l2["crossover_tokens"],
+        "configurable": False,
+    }
+    assert out["notes"] == []
+    assert [b["size"] for b in out["measured"]["prefill"]] == ["32", "128", "512", "2048", "4096"]
+    bucket = out["measured"]["prefill"][0]
+    assert bucket["tokens_per_s"] == pytest.approx(20 / (0.0005 + 20 * 50e-6))
+
+
+def test_an_l3_slower_than_recompute_raises_the_threshold_past_every_prefill():
+    slow = (0.050, 80e-6)  # per token slower than prefill's 50 us
+    costs = _costs(("load_back", LOAD_BACK), ("prefetch", slow), ("prefill", PREFILL)).snapshot()
+    out = worker_crossover(costs, page_size=PAGE, current={"prefetch_threshold": 256})
+    assert out["tiers"]["L3"]["loading_wins"] == "never" and out["tiers"]["L3"]["crossover_tokens"] is None
+    assert out["recommended"]["prefetch_threshold"] == 4096  # the longest prefill bucket measured
+    assert "slower than recomputing" in out["notes"][0]
+
+
+def test_a_flat_prefill_line_recomputes_at_its_mean_cost_per_token():
+    costs = _costs(("load_back", LOAD_BACK), ("prefetch", PREFETCH)).snapshot()
+    costs["prefill"] = [  # the bigger bucket ran faster per pass: no slope can be read
+        {"size": "64", "count": 3, "tokens": 150, "seconds": 0.3},
+        {"size": "512", "count": 3, "tokens": 1500, "seconds": 0.24},
+    ]
+    out = worker_crossover(costs, page_size=PAGE)
+    assert out["fits"]["prefill"]["per_token_s"] == 0
+    assert out["tiers"]["L3"]["recompute_per_token_s"] == pytest.approx(0.54 / 1650)
+    assert out["tiers"]["L3"]["crossover_tokens"] == pytest.approx(0.021 / (0.54 / 1650 - 11e-6), abs=0.1)
+
+
+def test_too_few_operations_give_no_answer_and_say_why():
+    costs = _costs(("load_back", LOAD_BACK), ("prefill", PREFILL), sizes=(100,), repeat=2).snapshot()
+    out = worker_crossover(costs, page_size=PAGE, current=None)
+    assert out["tiers"]["L2"]["crossover_tokens"] is None and out["recommended"] == {}
+    assert any("load_back: 2 operation(s)" in n for n in out["notes"])
+    assert any("prefetch: not measured" in n for n in out["notes"])
+
+
+def test_costs_from_promql_samples_sum_per_worker_operation_and_size():
+    samples = {
+        "operations": [{"labels": {"worker": "w0", "operation": "prefill", "size": "64"}, "value": 3.0}],
+        "tokens": [{"labels": {"worker": "w0", "operation": "prefill", "size": "64"}, "value": 150.0}],
+        "seconds": [{"labels": {"worker": "w0", "operation": "prefill", "size": "64"}, "value": 0.3}],
+    }
+    assert costs_from_samples(samples) == {
+        "w0": {"prefill": [{"size": "64", "count": 3, "tokens": 150, "seconds": 0.3}]}
+    }
+
+
+@pytest.mark.django_db
+def test_crossover_api_reads_the_worker_exporter_from_the_tsdb_and_applies_it(tsdb, api_as, fake_worker):
+    """GET answers the crossover of the worker's real exporter as Prometheus holds it; POST .../apply/
+    turns the recommendation into a config revision and an idle-gated apply_config operation, which,
+    driven step by step against a fake worker over HTTP, leaves the recommended values on it."""
+    fake = fake_worker()
+    worker = EngineWorkerFactory(
+        name="w0", role="mixed", page_size=PAGE, url=fake.url, admin_key=fake.admin_key,
+        hicache_config={"prefetch_threshold": 256},
+    )  # fmt: skip
+    costs = _costs(("load_back", LOAD_BACK), ("prefetch", PREFETCH), ("prefill", PREFILL))
+    state = {"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000}
+    state["cache_stats"] = {"costs": costs.snapshot()}
+    text = EngineMetrics("m", lambda: state).render().decode()
+    assert 'sglang:kv_cost_tokens_total{model_name="m",operation="prefetch",size="512"} 800.0' in text
+    tsdb.serve([(worker.name, time.time() - 5, text)])
+    viewer = api_as("viewer")
+    got = viewer.get("/api/v1/capacity/crossover/", {"pool": "regular"})
+    assert got.status_code == 200, got.content
+    assert got.json()["unavailable"] is None
+    (row,) = got.json()["workers"]
+    assert row["worker"] == "w0" and row["tiers"]["L3"]["crossover_tokens"] == pytest.approx(538.5, abs=0.1)
+    assert row["changes"] == {
+        "prefetch_threshold": {"before": 256, "after": 544},
+        "prefetch_timeout_base": {"before": None, "after": 0.021},
+        "prefetch_timeout_per_ki_token": {"before": None, "after": 0.0512},
+    }
+    refused = viewer.get("/api/v1/capacity/crossover/", {"window_s": 1})
+    assert refused.status_code == 400 and "window_s" in refused.json()["error"]["detail"]
+
+    apply = "/api/v1/capacity/crossover/apply/"
+    assert viewer.post(apply, {"worker": "w0"}, format="json").status_code == 403
+    operator = api_as("operator")
+    unknown = operator.post(apply, {"worker": "w9"}, format="json")
+    assert unknown.status_code == 400 and "worker" in unknown.json()["error"]["detail"]
+    applied = operator.post(apply, {"worker": "w0"}, format="json")
+    assert applied.status_code == 201, applied.content
+    body = applied.json()
+    assert body["changes"] == row["changes"] and body["profile"] == "crossover-w0" and body["revision"] == 1
+    op = Operation.objects.get(pk=body["operation"])
+    assert op.kind == "apply_config" and "538.5 tokens" in op.reason
+    target = op.targets.get()
+    deadline = time.monotonic() + 30
+    while (delay := target_step(target_id=target.pk)) is not None:
+        assert time.monotonic() < deadline, "the apply_config target did not finish"
+        time.sleep(delay)
+    target.refresh_from_db()
+    assert target.state == "succeeded", target.explanation
+    assert fake.config["prefetch_threshold"] == 544 and fake.config["prefetch_timeout_base"] == 0.021
+    assert target.before["prefetch_threshold"] != 544 and target.after["prefetch_threshold"] == 544
+
+
+@pytest.mark.django_db
+def test_crossover_api_without_the_tsdb_says_why_and_has_no_workers(api_as, settings):
+    settings.PROMETHEUS_URL = "http://127.0.0.1:9"  # nothing listens there
+    got = api_as("viewer").get("/api/v1/capacity/crossover/")
+    assert got.status_code == 200, got.content
+    body = got.json()
+    assert body["workers"] == [] and body["unavailable"].startswith("metrics unavailable since")
