@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.cache.kv_format import KVFormat
+from engine.cache.kv_shape import KVShape
 
 
 class DeviceKVPool:
@@ -52,6 +53,8 @@ class DeviceKVPool:
         self.compute_dtype = dtype
         self.dtype = self.kv_format.storage_dtype
         self.row_dim = self.kv_format.row_dim
+        item = self.dtype.itemsize
+        self.kv_shape = KVShape(num_layers, num_kv_heads, head_dim, item, (self.row_dim - head_dim) * item)
         self.device = torch.device(device)
         shape = (2, num_layers, size + page_size, num_kv_heads, self.row_dim)
         self.kv_buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -71,7 +74,7 @@ class DeviceKVPool:
     @property
     def bytes_per_token(self) -> int:
         """K and V bytes of one token over all layers (int8's scales included)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.row_dim * self.dtype.itemsize
+        return self.kv_shape.bytes_per_token
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``k``/``v`` ``(T, num_kv_heads, head_dim)`` into int64 ``slots`` of shape ``(T,)``."""

@@ -156,9 +156,7 @@ class HiRadixCache:
         self.config = config.updated(mem_layout=layout, io_backend=io_backend, storage_backend=None)
         p = device_pool
         host_tokens = host_pool_tokens(p.size, p.page_size, p.bytes_per_token, config.ratio, config.size)
-        self.host_pool = HostKVPool(
-            host_tokens, p.page_size, p.num_layers, p.num_kv_heads, p.row_dim, p.dtype, layout
-        )
+        self.host_pool = HostKVPool.for_device(p, host_tokens, layout)
         # The prefetch thread reduces on its own group so it never interleaves with the scheduler's.
         self.reduce = reduce or make_reduce(tp_size)
         reduce_io = make_reduce(tp_size) if reduce is None and tp_size > 1 else self.reduce

@@ -13,10 +13,15 @@ The flat byte order of a page (what L3 stores) is the buffer's own order for tha
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.cache.allocator import PageAllocator
+from engine.cache.kv_shape import KVShape
+
+if TYPE_CHECKING:
+    from engine.cache.device_pool import DeviceKVPool
 
 GIB = 1 << 30
 HOST_MEMORY_RESERVE = 10 * GIB
@@ -55,8 +60,15 @@ class HostKVPool:
         shape = self._shape(layout)
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.kv_buffer = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.page_bytes = 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+        self.kv_shape = KVShape(num_layers, num_kv_heads, head_dim, dtype.itemsize)  # a row as stored
+        self.page_bytes = self.kv_shape.page_bytes(page_size)
         self.allocator = PageAllocator(self.page_num, page_size)
+
+    @classmethod
+    def for_device(cls, pool: DeviceKVPool, size: int, layout: str = "layer_first") -> HostKVPool:
+        """A host pool of ``size`` tokens holding ``pool``'s rows as stored (same layers, KV heads, row
+        width and dtype: a page moves between the two as bytes) in ``layout``."""
+        return cls(size, pool.page_size, pool.num_layers, pool.num_kv_heads, pool.row_dim, pool.dtype, layout)
 
     def _shape(self, layout: str) -> tuple[int, ...]:
         L, H, D, P = self.num_layers, self.num_kv_heads, self.head_dim, self.page_size

@@ -18,51 +18,12 @@ int8 scales per token and layer), and at any tp every rank holds the whole laten
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from engine.cache.kv_dtypes import SCALE_BYTES, dtype_bytes
+from engine.cache.kv_shape import KVShape, kv_heads_per_rank
 
-
-@dataclass(frozen=True)
-class KVShape:
-    """What one token's KV looks like: ``num_layers`` x ``num_kv_heads`` x ``head_dim`` of ``dtype_bytes``."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-    scale_bytes: int = 0  # per (token, KV head): int8's scale
-    latent_dim: int | None = None  # MLA: the latent (2 x head_dim) the one head's K and V rows split
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one token's K (or V) of one KV head, scale included."""
-        return self.head_dim * self.dtype_bytes + self.scale_bytes
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.row_bytes
-
-    def per_rank(self, tp_size: int) -> KVShape:
-        """The shape one of ``tp_size`` tensor-parallel ranks stores: its share of the KV heads
-        (:func:`kv_heads_per_rank`). Raises ``ValueError`` naming ``--tp-size`` as the engine refuses."""
-        return replace(self, num_kv_heads=kv_heads_per_rank(self.num_kv_heads, tp_size))
-
-
-def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads each of ``tp_size`` ranks holds: ``num_kv_heads / tp`` when tp divides them, 1 (replicated
-    on ``tp / num_kv_heads`` ranks) when tp is a multiple of them. Raises ``ValueError`` naming ``--tp-size``
-    and the counts otherwise, as the engine's start-up check does."""
-    if tp_size < 1:
-        raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
-    if tp_size <= num_kv_heads and num_kv_heads % tp_size:
-        raise ValueError(f"--tp-size {tp_size}: the model's {num_kv_heads} KV heads are not divisible by it")
-    if tp_size > num_kv_heads and tp_size % num_kv_heads:
-        raise ValueError(
-            f"--tp-size {tp_size}: more ranks than the model's {num_kv_heads} KV heads needs a multiple "
-            "of them"
-        )
-    return max(1, num_kv_heads // tp_size)
+__all__ = ["KVShape", "kv_heads_per_rank", "model_kv_shape", "shape_for"]
 
 
 def shape_for(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> KVShape:

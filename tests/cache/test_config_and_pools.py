@@ -123,6 +123,21 @@ def test_host_layout_shapes_flat_pages_and_views(layout, shape):
     assert torch.equal(pool.get_flat_data_page(0), flat)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8_e5m2", "int8"])
+def test_both_pools_and_the_sizing_describe_a_token_alike(kv_cache_dtype):
+    """One KV shape (engine/cache/kv_shape.py): the device pool's is the sizing's for the same model and
+    format, and a host pool made for it holds pages of exactly that many bytes in every layout."""
+    from engine.sizing.kv import shape_for
+
+    device = DeviceKVPool(64, 16, 3, 2, 8, torch.float32, kv_cache_dtype=kv_cache_dtype)
+    assert device.kv_shape == shape_for(3, 2, 8, device.kv_cache_dtype)
+    for layout in ("layer_first", "page_first", "page_first_direct"):
+        host = HostKVPool.for_device(device, 64, layout)
+        page = host.get_flat_data_page(16)
+        assert host.page_bytes == page.numel() * page.element_size() == 16 * device.bytes_per_token
+        assert host.kv_shape.bytes_per_token == device.bytes_per_token
+
+
 def test_host_size_from_ratio_or_gb_and_checks():
     assert host_pool_tokens(100, 4, 1000, 2.0, 0) == 204
     assert host_pool_tokens(100, 4, 1000, 2.0, 0.001) == 1004  # 1e6 bytes / 1000 per token, page up
