@@ -5,7 +5,8 @@ backup queue, BZPOPMIN, copy to the backup queue, then a cleaner's ZPOPMIN that 
 Every websocket of a daphne process shares that process's one receive loop, so the process delivers at most
 one message per four round trips. On a loaded host each round trip waits for the event loop thread to get a
 core and the GIL back from the request threads, and the process delivered about 2 messages a second while
-its agents ingested 20: the backlog grew in Redis and the console's lag with it (docs/benchmarks.md).
+its agents ingested 20: the backlog grew in Redis and the console's lag with it (measured when agents
+still pushed every sample; the figures are in git history).
 
 :class:`BatchReceiveLayer` takes every message waiting on a channel, up to ``RECEIVE_BATCH``, in one round
 trip (a script: restore or drop the backup queue, pop the batch, copy it to the backup queue), keeps them in

@@ -67,8 +67,8 @@ def union(exprs: list[str]) -> str:
     """``exprs`` joined with ``or`` as a balanced tree, ``(a or b) or (c or d)``: the same vector as the
     chain ``a or b or c or d`` (``or`` is associative on series with distinct label sets, as tagged figures
     are), in O(n log k) work for k expressions of n series each where Prometheus evaluates a chain's left
-    side again at each step, O(n k^2): at 1,000 workers and 40 figures the chain took 1.4-2.5 s of
-    Prometheus' time per query, the tree 0.3-1.3 s (docs/benchmarks.md, "Live-view lag"). Raises
+    side again at each step, O(n k^2): at 1,000 workers and 40 figures the chain took 8.0 / 4.9 / 2.3 s per
+    query, the tree 5.6 / 1.6 / 1.4 s in the same runs (docs/benchmarks.md, "Live-view lag"). Raises
     ValueError for no expression."""
     if not exprs:
         raise ValueError("union of no expression")

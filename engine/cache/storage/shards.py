@@ -79,7 +79,7 @@ def shard_map(tp_lcm_size: int, tp_size: int, kv_shard: tuple[int, int], rank_kv
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
     """``t`` ``(..., H, D)`` as a uint8 numpy array ``(rows, H, D * itemsize)`` sharing its memory when it is
     contiguous. The copies below run in numpy: single-threaded, they do not wait on torch's thread pool,
-    which on a loaded CPU made each head-slice copy ~1000x slower (docs/benchmarks.md)."""
+    which on a loaded CPU made a prefix's head-slice copies 50-75x slower (docs/benchmarks.md)."""
     rows = t.reshape(-1, t.shape[-2], t.shape[-1])
     return rows.view(torch.uint8).numpy()
 
