@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             engine = build_engine(args)
         except (ArgumentError, ModelLoadError) as exc:
             return _launch_error(exc)
+        if args.grpc_mode:
+            return _serve_grpc(engine, args, sock)
         server = _uvicorn_server(create_app(engine), args)
         exit_when_scheduler_dies(engine.scheduler, server)
         try:
@@ -116,6 +118,19 @@ def _uvicorn_server(app, args):
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
     return uvicorn.Server(config)
+
+
+def _serve_grpc(engine, args, sock: socket.socket) -> int:
+    """``--grpc-mode``: smg's gRPC service on ``--port`` (``engine/server/grpc_service.py``); the port held
+    since start-up is handed over to the gRPC server."""
+    from engine.server import grpc_service
+
+    sock.close()
+    try:
+        grpc_service.run(engine, args.host, args.port)
+    finally:
+        engine.shutdown()
+    return EXIT_SCHEDULER_DIED if engine.scheduler.error is not None else 0
 
 
 def _serve_encoder(args, sock: socket.socket) -> int:
