@@ -109,6 +109,7 @@ class ServerArgs:
     mm_embedding_cache_size: int = 256
     encoder_only: bool = False
     grpc_mode: bool = False
+    disable_kv_events: bool = False
     language_only: bool = False
     encoder_urls: list[str] = dataclasses.field(default_factory=list)
     encoder_transfer_backend: str = "zmq_to_scheduler"
@@ -376,6 +377,12 @@ def _vlm_flags(a) -> None:
         action="store_true",
         help="serve smg's gRPC SglangScheduler service on --port instead of HTTP (docs/architecture.md)",
     )
+    a(
+        "--disable-kv-events",
+        action="store_true",
+        help="KVFleet: with --grpc-mode, publish no KV events (SubscribeKvEvents answers UNIMPLEMENTED, so "
+        "smg routes by its approximate tree)",
+    )
     a("--language-only", action="store_true", help="EPD: no vision tower; embeddings from --encoder-urls")
     a("--encoder-urls", nargs="+", default=[], help="EPD: encoder workers a language-only worker calls")
     a("--encoder-transfer-backend", choices=ENCODER_TRANSFER_BACKENDS, default="zmq_to_scheduler")
@@ -502,6 +509,8 @@ def _validate_grpc(args: ServerArgs) -> None:
             "--grpc-mode: only a regular worker serves gRPC (no --encoder-only, --disaggregation-mode, "
             "--tp-size > 1)"
         )
+    if args.disable_kv_events and not args.grpc_mode:
+        raise ArgumentError("--disable-kv-events: only a --grpc-mode worker publishes KV events")
     if args.grpc_mode and args.tenant_keys_file:
         raise ArgumentError(
             "--grpc-mode and --tenant-keys-file exclude each other: the gRPC service has no tenant gate "

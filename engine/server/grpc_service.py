@@ -17,9 +17,10 @@ RPCs served (the ones smg calls on a regular worker):
   ``GetServerInfo`` (``/server_info``'s body as a Struct), ``GetLoads`` (``/v1/loads``' figures),
   ``FlushCache`` (the idle-gated flush of ``/flush_cache``), ``GetTokenizer`` (a zip of the model folder's
   tokenizer files, in 1 MiB chunks, the last carrying the archive's SHA-256).
-* ``SubscribeKvEvents``: the cache's :class:`engine.cache.kv_events.KVEventLog` as ``KvEventBatch``es,
-  polled every ``EVENT_POLL_S``: ``stored`` (blocks with their token ids, ``parent_block_hash``, the tier
-  as ``tier`` and ``cache_level`` 0 device / 1 host, ``cache_salt``), ``removed``, ``cleared``. Block
+* ``SubscribeKvEvents`` (``UNIMPLEMENTED`` with ``--disable-kv-events``): the cache's
+  :class:`engine.cache.kv_events.KVEventLog` as ``KvEventBatch``es, polled every ``EVENT_POLL_S``:
+  ``stored`` (blocks with their token ids, ``parent_block_hash``, the tier as ``tier`` and ``cache_level``
+  0 device / 1 host, ``cache_salt``), ``removed``, ``cleared``. Block
   hashes are the prefix-chained page ids (signed 64 bit). ``start_sequence_number`` N > 0 resumes with
   the kept batches after N; 0 starts at the current sequence (the subscriber learns no older pages).
   Each batch carries the worker's load (``EngineLoad``).
@@ -183,7 +184,7 @@ def tokenizer_zip(folder: Path) -> tuple[bytes, str]:
 class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     """smg's ``SglangScheduler`` over one started :class:`Engine` and its cache's event log ``events``."""
 
-    def __init__(self, engine: Engine, events: KVEventLog) -> None:
+    def __init__(self, engine: Engine, events: KVEventLog | None) -> None:
         self.engine = engine
         self.events = events
         self.running: dict[str, set[str]] = {}  # request_id -> the engine rids it runs (n samples)
@@ -349,6 +350,9 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
 
     async def SubscribeKvEvents(self, request, context) -> AsyncIterator[common_pb2.KvEventBatch]:
         log = self.events
+        if log is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are off (--disable-kv-events)")
+            return
         cursor = request.start_sequence_number or log.seal()
         sample, quiet_since = 0, time.monotonic()
         if request.load_records_before_first_batch:
@@ -390,7 +394,7 @@ def attach_events(engine: Engine) -> KVEventLog:
 def run(engine: Engine, host: str, port: int) -> None:
     """Serve gRPC on ``host:port`` in this thread until the scheduler thread ends or SIGTERM / SIGINT
     (``launch_server``'s ``--grpc-mode``; the streams get 2 s to end)."""
-    events = attach_events(engine)
+    events = None if engine.args.disable_kv_events else attach_events(engine)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -402,7 +406,7 @@ def run(engine: Engine, host: str, port: int) -> None:
     asyncio.run(main())
 
 
-async def serve(engine: Engine, events: KVEventLog, host: str, port: int, stop: asyncio.Event) -> None:
+async def serve(engine: Engine, events: KVEventLog | None, host: str, port: int, stop: asyncio.Event) -> None:
     """Serve the servicer on ``host:port`` until ``stop`` is set (or the scheduler thread dies); raises
     ``RuntimeError`` when the port cannot be bound."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])

@@ -9,11 +9,13 @@ from __future__ import annotations
 import queue
 import uuid
 
+import pytest
 from server_testlib import wait_idle
 from smg_grpc_proto.generated import common_pb2
 
 from engine.scheduler import Req, SamplingParams
 from engine.scheduler.messages import FlushCache
+from engine.server.args import ArgumentError, parse_args
 from engine.server.grpc_service import attach_events, event_proto
 
 PAGE = 4
@@ -88,3 +90,17 @@ def test_stream_reports_inserts_evictions_flushes_and_salts(make_engine):
 
     engine.scheduler.post(FlushCache()).result(timeout=60)
     assert any(e.WhichOneof("data") == "cleared" for e in _drain(log))
+
+
+def test_grpc_flags_refuse_what_grpc_cannot_serve(tiny_model_dir, tmp_path):
+    keys = tmp_path / "tenants.json"
+    keys.write_text('{"tenants": []}')
+    cases = [
+        (["--disable-kv-events"], "--disable-kv-events: only a --grpc-mode worker"),
+        (["--grpc-mode", "--tenant-keys-file", str(keys)], "--grpc-mode and --tenant-keys-file exclude"),
+        (["--grpc-mode", "--disaggregation-mode", "decode"], "--grpc-mode: only a regular worker"),
+    ]
+    for flags, words in cases:
+        with pytest.raises(ArgumentError) as err:
+            parse_args(["--model-path", str(tiny_model_dir), *flags])
+        assert words in str(err.value)
