@@ -2,15 +2,22 @@
 ``/generate`` and ``/v1/completions`` answer with the greedy output the same worker gives over HTTP, smg
 subscribes to the worker's ``SubscribeKvEvents`` and applies the stored blocks (its own
 ``smg_kv_event_*`` metrics), and its load poll reads the worker's figures. smg 1.13.0 does not carry
-``cache_salt`` over gRPC (its SGLang proto has no field for it): the test pins that, as the docs say so."""
+``cache_salt`` over gRPC (its SGLang proto has no field for it): the test pins that, as the docs say so.
+Straight to the worker: a bad sampling value is INVALID_ARGUMENT naming it; ``GetTokenizer`` and
+``FlushCache`` answer."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import re
 import time
+import zipfile
 
+import grpc
 import httpx
 import pytest
+from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess, worker_args
@@ -83,3 +90,26 @@ def test_smg_serves_a_grpc_worker_and_subscribes_to_its_kv_events(tiny_model_dir
         _completion(router.url, model, salt="grpc-a")
         other = _completion(router.url, model, salt="grpc-b")
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        _direct_rpcs(worker.url.removeprefix("grpc://"))
+
+
+def _direct_rpcs(address: str) -> None:
+    """The worker's own answers: a bad sampling value is INVALID_ARGUMENT naming it, the tokenizer comes
+    as a zip of the model folder's tokenizer files with its SHA-256, an idle flush succeeds."""
+    with grpc.insecure_channel(address) as channel:
+        stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+        bad = sglang_scheduler_pb2.GenerateRequest(
+            request_id="bad",
+            tokenized=sglang_scheduler_pb2.TokenizedInput(input_ids=[5, 6, 7]),
+            sampling_params=sglang_scheduler_pb2.SamplingParams(temperature=-1.0, max_new_tokens=2),
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(bad, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+        chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=30))
+        data = b"".join(c.data for c in chunks)
+        assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+        assert "tokenizer.json" in names and "config.json" in names and "model.safetensors" not in names
+        flushed = stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=30)
+        assert flushed.success, flushed.message
