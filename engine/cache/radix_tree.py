@@ -442,6 +442,32 @@ class HiRadixTree:
         self._account_host(node, len(host_value))
         self.arc[1].enter(node.frequent, len(host_value))
 
+    def residency_events(self) -> list[Stored]:
+        """One ``Stored`` per node and tier it is resident in, parents before children: what a subscriber
+        that joins now needs to know the tree's pages (the ``events`` port's snapshot)."""
+        out: list[Stored] = []
+        level = list(self.root.children.values())
+        while level:
+            for node in level:
+                for tier, resident in (
+                    ("device", node.value is not None),
+                    ("host", node.host_value is not None),
+                ):
+                    if resident:
+                        out.extend(self._stored(node, tier))
+            level = [c for n in level for c in n.children.values()]
+        return out
+
+    def _stored(self, node: TreeNode, tier: str) -> list[Stored]:
+        pages = node_page_ids(self, node)
+        if not pages:
+            return []
+        parent = node.parent
+        assert parent is not None, f"{node} is attached to the tree"
+        parent_id = None if parent is self.root else chain_end(self, parent)
+        tokens = list(node.key[: len(pages) * self.page_size])
+        return [Stored(tier, pages, parent_id, tokens, self.page_size, node.salt)]
+
     def _report(self, node: TreeNode, tier: str, stored: bool) -> None:
         """Tell ``events`` that ``node``'s pages entered (``stored``) or left ``tier``."""
         if self.events is None:
@@ -452,11 +478,8 @@ class HiRadixTree:
         if not stored:
             self.events.publish(Removed(tier, pages))
             return
-        parent = node.parent
-        assert parent is not None, f"{node} is attached to the tree"
-        parent_id = None if parent is self.root else chain_end(self, parent)
-        tokens = list(node.key[: len(pages) * self.page_size])
-        self.events.publish(Stored(tier, pages, parent_id, tokens, self.page_size, node.salt))
+        for event in self._stored(node, tier):
+            self.events.publish(event)
 
     # -- arc bookkeeping (segment sizes under every policy, ghosts under arc) --------------------------------
     def count_hit(self, node: TreeNode) -> None:

@@ -22,7 +22,9 @@ RPCs served (the ones smg calls on a regular worker):
   ``stored`` (blocks with their token ids, ``parent_block_hash``, the tier as ``tier`` and ``cache_level``
   0 device / 1 host, ``cache_salt``), ``removed``, ``cleared``. Block
   hashes are the prefix-chained page ids (signed 64 bit). ``start_sequence_number`` N > 0 resumes with
-  the kept batches after N; 0 starts at the current sequence (the subscriber learns no older pages).
+  the kept batches after N; 0 starts with a snapshot of the pages the tree holds (one ``KvSnapshotChunk``
+  batch numbered with the last sealed sequence: ``cleared``, then a ``stored`` per node and tier, parents
+  first, event ids 0), then the batches after it.
   Each batch carries the worker's load (``EngineLoad``).
 
 Not served (``UNIMPLEMENTED``): ``Embed``, profiling, LoRA adapters. Everything runs on the gRPC server's
@@ -49,7 +51,7 @@ from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_sc
 
 from engine.cache.kv_events import TIERS, Cleared, KVEventLog, Removed, Stored
 from engine.scheduler import NotIdleError, SamplingParams
-from engine.scheduler.messages import FlushCache
+from engine.scheduler.messages import FlushCache, SnapshotKVEvents
 from engine.server.engine import Engine, RequestError, UnavailableError
 from engine.server.http_utils import interleave
 from engine.server.info import VERSION, _health_problem, server_info
@@ -353,11 +355,26 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         if log is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are off (--disable-kv-events)")
             return
-        cursor = request.start_sequence_number or log.seal()
         sample, quiet_since = 0, time.monotonic()
         if request.load_records_before_first_batch:
             sample += 1
             yield common_pb2.KvEventBatch(sequence_number=0, load=self._engine_load(True, sample))
+        cursor = request.start_sequence_number
+        if not cursor:  # from the current state: a snapshot of the tree's pages, then what follows it
+            cursor, held = await self.engine.post(SnapshotKVEvents())
+            if held and cursor:
+                sample += 1
+                events = [event_proto(e, 0) for e in (Cleared(), *held)]
+                yield common_pb2.KvEventBatch(
+                    sequence_number=cursor,
+                    timestamp=time.time(),
+                    events=events,
+                    dp_rank=0,
+                    snapshot=common_pb2.KvSnapshotChunk(
+                        index=0, count=1, blocks=sum(len(e.page_ids) for e in held)
+                    ),
+                    load=self._engine_load(False, sample),
+                )
         while not context.done():
             log.seal()
             batches = log.since(cursor)

@@ -1,8 +1,9 @@
 """KV cache events as ``--grpc-mode`` streams them (``engine/cache/kv_events.py`` through
 ``engine/server/grpc_service.event_proto``), on an in-process engine with an L2: an insert is a ``stored``
 of its pages in the device tier and (write-through) the host tier, chained by ``parent_block_hash``;
-an L1 eviction a ``removed`` of the same block hashes at cache level 0; a flush a ``cleared``; a request's
-salt is carried and puts its blocks under other hashes than the same tokens unsalted."""
+a snapshot lists the pages held, parents first; an L1 eviction a ``removed`` of the same block hashes
+at cache level 0; a flush a ``cleared``; a request's salt is carried and puts its blocks under other
+hashes than the same tokens unsalted."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from server_testlib import wait_idle
 from smg_grpc_proto.generated import common_pb2
 
 from engine.scheduler import Req, SamplingParams
-from engine.scheduler.messages import FlushCache
+from engine.scheduler.messages import FlushCache, SnapshotKVEvents
 from engine.server.args import ArgumentError, parse_args
-from engine.server.grpc_service import attach_events, event_proto
+from engine.server.grpc_service import attach_events, event_proto, to_int64
 
 PAGE = 4
 
@@ -79,6 +80,16 @@ def test_stream_reports_inserts_evictions_flushes_and_salts(make_engine):
     salted_stored = [e.stored for e in salted if e.WhichOneof("data") == "stored"]
     assert salted_stored and all(s.cache_salt == "tenant-a" for s in salted_stored)
     assert not {b.block_hash for s in salted_stored for b in s.blocks} & set(hashes)
+
+    # a snapshot lists what is held now: the first prompt's device pages among them, parents first
+    sequence, held = engine.scheduler.post(SnapshotKVEvents()).result(timeout=60)
+    assert sequence == log.sequence
+    held_device = [p for e in held if e.tier == "device" for p in e.page_ids]
+    assert {to_int64(p) for p in held_device} >= set(hashes)
+    seen: set = set()
+    for e in held:
+        assert e.parent_id is None or e.parent_id in seen
+        seen.update(e.page_ids)
 
     # prompts that do not fit beside it push the first pages out of L1: removed, at level 0, same hashes
     for k in range(3):

@@ -95,7 +95,8 @@ def test_smg_serves_a_grpc_worker_and_subscribes_to_its_kv_events(tiny_model_dir
 
 def _direct_rpcs(address: str) -> None:
     """The worker's own answers: a bad sampling value is INVALID_ARGUMENT naming it, the tokenizer comes
-    as a zip of the model folder's tokenizer files with its SHA-256, an idle flush succeeds."""
+    as a zip of the model folder's tokenizer files with its SHA-256, a new subscription starts with a
+    snapshot of the pages held, an idle flush succeeds."""
     with grpc.insecure_channel(address) as channel:
         stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
         bad = sglang_scheduler_pb2.GenerateRequest(
@@ -111,5 +112,11 @@ def _direct_rpcs(address: str) -> None:
         assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
         names = zipfile.ZipFile(io.BytesIO(data)).namelist()
         assert "tokenizer.json" in names and "config.json" in names and "model.safetensors" not in names
+        # a subscriber that joins now first gets a snapshot of the pages held (the e2e prompts' blocks)
+        stream = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30)
+        first = next(stream)
+        stream.cancel()
+        assert first.HasField("snapshot") and first.snapshot.count == 1 and first.snapshot.blocks >= 3 * 6
+        assert first.events[0].WhichOneof("data") == "cleared" and first.sequence_number > 0
         flushed = stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=30)
         assert flushed.success, flushed.message
