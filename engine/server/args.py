@@ -110,6 +110,7 @@ class ServerArgs:
     encoder_only: bool = False
     grpc_mode: bool = False
     disable_kv_events: bool = False
+    smg_http_sidecar_port: int | None = None
     language_only: bool = False
     encoder_urls: list[str] = dataclasses.field(default_factory=list)
     encoder_transfer_backend: str = "zmq_to_scheduler"
@@ -378,6 +379,12 @@ def _vlm_flags(a) -> None:
         help="serve smg's gRPC SglangScheduler service on --port instead of HTTP (docs/architecture.md)",
     )
     a(
+        "--smg-http-sidecar-port",
+        type=int,
+        default=None,
+        help="with --grpc-mode: the port of the HTTP routes (health, metrics, admin; default --port + 1)",
+    )
+    a(
         "--disable-kv-events",
         action="store_true",
         help="KVFleet: with --grpc-mode, publish no KV events (SubscribeKvEvents answers UNIMPLEMENTED, so "
@@ -509,6 +516,14 @@ def _validate_grpc(args: ServerArgs) -> None:
             "--grpc-mode: only a regular worker serves gRPC (no --encoder-only, --disaggregation-mode, "
             "--tp-size > 1)"
         )
+    if args.smg_http_sidecar_port is not None:
+        if not args.grpc_mode:
+            raise ArgumentError("--smg-http-sidecar-port: only a --grpc-mode worker has an HTTP sidecar")
+        if not 0 < args.smg_http_sidecar_port < 65536 or args.smg_http_sidecar_port == args.port:
+            raise ArgumentError(
+                f"--smg-http-sidecar-port must be in 1..65535 and differ from --port, got "
+                f"{args.smg_http_sidecar_port}"
+            )
     if args.disable_kv_events and not args.grpc_mode:
         raise ArgumentError("--disable-kv-events: only a --grpc-mode worker publishes KV events")
     if args.grpc_mode and args.tenant_keys_file:

@@ -39,7 +39,6 @@ import hashlib
 import io
 import json
 import logging
-import signal
 import time
 import zipfile
 from collections.abc import AsyncIterator
@@ -406,21 +405,6 @@ def attach_events(engine: Engine) -> KVEventLog:
     log = KVEventLog()
     engine.scheduler.cache.tree.events = log
     return log
-
-
-def run(engine: Engine, host: str, port: int) -> None:
-    """Serve gRPC on ``host:port`` in this thread until the scheduler thread ends or SIGTERM / SIGINT
-    (``launch_server``'s ``--grpc-mode``; the streams get 2 s to end)."""
-    events = None if engine.args.disable_kv_events else attach_events(engine)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(engine, events, host, port, stop)
-
-    asyncio.run(main())
 
 
 async def serve(engine: Engine, events: KVEventLog | None, host: str, port: int, stop: asyncio.Event) -> None:

@@ -108,6 +108,8 @@ def test_grpc_flags_refuse_what_grpc_cannot_serve(tiny_model_dir, tmp_path):
     keys.write_text('{"tenants": []}')
     cases = [
         (["--disable-kv-events"], "--disable-kv-events: only a --grpc-mode worker"),
+        (["--smg-http-sidecar-port", "30001"], "--smg-http-sidecar-port: only a --grpc-mode worker"),
+        (["--grpc-mode", "--port", "30001", "--smg-http-sidecar-port", "30001"], "differ from --port"),
         (["--grpc-mode", "--tenant-keys-file", str(keys)], "--grpc-mode and --tenant-keys-file exclude"),
         (["--grpc-mode", "--disaggregation-mode", "decode"], "--grpc-mode: only a regular worker"),
     ]

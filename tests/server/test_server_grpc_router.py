@@ -4,7 +4,7 @@ subscribes to the worker's ``SubscribeKvEvents`` and applies the stored blocks (
 ``smg_kv_event_*`` metrics), and its load poll reads the worker's figures. smg 1.13.0 does not carry
 ``cache_salt`` over gRPC (its SGLang proto has no field for it): the test pins that, as the docs say so.
 Straight to the worker: a bad sampling value is INVALID_ARGUMENT naming it; ``GetTokenizer`` and
-``FlushCache`` answer."""
+``FlushCache`` answer; its HTTP sidecar (``--smg-http-sidecar-port``) serves health and metrics."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_sc
 
 from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess, worker_args
+from engine.ports import free_port
 
 pytestmark = pytest.mark.slow
 SP = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -66,8 +67,10 @@ def test_smg_serves_a_grpc_worker_and_subscribes_to_its_kv_events(tiny_model_dir
         ]
         expected_text = _completion(http_worker.url, model)["choices"][0]["text"]
     extra = ("--model-path", model, "--block-size", "4")
+    sidecar = free_port()
+    grpc_flags = [*flags, "--grpc-mode", "--smg-http-sidecar-port", str(sidecar), "--enable-metrics"]
     with (
-        ServerProcess([*flags, "--grpc-mode"]) as worker,
+        ServerProcess(grpc_flags) as worker,
         RouterProcess(worker_args([worker.url]), extra=extra, min_workers=1) as router,
     ):
         assert worker.url.startswith("grpc://")
@@ -91,6 +94,10 @@ def test_smg_serves_a_grpc_worker_and_subscribes_to_its_kv_events(tiny_model_dir
         other = _completion(router.url, model, salt="grpc-b")
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         _direct_rpcs(worker.url.removeprefix("grpc://"))
+        # the HTTP sidecar serves the worker's HTTP routes beside gRPC: health, metrics of the same engine
+        side = f"http://127.0.0.1:{sidecar}"
+        assert httpx.get(f"{side}/health", timeout=10).status_code == 200
+        assert "sglang:prompt_tokens_total" in httpx.get(f"{side}/metrics", timeout=10).text
 
 
 def _direct_rpcs(address: str) -> None:
