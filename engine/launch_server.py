@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         sock = bind_listen_socket(args.host, args.port)
+        sidecar = _bind_sidecar(args) if args.grpc_mode else None
     except ArgumentError as exc:
         return _launch_error(exc)
     with sock:
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             engine = build_engine(args)
         except (ArgumentError, ModelLoadError) as exc:
             return _launch_error(exc)
+        if args.grpc_mode:
+            assert sidecar is not None, "bound above for --grpc-mode"
+            return _serve_grpc(engine, args, sock, sidecar)
         server = _uvicorn_server(create_app(engine), args)
         exit_when_scheduler_dies(engine.scheduler, server)
         try:
@@ -116,6 +120,46 @@ def _uvicorn_server(app, args):
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
     return uvicorn.Server(config)
+
+
+def _bind_sidecar(args) -> socket.socket:
+    """``--grpc-mode``'s HTTP sidecar socket (``--smg-http-sidecar-port``, default ``--port`` + 1);
+    ``ArgumentError`` naming that flag when it cannot be bound."""
+    port = args.smg_http_sidecar_port or args.port + 1
+    try:
+        return bind_listen_socket(args.host, port)
+    except ArgumentError as exc:
+        raise ArgumentError(str(exc).replace("--port", "--smg-http-sidecar-port", 1)) from None
+
+
+def _serve_grpc(engine, args, sock: socket.socket, sidecar: socket.socket) -> int:
+    """``--grpc-mode``: smg's gRPC service on ``--port`` (``engine/server/grpc_service.py``; the port held
+    since start-up is handed over to the gRPC server) and the HTTP app on the sidecar socket, until
+    SIGTERM / SIGINT (uvicorn's handlers) or the scheduler thread ends; then both stop."""
+    import asyncio
+
+    from engine.server import grpc_service
+    from engine.server.app import create_app
+
+    sock.close()
+    events = None if args.disable_kv_events else grpc_service.attach_events(engine)
+    server = _uvicorn_server(create_app(engine), args)
+
+    async def both() -> None:
+        stop = asyncio.Event()
+        rpc = asyncio.create_task(grpc_service.serve(engine, events, args.host, args.port, stop))
+        http = asyncio.create_task(server.serve(sockets=[sidecar]))
+        await asyncio.wait({rpc, http}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        stop.set()
+        await asyncio.gather(rpc, http)
+
+    try:
+        with sidecar:
+            asyncio.run(both())
+    finally:
+        engine.shutdown()
+    return EXIT_SCHEDULER_DIED if engine.scheduler.error is not None else 0
 
 
 def _serve_encoder(args, sock: socket.socket) -> int:

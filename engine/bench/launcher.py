@@ -19,7 +19,8 @@ class ServerProcess:
     ``args`` are launch flags without ``--host``/``--port``; ``launcher`` the argv before them (default
     KVFleet's engine from this interpreter; e.g. ``[python, "-m", "sglang.launch_server"]`` for upstream).
     Raises ``RuntimeError`` with the tail of the server's log when it exits or is not healthy within
-    ``timeout`` seconds.
+    ``timeout`` seconds. With ``--grpc-mode`` in ``args`` the worker serves gRPC: ``url`` is
+    ``grpc://127.0.0.1:PORT`` and health is its ``HealthCheck`` RPC.
     """
 
     def __init__(
@@ -32,7 +33,8 @@ class ServerProcess:
         self.args = list(args)
         self.launcher = launcher or [sys.executable, "-m", "engine.launch_server"]
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc = "--grpc-mode" in self.args
+        self.url = f"{'grpc' if self.grpc else 'http'}://127.0.0.1:{self.port}"
         self.timeout = timeout
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -52,15 +54,28 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+            if self._healthy():
+                return self
             time.sleep(0.3)
         tail = self.log_tail()  # before __exit__ closes the log
         self.__exit__(None, None, None)
         raise RuntimeError(f"server not healthy after {self.timeout}s:\n{tail}")
+
+    def _healthy(self) -> bool:
+        if not self.grpc:
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        import grpc
+        from smg_grpc_proto.generated import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            try:
+                stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+                return stub.HealthCheck(sglang_scheduler_pb2.HealthCheckRequest(), timeout=2).healthy
+            except grpc.RpcError:
+                return False
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -27,6 +27,11 @@ resident tokens exceed ``p``, else of T2 (the other segment when that one has no
 capacity ``c`` is the most tokens the tier has held; B1 is cut to ``c - |T1|`` and both ghost lists to
 ``2c`` with T1 and T2, oldest first, and a ghost whose parent is removed goes too (nothing can reach it).
 Every step is O(1) or a heap operation, so eviction stays O(log n).
+
+``events`` (None by default) is the port residency changes are reported through
+(:class:`engine.cache.kv_events.KVEventSink`): a node gaining device slots or a host copy is a ``Stored``
+of its pages in that tier, losing them (eviction, removal) a ``Removed``, ``reset`` a ``Cleared``; a split
+reports nothing (page ids do not change).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from collections.abc import Callable, Generator, Iterator
 import torch
 
 from engine.cache.eviction_names import EVICTION_POLICIES  # the same names as EVICTION_PRIORITY's keys
+from engine.cache.kv_events import Cleared, KVEventSink, Removed, Stored
+from engine.cache.misses import chain_end, node_page_ids
 from engine.cache.tenant_caps import salt_owner
 
 # Smallest first is evicted first (upstream ``evict_policy.py``).
@@ -241,10 +248,13 @@ class HiRadixTree:
             )
         self.page_size = page_size
         self.eviction_policy = eviction_policy
+        self.events: KVEventSink | None = None  # where residency changes are reported (module docstring)
         self.reset()
 
     def reset(self) -> None:
-        """Drop every node (node ids restart at 0)."""
+        """Drop every node (node ids restart at 0); reports ``Cleared``."""
+        if self.events is not None:
+            self.events.publish(Cleared())
         self._ids = itertools.count()
         self._seq = itertools.count()
         self._clock = 0
@@ -380,6 +390,10 @@ class HiRadixTree:
         if node.children or node is self.root:
             raise ValueError(f"cannot remove {node}: it has children or is the root")
         if node.value is not None:
+            self._report(node, "device", stored=False)
+        if node.host_value is not None:
+            self._report(node, "host", stored=False)
+        if node.value is not None:
             self._account(node, -len(node.key))
             self._leave(node, host=False)
             node.value = None
@@ -398,6 +412,8 @@ class HiRadixTree:
 
     def set_device(self, node: TreeNode, value: torch.Tensor | None) -> None:
         """Make ``node`` device-resident at ``value`` (load-back, revive) or evicted (None)."""
+        if (node.value is None) != (value is None):
+            self._report(node, "device", stored=value is not None)
         if node.value is not None:
             self._account(node, -len(node.key))
             if value is None:
@@ -420,10 +436,50 @@ class HiRadixTree:
         """Give ``node`` (which has none) its host copy at ``host_value``, counted for its salt's owner."""
         if node.host_value is not None:
             raise ValueError(f"{node} already has a host copy")
+        self._report(node, "host", stored=True)
         self._revive(node, host=True)
         node.host_value = host_value
         self._account_host(node, len(host_value))
         self.arc[1].enter(node.frequent, len(host_value))
+
+    def residency_events(self) -> list[Stored]:
+        """One ``Stored`` per node and tier it is resident in, parents before children: what a subscriber
+        that joins now needs to know the tree's pages (the ``events`` port's snapshot)."""
+        out: list[Stored] = []
+        level = list(self.root.children.values())
+        while level:
+            for node in level:
+                for tier, resident in (
+                    ("device", node.value is not None),
+                    ("host", node.host_value is not None),
+                ):
+                    if resident:
+                        out.extend(self._stored(node, tier))
+            level = [c for n in level for c in n.children.values()]
+        return out
+
+    def _stored(self, node: TreeNode, tier: str) -> list[Stored]:
+        pages = node_page_ids(self, node)
+        if not pages:
+            return []
+        parent = node.parent
+        assert parent is not None, f"{node} is attached to the tree"
+        parent_id = None if parent is self.root else chain_end(self, parent)
+        tokens = list(node.key[: len(pages) * self.page_size])
+        return [Stored(tier, pages, parent_id, tokens, self.page_size, node.salt)]
+
+    def _report(self, node: TreeNode, tier: str, stored: bool) -> None:
+        """Tell ``events`` that ``node``'s pages entered (``stored``) or left ``tier``."""
+        if self.events is None:
+            return
+        pages = node_page_ids(self, node)
+        if not pages:
+            return
+        if not stored:
+            self.events.publish(Removed(tier, pages))
+            return
+        for event in self._stored(node, tier):
+            self.events.publish(event)
 
     # -- arc bookkeeping (segment sizes under every policy, ghosts under arc) --------------------------------
     def count_hit(self, node: TreeNode) -> None:

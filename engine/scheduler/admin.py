@@ -11,6 +11,7 @@ from engine.scheduler.messages import (
     PauseStorage,
     ReadStorage,
     ResumeStorage,
+    SnapshotKVEvents,
     SwitchRole,
     UpdatePolicies,
 )
@@ -58,6 +59,9 @@ def handle(sched, msg: AdminMsg) -> object:
         case UpdatePolicies(fields=fields):
             _require_idle_for_storage(sched, "config update")
             return cache.update_policies(**fields)
+        case SnapshotKVEvents():
+            tree = cache.tree
+            return (tree.events.seal() if tree.events is not None else 0), tree.residency_events()
         case ReadStorage(what="backend"):
             return cache.storage.backend_status()
         case ReadStorage(what="config"):

@@ -86,8 +86,16 @@ class ReadStorage:
     what: Literal["backend", "config"]
 
 
+@dataclass(frozen=True)
+class SnapshotKVEvents:
+    """Seal the cache's KV event log (``HiRadixTree.events``) and list the ``Stored`` events that rebuild
+    what the tree holds now (``HiRadixTree.residency_events``), both at one point of the scheduler thread.
+    Result: ``(sequence, events)``, the last sealed batch's number (0 without a log) and the events."""
+
+
 AdminMsg = (
     FlushCache
+    | SnapshotKVEvents
     | SwitchRole
     | AttachStorage
     | DetachStorage

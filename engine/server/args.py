@@ -108,6 +108,9 @@ class ServerArgs:
     allowed_local_media_path: str | None = None
     mm_embedding_cache_size: int = 256
     encoder_only: bool = False
+    grpc_mode: bool = False
+    disable_kv_events: bool = False
+    smg_http_sidecar_port: int | None = None
     language_only: bool = False
     encoder_urls: list[str] = dataclasses.field(default_factory=list)
     encoder_transfer_backend: str = "zmq_to_scheduler"
@@ -368,6 +371,25 @@ def _vlm_flags(a) -> None:
         help="KVFleet: image embeddings kept by content hash",
     )
     a("--encoder-only", action="store_true", help="EPD: run the vision tower + projector only, serve /encode")
+    a(
+        "--grpc-mode",
+        "--smg-grpc-mode",
+        dest="grpc_mode",
+        action="store_true",
+        help="serve smg's gRPC SglangScheduler service on --port instead of HTTP (docs/architecture.md)",
+    )
+    a(
+        "--smg-http-sidecar-port",
+        type=int,
+        default=None,
+        help="with --grpc-mode: the port of the HTTP routes (health, metrics, admin; default --port + 1)",
+    )
+    a(
+        "--disable-kv-events",
+        action="store_true",
+        help="KVFleet: with --grpc-mode, publish no KV events (SubscribeKvEvents answers UNIMPLEMENTED, so "
+        "smg routes by its approximate tree)",
+    )
     a("--language-only", action="store_true", help="EPD: no vision tower; embeddings from --encoder-urls")
     a("--encoder-urls", nargs="+", default=[], help="EPD: encoder workers a language-only worker calls")
     a("--encoder-transfer-backend", choices=ENCODER_TRANSFER_BACKENDS, default="zmq_to_scheduler")
@@ -426,6 +448,7 @@ def _validate(args: ServerArgs) -> None:
         raise ArgumentError(f"--watchdog-timeout must be > 0, got {args.watchdog_timeout}")
     _validate_pd(args)
     _validate_vlm(args)
+    _validate_grpc(args)
     _validate_tp(args)
     if args.hicache_storage_backend and not args.enable_hierarchical_cache:
         raise ArgumentError("--hicache-storage-backend needs --enable-hierarchical-cache")
@@ -484,6 +507,30 @@ def _validate_pd(args: ServerArgs) -> None:
         )
     if args.enable_pd_role_switch and args.disaggregation_mode == "null":
         raise ArgumentError("--enable-pd-role-switch needs --disaggregation-mode prefill or decode")
+
+
+def _validate_grpc(args: ServerArgs) -> None:
+    """``--grpc-mode`` serves a regular worker only, and no tenants (``ArgumentError`` naming the flag)."""
+    if args.grpc_mode and (args.encoder_only or args.disaggregation_mode != "null" or args.tp_size > 1):
+        raise ArgumentError(
+            "--grpc-mode: only a regular worker serves gRPC (no --encoder-only, --disaggregation-mode, "
+            "--tp-size > 1)"
+        )
+    if args.smg_http_sidecar_port is not None:
+        if not args.grpc_mode:
+            raise ArgumentError("--smg-http-sidecar-port: only a --grpc-mode worker has an HTTP sidecar")
+        if not 0 < args.smg_http_sidecar_port < 65536 or args.smg_http_sidecar_port == args.port:
+            raise ArgumentError(
+                f"--smg-http-sidecar-port must be in 1..65535 and differ from --port, got "
+                f"{args.smg_http_sidecar_port}"
+            )
+    if args.disable_kv_events and not args.grpc_mode:
+        raise ArgumentError("--disable-kv-events: only a --grpc-mode worker publishes KV events")
+    if args.grpc_mode and args.tenant_keys_file:
+        raise ArgumentError(
+            "--grpc-mode and --tenant-keys-file exclude each other: the gRPC service has no tenant gate "
+            "(smg sends no API key and no cache_salt over gRPC); serve tenants over HTTP"
+        )
 
 
 def _validate_vlm(args: ServerArgs) -> None:

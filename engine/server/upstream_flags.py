@@ -14,7 +14,6 @@ _DP_ATTENTION = (
     "run several workers behind the router (cache-aware routing keeps a conversation on its worker)"
 )
 NOT_YET: dict[str, str] = {
-    "--grpc-mode": "gRPC serving is not built; encoders and workers speak HTTP + ZMQ",
     "--dp-size": _DP_ATTENTION,
     "--dp": _DP_ATTENTION,
     "--data-parallel-size": _DP_ATTENTION,

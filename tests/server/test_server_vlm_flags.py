@@ -37,7 +37,7 @@ def test_epd_flags_parse_with_upstream_names():
             "zmq_to_tokenizer: not supported by KVFleet; a worker",
         ),
         (["--enable-mm-global-cache"], "--enable-mm-global-cache: only an --encoder-only worker"),
-        (["--grpc-mode"], "--grpc-mode is not supported by KVFleet yet (gRPC serving is not built"),
+        (["--grpc-mode", "--encoder-only"], "--grpc-mode: only a regular worker serves gRPC"),
         (["--language-only"], "--language-only needs --encoder-urls"),
         (["--encoder-urls", "http://a:1"], "--encoder-urls needs --language-only"),
         (["--language-only", "--encoder-urls", "a:1"], "--encoder-urls a:1: expected http://host:port"),
