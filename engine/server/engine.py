@@ -8,22 +8,18 @@ scheduler thread through ``Scheduler.call`` and is awaited as a future.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.grammar.backend import GrammarBackend, GrammarError
-from engine.grammar.state import GrammarState
 from engine.model.vlm.mm import MMItem
-from engine.scheduler import Req, ReqOutput, SamplingParams, Scheduler
-from engine.scheduler.logprobs import LogprobRequest, LogprobState, LogprobValues
+from engine.scheduler import ReqOutput, SamplingParams, Scheduler
+from engine.scheduler.logprobs import LogprobValues
 from engine.scheduler.messages import AdminMsg
 from engine.scheduler.req import Bootstrap
+from engine.scheduler.request import GenerateRequest
 from engine.scheduler.sampling_params import label
 from engine.server.args import ServerArgs
 from engine.server.images import ImageInputs
@@ -31,6 +27,8 @@ from engine.server.recording import TraceRecorder
 from engine.server.tenants import Tenants
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from engine.model.tokenizer import Tokenizer
     from engine.server.metrics import EngineMetrics
     from engine.server.tp_ranks import RankProcesses
@@ -261,7 +259,9 @@ class Engine:
             raise RequestError("bootstrap_room: the samples' rooms must differ")
         return [_pairing(h, p, r) for h, p, r in zip(hosts, ports, room, strict=True)]
 
-    async def compile_grammar(self, params: SamplingParams, names: dict[str, str] | None = None):
+    async def compile_grammar(
+        self, params: SamplingParams, names: dict[str, str] | None = None
+    ) -> xgr.CompiledGrammar | None:
         """The compiled grammar of ``params``' constraint (``json_schema``, ``regex``, ``ebnf``,
         ``structural_tag``), or None when it has none; compiled on the grammar backend's threads (cached), so
         the event loop and the scheduler go on meanwhile. RequestError names the field (``names`` as in
@@ -284,42 +284,17 @@ class Engine:
         """OpenAI requests without ``max_tokens`` may use the rest of the context (upstream behaviour)."""
         return max(0, min(self.context_length, self.scheduler.pool.size) - len(input_ids))
 
-    async def stream(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        rid: str | None = None,
-        health_check: bool = False,
-        bootstrap: Bootstrap | None = None,
-        cache_salt: str | None = None,
-        mm_items: list[MMItem] | None = None,
-        logprob: LogprobRequest | None = None,
-        grammar=None,
-    ) -> AsyncIterator[ReqOutput]:
-        """Submit one request (a PD one with ``bootstrap``, in cache key space ``cache_salt``, reporting the
-        log-probabilities ``logprob`` asks for, constrained by ``grammar`` from ``compile_grammar``), yield
-        its events up to the finished one; abort it if the
-        caller stops early. A ``health_check`` request is queued ahead of user requests. ``mm_items``: the
-        prompt's images (``ImageInputs.prepare``)."""
-        self.check_request(input_ids, params, mm_items=mm_items or ())  # also raises UnavailableError
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[ReqOutput]:
+        """Submit one-sample ``request`` (checked again here: ``check_request``, which also raises
+        ``UnavailableError``) as the scheduler's ``Req`` (``GenerateRequest.to_req``) and yield its events up
+        to the finished one; abort it if the caller stops early. A finished request is recorded with
+        ``--record-trace``. ``ValueError`` when ``request`` has one pairing per sample (stream each of its
+        ``samples()``)."""
+        self.check_request(request.input_ids, request.params, mm_items=request.mm_items)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ReqOutput] = asyncio.Queue()
         put: Callable[[ReqOutput], None] = events.put_nowait
-        rid = rid or uuid.uuid4().hex
-        req = Req(
-            rid,
-            list(input_ids),
-            params,
-            lambda ev: loop.call_soon_threadsafe(put, ev),
-            health_check=health_check,
-            bootstrap=bootstrap,
-            cache_salt=cache_salt,
-            mm_items=list(mm_items or ()),
-            logprob=None if logprob is None else LogprobState(logprob),
-            grammar=None if grammar is None else GrammarState(grammar),
-        )
-        if params.sampling_seed is not None:
-            req.generator = torch.Generator().manual_seed(params.sampling_seed)
+        req = request.to_req(lambda ev: loop.call_soon_threadsafe(put, ev))
         arrival = time.time()
         self.scheduler.submit(req)
         finished = False
@@ -336,32 +311,18 @@ class Engine:
                     return
         finally:
             if not finished:
-                self.scheduler.abort(rid)
+                self.scheduler.abort(req.rid)
 
-    async def generate(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        rid: str | None = None,
-        health_check: bool = False,
-        bootstrap: Bootstrap | None = None,
-        cache_salt: str | None = None,
-        mm_items: list[MMItem] | None = None,
-        logprob: LogprobRequest | None = None,
-        grammar=None,
-    ) -> dict:
-        """Run one request to the end; returns ``{"output_ids", "finish_reason", "meta", "logprobs"}``
-        (``logprobs``: ``{"input": LogprobValues, "output": LogprobValues}`` when ``logprob`` asked, else
-        None). Raises ``UnavailableError`` when the scheduler refused it (queue full) or ended before
-        finishing it."""
+    async def generate(self, request: GenerateRequest) -> dict:
+        """Run one-sample ``request`` to the end; returns ``{"output_ids", "finish_reason", "meta",
+        "logprobs"}`` (``logprobs``: ``{"input": LogprobValues, "output": LogprobValues}`` when
+        ``request.logprob`` asked, else None). Raises what ``stream`` raises, and ``UnavailableError`` when
+        the scheduler refused it (queue full) or ended before finishing it."""
         ids: list[int] = []
         meta: dict = {}
         reason = None
-        values = None if logprob is None else {"input": LogprobValues(), "output": LogprobValues()}
-        events = self.stream(
-            input_ids, params, rid, health_check, bootstrap, cache_salt, mm_items, logprob, grammar
-        )
-        async for ev in events:
+        values = None if request.logprob is None else {"input": LogprobValues(), "output": LogprobValues()}
+        async for ev in self.stream(request):
             ids.extend(ev.new_ids)
             meta.update(ev.meta)
             reason = ev.finish_reason
@@ -372,67 +333,30 @@ class Engine:
             raise UnavailableError(reason.get("message", "scheduler thread is not running"))
         return {"output_ids": ids, "finish_reason": reason, "meta": meta, "logprobs": values}
 
-    async def generate_n(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        rid: str | None = None,
-        bootstrap: Bootstrap | list[Bootstrap] | None = None,
-        cache_salt: str | None = None,
-        mm_items: list[MMItem] | None = None,
-        logprob: LogprobRequest | None = None,
-        grammar=None,
-    ) -> list[dict]:
-        """``params.n`` samples of one prompt (``generate``'s results, in order). For n > 1 the prompt is
-        computed once first (a ``max_new_tokens`` 0 request), so the samples share its KV through the prefix
-        cache; sample ``j`` is seeded with ``sampling_seed + j`` when a seed is set. A PD request with n > 1
-        gives one pairing per sample (``bootstrap`` is then a list of n: sample j uses room j) and skips the
-        first computation (a PD worker serves only paired requests). A rid needs n 1 (the callers refuse
-        it). Each sample gets its own matcher of ``grammar``."""
-        pairings = bootstrap if isinstance(bootstrap, list) else [bootstrap] * params.n
-        if params.n == 1:
-            return [
-                await self.generate(
-                    input_ids, params, rid, False, pairings[0], cache_salt, mm_items, logprob, grammar
-                )
-            ]
-        if bootstrap is None:
-            warm = await self.prefill_once(input_ids, params, cache_salt, mm_items)
-            if warm is not None:
-                return [warm]
-        runs = (
-            self.generate(
-                input_ids,
-                self.sample_params(params, j),
-                bootstrap=pairings[j],
-                cache_salt=cache_salt,
-                mm_items=mm_items,
-                logprob=logprob,
-                grammar=grammar,
-            )
-            for j in range(params.n)
-        )
-        return list(await asyncio.gather(*runs))
+    async def generate_n(self, request: GenerateRequest) -> list[dict]:
+        """The ``request.params.n`` samples of one prompt (``generate``'s results, in sample order; a list of
+        one, the aborted result, when the prompt-only first pass was aborted). For n > 1 the prompt is
+        computed once first (``prefill_once``), so the samples share its KV through the prefix cache; then
+        ``request.samples()`` run concurrently (sample ``j`` seeded ``sampling_seed + j`` when seeded, paired
+        with room j of a PD request, each with its own matcher of the grammar). A PD request skips the first
+        pass (a PD worker serves only paired requests). A rid needs n 1 (the routes refuse it)."""
+        samples = request.samples()
+        if len(samples) == 1:
+            return [await self.generate(samples[0])]
+        warm = await self.prefill_once(request)
+        if warm is not None:
+            return [warm]
+        return list(await asyncio.gather(*(self.generate(s) for s in samples)))
 
-    async def prefill_once(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        mm_items: list[MMItem] | None = None,
-    ) -> dict | None:
-        """Compute the prompt's KV once (a ``max_new_tokens`` 0 request) so that ``n`` samples started after
-        it find the prompt in the prefix cache. Returns None when done, else the aborted result (its
-        ``finish_reason`` says why). Raises what ``generate`` raises."""
-        warm = dataclasses.replace(params, n=1, max_new_tokens=0, min_new_tokens=0)
-        first = await self.generate(input_ids, warm, cache_salt=cache_salt, mm_items=mm_items)
+    async def prefill_once(self, request: GenerateRequest) -> dict | None:
+        """Compute ``request``'s prompt KV once (its ``warmup()``: a ``max_new_tokens`` 0 request) so that the
+        ``n`` samples started after it find the prompt in the prefix cache. Returns None when done or when
+        ``request`` is a PD one (nothing is run: each sample's prompt is computed on its prefill worker), else
+        the aborted result (its ``finish_reason`` says why). Raises what ``generate`` raises."""
+        if request.bootstrap is not None:
+            return None
+        first = await self.generate(request.warmup())
         return first if (first["finish_reason"] or {}).get("type") == "abort" else None
-
-    @staticmethod
-    def sample_params(params: SamplingParams, j: int) -> SamplingParams:
-        """The parameters of sample ``j`` (0-based) of an ``n`` > 1 request: n 1, and seed + j when seeded."""
-        seed = params.sampling_seed
-        return dataclasses.replace(params, n=1, sampling_seed=None if seed is None else seed + j)
 
     async def post(self, msg: AdminMsg, timeout: float | None = None):
         """Carry out the admin message ``msg`` (``engine.scheduler.messages``) on the scheduler thread and

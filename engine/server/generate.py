@@ -17,7 +17,9 @@ this engine cannot produce (``return_hidden_states``, ``input_embeds``) are a 40
 ``bootstrap_room`` on a worker that is not in PD mode, or a PD worker's request without valid
 ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` (``Engine.bootstrap``; with n > 1, as
 sglang-router sends it, a list of n rooms: sample j pairs with room j, and the prompt is not computed ahead).
-Text is tokenized on a worker thread, and a non-streaming request whose client disconnects is aborted.
+Text is tokenized on a worker thread, and a non-streaming request whose client disconnects is aborted. The
+checked body becomes one ``GenerateRequest`` per prompt (``generate_requests``), which the engine carries
+whole to the scheduler.
 Response: ``{"text", "output_ids", "meta_info"}`` (a list for batched input). With ``stream`` the events are
 SSE frames carrying the cumulative text and ids (upstream default); the text only grows (a tail that could
 become a stop string waits for the next frame) and the stream ends with ``data: [DONE]``. A streamed batch
@@ -36,12 +38,13 @@ from engine.model.vlm.mm import MMItem
 from engine.scheduler import SamplingParams
 from engine.scheduler.logprobs import LogprobRequest, LogprobValues
 from engine.scheduler.req import Bootstrap
+from engine.scheduler.request import GenerateRequest
 from engine.server.engine import Engine, RequestError
 from engine.server.http_utils import SSE_DONE, HTTPError, interleave, json_body, sse, until_disconnect
 from engine.server.logprob_format import sglang_meta
 from engine.server.schemas import GenerateReqInput, request_body, validated
 from engine.server.stream_text import StreamText
-from engine.server.tenants import authorize, request_salt
+from engine.server.tenants import Tenant, authorize, request_salt
 
 router = APIRouter()
 
@@ -215,24 +218,31 @@ def _rids(rid, n: int, batched: bool) -> list[str | None]:
     raise HTTPError(400, "rid must be a string (one prompt) or a list of strings, one per prompt")
 
 
-def _response(
-    engine: Engine, prompt: list[int], res: dict, params: SamplingParams, want, return_text: bool
-) -> dict:
+def _response(engine: Engine, request: GenerateRequest, res: dict, return_text: bool) -> dict:
+    """One result of ``Engine.generate_n`` in upstream's shape: ``{"text", "output_ids", "meta_info"}``."""
     ids, reason = res["output_ids"], res["finish_reason"]
     meta = dict(res["meta"], finish_reason=reason)
-    if want is not None:
-        meta.update(sglang_meta(engine, want, res["logprobs"], prompt, ids, return_text))
-    return {"text": engine.output_text(ids, params, reason), "output_ids": list(ids), "meta_info": meta}
+    if request.logprob is not None:
+        meta.update(
+            sglang_meta(engine, request.logprob, res["logprobs"], request.input_ids, ids, return_text)
+        )
+    return {
+        "text": engine.output_text(ids, request.params, reason),
+        "output_ids": list(ids),
+        "meta_info": meta,
+    }
 
 
-@router.post("/generate", openapi_extra=request_body(GenerateReqInput))
-async def generate(request: Request):
-    tenant = authorize(request)
-    engine: Engine = request.app.state.engine
-    body = validated(GenerateReqInput, await json_body(request))
+async def generate_requests(
+    engine: Engine, body: dict, tenant: Tenant | None
+) -> tuple[list[GenerateRequest], bool]:
+    """The requests of a ``/generate`` body (checked against ``GenerateReqInput``), one per prompt, and
+    whether the input was batched: prompts tokenized and images prepared (on a worker thread), sampling
+    values checked, log-probability fields resolved, rids and salts (the tenant's, ``tenant_salt``) per
+    prompt, grammars compiled. ``HTTPError(400)`` names the field at fault; a PD decode worker also refuses
+    the room at its prefill when the grammar does not compile (``Engine.refuse_room``)."""
     prompts, params, batched, bootstrap, mm = await asyncio.to_thread(parse_generate, engine, body)
     wants = parse_logprobs(engine, body, prompts, batched)
-    return_text = bool(body.get("return_text_in_logprobs"))
     rids = _rids(body.get("rid"), len(prompts), batched)
     salts = [request_salt(engine, tenant, s) for s in _salts(body, len(prompts), batched)]
     try:
@@ -241,74 +251,53 @@ async def generate(request: Request):
         if bootstrap is not None:
             engine.refuse_room(bootstrap, str(exc))
         raise HTTPError(400, str(exc)) from None
-    multi = any(sp.n > 1 for sp in params)
-    if multi and any(r is not None for r in rids):
+    if any(sp.n > 1 for sp in params) and any(r is not None for r in rids):
         raise HTTPError(400, "rid: give no rid with sampling_params.n > 1 (each sample is its own request)")
-    if body.get("stream"):
-        if not (batched or multi):
-            assert not isinstance(bootstrap, list), "one prompt, one sample: one pairing"
-            frames = _frames(
-                engine,
-                prompts[0],
-                params[0],
-                rids[0],
-                bootstrap,
-                salts[0],
-                mm[0],
-                wants[0],
-                return_text,
-                grammars[0],
-            )
-            return StreamingResponse(_stream(frames), media_type="text/event-stream")
-        if multi and bootstrap is None:  # each prompt's KV computed once, before its samples start
-            warm = (
-                engine.prefill_once(prompts[i], params[i], salts[i], mm[i])
-                for i in range(len(prompts))
-                if params[i].n > 1
-            )
-            for res in await until_disconnect(request, asyncio.gather(*warm)):
-                if res is not None:
-                    reason = res["finish_reason"]
-                    raise HTTPError(reason.get("status_code", 500), reason.get("message", "request aborted"))
-        streams = [
-            _frames(
-                engine,
-                prompts[i],
-                engine.sample_params(params[i], j) if params[i].n > 1 else params[i],
-                rids[i],
-                bootstrap[j] if isinstance(bootstrap, list) else bootstrap,
-                salts[i],
-                mm[i],
-                wants[i],
-                return_text,
-                grammars[i],
-            )
-            for i in range(len(prompts))
-            for j in range(params[i].n)
-        ]
-        return StreamingResponse(_stream(interleave(streams), indexed=True), media_type="text/event-stream")
-
-    runs = (
-        engine.generate_n(
+    requests = [
+        GenerateRequest(
             prompts[i],
             params[i],
-            rids[i],
-            bootstrap,
-            salts[i],
+            rid=rids[i],
+            bootstrap=bootstrap,
+            cache_salt=salts[i],
             mm_items=mm[i],
             logprob=wants[i],
             grammar=grammars[i],
         )
         for i in range(len(prompts))
-    )
-    results = await until_disconnect(request, asyncio.gather(*runs))
+    ]
+    return requests, batched
+
+
+@router.post("/generate", openapi_extra=request_body(GenerateReqInput))
+async def generate(request: Request):
+    tenant = authorize(request)
+    engine: Engine = request.app.state.engine
+    body = validated(GenerateReqInput, await json_body(request))
+    requests, batched = await generate_requests(engine, body, tenant)
+    return_text = bool(body.get("return_text_in_logprobs"))
+    multi = any(r.params.n > 1 for r in requests)
+    if body.get("stream"):
+        if not (batched or multi):
+            frames = _frames(engine, requests[0], return_text)
+            return StreamingResponse(_stream(frames), media_type="text/event-stream")
+        if multi:  # each prompt's KV computed once, before its samples start (not for a PD request)
+            warm = (engine.prefill_once(r) for r in requests if r.params.n > 1)
+            for res in await until_disconnect(request, asyncio.gather(*warm)):
+                if res is not None:
+                    reason = res["finish_reason"]
+                    raise HTTPError(reason.get("status_code", 500), reason.get("message", "request aborted"))
+        streams = [_frames(engine, s, return_text) for r in requests for s in r.samples()]
+        return StreamingResponse(_stream(interleave(streams), indexed=True), media_type="text/event-stream")
+
+    results = await until_disconnect(request, asyncio.gather(*(engine.generate_n(r) for r in requests)))
     out = []
-    for i, group in enumerate(results):
+    for req, group in zip(requests, results, strict=True):
         for res in group:
             reason = res["finish_reason"]
             if reason and reason.get("type") == "abort":
                 raise HTTPError(reason.get("status_code", 500), reason.get("message", "request aborted"))
-            out.append(_response(engine, prompts[i], res, params[i], wants[i], return_text))
+            out.append(_response(engine, req, res, return_text))
     return JSONResponse(out if batched or multi else out[0])
 
 
@@ -324,42 +313,22 @@ async def _stream(frames, indexed: bool = False):
     yield SSE_DONE
 
 
-async def _frames(
-    engine: Engine,
-    prompt: list[int],
-    params: SamplingParams,
-    rid: str | None,
-    bootstrap: Bootstrap | None,
-    cache_salt: str | None,
-    mm_items: list[MMItem],
-    want: LogprobRequest | None,
-    return_text: bool,
-    grammar,
-):
-    """One frame dict per scheduler event of one request: all ids so far and the monotonic text
-    (``StreamText``), and the log-probabilities so far when asked; an abort yields an ``error`` frame and
-    ends it."""
+async def _frames(engine: Engine, request: GenerateRequest, return_text: bool):
+    """One frame dict per scheduler event of one-sample ``request``: all ids so far and the monotonic text
+    (``StreamText``), and the log-probabilities so far when ``request.logprob`` asks; an abort yields an
+    ``error`` frame and ends it."""
     ids: list[int] = []
     meta: dict = {}
-    text = StreamText(engine, params)
+    text = StreamText(engine, request.params)
+    want = request.logprob
     values = {"input": LogprobValues(), "output": LogprobValues()}
-    events = engine.stream(
-        prompt,
-        params,
-        rid,
-        bootstrap=bootstrap,
-        cache_salt=cache_salt,
-        mm_items=mm_items,
-        logprob=want,
-        grammar=grammar,
-    )
-    async for ev in events:
+    async for ev in engine.stream(request):
         ids.extend(ev.new_ids)
         meta.update(ev.meta)
         if want is not None and ev.logprobs is not None:
             values["input"].extend(ev.logprobs["input"])
             values["output"].extend(ev.logprobs["output"])
-            meta.update(sglang_meta(engine, want, values, prompt, ids, return_text))
+            meta.update(sglang_meta(engine, want, values, request.input_ids, ids, return_text))
         if ev.finish_reason and ev.finish_reason.get("type") == "abort":
             reason = ev.finish_reason
             yield {

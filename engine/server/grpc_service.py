@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -51,6 +52,7 @@ from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_sc
 from engine.cache.kv_events import TIERS, Cleared, KVEventLog, Removed, Stored
 from engine.scheduler import NotIdleError, SamplingParams
 from engine.scheduler.messages import FlushCache, SnapshotKVEvents
+from engine.scheduler.request import GenerateRequest
 from engine.server.engine import Engine, RequestError, UnavailableError
 from engine.server.http_utils import interleave
 from engine.server.info import VERSION, _health_problem, server_info
@@ -208,11 +210,11 @@ class SchedulerServicer(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         n = params.n
         rids = [f"{rid}-{j}" if rid and n > 1 else rid for j in range(n)]
-        samples = [engine.sample_params(params, j) if n > 1 else params for j in range(n)]
-        salt = _salt(request.sampling_params)
-        streams = [
-            engine.stream(prompt, samples[j], rids[j], cache_salt=salt, grammar=grammar) for j in range(n)
-        ]
+        one = GenerateRequest(
+            prompt, params, rid=rid, cache_salt=_salt(request.sampling_params), grammar=grammar
+        )
+        samples = [dataclasses.replace(s, rid=rids[j]) for j, s in enumerate(one.samples())]
+        streams = [engine.stream(s) for s in samples]
         key = rid or ""
         self.running[key] = {r for r in rids if r}
         ids: dict[int, list[int]] = {j: [] for j in range(n)}

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.scheduler import NotIdleError, SamplingParams
 from engine.scheduler.messages import FlushCache
+from engine.scheduler.request import GenerateRequest
 from engine.server.engine import Engine
 from engine.server.http_utils import require_api_key, until_disconnect
 
@@ -81,7 +82,7 @@ async def _probe(engine: Engine) -> str | None:
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
     sched = engine.scheduler
     passes = sched.forward_passes
-    task = asyncio.ensure_future(engine.generate([0], params, health_check=True))
+    task = asyncio.ensure_future(engine.generate(GenerateRequest([0], params, health_check=True)))
     deadline = time.monotonic() + engine.args.watchdog_timeout
     try:
         while not task.done() and sched.forward_passes == passes:

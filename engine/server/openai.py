@@ -24,7 +24,9 @@ answers n choices: the prompt is computed once and the n samples reuse its KV th
 choice and its ``index``. ``/v1/completions`` takes a list of prompts (strings or token-id lists): choices
 come prompt-major (prompt i's sample j is ``i * n + j``), streamed or not. Completions' ``suffix`` builds a
 fill-in-the-middle prompt from the tokenizer's FIM tokens, or is a 400 saying the model has none.
-Penalties, ``min_tokens``, ``logit_bias`` and ``stop_regex`` pass through to SamplingParams.
+Penalties, ``min_tokens``, ``logit_bias`` and ``stop_regex`` pass through to SamplingParams. The checked
+body becomes one ``GenerateRequest`` per prompt (``completion_requests``, ``chat_request``), which the engine
+carries whole to the scheduler.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import dataclasses
 import json
 import time
 import uuid
+from typing import TYPE_CHECKING, NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -45,6 +48,7 @@ from engine.model.vlm.mm import MMItem
 from engine.scheduler import SamplingParams
 from engine.scheduler.logprobs import LogprobRequest, LogprobValues
 from engine.scheduler.req import Bootstrap
+from engine.scheduler.request import GenerateRequest
 from engine.server.engine import Engine, RequestError
 from engine.server.http_utils import SSE_DONE, HTTPError, interleave, json_body, sse, until_disconnect
 from engine.server.logprob_format import openai_chat, openai_completion
@@ -52,6 +56,9 @@ from engine.server.schemas import ChatCompletionRequest, CompletionRequest, requ
 from engine.server.stream_text import StreamText
 from engine.server.structured import response_format, tool_message
 from engine.server.tenants import Tenant, authorize, request_salt
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 router = APIRouter()
 
@@ -124,14 +131,20 @@ def _sampling_params(
     return params, names
 
 
-async def _compile(engine: Engine, params: SamplingParams, names: dict, options: dict):
-    """``options`` with the request's compiled grammar (``grammar``); ``HTTPError(400)`` naming the field
-    when it does not compile (a PD decode worker also refuses the room at its prefill)."""
+async def _compile(
+    engine: Engine,
+    params: SamplingParams,
+    names: dict[str, str],
+    bootstrap: Bootstrap | list[Bootstrap] | None,
+) -> xgr.CompiledGrammar | None:
+    """The request's compiled grammar (``Engine.compile_grammar``; None when unconstrained);
+    ``HTTPError(400)`` naming the field when it does not compile (a PD decode worker also refuses the room
+    of ``bootstrap`` at its prefill)."""
     try:
-        return {**options, "grammar": await engine.compile_grammar(params, names)}
+        return await engine.compile_grammar(params, names)
     except RequestError as exc:
-        if options.get("bootstrap") is not None:
-            engine.refuse_room(options["bootstrap"], str(exc))
+        if bootstrap is not None:
+            engine.refuse_room(bootstrap, str(exc))
         raise HTTPError(400, str(exc)) from None
 
 
@@ -199,14 +212,14 @@ def _requested_n(body: dict) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
-def _submit_options(engine: Engine, body: dict, tenant: Tenant | None) -> dict:
-    """The keyword arguments of ``Engine.stream``/``generate`` a body sets: its PD pairing and cache salt
-    (the tenant's, when its API key names one)."""
+def _pairing_and_salt(
+    engine: Engine, body: dict, tenant: Tenant | None
+) -> tuple[Bootstrap | list[Bootstrap] | None, str | None]:
+    """The PD pairing a body carries (``Engine.bootstrap``: one per sample for n > 1) and the cache salt it
+    runs in (the tenant's, when its API key names one); ``HTTPError(400)`` naming a bad pairing field."""
     try:
-        return {
-            "bootstrap": engine.bootstrap(body, _requested_n(body)),
-            "cache_salt": request_salt(engine, tenant, body.get("cache_salt")),
-        }
+        bootstrap = engine.bootstrap(body, _requested_n(body))
+        return bootstrap, request_salt(engine, tenant, body.get("cache_salt"))
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from None
 
@@ -231,61 +244,57 @@ def _prompt_list(prompt, suffix) -> list[str | list[int]]:
 
 @dataclasses.dataclass
 class _Run:
-    """One streamed choice: its prompt's index and ids, its sampling parameters (one sample), the
-    log-probabilities it reports, the opening choice (``first``, without its index) and, on a chat that may
-    call tools, its own ``ToolStream``."""
+    """One streamed choice: its prompt's index, its one-sample request, the opening choice (``first``,
+    without its index) and, on a chat that may call tools, its own ``ToolStream``; it counts its output
+    tokens and keeps its meta as it streams."""
 
     prompt: int
-    ids: list[int]
-    params: SamplingParams
-    want: LogprobRequest | None = None
+    request: GenerateRequest
     first: dict | None = None
     tool_stream: ToolStream | None = None
-    bootstrap: Bootstrap | None = None
     n_out: int = 0
     meta: dict = dataclasses.field(default_factory=dict)
 
 
-def _runs(
-    engine: Engine, prompts: list[list[int]], params: list[SamplingParams], options: dict, **fields
-) -> list[_Run]:
-    """The streamed choices of ``prompts``, prompt-major then sample (OpenAI's choice order), each with its
-    PD pairing from ``options`` (one per sample for a PD request with n > 1); ``fields`` maps a ``_Run``
-    field to a function of (prompt index, sample index) giving its value."""
-    runs = []
-    pairing = options.get("bootstrap")
-    for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
-        for j in range(sp.n):
-            one = engine.sample_params(sp, j) if sp.n > 1 else sp
-            b = pairing[j] if isinstance(pairing, list) else pairing
-            runs.append(_Run(i, ids, one, bootstrap=b, **{k: f(i, j) for k, f in fields.items()}))
-    return runs
+def _runs(requests: list[GenerateRequest], **fields) -> list[_Run]:
+    """The streamed choices of ``requests`` (one per prompt), prompt-major then sample (OpenAI's choice
+    order): each request's ``samples()`` (one PD pairing per sample for a PD request with n > 1); ``fields``
+    maps a ``_Run`` field to a function of (prompt index, sample index) giving its value."""
+    return [
+        _Run(i, one, **{k: f(i, j) for k, f in fields.items()})
+        for i, r in enumerate(requests)
+        for j, one in enumerate(r.samples())
+    ]
 
 
-async def _prefill_once(request: Request, engine: Engine, prompts, params, options: dict) -> None:
-    """Before streaming n > 1 samples: compute each such prompt's KV once (``Engine.prefill_once``);
-    ``HTTPError`` with the abort's status when the scheduler refused it."""
-    if options.get("bootstrap") is not None:
-        return  # a PD worker serves only paired requests: each sample's own prefill runs on P
-    warm = (
-        engine.prefill_once(ids, sp, options.get("cache_salt"), options.get("mm_items"))
-        for ids, sp in zip(prompts, params, strict=True)
-        if sp.n > 1
-    )
+async def _prefill_once(request: Request, engine: Engine, requests: list[GenerateRequest]) -> None:
+    """Before streaming n > 1 samples: compute each such prompt's KV once (``Engine.prefill_once``, which
+    runs nothing for a PD request); ``HTTPError`` with the abort's status when the scheduler refused it."""
+    warm = (engine.prefill_once(r) for r in requests if r.params.n > 1)
     for res in await until_disconnect(request, asyncio.gather(*warm)):
         if res is not None:
             _check_abort(res["finish_reason"])
 
 
-@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
-async def completions(request: Request):
-    tenant = authorize(request)
-    engine: Engine = request.app.state.engine
-    body = validated(CompletionRequest, await json_body(request))
-    options = _submit_options(engine, body, tenant)
+class _Completions(NamedTuple):
+    """A completions body's requests (one per prompt, in order), its prompts as the client sent them (text
+    with ``suffix`` in the fill-in-the-middle format, or token ids) and whether the prompt is echoed."""
+
+    requests: list[GenerateRequest]
+    texts: list[str | list[int]]
+    echo: bool
+
+
+async def completion_requests(engine: Engine, body: dict, tenant: Tenant | None) -> _Completions:
+    """The requests of a ``/v1/completions`` body (checked against ``CompletionRequest``), built once:
+    prompts tokenized (on a worker thread), sampling values checked (``max_tokens`` named as the client's
+    field; ``prompt.<i>: `` prefixed with several prompts), the grammar compiled, the log-probabilities
+    resolved (``echo``: from the first prompt token), the PD pairing and the salt (the tenant's).
+    ``HTTPError(400)`` names the field at fault."""
+    bootstrap, salt = _pairing_and_salt(engine, body, tenant)
     suffix = body.get("suffix")
     texts = _prompt_list(body["prompt"], suffix)
-    if options["bootstrap"] is not None and len(texts) > 1:
+    if bootstrap is not None and len(texts) > 1:
         raise HTTPError(400, "prompt: one prompt per PD request (a list of prompts is not supported)")
     if suffix:
         texts = [_fim_prompt(engine, t, suffix) for t in texts]  # type: ignore[arg-type]
@@ -296,46 +305,51 @@ async def completions(request: Request):
     params, names = [], {}
     for i, ids in enumerate(prompts):
         try:
-            sp, names = _sampling_params(engine, body, ids, "max_tokens", "the prompt", options["bootstrap"])
+            sp, names = _sampling_params(engine, body, ids, "max_tokens", "the prompt", bootstrap)
         except HTTPError as exc:
             message = f"prompt.{i}: {exc.message}" if len(prompts) > 1 else exc.message
             raise HTTPError(exc.status, message) from None
         params.append(sp)
-    options = await _compile(engine, params[0], names, options)
+    grammar = await _compile(engine, params[0], names, bootstrap)
     echo = bool(body.get("echo")) and not suffix
     top = _top_logprobs(body, "logprobs", True)
     wants: list[LogprobRequest | None] = [None] * len(prompts)
     if body.get("logprobs") is not None:
         wants = [LogprobRequest(0 if echo else len(ids) - 1, top) for ids in prompts]
+    requests = [
+        GenerateRequest(ids, sp, bootstrap=bootstrap, cache_salt=salt, logprob=want, grammar=grammar)
+        for ids, sp, want in zip(prompts, params, wants, strict=True)
+    ]
+    return _Completions(requests, texts, echo)
+
+
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
+async def completions(request: Request):
+    tenant = authorize(request)
+    engine: Engine = request.app.state.engine
+    body = validated(CompletionRequest, await json_body(request))
+    requests, texts, echo = await completion_requests(engine, body, tenant)
     echo_texts = [
-        (t if isinstance(t, str) else engine.decode(ids)) if echo else ""
-        for t, ids in zip(texts, prompts, strict=True)
+        (t if isinstance(t, str) else engine.decode(r.input_ids)) if echo else ""
+        for t, r in zip(texts, requests, strict=True)
     ]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
     if body.get("stream"):
         include_usage = _include_usage(body)
-        await _prefill_once(request, engine, prompts, params, options)
+        await _prefill_once(request, engine, requests)
         return StreamingResponse(
-            _stream_completion(engine, prompts, params, base, echo_texts, include_usage, options, wants),
+            _stream_completion(engine, requests, base, echo_texts, include_usage),
             media_type="text/event-stream",
         )
-    groups = await until_disconnect(
-        request,
-        asyncio.gather(
-            *(
-                engine.generate_n(ids, sp, logprob=w, **options)
-                for ids, sp, w in zip(prompts, params, wants, strict=True)
-            )
-        ),
-    )
+    groups = await until_disconnect(request, asyncio.gather(*(engine.generate_n(r) for r in requests)))
     choices: list[dict]
     choices, results = [], []
     for i, group in enumerate(groups):
-        ids, want = prompts[i], wants[i]
+        ids, want = requests[i].input_ids, requests[i].logprob
         for res in group:
             finish, matched = _check_abort(res["finish_reason"])
-            text = engine.output_text(res["output_ids"], params[i], res["finish_reason"])
+            text = engine.output_text(res["output_ids"], requests[i].params, res["finish_reason"])
             logprobs = None
             if want is not None:
                 values = res["logprobs"]
@@ -351,6 +365,7 @@ async def completions(request: Request):
                 }
             )
             results.append((i, res))
+    prompts = [r.input_ids for r in requests]
     return JSONResponse({**base, "choices": choices, "usage": _usage_n(engine, prompts, results)})
 
 
@@ -369,22 +384,20 @@ async def _stream_choices(
     base: dict,
     content,
     include_usage: bool,
-    options: dict,
     render=None,
 ):
     """The SSE chunks of a streamed request whose choices are ``runs`` (choice ``index`` = position in
     ``runs``): each run's opening choice (when it has one), then as they come a chunk per text delta of one
     choice carrying ``content(text)`` (``text`` or ``delta``), an error chunk on the first abort (which ends
     the stream and aborts the other choices), the optional usage chunk (each of ``prompts`` counted once,
-    completions and cached tokens summed over the choices), then ``[DONE]``. ``options``:
-    ``_submit_options`` with the grammar. With a run's ``want``, each chunk's ``logprobs`` is
-    ``render(values, new ids)`` of the tokens not reported by an earlier chunk. A chat choice that may call
-    tools (``tool_stream``) sends its deltas instead: content as it comes, tool calls at the end (finish
-    reason ``tool_calls``)."""
+    completions and cached tokens summed over the choices), then ``[DONE]``. When a run's request asks
+    for log-probabilities, each chunk's ``logprobs`` is ``render(prompt ids, values, new ids)`` of the
+    tokens not reported by an earlier chunk. A chat choice that may call tools (``tool_stream``) sends its
+    deltas instead: content as it comes, tool calls at the end (finish reason ``tool_calls``)."""
     for index, run in enumerate(runs):
         if run.first is not None:
             yield sse({**base, "choices": [{"index": index, **run.first}]})
-    streams = [_run_choices(engine, run, content, options, render) for run in runs]
+    streams = [_run_choices(engine, run, content, render) for run in runs]
     async for index, choice in interleave(streams):
         if "error" in choice:
             yield sse(choice)
@@ -396,13 +409,12 @@ async def _stream_choices(
     yield SSE_DONE
 
 
-async def _run_choices(engine: Engine, run: _Run, content, options: dict, render):
+async def _run_choices(engine: Engine, run: _Run, content, render):
     """The choices (without ``index``) one streamed run sends, or one ``{"error": ...}`` on abort; counts
     its output tokens and keeps its meta in ``run``."""
-    delta = StreamText(engine, run.params)
+    delta = StreamText(engine, run.request.params)
     pending, pending_ids = LogprobValues(), []
-    options = {**options, "bootstrap": run.bootstrap}
-    async for ev in engine.stream(run.ids, run.params, logprob=run.want, **options):
+    async for ev in engine.stream(run.request):
         run.n_out += len(ev.new_ids)
         run.meta.update(ev.meta)
         if ev.logprobs is not None:
@@ -423,8 +435,8 @@ async def _run_choices(engine: Engine, run: _Run, content, options: dict, render
             continue
         if text or finish:
             logprobs = None
-            if run.want is not None and render is not None:
-                logprobs = render(run.ids, pending, pending_ids)
+            if run.request.logprob is not None and render is not None:
+                logprobs = render(run.request.input_ids, pending, pending_ids)
                 pending, pending_ids = LogprobValues(), []
             yield {**content(text), "logprobs": logprobs, "finish_reason": finish, "matched_stop": matched}
 
@@ -442,31 +454,32 @@ def _tool_chunks(tool_stream: ToolStream, text: str, finish: str | None, matched
 
 
 def _stream_completion(
-    engine,
-    prompts: list[list[int]],
-    params: list[SamplingParams],
+    engine: Engine,
+    requests: list[GenerateRequest],
     base: dict,
     echo_texts: list[str],
     include_usage: bool,
-    options: dict,
-    wants: list[LogprobRequest | None],
 ):
-    """Completion chunks; with ``logprobs`` each carries its tokens' (the echoed prompt's are not streamed:
-    a streamed echo sends the prompt text only)."""
+    """Completion chunks of ``requests`` (one per prompt); with ``logprobs`` each carries its tokens' (the
+    echoed prompt's are not streamed: a streamed echo sends the prompt text only, and its request asks for
+    the output's log-probabilities only)."""
 
     def first(i, j):
         return {"text": echo_texts[i], "logprobs": None, "finish_reason": None} if echo_texts[i] else None
 
-    def want(i, j):
-        w = wants[i]
-        return None if w is None else LogprobRequest(len(prompts[i]) - 1, w.top_n)
-
     def render(ids, values, new_ids):
         return openai_completion(engine, None, ids, values, new_ids, 0)
 
-    runs = _runs(engine, prompts, params, options, first=first, want=want)
+    streamed = [
+        r
+        if r.logprob is None
+        else dataclasses.replace(r, logprob=LogprobRequest(len(r.input_ids) - 1, r.logprob.top_n))
+        for r in requests
+    ]
+    runs = _runs(streamed, first=first)
     content = lambda text: {"text": text}  # noqa: E731
-    return _stream_choices(engine, prompts, runs, base, content, include_usage, options, render)
+    prompts = [r.input_ids for r in requests]
+    return _stream_choices(engine, prompts, runs, base, content, include_usage, render)
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -531,51 +544,74 @@ def _tool_turn(message: dict) -> None:
                 function["arguments"] = json.loads(function["arguments"])
 
 
-@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
-async def chat_completions(request: Request):
-    tenant = authorize(request)
-    engine: Engine = request.app.state.engine
-    body = validated(ChatCompletionRequest, await json_body(request))
-    options = _submit_options(engine, body, tenant)
+async def chat_request(
+    engine: Engine, body: dict, tenant: Tenant | None
+) -> tuple[GenerateRequest, Tools | None]:
+    """The request of a ``/v1/chat/completions`` body (checked against ``ChatCompletionRequest``), built
+    once, and its tools: the chat rendered with the model's template and tokenized, images prepared (on a
+    worker thread), sampling values checked (``max_tokens`` or ``max_completion_tokens`` named as sent), the
+    grammar (``response_format``, or a tool choice that constrains the output) compiled, the
+    log-probabilities resolved, the PD pairing and the salt (the tenant's). ``HTTPError(400)`` names the
+    field at fault; a PD prefill worker also fails the room when the chat cannot be prepared, a decode
+    worker refuses it at its prefill when the request is refused."""
+    bootstrap, salt = _pairing_and_salt(engine, body, tenant)
     try:
         tools = parse_tools(body.get("tools"), body.get("tool_choice"))
     except ValueError as exc:
         raise HTTPError(400, str(exc)) from None
     try:
-        ids, options["mm_items"] = await asyncio.to_thread(_chat_prompt, engine, body, tools)
+        ids, mm_items = await asyncio.to_thread(_chat_prompt, engine, body, tools)
     except HTTPError as exc:
-        if options["bootstrap"] is not None:
-            engine.fail_room(options["bootstrap"], exc.message)
+        if bootstrap is not None:
+            engine.fail_room(bootstrap, exc.message)
         raise
     sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     params, names = _sampling_params(
-        engine, body, ids, sent, "the input messages", options["bootstrap"], options["mm_items"], tools
+        engine, body, ids, sent, "the input messages", bootstrap, mm_items, tools
     )
-    options = await _compile(engine, params, names, options)
-    parser = get_parser(engine.args.tool_call_parser or default_parser(engine.tokenizer.chat_template))
+    grammar = await _compile(engine, params, names, bootstrap)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise HTTPError(400, f"logprobs must be a boolean, got {logprobs!r}")
     top = _top_logprobs(body, "top_logprobs", bool(logprobs))
     want = LogprobRequest(len(ids) - 1, top) if logprobs else None
+    request = GenerateRequest(
+        ids,
+        params,
+        bootstrap=bootstrap,
+        cache_salt=salt,
+        mm_items=mm_items,
+        logprob=want,
+        grammar=grammar,
+    )
+    return request, tools
+
+
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+async def chat_completions(request: Request):
+    tenant = authorize(request)
+    engine: Engine = request.app.state.engine
+    body = validated(ChatCompletionRequest, await json_body(request))
+    req, tools = await chat_request(engine, body, tenant)
+    parser = get_parser(engine.args.tool_call_parser or default_parser(engine.tokenizer.chat_template))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name}
     if body.get("stream"):
         include_usage = _include_usage(body)
         base["object"] = "chat.completion.chunk"
-        await _prefill_once(request, engine, [ids], [params], options)
+        await _prefill_once(request, engine, [req])
         return StreamingResponse(
-            _stream_chat(engine, ids, params, base, include_usage, options, want, tools, parser),
+            _stream_chat(engine, req, base, include_usage, tools, parser),
             media_type="text/event-stream",
         )
-    results = await until_disconnect(request, engine.generate_n(ids, params, logprob=want, **options))
+    results = await until_disconnect(request, engine.generate_n(req))
     choices = []
     for j, res in enumerate(results):
         finish, matched = _check_abort(res["finish_reason"])
-        text = engine.output_text(res["output_ids"], params, res["finish_reason"])
+        text = engine.output_text(res["output_ids"], req.params, res["finish_reason"])
         message, finish = tool_message(text, tools, parser, finish)
         choice_logprobs = None
-        if want is not None:
+        if req.logprob is not None:
             choice_logprobs = openai_chat(engine, res["logprobs"]["output"], res["output_ids"])
         choices.append(
             {
@@ -586,7 +622,7 @@ async def chat_completions(request: Request):
                 "matched_stop": matched,
             }
         )
-    usage = _usage_n(engine, [ids], [(0, res) for res in results])
+    usage = _usage_n(engine, [req.input_ids], [(0, res) for res in results])
     return JSONResponse({**base, "choices": choices, "usage": usage})
 
 
@@ -595,33 +631,23 @@ def _tool_stream(tools: Tools | None, parser) -> ToolStream | None:
 
 
 def _stream_chat(
-    engine,
-    ids: list[int],
-    params: SamplingParams,
+    engine: Engine,
+    request: GenerateRequest,
     base: dict,
     include_usage: bool,
-    options: dict,
-    want: LogprobRequest | None,
     tools: Tools | None,
     parser,
 ):
-    """Chat chunks: each choice opens with the assistant role, then its content deltas (or tool-call
-    deltas, each choice with its own ``ToolStream``)."""
+    """Chat chunks of ``request``'s samples: each choice opens with the assistant role, then its content
+    deltas (or tool-call deltas, each choice with its own ``ToolStream``)."""
     first = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
     def render(_ids, values, new_ids):
         return openai_chat(engine, values, new_ids)
 
-    runs = _runs(
-        engine,
-        [ids],
-        [params],
-        options,
-        first=lambda i, j: first,
-        want=lambda i, j: want,
-        tool_stream=lambda i, j: _tool_stream(tools, parser),
-    )
-    return _stream_choices(engine, [ids], runs, base, _chat_delta, include_usage, options, render)
+    runs = _runs([request], first=lambda i, j: first, tool_stream=lambda i, j: _tool_stream(tools, parser))
+    prompts = [request.input_ids]
+    return _stream_choices(engine, prompts, runs, base, _chat_delta, include_usage, render)
 
 
 def _chat_delta(text: str) -> dict:
