@@ -31,32 +31,12 @@ import time
 import uuid
 
 from controlplane.capacity.crossover import worker_crossover
+from engine.bench.miss_attribution import Timer
 from engine.cache.costs import TransferCosts
 from engine.scheduler.req import Req
 from engine.scheduler.sampling_params import SamplingParams
 from engine.server.args import parse_args
 from engine.server.builder import build_engine
-
-
-class Timer:
-    """Seconds spent in the functions it wrapped since the last ``take``."""
-
-    def __init__(self) -> None:
-        self.spent = 0.0
-
-    def wrap(self, fn):
-        def timed(*args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.spent += time.perf_counter() - began
-
-        return timed
-
-    def take(self) -> float:
-        spent, self.spent = self.spent, 0.0
-        return spent
 
 
 def generate(engine, prompt: list[int]) -> dict:
