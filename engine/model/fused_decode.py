@@ -61,7 +61,7 @@ class FusedDecodeStep:
         self.decoder = ext.FusedDecoder(
             model.embed,
             model.norm,
-            model._inv_freq,
+            model.rope_inv_freq,
             cfg.rms_norm_eps,
             attn.num_heads,
             attn.num_kv_heads,

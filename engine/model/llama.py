@@ -136,7 +136,7 @@ class LlamaForCausalLM:
         self.device = device
         self.tp = tp or single_rank()
         self.shard = TPShard(cfg, self.tp.rank, self.tp.size)
-        self._inv_freq = inv_freq(
+        self.rope_inv_freq = inv_freq(
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         ).to(device)
         self._rope_scale = attention_factor(cfg.rope_scaling, cfg.max_position_embeddings)
@@ -179,7 +179,7 @@ class LlamaForCausalLM:
             if logits is not None:
                 return logits
         x = self.embed_tokens(batch)
-        cos, sin = cos_sin(batch.positions, self._inv_freq, self.dtype, self._rope_scale)
+        cos, sin = cos_sin(batch.positions, self.rope_inv_freq, self.dtype, self._rope_scale)
         for layer in self.layers:
             x = layer.forward(x, cos, sin, self.attn, batch, kv_pool)
         if not return_all_logits:

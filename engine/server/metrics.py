@@ -110,7 +110,7 @@ class EngineMetrics:
 
     def __init__(self, model_name: str, state, tenants: Sequence[str] = (), tp_rank: int = 0):
         self.registry = CollectorRegistry()
-        self._state = state
+        self.state = state
         self.model_name = model_name
         self.tp_rank = str(tp_rank)
         labels = ["model_name"]
@@ -274,7 +274,7 @@ class _StateCollector:
 
     def collect(self):
         m = self.metrics
-        state = m._state()
+        state = m.state()
         name, ranked = [m.model_name], [m.model_name, m.tp_rank]
 
         def gauge(metric, doc, value):  # a scheduler gauge: upstream labels it with the tp rank
