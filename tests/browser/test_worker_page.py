@@ -219,6 +219,10 @@ def test_per_tier_hits_the_tsdb_down_and_back_with_a_gap_and_the_role_change(
     expect(page.locator("#prefetch-balance")).to_have_text("")  # never exported: no figure, not 0
     assert page.evaluate("document.querySelector('#chart-prefetch').kvChart.uplot.data.slice(1).flat()"
                          ".every(function (v) { return v == null; })")  # fmt: skip
+    # the hour's history, not only pushes: a history request a busy server failed is asked again in 3 s
+    page.wait_for_function(
+        "document.querySelector('#chart-pool').kvChart.uplot.data[0].length > 100", timeout=SLOW_MS
+    )
     # both arrays from one read: a push between two reads can shift the window by a point
     xs, pool = page.evaluate("document.querySelector('#chart-pool').kvChart.uplot.data.slice(0, 2)")
     role_js = page.evaluate(
