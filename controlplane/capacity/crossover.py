@@ -22,8 +22,13 @@ prefetch timeout terms so that a prefetch is abandoned once recomputing its toke
 tokens). KVFleet's load-back threshold is a constant (``LOAD_BACK_THRESHOLD``, 10 tokens): the L2 crossover
 is reported beside it, not applied. docs/capacity.md says what this leaves out.
 
-Pure functions over plain dicts (no Django, no HTTP) except :func:`pool_crossover`, which reads the TSDB and
-the inventory.
+After a recommendation was applied (:func:`crossover_apply`), :func:`change_effect` compares the worker's
+TTFT p50 in the ``COMPARE_WINDOW_S`` before the change's operation was created with the same length after its
+target succeeded (from the TTFT histogram the recording rules read, ``sglang:time_to_first_token_seconds``),
+and :func:`ttft_verdict` says whether it helped, did not, or there is not enough traffic to tell yet.
+
+Pure functions over plain dicts (no Django, no HTTP) except :func:`pool_crossover`, :func:`change_effect`
+and :func:`crossover_apply`, which read the TSDB and the inventory.
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ TIER_OPERATIONS = {"L2": ("load_back",), "L3": ("prefetch", "load_back")}
 LOAD_BACK_THRESHOLD = 10  # tokens: the engine's fixed one (engine/cache/policy.py), not a setting
 MIN_OPERATIONS = 3
 """Operations an operation's fit needs before it is used (fewer: that tier's answer is None, with a note)."""
+COMPARE_WINDOW_S = 1800
+"""Seconds of traffic compared on each side of an applied change (the after window grows up to it)."""
+MIN_REQUESTS = 20
+"""Requests each side needs before a verdict (fewer: ``not_enough_traffic_after`` / ``_before``)."""
+TTFT_MARGIN = 0.05
+"""A TTFT p50 change within this fraction either way counts as no change (the histogram's buckets are
+coarse: the quantile is interpolated inside one)."""
+TTFT_BUCKETS = "sglang:time_to_first_token_seconds_bucket"
 QUERIES = {
     key: f"sum by (worker, operation, size) ({{range}}(sglang:kv_cost_{key}_total{{window}}))"
     for key in ("operations", "tokens", "seconds")
@@ -231,22 +244,158 @@ def _answers(workers: dict, window_s: int | None) -> list[dict]:
 def pool_crossover(*, pool: str | None, window_s: int | None = None) -> dict:
     """Every worker of ``pool`` (None: the fleet) that exports cost counters: :func:`worker_crossover` from
     the TSDB's newest scrape (counters since the worker started; with ``window_s``, their increase over the
-    last ``window_s`` seconds), with its name, page size and live HiCache config from the inventory.
+    last ``window_s`` seconds), with its name, page size and live HiCache config from the inventory, and
+    ``effect``: :func:`change_effect` of the crossover change last applied to it (None: none applied).
     Returns ``{"pool", "window_s", "workers": [...]}``. Raises ``promql.PromQLError`` when the TSDB does not
     answer."""
     from controlplane.inventory.models import EngineWorker
+    from controlplane.telemetry.promql import PromQL
     from controlplane.telemetry.selectors import POOLS
 
     roles = [role for role, name in POOLS.items() if name == pool] if pool else list(POOLS)
     workers = {w.name: w for w in EngineWorker.objects.filter(role__in=roles).order_by("name")}
-    return {"pool": pool, "window_s": window_s, "workers": _answers(workers, window_s)}
+    rows = _answers(workers, window_s)
+    client = PromQL()
+    for row in rows:
+        row["effect"] = change_effect(workers[row["worker"]], client=client)
+    return {"pool": pool, "window_s": window_s, "workers": rows}
 
 
-def crossover_apply(*, worker_name: str, window_s: int | None = None, actor) -> dict:
+def ttft_window(series: list[dict]) -> dict:
+    """``{"requests", "ttft_p50_s"}`` of one worker's TTFT histogram over a window, from every scrape of its
+    bucket counters in it (``series``: ``PromQL.raw`` answers, ``[{"labels": {"le", ...}, "points": [(epoch
+    s, count), ...]}]``, one per bucket and rank). Each counter's rise is the sum of its steps from scrape to
+    scrape (`metrics.counter_step`: a restart counts from 0, a dip that is no restart adds nothing), summed
+    per upper bound; ``requests`` is the +Inf bucket's rise (0 without scrapes), ``ttft_p50_s`` (s) the
+    histogram quantile (None without a request)."""
+    from controlplane.telemetry.metrics import counter_step, histogram_quantile
+
+    per_bound: dict[float, float] = {}
+    for item in series:
+        le = item["labels"].get("le")
+        if le is None:
+            continue
+        counts = [value for _, value in item["points"]]
+        steps = (counter_step(a, b) for a, b in zip(counts, counts[1:], strict=False))
+        rise = sum(s for s in steps if s is not None)
+        bound = math.inf if le == "+Inf" else float(le)
+        per_bound[bound] = per_bound.get(bound, 0.0) + rise
+    buckets = sorted(per_bound.items())
+    requests = per_bound.get(math.inf, 0.0)
+    p50 = histogram_quantile(0.5, buckets) if requests else None
+    return {"requests": int(round(requests)), "ttft_p50_s": p50}
+
+
+def ttft_verdict(
+    before: dict, after: dict, *, min_requests: int = MIN_REQUESTS, margin: float = TTFT_MARGIN
+) -> dict:
+    """Whether a change helped, from :func:`ttft_window` of the traffic ``before`` and ``after`` it.
+
+    Returns ``{"verdict", "text", "change"}``: ``verdict`` ``not_enough_traffic_after`` (fewer than
+    ``min_requests`` requests after it: checked first, the usual state right after a change),
+    ``not_enough_traffic_before``, ``helped`` (p50 fell by ``margin`` or more), ``no_better`` (within
+    ``margin`` either way) or ``worse`` (rose by ``margin`` or more); ``change`` the relative change of the
+    p50 (after / before - 1; None without a verdict on it); ``text`` one sentence for the console."""
+    if after["requests"] < min_requests:
+        return {
+            "verdict": "not_enough_traffic_after",
+            "change": None,
+            "text": f"Not enough traffic after the change yet: {after['requests']} of the "
+            f"{min_requests} requests a comparison needs.",
+        }
+    if before["requests"] < min_requests:
+        return {
+            "verdict": "not_enough_traffic_before",
+            "change": None,
+            "text": f"Too little traffic before the change to compare: {before['requests']} of the "
+            f"{min_requests} requests a comparison needs.",
+        }
+    was, now = before["ttft_p50_s"], after["ttft_p50_s"]
+    change = now / was - 1 if was > 0 else (0.0 if now <= 0 else math.inf)
+    figures = f"TTFT p50 {was * 1000:.0f} ms before, {now * 1000:.0f} ms after"
+    if change <= -margin:
+        return {"verdict": "helped", "change": change, "text": f"It helped: {figures} ({change:+.0%})."}
+    if change >= margin:
+        return {
+            "verdict": "worse",
+            "change": change,
+            "text": f"It did not help: {figures} ({change:+.0%}); consider reverting it.",
+        }
+    return {
+        "verdict": "no_better",
+        "change": change,
+        "text": f"It did not help: {figures}, within {margin:.0%} either way.",
+    }
+
+
+def applied_change(worker):
+    """The newest succeeded target of an ``apply_config`` operation of the worker's crossover profile
+    (``crossover-<name>``, :func:`crossover_apply`) on ``worker`` (an EngineWorker), or None."""
+    from controlplane.operations.models import OperationKind, OperationTarget, TargetState
+
+    return (
+        OperationTarget.objects.filter(
+            worker=worker,
+            state=TargetState.SUCCEEDED,
+            finished_at__isnull=False,
+            operation__kind=OperationKind.APPLY_CONFIG,
+            operation__revision__profile__name=f"crossover-{worker.name}",
+        )
+        .select_related("operation", "operation__revision")
+        .order_by("-finished_at")
+        .first()
+    )
+
+
+def change_effect(worker, *, now: float | None = None, client=None) -> dict | None:
+    """TTFT before and after the crossover change last applied to ``worker`` (:func:`applied_change`; None
+    when there is none): ``{"operation" (id), "revision" (number), "applied_at" (epoch s: the target
+    succeeded), "changes" ({field: {before, after}} as the target read them), "window_s", "before" /
+    "after" (:func:`ttft_window` with ``from`` / ``to`` epoch s), "verdict", "text", "change"}``
+    (:func:`ttft_verdict`). ``before``: the ``COMPARE_WINDOW_S`` up to the operation's creation; ``after``:
+    from the target's success to ``now``, at most ``COMPARE_WINDOW_S``. Raises ``promql.PromQLError`` when
+    the TSDB does not answer."""
+    import time
+
+    from controlplane.telemetry.promql import PromQL
+    from controlplane.telemetry.worker_view import selector
+
+    target = applied_change(worker)
+    if target is None:
+        return None
+    client = client or PromQL()
+    now = time.time() if now is None else now
+    started = target.operation.created_at.timestamp()
+    applied = target.finished_at.timestamp()
+    end = min(now, applied + COMPARE_WINDOW_S)
+    series = f"{TTFT_BUCKETS}{{{selector([worker.name])}}}"
+    before = {
+        **ttft_window(client.raw(series, COMPARE_WINDOW_S, at=started)),
+        "from": started - COMPARE_WINDOW_S,
+        "to": started,
+    }
+    after_raw = client.raw(series, end - applied, at=end) if end - applied >= 0.001 else []
+    after = {**ttft_window(after_raw), "from": applied, "to": end}
+    fields = target.operation.revision.content if target.operation.revision else {}
+    was, got = target.before or {}, target.after or {}
+    return {
+        "operation": target.operation_id,
+        "revision": target.operation.revision.number if target.operation.revision else None,
+        "applied_at": applied,
+        "changes": {k: {"before": was.get(k), "after": got.get(k)} for k in fields},
+        "window_s": COMPARE_WINDOW_S,
+        "before": before,
+        "after": after,
+        **ttft_verdict(before, after),
+    }
+
+
+def crossover_apply(*, worker_name: str, window_s: int | None = None, actor, reason: str = "") -> dict:
     """Offer worker ``worker_name``'s recommendation as an ordinary HiCache config change: its
     ``recommended`` fields become the head revision of the config profile ``crossover-<worker>`` (created
     on first use; the revision's message gives the crossover behind it) and an ``apply_config`` operation
-    on that worker is created (idle-gated, verified, audited, revertible like any other).
+    on that worker is created (idle-gated, verified, audited, revertible like any other), its reason the
+    operator's ``reason`` followed by that message (the message alone without one).
 
     Returns ``{"worker", "operation" (id), "profile", "revision" (number), "changes" ({field: {before,
     after}}: the preview), "recommended", "tiers"}``. Raises ``ApplicationError`` 400 naming ``worker`` when
@@ -298,7 +447,11 @@ def crossover_apply(*, worker_name: str, window_s: int | None = None, actor) -> 
             profile=profile, if_match=profile.etag, content=content, message=message, actor=actor
         )
     op = operation_create(
-        kind="apply_config", workers=[worker], revision=revision, actor=actor, reason=message
+        kind="apply_config",
+        workers=[worker],
+        revision=revision,
+        actor=actor,
+        reason=f"{reason} ({message})" if reason else message,
     )
     return {
         "worker": worker.name,

@@ -93,3 +93,49 @@ class ConfigRevisionFactory(factory.django.DjangoModelFactory):
     number = 1
     content = factory.LazyFunction(lambda: {"hicache_write_policy": "write_back", "prefetch_threshold": 128})
     content_sha256 = "0" * 64
+
+
+def crossover_change(worker, *, created_at: float, finished_at: float, before: dict, after: dict):
+    """A succeeded ``apply_config`` operation of ``worker``'s crossover profile (``crossover-<name>``,
+    as ``POST /capacity/crossover/apply/`` creates it), created at ``created_at`` and its one target
+    succeeded at ``finished_at`` (epoch s), having read ``before`` and ``after`` (HiCache config fields).
+    Returns the Operation."""
+    from datetime import UTC, datetime
+
+    from controlplane.configs.models import ConfigProfile
+    from controlplane.operations.models import Operation, OperationTarget
+
+    profile, _ = ConfigProfile.objects.get_or_create(name=f"crossover-{worker.name}")
+    number = profile.revisions.count() + 1
+    revision = ConfigRevisionFactory(profile=profile, number=number, content=dict(after))
+    ConfigProfile.objects.filter(pk=profile.pk).update(head_number=number)
+    op = Operation.objects.create(
+        kind="apply_config", revision=revision, state="succeeded", idle_timeout_s=60.0
+    )
+    Operation.objects.filter(pk=op.pk).update(  # auto_now_add: set after the insert
+        created_at=datetime.fromtimestamp(created_at, UTC),
+        finished_at=datetime.fromtimestamp(finished_at, UTC),
+    )
+    OperationTarget.objects.create(
+        operation=op,
+        worker=worker,
+        state="succeeded",
+        before=before,
+        after=after,
+        finished_at=datetime.fromtimestamp(finished_at, UTC),
+    )
+    op.refresh_from_db()
+    return op
+
+
+TTFT_BOUNDS = ("0.05", "0.1", "0.25", "0.5", "1.0", "+Inf")
+
+
+def ttft_histogram(counts: dict[str, int]) -> str:
+    """``/metrics`` lines of SGLang's TTFT histogram holding ``counts`` ({upper bound: observations in that
+    bucket alone}, bounds from ``TTFT_BOUNDS``): its cumulative ``_bucket`` counters and ``_count``."""
+    lines, total = [], 0
+    for bound in TTFT_BOUNDS:
+        total += counts.get(bound, 0)
+        lines.append(f'sglang:time_to_first_token_seconds_bucket{{le="{bound}"}} {total}\n')
+    return "".join(lines) + f"sglang:time_to_first_token_seconds_count {total}\n"

@@ -81,10 +81,12 @@ class CrossoverQuerySerializer(StrictSerializer):
 
 class CrossoverApplySerializer(StrictSerializer):
     """``POST /capacity/crossover/apply/``: the ``worker`` (name) whose recommendation to apply and,
-    optionally, the ``window_s`` it is measured over (as the GET's)."""
+    optionally, the ``window_s`` it is measured over (as the GET's) and the operator's ``reason`` (kept in
+    the operation and the audit log before the crossover behind the change)."""
 
     worker = serializers.CharField(max_length=200)
     window_s = serializers.IntegerField(min_value=10, max_value=7 * 86400, required=False)
+    reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
 
 
 class TraceRowSerializer(StrictSerializer):

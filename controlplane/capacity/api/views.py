@@ -244,8 +244,8 @@ class CrossoverApi(APIView):
 
 
 class CrossoverApplyApi(APIView):
-    """POST ``{worker, window_s?}``: apply the worker's crossover recommendation as an ordinary HiCache
-    config change: a revision of the config profile ``crossover-<worker>`` and an ``apply_config``
+    """POST ``{worker, window_s?, reason?}``: apply the worker's crossover recommendation as an ordinary
+    HiCache config change: a revision of the config profile ``crossover-<worker>`` and an ``apply_config``
     operation on the worker (idle-gated, verified, audited, revertible; follow it at
     ``/api/v1/operations/<id>/``). 201 ``{worker, operation, profile, revision, changes (before -> after),
     recommended, tiers}``; 400 naming ``worker`` or ``no_recommendation`` (with the notes), 409
@@ -261,7 +261,10 @@ class CrossoverApplyApi(APIView):
         data = body.validated_data
         try:
             out = crossover.crossover_apply(
-                worker_name=data["worker"], window_s=data.get("window_s"), actor=request.user
+                worker_name=data["worker"],
+                window_s=data.get("window_s"),
+                actor=request.user,
+                reason=data["reason"],
             )
         except promql.PromQLError as exc:
             raise ServiceUnavailable(str(exc), code="metrics_unavailable") from exc

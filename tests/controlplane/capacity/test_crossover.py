@@ -6,12 +6,15 @@ from __future__ import annotations
 import time
 
 import pytest
-from cp_factories import EngineWorkerFactory
+from cp_factories import EngineWorkerFactory, crossover_change, ttft_histogram
 
 from controlplane.capacity.crossover import (
+    MIN_REQUESTS,
     costs_from_samples,
     crossover_tokens,
     fit_cost,
+    ttft_verdict,
+    ttft_window,
     worker_crossover,
 )
 from controlplane.operations.models import Operation
@@ -159,12 +162,13 @@ def test_crossover_api_reads_the_worker_exporter_from_the_tsdb_and_applies_it(ts
     operator = api_as("operator")
     unknown = operator.post(apply, {"worker": "w9"}, format="json")
     assert unknown.status_code == 400 and "worker" in unknown.json()["error"]["detail"]
-    applied = operator.post(apply, {"worker": "w0"}, format="json")
+    applied = operator.post(apply, {"worker": "w0", "reason": "slow file L3"}, format="json")
     assert applied.status_code == 201, applied.content
     body = applied.json()
     assert body["changes"] == row["changes"] and body["profile"] == "crossover-w0" and body["revision"] == 1
     op = Operation.objects.get(pk=body["operation"])
-    assert op.kind == "apply_config" and "538.5 tokens" in op.reason
+    assert op.kind == "apply_config" and op.reason.startswith("slow file L3 (measured crossover of w0")
+    assert "538.5 tokens" in op.reason
     target = op.targets.get()
     deadline = time.monotonic() + 30
     while (delay := target_step(target_id=target.pk)) is not None:
@@ -183,3 +187,91 @@ def test_crossover_api_without_the_tsdb_says_why_and_has_no_workers(api_as, sett
     assert got.status_code == 200, got.content
     body = got.json()
     assert body["workers"] == [] and body["unavailable"].startswith("metrics unavailable since")
+
+
+def _series(le: str, *counts: float) -> dict:
+    return {"labels": {"le": le}, "points": [(1000.0 + i, c) for i, c in enumerate(counts)]}
+
+
+def test_ttft_window_adds_each_buckets_rise_across_a_restart():
+    # two ranks' series of the same bound add up; a counter that restarted (40 -> 3) counts 3 more, not -37
+    series = [
+        _series("0.1", 10, 14, 30),
+        _series("0.1", 0, 2),
+        _series("0.5", 10, 40, 3),
+        _series("+Inf", 10, 40, 3),
+    ]
+    window = ttft_window(series)
+    assert window["requests"] == 33  # +Inf: 30 + 3
+    # cumulative 22 at 0.1 s, 33 at 0.5 s: the median (rank 16.5) lies in the first bucket, 0..0.1 s
+    assert window["ttft_p50_s"] == pytest.approx(0.1 * 16.5 / 22)
+    assert ttft_window([]) == {"requests": 0, "ttft_p50_s": None}
+    assert ttft_window([_series("+Inf", 7)]) == {"requests": 0, "ttft_p50_s": None}  # one scrape: no rise
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "verdict", "text"),
+    [
+        ((40, 0.4), (40, 0.2), "helped", "It helped: TTFT p50 400 ms before, 200 ms after (-50%)."),
+        (
+            (40, 0.4),
+            (40, 0.41),
+            "no_better",
+            "It did not help: TTFT p50 400 ms before, 410 ms after, within 5%",
+        ),
+        ((40, 0.4), (40, 0.6), "worse", "It did not help: TTFT p50 400 ms before, 600 ms after (+50%)"),
+        ((40, 0.4), (19, 0.1), "not_enough_traffic_after", "Not enough traffic after the change yet: 19 of"),
+        ((3, 0.4), (40, 0.1), "not_enough_traffic_before", "Too little traffic before the change"),
+        ((0, None), (0, None), "not_enough_traffic_after", "Not enough traffic after the change yet: 0 of"),
+    ],
+)
+def test_verdict_says_whether_the_change_helped(before, after, verdict, text):
+    window = [{"requests": n, "ttft_p50_s": p50} for n, p50 in (before, after)]
+    out = ttft_verdict(*window)
+    assert out["verdict"] == verdict and out["text"].startswith(text), out
+    assert (out["change"] is None) == verdict.startswith("not_enough")
+    assert MIN_REQUESTS == 20  # the texts above count against it
+
+
+@pytest.mark.django_db
+def test_crossover_api_compares_ttft_before_and_after_the_applied_change(tsdb, api_as):
+    """Each worker's ``effect``: its TTFT p50 in the window before its crossover change and after it, read
+    from the TSDB's scrapes of its TTFT histogram, with the verdict; a worker with no change has none."""
+    costs = _costs(("load_back", LOAD_BACK), ("prefetch", PREFETCH), ("prefill", PREFILL)).snapshot()
+    state = {"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000}
+    exported = EngineMetrics("m", lambda: {**state, "cache_stats": {"costs": costs}}).render().decode()
+    workers = {n: EngineWorkerFactory(name=n, role="mixed", page_size=PAGE) for n in ("w0", "w1", "w2")}
+    now = time.time()
+    change = {"prefetch_threshold": 544}
+    op = crossover_change(
+        workers["w0"], created_at=now - 900, finished_at=now - 600, before={"prefetch_threshold": 256},
+        after=change,
+    )  # fmt: skip
+    crossover_change(workers["w1"], created_at=now - 150, finished_at=now - 120, before={}, after=change)
+    slow, fast = {"0.5": 40}, {"0.5": 40, "0.1": 40}  # 40 requests at 250-500 ms, then 40 at 50-100 ms
+    scrapes = [
+        ("w0", now - 1500, exported + ttft_histogram({})),
+        ("w0", now - 1000, exported + ttft_histogram(slow)),
+        ("w0", now - 550, exported + ttft_histogram(slow)),  # after the change: its first scrape
+        ("w0", now - 20, exported + ttft_histogram(fast)),
+        ("w1", now - 100, exported + ttft_histogram({"0.5": 40})),
+        ("w1", now - 20, exported + ttft_histogram({"0.5": 40, "0.1": 5})),
+        ("w2", now - 20, exported + ttft_histogram({"0.5": 40})),
+    ]
+    tsdb.serve(scrapes)
+    got = api_as("viewer").get("/api/v1/capacity/crossover/")
+    assert got.status_code == 200, got.content
+    rows = {r["worker"]: r for r in got.json()["workers"]}
+    w0 = rows["w0"]["effect"]
+    assert w0["operation"] == op.pk and w0["revision"] == 1
+    assert w0["changes"] == {"prefetch_threshold": {"before": 256, "after": 544}}
+    assert w0["applied_at"] == pytest.approx(now - 600, abs=0.01)
+    assert w0["before"]["requests"] == 40 and w0["before"]["ttft_p50_s"] == pytest.approx(0.375)
+    assert w0["after"]["requests"] == 40 and w0["after"]["ttft_p50_s"] == pytest.approx(0.075)
+    assert w0["before"]["to"] == pytest.approx(now - 900, abs=0.01) and w0["window_s"] == 1800
+    assert w0["verdict"] == "helped" and w0["change"] == pytest.approx(-0.8)
+    assert w0["text"] == "It helped: TTFT p50 375 ms before, 75 ms after (-80%)."
+    w1 = rows["w1"]["effect"]
+    assert w1["verdict"] == "not_enough_traffic_after" and w1["after"]["requests"] == 5
+    assert w1["after"]["ttft_p50_s"] == pytest.approx(0.05 + 0.05 * 0.5)  # measured, just too few
+    assert rows["w2"]["effect"] is None

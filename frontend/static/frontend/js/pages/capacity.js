@@ -306,4 +306,110 @@ KV.ready(function () {
   sizing.addEventListener("submit", function (e) { e.preventDefault(); calculate(false); });
   fillFromWorker();
   calculate(true);
+
+  // Load vs recompute: per worker and tier the measured crossover and the numbers behind it, the current and
+  // recommended prefetch threshold, an Apply (operators) that previews before -> after and creates the
+  // operation through POST /capacity/crossover/apply/, and after an applied change its TTFT p50 verdict.
+  var xsection = KV.$("#crossover");
+  function tok(v) { return Number(v).toLocaleString("en-US", { maximumFractionDigits: 1 }); }  // "538.5", "2,048"
+  function perSec(v) { return v == null ? null : Math.round(v).toLocaleString("en-US") + " tok/s"; }
+  function ms(v) { return v == null ? null : Math.round(v * 1000).toLocaleString("en-US") + " ms"; }
+  var VERDICTS = { helped: "helped", no_better: "did not help", worse: "did not help (worse)",
+                   not_enough_traffic_after: "too little traffic yet", not_enough_traffic_before: "too little before" };
+  function count(buckets) { return (buckets || []).reduce(function (n, b) { return n + b.count; }, 0); }  // operations measured
+  function settingText(v) { return v == null ? "not set" : String(v); }
+  function crossoverRows(w) {
+    var fits = w.fits, prefill = fits.prefill, rows = [];
+    [["L2", "load_back"], ["L3", "prefetch"]].forEach(function (t, i) {
+      var tier = w.tiers[t[0]], load = fits[t[1]];
+      var cross = tier.loading_wins === "never" ? "never" : tier.crossover_tokens == null ? null
+        : tok(tier.crossover_tokens) + " tok" + (tier.loading_wins === "always" ? " (always)" : "");
+      var why = w.notes.join("; ") || "not measured enough";
+      var row = { worker: w.worker, worker_cell: i ? "" : w.worker, tier: t[0], crossover: cross,
+        load: perSec(load && load.tokens_per_s), prefill: perSec(prefill && prefill.tokens_per_s),
+        samples: count(w.measured[t[1]]) + " / " + count(w.measured.prefill),
+        absent: { crossover: why, load: why, prefill: why } };
+      if (t[0] === "L2") {
+        row.now = w.load_back_threshold.engine + " (load-back, fixed)";
+        row.recommended = null; row.absent.recommended = "the engine's load-back threshold is fixed, not a setting";
+      } else {
+        row.now = w.current && w.current.prefetch_threshold != null ? tok(w.current.prefetch_threshold) : null;
+        row.recommended = w.recommended.prefetch_threshold == null ? null : tok(w.recommended.prefetch_threshold);
+        row.absent.recommended = "no recommendation yet: " + why;
+      }
+      rows.push(row);
+    });
+    return rows;
+  }
+  function applyCell(td, w) {
+    if (!Object.keys(w.recommended).length) return;
+    if (!Object.keys(w.changes).length) { td.textContent = "applied"; td.className = "act muted nowrap"; td.title = "the worker runs the recommended values"; return; }
+    if (!KV.canWrite) return;  // viewers see the figures, not the button
+    var b = document.createElement("button");
+    b.type = "button"; b.className = "apply-crossover"; b.textContent = "Apply…";
+    b.setAttribute("aria-label", "Apply the recommendation to " + w.worker);
+    b.addEventListener("click", function () { applyCrossover(w, b); });
+    td.appendChild(b);
+  }
+  function applyCrossover(w, button) {
+    var err = KV.$("#crossover-error");
+    err.textContent = "";
+    var rows = Object.keys(w.changes).sort().map(function (k) {
+      return { worker: w.worker + ": " + k, before: settingText(w.changes[k].before), after: settingText(w.changes[k].after) };
+    });
+    return KV.confirm({ title: "Apply the measured crossover to " + w.worker + "?", column: "Worker: setting", rows: rows,
+      text: "This creates an apply config revision operation on " + w.worker + ": the values below become the next revision of " +
+        "config profile crossover-" + w.worker + ", applied once the worker is idle, verified, audited and revertible.",
+      confirmLabel: "Apply", reason: true
+    }).then(function (ok) {
+      if (!ok) return;
+      button.disabled = true;
+      return KV.api("POST", "/api/v1/capacity/crossover/apply/", { worker: w.worker, reason: KV.confirmReason() })
+        .then(function (r) { location.href = "/operations/" + r.operation + "/"; });
+    }).catch(function (e) { button.disabled = false; err.textContent = KV.errorText(e); });
+  }
+  function effectRow(w) {
+    var e = w.effect, changes = Object.keys(e.changes).sort();
+    return { worker: w.worker, operation: e.operation, operation_text: "#" + e.operation, applied: e.applied_at,
+      change_text: changes.map(function (k) { return k.replace(/^prefetch_/, "") + " " + settingText(e.changes[k].before) + " → " + settingText(e.changes[k].after); })[0] +
+        (changes.length > 1 ? " (+" + (changes.length - 1) + ")" : ""),
+      before_p50: ms(e.before.ttft_p50_s), after_p50: ms(e.after.ttft_p50_s),
+      requests: e.before.requests.toLocaleString("en-US") + " / " + e.after.requests.toLocaleString("en-US"),
+      changes_all: changes.map(function (k) { return k + ": " + settingText(e.changes[k].before) + " → " + settingText(e.changes[k].after); }).join("; "),
+      verdict_text: VERDICTS[e.verdict] || e.verdict };
+  }
+  function showCrossover() {
+    var status = KV.$("#crossover-status");
+    return KV.api("GET", "/api/v1/capacity/crossover/").then(function (r) {
+      if (r.unavailable) { status.textContent = "No measured costs: " + r.unavailable + "."; return; }
+      if (!r.workers.length) { status.textContent = "No worker exports measured costs (sglang:kv_cost_*) yet: a KVFleet worker with --enable-hierarchical-cache measures them from its traffic."; return; }
+      status.textContent = "";
+      var tbody = KV.$("#crossover-table tbody"), frag = document.createDocumentFragment();
+      r.workers.forEach(function (w) {
+        crossoverRows(w).forEach(function (row, i) {
+          var tr = KV.fill(KV.$("#tpl-crossover-row"), row);
+          tr.dataset.worker = w.worker; tr.dataset.tier = row.tier;
+          if (i) applyCell(KV.$("td.act", tr), w);
+          frag.appendChild(tr);
+        });
+        if (w.notes.length) {
+          var note = KV.fill(KV.$("#tpl-crossover-note"), { text: "Why: " + w.notes.join("; ") + "." });
+          note.dataset.worker = w.worker; frag.appendChild(note);
+        }
+      });
+      tbody.replaceChildren(frag);
+      KV.$("#crossover-table").hidden = false;
+      var applied = r.workers.filter(function (w) { return w.effect; });
+      KV.$("#effect-empty").hidden = applied.length > 0;
+      KV.replaceRows(KV.$("#effect-table tbody"), KV.$("#tpl-effect-row"), applied.map(effectRow), function (tr, row) {
+        tr.dataset.worker = row.worker; KV.$("[data-f=change_text]", tr).title = row.changes_all;
+      });
+      KV.$("#effect-table").hidden = !applied.length;
+      var ul = KV.$("#effect-texts");
+      ul.replaceChildren();
+      applied.forEach(function (w) { var li = document.createElement("li"); li.dataset.worker = w.worker; li.textContent = w.worker + ": " + w.effect.text; ul.appendChild(li); });
+    }).catch(function (e) { status.textContent = "Could not read the crossover: " + KV.errorText(e); })
+      .then(function () { xsection.dataset.loaded = "1"; });
+  }
+  if (xsection) showCrossover();
 });
