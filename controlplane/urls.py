@@ -1,11 +1,12 @@
-"""URL map: /api/v1/ (REST), /api/schema/ (OpenAPI) + /api/docs/ (Swagger UI), /admin/, /healthz (liveness),
-/readyz (readiness: database and Redis), console."""
+"""URL map: /api/v1/ (REST; its root the index of its endpoints), /api/schema/ (OpenAPI) + /api/docs/
+(Swagger UI), /admin/, /healthz (liveness), /readyz (readiness: database and Redis), console."""
 
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from controlplane.capacity.api.urls import agent_urlpatterns as capacity_agent
+from controlplane.core.api_root import ApiRootView, fixed_routes
 from controlplane.core.health import healthz, readyz
 from controlplane.inventory.api.urls import agent_urlpatterns as inventory_agent
 from controlplane.rebalance.api.recommendation import RecommendationApi
@@ -26,6 +27,7 @@ api_v1 = [
     path("rebalances/", include("controlplane.rebalance.api.urls")),
     path("agent/", include(inventory_agent + capacity_agent)),
 ]
+api_v1.append(path("", ApiRootView.as_view(routes=fixed_routes(api_v1)), name="api-root"))
 
 urlpatterns = [
     path("api/v1/", include(api_v1)),

@@ -21,7 +21,21 @@ def test_schema_and_docs_are_served(api_as):
     assert api_as("viewer").get("/api/docs/").status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/api/v1/", "/api/v1/nosuch/", "/api/nosuch"])
+def test_the_api_root_lists_every_endpoint_without_a_path_parameter(api_as, client):
+    index = api_as("viewer").get("/api/v1/")
+    assert index.status_code == 200, index.content
+    body = index.json()
+    endpoints = body["endpoints"]
+    assert endpoints["inventory/workers/"] == "http://testserver/api/v1/inventory/workers/"
+    assert {"operations/", "rebalances/", "capacity/sizing/", "audit/events/"} <= set(endpoints)
+    assert not any("<" in route or "(" in route for route in endpoints)
+    assert (body["schema"], body["docs"]) == ("http://testserver/api/schema/", "http://testserver/api/docs/")
+    for route in ("inventory/workers/", "operations/", "rebalances/", "audit/events/"):
+        assert api_as("viewer").get(endpoints[route]).status_code == 200, route  # each one answers
+    assert client.get("/api/v1/").status_code in (401, 403)
+
+
+@pytest.mark.parametrize("path", ["/api/v1/nosuch/", "/api/nosuch"])
 def test_unknown_api_paths_answer_a_json_404_in_the_error_envelope(api_as, path):
     response = api_as("viewer").get(path)
     assert response.status_code == 404 and response["Content-Type"] == "application/json"
