@@ -70,6 +70,19 @@ def test_v1_and_generic_round_trips_dedup_and_leading_hits(make_backend, layout)
     assert backend.get_stats()["errors"] == 0
 
 
+def test_pages_of_another_size_get_a_partition_of_their_own(make_backend):
+    """tp_lcm_size shards move through the generic calls at a fraction of the pool's page size."""
+    backend, pool = make_backend(seed=2)
+    keys = keys_for(backend, 2)
+    page = pool.get_flat_data_page(0).clone()
+    half = page[: page.numel() // 2].clone()
+    assert backend.set(keys[0], page) and backend.set(keys[1], half)
+    assert torch.equal(backend.get(keys[1], torch.empty_like(half)), half)
+    assert torch.equal(backend.get(keys[0]), page)
+    assert backend.get(keys[1]) is None  # not in the page-size partition
+    assert len(backend._managers) == 2 and backend.get_stats()["errors"] == 0
+
+
 def test_a_page_another_process_wrote_is_read_byte_for_byte(make_backend, tmp_path):
     """RocksDB is one process's at a time: the writer closes it, then this process opens and reads it."""
     root = tmp_path / "shared"

@@ -23,8 +23,9 @@ What is KVFleet's own (docs/architecture.md, Decisions):
   xxh3_64 of the payload, :mod:`engine.cache.storage.page_file`), then the page in the host pool's flat
   order, then zero padding. Upstream writes the raw K/V tensors in AIBrix's NCLD layout with no check; here
   a read whose header or checksum does not match is a miss, counted in ``corrupt_pages``, its target
-  zeroed and the block deleted. The block's width follows the page's bytes, so sharded pages
-  (``tp_lcm_size``) get a manager of their own size on first use;
+  zeroed and the block deleted. A block is as wide as the stored unit: the page, or with ``tp_lcm_size``
+  one KV-head storage shard of it (the same bytes at every TP size sharing the namespace); each width is an
+  AIBrix partition (a RocksDB database) of its own, and a generic call with another size opens its own;
 * AIBrix's L1 (an in-process CPU cache in front of the store) is off by default and refused when turned on:
   the host pool is the L2 tier here, and pages kept only in AIBrix's L1 would reach no other worker;
 * ``AIBRIX_KV_CACHE_OL_DEVICE`` must be ``cpu`` (the host pool's memory); without CUDA, AIBrix's allocator
@@ -63,6 +64,7 @@ from engine.cache.storage.base import (
 )
 from engine.cache.storage.file import PageRanges, _as_bytes
 from engine.cache.storage.page_file import PageFileError, PageIdentity
+from engine.cache.storage.shards import shard_map
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +197,9 @@ class _Manager:
             block_ntokens=page_size,
             block_dtype=torch.uint8,
             block_layout=ak.KVCacheBlockLayout.NCLD,
-            tensor_spec=ak.KVCacheTensorSpec(heads=[0], layers=[0], head_size=width),
+            # the head id names the width: AIBrix partitions its store by head and layer ids, so blocks of
+            # each size get a partition (a RocksDB database) of their own, in one process or several
+            tensor_spec=ak.KVCacheTensorSpec(heads=[width], layers=[0], head_size=width),
         )
         self.ak, self.page_size, self.nbytes = ak, page_size, nbytes
         with _environment(settings):
@@ -251,6 +255,7 @@ class HiCacheAibrix(HiCacheStorage):
         self._managers: dict[int, _Manager] = {}
         self._managers_lock = threading.Lock()
         self._pages: PageRanges | None = None
+        self._unit = 0  # bytes of the stored unit (a page, or a tp_lcm_size shard): set with the host pool
 
     # -- managers, one per payload size ----------------------------------------------------------------
     def _manager(self, nbytes: int) -> _Manager:
@@ -262,10 +267,17 @@ class HiCacheAibrix(HiCacheStorage):
             return found
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Map the pool's pages to byte views and open the manager for its page size (the store starts or
-        fails here)."""
+        """Map the pool's pages to byte views and open the manager for the stored unit (the store starts or
+        fails here): the page, or with ``tp_lcm_size`` one KV-head storage shard of it, whose bytes every TP
+        size sharing the namespace agrees on (:func:`engine.cache.storage.shards.shard_map`)."""
         self._pages = PageRanges(mem_pool_host)
-        self._manager(mem_pool_host.page_bytes)
+        cfg, self._unit = self.storage_config, mem_pool_host.page_bytes
+        if cfg.tp_lcm_size is not None and not cfg.is_mla_model:
+            shards = shard_map(
+                cfg.tp_lcm_size, cfg.tp_size, (cfg.tp_rank, cfg.tp_size), mem_pool_host.num_kv_heads
+            )
+            self._unit = mem_pool_host.page_bytes // shards.count
+        self._manager(self._unit)
         super().register_mem_pool_host(mem_pool_host)
 
     def close(self) -> None:
@@ -460,12 +472,13 @@ class HiCacheAibrix(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """Leading keys stored (AIBrix's ``exists``), asked of the host pool's page size."""
+        """Leading keys stored (AIBrix's ``exists``), asked of the stored unit's partition (a page, or a
+        ``tp_lcm_size`` shard)."""
         if not keys:
             return 0
         if self.mem_pool_host is None:
             raise ValueError("batch_exists() needs a registered host pool")
-        m = self._manager(self.mem_pool_host.page_bytes)
+        m = self._manager(self._unit)
         count = 0
         for start in range(0, len(keys), m.batch):
             part = keys[start : start + m.batch]
