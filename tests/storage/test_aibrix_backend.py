@@ -83,6 +83,24 @@ def test_pages_of_another_size_get_a_partition_of_their_own(make_backend):
     assert len(backend._managers) == 2 and backend.get_stats()["errors"] == 0
 
 
+def test_each_rank_of_a_tp_worker_opens_a_rocksdb_partition_of_its_own(
+    tmp_path, storage_config_factory, page_pool_factory
+):
+    """Rank processes share the root: per-rank keys get a database each, so both ranks attach."""
+    extra = {"l2_cache_backend": "ROCKSDB", "rocksdb_root": str(tmp_path)}
+    ranks = [
+        create_storage_backend(
+            "aibrix", storage_config_factory(extra=extra, tp_rank=r, tp_size=2), page_pool_factory()
+        )
+        for r in range(2)
+    ]
+    try:
+        assert sorted(p.name.split("_")[3] for p in tmp_path.iterdir()) == ["l0", "l1"]
+    finally:
+        for backend in ranks:
+            backend.close()
+
+
 def test_a_page_another_process_wrote_is_read_byte_for_byte(make_backend, tmp_path):
     """RocksDB is one process's at a time: the writer closes it, then this process opens and reads it."""
     root = tmp_path / "shared"

@@ -35,9 +35,11 @@ What is KVFleet's own (docs/architecture.md, Decisions):
 * importing ``aibrix_kvcache`` sets uvloop's event-loop policy for the whole process; the policy in force
   before is put back, so only the manager's own loop thread runs AIBrix's coroutines.
 
-A ``ROCKSDB`` store is one RocksDB database per (root, namespace, block width), which one process opens
-at a time: a second live worker on the same root fails to attach (naming ``AIBRIX_KV_CACHE_OL_ROCKSDB_ROOT``);
-a worker started after the writer closed it (detach, exit) reads its pages. Calls into one manager are
+A ``ROCKSDB`` store is one RocksDB database per (root, namespace, block width, rank whose keys it holds),
+which one process opens at a time: the ranks of a TP worker hold one each, but a second live worker on the
+same root fails to attach (naming ``AIBRIX_KV_CACHE_OL_ROCKSDB_ROOT``), as do the ranks after the first of a
+TP worker whose keys name no rank (MLA, ``tp_lcm_size``); a worker started after the writer closed it
+(detach, exit) reads its pages. ``SHFS`` and the cluster stores have no such limit. Calls into one manager are
 serialized (one lock), as upstream's scheduler makes them from one thread at a time.
 """
 
@@ -191,15 +193,16 @@ def _environment(settings: dict[str, str]) -> Iterator[None]:
 class _Manager:
     """One AIBrix cache manager for blocks holding pages of ``nbytes`` payload bytes."""
 
-    def __init__(self, ak: Any, settings: dict[str, str], page_size: int, nbytes: int) -> None:
+    def __init__(self, ak: Any, settings: dict[str, str], page_size: int, nbytes: int, part: int) -> None:
         width = -(-(HEADER_BYTES + nbytes) // (2 * page_size))  # bytes per token per K/V half, rounded up
         spec = ak.KVCacheBlockSpec(
             block_ntokens=page_size,
             block_dtype=torch.uint8,
             block_layout=ak.KVCacheBlockLayout.NCLD,
-            # the head id names the width: AIBrix partitions its store by head and layer ids, so blocks of
-            # each size get a partition (a RocksDB database) of their own, in one process or several
-            tensor_spec=ak.KVCacheTensorSpec(heads=[width], layers=[0], head_size=width),
+            # AIBrix partitions its store by head and layer ids: the head id names the width, so blocks of
+            # each size get a partition (a RocksDB database) of their own; the layer id ``part`` the rank
+            # whose keys these are (see HiCacheAibrix._part)
+            tensor_spec=ak.KVCacheTensorSpec(heads=[width], layers=[part], head_size=width),
         )
         self.ak, self.page_size, self.nbytes = ak, page_size, nbytes
         with _environment(settings):
@@ -262,9 +265,16 @@ class HiCacheAibrix(HiCacheStorage):
         with self._managers_lock:
             found = self._managers.get(nbytes)
             if found is None:
-                found = _Manager(self._ak, self.settings, self.storage_config.page_size, nbytes)
+                found = _Manager(self._ak, self.settings, self.storage_config.page_size, nbytes, self._part())
                 self._managers[nbytes] = found
             return found
+
+    def _part(self) -> int:
+        """The partition (layer id) of this rank's blocks: its rank where its keys name it (each rank
+        process then opens a RocksDB database of its own), else 0, shared by every rank and TP size (MLA's
+        replicated KV, ``tp_lcm_size`` shards)."""
+        cfg = self.storage_config
+        return 0 if cfg.tp_lcm_size is not None or cfg.is_mla_model else cfg.tp_rank
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Map the pool's pages to byte views and open the manager for the stored unit (the store starts or
