@@ -39,8 +39,8 @@ A ``ROCKSDB`` store is one RocksDB database per (root, namespace, block width, r
 which one process opens at a time: the ranks of a TP worker hold one each, but a second live worker on the
 same root fails to attach (naming ``AIBRIX_KV_CACHE_OL_ROCKSDB_ROOT``), as do the ranks after the first of a
 TP worker whose keys name no rank (MLA, ``tp_lcm_size``); a worker started after the writer closed it
-(detach, exit) reads its pages. ``SHFS`` and the cluster stores have no such limit. Calls into one manager are
-serialized (one lock), as upstream's scheduler makes them from one thread at a time.
+(detach, exit) reads its pages. ``SHFS`` and the cluster stores have no such limit. Calls into one manager
+are serialized (a lock per manager): the backup and prefetch threads take turns.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class HiCacheAibrix(HiCacheStorage):
 
     Raises :class:`StorageConfigError` at construction for a bad configuration (naming the key) or
     ``aibrix_kvcache`` missing, and when the store does not start (at ``register_mem_pool_host``, which
-    opens the manager for the host pool's page size)."""
+    opens the manager for the stored unit: a page, or a ``tp_lcm_size`` shard)."""
 
     supports_v1 = True
 
