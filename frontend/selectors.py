@@ -33,6 +33,15 @@ HICACHE_FIELDS = (
     "prefetch_timeout_max",
 )
 MASTER_KEYS = ("master_server_address", "master", "master_address")
+AIBRIX_STORE_KEYS = (  # where an aibrix profile's AIBrix KVCache store is (engine/cache/storage/aibrix.py)
+    "rocksdb_root",
+    "shfs_root",
+    "infinistore_host_addr",
+    "hpkv_remote_addr",
+    "priskv_remote_addr",
+    "pris_remote_addr",
+    "meta_service_url",
+)
 
 
 def state_machines() -> dict:
@@ -154,9 +163,11 @@ def hicache_rows(hicache: dict) -> list[tuple[str, str, bool]]:
 
 
 def storage_master(extra_config: dict | None) -> str:
-    """The Mooncake master (or the file backend's path) a storage profile's extra config names, or ""."""
+    """The Mooncake master (or the file backend's path, or the AIBrix store's root or address) a storage
+    profile's extra config names, or ""."""
     extra = extra_config or {}
-    for key in (*MASTER_KEYS, "path", "file_path"):
+    aibrix = [k for name in AIBRIX_STORE_KEYS for k in (name, f"AIBRIX_KV_CACHE_OL_{name.upper()}")]
+    for key in (*MASTER_KEYS, "path", "file_path", *aibrix):
         if extra.get(key):
             return str(extra[key])
     return ""

@@ -50,6 +50,7 @@ class Gpu(models.Model):
 
 
 class StorageBackend(models.TextChoices):
+    AIBRIX = "aibrix"
     FILE = "file"
     MOONCAKE = "mooncake"
     NIXL = "nixl"

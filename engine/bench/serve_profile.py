@@ -157,7 +157,8 @@ def main() -> None:
     args = ap.parse_args(ours)
     port = free_port()
     engine = build_engine(parse_args([*launch, "--port", str(port), "--log-level", "warning"]))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), port=port, log_level="warning"))
+    config = uvicorn.Config(create_app(engine), port=port, log_level="warning", loop="asyncio")
+    server = uvicorn.Server(config)
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()
     while not server.started:

@@ -1,6 +1,6 @@
 """L3 backend throughput next to the raw store, measured in the same run on the same bytes.
 
-``python -m engine.bench.storage --backend file|mooncake|nixl`` fills a real host pool (``HostKVPool``,
+``python -m engine.bench.storage --backend file|mooncake|nixl|aibrix`` fills a real host pool (``HostKVPool``,
 ``page_first_direct``) with random KV pages and times, alternating rounds:
 
 * ours: ``batch_set_v1`` / ``batch_get_v1`` of the backend (keys, existence check, header + checksum for
@@ -10,10 +10,12 @@
   for ``file``; the same Mooncake client's
   ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` for ``mooncake``; for ``nixl`` the
   backend's own NIXL agent moving the same page buffers into one file per page (one NIXL transfer per
-  batch, no header, checksum or rename).
+  batch, no header, checksum or rename); for ``aibrix`` (AIBrix KVCache's ROCKSDB store under the directory)
+  the backend's own AIBrix manager storing the same page bytes under other keys (``allocate_for``, one
+  copy into each block, ``put``; ``acquire`` and one copy out; no header or checksum).
 
-With ``--backend nixl --compare-file`` the ``file`` backend also runs in every round, on the same pool and
-page slots (its own directory on the same file system), and a second table prints nixl/file.
+With ``--backend nixl --compare-file`` (or ``aibrix``) the ``file`` backend also runs in every round, on the
+same pool and page slots (its own directory on the same file system), and a second table prints nixl/file.
 
 Every round writes fresh keys and removes them afterwards; ours and raw run back to back in each
 round. It prints one row per operation: GB/s (1e9 bytes/s of wall time, median over ``--rounds``),
@@ -37,6 +39,7 @@ import torch
 
 from engine.cache.host_pool import HostKVPool
 from engine.cache.keys import page_hashes
+from engine.cache.storage.aibrix import HiCacheAibrix
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
 from engine.cache.storage.file import PageRanges
 from engine.cache.storage.nixl import HiCacheNixl
@@ -185,6 +188,52 @@ class MooncakeRaw:
         self.store.batch_remove([f"raw-{k}" for k in keys], True)
 
 
+class AibrixRaw:
+    """The aibrix backend's own AIBrix manager storing the same page bytes under ``raw-`` keys: per batch
+    ``allocate_for``, one copy of each page into its block, ``put``; ``acquire`` and one copy out of each
+    block; no header or checksum."""
+
+    def __init__(self, backend: HiCacheAibrix, pool: HostKVPool, batch: int) -> None:
+        self.m, self.pool = backend._manager(pool.page_bytes), pool
+        self.batch = min(batch, self.m.batch)
+        self.pages = PageRanges(pool)
+
+    def _batches(self, keys: list[str]):
+        for start in range(0, len(keys), self.batch):
+            yield start, self.m.hashes([f"raw-{k}" for k in keys[start : start + self.batch]])
+
+    def _page(self, page: int) -> list[memoryview]:
+        return self.pages.views(page * self.pool.page_size)
+
+    def write(self, keys: list[str]) -> None:
+        for start, hashes in self._batches(keys):
+            handle = self.m.manager.allocate_for(None, hashes).value
+            for i, block in enumerate(handle.to_tensors()):
+                raw, at = block.view(-1).numpy(), 0
+                for view in self._page(start + i):
+                    raw[at : at + view.nbytes] = memoryview(view).cast("B")
+                    at += view.nbytes
+            if not self.m.manager.put(None, hashes, handle).is_ok():
+                raise RuntimeError("raw AIBrix put failed")
+
+    def read(self, keys: list[str]) -> None:
+        for start, hashes in self._batches(keys):
+            status = self.m.manager.acquire(None, hashes)
+            if not status.is_ok():
+                raise RuntimeError(f"raw AIBrix acquire failed: {status}")
+            _, handle = status.value
+            for i, block in enumerate(handle.to_tensors()):
+                raw, at = block.view(-1).numpy(), 0
+                for view in self._page(start + i):
+                    memoryview(view).cast("B")[:] = raw[at : at + view.nbytes]
+                    at += view.nbytes
+            handle.release()
+
+    def remove(self, keys: list[str]) -> None:
+        for _, hashes in self._batches(keys):
+            self.m.manager.delete(None, hashes)
+
+
 def timed(fn: Callable[[], None]) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process: user + system, all threads)."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -205,7 +254,10 @@ def ours_read(backend, pool, keys, batch):
 
 
 def ours_remove(backend, keys, directory):
-    if directory is not None:
+    if isinstance(backend, HiCacheAibrix):
+        m = backend._manager(backend.mem_pool_host.page_bytes)
+        m.manager.delete(None, m.hashes(keys))
+    elif directory is not None:
         for key in keys:
             os.remove(os.path.join(directory, f"{key}.bin"))
     else:
@@ -298,7 +350,7 @@ def print_table(args, rows: list[dict], page_bytes: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["file", "mooncake", "nixl"], required=True)
+    parser.add_argument("--backend", choices=["file", "mooncake", "nixl", "aibrix"], required=True)
     parser.add_argument("--pages", type=int, default=128, help="pages per round (default 128)")
     parser.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
     parser.add_argument("--layers", type=int, default=30, help="default: SmolLM2-135M's 30 layers")
@@ -308,11 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--dir", default=None, help="file / nixl backend directory (default: a temp dir)")
     parser.add_argument(
-        "--compare-file", action="store_true", help="nixl: also time the file backend in the same rounds"
+        "--compare-file",
+        action="store_true",
+        help="nixl, aibrix: also time the file backend in the same rounds",
     )
     args = parser.parse_args(argv)
-    if args.compare_file and args.backend != "nixl":
-        parser.error("--compare-file needs --backend nixl")
+    if args.compare_file and args.backend not in ("nixl", "aibrix"):
+        parser.error("--compare-file needs --backend nixl or aibrix")
     for flag in ("pages", "page_size", "layers", "kv_heads", "head_dim", "batch", "rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -324,11 +378,19 @@ def main(argv: list[str] | None = None) -> int:
             rows = run(args, backend, FileRaw(pool, directory), pool, directory)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-    elif args.backend == "nixl":
+    elif args.backend in ("nixl", "aibrix"):
         directory = tempfile.mkdtemp(prefix="kvfleet-bench-", dir=args.dir)
         try:
-            backend = create_storage_backend("nixl", storage_config(args, {"file_path": directory}), pool)
-            assert isinstance(backend, HiCacheNixl)
+            raw: NixlRaw | AibrixRaw
+            if args.backend == "nixl":
+                backend = create_storage_backend("nixl", storage_config(args, {"file_path": directory}), pool)
+                assert isinstance(backend, HiCacheNixl)
+                raw = NixlRaw(backend, pool, directory, args.batch)
+            else:
+                extra = {"l2_cache_backend": "ROCKSDB", "rocksdb_root": os.path.join(directory, "rocksdb")}
+                backend = create_storage_backend("aibrix", storage_config(args, extra), pool)
+                assert isinstance(backend, HiCacheAibrix)
+                raw = AibrixRaw(backend, pool, args.batch)
             other = None
             if args.compare_file:
                 file_dir = os.path.join(directory, "file")
@@ -337,9 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 other = (file_backend, file_dir)
             try:
-                rows = run(
-                    args, backend, NixlRaw(backend, pool, directory, args.batch), pool, directory, other
-                )
+                rows = run(args, backend, raw, pool, None if args.backend == "aibrix" else directory, other)
             finally:
                 backend.close()
         finally:

@@ -133,12 +133,16 @@ def _from_l3(cache: HiRadixCache) -> torch.Tensor:
     return device
 
 
-@pytest.fixture(params=["file", "nixl", pytest.param("mooncake", marks=pytest.mark.slow)])
+@pytest.fixture(params=["file", "nixl", "aibrix", pytest.param("mooncake", marks=pytest.mark.slow)])
 def l3(request, tmp_path):
-    """(backend, extra config) of an empty L3: a directory of page files (file, nixl), or a real Mooncake
-    master."""
+    """(backend, extra config) of an empty L3: a directory of page files (file, nixl), AIBrix KVCache's
+    ROCKSDB store (aibrix; the caches here open it one after another), or a real Mooncake master."""
     if request.param in ("file", "nixl"):
         yield request.param, {"file_path": str(tmp_path)}
+        return
+    if request.param == "aibrix":
+        pytest.importorskip("aibrix_kvcache")
+        yield "aibrix", {"l2_cache_backend": "ROCKSDB", "rocksdb_root": str(tmp_path / "rocksdb")}
         return
     from engine.fleet.mooncake_master import MooncakeMaster
 

@@ -69,7 +69,9 @@ class ThreadedServer:
         self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(engine), host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(
+            create_app(engine), host="127.0.0.1", port=self.port, log_level="warning", loop="asyncio"
+        )  # as launch_server: the server's loop stays asyncio where uvloop is installed
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -40,7 +40,7 @@ def dynamic_extra(tmp_path, module, **over):
 
 
 def test_unknown_backend_lists_registered_names(storage_config_factory):
-    with pytest.raises(ValueError, match="registered backends: dynamic, file, mooncake, nixl"):
+    with pytest.raises(ValueError, match="registered backends: aibrix, dynamic, file, mooncake, nixl"):
         create_storage_backend("nope", storage_config_factory(), None)
 
 

@@ -21,6 +21,7 @@ DYNAMIC_BACKEND = "dynamic"
 """The name that loads a user's class named in the extra config (:mod:`engine.cache.storage.dynamic`)."""
 
 _BACKENDS: dict[str, tuple[str, str]] = {
+    "aibrix": ("engine.cache.storage.aibrix", "HiCacheAibrix"),
     "file": ("engine.cache.storage.file", "HiCacheFile"),
     "mooncake": ("engine.cache.storage.mooncake", "MooncakeStore"),
     "nixl": ("engine.cache.storage.nixl", "HiCacheNixl"),
@@ -32,7 +33,6 @@ UNAVAILABLE: dict[str, str] = {
         "DeepSeek 3FS needs its usrbio client (hf3fs-py-usrbio), whose package builds only inside the 3FS "
         "source tree and reads and writes through a mounted 3FS (FUSE); KVFleet cannot install or test it"
     ),
-    "aibrix": "AIBrix KVCache as an L3 backend is not built yet; use file, mooncake, nixl or dynamic",
 }
 """Upstream's backend names KVFleet does not build: name -> why, said wherever a backend is named."""
 
