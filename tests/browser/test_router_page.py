@@ -154,7 +154,8 @@ def test_traffic_per_worker_and_the_imbalance_cache_aware_routing_causes(
 def test_the_page_names_the_grpc_workers_no_salt_reaches(asgi_server, console_page, fake_router, fake_worker):
     """Issue 40: smg carries cache_salt to HTTP workers, but a --grpc-mode worker behind it gets no salt and
     no API key: the router page names it with the supported way, its row is marked gRPC, and its own page
-    says it is not isolatable instead of offering the check."""
+    says it is not isolatable instead of offering the check; a gRPC worker added by hand (no command line)
+    gets that verdict from the check's button."""
     from django.utils import timezone
     from playwright.sync_api import expect
 
@@ -190,4 +191,16 @@ def test_the_page_names_the_grpc_workers_no_salt_reaches(asgi_server, console_pa
     assert page.evaluate("document.documentElement.scrollWidth") == 1280
     if SHOTS:
         isolation.screenshot(path=os.path.join(SHOTS, "worker-grpc-isolation.png"))
+
+    # added by hand (no command line): the button is there, and the check finds grpc_mode in /server_info
+    sidecar = fake_worker()
+    sidecar.grpc_mode = True
+    by_hand = EngineWorkerFactory(name="w-by-hand", url=sidecar.url)
+    page.goto(f"{asgi_server}/workers/{by_hand.pk}/")
+    page.locator("#check-isolation").click()
+    expect(page.locator("#isolation-verdict")).to_have_text("not isolatable")
+    expect(page.locator("#isolation-problems")).to_contain_text("gRPC worker w-by-hand (--grpc-mode)")
+    expect(page.locator("#isolation-probes")).to_be_hidden()  # not probed: no figures to show
+    if SHOTS:
+        page.get_by_test_id("isolation").screenshot(path=os.path.join(SHOTS, "worker-grpc-checked.png"))
     assert errors == []
