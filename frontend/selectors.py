@@ -232,8 +232,9 @@ def host_detail(*, host: Host) -> dict:
 def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
     """A router with its registered workers, whether the live router lists each (None when the router does
     not answer, with the error), each worker's circuit-breaker state (None without a metrics_url), whether
-    cache_salt reaches the workers through it (``cache_salt``: inventory's router_cache_salt) and what it does
-    with its traffic (``traffic``: telemetry's router_traffic, with ``unavailable_text``)."""
+    cache_salt reaches the workers through it (``cache_salt``: inventory's router_cache_salt; a row's
+    ``grpc``: the worker serves gRPC, so none reaches it) and what it does with its traffic (``traffic``:
+    telemetry's router_traffic, with ``unavailable_text``)."""
     registered = list(router.workers.select_related("host"))
     try:
         live = RouterClient(router.url, timeout=timeout_s).list_workers()
@@ -242,12 +243,14 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
         live, error = None, exc.message
     live_urls = {str(w.get("url", "")).rstrip("/") for w in live or []}
     breakers = router_breakers(router)
+    cache_salt = router_cache_salt(router)
     states = {b["url"].rstrip("/"): b for b in (breakers or {}).get("workers", [])}
     rows = [
         {
             "worker": w,
             "in_router": (w.url.rstrip("/") in live_urls) if live is not None else None,
             "breaker": states.get(w.url.rstrip("/")),
+            "grpc": w.name in cache_salt["grpc_workers"],
         }
         for w in registered
     ]
@@ -257,7 +260,7 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
         "live": live,
         "error": error,
         "breakers": breakers,
-        "cache_salt": router_cache_salt(router),
+        "cache_salt": cache_salt,
         "traffic": _traffic(router, live_urls if live is not None else None),
     }
 

@@ -10,6 +10,7 @@ from django.views.decorators.csrf import ensure_csrf_cookie
 from controlplane.accounts.permissions import WRITE_ROLES
 from controlplane.accounts.selectors import user_role
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
+from controlplane.inventory.selectors import worker_isolation_blocker
 from controlplane.telemetry import hit_rate
 from controlplane.telemetry.metrics import TENANT_TOP_N
 from controlplane.telemetry.selectors import POOLS
@@ -103,6 +104,7 @@ def worker(request, pk: int):
         miss_requests=MISS_REQUESTS,
         capabilities=selectors.capability_rows(worker),
         unexported=selectors.unexported_charts(worker),
+        isolation_blocker=worker_isolation_blocker(worker),
         latency_peers=selectors.latency_peers(worker=worker),
         profile=profile,
         l3=l3_health(

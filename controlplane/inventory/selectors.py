@@ -5,7 +5,14 @@ from django.db.models import QuerySet
 
 from controlplane.inventory.models import EngineWorker, FleetAlert, Gpu, Host, Router, StorageProfile
 from controlplane.workerclient import WorkerError, router_circuit_breakers
-from engine.fleet.identity import SALT_ROUTES, TENANT_KEYS_ADVICE, RouterIdentity, salt_routes
+from engine.fleet.identity import (
+    SALT_ROUTES,
+    TENANT_KEYS_ADVICE,
+    RouterIdentity,
+    grpc_isolation_problem,
+    salt_routes,
+    serves_grpc,
+)
 
 
 class WorkerFilter(django_filters.FilterSet):
@@ -36,12 +43,25 @@ def router_list() -> QuerySet:
     return Router.objects.all()
 
 
+def worker_isolation_blocker(worker: EngineWorker) -> str:
+    """Why no check can show ``worker`` keeps tenants apart, whatever its router: one sentence naming it
+    and the supported way, or "" when nothing known stands in the way. Today: it serves gRPC (its agent's
+    command line has ``--grpc-mode``), so no cache_salt or tenant API key reaches it."""
+    return grpc_isolation_problem([worker.name]) if serves_grpc(worker.command_line or []) else ""
+
+
 def router_cache_salt(router: Router) -> dict:
     """Whether a request's ``cache_salt`` reaches the workers through ``router``, from its stored kind and
-    version (engine/fleet/identity.py): {identified, router ("smg 1.13.0"; "" before the router was
-    probed), routes: {route: true (carried) | false (dropped) | null (not verified or not identified)},
-    warning (one sentence, with the supported way; "" when every route carries it)}. A router not yet
-    identified warns too: nothing says the salt gets through."""
+    version (engine/fleet/identity.py) and its workers' command lines: {identified, router ("smg 1.13.0";
+    "" before the router was probed), routes: {route: true (carried) | false (dropped) | null (not verified
+    or not identified)}, warning (one sentence, with the supported way; "" when every route carries it),
+    grpc_workers (names of its gRPC workers, which get no salt and no API key on any route, sorted),
+    grpc_warning (one sentence naming them and the supported way; "" without any)}. ``routes`` and
+    ``warning`` are what the router does with HTTP workers. A router not yet identified warns too: nothing
+    says the salt gets through."""
+    workers = router.workers.only("name", "command_line")
+    grpc = sorted(w.name for w in workers if serves_grpc(w.command_line or []))
+    behind = {"grpc_workers": grpc, "grpc_warning": grpc_isolation_problem(grpc) if grpc else ""}
     if not router.kind:
         return {
             "identified": False,
@@ -50,6 +70,7 @@ def router_cache_salt(router: Router) -> dict:
             "warning": f"router {router.name} has not been identified yet (it has not answered GET "
             "/get_loads), so whether cache_salt reaches its workers is unknown; to isolate tenants, "
             f"{TENANT_KEYS_ADVICE}.",
+            **behind,
         }
     identity = RouterIdentity(router.kind, router.version, salt_routes(router.kind, router.version))
     return {
@@ -57,6 +78,7 @@ def router_cache_salt(router: Router) -> dict:
         "router": identity.label,
         "routes": identity.salt_routes,
         "warning": identity.salt_warning(),
+        **behind,
     }
 
 

@@ -15,6 +15,11 @@ A router is asked for its workers (``GET /workers``): with exactly one the resul
 three requests may land on different workers, so "salt B reused nothing" proves nothing and the check is
 inconclusive (``ok`` False, ``inconclusive`` True) rather than passed. Reuse by salt B is a failure wherever
 it lands, and through a router its problem names the router and the supported way (tenant API keys).
+
+A worker whose ``/server_info`` says ``grpc_mode`` (its URL is then its HTTP sidecar) is not probed: tenants
+reach it through the router over gRPC, where no salt and no API key travels, so whatever the sidecar's HTTP
+routes do with a salt, it cannot keep tenants apart. The report says so (``not_isolatable``, ``ok`` False,
+no probes) with the supported way.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from engine.fleet.identity import SALT_ROUTES, TENANT_KEYS_ADVICE, identify_router
+from engine.fleet.identity import SALT_ROUTES, TENANT_KEYS_ADVICE, grpc_isolation_problem, identify_router
 
 WORDS = (
     "river",
@@ -64,14 +69,15 @@ class Probe:
 @dataclass
 class IsolationReport:
     ok: bool
-    prompt_tokens: int  # of /generate's prompt
-    probes: list  # of Probe on /generate: A cold, B, A again
+    prompt_tokens: int  # of /generate's prompt (0: not probed)
+    probes: list  # of Probe on /generate: A cold, B, A again ([]: not probed, a not_isolatable worker)
     problems: list  # sentences, empty when ok
     router_workers: int | None = None  # URL is a router: workers it lists; None: a worker
     inconclusive: bool = False  # nothing reused, but the router may have split the probes across workers
     router: str = ""  # the router's kind and version ("smg 1.13.0"); "" for a worker
     # route -> {"isolated": bool (None: not reported), "probes": [Probe, Probe, Probe]}
     routes: dict = field(default_factory=dict)
+    not_isolatable: bool = False  # a gRPC worker: no salt or API key reaches it, so it was not probed
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -127,6 +133,9 @@ def check_isolation(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout) as client:
         identity = _router_identity(client)
+        if identity is None and _serves_grpc(client):
+            problem = grpc_isolation_problem([url.rstrip("/")])
+            return IsolationReport(False, 0, [], [problem], not_isolatable=True)
         router_workers = None if identity is None else _router_workers(client)
         routes = SALT_ROUTES if identity is not None else ("/generate",)
         model = _model(client, url) if len(routes) > 1 else ""
@@ -152,6 +161,17 @@ def _router_identity(client: httpx.Client):
         return identify_router(resp.json()) if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
+
+
+def _serves_grpc(client: httpx.Client) -> bool:
+    """Whether the worker's ``/server_info`` says it serves gRPC (``grpc_mode``; KVFleet's and upstream's
+    launch args). A worker that does not answer it is probed as usual (the probes then say what fails)."""
+    try:
+        resp = client.get("/server_info")
+        info = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("grpc_mode") is True
 
 
 def _router_workers(client: httpx.Client) -> int | None:
@@ -228,6 +248,8 @@ def _total(probe: Probe) -> str:
 
 
 def format_report(report: IsolationReport) -> str:
+    if report.not_isolatable:
+        return "\n".join(["isolation: NOT ISOLATABLE", *(f"  - {p}" for p in report.problems)])
     lines = [f"prompt: {report.prompt_tokens} tokens"]
     for label, p in zip(("salt A (cold)", "salt B", "salt A (again)"), report.probes, strict=True):
         tiers = " ".join(f"{t}={n}" for t, n in p.cached.items())

@@ -15,6 +15,9 @@ rebuilds chat and ``/generate`` bodies from its own request types and drops it t
 ``/v1/completions``, and passes ``/generate``'s ``extra_key``). Both pass the client's ``Authorization``
 header on unchanged, so a tenant API key (the worker's ``--tenant-keys-file``) isolates tenants through
 either. An smg release older than the one measured is "not verified" (None), never assumed.
+
+gRPC workers (``--grpc-mode``) are the exception to every route above: over gRPC no salt and no API key
+reaches the worker (``serves_grpc``, ``grpc_isolation_problem``).
 """
 
 from __future__ import annotations
@@ -98,3 +101,37 @@ def identify_router(body: object) -> RouterIdentity:
     if isinstance(body, dict) and isinstance(body.get("workers"), list) and "version" not in body:
         return RouterIdentity("sglang-router", "", salt_routes("sglang-router", ""))
     raise ValueError(f"not a router's /get_loads answer: {str(body)[:200]}")
+
+
+# gRPC workers (``--grpc-mode``): the router speaks the SGLang gRPC proto to them, which has no field for a
+# cache salt or an API key, so smg 1.13.0 sends neither (tests/server/test_server_grpc_router.py pins that
+# the salt is dropped). Whatever the router does with salts over HTTP, tenants reaching a gRPC worker share
+# its cache; the worker refuses --tenant-keys-file with --grpc-mode for that reason.
+GRPC_MODE_OPTIONS = ("--grpc-mode", "--smg-grpc-mode")  # the flag and its alias (engine/server/args.py)
+GRPC_ISOLATION_ADVICE = (
+    "serve them from HTTP workers with tenant API keys (the workers' --tenant-keys-file) and keep "
+    "gRPC workers for traffic that needs no isolation"
+)
+
+
+def serves_grpc(command_line: list) -> bool:
+    """Whether a worker launched with ``command_line`` (argv items, ``--flag`` or ``--flag=value``, as its
+    agent reports them) serves gRPC: ``--grpc-mode`` / ``--smg-grpc-mode`` present, bare or with a true
+    value. ``[]`` (no command line reported) -> False: not known to."""
+    for item in command_line:
+        option, eq, value = str(item).partition("=")
+        if option in GRPC_MODE_OPTIONS:
+            return not eq or value.strip().lower() not in ("false", "0", "no", "off", "")
+    return False
+
+
+def grpc_isolation_problem(names: list[str]) -> str:
+    """One sentence for the operator: the gRPC workers ``names`` cannot keep tenants apart, why, and the
+    supported way. ``names`` must not be empty."""
+    several = len(names) > 1
+    return (
+        f"gRPC worker{'s' if several else ''} {', '.join(names)} (--grpc-mode) "
+        f"{'get' if several else 'gets'} no cache_salt and no tenant API key from the router: the SGLang "
+        "gRPC proto has no field for either, so tenants sharing a prompt share its cache there. To isolate "
+        f"tenants, {GRPC_ISOLATION_ADVICE}."
+    )

@@ -149,3 +149,58 @@ def test_traffic_per_worker_and_the_imbalance_cache_aware_routing_causes(
         expect(page.get_by_test_id("traffic-absent")).to_contain_text("Metrics unavailable since")
         expect(page.locator("#traffic-workers")).to_have_count(0)  # no figure rather than a stale one
         assert errors == []
+
+
+def test_the_page_names_the_grpc_workers_no_salt_reaches(asgi_server, console_page, fake_router, fake_worker):
+    """Issue 40: smg carries cache_salt to HTTP workers, but a --grpc-mode worker behind it gets no salt and
+    no API key: the router page names it with the supported way, its row is marked gRPC, and its own page
+    says it is not isolatable instead of offering the check; a gRPC worker added by hand (no command line)
+    gets that verdict from the check's button."""
+    from django.utils import timezone
+    from playwright.sync_api import expect
+
+    router = RouterFactory(name="smg-grpc", url=fake_router.url, kind="smg", version="1.13.0",
+                           identified_at=timezone.now())  # fmt: skip
+    http_worker = EngineWorkerFactory(name="w-http", router=router, command_line=["--page-size=16"])
+    fake_router.add(http_worker.url)  # smg lists a gRPC worker by its grpc:// URL, not the sidecar's
+    grpc_worker = EngineWorkerFactory(name="w-grpc", url=fake_worker().url, router=router,
+                                      command_line=["--page-size=16", "--grpc-mode"])  # fmt: skip
+    page, errors = console_page("grpc", "operator")
+    page.goto(f"{asgi_server}/routers/{router.pk}/")
+    expect(page.get_by_test_id("cache-salt-grpc")).to_have_text("to gRPC workers, every route dropped")
+    expect(page.get_by_test_id("cache-salt-warning")).to_have_count(0)  # smg drops nothing over HTTP
+    expect(page.get_by_test_id("grpc-salt-warning")).to_have_text(
+        "gRPC worker w-grpc (--grpc-mode) gets no cache_salt and no tenant API key from the router: the "
+        "SGLang gRPC proto has no field for either, so tenants sharing a prompt share its cache there. To "
+        "isolate tenants, serve them from HTTP workers with tenant API keys (the workers' "
+        "--tenant-keys-file) and keep gRPC workers for traffic that needs no isolation."
+    )
+    rows = page.locator("#router-workers tbody tr")
+    expect(rows.filter(has_text="w-grpc").locator("td").first).to_have_text("w-grpc gRPC")
+    expect(rows.filter(has_text="w-http").locator("td").first).to_have_text("w-http")
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "router-grpc.png"), full_page=True)
+
+    page.goto(f"{asgi_server}/workers/{grpc_worker.pk}/")
+    isolation = page.get_by_test_id("isolation")
+    expect(isolation.get_by_test_id("isolation-blocker")).to_contain_text(
+        "not isolatable gRPC worker w-grpc (--grpc-mode) gets no cache_salt"
+    )
+    expect(isolation.locator("#check-isolation")).to_have_count(0)  # nothing to measure: no button
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    if SHOTS:
+        isolation.screenshot(path=os.path.join(SHOTS, "worker-grpc-isolation.png"))
+
+    # added by hand (no command line): the button is there, and the check finds grpc_mode in /server_info
+    sidecar = fake_worker()
+    sidecar.grpc_mode = True
+    by_hand = EngineWorkerFactory(name="w-by-hand", url=sidecar.url)
+    page.goto(f"{asgi_server}/workers/{by_hand.pk}/")
+    page.locator("#check-isolation").click()
+    expect(page.locator("#isolation-verdict")).to_have_text("not isolatable")
+    expect(page.locator("#isolation-problems")).to_contain_text("gRPC worker w-by-hand (--grpc-mode)")
+    expect(page.locator("#isolation-probes")).to_be_hidden()  # not probed: no figures to show
+    if SHOTS:
+        page.get_by_test_id("isolation").screenshot(path=os.path.join(SHOTS, "worker-grpc-checked.png"))
+    assert errors == []

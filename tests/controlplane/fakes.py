@@ -139,6 +139,7 @@ class FakeWorker(_FakeHTTP):
         self.counters = {"device": 0.0, "host": 0.0, "storage": 0.0}  # a tier left out is not reported
         self.prompt_tokens: float | None = None  # sglang:prompt_tokens_total; None: not exported
         self.host_pool: tuple[int, int] | None = (1024, 4096)  # (used, total) tokens; None: not reported
+        self.grpc_mode = False  # /server_info grpc_mode: the URL is a --grpc-mode worker's HTTP sidecar
         super().__init__()
 
     @property
@@ -183,6 +184,7 @@ class FakeWorker(_FakeHTTP):
             "hicache": self.config_status(),
             "max_total_num_tokens": 2048,  # the L1 pool, tokens (the engine's /server_info field)
             "host_total_num_tokens": self.host_pool[1] if self.host_pool else None,
+            "grpc_mode": self.grpc_mode,
         }
 
     def metrics_text(self) -> str:

@@ -4,7 +4,8 @@ subscribes to the worker's ``SubscribeKvEvents`` and applies the stored blocks (
 ``smg_kv_event_*`` metrics), and its load poll reads the worker's figures. smg 1.13.0 does not carry
 ``cache_salt`` over gRPC (its SGLang proto has no field for it): the test pins that, as the docs say so.
 Straight to the worker: a bad sampling value is INVALID_ARGUMENT naming it; ``GetTokenizer`` and
-``FlushCache`` answer; its HTTP sidecar (``--smg-http-sidecar-port``) serves health and metrics."""
+``FlushCache`` answer; its HTTP sidecar (``--smg-http-sidecar-port``) serves health and metrics, and its
+``/server_info`` says ``grpc_mode``, so the isolation check calls it not isolatable without probing it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import httpx
 import pytest
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
+from engine.agent.isolation import check_isolation
 from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess, worker_args
 from engine.ports import free_port
@@ -98,6 +100,10 @@ def test_smg_serves_a_grpc_worker_and_subscribes_to_its_kv_events(tiny_model_dir
         side = f"http://127.0.0.1:{sidecar}"
         assert httpx.get(f"{side}/health", timeout=10).status_code == 200
         assert "sglang:prompt_tokens_total" in httpx.get(f"{side}/metrics", timeout=10).text
+        # and its /server_info says grpc_mode, so the isolation check (agent CLI and control plane) sends
+        # no probe and never calls the worker isolated: salts reach the sidecar, but tenants come over gRPC
+        report = check_isolation(side, words=48)
+        assert report.not_isolatable and not report.ok and report.probes == []
 
 
 def _direct_rpcs(address: str) -> None:

@@ -81,7 +81,17 @@ class CacheSaltSerializer(StrictSerializer):
         help_text="/generate, /v1/completions, /v1/chat/completions -> true: cache_salt reaches the worker; "
         "false: the router drops it (salts share cache, the request still succeeds); null: not verified",
     )
-    warning = serializers.CharField(allow_blank=True, help_text="empty when every route carries the salt")
+    warning = serializers.CharField(
+        allow_blank=True, help_text="empty when every route carries the salt (to HTTP workers)"
+    )
+    grpc_workers = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="its workers that serve gRPC (--grpc-mode on their command line): no cache_salt and no "
+        "API key reaches them on any route",
+    )
+    grpc_warning = serializers.CharField(
+        allow_blank=True, help_text="names them and the supported way; empty without gRPC workers"
+    )
 
 
 class RouterSerializer(StrictModelSerializer):
@@ -90,7 +100,7 @@ class RouterSerializer(StrictModelSerializer):
     )
     cache_salt = serializers.SerializerMethodField(
         help_text="Whether a request's cache_salt reaches the workers through this router, per route, from "
-        "its probed kind and version"
+        "its probed kind and version, and which of its workers serve gRPC (no salt reaches those)"
     )
 
     class Meta:

@@ -44,6 +44,8 @@ def test_adding_smg_records_its_kind_version_and_that_salts_reach_the_workers(ap
         "router": "smg 1.13.0",
         "routes": dict.fromkeys(ROUTES, True),
         "warning": "",
+        "grpc_workers": [],
+        "grpc_warning": "",
     }
     event = AuditEvent.objects.get(action="router_identified")
     assert event.after == {"kind": "smg", "version": "1.13.0"}

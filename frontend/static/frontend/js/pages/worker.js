@@ -169,9 +169,10 @@ KV.ready(function () {
   function showIsolation(r) {
     var verdict = document.createElement("span");
     verdict.className = "badge s-" + (r.ok ? "succeeded" : "failed");
-    verdict.textContent = r.ok ? "isolated" : "failed";
+    verdict.textContent = r.ok ? "isolated" : r.verdict === "not_isolatable" ? "not isolatable" : "failed";
     KV.$("#isolation-verdict").replaceChildren(verdict);
-    KV.$("#isolation-summary").textContent = r.prompt_tokens + "-token prompt; other salt TTFT " + KV.fmt(r.ttft_other_salt_s, "s") +
+    KV.$("#isolation-probes").hidden = !r.probes.length;  /* a gRPC worker is not probed: no figures */
+    KV.$("#isolation-summary").textContent = !r.probes.length ? "" : r.prompt_tokens + "-token prompt; other salt TTFT " + KV.fmt(r.ttft_other_salt_s, "s") +
       ", same salt again " + KV.fmt(r.ttft_same_salt_s, "s") +
       (r.ttft_same_salt_s > 0 ? " (" + (r.ttft_other_salt_s / r.ttft_same_salt_s).toFixed(2) + "x)" : "");
     var names = ["salt A (cold)", "salt B", "salt A (again)"], body = KV.$("#isolation-probes tbody");
