@@ -56,9 +56,10 @@ TRACE_BATCH = 5000  # rows per push (the control plane takes up to 10,000)
 
 
 def local_url(w: WorkerSpec) -> str:
-    """Where this host reaches the worker (its bind address; loopback for a wildcard bind)."""
+    """Where this host reaches the worker's HTTP routes (its bind address, loopback for a wildcard bind; the
+    HTTP sidecar's port for a --grpc-mode worker)."""
     host = "127.0.0.1" if w.host in ("0.0.0.0", "::", "") else w.host
-    return f"http://{host}:{w.port}"
+    return f"http://{host}:{w.http_port or w.port}"
 
 
 def command(w: WorkerSpec) -> list[str]:

@@ -189,7 +189,7 @@ def status_rows(spec=None, state: dict | None = None) -> list[dict]:
     supervised = {w.get("name"): w for w in (state or {}).get("workers", [])}
     running = state is not None and _agent_running(state)
     if spec is not None:
-        workers = [(w.name, w.url, f"http://127.0.0.1:{w.port}") for w in spec.workers]
+        workers = [(w.name, w.url, f"http://127.0.0.1:{w.http_port or w.port}") for w in spec.workers]
     else:
         workers = [
             (w.get("name"), w.get("url"), w.get("local_url") or w.get("url")) for w in supervised.values()

@@ -95,6 +95,7 @@ class WorkerSpec:
     port: int
     url: str
     flags: list[str]
+    http_port: int = 0  # where its HTTP routes answer when not on ``port`` (a --grpc-mode worker's sidecar)
     env: dict[str, str] = field(default_factory=dict)
     admin_api_key: str | None = None
     api_key: str | None = None
@@ -273,10 +274,12 @@ def load_spec(path: str | os.PathLike, environ: dict | None = None) -> FleetSpec
         w = workers[-1]
         if w.name in names:
             raise error_at("workers", i, "name")(f"duplicate worker name {w.name!r}")
-        if (w.host, w.port) in ports:
-            raise error_at("workers", i, "port")(f"port {w.port} is used by another worker")
+        used = {w.port, w.http_port or w.port}
+        taken = sorted(p for p in used if (w.host, p) in ports)
+        if taken:
+            raise error_at("workers", i, "port")(f"port {taken[0]} is used by another worker")
         names.add(w.name)
-        ports.add((w.host, w.port))
+        ports |= {(w.host, p) for p in used}
     return FleetSpec(
         path=path,
         host_name=agent.get("host_name") or socket.gethostname(),
@@ -344,13 +347,17 @@ def _worker(raw, i: int, address: str, actions: dict, error_at, expand) -> Worke
     secret_flags = tuple("--" + name.replace("_", "-") + "=" for name in SECRET_ENV)
     flags = [f for f in flags if not f.startswith(secret_flags)]
     env = {**env, **{var: getattr(args, name) for name, var in SECRET_ENV.items() if getattr(args, name)}}
-    url = meta.get("url") or f"http://{address}:{args.port}"
+    # a --grpc-mode worker serves gRPC on --port and its HTTP routes (health, /server_info, metrics, admin:
+    # what the agent and the control plane use) on its sidecar's port
+    http_port = (args.smg_http_sidecar_port or args.port + 1) if args.grpc_mode else args.port
+    url = meta.get("url") or f"http://{address}:{http_port}"
     return WorkerSpec(
         name=meta["name"],
         model=meta["model"],
         role=role,
         host=args.host,
         port=args.port,
+        http_port=http_port,
         url=url.rstrip("/"),
         flags=flags,
         env=env,

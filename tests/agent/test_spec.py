@@ -68,6 +68,22 @@ def test_good_spec_gives_launch_flags_and_urls(tmp_path):
     assert spec.state_file == str(tmp_path / "logs" / "agent-state.json")
 
 
+def test_a_grpc_worker_is_reached_over_http_on_its_sidecar(tmp_path):
+    """gRPC on --port, its HTTP routes (what the agent probes and the control plane registers) on
+    --smg-http-sidecar-port, by default --port + 1."""
+    from engine.agent.agent import local_url
+
+    text = (
+        '[[workers]]\nname = "g0"\nmodel = "m"\nport = 31001\ngrpc_mode = true\n\n'
+        '[[workers]]\nname = "g1"\nmodel = "m"\nport = 31005\ngrpc_mode = true\n'
+        "smg_http_sidecar_port = 31009\n"
+    )
+    g0, g1 = load_spec(write(tmp_path, text)).workers
+    assert (g0.port, g0.url, local_url(g0)) == (31001, "http://127.0.0.1:31002", "http://127.0.0.1:31002")
+    assert (g1.port, g1.url, local_url(g1)) == (31005, "http://127.0.0.1:31009", "http://127.0.0.1:31009")
+    assert "--grpc-mode" in g0.flags and "--port=31001" in g0.flags
+
+
 def test_the_api_key_reaches_the_engine_by_environment_and_the_control_plane_by_register(tmp_path):
     text = '[[workers]]\nname = "w0"\nmodel = "smollm2"\nport = 31001\napi_key = "${KEY}"\n'
     (w0,) = load_spec(write(tmp_path, text), {"KEY": "k-123"}).workers
@@ -113,6 +129,8 @@ BAD = [
      "workers[0].hicache_storage_backend_extra_config.master_server_address", "NOPE_UNSET_VAR is not set"),
     ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 7\n\n[[workers]]\nname = \"w1\"\nmodel = \"m\"\n"
      "port = 7\n", 9, "workers[1].port", "port 7 is used by another worker"),
+    ("[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 7\ngrpc_mode = true\n\n[[workers]]\nname = \"w1\"\n"
+     "model = \"m\"\nport = 8\n", 10, "workers[1].port", "port 8 is used by another worker"),  # w0's sidecar
     ("[agent]\nheartbeat_interval_s = -1\n\n[[workers]]\nname = \"w0\"\nmodel = \"m\"\nport = 1\n", 2,
      "agent.heartbeat_interval_s", "must be > 0"),
     ("[agent]\nlog_dir = \"x\"\n", None, "workers", "lists no [[workers]]"),
