@@ -44,7 +44,7 @@ from engine.server.recording import TraceRecorder
 from engine.server.tenants import TenantConfigError, Tenants
 from engine.server.tp_ranks import cpu_threads, init_method, start_ranks
 from engine.sizing.kv import shape_for
-from engine.sizing.tiers import l1_pool_tokens
+from engine.sizing.tiers import dp_rank_pool_tokens, l1_pool_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ def _build_rank(
 ) -> _Rank:
     """The model (unless ``runner``), L1 pool, cache and scheduler config of one rank. ``pool_tokens``: the
     L1 size to use (a DP rank after the first: the first one's); else the sized pool split over ``dp_size``
-    DP ranks (they share one device's memory), cut to whole pages."""
+    DP ranks (they share one device's memory), cut to whole pages (at least one)."""
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     if runner is None:
         try:
@@ -270,7 +270,7 @@ def _build_rank(
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, str(spec.dtype).removeprefix("torch."))
     bytes_per_token = shape_for(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype).bytes_per_token
     if pool_tokens is None:
-        pool_tokens = _pool_tokens(args, bytes_per_token) // dp_size // args.page_size * args.page_size
+        pool_tokens = dp_rank_pool_tokens(_pool_tokens(args, bytes_per_token), dp_size, args.page_size)
     pool = DeviceKVPool(pool_tokens, args.page_size, **vars(spec), kv_cache_dtype=args.kv_cache_dtype)
     cfg = runner.config
     context = args.context_length or cfg.max_position_embeddings
