@@ -23,6 +23,43 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5
 SCALE_BYTES = {"int8": 2}
 
 
+def attention_tp_size(*, tp_size: int, dp_size: int) -> int:
+    """The tp size of one DP rank's attention (the engine's DP-attention rule): ``tp_size / dp_size``, which
+    must be 1 for ``dp_size`` > 1 (``dp_size`` == ``tp_size``); else ApplicationError 400 naming
+    ``dp_size``."""
+    if dp_size == 1:
+        return tp_size
+    if tp_size % dp_size or tp_size != dp_size:
+        problem = (
+            f"must divide tp_size {tp_size}" if tp_size % dp_size else f"must equal tp_size {tp_size}"
+        ) + " (the engine refuses other --dp-size values with --enable-dp-attention)"
+        raise ApplicationError(f"dp_size: {problem}", code="validation_error", detail={"dp_size": [problem]})
+    return 1
+
+
+def dp_l1_share(
+    *,
+    dp_size: int,
+    page_size: int,
+    bytes_per_token: int,
+    max_total_tokens: int | None = None,
+    mem_fraction_static: float | None = None,
+    free_gpu_memory_bytes: int | None = None,
+    **_,
+) -> dict:
+    """``{"max_total_tokens": one DP rank's L1}``: the engine sizes the worker's L1 as without DP (whole
+    pages), then gives each of the ``dp_size`` ranks ``L1 // dp_size`` in whole pages (at least one)."""
+    if max_total_tokens is not None:
+        tokens = max_total_tokens
+    elif free_gpu_memory_bytes is not None:
+        fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        tokens = int(free_gpu_memory_bytes * fraction) // bytes_per_token
+    else:
+        tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
+    whole = max(page_size, tokens // page_size * page_size)
+    return {"max_total_tokens": max(page_size, whole // dp_size // page_size * page_size)}
+
+
 def kv_heads_per_rank(*, num_kv_heads: int, tp_size: int) -> int:
     """KV heads each of ``tp_size`` ranks holds (the engine's rule): KV / tp when tp divides them, one
     replicated head when tp is a multiple of them; else ApplicationError 400 naming ``tp_size``."""

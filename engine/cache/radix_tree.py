@@ -288,6 +288,27 @@ class HiRadixTree:
             i += P
         return i
 
+    def peek(self, key: list[int], salt: str | None = None) -> int:
+        """Tokens of the longest prefix of ``key`` (cut to whole pages) in key space ``salt`` that this tree
+        holds on device or host, read-only: no split, no access time, no counters, no ghost hits.
+
+        Meant for a reader on another thread (the DP-attention dispatcher) while the owner thread mutates the
+        tree: each step is one dict lookup and a list compare, so a racing split or eviction can only make
+        the answer stale (a hint), never raise past a caller that treats any error as 0.
+        """
+        end = len(key) - len(key) % self.page_size
+        node, pos = self.root, 0
+        while pos < end:
+            child = node.children.get(self.child_key(key, pos, salt))
+            if child is None or (child.value is None and child.host_value is None):
+                break
+            m = self._match_len(child.key, key[:end], pos)
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return pos
+
     def tick(self) -> int:
         self._clock += 1
         return self._clock

@@ -10,6 +10,7 @@ from engine.scheduler.messages import (
     NotIdleError,
     PauseStorage,
     ReadStorage,
+    RequireIdle,
     ResumeStorage,
     SnapshotKVEvents,
     SwitchRole,
@@ -35,6 +36,9 @@ def handle(sched, msg: AdminMsg) -> object:
         case FlushCache():
             sched.require_idle("flush cache")
             cache.reset()
+            return None
+        case RequireIdle(action=action):
+            sched.require_idle(action)
             return None
         case SwitchRole(new_role=role, make_transfer=make_transfer):
             switch_role(sched, role, make_transfer)

@@ -31,6 +31,14 @@ class FlushCache:
 
 
 @dataclass(frozen=True)
+class RequireIdle:
+    """Raise ``NotIdleError`` naming ``action`` unless idle (``Scheduler.require_idle``); changes nothing.
+    Result: None. The DP-attention flush asks every rank this before any rank drops its cache."""
+
+    action: str
+
+
+@dataclass(frozen=True)
 class SwitchRole:
     """*Idle*: flip a PD worker to ``new_role`` (``prefill`` / ``decode``); ``make_transfer(role)`` builds
     the new role's KV transfer manager. Result: None. After ``NotIdleError`` nothing changed; any other
@@ -95,6 +103,7 @@ class SnapshotKVEvents:
 
 AdminMsg = (
     FlushCache
+    | RequireIdle
     | SnapshotKVEvents
     | SwitchRole
     | AttachStorage

@@ -33,7 +33,6 @@ and its test fake share). A refusal while only cache I/O is in flight names it (
 
 from __future__ import annotations
 
-import asyncio
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
@@ -42,14 +41,7 @@ from pydantic import BaseModel, ValidationError
 
 from engine.cache.hiradix_cache import CacheAdminError
 from engine.scheduler.messages import (
-    AdminMsg,
-    AttachStorage,
-    DetachStorage,
-    NotIdleError,
-    PauseStorage,
     ReadStorage,
-    ResumeStorage,
-    UpdatePolicies,
 )
 from engine.server.contract import (
     CONFIG_FIELDS,
@@ -59,6 +51,7 @@ from engine.server.contract import (
     KVCosts,
     StorageBackendStatus,
 )
+from engine.server.dp import DPAdminError
 from engine.server.engine import Engine
 from engine.server.http_utils import HTTPError, bearer_matches, json_body
 
@@ -89,18 +82,6 @@ def _auth(request: Request) -> Engine:
     return engine
 
 
-async def _run_idle(engine: Engine, msg: AdminMsg, failure: str):
-    """The result of the idle-only admin message ``msg`` (``engine.scheduler.messages``).
-
-    Raises a 400 :class:`HTTPError` reading ``failure`` then the reason when the scheduler is busy or the
-    cache refuses (nothing changes then).
-    """
-    try:
-        return await engine.post(msg)
-    except (NotIdleError, CacheAdminError, ValueError) as exc:
-        raise HTTPError(400, f"{failure}\n{exc}") from None
-
-
 def _parse(model: type[M], body, failure: str) -> M:
     """``body`` validated against a contract model; 400 ``failure`` + each bad field named otherwise."""
     try:
@@ -124,21 +105,10 @@ async def attach_backend(request: Request):
     req = _parse(AttachRequest, await json_body(request), failure)
     name, extra = req.hicache_storage_backend, req.hicache_storage_backend_extra_config_json
     prefetch, write = req.hicache_storage_prefetch_policy, req.hicache_write_policy
-    cache = engine.scheduler.cache
-    prepared = None
-    if cache.storage.name is None:  # start the backend here, off the scheduler thread (it may be slow)
-        try:
-            prepared = await asyncio.to_thread(cache.storage.prepare, name, extra)
-        except CacheAdminError as exc:
-            raise HTTPError(400, f"{failure}\n{exc}") from None
-
-    attach = AttachStorage(name if prepared is None else prepared, extra, prefetch, write)
-    try:
-        message, live = await _run_idle(engine, attach, failure)
-    except BaseException:
-        if prepared is not None and cache.storage.backend is not prepared.instance:
-            await asyncio.to_thread(prepared.close)
-        raise
+    try:  # every DP rank or none (engine/server/dp.py); one rank: the same, without rank names
+        message, live = await engine.admin.attach(name, extra, prefetch, write)
+    except DPAdminError as exc:
+        raise HTTPError(400, f"{failure}\n{exc}") from None
     a = engine.args  # /server_info's launch-args view follows the live cache
     a.hicache_storage_backend = live["hicache_storage_backend"]
     a.hicache_storage_backend_extra_config = live["hicache_storage_backend_extra_config"]
@@ -150,10 +120,10 @@ async def attach_backend(request: Request):
 @router.delete("/hicache/storage-backend")
 async def detach_backend(request: Request):
     engine = _auth(request)
-    failure = "Failed to detach HiCache storage backend."
-    taken = await _run_idle(engine, DetachStorage(), failure)
-    if taken is not None:
-        await asyncio.to_thread(taken.close)
+    try:
+        await engine.admin.detach()
+    except DPAdminError as exc:
+        raise HTTPError(400, f"Failed to detach HiCache storage backend.\n{exc}") from None
     engine.args.hicache_storage_backend = None
     engine.args.hicache_storage_backend_extra_config = None
     return PlainTextResponse("HiCache storage backend detached.\n")
@@ -164,14 +134,10 @@ async def detach_backend(request: Request):
 @router.get("/clear_hicache_storage_backend")
 async def clear_backend(request: Request):
     engine = _auth(request)
-    failure = "Failed to clear HiCache storage backend."
-    paused = await _run_idle(engine, PauseStorage(), failure)
     try:
-        await asyncio.to_thread(paused.clear)
-    except CacheAdminError as exc:
-        raise HTTPError(400, f"{failure}\n{exc}") from None
-    finally:
-        await engine.post(ResumeStorage(paused))
+        await engine.admin.clear()
+    except (DPAdminError, CacheAdminError) as exc:
+        raise HTTPError(400, f"Failed to clear HiCache storage backend.\n{exc}") from None
     return PlainTextResponse("HiCache storage backend cleared.\n")
 
 
@@ -190,7 +156,10 @@ async def put_config(request: Request):
     if not update:
         raise HTTPError(400, f"{failure}\ngive at least one of: {', '.join(CONFIG_FIELDS)}")
     fields = {_CACHE_NAMES.get(k, k): v for k, v in update.items()}
-    status = await _run_idle(engine, UpdatePolicies(fields), failure)
+    try:
+        status = await engine.admin.update_policies(fields)
+    except DPAdminError as exc:
+        raise HTTPError(400, f"{failure}\n{exc}") from None
     a = engine.args
     a.hicache_storage_prefetch_policy = status["hicache_storage_prefetch_policy"]
     a.hicache_write_policy = status["hicache_write_policy"]

@@ -118,6 +118,8 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"
     tool_call_parser: str | None = None
     tp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
     ep_size: int = 1
     dist_init_addr: str | None = None
     nnodes: int = 1
@@ -288,6 +290,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int("--tp-size"),
         default=1,
         help="tensor parallelism: one scheduler process per rank, the model's heads split over them",
+    )
+    a(
+        "--dp-size",
+        "--dp",
+        "--data-parallel-size",
+        dest="dp_size",
+        type=_positive_int("--dp-size"),
+        default=1,
+        help="attention data parallelism (with --enable-dp-attention): DP ranks in this worker, each with "
+        "its own scheduler, radix tree, L1 and L2; must divide --tp-size",
+    )
+    a(
+        "--enable-dp-attention",
+        action="store_true",
+        help="run --dp-size attention data-parallel ranks in this worker (requests go to the rank holding "
+        "their longest cached prefix)",
     )
     a(
         "--ep-size",
@@ -486,6 +504,43 @@ def _validate_tp(args: ServerArgs) -> None:
     if args.tp_size > 1 and (args.encoder_only or args.language_only):
         flag = "--encoder-only" if args.encoder_only else "--language-only"
         raise ArgumentError(f"--tp-size {args.tp_size} with {flag}: EPD workers run with --tp-size 1")
+    _validate_dp(args)
+
+
+def _validate_dp(args: ServerArgs) -> None:
+    """``--dp-size`` / ``--enable-dp-attention`` (docs/architecture.md, DP attention): N > 1 needs the flag
+    (plain data parallelism is several workers behind the router), must divide ``--tp-size`` (upstream's
+    rule) and, in this release, equal it (one attention rank per DP rank); aggregated text workers only."""
+    dp, tp = args.dp_size, args.tp_size
+    if args.enable_dp_attention and dp == 1:
+        raise ArgumentError("--enable-dp-attention needs --dp-size > 1 (the number of attention DP ranks)")
+    if dp == 1:
+        return
+    if not args.enable_dp_attention:
+        raise ArgumentError(
+            f"--dp-size {dp} without --enable-dp-attention: plain data parallelism is not built into a "
+            "worker; run several workers behind the router (cache-aware routing), or add "
+            "--enable-dp-attention for DP ranks inside this worker"
+        )
+    if tp % dp:
+        raise ArgumentError(f"--dp-size {dp} must divide --tp-size {tp} (attention tp size = tp / dp)")
+    if tp != dp:
+        raise ArgumentError(
+            f"--dp-size {dp} with --tp-size {tp}: attention tensor parallelism inside a DP rank "
+            f"(tp / dp = {tp // dp}) is not built; use --tp-size {dp} --dp-size {dp} (one attention rank "
+            "per DP rank)"
+        )
+    for flag, on in (
+        ("--disaggregation-mode", args.disaggregation_mode != "null"),
+        ("--grpc-mode", args.grpc_mode),
+        ("--encoder-only", args.encoder_only),
+        ("--language-only", args.language_only),
+        ("--enable-pd-role-switch", args.enable_pd_role_switch),
+    ):
+        if on:
+            raise ArgumentError(
+                f"--enable-dp-attention with {flag}: DP attention runs on aggregated HTTP workers only"
+            )
 
 
 def _validate_pd(args: ServerArgs) -> None:

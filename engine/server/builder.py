@@ -10,7 +10,9 @@ defaults to 2048 tokens on cpu and 8192 on cuda; -1 turns it off. The context le
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,6 +35,7 @@ from engine.model.runner import ModelRunner
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler.tp_sync import TPSync
 from engine.server.args import ArgumentError, ServerArgs
+from engine.server.dp import DPDispatcher, SharedRunner
 from engine.server.encoder_client import EncoderClient
 from engine.server.engine import Engine
 from engine.server.images import Embedder, EmbeddingCache, ImageInputs, local_embedder
@@ -41,7 +44,7 @@ from engine.server.recording import TraceRecorder
 from engine.server.tenants import TenantConfigError, Tenants
 from engine.server.tp_ranks import cpu_threads, init_method, start_ranks
 from engine.sizing.kv import shape_for
-from engine.sizing.tiers import l1_pool_tokens
+from engine.sizing.tiers import dp_rank_pool_tokens, l1_pool_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +238,16 @@ def _join_group(args: ServerArgs, rank: int, method: str | None) -> TPGroup:
     return init_tp_group(rank, args.tp_size, method, args.device)
 
 
-def _build_rank(args: ServerArgs, group: TPGroup, runner: ModelRunner | None) -> _Rank:
+def _build_rank(
+    args: ServerArgs,
+    group: TPGroup,
+    runner: ModelRunner | None,
+    pool_tokens: int | None = None,
+    dp_size: int = 1,
+) -> _Rank:
+    """The model (unless ``runner``), L1 pool, cache and scheduler config of one rank. ``pool_tokens``: the
+    L1 size to use (a DP rank after the first: the first one's); else the sized pool split over ``dp_size``
+    DP ranks (they share one device's memory), cut to whole pages (at least one)."""
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     if runner is None:
         try:
@@ -257,7 +269,8 @@ def _build_rank(args: ServerArgs, group: TPGroup, runner: ModelRunner | None) ->
     spec = runner.kv_pool_spec()
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, str(spec.dtype).removeprefix("torch."))
     bytes_per_token = shape_for(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype).bytes_per_token
-    pool_tokens = _pool_tokens(args, bytes_per_token)
+    if pool_tokens is None:
+        pool_tokens = dp_rank_pool_tokens(_pool_tokens(args, bytes_per_token), dp_size, args.page_size)
     pool = DeviceKVPool(pool_tokens, args.page_size, **vars(spec), kv_cache_dtype=args.kv_cache_dtype)
     cfg = runner.config
     context = args.context_length or cfg.max_position_embeddings
@@ -346,22 +359,31 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         raise ArgumentError("--device cuda: no CUDA device is available")
     if args.device == "cuda" and args.base_gpu_id >= torch.cuda.device_count():
         raise ArgumentError(f"--base-gpu-id {args.base_gpu_id}: {torch.cuda.device_count()} GPUs visible")
-    _check_tp(args)
+    dp = args.dp_size if args.enable_dp_attention else 1
+    # DP attention: each DP rank is one attention rank (tp / dp == 1), all in this process on one device
+    rank_args = replace(args, tp_size=args.tp_size // dp) if dp > 1 else args
+    _check_tp(rank_args)
     ranks = None
     method = None
-    if args.tp_size > 1:
+    if rank_args.tp_size > 1:
         if runner is not None:
             raise ArgumentError(f"--tp-size {args.tp_size}: each rank loads its own shard (no runner given)")
         method = init_method(args.dist_init_addr)
         ranks = start_ranks(args, method)
-    group = _join_group(args, 0, method)
-    r = _build_rank(args, group, runner)
+    group = _join_group(rank_args, 0, method)
+    r = _build_rank(rank_args, group, runner, dp_size=dp)
     runner, pool, cache, name = r.runner, r.pool, r.cache, r.name
+    dp_ranks = [_build_rank(rank_args, group, runner, pool_tokens=pool.size) for _ in range(1, dp)]
+    args.hicache_mem_layout, args.hicache_io_backend = (
+        rank_args.hicache_mem_layout,
+        rank_args.hicache_io_backend,
+    )
     cfg = runner.config
     tokenizer = runner.tokenizer
     transfer = pd_transfer(args, pool, group)
+    lock = threading.Lock()  # DP attention: the ranks' forward passes take turns on the device
     scheduler = Scheduler(
-        runner,
+        SharedRunner(runner, lock) if dp > 1 else runner,
         cache,
         pool,
         r.sched_cfg,
@@ -371,10 +393,22 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         pd_decode_offload=args.disaggregation_decode_enable_offload_kvcache,
         tp=TPSync(group) if group.size > 1 else None,
     )
+    schedulers = [scheduler] + [
+        Scheduler(SharedRunner(runner, lock), d.cache, d.pool, d.sched_cfg, tokenizer.decode)
+        for d in dp_ranks
+    ]
     tenants = load_tenants(args)
     labels = [t.label for t in tenants.tenants] if tenants else []
-    metrics = EngineMetrics(args.model_name, lambda: scheduler.state, labels) if args.enable_metrics else None
-    scheduler.metrics = metrics
+    metrics = None
+    if args.enable_metrics:
+        metrics = EngineMetrics(
+            args.model_name,
+            lambda: scheduler.state,
+            labels,
+            dp_states=[partial(getattr, s, "state") for s in schedulers],
+        )
+    for s in schedulers:
+        s.metrics = metrics
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     grammar = None
@@ -405,15 +439,18 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
             "vocab_size": tokenizer.vocab_size,
         },
         tp_ranks=ranks,
+        dp=DPDispatcher(schedulers),
     )
     engine.images = image_inputs(args, runner)
     if ranks is not None:
         ranks.on_death = engine.mark_unhealthy
-    scheduler.start()
+    for s in schedulers:
+        s.start()
     logger.info(
-        "engine ready: %s, tp %d, L1 %d tokens per rank (page %d), hierarchical=%s",
+        "engine ready: %s, tp %d, dp %d, L1 %d tokens per rank (page %d), hierarchical=%s",
         name,
         args.tp_size,
+        dp,
         pool.size,
         args.page_size,
         args.enable_hierarchical_cache,

@@ -22,6 +22,7 @@ from engine.scheduler.req import Bootstrap
 from engine.scheduler.request import GenerateRequest
 from engine.scheduler.sampling_params import label
 from engine.server.args import ServerArgs
+from engine.server.dp import DPAdmin, DPDispatcher
 from engine.server.images import ImageInputs
 from engine.server.recording import TraceRecorder
 from engine.server.tenants import Tenants
@@ -61,6 +62,19 @@ class Engine:
     unhealthy: str | None = None  # set by a failed PD role switch: /health answers 503 with it
     started_at: float = field(default_factory=time.time)
     tp_ranks: RankProcesses | None = None  # tensor parallelism: ranks 1..tp-1
+    dp: DPDispatcher | None = None  # DP attention: the DP ranks (rank 0 is ``scheduler``) and the dispatch
+    admin: DPAdmin = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.dp is None:
+            self.dp = DPDispatcher([self.scheduler])
+        self.admin = DPAdmin(self.dp)
+
+    @property
+    def schedulers(self) -> list[Scheduler]:
+        """Every DP rank's scheduler, rank 0 first (one without ``--enable-dp-attention``)."""
+        assert self.dp is not None, "set in __post_init__"
+        return self.dp.schedulers
 
     def mark_unhealthy(self, reason: str) -> None:
         """From now on ``/health`` answers 503 with ``reason`` and new requests are refused with it."""
@@ -70,7 +84,8 @@ class Engine:
         """Stop the scheduler (rank 0 tells the other ranks to stop) and wait for the other ranks."""
         if self.tp_ranks is not None:
             self.tp_ranks.stopping = True
-        self.scheduler.stop()
+        for sched in reversed(self.schedulers):
+            sched.stop()
         if self.tp_ranks is not None:
             self.tp_ranks.stop()
 
@@ -173,8 +188,9 @@ class Engine:
         without scheduler. ``names`` maps SamplingParams fields to the client's (as in
         ``SamplingParams.from_dict``); ``source`` is what the context-length error calls the prompt (upstream:
         ``... 9 tokens from the input messages and 5000 tokens for the completion ...``)."""
-        if not self.scheduler.is_alive():
-            raise UnavailableError(f"scheduler thread is not running: {self.scheduler.error!r}")
+        for sched in self.schedulers:
+            if not sched.is_alive():
+                raise UnavailableError(f"scheduler thread is not running: {sched.error!r}")
         if self.unhealthy:
             raise UnavailableError(self.unhealthy)
         if not input_ids:
@@ -296,7 +312,14 @@ class Engine:
         put: Callable[[ReqOutput], None] = events.put_nowait
         req = request.to_req(lambda ev: loop.call_soon_threadsafe(put, ev))
         arrival = time.time()
-        self.scheduler.submit(req)
+        assert self.dp is not None, "set in __post_init__"
+        rank = await self.dp.pick(req.input_ids, request.cache_salt)
+        sched = self.dp.schedulers[rank]
+        try:
+            sched.submit(req)
+        except BaseException:
+            self.dp.done(rank)
+            raise
         finished = False
         output_ids: list[int] = []
         try:
@@ -310,8 +333,9 @@ class Engine:
                 if finished:
                     return
         finally:
+            self.dp.done(rank)
             if not finished:
-                self.scheduler.abort(req.rid)
+                sched.abort(req.rid)
 
     async def generate(self, request: GenerateRequest) -> dict:
         """Run one-sample ``request`` to the end; returns ``{"output_ids", "finish_reason", "meta",

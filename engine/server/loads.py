@@ -2,11 +2,12 @@
 body; smg polls it as ``/v1/loads?include=core,disagg,queues,memory``) and ``GET /loads`` (the same; smg asks
 that path first).
 
-Body: ``{"timestamp": ISO 8601 UTC, "version": "kvfleet-...", "dp_rank_count": 1, "loads": [RANK]}``, one
-rank (KVFleet has no data parallelism). ``include`` (comma-separated sections; absent or ``all``: every
-section, as upstream) picks what RANK carries besides its core fields:
+Body: ``{"timestamp": ISO 8601 UTC, "version": "kvfleet-...", "dp_rank_count": N, "loads": [RANK, ...]}``,
+one RANK per DP rank (N is ``--dp-size`` with ``--enable-dp-attention``, else 1). ``include``
+(comma-separated sections; absent or ``all``: every section, as upstream) picks what RANK carries besides
+its core fields:
 
-- core (always): ``dp_rank`` (0), ``num_running_reqs`` (decoding, or a chunked prefill),
+- core (always): ``dp_rank`` (0..N-1), ``num_running_reqs`` (decoding, or a chunked prefill),
   ``num_waiting_reqs`` (waiting to be prefilled), ``num_used_tokens`` (L1 KV slots held by requests),
   ``max_total_num_tokens`` (L1 pool size, tokens), ``token_usage`` (their ratio, 0..1, as the
   ``sglang:token_usage`` gauge) and ``max_running_requests`` (the scheduler's limit).
@@ -49,19 +50,20 @@ def sections(include: str | None) -> set[str]:
     return names
 
 
-def rank_load(engine: Engine, include: set[str]) -> dict:
-    """One rank's load (the module docstring's RANK) from the scheduler's published snapshot."""
-    state = engine.scheduler.state
+def rank_load(engine: Engine, include: set[str], dp_rank: int = 0) -> dict:
+    """DP rank ``dp_rank``'s load (the module docstring's RANK) from its scheduler's published snapshot."""
+    sched = engine.schedulers[dp_rank]
+    state = sched.state
     used, total = state.get("num_used_tokens", 0), state.get("max_total_num_tokens", 0)
     waiting = state.get("num_waiting_reqs", 0)
     rank: dict = {
-        "dp_rank": 0,
+        "dp_rank": dp_rank,
         "num_running_reqs": state.get("num_running_reqs", 0),
         "num_waiting_reqs": waiting,
         "num_used_tokens": used,
         "max_total_num_tokens": total,
         "token_usage": round(used / total, 4) if total else 0.0,
-        "max_running_requests": engine.scheduler.config.max_running_requests,
+        "max_running_requests": sched.config.max_running_requests,
     }
     if "memory" in include:
         per_token = engine.model_info.get("kv_bytes_per_token")
@@ -79,10 +81,12 @@ def rank_load(engine: Engine, include: set[str]) -> dict:
 @router.get("/loads")
 async def loads(request: Request, include: str | None = None):
     engine: Engine = request.app.state.engine
+    names = sections(include)
+    n = len(engine.schedulers)
     body = {
         "timestamp": datetime.now(UTC).isoformat(),
         "version": VERSION,
-        "dp_rank_count": 1,
-        "loads": [rank_load(engine, sections(include))],
+        "dp_rank_count": n,
+        "loads": [rank_load(engine, names, i) for i in range(n)],
     }
     return JSONResponse(body)

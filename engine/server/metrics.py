@@ -18,12 +18,17 @@ batch histograms). The request-side counters and latency histograms carry ``mode
 tokenizer metrics do. Only rank 0 serves ``/metrics`` (the other ranks of a ``--tp-size`` worker have no
 HTTP server), so the label is always ``"0"`` here; its figures are rank 0's, which every rank shares
 (they take the same scheduling decisions).
+
+``dp_rank`` label (DP attention, ``--enable-dp-attention``), as upstream adds it then: the scheduler
+gauges and the L3 storage counters get one series per DP rank (``tp_rank`` = ``dp_rank``, each DP rank
+being one attention rank); the other cache counters (``cached_tokens`` by source, hits, evictions) are
+summed over the DP ranks.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -108,9 +113,20 @@ class EngineMetrics:
     """The worker's metric registry; ``state()`` returns the scheduler's latest snapshot dict. ``tenants``:
     the metric labels of the configured tenants (``--tenant-keys-file``), which always get a series."""
 
-    def __init__(self, model_name: str, state, tenants: Sequence[str] = (), tp_rank: int = 0):
+    def __init__(
+        self,
+        model_name: str,
+        state,
+        tenants: Sequence[str] = (),
+        tp_rank: int = 0,
+        dp_states: Sequence[Callable[[], dict]] = (),
+    ):
+        """``dp_states``: with DP attention, each DP rank's snapshot reader (rank order); two or more add
+        upstream's ``dp_rank`` label to the scheduler gauges and L3 storage metrics, one series per rank,
+        and sum the other cache counters over the ranks."""
         self.registry = CollectorRegistry()
         self.state = state
+        self.dp_states = list(dp_states) if len(dp_states) > 1 else []
         self.model_name = model_name
         self.tp_rank = str(tp_rank)
         labels = ["model_name"]
@@ -274,7 +290,13 @@ class _StateCollector:
 
     def collect(self):
         m = self.metrics
-        state = m.state()
+        if m.dp_states:
+            yield from self._collect_dp([read() for read in m.dp_states])
+            return
+        yield from self._collect_one(m.state())
+
+    def _collect_one(self, state: dict):
+        m = self.metrics
         name, ranked = [m.model_name], [m.model_name, m.tp_rank]
 
         def gauge(metric, doc, value):  # a scheduler gauge: upstream labels it with the tp rank
@@ -307,12 +329,18 @@ class _StateCollector:
             c = CounterMetricFamily(f"sglang:{metric}", f"HiCache {key}", labels=labels)
             c.add_metric(ranked if storage else name, stats.get(key, 0))
             yield c
+        yield from self._tail(state, stats)
+
+    def _tail(self, state: dict, stats: dict):
+        """Errors, breaker, tenant caps, histograms and costs of one snapshot (rank 0's with DP attention:
+        the breaker and tenant caps are per rank, the same settings on each)."""
+        m = self.metrics
         errors = CounterMetricFamily(
             "sglang:hicache_storage_errors",
             "Failed L3 storage operations (seen by the cache or counted by the backend)",
             labels=["model_name"],
         )
-        errors.add_metric(name, stats.get("storage_errors", 0) + stats.get("backend_errors", 0))
+        errors.add_metric([m.model_name], stats.get("storage_errors", 0) + stats.get("backend_errors", 0))
         yield errors
         if state.get("storage_health"):
             yield from _breaker(m.model_name, state["storage_health"])
@@ -320,6 +348,77 @@ class _StateCollector:
             yield from _tenant_caps(m.model_name, state["tenant_usage"])
         yield from _histograms(m.model_name, stats.get("histograms", []), m.tp_rank)
         yield from _costs(m.model_name, stats.get("costs") or {})
+
+    def _collect_dp(self, states: list[dict]):
+        """DP attention: one series per DP rank (``dp_rank``; ``tp_rank`` is the rank's attention leader,
+        the DP rank itself at tp == dp) for the scheduler gauges and L3 storage counters, the other
+        counters summed over the ranks, the rest rank 0's (``_tail``; its error counter summed)."""
+        m = self.metrics
+        labels = ["model_name", "tp_rank", "dp_rank"]
+        rows = [
+            ([m.model_name, str(i), str(i)], st, st.get("cache_stats") or {}) for i, st in enumerate(states)
+        ]
+
+        def gauge(metric, doc, value_of):
+            g = GaugeMetricFamily(f"sglang:{metric}", doc, labels=labels)
+            for values, st, stats in rows:
+                g.add_metric(values, value_of(st, stats))
+            return g
+
+        def usage(st, _):
+            used, total = st.get("num_used_tokens", 0), st.get("max_total_num_tokens", 0)
+            return round(used / total, 2) if total else 0.0
+
+        yield gauge(
+            "num_running_reqs", "Requests in the running batch", lambda st, _: st.get("num_running_reqs", 0)
+        )
+        yield gauge(
+            "num_queue_reqs", "Requests in the waiting queue", lambda st, _: st.get("num_waiting_reqs", 0)
+        )
+        yield gauge(
+            "num_used_tokens", "KV slots held by requests", lambda st, _: st.get("num_used_tokens", 0)
+        )
+        yield gauge(
+            "max_total_num_tokens",
+            "L1 KV pool capacity (tokens)",
+            lambda st, _: st.get("max_total_num_tokens", 0),
+        )
+        yield gauge("token_usage", "Used / capacity", usage)
+        if states[0].get("hicache") is not None:
+            yield gauge(
+                "hicache_host_used_tokens", "L2 tokens in use", lambda _, s: s.get("host_used_tokens", 0)
+            )
+            yield gauge(
+                "hicache_host_total_tokens",
+                "L2 capacity (tokens)",
+                lambda _, s: s.get("host_total_tokens", 0),
+            )
+
+        def summed(key: str) -> float:
+            return sum(stats.get(key, 0) for _, _, stats in rows)
+
+        cached = CounterMetricFamily(
+            "sglang:cached_tokens", "Prompt tokens served from cache", labels=["model_name", "cache_source"]
+        )
+        for source in ("device", "host", "storage"):
+            cached.add_metric([m.model_name, source], summed(f"{source}_hit_tokens"))
+        yield cached
+        for metric, key in CACHE_COUNTERS.items():
+            c = CounterMetricFamily(
+                f"sglang:{metric}",
+                f"HiCache {key}",
+                labels=labels if metric in _STORAGE_COUNTERS else ["model_name"],
+            )
+            if metric in _STORAGE_COUNTERS:
+                for values, _, stats in rows:
+                    c.add_metric(values, stats.get(key, 0))
+            else:
+                c.add_metric([m.model_name], summed(key))
+            yield c
+        total_stats = dict(rows[0][2])
+        total_stats["storage_errors"] = summed("storage_errors")
+        total_stats["backend_errors"] = summed("backend_errors")
+        yield from self._tail(states[0], total_stats)
 
 
 def _breaker(model_name: str, health: dict):

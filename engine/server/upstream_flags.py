@@ -9,16 +9,7 @@ spelling names the real flag(s). Anything else falls back to the closest real fl
 
 from __future__ import annotations
 
-_DP_ATTENTION = (
-    "data-parallel attention is not built: a worker has one scheduler with one radix tree, L1 and L2 pool; "
-    "run several workers behind the router (cache-aware routing keeps a conversation on its worker)"
-)
-NOT_YET: dict[str, str] = {
-    "--dp-size": _DP_ATTENTION,
-    "--dp": _DP_ATTENTION,
-    "--data-parallel-size": _DP_ATTENTION,
-    "--enable-dp-attention": _DP_ATTENTION,
-}
+NOT_YET: dict[str, str] = {}
 """Upstream flags a later KVFleet release implements: flag -> why it is refused today."""
 
 UNSUPPORTED: tuple[str, ...] = (
@@ -49,7 +40,7 @@ UNSUPPORTED: tuple[str, ...] = (
     "--disable-radix-cache",
     "--disable-chunked-prefix-cache",
     "--enable-priority-scheduling",
-    # parallelism (besides tensor parallelism; data parallelism is NOT_YET, --ep-size a real flag)
+    # parallelism (besides tensor and DP attention; --ep-size a real flag)
     "--pp-size",
     "--pipeline-parallel-size",
     "--nccl-port",

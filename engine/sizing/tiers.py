@@ -36,6 +36,12 @@ def l1_pool_tokens(
     return max(page_size, tokens // page_size * page_size)
 
 
+def dp_rank_pool_tokens(l1_tokens: int, dp_size: int, page_size: int) -> int:
+    """One DP-attention rank's L1 tokens: the worker's ``l1_tokens`` split over ``dp_size`` ranks sharing
+    one device, in whole pages, at least one."""
+    return max(page_size, l1_tokens // dp_size // page_size * page_size)
+
+
 @dataclass
 class TierSizing:
     """Sizes in tokens and bytes; ``l2_tokens`` 0 without ``--enable-hierarchical-cache``."""

@@ -30,7 +30,7 @@ def make_engine(tiny_model_dir, tiny_runner):
 
     yield make
     for engine in engines:
-        engine.scheduler.stop()
+        engine.shutdown()  # every DP rank's scheduler
 
 
 @pytest.fixture

@@ -114,9 +114,27 @@ def test_expert_parallelism_above_one_is_refused_naming_why():
         parse_args(["--model-path", "m", "--expert-parallel-size", "2"])
 
 
-@pytest.mark.parametrize("flags", [["--dp-size", "2"], ["--enable-dp-attention"]])
-def test_data_parallel_attention_is_refused_naming_what_a_worker_has_instead(flags):
-    with pytest.raises(ArgumentError) as exc:
+@pytest.mark.parametrize(
+    ("flags", "refusal"),
+    [
+        (["--dp-size", "2"], r"^--dp-size 2 without --enable-dp-attention: .*behind the router"),
+        (["--enable-dp-attention"], r"^--enable-dp-attention needs --dp-size > 1"),
+        (["--dp", "2", "--enable-dp-attention"], r"^--dp-size 2 must divide --tp-size 1"),
+        (
+            ["--dp", "2", "--tp", "4", "--enable-dp-attention"],
+            r"^--dp-size 2 with --tp-size 4: attention tensor",
+        ),
+        (
+            ["--dp", "2", "--tp", "2", "--enable-dp-attention", "--disaggregation-mode", "prefill"],
+            r"^--enable-dp-attention with --disaggregation-mode: DP attention runs on aggregated",
+        ),
+    ],
+)
+def test_data_parallel_attention_refusals_name_the_flag_and_why(flags, refusal):
+    with pytest.raises(ArgumentError, match=refusal):
         parse_args(["--model-path", "m", *flags])
-    assert str(exc.value).startswith(f"{flags[0]} is not supported by KVFleet yet (data-parallel attention")
-    assert "one radix tree" in str(exc.value) and "behind the router" in str(exc.value)
+
+
+def test_data_parallel_attention_parses_with_dp_equal_to_tp():
+    args = parse_args(["--model-path", "m", "--tp", "2", "--dp-size", "2", "--enable-dp-attention"])
+    assert (args.tp_size, args.dp_size, args.enable_dp_attention) == (2, 2, True)

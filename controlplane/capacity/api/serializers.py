@@ -14,7 +14,8 @@ BLOCK_TOKENS = 512  # Mooncake's block size: rows posted without block_tokens (a
 class SizingQuerySerializer(StrictSerializer):
     """Query parameters of the sizing calculator: ``bytes_per_token`` (one rank's), or the model's
     ``num_layers``, ``num_kv_heads``, ``head_dim`` and ``dtype``; ``tp_size`` (the worker's ranks: L1 and
-    L2 are sized per rank); then the worker's launch flags and the machine (``host_memory_bytes``: the
+    L2 are sized per rank) and ``dp_size`` (DP attention ranks: every figure is one DP rank's);
+    then the worker's launch flags and the machine (``host_memory_bytes``: the
     host's, shared by the ranks)."""
 
     bytes_per_token = serializers.IntegerField(min_value=1, required=False)
@@ -23,6 +24,13 @@ class SizingQuerySerializer(StrictSerializer):
     head_dim = serializers.IntegerField(min_value=1, required=False)
     dtype = serializers.ChoiceField(choices=sorted(DTYPE_BYTES), default="bfloat16")
     tp_size = serializers.IntegerField(min_value=1, max_value=1024, default=1)
+    dp_size = serializers.IntegerField(
+        min_value=1,
+        max_value=1024,
+        default=1,
+        help_text="DP attention ranks (--dp-size with --enable-dp-attention; must equal tp_size above 1): "
+        "each holds every KV head and a 1/dp share of the worker's L1",
+    )
     page_size = serializers.IntegerField(min_value=1, default=1)
     max_total_tokens = serializers.IntegerField(min_value=1, required=False)
     mem_fraction_static = serializers.FloatField(min_value=0.01, max_value=1.0, required=False)

@@ -32,7 +32,9 @@ class SizingApi(APIView):
     """GET: per-tier KV capacity in tokens and bytes for the given model shape and launch flags, with the
     engine's warnings (400 naming each bad parameter). With ``tp_size`` > 1 every figure is one rank's
     (``per_rank`` true; ``kv_heads_per_rank`` when a shape was given) and the host RAM is split between
-    the ranks. A calculation: it changes nothing."""
+    the ranks. With ``dp_size`` > 1 (DP attention, as the engine: ``dp_size`` == ``tp_size``) each DP rank
+    holds every KV head and a 1/dp share of the worker's L1 (the engine's DP ranks share one device).
+    A calculation: it changes nothing."""
 
     @extend_schema(parameters=[SizingQuerySerializer], responses=OpenApiTypes.OBJECT)
     def get(self, request):
@@ -40,12 +42,15 @@ class SizingApi(APIView):
         query.is_valid(raise_exception=True)
         args = dict(query.validated_data)
         shape = {k: args.pop(k, None) for k in ("num_layers", "num_kv_heads", "head_dim")}
-        dtype, tp_size = args.pop("dtype"), args.pop("tp_size")
-        extra = {"tp_size": tp_size, "per_rank": tp_size > 1}
+        dtype, tp_size, dp_size = args.pop("dtype"), args.pop("tp_size"), args.pop("dp_size")
+        attn_tp = services.attention_tp_size(tp_size=tp_size, dp_size=dp_size)
+        extra = {"tp_size": tp_size, "dp_size": dp_size, "per_rank": tp_size > 1}
         if "bytes_per_token" not in args:
-            args["bytes_per_token"] = services.kv_bytes_per_token(**shape, dtype=dtype, tp_size=tp_size)
-            heads = services.kv_heads_per_rank(num_kv_heads=shape["num_kv_heads"], tp_size=tp_size)
+            args["bytes_per_token"] = services.kv_bytes_per_token(**shape, dtype=dtype, tp_size=attn_tp)
+            heads = services.kv_heads_per_rank(num_kv_heads=shape["num_kv_heads"], tp_size=attn_tp)
             extra["kv_heads_per_rank"] = heads
+        if dp_size > 1:  # the DP ranks share one device: the worker's L1 is split between them
+            args.update(services.dp_l1_share(dp_size=dp_size, **args))
         if args.get("host_memory_bytes") is not None:
             args["host_memory_bytes"] //= tp_size  # every rank's host pool comes out of this host's RAM
         return Response({**services.kv_sizing(**args), **extra})

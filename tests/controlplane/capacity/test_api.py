@@ -9,9 +9,9 @@ import time
 import pytest
 from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
 
-from controlplane.capacity.services import kv_bytes_per_token, kv_sizing
+from controlplane.capacity.services import dp_l1_share, kv_bytes_per_token, kv_sizing
 from engine.sizing.kv import shape_for
-from engine.sizing.tiers import size_tiers
+from engine.sizing.tiers import dp_rank_pool_tokens, l1_pool_tokens, size_tiers
 
 GIB = 1 << 30
 
@@ -412,6 +412,33 @@ def test_kv_dtype_ceilings_fit_each_dtype_in_the_memory_the_pools_take_now():
 def test_per_rank_bytes_per_token_equal_the_engines_at_each_tp(kv_heads, tp):
     cp = kv_bytes_per_token(num_layers=30, num_kv_heads=kv_heads, head_dim=64, dtype="bfloat16", tp_size=tp)
     assert cp == shape_for(30, kv_heads, 64, "bfloat16").per_rank(tp).bytes_per_token
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize(
+    "l1", [{"max_total_tokens": 4100}, {"free_gpu_memory_bytes": 60 * 10**9, "mem_fraction_static": 0.85}, {}]
+)
+def test_dp_rank_l1_equals_the_engines_split(dp, l1):
+    for bpt, page in ((23_040, 1), (114_688, 64)):
+        cp = dp_l1_share(dp_size=dp, page_size=page, bytes_per_token=bpt, **l1)["max_total_tokens"]
+        engine_kwargs = {("free_gpu_bytes" if k == "free_gpu_memory_bytes" else k): v for k, v in l1.items()}
+        whole = l1_pool_tokens(page, bpt, **engine_kwargs)
+        assert cp == dp_rank_pool_tokens(whole, dp, page), (dp, l1, bpt, page)
+
+
+@pytest.mark.django_db
+def test_sizing_api_sizes_one_dp_rank_of_a_dp_attention_worker(api_as):
+    """tp 2, dp 2 with DP attention: each DP rank holds all 8 KV heads (attention tp 1) and half the L1."""
+    query = {"num_layers": 28, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16", "page_size": 64,
+             "max_total_tokens": 65_536, "tp_size": 2}  # fmt: skip
+    rank = api_as("viewer").get("/api/v1/capacity/sizing/", {**query, "dp_size": 2}).json()
+    assert (rank["dp_size"], rank["kv_heads_per_rank"], rank["l1_tokens"]) == (2, 8, 32_768)
+    assert rank["bytes_per_token"] == 2 * 28 * 8 * 128 * 2
+    for dp, problem in ((3, "must divide tp_size 2"), (4, "must divide tp_size 2")):
+        bad = api_as("viewer").get("/api/v1/capacity/sizing/", {**query, "dp_size": dp})
+        assert bad.status_code == 400 and bad.json()["error"]["detail"]["dp_size"][0].startswith(problem)
+    bad = api_as("viewer").get("/api/v1/capacity/sizing/", {**query, "tp_size": 4, "dp_size": 2})
+    assert bad.json()["error"]["detail"]["dp_size"][0].startswith("must equal tp_size 4")
 
 
 @pytest.mark.django_db

@@ -45,3 +45,22 @@ def test_scheduler_gauges_and_storage_metrics_carry_tp_rank_0_request_metrics_do
     for name in ("num_requests", "time_to_first_token_seconds", "cached_tokens"):
         assert all("tp_rank" not in names for names in labels[f"sglang:{name}"]), name
     assert 'sglang:num_queue_reqs{model_name="smollm2",tp_rank="0"} 3.0' in text
+
+
+def test_dp_attention_gauges_have_one_series_per_dp_rank_and_the_control_plane_sums_them():
+    from controlplane.telemetry.samples import _add
+
+    rank1 = {**STATE, "num_running_reqs": 5, "max_total_num_tokens": 1000, "num_used_tokens": 100}
+    metrics = EngineMetrics("smollm2", lambda: STATE, dp_states=[lambda: STATE, lambda: rank1])
+    text = metrics.render().decode()
+    labels = _labels(text)
+    for name in ("num_running_reqs", "num_queue_reqs", "max_total_num_tokens", "prefetched_tokens"):
+        assert labels[f"sglang:{name}"] == {("dp_rank", "model_name", "tp_rank")}, name
+    assert 'sglang:num_running_reqs{dp_rank="1",model_name="smollm2",tp_rank="1"} 5.0' in text
+    sample: dict = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            _add(sample, {"__name__": s.name, **s.labels}, s.value)
+    # the planner's and calibration's reading of the worker: L1 of both DP ranks, cache hits of both
+    assert sample["max_total_num_tokens"] == 2000 and sample["num_used_tokens"] == 350
+    assert sample["cached_tokens_device"] == 128
