@@ -30,9 +30,12 @@ def fixed_routes(patterns, prefix: str = "") -> list[str]:
 
 
 class ApiRootView(APIView):
-    """The index of ``/api/v1/`` (``routes``: what :func:`fixed_routes` found, set by the URL map)."""
+    """Every endpoint of this API that takes no path parameter, with the OpenAPI schema and its docs."""
 
-    routes: list[str] = []
+    routes: list[str] = []  # what fixed_routes found (set by the URL map)
+
+    def get_view_name(self) -> str:
+        return "KVFleet API v1"
 
     @extend_schema(
         summary="The API's index", responses={200: OpenApiResponse(description="endpoints by route")}
