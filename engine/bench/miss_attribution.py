@@ -22,12 +22,11 @@ import random
 import statistics
 import time
 import tracemalloc
-import uuid
 
 import engine.scheduler.kv_manager as kv_manager
 from engine.cache.misses import EVICTION_RECORD_PAGES, EvictionRecord
 from engine.cache.radix_tree import HiRadixTree, TreeNode
-from engine.scheduler.req import Req
+from engine.scheduler.request import GenerateRequest
 from engine.scheduler.sampling_params import SamplingParams
 from engine.server.args import parse_args
 from engine.server.builder import build_engine
@@ -73,7 +72,7 @@ def run(engine, prompts: list[list[int]], new_tokens: int, timer: Timer) -> tupl
     for prompt in prompts:
         events: queue.Queue = queue.Queue()
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        engine.scheduler.submit(Req(uuid.uuid4().hex, list(prompt), sp, events.put))
+        engine.scheduler.submit(GenerateRequest(list(prompt), sp).to_req(events.put))
         meta: dict = {}
         while True:
             ev = events.get(timeout=600)

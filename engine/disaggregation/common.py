@@ -58,6 +58,12 @@ def advertised_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0") else host
 
 
+def names_this_host(host: str, mine: str) -> bool:
+    """Whether ``host`` (of a bootstrap address; an IPv6 one with or without brackets) names this machine,
+    whose advertised address is ``mine``."""
+    return host.strip("[]") in (mine, *LOOPBACK_HOSTS)
+
+
 def bootstrap_address(host: str, port: int) -> str:
     """``host:port`` with IPv6 hosts in brackets. Raises ``ValueError`` on a bad host or port."""
     if not isinstance(host, str) or not host:

@@ -6,31 +6,24 @@ Follows SGLang's decode flow (docs/upstream.md P3): at first contact with a pref
 PrefillServerInfo (``GET /route`` with -1 ranks; up to 15 tries 1 s apart), checks page size and KV dtype,
 looks up the rank's side-channel endpoint and registers its pool buffers there (``contact.py``); each room
 is claimed at P as soon as it opens here (so P fails it if this decode dies, whatever its state), then
-sends its destination pages (``init``) and waits for the Success status that follows the writes. D probes
-every known prefill's ``/health`` (heartbeat) and fails every room of that prefill after
-``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses. A room WaitingForInput longer than
-``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` is aborted.
+sends its destination pages (``init``) and waits for the Success status that follows the writes. A room
+WaitingForInput longer than ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` is aborted. ``watch.py`` finds a
+prefill dead (heartbeat) or restarted.
 
 Beyond upstream, D notices a prefill that restarted on the same address (a crash and restart, or a role
 switch to decode and back), whose side-channel endpoint, KV-buffer registrations and rooms are new or gone:
-its bootstrap server's ``start_id`` differs from the one first contact read. D compares it on every
-heartbeat, and P acknowledges each transfer info (``transfer_ack``); an info not acknowledged within
-``info_ack_timeout_s`` makes D re-read P's bootstrap info at once. On a new ``start_id`` D drops the old
-session (and its socket), fails the rooms the old instance had accepted (its state is gone; the reason names
-the address) and pairs the others afresh with the new instance (re-register, resend the transfer info); a
-bootstrap port that refuses the connection by then fails the prefill's rooms. Upstream's D keeps the stale
-entry until two heartbeats fail, so a prefill back within that window got transfer infos at its old endpoint
-and the room waited for KV up to the 300 s waiting timeout.
+its bootstrap server's ``start_id`` differs from the one first contact read. D then drops the old session
+(and its socket), fails the rooms the old instance had accepted (its state is gone; the reason names the
+address) and pairs the others afresh with the new instance (re-register, resend the transfer info).
+Upstream's D keeps the stale entry until two heartbeats fail, so a prefill back within that window got
+transfer infos at its old endpoint and the room waited for KV up to the 300 s waiting timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import httpx
 
@@ -38,12 +31,12 @@ from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation import contact
 from engine.disaggregation.base import KVPoll, TransferTimeouts
 from engine.disaggregation.common import (
-    LOOPBACK_HOSTS,
     TestDelay,
     TransferBase,
     bootstrap_address,
     check_room,
     later,
+    names_this_host,
 )
 from engine.disaggregation.contact import ContactError, PrefillRanks
 from engine.disaggregation.messages import (
@@ -60,28 +53,15 @@ from engine.disaggregation.messages import (
 from engine.disaggregation.peers import Peer, PeerHooks, PeerSessions
 from engine.disaggregation.receiver import KVReceiver
 from engine.disaggregation.rooms import Rooms
+from engine.disaggregation.watch import PrefillLink, PrefillWatch
 
 logger = logging.getLogger(__name__)
 
-CONTACT_THREADS = 8  # first contacts with different prefills run in parallel
-
-
-@dataclass
-class PrefillLink:
-    """A prefill session's ``info`` on D: its ranks once first contact succeeded (None while it runs), and
-    whether a re-read of its bootstrap info is queued or running."""
-
-    ranks: PrefillRanks | None = None
-    checking: bool = False
-    checked_at: float = 0.0
-
-
-def _ready(peer: Peer) -> bool:
-    return peer.info.ranks is not None
+CONTACT_THREADS = 8  # first contacts with different prefills (and the watch's checks) run in parallel
 
 
 class DecodeTransfer(TransferBase):
-    """D's transfer: side channel, a thread pool for first contacts, and the heartbeat thread.
+    """D's transfer: side channel, a thread pool for first contacts, and the watch over the prefills.
 
     Tensor-parallel rank ``tp_rank`` of ``tp_size``: it pairs with the same rank of a prefill of the same tp
     and receives that rank's pages whole; with a prefill of another tp it receives each of its heads from
@@ -116,7 +96,6 @@ class DecodeTransfer(TransferBase):
         self.former_bootstrap_port: int | None = None
         self._contacts = ThreadPoolExecutor(CONTACT_THREADS, thread_name_prefix="pd-decode-bootstrap")
         self._client = httpx.Client(timeout=contact.BOOTSTRAP_HTTP_TIMEOUT)
-        self._stop = threading.Event()
         self._info_delay = TestDelay("decode_info")
         dispatch = Dispatch(
             {
@@ -127,11 +106,11 @@ class DecodeTransfer(TransferBase):
             },
             raw={"kv": lambda header, payloads: self.transport.on_data(header, payloads)},
         )
-        super().__init__(backend, pool, host, timeouts, ib_device, dispatch, self._on_tick)
-        self._heartbeat = threading.Thread(
-            target=self._heartbeat_loop, name="pd-decode-heartbeat", daemon=True
+        self.watch = PrefillWatch(
+            self.peers, timeouts, self._client, self._unacked, self._prefill_restarted, self._contacts.submit
         )
-        self._heartbeat.start()
+        super().__init__(backend, pool, host, timeouts, ib_device, dispatch, self.watch.tick)
+        self.watch.start()
 
     # ---- scheduler-thread API
     def create_receiver(self, bootstrap_host: str, bootstrap_port: int, bootstrap_room: int) -> KVReceiver:
@@ -145,7 +124,7 @@ class DecodeTransfer(TransferBase):
         address = bootstrap_address(bootstrap_host, bootstrap_port)
         check_room(bootstrap_room)
         receiver = KVReceiver(self, address, bootstrap_room)
-        local = bootstrap_host.strip("[]") in (self.host, *LOOPBACK_HOSTS)
+        local = names_this_host(bootstrap_host, self.host)
         with self.rooms.lock:
             self.rooms.open(receiver)
             if local and bootstrap_port == self.former_bootstrap_port:
@@ -176,9 +155,7 @@ class DecodeTransfer(TransferBase):
         self._contacts.submit(self._refuse, address, bootstrap_room, reason)
 
     def _refuse(self, address: str, room: int, reason: str) -> None:
-        peer = self.peers.get(address)
-        ranks = peer.info.ranks if peer is not None else None
-        endpoints = list(ranks.endpoints.values()) if ranks is not None else []
+        endpoints = self._endpoints(address)
         if not endpoints:  # its rank 0 fails the request on every prefill rank (they agree on each room)
             try:
                 endpoints = [contact.rank_endpoint(self._client, address, 0)[0]]
@@ -193,6 +170,11 @@ class DecodeTransfer(TransferBase):
     def pages_ready(self, receiver: KVReceiver) -> None:
         later(self._info_delay(receiver.bootstrap_room), self._send_info, receiver)
 
+    def _endpoints(self, address: str) -> list[str]:
+        """The prefill ranks' side-channel endpoints of the live prefill session at ``address``."""
+        peer = self.peers.get(address)
+        return [] if peer is None else peer.info.endpoints
+
     def _claim(self, ranks: PrefillRanks, room: int) -> None:
         msg = Claim(self.channel.endpoint, room, self.start_id)
         for endpoint in ranks.endpoints.values():
@@ -204,32 +186,15 @@ class DecodeTransfer(TransferBase):
             ranks = peer.info.ranks if peer is not None else None
             if ranks is None:
                 return
-            with receiver.lock:
-                if receiver.pages is None or receiver.sent_to is not None or receiver.terminal:
-                    return
-                now = time.monotonic()
-                receiver.sent_at = receiver.sent_at or now
-                receiver.info_at, receiver.sent_to = now, ranks.start_id
-                receiver.sources = tuple(ranks.endpoints.values())
-                receiver.acks = set()
-                if receiver.state == KVPoll.Bootstrapping:  # re-pairing after a P restart: WaitingForInput
-                    receiver.move(KVPoll.WaitingForInput)
-                infos = receiver.transfer_infos(
-                    ranks, self.channel.endpoint, self.staging, self.transport.stages
-                )
+            infos = receiver.send_infos(ranks, self.channel.endpoint, self.staging, self.transport.stages)
         for endpoint, info in infos:
             self.send(endpoint, info)
 
     def abort_room(self, receiver: KVReceiver, reason: str) -> None:
-        peer = self.peers.get(receiver.bootstrap_address)
-        ranks = peer.info.ranks if peer is not None else None
-        endpoints = list(ranks.endpoints.values()) if ranks is not None else []
-        with receiver.lock:
-            if receiver.terminal or receiver.abort_reason is not None:
-                return
-            in_flight = receiver.sent_to is not None  # P may know our pages: wait for its ack
-            if in_flight:
-                receiver.abort_reason, receiver.abort_at = reason, time.monotonic()
+        endpoints = self._endpoints(receiver.bootstrap_address)
+        in_flight = receiver.start_abort(reason)  # True: P may know our pages, so wait for its ack
+        if in_flight is None:
+            return
         for endpoint in endpoints:
             self.send(endpoint, Abort(self.channel.endpoint, receiver.bootstrap_room, reason))
         if not in_flight:
@@ -248,8 +213,7 @@ class DecodeTransfer(TransferBase):
     def _prefill_gone(self, peer: Peer, rooms: set[int], reason: str) -> None:
         """First contact failed or P is gone: every unfinished room of that P instance fails."""
         receivers = self.rooms.select(rooms)
-        ranks = peer.info.ranks
-        for endpoint in ranks.endpoints.values() if ranks is not None else ():
+        for endpoint in peer.info.endpoints:
             self.channel.forget(endpoint)
         # one line per lost P, whatever its rooms say (a room the client aborted first keeps that reason)
         open_rooms = sum(not r.terminal for r in receivers)
@@ -271,14 +235,11 @@ class DecodeTransfer(TransferBase):
             if not self.peers.replace(old, fresh):
                 return
             for receiver in self.rooms.select(old.rooms):
-                with receiver.lock:
-                    if receiver.terminal:
-                        continue
-                    if receiver.acked or receiver.abort_reason is not None:
-                        lost.append(receiver)
-                        continue
-                    receiver.sent_to = None  # stays WaitingForInput: its pages wait for the new instance
-                fresh.rooms.add(receiver.bootstrap_room)
+                keep = receiver.re_pair()
+                if keep is False:
+                    lost.append(receiver)
+                elif keep:
+                    fresh.rooms.add(receiver.bootstrap_room)
             if not fresh.rooms:
                 self.peers.replace(fresh, None)
         if fresh.rooms:
@@ -292,8 +253,7 @@ class DecodeTransfer(TransferBase):
             len(lost),
             len(fresh.rooms),
         )
-        ranks = old.info.ranks
-        for endpoint in ranks.endpoints.values() if ranks is not None else ():
+        for endpoint in old.info.endpoints:
             self.channel.forget(endpoint)
         for receiver in lost:
             self.rooms.finish(receiver, KVPoll.Failed, receiver.abort_reason or reason)
@@ -301,11 +261,8 @@ class DecodeTransfer(TransferBase):
     # ---- side channel (receive thread)
     def _on_transfer_ack(self, msg: TransferAck) -> None:
         receiver = self.rooms.get(msg.room)
-        if receiver is None:
-            return  # a room closed here already
-        with receiver.lock:
-            if receiver.sent_to is not None and receiver.sent_to == msg.start_id:
-                receiver.acks.add(msg.endpoint)
+        if receiver is not None:  # else a room closed here already
+            receiver.acknowledged(msg.endpoint, msg.start_id)
 
     def _on_status(self, msg: Status) -> None:
         """A prefill rank's Success (its KV is in our pages: scattered here first when it was staged) or
@@ -318,63 +275,27 @@ class DecodeTransfer(TransferBase):
             if receiver.scatter_staged(source, self.pool, self.staging) and not self._staging_logged:
                 self._staging_logged = True
                 logger.info("heterogeneous-TP KV arrives through the staging buffer (scattered here)")
-            with receiver.lock:
-                receiver.done.add(source)
-                complete = receiver.done >= set(receiver.sources)
-            if complete:
+            if receiver.succeeded(source):
                 self.rooms.finish(receiver, KVPoll.Success, first_token_id=msg.first_token_id, meta=msg.meta)
             return
-        if receiver.abort_reason is None:
-            reason = f"prefill {receiver.bootstrap_address}: {msg.reason}"
-            with receiver.lock:
-                receiver.abort_reason, receiver.abort_at = reason, time.monotonic()
-                others = [e for e in receiver.sources if e != source and e not in receiver.done]
-            why = "another prefill rank failed the room"
-            abort = Abort(self.channel.endpoint, receiver.bootstrap_room, why)
-            for endpoint in others:
-                self.send(endpoint, abort)
+        others = receiver.source_failed(source, f"prefill {receiver.bootstrap_address}: {msg.reason}")
+        abort = Abort(self.channel.endpoint, receiver.bootstrap_room, "another prefill rank failed the room")
+        for endpoint in others:
+            self.send(endpoint, abort)
         self._quiet(receiver, source)
 
-    def _quiet(self, receiver: KVReceiver | None, source: str | None) -> None:
-        """``source`` will write no more into the room's pages (it acknowledged our ABORT or reported its
-        end): Failed once every source is quiet or done."""
-        if receiver is None:
-            return
-        with receiver.lock:
-            receiver.abort_acks.add(source)  # type: ignore[arg-type]
-            quiet = (receiver.abort_acks | receiver.done) >= set(receiver.sources)
-        if quiet:
+    def _quiet(self, receiver: KVReceiver | None, source: str) -> None:
+        """``source`` will write no more into the room's pages: Failed once every source is quiet or done."""
+        if receiver is not None and receiver.quiet(source):
             self.rooms.finish(receiver, KVPoll.Failed, receiver.abort_reason or "aborted")
 
-    def _on_tick(self) -> None:
-        """Queue a re-read of the bootstrap info of each prefill with a transfer info not acknowledged
-        within ``info_ack_timeout_s`` (at most one per prefill per that interval)."""
-        if self._stop.is_set():
-            return
-        now, limit = time.monotonic(), self.timeouts.info_ack_timeout_s
-        for peer in self.peers.peers(_ready):
-            link = peer.info
-            if link.checking or now - link.checked_at < limit:
-                continue
-            if any(r.unacked_for(now) > limit for r in self.rooms.select(list(peer.rooms))):
-                link.checking = True
-                self._contacts.submit(self._check, peer)
-
-    def _check(self, peer: Peer) -> None:
-        """Is the prefill at that address still the instance D paired with? (pool thread)"""
-        try:
-            start_id = contact.current_start_id(self._client, peer.key)
-        except httpx.ConnectError as exc:
-            why = f"prefill bootstrap {peer.key} is gone ({exc or 'connection refused'})"
-            self.peers.gone(peer, f"{why} and did not acknowledge the transfer info")
-            return
-        peer.info.checking, peer.info.checked_at = False, time.monotonic()
-        if start_id is not None and start_id != peer.start_id:
-            self._prefill_restarted(peer, start_id)
+    def _unacked(self, peer: Peer, now: float) -> float:
+        """The longest a transfer info to the prefill ``peer`` has waited for its acknowledgement (s)."""
+        return max((r.unacked_for(now) for r in self.rooms.select(list(peer.rooms))), default=0.0)
 
     # ---- first contact with a prefill (one pool thread per prefill, so a dead one delays no other)
     def _contact(self, peer: Peer) -> None:
-        args = (self.layout, self.timeouts, self.tp_rank, self.tp_size, self.model_kv_heads, self._stop)
+        args = (self.layout, self.timeouts, self.tp_rank, self.tp_size, self.model_kv_heads, self.watch.stop)
         try:
             ranks = contact.first_contact(self._client, peer.key, *args)
         except ContactError as exc:
@@ -393,25 +314,11 @@ class DecodeTransfer(TransferBase):
             self._claim(ranks, receiver.bootstrap_room)
             later(self._info_delay(receiver.bootstrap_room), self._send_info, receiver)
 
-    # ---- heartbeat thread
-    def _heartbeat_loop(self) -> None:
-        with httpx.Client(timeout=contact.BOOTSTRAP_HTTP_TIMEOUT) as client:
-            while not self._stop.wait(self.timeouts.heartbeat_interval_s):
-                for peer in self.peers.peers(_ready):
-                    ok, start_id = contact.health(client, peer.key)
-                    if ok and start_id is not None and start_id != peer.start_id:
-                        self._prefill_restarted(peer, start_id)
-                    elif ok:
-                        self.peers.answered(peer)
-                    elif (misses := self.peers.missed(peer)) >= self.timeouts.heartbeat_max_failure:
-                        why = f"prefill bootstrap {peer.key} failed heartbeat ({misses} misses of /health)"
-                        self.peers.gone(peer, why)
-
     def close(self) -> None:
         if self._closed:
             return
-        self._stop.set()
+        self.watch.stop.set()
         self._contacts.shutdown(wait=True, cancel_futures=True)
         self._client.close()
-        self._heartbeat.join(timeout=10)
+        self.watch.close()
         super().close()

@@ -5,16 +5,9 @@ Follows SGLang's prefill flow (docs/upstream.md P3): a sender is created when th
 (Bootstrapping); D's transfer info for the room (destination pages; from every decode rank this rank sends
 the room to, when the two workers' tp sizes differ: ``heads.py``) moves it to WaitingForInput; pages
 handed to ``send`` are written into D's pages by the transfer thread (Transferring); after the last
-page, the first output token and metadata go to D with the Success status. A room still Bootstrapping
-after ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` fails (checked in ``poll``, as upstream).
-
-Beyond upstream (whose P keeps a room D registered until its own transfer ends): a room whose transfer info
-came from D but which has not ended ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` later fails too (``poll``;
-D is told, in case it still listens). That is the bound D itself waits for the room, so a live D has
-aborted it by then; what is left belongs to a decode that went away (died, restarted or switched roles
-before the transfer ended), and the P request fails naming it instead of holding its pages. Once no open
-room names that decode's endpoint, P closes its socket there (the messages queued for it, and ZMQ's
-reconnecting, end with it; a later message connects afresh).
+page, the first output token and metadata go to D with the Success status. A room's timeouts are its
+``poll``'s (``sender.py``). Once no open room names a decode whose room timed out, P closes its socket
+there (the messages queued for it, and ZMQ's reconnecting, end with it; a later message connects afresh).
 
 Each decode that registered is a peer session, pinged every ``decode_ping_interval_s``; one silent for
 ``decode_dead_after_s`` is gone and every room bound to it fails, whatever its state: a room is bound to a
@@ -23,18 +16,16 @@ info. A claim or transfer info for a room not open here yet binds it when it ope
 is gone by then fails at once).
 
 Beyond upstream: P acknowledges each transfer info (``transfer_ack`` with its bootstrap ``start_id``, so D
-notices a restarted P at once, see ``decode.py``). A request whose ``bootstrap_host:bootstrap_port`` names
-another prefill was sent here as its *decode* (this worker was one when the router picked it, then switched
-roles): it fails at once, and the prefill it names is told to abort the room, so neither side waits for a
-partner that never comes (a decision that differs from upstream: docs/architecture.md).
-An ABORT for a room P has not opened yet is remembered, so the request fails when it arrives.
+notices a restarted P at once, see ``decode.py``). A request whose bootstrap address names another prefill
+(``owner.py``) fails at once, and the prefill it names is told to abort the room, so neither side waits for a
+partner that never comes. What comes for a room before it opens (infos, a claim, an ABORT) or after it
+closed is remembered (``early.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +34,8 @@ from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation import contact
 from engine.disaggregation.base import KVLayout, KVPoll, TransferTimeouts
 from engine.disaggregation.bootstrap import BootstrapServer
-from engine.disaggregation.common import LOOPBACK_HOSTS, TestDelay, TransferBase, check_room, later
+from engine.disaggregation.common import TestDelay, TransferBase, check_room, later
+from engine.disaggregation.early import Unopened
 from engine.disaggregation.messages import (
     Abort,
     AbortAck,
@@ -56,14 +48,13 @@ from engine.disaggregation.messages import (
     TransferAck,
     TransferInfo,
 )
+from engine.disaggregation.owner import OwnerCheck
 from engine.disaggregation.peers import Peer, PeerHooks, PeerSessions
-from engine.disaggregation.rooms import Memory, Rooms
+from engine.disaggregation.rooms import Rooms
 from engine.disaggregation.sender import KVSender
 from engine.disaggregation.writer import PageWriter
 
 logger = logging.getLogger(__name__)
-
-FAILED_ROOM_MEMORY_S = 60.0  # how long a room that failed on P answers a late transfer info with Failed
 
 
 @dataclass(frozen=True)
@@ -99,15 +90,10 @@ class PrefillTransfer(TransferBase):
         tp_size: int = 1,
     ) -> None:
         self.rooms: Rooms[KVSender] = Rooms("prefill")
-        self.pending = Memory(timeouts.unknown_room_timeout_s)  # room -> [TransferInfo] before it opened
-        self.claims = Memory(FAILED_ROOM_MEMORY_S)  # room -> decode endpoint that claimed it before it opened
-        self.failed = Memory(FAILED_ROOM_MEMORY_S)  # closed/failed room -> reason D may still ask about
-        self.aborted = Memory(FAILED_ROOM_MEMORY_S)  # room not opened yet -> (reason, refused)
+        self.unopened = Unopened(timeouts.unknown_room_timeout_s)  # guarded by ``rooms.lock``
         hooks = PeerHooks(self._decode_gone, self._decode_restarted, self._ping)
         t = timeouts
         self.peers = PeerSessions(hooks, t.decode_ping_interval_s, t.decode_dead_after_s, keep_gone=True)
-        self._checks = ThreadPoolExecutor(1, thread_name_prefix="pd-prefill-owner")
-        self._aliases: set[str] = set()  # other addresses found to name this bootstrap server
         self._send_delay = TestDelay("prefill_send")
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # rank 0 runs the worker's bootstrap server; the other ranks register with it
@@ -133,6 +119,12 @@ class PrefillTransfer(TransferBase):
         self.bootstrap_address = f"{self.host}:{self.bootstrap_port}"
         self.start_id = self.bootstrap.start_id if self.bootstrap is not None else ""
         self.writer = PageWriter(self)
+        # rank 0's verdict on a request's bootstrap address reaches the other ranks' rooms
+        self.owner = (
+            None
+            if self.bootstrap is None
+            else OwnerCheck(self.host, self.bootstrap_port, self.start_id, self._foreign)
+        )
         try:
             args = (self.channel.endpoint, self.layout, tp_rank, tp_size, prefill_http_port)
             self.start_id = contact.register_rank(self.bootstrap_address, *args) or self.start_id
@@ -152,9 +144,7 @@ class PrefillTransfer(TransferBase):
         sender = KVSender(self, bootstrap_room)
         with self.rooms.lock:
             self.rooms.open(sender)
-            self.failed.pop(bootstrap_room)
-            infos, aborted = self.pending.pop(bootstrap_room) or [], self.aborted.pop(bootstrap_room)
-            claimed = self.claims.pop(bootstrap_room)
+            infos, aborted, claimed = self.unopened.opened(bootstrap_room)
         if aborted is not None:
             sender.refused = aborted[1]
             self.fail(sender, aborted[0], notify=False)
@@ -163,58 +153,39 @@ class PrefillTransfer(TransferBase):
                 self._bind(sender, claimed)
             for info in infos:
                 self._attach(sender, info)
-        owner_check = self.bootstrap is not None  # rank 0's verdict reaches the other ranks' rooms
-        if owner_check and bootstrap_address is not None and not self._names_me(bootstrap_address):
-            self._checks.submit(self._check_owner, sender, bootstrap_address)
+        if self.owner is not None and bootstrap_address is not None:
+            self.owner.check(sender, bootstrap_address)
         return sender
 
     def fail_unopened(self, bootstrap_room: int, reason: str) -> None:
         """Fail room ``bootstrap_room`` of a request this prefill refused before opening it (e.g. its images
         could not be encoded): its decode is told Failed with ``reason`` now if its transfer info came
-        already, else when it comes (remembered ``FAILED_ROOM_MEMORY_S``). Nothing for an open room."""
+        already, else when it comes (``early.py``). Nothing for an open room."""
         with self.rooms.lock:
             if self.rooms.get(bootstrap_room) is not None:
                 return
-            self.failed.put(bootstrap_room, reason)
-            infos = self.pending.pop(bootstrap_room) or []
+            infos = self.unopened.ended(bootstrap_room, reason)
         for info in infos:
             self._status(info.endpoint, bootstrap_room, KVPoll.Failed, reason)
 
     def num_rooms(self) -> int:
         with self.rooms.lock:
-            return len(self.rooms) + len(self.pending)
+            return len(self.rooms) + len(self.unopened)
 
-    def _names_me(self, address: str) -> bool:
-        host, _, port = address.rpartition(":")
-        if address in self._aliases:
-            return True
-        return port == str(self.bootstrap_port) and host.strip("[]") in (self.host, *LOOPBACK_HOSTS)
-
-    def _check_owner(self, sender: KVSender, address: str) -> None:
-        """The request names the bootstrap server at ``address``, not this one by name: unless that server
-        is this one, fail the room, and abort it at the prefill there (pool thread)."""
-        reason, endpoint, alias = contact.foreign(address, self.bootstrap_address, self.start_id)
-        if alias:
-            self._aliases.add(address)
-        if reason is None:
-            return
+    def _foreign(self, sender: KVSender, reason: str, endpoint: str | None) -> None:
+        """The request's bootstrap address is another prefill's (``OwnerCheck``): fail the room, and abort it
+        at the prefill there."""
         self.fail(sender, reason, notify=True)
         if endpoint is not None:
-            me = self.channel.endpoint
-            self.send(endpoint, Abort(me, sender.bootstrap_room, reason, by="prefill"))
+            self.send(endpoint, Abort(self.channel.endpoint, sender.bootstrap_room, reason, by="prefill"))
 
     # ---- room transitions (``SenderPort``; any thread)
     def fail(self, sender: KVSender, reason: str, notify: bool) -> None:
-        with sender.lock:
-            if sender.terminal:
-                return
-            sender.move(KVPoll.Failed, reason)
-            sender.jobs = []
-            endpoints = sender.endpoints
-            if notify and sender.writing:  # D must not free its pages while our write may still land
-                sender.notify_pending, notify = True, False
+        endpoints = sender.to_failed(reason, notify)
+        if endpoints is None:
+            return
         logger.warning("bootstrap room %d failed: %s", sender.bootstrap_room, reason)
-        for endpoint in endpoints if notify else ():
+        for endpoint in endpoints:
             self._status(endpoint, sender.bootstrap_room, KVPoll.Failed, reason)
 
     def close_room(self, sender: KVSender) -> None:
@@ -224,7 +195,7 @@ class PrefillTransfer(TransferBase):
         with self.rooms.lock:
             self.rooms.remove(sender)
             if sender.state == KVPoll.Failed and not sender.paired:
-                self.failed.put(room, sender.reason)
+                self.unopened.ended(room, sender.reason)  # type: ignore[arg-type]
         for endpoint in {*sender.endpoints, *sender.claimed_by}:
             self.peers.unbind(endpoint, room)
             if sender.timed_out and endpoint in sender.endpoints and not self.peers.has_rooms(endpoint):
@@ -232,42 +203,12 @@ class PrefillTransfer(TransferBase):
                 logger.info("forgot decode %s: its room timed out and no other room here names it", endpoint)
 
     def schedule(self, sender: KVSender) -> None:
-        with sender.lock:
-            if not sender.paired or not sender.jobs or sender.queued or sender.state == KVPoll.Failed:
-                return
-            if sender.state != KVPoll.Transferring:  # a later send() of a room already transferring
-                sender.move(KVPoll.Transferring)
-            sender.queued = True
-        self.writer.put(sender)
+        if sender.take_turn():
+            self.writer.put(sender)
 
     def pages_ready(self, sender: KVSender) -> None:
         """``send`` queued pages: schedule their write."""
         later(self._send_delay(sender.bootstrap_room), self.schedule, sender)
-
-    def no_decode_reason(self, sender: KVSender, now: float) -> str | None:
-        """Why a Bootstrapping room fails now for want of a decode (else None): every decode this prefill
-        met is gone; or no decode claimed it within ``claim_grace_s`` and a decode was found gone at most
-        ``decode_dead_after_s`` before it opened or since (the router sent it to that decode, e.g. as its
-        retry, and the decode died before opening it: live decodes claim a room as they open it)."""
-        t = self.timeouts
-        since = self.peers.all_gone_since
-        if since is not None and now - max(sender.created_at, since) > t.no_decode_grace_s:
-            met = ", ".join(self.peers.gone_keys()) or "none"
-            return (
-                f"every decode this prefill has met is gone ({met}) and no decode registered the room "
-                f"within {t.no_decode_grace_s:g} s"
-            )
-        with sender.lock:
-            claimed = bool(sender.claimed_by or sender.dests)
-        if claimed or now - sender.created_at <= t.claim_grace_s:
-            return None
-        gone = self.peers.gone_keys(since=sender.created_at - t.decode_dead_after_s)
-        if not gone:
-            return None
-        return (
-            f"no decode claimed the room within {t.claim_grace_s:g} s, and decode {', '.join(gone)} was "
-            "found gone meanwhile: the request was sent to a decode that died before opening it"
-        )
 
     def _bind(self, sender: KVSender, endpoint: str) -> None:
         """Bind the room to the decode at ``endpoint``; it fails at once when that decode is gone."""
@@ -278,26 +219,16 @@ class PrefillTransfer(TransferBase):
             self.fail(sender, self._gone_reason(endpoint), notify=False)
 
     def _attach(self, sender: KVSender, info: TransferInfo) -> None:
-        """A decode rank's transfer info arrived for an open room: ``pages`` (D's), ``share`` (the heads,
-        when the tp sizes differ) and ``required`` (how many decode ranks this rank sends the room to; 1 when
-        absent). The room is WaitingForInput once all of them have sent theirs."""
+        """A decode rank's transfer info arrived for an open room (``KVSender.add_dest``): checked against
+        what that decode registered, the room fails or its pages are scheduled."""
         endpoint = info.endpoint
         decode: DecodeInfo | None = self.peers.info(endpoint)
         self.peers.bind(endpoint, sender.bootstrap_room)
         pages = torch.tensor(info.pages, dtype=torch.int64)
-        with sender.lock:
-            if endpoint in sender.endpoints:
-                logger.warning("bootstrap room %d: duplicate transfer info ignored", sender.bootstrap_room)
-                return
-            sender.dests.append({"endpoint": endpoint, "pages": pages, "share": info.share})
-            sender.required = int(info.required or 1)
-            if sender.state == KVPoll.Failed:
-                reason = sender.reason
-            else:
-                sender.attached_at = sender.attached_at or time.monotonic()
-                if sender.state == KVPoll.Bootstrapping and sender.paired:
-                    sender.move(KVPoll.WaitingForInput)
-                reason = None
+        added, reason = sender.add_dest(endpoint, pages, info.share, info.required)
+        if not added:
+            logger.warning("bootstrap room %d: duplicate transfer info ignored", sender.bootstrap_room)
+            return
         if reason is not None:
             self._status(endpoint, sender.bootstrap_room, KVPoll.Failed, reason)
             return
@@ -330,7 +261,7 @@ class PrefillTransfer(TransferBase):
         with self.rooms.lock:
             sender = self.rooms.get(msg.room)
             if sender is None:
-                self.claims.put(msg.room, msg.endpoint)
+                self.unopened.claim(msg.room, msg.endpoint)
         if sender is not None:
             self._bind(sender, msg.endpoint)
 
@@ -338,9 +269,8 @@ class PrefillTransfer(TransferBase):
         room = msg.room
         self.send(msg.endpoint, TransferAck(self.channel.endpoint, room, self.start_id))
         with self.rooms.lock:
-            sender, failed = self.rooms.get(room), self.failed.get(room)
-            if sender is None and failed is None:
-                self.pending.setdefault(room, []).append(msg)
+            sender = self.rooms.get(room)
+            failed = self.unopened.info(msg) if sender is None else None
         if sender is not None:
             self._attach(sender, msg)
         elif failed is not None:
@@ -350,9 +280,8 @@ class PrefillTransfer(TransferBase):
         reason = f"{msg.by or 'decode'} {msg.endpoint} aborted the room: {msg.reason or 'aborted'}"
         with self.rooms.lock:
             sender = self.rooms.get(msg.room)
-            self.pending.pop(msg.room)
             if sender is None:
-                self.aborted.put(msg.room, (reason, msg.refused))
+                self.unopened.abort(msg.room, reason, msg.refused)
         if sender is not None:
             with sender.write_lock:  # waits for a write in flight, so the ack means "no more writes"
                 if sender.state == KVPoll.Bootstrapping:
@@ -361,11 +290,8 @@ class PrefillTransfer(TransferBase):
         self.send(msg.endpoint, AbortAck(self.channel.endpoint, msg.room))
 
     def _on_tick(self) -> None:
-        for room, infos in self.pending.expire():
-            for info in infos:  # type: ignore[attr-defined]
-                self._status(info.endpoint, room, KVPoll.Failed, f"bootstrap room {room} is unknown here")
-        for memory in (self.failed, self.aborted, self.claims):
-            memory.expire()
+        for room, info in self.unopened.expire():
+            self._status(info.endpoint, room, KVPoll.Failed, f"bootstrap room {room} is unknown here")
         self.peers.tick(time.monotonic(), lambda peer: self._gone_reason(peer.key))
 
     # ---- the decodes (``PeerHooks``)
@@ -387,14 +313,7 @@ class PrefillTransfer(TransferBase):
         endpoint = peer.key
         with self.rooms.lock:
             senders = self.rooms.select(rooms)
-            for room, infos in self.pending.items():
-                if any(info.endpoint == endpoint for info in infos):  # type: ignore[attr-defined]
-                    self.pending.pop(room)
-                    self.aborted.put(room, (reason, False))
-            for room, claimer in self.claims.items():
-                if claimer == endpoint:
-                    self.claims.pop(room)
-                    self.aborted.put(room, (reason, False))
+            self.unopened.decode_gone(endpoint, reason)
         open_rooms = [s for s in senders if not s.terminal]
         logger.warning("%s; %d unfinished rooms of it fail", reason, len(open_rooms))
         for sender in open_rooms:
@@ -413,7 +332,8 @@ class PrefillTransfer(TransferBase):
         if self._closed:
             return
         self.writer.close()
-        self._checks.shutdown(wait=True, cancel_futures=True)
+        if self.owner is not None:
+            self.owner.close()
         super().close()
         if self.bootstrap is not None:
             self.bootstrap.close()

@@ -102,6 +102,76 @@ class KVReceiver(RoomState):
         """Forget the room (after Success/Failed and after D's pages are handled)."""
         self._port.close_room(self)
 
+    def send_infos(
+        self, ranks: PrefillRanks, me: str, staging: StagingArea | None, stages: bool
+    ) -> list[tuple[str, TransferInfo]]:
+        """The transfer infos to send now to the prefill instance ``ranks`` (``transfer_infos``), recorded as
+        sent to it (its ``start_id``, the sources, the clocks; a room re-pairing after a P restart moves to
+        WaitingForInput); none before ``init``, once sent to this instance, or once the room ended."""
+        with self.lock:
+            if self.pages is None or self.sent_to is not None or self.terminal:
+                return []
+            now = time.monotonic()
+            self.sent_at = self.sent_at or now
+            self.info_at, self.sent_to = now, ranks.start_id
+            self.sources = tuple(ranks.endpoints.values())
+            self.acks = set()
+            if self.state == KVPoll.Bootstrapping:
+                self.move(KVPoll.WaitingForInput)
+            return self.transfer_infos(ranks, me, staging, stages)
+
+    def start_abort(self, reason: str) -> bool | None:
+        """Begin aborting with ``reason``: None when it has ended or is aborting already; True when P may
+        know its pages (the transfer info went out: Failed once P acknowledges the ABORT), False when not
+        (fail it now)."""
+        with self.lock:
+            if self.terminal or self.abort_reason is not None:
+                return None
+            in_flight = self.sent_to is not None
+            if in_flight:
+                self.abort_reason, self.abort_at = reason, time.monotonic()
+            return in_flight
+
+    def re_pair(self) -> bool | None:
+        """Its prefill restarted: None when the room has ended; False when the old instance had accepted it
+        (acknowledged the info) or it is aborting (it fails); True when it pairs with the new instance (it
+        stays WaitingForInput until its info goes out again: ``send_infos``)."""
+        with self.lock:
+            if self.terminal:
+                return None
+            if self.acked or self.abort_reason is not None:
+                return False
+            self.sent_to = None
+            return True
+
+    def acknowledged(self, source: str, start_id: str) -> None:
+        """Prefill rank ``source`` of instance ``start_id`` got the transfer info (``transfer_ack``)."""
+        with self.lock:
+            if self.sent_to is not None and self.sent_to == start_id:
+                self.acks.add(source)
+
+    def succeeded(self, source: str) -> bool:
+        """Prefill rank ``source`` reported Success; True once every source has."""
+        with self.lock:
+            self.done.add(source)
+            return self.done >= set(self.sources)
+
+    def source_failed(self, source: str, reason: str) -> list[str]:
+        """Prefill rank ``source`` reported Failed (``reason``: the room's, naming the prefill): the room
+        aborts; the sources still writing, to tell to abort (none when it was aborting already)."""
+        with self.lock:
+            if self.abort_reason is not None:
+                return []
+            self.abort_reason, self.abort_at = reason, time.monotonic()
+            return [e for e in self.sources if e != source and e not in self.done]
+
+    def quiet(self, source: str) -> bool:
+        """``source`` will write no more into the room's pages (it acknowledged our ABORT or reported its
+        end); True once every source is quiet or done."""
+        with self.lock:
+            self.abort_acks.add(source)
+            return (self.abort_acks | self.done) >= set(self.sources)
+
     def transfer_infos(
         self, ranks: PrefillRanks, me: str, staging: StagingArea | None, stages: bool
     ) -> list[tuple[str, TransferInfo]]:

@@ -18,6 +18,7 @@ from engine.scheduler.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.cache.misses import Misses
     from engine.grammar.state import GrammarState
+    from engine.scheduler.request import GenerateRequest
 
 
 class ReqState(enum.Enum):
@@ -102,7 +103,9 @@ class Req:
     ``cache_salt``: the request's cache key space (requests with different salts share no cached KV; None:
     the shared space). ``logprob``: the log-probabilities it asked for and those computed so far (None:
     none asked). ``grammar``: the matcher of a constrained request (its vocab mask is applied before
-    each sampling, and it is advanced by each token appended).
+    each sampling, and it is advanced by each token appended). ``request``: the ``GenerateRequest`` it was
+    built of (``GenerateRequest.to_req``; None for a ``Req`` built directly), which a tensor-parallel rank 0
+    hands to the other ranks (``tp_sync.py``).
     """
 
     rid: str
@@ -126,6 +129,7 @@ class Req:
     mm_items: list[MMItem] = field(default_factory=list, repr=False)  # images: token ranges + embeddings
     logprob: LogprobState | None = None
     grammar: GrammarState | None = field(default=None, repr=False)  # constrained decoding (engine/grammar)
+    request: GenerateRequest | None = field(default=None, repr=False)  # what it was built of (``to_req``)
 
     def move(self, state: ReqState) -> None:
         """Go to ``state``; raises ``IllegalTransition`` when the table has no such edge."""

@@ -93,7 +93,8 @@ class GenerateRequest:
         """The scheduler's ``Req`` of this one-sample request: ``rid`` or a fresh uuid4 hex, a copy of the
         prompt and images, a ``LogprobState`` of ``logprob``, a ``GrammarState`` (its own matcher) of
         ``grammar``, a torch generator seeded with ``params.sampling_seed`` when set. ``on_event`` is called
-        on the scheduler thread with each ``ReqOutput`` and must only hand it over. ``ValueError`` when
+        on the scheduler thread with each ``ReqOutput`` and must only hand it over; the ``Req`` keeps this
+        request as its ``request``. ``ValueError`` when
         ``bootstrap`` is a list (a request of several samples: submit its ``samples()``)."""
         if isinstance(self.bootstrap, list):
             raise ValueError("bootstrap: one pairing per sample; submit each of samples() instead")
@@ -108,6 +109,7 @@ class GenerateRequest:
             mm_items=list(self.mm_items),
             logprob=None if self.logprob is None else LogprobState(self.logprob),
             grammar=None if self.grammar is None else GrammarState(self.grammar),
+            request=self,
         )
         if self.params.sampling_seed is not None:
             req.generator = torch.Generator().manual_seed(self.params.sampling_seed)

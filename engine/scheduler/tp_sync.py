@@ -1,7 +1,9 @@
 """Keeping the schedulers of a tensor-parallel group in step (upstream: rank 0 broadcasts what it received).
 
 Rank 0 (the leader) owns the HTTP server and the inbox. Each iteration, after draining its inbox, it
-broadcasts what it took in (new requests, aborts, admin messages it carried out) and whether it is stopping;
+broadcasts what it took in (new requests, each as the ``GenerateRequest`` the routes built, so every rank
+gets the same prompt, parameters, salt, images, log-probabilities and PD pairing; aborts; admin messages it
+carried out) and whether it is stopping;
 every other rank (a follower, no inbox) applies the same items in the same order, so all ranks hold the same
 queues and take the same scheduling decisions. Rank 0's sampled tokens are broadcast too, so every rank
 appends the same token whatever its sampler would have drawn (upstream's ``SYNC_TOKEN_IDS_ACROSS_TP``).
@@ -16,13 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol, cast
 
-import torch
-
 from engine.distributed import TPGroup
-from engine.grammar.state import GrammarState
 from engine.scheduler.messages import AbortReq, AttachStorage, SwitchRole
-from engine.scheduler.req import Bootstrap, Req, ReqOutput
-from engine.scheduler.sampling_params import SamplingParams
+from engine.scheduler.req import Req, ReqOutput
+from engine.scheduler.request import GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -42,40 +41,22 @@ class TPFollower(Protocol):
     def run_admin_for_leader(self, msg: object, accepted: int) -> object: ...
 
 
-@dataclass(frozen=True)
-class NewReq:
-    """What a follower needs to rebuild a request rank 0 received (no callback, no generator object)."""
+def shared(req: Req) -> GenerateRequest:
+    """What rank 0 hands the other ranks of a request it received: the ``GenerateRequest`` the ``Req`` was
+    built of (``GenerateRequest.to_req``, so ``req.request`` is set) with the ``rid`` rank 0 gave it and no
+    compiled grammar (it does not pickle; each rank compiles its own: ``follower_req``)."""
+    assert req.request is not None, f"request {req.rid!r} was not built by GenerateRequest.to_req"
+    return replace(req.request, rid=req.rid, grammar=None)
 
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    health_check: bool
-    cache_salt: str | None
-    bootstrap: Bootstrap | None = None  # a PD request: every rank opens its own room for its KV heads
 
-    @classmethod
-    def of(cls, req: Req) -> NewReq:
-        return cls(req.rid, list(req.input_ids), req.params, req.health_check, req.cache_salt, req.bootstrap)
-
-    def build(self, grammar=None) -> Req:
-        """The request on a follower; with its ``GrammarBackend`` ``grammar``, a constrained request gets its
-        own matcher (compiled here, cached: rank 0 compiled it before submitting), so every rank ends it
-        when its grammar does."""
-        req = Req(
-            self.rid,
-            list(self.input_ids),
-            self.params,
-            _discard,
-            health_check=self.health_check,
-            cache_salt=self.cache_salt,
-            bootstrap=self.bootstrap,
-        )
-        if self.params.sampling_seed is not None:
-            req.generator = torch.Generator().manual_seed(self.params.sampling_seed)
-        constraint = self.params.constraint
-        if grammar is not None and constraint is not None:
-            req.grammar = GrammarState(grammar.compile(*constraint).result())
-        return req
+def follower_req(request: GenerateRequest, grammar=None) -> Req:
+    """The request on a follower, of what ``shared`` sent: no client (rank 0 answers it); with its
+    ``GrammarBackend`` ``grammar``, a constrained request gets its own matcher (compiled here, cached: rank 0
+    compiled it before submitting), so every rank ends it when its grammar does."""
+    constraint = request.params.constraint
+    if grammar is not None and constraint is not None:
+        request = replace(request, grammar=grammar.compile(*constraint).result())
+    return request.to_req(_discard)
 
 
 @dataclass(frozen=True)
@@ -107,7 +88,7 @@ class TPSync:
     # -- leader
     def took(self, item: object) -> None:
         """Rank 0 took ``item`` from its inbox and handled it (a ``Req`` or an ``AbortReq``)."""
-        self._taken.append(NewReq.of(item) if isinstance(item, Req) else item)
+        self._taken.append(shared(item) if isinstance(item, Req) else item)
 
     def announce(self, msg: object, accepted: int) -> None:
         """Rank 0 is about to carry out the admin message ``msg``: every rank carries it out now, in the same
@@ -137,8 +118,8 @@ class TPSync:
             frame = cast(tuple[str, bool, list], self.group.broadcast_object(None))  # rank 0's, sent above
             kind, stop, items = frame
             for item in items:
-                if isinstance(item, NewReq):
-                    sched.enqueue(item.build(self.grammar))
+                if isinstance(item, GenerateRequest):
+                    sched.enqueue(follower_req(item, self.grammar))
                 elif isinstance(item, AbortReq):
                     sched.output.cancel(item.rid)
                 elif isinstance(item, _Admin):
