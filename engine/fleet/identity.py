@@ -23,6 +23,7 @@ reaches the worker (``serves_grpc``, ``grpc_isolation_problem``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 SALT_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 SMG_MEASURED = (1, 13, 0)  # the oldest smg release whose salt routes were measured
@@ -123,6 +124,16 @@ def serves_grpc(command_line: list) -> bool:
         if option in GRPC_MODE_OPTIONS:
             return not eq or value.strip().lower() not in ("false", "0", "no", "off", "")
     return False
+
+
+def grpc_url(url: str, command_line: list) -> str | None:
+    """``grpc://host:port``, what a router lists a --grpc-mode worker by: the host of its HTTP ``url`` (its
+    sidecar's) and the ``--port`` of ``command_line`` (SGLang's default 30000 when none is given); None when
+    the command line does not say it serves gRPC."""
+    if not serves_grpc(command_line):
+        return None
+    port = next((str(x).partition("=")[2] for x in command_line if str(x).startswith("--port=")), "30000")
+    return f"grpc://{urlsplit(url).hostname}:{port}"
 
 
 def grpc_isolation_problem(names: list[str]) -> str:

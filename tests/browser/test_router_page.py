@@ -162,9 +162,12 @@ def test_the_page_names_the_grpc_workers_no_salt_reaches(asgi_server, console_pa
     router = RouterFactory(name="smg-grpc", url=fake_router.url, kind="smg", version="1.13.0",
                            identified_at=timezone.now())  # fmt: skip
     http_worker = EngineWorkerFactory(name="w-http", router=router, command_line=["--page-size=16"])
-    fake_router.add(http_worker.url)  # smg lists a gRPC worker by its grpc:// URL, not the sidecar's
-    grpc_worker = EngineWorkerFactory(name="w-grpc", url=fake_worker().url, router=router,
-                                      command_line=["--page-size=16", "--grpc-mode"])  # fmt: skip
+    fake_router.add(http_worker.url)
+    grpc_line = ["--page-size=16", "--grpc-mode", "--port=31500"]
+    grpc_worker = EngineWorkerFactory(
+        name="w-grpc", url=fake_worker().url, router=router, command_line=grpc_line
+    )
+    fake_router.add("grpc://127.0.0.1:31500")  # smg lists a gRPC worker by its grpc:// URL, not the sidecar's
     page, errors = console_page("grpc", "operator")
     page.goto(f"{asgi_server}/routers/{router.pk}/")
     expect(page.get_by_test_id("cache-salt-grpc")).to_have_text("to gRPC workers, every route dropped")
@@ -178,6 +181,9 @@ def test_the_page_names_the_grpc_workers_no_salt_reaches(asgi_server, console_pa
     rows = page.locator("#router-workers tbody tr")
     expect(rows.filter(has_text="w-grpc").locator("td").first).to_have_text("w-grpc gRPC")
     expect(rows.filter(has_text="w-http").locator("td").first).to_have_text("w-http")
+    for name in ("w-grpc", "w-http"):  # listed by the router: the gRPC one by its grpc:// URL
+        expect(rows.filter(has_text=name).get_by_text("no (drained or removed)")).to_have_count(0)
+        expect(rows.filter(has_text=name).locator("td", has_text="yes")).to_have_count(1)
     assert page.evaluate("document.documentElement.scrollWidth") == 1280
     if SHOTS:
         page.screenshot(path=os.path.join(SHOTS, "router-grpc.png"), full_page=True)
