@@ -122,7 +122,8 @@ def worker_crossover(costs: dict[str, list[dict]], *, page_size: int, current: d
     (None: loading never wins, or not measured), ``loading_wins`` (``always`` / ``from`` / ``never`` /
     None), the load and recompute terms in seconds), ``recommended`` (``prefetch_threshold`` (tokens, whole
     pages), ``prefetch_timeout_base`` (s), ``prefetch_timeout_per_ki_token`` (s); {} when L3 or prefill is
-    not measured enough), ``changes`` (``{field: {"before", "after"}}`` where ``current`` differs),
+    not measured enough), ``changes`` (``{field: {"before", "after"}}`` where ``current`` differs; every
+    recommended field, ``before`` None, when ``current`` is unknown),
     ``load_back_threshold`` (the engine's fixed one and the L2 crossover) and ``notes``."""
     measured, fits, notes = {}, {}, []
     for op in OPERATIONS:
@@ -177,12 +178,13 @@ def worker_crossover(costs: dict[str, list[dict]], *, page_size: int, current: d
             recommended["prefetch_threshold"] = _round_up(l3["crossover_tokens"], page_size)
         recommended["prefetch_timeout_base"] = round(l3["load_fixed_s"], 4)
         recommended["prefetch_timeout_per_ki_token"] = round(1024 * l3["recompute_per_token_s"], 4)
+    # an unknown config (no operation has read it back from the worker yet) is not the recommended one:
+    # every recommended field is a change, its before None
     changes = {}
-    if current is not None:
-        for key, after in recommended.items():
-            before = current.get(key)
-            if before != after:
-                changes[key] = {"before": before, "after": after}
+    for key, after in recommended.items():
+        before = None if current is None else current.get(key)
+        if current is None or before != after:
+            changes[key] = {"before": before, "after": after}
     l2 = tiers["L2"]
     return {
         "page_size": page_size,

@@ -59,7 +59,7 @@ import torch
 
 from engine.cache.storage import page_file
 from engine.cache.storage.base import (
-    HiCacheStorage,
+    BatchFirstStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
     StorageConfigError,
@@ -241,7 +241,7 @@ def _start_error(settings: dict[str, str], exc: Exception) -> str:
 Views = list[memoryview]  # one page's byte views, in flat page order
 
 
-class HiCacheAibrix(HiCacheStorage):
+class HiCacheAibrix(BatchFirstStorage):
     """L3 pages in AIBrix KVCache's L2 store; thread-safe; ``supports_v1`` (each page copied once between
     its host-pool slots and its AIBrix block).
 
@@ -456,9 +456,6 @@ class HiCacheAibrix(HiCacheStorage):
         ok = self._read(keys, [[_as_bytes(t)] for t in targets])
         return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
 
-    def get(self, key: str, target_location: torch.Tensor | None = None, target_sizes=None) -> Any:
-        return self.batch_get([key], None if target_location is None else [target_location])[0]
-
     def batch_set(
         self,
         keys: Sequence[str],
@@ -470,16 +467,6 @@ class HiCacheAibrix(HiCacheStorage):
         if values is None or len(values) != len(keys):
             raise ValueError("batch_set() needs one page tensor per key in values")
         return all(self._write(keys, [[_as_bytes(v.contiguous())] for v in values]))
-
-    def set(
-        self, key: str, value: torch.Tensor | None = None, target_location=None, target_sizes=None
-    ) -> bool:
-        if value is None:
-            raise ValueError("set() needs the page tensor in value")
-        return self.batch_set([key], [value])
-
-    def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Leading keys stored (AIBrix's ``exists``), asked of the stored unit's partition (a page, or a

@@ -239,3 +239,22 @@ class HiCacheStorage(ABC):
         with self._stats_lock:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+
+class BatchFirstStorage(HiCacheStorage):
+    """A backend whose batch calls are its own (``batch_get``, ``batch_set``, ``batch_exists``) and whose
+    single-key calls are a batch of one, the other way round from :class:`HiCacheStorage`'s defaults."""
+
+    def get(self, key: str, target_location: torch.Tensor | None = None, target_sizes=None) -> Any:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def set(
+        self, key: str, value: torch.Tensor | None = None, target_location=None, target_sizes=None
+    ) -> bool:
+        """Raises ``ValueError`` without the page tensor ``value``."""
+        if value is None:
+            raise ValueError("set() needs the page tensor in value")
+        return self.batch_set([key], [value])
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1

@@ -19,12 +19,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from engine.cache.storage.base import HiCacheStorage, HiCacheStorageExtraInfo
+from engine.cache.storage.base import BatchFirstStorage, HiCacheStorage, HiCacheStorageExtraInfo
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ def combine_page(parts: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tens
     return out
 
 
-class ShardedStorage(HiCacheStorage):
+class ShardedStorage(BatchFirstStorage):
     """A backend seen through a :class:`ShardMap`: each page key is this rank's shard keys in ``inner``.
 
     Reads and writes move whole pages of the rank (the host pool's flat page order), split into or combined
@@ -197,19 +196,6 @@ class ShardedStorage(HiCacheStorage):
         assert self._page_shape is not None, "_page_numel raised otherwise"
         parts = [p for v in values for p in split_page(v.reshape(self._page_shape), self.shards.count)]
         return self.inner.batch_set(self._expand(keys), parts)
-
-    def get(self, key: str, target_location: torch.Tensor | None = None, target_sizes=None) -> Any:
-        return self.batch_get([key], None if target_location is None else [target_location])[0]
-
-    def set(
-        self, key: str, value: torch.Tensor | None = None, target_location=None, target_sizes=None
-    ) -> bool:
-        if value is None:
-            raise ValueError("set() needs the page tensor in value")
-        return self.batch_set([key], [value])
-
-    def exists(self, key: str) -> bool:
-        return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Leading pages whose every shard exists."""

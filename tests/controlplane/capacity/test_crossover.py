@@ -76,6 +76,9 @@ def test_known_lines_give_the_known_crossover_and_recommendation():
         "prefetch_timeout_per_ki_token": round(1024 * 50e-6, 4),
     }
     assert out["changes"]["prefetch_threshold"] == {"before": 256, "after": 544}
+    unknown = worker_crossover(costs, page_size=PAGE, current=None)  # no operation read the config back yet
+    assert unknown["current"] is None  # not "already runs it": every recommended field is a change
+    assert unknown["changes"] == {k: {"before": None, "after": v} for k, v in out["recommended"].items()}
     assert out["load_back_threshold"] == {
         "engine": 10,
         "l2_crossover_tokens": l2["crossover_tokens"],

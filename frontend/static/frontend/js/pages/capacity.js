@@ -354,8 +354,8 @@ KV.ready(function () {
   function applyCrossover(w, button) {
     var err = KV.$("#crossover-error");
     err.textContent = "";
-    var rows = Object.keys(w.changes).sort().map(function (k) {
-      return { worker: w.worker + ": " + k, before: settingText(w.changes[k].before), after: settingText(w.changes[k].after) };
+    var rows = Object.keys(w.changes).sort().map(function (k) {  // current null: not read back from the worker yet
+      return { worker: w.worker + ": " + k, before: w.current == null ? "not known yet" : settingText(w.changes[k].before), after: settingText(w.changes[k].after) };
     });
     return KV.confirm({ title: "Apply the measured crossover to " + w.worker + "?", column: "Worker: setting", rows: rows,
       text: "This creates an apply config revision operation on " + w.worker + ": the values below become the next revision of " +
