@@ -198,8 +198,8 @@ class DPAdmin:
     async def detach(self) -> None:
         """Detach L3 on every rank; the taken backends are closed once every rank let go. On a failure at
         rank k the backends taken from ranks 0..k-1 are attached again; ``DPAdminError``."""
+        taken: list[tuple[Scheduler, PreparedBackend | None, dict]] = []
         async with self._lock, self.dispatcher.gate():
-            taken: list[tuple[Scheduler, PreparedBackend | None, dict]] = []
             for i, sched in enumerate(self.schedulers):
                 try:
                     status = await self.post(sched, ReadStorage("config"))
@@ -211,9 +211,9 @@ class DPAdmin:
                             await self.post(s, AttachStorage(prepared, None, *policies))
                     raise self._error(i, exc, len(taken)) from None
                 taken.append((sched, got, status))
-            for _, prepared, _ in taken:
-                if prepared is not None:
-                    await asyncio.to_thread(prepared.close)
+        for _, prepared, _ in taken:  # outside the lock and gate: a store that does not answer may hold it
+            if prepared is not None:
+                await asyncio.to_thread(prepared.close)
 
     async def update_policies(self, fields: dict) -> dict:
         """``UpdatePolicies(fields)`` on every rank; rank 0's new status. On a failure at rank k, ranks
@@ -237,19 +237,23 @@ class DPAdmin:
     async def clear(self) -> None:
         """Wipe L3 once (one namespace): pause L3 I/O on every rank (a failure resumes the paused ones:
         ``DPAdminError``), clear through rank 0's backend, resume every rank. ``CacheAdminError`` when the
-        store's clear fails (every rank resumed)."""
+        store's clear fails (every rank resumed). Only the pausing holds the admin lock and the dispatch
+        gate: the clear itself may wait long on a store that does not answer, while the ranks serve and
+        refuse other admin work ("a clear ... is running") until they resume."""
+        paused: list[tuple[Scheduler, object]] = []
         async with self._lock, self.dispatcher.gate():
-            paused: list[tuple[Scheduler, object]] = []
-            try:
-                for i, sched in enumerate(self.schedulers):
-                    try:
-                        paused.append((sched, await self.post(sched, PauseStorage())))
-                    except (NotIdleError, CacheAdminError, ValueError) as exc:
-                        raise self._error(i, exc, len(paused)) from None
-                await asyncio.to_thread(paused[0][1].clear)  # type: ignore[attr-defined]
-            finally:
-                for sched, p in paused:
-                    await self.post(sched, ResumeStorage(p))
+            for i, sched in enumerate(self.schedulers):
+                try:
+                    paused.append((sched, await self.post(sched, PauseStorage())))
+                except (NotIdleError, CacheAdminError, ValueError) as exc:
+                    for s, p in paused:
+                        await self.post(s, ResumeStorage(p))
+                    raise self._error(i, exc, len(paused)) from None
+        try:
+            await asyncio.to_thread(paused[0][1].clear)  # type: ignore[attr-defined]
+        finally:
+            for sched, p in paused:
+                await self.post(sched, ResumeStorage(p))
 
     async def flush(self) -> None:
         """Clear L1 and L2 of every rank, or of none: every rank must be idle first (``RequireIdle``;
