@@ -414,7 +414,9 @@ def crossover_apply(*, worker_name: str, window_s: int | None = None, actor, rea
     worker = EngineWorker.objects.filter(name=worker_name).first()
     if worker is None:
         raise ApplicationError(
-            f"no worker {worker_name!r}", detail={"worker": [f"no worker {worker_name!r}"]}
+            f"no worker {worker_name!r}",
+            code="validation_error",
+            detail={"worker": [f"no worker {worker_name!r}"]},
         )
     rows = _answers({worker.name: worker}, window_s)
     answer = rows[0] if rows else None

@@ -165,6 +165,7 @@ def test_crossover_api_reads_the_worker_exporter_from_the_tsdb_and_applies_it(ts
     operator = api_as("operator")
     unknown = operator.post(apply, {"worker": "w9"}, format="json")
     assert unknown.status_code == 400 and "worker" in unknown.json()["error"]["detail"]
+    assert unknown.json()["error"]["code"] == "validation_error"  # as every 400 that names a field
     applied = operator.post(apply, {"worker": "w0", "reason": "slow file L3"}, format="json")
     assert applied.status_code == 201, applied.content
     body = applied.json()
