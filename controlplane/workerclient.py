@@ -97,9 +97,11 @@ class WorkerClient:
         self.api_key = api_key
         self.timeout = timeout
 
-    def _call(self, method: str, path: str, json=None, key: str = ""):
+    def _call(self, method: str, path: str, json=None, key: str = "", change: bool = False):
+        """``change``: a call that changes the worker (the apply timeout, as PUT and DELETE get)."""
         headers = {"Authorization": f"Bearer {key}"} if key else None
-        return _request(method, self.base_url + path, headers=headers, json=json, timeout=self.timeout)
+        timeout = self.timeout or (_timeout(change=True) if change else None)
+        return _request(method, self.base_url + path, headers=headers, json=json, timeout=timeout)
 
     def server_info(self) -> dict:
         """Launch args, `is_idle`, `num_running_reqs`, `num_waiting_reqs`, `inflight_cache_io`, `hicache`,
@@ -155,7 +157,9 @@ class WorkerClient:
         worker needs a restart) comes back as the :class:`PdRoleSwitchResponse` with ``success`` false; any
         other error (bad role, flag off, 401, unreachable) raises as every call here."""
         try:
-            response = self._call("POST", "/pd_role_switch", json={"new_role": new_role}, key=self.api_key)
+            response = self._call(
+                "POST", "/pd_role_switch", json={"new_role": new_role}, key=self.api_key, change=True
+            )
         except WorkerError as exc:
             try:
                 return PdRoleSwitchResponse.model_validate_json(exc.body or "")
