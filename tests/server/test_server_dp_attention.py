@@ -56,7 +56,7 @@ def _ranks(client):
     return client.get("/server_info").json()["internal_states"]
 
 
-def _until(client, ok, timeout: float = 30.0):
+def _until(client, ok, timeout: float = 120.0):  # a poll deadline: a hang, not a timing, fails it
     """Poll ``internal_states`` until ``ok(states)`` (a rank publishes its snapshot after its last event);
     returns them; AssertionError with the last states otherwise."""
     deadline = time.monotonic() + timeout
