@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 MOE_ROUTERS = ("softmax", "greedy", "group_limited_greedy", "noaux_tc")  # ModelConfig.topk_method
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "deepseek2")  # llama.cpp's general.architecture names
 # rope types whose inv_freq this engine computes (see engine/model/rotary.py)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # yarn: MLA (DeepSeek) models only
 # --torchao-config values (engine/model/linear.py): int8 weight-only, int4 groupwise with upstream's groups
@@ -255,16 +256,17 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], source: str, tie_word_embeddings: bool) -> ModelConfig:
-        """Build from GGUF metadata (``general.architecture`` = llama | qwen2 | qwen3 and ``<arch>.*`` keys).
+        """Build from GGUF metadata (``general.architecture`` = llama | qwen2 | qwen3 | deepseek2 and
+        ``<arch>.*`` keys).
 
         ``tie_word_embeddings`` is True when the file has no ``output.weight`` tensor.
         Follows llama.cpp's key names (``<arch>.block_count``, ``<arch>.attention.head_count_kv``, ...).
         Raises ``ModelLoadError`` naming ``source`` and the missing key.
         """
         arch = meta.get("general.architecture")
-        if arch not in ("llama", "qwen2", "qwen3"):
+        if arch not in GGUF_ARCHITECTURES:
             raise ModelLoadError(
-                source, f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2, qwen3"
+                source, f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
 
         def key(name: str, default: Any = KeyError) -> Any:
@@ -278,9 +280,14 @@ class ModelConfig:
         heads = int(key("attention.head_count"))
         hidden = int(key("embedding_length"))
         scaling = None
-        if key("rope.scaling.type", None) == "linear":
+        rope_type = key("rope.scaling.type", None)
+        if rope_type == "linear":
             scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        elif rope_type not in (None, "none"):
+            raise ModelLoadError(source, f"GGUF {arch}.rope.scaling.type {rope_type!r} is not mapped")
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        if arch == "deepseek2":
+            return cls._from_gguf_deepseek2(key, meta, hidden, heads, tie_word_embeddings, source)
         return cls(
             architecture=arch,
             hidden_size=hidden,
@@ -299,6 +306,65 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+    @classmethod
+    def _from_gguf_deepseek2(
+        cls, key: Any, meta: dict[str, Any], hidden: int, heads: int, tie: bool, source: str
+    ) -> ModelConfig:
+        """llama.cpp's ``deepseek2`` metadata (its converter's keys for DeepSeek-V2/V3): the latent sizes
+        from ``attention.kv_lora_rank`` / ``q_lora_rank`` / ``rope.dimension_count``, the per-head sizes
+        from ``attention.key_length_mla`` / ``value_length_mla`` (older files: ``key_length`` /
+        ``value_length``); RoPE rotates pairs (llama.cpp's deepseek2 rope). Sigmoid expert gating
+        (``expert_gating_func`` 2) is DeepSeek-V3's router (``noaux_tc``, with ``exp_probs_b``), otherwise
+        V2's softmax (group-limited when ``expert_group_count`` > 1)."""
+        layers = int(key("block_count"))
+        rope = int(key("rope.dimension_count"))
+        if "deepseek2.attention.key_length_mla" in meta:
+            nope, v = int(key("attention.key_length_mla")) - rope, int(key("attention.value_length_mla"))
+        else:
+            nope, v = int(key("attention.key_length")) - rope, int(key("attention.value_length"))
+        q_lora = key("attention.q_lora_rank", None)
+        v3 = int(key("expert_gating_func", 1)) == 2
+        experts = int(key("expert_count", 0))
+        dense = int(key("leading_dense_block_count", layers))
+        groups = int(key("expert_group_count", 1) or 1)
+        moe: dict[str, Any] = {}
+        if experts and dense < layers:
+            moe = {
+                "moe_layers": tuple(range(dense, layers)),
+                "num_experts": experts,
+                "num_experts_per_tok": int(key("expert_used_count")),
+                "moe_intermediate_size": int(key("expert_feed_forward_length")),
+                "n_shared_experts": int(key("expert_shared_count", 0)),
+                "topk_method": "noaux_tc" if v3 else ("group_limited_greedy" if groups > 1 else "greedy"),
+                "n_group": groups,
+                "topk_group": int(key("expert_group_used_count", 1) or 1),
+                "norm_topk_prob": bool(key("expert_weights_norm", False)),
+                "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
+            }
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture="deepseek_v3" if v3 else "deepseek_v2",
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=rope,
+            intermediate_size=int(key("feed_forward_length")),
+            vocab_size=int(key("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(key("context_length", 4096)),
+            tie_word_embeddings=tie,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+            kv_lora_rank=int(key("attention.kv_lora_rank")),
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            qk_nope_head_dim=nope,
+            v_head_dim=v,
+            rope_interleave=True,
+            **moe,
         )
 
 

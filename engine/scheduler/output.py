@@ -224,10 +224,12 @@ def snapshot(
     http: int,
     idle: bool,
     pd_queues: dict | None = None,
+    cache_hit_rate: float = 0.0,
 ) -> dict:
     """The state other threads read: request counts (``running`` decoding or chunked, ``waiting`` to be
     prefilled, ``pd_transfer`` in the PD queues, ``pd_queues`` the same per queue by upstream's /v1/loads
-    names, ``http`` accepted by the HTTP server), ``idle``, the cache's I/O in flight, settings, breaker,
+    names, ``http`` accepted by the HTTP server), ``idle``, ``cache_hit_rate`` (the last prefill batch's
+    cached over prompt tokens, 0..1), the cache's I/O in flight, settings, breaker,
     counters and per-tenant usage, and L1 use in tokens of a pool of ``pool_size``."""
     hierarchical = cache.enable_hierarchical
     evictable = cache.evictable_size()
@@ -239,6 +241,7 @@ def snapshot(
         "num_http_reqs": http,
         "inflight_cache_io": dict(cache.inflight_io()),
         "is_idle": idle,
+        "cache_hit_rate": cache_hit_rate,
         "hicache": cache.storage_status() if hierarchical else None,
         "storage_health": cache.storage.health() if hierarchical else None,
         "cache_stats": cache.stats.snapshot(),

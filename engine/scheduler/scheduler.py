@@ -136,6 +136,7 @@ class Scheduler:
         self.busy_since: float | None = None
         self.heartbeat = time.monotonic()
         self.forward_passes = 0  # completed forward passes (read by /health_generate as progress)
+        self.cache_hit_rate = 0.0  # cached / prompt tokens of the last prefill batch (sglang:cache_hit_rate)
         self.state: dict = {}
         self.error: BaseException | None = None
         self._publish()
@@ -459,9 +460,8 @@ class Scheduler:
         if timed and self.pool.device.type == "cpu":  # on an accelerator: timed after sampling (below)
             self.cache.stats.costs.observe("prefill", new_tokens, time.perf_counter() - began)
             timed = False
-        if self.metrics:
-            hit = sum(r.cached_tokens for r, s, _ in items if s == r.cached_tokens)
-            self.metrics.on_prefill(hit, new_tokens)
+        hit = sum(r.cached_tokens for r, s, _ in items if s == r.cached_tokens)
+        self.cache_hit_rate = hit / (hit + new_tokens) if hit + new_tokens else 0.0
         done: list[tuple[int, Req]] = []
         for i, (req, _, end) in enumerate(items):
             req.lease.num_computed = end
@@ -575,4 +575,5 @@ class Scheduler:
             pd_queues=self.pd.queue_sizes() if self.pd is not None else {},
             http=self._accepted,
             idle=self.is_idle(),
+            cache_hit_rate=self.cache_hit_rate,
         )

@@ -20,9 +20,9 @@ HTTP server), so the label is always ``"0"`` here; its figures are rank 0's, whi
 (they take the same scheduling decisions).
 
 ``dp_rank`` label (DP attention, ``--enable-dp-attention``), as upstream adds it then: the scheduler
-gauges and the L3 storage counters get one series per DP rank (``tp_rank`` = ``dp_rank``, each DP rank
-being one attention rank); the other cache counters (``cached_tokens`` by source, hits, evictions) are
-summed over the DP ranks.
+gauges (``cache_hit_rate`` too: each rank's last prefill batch) and the L3 storage counters get one
+series per DP rank (``tp_rank`` = ``dp_rank``, each DP rank being one attention rank); the other cache
+counters (``cached_tokens`` by source, hits, evictions) are summed over the DP ranks.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.cache.eviction_names import EVICTION_POLICIES
@@ -38,6 +38,7 @@ from engine.cache.misses import MISS_CAUSES
 from engine.cache.storage.health import STATES as BREAKER_STATES
 from engine.server.tenants import salt_label
 
+_HIT_RATE_DOC = "Prefix hit rate of the last prefill batch (cached / prompt tokens)"
 TENANT_LABEL_LIMIT = 16
 """Tenants (cache salts) with a ``tenant`` label of their own; later ones are counted as ``other``."""
 
@@ -175,12 +176,6 @@ class EngineMetrics:
             counter.labels(model_name)  # exported from 0, before the first failure
         for counter in (self.prompt_tokens, self.generation_tokens, self.num_requests):
             counter.labels(model_name)  # from 0, so a window's increase counts the first request too
-        self.cache_hit_rate = Gauge(
-            "sglang:cache_hit_rate",
-            "Prefix hit rate of the last prefill batch",
-            ["model_name", "tp_rank"],
-            registry=r,
-        )
         self.tenant_label = TenantLabels(list(tenants))
         tenant_labels = ["model_name", "tenant"]
         self.tenant_prompt_tokens = Counter(
@@ -249,10 +244,6 @@ class EngineMetrics:
         """A tenant's request was refused at its ``max_requests`` (``label``: the tenant's metric label)."""
         self.tenant_rejected.labels(self.model_name, label).inc()
 
-    def on_prefill(self, hit_tokens: int, new_tokens: int) -> None:
-        total = hit_tokens + new_tokens
-        self.cache_hit_rate.labels(self.model_name, self.tp_rank).set(hit_tokens / total if total else 0.0)
-
     def on_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
 
@@ -311,6 +302,7 @@ class _StateCollector:
         yield gauge("num_used_tokens", "KV slots held by requests", used)
         yield gauge("max_total_num_tokens", "L1 KV pool capacity (tokens)", total)
         yield gauge("token_usage", "Used / capacity", round(used / total, 2) if total else 0.0)
+        yield gauge("cache_hit_rate", _HIT_RATE_DOC, state.get("cache_hit_rate", 0.0))
         stats = state.get("cache_stats") or {}
         if state.get("hicache") is not None:
             yield gauge("hicache_host_used_tokens", "L2 tokens in use", stats.get("host_used_tokens", 0))
@@ -384,6 +376,7 @@ class _StateCollector:
             lambda st, _: st.get("max_total_num_tokens", 0),
         )
         yield gauge("token_usage", "Used / capacity", usage)
+        yield gauge("cache_hit_rate", _HIT_RATE_DOC, lambda st, _: st.get("cache_hit_rate", 0.0))
         if states[0].get("hicache") is not None:
             yield gauge(
                 "hicache_host_used_tokens", "L2 tokens in use", lambda _, s: s.get("host_used_tokens", 0)

@@ -242,22 +242,7 @@ def write_gguf(
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    vocab = tok.get_vocab(with_added_tokens=True)
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
-    types = [3 if t in specials else 1 for t in tokens]
-    tokens += [f"<unused_{i}>" for i in range(cfg.vocab_size - len(tokens))]
-    types += [5] * (cfg.vocab_size - len(types))
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_eos_token_id(vocab["<|im_end|>"])
-    writer.add_bos_token_id(vocab["<|endoftext|>"])
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    _add_tokenizer(writer, tok, cfg.vocab_size)
     names = {v: k for k, v in _GGUF_NAMES.items()}
     for hf_name, t in hf_model.state_dict().items():
         name = hf_name
@@ -272,6 +257,119 @@ def write_gguf(
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tok: tokenizers.Tokenizer, vocab_size: int) -> None:
+    """``tok`` as llama.cpp's ``tokenizer.ggml.*`` keys (byte-level BPE, padded to ``vocab_size``)."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    types = [3 if t in specials else 1 for t in tokens]
+    tokens += [f"<unused_{i}>" for i in range(vocab_size - len(tokens))]
+    types += [5] * (vocab_size - len(types))
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    writer.add_bos_token_id(vocab["<|endoftext|>"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+# HF name part -> llama.cpp deepseek2 name part (its converter's tensor map), most specific first
+_DEEPSEEK2_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "model.layers.": "blk.", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.o_proj": "attn_output",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def write_deepseek2_gguf(path: Path, folder: Path, qtype: GGMLQuantizationType | None = None) -> None:
+    """The tiny DeepSeek HF checkpoint in ``folder`` as llama.cpp's converter writes a ``deepseek2`` GGUF
+    today: one KV head of ``kv_lora_rank + rope`` (``key_length``; the per-head sizes in ``*_mla``),
+    experts stacked per layer (``ffn_*_exps``, ``(E, out, in)``), ``kv_b_proj`` split into ``attn_k_b``
+    (per head, transposed: ``(H, rank, nope)``) and ``attn_v_b`` (``(H, v, rank)``), V3's sigmoid gating.
+    2-D weights are quantized to ``qtype`` when given."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = {k: t.float().numpy() for k, t in load_file(str(folder / "model.safetensors")).items()}
+    rank, rope, nope, v = (
+        cfg["kv_lora_rank"],
+        cfg["qk_rope_head_dim"],
+        cfg["qk_nope_head_dim"],
+        cfg["v_head_dim"],
+    )
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_block_count(layers)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(1)
+    writer.add_rope_freq_base((cfg.get("rope_parameters") or cfg)["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_leading_dense_block_count(cfg.get("first_k_dense_replace", layers))
+    if cfg.get("q_lora_rank") is not None:
+        writer.add_q_lora_rank(cfg["q_lora_rank"])
+    writer.add_kv_lora_rank(rank)
+    writer.add_key_length(rank + rope)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(nope + rope)
+    writer.add_value_length_mla(v)
+    writer.add_rope_dimension_count(rope)
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_expert_shared_count(cfg.get("n_shared_experts") or 0)
+    experts = cfg.get("n_routed_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_group_count(cfg.get("n_group") or 1)
+        writer.add_expert_group_used_count(cfg.get("topk_group") or 1)
+        writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        if cfg.get("norm_topk_prob"):
+            writer.add_expert_weights_norm(True)
+        gating = gguf.ExpertGatingFuncType.SIGMOID if cfg["model_type"] == "deepseek_v3" else None
+        if gating is not None:
+            writer.add_expert_gating_func(gating)
+    _add_tokenizer(writer, tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")), cfg["vocab_size"])
+
+    def add(name: str, arr: np.ndarray) -> None:
+        if qtype is not None and arr.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(arr))
+
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        kv_b = w.pop(p + "self_attn.kv_b_proj.weight").reshape(heads, nope + v, rank)
+        add(f"blk.{i}.attn_k_b.weight", kv_b[:, :nope].transpose(0, 2, 1))
+        add(f"blk.{i}.attn_v_b.weight", kv_b[:, nope:])
+        for proj, part in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            names = [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(experts or 0)]
+            if names and names[0] in w:
+                add(f"blk.{i}.ffn_{part}_exps.weight", np.stack([w.pop(n) for n in names]))
+    for hf_name, arr in w.items():
+        name = hf_name
+        for hf_part, gguf_part in _DEEPSEEK2_NAMES.items():
+            name = name.replace(hf_part, gguf_part)
+        add(name, arr)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -6,13 +6,24 @@ config from metadata, and the byte-level BPE tokenizer rebuilt from ``tokenizer.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import tokenizers
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from model_testlib import PageAllocator, greedy_generate, hf_greedy, save_tiny_model, write_gguf
+from model_testlib import (
+    PageAllocator,
+    greedy_generate,
+    hf_greedy,
+    save_tiny_model,
+    write_deepseek2_gguf,
+    write_gguf,
+)
 
 from engine.cache.device_pool import DeviceKVPool
+from engine.model.errors import ModelLoadError
 from engine.model.loader import load_checkpoint
 from engine.model.runner import ModelRunner
 
@@ -89,3 +100,35 @@ def test_gguf_tokenizer_and_chat_template_match_the_hf_folder(tmp_path):
     assert from_gguf.encode_chat(messages) == from_folder.encode_chat(messages)
     assert from_gguf.decode(from_gguf.encode("caf\u00e9 \u2713")) == "caf\u00e9 \u2713"
     assert from_gguf.eos_token_ids == {from_folder.token_to_id("<|im_end|>")}
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2_moe", "deepseek_v3_moe"])
+def test_deepseek2_gguf_loads_equal_to_the_hf_folder(tmp_path, kind):
+    """llama.cpp's ``deepseek2`` layout (stacked experts, kv_b_proj split into attn_k_b / attn_v_b, one MQA
+    head of the latent's width): every tensor loads equal to the HF folder's, the config is the folder's,
+    and the runner's greedy tokens and logits are transformers'."""
+    hf_model = save_tiny_model(tmp_path, kind, seed=15)
+    write_deepseek2_gguf(tmp_path / "tiny.gguf", tmp_path)
+    hf, gg = load_checkpoint(tmp_path), load_checkpoint(tmp_path / "tiny.gguf")
+    assert gg.config.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps)  # stored as float32
+    # every field but those the GGUF keeps elsewhere (eps above; BOS / EOS ids: the tokenizer's metadata)
+    ids = {"bos_token_id": None, "eos_token_ids": ()}
+    assert replace(gg.config, rms_norm_eps=hf.config.rms_norm_eps, **ids) == replace(hf.config, **ids)
+    assert sorted(gg.tensors) == sorted(hf.tensors)
+    for name, tensor in hf.tensors.items():
+        assert torch.equal(gg.tensors[name], tensor.float()), name
+    _assert_runner_matches_hf(ModelRunner(tmp_path / "tiny.gguf", dtype="float32"), hf_model)
+
+
+def test_a_deepseek2_gguf_with_half_of_kv_b_is_refused_naming_the_tensor(tmp_path):
+    save_tiny_model(tmp_path, "deepseek_v3_moe", seed=16)
+    path = tmp_path / "tiny.gguf"
+    write_deepseek2_gguf(path, tmp_path)
+    data = bytearray(path.read_bytes())  # layer 0's attn_v_b renamed into layer 9: both halves unpaired
+    at = data.find(b"blk.0.attn_v_b.weight")
+    data[at : at + 5] = b"blk.9"
+    (tmp_path / "broken.gguf").write_bytes(data)
+    with pytest.raises(
+        ModelLoadError, match=r"'blk\.0\.attn_k_b\.weight' without its other half of kv_b_proj"
+    ):
+        load_checkpoint(tmp_path / "broken.gguf")

@@ -19,12 +19,14 @@ def tiny_runner(tiny_model_dir) -> ModelRunner:
 
 @pytest.fixture
 def make_engine(tiny_model_dir, tiny_runner):
-    """``make_engine(*flags)`` -> a started Engine on the tiny model (stopped at teardown)."""
+    """``make_engine(*flags, model=None)`` -> a started Engine on the tiny model, or on ``model``, a
+    ``(folder, ModelRunner)`` pair (stopped at teardown)."""
     engines = []
 
-    def make(*flags: str):
-        args = parse_args(["--model-path", str(tiny_model_dir), *flags])
-        engine = build_engine(args, runner=tiny_runner)
+    def make(*flags: str, model: tuple | None = None):
+        folder, runner = model or (tiny_model_dir, tiny_runner)
+        args = parse_args(["--model-path", str(folder), *flags])
+        engine = build_engine(args, runner=runner)
         engines.append(engine)
         return engine
 
@@ -35,11 +37,11 @@ def make_engine(tiny_model_dir, tiny_runner):
 
 @pytest.fixture
 def serve(make_engine):
-    """``serve(*flags)`` -> (ThreadedServer, httpx.Client) on a fresh tiny-model engine."""
+    """``serve(*flags, model=None)`` -> (ThreadedServer, httpx.Client) on a fresh engine (``make_engine``)."""
     stack = []
 
-    def start(*flags: str):
-        server = ThreadedServer(make_engine(*flags)).__enter__()
+    def start(*flags: str, model: tuple | None = None):
+        server = ThreadedServer(make_engine(*flags, model=model)).__enter__()
         client = httpx.Client(base_url=server.url, timeout=60)
         stack.append((server, client))
         return server, client

@@ -1,4 +1,5 @@
-"""DP attention (``--tp-size 2 --dp-size 2 --enable-dp-attention``) on the tiny Llama: outputs equal dp 1,
+"""DP attention (``--tp-size 2 --dp-size 2 --enable-dp-attention``) on the tiny Llama, DeepSeek-V3 (MLA + MoE)
+and Qwen3-MoE: outputs equal dp 1,
 a conversation's next turn lands on the rank holding its prefix, admin work reaches every DP rank or none
 (the reply names the rank that refused), and the dispatcher's rule (engine/server/dp.py)."""
 
@@ -8,7 +9,9 @@ import json
 import time
 
 import pytest
+from server_testlib import model_testlib
 
+from engine.model.runner import ModelRunner
 from engine.server.dp import AFFINITY_MIN_TOKENS, BALANCE_ABS_THRESHOLD, choose_rank
 
 KEY = "admin-secret"
@@ -71,19 +74,26 @@ def _until(client, ok, timeout: float = 120.0):  # a poll deadline: a hang, not 
 PROMPTS = [[(7 * i + 3 * j) % 300 + 10 for j in range(40)] for i in range(4)]
 
 
-def test_dp2_equals_dp1_and_each_conversation_returns_to_its_rank(serve):
-    _, one = serve("--page-size", "4")
+@pytest.fixture(scope="module", params=["deepseek_v3_moe", "qwen3_moe"])
+def moe_model(request, tmp_path_factory):
+    """(folder, ModelRunner) of a tiny random DeepSeek-V3 (MLA + MoE with a shared expert) or Qwen3-MoE (GQA
+    + MoE), written by transformers."""
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model_testlib().save_tiny_model(folder, request.param, seed=23)
+    return folder, ModelRunner(folder, dtype="float32", device="cpu")
+
+
+def _dp2_equals_dp1_and_each_conversation_returns_to_its_rank(serve, model=None):
+    _, one = serve("--page-size", "4", model=model)
     expected = [_generate(one, p) for p in PROMPTS]
-    _, two = serve("--page-size", "4", *DP2)
+    server, two = serve("--page-size", "4", *DP2, model=model)
     info = two.get("/server_info").json()
     assert (info["dp_size"], info["enable_dp_attention"], len(info["internal_states"])) == (2, True, 2)
     loads = two.get("/v1/loads").json()
     assert loads["dp_rank_count"] == 2 and [r["dp_rank"] for r in loads["loads"]] == [0, 1]
     assert [_generate(two, p) for p in PROMPTS] == expected
-    assert [r["num_dispatched_reqs"] for r in _ranks(two)] == [
-        2,
-        2,
-    ]  # idle ranks, no shared prefix: alternate
+    # idle ranks, no shared prefix: alternate
+    assert [r["num_dispatched_reqs"] for r in _ranks(two)] == [2, 2]
 
     # two conversations: turn 1 lands on an idle rank each, turn 2 (turn 1 + answer + more) follows its cache
     a, b = [[(11 * i + 5 * j) % 290 + 20 for j in range(48)] for i in (1, 2)]
@@ -96,25 +106,64 @@ def test_dp2_equals_dp1_and_each_conversation_returns_to_its_rank(serve):
     assert turn1[rank_b]["num_dispatched_reqs"] == before[rank_b]["num_dispatched_reqs"] + 1
     for conv, out, rank in ((a, out_a, rank_a), (b, out_b, rank_b)):
         hits = [r["hit_tokens"]["device"] for r in _ranks(two)]
-        _generate(two, conv + out + [9, 8, 7, 6])
+        # the answer's ids kept below the tokenizer's vocabulary (the tiny models' LM head is wider)
+        _generate(two, conv + [t % 300 for t in out] + [9, 8, 7, 6])
         after = [r["hit_tokens"]["device"] for r in _ranks(two)]
         assert after[rank] - hits[rank] >= 48  # the whole turn-1 prompt came from that rank's L1
         assert after[1 - rank] == hits[1 - rank]  # the other rank served nothing
+    return server.engine
+
+
+def test_dp2_equals_dp1_and_each_conversation_returns_to_its_rank(serve):
+    _dp2_equals_dp1_and_each_conversation_returns_to_its_rank(serve)
+
+
+def test_dp2_of_the_mla_and_moe_models_equals_dp1_and_conversations_return(serve, moe_model):
+    """The same on DeepSeek-V3 (each DP rank's pool holds the MLA latent, its own rank-0 L3 writer) and on
+    Qwen3-MoE: both ranks share one runner's weights, MoE layers included."""
+    engine = _dp2_equals_dp1_and_each_conversation_returns_to_its_rank(serve, moe_model)
+    cfg = moe_model[1].config
+    assert cfg.moe and [s.pool.num_kv_heads for s in engine.schedulers] == [cfg.kv_cache_heads] * 2
+    assert cfg.mla == (cfg.kv_cache_heads == 1)  # deepseek_v3: each rank's pool holds the one latent
+
+
+def _series(text: str, metric: str) -> dict[str, float]:
+    """``{labels: value}`` of ``metric``'s samples in a /metrics text."""
+    return {
+        line.split("}")[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(f"sglang:{metric}{{")
+    }
 
 
 def test_metrics_carry_the_dp_rank_label(serve):
+    """The scheduler gauges have one series per DP rank; ``cache_hit_rate`` is each rank's last prefill
+    batch (rank 0's hit is not overwritten by rank 1's later cold prefill)."""
     _, client = serve("--enable-metrics", *DP2)
-    _generate(client, PROMPTS[0])
-    text = client.get("/metrics").text
-    for metric in ("num_running_reqs", "num_queue_reqs", "max_total_num_tokens", "token_usage"):
-        series = sorted(
-            line.split("}")[0] for line in text.splitlines() if line.startswith(f"sglang:{metric}{{")
-        )
-        assert series == [
-            f'sglang:{metric}{{dp_rank="{r}",model_name="{client.get("/model_info").json()["model_path"]}",'
-            f'tp_rank="{r}"'
-            for r in (0, 1)
-        ]
+    _generate(client, PROMPTS[0])  # rank 0, cold
+    _generate(client, PROMPTS[0])  # rank 0 again (its cache): a hit
+    _generate(client, PROMPTS[1])  # rank 1 (fewer dispatched), cold
+    model = client.get("/model_info").json()["model_path"]
+
+    def labels(metric):
+        return [f'sglang:{metric}{{dp_rank="{r}",model_name="{model}",tp_rank="{r}"' for r in (0, 1)]
+
+    deadline = time.monotonic() + 120  # a rank publishes its gauges after the step that answered
+    while True:
+        text = client.get("/metrics").text
+        rates = [_series(text, "cache_hit_rate").get(label) for label in labels("cache_hit_rate")]
+        if rates[0] is not None and rates[0] > 0 and rates[1] == 0.0:
+            break
+        assert time.monotonic() < deadline, rates
+        time.sleep(0.02)
+    for metric in (
+        "num_running_reqs",
+        "num_queue_reqs",
+        "max_total_num_tokens",
+        "token_usage",
+        "cache_hit_rate",
+    ):
+        assert sorted(_series(text, metric)) == labels(metric), metric
 
 
 def _admin(serve, *extra):

@@ -1,12 +1,14 @@
 """Load a GGUF file (llama.cpp format): metadata -> config, dequantized tensors, BPE tokenizer, chat template.
 
-Tensors are read and dequantized (F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...) with the ``gguf``
-package and renamed to HF names. llama.cpp's converter permutes the rows of Q and K of ``llama`` models for
-its interleaved RoPE; this loader undoes that (rows viewed as ``(heads, head_dim/2, 2)``, inner axes
-swapped) so the rotate-half RoPE of engine/model/rotary.py applies. The tokenizer is rebuilt from
+Tensors are read and dequantized (F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...) with the ``gguf`` package
+and renamed to HF names. ``deepseek2`` files (DeepSeek-V2/V3: MLA + MoE) are mapped back to the HF layout too:
+the stacked experts ``ffn_{gate,up,down}_exps`` split per expert, ``exp_probs_b`` to the router's
+``e_score_correction_bias``, and ``kv_b_proj`` rebuilt from the converter's ``attn_k_b`` / ``attn_v_b`` split
+(or read as ``attn_kv_b`` from older files). llama.cpp's converter permutes the rows of Q and K of ``llama``
+models for its interleaved RoPE; this loader undoes that (rows viewed as ``(heads, head_dim/2, 2)``, inner
+axes swapped) so the rotate-half RoPE of engine/model/rotary.py applies. The tokenizer is rebuilt from
 ``tokenizer.ggml.*``: byte-level BPE (``tokenizer.ggml.model == "gpt2"``) with the pre-tokenizer named by
-``tokenizer.ggml.pre``.
-"""
+``tokenizer.ggml.pre``."""
 
 from __future__ import annotations
 
@@ -43,8 +45,23 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # deepseek2 (MLA + MoE)
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# deepseek2 tensors that are not one HF tensor each: stacked experts (E, out, in) -> one per expert; the
+# converter's split of kv_b_proj (attn_k_b (H, rank, nope), attn_v_b (H, v, rank)) -> kv_b_proj again
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_KV_B_PARTS = ("attn_k_b", "attn_v_b")
 
 # Pre-tokenizer split patterns by tokenizer.ggml.pre (as in the models' own tokenizer.json files).
 _LLAMA3_SPLIT = (
@@ -149,9 +166,33 @@ def _hf_name(name: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK_RE.fullmatch(name)
+    if m and m.group(2) == "exp_probs_b":  # DeepSeek-V3's routing bias
+        return f"model.layers.{m.group(1)}.mlp.gate.e_score_correction_bias"
     if m and m.group(2) in _BLOCK_NAMES:
         return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def _hf_tensors(name: str, data: np.ndarray, parts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF name -> array for GGUF tensor ``name``: one, a stacked expert tensor's per-expert slices, or
+    none yet (an ``attn_k_b`` / ``attn_v_b`` half waits in ``parts`` for the other, then both give
+    ``kv_b_proj``: per head the ``nope`` key rows, then the ``v`` value rows). ``KeyError``: unmapped."""
+    m = _BLOCK_RE.fullmatch(name)
+    if m and m.group(2) in _EXPERT_STACKS:
+        proj = _EXPERT_STACKS[m.group(2)]
+        return {f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight": w for e, w in enumerate(data)}
+    if m and m.group(2) in _KV_B_PARTS:
+        parts[name] = data
+        k_name, v_name = (f"blk.{m.group(1)}.{p}.weight" for p in _KV_B_PARTS)
+        if k_name not in parts or v_name not in parts:
+            return {}
+        k_b, v_b = parts.pop(k_name), parts.pop(v_name)
+        kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # (H, nope + v, rank)
+        return {f"model.layers.{m.group(1)}.self_attn.kv_b_proj.weight": kv_b.reshape(-1, kv_b.shape[-1])}
+    hf = _hf_name(name)
+    if hf is None:
+        raise KeyError(name)
+    return {hf: data}
 
 
 def _open(path: Path) -> tuple[_PlainArrayReader, dict[str, Any], ModelConfig]:
@@ -178,22 +219,29 @@ def load_gguf_file(path: Path) -> Checkpoint:
     source = str(path)
     reader, meta, config = _open(path)
     tensors: dict[str, torch.Tensor] = {}
+    parts: dict[str, np.ndarray] = {}  # deepseek2's attn_k_b / attn_v_b halves
     for t in reader.tensors:
-        hf = _hf_name(t.name)
-        if hf is None:
-            raise ModelLoadError(path, f"unsupported tensor {t.name!r}")
         try:
             data = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
         except NotImplementedError as exc:
             raise ModelLoadError(
                 path, f"tensor {t.name!r}: quantization {t.tensor_type.name} unsupported"
             ) from exc
-        if config.architecture == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
-            data = _unpermute(data, config.num_attention_heads)
-        elif config.architecture == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
-            data = _unpermute(data, config.num_key_value_heads)
-        data = np.ascontiguousarray(data, dtype=np.float32)
-        tensors[hf] = torch.from_numpy(
-            data if data.flags.writeable else data.copy()
-        )  # F32: a view of the file
+        try:
+            mapped = _hf_tensors(t.name, data, parts)
+        except KeyError:
+            raise ModelLoadError(path, f"unsupported tensor {t.name!r}") from None
+        for hf, data in mapped.items():
+            if config.architecture == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
+                data = _unpermute(data, config.num_attention_heads)
+            elif config.architecture == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
+                data = _unpermute(data, config.num_key_value_heads)
+            data = np.ascontiguousarray(data, dtype=np.float32)
+            tensors[hf] = torch.from_numpy(
+                data if data.flags.writeable else data.copy()
+            )  # F32: a view of the file
+    if parts:
+        raise ModelLoadError(
+            path, f"tensor {min(parts)!r} without its other half of kv_b_proj ({_KV_B_PARTS})"
+        )
     return Checkpoint(source, config, tensors, _build_tokenizer(meta, config, source))
