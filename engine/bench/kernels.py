@@ -6,8 +6,11 @@ then meaningless and it says so.
 
 1. Checks: the page-transfer kernel against torch indexing (every host layout, both directions, page sizes
    1/16/64, fp16/bf16/fp32, destinations pre-filled with NaN), decode and extend attention against dense
-   masked SDPA (fp32 within 1e-5, bf16/fp16 within 2e-2, GQA 1/4, decode split over the keys). Any failure
-   exits 1 before timing.
+   masked SDPA (fp32 within 1e-5, bf16/fp16 within 2e-2, GQA 1/4, decode split over the keys); an MLA
+   pool's row (one KV head, half the latent per K / V row) moves like any other. Then the MLA and DP-attention
+   cases (``engine/bench/mla_dp_check.py``): absorbed vs expanded MLA decode on the device, and a tiny
+   DeepSeek-V3 (MLA + MoE) worker at ``--dp-size 2 --enable-dp-attention`` equal to dp 1, a conversation's
+   next turn served by its DP rank's L1. Any failure exits 1 before timing.
 2. Transfer table, a Llama-3-8B-like KV (32 layers, 8 KV heads, head_dim 128, bf16) moving ``--tokens``
    tokens between scattered pages of a device pool and a pinned host pool: GB/s of the ``kernel`` io backend
    (one launch per layer for H2D as the load-back issues it, one launch for all layers for D2H), of the
@@ -23,6 +26,7 @@ then meaningless and it says so.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine.bench import mla_dp_check
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool
 from engine.cache.io_backends import DirectIO, KernelIO
@@ -86,36 +91,35 @@ def _host_shape(layout: str, L: int, N: int, P: int, H: int, D: int) -> tuple[in
 
 def check_transfer(device: torch.device) -> list[str]:
     """Failures of the transfer kernel against torch indexing (empty when all pass)."""
-    failures, L, H, D = [], 2, 2, 8
+    failures, L = [], 2
     pin = device.type == "cuda"
-    for layout in LAYOUTS:
-        for P in (1, 16, 64):
-            for dtype in DTYPES:
-                dev = torch.randn(2, L, 8 * P, H, D, device=device).to(dtype)
-                host = torch.full(_host_shape(layout, L, 10 * P, P, H, D), float("nan"), dtype=dtype)
-                host = host.pin_memory() if pin else host
-                dk = PagedKV.from_strides(dev, **layout_strides("layer_first", L, 8 * P, P, H * D), row=H * D)
-                hk = PagedKV.from_strides(host, **layout_strides(layout, L, 10 * P, P, H * D), row=H * D)
-                src = torch.tensor([3, 1, 1, 7, 5], device=device)  # a repeated source page
-                dst = torch.tensor([9, 0, 4, 2, 6], device=device)  # scattered destinations
-                copy_pages(dk, hk, src, dst, P, 0, L)
-                _sync(device)
-                ok = all(
-                    torch.equal(_page_view(host, layout, d, P), _page_view(dev, "layer_first", s, P).cpu())
-                    for s, d in zip(src.tolist(), dst.tolist(), strict=True)
-                )
-                dev.fill_(float("nan"))
-                back = torch.tensor([6, 4, 0], device=device)
-                into = torch.tensor([2, 7, 5], device=device)
-                for layer in range(L):
-                    copy_pages(hk, dk, back, into, P, layer)
-                _sync(device)
-                ok = ok and all(
-                    torch.equal(_page_view(dev, "layer_first", d, P).cpu(), _page_view(host, layout, s, P))
-                    for s, d in zip(back.tolist(), into.tolist(), strict=True)
-                )
-                if not ok:
-                    failures.append(f"transfer {layout} page {P} {dtype}")
+    # (H, D) = (1, 36): an MLA pool's rows (one KV head; a 72-value latent, half in each of K and V)
+    for (H, D), layout, P, dtype in itertools.product(((2, 8), (1, 36)), LAYOUTS, (1, 16, 64), DTYPES):
+        dev = torch.randn(2, L, 8 * P, H, D, device=device).to(dtype)
+        host = torch.full(_host_shape(layout, L, 10 * P, P, H, D), float("nan"), dtype=dtype)
+        host = host.pin_memory() if pin else host
+        dk = PagedKV.from_strides(dev, **layout_strides("layer_first", L, 8 * P, P, H * D), row=H * D)
+        hk = PagedKV.from_strides(host, **layout_strides(layout, L, 10 * P, P, H * D), row=H * D)
+        src = torch.tensor([3, 1, 1, 7, 5], device=device)  # a repeated source page
+        dst = torch.tensor([9, 0, 4, 2, 6], device=device)  # scattered destinations
+        copy_pages(dk, hk, src, dst, P, 0, L)
+        _sync(device)
+        ok = all(
+            torch.equal(_page_view(host, layout, d, P), _page_view(dev, "layer_first", s, P).cpu())
+            for s, d in zip(src.tolist(), dst.tolist(), strict=True)
+        )
+        dev.fill_(float("nan"))
+        back = torch.tensor([6, 4, 0], device=device)
+        into = torch.tensor([2, 7, 5], device=device)
+        for layer in range(L):
+            copy_pages(hk, dk, back, into, P, layer)
+        _sync(device)
+        ok = ok and all(
+            torch.equal(_page_view(dev, "layer_first", d, P).cpu(), _page_view(host, layout, s, P))
+            for s, d in zip(back.tolist(), into.tolist(), strict=True)
+        )
+        if not ok:
+            failures.append(f"transfer {layout} page {P} {dtype} {H} heads x {D}")
     return failures
 
 
@@ -380,10 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     if interpreting():
         print("TRITON_INTERPRET=1: timings below measure the interpreter, not a GPU; do not report them.")
     failures = check_transfer(device) + check_attention(device)
+    failures += mla_dp_check.check_mla_decode(device, args.tiny) + mla_dp_check.check_dp_attention(device)
     if failures:
         print("FAILED checks:\n  " + "\n  ".join(failures))
         return 1
-    print("checks: transfer (3 layouts x pages 1/16/64 x 3 dtypes, both directions) and attention OK\n")
+    print(
+        "checks: transfer (GQA and MLA rows x 3 layouts x pages 1/16/64 x 3 dtypes, both directions), "
+        "attention, MLA decode, DP attention on MLA + MoE OK\n"
+    )
     print(f"## KV transfer, {layers} layers x {heads} KV heads x {dim}, bf16, {tokens} tokens (GB/s)\n")
     print(_table(bench_transfer(device, tokens, layers, heads, dim, iters)) + "\n")
     a = attention

@@ -283,11 +283,13 @@ class ModelConfig:
         rope_type = key("rope.scaling.type", None)
         if rope_type == "linear":
             scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        elif rope_type == "yarn" and arch == "deepseek2":
+            scaling = _gguf_deepseek_yarn(key)
         elif rope_type not in (None, "none"):
             raise ModelLoadError(source, f"GGUF {arch}.rope.scaling.type {rope_type!r} is not mapped")
         eos = meta.get("tokenizer.ggml.eos_token_id")
         if arch == "deepseek2":
-            return cls._from_gguf_deepseek2(key, meta, hidden, heads, tie_word_embeddings, source)
+            return cls._from_gguf_deepseek2(key, meta, hidden, heads, scaling, tie_word_embeddings)
         return cls(
             architecture=arch,
             hidden_size=hidden,
@@ -310,7 +312,13 @@ class ModelConfig:
 
     @classmethod
     def _from_gguf_deepseek2(
-        cls, key: Any, meta: dict[str, Any], hidden: int, heads: int, tie: bool, source: str
+        cls,
+        key: Any,
+        meta: dict[str, Any],
+        hidden: int,
+        heads: int,
+        scaling: dict[str, Any] | None,
+        tie: bool,
     ) -> ModelConfig:
         """llama.cpp's ``deepseek2`` metadata (its converter's keys for DeepSeek-V2/V3): the latent sizes
         from ``attention.kv_lora_rank`` / ``q_lora_rank`` / ``rope.dimension_count``, the per-head sizes
@@ -355,6 +363,7 @@ class ModelConfig:
             vocab_size=int(key("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())))),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
             max_position_embeddings=int(key("context_length", 4096)),
             tie_word_embeddings=tie,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
@@ -366,6 +375,22 @@ class ModelConfig:
             rope_interleave=True,
             **moe,
         )
+
+
+def _gguf_deepseek_yarn(key: Any) -> dict[str, Any]:
+    """A ``deepseek2`` file's yarn RoPE as HF's ``rope_scaling``. llama.cpp's converter keeps DeepSeek's
+    ``mscale_all_dim`` as ``yarn_log_multiplier`` (x 0.1) and drops ``mscale``; the released V2 / V3
+    configs set both equal (0.707 / 1.0), which is what this reads back."""
+    mscale = round(float(key("rope.scaling.yarn_log_multiplier")) / 0.1, 6)  # stored as float32
+    return {
+        "rope_type": "yarn",
+        "factor": float(key("rope.scaling.factor")),
+        "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+        "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+    }
 
 
 def _deepseek_moe_fields(cfg: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:

@@ -322,7 +322,13 @@ def write_deepseek2_gguf(path: Path, folder: Path, qtype: GGMLQuantizationType |
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(1)
-    writer.add_rope_freq_base((cfg.get("rope_parameters") or cfg)["rope_theta"])
+    rope_cfg = cfg.get("rope_parameters") or cfg
+    writer.add_rope_freq_base(rope_cfg["rope_theta"])
+    if rope_cfg.get("rope_type") == "yarn":  # the converter keeps mscale_all_dim only
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope_cfg["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope_cfg["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope_cfg["mscale_all_dim"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_leading_dense_block_count(cfg.get("first_k_dense_replace", layers))

@@ -102,12 +102,28 @@ def test_gguf_tokenizer_and_chat_template_match_the_hf_folder(tmp_path):
     assert from_gguf.eos_token_ids == {from_folder.token_to_id("<|im_end|>")}
 
 
-@pytest.mark.parametrize("kind", ["deepseek_v2_moe", "deepseek_v3_moe"])
-def test_deepseek2_gguf_loads_equal_to_the_hf_folder(tmp_path, kind):
+# the released DeepSeek configs' yarn shape (mscale == mscale_all_dim, which is what the GGUF keeps)
+YARN = {
+    "rope_type": "yarn", "rope_theta": 5000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.8,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [
+        ("deepseek_v2_moe", {}),
+        ("deepseek_v3_moe", {}),
+        ("deepseek_v3_moe", {"rope_parameters": YARN, "max_position_embeddings": 128}),
+    ],
+    ids=["v2", "v3", "v3-yarn"],
+)
+def test_deepseek2_gguf_loads_equal_to_the_hf_folder(tmp_path, kind, overrides):
     """llama.cpp's ``deepseek2`` layout (stacked experts, kv_b_proj split into attn_k_b / attn_v_b, one MQA
-    head of the latent's width): every tensor loads equal to the HF folder's, the config is the folder's,
-    and the runner's greedy tokens and logits are transformers'."""
-    hf_model = save_tiny_model(tmp_path, kind, seed=15)
+    head of the latent's width; yarn as its type, factor, original context and log multiplier): every
+    tensor loads equal to the HF folder's, the config is the folder's, and the runner's greedy tokens and
+    logits are transformers'."""
+    hf_model = save_tiny_model(tmp_path, kind, seed=15, **overrides)
     write_deepseek2_gguf(tmp_path / "tiny.gguf", tmp_path)
     hf, gg = load_checkpoint(tmp_path), load_checkpoint(tmp_path / "tiny.gguf")
     assert gg.config.rms_norm_eps == pytest.approx(hf.config.rms_norm_eps)  # stored as float32
