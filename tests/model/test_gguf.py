@@ -23,6 +23,7 @@ from model_testlib import (
 )
 
 from engine.cache.device_pool import DeviceKVPool
+from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.loader import load_checkpoint
 from engine.model.runner import ModelRunner
@@ -148,3 +149,10 @@ def test_a_deepseek2_gguf_with_half_of_kv_b_is_refused_naming_the_tensor(tmp_pat
         ModelLoadError, match=r"'blk\.0\.attn_k_b\.weight' without its other half of kv_b_proj"
     ):
         load_checkpoint(tmp_path / "broken.gguf")
+
+
+def test_a_rope_scaling_the_loader_does_not_map_is_refused_naming_the_key():
+    meta = {"general.architecture": "qwen2", "qwen2.attention.head_count": 4, "qwen2.embedding_length": 64}
+    meta["qwen2.rope.scaling.type"] = "yarn"  # mapped for deepseek2 only
+    with pytest.raises(ModelLoadError, match=r"GGUF qwen2\.rope\.scaling\.type 'yarn' is not mapped"):
+        ModelConfig.from_gguf(meta, "tiny.gguf", tie_word_embeddings=True)
