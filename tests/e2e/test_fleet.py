@@ -157,12 +157,18 @@ def test_detach_attach_with_drain_under_traffic(fleet):
 
 
 def test_agent_status_and_drain(fleet):
-    """`kvfleet-agent status`, run as the demo's banner prints it (no spec, no environment), shows both
-    supervised workers by their names with L3 attached; `drain` takes one out of the router through the
-    control plane (audited) and returns once it is idle."""
+    """The API index the demo's banner names answers as printed; `kvfleet-agent status`, run as the banner
+    prints it (no spec, no environment), shows both supervised workers by their names with L3 attached;
+    `drain` takes one out of the router through the control plane (audited) and returns once it is idle."""
     from localfleet import REPO, _banner
 
-    (line,) = [line for line in _banner(fleet).splitlines() if line.strip().startswith("Agent ")]
+    banner = _banner(fleet).splitlines()
+    # the API index it names answers with the token it prints, each endpoint with its methods
+    (line,) = [line for line in banner if line.strip().startswith("API ") and "/api/v1/" in line]
+    index_url, auth = line.split()[1], line.split("Authorization: ", 1)[1].rstrip(")")
+    index = httpx.get(index_url, headers={"Authorization": auth}, timeout=30).json()
+    assert index["endpoints"]["operations/"]["methods"] == ["GET", "POST"]
+    (line,) = [line for line in banner if line.strip().startswith("Agent ")]
     printed = shlex.split(line.split("Agent", 1)[1])
     done = subprocess.run([*printed, "--json"], cwd=REPO, env={"PATH": "/usr/bin:/bin"}, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
