@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 import signal
 import subprocess
@@ -154,6 +155,25 @@ def test_detach_attach_with_drain_under_traffic(fleet):
         f"both workers were drained; cached tokens {tiers}; storage hits pushed after re-attach: "
         f"worker {wid} {pushed['figures']['cached_storage_per_s']:.1f} tok/s (had {baseline[wid]} before)"
     )
+
+
+def test_the_readmes_chat_examples_work_as_printed(fleet):
+    """The README's `openai` SDK and curl examples, run as printed with the demo's router URL put in: the
+    model name they give (smollm2) is the one the router routes by, so each answers."""
+    from localfleet import REPO
+
+    readme = (REPO / "README.md").read_text()
+    (python,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "ROUTER_URL" in b]
+    done = subprocess.run([sys.executable, "-c", python.replace("ROUTER_URL", fleet.router_url)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-2000:]
+    (curls,) = [b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "ROUTER_URL/v1/chat" in b]
+    for command in curls.replace("\\\n", " ").replace("\n  ", " ").strip().splitlines():
+        argv = [*shlex.split(command.replace("ROUTER_URL", fleet.router_url)), "--fail", "--silent"]
+        answer = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert answer.returncode == 0, (command, answer.stdout, answer.stderr)
+        body = json.loads(answer.stdout)
+        assert body.get("choices") or body.get("text"), body
 
 
 def test_agent_status_and_drain(fleet):
