@@ -270,7 +270,8 @@ def pd_pair_generate(prefill: WorkerClient, decode: WorkerClient, bootstrap_port
 
 class RouterClient:
     """One router: smg (1.13.0) or sglang-router (0.3.2), the same worker API on both. Workers are matched
-    by URL (trailing slash ignored).
+    by the URL the router lists them by (trailing slash ignored): a --grpc-mode worker's ``grpc://host:port``
+    (``EngineWorker.router_url``), any other's HTTP URL.
 
     smg removes a worker in two steps: DELETE /workers/{id} answers 202 and the router lists it with
     ``"status": "draining"`` (no longer selected) for about 5 s before it drops the entry; a POST of the same
@@ -378,6 +379,8 @@ class RouterClient:
             time.sleep(0.1)
 
     def _pd_registration(self, url: str) -> tuple[str | None, int | None]:
+        if not url.startswith(("http://", "https://")):
+            return None, None  # a grpc:// worker: --grpc-mode serves a regular worker only
         try:
             info = WorkerClient(url, timeout=self.timeout).server_info()
         except (WorkerError, ValueError):

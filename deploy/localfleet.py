@@ -623,7 +623,9 @@ def _banner(fleet: LocalFleet, duration: float | None = None) -> str:
             + "; try POST /generate)",
             "  Salts        "
             + (fleet.router_identity.salt_warning() or "cache_salt reaches the workers on every route"),
-            f"  API          {fleet.console_url}/api/docs/   (token: {fleet.tokens['admin']})",
+            f"  API          {fleet.console_url}/api/v1/   (the index: every endpoint and its methods; "
+            f"Authorization: Bearer {fleet.tokens['admin']})",
+            f"  API docs     {fleet.console_url}/api/docs/   (Swagger UI; OpenAPI at /api/schema/)",
             "  Workers      "
             + ", ".join(f"{u} ({r})" for u, r in zip(fleet.worker_urls, fleet.worker_roles, strict=True))
             + ("   (upstream SGLang)" if fleet.engine == "sglang" else ""),

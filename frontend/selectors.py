@@ -18,7 +18,6 @@ from controlplane.rebalance.services.launch import router_slo
 from controlplane.telemetry import promql, worker_view
 from controlplane.telemetry.selectors import POOLS
 from controlplane.workerclient import RouterClient, WorkerClient, WorkerError
-from engine.fleet.identity import grpc_url
 from engine.server.contract import CAPABILITIES, HICACHE_EXTRA_KEYS
 
 # HiCache settings shown on the worker page, in this order (SGLang server-arg names).
@@ -250,12 +249,8 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
         {
             "worker": w,
             # a gRPC worker is listed by its grpc:// URL, registered by its HTTP sidecar's
-            "in_router": (
-                (w.url.rstrip("/") in live_urls or grpc_url(w.url, w.command_line) in live_urls)
-                if live is not None
-                else None
-            ),
-            "breaker": states.get(w.url.rstrip("/")),
+            "in_router": (w.router_url in live_urls) if live is not None else None,
+            "breaker": states.get(w.router_url),
             "grpc": w.name in cache_salt["grpc_workers"],
         }
         for w in registered

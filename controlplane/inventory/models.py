@@ -7,6 +7,7 @@ from django.db import models
 
 from controlplane.core.crypto import decrypt_text, encrypt_text
 from controlplane.core.models import TimeStamped
+from engine.fleet.identity import grpc_url
 from engine.server.contract import CAPABILITIES, ENGINE_KINDS, missing_capability
 
 
@@ -380,6 +381,14 @@ class EngineWorker(TimeStamped):
         if self.can(capability):
             return ""
         return missing_capability(capability, self.engine, self.engine_version or "?")
+
+    @property
+    def router_url(self) -> str:
+        """The URL its router lists it by (no trailing slash): ``grpc://host:port`` for a worker whose command
+        line says ``--grpc-mode`` (the router speaks gRPC to it on ``--port``; ``url`` is its HTTP sidecar's,
+        ``engine.fleet.identity.grpc_url``), else ``url``. Drain, undrain, operations and the reconciler
+        find it in the router by this. A gRPC worker added by hand (no command line) is taken to be HTTP."""
+        return grpc_url(self.url, self.command_line or []) or self.url.rstrip("/")
 
     @property
     def admin_key(self) -> str:

@@ -79,7 +79,7 @@ def router_traffic(*, router: Router, listed: set[str] | None = None, prom: Prom
             f"smg_worker_requests_total in the last {WINDOW_S} s"
         )
         return out
-    inventory = {wk.url.rstrip("/"): wk for wk in router.workers.all()}
+    inventory = {wk.router_url: wk for wk in router.workers.all()}
     total = sum(rates.values())
     rows = [
         {

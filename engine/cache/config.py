@@ -167,6 +167,12 @@ def parse_extra_config(text_or_at_file: str | None) -> dict:
     return data
 
 
+def backend_extra(extra: dict) -> dict:
+    """What of ``extra`` reaches the storage backend (what :func:`split_extra_config` leaves), HiCache's keys
+    taken out unchecked."""
+    return {k: v for k, v in extra.items() if k not in _EXTRA_KEYS}
+
+
 def split_extra_config(config: HiCacheConfig, extra: dict) -> tuple[HiCacheConfig, dict]:
     """Pop the HiCache keys out of ``extra``: returns (config with them applied, backend's remaining dict).
 

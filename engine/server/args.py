@@ -28,6 +28,7 @@ from engine.cache.config import (
     parse_extra_config,
 )
 from engine.cache.kv_dtypes import KV_CACHE_DTYPES
+from engine.cache.storage.extra_keys import check_extra_keys
 from engine.cache.storage.registry import UNAVAILABLE, registered_backends
 from engine.grammar.tool_parsers import TOOL_CALL_PARSERS
 from engine.model.config import QUANTIZATIONS
@@ -471,8 +472,9 @@ def _validate(args: ServerArgs) -> None:
     if args.hicache_storage_backend and not args.enable_hierarchical_cache:
         raise ArgumentError("--hicache-storage-backend needs --enable-hierarchical-cache")
     if args.hicache_storage_backend_extra_config is not None:
-        try:
-            parse_extra_config(args.hicache_storage_backend_extra_config)
+        try:  # the backend's keys too, before the model loads (engine/cache/storage/extra_keys.py)
+            extra = parse_extra_config(args.hicache_storage_backend_extra_config)
+            check_extra_keys(args.hicache_storage_backend, extra)
         except (ValueError, OSError) as exc:
             raise ArgumentError(f"--hicache-storage-backend-extra-config: {exc}") from None
     if args.max_total_tokens is not None and args.max_total_tokens % args.page_size:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 import signal
 import subprocess
@@ -156,13 +157,38 @@ def test_detach_attach_with_drain_under_traffic(fleet):
     )
 
 
+def test_the_readmes_chat_examples_work_as_printed(fleet):
+    """The README's `openai` SDK and curl examples, run as printed with the demo's router URL put in: the
+    model name they give (smollm2) is the one the router routes by, so each answers."""
+    from localfleet import REPO
+
+    readme = (REPO / "README.md").read_text()
+    (python,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "ROUTER_URL" in b]
+    done = subprocess.run([sys.executable, "-c", python.replace("ROUTER_URL", fleet.router_url)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-2000:]
+    (curls,) = [b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "ROUTER_URL/v1/chat" in b]
+    for command in curls.replace("\\\n", " ").replace("\n  ", " ").strip().splitlines():
+        argv = [*shlex.split(command.replace("ROUTER_URL", fleet.router_url)), "--fail", "--silent"]
+        answer = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert answer.returncode == 0, (command, answer.stdout, answer.stderr)
+        body = json.loads(answer.stdout)
+        assert body.get("choices") or body.get("text"), body
+
+
 def test_agent_status_and_drain(fleet):
-    """`kvfleet-agent status`, run as the demo's banner prints it (no spec, no environment), shows both
-    supervised workers by their names with L3 attached; `drain` takes one out of the router through the
-    control plane (audited) and returns once it is idle."""
+    """The API index the demo's banner names answers as printed; `kvfleet-agent status`, run as the banner
+    prints it (no spec, no environment), shows both supervised workers by their names with L3 attached;
+    `drain` takes one out of the router through the control plane (audited) and returns once it is idle."""
     from localfleet import REPO, _banner
 
-    (line,) = [line for line in _banner(fleet).splitlines() if line.strip().startswith("Agent ")]
+    banner = _banner(fleet).splitlines()
+    # the API index it names answers with the token it prints, each endpoint with its methods
+    (line,) = [line for line in banner if line.strip().startswith("API ") and "/api/v1/" in line]
+    index_url, auth = line.split()[1], line.split("Authorization: ", 1)[1].rstrip(")")
+    index = httpx.get(index_url, headers={"Authorization": auth}, timeout=30).json()
+    assert index["endpoints"]["operations/"]["methods"] == ["GET", "POST"]
+    (line,) = [line for line in banner if line.strip().startswith("Agent ")]
     printed = shlex.split(line.split("Agent", 1)[1])
     done = subprocess.run([*printed, "--json"], cwd=REPO, env={"PATH": "/usr/bin:/bin"}, capture_output=True,
                           text=True, timeout=120)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 
@@ -229,6 +230,45 @@ def test_a_bad_cache_setting_names_its_flag_once(tiny_model_dir):
     assert (
         str(exc.value) == "--hicache-storage-backend-extra-config: prefetch_threshold: must be >= 0, got -1"
     )
+
+
+AIBRIX = ["--model-path", "m", "--enable-hierarchical-cache", "--hicache-storage-backend", "aibrix"]
+FORMS = "(give AIBRIX_KV_CACHE_OL_<NAME> or <name> in lower case; e.g. l2_cache_backend, rocksdb_root)"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"l2_cache_backend": "ROCKSDB", "rocksdb_rot": "/l3", "prefetch_threshold": 4},
+            f"rocksdb_rot: not an AIBrix KVCache setting {FORMS}; did you mean 'rocksdb_root'?",
+        ),
+        (
+            {"AIBRIX_KV_CACHE_OL_L2_CACHE_BACKED": "MOCK"},
+            f"AIBRIX_KV_CACHE_OL_L2_CACHE_BACKED: not an AIBrix KVCache setting {FORMS}; did you mean "
+            "'AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND'?",
+        ),
+        ({"zzz": 1}, f"zzz: not an AIBrix KVCache setting {FORMS}"),
+        ({"profiling_enabled": 1}, "profiling_enabled: AIBrix reads AIBRIX_KV_CACHE_OL_PROFILING_ENABLED"),
+    ],
+)
+def test_a_bad_aibrix_key_is_refused_when_parsing_naming_the_flag_and_the_closest_key(extra, message):
+    """Before the model loads (parse_args loads nothing), with the flag in front; the backend's build-time
+    check (resolve_settings, the admin attach too) is the same function."""
+    if importlib.util.find_spec("aibrix_kvcache") is None:
+        pytest.skip("aibrix-kvcache not installed (requirements-aibrix.txt): the backend names it when built")
+    with pytest.raises(ArgumentError) as exc:
+        parse_args([*AIBRIX, "--hicache-storage-backend-extra-config", json.dumps(extra)])
+    flag_and_key = f"--hicache-storage-backend-extra-config: {message}"
+    assert str(exc.value) == flag_and_key or str(exc.value).startswith(f"{flag_and_key} once, at import")
+
+
+def test_aibrix_settings_the_environment_may_give_are_not_asked_for_when_parsing():
+    """Parsing checks keys only: the L2 backend may come from the worker's environment (an agent parses a
+    spec whose env table it sets on the worker), and another backend's keys are its own to check."""
+    assert parse_args([*AIBRIX, "--hicache-storage-backend-extra-config", '{"rocksdb_root": "/l3"}'])
+    file_backend = [*AIBRIX[:-1], "file", "--hicache-storage-backend-extra-config", '{"rocksdb_rot": 1}']
+    assert parse_args(file_backend).hicache_storage_backend == "file"
 
 
 def test_grammar_and_tool_call_parser_flags():

@@ -5,7 +5,8 @@ subscribes to the worker's ``SubscribeKvEvents`` and applies the stored blocks (
 ``cache_salt`` over gRPC (its SGLang proto has no field for it): the test pins that, as the docs say so.
 Straight to the worker: a bad sampling value is INVALID_ARGUMENT naming it; ``GetTokenizer`` and
 ``FlushCache`` answer; its HTTP sidecar (``--smg-http-sidecar-port``) serves health and metrics, and its
-``/server_info`` says ``grpc_mode``, so the isolation check calls it not isolatable without probing it."""
+``/server_info`` says ``grpc_mode``, so the isolation check calls it not isolatable without probing it. The
+control plane finds the worker in smg by the ``grpc://`` URL its inventory row gives (drain, undrain)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import httpx
 import pytest
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
+from controlplane.inventory.models import EngineWorker
+from controlplane.workerclient import RouterClient
 from engine.agent.isolation import check_isolation
 from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess, worker_args
@@ -104,6 +107,23 @@ def test_smg_serves_a_grpc_worker_and_subscribes_to_its_kv_events(tiny_model_dir
         # no probe and never calls the worker isolated: salts reach the sidecar, but tenants come over gRPC
         report = check_isolation(side, words=48)
         assert report.not_isolatable and not report.ok and report.probes == []
+        # the control plane registers the sidecar's URL and the command line its agent reports; it finds the
+        # worker in smg by the grpc:// URL those give, so drain takes it out and undrain puts it back
+        line = [f"--port={worker.port}", "--grpc-mode", f"--smg-http-sidecar-port={sidecar}"]
+        row = EngineWorker(url=side, command_line=line)
+        assert row.router_url == worker.url
+        client = RouterClient(router.url)
+        assert client.remove_worker(row.router_url) is True
+        deadline = time.monotonic() + 30  # smg marks it draining in a job of its own
+        while client.find_worker(row.router_url) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.find_worker(row.router_url) is None
+        body = {"model": model, "input_ids": PROMPTS[0], "sampling_params": SP}
+        assert httpx.post(f"{router.url}/generate", json=body, timeout=60).status_code != 200
+        client.add_worker(row.router_url)  # once smg has dropped the draining entry
+        assert client.find_worker(row.router_url)["connection_mode"] == "grpc"
+        (answer,) = httpx.post(f"{router.url}/generate", json=body, timeout=60).json()
+        assert answer["output_ids"] == expected[0]
 
 
 def _direct_rpcs(address: str) -> None:

@@ -167,7 +167,11 @@ def test_a_failed_store_call_is_a_counted_error_not_an_exception(make_backend):
 @pytest.mark.parametrize(
     ("extra", "env", "named"),
     [
-        ({"l2_cache_backend": "ROCKSDB", "rocksdb_rooot": "/x"}, {}, "rocksdb_rooot: not an AIBrix KVCache"),
+        (
+            {"l2_cache_backend": "ROCKSDB", "rocksdb_rooot": "/x"},
+            {},
+            r"rocksdb_rooot: not an AIBrix KVCache.*did you mean 'rocksdb_root'\?$",
+        ),
         ({"L2_CACHE_BACKEND": "ROCKSDB"}, {}, "L2_CACHE_BACKEND: not an AIBrix KVCache"),
         ({}, {}, "AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND: no AIBrix L2 backend"),
         ({"l2_cache_backend": "REDIS"}, {}, "l2_cache_backend: unknown AIBrix L2 backend 'REDIS'"),

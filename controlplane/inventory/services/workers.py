@@ -26,7 +26,8 @@ def worker_update(*, instance: EngineWorker, data: dict, actor) -> EngineWorker:
 
 
 def worker_drain(*, worker: EngineWorker, actor) -> dict:
-    """Take `worker` out of its router (DELETE /workers/{id}) so it gets no new requests.
+    """Take `worker` out of its router (DELETE /workers/{id}) so it gets no new requests; its entry there is
+    found by ``worker.router_url`` (a gRPC worker's ``grpc://`` address).
 
     Safe to repeat. Raises ConflictError (409) when the worker has no router, ApplicationError (502) when
     the router cannot be reached. Returns {worker, router, removed}; removed is False when it was not listed.
@@ -34,7 +35,7 @@ def worker_drain(*, worker: EngineWorker, actor) -> dict:
     if worker.router is None:
         raise ConflictError(f"worker {worker.name!r} has no router to drain it from", code="no_router")
     try:
-        removed = RouterClient(worker.router.url).remove_worker(worker.url)
+        removed = RouterClient(worker.router.url).remove_worker(worker.router_url)
     except WorkerError as exc:
         raise ApplicationError(
             f"router {worker.router.name}: {exc.message}", code="router_error", status_code=502
@@ -56,9 +57,9 @@ def worker_undrain(*, worker: EngineWorker, actor) -> dict:
         raise ConflictError(f"worker {worker.name!r} has no router to add it to", code="no_router")
     try:
         router = RouterClient(worker.router.url)
-        listed = router.find_worker_id(worker.url) is not None
+        listed = router.find_worker_id(worker.router_url) is not None
         if not listed:
-            router.add_worker(worker.url)
+            router.add_worker(worker.router_url)
     except WorkerError as exc:
         raise ApplicationError(
             f"router {worker.router.name}: {exc.message}", code="router_error", status_code=502

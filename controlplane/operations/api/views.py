@@ -76,6 +76,10 @@ class OperationViewSet(viewsets.ReadOnlyModelViewSet, mixins.CreateModelMixin):
             status=status.HTTP_202_ACCEPTED,
         )
 
+    @staticmethod
+    def _bad_worker(problem: str) -> ApplicationError:
+        return ApplicationError(f"worker: {problem}", code="validation_error", detail={"worker": [problem]})
+
     @extend_schema(
         parameters=[
             OpenApiParameter("worker", int, many=True, required=True, description="Worker ids"),
@@ -85,18 +89,20 @@ class OperationViewSet(viewsets.ReadOnlyModelViewSet, mixins.CreateModelMixin):
     )
     @action(detail=False, methods=["get"], pagination_class=None)
     def preview(self, request):
+        """400 ``validation_error`` naming ``worker``: missing, not integer ids, or naming no worker."""
+        given = request.query_params.getlist("worker")
+        if not given:
+            raise self._bad_worker("required: one or more worker ids (?worker=1&worker=2)")
         try:
-            ids = [int(v) for v in request.query_params.getlist("worker")]
+            ids = [int(v) for v in given]
             if not all(0 < i < 2**63 for i in ids):
                 raise ValueError("out of range")
-        except ValueError as exc:
-            raise ApplicationError(
-                "worker must be integer ids", code="bad_worker", detail={"worker": ["integer ids"]}
-            ) from exc
+        except ValueError:
+            raise self._bad_worker(f"must be integer ids >= 1, got {', '.join(given)[:100]!r}") from None
         workers = list(EngineWorker.objects.select_related("router").filter(pk__in=ids).order_by("name"))
         missing = sorted(set(ids) - {w.pk for w in workers})
-        if not ids or missing:
-            raise ApplicationError(f"unknown or missing worker ids: {missing}", code="bad_worker")
+        if missing:
+            raise self._bad_worker(f"unknown worker ids: {missing}")
         drain = request.query_params.get("drain", "").lower() in ("1", "true", "yes")
         rows = selectors.operation_preview(workers=workers, drain=drain)
         return Response(s.PreviewRowSerializer(rows, many=True).data)

@@ -124,7 +124,7 @@ def _drain(target: OperationTarget) -> str | None:
             target.explanation = blocked
             return None
         try:
-            removed = RouterClient(worker.router.url).remove_worker(worker.url)
+            removed = RouterClient(worker.router.url).remove_worker(worker.router_url)
         except WorkerError as exc:
             return f"cannot remove worker from router {worker.router.name}: {exc.message}"
         OperationTarget.objects.filter(pk=target.pk).update(drained=removed)
@@ -137,7 +137,7 @@ def _restore_router(target: OperationTarget) -> str:
     if not target.drained or target.worker.router is None:
         return ""
     try:
-        RouterClient(target.worker.router.url).add_worker(target.worker.url)
+        RouterClient(target.worker.router.url).add_worker(target.worker.router_url)
     except WorkerError as exc:
         return f"; re-adding to router {target.worker.router.name} failed: {exc.message}"
     OperationTarget.objects.filter(pk=target.pk).update(drained=False)

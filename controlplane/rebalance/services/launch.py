@@ -57,7 +57,7 @@ def _live_fleet(router: Router) -> tuple[list[tuple[object, str, int]], dict, in
                 code="worker_unreachable",
                 detail={"worker": worker.name},
             ) from exc
-        entry = listed.get(worker.url.rstrip("/"))
+        entry = listed.get(worker.router_url)
         if entry is None or entry.get("worker_type") != state["role"]:
             seen = "not listed" if entry is None else f"listed as {entry.get('worker_type')}"
             mismatched.append(f"{worker.name} runs {state['role']}, router: {seen}")

@@ -123,7 +123,7 @@ def busy_summary(state: dict) -> str:
 
 
 def router_entry(rb: Rebalance, worker: EngineWorker) -> dict | None:
-    return router_for(rb).find_worker(worker.url)
+    return router_for(rb).find_worker(worker.router_url)
 
 
 def router_add(rb: Rebalance, worker: EngineWorker, state: dict) -> None:
@@ -131,16 +131,17 @@ def router_add(rb: Rebalance, worker: EngineWorker, state: dict) -> None:
     it with that type (the router queues the add: POST /workers answers 202 first), polled every 0.1 s
     for at most REBALANCE_ROUTER_JOIN_TIMEOUT_S. Raises WorkerError (also when it is not listed in time)."""
     router = router_for(rb)
-    router.add_worker(worker.url, worker_type=state["role"], bootstrap_port=state["bootstrap_port"])
+    url, role = worker.router_url, state["role"]
+    router.add_worker(url, worker_type=role, bootstrap_port=state["bootstrap_port"])
     deadline = time.monotonic() + settings.REBALANCE_ROUTER_JOIN_TIMEOUT_S
-    while (entry := router.find_worker(worker.url)) is None or entry.get("worker_type") != state["role"]:
+    while (entry := router.find_worker(url)) is None or entry.get("worker_type") != role:
         if time.monotonic() >= deadline:
             raise WorkerError(f"router {rb.router.name} does not list it as {state['role']}: {entry}")
         time.sleep(0.1)
 
 
 def router_remove(rb: Rebalance, worker: EngineWorker) -> None:
-    router_for(rb).remove_worker(worker.url)
+    router_for(rb).remove_worker(worker.router_url)
 
 
 def gate(rb: Rebalance, worker: EngineWorker, state: dict, *, canary: bool) -> str:
@@ -168,7 +169,7 @@ def _peer(rb: Rebalance, role: str) -> tuple[EngineWorker, dict] | None:
     """A worker of `role` the router serves now (healthy in its list), with its router entry."""
     listed = {str(e.get("url", "")).rstrip("/"): e for e in router_for(rb).list_workers()}
     for worker in rb.router.workers.order_by("name"):
-        entry = listed.get(worker.url.rstrip("/"))
+        entry = listed.get(worker.router_url)
         if entry and entry.get("worker_type") == role and entry.get("is_healthy", True):
             return worker, entry
     return None

@@ -3,7 +3,8 @@
 Desired state: every inventory worker of a PD router (not drained on purpose) is listed by the router with
 the type it runs and, for a prefill, its bootstrap port; a worker with an ``assigned_role`` (the role the
 last rebalance step that moved it left it in) runs that role. What is read: the router's ``GET /workers``
-and each worker's ``/server_info``. Repairs, each audited as a system event (actor: none) naming the
+(a worker found there by its ``router_url``: a gRPC worker's ``grpc://`` address) and each worker's
+``/server_info``. Repairs, each audited as a system event (actor: none) naming the
 router: a worker running another role than assigned is taken out of the router (no request reaches it in a
 role the router does not expect) and its agent is asked to restart it in the assigned role (the
 ``desired_role`` a heartbeat answer carries); a worker listed with the wrong type or bootstrap port is
@@ -68,7 +69,7 @@ def _worker(router: Router, client: RouterClient, worker: EngineWorker, listed: 
             )  # fmt: skip
             return []
         if listed is not None:
-            client.remove_worker(worker.url)
+            client.remove_worker(worker.router_url)
         worker_role_observed(worker=worker, role=live["role"])
         worker_role_request(worker=worker, role=want, actor=None, reason=f"reconcile: assigned {want}")
         why = f"runs {live['role']}, assigned {want}: out of router {router.name}, its agent restarts it"
@@ -93,8 +94,8 @@ def _worker(router: Router, client: RouterClient, worker: EngineWorker, listed: 
     if right:
         return done
     if listed is not None:
-        client.remove_worker(worker.url)
-    client.add_worker(worker.url, worker_type=live["role"], bootstrap_port=port)
+        client.remove_worker(worker.router_url)
+    client.add_worker(worker.router_url, worker_type=live["role"], bootstrap_port=port)
     why = (
         f"router {router.name} did not list it; registered as {live['role']}"
         if seen is None
@@ -181,10 +182,10 @@ def reconcile_router(*, router: Router) -> list[dict]:
         if worker.drained or worker.pk in busy:
             continue
         try:
-            done += _worker(router, client, worker, entries.get(worker.url.rstrip("/")), alerts)
+            done += _worker(router, client, worker, entries.get(worker.router_url), alerts)
         except WorkerError as exc:  # the router refused a repair: seen again next pass
             alerts.append((worker, "repair_failed", "", f"{worker.name}: repair failed: {exc.message}"))
-    ours = {w.url.rstrip("/") for w in workers}
+    ours = {w.router_url for w in workers}
     for url in sorted(set(entries) - ours):
         alerts.append(
             (

@@ -64,6 +64,8 @@ from engine.cache.storage.base import (
     HiCacheStorageExtraInfo,
     StorageConfigError,
 )
+from engine.cache.storage.extra_keys import AIBRIX_ENV_PREFIX as ENV_PREFIX
+from engine.cache.storage.extra_keys import aibrix_setting, aibrix_setting_names
 from engine.cache.storage.file import PageRanges, _as_bytes
 from engine.cache.storage.page_file import PageFileError, PageIdentity
 from engine.cache.storage.shards import shard_map
@@ -71,13 +73,10 @@ from engine.cache.storage.shards import shard_map
 logger = logging.getLogger(__name__)
 
 FLAG = "--hicache-storage-backend aibrix"
-ENV_PREFIX = "AIBRIX_KV_CACHE_OL_"
 HEADER_BYTES = 128  # page_file's header fields (100 bytes), zero-padded
 MAX_MODEL_LEN = 102400  # upstream's ModelSpec (AIBrix sizes its allocator with it and its chunk size)
 L2_BACKENDS = ("ROCKSDB", "SHFS", "MOCK", "INFINISTORE", "HPKV", "PRISKV", "PRIS", "EIC")
 DEFAULTS = {"L1_CACHE_ENABLED": "0"}  # KVFleet's own; everything else is AIBrix's default
-IMPORT_TIME = ("TOKEN_VALIDATION_ENABLED", "PROFILING_ENABLED", "PROFILING_SERVER_ADDRESS")
-"""Settings AIBrix reads once, when ``aibrix_kvcache`` is imported: environment only."""
 
 _env_lock = threading.Lock()  # os.environ holds the settings while a manager is built
 
@@ -104,13 +103,6 @@ def load_aibrix() -> Any:
     return aibrix_kvcache
 
 
-def _setting_names() -> list[str]:
-    """Every ``AIBRIX_KV_CACHE_OL_*`` name AIBrix reads, less the prefix."""
-    from aibrix_kvcache import envs
-
-    return sorted(name[len(ENV_PREFIX) :] for name in dir(envs) if name.startswith(ENV_PREFIX))
-
-
 def _text(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
@@ -127,21 +119,18 @@ def resolve_settings(extra: dict, page_size: int, environ: dict | None = None) -
     import-time setting in the extra config, no or an unknown L2 backend, L1 turned on, a device other than
     cpu, a block size other than ``page_size``."""
     env = os.environ if environ is None else environ
-    names = set(_setting_names())
+    names = aibrix_setting_names()
+    if names is None:
+        load_aibrix()  # not installed: raises naming the requirements file
+        names = []
     settings = dict(DEFAULTS)
     settings.update({k[len(ENV_PREFIX) :]: v for k, v in env.items() if k.startswith(ENV_PREFIX)})
     given: dict[str, str] = {}  # name -> the key it was given under
     for key, value in extra.items():
-        name = key[len(ENV_PREFIX) :] if key.startswith(ENV_PREFIX) else key.upper()
-        if name not in names or (key != key.lower() and not key.startswith(ENV_PREFIX)):
-            raise StorageConfigError(
-                f"{key}: not an AIBrix KVCache setting (give {ENV_PREFIX}<NAME> or <name> in lower case; "
-                f"e.g. l2_cache_backend, rocksdb_root)"
-            )
-        if name in IMPORT_TIME:
-            raise StorageConfigError(
-                f"{key}: AIBrix reads {ENV_PREFIX}{name} once, at import; set it in the environment"
-            )
+        try:
+            name = aibrix_setting(key, names)  # the check the flag parser runs (extra_keys.py)
+        except ValueError as exc:
+            raise StorageConfigError(str(exc)) from None
         settings[name], given[name] = _text(key, value), key
 
     def named(name: str) -> str:

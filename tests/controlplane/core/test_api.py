@@ -26,12 +26,22 @@ def test_the_api_root_lists_every_endpoint_without_a_path_parameter(api_as, clie
     assert index.status_code == 200, index.content
     body = index.json()
     endpoints = body["endpoints"]
-    assert endpoints["inventory/workers/"] == "http://testserver/api/v1/inventory/workers/"
+    assert endpoints["inventory/workers/"] == {
+        "url": "http://testserver/api/v1/inventory/workers/",
+        "methods": ["GET", "POST"],
+    }
     assert {"operations/", "rebalances/", "capacity/sizing/", "audit/events/"} <= set(endpoints)
     assert not any("<" in route or "(" in route for route in endpoints)
     assert (body["schema"], body["docs"]) == ("http://testserver/api/schema/", "http://testserver/api/docs/")
+    # POST-only endpoints say so, read-only ones too
+    assert endpoints["capacity/whatif/"]["methods"] == endpoints["agent/heartbeat/"]["methods"] == ["POST"]
+    assert endpoints["audit/events/"]["methods"] == endpoints["operations/preview/"]["methods"] == ["GET"]
+    for route, entry in endpoints.items():  # each method listed is served, each one left out is not
+        answer = api_as("admin").options(entry["url"])
+        allowed = {m.strip() for m in answer["Allow"].split(",")} - {"OPTIONS", "HEAD"}
+        assert allowed == set(entry["methods"]), route
     for route in ("inventory/workers/", "operations/", "rebalances/", "audit/events/"):
-        assert api_as("viewer").get(endpoints[route]).status_code == 200, route  # each one answers
+        assert api_as("viewer").get(endpoints[route]["url"]).status_code == 200, route  # each one answers
     assert client.get("/api/v1/").status_code in (401, 403)
 
 

@@ -43,3 +43,20 @@ def test_rebalance_slo_limits_must_be_positive(api_as, field, value):
     assert got.status_code == 400 and error["code"] == "validation_error", error
     assert error["detail"]["slo"][field] == ["must be greater than 0 (seconds)"]
     assert not Rebalance.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("query", "problem"),
+    [
+        ("", "required: one or more worker ids (?worker=1&worker=2)"),
+        ("?drain=true", "required: one or more worker ids (?worker=1&worker=2)"),
+        ("?worker=abc", "must be integer ids >= 1, got 'abc'"),
+        ("?worker=0", "must be integer ids >= 1, got '0'"),
+        ("?worker=987654", "unknown worker ids: [987654]"),
+    ],
+)
+def test_the_launch_preview_names_the_worker_field(api_as, query, problem):
+    got = api_as("viewer").get(f"/api/v1/operations/preview/{query}")
+    error = got.json()["error"]
+    assert got.status_code == 400 and error["code"] == "validation_error", error
+    assert error["detail"] == {"worker": [problem]} and error["message"] == f"worker: {problem}"

@@ -255,6 +255,16 @@ def test_drain_and_undrain_endpoints_talk_to_the_router(api_as, fake_router):
     lone = EngineWorkerFactory()
     refused = client.post(f"/api/v1/inventory/workers/{lone.pk}/drain/")
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_router"
+    # a --grpc-mode worker: registered by its HTTP sidecar's URL, listed by the router as grpc://host:--port
+    grpc = EngineWorkerFactory(
+        url="http://10.1.1.2:30001", router=worker.router, command_line=["--grpc-mode", "--port=30000"]
+    )
+    fake_router.add("grpc://10.1.1.2:30000")
+    assert client.post(f"/api/v1/inventory/workers/{grpc.pk}/drain/").json()["removed"] is True
+    assert "grpc://10.1.1.2:30000" not in fake_router.urls()
+    assert client.post(f"/api/v1/inventory/workers/{grpc.pk}/undrain/").json()["added"] is True
+    assert fake_router.registered[-1] == {"url": "grpc://10.1.1.2:30000"}  # regular: no /server_info asked
+    assert client.post(f"/api/v1/inventory/workers/{grpc.pk}/undrain/").json()["added"] is False
 
 
 def test_celery_task_options_stay_declared():

@@ -102,6 +102,20 @@ def test_a_url_no_worker_has_raises_an_alert_that_closes_once_it_is_gone(fleet, 
     ]
 
 
+def test_a_grpc_worker_is_found_by_the_grpc_url_the_router_lists(fleet, fake_router, fake_worker):
+    """Registered by its HTTP sidecar's URL, listed by the router as grpc://host:--port: the reconciler
+    matches the two (no unknown_worker alert for its entry, no registration of the sidecar's URL)."""
+    router, fakes, workers = fleet
+    sidecar = fake_worker()  # a regular worker: --grpc-mode serves no PD role
+    EngineWorkerFactory(name="g", url=sidecar.url, router=router, last_seen=timezone.now(),
+                        command_line=["--grpc-mode", "--port=31000"])  # fmt: skip
+    RouterClient(router.url).add_worker("grpc://127.0.0.1:31000")
+    assert reconcile_all() == []
+    (alert,) = FleetAlert.objects.filter(resolved_at__isnull=True)
+    assert (alert.kind, alert.worker.name) == ("not_pd", "g")
+    assert sidecar.url not in _listed(fake_router)
+
+
 def test_a_worker_drained_on_purpose_stays_out_and_an_active_rebalance_is_left_alone(fleet, fake_router):
     router, fakes, workers = fleet
     RouterClient(router.url).remove_worker(fakes["d"].url)
