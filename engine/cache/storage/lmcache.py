@@ -82,6 +82,7 @@ REPLY = struct.Struct("<9i")  # ServerMetaMessage
 FORMAT_BINARY = 4  # MemoryFormat.BINARY
 DTYPE_UINT8 = 6  # DTYPE_TO_INT[torch.uint8]
 PROBE_KEY = "0" * 64  # a key for HEALTH, which the server parses like any other
+QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux
 
 
 def parse_url(value: object, key: str = URL_KEY) -> tuple[str, int]:
@@ -173,7 +174,11 @@ def discard(sock: socket.socket, nbytes: int) -> None:
 
 
 def read_reply(sock: socket.socket) -> tuple[int, int]:
-    """(code, payload length) of the next reply."""
+    """(code, payload length) of the next reply. ACKs go out at once while replies are awaited: the server's
+    sockets keep Nagle's algorithm, which would hold each window's later replies until the first is ACKed,
+    and a delayed ACK waits up to 40 ms (Linux re-enters delayed-ACK mode by itself, hence every reply)."""
+    if QUICKACK is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
     code, length, *_ = REPLY.unpack(recv_exact(sock, REPLY.size))
     if code not in (SUCCESS, 400) or length < 0:
         raise ProtocolError(f"reply out of protocol: code {code}, length {length}")
