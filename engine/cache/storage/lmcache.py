@@ -50,16 +50,10 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
-import torch
 
 from engine.cache.storage import page_file
-from engine.cache.storage.base import (
-    BatchFirstStorage,
-    HiCacheStorageConfig,
-    HiCacheStorageExtraInfo,
-    StorageConfigError,
-)
-from engine.cache.storage.file import PageRanges, _as_bytes
+from engine.cache.storage.base import HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageConfigError
+from engine.cache.storage.byte_pages import BytePageStorage, Views
 from engine.cache.storage.page_file import PageFileError, PageIdentity
 
 logger = logging.getLogger(__name__)
@@ -224,28 +218,22 @@ class Connections:
             sock.close()
 
 
-Views = list[memoryview]  # one page's byte views, in flat page order
-
-
 def _windows(n: int) -> Iterator[slice]:
     for start in range(0, n, WINDOW):
         yield slice(start, min(n, start + WINDOW))
 
 
-class HiCacheLMCache(BatchFirstStorage):
+class HiCacheLMCache(BytePageStorage):
     """L3 pages in an LMCache server; thread-safe; ``supports_v1`` (pages sent from and received into their
     host-pool slots without a copy through Python).
 
     Raises :class:`StorageConfigError` at construction for a bad extra config (naming the key) or a server
     that does not answer ``HEALTH`` (naming ``lmcache_url`` and the address)."""
 
-    supports_v1 = True
-
     def __init__(self, storage_config: HiCacheStorageConfig) -> None:
         super().__init__(storage_config)
         host, port, timeout = resolve_config(storage_config.extra_config)
         self.connections = Connections(host, port, timeout)
-        self._pages: PageRanges | None = None
         self._bad: set[str] = set()  # keys read back damaged: absent until written again
         self._bad_lock = threading.Lock()
         try:
@@ -264,15 +252,9 @@ class HiCacheLMCache(BatchFirstStorage):
             if read_reply(sock)[0] != SUCCESS:
                 raise ProtocolError("HEALTH was not answered with success")
 
-    def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Map the pool's pages to byte views once (:class:`PageRanges`)."""
-        self._pages = PageRanges(mem_pool_host)
-        super().register_mem_pool_host(mem_pool_host)
-
     def close(self) -> None:
         """Close every idle connection (calls in flight close theirs when they end)."""
         self.connections.close()
-        self._pages = None
         super().close()
 
     def _identity(self, key: str) -> PageIdentity:
@@ -393,38 +375,6 @@ class HiCacheLMCache(BatchFirstStorage):
                 results += [False] * missing
         return results
 
-    # -- generic path ----------------------------------------------------------------------------------
-    def _flat(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        if tensor is not None:
-            return tensor
-        if self.mem_pool_host is None:
-            raise ValueError("get() needs target_location when no host pool is registered")
-        return torch.empty(self.mem_pool_host.page_bytes, dtype=torch.uint8).view(
-            getattr(torch, self.storage_config.kv_dtype)
-        )
-
-    def batch_get(
-        self, keys: Sequence[str], target_locations: Sequence[torch.Tensor] | None = None, target_sizes=None
-    ) -> list:
-        """Each flat page (into its target when given; else a new tensor of the host pool's page size), or
-        None on a miss or a rejected page."""
-        given: Sequence[torch.Tensor | None] = target_locations or [None] * len(keys)
-        targets = [self._flat(t) for t in given]
-        ok = self._read(keys, [[_as_bytes(t)] for t in targets])
-        return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
-
-    def batch_set(
-        self,
-        keys: Sequence[str],
-        values: Sequence[torch.Tensor] | None = None,
-        target_locations=None,
-        target_sizes=None,
-    ) -> bool:
-        """Store each flat page ``values[i]``; True only when all are stored (or were already)."""
-        if values is None or len(values) != len(keys):
-            raise ValueError("batch_set() needs one page tensor per key in values")
-        return all(self._write(keys, [[_as_bytes(v.contiguous())] for v in values]))
-
     def batch_exists(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Leading keys stored (``EXIST``, pipelined; a key read back damaged here counts as absent); a
         failed call ends the count where it failed (counted in ``errors``)."""
@@ -441,27 +391,3 @@ class HiCacheLMCache(BatchFirstStorage):
             if lead < len(found):
                 return count
         return count
-
-    # -- v1 path: straight between host-pool slots and the socket --------------------------------------
-    def _views(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[Views]:
-        slots = self._first_slots(keys, host_indices)
-        assert self._pages is not None, "set with the host pool (_first_slots raised otherwise)"
-        return [self._pages.views(s) for s in slots]
-
-    def batch_get_v1(
-        self,
-        keys: Sequence[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        """Receive each page straight into its host-pool slots."""
-        return self._read(keys, self._views(keys, host_indices))
-
-    def batch_set_v1(
-        self,
-        keys: Sequence[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        """Send each page straight from its host-pool slots; stored pages are kept (True)."""
-        return self._write(keys, self._views(keys, host_indices))
