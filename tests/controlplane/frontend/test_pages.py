@@ -132,6 +132,17 @@ def test_storage_page_counts_workers_using_each_profile(client, personas):
     assert '<code class="addr">lm://l3:65432</code>' in page
 
 
+def test_storage_page_form_offers_every_backend_the_engine_builds(client, personas):
+    from engine.cache.storage.registry import registered_backends
+
+    client.force_login(personas["operator"][0])
+    page = client.get("/storage/").content.decode()
+    form = page[page.index('<select name="backend">') :]
+    offered = re.findall(r"<option(?: selected)?>(\w+)</option>", form[: form.index("</select>")])
+    assert sorted(offered) == registered_backends() and "lmcache" in offered
+    assert "<option selected>file</option>" in form
+
+
 def test_storage_page_counts_backend_and_hicache_settings_apart(client, personas):
     """A profile's extra config of 6 keys, one HiCache's own (the engine pops prefetch_threshold, so the
     worker page lists 5): the storage page says both counts."""
