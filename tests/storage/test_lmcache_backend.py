@@ -62,6 +62,7 @@ def test_v1_and_generic_round_trips_dedup_and_leading_hits(make_backend, layout)
     stats = backend.get_stats()
     assert (stats["pages_written"], stats["pages_skipped"]) == (4, 3)
     assert backend.batch_exists(keys) == 4 and backend.batch_exists([keys[0], "f" * 64, keys[2]]) == 1
+    assert backend.batch_exists(["kvfleet-l3-probe"]) == 0  # the auto-detach probe's key: a miss, no error
     assert backend.batch_get_v1(keys[::-1], slots(pool, [4, 5, 6, 7])) == [True] * 4
     for i, page in enumerate(pages[::-1]):
         assert torch.equal(pool.get_flat_data_page((4 + i) * pool.page_size), page)

@@ -42,9 +42,11 @@ answer ``HEALTH`` when the backend is built, else the attach fails naming ``lmca
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import socket
+import string
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -117,7 +119,11 @@ def resolve_config(extra: dict, environ: dict | None = None) -> tuple[str, int, 
 
 
 def wire_key(key: str) -> bytes:
-    """The 150-byte request key naming page ``key`` (64 hex) as an LMCache ``CacheEngineKey``."""
+    """The 150-byte request key naming page ``key`` as an LMCache ``CacheEngineKey``: a page key (64 hex) is
+    the chunk hash itself; any other key (the auto-detach probe's) its sha256, since the server drops the
+    connection on a chunk hash that is not hex."""
+    if not (0 < len(key) <= 64 and all(c in string.hexdigits for c in key)):
+        key = hashlib.sha256(key.encode()).hexdigest()
     return f"kvfleet@1@0@{key}@uint8".encode().ljust(KEY_BYTES)
 
 
