@@ -62,9 +62,11 @@ def lmcache_server_binary() -> Path:
         pytest.skip(f"LMCache's environment cannot be built here: {exc}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lmcache_server(lmcache_server_binary):
-    """A real ``lmcache_server`` (in-memory ``cpu`` store) on a free loopback port, one per test module."""
+    """A real ``lmcache_server`` (in-memory ``cpu`` store) on a free loopback port, one per test session
+    (it takes seconds to start: it imports torch). Tests share it, so each writes keys of its own (its own
+    namespace or tokens); the protocol has no delete."""
     from engine.fleet.lmcache_server import LMCacheServer
 
     with LMCacheServer(lmcache_server_binary) as server:

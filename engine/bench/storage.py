@@ -13,11 +13,12 @@
   batch, no header, checksum or rename); for ``aibrix`` (AIBrix KVCache's ROCKSDB store under the directory)
   the backend's own AIBrix manager storing the same page bytes under other keys (``allocate_for``, one
   copy into each block, ``put``; ``acquire`` and one copy out; no header or checksum); for ``lmcache`` (a
-  real ``lmcache_server`` started from LMCache's venv, scripts/lmcache_env.sh) the backend's own
+  real ``lmcache_server`` started from LMCache's venv, scripts/lmcache_env.sh, or the one ``--lmcache-url``
+  names) the backend's own
   connections moving the same page buffers as plain objects under other keys (pipelined ``PUT`` s and one
   ``HEALTH`` per batch, pipelined ``GET`` s straight into the page views; no ``EXIST``, header or checksum).
   The LMCache protocol has no delete: the server keeps every round's pages (2 x pages x page bytes per
-  round) until the benchmark stops it.
+  round) until it stops.
 
 With ``--backend nixl --compare-file`` (or ``aibrix``, ``lmcache``) the ``file`` backend also runs in every
 round, on the same pool and page slots (its own directory on the same file system), and a second table
@@ -413,7 +414,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="nixl, aibrix, lmcache: also time the file backend in the same rounds",
     )
+    parser.add_argument(
+        "--lmcache-url",
+        default=None,
+        help="lmcache: a running lmcache_server (lm://host:port) instead of one started for the run",
+    )
     args = parser.parse_args(argv)
+    if args.lmcache_url is not None and args.backend != "lmcache":
+        parser.error("--lmcache-url needs --backend lmcache")
     if args.compare_file and args.backend not in ("nixl", "aibrix", "lmcache"):
         parser.error("--compare-file needs --backend nixl, aibrix or lmcache")
     for flag in ("pages", "page_size", "layers", "kv_heads", "head_dim", "batch", "rounds"):
@@ -429,13 +437,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(directory, ignore_errors=True)
     elif args.backend in ("nixl", "aibrix", "lmcache"):
         directory = tempfile.mkdtemp(prefix="kvfleet-bench-", dir=args.dir)
-        server = LMCacheServer(build_env()).start() if args.backend == "lmcache" else None
+        own = args.backend == "lmcache" and args.lmcache_url is None
+        server = LMCacheServer(build_env()).start() if own else None
         try:
             raw: NixlRaw | AibrixRaw | LMCacheRaw
-            if server is not None:
-                backend = create_storage_backend(
-                    "lmcache", storage_config(args, {"lmcache_url": server.url}), pool
-                )
+            if args.backend == "lmcache":
+                url = server.url if server is not None else args.lmcache_url
+                backend = create_storage_backend("lmcache", storage_config(args, {"lmcache_url": url}), pool)
                 assert isinstance(backend, lmcache.HiCacheLMCache)
                 raw = LMCacheRaw(backend, pool, args.batch)
             elif args.backend == "nixl":

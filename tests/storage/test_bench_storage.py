@@ -37,9 +37,10 @@ def test_page_file_benchmark_prints_set_and_get_rows(capsys, tmp_path, backend):
 
 @pytest.mark.parametrize("backend", ["nixl", "aibrix", "lmcache"])
 def test_benchmark_times_the_file_backend_in_the_same_rounds(capsys, tmp_path, backend, request):
-    if backend == "lmcache":
-        request.getfixturevalue("lmcache_server_binary")  # skips, saying why, without LMCache's venv
-    out = run(capsys, backend, "--dir", str(tmp_path), "--compare-file", pattern=re.compile(".*"))
+    extra = []
+    if backend == "lmcache":  # the session's server (skips, saying why, without LMCache's venv)
+        extra = ["--lmcache-url", request.getfixturevalue("lmcache_server").url]
+    out = run(capsys, backend, "--dir", str(tmp_path), "--compare-file", *extra, pattern=re.compile(".*"))
     rows = [line for line in out if AGAINST_FILE.match(line)]
     assert [r.split("|")[1].strip() for r in rows] == ["batch_set", "batch_get"]
     assert [r.split("|")[2].strip() for r in out if ROW.match(r)] == ["batch_set", "batch_get"]
@@ -60,3 +61,6 @@ def test_bad_flag_is_a_cli_error(capsys):
     with pytest.raises(SystemExit):
         main(["--backend", "file", "--compare-file"])
     assert "--compare-file needs --backend nixl, aibrix or lmcache" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--backend", "file", "--lmcache-url", "lm://h:1"])
+    assert "--lmcache-url needs --backend lmcache" in capsys.readouterr().err
