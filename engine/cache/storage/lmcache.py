@@ -234,12 +234,14 @@ class HiCacheLMCache(BytePageStorage):
     host-pool slots without a copy through Python).
 
     Raises :class:`StorageConfigError` at construction for a bad extra config (naming the key) or a server
-    that does not answer ``HEALTH`` (naming ``lmcache_url`` and the address)."""
+    that does not answer ``HEALTH`` (naming ``lmcache_url``, or ``LMCACHE_REMOTE_URL`` when the URL came from
+    there, and the address)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig) -> None:
         super().__init__(storage_config)
         host, port, timeout = resolve_config(storage_config.extra_config)
         self.connections = Connections(host, port, timeout)
+        named_by = URL_KEY if URL_KEY in storage_config.extra_config else URL_ENV
         self._bad: set[str] = set()  # keys read back damaged: absent until written again
         self._bad_lock = threading.Lock()
         try:
@@ -247,8 +249,8 @@ class HiCacheLMCache(BytePageStorage):
         except OSError as exc:
             self.connections.close()
             raise StorageConfigError(
-                f"{URL_KEY}: no LMCache server answers at lm://{self.connections.address} ({exc}); start one "
-                "with `lmcache_server <host> <port> cpu` (scripts/lmcache_env.sh builds its environment)"
+                f"{named_by}: no LMCache server answers at lm://{self.connections.address} ({exc}); start "
+                "one with `lmcache_server <host> <port> cpu` (scripts/lmcache_env.sh builds its environment)"
             ) from exc
 
     def health(self) -> None:
