@@ -49,8 +49,9 @@ demo: sysdeps $(STAMP)
 llama-server:
 	@scripts/llama_server.sh
 
-# LMCache's own cache-policy code in a venv of its own for scripts/lmcache_policies.py (pinned PyPI wheel,
-# installed into .cache/lmcache-venv/: its requirements break the project's pins).
+# LMCache in a venv of its own: its server for --hicache-storage-backend lmcache and its cache-policy code for
+# scripts/lmcache_policies.py (pinned PyPI wheel, in $${XDG_CACHE_HOME:-~/.cache}/kvfleet/lmcache-0.5.6/: its
+# requirements break the project's pins).
 lmcache-env:
 	@scripts/lmcache_env.sh
 

@@ -163,11 +163,11 @@ def hicache_rows(hicache: dict) -> list[tuple[str, str, bool]]:
 
 
 def storage_master(extra_config: dict | None) -> str:
-    """The Mooncake master (or the file backend's path, or the AIBrix store's root or address) a storage
-    profile's extra config names, or ""."""
+    """The Mooncake master (or the file backend's path, the AIBrix store's root or address, the LMCache
+    server's URL) a storage profile's extra config names, or ""."""
     extra = extra_config or {}
     aibrix = [k for name in AIBRIX_STORE_KEYS for k in (name, f"AIBRIX_KV_CACHE_OL_{name.upper()}")]
-    for key in (*MASTER_KEYS, "path", "file_path", *aibrix):
+    for key in (*MASTER_KEYS, "path", "file_path", *aibrix, "lmcache_url"):
         if extra.get(key):
             return str(extra[key])
     return ""

@@ -9,7 +9,7 @@ from django.views.decorators.csrf import ensure_csrf_cookie
 
 from controlplane.accounts.permissions import WRITE_ROLES
 from controlplane.accounts.selectors import user_role
-from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
+from controlplane.inventory.models import EngineWorker, Host, Router, StorageBackend, StorageProfile
 from controlplane.inventory.selectors import worker_isolation_blocker
 from controlplane.telemetry import hit_rate
 from controlplane.telemetry.metrics import TENANT_TOP_N
@@ -154,7 +154,12 @@ def storage(request):
 
     health, metrics_down = storage_health()
     return _render(
-        request, "storage", usage=selectors.storage_usage(), health=health, metrics_down=metrics_down
+        request,
+        "storage",
+        usage=selectors.storage_usage(),
+        health=health,
+        metrics_down=metrics_down,
+        backends=StorageBackend.values,  # the new-profile form offers exactly what a profile may name
     )
 
 

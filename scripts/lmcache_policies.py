@@ -2,7 +2,7 @@
 
 Runs in LMCache's separate venv (``make lmcache-env``), not the project's::
 
-    .cache/lmcache-venv/bin/python scripts/lmcache_policies.py [--traces conversation synthetic]
+    "$(scripts/lmcache_env.sh)" scripts/lmcache_policies.py [--traces conversation synthetic]
         [--capacity-tokens 500000 2000000 8000000] [--chunk-size 64]
 
 Same traces, the same prefix-closed key per ``--chunk-size``-token chunk as ``engine.whatif.trace.page_keys``

@@ -20,6 +20,9 @@ ensure_redis
 # first time, a second otherwise). KVFLEET_SGLANG_PYTHON tells the tests where it is.
 KVFLEET_SGLANG_PYTHON=$(scripts/sglang_env.sh)
 export KVFLEET_SGLANG_PYTHON
+# LMCache's own environment (the lmcache L3 tests' lmcache_server) is built by their session fixture on first
+# use, inside the sessions rather than before them (scripts/lmcache_env.sh: 3-6 min once, cached outside the
+# clone, one build at a time); those tests skip, saying why, where it cannot be built.
 
 pg_url="${POSTGRES_TEST_URL:-postgres://postgres@127.0.0.1:5432/test}"
 cp_env=()

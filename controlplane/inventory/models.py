@@ -53,6 +53,7 @@ class Gpu(models.Model):
 class StorageBackend(models.TextChoices):
     AIBRIX = "aibrix"
     FILE = "file"
+    LMCACHE = "lmcache", "LMCache"
     MOONCAKE = "mooncake"
     NIXL = "nixl"
     DYNAMIC = "dynamic"

@@ -1,7 +1,7 @@
 """L3 backend throughput next to the raw store, measured in the same run on the same bytes.
 
-``python -m engine.bench.storage --backend file|mooncake|nixl|aibrix`` fills a real host pool (``HostKVPool``,
-``page_first_direct``) with random KV pages and times, alternating rounds:
+``python -m engine.bench.storage --backend file|mooncake|nixl|aibrix|lmcache`` fills a real host pool
+(``HostKVPool``, ``page_first_direct``) with random KV pages and times, alternating rounds:
 
 * ours: ``batch_set_v1`` / ``batch_get_v1`` of the backend (keys, existence check, header + checksum for
   ``file`` and ``nixl``, stats), in batches of ``--batch`` pages as the cache controller issues them;
@@ -12,10 +12,17 @@
   backend's own NIXL agent moving the same page buffers into one file per page (one NIXL transfer per
   batch, no header, checksum or rename); for ``aibrix`` (AIBrix KVCache's ROCKSDB store under the directory)
   the backend's own AIBrix manager storing the same page bytes under other keys (``allocate_for``, one
-  copy into each block, ``put``; ``acquire`` and one copy out; no header or checksum).
+  copy into each block, ``put``; ``acquire`` and one copy out; no header or checksum); for ``lmcache`` (a
+  real ``lmcache_server`` started from LMCache's venv, scripts/lmcache_env.sh, or the one ``--lmcache-url``
+  names) the backend's own
+  connections moving the same page buffers as plain objects under other keys (pipelined ``PUT`` s and one
+  ``HEALTH`` per batch, pipelined ``GET`` s straight into the page views; no ``EXIST``, header or checksum).
+  The LMCache protocol has no delete: the server keeps every round's pages (2 x pages x page bytes per
+  round) until it stops.
 
-With ``--backend nixl --compare-file`` (or ``aibrix``) the ``file`` backend also runs in every round, on the
-same pool and page slots (its own directory on the same file system), and a second table prints nixl/file.
+With ``--backend nixl --compare-file`` (or ``aibrix``, ``lmcache``) the ``file`` backend also runs in every
+round, on the same pool and page slots (its own directory on the same file system), and a second table
+prints nixl/file.
 
 Every round writes fresh keys and removes them afterwards; ours and raw run back to back in each
 round. It prints one row per operation: GB/s (1e9 bytes/s of wall time, median over ``--rounds``),
@@ -39,11 +46,13 @@ import torch
 
 from engine.cache.host_pool import HostKVPool
 from engine.cache.keys import page_hashes
+from engine.cache.storage import lmcache
 from engine.cache.storage.aibrix import HiCacheAibrix
 from engine.cache.storage.base import HiCacheStorage, HiCacheStorageConfig
 from engine.cache.storage.file import PageRanges
 from engine.cache.storage.nixl import HiCacheNixl
 from engine.cache.storage.registry import create_storage_backend
+from engine.fleet.lmcache_server import LMCacheServer, build_env
 from engine.fleet.mooncake_master import MooncakeMaster
 
 LAYOUT = "page_first_direct"
@@ -234,6 +243,45 @@ class AibrixRaw:
             self.m.manager.delete(None, hashes)
 
 
+class LMCacheRaw:
+    """The lmcache backend's own connections moving the same page buffers as plain ``BINARY`` objects under
+    other keys (the page key reversed): per batch pipelined ``PUT`` s and one ``HEALTH`` (the server has
+    stored them all when it answers), pipelined ``GET`` s received straight into the page views; no
+    ``EXIST``, header or checksum."""
+
+    def __init__(self, backend: lmcache.HiCacheLMCache, pool: HostKVPool, batch: int) -> None:
+        self.connections, self.pool, self.batch = backend.connections, pool, batch
+        self.pages = PageRanges(pool)
+
+    def _batches(self, keys: list[str]):
+        for start in range(0, len(keys), self.batch):
+            part = keys[start : start + self.batch]
+            yield [self.pages.views((start + i) * self.pool.page_size) for i in range(len(part))], part
+
+    def write(self, keys: list[str]) -> None:
+        for pages, part in self._batches(keys):
+            with self.connections.lend() as sock:
+                for key, views in zip(part, pages, strict=True):
+                    size = sum(v.nbytes for v in views)
+                    lmcache.send_all(sock, [lmcache.request(lmcache.PUT, key[::-1], size), *views])
+                lmcache.send_all(sock, [lmcache.request(lmcache.HEALTH, lmcache.PROBE_KEY)])
+                lmcache.read_reply(sock)
+
+    def read(self, keys: list[str]) -> None:
+        for pages, part in self._batches(keys):
+            with self.connections.lend() as sock:
+                lmcache.send_all(sock, [lmcache.request(lmcache.GET, key[::-1]) for key in part])
+                for views in pages:
+                    code, length = lmcache.read_reply(sock)
+                    if code != lmcache.SUCCESS or length != sum(v.nbytes for v in views):
+                        raise RuntimeError(f"raw LMCache get failed: code {code}, {length} bytes")
+                    for view in views:
+                        lmcache.recv_into(sock, view)
+
+    def remove(self, keys: list[str]) -> None:
+        """Nothing: the protocol has no delete (the server keeps the pages until it stops)."""
+
+
 def timed(fn: Callable[[], None]) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process: user + system, all threads)."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -254,6 +302,8 @@ def ours_read(backend, pool, keys, batch):
 
 
 def ours_remove(backend, keys, directory):
+    if isinstance(backend, lmcache.HiCacheLMCache):
+        return  # no delete in LMCache's protocol
     if isinstance(backend, HiCacheAibrix):
         m = backend._manager(backend.mem_pool_host.page_bytes)
         m.manager.delete(None, m.hashes(keys))
@@ -350,7 +400,7 @@ def print_table(args, rows: list[dict], page_bytes: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["file", "mooncake", "nixl", "aibrix"], required=True)
+    parser.add_argument("--backend", choices=["file", "mooncake", "nixl", "aibrix", "lmcache"], required=True)
     parser.add_argument("--pages", type=int, default=128, help="pages per round (default 128)")
     parser.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
     parser.add_argument("--layers", type=int, default=30, help="default: SmolLM2-135M's 30 layers")
@@ -362,11 +412,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare-file",
         action="store_true",
-        help="nixl, aibrix: also time the file backend in the same rounds",
+        help="nixl, aibrix, lmcache: also time the file backend in the same rounds",
+    )
+    parser.add_argument(
+        "--lmcache-url",
+        default=None,
+        help="lmcache: a running lmcache_server (lm://host:port) instead of one started for the run",
     )
     args = parser.parse_args(argv)
-    if args.compare_file and args.backend not in ("nixl", "aibrix"):
-        parser.error("--compare-file needs --backend nixl or aibrix")
+    if args.lmcache_url is not None and args.backend != "lmcache":
+        parser.error("--lmcache-url needs --backend lmcache")
+    if args.compare_file and args.backend not in ("nixl", "aibrix", "lmcache"):
+        parser.error("--compare-file needs --backend nixl, aibrix or lmcache")
     for flag in ("pages", "page_size", "layers", "kv_heads", "head_dim", "batch", "rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -378,11 +435,18 @@ def main(argv: list[str] | None = None) -> int:
             rows = run(args, backend, FileRaw(pool, directory), pool, directory)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-    elif args.backend in ("nixl", "aibrix"):
+    elif args.backend in ("nixl", "aibrix", "lmcache"):
         directory = tempfile.mkdtemp(prefix="kvfleet-bench-", dir=args.dir)
+        own = args.backend == "lmcache" and args.lmcache_url is None
+        server = LMCacheServer(build_env()).start() if own else None
         try:
-            raw: NixlRaw | AibrixRaw
-            if args.backend == "nixl":
+            raw: NixlRaw | AibrixRaw | LMCacheRaw
+            if args.backend == "lmcache":
+                url = server.url if server is not None else args.lmcache_url
+                backend = create_storage_backend("lmcache", storage_config(args, {"lmcache_url": url}), pool)
+                assert isinstance(backend, lmcache.HiCacheLMCache)
+                raw = LMCacheRaw(backend, pool, args.batch)
+            elif args.backend == "nixl":
                 backend = create_storage_backend("nixl", storage_config(args, {"file_path": directory}), pool)
                 assert isinstance(backend, HiCacheNixl)
                 raw = NixlRaw(backend, pool, directory, args.batch)
@@ -399,10 +463,12 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 other = (file_backend, file_dir)
             try:
-                rows = run(args, backend, raw, pool, None if args.backend == "aibrix" else directory, other)
+                rows = run(args, backend, raw, pool, directory if args.backend == "nixl" else None, other)
             finally:
                 backend.close()
         finally:
+            if server is not None:
+                server.stop()
             shutil.rmtree(directory, ignore_errors=True)
     else:
         segment = 2 * args.pages * pool.page_bytes + (64 << 20)

@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="L3: file (page files in file_path), mooncake (a Mooncake store), nixl (the file backend's "
         "page files through NIXL's POSIX plugin; directory: file_path or "
-        "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR), dynamic (a class named in the extra config)",
+        "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR), aibrix (AIBrix KVCache's store), lmcache (an "
+        "lmcache_server named by lmcache_url), dynamic (a class named in the extra config)",
     )
     a("--hicache-storage-prefetch-policy", choices=PREFETCH_POLICIES, default="best_effort")
     a("--hicache-storage-backend-extra-config", default=None, help="JSON object or @file (.json/.toml/.yaml)")

@@ -133,16 +133,22 @@ def _from_l3(cache: HiRadixCache) -> torch.Tensor:
     return device
 
 
-@pytest.fixture(params=["file", "nixl", "aibrix", pytest.param("mooncake", marks=pytest.mark.slow)])
+@pytest.fixture(
+    params=["file", "nixl", "aibrix", "lmcache", pytest.param("mooncake", marks=pytest.mark.slow)]
+)
 def l3(request, tmp_path):
     """(backend, extra config) of an empty L3: a directory of page files (file, nixl), AIBrix KVCache's
-    ROCKSDB store (aibrix; the caches here open it one after another), or a real Mooncake master."""
+    ROCKSDB store (aibrix; the caches here open it one after another), a real ``lmcache_server`` (the
+    session's; no other test writes this namespace), or a real Mooncake master."""
     if request.param in ("file", "nixl"):
         yield request.param, {"file_path": str(tmp_path)}
         return
     if request.param == "aibrix":
         pytest.importorskip("aibrix_kvcache")
         yield "aibrix", {"l2_cache_backend": "ROCKSDB", "rocksdb_root": str(tmp_path / "rocksdb")}
+        return
+    if request.param == "lmcache":
+        yield "lmcache", {"lmcache_url": request.getfixturevalue("lmcache_server").url}
         return
     from engine.fleet.mooncake_master import MooncakeMaster
 

@@ -271,6 +271,19 @@ def test_aibrix_settings_the_environment_may_give_are_not_asked_for_when_parsing
     assert parse_args(file_backend).hicache_storage_backend == "file"
 
 
+def test_a_bad_lmcache_key_is_refused_when_parsing_naming_the_flag_and_the_closest_key():
+    """No server is asked (none runs here): the keys are checked before the model loads; the URL itself may
+    come from the worker's ``LMCACHE_REMOTE_URL``, so parsing does not ask for it."""
+    lm = [*AIBRIX[:-1], "lmcache", "--hicache-storage-backend-extra-config"]
+    with pytest.raises(ArgumentError) as exc:
+        parse_args([*lm, '{"lmcache_ulr": "lm://h:1", "prefetch_threshold": 4}'])
+    assert str(exc.value) == (
+        "--hicache-storage-backend-extra-config: lmcache_ulr: not an lmcache backend key (known: "
+        "lmcache_url, lmcache_timeout_s); did you mean 'lmcache_url'?"
+    )
+    assert parse_args([*lm, '{"lmcache_timeout_s": 5}']).hicache_storage_backend == "lmcache"
+
+
 def test_grammar_and_tool_call_parser_flags():
     args = parse_args(["--model-path", "m", "--grammar-backend", "none", "--tool-call-parser", "llama3"])
     assert (args.grammar_backend, args.tool_call_parser) == ("none", "llama3")

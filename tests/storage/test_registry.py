@@ -40,7 +40,8 @@ def dynamic_extra(tmp_path, module, **over):
 
 
 def test_unknown_backend_lists_registered_names(storage_config_factory):
-    with pytest.raises(ValueError, match="registered backends: aibrix, dynamic, file, mooncake, nixl"):
+    names = "aibrix, dynamic, file, lmcache, mooncake, nixl"
+    with pytest.raises(ValueError, match=f"registered backends: {names}"):
         create_storage_backend("nope", storage_config_factory(), None)
 
 

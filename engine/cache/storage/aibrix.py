@@ -58,15 +58,10 @@ import numpy as np
 import torch
 
 from engine.cache.storage import page_file
-from engine.cache.storage.base import (
-    BatchFirstStorage,
-    HiCacheStorageConfig,
-    HiCacheStorageExtraInfo,
-    StorageConfigError,
-)
+from engine.cache.storage.base import HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageConfigError
+from engine.cache.storage.byte_pages import BytePageStorage, Views
 from engine.cache.storage.extra_keys import AIBRIX_ENV_PREFIX as ENV_PREFIX
 from engine.cache.storage.extra_keys import aibrix_setting, aibrix_setting_names
-from engine.cache.storage.file import PageRanges, _as_bytes
 from engine.cache.storage.page_file import PageFileError, PageIdentity
 from engine.cache.storage.shards import shard_map
 
@@ -227,10 +222,7 @@ def _start_error(settings: dict[str, str], exc: Exception) -> str:
     return f"{ENV_PREFIX}L2_CACHE_BACKEND={backend}:{detail} AIBrix KVCache did not start: {exc}"
 
 
-Views = list[memoryview]  # one page's byte views, in flat page order
-
-
-class HiCacheAibrix(BatchFirstStorage):
+class HiCacheAibrix(BytePageStorage):
     """L3 pages in AIBrix KVCache's L2 store; thread-safe; ``supports_v1`` (each page copied once between
     its host-pool slots and its AIBrix block).
 
@@ -238,15 +230,12 @@ class HiCacheAibrix(BatchFirstStorage):
     ``aibrix_kvcache`` missing, and when the store does not start (at ``register_mem_pool_host``, which
     opens the manager for the stored unit: a page, or a ``tp_lcm_size`` shard)."""
 
-    supports_v1 = True
-
     def __init__(self, storage_config: HiCacheStorageConfig) -> None:
         super().__init__(storage_config)
         self._ak = load_aibrix()
         self.settings = resolve_settings(storage_config.extra_config, storage_config.page_size)
         self._managers: dict[int, _Manager] = {}
         self._managers_lock = threading.Lock()
-        self._pages: PageRanges | None = None
         self._unit = 0  # bytes of the stored unit (a page, or a tp_lcm_size shard): set with the host pool
 
     # -- managers, one per payload size ----------------------------------------------------------------
@@ -269,7 +258,6 @@ class HiCacheAibrix(BatchFirstStorage):
         """Map the pool's pages to byte views and open the manager for the stored unit (the store starts or
         fails here): the page, or with ``tp_lcm_size`` one KV-head storage shard of it, whose bytes every TP
         size sharing the namespace agrees on (:func:`engine.cache.storage.shards.shard_map`)."""
-        self._pages = PageRanges(mem_pool_host)
         cfg, self._unit = self.storage_config, mem_pool_host.page_bytes
         if cfg.tp_lcm_size is not None and not cfg.is_mla_model:
             shards = shard_map(
@@ -288,7 +276,6 @@ class HiCacheAibrix(BatchFirstStorage):
                 m.close()
             except Exception as exc:
                 logger.warning("AIBrix KVCache: closing a manager: %s", exc)
-        self._pages = None
         super().close()
 
     def _identity(self, key: str) -> PageIdentity:
@@ -425,38 +412,6 @@ class HiCacheAibrix(BatchFirstStorage):
         if page_file.checksum(views) != checksum:
             raise PageFileError("checksum mismatch")
 
-    # -- generic path ----------------------------------------------------------------------------------
-    def _flat(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        if tensor is not None:
-            return tensor
-        if self.mem_pool_host is None:
-            raise ValueError("get() needs target_location when no host pool is registered")
-        return torch.empty(self.mem_pool_host.page_bytes, dtype=torch.uint8).view(
-            getattr(torch, self.storage_config.kv_dtype)
-        )
-
-    def batch_get(
-        self, keys: Sequence[str], target_locations: Sequence[torch.Tensor] | None = None, target_sizes=None
-    ) -> list:
-        """Each flat page (into its target when given; else a new tensor of the host pool's page size), or
-        None on a miss or a rejected block."""
-        given: Sequence[torch.Tensor | None] = target_locations or [None] * len(keys)
-        targets = [self._flat(t) for t in given]
-        ok = self._read(keys, [[_as_bytes(t)] for t in targets])
-        return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
-
-    def batch_set(
-        self,
-        keys: Sequence[str],
-        values: Sequence[torch.Tensor] | None = None,
-        target_locations=None,
-        target_sizes=None,
-    ) -> bool:
-        """Store each flat page ``values[i]``; True only when all are stored (or were already)."""
-        if values is None or len(values) != len(keys):
-            raise ValueError("batch_set() needs one page tensor per key in values")
-        return all(self._write(keys, [[_as_bytes(v.contiguous())] for v in values]))
-
     def batch_exists(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Leading keys stored (AIBrix's ``exists``), asked of the stored unit's partition (a page, or a
         ``tp_lcm_size`` shard)."""
@@ -484,27 +439,3 @@ class HiCacheAibrix(BatchFirstStorage):
             if found.value // m.page_size < len(part):
                 return count
         return count
-
-    # -- v1 path: straight between host-pool slots and AIBrix blocks -----------------------------------
-    def _views(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[Views]:
-        slots = self._first_slots(keys, host_indices)
-        assert self._pages is not None, "set with the host pool (_first_slots raised otherwise)"
-        return [self._pages.views(s) for s in slots]
-
-    def batch_get_v1(
-        self,
-        keys: Sequence[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        """Read each page from its block straight into its host-pool slots."""
-        return self._read(keys, self._views(keys, host_indices))
-
-    def batch_set_v1(
-        self,
-        keys: Sequence[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        """Write each page from its host-pool slots straight into its block; stored pages are kept (True)."""
-        return self._write(keys, self._views(keys, host_indices))

@@ -5,9 +5,9 @@ one check, so both name a bad key alike. Imports neither torch nor the backend's
 A backend declares its keys here by an entry of ``_CHECKS``; the check sees only what the backend itself
 gets (HiCache's own keys, ``prefetch_threshold`` and the rest, are taken out first: ``backend_extra``) and
 only what does not depend on the environment (the worker's environment may differ from the parser's, e.g.
-when an agent checks a spec). Today ``aibrix`` declares its keys; the other backends check theirs when they
-are built (``mooncake``: only an extra config that names a master is read at all, so its keys are checked
-then).
+when an agent checks a spec). Today ``aibrix`` and ``lmcache`` declare their keys; the other backends check
+theirs when they are built (``mooncake``: only an extra config that names a master is read at all, so its
+keys are checked then).
 
 Errors are ``ValueError``s starting with the key (``rocksdb_rot: not an AIBrix KVCache setting ...; did you
 mean 'rocksdb_root'?``); the parser puts the flag in front.
@@ -24,6 +24,8 @@ from types import ModuleType
 from engine.cache.config import backend_extra
 
 AIBRIX_ENV_PREFIX = "AIBRIX_KV_CACHE_OL_"
+LMCACHE_KEYS = ("lmcache_url", "lmcache_timeout_s")
+"""The ``lmcache`` backend's keys: its server (``lm://host:port``) and seconds per socket operation."""
 AIBRIX_IMPORT_TIME = ("TOKEN_VALIDATION_ENABLED", "PROFILING_ENABLED", "PROFILING_SERVER_ADDRESS")
 """Settings AIBrix reads once, when ``aibrix_kvcache`` is imported: environment only."""
 
@@ -90,7 +92,17 @@ def _check_aibrix(extra: dict) -> None:
         aibrix_setting(key, names)
 
 
-_CHECKS: dict[str, Callable[[dict], None]] = {"aibrix": _check_aibrix}
+def check_lmcache_keys(extra: dict) -> None:
+    """Refuse a key that is not one of ``LMCACHE_KEYS`` (ValueError naming it and the nearest)."""
+    for key in extra:
+        if key not in LMCACHE_KEYS:
+            raise ValueError(
+                f"{key}: not an lmcache backend key (known: {', '.join(LMCACHE_KEYS)})"
+                f"{closest_key(key, LMCACHE_KEYS)}"
+            )
+
+
+_CHECKS: dict[str, Callable[[dict], None]] = {"aibrix": _check_aibrix, "lmcache": check_lmcache_keys}
 
 
 def check_extra_keys(backend: str | None, extra: dict) -> None:

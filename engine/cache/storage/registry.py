@@ -23,6 +23,7 @@ DYNAMIC_BACKEND = "dynamic"
 _BACKENDS: dict[str, tuple[str, str]] = {
     "aibrix": ("engine.cache.storage.aibrix", "HiCacheAibrix"),
     "file": ("engine.cache.storage.file", "HiCacheFile"),
+    "lmcache": ("engine.cache.storage.lmcache", "HiCacheLMCache"),
     "mooncake": ("engine.cache.storage.mooncake", "MooncakeStore"),
     "nixl": ("engine.cache.storage.nixl", "HiCacheNixl"),
 }

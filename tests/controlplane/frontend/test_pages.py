@@ -118,15 +118,29 @@ def test_storage_page_counts_workers_using_each_profile(client, personas):
     rocksdb = {"l2_cache_backend": "ROCKSDB", "rocksdb_root": "/l3/rocksdb"}
     aibrix = StorageProfileFactory(name="aibrix", backend="aibrix", extra_config=rocksdb)
     EngineWorkerFactory(storage_backend="aibrix", storage_profile=aibrix)
+    lm = StorageProfileFactory(name="lm", backend="lmcache", extra_config={"lmcache_url": "lm://l3:65432"})
+    EngineWorkerFactory(storage_backend="lmcache", storage_profile=lm)
     EngineWorkerFactory(storage_backend="mooncake", storage_profile=mooncake)
     EngineWorkerFactory(storage_backend="mooncake")  # registered before the profile existed
     EngineWorkerFactory(storage_backend="file")  # two file profiles: which one is unknown
     from frontend.selectors import storage_usage
 
     counts = {row["profile"].name: len(row["workers"]) for row in storage_usage()}
-    assert counts == {"mc": 2, "files": 0, "files-b": 0, "aibrix": 1}
+    assert counts == {"mc": 2, "files": 0, "files-b": 0, "aibrix": 1, "lm": 1}
     page = client.get("/storage/").content.decode()
     assert '<code class="addr">m:1</code>' in page and '<code class="addr">/l3/rocksdb</code>' in page
+    assert '<code class="addr">lm://l3:65432</code>' in page
+
+
+def test_storage_page_form_offers_every_backend_the_engine_builds(client, personas):
+    from engine.cache.storage.registry import registered_backends
+
+    client.force_login(personas["operator"][0])
+    page = client.get("/storage/").content.decode()
+    form = page[page.index('<select name="backend">') :]
+    offered = re.findall(r"<option(?: selected)?>(\w+)</option>", form[: form.index("</select>")])
+    assert sorted(offered) == registered_backends() and "lmcache" in offered
+    assert "<option selected>file</option>" in form
 
 
 def test_storage_page_counts_backend_and_hicache_settings_apart(client, personas):

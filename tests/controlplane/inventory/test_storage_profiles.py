@@ -1,5 +1,5 @@
 """Storage profiles name the L3 backends a worker can attach: the engine's registered ones (aibrix, file,
-mooncake, nixl, dynamic); any other name is refused naming the field and changes nothing."""
+lmcache, mooncake, nixl, dynamic); any other name is refused naming the field and changes nothing."""
 
 import pytest
 
@@ -22,6 +22,9 @@ def test_a_nixl_profile_is_kept_and_an_unbuilt_backend_is_refused(api_as):
     aibrix = {"l2_cache_backend": "ROCKSDB", "rocksdb_root": "/l3/rocksdb"}
     made = ops.post(URL, {"name": "rocksdb", "backend": "aibrix", "extra_config": aibrix}, format="json")
     assert made.status_code == 201, made.content
+    lmcache = {"lmcache_url": "lm://lmcache:65432"}
+    made = ops.post(URL, {"name": "lm", "backend": "lmcache", "extra_config": lmcache}, format="json")
+    assert made.status_code == 201, made.content
     refused = ops.post(URL, {"name": "3fs", "backend": "hf3fs", "extra_config": {}}, format="json")
     assert refused.status_code == 400 and "backend" in refused.json()["error"]["detail"]
-    assert list(StorageProfile.objects.values_list("name", flat=True)) == ["nvme", "rocksdb"]
+    assert list(StorageProfile.objects.values_list("name", flat=True)) == ["lm", "nvme", "rocksdb"]
