@@ -57,6 +57,8 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    # M-RoPE (Qwen3-VL): rotary pairs split over (time, row, column) positions, interleaved; () = plain RoPE
+    mrope_section: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # MLA (DeepSeek-V2/V3): ``head_dim`` is then the rotary part ``qk_rope_head_dim`` (what RoPE rotates)
@@ -170,6 +172,15 @@ class ModelConfig:
             rope = dict(cfg.get("rope_parameters") or {})
             scaling = cfg.get("rope_scaling") or None
             theta = cfg.get("rope_theta", rope.get("rope_theta", (scaling or {}).get("rope_theta", 10000.0)))
+            mrope = tuple(int(x) for x in rope.pop("mrope_section", None) or ())
+            if mrope and not rope.pop("mrope_interleaved", False):
+                raise ModelLoadError(
+                    source, "rope_parameters.mrope_section: only interleaved M-RoPE is supported"
+                )
+            if mrope and (len(mrope) != 3 or sum(mrope) * 2 != int(cfg.get("head_dim") or hidden // heads)):
+                raise ModelLoadError(
+                    source, "rope_parameters.mrope_section: three sections summing to head_dim / 2"
+                )
             if scaling is None and rope.get("rope_type", "default") != "default":
                 scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
             if scaling is not None:
@@ -200,6 +211,7 @@ class ModelConfig:
                 o_proj_bias=arch == "llama" and bias,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 qk_norm=arch in ("qwen3", "qwen3_moe"),
+                mrope_section=mrope,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 **(_qwen3_moe_fields(cfg) if arch == "qwen3_moe" else {}),

@@ -102,6 +102,22 @@ def cos_sin(
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
+def mrope_cos_sin(
+    positions: torch.Tensor, freq: torch.Tensor, section: tuple[int, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved M-RoPE (Qwen3-VL): cos and sin ``(T, 1, head_dim)`` for int64 ``positions`` ``(3, T)``
+    (time, row, column). Rotary pair ``i`` takes the row angle when ``i % 3 == 1`` and ``i < 3 *
+    section[1]``, the column angle when ``i % 3 == 2`` and ``i < 3 * section[2]``, else the time angle
+    (transformers' ``Qwen3VLTextRotaryEmbedding``)."""
+    angles = positions.to(torch.float32)[..., None] * freq  # (3, T, head_dim / 2)
+    mixed = angles[0].clone()
+    for dim in (1, 2):
+        idx = slice(dim, section[dim] * 3, 3)
+        mixed[:, idx] = angles[dim][:, idx]
+    emb = torch.cat((mixed, mixed), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``(T, heads, head_dim)`` by the angles in ``cos``/``sin`` ``(T, 1, head_dim)``."""
     half = x.shape[-1] // 2

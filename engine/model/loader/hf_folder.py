@@ -22,7 +22,8 @@ from engine.model.errors import ModelLoadError
 from engine.model.loader.checkpoint import Checkpoint
 from engine.model.tokenizer import Tokenizer
 from engine.model.vlm.clip import split_vision_tensors
-from engine.model.vlm.config import is_llava, load_vlm_config
+from engine.model.vlm.config import is_vlm, load_vlm_config
+from engine.model.vlm.qwen3 import is_qwen3_vl, split_qwen3_tensors
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any]:
@@ -64,10 +65,13 @@ def _eos_ids(*configs: dict[str, Any]) -> set[int]:
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The decoder's config: a LLaVA checkpoint's ``text_config`` (a Llama decoder), else ``cfg``."""
-    if not is_llava(cfg):
+    """The decoder's config: a LLaVA checkpoint's ``text_config`` (a Llama decoder), a Qwen3-VL one's (a
+    Qwen3 decoder with M-RoPE), else ``cfg``."""
+    if not is_vlm(cfg):
         return cfg
     text = dict(cfg.get("text_config") or {})
+    if is_qwen3_vl(cfg):
+        text["model_type"], text["architectures"] = "qwen3", ["Qwen3ForCausalLM"]
     text.setdefault("model_type", "llama")
     text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
     return text
@@ -111,7 +115,10 @@ def load_hf_folder(folder: Path) -> Checkpoint:
         eos_token=_token_text(tok_cfg.get("eos_token")),
         eos_token_ids=set(config.eos_token_ids) | _eos_ids(gen_cfg),
     )
-    if not is_llava(raw):
+    if not is_vlm(raw):
         return Checkpoint(str(folder), config, tensors, tokenizer)
+    if is_qwen3_vl(raw):
+        text, vision = split_qwen3_tensors(tensors)
+        return Checkpoint(str(folder), config, text, tokenizer, load_vlm_config(folder, raw), vision)
     text, vision, projector = split_vision_tensors(tensors)
     return Checkpoint(str(folder), config, text, tokenizer, load_vlm_config(folder, raw), vision, projector)

@@ -1,0 +1,153 @@
+"""Qwen3-VL (vision tower with deepstack, M-RoPE over a Qwen3 decoder) against transformers on the same
+random weights: our patches and grid against transformers' PIL image processor, logits at every position
+and greedy tokens with zero, one and two images of different shapes (transformers' model is fed the pixel
+values our preprocessing makes)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from model_testlib import PageAllocator
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from vlm_testlib import QWEN_PROCESSOR, QWEN_SIZE, png, qwen_hf_kwargs, save_tiny_qwen3vl
+
+from engine.cache.device_pool import DeviceKVPool
+from engine.model.forward_batch import ForwardBatch
+from engine.model.runner import ModelRunner
+from engine.model.vlm.mm import ImageSlot, batch_embeds, expand_prompt, mrope_positions
+from engine.model.vlm.processor import open_image, preprocess
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen3vl")
+    hf = save_tiny_qwen3vl(folder, seed=5)
+    return folder, hf, ModelRunner(folder, dtype="float32")
+
+
+def _processed(runner, images):
+    return [preprocess(open_image(b, 10**6), runner.vlm.processor) for b in images]
+
+
+def _slots(runner, procs):
+    merge = runner.vlm.vision.spatial_merge_size
+    out = []
+    for p in procs:
+        _, rows, cols = p.grid
+        out.append(ImageSlot(p.pad_value, p.digest, rows * cols // merge**2, (rows // merge, cols // merge)))
+    return out
+
+
+def _prompt(runner, n_images):
+    image = runner.vlm.vision.image_token_id
+    text = runner.tokenizer.encode("the quick brown fox jumps", add_special_tokens=False)
+    out = text[:2]
+    for k in range(n_images):  # text between images: transformers takes adjacent image tokens as one image
+        out += [image, text[2 + k]]
+    return out + text[2 + n_images :]
+
+
+def _engine_greedy(runner, prompt, images, steps):
+    """Prefill in chunks of 5 tokens (an image split across chunks), then greedy decode; returns the
+    prompt's logits ``(P, V)``, the expanded ids and the new tokens."""
+    procs = _processed(runner, images)
+    ids, items = expand_prompt(prompt, runner.vlm.vision.image_token_id, _slots(runner, procs))
+    for item, e in zip(items, runner.vision.encode_images(procs), strict=True):
+        item.embeds = e
+    pool = DeviceKVPool(256, 4, **vars(runner.kv_pool_spec()))
+    alloc = PageAllocator(pool)
+    slots = torch.zeros(0, dtype=torch.long)
+    logits = []
+    for start in range(0, len(ids), 5):
+        end = min(start + 5, len(ids))
+        slots = alloc.extend(slots, end)
+        batch = ForwardBatch.from_sequences([ids[start:end]], [slots])
+        batch.mm_embeds = batch_embeds([(items, start, end)])
+        batch.mrope_positions = mrope_positions([(items, start, end)])
+        logits.append(runner.forward(batch, pool, return_all_logits=True))
+    out = [int(logits[-1][-1].argmax())]
+    for _ in range(steps - 1):
+        n = slots.shape[0] + 1
+        slots = alloc.extend(slots, n)
+        batch = ForwardBatch.for_decode([out[-1]], [slots])
+        batch.mrope_positions = mrope_positions([(items, n - 1, n)])
+        out.append(int(runner.forward(batch, pool)[0].argmax()))
+    return torch.cat(logits), ids, out
+
+
+def _hf(hf, ids, procs, steps):
+    x = torch.tensor([ids])
+    kwargs = qwen_hf_kwargs(x, procs, hf.config.image_token_id)
+    with torch.no_grad():
+        logits = hf(input_ids=x, **kwargs).logits[0]
+        gen = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            eos_token_id=None,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return logits, gen[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("n_images", [0, 1, 2])
+def test_logits_and_greedy_tokens_match_transformers(qwen, n_images):
+    _, hf, runner = qwen
+    images = [png(20 + i, size) for i, size in enumerate([(48, 32), (32, 64)][:n_images])]
+    ours, ids, our_tokens = _engine_greedy(runner, _prompt(runner, n_images), images, steps=8)
+    hf_ids = [runner.vlm.vision.image_token_id if t >= 2**31 else t for t in ids]
+    theirs, their_tokens = _hf(hf, hf_ids, _processed(runner, images), steps=8)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert our_tokens == their_tokens
+
+
+def test_image_and_deepstack_change_the_output(qwen):
+    """The image reaches the logits, and so do its deepstack rows (zeroing them moves the logits)."""
+    _, _, runner = qwen
+    prompt = _prompt(runner, 1)
+    a, _, _ = _engine_greedy(runner, prompt, [png(1, (48, 32))], steps=1)
+    b, _, _ = _engine_greedy(runner, prompt, [png(2, (48, 32))], steps=1)
+    assert (a[-1] - b[-1]).abs().max() > 1e-2
+    hidden = runner.config.hidden_size
+    proc = _processed(runner, [png(1, (48, 32))])
+    embeds = runner.vision.encode_images(proc)[0]
+    assert embeds.shape == (6, hidden * 3)  # 48 x 32 px: 3 x 2 tokens; main + 2 deepstack rows
+
+
+def test_processor_matches_transformers(qwen):
+    _, _, runner = qwen
+    ref = Qwen2VLImageProcessorPil(
+        size=QWEN_SIZE, image_mean=[0.5] * 3, image_std=[0.5] * 3, **QWEN_PROCESSOR
+    )
+    for size in [(48, 36), (200, 30), (17, 90)]:
+        data = png(7, size)
+        ours = preprocess(open_image(data, 10**6), runner.vlm.processor)
+        theirs = ref(Image.open(io.BytesIO(data)).convert("RGB"), return_tensors="pt")
+        assert list(ours.grid) == theirs["image_grid_thw"][0].tolist()
+        torch.testing.assert_close(ours.pixels, theirs["pixel_values"], rtol=0, atol=1e-5)
+
+
+def test_mrope_positions_follow_transformers(qwen):
+    """Our positions for a prompt with two images equal transformers' ``get_rope_index``, also when
+    computed in pieces (a chunk boundary inside an image, one decode position)."""
+    _, hf, runner = qwen
+    procs = _processed(runner, [png(3, (48, 32)), png(4, (32, 64))])
+    ids, items = expand_prompt(_prompt(runner, 2), runner.vlm.vision.image_token_id, _slots(runner, procs))
+    x = torch.tensor([[runner.vlm.vision.image_token_id if t >= 2**31 else t for t in ids]])
+    ref, delta = hf.model.get_rope_index(
+        x, (x == hf.config.image_token_id).int(), torch.tensor([p.grid for p in procs])
+    )
+    whole = mrope_positions([(items, 0, len(ids))])
+    assert torch.equal(whole, ref[:, 0])
+    pieces = torch.cat(
+        [mrope_positions([(items, s, min(s + 4, len(ids)))]) for s in range(0, len(ids), 4)], 1
+    )
+    assert torch.equal(pieces, whole)
+    n = len(ids) + 3
+    assert mrope_positions([(items, n - 1, n)])[:, 0].tolist() == [n - 1 + int(delta)] * 3
