@@ -8,6 +8,7 @@ Mooncake's TransferEngine exactly the embeddings the tower computes here.
 
 from __future__ import annotations
 
+import base64
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess
 from engine.model.loader import load_checkpoint
-from engine.model.vlm.processor import open_image, preprocess
+from engine.model.vlm.processor import image_digest, open_image, preprocess
 from engine.model.vlm.towers import make_vision_encoder
 from engine.ports import free_port
 from engine.server.encoder_client import EncoderClient
@@ -140,3 +141,17 @@ def test_mooncake_transfer_delivers_the_towers_embeddings(fleet):
     info = _info(fleet["enc_m"])
     assert info["encoder_transfer_backend"] == "mooncake" and info["tokens_per_image"] is None
     assert info["encoder_transfer_bytes_total"] == (6 + 8) * 192 * 4
+
+
+def test_patches_that_do_not_fill_their_grid_are_a_400(fleet):
+    pixels = torch.zeros(4, 384)  # 4 patches of 3 x 2 x 8 x 8 values; a 4 x 4 grid needs 16
+    image = {
+        "digest": image_digest(pixels, (1, 4, 4)),
+        "shape": [4, 384],
+        "grid": [1, 4, 4],
+        "pixels": base64.b64encode(pixels.numpy().tobytes()).decode(),
+    }
+    body = {"rid": "r", "receiver": "tcp://127.0.0.1:1", "images": [image]}
+    resp = httpx.post(f"{fleet['enc_z']}/encode", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert "do not fit grid (1, 4, 4)" in resp.json()["error"]["message"]

@@ -6,6 +6,7 @@ values our preprocessing makes)."""
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from vlm_testlib import QWEN_PROCESSOR, QWEN_SIZE, png, qwen_hf_kwargs, save_tiny_qwen3vl
 
 from engine.cache.device_pool import DeviceKVPool
+from engine.model.errors import ModelLoadError
 from engine.model.forward_batch import ForwardBatch
+from engine.model.loader.hf_folder import load_hf_config
 from engine.model.runner import ModelRunner
 from engine.model.vlm.mm import ImageSlot, batch_embeds, expand_prompt, mrope_positions
 from engine.model.vlm.processor import open_image, preprocess
@@ -151,3 +154,13 @@ def test_mrope_positions_follow_transformers(qwen):
     assert torch.equal(pieces, whole)
     n = len(ids) + 3
     assert mrope_positions([(items, n - 1, n)])[:, 0].tolist() == [n - 1 + int(delta)] * 3
+
+
+def test_sectioned_mrope_is_refused_naming_the_field(qwen, tmp_path):
+    """Qwen2.5-VL style (non-interleaved) M-RoPE is not served: the load error names the field."""
+    folder, _, _ = qwen
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"]["rope_parameters"]["mrope_interleaved"] = False
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="rope_parameters.mrope_section: only interleaved"):
+        load_hf_config(tmp_path)

@@ -142,3 +142,14 @@ def test_same_image_reuses_its_tokens_in_every_tier(server, qwen):
     engine.scheduler.call(_flush).result(30)
     l3 = generate(server, text, data_url(image))
     assert l3["meta_info"]["cached_tokens_details"]["storage"] >= last and l3["output_ids"] == expected
+
+
+def test_an_image_the_processor_cannot_take_is_a_400_naming_the_field(server, monkeypatch):
+    submitted = []
+    real = server.engine.scheduler.submit
+    monkeypatch.setattr(server.engine.scheduler, "submit", lambda req: submitted.append(req) or real(req))
+    body = {"text": IMAGE, "image_data": data_url(png(1, (402, 2))), "sampling_params": {"max_new_tokens": 1}}
+    resp = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"].startswith("image_data: aspect ratio 201 is above 200")
+    assert submitted == []
