@@ -170,17 +170,9 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             rope = dict(cfg.get("rope_parameters") or {})
-            scaling = cfg.get("rope_scaling") or None
+            scaling = dict(cfg.get("rope_scaling") or {}) or None
             theta = cfg.get("rope_theta", rope.get("rope_theta", (scaling or {}).get("rope_theta", 10000.0)))
-            mrope = tuple(int(x) for x in rope.pop("mrope_section", None) or ())
-            if mrope and not rope.pop("mrope_interleaved", False):
-                raise ModelLoadError(
-                    source, "rope_parameters.mrope_section: only interleaved M-RoPE is supported"
-                )
-            if mrope and (len(mrope) != 3 or sum(mrope) * 2 != int(cfg.get("head_dim") or hidden // heads)):
-                raise ModelLoadError(
-                    source, "rope_parameters.mrope_section: three sections summing to head_dim / 2"
-                )
+            mrope = _mrope_section(rope, scaling, int(cfg.get("head_dim") or hidden // heads), source)
             if scaling is None and rope.get("rope_type", "default") != "default":
                 scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
             if scaling is not None:
@@ -312,6 +304,28 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )
+
+
+def _mrope_section(
+    rope: dict[str, Any], scaling: dict[str, Any] | None, head_dim: int, source: str
+) -> tuple[int, ...]:
+    """M-RoPE sections from ``rope_parameters`` (transformers>=5) or ``rope_scaling`` (older files),
+    popped from both with ``mrope_interleaved``; () without them. ``ModelLoadError`` naming the field for
+    sections that are not interleaved (Qwen2-VL, Qwen2.5-VL) or do not cover ``head_dim / 2`` in three."""
+    field, section, interleaved = "rope_parameters", None, False
+    for name, d in (("rope_scaling", scaling or {}), ("rope_parameters", rope)):
+        if d.get("mrope_section") is not None:
+            field, section = name, d["mrope_section"]
+        interleaved = bool(d.pop("mrope_interleaved", False)) or interleaved
+        d.pop("mrope_section", None)
+    if section is None:
+        return ()
+    if not interleaved:
+        raise ModelLoadError(source, f"{field}.mrope_section: only interleaved M-RoPE is supported")
+    out = tuple(int(x) for x in section)
+    if len(out) != 3 or sum(out) * 2 != head_dim:
+        raise ModelLoadError(source, f"{field}.mrope_section: three sections summing to head_dim / 2")
+    return out
 
 
 def _deepseek_moe_fields(cfg: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:

@@ -164,3 +164,15 @@ def test_sectioned_mrope_is_refused_naming_the_field(qwen, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="rope_parameters.mrope_section: only interleaved"):
         load_hf_config(tmp_path)
+
+
+def test_mrope_sections_are_read_from_older_rope_scaling_too(qwen, tmp_path):
+    """Published Qwen3-VL files keep the sections in ``text_config.rope_scaling`` beside ``rope_theta``."""
+    folder, _, runner = qwen
+    cfg = json.loads((folder / "config.json").read_text())
+    text = cfg["text_config"]
+    text["rope_scaling"] = {k: v for k, v in text.pop("rope_parameters").items() if k != "rope_theta"}
+    text["rope_theta"] = 5000.0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_hf_config(tmp_path) == runner.config
+    assert runner.config.mrope_section == (4, 2, 2)
