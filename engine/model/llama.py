@@ -182,7 +182,10 @@ class LlamaForCausalLM:
         x = self.embed_tokens(batch)
         if batch.mrope_positions is not None:
             mrope = batch.mrope_positions.to(self.device)
-            cos, sin = mrope_cos_sin(mrope, self.rope_inv_freq, self.cfg.mrope_section, self.dtype)
+            cfg = self.cfg
+            cos, sin = mrope_cos_sin(
+                mrope, self.rope_inv_freq, cfg.mrope_section, self.dtype, cfg.mrope_interleaved
+            )
         else:
             cos, sin = cos_sin(batch.positions, self.rope_inv_freq, self.dtype, self._rope_scale)
         deepstack = self._deepstack(batch)

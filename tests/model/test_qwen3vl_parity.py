@@ -1,7 +1,8 @@
-"""Qwen3-VL (vision tower with deepstack, M-RoPE over a Qwen3 decoder) against transformers on the same
-random weights: our patches and grid against transformers' PIL image processor, logits at every position
-and greedy tokens with zero, one and two images of different shapes (transformers' model is fed the pixel
-values our preprocessing makes)."""
+"""Qwen3-VL (vision tower with deepstack, interleaved M-RoPE over a Qwen3 decoder) and Qwen2.5-VL (window
+attention tower, sectioned M-RoPE over a Qwen2 decoder) against transformers on the same random weights:
+our patches and grid against transformers' PIL image processor, logits at every position and greedy
+tokens with zero, one and two images of different shapes (transformers' model is fed the pixel values
+our preprocessing makes)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import torch
 from model_testlib import PageAllocator
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from vlm_testlib import QWEN_PROCESSOR, QWEN_SIZE, png, qwen_hf_kwargs, save_tiny_qwen3vl
+from vlm_testlib import (
+    QWEN_PROCESSOR,
+    QWEN_SIZE,
+    png,
+    qwen_hf_kwargs,
+    save_tiny_qwen3vl,
+    save_tiny_qwen25vl,
+)
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.model.errors import ModelLoadError
@@ -24,10 +32,11 @@ from engine.model.vlm.mm import ImageSlot, batch_embeds, expand_prompt, mrope_po
 from engine.model.vlm.processor import open_image, preprocess
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-qwen3vl")
-    hf = save_tiny_qwen3vl(folder, seed=5)
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+def qwen(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    save = save_tiny_qwen3vl if request.param == "qwen3_vl" else save_tiny_qwen25vl
+    hf = save(folder, seed=5)
     return folder, hf, ModelRunner(folder, dtype="float32")
 
 
@@ -111,7 +120,7 @@ def test_logits_and_greedy_tokens_match_transformers(qwen, n_images):
 
 
 def test_image_and_deepstack_change_the_output(qwen):
-    """The image reaches the logits, and so do its deepstack rows (zeroing them moves the logits)."""
+    """The image reaches the logits; Qwen3-VL's embeddings carry its deepstack rows."""
     _, _, runner = qwen
     prompt = _prompt(runner, 1)
     a, _, _ = _engine_greedy(runner, prompt, [png(1, (48, 32))], steps=1)
@@ -120,7 +129,8 @@ def test_image_and_deepstack_change_the_output(qwen):
     hidden = runner.config.hidden_size
     proc = _processed(runner, [png(1, (48, 32))])
     embeds = runner.vision.encode_images(proc)[0]
-    assert embeds.shape == (6, hidden * 3)  # 48 x 32 px: 3 x 2 tokens; main + 2 deepstack rows
+    deepstack = len(runner.vlm.vision.deepstack)  # Qwen3-VL: 2; Qwen2.5-VL: none
+    assert embeds.shape == (6, hidden * (1 + deepstack))  # 48 x 32 px: 3 x 2 tokens
 
 
 def test_processor_matches_transformers(qwen):
@@ -156,13 +166,12 @@ def test_mrope_positions_follow_transformers(qwen):
     assert mrope_positions([(items, n - 1, n)])[:, 0].tolist() == [n - 1 + int(delta)] * 3
 
 
-def test_sectioned_mrope_is_refused_naming_the_field(qwen, tmp_path):
-    """Qwen2.5-VL style (non-interleaved) M-RoPE is not served: the load error names the field."""
+def test_mrope_sections_that_do_not_cover_the_head_are_refused_naming_the_field(qwen, tmp_path):
     folder, _, _ = qwen
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["text_config"]["rope_parameters"]["mrope_interleaved"] = False
+    cfg["text_config"]["rope_parameters"]["mrope_section"] = [4, 2, 1]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="rope_parameters.mrope_section: only interleaved"):
+    with pytest.raises(ModelLoadError, match="rope_parameters.mrope_section: three sections summing to"):
         load_hf_config(tmp_path)
 
 
@@ -175,4 +184,4 @@ def test_mrope_sections_are_read_from_older_rope_scaling_too(qwen, tmp_path):
     text["rope_theta"] = 5000.0
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert load_hf_config(tmp_path) == runner.config
-    assert runner.config.mrope_section == (4, 2, 2)
+    assert runner.config.mrope_section == tuple(cfg["text_config"]["rope_scaling"]["mrope_section"])

@@ -172,3 +172,53 @@ def qwen_hf_kwargs(x: torch.Tensor, procs: list, image_token_id: int) -> dict:
         kwargs["pixel_values"] = torch.cat([p.pixels for p in procs])
         kwargs["image_grid_thw"] = torch.tensor([p.grid for p in procs])
     return kwargs
+
+
+def save_tiny_qwen25vl(folder: Path, seed: int = 0) -> transformers.Qwen2_5_VLForConditionalGeneration:
+    """Write a random tiny Qwen2.5-VL (vision: 3 blocks of width 32, patch 8, merge 2, windows of 32 px =
+    2 x 2 merged tokens except block 1 with full attention; text: 2 Qwen2 layers of width 64, M-RoPE
+    sections 2/3/3) with the same tokenizer and processor settings as ``save_tiny_qwen3vl``."""
+    save_tiny_qwen3vl(folder, seed)  # tokenizer, template and processor; config and weights replaced below
+    tok_ids = json.loads((folder / "config.json").read_text())
+    torch.manual_seed(seed)
+    vision = {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 8,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 64,
+        "window_size": 32,
+        "fullatt_block_indexes": [1],
+        "initializer_range": 0.2,
+    }
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": TINY_VOCAB,
+        "initializer_range": 0.2,
+        "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 3, 3]},
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+    cfg = transformers.Qwen2_5_VLConfig(
+        vision_config=vision,
+        text_config=text,
+        **{k: tok_ids[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")},
+        video_token_id=TINY_VOCAB - 1,
+    )
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.model.visual.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(folder)
+    return model

@@ -1,5 +1,5 @@
-"""Qwen3-VL's vision side, following transformers' ``Qwen3VLVisionModel`` and ``Qwen2VLImageProcessor``
-numerics.
+"""Qwen3-VL's (and Qwen2.5-VL's) vision side, following transformers' ``Qwen3VLVisionModel``
+(``Qwen2_5_VisionTransformerPretrainedModel``) and ``Qwen2VLImageProcessor`` numerics.
 
 Processing: the image is resized (bicubic) to a multiple of ``patch_size * merge_size`` on each side within
 ``[min_pixels, max_pixels]`` (``smart_resize``), rescaled, normalised and cut into flattened patches of
@@ -14,10 +14,16 @@ each 2x2 block concatenated, linear-GELU-linear into the text model's width). Th
 ``deepstack_visual_indexes`` also feed their own mergers (LayerNorm after the concatenation); those
 "deepstack" features are added to the text model's hidden states at the image tokens after its first
 layers. ``encode`` returns them side by side: ``(tokens, text_hidden * (1 + len(deepstack)))``.
+
+Qwen2.5-VL (``variant="qwen2_5"``): RMSNorm instead of LayerNorm, SiLU-gated MLPs, no patch-embedding bias
+and no learned positions; blocks other than ``fullatt_block_indexes`` attend within windows of
+``window_size`` pixels (the patches regrouped window by window, whole merge blocks, and put back after the
+merger, ``ln_q`` + ``mlp.0`` / ``mlp.2``); no deepstack.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +64,11 @@ class Qwen3VisionConfig:
     text_hidden_size: int
     image_token_id: int
     max_tokens_per_image: int
+    # Qwen2.5-VL: RMSNorm, SiLU-gated MLPs, no learned positions, attention within windows of
+    # ``window_size`` pixels except in the ``fullatt_blocks``
+    variant: str = "qwen3"  # "qwen3" | "qwen2_5"
+    window_size: int = 0
+    fullatt_blocks: tuple[int, ...] = ()
 
     @property
     def embed_dim(self) -> int:
@@ -88,10 +99,19 @@ class Qwen3ProcessorConfig:
     resample: int = 3
 
 
+_ARCHS = {"Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+
+
+def qwen_vl_type(cfg: dict[str, Any]) -> str | None:
+    """``qwen3_vl`` or ``qwen2_5_vl`` for a ``config.json`` of either, else None."""
+    if cfg.get("model_type") in _ARCHS.values():
+        return cfg["model_type"]
+    return next((_ARCHS[a] for a in cfg.get("architectures") or [] if a in _ARCHS), None)
+
+
 def is_qwen3_vl(cfg: dict[str, Any]) -> bool:
-    return cfg.get("model_type") == "qwen3_vl" or "Qwen3VLForConditionalGeneration" in (
-        cfg.get("architectures") or []
-    )
+    """Qwen3-VL or Qwen2.5-VL (one vision family, served by this module)."""
+    return qwen_vl_type(cfg) is not None
 
 
 def load_qwen3_config(folder: Path, cfg: dict[str, Any]) -> tuple[Qwen3VisionConfig, Qwen3ProcessorConfig]:
@@ -107,9 +127,10 @@ def load_qwen3_config(folder: Path, cfg: dict[str, Any]) -> tuple[Qwen3VisionCon
         raise ModelLoadError(
             source, f"vision_config.rope_parameters.rope_type {rope['rope_type']!r}: expected axial"
         )
-    act = vc.get("hidden_act", "gelu_pytorch_tanh")
-    if act not in ("gelu", "gelu_pytorch_tanh"):
-        raise ModelLoadError(source, f"vision_config.hidden_act {act!r}: supported gelu, gelu_pytorch_tanh")
+    qwen2_5 = qwen_vl_type(cfg) == "qwen2_5_vl"
+    act = vc.get("hidden_act", "silu" if qwen2_5 else "gelu_pytorch_tanh")
+    if act not in _VISION_ACTS:
+        raise ModelLoadError(source, f"vision_config.hidden_act {act!r}: supported {sorted(_VISION_ACTS)}")
     try:
         processor = _processor(folder / "preprocessor_config.json", vc)
         merge = int(vc.get("spatial_merge_size", 2))
@@ -125,10 +146,15 @@ def load_qwen3_config(folder: Path, cfg: dict[str, Any]) -> tuple[Qwen3VisionCon
             num_position_embeddings=int(vc.get("num_position_embeddings", 2304)),
             hidden_act=act,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
-            deepstack=tuple(int(i) for i in vc.get("deepstack_visual_indexes", (8, 16, 24))),
+            deepstack=()
+            if qwen2_5
+            else tuple(int(i) for i in vc.get("deepstack_visual_indexes", (8, 16, 24))),
             text_hidden_size=int(text["hidden_size"]),
             image_token_id=int(cfg.get("image_token_id", 151655)),
             max_tokens_per_image=processor.max_pixels // (processor.patch_size * processor.merge_size) ** 2,
+            variant="qwen2_5" if qwen2_5 else "qwen3",
+            window_size=int(vc.get("window_size", 112)) if qwen2_5 else 0,
+            fullatt_blocks=tuple(int(i) for i in vc.get("fullatt_block_indexes", ())) if qwen2_5 else (),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(source, f"bad vision settings: {exc!r}") from None
@@ -139,7 +165,7 @@ def load_qwen3_config(folder: Path, cfg: dict[str, Any]) -> tuple[Qwen3VisionCon
     if len(vision.deepstack) > int(text.get("num_hidden_layers", 0)):
         raise ModelLoadError(source, "vision_config.deepstack_visual_indexes: more than the text layers")
     side = math.isqrt(vision.num_position_embeddings)
-    if side * side != vision.num_position_embeddings:
+    if not qwen2_5 and side * side != vision.num_position_embeddings:
         raise ModelLoadError(source, "vision_config.num_position_embeddings must be a square")
     if (processor.patch_size, processor.merge_size, processor.temporal_patch_size) != (
         vision.patch_size,
@@ -151,6 +177,9 @@ def load_qwen3_config(folder: Path, cfg: dict[str, Any]) -> tuple[Qwen3VisionCon
             "patch_size, merge_size and temporal_patch_size differ from config.json's vision_config",
         )
     return vision, processor
+
+
+_VISION_ACTS = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "silu": ""}
 
 
 def _processor(path: Path, vc: dict[str, Any]) -> Qwen3ProcessorConfig:
@@ -242,6 +271,19 @@ def split_qwen3_tensors(
     return text, vision
 
 
+def _segments(lengths: list[int]) -> list[slice]:
+    """Consecutive slices of the given lengths."""
+    ends = list(itertools.accumulate(lengths))
+    return [slice(e - n, e) for n, e in zip(lengths, ends, strict=True)]
+
+
+def _norm(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """LayerNorm (eps 1e-6) with a bias, RMSNorm (float32, eps 1e-6) without one."""
+    if w[1] is None:
+        return w[0] * F.rms_norm(x.float(), (x.shape[-1],), eps=1e-6).to(x.dtype)
+    return F.layer_norm(x, (x.shape[-1],), w[0], w[1], eps=1e-6)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -277,29 +319,40 @@ class Qwen3VisionEncoder:
         def lin(name: str, out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
             return take(f"{name}.weight", (out, inp)), take(f"{name}.bias", (out,))
 
-        def norm(name: str, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return take(f"{name}.weight", (width,)), take(f"{name}.bias", (width,))
+        qwen2_5 = cfg.variant == "qwen2_5"
+
+        def norm(name: str, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """LayerNorm (weight, bias), or RMSNorm (weight, None) for Qwen2.5-VL."""
+            return take(f"{name}.weight", (width,)), None if qwen2_5 else take(f"{name}.bias", (width,))
+
+        def mlp(pre: str) -> dict[str, Any]:
+            if qwen2_5:
+                gate, up = lin(f"{pre}.gate_proj", inter, d), lin(f"{pre}.up_proj", inter, d)
+                return {"gate_up": (torch.cat([gate[0], up[0]]), torch.cat([gate[1], up[1]])),
+                        "down": lin(f"{pre}.down_proj", d, inter)}  # fmt: skip
+            return {"fc1": lin(f"{pre}.linear_fc1", inter, d), "fc2": lin(f"{pre}.linear_fc2", d, inter)}
 
         c, t, p = cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size
-        self.patch = (
-            take("patch_embed.proj.weight", (d, c, t, p, p)).reshape(d, -1),
-            take("patch_embed.proj.bias", (d,)),
-        )
-        self.pos_embed = take("pos_embed.weight", (cfg.num_position_embeddings, d))
+        weight = take("patch_embed.proj.weight", (d, c, t, p, p)).reshape(d, -1)
+        self.patch = (weight, None if qwen2_5 else take("patch_embed.proj.bias", (d,)))
+        self.pos_embed = None if qwen2_5 else take("pos_embed.weight", (cfg.num_position_embeddings, d))
         self.blocks = [
             {
                 "norm1": norm(f"blocks.{i}.norm1", d),
                 "norm2": norm(f"blocks.{i}.norm2", d),
                 "qkv": lin(f"blocks.{i}.attn.qkv", 3 * d, d),
                 "proj": lin(f"blocks.{i}.attn.proj", d, d),
-                "fc1": lin(f"blocks.{i}.mlp.linear_fc1", inter, d),
-                "fc2": lin(f"blocks.{i}.mlp.linear_fc2", d, inter),
+                **mlp(f"blocks.{i}.mlp"),
             }
             for i in range(cfg.depth)
         ]
         merged = d * cfg.spatial_merge_size**2
 
         def merger(name: str, post_norm: bool) -> dict[str, Any]:
+            if qwen2_5:  # ln_q, then mlp.0 / GELU / mlp.2
+                return {"norm": norm(f"{name}.ln_q", d), "post": False,
+                        "fc1": lin(f"{name}.mlp.0", merged, merged),
+                        "fc2": lin(f"{name}.mlp.2", cfg.text_hidden_size, merged)}  # fmt: skip
             return {
                 "norm": norm(f"{name}.norm", merged if post_norm else d),
                 "post": post_norm,
@@ -322,15 +375,20 @@ class Qwen3VisionEncoder:
         """Resampled position embeddings ``(rows * cols, d)`` and rotary (h, w) indices ``(rows * cols,
         2)``, both in block order."""
         cfg, m = self.cfg, self.cfg.spatial_merge_size
-        side = math.isqrt(cfg.num_position_embeddings)
-        table = self.pos_embed.float().T.reshape(1, -1, side, side)
-        grid = F.interpolate(table, size=(rows, cols), mode="bilinear", align_corners=True)[0]  # (d, r, c)
 
         def blocks(x: torch.Tensor) -> torch.Tensor:  # (r, c, ...) -> (r * c, ...) in block order
             x = x.reshape(rows // m, m, cols // m, m, *x.shape[2:]).transpose(1, 2)
             return x.reshape(rows * cols, *x.shape[4:])
 
-        pos = blocks(grid.permute(1, 2, 0))
+        if self.pos_embed is None:  # Qwen2.5-VL: rotary positions only
+            pos = torch.zeros((), dtype=self.dtype, device=self.device)
+        else:
+            side = math.isqrt(cfg.num_position_embeddings)
+            table = self.pos_embed.float().T.reshape(1, -1, side, side)
+            grid = F.interpolate(table, size=(rows, cols), mode="bilinear", align_corners=True)[
+                0
+            ]  # (d, r, c)
+            pos = blocks(grid.permute(1, 2, 0))
         hw = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), dim=-1).to(
             self.device
         )
@@ -338,11 +396,24 @@ class Qwen3VisionEncoder:
 
     def _merge(self, w: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
         merged = self.cfg.hidden_size * self.cfg.spatial_merge_size**2
-        if w["post"]:
-            x = F.layer_norm(x.reshape(-1, merged), (merged,), *w["norm"], eps=1e-6)
-        else:
-            x = F.layer_norm(x, (x.shape[-1],), *w["norm"], eps=1e-6).reshape(-1, merged)
+        flat = x.reshape(-1, merged)
+        x = _norm(flat, w["norm"]) if w["post"] else _norm(x, w["norm"]).reshape(-1, merged)
         return F.linear(F.gelu(F.linear(x, *w["fc1"])), *w["fc2"])
+
+    def _windows(self, t: int, rows: int, cols: int) -> tuple[torch.Tensor, list[int]]:
+        """Qwen2.5-VL's window order: merge blocks ``(t * rows/m * cols/m,)`` regrouped window by window
+        (windows of ``window_size / patch / m`` blocks a side, raster over the image, each frame apart),
+        and the windows' lengths in patches."""
+        m = self.cfg.spatial_merge_size
+        side = self.cfg.window_size // m // self.cfg.patch_size
+        lh, lw = rows // m, cols // m
+        index = torch.arange(t * lh * lw).reshape(t, lh, lw)
+        pad_h, pad_w = -lh % side, -lw % side
+        padded = F.pad(index, (0, pad_w, 0, pad_h), value=-1)
+        nh, nw = (lh + pad_h) // side, (lw + pad_w) // side
+        padded = padded.reshape(t, nh, side, nw, side).permute(0, 1, 3, 2, 4).reshape(t * nh * nw, -1)
+        lengths = [int(n) * m * m for n in (padded >= 0).sum(1).tolist() if n]
+        return padded[padded >= 0], lengths
 
     def encode_images(self, images: Sequence[ProcessedImage]) -> list[torch.Tensor]:
         """Embeddings ``(tokens, embed_dim)`` of each image (its patches and grid), one image at a time.
@@ -364,17 +435,24 @@ class Qwen3VisionEncoder:
         t, rows, cols = grid
         x = F.linear(patches.to(device=self.device, dtype=self.dtype), *self.patch)
         pos, hw = self._positions(rows, cols)
-        x = x + pos.repeat(t, 1)
+        x = x + (pos.repeat(t, 1) if pos.dim() else pos)
         freqs = hw.repeat(t, 1)[..., None].float() * self.inv_freq  # (n, 2, head_dim / 4)
         freqs = torch.cat((freqs[:, 0], freqs[:, 1]), dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (n, 1, head_dim)
         cos, sin = emb.cos(), emb.sin()
         n, d, heads = x.shape[0], cfg.hidden_size, cfg.num_heads
-        frames = [slice(f * rows * cols, (f + 1) * rows * cols) for f in range(t)]
-        gelu = "tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none"
+        full = _segments([rows * cols] * t)
+        order, windows = None, full
+        if cfg.window_size:  # Qwen2.5-VL: patches regrouped window by window (whole merge blocks)
+            unit = cfg.spatial_merge_size**2
+            blocks, lengths = self._windows(t, rows, cols)
+            order = (blocks[:, None] * unit + torch.arange(unit)).reshape(-1).to(self.device)
+            x, cos, sin = x[order], cos[order], sin[order]
+            windows = _segments(lengths)
         deep = []
         for i, w in enumerate(self.blocks):
-            h = F.layer_norm(x, (d,), *w["norm1"], eps=1e-6)
+            spans = full if not cfg.window_size or i in cfg.fullatt_blocks else windows
+            h = _norm(x, w["norm1"])
             q, k, v = F.linear(h, *w["qkv"]).view(n, 3, heads, d // heads).unbind(1)
             q = (q.float() * cos + _rotate_half(q.float()) * sin).to(self.dtype)
             k = (k.float() * cos + _rotate_half(k.float()) * sin).to(self.dtype)
@@ -383,12 +461,22 @@ class Qwen3VisionEncoder:
                     F.scaled_dot_product_attention(
                         q[f].transpose(0, 1), k[f].transpose(0, 1), v[f].transpose(0, 1)
                     ).transpose(0, 1)
-                    for f in frames
+                    for f in spans
                 ]
             )
             x = x + F.linear(out.reshape(n, d), *w["proj"])
-            h = F.layer_norm(x, (d,), *w["norm2"], eps=1e-6)
-            x = x + F.linear(F.gelu(F.linear(h, *w["fc1"]), approximate=gelu), *w["fc2"])
+            x = x + self._mlp(w, _norm(x, w["norm2"]))
             if i in cfg.deepstack:
                 deep.append(self._merge(self.deepstack[cfg.deepstack.index(i)], x))
-        return torch.cat([self._merge(self.merger, x), *deep], dim=-1)
+        out = torch.cat([self._merge(self.merger, x), *deep], dim=-1)
+        if order is not None:  # back to the image's block order
+            out = out[torch.argsort(order[:: cfg.spatial_merge_size**2] // cfg.spatial_merge_size**2)]
+        return out
+
+    def _mlp(self, w: dict[str, Any], h: torch.Tensor) -> torch.Tensor:
+        if "gate_up" in w:  # Qwen2.5-VL: SiLU-gated
+            gate, up = F.linear(h, *w["gate_up"]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, *w["down"])
+        return F.linear(
+            F.gelu(F.linear(h, *w["fc1"]), approximate=_VISION_ACTS[self.cfg.hidden_act]), *w["fc2"]
+        )
