@@ -85,6 +85,37 @@ QWEN_PROCESSOR = {"patch_size": 8, "merge_size": 2, "temporal_patch_size": 2}
 QWEN_SIZE = {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
 
 
+def _qwen_vision(**extra) -> dict:
+    """The tiny Qwen-VL towers' shared shape: 3 blocks of width 32, patch 8, merge 2, into width 64."""
+    return {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 8,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 64,
+        "initializer_range": 0.2,
+        **extra,
+    }
+
+
+def _qwen_text(**extra) -> dict:
+    """The tiny Qwen-VL text towers' shared shape: 2 layers of width 64, 4 heads (2 KV heads)."""
+    return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": TINY_VOCAB,
+        "initializer_range": 0.2,
+        "max_position_embeddings": 512,
+        **extra,
+    }
+
+
 def save_tiny_qwen3vl(folder: Path, seed: int = 0) -> transformers.Qwen3VLForConditionalGeneration:
     """Write a random tiny Qwen3-VL (vision: 3 blocks of width 32, patch 8, merge 2, deepstack after blocks
     0 and 1; text: 2 Qwen3 layers of width 64, interleaved M-RoPE sections 4/2/2) + tokenizer + image
@@ -98,36 +129,16 @@ def save_tiny_qwen3vl(folder: Path, seed: int = 0) -> transformers.Qwen3VLForCon
     tok_cfg["chat_template"] = QWEN_VL_CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(tok_cfg))
     torch.manual_seed(seed)
-    vision = {
-        "depth": 3,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "patch_size": 8,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "out_hidden_size": 64,
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [0, 1],
-        "initializer_range": 0.2,
-    }
-    text = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": TINY_VOCAB,
-        "initializer_range": 0.2,
-        "max_position_embeddings": 512,
-        "rope_parameters": {
+    vision = _qwen_vision(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    text = _qwen_text(
+        head_dim=16,
+        rope_parameters={
             "rope_type": "default",
             "rope_theta": 5000.0,
             "mrope_section": [4, 2, 2],
             "mrope_interleaved": True,
         },
-    }
+    )
     cfg = transformers.Qwen3VLConfig(
         vision_config=vision,
         text_config=text,
@@ -181,32 +192,12 @@ def save_tiny_qwen25vl(folder: Path, seed: int = 0) -> transformers.Qwen2_5_VLFo
     save_tiny_qwen3vl(folder, seed)  # tokenizer, template and processor; config and weights replaced below
     tok_ids = json.loads((folder / "config.json").read_text())
     torch.manual_seed(seed)
-    vision = {
-        "depth": 3,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "patch_size": 8,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "out_hidden_size": 64,
-        "window_size": 32,
-        "fullatt_block_indexes": [1],
-        "initializer_range": 0.2,
-    }
-    text = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": TINY_VOCAB,
-        "initializer_range": 0.2,
-        "max_position_embeddings": 512,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 3, 3]},
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }
+    vision = _qwen_vision(window_size=32, fullatt_block_indexes=[1])
+    text = _qwen_text(
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     cfg = transformers.Qwen2_5_VLConfig(
         vision_config=vision,
         text_config=text,
