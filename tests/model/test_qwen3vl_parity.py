@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from vlm_testlib import (
 from engine.cache.device_pool import DeviceKVPool
 from engine.model.errors import ModelLoadError
 from engine.model.forward_batch import ForwardBatch
-from engine.model.loader.hf_folder import load_hf_config
+from engine.model.loader.hf_folder import load_hf_config, load_hf_folder
 from engine.model.runner import ModelRunner
 from engine.model.vlm.mm import ImageSlot, batch_embeds, expand_prompt, mrope_positions
 from engine.model.vlm.processor import open_image, preprocess
@@ -185,3 +186,15 @@ def test_mrope_sections_are_read_from_older_rope_scaling_too(qwen, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert load_hf_config(tmp_path) == runner.config
     assert runner.config.mrope_section == tuple(cfg["text_config"]["rope_scaling"]["mrope_section"])
+
+
+def test_a_chat_template_json_is_the_template(qwen, tmp_path):
+    """Qwen-VL checkpoints ship their template as ``chat_template.json``: it is read (before
+    ``tokenizer_config.json``'s)."""
+    folder, _, _ = qwen
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "chat_template.json").write_text(
+        json.dumps({"chat_template": "T{{ messages[0]['content'] }}"})
+    )
+    tok = load_hf_folder(tmp_path).tokenizer
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "Thi"

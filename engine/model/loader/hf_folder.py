@@ -46,9 +46,14 @@ def _token_text(value: Any) -> str | None:
 
 
 def _chat_template(folder: Path, tok_cfg: dict[str, Any]) -> str | None:
+    """``chat_template.jinja``, else ``chat_template.json``'s ``chat_template`` (how Qwen-VL checkpoints
+    ship theirs), else ``tokenizer_config.json``'s, as transformers looks them up."""
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(folder / "chat_template.json", required=False).get("chat_template")
+    if isinstance(template, str):
+        return template
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
