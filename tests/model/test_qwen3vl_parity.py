@@ -198,3 +198,18 @@ def test_a_chat_template_json_is_the_template(qwen, tmp_path):
     )
     tok = load_hf_folder(tmp_path).tokenizer
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "Thi"
+
+
+def test_an_older_flat_config_loads_the_same(qwen, tmp_path):
+    """Published Qwen2.5-VL files keep the text settings at the top level, M-RoPE as ``rope_scaling``
+    ``{"type": "mrope", "mrope_section": ...}``: the same model config and vision settings load."""
+    folder, _, runner = qwen
+    cfg = json.loads((folder / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**text, **cfg, "rope_theta": rope.pop("rope_theta"), "rope_scaling": {**rope, "type": "mrope"}}
+    flat["rope_scaling"].pop("rope_type")
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    assert load_hf_config(tmp_path) == runner.config
+    assert load_hf_folder(tmp_path).vlm == runner.vlm

@@ -23,7 +23,7 @@ from engine.model.loader.checkpoint import Checkpoint
 from engine.model.tokenizer import Tokenizer
 from engine.model.vlm.clip import split_vision_tensors
 from engine.model.vlm.config import is_vlm, load_vlm_config
-from engine.model.vlm.qwen3 import is_qwen3_vl, qwen_vl_type, split_qwen3_tensors
+from engine.model.vlm.qwen3 import is_qwen3_vl, qwen_text_config, qwen_vl_type, split_qwen3_tensors
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     Qwen3 decoder with M-RoPE), else ``cfg``."""
     if not is_vlm(cfg):
         return cfg
-    text = dict(cfg.get("text_config") or {})
+    text = qwen_text_config(cfg) if is_qwen3_vl(cfg) else dict(cfg.get("text_config") or {})
     if qwen_vl_type(cfg) == "qwen3_vl":
         text["model_type"], text["architectures"] = "qwen3", ["Qwen3ForCausalLM"]
     elif qwen_vl_type(cfg) == "qwen2_5_vl":

@@ -114,6 +114,14 @@ def is_qwen3_vl(cfg: dict[str, Any]) -> bool:
     return qwen_vl_type(cfg) is not None
 
 
+def qwen_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's settings: ``text_config``, or (older Qwen2.5-VL files) the top level."""
+    text = cfg.get("text_config")
+    if text:
+        return dict(text)
+    return {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures", "model_type")}
+
+
 def load_qwen3_config(folder: Path, cfg: dict[str, Any]) -> tuple[Qwen3VisionConfig, Qwen3ProcessorConfig]:
     """Vision settings of a Qwen3-VL ``config.json`` (``cfg``) and ``folder/preprocessor_config.json``.
 
@@ -121,7 +129,7 @@ def load_qwen3_config(folder: Path, cfg: dict[str, Any]) -> tuple[Qwen3VisionCon
     """
     source = str(folder / "config.json")
     vc = cfg.get("vision_config") or {}
-    text = cfg.get("text_config") or {}
+    text = qwen_text_config(cfg)
     rope = vc.get("rope_parameters") or {}
     if rope.get("rope_type", "axial") != "axial":
         raise ModelLoadError(
