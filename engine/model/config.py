@@ -58,6 +58,9 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    # M-RoPE (Qwen3-VL): rotary pairs split over (time, row, column) positions, interleaved; () = plain RoPE
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = True  # False: consecutive sections (Qwen2.5-VL)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # MLA (DeepSeek-V2/V3): ``head_dim`` is then the rotary part ``qk_rope_head_dim`` (what RoPE rotates)
@@ -169,8 +172,11 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             rope = dict(cfg.get("rope_parameters") or {})
-            scaling = cfg.get("rope_scaling") or None
+            scaling = dict(cfg.get("rope_scaling") or {}) or None
             theta = cfg.get("rope_theta", rope.get("rope_theta", (scaling or {}).get("rope_theta", 10000.0)))
+            mrope, interleaved = _mrope_section(
+                rope, scaling, int(cfg.get("head_dim") or hidden // heads), source
+            )
             if scaling is None and rope.get("rope_type", "default") != "default":
                 scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
             if scaling is not None:
@@ -201,6 +207,8 @@ class ModelConfig:
                 o_proj_bias=arch == "llama" and bias,
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 qk_norm=arch in ("qwen3", "qwen3_moe"),
+                mrope_section=mrope,
+                mrope_interleaved=interleaved,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 **(_qwen3_moe_fields(cfg) if arch == "qwen3_moe" else {}),
@@ -391,6 +399,29 @@ def _gguf_deepseek_yarn(key: Any) -> dict[str, Any]:
         "mscale": mscale,
         "mscale_all_dim": mscale,
     }
+
+
+def _mrope_section(
+    rope: dict[str, Any], scaling: dict[str, Any] | None, head_dim: int, source: str
+) -> tuple[tuple[int, ...], bool]:
+    """M-RoPE sections from ``rope_parameters`` (transformers>=5) or ``rope_scaling`` (older files),
+    popped from both with ``mrope_interleaved``, and whether they interleave; ``((), True)`` without them.
+    ``ModelLoadError`` naming the field for sections that do not cover ``head_dim / 2`` in three."""
+    field, section, interleaved = "rope_parameters", None, False
+    for name, d in (("rope_scaling", scaling or {}), ("rope_parameters", rope)):
+        if d.get("mrope_section") is not None:
+            field, section = name, d["mrope_section"]
+        interleaved = bool(d.pop("mrope_interleaved", False)) or interleaved
+        d.pop("mrope_section", None)
+    if section is None:
+        return (), True
+    if (scaling or {}).get("rope_type", (scaling or {}).get("type")) == "mrope":  # older Qwen2-VL spelling
+        scaling.pop("type", None)  # type: ignore[union-attr]
+        scaling["rope_type"] = "default"  # type: ignore[index]
+    out = tuple(int(x) for x in section)
+    if len(out) != 3 or sum(out) * 2 != head_dim:
+        raise ModelLoadError(source, f"{field}.mrope_section: three sections summing to head_dim / 2")
+    return out, interleaved
 
 
 def _deepseek_moe_fields(cfg: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:

@@ -40,7 +40,11 @@ class ForwardBatch:
       mistaken for it. None: only the slots and lengths are compared.
     - ``mm_embeds``: optional ``(rows int64 (M,), embeds (M, hidden))``: rows of the flat batch that are image
       tokens (their ``input_ids`` are pad values outside the vocabulary) and the embeddings they take instead
-      of a token embedding (``engine/model/vlm/mm.py``).
+      of a token embedding (``engine/model/vlm/mm.py``); an embedding wider than the model's hidden size
+      carries deepstack rows after it (added after the first decoder layers, Qwen3-VL).
+    - ``mrope_positions``: optional int64 ``(3, T)`` M-RoPE (time, row, column) positions of the new tokens
+      (``engine/model/vlm/mm.py``'s ``mrope_positions``); None: RoPE from ``positions`` (an M-RoPE model
+      then uses ``positions`` for all three).
 
     Tensors live on the model's device. Raises ``ValueError`` when the lengths disagree.
     """
@@ -56,6 +60,7 @@ class ForwardBatch:
     layer_hook: Callable[[int], None] | None = None
     seq_keys: tuple | None = None
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    mrope_positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         num_tokens = self.input_ids.shape[0]

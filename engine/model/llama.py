@@ -30,7 +30,7 @@ from engine.model.errors import ModelLoadError
 from engine.model.forward_batch import ForwardBatch
 from engine.model.linear import check_quantization, lm_head_quantization, make_linear
 from engine.model.moe import MoE, moe_weights
-from engine.model.rotary import apply_rotary, attention_factor, cos_sin, inv_freq
+from engine.model.rotary import apply_rotary, attention_factor, cos_sin, inv_freq, mrope_cos_sin
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DENSE_MLP = ("gate_up_w", "gate_up_b", "down_w", "down_b")  # Weights.dense_mlp's keys
@@ -174,20 +174,41 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Float32 logits ``(B, vocab)`` at each sequence's last new token, or ``(T, vocab)`` for all."""
         self.attn.init_forward_metadata(batch)
-        if self.fused_step is not None and not return_all_logits and batch.mm_embeds is None:
+        mm = batch.mm_embeds is not None or batch.mrope_positions is not None
+        if self.fused_step is not None and not return_all_logits and not mm:
             logits = self.fused_step(batch, kv_pool)
             if logits is not None:
                 return logits
         x = self.embed_tokens(batch)
-        cos, sin = cos_sin(batch.positions, self.rope_inv_freq, self.dtype, self._rope_scale)
+        if batch.mrope_positions is not None:
+            mrope = batch.mrope_positions.to(self.device)
+            cfg = self.cfg
+            cos, sin = mrope_cos_sin(
+                mrope, self.rope_inv_freq, cfg.mrope_section, self.dtype, cfg.mrope_interleaved
+            )
+        else:
+            cos, sin = cos_sin(batch.positions, self.rope_inv_freq, self.dtype, self._rope_scale)
+        deepstack = self._deepstack(batch)
         for layer in self.layers:
             x = layer.forward(x, cos, sin, self.attn, batch, kv_pool)
+            if deepstack is not None and layer.layer_id < deepstack[1].shape[1]:
+                x[deepstack[0]] += deepstack[1][:, layer.layer_id]
         if not return_all_logits:
             x = x[batch.cu_seqlens[1:] - 1]
         logits = self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
         if self.tp.size > 1:  # vocab-parallel: every rank gets the whole row (padding cut off)
             logits = self.tp.all_gather(logits)[:, : self.cfg.vocab_size]
         return logits
+
+    def _deepstack(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Image rows and their deepstack features ``(M, k, hidden)``, added after layers ``0 .. k - 1``
+        (Qwen3-VL), or None when the image embeddings carry none."""
+        if batch.mm_embeds is None or batch.mm_embeds[1].shape[1] == self.cfg.hidden_size:
+            return None
+        rows, embeds = batch.mm_embeds
+        hidden = self.cfg.hidden_size
+        deep = embeds[:, hidden:].reshape(embeds.shape[0], -1, hidden)
+        return rows.to(self.device), deep.to(device=self.device, dtype=self.dtype)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings ``(T, hidden)`` of ``ids`` ``(T,)``; vocab-parallel: rows outside this rank's range
@@ -208,7 +229,7 @@ class LlamaForCausalLM:
         ids = batch.input_ids.clone()
         ids[rows.to(ids.device)] = 0  # pad values lie outside the vocabulary
         x = self._embed(ids)
-        x[rows.to(x.device)] = embeds.to(device=x.device, dtype=x.dtype)
+        x[rows.to(x.device)] = embeds[:, : self.cfg.hidden_size].to(device=x.device, dtype=x.dtype)
         return x
 
 

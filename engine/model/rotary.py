@@ -102,6 +102,30 @@ def cos_sin(
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
+def mrope_cos_sin(
+    positions: torch.Tensor,
+    freq: torch.Tensor,
+    section: tuple[int, ...],
+    dtype: torch.dtype,
+    interleaved: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE: cos and sin ``(T, 1, head_dim)`` for int64 ``positions`` ``(3, T)`` (time, row, column).
+    Interleaved (Qwen3-VL, transformers' ``Qwen3VLTextRotaryEmbedding``): rotary pair ``i`` takes the row
+    angle when ``i % 3 == 1`` and ``i < 3 * section[1]``, the column angle when ``i % 3 == 2`` and ``i < 3
+    * section[2]``, else the time angle. Not interleaved (Qwen2.5-VL): the first ``section[0]`` pairs take
+    the time angle, the next ``section[1]`` the row angle, the last ``section[2]`` the column angle."""
+    angles = positions.to(torch.float32)[..., None] * freq  # (3, T, head_dim / 2)
+    if interleaved:
+        mixed = angles[0].clone()
+        for dim in (1, 2):
+            idx = slice(dim, section[dim] * 3, 3)
+            mixed[:, idx] = angles[dim][:, idx]
+    else:
+        mixed = torch.cat([part[i] for i, part in enumerate(angles.split(list(section), dim=-1))], dim=-1)
+    emb = torch.cat((mixed, mixed), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``(T, heads, head_dim)`` by the angles in ``cos``/``sin`` ``(T, 1, head_dim)``."""
     half = x.shape[-1] // 2

@@ -26,8 +26,8 @@ from engine.model.linear import check_quantization
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import Checkpoint, load_checkpoint
 from engine.model.tokenizer import Tokenizer
-from engine.model.vlm.clip import VisionEncoder
 from engine.model.vlm.config import VLMConfig
+from engine.model.vlm.towers import VisionTower, make_vision_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -131,16 +131,9 @@ class ModelRunner:
         self.config: ModelConfig = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.vlm: VLMConfig | None = checkpoint.vlm
-        self.vision: VisionEncoder | None = None
+        self.vision: VisionTower | None = None
         if self.vlm is not None and not self.language_only:
-            self.vision = VisionEncoder(
-                self.vlm.vision,
-                checkpoint.vision_tensors,
-                checkpoint.projector_tensors,
-                self.dtype,
-                self.device,
-                checkpoint.path,
-            )
+            self.vision = make_vision_encoder(checkpoint, self.dtype, self.device)
         cfg = self.config
         why = mla_unsupported(cfg, self.attention_backend)
         if why:

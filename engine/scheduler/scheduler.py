@@ -37,7 +37,7 @@ import torch
 
 from engine.cache.protocols import PrefixCache
 from engine.model.forward_batch import ForwardBatch
-from engine.model.vlm.mm import batch_embeds
+from engine.model.vlm.mm import batch_embeds, mrope_positions
 from engine.scheduler import admin
 from engine.scheduler.decode import DecodeManager
 from engine.scheduler.inbox import Command, Inbox
@@ -446,7 +446,9 @@ class Scheduler:
                 self.pool.device,
             )
             if any(r.mm_items for r in batch_reqs):
-                batch.mm_embeds = batch_embeds([(r.mm_items, s, e) for r, s, e in items])
+                ranges = [(r.mm_items, s, e) for r, s, e in items]
+                batch.mm_embeds = batch_embeds(ranges)
+                batch.mrope_positions = mrope_positions(ranges)
             wants_rows = any(prompt_rows(r, s, e) for r, s, e in items)
             logits = self._forward(batch, return_all_logits=wants_rows)
             if wants_rows:
@@ -515,6 +517,11 @@ class Scheduler:
                 self.pool.device,
                 seq_keys=[r.kv for r in reqs],  # a request's lease: the KV it owns, new per admission
             )
+            if any(r.mm_items for r in reqs):  # M-RoPE: text after an image sits at a shifted position
+                n = [r.lease.num_computed + 1 for r in reqs]
+                batch.mrope_positions = mrope_positions(
+                    [(r.mm_items, k - 1, k) for r, k in zip(reqs, n, strict=True)]
+                )
             logits = self._forward(batch)
         except Exception as exc:
             logger.exception("decode forward failed")

@@ -479,6 +479,8 @@ def image_inputs(args: ServerArgs, runner: ModelRunner) -> ImageInputs | None:
                 raise ArgumentError(str(exc)) from None  # names --encoder-transfer-backend
         else:
             assert runner.vision is not None
-            embedder = local_embedder(runner.vision.encode, EmbeddingCache(args.mm_embedding_cache_size))
+            embedder = local_embedder(
+                runner.vision.encode_images, EmbeddingCache(args.mm_embedding_cache_size)
+            )
     local = Path(args.allowed_local_media_path).resolve() if args.allowed_local_media_path else None
     return ImageInputs(runner.vlm, embedder, args.max_images_per_request, args.max_image_pixels, local)

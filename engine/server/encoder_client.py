@@ -68,7 +68,7 @@ class EncoderClient:
         self._http = httpx.Client(timeout=timeout_s)
         self.receiver = ""
         if backend == "mooncake":
-            per_image = vlm.vision.tokens_per_image * vlm.vision.text_hidden_size * 4
+            per_image = vlm.vision.max_tokens_per_image * vlm.vision.embed_dim * 4
             self.transfer = EmbeddingReceiver(host, max(1, max_images) * per_image)
             return
         self._ctx: zmq.Context = zmq.Context.instance()
@@ -93,7 +93,7 @@ class EncoderClient:
             try:
                 meta = json.loads(header)
                 embeds = torch.from_numpy(np.frombuffer(data, dtype=np.float32).reshape(meta["shape"]).copy())
-                fut.set_result((meta["digests"], embeds))
+                fut.set_result((meta["digests"], _split(embeds, meta["tokens"])))
             except (ValueError, KeyError, TypeError) as exc:
                 fut.set_exception(ValueError(f"bad embeddings message: {exc}"))
 
@@ -106,16 +106,18 @@ class EncoderClient:
             return {"backend": self.backend, "pending": len(self._pending)}
 
     def __call__(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
-        """Embeddings ``(tokens_per_image, hidden)`` per image; ``HTTPError(503)`` if no encoder delivers or
+        """Embeddings ``(tokens, embed_dim)`` per image; ``HTTPError(503)`` if no encoder delivers or
         (mooncake) no receive slot frees up within ``timeout_s``."""
         body_images = [
             {
                 "digest": p.digest,
                 "shape": list(p.pixels.shape),
                 "pixels": base64.b64encode(p.pixels.numpy().tobytes()).decode(),
+                **({} if p.grid is None else {"grid": list(p.grid)}),
             }
             for p in images
         ]
+        shapes = [(self.vlm.image_slot(p).length, self.vlm.vision.embed_dim) for p in images]
         start = next(self._next)
         errors = []
         slot = None
@@ -141,8 +143,13 @@ class EncoderClient:
                 if digests != [p.digest for p in images]:
                     errors.append(f"{url}: embeddings for other images")
                     continue
+                if [tuple(e.shape) for e in embeds] != shapes:
+                    errors.append(
+                        f"{url}: embeddings of shapes {[tuple(e.shape) for e in embeds]}, not {shapes}"
+                    )
+                    continue
                 self.requests_per_encoder[url] += 1
-                return list(embeds.unbind(0))
+                return embeds
         finally:
             if slot is not None:
                 assert self.transfer is not None
@@ -173,7 +180,7 @@ class EncoderClient:
             raise RuntimeError(f"HTTP {resp.status_code}: {message}")
         return resp.json()
 
-    def _ask(self, url: str, images: list[dict], slot: int | None) -> tuple[list[str], torch.Tensor]:
+    def _ask(self, url: str, images: list[dict], slot: int | None) -> tuple[list[str], list[torch.Tensor]]:
         rid = uuid.uuid4().hex
         deadline = time.time() + self.timeout_s
         if self.transfer is not None:
@@ -191,7 +198,7 @@ class EncoderClient:
                     f"the encoder answered for --encoder-transfer-backend {got!r}, not mooncake"
                 )
             try:
-                return answer["digests"], self.transfer.read(slot, answer["shape"])
+                return answer["digests"], _split(self.transfer.read(slot, answer["shape"]), answer["tokens"])
             except (KeyError, TypeError, ValueError, RuntimeError) as exc:
                 raise RuntimeError(f"bad embeddings answer: {exc}") from None
         fut: Future = Future()
@@ -212,6 +219,14 @@ class EncoderClient:
         finally:
             with self._lock:
                 self._pending.pop(rid, None)
+
+
+def _split(embeds: torch.Tensor, tokens: list[int]) -> list[torch.Tensor]:
+    """The rows ``(sum(tokens), embed_dim)`` of a request's images, one tensor per image; ``ValueError``
+    when the counts do not add up."""
+    if not isinstance(tokens, list) or sum(tokens) != embeds.shape[0]:
+        raise ValueError(f"tokens {tokens!r} do not add up to {embeds.shape[0]} rows")
+    return list(embeds.split(tokens))
 
 
 class _Unanswered(RuntimeError):

@@ -1,12 +1,15 @@
-"""EPD encoder worker (``--encoder-only``): the vision tower and projector of a LLaVA checkpoint, no language
-model, no KV. ``POST /encode`` takes a request's processed images and delivers their embeddings by the
-encoder's ``--encoder-transfer-backend``; the HTTP answer follows once they are delivered.
+"""EPD encoder worker (``--encoder-only``): the vision tower (and projector) of a LLaVA or Qwen3-VL
+checkpoint, no language model, no KV. ``POST /encode`` takes a request's processed images and delivers
+their embeddings by the encoder's ``--encoder-transfer-backend``; the HTTP answer follows once they are
+delivered.
 
 Body: ``{"rid": str, "transfer_backend": "zmq_to_scheduler" | "mooncake" (absent: zmq_to_scheduler),
-"images": [{"digest": hex, "shape": [C, H, W], "pixels": base64 of float32 C-order}]}`` plus, by backend:
+"images": [{"digest": hex, "shape": [C, H, W], "pixels": base64 of float32 C-order}]}`` (Qwen3-VL: shape
+``[patches, patch_dim]`` and ``"grid": [t, rows, cols]``) plus, by backend:
 
 * ``zmq_to_scheduler``: ``"receiver": "tcp://host:port"``; the ZMQ message (multipart) is ``rid``, a JSON
-  header ``{"shape": [N, tokens, hidden], "dtype": "float32", "digests": [...]}``, the embeddings' bytes;
+  header ``{"shape": [total_tokens, embed_dim], "tokens": [per image], "dtype": "float32", "digests":
+  [...]}``, the embeddings' bytes (every image's rows, one image after the other);
   the answer is ``{"rid", "images", "transfer_backend"}``.
 * ``mooncake``: ``"transfer": {"session_id", "addr", "capacity", "deadline"}`` (the worker's registered
   receive slot, :mod:`engine.server.encoder_transfer`); the embeddings (float32, C order) are written there
@@ -30,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hashlib
 import json
 import logging
 import threading
@@ -46,8 +48,8 @@ from engine.cache.storage.base import StorageConfigError, StorageError
 from engine.disaggregation.base import TransferBackendError
 from engine.model.loader import load_checkpoint
 from engine.model.runner import _parse_dtype
-from engine.model.vlm.clip import VisionEncoder
-from engine.model.vlm.processor import ProcessedImage
+from engine.model.vlm.processor import ProcessedImage, image_digest
+from engine.model.vlm.towers import make_vision_encoder
 from engine.server.args import ArgumentError, ServerArgs
 from engine.server.encoder_transfer import EmbeddingSender
 from engine.server.http_utils import HTTPError, error_response
@@ -66,14 +68,7 @@ class EncoderService:
             raise ArgumentError(f"--encoder-only: {args.model_path} is not a vision-language model")
         dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
         self.args, self.vlm = args, ckpt.vlm
-        self.encoder = VisionEncoder(
-            ckpt.vlm.vision,
-            ckpt.vision_tensors,
-            ckpt.projector_tensors,
-            _parse_dtype(dtype),
-            torch.device(args.device),
-            ckpt.path,
-        )
+        self.encoder = make_vision_encoder(ckpt, _parse_dtype(dtype), torch.device(args.device))
         self.cache = EmbeddingCache(args.mm_embedding_cache_size)
         self.global_cache = None
         if args.enable_mm_global_cache:
@@ -93,18 +88,18 @@ class EncoderService:
         self.sender: EmbeddingSender | None = None
         if args.encoder_transfer_backend == "mooncake":
             vision = self.vlm.vision
-            per_request = args.max_images_per_request * vision.tokens_per_image * vision.text_hidden_size * 4
+            per_request = args.max_images_per_request * vision.max_tokens_per_image * vision.embed_dim * 4
             host = args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1"
             try:
-                self.sender = EmbeddingSender(host, max(per_request, 4 * vision.text_hidden_size))
+                self.sender = EmbeddingSender(host, max(per_request, 4 * vision.embed_dim))
             except TransferBackendError as exc:
                 raise ArgumentError(str(exc)) from exc
 
-    def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
+    def _encode(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
         start = time.perf_counter()
-        out = self.encoder.encode(pixels).float().cpu()
+        out = [e.float().cpu() for e in self.encoder.encode_images(images)]
         with self._lock:
-            self.images_encoded += pixels.shape[0]
+            self.images_encoded += len(images)
             self.encode_seconds += time.perf_counter() - start
         return out
 
@@ -127,8 +122,17 @@ class EncoderService:
         if not isinstance(raw, list) or not raw:
             raise HTTPError(400, "images: a non-empty list")
         images = [_image(i, item) for i, item in enumerate(raw)]
-        embeds = torch.stack(self.embed(images)).float().contiguous()
-        header = {"shape": list(embeds.shape), "dtype": "float32", "digests": [p.digest for p in images]}
+        try:
+            parts = self.embed(images)
+        except ValueError as exc:  # pixels that do not fit their grid
+            raise HTTPError(400, f"images: {exc}") from None
+        embeds = torch.cat(parts).float().contiguous()
+        header = {
+            "shape": list(embeds.shape),
+            "tokens": [e.shape[0] for e in parts],
+            "dtype": "float32",
+            "digests": [p.digest for p in images],
+        }
         start = time.perf_counter()
         if isinstance(target, dict):
             self._send_mooncake(target, embeds)
@@ -229,7 +233,9 @@ class EncoderService:
             "encoder_transfer_bytes_total": self.transfer_bytes,
             "mm_embedding_cache_hits": self.cache.hits,
             "mm_embedding_cache_misses": self.cache.misses,
-            "tokens_per_image": self.vlm.vision.tokens_per_image,
+            # tokens per image: fixed (CLIP) or None when it follows each image's size (Qwen3-VL)
+            "tokens_per_image": None if self.vlm.mrope else self.vlm.vision.max_tokens_per_image,
+            "max_tokens_per_image": self.vlm.vision.max_tokens_per_image,
             "vision_digest": self.vlm.digest(),
         }
 
@@ -264,12 +270,14 @@ def _image(i: int, item: object) -> ProcessedImage:
         data = base64.b64decode(item["pixels"], validate=True)
         shape = tuple(int(x) for x in item["shape"])
         pixels = torch.from_numpy(np.frombuffer(data, dtype=np.float32).reshape(shape).copy())
-    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        grid = item.get("grid")
+        grid = None if grid is None else (int(grid[0]), int(grid[1]), int(grid[2]))
+    except (KeyError, TypeError, ValueError, IndexError, binascii.Error) as exc:
         raise HTTPError(400, f"{field}: bad pixels ({exc})") from None
-    digest = hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
+    digest = image_digest(pixels, grid)
     if digest != item.get("digest"):
         raise HTTPError(400, f"{field}.digest does not match its pixels")
-    return ProcessedImage(pixels, digest)
+    return ProcessedImage(pixels, digest, grid)
 
 
 def create_encoder_app(service: EncoderService) -> FastAPI:

@@ -24,7 +24,7 @@ from engine.model.vlm.processor import FORMATS, ImageError, ProcessedImage, open
 from engine.server.http_utils import HTTPError
 
 Embedder = Callable[[list[ProcessedImage]], list[torch.Tensor]]
-"""Image embeddings ``(tokens_per_image, text_hidden)`` for each processed image, in order."""
+"""Image embeddings ``(tokens, embed_dim)`` for each processed image, in order."""
 
 
 def image_bytes(source: str, field: str, local_dir: Path | None) -> bytes:
@@ -103,11 +103,9 @@ class EmbeddingCache:
                 self._items.popitem(last=False)
 
 
-def local_embedder(
-    encode: Callable[[torch.Tensor], torch.Tensor], cache: EmbeddingCache, shared=None
-) -> Embedder:
-    """Embeddings from a vision tower in this process (``encode``: pixels ``(N, C, H, W)`` to
-    ``(N, tokens, hidden)``), cached by digest: the in-process ``cache`` first, then ``shared`` (an
+def local_embedder(encode: Embedder, cache: EmbeddingCache, shared=None) -> Embedder:
+    """Embeddings from a vision tower in this process (``encode``: the tower's ``encode_images``), cached
+    by digest: the in-process ``cache`` first, then ``shared`` (an
     :class:`engine.server.mm_global_cache.MMGlobalCache`, or None), and only the images neither holds are
     encoded (and written to both)."""
 
@@ -123,7 +121,7 @@ def local_embedder(
         out: list[torch.Tensor | None] = [lookup(p.digest) for p in images]
         todo = [i for i, e in enumerate(out) if e is None]
         if todo:
-            embeds = encode(torch.stack([images[i].pixels for i in todo]))
+            embeds = encode([images[i] for i in todo])
             for i, e in zip(todo, embeds, strict=True):
                 cache.put(images[i].digest, e)
                 if shared is not None:
@@ -181,11 +179,9 @@ class ImageInputs:
         Raises ``HTTPError(400)``; an encoder that cannot answer raises ``HTTPError(503)``.
         """
         images = self.load(sources)
-        vision = self.cfg.vision
         try:
-            ids, items = expand_prompt(
-                ids, vision.image_token_id, [(p.pad_value, p.digest) for p in images], vision.tokens_per_image
-            )
+            slots = [self.cfg.image_slot(p) for p in images]
+            ids, items = expand_prompt(ids, self.cfg.vision.image_token_id, slots)
         except ValueError as exc:
             raise HTTPError(400, f"{field}: {exc}") from None
         if items and self.embedder is not None:

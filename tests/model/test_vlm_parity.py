@@ -15,7 +15,7 @@ from vlm_testlib import png, save_tiny_llava
 from engine.cache.device_pool import DeviceKVPool
 from engine.model.forward_batch import ForwardBatch
 from engine.model.runner import ModelRunner
-from engine.model.vlm.mm import batch_embeds, expand_prompt
+from engine.model.vlm.mm import ImageSlot, batch_embeds, expand_prompt
 from engine.model.vlm.processor import open_image, preprocess
 
 
@@ -36,11 +36,9 @@ def _engine_greedy(runner, prompt, images, steps):
     """Prefill (in chunks of 7 tokens, so an image is split across chunks) then greedy decode; returns the
     prompt's logits ``(P, V)`` and the new tokens."""
     procs = [preprocess(open_image(b, 10**6), runner.vlm.processor) for b in images]
+    n = runner.vlm.vision.tokens_per_image
     ids, items = expand_prompt(
-        prompt,
-        runner.vlm.vision.image_token_id,
-        [(p.pad_value, p.digest) for p in procs],
-        runner.vlm.vision.tokens_per_image,
+        prompt, runner.vlm.vision.image_token_id, [ImageSlot(p.pad_value, p.digest, n) for p in procs]
     )
     if procs:
         embeds = runner.vision.encode(torch.stack([p.pixels for p in procs]))

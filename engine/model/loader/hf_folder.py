@@ -22,7 +22,8 @@ from engine.model.errors import ModelLoadError
 from engine.model.loader.checkpoint import Checkpoint
 from engine.model.tokenizer import Tokenizer
 from engine.model.vlm.clip import split_vision_tensors
-from engine.model.vlm.config import is_llava, load_vlm_config
+from engine.model.vlm.config import is_vlm, load_vlm_config
+from engine.model.vlm.qwen3 import is_qwen3_vl, qwen_text_config, qwen_vl_type, split_qwen3_tensors
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any]:
@@ -45,9 +46,14 @@ def _token_text(value: Any) -> str | None:
 
 
 def _chat_template(folder: Path, tok_cfg: dict[str, Any]) -> str | None:
+    """``chat_template.jinja``, else ``chat_template.json``'s ``chat_template`` (how Qwen-VL checkpoints
+    ship theirs), else ``tokenizer_config.json``'s, as transformers looks them up."""
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(folder / "chat_template.json", required=False).get("chat_template")
+    if isinstance(template, str):
+        return template
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -64,10 +70,15 @@ def _eos_ids(*configs: dict[str, Any]) -> set[int]:
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The decoder's config: a LLaVA checkpoint's ``text_config`` (a Llama decoder), else ``cfg``."""
-    if not is_llava(cfg):
+    """The decoder's config: a LLaVA checkpoint's ``text_config`` (a Llama decoder), a Qwen3-VL one's (a
+    Qwen3 decoder with M-RoPE), else ``cfg``."""
+    if not is_vlm(cfg):
         return cfg
-    text = dict(cfg.get("text_config") or {})
+    text = qwen_text_config(cfg) if is_qwen3_vl(cfg) else dict(cfg.get("text_config") or {})
+    if qwen_vl_type(cfg) == "qwen3_vl":
+        text["model_type"], text["architectures"] = "qwen3", ["Qwen3ForCausalLM"]
+    elif qwen_vl_type(cfg) == "qwen2_5_vl":
+        text["model_type"], text["architectures"] = "qwen2", ["Qwen2ForCausalLM"]
     text.setdefault("model_type", "llama")
     text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
     return text
@@ -111,7 +122,10 @@ def load_hf_folder(folder: Path) -> Checkpoint:
         eos_token=_token_text(tok_cfg.get("eos_token")),
         eos_token_ids=set(config.eos_token_ids) | _eos_ids(gen_cfg),
     )
-    if not is_llava(raw):
+    if not is_vlm(raw):
         return Checkpoint(str(folder), config, tensors, tokenizer)
+    if is_qwen3_vl(raw):
+        text, vision = split_qwen3_tensors(tensors)
+        return Checkpoint(str(folder), config, text, tokenizer, load_vlm_config(folder, raw), vision)
     text, vision, projector = split_vision_tensors(tensors)
     return Checkpoint(str(folder), config, text, tokenizer, load_vlm_config(folder, raw), vision, projector)

@@ -6,13 +6,14 @@ into the text model's hidden size."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from engine.model.errors import ModelLoadError
 from engine.model.vlm.config import VisionConfig
+from engine.model.vlm.processor import ProcessedImage
 
 _PREFIXES = (
     "model.vision_tower.vision_model.",
@@ -124,6 +125,10 @@ class VisionEncoder:
 
         self.linear_1 = proj_lin("linear_1", h, d)
         self.linear_2 = proj_lin("linear_2", h, h)
+
+    def encode_images(self, images: Sequence[ProcessedImage]) -> list[torch.Tensor]:
+        """Embeddings ``(tokens_per_image, text_hidden)`` of each image, in one batch."""
+        return list(self.encode(torch.stack([p.pixels for p in images])))
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:

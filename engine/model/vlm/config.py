@@ -1,5 +1,6 @@
-"""The vision half of a LLaVA checkpoint: ``config.json`` (``vision_config``, feature layer and strategy,
-projector) and ``preprocessor_config.json`` (resize, crop, normalisation), as transformers writes them."""
+"""The vision half of a LLaVA checkpoint (Qwen3-VL's: ``qwen3.py``): ``config.json`` (``vision_config``,
+feature layer and strategy, projector) and ``preprocessor_config.json`` (resize, crop, normalisation), as
+transformers writes them."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.model.errors import ModelLoadError
+from engine.model.vlm.mm import ImageSlot
+from engine.model.vlm.qwen3 import Qwen3ProcessorConfig, Qwen3VisionConfig, is_qwen3_vl, load_qwen3_config
+
+if TYPE_CHECKING:
+    from engine.model.vlm.processor import ProcessedImage
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -53,6 +59,16 @@ class VisionConfig:
         patches = (self.image_size // self.patch_size) ** 2
         return patches + (1 if self.strategy == "full" else 0)
 
+    @property
+    def max_tokens_per_image(self) -> int:
+        """The most image tokens one image takes (every image takes as many here)."""
+        return self.tokens_per_image
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of one image token's embedding row."""
+        return self.text_hidden_size
+
 
 @dataclass(frozen=True)
 class ProcessorConfig:
@@ -73,8 +89,24 @@ class ProcessorConfig:
 
 @dataclass(frozen=True)
 class VLMConfig:
-    vision: VisionConfig
-    processor: ProcessorConfig
+    """A vision-language checkpoint's vision tower and image processor: LLaVA's (CLIP) or Qwen3-VL's."""
+
+    vision: VisionConfig | Qwen3VisionConfig
+    processor: ProcessorConfig | Qwen3ProcessorConfig
+
+    @property
+    def mrope(self) -> bool:
+        """Image tokens take 3D (M-RoPE) positions and each image its own token count (Qwen3-VL)."""
+        return isinstance(self.vision, Qwen3VisionConfig)
+
+    def image_slot(self, image: ProcessedImage) -> ImageSlot:
+        """What ``image`` takes in a prompt: its tokens (fixed for CLIP; a Qwen3-VL grid of ``t x rows x
+        cols`` patches makes ``t * rows/merge x cols/merge``) and, for M-RoPE, their grid."""
+        if not isinstance(self.vision, Qwen3VisionConfig) or image.grid is None:
+            return ImageSlot(image.pad_value, image.digest, self.vision.tokens_per_image)
+        t, rows, cols = image.grid
+        m = self.vision.spatial_merge_size
+        return ImageSlot(image.pad_value, image.digest, t * (rows // m) * (cols // m), (rows // m, cols // m))
 
     def digest(self) -> str:
         """SHA-256 of every vision and processor setting (part of the L3 namespace: image KV made under
@@ -83,6 +115,11 @@ class VLMConfig:
             {"vision": asdict(self.vision), "processor": asdict(self.processor)}, sort_keys=True
         )
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def is_vlm(cfg: dict[str, Any]) -> bool:
+    """A ``config.json`` of a vision-language model this engine serves (LLaVA or Qwen3-VL)."""
+    return is_llava(cfg) or is_qwen3_vl(cfg)
 
 
 def is_llava(cfg: dict[str, Any]) -> bool:
@@ -95,8 +132,11 @@ def load_vlm_config(folder: Path, cfg: dict[str, Any]) -> VLMConfig:
     """Vision settings of a LLaVA ``config.json`` (``cfg``) and ``folder/preprocessor_config.json``.
 
     Raises ``ModelLoadError`` naming the file and the field for what this engine cannot run (a vision tower
-    other than CLIP, a list of feature layers, an unknown strategy or activation).
+    other than CLIP, a list of feature layers, an unknown strategy or activation). A Qwen3-VL checkpoint:
+    ``engine/model/vlm/qwen3.py``'s settings.
     """
+    if is_qwen3_vl(cfg):
+        return VLMConfig(*load_qwen3_config(folder, cfg))
     source = str(folder / "config.json")
     vc = cfg.get("vision_config") or {}
     if vc.get("model_type", "clip_vision_model") != "clip_vision_model":

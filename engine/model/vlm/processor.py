@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from engine.model.vlm.config import ProcessorConfig
+from engine.model.vlm.qwen3 import Qwen3ProcessorConfig, qwen_pixels
 
 # Formats a request may carry (Pillow's names), and their MIME types for data: URLs.
 FORMATS = {
@@ -32,11 +33,14 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    """One image ready for the vision tower: ``pixels`` float32 ``(C, H, W)``, ``digest`` the SHA-256 of
-    those pixels (hex), ``pad_value`` the token id its image tokens carry in the prompt."""
+    """One image ready for the vision tower: ``pixels`` float32 ``(C, H, W)`` (CLIP) or flattened patches
+    ``(t * rows * cols, patch_dim)`` with ``grid`` ``(t, rows, cols)`` (Qwen3-VL), ``digest`` the SHA-256
+    of those pixels (hex; the grid follows from them and the settings), ``pad_value`` the token id its
+    image tokens carry in the prompt."""
 
     pixels: torch.Tensor
     digest: str
+    grid: tuple[int, int, int] | None = None
 
     @property
     def pad_value(self) -> int:
@@ -67,8 +71,16 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     return img.convert("RGB")
 
 
-def preprocess(img: Image.Image, cfg: ProcessorConfig) -> ProcessedImage:
-    """``CLIPImageProcessor`` on one RGB image: float32 ``(3, crop_height, crop_width)`` and its hash."""
+def preprocess(img: Image.Image, cfg: ProcessorConfig | Qwen3ProcessorConfig) -> ProcessedImage:
+    """``CLIPImageProcessor`` on one RGB image: float32 ``(3, crop_height, crop_width)`` and its hash; with
+    Qwen3-VL settings its patches and grid (``qwen3.qwen_pixels``). ``ImageError`` for an image the
+    settings cannot take (an aspect ratio above 200)."""
+    if isinstance(cfg, Qwen3ProcessorConfig):
+        try:
+            patches, grid = qwen_pixels(img, cfg)
+        except ValueError as exc:
+            raise ImageError(str(exc)) from None
+        return ProcessedImage(patches, image_digest(patches, grid), grid)
     if cfg.do_resize:
         w, h = img.size
         short, long = (w, h) if w <= h else (h, w)
@@ -92,4 +104,13 @@ def preprocess(img: Image.Image, cfg: ProcessorConfig) -> ProcessedImage:
     if cfg.do_normalize:
         arr = (arr - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
     pixels = torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1), dtype=np.float32))
-    return ProcessedImage(pixels, hashlib.sha256(pixels.numpy().tobytes()).hexdigest())
+    return ProcessedImage(pixels, image_digest(pixels))
+
+
+def image_digest(pixels: torch.Tensor, grid: tuple[int, int, int] | None = None) -> str:
+    """SHA-256 (hex) of float32 ``pixels`` and, when given, their ``grid`` (the same values cut into
+    another grid are another image)."""
+    data = pixels.numpy().tobytes()
+    if grid is not None:
+        data += repr(tuple(int(g) for g in grid)).encode()
+    return hashlib.sha256(data).hexdigest()
