@@ -32,55 +32,11 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-import zmq
 
 from engine.bench.launcher import ServerProcess
-from engine.bench.vlm import write_model
+from engine.bench.vlm import Receiver, encode_body, write_model
 from engine.model.loader import load_checkpoint
 from engine.model.vlm.processor import open_image, preprocess
-
-
-def _body(image, rid: str, receiver: str) -> dict:
-    px = image.pixels
-    return {
-        "rid": rid,
-        "receiver": receiver,
-        "images": [
-            {
-                "digest": image.digest,
-                "shape": list(px.shape),
-                "pixels": base64.b64encode(px.numpy().tobytes()).decode(),
-            }
-        ],
-    }
-
-
-class Receiver:
-    """A ZMQ PULL socket on a free local port counting the embedding messages per request id."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.PULL)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.url = f"tcp://127.0.0.1:{port}"
-        self.got: set[str] = set()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        while not self._stop:
-            if poller.poll(100):
-                rid, _header, _data = self.sock.recv_multipart()
-                self.got.add(rid.decode())
-
-    def close(self) -> None:
-        self._stop = True
-        self._thread.join()
-        self.sock.close(0)
-        self.ctx.term()
 
 
 def run(encoders: list[str], images: list, receiver: Receiver, concurrency: int, tag: str) -> dict:
@@ -93,7 +49,9 @@ def run(encoders: list[str], images: list, receiver: Receiver, concurrency: int,
         with lock:
             k = next(turn)
         rid = f"{tag}-{i}"
-        resp = httpx.post(f"{encoders[k]}/encode", json=_body(images[i], rid, receiver.url), timeout=600)
+        resp = httpx.post(
+            f"{encoders[k]}/encode", json=encode_body(images[i], rid, receiver.url), timeout=600
+        )
         resp.raise_for_status()
 
     start = time.perf_counter()
@@ -147,7 +105,7 @@ def main() -> None:
                     ]
                     urls = [s.url for s in servers]
                     for k, u in enumerate(urls):  # warm-up: one image each, not counted
-                        warm = _body(image(10**7 + 10 * n + k), f"warm-{n}-{k}", receiver.url)
+                        warm = encode_body(image(10**7 + 10 * n + k), f"warm-{n}-{k}", receiver.url)
                         httpx.post(f"{u}/encode", json=warm, timeout=600).raise_for_status()
                     results[n] = run(urls, streams[n], receiver, args.concurrency, f"run{n}")
         finally:

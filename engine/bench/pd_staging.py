@@ -26,7 +26,7 @@ import torch
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVLayout
 from engine.disaggregation.staging import StagingArea, head_write_list, scatter, share_bytes
-from engine.disaggregation.transport import MooncakeTransport, batched_write
+from engine.disaggregation.transport import MooncakeTransport, batched_write, staged_write_list
 
 LAYERS, HEAD_DIM, PAGE = 30, 64, 16
 
@@ -54,6 +54,7 @@ def run_case(tokens: int, trials: int) -> dict:
     pages = tokens // PAGE
     p_pool, p = _side(2, tokens + PAGE, 2 * share_bytes_mb(tokens) + 1)
     d_pool, d = _side(4, tokens + PAGE, 2 * share_bytes_mb(tokens) + 1)
+    p_layout, d_layout = KVLayout.from_pool(p_pool), KVLayout.from_pool(d_pool)
     src = torch.arange(1, pages + 1, dtype=torch.int64)
     dst = torch.arange(1, pages + 1, dtype=torch.int64)
     share = {"src_head": 0, "dst_head": 2, "n": 2, "staging": 0}
@@ -64,16 +65,16 @@ def run_case(tokens: int, trials: int) -> dict:
             d_pool.kv_buffer.zero_()
             t0 = time.perf_counter()
             if kind == "per_head":
-                srcs, dsts, lens = head_write_list(p._layout, d._layout, src, dst, 0, 2, 2)
+                srcs, dsts, lens = head_write_list(p_layout, d_layout, src, dst, 0, 2, 2)
                 assert batched_write(p.engine, peer["session_id"], srcs, dsts, lens) == 0
                 per_head.append(time.perf_counter() - t0)
             else:
-                srcs, dsts, lens = p._staged_write(peer, src, share)
+                srcs, dsts, lens = staged_write_list(p_pool, p_layout, p.staging, peer, src, share)
                 assert batched_write(p.engine, peer["session_id"], srcs, dsts, lens) == 0
                 scatter(d_pool, d.staging.region(0, lens[0]), dst, 2, 2)
                 staged.append(time.perf_counter() - t0)
             _check(p_pool, d_pool, src, dst)
-    nbytes = share_bytes(p._layout, pages, 2)
+    nbytes = share_bytes(p_layout, pages, 2)
     entries = 2 * LAYERS * tokens
     p.close()
     d.close()

@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ import httpx
 import numpy as np
 import torch
 import transformers
+import zmq
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -123,6 +125,51 @@ def _encoder_info(url: str) -> dict:
     return httpx.get(f"{url}/server_info", timeout=30).json()
 
 
+def encode_body(image, rid: str, receiver: str) -> dict:
+    """The ``/encode`` request of an encoder-only worker for one preprocessed ``image``, whose embeddings go
+    to the ZMQ ``receiver`` URL under request id ``rid``."""
+    px = image.pixels
+    return {
+        "rid": rid,
+        "receiver": receiver,
+        "images": [
+            {
+                "digest": image.digest,
+                "shape": list(px.shape),
+                "pixels": base64.b64encode(px.numpy().tobytes()).decode(),
+            }
+        ],
+    }
+
+
+class Receiver:
+    """A ZMQ PULL socket on a free local port counting the embedding messages per request id."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PULL)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.url = f"tcp://127.0.0.1:{port}"
+        self.got: set[str] = set()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop:
+            if poller.poll(100):
+                rid, _header, _data = self.sock.recv_multipart()
+                self.got.add(rid.decode())
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self.sock.close(0)
+        self.ctx.term()
+
+
 def wait_written(url: str, timeout: float = 60.0) -> dict:
     """Poll encoder ``url`` until every image it encoded is in the global cache (``mm_global_cache_writes``
     equals ``images_encoded``); its ``/server_info``. Raises ``RuntimeError`` on a failed or dropped write
@@ -142,7 +189,6 @@ def wait_written(url: str, timeout: float = 60.0) -> dict:
 def seed(encoder: str, folder: Path, images: list[str]) -> None:
     """Have ``encoder`` (an ``--encoder-only`` worker with the global cache) encode ``images`` (data URLs)
     as a language-only worker would ask it, so their embeddings land in Mooncake; returns once written."""
-    from engine.bench.encoder_scaleout import Receiver, _body  # imports this module: import it late
     from engine.model.loader import load_checkpoint
     from engine.model.vlm.processor import open_image, preprocess
 
@@ -151,7 +197,9 @@ def seed(encoder: str, folder: Path, images: list[str]) -> None:
     try:
         for i, url in enumerate(images):
             image = preprocess(open_image(base64.b64decode(url.split(",", 1)[1]), 1 << 30), processor)
-            resp = httpx.post(f"{encoder}/encode", json=_body(image, f"seed-{i}", receiver.url), timeout=600)
+            resp = httpx.post(
+                f"{encoder}/encode", json=encode_body(image, f"seed-{i}", receiver.url), timeout=600
+            )
             resp.raise_for_status()
     finally:
         receiver.close()

@@ -23,7 +23,6 @@ frequencies, cos / sin (``attention_factor``) and the softmax scale (``mla_softm
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.distributed import TPGroup, TPShard, single_rank
@@ -31,8 +30,7 @@ from engine.model.attention.mla import MLAAttention
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.linear import make_linear
-from engine.model.llama import LlamaForCausalLM, _Weights, rms_norm
-from engine.model.moe import MoE, moe_weights
+from engine.model.llama import MLP, LlamaForCausalLM, _Weights, rms_norm
 from engine.model.rotary import apply_rotary, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV2/V3RMSNorm default, used for q_a_layernorm / kv_a_layernorm
@@ -88,8 +86,8 @@ class MLADecoderLayer:
         self.cfg, self.layer_id = cfg, layer_id
         self.tp = tp or single_rank()
         self.num_heads = cfg.num_attention_heads // self.tp.size  # this rank's heads (w is their shard)
-        split = self.tp.size > 1  # row-parallel o / down: biases added once, after the all-reduce
-        self.o_bias, self.down_bias = (w["o_proj_b"], w.get("down_b")) if split else (None, None)
+        split = self.tp.size > 1  # row-parallel o: its bias added once, after the all-reduce
+        self.o_bias = w["o_proj_b"] if split else None
         self.input_norm = w["input_layernorm"]
         self.post_norm = w["post_attention_layernorm"]
         if cfg.q_lora_rank is None:
@@ -102,10 +100,7 @@ class MLADecoderLayer:
         self.kv_a_norm = w["kv_a_layernorm"]
         self.kv_b = make_linear(w["kv_b_proj"], None, quantization)
         self.o_proj = make_linear(w["o_proj"], None if split else w["o_proj_b"], quantization)
-        self.moe = None if w["moe"] is None else MoE(cfg, w["moe"], quantization)
-        if self.moe is None:
-            self.gate_up = make_linear(w["gate_up_w"], w["gate_up_b"], quantization)
-            self.down = make_linear(w["down_w"], None if split else w["down_b"], quantization)
+        self.mlp = MLP(cfg, w, quantization, self.tp)
         self.rotate = apply_rotary_interleaved if cfg.rope_interleave else apply_rotary
         # kv_b_proj per head for decode's weight absorption: W_UK (H, nope, rank), W_UV (H, v, rank)
         kv_b = w["kv_b_proj"].view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
@@ -117,8 +112,7 @@ class MLADecoderLayer:
     def linears(self) -> list:
         """The layer's linear layers (``linear.py``'s), for a caller that picks their CPU kernels."""
         q = [self.q_proj] if self.cfg.q_lora_rank is None else [self.q_a, self.q_b]
-        mlp = self.moe.linears() if self.moe is not None else [self.gate_up, self.down]
-        return [*q, self.kv_a, self.kv_b, self.o_proj, *mlp]
+        return [*q, self.kv_a, self.kv_b, self.o_proj, *self.mlp.linears()]
 
     def forward(
         self,
@@ -149,11 +143,7 @@ class MLADecoderLayer:
         x = x + self.tp.row_parallel(
             self.o_proj(out.reshape(tokens, self.num_heads * cfg.v_head_dim)), self.o_bias
         )
-        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        if self.moe is not None:
-            return x + self.tp.row_parallel(self.moe(h), None)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.tp.row_parallel(self.down(F.silu(gate) * up), self.down_bias)
+        return x + self.mlp(rms_norm(x, self.post_norm, cfg.rms_norm_eps))
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
@@ -171,11 +161,10 @@ def _mla_layer(weights: _Weights, cfg: ModelConfig, i: int, shard: TPShard) -> d
     """Layer ``i``'s tensors by transformers' DeepSeek names, shape-checked (``ModelLoadError`` otherwise),
     cut to ``shard``'s part (:func:`_shard_mla_layer`)."""
     p, lin = f"model.layers.{i}.", weights.linear_dtype
-    attn, mlp = p + "self_attn.", p + "mlp."
+    attn = p + "self_attn."
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     rank, rope, bias = cfg.kv_lora_rank, cfg.head_dim, cfg.attention_bias
     q_out = heads * cfg.qk_head_dim
-    moe = i in cfg.moe_layers
     w: dict[str, torch.Tensor | None] = {
         "input_layernorm": weights.take(p + "input_layernorm.weight", (hidden,)),
         "post_attention_layernorm": weights.take(p + "post_attention_layernorm.weight", (hidden,)),
@@ -187,14 +176,8 @@ def _mla_layer(weights: _Weights, cfg: ModelConfig, i: int, shard: TPShard) -> d
         ),
         "o_proj": weights.take(attn + "o_proj.weight", (hidden, heads * cfg.v_head_dim), lin),
         "o_proj_b": weights.take(attn + "o_proj.bias", (hidden,)) if bias else None,
-        "moe": None,
+        **weights.mlp(i),
     }
-    if moe:
-        split = shard.size > 1
-        cols = shard.inter_cols(cfg.moe_intermediate_size) if split else None
-        shared = shard.inter_cols(cfg.moe_intermediate_size * cfg.n_shared_experts) if split else None
-        w["moe"] = moe_weights(weights.take, cfg, mlp, lin, cols, shared)
-    w.update(weights.dense_mlp(mlp) if not moe else {})
     if cfg.q_lora_rank is None:
         w["q_proj"] = weights.take(attn + "q_proj.weight", (q_out, hidden), lin)
     else:
@@ -209,8 +192,8 @@ def _mla_layer(weights: _Weights, cfg: ModelConfig, i: int, shard: TPShard) -> d
 def _shard_mla_layer(w: dict, cfg: ModelConfig, shard: TPShard) -> dict:
     """This rank's part of one MLA layer: its heads' rows of ``q_proj`` / ``q_b_proj`` and ``kv_b_proj``
     (column-parallel) and their columns of ``o_proj`` (row-parallel); the latent path (``q_a_proj``,
-    ``kv_a_proj_with_mqa``, the norms) whole, so every rank computes and caches the same latent; the dense
-    MLP split by intermediate columns (MoE experts were cut when taken)."""
+    ``kv_a_proj_with_mqa``, the norms) whole, so every rank computes and caches the same latent (the MLP
+    was cut when taken: ``_Weights.mlp``)."""
     heads = shard.num_heads
 
     def rows(per_head: int) -> slice:
@@ -221,12 +204,4 @@ def _shard_mla_layer(w: dict, cfg: ModelConfig, shard: TPShard) -> dict:
     out[q] = w[q][rows(cfg.qk_head_dim)].contiguous()
     out["kv_b_proj"] = w["kv_b_proj"][rows(cfg.qk_nope_head_dim + cfg.v_head_dim)].contiguous()
     out["o_proj"] = w["o_proj"][:, rows(cfg.v_head_dim)].contiguous()
-    if w["moe"] is None:
-        cols, inter = shard.inter_cols(), cfg.intermediate_size
-        gate, up = w["gate_up_w"].split((inter, inter))
-        out["gate_up_w"] = torch.cat((gate[cols], up[cols])).contiguous()
-        if w["gate_up_b"] is not None:
-            gate_b, up_b = w["gate_up_b"].split((inter, inter))
-            out["gate_up_b"] = torch.cat((gate_b[cols], up_b[cols])).contiguous()
-        out["down_w"] = w["down_w"][:, cols].contiguous()
     return out

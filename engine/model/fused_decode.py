@@ -69,7 +69,7 @@ class FusedDecodeStep:
             attn.scale,
         )
         for layer in model.layers:
-            linears = [_linear(x) for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            linears = [_linear(x) for x in (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)]
             self.decoder.add_layer(layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, linears)
         self.decoder.set_lm_head(*_linear(model.lm_head))
         self._empty = torch.empty(0, dtype=torch.long)

@@ -41,6 +41,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+class MLP:
+    """A layer's feed-forward, shared by the Llama family's and DeepSeek's layers: the SiLU-gated dense MLP
+    (``gate_up``, ``down``) or, where ``w["moe"]`` holds experts, ``moe`` (``engine/model/moe.py``).
+
+    ``w`` holds ``moe`` and the ``_DENSE_MLP`` tensors (``_Weights.mlp``: None in an MoE layer), this rank's
+    shard. Under tensor parallelism ``down`` (and every expert's down) is row-parallel: its partial sums are
+    all-reduced, then the bias is added once."""
+
+    def __init__(self, cfg: ModelConfig, w: Mapping, quantization: str | None, tp: TPGroup) -> None:
+        self.tp = tp
+        split = tp.size > 1
+        self.moe = None if w["moe"] is None else MoE(cfg, w["moe"], quantization)
+        self.down_bias = w["down_b"] if split else None
+        if self.moe is None:
+            self.gate_up = make_linear(w["gate_up_w"], w["gate_up_b"], quantization)
+            self.down = make_linear(w["down_w"], None if split else w["down_b"], quantization)
+
+    def linears(self) -> list:
+        """Its linear layers (``linear.py``'s), for a caller that picks their CPU kernels."""
+        return self.moe.linears() if self.moe is not None else [self.gate_up, self.down]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """The normalised hidden states ``h`` ``(T, hidden)`` -> the MLP's output ``(T, hidden)`` (all-reduced
+        over the ranks), to add to the residual."""
+        if self.moe is not None:  # every expert's columns split like the dense MLP's: all-reduced
+            return self.tp.row_parallel(self.moe(h), None)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.tp.row_parallel(self.down(F.silu(gate) * up), self.down_bias)
+
+
 class DecoderLayer:
     """One pre-norm block: attention (fused qkv, optional biases and q/k norm) and a SiLU-gated MLP."""
 
@@ -62,20 +92,16 @@ class DecoderLayer:
         self.qkv = make_linear(w["qkv_w"], w["qkv_b"], quantization)
         # row-parallel: each rank's partial sums are all-reduced, then the bias is added once
         split = self.tp.size > 1
-        self.o_bias, self.down_bias = (w["o_b"], w["down_b"]) if split else (None, None)
+        self.o_bias = w["o_b"] if split else None
         self.o_proj = make_linear(w["o_w"], None if split else w["o_b"], quantization)
         self.q_norm, self.k_norm = w["q_norm"], w["k_norm"]
-        self.moe = None if w["moe"] is None else MoE(cfg, w["moe"], quantization)
-        if self.moe is None:
-            self.gate_up = make_linear(w["gate_up_w"], w["gate_up_b"], quantization)
-            self.down = make_linear(w["down_w"], None if split else w["down_b"], quantization)
+        self.mlp = MLP(cfg, w, quantization, self.tp)
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
 
     def linears(self) -> list:
         """The layer's linear layers (``linear.py``'s), for a caller that picks their CPU kernels."""
-        mlp = self.moe.linears() if self.moe is not None else [self.gate_up, self.down]
-        return [self.qkv, self.o_proj, *mlp]
+        return [self.qkv, self.o_proj, *self.mlp.linears()]
 
     def forward(
         self,
@@ -101,11 +127,7 @@ class DecoderLayer:
             batch.layer_hook(self.layer_id)
         out = attn.forward(q, k, v, self.layer_id, batch, kv_pool)
         x = x + self.tp.row_parallel(self.o_proj(out.reshape(tokens, self.q_size)), self.o_bias)
-        if self.moe is not None:  # every expert's columns split like the dense MLP's: all-reduced
-            return x + self.tp.row_parallel(self.moe(rms_norm(x, self.post_norm, cfg.rms_norm_eps)), None)
-        gate_up = self.gate_up(rms_norm(x, self.post_norm, cfg.rms_norm_eps))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x + self.tp.row_parallel(self.down(F.silu(gate) * up), self.down_bias)
+        return x + self.mlp(rms_norm(x, self.post_norm, cfg.rms_norm_eps))
 
 
 class LlamaForCausalLM:
@@ -295,7 +317,6 @@ class _Weights:
                     for n, o in (("q", q_out), ("k", kv_out), ("v", kv_out))
                 ]
             )
-        moe = self.moe(i)
         return self._shard_layer(
             {
                 "input_layernorm": self.take(p + "input_layernorm.weight", (hidden,)),
@@ -306,10 +327,18 @@ class _Weights:
                 "o_b": self.take(attn + "o_proj.bias", (hidden,)) if cfg.o_proj_bias else None,
                 "q_norm": self.take(attn + "q_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
                 "k_norm": self.take(attn + "k_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
-                "moe": moe,
-                **(self.dense_mlp(p + "mlp.") if moe is None else dict.fromkeys(_DENSE_MLP)),
+                **self.mlp(i),
             }
         )
+
+    def mlp(self, i: int) -> dict:
+        """Layer ``i``'s feed-forward tensors, as ``MLP`` takes them, this rank's shard: ``moe`` (:meth:`moe`)
+        and the dense MLP's (:meth:`dense_mlp`, cut by :meth:`_shard_mlp`; None in an MoE layer)."""
+        moe = self.moe(i)
+        if moe is not None:
+            return {"moe": moe, **dict.fromkeys(_DENSE_MLP)}
+        dense = self.dense_mlp(f"model.layers.{i}.mlp.")
+        return {"moe": None, **(self._shard_mlp(dense) if self.shard.size > 1 else dense)}
 
     def dense_mlp(self, mlp: str) -> dict[str, torch.Tensor | None]:
         """The dense SiLU-gated MLP under ``mlp`` (``model.layers.<i>.mlp.``): fused ``gate_up_w``
@@ -339,8 +368,8 @@ class _Weights:
         return moe_weights(self.take, cfg, f"model.layers.{i}.mlp.", self.linear_dtype, cols, shared)
 
     def _shard_layer(self, w: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-        """This rank's part of one layer's weights: its q/k/v rows (column-parallel), the matching o columns
-        (row-parallel), its gate/up rows and down columns; norms and row-parallel biases whole."""
+        """This rank's part of one layer's attention weights: its q/k/v rows (column-parallel), the matching o
+        columns (row-parallel); norms and row-parallel biases whole (the MLP was cut when taken: ``mlp``)."""
         if self.shard.size == 1:
             return w
         cfg = self.cfg
@@ -351,18 +380,22 @@ class _Weights:
             q, k, v = t.split((q_out, kv_out, kv_out))
             return torch.cat((q[q_rows], k[kv_rows], v[kv_rows])).contiguous()
 
-        inter, cols = cfg.intermediate_size, self.shard.inter_cols()
+        out = dict(w)
+        out["qkv_w"] = qkv(w["qkv_w"])
+        out["qkv_b"] = None if w["qkv_b"] is None else qkv(w["qkv_b"])
+        out["o_w"] = w["o_w"][:, q_rows].contiguous()
+        return out
+
+    def _shard_mlp(self, w: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """This rank's part of a dense MLP (``dense_mlp``'s tensors): its gate/up rows (column-parallel) and
+        down columns (row-parallel); the down bias whole."""
+        inter, cols = self.cfg.intermediate_size, self.shard.inter_cols()
 
         def gate_up(t: torch.Tensor) -> torch.Tensor:
             gate, up = t.split((inter, inter))
             return torch.cat((gate[cols], up[cols])).contiguous()
 
         out = dict(w)
-        out["qkv_w"] = qkv(w["qkv_w"])
-        out["qkv_b"] = None if w["qkv_b"] is None else qkv(w["qkv_b"])
-        out["o_w"] = w["o_w"][:, q_rows].contiguous()
-        if w["moe"] is not None:  # sharded as taken
-            return out
         out["gate_up_w"] = gate_up(w["gate_up_w"])
         out["gate_up_b"] = None if w["gate_up_b"] is None else gate_up(w["gate_up_b"])
         out["down_w"] = w["down_w"][:, cols].contiguous()

@@ -369,7 +369,7 @@ def build_engine(args: ServerArgs, runner: ModelRunner | None = None) -> Engine:
         if runner is not None:
             raise ArgumentError(f"--tp-size {args.tp_size}: each rank loads its own shard (no runner given)")
         method = init_method(args.dist_init_addr)
-        ranks = start_ranks(args, method)
+        ranks = start_ranks(args, method, build_follower)
     group = _join_group(rank_args, 0, method)
     r = _build_rank(rank_args, group, runner, dp_size=dp)
     runner, pool, cache, name = r.runner, r.pool, r.cache, r.name

@@ -19,8 +19,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from engine.ports import free_port
+
+if TYPE_CHECKING:
+    from engine.scheduler import Scheduler
+
+FollowerBuilder = Callable[[Any, int, str], "Scheduler"]
+"""``(args, rank, method) -> Scheduler``: builds follower rank ``rank``'s stack (``build_follower``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +95,12 @@ class RankProcesses:
                 proc.join(2)
 
 
-def start_ranks(args, method: str) -> RankProcesses:
-    """Spawn ranks 1..``args.tp_size``-1 (each runs ``rank_main``) and watch them."""
+def start_ranks(args, method: str, build: FollowerBuilder) -> RankProcesses:
+    """Spawn ranks 1..``args.tp_size``-1 (each runs ``rank_main`` with ``build``, a module-level function so
+    that the spawned child can import it: the model stack loads in the child only) and watch them."""
     ctx = multiprocessing.get_context("spawn")
     procs: list[multiprocessing.process.BaseProcess] = [
-        ctx.Process(target=rank_main, args=(args, rank, method), name=f"tp-rank-{rank}", daemon=True)
+        ctx.Process(target=rank_main, args=(args, rank, method, build), name=f"tp-rank-{rank}", daemon=True)
         for rank in range(1, args.tp_size)
     ]
     for proc in procs:
@@ -113,17 +121,15 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
-def rank_main(args, rank: int, method: str) -> None:
-    """A follower rank: join the group, build this rank's model shard, pools and cache, run the follower
-    scheduler until rank 0 says stop (exit 0) or a collective fails (exit 3)."""
+def rank_main(args, rank: int, method: str, build: FollowerBuilder) -> None:
+    """A follower rank: join the group, build this rank's model shard, pools and cache (``build``), run the
+    follower scheduler until rank 0 says stop (exit 0) or a collective fails (exit 3)."""
     logging.basicConfig(
         level=args.log_level.upper(), format=f"[%(asctime)s tp{rank} %(name)s] %(message)s", stream=sys.stderr
     )
     _exit_with_parent()
-    from engine.server.builder import build_follower  # the model stack loads in the child only
-
     try:
-        scheduler = build_follower(args, rank, method)
+        scheduler = build(args, rank, method)
         scheduler.run()
     except BaseException:
         logger.exception("tensor-parallel rank %d failed", rank)

@@ -80,7 +80,7 @@ def test_smollm2_int4wo_prefill_and_decode_agree_with_float32(smollm2_checkpoint
     "L'" with AMX), and every later token follows from it."""
     runner = ModelRunner.from_checkpoint(smollm2_checkpoint, dtype="bfloat16", quantization="int4wo-32")
     layer = runner.model.layers[0]
-    projections = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    projections = (layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down)
     assert all(isinstance(p, Int4WeightOnlyLinear) for p in projections)
     assert isinstance(runner.model.lm_head, Int8WeightOnlyLinear)
     prompt = runner.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])

@@ -78,7 +78,7 @@ def test_each_routed_layer_picks_the_experts_transformers_picks(moe_models):
     (V3: the bias moves choices, the weights are the unbiased scores)."""
     folder, hf_model = moe_models["deepseek_v3_moe"]
     runner = ModelRunner(folder, dtype="float32")
-    moe: MoE = runner.model.layers[1].moe
+    moe: MoE = runner.model.layers[1].mlp.moe
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     weights, ids = moe.route(x)
     with torch.no_grad():
@@ -116,7 +116,7 @@ def test_int8wo_mla_and_moe_greedy_tokens_are_in_hf_top5(tmp_path):
     CPU kernels: each of 16 greedy tokens in transformers' fp32 top-5."""
     hf_model = save_tiny_model(tmp_path, "deepseek_v3_moe", seed=3, q_lora_rank=32)
     runner = ModelRunner(tmp_path, dtype="float32", quantization="int8wo")
-    assert isinstance(runner.model.layers[1].moe.experts[0][0], Int8WeightOnlyLinear)
+    assert isinstance(runner.model.layers[1].mlp.moe.experts[0][0], Int8WeightOnlyLinear)
     prompt = _prompt(30, seed=1)
     pool = DeviceKVPool(512, 16, **vars(runner.kv_pool_spec()))
     _, outputs = greedy_generate(runner, pool, PageAllocator(pool), [prompt], 16, 16)
