@@ -11,6 +11,7 @@ from django.conf import settings
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
 from controlplane.inventory.selectors import router_breakers, router_cache_salt
 from controlplane.inventory.services import worker_hicache_reported
+from controlplane.inventory.services.live_state import upstream_storage_view
 from controlplane.operations.models import TARGET_MACHINE
 from controlplane.rebalance.models import REBALANCE_MACHINE, STEP_MACHINE
 from controlplane.rebalance.planner.inputs import DEFAULT_SLO, WindowConfig
@@ -61,8 +62,9 @@ def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:
     shown that the worker does not report)}. The HiCache settings read are recorded in the inventory
     (``worker_hicache_reported``). A worker that does not answer gives reachable False and the stored
     ``hicache_config`` (its last read)."""
+    client = WorkerClient(worker.url, admin_key=worker.admin_key, timeout=timeout_s)
     try:
-        info = WorkerClient(worker.url, timeout=timeout_s).server_info()
+        info = client.server_info()
     except WorkerError as exc:
         stored = {k: v for k, v in (worker.hicache_unreported or {}).items() if k in HICACHE_FIELDS}
         return {
@@ -71,7 +73,7 @@ def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:
             "hicache": worker.hicache_config or {},
             "hicache_unreported": stored,
         }
-    config, unreported = reported_hicache_config(info)
+    config, unreported = reported_hicache_config(info, upstream_storage_view(client, info))
     worker_hicache_reported(worker_id=worker.pk, config=config, unreported=unreported)
     live = dict(config)
     for key in HICACHE_FIELDS:  # without --enable-hierarchical-cache: the launch args of those names

@@ -37,7 +37,7 @@ import time
 from engine.agent.engines import KVFLEET, launch_command
 from engine.agent.flag_overrides import FlagOverrides
 from engine.agent.host import host_facts
-from engine.agent.probe import capabilities, recorded_trace, server_info
+from engine.agent.probe import capabilities, recorded_trace, server_info, storage_backend
 from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected, Reporter
 from engine.agent.spec import (
     ENCODER,
@@ -104,10 +104,15 @@ def storage_fields(info: dict | None) -> dict:
     }
 
 
-def hicache_report(info: dict) -> dict:
-    """The HiCache settings a worker's ``/server_info`` body reports, as the control plane takes them:
-    ``{"config", "unreported"}`` (``engine.server.contract.reported_hicache_config``)."""
-    config, unreported = reported_hicache_config(info)
+def hicache_report(w: WorkerSpec, info: dict) -> dict:
+    """The HiCache settings the worker reports, as the control plane takes them: ``{"config",
+    "unreported"}`` (``engine.server.contract.reported_hicache_config``) from its ``/server_info`` body
+    ``info``; an upstream SGLang worker's live storage view (``GET /hicache/storage-backend``, with its
+    admin key) goes along, since upstream's ``/server_info`` keeps its startup values."""
+    storage = None
+    if "hicache" not in info and info.get("enable_hierarchical_cache"):
+        storage = storage_backend(local_url(w), w.admin_api_key)
+    config, unreported = reported_hicache_config(info, storage)
     return {"config": config, "unreported": unreported}
 
 
@@ -150,7 +155,7 @@ def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
     }
     if info is not None:
         record["capabilities"] = capabilities(local_url(w), info, w.admin_api_key)
-        record["hicache"] = hicache_report(info)
+        record["hicache"] = hicache_report(w, info)
     if w.admin_api_key:
         record["admin_key"] = w.admin_api_key
     if w.api_key:
@@ -221,7 +226,8 @@ class Agent:
         for w in running:
             if w.url in roles and roles[w.url] != w.role:
                 self.adoptions.put((w.url, roles[w.url], gens[w.url]))
-        return {"roles": roles, "hicache": {url: hicache_report(info) for url, info in infos.items()}}
+        hicache = {w.url: hicache_report(w, infos[w.url]) for w in running if w.url in infos}
+        return {"roles": roles, "hicache": hicache}
 
     def adopt_live_roles(self) -> None:
         """Main thread: a worker that switched role in place (``/pd_role_switch``, a rebalance) keeps that

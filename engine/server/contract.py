@@ -186,7 +186,7 @@ def _upstream_extra(raw, name: str) -> tuple[dict, str]:
     return parsed, why
 
 
-def reported_hicache_config(info: dict) -> tuple[dict, dict[str, str]]:
+def reported_hicache_config(info: dict, storage: dict | None = None) -> tuple[dict, dict[str, str]]:
     """The live HiCache settings a worker's ``/server_info`` body ``info`` reports, under ``GET
     /hicache/config``'s names (:class:`HiCacheConfigStatus` fields), and ``{field: why}`` for each field it
     does not report. ``/server_info`` needs no key, so every worker can be read this way.
@@ -195,9 +195,12 @@ def reported_hicache_config(info: dict) -> tuple[dict, dict[str, str]]:
       answers, runtime changes included); nothing unreported.
     - Upstream SGLang (no ``hicache`` object): its launch args of those names, and the HiCache settings its
       ``hicache_storage_backend_extra_config`` (JSON text) sets (``prefetch_threshold``, the timeout terms).
-      A setting the extra config leaves out is unreported (the engine then runs its own built-in default,
-      which differs between SGLang releases, so none is assumed here); so are KVFleet's own settings
-      (admission filters, automatic detach) and anything the release's ``/server_info`` lacks.
+      Upstream's ``/server_info`` is its startup configuration: a runtime attach changes only what its
+      ``GET /hicache/storage-backend`` answers (an admin route), so ``storage``, that answer when it could
+      be read, wins for its four fields (the backend, its extra config, both policies). A setting the extra
+      config leaves out is unreported (the engine then runs its own built-in default, which differs between
+      SGLang releases, so none is assumed here); so are KVFleet's own settings (admission filters,
+      automatic detach) and anything the release's ``/server_info`` lacks.
     - Either without ``--enable-hierarchical-cache``: ``({}, {})``, no HiCache settings to report.
     """
     if "hicache" in info:
@@ -205,9 +208,11 @@ def reported_hicache_config(info: dict) -> tuple[dict, dict[str, str]]:
     if not info.get("enable_hierarchical_cache"):
         return {}, {}
     name = f"SGLang {info.get('version') or '(version not reported)'}"
-    config = {k: info[k] for k in _UPSTREAM_LAUNCH_FIELDS if k in info}
-    unreported = {k: f"{name}'s /server_info has no {k}" for k in _UPSTREAM_LAUNCH_FIELDS if k not in info}
-    extra, why = _upstream_extra(info.get("hicache_storage_backend_extra_config"), name)
+    live = {k: v for k, v in (storage or {}).items() if k in StorageBackendStatus.model_fields}
+    args = {**info, **live}
+    config = {k: args[k] for k in _UPSTREAM_LAUNCH_FIELDS if k in args}
+    unreported = {k: f"{name}'s /server_info has no {k}" for k in _UPSTREAM_LAUNCH_FIELDS if k not in args}
+    extra, why = _upstream_extra(args.get("hicache_storage_backend_extra_config"), name)
     backend_own = {k: v for k, v in extra.items() if k not in HICACHE_EXTRA_KEYS}
     config["hicache_storage_backend_extra_config"] = backend_own or None  # as KVFleet's: the backend's part
     for key in _EXTRA_SETTINGS:

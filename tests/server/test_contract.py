@@ -58,3 +58,21 @@ def test_upstream_without_the_keys_says_so_instead_of_a_default():
 def test_without_a_hierarchical_cache_nothing_is_reported_or_missing():
     assert reported_hicache_config({**UPSTREAM, "enable_hierarchical_cache": False}) == ({}, {})
     assert reported_hicache_config({"hicache": None, "enable_hierarchical_cache": False}) == ({}, {})
+
+
+def test_upstreams_live_storage_view_wins_over_its_startup_configuration():
+    """Upstream's /server_info keeps the launch values after a runtime attach; its GET
+    /hicache/storage-backend has the live ones (with the new extra config's HiCache keys)."""
+    live = {
+        "hicache_storage_backend": "mooncake",
+        "hicache_storage_backend_extra_config": '{"master_server_address": "m", "prefetch_threshold": 64}',
+        "hicache_storage_prefetch_policy": "best_effort",
+        "hicache_write_policy": "write_back",
+    }
+    launched = {**UPSTREAM, "hicache_storage_backend_extra_config": '{"prefetch_threshold": 32}'}
+    config, unreported = reported_hicache_config(launched, storage=live)
+    assert config["hicache_storage_backend"] == "mooncake" and config["hicache_write_policy"] == "write_back"
+    assert config["prefetch_threshold"] == 64
+    assert config["hicache_storage_backend_extra_config"] == {"master_server_address": "m"}
+    assert config["hicache_mem_layout"] == "layer_first"  # not in the live view: the launch arg
+    assert "prefetch_threshold" not in unreported

@@ -71,14 +71,30 @@ def worker_hicache_reported(
     return True
 
 
-def worker_hicache_read(*, worker: EngineWorker, timeout_s: float = 2.0) -> str:
-    """Read the worker's ``/server_info`` now (no key needed) and record the HiCache settings it reports
-    (:func:`worker_hicache_reported`); '' when it answered, else why it could not be read."""
+def upstream_storage_view(client: WorkerClient, info: dict) -> dict | None:
+    """An upstream SGLang worker's live storage view (``GET /hicache/storage-backend``: its ``/server_info``
+    keeps the startup values) when it has a hierarchical cache and answers with the inventory's admin key;
+    None otherwise (a KVFleet worker's ``/server_info`` is live)."""
+    if "hicache" in info or not info.get("enable_hierarchical_cache") or not client.admin_key:
+        return None
     try:
-        info = WorkerClient(worker.url, timeout=timeout_s).server_info()
+        return client.storage_backend()
+    except (WorkerError, ValueError):
+        return None
+
+
+def worker_hicache_read(*, worker: EngineWorker, timeout_s: float = 2.0) -> str:
+    """Read the worker's ``/server_info`` now (no key needed; an upstream worker's storage view too,
+    :func:`upstream_storage_view`) and record the HiCache settings it reports
+    (:func:`worker_hicache_reported`); '' when it answered, else why it could not be read."""
+    client = WorkerClient(worker.url, admin_key=worker.admin_key, timeout=timeout_s)
+    try:
+        info = client.server_info()
     except WorkerError as exc:
         return f"{worker.name} did not answer /server_info ({exc.message})"
-    config, unreported = reported_hicache_config(info)
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        return f"{worker.name} answered /server_info with no JSON object"
+    config, unreported = reported_hicache_config(info, upstream_storage_view(client, info))
     worker_hicache_reported(worker_id=worker.pk, config=config, unreported=unreported)
     return ""
 
