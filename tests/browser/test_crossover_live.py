@@ -7,7 +7,8 @@ with the real control plane under daphne.
    prefetch threshold (32) at register, and a change made on the worker itself (its own PUT /hicache/config,
    behind the control plane's back) with the agent's next heartbeat.
 2. Replayed traffic (each prompt sent, its L1/L2 flushed, sent again: an L3 hit) measures the costs; the
-   capacity page's "now" is the live value (never "not known yet"), and the recommendation raises the
+   capacity page's calibration replays the worker's recorded traffic at the live settings and names them,
+   the crossover's "now" is the live value (never "not known yet"), and the recommendation raises the
    prefetch threshold past the measured crossover (or past every prefill measured, when L3 never wins).
 3. Applying it (the page's Apply: an idle-gated apply_config operation) lowers TTFT p50 on the same replayed
    traffic: the L3 hits below the new threshold are recomputed instead of waiting for the slow L3.
@@ -21,8 +22,10 @@ import time
 
 import httpx
 import pytest
+from console_testlib import wrapped
 from cp_factories import AGENT_HOST
 
+from controlplane.capacity.models import RecordedRequest
 from controlplane.inventory.models import EngineWorker
 from controlplane.operations.models import Operation
 from engine.ports import free_port
@@ -49,9 +52,10 @@ def _spec(tmp_path, port: int) -> str:
         name="slow0", model="smollm2", port=port, page_size=16, max_total_tokens=2048,
         enable_hierarchical_cache=True, hicache_ratio=2, enable_metrics=True, admin_api_key="${KEY}",
         hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=extra,
-        hicache_storage_prefetch_policy="wait_complete", disable_fused_decode=True,
+        hicache_storage_prefetch_policy="wait_complete", disable_fused_decode=True, record_trace=True,
     )  # fmt: skip
-    agent = spec_table(host_name=AGENT_HOST, log_dir=str(tmp_path / "logs"), heartbeat_interval_s=1)
+    agent = spec_table(host_name=AGENT_HOST, log_dir=str(tmp_path / "logs"), heartbeat_interval_s=1,
+                       trace_interval_s=1)  # fmt: skip
     path = tmp_path / "fleet.toml"
     path.write_text(f"[agent]\n{agent}\n\n[[workers]]\n{worker}\n")
     return path
@@ -104,9 +108,13 @@ def test_a_slow_l3_gets_a_higher_threshold_and_ttft_falls(
 
         worker = poll("a heartbeat to bring prefetch_threshold 48", refreshed, 60)
 
+        scrapes = [("slow0", time.time(), httpx.get(f"{url}/metrics", timeout=30).text)]
         slow = _replay(url)
         assert all(m["cached_tokens_details"]["storage"] >= 64 for m in slow), slow  # served from L3
-        tsdb.serve([("slow0", time.time() - 5, httpx.get(f"{url}/metrics", timeout=30).text)])
+        scrapes.append(("slow0", time.time(), httpx.get(f"{url}/metrics", timeout=30).text))
+        tsdb.serve(scrapes)
+        shipped = lambda: RecordedRequest.objects.filter(worker=worker).count() >= 2 * len(PROMPTS)  # noqa: E731
+        poll("the agent to ship the recorded traffic", shipped, 60)
         page, errors = console_page("xo", "operator", height=1100)
         page.goto(asgi_server + "/capacity/")
         section = page.get_by_test_id("crossover")
@@ -127,9 +135,14 @@ def test_a_slow_l3_gets_a_higher_threshold_and_ttft_falls(
         expect(cells.nth(6)).to_have_text("48")  # the live value: not "not known yet"
         assert cells.nth(6).get_attribute("title").startswith("read from the worker at ")
         expect(cells.nth(7)).to_have_text(f"{threshold:,}")
+        # calibration replays at the live settings, and says which (as read from the worker, with when)
+        replayed = page.locator("#calibration-settings span[data-worker=slow0]")
+        expect(replayed).to_contain_text("threshold 48 tokens, eviction lru, write policy write_through")
+        expect(replayed).to_contain_text("slow0 (read 20")  # when it was read, not engine defaults
         if SHOTS:
-            section.scroll_into_view_if_needed()
             page.screenshot(path=f"{SHOTS}/crossover-live.png", full_page=True)
+        assert wrapped(page, "#calibration td, #calibration th, #crossover td, #crossover th") == []
+        assert page.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
 
         section.get_by_role("button", name="Apply the recommendation to slow0").click()
         dialog = page.locator("#confirm")

@@ -182,16 +182,23 @@ KV.ready(function () {
   var TIERS = [["l1", "L1"], ["l2", "L2"], ["l3", "L3"]];
   function points(d) { return (d >= 0 ? "+" : "−") + Math.abs(d).toFixed(1); }
   function split(shares) { return TIERS.map(function (t) { return t[1] + " " + pct(shares[t[0]]); }).join(" / "); }
-  // the HiCache settings a worker was replayed with: "prefetch ≥ 32 tok · lru · write_through" (+ admission)
+  // the HiCache settings a worker was replayed with and where they came from: "w0 (read 2026-12-07 06:31:28
+  // UTC): prefetch threshold 32 tokens, eviction lru, write policy write_through" (+ admission filters on)
   function replayedText(w) {
-    var l = w.live, parts = ["prefetch ≥ " + l.prefetch_threshold.toLocaleString("en-US") + " tok", l.eviction, l.write_policy];
-    if (l.l2_admission !== "none") parts.push("L2 " + l.l2_admission);
-    if (l.l3_admission !== "none") parts.push("L3 " + l.l3_admission);
-    return parts.join(" · ") + (Object.keys(w.config_defaulted).length ? " (defaults)" : "");
+    var l = w.live, parts = ["prefetch threshold " + l.prefetch_threshold.toLocaleString("en-US") + " tokens",
+                             "eviction " + l.eviction, "write policy " + l.write_policy];
+    if (l.l2_admission !== "none") parts.push("L2 admission " + l.l2_admission);
+    if (l.l3_admission !== "none") parts.push("L3 admission " + l.l3_admission);
+    var guessed = Object.keys(w.config_defaulted), source = guessed.length
+      ? "engine defaults for " + guessed.join(", ") + ": " + guessed.map(function (k) { return w.config_defaulted[k]; })
+          .filter(function (v, i, a) { return a.indexOf(v) === i; }).join("; ")
+      : w.config_read_at ? "read " + KV.time.text(w.config_read_at) : "read from it";
+    return w.worker + " (" + source + "): " + parts.join(", ");
   }
   function pair(whatif, measured) { return (whatif == null ? "–" : pct(whatif)) + " / " + (measured == null ? "–" : pct(measured)); }
   function calibrate() {
-    var pool = form.pool.value;
+    var pool = form.pool.value, settings = KV.$("#calibration-settings");
+    if (settings) settings.hidden = true;
     if (!calText || !calText.dataset.pools || calText.dataset.pools.split(" ").indexOf(pool) < 0) {
       if (calText && calText.dataset.pools) {
         calText.textContent = "No recorded traffic for pool " + pool + " yet: start its workers with --record-trace.";
@@ -237,16 +244,19 @@ KV.ready(function () {
       }
       ws.forEach(function (w) {
         var n = w.whatif_input_tokens, m = w.measured_prompt_tokens;
-        var tr = row([w.worker, w.requests.toLocaleString(), w.live.l1_tokens.toLocaleString() + " / " + w.live.l2_tokens.toLocaleString(), replayedText(w)]
+        row([w.worker, w.requests.toLocaleString(), w.live.l1_tokens.toLocaleString() + " / " + w.live.l2_tokens.toLocaleString()]
           .concat(TIERS.map(function (t) { return pair(n ? w.whatif_tiers[t[0]] / n : null, m ? w.measured_tiers[t[0]] / m : null); }))
           .concat([pair(n ? w.whatif_tokens_served / n : null, m ? w.measured_cached_tokens / m : null)]));
-        var cell = tr.children[3], guessed = Object.keys(w.config_defaulted);
-        cell.className = "settings"; cell.dataset.worker = w.worker;
-        cell.title = guessed.length
-          ? "engine defaults for " + guessed.join(", ") + ": " + guessed.map(function (k) { return w.config_defaulted[k]; }).filter(function (v, i, a) { return a.indexOf(v) === i; }).join("; ")
-          : "read from " + w.worker + (w.config_read_at ? " at " + KV.time.text(w.config_read_at) : "");
       });
-      row(["Pool " + r.pool, r.requests.toLocaleString(), "", ""]
+      settings.replaceChildren(document.createTextNode("Replayed with each worker's live HiCache settings: "));
+      ws.forEach(function (w, i) {
+        var span = document.createElement("span");
+        span.dataset.worker = w.worker; span.textContent = replayedText(w);
+        settings.appendChild(span);
+        settings.appendChild(document.createTextNode(i < ws.length - 1 ? "; " : "."));
+      });
+      settings.hidden = false;
+      row(["Pool " + r.pool, r.requests.toLocaleString(), ""]
         .concat(TIERS.map(function (t) { return pair(whatif[t[0]], measured[t[0]]) + " (" + points(r.tiers[t[0]].difference_points) + ")"; }))
         .concat([pair(r.whatif_share, r.measured_share) + " (" + points(r.difference_points) + ")"]), true);
       KV.$("#calibration-table").hidden = false;
