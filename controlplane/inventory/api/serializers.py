@@ -307,17 +307,18 @@ class HiCacheReportSerializer(StrictSerializer):
         help_text="field -> why the worker does not report it",
     )
 
-    def validate_config(self, value: dict) -> dict:
+    @staticmethod
+    def _named_settings(value: dict) -> dict:
         errors = unknown_key_errors(value, HICACHE_STATUS_FIELDS, "HiCache setting")
         if errors:
             raise serializers.ValidationError(errors)
         return value
 
+    def validate_config(self, value: dict) -> dict:
+        return self._named_settings(value)
+
     def validate_unreported(self, value: dict) -> dict:
-        errors = unknown_key_errors(value, HICACHE_STATUS_FIELDS, "HiCache setting")
-        if errors:
-            raise serializers.ValidationError(errors)
-        return value
+        return self._named_settings(value)
 
 
 class AgentWorkerSerializer(StrictSerializer):
