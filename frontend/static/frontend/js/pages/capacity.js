@@ -240,7 +240,6 @@ KV.ready(function () {
           tr.appendChild(td);
         });
         tbody.appendChild(tr);
-        return tr;
       }
       ws.forEach(function (w) {
         var n = w.whatif_input_tokens, m = w.measured_prompt_tokens;
