@@ -10,6 +10,8 @@ from django.conf import settings
 
 from controlplane.inventory.models import EngineWorker, Host, Router, StorageProfile
 from controlplane.inventory.selectors import router_breakers, router_cache_salt
+from controlplane.inventory.services import worker_hicache_reported
+from controlplane.inventory.services.live_state import upstream_storage_view
 from controlplane.operations.models import TARGET_MACHINE
 from controlplane.rebalance.models import REBALANCE_MACHINE, STEP_MACHINE
 from controlplane.rebalance.planner.inputs import DEFAULT_SLO, WindowConfig
@@ -18,7 +20,7 @@ from controlplane.rebalance.services.launch import router_slo
 from controlplane.telemetry import promql, worker_view
 from controlplane.telemetry.selectors import POOLS
 from controlplane.workerclient import RouterClient, WorkerClient, WorkerError
-from engine.server.contract import CAPABILITIES, HICACHE_EXTRA_KEYS
+from engine.server.contract import CAPABILITIES, HICACHE_EXTRA_KEYS, reported_hicache_config
 
 # HiCache settings shown on the worker page, in this order (SGLang server-arg names).
 HICACHE_FIELDS = (
@@ -56,19 +58,32 @@ def worker_live(*, worker: EngineWorker, timeout_s: float = 2.0) -> dict:
     max_total_num_tokens / host_total_num_tokens (the L1 and L2 pools' sizes in tokens, None where the engine
     does not report them), disaggregation_mode, bootstrap_port, decode_offload (a decode that offloads its KV
     to HiCache: --disaggregation-decode-enable-offload-kvcache), is_idle, tenant_names (metric label -> tenant
-    name, from a worker started with --tenant-keys-file)}. A worker that does not answer gives reachable False
-    and the stored ``hicache_config`` (what the last operation read)."""
+    name, from a worker started with --tenant-keys-file), hicache_unreported ({field: why} of the settings
+    shown that the worker does not report)}. The HiCache settings read are recorded in the inventory
+    (``worker_hicache_reported``). A worker that does not answer gives reachable False and the stored
+    ``hicache_config`` (its last read)."""
+    client = WorkerClient(worker.url, admin_key=worker.admin_key, timeout=timeout_s)
     try:
-        info = WorkerClient(worker.url, timeout=timeout_s).server_info()
+        info = client.server_info()
     except WorkerError as exc:
-        return {"reachable": False, "error": exc.message, "hicache": worker.hicache_config or {}}
-    live = dict(info.get("hicache") or {})
-    for key in HICACHE_FIELDS:
-        live.setdefault(key, info.get(key))
+        stored = {k: v for k, v in (worker.hicache_unreported or {}).items() if k in HICACHE_FIELDS}
+        return {
+            "reachable": False,
+            "error": exc.message,
+            "hicache": worker.hicache_config or {},
+            "hicache_unreported": stored,
+        }
+    config, unreported = reported_hicache_config(info, upstream_storage_view(client, info))
+    worker_hicache_reported(worker_id=worker.pk, config=config, unreported=unreported)
+    live = dict(config)
+    for key in HICACHE_FIELDS:  # without --enable-hierarchical-cache: the launch args of those names
+        if key not in unreported:
+            live.setdefault(key, info.get(key))
     return {
         "reachable": True,
         "error": "",
         "hicache": live,
+        "hicache_unreported": {k: v for k, v in unreported.items() if k in HICACHE_FIELDS},
         "hicache_ratio": info.get("hicache_ratio"),
         "hicache_size": info.get("hicache_size"),
         "disaggregation_mode": info.get("disaggregation_mode"),

@@ -4,7 +4,10 @@ Per worker of a pool that recorded traffic (``--record-trace``), over the window
 (the last ``HISTORY_S``, read with one PromQL query for the pool, `telemetry.samples`): its live configuration
 (L1 ``max_total_num_tokens`` and L2 ``hicache_host_total_tokens`` from its newest scrape, L3 unbounded when it
 has a backend attached, its page size, and the write policy, eviction policy, admission filters and prefetch
-threshold it reported at ``GET /hicache/config``), and the prompt tokens it measured as cached per tier over
+threshold of its live HiCache config as the inventory holds it: read from its ``/server_info`` by its agent
+at register and every heartbeat, or by the control plane when never read; each worker's answer says when it
+was read, and a setting that could not be read is replayed at the engine's default, named, with no
+verdict), and the prompt tokens it measured as cached per tier over
 the same window (the increases of ``sglang:cached_tokens_total`` by ``cache_source`` device / host / storage
 over that of ``sglang:prompt_tokens_total``). The workers' recorded requests are replayed together with
 ``python -m engine.whatif``, each worker through its own L1 and L2 and all of them through one L3, as the pool
@@ -34,6 +37,7 @@ from controlplane.audit.selectors import worker_config_changes
 from controlplane.capacity import selectors, services
 from controlplane.capacity.models import RecordedRequest
 from controlplane.inventory.models import EngineWorker
+from controlplane.inventory.services import worker_hicache
 from controlplane.telemetry import promql, samples
 from controlplane.telemetry.metrics import counter_step
 from controlplane.telemetry.selectors import POOLS, unavailable_text
@@ -68,6 +72,15 @@ def _window(history: list[dict], first_ms: int) -> tuple[list[dict], int, bool]:
     return history, math.ceil(history[0]["ts"] * 1000), True
 
 
+# What the replay takes from each worker's live HiCache config: the what-if's name -> (the config field, the
+# engine's default, replayed only where the worker's config does not say: never read, or not reported).
+REPLAYED_SETTINGS = {
+    "write_policy": ("hicache_write_policy", "write_through"),
+    "eviction": ("radix_eviction_policy", "lru"),
+    "l2_admission": ("l2_admission", "none"),
+    "l3_admission": ("l3_admission", "none"),
+    "prefetch_threshold": ("prefetch_threshold", 256),
+}
 TARGET_POINTS = 5.0  # the most a tier's (or the total's) what-if share may differ from the measured one
 TIER_NAMES = {"device": "l1", "host": "l2", "storage": "l3"}
 
@@ -85,23 +98,32 @@ def _worker(worker: EngineWorker, pool: str, block_tokens: int, history: list[di
     if len(samples) < 2 or not l1 or not rows.filter(timestamp_ms__gte=since_ms).exists():
         return None
     l2 = int(newest.get("hicache_host_total_tokens") or 0)
-    config = worker.hicache_config or {}
+    known = worker_hicache(worker=worker)
+    config = known["config"] or {}
+    settings_used = {
+        key: config[field] if config.get(field) is not None else default
+        for key, (field, default) in REPLAYED_SETTINGS.items()
+    }
     live = {
         "l1_tokens": int(l1),
         "l2_tokens": l2,
         "l3_tokens": "inf" if worker.storage_backend and l2 else 0,
         "page_size": worker.page_size,
-        "write_policy": config.get("hicache_write_policy") or "write_through",
-        "eviction": config.get("radix_eviction_policy") or "lru",
-        "l2_admission": config.get("l2_admission") or "none",
-        "l3_admission": config.get("l3_admission") or "none",
-        "prefetch_threshold": int(config.get("prefetch_threshold") or 256),
+        **settings_used,
+    }
+    # the settings the replay took as the engine's defaults, each with why (only where they matter: an L2)
+    defaulted = {
+        key: known["why"] or known["unreported"].get(field) or "not reported"
+        for key, (field, _) in REPLAYED_SETTINGS.items()
+        if config.get(field) is None and l2
     }
     measured = {TIER_NAMES[t]: _increase(samples, f"cached_tokens_{t}") for t in TIERS}
     return {
         "worker": worker.name,
         "worker_id": worker.pk,
         "live": live,
+        "config_read_at": known["read_at"],
+        "config_defaulted": defaulted,
         "from_ms": since_ms,
         "to_ms": round(newest["ts"] * 1000),
         "starts_after_traffic": truncated,
@@ -169,8 +191,11 @@ def calibration(*, pool: str) -> dict:
     "config_changes": [{"worker", "action", "at"}], "workers": [...], "note"}``; shares are 0..1 (None
     when there is nothing to compare: the note says why), differences are what-if minus measured in
     percentage points, ``within_target`` is True only when the total and every tier differ by at most
-    ``target_points`` (None with nothing to compare, or when a worker's configuration changed inside its
-    window: ``config_changes``). Raises
+    ``target_points`` (None with nothing to compare, when a worker's configuration changed inside its
+    window: ``config_changes``, or when a setting replayed is not known: the worker's ``config_defaulted``).
+    Each worker's ``live`` holds the configuration replayed, ``config_read_at`` when its HiCache settings
+    were read (ISO 8601 UTC; None: not recorded) and ``config_defaulted`` ``{setting: why}`` of those
+    replayed at the engine's default. Raises
     ``ApplicationError`` ``whatif_failed`` as ``services.whatif_run`` does.
     """
     block_tokens = selectors.recorded_block_tokens(pool=pool)
@@ -228,6 +253,14 @@ def calibration(*, pool: str) -> dict:
             + "): the replay runs each worker's configuration of now for the whole window, so the comparison"
             " is not like for like until a window starts after the change"
         )
+    for r in rows:  # replayed at the engine's defaults where the worker's own settings are not known
+        if r["config_defaulted"]:
+            within = None
+            why = "; ".join(sorted(set(r["config_defaulted"].values())))
+            notes.append(
+                f"{r['worker']}'s {', '.join(r['config_defaulted'])} replayed at the engine's defaults, not "
+                f"its own ({why}): no verdict until its HiCache config is read"
+            )
     late = [r["worker"] for r in rows if r["starts_after_traffic"]]
     if late:
         one = len(late) == 1

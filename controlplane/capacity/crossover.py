@@ -178,8 +178,8 @@ def worker_crossover(costs: dict[str, list[dict]], *, page_size: int, current: d
             recommended["prefetch_threshold"] = _round_up(l3["crossover_tokens"], page_size)
         recommended["prefetch_timeout_base"] = round(l3["load_fixed_s"], 4)
         recommended["prefetch_timeout_per_ki_token"] = round(1024 * l3["recompute_per_token_s"], 4)
-    # an unknown config (no operation has read it back from the worker yet) is not the recommended one:
-    # every recommended field is a change, its before None
+    # an unknown config (the worker could not be read) is not the recommended one: every recommended field
+    # is a change, its before None; so is a field the worker does not report
     changes = {}
     for key, after in recommended.items():
         before = None if current is None else current.get(key)
@@ -226,7 +226,11 @@ def costs_from_samples(samples: dict[str, list[dict]]) -> dict[str, dict[str, li
 
 def _answers(workers: dict, window_s: int | None) -> list[dict]:
     """:func:`worker_crossover` of each of ``workers`` ({name: EngineWorker}) that exports cost counters,
-    from the TSDB (raises ``promql.PromQLError`` when it does not answer)."""
+    from the TSDB (raises ``promql.PromQLError`` when it does not answer), at its live HiCache config as the
+    inventory holds it (its agent reads it from ``/server_info``; a worker never read is read now, and one
+    that does not answer is compared as unknown), with ``config``: where that came from
+    (:func:`_config_source`)."""
+    from controlplane.inventory.services import worker_hicache
     from controlplane.telemetry.promql import PromQL
 
     client = PromQL()
@@ -236,11 +240,18 @@ def _answers(workers: dict, window_s: int | None) -> list[dict]:
     rows = []
     for name, worker in workers.items():
         if name in costs:
-            current = worker.hicache_config or None
-            rows.append(
-                {"worker": name, **worker_crossover(costs[name], page_size=worker.page_size, current=current)}
-            )
+            known = worker_hicache(worker=worker)
+            answer = worker_crossover(costs[name], page_size=worker.page_size, current=known["config"])
+            rows.append({"worker": name, **answer, "config": _config_source(known, answer["recommended"])})
     return rows
+
+
+def _config_source(known: dict, recommended: dict) -> dict:
+    """Where ``current`` came from: ``{"read_at"`` (ISO 8601 UTC, None: not recorded), ``"why"`` ('' or why
+    the worker's config is not known), ``"unreported"`` (``{field: why}`` of the recommended fields the worker
+    does not report)``}``."""
+    unreported = {k: why for k, why in known["unreported"].items() if k in recommended}
+    return {"read_at": known["read_at"], "why": known["why"], "unreported": unreported}
 
 
 def pool_crossover(*, pool: str | None, window_s: int | None = None) -> dict:

@@ -184,7 +184,14 @@ FLAGS_REQUEST_FIELDS = (
     "flags_failed_seq",
     "flags_failure",
 )
-SERVICE_ONLY_FIELDS = (*ROLE_REQUEST_FIELDS, *FLAGS_REQUEST_FIELDS, "assigned_role", "drained")
+HICACHE_READ_FIELDS = ("hicache_config", "hicache_unreported", "hicache_config_read_at")
+SERVICE_ONLY_FIELDS = (
+    *ROLE_REQUEST_FIELDS,
+    *FLAGS_REQUEST_FIELDS,
+    *HICACHE_READ_FIELDS,
+    "assigned_role",
+    "drained",
+)
 
 
 def devices_problem(devices, tp_size: int | None) -> str | None:
@@ -317,8 +324,21 @@ class EngineWorker(TimeStamped):
     hicache_config = models.JSONField(
         default=dict,
         blank=True,
-        help_text="The HiCache runtime config last read back from the worker (GET /hicache/config), merged "
-        "over earlier reads",
+        help_text="The HiCache runtime config last read from the worker, under GET /hicache/config's names: "
+        "from its /server_info by its agent (at register and every heartbeat) or by the control plane, or "
+        "read back by an operation; {} before the first read, or without --enable-hierarchical-cache",
+    )
+    hicache_unreported = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Settings of GET /hicache/config's names the worker does not report, each with why (an "
+        "upstream SGLang worker reports only its launch args and its extra config's keys)",
+    )
+    hicache_config_read_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When hicache_config was read as it is now (a read that finds it unchanged does not move "
+        "it); null: never read from the worker",
     )
     storage_backend = models.CharField(
         max_length=20, blank=True, help_text="Attached L3 backend name, if any"
@@ -356,9 +376,10 @@ class EngineWorker(TimeStamped):
             raise ValidationError({"devices": problem})
 
     def save(self, *args, **kwargs):
-        """A full save of an existing row leaves SERVICE_ONLY_FIELDS (role requests, assigned role, drained)
-        alone: only the services' queryset updates write them, so a stale instance saved by another path
-        never moves a request or its agent's acknowledgement back."""
+        """A full save of an existing row leaves SERVICE_ONLY_FIELDS (role requests, assigned role, drained,
+        the HiCache config read from the worker) alone: only the services' queryset updates write them, so a
+        stale instance saved by another path never moves a request, its agent's acknowledgement or a read
+        back."""
         if not self._state.adding and kwargs.get("update_fields") is None:
             kwargs["update_fields"] = [
                 f.name

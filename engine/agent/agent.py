@@ -37,7 +37,7 @@ import time
 from engine.agent.engines import KVFLEET, launch_command
 from engine.agent.flag_overrides import FlagOverrides
 from engine.agent.host import host_facts
-from engine.agent.probe import capabilities, recorded_trace, server_info
+from engine.agent.probe import capabilities, recorded_trace, server_info, storage_backend
 from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected, Reporter
 from engine.agent.spec import (
     ENCODER,
@@ -49,6 +49,7 @@ from engine.agent.spec import (
     with_role,
 )
 from engine.agent.supervisor import Managed, Supervisor
+from engine.server.contract import reported_hicache_config
 
 log = logging.getLogger("kvfleet.agent")
 TICK_S = 0.5
@@ -103,6 +104,18 @@ def storage_fields(info: dict | None) -> dict:
     }
 
 
+def hicache_report(w: WorkerSpec, info: dict) -> dict:
+    """The HiCache settings the worker reports, as the control plane takes them: ``{"config",
+    "unreported"}`` (``engine.server.contract.reported_hicache_config``) from its ``/server_info`` body
+    ``info``; an upstream SGLang worker's live storage view (``GET /hicache/storage-backend``, with its
+    admin key) goes along, since upstream's ``/server_info`` keeps its startup values."""
+    storage = None
+    if "hicache" not in info and info.get("enable_hierarchical_cache"):
+        storage = storage_backend(local_url(w), w.admin_api_key)
+    config, unreported = reported_hicache_config(info, storage)
+    return {"config": config, "unreported": unreported}
+
+
 def role_of(w: WorkerSpec, info: dict | None) -> str:
     """The role the worker reports (``disaggregation_mode`` in its /server_info; ``encoder`` for an EPD
     encoder, whose /server_info says ``encoder_only``), else the spec's."""
@@ -125,7 +138,7 @@ def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
     """The worker object of the register call (the admin key lets the control plane run operations, the
     API key lets a rebalance switch the worker's role and send it its canary; ``command_line`` and
     ``launch_flags`` let it restart the worker with other flags);
-    ``info`` is the worker's ``/server_info`` (its attached L3 backend goes along)."""
+    ``info`` is the worker's ``/server_info`` (its attached L3 backend and its HiCache settings go along)."""
     record = {
         "name": w.name,
         "url": w.url,
@@ -142,6 +155,7 @@ def worker_record(w: WorkerSpec, info: dict | None = None) -> dict:
     }
     if info is not None:
         record["capabilities"] = capabilities(local_url(w), info, w.admin_api_key)
+        record["hicache"] = hicache_report(w, info)
     if w.admin_api_key:
         record["admin_key"] = w.admin_api_key
     if w.api_key:
@@ -181,7 +195,7 @@ class Agent:
             self._registration,
             self._live_urls,
             down_urls=self._down_urls,
-            roles=self._roles,
+            observed=self._observed,
             role_acks=self._role_acks,
             on_role_requests=lambda restart, request_seq: self.restarts.put((restart, request_seq)),
             flag_acks=self._flag_acks,
@@ -201,17 +215,19 @@ class Agent:
     def _live_urls(self) -> list[str]:
         return [w.url for w in self._running()]
 
-    def _roles(self) -> dict[str, str]:
-        """URL -> role of each running worker that answers /server_info (reporter thread). A role other
-        than the spec's (the worker switched in place) is queued for the main thread to adopt."""
+    def _observed(self) -> dict[str, dict]:
+        """What each running worker that answers /server_info reports (reporter thread, every heartbeat):
+        ``{"roles": URL -> role, "hicache": URL -> hicache_report}``. A role other than the spec's (the
+        worker switched in place) is queued for the main thread to adopt."""
         running = self._running()
         gens = {w.url: self.spec_gen.get(w.url, 0) for w in running}  # read before the workers are asked
-        infos = {w.url: server_info(local_url(w)) for w in running}
-        roles = {w.url: role_of(w, infos[w.url]) for w in running if infos.get(w.url)}
+        infos = {w.url: info for w in running if (info := server_info(local_url(w)))}
+        roles = {w.url: role_of(w, infos[w.url]) for w in running if w.url in infos}
         for w in running:
             if w.url in roles and roles[w.url] != w.role:
                 self.adoptions.put((w.url, roles[w.url], gens[w.url]))
-        return roles
+        hicache = {w.url: hicache_report(w, infos[w.url]) for w in running if w.url in infos}
+        return {"roles": roles, "hicache": hicache}
 
     def adopt_live_roles(self) -> None:
         """Main thread: a worker that switched role in place (``/pd_role_switch``, a rebalance) keeps that

@@ -1,5 +1,5 @@
-"""Read a worker's live state over its HTTP API: ``/metrics`` (Prometheus text), ``/server_info`` and, with
-``--record-trace``, ``/recorded_trace``."""
+"""Read a worker's live state over its HTTP API: ``/metrics`` (Prometheus text), ``/server_info``, with its
+admin key ``/hicache/storage-backend`` and, with ``--record-trace``, ``/recorded_trace``."""
 
 from __future__ import annotations
 
@@ -54,6 +54,23 @@ def loads(url: str, timeout: float = 3.0) -> dict | None:
     except httpx.HTTPError:
         return None
     return resp.json() if resp.status_code == 200 else None
+
+
+def storage_backend(url: str, admin_key: str | None, timeout: float = 3.0) -> dict | None:
+    """The worker's ``GET /hicache/storage-backend`` (its attached L3 backend, extra config and policies as
+    they are now; an admin route), or None without ``admin_key`` or when it does not answer 200."""
+    if not admin_key:
+        return None
+    try:
+        resp = httpx.get(
+            f"{url}/hicache/storage-backend",
+            headers={"Authorization": f"Bearer {admin_key}"},
+            timeout=timeout,
+        )
+        body = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def _answers(url: str, path: str, key: str | None, timeout: float) -> bool:

@@ -2,7 +2,8 @@
 
 Endpoints (token auth, ``Authorization: Bearer cp_...``): ``POST /api/v1/agent/register/`` (host + workers,
 idempotent upsert), ``POST /api/v1/agent/heartbeat/`` (live worker URLs, ``offline``: the ones not
-serving, ``roles``: the role each live worker reports, ``role_acks``: per worker the newest role-request
+serving, ``roles``: the role each live worker reports, ``hicache``: the HiCache settings each reports in
+its ``/server_info``, ``role_acks``: per worker the newest role-request
 generation the agent processed and the newest it carried out; 404 = unknown host: register again; the
 answer's ``restart`` lists workers to restart in a new role and ``request_seq`` each worker's current
 request generation, both handed to ``on_role_requests``; ``flag_acks``: per worker the newest flags request
@@ -80,10 +81,13 @@ class ControlPlaneClient:
         roles: dict | None = None,
         role_acks: dict | None = None,
         flag_acks: dict | None = None,
+        hicache: dict | None = None,
     ) -> dict:
         body = {"host": host_name, "workers": worker_urls, "offline": list(offline_urls)}
         if roles:
             body["roles"] = roles
+        if hicache:
+            body["hicache"] = hicache
         if role_acks:
             body["role_acks"] = role_acks
         if flag_acks:
@@ -105,8 +109,9 @@ class Reporter:
 
     ``registration()`` returns the current ``(host, workers)`` register body (re-sent after a restart of a
     worker or when a heartbeat says the host is unknown); ``live_urls()`` the URLs of running workers;
-    ``down_urls()`` those of its workers that are not serving (reported offline); ``roles()`` the role each
-    live worker runs (URL -> mixed | prefill | decode); ``role_acks()`` URL -> {seen, applied} (sent with
+    ``down_urls()`` those of its workers that are not serving (reported offline); ``observed()`` what the
+    live workers report now, ``{"roles": URL -> mixed | prefill | decode, "hicache": URL -> {"config",
+    "unreported"}}`` (both sent with every heartbeat); ``role_acks()`` URL -> {seen, applied} (sent with
     every heartbeat); ``on_role_requests(restart, request_seq)`` gets the heartbeat answer's ``restart``
     list ([{worker_url, role, seq}]) and ``request_seq`` map (URL -> generation), on the reporter thread,
     once per answer that has either, in the order the answers came. ``flag_acks()`` URL -> {applied,
@@ -121,7 +126,7 @@ class Reporter:
         live_urls: Callable[[], list[str]],
         *,
         down_urls: Callable[[], list[str]] = list,
-        roles: Callable[[], dict] = dict,
+        observed: Callable[[], dict] = dict,
         role_acks: Callable[[], dict] = dict,
         on_role_requests: Callable[[list[dict], dict], None] = lambda restart, request_seq: None,
         flag_acks: Callable[[], dict] = dict,
@@ -133,7 +138,7 @@ class Reporter:
     ):
         self.client = client
         self.registration, self.live_urls, self.down_urls = registration, live_urls, down_urls
-        self.roles, self.role_acks, self.on_role_requests = roles, role_acks, on_role_requests
+        self.observed, self.role_acks, self.on_role_requests = observed, role_acks, on_role_requests
         self.flag_acks, self.on_flag_requests = flag_acks, on_flag_requests
         self.heartbeat_interval_s = heartbeat_interval_s
         self.retry_base_s, self.retry_max_s = retry_base_s, retry_max_s
@@ -203,13 +208,15 @@ class Reporter:
             )
         if now >= self.next_heartbeat:
             try:
+                seen = self.observed()
                 answer = self.client.heartbeat(
                     self.host_name,
                     self.live_urls(),
                     self.down_urls(),
-                    self.roles(),
+                    seen.get("roles"),
                     self.role_acks(),
                     self.flag_acks(),
+                    seen.get("hicache"),
                 )
                 if answer.get("restart") or answer.get("request_seq"):
                     self.on_role_requests(answer.get("restart") or [], answer.get("request_seq") or {})

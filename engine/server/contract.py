@@ -150,6 +150,80 @@ def backend_extra_config(status: dict) -> dict:
 
 CONFIG_FIELDS = tuple(ConfigUpdate.model_fields)
 ATTACH_FIELDS = tuple(AttachRequest.model_fields)
+HICACHE_STATUS_FIELDS = tuple(HiCacheConfigStatus.model_fields)
+
+# HiCacheConfigStatus fields an upstream SGLang worker's /server_info carries as launch args of the same name.
+_UPSTREAM_LAUNCH_FIELDS = (
+    "hicache_storage_backend",
+    "hicache_storage_prefetch_policy",
+    "hicache_write_policy",
+    "hicache_mem_layout",
+    "hicache_io_backend",
+    "radix_eviction_policy",
+)
+# The HiCache settings an extra config carries (HICACHE_EXTRA_KEYS less the one no status reports).
+_EXTRA_SETTINGS = tuple(k for k in HICACHE_EXTRA_KEYS if k in HiCacheConfigStatus.model_fields)
+
+
+def _upstream_extra(raw, name: str) -> tuple[dict, str]:
+    """The settings an upstream worker's reported extra config ``raw`` holds (JSON text, or a table) and why
+    a setting it leaves out is not reported."""
+    why = (
+        f"not reported: {name} reports only the extra config it was given, which does not set it (the engine "
+        "runs its built-in default)"
+    )
+    if isinstance(raw, dict):
+        return raw, why
+    text = raw.strip() if isinstance(raw, str) else ""
+    if text.startswith("@"):
+        return {}, f"not reported: its extra config is a file ({text[1:]}) {name} read at start"
+    try:
+        parsed = json.loads(text) if text else {}
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        return {}, f"not reported: its extra config is not a JSON object ({text[:80]!r})"
+    return parsed, why
+
+
+def reported_hicache_config(info: dict, storage: dict | None = None) -> tuple[dict, dict[str, str]]:
+    """The live HiCache settings a worker's ``/server_info`` body ``info`` reports, under ``GET
+    /hicache/config``'s names (:class:`HiCacheConfigStatus` fields), and ``{field: why}`` for each field it
+    does not report. ``/server_info`` needs no key, so every worker can be read this way.
+
+    - KVFleet: its ``hicache`` object, the live cache's settings (the same values ``GET /hicache/config``
+      answers, runtime changes included); nothing unreported.
+    - Upstream SGLang (no ``hicache`` object): its launch args of those names, and the HiCache settings its
+      ``hicache_storage_backend_extra_config`` (JSON text) sets (``prefetch_threshold``, the timeout terms).
+      Upstream's ``/server_info`` is its startup configuration: a runtime attach changes only what its
+      ``GET /hicache/storage-backend`` answers (an admin route), so ``storage``, that answer when it could
+      be read, wins for its four fields (the backend, its extra config, both policies). A setting the extra
+      config leaves out is unreported (the engine then runs its own built-in default, which differs between
+      SGLang releases, so none is assumed here); so are KVFleet's own settings (admission filters,
+      automatic detach) and anything the release's ``/server_info`` lacks.
+    - Either without ``--enable-hierarchical-cache``: ``({}, {})``, no HiCache settings to report.
+    """
+    if "hicache" in info:
+        return dict(info["hicache"] or {}), {}
+    if not info.get("enable_hierarchical_cache"):
+        return {}, {}
+    name = f"SGLang {info.get('version') or '(version not reported)'}"
+    live = {k: v for k, v in (storage or {}).items() if k in StorageBackendStatus.model_fields}
+    args = {**info, **live}
+    config = {k: args[k] for k in _UPSTREAM_LAUNCH_FIELDS if k in args}
+    unreported = {k: f"{name}'s /server_info has no {k}" for k in _UPSTREAM_LAUNCH_FIELDS if k not in args}
+    extra, why = _upstream_extra(args.get("hicache_storage_backend_extra_config"), name)
+    backend_own = {k: v for k, v in extra.items() if k not in HICACHE_EXTRA_KEYS}
+    config["hicache_storage_backend_extra_config"] = backend_own or None  # as KVFleet's: the backend's part
+    for key in _EXTRA_SETTINGS:
+        if key in extra:
+            config[key] = extra[key]
+        else:
+            unreported[key] = why
+    for key in HICACHE_STATUS_FIELDS:
+        if key not in config and key not in unreported:
+            unreported[key] = f"no such setting on {name} (KVFleet's)"
+    return config, unreported
 
 
 # Engines a fleet member can run and what each worker was found able to do (probed by its agent,

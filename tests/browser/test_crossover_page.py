@@ -98,6 +98,10 @@ def test_load_vs_recompute_figures_apply_and_verdict(tsdb, asgi_server, console_
         expect(w1.nth(i)).to_have_text("—")
         expect(w1.nth(i)).to_have_class("num absent")
     assert "load_back: 2 operation(s) measured, 3 needed" in w1.nth(2).get_attribute("title")
+    # w1's URL answers nothing: its live threshold stays unknown, saying why (never "not known yet" alone)
+    expect(w1.nth(6)).to_have_text("—")
+    assert w1.nth(6).get_attribute("title").startswith("not known: w1 did not answer /server_info (")
+    assert api["w1"]["current"] is None and api["w1"]["config"]["why"].startswith("w1 did not answer")
     expect(w1.nth(5)).to_have_text("0 / 2")  # what it did measure: no prefetch, 2 prefill passes
     expect(section.locator("#crossover-table tr[data-worker=w1][data-tier=L2] td").nth(5)).to_have_text(
         "2 / 2"

@@ -139,6 +139,9 @@ def _worker_page(console_page, base_url: str, worker_id: int) -> None:
     caps = page.get_by_test_id("capabilities")
     expect(caps.locator("[data-cap=storage_attach]")).to_contain_text("✓")
     expect(caps.locator("[data-cap=runtime_config]")).to_contain_text("needs a restart on SGLang 0.5.23")
+    expect(page.locator("[data-testid=unreported][data-field=prefetch_threshold]")).to_contain_text(
+        "not reported: SGLang 0.5.23 reports only the extra config it was given"
+    )
     expect(page.get_by_test_id("samples")).not_to_have_text("0")
     # the note on charts upstream does not export is read from what the TSDB scraped of it
     expect(page.get_by_test_id("unexported")).to_contain_text(
@@ -153,6 +156,19 @@ def _worker_page(console_page, base_url: str, worker_id: int) -> None:
     if SHOTS:
         page.screenshot(path=f"{SHOTS}/capacity-upstream.png", full_page=True)
     assert errors == []
+
+
+def _reported_configs(kv: dict, up: dict) -> None:
+    """The live HiCache config each worker reports, read by the agent from /server_info at register (no
+    operation yet): what upstream does not report (its extra config sets no prefetch_threshold) is named
+    with why, never filled with a default."""
+    assert kv["hicache_config"]["prefetch_threshold"] == 256 and kv["hicache_unreported"] == {}
+    assert up["hicache_config"]["hicache_mem_layout"] == CPU_FLAGS["hicache_mem_layout"]
+    assert up["hicache_config"]["hicache_storage_backend"] is None and up["hicache_config_read_at"]
+    assert "prefetch_threshold" not in up["hicache_config"]
+    assert up["hicache_unreported"]["prefetch_threshold"].startswith(
+        "not reported: SGLang 0.5.23 reports only the extra config it was given"
+    )
 
 
 def _live_backends(urls: list[str]) -> list:
@@ -203,6 +219,7 @@ def test_a_mixed_fleet_with_an_upstream_worker(  # noqa: C901
         assert (kv["engine"], kv["engine_version"]) == ("kvfleet", "kvfleet-0.1.0")
         assert set(up["capabilities"]) == {"storage_attach", "load_report"}, up["capabilities"]
         assert {"storage_attach", "runtime_config", "exact_idle"} <= set(kv["capabilities"])
+        _reported_configs(kv, up)
         # The admin key reached both engines through the environment, never a command line.
         for port in (kv_port, up_port):
             pids = _pids_with(port)
@@ -273,6 +290,9 @@ def test_a_mixed_fleet_with_an_upstream_worker(  # noqa: C901
             for target in op.targets.all():
                 assert target.before["hicache_storage_backend"] is None
                 assert target.after["hicache_storage_backend"] == "file"
+            # upstream's /server_info still says None (its startup value); its live storage view says file
+            poll("a heartbeat to bring up0's attached backend", lambda: EngineWorker.objects.get(
+                name="up0").hicache_config.get("hicache_storage_backend") == "file", 60)  # fmt: skip
             events = AuditEvent.objects.filter(action="attach")
             assert events.exists()
 

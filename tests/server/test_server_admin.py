@@ -8,6 +8,8 @@ import time
 
 import httpx
 
+from engine.server.contract import reported_hicache_config
+
 KEY = "admin-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -154,6 +156,8 @@ def test_hicache_config_get_put(serve):
         assert time.monotonic() < deadline, info["hicache"]
         time.sleep(0.05)
     assert info["hicache_storage_prefetch_policy"] == "timeout"
+    # what the control plane reads without a key (its agent, every heartbeat) is the admin route's answer
+    assert reported_hicache_config(info) == (client.get("/hicache/config", headers=AUTH).json(), {})
     bad = client.put("/hicache/config", json={"prefetch_threshold": "lots"}, headers=AUTH)
     assert bad.status_code == 400 and "prefetch_threshold" in bad.json()["error"]["message"]
     unknown = client.put("/hicache/config", json={"speed": 11}, headers=AUTH)

@@ -4,7 +4,7 @@ set."""
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from controlplane.core.serializers import StrictModelSerializer, StrictSerializer
+from controlplane.core.serializers import StrictModelSerializer, StrictSerializer, unknown_key_errors
 from controlplane.inventory.models import (
     EngineWorker,
     FleetAlert,
@@ -16,7 +16,7 @@ from controlplane.inventory.models import (
     devices_problem,
 )
 from controlplane.inventory.selectors import router_breakers, router_cache_salt
-from engine.server.contract import CAPABILITIES, ENGINE_KINDS
+from engine.server.contract import CAPABILITIES, ENGINE_KINDS, HICACHE_STATUS_FIELDS
 
 
 class FleetAlertSerializer(StrictModelSerializer):
@@ -199,6 +199,8 @@ class EngineWorkerSerializer(StrictModelSerializer):
             "dp_size",
             "page_size",
             "hicache_config",
+            "hicache_unreported",
+            "hicache_config_read_at",
             "storage_backend",
             "storage_profile",
             "config_revision",
@@ -222,6 +224,8 @@ class EngineWorkerSerializer(StrictModelSerializer):
             "flags_failed_seq",
             "flags_failure",
             "hicache_config",
+            "hicache_unreported",
+            "hicache_config_read_at",
             "storage_backend",
             "storage_profile",
             "config_revision",
@@ -290,6 +294,33 @@ class AgentHostSerializer(StrictSerializer):
         return gpus
 
 
+class HiCacheReportSerializer(StrictSerializer):
+    """The HiCache settings a worker's ``/server_info`` reports (``engine.server.contract.
+    reported_hicache_config``): each key a ``GET /hicache/config`` field name (another is a 400 naming it and
+    the closest real one)."""
+
+    config = serializers.DictField(help_text="field -> value, under GET /hicache/config's names")
+    unreported = serializers.DictField(
+        child=serializers.CharField(max_length=500),
+        required=False,
+        default=dict,
+        help_text="field -> why the worker does not report it",
+    )
+
+    @staticmethod
+    def _named_settings(value: dict) -> dict:
+        errors = unknown_key_errors(value, HICACHE_STATUS_FIELDS, "HiCache setting")
+        if errors:
+            raise serializers.ValidationError(errors)
+        return value
+
+    def validate_config(self, value: dict) -> dict:
+        return self._named_settings(value)
+
+    def validate_unreported(self, value: dict) -> dict:
+        return self._named_settings(value)
+
+
 class AgentWorkerSerializer(StrictSerializer):
     name = serializers.CharField(max_length=100)
     url = serializers.URLField()
@@ -334,6 +365,9 @@ class AgentWorkerSerializer(StrictSerializer):
         child=serializers.ListField(min_length=2, max_length=2),
         required=False,
         help_text="its engine's launch flags: SGLang name -> [option, takes a value]",
+    )
+    hicache = HiCacheReportSerializer(
+        required=False, help_text="the HiCache settings its /server_info reports (left out: not read)"
     )
 
     def validate(self, attrs: dict) -> dict:
@@ -387,6 +421,12 @@ class AgentHeartbeatSerializer(StrictSerializer):
         default=dict,
         help_text="worker URL -> {applied, failed, failure}: the newest flags request it carried out (the "
         "worker answered /health with them), the newest that failed, and why",
+    )
+    hicache = serializers.DictField(
+        child=HiCacheReportSerializer(),
+        required=False,
+        default=dict,
+        help_text="worker URL -> the HiCache settings its /server_info reports now (written when changed)",
     )
 
 

@@ -166,6 +166,7 @@ class AgentHeartbeatApi(APIView):
             roles=body.validated_data["roles"],
             role_acks=body.validated_data["role_acks"],
             flag_acks=body.validated_data["flag_acks"],
+            hicache=body.validated_data["hicache"],
             bound_host=agent_host_scope(request.user, request.auth),
             actor=request.user,
         )

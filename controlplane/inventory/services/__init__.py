@@ -3,7 +3,8 @@
 - workers: create / update (keys encrypted), drain / undrain from the worker's router;
 - roles: the PD role a worker was seen running, and restarts in another role asked of its agent;
 - agent: an agent's register and heartbeat;
-- live_state: the L3 backend and HiCache config operations read back, recorded on the worker;
+- live_state: the L3 backend operations read back and the HiCache config read from the worker (by its
+  agent, on demand, by operations), recorded on the worker;
 - isolation: the cache isolation self-test of a worker (the agent's check, audited);
 - routers: create / update, and the router's kind and version probed from it.
 """
@@ -14,6 +15,9 @@ from controlplane.inventory.services.live_state import (
     profile_extra,
     storage_profile_matching,
     worker_config_observed,
+    worker_hicache,
+    worker_hicache_read,
+    worker_hicache_reported,
     worker_storage_observed,
 )
 from controlplane.inventory.services.roles import (
@@ -36,6 +40,9 @@ __all__ = [
     "worker_check_isolation",
     "worker_create",
     "worker_drain",
+    "worker_hicache",
+    "worker_hicache_read",
+    "worker_hicache_reported",
     "worker_role_observed",
     "worker_role_request",
     "worker_role_withdraw",

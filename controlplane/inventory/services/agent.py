@@ -11,9 +11,16 @@ from django.utils import timezone
 from controlplane.audit.services import audit_record
 from controlplane.core.exceptions import ApplicationError, ConflictError
 from controlplane.core.services import model_snapshot
-from controlplane.inventory.models import FLAGS_REQUEST_FIELDS, EngineWorker, Gpu, Host, WorkerState
+from controlplane.inventory.models import (
+    FLAGS_REQUEST_FIELDS,
+    HICACHE_READ_FIELDS,
+    EngineWorker,
+    Gpu,
+    Host,
+    WorkerState,
+)
 from controlplane.inventory.services.flags import pending_flag_requests
-from controlplane.inventory.services.live_state import storage_profile_matching
+from controlplane.inventory.services.live_state import storage_profile_matching, worker_hicache_reported
 from controlplane.inventory.services.roles import worker_role_observed
 
 _HOST_FIELDS = ("address", "agent_version", "cpu_count", "memory_bytes")
@@ -69,6 +76,13 @@ def _check_devices(host: Host, workers: list[dict]) -> None:
             )
 
 
+def _record_hicache(worker: EngineWorker, reported: dict | None) -> None:
+    """Record the HiCache settings a register call reports for ``worker`` (None: not read, kept)."""
+    if reported is not None:
+        worker_hicache_reported(worker_id=worker.pk, **reported)
+        worker.refresh_from_db(fields=list(HICACHE_READ_FIELDS))
+
+
 @transaction.atomic
 def agent_register(
     *, host: dict, workers: list[dict], actor, bound_host: str | None = None
@@ -79,7 +93,10 @@ def agent_register(
     values; a new host gets blanks (cpu_count and memory_bytes NULL). A worker's ``devices`` (GPU indexes, one
     per rank) must be GPUs of the host and held by no other worker of the call (ApplicationError 400 naming
     ``workers[i].devices``). A worker's ``storage_backend`` (with
-    ``storage_extra_config``) sets its attached L3 backend and the storage profile it identifies, if any.
+    ``storage_extra_config``) sets its attached L3 backend and the storage profile it identifies, if any. A
+    worker's ``hicache`` (``{"config", "unreported"}``: the HiCache settings its ``/server_info`` reports,
+    ``engine.server.contract.reported_hicache_config``) is recorded as read now
+    (:func:`~controlplane.inventory.services.live_state.worker_hicache_reported`).
 
     A worker's ``role`` is the role it runs (the agent reads it from ``/server_info``); a change sets
     ``role_changed_at`` (the P:D planner leaves its samples out while it warms up).
@@ -143,10 +160,30 @@ def agent_register(
         if item.get("role"):
             EngineWorker.objects.filter(pk=worker.pk, desired_role=item["role"]).update(desired_role="")
             worker.refresh_from_db(fields=["desired_role"])
+        _record_hicache(worker, item.get("hicache"))
         saved.append(worker)
     after = {"host": model_snapshot(host_obj), "workers": [model_snapshot(w) for w in saved]}
     audit_record(action="register", obj=host_obj, before=before, after=after, actor=actor)
     return host_obj, saved
+
+
+def _record_flag_acks(mine, rows: dict, flag_acks: dict) -> None:
+    """Store each worker's flags acknowledgements (``rows``: URL -> its row's values, updated in place)."""
+    for url, ack in flag_acks.items():
+        row = rows.get(url)
+        if not row:
+            continue
+        # Only forward: a restarted agent starts counting at 0 and runs its spec file's flags again; it is
+        # not sent the last request again.
+        applied = max(ack["applied"], row["flags_applied_seq"])
+        failed = max(ack["failed"], row["flags_failed_seq"])
+        failure = ack.get("failure", "") if ack["failed"] >= failed else row["flags_failure"]
+        got = (applied, failed, failure)
+        if (row["flags_applied_seq"], row["flags_failed_seq"], row["flags_failure"]) != got:
+            mine.filter(pk=row["pk"]).update(
+                flags_applied_seq=got[0], flags_failed_seq=got[1], flags_failure=got[2][:2000]
+            )
+            row.update(flags_applied_seq=got[0], flags_failed_seq=got[1], flags_failure=got[2])
 
 
 def agent_heartbeat(
@@ -157,13 +194,16 @@ def agent_heartbeat(
     roles: dict | None = None,
     role_acks: dict | None = None,
     flag_acks: dict | None = None,
+    hicache: dict | None = None,
     bound_host: str | None = None,
     actor=None,
 ) -> dict:
     """Mark a host and the listed workers of that host as seen now.
 
     ``offline_urls`` are workers the agent runs that are not serving (crashed, failing /health,
-    restarting): they become ``offline`` until a later heartbeat lists them as live again. ``roles`` maps
+    restarting): they become ``offline`` until a later heartbeat lists them as live again. ``hicache`` maps
+    worker URLs to the HiCache settings each reports now (``{"config", "unreported"}``, as in
+    :func:`agent_register`), written only when they changed. ``roles`` maps
     worker URLs to the role each runs (:func:`worker_role_observed`: a change is audited). ``role_acks``
     maps worker URLs to ``{seen, applied}``: the newest ``role_request_seq`` the agent has processed (acted
     on or decided against) and the newest request it carried out, stored as ``role_seen_seq`` /
@@ -190,7 +230,8 @@ def agent_heartbeat(
     if host["last_seen"] is None or host["last_seen"] < stale:
         Host.objects.filter(pk=host["pk"]).update(last_seen=now)
     mine = EngineWorker.objects.filter(host_id=host["pk"])
-    fields = ("pk", "url", "state", "last_seen", *_HEARTBEAT_ROLE_FIELDS, *FLAGS_REQUEST_FIELDS)
+    read = HICACHE_READ_FIELDS if hicache else ()
+    fields = ("pk", "url", "state", "last_seen", *_HEARTBEAT_ROLE_FIELDS, *FLAGS_REQUEST_FIELDS, *read)
     rows = {w["url"]: w for w in mine.values(*fields)}
     live = set(worker_urls) & set(rows)
     went_off = [
@@ -212,21 +253,10 @@ def agent_heartbeat(
         if row and (row["role_seen_seq"], row["role_applied_seq"]) != (ack["seen"], ack["applied"]):
             mine.filter(pk=row["pk"]).update(role_seen_seq=ack["seen"], role_applied_seq=ack["applied"])
             row["role_seen_seq"], row["role_applied_seq"] = ack["seen"], ack["applied"]
-    for url, ack in (flag_acks or {}).items():
-        row = rows.get(url)
-        if not row:
-            continue
-        # Only forward: a restarted agent starts counting at 0 and runs its spec file's flags again; it is
-        # not sent the last request again.
-        applied = max(ack["applied"], row["flags_applied_seq"])
-        failed = max(ack["failed"], row["flags_failed_seq"])
-        failure = ack.get("failure", "") if ack["failed"] >= failed else row["flags_failure"]
-        got = (applied, failed, failure)
-        if (row["flags_applied_seq"], row["flags_failed_seq"], row["flags_failure"]) != got:
-            mine.filter(pk=row["pk"]).update(
-                flags_applied_seq=got[0], flags_failed_seq=got[1], flags_failure=got[2][:2000]
-            )
-            row.update(flags_applied_seq=got[0], flags_failed_seq=got[1], flags_failure=got[2])
+    _record_flag_acks(mine, rows, flag_acks or {})
+    for url, reported in (hicache or {}).items():
+        if url in rows:
+            worker_hicache_reported(worker_id=rows[url]["pk"], **reported, stored=rows[url])
     for url, role in (roles or {}).items():
         row = rows.get(url)
         if row and (row["role"] != role or row["desired_role"] == role):

@@ -28,11 +28,14 @@ def measured_window(monkeypatch, tsdb):
     recorded_requests_ingest(worker=worker, requests=[row], block_tokens=16)
     now_ms = round(time.time() * 1000)
     tiers = {"l1": 20.0, "l2": 50.0, "l3": 10.0}
+    defaulted: dict = {}  # settings replayed at the engine's defaults (the worker's could not be read)
 
     def window(w, pool, block_tokens, history):
         return {"worker": w.name, "worker_id": w.pk, "live": {}, "from_ms": now_ms - 60_000,
                 "to_ms": now_ms + 60_000, "starts_after_traffic": False, "measured_tiers": dict(tiers),
-                "measured_cached_tokens": 80.0, "measured_prompt_tokens": 100.0}  # fmt: skip
+                "measured_cached_tokens": 80.0, "measured_prompt_tokens": 100.0,
+                "config_read_at": "2026-12-07T06:00:00+00:00",
+                "config_defaulted": dict(defaulted)}  # fmt: skip
 
     def replay(rows, pool, block_tokens):
         for r in rows:
@@ -40,6 +43,7 @@ def measured_window(monkeypatch, tsdb):
 
     monkeypatch.setattr(cal, "_worker", window)
     monkeypatch.setattr(cal, "_replay", replay)
+    worker.defaulted = defaulted
     return worker
 
 
@@ -58,3 +62,16 @@ def test_a_detach_inside_the_window_is_named_and_withholds_the_verdict(measured_
     at = change["at"][:19].replace("T", " ")  # the API's ISO time, as the console writes times
     assert f"cal-a: detach at {at} UTC" in result["note"]
     assert "not like for like" in result["note"]
+
+
+def test_settings_replayed_at_defaults_withhold_the_verdict(measured_window):
+    """A worker whose HiCache config could not be read is replayed at the engine's defaults: the answer
+    names them and why, and gives no verdict (the replay may not be the worker's cache)."""
+    why = "cal-a did not answer /server_info (connection refused)"
+    measured_window.defaulted.update(prefetch_threshold=why, eviction=why)
+    result = cal.calibration(pool="regular")
+    assert result["within_target"] is None
+    assert result["note"] == (
+        f"cal-a's prefetch_threshold, eviction replayed at the engine's defaults, not its own ({why}): no "
+        "verdict until its HiCache config is read"
+    )

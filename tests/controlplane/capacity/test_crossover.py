@@ -76,7 +76,7 @@ def test_known_lines_give_the_known_crossover_and_recommendation():
         "prefetch_timeout_per_ki_token": round(1024 * 50e-6, 4),
     }
     assert out["changes"]["prefetch_threshold"] == {"before": 256, "after": 544}
-    unknown = worker_crossover(costs, page_size=PAGE, current=None)  # no operation read the config back yet
+    unknown = worker_crossover(costs, page_size=PAGE, current=None)  # the worker's config could not be read
     assert unknown["current"] is None  # not "already runs it": every recommended field is a change
     assert unknown["changes"] == {k: {"before": None, "after": v} for k, v in out["recommended"].items()}
     assert out["load_back_threshold"] == {
@@ -136,10 +136,10 @@ def test_crossover_api_reads_the_worker_exporter_from_the_tsdb_and_applies_it(ts
     turns the recommendation into a config revision and an idle-gated apply_config operation, which,
     driven step by step against a fake worker over HTTP, leaves the recommended values on it."""
     fake = fake_worker()
+    # no agent and no operation read its config yet: the crossover reads it from the worker's /server_info
     worker = EngineWorkerFactory(
-        name="w0", role="mixed", page_size=PAGE, url=fake.url, admin_key=fake.admin_key,
-        hicache_config={"prefetch_threshold": 256},
-    )  # fmt: skip
+        name="w0", role="mixed", page_size=PAGE, url=fake.url, admin_key=fake.admin_key
+    )
     costs = _costs(("load_back", LOAD_BACK), ("prefetch", PREFETCH), ("prefill", PREFILL))
     state = {"num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 1000}
     state["cache_stats"] = {"costs": costs.snapshot()}
@@ -154,9 +154,11 @@ def test_crossover_api_reads_the_worker_exporter_from_the_tsdb_and_applies_it(ts
     assert row["worker"] == "w0" and row["tiers"]["L3"]["crossover_tokens"] == pytest.approx(538.5, abs=0.1)
     assert row["changes"] == {
         "prefetch_threshold": {"before": 256, "after": 544},
-        "prefetch_timeout_base": {"before": None, "after": 0.021},
-        "prefetch_timeout_per_ki_token": {"before": None, "after": 0.0512},
+        "prefetch_timeout_base": {"before": 2.0, "after": 0.021},
+        "prefetch_timeout_per_ki_token": {"before": 0.1, "after": 0.0512},
     }
+    assert row["current"] == {k: v["before"] for k, v in row["changes"].items()}
+    assert row["config"]["why"] == "" and row["config"]["read_at"] is not None
     refused = viewer.get("/api/v1/capacity/crossover/", {"window_s": 1})
     assert refused.status_code == 400 and "window_s" in refused.json()["error"]["detail"]
 

@@ -182,9 +182,23 @@ KV.ready(function () {
   var TIERS = [["l1", "L1"], ["l2", "L2"], ["l3", "L3"]];
   function points(d) { return (d >= 0 ? "+" : "−") + Math.abs(d).toFixed(1); }
   function split(shares) { return TIERS.map(function (t) { return t[1] + " " + pct(shares[t[0]]); }).join(" / "); }
+  // the HiCache settings a worker was replayed with and where they came from: "w0 (read 2026-12-07 06:31:28
+  // UTC): prefetch threshold 32 tokens, eviction lru, write policy write_through" (+ admission filters on)
+  function replayedText(w) {
+    var l = w.live, parts = ["prefetch threshold " + l.prefetch_threshold.toLocaleString("en-US") + " tokens",
+                             "eviction " + l.eviction, "write policy " + l.write_policy];
+    if (l.l2_admission !== "none") parts.push("L2 admission " + l.l2_admission);
+    if (l.l3_admission !== "none") parts.push("L3 admission " + l.l3_admission);
+    var guessed = Object.keys(w.config_defaulted), source = guessed.length
+      ? "engine defaults for " + guessed.join(", ") + ": " + guessed.map(function (k) { return w.config_defaulted[k]; })
+          .filter(function (v, i, a) { return a.indexOf(v) === i; }).join("; ")
+      : w.config_read_at ? "read " + KV.time.text(w.config_read_at) : "read from it";
+    return w.worker + " (" + source + "): " + parts.join(", ");
+  }
   function pair(whatif, measured) { return (whatif == null ? "–" : pct(whatif)) + " / " + (measured == null ? "–" : pct(measured)); }
   function calibrate() {
-    var pool = form.pool.value;
+    var pool = form.pool.value, settings = KV.$("#calibration-settings");
+    if (settings) settings.hidden = true;
     if (!calText || !calText.dataset.pools || calText.dataset.pools.split(" ").indexOf(pool) < 0) {
       if (calText && calText.dataset.pools) {
         calText.textContent = "No recorded traffic for pool " + pool + " yet: start its workers with --record-trace.";
@@ -201,8 +215,11 @@ KV.ready(function () {
       TIERS.forEach(function (t) { whatif[t[0]] = r.tiers[t[0]].whatif_share; measured[t[0]] = r.tiers[t[0]].measured_share; });
       var off = [["all tiers", r.difference_points]].concat(TIERS.map(function (t) { return [t[1], r.tiers[t[0]].difference_points]; }))
         .filter(function (d) { return Math.abs(d[1]) > target; });
+      var defaulted = ws.filter(function (w) { return Object.keys(w.config_defaulted).length; });
       var verdict = (r.config_changes || []).length
         ? "No verdict: a worker's configuration changed inside the window (see the note), so what-if and measured do not describe the same cache."
+        : defaulted.length
+        ? "No verdict: the HiCache settings of " + defaulted.map(function (w) { return w.worker; }).join(", ") + " are not known, so the replay took the engine's defaults (see the note)."
         : off.length
         ? "Outside the " + target + "-point target: " + off.map(function (d) { return d[0] + " " + points(d[1]) + " points"; }).join(", ") +
           " (what-if minus measured), so the split the what-if draws is not what the workers do; see docs/capacity.md."
@@ -230,6 +247,14 @@ KV.ready(function () {
           .concat(TIERS.map(function (t) { return pair(n ? w.whatif_tiers[t[0]] / n : null, m ? w.measured_tiers[t[0]] / m : null); }))
           .concat([pair(n ? w.whatif_tokens_served / n : null, m ? w.measured_cached_tokens / m : null)]));
       });
+      settings.replaceChildren(document.createTextNode("Replayed with each worker's live HiCache settings: "));
+      ws.forEach(function (w, i) {
+        var span = document.createElement("span");
+        span.dataset.worker = w.worker; span.textContent = replayedText(w);
+        settings.appendChild(span);
+        settings.appendChild(document.createTextNode(i < ws.length - 1 ? "; " : "."));
+      });
+      settings.hidden = false;
       row(["Pool " + r.pool, r.requests.toLocaleString(), ""]
         .concat(TIERS.map(function (t) { return pair(whatif[t[0]], measured[t[0]]) + " (" + points(r.tiers[t[0]].difference_points) + ")"; }))
         .concat([pair(r.whatif_share, r.measured_share) + " (" + points(r.difference_points) + ")"]), true);
@@ -318,6 +343,12 @@ KV.ready(function () {
                    not_enough_traffic_after: "too little traffic yet", not_enough_traffic_before: "too little before" };
   function count(buckets) { return (buckets || []).reduce(function (n, b) { return n + b.count; }, 0); }  // operations measured
   function settingText(v) { return v == null ? "not set" : String(v); }
+  // where a worker's live setting came from (w.config: read_at, why, unreported), for titles and the preview
+  function readText(at) { return "read from the worker" + (at ? " at " + KV.time.text(new Date(at)) : ""); }
+  // a live setting without a value: the worker's config is not known (why), it does not report it, or unset
+  function configWhy(w, k) {
+    return w.current == null ? "not known: " + (w.config.why || "not read from the worker") : w.config.unreported[k] || "not set";
+  }
   function crossoverRows(w) {
     var fits = w.fits, prefill = fits.prefill, rows = [];
     [["L2", "load_back"], ["L3", "prefetch"]].forEach(function (t, i) {
@@ -334,6 +365,8 @@ KV.ready(function () {
         row.recommended = null; row.absent.recommended = "the engine's load-back threshold is fixed, not a setting";
       } else {
         row.now = w.current && w.current.prefetch_threshold != null ? tok(w.current.prefetch_threshold) : null;
+        row.absent.now = configWhy(w, "prefetch_threshold");
+        row.now_title = row.now == null ? "" : readText(w.config.read_at);
         row.recommended = w.recommended.prefetch_threshold == null ? null : tok(w.recommended.prefetch_threshold);
         row.absent.recommended = "no recommendation yet: " + why;
       }
@@ -354,8 +387,9 @@ KV.ready(function () {
   function applyCrossover(w, button) {
     var err = KV.$("#crossover-error");
     err.textContent = "";
-    var rows = Object.keys(w.changes).sort().map(function (k) {  // current null: not read back from the worker yet
-      return { worker: w.worker + ": " + k, before: w.current == null ? "not known yet" : settingText(w.changes[k].before), after: settingText(w.changes[k].after) };
+    var rows = Object.keys(w.changes).sort().map(function (k) {  // before null: not known (why), or not set
+      var before = w.changes[k].before;
+      return { worker: w.worker + ": " + k, before: before == null ? configWhy(w, k) : settingText(before), after: settingText(w.changes[k].after) };
     });
     return KV.confirm({ title: "Apply the measured crossover to " + w.worker + "?", column: "Worker: setting", rows: rows,
       text: "This creates an apply config revision operation on " + w.worker + ": the values below become the next revision of " +
@@ -389,6 +423,7 @@ KV.ready(function () {
         crossoverRows(w).forEach(function (row, i) {
           var tr = KV.fill(KV.$("#tpl-crossover-row"), row);
           tr.dataset.worker = w.worker; tr.dataset.tier = row.tier;
+          if (row.now_title) KV.$("[data-f=now]", tr).title = row.now_title;
           if (i) applyCell(KV.$("td.act", tr), w);
           frag.appendChild(tr);
         });
