@@ -1,37 +1,33 @@
-"""Live per-worker figures from the TSDB: one PromQL instant query for the whole fleet.
+"""Live per-worker figures from the TSDB: recorded by Prometheus, read with one plain selector.
 
-<<<<<<< HEAD
-Each figure is one aggregation by the ``worker`` label (the service discovery's, `discovery`), tagged with a
-``kvfleet_key`` label by ``label_replace`` and joined with ``or``, so the fleet's figures cost one query and
-one evaluation whatever the number of workers or viewers. A worker's figures come back as a dict under the
-snapshot keys the fleet summary has always used (`metrics` module docstring): gauges and counters as scraped
-(summed over a worker's series, e.g. its TP ranks), rates per second over the recording rules' 1 minute
-(deploy/prometheus/rules/recording.yml), ``recent_ttft_p50_s`` / ``recent_itl_p50_s`` (s) and
-``recent_requests`` (first tokens) over ``LATENCY_WINDOW_S``, the `hit_rate` module's figures
-(``hit_prompt_tokens`` and ``hit_cached_tokens_<tier>``, tokens over its window) and from them ``hit_rate`` /
-``hit_rate_<tier>`` (0..1; absent without a window or a prompt token in it), the L3 breaker's figures
-(`metrics` module docstring; ``storage_breaker_failed_calls_per_s`` over 1 min) and ``ts``, its newest scrape
-(epoch s). A worker the TSDB has no live series for (never scraped, or its last scrape failed: Prometheus
-marks its series stale) has no entry; a figure with no series is absent from its dict, never 0.
-=======
-Each figure is one aggregation by the ``worker`` label (the service discovery's, `discovery`): the plain sums
-and maxima of scraped and recorded metrics (``SUMS``, ``MAXES``) in one aggregation by worker and metric each,
-every other figure (``FIGURES``) tagged with a ``kvfleet_key`` label by ``label_replace``, all joined with
-``or`` (a balanced tree, `promql.union`), so the fleet's figures cost one query and one evaluation whatever
-the number of workers or viewers. A worker's figures come back as a dict under the snapshot keys the fleet
-summary has always used (`metrics` module docstring): gauges and counters as scraped (summed over a worker's
-series, e.g. its TP ranks), rates per second over the recording rules' 1 minute
-(deploy/prometheus/rules/recording.yml), ``recent_ttft_p50_s`` / ``recent_itl_p50_s`` (s) and
-``recent_requests`` (first tokens) over ``LATENCY_WINDOW_S``, the L3 breaker's figures (`metrics` module
-docstring; ``storage_breaker_failed_calls_per_s`` over 1 min) and ``ts``, its newest scrape (epoch s). A
-worker the TSDB has no live series for (never scraped, or its last scrape failed: Prometheus marks its series
-stale) has no entry; a figure with no series is absent from its dict, never 0.
->>>>>>> lag
+Each figure is one PromQL aggregation by the ``worker`` label (the service discovery's, `discovery`):
+``SUMS`` (a worker's series of one metric summed, e.g. over its TP ranks), ``MAXES`` (their largest) and
+``FIGURES`` (any other expression). `recording_rules` turns each into a recording rule of one group
+(deploy/prometheus/rules/fleet.yml, written by ``python -m controlplane.telemetry.live``), all recorded as
+``RECORD`` with the figure's key in the ``kvfleet_key`` label, so Prometheus evaluates them once per
+evaluation interval at one timestamp and a live view reads the whole fleet with the selector ``RECORD``:
+its cost is the answer's size, not the figures' evaluation (1,000 workers: docs/benchmarks.md, "Live-view
+lag"). `direct_expr` is the same figures evaluated at query time (``label_replace`` tags, joined by
+`promql.union`): what the rules record, the equality test's reference.
+
+A worker's figures come back as a dict under the snapshot keys the fleet summary has always used (`metrics`
+module docstring): gauges and counters as scraped (summed over a worker's series), rates per second over the
+recording rules' 1 minute (deploy/prometheus/rules/recording.yml), ``recent_ttft_p50_s`` /
+``recent_itl_p50_s`` (s) and ``recent_requests`` (first tokens) over ``LATENCY_WINDOW_S``, the `hit_rate`
+module's figures (``hit_prompt_tokens`` and ``hit_cached_tokens_<tier>``, tokens over its window) and from
+them ``hit_rate`` / ``hit_rate_<tier>`` (0..1; absent without a window or a prompt token in it), the L3
+breaker's figures (`metrics` module docstring; ``storage_breaker_failed_calls_per_s`` over 1 min) and
+``ts``, its newest scrape (epoch s). The figures are as of the rules' last evaluation (at most one
+evaluation interval old). A worker the TSDB has no live series for (never scraped, or its last scrape
+failed: Prometheus marks its series stale) has no entry; a figure with no series is absent from its dict,
+never 0.
 """
 
 from __future__ import annotations
 
-import re
+from pathlib import Path
+
+import yaml
 
 from controlplane.telemetry import hit_rate
 from controlplane.telemetry.metrics import TIERS, finish_snapshot
@@ -41,7 +37,9 @@ RATE_WINDOW_S = 60.0  # the recording rules' rate1m
 LATENCY_WINDOW_S = 300.0  # the rules' p50_5m: the console's recent-latency window
 NO_RATE = f"fewer than two scrapes in the last {RATE_WINDOW_S:g} s"
 KEY_LABEL = "kvfleet_key"
-AGG_LABEL = "kvfleet_agg"
+RECORD = "worker:kvfleet_fleet_figure:last"  # every figure's recorded series, its key in KEY_LABEL
+RULE_GROUP = "kvfleet-fleet"
+RULES_FILE = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules" / "fleet.yml"
 
 
 def _sum(metric: str) -> str:
@@ -49,13 +47,10 @@ def _sum(metric: str) -> str:
 
 
 _MM_CACHES = ("mm_embedding_cache", "mm_global_cache")
-# Figures that are a worker's series of one metric summed (e.g. over its TP ranks): {key: (metric, its
-# cache_source, or None for none, or ANY to sum over every cache_source)}; read together, one selector and one
-# aggregation (`fleet_expr`).
-ANY = "*"
-SUMS: dict[str, tuple[str, str | None]] = {
+# Figures that are a worker's series of one metric summed (e.g. over its TP ranks): {key: selector}.
+SUMS: dict[str, str] = {
     **{
-        key: (f"sglang:{key}", None)
+        key: f"sglang:{key}"
         for key in (
             "num_running_reqs",
             "num_queue_reqs",
@@ -67,19 +62,19 @@ SUMS: dict[str, tuple[str, str | None]] = {
             *(f"{c}_{k}_total" for c in _MM_CACHES for k in ("hits", "misses")),
         )
     },
-    **{f"cached_tokens_{t}": ("sglang:cached_tokens_total", t) for t in TIERS},
-    "storage_breaker_failed_calls_total": ("sglang:hicache_storage_breaker_failed_calls_total", None),
-    "storage_breaker_short_circuited_total": ("sglang:hicache_storage_breaker_short_circuited_total", None),
-    "storage_dropped_backup_pages_total": ("sglang:hicache_storage_dropped_backup_pages_total", None),
-    "storage_auto_detach_total": ("sglang:hicache_storage_auto_detach_total", None),
+    **{f"cached_tokens_{t}": f'sglang:cached_tokens_total{{cache_source="{t}"}}' for t in TIERS},
+    "storage_breaker_failed_calls_total": "sglang:hicache_storage_breaker_failed_calls_total",
+    "storage_breaker_short_circuited_total": "sglang:hicache_storage_breaker_short_circuited_total",
+    "storage_dropped_backup_pages_total": "sglang:hicache_storage_dropped_backup_pages_total",
+    "storage_auto_detach_total": "sglang:hicache_storage_auto_detach_total",
     # the recording rules' (deploy/prometheus/rules/recording.yml)
-    "load_back_tokens_per_s": ("worker:sglang_load_back_tokens:rate1m", None),
-    "backup_tokens_per_s": ("worker:sglang_backuped_tokens:rate1m", None),
-    "prefetch_tokens_per_s": ("worker:sglang_prefetched_tokens:rate1m", None),
-    "cached_tokens_per_s": ("worker_cache_source:sglang_cached_tokens:rate1m", ANY),
-    "recent_requests": ("worker:sglang_time_to_first_token_seconds_count:increase5m", None),
+    "load_back_tokens_per_s": "worker:sglang_load_back_tokens:rate1m",
+    "backup_tokens_per_s": "worker:sglang_backuped_tokens:rate1m",
+    "prefetch_tokens_per_s": "worker:sglang_prefetched_tokens:rate1m",
+    "cached_tokens_per_s": "worker_cache_source:sglang_cached_tokens:rate1m",  # every tier
+    "recent_requests": "worker:sglang_time_to_first_token_seconds_count:increase5m",
 }
-# Figures that are the largest of a worker's series of one metric: {key: metric}; read together likewise.
+# Figures that are the largest of a worker's series of one metric: {key: selector}.
 MAXES: dict[str, str] = {
     "up": "up",
     "storage_breaker_state": "sglang:hicache_storage_breaker_state",
@@ -99,51 +94,53 @@ FIGURES: dict[str, str] = {
     "encoder_images_per_s": _sum("rate(sglang:encoder_images_total[1m])"),
     "encoder_busy": _sum("rate(sglang:encoder_encode_seconds_total[1m])"),
 }
-_SUM_KEYS = {(metric, source): key for key, (metric, source) in SUMS.items()}
-_MAX_KEYS = {metric: key for key, metric in MAXES.items()}
 
 
-def _names(metrics) -> str:
-    return "|".join(re.escape(m) for m in sorted(set(metrics)))
+def exprs() -> dict[str, str]:
+    """``{figure key: PromQL by worker}``: every figure the live view reads."""
+    return {
+        **{key: _sum(selector) for key, selector in SUMS.items()},
+        **{key: f"max by (worker) ({selector})" for key, selector in MAXES.items()},
+        **FIGURES,
+    }
 
 
-def fleet_expr() -> str:
-    """The one instant query: the ``SUMS`` as one aggregation by worker, metric and cache source and the
-    ``MAXES`` as one by worker and metric (each metric's series found in one pass), and every figure of
-    ``FIGURES`` tagged with its key; joined by `promql.union`. With the plain sums grouped, this answered in
-    about a third of the time of one tagged expression per figure chained with ``or``, in one run at 1,000
-    workers on a loaded 2-core host (docs/benchmarks.md, "Live-view lag")."""
-    sums = f'sum by (worker, __name__, cache_source) ({{__name__=~"{_names(m for m, _ in SUMS.values())}"}})'
-    maxes = f'max by (worker, __name__) ({{__name__=~"{_names(MAXES.values())}"}})'
-    # ``or`` matches label sets without the metric name: each aggregation gets a label of its own, or the
-    # union would keep only the first one's series of a worker
-    sums = f'label_replace({sums}, "{AGG_LABEL}", "sum", "", "")'
-    maxes = f'label_replace({maxes}, "{AGG_LABEL}", "max", "", "")'
-    tagged = [f'label_replace({expr}, "{KEY_LABEL}", "{key}", "", "")' for key, expr in FIGURES.items()]
-    return union([sums, maxes, *tagged])
+def recording_rules() -> dict:
+    """The rule file (a Prometheus ``groups`` document): one group, ``RULE_GROUP``, with one rule per figure,
+    each recorded as ``RECORD`` with ``kvfleet_key: <figure key>``. One group, so every figure of an
+    evaluation has the same timestamp."""
+    rules = [{"record": RECORD, "expr": expr, "labels": {KEY_LABEL: key}} for key, expr in exprs().items()]
+    return {"groups": [{"name": RULE_GROUP, "rules": rules}]}
 
 
-def _key(labels: dict) -> str | None:
-    """The figure key of one answered sample: its ``kvfleet_key``, or the `SUMS` / `MAXES` key of its
-    metric (None for a cache source no figure reads)."""
-    if KEY_LABEL in labels:
-        return labels[KEY_LABEL]
-    name = labels.get("__name__")
-    if labels.get(AGG_LABEL) == "max":
-        return _MAX_KEYS.get(name)
-    return _SUM_KEYS.get((name, labels.get("cache_source"))) or _SUM_KEYS.get((name, ANY))
+def rules_text() -> str:
+    """``recording_rules`` as the YAML shipped in ``RULES_FILE``, with its header."""
+    header = (
+        "# KVFleet's fleet view: each worker's live figures, recorded once per evaluation interval so the\n"
+        "# console reads the whole fleet with one plain selector. Written by `python -m\n"
+        "# controlplane.telemetry.live` from controlplane/telemetry/live.py: do not edit by hand.\n"
+        "# Check with: promtool check rules deploy/prometheus/rules/fleet.yml\n"
+    )
+    return header + yaml.safe_dump(recording_rules(), sort_keys=False, width=120)
 
 
-def worker_figures(promql: PromQL | None = None) -> dict[str, dict]:
-    """``{worker name: {snapshot key: value}}`` for every worker the TSDB scrapes successfully now.
+def direct_expr() -> str:
+    """The figures of `exprs` evaluated at query time, each tagged with ``kvfleet_key``, in one instant query
+    (`promql.union`): the values the rules record, without them."""
+    return union([f'label_replace({e}, "{KEY_LABEL}", "{key}", "", "")' for key, e in exprs().items()])
+
+
+def worker_figures(promql: PromQL | None = None, *, direct: bool = False, at: float | None = None) -> dict:
+    """``{worker name: {snapshot key: value}}`` for every worker the TSDB scrapes successfully: the recorded
+    figures (``RECORD``) or, with ``direct``, `direct_expr` (the equality test's reference); at ``at``
+    (epoch s; default now).
 
     Raises `promql.MetricsUnavailable` when the TSDB does not answer."""
     raw: dict[str, dict] = {}
-    for sample in (promql or PromQL()).query(fleet_expr()):
-        worker, key = sample["labels"].get("worker"), _key(sample["labels"])
+    for sample in (promql or PromQL()).query(direct_expr() if direct else RECORD, at=at):
+        worker, key = sample["labels"].get("worker"), sample["labels"].get(KEY_LABEL)
         if worker and key:
-            figures = raw.setdefault(worker, {})
-            figures[key] = figures.get(key, 0.0) + sample["value"] if key in SUMS else sample["value"]
+            raw.setdefault(worker, {})[key] = sample["value"]
     out = {}
     for worker, figures in raw.items():
         if figures.get("up") != 1.0 or "ts" not in figures:
@@ -166,3 +163,8 @@ def worker_figures(promql: PromQL | None = None) -> dict[str, dict]:
         )
         out[worker] = finish_snapshot(figures)
     return out
+
+
+if __name__ == "__main__":
+    RULES_FILE.write_text(rules_text())
+    print(f"wrote {RULES_FILE}")

@@ -54,9 +54,14 @@ def _duration(seconds: float) -> str:
 
 
 def render_config(
-    sd_url: str | None, token_file: str | None, scrape_interval_s: float, sd_refresh_s: float
+    sd_url: str | None,
+    token_file: str | None,
+    scrape_interval_s: float,
+    sd_refresh_s: float,
+    evaluation_interval_s: float | None = None,
 ) -> dict:
-    """The shipped configuration with this fleet's service-discovery URL, token file and intervals (s).
+    """The shipped configuration with this fleet's service-discovery URL, token file and intervals (s; the
+    rules' evaluation interval defaults to the scrape interval).
 
     Rule files become absolute paths into ``deploy/prometheus/``. Without ``sd_url`` the server scrapes
     nothing (a reader-only server, e.g. for a test of the rules)."""
@@ -64,7 +69,7 @@ def render_config(
     interval = _duration(scrape_interval_s)
     config["global"].update(
         scrape_interval=interval,
-        evaluation_interval=interval,
+        evaluation_interval=_duration(evaluation_interval_s or scrape_interval_s),
         scrape_timeout=_duration(max(scrape_interval_s * 0.8, 0.5)),
     )
     config["rule_files"] = [str(DEPLOY / rule) for rule in config["rule_files"]]
@@ -94,6 +99,7 @@ class PrometheusServer(ChildServer):
         sd_token: str | None = None,
         scrape_interval_s: float = 5.0,
         sd_refresh_s: float = 5.0,
+        evaluation_interval_s: float | None = None,
         data_dir: str | None = None,
         log_path: str | None = None,
         port: int = 0,
@@ -113,7 +119,7 @@ class PrometheusServer(ChildServer):
             with os.fdopen(fd, "w") as f:
                 f.write(sd_token)
         self.config_path = self.data_dir / "prometheus.yml"
-        config = render_config(sd_url, token_file, scrape_interval_s, sd_refresh_s)
+        config = render_config(sd_url, token_file, scrape_interval_s, sd_refresh_s, evaluation_interval_s)
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
     @property

@@ -317,9 +317,34 @@ class Tsdb:
         if self.server is None:
             from engine.fleet.prometheus import PrometheusServer
 
-            # it scrapes nothing; 60 s sets its lookback to 3 min, so an instant query sees the scrapes served
-            self.server = PrometheusServer(data_dir=self.data_dir, port=self.port, scrape_interval_s=60.0)
+            # it scrapes nothing; 60 s sets its lookback to 3 min, so an instant query sees the scrapes
+            # served; its rules run every second (the fleet view reads what they record)
+            self.server = PrometheusServer(
+                data_dir=self.data_dir, port=self.port, scrape_interval_s=60.0, evaluation_interval_s=1.0
+            )
+        started = time.time()
         self.server.start(same_port=True)
+        self.wait_recorded(after=started)
+
+    def wait_recorded(self, after: float, timeout_s: float = 240.0) -> None:
+        """Poll until the fleet view's rules (`live.RULE_GROUP`) were evaluated after ``after`` (epoch s):
+        what the fleet view reads then covers the TSDB's series up to that time."""
+        from datetime import datetime
+
+        import httpx
+
+        from controlplane.telemetry import live
+
+        def evaluated() -> float:
+            groups = httpx.get(f"{self.url}/api/v1/rules", timeout=5).json()["data"]["groups"]
+            (group,) = [g for g in groups if g["name"] == live.RULE_GROUP]
+            stamp = group["lastEvaluation"][:26].rstrip("Z")  # RFC 3339 in ns: to microseconds
+            return datetime.fromisoformat(stamp + "+00:00").timestamp()
+
+        deadline = time.monotonic() + timeout_s
+        while evaluated() <= after:
+            assert time.monotonic() < deadline, f"the fleet rules did not run: {self.server.log_tail()}"
+            time.sleep(0.2)
 
     def up(self, worker: str) -> bool:
         """Whether the TSDB's newest scrape of ``worker`` succeeded."""
@@ -334,6 +359,7 @@ class Tsdb:
         while not all(self.up(w) for w in workers):
             assert time.monotonic() < deadline, f"the TSDB did not scrape {workers}: {self.server.log_tail()}"
             time.sleep(0.5)
+        self.wait_recorded(after=time.time(), timeout_s=timeout_s)  # the fleet view's rules read them
 
 
 @pytest.fixture

@@ -74,6 +74,8 @@ def _targets(prom: PrometheusServer) -> str:
 def test_shipped_rules_and_config_pass_promtool(tmp_path):
     checked = subprocess.run(["promtool", "check", "rules", *RULES], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    # the fleet view's rules are the ones its reader expects (written from controlplane/telemetry/live.py)
+    assert live.RULES_FILE.read_text() == live.rules_text(), "run python -m controlplane.telemetry.live"
     config = tmp_path / "prometheus.yml"
     token = tmp_path / "token"
     token.write_text("cp_x")
@@ -292,6 +294,18 @@ def test_tsdb_scrapes_registered_workers_and_router_and_the_console_reads_them(
                     return (raw, row) if same else None
 
                 raw, row = wait_for("PromQL figures equal to w1's own counters", equal_to_raw)
+
+                def recorded_equal_direct():
+                    """The rules' figures of both workers at their last evaluation equal the same figures
+                    evaluated directly at that time (a scrape landing during the evaluation: next one)."""
+                    stamps = client.query(f"timestamp({live.RECORD})")
+                    at = max(s["value"] for s in stamps)
+                    recorded = live.worker_figures(client, at=at)
+                    direct = live.worker_figures(client, direct=True, at=at)
+                    same = set(recorded) == {"w1", "w2"} and recorded == direct
+                    return same or print("recorded", recorded, "direct", direct)
+
+                wait_for("the recorded fleet figures equal the direct query's", recorded_equal_direct)
                 # every Grafana panel query has series on the real server (the rules ran over real counters)
                 missing = lambda: [e for e in _dashboard_exprs() if not client.query(e)]  # noqa: E731
                 wait_for(
