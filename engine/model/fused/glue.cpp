@@ -272,39 +272,41 @@ KVFLEET_AVX2 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-// scores of query heads j * group + g0 .. + G - 1 (G <= kBlock) over len keys of KV head j
+// the scores of query heads h0 .. h0 + G - 1 (G <= kBlock, q: theirs) against one key row, at out[g * smax]
 template <class R, int64_t G>
-KVFLEET_AVX2 void scores_block_avx2(const float* q, const typename R::T* keys, int64_t len, int64_t kv_heads,
-                                    int64_t head_dim, float scale, float* scores, int64_t smax, int64_t j,
-                                    int64_t h0) {
-  const int64_t chunks = head_dim / 8, row_dim = R::row_dim(head_dim);
-  const float* qh = q + h0 * head_dim;
-  for (int64_t s = 0; s < len; ++s) {
-    const typename R::T* row = keys + (s * kv_heads + j) * row_dim;
-    __m256 acc[kBlock];
-    for (int64_t g = 0; g < kBlock; ++g) acc[g] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 k = R::load8(row + c * 8);
-      for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * head_dim + c * 8), k, acc[g]);
-    }
-    float dots[4];
-    _mm_storeu_ps(dots, hsum4(acc[0], acc[1], acc[2], acc[3]));
-    const float row_scale = R::scale(row, head_dim) * scale;
-    for (int64_t g = 0; g < G; ++g) scores[(h0 + g) * smax + s] = dots[g] * row_scale;
+KVFLEET_AVX2 inline __attribute__((always_inline)) void score_row(const float* q, const typename R::T* row,
+                                                                  int64_t head_dim, float scale, float* out,
+                                                                  int64_t smax) {
+  __m256 acc[kBlock];
+  for (int64_t g = 0; g < kBlock; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < head_dim; c += 8) {
+    const __m256 k = R::load8(row + c);
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + c), k, acc[g]);
   }
+  float dots[4];
+  _mm_storeu_ps(dots, hsum4(acc[0], acc[1], acc[2], acc[3]));
+  const float row_scale = R::scale(row, head_dim) * scale;
+  for (int64_t g = 0; g < G; ++g) out[g * smax] = dots[g] * row_scale;
 }
 
+// token by token, KV head by KV head: the keys are read in memory order
 template <class R>
 KVFLEET_AVX2 void scores_avx2(const float* q, const typename R::T* keys, int64_t len, int64_t kv_heads,
                               int64_t group, int64_t head_dim, float scale, float* scores, int64_t smax) {
-  for (int64_t j = 0; j < kv_heads; ++j) {
-    for (int64_t g0 = 0; g0 < group; g0 += kBlock) {
-      const int64_t h0 = j * group + g0;
-      switch (std::min(kBlock, group - g0)) {
-        case 1: scores_block_avx2<R, 1>(q, keys, len, kv_heads, head_dim, scale, scores, smax, j, h0); break;
-        case 2: scores_block_avx2<R, 2>(q, keys, len, kv_heads, head_dim, scale, scores, smax, j, h0); break;
-        case 3: scores_block_avx2<R, 3>(q, keys, len, kv_heads, head_dim, scale, scores, smax, j, h0); break;
-        default: scores_block_avx2<R, 4>(q, keys, len, kv_heads, head_dim, scale, scores, smax, j, h0);
+  const int64_t row_dim = R::row_dim(head_dim);
+  for (int64_t s = 0; s < len; ++s) {
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      const typename R::T* row = keys + (s * kv_heads + j) * row_dim;
+      for (int64_t g0 = 0; g0 < group; g0 += kBlock) {
+        const int64_t h0 = j * group + g0;
+        const float* qh = q + h0 * head_dim;
+        float* out = scores + h0 * smax + s;
+        switch (std::min(kBlock, group - g0)) {
+          case 1: score_row<R, 1>(qh, row, head_dim, scale, out, smax); break;
+          case 2: score_row<R, 2>(qh, row, head_dim, scale, out, smax); break;
+          case 3: score_row<R, 3>(qh, row, head_dim, scale, out, smax); break;
+          default: score_row<R, 4>(qh, row, head_dim, scale, out, smax);
+        }
       }
     }
   }
@@ -347,9 +349,14 @@ template <class R>
 KVFLEET_AVX2 void values_avx2(const float* probs, const typename R::T* values, int64_t len, int64_t kv_heads,
                               int64_t group, int64_t head_dim, float* out, int64_t smax) {
   std::fill(out, out + kv_heads * group * head_dim, 0.f);
-  for (int64_t j = 0; j < kv_heads; ++j) {
-    for (int64_t s0 = 0; s0 < len; s0 += kTile) {
-      const int64_t s1 = std::min(len, s0 + kTile);
+  const int64_t token_bytes = kv_heads * R::row_dim(head_dim) * static_cast<int64_t>(sizeof(typename R::T));
+  for (int64_t s0 = 0; s0 < len; s0 += kTile) {
+    const int64_t s1 = std::min(len, s0 + kTile);
+    // the next tile on its way from memory while this one (in L1 / L2 after its first pass) is summed
+    const char* next = reinterpret_cast<const char*>(values) + s1 * token_bytes;
+    for (int64_t b = 0; b < (std::min(len, s1 + kTile) - s1) * token_bytes; b += 64)
+      _mm_prefetch(next + b, _MM_HINT_T0);
+    for (int64_t j = 0; j < kv_heads; ++j) {
       for (int64_t g0 = 0; g0 < group; g0 += kBlock) {
         const int64_t h0 = j * group + g0;
         switch (std::min(kBlock, group - g0)) {
