@@ -66,14 +66,16 @@ def test_int4_fused_decode_step_agrees_with_the_python_path(tiny_models):
     _run(pair)  # measured up to 0.014 (the Python path rounds every activation to bfloat16)
 
 
+@pytest.mark.parametrize("head_dim", [20, 24])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_head_dim_the_avx512_loops_do_not_take_runs_the_portable_loops(tmp_path, dtype):
-    """head_dim 24 (not a multiple of 16): glue.cpp's portable attention loops, float32 and bfloat16 K/V."""
-    save_tiny_model(tmp_path, "qwen3", seed=7, head_dim=24)
+def test_head_dims_the_avx512_loops_do_not_take_run_the_avx2_or_portable_loops(tmp_path, dtype, head_dim):
+    """head_dim 24 (a multiple of 8, not 16) with 5 query heads per KV head: glue.cpp's AVX2 loops 8 values
+    wide, a block of 4 query heads and one of 1; head_dim 20: its portable loops. Float32 and bfloat16 K/V."""
+    save_tiny_model(tmp_path, "qwen3", seed=7, head_dim=head_dim, num_attention_heads=10)
     side = {"dtype": dtype, "fused_decode": True}
     tolerance = FLOAT32_ROUNDING if dtype == "float32" else 0.25
     pair = Pair(tmp_path, staged=side, gathered={"dtype": dtype}, tolerance=tolerance)
-    assert pair.staged.kv_pool_spec().head_dim == 24 and pair.staged.fused_decode
+    assert pair.staged.kv_pool_spec().head_dim == head_dim and pair.staged.fused_decode
     _run(pair)
 
 
@@ -84,14 +86,35 @@ def test_fused_decode_step_gathering_per_step_equals_the_python_path(tiny_models
     _run(pair)
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("staged", [True, False])
-def test_fused_decode_step_on_a_quantized_pool_agrees_with_the_python_path(tiny_models, kv, staged):
+QUANT_MODELS = {128: None, 20: {"head_dim": 20}, 24: {"head_dim": 24, "num_attention_heads": 10}}
+
+
+@pytest.mark.parametrize(
+    ("kv", "staged", "head_dim"),
+    [(kv, staged, 128) for kv in ("int8", "fp8_e4m3", "fp8_e5m2") for staged in (True, False)]
+    + [
+        ("int8", True, 20),
+        ("fp8_e4m3", True, 20),
+        ("int8", True, 24),
+        ("fp8_e4m3", True, 24),
+        ("fp8_e5m2", True, 24),
+    ],
+)
+def test_fused_decode_step_on_a_quantized_pool_agrees_with_the_python_path(
+    tiny_models, tmp_path, kv, staged, head_dim
+):
     """fp8 / int8 rows written and read by the C++ step (staged K/V refilled and appended, or gathered per
     layer) against the Python path decoding the same format: logits within a small fraction of the largest
     (the two write rows from K/V that differ by float32 rounding, which now and then rounds a value to the
-    neighbouring code), and both pools decode to the same K/V up to that."""
-    pair = Pair(tiny_models["qwen3"][0], staged={"fused_decode": True}, tolerance=2e-3, kv_cache_dtype=kv)
+    neighbouring code), and both pools decode to the same K/V up to that. head_dim 128: glue.cpp's AVX2 loops
+    16 values wide; 24 with 5 query heads per KV head: 8 wide, blocks of 4 and 1 query heads; 20: its
+    portable loops."""
+    folder = tiny_models["qwen3"][0]
+    if QUANT_MODELS[head_dim] is not None:
+        save_tiny_model(tmp_path, "qwen3", seed=7, **QUANT_MODELS[head_dim])
+        folder = tmp_path
+    pair = Pair(folder, staged={"fused_decode": True}, tolerance=2e-3, kv_cache_dtype=kv)
+    assert pair.staged.kv_pool_spec().head_dim == head_dim
     if not staged:
         pair.staged.model.attn._stage = DecodeStage(max_bytes=0)
     assert pair.staged.fused_decode and pair.pools["staged"].quantized
@@ -110,7 +133,10 @@ def test_fused_decode_step_on_a_quantized_pool_agrees_with_the_python_path(tiny_
     a, b = (pair.pools[side] for side in ("staged", "gathered"))
     same = (a.kv_buffer == b.kv_buffer).all(-1).float().mean().item()
     assert same > 0.99, same
-    torch.testing.assert_close(a.decode(a.kv_buffer), b.decode(b.kv_buffer), atol=0.02, rtol=0.07)
+    # values away from their neighbours by more than rounding: only those neighbouring codes (one in 1e5 here)
+    got, want = a.decode(a.kv_buffer), b.decode(b.kv_buffer)
+    far = ((got - want).abs() > 0.02 + 0.07 * want.abs()).float().mean().item()
+    assert far < 1e-4, far
 
 
 def test_fused_decode_step_calls_the_layer_hook_of_every_layer_and_leaves_prefill_to_python(tiny_models):

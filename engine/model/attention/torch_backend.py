@@ -59,12 +59,6 @@ class TorchAttentionBackend(AttentionBackend):
         rows = torch.index_select(buf, 0, slots.reshape(-1))
         return self._kv_pool.decode(rows.view(*slots.shape, *buf.shape[1:]), dtype)
 
-    def _gathered(self, buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """K/V of ``slots`` ``(S,)`` with KV heads repeated to query heads: ``(S, num_heads, head_dim)``."""
-        kv = self._gather(buf, slots, dtype)
-        group = self.num_heads // self.num_kv_heads
-        return kv if group == 1 else kv.repeat_interleave(group, dim=-2)
-
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.is_decode and min(batch.seq_lens_cpu) > 1:  # all decode: tensors as they are, no loop
             self._extends, self._single = [], False
@@ -159,9 +153,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _extend(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, ext: _Extend
     ) -> torch.Tensor:
-        # 4-D (1, H, len, D) inputs: torch's fused CPU kernel takes only 4-D, 3-D falls back to the math path
-        keys = self._gathered(k_buf, ext.slots, q.dtype).unsqueeze(0).transpose(1, 2)  # (1, H, S, D)
-        values = self._gathered(v_buf, ext.slots, q.dtype).unsqueeze(0).transpose(1, 2)
+        # 4-D (1, H, len, D) inputs: torch's fused CPU kernel takes only 4-D, 3-D falls back to the math path.
+        # K/V stay at their KV heads (enable_gqa): the kernel maps query heads onto them, where repeating the
+        # whole prefix to every query head cost a copy of it per layer per chunk (same output)
+        keys = self._gather(k_buf, ext.slots, q.dtype).unsqueeze(0).transpose(1, 2)  # (1, KV, S, D)
+        values = self._gather(v_buf, ext.slots, q.dtype).unsqueeze(0).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0).transpose(1, 2),  # (1, H, E, D)
             keys,
@@ -169,6 +165,7 @@ class TorchAttentionBackend(AttentionBackend):
             attn_mask=ext.mask,
             is_causal=ext.mask is None,
             scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return out[0].transpose(0, 1)
 

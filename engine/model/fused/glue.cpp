@@ -195,6 +195,181 @@ inline __attribute__((always_inline)) void values_quant(const float* probs, cons
   }
 }
 
+// AVX2 + FMA decode attention for head_dim % 8 == 0 and <= kMaxDim, on every K/V format: float32,
+// bfloat16, int8 (codes widened, the row's scale folded into the score and the probability) and fp8 (bit
+// patterns moved into float32's fields in registers, as fp8_e4m3 / fp8_e5m2 above, bit for bit). Each K/V
+// row is widened once and shared by the query heads of its KV head (up to 4 at a time, kBlock), so a
+// quantized row costs a few integer ops per 8 values and never goes through a float32 buffer.
+// scores: the key row stays in registers, the 4 dot products of a block are reduced together (3 hadds);
+// values: per KV head, tiles of kTile tokens, 16 output values of each query head of a block in registers,
+// the tile's rows re-read from L1 / L2 for the next 16 values.
+#define KVFLEET_AVX2 __attribute__((target("avx2,fma")))
+
+bool avx2_fits(int64_t head_dim) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2 && head_dim % 8 == 0 && head_dim <= kMaxDim;
+}
+
+// one row format: the element type T, a row's length in T for head_dim values, 8 values at an offset as
+// float32, and the row's scale (1 without one)
+struct F32Rows {
+  using T = float;
+  static int64_t row_dim(int64_t d) { return d; }
+  KVFLEET_AVX2 static __m256 load8(const T* p) { return _mm256_loadu_ps(p); }
+  KVFLEET_AVX2 static __m256 load8_raw(const T* p) { return load8(p); }
+  static constexpr float kRawUnit = 1.f;
+  static float scale(const T*, int64_t) { return 1.f; }
+};
+struct BF16Rows {
+  using T = c10::BFloat16;
+  static int64_t row_dim(int64_t d) { return d; }
+  KVFLEET_AVX2 static __m256 load8(const T* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  KVFLEET_AVX2 static __m256 load8_raw(const T* p) { return load8(p); }
+  static constexpr float kRawUnit = 1.f;
+  static float scale(const T*, int64_t) { return 1.f; }
+};
+template <int64_t F>
+struct QuantRows {
+  using T = uint8_t;
+  static int64_t row_dim(int64_t d) { return quant_row_dim(F, d); }
+  // 8 values as float32 times kRawUnit: fp8's bits moved into float32's fields, not yet rescaled by the bias
+  // difference (a power of two, so a caller that multiplies by it elsewhere gets the same products)
+  KVFLEET_AVX2 static __m256 load8_raw(const T* p) {
+    // sign-extended bytes: bit 7 (fp8's sign) is copied to bits 8-31, so a shift puts a copy at bit 31
+    const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    if constexpr (F == kInt8)
+      return _mm256_cvtepi32_ps(x);
+    else if constexpr (F == kFp8E4M3)  // sign to bit 31, exponent and mantissa to bits 20-26
+      return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 20), _mm256_set1_epi32(0x87F00000)));
+    else  // sign to bit 31, exponent and mantissa to bits 21-27
+      return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 21), _mm256_set1_epi32(0x8FE00000)));
+  }
+  static constexpr float kRawUnit = F == kInt8 ? 1.f : F == kFp8E4M3 ? 0x1p120f : 0x1p112f;
+  KVFLEET_AVX2 static __m256 load8(const T* p) {
+    const __m256 raw = load8_raw(p);
+    return F == kInt8 ? raw : _mm256_mul_ps(raw, _mm256_set1_ps(kRawUnit));
+  }
+  static float scale(const T* row, int64_t d) {
+    if constexpr (F == kInt8) {
+      c10::BFloat16 s;
+      std::memcpy(&s.x, row + d, 2);
+      return widen(s);
+    } else {
+      return 1.f;
+    }
+  }
+};
+
+constexpr int64_t kBlock = 4;   // query heads of one KV head handled together
+constexpr int64_t kTile = 256;  // tokens per tile of the value sums
+
+// the 4 sums of a, b, c, d's lanes
+KVFLEET_AVX2 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// the scores of query heads h0 .. h0 + G - 1 (G <= kBlock, q: theirs) against one key row, at out[g * smax]
+template <class R, int64_t G>
+KVFLEET_AVX2 inline __attribute__((always_inline)) void score_row(const float* q, const typename R::T* row,
+                                                                  int64_t head_dim, float scale, float* out,
+                                                                  int64_t smax) {
+  __m256 acc[kBlock];
+  for (int64_t g = 0; g < kBlock; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < head_dim; c += 8) {
+    const __m256 k = R::load8(row + c);
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + c), k, acc[g]);
+  }
+  float dots[4];
+  _mm_storeu_ps(dots, hsum4(acc[0], acc[1], acc[2], acc[3]));
+  const float row_scale = R::scale(row, head_dim) * scale;
+  for (int64_t g = 0; g < G; ++g) out[g * smax] = dots[g] * row_scale;
+}
+
+// token by token, KV head by KV head: the keys are read in memory order
+template <class R>
+KVFLEET_AVX2 void scores_avx2(const float* q, const typename R::T* keys, int64_t len, int64_t kv_heads,
+                              int64_t group, int64_t head_dim, float scale, float* scores, int64_t smax) {
+  const int64_t row_dim = R::row_dim(head_dim);
+  for (int64_t s = 0; s < len; ++s) {
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      const typename R::T* row = keys + (s * kv_heads + j) * row_dim;
+      for (int64_t g0 = 0; g0 < group; g0 += kBlock) {
+        const int64_t h0 = j * group + g0;
+        const float* qh = q + h0 * head_dim;
+        float* out = scores + h0 * smax + s;
+        switch (std::min(kBlock, group - g0)) {
+          case 1: score_row<R, 1>(qh, row, head_dim, scale, out, smax); break;
+          case 2: score_row<R, 2>(qh, row, head_dim, scale, out, smax); break;
+          case 3: score_row<R, 3>(qh, row, head_dim, scale, out, smax); break;
+          default: score_row<R, 4>(qh, row, head_dim, scale, out, smax);
+        }
+      }
+    }
+  }
+}
+
+// out[h] += sum over tokens s0 .. s1 - 1 of p[h][s] * row_scale * v[s] for query heads h0 .. h0 + G - 1
+// (G <= kBlock) of KV head j, 16 output values at a time in registers (8 when head_dim % 16 != 0)
+template <class R, int64_t G>
+KVFLEET_AVX2 void values_block_avx2(const float* probs, const typename R::T* values, int64_t s0, int64_t s1,
+                                    int64_t kv_heads, int64_t head_dim, float* out, int64_t smax, int64_t j,
+                                    int64_t h0) {
+  const int64_t row_dim = R::row_dim(head_dim);
+  const int64_t step = head_dim % 16 == 0 ? 16 : 8;
+  for (int64_t d0 = 0; d0 < head_dim; d0 += step) {
+    __m256 acc[G][2];
+    for (int64_t g = 0; g < G; ++g) {
+      acc[g][0] = _mm256_loadu_ps(out + (h0 + g) * head_dim + d0);
+      acc[g][1] = step == 16 ? _mm256_loadu_ps(out + (h0 + g) * head_dim + d0 + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t s = s0; s < s1; ++s) {
+      const typename R::T* row = values + (s * kv_heads + j) * row_dim;
+      const float row_scale = R::scale(row, head_dim);
+      const __m256 v0 = R::load8_raw(row + d0);
+      const __m256 v1 = step == 16 ? R::load8_raw(row + d0 + 8) : _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        // p * v exactly as p * kRawUnit * raw v (a power of two), unless p * v is below float32's normals
+        const __m256 w = _mm256_set1_ps(probs[(h0 + g) * smax + s] * row_scale * R::kRawUnit);
+        acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
+        if (step == 16) acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      _mm256_storeu_ps(out + (h0 + g) * head_dim + d0, acc[g][0]);
+      if (step == 16) _mm256_storeu_ps(out + (h0 + g) * head_dim + d0 + 8, acc[g][1]);
+    }
+  }
+}
+
+template <class R>
+KVFLEET_AVX2 void values_avx2(const float* probs, const typename R::T* values, int64_t len, int64_t kv_heads,
+                              int64_t group, int64_t head_dim, float* out, int64_t smax) {
+  std::fill(out, out + kv_heads * group * head_dim, 0.f);
+  const int64_t token_bytes = kv_heads * R::row_dim(head_dim) * static_cast<int64_t>(sizeof(typename R::T));
+  for (int64_t s0 = 0; s0 < len; s0 += kTile) {
+    const int64_t s1 = std::min(len, s0 + kTile);
+    // the next tile on its way from memory while this one (in L1 / L2 after its first pass) is summed
+    const char* next = reinterpret_cast<const char*>(values) + s1 * token_bytes;
+    for (int64_t b = 0; b < (std::min(len, s1 + kTile) - s1) * token_bytes; b += 64)
+      _mm_prefetch(next + b, _MM_HINT_T0);
+    for (int64_t j = 0; j < kv_heads; ++j) {
+      for (int64_t g0 = 0; g0 < group; g0 += kBlock) {
+        const int64_t h0 = j * group + g0;
+        switch (std::min(kBlock, group - g0)) {
+          case 1: values_block_avx2<R, 1>(probs, values, s0, s1, kv_heads, head_dim, out, smax, j, h0); break;
+          case 2: values_block_avx2<R, 2>(probs, values, s0, s1, kv_heads, head_dim, out, smax, j, h0); break;
+          case 3: values_block_avx2<R, 3>(probs, values, s0, s1, kv_heads, head_dim, out, smax, j, h0); break;
+          default: values_block_avx2<R, 4>(probs, values, s0, s1, kv_heads, head_dim, out, smax, j, h0);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void store_quant_rows(uint8_t* dst, const float* src, int64_t heads, int64_t head_dim, int64_t format) {
@@ -225,6 +400,12 @@ void store_quant_rows(uint8_t* dst, const float* src, int64_t heads, int64_t hea
 KVFLEET_CLONES void attention_scores_quant(const float* q, const uint8_t* keys, int64_t len, int64_t kv_heads,
                                            int64_t group, int64_t head_dim, int64_t format, float scale,
                                            float* scores, int64_t smax) {
+  if (avx2_fits(head_dim)) {
+    if (format == kInt8) return scores_avx2<QuantRows<kInt8>>(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
+    if (format == kFp8E4M3)
+      return scores_avx2<QuantRows<kFp8E4M3>>(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
+    return scores_avx2<QuantRows<kFp8E5M2>>(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
+  }
   std::vector<float> k(head_dim);
   if (format == kInt8)
     scores_quant<kInt8>(q, keys, len, kv_heads, group, head_dim, scale, scores, smax, k.data());
@@ -237,6 +418,12 @@ KVFLEET_CLONES void attention_scores_quant(const float* q, const uint8_t* keys, 
 KVFLEET_CLONES void attention_values_quant(const float* probs, const uint8_t* values, int64_t len,
                                            int64_t kv_heads, int64_t group, int64_t head_dim, int64_t format,
                                            float* out, int64_t smax) {
+  if (avx2_fits(head_dim)) {
+    if (format == kInt8) return values_avx2<QuantRows<kInt8>>(probs, values, len, kv_heads, group, head_dim, out, smax);
+    if (format == kFp8E4M3)
+      return values_avx2<QuantRows<kFp8E4M3>>(probs, values, len, kv_heads, group, head_dim, out, smax);
+    return values_avx2<QuantRows<kFp8E5M2>>(probs, values, len, kv_heads, group, head_dim, out, smax);
+  }
   std::vector<float> v(head_dim);
   if (format == kInt8)
     values_quant<kInt8>(probs, values, len, kv_heads, group, head_dim, out, smax, v.data());
@@ -286,18 +473,21 @@ void store_row(c10::BFloat16* dst, const float* src, int64_t n) {
 KVFLEET_CLONES void attention_scores(const float* q, const float* keys, int64_t len, int64_t kv_heads,
                                      int64_t group, int64_t head_dim, float scale, float* scores, int64_t smax) {
   if (avx512_fits(head_dim)) return scores_avx512(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
+  if (avx2_fits(head_dim)) return scores_avx2<F32Rows>(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
   scores_impl(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
 }
 
 KVFLEET_CLONES void attention_scores(const float* q, const c10::BFloat16* keys, int64_t len, int64_t kv_heads,
                                      int64_t group, int64_t head_dim, float scale, float* scores, int64_t smax) {
   if (avx512_fits(head_dim)) return scores_avx512(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
+  if (avx2_fits(head_dim)) return scores_avx2<BF16Rows>(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
   scores_impl(q, keys, len, kv_heads, group, head_dim, scale, scores, smax);
 }
 
 KVFLEET_CLONES void attention_values(const float* probs, const float* values, int64_t len, int64_t kv_heads,
                                      int64_t group, int64_t head_dim, float* out, int64_t smax) {
   if (avx512_fits(head_dim)) return values_avx512(probs, values, len, kv_heads, group, head_dim, out, smax);
+  if (avx2_fits(head_dim)) return values_avx2<F32Rows>(probs, values, len, kv_heads, group, head_dim, out, smax);
   values_impl(probs, values, len, kv_heads, group, head_dim, out, smax);
 }
 
@@ -305,6 +495,7 @@ KVFLEET_CLONES void attention_values(const float* probs, const c10::BFloat16* va
                                      int64_t kv_heads, int64_t group, int64_t head_dim, float* out,
                                      int64_t smax) {
   if (avx512_fits(head_dim)) return values_avx512(probs, values, len, kv_heads, group, head_dim, out, smax);
+  if (avx2_fits(head_dim)) return values_avx2<BF16Rows>(probs, values, len, kv_heads, group, head_dim, out, smax);
   values_impl(probs, values, len, kv_heads, group, head_dim, out, smax);
 }
 
