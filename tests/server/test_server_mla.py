@@ -16,6 +16,7 @@ import httpx
 import pytest
 from server_testlib import ThreadedServer, model_testlib, run_requests, wait_idle
 
+from engine.bench.counting_storage import counts
 from engine.bench.launcher import ServerProcess
 from engine.fleet.mooncake_master import MooncakeMaster
 from engine.fleet.router import RouterProcess
@@ -25,7 +26,6 @@ from engine.scheduler import Req, SamplingParams
 from engine.scheduler.req import Bootstrap
 from engine.server.args import ArgumentError, parse_args
 from engine.server.builder import build_engine
-from tests.support.counting_storage import counts
 
 PROMPT_LEN = 120
 NEW_TOKENS = 10
@@ -280,7 +280,7 @@ def test_at_tp2_one_rank_writes_the_latent_to_l3_and_every_rank_reads_it(mla_mod
     tokens."""
     log = tmp_path / "l3-ops.log"
     extra = {
-        "backend_name": "counting-file", "module_path": "tests.support.counting_storage",
+        "backend_name": "counting-file", "module_path": "engine.bench.counting_storage",
         "class_name": "CountingFileStorage", "file_path": str(tmp_path / "l3"), "count_path": str(log),
         "prefetch_threshold": 4, "tp_lcm_size": 2,  # a no-op for MLA (the worker logs so)
     }  # fmt: skip

@@ -1,6 +1,6 @@
-"""A real file L3 backend that also logs which process wrote or read which page (test support).
+"""A real file L3 backend that also logs which process wrote or read which page (the MLA L3 bench and tests).
 
-Loaded through the ``dynamic`` storage backend (``module_path`` ``tests.support.counting_storage``,
+Loaded through the ``dynamic`` storage backend (``module_path`` ``engine.bench.counting_storage``,
 ``class_name`` ``CountingFileStorage``) so a multi-rank worker's every rank uses it; ``count_path`` in the
 extra config names the log. Each line is ``<op> <pid> <key>`` for ``op`` in ``set`` (a page handed to the
 store to write) and ``get`` (a page read back); lines are appended with one ``write`` each, so ranks do not
