@@ -17,8 +17,11 @@ then the L3 they share is modelled within each run only: the note says so. The p
 token-weighted sums; each tier and the total must agree within ``TARGET_POINTS``.
 
 A worker whose cache configuration changed inside its window (an audited attach, detach or config push,
-or its revert) is replayed with today's configuration throughout: the answer names the change and gives
-no verdict (``within_target`` None, ``config_changes`` listing them).
+or its revert) has its window moved to start at its first scrape after the latest such change, once at least
+two scrapes and some recorded traffic follow it (``window_moved`` names the change; the replay then starts
+cold where the worker was warm, and the note says so). Until then it is replayed with today's configuration
+throughout: the answer names the change and gives no verdict (``within_target`` None, ``config_changes``
+listing them).
 
 Each worker is replayed with its own traffic, so how the router split the pool's traffic is exactly what
 happened; the replay starts cold, so a window that begins after the worker had already cached traffic (the
@@ -93,6 +96,17 @@ def _worker(worker: EngineWorker, pool: str, block_tokens: int, history: list[di
     if first_ms is None or len(history) < 2:
         return None
     samples, since_ms, truncated = _window(history, first_ms)
+    moved = None
+    span = (datetime.fromtimestamp(ms / 1000, UTC) for ms in (since_ms, history[-1]["ts"] * 1000))
+    change = worker_config_changes(worker_id=worker.pk, since=next(span), until=next(span)).last()
+    if change is not None:  # start after the latest change, once enough scrapes and traffic follow it
+        change_s = change.occurred_at.timestamp()
+        after = [s for s in history if s["ts"] > change_s]
+        start_ms = math.ceil(after[0]["ts"] * 1000) if after else 0
+        if len(after) >= 2 and rows.filter(timestamp_ms__gte=start_ms).exists():
+            samples, since_ms, truncated = after, start_ms, False
+            at = change.occurred_at.astimezone(UTC).isoformat(timespec="seconds")
+            moved = {"action": change.action, "at": at}
     newest = samples[-1]
     l1 = newest.get("max_total_num_tokens")
     if len(samples) < 2 or not l1 or not rows.filter(timestamp_ms__gte=since_ms).exists():
@@ -127,6 +141,7 @@ def _worker(worker: EngineWorker, pool: str, block_tokens: int, history: list[di
         "from_ms": since_ms,
         "to_ms": round(newest["ts"] * 1000),
         "starts_after_traffic": truncated,
+        "window_moved": moved,
         "measured_tiers": measured,
         "measured_cached_tokens": sum(measured.values()),
         "measured_prompt_tokens": _increase(samples, "prompt_tokens_total"),
@@ -193,9 +208,10 @@ def calibration(*, pool: str) -> dict:
     percentage points, ``within_target`` is True only when the total and every tier differ by at most
     ``target_points`` (None with nothing to compare, when a worker's configuration changed inside its
     window: ``config_changes``, or when a setting replayed is not known: the worker's ``config_defaulted``).
-    Each worker's ``live`` holds the configuration replayed, ``config_read_at`` when its HiCache settings
-    were read (ISO 8601 UTC; None: not recorded) and ``config_defaulted`` ``{setting: why}`` of those
-    replayed at the engine's default. Raises
+    Each worker's ``window_moved`` is None, or ``{"action", "at"}`` of the change its window was moved past
+    (``from_ms`` is then its first scrape after it). Each worker's ``live`` holds the configuration
+    replayed, ``config_read_at`` when its HiCache settings were read (ISO 8601 UTC; None: not recorded) and
+    ``config_defaulted`` ``{setting: why}`` of those replayed at the engine's default. Raises
     ``ApplicationError`` ``whatif_failed`` as ``services.whatif_run`` does.
     """
     block_tokens = selectors.recorded_block_tokens(pool=pool)
@@ -251,7 +267,8 @@ def calibration(*, pool: str) -> dict:
             "the configuration changed inside the window ("
             + ", ".join(f"{c['worker']}: {c['action']} at {_utc(c['at'])}" for c in changed)
             + "): the replay runs each worker's configuration of now for the whole window, so the comparison"
-            " is not like for like until a window starts after the change"
+            " is not like for like until two scrapes and recorded traffic follow the change (the window then"
+            " starts after it)"
         )
     for r in rows:  # replayed at the engine's defaults where the worker's own settings are not known
         if r["config_defaulted"]:
@@ -260,6 +277,13 @@ def calibration(*, pool: str) -> dict:
             notes.append(
                 f"{r['worker']}'s {', '.join(r['config_defaulted'])} replayed at the engine's defaults, not "
                 f"its own ({why}): no verdict until its HiCache config is read"
+            )
+    for r in rows:  # a window moved past a change: like for like, from a cold start
+        if r["window_moved"]:
+            moved = r["window_moved"]
+            notes.append(
+                f"the window of {r['worker']} starts after its {moved['action']} at {_utc(moved['at'])}: the "
+                "replay starts cold where the worker was warm"
             )
     late = [r["worker"] for r in rows if r["starts_after_traffic"]]
     if late:

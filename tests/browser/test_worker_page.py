@@ -91,6 +91,14 @@ def test_latency_over_the_last_5_minutes_and_the_prefill_note(
         expect(legend.filter(has_text="p50")).to_contain_text(shown[0], timeout=SLOW_MS)
         expect(legend.filter(has_text="p90")).to_contain_text(shown[1], timeout=SLOW_MS)
     assert page.get_by_test_id("latency-note").count() == 0
+    # Requests: a 1 min rate in req/s, not a count per scrape (once a 0/1 square wave): the 10 requests served
+    # at once stay in the rate for the points of the minute after them, as fractions of 10 per second
+    raised = "document.querySelector('#chart-reqs').kvChart.uplot.data[1].filter((v) => v > 0)"
+    deadline = time.monotonic() + SLOW_MS / 1000
+    while len(rates := page.evaluate(raised)) < 3:
+        assert time.monotonic() < deadline, rates
+        time.sleep(0.5)
+    assert all(v <= 10 for v in rates) and any(v != round(v) for v in rates), rates
     assert serious_violations(page) == []
 
     page.goto(f"{asgi_server}/workers/{prefill.pk}/")

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("inventory", "0017_storage_backend_aibrix"),
+        ("inventory", "0018_storage_backend_lmcache"),
     ]
 
     operations = [

@@ -6,6 +6,7 @@ test_calibration.py on real engines); the audit log is the real one."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -32,7 +33,8 @@ def measured_window(monkeypatch, tsdb):
 
     def window(w, pool, block_tokens, history):
         return {"worker": w.name, "worker_id": w.pk, "live": {}, "from_ms": now_ms - 60_000,
-                "to_ms": now_ms + 60_000, "starts_after_traffic": False, "measured_tiers": dict(tiers),
+                "to_ms": now_ms + 60_000, "starts_after_traffic": False, "window_moved": None,
+                "measured_tiers": dict(tiers),
                 "measured_cached_tokens": 80.0, "measured_prompt_tokens": 100.0,
                 "config_read_at": "2026-12-07T06:00:00+00:00",
                 "config_defaulted": dict(defaulted)}  # fmt: skip
@@ -75,3 +77,39 @@ def test_settings_replayed_at_defaults_withhold_the_verdict(measured_window):
         f"cal-a's prefetch_threshold, eviction replayed at the engine's defaults, not its own ({why}): no "
         "verdict until its HiCache config is read"
     )
+
+
+def test_the_window_moves_past_a_change_once_scrapes_and_traffic_follow_it():
+    """A change no longer withholds the verdict for the hour the history covers: the real ``_worker`` (over
+    scrapes as `samples.worker_samples` returns them) starts the window at the first scrape after the
+    latest change once two scrapes and recorded traffic follow it, measures only from there, and the change
+    is then outside the window; before that, the window stays whole and the change withholds the verdict."""
+    from controlplane.audit.models import AuditEvent
+
+    worker = EngineWorkerFactory(name="cal-m", role="mixed", page_size=16, storage_backend="file")
+    audit_record(action="detach", obj=worker, before={"storage_backend": "file"}, after={})
+    t0 = AuditEvent.objects.get().occurred_at.timestamp() - 90  # the log is append-only: times around it
+
+    def scrape(ts, cached, prompt):
+        tiers = {"cached_tokens_device": cached, "cached_tokens_host": 0, "cached_tokens_storage": 0}
+        return {"ts": ts, "max_total_num_tokens": 1000, "prompt_tokens_total": prompt, **tiers}
+
+    def rows(*at_s):
+        reqs = [{"timestamp": round(s * 1000), "input_length": 32, "output_length": 4, "hash_ids": [1, 2]}
+                for s in at_s]  # fmt: skip
+        recorded_requests_ingest(worker=worker, requests=reqs, block_tokens=16)
+
+    rows(t0 + 10, t0 + 20)
+    history = [scrape(t0, 0, 0), scrape(t0 + 60, 40, 64), scrape(t0 + 120, 40, 64)]
+    history.append(scrape(t0 + 180, 40, 64))  # one scrape after it and no traffic yet: the window stays
+    row = cal._worker(worker, "regular", 16, history)
+    assert row["window_moved"] is None and row["from_ms"] == round((t0 + 10) * 1000)
+    assert [c["action"] for c in cal._changed_inside([row])] == ["detach"]
+
+    rows(t0 + 200)
+    history.append(scrape(t0 + 240, 50, 96))  # a second scrape and a request after the change: it moves
+    row = cal._worker(worker, "regular", 16, history)
+    assert row["window_moved"]["action"] == "detach" and row["window_moved"]["at"].endswith("+00:00")
+    assert row["from_ms"] == math.ceil((t0 + 120) * 1000) and row["to_ms"] == round((t0 + 240) * 1000)
+    assert (row["measured_prompt_tokens"], row["measured_cached_tokens"]) == (32, 10)  # only after it
+    assert cal._changed_inside([row]) == []
