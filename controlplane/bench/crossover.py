@@ -1,9 +1,10 @@
-"""The measured crossover on this machine (file L3 against prefill) and what measuring it costs per request.
+"""The measured crossover on this machine (file or Mooncake L3 against prefill) and what measuring it costs.
 
-``python -m controlplane.bench.crossover [--model-path smollm2] [--lengths 64,128,256,512,1024] [--reps 2]
-[--rounds 2]``
+``python -m controlplane.bench.crossover [--l3 file|mooncake] [--model-path smollm2]
+[--lengths 64,128,256,512,1024] [--reps 2] [--rounds 2]``
 
-Builds a worker in this process (``--enable-hierarchical-cache``, a ``file`` L3 in a temporary directory,
+Builds a worker in this process (``--enable-hierarchical-cache``, an L3: ``file`` in a temporary directory,
+or ``mooncake``: a real ``mooncake_master`` started per round plus this process's store client over TCP;
 ``wait_complete`` prefetches, threshold one page) and, per prompt length and repetition, sends a fresh
 prompt cold (prefill), again after evicting L1 (loaded back from L2), and again after a cache reset (L1 and
 L2 emptied, L3 kept: prefetched from L3, then loaded back). Printed:
@@ -29,10 +30,13 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from controlplane.capacity.crossover import worker_crossover
 from engine.bench.miss_attribution import Timer
 from engine.cache.costs import TransferCosts
+from engine.fleet.mooncake_master import MooncakeMaster
 from engine.scheduler.req import Req
 from engine.scheduler.sampling_params import SamplingParams
 from engine.server.args import parse_args
@@ -60,13 +64,27 @@ def wait_idle(engine, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-def build(args, l3_dir: str):
-    extra = json.dumps({"file_path": l3_dir, "prefetch_threshold": args.page_size})
+@contextmanager
+def empty_l3(kind: str) -> Iterator[dict]:
+    """An empty L3 of ``kind`` (``file``: a temporary directory; ``mooncake``: a fresh real master, its
+    store client connecting over TCP) for the round: its backend extra config, torn down on exit."""
+    if kind == "file":
+        with tempfile.TemporaryDirectory() as l3:
+            yield {"file_path": l3}
+    else:
+        with MooncakeMaster() as master:
+            yield {"master_server_address": master.master_address, "metadata_server": master.metadata_url,
+                   "protocol": "tcp", "global_segment_size": "1gb", "local_buffer_size": "64mb"}  # fmt: skip
+
+
+def build(args, extra: dict):
+    extra = {**extra, "prefetch_threshold": args.page_size}
     flags = [
         "--model-path", args.model_path, "--page-size", str(args.page_size),
         "--max-total-tokens", str(args.max_total_tokens), "--chunked-prefill-size", str(args.chunk),
-        "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", "file",
-        "--hicache-storage-backend-extra-config", extra, "--hicache-storage-prefetch-policy", "wait_complete",
+        "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", args.l3,
+        "--hicache-storage-backend-extra-config", json.dumps(extra),
+        "--hicache-storage-prefetch-policy", "wait_complete",
     ]  # fmt: skip
     return build_engine(parse_args(flags))
 
@@ -76,8 +94,8 @@ def one_round(args, prompts: dict[int, list[list[int]]], timer: Timer) -> tuple[
     seconds per request, the worker's cost snapshot)."""
     ttfts: dict[int, dict[str, list[float]]] = {}
     spent: list[float] = []
-    with tempfile.TemporaryDirectory() as l3:
-        engine = build(args, l3)
+    with empty_l3(args.l3) as extra:
+        engine = build(args, extra)
         try:
             generate(engine, [7] * args.page_size * 2)  # warm-up
             wait_idle(engine)
@@ -103,6 +121,7 @@ def one_round(args, prompts: dict[int, list[list[int]]], timer: Timer) -> tuple[
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--l3", choices=["file", "mooncake"], default="file", help="the L3 storage backend")
     p.add_argument("--model-path", default="smollm2")
     p.add_argument("--lengths", default="64,128,256,512,1024")
     p.add_argument("--reps", type=int, default=2)
@@ -156,7 +175,7 @@ def main() -> None:
             print(f"  {op:9s} {fit['fixed_s'] * 1e3:8.3f} ms + {fit['per_token_s'] * 1e6:8.3f} us/token")
     for tier, t in out["tiers"].items():
         print(f"crossover {tier}: {t['crossover_tokens']} tokens (loading wins: {t['loading_wins']})")
-    print(f"recommended: {out['recommended']}; notes: {out['notes']}")
+    print(f"L3 {args.l3}; recommended: {json.dumps(out['recommended'])}; notes: {out['notes']}")
     ttft_on, ttft_off = statistics.median(p50[True]), statistics.median(p50[False])
     per_req = statistics.median(spent_all)
     print(
