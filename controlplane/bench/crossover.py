@@ -77,16 +77,20 @@ def empty_l3(kind: str) -> Iterator[dict]:
                    "protocol": "tcp", "global_segment_size": "1gb", "local_buffer_size": "64mb"}  # fmt: skip
 
 
-def build(args, extra: dict):
-    extra = {**extra, "prefetch_threshold": args.page_size}
-    flags = [
+def worker_flags(args, extra: dict) -> list[str]:
+    """The worker's launch flags: SmolLM2-size limits from ``args``, HiCache with ``args.l3`` and its extra
+    config ``extra`` (JSON), ``wait_complete`` prefetches."""
+    return [
         "--model-path", args.model_path, "--page-size", str(args.page_size),
         "--max-total-tokens", str(args.max_total_tokens), "--chunked-prefill-size", str(args.chunk),
         "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", args.l3,
         "--hicache-storage-backend-extra-config", json.dumps(extra),
         "--hicache-storage-prefetch-policy", "wait_complete",
     ]  # fmt: skip
-    return build_engine(parse_args(flags))
+
+
+def build(args, extra: dict):
+    return build_engine(parse_args(worker_flags(args, {**extra, "prefetch_threshold": args.page_size})))
 
 
 def one_round(args, prompts: dict[int, list[list[int]]], timer: Timer) -> tuple[dict, list, list]:

@@ -34,22 +34,12 @@ import time
 
 import httpx
 
-from controlplane.bench.crossover import empty_l3
+from controlplane.bench.crossover import empty_l3, worker_flags
 from engine.bench.launcher import ServerProcess
 from engine.bench.multiturn import _pct, flush_when_idle, run_trace
 
 ADMIN_KEY = "crossover-replay-admin-key"  # a throwaway key for this run's worker, passed via the environment
 FIELDS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token")
-
-
-def flags(args: argparse.Namespace, extra: dict) -> list[str]:
-    return [
-        "--model-path", args.model_path, "--page-size", str(args.page_size),
-        "--max-total-tokens", str(args.max_total_tokens), "--chunked-prefill-size", str(args.chunk),
-        "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", args.l3,
-        "--hicache-storage-backend-extra-config", json.dumps(extra),
-        "--hicache-storage-prefetch-policy", "wait_complete",
-    ]  # fmt: skip
 
 
 def put_config(url: str, body: dict) -> dict:
@@ -96,7 +86,7 @@ def main() -> None:
     with (
         empty_l3(args.l3) as extra,
         ServerProcess(
-            flags(args, extra), timeout=args.start_timeout, env={"KVFLEET_ADMIN_API_KEY": ADMIN_KEY}
+            worker_flags(args, extra), timeout=args.start_timeout, env={"KVFLEET_ADMIN_API_KEY": ADMIN_KEY}
         ) as server,
     ):
         url = server.url
