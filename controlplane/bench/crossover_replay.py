@@ -42,11 +42,16 @@ ADMIN_KEY = "crossover-replay-admin-key"  # a throwaway key for this run's worke
 FIELDS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token")
 
 
-def put_config(url: str, body: dict) -> dict:
-    resp = httpx.put(f"{url}/hicache/config", json=body, headers=auth(), timeout=120)
-    if resp.status_code != 200:
-        raise RuntimeError(f"PUT /hicache/config answered {resp.status_code}: {resp.text}")
-    return resp.json()
+def put_config(url: str, body: dict, timeout: float = 600.0) -> dict:
+    """``PUT /hicache/config``, polled while the worker refuses because L3 backups are still in flight."""
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = httpx.put(f"{url}/hicache/config", json=body, headers=auth(), timeout=120)
+        if resp.status_code == 200:
+            return resp.json()
+        if "not idle" not in resp.text or time.monotonic() > deadline:
+            raise RuntimeError(f"PUT /hicache/config answered {resp.status_code}: {resp.text}")
+        time.sleep(0.2)
 
 
 def auth() -> dict:
