@@ -13,6 +13,7 @@ a whole command line (`controlplane.inventory.services.flags`) and return that r
 """
 
 import json
+import logging
 import math
 
 from django.conf import settings
@@ -21,8 +22,10 @@ from controlplane.inventory.models import EngineWorker
 from controlplane.inventory.services import worker_config_observed, worker_storage_observed
 from controlplane.inventory.services.flags import flags_edit, worker_flags_progress, worker_flags_request
 from controlplane.operations.models import Operation, OperationKind
-from controlplane.workerclient import WorkerClient, WorkerError
+from controlplane.workerclient import WorkerClient, WorkerError, WorkerNotIdle
 from engine.server.contract import HICACHE_EXTRA_KEYS, backend_extra_config
+
+logger = logging.getLogger(__name__)
 
 
 def client_for(worker) -> WorkerClient:
@@ -70,14 +73,33 @@ def apply(op: Operation, worker: EngineWorker, state: dict) -> int | None:
         profile = op.storage_profile
         if state.get("hicache_storage_backend"):
             client.detach_storage()
-        client.attach_storage(
-            profile.backend, json.dumps(profile.extra_config) if profile.extra_config else None
-        )
+        try:
+            client.attach_storage(
+                profile.backend, json.dumps(profile.extra_config) if profile.extra_config else None
+            )
+        except WorkerNotIdle:
+            raise  # the retry attaches once it is idle
+        except WorkerError:
+            _reattach(client, state)  # a refused attach leaves the backend it had, whatever the policy
+            raise
     elif op.kind == OperationKind.DETACH:
         client.detach_storage()
     else:
         client.update_hicache_config(op.revision.content)
     return None
+
+
+def _reattach(client, state: dict) -> None:
+    """Attach again the backend ``state`` (read before the apply) shows, if any; a failure to is logged (the
+    target's read-back then says the live state changed)."""
+    backend = state.get("hicache_storage_backend")
+    if not backend:
+        return
+    extra = backend_extra_config(state)
+    try:
+        client.attach_storage(backend, json.dumps(extra) if extra else None)
+    except WorkerError as exc:
+        logger.warning("could not attach %s again after a refused attach: %s", backend, exc.message)
 
 
 def _same(a, b) -> bool:

@@ -332,3 +332,31 @@ def test_faults_under_traffic_end_in_the_before_state(fleet, monkeypatch):
             assert failure.outcome == "failure" and failure.extra["changed"] is True
         time.sleep(0.5)  # a few more requests after the last revert (traffic is measured, not waited on)
     assert traffic.codes and set(traffic.codes) == {200}
+
+
+def test_a_refused_attach_over_an_attached_backend_leaves_that_backend(fleet):
+    """An attach over another backend detaches it first; when the worker then refuses the new one (here an
+    lmcache profile without a server, saved before profiles were checked), the backend it had is attached
+    again, whatever the policy: a refused change leaves the worker as it was."""
+    url = fleet["w1"].url
+    worker = EngineWorkerFactory(
+        name="w1r", url=url, admin_key=KEY, router=RouterFactory(url=fleet["router"])
+    )
+    kept = StorageProfileFactory(backend="file", extra_config={"file_path": str(fleet["l3"] / "kept")})
+    refused = StorageProfileFactory(backend="lmcache", extra_config={})
+    ops = dict(workers=[worker], actor=None, policy="best_effort", drain=False, idle_timeout_s=60)
+    assert drive(operation_create(kind="attach", storage_profile=kept, **ops)).state == "succeeded"
+    try:
+        op = drive(operation_create(kind="attach", storage_profile=refused, **ops))
+        target = op.targets.get()
+        assert target.state == "failed" and "lmcache_url" in target.explanation, target.explanation
+        assert "live state unchanged" in target.explanation
+        state = live(url)
+        assert state["hicache_storage_backend"] == "file"
+        assert (
+            json.loads(state["hicache_storage_backend_extra_config"])["file_path"]
+            == kept.extra_config["file_path"]
+        )
+    finally:
+        httpx.delete(f"{url}/hicache/storage-backend", headers=AUTH, timeout=30)
+    assert live(url)["hicache_storage_backend"] is None  # as the module's other tests expect it
