@@ -16,6 +16,7 @@ from controlplane.inventory.models import (
     devices_problem,
 )
 from controlplane.inventory.selectors import router_breakers, router_cache_salt
+from engine.cache.storage.extra_keys import check_extra_keys
 from engine.server.contract import CAPABILITIES, ENGINE_KINDS, HICACHE_STATUS_FIELDS
 
 
@@ -152,6 +153,17 @@ class StorageProfileSerializer(StrictModelSerializer):
         if not isinstance(value, dict):
             raise serializers.ValidationError("extra_config must be a JSON object")
         return value
+
+    def validate(self, attrs):
+        """A key the backend does not take is refused here, naming it (the check a worker runs on
+        ``--hicache-storage-backend-extra-config``), not when an attach reaches the workers."""
+        backend = attrs.get("backend", getattr(self.instance, "backend", None))
+        extra = attrs.get("extra_config", getattr(self.instance, "extra_config", None)) or {}
+        try:
+            check_extra_keys(backend, extra)
+        except ValueError as exc:
+            raise serializers.ValidationError({"extra_config": [str(exc)]}) from None
+        return attrs
 
 
 class EngineWorkerSerializer(StrictModelSerializer):

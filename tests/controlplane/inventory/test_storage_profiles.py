@@ -1,6 +1,8 @@
 """Storage profiles name the L3 backends a worker can attach: the engine's registered ones (aibrix, file,
 lmcache, mooncake, nixl, dynamic); any other name is refused naming the field and changes nothing."""
 
+import importlib.util
+
 import pytest
 
 from controlplane.inventory.models import StorageProfile
@@ -28,3 +30,25 @@ def test_a_nixl_profile_is_kept_and_an_unbuilt_backend_is_refused(api_as):
     refused = ops.post(URL, {"name": "3fs", "backend": "hf3fs", "extra_config": {}}, format="json")
     assert refused.status_code == 400 and "backend" in refused.json()["error"]["detail"]
     assert list(StorageProfile.objects.values_list("name", flat=True)) == ["lm", "nvme", "rocksdb"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("backend", "extra", "says"),
+    [
+        ("lmcache", {"lmcache_urll": "lm://h:1"}, "lmcache_urll: not an lmcache backend key"),
+        ("lmcache", {"lmcache_urll": "lm://h:1"}, "did you mean 'lmcache_url'?"),
+        ("aibrix", {"rocksdb_rot": "/l3"}, "rocksdb_rot: not an AIBrix KVCache setting"),
+    ],
+)
+def test_a_key_the_backend_does_not_take_is_refused_naming_it(api_as, backend, extra, says):
+    """The worker's own flag check, run when the profile is saved: before, any key was kept and an attach
+    found it on the workers. Nothing is saved."""
+    if backend == "aibrix" and importlib.util.find_spec("aibrix_kvcache") is None:
+        pytest.skip("aibrix-kvcache not installed: its keys are checked where it is")
+    refused = api_as("operator").post(
+        URL, {"name": "bad", "backend": backend, "extra_config": extra}, format="json"
+    )
+    assert refused.status_code == 400, refused.content
+    assert says in refused.json()["error"]["detail"]["extra_config"][0]
+    assert not StorageProfile.objects.exists()
