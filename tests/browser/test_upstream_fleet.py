@@ -139,9 +139,6 @@ def _worker_page(console_page, base_url: str, worker_id: int) -> None:
     caps = page.get_by_test_id("capabilities")
     expect(caps.locator("[data-cap=storage_attach]")).to_contain_text("✓")
     expect(caps.locator("[data-cap=runtime_config]")).to_contain_text("needs a restart on SGLang 0.5.23")
-    expect(page.locator("[data-testid=unreported][data-field=prefetch_threshold]")).to_contain_text(
-        "not reported: SGLang 0.5.23 reports only the extra config it was given"
-    )
     expect(page.get_by_test_id("samples")).not_to_have_text("0")
     # the note on charts upstream does not export is read from what the TSDB scraped of it
     expect(page.get_by_test_id("unexported")).to_contain_text(
@@ -290,9 +287,6 @@ def test_a_mixed_fleet_with_an_upstream_worker(  # noqa: C901
             for target in op.targets.all():
                 assert target.before["hicache_storage_backend"] is None
                 assert target.after["hicache_storage_backend"] == "file"
-            # upstream's /server_info still says None (its startup value); its live storage view says file
-            poll("a heartbeat to bring up0's attached backend", lambda: EngineWorker.objects.get(
-                name="up0").hicache_config.get("hicache_storage_backend") == "file", 60)  # fmt: skip
             events = AuditEvent.objects.filter(action="attach")
             assert events.exists()
 
