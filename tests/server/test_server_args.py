@@ -180,7 +180,7 @@ def test_torchao_int4wo_builds_int4_layers_and_refuses_a_group_the_model_cannot_
         build_engine(parse_args([*flags, "int4wo-128"]))
     engine = build_engine(parse_args([*flags, "int4wo-32"]))
     try:
-        assert isinstance(engine.scheduler.runner.model.layers[0].gate_up, Int4WeightOnlyLinear)
+        assert isinstance(engine.scheduler.runner.model.layers[0].mlp.gate_up, Int4WeightOnlyLinear)
         params = {"max_new_tokens": 3, "temperature": 0}
         with ThreadedServer(engine) as server, httpx.Client(base_url=server.url, timeout=60) as client:
             resp = client.post("/generate", json={"input_ids": list(range(3, 20)), "sampling_params": params})
