@@ -99,7 +99,9 @@ def test_pages_another_instance_wrote_over_many_windows_are_read_byte_for_byte(m
     for i in range(2):
         assert all(torch.equal(a, b) for a, b in zip(got[i], big[i::2], strict=True))
     assert reader.get_stats()["pages_read"] == n and reader.get_stats()["errors"] == 0
-    assert len(reader.connections._idle) == 2  # each thread had a connection of its own, both kept
+    # a connection is never shared while in use, and each is kept after: one per thread that overlapped the
+    # other (two), or one handed on when the first finished before the second began (a loaded box)
+    assert 1 <= len(reader.connections._idle) <= 2
 
 
 def test_a_damaged_object_is_a_counted_miss_zeroed_and_replaced_by_the_next_write(
