@@ -81,7 +81,8 @@ def test_a_full_queue_refuses_at_once_with_upstreams_503(workers):
                 # (a queued one would wait behind the running slot, so (1, 2) would last)
                 _poll("the queue back to the two streams", lambda: _counts(worker.url) == (1, 1), timeout=30)
         _poll("both streams aborted", lambda: _state(worker.url)["is_idle"])
-        ok = client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}})
+        two = {"max_new_tokens": 2, "ignore_eos": True}  # sampled: EOS could end it after one token
+        ok = client.post("/generate", json={"text": "Hi", "sampling_params": two})
         assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
 
 

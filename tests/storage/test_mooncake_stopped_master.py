@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "kvfleet-admin-test"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
-GEN = {"text": "Tell me about the harbour. " * 8, "sampling_params": {"max_new_tokens": 2}}
+GEN = {"text": "Tell me about the harbour. " * 8, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
 
 
 @pytest.fixture
