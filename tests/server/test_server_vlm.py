@@ -4,7 +4,6 @@ keyed by content in the prefix cache (device tier and, after a flush, L3)."""
 
 from __future__ import annotations
 
-import base64
 import sys
 from pathlib import Path
 
@@ -19,13 +18,9 @@ from engine.server.args import parse_args
 from engine.server.builder import build_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from vlm_testlib import IMAGE_TOKEN, png, save_tiny_llava  # noqa: E402
+from vlm_testlib import IMAGE_TOKEN, data_url, png, save_tiny_llava  # noqa: E402
 
 STEPS = 6
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 @pytest.fixture(scope="module")
