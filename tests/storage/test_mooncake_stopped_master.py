@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 KEY = "kvfleet-admin-test"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
-GEN = {"text": "Tell me about the harbour. " * 8, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+TWO = {"max_new_tokens": 2, "ignore_eos": True}  # sampled: EOS could end it after one token
+GEN = {"text": "Tell me about the harbour. " * 8, "sampling_params": TWO}
 
 
 @pytest.fixture
