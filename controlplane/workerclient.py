@@ -104,9 +104,9 @@ class WorkerClient:
         return _request(method, self.base_url + path, headers=headers, json=json, timeout=timeout)
 
     def server_info(self) -> dict:
-        """Launch args, `is_idle`, `num_running_reqs`, `num_waiting_reqs`, `inflight_cache_io`, `hicache`,
-        secrets left out (``without_secrets``). An upstream SGLang worker's /server_info has no `is_idle`:
-        the live fields then come from its ``GET /v1/loads`` (:func:`upstream_live_state`)."""
+        """Launch args, `is_idle`, `num_running_reqs`, `num_waiting_reqs`, `inflight_cache_io`, `hicache`
+        (KVFleet only), secrets left out (``without_secrets``). An upstream SGLang worker's /server_info has
+        no `is_idle`: the live fields then come from its ``GET /v1/loads`` (:func:`upstream_live_state`)."""
         info = without_secrets(self._call("GET", "/server_info").json())
         if "is_idle" not in info:
             info.update(upstream_live_state(info, self._call("GET", "/v1/loads").json()))
@@ -211,7 +211,9 @@ def upstream_live_state(info: dict, loads: dict) -> dict:
     queue on any DP rank. What upstream does not expose stays unknown (None): requests its HTTP server has
     accepted but not yet handed to a scheduler (``num_http_reqs``) and cache I/O in flight
     (``inflight_cache_io``), so an idle reading can still meet upstream's own stricter check on apply, which
-    refuses with "not idle" (WorkerNotIdle: wait and retry)."""
+    refuses with "not idle" (WorkerNotIdle: wait and retry). No ``hicache`` object is made up: its absence
+    is how :func:`engine.server.contract.reported_hicache_config` tells upstream's launch args (settings they
+    leave out unreported) from KVFleet's live settings."""
     ranks = [r for r in loads.get("loads", []) if isinstance(r, dict)]
     running = sum(int(r.get("num_running_reqs") or 0) for r in ranks)
     waiting = sum(int(r.get("num_waiting_reqs") or 0) for r in ranks)
@@ -224,12 +226,6 @@ def upstream_live_state(info: dict, loads: dict) -> dict:
         "num_pd_transfer_reqs": pd,
         "num_http_reqs": None,
         "inflight_cache_io": None,
-        "hicache": info.get("hicache")
-        or (
-            {"hicache_storage_backend": info.get("hicache_storage_backend")}
-            if info.get("enable_hierarchical_cache")
-            else None
-        ),
     }
 
 

@@ -65,16 +65,18 @@ def wait_idle(engine, timeout: float = 120.0) -> None:
 
 
 @contextmanager
-def empty_l3(kind: str) -> Iterator[dict]:
+def empty_l3(kind: str, segment: str = "1gb") -> Iterator[dict]:
     """An empty L3 of ``kind`` (``file``: a temporary directory; ``mooncake``: a fresh real master, its
-    store client connecting over TCP) for the round: its backend extra config, torn down on exit."""
+    store client connecting over TCP and contributing ``segment`` of memory, e.g. ``"4gb"``: the whole
+    store) for the round: its backend extra config, torn down on exit."""
     if kind == "file":
         with tempfile.TemporaryDirectory() as l3:
             yield {"file_path": l3}
     else:
         with MooncakeMaster() as master:
             yield {"master_server_address": master.master_address, "metadata_server": master.metadata_url,
-                   "protocol": "tcp", "global_segment_size": "1gb", "local_buffer_size": "64mb"}  # fmt: skip
+                   "protocol": "tcp", "global_segment_size": segment,
+                   "local_buffer_size": "64mb"}  # fmt: skip
 
 
 def worker_flags(args, extra: dict) -> list[str]:

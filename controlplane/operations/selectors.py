@@ -79,7 +79,9 @@ def _probe(worker: EngineWorker, drain: bool) -> dict:
     if not isinstance(info, dict):
         row["error"] = "/server_info is not a worker's JSON object"
         return row
-    hicache = info.get("hicache") if isinstance(info.get("hicache"), dict) else {}
+    # KVFleet's live `hicache` object; upstream SGLang has none: its launch arg (startup value)
+    hicache = info.get("hicache", info) if "hicache" in info or info.get("enable_hierarchical_cache") else {}
+    hicache = hicache if isinstance(hicache, dict) else {}
     backend = hicache.get("hicache_storage_backend")
     row.update(
         reachable=True,

@@ -80,6 +80,10 @@ def test_fleet_and_worker_pages_stack_the_causes_between_served_share_and_ceilin
     expect(tenant.locator(".missfacts")).to_contain_text("ceiling —")
     expect(tenant.locator(".missfacts")).to_contain_text("elsewhere —")
     expect(tenant.locator(".missfacts")).to_contain_text("evicted here 40 %")
+    evicted = tenant.locator(".missfacts a", has_text="evicted here 40 %")  # to what more L1 / L2 would serve
+    expect(evicted).to_have_attribute("href", "/capacity/")
+    expect(evicted).to_have_attribute("title", re.compile(r"^the capacity page's what-if: how much more L1"))
+    expect(card.locator(".missrow[data-name=w1] .missfacts a")).to_have_count(0)  # nothing evicted: no link
     # the sampled per-request view: w1's one request, its 40 tokens split as the pool's split them
     rows = card.get_by_test_id("miss-requests").locator(".missrow")
     expect(rows).to_have_count(1)

@@ -304,6 +304,35 @@ class FakeWorker(_FakeHTTP):
         return 404, "not found", text_t
 
 
+class FakeUpstreamWorker(FakeWorker):
+    """An upstream SGLang 0.5.23 worker's read side, as the control plane sees it: /server_info holds only
+    its launch args (``version``, the HiCache flags, the extra config as JSON text; no ``hicache`` object,
+    no ``is_idle``), /v1/loads gives its live counts, and the admin routes answer as FakeWorker's (its GET
+    /hicache/storage-backend is upstream's live storage view). ``backend`` / ``backend_extra`` stand for
+    both the launch flags and the live attachment (no runtime attach in between)."""
+
+    def server_info(self) -> dict:
+        return {
+            "version": "0.5.23",
+            "model_path": self.model_name,
+            "page_size": 16,
+            "enable_hierarchical_cache": True,
+            "hicache_ratio": 2.0,
+            "hicache_storage_backend": self.backend,
+            "hicache_storage_backend_extra_config": self.backend_extra,
+            **{k: self.config[k] for k in ("hicache_storage_prefetch_policy", "hicache_write_policy",
+                                           "hicache_mem_layout", "hicache_io_backend")},
+            "radix_eviction_policy": "lru",
+            "disaggregation_mode": "null",
+        }  # fmt: skip
+
+    def handle(self, method, path, headers, body):
+        if method == "GET" and path == "/v1/loads":
+            loads = [{"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0}]
+            return 200, {"loads": loads}, "application/json"
+        return super().handle(method, path, headers, body)
+
+
 class FakeRouter(_FakeHTTP):
     """sglang-router worker API: GET /workers (with each worker_type), POST /workers {"url", "worker_type"}
     (202), DELETE /workers/{id}."""

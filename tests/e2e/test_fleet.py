@@ -26,6 +26,7 @@ import time
 import aiohttp
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.bench.traffic import verify
 
@@ -86,6 +87,25 @@ async def _storage_hits_pushed(fleet, baseline: dict[int, float], timeout: float
             ):
                 return data
     raise AssertionError(f"no storage hits pushed over the websocket within {timeout}s")
+
+
+def _misses_add_up(url: str) -> tuple[float, dict[str, float]]:
+    """(misses measured, tokens per cause) once the worker's ``sglang:miss_tokens_total`` over all causes
+    equals its prompt tokens less its cached tokens (every tier), as docs/operations.md says it always does
+    between requests; polled, since a health probe may be mid-request at one read."""
+    deadline = time.monotonic() + 60
+    while True:
+        got: dict[str, float] = {}
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+            for s in family.samples:
+                if s.name == "sglang:miss_tokens_total":
+                    got[s.labels["cause"]] = got.get(s.labels["cause"], 0) + s.value
+                elif s.name in ("sglang:prompt_tokens_total", "sglang:cached_tokens_total"):
+                    got[s.name] = got.get(s.name, 0) + s.value
+        missed = got.pop("sglang:prompt_tokens_total", 0) - got.pop("sglang:cached_tokens_total", 0)
+        if sum(got.values()) == missed or time.monotonic() > deadline:
+            return missed, got
+        time.sleep(0.5)
 
 
 def _backend(state: dict | None):
@@ -150,6 +170,13 @@ def test_detach_attach_with_drain_under_traffic(fleet):
     assert verify(str(record), fleet.worker_urls[0]) == 0
     tiers = {t: sum(r["cached"].get(t, 0) for r in results) for t in ("device", "host", "storage")}
     retries, wid = sum(r["retries"] for r in results), pushed["worker_id"]
+    # miss attribution after the demo's traffic, a detach and a re-attach: on every worker the per-cause
+    # counters add up exactly to the misses it measured
+    for url in fleet.worker_urls:
+        missed, causes = _misses_add_up(url)
+        nonzero = {c: t for c, t in causes.items() if t}
+        print(f"e2e: {url} missed {missed:.0f} prompt tokens: {nonzero}")
+        assert missed > 0 and sum(causes.values()) == missed, (url, missed, causes)
     print(
         f"e2e: {len(results)} responses, all verified; {retries} retries while "
         f"both workers were drained; cached tokens {tiers}; storage hits pushed after re-attach: "

@@ -1,7 +1,9 @@
 """Miss attribution on a real worker: a request sequence whose causes are known by construction (first
-sightings, a small L2 that must evict, an L1 eviction with no L2, an L3 prefetch below its
-threshold, partial pages, prompt log-probabilities): the per-request ``miss_tokens_details`` and the
-``sglang:miss_tokens`` counters equal the known counts exactly and sum to the measured misses."""
+sightings, a small L2 that must evict, an L1 eviction with no L2, an L3 prefetch below its threshold, an
+L3 slower than recompute, partial pages, prompt log-probabilities): the per-request
+``miss_tokens_details`` and the ``sglang:miss_tokens`` counters equal the known counts exactly and sum to
+the measured misses. The split across workers behind the real router is
+tests/controlplane/capacity/test_misses_fleet.py."""
 
 from __future__ import annotations
 
@@ -157,3 +159,32 @@ def test_l3_prefetch_below_threshold_and_prompt_logprobs(serve, tmp_path):
             "partial_page": 4 * PARTIAL,
         },
     )
+
+
+def test_an_l3_slower_than_recompute_times_out(serve, tmp_path):
+    """An L3 whose reads are slower than recomputing (a file L3 waiting ``read_delay_s`` on each read,
+    ``tests/controlplane/slow_l3.py``) under the ``timeout`` prefetch policy: after a flush (L1 and L2
+    emptied, L3 kept) the prefetch of a's pages is given up when its timeout (50 ms, far below the 3 s
+    read) passes, and those tokens are "L3 prefetch timed out", not new."""
+    extra = json.dumps(
+        {
+            "backend_name": "slow", "module_path": "tests.controlplane.slow_l3", "class_name": "SlowFile",
+            "file_path": str(tmp_path / "l3"), "read_delay_s": 3.0, "prefetch_threshold": PAGE,
+            "prefetch_timeout_base": 0.05, "prefetch_timeout_per_ki_token": 0.0,
+        }
+    )  # fmt: skip
+    server, client = serve(
+        *_flags("--enable-hierarchical-cache", "--hicache-ratio", "2"),
+        "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", extra,
+        "--hicache-storage-prefetch-policy", "timeout",
+    )  # fmt: skip
+    a = _prompt(7)
+    metas = [_generate(server, client, a)]  # written through to L2, backed up to L3
+    assert client.post("/flush_cache").status_code == 200
+    metas.append(_generate(server, client, a))
+    assert [m["miss_tokens_details"]["causes"] for m in metas] == [
+        {"not_seen_here": ALIGNED, "partial_page": PARTIAL},
+        {"l3_timeout": ALIGNED, "partial_page": PARTIAL},
+    ]
+    assert metas[1]["cached_tokens"] == 0
+    _check_sums(client, metas, {"not_seen_here": ALIGNED, "l3_timeout": ALIGNED, "partial_page": 2 * PARTIAL})

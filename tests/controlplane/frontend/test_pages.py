@@ -7,6 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from cp_factories import EngineWorkerFactory
+from cp_fakes import FakeUpstreamWorker
 
 pytestmark = pytest.mark.django_db
 
@@ -184,6 +185,32 @@ def test_worker_page_says_its_extra_config_is_the_backends_keys(client, personas
     page = html.unescape(client.get(f"/workers/{worker.pk}/").content.decode())
     assert '"protocol": "tcp"' in page
     assert "the keys the L3 backend gets; HiCache's own keys of the storage profile" in page
+
+
+@pytest.mark.parametrize("admin_key", ["", "secret-admin-key"])
+def test_upstream_worker_page_names_the_settings_it_does_not_report(client, personas, admin_key):
+    """An upstream SGLang worker's /server_info has no live ``hicache`` object: the page reads its launch
+    args, and each setting they leave out (prefetch_threshold: its extra config does not set it) is a
+    "not reported" row, never a default; viewing the page keeps that in the inventory (with or without the
+    admin key that reads upstream's live storage view)."""
+    fake = FakeUpstreamWorker()
+    try:
+        fake.backend, fake.backend_extra = "file", '{"file_path": "/l3", "prefetch_timeout_base": 3}'
+        fake.config["hicache_mem_layout"] = "page_first"
+        worker = EngineWorkerFactory(url=fake.url, admin_key=admin_key)
+        client.force_login(personas["viewer"][0])
+        page = html.unescape(client.get(f"/workers/{worker.pk}/").content.decode())
+    finally:
+        fake.stop()
+    unreported = dict(re.findall(r'data-testid="unreported" data-field="(\w+)" title="([^"]*)"', page))
+    assert unreported["prefetch_threshold"].startswith(
+        "not reported: SGLang 0.5.23 reports only the extra config it was given"
+    )
+    assert "prefetch_timeout_base" not in unreported and "<code>page_first</code>" in page
+    worker.refresh_from_db()
+    assert worker.hicache_config["prefetch_timeout_base"] == 3
+    assert "prefetch_threshold" not in worker.hicache_config
+    assert set(unreported) <= set(worker.hicache_unreported)
 
 
 @pytest.mark.slow

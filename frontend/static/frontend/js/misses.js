@@ -76,7 +76,16 @@
     var evicted = (f.cause_shares.evicted_device || 0) + (f.cause_shares.evicted_host || 0);
     var elsewhere = f.cause_shares.elsewhere;
     facts.appendChild(el("span", elsewhere == null ? "absent" : "", "elsewhere " + pct(elsewhere)));
-    facts.appendChild(el("span", "", "evicted here " + (f.served_share == null ? "—" : pct(evicted))));
+    var ev = "evicted here " + (f.served_share == null ? "—" : pct(evicted));
+    if (evicted > 0) {  // what more L1 / L2, or a better policy, would have kept: the what-if's answer
+      var link = el("a", "", ev);
+      link.href = "/capacity/";
+      link.title = "the capacity page's what-if: how much more L1 or L2, or another eviction policy " +
+        "(against Belady's MIN, the offline optimum), would serve of this traffic";
+      facts.appendChild(link);
+    } else {
+      facts.appendChild(el("span", "", ev));
+    }
     row.appendChild(facts);
     return row;
   };
