@@ -165,15 +165,80 @@ def latency_peers(*, worker: EngineWorker) -> list[EngineWorker]:
     return list(decode)
 
 
-def hicache_rows(hicache: dict) -> list[tuple[str, str, bool]]:
-    """(name, value, is_json) rows of the HiCache settings, known fields first; dicts and lists as JSON."""
+RESOLVED_FLAGS = {
+    "hicache_mem_layout": ("--hicache-mem-layout", "layer_first"),
+    "hicache_io_backend": ("--hicache-io-backend", "direct"),
+}
+"""Settings a worker may run other than as started (SGLang's corrections; it reports them resolved): flag,
+default."""
+RESOLVED_WHY = {
+    ("page_first", "page_first_direct"): "the direct io backend copies page_first as page_first_direct",
+    ("layer_first", "page_first"): "mooncake storage needs a page-first layout",
+    ("layer_first", "page_first_direct"): "mooncake storage needs a page-first layout; direct copies it as "
+    "page_first_direct",
+    ("kernel", "direct"): "the kernel io backend needs CUDA here; without it the worker copies with direct",
+}
+"""(started, resolved) -> why SGLang's corrections changed it (engine/cache/io_backends resolve_layout)."""
+
+
+def flag_value(command_line: list[str], flag: str) -> str | None:
+    """The value ``flag`` has on ``command_line`` (``--flag value`` or ``--flag=value``; the last one
+    wins, as argparse), else None."""
+    value = None
+    for i, item in enumerate(command_line):
+        if item == flag and i + 1 < len(command_line):
+            value = command_line[i + 1]
+        elif item.startswith(flag + "="):
+            value = item.split("=", 1)[1]
+    return value
+
+
+def command_line_args(command_line: list[str]) -> list[str]:
+    """``command_line`` as the pieces a line may break between: each flag with its values (``--tp-size 2``,
+    ``--enable-metrics``), the words before the first flag one by one."""
+    args: list[str] = []
+    flag_open = False
+    for item in command_line:
+        if item.startswith("-") and not _is_number(item):
+            args.append(item)
+            flag_open = "=" not in item
+        elif flag_open and args:
+            args[-1] += f" {item}"
+        else:
+            args.append(item)
+    return args
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def hicache_rows(hicache: dict, command_line: list[str] | None = None) -> list[tuple[str, str, bool, str]]:
+    """(name, value, is_json, note) rows of the HiCache settings, known fields first; dicts and lists as
+    JSON. ``note``: for a setting the worker reports resolved (``hicache_mem_layout``,
+    ``hicache_io_backend``) that differs from what its ``command_line`` started it with, both, and why;
+    else ""."""
     known = [k for k in HICACHE_FIELDS if hicache.get(k) not in (None, "")]
     rest = [k for k in sorted(hicache) if k not in HICACHE_FIELDS and hicache[k] not in (None, "", {})]
     rows = []
     for key in known + rest:
         value = hicache[key]
         is_json = isinstance(value, dict | list)
-        rows.append((key, json.dumps(value, indent=1) if is_json else str(value), is_json))
+        note = ""
+        if key in RESOLVED_FLAGS and command_line:
+            flag, default = RESOLVED_FLAGS[key]
+            started = flag_value(command_line, flag)
+            if (started or default) != value:
+                given = f"{flag} {started}" if started else f"{flag} left at its default, {default}"
+                why = RESOLVED_WHY.get(
+                    (started or default, value), "SGLang's layout / io backend corrections"
+                )
+                note = f"started with {given}; the worker reports the value it resolved it to ({why})"
+        rows.append((key, json.dumps(value, indent=1) if is_json else str(value), is_json, note))
     return rows
 
 

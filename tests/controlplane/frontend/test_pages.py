@@ -372,3 +372,30 @@ def test_a_console_error_is_the_consoles_500_and_the_api_keeps_json(personas, mo
     api = client.get("/api/v1/inventory/hosts/")
     assert (api.status_code, api["Content-Type"]) == (500, "application/json")
     assert api.json()["error"]["code"] == "server_error"
+
+
+def test_worker_page_breaks_its_command_line_between_flags_and_names_a_resolved_layout(
+    client, personas, fake_worker
+):
+    """Each flag with its value is one piece the line may not break inside; a mem layout the worker reports
+    resolved (page_first started, page_first_direct run: the direct io backend's correction) shows the
+    reported value with what it was started with and why."""
+    fake = fake_worker()
+    fake.config["hicache_mem_layout"] = "page_first_direct"
+    argv = ["python", "-m", "engine.launch_server", "--model-path", "/models/SmolLM2-135M-Instruct",
+            "--enable-hierarchical-cache", "--hicache-mem-layout", "page_first", "--hicache-ratio=2",
+            "--random-seed", "-1"]  # fmt: skip
+    worker = EngineWorkerFactory(url=fake.url, hicache_config={}, command_line=argv)
+    client.force_login(personas["viewer"][0])
+    page = client.get(f"/workers/{worker.pk}/").content.decode()
+    args = re.findall(r'<span class="arg">([^<]*)</span>', page)
+    assert args == ["python", "-m engine.launch_server", "--model-path /models/SmolLM2-135M-Instruct",
+                    "--enable-hierarchical-cache", "--hicache-mem-layout page_first", "--hicache-ratio=2",
+                    "--random-seed -1"]  # fmt: skip
+    note = re.search(r'data-field="hicache_mem_layout">([^<]*)<', page)
+    assert note and html.unescape(note.group(1)) == (
+        "started with --hicache-mem-layout page_first; the worker reports the value it resolved it to (the "
+        "direct io backend copies page_first as page_first_direct)"
+    )
+    assert "<code>page_first_direct</code>" in page
+    assert 'data-field="hicache_io_backend"' not in page  # direct as started (the default): no note
