@@ -335,15 +335,34 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
         }
         for w in registered
     ]
+    for row in rows:
+        row["failures"], row["failures_why"] = _failures(row["breaker"], breakers)
     return {
         "router": router,
         "rows": rows,
+        "failures_note": _failures(None, breakers)[1] if not (breakers or {}).get("reachable") else "",
         "live": live,
         "error": error,
         "breakers": breakers,
         "cache_salt": cache_salt,
         "traffic": _traffic(router, live_urls if live is not None else None),
     }
+
+
+def _failures(breaker: dict | None, breakers: dict | None) -> tuple[int | None, str]:
+    """(consecutive failures the router's breaker counts for a worker, or None; why there is no figure, or
+    ""). ``breaker``: the worker's row of ``breakers["workers"]`` (None: the router has none for it)."""
+    if breakers is None:
+        return None, "not read: no metrics URL is recorded for this router"
+    if not breakers["enabled"]:
+        return None, "the router runs without a circuit breaker (--disable-circuit-breaker): it counts none"
+    if not breakers["reachable"]:
+        return None, f"not read: the router's metrics did not answer ({breakers['error']})"
+    if breaker is None:
+        return None, "not in the router's metrics (no breaker series for this worker)"
+    if breaker.get("consecutive_failures") is None:
+        return None, "the router exports no smg_worker_cb_consecutive_failures for it"
+    return breaker["consecutive_failures"], ""
 
 
 def _traffic(router: Router, listed: set[str] | None) -> dict:

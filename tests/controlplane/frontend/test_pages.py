@@ -399,3 +399,80 @@ def test_worker_page_breaks_its_command_line_between_flags_and_names_a_resolved_
     )
     assert "<code>page_first_direct</code>" in page
     assert 'data-field="hicache_io_backend"' not in page  # direct as started (the default): no note
+
+
+def test_router_page_says_why_a_worker_has_no_consecutive_failures_figure(
+    client, personas, fake_router, router_metrics
+):
+    """A figure where the router counts one; else why not: per worker (no breaker series, none exported),
+    or once for the table (breaker off, no metrics URL, metrics not answering)."""
+    from cp_factories import RouterFactory
+
+    client.force_login(personas["viewer"][0])
+    url, metrics = router_metrics
+    router = RouterFactory(name="edge", url=fake_router.url, metrics_url=url, circuit_breaker=True)
+    counted, unexported, missing = (EngineWorkerFactory(router=router) for _ in range(3))
+    metrics["text"] = (
+        "# TYPE smg_worker_cb_state gauge\n"
+        f'smg_worker_cb_state{{worker="{counted.url}"}} 0\n'
+        f'smg_worker_cb_state{{worker="{unexported.url}"}} 0\n'
+        "# TYPE smg_worker_cb_consecutive_failures gauge\n"
+        f'smg_worker_cb_consecutive_failures{{worker="{counted.url}"}} 2\n'
+    )
+
+    def cells(page: str) -> dict[str, str]:
+        rows = re.findall(
+            r'<a href="/workers/\d+/">([^<]+)</a>.*?data-testid="failures">(.*?)</td>', page, re.S
+        )
+        return {name: re.sub(r"<[^>]+>", "", cell) for name, cell in rows}
+
+    page = html.unescape(client.get(f"/routers/{router.pk}/").content.decode())
+    assert cells(page) == {
+        counted.name: "2",
+        unexported.name: "– the router exports no smg_worker_cb_consecutive_failures for it",
+        missing.name: "– not in the router's metrics (no breaker series for this worker)",
+    }
+    router.circuit_breaker = False
+    router.save()
+    page = html.unescape(client.get(f"/routers/{router.pk}/").content.decode())
+    assert set(cells(page).values()) == {"–"}
+    assert (
+        "None here: the router runs without a circuit breaker (--disable-circuit-breaker): it counts none."
+        in page
+    )
+    router.circuit_breaker, router.metrics_url = True, ""
+    router.save()
+    page = html.unescape(client.get(f"/routers/{router.pk}/").content.decode())
+    assert "None here: not read: no metrics URL is recorded for this router." in page
+
+
+def test_router_page_says_over_what_period_and_how_many_dispatches_its_decisions_count(
+    tsdb, client, personas
+):
+    """The decisions table is the router's cache-aware branch counter over the traffic window: its heading
+    says the window and how many dispatches that is (the sum of the rows)."""
+    import time
+
+    from cp_factories import RouterFactory
+
+    router = RouterFactory(name="edge", metrics_url="http://edge:29000/metrics", circuit_breaker=False)
+    w = EngineWorkerFactory(router=router)
+    now = time.time()
+
+    def scrape(n: int) -> str:
+        return (
+            f'smg_worker_requests_total{{worker="{w.url}"}} {3 * n}\n'
+            f'smg_cache_aware_policy_branch_total{{branch="tree_match"}} {2 * n}\n'
+            f'smg_cache_aware_policy_branch_total{{branch="min_load"}} {n}\n'
+        )
+
+    tsdb.serve([("edge", now - 45, scrape(0)), ("edge", now - 25, scrape(10)), ("edge", now - 5, scrape(20))],
+               label="router")  # fmt: skip
+    client.force_login(personas["viewer"][0])
+    page = html.unescape(client.get(f"/routers/{router.pk}/").content.decode())
+    heading = re.search(r'data-testid="decisions-window">\(cache-aware policy: the (\d+) dispatches of the '
+                        r"last 60 s, counted by the router; a retry is another dispatch\)", page)  # fmt: skip
+    assert heading, page[page.find("Routing decisions") - 200 :][:800]
+    counts = re.findall(r'<tr data-branch="\w+">.*?<td class="num">(\d+)</td>', page)
+    assert len(counts) == 2 and int(heading.group(1)) == sum(map(int, counts)) > 0
+    assert "Dispatches (last 60 s)" in page
