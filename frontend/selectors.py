@@ -20,6 +20,7 @@ from controlplane.rebalance.services.launch import router_slo
 from controlplane.telemetry import promql, worker_view
 from controlplane.telemetry.selectors import POOLS
 from controlplane.workerclient import RouterClient, WorkerClient, WorkerError
+from engine.cache.storage.extra_keys import BACKEND_KEY_HINTS
 from engine.server.contract import CAPABILITIES, HICACHE_EXTRA_KEYS, reported_hicache_config
 
 # HiCache settings shown on the worker page, in this order (SGLang server-arg names).
@@ -272,6 +273,15 @@ def extra_config_summary(extra_config: dict | None) -> str:
     if not extra or not own:
         return total if extra else ""
     return f"{total}: {len(extra) - len(own)} for the backend, {len(own)} HiCache ({', '.join(own)})"
+
+
+def extra_key_hints(backends: list[str]) -> dict[str, tuple[tuple[str, str], ...]]:
+    """{backend: ((key, what it takes), ...)} for the storage profile form: each backend's own extra-config
+    keys as the worker's check knows them (engine/cache/storage/extra_keys.py), every backend offered."""
+    return {
+        b: BACKEND_KEY_HINTS.get(b, (("(none declared)", "the backend checks its keys when built"),))
+        for b in backends
+    }
 
 
 def storage_usage() -> list[dict]:

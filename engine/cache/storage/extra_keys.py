@@ -248,6 +248,58 @@ _CHECKS: dict[str, Callable[[dict], None]] = {
 }
 
 
+HICACHE_KEY_HINTS = (
+    ("prefetch_threshold", "int >= 0: fewest L3 tokens worth a prefetch"),
+    ("prefetch_timeout_base", "seconds >= 0"),
+    ("prefetch_timeout_per_ki_token", "seconds >= 0 per 1024 tokens"),
+    ("prefetch_timeout_max", "seconds >= 0"),
+    ("hicache_storage_pass_prefix_keys", "true | false"),
+    ("breaker_failures", "int >= 1: failed L3 calls in a row that open the breaker"),
+    ("breaker_latency_s", "seconds >= 0: a slower L3 call counts as failed"),
+    ("breaker_open_s", "seconds >= 0"),
+    ("breaker_ramp_s", "seconds >= 0"),
+    ("auto_detach_after_s", "seconds >= 0, or null: detach L3 when the breaker stays open this long"),
+    ("l2_admission", "none | tinylfu"),
+    ("l3_admission", "none | tinylfu"),
+    ("tp_lcm_size", "int >= 1: lcm of the TP sizes sharing L3"),
+)
+"""HiCache's own extra-config keys (any backend), each with what it takes: the storage profile form's hint."""
+
+BACKEND_KEY_HINTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "file": (
+        ("file_path", "directory (or file_storage_path); else $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"),
+    ),
+    "nixl": (
+        ("file_path", "directory; else $SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"),
+        ("plugin", '"POSIX" or "auto", or {"posix": {"active": true, ...}}'),
+        ("use_aio, use_uring, use_posix_aio, kernel_queue_size, ios_pool_size", "POSIX plugin parameters"),
+    ),
+    "mooncake": (
+        ("master_server_address", "host:port (without it the config file or environment is read instead)"),
+        ("metadata_server", "P2PHANDSHAKE or an http://, etcd:// or redis:// URL"),
+        ("protocol", "tcp | rdma"),
+        ("global_segment_size, local_buffer_size", 'bytes or a size such as "4gb" (> 0)'),
+        ("local_hostname, device_name, extra_backend_tag", "strings"),
+    ),
+    "lmcache": (
+        ("lmcache_url", "lm://host:port (else $LMCACHE_REMOTE_URL)"),
+        ("lmcache_timeout_s", "seconds > 0 per socket operation (default 10)"),
+    ),
+    "aibrix": (
+        (
+            "<name> or AIBRIX_KV_CACHE_OL_<NAME>",
+            "an AIBrix KVCache setting, e.g. l2_cache_backend (ROCKSDB, ...), rocksdb_root",
+        ),
+    ),
+    "dynamic": (
+        ("backend_name, module_path, class_name", "required strings: the class to load"),
+        ("interface_v1", "true | false"),
+        ("any other key", "passed to the class"),
+    ),
+}
+"""Each backend's own extra-config keys and what they take (the checks above; the form's hint)."""
+
+
 def check_extra_keys(backend: str | None, extra: dict) -> None:
     """Refuse a key or value of ``extra`` (a parsed extra config, HiCache's keys included) that HiCache or
     ``backend`` does not take (``ValueError`` starting with the key, saying what it expects): HiCache's own

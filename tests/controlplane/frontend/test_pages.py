@@ -476,3 +476,31 @@ def test_router_page_says_over_what_period_and_how_many_dispatches_its_decisions
     counts = re.findall(r'<tr data-branch="\w+">.*?<td class="num">(\d+)</td>', page)
     assert len(counts) == 2 and int(heading.group(1)) == sum(map(int, counts)) > 0
     assert "Dispatches (last 60 s)" in page
+
+
+def test_storage_form_names_each_backends_extra_config_keys_and_confirms_a_saved_profile(client, personas):
+    """Every backend the form offers has its keys (the worker's check's) in a hint, HiCache's own keys once;
+    ?created=<id> (where the form goes after a save) confirms that profile and marks its row."""
+    from cp_factories import StorageProfileFactory
+
+    from controlplane.inventory.models import StorageBackend
+    from engine.cache.storage.extra_keys import BACKEND_KEY_HINTS, HICACHE_KEY_HINTS
+
+    assert set(BACKEND_KEY_HINTS) == set(StorageBackend.values)  # a new backend needs its hint
+    client.force_login(personas["operator"][0])
+    page = html.unescape(client.get("/storage/").content.decode())
+    for backend, hints in BACKEND_KEY_HINTS.items():
+        hint = re.search(rf'<div id="hint-{backend}" data-backend="{backend}"[^>]*>(.*?)</div>', page, re.S)
+        assert hint, backend
+        assert all(f"<code>{key}</code>: {what}" in hint.group(1) for key, what in hints), backend
+    assert "<li><code>lmcache_url</code>: lm://host:port (else $LMCACHE_REMOTE_URL)</li>" in page
+    assert page.count(f"<code>{HICACHE_KEY_HINTS[0][0]}</code>: ") == 1
+    assert 'data-testid="profile-saved"' not in page
+    made = StorageProfileFactory(name="lm-east", backend="lmcache", extra_config={"lmcache_url": "lm://h:1"})
+    page = html.unescape(client.get(f"/storage/?created={made.pk}").content.decode())
+    saved = re.search(r'data-testid="profile-saved">(.*?)</p>', page, re.S)
+    assert saved and re.sub(r"<[^>]+>", "", saved.group(1)).startswith(
+        "Saved profile lm-east (lmcache, 1 extra-config key, checked as a worker checks them): an attach"
+    )
+    assert f'<tr id="profile-{made.pk}" data-profile="lm-east" class="saved">' in page
+    assert 'data-testid="profile-saved"' not in client.get("/storage/?created=999999").content.decode()
