@@ -20,6 +20,7 @@ from controlplane.rebalance.services.launch import router_slo
 from controlplane.telemetry import promql, worker_view
 from controlplane.telemetry.selectors import POOLS
 from controlplane.workerclient import RouterClient, WorkerClient, WorkerError
+from engine.cache.storage.extra_keys import BACKEND_KEY_HINTS
 from engine.server.contract import CAPABILITIES, HICACHE_EXTRA_KEYS, reported_hicache_config
 
 # HiCache settings shown on the worker page, in this order (SGLang server-arg names).
@@ -165,15 +166,80 @@ def latency_peers(*, worker: EngineWorker) -> list[EngineWorker]:
     return list(decode)
 
 
-def hicache_rows(hicache: dict) -> list[tuple[str, str, bool]]:
-    """(name, value, is_json) rows of the HiCache settings, known fields first; dicts and lists as JSON."""
+RESOLVED_FLAGS = {
+    "hicache_mem_layout": ("--hicache-mem-layout", "layer_first"),
+    "hicache_io_backend": ("--hicache-io-backend", "direct"),
+}
+"""Settings a worker may run other than as started (SGLang's corrections; it reports them resolved): flag,
+default."""
+RESOLVED_WHY = {
+    ("page_first", "page_first_direct"): "the direct io backend copies page_first as page_first_direct",
+    ("layer_first", "page_first"): "mooncake storage needs a page-first layout",
+    ("layer_first", "page_first_direct"): "mooncake storage needs a page-first layout; direct copies it as "
+    "page_first_direct",
+    ("kernel", "direct"): "the kernel io backend needs CUDA here; without it the worker copies with direct",
+}
+"""(started, resolved) -> why SGLang's corrections changed it (engine/cache/io_backends resolve_layout)."""
+
+
+def flag_value(command_line: list[str], flag: str) -> str | None:
+    """The value ``flag`` has on ``command_line`` (``--flag value`` or ``--flag=value``; the last one
+    wins, as argparse), else None."""
+    value = None
+    for i, item in enumerate(command_line):
+        if item == flag and i + 1 < len(command_line):
+            value = command_line[i + 1]
+        elif item.startswith(flag + "="):
+            value = item.split("=", 1)[1]
+    return value
+
+
+def command_line_args(command_line: list[str]) -> list[str]:
+    """``command_line`` as the pieces a line may break between: each flag with its values (``--tp-size 2``,
+    ``--enable-metrics``), the words before the first flag one by one."""
+    args: list[str] = []
+    flag_open = False
+    for item in command_line:
+        if item.startswith("-") and not _is_number(item):
+            args.append(item)
+            flag_open = "=" not in item
+        elif flag_open and args:
+            args[-1] += f" {item}"
+        else:
+            args.append(item)
+    return args
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def hicache_rows(hicache: dict, command_line: list[str] | None = None) -> list[tuple[str, str, bool, str]]:
+    """(name, value, is_json, note) rows of the HiCache settings, known fields first; dicts and lists as
+    JSON. ``note``: for a setting the worker reports resolved (``hicache_mem_layout``,
+    ``hicache_io_backend``) that differs from what its ``command_line`` started it with, both, and why;
+    else ""."""
     known = [k for k in HICACHE_FIELDS if hicache.get(k) not in (None, "")]
     rest = [k for k in sorted(hicache) if k not in HICACHE_FIELDS and hicache[k] not in (None, "", {})]
     rows = []
     for key in known + rest:
         value = hicache[key]
         is_json = isinstance(value, dict | list)
-        rows.append((key, json.dumps(value, indent=1) if is_json else str(value), is_json))
+        note = ""
+        if key in RESOLVED_FLAGS and command_line:
+            flag, default = RESOLVED_FLAGS[key]
+            started = flag_value(command_line, flag)
+            if (started or default) != value:
+                given = f"{flag} {started}" if started else f"{flag} left at its default, {default}"
+                why = RESOLVED_WHY.get(
+                    (started or default, value), "SGLang's layout / io backend corrections"
+                )
+                note = f"started with {given}; the worker reports the value it resolved it to ({why})"
+        rows.append((key, json.dumps(value, indent=1) if is_json else str(value), is_json, note))
     return rows
 
 
@@ -207,6 +273,15 @@ def extra_config_summary(extra_config: dict | None) -> str:
     if not extra or not own:
         return total if extra else ""
     return f"{total}: {len(extra) - len(own)} for the backend, {len(own)} HiCache ({', '.join(own)})"
+
+
+def extra_key_hints(backends: list[str]) -> dict[str, tuple[tuple[str, str], ...]]:
+    """{backend: ((key, what it takes), ...)} for the storage profile form: each backend's own extra-config
+    keys as the worker's check knows them (engine/cache/storage/extra_keys.py), every backend offered."""
+    return {
+        b: BACKEND_KEY_HINTS.get(b, (("(none declared)", "the backend checks its keys when built"),))
+        for b in backends
+    }
 
 
 def storage_usage() -> list[dict]:
@@ -270,15 +345,34 @@ def router_detail(*, router: Router, timeout_s: float = 2.0) -> dict:
         }
         for w in registered
     ]
+    for row in rows:
+        row["failures"], row["failures_why"] = _failures(row["breaker"], breakers)
     return {
         "router": router,
         "rows": rows,
+        "failures_note": _failures(None, breakers)[1] if not (breakers or {}).get("reachable") else "",
         "live": live,
         "error": error,
         "breakers": breakers,
         "cache_salt": cache_salt,
         "traffic": _traffic(router, live_urls if live is not None else None),
     }
+
+
+def _failures(breaker: dict | None, breakers: dict | None) -> tuple[int | None, str]:
+    """(consecutive failures the router's breaker counts for a worker, or None; why there is no figure, or
+    ""). ``breaker``: the worker's row of ``breakers["workers"]`` (None: the router has none for it)."""
+    if breakers is None:
+        return None, "not read: no metrics URL is recorded for this router"
+    if not breakers["enabled"]:
+        return None, "the router runs without a circuit breaker (--disable-circuit-breaker): it counts none"
+    if not breakers["reachable"]:
+        return None, f"not read: the router's metrics did not answer ({breakers['error']})"
+    if breaker is None:
+        return None, "not in the router's metrics (no breaker series for this worker)"
+    if breaker.get("consecutive_failures") is None:
+        return None, "the router exports no smg_worker_cb_consecutive_failures for it"
+    return breaker["consecutive_failures"], ""
 
 
 def _traffic(router: Router, listed: set[str] | None) -> dict:

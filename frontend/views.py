@@ -14,6 +14,7 @@ from controlplane.inventory.selectors import worker_isolation_blocker
 from controlplane.telemetry import hit_rate
 from controlplane.telemetry.metrics import TENANT_TOP_N
 from controlplane.telemetry.selectors import POOLS
+from engine.cache.storage.extra_keys import HICACHE_KEY_HINTS
 from engine.server.contract import ADMISSIONS, EVICTION_POLICIES
 from frontend import selectors
 
@@ -95,7 +96,8 @@ def worker(request, pk: int):
         pk,
         worker=worker,
         live=live,
-        hicache_rows=selectors.hicache_rows(hicache),
+        hicache_rows=selectors.hicache_rows(hicache, worker.command_line),
+        command_args=selectors.command_line_args(worker.command_line or []),
         pools=selectors.pool_sizes(live),
         prefetch_threshold=hicache.get("prefetch_threshold"),
         tenant_names=live.get("tenant_names", {}),
@@ -153,6 +155,7 @@ def storage(request):
     from controlplane.telemetry.selectors import storage_health
 
     health, metrics_down = storage_health()
+    created = request.GET.get("created", "")  # the profile the form just saved: confirmed at the top
     return _render(
         request,
         "storage",
@@ -160,6 +163,9 @@ def storage(request):
         health=health,
         metrics_down=metrics_down,
         backends=StorageBackend.values,  # the new-profile form offers exactly what a profile may name
+        key_hints=selectors.extra_key_hints(StorageBackend.values),
+        hicache_key_hints=HICACHE_KEY_HINTS,
+        created=StorageProfile.objects.filter(pk=created).first() if created.isdigit() else None,
     )
 
 

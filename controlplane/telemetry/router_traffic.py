@@ -11,7 +11,8 @@ scraped by the TSDB through the control plane's service discovery, which labels 
   ``smg_worker_requests_total`` (counted at each send, retries included), ``smg_worker_requests_active``,
   ``smg_worker_health``.
 - ``decisions``: ``[{branch, label, count (dispatches in the window), share}]`` of the cache-aware policy
-  (``smg_cache_aware_policy_branch_total``); empty under another policy.
+  (``smg_cache_aware_policy_branch_total``); empty under another policy. ``decided``: the sum of their
+  counts, the dispatches the window holds (0 without decisions).
 - ``imbalance``: None, or ``{worker, share, fair, cause}`` when at least ``MIN_REQUESTS`` were dispatched
   over two or more workers in the router and one took at least ``IMBALANCE_FACTOR`` times its fair share
   (1 / workers) and more than half of all. ``cause``: the other workers failing their health checks, or the
@@ -55,7 +56,8 @@ def router_traffic(*, router: Router, listed: set[str] | None = None, prom: Prom
     """The module docstring's figures for ``router``; ``listed``: the URLs the router lists now (when known,
     the imbalance check compares only those: a drained worker's share is 0 on purpose). Never raises for the
     TSDB being down (``absent`` says so); a query the TSDB refuses (a bug of ours) raises ``QueryError``."""
-    out: dict = {"window_s": WINDOW_S, "workers": [], "decisions": [], "imbalance": None, "absent": ""}
+    out: dict = {"window_s": WINDOW_S, "workers": [], "decisions": [], "decided": 0, "imbalance": None}
+    out["absent"] = ""
     out["unavailable_since"] = None
     if not router.metrics_url:
         out["absent"] = "no metrics URL recorded: the TSDB does not scrape this router"
@@ -100,6 +102,7 @@ def router_traffic(*, router: Router, listed: set[str] | None = None, prom: Prom
         for b, n in sorted(branches.items(), key=lambda kv: -kv[1])
         if decided > 0 and n > 0
     ]
+    out["decided"] = sum(d["count"] for d in out["decisions"])
     serving = [r for r in rows if listed is None or r["url"].rstrip("/") in listed]
     out["imbalance"] = _imbalance(serving, total * WINDOW_S, branches)
     return out

@@ -516,17 +516,26 @@ def _validate_dp(args: ServerArgs) -> None:
     rule) and, in this release, equal it (one attention rank per DP rank); aggregated text workers only."""
     dp, tp = args.dp_size, args.tp_size
     if args.enable_dp_attention and dp == 1:
-        raise ArgumentError("--enable-dp-attention needs --dp-size > 1 (the number of attention DP ranks)")
+        fix = f"add --dp-size {tp}" if tp > 1 else "use --tp-size N --dp-size N (N >= 2)"
+        raise ArgumentError(
+            f"--enable-dp-attention needs --dp-size > 1 (the number of attention DP ranks); {fix}, or leave "
+            "out --enable-dp-attention"
+        )
     if dp == 1:
         return
     if not args.enable_dp_attention:
+        with_tp = f" --tp-size {dp}" if tp != dp else ""
         raise ArgumentError(
             f"--dp-size {dp} without --enable-dp-attention: plain data parallelism is not built into a "
-            "worker; run several workers behind the router (cache-aware routing), or add "
-            "--enable-dp-attention for DP ranks inside this worker"
+            "worker (run several workers behind the router, cache-aware routing); did you mean "
+            f"--tp-size {dp} (tensor parallelism over {dp} GPUs) or --enable-dp-attention{with_tp} "
+            f"({dp} attention DP ranks in this worker)?"
         )
     if tp % dp:
-        raise ArgumentError(f"--dp-size {dp} must divide --tp-size {tp} (attention tp size = tp / dp)")
+        raise ArgumentError(
+            f"--dp-size {dp} must divide --tp-size {tp} (attention tp size = tp / dp); use --tp-size {dp} "
+            "(one attention rank per DP rank)"
+        )
     if tp != dp:
         raise ArgumentError(
             f"--dp-size {dp} with --tp-size {tp}: attention tensor parallelism inside a DP rank "

@@ -2,6 +2,7 @@
 worker and the worker page's bar for it and its tenants, from what the agent shipped (recorded rows with the
 workers' own attribution) and the TSDB (per tenant); what was not measured shows "—"."""
 
+import os
 import re
 import time
 
@@ -13,6 +14,11 @@ from cp_factories import AGENT_HOST, EngineWorkerFactory, HostFactory
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 P = 16
+SHOTS = os.environ.get("KVFLEET_SCREENSHOTS")
+ARGV = ["python", "-m", "engine.launch_server", "--model-path", "/models/SmolLM2-135M-Instruct", "--host",
+        "0.0.0.0", "--port", "30000", "--enable-hierarchical-cache", "--hicache-storage-backend-extra-config",
+        '{"master_server_address": "mooncake-master:50051", "protocol": "tcp", "global_segment_size": "4gb"}',
+        "--enable-metrics", "--record-trace"]  # fmt: skip
 
 
 def _row(ts, ids, length, causes, unseen, out=1, out_ids=()):
@@ -36,7 +42,8 @@ def test_fleet_and_worker_pages_stack_the_causes_between_served_share_and_ceilin
 
     host = HostFactory(name=AGENT_HOST)
     workers = {
-        n: EngineWorkerFactory(name=n, host=host, page_size=P, role="mixed") for n in ("w0", "w1", "w2")
+        n: EngineWorkerFactory(name=n, host=host, page_size=P, role="mixed", command_line=ARGV)
+        for n in ("w0", "w1", "w2")
     }
     agent = {"Authorization": f"Bearer {personas['agent'][1]}"}
     for name, row in ROWS:
@@ -48,6 +55,9 @@ def test_fleet_and_worker_pages_stack_the_causes_between_served_share_and_ceilin
         'sglang:tenant_cached_tokens_total{tenant="acme",cache_source="device"} 8\n'
         'sglang:tenant_miss_tokens_total{tenant="acme",cause="evicted_device"} 16\n'
         'sglang:tenant_miss_tokens_total{tenant="acme",cause="partial_page"} 16\n'
+        'sglang:tenant_prompt_tokens_total{tenant="none"} 20\n'  # unsalted traffic
+        'sglang:tenant_cached_tokens_total{tenant="none",cache_source="device"} 4\n'
+        'sglang:tenant_miss_tokens_total{tenant="none",cause="partial_page"} 16\n'
     )
     tsdb.serve([("w1", time.time(), text)])
 
@@ -84,6 +94,16 @@ def test_fleet_and_worker_pages_stack_the_causes_between_served_share_and_ceilin
     expect(evicted).to_have_attribute("href", "/capacity/")
     expect(evicted).to_have_attribute("title", re.compile(r"^the capacity page's what-if: how much more L1"))
     expect(card.locator(".missrow[data-name=w1] .missfacts a")).to_have_count(0)  # nothing evicted: no link
+    # unsalted traffic has the tenant table's name, "shared (no salt)", not "tenant none"
+    expect(card.locator(".missrow[data-name='shared (no salt)'] .missfacts")).to_contain_text("served 20 %")
+    expect(card.locator(".missrow[data-name='tenant none']")).to_have_count(0)
+    # the command line breaks between flag / value pairs only
+    pieces = page.get_by_test_id("command-line").locator(".arg")
+    expect(pieces).to_have_count(len(ARGV) - 5)  # "-m x" and four flags with a value are one piece each
+    heights = pieces.evaluate_all("els => els.map(e => [e.textContent, e.getBoundingClientRect().height])")
+    tall = [text for text, h in heights if h > min(h for _, h in heights) + 1]  # on two lines or more
+    assert tall == [], tall
+    page.screenshot(path=os.path.join(SHOTS or str(tmp_path), "worker-command-line.png"), full_page=True)
     # the sampled per-request view: w1's one request, its 40 tokens split as the pool's split them
     rows = card.get_by_test_id("miss-requests").locator(".missrow")
     expect(rows).to_have_count(1)

@@ -109,3 +109,45 @@ def test_a_cancelled_target_says_it_was_not_changed_and_why(
     if SHOTS:
         page.screenshot(path=os.path.join(SHOTS, "operation-cancelled.png"), full_page=True)
     assert errors == []
+
+
+def test_a_refused_step_shows_the_worker_s_message_once_and_the_worker_name_whole(
+    asgi_server, console_page, fake_worker
+):
+    """The engine refuses an attach with its JSON error body: the target row says what the worker said (the
+    message, not the JSON), the operation's explanation names the worker without repeating it, and a long
+    hyphenated worker name stays on one line."""
+    from cp_factories import StorageProfileFactory
+    from playwright.sync_api import expect
+
+    fake = fake_worker()
+    fake.refuse_attach = "lmcache_url: 'lm://cache-host' is not lm://host:port (a port in 1..65535)"
+    name = "prefill-worker-eu-west-1a-07"
+    worker = EngineWorkerFactory(name=name, url=fake.url, admin_key=fake.admin_key)
+    profile = StorageProfileFactory(name="lm", backend="lmcache", extra_config={})
+    op = operation_create(
+        kind="attach", workers=[worker], actor=None, storage_profile=profile, idle_timeout_s=5,
+        reason="refused step", dispatch=False,
+    )  # fmt: skip
+    _run_to_the_end(op)
+    op.refresh_from_db()
+    assert op.state == "failed" and '{"error"' in op.explanation, op.explanation  # raw in the record
+    page, errors = console_page("refused", "operator")
+    page.goto(f"{asgi_server}/operations/{op.pk}/")
+    expect(page.get_by_test_id("op-state")).to_have_text("failed")
+    body = page.locator("main").inner_text()
+    assert "{" not in body and '"error"' not in body, body
+    assert body.count("is not lm://host:port") == 1, body
+    row = page.locator("#op-targets tbody tr")
+    expect(row.locator("td").nth(2)).to_contain_text(
+        "worker answered 400: Failed to attach HiCache storage backend. lmcache_url: 'lm://cache-host' is not"
+    )
+    expect(page.locator("#op-explanation")).to_contain_text(f"{name} failed (see Targets)")
+    link = row.locator("td").first.locator("a")
+    expect(link).to_have_text(name)
+    height = link.evaluate("el => el.getBoundingClientRect().height")
+    line = link.evaluate("el => parseFloat(getComputedStyle(el).lineHeight) || 20")
+    assert height < 1.5 * line, (height, line)  # one line: the name is not broken at its hyphens
+    assert page.evaluate("document.documentElement.scrollWidth") == 1280
+    page.screenshot(path=os.path.join(SHOTS or "/tmp", "operation-refused.png"), full_page=True)
+    assert errors == []

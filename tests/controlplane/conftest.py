@@ -266,12 +266,15 @@ class Tsdb:
         scrapes: list[tuple[str, float, str]],
         control_plane: str | None = None,
         token: str | None = None,
+        label: str = "worker",
     ) -> None:
         """Write ``scrapes`` ([(worker name, epoch s, its /metrics text), ...]) into the TSDB's storage as if
         it had scraped them then (each series with the ``worker`` label, and ``up`` 1), then (re)start it:
         promtool's OpenMetrics import into real blocks (the past cannot be scraped). Without
         ``control_plane`` it scrapes nothing, so its series are exactly these (call again to add later
-        scrapes: a restart on the same data); with it, it goes on scraping the fleet live as :meth:`start`."""
+        scrapes: a restart on the same data); with it, it goes on scraping the fleet live as :meth:`start`.
+        ``label``: the label naming the scraped target, ``worker`` (``router`` for a router's series, whose
+        ``worker`` label is each worker's URL)."""
         import subprocess
 
         from prometheus_client.parser import text_string_to_metric_families
@@ -288,7 +291,7 @@ class Tsdb:
                 (s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples
             ]
             for name, labels, value in [*samples, ("up", {}, 1.0)]:
-                key = tuple(sorted({**labels, "worker": worker}.items()))
+                key = tuple(sorted({**labels, label: worker}.items()))
                 series.setdefault(name, {}).setdefault(key, []).append((ts, float(value)))
         lines = []
         for name in sorted(series):

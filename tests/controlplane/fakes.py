@@ -128,6 +128,7 @@ class FakeWorker(_FakeHTTP):
         self.apply_delay_s = 0.0
         self.ignore_writes = False
         self.fail_admin = False
+        self.refuse_attach: str | None = None  # PUT storage-backend: 400 with the engine's error body
         self.not_idle_puts = (
             0  # answer the next N admin writes 400 "not idle" even though server_info says idle
         )
@@ -283,6 +284,10 @@ class FakeWorker(_FakeHTTP):
                     return 400, f"Failed to update HiCache config.\n{exc}", text_t
                 self.config.update(update)
                 return 200, self.config_status(), json_t
+            if method == "PUT" and path == "/hicache/storage-backend" and self.refuse_attach:
+                message = f"Failed to attach HiCache storage backend.\n{self.refuse_attach}"
+                error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+                return 400, {"error": error}, json_t  # engine/server/http_utils.py error_response
             if method == "PUT":
                 try:
                     req = AttachRequest.model_validate(body or {})

@@ -135,6 +135,41 @@ def test_data_parallel_attention_refusals_name_the_flag_and_why(flags, refusal):
         parse_args(["--model-path", "m", *flags])
 
 
+@pytest.mark.parametrize(
+    ("flags", "suggests", "fixed"),
+    [
+        (["--dp-size", "2"], "did you mean --tp-size 2 (tensor", ["--tp-size", "2"]),
+        (
+            ["--dp-size", "2"],
+            "or --enable-dp-attention --tp-size 2 (2 attention DP ranks",
+            ["--dp-size", "2", "--enable-dp-attention", "--tp-size", "2"],
+        ),
+        (
+            ["--dp-size", "2", "--tp-size", "2"],
+            "or --enable-dp-attention (2 attention DP ranks",
+            ["--dp-size", "2", "--tp-size", "2", "--enable-dp-attention"],
+        ),
+        (
+            ["--tp-size", "4", "--enable-dp-attention"],
+            "; add --dp-size 4, or leave out",
+            ["--tp-size", "4", "--enable-dp-attention", "--dp-size", "4"],
+        ),
+        (
+            ["--dp", "2", "--enable-dp-attention"],
+            "; use --tp-size 2 (one attention rank",
+            ["--dp", "2", "--enable-dp-attention", "--tp-size", "2"],
+        ),
+    ],
+)
+def test_a_data_parallel_refusal_suggests_the_real_flags_that_make_it_start(flags, suggests, fixed):
+    """The refusal names --tp-size / --enable-dp-attention (and their values) as they fit the given flags,
+    and the command line with the suggestion added parses."""
+    with pytest.raises(ArgumentError) as exc:
+        parse_args(["--model-path", "m", *flags])
+    assert suggests in str(exc.value)
+    assert parse_args(["--model-path", "m", *fixed])
+
+
 def test_data_parallel_attention_parses_with_dp_equal_to_tp():
     args = parse_args(["--model-path", "m", "--tp", "2", "--dp-size", "2", "--enable-dp-attention"])
     assert (args.tp_size, args.dp_size, args.enable_dp_attention) == (2, 2, True)

@@ -207,9 +207,8 @@ def test_a_hicache_ratio_of_1_or_less_is_refused_when_parsing_even_without_hicac
 def test_a_bad_cache_setting_names_its_flag_once(tiny_model_dir):
     from engine.server.builder import build_engine, hicache_config
 
-    extra = parse_args(
-        ["--model-path", "m", "--hicache-storage-backend-extra-config", '{"prefetch_threshold": -1}']
-    )
+    extra = parse_args(["--model-path", "m"])  # built by hand: parse_args itself refuses it (below)
+    extra.hicache_storage_backend_extra_config = '{"prefetch_threshold": -1}'
     with pytest.raises(ArgumentError) as exc:
         hicache_config(extra)
     assert (
@@ -226,7 +225,9 @@ def test_a_bad_cache_setting_names_its_flag_once(tiny_model_dir):
         '{"prefetch_threshold": -1}',
     ]
     with pytest.raises(ArgumentError) as exc:
-        build_engine(parse_args(bad))
+        built = parse_args(bad[:2])
+        built.hicache_storage_backend_extra_config = bad[3]
+        build_engine(built)
     assert (
         str(exc.value) == "--hicache-storage-backend-extra-config: prefetch_threshold: must be >= 0, got -1"
     )
@@ -282,6 +283,75 @@ def test_a_bad_lmcache_key_is_refused_when_parsing_naming_the_flag_and_the_close
         "lmcache_url, lmcache_timeout_s); did you mean 'lmcache_url'?"
     )
     assert parse_args([*lm, '{"lmcache_timeout_s": 5}']).hicache_storage_backend == "lmcache"
+
+
+EXTRA = "--hicache-storage-backend-extra-config"
+
+
+@pytest.mark.parametrize(
+    ("backend", "extra", "message"),
+    [
+        ("file", {"prefetch_timeout_base": "2s"}, "prefetch_timeout_base: must be a number, got str '2s'"),
+        (None, {"prefetch_threshold": -1}, "prefetch_threshold: must be >= 0, got -1"),
+        (
+            "lmcache",
+            {"lmcache_timeout_s": "soon"},
+            "lmcache_timeout_s: must be a number of seconds > 0, got 'soon",
+        ),
+        ("lmcache", {"lmcache_timeout_s": -1}, "lmcache_timeout_s: must be a number of seconds > 0, got -1"),
+        (
+            "lmcache",
+            {"lmcache_url": "lm://cache-host"},
+            "lmcache_url: 'lm://cache-host' is not lm://host:port",
+        ),
+        (
+            "mooncake",
+            {"master_server_address": "master:port"},
+            "master_server_address: expected 'host:port' (a port in 1..65535), got 'master:port'",
+        ),
+        (
+            "mooncake",
+            {"master_server_address": "m:50051", "global_segment_size": -1},
+            "global_segment_size: size must be positive, got -1",
+        ),
+        (
+            "mooncake",
+            {"master_server_address": "m:50051", "local_buffer_size": "lots"},
+            "local_buffer_size: cannot parse size 'lots' (use bytes or e.g. '4gb', '512mb')",
+        ),
+        (
+            "mooncake",
+            {"master_server_address": "m:1", "protocol": "udp"},
+            "protocol: expected 'tcp' or 'rdma'",
+        ),
+        ("file", {"file_path": 3}, "file_path: must be a directory path (a non-empty string), got 3"),
+        ("dynamic", {"backend_name": "x", "module_path": "m"}, "class_name: required for the dynamic"),
+    ],
+)
+def test_a_bad_extra_config_value_is_refused_when_parsing_naming_the_flag_the_key_and_what_it_expects(
+    backend, extra, message
+):
+    """Before the model loads (parse_args loads nothing): a value the backend would refuse when built."""
+    argv = ["--model-path", "m", EXTRA, json.dumps(extra)]
+    if backend:
+        argv += ["--enable-hierarchical-cache", "--hicache-storage-backend", backend]
+    with pytest.raises(ArgumentError) as exc:
+        parse_args(argv)
+    assert str(exc.value).startswith(f"{EXTRA}: {message}")
+
+
+def test_good_extra_config_values_and_ones_the_environment_gives_pass_parsing():
+    """A mooncake extra config without a master is not read (the config file or environment is): not
+    checked; the lmcache URL may come from LMCACHE_REMOTE_URL."""
+    hicache = ["--model-path", "m", "--enable-hierarchical-cache", "--hicache-storage-backend"]
+    good = {
+        "mooncake": {"master_server_address": "10.0.0.1:1", "global_segment_size": "4gb", "protocol": "rdma"},
+        "lmcache": {"lmcache_url": "lm://[::1]:65432", "lmcache_timeout_s": 2.5, "prefetch_timeout_base": 1},
+        "file": {"file_path": "/l3", "prefetch_threshold": 0},
+    }
+    for backend, extra in good.items():
+        assert parse_args([*hicache, backend, EXTRA, json.dumps(extra)]).hicache_storage_backend == backend
+    assert parse_args([*hicache, "mooncake", EXTRA, '{"global_segment_size": "lots"}'])
 
 
 def test_grammar_and_tool_call_parser_flags():

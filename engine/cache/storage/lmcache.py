@@ -56,7 +56,7 @@ import numpy as np
 from engine.cache.storage import page_file
 from engine.cache.storage.base import HiCacheStorageConfig, HiCacheStorageExtraInfo, StorageConfigError
 from engine.cache.storage.byte_pages import BytePageStorage, Views
-from engine.cache.storage.extra_keys import check_lmcache_keys
+from engine.cache.storage.extra_keys import check_lmcache_keys, lmcache_host_port, lmcache_timeout
 from engine.cache.storage.page_file import PageFileError, PageIdentity
 
 logger = logging.getLogger(__name__)
@@ -82,20 +82,12 @@ QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux
 
 
 def parse_url(value: object, key: str = URL_KEY) -> tuple[str, int]:
-    """(host, port) of ``lm://host:port`` or ``host:port``; :class:`StorageConfigError` naming ``key``."""
-    if not isinstance(value, str) or not value.strip():
-        raise StorageConfigError(f"{key}: must be lm://host:port, got {value!r}")
-    text = value.strip()
-    if "://" in text:
-        scheme, _, text = text.partition("://")
-        if scheme != "lm":
-            raise StorageConfigError(
-                f"{key}: {value!r}: only lm:// (an lmcache_server) is served here, not {scheme}://"
-            )
-    host, sep, port = text.rstrip("/").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise StorageConfigError(f"{key}: {value!r} is not lm://host:port")
-    return host.strip("[]"), int(port)
+    """(host, port) of ``lm://host:port`` or ``host:port``; :class:`StorageConfigError` naming ``key`` (the
+    check the flag parser runs, ``extra_keys.lmcache_host_port``)."""
+    try:
+        return lmcache_host_port(value, key)
+    except ValueError as exc:
+        raise StorageConfigError(str(exc)) from None
 
 
 def resolve_config(extra: dict, environ: dict | None = None) -> tuple[str, int, float]:
@@ -113,10 +105,11 @@ def resolve_config(extra: dict, environ: dict | None = None) -> tuple[str, int, 
         host, port = parse_url(env[URL_ENV], URL_ENV)
     else:
         raise StorageConfigError(f"{URL_KEY}: no LMCache server named (lm://host:port; or set {URL_ENV})")
-    timeout = extra.get(TIMEOUT_KEY, DEFAULT_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise StorageConfigError(f"{TIMEOUT_KEY}: must be a number of seconds > 0, got {timeout!r}")
-    return host, port, float(timeout)
+    try:
+        timeout = lmcache_timeout(extra.get(TIMEOUT_KEY, DEFAULT_TIMEOUT_S))
+    except ValueError as exc:
+        raise StorageConfigError(str(exc)) from None
+    return host, port, timeout
 
 
 def wire_key(key: str) -> bytes:

@@ -14,22 +14,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 
 from engine.cache.storage.base import HiCacheStorageConfig, StorageConfigError
+from engine.cache.storage.extra_keys import MOONCAKE_P2P_HANDSHAKE as P2P_HANDSHAKE
+from engine.cache.storage.extra_keys import MOONCAKE_STRING_KEYS, mooncake_fields, split_address
+from engine.cache.storage.extra_keys import parse_size as _parse_size
 
 CONFIG_PATH_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
 DEFAULT_GLOBAL_SEGMENT_SIZE = 4 << 30
 DEFAULT_LOCAL_BUFFER_SIZE = 16 << 20
-P2P_HANDSHAKE = "P2PHANDSHAKE"
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
-_STRING_KEYS = ("master_server_address", "local_hostname", "metadata_server", "protocol", "device_name")
-_KNOWN_KEYS = frozenset(
-    (*_STRING_KEYS, "global_segment_size", "local_buffer_size", "extra_backend_tag", "master_metrics_port",
-     "check_server")
-)  # fmt: skip
+_STRING_KEYS = MOONCAKE_STRING_KEYS
 _ENV = {
     "master_server_address": "MOONCAKE_MASTER",
     "local_hostname": "LOCAL_HOSTNAME",
@@ -42,24 +37,19 @@ _ENV = {
 
 
 def parse_size(key: str, value: int | str) -> int:
-    """Bytes from an int or a size string (``"4gb"``, ``"512 MiB"``, ``"1024"``); positive only."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise StorageConfigError(f"{key}: expected an integer or a size string like '4gb', got {value!r}")
-    if isinstance(value, str):
-        match = _SIZE_RE.fullmatch(value)
-        if match is None:
-            raise StorageConfigError(f"{key}: cannot parse size {value!r} (use bytes or e.g. '4gb', '512mb')")
-        value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise StorageConfigError(f"{key}: size must be positive, got {value!r}")
-    return value
+    """Bytes from an int or a size string (``"4gb"``, ``"512 MiB"``, ``"1024"``); positive only
+    (the check the flag parser runs, ``extra_keys.parse_size``, as a :class:`StorageConfigError`)."""
+    try:
+        return _parse_size(key, value)
+    except ValueError as exc:
+        raise StorageConfigError(str(exc)) from None
 
 
 def _split_address(key: str, address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise StorageConfigError(f"{key}: expected 'host:port', got {address!r}")
-    return host, int(port)
+    try:
+        return split_address(key, address)
+    except ValueError as exc:
+        raise StorageConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -105,36 +95,16 @@ class MooncakeConfig:
 
     @classmethod
     def _validated(cls, raw: dict, source: str, tp_size: int) -> MooncakeConfig:
-        unknown = sorted(set(raw) - _KNOWN_KEYS)
-        if unknown:
-            raise StorageConfigError(
-                f"{unknown[0]}: unknown Mooncake config key (from {source}); "
-                f"known: {', '.join(sorted(_KNOWN_KEYS))}"
-            )
-        fields: dict = {"source": source}
-        for key in (*_STRING_KEYS, "extra_backend_tag"):
-            if key in raw:
-                if not isinstance(raw[key], str):
-                    raise StorageConfigError(f"{key}: expected a string, got {type(raw[key]).__name__}")
-                fields[key] = raw[key]
-        if not fields.get("master_server_address"):
-            raise StorageConfigError(f"master_server_address: required (from {source})")
-        _split_address("master_server_address", fields["master_server_address"])
-        if fields.get("protocol", "tcp") not in ("tcp", "rdma"):
-            raise StorageConfigError(f"protocol: expected 'tcp' or 'rdma', got {fields['protocol']!r}")
-        metadata = fields.get("metadata_server", P2P_HANDSHAKE)
-        if metadata != P2P_HANDSHAKE and not re.match(r"(https?|etcd|redis)://", metadata):
-            raise StorageConfigError(
-                f"metadata_server: expected {P2P_HANDSHAKE} or an http://, etcd:// or redis:// URL, "
-                f"got {metadata!r}"
-            )
-        sizes = {
-            "global_segment_size": DEFAULT_GLOBAL_SEGMENT_SIZE,
-            "local_buffer_size": DEFAULT_LOCAL_BUFFER_SIZE,
-        }
-        for key, default in sizes.items():
-            fields[key] = max(1, parse_size(key, raw.get(key, default)) // tp_size)
-        return cls(**fields)
+        try:  # the check the flag parser runs on an extra config that names a master (extra_keys.py)
+            fields = mooncake_fields(raw, source)
+        except ValueError as exc:
+            raise StorageConfigError(str(exc)) from None
+        for key, default in (
+            ("global_segment_size", DEFAULT_GLOBAL_SEGMENT_SIZE),
+            ("local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE),
+        ):
+            fields[key] = max(1, fields.get(key, default) // tp_size)
+        return cls(**fields, source=source)
 
 
 def _load_file(path: str) -> dict:

@@ -399,3 +399,135 @@ def test_a_console_error_is_the_consoles_500_and_the_api_keeps_json(personas, mo
     api = client.get("/api/v1/inventory/hosts/")
     assert (api.status_code, api["Content-Type"]) == (500, "application/json")
     assert api.json()["error"]["code"] == "server_error"
+
+
+def test_worker_page_breaks_its_command_line_between_flags_and_names_a_resolved_layout(
+    client, personas, fake_worker
+):
+    """Each flag with its value is one piece the line may not break inside; a mem layout the worker reports
+    resolved (page_first started, page_first_direct run: the direct io backend's correction) shows the
+    reported value with what it was started with and why."""
+    fake = fake_worker()
+    fake.config["hicache_mem_layout"] = "page_first_direct"
+    argv = ["python", "-m", "engine.launch_server", "--model-path", "/models/SmolLM2-135M-Instruct",
+            "--enable-hierarchical-cache", "--hicache-mem-layout", "page_first", "--hicache-ratio=2",
+            "--random-seed", "-1"]  # fmt: skip
+    worker = EngineWorkerFactory(url=fake.url, hicache_config={}, command_line=argv)
+    client.force_login(personas["viewer"][0])
+    page = client.get(f"/workers/{worker.pk}/").content.decode()
+    args = re.findall(r'<span class="arg">([^<]*)</span>', page)
+    assert args == ["python", "-m engine.launch_server", "--model-path /models/SmolLM2-135M-Instruct",
+                    "--enable-hierarchical-cache", "--hicache-mem-layout page_first", "--hicache-ratio=2",
+                    "--random-seed -1"]  # fmt: skip
+    note = re.search(r'data-field="hicache_mem_layout">([^<]*)<', page)
+    assert note and html.unescape(note.group(1)) == (
+        "started with --hicache-mem-layout page_first; the worker reports the value it resolved it to (the "
+        "direct io backend copies page_first as page_first_direct)"
+    )
+    assert "<code>page_first_direct</code>" in page
+    assert 'data-field="hicache_io_backend"' not in page  # direct as started (the default): no note
+
+
+def test_router_page_says_why_a_worker_has_no_consecutive_failures_figure(
+    client, personas, fake_router, router_metrics
+):
+    """A figure where the router counts one; else why not: per worker (no breaker series, none exported),
+    or once for the table (breaker off, no metrics URL, metrics not answering)."""
+    from cp_factories import RouterFactory
+
+    client.force_login(personas["viewer"][0])
+    url, metrics = router_metrics
+    router = RouterFactory(name="edge", url=fake_router.url, metrics_url=url, circuit_breaker=True)
+    counted, unexported, missing = (EngineWorkerFactory(router=router) for _ in range(3))
+    metrics["text"] = (
+        "# TYPE smg_worker_cb_state gauge\n"
+        f'smg_worker_cb_state{{worker="{counted.url}"}} 0\n'
+        f'smg_worker_cb_state{{worker="{unexported.url}"}} 0\n'
+        "# TYPE smg_worker_cb_consecutive_failures gauge\n"
+        f'smg_worker_cb_consecutive_failures{{worker="{counted.url}"}} 2\n'
+    )
+
+    def cells(page: str) -> dict[str, str]:
+        rows = re.findall(
+            r'<a href="/workers/\d+/">([^<]+)</a>.*?data-testid="failures">(.*?)</td>', page, re.S
+        )
+        return {name: re.sub(r"<[^>]+>", "", cell) for name, cell in rows}
+
+    page = html.unescape(client.get(f"/routers/{router.pk}/").content.decode())
+    assert cells(page) == {
+        counted.name: "2",
+        unexported.name: "– the router exports no smg_worker_cb_consecutive_failures for it",
+        missing.name: "– not in the router's metrics (no breaker series for this worker)",
+    }
+    router.circuit_breaker = False
+    router.save()
+    page = html.unescape(client.get(f"/routers/{router.pk}/").content.decode())
+    assert set(cells(page).values()) == {"–"}
+    assert (
+        "None here: the router runs without a circuit breaker (--disable-circuit-breaker): it counts none."
+        in page
+    )
+    router.circuit_breaker, router.metrics_url = True, ""
+    router.save()
+    page = html.unescape(client.get(f"/routers/{router.pk}/").content.decode())
+    assert "None here: not read: no metrics URL is recorded for this router." in page
+
+
+def test_router_page_says_over_what_period_and_how_many_dispatches_its_decisions_count(
+    tsdb, client, personas
+):
+    """The decisions table is the router's cache-aware branch counter over the traffic window: its heading
+    says the window and how many dispatches that is (the sum of the rows)."""
+    import time
+
+    from cp_factories import RouterFactory
+
+    router = RouterFactory(name="edge", metrics_url="http://edge:29000/metrics", circuit_breaker=False)
+    w = EngineWorkerFactory(router=router)
+    now = time.time()
+
+    def scrape(n: int) -> str:
+        return (
+            f'smg_worker_requests_total{{worker="{w.url}"}} {3 * n}\n'
+            f'smg_cache_aware_policy_branch_total{{branch="tree_match"}} {2 * n}\n'
+            f'smg_cache_aware_policy_branch_total{{branch="min_load"}} {n}\n'
+        )
+
+    tsdb.serve([("edge", now - 45, scrape(0)), ("edge", now - 25, scrape(10)), ("edge", now - 5, scrape(20))],
+               label="router")  # fmt: skip
+    client.force_login(personas["viewer"][0])
+    page = html.unescape(client.get(f"/routers/{router.pk}/").content.decode())
+    heading = re.search(r'data-testid="decisions-window">\(cache-aware policy: the (\d+) dispatches of the '
+                        r"last 60 s, counted by the router; a retry is another dispatch\)", page)  # fmt: skip
+    assert heading, page[page.find("Routing decisions") - 200 :][:800]
+    counts = re.findall(r'<tr data-branch="\w+">.*?<td class="num">(\d+)</td>', page)
+    assert len(counts) == 2 and int(heading.group(1)) == sum(map(int, counts)) > 0
+    assert "Dispatches (last 60 s)" in page
+
+
+def test_storage_form_names_each_backends_extra_config_keys_and_confirms_a_saved_profile(client, personas):
+    """Every backend the form offers has its keys (the worker's check's) in a hint, HiCache's own keys once;
+    ?created=<id> (where the form goes after a save) confirms that profile and marks its row."""
+    from cp_factories import StorageProfileFactory
+
+    from controlplane.inventory.models import StorageBackend
+    from engine.cache.storage.extra_keys import BACKEND_KEY_HINTS, HICACHE_KEY_HINTS
+
+    assert set(BACKEND_KEY_HINTS) == set(StorageBackend.values)  # a new backend needs its hint
+    client.force_login(personas["operator"][0])
+    page = html.unescape(client.get("/storage/").content.decode())
+    for backend, hints in BACKEND_KEY_HINTS.items():
+        hint = re.search(rf'<div id="hint-{backend}" data-backend="{backend}"[^>]*>(.*?)</div>', page, re.S)
+        assert hint, backend
+        assert all(f"<code>{key}</code>: {what}" in hint.group(1) for key, what in hints), backend
+    assert "<li><code>lmcache_url</code>: lm://host:port (else $LMCACHE_REMOTE_URL)</li>" in page
+    assert page.count(f"<code>{HICACHE_KEY_HINTS[0][0]}</code>: ") == 1
+    assert 'data-testid="profile-saved"' not in page
+    made = StorageProfileFactory(name="lm-east", backend="lmcache", extra_config={"lmcache_url": "lm://h:1"})
+    page = html.unescape(client.get(f"/storage/?created={made.pk}").content.decode())
+    saved = re.search(r'data-testid="profile-saved">(.*?)</p>', page, re.S)
+    assert saved and re.sub(r"<[^>]+>", "", saved.group(1)).startswith(
+        "Saved profile lm-east (lmcache, 1 extra-config key, checked as a worker checks them): an attach"
+    )
+    assert f'<tr id="profile-{made.pk}" data-profile="lm-east" class="saved">' in page
+    assert 'data-testid="profile-saved"' not in client.get("/storage/?created=999999").content.decode()

@@ -39,11 +39,14 @@ def test_a_nixl_profile_is_kept_and_an_unbuilt_backend_is_refused(api_as):
         ("lmcache", {"lmcache_urll": "lm://h:1"}, "lmcache_urll: not an lmcache backend key"),
         ("lmcache", {"lmcache_urll": "lm://h:1"}, "did you mean 'lmcache_url'?"),
         ("aibrix", {"rocksdb_rot": "/l3"}, "rocksdb_rot: not an AIBrix KVCache setting"),
+        ("lmcache", {"lmcache_timeout_s": "ten"}, "lmcache_timeout_s: must be a number of seconds > 0"),
+        ("mooncake", {"master_server_address": "m"}, "master_server_address: expected 'host:port'"),
+        ("file", {"prefetch_timeout_max": -5}, "prefetch_timeout_max: must be >= 0, got -5"),
     ],
 )
 def test_a_key_the_backend_does_not_take_is_refused_naming_it(api_as, backend, extra, says):
-    """The worker's own flag check, run when the profile is saved: before, any key was kept and an attach
-    found it on the workers. Nothing is saved."""
+    """The worker's own flag check (keys and values), run when the profile is saved: before, any key or
+    value was kept and an attach found it on the workers. Nothing is saved."""
     if backend == "aibrix" and importlib.util.find_spec("aibrix_kvcache") is None:
         pytest.skip("aibrix-kvcache not installed: its keys are checked where it is")
     refused = api_as("operator").post(

@@ -60,8 +60,8 @@ KV.ready(function () {
     KV.fill(KV.$("#op-facts"), Object.assign(view, {
       policy_text: op.policy.replace(/_/g, " ") + (op.drain ? ", drained from router while applying" : ""),
       change: change(), idle_timeout: op.idle_timeout_s + " s",
-      explanation_text: op.state === "running" ? (op.cancel_requested ? "Cancel requested." : "Running.") : KV.readable(op.explanation),
-      duration: view.duration, outcome_text: KV.outcomeText(op)
+      explanation_text: op.state === "running" ? (op.cancel_requested ? "Cancel requested." : "Running.") : KV.opExplanation(op),
+      duration: view.duration, outcome_text: KV.outcomeText(op, true)
     }));
     var cancel = KV.$("#cancel");
     if (cancel) { cancel.hidden = op.state !== "running"; cancel.disabled = !!op.cancel_requested; }

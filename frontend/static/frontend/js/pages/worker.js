@@ -12,6 +12,15 @@
    the label). An EPD encoder's page has its own charts instead (its template has #chart-images): images/s
    and encode seconds per second (1 min rates), mean encode time per image and the local / global
    embedding cache hit rates (1 min); an encoder reports no KV figure. */
+/* A tenant label (sglang's per-tenant metric label) as this page names it everywhere, the tenant table and
+   the miss bars alike: unsalted traffic ("none") is "shared (no salt)", a label the worker's tenants file
+   names "<name> (<label>)". */
+KV.tenantName = function (label) {
+  if (label === "none") return "shared (no salt)";
+  if (label === "other") return "other";
+  var names = JSON.parse((KV.$("#tenant-names") || {}).textContent || "{}");
+  return names[label] ? names[label] + " (" + label + ")" : label;
+};
 KV.ready(function () {
   "use strict";
   var TIERS = ["device", "host", "storage"];
@@ -127,12 +136,7 @@ KV.ready(function () {
     auto.hidden = out == null || !ts;
     if (!auto.hidden) KV.time.set(KV.$("#breaker-auto-since"), ts - out);
   }
-  var TENANT_NAMES = JSON.parse((KV.$("#tenant-names") || {}).textContent || "{}");
-  function tenantName(label) {
-    if (label === "none") return "shared (no salt)";
-    if (label === "other") return "other";
-    return TENANT_NAMES[label] ? TENANT_NAMES[label] + " (" + label + ")" : label;
-  }
+  var tenantName = KV.tenantName;
   /* a table row: the first text a row header, the rest right-aligned number cells */
   function headedRow(texts) {
     var tr = document.createElement("tr");
@@ -237,7 +241,8 @@ KV.ready(function () {
     var rows = [[name, mine, "no recorded traffic with miss attribution from this worker: start it with --record-trace"]];
     (res.tenants || []).forEach(function (t) {
       var f = t.workers[name];
-      if (f) rows.push(["tenant " + t.tenant, f, "no prompt tokens from this tenant"]);
+      var label = KV.tenantName(t.tenant);
+      if (f) rows.push([t.tenant === "none" ? label : "tenant " + label, f, "no prompt tokens from this tenant"]);
     });
     KV.missBars(box, rows, res.causes);
     if (res.tenants == null) {
