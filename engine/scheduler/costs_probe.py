@@ -40,6 +40,10 @@ from engine.model.forward_batch import ForwardBatch
 DEFAULT_SIZES = (16, 256, 1024, 4096)
 """Tokens probed when no sizes are given (each rounded up to whole pages, capped by :func:`limit`)."""
 
+MIN_DEFAULT = 3
+"""The default sizes are filled up with the smallest page multiples to at least this many while they fit:
+the control plane's crossover fits an operation from 3 observations on (``MIN_OPERATIONS``)."""
+
 MAX_SIZES = 8
 """At most this many sizes per probe."""
 
@@ -73,15 +77,22 @@ def limit(sched) -> int:
 
 
 def plan(sizes: tuple[int, ...] | None, page_size: int, cap: int) -> list[int]:
-    """The sizes to probe: each rounded up to whole pages, duplicates dropped, ascending. None: the default
-    sizes within ``cap`` (at least one page). Raises ``ValueError`` naming ``sizes`` for an empty list, more
-    than ``MAX_SIZES``, a size < 1 or one over ``cap``, and when ``cap`` is under one page."""
+    """The sizes to probe (tokens): each rounded up to whole pages, duplicates dropped, ascending. None: the
+    default sizes within ``cap`` (floored to whole pages), at least ``MIN_DEFAULT`` of them where ``cap``
+    holds as many pages. Raises ``ValueError`` naming ``sizes`` for an empty list, more than ``MAX_SIZES``, a
+    size < 1 or one over ``cap``, and when ``cap`` is under one page."""
+    cap = cap // page_size * page_size
     if cap < page_size:
         raise ValueError(
             f"sizes: not even one page ({page_size} tokens) of free L1/L2 slots to probe with (free: {cap})"
         )
     if sizes is None:
-        return sorted({min(-(-s // page_size) * page_size, cap) for s in DEFAULT_SIZES})
+        chosen = {min(-(-s // page_size) * page_size, cap) for s in DEFAULT_SIZES}
+        for n in range(page_size, cap + 1, page_size):  # small pools: at least MIN_DEFAULT sizes if they fit
+            if len(chosen) >= MIN_DEFAULT:
+                break
+            chosen.add(n)
+        return sorted(chosen)
     if not sizes or len(sizes) > MAX_SIZES:
         raise ValueError(f"sizes: give 1 to {MAX_SIZES} sizes in tokens, got {len(sizes)}")
     out = set()

@@ -50,19 +50,20 @@ def test_probe_measures_three_operations_and_leaves_the_cache_as_it_was(serve, t
     assert got.status_code == 200, got.text
     answer = got.json()
     assert answer["page_size"] == PAGE and answer["skipped"] == []
-    # 16, 256, 1024, 4096 capped by one prefill pass (chunked prefill 64): 16 and 64, each operation once
+    # 16, 256, 1024, 4096 capped by one prefill pass (chunked prefill 64): 16 and 64, filled up with 32 to
+    # the 3 sizes the crossover's fit needs; each operation once per size
     measured = sorted((m["operation"], m["tokens"]) for m in answer["measured"])
-    assert measured == sorted((op, n) for op in ("prefill", "load_back", "prefetch") for n in (16, 64))
+    assert measured == sorted((op, n) for op in ("prefill", "load_back", "prefetch") for n in (16, 32, 64))
     assert all(m["seconds"] > 0 for m in answer["measured"])
     costs = client.get("/hicache/costs", headers=AUTH).json()["operations"]
     for op in ("prefill", "load_back", "prefetch"):  # the same sums traffic feeds: the crossover reads them
-        assert sum(b["count"] for b in costs[op]) == 2, (op, costs)
-        assert sum(b["tokens"] for b in costs[op]) == 80, (op, costs)
+        assert sum(b["count"] for b in costs[op]) == 3, (op, costs)
+        assert sum(b["tokens"] for b in costs[op]) == 112, (op, costs)
     wait_idle(engine)
     assert _occupancy(engine) == before  # no tree node, no L1 or L2 slot left behind
 
     # the probe's own tokens as a real prompt: no hit in L1, L2 or L3 (its L3 pages are under another salt)
-    prompt = synthetic_tokens(1, 64, SYNTHETIC_VOCAB) + [7, 8, 9]
+    prompt = synthetic_tokens(2, 64, SYNTHETIC_VOCAB) + [7, 8, 9]
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     resp = client.post("/generate", json=body)
     assert resp.status_code == 200, resp.text
