@@ -66,14 +66,15 @@ class ProbeStarted:
 def limit(sched) -> int:
     """The largest size (tokens, whole pages) a probe may use now: the free L1 slots, the free L2 slots (half
     of them with L3: two host copies per size) and one prefill pass (``chunked_prefill_size``, else
-    ``max_prefill_tokens``)."""
+    ``max_prefill_tokens``); at tp > 1 the smallest over the ranks, so every rank runs the same passes."""
     cache = sched.cache
     assert cache.host_pool is not None, "the probe runs only with a hierarchical cache"
     host = cache.host_pool.available_size() // (2 if cache.storage.backend is not None else 1)
     chunk = sched.config.chunked_prefill_size
     one_pass = chunk if chunk > 0 else sched.config.max_prefill_tokens
     page = cache.page_size
-    return min(cache.device_allocator.available_size(), host, one_pass) // page * page
+    cap = min(cache.device_allocator.available_size(), host, one_pass) // page * page
+    return cache.reduce("min", [cap])[0]  # tensor parallel: every rank probes the same sizes (one forward)
 
 
 def plan(sizes: tuple[int, ...] | None, page_size: int, cap: int) -> list[int]:

@@ -10,8 +10,9 @@ import threading
 import time
 
 import httpx
-from server_testlib import wait_idle
+from server_testlib import model_testlib, wait_idle
 
+from engine.bench.launcher import ServerProcess
 from engine.scheduler.costs_probe import SYNTHETIC_VOCAB, synthetic_tokens
 
 PAGE = 16
@@ -129,3 +130,25 @@ def test_probe_without_l3_measures_prefill_and_load_back(serve):
     assert answer["skipped"] == [{"operation": "prefetch", "tokens": 16, "why": "no L3 backend attached"}]
     wait_idle(server.engine)
     assert _occupancy(server.engine) == before
+
+
+def test_probe_at_tp2_runs_on_every_rank_and_leaves_them_in_step(tmp_path):
+    """At tp 2 every rank runs the probe's passes (the same sizes: the smallest cap over the ranks) and its
+    L3 round trip on its own shard; the ranks then still serve a request together, with no probe hit."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model_testlib().save_tiny_model(folder, "llama", seed=11, num_attention_heads=8, num_key_value_heads=4)
+    extra = json.dumps({"file_path": str(tmp_path / "l3"), "prefetch_threshold": 4})
+    flags = ["--model-path", str(folder), "--tp", "2", "--page-size", "4", "--max-total-tokens", "96",
+             "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+             "--hicache-storage-backend-extra-config", extra, "--admin-api-key", "probe-admin"]  # fmt: skip
+    with ServerProcess(flags) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        got = client.post("/hicache/costs/probe", headers=AUTH)
+        assert got.status_code == 200, got.text
+        ops = {m["operation"] for m in got.json()["measured"]}
+        assert ops == {"prefill", "load_back", "prefetch"}, got.json()
+        prompt = synthetic_tokens(0, 4, SYNTHETIC_VOCAB) + [7, 8, 9]
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        resp = client.post("/generate", json=body)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["meta_info"]["cached_tokens"] == 0
