@@ -10,7 +10,8 @@ added).
 Per size ``n`` (tokens, whole pages), on the scheduler thread while idle (:func:`start`):
 
 - ``prefill``: one forward pass over ``n`` synthetic tokens into ``n`` scratch L1 slots (the runner's
-  forward, as a prefill batch runs it), timed until the logits are on the host;
+  forward, as a prefill batch runs it), timed from building the batch until the argmax of its logits is on
+  the host;
 - ``load_back``: the pass's KV copied L1 -> L2 into ``n`` scratch host slots, then copied back L2 -> L1 with
   the load thread's copy routine (``HiCacheController.probe_load``), timed until the bytes are in L1;
 - ``prefetch`` (an L3 backend attached): the host copy is written to L3 under the page keys of the synthetic
@@ -22,8 +23,9 @@ Why scratch slots and no radix tree: the probe's pages are never inserted, so no
 (L1/L2), nothing of the traffic's cache is evicted to make room (sizes are capped by the free slots), and
 nothing is to be removed afterwards except the slots themselves. The L1 slots are freed before ``start``
 returns; the host slots come back through the prefetch thread's release queue (:func:`finish` processes it),
-or at once without L3. The L3 pages stay in the store (no backend has a per-key delete) under keys no
-request can compute; the store's own eviction or a clear removes them.
+or at once without L3. At tp > 1 every rank runs it (an announced admin message) with the same sizes; with
+DP attention the route probes DP rank 0. The L3 pages stay in the store (no backend has a per-key delete)
+under keys no request can compute; the store's own eviction or a clear removes them.
 """
 
 from __future__ import annotations
@@ -139,8 +141,8 @@ def start(sched, sizes: tuple[int, ...] | None) -> ProbeStarted:
         assert device is not None and host is not None, "plan() capped sizes by the free slots"
         keep_host = False
         try:
+            began = time.perf_counter()  # as a prefill batch is timed: from building the batch
             batch = ForwardBatch.from_sequences([tokens], [device], None, sched.pool.device)
-            began = time.perf_counter()
             logits = sched.runner.forward(batch, sched.pool)
             logits.argmax(-1).tolist()  # on the host: the pass has finished on the device
             seconds = time.perf_counter() - began
