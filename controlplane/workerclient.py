@@ -147,6 +147,13 @@ class WorkerClient:
     def update_hicache_config(self, fields: dict) -> dict:
         return self._call("PUT", "/hicache/config", json=fields, key=self.admin_key).json()
 
+    def probe_costs(self, sizes: list[int] | None = None) -> dict:
+        """POST /hicache/costs/probe (KVFleet only, idle-gated): the worker measures prefill, load-back and
+        (with L3) prefetch at ``sizes`` tokens (None: its defaults) into its ``sglang:kv_cost_*`` counters;
+        its ``CostProbeResult`` (``page_size``, ``measured``, ``skipped``). WorkerNotIdle while it serves."""
+        body = {"sizes": sizes} if sizes is not None else None
+        return self._call("POST", "/hicache/costs/probe", json=body, key=self.admin_key, change=True).json()
+
     def pd_role(self) -> str:
         """The worker's PD role read back from /server_info: "prefill", "decode" or "null" (not PD)."""
         return self.server_info()["disaggregation_mode"]

@@ -477,3 +477,46 @@ def crossover_apply(*, worker_name: str, window_s: int | None = None, actor, rea
         "recommended": content,
         "tiers": answer["tiers"],
     }
+
+
+def crossover_probe(*, worker_name: str, sizes: list[int] | None = None, actor, reason: str = "") -> dict:
+    """Run worker ``worker_name``'s cost probe (``POST /hicache/costs/probe``, docs/capacity.md "The probe,
+    when traffic is thin"): it measures prefill, load-back and (with L3) prefetch at ``sizes`` tokens (None:
+    the worker's defaults) into the same counters the crossover reads, so its next scrape gives a worker with
+    thin traffic a crossover. Audited (``crossover_probe``). Returns ``{"worker", "page_size", "measured",
+    "skipped"}`` (the worker's ``CostProbeResult``).
+
+    Raises ``ApplicationError`` 400 naming ``worker`` (no such worker, or no admin key for it) or ``sizes``
+    (the worker refused them), ``ConflictError`` 409 ``not_idle`` while the worker serves requests,
+    ``ServiceUnavailable`` 503 ``worker_unreachable``, ``ApplicationError`` 502 ``worker_rejected`` for any
+    other refusal (its answer quoted)."""
+    from controlplane.audit.services import audit_record
+    from controlplane.core.exceptions import ApplicationError, ConflictError, ServiceUnavailable
+    from controlplane.inventory.models import EngineWorker
+    from controlplane.workerclient import WorkerClient, WorkerNotIdle, WorkerRejected, WorkerUnreachable
+
+    worker = EngineWorker.objects.filter(name=worker_name).first()
+    why = f"no worker {worker_name!r}" if worker is None else ""
+    if worker is not None and not worker.admin_key:
+        why = f"{worker.name}: no admin key in the inventory (the probe is an admin route)"
+    if worker is None or why:
+        raise ApplicationError(why, code="validation_error", detail={"worker": [why]})
+    client = WorkerClient(worker.url, admin_key=worker.admin_key)
+    try:
+        answer = client.probe_costs(sizes)
+    except WorkerNotIdle as exc:
+        raise ConflictError(f"{worker.name} is not idle: {exc}", code="not_idle") from exc
+    except WorkerUnreachable as exc:
+        raise ServiceUnavailable(f"{worker.name}: {exc}", code="worker_unreachable") from exc
+    except WorkerRejected as exc:
+        if exc.status == 400 and "sizes" in (exc.body or ""):
+            raise ApplicationError(str(exc), code="validation_error", detail={"sizes": [str(exc)]}) from exc
+        raise ApplicationError(str(exc), code="worker_rejected", status_code=502) from exc
+    audit_record(
+        action="crossover_probe",
+        obj=worker,
+        message=reason or "cost probe",
+        extra={"sizes": sizes, "measured": answer.get("measured"), "skipped": answer.get("skipped")},
+        actor=actor,
+    )
+    return {"worker": worker.name, **answer}

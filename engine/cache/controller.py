@@ -19,6 +19,7 @@ ranks so every rank applies the same mutations in the same order.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -107,6 +108,22 @@ class HostSlotsReleased:
     """Host slots a prefetch reserved and did not fill, for the scheduler thread to free."""
 
     slots: torch.Tensor
+
+
+@dataclass
+class StorageProbe:
+    """A cost probe's L3 round trip on the prefetch thread (engine/scheduler/costs_probe.py): the filled
+    host slots ``source`` (``len(token_ids)`` slots, whole pages) are written to L3 under the chained page
+    keys of ``token_ids`` in key space ``salt`` (as an L2 -> L3 backup writes), then read back into the host
+    slots ``scratch`` (as many) as one timed prefetch (hit query plus reads), which is observed as a
+    ``prefetch`` cost. Both slot sets come back as one :class:`HostSlotsReleased`; ``done`` then gets
+    ``(tokens, seconds)`` of the read, or None when the store took or gave back nothing."""
+
+    token_ids: list[int]
+    salt: str
+    source: torch.Tensor
+    scratch: torch.Tensor
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 CacheEvent = WriteDone | LoadDone | PrefetchRevoked | BackupDone | HostSlotsReleased
@@ -224,18 +241,34 @@ class HiCacheController:
         self._load_acks.append(merged)
         self._loader.put(merged)
 
-    def _run_load(self, op: CopyOperation) -> None:
+    def _copy_in(self, op: CopyOperation) -> float:
+        """Copy ``op`` L2 -> L1 layer by layer (setting its per-layer events); the wall seconds until every
+        byte is in L1."""
         start = time.perf_counter()
         plan = self.io.prepare_load(op.device_indices, op.host_indices, op.after)
         for layer in range(self.num_layers):
             op.layer_ready[layer] = self.io.load_layer(layer, plan)
             op.layer_done[layer].set()
         self.io.synchronize(op.layer_ready[-1])  # the ack means the bytes are in L1
-        seconds = time.perf_counter() - start
+        return time.perf_counter() - start
+
+    def _run_load(self, op: CopyOperation) -> None:
+        seconds = self._copy_in(op)
         self.stats.add(bytes_h2d=len(op.device_indices) * self.io.bytes_per_token, load_back_seconds=seconds)
         self.stats.observe("load_back_duration_seconds", seconds)
         self.stats.costs.observe("load_back", len(op.device_indices), seconds)
         op.done.set()
+
+    def probe_load(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> float:
+        """A cost probe's load-back: copy ``host_indices`` into ``device_indices`` (scratch slots, no tree
+        node) on the calling thread with the load thread's copy routine, observe it as a ``load_back`` cost
+        and return its wall seconds. Queues nothing and acknowledges nothing; the load-back byte counters and
+        histograms (traffic's) are left alone. Call only with no load queued or running."""
+        assert not self._load_queue and not self._load_acks, "the probe runs with no load in flight"
+        op = CopyOperation(device_indices, host_indices, [], self.num_layers, after=self.io.compute_mark())
+        seconds = self._copy_in(op)
+        self.stats.costs.observe("load_back", len(device_indices), seconds)
+        return seconds
 
     def wait_layer(self, layer: int) -> None:
         """Until the latest started load has copied ``layer`` (earlier loads finish first): on CPU block,
@@ -375,7 +408,43 @@ class HiCacheController:
         assert self._prefetcher is not None, "storage I/O runs only while a backend is attached"
         self._prefetcher.put(op)
 
-    def _run_prefetch(self, op: PrefetchOperation) -> None:
+    def probe_storage(self, probe: StorageProbe) -> None:
+        """Queue a cost probe's L3 round trip behind the prefetches (it counts as prefetch I/O in flight
+        until done, so idle-gated admin changes wait for it)."""
+        assert self._prefetcher is not None, "storage I/O runs only while a backend is attached"
+        self._prefetcher.put(probe)
+
+    def _run_storage_probe(self, probe: StorageProbe) -> None:
+        P = self.page_size
+        assert self.namespace is not None, "storage I/O runs only while a backend is attached"
+        result: tuple[int, float] | None = None
+        try:
+            keys = page_hashes(probe.token_ids, P, None, salted_namespace(self.namespace, probe.salt))
+            write = BackupOperation(probe.source, keys, payload=None)
+            self._write_pages(write)  # as an L2 -> L3 backup
+            if write.completed_tokens:
+                op = PrefetchOperation("cost-probe", probe.token_ids, probe.scratch, None, salt=probe.salt)
+                began = time.perf_counter()  # as _prefetch times it: hit query, then reads
+                hit_pages = self._query_hits(op, keys)
+                op.hash_value = keys[:hit_pages]
+                self._read_pages(op, op.hash_value, probe.scratch[: hit_pages * P])
+                seconds = time.perf_counter() - began
+                self.stats.costs.observe("prefetch", op.completed_tokens, seconds)
+                result = (op.completed_tokens, seconds) if op.completed_tokens else None
+        except Exception as exc:
+            self._released.append(torch.cat([probe.source, probe.scratch]))
+            probe.done.set_exception(exc)
+            return
+        self._released.append(torch.cat([probe.source, probe.scratch]))
+        probe.done.set_result(result)
+
+    def _run_prefetch(self, item: PrefetchOperation | StorageProbe) -> None:
+        if isinstance(item, StorageProbe):
+            self._run_storage_probe(item)
+        else:
+            self._prefetch(item)
+
+    def _prefetch(self, op: PrefetchOperation) -> None:
         """Hit query (MIN over ranks), then reads. Pushes exactly one release item per op (the slots it
         did not fill) and a revoke only for a hit below the threshold, so queue lengths match on every
         rank whenever the ranks have finished the same ops."""

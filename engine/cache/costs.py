@@ -8,6 +8,9 @@ Three operations, each observed once per operation with its size in tokens and i
 - ``prefill``: one prefill forward pass with no load-back in it (the batch's new tokens), from the
   scheduler thread.
 
+The cost probe (``POST /hicache/costs/probe``, engine/scheduler/costs_probe.py) observes the same three
+operations on demand, for a worker whose traffic is thin; its observations join these sums.
+
 Each goes into the size bucket of its tokens (``SIZE_BUCKETS``, upper bounds, ``le`` semantics; the last is
 ``+Inf``), where three numbers grow: operations, tokens and seconds. So memory is fixed (3 operations x 14
 buckets x 3 numbers) however much traffic runs, an observation is a bisect and three additions under a lock,

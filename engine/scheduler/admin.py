@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from engine.scheduler import costs_probe
 from engine.scheduler.messages import (
     AdminMsg,
     AttachStorage,
     DetachStorage,
+    FinishProbe,
     FlushCache,
     NotIdleError,
     PauseStorage,
+    ProbeCosts,
     ReadStorage,
     RequireIdle,
     ResumeStorage,
@@ -66,6 +69,11 @@ def handle(sched, msg: AdminMsg) -> object:
         case SnapshotKVEvents():
             tree = cache.tree
             return (tree.events.seal() if tree.events is not None else 0), tree.residency_events()
+        case ProbeCosts(sizes=sizes):
+            return costs_probe.start(sched, sizes)
+        case FinishProbe():
+            costs_probe.finish(sched)
+            return None
         case ReadStorage(what="backend"):
             return cache.storage.backend_status()
         case ReadStorage(what="config"):

@@ -101,6 +101,22 @@ class SnapshotKVEvents:
     Result: ``(sequence, events)``, the last sealed batch's number (0 without a log) and the events."""
 
 
+@dataclass(frozen=True)
+class ProbeCosts:
+    """*Idle* (``cost probe``): measure prefill, L2 -> L1 load-back and (L3 attached) L3 -> L2 prefetch at
+    each of ``sizes`` (tokens; None: the default sizes) on scratch slots
+    (``engine.scheduler.costs_probe.start``). Result: a ``costs_probe.ProbeStarted``. ``ValueError`` names
+    ``sizes`` when they do not fit."""
+
+    sizes: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class FinishProbe:
+    """After a probe's L3 round trips: process the cache's I/O events until none is in flight, so the
+    probe's host slots are free again. Result: None."""
+
+
 AdminMsg = (
     FlushCache
     | RequireIdle
@@ -112,4 +128,6 @@ AdminMsg = (
     | ResumeStorage
     | UpdatePolicies
     | ReadStorage
+    | ProbeCosts
+    | FinishProbe
 )

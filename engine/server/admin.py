@@ -25,6 +25,10 @@ a worker thread, then resumes. Bodies and texts:
   full new config, 400 names an unknown or bad field.
 - ``GET /hicache/costs``: load-back, prefetch and prefill costs by size bucket (``KVCosts``), read from the
   scheduler's published snapshot (no scheduler round trip; KVFleet's own).
+- ``POST /hicache/costs/probe`` ``{sizes?}`` (``CostProbeRequest``): idle-gated; measures prefill, L2 -> L1
+  load-back and (with L3) L3 -> L2 prefetch at each size on scratch slots (engine/scheduler/costs_probe.py),
+  adds them to the costs above and answers what it measured (``CostProbeResult``); 400 "not idle" while
+  requests run, 400 naming ``sizes`` for bad or too large sizes. With DP attention it probes DP rank 0.
 
 Bodies and answers are the models of :mod:`engine.server.contract` (the worker contract the control plane
 and its test fake share). A refusal while only cache I/O is in flight names it ("only cache I/O in flight:
@@ -33,6 +37,8 @@ and its test fake share). A refusal while only cache I/O is in flight names it (
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
@@ -40,13 +46,19 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
 from engine.cache.hiradix_cache import CacheAdminError
+from engine.scheduler import costs_probe
 from engine.scheduler.messages import (
+    FinishProbe,
+    NotIdleError,
+    ProbeCosts,
     ReadStorage,
 )
 from engine.server.contract import (
     CONFIG_FIELDS,
     AttachRequest,
     ConfigUpdate,
+    CostProbeRequest,
+    CostProbeResult,
     HiCacheConfigStatus,
     KVCosts,
     StorageBackendStatus,
@@ -177,3 +189,31 @@ async def get_costs(request: Request):
         "operations": state["cache_stats"]["costs"],
     }
     return JSONResponse(KVCosts.model_validate(body).model_dump())
+
+
+PROBE_L3_TIMEOUT_S = 120.0
+"""How long the route waits for the probe's L3 round trips (a store slower than this: reported skipped)."""
+
+
+@router.post("/hicache/costs/probe")
+async def probe_costs(request: Request):
+    engine = _auth(request)
+    failure = "Failed to probe costs."
+    body = await json_body(request) if await request.body() else {}
+    sizes = _parse(CostProbeRequest, body, failure).sizes
+    try:
+        started = await engine.post(ProbeCosts(tuple(sizes) if sizes is not None else None))
+    except (NotIdleError, CacheAdminError, ValueError) as exc:
+        raise HTTPError(400, f"{failure}\n{exc}") from None
+    l3: list[tuple[int, object]] = []
+    for n, fut in started.pending:
+        try:
+            l3.append((n, await asyncio.wait_for(asyncio.wrap_future(fut), PROBE_L3_TIMEOUT_S)))
+        except Exception as exc:  # noqa: BLE001 - the store's error is the answer for this size
+            l3.append((n, exc))
+    if started.pending:
+        # the probe's host slots come back with the prefetch thread's events; if other cache I/O keeps
+        # running past the drain's timeout, a later iteration frees them
+        with contextlib.suppress(TimeoutError):
+            await engine.post(FinishProbe())
+    return JSONResponse(CostProbeResult.model_validate(costs_probe.answer(started, l3)).model_dump())

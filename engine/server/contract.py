@@ -8,6 +8,7 @@ control plane (``controlplane/operations/actions.py`` reads worker state through
 - ``GET /hicache/storage-backend``: :class:`StorageBackendStatus`, read from the live cache.
 - ``GET /hicache/config``, ``PUT /hicache/config`` (:class:`ConfigUpdate`): :class:`HiCacheConfigStatus`.
 - ``GET /hicache/costs``: :class:`KVCosts`, load and recompute costs by size (``engine/cache/costs.py``).
+- ``POST /hicache/costs/probe`` (:class:`CostProbeRequest`, body optional): :class:`CostProbeResult`.
 - ``POST /pd_role_switch`` (:class:`PdRoleSwitchRequest`): :class:`PdRoleSwitchResponse`; the role reads back
   as ``/server_info``'s ``disaggregation_mode``.
 
@@ -116,6 +117,39 @@ class KVCosts(_Strict):
     page_size: int
     prefetch_threshold: int
     operations: dict[str, list[KVCostBucket]]
+
+
+class CostProbeRequest(_Strict):
+    """Body of ``POST /hicache/costs/probe`` (optional): ``sizes`` in tokens (1 to 8, each rounded up to
+    whole pages; None: 16, 256, 1024, 4096 capped by the free slots and one prefill pass)."""
+
+    sizes: list[int] | None = Field(default=None, min_length=1, max_length=8)
+
+
+class CostProbeMeasure(_Strict):
+    """One probed operation (``load_back``, ``prefetch`` or ``prefill``): ``tokens`` moved or computed in
+    wall ``seconds``."""
+
+    operation: str
+    tokens: int
+    seconds: float
+
+
+class CostProbeSkip(_Strict):
+    """An operation the probe did not measure at ``tokens``, and ``why``."""
+
+    operation: str
+    tokens: int
+    why: str
+
+
+class CostProbeResult(_Strict):
+    """``POST /hicache/costs/probe`` answer: what the probe measured (also added to ``GET /hicache/costs``
+    and ``sglang:kv_cost_*_total``) and what it skipped."""
+
+    page_size: int
+    measured: list[CostProbeMeasure]
+    skipped: list[CostProbeSkip]
 
 
 class PdRoleSwitchRequest(_Strict):

@@ -24,6 +24,8 @@ from pydantic import ValidationError
 from engine.server.contract import (
     AttachRequest,
     ConfigUpdate,
+    CostProbeRequest,
+    CostProbeResult,
     HiCacheConfigStatus,
     PdRoleSwitchRequest,
     PdRoleSwitchResponse,
@@ -124,6 +126,7 @@ class FakeWorker(_FakeHTTP):
         self.kv_bytes_per_token = kv_bytes_per_token  # /get_model_info (the demo's SmolLM2 in float32)
         self.pd_role = pd_role
         self.busy_polls = busy_polls
+        self.probes: list[dict] = []  # POST /hicache/costs/probe answers given
         self.io_polls = 0
         self.apply_delay_s = 0.0
         self.ignore_writes = False
@@ -245,6 +248,34 @@ class FakeWorker(_FakeHTTP):
         )
         return status, answer.model_dump(), "application/json"
 
+    def probe_costs(self, headers, body):
+        """``POST /hicache/costs/probe`` as the engine answers it (``CostProbeResult``): refused while busy,
+        400 naming ``sizes`` for a bad body; else one prefill and one load-back per size (16 and 64 by
+        default), recorded in ``probes``."""
+        text_t = "text/plain"
+        error = self._admin_error(headers)
+        if error:
+            return error[0], error[1], text_t
+        if self.busy:
+            return (
+                400,
+                "Failed to probe costs.\nReject cost probe: scheduler is not idle. #running-req=2",
+                text_t,
+            )
+        try:
+            sizes = CostProbeRequest.model_validate(body or {}).sizes or [16, 64]
+        except ValidationError as exc:
+            return 400, f"Failed to probe costs.\nsizes: {exc}", text_t
+        measured = [
+            {"operation": op, "tokens": n, "seconds": 1e-4 * n}
+            for n in sizes
+            for op in ("prefill", "load_back")
+        ]
+        skipped = [{"operation": "prefetch", "tokens": n, "why": "no L3 backend attached"} for n in sizes]
+        answer = CostProbeResult(page_size=16, measured=measured, skipped=skipped).model_dump()
+        self.probes.append(answer)
+        return 200, answer, "application/json"
+
     def handle(self, method, path, headers, body):  # noqa: C901
         json_t, text_t = "application/json", "text/plain"
         if method == "POST" and path == "/pd_role_switch":
@@ -260,6 +291,8 @@ class FakeWorker(_FakeHTTP):
             return 200, "", text_t
         if method == "GET" and path == "/metrics":
             return 200, self.metrics_text(), "text/plain; version=0.0.4"
+        if method == "POST" and path == "/hicache/costs/probe":
+            return self.probe_costs(headers, body)
         if path in ("/hicache/storage-backend", "/hicache/config"):
             error = self._admin_error(headers)
             if error:

@@ -97,6 +97,20 @@ class CrossoverApplySerializer(StrictSerializer):
     reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
 
 
+class CrossoverProbeSerializer(StrictSerializer):
+    """``POST /capacity/crossover/probe/``: the ``worker`` (name) to probe, optionally its ``sizes`` (1 to 8
+    token counts; left out: the worker's defaults) and the operator's ``reason`` (kept in the audit log)."""
+
+    worker = serializers.CharField(max_length=200)
+    sizes = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=1 << 20),
+        min_length=1,
+        max_length=8,
+        required=False,
+    )
+    reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+
+
 class TraceRowSerializer(StrictSerializer):
     """One Mooncake trace row; ``hash_ids`` must have one id per block of the input (the batch's
     ``block_tokens``, given in the serializer's context); ``output_hash_ids`` (optional, a KVFleet

@@ -10,6 +10,7 @@ urlpatterns = [
     path("misses/", views.MissesApi.as_view(), name="capacity-misses"),
     path("crossover/", views.CrossoverApi.as_view(), name="capacity-crossover"),
     path("crossover/apply/", views.CrossoverApplyApi.as_view(), name="capacity-crossover-apply"),
+    path("crossover/probe/", views.CrossoverProbeApi.as_view(), name="capacity-crossover-probe"),
     path("calibration/<str:pool>/", views.CalibrationApi.as_view(), name="capacity-calibration"),
     path("traces/<str:pool>.jsonl", views.RecordedTraceApi.as_view(), name="capacity-trace"),
 ]

@@ -16,6 +16,7 @@ from controlplane.accounts.selectors import agent_host_scope
 from controlplane.capacity import calibration, crossover, misses, selectors, services
 from controlplane.capacity.api.serializers import (
     CrossoverApplySerializer,
+    CrossoverProbeSerializer,
     CrossoverQuerySerializer,
     MissesQuerySerializer,
     SizingQuerySerializer,
@@ -274,3 +275,22 @@ class CrossoverApplyApi(APIView):
         except promql.PromQLError as exc:
             raise ServiceUnavailable(str(exc), code="metrics_unavailable") from exc
         return Response(out, status=status.HTTP_201_CREATED)
+
+
+class CrossoverProbeApi(APIView):
+    """POST ``{worker, sizes?, reason?}``: run the worker's cost probe (``POST /hicache/costs/probe``,
+    idle-gated on the worker): it measures prefill, L2 -> L1 load-back and (with L3) L3 -> L2 prefetch at a
+    few sizes into the counters the crossover reads, for a worker whose traffic is thin. 200 ``{worker,
+    page_size, measured: [{operation, tokens, seconds}], skipped: [{operation, tokens, why}]}``; 400 naming
+    ``worker`` or ``sizes``, 409 ``not_idle`` while the worker serves, 502 ``worker_rejected``, 503
+    ``worker_unreachable``. Audited."""
+
+    @extend_schema(request=CrossoverProbeSerializer, responses={200: OpenApiTypes.OBJECT})
+    def post(self, request):
+        body = CrossoverProbeSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        out = crossover.crossover_probe(
+            worker_name=data["worker"], sizes=data.get("sizes"), actor=request.user, reason=data["reason"]
+        )
+        return Response(out)

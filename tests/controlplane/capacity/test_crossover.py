@@ -8,6 +8,7 @@ import time
 import pytest
 from cp_factories import EngineWorkerFactory, crossover_change, ttft_histogram
 
+from controlplane.audit.models import AuditEvent
 from controlplane.capacity.crossover import (
     MIN_REQUESTS,
     costs_from_samples,
@@ -281,3 +282,39 @@ def test_crossover_api_compares_ttft_before_and_after_the_applied_change(tsdb, a
     assert w1["verdict"] == "not_enough_traffic_after" and w1["after"]["requests"] == 5
     assert w1["after"]["ttft_p50_s"] == pytest.approx(0.05 + 0.05 * 0.5)  # measured, just too few
     assert rows["w2"]["effect"] is None
+
+
+@pytest.mark.django_db
+def test_crossover_probe_runs_the_workers_probe_and_relays_refusals(api_as, fake_worker):
+    """POST .../probe/ relays the worker's CostProbeResult (audited); 400 names worker or sizes, a busy
+    worker is 409 not_idle, a worker that went away 503; viewers may not probe."""
+    fake = fake_worker()
+    EngineWorkerFactory(name="w0", role="mixed", page_size=PAGE, url=fake.url, admin_key=fake.admin_key)
+    EngineWorkerFactory(name="nokey", role="mixed", page_size=PAGE, url=fake.url + "/", admin_key="")
+    probe = "/api/v1/capacity/crossover/probe/"
+    assert api_as("viewer").post(probe, {"worker": "w0"}, format="json").status_code == 403
+    operator = api_as("operator")
+    got = operator.post(probe, {"worker": "w0", "sizes": [32], "reason": "thin traffic"}, format="json")
+    assert got.status_code == 200, got.content
+    body = got.json()
+    assert body["worker"] == "w0" and body["page_size"] == 16
+    assert {(m["operation"], m["tokens"]) for m in body["measured"]} == {("prefill", 32), ("load_back", 32)}
+    assert fake.probes == [{k: v for k, v in body.items() if k != "worker"}]
+    event = AuditEvent.objects.get(action="crossover_probe")
+    assert event.object_repr.startswith("w0") and event.message == "thin traffic"
+    cases = [
+        ({"worker": "w9"}, "worker"),
+        ({"worker": "nokey"}, "worker"),
+        ({"worker": "w0", "sizes": [0]}, "sizes"),
+        ({"worker": "w0", "sizes": []}, "sizes"),
+    ]
+    for bad, field in cases:
+        refused = operator.post(probe, bad, format="json")
+        assert refused.status_code == 400 and field in refused.json()["error"]["detail"], refused.content
+    fake.busy_polls = -1
+    busy = operator.post(probe, {"worker": "w0"}, format="json")
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "not_idle"
+    fake.stop()
+    gone = operator.post(probe, {"worker": "w0"}, format="json")
+    assert gone.status_code == 503 and gone.json()["error"]["code"] == "worker_unreachable"
+    assert len(fake.probes) == 1
