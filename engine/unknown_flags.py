@@ -22,18 +22,43 @@ from collections.abc import Callable, Iterator, Sequence
 MAX_SUGGESTIONS = 3
 
 
+def own_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """``parser``'s own actions in the order they were added (flags, positionals, its subcommands' action),
+    not its subcommands'. argparse has no public read of them: this module is the one reader of its list."""
+    return list(parser._actions)
+
+
+def flag_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """``parser``'s own flags (actions with option strings), ``--help`` left out."""
+    return [a for a in own_actions(parser) if a.option_strings and a.dest != "help"]
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """``parser``'s subcommands: name -> parser ({} when it has none)."""
+    return {
+        name: sub
+        for action in own_actions(parser)
+        if _is_subcommands(action)
+        for name, sub in action.choices.items()
+    }
+
+
+def _is_subcommands(action: argparse.Action) -> bool:
+    return isinstance(action, argparse._SubParsersAction)
+
+
 def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
     yield parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
+    for action in own_actions(parser):
+        if _is_subcommands(action):
             for sub in action.choices.values():
                 yield from _parsers(sub)
 
 
 def _actions(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
-    for action in parser._actions:
+    for action in own_actions(parser):
         yield action
-        if isinstance(action, argparse._SubParsersAction):
+        if _is_subcommands(action):
             for sub in action.choices.values():
                 yield from _actions(sub)
 
@@ -97,8 +122,8 @@ def _chosen_parser(parser: argparse.ArgumentParser, namespace: argparse.Namespac
     """The subcommand's parser ``namespace`` was parsed into (the innermost one, through nested
     subcommands), else ``parser``: its usage and its ``prog`` (``kvfleet-agent run``) head the error, and
     only its flags are suggested."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and action.dest != argparse.SUPPRESS:
+    for action in own_actions(parser):
+        if _is_subcommands(action) and action.dest != argparse.SUPPRESS:
             sub = action.choices.get(getattr(namespace, action.dest, None))
             if sub is not None:
                 return _chosen_parser(sub, namespace)

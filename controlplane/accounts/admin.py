@@ -55,7 +55,8 @@ class AuditedAdminMixin:
 
     def save_model(self, request, obj, form, change):
         if change:
-            request._audit_before = self.snapshot(type(obj).objects.get(pk=obj.pk))
+            # read back in log_change, on the same request (the admin instance is shared by requests)
+            request.kvfleet_audit_before = self.snapshot(type(obj).objects.get(pk=obj.pk))
         super().save_model(request, obj, form, change)
 
     def _audit(self, request, obj, action: str, before, after) -> None:
@@ -67,7 +68,7 @@ class AuditedAdminMixin:
         return super().log_addition(request, obj, message)
 
     def log_change(self, request, obj, message):
-        before = getattr(request, "_audit_before", None)
+        before = getattr(request, "kvfleet_audit_before", None)
         action = "update" if before is not None else "password_change"
         self._audit(request, obj, action, before, self.snapshot(obj))
         return super().log_change(request, obj, message)

@@ -15,19 +15,28 @@ _ROLE_ORDER = (Role.ADMIN, Role.OPERATOR, Role.VIEWER, Role.AGENT)
 TOKEN_PREFIX = "cp_"
 
 
+# ``user_role``'s answer, memoised on the user instance (one query per request); ``forget_role`` drops it
+ROLE_MEMO = "kvfleet_role"
+
+
 def user_role(user) -> str | None:
     """The user's role: superusers are admin; otherwise the strongest role group they belong to."""
     if not user or not user.is_authenticated:
         return None
     if user.is_superuser:
         return Role.ADMIN
-    cached = getattr(user, "_kvfleet_role", False)
+    cached = getattr(user, ROLE_MEMO, False)  # a request's user is a lazy proxy: getattr reaches the user
     if cached is not False:
         return cached
     names = set(user.groups.values_list("name", flat=True))
     role = next((r.value for r in _ROLE_ORDER if r.value in names), None)
-    user._kvfleet_role = role
+    setattr(user, ROLE_MEMO, role)
     return role
+
+
+def forget_role(user) -> None:
+    """Drop the role ``user_role`` memoised on this ``user`` instance (its groups changed)."""
+    setattr(user, ROLE_MEMO, False)
 
 
 def token_digest(secret: str) -> str:

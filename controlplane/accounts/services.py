@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from controlplane.accounts import token_cache
 from controlplane.accounts.models import ApiToken, Role
-from controlplane.accounts.selectors import TOKEN_PREFIX, token_digest, user_role
+from controlplane.accounts.selectors import TOKEN_PREFIX, forget_role, token_digest, user_role
 from controlplane.audit.services import audit_record
 from controlplane.core.broadcast import emit_on_commit
 from controlplane.core.events import token_group
@@ -32,7 +32,7 @@ def _set_role(user, role: str) -> None:
             f"unknown role {role!r}; choose one of {', '.join(Role.values)}", code="bad_role"
         )
     user.groups.set([Group.objects.get_or_create(name=role)[0]])
-    user._kvfleet_role = False
+    forget_role(user)
 
 
 @transaction.atomic

@@ -40,7 +40,7 @@ from engine.agent.host import AGENT_VERSION
 from engine.agent.probe import cached_tokens, metrics_text, server_info
 from engine.agent.reporter import ControlPlaneClient, ControlPlaneDown, ControlPlaneRejected
 from engine.agent.spec import SpecError, load_spec
-from engine.unknown_flags import closest_flags, parse_args
+from engine.unknown_flags import closest_flags, own_actions, parse_args, subcommands
 
 
 class CliError(Exception):
@@ -304,7 +304,7 @@ def check_command(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """An unknown command is a usage error naming the closest real one (argparse lists them all); a flag
     before the command (``kvfleet-agent --control-plane URL run``) is one saying that flags go after the
     command, with the command line they belong in and the closest real flag of that command."""
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    commands = subcommands(parser)
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         flag = argv[0].split("=", 1)[0]
         command = next((a for a in argv if a in commands), None)
@@ -312,7 +312,7 @@ def check_command(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             if all(a.startswith("-") for a in argv):
                 return  # nothing that could be read as a command: argparse names the unknown flag
             parser.error(f"{flag}: flags go after the command ({', '.join(commands)})")
-        known = {o: o for action in commands[command]._actions for o in action.option_strings}
+        known = {o: o for action in own_actions(commands[command]) for o in action.option_strings}
         close = closest_flags(flag, known)
         parser.error(
             f"{flag}: flags go after the command: kvfleet-agent {command} {close[0] if close else flag} ..."

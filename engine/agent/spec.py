@@ -52,6 +52,7 @@ from pathlib import Path
 
 from engine.agent.engines import ENGINES, KVFLEET, SGLANG, EngineUnavailable, UpstreamFlags, upstream_flags
 from engine.server.args import SECRET_ENV, ArgumentError, build_parser, parse_args
+from engine.unknown_flags import flag_actions
 
 ROLES = {"mixed": "null", "prefill": "prefill", "decode": "decode"}
 ROLE_OF_MODE = {mode: role for role, mode in ROLES.items()}
@@ -195,7 +196,7 @@ def _expand(value, where: str, err, environ=None):
 
 def _flag_actions() -> dict[str, object]:
     """SGLang dest name -> argparse action of ``engine.launch_server``."""
-    return {a.dest: a for a in build_parser()._actions if a.option_strings and a.dest != "help"}
+    return {a.dest: a for a in flag_actions(build_parser())}
 
 
 def _to_flags(name: str, value, action, err) -> list[str]:

@@ -199,10 +199,10 @@ def bench_transfer(
                 io = cls(dev_pool, host_pool)
                 plan = io.plan(dev_slots, host_slots)
                 row[f"{name} H2D"] = (
-                    nbytes / timed(lambda io=io, plan=plan: _load_all(io, plan), device, iters) / 1e9
+                    nbytes / timed(lambda io=io, plan=plan: io.issue_load(plan), device, iters) / 1e9
                 )
                 row[f"{name} D2H"] = (
-                    nbytes / timed(lambda io=io, plan=plan: io._backup(plan), device, iters) / 1e9
+                    nbytes / timed(lambda io=io, plan=plan: io.issue_backup(plan), device, iters) / 1e9
                 )
             for d in ("H2D", "D2H"):
                 row[f"ceiling {d}"] = ceiling[d]
@@ -221,11 +221,6 @@ def _contiguous_gbps(device: torch.device, nbytes: int, iters: int) -> dict[str,
         "H2D": nbytes / timed(lambda: flat_dev.copy_(flat_host, non_blocking=True), device, iters) / 1e9,
         "D2H": nbytes / timed(lambda: flat_host.copy_(flat_dev, non_blocking=True), device, iters) / 1e9,
     }
-
-
-def _load_all(io, plan) -> None:
-    for layer in range(io.num_layers):
-        io._load_layer(layer, plan)
 
 
 # -- 3. attention -------------------------------------------------------------------------------------------

@@ -41,12 +41,12 @@ def _ms(call, reps: int) -> float:
 
 def _row(name: str, rows: int, layers: list, reps: int) -> None:
     inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {x.in_features for x in layers}}
-    torch_ms = _ms(lambda: [x._torch_mm(inputs[x.in_features]) for x in layers], reps)
+    torch_ms = _ms(lambda: [x.torch_mm(inputs[x.in_features]) for x in layers], reps)
     line = f"{name:<16}{rows:>5}{torch_ms:>11.2f}"
     if layers[0].vnni_blocks is None:
         line += f"{'no VNNI':>18}"
     elif rows <= layers[0].vnni_max_rows:
-        vnni_ms = _ms(lambda: [x._vnni(inputs[x.in_features]) for x in layers], reps)
+        vnni_ms = _ms(lambda: [x.vnni_mm(inputs[x.in_features]) for x in layers], reps)
         line += f"{vnni_ms:>11.2f}{vnni_ms / torch_ms:>7.2f}"
     else:
         line += f"{'-':>11}{'':>7}"

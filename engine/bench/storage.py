@@ -147,8 +147,8 @@ class NixlRaw:
             part = keys[start : start + self.batch]
             fds = [os.open(os.path.join(self.directory, f"raw-{k}"), flags, 0o644) for k in part]
             try:
-                host = [self.backend._host_ranges((start + i) * P) for i in range(len(part))]
-                if not self.backend._xfer(op, host, fds):
+                host = [self.backend.host_ranges((start + i) * P) for i in range(len(part))]
+                if not self.backend.xfer(op, host, fds):
                     raise RuntimeError(f"raw NIXL {op} failed")
             finally:
                 for fd in fds:
@@ -203,7 +203,7 @@ class AibrixRaw:
     block; no header or checksum."""
 
     def __init__(self, backend: HiCacheAibrix, pool: HostKVPool, batch: int) -> None:
-        self.m, self.pool = backend._manager(pool.page_bytes), pool
+        self.m, self.pool = backend.manager(pool.page_bytes), pool
         self.batch = min(batch, self.m.batch)
         self.pages = PageRanges(pool)
 
@@ -305,13 +305,13 @@ def ours_remove(backend, keys, directory):
     if isinstance(backend, lmcache.HiCacheLMCache):
         return  # no delete in LMCache's protocol
     if isinstance(backend, HiCacheAibrix):
-        m = backend._manager(backend.mem_pool_host.page_bytes)
+        m = backend.manager(backend.mem_pool_host.page_bytes)
         m.manager.delete(None, m.hashes(keys))
     elif directory is not None:
         for key in keys:
             os.remove(os.path.join(directory, f"{key}.bin"))
     else:
-        backend._store.batch_remove(keys, True)
+        backend.store.batch_remove(keys, True)
 
 
 def run(
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             backend = create_storage_backend("mooncake", storage_config(args, extra), pool)
             try:
-                rows = run(args, backend, MooncakeRaw(pool, backend._store, args.batch), pool, None)
+                rows = run(args, backend, MooncakeRaw(pool, backend.store, args.batch), pool, None)
             finally:
                 backend.close()
     print_table(args, rows, pool.page_bytes)

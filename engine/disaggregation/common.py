@@ -6,16 +6,19 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.disaggregation.base import KVLayout, TransferTimeouts
 from engine.disaggregation.channel import Channel
 from engine.disaggregation.messages import Message
+from engine.disaggregation.rooms import RoomState
 from engine.disaggregation.staging import StagingArea, staging_enabled, staging_pool_bytes
 from engine.disaggregation.transport import Transport, transport_class
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=RoomState)
 
 MAX_ROOM = 2**63 - 1
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")  # names of this host in a bootstrap address
@@ -126,6 +129,24 @@ class TransferBase:
     def send(self, endpoint: str, msg: Message, payloads: list | None = None) -> None:
         """Send ``msg`` to the peer at side-channel ``endpoint`` (never blocks on the network)."""
         self.channel.send(endpoint, msg.to_wire(), payloads)
+
+    def send_all(self, endpoints: Iterable[str], msg: Message) -> None:
+        """Send ``msg`` to each side-channel endpoint of ``endpoints`` (never blocks on the network)."""
+        for endpoint in endpoints:
+            self.send(endpoint, msg)
+
+    def lose_peer(
+        self, head: str, endpoints: list[str], rooms: Sequence[R], fail: Callable[[R], None]
+    ) -> None:
+        """A peer is gone (``PeerSessions``' ``on_gone``): forget its side-channel ``endpoints``, log one
+        line, ``head`` and how many of its ``rooms`` (those bound to it) were unfinished, and ``fail`` each
+        of them (a room that ended already is the callee's no-op), whatever the reason it ends with."""
+        for endpoint in endpoints:
+            self.channel.forget(endpoint)
+        unfinished = sum(not room.terminal for room in rooms)
+        logging.getLogger(type(self).__module__).warning("%s%d unfinished rooms of it fail", head, unfinished)
+        for room in rooms:
+            fail(room)
 
     def close(self) -> None:
         """Stop threads, close sockets, unregister memory. Idempotent."""

@@ -1,22 +1,15 @@
-"""Decode side: ``DecodeTransfer``, which resolves prefills through their bootstrap servers and watches them,
-over the shared parts (``Rooms`` of ``KVReceiver``, ``PeerSessions`` of the prefills, typed side-channel
-messages).
+"""Decode side: ``DecodeTransfer``, which owns the first-contact pool and combines the shared parts: ``Rooms``
+of ``KVReceiver``, ``PrefillPeers`` (the prefills, with re-pairing after a restart: ``prefills.py``) under
+``PrefillWatch`` (heartbeat, unacknowledged infos: ``watch.py``), the typed side-channel messages.
 
 Follows SGLang's decode flow (docs/upstream.md P3): at first contact with a prefill, D reads its
 PrefillServerInfo (``GET /route`` with -1 ranks; up to 15 tries 1 s apart), checks page size and KV dtype,
 looks up the rank's side-channel endpoint and registers its pool buffers there (``contact.py``); each room
 is claimed at P as soon as it opens here (so P fails it if this decode dies, whatever its state), then
 sends its destination pages (``init``) and waits for the Success status that follows the writes. A room
-WaitingForInput longer than ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` is aborted. ``watch.py`` finds a
-prefill dead (heartbeat) or restarted.
-
-Beyond upstream, D notices a prefill that restarted on the same address (a crash and restart, or a role
-switch to decode and back), whose side-channel endpoint, KV-buffer registrations and rooms are new or gone:
-its bootstrap server's ``start_id`` differs from the one first contact read. D then drops the old session
-(and its socket), fails the rooms the old instance had accepted (its state is gone; the reason names the
-address) and pairs the others afresh with the new instance (re-register, resend the transfer info).
-Upstream's D keeps the stale entry until two heartbeats fail, so a prefill back within that window got
-transfer infos at its old endpoint and the room waited for KV up to the 300 s waiting timeout.
+WaitingForInput longer than ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` is aborted. Beyond upstream, a
+prefill that restarted on the same address is noticed (its ``start_id``) and its rooms re-paired
+(``prefills.py``).
 """
 
 from __future__ import annotations
@@ -50,10 +43,11 @@ from engine.disaggregation.messages import (
     Status,
     TransferAck,
 )
-from engine.disaggregation.peers import Peer, PeerHooks, PeerSessions
+from engine.disaggregation.peers import Peer
+from engine.disaggregation.prefills import PrefillPeers
 from engine.disaggregation.receiver import KVReceiver
 from engine.disaggregation.rooms import Rooms
-from engine.disaggregation.watch import PrefillLink, PrefillWatch
+from engine.disaggregation.watch import PrefillWatch
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +84,7 @@ class DecodeTransfer(TransferBase):
         # the model's KV heads (a replicated pool holds one): which prefill rank holds which head
         self.model_kv_heads = model_kv_heads or pool.num_kv_heads * tp_size
         self.rooms: Rooms[KVReceiver] = Rooms("decode")
-        hooks = PeerHooks(self._prefill_gone, self._prefill_restarted)
-        self.peers = PeerSessions(hooks, timeouts.heartbeat_interval_s, None)  # misses counted here
+        self.peers = PrefillPeers(timeouts, self._prefill_gone, self._prefill_restarted)
         # the bootstrap port this process served as a prefill before a role switch (set by the switch)
         self.former_bootstrap_port: int | None = None
         self._contacts = ThreadPoolExecutor(CONTACT_THREADS, thread_name_prefix="pd-decode-bootstrap")
@@ -134,7 +127,7 @@ class DecodeTransfer(TransferBase):
                     "sent here as its prefill (the worker switched roles after the router picked it)",
                 )
                 return receiver
-            peer, new = self.peers.add(address, info=PrefillLink(), room=bootstrap_room)
+            peer, new = self.peers.open(address, bootstrap_room)
             ranks = peer.info.ranks
         if new:
             self._contacts.submit(self._contact, peer)
@@ -155,7 +148,7 @@ class DecodeTransfer(TransferBase):
         self._contacts.submit(self._refuse, address, bootstrap_room, reason)
 
     def _refuse(self, address: str, room: int, reason: str) -> None:
-        endpoints = self._endpoints(address)
+        endpoints = self.peers.endpoints(address)
         if not endpoints:  # its rank 0 fails the request on every prefill rank (they agree on each room)
             try:
                 endpoints = [contact.rank_endpoint(self._client, address, 0)[0]]
@@ -163,27 +156,18 @@ class DecodeTransfer(TransferBase):
                 logger.warning("refused room %d: prefill bootstrap %s not told (%s)", room, address, exc)
                 return
         msg = Abort(self.channel.endpoint, room, f"decode refused the request: {reason}", refused=True)
-        for endpoint in endpoints:
-            self.send(endpoint, msg)
+        self.send_all(endpoints, msg)
 
     # ---- room transitions (``ReceiverPort``)
     def pages_ready(self, receiver: KVReceiver) -> None:
         later(self._info_delay(receiver.bootstrap_room), self._send_info, receiver)
 
-    def _endpoints(self, address: str) -> list[str]:
-        """The prefill ranks' side-channel endpoints of the live prefill session at ``address``."""
-        peer = self.peers.get(address)
-        return [] if peer is None else peer.info.endpoints
-
     def _claim(self, ranks: PrefillRanks, room: int) -> None:
-        msg = Claim(self.channel.endpoint, room, self.start_id)
-        for endpoint in ranks.endpoints.values():
-            self.send(endpoint, msg)
+        self.send_all(ranks.endpoints.values(), Claim(self.channel.endpoint, room, self.start_id))
 
     def _send_info(self, receiver: KVReceiver) -> None:
         with self.rooms.lock:  # held so that a restart of P cannot slip between the check and the update
-            peer = self.peers.get(receiver.bootstrap_address)
-            ranks = peer.info.ranks if peer is not None else None
+            ranks = self.peers.ranks(receiver.bootstrap_address)
             if ranks is None:
                 return
             infos = receiver.send_infos(ranks, self.channel.endpoint, self.staging, self.transport.stages)
@@ -191,12 +175,11 @@ class DecodeTransfer(TransferBase):
             self.send(endpoint, info)
 
     def abort_room(self, receiver: KVReceiver, reason: str) -> None:
-        endpoints = self._endpoints(receiver.bootstrap_address)
+        endpoints = self.peers.endpoints(receiver.bootstrap_address)
         in_flight = receiver.start_abort(reason)  # True: P may know our pages, so wait for its ack
         if in_flight is None:
             return
-        for endpoint in endpoints:
-            self.send(endpoint, Abort(self.channel.endpoint, receiver.bootstrap_room, reason))
+        self.send_all(endpoints, Abort(self.channel.endpoint, receiver.bootstrap_room, reason))
         if not in_flight:
             self.rooms.finish(receiver, KVPoll.Failed, reason)
 
@@ -212,51 +195,36 @@ class DecodeTransfer(TransferBase):
     # ---- the prefills (``PeerHooks``)
     def _prefill_gone(self, peer: Peer, rooms: set[int], reason: str) -> None:
         """First contact failed or P is gone: every unfinished room of that P instance fails."""
-        receivers = self.rooms.select(rooms)
-        for endpoint in peer.info.endpoints:
-            self.channel.forget(endpoint)
         # one line per lost P, whatever its rooms say (a room the client aborted first keeps that reason)
-        open_rooms = sum(not r.terminal for r in receivers)
-        logger.warning("%s: %d unfinished rooms of it fail", reason, open_rooms)
-        for receiver in receivers:
-            self.rooms.finish(receiver, KVPoll.Failed, receiver.abort_reason or reason)
+        fail = self._failer(reason)
+        self.lose_peer(f"{reason}: ", peer.info.endpoints, self.rooms.select(rooms), fail)
 
     def _prefill_restarted(self, old: Peer, start_id: str) -> None:
         """P's bootstrap server at the same address has a new ``start_id``: forget the old instance; its
         rooms that it had acknowledged (or that D is aborting) fail, the others pair with the new one."""
-        address = old.key
-        reason = (
-            f"prefill bootstrap {address} restarted (start id {old.start_id} -> {start_id}): the room it "
-            "had accepted is gone with the old instance"
-        )
-        lost: list[KVReceiver] = []
-        fresh = Peer(address, info=PrefillLink())
         with self.rooms.lock:
-            if not self.peers.replace(old, fresh):
-                return
-            for receiver in self.rooms.select(old.rooms):
-                keep = receiver.re_pair()
-                if keep is False:
-                    lost.append(receiver)
-                elif keep:
-                    fresh.rooms.add(receiver.bootstrap_room)
-            if not fresh.rooms:
-                self.peers.replace(fresh, None)
+            found = self.peers.re_pair(old, self.rooms.select(old.rooms))
+        if found is None:
+            return
+        fresh, lost = found
         if fresh.rooms:
             self._contacts.submit(self._contact, fresh)
+        head = f"prefill bootstrap {old.key} restarted (start id {old.start_id} -> {start_id})"
         logger.warning(
-            "prefill bootstrap %s restarted (start id %s -> %s): %d rooms it had accepted fail, %d pair with "
-            "the new instance",
-            address,
-            old.start_id,
-            start_id,
+            "%s: %d rooms it had accepted fail, %d pair with the new instance",
+            head,
             len(lost),
             len(fresh.rooms),
         )
         for endpoint in old.info.endpoints:
             self.channel.forget(endpoint)
+        fail = self._failer(f"{head}: the room it had accepted is gone with the old instance")
         for receiver in lost:
-            self.rooms.finish(receiver, KVPoll.Failed, receiver.abort_reason or reason)
+            fail(receiver)
+
+    def _failer(self, reason: str):
+        """Fail a room with ``reason``, or with its own abort's reason when it was aborting."""
+        return lambda r: self.rooms.finish(r, KVPoll.Failed, r.abort_reason or reason)
 
     # ---- side channel (receive thread)
     def _on_transfer_ack(self, msg: TransferAck) -> None:
@@ -279,9 +247,10 @@ class DecodeTransfer(TransferBase):
                 self.rooms.finish(receiver, KVPoll.Success, first_token_id=msg.first_token_id, meta=msg.meta)
             return
         others = receiver.source_failed(source, f"prefill {receiver.bootstrap_address}: {msg.reason}")
-        abort = Abort(self.channel.endpoint, receiver.bootstrap_room, "another prefill rank failed the room")
-        for endpoint in others:
-            self.send(endpoint, abort)
+        self.send_all(
+            others,
+            Abort(self.channel.endpoint, receiver.bootstrap_room, "another prefill rank failed the room"),
+        )
         self._quiet(receiver, source)
 
     def _quiet(self, receiver: KVReceiver | None, source: str) -> None:
@@ -302,13 +271,12 @@ class DecodeTransfer(TransferBase):
             self.peers.gone(peer, str(exc))
             return
         me, layout = self.channel.endpoint, self.layout.to_wire()
-        register = Register(me, layout, self.transport.descriptor(), self.start_id)
-        for endpoint in ranks.endpoints.values():
-            self.send(endpoint, register)
+        self.send_all(
+            ranks.endpoints.values(), Register(me, layout, self.transport.descriptor(), self.start_id)
+        )
         with self.rooms.lock:
-            if self.peers.get(peer.key) is not peer:
+            if not self.peers.contacted(peer, ranks):
                 return  # forgotten meanwhile
-            peer.info.ranks, peer.start_id = ranks, ranks.start_id
             receivers = self.rooms.select(list(peer.rooms))
         for receiver in receivers:
             self._claim(ranks, receiver.bootstrap_room)

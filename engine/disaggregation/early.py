@@ -1,4 +1,5 @@
-"""What a prefill remembers of rooms that are not open on it: ``Unopened``.
+"""What a prefill remembers of rooms that are not open on it (``Unopened``), and P's room table that keeps
+those memories beside its open rooms (``SenderRooms``).
 
 D's messages about a room can reach P before the request does (the router sends both at once), and after P
 closed the room. P keeps, per room id: the transfer infos that came before it opened (failed to D as
@@ -6,14 +7,16 @@ unknown after ``unknown_room_timeout_s``), the decode that claimed it, the reaso
 unpaired (a late transfer info gets that as its Failed status), and an ABORT (or a gone decode) that came
 before it opened (the request fails when it arrives). All but the infos are kept ``FAILED_ROOM_MEMORY_S``.
 
-Not locked on its own beyond each ``Memory``: the owner calls it under its ``Rooms.lock``, so a room's
-opening and these memories change in one step.
+``Unopened`` is not locked on its own beyond each ``Memory``: ``SenderRooms`` calls it under its
+``Rooms.lock``, so a room's opening and these memories change in one step.
 """
 
 from __future__ import annotations
 
+from engine.disaggregation.base import KVPoll
 from engine.disaggregation.messages import TransferInfo
-from engine.disaggregation.rooms import Memory
+from engine.disaggregation.rooms import Memory, Rooms
+from engine.disaggregation.sender import KVSender
 
 FAILED_ROOM_MEMORY_S = 60.0  # how long a room that failed on P answers a late transfer info with Failed
 
@@ -77,3 +80,66 @@ class Unopened:
     def __len__(self) -> int:
         """Rooms with transfer infos waiting (they count as rooms in flight)."""
         return len(self.pending)
+
+
+class SenderRooms(Rooms[KVSender]):
+    """P's open rooms (``Rooms`` of ``KVSender``) and what it remembers of rooms not open (``unopened``): a
+    message for a room is handed to the open room, or remembered for when it opens, in one step."""
+
+    def __init__(self, unknown_room_timeout_s: float) -> None:
+        super().__init__("prefill")
+        self.unopened = Unopened(unknown_room_timeout_s)
+
+    def open_sender(self, sender: KVSender) -> tuple[list[TransferInfo], tuple[str, bool] | None, str | None]:
+        """Open ``sender``'s room (``ValueError`` if it is active already): what came for it before
+        (``Unopened.opened``)."""
+        with self.lock:
+            self.open(sender)
+            return self.unopened.opened(sender.bootstrap_room)
+
+    def end_unopened(self, room: int, reason: str) -> list[TransferInfo]:
+        """P refused room ``room`` before opening it (``Unopened.ended``); nothing for an open room."""
+        with self.lock:
+            return [] if self.get(room) is not None else self.unopened.ended(room, reason)
+
+    def claim(self, room: int, endpoint: str) -> KVSender | None:
+        """The decode at ``endpoint`` claimed ``room``: the open room, else None (remembered)."""
+        with self.lock:
+            sender = self.get(room)
+            if sender is None:
+                self.unopened.claim(room, endpoint)
+            return sender
+
+    def info(self, msg: TransferInfo) -> tuple[KVSender | None, str | None]:
+        """A transfer info: (the open room, None), else (None, why the room failed here, or None while the
+        info waits for it)."""
+        with self.lock:
+            sender = self.get(msg.room)
+            return sender, None if sender is not None else self.unopened.info(msg)
+
+    def abort(self, room: int, reason: str, refused: bool) -> KVSender | None:
+        """An ABORT for ``room``: the open room, else None (the request fails when it opens)."""
+        with self.lock:
+            sender = self.get(room)
+            if sender is None:
+                self.unopened.abort(room, reason, refused)
+            return sender
+
+    def decode_gone(self, endpoint: str, rooms: set[int], reason: str) -> list[KVSender]:
+        """The decode at ``endpoint`` is gone: its open ``rooms``; the rooms not open yet that it claimed or
+        sent infos for fail when they open."""
+        with self.lock:
+            self.unopened.decode_gone(endpoint, reason)
+            return self.select(rooms)
+
+    def close(self, sender: KVSender) -> None:
+        """Forget ``sender``'s room; a late transfer info for a room that failed unpaired gets its reason."""
+        with self.lock:
+            self.remove(sender)
+            if sender.state == KVPoll.Failed and not sender.paired:
+                self.unopened.ended(sender.bootstrap_room, sender.reason)  # type: ignore[arg-type]
+
+    def in_flight(self) -> int:
+        """Open rooms, and rooms not open whose transfer infos wait."""
+        with self.lock:
+            return len(self) + len(self.unopened)

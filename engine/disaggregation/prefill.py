@@ -1,5 +1,6 @@
-"""Prefill side: ``PrefillTransfer``, which runs the bootstrap server and the transfer thread, over the
-shared parts (``Rooms`` of ``KVSender``, ``PeerSessions`` of the decodes met, typed side-channel messages).
+"""Prefill side: ``PrefillTransfer``, which runs the bootstrap server and the transfer thread (``PageWriter``)
+and combines the shared parts: ``SenderRooms`` (open rooms of ``KVSender``, and what came for rooms not open:
+``early.py``), ``DecodePeers`` (the decodes met: ``decodes.py``), the typed side-channel messages.
 
 Follows SGLang's prefill flow (docs/upstream.md P3): a sender is created when the request arrives
 (Bootstrapping); D's transfer info for the room (destination pages; from every decode rank this rank sends
@@ -8,25 +9,18 @@ handed to ``send`` are written into D's pages by the transfer thread (Transferri
 page, the first output token and metadata go to D with the Success status. A room's timeouts are its
 ``poll``'s (``sender.py``). Once no open room names a decode whose room timed out, P closes its socket
 there (the messages queued for it, and ZMQ's reconnecting, end with it; a later message connects afresh).
-
-Each decode that registered is a peer session, pinged every ``decode_ping_interval_s``; one silent for
-``decode_dead_after_s`` is gone and every room bound to it fails, whatever its state: a room is bound to a
-decode from D's ``claim`` (sent as soon as D opens the room, before its pages are reserved) or its transfer
-info. A claim or transfer info for a room not open here yet binds it when it opens (and a room whose decode
-is gone by then fails at once).
+A room is bound to a decode from D's ``claim`` (sent as soon as D opens the room) or its transfer info;
+a decode that is gone fails every room bound to it, whatever its state.
 
 Beyond upstream: P acknowledges each transfer info (``transfer_ack`` with its bootstrap ``start_id``, so D
 notices a restarted P at once, see ``decode.py``). A request whose bootstrap address names another prefill
 (``owner.py``) fails at once, and the prefill it names is told to abort the room, so neither side waits for a
-partner that never comes. What comes for a room before it opens (infos, a claim, an ABORT) or after it
-closed is remembered (``early.py``).
+partner that never comes.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +29,8 @@ from engine.disaggregation import contact
 from engine.disaggregation.base import KVLayout, KVPoll, TransferTimeouts
 from engine.disaggregation.bootstrap import BootstrapServer
 from engine.disaggregation.common import TestDelay, TransferBase, check_room, later
-from engine.disaggregation.early import Unopened
+from engine.disaggregation.decodes import DecodePeers
+from engine.disaggregation.early import SenderRooms
 from engine.disaggregation.messages import (
     Abort,
     AbortAck,
@@ -49,21 +44,11 @@ from engine.disaggregation.messages import (
     TransferInfo,
 )
 from engine.disaggregation.owner import OwnerCheck
-from engine.disaggregation.peers import Peer, PeerHooks, PeerSessions
-from engine.disaggregation.rooms import Rooms
+from engine.disaggregation.peers import Peer
 from engine.disaggregation.sender import KVSender
 from engine.disaggregation.writer import PageWriter
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DecodeInfo:
-    """What a decode registered: its pool layout, transport descriptor, and why P cannot write into it."""
-
-    layout: KVLayout
-    transport: dict
-    mismatch: str | None
 
 
 class PrefillTransfer(TransferBase):
@@ -89,18 +74,17 @@ class PrefillTransfer(TransferBase):
         tp_rank: int = 0,
         tp_size: int = 1,
     ) -> None:
-        self.rooms: Rooms[KVSender] = Rooms("prefill")
-        self.unopened = Unopened(timeouts.unknown_room_timeout_s)  # guarded by ``rooms.lock``
-        hooks = PeerHooks(self._decode_gone, self._decode_restarted, self._ping)
-        t = timeouts
-        self.peers = PeerSessions(hooks, t.decode_ping_interval_s, t.decode_dead_after_s, keep_gone=True)
+        self.rooms = SenderRooms(timeouts.unknown_room_timeout_s)
+        self.peers = DecodePeers(
+            timeouts, lambda key: self.send(key, Ping(self.channel.endpoint)), self._decode_gone
+        )
         self._send_delay = TestDelay("prefill_send")
         self.tp_rank, self.tp_size = tp_rank, tp_size
         # rank 0 runs the worker's bootstrap server; the other ranks register with it
         self.bootstrap = BootstrapServer(host or "0.0.0.0", bootstrap_port) if tp_rank == 0 else None
         dispatch = Dispatch(
             {
-                Register: self._on_register,
+                Register: lambda m: self.peers.register(m, self.layout),
                 Claim: self._on_claim,
                 TransferInfo: self._on_transfer,
                 Abort: self._on_abort,
@@ -142,9 +126,7 @@ class PrefillTransfer(TransferBase):
         """
         check_room(bootstrap_room)
         sender = KVSender(self, bootstrap_room)
-        with self.rooms.lock:
-            self.rooms.open(sender)
-            infos, aborted, claimed = self.unopened.opened(bootstrap_room)
+        infos, aborted, claimed = self.rooms.open_sender(sender)
         if aborted is not None:
             sender.refused = aborted[1]
             self.fail(sender, aborted[0], notify=False)
@@ -161,16 +143,11 @@ class PrefillTransfer(TransferBase):
         """Fail room ``bootstrap_room`` of a request this prefill refused before opening it (e.g. its images
         could not be encoded): its decode is told Failed with ``reason`` now if its transfer info came
         already, else when it comes (``early.py``). Nothing for an open room."""
-        with self.rooms.lock:
-            if self.rooms.get(bootstrap_room) is not None:
-                return
-            infos = self.unopened.ended(bootstrap_room, reason)
-        for info in infos:
-            self._status(info.endpoint, bootstrap_room, KVPoll.Failed, reason)
+        for info in self.rooms.end_unopened(bootstrap_room, reason):
+            self.report(info.endpoint, bootstrap_room, KVPoll.Failed, reason)
 
     def num_rooms(self) -> int:
-        with self.rooms.lock:
-            return len(self.rooms) + len(self.unopened)
+        return self.rooms.in_flight()
 
     def _foreign(self, sender: KVSender, reason: str, endpoint: str | None) -> None:
         """The request's bootstrap address is another prefill's (``OwnerCheck``): fail the room, and abort it
@@ -186,18 +163,14 @@ class PrefillTransfer(TransferBase):
             return
         logger.warning("bootstrap room %d failed: %s", sender.bootstrap_room, reason)
         for endpoint in endpoints:
-            self._status(endpoint, sender.bootstrap_room, KVPoll.Failed, reason)
+            self.report(endpoint, sender.bootstrap_room, KVPoll.Failed, reason)
 
     def close_room(self, sender: KVSender) -> None:
         if not sender.terminal:
             self.fail(sender, "closed by prefill before the transfer ended", notify=True)
-        room = sender.bootstrap_room
-        with self.rooms.lock:
-            self.rooms.remove(sender)
-            if sender.state == KVPoll.Failed and not sender.paired:
-                self.unopened.ended(room, sender.reason)  # type: ignore[arg-type]
+        self.rooms.close(sender)
         for endpoint in {*sender.endpoints, *sender.claimed_by}:
-            self.peers.unbind(endpoint, room)
+            self.peers.unbind(endpoint, sender.bootstrap_room)
             if sender.timed_out and endpoint in sender.endpoints and not self.peers.has_rooms(endpoint):
                 self.channel.forget(endpoint)
                 logger.info("forgot decode %s: its room timed out and no other room here names it", endpoint)
@@ -216,13 +189,12 @@ class PrefillTransfer(TransferBase):
             with sender.lock:
                 sender.claimed_by.add(endpoint)
         elif endpoint in self.peers.gone_keys():
-            self.fail(sender, self._gone_reason(endpoint), notify=False)
+            self.fail(sender, self.peers.gone_reason(endpoint), notify=False)
 
     def _attach(self, sender: KVSender, info: TransferInfo) -> None:
         """A decode rank's transfer info arrived for an open room (``KVSender.add_dest``): checked against
         what that decode registered, the room fails or its pages are scheduled."""
         endpoint = info.endpoint
-        decode: DecodeInfo | None = self.peers.info(endpoint)
         self.peers.bind(endpoint, sender.bootstrap_room)
         pages = torch.tensor(info.pages, dtype=torch.int64)
         added, reason = sender.add_dest(endpoint, pages, info.share, info.required)
@@ -230,58 +202,32 @@ class PrefillTransfer(TransferBase):
             logger.warning("bootstrap room %d: duplicate transfer info ignored", sender.bootstrap_room)
             return
         if reason is not None:
-            self._status(endpoint, sender.bootstrap_room, KVPoll.Failed, reason)
+            self.report(endpoint, sender.bootstrap_room, KVPoll.Failed, reason)
             return
-        if decode is None:
-            reason = f"decode {endpoint} sent transfer info before registering its KV buffers"
-        elif decode.mismatch:
-            reason = decode.mismatch
-        else:
-            reason = sender.count_mismatch()
-            try:
-                decode.layout.check_pages(pages, "decode page indices")
-            except ValueError as exc:
-                reason = reason or str(exc)
+        reason = self.peers.dest_problem(endpoint, pages, sender.count_mismatch())
         if reason:
             self.fail(sender, reason, notify=True)
         else:
             self.schedule(sender)
 
     # ---- side channel (receive thread)
-    def _status(self, endpoint: str, room: int, status: KVPoll, reason=None, **aux) -> None:
-        self.send(endpoint, Status(self.channel.endpoint, room, int(status), reason, **aux))
-
-    def _on_register(self, msg: Register) -> None:
-        layout = KVLayout.from_wire(msg.layout)
-        info = DecodeInfo(layout, {**msg.transport, "endpoint": msg.endpoint}, self.layout.mismatch(layout))
-        peer, _ = self.peers.add(msg.endpoint, msg.start_id)
-        peer.info = info
-
     def _on_claim(self, msg: Claim) -> None:
-        with self.rooms.lock:
-            sender = self.rooms.get(msg.room)
-            if sender is None:
-                self.unopened.claim(msg.room, msg.endpoint)
+        sender = self.rooms.claim(msg.room, msg.endpoint)
         if sender is not None:
             self._bind(sender, msg.endpoint)
 
     def _on_transfer(self, msg: TransferInfo) -> None:
         room = msg.room
         self.send(msg.endpoint, TransferAck(self.channel.endpoint, room, self.start_id))
-        with self.rooms.lock:
-            sender = self.rooms.get(room)
-            failed = self.unopened.info(msg) if sender is None else None
+        sender, failed = self.rooms.info(msg)
         if sender is not None:
             self._attach(sender, msg)
         elif failed is not None:
-            self._status(msg.endpoint, room, KVPoll.Failed, failed)
+            self.report(msg.endpoint, room, KVPoll.Failed, failed)
 
     def _on_abort(self, msg: Abort) -> None:
         reason = f"{msg.by or 'decode'} {msg.endpoint} aborted the room: {msg.reason or 'aborted'}"
-        with self.rooms.lock:
-            sender = self.rooms.get(msg.room)
-            if sender is None:
-                self.unopened.abort(msg.room, reason, msg.refused)
+        sender = self.rooms.abort(msg.room, reason, msg.refused)
         if sender is not None:
             with sender.write_lock:  # waits for a write in flight, so the ack means "no more writes"
                 if sender.state == KVPoll.Bootstrapping:
@@ -290,43 +236,23 @@ class PrefillTransfer(TransferBase):
         self.send(msg.endpoint, AbortAck(self.channel.endpoint, msg.room))
 
     def _on_tick(self) -> None:
-        for room, info in self.unopened.expire():
-            self._status(info.endpoint, room, KVPoll.Failed, f"bootstrap room {room} is unknown here")
-        self.peers.tick(time.monotonic(), lambda peer: self._gone_reason(peer.key))
+        for room, info in self.rooms.unopened.expire():
+            self.report(info.endpoint, room, KVPoll.Failed, f"bootstrap room {room} is unknown here")
+        self.peers.check()
 
-    # ---- the decodes (``PeerHooks``)
-    def _ping(self, peer: Peer) -> None:
-        self.send(peer.key, Ping(self.channel.endpoint))
-
-    def _gone_reason(self, endpoint: str) -> str:
-        return (
-            f"decode {endpoint} is gone (no answer on the side channel for "
-            f"{self.timeouts.decode_dead_after_s:g} s): the room it registered fails"
-        )
-
-    def _decode_restarted(self, peer: Peer, start_id: str) -> None:
-        self.peers.gone(peer, f"decode {peer.key} restarted (start id {peer.start_id} -> {start_id})")
-
+    # ---- the decodes (``DecodePeers``)
     def _decode_gone(self, peer: Peer, rooms: set[int], reason: str) -> None:
-        """Every room bound to the decode fails, whatever its state; the rooms it claimed or sent infos for
-        that are not open here yet fail when they open."""
-        endpoint = peer.key
-        with self.rooms.lock:
-            senders = self.rooms.select(rooms)
-            self.unopened.decode_gone(endpoint, reason)
-        open_rooms = [s for s in senders if not s.terminal]
-        logger.warning("%s; %d unfinished rooms of it fail", reason, len(open_rooms))
-        for sender in open_rooms:
-            self.fail(sender, reason, notify=False)
-        self.channel.forget(endpoint)
+        """Every room bound to the decode fails, whatever its state (those not open yet when they open)."""
+        senders = self.rooms.decode_gone(peer.key, rooms, reason)
+        self.lose_peer(f"{reason}; ", [peer.key], senders, lambda s: self.fail(s, reason, notify=False))
 
     # ---- the transfer thread (``WriterPort``)
     def decode_target(self, endpoint: str) -> tuple[dict, KVLayout]:
-        decode: DecodeInfo = self.peers.info(endpoint)
-        return decode.transport, decode.layout
+        return self.peers.target(endpoint)
 
-    def report(self, endpoint: str, room: int, status: KVPoll, reason: str | None, **aux) -> None:
-        self._status(endpoint, room, status, reason, **aux)
+    def report(self, endpoint: str, room: int, status: KVPoll, reason: str | None = None, **aux) -> None:
+        """Send the room's ``Status`` to the decode rank at ``endpoint``."""
+        self.send(endpoint, Status(self.channel.endpoint, room, int(status), reason, **aux))
 
     def close(self) -> None:
         if self._closed:

@@ -1,7 +1,7 @@
 """D's watch over the prefills it has rooms with: ``PrefillWatch``.
 
-Each prefill is a peer session (``peers.py``) keyed by its bootstrap address, whose ``info`` is a
-``PrefillLink``. Two probes tell a dead or restarted prefill:
+Each prefill is a peer session (``prefills.PrefillPeers``) keyed by its bootstrap address, whose ``info`` is
+a ``PrefillLink``. Two probes tell a dead or restarted prefill:
 
 * the heartbeat (upstream's): a thread GETs every paired prefill's ``/health`` each
   ``SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL``; ``SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`` misses in a
@@ -20,34 +20,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import httpx
 
 from engine.disaggregation import contact
 from engine.disaggregation.base import TransferTimeouts
-from engine.disaggregation.contact import PrefillRanks
 from engine.disaggregation.peers import Peer, PeerSessions
-
-
-@dataclass
-class PrefillLink:
-    """A prefill session's ``info`` on D: its ranks once first contact succeeded (None while it runs), and
-    whether a re-read of its bootstrap info is queued or running."""
-
-    ranks: PrefillRanks | None = None
-    checking: bool = False
-    checked_at: float = 0.0
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The side-channel endpoints of the prefill ranks D receives from (none before first contact)."""
-        return [] if self.ranks is None else list(self.ranks.endpoints.values())
-
-
-def paired(peer: Peer) -> bool:
-    """First contact with the prefill succeeded."""
-    return peer.info.ranks is not None
+from engine.disaggregation.prefills import paired
 
 
 class PrefillWatch:

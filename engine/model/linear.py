@@ -87,13 +87,13 @@ class _WeightOnlyLinear:
         flat = x.reshape(-1, self.in_features).contiguous()  # kernels read dense rows (MLA's c_kv: a view)
         rows = flat.size(0)
         if self.vnni_blocks is not None and rows <= self.vnni_max_rows:
-            out = self._vnni(flat)
+            out = self.vnni_mm(flat)
         elif self.dense_weight is not None and rows >= self.DENSE_MIN_ROWS:
             out = F.linear(flat.to(torch.bfloat16), self.dense_weight)
             if self.dense_scales is not None:
                 out = out.float() * self.dense_scales
         else:
-            out = self._torch_mm(flat.to(self.act_dtype))
+            out = self.torch_mm(flat.to(self.act_dtype))
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
@@ -132,10 +132,14 @@ class Int8WeightOnlyLinear(_WeightOnlyLinear):
             return None
         return ext.int8_pack(self.qweight), ext.INT8_MAX_ROWS
 
-    def _vnni(self, flat: torch.Tensor) -> torch.Tensor:
+    def vnni_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` ``(rows, in_features)`` bfloat16 through the VNNI gemv (rows <= ``vnni_max_rows``; the
+        blocks must exist): ``(rows, out_features)``."""
         return self._ext.int8_gemv(flat, self.vnni_blocks, self.scales)
 
-    def _torch_mm(self, flat: torch.Tensor) -> torch.Tensor:
+    def torch_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` ``(rows, in_features)`` in ``act_dtype`` through torch's int8 matmul: ``(rows,
+        out_features)``."""
         return torch._weight_int8pack_mm(flat, self.qweight, self.scales)
 
 
@@ -178,10 +182,12 @@ class Int4WeightOnlyLinear(_WeightOnlyLinear):
         """The VNNI blocks (every shape this layer accepts fits them) and the most rows they take."""
         return ext.int4_pack(self.qweight, self.scales_and_zeros, self.group_size), ext.INT4_MAX_ROWS
 
-    def _vnni(self, flat: torch.Tensor) -> torch.Tensor:
+    def vnni_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` ``(rows, in_features)`` bfloat16 through the VNNI gemv: ``(rows, out_features)``."""
         return self._ext.int4_gemv(flat, self.vnni_blocks, self.out_features, self.group_size)
 
-    def _torch_mm(self, flat: torch.Tensor) -> torch.Tensor:
+    def torch_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` ``(rows, in_features)`` bfloat16 through torch's int4 matmul: ``(rows, out_features)``."""
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         return mm(flat, self.packed, self.group_size, self.scales_and_zeros)
 

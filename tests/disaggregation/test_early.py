@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
-from engine.disaggregation.early import FAILED_ROOM_MEMORY_S, Unopened
+from engine.disaggregation.base import KVPoll
+from engine.disaggregation.early import FAILED_ROOM_MEMORY_S, SenderRooms, Unopened
 from engine.disaggregation.messages import TransferInfo
+from engine.disaggregation.sender import KVSender
 
 
 def info(room: int, endpoint: str = "d:1") -> TransferInfo:
@@ -64,3 +66,20 @@ def test_expire_returns_each_info_whose_room_never_opened_and_forgets_it():
     early.claim(6, "d:1")
     early.expire(time.monotonic() + FAILED_ROOM_MEMORY_S + 1)
     assert early.opened(6) == ([], None, None)
+
+
+def test_sender_rooms_hand_a_message_to_the_open_room_or_keep_it_for_when_it_opens():
+    rooms = SenderRooms(10.0)
+    waiting = info(5)
+    assert rooms.info(waiting) == (None, None) and rooms.claim(5, "d:1") is None
+    assert rooms.in_flight() == 1  # the room with an info waiting counts before it opens
+    sender = KVSender(None, 5)  # type: ignore[arg-type]  # no port: nothing here calls it
+    assert rooms.open_sender(sender) == ([waiting], None, "d:1")
+    assert rooms.info(info(5, "d:2")) == (sender, None) and rooms.claim(5, "d:2") is sender
+    assert rooms.abort(5, "gone", False) is sender and rooms.end_unopened(5, "refused") == []
+    with sender.lock:
+        sender.move(KVPoll.Failed, "bootstrap timeout")
+    rooms.close(sender)  # failed before its decode paired: a late info gets the reason
+    assert rooms.in_flight() == 0 and rooms.info(info(5)) == (None, "bootstrap timeout")
+    assert rooms.abort(6, "decode d:1 aborted the room", True) is None
+    assert rooms.open_sender(KVSender(None, 6))[1] == ("decode d:1 aborted the room", True)  # type: ignore[arg-type]

@@ -114,7 +114,7 @@ def test_int4_prefill_rows_take_a_dense_bfloat16_matmul_over_the_dequantized_wei
     assert torch.equal(ours, torch.nn.functional.linear(x, layer.dequantized().to(torch.bfloat16)))
     assert _relative_error(ours, x.float() @ layer.dequantized().T) < 1e-2  # bfloat16 weights and output
     fewer = x[:-1]  # one row fewer: torch's kernel
-    assert torch.equal(layer(fewer), layer._torch_mm(fewer))
+    assert torch.equal(layer(fewer), layer.torch_mm(fewer))
 
 
 @needs_bf16
@@ -127,7 +127,7 @@ def test_int8_prefill_rows_multiply_the_exact_codes_and_scale_the_float32_output
     # the activations' and the product's bfloat16 rounding, as torch's kernel (measured 2.4e-3 and 2.3e-3)
     assert _relative_error(ours, ref) < 4e-3
     fewer = x[:-1]
-    assert torch.equal(layer(fewer), layer._torch_mm(fewer.to(torch.bfloat16)).float())
+    assert torch.equal(layer(fewer), layer.torch_mm(fewer.to(torch.bfloat16)).float())
 
 
 @needs_vnni

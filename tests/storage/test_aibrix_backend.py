@@ -134,7 +134,7 @@ def test_a_damaged_block_is_a_counted_miss_zeroed_and_deleted(make_backend):
     backend, pool = make_backend(seed=3)
     keys = keys_for(backend, 2)
     assert backend.batch_set_v1(keys, slots(pool, [0, 1])) == [True, True]
-    m = backend._manager(pool.page_bytes)
+    m = backend.manager(pool.page_bytes)
     got = m.manager.acquire(None, m.hashes([keys[1]]))
     _, handle = got.value
     damaged = handle.to_tensors()[0].clone()
@@ -158,7 +158,7 @@ def test_a_damaged_block_is_a_counted_miss_zeroed_and_deleted(make_backend):
 def test_a_failed_store_call_is_a_counted_error_not_an_exception(make_backend):
     backend, pool = make_backend(seed=4)
     keys = keys_for(backend, 2)
-    backend._manager(pool.page_bytes).manager.close()  # the store is gone under the backend
+    backend.manager(pool.page_bytes).manager.close()  # the store is gone under the backend
     assert backend.batch_set_v1(keys, slots(pool, [0, 1])) == [False, False]
     assert backend.batch_get_v1(keys, slots(pool, [2, 3])) == [False, False]
     assert backend.get_stats()["errors"] >= 2  # what the circuit breaker counts

@@ -120,7 +120,7 @@ def test_a_page_corrupted_in_the_store_ends_the_prefetch_with_correct_kv_before_
     try:
         serve_fresh(a, PREFIX)
         keys = page_hashes(PREFIX, PAGE, None, a.controller.namespace)
-        client = a.storage.backend._store  # the store's own client writes page 8 wrong on purpose
+        client = a.storage.backend.store  # the store's own client writes page 8 wrong on purpose
         raw = bytearray(client.get(keys[8]))
         raw[len(raw) // 2] ^= 0x01
         client.remove(keys[8], True)

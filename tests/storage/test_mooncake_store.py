@@ -250,7 +250,7 @@ def test_corrupted_page_written_through_the_client_is_a_counted_miss(pair):
     fill(pool, 30)
     flipped, foreign = keys_for(writer, 2, start=9000)
     assert writer.batch_set_v1([flipped, foreign], slots(pool, [0, 1])) == [True, True]
-    client = writer._store  # the store's own client: write wrong bytes on purpose
+    client = writer.store  # the store's own client: write wrong bytes on purpose
     raw = bytearray(client.get(flipped))
     raw[-1] ^= 0xFF  # last byte of the V plane
     client.remove(flipped, True)

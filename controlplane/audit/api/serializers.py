@@ -56,12 +56,22 @@ class AuditEventSerializer(StrictModelSerializer):
         ]
         read_only_fields = fields
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # answers computed once per event while this serializer renders (several fields read each):
+        # name -> event id -> answer; a list shares one child serializer across its events
+        self._memos: dict[str, dict] = {}
+
+    def _memo(self, name: str) -> dict:
+        return self._memos.setdefault(name, {})
+
     def get_revert_changes(self, obj) -> list[dict]:
         if not (obj.extra or {}).get("restore"):
             return []
-        if not hasattr(obj, "_revert_changes"):
-            obj._revert_changes = revert_changes(event=obj)
-        return obj._revert_changes
+        memo = self._memo("revert_changes")
+        if obj.pk not in memo:
+            memo[obj.pk] = revert_changes(event=obj)
+        return memo[obj.pk]
 
     def get_revert_together_changes(self, obj) -> list[dict]:
         if not (obj.extra or {}).get("restore") or not obj.operation_id:
@@ -79,15 +89,16 @@ class AuditEventSerializer(StrictModelSerializer):
             return None, "an operation's record: undo the record of the worker it changed"
         if obj.action not in UNDOABLE or obj.object_type != "inventory.engineworker":
             return None, "not an attach, detach or config push of a worker"
-        if not hasattr(obj, "_undo_answer"):
+        memo = self._memo("undo")
+        if obj.pk not in memo:
             try:
                 plan = undo_plan(event=obj)
             except ApplicationError as exc:
-                obj._undo_answer = (None, exc.message)
+                memo[obj.pk] = (None, exc.message)
             else:
                 view = {"kind": plan.kind, "worker_id": plan.worker.pk, "worker": plan.worker.name}
-                obj._undo_answer = (view | {"now": plan.now, "after": plan.after}, "")
-        return obj._undo_answer
+                memo[obj.pk] = (view | {"now": plan.now, "after": plan.after}, "")
+        return memo[obj.pk]
 
     def get_undo(self, obj) -> dict | None:
         return self._undo(obj)[0]

@@ -82,8 +82,9 @@ def _closest(name: str, known) -> str:
 def _kvfleet_flags() -> frozenset[str]:
     """The SGLang names of KVFleet's engine's launch flags (its own parser; no model stack is loaded)."""
     from engine.server.args import build_parser
+    from engine.unknown_flags import flag_actions
 
-    return frozenset(a.dest for a in build_parser()._actions if a.option_strings and a.dest != "help")
+    return frozenset(a.dest for a in flag_actions(build_parser()))
 
 
 def _name_problem(worker: EngineWorker, name: str) -> str:

@@ -138,3 +138,15 @@ class IOBackend(ABC, Generic[PlanT]):
     @abstractmethod
     def _backup(self, plan: PlanT) -> None:
         """Issue the copy of every layer on the current stream."""
+
+    # -- the copies alone (benchmarks) -------------------------------------------------------------------
+    def issue_load(self, plan: PlanT) -> None:
+        """Issue every layer's L2 -> L1 copy of ``plan`` on the current stream, with no load stream or event:
+        the copy alone, as ``engine.bench.kernels`` times it."""
+        for layer in range(self.num_layers):
+            self._load_layer(layer, plan)
+
+    def issue_backup(self, plan: PlanT) -> None:
+        """Issue the L1 -> L2 copy of every layer of ``plan`` on the current stream, with no write stream or
+        synchronisation: the copy alone, as ``engine.bench.kernels`` times it."""
+        self._backup(plan)

@@ -239,7 +239,8 @@ class HiCacheAibrix(BytePageStorage):
         self._unit = 0  # bytes of the stored unit (a page, or a tp_lcm_size shard): set with the host pool
 
     # -- managers, one per payload size ----------------------------------------------------------------
-    def _manager(self, nbytes: int) -> _Manager:
+    def manager(self, nbytes: int) -> _Manager:
+        """The AIBrix manager of ``nbytes``-byte payloads (made on first use, then shared)."""
         with self._managers_lock:
             found = self._managers.get(nbytes)
             if found is None:
@@ -264,7 +265,7 @@ class HiCacheAibrix(BytePageStorage):
                 cfg.tp_lcm_size, cfg.tp_size, (cfg.tp_rank, cfg.tp_size), mem_pool_host.num_kv_heads
             )
             self._unit = mem_pool_host.page_bytes // shards.count
-        self._manager(self._unit)
+        self.manager(self._unit)
         super().register_mem_pool_host(mem_pool_host)
 
     def close(self) -> None:
@@ -287,7 +288,7 @@ class HiCacheAibrix(BytePageStorage):
         """Store each page (its views, in order) under its key; pages already stored are kept (True)."""
         if not keys:
             return []
-        m = self._manager(sum(v.nbytes for v in pages[0]))
+        m = self.manager(sum(v.nbytes for v in pages[0]))
         results: list[bool] = []
         for start in range(0, len(keys), m.batch):
             part = keys[start : start + m.batch]
@@ -351,7 +352,7 @@ class HiCacheAibrix(BytePageStorage):
         ``acquire`` returns the leading run)."""
         if not keys:
             return []
-        m = self._manager(sum(v.nbytes for v in pages[0]))
+        m = self.manager(sum(v.nbytes for v in pages[0]))
         results: list[bool] = []
         for start in range(0, len(keys), m.batch):
             results += self._read_batch(m, keys[start : start + m.batch], pages[start : start + m.batch])
@@ -419,7 +420,7 @@ class HiCacheAibrix(BytePageStorage):
             return 0
         if self.mem_pool_host is None:
             raise ValueError("batch_exists() needs a registered host pool")
-        m = self._manager(self._unit)
+        m = self.manager(self._unit)
         count = 0
         for start in range(0, len(keys), m.batch):
             part = keys[start : start + m.batch]

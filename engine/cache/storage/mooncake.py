@@ -151,6 +151,12 @@ class MooncakeStore(HiCacheStorage):
         self._closed = False
         self._backoff = _Backoff(lambda: _master_problem(*self.config.master_host_port) is None)
 
+    @property
+    def store(self):
+        """The ``MooncakeDistributedStore`` client this backend shares (``mooncake_clients``): benchmarks
+        and tests write through it directly, without the backend's keys prefix or page headers."""
+        return self._store
+
     def _check_servers(self) -> None:
         cfg = self.config
         reason = _master_problem(*cfg.master_host_port)

@@ -163,12 +163,13 @@ class HiCacheNixl(HiCacheFile):
         self._deregister_pool()
         super().close()
 
-    def _host_ranges(self, first_slot: int) -> Ranges:
+    def host_ranges(self, first_slot: int) -> Ranges:
+        """The (address, bytes) pieces of the host page starting at slot ``first_slot``."""
         assert self._pages is not None, "set with the host pool (_first_slots raised otherwise)"
         return [(self._pool_base + offset, n) for offset, n in self._pages.ranges(first_slot)]
 
     # -- one NIXL transfer per batch -------------------------------------------------------------------
-    def _xfer(self, op: str, host: list[Ranges], fds: list[int]) -> bool:
+    def xfer(self, op: str, host: list[Ranges], fds: list[int]) -> bool:
         """Move each page's pieces between ``host`` and the payload of file ``fds[i]`` (from
         ``HEADER_SIZE`` on) as one NIXL ``op`` (``READ``: file -> host, ``WRITE``: host -> file); True when
         NIXL reports it DONE. The files are registered for this transfer only."""
@@ -241,7 +242,7 @@ class HiCacheNixl(HiCacheFile):
                 opened.append((i, fd, path, checksum))
             if not opened:
                 return results
-            done = self._xfer("READ", [host[i] for i, *_ in opened], [fd for _, fd, *_ in opened])
+            done = self.xfer("READ", [host[i] for i, *_ in opened], [fd for _, fd, *_ in opened])
         finally:
             for _, fd, *_ in opened:
                 os.close(fd)
@@ -290,7 +291,7 @@ class HiCacheNixl(HiCacheFile):
                     logger.warning("L3 nixl page %s not written: %s", path, exc)
                     continue
                 pending.append((i, fd, tmp, path))
-            done = bool(pending) and self._xfer(
+            done = bool(pending) and self.xfer(
                 "WRITE", [host[i] for i, *_ in pending], [p[1] for p in pending]
             )
         finally:
@@ -363,7 +364,7 @@ class HiCacheNixl(HiCacheFile):
         slots = self._first_slots(keys, host_indices)
         assert self._pages is not None, "set with the host pool (_first_slots raised otherwise)"
         return self._read_pages(
-            keys, [self._host_ranges(s) for s in slots], [self._pages.views(s) for s in slots]
+            keys, [self.host_ranges(s) for s in slots], [self._pages.views(s) for s in slots]
         )
 
     def batch_set_v1(
@@ -377,5 +378,5 @@ class HiCacheNixl(HiCacheFile):
         slots = self._first_slots(keys, host_indices)
         assert self._pages is not None, "set with the host pool (_first_slots raised otherwise)"
         return self._write_pages(
-            keys, [self._host_ranges(s) for s in slots], [self._pages.views(s) for s in slots]
+            keys, [self.host_ranges(s) for s in slots], [self._pages.views(s) for s in slots]
         )
