@@ -207,7 +207,10 @@ def _host_page(host: HostKVPool, kv: int, layer: int, page: int, buffer: torch.T
 
 @pytest.mark.parametrize("native", [True, False], ids=["copy_pages", "torch"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
-def test_direct_io_merges_runs_only_where_both_sides_are_consecutive(layout, native):
+@pytest.mark.parametrize(
+    ("heads", "head_dim"), [(2, 4), (4, 4099)], ids=["memcpy", "streamed"]
+)  # streamed: over 1 MiB a layer, rows of 65,584 bytes (not 16-byte aligned)
+def test_direct_io_merges_runs_only_where_both_sides_are_consecutive(layout, native, heads, head_dim):
     # Each pair of pages is consecutive on one side only somewhere: a run merged on the device pages alone
     # (3-6, 10-12) or the host pages alone (2-5 across device 6 -> 10, 9-10 across 12 -> 20), descending
     # device pages (15, 14), or page_first_direct's host rows (consecutive pages are not adjacent) would copy
@@ -215,8 +218,8 @@ def test_direct_io_merges_runs_only_where_both_sides_are_consecutive(layout, nat
     P, L = 2, 3
     dev_pages = torch.tensor([3, 4, 5, 6, 10, 11, 12, 20, 15, 14])
     host_pages = torch.tensor([7, 8, 2, 3, 4, 5, 9, 10, 0, 1])
-    dev = DeviceKVPool(21 * P, P, L, 2, 4, torch.float16)  # pages 1..21
-    host = HostKVPool(24 * P, P, L, 2, 4, torch.float16, layout)
+    dev = DeviceKVPool(21 * P, P, L, heads, head_dim, torch.float16)  # pages 1..21
+    host = HostKVPool(24 * P, P, L, heads, head_dim, torch.float16, layout)
     io = DirectIO(dev, host, native=native)
     assert io.native is native
     host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape))

@@ -1,17 +1,58 @@
 // Whole-page copies between KV pools on the CPU (engine/cache/io_backends/direct.py, see page_copy.h).
 //
-// torch's index_copy_ / index_select move a page one element (at most 16 bytes) at a time through
-// TensorIterator, a third to a sixth of a plain copy's bandwidth here (docs/benchmarks.md); a memcpy per
-// page, or per run of pages consecutive on both sides, moves it at the copy's speed. One thread: the load
-// overlaps the forward pass, whose threads it would otherwise take.
+// One pass over the pages on one thread (the load overlaps the forward pass, whose threads it would otherwise
+// take), a copy per page or per run of pages consecutive on both sides. A transfer of at least
+// kStreamBytes writes with non-temporal stores: they skip reading the destination's cache lines before
+// writing them (a third of a plain copy's memory traffic) and leave the caches to the forward pass; the
+// destination is read back layers later at the earliest, from memory either way. Each run prefetches the
+// start of the next run's source, which the hardware prefetcher cannot guess (page_first_direct's host rows
+// and page size 1 are short reads far apart). Figures against a contiguous copy: docs/benchmarks.md.
 #include "page_copy.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#endif
 
 namespace kvfleet {
 
 namespace {
+
+constexpr int64_t kStreamBytes = 1 << 20;  // below: plain memcpy (the data may well stay in the caches)
+constexpr int64_t kStreamRun = 256;        // shorter runs: memcpy
+constexpr int64_t kPrefetchBytes = 1024;   // of the next run's source
+
+// n bytes from src to dst, dst written with non-temporal stores where it is 16-byte aligned.
+inline void stream_copy(char* dst, const char* src, int64_t n) {
+#if defined(__SSE2__)
+  if (n >= kStreamRun && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    if (i < n) std::memcpy(dst + i, src + i, static_cast<size_t>(n - i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, static_cast<size_t>(n));
+}
+
+inline void prefetch(const char* p, int64_t n) {
+#if defined(__SSE2__)
+  for (int64_t q = 0; q < std::min(n, kPrefetchBytes); q += 64) _mm_prefetch(p + q, _MM_HINT_T0);
+#endif
+}
 
 struct Side {
   char* base;
@@ -67,6 +108,9 @@ void copy_pages(const std::vector<at::Tensor>& dsts, const at::Tensor& dst_pages
   if (n == 0 || dsts.empty()) return;
   const int64_t* d = checked_pages(dst_pages, "dst_pages", dst_limit);
   const int64_t* s = checked_pages(src_pages, "src_pages", src_limit);
+  int64_t total = 0;
+  for (const int64_t row : rows) total += n * row;
+  const bool stream = total >= kStreamBytes;
   for (size_t t = 0; t < to.size(); ++t) {
     const int64_t row = rows[t];
     const Side& a = to[t];
@@ -78,10 +122,20 @@ void copy_pages(const std::vector<at::Tensor>& dsts, const at::Tensor& dst_pages
       if (packed) {
         while (j < n && d[j] == d[j - 1] + 1 && s[j] == s[j - 1] + 1) ++j;
       }
-      std::memcpy(a.base + d[i] * a.stride, b.base + s[i] * b.stride, static_cast<size_t>((j - i) * row));
+      if (j < n) prefetch(b.base + s[j] * b.stride, row);
+      char* out = a.base + d[i] * a.stride;
+      const char* in = b.base + s[i] * b.stride;
+      if (stream) {
+        stream_copy(out, in, (j - i) * row);
+      } else {
+        std::memcpy(out, in, static_cast<size_t>((j - i) * row));
+      }
       i = j;
     }
   }
+#if defined(__SSE2__)
+  if (stream) _mm_sfence();  // the streamed stores are visible before the caller reports the copy done
+#endif
 }
 
 }  // namespace kvfleet

@@ -12,8 +12,9 @@ namespace kvfleet {
 // dsts[t] / srcs[t]: CPU tensors of shape (pages, row) whose rows are contiguous (stride(1) == 1), the same
 // dtype and row length within a pair; dst_pages / src_pages: int64, 1-D, contiguous, equally long, each
 // index in [0, pages) of every tensor on its side. Pages consecutive on both sides whose rows are stored
-// back to back on both sides go as one memcpy. Raises ValueError for a bad argument, IndexError for a page
-// out of range (nothing is copied then).
+// back to back on both sides go as one copy; a call moving 1 MiB or more writes with non-temporal
+// stores (on x86). Source and destination must not overlap. Raises ValueError for a bad argument,
+// IndexError for a page out of range (nothing is copied then).
 void copy_pages(const std::vector<at::Tensor>& dsts, const at::Tensor& dst_pages,
                 const std::vector<at::Tensor>& srcs, const at::Tensor& src_pages);
 
