@@ -1,8 +1,9 @@
-"""KVFleet's C++ extension for the CPU: the fused decode step and the VNNI weight-only matmuls.
+"""KVFleet's C++ extension for the CPU: the fused decode step, the VNNI weight-only matmuls, KV page copies.
 
 ``fused/decode_step.cpp`` (a decode-only batch through every layer in one call, ``fused_decode.py``) with
-``fused/glue.cpp`` (its float32 row kernels) and ``fused/quant_gemv.cpp`` (int4 / int8 weight-only matmuls
-for a few activation rows with AVX512-VNNI, ``linear.py``) are one module, compiled with
+``fused/glue.cpp`` (its float32 row kernels), ``fused/quant_gemv.cpp`` (int4 / int8 weight-only matmuls
+for a few activation rows with AVX512-VNNI, ``linear.py``) and ``fused/page_copy.cpp`` (the KV cache's
+whole-page copies, ``engine/cache/io_backends/direct.py``) are one module, compiled with
 ``torch.utils.cpp_extension`` (g++ and ninja) into ``<venv>/kvfleet-ext/`` once per venv and source version
 (``make venv`` builds it, ``python -m engine.model.extension`` by hand, 25-60 s here; a first use builds it
 otherwise); later processes only load it. ``load_extension`` raises ``ExtensionUnavailable`` when it cannot
@@ -24,8 +25,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 FUSED = Path(__file__).with_name("fused")
-SOURCES = (FUSED / "decode_step.cpp", FUSED / "glue.cpp", FUSED / "quant_gemv.cpp")
-HEADERS = (FUSED / "glue.h", FUSED / "quant_gemv.h")
+SOURCES = (FUSED / "decode_step.cpp", FUSED / "glue.cpp", FUSED / "quant_gemv.cpp", FUSED / "page_copy.cpp")
+HEADERS = (FUSED / "glue.h", FUSED / "quant_gemv.h", FUSED / "page_copy.h")
 EXTENSION_NAME = "kvfleet_fused_decode"
 _loaded: ModuleType | None = None
 

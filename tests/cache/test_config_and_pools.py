@@ -165,13 +165,15 @@ def test_layout_corrections_warn_and_refusals(caplog):
 # -- direct io ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["copy_pages", "torch"])
 @pytest.mark.parametrize("host_order", ["runs", "scattered"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_direct_io_round_trip_any_page_order(layout, page_size, host_order):
+def test_direct_io_round_trip_any_page_order(layout, page_size, host_order, native):
     dev = DeviceKVPool(32, page_size, 2, 2, 3, torch.bfloat16)
     host = HostKVPool(64, page_size, 2, 2, 3, torch.bfloat16, layout)
-    io = DirectIO(dev, host)
+    io = DirectIO(dev, host, native=native)
+    assert io.native is native  # the venv builds the extension
     for layer in range(2):
         dev.k_buffer[layer].copy_(torch.randn_like(dev.k_buffer[layer], dtype=torch.float32))
         dev.v_buffer[layer].copy_(torch.randn_like(dev.v_buffer[layer], dtype=torch.float32))
@@ -182,7 +184,8 @@ def test_direct_io_round_trip_any_page_order(layout, page_size, host_order):
     else:  # random pages: many runs, or the gather+scatter fallback
         pages = torch.randperm(64 // page_size)[: 16 // page_size]
         slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
-    assert (io.plan(src, slots)[2] is None) == (host_order == "scattered" and page_size == 1)
+    if not native:  # torch's index ops: runs of host pages, gather + scatter when too fragmented
+        assert (io.plan(src, slots)[2] is None) == (host_order == "scattered" and page_size == 1)
     io.backup(src, slots)
     expect = [(dev.k_buffer[i][src].clone(), dev.v_buffer[i][src].clone()) for i in range(2)]
     dst = torch.arange(page_size, page_size + 16)
@@ -191,3 +194,78 @@ def test_direct_io_round_trip_any_page_order(layout, page_size, host_order):
         io.load_layer(layer, plan)
         assert torch.equal(dev.k_buffer[layer][dst], expect[layer][0])
         assert torch.equal(dev.v_buffer[layer][dst], expect[layer][1])
+
+
+def _host_page(host: HostKVPool, kv: int, layer: int, page: int, buffer: torch.Tensor | None = None):
+    """K (``kv`` 0) or V of ``layer`` in host page ``page`` of ``buffer`` (default the pool's), (P, H, D)."""
+    buffer = host.kv_buffer if buffer is None else buffer
+    P = host.page_size
+    if host.layout == "layer_first":
+        return buffer[kv, layer, page * P : (page + 1) * P]
+    return buffer[kv, page, layer]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["copy_pages", "torch"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+@pytest.mark.parametrize(
+    ("heads", "head_dim"), [(2, 4), (4, 4099)], ids=["memcpy", "streamed"]
+)  # streamed: over 1 MiB a layer, rows of 65,584 bytes (not 16-byte aligned)
+def test_direct_io_merges_runs_only_where_both_sides_are_consecutive(layout, native, heads, head_dim):
+    # Each pair of pages is consecutive on one side only somewhere: a run merged on the device pages alone
+    # (3-6, 10-12) or the host pages alone (2-5 across device 6 -> 10, 9-10 across 12 -> 20), descending
+    # device pages (15, 14), or page_first_direct's host rows (consecutive pages are not adjacent) would copy
+    # some page from or to the wrong place.
+    P, L = 2, 3
+    dev_pages = torch.tensor([3, 4, 5, 6, 10, 11, 12, 20, 15, 14])
+    host_pages = torch.tensor([7, 8, 2, 3, 4, 5, 9, 10, 0, 1])
+    dev = DeviceKVPool(21 * P, P, L, heads, head_dim, torch.float16)  # pages 1..21
+    host = HostKVPool(24 * P, P, L, heads, head_dim, torch.float16, layout)
+    io = DirectIO(dev, host, native=native)
+    assert io.native is native
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape))
+    dev.kv_buffer.fill_(-7.0)
+    to_slots = lambda pages: (pages[:, None] * P + torch.arange(P)).flatten()  # noqa: E731
+    dev_slots, host_slots = to_slots(dev_pages), to_slots(host_pages)
+    plan = io.plan(dev_slots, host_slots)
+    for layer in range(L):
+        io.load_layer(layer, plan)
+    for layer in range(L):
+        for kv, buffer in enumerate((dev.k_buffer[layer], dev.v_buffer[layer])):
+            for d, h in zip(dev_pages.tolist(), host_pages.tolist(), strict=True):
+                assert torch.equal(buffer[d * P : (d + 1) * P], _host_page(host, kv, layer, h)), (
+                    layer,
+                    kv,
+                    d,
+                )
+    untouched = torch.ones(dev.kv_buffer.shape[2] // P, dtype=torch.bool)
+    untouched[dev_pages] = False
+    assert bool((dev.kv_buffer.unflatten(2, (-1, P))[:, :, untouched] == -7.0).all())
+
+    # and back: device pages to other host pages, the rest of the host pool unchanged
+    before = host.kv_buffer.clone()
+    back = torch.tensor([12, 13, 16, 17, 18, 19, 20, 21, 23, 22])
+    io.backup(dev_slots, to_slots(back))
+    for layer in range(L):
+        for kv in range(2):
+            for d, h in zip(dev_pages.tolist(), back.tolist(), strict=True):
+                expect = _host_page(host, kv, layer, h)
+                assert torch.equal(expect, dev.kv_buffer[kv, layer, d * P : (d + 1) * P]), (layer, kv, h)
+    for h in set(range(24)) - set(back.tolist()):
+        for layer in range(L):
+            for kv in range(2):
+                assert torch.equal(_host_page(host, kv, layer, h), _host_page(host, kv, layer, h, before))
+
+
+def test_copy_pages_refuses_bad_pages_and_copies_nothing():
+    dev = DeviceKVPool(8, 2, 1, 1, 4, torch.float16)
+    host = HostKVPool(8, 2, 1, 1, 4, torch.float16)
+    io = DirectIO(dev, host)
+    assert io.native
+    host.kv_buffer.fill_(1.0)
+    with pytest.raises(IndexError, match=r"src_pages\[1\] = 4 is out of range for 4 pages"):
+        io.load_layer(0, (torch.tensor([1, 2]), torch.tensor([0, 4]), None))
+    with pytest.raises(ValueError, match="2 destination pages, 1 source pages"):
+        io.load_layer(0, (torch.tensor([1, 2]), torch.tensor([0]), None))
+    with pytest.raises(ValueError, match="dst_pages must be a contiguous 1-D int64"):
+        io.load_layer(0, (torch.tensor([1, 2], dtype=torch.int32), torch.tensor([0, 1]), None))
+    assert bool((dev.kv_buffer == 0).all())

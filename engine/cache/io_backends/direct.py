@@ -1,24 +1,34 @@
-"""The ``direct`` io backend: L1 <-> L2 page copies with torch gather/scatter, one layer at a time.
+"""The ``direct`` io backend: L1 <-> L2 page copies, one layer at a time for a load.
 
 Follows upstream's ``direct`` backend (docs/upstream.md H4): per layer, K then V, pages addressed by
-index. Both pools are viewed page-major (one row = one page of one layer, reinterpreted as the widest
-element type that divides it, up to 16 bytes, since torch's index kernels move one element at a time).
-The host side is split into runs of consecutive pages (the host allocator hands out the lowest free
-pages, so a node's pages are usually one run), so each run is a single pass:
-L2 -> L1 ``device.index_copy_(0, device_pages, host[run])``; L1 -> L2
-``torch.index_select(device, 0, device_pages, out=host[run])``. Heavily fragmented host pages fall back
-to gather + scatter. Supports ``layer_first`` and ``page_first_direct`` (``page_first`` is switched to
-``page_first_direct``, as upstream). With a CUDA device pool the host runs go up with ``non_blocking``
-copies from the pinned host buffer on the backend's streams (see ``base``).
+index. Both pools are viewed page-major (one row = one page of one layer). With the device pool on the CPU
+the copies are the C++ extension's ``copy_pages`` (``engine/model/fused/page_copy.cpp``): one call per layer
+(K and V) for a load and one for all layers of a backup, a ``memcpy`` per page or per run of pages
+consecutive on both sides (and stored back to back: ``layer_first`` rows are, ``page_first_direct`` host
+rows are not). Elsewhere, or where the extension cannot be built, torch's index ops: the rows reinterpreted
+as the widest element type that divides them (up to 16 bytes, since torch's index kernels move one element
+at a time) and the host side split into runs of consecutive pages (the host allocator hands out the lowest
+free pages, so a node's pages are usually one run), each run a single pass: L2 -> L1
+``device.index_copy_(0, device_pages, host[run])``; L1 -> L2 ``torch.index_select(device, 0, device_pages,
+out=host[run])``; heavily fragmented host pages fall back to gather + scatter. Supports ``layer_first`` and
+``page_first_direct`` (``page_first`` is switched to ``page_first_direct``, as upstream). With a CUDA device
+pool the host runs go up with ``non_blocking`` copies from the pinned host buffer on the backend's streams
+(see ``base``).
 """
 
 from __future__ import annotations
+
+import logging
+from types import ModuleType
 
 import torch
 
 from engine.cache.device_pool import DeviceKVPool
 from engine.cache.host_pool import HostKVPool
 from engine.cache.io_backends.base import IOBackend
+from engine.model.extension import ExtensionUnavailable, load_extension
+
+logger = logging.getLogger(__name__)
 
 _WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -34,13 +44,21 @@ def _page_rows(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
 
 
 class DirectIO(IOBackend[tuple]):
-    """Per-layer torch index copies. Raises ``ValueError`` as :class:`IOBackend`."""
+    """Per-layer page copies: the extension's ``copy_pages`` when ``native`` and the device pool is on the
+    CPU (where the extension cannot be built: a warning, then torch's index ops), else torch's index ops.
+    ``self.native`` says which runs. Raises ``ValueError`` as :class:`IOBackend`."""
 
     layouts = ("layer_first", "page_first_direct")
     substitutes = {"page_first": "page_first_direct"}
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, native: bool = True) -> None:
         super().__init__(device_pool, host_pool)
+        self._ext: ModuleType | None = None
+        if native and self.device.type == "cpu":
+            try:
+                self._ext = load_extension()
+            except ExtensionUnavailable as exc:
+                logger.warning("%s; direct io copies pages with torch's index ops", exc)
         P, L = self.page_size, self.num_layers
         dev_pages = (device_pool.size + P) // P
         self._device = [
@@ -53,10 +71,18 @@ class DirectIO(IOBackend[tuple]):
         else:
             self._host = [(_page_rows(buf[0, :, i], hp), _page_rows(buf[1, :, i], hp)) for i in range(L)]
 
+    @property
+    def native(self) -> bool:
+        """Whether the copies are the extension's ``copy_pages`` (else torch's index ops)."""
+        return self._ext is not None
+
     def plan(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> tuple:
-        """Device pages (on the device), host pages and runs of consecutive host pages (None when
-        fragmented)."""
+        """``(device_pages, host_pages, runs)``, pages as int64 (device pages on the device); ``runs``: for
+        torch's index ops the ``(first host page, start, end)`` runs of consecutive host pages, None when
+        fragmented (gather + scatter) or when ``copy_pages`` runs (it finds its runs itself)."""
         dev, host = self.pages(device_indices, host_indices)
+        if self._ext is not None:
+            return dev.contiguous(), host.contiguous(), None
         dev = dev.to(self.device)
         if len(host) == 0:
             return dev, host, []
@@ -70,6 +96,9 @@ class DirectIO(IOBackend[tuple]):
 
     def _load_layer(self, layer: int, plan: tuple) -> None:
         dev, host, runs = plan
+        if self._ext is not None:
+            self._ext.copy_pages(self._device[layer], dev, self._host[layer], host)
+            return
         for dev_rows, host_rows in zip(self._device[layer], self._host[layer], strict=True):
             if runs is None:
                 dev_rows.index_copy_(0, dev, host_rows.index_select(0, host).to(self.device))
@@ -81,6 +110,12 @@ class DirectIO(IOBackend[tuple]):
 
     def _backup(self, plan: tuple) -> None:
         dev, host, runs = plan
+        if self._ext is not None:
+            L = range(self.num_layers)
+            self._ext.copy_pages(
+                [t for i in L for t in self._host[i]], host, [t for i in L for t in self._device[i]], dev
+            )
+            return
         for layer in range(self.num_layers):
             for dev_rows, host_rows in zip(self._device[layer], self._host[layer], strict=True):
                 if runs is None:

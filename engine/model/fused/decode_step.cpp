@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "glue.h"
+#include "page_copy.h"
 #include "quant_gemv.h"
 
 using at::Tensor;
@@ -327,6 +328,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemv", &kvfleet::int4_gemv, py::call_guard<py::gil_scoped_release>());
   m.def("int8_pack", &kvfleet::int8_pack);
   m.def("int8_gemv", &kvfleet::int8_gemv, py::call_guard<py::gil_scoped_release>());
+  m.def("copy_pages", &kvfleet::copy_pages, py::call_guard<py::gil_scoped_release>());
   m.attr("INT4_MAX_ROWS") = kvfleet::kInt4MaxRows;
   m.attr("INT8_MAX_ROWS") = kvfleet::kInt8MaxRows;
 }
