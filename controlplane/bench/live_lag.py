@@ -102,6 +102,78 @@ async def _measure(consoles, ticks: int, interval: float) -> tuple[dict[str, lis
     return lags, down, sum(1 for s in seen if s < 2 * ticks)
 
 
+async def _profile(consoles, ticks: int) -> str:
+    """Where one tick's time goes, each publisher run alone (one after the other, no overlap): the TSDB's
+    answer (HTTP request to the last byte of the body), decoding its JSON, the figures and the summary in
+    Python (the rest of the publisher up to the push), encoding the push (``core.broadcast.wire``) and the
+    fan-out (from the push to the last console's arrival); the medians over ``ticks`` ticks, in s, with the
+    answer's and the push's sizes."""
+    import statistics
+
+    import httpx
+    from asgiref.sync import sync_to_async
+
+    from controlplane.core import broadcast
+    from controlplane.telemetry.services import publish_fleet, publish_workers
+
+    spent: dict[str, float] = {}
+    sizes: dict[str, int] = {}
+    get, decode, wire = httpx.Client.get, httpx.Response.json, broadcast.wire
+
+    def timed(name, fn, size=None):
+        def inner(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            if size:
+                sizes[name + "_bytes"] = sizes.get(name + "_bytes", 0) + size(args, out)
+            return out
+
+        return inner
+
+    httpx.Client.get = timed("tsdb", get, lambda a, r: len(r.content))
+    httpx.Response.json = timed("decode", decode)
+    broadcast.wire = timed("encode", wire, lambda a, m: len(m["text"]))
+    rows: dict[str, list[dict]] = {"fleet.metrics": [], "worker.series": []}
+    try:
+        for _ in range(ticks):
+            for publish, kind in (
+                (publish_fleet, "fleet.metrics"),
+                (publish_workers, "worker.series"),
+            ):
+                spent.clear()
+                sizes.clear()
+                t0 = time.perf_counter()
+                await sync_to_async(publish, thread_sensitive=False)()
+                pushed = time.perf_counter()
+                for ws in consoles:
+                    while (await ws.receive_json_from(timeout=60))["type"] != kind:
+                        pass
+                done = time.perf_counter()
+                python = pushed - t0 - sum(spent.values())
+                rows[kind].append(
+                    {**spent, "python": python, "fanout": done - pushed, "total": done - t0, **sizes}
+                )
+    finally:
+        httpx.Client.get, httpx.Response.json, broadcast.wire = get, decode, wire
+    out = []
+    for kind, ticks_ in rows.items():
+        med = {k: statistics.median(r.get(k, 0.0) for r in ticks_) for k in ticks_[0]}
+        out.append(
+            f"{kind}: total {med['total']:.3f} s = TSDB answer {med.get('tsdb', 0):.3f} s "
+            f"({med.get('tsdb', 0) and sizes_kb(ticks_, 'tsdb')}), JSON decode {med.get('decode', 0):.3f} s, "
+            f"figures and summary in Python {med['python']:.3f} s, push encode {med.get('encode', 0):.3f} s "
+            f"({sizes_kb(ticks_, 'encode')}), fan-out to {len(consoles)} consoles {med['fanout']:.3f} s"
+        )
+    return "; ".join(out)
+
+
+def sizes_kb(rows: list[dict], key: str) -> str:
+    import statistics
+
+    return f"{statistics.median(r.get(key + '_bytes', 0) for r in rows) / 1000:.0f} kB"
+
+
 def tsdb_counters(url: str) -> dict[str, float]:
     """Prometheus' own account of the queries it answered (its ``/metrics``, handlers ``/api/v1/query`` and
     ``/api/v1/query_range``): ``queries`` (HTTP requests) and ``query_s`` (seconds spent answering them,
@@ -120,7 +192,7 @@ def tsdb_counters(url: str) -> dict[str, float]:
     return out
 
 
-async def _run(size: int, n_consoles: int, ticks: int) -> int:
+async def _run(size: int, n_consoles: int, ticks: int, profile: int = 0) -> int:
     import django
     from asgiref.sync import sync_to_async
 
@@ -148,6 +220,12 @@ async def _run(size: int, n_consoles: int, ticks: int) -> int:
             print(f"Prometheus did not scrape all {size} targets; log {prom.log_path}")
             return 1
         consoles = await _consoles(n_consoles, token, ids)
+        if profile:
+            print(
+                f"{size} workers, {n_consoles} consoles, one tick's medians over {profile} ticks: "
+                f"{await _profile(consoles, profile)}; load average {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
         before = tsdb_counters(prom.url)
         by_type, down, short = await _measure(consoles, ticks, settings.TELEMETRY_PUBLISH_INTERVAL_S)
         after = tsdb_counters(prom.url)
@@ -185,6 +263,13 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=1000)
     parser.add_argument("--consoles", type=int, default=8)
     parser.add_argument("--ticks", type=int, default=24, help="beat ticks measured (5 s each)")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="TICKS",
+        help="first time the parts of this many ticks, each publisher alone (TSDB, Python, fan-out)",
+    )
     parser.add_argument("--postgres-server", default="postgres://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/14")
     args = parser.parse_args(argv)
@@ -206,7 +291,7 @@ def main(argv=None) -> int:
     )
     os.environ.setdefault("SECRET_KEY", "bench-only-secret-key-" + "x" * 40)
     try:
-        return asyncio.run(_run(args.workers, args.consoles, args.ticks))
+        return asyncio.run(_run(args.workers, args.consoles, args.ticks, args.profile))
     finally:
         from django.db import connections
 

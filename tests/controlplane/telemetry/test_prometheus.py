@@ -124,7 +124,13 @@ def test_the_grafana_dashboard_reads_the_consoles_recording_rules():
 def test_targets_list_the_inventory_for_a_read_token_only(api_as, client):
     host = HostFactory(name="gpu-7")
     EngineWorkerFactory(
-        name="w-a", url="http://10.0.0.5:30001", host=host, role="decode", tp_size=2, model_name="smollm2"
+        name="w-a",
+        url="http://10.0.0.5:30001",
+        host=host,
+        role="decode",
+        tp_size=2,
+        model_name="smollm2",
+        storage_backend="mooncake",
     )
     EngineWorkerFactory(
         name="w-b", url="https://10.0.0.6:8443/engine/", host=None, model_name="", engine="sglang"
@@ -146,6 +152,7 @@ def test_targets_list_the_inventory_for_a_read_token_only(api_as, client):
                 "tp": "2",
                 "engine": "kvfleet",
                 "model": "smollm2",
+                "storage_backend": "mooncake",
             },
         },
         {
@@ -159,6 +166,7 @@ def test_targets_list_the_inventory_for_a_read_token_only(api_as, client):
                 "tp": "1",
                 "engine": "sglang",
                 "model": "",
+                "storage_backend": "",
             },
         },
         {
