@@ -5,6 +5,8 @@ import time
 from collections import Counter
 from datetime import UTC, datetime
 
+from django.conf import settings
+
 from controlplane.inventory.models import EngineWorker
 from controlplane.telemetry import hit_rate, live, promql
 from controlplane.telemetry.metrics import BREAKER_STATES, TIERS, finish_snapshot
@@ -119,12 +121,14 @@ def unavailable_text(since: float, reason: str = "") -> str:
     return f"metrics unavailable since {when}" + (f": {reason}" if reason else "")
 
 
-PAGE_SIZE = 50  # workers per page of the fleet table (by name, as the inventory lists them)
+def page_size() -> int:
+    """Workers per page of the fleet table (by name, as the inventory lists them): ``FLEET_PAGE_SIZE``."""
+    return settings.FLEET_PAGE_SIZE
 
 
 def page_count(workers: int) -> int:
     """Pages of the fleet table for ``workers`` workers (at least 1)."""
-    return max(1, math.ceil(workers / PAGE_SIZE))
+    return max(1, math.ceil(workers / page_size()))
 
 
 def fleet_summary(page: int = 1) -> dict:
@@ -137,7 +141,7 @@ def fleet_summary(page: int = 1) -> dict:
 
 def fleet_view(pages: list[int], at: float | None = None) -> tuple[dict, dict[int, list[dict]]]:
     """The fleet summary from the TSDB in one PromQL query whatever the fleet's size (`live.fleet_figures`),
-    and the rows of the table's ``pages`` (1-based, ``PAGE_SIZE`` workers each by name; a page past the last
+    and the rows of the table's ``pages`` (1-based, `page_size` workers each by name; a page past the last
     is the last): ``(summary, {page: rows})``.
 
     The summary: totals over every live worker's figures, the same per pool (regular = mixed workers,
@@ -164,7 +168,8 @@ def fleet_view(pages: list[int], at: float | None = None) -> tuple[dict, dict[in
     listed = EngineWorker.objects.order_by("name").values_list(
         "id", "name", "state", "role", "storage_backend"
     )
-    on_page = {p: list(listed[(p - 1) * PAGE_SIZE : p * PAGE_SIZE]) for p in wanted}
+    size = page_size()
+    on_page = {p: list(listed[(p - 1) * size : p * size]) for p in wanted}
     names = [w[1] for page in on_page.values() for w in page]
     labelled = Counter(
         (role, bool(backend))
@@ -214,7 +219,7 @@ def fleet_view(pages: list[int], at: float | None = None) -> tuple[dict, dict[in
         "pools": pools,
         "reporting": sum(p["reporting"] for p in pools.values()),
         "worker_count": total,
-        "page_size": PAGE_SIZE,
+        "page_size": size,
         "pages": pages_n,
         "recent_window_s": live.LATENCY_WINDOW_S,
         "hit_rate_window_s": hit_rate.WINDOW_S,

@@ -101,13 +101,11 @@ async def _console(token: str, groups: list[str]) -> WebsocketCommunicator:
 
 @pytest.mark.asyncio
 @pytest.mark.django_db(transaction=True)
-async def test_the_fleet_push_carries_one_page_and_an_open_page_comes_on_its_group(
-    personas, settings, monkeypatch
-):
+async def test_the_fleet_push_carries_one_page_and_an_open_page_comes_on_its_group(personas, settings):
     """Five workers, pages of two: the ``fleet`` push has the first page and says there are three; a
     console with page 3 open gets that page's row as ``fleet.rows`` (page 2, open nowhere, is not read)."""
     settings.PROMETHEUS_URL = "http://127.0.0.1:9"  # nothing listens: no figure, and the rows say why
-    monkeypatch.setattr(selectors, "PAGE_SIZE", 2)
+    settings.FLEET_PAGE_SIZE = 2
     for name in ("e", "d", "c", "b", "a"):
         await database_sync_to_async(EngineWorkerFactory)(name=f"w-{name}")
     token = personas["viewer"][1]
@@ -131,9 +129,9 @@ async def test_the_fleet_push_carries_one_page_and_an_open_page_comes_on_its_gro
 
 
 @pytest.mark.django_db
-def test_the_fleet_api_gives_a_page_and_names_a_bad_one(api_as, settings, monkeypatch):
+def test_the_fleet_api_gives_a_page_and_names_a_bad_one(api_as, settings):
     settings.PROMETHEUS_URL = "http://127.0.0.1:9"
-    monkeypatch.setattr(selectors, "PAGE_SIZE", 2)
+    settings.FLEET_PAGE_SIZE = 2
     for name in ("c", "b", "a"):
         EngineWorkerFactory(name=f"w-{name}")
     viewer = api_as("viewer")
