@@ -5,10 +5,13 @@ Each figure is one PromQL aggregation by the ``worker`` label (the service disco
 ``FIGURES`` (any other expression). `recording_rules` turns each into a recording rule of one group
 (deploy/prometheus/rules/fleet.yml, written by ``python -m controlplane.telemetry.live``), all recorded as
 ``RECORD`` with the figure's key in the ``kvfleet_key`` label, so Prometheus evaluates them once per
-evaluation interval at one timestamp and a live view reads the whole fleet with the selector ``RECORD``:
-its cost is the answer's size, not the figures' evaluation (1,000 workers: docs/benchmarks.md, "Live-view
-lag"). `direct_expr` is the same figures evaluated at query time (``label_replace`` tags, joined by
-`promql.union`): what the rules record, the equality test's reference.
+evaluation interval at one timestamp and a live view reads them with the selector ``RECORD``: its cost is
+the answer's size, not the figures' evaluation. The same group then sums them per pool (`pool_exprs`, by the
+service discovery's ``role`` and ``storage_backend`` labels), so the fleet view reads the pools' totals, one
+page of workers and the open breakers in one small answer whatever the fleet's size (`fleet_figures`;
+1,000 workers: docs/benchmarks.md, "Live-view lag"). `direct_expr` is the same figures evaluated at query
+time (``label_replace`` tags, joined by `promql.union`): what the rules record, the equality test's
+reference.
 
 A worker's figures come back as a dict under the snapshot keys the fleet summary has always used (`metrics`
 module docstring): gauges and counters as scraped (summed over a worker's series), rates per second over the

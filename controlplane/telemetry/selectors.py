@@ -6,6 +6,7 @@ from collections import Counter
 from datetime import UTC, datetime
 
 from django.conf import settings
+from django.db.models import Count
 
 from controlplane.inventory.models import EngineWorker
 from controlplane.telemetry import hit_rate, live, promql
@@ -171,10 +172,9 @@ def fleet_view(pages: list[int], at: float | None = None) -> tuple[dict, dict[in
     size = page_size()
     on_page = {p: list(listed[(p - 1) * size : p * size]) for p in wanted}
     names = [w[1] for page in on_page.values() for w in page]
-    labelled = Counter(
-        (role, bool(backend))
-        for role, backend in EngineWorker.objects.values_list("role", "storage_backend").iterator()
-    )
+    labelled: Counter = Counter()  # workers per (role, has an L3 backend): one row per distinct pair
+    for row in EngineWorker.objects.values("role", "storage_backend").annotate(n=Count("id")).order_by():
+        labelled[(row["role"], bool(row["storage_backend"]))] += row["n"]
     down, reason = None, ""
     try:
         read = live.fleet_figures(names, at=at)
@@ -184,7 +184,9 @@ def fleet_view(pages: list[int], at: float | None = None) -> tuple[dict, dict[in
     except promql.MetricsUnavailable as exc:
         read, groups, reason = {"workers": {}, "breakers_open": []}, None, exc.message
         down = promql.unavailable_since() or time.time()
-    counts = Counter(_pool(role) for role, _ in labelled.elements())
+    counts: Counter = Counter()
+    for (role, _), n in labelled.items():
+        counts[_pool(role)] += n
     if groups is None:
         groups = _worker_groups(read["workers"])
     by_pool, with_l3 = groups["samples"], groups["l3"]
