@@ -1,6 +1,6 @@
 """Live-view lag: how long after beat's tick the consoles have the TSDB's figures, with 8 consoles open.
 
-    python -m controlplane.bench.live_lag [--workers 1000] [--consoles 8] [--ticks 24]
+    python -m controlplane.bench.live_lag [--workers 1000] [--consoles 8] [--ticks 24] [--profile N]
 
 Same fleet as ``controlplane.bench.tsdb_cpu``: a throwaway PostgreSQL database with N workers, N simulated
 ``/metrics`` endpoints (static files of the bench's exported text) and a real Prometheus scraping them every 5
@@ -14,10 +14,12 @@ Prints p50 / p95 / max over every message with figures of ``--ticks`` ticks (a m
 unavailable", the TSDB not answering within ``PROMETHEUS_TIMEOUT_S``, is counted apart: it is no live figure),
 and Prometheus' own account of the readers' queries over the ticks (its ``/metrics``: requests to
 ``/api/v1/query*`` per tick and seconds per request, ``prometheus_http_requests_total`` and
-``prometheus_http_request_duration_seconds``); exit status 1 if a console missed a tick, a message came
-without figures, or Prometheus does not scrape every target. The code measured is the one ``controlplane``
-imports from: run the script from another tree's root (with ``PYTHONPATH`` there) to measure that tree with
-the same measurement, e.g. the commit before a change.
+``prometheus_http_request_duration_seconds``), its CPU over the ticks (cores, ``/proc``) and its last
+evaluation of the fleet rule group (``prometheus_rule_group_last_duration_seconds``); with ``--profile N``,
+first the medians of N ticks' parts, each publisher alone (`_profile`); exit status 1 if a console missed a
+tick, a message came without figures, or Prometheus does not scrape every target. The code measured is the one
+``controlplane`` imports from: run the script from another tree's root (with ``PYTHONPATH`` there) to measure
+that tree with the same measurement, e.g. the commit before a change.
 """
 
 import argparse
@@ -177,12 +179,15 @@ def sizes_kb(rows: list[dict], key: str) -> str:
 def tsdb_counters(url: str) -> dict[str, float]:
     """Prometheus' own account of the queries it answered (its ``/metrics``, handlers ``/api/v1/query`` and
     ``/api/v1/query_range``): ``queries`` (HTTP requests) and ``query_s`` (seconds spent answering them,
-    summed: evaluation and encoding)."""
+    summed: evaluation and encoding), and ``fleet_rules_s``: how long its last evaluation of the fleet rule
+    group (rules/fleet.yml) took, s."""
     import httpx
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    out = {"queries": 0.0, "query_s": 0.0}
+    out = {"queries": 0.0, "query_s": 0.0, "fleet_rules_s": 0.0}
     for line in text.splitlines():
+        if line.startswith("prometheus_rule_group_last_duration_seconds{") and ";kvfleet-fleet" in line:
+            out["fleet_rules_s"] = float(line.rsplit(" ", 1)[1])
         if not re.search(r'handler="/api/v1/query(_range)?"', line):
             continue
         if line.startswith("prometheus_http_requests_total{"):
@@ -199,7 +204,14 @@ async def _run(size: int, n_consoles: int, ticks: int, profile: int = 0) -> int:
     django.setup()
     from django.conf import settings
 
-    from controlplane.bench.tsdb_cpu import _all_scraped, _endpoints, _register, _sd_server, _seed
+    from controlplane.bench.tsdb_cpu import (
+        _all_scraped,
+        _endpoints,
+        _proc_cpu_s,
+        _register,
+        _sd_server,
+        _seed,
+    )
     from controlplane.inventory.models import EngineWorker
     from engine.fleet.prometheus import PrometheusServer
 
@@ -226,8 +238,9 @@ async def _run(size: int, n_consoles: int, ticks: int, profile: int = 0) -> int:
                 f"{await _profile(consoles, profile)}; load average {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
-        before = tsdb_counters(prom.url)
+        before, cpu, wall = tsdb_counters(prom.url), _proc_cpu_s(prom.process.pid), time.monotonic()
         by_type, down, short = await _measure(consoles, ticks, settings.TELEMETRY_PUBLISH_INTERVAL_S)
+        cores = (_proc_cpu_s(prom.process.pid) - cpu) / (time.monotonic() - wall)
         after = tsdb_counters(prom.url)
         delta = {k: after[k] - before[k] for k in after}
         for ws in consoles:
@@ -247,7 +260,8 @@ async def _run(size: int, n_consoles: int, ticks: int, profile: int = 0) -> int:
             f"{short} consoles missed a tick; without figures (the TSDB did not answer within "
             f"PROMETHEUS_TIMEOUT_S {settings.PROMETHEUS_TIMEOUT_S:g} s): fleet {down['fleet.metrics']}, "
             f"worker {down['worker.series']}; TSDB: {delta['queries'] / ticks:.1f} queries per tick, "
-            f"{delta['query_s'] / max(1.0, delta['queries']):.3f} s per query; "
+            f"{delta['query_s'] / max(1.0, delta['queries']):.3f} s per query, {cores:.2f} cores over the "
+            f"ticks, last fleet rule group evaluation {after['fleet_rules_s']:.2f} s; "
             f"load average {os.getloadavg()[0]:.1f}",
             flush=True,
         )

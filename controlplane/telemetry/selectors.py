@@ -271,6 +271,8 @@ def _worker_groups(by_name: dict[str, dict]) -> dict:
     """The pools' samples from every worker's figures (``by_name``, `live.worker_figures`), each worker in
     its inventory pool: the path when the per-pool records cannot be used."""
     out: dict = {"samples": {}, "l3": {}, "reporting": Counter(), "ts": {}, "busy_n": 0, "breakers": []}
+    if not by_name:  # nothing reporting, or the TSDB down: no worker to place
+        return out
     workers = EngineWorker.objects.order_by("name").values_list("name", "role", "storage_backend")
     for name, role, backend in workers.iterator():
         sample = by_name.get(name)
