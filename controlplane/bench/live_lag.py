@@ -73,12 +73,13 @@ def _beat(ticks: int, interval: float, started: list[float], stop: threading.Eve
             return
 
 
-async def _measure(consoles, ticks: int, interval: float) -> tuple[dict[str, list[float]], int]:
+async def _measure(consoles, ticks: int, interval: float) -> tuple[dict[str, list[float]], dict, int]:
     started: list[float] = []
     stop = threading.Event()
     beat = threading.Thread(target=_beat, args=(ticks, interval, started, stop), daemon=True)
     beat.start()
     lags: dict[str, list[float]] = {"fleet.metrics": [], "worker.series": []}
+    from_workers: list[float] = []  # fleet messages whose pools were summed from every worker
     down: dict[str, int] = dict.fromkeys(lags, 0)  # messages without figures: the TSDB did not answer in time
     seen = [0] * len(consoles)
 
@@ -97,10 +98,13 @@ async def _measure(consoles, ticks: int, interval: float) -> tuple[dict[str, lis
                     down[msg["type"]] += 1  # "metrics unavailable since ...": no figure arrived
                 else:
                     lags[msg["type"]].append(arrived - tick)
+                    if msg["data"].get("pools_from") == "workers":
+                        from_workers.append(arrived - tick)
 
     await asyncio.gather(*(listen(i, ws) for i, ws in enumerate(consoles)))
     stop.set()
     beat.join(30)
+    down["from_workers"] = len(from_workers)
     return lags, down, sum(1 for s in seen if s < 2 * ticks)
 
 
@@ -240,6 +244,7 @@ async def _run(size: int, n_consoles: int, ticks: int, profile: int = 0) -> int:
             )
         before, cpu, wall = tsdb_counters(prom.url), _proc_cpu_s(prom.process.pid), time.monotonic()
         by_type, down, short = await _measure(consoles, ticks, settings.TELEMETRY_PUBLISH_INTERVAL_S)
+        from_workers = down.pop("from_workers")
         cores = (_proc_cpu_s(prom.process.pid) - cpu) / (time.monotonic() - wall)
         after = tsdb_counters(prom.url)
         delta = {k: after[k] - before[k] for k in after}
@@ -259,7 +264,9 @@ async def _run(size: int, n_consoles: int, ticks: int, profile: int = 0) -> int:
             f"{line(by_type['fleet.metrics'])}; worker pages {line(by_type['worker.series'])}; "
             f"{short} consoles missed a tick; without figures (the TSDB did not answer within "
             f"PROMETHEUS_TIMEOUT_S {settings.PROMETHEUS_TIMEOUT_S:g} s): fleet {down['fleet.metrics']}, "
-            f"worker {down['worker.series']}; TSDB: {delta['queries'] / ticks:.1f} queries per tick, "
+            f"worker {down['worker.series']}; fleet messages whose pools were summed from every worker's "
+            f"figures (per-pool records unusable): {from_workers}; "
+            f"TSDB: {delta['queries'] / ticks:.1f} queries per tick, "
             f"{delta['query_s'] / max(1.0, delta['queries']):.3f} s per query, {cores:.2f} cores over the "
             f"ticks, last fleet rule group evaluation {after['fleet_rules_s']:.2f} s; "
             f"load average {os.getloadavg()[0]:.1f}",

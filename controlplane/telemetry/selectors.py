@@ -154,7 +154,8 @@ def fleet_view(pages: list[int], at: float | None = None) -> tuple[dict, dict[in
     without the labels) or are absent, from every worker's figures instead (`live.worker_figures`, one query
     as large as the fleet). Also ``reporting`` (live workers), ``worker_count``, ``page_size``, ``pages``
     (the table's page count), ``breakers_open`` (every worker whose L3 breaker is open, of any page),
-    ``recent_window_s`` and ``hit_rate_window_s``.
+    ``recent_window_s``, ``hit_rate_window_s`` and ``pools_from``: ``records`` (the per-pool records) or
+    ``workers`` (every worker's figures).
 
     A row: a worker's gauges and, over the last `recent_window_s` (300 s, the worker page's latency window),
     `recent_ttft_p50_s` / `recent_itl_p50_s` (s; None without an observation) and `recent_requests` (first
@@ -175,7 +176,7 @@ def fleet_view(pages: list[int], at: float | None = None) -> tuple[dict, dict[in
     labelled: Counter = Counter()  # workers per (role, has an L3 backend): one row per distinct pair
     for row in EngineWorker.objects.values("role", "storage_backend").annotate(n=Count("id")).order_by():
         labelled[(row["role"], bool(row["storage_backend"]))] += row["n"]
-    down, reason = None, ""
+    down, reason, pools_from = None, "", "records"
     try:
         read = live.fleet_figures(names, at=at)
         groups = _pool_groups(read["pools"], labelled)
@@ -188,7 +189,7 @@ def fleet_view(pages: list[int], at: float | None = None) -> tuple[dict, dict[in
     for (role, _), n in labelled.items():
         counts[_pool(role)] += n
     if groups is None:
-        groups = _worker_groups(read["workers"])
+        groups, pools_from = _worker_groups(read["workers"]), "workers"
     by_pool, with_l3 = groups["samples"], groups["l3"]
     pools = {
         pool: {
@@ -227,6 +228,7 @@ def fleet_view(pages: list[int], at: float | None = None) -> tuple[dict, dict[in
         "hit_rate_window_s": hit_rate.WINDOW_S,
         "breakers_open": [{"id": i, "name": n} for i, n in breakers],
         "source": "prometheus",
+        "pools_from": pools_from,
         "unavailable_since": down,
         "unavailable": unavailable_text(down, reason) if down is not None else None,
     }

@@ -75,6 +75,7 @@ def test_pool_records_equal_the_pools_summed_from_every_worker(
     }
     monkeypatch.setattr(selectors, "_pool_groups", lambda *args: None)  # every worker's figures instead
     per_worker, _ = selectors.fleet_view([1], at=at)
+    assert (records["pools_from"], per_worker["pools_from"]) == ("records", "workers")
     for pool in ("regular", "decode", "prefill", "encoder"):
         ours, theirs = records["pools"][pool], per_worker["pools"][pool]
         assert _numbers(ours) == pytest.approx(_numbers(theirs)), pool
