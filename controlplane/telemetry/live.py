@@ -1,17 +1,17 @@
 """Live per-worker figures from the TSDB: recorded by Prometheus, read with one plain selector.
 
-Each figure is one PromQL aggregation by the ``worker`` label (the service discovery's, `discovery`):
-``SUMS`` (a worker's series of one metric summed, e.g. over its TP ranks), ``MAXES`` (their largest) and
-``FIGURES`` (any other expression). `recording_rules` turns each into a recording rule of one group
+Each figure is one PromQL aggregation by the ``worker`` label (the service discovery's, `discovery`): ``SUMS``
+(a worker's series of one metric summed, e.g. over its TP ranks), ``MAXES`` (their largest) and ``FIGURES``
+(any other expression). `recording_rules` turns each into a recording rule of one group
 (deploy/prometheus/rules/fleet.yml, written by ``python -m controlplane.telemetry.live``), all recorded as
 ``RECORD`` with the figure's key in the ``kvfleet_key`` label, so Prometheus evaluates them once per
-evaluation interval at one timestamp and a live view reads them with the selector ``RECORD``: its cost is
-the answer's size, not the figures' evaluation. The same group then sums them per pool (`pool_exprs`, by the
-service discovery's ``role`` and ``storage_backend`` labels), so the fleet view reads the pools' totals, one
-page of workers and the open breakers in one small answer whatever the fleet's size (`fleet_figures`;
-1,000 workers: docs/benchmarks.md, "Live-view lag"). `direct_expr` is the same figures evaluated at query
-time (``label_replace`` tags, joined by `promql.union`): what the rules record, the equality test's
-reference.
+evaluation interval at one timestamp and a live view reads them with the selector ``RECORD``: its cost is the
+answer's size, not the figures' evaluation. The same group sums them per pool (`pool_exprs`, by the service
+discovery's ``role`` and ``storage_backend`` labels; its previous evaluation's), so the fleet view reads the
+pools' totals, one page of workers and the open breakers in one small answer whatever the fleet's size
+(`fleet_figures`; 1,000 workers: docs/benchmarks.md, "Live-view lag"). `direct_expr` is the same figures
+evaluated at query time (``label_replace`` tags, joined by `promql.union`): what the rules record, the
+equality test's reference.
 
 A worker's figures come back as a dict under the snapshot keys the fleet summary has always used (`metrics`
 module docstring): gauges and counters as scraped (summed over a worker's series), rates per second over the
@@ -116,10 +116,10 @@ def exprs() -> dict[str, str]:
 
 
 def pool_exprs() -> dict[str, str]:
-    """``{POOL_RECORDS name: PromQL}``: the recorded figures of every live worker (its ``up`` 1 at the same
-    evaluation) aggregated by ``POOL_LABELS`` and ``KEY_LABEL``: ``sum`` of every figure, ``count`` and
-    ``max`` of ``POOL_COUNTED``. About 40 figures x the pools' label sets: a few hundred series, whatever the
-    number of workers."""
+    """``{POOL_RECORDS name: PromQL}``: the recorded figures of every live worker (its ``up`` 1 at the
+    evaluation; the figures as the group's previous evaluation recorded them, `recording_rules`) aggregated by
+    ``POOL_LABELS`` and ``KEY_LABEL``: ``sum`` of every figure, ``count`` and ``max`` of ``POOL_COUNTED``.
+    About 40 figures x the pools' label sets: a few hundred series, whatever the number of workers."""
     by = ", ".join(POOL_LABELS)
     alive = f'max by (worker, {by}) (up{{worker!=""}} == 1)'
     counted = RECORD + "{" + f'{KEY_LABEL}=~"{"|".join(POOL_COUNTED)}"' + "}"
@@ -135,12 +135,15 @@ def pool_exprs() -> dict[str, str]:
 
 
 def recording_rules() -> dict:
-    """The rule file (a Prometheus ``groups`` document): one group, ``RULE_GROUP``, with one rule per figure,
-    each recorded as ``RECORD`` with ``kvfleet_key: <figure key>``, then the pools' (`pool_exprs`), which
-    read the figures the same evaluation recorded (a group's rules run in order at one timestamp). One group,
-    so every figure of an evaluation has the same timestamp."""
-    rules = [{"record": RECORD, "expr": expr, "labels": {KEY_LABEL: key}} for key, expr in exprs().items()]
-    rules += [{"record": name, "expr": expr} for name, expr in pool_exprs().items()]
+    """The rule file (a Prometheus ``groups`` document): one group, ``RULE_GROUP``: first the pools' rules
+    (`pool_exprs`), which sum the figures the group's previous evaluation recorded (one evaluation interval
+    older than the rows), then one rule per figure, each recorded as ``RECORD`` with ``kvfleet_key: <figure
+    key>``. The pools come first so they are written as soon as an evaluation starts: on a loaded host an
+    evaluation can outlast its interval, and records written last in it were then older than the embedded
+    server's lookback (three scrape intervals) at times (measured: docs/benchmarks.md, "Live-view lag").
+    One group, so every figure of an evaluation has the same timestamp."""
+    rules = [{"record": name, "expr": expr} for name, expr in pool_exprs().items()]
+    rules += [{"record": RECORD, "expr": expr, "labels": {KEY_LABEL: key}} for key, expr in exprs().items()]
     return {"groups": [{"name": RULE_GROUP, "rules": rules}]}
 
 

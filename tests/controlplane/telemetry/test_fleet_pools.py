@@ -26,10 +26,10 @@ def test_pool_records_equal_the_pools_summed_from_every_worker(
     tsdb, asgi_server, fake_worker, personas, monkeypatch
 ):
     """Four fake workers (real /metrics) scraped through the service discovery by a real Prometheus: two
-    mixed (one with an L3 backend), a decode worker with one and a mixed worker that does not answer. At one
-    evaluation of the rules, every pool's and the fleet's figures read from the per-pool records equal
-    those summed from every worker's recorded figures (the path taken when the records cannot be used), and
-    the L3 figures count only the workers with a backend."""
+    mixed (one with an L3 backend), a decode worker with one and a mixed worker that does not answer. Every
+    pool's and the fleet's figures read from the per-pool records of one evaluation equal those summed from
+    every worker's figures the evaluation before recorded (the path taken when the records cannot be used),
+    and the L3 figures count only the workers with a backend."""
     workers = [fake_worker() for _ in range(3)]
     for i, worker in enumerate(workers):
         worker.counters.update({"device": 10.0 * i, "host": 5.0, "storage": 1.0})
@@ -74,7 +74,8 @@ def test_pool_records_equal_the_pools_summed_from_every_worker(
         ("decode", "file"),
     }
     monkeypatch.setattr(selectors, "_pool_groups", lambda *args: None)  # every worker's figures instead
-    per_worker, _ = selectors.fleet_view([1], at=at)
+    # the pool rules at `at` summed the figures of the group's evaluation before it: read those
+    per_worker, _ = selectors.fleet_view([1], at=at - 0.001)
     assert (records["pools_from"], per_worker["pools_from"]) == ("records", "workers")
     for pool in ("regular", "decode", "prefill", "encoder"):
         ours, theirs = records["pools"][pool], per_worker["pools"][pool]
