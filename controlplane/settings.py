@@ -5,8 +5,9 @@ CSRF_TRUSTED_ORIGINS (comma list), DATABASE_URL (default SQLite under var/), RED
 redis://127.0.0.1:6379/0), HTTPS (0/1; default the inverse of DEBUG: SSL redirect, secure cookies and HSTS),
 FIELD_ENCRYPTION_KEY (Fernet key for worker admin keys; default derived from SECRET_KEY), TOKEN_PEPPER (HMAC
 key of API token digests; default from SECRET_KEY), CELERY_QUEUE, REDIS_KEY_PREFIX,
-PROMETHEUS_URL, PROMETHEUS_TIMEOUT_S, TELEMETRY_PUBLISH_INTERVAL_S, DB_POOL_MIN_SIZE / DB_POOL_MAX_SIZE /
-DB_POOL_TIMEOUT_S (PostgreSQL connection pool per process), HEARTBEAT_DB_REFRESH_S.
+PROMETHEUS_URL, PROMETHEUS_TIMEOUT_S, TELEMETRY_PUBLISH_INTERVAL_S, FLEET_PAGE_SIZE (workers a page of the
+fleet table), DB_POOL_MIN_SIZE / DB_POOL_MAX_SIZE / DB_POOL_TIMEOUT_S (PostgreSQL connection pool per
+process), HEARTBEAT_DB_REFRESH_S.
 """
 
 import math
@@ -195,6 +196,10 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 PROMETHEUS_URL = os.environ.get("PROMETHEUS_URL", "http://127.0.0.1:9090")
 PROMETHEUS_TIMEOUT_S = float(os.environ.get("PROMETHEUS_TIMEOUT_S", "3"))
 TELEMETRY_PUBLISH_INTERVAL_S = float(os.environ.get("TELEMETRY_PUBLISH_INTERVAL_S", "5"))
+# Workers per page of the fleet page's table: the fleet push carries one page, not the whole fleet.
+FLEET_PAGE_SIZE = int(os.environ.get("FLEET_PAGE_SIZE", "50"))
+if FLEET_PAGE_SIZE < 1:
+    raise ImproperlyConfigured(f"FLEET_PAGE_SIZE must be at least 1, not {FLEET_PAGE_SIZE}")
 # Agent traffic and the database: a heartbeat writes only what changed, and refreshes a host's or worker's
 # last_seen only once the stored one is this old (the live time is the heartbeat itself; an offline worker is
 # written at once).

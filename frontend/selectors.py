@@ -443,6 +443,21 @@ POOL_SERIES = {
 }
 
 
+def worker_table() -> dict:
+    """The fleet page's table facts that are not on a page of it: ``page_size`` (workers a page,
+    `telemetry.selectors.page_size`) and each host's and router's worker count (``{"hosts": {id: n},
+    "routers": {id: n}}``; keys are strings, as JSON's)."""
+    from django.db.models import Count
+
+    from controlplane.telemetry.selectors import page_size
+
+    def counts(field: str) -> dict[str, int]:
+        rows = EngineWorker.objects.exclude(**{field: None}).values(field).annotate(n=Count("id"))
+        return {str(r[field]): r["n"] for r in rows}
+
+    return {"page_size": page_size(), "hosts": counts("host"), "routers": counts("router")}
+
+
 def pool_history(*, window_s: float = 300.0, bucket_s: float = 10.0) -> dict:
     """Per pool (regular/prefill/decode) the last `window_s` of cached tokens served per second (the
     recording rule's 1 min rate) and running requests, every `bucket_s` s, from the TSDB (one range query

@@ -66,11 +66,14 @@ def page(request, name: str, pk: int | None = None):
 def fleet(request):
     from controlplane.rebalance.selectors import reconcile_state
     from controlplane.telemetry.live import LATENCY_WINDOW_S
+    from controlplane.telemetry.selectors import page_size
 
     return _render(
         request,
         "fleet",
         pool_history=selectors.pool_history(),
+        page_size=page_size(),
+        worker_table=selectors.worker_table(),
         recent_window_min=round(LATENCY_WINDOW_S / 60),
         reconcile=reconcile_state(repairs=5),
     )

@@ -32,7 +32,7 @@ from controlplane.core.events import envelope
 log = logging.getLogger(__name__)
 MESSAGE_TYPE = "broadcast.event"
 # each message is the group's whole state
-COALESCED_TYPES = frozenset({"worker.series", "fleet.metrics"})
+COALESCED_TYPES = frozenset({"worker.series", "fleet.metrics", "fleet.rows"})
 MAX_BATCH = 1000
 # channels_redis's group_send script: add the message to each member channel below its capacity.
 _GROUP_SEND_LUA = """

@@ -1,14 +1,15 @@
 """Websocket message envelope and group names (the only shapes the consumer forwards).
 
 Envelope: {"v": 1, "type": "<domain>.<event>", "id": uuid hex, "ts": ISO-8601 UTC, "seq": int, "data": {...}}.
-Types: worker.series (the worker page's newest point, telemetry.worker_view), fleet.metrics, pools.samples (a
-PD router's workers' newest scrapes, the rebalance page's pool figures), operation.state_changed,
-operation.target_changed, rebalance.state_changed, rebalance.step_changed, fleet.alert (a reconciler alert
-opened, changed or resolved; group "alerts"), control.subscribed, control.error, control.revoked
-(server-internal: closes the sockets of a revoked token). Groups clients may subscribe: "fleet", "alerts",
-"operations", "worker.<id>", "pools.<router id>", "operation.<id>", "rebalances", "rebalance.<id>";
-"token.<prefix>" holds a token's sockets, "user.<id>" every socket of a user, "session.<digest>" the sockets
-of one console login session.
+Types: worker.series (the worker page's newest point, telemetry.worker_view), fleet.metrics (the fleet summary
+and the first page of its table), fleet.rows (another page of the table, group "fleet.page.<n>"),
+pools.samples (a PD router's workers' newest scrapes, the rebalance page's pool figures),
+operation.state_changed, operation.target_changed, rebalance.state_changed, rebalance.step_changed,
+fleet.alert (a reconciler alert opened, changed or resolved; group "alerts"), control.subscribed,
+control.error, control.revoked (server-internal: closes the sockets of a revoked token). Groups clients may
+subscribe: "fleet", "fleet.page.<n>", "alerts", "operations", "worker.<id>", "pools.<router id>",
+"operation.<id>", "rebalances", "rebalance.<id>"; "token.<prefix>" holds a token's sockets, "user.<id>" every
+socket of a user, "session.<digest>" the sockets of one console login session.
 """
 
 import hashlib
@@ -20,6 +21,7 @@ EVENT_TYPES = frozenset(
     {
         "worker.series",
         "fleet.metrics",
+        "fleet.rows",
         "pools.samples",
         "operation.state_changed",
         "operation.target_changed",
@@ -32,7 +34,7 @@ EVENT_TYPES = frozenset(
     }
 )
 GROUP_PATTERN = re.compile(
-    r"^(fleet|alerts|operations|worker\.\d+|pools\.\d+|operation\.\d+|rebalances|rebalance\.\d+)$"
+    r"^(fleet|fleet\.page\.\d+|alerts|operations|worker\.\d+|pools\.\d+|operation\.\d+|rebalances|rebalance\.\d+)$"
 )
 ALERTS_GROUP = "alerts"  # every reconciler alert's fleet.alert events
 

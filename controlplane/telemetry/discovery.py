@@ -5,7 +5,10 @@ worker's and every router's ``/metrics`` itself, so adding a worker needs no cha
 (Prometheus' HTTP SD format): a JSON list of ``{"targets": ["host:port"], "labels": {...}}``, one per
 target. Worker labels: ``worker`` (its name), ``host`` (its host's name; empty when it has none), ``role``
 (mixed / prefill / decode / encoder, as last seen), ``tp`` (--tp-size), ``engine`` (``kvfleet`` or
-``sglang``, as its agent registered it) and ``model``. Router labels: ``router`` (its name) and
+``sglang``, as its agent registered it), ``model`` and ``storage_backend`` (its L3 backend, e.g. ``file`` or
+``mooncake``; empty, so absent in the TSDB, without one: the fleet view's per-pool L3 figures,
+`live.pool_exprs`; the shipped scrape configuration keeps it on ``up`` only, so an attach or a detach does
+not start new series of the worker's metrics). Router labels: ``router`` (its name) and
 ``role`` = ``router``; a router without a ``metrics_url`` is not listed. ``__scheme__`` and
 ``__metrics_path__`` carry the URL's scheme and path.
 """
@@ -33,6 +36,7 @@ def scrape_targets() -> list[dict]:
             "tp": str(worker.tp_size),
             "engine": worker.engine,
             "model": worker.model_name,
+            "storage_backend": worker.storage_backend or "",
         }
         groups.append({"targets": [address], "labels": {**meta, **labels}})
     for router in Router.objects.exclude(metrics_url="").order_by("name"):

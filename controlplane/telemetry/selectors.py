@@ -1,11 +1,16 @@
 """Reads of live telemetry from the TSDB (PromQL): the fleet summary and the workers' L3 health."""
 
+import math
 import time
+from collections import Counter
 from datetime import UTC, datetime
+
+from django.conf import settings
+from django.db.models import Count
 
 from controlplane.inventory.models import EngineWorker
 from controlplane.telemetry import hit_rate, live, promql
-from controlplane.telemetry.metrics import BREAKER_STATES, TIERS
+from controlplane.telemetry.metrics import BREAKER_STATES, TIERS, finish_snapshot
 
 BREAKER_OPEN = BREAKER_STATES.index("open")
 
@@ -77,19 +82,21 @@ def _totals(samples: list[dict], *, l3_samples: list[dict] | None = None) -> dic
     return totals
 
 
-def _encoder_totals(samples: list[dict]) -> dict:
+def _encoder_totals(samples: list[dict], busy_n: int | None = None) -> dict:
     """The encoder pool's figures over its workers' latest samples (None when none reports it, with why in
     ``absent``): encoder_images_per_s (images/s, summed), encoder_busy (encode seconds per wall second per
     reporting encoder, 0..1 for one vision tower each), encode_s_per_image (s, encode seconds over images
     in the workers' last intervals), mm_embedding_cache_hit_rate and mm_global_cache_hit_rate (hits over
-    lookups since each encoder started, summed over encoders, 0..1)."""
+    lookups since each encoder started, summed over encoders, 0..1). ``busy_n``: the encoders reporting
+    encoder_busy (default: the samples with it; given where a sample is a pool's sum)."""
 
     def total(key: str) -> float | None:
         values = [float(v) for s in samples if (v := s.get(key)) is not None]
         return sum(values) if values else None
 
     images, busy = total("encoder_images_per_s"), total("encoder_busy")
-    busy_n = sum(1 for s in samples if s.get("encoder_busy") is not None)
+    if busy_n is None:
+        busy_n = sum(1 for s in samples if s.get("encoder_busy") is not None)
     out: dict = {
         "encoder_images_per_s": images,
         "encoder_busy": busy / busy_n if busy is not None and busy_n else None,
@@ -115,89 +122,188 @@ def unavailable_text(since: float, reason: str = "") -> str:
     return f"metrics unavailable since {when}" + (f": {reason}" if reason else "")
 
 
-def fleet_summary() -> dict:
-    """Totals over every worker's live figures in the TSDB (`live.worker_figures`: one PromQL query), the
-    same per pool (regular = mixed workers, prefill, decode; each with `workers` and `reporting` counts and
-    `ts`, its newest scrape's time in epoch s or None; and ``encoder``, the EPD encoders, with
-    `_encoder_totals` instead of KV figures), and one compact row per worker: its gauges and, over the last
-    `recent_window_s` (300 s, the worker page's latency window), `recent_ttft_p50_s` / `recent_itl_p50_s`
-    (s; None without an observation) and `recent_requests` (first tokens in the window; None when the TSDB
-    holds fewer than two scrapes of it there).
+def page_size() -> int:
+    """Workers per page of the fleet table (by name, as the inventory lists them): ``FLEET_PAGE_SIZE``."""
+    return settings.FLEET_PAGE_SIZE
+
+
+def page_count(workers: int) -> int:
+    """Pages of the fleet table for ``workers`` workers (at least 1)."""
+    return max(1, math.ceil(workers / page_size()))
+
+
+def fleet_summary(page: int = 1) -> dict:
+    """`fleet_view` of one page of the table (``page``, 1-based; past the last: the last), its rows in
+    ``workers``."""
+    summary, rows = fleet_view([page])
+    (page,) = rows
+    return {**summary, "page": page, "workers": rows[page]}
+
+
+def fleet_view(pages: list[int], at: float | None = None) -> tuple[dict, dict[int, list[dict]]]:
+    """The fleet summary from the TSDB in one PromQL query whatever the fleet's size (`live.fleet_figures`),
+    and the rows of the table's ``pages`` (1-based, `page_size` workers each by name; a page past the last
+    is the last): ``(summary, {page: rows})``.
+
+    The summary: totals over every live worker's figures, the same per pool (regular = mixed workers,
+    prefill, decode; each with ``workers`` and ``reporting`` counts and ``ts``, its newest scrape's time in
+    epoch s or None; and ``encoder``, the EPD encoders, with `_encoder_totals` instead of KV figures), read
+    from Prometheus' per-pool records (`live.POOL_RECORDS`, by the service discovery's ``role`` and
+    ``storage_backend`` labels); where those disagree with the inventory (a pool reporting more workers than
+    it has with those labels: a worker whose role or L3 backend changed since the last scrape, or series
+    without the labels) or are absent, from every worker's figures instead (`live.worker_figures`, one query
+    as large as the fleet). Also ``reporting`` (live workers), ``worker_count``, ``page_size``, ``pages``
+    (the table's page count), ``breakers_open`` (every worker whose L3 breaker is open, of any page),
+    ``recent_window_s``, ``hit_rate_window_s`` and ``pools_from``: ``records`` (the per-pool records) or
+    ``workers`` (every worker's figures).
+
+    A row: a worker's gauges and, over the last `recent_window_s` (300 s, the worker page's latency window),
+    `recent_ttft_p50_s` / `recent_itl_p50_s` (s; None without an observation) and `recent_requests` (first
+    tokens in the window; None when the TSDB holds fewer than two scrapes of it there).
 
     ``unavailable_since`` (epoch s) is set when the TSDB does not answer (``unavailable`` says why): every
-    figure is then None, its ``absent`` reason "metrics unavailable since ...", never a 0."""
-    workers = list(EngineWorker.objects.values_list("id", "name", "state", "role", "storage_backend"))
-    down, reason = None, ""
+    figure is then None, its ``absent`` reason "metrics unavailable since ...", never a 0. ``at``: the TSDB's
+    figures at that time (epoch s; default now)."""
+    total = EngineWorker.objects.count()
+    pages_n = page_count(total)
+    wanted = sorted({min(max(1, int(p)), pages_n) for p in pages})
+    listed = EngineWorker.objects.order_by("name").values_list(
+        "id", "name", "state", "role", "storage_backend"
+    )
+    size = page_size()
+    on_page = {p: list(listed[(p - 1) * size : p * size]) for p in wanted}
+    names = [w[1] for page in on_page.values() for w in page]
+    labelled: Counter = Counter()  # workers per (role, has an L3 backend): one row per distinct pair
+    for row in EngineWorker.objects.values("role", "storage_backend").annotate(n=Count("id")).order_by():
+        labelled[(row["role"], bool(row["storage_backend"]))] += row["n"]
+    down, reason, pools_from = None, "", "records"
     try:
-        by_name = live.worker_figures()
+        read = live.fleet_figures(names, at=at)
+        groups = _pool_groups(read["pools"], labelled)
+        if groups is None:  # the pools' records disagree with the inventory: every worker's figures
+            read["workers"] = live.worker_figures(at=at)
     except promql.MetricsUnavailable as exc:
-        by_name, reason = {}, exc.message
+        read, groups, reason = {"workers": {}, "breakers_open": []}, None, exc.message
         down = promql.unavailable_since() or time.time()
-    latest = {w[0]: by_name[w[1]] for w in workers if w[1] in by_name}
-    rows = []
-    by_pool: dict[str, list[dict]] = {pool: [] for pool in POOLS.values()}
-    with_l3: dict[str, list[dict]] = {pool: [] for pool in POOLS.values()}
-    counts = dict.fromkeys(POOLS.values(), 0)
-    encoders: list[dict] = []
-    for worker_id, name, state, role, storage_backend in workers:
-        sample = latest.get(worker_id)
-        pool = ENCODER_POOL if role == ENCODER_POOL else POOLS.get(role, "regular")
-        if pool == ENCODER_POOL:
-            encoders += [sample] if sample else []
-            counts[pool] = counts.get(pool, 0) + 1
-        else:
-            counts[pool] += 1
-        if sample and pool != ENCODER_POOL:
-            by_pool[pool].append(sample)
-            if storage_backend:
-                with_l3[pool].append(sample)
-        rows.append(
-            {
-                "id": worker_id,
-                "name": name,
-                "state": state,
-                "role": role,
-                "pool": pool,
-                **{key: (sample or {}).get(key) for key in _ROW_KEYS},
-                "hit_rate_title": hit_rate_title(sample),
-            }
-        )
+    counts: Counter = Counter()
+    for (role, _), n in labelled.items():
+        counts[_pool(role)] += n
+    if groups is None:
+        groups, pools_from = _worker_groups(read["workers"]), "workers"
+    by_pool, with_l3 = groups["samples"], groups["l3"]
     pools = {
         pool: {
-            **_totals(samples, l3_samples=with_l3[pool]),
-            "workers": counts[pool],
-            "reporting": len(samples),
-            "ts": max((float(s["ts"]) for s in samples if s.get("ts")), default=None),
+            **_totals(by_pool.get(pool, []), l3_samples=with_l3.get(pool, [])),
+            "workers": counts.get(pool, 0),
+            "reporting": groups["reporting"].get(pool, 0),
+            "ts": groups["ts"].get(pool),
         }
-        for pool, samples in by_pool.items()
+        for pool in POOLS.values()
     }
     pools[ENCODER_POOL] = {
-        **_encoder_totals(encoders),
+        **_encoder_totals(by_pool.get(ENCODER_POOL, []), busy_n=groups["busy_n"]),
         "workers": counts.get(ENCODER_POOL, 0),
-        "reporting": len(encoders),
-        "ts": max((float(s["ts"]) for s in encoders if s.get("ts")), default=None),
+        "reporting": groups["reporting"].get(ENCODER_POOL, 0),
+        "ts": groups["ts"].get(ENCODER_POOL),
     }
     totals = _totals(
-        [s for samples in by_pool.values() for s in samples],
-        l3_samples=[s for samples in with_l3.values() for s in samples],
+        [s for pool in POOLS.values() for s in by_pool.get(pool, [])],
+        l3_samples=[s for pool in POOLS.values() for s in with_l3.get(pool, [])],
     )
     if down is not None:
         why = unavailable_text(down, reason)
         for figures in (totals, *pools.values()):
             figures["absent"] = dict.fromkeys(figures["absent"], why)
-    return {
-        "workers": rows,
+    rows = {p: [_row(w, read["workers"].get(w[1])) for w in workers] for p, workers in on_page.items()}
+    open_names = read["breakers_open"] if groups.get("breakers") is None else groups["breakers"]
+    breakers = EngineWorker.objects.filter(name__in=open_names).order_by("name").values_list("id", "name")
+    summary = {
         "totals": totals,
         "pools": pools,
-        "reporting": len(latest),
+        "reporting": sum(p["reporting"] for p in pools.values()),
+        "worker_count": total,
+        "page_size": size,
+        "pages": pages_n,
         "recent_window_s": live.LATENCY_WINDOW_S,
         "hit_rate_window_s": hit_rate.WINDOW_S,
-        "breakers_open": [
-            {"id": r["id"], "name": r["name"]} for r in rows if r["storage_breaker_state"] == BREAKER_OPEN
-        ],
+        "breakers_open": [{"id": i, "name": n} for i, n in breakers],
         "source": "prometheus",
+        "pools_from": pools_from,
         "unavailable_since": down,
         "unavailable": unavailable_text(down, reason) if down is not None else None,
+    }
+    return summary, rows
+
+
+def _pool(role: str | None) -> str:
+    return ENCODER_POOL if role == ENCODER_POOL else POOLS.get(role or "", "regular")
+
+
+def _pool_groups(records: dict, labelled: Counter) -> dict | None:
+    """The pools' samples from Prometheus' per-pool records (`live.fleet_figures`' ``pools``): one sample per
+    (role, L3 backend) label set, its figures summed over its live workers; None when there is none or a
+    label set reports more workers than the inventory has with those labels."""
+    if not records:
+        return None
+    out: dict = {"samples": {}, "l3": {}, "reporting": Counter(), "ts": {}, "busy_n": 0}
+    for (role, backend), figures in records.items():
+        reporting = round(figures.get("count", {}).get("ts", 0))
+        if not role or reporting > labelled.get((role, bool(backend)), 0):
+            return None
+        if not reporting:
+            continue
+        pool = _pool(role)
+        sample = {k: v for k, v in figures.get("sum", {}).items() if k not in ("up", "ts")}
+        if "cached_tokens_per_s" not in sample and any(f"cached_tokens_{t}" in sample for t in TIERS):
+            sample["rates_absent"] = {"cached_tokens_per_s": live.NO_RATE}
+        sample = finish_snapshot(sample)
+        out["samples"].setdefault(pool, []).append(sample)
+        if backend:
+            out["l3"].setdefault(pool, []).append(sample)
+        out["reporting"][pool] += reporting
+        newest = figures.get("max", {}).get("ts")
+        if newest is not None:
+            out["ts"][pool] = max(newest, out["ts"].get(pool) or newest)
+        if pool == ENCODER_POOL:
+            out["busy_n"] += round(figures.get("count", {}).get("encoder_busy", 0))
+    return out
+
+
+def _worker_groups(by_name: dict[str, dict]) -> dict:
+    """The pools' samples from every worker's figures (``by_name``, `live.worker_figures`), each worker in
+    its inventory pool: the path when the per-pool records cannot be used."""
+    out: dict = {"samples": {}, "l3": {}, "reporting": Counter(), "ts": {}, "busy_n": 0, "breakers": []}
+    if not by_name:  # nothing reporting, or the TSDB down: no worker to place
+        return out
+    workers = EngineWorker.objects.order_by("name").values_list("name", "role", "storage_backend")
+    for name, role, backend in workers.iterator():
+        sample = by_name.get(name)
+        if not sample:
+            continue
+        pool = _pool(role)
+        out["samples"].setdefault(pool, []).append(sample)
+        if backend and pool != ENCODER_POOL:
+            out["l3"].setdefault(pool, []).append(sample)
+        out["reporting"][pool] += 1
+        if sample.get("ts"):
+            out["ts"][pool] = max(float(sample["ts"]), out["ts"].get(pool) or 0.0)
+        if pool == ENCODER_POOL and sample.get("encoder_busy") is not None:
+            out["busy_n"] += 1
+        if sample.get("storage_breaker_state") == BREAKER_OPEN:
+            out["breakers"].append(name)
+    return out
+
+
+def _row(worker: tuple, sample: dict | None) -> dict:
+    worker_id, name, state, role, _ = worker
+    return {
+        "id": worker_id,
+        "name": name,
+        "state": state,
+        "role": role,
+        "pool": _pool(role),
+        **{key: (sample or {}).get(key) for key in _ROW_KEYS},
+        "hit_rate_title": hit_rate_title(sample),
     }
 
 

@@ -15,7 +15,7 @@ from controlplane.core.events import pools_group, worker_group
 from controlplane.core.exceptions import ApplicationError
 from controlplane.inventory.models import EngineWorker, WorkerRole
 from controlplane.telemetry import promql, samples, watchers, worker_view
-from controlplane.telemetry.selectors import fleet_summary
+from controlplane.telemetry.selectors import fleet_view
 
 FLEET_GROUP = "fleet"
 
@@ -52,11 +52,25 @@ def ingest_worker(
 
 
 def publish_fleet() -> dict:
-    """Query the fleet summary from the TSDB once and push it to the ``fleet`` group (Celery beat, every
-    ``TELEMETRY_PUBLISH_INTERVAL_S``): one PromQL query per interval whatever the number of consoles
-    watching. Returns the summary sent (with ``unavailable_since`` set while the TSDB does not answer)."""
-    summary = fleet_summary()
-    emit(FLEET_GROUP, "fleet.metrics", summary, int(time.time() * 1000), wait=True)
+    """Query the fleet summary from the TSDB once and push it to the ``fleet`` group with the first page of
+    the table (Celery beat, every ``TELEMETRY_PUBLISH_INTERVAL_S``), and every other page a console has open
+    (`watchers`: ``fleet.page.<n>`` groups) to its group as ``fleet.rows`` (``{"page", "workers": rows,
+    "recent_window_s", "unavailable_since", "unavailable"}``): one PromQL query per interval whatever the
+    number of consoles watching or the fleet's size (`selectors.fleet_view`). Returns the summary sent (with
+    ``unavailable_since`` set while the TSDB does not answer)."""
+    summary, rows = fleet_view([1, *watchers.watched("fleet.page")])
+    seq = int(time.time() * 1000)
+    first = min(rows)
+    for page, page_rows in rows.items():
+        if page != first:
+            data = {
+                "page": page,
+                "workers": page_rows,
+                **{k: summary[k] for k in ("recent_window_s", "unavailable_since", "unavailable")},
+            }
+            emit(f"{FLEET_GROUP}.page.{page}", "fleet.rows", data, seq)
+    summary = {**summary, "page": first, "workers": rows[first]}
+    emit(FLEET_GROUP, "fleet.metrics", summary, seq, wait=True)
     return summary
 
 

@@ -85,6 +85,56 @@ def test_pools_show_the_hit_rate_from_the_tsdb_and_say_when_it_is_down(
     assert not errors
 
 
+@pytest.fixture
+def pages_of_two(settings):
+    """The fleet table in pages of 2 workers; request it before ``asgi_server`` so daphne gets it."""
+    settings.FLEET_PAGE_SIZE = 2
+
+
+def test_the_table_comes_a_page_at_a_time_with_live_figures_on_every_page(
+    pages_of_two, tsdb, asgi_server, console_page, fake_worker, personas, fleet_publisher
+):
+    """Three scraped workers in pages of two: the pool card counts all three while the table shows the first
+    two; "Next" shows the third, whose live cells come from its page's own push; the address keeps the page
+    (a reload stays there), and "Previous" goes back."""
+    from playwright.sync_api import expect
+
+    fakes = [fake_worker() for _ in range(3)]
+    host = HostFactory(name=AGENT_HOST)
+    for i, fake in enumerate(fakes):
+        fake.counters.update({"device": 100, "host": 0})
+        EngineWorkerFactory(name=f"mixed-{i}", url=fake.url, host=host, role="mixed")
+    _scraped(tsdb, asgi_server, personas, "mixed-0", "mixed-1", "mixed-2")
+    page, errors = console_page("bob", "viewer", "pw-for-tests-2", height=1000)
+    expect(page.locator("body[data-ws-ready='1']")).to_have_count(1)
+    expect(page.locator("#pools [data-pool=regular]")).to_contain_text("3 of 3 workers reporting")
+    expect(page.locator("#reporting")).to_have_text("3 of 3 workers reporting")
+    rows = page.locator("#workers tbody tr[data-worker]")
+    expect(rows).to_have_count(2)
+    expect(page.get_by_test_id("page-text")).to_have_text("Workers 1–2 of 3 · page 1 of 2")
+    expect(page.locator("#page-prev")).to_be_disabled()
+    expect(page.locator("#hosts tbody tr").filter(has_text=AGENT_HOST)).to_contain_text("3")  # all pages
+    page.locator("#page-next").click()
+    expect(page).to_have_url(re.compile(r"\?page=2$"))
+    expect(rows).to_have_count(1)
+    third = rows.filter(has_text="mixed-2")
+    expect(page.get_by_test_id("page-text")).to_have_text("Workers 3–3 of 3 · page 2 of 2")
+    expect(page.locator("#page-next")).to_be_disabled()
+    expect(third.locator("td[data-f=host_pool_use]")).to_have_text("25 %")
+    fakes[2].host_pool = (2048, 4096)  # half full now: seen only through page 2's push
+    expect(third.locator("td[data-f=host_pool_use]")).to_have_text("50 %", timeout=60_000)
+    expect(third.locator("time[data-f=ts]")).not_to_have_text("")
+    assert wrapped(page, "#workers td a, #workers td time, #workers-pager") == []
+    if SHOTS:
+        page.screenshot(path=os.path.join(SHOTS, "fleet-page-2.png"), full_page=True)
+    page.reload()
+    expect(page.locator("#workers tbody tr[data-worker]").filter(has_text="mixed-2")).to_have_count(1)
+    page.locator("#page-prev").click()
+    expect(page.locator("#workers tbody tr[data-worker]")).to_have_count(2)
+    expect(page).not_to_have_url(re.compile(r"page="))
+    assert not errors
+
+
 def test_pool_sparkline_x_values_stay_sorted_after_live_pushes(
     tsdb, asgi_server, console_page, fake_worker, personas, fleet_publisher
 ):

@@ -91,6 +91,7 @@ def subprocess_env(**extra) -> dict:
         OPERATION_POLL_INTERVAL_S="0.1",
         PROMETHEUS_URL=settings.PROMETHEUS_URL,
         TELEMETRY_PUBLISH_INTERVAL_S=str(settings.TELEMETRY_PUBLISH_INTERVAL_S),
+        FLEET_PAGE_SIZE=str(settings.FLEET_PAGE_SIZE),
         HTTPS="0",
         DEBUG="0",
         PYTHONPATH=str(REPO),

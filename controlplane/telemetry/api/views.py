@@ -55,9 +55,19 @@ class WorkerSeriesApi(APIView):
 
 
 class FleetMetricsApi(APIView):
-    @extend_schema(responses=OpenApiTypes.OBJECT)
+    """The fleet summary from the TSDB (`selectors.fleet_summary`): pools, totals and one page of the worker
+    table, ``?page=`` (1-based, default 1; past the last: the last), ``page_size`` workers by name. 400
+    naming ``page``."""
+
+    @extend_schema(
+        parameters=[OpenApiParameter("page", int, description="page of the worker table, from 1")],
+        responses=OpenApiTypes.OBJECT,
+    )
     def get(self, request):
-        return Response(selectors.fleet_summary())
+        raw = request.query_params.get("page", "1")
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValidationError({"page": ["an integer from 1"]})
+        return Response(selectors.fleet_summary(int(raw)))
 
 
 class ScrapeTargetsApi(APIView):

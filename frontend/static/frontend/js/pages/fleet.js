@@ -1,6 +1,8 @@
-/* Fleet page: pool cards with sparklines and the worker, host and router tables. Inventory is read once;
-   each fleet.metrics push updates the live cells and pool cards in place and extends the sparklines; the
-   reconciler's alert card follows fleet.alert events (js/alerts.js). */
+/* Fleet page: pool cards with sparklines and the worker, host and router tables. The worker table shows
+   one page of the fleet (table.page_size workers by name, ?page=N); its inventory is read with the page;
+   each fleet.metrics push updates the pool cards in place, extends the sparklines and, on the first page,
+   the live cells; another page's live cells come as fleet.rows on its own group (fleet.page.N), which the
+   page joins while it shows it. The reconciler's alert card follows fleet.alert events (js/alerts.js). */
 KV.ready(function () {
   "use strict";
   var POOL_TITLES = { regular: "Regular pool", prefill: "Prefill pool", decode: "Decode pool", encoder: "Encoder pool" };
@@ -9,6 +11,8 @@ KV.ready(function () {
   var workers = [], hostNames = {}, rows = {}, cards = {}, spark = {};
   var tplWorker = KV.$("#tpl-worker"), tplPool = KV.$("#tpl-pool");
   var seeds = JSON.parse(KV.$("#pool-history").textContent);  // server-side 5 min of history per pool
+  var table = JSON.parse(KV.$("#worker-table").textContent);  // page size, workers per host and router
+  var page = Math.max(1, parseInt(new URLSearchParams(location.search).get("page"), 10) || 1);
 
   /* TP cell: the rank count, and the GPUs the ranks hold (rank 0 first) when the agent reported any */
   function devicesView(w) {
@@ -112,10 +116,27 @@ KV.ready(function () {
     KV.$("#metrics-down").hidden = !down;
     KV.$("#metrics-down-text").textContent = down ? down.charAt(0).toUpperCase() + down.slice(1) : "";
   }
+  /* the pager: which page of how many; hidden while the fleet fits one page */
+  function showPager(summary) {
+    var pages = summary.pages || 1, size = summary.page_size || table.page_size, first = (page - 1) * size + 1;
+    KV.$("#workers-pager").hidden = pages <= 1;
+    KV.$("#page-text").textContent = "Workers " + first.toLocaleString() + "–" +
+      Math.min(page * size, summary.worker_count).toLocaleString() + " of " + summary.worker_count.toLocaleString() +
+      " · page " + page + " of " + pages;
+    KV.$("#page-prev").disabled = page <= 1;
+    KV.$("#page-next").disabled = page >= pages;
+    KV.$("#page-next").dataset.pages = pages;
+  }
   function applySummary(summary) {
     showDown(summary);
     showBreakers(summary);
-    KV.$("#reporting").textContent = summary.reporting + " of " + summary.workers.length + " workers reporting";
+    KV.$("#reporting").textContent = summary.reporting + " of " + summary.worker_count + " workers reporting";
+    if (summary.page === page) applyRows(summary);
+    showPager(summary);
+    renderPools(summary);
+  }
+  /* the live cells of this page's rows (a fleet.metrics summary of the first page, or fleet.rows of another) */
+  function applyRows(summary) {
     summary.workers.forEach(function (live) {
       var w = workers.filter(function (x) { return x.id === live.id; })[0];
       if (!w) return;
@@ -131,17 +152,31 @@ KV.ready(function () {
       KV.fill(rows[w.id], w);
       showLatency(rows[w.id], cells);
     });
-    renderPools(summary);
+  }
+  function groups() { return ["fleet"].concat(page > 1 ? ["fleet.page." + page] : [], KV.fleetAlerts.groups); }
+  function onMessage(msg) {
+    if (msg.type === "fleet.metrics") applySummary(msg.data);
+    else if (msg.type === "fleet.rows") { if (msg.data.page === page) applyRows(msg.data); }
+    else KV.fleetAlerts.apply(msg);
+  }
+  function resync() { return Promise.all([load(), KV.fleetAlerts.resync()]); }
+  /* show page p: its address, its group (the join's resync reads its rows) */
+  function goTo(p) {
+    page = p;
+    history.replaceState(null, "", p > 1 ? "?page=" + p : location.pathname);
+    KV.subscribe(groups(), onMessage, resync);
   }
   function load() {
+    var size = table.page_size, shown = page;
     return Promise.all([
-      KV.api("GET", "/api/v1/inventory/workers/?limit=500"), KV.api("GET", "/api/v1/inventory/hosts/?limit=500"),
-      KV.api("GET", "/api/v1/inventory/routers/?limit=500"), KV.api("GET", "/api/v1/telemetry/fleet/")
+      KV.api("GET", "/api/v1/inventory/workers/?limit=" + size + "&offset=" + (shown - 1) * size),
+      KV.api("GET", "/api/v1/inventory/hosts/?limit=500"),
+      KV.api("GET", "/api/v1/inventory/routers/?limit=500"), KV.api("GET", "/api/v1/telemetry/fleet/?page=" + shown)
     ]).then(function (r) {
-      var perHost = {}, perRouter = {};
+      if (shown !== page) return;  // another page was asked for meanwhile: its own load shows it
+      if (r[3].page !== page) { goTo(r[3].page); return; }  // past the last page (workers went away): the last
       r[1].results.forEach(function (h) { hostNames[h.id] = h.name; });
       workers = r[0].results.map(function (w) {
-        perHost[w.host] = (perHost[w.host] || 0) + 1; perRouter[w.router] = (perRouter[w.router] || 0) + 1;
         return Object.assign({}, w, devicesView(w), {
           host_name: hostNames[w.host] || "", select_label: "select " + w.name, latency_title: "", hit_rate_title: "",
           // a worker that runs upstream SGLang says so (and its version) under its name
@@ -150,15 +185,19 @@ KV.ready(function () {
       });
       renderWorkers();
       KV.replaceRows(KV.$("#hosts tbody"), KV.$("#tpl-host"), r[1].results.map(function (h) {
-        return Object.assign({}, h, { gpu_count: h.gpus.length, worker_count: perHost[h.id] || 0 });
+        return Object.assign({}, h, { gpu_count: h.gpus.length, worker_count: table.hosts[h.id] || 0 });
       }));
       KV.replaceRows(KV.$("#routers tbody"), KV.$("#tpl-router"), r[2].results.map(function (x) {
-        return Object.assign({}, x, { worker_count: perRouter[x.id] || 0 });
+        return Object.assign({}, x, { worker_count: table.routers[x.id] || 0 });
       }));
       applySummary(r[3]);
     });
   }
   KV.$("#filter").addEventListener("input", applyFilter);
+  KV.$("#page-prev").addEventListener("click", function () { if (page > 1) goTo(page - 1); });
+  KV.$("#page-next").addEventListener("click", function (e) {
+    if (page < Number(e.target.dataset.pages || 1)) goTo(page + 1);
+  });
   var all = KV.$("#select-all");  // the picking column is there only for a role that may launch
   if (all) all.addEventListener("change", function (e) {
     KV.$$(".pick").forEach(function (c) { if (!c.closest("tr").hidden) c.checked = e.target.checked; });
@@ -180,10 +219,7 @@ KV.ready(function () {
       if (ids.length) location.href = "/operations/new/?" + ids.join("&");
     });
   }
-  KV.subscribe(["fleet"].concat(KV.fleetAlerts.groups), function (msg) {
-    if (msg.type === "fleet.metrics") applySummary(msg.data);
-    else KV.fleetAlerts.apply(msg);
-  }, function () { return Promise.all([load(), KV.fleetAlerts.resync()]); });
+  KV.subscribe(groups(), onMessage, resync);
   return load();
 });
 
