@@ -65,7 +65,7 @@ class FleetMetricsApi(APIView):
     )
     def get(self, request):
         raw = request.query_params.get("page", "1")
-        if not raw.isdigit() or int(raw) < 1:
+        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:  # "²" is a digit int() refuses
             raise ValidationError({"page": ["an integer from 1"]})
         return Response(selectors.fleet_summary(int(raw)))
 

@@ -139,5 +139,6 @@ def test_the_fleet_api_gives_a_page_and_names_a_bad_one(api_as, settings):
     viewer = api_as("viewer")
     last = viewer.get("/api/v1/telemetry/fleet/?page=9").json()  # past the last: the last
     assert (last["page"], last["pages"], [r["name"] for r in last["workers"]]) == (2, 2, ["w-c"])
-    bad = viewer.get("/api/v1/telemetry/fleet/?page=0")
-    assert bad.status_code == 400 and "page" in bad.json()["error"]["detail"]
+    for page in ("0", "-1", "abc", "1.5", "\u00b2"):  # "²" is a digit to str.isdigit, not to int()
+        bad = viewer.get("/api/v1/telemetry/fleet/", {"page": page})
+        assert bad.status_code == 400 and "page" in bad.json()["error"]["detail"], page
