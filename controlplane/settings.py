@@ -256,6 +256,9 @@ REBALANCE_CANARY_MAX_NEW_TOKENS = (
 WORKER_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_HTTP_TIMEOUT_S", "5"))
 # A change request (attach builds a store client, detach drains its queues) may take longer than a read.
 WORKER_APPLY_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_APPLY_HTTP_TIMEOUT_S", "30"))
+# The worker's cost probe (POST /hicache/costs/probe) runs a prefill of up to a few thousand tokens per size:
+# about 40 s with its default sizes on a loaded 2-core CPU host, far less on an accelerator.
+WORKER_PROBE_HTTP_TIMEOUT_S = float(os.environ.get("WORKER_PROBE_HTTP_TIMEOUT_S", "300"))
 
 # Task delivery across a worker death. The longest operation step (idle read, state read, apply, read-back,
 # router re-add) is bounded by its HTTP timeouts; the soft limit is that bound, the hard limit kills a step

@@ -150,9 +150,14 @@ class WorkerClient:
     def probe_costs(self, sizes: list[int] | None = None) -> dict:
         """POST /hicache/costs/probe (KVFleet only, idle-gated): the worker measures prefill, load-back and
         (with L3) prefetch at ``sizes`` tokens (None: its defaults) into its ``sglang:kv_cost_*`` counters;
-        its ``CostProbeResult`` (``page_size``, ``measured``, ``skipped``). WorkerNotIdle while it serves."""
+        its ``CostProbeResult`` (``page_size``, ``measured``, ``skipped``). WorkerNotIdle while it serves.
+        Waits up to ``WORKER_PROBE_HTTP_TIMEOUT_S`` (a probe prefills thousands of tokens), or this client's
+        own timeout when it has one."""
         body = {"sizes": sizes} if sizes is not None else None
-        return self._call("POST", "/hicache/costs/probe", json=body, key=self.admin_key, change=True).json()
+        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else None
+        timeout = self.timeout or settings.WORKER_PROBE_HTTP_TIMEOUT_S
+        url = self.base_url + "/hicache/costs/probe"
+        return _request("POST", url, headers=headers, json=body, timeout=timeout).json()
 
     def pd_role(self) -> str:
         """The worker's PD role read back from /server_info: "prefill", "decode" or "null" (not PD)."""

@@ -490,6 +490,7 @@ def crossover_probe(*, worker_name: str, sizes: list[int] | None = None, actor, 
     (the worker refused them), ``ConflictError`` 409 ``not_idle`` while the worker serves requests,
     ``ServiceUnavailable`` 503 ``worker_unreachable``, ``ApplicationError`` 502 ``worker_rejected`` for any
     other refusal (its answer quoted)."""
+    from controlplane.audit.models import Outcome
     from controlplane.audit.services import audit_record
     from controlplane.core.exceptions import ApplicationError, ConflictError, ServiceUnavailable
     from controlplane.inventory.models import EngineWorker
@@ -504,13 +505,17 @@ def crossover_probe(*, worker_name: str, sizes: list[int] | None = None, actor, 
     client = WorkerClient(worker.url, admin_key=worker.admin_key)
     try:
         answer = client.probe_costs(sizes)
-    except WorkerNotIdle as exc:
-        raise ConflictError(f"{worker.name} is not idle: {exc}", code="not_idle") from exc
-    except WorkerUnreachable as exc:
-        raise ServiceUnavailable(f"{worker.name}: {exc}", code="worker_unreachable") from exc
-    except WorkerRejected as exc:
+    except (WorkerNotIdle, WorkerUnreachable, WorkerRejected) as exc:
+        # audited as a failure too: an unreachable (timed-out) probe may still have measured on the worker
+        audit_record(action="crossover_probe", obj=worker, message=f"{reason or 'cost probe'}: {exc}"[:2000],
+                     outcome=Outcome.FAILURE, extra={"sizes": sizes}, actor=actor)  # fmt: skip
+        if isinstance(exc, WorkerNotIdle):
+            raise ConflictError(f"{worker.name} is not idle: {exc}", code="not_idle") from exc
+        if isinstance(exc, WorkerUnreachable):
+            raise ServiceUnavailable(f"{worker.name}: {exc}", code="worker_unreachable") from exc
         if exc.status == 400 and "sizes" in (exc.body or ""):
-            raise ApplicationError(str(exc), code="validation_error", detail={"sizes": [str(exc)]}) from exc
+            message = _worker_message(exc.body) or str(exc)
+            raise ApplicationError(message, code="validation_error", detail={"sizes": [message]}) from exc
         raise ApplicationError(str(exc), code="worker_rejected", status_code=502) from exc
     audit_record(
         action="crossover_probe",
@@ -520,3 +525,15 @@ def crossover_probe(*, worker_name: str, sizes: list[int] | None = None, actor, 
         actor=actor,
     )
     return {"worker": worker.name, **answer}
+
+
+def _worker_message(body: str | None) -> str:
+    """The ``error.message`` of a worker's JSON error body ('' when it has none), so a refusal reads as the
+    worker's words rather than its escaped JSON."""
+    import json
+
+    try:
+        error = json.loads(body or "").get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return error.get("message", "") if isinstance(error, dict) else ""

@@ -318,3 +318,6 @@ def test_crossover_probe_runs_the_workers_probe_and_relays_refusals(api_as, fake
     gone = operator.post(probe, {"worker": "w0"}, format="json")
     assert gone.status_code == 503 and gone.json()["error"]["code"] == "worker_unreachable"
     assert len(fake.probes) == 1
+    # refusals are audited too (a probe that timed out may still have measured on the worker)
+    failed = list(AuditEvent.objects.filter(action="crossover_probe", outcome="failure").order_by("id"))
+    assert "not idle" in failed[-2].message.lower() and "/hicache/costs/probe" in failed[-1].message
