@@ -319,6 +319,11 @@ EXTRA = "--hicache-storage-backend-extra-config"
             {"master_server_address": "m:50051", "local_buffer_size": "lots"},
             "local_buffer_size: cannot parse size 'lots' (use bytes or e.g. '4gb', '512mb')",
         ),
+        (  # no master named: the config file or environment is read, which would ignore the size
+            "mooncake",
+            {"global_segment_size": "512mb", "prefetch_threshold": 32},
+            "global_segment_size: read only when this extra config names master_server_address",
+        ),
         (
             "mooncake",
             {"master_server_address": "m:1", "protocol": "udp"},
@@ -341,8 +346,8 @@ def test_a_bad_extra_config_value_is_refused_when_parsing_naming_the_flag_the_ke
 
 
 def test_good_extra_config_values_and_ones_the_environment_gives_pass_parsing():
-    """A mooncake extra config without a master is not read (the config file or environment is): not
-    checked; the lmcache URL may come from LMCACHE_REMOTE_URL."""
+    """A mooncake extra config without a master is not read (the config file or environment is), so it
+    may hold HiCache's keys only; the lmcache URL may come from LMCACHE_REMOTE_URL."""
     hicache = ["--model-path", "m", "--enable-hierarchical-cache", "--hicache-storage-backend"]
     good = {
         "mooncake": {"master_server_address": "10.0.0.1:1", "global_segment_size": "4gb", "protocol": "rdma"},
@@ -351,7 +356,7 @@ def test_good_extra_config_values_and_ones_the_environment_gives_pass_parsing():
     }
     for backend, extra in good.items():
         assert parse_args([*hicache, backend, EXTRA, json.dumps(extra)]).hicache_storage_backend == backend
-    assert parse_args([*hicache, "mooncake", EXTRA, '{"global_segment_size": "lots"}'])
+    assert parse_args([*hicache, "mooncake", EXTRA, '{"prefetch_threshold": 32}'])  # HiCache's key only
 
 
 def test_grammar_and_tool_call_parser_flags():

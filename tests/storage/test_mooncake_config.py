@@ -94,6 +94,9 @@ def test_config_file_from_env(storage_config_factory, monkeypatch, tmp_path):
 
 def test_missing_master_names_the_key(storage_config_factory):
     with pytest.raises(StorageConfigError, match="^master_server_address: .*MOONCAKE_MASTER"):
+        resolve(storage_config_factory, {})
+    # a Mooncake key with no master in the extra config would be ignored (the environment is read): refused
+    with pytest.raises(StorageConfigError, match="^protocol: read only when this extra config names master"):
         resolve(storage_config_factory, {"protocol": "tcp"})
 
 

@@ -11,7 +11,8 @@ the environment (the worker's environment may differ from the parser's, e.g. whe
 - ``aibrix``: its keys (AIBrix's settings);
 - ``lmcache``: its keys, ``lmcache_url`` ``lm://host:port`` (or ``host:port``), ``lmcache_timeout_s`` a
   number of seconds > 0 (a URL left out may come from ``LMCACHE_REMOTE_URL``);
-- ``mooncake``: only an extra config that names a master is read at all; then its keys, strings,
+- ``mooncake``: only an extra config that names a master is read at all (Mooncake keys without one are
+  refused, as they would be ignored); then its keys, strings,
   ``master_server_address`` ``host:port``, ``protocol`` tcp | rdma, ``metadata_server``, and sizes (bytes
   or ``"4gb"``, > 0);
 - ``file`` / ``nixl``: ``file_path`` (or ``file_storage_path``), when given, a non-empty string;
@@ -218,7 +219,21 @@ def mooncake_fields(raw: dict, source: str) -> dict:
     return fields
 
 
+def mooncake_keys_need_master(extra: dict) -> None:
+    """Refuse Mooncake keys in an extra config that names no master: the config then comes from
+    ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or the ``MOONCAKE_*`` environment, so they would be ignored
+    (upstream ignores them silently). ValueError naming the first such key."""
+    named = sorted(set(extra) & MOONCAKE_KEYS)
+    if named and not extra.get("master_server_address"):
+        raise ValueError(
+            f"{named[0]}: read only when this extra config names master_server_address; without it the "
+            "Mooncake config comes from SGLANG_HICACHE_MOONCAKE_CONFIG_PATH or the MOONCAKE_* environment, "
+            "which would ignore it (add master_server_address here, or set it there)"
+        )
+
+
 def _check_mooncake(extra: dict) -> None:
+    mooncake_keys_need_master(extra)
     if extra.get("master_server_address"):  # else the config file or the environment is read, not ``extra``
         mooncake_fields(extra, "extra_config")
 

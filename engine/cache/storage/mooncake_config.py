@@ -7,7 +7,8 @@ environment (``MOONCAKE_MASTER`` required, ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEV
 ``LOCAL_HOSTNAME``). Sizes are byte counts or strings such as ``"4gb"``/``"512MB"`` (1024-based) and are
 divided by ``tp_size`` (each rank mounts its share). Upstream's ``master_metrics_port`` and
 ``check_server`` are accepted so seed configs load, and not used. Any other key, a wrong type or an
-unparsable value is a :class:`StorageConfigError` naming the key.
+unparsable value is a :class:`StorageConfigError` naming the key, as are Mooncake keys in an extra config
+that names no master (upstream ignores them; here they would be lost silently).
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from dataclasses import dataclass
 
 from engine.cache.storage.base import HiCacheStorageConfig, StorageConfigError
 from engine.cache.storage.extra_keys import MOONCAKE_P2P_HANDSHAKE as P2P_HANDSHAKE
-from engine.cache.storage.extra_keys import MOONCAKE_STRING_KEYS, mooncake_fields, split_address
+from engine.cache.storage.extra_keys import (
+    MOONCAKE_STRING_KEYS,
+    mooncake_fields,
+    mooncake_keys_need_master,
+    split_address,
+)
 from engine.cache.storage.extra_keys import parse_size as _parse_size
 
 CONFIG_PATH_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
@@ -79,6 +85,10 @@ class MooncakeConfig:
     def resolve(cls, extra: dict, tp_size: int = 1) -> MooncakeConfig:
         """``extra`` when it names a master, else the config file, else the environment (the order above);
         raises :class:`StorageConfigError` naming the key."""
+        try:
+            mooncake_keys_need_master(extra)
+        except ValueError as exc:
+            raise StorageConfigError(str(exc)) from None
         if extra.get("master_server_address"):
             raw, source = dict(extra), "extra_config"
         elif os.environ.get(CONFIG_PATH_ENV):
