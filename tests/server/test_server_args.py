@@ -268,8 +268,8 @@ def test_aibrix_settings_the_environment_may_give_are_not_asked_for_when_parsing
     """Parsing checks keys only: the L2 backend may come from the worker's environment (an agent parses a
     spec whose env table it sets on the worker), and another backend's keys are its own to check."""
     assert parse_args([*AIBRIX, "--hicache-storage-backend-extra-config", '{"rocksdb_root": "/l3"}'])
-    file_backend = [*AIBRIX[:-1], "file", "--hicache-storage-backend-extra-config", '{"rocksdb_rot": 1}']
-    assert parse_args(file_backend).hicache_storage_backend == "file"
+    nixl = [*AIBRIX[:-1], "nixl", "--hicache-storage-backend-extra-config", '{"rocksdb_rot": 1}']
+    assert parse_args(nixl).hicache_storage_backend == "nixl"  # not refused as an AIBrix key
 
 
 def test_a_bad_lmcache_key_is_refused_when_parsing_naming_the_flag_and_the_closest_key():
@@ -330,6 +330,12 @@ EXTRA = "--hicache-storage-backend-extra-config"
             "protocol: expected 'tcp' or 'rdma'",
         ),
         ("file", {"file_path": 3}, "file_path: must be a directory path (a non-empty string), got 3"),
+        (  # a misspelt HiCache key would be ignored by the file backend
+            "file",
+            {"file_path": "/l3", "prefetch_thresold": 3},
+            "prefetch_thresold: not a key of the file backend (it takes file_path or file_storage_path) nor "
+            "of HiCache; did you mean 'prefetch_threshold'?",
+        ),
         ("dynamic", {"backend_name": "x", "module_path": "m"}, "class_name: required for the dynamic"),
     ],
 )

@@ -15,7 +15,8 @@ the environment (the worker's environment may differ from the parser's, e.g. whe
   refused, as they would be ignored); then its keys, strings,
   ``master_server_address`` ``host:port``, ``protocol`` tcp | rdma, ``metadata_server``, and sizes (bytes
   or ``"4gb"``, > 0);
-- ``file`` / ``nixl``: ``file_path`` (or ``file_storage_path``), when given, a non-empty string;
+- ``file``: only ``file_path`` (or ``file_storage_path``), when given a non-empty string (another key would be
+  ignored: refused); ``nixl``: ``file_path``, when given, a non-empty string;
 - ``dynamic``: ``backend_name``, ``module_path`` and ``class_name`` non-empty strings.
 
 Errors are ``ValueError``s starting with the key and saying what is expected (``rocksdb_rot: not an AIBrix
@@ -238,8 +239,25 @@ def _check_mooncake(extra: dict) -> None:
         mooncake_fields(extra, "extra_config")
 
 
+FILE_KEYS = ("file_path", "file_storage_path")
+"""The ``file`` backend's keys: its directory, by KVFleet's name or upstream's."""
+
+
+def _check_file(extra: dict) -> None:
+    """The ``file`` backend takes only its directory: any other key (a misspelt HiCache key such as
+    ``prefetch_thresold`` lands here) would be ignored, so it is refused naming the closest real key."""
+    unknown = sorted(set(extra) - set(FILE_KEYS))
+    if unknown:
+        known = (*FILE_KEYS, *(key for key, _ in HICACHE_KEY_HINTS))
+        raise ValueError(
+            f"{unknown[0]}: not a key of the file backend (it takes {' or '.join(FILE_KEYS)}) nor of "
+            f"HiCache{closest_key(unknown[0], known)}"
+        )
+    _check_file_path(extra)
+
+
 def _check_file_path(extra: dict) -> None:
-    for key in ("file_path", "file_storage_path"):
+    for key in FILE_KEYS:
         if key in extra and (not isinstance(extra[key], str) or not extra[key].strip()):
             raise ValueError(f"{key}: must be a directory path (a non-empty string), got {extra[key]!r}")
 
@@ -257,7 +275,7 @@ _CHECKS: dict[str, Callable[[dict], None]] = {
     "aibrix": _check_aibrix,
     "lmcache": check_lmcache_keys,
     "mooncake": _check_mooncake,
-    "file": _check_file_path,
+    "file": _check_file,
     "nixl": _check_file_path,
     "dynamic": _check_dynamic,
 }

@@ -42,6 +42,9 @@ def test_a_nixl_profile_is_kept_and_an_unbuilt_backend_is_refused(api_as):
         ("lmcache", {"lmcache_timeout_s": "ten"}, "lmcache_timeout_s: must be a number of seconds > 0"),
         ("mooncake", {"master_server_address": "m"}, "master_server_address: expected 'host:port'"),
         ("file", {"prefetch_timeout_max": -5}, "prefetch_timeout_max: must be >= 0, got -5"),
+        ("file", {"prefetch_thresold": 3}, "prefetch_thresold: not a key of the file backend"),
+        ("file", {"prefetch_thresold": 3}, "did you mean 'prefetch_threshold'?"),
+        ("mooncake", {"global_segment_size": "lots"}, "global_segment_size: read only when this extra"),
     ],
 )
 def test_a_key_the_backend_does_not_take_is_refused_naming_it(api_as, backend, extra, says):
