@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 # EVICTION_POLICIES: the console's and the what-if API's choices, from the one list of names (typing only).
 from engine.cache.eviction_names import EVICTION_POLICIES, EvictionPolicy  # noqa: F401
@@ -123,7 +123,7 @@ class CostProbeRequest(_Strict):
     """Body of ``POST /hicache/costs/probe`` (optional): ``sizes`` in tokens (1 to 8, each rounded up to
     whole pages; None: 16, 256, 1024, 4096 capped by the free slots and one prefill pass)."""
 
-    sizes: list[int] | None = Field(default=None, min_length=1, max_length=8)
+    sizes: list[StrictInt] | None = Field(default=None, min_length=1, max_length=8)  # not true, not "16"
 
 
 class CostProbeMeasure(_Strict):

@@ -83,7 +83,8 @@ def test_probe_measures_three_operations_and_leaves_the_cache_as_it_was(serve, t
     }
 
     # bad sizes: 400 naming the field, nothing measured
-    for bad in ({"sizes": [0]}, {"sizes": [65]}, {"sizes": []}, {"sizes": "16"}, {"sizes": [1] * 9}):
+    bad_sizes = ([0], [65], [], "16", [1] * 9, [True], ["16"])  # True and "16" are not token counts
+    for bad in ({"sizes": sizes} for sizes in bad_sizes):
         resp = client.post("/hicache/costs/probe", headers=AUTH, json=bad)
         assert resp.status_code == 400, (bad, resp.text)
         assert "sizes" in resp.json()["error"]["message"], (bad, resp.text)
