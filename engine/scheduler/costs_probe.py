@@ -87,7 +87,9 @@ def plan(sizes: tuple[int, ...] | None, page_size: int, cap: int) -> list[int]:
     cap = cap // page_size * page_size
     if cap < page_size:
         raise ValueError(
-            f"sizes: not even one page ({page_size} tokens) of free L1/L2 slots to probe with (free: {cap})"
+            f"sizes: not even one page ({page_size} tokens) of free L1/L2 slots to probe with (free: {cap}); "
+            "the probe takes free slots only and never evicts the cache; a worker whose cache is full has "
+            "traffic enough to measure the costs from"
         )
     if sizes is None:
         chosen = {min(-(-s // page_size) * page_size, cap) for s in DEFAULT_SIZES}
