@@ -42,6 +42,11 @@ def test_bad_size_names_the_key(bad):
         parse_size("local_buffer_size", bad)
 
 
+def test_a_size_that_rounds_to_zero_bytes_is_named_as_given():
+    with pytest.raises(StorageConfigError, match=r"got '0\.0001kb' \(0 bytes\)$"):
+        parse_size("global_segment_size", "0.0001kb")
+
+
 def resolve(storage_config_factory, extra=None, **kw):
     return MooncakeConfig.from_storage_config(storage_config_factory(extra=extra, **kw))
 

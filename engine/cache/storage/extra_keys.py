@@ -166,13 +166,15 @@ def parse_size(key: str, value: object) -> int:
     ValueError naming ``key`` and the forms expected."""
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"{key}: expected an integer or a size string like '4gb', got {value!r}")
+    given = value
     if isinstance(value, str):
         match = _SIZE_RE.fullmatch(value)
         if match is None:
             raise ValueError(f"{key}: cannot parse size {value!r} (use bytes or e.g. '4gb', '512mb')")
         value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"{key}: size must be positive, got {value!r}")
+    if value <= 0:  # a string such as "0.0001kb" rounds to 0 bytes: say what was given
+        shown = repr(given) if given == value else f"{given!r} ({value} bytes)"
+        raise ValueError(f"{key}: size must be positive, got {shown}")
     return value
 
 
