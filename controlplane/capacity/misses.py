@@ -93,11 +93,15 @@ def attribute_rows(rows: list[dict], *, block_tokens: int, page_size: int, recen
             stays = causes.get("not_seen_here", 0) - moved["new"] - moved["elsewhere"]
             causes.update(moved, not_seen_here=stays)
             one = _empty()
+            served = req.input_length - sum(misses["causes"].values())
+            # what the worker served was computed before, if not in the rows (traffic before them, or not
+            # recorded): an unbounded cache would serve it too, so the ceiling is never under it
+            ceiling = max(hit * P, served)
             for target in (acc, fleet, one):
                 target["attributed_requests"] += 1
                 target["input_tokens"] += req.input_length
-                target["served_tokens"] += req.input_length - sum(misses["causes"].values())
-                target["ceiling_tokens"] += hit * P
+                target["served_tokens"] += served
+                target["ceiling_tokens"] += ceiling
                 for cause, tokens in causes.items():
                     target["causes"][cause] = target["causes"].get(cause, 0) + tokens
             if recent > 0:

@@ -97,6 +97,15 @@ def test_the_newest_requests_each_carry_their_own_split_causes():
     assert "recent" not in attribute_rows(rows, block_tokens=P, page_size=P)["fleet"]
 
 
+def test_the_ceiling_is_never_under_what_the_worker_served():
+    """A worker that served a prefix the rows never computed (traffic before them, or not recorded): an
+    unbounded cache would have served it too, so the ceiling holds at least the served tokens."""
+    row = _row(0, "w0", [7, 8, 9], 40, {"causes": {"not_seen_here": 0, "partial_page": 8}, "unseen": []})
+    w0 = attribute_rows([row], block_tokens=P, page_size=P)["workers"]["w0"]
+    assert (w0["served_tokens"], w0["ceiling_tokens"]) == (32, 32)
+    assert w0["ceiling_share"] >= w0["served_share"]
+
+
 def test_a_worker_with_no_attributed_traffic_has_no_shares():
     out = attribute_rows([ROWS[4]], block_tokens=P, page_size=P)
     w1 = out["workers"]["w1"]
