@@ -277,7 +277,8 @@ def test_startup_config_errors_and_unreachable_master_name_the_key_or_address(ma
     local = {"master_server_address": master.master_address, "metadata_server": master.metadata_url}
     cases = {
         "global_segment_size: cannot parse size '4zb'": {**local, "global_segment_size": "4zb"},
-        "master_server_address: no Mooncake master configured": {"protocol": "tcp"},
+        "master_server_address: no Mooncake master configured": {},
+        "protocol: read only when this extra config names master_server_address": {"protocol": "tcp"},
         "segment_size: unknown Mooncake config key": {**local, "segment_size": "4gb"},
         "protocol: expected a string, got int": {**local, "protocol": 5},
         f"Mooncake master {dead} is unreachable": {"master_server_address": dead, "protocol": "tcp"},
