@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 
-import httpx
-
 from engine.server.contract import reported_hicache_config
+from tests.support.running import long_request_running
 
 KEY = "admin-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -101,30 +99,14 @@ def test_bad_attach_bodies_name_the_field_and_change_nothing(serve, tmp_path):
 
 def test_attach_while_a_long_request_runs_is_400_and_changes_nothing(serve, tmp_path):
     server, client = _admin_server(serve)
-    long_body = {
-        "input_ids": [5, 6, 7],
-        "sampling_params": {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True},
-    }
-    result = {}
-
-    def run_long():
-        with httpx.Client(base_url=server.url, timeout=120) as c:
-            result["resp"] = c.post("/generate", json=long_body)
-
-    t = threading.Thread(target=run_long)
-    t.start()
-    deadline = time.monotonic() + 30
-    while client.get("/server_info").json()["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline, "the long request never started"
-        time.sleep(0.01)
     extra = json.dumps({"file_path": str(tmp_path / "l3")})
-    resp = client.put(
-        "/hicache/storage-backend",
-        headers=AUTH,
-        json={"hicache_storage_backend": "file", "hicache_storage_backend_extra_config_json": extra},
-    )
-    cfg = client.put("/hicache/config", json={"prefetch_threshold": 32}, headers=AUTH)
-    t.join()
+    with long_request_running(server.url, tokens=500) as result:
+        resp = client.put(
+            "/hicache/storage-backend",
+            headers=AUTH,
+            json={"hicache_storage_backend": "file", "hicache_storage_backend_extra_config_json": extra},
+        )
+        cfg = client.put("/hicache/config", json={"prefetch_threshold": 32}, headers=AUTH)
     assert resp.status_code == 400, resp.text
     message = resp.json()["error"]["message"]
     assert "not idle" in message and "#running-req=1" in message and "#queue-req=0" in message

@@ -6,14 +6,13 @@ names ``sizes`` for bad input."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 from server_testlib import model_testlib, wait_idle
 
 from engine.bench.launcher import ServerProcess
 from engine.scheduler.costs_probe import SYNTHETIC_VOCAB, synthetic_tokens
+from tests.support.running import long_request_running
 
 PAGE = 16
 AUTH = {"Authorization": "Bearer probe-admin"}
@@ -93,25 +92,9 @@ def test_probe_measures_three_operations_and_leaves_the_cache_as_it_was(serve, t
 
     # refused while a request runs
     wait_idle(engine)
-    result = {}
-
-    def run_long():
-        long_body = {
-            "input_ids": [5, 6, 7],
-            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
-        }
-        with httpx.Client(base_url=server.url, timeout=120) as c:
-            result["resp"] = c.post("/generate", json=long_body)
-
-    t = threading.Thread(target=run_long)
-    t.start()
-    deadline = time.monotonic() + 30
-    while client.get("/server_info").json()["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline, "the long request never started"
-        time.sleep(0.01)
-    costs_before = client.get("/hicache/costs", headers=AUTH).json()["operations"]["load_back"]
-    resp = client.post("/hicache/costs/probe", headers=AUTH)
-    t.join()
+    with long_request_running(server.url, tokens=400) as result:
+        costs_before = client.get("/hicache/costs", headers=AUTH).json()["operations"]["load_back"]
+        resp = client.post("/hicache/costs/probe", headers=AUTH)
     assert result["resp"].status_code == 200
     assert resp.status_code == 400, resp.text
     assert "not idle" in resp.json()["error"]["message"]
