@@ -13,17 +13,25 @@ does: the prompt in one prefill, then the answer one decode step per token, so d
 kernels. We count the positions (the last prompt token and every answer token but the last) where its top-1
 equals float32's, plus where it is in float32's top-5. Also: how many of the prompts the variant answers with
 the identical greedy tokens when it decodes on its own (once two runs differ, they follow different contexts).
+
+``auto`` is what a worker's ``--dtype auto`` computes with (``engine/model/compute_mode.py``). ``llama.cpp``
+is llama.cpp's ``llama-server`` on the same GGUF (found as ``engine.bench.peers`` finds it; ``make
+llama-server``), as the GGUF's own runtime: the same token ids go in, its greedy next token at each position
+comes from ``/completion`` (``n_predict`` 1, prompt cache on), its 32-token answer from one greedy request
+(``ignore_eos``); it returns no logits, so its logit error is not printed.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import httpx
 import torch
 
+from engine.bench.peers import LlamaServer, llama_server_binary
 from engine.cache.device_pool import DeviceKVPool
 from engine.model.forward_batch import ForwardBatch
-from engine.model.loader import load_checkpoint
+from engine.model.loader import load_checkpoint, resolve_model_path
 from engine.model.runner import ModelRunner
 
 PROMPTS = (
@@ -69,6 +77,37 @@ def greedy(runner: ModelRunner, prompt: list[int], new_tokens: int, kv: str = "a
     return out
 
 
+def _llama_next(url: str, tokens: list[int], n: int) -> list[int]:
+    """llama-server's ``n`` greedy tokens after ``tokens`` (ids in, ids out; EOS ignored)."""
+    body = {"prompt": tokens, "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True}
+    body |= {"cache_prompt": True, "return_tokens": True, "samplers": ["top_k"]}
+    resp = httpx.post(f"{url}/completion", json=body, timeout=120)
+    resp.raise_for_status()
+    return [int(t) for t in resp.json()["tokens"]]
+
+
+def _llama_row(model_path: str, prompts: list[list[int]], refs: list[list[int]], ref_logits: list) -> str:
+    """The ``llama.cpp`` variant's table row (its greedy top-1 at every position against float32's)."""
+    binary = llama_server_binary()
+    if binary is None:
+        return f"{'llama.cpp':<22}  skipped: no llama-server (make llama-server)"
+    server = LlamaServer(binary, resolve_model_path(model_path), threads=torch.get_num_threads(), parallel=1)
+    try:
+        same = top5 = identical = 0
+        for p, r, ref in zip(prompts, refs, ref_logits, strict=True):
+            got = torch.tensor([_llama_next(server.url, p + r[:i], 1)[0] for i in range(len(r))])
+            same += int((got == ref.argmax(-1)).sum())
+            top5 += int((ref.topk(5, dim=-1).indices == got[:, None]).any(-1).sum())
+            identical += _llama_next(server.url, p, len(r)) == r
+    finally:
+        server.close()
+    positions = sum(len(r) for r in refs)
+    return (
+        f"{'llama.cpp':<22}{same / positions:>17.1%}{top5 / positions:>15.1%}"
+        f"{f'{identical}/{len(prompts)}':>19}{'-':>13}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="smollm2")
@@ -88,6 +127,9 @@ def main() -> None:
         f"{'logit error':>13}"
     )
     for spec in args.variants:
+        if spec == "llama.cpp":
+            print(_llama_row(args.model_path, prompts, refs, ref_logits))
+            continue
         spec_mode, _, kv = spec.partition("@")
         mode, _, suffix = spec_mode.partition(":")
         if suffix not in ("", "torch-quant"):

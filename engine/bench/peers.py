@@ -121,13 +121,16 @@ def llama_server_binary() -> str | None:
 
 
 class LlamaServer:
-    """``llama-server`` on ``gguf`` with ``threads`` compute threads and ``parallel`` slots."""
+    """``llama-server`` on ``gguf`` with ``threads`` compute threads, ``parallel`` slots, a KV cache of
+    ``ctx`` tokens (shared by the slots) and ``extra`` flags."""
 
-    def __init__(self, binary: str, gguf: Path, threads: int, parallel: int) -> None:
+    def __init__(
+        self, binary: str, gguf: Path, threads: int, parallel: int, ctx: int = 8192, extra: list | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [binary, "-m", str(gguf), "--port", str(self.port), "--host", "127.0.0.1", "-c", "8192"]
-        cmd += ["-t", str(threads), "-tb", str(threads), "-np", str(parallel)]
+        cmd = [binary, "-m", str(gguf), "--port", str(self.port), "--host", "127.0.0.1", "-c", str(ctx)]
+        cmd += ["-t", str(threads), "-tb", str(threads), "-np", str(parallel), *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -16,6 +16,7 @@ from engine.cache.device_pool import DeviceKVPool
 from engine.distributed import TPGroup, TPShard, single_rank
 from engine.model.attention import AttentionBackend, get_attention_backend
 from engine.model.attention.mla import MLAAttention
+from engine.model.compute_mode import resolve_compute
 from engine.model.config import ModelConfig
 from engine.model.deepseek import DeepseekForCausalLM, mla_softmax_scale, mla_unsupported
 from engine.model.extension import ExtensionUnavailable, load_extension
@@ -56,7 +57,9 @@ class KVPoolSpec:
 class ModelRunner:
     """Loaded model + tokenizer on one device.
 
-    ``dtype``: "float32" | "bfloat16" | "float16" or a ``torch.dtype``; ``device``: "cpu" | "cuda[:n]";
+    ``dtype``: "float32" | "bfloat16" | "float16" or a ``torch.dtype``, or "auto": chosen with the
+    quantization from what the checkpoint stores (``engine/model/compute_mode.py``: on a CPU a Q4_1 GGUF
+    computes in bfloat16 on int4wo-32 weights, other models in float32); ``device``: "cpu" | "cuda[:n]";
     ``attention_backend``: a name registered in engine/model/attention; ``quantization``: None,
     ``"int8wo"`` or ``"int4wo-<group_size>"`` (weight-only linear layers, ``engine/model/linear.py``; int4
     needs bfloat16); ``fused_decode``: run decode-only batches through the C++ decode step
@@ -88,12 +91,12 @@ class ModelRunner:
         self.language_only = language_only
         backend_cls = get_attention_backend(attention_backend)  # bad names fail before the slow load
         self.attention_backend = attention_backend
-        self.dtype = _parse_dtype(dtype)
-        check_quantization(quantization, self.dtype)
         self.device = torch.device(device)
-        self.quantization = quantization
         self.tp = tp or single_rank()
-        self._build(load_checkpoint(model_path), backend_cls, fused_decode, cpu_quant_kernels)
+        check_quantization(quantization, None if dtype == "auto" else _parse_dtype(dtype))
+        checkpoint = load_checkpoint(model_path)
+        self._set_compute(checkpoint, dtype, quantization)
+        self._build(checkpoint, backend_cls, fused_decode, cpu_quant_kernels)
 
     @classmethod
     def from_checkpoint(
@@ -111,14 +114,24 @@ class ModelRunner:
         """A runner over an already loaded ``Checkpoint`` (e.g. one load, several dtypes)."""
         runner = cls.__new__(cls)
         runner.language_only = language_only
-        runner.dtype = _parse_dtype(dtype)
-        check_quantization(quantization, runner.dtype)
         runner.device = torch.device(device)
-        runner.quantization = quantization
+        runner._set_compute(checkpoint, dtype, quantization)
         runner.tp = tp or single_rank()
         runner.attention_backend = attention_backend
         runner._build(checkpoint, get_attention_backend(attention_backend), fused_decode, cpu_quant_kernels)
         return runner
+
+    def _set_compute(
+        self, checkpoint: Checkpoint, dtype: str | torch.dtype, quantization: str | None
+    ) -> None:
+        """``dtype`` and ``quantization``, "auto" resolved from what ``checkpoint`` stores
+        (``engine/model/compute_mode.py``; a log line says the choice); raises as the constructor says."""
+        if dtype == "auto":
+            dtype, quantization = resolve_compute("auto", quantization, self.device.type, checkpoint)
+            logger.info("--dtype auto: %s%s", dtype, f" with {quantization} weights" if quantization else "")
+        self.dtype = _parse_dtype(dtype)
+        check_quantization(quantization, self.dtype)
+        self.quantization = quantization
 
     def _build(
         self,

@@ -188,7 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=30000)
     a("--device", choices=("cpu", "cuda"), default="cpu")
-    a("--dtype", choices=DTYPES, default="auto", help="auto: float32 on cpu, the checkpoint dtype on cuda")
+    a(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="auto: on cpu a Q4_1 GGUF computes on its blocks as stored (bfloat16 + int4wo-32), other models "
+        "in float32; bfloat16 on cuda",
+    )
     a(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
@@ -456,9 +462,11 @@ def _validate(args: ServerArgs) -> None:
         )
     if args.attention_backend == "triton" and (reason := unavailable_reason(args.device)):
         raise ArgumentError(f"--attention-backend triton: {reason}")
-    if args.torchao_config.startswith("int4wo") and (args.device != "cpu" or args.dtype != "bfloat16"):
+    if args.torchao_config.startswith("int4wo") and (
+        args.device != "cpu" or args.dtype not in ("bfloat16", "auto")
+    ):
         raise ArgumentError(
-            f"--torchao-config {args.torchao_config} needs --device cpu and --dtype bfloat16 (torch's "
+            f"--torchao-config {args.torchao_config} needs --device cpu and --dtype bfloat16 or auto (the "
             f"int4 CPU kernel; its float32 path is 50-100x slower), got --device {args.device} "
             f"--dtype {args.dtype}"
         )

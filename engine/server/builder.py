@@ -248,12 +248,11 @@ def _build_rank(
     """The model (unless ``runner``), L1 pool, cache and scheduler config of one rank. ``pool_tokens``: the
     L1 size to use (a DP rank after the first: the first one's); else the sized pool split over ``dp_size``
     DP ranks (they share one device's memory), cut to whole pages (at least one)."""
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
     if runner is None:
         try:
             runner = ModelRunner(
                 args.model_path,
-                dtype=dtype,
+                dtype=args.dtype,
                 device=args.device,
                 attention_backend=args.attention_backend,
                 quantization=args.torchao_config or None,

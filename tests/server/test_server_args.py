@@ -81,7 +81,10 @@ def test_every_eviction_policy_is_a_flag_choice(policy):
         ),
         (["--model-path", "m", "--hicache-storage-backend", "s3"], "--hicache-storage-backend"),
         (["--model-path", "m", "--torchao-config", "int4wo-16"], "--torchao-config"),
-        (["--model-path", "m", "--torchao-config", "int4wo-32"], "--torchao-config int4wo-32 needs"),
+        (
+            ["--model-path", "m", "--torchao-config", "int4wo-32", "--device", "cuda"],
+            "--torchao-config int4wo-32 needs",
+        ),
         (
             ["--model-path", "m", "--torchao-config", "int4wo-32", "--dtype", "float32"],
             "--torchao-config int4wo-32 needs --device cpu and --dtype bfloat16",

@@ -23,3 +23,5 @@ class Checkpoint:
     vlm: VLMConfig | None = None
     vision_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     projector_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # a GGUF file: the type each HF-named tensor was stored in ("Q4_1", "Q8_0", "F32", ...); empty otherwise
+    stored_types: dict[str, str] = field(default_factory=dict)

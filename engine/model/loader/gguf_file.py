@@ -220,6 +220,7 @@ def load_gguf_file(path: Path) -> Checkpoint:
     reader, meta, config = _open(path)
     tensors: dict[str, torch.Tensor] = {}
     parts: dict[str, np.ndarray] = {}  # deepseek2's attn_k_b / attn_v_b halves
+    stored: dict[str, str] = {}
     for t in reader.tensors:
         try:
             data = dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
@@ -232,6 +233,7 @@ def load_gguf_file(path: Path) -> Checkpoint:
         except KeyError:
             raise ModelLoadError(path, f"unsupported tensor {t.name!r}") from None
         for hf, data in mapped.items():
+            stored[hf] = t.tensor_type.name
             if config.architecture == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
                 data = _unpermute(data, config.num_attention_heads)
             elif config.architecture == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
@@ -244,4 +246,4 @@ def load_gguf_file(path: Path) -> Checkpoint:
         raise ModelLoadError(
             path, f"tensor {min(parts)!r} without its other half of kv_b_proj ({_KV_B_PARTS})"
         )
-    return Checkpoint(source, config, tensors, _build_tokenizer(meta, config, source))
+    return Checkpoint(source, config, tensors, _build_tokenizer(meta, config, source), stored_types=stored)
