@@ -8,9 +8,10 @@ Servers, one at a time, in an order rotated per repetition: llama.cpp's ``llama-
 Q4_1 GGUF (prompt cache on, ``-np`` = the largest ``--clients``, ``--kv-unified``, context for the longest
 cold prompt on every slot) and one KVFleet worker per ``--variants`` entry (``--model-path smollm2`` plus
 those flags; ``""`` = the bare default). Each server runs every workload through ``python -m
-sglang.bench_serving --backend sglang-oai`` (OpenAI ``/v1/completions``, streamed, ``ignore_eos``, the GGUF
-as ``--tokenizer``, no warm-up request: its prompt would be the measured run's first), from upstream SGLang's
-own environment (``scripts/sglang_env.sh``; ``--sglang-python`` or ``$KVFLEET_SGLANG_PYTHON``):
+sglang.bench_serving --backend sglang-oai`` (OpenAI ``/v1/completions``, streamed, ``ignore_eos``, the GGUF's
+tokenizer from its HF export (``engine.fleet.hf_export``), no warm-up request: its prompt would be the
+measured run's first), from upstream SGLang's own environment (``scripts/sglang_env.sh``;
+``--sglang-python`` or ``$KVFLEET_SGLANG_PYTHON``):
 
 * ``shared-prefix, C clients``: ``generated-shared-prefix``, one group of ``--num-prompts`` prompts sharing a
   256-token system prompt, 32-token questions, ``--output-len`` tokens out, ``--max-concurrency C``;
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from engine.bench.launcher import ServerProcess
 from engine.bench.peers import LlamaServer, llama_server_binary
+from engine.fleet.hf_export import export
 from engine.model.loader import resolve_model_path
 
 METRICS = (
@@ -46,6 +48,11 @@ METRICS = (
     ("median ITL (ms)", "median_itl_ms"),
     ("req/s", "request_throughput"),
 )
+
+
+def _metrics(load: str) -> tuple:
+    """The figures a workload gives: a cold prompt (one token out) only its TTFT."""
+    return METRICS[:1] if load.startswith("cold") else METRICS
 
 
 def workloads(clients: list[int], num_prompts: int, output_len: int, cold_lens: list[int]) -> dict[str, list]:
@@ -71,12 +78,21 @@ def workloads(clients: list[int], num_prompts: int, output_len: int, cold_lens: 
     return out
 
 
-def bench_serving(python: str, url: str, gguf: Path, args: list, seed: int) -> dict:
+def bench_serving(python: str, url: str, tokenizer: Path, args: list, seed: int) -> dict:
     """One ``sglang.bench_serving`` run against ``url``: its result record (``mean_ttft_ms``, ...)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.jsonl"
         cmd = [python, "-m", "sglang.bench_serving", "--backend", "sglang-oai", "--base-url", url]
-        cmd += ["--model", "smollm2", "--tokenizer", str(gguf), "--warmup-requests", "0", "--seed", str(seed)]
+        cmd += [
+            "--model",
+            "smollm2",
+            "--tokenizer",
+            str(tokenizer),
+            "--warmup-requests",
+            "0",
+            "--seed",
+            str(seed),
+        ]
         cmd += ["--disable-tqdm", "--output-file", str(out), *args]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if run.returncode or not out.exists():
@@ -118,6 +134,7 @@ def main() -> None:
     if binary is None:
         raise SystemExit("no llama-server: run make llama-server (scripts/llama_server.sh)")
     gguf = resolve_model_path("smollm2")
+    tokenizer = export("smollm2")
     loads = workloads(args.clients, args.num_prompts, args.output_len, args.cold_lens)
     ctx = max([*args.cold_lens, 256 + 32 + 32]) + args.output_len + 64
     servers = ["llama.cpp", *args.variants]
@@ -129,11 +146,11 @@ def main() -> None:
         got: dict[str, dict[str, dict]] = {}
         for name in order:
             got[name] = _run_server(
-                name, binary, gguf, ctx, max(args.clients), args.threads, python, loads, rep
+                name, binary, gguf, ctx, max(args.clients), args.threads, python, loads, rep, tokenizer
             )
         for name, per_load in got.items():
             for load, record in per_load.items():
-                for label, key in METRICS:
+                for label, key in _metrics(load):
                     results[name, load, label].append(record[key])
                     if name != "llama.cpp":
                         ratios[name, load, label].append(record[key] / got["llama.cpp"][load][key])
@@ -144,7 +161,7 @@ def main() -> None:
     _print_table(servers, loads, results, ratios)
 
 
-def _run_server(name, binary, gguf, ctx, parallel, threads, python, loads, rep) -> dict[str, dict]:
+def _run_server(name, binary, gguf, ctx, parallel, threads, python, loads, rep, tokenizer) -> dict[str, dict]:
     """Start server ``name``, run every workload through bench_serving, stop it; workload -> record."""
     if name == "llama.cpp":
         server = LlamaServer(binary, gguf, threads, parallel, ctx=ctx * parallel, extra=["--kv-unified"])
@@ -156,14 +173,17 @@ def _run_server(name, binary, gguf, ctx, parallel, threads, python, loads, rep) 
         proc.__enter__()
         url, stop = proc.url, lambda: proc.__exit__(None, None, None)
     try:
-        return {load: bench_serving(python, url, gguf, wargs, seed=rep) for load, wargs in loads.items()}
+        return {load: bench_serving(python, url, tokenizer, wargs, seed=rep) for load, wargs in loads.items()}
     finally:
         stop()
 
 
 def _print_table(servers, loads, results, ratios) -> None:
+    def num(x: float) -> str:
+        return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
     def span(xs: list[float]) -> str:
-        return f"{statistics.median(xs):.3g} ({min(xs):.3g}-{max(xs):.3g})"
+        return f"{num(statistics.median(xs))} ({num(min(xs))}-{num(max(xs))})"
 
     names = ["KVFleet " + (s or "default") if s != "llama.cpp" else s for s in servers]
     head = "| workload | metric | " + " | ".join(names)
@@ -171,9 +191,7 @@ def _print_table(servers, loads, results, ratios) -> None:
     print(head)
     print("|---|---|" + "---:|" * (len(names) * 2 - 1))
     for load in loads:
-        for label, _ in METRICS:
-            if load.startswith("cold") and label != "mean TTFT (ms)":
-                continue
+        for label, _ in _metrics(load):
             cells = [span(results[s, load, label]) for s in servers]
             cells += [f"**{span(ratios[s, load, label])}**" for s in servers[1:]]
             print(f"| {load} | {label} | " + " | ".join(cells) + " |")

@@ -2,8 +2,9 @@
 
 L1 sizing (SGLang semantics): :func:`engine.sizing.tiers.l1_pool_tokens` (``--max-total-tokens``;
 else on cuda ``--mem-fraction-static``, default 0.88, of the free GPU memory after loading weights; on cpu
-``CPU_DEFAULT_MAX_TOTAL_TOKENS``). ``--dtype auto`` is float32 on cpu and bfloat16 on cuda. Chunked prefill
-defaults to 2048 tokens on cpu and 8192 on cuda; -1 turns it off. The context length is
+``CPU_DEFAULT_MAX_TOTAL_TOKENS``). ``--dtype auto``: ``engine/model/compute_mode.py`` (on cpu a Q4_1 GGUF
+computes in bfloat16 on its int4 blocks, other models in float32; bfloat16 on cuda). Chunked prefill defaults
+to 2048 tokens on cpu and 8192 on cuda; -1 turns it off. The context length is
 ``--context-length`` or the model's ``max_position_embeddings``.
 """
 

@@ -2,7 +2,8 @@
 
 The model is ``--model-path`` (only its config is read) or ``--num-layers`` / ``--num-kv-heads`` /
 ``--head-dim``; the KV dtype is ``--kv-cache-dtype`` as the engine resolves it (``auto``: the compute
-``--dtype``, itself ``auto``: float32 on cpu, bfloat16 on cuda).
+``--dtype``, itself ``auto``: on cpu bfloat16 for a Q4_1 GGUF and float32 otherwise, bfloat16 on cuda;
+``engine/model/compute_mode.py``).
 L1 follows ``--max-total-tokens`` or ``--mem-fraction-static`` of ``--free-gpu-memory-gb`` (cuda),
 L2 ``--hicache-ratio`` / ``--hicache-size`` with ``--enable-hierarchical-cache`` against
 ``--host-memory-gb`` (default: this host's MemAvailable), L3 ``--l3-gb``. ``--json`` prints one object.
@@ -17,6 +18,7 @@ import sys
 
 from engine.cache.host_pool import available_memory
 from engine.cache.kv_dtypes import resolve_kv_cache_dtype
+from engine.model.compute_mode import compute_for_path
 from engine.model.errors import ModelLoadError
 from engine.sizing.kv import KVShape, model_kv_shape, shape_for
 from engine.sizing.tiers import size_tiers
@@ -49,7 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def kv_shape(args: argparse.Namespace, parser: argparse.ArgumentParser) -> KVShape:
-    compute = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
+    given = [args.num_layers, args.num_kv_heads, args.head_dim]
+    model = None if any(v is not None for v in given) else args.model_path
+    try:  # as the engine resolves it (a Q4_1 GGUF: bfloat16 on a CPU)
+        compute, _ = compute_for_path(args.dtype, None, args.device, model) if model else (args.dtype, None)
+    except ModelLoadError as exc:
+        parser.error(f"--model-path: {exc}")
+    if compute == "auto":  # the shape is given, no model to read
+        compute = "float32" if args.device == "cpu" else "bfloat16"
     try:
         dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, compute)
     except ValueError as exc:
@@ -58,8 +67,7 @@ def kv_shape(args: argparse.Namespace, parser: argparse.ArgumentParser) -> KVSha
         shape_for(1, 1, 1, dtype)
     except ValueError as exc:
         parser.error(f"--dtype: {exc}")
-    given = [args.num_layers, args.num_kv_heads, args.head_dim]
-    if any(v is not None for v in given):
+    if model is None:
         if any(v is None or v < 1 for v in given):
             parser.error("--num-layers, --num-kv-heads and --head-dim go together, each >= 1")
         return shape_for(*given, dtype)

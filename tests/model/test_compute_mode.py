@@ -8,15 +8,16 @@ import tokenizers
 import torch
 from gguf import GGMLQuantizationType
 
-from engine.model.compute_mode import resolve_compute, stored_grid
+from engine.model.compute_mode import compute_for_path, resolve_compute
 from engine.model.runner import ModelRunner
 from tests.model.model_testlib import save_tiny_model, write_gguf
 
 
 def test_a_q4_1_gguf_resolves_to_its_own_grid_and_explicit_flags_are_kept(smollm2_checkpoint):
     ckpt = smollm2_checkpoint
-    assert stored_grid(ckpt) == "int4wo-32"
     assert resolve_compute("auto", None, "cpu", ckpt) == ("bfloat16", "int4wo-32")
+    # the sizing tool reads the same from the file's layout alone
+    assert compute_for_path("auto", None, "cpu", "smollm2") == ("bfloat16", "int4wo-32")
     assert resolve_compute("float32", None, "cpu", ckpt) == ("float32", None)
     assert resolve_compute("bfloat16", "int8wo", "cpu", ckpt) == ("bfloat16", "int8wo")
     assert resolve_compute("auto", None, "cuda", ckpt) == ("bfloat16", None)
@@ -31,7 +32,6 @@ def test_mixed_blocks_unfit_shapes_and_hf_folders_stay_float32(smollm2_checkpoin
     unfit = dataclasses.replace(ckpt, tensors={**ckpt.tensors, name: ckpt.tensors[name][:, :40]})
     folder = dataclasses.replace(ckpt, stored_types={})
     for other in (mixed, unfit, folder):
-        assert stored_grid(other) is None
         assert resolve_compute("auto", None, "cpu", other) == ("float32", None)
 
 
@@ -50,3 +50,6 @@ def test_a_runner_on_a_q4_1_gguf_computes_on_its_blocks_and_a_q8_0_one_in_float3
         assert (got.dequantized() - want.weight.float()).abs().amax() < 0.1 * step
     q8 = ModelRunner(tmp_path / "q8_0.gguf", dtype="auto")
     assert (q8.dtype, q8.quantization) == (torch.float32, None)
+    assert compute_for_path("auto", None, "cpu", tmp_path / "q4_1.gguf") == ("bfloat16", "int4wo-32")
+    assert compute_for_path("auto", None, "cpu", tmp_path / "q8_0.gguf") == ("float32", None)
+    assert compute_for_path("auto", None, "cpu", tmp_path) == ("float32", None)  # the HF folder

