@@ -340,11 +340,11 @@ class HiCacheController:
         return seconds
 
     def wait_layer(self, layer: int) -> None:
-        """Until the latest started load has copied ``layer`` (earlier loads finish first): on CPU block,
-        copying the layers up to ``layer`` that the load thread has not started yet on this thread; on CUDA
-        block only until the copy is issued, then make the compute stream wait for its event. Raises the
-        load's first error when a layer up to ``layer`` is missing (its copy or the plan failed), or an
-        earlier load's that this thread finished."""
+        """Until the latest started load has copied every layer up to ``layer`` (earlier loads finish first):
+        on CPU block, copying the layers up to ``layer`` that the load thread has not started yet on this
+        thread; on CUDA block only until the copy is issued, then make the compute stream wait for its
+        event. Raises the load's first error when a layer up to ``layer`` is missing (its copy or the plan
+        failed), or an earlier load's that this thread finished."""
         op = self._current_load
         if op is not None:
             if self.io.copy_on_wait:
@@ -352,13 +352,15 @@ class HiCacheController:
                     if earlier is op:
                         break
                     self._copy_layers(earlier, self.num_layers - 1)
-                    for done in earlier.layer_done:
-                        done.wait()
+                    if earlier.copied < self.num_layers:
+                        for done in earlier.layer_done:
+                            done.wait()
                     if earlier.error is not None:
                         raise earlier.error
                 self._copy_layers(op, layer)
-            for done in op.layer_done[: layer + 1]:  # in order from one thread; from two, any order
-                done.wait()
+            if op.copied < self.num_layers:  # two threads end layers in any order: wait for all up to it
+                for done in op.layer_done[: layer + 1]:
+                    done.wait()
             if op.failed_layer is not None and op.failed_layer <= layer:
                 assert op.error is not None, "a failed layer comes with its error"
                 raise op.error

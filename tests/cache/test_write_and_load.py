@@ -382,3 +382,35 @@ def test_wait_layer_returns_for_layers_below_a_failed_one(make_cache):
     cache.wait_layer(LAYERS - 2)  # intact
     with pytest.raises(RuntimeError, match="copy failed"):
         cache.wait_layer(LAYERS - 1)
+
+
+def test_wait_layer_returns_only_once_every_layer_up_to_it_is_in(make_cache):
+    """The load thread holds layer 0 back; a ``wait_layer(1)`` copies layer 1 itself, then waits for 0."""
+    cache = make_cache()
+    prefill(cache, T)
+    cache.drain_io()
+    cache.evict(16)
+    io = cache.controller.io
+    load_layer = io.load_layer
+    holding, gate = threading.Event(), threading.Event()
+
+    def held_load_layer(layer, plan):
+        if threading.current_thread().name == "hicache-load" and layer == 0:
+            holding.set()
+            gate.wait(5)
+        return load_layer(layer, plan)
+
+    io.load_layer = held_load_layer
+    device, _ = cache.init_load_back(cache.match_prefix(T).last_host_node)
+    cache.ready_to_load_host_cache()
+    assert holding.wait(5)  # the load thread took layer 0
+    waiter = threading.Thread(target=cache.wait_layer, args=(1,))
+    waiter.start()
+    op = cache.controller._current_load
+    assert op.layer_done[1].wait(5) and not op.layer_done[0].is_set()
+    assert waiter.is_alive()  # layer 1 is in, layer 0 is not
+    gate.set()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    cache.drain_io()
+    assert_kv(cache.device_pool, T, device)
