@@ -12,7 +12,8 @@
   times the copy right after the load, and the last column is the median of those paired ratios); the
   ratio is the figure (target >= 0.8 for page_size >= 16).
 
-``--load-back-only`` skips the tree table. Run as a file with another checkout on ``PYTHONPATH``
+``--load-back-only`` skips the tree table; ``--trials N`` sets the load-back trials per row (default 15;
+more steady the paired median on a loaded machine). Run as a file with another checkout on ``PYTHONPATH``
 (``PYTHONPATH=<tree> python -P engine/bench/cache.py --load-back-only``; ``-P`` keeps this folder off
 ``sys.path``) it measures that checkout's cache with this script: a same-run A/B of two revisions.
 """
@@ -172,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--page-sizes", default="1,16,64", help="comma-separated page sizes (default 1,16,64)"
     )
+    parser.add_argument(
+        "--trials", type=int, default=None, help="load-back trials per row (default 15, --quick 3)"
+    )
     args = parser.parse_args(argv)
     layouts = args.layouts.split(",")
     for layout in layouts:
@@ -185,6 +189,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--page-sizes: {args.page_sizes!r} has a page size below 1")
     sizes = (1_000, 5_000) if args.quick else (10_000, 100_000)
     tokens, trials = (1024, 3) if args.quick else (8192, 15)
+    if args.trials is not None:
+        if args.trials < 1:
+            parser.error(f"--trials: {args.trials} is below 1")
+        trials = args.trials
     print(f"# KVFleet cache-core benchmark, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC")
     print(
         f"# {_cpu_model()} ({platform.machine()}), torch threads={torch.get_num_threads()}, "

@@ -7,7 +7,10 @@ thread drains in FIFO order:
 * write (L1 -> L2 backup copies), acked per op;
 * load (L2 -> L1), one merged op per forward pass with a ``threading.Event`` per layer so attention on
   layer ``i`` can start while later layers are still copying (on CUDA the copies run on the io backend's
-  load stream and the compute stream waits on layer ``i``'s CUDA event only);
+  load stream and the compute stream waits on layer ``i``'s CUDA event only). Where the backend copies on
+  the calling thread (``IOBackend.copy_on_wait``: CPU), layers are handed out in order to whichever thread
+  asks first: a ``wait_layer(i)`` that finds layer ``i`` not yet started copies the next layers up to ``i``
+  itself instead of sleeping (no wake-up of the load thread in the way, and two threads on a long load);
 * backup (L2 -> L3, started by ``attach_storage``), 128-page batches, stops at the first failed batch;
 * prefetch (L3 -> L2): hit query (``batch_exists``, MIN over ranks), then reads into reserved host slots.
 
@@ -56,6 +59,18 @@ class CopyOperation:
     done: threading.Event = field(default_factory=threading.Event)
     layer_done: list = field(default_factory=list)
     layer_ready: list[torch.cuda.Event | None] = field(default_factory=list)  # loads: load_layer's, per layer
+    # loads: the io backend's plan (made with the first layer handed out), layers handed out and layers
+    # copied so far (under ``claim_lock``; handed out in order), perf_counter seconds at the first hand-out
+    # and at the end of the last copy; after a failure the first error and the lowest layer missing (from
+    # which on every layer's event is set all the same)
+    plan: object = None
+    claimed: int = 0
+    copied: int = 0
+    claim_lock: threading.Lock = field(default_factory=threading.Lock)
+    started: float = 0.0
+    finished: float = 0.0
+    error: Exception | None = None
+    failed_layer: int | None = None
 
     def __post_init__(self) -> None:
         self.layer_done = [threading.Event() for _ in range(self.num_layers)]
@@ -241,16 +256,70 @@ class HiCacheController:
         self._load_acks.append(merged)
         self._loader.put(merged)
 
+    def _claim(self, op: CopyOperation, upto: int) -> int | None:
+        """Hand the calling thread the next layer of load ``op`` to copy when it is at most ``upto`` (the
+        first hand-out makes the plan and starts the clock), else None."""
+        with op.claim_lock:
+            layer = op.claimed
+            if layer > upto:
+                return None
+            if op.plan is None:
+                op.started = time.perf_counter()
+                op.plan = self.io.prepare_load(op.device_indices, op.host_indices, op.after)
+            op.claimed = layer + 1
+        return layer
+
+    def _abandon(self, op: CopyOperation, layer: int, exc: Exception) -> None:
+        """``layer`` of ``op`` failed with ``exc`` (its copy, or the plan): no further layer is handed out;
+        the layers never handed out are marked done (failed), so nobody waits for them."""
+        with op.claim_lock:
+            if op.error is None:
+                op.error = exc
+            op.failed_layer = layer if op.failed_layer is None else min(op.failed_layer, layer)
+            unclaimed = range(op.claimed, self.num_layers)
+            op.claimed = self.num_layers
+        for later in unclaimed:
+            op.layer_done[later].set()
+
+    def _copy_layers(self, op: CopyOperation, upto: int) -> None:
+        """Copy the layers of ``op`` not yet handed out, up to ``upto``, on the calling thread, setting each
+        layer's event; the thread that ends the last copy stops the clock. Raises a failed copy's (or
+        plan's) error after :meth:`_abandon`."""
+        while True:
+            first = op.claimed
+            try:
+                layer = self._claim(op, upto)
+            except Exception as exc:  # the plan
+                self._abandon(op, first, exc)
+                raise
+            if layer is None:
+                return
+            try:
+                op.layer_ready[layer] = self.io.load_layer(layer, op.plan)
+            except Exception as exc:
+                self._abandon(op, layer, exc)
+                raise
+            finally:
+                with op.claim_lock:
+                    op.copied += 1
+                    if op.copied == self.num_layers:
+                        op.finished = time.perf_counter()
+                op.layer_done[layer].set()
+
     def _copy_in(self, op: CopyOperation) -> float:
-        """Copy ``op`` L2 -> L1 layer by layer (setting its per-layer events); the wall seconds until every
-        byte is in L1."""
-        start = time.perf_counter()
-        plan = self.io.prepare_load(op.device_indices, op.host_indices, op.after)
-        for layer in range(self.num_layers):
-            op.layer_ready[layer] = self.io.load_layer(layer, plan)
-            op.layer_done[layer].set()
-        self.io.synchronize(op.layer_ready[-1])  # the ack means the bytes are in L1
-        return time.perf_counter() - start
+        """Copy ``op`` L2 -> L1 layer by layer (the layers a ``wait_layer`` took are copied there); the wall
+        seconds from the first layer's start until every byte is in L1. Raises the load's first error (its
+        own or one that a ``wait_layer`` met)."""
+        self._copy_layers(op, self.num_layers - 1)
+        for done in op.layer_done:
+            done.wait()
+        if op.error is not None:
+            raise op.error
+        if self.io.copy_on_wait:  # synchronous copies: the last one ended the load
+            return op.finished - op.started
+        for ready in op.layer_ready:  # the ack means the bytes are in L1
+            self.io.synchronize(ready)
+        return time.perf_counter() - op.started
 
     def _run_load(self, op: CopyOperation) -> None:
         seconds = self._copy_in(op)
@@ -271,11 +340,30 @@ class HiCacheController:
         return seconds
 
     def wait_layer(self, layer: int) -> None:
-        """Until the latest started load has copied ``layer`` (earlier loads finish first): on CPU block,
-        on CUDA block only until the copy is issued, then make the compute stream wait for its event."""
+        """Until the latest started load has copied every layer up to ``layer`` (earlier loads finish first):
+        on CPU block, copying the layers up to ``layer`` that the load thread has not started yet on this
+        thread; on CUDA block only until the copy is issued, then make the compute stream wait for its
+        event. Raises the load's first error when a layer up to ``layer`` is missing (its copy or the plan
+        failed), or an earlier load's that this thread finished."""
         op = self._current_load
         if op is not None:
-            op.layer_done[layer].wait()
+            if self.io.copy_on_wait:
+                for earlier in list(self._load_acks):  # unacknowledged loads, oldest first, finish first
+                    if earlier is op:
+                        break
+                    self._copy_layers(earlier, self.num_layers - 1)
+                    if earlier.copied < self.num_layers:
+                        for done in earlier.layer_done:
+                            done.wait()
+                    if earlier.error is not None:
+                        raise earlier.error
+                self._copy_layers(op, layer)
+            if op.copied < self.num_layers:  # two threads end layers in any order: wait for all up to it
+                for done in op.layer_done[: layer + 1]:
+                    done.wait()
+            if op.failed_layer is not None and op.failed_layer <= layer:
+                assert op.error is not None, "a failed layer comes with its error"
+                raise op.error
             self.io.wait_loaded(op.layer_ready[layer])
 
     def copy_events(self) -> list[WriteDone | LoadDone]:

@@ -3,8 +3,16 @@
 import json
 import threading
 
+import pytest
 import torch
-from cache_testlib import MemoryBackend, assert_kv, check_invariants, prefill, scribble_free_device_slots
+from cache_testlib import (
+    LAYERS,
+    MemoryBackend,
+    assert_kv,
+    check_invariants,
+    prefill,
+    scribble_free_device_slots,
+)
 
 T = list(range(1, 17))
 
@@ -283,3 +291,126 @@ def test_two_loads_merged_into_one_op_unlock_both_nodes(make_cache):
     assert_kv(cache.device_pool, a, dev_a)
     assert_kv(cache.device_pool, b, dev_b)
     check_invariants(cache)
+
+
+def test_wait_layer_copies_what_the_load_thread_has_not_started_older_loads_first(make_cache):
+    """CPU (``copy_on_wait``): with the load thread held back, ``wait_layer`` copies the layers itself,
+    an earlier unacknowledged load entirely before the latest one's layers; the load thread then finds
+    nothing left, acks both and times the copies it did not do."""
+    cache = make_cache(device_tokens=64)
+    a, b = T, list(range(100, 116))
+    prefill(cache, a)
+    prefill(cache, b)
+    cache.drain_io()
+    cache.evict(32)
+    scribble_free_device_slots(cache)
+    ctrl, io = cache.controller, cache.controller.io
+    assert io.copy_on_wait
+    gate = threading.Event()
+    copy_in, load_layer = ctrl._copy_in, io.load_layer
+    copiers = []
+
+    def held_copy_in(op):
+        gate.wait(5)
+        return copy_in(op)
+
+    def recorded_load_layer(layer, plan):
+        copiers.append(threading.current_thread().name)
+        return load_layer(layer, plan)
+
+    ctrl._copy_in, io.load_layer = held_copy_in, recorded_load_layer
+    ma, mb = cache.match_prefix(a), cache.match_prefix(b)
+    dev_a, _ = cache.init_load_back(ma.last_host_node)
+    cache.ready_to_load_host_cache()
+    dev_b, _ = cache.init_load_back(mb.last_host_node)
+    cache.ready_to_load_host_cache()  # a second op while the first is neither copied nor acked
+    first, second = ctrl._load_acks
+    cache.wait_layer(0)
+    assert all(e.is_set() for e in first.layer_done)
+    assert second.layer_done[0].is_set() and not second.layer_done[1].is_set()
+    cache.wait_layer(LAYERS - 1)
+    assert copiers == [threading.current_thread().name] * (2 * LAYERS)
+    gate.set()
+    cache.drain_io()
+    assert cache.inflight_io()["loads"] == 0 and cache.stats.load_back_seconds > 0
+    assert_kv(cache.device_pool, a, dev_a)
+    assert_kv(cache.device_pool, b, dev_b)
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("copy_on_wait", [True, False])
+def test_a_failed_layer_copy_raises_in_wait_layer_instead_of_hanging(make_cache, monkeypatch, copy_on_wait):
+    cache = make_cache()
+    prefill(cache, T)
+    cache.drain_io()
+    cache.evict(16)
+    io = cache.controller.io
+    monkeypatch.setattr(type(io), "copy_on_wait", property(lambda self: copy_on_wait))
+    load_layer = io.load_layer
+
+    def failing_load_layer(layer, plan):
+        if layer == 0:
+            raise RuntimeError("copy failed")
+        return load_layer(layer, plan)
+
+    io.load_layer = failing_load_layer
+    cache.init_load_back(cache.match_prefix(T).last_host_node)
+    cache.ready_to_load_host_cache()
+    for layer in range(LAYERS):  # each layer: raised, never waited for forever
+        with pytest.raises(RuntimeError, match="copy failed"):
+            cache.wait_layer(layer)
+    op = cache.controller._current_load
+    assert op.failed_layer == 0 and all(e.is_set() for e in op.layer_done)
+
+
+def test_wait_layer_returns_for_layers_below_a_failed_one(make_cache):
+    cache = make_cache()
+    prefill(cache, T)
+    cache.drain_io()
+    cache.evict(16)
+    io = cache.controller.io
+    load_layer = io.load_layer
+
+    def failing_load_layer(layer, plan):
+        if layer == LAYERS - 1:
+            raise RuntimeError("copy failed")
+        return load_layer(layer, plan)
+
+    io.load_layer = failing_load_layer
+    cache.init_load_back(cache.match_prefix(T).last_host_node)
+    cache.ready_to_load_host_cache()
+    cache.wait_layer(LAYERS - 2)  # intact
+    with pytest.raises(RuntimeError, match="copy failed"):
+        cache.wait_layer(LAYERS - 1)
+
+
+def test_wait_layer_returns_only_once_every_layer_up_to_it_is_in(make_cache):
+    """The load thread holds layer 0 back; a ``wait_layer(1)`` copies layer 1 itself, then waits for 0."""
+    cache = make_cache()
+    prefill(cache, T)
+    cache.drain_io()
+    cache.evict(16)
+    io = cache.controller.io
+    load_layer = io.load_layer
+    holding, gate = threading.Event(), threading.Event()
+
+    def held_load_layer(layer, plan):
+        if threading.current_thread().name == "hicache-load" and layer == 0:
+            holding.set()
+            gate.wait(5)
+        return load_layer(layer, plan)
+
+    io.load_layer = held_load_layer
+    device, _ = cache.init_load_back(cache.match_prefix(T).last_host_node)
+    cache.ready_to_load_host_cache()
+    assert holding.wait(5)  # the load thread took layer 0
+    waiter = threading.Thread(target=cache.wait_layer, args=(1,))
+    waiter.start()
+    op = cache.controller._current_load
+    assert op.layer_done[1].wait(5) and not op.layer_done[0].is_set()
+    assert waiter.is_alive()  # layer 1 is in, layer 0 is not
+    gate.set()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    cache.drain_io()
+    assert_kv(cache.device_pool, T, device)

@@ -108,6 +108,13 @@ class IOBackend(ABC, Generic[PlanT]):
             event.record(self.load_stream)
         return event
 
+    @property
+    def copy_on_wait(self) -> bool:
+        """Whether :meth:`load_layer` copies synchronously on the calling thread and may run for different
+        layers of one plan on two threads at once, so a thread that waits for a layer may copy it itself
+        (the cache controller's ``wait_layer``). False here: a backend opts in."""
+        return False
+
     @staticmethod
     def wait_loaded(ready: torch.cuda.Event | None) -> None:
         """Make the current (compute) stream wait for a :meth:`load_layer` result; no host block."""

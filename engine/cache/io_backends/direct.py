@@ -76,6 +76,11 @@ class DirectIO(IOBackend[tuple]):
         """Whether the copies are the extension's ``copy_pages`` (else torch's index ops)."""
         return self._ext is not None
 
+    @property
+    def copy_on_wait(self) -> bool:
+        """True with the device pool on the CPU: every copy is synchronous, and layers touch disjoint rows."""
+        return self.load_stream is None
+
     def plan(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> tuple:
         """``(device_pages, host_pages, runs)``, pages as int64 (device pages on the device); ``runs``: for
         torch's index ops the ``(first host page, start, end)`` runs of consecutive host pages, None when
