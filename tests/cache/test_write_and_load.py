@@ -196,7 +196,7 @@ def test_per_layer_events_let_layer_zero_start_first(make_cache):
 
     def slow_load(layer, plan):
         if layer == 1:
-            gate.wait(5)
+            gate.wait(30)
         return original(layer, plan)
 
     io.load_layer = slow_load
@@ -311,7 +311,7 @@ def test_wait_layer_copies_what_the_load_thread_has_not_started_older_loads_firs
     copiers = []
 
     def held_copy_in(op):
-        gate.wait(5)
+        gate.wait(30)
         return copy_in(op)
 
     def recorded_load_layer(layer, plan):
@@ -397,20 +397,20 @@ def test_wait_layer_returns_only_once_every_layer_up_to_it_is_in(make_cache):
     def held_load_layer(layer, plan):
         if threading.current_thread().name == "hicache-load" and layer == 0:
             holding.set()
-            gate.wait(5)
+            gate.wait(30)
         return load_layer(layer, plan)
 
     io.load_layer = held_load_layer
     device, _ = cache.init_load_back(cache.match_prefix(T).last_host_node)
     cache.ready_to_load_host_cache()
-    assert holding.wait(5)  # the load thread took layer 0
+    assert holding.wait(30)  # the load thread took layer 0
     waiter = threading.Thread(target=cache.wait_layer, args=(1,))
     waiter.start()
     op = cache.controller._current_load
-    assert op.layer_done[1].wait(5) and not op.layer_done[0].is_set()
+    assert op.layer_done[1].wait(30) and not op.layer_done[0].is_set()
     assert waiter.is_alive()  # layer 1 is in, layer 0 is not
     gate.set()
-    waiter.join(5)
+    waiter.join(30)
     assert not waiter.is_alive()
     cache.drain_io()
     assert_kv(cache.device_pool, T, device)
