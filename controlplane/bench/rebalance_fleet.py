@@ -19,8 +19,10 @@ from engine.bench.launcher import ServerProcess
 from engine.fleet.router import RouterProcess
 from engine.ports import free_port
 
-ENGINE_FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--random-seed", "0", "--enable-metrics",
-                "--max-total-tokens", "2048"]  # fmt: skip
+# float32: every answer is checked token for token against one recorded before, and the default on a CPU
+# (bfloat16 on the GGUF's int4 blocks) rounds by the batch's rows, so a near-tie can flip between batches
+ENGINE_FLAGS = ["--model-path", "smollm2", "--dtype", "float32", "--page-size", "16", "--random-seed", "0",
+                "--enable-metrics", "--max-total-tokens", "2048"]  # fmt: skip
 
 
 def start_engines(

@@ -24,8 +24,9 @@ from engine.ports import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 KEY = "rb-api-key-7f3a"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-FLAGS = ["--model-path", "smollm2", "--page-size", "16", "--random-seed", "0", "--enable-metrics",
-         "--max-total-tokens", "2048", "--enable-pd-role-switch"]  # fmt: skip
+# float32: answers are checked token for token (controlplane/bench/rebalance_fleet.py says why)
+FLAGS = ["--model-path", "smollm2", "--dtype", "float32", "--page-size", "16", "--random-seed", "0",
+         "--enable-metrics", "--max-total-tokens", "2048", "--enable-pd-role-switch"]  # fmt: skip
 ENV = {"KVFLEET_API_KEY": KEY, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2"}  # fmt: skip
 SP = {"max_new_tokens": 8, "temperature": 0}

@@ -76,6 +76,7 @@ health_interval_s = 1
 [[workers]]
 name = "pd-a"
 model = "smollm2"
+dtype = "float32"
 disaggregation_mode = "decode"
 disaggregation_bootstrap_port = {free_port()}
 port = {port}
