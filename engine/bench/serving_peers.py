@@ -8,10 +8,10 @@ Servers, one at a time, in an order rotated per repetition: llama.cpp's ``llama-
 Q4_1 GGUF (prompt cache on, ``-np`` = the largest ``--clients``, ``--kv-unified``, context for the longest
 cold prompt on every slot) and one KVFleet worker per ``--variants`` entry (``--model-path smollm2`` plus
 those flags; ``""`` = the bare default). Each server runs every workload through ``python -m
-sglang.bench_serving --backend sglang-oai`` (OpenAI ``/v1/completions``, streamed, ``ignore_eos``, the GGUF's
-tokenizer from its HF export (``engine.fleet.hf_export``), no warm-up request: its prompt would be the
-measured run's first), from upstream SGLang's own environment (``scripts/sglang_env.sh``;
-``--sglang-python`` or ``$KVFLEET_SGLANG_PYTHON``):
+sglang.bench_serving --backend sglang-oai`` (OpenAI ``/v1/completions``, streamed, ``ignore_eos``,
+``Connection: close``, the GGUF's tokenizer from its HF export (``engine.fleet.hf_export``), no warm-up
+request: its prompt would be the measured run's first), from upstream SGLang's own environment
+(``scripts/sglang_env.sh``; ``--sglang-python`` or ``$KVFLEET_SGLANG_PYTHON``):
 
 * ``shared-prefix, C clients``: ``generated-shared-prefix``, one group of ``--num-prompts`` prompts sharing a
   256-token system prompt, 32-token questions, ``--output-len`` tokens out, ``--max-concurrency C``;
@@ -22,7 +22,8 @@ Figures: mean TTFT, median ITL (ms) and req/s as bench_serving reports them; eac
 is taken within one repetition and printed as the median (min-max) over repetitions. This process pins itself
 (and so the servers and the client) to ``--cpus`` first; each server computes with ``--threads`` threads
 (KVFleet: ``OMP_NUM_THREADS``; llama.cpp: ``-t`` / ``-tb``). The load average is printed after each
-repetition. Without ``llama-server`` (``make llama-server``) or the SGLang environment it exits naming them.
+repetition. A workload that fails on a server is printed with bench_serving's output and shown as "-". Without
+``llama-server`` (``make llama-server``) or the SGLang environment it exits naming them.
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ def bench_serving(python: str, url: str, tokenizer: Path, args: list, seed: int)
             "--seed",
             str(seed),
         ]
-        cmd += ["--disable-tqdm", "--output-file", str(out), *args]
+        # a fresh connection per request: llama-server drops a kept-alive connection after a streamed
+        # response, and concurrent clients then lose every request (engine.bench.peers does the same)
+        cmd += ["--header", "Connection=close", "--disable-tqdm", "--output-file", str(out), *args]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if run.returncode or not out.exists():
             raise RuntimeError(
@@ -152,7 +155,7 @@ def main() -> None:
             for load, record in per_load.items():
                 for label, key in _metrics(load):
                     results[name, load, label].append(record[key])
-                    if name != "llama.cpp":
+                    if name != "llama.cpp" and load in got["llama.cpp"]:
                         ratios[name, load, label].append(record[key] / got["llama.cpp"][load][key])
         print(
             f"rep {rep + 1}/{args.reps} done, order {order}, load average {os.getloadavg()[0]:.1f}",
@@ -172,18 +175,24 @@ def _run_server(name, binary, gguf, ctx, parallel, threads, python, loads, rep, 
         )
         proc.__enter__()
         url, stop = proc.url, lambda: proc.__exit__(None, None, None)
+    records = {}
     try:
-        return {load: bench_serving(python, url, tokenizer, wargs, seed=rep) for load, wargs in loads.items()}
+        for load, wargs in loads.items():
+            try:
+                records[load] = bench_serving(python, url, tokenizer, wargs, seed=rep)
+            except RuntimeError as exc:  # one failed workload: said, left out of the table, the rest run
+                print(f"{name or 'KVFleet default'}, {load}: {str(exc)[-600:]}", flush=True)
     finally:
         stop()
+    return records
 
 
 def _print_table(servers, loads, results, ratios) -> None:
     def num(x: float) -> str:
         return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
-    def span(xs: list[float]) -> str:
-        return f"{num(statistics.median(xs))} ({num(min(xs))}-{num(max(xs))})"
+    def span(xs: list[float]) -> str:  # "-": no repetition measured it
+        return f"{num(statistics.median(xs))} ({num(min(xs))}-{num(max(xs))})" if xs else "-"
 
     names = ["KVFleet " + (s or "default") if s != "llama.cpp" else s for s in servers]
     head = "| workload | metric | " + " | ".join(names)
