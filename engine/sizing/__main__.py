@@ -3,7 +3,7 @@
 The model is ``--model-path`` (only its config is read) or ``--num-layers`` / ``--num-kv-heads`` /
 ``--head-dim``; the KV dtype is ``--kv-cache-dtype`` as the engine resolves it (``auto``: the compute
 ``--dtype``, itself ``auto``: on cpu bfloat16 for a Q4_1 GGUF and float32 otherwise, bfloat16 on cuda;
-``engine/model/compute_mode.py``).
+``engine/model/compute_mode.py``, which ``--torchao-config`` takes part in as on the worker).
 L1 follows ``--max-total-tokens`` or ``--mem-fraction-static`` of ``--free-gpu-memory-gb`` (cuda),
 L2 ``--hicache-ratio`` / ``--hicache-size`` with ``--enable-hierarchical-cache`` against
 ``--host-memory-gb`` (default: this host's MemAvailable), L3 ``--l3-gb``. ``--json`` prints one object.
@@ -33,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num-layers", type=int, help="with --num-kv-heads and --head-dim instead of --model-path")
     a("--num-kv-heads", type=int)
     a("--head-dim", type=int)
-    a("--dtype", default="auto", help="compute dtype: auto, float32, bfloat16, float16")
+    a("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="compute dtype")
+    a(
+        "--torchao-config",
+        default="",
+        help="the worker's weight quantization (with --dtype auto it decides the dtype)",
+    )
     a("--kv-cache-dtype", default="auto", help="KV dtype: auto (the compute dtype), bfloat16, fp8_e4m3, ...")
     a("--device", choices=("cpu", "cuda"), default="cpu")
     a("--tp-size", "--tp", type=int, default=1, dest="tp_size", help="ranks: L1/L2 are sized per rank")
@@ -54,11 +59,12 @@ def kv_shape(args: argparse.Namespace, parser: argparse.ArgumentParser) -> KVSha
     given = [args.num_layers, args.num_kv_heads, args.head_dim]
     model = None if any(v is not None for v in given) else args.model_path
     try:  # as the engine resolves it (a Q4_1 GGUF: bfloat16 on a CPU)
-        compute, _ = compute_for_path(args.dtype, None, args.device, model) if model else (args.dtype, None)
+        quant = args.torchao_config or None
+        compute, _ = compute_for_path(args.dtype, quant, args.device, model) if model else (args.dtype, quant)
     except ModelLoadError as exc:
         parser.error(f"--model-path: {exc}")
-    if compute == "auto":  # the shape is given, no model to read
-        compute = "float32" if args.device == "cpu" else "bfloat16"
+    if compute == "auto":  # the shape is given, no model to read: the rule without a GGUF layout
+        compute = "bfloat16" if args.device != "cpu" or (quant or "").startswith("int4wo") else "float32"
     try:
         dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, compute)
     except ValueError as exc:

@@ -24,6 +24,18 @@ def test_bytes_per_token_of_the_tuning_guide_example(capsys):
     assert out["bytes_per_token"] == 114_688 and out["l1_bytes"] == 1000 * 114_688
 
 
+@pytest.mark.parametrize(
+    ("flags", "bytes_per_token"),
+    [([], 23_040), (["--dtype", "float32"], 46_080), (["--torchao-config", "int8wo"], 46_080),
+     (["--torchao-config", "int4wo-64"], 23_040)],
+)  # fmt: skip
+def test_smollm2_is_sized_in_the_dtype_its_worker_resolves(capsys, flags, bytes_per_token):
+    """--dtype auto as the worker resolves it: the Q4_1 GGUF in bfloat16, but float32 with an int8wo
+    --torchao-config (what a worker started with those flags reports at /get_model_info)."""
+    assert main(["--model-path", "smollm2", *flags, "--max-total-tokens", "100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_per_token"] == bytes_per_token
+
+
 def test_gpu_fraction_page_rounding_and_host_pool():
     # 80 GB free x 0.85 / 114,688 B = 592,912.9 tokens -> 592,896 in 64-token pages; L2 = 2 x L1 + 1 page.
     s = size_tiers(114_688, 64, mem_fraction_static=0.85, free_gpu_bytes=80 * 10**9,
