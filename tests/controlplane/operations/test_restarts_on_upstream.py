@@ -98,10 +98,10 @@ def test_flags_role_and_a_refused_flag_restart_an_upstream_worker(asgi_server, p
         assert asked.status_code == 202, asked.text
 
         def decode_everywhere():
-            now = api.get(f"/api/v1/inventory/workers/{row.pk}/").json()
-            if now["role"] != "decode" or now["desired_role"] or now["state"] != "online":
-                return None
-            try:
+            try:  # both reads are polled: an upstream worker starting saturates the 2 cores for seconds
+                now = api.get(f"/api/v1/inventory/workers/{row.pk}/").json()
+                if now["role"] != "decode" or now["desired_role"] or now["state"] != "online":
+                    return None
                 served = httpx.get(f"{url}/server_info", timeout=5).json()
             except httpx.HTTPError:
                 return None
