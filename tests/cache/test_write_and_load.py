@@ -269,14 +269,20 @@ def test_split_while_write_in_flight_backs_up_both_halves(make_cache, tmp_path):
     check_invariants(cache)
 
 
-def test_two_loads_merged_into_one_op_unlock_both_nodes(make_cache):
-    cache = make_cache(device_tokens=64)
+def _two_prompts_in_l2_only(cache) -> tuple[list[int], list[int]]:
+    """Two 16-token prompts written through to L2 and evicted from L1, whose free slots are scribbled."""
     a, b = T, list(range(100, 116))
     prefill(cache, a)
     prefill(cache, b)
     cache.drain_io()
     cache.evict(32)
     scribble_free_device_slots(cache)
+    return a, b
+
+
+def test_two_loads_merged_into_one_op_unlock_both_nodes(make_cache):
+    cache = make_cache(device_tokens=64)
+    a, b = _two_prompts_in_l2_only(cache)
     ma, mb = cache.match_prefix(a), cache.match_prefix(b)
     dev_a, last_a = cache.init_load_back(ma.last_host_node)
     dev_b, last_b = cache.init_load_back(mb.last_host_node)
@@ -298,12 +304,7 @@ def test_wait_layer_copies_what_the_load_thread_has_not_started_older_loads_firs
     an earlier unacknowledged load entirely before the latest one's layers; the load thread then finds
     nothing left, acks both and times the copies it did not do."""
     cache = make_cache(device_tokens=64)
-    a, b = T, list(range(100, 116))
-    prefill(cache, a)
-    prefill(cache, b)
-    cache.drain_io()
-    cache.evict(32)
-    scribble_free_device_slots(cache)
+    a, b = _two_prompts_in_l2_only(cache)
     ctrl, io = cache.controller, cache.controller.io
     assert io.copy_on_wait
     gate = threading.Event()
